@@ -1,0 +1,300 @@
+"""The one TOML configuration, as frozen dataclasses validated once at start.
+
+Every role loads the same file (``--config`` / ``QOS_CONFIG``); deploy-time values come
+from environment overrides (``QOS_REDIS_URL``). A mistake raises :class:`ConfigError`
+naming the field by its path, e.g. ``classes[1].share: must be between 0 and 1``.
+With no file, :func:`demo_config` gives the documented demo deployment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from limiter.errors import ConfigError
+from limiter.keys import NAME_RE
+
+DEMO_KEYS = {"demo-p0": "P0", "demo-p1": "P1", "demo-p2": "P2"}
+DEMO_ADMIN_KEY = "demo-admin"
+
+
+def hash_key(key: str) -> str:
+    """Keys are stored in config as sha256 hex digests, never in clear."""
+    return hashlib.sha256(key.encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class ClassConfig:
+    """One priority class. Rates are shares of the pool's capacity (weighted tokens/s)."""
+
+    name: str
+    share: float  # guaranteed share of capacity: the class bucket's rate
+    ceil_share: float = 1.0  # share of capacity the class may reach by borrowing
+    floor: float = 0.0  # starvation floor: minimum share of served work when backlogged
+    weight: float = 1.0  # cost per input token
+    out_weight: float = 1.0  # cost per reserved/generated output token
+    burst_s: float = 0.5  # burst = burst_s seconds of rate
+    max_wait_ms: int = 30_000  # max queue wait before the request is expired (503)
+    admission_wait_ms: int = 0  # how long a frontend may wait for tokens before a 429
+    queue_cap: int = 10_000
+    slo_ttft_ms: float | None = None
+    slo_tpot_ms: float | None = None
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One model deployment; its keys share the hash tag ``{name}``."""
+
+    name: str
+    model: str = ""  # the OpenAI `model` name clients send; defaults to the pool name
+    context_tokens: int = 4096  # prompt + max_tokens may not exceed this
+    default_max_tokens: int = 256
+    capacity_tokens_s: float = 20_000.0  # initial capacity until the controller measures it
+    pool_burst_s: float = 0.5
+    lease_ms: int = 10_000
+    max_attempts: int = 3
+    frontend_ttl_ms: int = 15_000
+    floor_half_life_ms: int = 10_000
+    record_ttl_s: int = 300
+
+    @property
+    def model_name(self) -> str:
+        return self.model or self.name
+
+
+@dataclass(frozen=True)
+class TenantConfig:
+    name: str
+    key_sha256: tuple[str, ...] = ()
+    default_class: str = "P1"
+    max_class: str = "P1"  # the highest class this tenant's keys may use
+    rate_tokens_s: float = 1e9  # per pool, weighted tokens/s
+    burst_s: float = 1.0
+    max_inflight: int = 0  # 0 = no cap
+    admin: bool = False
+
+
+@dataclass(frozen=True)
+class RedisConfig:
+    url: str = "redis://127.0.0.1:6379/0"
+    cluster: bool = False
+
+
+@dataclass(frozen=True)
+class QosConfig:
+    redis: RedisConfig = field(default_factory=RedisConfig)
+    classes: tuple[ClassConfig, ...] = ()
+    pools: tuple[PoolConfig, ...] = ()
+    tenants: tuple[TenantConfig, ...] = ()
+    frontend: dict[str, Any] = field(default_factory=dict)
+    worker: dict[str, Any] = field(default_factory=dict)
+    controller: dict[str, Any] = field(default_factory=dict)
+    demo: bool = False
+
+    def pool(self, name: str) -> PoolConfig:
+        for p in self.pools:
+            if p.name == name:
+                return p
+        raise KeyError(name)
+
+    def class_names(self) -> list[str]:
+        return [c.name for c in self.classes]
+
+    def class_rank(self, name: str) -> int:
+        return self.class_names().index(name)
+
+
+# --- generic loading -----------------------------------------------------------------
+
+def _convert(path: str, tp: Any, value: Any) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(path, args[0], value)
+    if origin is tuple:
+        if not isinstance(value, list | tuple):
+            raise ConfigError(path, f"must be a list, got {type(value).__name__}")
+        (inner, _ellipsis) = typing.get_args(tp)
+        return tuple(_convert(f"{path}[{i}]", inner, v) for i, v in enumerate(value))
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(path, f"must be a table, got {type(value).__name__}")
+        return dict(value)
+    if dataclasses.is_dataclass(tp):
+        return _build(path, tp, value)
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(path, f"must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, got {value!r}")
+        return value
+    raise ConfigError(path, f"unsupported type {tp}")
+
+
+def _build(path: str, cls: type, data: Any) -> Any:
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or "<root>", f"must be a table, got {type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in names:
+            raise ConfigError(f"{path}.{key}" if path else key, "unknown field")
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        sub = f"{path}.{f.name}" if path else f.name
+        if f.name in data:
+            kwargs[f.name] = _convert(sub, hints[f.name], data[f.name])
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise ConfigError(sub, "is required")
+    return cls(**kwargs)
+
+
+def _check(ok: bool, path: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(path, message)
+
+
+def validate(cfg: QosConfig) -> QosConfig:
+    """Cross-field checks; returns ``cfg`` unchanged when it is valid."""
+    _check(cfg.redis.url.startswith(("redis://", "rediss://", "unix://")), "redis.url",
+           "must start with redis://, rediss:// or unix://")
+    _check(len(cfg.classes) > 0, "classes", "at least one class is required")
+    seen: set[str] = set()
+    shares = 0.0
+    floors = 0.0
+    for i, c in enumerate(cfg.classes):
+        p = f"classes[{i}]"
+        _check(bool(NAME_RE.fullmatch(c.name)), f"{p}.name", f"{c.name!r} is not a valid name")
+        _check(c.name not in seen, f"{p}.name", f"duplicate class {c.name!r}")
+        seen.add(c.name)
+        _check(0 <= c.share <= 1, f"{p}.share", "must be between 0 and 1")
+        _check(c.share <= c.ceil_share <= 1, f"{p}.ceil_share", "must be between share and 1")
+        _check(0 <= c.floor <= 1, f"{p}.floor", "must be between 0 and 1")
+        _check(c.weight >= 0 and c.out_weight >= 0, f"{p}.weight", "weights must be >= 0")
+        _check(0 < c.burst_s <= 3600, f"{p}.burst_s", "must be in (0, 3600]")
+        _check(1 <= c.max_wait_ms <= 86_400_000, f"{p}.max_wait_ms", "must be in [1, 86400000]")
+        _check(0 <= c.admission_wait_ms <= 60_000, f"{p}.admission_wait_ms", "must be in [0, 60000]")
+        _check(0 <= c.queue_cap <= 100_000_000, f"{p}.queue_cap", "must be in [0, 100000000]")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            v = getattr(c, name)
+            _check(v is None or v > 0, f"{p}.{name}", "must be > 0")
+        shares += c.share
+        floors += c.floor
+    _check(shares <= 1.0 + 1e-9, "classes", f"shares add up to {shares:.3f}, more than 1")
+    _check(floors <= 1.0 + 1e-9, "classes", f"floors add up to {floors:.3f}, more than 1")
+    _check(len(cfg.pools) > 0, "pools", "at least one pool is required")
+    pool_names: set[str] = set()
+    for i, pool in enumerate(cfg.pools):
+        p = f"pools[{i}]"
+        _check(bool(NAME_RE.fullmatch(pool.name)), f"{p}.name", f"{pool.name!r} is not a valid name")
+        _check(pool.name not in pool_names, f"{p}.name", f"duplicate pool {pool.name!r}")
+        pool_names.add(pool.name)
+        _check(16 <= pool.context_tokens <= 10_000_000, f"{p}.context_tokens", "must be in [16, 10000000]")
+        _check(1 <= pool.default_max_tokens <= pool.context_tokens, f"{p}.default_max_tokens",
+               "must be in [1, context_tokens]")
+        _check(0 < pool.capacity_tokens_s <= 1e12, f"{p}.capacity_tokens_s", "must be in (0, 1e12]")
+        _check(0 < pool.pool_burst_s <= 3600, f"{p}.pool_burst_s", "must be in (0, 3600]")
+        _check(100 <= pool.lease_ms <= 3_600_000, f"{p}.lease_ms", "must be in [100, 3600000]")
+        _check(1 <= pool.max_attempts <= 100, f"{p}.max_attempts", "must be in [1, 100]")
+        _check(100 <= pool.frontend_ttl_ms <= 3_600_000, f"{p}.frontend_ttl_ms", "must be in [100, 3600000]")
+        _check(1 <= pool.floor_half_life_ms <= 86_400_000, f"{p}.floor_half_life_ms", "out of range")
+        _check(1 <= pool.record_ttl_s <= 604_800, f"{p}.record_ttl_s", "must be in [1, 604800]")
+    tenant_names: set[str] = set()
+    all_keys: set[str] = set()
+    for i, t in enumerate(cfg.tenants):
+        p = f"tenants[{i}]"
+        _check(bool(NAME_RE.fullmatch(t.name)), f"{p}.name", f"{t.name!r} is not a valid name")
+        _check(t.name not in tenant_names, f"{p}.name", f"duplicate tenant {t.name!r}")
+        tenant_names.add(t.name)
+        _check(t.default_class in seen, f"{p}.default_class", f"unknown class {t.default_class!r}")
+        _check(t.max_class in seen, f"{p}.max_class", f"unknown class {t.max_class!r}")
+        _check(cfg.class_rank(t.default_class) >= cfg.class_rank(t.max_class), f"{p}.default_class",
+               f"{t.default_class} is above the tenant's max_class {t.max_class}")
+        _check(0 < t.rate_tokens_s <= 1e12, f"{p}.rate_tokens_s", "must be in (0, 1e12]")
+        _check(0 < t.burst_s <= 3600, f"{p}.burst_s", "must be in (0, 3600]")
+        _check(0 <= t.max_inflight <= 1_000_000, f"{p}.max_inflight", "must be in [0, 1000000]")
+        for j, k in enumerate(t.key_sha256):
+            kp = f"{p}.key_sha256[{j}]"
+            _check(len(k) == 64 and all(ch in "0123456789abcdef" for ch in k), kp,
+                   "must be a lowercase sha256 hex digest (64 chars); run `qos config hash-key KEY`")
+            _check(k not in all_keys, kp, "the same key is configured twice")
+            all_keys.add(k)
+    return cfg
+
+
+def parse(data: Mapping[str, Any]) -> QosConfig:
+    """Build and validate a config from a parsed TOML document."""
+    return validate(_build("", QosConfig, data))
+
+
+def apply_env(cfg: QosConfig, env: Mapping[str, str]) -> QosConfig:
+    """Deploy-time overrides: QOS_REDIS_URL, QOS_REDIS_CLUSTER (1/0)."""
+    redis_cfg = cfg.redis
+    if url := env.get("QOS_REDIS_URL"):
+        redis_cfg = dataclasses.replace(redis_cfg, url=url)
+    if (cl := env.get("QOS_REDIS_CLUSTER")) is not None:
+        if cl not in ("0", "1"):
+            raise ConfigError("QOS_REDIS_CLUSTER", f"must be 0 or 1, got {cl!r}")
+        redis_cfg = dataclasses.replace(redis_cfg, cluster=cl == "1")
+    return validate(dataclasses.replace(cfg, redis=redis_cfg))
+
+
+def load(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> QosConfig:
+    """Load the config file (or the demo config when no path is given), then env overrides."""
+    env = os.environ if env is None else env
+    path = path or env.get("QOS_CONFIG") or None
+    if path is None:
+        cfg = demo_config()
+    else:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(str(path), "file not found") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(str(path), f"invalid TOML: {exc}") from exc
+        cfg = parse(data)
+    return apply_env(cfg, env)
+
+
+DEFAULT_CLASSES = (
+    ClassConfig(name="P0", share=0.60, ceil_share=1.0, floor=0.0, max_wait_ms=2_000,
+                admission_wait_ms=200, slo_ttft_ms=500, slo_tpot_ms=50),
+    ClassConfig(name="P1", share=0.35, ceil_share=1.0, floor=0.30, max_wait_ms=10_000,
+                admission_wait_ms=500, slo_ttft_ms=2_000, slo_tpot_ms=150),
+    ClassConfig(name="P2", share=0.05, ceil_share=1.0, floor=0.05, max_wait_ms=60_000,
+                admission_wait_ms=1_000),
+)
+
+
+def demo_config() -> QosConfig:
+    """The documented demo deployment: one pool 'tiny', keys demo-p0/p1/p2 and demo-admin."""
+    tenants = [
+        TenantConfig(name=f"demo-{cls.lower()}", key_sha256=(hash_key(key),), default_class=cls,
+                     max_class=cls, rate_tokens_s=1e9)
+        for key, cls in DEMO_KEYS.items()
+    ]
+    tenants.append(TenantConfig(name="demo-admin", key_sha256=(hash_key(DEMO_ADMIN_KEY),),
+                                default_class="P0", max_class="P0", admin=True))
+    return validate(QosConfig(classes=DEFAULT_CLASSES, pools=(PoolConfig(name="tiny"),),
+                              tenants=tuple(tenants), demo=True))

@@ -1,0 +1,180 @@
+"""Every Redis key the system uses is built here, and nowhere else.
+
+All keys of one pool share the hash tag ``{pool}`` so that every Lua script touches a
+single slot and runs unchanged on Redis Cluster, while different pools spread over
+shards. Per-entity keys (one request, one tenant's bucket, one frontend's reply stream)
+are derived inside scripts from the ``*_prefix`` keys below, which carry the same tag.
+
+The layout is part of the operator interface (``redis-cli`` answers "how deep is each
+queue, what are the rates, how full are the buckets"); README.md documents it.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from limiter.errors import InvalidName
+
+# Names that become part of a key: pools, classes, tenants, workers, frontends,
+# request ids. No braces (hash tags), colons (key separators), spaces or globs.
+NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+ROOT = "qos"
+
+
+def check_name(kind: str, value: object) -> str:
+    """Return ``value`` if it is a safe key component, else raise :class:`InvalidName`."""
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value):
+        raise InvalidName(
+            kind, f"{kind} name {value!r} must match {NAME_RE.pattern} (letters, digits, '_', '.', '-')"
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class PoolKeys:
+    """Key names for one pool (one model deployment)."""
+
+    pool: str
+
+    def __post_init__(self) -> None:
+        check_name("pool", self.pool)
+
+    @property
+    def base(self) -> str:
+        return f"{ROOT}:{{{self.pool}}}:"
+
+    # --- fixed keys -----------------------------------------------------------------
+    @property
+    def policy(self) -> str:
+        """HASH: class order, per-class rate/burst/ceil/weights/caps, capacity, version."""
+        return self.base + "policy"
+
+    @property
+    def pool_bucket(self) -> str:
+        """HASH tokens, ts: the pool-level bucket that classes borrow from."""
+        return self.base + "bucket:pool"
+
+    @property
+    def deadlines(self) -> str:
+        """ZSET request id -> max-queue-wait deadline (ms) of queued requests."""
+        return self.base + "deadlines"
+
+    @property
+    def leases(self) -> str:
+        """ZSET request id -> lease deadline (ms) of claimed requests."""
+        return self.base + "leases"
+
+    @property
+    def cancels(self) -> str:
+        """SET of leased request ids whose client went away; workers stop them."""
+        return self.base + "cancels"
+
+    @property
+    def served(self) -> str:
+        """HASH class -> decayed served cost, plus ts: the starvation-floor ledger."""
+        return self.base + "served"
+
+    @property
+    def wake(self) -> str:
+        """LIST of wake-up markers that idle workers BLPOP on."""
+        return self.base + "wake"
+
+    @property
+    def inflight(self) -> str:
+        """HASH class -> number of leased requests."""
+        return self.base + "inflight"
+
+    @property
+    def tenant_inflight(self) -> str:
+        """HASH tenant -> number of admitted, unfinished requests."""
+        return self.base + "tenant_inflight"
+
+    @property
+    def stats(self) -> str:
+        """HASH of counters ``<class>.<event>`` (admitted, throttled, expired, ...)."""
+        return self.base + "stats"
+
+    @property
+    def samples(self) -> str:
+        """STREAM of msgpack latency samples, one per finished request."""
+        return self.base + "samples"
+
+    @property
+    def decisions(self) -> str:
+        """STREAM of controller decisions (JSON), for ``XRANGE``."""
+        return self.base + "decisions"
+
+    @property
+    def leader(self) -> str:
+        """STRING ``<controller id>:<fence>`` with a PX lease: the active controller."""
+        return self.base + "leader"
+
+    @property
+    def fence(self) -> str:
+        """STRING counter: fencing token, incremented on each new leadership."""
+        return self.base + "fence"
+
+    @property
+    def frontends(self) -> str:
+        """ZSET frontend id -> last heartbeat (ms)."""
+        return self.base + "frontends"
+
+    @property
+    def workers(self) -> str:
+        """ZSET worker id -> last heartbeat (ms)."""
+        return self.base + "workers"
+
+    # --- prefixes for per-entity keys (scripts append a validated name) --------------
+    @property
+    def request_prefix(self) -> str:
+        return self.base + "req:"
+
+    @property
+    def tokens_prefix(self) -> str:
+        return self.base + "gen:"
+
+    @property
+    def bucket_prefix(self) -> str:
+        return self.base + "bucket:"
+
+    @property
+    def queue_prefix(self) -> str:
+        return self.base + "queue:"
+
+    @property
+    def reply_prefix(self) -> str:
+        return self.base + "out:"
+
+    # --- per-entity keys ----------------------------------------------------------------
+    def request(self, request_id: str) -> str:
+        """HASH: one request's record (state, class, tenant, costs, lease, timings)."""
+        return self.request_prefix + check_name("request id", request_id)
+
+    def tokens(self, request_id: str) -> str:
+        """STRING: generated token ids, uint32 little-endian, for resuming a stream."""
+        return self.tokens_prefix + check_name("request id", request_id)
+
+    def queue(self, cls: str) -> str:
+        """ZSET request id -> original enqueue time (ms): one class's FIFO queue."""
+        return self.queue_prefix + check_name("class", cls)
+
+    def class_bucket(self, cls: str) -> str:
+        """HASH tokens, ceil_tokens, ts: a class's guarantee bucket and ceiling bucket."""
+        return self.bucket_prefix + "class:" + check_name("class", cls)
+
+    def tenant_bucket(self, tenant: str) -> str:
+        """HASH tokens, ts: a tenant's bucket in this pool."""
+        return self.bucket_prefix + "tenant:" + check_name("tenant", tenant)
+
+    def reply(self, frontend_id: str) -> str:
+        """STREAM: token deltas and final results for one frontend process."""
+        return self.reply_prefix + check_name("frontend", frontend_id)
+
+    def worker(self, worker_id: str) -> str:
+        """HASH: one worker's live stats (batch size, tokens/s, KV use), with a TTL."""
+        return self.base + "worker:" + check_name("worker", worker_id)
+
+    def pattern(self) -> str:
+        """SCAN pattern matching every key of this pool."""
+        return f"{ROOT}:{{{self.pool}}}:*"

@@ -1,0 +1,31 @@
+"""Opening Redis: one client per process (a connection pool of O(1) size), standalone or
+Cluster, with TLS via ``rediss://`` and credentials from the URL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from limiter.config import RedisConfig
+
+
+def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses: bool = False) -> Any:
+    """Build an async client; nothing connects until the first command.
+
+    Retries with backoff ride out a short outage (e.g. a Redis restart); callers map what
+    still fails to 503 / RedisUnavailable.
+    """
+    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3)
+    common: dict[str, Any] = {
+        "decode_responses": decode_responses,
+        "retry": retry,
+        "socket_connect_timeout": 2.0,
+        "health_check_interval": 15,
+    }
+    if cfg.cluster:
+        return RedisCluster.from_url(cfg.url, max_connections=max_connections, **common)
+    return aioredis.from_url(cfg.url, max_connections=max_connections, socket_keepalive=True, **common)

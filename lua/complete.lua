@@ -1,0 +1,80 @@
+-- complete: a worker finishes a request (ok, failed or cancelled) with its true usage.
+-- Delivers the last tokens, refunds the unused reservation (never more than was
+-- charged, each bucket at most its own charge), sends the final message to the client's
+-- frontend, appends the worker's latency sample, and gives the record a short TTL.
+--
+-- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- ARGV[1]  request_id     name
+-- ARGV[2]  worker_id      name
+-- ARGV[3]  attempt        integer >= 1
+-- ARGV[4]  outcome        ok | failed | cancelled
+-- ARGV[5]  usage_in       integer >= 0: prompt tokens the engine really processed
+-- ARGV[6]  count          integer >= 0: tokens in this last batch
+-- ARGV[7]  token_ids      count x uint32 little-endian
+-- ARGV[8]  text           the last batch's text
+-- ARGV[9]  finish_reason  stop | length | cancelled | error
+-- ARGV[10] message        error message for outcome failed ('' otherwise)
+-- ARGV[11] sample         msgpack latency sample ('' = none), appended to the samples stream
+--
+-- usage_out = tokens delivered before + count. Returns {'ok', refunded} or
+-- {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
+
+--!include validate.lua
+--!include policy.lua
+--!include bucket.lua
+--!include pool_keys.lua
+--!include request.lua
+
+local function main()
+  local request_id = arg_name(ARGV[1], 'request_id')
+  local worker_id = arg_name(ARGV[2], 'worker_id')
+  local attempt = arg_int(ARGV[3], 'attempt', 1, 1000000)
+  local outcome = arg_oneof(ARGV[4], 'outcome', {'ok', 'failed', 'cancelled'})
+  local usage_in = arg_int(ARGV[5], 'usage_in', 0, 10000000)
+  local count = arg_int(ARGV[6], 'count', 0, 1000000)
+  local token_ids = ARGV[7]
+  if token_ids == nil or #token_ids ~= 4 * count then
+    fail('BADARG', 'token_ids: expected ' .. (4 * count) .. ' bytes (count x uint32)')
+  end
+  local text = ARGV[8]
+  if text == nil or #text > 4194304 then fail('BADARG', 'text: missing or over 4 MiB') end
+  local finish_reason = arg_oneof(ARGV[9], 'finish_reason', {'stop', 'length', 'cancelled', 'error'})
+  local message = ARGV[10]
+  if message == nil or #message > 4096 then fail('BADARG', 'message: missing or over 4 KiB') end
+  local sample = ARGV[11]
+  if sample == nil or #sample > 65536 then fail('BADARG', 'sample: missing or over 64 KiB') end
+  local p = load_policy(K_POLICY)
+  local r = load_request(request_id)
+  if r == nil or r.state ~= 'leased' or r.worker ~= worker_id or r.attempts ~= attempt then
+    return {'lost', 'request is not leased to this worker at this attempt'}
+  end
+  local offset = r.out_tokens or 0
+  local usage_out = offset + count
+  if usage_out > r.max_tokens then
+    fail('BADARG', 'count: ' .. usage_out .. ' tokens exceed max_tokens ' .. r.max_tokens)
+  end
+  local now = now_ms()
+  if count > 0 then
+    redis.call('APPEND', P_TOKENS .. request_id, token_ids)
+    redis.call('HSET', P_REQUEST .. request_id, 'out_tokens', usage_out)
+    if r.first_ms == nil then redis.call('HSET', P_REQUEST .. request_id, 'first_ms', now) end
+  end
+  r.out_tokens = usage_out
+  local state = ({ok = 'done', failed = 'failed', cancelled = 'cancelled'})[outcome]
+  local reason = message ~= '' and message or finish_reason
+  local refunded = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now)
+  redis.call('HSET', P_REQUEST .. request_id, 'usage_in', usage_in, 'usage_out', usage_out,
+    'finish_reason', finish_reason)
+  if outcome == 'ok' then
+    notify(r, {'k', 'done', 'a', attempt, 'o', offset, 'n', count, 't', text,
+      'fin', finish_reason, 'in', usage_in, 'out', usage_out})
+  elseif outcome == 'failed' then
+    notify(r, {'k', 'err', 'code', 'failed', 'msg', reason})
+  end
+  if sample ~= '' then
+    redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', sample)
+  end
+  return {'ok', fmt(refunded)}
+end
+
+--!include main.lua

@@ -1,0 +1,6 @@
+-- Runs main() and turns a raised {err = 'CODE message'} into a plain error reply.
+-- Every validation happens before the first write, so an error reply means no change.
+local ok, res = pcall(main)
+if ok then return res end
+local m = type(res) == 'table' and res.err or tostring(res)
+return redis.error_reply(string.match(m, '(%u%u+ .*)$') or m)

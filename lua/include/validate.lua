@@ -1,0 +1,56 @@
+-- Shared helpers: argument validation, time and number formatting.
+-- Validation raises an error reply before any write, so a bad argument changes nothing.
+
+local function fail(code, msg)
+  error({err = code .. ' ' .. msg})
+end
+
+local function arg_num(v, field, lo, hi)
+  local n = tonumber(v)
+  if n == nil or n ~= n or n == math.huge or n == -math.huge then
+    fail('BADARG', field .. ': not a number: ' .. tostring(v))
+  end
+  if (lo ~= nil and n < lo) or (hi ~= nil and n > hi) then
+    fail('BADARG', field .. ': ' .. tostring(v) .. ' is outside [' .. tostring(lo) .. ', ' .. tostring(hi) .. ']')
+  end
+  return n
+end
+
+local function arg_int(v, field, lo, hi)
+  local n = arg_num(v, field, lo, hi)
+  if n ~= math.floor(n) then
+    fail('BADARG', field .. ': not an integer: ' .. tostring(v))
+  end
+  return n
+end
+
+-- Names become parts of keys: no braces, colons, spaces or globs.
+local function arg_name(v, field)
+  if type(v) ~= 'string' or #v < 1 or #v > 64 or not string.match(v, '^[%w_%.%-]+$') then
+    fail('BADARG', field .. ': invalid name: ' .. tostring(v))
+  end
+  return v
+end
+
+local function arg_oneof(v, field, allowed)
+  for _, a in ipairs(allowed) do
+    if v == a then return v end
+  end
+  fail('BADARG', field .. ': must be one of ' .. table.concat(allowed, '|') .. ', got ' .. tostring(v))
+end
+
+-- Milliseconds since the epoch from the Redis server clock (never the client's).
+local function now_ms()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end
+
+-- Full precision: Lua's tostring keeps only 14 digits, which would lose fractional tokens.
+local function fmt(x)
+  if x == math.floor(x) and math.abs(x) < 1e15 then
+    return string.format('%d', x)
+  end
+  local short = string.format('%.15g', x)
+  if tonumber(short) == x then return short end
+  return string.format('%.17g', x)
+end

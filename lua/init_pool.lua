@@ -1,0 +1,76 @@
+-- init_pool: write a pool's policy from the configuration. Static fields (class order,
+-- weights, caps, max waits, floors, lease and retry settings) are always overwritten;
+-- the controller-owned fields (rate, burst, ceil, ceil_burst per class; capacity,
+-- pool_burst) are only set where absent, unless mode is reset_rates.
+--
+-- KEYS[1] policy   HASH qos:{pool}:policy
+-- ARGV[1] policy   JSON: {pool, capacity, pool_burst, lease_ms, max_attempts,
+--                  frontend_ttl_ms, floor_half_life_ms, record_ttl_s,
+--                  classes: [{name, rate, burst, ceil, ceil_burst, weight, out_weight,
+--                  queue_cap, max_wait_ms, floor}, ...] highest priority first}
+--                  rates in weighted tokens/s, bursts in weighted tokens, times in ms
+-- ARGV[2] mode     keep_rates | reset_rates
+--
+-- Returns the policy version. Errors: 'BADARG <field>: ...'.
+
+--!include validate.lua
+
+local K_POLICY = KEYS[1]
+
+local function main()
+  local ok, doc = pcall(cjson.decode, ARGV[1] or '')
+  if not ok or type(doc) ~= 'table' then fail('BADARG', 'policy: not a JSON object') end
+  local mode = arg_oneof(ARGV[2], 'mode', {'keep_rates', 'reset_rates'})
+  local pool = arg_name(doc.pool, 'policy.pool')
+  local static = {'pool', pool}
+  local rates = {}
+  local function put(t, f, v) t[#t + 1] = f; t[#t + 1] = fmt(v) end
+  put(rates, 'capacity', arg_num(doc.capacity, 'policy.capacity', 0, 1e12))
+  put(rates, 'pool_burst', arg_num(doc.pool_burst, 'policy.pool_burst', 0, 1e15))
+  put(static, 'lease_ms', arg_int(doc.lease_ms, 'policy.lease_ms', 100, 3600000))
+  put(static, 'max_attempts', arg_int(doc.max_attempts, 'policy.max_attempts', 1, 100))
+  put(static, 'frontend_ttl_ms', arg_int(doc.frontend_ttl_ms, 'policy.frontend_ttl_ms', 100, 3600000))
+  put(static, 'floor_half_life_ms', arg_int(doc.floor_half_life_ms, 'policy.floor_half_life_ms', 1, 86400000))
+  put(static, 'record_ttl_s', arg_int(doc.record_ttl_s, 'policy.record_ttl_s', 1, 604800))
+  if type(doc.classes) ~= 'table' or #doc.classes < 1 or #doc.classes > 16 then
+    fail('BADARG', 'policy.classes: 1 to 16 classes expected')
+  end
+  local names, floors = {}, 0
+  for i, c in ipairs(doc.classes) do
+    local f = 'policy.classes[' .. i .. ']'
+    if type(c) ~= 'table' then fail('BADARG', f .. ': not an object') end
+    local n = arg_name(c.name, f .. '.name')
+    for _, seen in ipairs(names) do
+      if seen == n then fail('BADARG', f .. '.name: duplicate class ' .. n) end
+    end
+    names[#names + 1] = n
+    local rate = arg_num(c.rate, f .. '.rate', 0, 1e12)
+    local ceil = arg_num(c.ceil, f .. '.ceil', 0, 1e12)
+    if ceil < rate then fail('BADARG', f .. '.ceil: below rate') end
+    put(rates, n .. '.rate', rate)
+    put(rates, n .. '.burst', arg_num(c.burst, f .. '.burst', 0, 1e15))
+    put(rates, n .. '.ceil', ceil)
+    put(rates, n .. '.ceil_burst', arg_num(c.ceil_burst, f .. '.ceil_burst', 0, 1e15))
+    put(static, n .. '.weight', arg_num(c.weight, f .. '.weight', 0, 1e6))
+    put(static, n .. '.out_weight', arg_num(c.out_weight, f .. '.out_weight', 0, 1e6))
+    put(static, n .. '.queue_cap', arg_int(c.queue_cap, f .. '.queue_cap', 0, 100000000))
+    put(static, n .. '.max_wait_ms', arg_int(c.max_wait_ms, f .. '.max_wait_ms', 1, 86400000))
+    local floor = arg_num(c.floor, f .. '.floor', 0, 1)
+    floors = floors + floor
+    put(static, n .. '.floor', floor)
+  end
+  if floors > 1 then fail('BADARG', 'policy.classes: floors add up to more than 1') end
+  static[#static + 1] = 'classes'
+  static[#static + 1] = table.concat(names, ',')
+
+  redis.call('HSET', K_POLICY, unpack(static))
+  if mode == 'reset_rates' then
+    redis.call('HSET', K_POLICY, unpack(rates))
+  else
+    for i = 1, #rates, 2 do redis.call('HSETNX', K_POLICY, rates[i], rates[i + 1]) end
+  end
+  redis.call('HSETNX', K_POLICY, 'version', 0)
+  return tonumber(redis.call('HGET', K_POLICY, 'version'))
+end
+
+--!include main.lua

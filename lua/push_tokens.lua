@@ -1,0 +1,61 @@
+-- push_tokens: a worker delivers a batch of generated tokens for one request. The tokens
+-- are appended to the request's record (so another worker can resume the stream) and
+-- the text goes to the request's frontend reply stream. Fenced by worker and attempt:
+-- a worker whose lease was taken over cannot write. Also extends the lease.
+--
+-- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- ARGV[1] request_id  name
+-- ARGV[2] worker_id   name
+-- ARGV[3] attempt     integer >= 1 (from claim)
+-- ARGV[4] offset      integer >= 0: tokens delivered before this batch (must match)
+-- ARGV[5] count       integer >= 1: tokens in this batch
+-- ARGV[6] token_ids   count x uint32 little-endian
+-- ARGV[7] text        the batch's decoded text (UTF-8, may be empty)
+-- ARGV[8] lease_ms    integer >= 0, 0 = the pool's lease_ms
+--
+-- Returns {'ok', cancel(0|1)} or {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
+
+--!include validate.lua
+--!include policy.lua
+--!include bucket.lua
+--!include pool_keys.lua
+--!include request.lua
+
+local function main()
+  local request_id = arg_name(ARGV[1], 'request_id')
+  local worker_id = arg_name(ARGV[2], 'worker_id')
+  local attempt = arg_int(ARGV[3], 'attempt', 1, 1000000)
+  local offset = arg_int(ARGV[4], 'offset', 0, 10000000)
+  local count = arg_int(ARGV[5], 'count', 1, 1000000)
+  local token_ids = ARGV[6]
+  if token_ids == nil or #token_ids ~= 4 * count then
+    fail('BADARG', 'token_ids: expected ' .. (4 * count) .. ' bytes (count x uint32)')
+  end
+  local text = ARGV[7]
+  if text == nil or #text > 4194304 then fail('BADARG', 'text: missing or over 4 MiB') end
+  local lease_ms = arg_int(ARGV[8], 'lease_ms', 0, 3600000)
+  local p = load_policy(K_POLICY)
+  if lease_ms == 0 then lease_ms = p.lease_ms end
+  local r = load_request(request_id)
+  if r == nil or r.state ~= 'leased' or r.worker ~= worker_id or r.attempts ~= attempt then
+    return {'lost', 'request is not leased to this worker at this attempt'}
+  end
+  if offset ~= r.out_tokens then
+    fail('BADARG', 'offset: ' .. offset .. ' but ' .. r.out_tokens .. ' tokens were delivered')
+  end
+  if offset + count > r.max_tokens then
+    fail('BADARG', 'count: ' .. (offset + count) .. ' tokens exceed max_tokens ' .. r.max_tokens)
+  end
+  local now = now_ms()
+  local key = P_REQUEST .. request_id
+  redis.call('APPEND', P_TOKENS .. request_id, token_ids)
+  redis.call('EXPIRE', P_TOKENS .. request_id, 86400)
+  redis.call('HINCRBY', key, 'out_tokens', count)
+  redis.call('HSET', key, 'lease_ms', now + lease_ms)
+  if r.first_ms == nil then redis.call('HSET', key, 'first_ms', now) end
+  redis.call('ZADD', K_LEASES, now + lease_ms, request_id)
+  notify(r, {'k', 'tok', 'a', attempt, 'o', offset, 'n', count, 't', text})
+  return {'ok', r.cancel or 0}
+end
+
+--!include main.lua

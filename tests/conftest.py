@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import shutil
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+import redis.asyncio as aioredis
+
+from limiter.config import demo_config
+from limiter.keys import PoolKeys
+from limiter.scripts import Scripts, policy_document
+from tests.redis_server import RedisClusterServers, RedisServer
+
+if shutil.which("redis-server") is None:  # pragma: no cover - CI installs it
+    raise RuntimeError("redis-server is required for the test suite")
+
+
+@pytest.fixture(scope="session")
+def redis_server() -> Iterator[RedisServer]:
+    server = RedisServer().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisClusterServers]:
+    cluster = RedisClusterServers().start()
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def sync_redis(redis_server: RedisServer):
+    client = redis_server.client()
+    client.flushall()
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def aredis(redis_server: RedisServer, sync_redis) -> AsyncIterator[aioredis.Redis]:
+    client = aioredis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+@pytest.fixture
+async def scripts(aredis) -> Scripts:
+    return Scripts(aredis)
+
+
+@pytest.fixture
+def cfg():
+    return demo_config()
+
+
+@pytest.fixture
+async def pool(scripts: Scripts, cfg) -> PoolKeys:
+    """The demo pool 'tiny', initialised, with a live frontend 'fe1'."""
+    keys = PoolKeys("tiny")
+    await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
+    await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})  # alive until 2100
+    return keys
