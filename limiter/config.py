@@ -64,6 +64,7 @@ class PoolConfig:
     frontend_ttl_ms: int = 15_000
     floor_half_life_ms: int = 10_000
     record_ttl_s: int = 300
+    floor_quantum_tokens: float = 2048.0  # how far below its floor a class must fall to jump ahead
 
     @property
     def model_name(self) -> str:
@@ -131,7 +132,7 @@ def _convert(path: str, tp: Any, value: Any) -> Any:
             raise ConfigError(path, f"must be a table, got {type(value).__name__}")
         return dict(value)
     if dataclasses.is_dataclass(tp):
-        return _build(path, tp, value)
+        return build_section(path, tp, value)
     if tp is bool:
         if not isinstance(value, bool):
             raise ConfigError(path, f"must be true or false, got {value!r}")
@@ -151,7 +152,10 @@ def _convert(path: str, tp: Any, value: Any) -> Any:
     raise ConfigError(path, f"unsupported type {tp}")
 
 
-def _build(path: str, cls: type, data: Any) -> Any:
+def build_section(path: str, cls: type, data: Any) -> Any:
+    """Build dataclass ``cls`` from a TOML table, naming ``path.field`` in any error.
+
+    Roles use it for their own sections (``[frontend]``, ``[worker]``, ``[controller]``)."""
     if not isinstance(data, Mapping):
         raise ConfigError(path or "<root>", f"must be a table, got {type(data).__name__}")
     hints = typing.get_type_hints(cls)
@@ -219,6 +223,7 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(100 <= pool.frontend_ttl_ms <= 3_600_000, f"{p}.frontend_ttl_ms", "must be in [100, 3600000]")
         _check(1 <= pool.floor_half_life_ms <= 86_400_000, f"{p}.floor_half_life_ms", "out of range")
         _check(1 <= pool.record_ttl_s <= 604_800, f"{p}.record_ttl_s", "must be in [1, 604800]")
+        _check(0 <= pool.floor_quantum_tokens <= 1e12, f"{p}.floor_quantum_tokens", "must be in [0, 1e12]")
     tenant_names: set[str] = set()
     all_keys: set[str] = set()
     for i, t in enumerate(cfg.tenants):
@@ -244,7 +249,7 @@ def validate(cfg: QosConfig) -> QosConfig:
 
 def parse(data: Mapping[str, Any]) -> QosConfig:
     """Build and validate a config from a parsed TOML document."""
-    return validate(_build("", QosConfig, data))
+    return validate(build_section("", QosConfig, data))
 
 
 def apply_env(cfg: QosConfig, env: Mapping[str, str]) -> QosConfig:

@@ -116,6 +116,11 @@ class PoolKeys:
         return self.base + "fence"
 
     @property
+    def compliance(self) -> str:
+        """HASH class -> SLO compliance (0..1) and ``capacity``, written by the controller."""
+        return self.base + "compliance"
+
+    @property
     def frontends(self) -> str:
         """ZSET frontend id -> last heartbeat (ms)."""
         return self.base + "frontends"

@@ -13,11 +13,14 @@ from redis.retry import Retry
 from limiter.config import RedisConfig
 
 
-def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses: bool = False) -> Any:
+def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses: bool = False,
+               pool_wait_s: float | None = None) -> Any:
     """Build an async client; nothing connects until the first command.
 
     Retries with backoff ride out a short outage (e.g. a Redis restart); callers map what
-    still fails to 503 / RedisUnavailable.
+    still fails to 503 / RedisUnavailable. With ``pool_wait_s`` (standalone Redis only) a
+    command that finds all ``max_connections`` busy waits up to that long for one instead
+    of failing at once: a server with many concurrent requests keeps O(1) connections.
     """
     retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3)
     common: dict[str, Any] = {
@@ -28,4 +31,8 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
     }
     if cfg.cluster:
         return RedisCluster.from_url(cfg.url, max_connections=max_connections, **common)
+    if pool_wait_s is not None:
+        pool = aioredis.BlockingConnectionPool.from_url(
+            cfg.url, max_connections=max_connections, timeout=pool_wait_s, socket_keepalive=True, **common)
+        return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
     return aioredis.from_url(cfg.url, max_connections=max_connections, socket_keepalive=True, **common)

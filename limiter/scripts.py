@@ -84,7 +84,8 @@ def policy_document(cfg: QosConfig, pool: PoolConfig, capacity: float | None = N
         "pool": pool.name, "capacity": cap, "pool_burst": cap * pool.pool_burst_s,
         "lease_ms": pool.lease_ms, "max_attempts": pool.max_attempts,
         "frontend_ttl_ms": pool.frontend_ttl_ms, "floor_half_life_ms": pool.floor_half_life_ms,
-        "record_ttl_s": pool.record_ttl_s, "classes": classes,
+        "record_ttl_s": pool.record_ttl_s, "floor_quantum": pool.floor_quantum_tokens,
+        "classes": classes,
     }
 
 
@@ -271,7 +272,7 @@ def _raise(exc: Exception) -> Any:
 def _map_error(message: str) -> Exception:
     code, _, rest = message.partition(" ")
     if code == "BADARG":
-        field, _, why = rest.partition(":")
+        field = rest.partition(":")[0]
         return InvalidArgument(field.strip(), rest)
     if code == "NOPOLICY":
         m = re.search(r"\{([^}]*)\}", rest)

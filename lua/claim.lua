@@ -11,8 +11,8 @@
 -- ARGV[4] lease_ms       integer >= 0, 0 = the pool's lease_ms
 --
 -- Floors: served cost per class decays with half-life floor_half_life_ms; a backlogged
--- class whose share of the decayed total is below its floor is served first (largest
--- deficit first), otherwise the highest backlogged class is.
+-- class whose served cost is below floor x the decayed total by more than floor_quantum
+-- is served first (largest deficit first), otherwise the highest backlogged class is.
 --
 -- Returns {now_ms, {entry}, ...}; entry = {id, class, tenant, attempt, payload, enq_ms,
 --   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms}
@@ -52,6 +52,9 @@ local function main()
   local backlog = {}
   for _, cls in ipairs(p.classes) do backlog[cls] = redis.call('ZCARD', P_QUEUE .. cls) end
 
+  -- A class must be short by more than one quantum before its floor overrides priority,
+  -- so light traffic sees strict priority and floors act only on a real backlog.
+  local quantum = p.floor_quantum or 0
   local out = {now}
   local budget = token_budget
   local guard = 0
@@ -62,7 +65,7 @@ local function main()
       local floor = p.class[cls].floor or 0
       if backlog[cls] > 0 and floor > 0 then
         local deficit = floor * total - served[cls]
-        if deficit > best then pick, best = cls, deficit end
+        if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
     if pick == nil then

@@ -5,7 +5,7 @@
 --
 -- KEYS[1] policy   HASH qos:{pool}:policy
 -- ARGV[1] policy   JSON: {pool, capacity, pool_burst, lease_ms, max_attempts,
---                  frontend_ttl_ms, floor_half_life_ms, record_ttl_s,
+--                  frontend_ttl_ms, floor_half_life_ms, record_ttl_s, floor_quantum,
 --                  classes: [{name, rate, burst, ceil, ceil_burst, weight, out_weight,
 --                  queue_cap, max_wait_ms, floor}, ...] highest priority first}
 --                  rates in weighted tokens/s, bursts in weighted tokens, times in ms
@@ -32,6 +32,7 @@ local function main()
   put(static, 'frontend_ttl_ms', arg_int(doc.frontend_ttl_ms, 'policy.frontend_ttl_ms', 100, 3600000))
   put(static, 'floor_half_life_ms', arg_int(doc.floor_half_life_ms, 'policy.floor_half_life_ms', 1, 86400000))
   put(static, 'record_ttl_s', arg_int(doc.record_ttl_s, 'policy.record_ttl_s', 1, 604800))
+  put(static, 'floor_quantum', arg_num(doc.floor_quantum, 'policy.floor_quantum', 0, 1e12))
   if type(doc.classes) ~= 'table' or #doc.classes < 1 or #doc.classes > 16 then
     fail('BADARG', 'policy.classes: 1 to 16 classes expected')
   end

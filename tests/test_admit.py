@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from limiter.config import ClassConfig, QosConfig, demo_config
+from limiter.config import QosConfig, demo_config
 from limiter.errors import QueueFull, TenantBusy, Throttled
 from limiter.keys import PoolKeys
 from limiter.scripts import policy_document
@@ -114,20 +114,21 @@ async def test_fractional_tokens_are_not_lost(scripts, sync_redis):
 
 
 async def test_throttled_reply_says_when_tokens_will_be_there(scripts, pool):
-    await admit(scripts, pool, tenant="slow", input_tokens=90, max_tokens=10, tenant_rate=100, tenant_burst=100)
+    slow = {"tenant": "slow", "input_tokens": 90, "max_tokens": 10, "tenant_rate": 100, "tenant_burst": 100}
+    await admit(scripts, pool, **slow)
     with pytest.raises(Throttled) as exc:
-        await admit(scripts, pool, tenant="slow", input_tokens=90, max_tokens=10, tenant_rate=100,
-                    tenant_burst=100)
+        await admit(scripts, pool, **slow)
     assert exc.value.bucket == "tenant"
     assert 900 <= exc.value.retry_after_ms <= 1000
     await asyncio.sleep(exc.value.retry_after_ms / 1000 + 0.01)
-    await admit(scripts, pool, tenant="slow", input_tokens=90, max_tokens=10, tenant_rate=100, tenant_burst=100)
+    await admit(scripts, pool, **slow)
 
 
 async def test_request_larger_than_burst_needs_a_full_bucket_then_leaves_debt(scripts, pool):
-    await admit(scripts, pool, tenant="big", input_tokens=250, max_tokens=50, tenant_rate=100, tenant_burst=100)
+    big = {"tenant": "big", "tenant_rate": 100, "tenant_burst": 100}
+    await admit(scripts, pool, input_tokens=250, max_tokens=50, **big)
     with pytest.raises(Throttled) as exc:
-        await admit(scripts, pool, tenant="big", input_tokens=1, max_tokens=1, tenant_rate=100, tenant_burst=100)
+        await admit(scripts, pool, input_tokens=1, max_tokens=1, **big)
     assert 1990 <= exc.value.retry_after_ms <= 2020  # 200 tokens of debt + 2 at 100/s
 
 
@@ -138,7 +139,7 @@ async def test_readmitting_the_same_id_is_idempotent(scripts, pool):
                     tenant_rate=1, tenant_burst=100)
     assert a.duplicate_state is None and b.duplicate_state == "queued"
     assert await scripts.client.zcard(pool.queue("P1")) == 1
-    assert float((await scripts.client.hget(pool.tenant_bucket("idem"), "tokens"))) < 1  # charged once
+    assert float(await scripts.client.hget(pool.tenant_bucket("idem"), "tokens")) < 1  # charged once
 
 
 async def test_bounded_queue_and_tenant_inflight_cap(scripts, sync_redis):

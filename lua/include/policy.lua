@@ -2,7 +2,7 @@
 -- Needs fail() from validate.lua.
 
 local POOL_FIELDS = {'pool', 'classes', 'capacity', 'pool_burst', 'lease_ms', 'max_attempts',
-  'frontend_ttl_ms', 'floor_half_life_ms', 'record_ttl_s'}
+  'frontend_ttl_ms', 'floor_half_life_ms', 'record_ttl_s', 'floor_quantum'}
 local CLASS_FIELDS = {'rate', 'burst', 'ceil', 'ceil_burst', 'weight', 'out_weight',
   'queue_cap', 'max_wait_ms', 'floor'}
 

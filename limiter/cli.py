@@ -1,0 +1,63 @@
+"""The ``qos`` command: one entry point, a subcommand per role and tool.
+
+Each subcommand lives in its own module exposing ``add_parser(subparsers)``; the module
+sets ``func`` on its parser. Every subcommand takes ``--config`` (env QOS_CONFIG) and
+``--redis-url`` (env QOS_REDIS_URL).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+from limiter import config as config_mod
+from limiter.errors import ConfigError, QosError
+
+# Subcommand modules, in help order. Each defines add_parser(subparsers).
+SUBCOMMANDS = (
+    "limiter.config_cli",
+)
+
+
+def common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", default=os.environ.get("QOS_CONFIG"),
+                        help="TOML config file (env QOS_CONFIG); default: the demo config")
+    parser.add_argument("--redis-url", default=os.environ.get("QOS_REDIS_URL"),
+                        help="Redis URL (env QOS_REDIS_URL), overrides the config's redis.url")
+
+
+def load_config(args: argparse.Namespace) -> config_mod.QosConfig:
+    """The config named by --config, with env overrides, then --redis-url on top."""
+    env = dict(os.environ)
+    if getattr(args, "redis_url", None):
+        env["QOS_REDIS_URL"] = args.redis_url
+    return config_mod.load(getattr(args, "config", None), env)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="qos", description="Request-level QoS for LLM inference")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for name in SUBCOMMANDS:
+        importlib.import_module(name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        print(f"qos: config error: {exc}", file=sys.stderr)
+        return 2
+    except QosError as exc:
+        print(f"qos: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,29 @@
+"""``qos config``: check a file, print an example, hash a key."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from limiter import config as config_mod
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("config", help="validate a config file, print an example, hash an API key")
+    csub = p.add_subparsers(dest="config_command", required=True, metavar="ACTION")
+    check = csub.add_parser("check", help="validate FILE; prints the first bad field with its path")
+    check.add_argument("file")
+    check.set_defaults(func=_check)
+    hk = csub.add_parser("hash-key", help="print the sha256 of an API key, for tenants[].key_sha256")
+    hk.add_argument("key")
+    hk.set_defaults(func=lambda a: print(config_mod.hash_key(a.key)))
+
+
+def _check(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.file, {})
+    print(f"{args.file}: ok ({len(cfg.pools)} pools, {len(cfg.classes)} classes, {len(cfg.tenants)} tenants)")
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(0)

@@ -1,0 +1,60 @@
+"""The same scripts, unchanged, on a local 3-master Redis Cluster; two pools on different shards."""
+
+from __future__ import annotations
+
+import pytest
+from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
+
+from limiter.config import demo_config
+from limiter.keys import PoolKeys
+from limiter.scripts import Scripts, lifecycle_keys, policy_document
+from tests.helpers import admit
+
+
+def _two_pools_on_different_shards(client: RedisCluster) -> list[str]:
+    chosen, nodes = [], set()
+    for i in range(100):
+        name = f"pool{i}"
+        node = client.get_node_from_key(PoolKeys(name).policy)
+        if node.name not in nodes:
+            nodes.add(node.name)
+            chosen.append(name)
+        if len(chosen) == 2:
+            return chosen
+    raise AssertionError("could not spread pools")
+
+
+@pytest.fixture
+async def cluster_client(redis_cluster):
+    client = RedisCluster.from_url(redis_cluster.url)
+    await client.initialize()
+    yield client
+    await client.aclose()
+
+
+async def test_lifecycle_on_cluster_with_pools_on_different_shards(cluster_client):
+    scripts = Scripts(cluster_client)
+    cfg = demo_config()
+    names = _two_pools_on_different_shards(cluster_client)
+    for name in names:
+        keys = PoolKeys(name)
+        assert len({key_slot(k.encode()) for k in lifecycle_keys(keys)}) == 1
+        await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
+        await cluster_client.zadd(keys.frontends, {"fe1": 4102444800000})
+        await admit(scripts, keys, cls="P0", request_id=f"{name}-a", input_tokens=5, max_tokens=5)
+        await admit(scripts, keys, cls="P2", request_id=f"{name}-b", input_tokens=5, max_tokens=5)
+        got = await scripts.claim(keys, "w1", 1)
+        c = got.requests[0]
+        assert c.request_id == f"{name}-a"
+        await scripts.push_tokens(keys, request_id=c.request_id, worker_id="w1", attempt=1, offset=0,
+                                  token_ids=[65], text="A")
+        await scripts.renew_leases(keys, "w1", [(c.request_id, 1)])
+        await scripts.complete(keys, request_id=c.request_id, worker_id="w1", attempt=1, outcome="ok",
+                               usage_in=5, token_ids=[66], text="B")
+        assert await scripts.cancel(keys, f"{name}-b", "t1") == "cancelled"
+        assert (await scripts.reap(keys)).expired == 0
+        fence, _ = await scripts.acquire_leader(keys, "ctl", 1000)
+        assert await scripts.set_rates(keys, "ctl", fence, {}, {"P0.rate": 10}) == 1
+        entries = await cluster_client.xrange(keys.reply("fe1"))
+        assert "".join(e[b"t"].decode() for _, e in entries) == "AB"

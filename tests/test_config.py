@@ -1,0 +1,97 @@
+"""Config loading: every kind of mistake names its field path; env overrides; demo config."""
+
+from __future__ import annotations
+
+import pytest
+
+from limiter import config
+from limiter.errors import ConfigError
+
+BASE = """
+[redis]
+url = "redis://127.0.0.1:6390/0"
+
+[[classes]]
+name = "P0"
+share = 0.6
+floor = 0.0
+max_wait_ms = 2000
+
+[[classes]]
+name = "P1"
+share = 0.4
+floor = 0.3
+
+[[pools]]
+name = "llama"
+context_tokens = 8192
+
+[[tenants]]
+name = "acme"
+key_sha256 = ["KEYHASH"]
+default_class = "P1"
+max_class = "P0"
+""".replace("KEYHASH", config.hash_key("secret"))
+
+
+def _load(tmp_path, text, env=None):
+    p = tmp_path / "qos.toml"
+    p.write_text(text)
+    return config.load(p, env or {})
+
+
+def test_a_valid_file_loads(tmp_path):
+    cfg = _load(tmp_path, BASE)
+    assert cfg.class_names() == ["P0", "P1"]
+    assert cfg.pool("llama").context_tokens == 8192
+    assert cfg.tenants[0].max_class == "P0"
+    assert not cfg.demo
+
+
+@pytest.mark.parametrize(("edit", "path"), [
+    (("share = 0.4", "share = 1.4"), "classes[1].share"),
+    (("share = 0.4", "share = 0.5"), "classes"),  # shares add up past 1
+    (("floor = 0.3", "floor = \"high\""), "classes[1].floor"),
+    (('name = "llama"', 'name = "lla{ma}"'), "pools[0].name"),
+    (("context_tokens = 8192", "context_tokens = -5"), "pools[0].context_tokens"),
+    (('max_class = "P0"', 'max_class = "P9"'), "tenants[0].max_class"),
+    (('default_class = "P1"', 'default_class = "P0"\nbogus = 1'), "tenants[0].bogus"),
+    (('url = "redis://127.0.0.1:6390/0"', 'url = "http://x"'), "redis.url"),
+    (('key_sha256 = ["', 'key_sha256 = ["zz'), "tenants[0].key_sha256[0]"),
+])
+def test_each_mistake_names_its_field(tmp_path, edit, path):
+    with pytest.raises(ConfigError) as exc:
+        _load(tmp_path, BASE.replace(*edit))
+    assert exc.value.path == path, str(exc.value)
+
+
+def test_invalid_toml_and_missing_file(tmp_path):
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        _load(tmp_path, "[[classes]\nname=")
+    with pytest.raises(ConfigError, match="file not found"):
+        config.load(tmp_path / "nope.toml", {})
+
+
+def test_env_overrides_the_redis_url(tmp_path):
+    cfg = _load(tmp_path, BASE, {"QOS_REDIS_URL": "redis://10.0.0.1:7000/0", "QOS_REDIS_CLUSTER": "1"})
+    assert cfg.redis.url == "redis://10.0.0.1:7000/0" and cfg.redis.cluster
+    with pytest.raises(ConfigError, match="QOS_REDIS_CLUSTER"):
+        _load(tmp_path, BASE, {"QOS_REDIS_CLUSTER": "yes"})
+
+
+def test_demo_config_has_the_documented_keys():
+    cfg = config.demo_config()
+    hashes = {t.name: t.key_sha256[0] for t in cfg.tenants}
+    assert hashes["demo-p0"] == config.hash_key("demo-p0")
+    assert [t.max_class for t in cfg.tenants if not t.admin] == ["P0", "P1", "P2"]
+    assert any(t.admin for t in cfg.tenants)
+
+
+def test_cli_config_check_names_the_bad_field(tmp_path, capsys):
+    from limiter.cli import main
+    p = tmp_path / "bad.toml"
+    p.write_text(BASE.replace("share = 0.4", "share = 2"))
+    assert main(["config", "check", str(p)]) == 2
+    assert "classes[1].share" in capsys.readouterr().err
+    p.write_text(BASE)
+    assert main(["config", "check", str(p)]) == 0

@@ -1,0 +1,136 @@
+"""Leases, requeue, attempts, fencing of stale workers, completion refunds, cancel in every state."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from limiter.errors import LeaseLost
+from tests.helpers import admit
+
+
+async def _claim_one(scripts, pool, worker="w1", lease_ms=0):
+    got = await scripts.claim(pool, worker, 1, lease_ms=lease_ms)
+    assert len(got.requests) == 1
+    return got.requests[0]
+
+
+async def test_expired_lease_requeues_at_the_head_and_another_worker_resumes(scripts, pool):
+    await admit(scripts, pool, cls="P1", request_id="first", input_tokens=5, max_tokens=10)
+    await admit(scripts, pool, cls="P1", request_id="second", input_tokens=5, max_tokens=10)
+    c = await _claim_one(scripts, pool, "w1", lease_ms=100)
+    assert c.request_id == "first"
+    await scripts.push_tokens(pool, request_id="first", worker_id="w1", attempt=1, offset=0,
+                              token_ids=[104, 105], text="hi", lease_ms=100)
+    await asyncio.sleep(0.15)
+    reaped = await scripts.reap(pool)
+    assert reaped.requeued == 1
+    c2 = await _claim_one(scripts, pool, "w2")
+    assert c2.request_id == "first" and c2.attempt == 2  # head of its class, ahead of "second"
+    assert c2.delivered == 2 and c2.generated == [104, 105]  # what the new worker re-prefills
+    # The dead worker's late writes are fenced off.
+    with pytest.raises(LeaseLost):
+        await scripts.push_tokens(pool, request_id="first", worker_id="w1", attempt=1, offset=2,
+                                  token_ids=[33], text="!")
+    with pytest.raises(LeaseLost):
+        await scripts.complete(pool, request_id="first", worker_id="w1", attempt=1, outcome="ok", usage_in=5)
+    await scripts.push_tokens(pool, request_id="first", worker_id="w2", attempt=2, offset=2,
+                              token_ids=[33], text="!")
+    await scripts.complete(pool, request_id="first", worker_id="w2", attempt=2, outcome="ok", usage_in=5)
+    entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
+    text = "".join(e[b"t"].decode() for e in entries if e[b"k"] in (b"tok", b"done"))
+    assert text == "hi!"
+    assert entries[-1][b"out"] == b"3"
+
+
+async def test_max_attempts_fails_with_a_clear_reason(scripts, pool):
+    await admit(scripts, pool, cls="P0", request_id="doomed", input_tokens=5, max_tokens=5)
+    for attempt in (1, 2, 3):
+        c = await _claim_one(scripts, pool, f"w{attempt}", lease_ms=50)
+        assert c.attempt == attempt
+        await asyncio.sleep(0.07)
+        await scripts.reap(pool)
+    rec = await scripts.client.hgetall(pool.request("doomed"))
+    assert rec[b"state"] == b"failed"
+    assert b"3 attempts" in rec[b"reason"]
+    _, last = (await scripts.client.xrange(pool.reply("fe1")))[-1]
+    assert last[b"code"] == b"failed"
+    assert await scripts.client.zcard(pool.leases) == 0
+    assert await scripts.client.hget(pool.inflight, "P0") is None
+
+
+async def test_renew_extends_and_reports_lost_and_cancelled(scripts, pool):
+    await admit(scripts, pool, cls="P1", request_id="keep", input_tokens=1, max_tokens=5)
+    await admit(scripts, pool, cls="P1", request_id="cancelme", input_tokens=1, max_tokens=5)
+    await scripts.claim(pool, "w1", 2, lease_ms=200)
+    for _ in range(4):
+        await asyncio.sleep(0.1)
+        held = [("keep", 1), ("cancelme", 1), ("ghost", 1)]
+        res = await scripts.renew_leases(pool, "w1", held, lease_ms=200)
+        assert res.lost == ["ghost"]
+    assert (await scripts.reap(pool)).requeued == 0  # renewed leases did not expire
+    assert await scripts.cancel(pool, "cancelme", "t1") == "cancelling"
+    res = await scripts.renew_leases(pool, "w1", [("keep", 1), ("cancelme", 1)])
+    assert res.stop == ["cancelme"]
+    assert await scripts.push_tokens(pool, request_id="cancelme", worker_id="w1", attempt=1, offset=0,
+                                     token_ids=[1], text="x") is True  # the cancel flag rides along
+
+
+async def test_completion_refunds_the_unused_reservation_never_more(scripts, pool):
+    b = pool.tenant_bucket("refund")
+    await admit(scripts, pool, cls="P1", request_id="r", tenant="refund", input_tokens=100, max_tokens=400,
+                tenant_rate=1e-9, tenant_burst=1000)
+    assert float(await scripts.client.hget(b, "tokens")) == pytest.approx(500, abs=1e-3)
+    c = await _claim_one(scripts, pool)
+    await scripts.push_tokens(pool, request_id="r", worker_id="w1", attempt=c.attempt, offset=0,
+                              token_ids=list(range(30)), text="x" * 30)
+    refunded = await scripts.complete(pool, request_id="r", worker_id="w1", attempt=c.attempt, outcome="ok",
+                                      usage_in=100, token_ids=list(range(20)), text="y" * 20)
+    assert refunded == pytest.approx(350)  # 400 reserved - 50 generated
+    assert float(await scripts.client.hget(b, "tokens")) == pytest.approx(850, abs=1e-3)
+    rec = await scripts.client.hgetall(pool.request("r"))
+    assert rec[b"usage_out"] == b"50" and rec[b"state"] == b"done"
+    # The ledger cannot be gamed: claiming more usage than reserved is refused, unchanged.
+    await admit(scripts, pool, cls="P1", request_id="r2", tenant="refund", input_tokens=1, max_tokens=2,
+                tenant_rate=1e-9, tenant_burst=1000)
+    c2 = await _claim_one(scripts, pool)
+    from limiter.errors import InvalidArgument
+    with pytest.raises(InvalidArgument):
+        await scripts.complete(pool, request_id="r2", worker_id="w1", attempt=c2.attempt, outcome="ok",
+                               usage_in=1, token_ids=[1, 2, 3], text="abc")
+
+
+async def test_cancel_in_each_state(scripts, pool):
+    # queued: removed and fully refunded
+    await admit(scripts, pool, cls="P2", request_id="q", tenant="c", input_tokens=10, max_tokens=10,
+                tenant_rate=1e-9, tenant_burst=100)
+    assert await scripts.cancel(pool, "q", "c") == "cancelled"
+    assert await scripts.client.zcard(pool.queue("P2")) == 0
+    assert float(await scripts.client.hget(pool.tenant_bucket("c"), "tokens")) == pytest.approx(100, abs=1e-3)
+    # another tenant cannot cancel (or even see) someone's request
+    await admit(scripts, pool, cls="P2", request_id="mine", tenant="owner", input_tokens=1, max_tokens=1)
+    assert await scripts.cancel(pool, "mine", "intruder") == "not_found"
+    # leased: flagged for the worker, which completes it as cancelled
+    c = await _claim_one(scripts, pool)
+    assert await scripts.cancel(pool, "mine", "owner") == "cancelling"
+    assert await scripts.client.sismember(pool.cancels, "mine")
+    await scripts.complete(pool, request_id="mine", worker_id="w1", attempt=c.attempt, outcome="cancelled",
+                           usage_in=1, finish_reason="cancelled")
+    assert not await scripts.client.sismember(pool.cancels, "mine")
+    # finished and unknown
+    assert await scripts.cancel(pool, "mine", "owner") == "final:cancelled"
+    assert await scripts.cancel(pool, "nope", "owner") == "not_found"
+    # expired-reason on a leased request leaves it running
+    await admit(scripts, pool, cls="P1", request_id="run", tenant="owner", input_tokens=1, max_tokens=1)
+    await _claim_one(scripts, pool)
+    assert await scripts.cancel(pool, "run", "owner", reason="expired") == "running"
+
+
+async def test_a_cancelled_request_whose_worker_died_is_finished_by_the_reaper(scripts, pool):
+    await admit(scripts, pool, cls="P1", request_id="zombie", input_tokens=1, max_tokens=5)
+    await _claim_one(scripts, pool, lease_ms=50)
+    await scripts.cancel(pool, "zombie", "t1")
+    await asyncio.sleep(0.07)
+    assert (await scripts.reap(pool)).cancelled == 1
+    assert await scripts.client.hget(pool.request("zombie"), "state") == b"cancelled"
