@@ -126,6 +126,7 @@ class Claimed:
     delivered: int  # tokens already delivered by earlier attempts
     generated: list[int]  # their ids, to re-prefill when resuming
     claimed_ms: int  # first claim time: queue wait = claimed_ms - enq_ms
+    first_ms: int  # when an earlier attempt delivered the first token (0 = none yet)
 
 
 @dataclass(frozen=True)
@@ -222,7 +223,8 @@ class Scripts:
             out.append(Claimed(
                 request_id=_s(e[0]), cls=_s(e[1]), tenant=_s(e[2]), attempt=int(e[3]), payload=bytes(e[4]),
                 enq_ms=int(e[5]), input_tokens=int(e[6]), max_tokens=int(e[7]), frontend=_s(e[8]),
-                delivered=int(e[9]), generated=unpack_token_ids(bytes(e[10])), claimed_ms=int(e[11])))
+                delivered=int(e[9]), generated=unpack_token_ids(bytes(e[10])), claimed_ms=int(e[11]),
+                first_ms=int(e[12])))
         return ClaimResult(int(reply[0]), out)
 
     async def renew_leases(self, keys: PoolKeys, worker_id: str, held: Sequence[tuple[str, int]],

@@ -15,7 +15,8 @@
 -- is served first (largest deficit first), otherwise the highest backlogged class is.
 --
 -- Returns {now_ms, {entry}, ...}; entry = {id, class, tenant, attempt, payload, enq_ms,
---   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms}
+--   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms,
+--   first_ms (0 until a first token was delivered)}; times are Redis server ms.
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
 
 --!include validate.lua
@@ -114,7 +115,7 @@ local function main()
       local payload = redis.call('HGET', key, 'payload')
       local gen = redis.call('GET', P_TOKENS .. id) or ''
       out[#out + 1] = {id, pick, r.tenant, attempt, payload, r.enq_ms, r.input_tokens,
-        r.max_tokens, r.frontend, r.out_tokens or 0, gen, r.claimed_ms}
+        r.max_tokens, r.frontend, r.out_tokens or 0, gen, r.claimed_ms, r.first_ms or 0}
     end
   end
 
