@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from limiter import config as config_mod
 
@@ -14,9 +15,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     check = csub.add_parser("check", help="validate FILE; prints the first bad field with its path")
     check.add_argument("file")
     check.set_defaults(func=_check)
+    ex = csub.add_parser("example", help="print a commented, complete example config")
+    ex.set_defaults(func=lambda a: print(example_text(), end=""))
     hk = csub.add_parser("hash-key", help="print the sha256 of an API key, for tenants[].key_sha256")
     hk.add_argument("key")
     hk.set_defaults(func=lambda a: print(config_mod.hash_key(a.key)))
+
+
+def example_text() -> str:
+    return (Path(__file__).parent / "qos.example.toml").read_text()
 
 
 def _check(args: argparse.Namespace) -> int:

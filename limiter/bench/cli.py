@@ -1,0 +1,84 @@
+"""``qos bench``: benchmarks, one sub-subcommand per mode (``qos bench admission``, ...).
+
+Each mode registers itself on the ``bench`` parser's subparsers in :func:`add_parser`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from limiter.cli import common_args, load_config
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="micro-benchmarks (admission throughput and latency, ...)")
+    bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
+    _add_admission(bsub)
+
+
+def _bench_common_args(p: argparse.ArgumentParser) -> None:
+    """--config / --redis-url as everywhere, except that a benchmark floods its target, so
+    the server must be named explicitly: QOS_REDIS_URL is ignored, the default is a private
+    redis-server started for the run."""
+    common_args(p)
+    for action in p._actions:
+        if action.dest == "redis_url":
+            action.default = None
+            action.help = ("benchmark this Redis instead of a private redis-server (only the "
+                           "benchmark's own keys are written and deleted; QOS_REDIS_URL is ignored)")
+
+
+def _add_admission(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import admission as adm
+
+    p = bsub.add_parser(
+        "admission", help="admit+enqueue decisions/s and p50/p99 vs SET and the limits library",
+        description="Admit+enqueue decisions/s and p50/p99 latency at concurrency 1 and 50, side by "
+                    "side with a plain SET (the one-round-trip floor) and the limits library's "
+                    "moving-window limiter on the same Redis; driven by redis-py (asyncio) and by "
+                    "redis-benchmark (server-side view).")
+    _bench_common_args(p)
+    p.add_argument("--quick", action="store_true",
+                   help=f"short runs (~10 s in all): {adm.QUICK_OPS} ops, {adm.QUICK_RB_SECONDS} s each")
+    p.add_argument("--ops", type=int, default=None,
+                   help=f"redis-py operations per measured run (default {adm.DEFAULT_OPS})")
+    p.add_argument("--rb-seconds", type=float, default=None,
+                   help=f"target length of one redis-benchmark run (default {adm.DEFAULT_RB_SECONDS})")
+    p.add_argument("--rounds", type=int, default=None,
+                   help=f"repeat everything N times, keep each figure's best run (default "
+                        f"{adm.DEFAULT_ROUNDS}, 1 with --quick)")
+    p.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark driver")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+    p.set_defaults(func=_admission)
+
+
+def _admission(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from limiter.bench import admission as adm
+
+    console = Console()
+    base = load_config(args) if args.config else None
+    ops = args.ops or (adm.QUICK_OPS if args.quick else adm.DEFAULT_OPS)
+    rb_seconds = args.rb_seconds or (adm.QUICK_RB_SECONDS if args.quick else adm.DEFAULT_RB_SECONDS)
+    rounds = args.rounds or (1 if args.quick else adm.DEFAULT_ROUNDS)
+    if ops < 1 or rb_seconds <= 0 or rounds < 1:
+        console.print("[red]--ops, --rb-seconds and --rounds must be positive[/]")
+        return 2
+    target = args.redis_url or "a private redis-server"
+    console.print(f"[dim]qos bench admission: {target}, {ops} ops per redis-py run, "
+                  f"~{rb_seconds:g} s per redis-benchmark run, best of {rounds}[/]")
+
+    def progress(m: adm.Measurement) -> None:
+        console.print(f"[dim]  {m.driver:15s} {m.op:6s} c={m.concurrency:<3d} {m.per_s:>9,.0f}/s "
+                      f"p50 {m.p50_ms:.3f} ms  p99 {m.p99_ms:.3f} ms[/]")
+
+    report = asyncio.run(adm.run_admission(ops=ops, rb_seconds=rb_seconds, redis_url=args.redis_url,
+                                           redis_benchmark=not args.no_redis_benchmark, base=base,
+                                           rounds=rounds, progress=progress))
+    console.print(adm.render(report))
+    if args.json:
+        adm.write_json(report, args.json)
+        console.print(f"[dim]wrote {args.json}[/]")
+    return 0
