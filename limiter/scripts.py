@@ -58,14 +58,17 @@ def script_source(name: str) -> str:
     return _INCLUDE.sub(lambda m: (base / "include" / m.group(1)).read_text(), text)
 
 
-def lifecycle_keys(keys: PoolKeys) -> list[str]:
-    """The fixed KEYS list of every request-lifecycle script (lua/include/pool_keys.lua)."""
-    return [
+@cache
+def lifecycle_keys(keys: PoolKeys) -> tuple[str, ...]:
+    """The fixed KEYS list of every request-lifecycle script (lua/include/pool_keys.lua).
+
+    Cached per pool: it is on every hot path and never changes."""
+    return (
         keys.policy, keys.pool_bucket, keys.deadlines, keys.leases, keys.cancels, keys.served,
         keys.wake, keys.inflight, keys.tenant_inflight, keys.stats, keys.samples, keys.frontends,
         keys.request_prefix, keys.tokens_prefix, keys.bucket_prefix, keys.queue_prefix,
         keys.reply_prefix,
-    ]
+    )
 
 
 def policy_document(cfg: QosConfig, pool: PoolConfig, capacity: float | None = None) -> dict[str, Any]:
@@ -157,7 +160,7 @@ class Scripts:
         self.client = client
         self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
 
-    async def _run(self, name: str, keys: list[str], args: list[Any]) -> Any:
+    async def _run(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
         try:
             return await self._scripts[name](keys=keys, args=args)
         except ResponseError as exc:

@@ -47,8 +47,7 @@ local function main()
   local frontend_id = arg_name(ARGV[10], 'frontend_id')
   local payload = ARGV[11]
   if payload == nil or #payload > 8388608 then fail('BADARG', 'payload: missing or over 8 MiB') end
-  local p = load_policy(K_POLICY)
-  local c = policy_class(p, cls)
+  local c = load_class_policy(K_POLICY, cls)
 
   local key = P_REQUEST .. request_id
   local state = redis.call('HGET', key, 'state')
@@ -74,23 +73,22 @@ local function main()
   local ckey, ceilkey = P_BUCKET .. 'class:' .. cls, P_BUCKET .. 'ceil:' .. cls
   local lc = bucket_level(ckey, c.rate, c.burst, now)
   local lceil = bucket_level(ceilkey, c.ceil, c.ceil_burst, now)
-  local lp = bucket_level(K_POOL_BUCKET, p.capacity, p.pool_burst, now)
+  local lp = bucket_level(K_POOL_BUCKET, c.capacity, c.pool_burst, now)
   local need_c = math.min(cost, c.burst)
   local borrowed = 0
   if c.rate > 0 and lc >= need_c then
     bucket_store(ckey, lc - cost, now, -math.huge, c.burst)
   else
-    local reserve = 0
-    for i = 1, p.index[cls] - 1 do reserve = reserve + p.class[p.classes[i]].burst end
-    local need_p = math.min(cost, math.max(p.pool_burst - reserve, 0))
+    local reserve = c.reserve or 0
+    local need_p = math.min(cost, math.max(c.pool_burst - reserve, 0))
     local need_ceil = math.min(cost, c.ceil_burst)
     if c.ceil > c.rate and lceil >= need_ceil and lp - reserve >= need_p then
       borrowed = 1
     else
       local wait = bucket_wait_ms(lc, need_c, c.rate)
-      if c.ceil > c.rate and p.capacity > 0 then
+      if c.ceil > c.rate and c.capacity > 0 then
         local wb = math.max(bucket_wait_ms(lceil, need_ceil, c.ceil),
-          bucket_wait_ms(lp, reserve + need_p, p.capacity))
+          bucket_wait_ms(lp, reserve + need_p, c.capacity))
         if wait < 0 or wb < wait then wait = wb end
       end
       return {'throttled', wait, 'class'}
@@ -98,7 +96,7 @@ local function main()
   end
   -- Every admission counts against the ceiling and the pool; debt is bounded by a burst.
   bucket_store(ceilkey, lceil - cost, now, -c.ceil_burst, c.ceil_burst)
-  bucket_store(K_POOL_BUCKET, lp - cost, now, -p.pool_burst, p.pool_burst)
+  bucket_store(K_POOL_BUCKET, lp - cost, now, -c.pool_burst, c.pool_burst)
   bucket_store(tkey, lt - cost, now, -math.huge, tenant_burst)
   redis.call('EXPIRE', tkey, 86400)
 

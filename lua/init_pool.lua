@@ -14,6 +14,7 @@
 -- Returns the policy version. Errors: 'BADARG <field>: ...'.
 
 --!include validate.lua
+--!include policy.lua
 
 local K_POLICY = KEYS[1]
 
@@ -70,6 +71,7 @@ local function main()
   else
     for i = 1, #rates, 2 do redis.call('HSETNX', K_POLICY, rates[i], rates[i + 1]) end
   end
+  store_reserves(K_POLICY, names)
   redis.call('HSETNX', K_POLICY, 'version', 0)
   return tonumber(redis.call('HGET', K_POLICY, 'version'))
 end

@@ -51,6 +51,7 @@ local function main()
     local v = redis.call('HMGET', K_POLICY, cls .. '.rate', cls .. '.ceil')
     if tonumber(v[2]) < tonumber(v[1]) then redis.call('HSET', K_POLICY, cls .. '.ceil', v[1]) end
   end
+  store_reserves(K_POLICY, p.classes)
   local version = redis.call('HINCRBY', K_POLICY, 'version', 1)
   redis.call('HSET', K_POLICY, 'updated_ms', now, 'fence', fence)
   redis.call('XADD', K_DECISIONS, 'MAXLEN', '~', 10000, '*', 'version', version, 'fence', fence,

@@ -37,7 +37,7 @@ def keys_for(name: str) -> list[str]:
         return [K.leader]
     if name == "init_pool":
         return [K.policy]
-    return lifecycle_keys(K)
+    return list(lifecycle_keys(K))
 
 
 @pytest.fixture

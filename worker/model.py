@@ -16,6 +16,11 @@ The two entry points are the two things continuous batching needs:
 
 Both go through the same ``_forward`` so chunked and whole-prompt processing compute the
 same function; the tests check logits agree to fp32 tolerance.
+
+Attention masks: a whole prompt at offset 0 uses SDPA's ``is_causal`` (flash kernels, no
+mask tensor, so a one-shot 32K prefill does not allocate a 32K x 32K mask); a chunk at an
+offset or a ragged decode batch passes an explicit boolean mask, because ``is_causal`` is
+top-left aligned. Grouped-query attention uses SDPA's ``enable_gqa`` (torch >= 2.5).
 """
 
 from __future__ import annotations
@@ -85,7 +90,12 @@ PRESETS: dict[str, ModelConfig] = {
     # A ~1B-parameter Llama-3.2-1B-shaped model for one GPU: 16 layers, d_model 2048,
     # GQA 32/8 heads, 32K context (the seed's long-prompt case). bf16 KV: 32 KiB/token.
     "1b": ModelConfig(
-        n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, max_seq_len=32768,
+        n_layer=16,
+        n_head=32,
+        n_kv_head=8,
+        d_model=2048,
+        d_ff=8192,
+        max_seq_len=32768,
         rope_theta=500000.0,
     ),
 }
@@ -202,11 +212,11 @@ class Attention(nn.Module):
             for i, cache in enumerate(ctx.caches):
                 keys[i, :, : ctx.ends[i]] = cache.k[layer, :, : ctx.ends[i]]
                 values[i, :, : ctx.ends[i]] = cache.v[layer, :, : ctx.ends[i]]
-        if cfg.kv_heads != cfg.n_head:  # grouped-query attention: share each KV head
-            rep = cfg.n_head // cfg.kv_heads
-            keys = keys.repeat_interleave(rep, dim=1)
-            values = values.repeat_interleave(rep, dim=1)
-        out = F.scaled_dot_product_attention(q, keys, values, attn_mask=ctx.mask, is_causal=ctx.causal)
+        # grouped-query attention: SDPA shares each KV head across its query heads itself,
+        # without materialising repeated keys (that copy dominated CPU decode steps)
+        out = F.scaled_dot_product_attention(
+            q, keys, values, attn_mask=ctx.mask, is_causal=ctx.causal, enable_gqa=cfg.kv_heads != cfg.n_head
+        )
         return self.wo(out.transpose(1, 2).reshape(b, t, cfg.n_head * cfg.head_dim))
 
 

@@ -38,6 +38,38 @@ local function load_policy(policy_key)
   return p
 end
 
+-- The admission hot path reads only what one class needs: one HMGET instead of the
+-- whole policy. `reserve` (the bursts of all higher classes) is precomputed on write.
+local ADMIT_FIELDS = {'rate', 'burst', 'ceil', 'ceil_burst', 'weight', 'out_weight', 'queue_cap',
+  'max_wait_ms', 'reserve'}
+
+local function load_class_policy(policy_key, cls)
+  local want = {'capacity', 'pool_burst'}
+  for _, f in ipairs(ADMIT_FIELDS) do want[#want + 1] = cls .. '.' .. f end
+  local v = redis.call('HMGET', policy_key, unpack(want))
+  if not v[1] then fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised') end
+  if not v[3] then fail('BADARG', 'class: unknown class ' .. cls) end
+  local c = {capacity = tonumber(v[1]), pool_burst = tonumber(v[2])}
+  for i, f in ipairs(ADMIT_FIELDS) do c[f] = tonumber(v[i + 2]) end
+  return c
+end
+
+-- Write <class>.reserve = sum of the bursts of all higher classes (after bursts change).
+local function store_reserves(policy_key, classes)
+  local bursts = redis.call('HMGET', policy_key, unpack((function()
+    local t = {}
+    for i, c in ipairs(classes) do t[i] = c .. '.burst' end
+    return t
+  end)()))
+  local acc, fields = 0, {}
+  for i, c in ipairs(classes) do
+    fields[#fields + 1] = c .. '.reserve'
+    fields[#fields + 1] = fmt(acc)
+    acc = acc + (tonumber(bursts[i]) or 0)
+  end
+  redis.call('HSET', policy_key, unpack(fields))
+end
+
 local function policy_class(p, cls)
   local c = p.class[cls]
   if c == nil then

@@ -1,0 +1,198 @@
+"""The pure batch builder: budget, decode-first, priority, chunking, admission, preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from limiter.errors import InvalidArgument
+from worker.batching import (
+    Candidate,
+    Limits,
+    PrefillChunk,
+    SeqState,
+    build_plan,
+    choose_admissions,
+    choose_preemption,
+    kv_demand,
+)
+
+
+def dec(rid: str, rank: int, arrival: float, kv: int = 100) -> SeqState:
+    return SeqState(rid, rank, arrival, to_prefill=0, decoding=True, kv_tokens=kv)
+
+
+def pre(rid: str, rank: int, arrival: float, left: int, kv: int = 0) -> SeqState:
+    return SeqState(rid, rank, arrival, to_prefill=left, decoding=False, kv_tokens=kv)
+
+
+def test_decode_first_in_class_order_then_prefill_gets_the_rest() -> None:
+    running = [pre("long", 2, 0, 5000), dec("d2", 2, 1), dec("d0", 0, 5), dec("d1", 1, 2)]
+    plan = build_plan(running, Limits(token_budget=512))
+    assert plan.decode == ("d0", "d1", "d2")
+    assert plan.prefill == (PrefillChunk("long", 0, 509),)
+    assert plan.num_tokens == 512
+
+
+def test_prefill_chunks_follow_class_then_arrival() -> None:
+    running = [
+        pre("c2", 2, 0, 300),
+        pre("c1-late", 1, 9, 300),
+        pre("c1-early", 1, 3, 300),
+        pre("c0", 0, 7, 100),
+    ]
+    plan = build_plan(running, Limits(token_budget=512))
+    assert [(c.request_id, c.length) for c in plan.prefill] == [
+        ("c0", 100),
+        ("c1-early", 300),
+        ("c1-late", 112),
+    ]
+    assert plan.decode == ()
+
+
+def test_chunks_continue_at_the_kv_offset_until_the_prompt_is_done() -> None:
+    limits = Limits(token_budget=512)
+    state = pre("a", 1, 0, 1000)
+    plan = build_plan([state, pre("b", 1, 1, 50)], limits)
+    assert plan.prefill == (PrefillChunk("a", 0, 512),)
+    state = pre("a", 1, 0, 488, kv=512)
+    plan = build_plan([state, pre("b", 1, 1, 50)], limits)
+    assert plan.prefill == (PrefillChunk("a", 512, 488), PrefillChunk("b", 0, 24))
+
+
+def test_without_chunking_a_prompt_is_prefilled_whole_in_one_step() -> None:
+    limits = Limits(token_budget=512, chunked_prefill=False)
+    plan = build_plan([dec("short", 0, 0), pre("long", 2, 1, 32000)], limits)
+    assert plan.decode == ("short",)
+    assert plan.prefill == (PrefillChunk("long", 0, 32000),)  # the seed's stall, on purpose
+    # a second prompt that no longer fits waits whole; it is never split
+    plan = build_plan([pre("a", 1, 0, 400), pre("b", 1, 1, 200), pre("c", 2, 2, 10)], limits)
+    assert plan.prefill == (PrefillChunk("a", 0, 400),)
+    plan = build_plan([pre("a", 1, 0, 400), pre("b", 1, 1, 100)], limits)
+    assert plan.prefill == (PrefillChunk("a", 0, 400), PrefillChunk("b", 0, 100))
+
+
+def test_more_decoders_than_budget_skips_the_lowest_priority() -> None:
+    running = [dec(f"r{i}", i % 3, i) for i in range(10)]
+    plan = build_plan(running, Limits(token_budget=4, max_seqs=4))
+    assert plan.decode == ("r0", "r3", "r6", "r9")
+
+
+def test_kv_capacity_bounds_the_step() -> None:
+    running = [dec("d", 0, 0, kv=900), pre("p", 1, 1, 500, kv=0)]
+    plan = build_plan(running, Limits(token_budget=512, kv_capacity=1000))
+    assert plan.decode == ("d",)
+    assert plan.prefill == (PrefillChunk("p", 0, 99),)
+
+
+def test_max_seqs_bounds_the_step() -> None:
+    running = [dec("d", 0, 0), pre("p", 1, 1, 10), pre("q", 1, 2, 10)]
+    assert build_plan(running, Limits(max_seqs=2)).prefill == (PrefillChunk("p", 0, 10),)
+
+
+def test_random_workloads_never_exceed_the_budget_and_finish() -> None:
+    rng = random.Random(0)
+    for _ in range(50):
+        n = rng.randint(1, 6)
+        budget = rng.choice([6, 7, 64, 512])
+        limits = Limits(token_budget=budget, max_seqs=n, chunked_prefill=rng.random() < 0.7)
+        prompts = {f"s{i}": rng.randint(1, 2000) for i in range(n)}
+        kv = dict.fromkeys(prompts, 0)
+        for _step in range(10_000):
+            running = [
+                SeqState(r, i % 3, i, prompts[r] - kv[r], kv[r] >= prompts[r], kv[r])
+                for i, r in enumerate(prompts)
+            ]
+            plan = build_plan(running, limits)
+            if limits.chunked_prefill:
+                assert plan.num_tokens <= budget
+            else:
+                assert plan.num_tokens <= budget or len(plan.prefill) == 1
+            for c in plan.prefill:
+                assert c.start == kv[c.request_id]
+                kv[c.request_id] += c.length
+            assert len(plan.decode) + len(plan.prefill) > 0
+            if all(kv[r] >= prompts[r] for r in prompts):
+                break
+        assert all(kv[r] == prompts[r] for r in prompts)
+
+
+def test_admission_takes_priority_order_within_slots_and_kv() -> None:
+    waiting = [Candidate("w2", 2, 0, 10), Candidate("w0", 0, 5, 10), Candidate("w1", 1, 1, 10)]
+    assert choose_admissions(waiting, [], Limits()) == ("w0", "w1", "w2")
+    assert choose_admissions(waiting, [dec("r", 0, 0)], Limits(max_seqs=3)) == ("w0", "w1")
+    # KV: running needs 100 + 1 (next decode) + 50 to prefill; room for one 10-token prompt (+1)
+    running = [dec("r", 0, 0, kv=100), pre("p", 1, 0, 50)]
+    assert choose_admissions(waiting, running, Limits(kv_capacity=162)) == ("w0",)
+    assert choose_admissions(waiting, running, Limits(kv_capacity=161)) == ()
+
+
+def test_admission_does_not_let_small_low_class_prompts_skip_a_big_one() -> None:
+    waiting = [Candidate("big", 0, 0, 900), Candidate("small", 2, 1, 5)]
+    assert choose_admissions(waiting, [dec("r", 1, 0, kv=200)], Limits(kv_capacity=1000)) == ()
+
+
+def test_preemption_picks_lowest_class_then_most_recent() -> None:
+    running = [dec("a0", 0, 0), dec("b2-old", 2, 1), dec("c2-new", 2, 7), dec("d1", 1, 9)]
+    waiting = [Candidate("w0", 0, 10, 20)]
+    assert choose_preemption(running, waiting, Limits(max_seqs=4)) == "c2-new"
+    assert choose_preemption(running[:2] + running[3:], waiting, Limits(max_seqs=3)) == "b2-old"
+
+
+def test_no_preemption_without_need_or_benefit() -> None:
+    running = [dec("a", 1, 0), dec("b", 1, 1)]
+    assert choose_preemption(running, [Candidate("w", 1, 2, 10)], Limits(max_seqs=2)) is None  # same class
+    assert choose_preemption(running, [Candidate("w", 0, 2, 10)], Limits(max_seqs=3)) is None  # room exists
+    assert choose_preemption(running, [], Limits(max_seqs=2)) is None
+    # pausing every lower-class sequence still would not fit a 5000-token prompt
+    assert choose_preemption(running, [Candidate("w", 0, 2, 5000)], Limits(kv_capacity=1000)) is None
+
+
+def test_preemption_for_kv_room() -> None:
+    running = [dec("a", 0, 0, kv=400), pre("b", 2, 1, 100, kv=300)]
+    waiting = [Candidate("w", 1, 2, 250)]
+    assert choose_preemption(running, waiting, Limits(kv_capacity=1000)) == "b"
+    assert choose_preemption(running, [], Limits(kv_capacity=1000)) is None
+
+
+def test_preemption_when_decode_growth_overflows_kv() -> None:
+    running = [dec("a", 0, 0, kv=500), dec("b", 1, 1, kv=500)]
+    assert choose_preemption(running, [], Limits(kv_capacity=1001)) == "b"
+    assert choose_preemption(running, [], Limits(kv_capacity=1002)) is None
+
+
+def test_admitted_sequences_are_never_preempted_for_kv_at_once() -> None:
+    """Admission and preemption use one KV figure, so admitting cannot cause a pause-readmit loop."""
+    rng = random.Random(1)
+    for _ in range(500):
+        limits = Limits(kv_capacity=rng.randint(50, 400))
+        running = [
+            dec(f"d{i}", rng.randint(0, 2), i, kv=rng.randint(1, 40)) for i in range(rng.randint(0, 4))
+        ]
+        if kv_demand(running) > limits.kv_capacity:
+            continue
+        waiting = [Candidate(f"w{i}", rng.randint(0, 2), 10 + i, rng.randint(1, 80)) for i in range(4)]
+        admitted = choose_admissions(waiting, running, limits)
+        by_id = {c.request_id: c for c in waiting}
+        after = running + [
+            pre(r, by_id[r].class_rank, by_id[r].arrival, by_id[r].prompt_tokens) for r in admitted
+        ]
+        assert kv_demand(after) <= limits.kv_capacity
+        rest = [c for c in waiting if c.request_id not in admitted]
+        assert choose_preemption(after, rest, limits) not in admitted  # None, or an older sequence
+
+
+def test_bad_states_and_limits_are_rejected() -> None:
+    with pytest.raises(InvalidArgument):
+        SeqState("x", 0, 0, to_prefill=5, decoding=True, kv_tokens=0)
+    with pytest.raises(InvalidArgument):
+        SeqState("x", -1, 0, to_prefill=0, decoding=True, kv_tokens=0)
+    with pytest.raises(InvalidArgument):
+        Limits(token_budget=0)
+    with pytest.raises(InvalidArgument):
+        Limits(token_budget=8, max_seqs=9)
+    with pytest.raises(InvalidArgument):
+        Candidate("x", 0, 0, 0)
+    with pytest.raises(InvalidArgument):
+        build_plan([dec("x", 0, 0), dec("x", 1, 1)], Limits())

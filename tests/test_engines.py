@@ -1,0 +1,200 @@
+"""Engines: the sim cost model, torch determinism, resume equality, checkpoints, plan checks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from limiter.errors import ConfigError, InvalidArgument
+from worker.batching import Limits, PrefillChunk, StepPlan
+from worker.engines.base import Engine, SamplingParams
+from worker.engines.sim import CostModel, SimEngine
+from worker.engines.torch_engine import TorchEngine, derive_seed, load_checkpoint, save_checkpoint
+from worker.model import ModelConfig, build_model
+from worker.stepper import LocalRequest, run_local
+from worker.tokenizer import BOS_ID
+
+torch.set_num_threads(2)
+
+PROMPT = tuple(BOS_ID if i == 0 else 32 + (i * 7) % 95 for i in range(40))
+
+
+def tiny_engine(seed: int = 0) -> TorchEngine:
+    return TorchEngine.from_preset("tiny", seed=seed, device="cpu", kv_capacity_tokens=8192)
+
+
+def generate(engine: Engine, prompt: tuple[int, ...], params: SamplingParams, budget: int = 16) -> list[int]:
+    """Greedy/sampled continuation via the real loop; a small budget chunks the prompt."""
+    run = asyncio.run(
+        run_local(engine, [LocalRequest("r", prompt, params)], Limits(token_budget=budget, max_seqs=4))
+    )
+    return run.traces["r"].tokens
+
+
+# --- sim ---------------------------------------------------------------------------------
+
+
+def test_sim_cost_model_matches_the_documented_figures() -> None:
+    cost = CostModel()
+    assert 1.9 < cost.cost(32768, 0, 32768) < 2.1  # the seed's ~2 s 32K prefill
+    assert 0.020 < cost.cost(0, 8, 8 * 4096) < 0.030  # ~25 ms decode step, 8 seqs at 4K
+
+
+@pytest.mark.asyncio
+async def test_sim_step_sleeps_for_the_cost_model_times_time_scale() -> None:
+    scale = 0.1
+    eng = SimEngine(time_scale=scale)
+    eng.add("long", [BOS_ID] + [65] * 32767, SamplingParams())
+    eng.add("short", [BOS_ID, 66], SamplingParams())
+    plan = StepPlan(prefill=(PrefillChunk("long", 0, 32768),))
+    expected = eng.plan_cost(plan)
+    t = time.perf_counter()
+    out = await eng.step(plan)
+    elapsed = time.perf_counter() - t
+    assert expected == pytest.approx(CostModel().cost(32768, 0, 32768))
+    assert expected * scale <= elapsed < expected * scale * 1.5 + 0.02
+    assert list(out) == ["long"]  # its prompt completed: first token
+    await eng.step(StepPlan(prefill=(PrefillChunk("short", 0, 2),)))
+    plan = StepPlan(decode=("short", "long"))
+    assert eng.plan_cost(plan) == pytest.approx(CostModel().cost(0, 2, 32769 + 3))
+
+
+def test_sim_output_is_deterministic_valid_text_and_resumes_identically() -> None:
+    eng = SimEngine(time_scale=0)
+    assert eng.simulated and eng.name == "sim"
+    straight = generate(eng, PROMPT, SamplingParams(max_tokens=20))
+    text = eng.new_decoder().feed(straight)
+    assert len(text) == 20 and text.isprintable()
+    resumed = generate(SimEngine(time_scale=0), PROMPT + tuple(straight[:8]), SamplingParams(max_tokens=12))
+    assert straight[8:] == resumed
+
+
+@pytest.mark.asyncio
+async def test_engines_reject_plans_that_do_not_match_their_state() -> None:
+    for eng in (SimEngine(time_scale=0), tiny_engine()):
+        eng.add("a", [BOS_ID, 1, 2, 3], SamplingParams())
+        with pytest.raises(InvalidArgument):
+            await eng.step(StepPlan(prefill=(PrefillChunk("a", 1, 2),)))  # wrong offset
+        with pytest.raises(InvalidArgument):
+            await eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 9),)))  # past the prompt
+        with pytest.raises(InvalidArgument):
+            await eng.step(StepPlan(decode=("a",)))  # still prefilling
+        with pytest.raises(InvalidArgument):
+            await eng.step(StepPlan(decode=("ghost",)))
+        with pytest.raises(InvalidArgument):
+            eng.add("a", [1], SamplingParams())  # duplicate
+        with pytest.raises(InvalidArgument):
+            eng.add("b", [999], SamplingParams())
+        out = await eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 4),)))  # state unharmed
+        assert set(out) == {"a"}
+
+
+# --- torch -------------------------------------------------------------------------------
+
+
+def test_torch_engine_is_deterministic_for_a_seed() -> None:
+    params = SamplingParams(temperature=0.8, seed=123, max_tokens=16)
+    a = generate(tiny_engine(), PROMPT, params)
+    b = generate(tiny_engine(), PROMPT, params)
+    c = generate(tiny_engine(), PROMPT, SamplingParams(temperature=0.8, seed=124, max_tokens=16))
+    assert a == b and len(a) == 16
+    assert a != c  # another sampling seed, another stream
+    assert generate(tiny_engine(), PROMPT, SamplingParams(max_tokens=16)) == generate(
+        tiny_engine(), PROMPT, SamplingParams(max_tokens=16, seed=99)
+    )  # greedy ignores the seed
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_resume_from_prompt_plus_generated_continues_identically(temperature: float) -> None:
+    params = SamplingParams(temperature=temperature, seed=7, max_tokens=20)
+    straight = generate(tiny_engine(), PROMPT, params)
+    resumed = generate(
+        tiny_engine(),
+        PROMPT + tuple(straight[:8]),
+        SamplingParams(temperature=temperature, seed=7, max_tokens=12),
+    )
+    assert len(straight) == 20
+    assert resumed == straight[8:]
+
+
+def test_derive_seed_separates_positions_and_seeds() -> None:
+    values = {derive_seed(s, p) for s in range(20) for p in range(50)}
+    assert len(values) == 1000 and all(0 <= v < 2**63 for v in values)
+
+
+@pytest.mark.asyncio
+async def test_torch_step_runs_off_the_event_loop() -> None:
+    eng = tiny_engine()
+    eng.add("a", [BOS_ID] + [65] * 2047, SamplingParams())
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.005)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    t = time.perf_counter()
+    await eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 2048),)))
+    elapsed = time.perf_counter() - t
+    task.cancel()
+    assert elapsed > 0.05
+    assert ticks >= elapsed / 0.005 * 0.3  # the loop kept running while the model computed
+
+
+@pytest.mark.asyncio
+async def test_remove_during_a_step_drops_that_result() -> None:
+    eng = tiny_engine()
+    eng.add("a", [BOS_ID] + [65] * 1023, SamplingParams())
+    eng.add("b", [BOS_ID, 66], SamplingParams())
+    task = asyncio.create_task(
+        eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 1024), PrefillChunk("b", 0, 2))))
+    )
+    await asyncio.sleep(0.01)
+    eng.remove("a")
+    assert set(await task) == {"b"}
+
+
+def test_checkpoint_round_trip_and_mismatch(tmp_path: Path) -> None:
+    cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=160, max_seq_len=256)
+    model = build_model(cfg, seed=3)
+    path = tmp_path / "m.safetensors"
+    save_checkpoint(model, path)
+    loaded = load_checkpoint(path, device="cpu")
+    assert loaded.cfg == cfg
+    ids = torch.arange(10)
+    with torch.inference_mode():
+        torch.testing.assert_close(
+            loaded.prefill(ids, loaded.new_cache()), model.prefill(ids, model.new_cache())
+        )
+    eng = TorchEngine.from_checkpoint(path, kv_capacity_tokens=1024)
+    assert eng.dtype == torch.float32 and eng.kv_capacity_tokens == 1024
+    with pytest.raises(ConfigError, match="do not match"):
+        load_checkpoint(path, config=ModelConfig(n_layer=3, n_head=4, d_model=64, d_ff=160))
+    with pytest.raises(ConfigError, match="not found"):
+        load_checkpoint(tmp_path / "missing.safetensors")
+    (tmp_path / "junk.safetensors").write_bytes(b"not a checkpoint")
+    with pytest.raises(ConfigError):
+        load_checkpoint(tmp_path / "junk.safetensors")
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": -1.0},
+        {"temperature": float("nan")},
+        {"seed": -1},
+        {"seed": 2**63},
+        {"max_tokens": 0},
+        {"stop": ["x"]},
+        {"stop": ("",)},
+    ],
+)
+def test_sampling_params_are_validated(kwargs: dict[str, object]) -> None:
+    with pytest.raises(InvalidArgument):
+        SamplingParams(**kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,251 @@
+"""The ``torch`` engine: runs :mod:`worker.model` for real, one plan per step.
+
+Device and dtype: the caller names the device (``"cpu"``, ``"cuda"``, ``"cuda:0"``); the
+dtype defaults to bf16 on CUDA (half the memory and bandwidth of fp32, and the range
+activations need) and fp32 on CPU (CPU bf16 matmuls are slow and the tests compare
+logits at fp32 tolerance).
+
+The forward passes run in a worker thread (:func:`asyncio.to_thread`): a step takes from
+milliseconds to seconds, and the worker's asyncio loop must keep renewing leases and
+streaming tokens meanwhile. Torch releases the GIL inside its kernels, so this works.
+Sequence state is only mutated back on the loop thread, after the step, so a
+``remove()`` that races a step simply drops that sequence's result.
+
+Sampling: greedy for ``temperature == 0``; otherwise Gumbel-max sampling (exactly a draw
+from softmax(logits / T)) with noise from a CPU ``torch.Generator`` seeded by
+:func:`derive_seed` ``(seed, position)``. Keying the randomness on the absolute position of
+the token, not on a per-request generator's running state, is what makes a preempted or
+re-leased sequence - re-added with prompt + generated tokens - continue with exactly the
+tokens it would have produced (bit-exact in fp32; in bf16 the recomputed logits can differ
+slightly from the incrementally decoded ones, so a near-tie may resolve differently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file, save_file
+
+from limiter.errors import ConfigError, InvalidArgument
+from worker.batching import PrefillChunk, StepPlan
+from worker.engines.base import SamplingParams, SeqEntry, SequenceTable
+from worker.model import KVCache, ModelConfig, Transformer, build_model, preset
+from worker.tokenizer import EOS_ID, IncrementalDecoder, encode
+
+CONFIG_METADATA_KEY = "qos_model_config"
+_MASK64 = (1 << 64) - 1
+
+
+def derive_seed(seed: int, position: int) -> int:
+    """A well-mixed 63-bit generator seed for token ``position`` of a request (SplitMix64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    for mul, shift in ((0xBF58476D1CE4E5B9, 30), (0x94D049BB133111EB, 27)):
+        z = ((z ^ (z >> shift)) * mul) & _MASK64
+    return (z ^ (z >> 31)) >> 1
+
+
+def sample_token(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
+    """Pick the token at ``position`` from 1-D ``logits`` (greedy when ``temperature`` is 0)."""
+    logits = logits.detach().to("cpu", torch.float64)
+    if temperature == 0:
+        return int(torch.argmax(logits))
+    gen = torch.Generator(device="cpu")
+    gen.manual_seed(derive_seed(seed, position))
+    u = torch.rand(logits.shape, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
+    gumbel = -torch.log(-torch.log(u))
+    return int(torch.argmax(logits / temperature + gumbel))
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def default_kv_capacity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
+    """KV tokens to allow: 45 % of free GPU memory (caches grow by doubling, so up to 2x
+    that is allocated), or 2 GiB worth (at most 64K tokens) on CPU."""
+    per_token = cfg.kv_bytes_per_token(dtype)
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return max(1, int(free * 0.45) // per_token)
+    return max(1, min(65536, (2 << 30) // per_token))
+
+
+def save_checkpoint(model: Transformer, path: str | os.PathLike[str]) -> None:
+    """Write ``model``'s weights and config to a safetensors file :func:`load_checkpoint` reads."""
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(path), metadata={"format": "pt", CONFIG_METADATA_KEY: json.dumps(asdict(model.cfg))})
+
+
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    config: ModelConfig | None = None,
+) -> Transformer:
+    """Load a local safetensors state dict of :class:`~worker.model.Transformer`.
+
+    The config comes from ``config`` or else from the file's metadata (written by
+    :func:`save_checkpoint`). Missing, extra or mis-shaped tensors are a :class:`ConfigError`
+    naming the file, so a checkpoint of another architecture fails loudly at startup.
+    """
+    dev = torch.device(device)
+    dtype = dtype or default_dtype(dev)
+    where = str(path)
+    if not Path(path).is_file():
+        raise ConfigError(where, "checkpoint file not found")
+    try:
+        with safe_open(where, framework="pt") as f:
+            metadata = f.metadata() or {}
+        state = load_file(where, device=str(dev))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ConfigError(where, f"not a readable safetensors file: {exc}") from exc
+    if config is None:
+        raw = metadata.get(CONFIG_METADATA_KEY)
+        if raw is None:
+            raise ConfigError(where, f"no {CONFIG_METADATA_KEY!r} metadata; pass the model config explicitly")
+        try:
+            config = ModelConfig(**json.loads(raw))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(where, f"bad {CONFIG_METADATA_KEY!r} metadata: {exc}") from exc
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    got = {k: tuple(v.shape) for k, v in state.items()}
+    if expected != got:
+        missing = sorted(set(expected) - set(got))[:3]
+        extra = sorted(set(got) - set(expected))[:3]
+        shapes = sorted(k for k in set(expected) & set(got) if expected[k] != got[k])[:3]
+        raise ConfigError(
+            where, f"tensors do not match the config: missing {missing}, unexpected {extra}, shape {shapes}"
+        )
+    model.load_state_dict({k: v.to(dtype) for k, v in state.items()}, assign=True)
+    return model.eval()
+
+
+class TorchEngine:
+    """Engine over a :class:`~worker.model.Transformer` (see the module docstring)."""
+
+    name = "torch"
+    simulated = False
+    eos_id: int | None = EOS_ID
+
+    def __init__(self, model: Transformer, *, kv_capacity_tokens: int | None = None) -> None:
+        self.model = model.eval()
+        param = next(model.parameters())
+        self.device = param.device
+        self.dtype = param.dtype
+        if kv_capacity_tokens is not None and (
+            not isinstance(kv_capacity_tokens, int)
+            or isinstance(kv_capacity_tokens, bool)
+            or kv_capacity_tokens < 1
+        ):
+            raise InvalidArgument("kv_capacity_tokens", f"must be a positive int, got {kv_capacity_tokens!r}")
+        cap = kv_capacity_tokens or default_kv_capacity(model.cfg, self.device, self.dtype)
+        self.kv_capacity_tokens = cap
+        self._table = SequenceTable(
+            vocab_size=model.cfg.vocab_size, max_seq_len=model.cfg.max_seq_len, kv_capacity_tokens=cap
+        )
+        self._caches: dict[str, KVCache] = {}
+        self._busy = False
+
+    @classmethod
+    def from_preset(
+        cls,
+        name: str = "tiny",
+        *,
+        seed: int = 0,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        kv_capacity_tokens: int | None = None,
+    ) -> TorchEngine:
+        """A randomly initialised model of preset ``name`` (reproducible from ``seed``)."""
+        dev = torch.device(device)
+        model = build_model(preset(name), seed=seed, device=dev, dtype=dtype or default_dtype(dev))
+        return cls(model, kv_capacity_tokens=kv_capacity_tokens)
+
+    @classmethod
+    def from_checkpoint(
+        cls,
+        path: str | os.PathLike[str],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | None = None,
+        config: ModelConfig | None = None,
+        kv_capacity_tokens: int | None = None,
+    ) -> TorchEngine:
+        model = load_checkpoint(path, device=device, dtype=dtype, config=config)
+        return cls(model, kv_capacity_tokens=kv_capacity_tokens)
+
+    def encode(self, text: str) -> list[int]:
+        return encode(text, bos=True)
+
+    def new_decoder(self) -> IncrementalDecoder:
+        return IncrementalDecoder()
+
+    def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        seed = params.seed if params.seed is not None else secrets.randbits(63)
+        entry = self._table.add(seq_id, prompt_ids, params, seed)
+        # Room for the prompt and a first stretch of output; the cache doubles beyond that.
+        self._caches[seq_id] = self.model.new_cache(capacity=entry.prompt_len + 64)
+
+    def remove(self, seq_id: str) -> None:
+        self._table.remove(seq_id)
+        del self._caches[seq_id]
+
+    async def step(self, plan: StepPlan) -> dict[str, int]:
+        if self._busy:
+            raise RuntimeError("TorchEngine.step called while another step is running")
+        self._table.validate(plan)
+        decoders = [(sid, self._table.get(sid), self._caches[sid]) for sid in plan.decode]
+        chunks = [(c, self._table.get(c.request_id), self._caches[c.request_id]) for c in plan.prefill]
+        self._busy = True
+        try:
+            results = await asyncio.to_thread(self._compute, decoders, chunks)
+        except BaseException:
+            for _, entry, cache in [*decoders, *chunks]:
+                cache.length = entry.kv_len  # roll back a half-done step: data past length is ignored
+            raise
+        finally:
+            self._busy = False
+        out: dict[str, int] = {}
+        for sid, entry, advance, token in results:
+            if self._table.seqs.get(sid) is not entry:
+                continue  # removed while the step ran
+            entry.kv_len += advance
+            if token is not None:
+                entry.ids.append(token)
+                out[sid] = token
+        return out
+
+    def _compute(
+        self,
+        decoders: list[tuple[str, SeqEntry, KVCache]],
+        chunks: list[tuple[PrefillChunk, SeqEntry, KVCache]],
+    ) -> list[tuple[str, SeqEntry, int, int | None]]:
+        """The step's forward passes and sampling (runs in a worker thread)."""
+        results: list[tuple[str, SeqEntry, int, int | None]] = []
+        with torch.inference_mode():
+            if decoders:
+                ids = torch.tensor([e.ids[e.kv_len] for _, e, _ in decoders], device=self.device)
+                logits = self.model.decode(ids, [c for _, _, c in decoders]).cpu()
+                for row, (sid, e, _) in enumerate(decoders):
+                    token = sample_token(logits[row], e.params.temperature, e.seed, len(e.ids))
+                    results.append((sid, e, 1, token))
+            for chunk, e, cache in chunks:
+                ids = torch.tensor(e.ids[chunk.start : chunk.start + chunk.length], device=self.device)
+                logits = self.model.prefill(ids, cache)
+                token: int | None = None
+                if chunk.start + chunk.length == e.prompt_len:
+                    token = sample_token(logits[-1], e.params.temperature, e.seed, len(e.ids))
+                results.append((chunk.request_id, e, chunk.length, token))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return results
