@@ -97,20 +97,19 @@ local function main()
   -- Every admission counts against the ceiling and the pool; debt is bounded by a burst.
   bucket_store(ceilkey, lceil - cost, now, -c.ceil_burst, c.ceil_burst)
   bucket_store(K_POOL_BUCKET, lp - cost, now, -c.pool_burst, c.pool_burst)
+  -- Tenants come from the config, so their buckets are bounded in number: no TTL needed.
   bucket_store(tkey, lt - cost, now, -math.huge, tenant_burst)
-  redis.call('EXPIRE', tkey, 86400)
 
   local wait = c.max_wait_ms
   if max_wait_ms > 0 and max_wait_ms < wait then wait = max_wait_ms end
   local deadline = now + wait
   local seq = redis.call('HINCRBY', K_STATS, 'seq', 1)
   redis.call('HSET', key, 'id', request_id, 'tenant', tenant, 'class', cls, 'state', 'queued',
-    'frontend', frontend_id, 'attempts', 0, 'worker', '', 'enq_ms', now, 'seq', seq,
+    'frontend', frontend_id, 'attempts', 0, 'enq_ms', now, 'seq', seq,
     'deadline_ms', deadline, 'input_tokens', input_tokens, 'max_tokens', max_tokens,
     'w_in', fmt(c.weight), 'w_out', fmt(c.out_weight), 'cost', fmt(cost),
     'c_class', fmt(borrowed == 1 and 0 or cost), 'c_pool', fmt(cost),
-    't_rate', fmt(tenant_rate), 't_burst', fmt(tenant_burst), 'out_tokens', 0, 'cancel', 0,
-    'payload', payload)
+    't_rate', fmt(tenant_rate), 't_burst', fmt(tenant_burst), 'payload', payload)
   -- A safety net only: every path to a terminal state sets the short record TTL.
   redis.call('EXPIRE', key, 86400)
   redis.call('ZADD', queue, seq, request_id)
@@ -118,8 +117,7 @@ local function main()
   redis.call('HINCRBY', K_TENANT_INFLIGHT, tenant, 1)
   redis.call('HINCRBY', K_STATS, cls .. '.admitted', 1)
   if borrowed == 1 then redis.call('HINCRBY', K_STATS, cls .. '.borrowed', 1) end
-  redis.call('LPUSH', K_WAKE, '1')
-  redis.call('LTRIM', K_WAKE, 0, 63)
+  if redis.call('LPUSH', K_WAKE, '1') > 64 then redis.call('LTRIM', K_WAKE, 0, 63) end
   return {'queued', depth + 1, fmt(cost), borrowed, deadline}
 end
 

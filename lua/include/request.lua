@@ -21,6 +21,10 @@ local function load_request(id)
     r[f] = x
   end
   r.id = id
+  r.attempts = r.attempts or 0
+  r.out_tokens = r.out_tokens or 0
+  r.cancel = r.cancel or 0
+  r.worker = r.worker or ''
   return r
 end
 
@@ -86,8 +90,7 @@ local function finalize(p, r, state, reason, used, now)
 end
 
 local function wake_workers()
-  redis.call('LPUSH', K_WAKE, '1')
-  redis.call('LTRIM', K_WAKE, 0, 63)
+  if redis.call('LPUSH', K_WAKE, '1') > 64 then redis.call('LTRIM', K_WAKE, 0, 63) end
 end
 
 -- Put a leased request back at the head of its class (it keeps its original sequence).
