@@ -301,5 +301,6 @@ def demo_config() -> QosConfig:
     ]
     tenants.append(TenantConfig(name="demo-admin", key_sha256=(hash_key(DEMO_ADMIN_KEY),),
                                 default_class="P0", max_class="P0", admin=True))
-    return validate(QosConfig(classes=DEFAULT_CLASSES, pools=(PoolConfig(name="tiny"),),
+    # context 16384 = the tiny torch model's max_seq_len; the sim engine takes it too.
+    return validate(QosConfig(classes=DEFAULT_CLASSES, pools=(PoolConfig(name="tiny", context_tokens=16384),),
                               tenants=tuple(tenants), demo=True))

@@ -1,0 +1,178 @@
+"""Estimate the pool's capacity (weighted tokens/s when busy) and each class's served rate.
+
+The control law expresses every budget as a share of capacity, so capacity must follow
+reality: workers join and leave, models and prompt mixes change. Two sources, best first:
+
+1. **Worker heartbeats.** Each worker reports the weighted tokens/s it processed while busy
+   (same units as the rates). Capacity = sum over *live* workers of an EWMA of their
+   reports. A worker silent for ``worker_ttl_s`` is gone and its share leaves the sum at
+   once -- the drop is visible the moment it happens, not after an EWMA catches up.
+2. **Samples.** Completed work is bucketed into ``interval_s`` intervals by the sample's
+   Redis timestamp. Throughput measured in an interval is only a capacity measurement if
+   the pool was *busy* then (otherwise it measures demand): an interval counts as busy
+   when at least ``busy_share`` of its samples waited ``busy_queue_ms`` or more in the queue
+   -- with a work-conserving scheduler, queued work means every worker was occupied. Busy
+   intervals feed an EWMA; idle ones can only raise it (serving X proves capacity >= X).
+
+Until either source has data (``min_busy_intervals`` busy intervals, or one heartbeat),
+the estimate is the configured ``initial`` capacity.
+
+A request's work is ``input_tokens x w_in + output_tokens x w_out`` with the class's
+weights (the same cost admission charges). Prefill is counted only if it happened (outcome
+``ok``, or a first token was produced); a request that expired in the queue did no work.
+
+The same intervals give each class's *served rate* over the last ``rate_intervals``
+intervals -- the "used" input of the control law (a class that does not use its budget
+must not be given more).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from limiter.errors import ConfigError, InvalidArgument
+from limiter.slo import Sample
+
+
+@dataclass(frozen=True)
+class CapacityConfig:
+    initial: float
+    interval_s: float = 1.0
+    alpha: float = 0.3
+    busy_queue_ms: float = 100.0
+    busy_share: float = 0.1
+    min_busy_intervals: int = 3
+    worker_ttl_s: float = 15.0
+    rate_intervals: int = 5
+    weights: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+
+    def validate(self, prefix: str = "controller.capacity") -> CapacityConfig:
+        checks = [
+            ("initial", self.initial > 0 and math.isfinite(self.initial), "must be > 0"),
+            ("interval_s", self.interval_s > 0, "must be > 0"),
+            ("alpha", 0 < self.alpha <= 1, "must be in (0, 1]"),
+            ("busy_queue_ms", self.busy_queue_ms >= 0, "must be >= 0"),
+            ("busy_share", 0 < self.busy_share <= 1, "must be in (0, 1]"),
+            ("min_busy_intervals", self.min_busy_intervals >= 1, "must be >= 1"),
+            ("worker_ttl_s", self.worker_ttl_s > 0, "must be > 0"),
+            ("rate_intervals", self.rate_intervals >= 1, "must be >= 1"),
+        ]
+        for name, ok, message in checks:
+            if not ok:
+                raise ConfigError(f"{prefix}.{name}", f"{message}, got {getattr(self, name)!r}")
+        for cls, pair in self.weights.items():
+            if len(pair) != 2 or any(w < 0 for w in pair):
+                raise ConfigError(f"{prefix}.weights.{cls}", f"expected (w_in, w_out) >= 0, got {pair!r}")
+        return self
+
+
+@dataclass(frozen=True)
+class CapacityEstimate:
+    value: float  # weighted tokens/s
+    source: str  # 'workers' | 'samples' | 'initial'
+    live_workers: int
+    busy_intervals: int
+
+
+@dataclass
+class _Worker:
+    ewma: float
+    seen_ms: float
+
+
+class CapacityEstimator:
+    """Feed samples and heartbeats; read :meth:`estimate` and :meth:`served_rate`."""
+
+    def __init__(self, config: CapacityConfig) -> None:
+        self.config = config.validate()
+        self._interval_ms = config.interval_s * 1000.0
+        self._workers: dict[str, _Worker] = {}
+        self._sample_ewma: float | None = None
+        self._busy_intervals = 0
+        self._index: int | None = None  # interval being filled
+        self._work: dict[str, float] = {}
+        self._n = 0
+        self._waited = 0
+        self._history: deque[dict[str, float]] = deque(maxlen=config.rate_intervals)
+
+    # --- inputs -----------------------------------------------------------------------
+    def work(self, sample: Sample) -> float:
+        """Weighted tokens the pool actually processed for this request."""
+        w_in, w_out = self.config.weights.get(sample.cls, (1.0, 1.0))
+        prefilled = sample.outcome == "ok" or sample.ttft_ms is not None
+        return (sample.input_tokens * w_in if prefilled else 0.0) + sample.output_tokens * w_out
+
+    def observe_sample(self, sample: Sample) -> None:
+        index = int(sample.ts_ms // self._interval_ms)
+        if self._index is None:
+            self._index = index
+        elif index > self._index:
+            self._close_until(index)
+        # A late sample (older interval) is counted in the current one: the work was done.
+        self._work[sample.cls] = self._work.get(sample.cls, 0.0) + self.work(sample)
+        self._n += 1
+        self._waited += sample.queue_wait_ms >= self.config.busy_queue_ms
+
+    def observe_worker(self, worker: str, tokens_per_s: float, now_ms: float) -> None:
+        """A heartbeat: ``worker`` processed ``tokens_per_s`` weighted tokens/s while busy."""
+        if isinstance(tokens_per_s, bool) or not math.isfinite(tokens_per_s) or tokens_per_s < 0:
+            raise InvalidArgument("tokens_per_s", f"must be a finite number >= 0, got {tokens_per_s!r}")
+        state = self._workers.get(worker)
+        if state is None:
+            self._workers[worker] = _Worker(float(tokens_per_s), now_ms)
+        else:
+            state.ewma += self.config.alpha * (tokens_per_s - state.ewma)
+            state.seen_ms = now_ms
+
+    def remove_worker(self, worker: str) -> None:
+        """A worker said goodbye (clean shutdown): drop it now rather than after the TTL."""
+        self._workers.pop(worker, None)
+
+    def advance(self, now_ms: float) -> None:
+        """Close intervals that ended before ``now_ms`` (idle time counts) and expire workers."""
+        index = int(now_ms // self._interval_ms)
+        if self._index is not None and index > self._index:
+            self._close_until(index)
+        ttl_ms = self.config.worker_ttl_s * 1000.0
+        for name in [n for n, w in self._workers.items() if now_ms - w.seen_ms > ttl_ms]:
+            del self._workers[name]
+
+    def _close_until(self, index: int) -> None:
+        assert self._index is not None
+        seconds = self.config.interval_s
+        total = sum(self._work.values())
+        if self._n and self._waited >= self.config.busy_share * self._n:
+            self._busy_intervals += 1
+            measured = total / seconds
+            prev = self._sample_ewma
+            self._sample_ewma = measured if prev is None else prev + self.config.alpha * (measured - prev)
+        elif self._sample_ewma is not None and total / seconds > self._sample_ewma:
+            self._sample_ewma += self.config.alpha * (total / seconds - self._sample_ewma)
+        self._history.append({cls: work / seconds for cls, work in self._work.items()})
+        # Intervals with no samples at all: nothing was served (bounded by the history length).
+        for _ in range(min(index - self._index - 1, self.config.rate_intervals)):
+            self._history.append({})
+        self._index = index
+        self._work = {}
+        self._n = self._waited = 0
+
+    # --- outputs ----------------------------------------------------------------------
+    def estimate(self, now_ms: float | None = None) -> CapacityEstimate:
+        if now_ms is not None:
+            self.advance(now_ms)
+        busy = self._busy_intervals
+        if self._workers:
+            total = sum(w.ewma for w in self._workers.values())
+            return CapacityEstimate(total, "workers", len(self._workers), busy)
+        if self._sample_ewma is not None and busy >= self.config.min_busy_intervals:
+            return CapacityEstimate(self._sample_ewma, "samples", 0, busy)
+        return CapacityEstimate(self.config.initial, "initial", 0, busy)
+
+    def served_rate(self, cls: str) -> float:
+        """Weighted tokens/s served for ``cls`` over the last closed intervals (0 if none)."""
+        if not self._history:
+            return 0.0
+        return sum(h.get(cls, 0.0) for h in self._history) / len(self._history)

@@ -1,0 +1,442 @@
+"""The controller's law: from SLO compliance, use and capacity, the next per-class rates.
+
+Pure and deterministic: ``decide(state, inputs, now_ms) -> Decision`` reads no clock and
+no socket, so the role can log every decision with its inputs and a test can replay it.
+docs/control-law.md states the law as equations and argues why it settles; in brief:
+
+* Each class ``i`` has an *allowance* ``a_i`` (a share of capacity ``C``): its HTB ceiling
+  is ``a_i C`` and its guaranteed rate is ``min(a_i, s_i) C`` (``s_i`` = default share); the
+  top class's guarantee is what the others leave, so guarantees always sum to <= ``C``.
+* A class with an SLO is judged on fresh evidence only: >= ``min_samples`` samples that
+  finished at least ``settle_s`` after the last change. Below ``low`` (95 %) it *violates*,
+  and it keeps violating until it is back at ``target`` (99 %) -- an episode ends at the
+  target, not at the edge of the band. Otherwise 95-99 % holds (the dead band); >= 99 %,
+  over the whole window too, is *comfortable*. At most one change per ``cooldown_s``.
+* Violation of class k removes ``tighten_step`` (10 %) of the load of the classes below it,
+  lowest class first, borrowing before guarantees, never below a floor; only when nothing
+  below k can give does k cut itself (10 % of its own use).
+* When every class at or above i is comfortable and i used its allowance, ``a_i`` grows by
+  ``relax_step`` (5 %) toward its ceiling -- the top class's own cut is undone first, then
+  lower guarantees, then borrowing. A cut remembers where the SLO broke: relaxing may
+  go back at most one step / halfway toward that level, until the load or capacity changes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+from limiter.errors import ConfigError, InvalidArgument
+from limiter.keys import NAME_RE
+
+
+@dataclass(frozen=True)
+class ControlConfig:
+    """The law's parameters; the defaults are the seed's numbers. Shares are of capacity."""
+
+    classes: tuple[str, ...] = ("P0", "P1", "P2")  # highest priority first
+    shares: tuple[float, ...] = (0.60, 0.35, 0.05)  # default guarantees (sum <= 1)
+    floors: tuple[float, ...] = (0.30, 0.105, 0.015)  # 50 % / 30 % / 30 % of the share
+    ceilings: tuple[float, ...] = (1.0, 1.0, 0.5)  # HTB ceilings, the fully relaxed state
+    target: float = 0.99
+    low: float = 0.95
+    relax_step: float = 0.05
+    tighten_step: float = 0.10
+    cooldown_s: float = 5.0
+    settle_s: float = 2.5  # samples finishing this soon after a change are not evidence of it
+    window: int = 1000  # SLO window size the role builds (samples)
+    min_samples: int = 200  # fresh samples needed before a class's compliance is judged
+    burst_s: float = 0.5
+    use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
+    capacity_deadband: float = 0.05  # capacity moves smaller than this are ignored
+    reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
+    memory: bool = True
+    min_change: float = 0.005  # relative allowance moves below this are not worth a write
+
+    def validate(self, prefix: str = "controller") -> ControlConfig:
+        """Raise :class:`ConfigError` naming the first bad field; return self when valid."""
+
+        def bad(name: str, message: str) -> ConfigError:
+            return ConfigError(f"{prefix}.{name}", f"{message}, got {getattr(self, name)!r}")
+
+        n = len(self.classes)
+        if n < 1 or len(set(self.classes)) != n or not all(NAME_RE.fullmatch(c) for c in self.classes):
+            raise bad("classes", "must be distinct class names, highest priority first")
+        for name in ("shares", "floors", "ceilings"):
+            if len(getattr(self, name)) != n:
+                raise bad(name, f"must have one value per class ({n})")
+        if not all(0 < s <= 1 for s in self.shares) or sum(self.shares) > 1 + 1e-9:
+            raise bad("shares", "must be in (0, 1] and sum to <= 1")
+        if not all(0 < f <= s for f, s in zip(self.floors, self.shares, strict=True)):
+            raise bad("floors", "must be in (0, share]")
+        if not all(s <= c <= 1 for s, c in zip(self.shares, self.ceilings, strict=True)):
+            raise bad("ceilings", "must be in [share, 1]")
+        ranges = [
+            ("low", 0 < self.low < self.target, "must be in (0, target)"),
+            ("target", 0 < self.target <= 1, "must be in (0, 1]"),
+            ("relax_step", 0 < self.relax_step <= 1, "must be in (0, 1]"),
+            ("tighten_step", 0 < self.tighten_step < 1, "must be in (0, 1)"),
+            ("cooldown_s", self.cooldown_s >= 0, "must be >= 0"),
+            ("settle_s", 0 <= self.settle_s <= self.cooldown_s, "must be in [0, cooldown_s]"),
+            ("window", self.window >= 1, "must be >= 1"),
+            ("min_samples", 1 <= self.min_samples <= self.window, "must be in [1, window]"),
+            ("burst_s", self.burst_s > 0, "must be > 0"),
+            ("use_threshold", 0 < self.use_threshold <= 1, "must be in (0, 1]"),
+            ("capacity_deadband", 0 <= self.capacity_deadband < 1, "must be in [0, 1)"),
+            ("reset_load_change", self.reset_load_change > 0, "must be > 0"),
+            ("min_change", 0 <= self.min_change < self.relax_step, "must be in [0, relax_step)"),
+        ]
+        for name, ok, message in ranges:
+            if not ok:
+                raise bad(name, message)
+        return self
+
+
+@dataclass(frozen=True)
+class ClassRates:
+    """What the role writes for one class (weighted tokens/s and weighted tokens)."""
+
+    rate: float
+    burst: float
+    ceil: float
+    ceil_burst: float
+
+
+@dataclass(frozen=True)
+class ClassState:
+    """What the law remembers about one class between ticks (the role keeps it in memory;
+    a new leader starts from :meth:`ControlState.initial`, i.e. fully relaxed)."""
+
+    name: str
+    allowance: float  # a_i, share of capacity
+    cap: float | None = None  # remembered relax limit (share), set by a cut
+    cap_owner: str | None = None  # the class whose violation caused the cut
+    cap_ref: float = 0.0  # that class's used share when the cut was made
+    recovering: bool = False  # fell below ``low`` and is not yet back at ``target``
+
+
+@dataclass(frozen=True)
+class ControlState:
+    """The law's whole state: rates are derived from it, never stored separately."""
+
+    config: ControlConfig
+    capacity: float
+    classes: tuple[ClassState, ...]
+    last_change_ms: float | None = None
+
+    @classmethod
+    def initial(cls, config: ControlConfig, capacity: float) -> ControlState:
+        """Start fully relaxed: every allowance at its ceiling (the operator's HTB policy)."""
+        config.validate()
+        _check_positive("capacity", capacity)
+        states = tuple(ClassState(n, c) for n, c in zip(config.classes, config.ceilings, strict=True))
+        return cls(config, float(capacity), states)
+
+    def rates(self) -> dict[str, ClassRates]:
+        return _rates(self.config, self.capacity, [c.allowance for c in self.classes])
+
+
+@dataclass(frozen=True)
+class ClassInputs:
+    compliance: float | None  # compliance over the fresh samples; None = no SLO or no sample
+    samples: int  # fresh samples (since the last change) behind ``compliance``
+    # Weighted tokens/s the class consumes *now* (admitted or started work over the last
+    # second or so). Cuts are sized from it, so it must not lag: a lagging value on a rising
+    # load makes the first cut deeper than one step.
+    used: float
+    has_slo: bool = True  # False for a class without latency targets (P2): never judged
+    # Compliance over the whole window (the last 1000 samples, what operators see); budget is
+    # only given away when it, too, meets the target. None: judge on ``compliance`` alone.
+    window_compliance: float | None = None
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """One tick's measurements, keyed by class name."""
+
+    capacity: float  # measured, weighted tokens/s
+    classes: Mapping[str, ClassInputs]
+
+
+@dataclass(frozen=True)
+class ClassDecision:
+    """One class's outcome with the inputs that led to it, so the role can log the why."""
+
+    name: str
+    reason: str  # hold|relax|tighten_lower_for_<class>|tighten_self|cooldown|capacity_change|
+    #             floor|ceiling|capped|unused|waiting|priority|rebalance (docs/control-law.md)
+    compliance: float | None
+    window_compliance: float | None
+    samples: int
+    used: float
+    allowance: float
+    old: ClassRates
+    new: ClassRates
+
+
+@dataclass(frozen=True)
+class Decision:
+    """The result of :func:`decide`: new state, per-class outcomes, and whether to write."""
+
+    now_ms: float
+    changed: bool
+    old_capacity: float
+    capacity: float
+    state: ControlState
+    classes: tuple[ClassDecision, ...]
+
+    @property
+    def evidence_from_ms(self) -> float | None:
+        """After a change, mark the SLO windows here: later samples are evidence of it.
+
+        Requests admitted under the old rates are still running for a while after a change;
+        their latencies say nothing about the new rates, so evidence starts ``settle_s`` later.
+        """
+        return self.now_ms + self.state.config.settle_s * 1000 if self.changed else None
+
+    def policy_fields(self) -> dict[str, float]:
+        """The field/value pairs for ``set_rates`` (policy hash fields)."""
+        out: dict[str, float] = {}
+        for c in self.classes:
+            out |= {f"{c.name}.rate": c.new.rate, f"{c.name}.burst": c.new.burst}
+            out |= {f"{c.name}.ceil": c.new.ceil, f"{c.name}.ceil_burst": c.new.ceil_burst}
+        out["capacity"] = self.capacity
+        out["pool_burst"] = self.capacity * self.state.config.burst_s
+        return out
+
+    def record(self) -> dict[str, object]:
+        """A JSON-able account of the decision: inputs, reasons, old and new rates."""
+        return {
+            "now_ms": self.now_ms,
+            "changed": self.changed,
+            "capacity": {"old": self.old_capacity, "new": self.capacity},
+            "classes": {
+                c.name: {
+                    "reason": c.reason,
+                    "compliance": c.compliance,
+                    "window_compliance": c.window_compliance,
+                    "samples": c.samples,
+                    "used": c.used,
+                    "allowance": c.allowance,
+                    "old": vars(c.old),
+                    "new": vars(c.new),
+                }
+                for c in self.classes
+            },
+        }
+
+
+# Reasons for a class whose own allowance moved (or whose whole policy was rescaled).
+ACTIONS = ("relax", "tighten_self", "capacity_change")
+
+
+def _check_positive(name: str, value: float) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or value <= 0
+    ):
+        raise InvalidArgument(name, f"{name}: must be a finite number > 0, got {value!r}")
+
+
+def _rates(config: ControlConfig, capacity: float, allowances: list[float]) -> dict[str, ClassRates]:
+    guarantees = [min(a, s) for a, s in zip(allowances, config.shares, strict=True)]
+    guarantees[0] = max(0.0, min(allowances[0], 1.0 - sum(guarantees[1:])))
+    out = {}
+    for name, g, a in zip(config.classes, guarantees, allowances, strict=True):
+        rate, ceil = g * capacity, a * capacity
+        out[name] = ClassRates(rate, rate * config.burst_s, ceil, ceil * config.burst_s)
+    return out
+
+
+def _status(config: ControlConfig, inp: ClassInputs, recovering: bool) -> str:
+    if not inp.has_slo or (inp.samples == 0 and inp.used == 0):
+        return "quiet"  # no SLO, or no traffic at all: nothing to protect
+    if inp.samples < config.min_samples or inp.compliance is None:
+        return "waiting"  # traffic, but not yet enough evidence since the last change
+    if inp.compliance < config.low or (recovering and inp.compliance < config.target):
+        return "violating"  # below 95 %, or still short of 99 % since it was
+    whole = inp.compliance if inp.window_compliance is None else inp.window_compliance
+    return "comfortable" if min(inp.compliance, whole) >= config.target else "band"
+
+
+def _check_inputs(config: ControlConfig, inputs: Inputs) -> None:
+    _check_positive("capacity", inputs.capacity)
+    for name in config.classes:
+        inp = inputs.classes.get(name)
+        if inp is None:
+            raise InvalidArgument(f"classes.{name}", "missing inputs")
+        for field in ("compliance", "window_compliance"):
+            value = getattr(inp, field)
+            if value is not None and not 0 <= value <= 1:
+                raise InvalidArgument(f"classes.{name}.{field}", "not in [0, 1]")
+        if inp.samples < 0 or not math.isfinite(inp.used) or inp.used < 0:
+            raise InvalidArgument(f"classes.{name}", "samples and used must be >= 0")
+
+
+class _Plan:
+    """Mutable scratch for one decision: new allowances, caps and reasons."""
+
+    def __init__(self, state: ControlState, used: list[float]) -> None:
+        self.config = state.config
+        self.classes = list(state.classes)
+        self.used = used  # shares of capacity
+        self.reasons = ["hold"] * len(self.classes)
+        self.moved: set[int] = set()
+
+    def set(self, i: int, new: float, reason: str) -> None:
+        self.classes[i] = replace(self.classes[i], allowance=new)
+        self.reasons[i] = reason
+        self.moved.add(i)
+
+    def cut(self, i: int, new: float, reason: str, owner: int) -> None:
+        """Lower ``a_i`` and remember: relax may return one step / halfway to the broken level."""
+        level = min(self.classes[i].allowance, self.used[i])
+        self.set(i, new, reason)
+        if self.config.memory:
+            cap = max(new, min(new * (1 + self.config.relax_step), (level + new) / 2))
+            old = self.classes[i].cap
+            cap = cap if old is None else min(cap, old)
+            name = self.config.classes[owner]
+            self.classes[i] = replace(self.classes[i], cap=cap, cap_owner=name, cap_ref=self.used[owner])
+
+
+def _tighten(plan: _Plan, k: int) -> None:
+    """Class k violates: take tighten_step of the load below it, lowest first; else cut k."""
+    cfg, cls, n = plan.config, plan.classes, len(plan.classes)
+    lower = range(n - 1, k, -1)  # lowest priority first
+    level = {i: min(cls[i].allowance, plan.used[i]) for i in lower}
+    remaining = cfg.tighten_step * sum(level.values())
+    cuts: dict[int, float] = {}
+    for i in lower:  # borrowing first: it is best effort, lowest class first, as much as needed
+        cuts[i] = min(remaining, max(0.0, level[i] - cfg.shares[i]))
+        remaining -= cuts[i]
+    for i in lower:  # then guarantees, lowest class first, each by at most tighten_step of its use
+        room = min(level[i] - cuts[i] - cfg.floors[i], cfg.tighten_step * level[i])
+        take = min(remaining, max(0.0, room))
+        cuts[i] += take
+        remaining -= take
+    for i, take in cuts.items():
+        new = level[i] - take
+        if take > 0 and new < cls[i].allowance * (1 - cfg.min_change):
+            plan.cut(i, new, f"tighten_lower_for_{cfg.classes[k]}", owner=k)
+    for i in lower:  # classes this step did not cut: say why
+        if i not in plan.moved and cls[i].allowance <= cfg.floors[i] * (1 + cfg.min_change):
+            plan.reasons[i] = "floor"
+        elif i not in plan.moved and level[i] <= cfg.floors[i]:
+            plan.reasons[i] = "unused"  # too little load to be the interference
+    if any(i in plan.moved for i in lower):
+        return
+    new = max(cfg.floors[k], (1 - cfg.tighten_step) * min(cls[k].allowance, plan.used[k]))
+    if new < cls[k].allowance * (1 - cfg.min_change):
+        plan.cut(k, new, "tighten_self", owner=k)
+    else:
+        plan.reasons[k] = "floor"
+
+
+def _relax(plan: _Plan, status: list[str]) -> None:
+    """Everyone at and above i comfortable, i used its allowance: grow a_i, one tier at a time."""
+    cfg = plan.config
+    candidates: list[tuple[int, int, float]] = []
+    for i, c in enumerate(plan.classes):
+        above = status[: i + 1]
+        if "band" in above:
+            continue  # reason stays 'hold'
+        limit = cfg.ceilings[i] if c.cap is None else min(cfg.ceilings[i], c.cap)
+        new = min(limit, c.allowance * (1 + cfg.relax_step))
+        if "waiting" in above:
+            plan.reasons[i] = "waiting"
+        elif new <= c.allowance * (1 + cfg.min_change):
+            plan.reasons[i] = "ceiling" if limit == cfg.ceilings[i] else "capped"
+        elif plan.used[i] < cfg.use_threshold * c.allowance:
+            plan.reasons[i] = "unused"  # anti-windup: more budget would change nothing
+        else:
+            tier = 0 if i == 0 else (1 if c.allowance < cfg.shares[i] else 2)
+            candidates.append((tier, i, new))
+    if candidates:
+        first = min(t for t, _, _ in candidates)
+        for tier, i, new in candidates:
+            if tier == first:
+                plan.set(i, new, "relax")
+            else:
+                plan.reasons[i] = "priority"  # a higher tier is being restored first
+
+
+def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
+    """One controller tick: the new state and rates, with a reason per class."""
+    cfg = state.config
+    _check_inputs(cfg, inputs)
+    old_rates = state.rates()
+    ins = [inputs.classes[name] for name in cfg.classes]
+
+    if abs(inputs.capacity - state.capacity) > cfg.capacity_deadband * state.capacity:
+        # Rescale every rate at once (a lost worker must not overload the rest); shares and
+        # allowances are unchanged, remembered limits are void: the plant changed.
+        classes = tuple(ClassState(c.name, c.allowance) for c in state.classes)
+        new_state = ControlState(cfg, float(inputs.capacity), classes, now_ms)
+        reasons = ["capacity_change"] * len(ins)
+        return _finish(new_state, ins, old_rates, reasons, now_ms, True, state.capacity)
+
+    used = [min(1.0, inp.used / state.capacity) for inp in ins]
+    plan = _Plan(state, used)
+    for i, c in enumerate(plan.classes):  # forget limits whose reason (the owner's load) moved
+        if c.cap is not None and c.cap_owner is not None:
+            ref, now = c.cap_ref, used[cfg.classes.index(c.cap_owner)]
+            if abs(now - ref) > cfg.reset_load_change * max(ref, 1e-9):
+                plan.classes[i] = replace(c, cap=None, cap_owner=None, cap_ref=0.0)
+
+    status = [_status(cfg, inp, c.recovering) for inp, c in zip(ins, state.classes, strict=True)]
+    violating = [k for k, s in enumerate(status) if s == "violating"]
+    for k in violating:
+        if not any(i in plan.moved for i in range(k, len(ins))):
+            _tighten(plan, k)
+    if not violating:
+        _relax(plan, status)
+
+    cooling = state.last_change_ms is not None and now_ms - state.last_change_ms < cfg.cooldown_s * 1000
+    if plan.moved and cooling:
+        for i in plan.moved:
+            plan.classes[i] = state.classes[i]  # at most one change per cooldown
+            plan.reasons[i] = "cooldown"
+        plan.moved.clear()
+    for i, (s, c) in enumerate(zip(status, plan.classes, strict=True)):  # episodes end at target
+        plan.classes[i] = replace(c, recovering=c.recovering if s == "waiting" else s == "violating")
+    last = now_ms if plan.moved else state.last_change_ms
+    new_state = ControlState(cfg, state.capacity, tuple(plan.classes), last)
+    return _finish(new_state, ins, old_rates, plan.reasons, now_ms, bool(plan.moved), state.capacity)
+
+
+def _finish(
+    new: ControlState,
+    ins: list[ClassInputs],
+    old_rates: dict[str, ClassRates],
+    reasons: list[str],
+    now_ms: float,
+    changed: bool,
+    old_capacity: float,
+) -> Decision:
+    new_rates = new.rates()
+    out = []
+    for c, inp, reason in zip(new.classes, ins, reasons, strict=True):
+        if (
+            reason not in ACTIONS
+            and not reason.startswith("tighten_lower_for_")
+            and new_rates[c.name] != old_rates[c.name]
+        ):
+            reason = "rebalance"  # its guarantee moved because another class's guarantee did
+        out.append(
+            ClassDecision(
+                c.name,
+                reason,
+                inp.compliance,
+                inp.window_compliance,
+                inp.samples,
+                inp.used,
+                c.allowance,
+                old_rates[c.name],
+                new_rates[c.name],
+            )
+        )
+    return Decision(now_ms, changed, old_capacity, new.capacity, new, tuple(out))

@@ -1,0 +1,268 @@
+"""Per-class SLO compliance over a sliding window of latency samples.
+
+Workers (and the Lua scripts, for outcomes decided inside Redis) push one sample per
+finished request to the samples stream. The controller decodes each with
+:func:`decode_sample` -- a bad sample raises :class:`InvalidArgument` naming the field, so
+the role can count it, ack it and move on -- and feeds it to a :class:`SloMonitor`.
+
+Compliance of a class = share of its judged samples that met the class SLO, over the last
+``size`` judged samples (default 1000, the seed's window), optionally also limited to the
+last ``max_age_s`` seconds so an idle class's verdict does not live forever.
+
+Judging (see :meth:`ClassSLO.judge`):
+
+* ``cancelled`` samples are ignored: the client left, the system did not fail it.
+* ``expired`` and ``failed`` samples are violations: the request got no answer in time.
+* ``ok`` samples meet the SLO when every latency the class has a target for is within it
+  (TTFT against ``ttft_ms``; the mean time per output token against ``tpot_ms`` -- the mean,
+  because the target is about the stream's pace; one slow step shows up in the mean of a
+  short answer anyway). A metric the sample lacks (a 1-token answer has no TPOT) is not
+  judged.
+* A class without any target (P2 by default) has no compliance: ``None``, never 1.0, so a
+  dashboard does not show a perfect score for something nobody measured, and the control
+  law ignores it.
+
+The window also keeps a *fresh* subset: samples newer than the last :meth:`SloWindow.mark`.
+Whenever it changes the rates the role marks the windows (at ``Decision.evidence_from_ms``,
+a little after the change), and the control law judges only fresh evidence, so it never
+reacts twice to latency caused by rates it already changed.
+Updates are O(1) amortised: a deque used as a ring buffer plus running counts; only
+``mark`` (once per rate change) rescans.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+from limiter.errors import InvalidArgument
+from limiter.keys import NAME_RE
+
+OUTCOMES = ("ok", "expired", "cancelled", "failed")
+DEFAULT_WINDOW = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One finished request, as the controller sees it. Times are ms; ``ts_ms`` is Redis time."""
+
+    cls: str
+    outcome: str
+    ts_ms: float
+    input_tokens: int
+    output_tokens: int
+    queue_wait_ms: float
+    e2e_ms: float
+    ttft_ms: float | None = None
+    tpot_mean_ms: float | None = None
+    tpot_max_ms: float | None = None
+    worker: str = ""
+
+
+def _text(value: object) -> object:
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+
+
+def _number(raw: Mapping[str, object], name: str, required: bool) -> float | None:
+    value = raw.get(name)
+    if value is None:
+        if required:
+            raise InvalidArgument(f"sample.{name}", "missing")
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise InvalidArgument(f"sample.{name}", f"expected a number, got {type(value).__name__}")
+    if not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"sample.{name}", f"must be a finite number >= 0, got {value!r}")
+    return float(value)
+
+
+def _required(raw: Mapping[str, object], name: str) -> float:
+    value = _number(raw, name, required=True)
+    assert value is not None  # _number raised for a missing required field
+    return value
+
+
+def _count(raw: Mapping[str, object], name: str) -> int:
+    value = _required(raw, name)
+    if value != int(value):
+        raise InvalidArgument(f"sample.{name}", f"must be a whole number, got {value!r}")
+    return int(value)
+
+
+def decode_sample(raw: object, classes: Collection[str] | None = None) -> Sample:
+    """Validate one raw sample (a msgpack-decoded map) and return it as a :class:`Sample`.
+
+    Required: ``class``, ``outcome``, ``ts_ms``, ``input_tokens``, ``output_tokens``,
+    ``queue_wait_ms``, ``e2e_ms``. Optional: ``ttft_ms``, ``tpot_mean_ms``, ``tpot_max_ms``
+    (Redis-side samples of requests that never ran have none of them) -- except that an ``ok``
+    sample that produced tokens must carry ``ttft_ms``, or its SLO could not be judged.
+    Bytes keys and values (msgpack ``raw=True``) are accepted; unknown fields are ignored.
+    Raises :class:`InvalidArgument` whose ``field`` names the offending field.
+    """
+    if not isinstance(raw, Mapping):
+        raise InvalidArgument("sample", f"expected a map, got {type(raw).__name__}")
+    fields: dict[str, object] = {str(_text(k)): v for k, v in raw.items()}
+    cls = _text(fields.get("class"))
+    if not isinstance(cls, str) or not NAME_RE.fullmatch(cls):
+        raise InvalidArgument("sample.class", f"expected a class name, got {cls!r}")
+    if classes is not None and cls not in classes:
+        raise InvalidArgument("sample.class", f"unknown class {cls!r}")
+    outcome = _text(fields.get("outcome"))
+    if outcome not in OUTCOMES:
+        raise InvalidArgument("sample.outcome", f"expected one of {OUTCOMES}, got {outcome!r}")
+    output_tokens = _count(fields, "output_tokens")
+    ttft = _number(fields, "ttft_ms", required=outcome == "ok" and output_tokens > 0)
+    worker = _text(fields.get("worker", ""))
+    return Sample(
+        cls=cls,
+        outcome=str(outcome),
+        ts_ms=_required(fields, "ts_ms"),
+        input_tokens=_count(fields, "input_tokens"),
+        output_tokens=output_tokens,
+        queue_wait_ms=_required(fields, "queue_wait_ms"),
+        e2e_ms=_required(fields, "e2e_ms"),
+        ttft_ms=ttft,
+        tpot_mean_ms=_number(fields, "tpot_mean_ms", required=False),
+        tpot_max_ms=_number(fields, "tpot_max_ms", required=False),
+        worker=worker if isinstance(worker, str) else "",
+    )
+
+
+@dataclass(frozen=True)
+class ClassSLO:
+    """A class's latency targets in ms; ``None`` = no target for that metric."""
+
+    ttft_ms: float | None = None
+    tpot_ms: float | None = None
+
+    @property
+    def has_target(self) -> bool:
+        return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def judge(self, sample: Sample) -> bool | None:
+        """True = met, False = violated, None = not counted (cancelled, or no target at all)."""
+        if sample.outcome == "cancelled" or not self.has_target:
+            return None
+        if sample.outcome != "ok":
+            return False
+        if self.ttft_ms is not None and sample.ttft_ms is not None and sample.ttft_ms > self.ttft_ms:
+            return False
+        tpot = sample.tpot_mean_ms
+        return not (self.tpot_ms is not None and tpot is not None and tpot > self.tpot_ms)
+
+
+# P0 interactive: first token within 500 ms, 50 ms/token (20 tokens/s, faster than reading).
+# P1 normal: looser. P2 batch: no latency target (its bound is the queue's max wait).
+DEFAULT_SLOS: dict[str, ClassSLO] = {
+    "P0": ClassSLO(ttft_ms=500.0, tpot_ms=50.0),
+    "P1": ClassSLO(ttft_ms=2000.0, tpot_ms=150.0),
+    "P2": ClassSLO(),
+}
+
+
+@dataclass(frozen=True)
+class WindowStats:
+    """A window's counts at one moment; ``compliance`` is None without a target or samples."""
+
+    count: int
+    met: int
+    fresh_count: int
+    fresh_met: int
+    has_target: bool
+
+    @property
+    def compliance(self) -> float | None:
+        return self.met / self.count if self.has_target and self.count else None
+
+    @property
+    def fresh_compliance(self) -> float | None:
+        return self.fresh_met / self.fresh_count if self.has_target and self.fresh_count else None
+
+
+class SloWindow:
+    """The last ``size`` judged samples of one class (and at most ``max_age_s`` old)."""
+
+    def __init__(self, slo: ClassSLO, size: int = DEFAULT_WINDOW, max_age_s: float | None = None) -> None:
+        if size < 1:
+            raise InvalidArgument("size", f"window must hold at least 1 sample, got {size}")
+        if max_age_s is not None and not max_age_s > 0:
+            raise InvalidArgument("max_age_s", f"must be > 0, got {max_age_s}")
+        self.slo = slo
+        self.size = size
+        self.max_age_ms = None if max_age_s is None else max_age_s * 1000.0
+        self._buf: deque[tuple[float, bool]] = deque()
+        self._met = 0
+        self._mark = -math.inf
+        self._fresh = 0
+        self._fresh_met = 0
+
+    def add(self, sample: Sample) -> bool | None:
+        """Judge and record one sample; returns the verdict (None = not recorded)."""
+        verdict = self.slo.judge(sample)
+        if verdict is None:
+            return None
+        self._buf.append((sample.ts_ms, verdict))
+        self._met += verdict
+        if sample.ts_ms > self._mark:
+            self._fresh += 1
+            self._fresh_met += verdict
+        if len(self._buf) > self.size:
+            self._drop()
+        self.expire(sample.ts_ms)
+        return verdict
+
+    def _drop(self) -> None:
+        ts, verdict = self._buf.popleft()
+        self._met -= verdict
+        if ts > self._mark:
+            self._fresh -= 1
+            self._fresh_met -= verdict
+
+    def expire(self, now_ms: float) -> None:
+        """Forget samples older than ``max_age_s`` (oldest first; samples arrive ~in order)."""
+        if self.max_age_ms is None:
+            return
+        cutoff = now_ms - self.max_age_ms
+        while self._buf and self._buf[0][0] < cutoff:
+            self._drop()
+
+    def mark(self, ts_ms: float) -> None:
+        """Start a new fresh subset: only samples with ``ts_ms`` after this count as fresh."""
+        self._mark = ts_ms
+        self._fresh = self._fresh_met = 0
+        for ts, verdict in self._buf:
+            if ts > ts_ms:
+                self._fresh += 1
+                self._fresh_met += verdict
+
+    def stats(self, now_ms: float | None = None) -> WindowStats:
+        if now_ms is not None:
+            self.expire(now_ms)
+        return WindowStats(len(self._buf), self._met, self._fresh, self._fresh_met, self.slo.has_target)
+
+
+class SloMonitor:
+    """One :class:`SloWindow` per class."""
+
+    def __init__(
+        self,
+        slos: Mapping[str, ClassSLO] | None = None,
+        size: int = DEFAULT_WINDOW,
+        max_age_s: float | None = None,
+    ) -> None:
+        self.windows = {name: SloWindow(slo, size, max_age_s) for name, slo in (slos or DEFAULT_SLOS).items()}
+
+    def add(self, sample: Sample) -> bool | None:
+        window = self.windows.get(sample.cls)
+        if window is None:
+            raise InvalidArgument("sample.class", f"no SLO window for class {sample.cls!r}")
+        return window.add(sample)
+
+    def mark(self, ts_ms: float) -> None:
+        for window in self.windows.values():
+            window.mark(ts_ms)
+
+    def stats(self, now_ms: float | None = None) -> dict[str, WindowStats]:
+        return {name: window.stats(now_ms) for name, window in self.windows.items()}

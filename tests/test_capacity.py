@@ -1,0 +1,127 @@
+"""Capacity and served-rate estimation (limiter/capacity.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from limiter.capacity import CapacityConfig, CapacityEstimator
+from limiter.errors import ConfigError, InvalidArgument
+from limiter.slo import Sample
+
+
+def done(
+    ts: float, cls: str = "P0", tokens: tuple[int, int] = (600, 400), wait: float = 0.0, outcome: str = "ok"
+) -> Sample:
+    ttft = None if outcome == "expired" else 100.0
+    return Sample(cls, outcome, ts, tokens[0], tokens[1], wait, 1000.0, ttft)
+
+
+def feed(
+    est: CapacityEstimator, seconds: int, per_s: int, wait: float, start_s: int = 0, cls: str = "P0"
+) -> None:
+    """``per_s`` requests of 1000 tokens each second: ``per_s`` x 1000 tokens/s served."""
+    for sec in range(start_s, start_s + seconds):
+        for i in range(per_s):
+            est.observe_sample(done(sec * 1000.0 + i * (1000.0 / per_s), cls, wait=wait))
+
+
+def test_initial_until_enough_data() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0))
+    assert est.estimate(0.0).value == 50_000.0 and est.estimate(0.0).source == "initial"
+    feed(est, seconds=2, per_s=10, wait=500.0)
+    est.advance(2000.0)
+    assert est.estimate().source == "initial"  # 2 busy intervals < min_busy_intervals (3)
+
+
+def test_busy_intervals_measure_capacity() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5))
+    feed(est, seconds=20, per_s=20, wait=500.0)  # 20 req/s x 1000 tokens, everyone queued
+    estimate = est.estimate(20_000.0)
+    assert estimate.source == "samples" and estimate.busy_intervals == 20
+    assert estimate.value == pytest.approx(20_000.0)
+
+
+def test_idle_throughput_is_only_a_lower_bound() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=1.0))
+    feed(est, seconds=5, per_s=20, wait=500.0)  # busy: capacity 20k
+    feed(est, seconds=5, per_s=5, wait=0.0, start_s=5)  # idle at 5k: does not lower it
+    assert est.estimate(10_000.0).value == pytest.approx(20_000.0)
+    feed(est, seconds=2, per_s=30, wait=0.0, start_s=10)  # served 30k without queueing: raise
+    assert est.estimate(12_000.0).value == pytest.approx(30_000.0)
+
+
+def test_workers_win_and_follow_joins_and_leaves() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0))
+    feed(est, seconds=5, per_s=20, wait=500.0)
+    est.observe_worker("w1", 12_000.0, 5000.0)
+    est.observe_worker("w2", 10_000.0, 5000.0)
+    assert (est.estimate().value, est.estimate().source, est.estimate().live_workers) == (
+        22_000.0,
+        "workers",
+        2,
+    )
+    est.observe_worker("w1", 14_000.0, 6000.0)  # EWMA, alpha 0.5: 13k
+    assert est.estimate().value == pytest.approx(23_000.0)
+    est.observe_worker("w3", 9_000.0, 7000.0)  # a worker joins: counted at once
+    assert est.estimate().value == pytest.approx(32_000.0)
+    est.remove_worker("w3")  # clean shutdown
+    assert est.estimate().value == pytest.approx(23_000.0)
+    est.observe_worker("w1", 13_000.0, 15_500.0)
+    # w2 last seen at 5 s: silent for more than 10 s at 15.5 s -> gone.
+    assert est.estimate(15_500.0).value == pytest.approx(13_000.0)
+    est.advance(40_000.0)  # every worker silent: back to the sample estimate
+    assert est.estimate().source == "samples"
+
+
+def test_work_counts_what_the_pool_actually_did() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=1.0, weights={"P2": (0.5, 2.0)}))
+    assert est.work(done(0.0, "P0", (600, 400))) == 1000.0
+    assert est.work(done(0.0, "P2", (600, 400))) == 300.0 + 800.0
+    assert est.work(done(0.0, "P0", (600, 0), outcome="expired")) == 0.0  # never ran
+    cancelled_in_queue = Sample("P0", "cancelled", 0.0, 600, 0, 50.0, 50.0, None)
+    assert est.work(cancelled_in_queue) == 0.0
+    cancelled_streaming = Sample("P0", "cancelled", 0.0, 600, 30, 50.0, 900.0, 120.0)
+    assert est.work(cancelled_streaming) == 630.0
+
+
+def test_served_rate_per_class_over_recent_intervals() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=1.0, rate_intervals=4))
+    assert est.served_rate("P0") == 0.0
+    feed(est, seconds=4, per_s=10, wait=0.0, cls="P0")
+    feed(est, seconds=4, per_s=3, wait=0.0, cls="P2")
+    est.advance(4000.0)
+    assert est.served_rate("P0") == pytest.approx(10_000.0)
+    assert est.served_rate("P2") == pytest.approx(3_000.0)
+    est.advance(6000.0)  # two idle seconds: half of the window is zero
+    assert est.served_rate("P0") == pytest.approx(5_000.0)
+    est.advance(60_000.0)
+    assert est.served_rate("P0") == 0.0
+
+
+def test_late_sample_counts_in_the_open_interval() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=1.0, rate_intervals=1))
+    est.observe_sample(done(5000.0))
+    est.observe_sample(done(3000.0))  # older timestamp: the work was still done
+    est.advance(6000.0)
+    assert est.served_rate("P0") == pytest.approx(2000.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("initial", 0.0), ("alpha", 1.5), ("interval_s", 0.0), ("busy_share", 0.0), ("rate_intervals", 0)],
+)
+def test_config_errors_name_the_field(field: str, value: float) -> None:
+    kwargs: dict[str, float] = {"initial": 1000.0, field: value}
+    with pytest.raises(ConfigError) as err:
+        CapacityConfig(**kwargs).validate()  # type: ignore[arg-type]
+    assert err.value.path == f"controller.capacity.{field}"
+
+
+def test_bad_weights_and_heartbeats_are_rejected() -> None:
+    with pytest.raises(ConfigError) as err:
+        CapacityConfig(initial=1.0, weights={"P1": (1.0, -1.0)}).validate()
+    assert err.value.path == "controller.capacity.weights.P1"
+    est = CapacityEstimator(CapacityConfig(initial=1.0))
+    for bad in (-1.0, float("nan"), True):
+        with pytest.raises(InvalidArgument):
+            est.observe_worker("w1", bad, 0.0)  # type: ignore[arg-type]

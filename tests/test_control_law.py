@@ -1,0 +1,316 @@
+"""The control law, pure: given compliance, use and capacity, the decision is as documented."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from limiter.control_law import ClassInputs, ClassState, ControlConfig, ControlState, Decision, Inputs, decide
+from limiter.errors import ConfigError, InvalidArgument
+
+C = 100_000.0
+CFG = ControlConfig()
+Obs = tuple[float | None, int, float]  # (fresh compliance, fresh samples, used share of C)
+
+
+def inputs(
+    p0: Obs = (0.995, 1000, 0.45),
+    p1: Obs = (0.995, 1000, 0.30),
+    p2: Obs = (None, 0, 0.05),
+    capacity: float = C,
+) -> Inputs:
+    def one(obs: Obs, has_slo: bool = True) -> ClassInputs:
+        return ClassInputs(obs[0], obs[1], obs[2] * C, has_slo)
+
+    return Inputs(capacity, {"P0": one(p0), "P1": one(p1), "P2": one(p2, has_slo=False)})
+
+
+def state(
+    allowances: tuple[float, float, float] = (1.0, 1.0, 0.5), cfg: ControlConfig = CFG, **kw
+) -> ControlState:
+    classes = tuple(ClassState(n, a) for n, a in zip(cfg.classes, allowances, strict=True))
+    return dataclasses.replace(ControlState.initial(cfg, C), classes=classes, **kw)
+
+
+def allowances(d: Decision) -> tuple[float, ...]:
+    return tuple(round(c.allowance, 6) for c in d.state.classes)
+
+
+def reasons(d: Decision) -> tuple[str, ...]:
+    return tuple(c.reason for c in d.classes)
+
+
+# --- configuration ----------------------------------------------------------------------
+def test_defaults_are_the_seed_numbers() -> None:
+    assert (CFG.target, CFG.low, CFG.relax_step, CFG.tighten_step) == (0.99, 0.95, 0.05, 0.10)
+    assert (CFG.cooldown_s, CFG.window, CFG.shares, CFG.burst_s) == (5.0, 1000, (0.60, 0.35, 0.05), 0.5)
+    rates = ControlState.initial(CFG, C).rates()
+    assert [r.rate for r in rates.values()] == pytest.approx([60_000.0, 35_000.0, 5_000.0])
+    assert [r.ceil for r in rates.values()] == pytest.approx([100_000.0, 100_000.0, 50_000.0])
+    assert rates["P0"].burst == pytest.approx(30_000.0)  # 0.5 s of rate
+    assert rates["P2"].ceil_burst == pytest.approx(25_000.0)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("classes", ("P0", "P0", "P2")),
+        ("classes", ("P0", "P{1}", "P2")),
+        ("shares", (0.6, 0.35, 0.1)),
+        ("shares", (0.6, 0.4)),
+        ("floors", (0.3, 0.4, 0.01)),
+        ("floors", (0.0, 0.1, 0.01)),
+        ("ceilings", (1.0, 0.3, 0.5)),
+        ("ceilings", (1.0, 1.0, 1.5)),
+        ("low", 0.995),
+        ("target", 1.5),
+        ("tighten_step", 1.0),
+        ("relax_step", 0.0),
+        ("cooldown_s", -1.0),
+        ("settle_s", 6.0),
+        ("min_samples", 2000),
+        ("burst_s", 0.0),
+        ("use_threshold", 0.0),
+        ("capacity_deadband", 1.0),
+        ("min_change", 0.05),
+    ],
+)
+def test_validate_names_the_field(field: str, value: object) -> None:
+    with pytest.raises(ConfigError) as err:
+        dataclasses.replace(CFG, **{field: value}).validate()
+    assert err.value.path == f"controller.{field}"
+    assert CFG.validate() is CFG
+
+
+# --- tighten ----------------------------------------------------------------------------
+def test_hold_in_the_band() -> None:
+    d = decide(state(), inputs(p0=(0.97, 1000, 0.45)), 0.0)
+    assert not d.changed
+    assert reasons(d) == ("hold", "hold", "hold")
+    assert d.state.classes == state().classes
+
+
+def test_p0_violation_cuts_lower_borrowing_first() -> None:
+    # P2 floods and borrows (uses 25 % with a 5 % share); P1 is inside its guarantee.
+    d = decide(state(), inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.25)), 0.0)
+    assert d.changed
+    # tighten_step of the lower load (0.30 + 0.25) = 0.055, all of it from P2's borrowing.
+    assert allowances(d) == (1.0, 1.0, 0.195)
+    assert reasons(d) == ("hold", "hold", "tighten_lower_for_P0")
+    new = {c.name: c.new for c in d.classes}
+    assert new["P2"].ceil == pytest.approx(19_500.0) and new["P2"].rate == pytest.approx(5_000.0)
+    assert new["P1"].rate == pytest.approx(35_000.0)  # P1's guarantee untouched while P2 borrows
+
+
+def test_then_guarantees_lowest_first_by_at_most_a_step_each() -> None:
+    d = decide(state((1.0, 1.0, 0.05)), inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.05)), 0.0)
+    # need 0.1 x 0.35 = 0.035: P2 gives 10 % of its use (0.005), P1 the remaining 0.030.
+    assert allowances(d) == (1.0, 0.27, 0.045)
+    assert reasons(d) == ("rebalance", "tighten_lower_for_P0", "tighten_lower_for_P0")
+    rates = [c.new.rate for c in d.classes]
+    assert rates == pytest.approx([68_500.0, 27_000.0, 4_500.0])  # freed guarantee returns to P0
+    assert sum(rates) == pytest.approx(C)
+
+
+def test_p0_cuts_itself_only_when_lower_classes_are_at_their_floors() -> None:
+    floors = (1.0, CFG.floors[1], CFG.floors[2])
+    d = decide(state(floors), inputs(p0=(0.80, 1000, 0.45), p1=(0.99, 1000, 0.105), p2=(None, 0, 0.015)), 0.0)
+    assert reasons(d) == ("tighten_self", "floor", "floor")
+    assert allowances(d)[0] == pytest.approx(0.405)  # 10 % below its own use
+    at_floor = state((CFG.floors[0], *floors[1:]))
+    d = decide(at_floor, inputs(p0=(0.50, 1000, 0.30), p1=(0.99, 1000, 0.105), p2=(None, 0, 0.015)), 0.0)
+    assert not d.changed
+    assert reasons(d) == ("floor", "floor", "floor")
+
+
+def test_p1_violation_tightens_p2() -> None:
+    d = decide(state(), inputs(p1=(0.90, 1000, 0.30), p2=(None, 0, 0.20)), 0.0)
+    assert reasons(d) == ("hold", "hold", "tighten_lower_for_P1")
+    assert allowances(d) == (1.0, 1.0, 0.18)
+    d = decide(state((1.0, 1.0, CFG.floors[2])), inputs(p1=(0.90, 1000, 0.30), p2=(None, 0, 0.015)), 0.0)
+    assert reasons(d) == ("rebalance", "tighten_self", "floor")
+    assert allowances(d)[1] == pytest.approx(0.27)
+
+
+def test_a_violation_episode_lasts_until_the_target_is_back() -> None:
+    flood = {"p2": (None, 0, 0.25)}
+    d = decide(state(), inputs(p0=(0.90, 1000, 0.45), **flood), 0.0)
+    assert d.state.classes[0].recovering
+    # 97 % is inside the hold band, but P0 has not recovered yet: keep cutting.
+    d = decide(d.state, inputs(p0=(0.97, 1000, 0.45), p2=(None, 0, 0.195)), 5000.0)
+    assert reasons(d)[2] == "tighten_lower_for_P0" and d.state.classes[0].recovering
+    waiting = decide(d.state, inputs(p0=(0.999, 50, 0.45), p2=(None, 0, 0.15)), 10_000.0)
+    assert waiting.state.classes[0].recovering  # too few samples to end the episode
+    d = decide(d.state, inputs(p0=(0.992, 1000, 0.45), p2=(None, 0, 0.15)), 10_000.0)
+    assert not d.state.classes[0].recovering
+    # Outside an episode the band holds.
+    d = decide(d.state, inputs(p0=(0.97, 1000, 0.45), p2=(None, 0, 0.15)), 15_000.0)
+    assert not d.changed and reasons(d) == ("hold", "hold", "hold")
+
+
+def test_no_verdict_without_enough_fresh_samples() -> None:
+    d = decide(state(), inputs(p0=(0.10, 150, 0.45), p2=(None, 0, 0.25)), 0.0)
+    assert not d.changed  # 150 < min_samples: a few bad samples are not evidence
+
+
+def test_a_class_with_almost_no_load_is_not_the_interference() -> None:
+    d = decide(state(), inputs(p0=(0.90, 1000, 0.45), p1=(0.99, 1000, 0.01), p2=(None, 0, 0.0)), 0.0)
+    assert reasons(d) == ("tighten_self", "unused", "unused")
+
+
+# --- relax ------------------------------------------------------------------------------
+def test_relax_grows_a_class_that_used_its_allowance() -> None:
+    d = decide(state((1.0, 1.0, 0.2)), inputs(p2=(None, 0, 0.2)), 0.0)
+    assert reasons(d) == ("ceiling", "ceiling", "relax")
+    assert allowances(d) == (1.0, 1.0, 0.21)
+
+
+def test_relax_anti_windup_and_blockers() -> None:
+    low_use = decide(state((1.0, 1.0, 0.2)), inputs(p2=(None, 0, 0.1)), 0.0)
+    assert reasons(low_use)[2] == "unused" and not low_use.changed
+    p1_in_band = decide(state((1.0, 1.0, 0.2)), inputs(p1=(0.97, 1000, 0.3), p2=(None, 0, 0.2)), 0.0)
+    assert reasons(p1_in_band)[2] == "hold" and not p1_in_band.changed
+    p0_waiting = decide(state((1.0, 1.0, 0.2)), inputs(p0=(1.0, 50, 0.45), p2=(None, 0, 0.2)), 0.0)
+    assert reasons(p0_waiting)[2] == "waiting" and not p0_waiting.changed
+    # No P0 traffic at all: nothing to protect, so it does not block.
+    p0_idle = decide(state((1.0, 1.0, 0.2)), inputs(p0=(None, 0, 0.0), p2=(None, 0, 0.2)), 0.0)
+    assert reasons(p0_idle)[2] == "relax"
+
+
+def test_relax_stops_at_the_ceiling() -> None:
+    d = decide(state((1.0, 1.0, 0.49)), inputs(p2=(None, 0, 0.49)), 0.0)
+    assert allowances(d)[2] == 0.5
+    d = decide(state((1.0, 1.0, 0.5)), inputs(p2=(None, 0, 0.5)), 0.0)
+    assert reasons(d)[2] == "ceiling" and not d.changed
+
+
+def test_relax_restores_in_reverse_order_of_cuts() -> None:
+    # P0 cut itself, P1 lost guarantee, P2 borrows: P0 first, then guarantees, then borrowing.
+    s = state((0.5, 0.2, 0.1))
+    obs = {"p0": (1.0, 1000, 0.5), "p1": (1.0, 1000, 0.2), "p2": (None, 0, 0.1)}
+    d = decide(s, inputs(**obs), 0.0)
+    assert reasons(d) == ("relax", "priority", "priority")
+    assert allowances(d) == (0.525, 0.2, 0.1)
+    d = decide(state((1.0, 0.2, 0.1)), inputs(**obs), 0.0)
+    assert reasons(d) == ("rebalance", "relax", "priority")
+    d = decide(state((1.0, 0.2, 0.04)), inputs(p1=(1.0, 1000, 0.2), p2=(None, 0, 0.04)), 0.0)
+    assert reasons(d) == ("rebalance", "relax", "relax")  # both restoring guarantees
+
+
+# --- memory, cooldown, capacity ---------------------------------------------------------
+def test_relax_returns_at_most_one_step_toward_where_p0_broke() -> None:
+    flood = {"p2": (None, 0, 0.25)}
+    d = decide(state(), inputs(p0=(0.90, 1000, 0.45), **flood), 0.0)
+    assert allowances(d)[2] == pytest.approx(0.195)
+    cap = d.state.classes[2].cap
+    assert cap == pytest.approx(0.195 * 1.05)  # one step, less than halfway back to 0.25
+    d = decide(d.state, inputs(p2=(None, 0, 0.195)), 5000.0)
+    assert reasons(d)[2] == "relax" and allowances(d)[2] == pytest.approx(cap)
+    d = decide(d.state, inputs(p2=(None, 0, cap)), 10_000.0)
+    assert reasons(d)[2] == "capped" and not d.changed
+    # P0's load fell by a third: the reason for the limit is gone, relaxing resumes.
+    d = decide(d.state, inputs(p0=(1.0, 1000, 0.30), p2=(None, 0, cap)), 15_000.0)
+    assert reasons(d)[2] == "relax" and d.state.classes[2].cap is None
+
+
+def test_cooldown_allows_one_change_per_period() -> None:
+    violating = inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.25))
+    first = decide(state(), violating, 1000.0)
+    assert first.changed and first.state.last_change_ms == 1000.0
+    early = decide(first.state, violating, 5999.0)
+    assert not early.changed and reasons(early)[2] == "cooldown"
+    assert early.state.classes == first.state.classes
+    later = decide(first.state, violating, 6000.0)
+    assert later.changed and reasons(later)[2] == "tighten_lower_for_P0"
+
+
+def test_capacity_change_rescales_at_once_and_clears_memory() -> None:
+    cut = decide(state(), inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.25)), 0.0)
+    d = decide(cut.state, inputs(capacity=80_000.0), 100.0)  # inside the cooldown: still applied
+    assert d.changed and set(reasons(d)) == {"capacity_change"}
+    assert (d.old_capacity, d.capacity) == (C, 80_000.0)
+    assert [c.new.rate for c in d.classes] == pytest.approx([0.8 * c.old.rate for c in d.classes])
+    assert all(c.cap is None for c in d.state.classes)
+    small = decide(d.state, inputs(capacity=78_000.0), 200.0)  # 2.5 %: inside the dead band
+    assert small.capacity == 80_000.0 and not small.changed
+
+
+def test_evidence_starts_after_the_pool_settled_on_a_change() -> None:
+    d = decide(state(), inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.25)), 1000.0)
+    assert d.evidence_from_ms == 1000.0 + CFG.settle_s * 1000
+    assert decide(d.state, inputs(), 2000.0).evidence_from_ms is None  # nothing changed
+
+
+def test_decision_is_loggable_and_writable() -> None:
+    d = decide(state(), inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.25)), 0.0)
+    record = json.loads(json.dumps(d.record()))
+    p2 = record["classes"]["P2"]
+    assert p2["reason"] == "tighten_lower_for_P0" and p2["old"]["ceil"] == 50_000.0
+    assert record["classes"]["P0"]["compliance"] == 0.90
+    fields = d.policy_fields()
+    assert fields["P2.ceil"] == pytest.approx(19_500.0) and fields["pool_burst"] == C * 0.5
+    assert set(fields) >= {"P0.rate", "P1.burst", "P2.ceil_burst", "capacity"}
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        Inputs(0.0, inputs().classes),
+        Inputs(C, {"P0": ClassInputs(1.0, 10, 1.0)}),
+        inputs(p0=(1.5, 1000, 0.45)),
+        inputs(p1=(1.0, 1000, -0.1)),
+    ],
+)
+def test_bad_inputs_are_rejected(bad: Inputs) -> None:
+    with pytest.raises(InvalidArgument):
+        decide(state(), bad, 0.0)
+
+
+# --- no limit cycle on the steepest plant -----------------------------------------------
+def run_step_plant(cfg: ControlConfig, decisions: int = 120) -> list[int]:
+    """P2 floods; P0 is fine iff P2 gets <= 12 % of capacity. Returns the tick of each change."""
+    s = ControlState.initial(cfg, C)
+    changes = []
+    for tick in range(decisions):
+        p2 = min(s.classes[2].allowance, 0.25)
+        p0_ok = 0.999 if p2 <= 0.12 else 0.90
+        d = decide(s, inputs(p0=(p0_ok, 1000, 0.45), p2=(None, 0, p2)), tick * cfg.cooldown_s * 1000)
+        if d.changed:
+            changes.append(tick)
+        s = d.state
+    return changes
+
+
+def test_memory_prevents_a_limit_cycle_even_on_a_step_plant() -> None:
+    settled = run_step_plant(CFG)
+    assert settled and max(settled) < 20  # a finite number of changes, then none
+    cycling = run_step_plant(dataclasses.replace(CFG, memory=False))
+    assert max(cycling) > 100  # without it: tighten, relax, ... forever
+
+
+# --- invariants under arbitrary inputs --------------------------------------------------
+obs = st.tuples(st.one_of(st.none(), st.floats(0.0, 1.0)), st.integers(0, 1000), st.floats(0.0, 1.0))
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(obs, obs, obs, st.floats(0.5, 2.0), st.integers(0, 8000)), min_size=1, max_size=40))
+def test_invariants_hold_for_any_input_sequence(steps: list) -> None:
+    s, now, last_change = ControlState.initial(CFG, C), 0.0, None
+    for p0, p1, p2, cap_factor, dt in steps:
+        now += dt
+        d = decide(s, inputs(p0, p1, p2, capacity=C * cap_factor), now)
+        cap = d.capacity
+        rates = {c.name: c.new for c in d.classes}
+        assert sum(r.rate for r in rates.values()) <= cap * (1 + 1e-9)
+        for i, r in enumerate(rates.values()):
+            assert CFG.floors[i] * cap * (1 - 1e-9) <= r.rate <= r.ceil <= cap * (1 + 1e-9)
+            assert r.burst == pytest.approx(r.rate * CFG.burst_s)
+        if d.changed and "capacity_change" not in reasons(d):
+            assert last_change is None or now - last_change >= CFG.cooldown_s * 1000
+        if d.changed:
+            last_change = now
+        s = d.state

@@ -1,0 +1,196 @@
+"""SLO samples, judging and the sliding compliance window (limiter/slo.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from limiter.errors import InvalidArgument
+from limiter.slo import DEFAULT_SLOS, ClassSLO, Sample, SloMonitor, SloWindow, decode_sample
+
+
+def raw(**over: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "v": 1,
+        "pool": "llama",
+        "class": "P0",
+        "tenant": "acme",
+        "outcome": "ok",
+        "request_id": "r1",
+        "worker": "w1",
+        "input_tokens": 200,
+        "output_tokens": 100,
+        "queue_wait_ms": 12,
+        "ttft_ms": 180.5,
+        "tpot_mean_ms": 22.0,
+        "tpot_max_ms": 61.0,
+        "e2e_ms": 2400,
+        "ts_ms": 1_700_000_000_000,
+    }
+    base.update(over)
+    return {k: v for k, v in base.items() if v is not None}
+
+
+def sample(
+    cls: str = "P0",
+    outcome: str = "ok",
+    ts: float = 0.0,
+    ttft: float | None = 100.0,
+    tpot: float | None = None,
+) -> Sample:
+    return Sample(cls, outcome, ts, 10, 10, 0.0, 1.0, ttft, tpot, tpot)
+
+
+# --- decode_sample ----------------------------------------------------------------------
+def test_decode_full_sample() -> None:
+    s = decode_sample(raw(), classes=("P0", "P1", "P2"))
+    assert s == Sample("P0", "ok", 1.7e12, 200, 100, 12.0, 2400.0, 180.5, 22.0, 61.0, "w1")
+
+
+def test_decode_accepts_msgpack_bytes_and_redis_side_samples() -> None:
+    # A sample written by a Lua script for a request that expired in the queue: no TTFT/TPOT.
+    lua = raw(outcome="expired", ttft_ms=None, tpot_mean_ms=None, tpot_max_ms=None, output_tokens=0)
+    as_bytes = {k.encode(): (v.encode() if isinstance(v, str) else v) for k, v in lua.items()}
+    s = decode_sample(as_bytes)
+    assert (s.cls, s.outcome, s.ttft_ms, s.tpot_mean_ms, s.worker) == ("P0", "expired", None, None, "w1")
+
+
+@pytest.mark.parametrize(
+    "field", ["class", "outcome", "ts_ms", "input_tokens", "output_tokens", "queue_wait_ms", "e2e_ms"]
+)
+def test_decode_missing_required_field_names_it(field: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        decode_sample(raw(**{field: None}))
+    assert err.value.field == f"sample.{field}"
+    assert f"sample.{field}" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("ttft_ms", "180"),
+        ("ttft_ms", True),
+        ("ttft_ms", -1),
+        ("queue_wait_ms", float("nan")),
+        ("e2e_ms", float("inf")),
+        ("ts_ms", -5),
+        ("input_tokens", 1.5),
+        ("output_tokens", -2),
+        ("tpot_mean_ms", [1]),
+        ("outcome", "timeout"),
+        ("class", "P0:x"),
+        ("class", 7),
+    ],
+)
+def test_decode_rejects_bad_values(field: str, value: object) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        decode_sample(raw(**{field: value}))
+    assert err.value.field == f"sample.{field}"
+
+
+def test_decode_rejects_unknown_class_and_non_maps() -> None:
+    with pytest.raises(InvalidArgument, match="unknown class 'P9'"):
+        decode_sample(raw(**{"class": "P9"}), classes=("P0", "P1", "P2"))
+    with pytest.raises(InvalidArgument, match="expected a map"):
+        decode_sample([1, 2])
+
+
+def test_ok_sample_with_tokens_must_say_when_the_first_came() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        decode_sample(raw(ttft_ms=None))
+    assert err.value.field == "sample.ttft_ms"
+    assert decode_sample(raw(ttft_ms=None, output_tokens=0)).ttft_ms is None
+
+
+def test_whole_floats_count_as_token_counts() -> None:
+    assert decode_sample(raw(input_tokens=200.0)).input_tokens == 200
+
+
+# --- judging ----------------------------------------------------------------------------
+def test_judge_rules() -> None:
+    p0 = DEFAULT_SLOS["P0"]
+    assert p0.judge(sample(ttft=500.0)) is True  # the target itself is met
+    assert p0.judge(sample(ttft=500.1)) is False
+    assert p0.judge(sample(ttft=100.0, tpot=50.1)) is False
+    assert p0.judge(sample(ttft=100.0, tpot=None)) is True  # no TPOT: judged on TTFT alone
+    assert p0.judge(sample(outcome="expired", ttft=None)) is False
+    assert p0.judge(sample(outcome="failed", ttft=10.0)) is False
+    assert p0.judge(sample(outcome="cancelled", ttft=9999.0)) is None  # the client left
+    assert DEFAULT_SLOS["P2"].judge(sample("P2", ttft=99999.0)) is None
+    assert ClassSLO(tpot_ms=30.0).judge(sample(ttft=99999.0, tpot=20.0)) is True
+
+
+# --- window -----------------------------------------------------------------------------
+def test_window_counts_only_the_last_n_judged_samples() -> None:
+    w = SloWindow(DEFAULT_SLOS["P0"], size=4)
+    for ttft in (900, 900, 100, 100, 100):  # two violations, then three met
+        w.add(sample(ttft=ttft))
+    w.add(sample(outcome="cancelled"))  # ignored: does not push a met sample out
+    stats = w.stats()
+    assert (stats.count, stats.met) == (4, 3)
+    assert stats.compliance == pytest.approx(0.75)
+
+
+def test_window_running_counts_match_brute_force() -> None:
+    rng = random.Random(7)
+    w = SloWindow(DEFAULT_SLOS["P0"], size=50, max_age_s=2.0)
+    kept: list[tuple[float, bool]] = []
+    mark = float("-inf")
+    for i in range(3000):
+        ts = i * 10.0
+        if rng.random() < 0.01:
+            mark = ts
+            w.mark(ts)
+        outcome = rng.choice(["ok", "ok", "ok", "expired", "cancelled"])
+        verdict = w.add(sample(outcome=outcome, ts=ts, ttft=rng.choice([100.0, 800.0])))
+        if verdict is not None:
+            kept.append((ts, verdict))
+        kept = [(t, v) for t, v in kept[-50:] if t >= ts - 2000.0]
+        stats = w.stats(now_ms=ts)
+        fresh = [v for t, v in kept if t > mark]
+        assert (stats.count, stats.met) == (len(kept), sum(v for _, v in kept))
+        assert (stats.fresh_count, stats.fresh_met) == (len(fresh), sum(fresh))
+
+
+def test_max_age_forgets_an_idle_class() -> None:
+    w = SloWindow(DEFAULT_SLOS["P0"], size=1000, max_age_s=60.0)
+    w.add(sample(ts=0.0, ttft=900.0))
+    assert w.stats(now_ms=59_000).count == 1
+    assert w.stats(now_ms=61_000).compliance is None
+
+
+def test_mark_starts_fresh_evidence() -> None:
+    w = SloWindow(DEFAULT_SLOS["P0"])
+    for i in range(10):
+        w.add(sample(ts=float(i), ttft=900.0))
+    w.mark(9.0)
+    assert w.stats().fresh_compliance is None and w.stats().compliance == 0.0
+    w.add(sample(ts=10.0, ttft=100.0))
+    assert (w.stats().fresh_count, w.stats().fresh_compliance) == (1, 1.0)
+
+
+def test_class_without_slo_has_no_compliance() -> None:
+    m = SloMonitor()
+    m.add(sample("P2", ttft=99999.0))
+    assert m.stats()["P2"].compliance is None
+    assert m.stats()["P2"].has_target is False
+
+
+def test_monitor_routes_by_class_and_marks_all() -> None:
+    m = SloMonitor(size=10)
+    m.add(sample("P0", ttft=100.0, ts=1.0))
+    m.add(sample("P1", ttft=2500.0, ts=1.0))
+    m.mark(1.0)
+    stats = m.stats()
+    assert (stats["P0"].compliance, stats["P1"].compliance) == (1.0, 0.0)
+    assert stats["P0"].fresh_count == stats["P1"].fresh_count == 0
+    with pytest.raises(InvalidArgument, match="no SLO window for class 'P7'"):
+        m.add(sample("P7"))
+
+
+def test_window_rejects_bad_sizes() -> None:
+    with pytest.raises(InvalidArgument):
+        SloWindow(DEFAULT_SLOS["P0"], size=0)
+    with pytest.raises(InvalidArgument):
+        SloWindow(DEFAULT_SLOS["P0"], max_age_s=0)
