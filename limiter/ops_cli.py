@@ -1,0 +1,162 @@
+"""``qos status`` and ``qos top``: what a running deployment is doing, read from Redis alone.
+
+Both work against any deployment (they need only the config's pools and classes and the
+Redis URL), never write, and use :func:`limiter.status.snapshot`, the same view the
+frontend's admin endpoint serves. ``qos status --json`` is the scripting interface; its
+schema is documented in README.md ("qos status --json").
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from limiter.cli import common_args, load_config
+from limiter.config import QosConfig
+from limiter.keys import PoolKeys
+from limiter.redis_conn import open_redis
+from limiter.status import snapshot
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    st = sub.add_parser("status", help="one snapshot of queues, rates, buckets, workers (from Redis)")
+    st.add_argument("--json", action="store_true", help="print the snapshot as JSON (schema in README)")
+    st.add_argument("--decisions", type=int, default=5, help="recent controller decisions per pool")
+    common_args(st)
+    st.set_defaults(func=run_status)
+    top = sub.add_parser("top", help="a live terminal view of the deployment (from Redis)")
+    top.add_argument("--interval", type=float, default=1.0, help="refresh period in seconds")
+    top.add_argument("--iterations", type=int, default=0, help="stop after N refreshes (0 = until Ctrl-C)")
+    common_args(top)
+    top.set_defaults(func=run_top)
+
+
+async def full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[str, Any]:
+    """The status snapshot plus each worker's live stats and the last controller decisions."""
+    snap = await snapshot(client, cfg)
+    for name, pool in snap["pools"].items():
+        keys = PoolKeys(name)
+        for worker_id, info in pool["workers"].items():
+            raw = await client.hgetall(keys.worker(worker_id))
+            info.update({_s(k): _num(_s(v)) for k, v in raw.items()})
+        rows = await client.xrevrange(keys.decisions, count=decisions) if decisions > 0 else []
+        pool["decisions"] = [_decision(entry) for _id, entry in rows]
+    return snap
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _num(v: str) -> Any:
+    for conv in (int, float):
+        try:
+            return conv(v)
+        except ValueError:
+            pass
+    return v
+
+
+def _decision(entry: dict[Any, Any]) -> dict[str, Any]:
+    e = {_s(k): _s(v) for k, v in entry.items()}
+    try:
+        body = json.loads(e.get("d", "{}"))
+    except json.JSONDecodeError:
+        body = {"raw": e.get("d")}
+    return {"version": _num(e.get("version", "0")), "controller": e.get("controller"), "decision": body}
+
+
+async def _status(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    client = open_redis(cfg.redis)
+    try:
+        snap = await full_snapshot(client, cfg, args.decisions)
+    finally:
+        await client.aclose()
+    if args.json:
+        print(json.dumps(snap, indent=2, sort_keys=True))
+    else:
+        Console().print(render(snap))
+    return 0
+
+
+def run_status(args: argparse.Namespace) -> int:
+    return asyncio.run(_status(args))
+
+
+def _fmt(v: Any, digits: int = 0) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:,.{digits}f}"
+    return str(v)
+
+
+def render(snap: dict[str, Any]) -> Group:
+    parts: list[Any] = []
+    for name, pool in snap["pools"].items():
+        t = Table(title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s, "
+                        f"policy v{_fmt(pool['policy_version'])}")
+        for col in ("class", "rate", "burst", "tokens", "fill", "queued", "inflight", "compliance"):
+            t.add_column(col, justify="right")
+        for cls, c in pool["classes"].items():
+            fill = None if not c["burst"] or c["tokens"] is None else c["tokens"] / c["burst"]
+            comp = None if c["compliance"] is None else f"{c['compliance'] * 100:.1f} %"
+            t.add_row(cls, _fmt(c["rate"]), _fmt(c["burst"]), _fmt(c["tokens"]),
+                      "-" if fill is None else f"{fill * 100:.0f} %", str(c["queued"]), str(c["inflight"]),
+                      comp or "-")
+        parts.append(t)
+        w = Table(title=f"workers of {name}")
+        for col in ("worker", "last seen s", "engine", "batch", "tokens/s", "kv use"):
+            w.add_column(col, justify="right")
+        for wid, info in sorted(pool["workers"].items()):
+            engine = str(info.get("engine", "-")) + (" (sim)" if str(info.get("simulated")) in ("1", "True") else "")
+            w.add_row(wid, _fmt(info.get("last_seen_s"), 1), engine, _fmt(info.get("batch", info.get("running"))),
+                      _fmt(info.get("tokens_per_s")), _fmt(info.get("kv_use")))
+        parts.append(w)
+        if pool.get("decisions"):
+            d = Table(title=f"recent decisions of {name}")
+            d.add_column("version", justify="right")
+            d.add_column("controller")
+            d.add_column("reasons")
+            for row in pool["decisions"]:
+                body = row["decision"]
+                reasons = body.get("reasons") if isinstance(body, dict) else None
+                if reasons is None and isinstance(body, dict):
+                    reasons = {k: v.get("reason") for k, v in body.get("classes", {}).items()
+                               if isinstance(v, dict)}
+                d.add_row(str(row["version"]), str(row["controller"]), json.dumps(reasons)[:80])
+            parts.append(d)
+    return Group(*parts)
+
+
+async def _top(args: argparse.Namespace) -> int:
+    cfg = load_config(args)
+    client = open_redis(cfg.redis)
+    n = 0
+    try:
+        with Live(console=Console(), refresh_per_second=4, screen=False) as live:
+            while args.iterations <= 0 or n < args.iterations:
+                started = time.monotonic()
+                live.update(render(await full_snapshot(client, cfg, 5)))
+                n += 1
+                await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - started)))
+    finally:
+        await client.aclose()
+    return 0
+
+
+def run_top(args: argparse.Namespace) -> int:
+    try:
+        return asyncio.run(_top(args))
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 0
