@@ -103,24 +103,41 @@ def _fmt(v: Any, digits: int = 0) -> str:
 def render(snap: dict[str, Any]) -> Group:
     parts: list[Any] = []
     for name, pool in snap["pools"].items():
-        t = Table(title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s, "
-                        f"policy v{_fmt(pool['policy_version'])}")
+        t = Table(
+            title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s, "
+            f"policy v{_fmt(pool['policy_version'])}"
+        )
         for col in ("class", "rate", "burst", "tokens", "fill", "queued", "inflight", "compliance"):
             t.add_column(col, justify="right")
         for cls, c in pool["classes"].items():
             fill = None if not c["burst"] or c["tokens"] is None else c["tokens"] / c["burst"]
             comp = None if c["compliance"] is None else f"{c['compliance'] * 100:.1f} %"
-            t.add_row(cls, _fmt(c["rate"]), _fmt(c["burst"]), _fmt(c["tokens"]),
-                      "-" if fill is None else f"{fill * 100:.0f} %", str(c["queued"]), str(c["inflight"]),
-                      comp or "-")
+            t.add_row(
+                cls,
+                _fmt(c["rate"]),
+                _fmt(c["burst"]),
+                _fmt(c["tokens"]),
+                "-" if fill is None else f"{fill * 100:.0f} %",
+                str(c["queued"]),
+                str(c["inflight"]),
+                comp or "-",
+            )
         parts.append(t)
         w = Table(title=f"workers of {name}")
         for col in ("worker", "last seen s", "engine", "batch", "tokens/s", "kv use"):
             w.add_column(col, justify="right")
         for wid, info in sorted(pool["workers"].items()):
-            engine = str(info.get("engine", "-")) + (" (sim)" if str(info.get("simulated")) in ("1", "True") else "")
-            w.add_row(wid, _fmt(info.get("last_seen_s"), 1), engine, _fmt(info.get("batch", info.get("running"))),
-                      _fmt(info.get("tokens_per_s")), _fmt(info.get("kv_use")))
+            engine = str(info.get("engine", "-")) + (
+                " (sim)" if str(info.get("simulated")) in ("1", "True") else ""
+            )
+            w.add_row(
+                wid,
+                _fmt(info.get("last_seen_s"), 1),
+                engine,
+                _fmt(info.get("batch", info.get("running"))),
+                _fmt(info.get("tokens_per_s")),
+                _fmt(info.get("kv_use")),
+            )
         parts.append(w)
         if pool.get("decisions"):
             d = Table(title=f"recent decisions of {name}")
@@ -131,8 +148,9 @@ def render(snap: dict[str, Any]) -> Group:
                 body = row["decision"]
                 reasons = body.get("reasons") if isinstance(body, dict) else None
                 if reasons is None and isinstance(body, dict):
-                    reasons = {k: v.get("reason") for k, v in body.get("classes", {}).items()
-                               if isinstance(v, dict)}
+                    reasons = {
+                        k: v.get("reason") for k, v in body.get("classes", {}).items() if isinstance(v, dict)
+                    }
                 d.add_row(str(row["version"]), str(row["controller"]), json.dumps(reasons)[:80])
             parts.append(d)
     return Group(*parts)

@@ -13,12 +13,15 @@ async def test_status_json_has_the_documented_fields(scripts, pool, redis_server
     await admit(scripts, pool, cls="P2", input_tokens=10, max_tokens=5)
     await scripts.claim(pool, "w1", 1)
     await scripts.client.zadd(pool.workers, {"w1": 4102444800000 - 10})
-    await scripts.client.hset(pool.worker("w1"), mapping={"engine": "sim", "simulated": 1, "tokens_per_s": 12.5})
+    await scripts.client.hset(
+        pool.worker("w1"), mapping={"engine": "sim", "simulated": 1, "tokens_per_s": 12.5}
+    )
     await scripts.client.hset(pool.compliance, mapping={"P0": 0.995})
     fence, _ = await scripts.acquire_leader(pool, "ctl", 1000)
     await scripts.set_rates(pool, "ctl", fence, {"classes": {"P0": {"reason": "hold"}}}, {"P0.rate": 11000})
 
     import asyncio
+
     rc = await asyncio.to_thread(main, ["status", "--json", "--redis-url", redis_server.url])
     assert rc == 0
     snap = json.loads(capsys.readouterr().out)
@@ -35,9 +38,11 @@ async def test_status_json_has_the_documented_fields(scripts, pool, redis_server
 
 async def test_top_renders_a_frame(scripts, pool, redis_server, capsys):
     import asyncio
+
     await scripts.client.zadd(pool.workers, {"w1": 1})
-    rc = await asyncio.to_thread(main, ["top", "--iterations", "1", "--interval", "0.1",
-                                        "--redis-url", redis_server.url])
+    rc = await asyncio.to_thread(
+        main, ["top", "--iterations", "1", "--interval", "0.1", "--redis-url", redis_server.url]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "pool tiny" in out and "w1" in out
