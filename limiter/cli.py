@@ -20,6 +20,8 @@ SUBCOMMANDS = (
     "limiter.config_cli",
     "limiter.ops_cli",
     "limiter.bench.cli",
+    "limiter.frontend.cli",
+    "limiter.controller.cli",
 )
 
 

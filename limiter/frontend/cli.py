@@ -1,0 +1,63 @@
+"""``qos frontend``: run one stateless HTTP frontend process."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+
+from aiohttp import web
+
+from limiter.cli import common_args, load_config
+from limiter.errors import ConfigError
+from limiter.frontend.app import create_app
+from limiter.frontend.settings import load_settings
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("frontend", help="run an OpenAI-compatible HTTP frontend (stateless; run many)")
+    p.add_argument("--host", default=os.environ.get("QOS_FRONTEND_HOST"),
+                   help="listen address (env QOS_FRONTEND_HOST; config frontend.host; default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=_env_int("QOS_FRONTEND_PORT"),
+                   help="listen port (env QOS_FRONTEND_PORT; config frontend.port; default 8000)")
+    p.add_argument("--reuse-port", action="store_true", default=None,
+                   help="set SO_REUSEPORT so several frontend processes share the port")
+    p.add_argument("--allow-demo-keys-public", action="store_true", default=None,
+                   help="serve the published demo keys on a non-loopback address (never in production)")
+    p.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    common_args(p)
+    p.set_defaults(func=run)
+
+
+def _env_int(name: str) -> int | None:
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError as exc:
+        raise SystemExit(f"qos: config error: {name}: must be an integer, got {v!r}") from exc
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    cfg = load_config(args)
+    settings = load_settings(cfg, {"host": args.host, "port": args.port, "reuse_port": args.reuse_port,
+                                   "allow_demo_keys_public": args.allow_demo_keys_public})
+    if cfg.demo:
+        logging.getLogger("qos.frontend").warning(
+            "no config file: serving the demo config (keys demo-p0, demo-p1, demo-p2, demo-admin)")
+    app = create_app(settings, cfg)
+    try:
+        # run_app turns SIGTERM/SIGINT into a graceful exit: stop listening, give in-flight
+        # requests shutdown_grace_s, cancel the rest (their handlers cancel them in Redis).
+        web.run_app(app, host=settings.host, port=settings.port, reuse_port=settings.reuse_port or None,
+                    shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True,
+                    access_log=None, print=lambda _msg: logging.getLogger("qos.frontend").info(
+                        "listening on http://%s:%d", settings.host, settings.port))
+    except OSError as exc:
+        where = f"{settings.host}:{settings.port}"
+        raise ConfigError("frontend.port", f"cannot listen on {where}: {exc}") from exc
+    return 0

@@ -1,0 +1,50 @@
+"""Prometheus metrics of one frontend app, in its own registry (several apps may share a
+process in tests; the global registry would mix them). Served at ``GET /metrics``."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Latency buckets from sub-millisecond frontend overhead up to long queue waits.
+_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+_TPOT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0)
+
+
+class FrontendMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "qos_frontend_requests", "Finished generation requests by outcome "
+            "(ok, throttled, shed, expired, failed, cancelled, timeout, bad_request, unauthorized, "
+            "forbidden, not_found, unavailable, error)",
+            ["pool", "class", "tenant", "outcome"], registry=r)
+        self.rejections = Counter(
+            "qos_frontend_rejections", "429 and 503 answers, by status and reason",
+            ["pool", "class", "status", "reason"], registry=r)
+        self.admission = Histogram(
+            "qos_frontend_admission_seconds", "Time from the first admit call to admitted, "
+            "including waits for bucket tokens (admission_wait_ms)", ["pool", "class"], buckets=_SECONDS,
+            registry=r)
+        self.admission_retries = Counter(
+            "qos_frontend_admission_retries", "Admit calls retried after a bucket wait", ["pool", "class"],
+            registry=r)
+        self.queue_wait = Histogram(
+            "qos_frontend_queue_wait_seconds", "Time from admitted to the first reply from a worker "
+            "(queue wait plus prefill)", ["pool", "class"], buckets=_SECONDS, registry=r)
+        self.ttft = Histogram(
+            "qos_frontend_ttft_seconds", "Time from request received to first token", ["pool", "class"],
+            buckets=_SECONDS, registry=r)
+        self.tpot = Histogram(
+            "qos_frontend_tpot_seconds", "Mean time per output token after the first, per request",
+            ["pool", "class"], buckets=_TPOT, registry=r)
+        self.inflight = Gauge(
+            "qos_frontend_inflight", "Generation requests being handled now", ["pool"], registry=r)
+        self.reply_entries = Counter(
+            "qos_frontend_reply_entries", "Reply-stream entries read, by kind (tok, done, err, orphan, dup)",
+            ["pool", "kind"], registry=r)
+        self.redis_errors = Counter(
+            "qos_frontend_redis_errors", "Redis failures seen by background loops", ["loop"], registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

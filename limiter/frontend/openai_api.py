@@ -1,0 +1,377 @@
+"""The OpenAI wire format: strict request validation, response and chunk builders, errors.
+
+Validation turns a JSON body into a :class:`GenerationRequest` or raises :class:`ApiError`
+naming the offending field in ``param`` — before anything touches Redis, so a bad request
+is never admitted or charged. Fields OpenAI defines but this service does not implement
+are accepted only at their neutral value (``n: 1``, ``logprobs: false``, ...); anything
+else, and any field OpenAI does not define, is a 400 — the same as OpenAI's own API.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from limiter.config import PoolConfig, QosConfig
+from limiter.prompt import CHAT_ROLES, Payload, count_tokens, render_chat
+
+INT64 = (-(2**63), 2**63 - 1)
+_DEFAULT_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
+    500: "server_error", 503: "service_unavailable",
+}
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape; the app's error middleware renders it.
+
+    ``outcome`` is the label it is counted under in the requests metric."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 err_type: str | None = None, retry_after_s: int | None = None,
+                 outcome: str = "bad_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.err_type = err_type or _DEFAULT_TYPES.get(status, "server_error")
+        self.retry_after_s = retry_after_s
+        self.outcome = outcome
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.code, self.param)
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+
+def error_body(message: str, err_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
+    return ApiError(400, message, code=code, param=param)
+
+
+# --- the typed request ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    kind: str  # "chat" | "completion"
+    model: str
+    pool: PoolConfig
+    prompt: str  # rendered: what the engine sees
+    prompt_tokens: int
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...]
+    seed: int | None
+    stream: bool
+    include_usage: bool
+
+    def payload(self) -> Payload:
+        return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
+                       temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
+                       model=self.model)
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def parse_json(raw: bytes) -> dict[str, Any]:
+    """Strict JSON: an object, UTF-8, no NaN/Infinity."""
+    try:
+        text = raw.decode("utf-8")
+        body = json.loads(text, parse_constant=_reject_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        # ValueError covers JSONDecodeError and Python's int-digit limit.
+        raise bad(None, f"request body is not valid JSON: {exc}", "invalid_json") from exc
+    if not isinstance(body, dict):
+        raise bad(None, "request body must be a JSON object", "invalid_json")
+    return body
+
+
+# Fields per endpoint. Value: a checker returning True when the (non-null) value is the
+# neutral one we accept without implementing, or None for fields we implement.
+_NEUTRAL: dict[str, Any] = {
+    "n": lambda v: _is_int(v) and v == 1,
+    "frequency_penalty": lambda v: _is_num(v) and v == 0,
+    "presence_penalty": lambda v: _is_num(v) and v == 0,
+    "logit_bias": lambda v: isinstance(v, dict) and not v,
+}
+_CHAT_NEUTRAL: dict[str, Any] = {
+    **_NEUTRAL,
+    "logprobs": lambda v: v is False,
+    "top_logprobs": lambda v: _is_int(v) and v == 0,
+    "response_format": lambda v: v == {"type": "text"},
+    "parallel_tool_calls": lambda v: isinstance(v, bool),
+}
+_COMPLETION_NEUTRAL: dict[str, Any] = {
+    **_NEUTRAL,
+    "logprobs": lambda v: _is_int(v) and v == 0,
+    "echo": lambda v: v is False,
+    "best_of": lambda v: _is_int(v) and v == 1,
+    "suffix": lambda v: v == "",
+}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user"}
+_CHAT = _COMMON | {"messages", "max_completion_tokens"}
+_COMPLETION = _COMMON | {"prompt"}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _text(v: Any, param: str) -> str:
+    if not isinstance(v, str):
+        raise bad(param, f"'{param}' must be a string, got {_type_name(v)}", "invalid_type")
+    try:
+        v.encode("utf-8")
+    except UnicodeEncodeError as exc:  # lone surrogates from a \\ud800 escape
+        raise bad(param, f"'{param}' is not valid Unicode text", "invalid_type") from exc
+    return v
+
+
+def _type_name(v: Any) -> str:
+    return {dict: "object", list: "array", str: "string", bool: "boolean", type(None): "null",
+            int: "integer", float: "number"}.get(type(v), type(v).__name__)
+
+
+def resolve_pool(cfg: QosConfig, body: Mapping[str, Any]) -> PoolConfig:
+    model = body.get("model")
+    if model is None:
+        raise bad("model", "'model' is required", "missing_required_parameter")
+    _text(model, "model")
+    for p in cfg.pools:
+        if p.model_name == model:
+            return p
+    served = ", ".join(p.model_name for p in cfg.pools)
+    raise ApiError(404, f"The model '{model[:200]}' does not exist (this deployment serves: {served})",
+                   code="model_not_found", param="model", outcome="not_found")
+
+
+def _messages(v: Any) -> list[tuple[str, str]]:
+    if v is None:
+        raise bad("messages", "'messages' is required", "missing_required_parameter")
+    if not isinstance(v, list) or not v:
+        raise bad("messages", "'messages' must be a non-empty array", "invalid_type")
+    out = []
+    for i, m in enumerate(v):
+        p = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise bad(p, f"'{p}' must be an object, got {_type_name(m)}", "invalid_type")
+        for k in m:
+            if k not in ("role", "content", "name", "tool_call_id"):
+                raise bad(f"{p}.{k}", f"unrecognized field '{p}.{k}'", "unknown_parameter")
+        role = m.get("role")
+        if role not in CHAT_ROLES:
+            raise bad(f"{p}.role", f"'{p}.role' must be one of {', '.join(CHAT_ROLES)}")
+        for k in ("name", "tool_call_id"):
+            if m.get(k) is not None:
+                _text(m[k], f"{p}.{k}")
+        content = m.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                pp = f"{p}.content[{j}]"
+                if not isinstance(part, dict) or part.get("type") != "text" or set(part) != {"type", "text"}:
+                    raise bad(pp, f"'{pp}' must be {{\"type\": \"text\", \"text\": str}} (only text parts "
+                              "are supported)", "invalid_type")
+                texts.append(_text(part["text"], f"{pp}.text"))
+            content = "".join(texts)
+        elif content is None:
+            raise bad(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
+        out.append((role, _text(content, f"{p}.content")))
+    return out
+
+
+def _prompt(v: Any) -> str:
+    if v is None:
+        raise bad("prompt", "'prompt' is required", "missing_required_parameter")
+    if isinstance(v, list):
+        if len(v) != 1 or not isinstance(v[0], str):
+            raise bad("prompt", "'prompt' must be a string or an array of exactly one string "
+                      "(batched and token-id prompts are not supported)", "invalid_type")
+        v = v[0]
+    return _text(v, "prompt")
+
+
+def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float,
+            lo_open: bool = False) -> float:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise bad(name, f"'{name}' must be a number, got {_type_name(v)}", "invalid_type")
+    if v > hi or v < lo or (lo_open and v == lo):
+        raise bad(name, f"'{name}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+    return float(v)
+
+
+def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> GenerationRequest:
+    """Check every field of a /v1/chat/completions (``kind='chat'``) or /v1/completions body."""
+    allowed = _CHAT if kind == "chat" else _COMPLETION
+    neutral = _CHAT_NEUTRAL if kind == "chat" else _COMPLETION_NEUTRAL
+    for k, v in body.items():
+        if k in allowed:
+            continue
+        if k in neutral:
+            if v is not None and not neutral[k](v):
+                raise bad(k, f"'{k}' = {json.dumps(v)[:100]} is not supported by this service "
+                          "(only its neutral value is accepted)", "unsupported_value")
+            continue
+        raise bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
+
+    pool = resolve_pool(cfg, body)
+    if kind == "chat":
+        prompt_param = "messages"
+        prompt = render_chat(_messages(body.get("messages")))
+    else:
+        prompt_param = "prompt"
+        prompt = _prompt(body.get("prompt"))
+    prompt_tokens = count_tokens(prompt)
+    room = pool.context_tokens - prompt_tokens
+    if room < 1:
+        raise bad(prompt_param, f"This model's maximum context length is {pool.context_tokens} tokens; "
+                  f"the prompt has {prompt_tokens}, leaving no room for output", "context_length_exceeded")
+
+    max_tokens = body.get("max_tokens")
+    param = "max_tokens"
+    if kind == "chat" and body.get("max_completion_tokens") is not None:
+        if max_tokens is not None and max_tokens != body["max_completion_tokens"]:
+            raise bad("max_completion_tokens", "'max_tokens' and 'max_completion_tokens' disagree")
+        max_tokens, param = body["max_completion_tokens"], "max_completion_tokens"
+    if max_tokens is None:
+        max_tokens = min(pool.default_max_tokens, room)
+    elif not _is_int(max_tokens):
+        raise bad(param, f"'{param}' must be an integer, got {_type_name(max_tokens)}", "invalid_type")
+    elif max_tokens < 1:
+        raise bad(param, f"'{param}' must be at least 1, got {max_tokens}")
+    elif max_tokens > room:
+        raise bad(param, f"'{param}' is {max_tokens}, but the prompt uses {prompt_tokens} of this model's "
+                  f"{pool.context_tokens}-token context: at most {room} output tokens fit",
+                  "context_length_exceeded")
+
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
+
+    stop_v = body.get("stop")
+    stop: tuple[str, ...] = ()
+    if isinstance(stop_v, str):
+        stop = (_text(stop_v, "stop"),)
+    elif isinstance(stop_v, list):
+        if len(stop_v) > 4:
+            raise bad("stop", f"'stop' may hold at most 4 sequences, got {len(stop_v)}")
+        stop = tuple(_text(s, f"stop[{i}]") for i, s in enumerate(stop_v))
+    elif stop_v is not None:
+        raise bad("stop", f"'stop' must be a string or an array of strings, got {_type_name(stop_v)}",
+                  "invalid_type")
+    for i, s in enumerate(stop):
+        if not s:
+            raise bad(f"stop[{i}]" if isinstance(stop_v, list) else "stop", "stop sequences may not be empty")
+
+    if body.get("user") is not None:
+        _text(body["user"], "user")  # an end-user id for abuse tracking: accepted, not used
+
+    seed = body.get("seed")
+    if seed is not None and (not _is_int(seed) or not INT64[0] <= seed <= INT64[1]):
+        raise bad("seed", f"'seed' must be a 64-bit integer, got {json.dumps(seed)[:40]}", "invalid_type")
+
+    stream = body.get("stream")
+    if stream is None:
+        stream = False
+    elif not isinstance(stream, bool):
+        raise bad("stream", f"'stream' must be a boolean, got {_type_name(stream)}", "invalid_type")
+    include_usage = False
+    so = body.get("stream_options")
+    if so is not None:
+        if not isinstance(so, dict):
+            raise bad("stream_options", "'stream_options' must be an object", "invalid_type")
+        if not stream:
+            raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        for k, v in so.items():
+            if k not in ("include_usage", "include_obfuscation"):
+                raise bad(f"stream_options.{k}", f"unrecognized field 'stream_options.{k[:100]}'",
+                          "unknown_parameter")
+            if v is not None and not isinstance(v, bool):
+                raise bad(f"stream_options.{k}", f"'stream_options.{k}' must be a boolean", "invalid_type")
+        include_usage = bool(so.get("include_usage"))
+
+    return GenerationRequest(kind=kind, model=pool.model_name, pool=pool, prompt=prompt,
+                             prompt_tokens=prompt_tokens, max_tokens=max_tokens, temperature=temperature,
+                             top_p=top_p, stop=stop, seed=seed, stream=stream, include_usage=include_usage)
+
+
+# --- responses -----------------------------------------------------------------------------
+
+def finish_reason(worker_reason: str) -> str:
+    """OpenAI knows stop | length (| tool_calls | content_filter); map the worker's others."""
+    return worker_reason if worker_reason in ("stop", "length") else "stop"
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_id(req: GenerationRequest, request_id: str) -> str:
+    return ("chatcmpl-" if req.kind == "chat" else "cmpl-") + request_id
+
+
+def full_response(req: GenerationRequest, request_id: str, created: int, text: str, reason: str,
+                  usage_in: int, usage_out: int) -> dict[str, Any]:
+    if req.kind == "chat":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                  "logprobs": None, "finish_reason": finish_reason(reason)}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+        obj = "text_completion"
+    return {"id": response_id(req, request_id), "object": obj, "created": created, "model": req.model,
+            "choices": [choice], "usage": usage(usage_in, usage_out)}
+
+
+def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | None = None,
+          role: bool = False, reason: str | None = None) -> dict[str, Any]:
+    """One SSE chunk: a text delta, the chat role opener, or the final finish_reason."""
+    fin = finish_reason(reason) if reason is not None else None
+    if req.kind == "chat":
+        delta: dict[str, Any] = {}
+        if role:
+            delta["role"] = "assistant"
+            delta["content"] = ""
+        if text is not None:
+            delta["content"] = text
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fin}
+        obj = "text_completion"
+    out: dict[str, Any] = {"id": response_id(req, request_id), "object": obj, "created": created,
+                           "model": req.model, "choices": [choice]}
+    if req.include_usage:
+        out["usage"] = None  # as OpenAI: every chunk but the last carries "usage": null
+    return out
+
+
+def usage_chunk(req: GenerationRequest, request_id: str, created: int, usage_in: int,
+                usage_out: int) -> dict[str, Any]:
+    obj = "chat.completion.chunk" if req.kind == "chat" else "text_completion"
+    return {"id": response_id(req, request_id), "object": obj, "created": created, "model": req.model,
+            "choices": [], "usage": usage(usage_in, usage_out)}
+
+
+def sse(data: Mapping[str, Any] | str) -> bytes:
+    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    return f"data: {payload}\n\n".encode()

@@ -1,0 +1,258 @@
+"""Reply delivery and liveness: the per-pool reply-stream reader and the heartbeat.
+
+Workers' scripts append every token batch and final result to ONE stream per (pool,
+frontend process), ``keys.reply(frontend_id)``. :class:`ReplyRouter` runs one blocking
+``XREAD`` loop per pool and hands each entry to the asyncio queue of the request named by
+its ``id`` field, so a frontend holds O(1) Redis connections however many requests are in
+flight, and an idle frontend costs Redis nothing but a parked XREAD.
+
+:class:`Heartbeat` proves the process alive (``ZADD keys.frontends {id: now_ms}`` per
+pool; claim and the lease reaper cancel the requests of a frontend silent for the pool's
+``frontend_ttl_ms``), measures the offset to Redis' clock (deadlines are Redis time),
+samples the ``<class>.claimed`` counters to estimate each class's service rate (for an
+honest 503 ``Retry-After``), and trims reply-stream entries already read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from limiter.frontend.metrics import FrontendMetrics
+from limiter.keys import PoolKeys
+
+log = logging.getLogger("qos.frontend.replies")
+
+
+def _s(v: Any) -> str:
+    return v.decode("utf-8", "replace") if isinstance(v, bytes) else str(v)
+
+
+def _i(v: Any) -> int:
+    try:
+        return int(_s(v))
+    except ValueError:
+        return 0
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One reply-stream entry (see lua/include/request.lua ``notify``).
+
+    kind ``tok``: offset = tokens delivered before this batch, count, text.
+    kind ``done``: the last batch (offset, count, text) plus finish reason and usage.
+    kind ``err``: code ``expired`` | ``failed`` and a message."""
+
+    kind: str
+    offset: int = 0
+    count: int = 0
+    text: str = ""
+    attempt: int = 0
+    finish: str = ""
+    usage_in: int = 0
+    usage_out: int = 0
+    code: str = ""
+    message: str = ""
+
+    @classmethod
+    def parse(cls, f: dict[Any, Any]) -> Reply:
+        g: dict[str, Any] = {_s(k): v for k, v in f.items()}
+        return cls(kind=_s(g.get("k", "")), offset=_i(g.get("o", 0)), count=_i(g.get("n", 0)),
+                   text=_s(g.get("t", b"")), attempt=_i(g.get("a", 0)), finish=_s(g.get("fin", "")),
+                   usage_in=_i(g.get("in", 0)), usage_out=_i(g.get("out", 0)), code=_s(g.get("code", "")),
+                   message=_s(g.get("msg", "")))
+
+
+def dedup(r: Reply, forwarded: int) -> tuple[str, int]:
+    """(text to forward, tokens forwarded after it) for entry ``r``.
+
+    Entries carry token offsets; a worker resuming a stream (a new attempt) may replay
+    tokens already sent. Anything whose ``offset + count`` is within what was forwarded
+    is dropped, so the client never sees a token twice."""
+    if r.count == 0:
+        return r.text, forwarded
+    if r.offset + r.count <= forwarded:
+        return "", forwarded
+    return r.text, r.offset + r.count
+
+
+def _entries(resp: Any) -> Iterable[tuple[Any, dict[Any, Any]]]:
+    """XREAD's reply as (entry id, fields), for RESP2 (list) and RESP3 (dict) clients."""
+    if not resp:
+        return
+    streams = resp.items() if isinstance(resp, dict) else resp
+    for item in streams:
+        entries = item[1]
+        if entries and isinstance(entries[0], list | tuple) and len(entries) == 1 and isinstance(
+                entries[0][0], list | tuple):
+            entries = entries[0]  # RESP3 nests one level deeper
+        yield from entries
+
+
+class ReplyRouter:
+    """Demultiplexes each pool's reply stream to per-request queues."""
+
+    def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, metrics: FrontendMetrics,
+                 block_ms: int = 2000) -> None:
+        # block_ms stays below redis-py's 5 s default socket timeout, or every idle read
+        # would end in a TimeoutError and a reconnect.
+        self.client = client
+        self.pools = list(pools)
+        self.frontend_id = frontend_id
+        self.metrics = metrics
+        self.block_ms = block_ms
+        self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        # Last entry id handed out per pool; the heartbeat trims the stream up to it.
+        self.last_ids: dict[str, str] = {k.pool: "0-0" for k in self.pools}
+        self.healthy = {k.pool: False for k in self.pools}
+        self._stopping = False
+
+    async def stop(self) -> None:
+        """Make the read loops return now.
+
+        A flag plus a wake-up entry rather than Task.cancel(): redis-py may swallow a
+        cancellation that lands inside a blocking read (redis/redis-py#2028), which would
+        leave the loop running. If Redis is unreachable the loops notice within one block."""
+        self._stopping = True
+        for keys in self.pools:
+            with contextlib.suppress(Exception):
+                await self.client.xadd(keys.reply(self.frontend_id), {"k": "stop"}, maxlen=100_000,
+                                       approximate=True)
+
+    def register(self, request_id: str) -> asyncio.Queue[Reply]:
+        """Call BEFORE admitting: a fast worker's first tokens may arrive before admit returns."""
+        q: asyncio.Queue[Reply] = asyncio.Queue()
+        self._queues[request_id] = q
+        return q
+
+    def unregister(self, request_id: str) -> None:
+        self._queues.pop(request_id, None)
+
+    def broadcast(self, reply: Reply) -> None:
+        """Deliver a local notice (e.g. kind ``shutdown``) to every waiting request."""
+        for q in self._queues.values():
+            q.put_nowait(reply)
+
+    @property
+    def pending(self) -> int:
+        return len(self._queues)
+
+    def dispatch(self, pool: str, fields: dict[Any, Any]) -> None:
+        rid = _s(fields.get(b"id", fields.get("id", b"")))
+        q = self._queues.get(rid)
+        if q is None and not rid:
+            return  # our own wake-up entry (stop)
+        if q is None:
+            # The client is gone (its request was cancelled); the worker learns via cancels.
+            self.metrics.reply_entries.labels(pool, "orphan").inc()
+            return
+        reply = Reply.parse(fields)
+        self.metrics.reply_entries.labels(pool, reply.kind).inc()
+        q.put_nowait(reply)
+
+    async def run(self, keys: PoolKeys) -> None:
+        """The one blocking reader of this pool's reply stream; runs until cancelled."""
+        stream = keys.reply(self.frontend_id)
+        # The id is new for each process, so every entry of the stream is ours to read.
+        last = self.last_ids[keys.pool]
+        backoff = 0.05
+        while not self._stopping:
+            try:
+                resp = await self.client.xread({stream: last}, count=1000, block=self.block_ms)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # Redis down or restarting: keep trying, never spin
+                self.healthy[keys.pool] = False
+                self.metrics.redis_errors.labels("xread").inc()
+                log.warning("reply stream %s: %s; retrying in %.2fs", stream, exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            self.healthy[keys.pool] = True
+            backoff = 0.05
+            # (entries read while stopping are still dispatched: their handlers may be waiting)
+            for entry_id, fields in _entries(resp):
+                last = _s(entry_id)
+                self.dispatch(keys.pool, fields)
+            self.last_ids[keys.pool] = last
+
+
+class Heartbeat:
+    """Liveness, Redis clock offset and measured service rates, every ``interval_s``."""
+
+    def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, classes: Iterable[str],
+                 interval_s: float, trim_upto: Callable[[str], str] | None = None) -> None:
+        self.client = client
+        self.pools = list(pools)
+        self.frontend_id = frontend_id
+        self.classes = list(classes)
+        self.interval_s = interval_s
+        self.trim_upto = trim_upto
+        self.clock_offset_ms = 0.0  # Redis time - local wall time
+        self.last_ok = 0.0  # time.monotonic() of the last complete beat
+        self._claimed: dict[tuple[str, str], tuple[float, int]] = {}
+        self._rates: dict[tuple[str, str], float] = {}
+
+    def redis_now_ms(self) -> float:
+        return time.time() * 1000 + self.clock_offset_ms
+
+    def fresh(self, max_age_s: float) -> bool:
+        return self.last_ok > 0 and time.monotonic() - self.last_ok <= max_age_s
+
+    def service_rate(self, pool: str, cls: str) -> float | None:
+        """Claims per second of ``cls`` in ``pool`` (smoothed), or None before two samples."""
+        return self._rates.get((pool, cls))
+
+    async def beat(self) -> None:
+        """One heartbeat for every pool; raises on Redis errors (the caller decides)."""
+        t0 = time.time()
+        sec, usec = await self.client.time()
+        t1 = time.time()
+        redis_ms = int(sec) * 1000 + int(usec) / 1000
+        self.clock_offset_ms = redis_ms - (t0 + t1) * 500  # against the round trip's midpoint
+        now_ms = int(redis_ms)
+        for keys in self.pools:
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zadd(keys.frontends, {self.frontend_id: now_ms})
+            pipe.hmget(keys.stats, [f"{c}.claimed" for c in self.classes])
+            last = self.trim_upto(keys.pool) if self.trim_upto else "0-0"
+            if last != "0-0":
+                # Entries up to the last one read were handed out already; keep the stream small.
+                pipe.xtrim(keys.reply(self.frontend_id), minid=last, approximate=False)
+            res = await pipe.execute()
+            self._sample_rates(keys.pool, res[1], time.monotonic())
+        self.last_ok = time.monotonic()
+
+    def _sample_rates(self, pool: str, counts: list[Any], now: float) -> None:
+        for cls, raw in zip(self.classes, counts, strict=True):
+            n = _i(raw) if raw is not None else 0
+            prev = self._claimed.get((pool, cls))
+            self._claimed[(pool, cls)] = (now, n)
+            if prev is None or now - prev[0] <= 0 or n < prev[1]:  # first sample or a Redis reset
+                continue
+            rate = (n - prev[1]) / (now - prev[0])
+            old = self._rates.get((pool, cls))
+            # An EWMA over a few beats: steady enough for a Retry-After, quick to follow load.
+            self._rates[(pool, cls)] = rate if old is None else 0.5 * old + 0.5 * rate
+
+    async def leave(self) -> None:
+        """On clean shutdown: stop counting as alive (nothing of ours is in flight by then)."""
+        with contextlib.suppress(Exception):
+            for keys in self.pools:
+                await self.client.zrem(keys.frontends, self.frontend_id)
+
+
+def drain_estimate_s(depth: int, rate: float | None, fallback_s: float) -> int:
+    """Seconds until ``depth`` queued requests are served at ``rate``/s, for Retry-After.
+
+    With no measured rate (nothing served lately) there is nothing honest to extrapolate
+    from; the caller's fallback (the class's max queue wait) bounds it instead."""
+    if rate is not None and rate > 0.01:
+        return max(1, min(300, math.ceil((depth + 1) / rate)))
+    return max(1, min(300, math.ceil(fallback_s)))

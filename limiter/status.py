@@ -1,0 +1,109 @@
+"""A read-only QoS snapshot built from Redis alone (the admin endpoint; ``qos status``).
+
+Per pool and class: the current rate and burst (controller-owned, from the policy hash),
+the bucket level refilled to Redis' now exactly as the scripts compute it, queue depth,
+leased requests, SLO compliance (``keys.compliance``, written by the controller; null
+when absent) and the lifetime counters; per worker and frontend, seconds since the last
+heartbeat. Reads only: safe to call at any rate from any process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from limiter.config import QosConfig
+from limiter.errors import RedisUnavailable
+from limiter.keys import PoolKeys
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _f(v: Any) -> float | None:
+    if v is None:
+        return None
+    try:
+        return float(_s(v))
+    except ValueError:
+        return None
+
+
+def _hash(raw: dict[Any, Any]) -> dict[str, str]:
+    return {_s(k): _s(v) for k, v in raw.items()}
+
+
+def bucket_level(tokens: float | None, ts: float | None, rate: float, burst: float, now_ms: float) -> float:
+    """lua/include/bucket.lua's bucket_level: a missing bucket is full; refill, cap at burst."""
+    if tokens is None or ts is None:
+        return burst
+    return min(burst, tokens + rate * max(now_ms - ts, 0.0) / 1000.0)
+
+
+def _ages(rows: list[tuple[Any, float]], now_ms: float) -> dict[str, dict[str, float]]:
+    return {_s(m): {"last_seen_s": round(max(now_ms - score, 0.0) / 1000.0, 3)} for m, score in rows}
+
+
+async def snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
+    """The status of every configured pool; raises RedisUnavailable if Redis cannot answer."""
+    try:
+        return await _snapshot(client, cfg)
+    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+        raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
+
+
+async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
+    sec, usec = await client.time()
+    now_ms = int(sec) * 1000 + int(usec) / 1000
+    classes = cfg.class_names()
+    out: dict[str, Any] = {"now_ms": int(now_ms), "pools": {}}
+    for pool in cfg.pools:
+        keys = PoolKeys(pool.name)
+        pipe = client.pipeline(transaction=False)
+        pipe.hgetall(keys.policy)
+        pipe.hgetall(keys.inflight)
+        pipe.hgetall(keys.compliance)
+        pipe.hgetall(keys.stats)
+        pipe.hmget(keys.pool_bucket, ["tokens", "ts"])
+        pipe.zrange(keys.workers, 0, -1, withscores=True)
+        pipe.zrange(keys.frontends, 0, -1, withscores=True)
+        for c in classes:
+            pipe.hmget(keys.class_bucket(c), ["tokens", "ts"])
+            pipe.zcard(keys.queue(c))
+        res = await pipe.execute()
+        policy, inflight, compliance, stats = (_hash(r) for r in res[:4])
+        pool_bucket, workers, frontends = res[4], res[5], res[6]
+        per_class: dict[str, Any] = {}
+        for i, c in enumerate(classes):
+            bucket, depth = res[7 + 2 * i], res[8 + 2 * i]
+            rate = _f(policy.get(f"{c}.rate"))
+            burst = _f(policy.get(f"{c}.burst"))
+            tokens = None
+            if rate is not None and burst is not None:
+                tokens = round(bucket_level(_f(bucket[0]), _f(bucket[1]), rate, burst, now_ms), 3)
+            per_class[c] = {
+                "rate": rate, "burst": burst, "ceil": _f(policy.get(f"{c}.ceil")), "tokens": tokens,
+                "queued": int(depth), "inflight": int(inflight.get(c, 0)),
+                "compliance": _f(compliance.get(c)),
+                "counters": {k.split(".", 1)[1]: int(v) for k, v in stats.items() if k.startswith(c + ".")},
+            }
+        capacity = _f(policy.get("capacity"))
+        pool_burst = _f(policy.get("pool_burst"))
+        pool_tokens = None
+        if capacity is not None and pool_burst is not None:
+            pool_tokens = round(bucket_level(_f(pool_bucket[0]), _f(pool_bucket[1]), capacity, pool_burst,
+                                             now_ms), 3)
+        out["pools"][pool.name] = {
+            "model": pool.model_name,
+            "initialised": bool(policy),
+            "policy_version": int(policy["version"]) if "version" in policy else None,
+            "capacity": capacity, "pool_burst": pool_burst, "pool_tokens": pool_tokens,
+            "measured_capacity": _f(compliance.get("capacity")),
+            "classes": per_class,
+            "workers": _ages(workers, now_ms),
+            "frontends": _ages(frontends, now_ms),
+        }
+    return out

@@ -1,0 +1,207 @@
+"""Honest throttling and the request lifecycle through the frontend: 429 with a Retry-After
+that works, admission waits, 503 for a full queue / queue timeout / Redis down, client
+disconnects that cancel everywhere and reconcile the buckets, the safety timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+import pytest
+
+from tests.fake_worker import FakeWorker
+from tests.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
+
+# Tenant "slow": 20 weighted tokens/s, burst 20. A request "ab" with max_tokens 7 costs
+# 3 (2 bytes + BOS) + 7 = 10, and the fixed-text worker uses all 7: no refund blurs the math.
+SLOW = {"model": "tiny", "prompt": "ab", "max_tokens": 7}
+TENANTS = [
+    tenant("slow-p0", "key-slow-p0", "P0", rate=20, burst_s=1.0),
+    tenant("slow-p1", "key-slow-p1", "P1", rate=20, burst_s=1.0),
+    tenant("frugal", "key-frugal", "P1", rate=1, burst_s=1000.0),  # burst 1000, ~no refill
+    tenant("single", "key-single", "P1", max_inflight=1),
+]
+CLASSES = {"P0": {"admission_wait_ms": 0, "max_wait_ms": 400},
+           "P1": {"admission_wait_ms": 800},
+           "P2": {"queue_cap": 0}}
+
+
+@pytest.fixture
+async def cfg(redis_server, sync_redis):
+    return make_cfg(redis_server.url, classes=CLASSES, tenants=TENANTS)
+
+
+@pytest.fixture
+async def client(cfg):
+    async with frontend(cfg) as c:
+        yield c
+
+
+async def _wait_for(pred, timeout: float = 3.0) -> None:
+    end = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < end, "condition not reached"
+        await asyncio.sleep(0.01)
+
+
+async def test_429_retry_after_is_honest(client, aredis):
+    async with FakeWorker(aredis, POOL, fixed_text="z" * 7):
+        h = auth("key-slow-p0")
+        for _ in range(2):
+            r = await client.post("/v1/completions", json=SLOW, headers=h)
+            assert r.status == 200
+        r = await client.post("/v1/completions", json=SLOW, headers=h)
+        assert r.status == 429
+        err = (await r.json())["error"]
+        assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
+        retry_after = int(r.headers["Retry-After"])
+        assert retry_after == 1  # 10 tokens at 20/s: 500 ms, rounded up to whole seconds
+        await asyncio.sleep(retry_after)
+        r = await client.post("/v1/completions", json=SLOW, headers=h)
+        assert r.status == 200
+
+
+async def test_short_bucket_wait_is_slept_not_rejected(client, aredis):
+    """P1 may wait up to 800 ms for tokens: the third request sleeps ~500 ms, then succeeds."""
+    async with FakeWorker(aredis, POOL, fixed_text="z" * 7):
+        h = auth("key-slow-p1")
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=SLOW, headers=h)).status == 200
+        t0 = time.monotonic()
+        r = await client.post("/v1/completions", json=SLOW, headers=h)
+        assert r.status == 200
+        assert 0.4 <= time.monotonic() - t0 < 1.5
+    text = await (await client.get("/metrics")).text()
+    assert 'qos_frontend_admission_retries_total{class="P1",pool="tiny"} 1.0' in text
+
+
+async def test_queue_full_is_503_with_retry_after(client, sync_redis):
+    r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
+                          headers=auth("demo-p2"))
+    assert r.status == 503
+    err = (await r.json())["error"]
+    assert err["code"] == "queue_full" and "full" in err["message"]
+    assert int(r.headers["Retry-After"]) >= 1
+    assert sync_redis.zcard(POOL.queue("P2")) == 0
+
+
+async def test_queue_timeout_is_503_and_refunds(client, sync_redis):
+    """No worker: the request's own max wait (header, shorter than the class's) expires it."""
+    t0 = time.monotonic()
+    r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 5},
+                          headers=auth("key-frugal", **{"X-QoS-Max-Wait-Ms": "150"}))
+    elapsed = time.monotonic() - t0
+    assert r.status == 503
+    err = (await r.json())["error"]
+    assert err["code"] == "queue_timeout" and "max queue wait" in err["message"]
+    assert int(r.headers["Retry-After"]) >= 1
+    assert 0.14 <= elapsed < 2.0
+    assert sync_redis.zcard(POOL.queue("P1")) == 0
+    assert sync_redis.hget(POOL.stats, "P1.expired") == b"1"
+    assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) == pytest.approx(1000.0, abs=1.0)
+
+
+async def test_max_wait_header_cannot_lengthen(client, sync_redis):
+    """P0's max wait is 400 ms here; asking for a day still expires after ~400 ms."""
+    t0 = time.monotonic()
+    r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
+                          headers=auth("demo-p0", **{"X-QoS-Max-Wait-Ms": "86400000"}))
+    assert r.status == 503 and (await r.json())["error"]["code"] == "queue_timeout"
+    assert 0.35 <= time.monotonic() - t0 < 2.0
+
+
+async def test_tenant_concurrency_cap_is_429(client, sync_redis):
+    first = asyncio.create_task(client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
+                                            headers=auth("key-single", **{"X-QoS-Max-Wait-Ms": "1000"})))
+    await _wait_for(lambda: sync_redis.zcard(POOL.queue("P1")) == 1)
+    second = {"model": "tiny", "prompt": "y"}
+    r = await client.post("/v1/completions", json=second, headers=auth("key-single"))
+    assert r.status == 429 and (await r.json())["error"]["code"] == "too_many_inflight"
+    assert "Retry-After" in r.headers
+    assert (await first).status == 503
+
+
+async def test_worker_failure_is_503(client, aredis):
+    async with FakeWorker(aredis, POOL, fail=True):
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+    assert r.status == 503
+    assert (await r.json())["error"]["code"] == "worker_failed"
+
+
+async def test_disconnect_while_queued_cancels_and_refunds_in_full(client, sync_redis):
+    task = asyncio.create_task(client.post("/v1/chat/completions", headers=auth("key-frugal"), json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50}))
+    await _wait_for(lambda: sync_redis.zcard(POOL.queue("P1")) == 1)
+    assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) < 1000 - 50
+    task.cancel()  # the client closes its connection
+    await _wait_for(lambda: sync_redis.hget(POOL.stats, "P1.cancelled") == b"1")
+    assert sync_redis.zcard(POOL.queue("P1")) == 0 and sync_redis.zcard(POOL.deadlines) == 0
+    assert sync_redis.hlen(POOL.tenant_inflight) == 0
+    assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) == pytest.approx(1000.0, abs=1.0)
+
+
+async def test_disconnect_mid_stream_stops_the_worker_and_reconciles(client, aredis, sync_redis):
+    async with FakeWorker(aredis, POOL, fixed_text="y" * 200, batch=1, delay_s=0.02) as w:
+        resp = await client.post("/v1/completions", headers=auth("key-frugal"), json={
+            "model": "tiny", "prompt": "abc", "max_tokens": 200, "stream": True})
+        assert resp.status == 200
+        first = await resp.content.readline()
+        assert first.startswith(b"data: ")
+        rid = resp.headers["X-QoS-Request-Id"]
+        resp.close()  # drop the connection mid-stream
+        await _wait_for(lambda: any(s.request_id == rid for s in w.served), timeout=5)
+        served = w.by_id(rid)
+    assert served.outcome == "cancelled"
+    assert 1 <= served.usage_out < 100  # the worker stopped long before 200 tokens
+    state, refund = sync_redis.hmget(POOL.request(rid), ["state", "refund"])
+    assert state == b"cancelled"
+    # Charged 4 + 200; used 4 + what was generated; the rest came back.
+    assert float(refund) == pytest.approx(200 - served.usage_out)
+    assert sync_redis.scard(POOL.cancels) == 0 and sync_redis.zcard(POOL.leases) == 0
+    assert sync_redis.hlen(POOL.tenant_inflight) == 0 and sync_redis.hlen(POOL.inflight) == 0
+    level = bucket_tokens(sync_redis, POOL.tenant_bucket("frugal"))
+    assert level == pytest.approx(1000 - 4 - served.usage_out, abs=2.0)
+
+
+async def test_safety_timeout_cancels(redis_server, sync_redis, aredis, cfg):
+    async with frontend(cfg, request_timeout_s=1.0) as client, \
+            FakeWorker(aredis, POOL, fixed_text="slow", delay_s=3.0, batch=1):
+        t0 = time.monotonic()
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        assert r.status == 503 and (await r.json())["error"]["code"] == "request_timeout"
+        assert time.monotonic() - t0 < 2.0
+        await _wait_for(lambda: sync_redis.scard(POOL.cancels) == 1)  # the worker is told to stop
+
+
+async def test_policy_missing_is_reinitialised(client, aredis, sync_redis):
+    sync_redis.delete(POOL.policy)  # as after a Redis restart with no persistence
+    async with FakeWorker(aredis, POOL):
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "xy", "max_tokens": 2},
+                              headers=auth())
+    assert r.status == 200, await r.text()
+    assert sync_redis.hget(POOL.policy, "classes") == b"P0,P1,P2"
+
+
+async def test_redis_down_is_503_not_ready(sync_redis):
+    from tests.redis_server import free_port
+
+    cfg = make_cfg(f"redis://127.0.0.1:{free_port()}/0")
+    async with frontend(cfg) as client:
+        assert (await client.get("/healthz")).status == 200
+        r = await client.get("/readyz")
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        assert r.status == 503
+        body = await r.json()
+        assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
+        # Bad input is still judged without Redis.
+        r = await client.post("/v1/completions", json={"model": "tiny"}, headers=auth())
+        assert r.status == 400
+
+
+async def test_heartbeat_registers_before_admitting(client, sync_redis):
+    fe = fe_of(client)
+    assert sync_redis.zscore(POOL.frontends, fe.frontend_id) is not None
+    json.dumps(fe.heartbeat.clock_offset_ms)  # measured, finite
+    assert abs(fe.heartbeat.clock_offset_ms) < 5_000

@@ -1,0 +1,250 @@
+"""The frontend's OpenAI API end to end: test client and the official openai SDK over real
+sockets, against a private redis-server and the in-test fake worker (real scripts)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import openai
+import pytest
+
+from limiter.frontend.app import FRONTEND
+from limiter.frontend.replies import Reply, dedup
+from limiter.prompt import Payload, count_tokens, render_chat
+from tests.fake_worker import FakeWorker
+from tests.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
+
+ONE_TOKEN = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+
+
+@pytest.fixture
+async def client(redis_server, sync_redis):
+    async with frontend(make_cfg(redis_server.url)) as c:
+        yield c
+
+
+@pytest.fixture
+async def worker(aredis):
+    async with FakeWorker(aredis, POOL) as w:
+        yield w
+
+
+def sse_events(raw: str) -> list[str]:
+    """Split an SSE body into its data payloads, checking the framing on the way."""
+    assert raw.endswith("\n\n")
+    events = raw[:-2].split("\n\n")
+    out = []
+    for e in events:
+        assert e.startswith("data: "), e
+        assert "\n" not in e
+        out.append(e[len("data: "):])
+    return out
+
+
+# --- the shared prompt module -------------------------------------------------------------------
+
+def test_count_tokens_is_utf8_bytes_plus_bos():
+    assert count_tokens("") == 1
+    assert count_tokens("hello") == 6
+    assert count_tokens("héllo") == 7  # é is two bytes
+    assert count_tokens("日本") == 7
+
+
+def test_render_chat_template():
+    assert render_chat([("system", "be brief"), ("user", "hi")]) == \
+        "<|system|>\nbe brief\n<|user|>\nhi\n<|assistant|>\n"
+
+
+def test_payload_roundtrip():
+    p = Payload(kind="chat", prompt="x", max_tokens=3, temperature=0.5, top_p=0.9, stop=("a",), seed=7,
+                model="tiny")
+    assert Payload.unpack(p.pack()) == p
+    with pytest.raises(ValueError):
+        Payload.unpack(b"\x93\x01")
+
+
+# --- non-stream and stream through the test client -------------------------------------------
+
+async def test_chat_non_stream(client, worker):
+    body = {"model": "tiny", "messages": [{"role": "system", "content": "sys"},
+                                          {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
+            "max_tokens": 8, "temperature": 0.2, "seed": 3, "stop": ["zz"]}
+    r = await client.post("/v1/chat/completions", json=body, headers=auth())
+    assert r.status == 200, await r.text()
+    out = await r.json()
+    prompt = render_chat([("system", "sys"), ("user", "hello")])
+    served = worker.by_id(r.headers["X-QoS-Request-Id"])
+    assert out["object"] == "chat.completion" and out["model"] == "tiny"
+    assert out["choices"][0]["message"] == {"role": "assistant", "content": prompt[::-1][:8]}
+    assert out["choices"][0]["finish_reason"] == "length"
+    assert out["usage"] == {"prompt_tokens": served.usage_in, "completion_tokens": served.usage_out,
+                            "total_tokens": served.usage_in + served.usage_out}
+    assert served.usage_in == count_tokens(prompt) and served.usage_out == 8
+
+
+async def test_completion_stream_sse_framing_and_usage(client, worker):
+    body = {"model": "tiny", "prompt": "hello stream", "stream": True,
+            "stream_options": {"include_usage": True}}
+    r = await client.post("/v1/completions", json=body, headers=auth())
+    assert r.status == 200
+    assert r.headers["Content-Type"].startswith("text/event-stream")
+    events = sse_events(await r.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["object"] == "text_completion" for c in chunks)
+    text = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    assert text == "hello stream"[::-1]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["choices"] == []
+    served = worker.by_id(r.headers["X-QoS-Request-Id"])
+    assert chunks[-1]["usage"] == {"prompt_tokens": served.usage_in, "completion_tokens": served.usage_out,
+                                   "total_tokens": served.usage_in + served.usage_out}
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+
+async def test_chat_stream_without_usage(client, worker):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "stream": True,
+            "max_tokens": 5}
+    r = await client.post("/v1/chat/completions", json=body, headers=auth())
+    events = sse_events(await r.text())
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all("usage" not in c for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    assert text == render_chat([("user", "abc")])[::-1][:5]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_dedup_by_offset_drops_replayed_entries():
+    """A resumed stream may replay entries: anything at or below what was forwarded is dropped."""
+    forwarded, out = 0, []
+    for o, n, t in [(0, 2, "ab"), (0, 2, "ab"), (2, 1, "c"), (1, 2, "bc"), (3, 1, "d"), (4, 0, "")]:
+        text, forwarded = dedup(Reply("tok", offset=o, count=n, text=t), forwarded)
+        out.append(text)
+    assert "".join(out) == "abcd" and forwarded == 4
+
+
+# --- identity, classes, admin ---------------------------------------------------------------------
+
+async def test_missing_and_unknown_keys_are_401(client):
+    body = {"model": "tiny", "prompt": "x"}
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": "Basic demo-p1"},
+                    {"Authorization": "Bearer"}):
+        r = await client.post("/v1/completions", json=body, headers=headers)
+        assert r.status == 401
+        err = (await r.json())["error"]
+        assert err["type"] == "authentication_error" and err["code"] in ("missing_api_key", "invalid_api_key")
+
+
+async def test_class_ceiling(client, worker, sync_redis):
+    body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
+    r = await client.post("/v1/completions", json=body, headers=auth("demo-p2", **{"X-QoS-Class": "P0"}))
+    assert r.status == 403
+    assert (await r.json())["error"]["code"] == "class_not_allowed"
+    r = await client.post("/v1/completions", json=body, headers=auth("demo-p0", **{"X-QoS-Class": "P2"}))
+    assert r.status == 200
+    assert worker.by_id(r.headers["X-QoS-Request-Id"]).cls == "P2"
+    assert sync_redis.hget(POOL.stats, "P2.admitted") == b"1"
+    r = await client.post("/v1/completions", json=body, headers=auth("demo-p0", **{"X-QoS-Class": "P7"}))
+    assert r.status == 400 and (await r.json())["error"]["param"] == "X-QoS-Class"
+
+
+async def test_models_health_ready_metrics(client, worker):
+    r = await client.get("/v1/models", headers=auth())
+    assert (await r.json())["data"][0]["id"] == "tiny"
+    assert (await client.get("/v1/models")).status == 401
+    assert (await client.get("/healthz")).status == 200
+    r = await client.get("/readyz")
+    assert r.status == 200 and (await r.json())["status"] == "ready"
+    await client.post("/v1/completions", json={**ONE_TOKEN, "prompt": "xyz", "max_tokens": 3}, headers=auth())
+    await client.post("/v1/completions", json=ONE_TOKEN, headers=auth("bad"))
+    text = await (await client.get("/metrics")).text()
+    assert 'qos_frontend_requests_total{class="P1",outcome="ok",pool="tiny",tenant="demo-p1"} 1.0' in text
+    assert 'outcome="unauthorized"' in text
+    for name in ("qos_frontend_admission_seconds_bucket", "qos_frontend_queue_wait_seconds_bucket",
+                 "qos_frontend_ttft_seconds_bucket", "qos_frontend_tpot_seconds_bucket",
+                 'qos_frontend_inflight{pool="tiny"} 0.0'):
+        assert name in text
+
+
+async def test_admin_status(client, worker, sync_redis):
+    await client.post("/v1/completions", json=ONE_TOKEN, headers=auth())
+    sync_redis.hset(POOL.compliance, mapping={"P0": "0.995"})
+    assert (await client.get("/v1/qos/status")).status == 401
+    assert (await client.get("/v1/qos/status", headers=auth("demo-p0"))).status == 403
+    r = await client.get("/v1/qos/status", headers=auth("demo-admin"))
+    assert r.status == 200
+    snap = await r.json()
+    tiny = snap["pools"]["tiny"]
+    assert tiny["initialised"] is True
+    p0, p1 = tiny["classes"]["P0"], tiny["classes"]["P1"]
+    assert p0["rate"] == 12000.0 and p0["burst"] == 6000.0 and p0["compliance"] == 0.995
+    assert p1["compliance"] is None and p1["queued"] == 0 and p1["inflight"] == 0
+    assert p1["counters"]["admitted"] == 1 and 0 < p1["tokens"] <= p1["burst"]
+    assert "fake-w1" in tiny["workers"] and tiny["workers"]["fake-w1"]["last_seen_s"] < 5
+    assert fe_of(client).frontend_id in tiny["frontends"]
+
+
+async def test_reply_stream_is_one_per_process(client, worker, sync_redis):
+    """Many concurrent requests share one reply stream and a bounded connection pool."""
+    fe = client.server.app[FRONTEND]
+    bodies = [{"model": "tiny", "prompt": f"request {i}", "stream": i % 2 == 0} for i in range(40)]
+    rs = await asyncio.gather(*(client.post("/v1/completions", json=b, headers=auth()) for b in bodies))
+    for b, r in zip(bodies, rs, strict=True):
+        text = await r.text()
+        assert r.status == 200
+        if b["stream"]:
+            got = "".join(json.loads(e)["choices"][0]["text"] for e in sse_events(text)[:-1])
+        else:
+            got = json.loads(text)["choices"][0]["text"]
+        assert got == b["prompt"][::-1]
+    streams = [k for k in sync_redis.keys(POOL.reply_prefix + "*")]
+    assert streams == [POOL.reply(fe.frontend_id).encode()]
+    pool = fe.client.connection_pool
+    opened = len(pool._available_connections) + len(pool._in_use_connections)
+    assert 2 <= opened <= fe.settings.redis_max_connections
+
+
+# --- the official SDK over real sockets ---------------------------------------------------------
+
+async def test_openai_sdk_async_and_sync(client, worker):
+    base = str(client.server.make_url("/v1"))
+    sdk = openai.AsyncOpenAI(base_url=base, api_key="demo-p1", max_retries=0)
+    out = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],
+                                            max_tokens=6)
+    assert out.choices[0].message.content == render_chat([("user", "hi there")])[::-1][:6]
+    assert out.usage.completion_tokens == 6
+    assert out.usage.prompt_tokens == count_tokens(render_chat([("user", "hi there")]))
+
+    stream = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yo"}],
+                                               stream=True, stream_options={"include_usage": True})
+    parts, usage = [], None
+    async for ch in stream:
+        if ch.choices:
+            parts.append(ch.choices[0].delta.content or "")
+        if ch.usage:
+            usage = ch.usage
+    assert "".join(parts) == render_chat([("user", "yo")])[::-1]
+    assert usage.completion_tokens == len("".join(parts))
+
+    comp = await sdk.completions.create(model="tiny", prompt="abc", max_tokens=2)
+    assert comp.choices[0].text == "cb" and comp.usage.prompt_tokens == 4
+
+    with pytest.raises(openai.NotFoundError):
+        await sdk.completions.create(model="no-such-model", prompt="abc")
+    with pytest.raises(openai.BadRequestError) as bad:
+        await sdk.completions.create(model="tiny", prompt="abc", max_tokens=-1)
+    assert bad.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.AuthenticationError):
+        await openai.AsyncOpenAI(base_url=base, api_key="wrong", max_retries=0).models.list()
+    models = await sdk.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    await sdk.close()
+
+    def sync_call() -> str:
+        with openai.OpenAI(base_url=base, api_key="demo-p2", max_retries=0) as s:
+            return s.completions.create(model="tiny", prompt="sync", max_tokens=4).choices[0].text
+
+    assert await asyncio.to_thread(sync_call) == "cnys"

@@ -1,0 +1,199 @@
+"""Bad input: every class of malformed request is a 4xx OpenAI-style error naming the field,
+and changes nothing in Redis (nothing admitted, nothing charged). Plus a hypothesis fuzz over
+request bodies: "4xx JSON error or success, never 5xx, never a charge on error"."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+
+from tests.fake_worker import FakeWorker
+from tests.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
+
+MSG = [{"role": "user", "content": "hi"}]
+CHAT = "/v1/chat/completions"
+SMALL_CONTEXT = {"context_tokens": 4096}
+COMP = "/v1/completions"
+
+# (path, body (dict or raw bytes), extra headers, status, param, code)
+CASES = [
+    (CHAT, b"", {}, 400, None, "invalid_json"),
+    (CHAT, b"{", {}, 400, None, "invalid_json"),
+    (CHAT, b"[1, 2]", {}, 400, None, "invalid_json"),
+    (CHAT, b'{"model": "tiny", "messages": [], "temperature": NaN}', {}, 400, None, "invalid_json"),
+    (CHAT, b"\xff\xfe{}", {}, 400, None, "invalid_json"),
+    (CHAT, b"[" * 100_000 + b"]" * 100_000, {}, 400, None, "invalid_json"),
+    (CHAT, b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, None, "invalid_json"),
+    (CHAT, {"messages": MSG}, {}, 400, "model", "missing_required_parameter"),
+    (CHAT, {"model": 5, "messages": MSG}, {}, 400, "model", "invalid_type"),
+    (CHAT, {"model": "gpt-9", "messages": MSG}, {}, 404, "model", "model_not_found"),
+    (COMP, {"model": "gpt-9", "prompt": "x"}, {}, 404, "model", "model_not_found"),
+    (CHAT, {"model": "tiny"}, {}, 400, "messages", "missing_required_parameter"),
+    (CHAT, {"model": "tiny", "messages": []}, {}, 400, "messages", "invalid_type"),
+    (CHAT, {"model": "tiny", "messages": "hi"}, {}, 400, "messages", "invalid_type"),
+    (CHAT, {"model": "tiny", "messages": ["hi"]}, {}, 400, "messages[0]", "invalid_type"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "god", "content": "x"}]}, {}, 400, "messages[0].role",
+     "invalid_value"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": 5}]}, {}, 400, "messages[0].content",
+     "invalid_type"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user"}]}, {}, 400, "messages[0].content",
+     "missing_required_parameter"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, {}, 400,
+     "messages[0].content[0]", "invalid_type"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x", "mood": "sad"}]}, {}, 400,
+     "messages[0].mood", "unknown_parameter"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "\ud800"}]}, {}, 400,
+     "messages[0].content", "invalid_type"),
+    (COMP, {"model": "tiny"}, {}, 400, "prompt", "missing_required_parameter"),
+    (COMP, {"model": "tiny", "prompt": ["a", "b"]}, {}, 400, "prompt", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": [1, 2, 3]}, {}, 400, "prompt", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": {"text": "x"}}, {}, 400, "prompt", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x" * 5000}, {}, 400, "prompt", "context_length_exceeded"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, {}, 400, "messages",
+     "context_length_exceeded"),
+    (COMP, {"model": "tiny", "prompt": "x" * 4000, "max_tokens": 200}, {}, 400, "max_tokens",
+     "context_length_exceeded"),
+    (COMP, {"model": "tiny", "prompt": "x", "max_tokens": -1}, {}, 400, "max_tokens", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 0}, {}, 400, "max_tokens", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 10**30}, {}, 400, "max_tokens",
+     "context_length_exceeded"),
+    (COMP, {"model": "tiny", "prompt": "x", "max_tokens": "10"}, {}, 400, "max_tokens", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "max_tokens": 2.5}, {}, 400, "max_tokens", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "max_tokens": True}, {}, 400, "max_tokens", "invalid_type"),
+    (CHAT, {"model": "tiny", "messages": MSG, "max_completion_tokens": 0}, {}, 400, "max_completion_tokens",
+     "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "temperature": 2.5}, {}, 400, "temperature", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "temperature": -0.1}, {}, 400, "temperature", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "temperature": "hot"}, {}, 400, "temperature", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "top_p": 0}, {}, 400, "top_p", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "top_p": 1.5}, {}, 400, "top_p", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, {}, 400, "stop",
+     "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "stop": 5}, {}, 400, "stop", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "stop": ["a", 5]}, {}, 400, "stop[1]", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "stop": [""]}, {}, 400, "stop[0]", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "seed": "42"}, {}, 400, "seed", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "seed": 2**70}, {}, 400, "seed", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "n": 2}, {}, 400, "n", "unsupported_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "stream": "yes"}, {}, 400, "stream", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, {}, 400,
+     "stream_options", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "stream": True, "stream_options": {"x": 1}}, {}, 400,
+     "stream_options.x", "unknown_parameter"),
+    (COMP, {"model": "tiny", "prompt": "x", "stream": True, "stream_options": []}, {}, 400,
+     "stream_options", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": "x", "frobnicate": 1}, {}, 400, "frobnicate", "unknown_parameter"),
+    (COMP, {"model": "tiny", "prompt": "x", "messages": MSG}, {}, 400, "messages", "unknown_parameter"),
+    (CHAT, {"model": "tiny", "messages": MSG, "logprobs": True}, {}, 400, "logprobs", "unsupported_value"),
+    (CHAT, {"model": "tiny", "messages": MSG, "user": 5}, {}, 400, "user", "invalid_type"),
+    (CHAT, {"model": "tiny", "messages": MSG, "tools": []}, {}, 400, "tools", "unknown_parameter"),
+    (COMP, {"model": "tiny", "prompt": "x" * (2 << 20)}, {}, 400, None, "request_too_large"),
+    (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Max-Wait-Ms": "soon"}, 400, "X-QoS-Max-Wait-Ms",
+     "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Max-Wait-Ms": "0"}, 400, "X-QoS-Max-Wait-Ms",
+     "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Class": "P9"}, 400, "X-QoS-Class", "invalid_class"),
+]
+
+
+@pytest.fixture
+async def client(redis_server, sync_redis):
+    async with frontend(make_cfg(redis_server.url, pool=SMALL_CONTEXT)) as c:
+        yield c
+
+
+def _ids() -> list[str]:
+    out = []
+    for i, (path, _body, _headers, _status, param, code) in enumerate(CASES):
+        what = param or code
+        out.append(f"{i}-{path.rsplit('/', 1)[1]}-{what}")
+    return out
+
+
+@pytest.mark.parametrize("path,body,headers,status,param,code", CASES, ids=_ids())
+async def test_bad_input_is_4xx_naming_the_field_and_changes_nothing(client, sync_redis, path, body, headers,
+                                                                       status, param, code):
+    before = redis_state(sync_redis)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = await client.post(path, data=data, headers={**auth(), "Content-Type": "application/json", **headers})
+    assert r.status == status, await r.text()
+    err = (await r.json())["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["param"] == param and err["code"] == code
+    assert err["type"] == "invalid_request_error" and err["message"]
+    assert redis_state(sync_redis) == before
+
+
+async def test_wrong_method_and_unknown_path_are_json_errors(client):
+    r = await client.get(CHAT, headers=auth())
+    assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+    r = await client.post("/v1/embeddings", json={}, headers=auth())
+    assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
+
+
+# --- fuzz ---------------------------------------------------------------------------------------
+
+JUNK = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
+                 st.text(max_size=8), st.lists(st.integers(), max_size=3),
+                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
+MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]),
+                                 "content": st.one_of(st.text(max_size=20), JUNK)})
+FIELDS = {
+    "model": st.one_of(st.just("tiny"), st.just("tiny"), JUNK),
+    "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), JUNK),
+    "prompt": st.one_of(st.text(max_size=30), st.lists(st.text(max_size=5), max_size=2), JUNK),
+    "max_tokens": st.one_of(st.integers(-2, 40), JUNK),
+    "temperature": st.one_of(st.floats(-1, 3), JUNK),
+    "top_p": st.one_of(st.floats(-0.5, 1.5), JUNK),
+    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5), JUNK),
+    "seed": st.one_of(st.integers(-(2**64), 2**64), JUNK),
+    "n": st.one_of(st.just(1), JUNK),
+    "stream": st.one_of(st.booleans(), JUNK),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JUNK),
+    "user": st.one_of(st.text(max_size=5), JUNK),
+    "extra_field": JUNK,
+}
+
+
+@st.composite
+def requests(draw: st.DrawFn) -> tuple[str, bytes]:
+    """Mostly near-valid bodies (so a good share succeed), with junk mixed into any field."""
+    path = draw(st.sampled_from([CHAT, COMP]))
+    if draw(st.integers(0, 9)) == 0:
+        return path, draw(st.binary(max_size=40))
+    core = {"model": "tiny"}
+    if path == CHAT:
+        core["messages"] = draw(st.lists(st.fixed_dictionaries({"role": st.just("user"),
+                                                                "content": st.text(max_size=20)}),
+                                         min_size=1, max_size=2))
+    else:
+        core["prompt"] = draw(st.text(max_size=30))
+    body = {**core, **draw(st.fixed_dictionaries({}, optional=FIELDS))}
+    return path, json.dumps(body).encode()
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(req=requests())
+async def test_fuzz_bodies_never_5xx_never_charge_on_error(sync_redis, fuzz_client, req):
+    path, data = req
+    before = redis_state(sync_redis)
+    r = await fuzz_client.post(path, data=data, headers={**auth(), "Content-Type": "application/json"})
+    text = await r.text()
+    event(f"status {r.status}")
+    assert r.status in (200, 400, 404), text
+    if r.status == 200:
+        return
+    err = json.loads(text)["error"]
+    assert err["message"] and err["type"] == "invalid_request_error"
+    assert redis_state(sync_redis) == before
+
+
+@pytest.fixture
+async def fuzz_client(redis_server, sync_redis, aredis):
+    cfg = make_cfg(redis_server.url, pool=SMALL_CONTEXT)
+    async with frontend(cfg) as c, FakeWorker(aredis, POOL, fixed_text="ok"):
+        yield c

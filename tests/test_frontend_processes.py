@@ -1,0 +1,220 @@
+"""Real ``qos frontend`` processes on one private Redis: a tenant's quota is shared exactly
+across processes, SIGTERM drains in-flight streams then cancels the rest, and the CLI
+refuses to publish the demo keys."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from subprocess import Popen
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from limiter import cli
+from limiter.config import demo_config, hash_key, load
+from limiter.errors import ConfigError
+from limiter.frontend.settings import load_settings
+from tests.fake_worker import FakeWorker
+from tests.frontend_helpers import POOL
+from tests.redis_server import RedisServer, free_port
+
+CONFIG = """
+[redis]
+url = "{url}"
+
+[[classes]]
+name = "P0"
+share = 0.6
+admission_wait_ms = 0
+
+[[classes]]
+name = "P1"
+share = 0.35
+admission_wait_ms = 0
+
+[[classes]]
+name = "P2"
+share = 0.05
+
+[[pools]]
+name = "tiny"
+context_tokens = 4096
+
+[[tenants]]
+name = "shared"
+key_sha256 = ["{shared}"]
+rate_tokens_s = 0.5
+burst_s = 200.0
+
+[[tenants]]
+name = "solo"
+key_sha256 = ["{solo}"]
+rate_tokens_s = 0.5
+burst_s = 200.0
+
+[[tenants]]
+name = "user"
+key_sha256 = ["{user}"]
+
+[frontend]
+shutdown_grace_s = 1.5
+heartbeat_s = 0.5
+"""
+# Cost of this request: "ab" = 3 tokens (2 bytes + BOS) + 7 reserved = 10; the fixed-text
+# worker uses all 7, so nothing is refunded and a 100-token burst admits exactly 10.
+SLOW = {"model": "tiny", "prompt": "ab", "max_tokens": 7}
+
+
+def _config(url: str, shared: str, solo: str, user: str) -> str:
+    return CONFIG.format(url=url, shared=hash_key(shared), solo=hash_key(solo), user=hash_key(user))
+
+
+def _start(config: Path, port: int) -> Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
+    return subprocess.Popen([sys.executable, "-m", "limiter.cli", "frontend", "--config", str(config),
+                             "--port", str(port), "--log-level", "WARNING"],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            preexec_fn=_die_with_parent)
+
+
+def _die_with_parent() -> None:
+    """In the child: SIGKILL when the test process dies, even if pytest is killed (Linux)."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+async def _ready(port: int, proc: Popen[bytes], timeout: float = 20.0) -> None:
+    end = time.monotonic() + timeout
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < end:
+            assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
+            with contextlib.suppress(aiohttp.ClientError):
+                async with s.get(f"http://127.0.0.1:{port}/readyz") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.05)
+    raise AssertionError(f"frontend on {port} never became ready")
+
+
+@pytest.fixture(scope="module")
+def two_frontends(redis_server: RedisServer, tmp_path_factory) -> Iterator[list[tuple[int, Popen]]]:
+    redis_server.client().flushall()
+    path = tmp_path_factory.mktemp("fe") / "qos.toml"
+    path.write_text(_config(redis_server.url, "key-shared", "key-solo", "key-user"))
+    procs: list[tuple[int, Popen[bytes]]] = []
+
+    async def all_ready() -> None:
+        await asyncio.gather(*(_ready(p, proc) for p, proc in procs))
+
+    try:
+        for _ in range(2):
+            port = free_port()
+            procs.append((port, _start(path, port)))
+        asyncio.run(all_ready())
+        yield procs
+    finally:  # also when startup fails: never leave a frontend running
+        for _, proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait()
+
+
+@pytest.fixture
+async def redis_client(redis_server):  # no flush: the module's frontends keep their state
+    client = aioredis.from_url(redis_server.url)
+    yield client
+    await client.aclose()
+
+
+async def _burst(urls: list[str], key: str, n: int) -> list[int]:
+    async with aiohttp.ClientSession() as s:
+        async def one(i: int) -> int:
+            async with s.post(urls[i % len(urls)] + "/v1/completions", json=SLOW,
+                              headers={"Authorization": f"Bearer {key}"}) as r:
+                await r.read()
+                return r.status
+        return list(await asyncio.gather(*(one(i) for i in range(n))))
+
+
+async def test_quota_is_shared_exactly_across_processes(two_frontends, redis_client):
+    urls = [f"http://127.0.0.1:{port}" for port, _ in two_frontends]
+    async with FakeWorker(redis_client, POOL, fixed_text="z" * 7):
+        split = await _burst(urls, "key-shared", 20)  # alternating between the two processes
+        single = await _burst(urls[:1], "key-solo", 20)  # the same burst on one process
+    assert sorted(split) == [200] * 10 + [429] * 10
+    assert sorted(single) == sorted(split)
+
+
+async def test_sigterm_drains_then_cancels(two_frontends, redis_client):
+    """Run last in this module: it stops both processes."""
+    (port_a, proc_a), (port_b, proc_b) = two_frontends
+    headers = {"Authorization": "Bearer key-user"}
+    async with FakeWorker(redis_client, POOL, fixed_text="q" * 60, batch=1, delay_s=0.05) as w, \
+            aiohttp.ClientSession() as s:
+        short = await s.post(f"http://127.0.0.1:{port_a}/v1/completions", headers=headers,
+                             json={"model": "tiny", "prompt": "x", "max_tokens": 10, "stream": True})
+        long = await s.post(f"http://127.0.0.1:{port_b}/v1/completions", headers=headers,
+                            json={"model": "tiny", "prompt": "x", "max_tokens": 60, "stream": True})
+        assert short.status == 200 and long.status == 200
+        await short.content.readline()
+        await long.content.readline()
+        t0 = time.monotonic()
+        proc_a.send_signal(signal.SIGTERM)
+        proc_b.send_signal(signal.SIGTERM)
+        # A's stream (0.5 s of tokens) finishes inside the 1.5 s grace: complete, with [DONE].
+        rest = (await short.content.read()).decode()
+        assert rest.rstrip().endswith("data: [DONE]")
+        # B's stream (3 s of tokens) is ended at the grace period with an in-band error
+        # (a clean end of the HTTP response, no [DONE]) and cancelled in Redis.
+        tail = (await long.content.read()).decode()
+        assert "[DONE]" not in tail
+        assert '"code":"shutting_down"' in tail.strip().splitlines()[-1]
+        rid_b = long.headers["X-QoS-Request-Id"]
+        end = time.monotonic() + 5
+        while not any(x.request_id == rid_b for x in w.served) and time.monotonic() < end:
+            await asyncio.sleep(0.02)
+        assert w.by_id(rid_b).outcome == "cancelled"
+        assert w.by_id(rid_b).usage_out < 60
+    for proc in (proc_a, proc_b):
+        assert proc.wait(timeout=10) == 0
+    assert time.monotonic() - t0 < 8
+    assert await redis_client.zcard(POOL.frontends) == 0  # both left cleanly
+    with pytest.raises(aiohttp.ClientConnectionError):
+        async with aiohttp.ClientSession() as s:
+            await s.get(f"http://127.0.0.1:{port_a}/healthz")
+
+
+# --- startup checks -----------------------------------------------------------------------------
+
+def test_demo_keys_refused_on_public_address(capsys):
+    for host in ("0.0.0.0", "::", "10.1.2.3", "example.com"):
+        assert cli.main(["frontend", "--host", host, "--port", "0"]) == 2
+        assert "--allow-demo-keys-public" in capsys.readouterr().err
+    # Loopback is fine, and so is an explicit opt-in (checked without starting a server).
+    cfg = demo_config()
+    assert load_settings(cfg, {"host": "127.0.0.1"}).host == "127.0.0.1"
+    assert load_settings(cfg, {"host": "::1"}).host == "::1"
+    assert load_settings(cfg, {"host": "0.0.0.0", "allow_demo_keys_public": True}).allow_demo_keys_public
+
+
+def test_own_keys_may_listen_publicly_and_bad_settings_name_the_field(tmp_path):
+    path = tmp_path / "qos.toml"
+    own = _config("redis://127.0.0.1:1/0", "a", "b", "c")
+    path.write_text(own)
+    assert load_settings(load(path, {}), {"host": "0.0.0.0"}).host == "0.0.0.0"
+    path.write_text(own + 'port = "eighty"\n')
+    with pytest.raises(ConfigError, match=r"frontend\.port"):
+        load_settings(load(path, {}))
+    path.write_text(own.replace("heartbeat_s = 0.5", "heartbeat_s = 60.0"))
+    with pytest.raises(ConfigError, match=r"frontend\.heartbeat_s"):
+        load_settings(load(path, {}))
