@@ -20,6 +20,9 @@ from limiter.errors import InvalidName
 # request ids. No braces (hash tags), colons (key separators), spaces or globs.
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
 ROOT = "qos"
+# Consumer group of the controllers on each pool's samples stream (``XINFO GROUPS``). Only
+# the leading controller reads through it; see docs/controller.md.
+SAMPLES_GROUP = "controller"
 
 
 def check_name(kind: str, value: object) -> str:
@@ -97,7 +100,8 @@ class PoolKeys:
 
     @property
     def samples(self) -> str:
-        """STREAM of msgpack latency samples, one per finished request."""
+        """STREAM of msgpack latency samples, one per finished request (field ``d``); the
+        controllers read it through the consumer group :data:`SAMPLES_GROUP`."""
         return self.base + "samples"
 
     @property

@@ -1,0 +1,8 @@
+"""The controller role (``qos controller``): consumes latency samples, rewrites class rates.
+
+Modules: :mod:`.settings` (the ``[controller]`` table), :mod:`.leader` (lease + fencing),
+:mod:`.consumer` (the samples consumer group), :mod:`.usage` (the law's ``used`` input),
+:mod:`.term` (one leadership's state), :mod:`.loop` (one pool's loops and tick),
+:mod:`.observe` (Redis time, heartbeats in; compliance hash, gauges out),
+:mod:`.service` (the process), :mod:`.metrics`, :mod:`.cli`. Design: docs/controller.md.
+"""

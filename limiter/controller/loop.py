@@ -1,0 +1,274 @@
+"""One pool's controller: the lease loop, the sample loop and the tick, as three tasks.
+
+* **lease** (every ``renew_s``): take or keep the pool's lease; a new fence starts a new
+  :class:`~limiter.controller.term.Term`, a lost lease ends it (a standby just polls here).
+* **samples** (leader only): replay our own pending entries, claim the dead leader's, then
+  block on new ones; each sample feeds the SLO window, the capacity estimator and the usage
+  meter, then is acknowledged (limiter/controller/consumer.py).
+* **tick** (every ``tick_s``, leader only): Redis ``TIME`` and counters -> ``Inputs`` ->
+  :func:`~limiter.control_law.decide`; a change is written with the fenced ``set_rates`` with
+  its decision record, and the windows are marked at ``evidence_from_ms``; compliance and
+  capacity go to ``qos:{pool}:compliance`` every tick.
+
+No failure ends a loop: Redis errors back off and retry, a refused (stale) write steps
+down, a missing policy is re-created from the config.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from limiter.config import PoolConfig, QosConfig
+from limiter.control_law import ClassInputs, Decision, Inputs, decide
+from limiter.controller.consumer import Batch, SampleConsumer
+from limiter.controller.leader import LeaderLease
+from limiter.controller.metrics import ControllerMetrics
+from limiter.controller.observe import publish, read_heartbeats, record_metrics, redis_now_ms
+from limiter.controller.settings import ControllerSettings
+from limiter.controller.term import Term, new_term, policy_fields
+from limiter.errors import PolicyMissing, RedisUnavailable, StaleLeader
+from limiter.keys import PoolKeys
+from limiter.scripts import Scripts, policy_document
+from limiter.slo import Sample
+
+log = logging.getLogger("qos.controller")
+# TimeoutError (a step that overran its timeout) is an OSError: handled like an outage.
+REDIS_ERRORS = (RedisUnavailable, RedisConnectionError, RedisTimeoutError, OSError)
+MAX_BACKOFF_S = 5.0
+# No socket timeout on the client (XREADGROUP blocks), so every step has its own deadline: a
+# connection that wedges must cost one step, not stop a loop while the lease is still renewed.
+STEP_TIMEOUT_S = 5.0
+
+
+class PoolController:
+    def __init__(self, *, cfg: QosConfig, pool: PoolConfig, settings: ControllerSettings, client: Any,
+                 scripts: Scripts, metrics: ControllerMetrics) -> None:
+        self.cfg, self.pool, self.settings = cfg, pool, settings
+        self.client, self.scripts, self.metrics = client, scripts, metrics
+        self.keys = PoolKeys(pool.name)
+        self.lease = LeaderLease(scripts, self.keys, settings.controller_id, settings.lease_s)
+        self.consumer = SampleConsumer(client, self.keys, settings.controller_id, cfg.class_names(), metrics,
+                                       settings.batch, settings.claim_idle_ms)
+        self.term: Term | None = None
+        self.redis_ok = True
+        self._leading = asyncio.Event()
+        self._ticked = time.monotonic()  # the tick loop's last turn (the lease loop's watchdog)
+        metrics.leader.labels(pool.name).set(0)
+
+    def loops(self) -> list[Any]:
+        return [self.lease_loop(), self.sample_loop(), self.tick_loop()]
+
+    # --- leadership ---------------------------------------------------------------------------
+    async def lease_loop(self) -> None:
+        while True:
+            await self.renew_once()
+            await asyncio.sleep(self.settings.renew_s)
+
+    async def renew_once(self) -> None:
+        try:
+            if self.term is not None and time.monotonic() - self._ticked > self.stall_s:
+                # A leader that renews its lease but no longer decides is worse than none.
+                log.error("%s: the tick loop has not run for %.1f s; giving up leadership", self.pool.name,
+                          time.monotonic() - self._ticked)
+                self.step_down("tick loop stalled")
+                await asyncio.wait_for(self.scripts.release_leader(self.keys, self.settings.controller_id,
+                                                                   self.lease.last_fence), STEP_TIMEOUT_S)
+                return
+            fence = await asyncio.wait_for(self.lease.renew(), max(0.5, self.settings.lease_s / 2))
+            self.redis_ok = True
+            if not fence:
+                self.end_term(f"the lease is held by {self.lease.holder}")
+            elif self.term is None or self.term.fence != fence:
+                self.end_term("a new term begins")
+                await asyncio.wait_for(self.begin_term(fence), STEP_TIMEOUT_S)
+        except REDIS_ERRORS as exc:
+            self._redis_error("lease", exc)
+            if self.term is not None and not self.lease.leading:
+                self.end_term("the lease lapsed while Redis was unreachable")
+        except Exception:  # never let the lease loop die: the standby would never take over
+            log.exception("%s: lease loop error", self.pool.name)
+
+    async def begin_term(self, fence: int) -> None:
+        # keep_rates: repairs a missing policy and syncs static fields; the rates stay as they are
+        await self.scripts.init_pool(self.keys, policy_document(self.cfg, self.pool))
+        policy = policy_fields(await self.client.hgetall(self.keys.policy))
+        await self.consumer.ensure_group()
+        if self.lease.fence != fence or not self.lease.leading:
+            return  # lost it while setting up
+        self.term = new_term(fence, policy, self.cfg, self.pool, self.settings)
+        self._ticked = time.monotonic()
+        self._leading.set()
+        self.metrics.leader.labels(self.pool.name).set(1)
+        log.info("%s: term %d begins (capacity %.0f, allowances %s)", self.pool.name, fence,
+                 self.term.state.capacity, {c.name: round(c.allowance, 4) for c in self.term.state.classes})
+
+    @property
+    def stall_s(self) -> float:
+        return max(3 * self.settings.lease_s, 10 * self.settings.tick_s, 2 * STEP_TIMEOUT_S)
+
+    def end_term(self, why: str) -> None:
+        if self.term is None:
+            return
+        log.info("%s: term %d ends: %s", self.pool.name, self.term.fence, why)
+        self.term = None
+        self._leading.clear()
+        self.metrics.leader.labels(self.pool.name).set(0)
+
+    def step_down(self, why: str) -> None:
+        self.lease.step_down(why)
+        self.end_term(why)
+
+    # --- samples ------------------------------------------------------------------------------
+    async def sample_loop(self) -> None:
+        backoff = 0.0
+        while True:
+            await self._leading.wait()
+            term = self.term
+            if term is None:
+                await asyncio.sleep(0)
+                continue
+            try:
+                await asyncio.wait_for(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
+                backoff = 0.0
+            except ResponseError as exc:
+                if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
+                    await self._guard(self.consumer.ensure_group(), "samples")
+                else:
+                    log.error("%s: sample read failed: %s", self.pool.name, exc)
+                    backoff = await _sleep_backoff(backoff)
+            except REDIS_ERRORS as exc:
+                self._redis_error("samples", exc)
+                backoff = await _sleep_backoff(backoff)
+            except Exception:
+                log.exception("%s: sample loop error", self.pool.name)
+                backoff = await _sleep_backoff(backoff)
+
+    async def consume_once(self, term: Term) -> None:
+        """One step of the leader's sample loop: catch up once per term, then read new entries."""
+        if term.unacked:
+            await self.consumer.ack(sorted(term.unacked))
+            term.unacked.clear()
+        if not term.caught_up:
+            await self.take(term, await self.consumer.replay_own())
+            await self.take(term, await self.consumer.autoclaim())
+            term.caught_up = True
+            term.next_claim = time.monotonic() + self.settings.claim_idle_ms / 1000
+        await self.take(term, await self.consumer.read_new(int(self.settings.block_s * 1000)))
+        if time.monotonic() >= term.next_claim:
+            await self.take(term, await self.consumer.autoclaim())
+            term.next_claim = time.monotonic() + self.settings.claim_idle_ms / 1000
+
+    async def take(self, term: Term, batch: Batch) -> None:
+        """Feed a batch to the term's windows and acknowledge it -- unless the term ended
+        meanwhile: then the entries stay pending for the next leader to claim."""
+        if self.term is not term or not batch.ids:
+            return
+        fresh = [s for s, i in zip(batch.samples, batch.sample_ids, strict=True) if i not in term.unacked]
+        for sample in fresh:
+            self.feed(term, sample)
+        term.bad += batch.bad
+        try:
+            await self.consumer.ack(batch.ids)
+        except BaseException:
+            term.unacked.update(batch.ids)  # fed already: retried before the next read, never re-fed
+            raise
+
+    def feed(self, term: Term, sample: Sample) -> None:
+        term.monitor.add(sample)
+        term.estimator.observe_sample(sample)
+        term.usage.observe_work(sample.cls, term.estimator.work(sample))
+        term.consumed += 1
+        self.metrics.samples.labels(self.pool.name, sample.cls).inc()
+
+    # --- the tick -----------------------------------------------------------------------------
+    async def tick_loop(self) -> None:
+        while True:
+            started = time.monotonic()
+            term = self.term
+            if term is not None:
+                await self._guard(asyncio.wait_for(self.tick(term), STEP_TIMEOUT_S), "tick")
+            self._ticked = time.monotonic()
+            await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))
+
+    async def tick(self, term: Term) -> Decision | None:
+        """One control decision for this pool; returns it (None when not leading)."""
+        if self.term is not term:
+            return None
+        if not self.lease.leading:
+            self.end_term("the lease lapsed")
+            return None
+        now_ms = await redis_now_ms(self.client, self.keys)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.stats)
+            pipe.zrange(self.keys.workers, 0, -1, withscores=True)
+            stats, workers = await pipe.execute()
+        term.usage.observe_counters(now_ms, stats)
+        if self.settings.capacity.worker_field:
+            await read_heartbeats(self.client, self.keys, term, workers, now_ms, self.settings.capacity)
+        estimate = term.estimator.estimate(now_ms)
+        window = term.monitor.stats(now_ms)
+        capacity = estimate.value
+        if not (math.isfinite(capacity) and capacity > 0):
+            capacity = term.state.capacity
+        inputs = Inputs(capacity, {name: ClassInputs(
+            compliance=w.fresh_compliance, samples=w.fresh_count,
+            used=term.usage.used(name, term.estimator.served_rate(name)),
+            has_slo=w.has_target, window_compliance=w.compliance) for name, w in window.items()})
+        decision = decide(term.state, inputs, now_ms)
+        if decision.changed:
+            record = decision.record() | {
+                "pool": self.pool.name, "controller": self.settings.controller_id, "fence": term.fence,
+                "capacity_source": estimate.source, "live_workers": estimate.live_workers,
+                "admitted_per_s": {c: term.usage.admitted_per_s(c) for c in term.usage.classes},
+            }
+            try:
+                version = await self.scripts.set_rates(self.keys, self.settings.controller_id, term.fence,
+                                                       record, decision.policy_fields())
+            except StaleLeader as exc:
+                self.metrics.stale.labels(self.pool.name).inc()
+                self.step_down(f"set_rates refused: {exc}")
+                return None
+            assert decision.evidence_from_ms is not None
+            term.monitor.mark(decision.evidence_from_ms)
+            self.metrics.writes.labels(self.pool.name).inc()
+            log.info("%s: rates v%d: %s", self.pool.name, version, {
+                c.name: f"{c.reason} rate={c.new.rate:.0f} ceil={c.new.ceil:.0f}" for c in decision.classes})
+        term.state = decision.state
+        term.last_decision = decision
+        record_metrics(self.metrics, self.pool.name, decision, window, estimate.value, inputs)
+        await publish(self.client, self.keys, self.settings, now_ms, window, estimate)
+        return decision
+
+    # --- errors -------------------------------------------------------------------------------
+    async def _guard(self, coro: Any, loop: str) -> None:
+        try:
+            await coro
+            self.redis_ok = True
+        except PolicyMissing:
+            log.warning("%s: policy missing (Redis lost its data?); re-creating it from the config",
+                        self.pool.name)
+            await self._guard(self.scripts.init_pool(self.keys, policy_document(self.cfg, self.pool)), loop)
+        except REDIS_ERRORS as exc:
+            self._redis_error(loop, exc)
+        except Exception:
+            log.exception("%s: %s error", self.pool.name, loop)
+
+    def _redis_error(self, loop: str, exc: BaseException) -> None:
+        self.metrics.redis_errors.labels(loop).inc()
+        if self.redis_ok:
+            log.warning("%s: Redis unavailable in %s loop (%s); retrying", self.pool.name, loop, exc)
+        self.redis_ok = False
+
+
+async def _sleep_backoff(previous: float) -> float:
+    delay = min(MAX_BACKOFF_S, max(0.1, previous * 2))
+    await asyncio.sleep(delay)
+    return delay

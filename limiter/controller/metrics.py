@@ -1,0 +1,74 @@
+"""Prometheus metrics of one controller process, served on ``--metrics-port`` (0 = off).
+
+A per-process registry (not the global one), so tests can run two controllers in one
+process. ``GET /metrics`` is Prometheus text; ``GET /healthz`` is JSON and answers 200 while
+the process runs -- a standby or a controller waiting out a Redis outage is healthy, a
+liveness probe must not kill it (``leader`` and ``redis_ok`` are inside the body).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+
+
+class ControllerMetrics:
+    def __init__(self, controller_id: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        Gauge("qos_controller_info", "Always 1; labels say which controller this is", ["controller"],
+              registry=r).labels(controller_id).set(1)
+        self.leader = Gauge("qos_controller_leader", "1 while this process is the pool's active controller",
+                            ["pool"], registry=r)
+        self.compliance = Gauge("qos_controller_compliance", "SLO compliance over the window (0..1; NaN = "
+                                "no target or no samples)", ["pool", "class"], registry=r)
+        self.fresh_compliance = Gauge("qos_controller_fresh_compliance", "Compliance over samples since the "
+                                      "last change (what the law judges)", ["pool", "class"], registry=r)
+        self.rate = Gauge("qos_controller_rate", "Guaranteed rate per class, weighted tokens/s",
+                          ["pool", "class"], registry=r)
+        self.ceil = Gauge("qos_controller_ceil", "Ceiling (rate with borrowing) per class, weighted tokens/s",
+                          ["pool", "class"], registry=r)
+        self.used = Gauge("qos_controller_used", "Admitted work per class, weighted tokens/s (the law's "
+                          "'used')", ["pool", "class"], registry=r)
+        self.capacity = Gauge("qos_controller_capacity", "Capacity estimate, weighted tokens/s", ["pool"],
+                              registry=r)
+        self.decisions = Counter("qos_controller_decisions", "Per-class verdicts of the law, by reason, one "
+                                 "per tick (hold, relax, tighten_lower_for_P0, cooldown, ...)",
+                                 ["pool", "class", "reason"], registry=r)
+        self.writes = Counter("qos_controller_rate_writes", "Rate changes written with set_rates", ["pool"],
+                              registry=r)
+        self.stale = Counter("qos_controller_stale_writes", "set_rates refused: this controller was no "
+                             "longer the leader (it stepped down)", ["pool"], registry=r)
+        self.samples = Counter("qos_controller_samples", "Latency samples consumed into the SLO window",
+                               ["pool", "class"], registry=r)
+        self.bad_samples = Counter("qos_controller_bad_samples", "Samples that could not be used (logged and "
+                                   "acknowledged), by offending field", ["pool", "field"], registry=r)
+        self.claimed = Counter("qos_controller_claimed_samples", "Entries taken over from another consumer's "
+                               "pending list (XAUTOCLAIM) or replayed from our own", ["pool", "how"],
+                               registry=r)
+        self.redis_errors = Counter("qos_controller_redis_errors", "Redis failures, by loop", ["loop"],
+                                    registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def start_metrics_server(metrics: ControllerMetrics, health: Callable[[], dict[str, Any]], host: str,
+                               port: int) -> web.AppRunner:
+    """Serve /metrics and /healthz; returns the runner (``await runner.cleanup()`` to stop)."""
+
+    async def get_metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def get_health(_request: web.Request) -> web.Response:
+        return web.json_response(health())
+
+    app = web.Application()
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/healthz", get_health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

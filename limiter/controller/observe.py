@@ -1,0 +1,101 @@
+"""What the tick reads besides the samples, and what it reports after deciding.
+
+Kept apart from the loop so the tick reads as "measure, decide, write": Redis time, worker
+heartbeats in; the ``compliance`` hash and the Prometheus gauges out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from redis.asyncio.cluster import RedisCluster
+
+from limiter.capacity import CapacityEstimate
+from limiter.control_law import Decision, Inputs
+from limiter.controller.metrics import ControllerMetrics
+from limiter.controller.settings import CapacitySettings, ControllerSettings
+from limiter.controller.term import Term, parse_float
+from limiter.errors import InvalidName
+from limiter.keys import PoolKeys
+from limiter.slo import WindowStats
+
+
+async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
+    """Redis TIME -- on a cluster, of the shard holding this pool (the clock its scripts stamp
+    samples with); cluster pipelines refuse keyless commands, hence a call of its own."""
+    if isinstance(client, RedisCluster):
+        node = client.get_node_from_key(keys.policy)
+        sec, usec = await client.execute_command("TIME", target_nodes=node)
+    else:
+        sec, usec = await client.time()
+    return int(sec) * 1000 + int(usec) / 1000
+
+
+async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list[tuple[bytes, float]],
+                          now_ms: float, cap: CapacitySettings) -> None:
+    """Feed live workers' reported capacity (``cap.worker_field``) to the term's estimator.
+
+    Only a heartbeat newer than the one last used is read (the EWMA must not count one report
+    twice); a worker that left the ZSET (clean shutdown) or went silent leaves the sum now."""
+    ttl_ms = cap.worker_ttl_s * 1000
+    live = {(m.decode() if isinstance(m, bytes) else str(m)): float(s) for m, s in workers
+            if now_ms - float(s) <= ttl_ms}
+    for gone in [w for w in term.workers if w not in live]:
+        term.estimator.remove_worker(gone)
+        del term.workers[gone]
+    todo = []
+    for w, seen in live.items():
+        try:
+            if term.workers.get(w) != seen:
+                todo.append((w, seen, keys.worker(w)))
+        except InvalidName:  # not a worker this system wrote
+            continue
+    if not todo:
+        return
+    async with client.pipeline(transaction=False) as pipe:
+        for _, _, key in todo:
+            pipe.hget(key, cap.worker_field)
+        values = await pipe.execute()
+    for (w, seen, _), raw in zip(todo, values, strict=True):
+        value = parse_float(raw)
+        if value is not None and value > 0:
+            term.estimator.observe_worker(w, value, now_ms)
+            term.workers[w] = seen
+
+
+async def publish(client: Any, keys: PoolKeys, settings: ControllerSettings, now_ms: float,
+                  window: Mapping[str, WindowStats], estimate: CapacityEstimate) -> None:
+    """``qos:{pool}:compliance`` for status/top: compliance per class (absent = no target or
+    no samples) and the capacity estimate; it expires unless the next tick rewrites it."""
+    values = {c: w.compliance for c, w in window.items()}
+    ttl_ms = int(max(10.0, 10 * settings.tick_s) * 1000)  # a dead fleet's numbers fade out
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.hset(keys.compliance, mapping={
+            **{c: repr(v) for c, v in values.items() if v is not None},
+            "capacity": repr(float(estimate.value)), "capacity_source": estimate.source,
+            "updated_ms": int(now_ms), "controller": settings.controller_id})
+        missing = [c for c, v in values.items() if v is None]
+        if missing:
+            pipe.hdel(keys.compliance, *missing)
+        pipe.pexpire(keys.compliance, ttl_ms)
+        await pipe.execute()
+
+
+def record_metrics(m: ControllerMetrics, pool: str, d: Decision, window: Mapping[str, WindowStats],
+                   capacity: float, inputs: Inputs) -> None:
+    m.capacity.labels(pool).set(capacity)
+    rates = d.state.rates()
+    for c in d.classes:
+        w = window[c.name]
+        m.compliance.labels(pool, c.name).set(_nan(w.compliance))
+        m.fresh_compliance.labels(pool, c.name).set(_nan(w.fresh_compliance))
+        m.rate.labels(pool, c.name).set(rates[c.name].rate)
+        m.ceil.labels(pool, c.name).set(rates[c.name].ceil)
+        m.used.labels(pool, c.name).set(inputs.classes[c.name].used)
+        m.decisions.labels(pool, c.name, c.reason).inc()
+
+
+def _nan(v: float | None) -> float:
+    return math.nan if v is None else v

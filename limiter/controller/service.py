@@ -1,0 +1,104 @@
+"""The controller process: one :class:`PoolController` per pool, metrics, clean shutdown.
+
+Every controller process runs the same code; which one is *active* for a pool is decided
+by the pool's lease alone, so any number of standbys can run from the start (docs/controller.md).
+A clean shutdown (SIGTERM/SIGINT) stops the loops first -- no write after giving up -- then
+releases every lease it holds, so a standby takes over at its next poll instead of waiting
+for the lease to expire.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from typing import Any
+
+from aiohttp import web
+
+from limiter.config import QosConfig
+from limiter.controller.loop import PoolController
+from limiter.controller.metrics import ControllerMetrics, start_metrics_server
+from limiter.controller.settings import ControllerSettings
+from limiter.redis_conn import open_redis
+from limiter.scripts import Scripts
+
+log = logging.getLogger("qos.controller")
+
+
+class Controller:
+    def __init__(self, settings: ControllerSettings, cfg: QosConfig, client: Any = None) -> None:
+        self.settings, self.cfg = settings, cfg
+        pools = settings.pool_configs(cfg)
+        self._own_client = client is None
+        # per pool: one connection blocked in XREADGROUP, one for the lease, one for the tick
+        if client is None:
+            client = open_redis(cfg.redis, max_connections=2 + 3 * len(pools))
+        self.client = client
+        self.scripts = Scripts(self.client)
+        self.metrics = ControllerMetrics(settings.controller_id)
+        self.pools = {p.name: PoolController(cfg=cfg, pool=p, settings=settings, client=self.client,
+                                             scripts=self.scripts, metrics=self.metrics) for p in pools}
+        self._tasks: list[asyncio.Task[None]] = []
+        self._runner: web.AppRunner | None = None
+
+    async def start(self) -> None:
+        for pc in self.pools.values():
+            self._tasks += [asyncio.create_task(coro) for coro in pc.loops()]
+        if self.settings.metrics_port:
+            self._runner = await start_metrics_server(self.metrics, self.health, self.settings.metrics_host,
+                                                      self.settings.metrics_port)
+        s = self.settings
+        log.info("controller %s started for pools %s (lease %.1f s, tick %.1f s)", s.controller_id,
+                 list(self.pools), s.lease_s, s.tick_s)
+
+    async def stop(self, release: bool = True) -> None:
+        """Stop the loops, then (``release``) give up every lease held. ``release=False``
+        imitates a crash for tests: the lease is left to expire."""
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks = []
+        for pc in self.pools.values():
+            pc.end_term("shutting down")
+            if release:
+                try:
+                    await asyncio.wait_for(pc.lease.release(), timeout=2.0)
+                except Exception as exc:  # Redis down: the lease expires on its own
+                    log.warning("%s: could not release the lease (%s); it expires in %.1f s", pc.pool.name,
+                                exc, self.settings.lease_s)
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self._own_client:
+            with contextlib.suppress(Exception):
+                await self.client.aclose()
+
+    def health(self) -> dict[str, Any]:
+        return {
+            "status": "ok", "controller": self.settings.controller_id,
+            "pools": {name: {"leader": pc.term is not None, "fence": pc.lease.fence or None,
+                             "holder": pc.lease.holder or None, "redis_ok": pc.redis_ok,
+                             "samples": pc.term.consumed if pc.term else 0}
+                      for name, pc in self.pools.items()},
+        }
+
+
+async def serve(settings: ControllerSettings, cfg: QosConfig) -> int:
+    """Run until SIGTERM/SIGINT, then shut down cleanly (leases released)."""
+    controller = Controller(settings, cfg)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await controller.start()
+    try:
+        await stop.wait()
+        log.info("shutting down: releasing leadership")
+    finally:
+        await controller.stop()
+    return 0

@@ -1,0 +1,180 @@
+"""Controller settings: the config's ``[controller]`` table, then CLI flags, validated once.
+
+One frozen dataclass so the lease loop, the sample consumer and the tick read the same,
+already-checked values. Everything the control law needs is derived here too (shares and
+ceilings from ``[[classes]]``, SLOs from ``slo_ttft_ms`` / ``slo_tpot_ms``), so a bad value
+is reported at start as ``controller.<field>`` -- never as a crash in the middle of a tick.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from limiter.capacity import CapacityConfig
+from limiter.config import PoolConfig, QosConfig, build_section
+from limiter.control_law import ControlConfig
+from limiter.errors import ConfigError
+from limiter.keys import NAME_RE
+from limiter.slo import ClassSLO
+
+_LAW = ControlConfig()  # the law's defaults are the seed's numbers; repeat them, not retype them
+# Rate floors when none are configured: the top class keeps half its share, the others 30 %
+# (docs/control-law.md: 0.30 / 0.105 / 0.015 for shares 0.60 / 0.35 / 0.05).
+TOP_FLOOR, LOWER_FLOOR = 0.5, 0.3
+
+
+@dataclass(frozen=True)
+class CapacitySettings:
+    """``[controller.capacity]``: the estimator's tunables (limiter/capacity.py)."""
+
+    interval_s: float = 1.0
+    alpha: float = 0.3
+    busy_queue_ms: float = 100.0
+    busy_share: float = 0.1
+    min_busy_intervals: int = 3
+    worker_ttl_s: float = 15.0
+    rate_intervals: int = 5
+    # Heartbeat field (qos:{pool}:worker:<id>) carrying weighted tokens/s while busy; "" = do
+    # not use heartbeats. Not ``tokens_s``: that counts output tokens only, idle time included.
+    worker_field: str = "capacity_tokens_s"
+
+
+@dataclass(frozen=True)
+class ControllerSettings:
+    """Everything one controller process needs besides the shared config (docs/controller.md)."""
+
+    controller_id: str = ""  # "" = <hostname>-<pid>; also the consumer name in the samples group
+    pools: tuple[str, ...] = ()  # () = every configured pool
+    tick_s: float = 1.0  # one control decision per pool per tick
+    lease_s: float = 3.0  # leader lease; a standby takes over within lease_s + renew_s
+    renew_s: float = 1.0  # how often the lease is renewed (and a standby polls for it)
+    block_s: float = 1.0  # XREADGROUP BLOCK timeout
+    batch: int = 500  # stream entries per read
+    claim_idle_s: float = 0.0  # XAUTOCLAIM entries pending this long; 0 = lease_s
+    window_max_age_s: float = 600.0  # SLO window also forgets samples older than this; 0 = never
+    used_window_s: float = 1.0  # "used" = admitted work over about this long
+    cost_samples: int = 200  # recent samples per class behind the mean cost of a request
+    metrics_port: int = 0  # 0 = no metrics server
+    metrics_host: str = "0.0.0.0"
+    # the control law (limiter/control_law.py, docs/control-law.md)
+    target: float = _LAW.target
+    low: float = _LAW.low
+    relax_step: float = _LAW.relax_step
+    tighten_step: float = _LAW.tighten_step
+    cooldown_s: float = _LAW.cooldown_s
+    settle_s: float = _LAW.settle_s
+    window: int = _LAW.window
+    min_samples: int = _LAW.min_samples
+    burst_s: float = _LAW.burst_s
+    use_threshold: float = _LAW.use_threshold
+    capacity_deadband: float = _LAW.capacity_deadband
+    reset_load_change: float = _LAW.reset_load_change
+    memory: bool = _LAW.memory
+    min_change: float = _LAW.min_change
+    floors: tuple[float, ...] = ()  # rate floors, share of capacity per class; () = derived
+    capacity: CapacitySettings = field(default_factory=CapacitySettings)
+
+    # --- derived ----------------------------------------------------------------------
+    @property
+    def claim_idle_ms(self) -> int:
+        return int(1000 * (self.claim_idle_s or self.lease_s))
+
+    def control_config(self, cfg: QosConfig) -> ControlConfig:
+        """The law's parameters: shares and ceilings from the classes, the rest from here."""
+        shares = tuple(c.share for c in cfg.classes)
+        floors = self.floors or tuple(
+            s * (TOP_FLOOR if i == 0 else LOWER_FLOOR) for i, s in enumerate(shares))
+        return ControlConfig(
+            classes=tuple(cfg.class_names()), shares=shares, floors=floors,
+            ceilings=tuple(c.ceil_share for c in cfg.classes), target=self.target, low=self.low,
+            relax_step=self.relax_step, tighten_step=self.tighten_step, cooldown_s=self.cooldown_s,
+            settle_s=self.settle_s, window=self.window, min_samples=self.min_samples, burst_s=self.burst_s,
+            use_threshold=self.use_threshold, capacity_deadband=self.capacity_deadband,
+            reset_load_change=self.reset_load_change, memory=self.memory, min_change=self.min_change,
+        )
+
+    def capacity_config(self, cfg: QosConfig, initial: float) -> CapacityConfig:
+        c = self.capacity
+        return CapacityConfig(
+            initial=initial, interval_s=c.interval_s, alpha=c.alpha, busy_queue_ms=c.busy_queue_ms,
+            busy_share=c.busy_share, min_busy_intervals=c.min_busy_intervals, worker_ttl_s=c.worker_ttl_s,
+            rate_intervals=c.rate_intervals, weights={k.name: (k.weight, k.out_weight) for k in cfg.classes},
+        )
+
+    @staticmethod
+    def slos(cfg: QosConfig) -> dict[str, ClassSLO]:
+        """Per-class targets from ``[[classes]]``; a class without any (P2) has no compliance."""
+        return {c.name: ClassSLO(c.slo_ttft_ms, c.slo_tpot_ms) for c in cfg.classes}
+
+    def pool_configs(self, cfg: QosConfig) -> list[PoolConfig]:
+        return [cfg.pool(p) for p in self.pools] if self.pools else list(cfg.pools)
+
+    # --- validation -------------------------------------------------------------------
+    def resolved(self, cfg: QosConfig) -> ControllerSettings:
+        """Fill the host-dependent default id, then validate against ``cfg``."""
+        s = self if self.controller_id else replace(self, controller_id=default_controller_id())
+        s.validate(cfg)
+        return s
+
+    def validate(self, cfg: QosConfig) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"controller.{name}", f"{message}, got {getattr(self, name)!r}")
+
+        check(bool(NAME_RE.fullmatch(self.controller_id)), "controller_id", f"must match {NAME_RE.pattern}")
+        known = [p.name for p in cfg.pools]
+        for i, p in enumerate(self.pools):
+            if p not in known:
+                raise ConfigError(f"controller.pools[{i}]", f"unknown pool {p!r}; configured: {known}")
+        check(0.05 <= self.tick_s <= 60, "tick_s", "must be in [0.05, 60]")
+        check(0.1 <= self.lease_s <= 600, "lease_s", "must be in [0.1, 600] (acquire_leader's ttl range)")
+        check(0.01 <= self.renew_s <= self.lease_s / 2, "renew_s", "must be in [0.01, lease_s / 2]")
+        check(0.01 <= self.block_s <= 60, "block_s", "must be in [0.01, 60]")
+        check(1 <= self.batch <= 100_000, "batch", "must be in [1, 100000]")
+        check(self.claim_idle_s == 0 or 0.01 <= self.claim_idle_s <= 3600, "claim_idle_s",
+              "must be 0 (= lease_s) or in [0.01, 3600]")
+        check(self.window_max_age_s == 0 or 1 <= self.window_max_age_s <= 86_400, "window_max_age_s",
+              "must be 0 (no limit) or in [1, 86400]")
+        check(0.05 <= self.used_window_s <= 60, "used_window_s", "must be in [0.05, 60]")
+        check(1 <= self.cost_samples <= 100_000, "cost_samples", "must be in [1, 100000]")
+        check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
+        for name in ("tick_s", "lease_s", "renew_s", "block_s", "used_window_s"):
+            check(math.isfinite(getattr(self, name)), name, "must be finite")
+        check(all(math.isfinite(f) for f in self.floors), "floors", "must be finite")
+        try:
+            self.control_config(cfg).validate("controller")  # names controller.<field>, e.g. controller.low
+        except ConfigError as exc:
+            if exc.path in ("controller.classes", "controller.shares", "controller.ceilings"):
+                # derived from [[classes]], not from [controller]: name where to fix it
+                raise ConfigError("classes", "the controller needs shares in (0, 1] and ceil_share >= "
+                                  f"share: {exc.message}") from exc
+            raise
+        worker_field = self.capacity.worker_field
+        if worker_field and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", worker_field):
+            raise ConfigError("controller.capacity.worker_field", "must be a hash field name or ''")
+        self.capacity_config(cfg, 1.0).validate("controller.capacity")
+
+
+def default_controller_id() -> str:
+    host = re.sub(r"[^A-Za-z0-9_.-]", "-", socket.gethostname())[:40] or "host"
+    return f"{host}-{os.getpid()}"
+
+
+def load_settings(cfg: QosConfig, overrides: Mapping[str, Any] | None = None) -> ControllerSettings:
+    """``[controller]`` from the config, then non-None ``overrides`` (CLI flags) on top."""
+    base = build_section("controller", ControllerSettings, cfg.controller)
+    flags = {k: v for k, v in (overrides or {}).items() if v is not None}
+    names = {f.name for f in dataclasses.fields(ControllerSettings)}
+    for key in flags:
+        if key not in names:
+            raise ConfigError(f"controller.{key}", "unknown field")
+    if "pools" in flags:
+        flags["pools"] = tuple(flags["pools"])
+    return replace(base, **flags).resolved(cfg)

@@ -1,0 +1,77 @@
+"""A *term*: one leadership of one pool, and everything the controller learns during it.
+
+A new leader does not inherit its predecessor's memory (windows, capacity EWMA, the law's
+remembered limits): they died with that process. It does inherit what is in Redis, and
+that is enough to continue without a jump:
+
+* the law's allowances are read back from the policy hash: ``a_i = <class>.ceil / capacity``
+  (every class's ceiling is ``a_i C``, docs/control-law.md), so a failover does not undo the
+  cuts the old leader made -- starting "fully relaxed" would;
+* ``updated_ms`` (set by ``set_rates``) is the last change: the cooldown still holds, and
+  samples that finished before ``updated_ms + settle_s`` are not counted as fresh evidence;
+* the capacity the policy was written with seeds the estimator, so the first tick does not
+  see a capacity "change".
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from limiter.capacity import CapacityEstimator
+from limiter.config import PoolConfig, QosConfig
+from limiter.control_law import ClassState, ControlState, Decision
+from limiter.controller.settings import ControllerSettings
+from limiter.controller.usage import UsageMeter
+from limiter.slo import SloMonitor
+
+
+@dataclass
+class Term:
+    fence: int
+    state: ControlState
+    monitor: SloMonitor
+    estimator: CapacityEstimator
+    usage: UsageMeter
+    caught_up: bool = False  # own pending entries replayed and the dead leader's claimed
+    next_claim: float = 0.0  # monotonic time of the next periodic XAUTOCLAIM
+    consumed: int = 0  # samples fed into the windows in this term
+    bad: int = 0  # samples skipped as unusable
+    unacked: set[bytes] = field(default_factory=set)  # fed, but the XACK failed: never feed twice
+    workers: dict[str, float] = field(default_factory=dict)  # worker -> heartbeat ms last used
+    last_decision: Decision | None = None
+
+
+def parse_float(value: object) -> float | None:
+    try:
+        v = float(value.decode() if isinstance(value, bytes) else str(value))
+    except (TypeError, ValueError, AttributeError):
+        return None
+    return v if math.isfinite(v) else None
+
+
+def policy_fields(raw: Mapping[object, object]) -> dict[str, object]:
+    return {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in raw.items()}
+
+
+def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: PoolConfig,
+             settings: ControllerSettings) -> Term:
+    """Build a term's state from the pool's policy hash (see the module docstring)."""
+    control = settings.control_config(cfg)
+    capacity = parse_float(policy.get("capacity"))
+    if capacity is None or capacity <= 0:
+        capacity = pool.capacity_tokens_s
+    classes = []
+    for name, floor, ceiling in zip(control.classes, control.floors, control.ceilings, strict=True):
+        ceil = parse_float(policy.get(f"{name}.ceil"))
+        allowance = ceiling if ceil is None else min(ceiling, max(floor, ceil / capacity))
+        classes.append(ClassState(name, allowance))
+    last = parse_float(policy.get("updated_ms"))
+    state = ControlState(control, capacity, tuple(classes), last)
+    monitor = SloMonitor(settings.slos(cfg), size=control.window, max_age_s=settings.window_max_age_s or None)
+    if last is not None:
+        monitor.mark(last + control.settle_s * 1000)
+    estimator = CapacityEstimator(settings.capacity_config(cfg, capacity))
+    usage = UsageMeter(control.classes, settings.used_window_s, settings.cost_samples)
+    return Term(fence, state, monitor, estimator, usage)

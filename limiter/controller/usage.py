@@ -1,0 +1,82 @@
+"""The control law's ``used`` input: what each class is consuming *now*, in weighted tokens/s.
+
+Why not the served rate from samples: a sample arrives when its request *finishes*, seconds
+after its work was admitted, so a completion-based rate lags exactly when it matters (a rising
+load), and a lagging ``used`` makes the first cut deeper than one step (docs/control-law.md).
+
+What is measured instead, per class:
+
+    used = admitted requests/s  x  mean work of a recent request of the class
+
+* **admitted requests/s**: the delta of the ``<class>.admitted`` counter in ``qos:{pool}:stats``
+  (incremented by ``admit.lua`` in the same script that charges the bucket) over the last
+  ``window_s`` of Redis time -- current to within one tick.
+* **mean work**: the mean over the class's last ``cost_samples`` samples of the weighted work
+  the request actually caused (:meth:`CapacityEstimator.work`: prefill if it ran, plus the
+  output), i.e. the same units as capacity and rates. Admission charges an *estimate* with
+  reserved output tokens that is refunded later, so the charged amount would overstate use;
+  the request mix changes much more slowly than the request rate, so this mean may lag.
+
+Until a class has a sample this term the estimator's served rate stands in (0 at start).
+A counter that went backwards (Redis restarted without persistence) restarts the baseline.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable, Mapping
+
+
+def _int(value: object) -> int | None:
+    try:
+        return int(value.decode() if isinstance(value, bytes) else str(value))
+    except (TypeError, ValueError, AttributeError):
+        return None
+
+
+class UsageMeter:
+    def __init__(self, classes: Iterable[str], window_s: float = 1.0, cost_samples: int = 200) -> None:
+        self.classes = tuple(classes)
+        self.window_ms = window_s * 1000.0
+        self._snaps: deque[tuple[float, dict[str, int]]] = deque()
+        self._costs: dict[str, deque[float]] = {c: deque(maxlen=cost_samples) for c in self.classes}
+        self._cost_sum = dict.fromkeys(self.classes, 0.0)
+        self._rates: dict[str, float] = {}
+
+    def observe_work(self, cls: str, work: float) -> None:
+        """One finished request of ``cls`` caused ``work`` weighted tokens."""
+        costs = self._costs.get(cls)
+        if costs is None:
+            return
+        if len(costs) == costs.maxlen:
+            self._cost_sum[cls] -= costs[0]
+        costs.append(work)
+        self._cost_sum[cls] += work
+
+    def mean_work(self, cls: str) -> float | None:
+        costs = self._costs.get(cls)
+        return self._cost_sum[cls] / len(costs) if costs else None
+
+    def observe_counters(self, now_ms: float, stats: Mapping[object, object]) -> None:
+        """A read of the stats hash at Redis time ``now_ms``: updates admitted requests/s."""
+        fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in stats.items()}
+        counts = {c: _int(fields.get(f"{c}.admitted", 0)) or 0 for c in self.classes}
+        if self._snaps and any(counts[c] < self._snaps[-1][1].get(c, 0) for c in self.classes):
+            self._snaps.clear()  # counters were reset: start over rather than report a negative rate
+        self._snaps.append((now_ms, counts))
+        # keep the newest snapshot that is at least window_ms old, and everything after it
+        while len(self._snaps) > 2 and now_ms - self._snaps[1][0] >= self.window_ms:
+            self._snaps.popleft()
+        t0, c0 = self._snaps[0]
+        dt = (now_ms - t0) / 1000.0
+        self._rates = {c: (counts[c] - c0.get(c, 0)) / dt for c in self.classes} if dt > 0 else {}
+
+    def admitted_per_s(self, cls: str) -> float | None:
+        """Requests/s admitted recently; None before two counter reads."""
+        return self._rates.get(cls)
+
+    def used(self, cls: str, served_fallback: float) -> float:
+        rate, work = self.admitted_per_s(cls), self.mean_work(cls)
+        if rate is None or work is None:
+            return max(0.0, served_fallback)
+        return max(0.0, rate * work)

@@ -1,0 +1,34 @@
+"""The controller runs unchanged on a 3-master Redis Cluster: every key of a pool shares its
+hash tag, so the lease, the samples group, the tick's reads and set_rates each hit one slot."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from limiter.config import PoolConfig, RedisConfig, demo_config
+from limiter.controller.service import Controller
+from limiter.keys import PoolKeys
+from tests.controller_helpers import fast_settings, push, sample, wait_for
+
+
+async def test_the_controller_leads_consumes_and_decides_on_a_cluster(redis_cluster) -> None:
+    base = demo_config()
+    # a pool name of its own: the cluster is shared by the whole session and never flushed
+    cfg = dataclasses.replace(base, redis=RedisConfig(url=redis_cluster.url, cluster=True),
+                              pools=(PoolConfig(name="ctl-cluster"),))
+    keys = PoolKeys("ctl-cluster")
+    ctl = Controller(fast_settings(cfg), cfg)
+    try:
+        await ctl.start()
+        pc = ctl.pools["ctl-cluster"]
+        await wait_for(lambda: asyncio.sleep(0, pc.term is not None))
+        sec, _ = await ctl.client.time()
+        now = int(sec) * 1000
+        await push(ctl.client, keys, [sample("P0", now, ttft_ms=3000.0) for _ in range(30)])
+        await wait_for(lambda: asyncio.sleep(0, pc.term is not None and pc.term.consumed == 30))
+        await wait_for(lambda: ctl.client.xlen(keys.decisions))  # P0 violates: a change is written
+        await wait_for(lambda: ctl.client.hget(keys.compliance, "P0"))
+        assert await ctl.client.get(keys.leader) == f"a:{pc.term.fence}".encode()
+    finally:
+        await ctl.stop()

@@ -1,0 +1,127 @@
+"""The samples consumer group: a dead consumer's pending entries are claimed, our own are
+replayed, nothing is counted twice, and bad samples are counted, logged and acknowledged."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgpack
+import pytest
+
+from limiter.keys import SAMPLES_GROUP
+from tests.controller_helpers import metric, pool_controller, push, redis_ms, sample
+
+
+async def _group(client, keys) -> None:
+    await client.xgroup_create(keys.samples, SAMPLES_GROUP, id="$", mkstream=True)
+
+
+async def _deliver_without_ack(client, keys, consumer: str, count: int) -> None:
+    """What a controller that died mid-batch leaves behind: entries delivered, never acked."""
+    reply = await client.xreadgroup(SAMPLES_GROUP, consumer, {keys.samples: ">"}, count=count)
+    assert len(reply[0][1]) == count
+
+
+async def _pending(client, keys) -> int:
+    return (await client.xpending(keys.samples, SAMPLES_GROUP))["pending"]
+
+
+async def test_a_dead_consumers_pending_samples_are_claimed_once(aredis, pool, cfg):
+    await _group(aredis, pool)
+    now = await redis_ms(aredis)
+    await push(aredis, pool, [sample("P0", now + i) for i in range(30)])
+    await _deliver_without_ack(aredis, pool, "dead-leader", 20)  # it read 20 and died
+    await push(aredis, pool, [sample("P1", now + 100 + i) for i in range(15)])
+    await asyncio.sleep(0.25)  # older than claim_idle_s (0.2 s)
+
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    term = pc.term
+    for _ in range(3):  # catch up (claim 20), then the 25 never delivered, then nothing new
+        await pc.consume_once(term)
+    assert term.consumed == 45
+    stats = term.monitor.stats()
+    assert stats["P0"].count == 30 and stats["P1"].count == 15  # each exactly once
+    assert metric(pc, "qos_controller_claimed_samples_total", pool="tiny", how="autoclaimed") == 20
+    assert metric(pc, "qos_controller_samples_total", pool="tiny", **{"class": "P0"}) == 30
+    assert await _pending(aredis, pool) == 0
+    term.next_claim = 0  # force the periodic XAUTOCLAIM: it finds nothing left to count
+    await pc.consume_once(term)
+    assert term.consumed == 45
+
+
+async def test_our_own_pending_samples_are_replayed_first(aredis, pool, cfg):
+    await _group(aredis, pool)
+    now = await redis_ms(aredis)
+    await push(aredis, pool, [sample("P0", now + i) for i in range(12)])
+    await _deliver_without_ack(aredis, pool, "a", 10)  # an earlier incarnation of --id a
+    # claim_idle_s is long: only the replay (XREADGROUP ... 0) can find them now
+    pc = pool_controller(cfg, aredis, claim_idle_s=60.0)
+    await pc.renew_once()
+    await pc.consume_once(pc.term)
+    await pc.consume_once(pc.term)
+    assert pc.term.consumed == 12
+    assert metric(pc, "qos_controller_claimed_samples_total", pool="tiny", how="replayed") == 10
+    assert await _pending(aredis, pool) == 0
+
+
+async def test_a_standby_does_not_read_and_a_deposed_leader_leaves_entries_pending(aredis, pool, cfg):
+    a = pool_controller(cfg, aredis)
+    b = pool_controller(cfg, aredis, controller_id="b")
+    await a.renew_once()
+    await b.renew_once()
+    assert a.term is not None and b.term is None
+    await push(aredis, pool, [sample("P0", await redis_ms(aredis)) for _ in range(5)])
+    term = a.term
+    batch = await a.consumer.read_new(50)
+    a.step_down("test: deposed while the batch was in flight")
+    await a.take(term, batch)  # too late: not fed, not acked
+    assert term.consumed == 0 and await _pending(aredis, pool) == 5
+    await aredis.delete(pool.leader)
+    await asyncio.sleep(0.25)
+    await b.renew_once()
+    await b.consume_once(b.term)  # b claims what a left pending
+    assert b.term.consumed == 5 and await _pending(aredis, pool) == 0
+
+
+async def test_bad_samples_are_counted_logged_acked_and_skipped(aredis, pool, cfg, caplog):
+    caplog.set_level(logging.WARNING, "qos.controller")
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    now = await redis_ms(aredis)
+    good = [sample("P0", now + i, ttft_ms=100.0) for i in range(5)]
+    no_ts = sample("P0", now)
+    del no_ts["ts_ms"]
+    async with aredis.pipeline(transaction=False) as pipe:
+        pipe.xadd(pool.samples, {"d": b"\xc1\x00garbage"})  # 0xc1 is never valid msgpack
+        pipe.xadd(pool.samples, {"d": msgpack.packb([1, 2, 3])})  # not a map
+        pipe.xadd(pool.samples, {"d": msgpack.packb(no_ts)})  # a required field missing
+        pipe.xadd(pool.samples, {"d": msgpack.packb(sample("P0", now, ttft_ms=-5.0))})  # negative time
+        pipe.xadd(pool.samples, {"d": msgpack.packb(sample("P0", now, queue_wait_ms=-1.0))})
+        pipe.xadd(pool.samples, {"d": msgpack.packb(sample("P9", now))})  # unknown class
+        pipe.xadd(pool.samples, {"x": b"1"})  # no d field at all
+        await pipe.execute()
+    await push(aredis, pool, good)
+    for _ in range(2):
+        await pc.consume_once(pc.term)
+    term = pc.term
+    assert term.consumed == 5 and term.bad == 7
+    stats = term.monitor.stats()["P0"]
+    assert stats.count == 5 and stats.compliance == 1.0  # the window only holds the good ones
+    assert await _pending(aredis, pool) == 0  # bad ones acked too: they never come back
+    for field, n in [("d", 2), ("sample", 1), ("sample.ts_ms", 1), ("sample.ttft_ms", 1),
+                     ("sample.queue_wait_ms", 1), ("sample.class", 1)]:
+        assert metric(pc, "qos_controller_bad_samples_total", pool="tiny", field=field) == n, field
+    assert any("bad sample" in r.message for r in caplog.records)
+    decision = await pc.tick(term)  # and the controller goes on
+    assert decision is not None
+
+
+@pytest.mark.parametrize("payload", [b"", b"\x93\x01", msgpack.packb({"class": b"\xff\xfe"})])
+async def test_odd_payloads_never_raise(aredis, pool, cfg, payload):
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    await aredis.xadd(pool.samples, {"d": payload})
+    await pc.consume_once(pc.term)
+    assert pc.term.bad == 1 and await _pending(aredis, pool) == 0

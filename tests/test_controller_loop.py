@@ -1,0 +1,173 @@
+"""The controller's closed loop against a private redis-server: samples in, rates out.
+
+The first test runs the real process object (all loops, metrics server) with short ticks;
+the others drive one pool's loop step by step so each fault path is deterministic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from limiter.controller.service import Controller
+from limiter.errors import PolicyMissing
+from limiter.keys import SAMPLES_GROUP
+from tests.controller_helpers import fast_settings, metric, pool_controller, push, redis_ms, sample, wait_for
+from tests.redis_server import free_port
+
+
+async def _traffic(client, keys, stop: asyncio.Event) -> None:
+    """P0 misses its 500 ms TTFT target; P1 and P2 run fine and are admitted steadily."""
+    while not stop.is_set():
+        now = await redis_ms(client)
+        batch = [sample("P0", now, ttft_ms=2000.0) for _ in range(5)]
+        batch += [sample("P1", now, input_tokens=200, output_tokens=100)]
+        batch += [sample("P2", now, input_tokens=500, output_tokens=100)]
+        await push(client, keys, batch)
+        await client.hincrby(keys.stats, "P1.admitted", 1)  # 10/s x 300 = 3000 tokens/s: 15 % of C
+        await client.hincrby(keys.stats, "P2.admitted", 1)  # 10/s x 600 = 6000 tokens/s: 30 % of C
+        await asyncio.sleep(0.1)
+
+
+async def test_violating_samples_tighten_the_lower_classes(aredis, pool, cfg):
+    port = free_port()
+    ctl = Controller(fast_settings(cfg, metrics_port=port, metrics_host="127.0.0.1"), cfg, client=aredis)
+    await ctl.start()
+    stop = asyncio.Event()
+    traffic = None
+    try:
+        pc = ctl.pools["tiny"]
+        await wait_for(lambda: asyncio.sleep(0, pc.term is not None))
+        traffic = asyncio.create_task(_traffic(aredis, pool, stop))
+        await wait_for(lambda: aredis.xlen(pool.decisions), timeout=10)
+        stop.set()
+        await traffic
+        (_id, fields), *_ = await aredis.xrange(pool.decisions)
+        assert fields[b"controller"] == b"a" and int(fields[b"fence"]) == pc.term.fence
+        record = json.loads(fields[b"d"])
+        p0, p2 = record["classes"]["P0"], record["classes"]["P2"]
+        assert p0["compliance"] < 0.95 and p0["samples"] >= 20  # the input that caused it
+        assert p2["reason"] == "tighten_lower_for_P0"
+        assert p2["new"]["ceil"] < p2["old"]["ceil"] == pytest.approx(20000.0)
+        assert p2["used"] > 0 and record["capacity"]["new"] == pytest.approx(20000.0)
+        assert record["classes"]["P0"]["new"]["ceil"] == pytest.approx(20000.0)  # P0 keeps its ceiling
+        policy = await aredis.hgetall(pool.policy)
+        assert float(policy[b"P2.ceil"]) < 20000.0 * 0.95
+        compliance = await aredis.hgetall(pool.compliance)
+        assert float(compliance[b"P0"]) < 0.95 and float(compliance[b"P1"]) == 1.0
+        assert b"P2" not in compliance  # no SLO: no score, rather than a perfect one
+        assert float(compliance[b"capacity"]) == pytest.approx(20000.0)
+        assert await aredis.pttl(pool.compliance) > 0
+        assert metric(ctl.metrics, "qos_controller_rate_writes_total", pool="tiny") >= 1
+        assert metric(ctl.metrics, "qos_controller_decisions_total", pool="tiny", **{"class": "P2"},
+                      reason="tighten_lower_for_P0") >= 1
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                text = await resp.text()
+            assert 'qos_controller_leader{pool="tiny"} 1.0' in text
+            assert 'qos_controller_samples_total{class="P0",pool="tiny"}' in text
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                health = await resp.json()
+            assert health["pools"]["tiny"]["leader"] is True
+        pending = await aredis.xpending(pool.samples, SAMPLES_GROUP)
+        assert pending["pending"] <= 7  # at most the batch in flight
+    finally:
+        stop.set()
+        if traffic is not None:
+            await asyncio.gather(traffic, return_exceptions=True)
+        await ctl.stop()
+    assert await aredis.get(pool.leader) is None  # a clean stop releases the lease
+
+
+async def _violate_and_tick(pc, client, keys):
+    """Lead, get 30 violating P0 samples into the window, and tick: the law wants a change."""
+    await pc.renew_once()
+    term = pc.term
+    assert term is not None
+    now = await redis_ms(client)
+    await push(client, keys, [sample("P0", now, ttft_ms=3000.0) for _ in range(30)])
+    await pc.consume_once(term)
+    assert term.consumed == 30
+    return term
+
+
+async def test_a_stale_leaders_write_is_refused_and_it_steps_down(aredis, pool, cfg):
+    pc = pool_controller(cfg, aredis)
+    term = await _violate_and_tick(pc, aredis, pool)
+    version = await aredis.hget(pool.policy, "version")
+    # Meanwhile the lease went to "b" (e.g. this process was paused past its lease).
+    await aredis.set(pool.leader, f"b:{term.fence + 1}", px=10_000)
+    assert await pc.tick(term) is None
+    assert pc.term is None and pc.lease.fence == 0 and not pc.lease.leading
+    assert metric(pc, "qos_controller_stale_writes_total", pool="tiny") == 1
+    assert metric(pc, "qos_controller_leader", pool="tiny") == 0
+    assert await aredis.hget(pool.policy, "version") == version  # nothing written
+    assert await aredis.xlen(pool.decisions) == 0
+    await pc.renew_once()  # and it stays a standby while b holds the lease
+    assert pc.term is None and pc.lease.holder == f"b:{term.fence + 1}"
+
+
+async def test_a_new_leader_continues_from_the_policy_not_from_scratch(aredis, pool, cfg):
+    a = pool_controller(cfg, aredis)
+    term = await _violate_and_tick(a, aredis, pool)
+    decision = await a.tick(term)
+    assert decision is not None and decision.changed  # P0 cut itself: nothing below it is used
+    await a.lease.release()
+    b = pool_controller(cfg, aredis, controller_id="b")
+    await b.renew_once()
+    assert b.term is not None and b.term.fence == term.fence + 1
+    old = {c.name: c.allowance for c in term.state.classes}
+    new = {c.name: c.allowance for c in b.term.state.classes}
+    assert new == pytest.approx(old) and old["P0"] < 1.0  # the cut survives the failover
+    assert b.term.state.last_change_ms == pytest.approx(decision.now_ms, abs=1)  # and so does the cooldown
+
+
+async def test_a_missing_policy_is_recreated_from_the_config(aredis, cfg, sync_redis):
+    pc = pool_controller(cfg, aredis)
+    assert not await aredis.exists(pc.keys.policy)  # never initialised
+    await pc.renew_once()
+    assert pc.term is not None and await aredis.hget(pc.keys.policy, "capacity") == b"20000"
+    term = await _violate_and_tick(pc, aredis, pc.keys)
+    await aredis.delete(pc.keys.policy)  # e.g. Redis restarted without persistence
+    with pytest.raises(PolicyMissing):
+        await pc.tick(term)
+    await pc._guard(pc.tick(term), "tick")  # what the tick loop does: re-create, go on
+    assert await aredis.hget(pc.keys.policy, "capacity") is not None
+    assert pc.term is term  # still leading
+
+
+async def test_a_leader_whose_tick_loop_stalled_gives_up_its_lease(aredis, pool, cfg):
+    """A leader that renews but no longer decides would block the standby forever."""
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    assert pc.term is not None
+    pc._ticked -= pc.stall_s + 1  # the tick loop has not turned for longer than allowed
+    await pc.renew_once()
+    assert pc.term is None and pc.lease.fence == 0
+    assert await aredis.get(pool.leader) is None  # released: a standby takes it at its next poll
+
+
+async def test_worker_heartbeats_move_the_capacity_and_every_rate_follows(aredis, pool, cfg):
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    now = await redis_ms(aredis)
+    for w, cap in (("w1", 15000.0), ("w2", 15000.0)):
+        await aredis.zadd(pool.workers, {w: now})
+        await aredis.hset(pool.worker(w), mapping={"capacity_tokens_s": cap, "tokens_s": 80.0})
+    await aredis.zadd(pool.workers, {"old": now - 60_000})  # silent past worker_ttl_s: not counted
+    await aredis.hset(pool.worker("old"), "capacity_tokens_s", 99999.0)
+    decision = await pc.tick(pc.term)
+    assert decision.changed and decision.capacity == pytest.approx(30000.0)
+    assert {c.reason for c in decision.classes} == {"capacity_change"}
+    policy = await aredis.hgetall(pool.policy)
+    assert float(policy[b"capacity"]) == pytest.approx(30000.0)
+    assert float(policy[b"P1.rate"]) == pytest.approx(0.35 * 30000.0)
+    assert float((await aredis.hgetall(pool.compliance))[b"capacity"]) == pytest.approx(30000.0)
+    await aredis.zrem(pool.workers, "w2")  # a clean shutdown: its share leaves at once
+    decision = await pc.tick(pc.term)  # a capacity change rescales at once, cooldown or not
+    assert pc.term.estimator.estimate().live_workers == 1
+    assert decision.changed and decision.capacity == pytest.approx(15000.0)
+    assert float(await aredis.hget(pool.policy, "P1.rate")) == pytest.approx(0.35 * 15000.0)

@@ -1,0 +1,40 @@
+"""A Redis outage never kills the controller: it backs off, its lease lapses locally, and
+when Redis is back (empty: no persistence) it leads again, re-creating the policy and the
+samples group. Uses its own redis-server, since it kills it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from limiter.config import RedisConfig, demo_config
+from limiter.controller.service import Controller
+from limiter.keys import PoolKeys
+from tests.controller_helpers import fast_settings, metric, push, redis_ms, sample, wait_for
+from tests.redis_server import RedisServer
+
+
+async def test_the_controller_rides_out_a_redis_restart() -> None:
+    server = RedisServer().start()
+    cfg = dataclasses.replace(demo_config(), redis=RedisConfig(url=server.url))
+    ctl = Controller(fast_settings(cfg), cfg)  # its own client, from the config's URL
+    keys = PoolKeys("tiny")
+    try:
+        await ctl.start()
+        pc = ctl.pools["tiny"]
+        await wait_for(lambda: asyncio.sleep(0, pc.term is not None))
+        server.kill()
+        await wait_for(lambda: asyncio.sleep(0, pc.term is None), timeout=5)  # the lease lapsed locally
+        await asyncio.sleep(0.5)
+        assert metric(ctl.metrics, "qos_controller_redis_errors_total", loop="lease") > 0
+        assert not any(t.done() for t in ctl._tasks)  # every loop is still alive
+        assert ctl.health()["pools"]["tiny"]["redis_ok"] is False
+        server.start()  # same port, no data: no policy, no stream, no group, fence from 1
+        await wait_for(lambda: asyncio.sleep(0, pc.term is not None), timeout=15)
+        await push(ctl.client, keys, [sample("P0", await redis_ms(ctl.client)) for _ in range(3)])
+        await wait_for(lambda: asyncio.sleep(0, pc.term is not None and pc.term.consumed == 3), timeout=15)
+        assert await ctl.client.hget(keys.policy, "classes") == b"P0,P1,P2"
+        await wait_for(lambda: ctl.client.hget(keys.compliance, "P0"), timeout=5)
+    finally:
+        await ctl.stop()
+        server.stop()

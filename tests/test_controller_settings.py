@@ -1,0 +1,89 @@
+"""``[controller]`` settings: defaults follow the seed, every error names controller.<field>."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from limiter import cli
+from limiter.config import demo_config
+from limiter.controller.settings import ControllerSettings, load_settings
+from limiter.errors import ConfigError
+from limiter.slo import ClassSLO
+
+
+def _cfg(section: dict):
+    return dataclasses.replace(demo_config(), controller=section)
+
+
+def test_defaults_are_the_seeds_numbers_and_come_from_the_classes():
+    cfg = demo_config()
+    s = load_settings(cfg, {"controller_id": "c1"})
+    law = s.control_config(cfg)
+    assert (law.target, law.low, law.relax_step, law.tighten_step, law.cooldown_s, law.window) == (
+        0.99, 0.95, 0.05, 0.10, 5.0, 1000)
+    assert law.shares == (0.60, 0.35, 0.05) and law.ceilings == (1.0, 1.0, 1.0)
+    assert law.floors == pytest.approx((0.30, 0.105, 0.015))
+    assert s.slos(cfg) == {"P0": ClassSLO(500, 50), "P1": ClassSLO(2000, 150), "P2": ClassSLO()}
+    assert s.claim_idle_ms == 3000 and [p.name for p in s.pool_configs(cfg)] == ["tiny"]
+    assert ControllerSettings().resolved(cfg).controller_id  # <hostname>-<pid>
+
+
+def test_the_table_and_the_flags_are_merged():
+    cfg = _cfg({"tick_s": 0.5, "lease_s": 6.0, "capacity": {"alpha": 0.5}, "floors": [0.2, 0.1, 0.01]})
+    s = load_settings(cfg, {"controller_id": "x", "lease_s": 4.0, "pools": ["tiny"], "metrics_port": None})
+    assert (s.tick_s, s.lease_s, s.capacity.alpha, s.pools) == (0.5, 4.0, 0.5, ("tiny",))
+    assert s.control_config(cfg).floors == (0.2, 0.1, 0.01)
+
+
+@pytest.mark.parametrize(("section", "path"), [
+    ({"tick_s": 0}, "controller.tick_s"),
+    ({"lease_s": "3s"}, "controller.lease_s"),
+    ({"bogus": 1}, "controller.bogus"),
+    ({"renew_s": 2.0}, "controller.renew_s"),  # more than half the 3 s lease
+    ({"low": 0.995}, "controller.low"),  # above the target
+    ({"min_samples": 5000}, "controller.min_samples"),  # more than the window
+    ({"settle_s": 9.0}, "controller.settle_s"),  # longer than the cooldown
+    ({"floors": [0.9, 0.1, 0.01]}, "controller.floors"),  # above P0's share
+    ({"floors": [0.3]}, "controller.floors"),  # one per class
+    ({"memory": "yes"}, "controller.memory"),
+    ({"capacity": {"alpha": 0}}, "controller.capacity.alpha"),
+    ({"capacity": {"nope": 1}}, "controller.capacity.nope"),
+    ({"capacity": {"worker_field": "a b"}}, "controller.capacity.worker_field"),
+    ({"pools": ["nope"]}, "controller.pools[0]"),
+    ({"window_max_age_s": -1}, "controller.window_max_age_s"),
+    ({"controller_id": "a:b"}, "controller.controller_id"),
+])
+def test_errors_name_the_field(section, path):
+    with pytest.raises(ConfigError) as err:
+        load_settings(_cfg(section), {"controller_id": section.get("controller_id", "c1")})
+    assert err.value.path == path
+
+
+def test_a_class_without_a_share_is_reported_against_classes():
+    cfg = demo_config()
+    cfg = dataclasses.replace(cfg, classes=(dataclasses.replace(cfg.classes[0], share=0.0), *cfg.classes[1:]))
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg, {"controller_id": "c1"})
+    assert err.value.path == "classes"
+
+
+def test_the_cli_reports_a_bad_controller_table(tmp_path: Path, capsys):
+    path = tmp_path / "qos.toml"
+    path.write_text("""
+[[classes]]
+name = "P0"
+share = 0.6
+slo_ttft_ms = 500
+[[pools]]
+name = "tiny"
+[controller]
+lease_s = 0
+""")
+    assert cli.main(["controller", "--config", str(path), "--id", "a"]) == 2
+    assert "controller.lease_s" in capsys.readouterr().err
+    path.write_text(path.read_text().replace("lease_s = 0", "lease_s = 3.0"))
+    assert cli.main(["controller", "--config", str(path), "--id", "a", "--pool", "nope"]) == 2
+    assert "controller.pools[0]: unknown pool 'nope'" in capsys.readouterr().err
