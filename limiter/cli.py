@@ -21,6 +21,7 @@ SUBCOMMANDS = (
     "limiter.ops_cli",
     "limiter.bench.cli",
     "limiter.frontend.cli",
+    "worker.cli",
     "limiter.controller.cli",
 )
 

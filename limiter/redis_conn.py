@@ -7,8 +7,8 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
-from redis.backoff import ExponentialBackoff
-from redis.retry import Retry
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
 
 from limiter.config import RedisConfig
 
@@ -17,12 +17,17 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
                pool_wait_s: float | None = None) -> Any:
     """Build an async client; nothing connects until the first command.
 
-    Retries with backoff ride out a short outage (e.g. a Redis restart); callers map what
-    still fails to 503 / RedisUnavailable. With ``pool_wait_s`` (standalone Redis only) a
-    command that finds all ``max_connections`` busy waits up to that long for one instead
-    of failing at once: a server with many concurrent requests keeps O(1) connections.
+    The client does not retry by itself: a command either answers or raises at once, and
+    each role decides what an outage means (the frontend answers 503 with Retry-After,
+    workers and controllers back off and retry their loop). Silent client-side retries
+    would hide an outage from those decisions and stretch a request past its deadline;
+    redis-py's cluster client still follows MOVED/ASK redirections.
+
+    With ``pool_wait_s`` (standalone Redis only) a command that finds all
+    ``max_connections`` busy waits up to that long for one instead of failing at once:
+    a server with many concurrent requests keeps O(1) connections.
     """
-    retry = Retry(ExponentialBackoff(cap=1.0, base=0.05), retries=3)
+    retry = Retry(NoBackoff(), retries=0)
     common: dict[str, Any] = {
         "decode_responses": decode_responses,
         "retry": retry,

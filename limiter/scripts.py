@@ -37,7 +37,7 @@ from limiter.keys import PoolKeys, check_name
 
 SCRIPT_NAMES = (
     "admit", "claim", "renew_leases", "push_tokens", "complete", "cancel_request",
-    "reap_expired", "init_pool", "set_rates", "acquire_leader", "release_leader",
+    "reap_expired", "init_pool", "set_rates", "acquire_leader", "release_leader", "release",
 )
 _INCLUDE = re.compile(r"^--!include (\S+)\s*$", re.MULTILINE)
 
@@ -258,6 +258,14 @@ class Scripts:
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return float(_s(reply[1]))
+
+    async def release(self, keys: PoolKeys, *, request_id: str, worker_id: str, attempt: int) -> str:
+        """Hand a leased request back to its queue (a draining worker); returns 'requeued' or
+        'cancelled' (its client is gone). Raises LeaseLost."""
+        reply = await self._run("release", lifecycle_keys(keys), [request_id, worker_id, attempt])
+        if _s(reply[0]) == "lost":
+            raise LeaseLost(f"{request_id}: {_s(reply[1])}")
+        return _s(reply[0])
 
     async def cancel(self, keys: PoolKeys, request_id: str, tenant: str, reason: str = "client_gone") -> str:
         """Returns cancelled | expired | cancelling | running | final:<state> | not_found."""

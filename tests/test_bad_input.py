@@ -19,6 +19,7 @@ GOOD = {
     "push_tokens": ["leased", "w1", "1", "0", "1", "\x01\x00\x00\x00", "a", "0"],
     "complete": ["leased", "w1", "1", "ok", "3", "0", "", "", "stop", "", ""],
     "cancel_request": ["queued", "t1", "client_gone"],
+    "release": ["leased", "w1", "1"],
     "reap_expired": ["10"],
     "set_rates": ["ctl", "1", "{}", "P0.rate", "5"],
     "acquire_leader": ["ctl", "1000"],

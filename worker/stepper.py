@@ -20,9 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from limiter.errors import InvalidArgument
-from worker.batching import Candidate, Limits, SeqState, build_plan, choose_admissions, choose_preemption
+from worker.batching import Limits
 from worker.engines.base import Engine, SamplingParams
-from worker.tokenizer import IncrementalDecoder
+from worker.scheduler import BatchScheduler
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class RequestTrace:
     tokens: list[int] = field(default_factory=list)
     text: str = ""
     preemptions: int = 0
-    finish_reason: str | None = None  # 'stop' (EOS) or 'length' (max_tokens)
+    finish_reason: str | None = None  # 'stop' (EOS, stop string) or 'length' (max_tokens)
 
     @property
     def ttft_s(self) -> float | None:
@@ -96,49 +96,19 @@ class LocalRun:
         return self.generated_tokens / self.wall_s if self.wall_s > 0 else 0.0
 
 
-@dataclass
-class _Live:
-    """Loop-side state of one admitted or waiting request."""
-
-    req: LocalRequest
-    trace: RequestTrace
-    decoder: IncrementalDecoder
-    generated: list[int] = field(default_factory=list)
-    kv_tokens: int = 0
-    to_prefill: int = 0
-
-    @property
-    def context(self) -> list[int]:
-        return [*self.req.prompt_ids, *self.generated]
-
-    def state(self) -> SeqState:
-        return SeqState(
-            request_id=self.req.request_id,
-            class_rank=self.req.class_rank,
-            arrival=self.req.arrival_s,
-            to_prefill=self.to_prefill,
-            decoding=self.to_prefill == 0,
-            kv_tokens=self.kv_tokens,
-        )
-
-    def candidate(self) -> Candidate:
-        return Candidate(self.req.request_id, self.req.class_rank, self.req.arrival_s, len(self.context))
-
-
 async def run_local(engine: Engine, requests: Sequence[LocalRequest], limits: Limits) -> LocalRun:
     """Serve ``requests`` on ``engine`` under ``limits``; return per-request traces and steps.
 
-    Each iteration: take arrivals, pause sequences :func:`choose_preemption` picks (their
-    KV is freed; they re-prefill prompt + generated tokens when readmitted), admit what
-    :func:`choose_admissions` allows, run one :func:`build_plan` step, record its tokens.
-    A sequence finishes on the engine's EOS or at ``max_tokens``.
+    Arrivals are added to a :class:`~worker.scheduler.BatchScheduler` when their time comes;
+    each :meth:`~worker.scheduler.BatchScheduler.step` preempts, admits, runs one planned
+    step and books its tokens (finish on EOS, ``max_tokens`` or a stop string) - the same
+    state machine the Redis worker drives, with the network taken out.
     """
     ids = [r.request_id for r in requests]
     if len(set(ids)) != len(ids):
         raise InvalidArgument("requests", "request ids must be unique")
     pending = sorted(requests, key=lambda r: (r.arrival_s, r.request_id))
-    waiting: dict[str, _Live] = {}
-    running: dict[str, _Live] = {}
+    sched = BatchScheduler(engine, limits)
     traces: dict[str, RequestTrace] = {}
     steps: list[StepRecord] = []
     t0 = time.perf_counter()
@@ -146,72 +116,28 @@ async def run_local(engine: Engine, requests: Sequence[LocalRequest], limits: Li
     def now() -> float:
         return time.perf_counter() - t0
 
-    while pending or waiting or running:
+    while pending or len(sched):
         while pending and pending[0].arrival_s <= now():
             r = pending.pop(0)
-            trace = RequestTrace(r.request_id, r.class_rank, r.arrival_s, len(r.prompt_ids))
-            traces[r.request_id] = trace
-            waiting[r.request_id] = _Live(r, trace, engine.new_decoder())
-        if not waiting and not running:
+            traces[r.request_id] = RequestTrace(r.request_id, r.class_rank, r.arrival_s, len(r.prompt_ids))
+            sched.add(r.request_id, r.prompt_ids, r.params, class_rank=r.class_rank, arrival=r.arrival_s)
+        if not len(sched):
             await asyncio.sleep(max(0.0, pending[0].arrival_s - now()))
             continue
 
-        while (
-            victim := choose_preemption(
-                [x.state() for x in running.values()], [x.candidate() for x in waiting.values()], limits
-            )
-        ) is not None:
-            live = running.pop(victim)
-            engine.remove(victim)
-            live.kv_tokens, live.to_prefill = 0, 0
-            live.trace.preemptions += 1
-            waiting[victim] = live
-
-        admit = choose_admissions(
-            [x.candidate() for x in waiting.values()], [x.state() for x in running.values()], limits
-        )
-        if not admit and not running:
-            head = min(waiting.values(), key=lambda x: x.candidate().priority)
-            raise InvalidArgument(
-                "requests", f"{head.req.request_id}: {len(head.context)} tokens can never fit under {limits}"
-            )
-        for rid in admit:
-            live = waiting.pop(rid)
-            engine.add(rid, live.context, live.req.params)
-            live.kv_tokens, live.to_prefill = 0, len(live.context)
-            if live.trace.admitted_s is None:
-                live.trace.admitted_s = now()
-            running[rid] = live
-
-        plan = build_plan([x.state() for x in running.values()], limits)
-        if plan.empty:  # cannot happen: admission and preemption keep KV demand within capacity
-            raise RuntimeError(f"no progress possible under {limits} with {len(running)} running")
-
-        start = now()
-        produced = await engine.step(plan)
-        end = now()
-        steps.append(StepRecord(start, end - start, len(plan.decode), plan.prefill_tokens))
-
-        for rid in plan.decode:
-            running[rid].kv_tokens += 1
-        for chunk in plan.prefill:
-            live = running[chunk.request_id]
-            live.kv_tokens += chunk.length
-            live.to_prefill -= chunk.length
-        for rid, token in produced.items():
-            live = running[rid]
-            live.generated.append(token)
-            live.trace.tokens.append(token)
-            live.trace.token_times.append(end)
-            live.trace.text += live.decoder.feed([token])
-            reason = None
-            if engine.eos_id is not None and token == engine.eos_id:
-                reason = "stop"
-            elif len(live.generated) >= live.req.params.max_tokens:
-                reason = "length"
-            if reason is not None:
-                live.trace.finish_reason = reason
-                live.trace.text += live.decoder.flush()
-                engine.remove(rid)
-                del running[rid]
+        res = await sched.step()
+        start, end = res.start - t0, res.end - t0
+        steps.append(StepRecord(start, end - start, len(res.plan.decode), res.plan.prefill_tokens))
+        for rid in res.preempted:
+            traces[rid].preemptions += 1
+        for rid in res.admitted:
+            if traces[rid].admitted_s is None:
+                traces[rid].admitted_s = start
+        for rid, token in res.produced.items():
+            traces[rid].tokens.append(token)
+            traces[rid].token_times.append(end)
+        for rid, em in res.emissions.items():
+            traces[rid].text += em.text
+            if em.finish_reason is not None:
+                traces[rid].finish_reason = em.finish_reason
     return LocalRun(traces, steps, now())

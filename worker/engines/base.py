@@ -12,6 +12,7 @@ scheduler bug surfaces as a clear error instead of silently wrong text.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 from typing import Protocol
@@ -20,9 +21,18 @@ from limiter.errors import InvalidArgument
 from worker.batching import StepPlan
 from worker.tokenizer import IncrementalDecoder
 
-__all__ = ["Engine", "IncrementalDecoder", "SamplingParams", "SeqEntry", "SequenceTable"]
+__all__ = ["Engine", "IncrementalDecoder", "SamplingParams", "SeqEntry", "SequenceTable", "request_seed"]
 
 MAX_SEED = 2**63 - 1
+
+
+def request_seed(seed: int | None, request_id: str) -> int:
+    """``seed`` if the client gave one, else one derived from the request id (63 bits of
+    its SHA-256). Sampling is keyed on (seed, position), so a request resumed on another
+    worker - which derives the same seed - produces exactly the tokens it would have."""
+    if seed is not None:
+        return int(seed)
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "big") >> 1
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,8 @@ class Engine(Protocol):
     simulated: bool
     kv_capacity_tokens: int
     eos_id: int | None
+    # Engines may also expose ``max_seq_len`` (the longest prompt + output a sequence can
+    # reach); the scheduler finishes a sequence there with reason "length".
 
     def encode(self, text: str) -> list[int]:
         """Prompt text -> the ids this engine's model expects (BOS included)."""

@@ -90,6 +90,11 @@ class SimEngine:
         self.last_step_cost_s = 0.0
         self._busy = False
 
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence (prompt + generated) one request may reach."""
+        return self._table.max_seq_len
+
     def encode(self, text: str) -> list[int]:
         return encode(text, bos=True)
 

@@ -184,6 +184,11 @@ class TorchEngine:
         model = load_checkpoint(path, device=device, dtype=dtype, config=config)
         return cls(model, kv_capacity_tokens=kv_capacity_tokens)
 
+    @property
+    def max_seq_len(self) -> int:
+        """Longest sequence (prompt + generated) the model's positions allow."""
+        return self.model.cfg.max_seq_len
+
     def encode(self, text: str) -> list[int]:
         return encode(text, bos=True)
 

@@ -1,0 +1,148 @@
+"""Cancellation within one step, SIGTERM drain (real processes), hand-back on drain timeout."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from tests.redis_server import RedisServer
+from tests.test_worker_e2e import sim_text
+from tests.worker_helpers import Client, config, spawn_worker, stop_process, worker, write_config
+from worker.main import build_worker, run_worker
+from worker.settings import load_settings
+
+
+@pytest.fixture
+async def env(redis_server: RedisServer, sync_redis, tmp_path: Path):
+    cfg = config(tmp_path / "qos.toml", redis_server.url)
+    r = aioredis.from_url(redis_server.url)
+    client = Client(r, cfg)
+    await client.setup()
+    yield cfg, client
+    await r.aclose()
+
+
+async def redis_ms(c: Client) -> int:
+    sec, usec = await c.client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+async def wait_state(c: Client, rid: str, states: tuple[str, ...], timeout: float = 10) -> dict[str, str]:
+    deadline = time.monotonic() + timeout
+    while (rec := await c.record(rid)).get("state") not in states:
+        assert time.monotonic() < deadline, rec
+        await asyncio.sleep(0.01)
+    return rec
+
+
+async def test_cancellation_stops_generation_within_one_step(env) -> None:
+    cfg, c = env
+    # ~11 ms sim steps; every token is pushed at once so Redis knows exactly what was generated
+    async with worker(cfg, engine="sim", time_scale=1.0, flush_tokens=1):
+        rid = await c.admit("cancel me", max_tokens=1000)
+        other = await c.admit("keep me", max_tokens=60)
+        await c.wait_tokens(rid, 10)
+        assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+        cancel_ms = await redis_ms(c)
+        at_cancel = int((await c.record(rid))["out_tokens"])
+        rec = await wait_state(c, rid, ("cancelled",))
+        await c.wait([other])
+    after = int(rec["usage_out"]) - at_cancel
+    took = int(rec["finished_ms"]) - cancel_ms
+    print(f"\n[cancel] {after} token(s) generated after the cancel; stopped {took} ms later (step ~11 ms)")
+    assert after <= 2 and took <= 60
+    assert c.answers[rid].done is None and c.answers[other].done["fin"] == "length"
+    assert [s["outcome"] for s in await c.samples() if s["request_id"] == rid] == ["cancelled"]
+
+
+async def test_drain_hands_back_unstarted_work_at_once_and_finishes_running_work(env) -> None:
+    cfg, c = env
+    s = load_settings(cfg, {"pool": "tiny", "engine": "sim", "time_scale": 0.5, "max_seqs": 1,
+                            "token_budget": 64, "claim_ahead": 1, "idle_block_s": 0.2})
+    rt, loop = build_worker(s, cfg)
+    task = asyncio.create_task(run_worker(rt, loop))
+    running = await c.admit("first", max_tokens=80)
+    await c.wait_tokens(running, 3)
+    queued = await c.admit("second", max_tokens=80)
+    await wait_state(c, queued, ("leased",))  # claimed ahead, waiting for the only slot
+    rt.begin_drain("test")
+    rec = await wait_state(c, queued, ("queued",), timeout=2)
+    assert rec["attempts"] == "0" and rec["worker"] == ""  # handed back, attempt not used up
+    await asyncio.wait_for(task, 10)
+    await c.wait([running], timeout=5)
+    assert c.answers[running].done["fin"] == "length" and c.answers[running].tokens == 80
+    assert (await c.record(queued))["state"] == "queued"
+
+
+async def test_sigterm_drains_and_exits_0_and_a_timed_out_drain_hands_back(
+        redis_server: RedisServer, env, tmp_path: Path) -> None:
+    cfg, c = env
+    path = write_config(tmp_path / "w.toml", redis_server.url, worker={"idle_block_s": 0.2})
+    args = ["--engine", "sim", "--time-scale", "0.3", "--pool", "tiny"]
+    # 1. SIGTERM with a request running: it finishes, the process exits 0
+    p = spawn_worker(path, *args, "--worker-id", "drainer", log=tmp_path / "drainer.log")
+    try:
+        rid = await c.admit("drain me", max_tokens=150)
+        await c.wait_tokens(rid, 5, timeout=30)
+        p.send_signal(signal.SIGTERM)
+        late = await c.admit("too late", max_tokens=5)
+        assert await asyncio.to_thread(p.wait, 20) == 0
+        await c.wait([rid], timeout=5)
+        assert c.answers[rid].done["fin"] == "length" and c.answers[rid].text == sim_text("drain me", 0, 150)
+        assert (await c.record(late))["state"] == "queued"  # a draining worker pulls nothing new
+        # 2. drain timeout: a long request is handed back with its tokens, and resumed elsewhere
+        p = spawn_worker(path, *args, "--drain-timeout", "0.3", "--worker-id", "quitter",
+                         log=tmp_path / "quitter.log")
+        long = await c.admit("a very long answer", max_tokens=3000)
+        await c.wait([late], timeout=30)
+        await c.wait_tokens(long, 20)
+        t0 = time.monotonic()
+        assert stop_process(p, signal.SIGTERM, timeout=10) == 0
+        assert time.monotonic() - t0 < 3
+        rec = await c.record(long)
+        assert rec["state"] == "queued" and int(rec["out_tokens"]) >= 20 and rec["attempts"] == "0"
+        async with worker(cfg, engine="sim", time_scale=0.0):
+            await c.wait([long], timeout=20)
+        a = c.answers[long]
+        assert a.tokens == 3000 and a.text == sim_text("a very long answer", 0, 3000)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+
+
+async def test_a_redis_restart_is_survived_and_the_pool_recreated(tmp_path: Path) -> None:
+    """Redis restarts empty: the worker backs off while it is down, re-initialises the pool
+    policy (PolicyMissing) and serves new requests; the process never stops."""
+    srv = RedisServer().start()
+    cfg = config(tmp_path / "qos.toml", srv.url)
+    r = aioredis.from_url(srv.url)
+    try:
+        c = Client(r, cfg)
+        await c.setup()
+        async with worker(cfg, engine="sim", time_scale=0.01):
+            first = await c.admit("before", max_tokens=5)
+            await c.wait([first])
+            await asyncio.to_thread(srv.restart)  # --save "": it comes back empty
+            deadline = time.monotonic() + 10
+            while True:  # until the worker has put the policy back
+                assert time.monotonic() < deadline
+                with contextlib.suppress(RedisConnectionError):  # our own stale connection
+                    if await r.exists(c.keys.policy):
+                        break
+                await asyncio.sleep(0.05)
+            await r.zadd(c.keys.frontends, {"fe1": 4102444800000})
+            c._last = "0-0"
+            second = await c.admit("after", max_tokens=5)
+            await c.wait([second], timeout=10)
+        assert c.answers[second].done["fin"] == "length"
+    finally:
+        await r.aclose()
+        srv.stop()

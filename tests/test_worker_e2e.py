@@ -1,0 +1,156 @@
+"""The worker end to end against a private redis-server: a tiny client admits with the real
+admit script and reassembles the reply stream; the worker runs in-process (the real
+runtime, loop and engines). Sim engine at a small time scale, and the torch tiny model."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+import torch
+
+from limiter.prompt import count_tokens
+from tests.redis_server import RedisServer, free_port
+from tests.worker_helpers import Client, config, worker
+from worker.batching import Limits
+from worker.engines.base import SamplingParams
+from worker.engines.sim import PLACEHOLDER, SimEngine
+from worker.engines.torch_engine import TorchEngine
+from worker.stepper import LocalRequest, run_local
+
+
+def sim_text(prompt: str, start: int, n: int) -> str:
+    """What the sim engine emits for a prompt: placeholder bytes keyed on position."""
+    pos = count_tokens(prompt)
+    return "".join(chr(PLACEHOLDER[(pos + i) % len(PLACEHOLDER)]) for i in range(start, start + n))
+
+
+@pytest.fixture
+async def env(redis_server: RedisServer, sync_redis, tmp_path: Path):
+    cfg = config(tmp_path / "qos.toml", redis_server.url)
+    r = aioredis.from_url(redis_server.url)
+    client = Client(r, cfg)
+    await client.setup()
+    yield cfg, client
+    await r.aclose()
+
+
+async def test_sim_usage_length_and_stop_strings(env) -> None:
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_tokens=3) as rt:
+        plain = await c.admit("hello there", max_tokens=40)
+        # "output" spans six byte tokens and several pushes: held back, then cut before it
+        stopped = await c.admit("abc", max_tokens=100, stop=("output", "zzz"))
+        one = await c.admit("x", max_tokens=1)
+        await c.wait(timeout=20)
+        hb = await c.client.hgetall(rt.keys.worker(rt.worker_id))
+        assert await c.client.zscore(rt.keys.workers, rt.worker_id)
+    a = c.answers[plain]
+    assert a.done["fin"] == "length" and a.tokens == 40 and a.text == sim_text("hello there", 0, 40)
+    assert int(a.done["in"]) == count_tokens("hello there") and int(a.done["out"]) == 40
+    rec = await c.record(plain)
+    assert rec["usage_out"] == "40" and rec["usage_in"] == str(count_tokens("hello there"))
+    assert len(await c.generated(plain)) == 40
+
+    s = c.answers[stopped]
+    full = sim_text("abc", 0, 100)
+    assert s.done["fin"] == "stop" and s.text == full[: full.index("output")]
+    assert "outp" not in s.text and len(s.offsets) > 1
+    # every generated token is counted (the stop's own tokens included), none is lost
+    assert int(s.done["out"]) == s.tokens == len(await c.generated(stopped)) >= len(s.text)
+    assert c.answers[one].done["fin"] == "length" and c.answers[one].tokens == 1
+    assert hb[b"engine"] == b"sim" and hb[b"simulated"] == b"1" and int(hb[b"kv_capacity"]) > 0
+    assert await c.client.zscore(rt.keys.workers, rt.worker_id) is None  # a drained worker deregisters
+
+
+async def test_batched_pushes_are_fewer_than_tokens(env) -> None:
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.01):
+        ids = [await c.admit(f"p{i}", max_tokens=200) for i in range(4)]
+        await c.wait(ids, timeout=20)
+    tokens = sum(c.answers[r].tokens for r in ids)
+    pushes = sum(len(c.answers[r].offsets) for r in ids)
+    assert tokens == 800 and pushes <= tokens / 8, (pushes, tokens)
+
+
+async def test_torch_tiny_end_to_end_matches_local_run(env) -> None:
+    cfg, c = env
+    torch.set_num_threads(1)
+    engine = TorchEngine.from_preset("tiny", seed=0, kv_capacity_tokens=16384)
+    prompts = [(f"Question {i}: what is {i} + {i}? ", 0.0 if i % 2 else 0.7) for i in range(8)]
+    ref_engine = TorchEngine.from_preset("tiny", seed=0, kv_capacity_tokens=16384)
+    reqs = [LocalRequest(f"t{i}", tuple(ref_engine.encode(p)), SamplingParams(t, seed=i, max_tokens=120))
+            for i, (p, t) in enumerate(prompts)]
+    ref = (await run_local(ref_engine, reqs, Limits(token_budget=512, max_seqs=8))).traces
+    async with worker(cfg, engine_obj=engine, max_seqs=8, metrics_port=(port := free_port())) as rt:
+        t0 = time.monotonic()
+        ids = [await c.admit(p, max_tokens=120, temperature=t, seed=i, rid=f"t{i}")
+               for i, (p, t) in enumerate(prompts)]
+        capacity = 0.0
+        while not all(c.answers[r].finished for r in ids):
+            assert time.monotonic() - t0 < 60
+            await c.read()
+            hb = await c.client.hget(rt.keys.worker(rt.worker_id), "capacity_tokens_s")
+            capacity = max(capacity, float(hb or 0))
+        wall = time.monotonic() - t0
+        async with aiohttp.ClientSession() as http:
+            async with http.get(f"http://127.0.0.1:{port}/metrics") as resp:
+                metrics = await resp.text()
+            async with http.get(f"http://127.0.0.1:{port}/healthz") as resp:
+                health = await resp.json()
+        hist = rt.metrics.step_seconds.collect()[0].samples
+        steps = next(s.value for s in hist if s.name.endswith("_count"))
+        step_s = next(s.value for s in hist if s.name.endswith("_sum")) / steps
+    total = 0
+    for rid in ids:
+        a = c.answers[rid]
+        assert a.text == ref[rid].text and await c.generated(rid) == ref[rid].tokens
+        assert int(a.done["out"]) == len(ref[rid].tokens) == a.tokens
+        assert a.done["fin"] == ref[rid].finish_reason
+        total += a.tokens
+    assert "qos_worker_generated_tokens_total" in metrics and 'engine="torch"' in metrics
+    assert health["status"] == "ok" and health["redis_ok"] and health["simulated"] is False
+    assert capacity > 0  # weighted tokens/s while busy, for the controller's capacity estimate
+    print(f"\n[worker torch tiny, CPU, 1 thread] {total} tokens from 8 requests in {wall:.2f} s = "
+          f"{total / wall:.0f} tokens/s end to end; {steps:.0f} steps, mean step {step_s * 1e3:.1f} ms;"
+          f" heartbeat capacity up to {capacity:.0f} weighted tokens/s")
+
+
+async def test_prompt_too_long_for_the_engine_fails_clearly(env) -> None:
+    cfg, c = env
+    async with worker(cfg, engine_obj=SimEngine(time_scale=0.0, max_seq_len=64)):
+        big = await c.admit("y" * 100, max_tokens=1)
+        small = await c.admit("ok", max_tokens=4)
+        await c.wait(timeout=10)
+    assert c.answers[small].done is not None
+    err = c.answers[big].error
+    assert err is not None and err["code"] == "failed" and "exceeds this worker's context" in err["msg"]
+    assert (await c.record(big))["state"] == "failed"
+    assert [s["outcome"] for s in await c.samples() if s["request_id"] == big] == ["failed"]
+
+
+async def _script_calls(c: Client) -> int:
+    stats = await c.client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
+
+
+async def test_idle_and_blocked_workers_do_not_poll(env) -> None:
+    """Idle: BLPOP on the wake list, ~1 claim per idle_block_s. A queue head too big for this
+    worker's KV (claim re-announces the backlog it cannot take) must not become a hot loop."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.0, kv_capacity_tokens=64, idle_block_s=0.5):
+        await asyncio.sleep(0.3)
+        before = await _script_calls(c)
+        await asyncio.sleep(1.0)
+        idle = await _script_calls(c) - before
+        await c.admit("z" * 100, max_tokens=1)  # needs 102 KV tokens: never claimable here
+        await asyncio.sleep(0.2)
+        before = await _script_calls(c)
+        await asyncio.sleep(1.0)
+        blocked = await _script_calls(c) - before
+    print(f"\n[no polling] script calls per second: idle {idle}, head-of-line blocked {blocked}")
+    assert idle <= 4 and blocked <= 12

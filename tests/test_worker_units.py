@@ -1,0 +1,159 @@
+"""Pure pieces of the worker: stop-string release, the scheduler's finish and resume rules,
+settings validation, seeds, push batching and offset reconciliation."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+
+import pytest
+
+from limiter.config import demo_config
+from limiter.errors import ConfigError, InvalidArgument, LeaseLost
+from limiter.prompt import Payload
+from limiter.scripts import Claimed
+from worker.batching import Limits
+from worker.delivery import Delivery
+from worker.engines.base import SamplingParams, request_seed
+from worker.engines.sim import SimEngine
+from worker.scheduler import BatchScheduler, resume_finish_reason
+from worker.settings import default_worker_id, load_settings
+from worker.textstream import StopScanner
+from worker.tokenizer import EOS_ID, IncrementalDecoder, encode
+
+
+def stream(text: str, stops: tuple[str, ...]) -> tuple[str, list[int], bool]:
+    """Feed ``text`` byte by byte (as a byte-level model emits it); return what is released."""
+    sc, dec = StopScanner(stops), IncrementalDecoder()
+    out, ids = "", []
+    for b in text.encode():
+        rel = sc.feed(b, dec.feed([b]))
+        out += rel.text
+        ids += rel.token_ids
+        if rel.stopped:
+            return out, ids, True
+    rel = sc.finish(dec.flush())
+    return out + rel.text, ids + rel.token_ids, rel.stopped
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_stop_scanner_matches_the_reference_cut(seed: int) -> None:
+    rng = random.Random(seed)
+    alphabet = "ab\nxé€ "
+    text = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 40)))
+    stops = tuple("".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+                  for _ in range(rng.randint(0, 3)))
+    out, ids, stopped = stream(text, stops)
+    hits = [text.find(s) for s in stops if s in text]
+    expect = text[: min(hits)] if hits else text
+    assert out == expect and stopped == bool(hits)
+    assert text.encode().startswith(bytes(ids))  # released ids are the generated ones, in order
+    if not hits:
+        assert bytes(ids) == text.encode()  # nothing lost
+
+
+def test_tokens_are_held_back_with_their_text() -> None:
+    sc, dec = StopScanner(("END",)), IncrementalDecoder()
+    released = []
+    for b in b"abcdE":
+        released += sc.feed(b, dec.feed([b])).token_ids
+    # 'E' and the two characters before it might start "END": kept back, tokens too
+    assert bytes(released) == b"abc"[: len(released)] and sc.pending_tokens >= 2
+
+
+def test_scheduler_resume_primes_the_decoder_and_counts_max_tokens() -> None:
+    # "é" is two bytes: the earlier attempt delivered only the first one
+    eng = SimEngine(time_scale=0)
+    sched = BatchScheduler(eng, Limits())
+    partial = list("é".encode())[:1]
+    seq = sched.add("r", encode("hi", bos=True), SamplingParams(max_tokens=3), class_rank=0, arrival=0,
+                    generated=partial)
+    assert seq.decoder.feed([list("é".encode())[1]]) == "é"  # the primed decoder completes it
+    assert resume_finish_reason([1, 2, 3], 3, EOS_ID) == "length"
+    assert resume_finish_reason([1, EOS_ID], 9, EOS_ID) == "stop"
+    assert resume_finish_reason([1], 9, EOS_ID) is None
+
+
+def test_scheduler_finishes_at_max_tokens_counting_resumed_ones() -> None:
+    sched = BatchScheduler(SimEngine(time_scale=0), Limits())
+    sched.add("r", encode("hi", bos=True), SamplingParams(max_tokens=5), class_rank=1, arrival=0,
+              generated=[ord("x"), ord("y")])
+    produced = []
+    while len(sched):
+        res = asyncio.run(sched.step())
+        produced += list(res.produced.values())
+    assert len(produced) == 3 and res.emissions["r"].finish_reason == "length"
+
+
+def test_settings_errors_name_the_worker_field_and_ids_are_sanitised() -> None:
+    cfg = demo_config()
+    with pytest.raises(ConfigError, match=r"worker\.token_budget"):
+        load_settings(cfg, {"max_seqs": 64, "token_budget": 32})
+    with pytest.raises(ConfigError, match=r"worker\.bogus: unknown field"):
+        load_settings(dataclasses.replace(cfg, worker={"bogus": 1}))
+    with pytest.raises(ConfigError, match=r"worker\.engine"):
+        load_settings(cfg, {"engine": "tpu"})
+    with pytest.raises(ConfigError, match=r"worker\.upstream_url"):
+        load_settings(cfg, {"engine": "openai"})
+    s = load_settings(dataclasses.replace(cfg, worker={"max_seqs": 4, "token_budget": 64}), {"max_seqs": 8})
+    assert s.max_seqs == 8 and s.token_budget == 64 and s.pool == "tiny"
+    wid = default_worker_id("cuda:0")
+    assert wid.endswith("-cuda_0") and ":" not in wid
+
+
+def test_request_seed_is_stable_per_request() -> None:
+    assert request_seed(None, "abc") == request_seed(None, "abc") != request_seed(None, "abd")
+    assert request_seed(7, "abc") == 7 and 0 <= request_seed(None, "x") < 2**63
+
+
+def _delivery() -> Delivery:
+    c = Claimed("r1", "P1", "t1", 1, b"", 0, 5, 100, "fe1", 0, [], 0, 0)
+    return Delivery(c, Payload("completion", "hi", 100), 1000, 0.0, 3, 1)
+
+
+def test_push_batching_rules() -> None:
+    d = _delivery()
+    d.add([1], "a", 0.0)
+    assert d.due(0.0, 50, 16)  # the first batch goes at once
+    d.pushes = 1
+    assert not d.due(0.01, 50, 16)
+    assert d.due(0.045, 50, 16, step_s=0.01)  # would be older than 50 ms by the next step
+    d.add(list(range(15)), "b" * 15, 0.02)
+    assert d.due(0.02, 50, 16)  # 16 pending
+
+
+class _FakeScripts:
+    """push_tokens that already landed once (a lost reply), then accepts the rest."""
+
+    def __init__(self, landed: int) -> None:
+        self.landed = landed
+        self.client = self
+        self.calls: list[tuple[int, int]] = []
+
+    async def push_tokens(self, keys, *, offset: int, token_ids, **_kw) -> bool:
+        self.calls.append((offset, len(token_ids)))
+        if offset != self.landed:
+            raise InvalidArgument("offset", f"offset: {offset} but {self.landed} tokens were delivered")
+        self.landed += len(token_ids)
+        return False
+
+    async def hget(self, _key: str, _field: str) -> bytes:
+        return str(self.landed).encode()
+
+
+async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
+    from limiter.keys import PoolKeys
+
+    d = _delivery()
+    d.add([1, 2, 3], "abc", 0.0)
+    fake = _FakeScripts(landed=0)
+    d._uncertain[3] = 3  # an earlier push of these 3 tokens: reply lost
+    fake.landed = 3  # ...but it did land
+    d.add([4], "d", 0.0)
+    assert await d.push(fake, PoolKeys("tiny"), "w") is False  # type: ignore[arg-type]
+    assert d.offset == 4 and not d.pending_ids and fake.calls == [(0, 4), (3, 1)]
+    d.add([5], "e", 0.0)
+    fake.landed = 9  # someone else's tokens: not ours to reconcile
+    with pytest.raises(LeaseLost):
+        await d.push(fake, PoolKeys("tiny"), "w")  # type: ignore[arg-type]

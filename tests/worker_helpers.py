@@ -1,0 +1,209 @@
+"""Shared pieces of the worker tests: a tiny client (admit + read the reply stream), config
+files, in-process workers and worker subprocesses. Everything runs on the tests' private
+redis-server; nothing touches a shared instance."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+from limiter.config import QosConfig
+from limiter.config import load as load_config
+from limiter.keys import PoolKeys
+from limiter.prompt import Payload, count_tokens
+from limiter.scripts import Scripts, policy_document, unpack_token_ids
+from worker.engines.base import Engine
+from worker.main import build_worker, run_worker
+from worker.runtime import WorkerRuntime
+from worker.settings import load_settings
+
+ROOT = Path(__file__).resolve().parent.parent
+FE = "fe1"
+_ids = itertools.count(1)
+
+CONFIG = """
+[redis]
+url = "{url}"
+
+[[classes]]
+name = "P0"
+share = 0.6
+max_wait_ms = 60000
+
+[[classes]]
+name = "P1"
+share = 0.35
+max_wait_ms = 60000
+
+[[classes]]
+name = "P2"
+share = 0.05
+max_wait_ms = 60000
+
+[[pools]]
+name = "tiny"
+lease_ms = {lease_ms}
+max_attempts = 5
+capacity_tokens_s = 1e9
+
+[worker]
+{worker}
+"""
+
+
+def write_config(path: Path, redis_url: str, *, lease_ms: int = 10000, worker: dict[str, Any] | None = None
+                 ) -> Path:
+    lines = []
+    for k, v in (worker or {}).items():
+        lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}".replace("'", '"'))
+    path.write_text(CONFIG.format(url=redis_url, lease_ms=lease_ms, worker="\n".join(lines)))
+    return path
+
+
+@dataclass
+class Answer:
+    """One request as the client saw it on the reply stream."""
+
+    text: str = ""
+    tokens: int = 0  # sum of counts delivered
+    offsets: list[int] = field(default_factory=list)
+    attempts: list[int] = field(default_factory=list)
+    times_ms: list[int] = field(default_factory=list)  # stream entry ids' ms (Redis clock)
+    done: dict[str, str] | None = None
+    error: dict[str, str] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.done is not None or self.error is not None
+
+
+class Client:
+    """Admits with Scripts.admit (frontend 'fe1', alive) and reassembles the reply stream."""
+
+    def __init__(self, client: Any, cfg: QosConfig, pool: str = "tiny") -> None:
+        self.client = client
+        self.cfg = cfg
+        self.keys = PoolKeys(pool)
+        self.scripts = Scripts(client)
+        self.answers: dict[str, Answer] = {}
+        self.entries = 0
+        self._last = "0-0"
+
+    async def setup(self) -> None:
+        await self.scripts.init_pool(self.keys, policy_document(self.cfg, self.cfg.pool(self.keys.pool)))
+        await self.client.zadd(self.keys.frontends, {FE: 4102444800000})
+
+    async def admit(self, prompt: str, *, cls: str = "P1", max_tokens: int = 32, temperature: float = 0.0,
+                    seed: int | None = 1, stop: tuple[str, ...] = (), rid: str | None = None,
+                    kind: str = "completion") -> str:
+        rid = rid or f"r{next(_ids)}"
+        payload = Payload(kind, prompt, max_tokens, temperature=temperature, stop=stop, seed=seed)
+        await self.scripts.admit(self.keys, request_id=rid, tenant="t1", cls=cls,
+                                 input_tokens=count_tokens(prompt), max_tokens=max_tokens, tenant_rate=1e9,
+                                 tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0, frontend_id=FE,
+                                 payload=payload.pack())
+        self.answers[rid] = Answer()
+        return rid
+
+    async def read(self, block_ms: int = 100) -> None:
+        resp = await self.client.xread({self.keys.reply(FE): self._last}, block=block_ms)
+        for _stream, entries in resp or []:
+            for eid, f in entries:
+                self._last = eid.decode()
+                self.entries += 1
+                g = {k.decode(): v.decode() for k, v in f.items()}
+                a = self.answers.setdefault(g["id"], Answer())
+                if g["k"] in ("tok", "done"):
+                    n = int(g["n"])
+                    if n:
+                        a.offsets.append(int(g["o"]))
+                        a.attempts.append(int(g["a"]))
+                        a.times_ms.append(int(self._last.split("-")[0]))
+                    assert not n or int(g["o"]) == a.tokens, f"{g['id']}: offset {g['o']} after {a.tokens}"
+                    a.tokens += n
+                    a.text += g["t"]
+                    if g["k"] == "done":
+                        a.done = g
+                else:
+                    a.error = g
+
+    async def wait(self, ids: list[str] | None = None, timeout: float = 30.0) -> None:
+        ids = list(self.answers) if ids is None else ids
+        deadline = time.monotonic() + timeout
+        while not all(self.answers[r].finished for r in ids):
+            left = {r: self.answers[r] for r in ids if not self.answers[r].finished}
+            assert time.monotonic() < deadline, left
+            await self.read()
+
+    async def wait_tokens(self, rid: str, n: int, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while self.answers[rid].tokens < n and not self.answers[rid].finished:
+            assert time.monotonic() < deadline, f"{rid}: only {self.answers[rid].tokens} tokens"
+            await self.read()
+
+    async def record(self, rid: str) -> dict[str, str]:
+        raw = await self.client.hgetall(self.keys.request(rid))
+        return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
+
+    async def generated(self, rid: str) -> list[int]:
+        return unpack_token_ids(await self.client.get(self.keys.tokens(rid)) or b"")
+
+    async def samples(self) -> list[dict[str, Any]]:
+        out = []
+        for _id, f in await self.client.xrange(self.keys.samples):
+            out.append(msgpack.unpackb(f[b"d"], raw=False))
+        return out
+
+
+@contextlib.asynccontextmanager
+async def worker(cfg: QosConfig, engine_obj: Engine | None = None, **settings: Any
+                 ) -> AsyncIterator[WorkerRuntime]:
+    """An in-process worker (the real runtime and loop) for the duration of the block;
+    drained on exit."""
+    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, **settings})
+    rt, loop = build_worker(s, cfg, engine_obj)
+    task = asyncio.create_task(run_worker(rt, loop))
+    try:
+        yield rt
+    finally:
+        rt.begin_drain("test over")
+        rt.drain_deadline = time.monotonic()
+        await asyncio.wait_for(task, 30)
+
+
+def config(path: Path, redis_url: str, **kw: Any) -> QosConfig:
+    return load_config(write_config(path, redis_url, **kw), env={})
+
+
+def spawn_worker(config_path: Path, *args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """``python -m limiter.cli worker --config ...`` as a real OS process."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("QOS_REDIS_URL", None)
+    cmd = [sys.executable, "-m", "limiter.cli", "worker", "--config", str(config_path), *args]
+    if log is None:
+        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
+    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+
+
+def stop_process(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> int:
+    if p.poll() is None:
+        p.send_signal(sig)
+    try:
+        return p.wait(timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise

@@ -1,0 +1,146 @@
+"""One claimed request as the Redis side of the worker sees it: streaming back and timing.
+
+A :class:`Delivery` buffers the tokens released for a request and pushes them with
+``push_tokens`` in batches: per request, when ``flush_tokens`` (16) are pending or before
+the oldest would wait more than ``flush_ms`` (50 ms), whichever comes first, and the first
+batch of an attempt at once (time to first token is what users feel). So Redis sees far
+fewer than one write per generated token, while no token waits more than ~50 ms (with
+steps longer than that, every step pushes). The last tokens ride on
+``complete``. Offsets make delivery exactly-once: ``push_tokens`` refuses a batch whose
+offset is not the number of tokens already delivered.
+
+It also keeps the timings a latency sample needs (see :mod:`worker.samples`): when this
+attempt claimed the request, in Redis time and in local monotonic time, and when each
+token came out of the engine.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from limiter.errors import InvalidArgument, LeaseLost
+from limiter.keys import PoolKeys
+from limiter.prompt import Payload
+from limiter.scripts import Claimed, Scripts
+
+
+@dataclass
+class Delivery:
+    claimed: Claimed
+    payload: Payload
+    claim_now_ms: int  # Redis time of this attempt's claim
+    claim_t: float  # time.monotonic() when that claim returned
+    usage_in: int  # prompt tokens, in the pool tokenizer's units
+    class_rank: int
+    offset: int = 0  # tokens delivered so far (all attempts)
+    pending_ids: list[int] = field(default_factory=list)
+    pending_text: str = ""
+    pending_since: float | None = None
+    pushes: int = 0
+    first_t: float | None = None  # this attempt's first token (monotonic)
+    last_t: float | None = None
+    produced: int = 0  # tokens this attempt produced
+    max_gap_s: float = 0.0
+    final: tuple[str, str, str] | None = None  # (outcome, finish_reason, message) once finishing
+    sample_extra: dict[str, Any] = field(default_factory=dict)  # engine-specific sample fields
+    # pushes whose reply was lost: token count -> text chars (see _reconcile)
+    _uncertain: dict[int, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.offset = self.claimed.delivered
+
+    @property
+    def request_id(self) -> str:
+        return self.claimed.request_id
+
+    @property
+    def attempt(self) -> int:
+        return self.claimed.attempt
+
+    @property
+    def total_tokens(self) -> int:
+        """Tokens generated for the request so far (delivered + pending)."""
+        return self.offset + len(self.pending_ids)
+
+    def redis_ms(self, t: float | None = None) -> float:
+        """Redis time (ms) estimated for monotonic time ``t`` from this attempt's claim."""
+        return self.claim_now_ms + ((time.monotonic() if t is None else t) - self.claim_t) * 1e3
+
+    # --- intake ----------------------------------------------------------------------------
+    def note_tokens(self, n: int, t: float) -> None:
+        """``n`` tokens came out of the engine at monotonic time ``t`` (for TTFT and TPOT)."""
+        if n <= 0:
+            return
+        if self.first_t is None:
+            self.first_t = t
+        elif self.last_t is not None:
+            self.max_gap_s = max(self.max_gap_s, t - self.last_t)
+        self.last_t = t
+        self.produced += n
+
+    def add(self, token_ids: list[int] | tuple[int, ...], text: str, t: float) -> None:
+        """Queue released tokens and their text for the next push."""
+        if (token_ids or text) and self.pending_since is None:
+            self.pending_since = t
+        self.pending_ids.extend(token_ids)
+        self.pending_text += text
+
+    def due(self, t: float, flush_ms: float, flush_tokens: int, step_s: float = 0.0) -> bool:
+        """Push now? At once for an attempt's first batch, at ``flush_tokens`` pending, or when
+        the oldest pending token would be older than ``flush_ms`` by the next chance to push
+        (``step_s`` from now), so no token waits longer than ``flush_ms``."""
+        if not self.pending_ids:
+            return False  # text alone (no token) waits for the next token or complete
+        if self.pushes == 0 or len(self.pending_ids) >= flush_tokens:
+            return True
+        return self.pending_since is not None and (t - self.pending_since + step_s) * 1e3 >= flush_ms
+
+    # --- Redis --------------------------------------------------------------------------------
+    async def push(self, scripts: Scripts, keys: PoolKeys, worker_id: str, lease_ms: int = 0) -> bool:
+        """Push what is pending; returns True when the client asked to cancel.
+
+        Raises LeaseLost (another worker owns the request) and RedisUnavailable. Nothing is
+        lost on an outage: the batch stays pending, and if it did land (the reply was lost,
+        or redis-py's retry sent it twice) the next push's offset check says so."""
+        if not self.pending_ids:
+            return False
+        ids, text = list(self.pending_ids), self.pending_text
+        self._uncertain[len(ids)] = len(text)
+        try:
+            cancel = await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id,
+                                               attempt=self.attempt, offset=self.offset, token_ids=ids,
+                                               text=text, lease_ms=lease_ms)
+        except InvalidArgument as exc:
+            if "offset" not in str(exc):
+                raise
+            await self._reconcile(scripts.client, keys)
+            return await self.push(scripts, keys, worker_id, lease_ms)
+        self._sent(len(ids), len(text))
+        return cancel
+
+    async def complete(self, scripts: Scripts, keys: PoolKeys, worker_id: str, *, outcome: str,
+                       finish_reason: str, message: str = "", sample: bytes = b"") -> float:
+        """Finish the request with whatever is pending. Raises LeaseLost."""
+        return await scripts.complete(keys, request_id=self.request_id, worker_id=worker_id,
+                                      attempt=self.attempt, outcome=outcome, usage_in=self.usage_in,
+                                      token_ids=self.pending_ids, text=self.pending_text,
+                                      finish_reason=finish_reason, message=message[:4000], sample=sample)
+
+    def _sent(self, n_ids: int, n_chars: int) -> None:
+        self.offset += n_ids
+        del self.pending_ids[:n_ids]
+        self.pending_text = self.pending_text[n_chars:]
+        self.pending_since = time.monotonic() if self.pending_ids else None
+        self.pushes += 1
+        self._uncertain.clear()
+
+    async def _reconcile(self, client: Any, keys: PoolKeys) -> None:
+        """After an offset mismatch: one of our earlier pushes whose reply never came back
+        did land. Redis's token count says which; anything else means we lost the request."""
+        out = await client.hget(keys.request(self.request_id), "out_tokens")
+        landed = (int(out) if out is not None else -1) - self.offset
+        if landed not in self._uncertain:
+            raise LeaseLost(f"{self.request_id}: Redis has {out!r} tokens, this worker {self.offset}")
+        self._sent(landed, self._uncertain[landed])

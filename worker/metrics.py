@@ -1,0 +1,76 @@
+"""Prometheus metrics of one worker process, served on ``--metrics-port`` (0 = off).
+
+A per-process registry (not the global one), so tests can run several workers in one
+process. The server is a tiny aiohttp app: ``GET /metrics`` (Prometheus text) and
+``GET /healthz`` (JSON; 200 while the process runs, with ``redis_ok`` and ``draining``
+inside - a Redis outage must not get a liveness probe to kill a worker holding work).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+_STEP_SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5, 5.0)
+
+
+class WorkerMetrics:
+    def __init__(self, *, pool: str, worker: str, engine: str, simulated: bool, device: str) -> None:
+        self.registry = r = CollectorRegistry(auto_describe=True)
+        self.info = Gauge("qos_worker_info", "Always 1; labels say what this worker runs",
+                          ["pool", "worker", "engine", "simulated", "device"], registry=r)
+        self.info.labels(pool, worker, engine, str(simulated).lower(), device).set(1)
+        self.batch_size = Gauge("qos_worker_batch_size", "Sequences in the last engine step (running)",
+                                registry=r)
+        self.waiting = Gauge("qos_worker_waiting", "Claimed requests not running now (not yet admitted, "
+                             "or paused by preemption)", registry=r)
+        self.step_seconds = Histogram("qos_worker_step_seconds", "Wall time of one engine step",
+                                      buckets=_STEP_SECONDS, registry=r)
+        self.generated_tokens = Counter("qos_worker_generated_tokens", "Tokens generated; rate() gives "
+                                        "tokens/s", registry=r)
+        self.prefill_tokens = Counter("qos_worker_prefill_tokens", "Prompt tokens prefilled (re-prefills "
+                                      "after preemption or resume included)", registry=r)
+        self.kv_used = Gauge("qos_worker_kv_used_tokens", "KV cache tokens in use", registry=r)
+        self.kv_capacity = Gauge("qos_worker_kv_capacity_tokens", "KV cache capacity in tokens", registry=r)
+        self.preemptions = Counter("qos_worker_preemptions", "Sequences paused for a higher class or "
+                                   "for KV room", registry=r)
+        self.claims = Counter("qos_worker_claims", "Requests claimed, by class", ["class"], registry=r)
+        self.cancellations = Counter("qos_worker_cancellations", "Requests stopped because their client "
+                                     "went away", registry=r)
+        self.finished = Counter("qos_worker_requests", "Requests this worker finished, by outcome "
+                                "(ok, cancelled, failed, lost, released)", ["class", "outcome"], registry=r)
+        self.pushes = Counter("qos_worker_pushes", "push_tokens calls (batched deltas)", registry=r)
+        self.redis_errors = Counter("qos_worker_redis_errors", "Redis failures, by loop", ["loop"],
+                                    registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+async def start_metrics_server(metrics: WorkerMetrics, health: Callable[[], dict[str, Any]], host: str,
+                               port: int) -> web.AppRunner:
+    """Serve /metrics and /healthz; returns the runner (``await runner.cleanup()`` to stop)."""
+
+    async def get_metrics(_request: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def get_health(_request: web.Request) -> web.Response:
+        return web.json_response(health())
+
+    app = web.Application()
+    app.router.add_get("/metrics", get_metrics)
+    app.router.add_get("/healthz", get_health)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,332 @@
+"""The Redis side of a worker process, shared by both serving loops.
+
+:class:`WorkerRuntime` owns what does not depend on how tokens are produced: the Redis
+clients, claiming (pull-based: the caller says how much room it has), waiting for work
+(``BLPOP`` on the pool's wake list on a connection of its own: an idle worker costs Redis
+nothing), finishing a request with its latency sample, handing work back on drain, and
+the background upkeep tasks:
+
+* lease renewal every ``lease_ms / 3`` for every held (request, attempt); ``lost`` ones
+  are dropped silently (another worker owns them), ``stop`` ones cancelled;
+* a heartbeat every ``heartbeat_s``: ``ZADD workers`` and the worker's stats hash (TTL);
+* ``reap`` every ``reap_interval_s``, so dead workers' leases are requeued even when no
+  one claims.
+
+Failure policy: a Redis outage never kills the process. Loops log, count, back off and
+retry; a pool whose policy vanished (Redis restarted empty) is re-initialised from the
+config. Tokens not yet delivered stay buffered meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from limiter.config import QosConfig
+from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
+from limiter.keys import PoolKeys
+from limiter.prompt import Payload, count_tokens
+from limiter.redis_conn import open_redis
+from limiter.scripts import Claimed, Scripts, policy_document
+from worker.delivery import Delivery
+from worker.metrics import WorkerMetrics, start_metrics_server
+from worker.samples import build_sample, pack_sample
+from worker.settings import WorkerSettings
+
+log = logging.getLogger("qos.worker")
+
+
+class WorkerRuntime:
+    def __init__(self, settings: WorkerSettings, cfg: QosConfig, *, engine: str, simulated: bool) -> None:
+        self.settings = settings
+        self.cfg = cfg
+        self.pool_cfg = cfg.pool(settings.pool)
+        self.keys = PoolKeys(settings.pool)
+        self.worker_id = settings.worker_id
+        self.lease_ms = settings.lease_ms or self.pool_cfg.lease_ms
+        self.engine = engine
+        self.simulated = simulated
+        self.metrics = WorkerMetrics(pool=settings.pool, worker=self.worker_id, engine=engine,
+                                     simulated=simulated, device=settings.device)
+        self.held: dict[str, Delivery] = {}
+        self.draining = asyncio.Event()
+        self.drain_deadline = float("inf")
+        self.redis_ok = False
+        self.started_ms = int(time.time() * 1000)
+        self._clock_offset_ms = 0.0  # Redis clock minus local wall clock
+        # Set by the serving loop: its live stats, and what to do with lost / stopped ids.
+        self.stats: Callable[[], dict[str, Any]] = dict
+        self.on_lost: Callable[[list[str]], None] = lambda ids: None
+        self.on_stop: Callable[[list[str]], None] = lambda ids: None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._metrics_runner: Any = None
+        self.client: Any = None
+        self.blocking: Any = None
+        self.scripts: Scripts
+
+    # --- lifecycle ----------------------------------------------------------------------------
+    async def open(self) -> None:
+        """Connect, make sure the pool exists, start upkeep and the metrics server."""
+        self.client = open_redis(self.cfg.redis, max_connections=8)
+        self.blocking = open_redis(self.cfg.redis, max_connections=2)  # BLPOP blocks its connection
+        self.scripts = Scripts(self.client)
+        backoff = 0.2
+        while True:
+            try:
+                await self.ensure_pool()
+                break
+            except RedisUnavailable as exc:
+                if self.draining.is_set():
+                    raise
+                log.warning("Redis unavailable at start (%s); retrying in %.1f s", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+        await self.guard("heartbeat", self.heartbeat(), backoff=0)
+        if self.settings.metrics_port:
+            try:
+                self._metrics_runner = await start_metrics_server(
+                    self.metrics, self.health, self.settings.metrics_host, self.settings.metrics_port)
+            except OSError as exc:
+                where = f"{self.settings.metrics_host}:{self.settings.metrics_port}"
+                raise ConfigError("worker.metrics_port", f"cannot listen on {where}: {exc}") from exc
+        s = self.settings
+        self._tasks = [asyncio.create_task(self._every(period, name, fn)) for period, name, fn in (
+            (self.lease_ms / 3000, "renew", self.renew), (s.heartbeat_s, "heartbeat", self.heartbeat),
+            (s.reap_interval_s, "reap", self.reap))]
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        with contextlib.suppress(QosError, OSError, Exception):
+            async with self.client.pipeline(transaction=False) as pipe:
+                pipe.zrem(self.keys.workers, self.worker_id)
+                pipe.delete(self.keys.worker(self.worker_id))
+                await pipe.execute()
+        if self._metrics_runner is not None:
+            await self._metrics_runner.cleanup()
+        for c in (self.client, self.blocking):
+            with contextlib.suppress(Exception):
+                await c.aclose()
+
+    async def ensure_pool(self) -> None:
+        """Initialise the pool's policy from the config (keep_rates: controller-owned rates
+        survive) and sync the Redis clock estimate."""
+        await self.scripts.load_all()  # the first request does not pay for NOSCRIPT round trips
+        await self.scripts.init_pool(self.keys, policy_document(self.cfg, self.pool_cfg))
+        sec, usec = await self._redis(self.client.time())
+        self._clock_offset_ms = int(sec) * 1000 + int(usec) / 1000 - time.time() * 1000
+        self.redis_ok = True
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError, RuntimeError):
+                loop.add_signal_handler(sig, self.begin_drain, sig.name)
+
+    def begin_drain(self, why: str = "request") -> None:
+        """First call: stop pulling, let running work finish within drain_timeout_s. A second
+        call (a second SIGTERM) ends the drain now: what remains is handed back."""
+        if self.draining.is_set():
+            log.warning("%s again: handing back the remaining work now", why)
+            self.drain_deadline = time.monotonic()
+            return
+        log.info("%s: draining (up to %.0f s), no new work is pulled", why, self.settings.drain_timeout_s)
+        self.drain_deadline = time.monotonic() + self.settings.drain_timeout_s
+        self.draining.set()
+
+    @property
+    def drain_expired(self) -> bool:
+        return time.monotonic() >= self.drain_deadline
+
+    # --- helpers ------------------------------------------------------------------------------
+    async def _redis(self, aw: Awaitable[Any]) -> Any:
+        """Await a plain redis-py command, mapping connection failures to RedisUnavailable."""
+        try:
+            return await aw
+        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
+            raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
+
+    def weights(self, cls: str) -> tuple[float, float]:
+        """(input, output) cost weights of class ``cls``: capacity is reported in the same
+        weighted tokens the rates and admission costs use."""
+        for c in self.cfg.classes:
+            if c.name == cls:
+                return c.weight, c.out_weight
+        return 1.0, 1.0
+
+    def redis_now_ms(self) -> int:
+        return int(time.time() * 1000 + self._clock_offset_ms)
+
+    async def guard(self, where: str, aw: Awaitable[Any], backoff: float = 0.5) -> Any:
+        """Run one loop iteration: on a Redis outage log and back off, on a vanished pool
+        re-initialise it. Returns None when the iteration failed."""
+        try:
+            result = await aw
+            self.redis_ok = True
+            return result
+        except PolicyMissing:
+            log.warning("pool %s has no policy (Redis restarted empty?): re-initialising", self.keys.pool)
+            with contextlib.suppress(RedisUnavailable, PolicyMissing):
+                await self.ensure_pool()
+        except RedisUnavailable as exc:
+            self.redis_ok = False
+            self.metrics.redis_errors.labels(where).inc()
+            log.warning("%s: %s; retrying in %.1f s", where, exc, backoff)
+            await asyncio.sleep(backoff)
+        return None
+
+    async def _every(self, period_s: float, name: str, fn: Callable[[], Awaitable[Any]]) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            try:
+                await self.guard(name, fn(), backoff=0)
+            except Exception:  # an upkeep bug must not silently stop renewing forever
+                log.exception("%s failed", name)
+
+    # --- claiming -----------------------------------------------------------------------------
+    async def claim(self, max_requests: int, token_budget: int) -> list[Delivery]:
+        """Pull up to ``max_requests`` requests that fit ``token_budget`` (0 = no limit)."""
+        res = await self.scripts.claim(self.keys, self.worker_id, max_requests, token_budget, self.lease_ms)
+        t = time.monotonic()
+        self._clock_offset_ms = res.now_ms - time.time() * 1000
+        out = []
+        for c in res.requests:
+            self.metrics.claims.labels(c.cls).inc()
+            d = self._delivery(c, res.now_ms, t)
+            if isinstance(d, str):
+                await self.fail_unusable(c, res.now_ms, t, d)
+            else:
+                self.held[c.request_id] = d
+                out.append(d)
+        return out
+
+    def _delivery(self, c: Claimed, now_ms: int, t: float) -> Delivery | str:
+        try:
+            payload = Payload.unpack(c.payload)
+        except ValueError as exc:
+            return f"unusable request payload: {exc}"
+        try:
+            rank = self.cfg.class_rank(c.cls)
+        except ValueError:
+            rank = len(self.cfg.classes)  # a class the config does not know: lowest priority
+        return Delivery(c, payload, now_ms, t, count_tokens(payload.prompt), rank)
+
+    async def fail_unusable(self, c: Claimed, now_ms: int, t: float, message: str) -> None:
+        d = Delivery(c, Payload("completion", "", 1), now_ms, t, c.input_tokens, 0)
+        self.held[c.request_id] = d
+        await self.finish(d, "failed", "error", message)
+
+    async def wait_for_work(self) -> bool:
+        """Block (no polling) until a wake marker arrives, ``idle_block_s`` passes, or a
+        drain begins (an idle worker exits at once on SIGTERM). True if a marker came."""
+        blpop = asyncio.ensure_future(self._redis(
+            self.blocking.blpop([self.keys.wake], timeout=self.settings.idle_block_s)))
+        drain = asyncio.ensure_future(self.draining.wait())
+        done, _ = await asyncio.wait({blpop, drain}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (blpop, drain):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, QosError):
+                    await t
+        return blpop in done and blpop.result() is not None
+
+    async def take_wake_marker(self) -> bool:
+        """Non-blocking: was work announced since we last looked? (For a busy worker with
+        room: an LPOP on an empty list is a cheap read, unlike a claim.)"""
+        return await self._redis(self.client.lpop(self.keys.wake)) is not None
+
+    async def cancelled(self, ids: list[str]) -> list[str]:
+        """Which of ``ids`` their clients cancelled: one SMISMEMBER, cheap enough per step."""
+        if not ids:
+            return []
+        flags = await self._redis(self.client.smismember(self.keys.cancels, ids))
+        return [rid for rid, f in zip(ids, flags, strict=True) if int(f)]
+
+    # --- finishing ----------------------------------------------------------------------------
+    async def push(self, d: Delivery) -> bool:
+        """Push ``d``'s pending tokens; True when its client cancelled. Raises LeaseLost."""
+        self.metrics.pushes.inc()
+        return await d.push(self.scripts, self.keys, self.worker_id, self.lease_ms)
+
+    async def finish(self, d: Delivery, outcome: str, finish_reason: str, message: str = "") -> None:
+        """Complete ``d`` with its sample and forget it. Raises RedisUnavailable (``d`` stays
+        held with ``d.final`` set: call again); LeaseLost only means someone else finished it
+        (or a retried call already did), so it is dropped."""
+        d.final = (outcome, finish_reason, message)
+        sample = build_sample(d, pool=self.keys.pool, worker_id=self.worker_id, engine=self.engine,
+                              simulated=self.simulated, outcome=outcome)
+        try:
+            await d.complete(self.scripts, self.keys, self.worker_id, outcome=outcome,
+                             finish_reason=finish_reason, message=message, sample=pack_sample(sample))
+        except LeaseLost:
+            self.drop(d.request_id, "lost")
+            return
+        self.held.pop(d.request_id, None)
+        if outcome == "cancelled":
+            self.metrics.cancellations.inc()
+        self.metrics.finished.labels(d.claimed.cls, outcome).inc()
+
+    def drop(self, request_id: str, why: str = "lost") -> None:
+        d = self.held.pop(request_id, None)
+        if d is not None:
+            self.metrics.finished.labels(d.claimed.cls, why).inc()
+            what = "lease lost (another worker owns it)" if why == "lost" else why
+            log.info("%s: %s, dropped", request_id, what)
+
+    async def release(self, d: Delivery) -> None:
+        """Hand ``d`` back to its queue after delivering what it has (drain)."""
+        try:
+            await self.push(d)
+            state = await self.scripts.release(self.keys, request_id=d.request_id, worker_id=self.worker_id,
+                                               attempt=d.attempt)
+            log.info("%s: handed back (%s) after %d tokens", d.request_id, state, d.offset)
+        except LeaseLost:
+            pass
+        self.drop(d.request_id, "released")
+
+    # --- upkeep -------------------------------------------------------------------------------
+    async def renew(self) -> None:
+        held = [(rid, d.attempt) for rid, d in self.held.items()]
+        if not held:
+            return
+        res = await self.scripts.renew_leases(self.keys, self.worker_id, held, self.lease_ms)
+        if res.lost:
+            self.on_lost(res.lost)
+        if res.stop:
+            self.on_stop(res.stop)
+
+    async def heartbeat(self) -> None:
+        stats = {"engine": self.engine, "simulated": int(self.simulated), "device": self.settings.device,
+                 "pool": self.keys.pool, "pid": os.getpid(), "host": socket.gethostname(),
+                 "started_ms": self.started_ms, "state": "draining" if self.draining.is_set() else "running",
+                 "held": len(self.held), **self.stats()}
+        now = self.redis_now_ms()
+        key = self.keys.worker(self.worker_id)
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.zadd(self.keys.workers, {self.worker_id: now})
+            pipe.hset(key, mapping={k: str(v) for k, v in stats.items()})
+            pipe.hset(key, "ts_ms", now)
+            pipe.expire(key, self.settings.heartbeat_ttl_s)
+            await self._redis(pipe.execute())
+
+    async def reap(self) -> None:
+        res = await self.scripts.reap(self.keys)
+        if res.requeued or res.failed or res.cancelled or res.expired:
+            log.info("reap: %s", res)
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok", "worker": self.worker_id, "engine": self.engine, "simulated": self.simulated,
+                "redis_ok": self.redis_ok, "draining": self.draining.is_set(), "held": len(self.held)}

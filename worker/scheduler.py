@@ -1,0 +1,266 @@
+"""The per-step state machine of continuous batching, shared by every step-based driver.
+
+:class:`BatchScheduler` owns the sequences one engine serves and turns the pure policy of
+:mod:`worker.batching` into engine calls, one step at a time:
+
+1. pause what :func:`~worker.batching.choose_preemption` picks (KV freed; the sequence
+   goes back to the waiting set with its original arrival and re-prefills prompt +
+   generated tokens when readmitted - the same path a request resumed on another worker
+   takes),
+2. start what :func:`~worker.batching.choose_admissions` allows,
+3. run one :func:`~worker.batching.build_plan` step on the engine,
+4. book the produced tokens: KV/prefill counters, decoding, finish detection (EOS,
+   ``max_tokens``, the engine's context limit, stop strings on the decoded text).
+
+Both the in-process :func:`worker.stepper.run_local` and the Redis worker
+(:mod:`worker.steploop`) drive this class, so what the tests measure with ``run_local``
+is the scheduling the production worker does. It knows nothing about Redis or clocks
+beyond timing the engine call.
+
+Text goes out through :class:`~worker.textstream.StopScanner`: an :class:`Emission` carries
+only tokens whose text is complete in it (see that module for why resuming needs this).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from limiter.errors import InvalidArgument
+from worker.batching import (
+    Candidate,
+    Limits,
+    SeqState,
+    StepPlan,
+    build_plan,
+    choose_admissions,
+    choose_preemption,
+)
+from worker.engines.base import Engine, SamplingParams
+from worker.textstream import Release, StopScanner
+from worker.tokenizer import IncrementalDecoder
+
+
+@dataclass
+class ScheduledSeq:
+    """One request inside the scheduler (running or waiting)."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    class_rank: int
+    arrival: float
+    decoder: IncrementalDecoder
+    scanner: StopScanner
+    generated: list[int] = field(default_factory=list)  # every generated id, resumed ones included
+    resumed_tokens: int = 0  # how many of ``generated`` came from an earlier attempt
+    kv_tokens: int = 0
+    to_prefill: int = 0
+    running: bool = False
+    preemptions: int = 0
+
+    @property
+    def context(self) -> list[int]:
+        return [*self.prompt_ids, *self.generated]
+
+    def state(self) -> SeqState:
+        return SeqState(self.request_id, self.class_rank, self.arrival, self.to_prefill,
+                        self.to_prefill == 0, self.kv_tokens)
+
+    def candidate(self) -> Candidate:
+        return Candidate(self.request_id, self.class_rank, self.arrival,
+                         len(self.prompt_ids) + len(self.generated))
+
+
+@dataclass(frozen=True)
+class Emission:
+    """What one step releases for one request: token ids whose text is complete in ``text``
+    (bar an unfinished UTF-8 character), and the finish reason when the request ended."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str | None = None  # stop | length
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One engine step. Times are ``time.perf_counter()`` readings around ``engine.step``."""
+
+    plan: StepPlan
+    start: float
+    end: float
+    produced: dict[str, int]  # the token each sequence produced this step (timing, counts)
+    emissions: dict[str, Emission]  # what may be streamed; includes every finished request
+    admitted: tuple[str, ...]
+    preempted: tuple[str, ...]
+
+    @property
+    def duration_s(self) -> float:
+        return self.end - self.start
+
+    @property
+    def finished(self) -> list[Emission]:
+        return [e for e in self.emissions.values() if e.finish_reason is not None]
+
+
+def resume_finish_reason(generated: Sequence[int], max_tokens: int, eos_id: int | None) -> str | None:
+    """A resumed request whose earlier attempt already reached its end (it died between its
+    last push and its completion) must be completed, not run again."""
+    if generated and eos_id is not None and generated[-1] == eos_id:
+        return "stop"
+    if len(generated) >= max_tokens:
+        return "length"
+    return None
+
+
+class BatchScheduler:
+    """Continuous batching with chunked prefill over one engine (module docstring)."""
+
+    def __init__(self, engine: Engine, limits: Limits) -> None:
+        self.engine = engine
+        self.limits = limits
+        self.max_seq_len: int | None = getattr(engine, "max_seq_len", None)
+        self._seqs: dict[str, ScheduledSeq] = {}
+
+    # --- membership ------------------------------------------------------------------------
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._seqs
+
+    def __len__(self) -> int:
+        return len(self._seqs)
+
+    @property
+    def running(self) -> list[ScheduledSeq]:
+        return [s for s in self._seqs.values() if s.running]
+
+    @property
+    def waiting(self) -> list[ScheduledSeq]:
+        return [s for s in self._seqs.values() if not s.running]
+
+    def get(self, request_id: str) -> ScheduledSeq:
+        return self._seqs[request_id]
+
+    @property
+    def kv_used(self) -> int:
+        """KV tokens held by running sequences now."""
+        return sum(s.kv_tokens for s in self._seqs.values() if s.running)
+
+    def max_context(self) -> int:
+        """The longest context (prompt + generated) a sequence can ever be admitted with."""
+        room = min(self.limits.kv_capacity, self.engine.kv_capacity_tokens)
+        if self.max_seq_len is not None:
+            room = min(room, self.max_seq_len)
+        return room - 1  # admission needs room for one generated token
+
+    def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, class_rank: int,
+            arrival: float, generated: Iterable[int] = ()) -> ScheduledSeq:
+        """Queue a request. ``generated`` are tokens an earlier attempt already delivered:
+        they are re-prefilled after the prompt and fed to a fresh decoder whose text is
+        discarded (the client has it), so a half-emitted UTF-8 character continues."""
+        if request_id in self._seqs:
+            raise InvalidArgument("request_id", f"{request_id!r} is already scheduled")
+        if not prompt_ids:
+            raise InvalidArgument("prompt_ids", "prompt_ids must not be empty")
+        gen = list(generated)
+        decoder = self.engine.new_decoder()
+        decoder.feed(gen)
+        seq = ScheduledSeq(request_id, list(prompt_ids), params, class_rank, arrival, decoder,
+                        StopScanner(params.stop), gen, len(gen))
+        self._seqs[request_id] = seq
+        return seq
+
+    def remove(self, request_id: str) -> ScheduledSeq | None:
+        """Drop a request (cancelled, lease lost, failed); frees its KV. None if unknown."""
+        seq = self._seqs.pop(request_id, None)
+        if seq is not None and seq.running:
+            self.engine.remove(request_id)
+        return seq
+
+    def clear(self) -> list[ScheduledSeq]:
+        """Drop everything (after an engine error the engine's state is suspect)."""
+        out = list(self._seqs.values())
+        for s in out:
+            if s.running:
+                try:
+                    self.engine.remove(s.request_id)
+                except InvalidArgument:
+                    pass
+        self._seqs.clear()
+        return out
+
+    # --- one step ------------------------------------------------------------------------------
+    def _pause(self) -> list[str]:
+        paused = []
+        while (victim := choose_preemption([s.state() for s in self.running],
+                                           [s.candidate() for s in self.waiting], self.limits)) is not None:
+            seq = self._seqs[victim]
+            self.engine.remove(victim)
+            seq.running, seq.kv_tokens, seq.to_prefill = False, 0, 0
+            seq.preemptions += 1
+            paused.append(victim)
+        return paused
+
+    def _admit(self) -> list[str]:
+        running = self.running
+        admit = choose_admissions([s.candidate() for s in self.waiting], [s.state() for s in running],
+                                  self.limits)
+        if not admit and not running and self._seqs:
+            head = min(self.waiting, key=lambda s: s.candidate().priority)
+            raise InvalidArgument("requests", f"{head.request_id}: {len(head.context)} tokens can never "
+                                  f"fit under {self.limits}")
+        for rid in admit:
+            seq = self._seqs[rid]
+            ctx = seq.context
+            self.engine.add(rid, ctx, seq.params)
+            seq.running, seq.kv_tokens, seq.to_prefill = True, 0, len(ctx)
+        return list(admit)
+
+    async def step(self) -> StepResult:
+        """Preempt, admit, run one planned engine step, book its tokens (module docstring).
+
+        Raises :class:`InvalidArgument` when a waiting request can never fit; engine errors
+        propagate (the caller decides what happens to the requests)."""
+        paused = self._pause()
+        admitted = self._admit()
+        plan = build_plan([s.state() for s in self.running], self.limits)
+        if plan.empty:  # admission and preemption keep KV demand within capacity
+            raise RuntimeError(f"no progress possible under {self.limits} with {len(self.running)} running")
+        start = time.perf_counter()
+        produced = await self.engine.step(plan)
+        end = time.perf_counter()
+
+        for rid in plan.decode:
+            if rid in self._seqs:
+                self._seqs[rid].kv_tokens += 1
+        for chunk in plan.prefill:
+            if (seq := self._seqs.get(chunk.request_id)) is not None:
+                seq.kv_tokens += chunk.length
+                seq.to_prefill -= chunk.length
+        emissions: dict[str, Emission] = {}
+        for rid, token in produced.items():
+            seq = self._seqs.get(rid)
+            if seq is None:  # removed while the step ran
+                continue
+            seq.generated.append(token)
+            rel = seq.scanner.feed(token, seq.decoder.feed([token]))
+            reason = "stop" if rel.stopped else self._finish_reason(seq, token)
+            if reason is not None and not rel.stopped:
+                tail = seq.scanner.finish(seq.decoder.flush())
+                rel = Release(rel.token_ids + tail.token_ids, rel.text + tail.text, tail.stopped)
+                reason = "stop" if tail.stopped else reason
+            if reason is not None:
+                self.remove(rid)
+            if rel.token_ids or rel.text or reason is not None:
+                emissions[rid] = Emission(rid, tuple(rel.token_ids), rel.text, reason)
+        return StepResult(plan, start, end, dict(produced), emissions, tuple(admitted), tuple(paused))
+
+    def _finish_reason(self, seq: ScheduledSeq, token: int) -> str | None:
+        if self.engine.eos_id is not None and token == self.engine.eos_id:
+            return "stop"
+        if len(seq.generated) >= seq.params.max_tokens:
+            return "length"
+        if self.max_seq_len is not None and len(seq.prompt_ids) + len(seq.generated) >= self.max_seq_len:
+            return "length"  # the model's context is full
+        return None

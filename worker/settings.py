@@ -1,0 +1,124 @@
+"""Worker settings: the config's ``[worker]`` table, then CLI flags on top, validated once.
+
+One frozen dataclass so every part of the worker reads the same, already-checked values;
+an error names the field as ``worker.<field>`` whether it came from the file or a flag.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+from limiter.config import QosConfig, build_section
+from limiter.errors import ConfigError
+from limiter.keys import NAME_RE
+
+ENGINES = ("torch", "sim", "openai")
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """Everything one worker process needs besides the shared config (docs/worker.md)."""
+
+    pool: str = ""  # "" = the config's first pool
+    engine: str = "torch"  # torch | sim | openai
+    device: str = "cpu"  # cpu | cuda | cuda:N
+    worker_id: str = ""  # "" = <hostname>-<pid>-<device>
+    # torch engine
+    model: str = "tiny"  # preset name (tiny | 1b), used when no checkpoint is given
+    checkpoint: str = ""  # safetensors file written by worker.engines.torch_engine.save_checkpoint
+    seed: int = 0  # weight-init seed of a preset model
+    torch_threads: int = 0  # 0 = torch's default
+    # sim engine
+    time_scale: float = 1.0  # multiplies the cost model's step times
+    # batching (torch, sim)
+    token_budget: int = 512  # tokens per engine step (decodes + prefill chunks)
+    max_seqs: int = 32  # sequences in one batch
+    kv_capacity_tokens: int = 0  # 0 = the engine's own estimate
+    chunked_prefill: bool = True  # False = whole-prompt prefill (the seed's "before")
+    claim_ahead: int = 1  # requests held beyond a full batch, so higher classes can preempt
+    claim_interval_ms: int = 20  # least time between claims that found nothing, while busy
+    # streaming back
+    flush_ms: float = 50.0  # push a request's tokens at least this often...
+    flush_tokens: int = 16  # ...or once this many are pending, whichever comes first
+    # upkeep
+    lease_ms: int = 0  # 0 = the pool's lease_ms
+    heartbeat_s: float = 1.0
+    heartbeat_ttl_s: int = 30
+    reap_interval_s: float = 5.0
+    idle_block_s: float = 1.0  # BLPOP timeout while idle
+    drain_timeout_s: float = 30.0  # after SIGTERM, how long running work may take to finish
+    metrics_port: int = 0  # 0 = no metrics server
+    metrics_host: str = "0.0.0.0"
+    # openai engine
+    upstream_url: str = ""  # e.g. http://127.0.0.1:8000 (the /v1 base is added)
+    upstream_model: str = ""  # "" = the pool's model name
+    upstream_priority: bool = True  # send the class rank as vLLM's `priority`
+    max_inflight: int = 64  # requests in flight at the upstream
+    upstream_timeout_s: float = 600.0
+
+    def resolved(self, cfg: QosConfig) -> WorkerSettings:
+        """Fill the defaults that depend on the config or the host, then validate."""
+        s = self
+        if not s.pool:
+            s = replace(s, pool=cfg.pools[0].name)
+        if not s.worker_id:
+            s = replace(s, worker_id=default_worker_id(s.device))
+        s.validate(cfg)
+        return s
+
+    def validate(self, cfg: QosConfig) -> None:
+        def check(ok: bool, name: str, message: str) -> None:
+            if not ok:
+                raise ConfigError(f"worker.{name}", message)
+
+        check(self.pool in {p.name for p in cfg.pools}, "pool",
+              f"unknown pool {self.pool!r}; configured: {[p.name for p in cfg.pools]}")
+        check(self.engine in ENGINES, "engine", f"must be one of {ENGINES}, got {self.engine!r}")
+        check(re.fullmatch(r"cpu|cuda(:\d+)?|mps", self.device) is not None, "device",
+              f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        check(bool(NAME_RE.fullmatch(self.worker_id)), "worker_id", f"{self.worker_id!r} must match "
+              f"{NAME_RE.pattern}")
+        check(self.torch_threads >= 0, "torch_threads", "must be >= 0")
+        check(self.time_scale >= 0, "time_scale", "must be >= 0")
+        check(1 <= self.max_seqs <= 1024, "max_seqs", "must be in [1, 1024]")
+        check(self.max_seqs <= self.token_budget <= 1 << 20, "token_budget",
+              f"must be in [max_seqs ({self.max_seqs}), 1048576]")
+        check(self.kv_capacity_tokens >= 0, "kv_capacity_tokens", "must be >= 0 (0 = engine default)")
+        check(0 <= self.claim_ahead <= 1024, "claim_ahead", "must be in [0, 1024]")
+        check(0 <= self.claim_interval_ms <= 10_000, "claim_interval_ms", "must be in [0, 10000]")
+        check(0 < self.flush_ms <= 10_000, "flush_ms", "must be in (0, 10000]")
+        check(1 <= self.flush_tokens <= 100_000, "flush_tokens", "must be in [1, 100000]")
+        check(self.lease_ms == 0 or 100 <= self.lease_ms <= 3_600_000, "lease_ms",
+              "must be 0 (the pool's) or in [100, 3600000]")
+        check(0 < self.heartbeat_s <= 60, "heartbeat_s", "must be in (0, 60]")
+        check(self.heartbeat_ttl_s >= 2 * self.heartbeat_s, "heartbeat_ttl_s", "must be >= 2 x heartbeat_s")
+        check(0 < self.reap_interval_s <= 3600, "reap_interval_s", "must be in (0, 3600]")
+        check(0 < self.idle_block_s <= 60, "idle_block_s", "must be in (0, 60]")
+        check(0 <= self.drain_timeout_s <= 86_400, "drain_timeout_s", "must be in [0, 86400]")
+        check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
+        check(1 <= self.max_inflight <= 100_000, "max_inflight", "must be in [1, 100000]")
+        check(self.upstream_timeout_s > 0, "upstream_timeout_s", "must be > 0")
+        if self.engine == "openai":
+            check(self.upstream_url.startswith(("http://", "https://")), "upstream_url",
+                  "the openai engine needs an http(s):// upstream URL")
+        if self.engine == "torch" and not self.checkpoint:
+            check(self.model in ("tiny", "1b"), "model", f"unknown preset {self.model!r}; known: tiny, 1b")
+
+
+def default_worker_id(device: str) -> str:
+    """``<hostname>-<pid>-<device>``, squeezed into a valid key name."""
+    raw = f"{socket.gethostname()}-{os.getpid()}-{device}"
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", raw)[-64:]
+
+
+def load_settings(cfg: QosConfig, overrides: Mapping[str, Any] | None = None) -> WorkerSettings:
+    """The ``[worker]`` table with ``overrides`` (CLI flags; ``None`` values ignored) on top."""
+    data = dict(cfg.worker)
+    data.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    settings: WorkerSettings = build_section("worker", WorkerSettings, data)
+    return settings.resolved(cfg)

@@ -1,0 +1,282 @@
+"""The Redis worker for step-based engines (torch, sim): claim -> step -> stream -> complete.
+
+One iteration, between engine steps:
+
+1. apply what the upkeep tasks learnt (leases lost -> drop silently; clients gone -> cancel);
+2. pull: if the batch has room, ``claim`` as much as fits (free slots -> ``max_requests``,
+   free KV tokens -> ``token_budget``), highest class first (the claim script decides).
+   When full, up to ``claim_ahead`` more are held so that newly arrived higher-class work
+   reaches the GPU's scheduler, which pauses a lower-class sequence for it. With nothing to
+   do, block on ``BLPOP wake`` (~1 s timeout) instead of polling;
+3. one :class:`~worker.scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
+   engine step, EOS / max_tokens / stop-string detection);
+4. send, concurrently, every due token push and every completion of this step, plus one
+   ``SMISMEMBER cancels`` over the held ids, so a cancelled request stops within one step.
+
+An engine error fails the requests the engine held (it cannot be trusted with them) and
+the loop goes on. Redis outages back off and retry; nothing generated is dropped meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any
+
+from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
+from worker.batching import Limits
+from worker.delivery import Delivery
+from worker.engines.base import Engine, SamplingParams, request_seed
+from worker.runtime import WorkerRuntime
+from worker.scheduler import BatchScheduler, StepResult, resume_finish_reason
+
+log = logging.getLogger("qos.worker")
+
+
+class StepLoop:
+    def __init__(self, rt: WorkerRuntime, engine: Engine, limits: Limits) -> None:
+        self.rt = rt
+        self.engine = engine
+        self.limits = limits
+        self.sched = BatchScheduler(engine, limits)
+        self.kv_capacity = min(limits.kv_capacity, engine.kv_capacity_tokens)
+        self._lost: set[str] = set()
+        self._stop: set[str] = set()
+        self._arrivals = 0
+        self._empty_claims = 0  # consecutive claims that found nothing despite a wake marker
+        self._next_claim = 0.0  # monotonic time before which no claim is made
+        # heartbeat figures, over the interval since the last heartbeat
+        self._gen_tokens = 0
+        self._work = 0.0  # weighted tokens processed (prefill x weight + generated x out_weight)
+        self._step_time = 0.0
+        self._steps = 0
+        self._last_stats_t = time.monotonic()
+        self._last_step_ms = 0.0
+        rt.on_lost = self._lost.update
+        rt.on_stop = self._stop.update
+        rt.stats = self.stats
+
+    # --- the loop -------------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve until drained: after SIGTERM, hand back what never started, let running
+        work finish until the drain deadline, then hand back the rest."""
+        handed_back_waiting = False
+        while True:
+            if self.rt.draining.is_set():
+                if not handed_back_waiting:
+                    handed_back_waiting = True
+                    fresh = [s.request_id for s in self.sched.waiting if len(s.generated) == s.resumed_tokens]
+                    await self.rt.guard("release", self._release(fresh))
+                if not self.rt.held:
+                    return
+                if self.rt.drain_expired:
+                    # What cannot be handed back now (Redis down) requeues when its lease expires.
+                    await self.rt.guard("release", self._release(list(self.rt.held)))
+                    return
+            await self.rt.guard("worker", self._iteration())
+
+    async def _iteration(self) -> None:
+        await self._apply_signals()
+        await self._retry_finals()
+        if not self.rt.draining.is_set():
+            await self._pull()
+        if not len(self.sched):
+            return
+        try:
+            res = await self.sched.step()
+        except (RedisUnavailable, asyncio.CancelledError):
+            raise
+        except Exception as exc:  # the engine's state is suspect: fail what it held
+            log.exception("engine step failed")
+            await self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            return
+        await self._after_step(res)
+
+    # --- pulling -------------------------------------------------------------------------------
+    def _reserved(self) -> int:
+        """KV tokens the held requests may come to need (prompt + max output each)."""
+        return sum(min(d.claimed.input_tokens + d.claimed.max_tokens, self.kv_capacity)
+                   for d in self.rt.held.values())
+
+    async def _pull(self) -> None:
+        """Claim what fits (see the module docstring). Claims are paced so that a queue
+        whose head this worker cannot take (it needs more KV than the worker has) does not
+        turn into a hot loop: ``claim`` re-announces a backlog it leaves behind, so after a
+        second empty claim in a row the next one waits ``claim_interval_ms``, doubling up to
+        ``idle_block_s``, until a claim returns work or the wake list goes quiet. While busy,
+        a claim is made only when a wake marker says work was announced."""
+        s = self.rt.settings
+        held = len(self.rt.held)
+        slots = s.max_seqs - held
+        kv_free = self.kv_capacity - self._reserved()
+        if slots > 0 and kv_free > 0:
+            n, budget = slots, kv_free
+        elif len(self.sched.waiting) < s.claim_ahead:
+            n, budget = 1, self.kv_capacity  # look-ahead: a higher class may preempt
+        else:
+            return
+        now = time.monotonic()
+        if held:
+            if now < self._next_claim:
+                return
+            if not await self.rt.take_wake_marker():
+                self._next_claim = now + s.claim_interval_ms / 1e3  # nothing announced: look again later
+                return
+        elif now < self._next_claim:
+            await asyncio.sleep(self._next_claim - now)
+        got = await self.rt.claim(n, budget)
+        if got:
+            self._empty_claims, self._next_claim = 0, 0.0
+            for d in got:
+                await self._start(d)
+            return
+        self._empty_claims += 1
+        if self._empty_claims >= 2:  # a wake marker, yet nothing for us: back off
+            backoff = s.claim_interval_ms / 1e3 * 2 ** (self._empty_claims - 2)
+            self._next_claim = time.monotonic() + min(s.idle_block_s, backoff)
+        if not held and not await self.rt.wait_for_work():
+            self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
+
+    async def _start(self, d: Delivery) -> None:
+        c, p = d.claimed, d.payload
+        max_tokens = min(p.max_tokens, c.max_tokens)
+        done = resume_finish_reason(c.generated, max_tokens, self.engine.eos_id)
+        if done is not None:  # the last attempt died between its final push and complete
+            await self.rt.finish(d, "ok", done)
+            return
+        prompt = self.engine.encode(p.prompt)
+        if (n := len(prompt) + len(c.generated)) > (room := self.sched.max_context()):
+            await self.rt.finish(d, "failed", "error", f"prompt of {len(prompt)} tokens (+{len(c.generated)} "
+                                 f"generated, {n} in all) exceeds this worker's context of {room} tokens")
+            return
+        try:
+            params = SamplingParams(temperature=p.temperature, seed=request_seed(p.seed, c.request_id),
+                                    max_tokens=max_tokens, stop=p.stop)
+        except InvalidArgument as exc:
+            await self.rt.finish(d, "failed", "error", f"bad sampling parameters: {exc}")
+            return
+        self._arrivals += 1
+        self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
+                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated)
+        if c.delivered:
+            log.info("%s: resuming attempt %d at token %d", c.request_id, c.attempt, c.delivered)
+
+    # --- after a step --------------------------------------------------------------------------
+    async def _after_step(self, res: StepResult) -> None:
+        m, s = self.rt.metrics, self.rt.settings
+        m.step_seconds.observe(res.duration_s)
+        m.batch_size.set(len(res.plan.decode) + len(res.plan.prefill))
+        m.generated_tokens.inc(len(res.produced))
+        m.prefill_tokens.inc(res.plan.prefill_tokens)
+        m.preemptions.inc(len(res.preempted))
+        m.kv_used.set(self.sched.kv_used)
+        m.waiting.set(len(self.sched.waiting))
+        self._gen_tokens += len(res.produced)
+        self._step_time += res.duration_s
+        held = self.rt.held
+        for chunk in res.plan.prefill:
+            if (d := held.get(chunk.request_id)) is not None:
+                self._work += chunk.length * self.rt.weights(d.claimed.cls)[0]
+        for rid in res.produced:
+            if (d := held.get(rid)) is not None:
+                self._work += self.rt.weights(d.claimed.cls)[1]
+        self._steps += 1
+        self._last_step_ms = res.duration_s * 1e3
+        t = time.monotonic() - (time.perf_counter() - res.end)  # the step's end, monotonic clock
+        for rid in res.produced:
+            if rid in held:
+                held[rid].note_tokens(1, t)
+        calls: dict[str, Any] = {}
+        for rid, em in res.emissions.items():
+            d = held.get(rid)
+            if d is None:
+                continue
+            d.add(em.token_ids, em.text, t)
+            if em.finish_reason is not None:
+                calls[rid] = self.rt.finish(d, "ok", em.finish_reason)
+        now, step = time.monotonic(), res.duration_s
+        for rid, d in held.items():
+            if rid not in calls and d.final is None and d.due(now, s.flush_ms, s.flush_tokens, step):
+                calls[rid] = self.rt.push(d)
+        live = [rid for rid, d in held.items() if rid not in calls and d.final is None]
+        results = await asyncio.gather(*calls.values(), self.rt.cancelled(live), return_exceptions=True)
+        outage: BaseException | None = None
+        for rid, r in zip(calls, results, strict=False):
+            if r is True:
+                self._stop.add(rid)
+            elif isinstance(r, LeaseLost):
+                self._lost.add(rid)
+            elif isinstance(r, BaseException):
+                outage = r
+        cancelled = results[-1]
+        if isinstance(cancelled, BaseException):
+            outage = cancelled
+        else:
+            self._stop.update(cancelled)
+        await self._apply_signals()
+        if outage is not None:
+            raise outage
+
+    async def _apply_signals(self) -> None:
+        """Drop lost requests; cancel the ones whose client went away (within one step)."""
+        lost, self._lost = self._lost, set()
+        for rid in lost:
+            self.sched.remove(rid)
+            self.rt.drop(rid)
+        stop, self._stop = self._stop - lost, set()
+        calls = []
+        for rid in stop:
+            self.sched.remove(rid)
+            if (d := self.rt.held.get(rid)) is not None:
+                d.final = ("cancelled", "cancelled", "")
+                calls.append(self.rt.finish(d, "cancelled", "cancelled"))
+        if calls:
+            await self._gather(calls)
+
+    async def _retry_finals(self) -> None:
+        """Completions that failed on a Redis outage are retried until they land."""
+        calls = [self.rt.finish(d, *d.final) for rid, d in self.rt.held.items()
+                 if d.final is not None and rid not in self.sched]
+        if calls:
+            await self._gather(calls)
+
+    async def _gather(self, calls: list[Any]) -> None:
+        for r in await asyncio.gather(*calls, return_exceptions=True):
+            if isinstance(r, BaseException):
+                raise r
+
+    async def _fail_all(self, message: str) -> None:
+        self.sched.clear()
+        calls = []
+        for d in list(self.rt.held.values()):
+            calls.append(self.rt.finish(d, "failed", "error", message))
+        await self._gather(calls)
+
+    async def _release(self, ids: list[str]) -> None:
+        """Hand ``ids`` back (drain); ones already finishing are finished instead."""
+        calls = []
+        for rid in ids:
+            self.sched.remove(rid)
+            if (d := self.rt.held.get(rid)) is not None:
+                calls.append(self.rt.finish(d, *d.final) if d.final else self.rt.release(d))
+        await self._gather(calls)
+
+    # --- heartbeat -----------------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """Heartbeat figures since the last heartbeat. ``capacity_tokens_s`` is the weighted
+        tokens processed per second of engine step time (0 when idle): what the controller's
+        capacity estimator sums over live workers."""
+        now = time.monotonic()
+        dt = max(now - self._last_stats_t, 1e-9)
+        tokens_s = self._gen_tokens / dt
+        step_ms = self._step_time / self._steps * 1e3 if self._steps else self._last_step_ms
+        capacity = self._work / self._step_time if self._step_time > 0 else 0.0
+        self._gen_tokens, self._work, self._step_time, self._steps, self._last_stats_t = 0, 0.0, 0.0, 0, now
+        running = self.sched.running
+        kv_used = self.sched.kv_used
+        return {"batch_size": len(running), "running": len(running), "waiting": len(self.sched.waiting),
+                "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1),
+                "step_ms": round(step_ms, 2), "kv_used": kv_used, "kv_capacity": self.kv_capacity,
+                "kv_use": round(kv_used / self.kv_capacity, 4), "token_budget": self.limits.token_budget,
+                "max_seqs": self.limits.max_seqs, "chunked_prefill": int(self.limits.chunked_prefill)}

@@ -1,0 +1,335 @@
+"""The ``openai`` engine: front an upstream OpenAI-compatible server (vLLM, SGLang, TGI).
+
+Such a server batches on its own (continuous batching, its own KV cache), so the step-based
+:class:`~worker.scheduler.BatchScheduler` does not apply. This is a separate small loop
+that shares everything else with the step loop through :class:`~worker.runtime.WorkerRuntime`:
+claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sample, drain.
+
+* At most ``max_inflight`` requests are open upstream; the worker claims only that many,
+  so the pool's priority queue (not the upstream's FIFO) decides what runs next.
+* The class goes upstream as ``priority`` (vLLM's field: lower runs earlier; the class
+  rank, 0 for the highest class). vLLM only honours it with ``--scheduling-policy
+  priority``; set ``upstream_priority = false`` for servers that reject the field.
+* Streaming: each text delta becomes byte-level token ids (the pool tokenizer: one id per
+  UTF-8 byte), so delivered counts, ``max_tokens`` and the refund are in the same units the
+  frontend charged. ``max_tokens`` is enforced here in those units (the upstream's tokens
+  are usually longer than a byte): past it the text is cut at a character boundary and the
+  request finishes with ``length``. The upstream's own ``usage`` (requested with
+  ``stream_options.include_usage``) is reconciled into the sample as
+  ``upstream_prompt_tokens`` / ``upstream_completion_tokens``. TPOT in the sample is per
+  upstream chunk (about one upstream token), not per byte.
+* Chat payloads are sent to ``/v1/chat/completions`` with the messages recovered from the
+  rendered prompt (:func:`limiter.prompt.render_chat`'s inverse), so the upstream applies
+  its own chat template; completions go to ``/v1/completions``.
+* Resume after a worker died: the delivered text is appended to the prompt (for chat, as a
+  partial assistant message with vLLM's ``continue_final_message``) and the stream continues
+  at the delivered offset. Upstream tokenisation of that text may differ from the original
+  run, so unlike the torch engine this is best effort, not bit-identical.
+* Errors (HTTP status, unreachable server, an ``error`` chunk, a stream cut short) finish
+  the request as ``failed`` with a message that says what the upstream did.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+
+from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
+from worker.delivery import Delivery
+from worker.engines.base import request_seed
+from worker.runtime import WorkerRuntime
+from worker.tokenizer import decode
+
+log = logging.getLogger("qos.worker")
+_ROLE = re.compile(r"<\|(system|user|assistant|tool)\|>\n")
+_ASSISTANT = "<|assistant|>\n"
+Result = tuple[str, str, str]  # outcome, finish_reason, message
+
+
+def parse_chat(prompt: str) -> list[dict[str, str]] | None:
+    """Messages of a prompt rendered by ``render_chat``; None if it is not in that shape."""
+    if not prompt.endswith(_ASSISTANT):
+        return None
+    parts = _ROLE.split(prompt[: -len(_ASSISTANT)])
+    if parts[0] or len(parts) < 3:
+        return None
+    msgs = []
+    for role, content in zip(parts[1::2], parts[2::2], strict=True):
+        if not content.endswith("\n"):
+            return None
+        msgs.append({"role": role, "content": content[:-1]})
+    return msgs
+
+
+def fit(piece: str, allowance: int) -> tuple[list[int], str, bool]:
+    """Byte ids and text of ``piece`` within ``allowance`` bytes, cut at a character
+    boundary; the flag says whether it was cut."""
+    raw = piece.encode()
+    if len(raw) <= allowance:
+        return list(raw), piece, False
+    n, out = 0, []
+    for ch in piece:
+        size = len(ch.encode())
+        if n + size > allowance:
+            break
+        out.append(ch)
+        n += size
+    text = "".join(out)
+    return list(text.encode()), text, True
+
+
+async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
+    """The ``data:`` payloads of a Server-Sent Events stream."""
+    data: list[str] = []
+    async for raw in content:
+        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+        if not line:
+            if data:
+                yield "\n".join(data)
+                data = []
+        elif line.startswith("data:"):
+            data.append(line[5:].removeprefix(" "))
+    if data:
+        yield "\n".join(data)
+
+
+async def _error_text(resp: aiohttp.ClientResponse) -> str:
+    body = (await resp.text(errors="replace"))[:500]
+    with contextlib.suppress(ValueError, AttributeError, TypeError):
+        err = json.loads(body).get("error")
+        return str(err.get("message", err) if isinstance(err, dict) else err)
+    return body.strip() or resp.reason or ""
+
+
+class UpstreamLoop:
+    def __init__(self, rt: WorkerRuntime) -> None:
+        self.rt = rt
+        s = rt.settings
+        base = s.upstream_url.rstrip("/")
+        self.base = base if base.endswith("/v1") else base + "/v1"
+        self.model = s.upstream_model or rt.pool_cfg.model_name
+        self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
+        self.tasks: dict[str, asyncio.Task[None]] = {}
+        self.why: dict[str, str] = {}  # request id -> cancel | lost | release
+        self._gen_tokens = 0
+        self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
+        self._busy_s = 0.0  # time with at least one request open upstream, since the last heartbeat
+        self._busy_since: float | None = None
+        self._last_stats_t = time.monotonic()
+        rt.on_lost = lambda ids: self._interrupt(ids, "lost")
+        rt.on_stop = lambda ids: self._interrupt(ids, "cancel")
+        rt.stats = self.stats
+        self.session: aiohttp.ClientSession
+
+    async def run(self) -> None:
+        s = self.rt.settings
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=s.upstream_timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout,
+                                         connector=aiohttp.TCPConnector(limit=s.max_inflight)) as session:
+            self.session = session
+            watch = asyncio.create_task(self._watch_cancels())
+            try:
+                await self._loop()
+            finally:
+                watch.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await watch
+
+    async def _loop(self) -> None:
+        while True:
+            if self.rt.draining.is_set():
+                if not self.tasks:
+                    return
+                if self.rt.drain_expired:
+                    self._interrupt(list(self.tasks), "release")
+                    await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+                    return
+                await asyncio.wait(list(self.tasks.values()), timeout=0.2)
+                continue
+            await self.rt.guard("worker", self._pull())
+
+    async def _pull(self) -> None:
+        room = self.rt.settings.max_inflight - len(self.rt.held)
+        if room <= 0:
+            await asyncio.wait(list(self.tasks.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            return
+        got = await self.rt.claim(room, 0)
+        for d in got:
+            self.tasks[d.request_id] = asyncio.create_task(self._serve(d))
+        self._track_busy()
+        if not got:
+            await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
+
+    def _interrupt(self, ids: list[str], why: str) -> None:
+        for rid in ids:
+            task = self.tasks.get(rid)
+            if task is not None and rid not in self.why:
+                self.why[rid] = why
+                task.cancel()
+
+    async def _watch_cancels(self) -> None:
+        """Cancellation check for streams that are quiet (no pushes to learn it from)."""
+        period = 2 * self.rt.settings.flush_ms / 1e3
+        while True:
+            await asyncio.sleep(period)
+            if self.tasks:
+                ids = await self.rt.guard("cancels", self.rt.cancelled(list(self.tasks)), backoff=0)
+                self._interrupt(ids or [], "cancel")
+
+    # --- one request ------------------------------------------------------------------------
+    async def _serve(self, d: Delivery) -> None:
+        rid = d.request_id
+        try:
+            result = await self._stream(d)
+            await self._finish(d, result)
+        except asyncio.CancelledError:
+            why = self.why.get(rid, "release")
+            if why == "lost":
+                self.rt.drop(rid)
+            elif why == "cancel":
+                await self._finish(d, ("cancelled", "cancelled", ""))
+            else:
+                with contextlib.suppress(RedisUnavailable):
+                    await self.rt.release(d)
+        except LeaseLost:
+            self.rt.drop(rid)
+        except Exception as exc:  # a bug must fail one request, not the worker
+            log.exception("%s: upstream stream failed", rid)
+            await self._finish(d, ("failed", "error", f"worker error: {type(exc).__name__}: {exc}"))
+        finally:
+            self.tasks.pop(rid, None)
+            self.why.pop(rid, None)
+            self._track_busy()
+
+    def _track_busy(self) -> None:
+        self.rt.metrics.batch_size.set(len(self.tasks))
+        now = time.monotonic()
+        if self.tasks and self._busy_since is None:
+            self._busy_since = now
+        elif not self.tasks and self._busy_since is not None:
+            self._busy_s += now - self._busy_since
+            self._busy_since = None
+
+    async def _finish(self, d: Delivery, result: Result) -> None:
+        backoff = 0.2
+        while d.request_id in self.rt.held:
+            try:
+                await self.rt.finish(d, *result)
+            except PolicyMissing:  # Redis restarted empty: re-create the pool; the record is gone
+                await self.rt.guard("pool", self.rt.ensure_pool())
+            except RedisUnavailable as exc:
+                log.warning("%s: complete failed (%s); retrying", d.request_id, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(5.0, backoff * 2)
+
+    def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
+        p, c = d.payload, d.claimed
+        prior = decode(c.generated) if c.generated else ""
+        body: dict[str, Any] = {
+            "model": self.model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": allowance, "temperature": p.temperature, "top_p": p.top_p,
+            "seed": request_seed(p.seed, c.request_id)}
+        if p.stop:
+            body["stop"] = list(p.stop)
+        if self.rt.settings.upstream_priority:
+            body["priority"] = d.class_rank
+        msgs = parse_chat(p.prompt) if p.kind == "chat" else None
+        if msgs is None:
+            body["prompt"] = p.prompt + prior
+            return "/completions", body
+        if prior:
+            msgs.append({"role": "assistant", "content": prior})
+            body.update(continue_final_message=True, add_generation_prompt=False)
+        body["messages"] = msgs
+        return "/chat/completions", body
+
+    async def _stream(self, d: Delivery) -> Result:
+        s = self.rt.settings
+        max_tokens = min(d.payload.max_tokens, d.claimed.max_tokens)
+        if d.total_tokens >= max_tokens:
+            return ("ok", "length", "")
+        path, body = self._body(d, max_tokens - d.total_tokens)
+        url = self.base + path
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+        chat = path == "/chat/completions"
+        finish: str | None = None
+        last = time.monotonic()
+        try:
+            async with self.session.post(url, json=body, headers=headers) as resp:
+                if resp.status != 200:
+                    return ("failed", "error", f"upstream {url} answered HTTP {resp.status}: "
+                            f"{await _error_text(resp)}")
+                async for data in sse_data(resp.content):
+                    if data.strip() == "[DONE]":
+                        break
+                    try:
+                        chunk = json.loads(data)
+                    except ValueError:
+                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                    if not isinstance(chunk, dict):
+                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                    if chunk.get("error"):
+                        err = chunk["error"]
+                        msg = err.get("message", err) if isinstance(err, dict) else err
+                        return ("failed", "error", f"upstream {url} error: {msg}")
+                    if isinstance(chunk.get("usage"), dict):
+                        u = chunk["usage"]
+                        d.sample_extra.update(upstream_prompt_tokens=u.get("prompt_tokens"),
+                                              upstream_completion_tokens=u.get("completion_tokens"))
+                    cut = False
+                    for ch in chunk.get("choices") or []:
+                        piece = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
+                        finish = ch.get("finish_reason") or finish
+                        if piece:
+                            cut = self._take(d, piece, max_tokens) or cut
+                    now = time.monotonic()
+                    gap, last = now - last, now
+                    if d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next chunk ~gap away
+                        with contextlib.suppress(RedisUnavailable):  # stays pending; retried
+                            if await self.rt.push(d):
+                                return ("cancelled", "cancelled", "")
+                    if cut:
+                        return ("ok", "length", "")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+            return ("failed", "error", f"upstream {url} unreachable or broke off: {why}")
+        if finish is None:
+            return ("failed", "error", f"upstream {url} ended the stream without a finish_reason")
+        return ("ok", finish if finish in ("stop", "length") else "stop", "")
+
+    def _take(self, d: Delivery, piece: str, max_tokens: int) -> bool:
+        """Queue a text delta as byte-level tokens; True when ``max_tokens`` cut it short."""
+        ids, text, cut = fit(piece, max_tokens - d.total_tokens)
+        if ids:
+            t = time.monotonic()
+            w_in, w_out = self.rt.weights(d.claimed.cls)
+            self._work += len(ids) * w_out + (d.usage_in * w_in if d.first_t is None else 0.0)
+            d.note_tokens(1, t)  # TPOT per upstream chunk (about one upstream token)
+            d.add(ids, text, t)
+            self._gen_tokens += len(ids)
+            self.rt.metrics.generated_tokens.inc(len(ids))
+        return cut
+
+    def stats(self) -> dict[str, Any]:
+        """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time
+        with requests open upstream (0 when idle), for the controller's estimator."""
+        now = time.monotonic()
+        tokens_s = self._gen_tokens / max(now - self._last_stats_t, 1e-9)
+        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+        capacity = self._work / busy if busy > 0 else 0.0
+        self._gen_tokens, self._work, self._busy_s, self._last_stats_t = 0, 0.0, 0.0, now
+        if self._busy_since is not None:
+            self._busy_since = now
+        return {"batch_size": len(self.tasks), "running": len(self.tasks), "waiting": 0,
+                "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1), "step_ms": 0,
+                "kv_used": 0, "kv_capacity": 0, "kv_use": 0, "max_inflight": self.rt.settings.max_inflight,
+                "upstream": self.base}
