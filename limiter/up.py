@@ -142,6 +142,9 @@ def build_commands(args: argparse.Namespace) -> list[Child]:
         ]
         if args.engine == "openai":
             argv += ["--upstream-url", args.upstream_url]
+        if args.engine == "torch" and args.device == "cpu":
+            # Several CPU workers on few cores: one torch thread each keeps step times even.
+            argv += ["--torch-threads", "1"]
         children.append(Child(f"worker-{i}", argv))
     return children
 
