@@ -35,11 +35,12 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from limiter.config import QosConfig
 from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
 from limiter.keys import PoolKeys
+from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
 from limiter.redis_conn import open_redis
 from limiter.scripts import Claimed, Scripts, policy_document
 from worker.delivery import Delivery
-from worker.metrics import WorkerMetrics, start_metrics_server
+from worker.metrics import WorkerMetrics
 from worker.samples import build_sample, pack_sample
 from worker.settings import WorkerSettings
 
@@ -94,8 +95,9 @@ class WorkerRuntime:
         await self.guard("heartbeat", self.heartbeat(), backoff=0)
         if self.settings.metrics_port:
             try:
+                s = self.settings
                 self._metrics_runner = await start_metrics_server(
-                    self.metrics, self.health, self.settings.metrics_host, self.settings.metrics_port)
+                    self.metrics.registry, self.health, s.metrics_host, s.metrics_port)
             except OSError as exc:
                 where = f"{self.settings.metrics_host}:{self.settings.metrics_port}"
                 raise ConfigError("worker.metrics_port", f"cannot listen on {where}: {exc}") from exc

@@ -8,11 +8,7 @@ liveness probe must not kill it (``leader`` and ``redis_ok`` are inside the body
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
-
-from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
 
 class ControllerMetrics:
@@ -54,21 +50,3 @@ class ControllerMetrics:
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
-
-async def start_metrics_server(metrics: ControllerMetrics, health: Callable[[], dict[str, Any]], host: str,
-                               port: int) -> web.AppRunner:
-    """Serve /metrics and /healthz; returns the runner (``await runner.cleanup()`` to stop)."""
-
-    async def get_metrics(_request: web.Request) -> web.Response:
-        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-    async def get_health(_request: web.Request) -> web.Response:
-        return web.json_response(health())
-
-    app = web.Application()
-    app.router.add_get("/metrics", get_metrics)
-    app.router.add_get("/healthz", get_health)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner

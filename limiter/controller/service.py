@@ -19,8 +19,9 @@ from aiohttp import web
 
 from limiter.config import QosConfig
 from limiter.controller.loop import PoolController
-from limiter.controller.metrics import ControllerMetrics, start_metrics_server
+from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.settings import ControllerSettings
+from limiter.metrics_server import start_metrics_server
 from limiter.redis_conn import open_redis
 from limiter.scripts import Scripts
 
@@ -47,8 +48,8 @@ class Controller:
         for pc in self.pools.values():
             self._tasks += [asyncio.create_task(coro) for coro in pc.loops()]
         if self.settings.metrics_port:
-            self._runner = await start_metrics_server(self.metrics, self.health, self.settings.metrics_host,
-                                                      self.settings.metrics_port)
+            self._runner = await start_metrics_server(self.metrics.registry, self.health,
+                                                      self.settings.metrics_host, self.settings.metrics_port)
         s = self.settings
         log.info("controller %s started for pools %s (lease %.1f s, tick %.1f s)", s.controller_id,
                  list(self.pools), s.lease_s, s.tick_s)
