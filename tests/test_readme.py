@@ -7,19 +7,17 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from tests.qos_up import QOS, start_qos_up, stop_qos_up
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-QOS = str(Path(sys.executable).parent / "qos")
 
 
 def _section(title: str) -> str:
@@ -32,43 +30,12 @@ def _blocks(text: str, lang: str) -> list[str]:
     return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
 
 
-def _start_up(port: int, *extra: str) -> tuple[subprocess.Popen, str, str]:
-    proc = subprocess.Popen(
-        [QOS, "up", "--port", str(port), *extra],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env={**os.environ, "QOS_LOG_LEVEL": "WARNING"},
-    )
-    lines = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        if line.startswith("qos up: ready at"):
-            return proc, line, re.search(r"redis (redis://\S+),", line).group(1)
-    proc.kill()
-    raise AssertionError("qos up did not become ready:\n" + "".join(lines[-30:]))
-
-
-def _stop(proc: subprocess.Popen) -> str:
-    proc.send_signal(signal.SIGINT)
-    try:
-        out, _ = proc.communicate(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        out, _ = proc.communicate()
-    return out
-
-
 @pytest.fixture(scope="module")
 def stack():
     port = free_port()
-    proc, _ready, redis_url = _start_up(port, "--engine", "sim", "--workers", "1")
+    proc, _ready, redis_url = start_qos_up(port, "--engine", "sim", "--workers", "1")
     yield port, redis_url
-    _stop(proc)
+    stop_qos_up(proc)
 
 
 def test_readme_http_examples_run_as_written(stack):

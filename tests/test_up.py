@@ -5,18 +5,14 @@ from __future__ import annotations
 
 import json
 import os
-import re
-import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import openai
 
+from tests.qos_up import QOS, start_qos_up, stop_qos_up
 from tests.redis_server import free_port
-
-QOS = str(Path(sys.executable).parent / "qos")
 
 
 def _children(pid: int) -> list[int]:
@@ -36,26 +32,10 @@ def _alive(pid: int) -> bool:
 
 def test_qos_up_serves_requests_and_stops_every_child(tmp_path):
     port = free_port()
-    proc = subprocess.Popen(
-        [QOS, "up", "--engine", "torch", "--workers", "1", "--frontends", "2", "--port", str(port)],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "QOS_LOG_LEVEL": "WARNING"})
+    proc, ready, redis_url = start_qos_up(port, "--engine", "torch", "--workers", "1", "--frontends", "2")
     children: list[int] = []
     try:
-        ready = None
-        deadline = time.monotonic() + 180
-        lines = []
-        while time.monotonic() < deadline:
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            if line.startswith("qos up: ready at"):
-                ready = line
-                break
-        assert ready, "".join(lines[-30:])
         assert f"http://127.0.0.1:{port}" in ready and "demo-p0" in ready and "demo-admin" in ready
-        redis_url = re.search(r"redis (redis://\S+),", ready).group(1)
         children = _children(proc.pid)
         assert len(children) >= 5  # redis, 2 frontends, controller, worker
 
@@ -76,12 +56,7 @@ def test_qos_up_serves_requests_and_stops_every_child(tmp_path):
         assert tiny["classes"]["P1"]["counters"]["done"] >= 2
         assert all("last_seen_s" in w for w in tiny["workers"].values()) and len(tiny["workers"]) == 1
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            rest, _ = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rest, _ = proc.communicate()
+        rest = stop_qos_up(proc)
     assert proc.returncode == 0, rest
     assert "qos up: stopped" in rest
     time.sleep(0.2)
