@@ -61,3 +61,16 @@ async def pool(scripts: Scripts, cfg) -> PoolKeys:
     await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
     await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})  # alive until 2100
     return keys
+
+
+@pytest.fixture
+async def worker_env(redis_server: RedisServer, sync_redis, tmp_path):
+    """A config file for the worker tests and a client that admits and reads replies."""
+    from tests.worker_helpers import Client, config
+
+    cfg = config(tmp_path / "qos.toml", redis_server.url)
+    r = aioredis.from_url(redis_server.url)
+    client = Client(r, cfg)
+    await client.setup()
+    yield cfg, client
+    await r.aclose()

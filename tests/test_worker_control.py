@@ -20,13 +20,8 @@ from worker.settings import load_settings
 
 
 @pytest.fixture
-async def env(redis_server: RedisServer, sync_redis, tmp_path: Path):
-    cfg = config(tmp_path / "qos.toml", redis_server.url)
-    r = aioredis.from_url(redis_server.url)
-    client = Client(r, cfg)
-    await client.setup()
-    yield cfg, client
-    await r.aclose()
+def env(worker_env):
+    return worker_env
 
 
 async def redis_ms(c: Client) -> int:

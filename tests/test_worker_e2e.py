@@ -6,16 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import time
-from pathlib import Path
 
 import aiohttp
 import pytest
-import redis.asyncio as aioredis
 import torch
 
 from limiter.prompt import count_tokens
-from tests.redis_server import RedisServer, free_port
-from tests.worker_helpers import Client, config, worker
+from tests.redis_server import free_port
+from tests.worker_helpers import Client, worker
 from worker.batching import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.sim import PLACEHOLDER, SimEngine
@@ -30,13 +28,8 @@ def sim_text(prompt: str, start: int, n: int) -> str:
 
 
 @pytest.fixture
-async def env(redis_server: RedisServer, sync_redis, tmp_path: Path):
-    cfg = config(tmp_path / "qos.toml", redis_server.url)
-    r = aioredis.from_url(redis_server.url)
-    client = Client(r, cfg)
-    await client.setup()
-    yield cfg, client
-    await r.aclose()
+def env(worker_env):
+    return worker_env
 
 
 async def test_sim_usage_length_and_stop_strings(env) -> None:

@@ -6,16 +6,14 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
-import redis.asyncio as aioredis
 from aiohttp import web
 
 from limiter.prompt import render_chat
-from tests.redis_server import RedisServer, free_port
-from tests.worker_helpers import Client, config, worker
+from tests.redis_server import free_port
+from tests.worker_helpers import worker
 from worker.upstream import parse_chat
 
 
@@ -89,16 +87,11 @@ class FakeUpstream:
 
 
 @pytest.fixture
-async def env(redis_server: RedisServer, sync_redis, tmp_path: Path):
-    cfg = config(tmp_path / "qos.toml", redis_server.url)
-    r = aioredis.from_url(redis_server.url)
-    client = Client(r, cfg)
-    await client.setup()
+async def env(worker_env):
     up = FakeUpstream()
     await up.start()
-    yield cfg, client, up
+    yield (*worker_env, up)
     await up.runner.cleanup()
-    await r.aclose()
 
 
 def test_parse_chat_inverts_render_chat() -> None:

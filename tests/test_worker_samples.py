@@ -3,15 +3,11 @@ client saw (request record times, reply-stream entry times), readable by the SLO
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
-import redis.asyncio as aioredis
 
 from limiter.prompt import count_tokens
 from limiter.slo import decode_sample
-from tests.redis_server import RedisServer
-from tests.worker_helpers import Client, config, worker
+from tests.worker_helpers import worker
 
 # The sample times the engine producing a token; Redis records when its push landed (one
 # round trip later, more on a loaded 2-core test box). The local estimate of Redis time is
@@ -24,13 +20,8 @@ def close(sample_ms: float, redis_ms: float) -> bool:
 
 
 @pytest.fixture
-async def env(redis_server: RedisServer, sync_redis, tmp_path: Path):
-    cfg = config(tmp_path / "qos.toml", redis_server.url)
-    r = aioredis.from_url(redis_server.url)
-    client = Client(r, cfg)
-    await client.setup()
-    yield cfg, client
-    await r.aclose()
+def env(worker_env):
+    return worker_env
 
 
 async def test_samples_match_the_request_record_and_the_reply_stream(env) -> None:
