@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from limiter.errors import LeaseLost
 from tests.helpers import admit
@@ -134,3 +137,24 @@ async def test_a_cancelled_request_whose_worker_died_is_finished_by_the_reaper(s
     await asyncio.sleep(0.07)
     assert (await scripts.reap(pool)).cancelled == 1
     assert await scripts.client.hget(pool.request("zombie"), "state") == b"cancelled"
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(input_tokens=st.integers(0, 500), max_tokens=st.integers(1, 300), data=st.data())
+async def test_refunds_never_exceed_charges(scripts, pool, input_tokens, max_tokens, data):
+    """Whatever the usage, the buckets end at (before - true cost): never above where they began."""
+    used = data.draw(st.integers(0, max_tokens))
+    tenant = f"prop-{uuid.uuid4().hex[:12]}"  # hypothesis may replay an example: fresh ids
+    b = pool.tenant_bucket(tenant)
+    rid = f"r-{tenant}"
+    await admit(scripts, pool, cls="P1", request_id=rid, tenant=tenant, input_tokens=input_tokens,
+                max_tokens=max_tokens, tenant_rate=1e-9, tenant_burst=10_000)
+    got = await scripts.claim(pool, "w1", 50)
+    (c,) = [x for x in got.requests if x.request_id == rid]
+    refunded = await scripts.complete(pool, request_id=rid, worker_id="w1", attempt=c.attempt, outcome="ok",
+                                      usage_in=input_tokens, token_ids=list(range(used)), text="x" * used)
+    assert 0 <= refunded <= input_tokens + max_tokens
+    assert refunded == pytest.approx(max_tokens - used)
+    level = float(await scripts.client.hget(b, "tokens"))
+    assert level == pytest.approx(10_000 - input_tokens - used, abs=1e-3)
+    assert level <= 10_000
