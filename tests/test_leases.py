@@ -9,7 +9,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from limiter.config import demo_config
 from limiter.errors import LeaseLost
+from limiter.scripts import policy_document
 from tests.helpers import admit
 
 
@@ -144,6 +146,8 @@ async def test_a_cancelled_request_whose_worker_died_is_finished_by_the_reaper(s
 async def test_refunds_never_exceed_charges(scripts, pool, input_tokens, max_tokens, data):
     """Whatever the usage, the buckets end at (before - true cost): never above where they began."""
     used = data.draw(st.integers(0, max_tokens))
+    cfg = demo_config()  # a roomy pool: only the tenant bucket is under test here
+    await scripts.init_pool(pool, policy_document(cfg, cfg.pool("tiny"), capacity=1e9), reset_rates=True)
     tenant = f"prop-{uuid.uuid4().hex[:12]}"  # hypothesis may replay an example: fresh ids
     b = pool.tenant_bucket(tenant)
     rid = f"r-{tenant}"
