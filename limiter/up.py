@@ -24,6 +24,7 @@ import aiohttp
 from limiter import config as config_mod
 from limiter.bench.redis_proc import RedisServer
 from limiter.cli import common_args, load_config
+from limiter.embedded_redis import EmbeddedRedis
 from limiter.errors import ConfigError
 
 
@@ -41,7 +42,7 @@ class Stack:
     redis_url: str
     base_url: str
     children: list[Child] = field(default_factory=list)
-    redis: RedisServer | None = None
+    redis: RedisServer | EmbeddedRedis | None = None
 
     def start(self, child: Child, env: dict[str, str]) -> None:
         # A new process group per child: Ctrl-C in the terminal reaches `qos up` only,
@@ -180,11 +181,16 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, workers: int, time
         await client.aclose()
 
 
-def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | None]:
+def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | EmbeddedRedis | None]:
+    """--redis-url if given; else a private redis-server child; else an embedded server."""
     if args.redis_url:
         return args.redis_url, None
     if shutil.which("redis-server") is None:
-        raise ConfigError("--redis-url", "no redis-server binary on PATH: install Redis or pass --redis-url")
+        print("qos up: WARNING: no redis-server on PATH; using an embedded in-process Redis (fakeredis). "
+              "It is for single-machine demos only: nothing is persisted and only this machine can reach it.",
+              file=sys.stderr, flush=True)
+        embedded = EmbeddedRedis().start()
+        return embedded.url, embedded
     server = RedisServer(extra=["--appendonly", "no"]).start()
     return server.url, server
 

@@ -15,6 +15,7 @@
 --!include policy.lua
 --!include bucket.lua
 --!include pool_keys.lua
+--!include msgpack.lua
 --!include request.lua
 
 local function main()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -61,3 +62,29 @@ def test_qos_up_serves_requests_and_stops_every_child(tmp_path):
     assert "qos up: stopped" in rest
     time.sleep(0.2)
     assert [pid for pid in children if _alive(pid)] == []
+
+
+def test_qos_up_without_redis_server_uses_an_embedded_redis_and_says_so(tmp_path):
+    bindir = tmp_path / "bin"  # a PATH with python but no redis-server
+    bindir.mkdir()
+    (bindir / "python").symlink_to(Path(sys.executable))
+    port = free_port()
+    env = {**os.environ, "PATH": str(bindir), "QOS_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen([QOS, "up", "--engine", "sim", "--workers", "1", "--port", str(port)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        seen = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(x.startswith("qos up: ready") for x in seen):
+            line = proc.stdout.readline()
+            if not line:
+                break
+            seen.append(line)
+        assert any("embedded in-process Redis" in x and "demos only" in x for x in seen), "".join(seen)
+        assert any(x.startswith("qos up: ready") for x in seen), "".join(seen)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo-p0", max_retries=0)
+        done = client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+        assert done.usage.completion_tokens == 4
+    finally:
+        rest = stop_qos_up(proc)
+    assert proc.returncode == 0, rest

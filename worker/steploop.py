@@ -51,6 +51,7 @@ class StepLoop:
         self._work = 0.0  # weighted tokens processed (prefill x weight + generated x out_weight)
         self._step_time = 0.0
         self._steps = 0
+        self._full_time = 0.0  # seconds of full steps: the denominator of capacity_tokens_s
         self._last_stats_t = time.monotonic()
         self._last_step_ms = 0.0
         rt.on_lost = self._lost.update
@@ -175,12 +176,19 @@ class StepLoop:
         self._gen_tokens += len(res.produced)
         self._step_time += res.duration_s
         held = self.rt.held
-        for chunk in res.plan.prefill:
-            if (d := held.get(chunk.request_id)) is not None:
-                self._work += chunk.length * self.rt.weights(d.claimed.cls)[0]
-        for rid in res.produced:
-            if (d := held.get(rid)) is not None:
-                self._work += self.rt.weights(d.claimed.cls)[1]
+        # Capacity is what the engine does when it is full: a lightly loaded step (one short
+        # request) runs far below it, and counting it would tell the controller the GPU is
+        # slow. Only steps that fill half the token budget or half the batch count.
+        plan = res.plan
+        if plan.num_tokens * 2 >= self.limits.token_budget or \
+                (len(plan.decode) + len(plan.prefill)) * 2 >= self.limits.max_seqs:
+            self._full_time += res.duration_s
+            for chunk in plan.prefill:
+                if (d := held.get(chunk.request_id)) is not None:
+                    self._work += chunk.length * self.rt.weights(d.claimed.cls)[0]
+            for rid in res.produced:
+                if (d := held.get(rid)) is not None:
+                    self._work += self.rt.weights(d.claimed.cls)[1]
         self._steps += 1
         self._last_step_ms = res.duration_s * 1e3
         t = time.monotonic() - (time.perf_counter() - res.end)  # the step's end, monotonic clock
@@ -265,14 +273,15 @@ class StepLoop:
     # --- heartbeat -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures since the last heartbeat. ``capacity_tokens_s`` is the weighted
-        tokens processed per second of engine step time (0 when idle): what the controller's
-        capacity estimator sums over live workers."""
+        tokens processed per second of *full* engine steps (0 = no full step, no measurement):
+        what the controller's capacity estimator sums over live workers."""
         now = time.monotonic()
         dt = max(now - self._last_stats_t, 1e-9)
         tokens_s = self._gen_tokens / dt
         step_ms = self._step_time / self._steps * 1e3 if self._steps else self._last_step_ms
-        capacity = self._work / self._step_time if self._step_time > 0 else 0.0
+        capacity = self._work / self._full_time if self._full_time > 0 else 0.0
         self._gen_tokens, self._work, self._step_time, self._steps, self._last_stats_t = 0, 0.0, 0.0, 0, now
+        self._full_time = 0.0
         running = self.sched.running
         kv_used = self.sched.kv_used
         return {"batch_size": len(running), "running": len(running), "waiting": len(self.sched.waiting),

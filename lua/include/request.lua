@@ -1,5 +1,5 @@
 -- Request records and their terminal transitions, shared by the lifecycle scripts.
--- Needs validate.lua, policy.lua, bucket.lua and pool_keys.lua.
+-- Needs validate.lua, policy.lua, bucket.lua, pool_keys.lua and msgpack.lua.
 
 local REQ_FIELDS = {'id', 'tenant', 'class', 'state', 'frontend', 'attempts', 'worker',
   'lease_ms', 'enq_ms', 'seq', 'deadline_ms', 'claimed_ms', 'first_ms', 'input_tokens',
@@ -63,7 +63,7 @@ local function add_sample(p, r, outcome, now)
     output_tokens = r.out_tokens or 0, e2e_ms = now - r.enq_ms, ts_ms = now}
   if r.claimed_ms then s.queue_wait_ms = r.claimed_ms - r.enq_ms else s.queue_wait_ms = now - r.enq_ms end
   if r.first_ms then s.ttft_ms = r.first_ms - r.enq_ms end
-  redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', cmsgpack.pack(s))
+  redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', msgpack_map(s))
 end
 
 -- Move a request to a terminal state: leave every index, refund, release counters, TTL.
