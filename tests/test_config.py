@@ -95,3 +95,15 @@ def test_cli_config_check_names_the_bad_field(tmp_path, capsys):
     assert "classes[1].share" in capsys.readouterr().err
     p.write_text(BASE)
     assert main(["config", "check", str(p)]) == 0
+
+
+def test_cli_config_example_is_valid_and_hash_key_prints_the_digest(tmp_path, capsys):
+    from limiter.cli import main
+    assert main(["config", "example"]) == 0
+    example = capsys.readouterr().out
+    p = tmp_path / "example.toml"
+    p.write_text(example)
+    cfg = config.load(p, {})
+    assert [c.name for c in cfg.classes] == ["P0", "P1", "P2"] and "[controller]" in example
+    assert main(["config", "hash-key", "demo-p0"]) == 0
+    assert capsys.readouterr().out.strip() == config.hash_key("demo-p0")
