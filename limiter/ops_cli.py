@@ -134,8 +134,8 @@ def render(snap: dict[str, Any]) -> Group:
                 wid,
                 _fmt(info.get("last_seen_s"), 1),
                 engine,
-                _fmt(info.get("batch", info.get("running"))),
-                _fmt(info.get("tokens_per_s")),
+                _fmt(info.get("batch_size")),
+                _fmt(info.get("tokens_s")),
                 _fmt(info.get("kv_use")),
             )
         parts.append(w)

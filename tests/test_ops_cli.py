@@ -14,7 +14,7 @@ async def test_status_json_has_the_documented_fields(scripts, pool, redis_server
     await scripts.claim(pool, "w1", 1)
     await scripts.client.zadd(pool.workers, {"w1": 4102444800000 - 10})
     await scripts.client.hset(
-        pool.worker("w1"), mapping={"engine": "sim", "simulated": 1, "tokens_per_s": 12.5}
+        pool.worker("w1"), mapping={"engine": "sim", "simulated": 1, "tokens_s": 12.5, "batch_size": 3}
     )
     await scripts.client.hset(pool.compliance, mapping={"P0": 0.995})
     fence, _ = await scripts.acquire_leader(pool, "ctl", 1000)
@@ -32,7 +32,7 @@ async def test_status_json_has_the_documented_fields(scripts, pool, redis_server
     assert tiny["classes"]["P0"]["rate"] == 11000
     assert tiny["classes"]["P0"]["inflight"] == 1 and tiny["classes"]["P2"]["queued"] == 1
     assert tiny["classes"]["P0"]["compliance"] == 0.995 and tiny["classes"]["P1"]["compliance"] is None
-    assert "last_seen_s" in tiny["workers"]["w1"] and tiny["workers"]["w1"]["tokens_per_s"] == 12.5
+    assert "last_seen_s" in tiny["workers"]["w1"] and tiny["workers"]["w1"]["tokens_s"] == 12.5
     assert tiny["decisions"][0]["version"] == 1
 
 
