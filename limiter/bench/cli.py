@@ -12,9 +12,13 @@ from limiter.cli import common_args, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="micro-benchmarks (admission throughput and latency, ...)")
+    p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), overhead, "
+                                      "admission")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
     _add_admission(bsub)
+    from limiter.bench import cli_run
+
+    cli_run.add_parsers(bsub)
 
 
 def _bench_common_args(p: argparse.ArgumentParser) -> None:

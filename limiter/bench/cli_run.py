@@ -1,0 +1,190 @@
+"""``qos bench run`` / ``qos bench plot`` / ``qos bench overhead``: argument parsing only.
+
+The work is in :mod:`limiter.bench.runner` and :mod:`limiter.bench.overhead`; this module
+turns flags into their parameters and prints the tables.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from pathlib import Path
+
+from limiter.bench.modes import MODES
+from limiter.bench.trace import DEFAULT_TRACE
+from limiter.errors import ConfigError
+
+
+def add_parsers(bsub: argparse._SubParsersAction) -> None:
+    _add_run(bsub)
+    _add_plot(bsub)
+    _add_overhead(bsub)
+
+
+def _add_run(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "run", help="fifo vs priority vs qos on the Azure trace: open-loop load, tables, JSON, plots",
+        description="Start a private stack per mode (Redis, frontends, workers; controller for qos), send "
+                    "the same open-loop trace arrivals through the HTTP API with streaming, and measure on "
+                    "the client side. See docs/benchmarks.md.")
+    a = p.add_argument
+    a("--engine", choices=("sim", "torch"), default="sim",
+      help="sim: GPU cost model, full-scale prompts (default); torch: tiny real model on CPU, scaled prompts")
+    a("--modes", default=",".join(MODES), help=f"comma-separated, in run order (default {','.join(MODES)})")
+    a("--load", type=float, default=1.5, help="offered load, a multiple of the pool's capacity (default 1.5)")
+    a("--duration", type=float, default=60.0, help="seconds of arrivals per mode (default 60)")
+    a("--drain", type=float, default=None,
+      help="seconds to wait for answers after the arrivals (default = duration)")
+    a("--trace", default=str(DEFAULT_TRACE),
+      help="CSV in the Azure format (default: the shipped conversation trace)")
+    a("--trace-start", type=float, default=0.0, help="skip this many seconds of the trace (default 0)")
+    a("--seed", type=int, default=1, help="seed of the class-assignment rule (default 1)")
+    a("--workers", type=int, default=None, help="worker processes (default 4 sim, 1 torch)")
+    a("--frontends", type=int, default=1, help="frontend processes (default 1)")
+    a("--time-scale", type=float, default=1.0, help="sim: multiply modelled step times (default 1)")
+    a("--token-budget", type=int, default=None, help="worker tokens per step (default 256 sim, 64 torch)")
+    a("--max-seqs", type=int, default=16, help="worker batch size (default 16)")
+    a("--torch-threads", type=int, default=1, help="torch CPU threads per worker (default 1)")
+    a("--calibrate", choices=("stack", "engine"), default="stack",
+      help="capacity measured on a stack like the run's (default; ~35 s) or of the engine alone (faster, "
+           "optimistic: no Redis, no HTTP)")
+    a("--capacity-rps", type=float, default=None,
+      help="skip calibration: the pool serves this many requests/s of the mix (required with --url)")
+    a("--no-gap-probe", action="store_true", help="skip the P0-gap-during-a-long-prefill probe")
+    a("--controller", action="append", default=[], metavar="FIELD=VALUE",
+      help="qos: a [controller] setting for the run, e.g. min_samples=50 (repeatable; default: none, "
+           "the shipped defaults)")
+    a("--out", metavar="DIR", help="write results.json, requests.jsonl, PNG plots and logs here")
+    a("--url", help="benchmark an existing stack at this base URL instead (one run, mode 'external')")
+    a("--model", help="with --url: the model name (default: the pool 'bench')")
+    a("--key", action="append", default=[], metavar="CLASS=KEY",
+      help="with --url: API key per class (default demo-p0/demo-p1/demo-p2)")
+    a("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=_run)
+
+
+def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept lazy)
+    from limiter.bench.runner import BenchParams
+
+    modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
+    for m in modes:
+        if m not in MODES:
+            raise ConfigError("--modes", f"unknown mode {m!r}; known: {', '.join(MODES)}")
+    if not modes:
+        raise ConfigError("--modes", "name at least one mode")
+    if not 0 < args.load <= 20:
+        raise ConfigError("--load", "must be in (0, 20]")
+    if not 1 <= args.duration <= 3600:
+        raise ConfigError("--duration", "must be in [1, 3600]")
+    if args.url and not args.capacity_rps:
+        raise ConfigError("--capacity-rps", "is required with --url (the bench cannot calibrate a stack it "
+                                            "did not start)")
+    keys = {"P0": "demo-p0", "P1": "demo-p1", "P2": "demo-p2"}
+    for kv in args.key:
+        cls, sep, key = kv.partition("=")
+        if not sep or not key:
+            raise ConfigError("--key", f"expected CLASS=KEY, got {kv!r}")
+        keys[cls] = key
+    controller: dict[str, float] = {}
+    for kv in args.controller:
+        name, sep, value = kv.partition("=")
+        try:
+            controller[name.strip()] = float(value) if "." in value or "e" in value else int(value)
+        except ValueError as exc:
+            raise ConfigError("--controller", f"expected FIELD=NUMBER, got {kv!r}") from exc
+        if not sep:
+            raise ConfigError("--controller", f"expected FIELD=NUMBER, got {kv!r}")
+    workers = args.workers if args.workers is not None else (4 if args.engine == "sim" else 1)
+    if not 1 <= workers <= 64:
+        raise ConfigError("--workers", "must be in [1, 64]")
+    budget = args.token_budget or (256 if args.engine == "sim" else 64)
+    return BenchParams(
+        engine=args.engine, modes=modes, load=args.load, duration_s=args.duration,
+        drain_s=args.drain if args.drain is not None else args.duration, seed=args.seed, trace=args.trace,
+        trace_start_s=args.trace_start, workers=workers, frontends=args.frontends, time_scale=args.time_scale,
+        token_budget=budget, max_seqs=args.max_seqs, torch_threads=args.torch_threads,
+        capacity_rps=args.capacity_rps, calibrate=args.calibrate,
+        gap_probe=not args.no_gap_probe and not args.url, out_dir=args.out,
+        url=args.url.rstrip("/") if args.url else None, model=args.model, keys=keys if args.url else {},
+        controller=controller)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from limiter.bench.report import mode_table, targets_table
+    from limiter.bench.runner import run_bench
+
+    params = params_from_args(args)
+    console = Console()
+    results = asyncio.run(run_bench(params, console, quiet=args.quiet))
+    for name, m in results["modes"].items():
+        console.print(mode_table(name, m, params.engine))
+        if m.get("gap_probe"):
+            g = m["gap_probe"]
+            console.print(f"  gap probe ({name}): P0 max gap alone {_ms(g['alone_client_ms'])}, during a "
+                          f"{g['long_prompt_tokens']}-token prefill {_ms(g['during_client_ms'])} (client); "
+                          f"worker view {_ms(g['alone_worker_ms'])} -> {_ms(g['during_worker_ms'])}")
+    console.print(targets_table(results["targets"], params.load))
+    if params.out_dir:
+        console.print(f"[dim]wrote {Path(params.out_dir) / 'results.json'} and plots[/]")
+    return 0
+
+
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0f} ms"
+
+
+def _add_plot(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser("plot", help="redraw the PNG plots of a finished `qos bench run --out DIR`")
+    p.add_argument("dir", help="the run's --out directory (results.json, requests.jsonl)")
+    p.set_defaults(func=_plot)
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from limiter.bench.runner import redraw
+
+    for path in redraw(Path(args.dir)):
+        print(path)
+    return 0
+
+
+def _add_overhead(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import overhead as ov
+
+    p = bsub.add_parser(
+        "overhead", help="null-cost requests through the full path vs a bare aiohttp echo server",
+        description="The same load generator against (a) a bare aiohttp server that streams tokens at once "
+                    "and (b) the full stack (frontend -> Redis -> sim worker at time scale 0 -> frontend): "
+                    "throughput ratio, added latency p50/p99, Redis commands per request.")
+    a = p.add_argument
+    a("--seconds", type=float, default=ov.DEFAULT_SECONDS,
+      help=f"per measurement (default {ov.DEFAULT_SECONDS})")
+    a("--concurrency", type=int, default=ov.DEFAULT_CONCURRENCY,
+      help=f"closed-loop clients for the throughput phase (default {ov.DEFAULT_CONCURRENCY})")
+    a("--rate", type=float, default=None,
+      help="open-loop requests/s for the latency phase (default: half the full path's throughput)")
+    a("--output-tokens", type=int, default=ov.DEFAULT_OUTPUT_TOKENS,
+      help=f"max_tokens per request (default {ov.DEFAULT_OUTPUT_TOKENS})")
+    a("--workers", type=int, default=1, help="sim workers (default 1)")
+    a("--frontends", type=int, default=1, help="frontend processes (default 1)")
+    a("--max-seqs", type=int, default=64, help="worker batch size (default 64)")
+    a("--json", metavar="PATH", help="also write the figures as JSON")
+    p.set_defaults(func=_overhead)
+
+
+def _overhead(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from limiter.bench import overhead as ov
+
+    console = Console()
+    report = asyncio.run(ov.run_overhead(seconds=args.seconds, concurrency=args.concurrency, rate=args.rate,
+                                         output_tokens=args.output_tokens, workers=args.workers,
+                                         frontends=args.frontends, max_seqs=args.max_seqs,
+                                         log=console.print))
+    console.print(ov.render(report))
+    if args.json:
+        Path(args.json).write_text(__import__("json").dumps(report, indent=1))
+        console.print(f"[dim]wrote {args.json}[/]")
+    return 0

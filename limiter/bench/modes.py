@@ -1,0 +1,140 @@
+"""The three ways the benchmark runs the same load: each mode is a config plus worker flags.
+
+* ``fifo`` -- no QoS, the seed's "before": **one class** that every tenant maps to, a
+  capacity so large that no bucket ever throttles, no floors, no controller, and workers
+  that prefill whole prompts (``--no-chunked-prefill``), so a 32K prompt stalls the batch.
+* ``priority`` -- strict priority only: the three classes (P0 > P1 > P2, each with its own
+  max queue wait), chunked prefill, but no buckets (unbounded capacity), no floors and no
+  controller.
+* ``qos`` -- everything on: class buckets with the seed's 60/35/5 shares of the measured
+  capacity, borrowing up to the ceiling, starvation floors, admission waits, max waits,
+  chunked prefill and the controller.
+
+Each tenant (``bench-p0``, ``bench-p1``, ``bench-p2``) stands for one assigned class, so the
+client and the latency samples both tell which class a request *meant*, even in fifo where
+the system sees one class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from limiter.config import (
+    DEFAULT_CLASSES,
+    ClassConfig,
+    PoolConfig,
+    QosConfig,
+    TenantConfig,
+    hash_key,
+    validate,
+)
+
+MODES = ("fifo", "priority", "qos")
+POOL = "bench"
+UNLIMITED = 1e12  # capacity that never throttles (the Lua maxima accept it)
+FIFO_CLASS = "fifo"
+NO_MAX_WAIT_MS = 600_000  # fifo: requests wait as long as they must (the run's drain bounds it)
+
+
+def tenant_name(cls: str) -> str:
+    return f"bench-{cls.lower()}"
+
+
+def api_key(cls: str) -> str:
+    """The API key the benchmark client uses for requests of assigned class ``cls``."""
+    return f"qos-bench-{cls.lower()}-key"
+
+
+@dataclass(frozen=True)
+class ModeSpec:
+    """A mode: its config and how its roles are started."""
+
+    name: str
+    cfg: QosConfig
+    chunked_prefill: bool
+    controller: bool
+
+
+def _tenants(classes: Iterable[str], internal: Mapping[str, str]) -> tuple[TenantConfig, ...]:
+    return tuple(TenantConfig(name=tenant_name(c), key_sha256=(hash_key(api_key(c)),),
+                              default_class=internal[c], max_class=internal[c], rate_tokens_s=UNLIMITED)
+                 for c in classes)
+
+
+def mode_spec(mode: str, *, capacity_tokens_s: float, context_tokens: int, out_weight: float = 1.0,
+              classes: tuple[ClassConfig, ...] = DEFAULT_CLASSES,
+              controller: Mapping[str, Any] | None = None) -> ModeSpec:
+    """The config of ``mode`` for a pool of ``capacity_tokens_s`` weighted tokens/s, output
+    tokens charged ``out_weight`` (limiter/bench/calibrate.py says why)."""
+    classes = tuple(dataclasses.replace(c, weight=1.0, out_weight=out_weight) for c in classes)
+    names = [c.name for c in classes]
+    pool = PoolConfig(name=POOL, model=POOL, context_tokens=context_tokens, default_max_tokens=256,
+                      capacity_tokens_s=capacity_tokens_s)
+    common: dict[str, Any] = {"frontend": {"shutdown_grace_s": 2.0}, "worker": {"drain_timeout_s": 2.0}}
+    if mode == "fifo":
+        one = ClassConfig(name=FIFO_CLASS, share=1.0, ceil_share=1.0, floor=0.0, max_wait_ms=NO_MAX_WAIT_MS,
+                          admission_wait_ms=0, queue_cap=1_000_000, out_weight=out_weight)
+        cfg = QosConfig(classes=(one,), pools=(dataclasses.replace(pool, capacity_tokens_s=UNLIMITED),),
+                        tenants=_tenants(names, dict.fromkeys(names, FIFO_CLASS)), **common)
+        return ModeSpec(mode, validate(cfg), chunked_prefill=False, controller=False)
+    if mode == "priority":
+        strict = tuple(dataclasses.replace(c, floor=0.0, queue_cap=1_000_000) for c in classes)
+        cfg = QosConfig(classes=strict, pools=(dataclasses.replace(pool, capacity_tokens_s=UNLIMITED),),
+                        tenants=_tenants(names, {c: c for c in names}), **common)
+        return ModeSpec(mode, validate(cfg), chunked_prefill=True, controller=False)
+    if mode == "qos":
+        cfg = QosConfig(classes=classes, pools=(pool,), tenants=_tenants(names, {c: c for c in names}),
+                        controller=dict(controller or {}), **common)
+        return ModeSpec(mode, validate(cfg), chunked_prefill=True, controller=True)
+    raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+
+
+# --- TOML ---------------------------------------------------------------------------------------
+
+def _value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list | tuple):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    raise TypeError(f"cannot write {type(v).__name__} to TOML")
+
+
+def _table(name: str, data: Mapping[str, Any], array: bool = False) -> list[str]:
+    head = f"[[{name}]]" if array else f"[{name}]"
+    lines = [head]
+    subtables = []
+    for k, v in data.items():
+        if v is None:
+            continue
+        if isinstance(v, Mapping):
+            subtables.append((k, v))
+        else:
+            lines.append(f"{k} = {_value(v)}")
+    for k, v in subtables:
+        lines += ["", *_table(f"{name}.{k}", v)]
+    return [*lines, ""]
+
+
+def to_toml(cfg: QosConfig) -> str:
+    """The config as a TOML file every role can load (``--config``); round-trips through
+    :func:`limiter.config.load`."""
+    lines = ["# written by `qos bench run`", *_table("redis", dataclasses.asdict(cfg.redis))]
+    for section, items in (("classes", cfg.classes), ("pools", cfg.pools), ("tenants", cfg.tenants)):
+        for item in items:
+            lines += _table(section, dataclasses.asdict(item), array=True)
+    for section in ("frontend", "worker", "controller"):
+        lines += _table(section, getattr(cfg, section))
+    return "\n".join(lines)
+
+
+def write_config(cfg: QosConfig, path: Path) -> Path:
+    path.write_text(to_toml(cfg))
+    return path

@@ -1,0 +1,226 @@
+"""``qos bench overhead``: what the QoS path costs per request, against a bare aiohttp server.
+
+Two targets, one load generator (:func:`limiter.loadgen.stream_completion`, streaming):
+
+* **echo**: :mod:`limiter.bench.echo`, its own process, answers at once;
+* **full path**: a private Redis, frontend(s) and sim worker(s) at ``--time-scale 0`` (steps
+  cost nothing), started like ``qos bench run``'s priority stack (no buckets or controller in
+  the way: the path itself is measured): frontend -> admit (Redis) -> worker claim -> token
+  pushes -> reply stream -> frontend -> client.
+
+Two phases per target, each ``seconds`` long:
+
+1. **throughput**: ``concurrency`` closed-loop clients (each sends its next request when the
+   last one ends) -- the most the target completes per second on this machine;
+2. **latency**: open-loop Poisson arrivals at ``rate`` (default half the full path's
+   throughput, so neither target is saturated) -- added latency = full path minus echo at
+   p50 and p99, for TTFT and end to end.
+
+Redis commands per request = the commands clients sent during the latency phase (counted
+with ``MONITOR``, which tells a client's command from one a Lua script runs inside Redis --
+``INFO commandstats`` counts both), divided by the requests completed in it; EVALSHA is
+broken down by script. The background (heartbeats, blocked reads of idle roles), counted
+over an idle interval of the same length, is reported and also subtracted.
+
+Everything shares one machine: the client, the server(s) and Redis compete for its cores,
+which this benchmark cannot separate (say so when quoting it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import random
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from rich.table import Table
+
+from limiter.bench.modes import POOL, UNLIMITED, api_key, mode_spec
+from limiter.bench.redis_proc import free_port
+from limiter.bench.stack import CommandMonitor, StackSpec, start_stack
+from limiter.loadgen import Result, make_prompt, percentile, stream_completion
+
+DEFAULT_SECONDS = 10.0
+DEFAULT_CONCURRENCY = 32
+DEFAULT_OUTPUT_TOKENS = 16
+PROMPT_TOKENS = 16
+
+
+async def closed_loop(url: str, key: str, model: str, seconds: float, concurrency: int,
+                      output_tokens: int) -> list[Result]:
+    prompt = make_prompt(PROMPT_TOKENS, 1)
+    out: list[Result] = []
+    end = time.monotonic() + seconds
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+
+        async def client() -> None:
+            while time.monotonic() < end:
+                out.append(await stream_completion(session, url, key, model, prompt, output_tokens, "P0",
+                                                   timeout_s=30))
+
+        await asyncio.gather(*(client() for _ in range(concurrency)))
+    return out
+
+
+async def open_loop(url: str, key: str, model: str, seconds: float, rate: float, output_tokens: int,
+                    seed: int = 3) -> list[Result]:
+    prompt = make_prompt(PROMPT_TOKENS, 1)
+    rng = random.Random(seed)
+    tasks = []
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        start = time.monotonic()
+        t = rng.expovariate(rate)
+        while t < seconds:
+            delay = start + t - time.monotonic()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(
+                stream_completion(session, url, key, model, prompt, output_tokens, "P0", timeout_s=30)))
+            t += rng.expovariate(rate)
+        return list(await asyncio.gather(*tasks))
+
+
+def summarise(results: list[Result], seconds: float) -> dict[str, Any]:
+    ok = [r for r in results if r.ok]
+    e2e = [r.e2e_ms for r in ok if r.e2e_ms is not None]
+    ttft = [r.ttft_ms for r in ok if r.ttft_ms is not None]
+    return {"sent": len(results), "completed": len(ok), "errors": len(results) - len(ok),
+            "requests_s": round(len(ok) / seconds, 1),
+            "e2e_p50_ms": _r(percentile(e2e, 50)), "e2e_p99_ms": _r(percentile(e2e, 99)),
+            "ttft_p50_ms": _r(percentile(ttft, 50)), "ttft_p99_ms": _r(percentile(ttft, 99))}
+
+
+def _r(v: float | None) -> float | None:
+    return None if v is None else round(v, 2)
+
+
+async def _wait_http(url: str, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, OSError):
+                async with session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=1)) as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.1)
+    raise RuntimeError(f"{url} did not become ready")
+
+
+async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
+                       log: Callable[[str], None]) -> dict[str, Any]:
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "limiter.bench.echo", "--port", str(port)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        await _wait_http(url)
+        thr = summarise(await closed_loop(url, "echo", "echo", seconds, concurrency, output_tokens), seconds)
+        log(f"[dim]  echo      throughput {thr['requests_s']:,.0f} req/s (c={concurrency})[/]")
+        lat = None
+        if rate:
+            lat = summarise(await open_loop(url, "echo", "echo", seconds, rate, output_tokens), seconds)
+            log(f"[dim]  echo      latency at {rate:g} req/s: e2e p50 {lat['e2e_p50_ms']} ms, "
+                f"p99 {lat['e2e_p99_ms']} ms[/]")
+        return {"throughput": thr, "latency": lat}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+async def measure_full(seconds: float, concurrency: int, rate: float | None, output_tokens: int, workers: int,
+                       frontends: int, log: Callable[[str], None], work_dir: Path,
+                       max_seqs: int = 64) -> dict[str, Any]:
+    spec = mode_spec("priority", capacity_tokens_s=UNLIMITED, context_tokens=4096)
+    sspec = StackSpec(engine="sim", workers=workers, frontends=frontends, time_scale=0.0, token_budget=512,
+                      max_seqs=max_seqs)
+    stack = await start_stack(sspec, spec, work_dir)
+    key = api_key("P0")
+    try:
+        await closed_loop(stack.base_url, key, POOL, min(2.0, seconds), 4, output_tokens)  # warm up
+        thr = summarise(await closed_loop(stack.base_url, key, POOL, seconds, concurrency, output_tokens),
+                        seconds)
+        log(f"[dim]  full path throughput {thr['requests_s']:,.0f} req/s (c={concurrency})[/]")
+        rate = rate or max(1.0, round(thr["requests_s"] / 2))
+        await asyncio.sleep(1.0)
+        mon = CommandMonitor(stack.redis_url)
+        await mon.start()
+        await asyncio.sleep(seconds)
+        idle = await mon.stop()
+        mon = CommandMonitor(stack.redis_url)
+        await mon.start()
+        lat = summarise(await open_loop(stack.base_url, key, POOL, seconds, rate, output_tokens), seconds)
+        top = await mon.stop()
+        log(f"[dim]  full path latency at {rate:g} req/s: e2e p50 {lat['e2e_p50_ms']} ms, "
+            f"p99 {lat['e2e_p99_ms']} ms[/]")
+        n = max(1, lat["completed"])
+        total, background = sum(top.values()), sum(idle.values())
+        commands = {"per_request": round(total / n, 2),
+                    "per_request_minus_background": round((total - background) / n, 2),
+                    "background_per_s": round(background / seconds, 1),
+                    "in_scripts_per_request": round(mon.in_scripts / n, 2),
+                    "by_command_per_request": {k: round(v / n, 3) for k, v in top.items()},
+                    "background_by_command_per_s": {k: round(v / seconds, 2) for k, v in idle.items()},
+                    "target": round(8 + output_tokens / 16, 2)}
+        return {"throughput": thr, "latency": lat, "rate": rate, "redis_commands": commands}
+    finally:
+        await asyncio.to_thread(stack.stop, 10.0)
+
+
+async def run_overhead(*, seconds: float = DEFAULT_SECONDS, concurrency: int = DEFAULT_CONCURRENCY,
+                       rate: float | None = None, output_tokens: int = DEFAULT_OUTPUT_TOKENS,
+                       workers: int = 1, frontends: int = 1, max_seqs: int = 64,
+                       log: Callable[[str], None] = print) -> dict[str, Any]:
+    """Both targets, both phases; the full path first so its throughput sets the rate."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="qos-overhead-") as d:
+        full = await measure_full(seconds, concurrency, rate, output_tokens, workers, frontends, log, Path(d),
+                                  max_seqs)
+    echo = await measure_echo(seconds, concurrency, full["rate"], output_tokens, log)
+    ft, et = full["throughput"]["requests_s"], echo["throughput"]["requests_s"]
+    fl, el = full["latency"], echo["latency"] or {}
+    added = {f"{m}_{q}_ms": _r(fl[f"{m}_{q}_ms"] - el[f"{m}_{q}_ms"])
+             if fl.get(f"{m}_{q}_ms") is not None and el.get(f"{m}_{q}_ms") is not None else None
+             for m in ("e2e", "ttft") for q in ("p50", "p99")}
+    return {"params": {"seconds": seconds, "concurrency": concurrency, "rate": full["rate"],
+                       "output_tokens": output_tokens, "prompt_tokens": PROMPT_TOKENS, "workers": workers,
+                       "frontends": frontends, "max_seqs": max_seqs, "cpus": os.cpu_count()},
+            "echo": echo, "full": full, "throughput_ratio": round(ft / et, 3) if et else None,
+            "added_latency": added, "targets": {"throughput_ratio": 0.5,
+                                                "commands_per_request": full["redis_commands"]["target"]}}
+
+
+def render(report: dict[str, Any]) -> Table:
+    p = report["params"]
+    t = Table(title=f"overhead: {p['prompt_tokens']}-token prompts, {p['output_tokens']} output tokens, "
+                    f"{p['workers']} sim worker(s) at time scale 0, {p['cpus']} CPUs shared by everything",
+              title_justify="left")
+    for c in ("figure", "echo", "full path", "full - echo / ratio", "target"):
+        t.add_column(c, justify="right")
+    e, f = report["echo"], report["full"]
+    t.add_row(f"throughput, req/s (c={p['concurrency']})", f"{e['throughput']['requests_s']:,.0f}",
+              f"{f['throughput']['requests_s']:,.0f}", f"{report['throughput_ratio']:.2f}x", ">= 0.5x")
+    for m in ("ttft", "e2e"):
+        for q in ("p50", "p99"):
+            k = f"{m}_{q}_ms"
+            t.add_row(f"{m.upper()} {q} at {p['rate']:g} req/s, ms", _fmt((e["latency"] or {}).get(k)),
+                      _fmt(f["latency"].get(k)), _fmt(report["added_latency"][k]), "")
+    rc = f["redis_commands"]
+    t.add_row("Redis commands / request", "-", f"{rc['per_request']:.2f}",
+              f"{rc['per_request_minus_background']:.2f} w/o background", f"<= {rc['target']:g}")
+    return t
+
+
+def _fmt(v: float | None) -> str:
+    return "-" if v is None else f"{v:.1f}"

@@ -1,0 +1,224 @@
+"""From what the client saw to ``results.json``, the terminal tables and the target check.
+
+Definitions (docs/benchmarks.md repeats them with the schema):
+
+* Per class, by the class the client *assigned* (in fifo the system sees one class).
+* ``completed``: HTTP 200 streams that ended with ``[DONE]``; ``rejected_429`` /
+  ``rejected_503``: throttled / shed or expired in the queue; ``failed``: anything else
+  (transport errors, and ``incomplete`` requests still open when the drain ran out).
+* Latencies are client-side, over completed requests: TTFT = send to first content chunk;
+  TPOT = (last chunk - first chunk) / (output tokens - 1); ``max_gap_ms`` = the longest wait
+  between two chunks of any one request (the seed's stall).
+* ``slo_attainment`` = share of *sent* requests that completed within the class's SLO
+  (TTFT and TPOT targets from the config); a rejection or failure is a miss. A class
+  without SLO (P2): share of sent requests that completed.
+* ``max_queue_wait_ms``: the longest admission-to-first-claim wait in the latency samples
+  of that class's tenant (expired requests included: their wait is their max wait).
+* ``served_tokens``: prompt + output tokens of completed requests (usage chunk);
+  ``served_share`` = that over all classes'. ``served_work`` / ``served_work_share``: the
+  same with output tokens at the cost weight -- the unit the buckets and the floors count
+  in, so the P2 floor is checked against ``served_work_share``.
+* ``throughput_tokens_s``: prompt + output tokens delivered *inside* the arrival window
+  ``[0, duration]``, over its length -- a prompt's tokens count when its first token comes
+  back, output tokens when their chunk does -- so a backlog drained after the window does
+  not inflate it and a mode that rejects work shows it. ``throughput_work_s``: the same with
+  output tokens at the cost weight (weighted tokens/s, the unit of capacity: GPU work, which
+  does not depend on the class mix the way plain tokens do -- a mode that serves more 32K
+  prompts moves many more, cheaper, tokens); ``utilisation`` = that over the capacity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from rich.table import Table
+
+from limiter.bench.driver import Record
+from limiter.config import ClassConfig
+from limiter.loadgen import percentile
+
+
+def _r(v: float | None, nd: int = 1) -> float | None:
+    return None if v is None else round(v, nd)
+
+
+def meets_slo(rec: Record, slo: ClassConfig | None) -> bool:
+    res = rec.result
+    if not res.ok:
+        return False
+    if slo is None:
+        return True
+    if slo.slo_ttft_ms is not None and (res.ttft_ms is None or res.ttft_ms > slo.slo_ttft_ms):
+        return False
+    tpot = res.tpot_ms
+    return not (slo.slo_tpot_ms is not None and tpot is not None and tpot > slo.slo_tpot_ms)
+
+
+def class_stats(recs: Sequence[Record], slo: ClassConfig | None,
+                queue_waits: Sequence[float], out_weight: float = 1.0) -> dict[str, Any]:
+    ok = [r.result for r in recs if r.result.ok]
+    ttft = [x.ttft_ms for x in ok if x.ttft_ms is not None]
+    tpot = [x.tpot_ms for x in ok if x.tpot_ms is not None]
+    gaps = [x.max_gap_ms for x in ok if x.max_gap_ms is not None]
+    sent = len(recs)
+    n429 = sum(r.result.status == 429 for r in recs)
+    n503 = sum(r.result.status == 503 for r in recs)
+    return {
+        "sent": sent, "completed": len(ok), "rejected_429": n429, "rejected_503": n503,
+        "failed": sent - len(ok) - n429 - n503,
+        "ttft_p50_ms": _r(percentile(ttft, 50)), "ttft_p99_ms": _r(percentile(ttft, 99)),
+        "tpot_p50_ms": _r(percentile(tpot, 50), 2), "tpot_p99_ms": _r(percentile(tpot, 99), 2),
+        "max_gap_ms": _r(max(gaps) if gaps else None),
+        "slo_attainment": round(sum(meets_slo(r, slo) for r in recs) / sent, 4) if sent else None,
+        "slo": {"ttft_ms": slo.slo_ttft_ms, "tpot_ms": slo.slo_tpot_ms} if slo else None,
+        "max_queue_wait_ms": _r(max(queue_waits) if queue_waits else None),
+        "served_tokens": sum(x.input_tokens + x.output_tokens for x in ok),
+        "served_work": round(sum(x.input_tokens + x.output_tokens * out_weight for x in ok)),
+    }
+
+
+def window_tokens(recs: Sequence[Record], t0: float, duration_s: float, out_weight: float = 1.0) -> int:
+    """Tokens delivered inside ``[t0, t0 + duration_s]`` (module docstring), output tokens
+    counted ``out_weight`` times (1: plain tokens; the cost weight: GPU work)."""
+    end = t0 + duration_s
+    total = 0.0
+    for rec in recs:
+        res = rec.result
+        if not res.ok or not res.token_times:
+            continue
+        if res.token_times[0] <= end:
+            total += res.input_tokens
+        per_chunk = out_weight * res.output_tokens / len(res.token_times)
+        total += per_chunk * sum(1 for t in res.token_times if t <= end)
+    return int(total)
+
+
+def mode_summary(recs: Sequence[Record], *, classes: Sequence[str], slos: Mapping[str, ClassConfig | None],
+                 samples: Sequence[Mapping[str, Any]], tenant_of: Mapping[str, str], t0: float,
+                 duration_s: float, out_weight: float = 1.0, capacity: float | None = None) -> dict[str, Any]:
+    waits: dict[str, list[float]] = {c: [] for c in classes}
+    for s in samples:
+        cls = tenant_of.get(str(s.get("tenant")))
+        if cls in waits and isinstance(s.get("queue_wait_ms"), int | float):
+            waits[cls].append(float(s["queue_wait_ms"]))
+    per = {c: class_stats([r for r in recs if r.arrival.cls == c], slos.get(c), waits[c], out_weight)
+           for c in classes}
+    served = sum(v["served_tokens"] for v in per.values())
+    work = sum(v["served_work"] for v in per.values())
+    for v in per.values():
+        v["served_share"] = round(v["served_tokens"] / served, 4) if served else None
+        v["served_work_share"] = round(v["served_work"] / work, 4) if work else None
+    ok = [r.result for r in recs if r.result.ok]
+    lags = [r.send_lag_ms for r in recs]
+    done = window_tokens(recs, t0, duration_s, out_weight) / duration_s
+    return {
+        "classes": per,
+        "throughput_tokens_s": round(window_tokens(recs, t0, duration_s) / duration_s, 1),
+        "throughput_work_s": round(done, 1),
+        "utilisation": round(done / capacity, 3) if capacity else None,
+        "output_tokens_s": round(sum(x.output_tokens for x in ok) / duration_s, 1),
+        "sent": len(recs), "completed": len(ok),
+        "max_send_lag_ms": _r(max(lags) if lags else None),
+        "p99_send_lag_ms": _r(percentile(lags, 99)),
+    }
+
+
+# --- targets ------------------------------------------------------------------------------------
+
+def _get(results: Mapping[str, Any], mode: str, *path: str) -> Any:
+    v: Any = results.get("modes", {}).get(mode)
+    for p in path:
+        if not isinstance(v, Mapping):
+            return None
+        v = v.get(p)
+    return v
+
+
+def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with the measured figure and whether it is met (None = not
+    measured in this run, e.g. a mode left out). The overload targets apply at load >= 1.5,
+    the work-conserving one at load <= 1.0; both are listed, labelled with the run's load."""
+    load = results.get("params", {}).get("load")
+    p2_wait = results.get("params", {}).get("class_max_wait_ms", {}).get("P2")
+    p2_floor = results.get("params", {}).get("class_floor", {}).get("P2")
+    out = []
+
+    def add(name: str, value: Any, goal: str, ok: bool | None, applies: bool = True) -> None:
+        out.append({"target": name, "value": value, "goal": goal, "met": ok if applies else None,
+                    "applies_at_this_load": applies})
+
+    att = _get(results, "qos", "classes", "P0", "slo_attainment")
+    add("P0 SLO attainment (qos)", att, ">= 0.995", None if att is None else att >= 0.995, (load or 0) >= 1.5)
+    fifo_att = _get(results, "fifo", "classes", "P0", "slo_attainment")
+    add("P0 SLO attainment (fifo, for reference)", fifo_att, "report", None, False)
+    q99 = _get(results, "qos", "classes", "P0", "ttft_p99_ms")
+    f99 = _get(results, "fifo", "classes", "P0", "ttft_p99_ms")
+    ratio = f99 / q99 if q99 and f99 else None
+    add("P0 TTFT p99 fifo / qos", _r(ratio, 2), ">= 10", None if ratio is None else ratio >= 10,
+        (load or 0) >= 1.5)
+    w = _get(results, "qos", "classes", "P2", "max_queue_wait_ms")
+    add("P2 max queue wait (qos), ms", w, f"<= {p2_wait}",
+        None if w is None or p2_wait is None else w <= p2_wait)
+    share = _get(results, "qos", "classes", "P2", "served_work_share")
+    add("P2 served share of work (qos)", share, f">= floor {p2_floor}",
+        None if share is None or p2_floor is None else share >= p2_floor)
+    tq = _get(results, "qos", "throughput_work_s")
+    tf = _get(results, "fifo", "throughput_work_s")
+    tr = tq / tf if tq and tf else None
+    add("throughput qos / fifo (weighted tokens/s)", _r(tr, 3), ">= 0.97", None if tr is None else tr >= 0.97,
+        (load or 9) <= 1.0)
+    tq = _get(results, "qos", "throughput_tokens_s")
+    tf = _get(results, "fifo", "throughput_tokens_s")
+    tr = tq / tf if tq and tf else None
+    add("throughput qos / fifo (plain tokens/s, for reference)", _r(tr, 3), "report", None, False)
+    for mode in ("fifo", "priority", "qos"):
+        g = _get(results, mode, "gap_probe")
+        if g:
+            rc = g.get("ratio_client")
+            add(f"P0 max gap during long prefill / alone, client ({mode})", _r(rc, 2), "<= 1.5",
+                None if rc is None else rc <= 1.5, mode == "qos")
+    return out
+
+
+# --- terminal -----------------------------------------------------------------------------------
+
+def _fmt(v: Any, pct: bool = False) -> str:
+    if v is None:
+        return "-"
+    if pct:
+        return f"{100 * v:.1f}%"
+    if isinstance(v, float):
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
+    return str(v)
+
+
+def mode_table(mode: str, summary: Mapping[str, Any], engine: str) -> Table:
+    label = " (SIMULATED GPU)" if engine == "sim" else " (real compute, CPU)"
+    util = summary.get("utilisation")
+    t = Table(title=f"{mode} -- engine {engine}{label}; throughput {summary['throughput_tokens_s']:,.0f} "
+                    f"tokens/s, {summary['throughput_work_s']:,.0f} weighted tokens/s"
+                    f"{f' ({100 * util:.0f}% of capacity)' if util else ''}; "
+                    f"{summary['completed']}/{summary['sent']} completed", title_justify="left")
+    cols = ("class", "sent", "ok", "429", "503", "fail", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99",
+            "max gap", "SLO att.", "max qwait", "work")
+    for c in cols:
+        t.add_column(c, justify="right")
+    for cls, s in summary["classes"].items():
+        t.add_row(cls, str(s["sent"]), str(s["completed"]), str(s["rejected_429"]), str(s["rejected_503"]),
+                  str(s["failed"]), _fmt(s["ttft_p50_ms"]), _fmt(s["ttft_p99_ms"]), _fmt(s["tpot_p50_ms"]),
+                  _fmt(s["tpot_p99_ms"]), _fmt(s["max_gap_ms"]), _fmt(s["slo_attainment"], True),
+                  _fmt(s["max_queue_wait_ms"]), _fmt(s["served_work_share"], True))
+    return t
+
+
+def targets_table(rows: Sequence[Mapping[str, Any]], load: float) -> Table:
+    t = Table(title=f"targets (this run: load {load:g}x)", title_justify="left")
+    for c in ("target", "measured", "goal", "met"):
+        t.add_column(c)
+    for r in rows:
+        met = {True: "[green]yes[/]", False: "[red]no[/]", None: "[dim]n/a[/]"}[r["met"]]
+        if not r["applies_at_this_load"] and r["met"] is None and r["value"] is not None:
+            met = "[dim]-[/]" if "for reference" in r["target"] else "[dim]other load[/]"
+        t.add_row(r["target"], _fmt(r["value"]), r["goal"], met)
+    return t

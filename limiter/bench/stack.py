@@ -1,0 +1,268 @@
+"""One mode's stack, started the way ``qos up`` starts one, and what Redis tells us about it.
+
+Each role is its own OS process (``qos frontend|worker|controller --config <mode>.toml``)
+on a private ``redis-server``, built by :func:`limiter.up.build_commands` and stopped by
+:meth:`limiter.up.Stack.stop`; the benchmark only adds the worker flags of the mode and
+sends each child's output to a log file, so the progress bar stays readable and a failed
+run can be diagnosed from ``<out>/logs/``.
+
+:class:`Probe` samples the pool while the load runs (policy rates, capacity, queue depths)
+and reads, after it, the controller's decision stream, the latency samples (queue waits
+per tenant) and ``INFO commandstats``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import msgpack
+import redis.asyncio as aioredis
+
+from limiter.bench.modes import POOL, ModeSpec, write_config
+from limiter.bench.redis_proc import RedisServer, free_port
+from limiter.keys import PoolKeys
+from limiter.up import Child, Stack, build_commands, wait_ready
+
+
+class LoggedStack(Stack):
+    """A :class:`Stack` whose children write to ``log_dir/<child>.log``."""
+
+    def __init__(self, *args: Any, log_dir: Path, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.log_dir = log_dir
+        self._logs: list[IO[bytes]] = []
+
+    def start(self, child: Child, env: dict[str, str]) -> None:
+        log = open(self.log_dir / f"{child.name}.log", "wb")
+        self._logs.append(log)
+        child.proc = subprocess.Popen(child.argv, env=env, start_new_session=True, stdout=log,
+                                      stderr=subprocess.STDOUT)
+        self.children.append(child)
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        try:
+            super().stop(timeout_s)
+        finally:
+            for log in self._logs:
+                log.close()
+
+
+@dataclass(frozen=True)
+class StackSpec:
+    """How many of each role, and the worker flags shared by every mode."""
+
+    engine: str = "sim"
+    workers: int = 4
+    frontends: int = 1
+    time_scale: float = 1.0
+    token_budget: int = 256
+    max_seqs: int = 16
+    torch_threads: int = 1
+    ready_timeout_s: float = 120.0
+
+
+def worker_flags(spec: StackSpec, mode: ModeSpec) -> list[str]:
+    flags = ["--token-budget", str(spec.token_budget), "--max-seqs", str(spec.max_seqs),
+             "--chunked-prefill" if mode.chunked_prefill else "--no-chunked-prefill"]
+    if spec.engine == "sim":
+        flags += ["--time-scale", repr(spec.time_scale)]
+    else:
+        flags += ["--torch-threads", str(spec.torch_threads)]
+    return flags
+
+
+async def start_stack(spec: StackSpec, mode: ModeSpec, work_dir: Path) -> LoggedStack:
+    """Private Redis + the mode's roles; returns once /readyz answers and every worker beat."""
+    log_dir = work_dir / "logs" / mode.name
+    log_dir.mkdir(parents=True, exist_ok=True)
+    config_path = write_config(mode.cfg, work_dir / f"{mode.name}.toml")
+    server = RedisServer(extra=["--appendonly", "no"]).start()
+    port = free_port()
+    stack = LoggedStack(redis_url=server.url, base_url=f"http://127.0.0.1:{port}", redis=server,
+                        log_dir=log_dir)
+    args = argparse.Namespace(frontends=spec.frontends, host="127.0.0.1", port=port, workers=spec.workers,
+                              engine=spec.engine, device="cpu", upstream_url=None, standby=False,
+                              config=str(config_path))
+    env = dict(os.environ, QOS_REDIS_URL=server.url, OMP_NUM_THREADS=str(spec.torch_threads))
+    env.pop("QOS_CONFIG", None)
+    try:
+        for child in build_commands(args):
+            if child.name.startswith("up-controller") and not mode.controller:
+                continue
+            if child.name.startswith("worker-"):
+                child.argv += worker_flags(spec, mode)
+            stack.start(child, env)
+        await wait_ready(stack, mode.cfg, spec.workers, spec.ready_timeout_s)
+    except BaseException:
+        stack.stop(5.0)
+        raise
+    return stack
+
+
+# --- what Redis says ----------------------------------------------------------------------------
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+@dataclass
+class Probe:
+    """Samples the pool every ``interval_s`` during a run; reads the streams after it."""
+
+    redis_url: str
+    classes: tuple[str, ...]
+    interval_s: float = 1.0
+    t0: float = field(default_factory=time.monotonic)
+    timeline: list[dict[str, Any]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.keys = PoolKeys(POOL)
+        self.client = aioredis.from_url(self.redis_url)
+
+    async def sample(self) -> None:
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.hgetall(self.keys.policy)
+            pipe.hgetall(self.keys.compliance)
+            for c in self.classes:
+                pipe.zcard(self.keys.queue(c))
+            policy, compliance, *depths = await pipe.execute()
+        pol = {_s(k): _s(v) for k, v in policy.items()}
+        comp = {_s(k): _s(v) for k, v in compliance.items()}
+        row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2),
+                               "capacity": _float(pol.get("capacity")),
+                               "measured_capacity": _float(comp.get("capacity")),
+                               "rates": {c: _float(pol.get(f"{c}.rate")) for c in self.classes},
+                               "ceilings": {c: _float(pol.get(f"{c}.ceil")) for c in self.classes},
+                               "compliance": {c: _float(comp.get(c)) for c in self.classes},
+                               "queue_depth": dict(zip(self.classes, depths, strict=True))}
+        self.timeline.append(row)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Sample until ``stop`` is set; a Redis hiccup skips one sample, nothing more."""
+        while not stop.is_set():
+            with contextlib.suppress(Exception):
+                await self.sample()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+
+    async def decisions(self) -> list[dict[str, Any]]:
+        """The controller's rate changes (``qos:{pool}:decisions``), oldest first."""
+        import json
+
+        out = []
+        for _id, fields in await self.client.xrange(self.keys.decisions):
+            f = {_s(k): v for k, v in fields.items()}
+            try:
+                d = json.loads(f["d"])
+            except (KeyError, ValueError):
+                continue
+            out.append({"version": int(f.get("version", 0)), "now_ms": d.get("now_ms"),
+                        "capacity": d.get("capacity", {}).get("new"),
+                        "classes": {c: {"reason": v.get("reason"), "rate": v.get("new", {}).get("rate"),
+                                        "ceil": v.get("new", {}).get("ceil"),
+                                        "compliance": v.get("compliance")}
+                                    for c, v in d.get("classes", {}).items()}})
+        return out
+
+    async def samples(self) -> list[dict[str, Any]]:
+        """Every latency sample of the run (the stream keeps the last 100 000)."""
+        out = []
+        last = "-"
+        while True:
+            batch = await self.client.xrange(self.keys.samples, min=last, count=5000)
+            if last != "-" and batch:
+                batch = batch[1:]
+            if not batch:
+                return out
+            for _id, fields in batch:
+                raw = fields.get(b"d")
+                if raw is not None:
+                    with contextlib.suppress(Exception):
+                        out.append(msgpack.unpackb(raw, raw=False))
+            last = _s(batch[-1][0])
+
+    async def reset(self) -> None:
+        """Full buckets, an empty floor ledger and no decision history: what the gap probe
+        spent must not tilt the load that follows."""
+        keys = [k async for k in self.client.scan_iter(match=self.keys.bucket_prefix + "*", count=1000)]
+        await self.client.delete(*keys, self.keys.served, self.keys.pool_bucket, self.keys.decisions)
+
+    async def redis_time_ms(self) -> float:
+        sec, usec = await self.client.time()
+        return int(sec) * 1000 + int(usec) / 1000
+
+    async def commandstats(self) -> dict[str, int]:
+        info = await self.client.info("commandstats")
+        return {k.removeprefix("cmdstat_"): int(v["calls"]) for k, v in info.items() if isinstance(v, dict)}
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+
+class CommandMonitor:
+    """Counts the commands *clients* send (``MONITOR``), by name, EVALSHA by script name.
+
+    ``INFO commandstats`` (and ``total_commands_processed``) also count the commands a Lua
+    script calls inside Redis, so they cannot tell one EVALSHA round trip from the ten
+    HSETs it runs; MONITOR tags those ``lua`` and they are counted apart here. MONITOR costs
+    Redis some throughput, so it is only switched on for a measurement at a fixed rate.
+    """
+
+    IGNORED = frozenset({"INFO", "MONITOR", "HELLO", "CLIENT", "PING"})
+
+    def __init__(self, redis_url: str) -> None:
+        import hashlib
+
+        from limiter.scripts import SCRIPT_NAMES, script_source
+
+        self.client = aioredis.from_url(redis_url)
+        self.sha = {hashlib.sha1(script_source(n).encode()).hexdigest(): n for n in SCRIPT_NAMES}
+        self.top: dict[str, int] = {}
+        self.in_scripts = 0
+        self._task: asyncio.Task[None] | None = None
+        self._ready = asyncio.Event()
+
+    async def _read(self) -> None:
+        async with self.client.monitor() as mon:
+            self._ready.set()
+            async for info in mon.listen():
+                words = str(info.get("command", "")).split(" ", 2)
+                name = words[0].upper()
+                if info.get("client_type") == "lua":
+                    self.in_scripts += 1
+                    continue
+                if name in self.IGNORED:
+                    continue
+                if name == "EVALSHA" and len(words) > 1:
+                    name = f"EVALSHA {self.sha.get(words[1], words[1][:8])}"
+                self.top[name] = self.top.get(name, 0) + 1
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._read())
+        await asyncio.wait_for(self._ready.wait(), 5)
+        await asyncio.sleep(0.05)
+
+    async def stop(self) -> dict[str, int]:
+        await asyncio.sleep(0.2)  # the last replies' commands are still on their way
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+        with contextlib.suppress(Exception):
+            await self.client.aclose()
+        return dict(sorted(self.top.items(), key=lambda kv: -kv[1]))
+
+
+def _float(v: str | None) -> float | None:
+    try:
+        return float(v) if v is not None else None
+    except ValueError:
+        return None

@@ -1,0 +1,219 @@
+"""``qos bench run`` / ``qos bench overhead``: the workload rule, the configs of the modes,
+the summary arithmetic, and a short real run of every mode (sim engine, private Redis).
+
+The smoke run checks that ``results.json`` has every documented field, that the numbers
+are sane (percentiles ordered, attainment in 0..1, something completed) and that, in a
+small overload, qos beats fifo on P0's TTFT p99. Figures are drawn from the run's files
+but not judged here (timing on a shared 2-core box is noisy); docs/benchmarks.md has them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from limiter import config as config_mod
+from limiter.bench import trace as tr
+from limiter.bench.driver import Record
+from limiter.bench.modes import FIFO_CLASS, MODES, mode_spec, to_toml
+from limiter.bench.report import class_stats, targets, window_tokens
+from limiter.bench.runner import BenchParams, redraw, run_bench, speedup_for
+from limiter.config import DEFAULT_CLASSES
+from limiter.loadgen import Result
+
+CLASS_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "max_gap_ms", "slo_attainment",
+                "completed", "rejected_429", "rejected_503", "max_queue_wait_ms", "served_tokens")
+
+
+# --- workload --------------------------------------------------------------------------------------
+
+def test_shipped_trace_loads_with_its_attribution() -> None:
+    rows = tr.load_trace()
+    assert len(rows) == 19366 and rows[0].t_s == 0.0
+    assert all(b.t_s >= a.t_s for a, b in itertools.pairwise(rows))
+    readme = (tr.DATA_DIR / "README.md").read_text()
+    assert "CC-BY 4.0" in readme and "Splitwise" in readme
+    assert (tr.DATA_DIR / "LICENSE-CC-BY-4.0.txt").exists()
+
+
+def test_class_rule_is_seeded_and_matches_its_documentation() -> None:
+    rows = tr.load_trace()
+    a = tr.assign_classes(rows, tr.ClassRule(seed=1))
+    assert a == tr.assign_classes(rows, tr.ClassRule(seed=1))
+    assert a != tr.assign_classes(rows, tr.ClassRule(seed=2))
+    mix = tr.class_mix(a)  # docs/benchmarks.md: 45 % P0, 47 % P1, 8 % P2
+    assert 0.42 < mix["P0"]["share"] < 0.48 and 0.44 < mix["P1"]["share"] < 0.50
+    assert 0.07 < mix["P2"]["share"] < 0.10
+    short = [x for x, row in zip(a, rows, strict=True) if row.context_tokens <= 1024]
+    assert 0.75 < sum(x.cls == "P0" for x in short) / len(short) < 0.85  # short prompts: mostly P0
+    for arr, row in zip(a, rows, strict=True):
+        assert (arr.cls == "P2") == (row.context_tokens >= 4000)
+        if arr.cls == "P2":
+            assert arr.prompt_tokens + arr.max_tokens <= 32768
+        else:
+            assert (arr.prompt_tokens, arr.max_tokens) == (row.context_tokens, row.generated_tokens)
+    assert max(x.prompt_tokens for x in a if x.cls == "P2") > 30000  # the seed's 32K prompts
+
+
+def test_bad_trace_row_names_its_line(tmp_path: Path) -> None:
+    p = tmp_path / "t.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                 "2023-11-16 18:15:47.0,abc,1\n")
+    with pytest.raises(ValueError, match=r"t.csv:3"):
+        tr.load_trace(p)
+
+
+def test_speedup_offers_the_asked_tokens() -> None:
+    arrivals = tr.assign_classes(tr.load_trace()[:3000])
+    s = speedup_for(arrivals, tokens_s=10_000, duration_s=30)
+    window = tr.time_scaled(arrivals, s, 30)
+    offered = sum(a.prompt_tokens + a.max_tokens for a in window) / 30
+    assert 0.9 * 10_000 < offered < 1.1 * 10_000
+    assert window[0].at_s == 0 and window[-1].at_s < 30
+    assert [a.index for a in window] == list(range(len(window)))
+
+
+# --- modes -----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mode_configs_round_trip_through_toml(mode: str, tmp_path: Path) -> None:
+    spec = mode_spec(mode, capacity_tokens_s=12_000, context_tokens=40960)
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(spec.cfg))
+    assert config_mod.load(path, env={}) == spec.cfg
+    if mode == "fifo":
+        assert spec.cfg.class_names() == [FIFO_CLASS] and not spec.chunked_prefill and not spec.controller
+        assert {t.max_class for t in spec.cfg.tenants} == {FIFO_CLASS}
+    elif mode == "priority":
+        assert all(c.floor == 0 for c in spec.cfg.classes) and not spec.controller
+        assert spec.cfg.pools[0].capacity_tokens_s >= 1e12
+    else:
+        assert spec.controller and spec.cfg.pools[0].capacity_tokens_s == 12_000
+
+
+# --- summary arithmetic ----------------------------------------------------------------------------
+
+def _rec(cls: str, status: int = 200, ttft: float = 100.0, times: tuple[float, ...] = (1.0, 1.02, 1.04),
+         out: int = 3, inp: int = 10) -> Record:
+    arrival = tr.Arrival(0, 0.0, cls, inp, out, 0.0)
+    res = Result(cls=cls, sent_s=0.9, status=status, ttft_ms=ttft if status == 200 else None,
+                 token_times=list(times) if status == 200 else [], output_tokens=out if status == 200 else 0,
+                 input_tokens=inp if status == 200 else 0, error="" if status == 200 else "x")
+    return Record(arrival, res, 0.0)
+
+
+def test_class_stats_counts_rejections_as_slo_misses() -> None:
+    p0 = DEFAULT_CLASSES[0]
+    recs = [_rec("P0"), _rec("P0", ttft=900.0), _rec("P0", status=429), _rec("P0", status=503)]
+    s = class_stats(recs, p0, [5.0, 7.0])
+    assert (s["completed"], s["rejected_429"], s["rejected_503"], s["failed"]) == (2, 1, 1, 0)
+    assert s["slo_attainment"] == 0.25
+    assert s["ttft_p50_ms"] <= s["ttft_p99_ms"] == 900.0
+    assert s["max_queue_wait_ms"] == 7.0 and s["served_tokens"] == 26
+    assert s["tpot_p50_ms"] == pytest.approx(20.0) and s["max_gap_ms"] == pytest.approx(20.0)
+
+
+def test_window_tokens_counts_only_what_came_back_in_the_window() -> None:
+    rec = _rec("P1", times=(1.0, 2.0, 3.0, 4.0), out=4, inp=100)
+    assert window_tokens([rec], t0=0.0, duration_s=2.5) == 100 + 2
+    assert window_tokens([rec], t0=0.0, duration_s=0.5) == 0
+
+
+# --- a real run --------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], Path]:
+    out = tmp_path_factory.mktemp("bench")
+    # max_seqs 6: the worker's Redis pool (8 connections, no wait) fails with more requests
+    # held at once (reported); 6 keeps every worker's concurrent calls within it.
+    params = BenchParams(engine="sim", modes=MODES, load=2.0, duration_s=6.0, drain_s=8.0, workers=2,
+                         max_seqs=6, gap_probe=False, out_dir=str(out), calibrate="engine")
+    results = asyncio.run(run_bench(params, quiet=True))
+    return results, out
+
+
+def test_smoke_run_writes_every_documented_field(smoke: tuple[dict[str, Any], Path]) -> None:
+    results, out = smoke
+    on_disk = json.loads((out / "results.json").read_text())
+    assert on_disk["schema"] == "qos-bench-run/1" and set(on_disk["modes"]) == set(MODES)
+    for key in ("engine", "load", "duration_s", "seed", "trace", "workers", "capacity", "arrivals",
+                "class_mix"):
+        assert key in on_disk["params"], key
+    for mode, m in on_disk["modes"].items():
+        assert m["engine"] == "sim" and m["simulated"] is True
+        assert m["throughput_tokens_s"] > 0, mode
+        assert set(m["classes"]) == {"P0", "P1", "P2"}
+        for cls, c in m["classes"].items():
+            for f in CLASS_FIELDS:
+                assert f in c, (mode, cls, f)
+            assert c["sent"] == c["completed"] + c["rejected_429"] + c["rejected_503"] + c["failed"]
+            if c["slo_attainment"] is not None:
+                assert 0.0 <= c["slo_attainment"] <= 1.0
+            if c["completed"]:
+                assert c["ttft_p50_ms"] <= c["ttft_p99_ms"]
+                if c["tpot_p50_ms"] is not None:
+                    assert c["tpot_p50_ms"] <= c["tpot_p99_ms"]
+        assert m["classes"]["P0"]["completed"] > 0, mode
+    assert all({"target", "value", "goal", "met"} <= set(t) for t in on_disk["targets"])
+    rows = (out / "requests.jsonl").read_text().splitlines()
+    assert len(rows) == sum(m["sent"] for m in on_disk["modes"].values())
+    assert results["params"]["arrivals"] == on_disk["modes"]["fifo"]["sent"]
+
+
+def test_smoke_run_qos_beats_fifo_on_p0_ttft(smoke: tuple[dict[str, Any], Path]) -> None:
+    results, _ = smoke
+    fifo = results["modes"]["fifo"]["classes"]["P0"]["ttft_p99_ms"]
+    qos = results["modes"]["qos"]["classes"]["P0"]["ttft_p99_ms"]
+    assert qos < fifo, (qos, fifo)
+
+
+def test_plots_are_drawn_from_the_run_files(smoke: tuple[dict[str, Any], Path]) -> None:
+    _, out = smoke
+    paths = redraw(out)
+    names = {"latency_cdf.png", "ttft_over_time.png", "rates.png", "served_share.png"}
+    assert {p.name for p in paths} == names
+    for p in paths:
+        assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_targets_report_what_was_not_measured() -> None:
+    rows = targets({"params": {"load": 1.5, "class_max_wait_ms": {"P2": 60000}, "class_floor": {"P2": 0.05}},
+                    "modes": {}})
+    assert rows and all(r["met"] is None for r in rows)
+
+
+@pytest.mark.slow
+def test_overhead_smoke() -> None:
+    from limiter.bench.overhead import run_overhead
+
+    report = asyncio.run(run_overhead(seconds=2.0, concurrency=8, rate=20, log=lambda _s: None))
+    assert report["throughput_ratio"] > 0
+    rc = report["full"]["redis_commands"]
+    assert rc["per_request"] > 0 and "EVALSHA admit" in rc["by_command_per_request"]
+    assert report["full"]["latency"]["completed"] > 0
+
+
+@pytest.mark.slow
+def test_torch_smoke(tmp_path: Path) -> None:
+    params = BenchParams(engine="torch", modes=("fifo", "qos"), load=1.0, duration_s=8.0, drain_s=15.0,
+                         workers=1, token_budget=64, out_dir=str(tmp_path), capacity_rps=2.0)
+    results = asyncio.run(run_bench(params, quiet=True))
+    assert results["modes"]["qos"]["engine"] == "torch" and results["modes"]["qos"]["simulated"] is False
+    assert results["modes"]["qos"]["gap_probe"]["during_client_ms"] is not None
+
+
+@pytest.mark.slow
+def test_stack_calibration_is_below_the_engine_figure(tmp_path: Path) -> None:
+    from limiter.bench.runner import CONTEXT_TOKENS, stack_spec, workload
+    from limiter.bench.stackcal import calibrate
+
+    p = BenchParams(workers=2, max_seqs=6)
+    cap, record = asyncio.run(calibrate("sim", workload(p), stack_spec(p), how="stack",
+                                        context_tokens=CONTEXT_TOKENS["sim"], work_dir=tmp_path))
+    assert 0.2 < record["stack_over_engine"] <= 1.05
+    assert cap.out_weight > 5 and cap.requests_s > 0
