@@ -78,7 +78,9 @@ class WorkerRuntime:
     # --- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
         """Connect, make sure the pool exists, start upkeep and the metrics server."""
-        self.client = open_redis(self.cfg.redis, max_connections=8)
+        # A step's pushes and completions go out concurrently: past 8 they wait for a free
+        # connection (O(1) connections per worker) instead of failing with 'Too many connections'.
+        self.client = open_redis(self.cfg.redis, max_connections=8, pool_wait_s=30.0)
         self.blocking = open_redis(self.cfg.redis, max_connections=2)  # BLPOP blocks its connection
         self.scripts = Scripts(self.client)
         backoff = 0.2

@@ -503,12 +503,18 @@ def _frontend(request: web.Request) -> Frontend:
     return request.app[FRONTEND]
 
 
-async def _read_body(request: web.Request, limit: int) -> bytes:
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     if request.content_length is not None and request.content_length > limit:
         raise oa.ApiError(400, f"Request body is {request.content_length} bytes, over the {limit}-byte limit",
                           code="request_too_large")
     try:
-        return await request.read()
+        # A client that announces a body and sends it slowly (or never) must not hold a
+        # handler and its buffer for ever: aiohttp itself has no timeout on a body read.
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError as exc:
+        raise oa.ApiError(408, f"The request body did not arrive within {timeout_s:g} s", code="body_timeout",
+                          err_type="invalid_request_error") from exc
     except web.HTTPRequestEntityTooLarge as exc:
         raise oa.ApiError(400, f"Request body is over the {limit}-byte limit",
                           code="request_too_large") from exc
@@ -540,7 +546,7 @@ def _generation_handler(kind: str) -> Handler:
         labels.tenant = tenant.name
         cls = resolve_class(fe.cfg, tenant, request.headers.get(CLASS_HEADER))
         labels.cls = cls
-        raw = await _read_body(request, fe.settings.max_body_bytes)
+        raw = await _read_body(request, fe.settings.max_body_bytes, fe.settings.body_timeout_s)
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name

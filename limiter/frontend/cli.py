@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         # requests shutdown_grace_s, cancel the rest (their handlers cancel them in Redis).
         web.run_app(app, host=settings.host, port=settings.port, reuse_port=settings.reuse_port or None,
                     shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True,
+                    keepalive_timeout=settings.idle_timeout_s,
                     access_log=None, print=lambda _msg: logging.getLogger("qos.frontend").info(
                         "listening on http://%s:%d", settings.host, settings.port))
     except OSError as exc:

@@ -22,6 +22,8 @@ class FrontendSettings:
     shutdown_grace_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     heartbeat_s: float = 2.0  # ZADD frontends; must stay well below the pool's frontend_ttl_ms
     redis_max_connections: int = 32  # per process, whatever the number of in-flight requests
+    body_timeout_s: float = 30.0  # a request body must arrive within this (slow-body clients: 408)
+    idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
 
 
 def is_loopback(host: str) -> bool:
@@ -60,6 +62,8 @@ def validate(s: FrontendSettings, cfg: QosConfig) -> FrontendSettings:
     check(1 <= s.request_timeout_s <= 86_400, "request_timeout_s", "must be in [1, 86400]")
     check(0 <= s.shutdown_grace_s <= 3600, "shutdown_grace_s", "must be in [0, 3600]")
     check(4 <= s.redis_max_connections <= 1024, "redis_max_connections", "must be in [4, 1024]")
+    check(0.1 <= s.body_timeout_s <= 3600, "body_timeout_s", "must be in [0.1, 3600]")
+    check(0.1 <= s.idle_timeout_s <= 3600, "idle_timeout_s", "must be in [0.1, 3600]")
     ttl_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000
     check(0.05 <= s.heartbeat_s <= ttl_s / 3, "heartbeat_s",
           f"must be in [0.05, {ttl_s / 3:g}] (a third of the shortest pools[].frontend_ttl_ms)")

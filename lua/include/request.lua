@@ -106,9 +106,18 @@ local function requeue(p, r, now)
   wake_workers()
 end
 
+-- A frontend is alive when it beat within frontend_ttl_ms. When NO frontend has beaten within
+-- the TTL, Redis itself (or the frontends' network) was more likely down than every frontend
+-- dead at once: right after a restart every heartbeat is as old as the outage, and a worker
+-- that reconnects first must not cancel the requests of frontends that are still holding
+-- their clients. Then a frontend counts as alive if it was alive when the last beat landed;
+-- it is judged by the clock again as soon as any frontend beats.
 local function frontend_alive(p, frontend, now)
   local seen = tonumber(redis.call('ZSCORE', K_FRONTENDS, frontend))
-  return seen ~= nil and seen >= now - p.frontend_ttl_ms
+  if seen == nil then return false end
+  if seen >= now - p.frontend_ttl_ms then return true end
+  local newest = tonumber(redis.call('ZRANGE', K_FRONTENDS, -1, -1, 'WITHSCORES')[2])
+  return newest < now - p.frontend_ttl_ms and seen >= newest - p.frontend_ttl_ms
 end
 
 -- Queued requests past their max wait: removed, refunded in full, their client told.

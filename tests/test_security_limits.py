@@ -1,0 +1,192 @@
+"""Limits on everything a client controls, beyond the body fields (tests/test_frontend_bad_input.py
+covers body size by Content-Length, prompt tokens against the context, ``max_tokens``):
+
+* a body sent chunked (no Content-Length) past ``max_body_bytes``: 400, nothing read further;
+* a body announced and never (fully) sent: 408 ``body_timeout`` after ``body_timeout_s``;
+* connections that sit idle, or never finish their request line or headers: closed after
+  ``idle_timeout_s`` (a real ``qos frontend`` process: the setting goes through the CLI; a
+  half-sent body is answered 408 there too, then aiohttp lingers at most 10 s before closing);
+* oversized request lines and headers: a 4xx from the HTTP parser, before any handler;
+* concurrent requests (and so streams) per tenant: ``max_inflight``, then 429
+  ``too_many_inflight`` with Retry-After, other tenants unaffected, and the slot comes back.
+
+Every rejected request leaves Redis byte-for-byte unchanged (heartbeats aside).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+
+from tests.fake_worker import FakeWorker
+from tests.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
+from tests.redis_server import RedisServer
+from tests.reliability_stack import KEY_P1, LiveStack, base_config
+
+COMP = "/v1/completions"
+
+
+def raw_request(port: int, data: bytes) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(data)
+    return s
+
+
+def read_all(s: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes (or ``timeout``); and when it closed."""
+    s.settimeout(timeout)
+    t0 = time.monotonic()
+    out = b""
+    try:
+        while chunk := s.recv(65536):
+            out += chunk
+    except (TimeoutError, ConnectionResetError):
+        pass
+    return out, time.monotonic() - t0
+
+
+def read_response(s: socket.socket, timeout: float) -> tuple[bytes, float]:
+    """One HTTP response (head and Content-Length body); and how long it took to come."""
+    s.settimeout(timeout)
+    t0 = time.monotonic()
+    out = b""
+    while b"\r\n\r\n" not in out:
+        out += s.recv(65536)
+    head, _, body = out.partition(b"\r\n\r\n")
+    length = int(head.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
+    while len(body) < length:
+        body += s.recv(65536)
+    return head + b"\r\n\r\n" + body, time.monotonic() - t0
+
+
+@pytest.fixture
+async def client(redis_server: RedisServer, sync_redis: Any) -> AsyncIterator[Any]:
+    async with frontend(make_cfg(redis_server.url), body_timeout_s=0.5) as c:
+        yield c
+
+
+async def test_chunked_body_over_the_limit_is_rejected(client: Any, sync_redis: Any) -> None:
+    before = redis_state(sync_redis)
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b'{"model": "tiny", "prompt": "'
+        for _ in range(40):
+            yield b"x" * 65536  # 2.5 MiB in all, no Content-Length
+        yield b'"}'
+
+    r = await client.post(COMP, data=body(), headers=auth())
+    assert r.status == 400 and (await r.json())["error"]["code"] == "request_too_large"
+    assert redis_state(sync_redis) == before
+
+
+async def test_a_body_that_never_arrives_is_408_and_changes_nothing(client: Any, sync_redis: Any) -> None:
+    before = redis_state(sync_redis)
+    head = (
+        f"POST {COMP} HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer demo-p1\r\n"
+        "Content-Type: application/json\r\nContent-Length: 1000\r\n\r\n"
+    ).encode()
+    s = await asyncio.to_thread(raw_request, client.port, head + b'{"model": "ti')
+    try:
+        out, took = await asyncio.to_thread(read_response, s, 5.0)
+    finally:
+        s.close()
+    status, _, rest = out.partition(b"\r\n")
+    assert status == b"HTTP/1.1 408 Request Timeout", out[:200]
+    err = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["code"] == "body_timeout" and err["message"]
+    assert took < 3
+    assert redis_state(sync_redis) == before
+
+
+async def test_oversized_request_line_and_headers_are_refused_by_the_parser(
+    client: Any, sync_redis: Any
+) -> None:
+    before = redis_state(sync_redis)
+    r = await client.post(COMP + "?" + "a" * 20_000, json={"model": "tiny", "prompt": "x"}, headers=auth())
+    assert 400 <= r.status < 500
+    r = await client.post(
+        COMP, json={"model": "tiny", "prompt": "x"}, headers=auth(**{"X-Big": "b" * 20_000})
+    )
+    assert 400 <= r.status < 500
+    many = {f"X-H{i}": "v" for i in range(300)}
+    r = await client.post(COMP, json={"model": "tiny", "prompt": "x"}, headers=auth(**many))
+    assert 400 <= r.status < 500
+    assert redis_state(sync_redis) == before
+
+
+async def test_idle_and_half_sent_connections_are_closed(tmp_path: Path) -> None:
+    """A real frontend process with ``idle_timeout_s`` 1 and ``body_timeout_s`` 1."""
+    server = RedisServer().start()
+    r = aioredis.from_url(server.url)
+    stack = LiveStack(
+        tmp_path, base_config(server.url, frontend={"idle_timeout_s": 1.0, "body_timeout_s": 1.0})
+    )
+    socks: dict[str, socket.socket] = {}
+    try:
+        stack.frontend("fe0")
+        await stack.wait_ready(r)
+        port = stack.procs["fe0"].port
+        for name, data in {
+            "silent": b"",
+            "half request line": b"POST /v1/compl",
+            "half headers": b"POST /v1/completions HTTP/1.1\r\nHost: t\r\n",
+            "idle keep-alive": b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
+        }.items():
+            socks[name] = raw_request(port, data)
+        results = await asyncio.gather(*(asyncio.to_thread(read_all, s, 10.0) for s in socks.values()))
+        closed = {name: round(took, 1) for name, (_, took) in zip(socks, results, strict=True)}
+        print(f"\n[idle connections] closed after (s): {closed}")
+        assert all(t < 5 for t in closed.values()), closed
+        # A half-sent body gets its 408 after body_timeout_s (as in-process above); aiohttp
+        # then lingers up to 10 s reading what is left before it closes.
+        s = raw_request(
+            port,
+            b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer "
+            + KEY_P1.encode()
+            + b'\r\nContent-Length: 100\r\n\r\n{"mo',
+        )
+        socks["half body"] = s
+        out, took = await asyncio.to_thread(read_response, s, 5.0)
+        assert out.startswith(b"HTTP/1.1 408") and took < 3, (out[:100], took)
+    finally:
+        for s in socks.values():
+            s.close()
+        stack.stop()
+        await r.aclose()
+        server.stop()
+
+
+async def test_streams_per_tenant_are_capped(redis_server: RedisServer, sync_redis: Any, aredis: Any) -> None:
+    cfg = make_cfg(redis_server.url, tenants=[tenant("capped", "capped-key", max_inflight=2)])
+    body = {"model": "tiny", "prompt": "abcdefghijklmnopqrstuvwxyz", "max_tokens": 20, "stream": True}
+    async with frontend(cfg) as c, FakeWorker(aredis, POOL, delay_s=0.3, batch=2):
+        first = [asyncio.create_task(c.post(COMP, json=body, headers=auth("capped-key"))) for _ in range(2)]
+        while int(sync_redis.hget(POOL.tenant_inflight, "capped") or 0) < 2:
+            await asyncio.sleep(0.01)
+        admitted = sync_redis.hget(POOL.stats, "P1.admitted")
+        bucket = sync_redis.hgetall(POOL.tenant_bucket("capped"))
+        third = await c.post(COMP, json=body, headers=auth("capped-key"))
+        assert third.status == 429 and third.headers["Retry-After"] == "1"
+        assert (await third.json())["error"]["code"] == "too_many_inflight"
+        # nothing admitted, nothing charged for the refused one
+        assert sync_redis.hget(POOL.stats, "P1.admitted") == admitted
+        assert sync_redis.hgetall(POOL.tenant_bucket("capped")) == bucket
+        assert int(sync_redis.hget(POOL.tenant_inflight, "capped")) == 2
+        other = await c.post(COMP, json={**body, "stream": False, "max_tokens": 2}, headers=auth("demo-p1"))
+        assert other.status == 200  # another tenant is not affected
+        for t in first:
+            resp = await t
+            assert resp.status == 200 and (await resp.read()).rstrip().endswith(b"data: [DONE]")
+        assert sync_redis.hget(POOL.tenant_inflight, "capped") is None  # the slots came back
+        again = await c.post(
+            COMP, json={**body, "stream": False, "max_tokens": 2}, headers=auth("capped-key")
+        )
+        assert again.status == 200

@@ -1,0 +1,240 @@
+"""Overload soak: a bounded run at twice the stack's capacity, with the sim engine.
+
+The stack (2 frontends, 2 sim workers, a controller, real processes) is first measured: a
+closed loop that keeps every batch slot busy gives its capacity in requests/s. Then an
+open-loop Poisson load at twice that rate runs for ``QOS_SOAK_S`` seconds (20 in the default
+run, 180 in the slow one) and stops by itself. Every second the test records Redis'
+``used_memory`` (and the part of it that is the samples stream, which is capped by MAXLEN
+rather than by time), the RSS of every frontend and worker, and every queue's depth.
+
+Checks: every queue stays within its ``queue_cap`` at every sample; memory and RSS stay
+bounded (no trend between the middle and the last third of the run); every request ends
+once (answered, or 429/503 with Retry-After); afterwards the ledger holds and zero orphan
+keys remain (every per-request key deleted or expired). The curves are printed; with
+``QOS_SOAK_OUT=<dir>`` they are also written there as JSON and PNG (docs/img/soak.png).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+import redis.asyncio as aioredis
+
+from limiter.keys import PoolKeys
+from tests.redis_server import RedisServer
+from tests.reliability_stack import (
+    KEY_P0,
+    KEY_P1,
+    KEY_P2,
+    LiveStack,
+    Outcome,
+    Recorder,
+    base_config,
+    call,
+    check_charges,
+    check_outcomes,
+    server_ledger,
+    untimed_keys,
+    wait_clean,
+)
+
+POOL = PoolKeys("tiny")
+QUEUE_CAP = 40
+CLASSES = ("P0", "P1", "P2")
+KEYS = {"P0": KEY_P0, "P1": KEY_P1, "P2": KEY_P2}
+SHED = ("rate_limit_exceeded", "queue_full", "queue_timeout", "too_many_inflight")
+
+
+@dataclass
+class Curve:
+    """One sample per second of everything that must stay bounded."""
+
+    t: list[float] = field(default_factory=list)
+    redis_mb: list[float] = field(default_factory=list)
+    samples_mb: list[float] = field(default_factory=list)  # the MAXLEN-capped samples stream
+    rss_mb: dict[str, list[float]] = field(default_factory=dict)
+    queues: dict[str, list[int]] = field(default_factory=dict)
+    inflight: list[int] = field(default_factory=list)
+
+    def row(self, name: str, values: list[float]) -> str:
+        n = len(values)
+        thirds = [values[: n // 3], values[n // 3 : 2 * n // 3], values[2 * n // 3 :]]
+        return (
+            f"{name:>22}: start {values[0]:7.1f}  max by third {[round(max(t), 1) for t in thirds if t]} end "
+            f"{values[-1]:7.1f}"
+        )
+
+
+def bounded(values: list[float], slack: float, ratio: float = 1.25) -> bool:
+    """No upward trend: the last third's peak within ``ratio`` x the middle third's + ``slack``."""
+    n = len(values)
+    middle, last = values[n // 3 : 2 * n // 3], values[2 * n // 3 :]
+    return max(last) <= max(middle) * ratio + slack
+
+
+async def sample(r: aioredis.Redis, stack: LiveStack, curve: Curve, t0: float) -> None:
+    info = await r.info("memory")
+    curve.t.append(round(time.monotonic() - t0, 1))
+    curve.redis_mb.append(info["used_memory"] / 2**20)
+    curve.samples_mb.append((await r.memory_usage(POOL.samples) or 0) / 2**20)
+    for p in stack.procs.values():
+        if p.role in ("frontend", "worker"):
+            curve.rss_mb.setdefault(p.name, []).append(p.rss_kb() / 1024)
+    for c in CLASSES:
+        curve.queues.setdefault(c, []).append(await r.zcard(POOL.queue(c)))
+    curve.inflight.append(await r.zcard(POOL.leases))
+
+
+async def capacity_rps(stack: LiveStack, seconds: float, concurrency: int, spec: dict[str, Any]) -> float:
+    """Requests/s the stack completes with every slot busy (a closed loop)."""
+    done = 0
+    stop = time.monotonic() + seconds
+    async with aiohttp.ClientSession() as s:
+
+        async def loop(i: int) -> None:
+            nonlocal done
+            n = 0
+            while time.monotonic() < stop:
+                o = await call(s, stack.base(f"fe{i % 2}"), "cal", KEY_P1, f"cal{i}-{n}", **spec)
+                n += 1
+                done += o.kind == "ok"
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(loop(i) for i in range(concurrency)))
+        return done / (time.monotonic() - t0)
+
+
+def soak_seconds(default: float) -> float:
+    return float(os.environ.get("QOS_SOAK_S", default))
+
+
+def write_artifacts(curve: Curve, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "soak.json").write_text(json.dumps(curve.__dict__, indent=1))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
+    axes[0].plot(curve.t, curve.redis_mb, label="Redis used_memory")
+    axes[0].plot(curve.t, curve.samples_mb, label="of which the samples stream (MAXLEN-capped)")
+    axes[0].set_ylabel("MiB")
+    for name, v in curve.rss_mb.items():
+        axes[1].plot(curve.t, v, label=f"{name} RSS")
+    axes[1].set_ylabel("MiB")
+    for c, v in curve.queues.items():
+        axes[2].plot(curve.t, v, label=f"queue {c}")
+    axes[2].plot(curve.t, curve.inflight, label="leased", linestyle=":")
+    axes[2].axhline(QUEUE_CAP, color="k", linestyle="--", label="queue_cap")
+    axes[2].set_xlabel("seconds")
+    for ax in axes:
+        ax.legend(fontsize=7, loc="upper left")
+        ax.grid(alpha=0.3)
+    axes[0].set_title("Overload soak at 2x capacity (sim engine)")
+    fig.tight_layout()
+    fig.savefig(out / "soak.png", dpi=90)
+
+
+@pytest.mark.parametrize(
+    "duration", [pytest.param(20.0, id="short"), pytest.param(180.0, id="full", marks=pytest.mark.slow)]
+)
+async def test_overload_soak_at_twice_capacity(tmp_path: Path, duration: float) -> None:
+    duration = soak_seconds(duration)
+    server = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "everysec"]).start()
+    r = aioredis.from_url(server.url)
+    classes = {c: {"queue_cap": QUEUE_CAP, "max_wait_ms": 4000} for c in CLASSES}
+    cfg = base_config(server.url, classes=classes, max_inflight=64)
+    stack = LiveStack(tmp_path, cfg)
+    spec = {"prompt_tokens": 120, "max_tokens": 40, "stream": True, "timeout_s": 60.0}
+    try:
+        for i in range(2):
+            stack.frontend(f"fe{i}")
+            stack.worker(f"w{i}")
+        stack.controller("ctl0")
+        await stack.wait_ready(r)
+        rng = random.Random(3)
+        outcomes: list[Outcome] = []
+        curve = Curve()
+        async with (
+            Recorder(r, ["tiny"], period_s=1.0) as rec,
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s,
+        ):
+            cap = await capacity_rps(stack, 4.0, 24, spec)
+            rate = 2 * cap
+            t0 = time.monotonic()
+            tasks: set[asyncio.Task[None]] = set()
+
+            async def one(i: int) -> None:
+                cls = CLASSES[i % 3]
+                kw = {
+                    **spec,
+                    "prompt_tokens": rng.randint(40, 200),
+                    "max_tokens": rng.randint(10, 70),
+                    "stream": i % 4 != 0,
+                }
+                outcomes.append(
+                    await call(s, stack.base(f"fe{i % 2}"), f"fe{i % 2}", KEYS[cls], f"s{i}", **kw)
+                )
+
+            async def sampler() -> None:
+                while time.monotonic() - t0 < duration + 1:
+                    await sample(r, stack, curve, t0)
+                    await asyncio.sleep(1.0)
+
+            sampling = asyncio.create_task(sampler())
+            i, next_at = 0, 0.0
+            while next_at < duration:  # open loop: arrivals never wait for answers
+                await asyncio.sleep(max(0.0, t0 + next_at - time.monotonic()))
+                task = asyncio.create_task(one(i))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+                i += 1
+                next_at += rng.expovariate(rate)
+            await asyncio.gather(*tasks)
+            await sampling
+            rep = check_outcomes(outcomes, allowed_codes=SHED, rec=rec)
+            await rec.scan()
+            clean_s = await wait_clean(r, ["tiny"], timeout=30)
+            rep.admitted, rep.samples, _ = await server_ledger(r, ["tiny"])
+        states = check_charges(rec.records)
+        assert sum(states.values()) == rep.admitted
+        assert not await untimed_keys(r, "tiny")
+        lines = [
+            curve.row("Redis used_memory MiB", curve.redis_mb),
+            curve.row("samples stream MiB", curve.samples_mb),
+            *[curve.row(f"{n} RSS MiB", v) for n, v in curve.rss_mb.items()],
+            *[
+                curve.row(f"queue {c} (cap {QUEUE_CAP})", [float(x) for x in v])
+                for c, v in curve.queues.items()
+            ],
+            curve.row("leased", [float(x) for x in curve.inflight]),
+        ]
+        ok = rep.kinds["ok"]
+        print(
+            f"\n[soak] {duration:.0f} s at {rate:.1f} req/s = 2 x measured capacity {cap:.1f} req/s: "
+            f"{rep.line()}; {ok / duration:.1f} answered/s; requests by final state {states}; "
+            "zero orphan keys "
+            f"{clean_s:.1f} s after the load\n" + "\n".join(lines)
+        )
+        if out := os.environ.get("QOS_SOAK_OUT"):
+            write_artifacts(curve, Path(out))
+        assert all(max(v) <= QUEUE_CAP for v in curve.queues.values()), curve.queues
+        redis_wo_samples = [a - b for a, b in zip(curve.redis_mb, curve.samples_mb, strict=True)]
+        assert bounded(redis_wo_samples, slack=2.0), redis_wo_samples
+        for name, v in curve.rss_mb.items():
+            assert bounded(v, slack=8.0), (name, v)
+        assert ok > 0 and rep.kinds["http_error"] > 0  # it was overloaded, and it still served
+    finally:
+        stack.stop()
+        await r.aclose()
+        server.stop()
