@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from limiter.bench.redis_proc import RedisServer, free_port
 
-__all__ = ["RedisClusterServers", "RedisServer", "free_port"]
+__all__ = ["RedisClusterServers", "RedisServer", "free_port", "pools_on_different_shards"]
 
 
 @dataclass
@@ -46,3 +46,20 @@ class RedisClusterServers:
     def stop(self) -> None:
         for n in self.nodes:
             n.stop()
+
+
+def pools_on_different_shards(client, prefix: str = "pool") -> list[str]:
+    """Two pool names whose hash tags land on different masters of ``client``'s cluster."""
+    from limiter.keys import PoolKeys
+
+    chosen: list[str] = []
+    nodes: set[str] = set()
+    for i in range(200):
+        name = f"{prefix}{i}"
+        node = client.get_node_from_key(PoolKeys(name).policy)
+        if node.name not in nodes:
+            nodes.add(node.name)
+            chosen.append(name)
+        if len(chosen) == 2:
+            return chosen
+    raise AssertionError("could not spread two pools over two shards")

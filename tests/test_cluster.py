@@ -10,19 +10,7 @@ from limiter.config import demo_config
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts, lifecycle_keys, policy_document
 from tests.helpers import admit
-
-
-def _two_pools_on_different_shards(client: RedisCluster) -> list[str]:
-    chosen, nodes = [], set()
-    for i in range(100):
-        name = f"pool{i}"
-        node = client.get_node_from_key(PoolKeys(name).policy)
-        if node.name not in nodes:
-            nodes.add(node.name)
-            chosen.append(name)
-        if len(chosen) == 2:
-            return chosen
-    raise AssertionError("could not spread pools")
+from tests.redis_server import pools_on_different_shards
 
 
 @pytest.fixture
@@ -36,7 +24,7 @@ async def cluster_client(redis_cluster):
 async def test_lifecycle_on_cluster_with_pools_on_different_shards(cluster_client):
     scripts = Scripts(cluster_client)
     cfg = demo_config()
-    names = _two_pools_on_different_shards(cluster_client)
+    names = pools_on_different_shards(cluster_client)
     for name in names:
         keys = PoolKeys(name)
         assert len({key_slot(k.encode()) for k in lifecycle_keys(keys)}) == 1

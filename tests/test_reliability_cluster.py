@@ -18,7 +18,7 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from limiter.keys import PoolKeys
-from tests.redis_server import RedisClusterServers
+from tests.redis_server import RedisClusterServers, pools_on_different_shards
 from tests.reliability_stack import (
     LiveStack,
     Load,
@@ -33,20 +33,6 @@ from tests.reliability_stack import (
 )
 
 SIZES = [pytest.param(80, id="short"), pytest.param(600, id="full", marks=pytest.mark.slow)]
-
-
-def pools_on_different_shards(client: RedisCluster, prefix: str = "rel") -> list[str]:
-    chosen: list[str] = []
-    nodes: set[str] = set()
-    for i in range(200):
-        name = f"{prefix}{i}"
-        node = client.get_node_from_key(PoolKeys(name).policy)
-        if node.name not in nodes:
-            nodes.add(node.name)
-            chosen.append(name)
-        if len(chosen) == 2:
-            return chosen
-    raise AssertionError("could not spread two pools over two shards")
 
 
 @pytest.fixture
