@@ -130,6 +130,13 @@ class PoolKeys:
         return self.base + "frontends"
 
     @property
+    def outage(self) -> str:
+        """STRING: Redis ms of the frontends' last heartbeat before they lost Redis, set by the
+        first frontend that beats again (PX 2 x frontend_ttl_ms). While it exists, a frontend
+        that was alive then is not taken for dead for being late with its first beat."""
+        return self.base + "outage"
+
+    @property
     def workers(self) -> str:
         """ZSET worker id -> last heartbeat (ms)."""
         return self.base + "workers"

@@ -67,7 +67,7 @@ def lifecycle_keys(keys: PoolKeys) -> tuple[str, ...]:
         keys.policy, keys.pool_bucket, keys.deadlines, keys.leases, keys.cancels, keys.served,
         keys.wake, keys.inflight, keys.tenant_inflight, keys.stats, keys.samples, keys.frontends,
         keys.request_prefix, keys.tokens_prefix, keys.bucket_prefix, keys.queue_prefix,
-        keys.reply_prefix,
+        keys.reply_prefix, keys.outage,
     )
 
 

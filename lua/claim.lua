@@ -91,6 +91,7 @@ local function main()
       backlog[pick] = backlog[pick] - 1
     elseif not frontend_alive(p, r.frontend, now) then
       finalize(p, r, 'cancelled', 'client frontend went away', 0, now)
+      notify_cancelled(r, 'its client frontend stopped heartbeating before a worker took it')
       add_sample(p, r, 'cancelled', now)
       backlog[pick] = backlog[pick] - 1
     else

@@ -71,6 +71,8 @@ local function main()
       'fin', finish_reason, 'in', usage_in, 'out', usage_out})
   elseif outcome == 'failed' then
     notify(r, {'k', 'err', 'code', 'failed', 'msg', reason})
+  else
+    notify_cancelled(r, 'its worker stopped it: the client went away (or its frontend stopped heartbeating)')
   end
   if sample ~= '' then
     redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', sample)

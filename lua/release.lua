@@ -32,6 +32,7 @@ local function main()
   local now = now_ms()
   if r.cancel == 1 or not frontend_alive(p, r.frontend, now) then
     finalize(p, r, 'cancelled', 'client went away', actual_cost(r, r.input_tokens, r.out_tokens or 0), now)
+    notify_cancelled(r, 'its client went away while its worker was draining')
     add_sample(p, r, 'cancelled', now)
     return {'cancelled'}
   end

@@ -120,7 +120,8 @@ class Frontend:
         self.router = ReplyRouter(self.client, keys, self.frontend_id, self.metrics)
         router = self.router
         self.heartbeat = Heartbeat(self.client, keys, self.frontend_id, list(self.classes),
-                                   self.settings.heartbeat_s, trim_upto=lambda pool: router.last_ids[pool])
+                                   self.settings.heartbeat_s, trim_upto=lambda pool: router.last_ids[pool],
+                                   outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in self.cfg.pools})
         for k in keys:
             self._tasks.append(asyncio.create_task(self.router.run(k), name=f"replies-{k.pool}"))
         # One attempt now, so a healthy deployment is ready the moment it listens; if Redis
@@ -405,6 +406,9 @@ class Generation:
             wait_s = self.fe.drain_estimate_s(self.req.pool.name, self.cls, 0)
             return oa.ApiError(503, f"The request waited past its max queue wait: {r.message}",
                                code="queue_timeout", retry_after_s=wait_s, outcome="expired")
+        if r.code == "cancelled":  # e.g. this frontend's heartbeat was late and it was taken for dead
+            return oa.ApiError(503, f"The request was cancelled: {r.message}", code="request_cancelled",
+                               retry_after_s=1, outcome="cancelled")
         return oa.ApiError(503, f"The worker failed the request: {r.message}", code="worker_failed",
                            retry_after_s=1, outcome="failed")
 

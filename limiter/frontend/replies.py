@@ -187,7 +187,8 @@ class Heartbeat:
     """Liveness, Redis clock offset and measured service rates, every ``interval_s``."""
 
     def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, classes: Iterable[str],
-                 interval_s: float, trim_upto: Callable[[str], str] | None = None) -> None:
+                 interval_s: float, trim_upto: Callable[[str], str] | None = None,
+                 outage_grace_ms: dict[str, int] | None = None) -> None:
         self.client = client
         self.pools = list(pools)
         self.frontend_id = frontend_id
@@ -196,6 +197,11 @@ class Heartbeat:
         self.trim_upto = trim_upto
         self.clock_offset_ms = 0.0  # Redis time - local wall time
         self.last_ok = 0.0  # time.monotonic() of the last complete beat
+        # pool -> how long the scripts should remember, after we lost Redis, that we were alive
+        # (``keys.outage``; two heartbeat TTLs); empty: never written
+        self.outage_grace_ms = outage_grace_ms or {}
+        self._last_beat_ms = 0  # Redis ms of the last complete beat
+        self._in_beat = False  # a beat started and has not completed (Redis lost meanwhile)
         self._claimed: dict[tuple[str, str], tuple[float, int]] = {}
         self._rates: dict[tuple[str, str], float] = {}
 
@@ -210,7 +216,14 @@ class Heartbeat:
         return self._rates.get((pool, cls))
 
     async def beat(self) -> None:
-        """One heartbeat for every pool; raises on Redis errors (the caller decides)."""
+        """One heartbeat for every pool; raises on Redis errors (the caller decides).
+
+        The first beat that completes after one that did not (Redis restarted, or was out of
+        reach) first records, once per outage, when the frontends last reached Redis: the
+        lifecycle scripts then do not take another frontend for dead just because it
+        reconnects a moment later than this one (lua/include/request.lua, frontend_alive)."""
+        interrupted = self._in_beat and self._last_beat_ms > 0
+        self._in_beat = True
         t0 = time.time()
         sec, usec = await self.client.time()
         t1 = time.time()
@@ -219,6 +232,9 @@ class Heartbeat:
         now_ms = int(redis_ms)
         for keys in self.pools:
             pipe = self.client.pipeline(transaction=False)
+            grace = self.outage_grace_ms.get(keys.pool)
+            if interrupted and grace:  # before the ZADD: no script may see us fresh without it
+                pipe.set(keys.outage, self._last_beat_ms, nx=True, px=grace)
             pipe.zadd(keys.frontends, {self.frontend_id: now_ms})
             pipe.hmget(keys.stats, [f"{c}.claimed" for c in self.classes])
             last = self.trim_upto(keys.pool) if self.trim_upto else "0-0"
@@ -226,8 +242,10 @@ class Heartbeat:
                 # Entries up to the last one read were handed out already; keep the stream small.
                 pipe.xtrim(keys.reply(self.frontend_id), minid=last, approximate=False)
             res = await pipe.execute()
-            self._sample_rates(keys.pool, res[1], time.monotonic())
+            self._sample_rates(keys.pool, res[2 if interrupted and grace else 1], time.monotonic())
         self.last_ok = time.monotonic()
+        self._last_beat_ms = now_ms
+        self._in_beat = False
 
     def _sample_rates(self, pool: str, counts: list[Any], now: float) -> None:
         for cls, raw in zip(self.classes, counts, strict=True):

@@ -17,6 +17,7 @@ local P_TOKENS = KEYS[14]         -- prefix of STRING gen:<id> (uint32 LE token 
 local P_BUCKET = KEYS[15]         -- prefix of HASH bucket:class:<c>, bucket:ceil:<c>, bucket:tenant:<t>
 local P_QUEUE = KEYS[16]          -- prefix of ZSET queue:<class>
 local P_REPLY = KEYS[17]          -- prefix of STREAM out:<frontend>
+local K_OUTAGE = KEYS[18]         -- STRING ms the frontends lost Redis (set when they beat again)
 local REPLY_MAXLEN = 100000
 local SAMPLES_MAXLEN = 100000
 local REPLY_TTL_S = 600

@@ -56,6 +56,14 @@ local function notify(r, fields)
   end
 end
 
+-- A request cancelled without its frontend asking (the frontend was taken for dead) still
+-- tells that frontend why: if it is alive after all (a late heartbeat), its client gets a
+-- clear error at once instead of waiting for request_timeout_s. A dead frontend's stream
+-- just expires.
+local function notify_cancelled(r, why)
+  notify(r, {'k', 'err', 'code', 'cancelled', 'msg', why})
+end
+
 -- A sample for outcomes decided inside Redis (expired, cancelled, failed by lease loss).
 local function add_sample(p, r, outcome, now)
   local s = {v = 1, pool = p.name, class = r.class, tenant = r.tenant, outcome = outcome,
@@ -106,18 +114,24 @@ local function requeue(p, r, now)
   wake_workers()
 end
 
--- A frontend is alive when it beat within frontend_ttl_ms. When NO frontend has beaten within
--- the TTL, Redis itself (or the frontends' network) was more likely down than every frontend
--- dead at once: right after a restart every heartbeat is as old as the outage, and a worker
--- that reconnects first must not cancel the requests of frontends that are still holding
--- their clients. Then a frontend counts as alive if it was alive when the last beat landed;
--- it is judged by the clock again as soon as any frontend beats.
+-- A frontend is alive when it beat within frontend_ttl_ms. After a Redis outage every
+-- heartbeat is as old as the outage, and the workers and frontends come back in any order;
+-- a frontend still holding its clients must not be taken for dead meanwhile:
+-- * while NO frontend has beaten within the TTL (Redis, or the frontends' network, was more
+--   likely down than every frontend dead at once), a frontend that was alive when the last
+--   beat landed counts as alive;
+-- * the first frontend to beat again records when the frontends lost Redis (K_OUTAGE, for two
+--   TTLs): until it expires, a frontend that was alive then counts as alive, so one that
+--   reconnects a moment later than another is not cancelled for it.
 local function frontend_alive(p, frontend, now)
   local seen = tonumber(redis.call('ZSCORE', K_FRONTENDS, frontend))
   if seen == nil then return false end
-  if seen >= now - p.frontend_ttl_ms then return true end
+  local ttl = p.frontend_ttl_ms
+  if seen >= now - ttl then return true end
+  local lost = tonumber(redis.call('GET', K_OUTAGE))
+  if lost ~= nil and seen >= lost - ttl then return true end
   local newest = tonumber(redis.call('ZRANGE', K_FRONTENDS, -1, -1, 'WITHSCORES')[2])
-  return newest < now - p.frontend_ttl_ms and seen >= newest - p.frontend_ttl_ms
+  return newest < now - ttl and seen >= newest - ttl
 end
 
 -- Queued requests past their max wait: removed, refunded in full, their client told.
@@ -150,6 +164,7 @@ local function reap_leases(p, now, limit)
       redis.call('ZREM', K_LEASES, id)
     elseif r.cancel == 1 or not frontend_alive(p, r.frontend, now) then
       finalize(p, r, 'cancelled', 'client went away', actual_cost(r, r.input_tokens, r.out_tokens or 0), now)
+      notify_cancelled(r, 'its lease expired and its client frontend went away')
       add_sample(p, r, 'cancelled', now)
       cancelled = cancelled + 1
     elseif r.attempts >= p.max_attempts then
