@@ -446,12 +446,9 @@ async def call(
     stream: bool = True,
     timeout_s: float = 60.0,
     headers: dict[str, str] | None = None,
-    read_pause_s: float = 0.0,
     model: str = "tiny",
 ) -> Outcome:
-    """POST /v1/completions with the client id in the prompt; never raises, never hangs.
-
-    ``read_pause_s`` sleeps between reads of the stream (a slow client)."""
+    """POST /v1/completions with the client id in the prompt; never raises, never hangs."""
     prompt = f"[{cid}] " + "x" * max(0, prompt_tokens - 4 - len(cid))
     prompt_tokens = len(prompt.encode()) + 1
     out = Outcome(cid, via, prompt_tokens=prompt_tokens, max_tokens=max_tokens)
@@ -484,7 +481,7 @@ async def call(
                     out.usage_out = data["usage"]["completion_tokens"]
                     out.kind = "ok"
                 else:
-                    await _read_stream(r, out, read_pause_s)
+                    await _read_stream(r, out)
     except TimeoutError:
         out.kind = "hang"
     except (aiohttp.ClientError, ConnectionError) as exc:
@@ -494,11 +491,9 @@ async def call(
     return out
 
 
-async def _read_stream(r: aiohttp.ClientResponse, out: Outcome, pause_s: float) -> None:
+async def _read_stream(r: aiohttp.ClientResponse, out: Outcome) -> None:
     done = False
     async for raw in r.content:
-        if pause_s:
-            await asyncio.sleep(pause_s)
         line = raw.strip()
         if not line.startswith(b"data:"):
             continue
@@ -626,8 +621,9 @@ class Recorder:
         self.pools = [PoolKeys(p) for p in pools]
         self.period_s = period_s
         self.records: dict[str, dict[str, str]] = {}  # request id -> last snapshot
-        self.seen_nonterminal: set[str] = set()
         self.latest: dict[str, dict[str, str]] = {}  # request id -> last snapshot, any state
+        self.max_gap_s = 0.0  # longest time between two completed scans: must stay below the TTL
+        self._last_scan = 0.0
         self.cid_of: dict[str, str] = {}  # request id -> client id (from the prompt in the payload)
         self._task: asyncio.Task[None] | None = None
         self._stop = False
@@ -655,6 +651,7 @@ class Recorder:
             pipe = self.client.pipeline(transaction=False)
             for k in ids:
                 pipe.hmget(k, self.FIELDS)
+            new: list[tuple[str, Any]] = []
             for k, vals in zip(ids, await pipe.execute(), strict=True):
                 rid = (k.decode() if isinstance(k, bytes) else k)[len(keys.request_prefix) :]
                 rec = {
@@ -664,23 +661,32 @@ class Recorder:
                 if rec["state"] is None:
                     continue
                 if rid not in self.cid_of:
-                    self.cid_of[rid] = await self._cid(k)
+                    new.append((rid, k))
                 self.latest[rid] = rec
                 if rec["state"] in TERMINAL:
                     self.records[rid] = rec
-                else:
-                    self.seen_nonterminal.add(rid)
-
-    async def _cid(self, key: Any) -> str:
-        raw = await self.client.hget(key, "payload")
-        with contextlib.suppress(Exception):
-            prompt = msgpack.unpackb(raw, raw=False)["prompt"]
-            return prompt[1 : prompt.index("]")]
-        return ""
+            if new:
+                pipe = self.client.pipeline(transaction=False)
+                for _, k in new:
+                    pipe.hget(k, "payload")
+                for (rid, _), raw in zip(new, await pipe.execute(), strict=True):
+                    self.cid_of[rid] = _cid(raw)
+        now = time.monotonic()
+        if self._last_scan:
+            self.max_gap_s = max(self.max_gap_s, now - self._last_scan)
+        self._last_scan = now
 
     def history(self, cid: str) -> list[tuple[str, dict[str, str]]]:
         """What Redis recorded for a client id (for a failing test's message)."""
         return [(rid, self.latest[rid]) for rid, c in self.cid_of.items() if c == cid]
+
+
+def _cid(payload: bytes | None) -> str:
+    """The client id a request's prompt starts with (``[<cid>] ...``), from its payload."""
+    with contextlib.suppress(Exception):
+        prompt = msgpack.unpackb(payload, raw=False)["prompt"]
+        return prompt[1 : prompt.index("]")]
+    return ""
 
 
 def check_charges(records: dict[str, dict[str, str]]) -> dict[str, int]:
@@ -853,11 +859,6 @@ async def wait_buckets_full(client: Any, pool: str, cap_s: float = 30.0) -> floa
         await asyncio.sleep(0.2)
 
 
-def percentile(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[max(0, min(len(v) - 1, math.ceil(q / 100 * len(v)) - 1))] if v else float("nan")
-
-
 # --- load -------------------------------------------------------------------------------------
 
 
@@ -881,7 +882,9 @@ class Load:
 async def drive(
     stack: LiveStack, via: list[str], load: Load, seed: int = 1, on_progress: Any = None
 ) -> list[Outcome]:
-    """Run ``load`` against the named frontends; returns one Outcome per request."""
+    """Run ``load`` against the named frontends; returns one Outcome per request.
+
+    ``via`` is read at each request, so a test may append a replacement frontend to it."""
     import random
 
     rng = random.Random(seed)

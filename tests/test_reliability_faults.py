@@ -33,8 +33,10 @@ import pytest
 import redis.asyncio as aioredis
 
 from limiter.config import demo_config
+from limiter.frontend.replies import Heartbeat
 from limiter.keys import SAMPLES_GROUP, PoolKeys
 from limiter.scripts import policy_document
+from tests.frontend_helpers import fe_of, frontend, make_cfg
 from tests.helpers import admit
 from tests.redis_server import RedisServer
 from tests.reliability_stack import (
@@ -63,6 +65,7 @@ class Size:
     requests: int
     concurrency: int
     faults: int
+    outages_s: tuple[float, ...] = (2.0,)  # Redis restart: how long each outage lasts
 
 
 SIZES = [
@@ -111,7 +114,7 @@ async def finish_ledger(
         for pool in pools:
             ids |= set(await sample_ids(r, pool))
         missing = {i: rec.latest.get(i) for i in ids - set(rec.records)}
-        raise AssertionError(f"{states} != {admitted}: {missing}")
+        raise AssertionError(f"{states} != {admitted} (longest scan gap {rec.max_gap_s:.1f} s): {missing}")
     if before_buckets is not None:
         await before_buckets()
     for pool in pools:
@@ -211,7 +214,8 @@ async def test_frontend_kill_9_cancels_its_requests_and_spares_the_others(
         load = Load(n=size.requests, concurrency=size.concurrency, max_tokens=(40, 140))
         killed: list[tuple[str, int, int]] = []  # (name, running streams, Redis ms of the kill)
         async with Recorder(r, ["tiny"]) as rec:
-            task = asyncio.create_task(drive(stack, ["fe0", "fe1", "fe2"], load))
+            via = ["fe0", "fe1", "fe2"]  # the load balancer's list: replacements are added to it
+            task = asyncio.create_task(drive(stack, via, load))
             victims = ["fe1", "fe2", "fe0"][: max(1, min(3, size.faults // 3))]
             for n, name in enumerate(victims):
                 running = await wait_streams_on(r, ids[name], 2)
@@ -222,6 +226,7 @@ async def test_frontend_kill_9_cancels_its_requests_and_spares_the_others(
                     repl = stack.frontend(f"{name}b")
                     await stack.wait_ready(r)
                     ids[repl.name] = (await stack.frontend_ids())[repl.name]
+                    via.append(repl.name)
             outcomes = await task
             dead_names = {name for name, _, _ in killed}
             rep = check_outcomes(outcomes, transport_ok_via=dead_names, allowed_codes=(), rec=rec)
@@ -232,20 +237,27 @@ async def test_frontend_kill_9_cancels_its_requests_and_spares_the_others(
         assert all(x["state"] == "done" for x in others.values()), Counter(
             x["state"] for x in others.values()
         )
-        late = []
+        late, never_ran = [], 0
         for x in theirs.values():
             assert x["state"] in ("done", "cancelled"), x
             at = dead[x["frontend"]]
-            if x["state"] == "cancelled":
-                # noticed within the TTL, plus one lease renewal (lease/3) and a step
+            if x["claimed_ms"] is not None:
+                # nothing is handed to a worker once the TTL has passed (claim cancels it instead)
+                assert int(x["claimed_ms"]) <= at + ttl_ms + 100, x
+            if x["state"] == "cancelled" and x["usage_in"] is not None:
+                # running: its worker stops at the lease renewal (lease/3) after the TTL, plus a step
                 late.append(int(x["finished_ms"]) - at)
-        assert late and max(late) <= ttl_ms + 900 + 1000, sorted(late)[-5:]
+            elif x["state"] == "cancelled":
+                never_ran += 1  # still queued: cancelled when a worker reached it, refunded in full
+        assert not late or max(late) <= ttl_ms + 900 + 1000, sorted(late)[-5:]
+        late = late or [0]
         lost_conn = rep.kinds["transport"]
         states = Counter(x["state"] for x in theirs.values())
         print(
             f"\n[frontend kill -9] {len(killed)} kills with {[k[1] for k in killed]} streams running; "
             f"{rep.line()}; {lost_conn} client connections dropped; the killed frontends' requests: "
-            f"{dict(states)}, cancelled {min(late)}..{max(late)} ms after the kill (TTL {ttl_ms} ms); "
+            f"{dict(states)} ({never_ran} cancelled before they ran; running ones stopped "
+            f"{min(late)}..{max(late)} ms after the kill, TTL {ttl_ms} ms); "
             f"other frontends: {len(others)} requests, all done; clean {clean_s:.1f} s after the load"
         )
         assert rep.kinds["ok"] + lost_conn == size.requests
@@ -437,7 +449,12 @@ async def wait_ready_again(stack: LiveStack, timeout: float = 20.0) -> float:
 
 RESTART_SIZES = [
     pytest.param(Size(requests=60, concurrency=16, faults=1), id="short"),
-    pytest.param(Size(requests=400, concurrency=32, faults=3), id="full", marks=pytest.mark.slow),
+    # outages shorter and longer than the frontends' TTL and the workers' lease (3 s each)
+    pytest.param(
+        Size(requests=400, concurrency=32, faults=3, outages_s=(2.0, 4.0, 6.0)),
+        id="full",
+        marks=pytest.mark.slow,
+    ),
 ]
 
 
@@ -446,14 +463,17 @@ async def test_redis_restart_with_aof_keeps_queued_requests(
     redis_aof: RedisServer, r: aioredis.Redis, tmp_path: Path, size: Size
 ) -> None:
     """Redis (AOF everysec) is SIGKILLed under load and started again on the same data 2 s
-    later. Meanwhile every frontend's /readyz is 503 with Retry-After and new requests get 503
+    later (in the full form also 4 s and 6 s: past the frontends' heartbeat TTL, so nobody
+    must be taken for dead, and past the workers' lease, so running requests are requeued
+    and resumed). Meanwhile every frontend's /readyz is 503 with Retry-After and new requests get 503
     ``redis_unavailable`` with Retry-After; afterwards the frontends reconnect and reload the
     scripts (NOSCRIPT) by themselves, the queued requests are still there and run, workers and
     the controller carry on without a restart, and every request ends once."""
     # Frontends wait for tokens (rather than 429 at once) once the controller has measured the
     # sim workers' real capacity and set the rates from it.
     waits = {c: {"admission_wait_ms": 5000} for c in ("P0", "P1", "P2")}
-    cfg = base_config(redis_aof.url, frontend_ttl_ms=8000, lease_ms=3000, classes=waits)
+    # records outlive the longest outage, so the ledger sees every request end
+    cfg = base_config(redis_aof.url, frontend_ttl_ms=3000, lease_ms=3000, record_ttl_s=10, classes=waits)
     stack = LiveStack(tmp_path, cfg)
     try:
         for i in range(2):
@@ -467,25 +487,28 @@ async def test_redis_restart_with_aof_keeps_queued_requests(
         in_flight: list[str] = []  # admitted before a kill: each must still end with its answer
         async with Recorder(r, ["tiny"]) as rec:
             task = asyncio.create_task(drive(stack, ["fe0", "fe1"], load))
-            for _ in range(size.faults):
+            for n in range(size.faults):
+                outage_s = size.outages_s[n % len(size.outages_s)]
                 await asyncio.sleep(2.0)
                 queued = [
                     m.decode() for c in ("P0", "P1", "P2") for m in await r.zrange(POOL.queue(c), 0, -1)
                 ]
                 leased = [m.decode() for m in await r.zrange(POOL.leases, 0, -1)]
-                await asyncio.sleep(1.1)  # everysec: what is older than a second is on disk for sure
+                # AOF everysec writes before it replies, except when the disk's fsync lags: then
+                # Redis postpones writing for up to 2 s. Older than that is on disk for sure.
+                await asyncio.sleep(2.1)
                 redis_aof.kill()
                 t0 = time.monotonic()
                 await asyncio.sleep(0.8)  # past the frontends' readiness window (a third of the TTL)
                 ready, gen = await probe_outage(stack)
-                await asyncio.sleep(max(0.0, 2.0 - (time.monotonic() - t0)))
+                await asyncio.sleep(max(0.0, outage_s - (time.monotonic() - t0)))
                 redis_aof.start()
                 back = await wait_ready_again(stack)
                 ended = await sample_ids(r, "tiny")  # some finished, and their records expired, since
                 survived = [
                     rid for rid in queued + leased if rid in ended or await r.exists(POOL.request(rid))
                 ]
-                outages.append((len(queued), len(leased), len(survived), ready, gen, back))
+                outages.append((len(queued), len(leased), len(survived), ready, gen, back, outage_s))
                 in_flight += queued + leased
                 assert all(s == 503 for s in ready), ready
                 assert all(g == (503, "redis_unavailable", "1") for g in gen), gen
@@ -506,7 +529,7 @@ async def test_redis_restart_with_aof_keeps_queued_requests(
 
             rep.admitted, rep.samples, clean_s = await finish_ledger(r, rec, before_buckets=resumed)
         print(
-            f"\n[redis restart] {len(outages)} outages of 2 s: queued/leased at the kill "
+            f"\n[redis restart] outages of {[o[6] for o in outages]} s: queued/leased at the kill "
             f"{[(o[0], o[1]) for o in outages]}, all still there after the restart; /readyz during: "
             f"{[o[3] for o in outages]}; ready again {[round(o[5], 2) for o in outages]} s after the "
             f"start; {rep.line()}; clean {clean_s:.1f} s after the load"
@@ -623,7 +646,8 @@ async def test_after_an_outage_stale_heartbeats_do_not_cancel_live_frontends(
     """Right after Redis comes back every frontend's last beat is as old as the outage. A worker
     that reconnects first must not take that for every frontend being dead (and cancel their
     queued and running requests while their clients wait); once any frontend beats again,
-    the ones that stay silent are judged by the clock as before."""
+    the ones that stay silent are judged by the clock as before, and a request cancelled that
+    way is reported on its frontend's reply stream."""
     cfg = demo_config()
     pool = dataclasses.replace(cfg.pool("tiny"), frontend_ttl_ms=1500)
     await scripts.init_pool(POOL, policy_document(cfg, pool))
@@ -642,3 +666,85 @@ async def test_after_an_outage_stale_heartbeats_do_not_cancel_live_frontends(
     await admit(scripts, POOL, request_id="orphan", frontend="fe-dead", input_tokens=1, max_tokens=1)
     assert (await scripts.claim(POOL, "w1", 1)).requests == []
     assert await scripts.client.hget(POOL.request("orphan"), "state") == b"cancelled"
+    # ...and each frontend is told why, in case it is alive after all (its client gets a 503
+    # request_cancelled at once instead of waiting for request_timeout_s)
+    await scripts.complete(
+        POOL,
+        request_id="queued-a",
+        worker_id="w1",
+        attempt=1,
+        outcome="cancelled",
+        usage_in=1,
+        finish_reason="cancelled",
+    )
+    for fe, rid in (("fe-dead", "orphan"), ("fe-a", "queued-a")):
+        entries = [f for _, f in await scripts.client.xrange(POOL.reply(fe))]
+        assert [(f[b"id"], f[b"k"], f[b"code"]) for f in entries] == [(rid.encode(), b"err", b"cancelled")]
+
+
+async def test_a_request_cancelled_for_a_late_heartbeat_is_a_clear_503(
+    redis_server: Any, sync_redis: Any, scripts: Any
+) -> None:
+    """A live frontend whose heartbeat was late (taken for dead while another one beat): its
+    queued request is cancelled by the next claim, and the client hears so at once."""
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as client:
+        fe_id = fe_of(client).frontend_id
+        task = asyncio.create_task(
+            client.post(
+                "/v1/completions",
+                json={"model": "tiny", "prompt": "hi", "max_tokens": 4},
+                headers={"Authorization": "Bearer demo-p1"},
+            )
+        )
+        while not sync_redis.zcard(POOL.queue("P1")):
+            await asyncio.sleep(0.01)
+        now = await redis_ms(scripts.client)
+        await scripts.client.zadd(POOL.frontends, {fe_id: now - 60_000, "fe-other": now})
+        t0 = time.monotonic()
+        assert (await scripts.claim(POOL, "w1", 4)).requests == []
+        r = await task
+        err = (await r.json())["error"]
+        assert r.status == 503 and err["code"] == "request_cancelled" and r.headers["Retry-After"] == "1"
+        assert time.monotonic() - t0 < 1.0, "the client was told at once"
+
+
+async def test_frontends_reconnecting_one_after_another_are_not_taken_for_dead(
+    scripts: Any, sync_redis: Any
+) -> None:
+    """The first frontend to beat again after an outage records when the frontends lost Redis;
+    until that record expires (two TTLs), one that reconnects a moment later keeps its
+    requests. Without the record (or once it expired) the late one is judged by the clock."""
+    cfg = demo_config()
+    pool = dataclasses.replace(cfg.pool("tiny"), frontend_ttl_ms=1500)
+    await scripts.init_pool(POOL, policy_document(cfg, pool))
+    now = await redis_ms(scripts.client)
+    lost = now - 5000  # a 5 s outage
+    await scripts.client.zadd(POOL.frontends, {"fe-late": lost - 100, "fe-first": now})
+    await scripts.client.set(POOL.outage, lost, px=3000)
+    await admit(scripts, POOL, request_id="late-1", frontend="fe-late", input_tokens=1, max_tokens=1)
+    got = await scripts.claim(POOL, "w1", 1)
+    assert [c.request_id for c in got.requests] == ["late-1"]
+    assert (await scripts.renew_leases(POOL, "w1", [("late-1", 1)])).stop == []
+    await scripts.client.delete(POOL.outage)  # expired: fe-late never came back
+    assert (await scripts.renew_leases(POOL, "w1", [("late-1", 1)])).stop == ["late-1"]
+
+
+async def test_the_first_beat_after_losing_redis_records_the_outage(
+    redis_server: Any, sync_redis: Any
+) -> None:
+    hb = Heartbeat(
+        aioredis.from_url(redis_server.url), [POOL], "fe-x", ["P0"], 0.1, outage_grace_ms={"tiny": 3000}
+    )
+    try:
+        await hb.beat()
+        first = int(sync_redis.zscore(POOL.frontends, "fe-x"))
+        await hb.beat()
+        assert not sync_redis.exists(POOL.outage)  # no outage, no record
+        hb._in_beat = True  # a beat that never completed (Redis went away)
+        await hb.beat()
+        lost = int(sync_redis.get(POOL.outage))
+        assert first <= lost < int(sync_redis.zscore(POOL.frontends, "fe-x"))
+        assert 0 < sync_redis.pttl(POOL.outage) <= 3000
+    finally:
+        await hb.client.aclose()

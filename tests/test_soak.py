@@ -4,7 +4,7 @@ The stack (2 frontends, 2 sim workers, a controller, real processes) is first me
 closed loop that keeps every batch slot busy gives its capacity in requests/s. Then an
 open-loop Poisson load at twice that rate runs for ``QOS_SOAK_S`` seconds (20 in the default
 run, 180 in the slow one) and stops by itself. Every second the test records Redis'
-``used_memory`` (and the part of it that is the samples stream, which is capped by MAXLEN
+``used_memory`` (and the part of it that is the samples and decisions streams, capped by MAXLEN
 rather than by time), the RSS of every frontend and worker, and every queue's depth.
 
 Checks: every queue stays within its ``queue_cap`` at every sample; memory and RSS stay
@@ -60,7 +60,7 @@ class Curve:
 
     t: list[float] = field(default_factory=list)
     redis_mb: list[float] = field(default_factory=list)
-    samples_mb: list[float] = field(default_factory=list)  # the MAXLEN-capped samples stream
+    streams_mb: list[float] = field(default_factory=list)  # samples + decisions: capped by MAXLEN
     rss_mb: dict[str, list[float]] = field(default_factory=dict)
     queues: dict[str, list[int]] = field(default_factory=dict)
     inflight: list[int] = field(default_factory=list)
@@ -85,7 +85,8 @@ async def sample(r: aioredis.Redis, stack: LiveStack, curve: Curve, t0: float) -
     info = await r.info("memory")
     curve.t.append(round(time.monotonic() - t0, 1))
     curve.redis_mb.append(info["used_memory"] / 2**20)
-    curve.samples_mb.append((await r.memory_usage(POOL.samples) or 0) / 2**20)
+    capped = [await r.memory_usage(k) or 0 for k in (POOL.samples, POOL.decisions)]
+    curve.streams_mb.append(sum(capped) / 2**20)
     for p in stack.procs.values():
         if p.role in ("frontend", "worker"):
             curve.rss_mb.setdefault(p.name, []).append(p.rss_kb() / 1024)
@@ -127,7 +128,9 @@ def write_artifacts(curve: Curve, out: Path) -> None:
 
     fig, axes = plt.subplots(3, 1, figsize=(8, 8), sharex=True)
     axes[0].plot(curve.t, curve.redis_mb, label="Redis used_memory")
-    axes[0].plot(curve.t, curve.samples_mb, label="of which the samples stream (MAXLEN-capped)")
+    axes[0].plot(curve.t, curve.streams_mb, label="of which the samples + decisions streams (MAXLEN-capped)")
+    rest = [a - b for a, b in zip(curve.redis_mb, curve.streams_mb, strict=True)]
+    axes[0].plot(curve.t, rest, label="the rest", linestyle="--")
     axes[0].set_ylabel("MiB")
     for name, v in curve.rss_mb.items():
         axes[1].plot(curve.t, v, label=f"{name} RSS")
@@ -153,7 +156,7 @@ async def test_overload_soak_at_twice_capacity(tmp_path: Path, duration: float) 
     server = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "everysec"]).start()
     r = aioredis.from_url(server.url)
     classes = {c: {"queue_cap": QUEUE_CAP, "max_wait_ms": 4000} for c in CLASSES}
-    cfg = base_config(server.url, classes=classes, max_inflight=64)
+    cfg = base_config(server.url, classes=classes, max_inflight=64, record_ttl_s=8)
     stack = LiveStack(tmp_path, cfg)
     spec = {"prompt_tokens": 120, "max_tokens": 40, "stream": True, "timeout_s": 60.0}
     try:
@@ -211,7 +214,7 @@ async def test_overload_soak_at_twice_capacity(tmp_path: Path, duration: float) 
         assert not await untimed_keys(r, "tiny")
         lines = [
             curve.row("Redis used_memory MiB", curve.redis_mb),
-            curve.row("samples stream MiB", curve.samples_mb),
+            curve.row("capped streams MiB", curve.streams_mb),
             *[curve.row(f"{n} RSS MiB", v) for n, v in curve.rss_mb.items()],
             *[
                 curve.row(f"queue {c} (cap {QUEUE_CAP})", [float(x) for x in v])
@@ -229,7 +232,7 @@ async def test_overload_soak_at_twice_capacity(tmp_path: Path, duration: float) 
         if out := os.environ.get("QOS_SOAK_OUT"):
             write_artifacts(curve, Path(out))
         assert all(max(v) <= QUEUE_CAP for v in curve.queues.values()), curve.queues
-        redis_wo_samples = [a - b for a, b in zip(curve.redis_mb, curve.samples_mb, strict=True)]
+        redis_wo_samples = [a - b for a, b in zip(curve.redis_mb, curve.streams_mb, strict=True)]
         assert bounded(redis_wo_samples, slack=2.0), redis_wo_samples
         for name, v in curve.rss_mb.items():
             assert bounded(v, slack=8.0), (name, v)
