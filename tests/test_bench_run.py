@@ -21,7 +21,7 @@ from limiter import config as config_mod
 from limiter.bench import trace as tr
 from limiter.bench.driver import Record
 from limiter.bench.modes import FIFO_CLASS, MODES, mode_spec, to_toml
-from limiter.bench.report import class_stats, targets, window_tokens
+from limiter.bench.report import class_stats, markdown, targets, window_tokens
 from limiter.bench.runner import BenchParams, redraw, run_bench, speedup_for
 from limiter.config import DEFAULT_CLASSES
 from limiter.loadgen import Result
@@ -163,6 +163,8 @@ def test_smoke_run_writes_every_documented_field(smoke: tuple[dict[str, Any], Pa
     rows = (out / "requests.jsonl").read_text().splitlines()
     assert len(rows) == sum(m["sent"] for m in on_disk["modes"].values())
     assert results["params"]["arrivals"] == on_disk["modes"]["fifo"]["sent"]
+    md = markdown(on_disk)
+    assert "| qos | P0 |" in md and "| fifo | P2 |" in md and "P0 SLO attainment (qos)" in md
 
 
 def test_smoke_run_qos_beats_fifo_on_p0_ttft(smoke: tuple[dict[str, Any], Path]) -> None:

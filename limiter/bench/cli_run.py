@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from pathlib import Path
+from typing import Any
 
 from limiter.bench.modes import MODES
 from limiter.bench.trace import DEFAULT_TRACE
@@ -52,8 +53,8 @@ def _add_run(bsub: argparse._SubParsersAction) -> None:
       help="skip calibration: the pool serves this many requests/s of the mix (required with --url)")
     a("--no-gap-probe", action="store_true", help="skip the P0-gap-during-a-long-prefill probe")
     a("--controller", action="append", default=[], metavar="FIELD=VALUE",
-      help="qos: a [controller] setting for the run, e.g. min_samples=50 (repeatable; default: none, "
-           "the shipped defaults)")
+      help="qos: a [controller] setting for the run, e.g. min_samples=50 or capacity.worker_field= "
+           "(repeatable; default: none, the shipped defaults)")
     a("--out", metavar="DIR", help="write results.json, requests.jsonl, PNG plots and logs here")
     a("--url", help="benchmark an existing stack at this base URL instead (one run, mode 'external')")
     a("--model", help="with --url: the model name (default: the pool 'bench')")
@@ -85,15 +86,7 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
         if not sep or not key:
             raise ConfigError("--key", f"expected CLASS=KEY, got {kv!r}")
         keys[cls] = key
-    controller: dict[str, float] = {}
-    for kv in args.controller:
-        name, sep, value = kv.partition("=")
-        try:
-            controller[name.strip()] = float(value) if "." in value or "e" in value else int(value)
-        except ValueError as exc:
-            raise ConfigError("--controller", f"expected FIELD=NUMBER, got {kv!r}") from exc
-        if not sep:
-            raise ConfigError("--controller", f"expected FIELD=NUMBER, got {kv!r}")
+    controller = controller_overrides(args.controller)
     workers = args.workers if args.workers is not None else (4 if args.engine == "sim" else 1)
     if not 1 <= workers <= 64:
         raise ConfigError("--workers", "must be in [1, 64]")
@@ -107,6 +100,30 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
         gap_probe=not args.no_gap_probe and not args.url, out_dir=args.out,
         url=args.url.rstrip("/") if args.url else None, model=args.model, keys=keys if args.url else {},
         controller=controller)
+
+
+def controller_overrides(items: list[str]) -> dict[str, Any]:
+    """``FIELD=VALUE`` pairs into a ``[controller]`` table; ``capacity.x=`` goes to the nested
+    ``[controller.capacity]``; numbers stay numbers, anything else is a string (checked by the
+    controller's own settings validation when the stack starts)."""
+    out: dict[str, Any] = {}
+    for kv in items:
+        name, sep, raw = kv.partition("=")
+        if not sep or not name.strip():
+            raise ConfigError("--controller", f"expected FIELD=VALUE, got {kv!r}")
+        value: Any = raw
+        for conv in (int, float):
+            try:
+                value = conv(raw)
+                break
+            except ValueError:
+                continue
+        table = out
+        *parents, leaf = name.strip().split(".")
+        for part in parents:
+            table = table.setdefault(part, {})
+        table[leaf] = value
+    return out
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -138,10 +155,18 @@ def _ms(v: float | None) -> str:
 def _add_plot(bsub: argparse._SubParsersAction) -> None:
     p = bsub.add_parser("plot", help="redraw the PNG plots of a finished `qos bench run --out DIR`")
     p.add_argument("dir", help="the run's --out directory (results.json, requests.jsonl)")
+    p.add_argument("--markdown", action="store_true", help="print the run's tables as markdown instead")
     p.set_defaults(func=_plot)
 
 
 def _plot(args: argparse.Namespace) -> int:
+    if args.markdown:
+        import json
+
+        from limiter.bench.report import markdown
+
+        print(markdown(json.loads((Path(args.dir) / "results.json").read_text())), end="")
+        return 0
     from limiter.bench.runner import redraw
 
     for path in redraw(Path(args.dir)):
@@ -163,7 +188,7 @@ def _add_overhead(bsub: argparse._SubParsersAction) -> None:
     a("--concurrency", type=int, default=ov.DEFAULT_CONCURRENCY,
       help=f"closed-loop clients for the throughput phase (default {ov.DEFAULT_CONCURRENCY})")
     a("--rate", type=float, default=None,
-      help="open-loop requests/s for the latency phase (default: half the full path's throughput)")
+      help="open-loop requests/s for the latency phase (default: 0.3 x the full path's throughput)")
     a("--output-tokens", type=int, default=ov.DEFAULT_OUTPUT_TOKENS,
       help=f"max_tokens per request (default {ov.DEFAULT_OUTPUT_TOKENS})")
     a("--workers", type=int, default=1, help="sim workers (default 1)")

@@ -5,8 +5,9 @@ the figures can be redrawn from a finished run's files without running it again.
 
 * ``latency_cdf.png`` -- TTFT and TPOT CDFs, one panel per class, one line per mode;
 * ``ttft_over_time.png`` -- every completed request's TTFT against its send time, per mode;
-* ``rates.png`` -- per mode, the served tokens/s of each class over time; for modes with a
-  controller also the class rates it set (dashed, from the policy) and its decisions;
+* ``rates.png`` -- per mode, the work served for each class over time (weighted tokens/s:
+  prompt + output x out_weight, the unit of the rates); for modes with a controller also
+  the class rates it set (dashed, from the policy), the capacity and its decisions;
 * ``served_share.png`` -- each class's share of the served work (weighted tokens, the unit
   of the buckets and floors) per mode, next to the share offered, with the P2 floor marked.
 """
@@ -107,9 +108,10 @@ def ttft_over_time(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]]
 
 
 def served_series(rows: Sequence[Mapping[str, Any]], mode: str, cls: str, bin_s: float,
-                  horizon_s: float) -> tuple[list[float], list[float]]:
-    """Tokens/s served per ``bin_s`` bin: a prompt's tokens at its first token, the output
-    spread evenly from first to last token."""
+                  horizon_s: float, out_weight: float = 1.0) -> tuple[list[float], list[float]]:
+    """Weighted tokens/s served per ``bin_s`` bin: a prompt's tokens at its first token, the
+    output (x ``out_weight``, the unit of the class rates) spread evenly from first to last
+    token."""
     n = max(1, math.ceil(horizon_s / bin_s))
     bins = [0.0] * n
     for r in rows:
@@ -119,7 +121,7 @@ def served_series(rows: Sequence[Mapping[str, Any]], mode: str, cls: str, bin_s:
         k = int(first // bin_s)
         if 0 <= k < n:
             bins[k] += r["input_tokens"]
-        out = r["output_tokens"]
+        out = r["output_tokens"] * out_weight
         if out <= 0:
             continue
         span = max(last - first, 1e-6)
@@ -144,8 +146,9 @@ def rates(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], path: P
     for i, mode in enumerate(modes):
         ax = axes[i][0]
         m = results["modes"][mode]
+        w = results["params"]["capacity"].get("out_weight", 1.0)
         for cls, color in CLASS_COLORS.items():
-            xs, ys = served_series(rows, mode, cls, bin_s, horizon)
+            xs, ys = served_series(rows, mode, cls, bin_s, horizon, w)
             ax.plot(xs, ys, color=color, label=f"{cls} served")
         timeline = m.get("timeline") or []
         if m.get("controller"):
@@ -162,9 +165,9 @@ def rates(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], path: P
                 if d.get("t_s") is not None:
                     ax.axvline(d["t_s"], color="k", alpha=0.15, lw=0.8)
         ax.axvline(results["params"]["duration_s"], color="k", lw=1, alpha=0.5)
-        ax.set_ylabel("tokens/s")
-        what = "served tokens/s per class; dashed: class rates the controller set" if m.get("controller") \
-            else "served tokens/s per class (no controller)"
+        ax.set_ylabel("weighted tokens/s")
+        what = "served work per class; dashed: class rates the controller set" if m.get("controller") \
+            else "served work per class (no controller)"
         ax.set_title(f"{mode}: {what}", fontsize=10)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="upper right", ncol=2)

@@ -176,7 +176,8 @@ def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
         g = _get(results, mode, "gap_probe")
         if g:
             rc = g.get("ratio_client")
-            add(f"P0 max gap during long prefill / alone, client ({mode})", _r(rc, 2), "<= 1.5",
+            ref = "" if mode == "qos" else ", for reference"
+            add(f"P0 max gap during long prefill / alone, client ({mode}{ref})", _r(rc, 2), "<= 1.5",
                 None if rc is None else rc <= 1.5, mode == "qos")
     return out
 
@@ -222,3 +223,49 @@ def targets_table(rows: Sequence[Mapping[str, Any]], load: float) -> Table:
             met = "[dim]-[/]" if "for reference" in r["target"] else "[dim]other load[/]"
         t.add_row(r["target"], _fmt(r["value"]), r["goal"], met)
     return t
+
+
+# --- markdown (for docs/benchmarks.md and the README) ----------------------------------------------
+
+def _md(v: Any, pct: bool = False) -> str:
+    return _fmt(v, pct).replace("[dim]", "").replace("[/]", "")
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    """The run's per-mode tables, gap probes and targets as GitHub markdown."""
+    p = results["params"]
+    cap = p["capacity"]
+    label = " (SIMULATED GPU)" if p["engine"] == "sim" else " (real compute, CPU)"
+    out = [f"engine **{p['engine']}**{label}, "
+           f"load {p['load']:g}x of {cap['weighted_tokens_s']:,.0f} weighted tokens/s "
+           f"({cap['requests_s']:.2f} req/s, {cap['source']}; output token = {cap['out_weight']:g}), "
+           f"{p['workers']} workers (token budget {p['token_budget']}, max_seqs {p['max_seqs']}), "
+           f"{p['arrivals']} arrivals in {p['duration_s']:g} s, seed {p['seed']}", ""]
+    out += ["| mode | class | sent | ok | 429 | 503 | failed | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+            "| max gap | SLO att. | max queue wait | work share |", "|---|---|" + "---:|" * 13]
+    for mode, m in results["modes"].items():
+        for cls, s in m["classes"].items():
+            out.append(f"| {mode} | {cls} | {s['sent']} | {s['completed']} | {s['rejected_429']} | "
+                       f"{s['rejected_503']} | {s['failed']} | {_md(s['ttft_p50_ms'])} | "
+                       f"{_md(s['ttft_p99_ms'])} | {_md(s['tpot_p50_ms'])} | {_md(s['tpot_p99_ms'])} | "
+                       f"{_md(s['max_gap_ms'])} | "
+                       f"{_md(s['slo_attainment'], True)} | {_md(s['max_queue_wait_ms'])} | "
+                       f"{_md(s.get('served_work_share'), True)} |")
+    out += ["", "| mode | throughput, tokens/s | weighted tokens/s | of capacity | completed "
+            "| P0 gap alone → during a long prefill (client) | (worker) |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for mode, m in results["modes"].items():
+        g = m.get("gap_probe") or {}
+        gap = (f"{_md(g.get('alone_client_ms'))} → {_md(g.get('during_client_ms'))} ms "
+               f"({_md(g.get('ratio_client'))}x)") if g else "-"
+        wgap = (f"{_md(g.get('alone_worker_ms'))} → {_md(g.get('during_worker_ms'))} ms "
+                f"({_md(g.get('ratio_worker'))}x)") if g else "-"
+        out.append(f"| {mode} | {_md(m['throughput_tokens_s'])} | {_md(m['throughput_work_s'])} | "
+                   f"{_md(m.get('utilisation'), True)} | {m['completed']}/{m['sent']} | {gap} | {wgap} |")
+    out += ["", "| target | measured | goal | met |", "|---|---:|---|---|"]
+    for t in results["targets"]:
+        met = {True: "yes", False: "**no**", None: "n/a"}[t["met"]]
+        if t["met"] is None and not t["applies_at_this_load"] and t["value"] is not None:
+            met = "-" if "for reference" in t["target"] else "(other load)"
+        out.append(f"| {t['target']} | {_md(t['value'])} | {t['goal']} | {met} |")
+    return "\n".join(out) + "\n"
