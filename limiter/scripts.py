@@ -218,9 +218,10 @@ class Scripts:
         raise ScriptError(f"admit: unexpected reply {reply!r}")
 
     async def claim(self, keys: PoolKeys, worker_id: str, max_requests: int, token_budget: int = 0,
-                    lease_ms: int = 0) -> ClaimResult:
+                    lease_ms: int = 0, above_class: str = "") -> ClaimResult:
+        """``above_class``: only claim classes ranked strictly above it ('' = any class)."""
         reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, token_budget,
-                                                              lease_ms])
+                                                              lease_ms, above_class])
         out = []
         for e in reply[1:]:
             out.append(Claimed(

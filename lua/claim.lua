@@ -9,6 +9,9 @@
 -- ARGV[3] token_budget   integer >= 0: the worker's free KV room in tokens; a request
 --                        needs input_tokens + max_tokens. 0 = no token limit.
 -- ARGV[4] lease_ms       integer >= 0, 0 = the pool's lease_ms
+-- ARGV[5] above_class    optional class name: only classes ranked strictly above it are
+--                        claimed (a full worker's look-ahead for work that would preempt
+--                        what it holds); '' or absent = every class
 --
 -- Floors: served cost per class decays with half-life floor_half_life_ms; a backlogged
 -- class whose served cost is below floor x the decayed total by more than floor_quantum
@@ -31,8 +34,22 @@ local function main()
   local max_requests = arg_int(ARGV[2], 'max_requests', 1, 1024)
   local token_budget = arg_int(ARGV[3], 'token_budget', 0, 1e12)
   local lease_ms = arg_int(ARGV[4], 'lease_ms', 0, 3600000)
+  local above_class = ARGV[5] or ''
+  if above_class ~= '' then above_class = arg_name(above_class, 'above_class') end
   local p = load_policy(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
+  -- classes this claim may hand out: all, or those ranked above above_class
+  local eligible = {}
+  if above_class == '' then
+    for _, cls in ipairs(p.classes) do eligible[cls] = true end
+  else
+    local known = false
+    for _, cls in ipairs(p.classes) do
+      if cls == above_class then known = true break end
+      eligible[cls] = true
+    end
+    if not known then fail('BADARG', 'above_class: unknown class ' .. above_class) end
+  end
   local now = now_ms()
 
   expire_overdue(p, now, 100)
@@ -65,14 +82,14 @@ local function main()
     local pick, best = nil, 0
     for _, cls in ipairs(p.classes) do
       local floor = p.class[cls].floor or 0
-      if backlog[cls] > 0 and floor > 0 then
+      if eligible[cls] and backlog[cls] > 0 and floor > 0 then
         local deficit = floor * total - served[cls]
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
     if pick == nil then
       for _, cls in ipairs(p.classes) do
-        if backlog[cls] > 0 then pick = cls break end
+        if eligible[cls] and backlog[cls] > 0 then pick = cls break end
       end
     end
     if pick == nil then break end

@@ -59,6 +59,19 @@ async def test_no_floor_without_backlog_strict_priority(scripts, pool):
     assert got.requests[0].cls == "P0"
 
 
+async def test_above_class_claims_only_classes_ranked_above_it(scripts, pool):
+    """A full worker's look-ahead: with above_class it takes only work that would preempt."""
+    for rid, cls in (("low", "P2"), ("mid", "P1")):
+        await admit(scripts, pool, cls=cls, request_id=rid, input_tokens=1, max_tokens=1)
+    assert (await scripts.claim(pool, "w1", 5, above_class="P1")).requests == []
+    assert (await scripts.claim(pool, "w1", 5, above_class="P0")).requests == []
+    await admit(scripts, pool, cls="P0", request_id="top", input_tokens=1, max_tokens=1)
+    got = await scripts.claim(pool, "w1", 5, above_class="P2")
+    assert [c.request_id for c in got.requests] == ["top", "mid"]
+    got = await scripts.claim(pool, "w1", 5, above_class="")
+    assert [c.request_id for c in got.requests] == ["low"]
+
+
 async def test_token_budget_limits_what_a_worker_takes(scripts, pool):
     for i in range(5):
         await admit(scripts, pool, cls="P1", request_id=f"b{i}", input_tokens=300, max_tokens=100)

@@ -141,3 +141,51 @@ async def test_a_redis_restart_is_survived_and_the_pool_recreated(tmp_path: Path
     finally:
         await r.aclose()
         srv.stop()
+
+
+async def test_a_request_reclaimed_by_the_same_worker_after_its_lease_expired_resumes(env) -> None:
+    """Redis out of reach for longer than the lease: the lease expires, ``claim`` requeues the
+    request and may hand it straight back to the same worker at the next attempt. The worker
+    drops its stale sequence and resumes from what Redis recorded (it used to crash on
+    'already scheduled')."""
+    cfg, c = env
+    # pushes (which extend the lease) only every 5 s after the first token
+    async with worker(cfg, engine="sim", time_scale=1.0, flush_ms=5000, flush_tokens=100000) as rt:
+        rid = await c.admit("lease expires under me", max_tokens=400)
+        await c.wait_tokens(rid, 1)
+        deadline = time.monotonic() + 5
+        while (rec := await c.record(rid))["attempts"] != "2":
+            assert time.monotonic() < deadline and rec["state"] in ("leased", "queued"), rec
+            if rec["state"] == "leased":
+                # what a long outage leaves behind: the lease expired and the reaper requeued
+                # the request (again, should a lease renewal have come first)
+                await c.client.zadd(c.keys.leases, {rid: 1})
+                await c.scripts.reap(c.keys)
+            await asyncio.sleep(0.02)
+        await c.wait([rid], timeout=20)
+        assert not rt.draining.is_set()  # still serving: the loop did not die
+    a = c.answers[rid]
+    assert a.done is not None and a.done["fin"] == "length" and a.tokens == 400, a
+    assert a.text == sim_text("lease expires under me", 0, 400) and set(a.attempts) == {1, 2}
+    assert [s["outcome"] for s in await c.samples() if s["request_id"] == rid] == ["ok"]
+
+
+async def test_a_full_worker_claims_a_new_p0_past_its_lower_class_look_ahead(env) -> None:
+    """One slot running P1, the look-ahead slot holding P2: a P0 queued now is claimed anyway
+    (above_class) and preempts the P1, instead of waiting for both to finish."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=1.0, max_seqs=1, claim_ahead=1, flush_tokens=1):
+        p1 = await c.admit("long P1", cls="P1", max_tokens=300)
+        await c.wait_tokens(p1, 3)
+        p2 = await c.admit("batch P2", cls="P2", max_tokens=300)
+        await wait_state(c, p2, ("leased",))  # claimed ahead, waiting for the only slot
+        t0 = time.monotonic()
+        p0 = await c.admit("urgent P0", cls="P0", max_tokens=5)
+        await c.wait([p0], timeout=10)
+        p0_took = time.monotonic() - t0
+        assert not c.answers[p1].finished and not c.answers[p2].finished
+        await c.wait([p1, p2], timeout=30)
+    assert c.answers[p0].done["fin"] == "length" and c.answers[p0].tokens == 5
+    assert c.answers[p1].tokens == 300 and c.answers[p1].text == sim_text("long P1", 0, 300)
+    print(f"\n[look-ahead] P0 answered {p0_took * 1000:.0f} ms after it was queued (P1 needs ~3 s)")
+    assert p0_took < 1.5

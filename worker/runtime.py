@@ -201,9 +201,11 @@ class WorkerRuntime:
                 log.exception("%s failed", name)
 
     # --- claiming -----------------------------------------------------------------------------
-    async def claim(self, max_requests: int, token_budget: int) -> list[Delivery]:
-        """Pull up to ``max_requests`` requests that fit ``token_budget`` (0 = no limit)."""
-        res = await self.scripts.claim(self.keys, self.worker_id, max_requests, token_budget, self.lease_ms)
+    async def claim(self, max_requests: int, token_budget: int, above_class: str = "") -> list[Delivery]:
+        """Pull up to ``max_requests`` requests that fit ``token_budget`` (0 = no limit), of
+        classes ranked above ``above_class`` only when it is given."""
+        res = await self.scripts.claim(self.keys, self.worker_id, max_requests, token_budget, self.lease_ms,
+                                       above_class)
         t = time.monotonic()
         self._clock_offset_ms = res.now_ms - time.time() * 1000
         out = []

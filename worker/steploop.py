@@ -6,8 +6,10 @@ One iteration, between engine steps:
 2. pull: if the batch has room, ``claim`` as much as fits (free slots -> ``max_requests``,
    free KV tokens -> ``token_budget``), highest class first (the claim script decides).
    When full, up to ``claim_ahead`` more are held so that newly arrived higher-class work
-   reaches the GPU's scheduler, which pauses a lower-class sequence for it. With nothing to
-   do, block on ``BLPOP wake`` (~1 s timeout) instead of polling;
+   reaches the GPU's scheduler, which pauses a lower-class sequence for it; once those are
+   held, one more is claimed only of a class above every waiting one (``above_class``), so
+   a P0 never waits behind a look-ahead slot taken by a P2. With nothing to do, block on
+   ``BLPOP wake`` (~1 s timeout) instead of polling;
 3. one :class:`~worker.scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
    engine step, EOS / max_tokens / stop-string detection);
 4. send, concurrently, every due token push and every completion of this step, plus one
@@ -26,6 +28,7 @@ from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
 from worker.batching import Limits
+from worker.busy_meter import BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.runtime import WorkerRuntime
@@ -48,10 +51,9 @@ class StepLoop:
         self._next_claim = 0.0  # monotonic time before which no claim is made
         # heartbeat figures, over the interval since the last heartbeat
         self._gen_tokens = 0
-        self._work = 0.0  # weighted tokens processed (prefill x weight + generated x out_weight)
         self._step_time = 0.0
         self._steps = 0
-        self._full_time = 0.0  # seconds of full steps: the denominator of capacity_tokens_s
+        self._busy = BusyMeter()  # capacity_tokens_s of the heartbeat
         self._last_stats_t = time.monotonic()
         self._last_step_ms = 0.0
         rt.on_lost = self._lost.update
@@ -111,10 +113,18 @@ class StepLoop:
         held = len(self.rt.held)
         slots = s.max_seqs - held
         kv_free = self.kv_capacity - self._reserved()
+        above = ""
+        waiting = self.sched.waiting
         if slots > 0 and kv_free > 0:
             n, budget = slots, kv_free
-        elif len(self.sched.waiting) < s.claim_ahead:
+        elif len(waiting) < s.claim_ahead:
             n, budget = 1, self.kv_capacity  # look-ahead: a higher class may preempt
+        elif s.claim_ahead > 0 and (best := min(w.class_rank for w in waiting)) > 0:
+            # The look-ahead slots hold lower-class work: a newly queued request of a class
+            # above all of it would otherwise wait for a slot to free. Claim only such a
+            # class, so each extra claim raises the best waiting class (bounded hoarding).
+            n, budget = 1, self.kv_capacity
+            above = self.rt.cfg.class_names()[best] if best < len(self.rt.cfg.classes) else ""
         else:
             return
         now = time.monotonic()
@@ -126,7 +136,7 @@ class StepLoop:
                 return
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
-        got = await self.rt.claim(n, budget)
+        got = await self.rt.claim(n, budget, above)
         if got:
             self._empty_claims, self._next_claim = 0, 0.0
             for d in got:
@@ -141,6 +151,13 @@ class StepLoop:
 
     async def _start(self, d: Delivery) -> None:
         c, p = d.claimed, d.payload
+        if c.request_id in self.sched:
+            # Our own lease on an earlier attempt expired (Redis was out of reach longer than
+            # the lease) and claim handed the request back to us: that sequence is stale, the
+            # new attempt resumes from what Redis recorded as delivered.
+            self.sched.remove(c.request_id)
+            log.info("%s: re-claimed at attempt %d after our lease expired; restarting from token %d",
+                     c.request_id, c.attempt, c.delivered)
         max_tokens = min(p.max_tokens, c.max_tokens)
         done = resume_finish_reason(c.generated, max_tokens, self.engine.eos_id)
         if done is not None:  # the last attempt died between its final push and complete
@@ -176,19 +193,18 @@ class StepLoop:
         self._gen_tokens += len(res.produced)
         self._step_time += res.duration_s
         held = self.rt.held
-        # Capacity is what the engine does when it is full: a lightly loaded step (one short
-        # request) runs far below it, and counting it would tell the controller the GPU is
-        # slow. Only steps that fill half the token budget or half the batch count.
         plan = res.plan
-        if plan.num_tokens * 2 >= self.limits.token_budget or \
-                (len(plan.decode) + len(plan.prefill)) * 2 >= self.limits.max_seqs:
-            self._full_time += res.duration_s
+        full = plan.num_tokens * 2 >= self.limits.token_budget or \
+            (len(plan.decode) + len(plan.prefill)) * 2 >= self.limits.max_seqs
+        work = 0.0
+        if full:  # weighted tokens: prefill x weight + generated x out_weight
             for chunk in plan.prefill:
                 if (d := held.get(chunk.request_id)) is not None:
-                    self._work += chunk.length * self.rt.weights(d.claimed.cls)[0]
+                    work += chunk.length * self.rt.weights(d.claimed.cls)[0]
             for rid in res.produced:
                 if (d := held.get(rid)) is not None:
-                    self._work += self.rt.weights(d.claimed.cls)[1]
+                    work += self.rt.weights(d.claimed.cls)[1]
+        self._busy.step(res.start, res.end, full=full, work=work)
         self._steps += 1
         self._last_step_ms = res.duration_s * 1e3
         t = time.monotonic() - (time.perf_counter() - res.end)  # the step's end, monotonic clock
@@ -273,15 +289,14 @@ class StepLoop:
     # --- heartbeat -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures since the last heartbeat. ``capacity_tokens_s`` is the weighted
-        tokens processed per second of *full* engine steps (0 = no full step, no measurement):
-        what the controller's capacity estimator sums over live workers."""
+        tokens per busy second (worker/busy_meter.py; 0 = no full step, no measurement): what
+        the controller's capacity estimator sums over live workers."""
         now = time.monotonic()
         dt = max(now - self._last_stats_t, 1e-9)
         tokens_s = self._gen_tokens / dt
         step_ms = self._step_time / self._steps * 1e3 if self._steps else self._last_step_ms
-        capacity = self._work / self._full_time if self._full_time > 0 else 0.0
-        self._gen_tokens, self._work, self._step_time, self._steps, self._last_stats_t = 0, 0.0, 0.0, 0, now
-        self._full_time = 0.0
+        capacity = self._busy.take()
+        self._gen_tokens, self._step_time, self._steps, self._last_stats_t = 0, 0.0, 0, now
         running = self.sched.running
         kv_used = self.sched.kv_used
         return {"batch_size": len(running), "running": len(running), "waiting": len(self.sched.waiting),
