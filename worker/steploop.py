@@ -12,8 +12,11 @@ One iteration, between engine steps:
    ``BLPOP wake`` (~1 s timeout) instead of polling;
 3. one :class:`~worker.scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
    engine step, EOS / max_tokens / stop-string detection);
-4. send, concurrently, every due token push and every completion of this step, plus one
-   ``SMISMEMBER cancels`` over the held ids, so a cancelled request stops within one step.
+4. send, concurrently, every due token push and every completion of this step, plus (at
+   most every ``flush_ms``) one ``SMISMEMBER cancels`` over the held ids not pushed now, so
+   a cancelled request stops within ``flush_ms`` and a step or two. These calls run while
+   the *next* step computes (they are awaited before that step's own calls), so Redis round
+   trips stay off the GPU's critical path.
 
 An engine error fails the requests the engine held (it cannot be trusted with them) and
 the loop goes on. Redis outages back off and retry; nothing generated is dropped meanwhile.
@@ -54,6 +57,11 @@ class StepLoop:
         self._step_time = 0.0
         self._steps = 0
         self._busy = BusyMeter()  # capacity_tokens_s of the heartbeat
+        # The last step's pushes, completions and cancel check, running while the next step
+        # computes (Redis round trips off the step's critical path); awaited before the next
+        # step's calls are made, so one request's calls never overlap.
+        self._io: asyncio.Task[None] | None = None
+        self._cancel_checked = 0.0  # monotonic time of the last SMISMEMBER cancels
         self._last_stats_t = time.monotonic()
         self._last_step_ms = 0.0
         rt.on_lost = self._lost.update
@@ -72,6 +80,7 @@ class StepLoop:
                     fresh = [s.request_id for s in self.sched.waiting if len(s.generated) == s.resumed_tokens]
                     await self.rt.guard("release", self._release(fresh))
                 if not self.rt.held:
+                    await self.rt.guard("worker", self._settle_io())  # a last cancel check
                     return
                 if self.rt.drain_expired:
                     # What cannot be handed back now (Redis down) requeues when its lease expires.
@@ -80,11 +89,15 @@ class StepLoop:
             await self.rt.guard("worker", self._iteration())
 
     async def _iteration(self) -> None:
+        if self._io is not None and self._io.done():
+            await self._settle_io()  # its outage, if any, backs the loop off (rt.guard)
         await self._apply_signals()
-        await self._retry_finals()
+        if self._io is None:  # else a completion may be in flight: not a final to retry
+            await self._retry_finals()
         if not self.rt.draining.is_set():
             await self._pull()
         if not len(self.sched):
+            await self._settle_io()  # nothing to step: let the last calls land (and not spin)
             return
         try:
             res = await self.sched.step()
@@ -211,19 +224,39 @@ class StepLoop:
         for rid in res.produced:
             if rid in held:
                 held[rid].note_tokens(1, t)
-        calls: dict[str, Any] = {}
+        finishing: list[Delivery] = []
         for rid, em in res.emissions.items():
             d = held.get(rid)
             if d is None:
                 continue
             d.add(em.token_ids, em.text, t)
             if em.finish_reason is not None:
-                calls[rid] = self.rt.finish(d, "ok", em.finish_reason)
+                d.final = ("ok", em.finish_reason, "")  # should its call never land: _retry_finals
+                finishing.append(d)
+        await self._settle_io()  # the previous step's calls: normally done while this step ran
+        calls: dict[str, Any] = {d.request_id: self.rt.finish(d, *d.final) for d in finishing if d.final}
         now, step = time.monotonic(), res.duration_s
         for rid, d in held.items():
             if rid not in calls and d.final is None and d.due(now, s.flush_ms, s.flush_tokens, step):
                 calls[rid] = self.rt.push(d)
-        live = [rid for rid, d in held.items() if rid not in calls and d.final is None]
+        # Every push's reply says whether its client cancelled; the requests not pushing now
+        # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
+        # takes well under a millisecond: per step it was most of the Redis commands per request).
+        live: list[str] = []
+        if now - self._cancel_checked >= s.flush_ms / 1e3:
+            live = [rid for rid, d in held.items() if rid not in calls and d.final is None]
+            self._cancel_checked = now
+        self._io = asyncio.create_task(self._send(calls, live), name="step-io")
+
+    async def _settle_io(self) -> None:
+        """Wait for the last step's Redis calls; raises their outage, if any."""
+        io, self._io = self._io, None
+        if io is not None:
+            await io
+
+    async def _send(self, calls: dict[str, Any], live: list[str]) -> None:
+        """One step's pushes and completions plus the cancel check, concurrently; what they
+        learn (cancelled, lease lost) is applied at the next iteration."""
         results = await asyncio.gather(*calls.values(), self.rt.cancelled(live), return_exceptions=True)
         outage: BaseException | None = None
         for rid, r in zip(calls, results, strict=False):
@@ -238,12 +271,15 @@ class StepLoop:
             outage = cancelled
         else:
             self._stop.update(cancelled)
-        await self._apply_signals()
         if outage is not None:
             raise outage
 
     async def _apply_signals(self) -> None:
-        """Drop lost requests; cancel the ones whose client went away (within one step)."""
+        """Drop lost requests; cancel the ones whose client went away (the step after the one
+        whose calls found out)."""
+        if not (self._lost or self._stop):
+            return
+        await self._settle_io()  # a push for one of them may still be in flight
         lost, self._lost = self._lost, set()
         for rid in lost:
             self.sched.remove(rid)
@@ -271,6 +307,7 @@ class StepLoop:
                 raise r
 
     async def _fail_all(self, message: str) -> None:
+        await self._settle_io()
         self.sched.clear()
         calls = []
         for d in list(self.rt.held.values()):
@@ -279,6 +316,7 @@ class StepLoop:
 
     async def _release(self, ids: list[str]) -> None:
         """Hand ``ids`` back (drain); ones already finishing are finished instead."""
+        await self._settle_io()
         calls = []
         for rid in ids:
             self.sched.remove(rid)
