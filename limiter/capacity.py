@@ -6,7 +6,10 @@ reality: workers join and leave, models and prompt mixes change. Two sources, be
 1. **Worker heartbeats.** Each worker reports the weighted tokens/s it processed while busy
    (same units as the rates). Capacity = sum over *live* workers of an EWMA of their
    reports. A worker silent for ``worker_ttl_s`` is gone and its share leaves the sum at
-   once -- the drop is visible the moment it happens, not after an EWMA catches up.
+   once -- the drop is visible the moment it happens, not after an EWMA catches up. A live
+   worker with no measurement yet (it has not been busy: just started, or lightly loaded)
+   counts at the mean of the measured ones, so the first worker to report does not stand
+   for the whole pool (one of four workers reporting used to quarter the estimate at start).
 2. **Samples.** Completed work is bucketed into ``interval_s`` intervals by the sample's
    Redis timestamp. Throughput measured in an interval is only a capacity measurement if
    the pool was *busy* then (otherwise it measures demand): an interval counts as busy
@@ -90,6 +93,7 @@ class CapacityEstimator:
         self.config = config.validate()
         self._interval_ms = config.interval_s * 1000.0
         self._workers: dict[str, _Worker] = {}
+        self._alive: dict[str, float] = {}  # every live worker (measured or not) -> last seen ms
         self._sample_ewma: float | None = None
         self._busy_intervals = 0
         self._index: int | None = None  # interval being filled
@@ -127,9 +131,16 @@ class CapacityEstimator:
             state.ewma += self.config.alpha * (tokens_per_s - state.ewma)
             state.seen_ms = now_ms
 
+    def set_alive(self, workers: Mapping[str, float]) -> None:
+        """The live workers (name -> last heartbeat ms), measured or not; the rest are gone."""
+        self._alive = dict(workers)
+        for name in [n for n in self._workers if n not in self._alive]:
+            del self._workers[name]
+
     def remove_worker(self, worker: str) -> None:
         """A worker said goodbye (clean shutdown): drop it now rather than after the TTL."""
         self._workers.pop(worker, None)
+        self._alive.pop(worker, None)
 
     def advance(self, now_ms: float) -> None:
         """Close intervals that ended before ``now_ms`` (idle time counts) and expire workers."""
@@ -139,6 +150,8 @@ class CapacityEstimator:
         ttl_ms = self.config.worker_ttl_s * 1000.0
         for name in [n for n, w in self._workers.items() if now_ms - w.seen_ms > ttl_ms]:
             del self._workers[name]
+        for name in [n for n, seen in self._alive.items() if now_ms - seen > ttl_ms]:
+            del self._alive[name]
 
     def _close_until(self, index: int) -> None:
         assert self._index is not None
@@ -166,7 +179,9 @@ class CapacityEstimator:
         busy = self._busy_intervals
         if self._workers:
             total = sum(w.ewma for w in self._workers.values())
-            return CapacityEstimate(total, "workers", len(self._workers), busy)
+            unmeasured = sum(1 for n in self._alive if n not in self._workers)
+            total += unmeasured * total / len(self._workers)
+            return CapacityEstimate(total, "workers", len(self._workers) + unmeasured, busy)
         if self._sample_ewma is not None and busy >= self.config.min_busy_intervals:
             return CapacityEstimate(self._sample_ewma, "samples", 0, busy)
         return CapacityEstimate(self.config.initial, "initial", 0, busy)

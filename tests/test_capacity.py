@@ -73,6 +73,26 @@ def test_workers_win_and_follow_joins_and_leaves() -> None:
     assert est.estimate().source == "samples"
 
 
+def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None:
+    """At start only some workers have been busy yet: one of four reporting must not quarter
+    the pool's capacity (it throttled every class for the first seconds of a run)."""
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0))
+    est.set_alive({"w1": 1000.0, "w2": 1000.0, "w3": 1000.0, "w4": 1000.0})
+    assert est.estimate(1000.0).source == "initial"  # nobody measured yet
+    est.observe_worker("w1", 10_000.0, 1000.0)
+    e = est.estimate(1000.0)
+    assert (e.value, e.source, e.live_workers) == (40_000.0, "workers", 4)
+    est.observe_worker("w2", 6_000.0, 1000.0)
+    assert est.estimate(1000.0).value == pytest.approx(16_000.0 + 2 * 8_000.0)
+    est.set_alive({"w1": 2000.0, "w2": 2000.0})  # w3 and w4 left the heartbeat set
+    assert est.estimate(2000.0).value == pytest.approx(16_000.0)
+    est.set_alive({"w1": 3000.0, "w2": 3000.0, "w5": 3000.0})
+    est.observe_worker("w1", 10_000.0, 13_000.0)
+    # w2's measurement is older than the TTL: it still heartbeats (alive), so it counts at the mean
+    est.set_alive({"w1": 13_000.0, "w2": 13_000.0})
+    assert est.estimate(13_000.0).value == pytest.approx(20_000.0)
+
+
 def test_work_counts_what_the_pool_actually_did() -> None:
     est = CapacityEstimator(CapacityConfig(initial=1.0, weights={"P2": (0.5, 2.0)}))
     assert est.work(done(0.0, "P0", (600, 400))) == 1000.0

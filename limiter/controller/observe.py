@@ -45,13 +45,15 @@ async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list
     for gone in [w for w in term.workers if w not in live]:
         term.estimator.remove_worker(gone)
         del term.workers[gone]
-    todo = []
+    todo, alive = [], {}
     for w, seen in live.items():
         try:
             if term.workers.get(w) != seen:
                 todo.append((w, seen, keys.worker(w)))
         except InvalidName:  # not a worker this system wrote
             continue
+        alive[w] = seen
+    term.estimator.set_alive(alive)  # unmeasured live workers count at the measured mean
     if not todo:
         return
     async with client.pipeline(transaction=False) as pipe:
