@@ -110,6 +110,8 @@ class CapacityEstimator:
         return (sample.input_tokens * w_in if prefilled else 0.0) + sample.output_tokens * w_out
 
     def observe_sample(self, sample: Sample) -> None:
+        if sample.outcome == "rejected":
+            return  # turned away at admission: no work done, no evidence the pool was busy
         index = int(sample.ts_ms // self._interval_ms)
         if self._index is None:
             self._index = index

@@ -46,7 +46,7 @@ class ControlConfig:
     cooldown_s: float = 5.0
     settle_s: float = 2.5  # samples finishing this soon after a change are not evidence of it
     window: int = 1000  # SLO window size the role builds (samples)
-    min_samples: int = 200  # fresh samples needed before a class's compliance is judged
+    min_samples: int = 100  # fresh samples needed before a class's compliance is judged
     burst_s: float = 0.5
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
     capacity_deadband: float = 0.05  # capacity moves smaller than this are ignored

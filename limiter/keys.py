@@ -23,6 +23,7 @@ ROOT = "qos"
 # Consumer group of the controllers on each pool's samples stream (``XINFO GROUPS``). Only
 # the leading controller reads through it; see docs/controller.md.
 SAMPLES_GROUP = "controller"
+SAMPLES_MAXLEN = 100_000  # the samples stream's approximate cap (the scripts use the same)
 
 
 def check_name(kind: str, value: object) -> str:

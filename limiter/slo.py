@@ -12,7 +12,9 @@ last ``max_age_s`` seconds so an idle class's verdict does not live forever.
 Judging (see :meth:`ClassSLO.judge`):
 
 * ``cancelled`` samples are ignored: the client left, the system did not fail it.
-* ``expired`` and ``failed`` samples are violations: the request got no answer in time.
+* ``expired``, ``failed`` and ``rejected`` samples are violations: the request got no
+  answer in time, or none at all (a 429 of the class budget or a full queue: without these
+  a class could miss its attainment on rejections while its window read ~100 %).
 * ``ok`` samples meet the SLO when every latency the class has a target for is within it
   (TTFT against ``ttft_ms``; the mean time per output token against ``tpot_ms`` -- the mean,
   because the target is about the stream's pace; one slow step shows up in the mean of a
@@ -40,7 +42,9 @@ from dataclasses import dataclass
 from limiter.errors import InvalidArgument
 from limiter.keys import NAME_RE
 
-OUTCOMES = ("ok", "expired", "cancelled", "failed")
+# ``rejected``: turned away at admission by the class budget (429) or a full queue (503);
+# written by the frontend (limiter/frontend/app.py, record_rejection)
+OUTCOMES = ("ok", "expired", "cancelled", "failed", "rejected")
 DEFAULT_WINDOW = 1000
 
 

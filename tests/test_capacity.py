@@ -104,6 +104,15 @@ def test_work_counts_what_the_pool_actually_did() -> None:
     assert est.work(cancelled_streaming) == 630.0
 
 
+def test_rejected_samples_are_neither_work_nor_evidence_of_a_busy_pool() -> None:
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, min_busy_intervals=1))
+    for sec in range(5):  # every rejection "waited" 900 ms for tokens at admission
+        for i in range(20):
+            est.observe_sample(done(sec * 1000.0 + i * 50.0, wait=900.0, outcome="rejected"))
+    est.advance(6000.0)
+    assert est.estimate().source == "initial" and est.served_rate("P0") == 0.0
+
+
 def test_served_rate_per_class_over_recent_intervals() -> None:
     est = CapacityEstimator(CapacityConfig(initial=1.0, rate_intervals=4))
     assert est.served_rate("P0") == 0.0

@@ -153,8 +153,8 @@ def test_a_violation_episode_lasts_until_the_target_is_back() -> None:
 
 
 def test_no_verdict_without_enough_fresh_samples() -> None:
-    d = decide(state(), inputs(p0=(0.10, 150, 0.45), p2=(None, 0, 0.25)), 0.0)
-    assert not d.changed  # 150 < min_samples: a few bad samples are not evidence
+    d = decide(state(), inputs(p0=(0.10, 90, 0.45), p2=(None, 0, 0.25)), 0.0)
+    assert not d.changed  # 90 < min_samples: a few bad samples are not evidence
 
 
 def test_a_class_with_almost_no_load_is_not_the_interference() -> None:

@@ -8,8 +8,10 @@ import asyncio
 import json
 import time
 
+import msgpack
 import pytest
 
+from limiter.slo import decode_sample
 from tests.fake_worker import FakeWorker
 from tests.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
 
@@ -84,6 +86,30 @@ async def test_queue_full_is_503_with_retry_after(client, sync_redis):
     assert err["code"] == "queue_full" and "full" in err["message"]
     assert int(r.headers["Retry-After"]) >= 1
     assert sync_redis.zcard(POOL.queue("P2")) == 0
+
+
+async def test_rejections_by_the_system_leave_a_sample_for_the_controller(redis_server, sync_redis, aredis):
+    """A class-budget 429 and a full queue are SLO misses the controller must count (outcome
+    ``rejected``); a tenant over its own budget is not the system's miss and leaves none."""
+    cfg = make_cfg(redis_server.url, classes=CLASSES, pool={"capacity_tokens_s": 10.0},  # P0: 6/s, burst 3
+                   tenants=[*TENANTS, tenant("tiny-p1", "key-tiny-p1", "P1", rate=1, burst_s=1.0)])
+    async with frontend(cfg) as client, FakeWorker(aredis, POOL, fixed_text="z" * 7):
+        assert (await client.post("/v1/completions", json=SLOW, headers=auth("demo-p0"))).status == 200
+        r = await client.post("/v1/completions", json=SLOW, headers=auth("demo-p0"))
+        assert r.status == 429 and (await r.json())["error"]["code"] == "rate_limit_exceeded"
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
+                              headers=auth("demo-p2"))
+        assert r.status == 503 and (await r.json())["error"]["code"] == "queue_full"
+        assert (await client.post("/v1/completions", json=SLOW, headers=auth("key-tiny-p1"))).status == 200
+        r = await client.post("/v1/completions", json=SLOW, headers=auth("key-tiny-p1"))
+        assert r.status == 429 and "tenant" in (await r.json())["error"]["message"]
+        await _wait_for(lambda: sync_redis.xlen(POOL.samples) >= 2)
+        await asyncio.sleep(0.3)
+    samples = [msgpack.unpackb(f[b"d"], raw=False) for _, f in sync_redis.xrange(POOL.samples)]
+    rejected = [(x["class"], x["tenant"], x["input_tokens"]) for x in samples if x["outcome"] == "rejected"]
+    assert sorted(rejected) == [("P0", "demo-p0", 3), ("P2", "demo-p2", 2)], samples
+    for x in samples:  # every sample, rejected ones included, is one the controller accepts
+        decode_sample(x, ("P0", "P1", "P2"))
 
 
 async def test_queue_timeout_is_503_and_refunds(client, sync_redis):

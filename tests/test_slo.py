@@ -116,6 +116,7 @@ def test_judge_rules() -> None:
     assert p0.judge(sample(ttft=100.0, tpot=None)) is True  # no TPOT: judged on TTFT alone
     assert p0.judge(sample(outcome="expired", ttft=None)) is False
     assert p0.judge(sample(outcome="failed", ttft=10.0)) is False
+    assert p0.judge(sample(outcome="rejected", ttft=None)) is False  # a 429 of the class budget
     assert p0.judge(sample(outcome="cancelled", ttft=9999.0)) is None  # the client left
     assert DEFAULT_SLOS["P2"].judge(sample("P2", ttft=99999.0)) is None
     assert ClassSLO(tpot_ms=30.0).judge(sample(ttft=99999.0, tpot=20.0)) is True

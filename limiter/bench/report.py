@@ -100,6 +100,8 @@ def mode_summary(recs: Sequence[Record], *, classes: Sequence[str], slos: Mappin
     waits: dict[str, list[float]] = {c: [] for c in classes}
     for s in samples:
         cls = tenant_of.get(str(s.get("tenant")))
+        if s.get("outcome") == "rejected":  # turned away at admission: never queued
+            continue
         if cls in waits and isinstance(s.get("queue_wait_ms"), int | float):
             waits[cls].append(float(s["queue_wait_ms"]))
     per = {c: class_stats([r for r in recs if r.arrival.cls == c], slos.get(c), waits[c], out_weight)

@@ -34,6 +34,7 @@ from typing import Any
 
 import aiohttp
 import aiohttp.http_exceptions
+import msgpack
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -57,7 +58,7 @@ from limiter.frontend.auth import CLASS_HEADER, KeyRing, require_admin, resolve_
 from limiter.frontend.metrics import FrontendMetrics
 from limiter.frontend.replies import Heartbeat, Reply, ReplyRouter, dedup, drain_estimate_s
 from limiter.frontend.settings import FrontendSettings
-from limiter.keys import PoolKeys
+from limiter.keys import SAMPLES_MAXLEN, PoolKeys
 from limiter.redis_conn import open_redis
 from limiter.scripts import SCRIPT_NAMES, Admitted, Scripts, policy_document, script_source
 
@@ -219,6 +220,26 @@ class Frontend:
         except Exception as exc:  # claim/reap will catch up once our heartbeat stops
             log.warning("cancel %s (%s) failed: %s", request_id, reason, exc)
 
+    def record_rejection(self, keys: PoolKeys, cls: str, tenant: str, request_id: str, input_tokens: int,
+                         waited_ms: float) -> None:
+        """A request the class budget (429) or a full queue (503) turned away is an SLO miss
+        the controller must see: it gets no latency sample otherwise, and a class could miss
+        its attainment on rejections while its window reads ~100 %. One sample, outcome
+        ``rejected``, written in a task of its own so the client's answer does not wait."""
+        assert self.heartbeat
+        sample = {"v": 1, "pool": keys.pool, "class": cls, "tenant": tenant, "outcome": "rejected",
+                  "request_id": request_id, "worker": "", "input_tokens": input_tokens, "output_tokens": 0,
+                  "queue_wait_ms": 0, "e2e_ms": round(waited_ms), "ts_ms": int(self.heartbeat.redis_now_ms())}
+        task = asyncio.create_task(self._add_sample(keys, msgpack.packb(sample, use_bin_type=True)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _add_sample(self, keys: PoolKeys, data: bytes) -> None:
+        try:
+            await self.client.xadd(keys.samples, {"d": data}, maxlen=SAMPLES_MAXLEN, approximate=True)
+        except Exception as exc:  # a lost sample only blurs the controller's view a little
+            log.warning("rejection sample for %s not written: %s", keys.pool, exc)
+
     def drain_estimate_s(self, pool: str, cls: str, depth: int) -> int:
         rate = self.heartbeat.service_rate(pool, cls) if self.heartbeat else None
         return drain_estimate_s(depth, rate, self.classes[cls].max_wait_ms / 1000)
@@ -306,9 +327,14 @@ class Generation:
                     # Sleep exactly until the bucket holds enough (+1 ms for rounding): no polling.
                     await asyncio.sleep((exc.retry_after_ms + 1) / 1000)
                     continue
+                if exc.bucket != "tenant":  # a tenant over its own budget is not the system's miss
+                    fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
+                                        self.req.prompt_tokens, waited_ms)
                 raise
             except QueueFull as exc:
                 exc.retry_after_ms = 1000 * fe.drain_estimate_s(self.req.pool.name, self.cls, exc.depth)
+                fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
+                                    self.req.prompt_tokens, (self.loop.time() - started) * 1000)
                 raise
             break
         now = self.loop.time()
