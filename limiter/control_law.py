@@ -47,7 +47,9 @@ class ControlConfig:
     settle_s: float = 2.5  # samples finishing this soon after a change are not evidence of it
     window: int = 1000  # SLO window size the role builds (samples)
     min_samples: int = 100  # fresh samples needed before a class's compliance is judged
-    burst_s: float = 0.5
+    burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts / pool_burst_s say otherwise
+    class_bursts: tuple[float, ...] = ()  # per class, seconds of rate (the classes' burst_s); () = burst_s
+    pool_burst_s: float = 0.0  # the pool bucket's burst in seconds of capacity; 0 = burst_s
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
     capacity_deadband: float = 0.05  # capacity moves smaller than this are ignored
     reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
@@ -82,6 +84,9 @@ class ControlConfig:
             ("window", self.window >= 1, "must be >= 1"),
             ("min_samples", 1 <= self.min_samples <= self.window, "must be in [1, window]"),
             ("burst_s", self.burst_s > 0, "must be > 0"),
+            ("class_bursts", not self.class_bursts or (len(self.class_bursts) == n and all(
+                b > 0 for b in self.class_bursts)), f"must be empty or one value > 0 per class ({n})"),
+            ("pool_burst_s", self.pool_burst_s >= 0, "must be >= 0"),
             ("use_threshold", 0 < self.use_threshold <= 1, "must be in (0, 1]"),
             ("capacity_deadband", 0 <= self.capacity_deadband < 1, "must be in [0, 1)"),
             ("reset_load_change", self.reset_load_change > 0, "must be > 0"),
@@ -202,7 +207,8 @@ class Decision:
             out |= {f"{c.name}.rate": c.new.rate, f"{c.name}.burst": c.new.burst}
             out |= {f"{c.name}.ceil": c.new.ceil, f"{c.name}.ceil_burst": c.new.ceil_burst}
         out["capacity"] = self.capacity
-        out["pool_burst"] = self.capacity * self.state.config.burst_s
+        config = self.state.config
+        out["pool_burst"] = self.capacity * (config.pool_burst_s or config.burst_s)
         return out
 
     def record(self) -> dict[str, object]:
@@ -244,10 +250,11 @@ def _check_positive(name: str, value: float) -> None:
 def _rates(config: ControlConfig, capacity: float, allowances: list[float]) -> dict[str, ClassRates]:
     guarantees = [min(a, s) for a, s in zip(allowances, config.shares, strict=True)]
     guarantees[0] = max(0.0, min(allowances[0], 1.0 - sum(guarantees[1:])))
+    bursts = config.class_bursts or (config.burst_s,) * len(config.classes)
     out = {}
-    for name, g, a in zip(config.classes, guarantees, allowances, strict=True):
+    for name, g, a, b in zip(config.classes, guarantees, allowances, bursts, strict=True):
         rate, ceil = g * capacity, a * capacity
-        out[name] = ClassRates(rate, rate * config.burst_s, ceil, ceil * config.burst_s)
+        out[name] = ClassRates(rate, rate * b, ceil, ceil * b)
     return out
 
 

@@ -152,6 +152,19 @@ def test_a_violation_episode_lasts_until_the_target_is_back() -> None:
     assert not d.changed and reasons(d) == ("hold", "hold", "hold")
 
 
+def test_written_bursts_are_per_class_seconds_of_the_new_rates() -> None:
+    law = dataclasses.replace(ControlConfig(), class_bursts=(2.0, 1.0, 4.0), pool_burst_s=3.0).validate()
+    d = decide(state(cfg=law), inputs(p2=(None, 0, 0.25), capacity=C / 2), 0.0)
+    assert d.changed  # capacity halved: every rate is rewritten
+    f = d.policy_fields()
+    for name, b in zip(law.classes, law.class_bursts, strict=True):
+        assert f[f"{name}.burst"] == pytest.approx(f[f"{name}.rate"] * b)
+        assert f[f"{name}.ceil_burst"] == pytest.approx(f[f"{name}.ceil"] * b)
+    assert f["pool_burst"] == pytest.approx(f["capacity"] * 3.0)
+    with pytest.raises(ConfigError, match="class_bursts"):
+        dataclasses.replace(law, class_bursts=(1.0,)).validate()
+
+
 def test_no_verdict_without_enough_fresh_samples() -> None:
     d = decide(state(), inputs(p0=(0.10, 90, 0.45), p2=(None, 0, 0.25)), 0.0)
     assert not d.changed  # 90 < min_samples: a few bad samples are not evidence

@@ -171,3 +171,29 @@ async def test_worker_heartbeats_move_the_capacity_and_every_rate_follows(aredis
     assert pc.term.estimator.estimate().live_workers == 1
     assert decision.changed and decision.capacity == pytest.approx(15000.0)
     assert float(await aredis.hget(pool.policy, "P1.rate")) == pytest.approx(0.35 * 15000.0)
+
+
+async def test_rejections_count_against_a_class_only_inside_its_guarantee(aredis, pool, cfg):
+    """A class turned away while it used less than its guaranteed rate was failed by the system
+    (counted: the law protects it); one turned away over its guarantee is overload ending as
+    designed (not counted, or the law would cut it for its own excess). Neither is work."""
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    term = pc.term
+    assert term is not None
+    await pc.tick(term)  # no traffic yet: every class used less than its guarantee
+    assert term.within_guarantee == {"P0": True, "P1": True, "P2": True}
+    now = await redis_ms(aredis)
+    rejected = {"outcome": "rejected", "output_tokens": 0, "queue_wait_ms": 0, "e2e_ms": 900}
+    for k in ("ttft_ms", "tpot_mean_ms", "tpot_max_ms"):
+        rejected[k] = None
+    await push(aredis, pool, [sample("P0", now) for _ in range(10)])
+    await push(aredis, pool, [sample("P0", now) | rejected for _ in range(10)])
+    await pc.consume_once(term)
+    w = term.monitor.stats(now)["P0"]
+    assert (w.count, w.met) == (20, 10)
+    assert term.usage.mean_work("P0") == pytest.approx(200 + 100)  # the rejections did no work
+    term.within_guarantee["P1"] = False  # P1 over its guaranteed rate
+    await push(aredis, pool, [sample("P1", now) | rejected for _ in range(5)])
+    await pc.consume_once(term)
+    assert term.monitor.stats(now)["P1"].count == 0 and term.consumed == 25

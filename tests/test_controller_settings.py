@@ -38,6 +38,19 @@ def test_the_table_and_the_flags_are_merged():
     assert s.control_config(cfg).floors == (0.2, 0.1, 0.01)
 
 
+def test_the_rates_written_keep_the_configured_bursts():
+    """The controller rescales rates, not the bursts the operator chose: each class keeps its
+    burst_s and the pool its pool_burst_s, unless [controller] burst_s overrides them all."""
+    cfg = demo_config()
+    cfg = dataclasses.replace(cfg, classes=tuple(dataclasses.replace(c, burst_s=b)
+                                                 for c, b in zip(cfg.classes, (2.0, 1.0, 4.0), strict=True)))
+    pool = dataclasses.replace(cfg.pool("tiny"), pool_burst_s=3.0)
+    law = load_settings(cfg, {"controller_id": "c1"}).control_config(cfg, pool)
+    assert (law.class_bursts, law.pool_burst_s) == ((2.0, 1.0, 4.0), 3.0)
+    law = load_settings(cfg, {"controller_id": "c1", "burst_s": 0.5}).control_config(cfg, pool)
+    assert (law.class_bursts, law.burst_s, law.pool_burst_s) == ((), 0.5, 0.0)
+
+
 @pytest.mark.parametrize(("section", "path"), [
     ({"tick_s": 0}, "controller.tick_s"),
     ({"lease_s": "3s"}, "controller.lease_s"),
@@ -54,6 +67,7 @@ def test_the_table_and_the_flags_are_merged():
     ({"capacity": {"worker_field": "a b"}}, "controller.capacity.worker_field"),
     ({"pools": ["nope"]}, "controller.pools[0]"),
     ({"window_max_age_s": -1}, "controller.window_max_age_s"),
+    ({"burst_s": -1}, "controller.burst_s"),
     ({"controller_id": "a:b"}, "controller.controller_id"),
 ])
 def test_errors_name_the_field(section, path):

@@ -3,8 +3,9 @@
 The controller sums this over live workers as the pool's capacity (limiter/capacity.py), so
 it must be what the worker *delivers* when busy, not what its engine does in isolation:
 
-* only **full** steps count (half the token budget or half the batch): a lightly loaded
-  step runs far below capacity, and counting it would tell the controller the GPU is slow;
+* only **full** steps count (80 % of the token budget or of the batch, ``FULL_SHARE`` in
+  worker/steploop.py): a lightly loaded step runs far below capacity, and counting it would
+  tell the controller the GPU is slow;
 * each full step is timed from the **end of the step before it**, so the Redis work between
   steps (token pushes, completions, claims), which the worker awaits before it steps again,
   is in the figure. Engine time alone overstated what a stack serves by ~1.4x on the

@@ -38,6 +38,10 @@ from worker.runtime import WorkerRuntime
 from worker.scheduler import BatchScheduler, StepResult, resume_finish_reason
 
 log = logging.getLogger("qos.worker")
+# A step at least this full (token budget or batch) measures capacity (worker/busy_meter.py).
+# A decode step's cost barely grows with its batch, so a half-full batch runs at ~60 % of the
+# full rate: counting such steps made the controller's capacity dip ~2x while a run ramped up.
+FULL_SHARE = 0.8
 
 
 class StepLoop:
@@ -207,8 +211,8 @@ class StepLoop:
         self._step_time += res.duration_s
         held = self.rt.held
         plan = res.plan
-        full = plan.num_tokens * 2 >= self.limits.token_budget or \
-            (len(plan.decode) + len(plan.prefill)) * 2 >= self.limits.max_seqs
+        full = plan.num_tokens >= FULL_SHARE * self.limits.token_budget or \
+            len(plan.decode) + len(plan.prefill) >= FULL_SHARE * self.limits.max_seqs
         work = 0.0
         if full:  # weighted tokens: prefill x weight + generated x out_weight
             for chunk in plan.prefill:

@@ -182,9 +182,17 @@ class PoolController:
             raise
 
     def feed(self, term: Term, sample: Sample) -> None:
-        term.monitor.add(sample)
-        term.estimator.observe_sample(sample)
-        term.usage.observe_work(sample.cls, term.estimator.work(sample))
+        if sample.outcome == "rejected":
+            # Turned away at admission (a frontend's sample). A miss of the class's SLO while
+            # it used less than its guarantee: the system failed it. Over its guarantee,
+            # rejection is how overload is meant to end, and counting it would have the law
+            # cut the class for its own excess (more rejections, more cuts). No work either.
+            if term.within_guarantee.get(sample.cls, True):
+                term.monitor.add(sample)
+        else:
+            term.monitor.add(sample)
+            term.estimator.observe_sample(sample)
+            term.usage.observe_work(sample.cls, term.estimator.work(sample))
         term.consumed += 1
         self.metrics.samples.labels(self.pool.name, sample.cls).inc()
 
@@ -222,6 +230,9 @@ class PoolController:
             compliance=w.fresh_compliance, samples=w.fresh_count,
             used=term.usage.used(name, term.estimator.served_rate(name)),
             has_slo=w.has_target, window_compliance=w.compliance) for name, w in window.items()})
+        rates = term.state.rates()
+        term.within_guarantee = {name: c.used < rates[name].rate for name, c in inputs.classes.items()
+                                 if name in rates}
         decision = decide(term.state, inputs, now_ms)
         if decision.changed:
             record = decision.record() | {

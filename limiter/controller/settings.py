@@ -72,7 +72,7 @@ class ControllerSettings:
     settle_s: float = _LAW.settle_s
     window: int = _LAW.window
     min_samples: int = _LAW.min_samples
-    burst_s: float = _LAW.burst_s
+    burst_s: float = 0.0  # 0 = each class's burst_s and the pool's pool_burst_s; > 0 overrides all
     use_threshold: float = _LAW.use_threshold
     capacity_deadband: float = _LAW.capacity_deadband
     reset_load_change: float = _LAW.reset_load_change
@@ -86,18 +86,26 @@ class ControllerSettings:
     def claim_idle_ms(self) -> int:
         return int(1000 * (self.claim_idle_s or self.lease_s))
 
-    def control_config(self, cfg: QosConfig) -> ControlConfig:
-        """The law's parameters: shares and ceilings from the classes, the rest from here."""
+    def control_config(self, cfg: QosConfig, pool: PoolConfig | None = None) -> ControlConfig:
+        """The law's parameters: shares, ceilings and bursts from the classes (and ``pool``),
+        the rest from here. The rates the controller writes keep the bursts the operator
+        configured: ``[controller] burst_s`` replaces them only when set (> 0)."""
         shares = tuple(c.share for c in cfg.classes)
+        if self.burst_s > 0:
+            burst_s, class_bursts, pool_burst_s = self.burst_s, (), 0.0
+        else:
+            burst_s, class_bursts = _LAW.burst_s, tuple(c.burst_s for c in cfg.classes)
+            pool_burst_s = pool.pool_burst_s if pool is not None else _LAW.burst_s
         floors = self.floors or tuple(
             s * (TOP_FLOOR if i == 0 else LOWER_FLOOR) for i, s in enumerate(shares))
         return ControlConfig(
             classes=tuple(cfg.class_names()), shares=shares, floors=floors,
             ceilings=tuple(c.ceil_share for c in cfg.classes), target=self.target, low=self.low,
             relax_step=self.relax_step, tighten_step=self.tighten_step, cooldown_s=self.cooldown_s,
-            settle_s=self.settle_s, window=self.window, min_samples=self.min_samples, burst_s=self.burst_s,
-            use_threshold=self.use_threshold, capacity_deadband=self.capacity_deadband,
-            reset_load_change=self.reset_load_change, memory=self.memory, min_change=self.min_change,
+            settle_s=self.settle_s, window=self.window, min_samples=self.min_samples, burst_s=burst_s,
+            class_bursts=class_bursts, pool_burst_s=pool_burst_s, use_threshold=self.use_threshold,
+            capacity_deadband=self.capacity_deadband, reset_load_change=self.reset_load_change,
+            memory=self.memory, min_change=self.min_change,
         )
 
     def capacity_config(self, cfg: QosConfig, initial: float) -> CapacityConfig:
@@ -148,6 +156,8 @@ class ControllerSettings:
         for name in ("tick_s", "lease_s", "renew_s", "block_s", "used_window_s"):
             check(math.isfinite(getattr(self, name)), name, "must be finite")
         check(all(math.isfinite(f) for f in self.floors), "floors", "must be finite")
+        check(math.isfinite(self.burst_s) and 0 <= self.burst_s <= 3600, "burst_s",
+              "must be 0 (the classes' own burst_s) or in (0, 3600]")
         try:
             self.control_config(cfg).validate("controller")  # names controller.<field>, e.g. controller.low
         except ConfigError as exc:

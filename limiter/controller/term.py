@@ -41,6 +41,9 @@ class Term:
     unacked: set[bytes] = field(default_factory=set)  # fed, but the XACK failed: never feed twice
     workers: dict[str, float] = field(default_factory=dict)  # worker -> heartbeat ms last used
     last_decision: Decision | None = None
+    # class -> it used less than its guaranteed rate at the last tick (absent: not known yet):
+    # only then is a request turned away at admission counted as an SLO miss (loop.feed)
+    within_guarantee: dict[str, bool] = field(default_factory=dict)
 
 
 def parse_float(value: object) -> float | None:
@@ -58,7 +61,7 @@ def policy_fields(raw: Mapping[object, object]) -> dict[str, object]:
 def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: PoolConfig,
              settings: ControllerSettings) -> Term:
     """Build a term's state from the pool's policy hash (see the module docstring)."""
-    control = settings.control_config(cfg)
+    control = settings.control_config(cfg, pool)
     capacity = parse_float(policy.get("capacity"))
     if capacity is None or capacity <= 0:
         capacity = pool.capacity_tokens_s
