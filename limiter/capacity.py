@@ -10,6 +10,8 @@ reality: workers join and leave, models and prompt mixes change. Two sources, be
    worker with no measurement yet (it has not been busy: just started, or lightly loaded)
    counts at the mean of the measured ones, so the first worker to report does not stand
    for the whole pool (one of four workers reporting used to quarter the estimate at start).
+   A worker's reports count once it has made ``min_reports`` of them: its first ones are
+   taken while it ramps up (claims, first prefills) and read low.
 2. **Samples.** Completed work is bucketed into ``interval_s`` intervals by the sample's
    Redis timestamp. Throughput measured in an interval is only a capacity measurement if
    the pool was *busy* then (otherwise it measures demand): an interval counts as busy
@@ -49,6 +51,7 @@ class CapacityConfig:
     busy_share: float = 0.1
     min_busy_intervals: int = 3
     worker_ttl_s: float = 15.0
+    min_reports: int = 3  # a worker's reports count once it has made this many (its first are ramp-up)
     rate_intervals: int = 5
     weights: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -61,6 +64,7 @@ class CapacityConfig:
             ("busy_share", 0 < self.busy_share <= 1, "must be in (0, 1]"),
             ("min_busy_intervals", self.min_busy_intervals >= 1, "must be >= 1"),
             ("worker_ttl_s", self.worker_ttl_s > 0, "must be > 0"),
+            ("min_reports", self.min_reports >= 1, "must be >= 1"),
             ("rate_intervals", self.rate_intervals >= 1, "must be >= 1"),
         ]
         for name, ok, message in checks:
@@ -84,6 +88,7 @@ class CapacityEstimate:
 class _Worker:
     ewma: float
     seen_ms: float
+    reports: int = 1
 
 
 class CapacityEstimator:
@@ -132,6 +137,7 @@ class CapacityEstimator:
         else:
             state.ewma += self.config.alpha * (tokens_per_s - state.ewma)
             state.seen_ms = now_ms
+            state.reports += 1
 
     def set_alive(self, workers: Mapping[str, float]) -> None:
         """The live workers (name -> last heartbeat ms), measured or not; the rest are gone."""
@@ -179,11 +185,12 @@ class CapacityEstimator:
         if now_ms is not None:
             self.advance(now_ms)
         busy = self._busy_intervals
-        if self._workers:
-            total = sum(w.ewma for w in self._workers.values())
-            unmeasured = sum(1 for n in self._alive if n not in self._workers)
-            total += unmeasured * total / len(self._workers)
-            return CapacityEstimate(total, "workers", len(self._workers) + unmeasured, busy)
+        measured = {n: w for n, w in self._workers.items() if w.reports >= self.config.min_reports}
+        if measured:
+            total = sum(w.ewma for w in measured.values())
+            unmeasured = len(set(self._alive) | set(self._workers)) - len(measured)
+            total += unmeasured * total / len(measured)
+            return CapacityEstimate(total, "workers", len(measured) + unmeasured, busy)
         if self._sample_ewma is not None and busy >= self.config.min_busy_intervals:
             return CapacityEstimate(self._sample_ewma, "samples", 0, busy)
         return CapacityEstimate(self.config.initial, "initial", 0, busy)

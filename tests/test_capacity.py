@@ -51,7 +51,7 @@ def test_idle_throughput_is_only_a_lower_bound() -> None:
 
 
 def test_workers_win_and_follow_joins_and_leaves() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0))
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0, min_reports=1))
     feed(est, seconds=5, per_s=20, wait=500.0)
     est.observe_worker("w1", 12_000.0, 5000.0)
     est.observe_worker("w2", 10_000.0, 5000.0)
@@ -76,7 +76,7 @@ def test_workers_win_and_follow_joins_and_leaves() -> None:
 def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None:
     """At start only some workers have been busy yet: one of four reporting must not quarter
     the pool's capacity (it throttled every class for the first seconds of a run)."""
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0))
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0, min_reports=1))
     est.set_alive({"w1": 1000.0, "w2": 1000.0, "w3": 1000.0, "w4": 1000.0})
     assert est.estimate(1000.0).source == "initial"  # nobody measured yet
     est.observe_worker("w1", 10_000.0, 1000.0)
@@ -91,6 +91,18 @@ def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None
     # w2's measurement is older than the TTL: it still heartbeats (alive), so it counts at the mean
     est.set_alive({"w1": 13_000.0, "w2": 13_000.0})
     assert est.estimate(13_000.0).value == pytest.approx(20_000.0)
+
+
+def test_a_workers_first_reports_do_not_count_yet() -> None:
+    """A worker's first heartbeats are taken while it ramps up and read low."""
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, min_reports=3))
+    est.set_alive({"w1": 1000.0, "w2": 1000.0})
+    est.observe_worker("w1", 2_000.0, 1000.0)
+    est.observe_worker("w2", 3_000.0, 1000.0)
+    est.observe_worker("w1", 8_000.0, 2000.0)
+    assert est.estimate(2000.0).source == "initial"
+    est.observe_worker("w1", 10_000.0, 3000.0)  # w1's third: 2k -> 5k -> 7.5k (EWMA 0.5)
+    assert est.estimate(3000.0).value == pytest.approx(2 * 7_500.0)  # w2 counts at w1's figure
 
 
 def test_work_counts_what_the_pool_actually_did() -> None:

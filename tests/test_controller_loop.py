@@ -176,7 +176,8 @@ async def test_worker_heartbeats_move_the_capacity_and_every_rate_follows(aredis
 async def test_rejections_count_against_a_class_only_inside_its_guarantee(aredis, pool, cfg):
     """A class turned away while it used less than its guaranteed rate was failed by the system
     (counted: the law protects it); one turned away over its guarantee is overload ending as
-    designed (not counted, or the law would cut it for its own excess). Neither is work."""
+    designed (not counted, or the law would cut it for its own excess) -- unless it is the top
+    class, which the law serves by cutting the others. Neither is work."""
     pc = pool_controller(cfg, aredis)
     await pc.renew_once()
     term = pc.term
@@ -193,7 +194,12 @@ async def test_rejections_count_against_a_class_only_inside_its_guarantee(aredis
     w = term.monitor.stats(now)["P0"]
     assert (w.count, w.met) == (20, 10)
     assert term.usage.mean_work("P0") == pytest.approx(200 + 100)  # the rejections did no work
-    term.within_guarantee["P1"] = False  # P1 over its guaranteed rate
+    await push(aredis, pool, [sample("P1", now) for _ in range(5)])  # P1's mean work per request
+    await pc.consume_once(term)
+    await aredis.hincrby(pool.stats, "P0.admitted", 1000)  # P0 far over its guarantee now
+    await aredis.hincrby(pool.stats, "P1.admitted", 1000)  # ...and P1 too
+    await pc.tick(term)
+    assert term.within_guarantee == {"P0": True, "P1": False, "P2": True}  # P0: the top class
     await push(aredis, pool, [sample("P1", now) | rejected for _ in range(5)])
     await pc.consume_once(term)
-    assert term.monitor.stats(now)["P1"].count == 0 and term.consumed == 25
+    assert term.monitor.stats(now)["P1"].count == 5 and term.consumed == 30  # the 5 ok ones only

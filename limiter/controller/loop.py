@@ -186,7 +186,9 @@ class PoolController:
             # Turned away at admission (a frontend's sample). A miss of the class's SLO while
             # it used less than its guarantee: the system failed it. Over its guarantee,
             # rejection is how overload is meant to end, and counting it would have the law
-            # cut the class for its own excess (more rejections, more cuts). No work either.
+            # cut the class for its own excess (more rejections, more cuts) -- except for the
+            # top class, whose guarantee is what the others leave: the law gives it more by
+            # cutting them (down to their floors). No work either.
             if term.within_guarantee.get(sample.cls, True):
                 term.monitor.add(sample)
         else:
@@ -231,8 +233,9 @@ class PoolController:
             used=term.usage.used(name, term.estimator.served_rate(name)),
             has_slo=w.has_target, window_compliance=w.compliance) for name, w in window.items()})
         rates = term.state.rates()
-        term.within_guarantee = {name: c.used < rates[name].rate for name, c in inputs.classes.items()
-                                 if name in rates}
+        top = term.state.config.classes[0]
+        term.within_guarantee = {name: name == top or c.used < rates[name].rate
+                                 for name, c in inputs.classes.items() if name in rates}
         decision = decide(term.state, inputs, now_ms)
         if decision.changed:
             record = decision.record() | {

@@ -40,6 +40,7 @@ class CapacitySettings:
     busy_share: float = 0.1
     min_busy_intervals: int = 3
     worker_ttl_s: float = 15.0
+    min_reports: int = 3
     rate_intervals: int = 5
     # Heartbeat field (qos:{pool}:worker:<id>) carrying weighted tokens/s while busy; "" = do
     # not use heartbeats. Not ``tokens_s``: that counts output tokens only, idle time included.
@@ -113,7 +114,8 @@ class ControllerSettings:
         return CapacityConfig(
             initial=initial, interval_s=c.interval_s, alpha=c.alpha, busy_queue_ms=c.busy_queue_ms,
             busy_share=c.busy_share, min_busy_intervals=c.min_busy_intervals, worker_ttl_s=c.worker_ttl_s,
-            rate_intervals=c.rate_intervals, weights={k.name: (k.weight, k.out_weight) for k in cfg.classes},
+            min_reports=c.min_reports, rate_intervals=c.rate_intervals,
+            weights={k.name: (k.weight, k.out_weight) for k in cfg.classes},
         )
 
     @staticmethod

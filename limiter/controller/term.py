@@ -41,8 +41,9 @@ class Term:
     unacked: set[bytes] = field(default_factory=set)  # fed, but the XACK failed: never feed twice
     workers: dict[str, float] = field(default_factory=dict)  # worker -> heartbeat ms last used
     last_decision: Decision | None = None
-    # class -> it used less than its guaranteed rate at the last tick (absent: not known yet):
-    # only then is a request turned away at admission counted as an SLO miss (loop.feed)
+    # class -> it used less than its guaranteed rate at the last tick, or is the top class
+    # (absent: not known yet): only then is a request turned away at admission counted as an
+    # SLO miss (loop.feed)
     within_guarantee: dict[str, bool] = field(default_factory=dict)
 
 
