@@ -177,8 +177,12 @@ class PoolKeys:
         return self.queue_prefix + check_name("class", cls)
 
     def class_bucket(self, cls: str) -> str:
-        """HASH tokens, ceil_tokens, ts: a class's guarantee bucket and ceiling bucket."""
+        """HASH tokens, ts: a class's guarantee bucket (rate, burst)."""
         return self.bucket_prefix + "class:" + check_name("class", cls)
+
+    def ceil_bucket(self, cls: str) -> str:
+        """HASH tokens, ts: a class's ceiling bucket (ceil, ceil_burst): what it may borrow to."""
+        return self.bucket_prefix + "ceil:" + check_name("class", cls)
 
     def tenant_bucket(self, tenant: str) -> str:
         """HASH tokens, ts: a tenant's bucket in this pool."""

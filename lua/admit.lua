@@ -20,6 +20,11 @@
 -- Borrowing (HTB rate/ceil): when the class bucket lacks tokens the request may borrow
 -- from the pool bucket, if the class's ceiling bucket allows it and the pool keeps a
 -- reserve equal to the bursts of all higher classes (so higher classes borrow first).
+-- The top class (no reserve) may borrow into the pool's debt, down to -pool_burst: every
+-- admission charges the pool, so at overload, with each class at its rate, the pool sits
+-- near empty and a burst of the top class would be turned away while lower classes use
+-- their guarantees. Admitted anyway, it runs first (claim is strict priority) and lower
+-- classes wait in their queues; the debt stops every class's borrowing until it is repaid.
 --
 -- Returns one of
 --   {'queued', depth, cost, borrowed(0|1), deadline_ms}
@@ -80,7 +85,8 @@ local function main()
     bucket_store(ckey, lc - cost, now, -math.huge, c.burst)
   else
     local reserve = c.reserve or 0
-    local need_p = math.min(cost, math.max(c.pool_burst - reserve, 0))
+    if reserve == 0 then reserve = -c.pool_burst end  -- the top class may overdraw (header)
+    local need_p = math.min(cost, math.max(c.pool_burst - math.max(reserve, 0), 0))
     local need_ceil = math.min(cost, c.ceil_burst)
     if c.ceil > c.rate and lceil >= need_ceil and lp - reserve >= need_p then
       borrowed = 1

@@ -828,7 +828,7 @@ async def buckets_full(client: Any, pool: str) -> dict[str, float]:
     specs = [(keys.pool_bucket, float(pol["capacity"]), float(pol["pool_burst"]))]
     for c in pol["classes"].split(","):
         specs.append((keys.class_bucket(c), float(pol[f"{c}.rate"]), float(pol[f"{c}.burst"])))
-        ceil = keys.bucket_prefix + "ceil:" + c
+        ceil = keys.ceil_bucket(c)
         specs.append((ceil, float(pol[f"{c}.ceil"]), float(pol[f"{c}.ceil_burst"])))
     for key, rate, burst in specs:
         raw = await client.hmget(key, ["tokens", "ts"])

@@ -185,3 +185,29 @@ async def test_under_contention_each_class_keeps_its_guarantee_and_higher_borrow
     # The pool never hands out more than it has: capacity x t plus its bursts.
     assert sum(got.values()) <= 10_000 * 0.8 + 10_000 * 0.5 + 6000 + 3500 + 500 + 3 * 50
     assert stats.get("P1.borrowed", 0) >= stats.get("P2.borrowed", 0)
+
+
+async def test_the_top_class_may_borrow_into_the_pools_debt_and_no_further(scripts, sync_redis):
+    """At overload every admission drains the pool, so with each class at its rate it sits
+    near empty. A P0 burst still gets in (into the pool's debt, down to -pool_burst, and
+    within its ceiling bucket) while a P1 that wants to borrow is refused."""
+    keys = await _init(scripts, demo_config(), capacity=100)  # P0 60/s burst 30 ceil_burst 50; pool 50
+    p1 = await admit(scripts, keys, cls="P1", tenant="a", input_tokens=35, max_tokens=5)  # P1 own; pool 10
+    p0 = await admit(scripts, keys, cls="P0", tenant="b", input_tokens=25, max_tokens=5)  # P0 own; pool -20
+    assert not p1.borrowed and not p0.borrowed
+    small = {"input_tokens": 5, "max_tokens": 5}
+    assert (await admit(scripts, keys, cls="P0", tenant="b", **small)).borrowed  # pool -30, ceiling 10
+    with pytest.raises(Throttled) as exc:  # P1 must leave P0's burst in the pool: refused
+        await admit(scripts, keys, cls="P1", tenant="a", **small)
+    assert exc.value.bucket == "class"
+    assert (await admit(scripts, keys, cls="P0", tenant="b", **small)).borrowed  # pool -40, ceiling 0
+    with pytest.raises(Throttled):  # P0's ceiling bucket is empty now
+        await admit(scripts, keys, cls="P0", tenant="b", **small)
+    # The debt floor: with its ceiling refilled, P0 still needs the pool above -pool_burst + cost.
+    sec, usec = sync_redis.time()
+    now = sec * 1000 + usec // 1000
+    sync_redis.hset(keys.ceil_bucket("P0"), mapping={"tokens": 50, "ts": now})
+    sync_redis.hset(keys.pool_bucket, mapping={"tokens": -45, "ts": now})
+    with pytest.raises(Throttled) as exc:
+        await admit(scripts, keys, cls="P0", tenant="b", **small)
+    assert 40 <= exc.value.retry_after_ms <= 60  # 5 tokens short at 100/s

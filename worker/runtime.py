@@ -278,9 +278,11 @@ class WorkerRuntime:
             await d.complete(self.scripts, self.keys, self.worker_id, outcome=outcome,
                              finish_reason=finish_reason, message=message, sample=pack_sample(sample))
         except LeaseLost:
-            self.drop(d.request_id, "lost")
+            if self.held.get(d.request_id) is d:  # not a newer attempt we were handed meanwhile
+                self.drop(d.request_id, "lost")
             return
-        self.held.pop(d.request_id, None)
+        if self.held.get(d.request_id) is d:
+            self.held.pop(d.request_id)
         if outcome == "cancelled":
             self.metrics.cancellations.inc()
         self.metrics.finished.labels(d.claimed.cls, outcome).inc()

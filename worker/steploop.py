@@ -173,6 +173,8 @@ class StepLoop:
             # the lease) and claim handed the request back to us: that sequence is stale, the
             # new attempt resumes from what Redis recorded as delivered.
             self.sched.remove(c.request_id)
+            self._lost.discard(c.request_id)  # news of the old attempt, not of this one
+            self._stop.discard(c.request_id)
             log.info("%s: re-claimed at attempt %d after our lease expired; restarting from token %d",
                      c.request_id, c.attempt, c.delivered)
         max_tokens = min(p.max_tokens, c.max_tokens)
@@ -238,11 +240,12 @@ class StepLoop:
                 d.final = ("ok", em.finish_reason, "")  # should its call never land: _retry_finals
                 finishing.append(d)
         await self._settle_io()  # the previous step's calls: normally done while this step ran
-        calls: dict[str, Any] = {d.request_id: self.rt.finish(d, *d.final) for d in finishing if d.final}
+        calls: dict[str, tuple[Delivery, Any]] = {
+            d.request_id: (d, self.rt.finish(d, *d.final)) for d in finishing if d.final}
         now, step = time.monotonic(), res.duration_s
         for rid, d in held.items():
             if rid not in calls and d.final is None and d.due(now, s.flush_ms, s.flush_tokens, step):
-                calls[rid] = self.rt.push(d)
+                calls[rid] = (d, self.rt.push(d))
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
         # takes well under a millisecond: per step it was most of the Redis commands per request).
@@ -258,12 +261,15 @@ class StepLoop:
         if io is not None:
             await io
 
-    async def _send(self, calls: dict[str, Any], live: list[str]) -> None:
+    async def _send(self, calls: dict[str, tuple[Delivery, Any]], live: list[str]) -> None:
         """One step's pushes and completions plus the cancel check, concurrently; what they
         learn (cancelled, lease lost) is applied at the next iteration."""
-        results = await asyncio.gather(*calls.values(), self.rt.cancelled(live), return_exceptions=True)
+        results = await asyncio.gather(*(c for _, c in calls.values()), self.rt.cancelled(live),
+                                       return_exceptions=True)
         outage: BaseException | None = None
-        for rid, r in zip(calls, results, strict=False):
+        for (rid, (d, _)), r in zip(calls.items(), results, strict=False):
+            if self.rt.held.get(rid) is not d and (r is True or isinstance(r, LeaseLost)):
+                continue  # re-claimed meanwhile (our lease had expired): news of the old attempt
             if r is True:
                 self._stop.add(rid)
             elif isinstance(r, LeaseLost):
