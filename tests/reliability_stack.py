@@ -708,8 +708,11 @@ def check_charges(records: dict[str, dict[str, str]]) -> dict[str, int]:
     return dict(states)
 
 
-async def samples_by_id(client: Any, pool: str) -> dict[str, list[str]]:
-    """Request id -> the outcomes of its latency samples (one per terminal state reached)."""
+async def samples_by_id(client: Any, pool: str, rejected: bool = False) -> dict[str, list[str]]:
+    """Request id -> the outcomes of its latency samples (one per terminal state reached).
+
+    A frontend's ``rejected`` samples (requests turned away at admission, never admitted)
+    are left out unless ``rejected``."""
     keys = PoolKeys(pool)
     seen: dict[str, list[str]] = {}
     last = "-"
@@ -721,7 +724,8 @@ async def samples_by_id(client: Any, pool: str) -> dict[str, list[str]]:
             return seen
         for _eid, f in batch:
             s = msgpack.unpackb(f[b"d"], raw=False)
-            seen.setdefault(s["request_id"], []).append(s["outcome"])
+            if s["outcome"] != "rejected" or rejected:
+                seen.setdefault(s["request_id"], []).append(s["outcome"])
         last = batch[-1][0].decode()
 
 
@@ -739,9 +743,14 @@ async def server_ledger(client: Any, pools: Iterable[str]) -> tuple[int, int, di
     outcomes: dict[str, Counter[str]] = {}
     for pool in pools:
         keys = PoolKeys(pool)
-        by_id = await samples_by_id(client, pool)
+        everything = await samples_by_id(client, pool, rejected=True)
+        by_id = {rid: [o for o in v if o != "rejected"] for rid, v in everything.items()}
+        turned_away = [rid for rid, v in everything.items() if "rejected" in v]
+        both = [rid for rid in turned_away if by_id[rid] or len(everything[rid]) > 1]
+        assert not both, f"{pool}: requests both turned away and admitted (or turned away twice): {both[:5]}"
+        by_id = {rid: v for rid, v in by_id.items() if v}
         seen = Counter({rid: len(v) for rid, v in by_id.items()})
-        per_outcome = Counter(o for v in by_id.values() for o in v)
+        per_outcome = Counter(o for v in everything.values() for o in v)
         twice = [rid for rid, n in seen.items() if n > 1]
         assert not twice, f"{pool}: requests ended more than once: {twice[:5]}"
         stats = {k.decode(): int(v) for k, v in (await client.hgetall(keys.stats)).items() if k != b"seq"}

@@ -123,6 +123,8 @@ class BatchScheduler:
         self.limits = limits
         self.max_seq_len: int | None = getattr(engine, "max_seq_len", None)
         self._seqs: dict[str, ScheduledSeq] = {}
+        self.preemptions = 0  # sequences paused so far
+        self.recompute_tokens = 0  # KV tokens those pauses threw away (prefilled again on readmission)
 
     # --- membership ------------------------------------------------------------------------
     def __contains__(self, request_id: object) -> bool:
@@ -197,6 +199,8 @@ class BatchScheduler:
                                            [s.candidate() for s in self.waiting], self.limits)) is not None:
             seq = self._seqs[victim]
             self.engine.remove(victim)
+            self.preemptions += 1
+            self.recompute_tokens += seq.kv_tokens
             seq.running, seq.kv_tokens, seq.to_prefill = False, 0, 0
             seq.preemptions += 1
             paused.append(victim)

@@ -351,4 +351,5 @@ class StepLoop:
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1),
                 "step_ms": round(step_ms, 2), "kv_used": kv_used, "kv_capacity": self.kv_capacity,
                 "kv_use": round(kv_used / self.kv_capacity, 4), "token_budget": self.limits.token_budget,
-                "max_seqs": self.limits.max_seqs, "chunked_prefill": int(self.limits.chunked_prefill)}
+                "max_seqs": self.limits.max_seqs, "chunked_prefill": int(self.limits.chunked_prefill),
+                "preemptions": self.sched.preemptions, "recompute_tokens": self.sched.recompute_tokens}

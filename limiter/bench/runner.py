@@ -81,6 +81,7 @@ class ModeRun:
     gap: dict[str, Any] | None
     commands: dict[str, int]
     controller: bool
+    preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 def size_scale(p: BenchParams) -> tr.SizeScale:
@@ -229,9 +230,11 @@ async def run_mode(p: BenchParams, mode: str, arrivals: Sequence[tr.Arrival], ca
         for d in decisions:
             d["t_s"] = round((d["now_ms"] - redis_t0) / 1000, 2) if d.get("now_ms") else None
         samples = [s for s in await probe.samples() if s.get("ts_ms", 0) >= redis_t0]
+        preempted = await probe.preemptions()
         update(state="done")
         commands = {k: after.get(k, 0) - before.get(k, 0) for k in after}
-        return ModeRun(mode, records, t0, probe.timeline, decisions, samples, gap, commands, spec.controller)
+        return ModeRun(mode, records, t0, probe.timeline, decisions, samples, gap, commands, spec.controller,
+                       preempted)
     finally:
         await probe.close()
         await asyncio.to_thread(stack.stop, 10.0)
@@ -273,7 +276,7 @@ def build_results(p: BenchParams, runs: Sequence[ModeRun], arrivals: Sequence[tr
             "engine": p.engine, "simulated": p.engine == "sim", **summary,
             "internal_classes": [FIFO_CLASS] if run.name == "fifo" else classes,
             "chunked_prefill": run.name != "fifo", "controller": run.controller,
-            "gap_probe": run.gap, "redis_commandstats": run.commands,
+            "gap_probe": run.gap, "redis_commandstats": run.commands, **run.preemptions,
             "decisions": run.decisions, "timeline": run.timeline,
         }
     params = dataclasses.asdict(p) | {

@@ -172,6 +172,16 @@ class Probe:
                                     for c, v in d.get("classes", {}).items()}})
         return out
 
+    async def preemptions(self) -> dict[str, int]:
+        """Sequences paused for a higher class, and the KV tokens those pauses threw away,
+        summed over the live workers' heartbeats (each counts since its start)."""
+        out = {"preemptions": 0, "recompute_tokens": 0}
+        for w in await self.client.zrange(self.keys.workers, 0, -1):
+            got = await self.client.hmget(self.keys.worker(_s(w)), list(out))
+            for k, v in zip(list(out), got, strict=True):
+                out[k] += int(float(v)) if v is not None else 0
+        return out
+
     async def samples(self) -> list[dict[str, Any]]:
         """Every latency sample of the run (the stream keeps the last 100 000)."""
         out = []
