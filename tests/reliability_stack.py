@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -784,13 +784,18 @@ FIXED = (
 EMPTY_AFTER = ("deadlines", "leases", "cancels", "inflight", "tenant_inflight")
 
 
-async def leftovers(client: Any, pool: str) -> list[str]:
-    """Keys of ``pool`` that should not exist once every request ended and its TTL passed."""
+async def pool_keys_in_redis(client: Any, pool: str) -> AsyncIterator[tuple[str, str]]:
+    """Every key of ``pool`` in Redis, as (key, the part after the pool's ``qos:{pool}:``)."""
     keys = PoolKeys(pool)
-    out = []
     async for raw in client.scan_iter(match=keys.pattern(), count=1000):
         k = raw.decode() if isinstance(raw, bytes) else raw
-        rest = k[len(keys.base) :]
+        yield k, k[len(keys.base) :]
+
+
+async def leftovers(client: Any, pool: str) -> list[str]:
+    """Keys of ``pool`` that should not exist once every request ended and its TTL passed."""
+    out = []
+    async for k, rest in pool_keys_in_redis(client, pool):
         if rest.startswith(("req:", "gen:")) or (rest.startswith("queue:") and await client.zcard(k)):
             out.append(k)
         elif rest in EMPTY_AFTER and await client.exists(k):
@@ -800,11 +805,8 @@ async def leftovers(client: Any, pool: str) -> list[str]:
 
 async def untimed_keys(client: Any, pool: str) -> list[str]:
     """Keys that are neither one of the pool's fixed keys nor set to expire (a leak)."""
-    keys = PoolKeys(pool)
     out = []
-    async for raw in client.scan_iter(match=keys.pattern(), count=1000):
-        k = raw.decode() if isinstance(raw, bytes) else raw
-        rest = k[len(keys.base) :]
+    async for k, rest in pool_keys_in_redis(client, pool):
         if rest in FIXED or rest.startswith(("bucket:", "queue:")) or rest == "compliance":
             continue
         if await client.pttl(k) < 0:

@@ -230,7 +230,7 @@ class StepLoop:
         for rid in res.produced:
             if rid in held:
                 held[rid].note_tokens(1, t)
-        finishing: list[Delivery] = []
+        finishing: list[tuple[Delivery, str]] = []
         for rid, em in res.emissions.items():
             d = held.get(rid)
             if d is None:
@@ -238,10 +238,10 @@ class StepLoop:
             d.add(em.token_ids, em.text, t)
             if em.finish_reason is not None:
                 d.final = ("ok", em.finish_reason, "")  # should its call never land: _retry_finals
-                finishing.append(d)
+                finishing.append((d, em.finish_reason))
         await self._settle_io()  # the previous step's calls: normally done while this step ran
         calls: dict[str, tuple[Delivery, Any]] = {
-            d.request_id: (d, self.rt.finish(d, *d.final)) for d in finishing if d.final}
+            d.request_id: (d, self.rt.finish(d, "ok", reason)) for d, reason in finishing}
         now, step = time.monotonic(), res.duration_s
         for rid, d in held.items():
             if rid not in calls and d.final is None and d.due(now, s.flush_ms, s.flush_tokens, step):

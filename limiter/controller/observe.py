@@ -43,8 +43,7 @@ async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list
     live = {(m.decode() if isinstance(m, bytes) else str(m)): float(s) for m, s in workers
             if now_ms - float(s) <= ttl_ms}
     for gone in [w for w in term.workers if w not in live]:
-        term.estimator.remove_worker(gone)
-        del term.workers[gone]
+        del term.workers[gone]  # the estimator forgets it in set_alive below
     todo, alive = [], {}
     for w, seen in live.items():
         try:
