@@ -36,17 +36,20 @@ class ClassConfig:
     """One priority class. Rates are shares of the pool's capacity (weighted tokens/s)."""
 
     name: str
-    share: float  # guaranteed share of capacity: the class bucket's rate
-    ceil_share: float = 1.0  # share of capacity the class may reach by borrowing
-    floor: float = 0.0  # starvation floor: minimum share of served work when backlogged
+    share: float  # guaranteed share of capacity: the class bucket's rate, enforced at claim
+    ceil_share: float = 1.0  # most share of capacity the class may be served (1.0 = every idle slot)
+    floor: float = 0.0  # starvation floor: minimum share of claimed work when backlogged
     weight: float = 1.0  # cost per input token
     out_weight: float = 1.0  # cost per reserved/generated output token
     burst_s: float = 0.5  # burst = burst_s seconds of rate
-    max_wait_ms: int = 30_000  # max queue wait before the request is expired (503)
-    admission_wait_ms: int = 0  # how long a frontend may wait for tokens before a 429
+    max_wait_ms: int = 30_000  # max queue wait: refused at admission (429) if it cannot be met
+    admission_wait_ms: int = 0  # how long a frontend may wait for the tenant's quota before a 429
     queue_cap: int = 10_000
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # Tenants of the class share it by virtual token counters (true), or are served in
+    # arrival order whoever sent the request (false: plain FIFO inside the class).
+    fair: bool = True
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,12 @@ class PoolConfig:
     context_tokens: int = 4096  # prompt + max_tokens may not exceed this
     default_max_tokens: int = 256
     capacity_tokens_s: float = 20_000.0  # initial capacity until the controller measures it
-    pool_burst_s: float = 0.5
     lease_ms: int = 10_000
     max_attempts: int = 3
     frontend_ttl_ms: int = 15_000
     floor_half_life_ms: int = 10_000
     record_ttl_s: int = 300
-    floor_quantum_tokens: float = 2048.0  # how far below its floor a class must fall to jump ahead
+    floor_quantum_tokens: float = 2048.0  # how far below its floor a class must fall to go first
 
     @property
     def model_name(self) -> str:
@@ -77,9 +79,10 @@ class TenantConfig:
     key_sha256: tuple[str, ...] = ()
     default_class: str = "P1"
     max_class: str = "P1"  # the highest class this tenant's keys may use
-    rate_tokens_s: float = 1e9  # per pool, weighted tokens/s
+    rate_tokens_s: float = 1e9  # quota per pool, weighted tokens/s (checked at admission)
     burst_s: float = 1.0
     max_inflight: int = 0  # 0 = no cap
+    weight: float = 1.0  # share of its class next to the other backlogged tenants (VTC weight)
     admin: bool = False
 
 
@@ -217,7 +220,6 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(1 <= pool.default_max_tokens <= pool.context_tokens, f"{p}.default_max_tokens",
                "must be in [1, context_tokens]")
         _check(0 < pool.capacity_tokens_s <= 1e12, f"{p}.capacity_tokens_s", "must be in (0, 1e12]")
-        _check(0 < pool.pool_burst_s <= 3600, f"{p}.pool_burst_s", "must be in (0, 3600]")
         _check(100 <= pool.lease_ms <= 3_600_000, f"{p}.lease_ms", "must be in [100, 3600000]")
         _check(1 <= pool.max_attempts <= 100, f"{p}.max_attempts", "must be in [1, 100]")
         _check(100 <= pool.frontend_ttl_ms <= 3_600_000, f"{p}.frontend_ttl_ms", "must be in [100, 3600000]")
@@ -238,6 +240,7 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(0 < t.rate_tokens_s <= 1e12, f"{p}.rate_tokens_s", "must be in (0, 1e12]")
         _check(0 < t.burst_s <= 3600, f"{p}.burst_s", "must be in (0, 3600]")
         _check(0 <= t.max_inflight <= 1_000_000, f"{p}.max_inflight", "must be in [0, 1000000]")
+        _check(1e-3 <= t.weight <= 1e3, f"{p}.weight", "must be in [0.001, 1000]")
         for j, k in enumerate(t.key_sha256):
             kp = f"{p}.key_sha256[{j}]"
             _check(len(k) == 64 and all(ch in "0123456789abcdef" for ch in k), kp,

@@ -47,9 +47,8 @@ class ControlConfig:
     settle_s: float = 2.5  # samples finishing this soon after a change are not evidence of it
     window: int = 1000  # SLO window size the role builds (samples)
     min_samples: int = 100  # fresh samples needed before a class's compliance is judged
-    burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts / pool_burst_s say otherwise
+    burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts says otherwise
     class_bursts: tuple[float, ...] = ()  # per class, seconds of rate (the classes' burst_s); () = burst_s
-    pool_burst_s: float = 0.0  # the pool bucket's burst in seconds of capacity; 0 = burst_s
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
     capacity_deadband: float = 0.05  # capacity moves smaller than this are ignored
     reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
@@ -86,7 +85,6 @@ class ControlConfig:
             ("burst_s", self.burst_s > 0, "must be > 0"),
             ("class_bursts", not self.class_bursts or (len(self.class_bursts) == n and all(
                 b > 0 for b in self.class_bursts)), f"must be empty or one value > 0 per class ({n})"),
-            ("pool_burst_s", self.pool_burst_s >= 0, "must be >= 0"),
             ("use_threshold", 0 < self.use_threshold <= 1, "must be in (0, 1]"),
             ("capacity_deadband", 0 <= self.capacity_deadband < 1, "must be in [0, 1)"),
             ("reset_load_change", self.reset_load_change > 0, "must be > 0"),
@@ -207,8 +205,6 @@ class Decision:
             out |= {f"{c.name}.rate": c.new.rate, f"{c.name}.burst": c.new.burst}
             out |= {f"{c.name}.ceil": c.new.ceil, f"{c.name}.ceil_burst": c.new.ceil_burst}
         out["capacity"] = self.capacity
-        config = self.state.config
-        out["pool_burst"] = self.capacity * (config.pool_burst_s or config.burst_s)
         return out
 
     def record(self) -> dict[str, object]:

@@ -8,9 +8,9 @@
     ├── PolicyMissing               the pool's policy hash is absent (not initialised)
     ├── AdmissionRejected           admit said no; nothing was charged or queued
     │   ├── Throttled               a bucket lacks tokens: ``retry_after_ms`` says when
+    │   ├── Overloaded              it could not start within its max wait
     │   ├── QueueFull               the class queue is at its cap
-    │   ├── TenantBusy              the tenant is at its concurrent-request cap
-    │   └── RequestTooLarge         cost exceeds what the buckets could ever hold
+    │   └── TenantBusy              the tenant is at its concurrent-request cap
     ├── LeaseLost                   a worker wrote for a request it no longer owns
     ├── StaleLeader                 a controller wrote rates with an old fencing token
     └── ScriptError                 any other error reply from a script
@@ -61,6 +61,10 @@ class Throttled(AdmissionRejected):
         self.retry_after_ms = retry_after_ms
 
 
+def _duration(ms: int) -> str:
+    return f"{ms} ms" if ms < 1000 else f"{ms / 1000:.1f} s"
+
+
 class QueueFull(AdmissionRejected):
     def __init__(self, cls: str, depth: int) -> None:
         super().__init__(f"queue for class {cls} is full ({depth} waiting)")
@@ -75,9 +79,20 @@ class TenantBusy(AdmissionRejected):
         self.inflight = inflight
 
 
-class RequestTooLarge(AdmissionRejected):
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
+class Overloaded(AdmissionRejected):
+    """The work queued ahead would keep the request waiting longer than its max wait."""
+
+    def __init__(self, cls: str, retry_after_ms: int, est_wait_ms: int, max_wait_ms: int) -> None:
+        if est_wait_ms < 0:
+            text = f"class {cls} gets no capacity now (its guarantee is 0 and higher classes use it all)"
+        else:
+            text = (f"class {cls} would wait about {_duration(est_wait_ms)} for a worker, "
+                    f"past its max wait of {_duration(max_wait_ms)}")
+        super().__init__(text)
+        self.cls = cls
+        self.retry_after_ms = retry_after_ms
+        self.est_wait_ms = est_wait_ms
+        self.max_wait_ms = max_wait_ms
 
 
 class LeaseLost(QosError):

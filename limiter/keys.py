@@ -55,9 +55,9 @@ class PoolKeys:
         return self.base + "policy"
 
     @property
-    def pool_bucket(self) -> str:
-        """HASH tokens, ts: the pool-level bucket that classes borrow from."""
-        return self.base + "bucket:pool"
+    def queued(self) -> str:
+        """HASH ``<class>`` -> queued requests, ``<class>.cost`` -> their reserved weighted cost."""
+        return self.base + "queued"
 
     @property
     def deadlines(self) -> str:
@@ -76,7 +76,8 @@ class PoolKeys:
 
     @property
     def served(self) -> str:
-        """HASH class -> decayed served cost, plus ts: the starvation-floor ledger."""
+        """HASH class -> decayed claimed cost, plus ts: the starvation floors' ledger, and the
+        measured service rate admission estimates waits from."""
         return self.base + "served"
 
     @property
@@ -96,7 +97,8 @@ class PoolKeys:
 
     @property
     def stats(self) -> str:
-        """HASH of counters ``<class>.<event>`` (admitted, throttled, expired, ...)."""
+        """HASH of counters ``<class>.<event>`` (admitted, claimed, expired, ...), plus ``seq``
+        (admission order) and ``lease_fence`` (the last lease token claim handed out)."""
         return self.base + "stats"
 
     @property
@@ -142,6 +144,12 @@ class PoolKeys:
         """ZSET worker id -> last heartbeat (ms)."""
         return self.base + "workers"
 
+    @property
+    def worker_kv(self) -> str:
+        """HASH worker id -> its whole KV room in tokens (from its claims): a request that no
+        live worker can hold is failed instead of waiting for ever."""
+        return self.base + "worker_kv"
+
     # --- prefixes for per-entity keys (scripts append a validated name) --------------
     @property
     def request_prefix(self) -> str:
@@ -160,6 +168,14 @@ class PoolKeys:
         return self.base + "queue:"
 
     @property
+    def backlog_prefix(self) -> str:
+        return self.base + "backlog:"
+
+    @property
+    def vtime_prefix(self) -> str:
+        return self.base + "vtime:"
+
+    @property
     def reply_prefix(self) -> str:
         return self.base + "out:"
 
@@ -172,20 +188,31 @@ class PoolKeys:
         """STRING: generated token ids, uint32 little-endian, for resuming a stream."""
         return self.tokens_prefix + check_name("request id", request_id)
 
-    def queue(self, cls: str) -> str:
-        """ZSET request id -> original enqueue time (ms): one class's FIFO queue."""
-        return self.queue_prefix + check_name("class", cls)
+    def queue(self, cls: str, tenant: str) -> str:
+        """ZSET request id -> admission sequence number: one tenant's FIFO in one class."""
+        return self.queue_prefix + check_name("class", cls) + ":" + check_name("tenant", tenant)
+
+    def backlog(self, cls: str) -> str:
+        """ZSET tenant -> virtual token counter: the tenants of a class with queued requests;
+        claim serves the smallest counter first (lua/include/queue.lua)."""
+        return self.backlog_prefix + check_name("class", cls)
+
+    def vtime(self, cls: str) -> str:
+        """HASH tenant -> virtual token counter while the tenant has nothing queued, and
+        ``:last``, the counter of the last tenant to go idle."""
+        return self.vtime_prefix + check_name("class", cls)
 
     def class_bucket(self, cls: str) -> str:
-        """HASH tokens, ts: a class's guarantee bucket (rate, burst)."""
+        """HASH tokens, ts (+ ledger): a class's guarantee bucket (rate, burst), charged at claim."""
         return self.bucket_prefix + "class:" + check_name("class", cls)
 
     def ceil_bucket(self, cls: str) -> str:
-        """HASH tokens, ts: a class's ceiling bucket (ceil, ceil_burst): what it may borrow to."""
+        """HASH tokens, ts (+ ledger): a class's ceiling bucket (ceil, ceil_burst), charged at
+        claim while the ceiling binds (below the pool's capacity)."""
         return self.bucket_prefix + "ceil:" + check_name("class", cls)
 
     def tenant_bucket(self, tenant: str) -> str:
-        """HASH tokens, ts: a tenant's bucket in this pool."""
+        """HASH tokens, ts (+ ledger): a tenant's quota bucket in this pool, charged at admission."""
         return self.bucket_prefix + "tenant:" + check_name("tenant", tenant)
 
     def reply(self, frontend_id: str) -> str:

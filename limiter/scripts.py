@@ -25,6 +25,7 @@ from limiter.config import PoolConfig, QosConfig
 from limiter.errors import (
     InvalidArgument,
     LeaseLost,
+    Overloaded,
     PolicyMissing,
     QueueFull,
     RedisUnavailable,
@@ -40,6 +41,11 @@ SCRIPT_NAMES = (
     "reap_expired", "init_pool", "set_rates", "acquire_leader", "release_leader", "release",
 )
 _INCLUDE = re.compile(r"^--!include (\S+)\s*$", re.MULTILINE)
+_FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
+# What a script may do under Redis 7's `#!lua` flags: scripts that only move requests to a
+# final state may run when Redis is out of memory (they free it); none may touch another slot.
+KNOWN_FLAGS = ("allow-oom",)
+REAP_LIMIT = 64  # reap_expired's most entries of each kind per call (bounded work)
 
 
 def lua_dir() -> Path:
@@ -50,12 +56,42 @@ def lua_dir() -> Path:
     return Path(__file__).resolve().parent.parent / "lua"
 
 
+def _resolve(name: str, text: str, include_dir: Path, done: list[str], stack: list[str]) -> str:
+    """``text`` with each ``--!include f`` replaced by ``f`` (itself resolved first), every
+    file once, in dependency order; a cycle is refused."""
+
+    def expand(m: re.Match[str]) -> str:
+        inc = m.group(1)
+        if inc in stack:
+            raise ScriptError(f"lua include cycle: {' -> '.join([*stack, inc])}")
+        if inc in done:
+            return ""
+        path = include_dir / inc
+        if not path.is_file():
+            raise ScriptError(f"{name}: --!include {inc}: no such file in {include_dir}")
+        body = _resolve(inc, path.read_text(), include_dir, done, [*stack, inc])
+        done.append(inc)
+        return body
+
+    return _INCLUDE.sub(expand, text)
+
+
 @cache
-def script_source(name: str) -> str:
-    """A script with its ``--!include`` lines replaced by ``lua/include/<file>``."""
+def script_source(name: str, shebang: bool = True) -> str:
+    """The script ``name`` as Redis runs it: includes resolved recursively (each helper file
+    names what it needs), and, for servers that support it (Redis >= 7), a ``#!lua`` first
+    line with the script's ``--!flags``. With a shebang Redis refuses, in a cluster, any key
+    outside the slot of the declared keys: a lost hash tag fails at once, not after a reshard."""
     base = lua_dir()
     text = (base / f"{name}.lua").read_text()
-    return _INCLUDE.sub(lambda m: (base / "include" / m.group(1)).read_text(), text)
+    flags = [f for m in _FLAGS.finditer(text) for f in m.group(1).split(",")]
+    for f in flags:
+        if f not in KNOWN_FLAGS:
+            raise ScriptError(f"{name}.lua: unknown --!flags value {f!r} (known: {', '.join(KNOWN_FLAGS)})")
+    body = _resolve(name, text, base / "include", [], [name])
+    if not shebang:
+        return body
+    return ("#!lua flags=" + ",".join(flags) if flags else "#!lua") + "\n" + body
 
 
 @cache
@@ -64,10 +100,10 @@ def lifecycle_keys(keys: PoolKeys) -> tuple[str, ...]:
 
     Cached per pool: it is on every hot path and never changes."""
     return (
-        keys.policy, keys.pool_bucket, keys.deadlines, keys.leases, keys.cancels, keys.served,
+        keys.policy, keys.queued, keys.deadlines, keys.leases, keys.cancels, keys.served,
         keys.wake, keys.inflight, keys.tenant_inflight, keys.stats, keys.samples, keys.frontends,
-        keys.request_prefix, keys.tokens_prefix, keys.bucket_prefix, keys.queue_prefix,
-        keys.reply_prefix, keys.outage,
+        keys.outage, keys.workers, keys.worker_kv, keys.request_prefix, keys.tokens_prefix,
+        keys.bucket_prefix, keys.queue_prefix, keys.backlog_prefix, keys.vtime_prefix, keys.reply_prefix,
     )
 
 
@@ -82,9 +118,10 @@ def policy_document(cfg: QosConfig, pool: PoolConfig, capacity: float | None = N
             "name": c.name, "rate": rate, "burst": rate * c.burst_s, "ceil": ceil,
             "ceil_burst": ceil * c.burst_s, "weight": c.weight, "out_weight": c.out_weight,
             "queue_cap": c.queue_cap, "max_wait_ms": c.max_wait_ms, "floor": c.floor,
+            "fair": 1 if c.fair else 0,
         })
     return {
-        "pool": pool.name, "capacity": cap, "pool_burst": cap * pool.pool_burst_s,
+        "pool": pool.name, "capacity": cap,
         "lease_ms": pool.lease_ms, "max_attempts": pool.max_attempts,
         "frontend_ttl_ms": pool.frontend_ttl_ms, "floor_half_life_ms": pool.floor_half_life_ms,
         "record_ttl_s": pool.record_ttl_s, "floor_quantum": pool.floor_quantum_tokens,
@@ -110,7 +147,7 @@ def _s(v: Any) -> str:
 class Admitted:
     depth: int
     cost: float
-    borrowed: bool
+    est_wait_ms: int  # admit's estimate of the wait before a worker takes it
     deadline_ms: int
     duplicate_state: str | None = None  # set when the id had been admitted before
 
@@ -120,7 +157,7 @@ class Claimed:
     request_id: str
     cls: str
     tenant: str
-    attempt: int
+    fence: int  # this lease's token: every write for the request carries it; never repeats
     payload: bytes
     enq_ms: int
     input_tokens: int
@@ -130,6 +167,7 @@ class Claimed:
     generated: list[int]  # their ids, to re-prefill when resuming
     claimed_ms: int  # first claim time: queue wait = claimed_ms - enq_ms
     first_ms: int  # when an earlier attempt delivered the first token (0 = none yet)
+    attempt: int = 1  # 1 for the first claim, counting lease expiries (bounded by max_attempts)
 
 
 @dataclass(frozen=True)
@@ -150,19 +188,38 @@ class ReapResult:
     requeued: int
     failed: int
     cancelled: int
+    full: bool = False  # a kind came back at the call's limit: there may be more to reap
 
 
 class Scripts:
     """Typed wrappers around the Lua scripts, bound to one redis-py async client
-    (``redis.asyncio.Redis`` or ``RedisCluster``)."""
+    (``redis.asyncio.Redis`` or ``RedisCluster``).
 
-    def __init__(self, client: Any) -> None:
+    Scripts carry a ``#!lua`` line (Redis >= 7). A server that cannot parse it (an older
+    Redis, or the embedded fakeredis of ``qos up``) gets the same scripts without it: the
+    first compile error of that kind switches this registry over, once."""
+
+    def __init__(self, client: Any, shebang: bool = True) -> None:
         self.client = client
-        self._scripts = {name: client.register_script(script_source(name)) for name in SCRIPT_NAMES}
+        self._register(shebang)
+
+    def _register(self, shebang: bool) -> None:
+        self.shebang = shebang
+        self._scripts = {name: self.client.register_script(script_source(name, shebang))
+                         for name in SCRIPT_NAMES}
+
+    def _no_shebang_support(self, exc: ResponseError) -> bool:
+        return self.shebang and "near '#'" in str(exc)
 
     async def _run(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
         try:
-            return await self._scripts[name](keys=keys, args=args)
+            try:
+                return await self._scripts[name](keys=keys, args=args)
+            except ResponseError as exc:
+                if not self._no_shebang_support(exc):
+                    raise
+                self._register(False)
+                return await self._scripts[name](keys=keys, args=args)
         except ResponseError as exc:
             raise _map_error(str(exc)) from exc
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
@@ -171,8 +228,22 @@ class Scripts:
     async def load_all(self) -> None:
         """Load every script now (readiness check; also after a Redis restart)."""
         try:
+            if self.shebang:  # SCRIPT LOAD does not always compile: ask the server once
+                try:
+                    await self.client.eval("#!lua\nreturn 1", 0)
+                except ResponseError as exc:
+                    if self._no_shebang_support(exc):
+                        self._register(False)
             for s in self._scripts.values():
-                s.sha = await self.client.script_load(s.script)
+                try:
+                    s.sha = await self.client.script_load(s.script)
+                except ResponseError as exc:
+                    if not self._no_shebang_support(exc):
+                        raise
+                    self._register(False)
+                    return await self.load_all()
+        except ResponseError as exc:
+            raise _map_error(str(exc)) from exc
         except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
             raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
 
@@ -199,71 +270,79 @@ class Scripts:
     # --- request lifecycle ----------------------------------------------------------------
     async def admit(self, keys: PoolKeys, *, request_id: str, tenant: str, cls: str, input_tokens: int,
                     max_tokens: int, tenant_rate: float, tenant_burst: float, tenant_max_inflight: int,
-                    max_wait_ms: int, frontend_id: str, payload: bytes) -> Admitted:
-        """Charge and enqueue, or raise Throttled / QueueFull / TenantBusy (nothing charged)."""
+                    max_wait_ms: int, frontend_id: str, payload: bytes,
+                    tenant_weight: float = 1.0) -> Admitted:
+        """Queue a request, or raise Throttled / Overloaded / QueueFull / TenantBusy (nothing
+        charged or queued)."""
         reply = await self._run("admit", lifecycle_keys(keys), [
             request_id, tenant, cls, input_tokens, max_tokens, repr(float(tenant_rate)),
-            repr(float(tenant_burst)), tenant_max_inflight, max_wait_ms, frontend_id, payload])
+            repr(float(tenant_burst)), tenant_max_inflight, max_wait_ms, frontend_id, payload,
+            repr(float(tenant_weight))])
         status = _s(reply[0])
         if status == "queued":
-            return Admitted(int(reply[1]), float(_s(reply[2])), bool(int(reply[3])), int(reply[4]))
+            return Admitted(int(reply[1]), float(_s(reply[2])), int(reply[3]), int(reply[4]))
         if status == "duplicate":
-            return Admitted(0, 0.0, False, 0, duplicate_state=_s(reply[1]))
+            return Admitted(0, 0.0, 0, 0, duplicate_state=_s(reply[1]))
         if status == "throttled":
             return _raise(Throttled(_s(reply[2]), int(reply[1])))
+        if status == "overloaded":
+            return _raise(Overloaded(cls, int(reply[1]), int(reply[2]), int(reply[3])))
         if status == "queue_full":
             return _raise(QueueFull(cls, int(reply[1])))
         if status == "tenant_busy":
             return _raise(TenantBusy(tenant, int(reply[1])))
         raise ScriptError(f"admit: unexpected reply {reply!r}")
 
-    async def claim(self, keys: PoolKeys, worker_id: str, max_requests: int, token_budget: int = 0,
-                    lease_ms: int = 0, above_class: str = "") -> ClaimResult:
-        """``above_class``: only claim classes ranked strictly above it ('' = any class)."""
-        reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, token_budget,
-                                                              lease_ms, above_class])
+    async def claim(self, keys: PoolKeys, worker_id: str, max_requests: int, kv_room: int = 0,
+                    lease_ms: int = 0, above_class: str = "", kv_total: int = 0) -> ClaimResult:
+        """Claim up to ``max_requests`` that fit ``kv_room`` free KV tokens (0 = no limit).
+        ``above_class``: only classes ranked strictly above it ('' = any class); ``kv_total``:
+        the worker's whole KV room (0 = unknown), so a request no live worker can hold fails."""
+        reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room,
+                                                              lease_ms, above_class, kv_total])
         out = []
         for e in reply[1:]:
             out.append(Claimed(
-                request_id=_s(e[0]), cls=_s(e[1]), tenant=_s(e[2]), attempt=int(e[3]), payload=bytes(e[4]),
+                request_id=_s(e[0]), cls=_s(e[1]), tenant=_s(e[2]), fence=int(e[3]), payload=bytes(e[4]),
                 enq_ms=int(e[5]), input_tokens=int(e[6]), max_tokens=int(e[7]), frontend=_s(e[8]),
                 delivered=int(e[9]), generated=unpack_token_ids(bytes(e[10])), claimed_ms=int(e[11]),
-                first_ms=int(e[12])))
+                first_ms=int(e[12]), attempt=int(e[13])))
         return ClaimResult(int(reply[0]), out)
 
     async def renew_leases(self, keys: PoolKeys, worker_id: str, held: Sequence[tuple[str, int]],
                            lease_ms: int = 0) -> RenewResult:
+        """``held``: (request id, fence) of every request the worker runs."""
         if not held:
             return RenewResult([], [])
-        args: list[Any] = [worker_id, lease_ms] + [f"{check_name('request id', rid)}:{a}" for rid, a in held]
+        args: list[Any] = [worker_id, lease_ms] + [f"{check_name('request id', rid)}:{f}" for rid, f in held]
         lost, stop = await self._run("renew_leases", lifecycle_keys(keys), args)
         return RenewResult([_s(x) for x in lost], [_s(x) for x in stop])
 
-    async def push_tokens(self, keys: PoolKeys, *, request_id: str, worker_id: str, attempt: int,
+    async def push_tokens(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int,
                           offset: int, token_ids: Sequence[int], text: str, lease_ms: int = 0) -> bool:
         """Deliver tokens; returns True when the client asked to cancel. Raises LeaseLost."""
         reply = await self._run("push_tokens", lifecycle_keys(keys), [
-            request_id, worker_id, attempt, offset, len(token_ids), pack_token_ids(token_ids),
+            request_id, worker_id, fence, offset, len(token_ids), pack_token_ids(token_ids),
             text.encode(), lease_ms])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return bool(int(reply[1]))
 
-    async def complete(self, keys: PoolKeys, *, request_id: str, worker_id: str, attempt: int, outcome: str,
+    async def complete(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int, outcome: str,
                        usage_in: int, token_ids: Sequence[int] = (), text: str = "",
                        finish_reason: str = "stop", message: str = "", sample: bytes = b"") -> float:
-        """Finish a request; returns the refunded cost. Raises LeaseLost."""
+        """Finish a request; returns the unused reservation it gives back. Raises LeaseLost."""
         reply = await self._run("complete", lifecycle_keys(keys), [
-            request_id, worker_id, attempt, outcome, usage_in, len(token_ids), pack_token_ids(token_ids),
+            request_id, worker_id, fence, outcome, usage_in, len(token_ids), pack_token_ids(token_ids),
             text.encode(), finish_reason, message, sample])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return float(_s(reply[1]))
 
-    async def release(self, keys: PoolKeys, *, request_id: str, worker_id: str, attempt: int) -> str:
+    async def release(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int) -> str:
         """Hand a leased request back to its queue (a draining worker); returns 'requeued' or
         'cancelled' (its client is gone). Raises LeaseLost."""
-        reply = await self._run("release", lifecycle_keys(keys), [request_id, worker_id, attempt])
+        reply = await self._run("release", lifecycle_keys(keys), [request_id, worker_id, fence])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return _s(reply[0])
@@ -274,9 +353,21 @@ class Scripts:
         status = _s(reply[0])
         return f"final:{_s(reply[1])}" if status == "final" else status
 
-    async def reap(self, keys: PoolKeys, limit: int = 1000) -> ReapResult:
-        e, r, f, c = await self._run("reap_expired", lifecycle_keys(keys), [limit])
-        return ReapResult(int(e), int(r), int(f), int(c))
+    async def reap(self, keys: PoolKeys, limit: int = REAP_LIMIT) -> ReapResult:
+        """One bounded janitor pass (at most ``limit`` <= 64 entries of each kind)."""
+        e, r, f, c = (int(x) for x in await self._run("reap_expired", lifecycle_keys(keys), [limit]))
+        return ReapResult(e, r, f, c, full=e >= limit or r + f + c >= limit)
+
+    async def reap_all(self, keys: PoolKeys, max_calls: int = 50) -> ReapResult:
+        """Janitor passes until one comes back short (at most ``max_calls``): each call is
+        bounded, and Redis serves others between them."""
+        e = r = f = c = 0
+        for _ in range(max_calls):
+            res = await self.reap(keys)
+            e, r, f, c = e + res.expired, r + res.requeued, f + res.failed, c + res.cancelled
+            if not res.full:
+                return ReapResult(e, r, f, c)
+        return ReapResult(e, r, f, c, full=True)
 
 
 def _raise(exc: Exception) -> Any:

@@ -1,10 +1,11 @@
 """A read-only QoS snapshot built from Redis alone (the admin endpoint; ``qos status``).
 
-Per pool and class: the current rate and burst (controller-owned, from the policy hash),
-the bucket level refilled to Redis' now exactly as the scripts compute it, queue depth,
-leased requests, SLO compliance (``keys.compliance``, written by the controller; null
-when absent) and the lifetime counters; per worker and frontend, seconds since the last
-heartbeat. Reads only: safe to call at any rate from any process.
+Per pool and class: the current rate, burst and ceiling (controller-owned, from the policy
+hash), the guarantee (and, where it binds, ceiling) bucket refilled to Redis' now exactly as
+the scripts compute it, queued requests and their reserved cost, backlogged tenants, leased
+requests, SLO compliance (``keys.compliance``, written by the controller; null when absent)
+and the lifetime counters; per worker and frontend, seconds since the last heartbeat. Reads
+only: safe to call at any rate from any process.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def _hash(raw: dict[Any, Any]) -> dict[str, str]:
 
 
 def bucket_level(tokens: float | None, ts: float | None, rate: float, burst: float, now_ms: float) -> float:
-    """lua/include/bucket.lua's bucket_level: a missing bucket is full; refill, cap at burst."""
+    """lua/include/bucket.lua's bucket_get: a missing bucket is full; refill, cap at burst."""
     if tokens is None or ts is None:
         return burst
     return min(burst, tokens + rate * max(now_ms - ts, 0.0) / 1000.0)
@@ -67,40 +68,40 @@ async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
         pipe.hgetall(keys.inflight)
         pipe.hgetall(keys.compliance)
         pipe.hgetall(keys.stats)
-        pipe.hmget(keys.pool_bucket, ["tokens", "ts"])
+        pipe.hgetall(keys.queued)
         pipe.zrange(keys.workers, 0, -1, withscores=True)
         pipe.zrange(keys.frontends, 0, -1, withscores=True)
         for c in classes:
             pipe.hmget(keys.class_bucket(c), ["tokens", "ts"])
-            pipe.zcard(keys.queue(c))
+            pipe.hmget(keys.ceil_bucket(c), ["tokens", "ts"])
+            pipe.zcard(keys.backlog(c))
         res = await pipe.execute()
-        policy, inflight, compliance, stats = (_hash(r) for r in res[:4])
-        pool_bucket, workers, frontends = res[4], res[5], res[6]
+        policy, inflight, compliance, stats, queued = (_hash(r) for r in res[:5])
+        workers, frontends = res[5], res[6]
+        capacity = _f(policy.get("capacity"))
         per_class: dict[str, Any] = {}
         for i, c in enumerate(classes):
-            bucket, depth = res[7 + 2 * i], res[8 + 2 * i]
-            rate = _f(policy.get(f"{c}.rate"))
-            burst = _f(policy.get(f"{c}.burst"))
-            tokens = None
+            bucket, ceil_bucket, tenants = res[7 + 3 * i], res[8 + 3 * i], res[9 + 3 * i]
+            rate, burst = _f(policy.get(f"{c}.rate")), _f(policy.get(f"{c}.burst"))
+            ceil, ceil_burst = _f(policy.get(f"{c}.ceil")), _f(policy.get(f"{c}.ceil_burst"))
+            tokens = ceil_tokens = None
             if rate is not None and burst is not None:
                 tokens = round(bucket_level(_f(bucket[0]), _f(bucket[1]), rate, burst, now_ms), 3)
+            if ceil is not None and ceil_burst is not None and capacity is not None and ceil < capacity:
+                ceil_tokens = round(bucket_level(_f(ceil_bucket[0]), _f(ceil_bucket[1]), ceil, ceil_burst,
+                                                 now_ms), 3)
             per_class[c] = {
-                "rate": rate, "burst": burst, "ceil": _f(policy.get(f"{c}.ceil")), "tokens": tokens,
-                "queued": int(depth), "inflight": int(inflight.get(c, 0)),
+                "rate": rate, "burst": burst, "ceil": ceil, "tokens": tokens, "ceil_tokens": ceil_tokens,
+                "queued": int(queued.get(c, 0)), "queued_cost": round(_f(queued.get(f"{c}.cost")) or 0.0, 3),
+                "backlogged_tenants": int(tenants), "inflight": int(inflight.get(c, 0)),
                 "compliance": _f(compliance.get(c)),
                 "counters": {k.split(".", 1)[1]: int(v) for k, v in stats.items() if k.startswith(c + ".")},
             }
-        capacity = _f(policy.get("capacity"))
-        pool_burst = _f(policy.get("pool_burst"))
-        pool_tokens = None
-        if capacity is not None and pool_burst is not None:
-            pool_tokens = round(bucket_level(_f(pool_bucket[0]), _f(pool_bucket[1]), capacity, pool_burst,
-                                             now_ms), 3)
         out["pools"][pool.name] = {
             "model": pool.model_name,
             "initialised": bool(policy),
             "policy_version": int(policy["version"]) if "version" in policy else None,
-            "capacity": capacity, "pool_burst": pool_burst, "pool_tokens": pool_tokens,
+            "capacity": capacity,
             "measured_capacity": _f(compliance.get("capacity")),
             "classes": per_class,
             "workers": _ages(workers, now_ms),

@@ -1,7 +1,30 @@
--- admit: charge the tenant bucket and the class (or borrowed pool) budget together, then
--- enqueue the request. One call, all or nothing. Idempotent per request id.
+-- admit: check a request against the hard limits, then queue it. One call, all or nothing;
+-- idempotent per request id.
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- Admission enforces limits, not shares (which class runs next is decided by claim, where
+-- the free capacity is known). It refuses only when
+--   * the tenant is at its in-flight cap (tenant_busy), or the class queue at its cap
+--     (queue_full);
+--   * the tenant's own quota bucket lacks tokens (throttled, bucket = tenant), or the class
+--     is disabled (ceiling 0: throttled, bucket = class, retry_after_ms = -1);
+--   * the request cannot start within its max wait (overloaded): the estimated wait, from
+--     the work queued ahead of it and the service rate it can get, is longer than its max
+--     wait. A request above its class's guaranteed rate is queued, not refused.
+-- Only the tenant bucket is charged here (its debit is recorded in the request as c_tenant).
+--
+-- Wait estimate (ms) for tenant t in class c, the smaller of two ways it gets served:
+--   by its guarantee:  (ahead_c + debt of c's guarantee bucket) / rate_c
+--   by spare capacity: (ahead_c + queued work of every higher class)
+--                      / (R - served rate of the higher classes - rates of backlogged lower ones)
+--                      and, where c's ceiling binds, at least (ahead_c + ceiling debt) / ceil_c
+-- ahead_c is the class's queued work in arrival order (fair = 0); in a fair class it is
+-- t's own queued work scaled by t's share of the class, w_t / (w_t + other backlogged
+-- tenants), and never more than the whole class queue: a flooding tenant's backlog does
+-- not make a light tenant wait (or be refused).
+-- R = max(capacity, the pool's measured claim rate); served rates come from the decayed
+-- ledger claim keeps (K_SERVED): a ledger S with half-life h stands for a rate S ln2 / h.
+--
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1]  request_id          name, unguessable id chosen by the frontend
 -- ARGV[2]  tenant              name
 -- ARGV[3]  class               a class of the pool policy
@@ -13,23 +36,18 @@
 -- ARGV[9]  max_wait_ms         integer >= 0, 0 = the class default; never above it
 -- ARGV[10] frontend_id         name of the frontend whose reply stream gets the answer
 -- ARGV[11] payload             opaque bytes (msgpack prompt + sampling params), <= 8 MiB
+-- ARGV[12] tenant_weight       number in (0, 1e6]: the tenant's share of its class (VTC)
 --
--- Cost = input_tokens x weight + max_tokens x out_weight. A bucket admits when it holds
--- min(cost, burst) tokens (a request larger than the burst needs a full bucket and leaves
--- debt), so `retry_after_ms` is always finite and honest.
--- Borrowing (HTB rate/ceil): when the class bucket lacks tokens the request may borrow
--- from the pool bucket, if the class's ceiling bucket allows it and the pool keeps a
--- reserve equal to the bursts of all higher classes (so higher classes borrow first).
--- The top class (no reserve) may borrow into the pool's debt, down to -pool_burst: every
--- admission charges the pool, so at overload, with each class at its rate, the pool sits
--- near empty and a burst of the top class would be turned away while lower classes use
--- their guarantees. Admitted anyway, it runs first (claim is strict priority) and lower
--- classes wait in their queues; the debt stops every class's borrowing until it is repaid.
+-- Cost = input_tokens x weight + max_tokens x out_weight. The tenant bucket admits when it
+-- holds min(cost, burst) tokens (a request larger than the burst needs a full bucket and
+-- leaves debt), so `retry_after_ms` is always finite and honest.
 --
 -- Returns one of
---   {'queued', depth, cost, borrowed(0|1), deadline_ms}
+--   {'queued', depth, cost, est_wait_ms, deadline_ms}
 --   {'duplicate', state}                      the id was admitted before; nothing charged
 --   {'throttled', retry_after_ms, bucket}     bucket = tenant|class; -1 = class disabled
+--   {'overloaded', retry_after_ms, est_wait_ms, max_wait_ms}  it could not start in time
+--                                             (-1, -1: the class gets no capacity now)
 --   {'queue_full', depth}
 --   {'tenant_busy', inflight}
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
@@ -37,7 +55,56 @@
 --!include validate.lua
 --!include policy.lua
 --!include bucket.lua
---!include pool_keys.lua
+--!include record.lua
+--!include queue.lua
+
+local LN2 = math.log(2)
+
+local function wait_estimate_ms(p, cls, tenant, weight, q, now)
+  local c = p.class[cls]
+  local rank = p.index[cls]
+  -- the class's work ahead of this request: all of it in arrival order; in a fair class
+  -- only the tenant's own queued work, drained at its share w / (w + others' weights) of the
+  -- class (every other backlogged tenant counted at weight 1)
+  local own = q.cost[cls]
+  if c.fair then
+    local mine = tonumber(redis.call('HGET', K_QUEUED, cls .. ':' .. tenant) or '0')
+    local others = redis.call('ZCARD', P_BACKLOG .. cls)
+    if mine > 0 then others = others - 1 end
+    own = math.min(own, math.max(mine, 0) * (weight + others) / weight)
+  end
+  local sv = redis.call('HGETALL', K_SERVED)
+  local served, ts = {}, now
+  for i = 1, #sv, 2 do
+    if sv[i] == 'ts' then ts = tonumber(sv[i + 1]) else served[sv[i]] = tonumber(sv[i + 1]) end
+  end
+  local to_rate = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms) * LN2 / (p.floor_half_life_ms / 1000)
+  local measured, total = {}, 0
+  for _, j in ipairs(p.classes) do
+    measured[j] = (served[j] or 0) * to_rate
+    total = total + measured[j]
+  end
+  local spare, ahead = math.max(p.capacity, total), own
+  for i, j in ipairs(p.classes) do
+    if i < rank then
+      spare = spare - measured[j]
+      ahead = ahead + q.cost[j]
+    elseif i > rank and q.n[j] > 0 then
+      spare = spare - p.class[j].rate
+    end
+  end
+  local est = math.huge
+  if spare > 0 then est = ahead / spare end
+  if ceiling_binds(p, c) then
+    local h = bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
+    est = math.max(est, (own + math.max(-h.level, 0)) / c.ceil)
+  end
+  if c.rate > 0 then
+    local g = bucket_get(P_BUCKET .. 'class:' .. cls, c.rate, c.burst, now)
+    est = math.min(est, (own + math.max(-g.level, 0)) / c.rate)
+  end
+  return est * 1000
+end
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
@@ -52,7 +119,9 @@ local function main()
   local frontend_id = arg_name(ARGV[10], 'frontend_id')
   local payload = ARGV[11]
   if payload == nil or #payload > 8388608 then fail('BADARG', 'payload: missing or over 8 MiB') end
-  local c = load_class_policy(K_POLICY, cls)
+  local tenant_weight = arg_num(ARGV[12] or '1', 'tenant_weight', 1e-6, 1e6)
+  local p = load_policy(K_POLICY)
+  local c = policy_class(p, cls)
 
   local key = P_REQUEST .. request_id
   local state = redis.call('HGET', key, 'state')
@@ -62,69 +131,43 @@ local function main()
     local busy = tonumber(redis.call('HGET', K_TENANT_INFLIGHT, tenant) or '0')
     if busy >= tenant_max_inflight then return {'tenant_busy', busy} end
   end
-  local queue = P_QUEUE .. cls
-  local depth = redis.call('ZCARD', queue)
+  local q = queued_counts(p)
+  local depth = q.n[cls]
   if depth >= c.queue_cap then return {'queue_full', depth} end
+  if c.ceil <= 0 then return {'throttled', -1, 'class'} end
 
   local now = now_ms()
   local cost = input_tokens * c.weight + max_tokens * c.out_weight
-
-  local tkey = P_BUCKET .. 'tenant:' .. tenant
-  local lt = bucket_level(tkey, tenant_rate, tenant_burst, now)
-  if lt < math.min(cost, tenant_burst) then
-    return {'throttled', bucket_wait_ms(lt, math.min(cost, tenant_burst), tenant_rate), 'tenant'}
+  local tb = bucket_get(P_BUCKET .. 'tenant:' .. tenant, tenant_rate, tenant_burst, now)
+  if tb.level < math.min(cost, tenant_burst) then
+    return {'throttled', bucket_wait_ms(tb.level, math.min(cost, tenant_burst), tenant_rate), 'tenant'}
   end
-
-  local ckey, ceilkey = P_BUCKET .. 'class:' .. cls, P_BUCKET .. 'ceil:' .. cls
-  local lc = bucket_level(ckey, c.rate, c.burst, now)
-  local lceil = bucket_level(ceilkey, c.ceil, c.ceil_burst, now)
-  local lp = bucket_level(K_POOL_BUCKET, c.capacity, c.pool_burst, now)
-  local need_c = math.min(cost, c.burst)
-  local borrowed = 0
-  if c.rate > 0 and lc >= need_c then
-    bucket_store(ckey, lc - cost, now, -math.huge, c.burst)
-  else
-    local reserve = c.reserve or 0
-    if reserve == 0 then reserve = -c.pool_burst end  -- the top class may overdraw (header)
-    local need_p = math.min(cost, math.max(c.pool_burst - math.max(reserve, 0), 0))
-    local need_ceil = math.min(cost, c.ceil_burst)
-    if c.ceil > c.rate and lceil >= need_ceil and lp - reserve >= need_p then
-      borrowed = 1
-    else
-      local wait = bucket_wait_ms(lc, need_c, c.rate)
-      if c.ceil > c.rate and c.capacity > 0 then
-        local wb = math.max(bucket_wait_ms(lceil, need_ceil, c.ceil),
-          bucket_wait_ms(lp, reserve + need_p, c.capacity))
-        if wait < 0 or wb < wait then wait = wb end
-      end
-      return {'throttled', wait, 'class'}
-    end
-  end
-  -- Every admission counts against the ceiling and the pool; debt is bounded by a burst.
-  bucket_store(ceilkey, lceil - cost, now, -c.ceil_burst, c.ceil_burst)
-  bucket_store(K_POOL_BUCKET, lp - cost, now, -c.pool_burst, c.pool_burst)
-  -- Tenants come from the config, so their buckets are bounded in number: no TTL needed.
-  bucket_store(tkey, lt - cost, now, -math.huge, tenant_burst)
-
   local wait = c.max_wait_ms
   if max_wait_ms > 0 and max_wait_ms < wait then wait = max_wait_ms end
+  local est = wait_estimate_ms(p, cls, tenant, tenant_weight, q, now)
+  if est > wait then
+    local retry = est == math.huge and -1 or math.ceil(est - wait)
+    return {'overloaded', retry, est == math.huge and -1 or math.ceil(est), wait}
+  end
+
+  -- Every check passed: from here on, writes. Tenants come from the config, so their
+  -- buckets are bounded in number and need no TTL.
+  local charged = bucket_debit(tb, cost, nil)
   local deadline = now + wait
   local seq = redis.call('HINCRBY', K_STATS, 'seq', 1)
   redis.call('HSET', key, 'id', request_id, 'tenant', tenant, 'class', cls, 'state', 'queued',
-    'frontend', frontend_id, 'attempts', 0, 'enq_ms', now, 'seq', seq,
-    'deadline_ms', deadline, 'input_tokens', input_tokens, 'max_tokens', max_tokens,
-    'w_in', fmt(c.weight), 'w_out', fmt(c.out_weight), 'cost', fmt(cost),
-    'c_class', fmt(borrowed == 1 and 0 or cost), 'c_pool', fmt(cost),
-    't_rate', fmt(tenant_rate), 't_burst', fmt(tenant_burst), 'payload', payload)
-  -- A safety net only: every path to a terminal state sets the short record TTL.
-  redis.call('EXPIRE', key, 86400)
-  redis.call('ZADD', queue, seq, request_id)
-  redis.call('ZADD', K_DEADLINES, deadline, request_id)
+    'frontend', frontend_id, 'attempts', 0, 'fence', 0, 'enq_ms', now, 'seq', seq,
+    'deadline_ms', deadline, 'max_wait_ms', wait, 'input_tokens', input_tokens,
+    'max_tokens', max_tokens, 'w_in', fmt(c.weight), 'w_out', fmt(c.out_weight), 'cost', fmt(cost),
+    't_rate', fmt(tenant_rate), 't_burst', fmt(tenant_burst), 't_weight', fmt(tenant_weight),
+    'c_tenant', fmt(charged), 'payload', payload)
+  keep_alive(p, request_id, deadline, now)
+  enqueue(p, {id = request_id, class = cls, tenant = tenant, seq = seq, deadline_ms = deadline,
+    cost = cost})
   redis.call('HINCRBY', K_TENANT_INFLIGHT, tenant, 1)
   redis.call('HINCRBY', K_STATS, cls .. '.admitted', 1)
-  if borrowed == 1 then redis.call('HINCRBY', K_STATS, cls .. '.borrowed', 1) end
   if redis.call('LPUSH', K_WAKE, '1') > 64 then redis.call('LTRIM', K_WAKE, 0, 63) end
-  return {'queued', depth + 1, fmt(cost), borrowed, deadline}
+  return {'queued', depth + 1, fmt(cost), math.ceil(est), deadline}
 end
 
 --!include main.lua

@@ -2,7 +2,7 @@
 -- the request). Removes the request wherever it is: a queued request is finished now
 -- and refunded in full; a leased one is flagged so its worker stops it between steps.
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] request_id  name
 -- ARGV[2] tenant      name: must own the request (a tenant cannot cancel another's)
 -- ARGV[3] reason      client_gone | expired | shutdown
@@ -11,12 +11,11 @@
 -- Returns {'cancelled'} | {'expired'} | {'cancelling'} | {'running'} | {'final', state}
 -- | {'not_found'}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
+--!flags allow-oom
 --!include validate.lua
 --!include policy.lua
---!include bucket.lua
---!include pool_keys.lua
---!include msgpack.lua
---!include request.lua
+--!include record.lua
+--!include finish.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')

@@ -1,41 +1,70 @@
--- claim: a worker takes up to N queued requests, highest class first, FIFO within a
--- class, with starvation floors; each claimed request gets a lease owned by the worker.
--- Before choosing it expires overdue queued requests and requeues expired leases, so
--- nothing past its max wait is ever handed out.
+-- claim: a worker takes up to N queued requests. This is where shares are decided, because
+-- only here is the free capacity known (the worker says how much room it has).
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- Which class: the first of these tiers that has a candidate (docs/scheduling.md argues it):
+--   1. floors: a backlogged class whose decayed served cost is below floor x the decayed
+--      total by more than floor_quantum (the largest shortfall first);
+--   2. guarantees: the highest-priority backlogged class whose guarantee bucket (rate,
+--      burst) holds credit, i.e. that was served less than its rate lately;
+--   3. spare: the highest-priority backlogged class.
+-- A class whose ceiling binds (ceil < capacity) and whose ceiling bucket is empty is not
+-- dispatched at all: the ceiling is a hard limit the controller uses to cut interference.
+-- Which tenant: the backlogged tenant of that class with the smallest virtual counter (or,
+-- in a class with fair = 0, the one whose oldest request is oldest; include/queue.lua);
+-- which request: that tenant's oldest.
+-- When that request needs more than the worker's free room, its class takes nothing more
+-- from this worker in this call (room is gathered for it; other classes go on). One that
+-- this worker can never hold is left to a bigger live worker, and fails at once with a
+-- clear error when there is none.
+--
+-- A request's first claim charges its reserved cost to its class's guarantee bucket (when
+-- that bucket holds credit), to its ceiling bucket (when the ceiling binds), to its
+-- tenant's counter and to the served ledger; what was charged is recorded in the request
+-- (c_class, c_ceil, c_vtc) and the request's end refunds at most that. A re-claim (after a
+-- requeue) charges nothing again. Each claim gets a fence token from a pool-wide counter:
+-- tokens never repeat, so a stale worker's write can never pass for a current one.
+--
+-- Bounded work: at most 8 expired queue entries and 8 expired leases are swept first, at
+-- most MAX_FINISH requests are finished per call, and the pick loop runs at most
+-- max_requests + MAX_SKIPS times.
+--
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] worker_id      name
 -- ARGV[2] max_requests   integer 1..1024
--- ARGV[3] token_budget   integer >= 0: the worker's free KV room in tokens; a request
---                        needs input_tokens + max_tokens. 0 = no token limit.
+-- ARGV[3] kv_room        integer >= 0: the worker's free KV room in tokens; a request
+--                        needs input_tokens + max_tokens (at most kv_total). 0 = no limit.
 -- ARGV[4] lease_ms       integer >= 0, 0 = the pool's lease_ms
 -- ARGV[5] above_class    optional class name: only classes ranked strictly above it are
 --                        claimed (a full worker's look-ahead for work that would preempt
 --                        what it holds); '' or absent = every class
+-- ARGV[6] kv_total       optional integer >= 0: the worker's whole KV room in tokens
+--                        (0 or absent = unknown: nothing is judged too large for it)
 --
--- Floors: served cost per class decays with half-life floor_half_life_ms; a backlogged
--- class whose served cost is below floor x the decayed total by more than floor_quantum
--- is served first (largest deficit first), otherwise the highest backlogged class is.
---
--- Returns {now_ms, {entry}, ...}; entry = {id, class, tenant, attempt, payload, enq_ms,
+-- Returns {now_ms, {entry}, ...}; entry = {id, class, tenant, fence, payload, enq_ms,
 --   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms,
---   first_ms (0 until a first token was delivered)}; times are Redis server ms.
+--   first_ms (0 until a first token was delivered), attempt}; times are Redis server ms.
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
 
 --!include validate.lua
 --!include policy.lua
 --!include bucket.lua
---!include pool_keys.lua
---!include msgpack.lua
---!include request.lua
+--!include record.lua
+--!include queue.lua
+--!include finish.lua
+--!include janitor.lua
+
+local MAX_FINISH = 24
+local MAX_SKIPS = 16
+local SWEEP = 8
 
 local function main()
   local worker_id = arg_name(ARGV[1], 'worker_id')
   local max_requests = arg_int(ARGV[2], 'max_requests', 1, 1024)
-  local token_budget = arg_int(ARGV[3], 'token_budget', 0, 1e12)
+  local kv_room = arg_int(ARGV[3], 'kv_room', 0, 1e12)
   local lease_ms = arg_int(ARGV[4], 'lease_ms', 0, 3600000)
   local above_class = ARGV[5] or ''
   if above_class ~= '' then above_class = arg_name(above_class, 'above_class') end
+  local kv_total = arg_int(ARGV[6] or '0', 'kv_total', 0, 1e12)
   local p = load_policy(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
   -- classes this claim may hand out: all, or those ranked above above_class
@@ -51,9 +80,11 @@ local function main()
     if not known then fail('BADARG', 'above_class: unknown class ' .. above_class) end
   end
   local now = now_ms()
+  if kv_total > 0 then redis.call('HSET', K_WORKER_KV, worker_id, kv_total) end
 
-  expire_overdue(p, now, 100)
-  reap_leases(p, now, 100)
+  local expired = expire_overdue(p, now, SWEEP)
+  local rq, fl, cn = reap_leases(p, now, SWEEP)
+  local finishes = MAX_FINISH - expired - rq - fl - cn
 
   -- Decay the served ledger to now.
   local sv = redis.call('HGETALL', K_SERVED)
@@ -68,73 +99,140 @@ local function main()
     total = total + served[cls]
   end
 
-  local backlog = {}
-  for _, cls in ipairs(p.classes) do backlog[cls] = redis.call('ZCARD', P_QUEUE .. cls) end
+  local q = queued_counts(p)
+  local guarantee, ceiling = {}, {}
+  for _, cls in ipairs(p.classes) do
+    local c = p.class[cls]
+    guarantee[cls] = bucket_get(P_BUCKET .. 'class:' .. cls, c.rate, c.burst, now)
+    if ceiling_binds(p, c) then ceiling[cls] = bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now) end
+  end
+  local skipped = {}   -- class -> {tenant = true}: tenants whose head does not fit this worker
+  local nskipped = {}  -- class -> count
+  local closed = {}    -- class -> true: nothing more of it for this worker in this call
+  local function open(cls)
+    return eligible[cls] and q.n[cls] > 0 and not closed[cls]
+      and (ceiling[cls] == nil or ceiling[cls].level > 0)
+  end
 
-  -- A class must be short by more than one quantum before its floor overrides priority,
-  -- so light traffic sees strict priority and floors act only on a real backlog.
   local quantum = p.floor_quantum or 0
   local out = {now}
-  local budget = token_budget
-  local guard = 0
-  while #out - 1 < max_requests and guard < 10000 do
-    guard = guard + 1
+  local room = kv_room
+  local skips = 0
+  local loops = 0
+  while #out - 1 < max_requests and loops < max_requests + MAX_SKIPS + MAX_FINISH do
+    loops = loops + 1
     local pick, best = nil, 0
-    for _, cls in ipairs(p.classes) do
+    for _, cls in ipairs(p.classes) do  -- 1. floors
       local floor = p.class[cls].floor or 0
-      if eligible[cls] and backlog[cls] > 0 and floor > 0 then
+      if floor > 0 and open(cls) then
         local deficit = floor * total - served[cls]
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
-    if pick == nil then
+    if pick == nil then  -- 2. guarantees
       for _, cls in ipairs(p.classes) do
-        if eligible[cls] and backlog[cls] > 0 then pick = cls break end
+        if open(cls) and p.class[cls].rate > 0 and guarantee[cls].level > 0 then pick = cls break end
+      end
+    end
+    if pick == nil then  -- 3. spare capacity, by priority
+      for _, cls in ipairs(p.classes) do
+        if open(cls) then pick = cls break end
       end
     end
     if pick == nil then break end
 
-    local id = redis.call('ZRANGE', P_QUEUE .. pick, 0, 0)[1]
-    local r = load_request(id)
-    if r == nil or r.state ~= 'queued' then
-      redis.call('ZREM', P_QUEUE .. pick, id)
-      redis.call('ZREM', K_DEADLINES, id)
-      backlog[pick] = backlog[pick] - 1
-    elseif r.deadline_ms <= now then
-      local waited = now - r.enq_ms
-      finalize(p, r, 'expired', 'max queue wait passed after ' .. waited .. ' ms', 0, now)
-      notify(r, {'k', 'err', 'code', 'expired', 'msg', 'request waited ' .. waited .. ' ms in the ' .. pick .. ' queue, past its max wait'})
-      add_sample(p, r, 'expired', now)
-      backlog[pick] = backlog[pick] - 1
-    elseif not frontend_alive(p, r.frontend, now) then
-      finalize(p, r, 'cancelled', 'client frontend went away', 0, now)
-      notify_cancelled(r, 'its client frontend stopped heartbeating before a worker took it')
-      add_sample(p, r, 'cancelled', now)
-      backlog[pick] = backlog[pick] - 1
+    -- the backlogged tenant with the smallest counter that was not skipped
+    local n = nskipped[pick] or 0
+    local cand = redis.call('ZRANGE', P_BACKLOG .. pick, 0, n)
+    local tenant = nil
+    for _, t in ipairs(cand) do
+      if not (skipped[pick] and skipped[pick][t]) then tenant = t break end
+    end
+    local id = tenant and redis.call('ZRANGE', tenant_queue(pick, tenant), 0, 0)[1]
+    if tenant == nil then
+      closed[pick] = true
+    elseif id == nil then
+      -- a backlogged tenant without a queue (only after a partial failure): repair it
+      local s = redis.call('ZSCORE', P_BACKLOG .. pick, tenant)
+      redis.call('ZREM', P_BACKLOG .. pick, tenant)
+      if p.class[pick].fair then redis.call('HSET', P_VTIME .. pick, tenant, s) end
     else
-      local need = r.input_tokens + r.max_tokens
-      if token_budget > 0 and need > budget then break end
-      budget = budget - need
-      redis.call('ZREM', P_QUEUE .. pick, id)
-      redis.call('ZREM', K_DEADLINES, id)
-      backlog[pick] = backlog[pick] - 1
-      local attempt = r.attempts + 1
-      local key = P_REQUEST .. id
-      redis.call('HSET', key, 'state', 'leased', 'worker', worker_id, 'attempts', attempt,
-        'lease_ms', now + lease_ms)
-      if r.claimed_ms == nil then
-        redis.call('HSET', key, 'claimed_ms', now)
-        r.claimed_ms = now
+      local r = load_request(id)
+      if r == nil or r.state ~= 'queued' then
+        -- an index entry without a queued record (only after a partial failure): drop it
+        redis.call('ZREM', tenant_queue(pick, tenant), id)
+        redis.call('ZREM', K_DEADLINES, id)
+        if r == nil then
+          q.n[pick] = q.n[pick] - 1
+          if redis.call('HINCRBY', K_QUEUED, pick, -1) <= 0 then redis.call('HSET', K_QUEUED, pick, 0, pick .. '.cost', 0) end
+        end
+      elseif r.deadline_ms <= now or not frontend_alive(p, r.frontend, now) then
+        if finishes <= 0 then break end
+        finishes = finishes - 1
+        if r.deadline_ms <= now then
+          expire_queued(p, r, now)
+        else
+          cancel_orphan(p, r, now, 'its client frontend stopped heartbeating before a worker took it')
+        end
+        q.n[pick] = q.n[pick] - 1
+      else
+        local need = r.input_tokens + r.max_tokens
+        if kv_total > 0 and need > kv_total then need = kv_total end
+        local never = kv_total > 0 and r.input_tokens + 1 > kv_total
+        if never and largest_live_kv(p, now) < r.input_tokens + 1 then
+          if finishes <= 0 then break end
+          finishes = finishes - 1
+          local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
+            .. math.max(kv_total, largest_live_kv(p, now)) .. ' tokens)'
+          finalize(p, r, 'failed', why, 0, now)
+          notify(r, {'k', 'err', 'code', 'too_large', 'msg', why})
+          add_sample(p, r, 'failed', now)
+          q.n[pick] = q.n[pick] - 1
+        elseif never then
+          -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it
+          skipped[pick] = skipped[pick] or {}
+          skipped[pick][tenant] = true
+          nskipped[pick] = n + 1
+          skips = skips + 1
+          if skips >= MAX_SKIPS then break end
+        elseif kv_room > 0 and need > room then
+          -- the class's next request waits for room on this worker: nothing else of its class
+          -- jumps ahead of it here (it would starve a large request and break the tenants'
+          -- counter order), while other classes go on
+          closed[pick] = true
+        else
+          room = room - need
+          dequeue(p, r)
+          q.n[pick] = q.n[pick] - 1
+          local key = P_REQUEST .. id
+          local attempt = r.attempts + 1
+          local fence = redis.call('HINCRBY', K_STATS, 'lease_fence', 1)
+          local fields = {'state', 'leased', 'worker', worker_id, 'attempts', attempt, 'fence', fence,
+            'lease_ms', now + lease_ms}
+          if r.claimed_ms == nil then
+            -- the first claim: charge the reservation (what is charged is what may be refunded)
+            local c = p.class[pick]
+            local g = guarantee[pick]
+            local c_class = g.level > 0 and bucket_debit(g, r.cost, nil) or 0
+            local c_ceil = ceiling[pick] and bucket_debit(ceiling[pick], r.cost, -c.ceil_burst) or 0
+            local c_vtc = c.fair and vtc_charge(pick, tenant, r.cost / r.t_weight) or 0
+            served[pick] = served[pick] + r.cost
+            total = total + r.cost
+            r.claimed_ms = now
+            for _, f in ipairs({'claimed_ms', now, 'c_class', fmt(c_class), 'c_ceil', fmt(c_ceil),
+                                'c_vtc', fmt(c_vtc)}) do fields[#fields + 1] = f end
+          end
+          redis.call('HSET', key, unpack(fields))
+          keep_alive(p, id, now + lease_ms, now)
+          redis.call('ZADD', K_LEASES, now + lease_ms, id)
+          redis.call('HINCRBY', K_INFLIGHT, pick, 1)
+          redis.call('HINCRBY', K_STATS, pick .. '.claimed', 1)
+          local payload = redis.call('HGET', key, 'payload')
+          local gen = redis.call('GET', P_TOKENS .. id) or ''
+          out[#out + 1] = {id, pick, tenant, fence, payload, r.enq_ms, r.input_tokens, r.max_tokens,
+            r.frontend, r.out_tokens, gen, r.claimed_ms, r.first_ms or 0, attempt}
+        end
       end
-      redis.call('ZADD', K_LEASES, now + lease_ms, id)
-      redis.call('HINCRBY', K_INFLIGHT, pick, 1)
-      redis.call('HINCRBY', K_STATS, pick .. '.claimed', 1)
-      served[pick] = served[pick] + r.cost
-      total = total + r.cost
-      local payload = redis.call('HGET', key, 'payload')
-      local gen = redis.call('GET', P_TOKENS .. id) or ''
-      out[#out + 1] = {id, pick, r.tenant, attempt, payload, r.enq_ms, r.input_tokens,
-        r.max_tokens, r.frontend, r.out_tokens or 0, gen, r.claimed_ms, r.first_ms or 0}
     end
   end
 
@@ -145,7 +243,7 @@ local function main()
   end
   redis.call('HSET', K_SERVED, unpack(fields))
   for _, cls in ipairs(p.classes) do
-    if backlog[cls] > 0 then wake_workers() break end
+    if q.n[cls] > 0 then wake_workers() break end
   end
   return out
 end

@@ -3,10 +3,10 @@
 -- charged, each bucket at most its own charge), sends the final message to the client's
 -- frontend, appends the worker's latency sample, and gives the record a short TTL.
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1]  request_id     name
 -- ARGV[2]  worker_id      name
--- ARGV[3]  attempt        integer >= 1
+-- ARGV[3]  fence          integer >= 1 (from claim)
 -- ARGV[4]  outcome        ok | failed | cancelled
 -- ARGV[5]  usage_in       integer >= 0: prompt tokens the engine really processed
 -- ARGV[6]  count          integer >= 0: tokens in this last batch
@@ -16,20 +16,20 @@
 -- ARGV[10] message        error message for outcome failed ('' otherwise)
 -- ARGV[11] sample         msgpack latency sample ('' = none), appended to the samples stream
 --
--- usage_out = tokens delivered before + count. Returns {'ok', refunded} or
+-- usage_out = tokens delivered before + count. Returns {'ok', refund} (the part of the
+-- reservation it did not use; each bucket gets back at most what it was charged) or
 -- {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
+--!flags allow-oom
 --!include validate.lua
 --!include policy.lua
---!include bucket.lua
---!include pool_keys.lua
---!include msgpack.lua
---!include request.lua
+--!include record.lua
+--!include finish.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
   local worker_id = arg_name(ARGV[2], 'worker_id')
-  local attempt = arg_int(ARGV[3], 'attempt', 1, 1000000)
+  local fence = arg_int(ARGV[3], 'fence', 1, 1e15)
   local outcome = arg_oneof(ARGV[4], 'outcome', {'ok', 'failed', 'cancelled'})
   local usage_in = arg_int(ARGV[5], 'usage_in', 0, 10000000)
   local count = arg_int(ARGV[6], 'count', 0, 1000000)
@@ -46,8 +46,8 @@ local function main()
   if sample == nil or #sample > 65536 then fail('BADARG', 'sample: missing or over 64 KiB') end
   local p = load_policy(K_POLICY)
   local r = load_request(request_id)
-  if r == nil or r.state ~= 'leased' or r.worker ~= worker_id or r.attempts ~= attempt then
-    return {'lost', 'request is not leased to this worker at this attempt'}
+  if not holds_lease(r, worker_id, fence) then
+    return {'lost', 'request is not leased to this worker with this fence'}
   end
   local offset = r.out_tokens or 0
   local usage_out = offset + count
@@ -63,11 +63,11 @@ local function main()
   r.out_tokens = usage_out
   local state = ({ok = 'done', failed = 'failed', cancelled = 'cancelled'})[outcome]
   local reason = message ~= '' and message or finish_reason
-  local refunded = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now)
+  local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now)
   redis.call('HSET', P_REQUEST .. request_id, 'usage_in', usage_in, 'usage_out', usage_out,
     'finish_reason', finish_reason)
   if outcome == 'ok' then
-    notify(r, {'k', 'done', 'a', attempt, 'o', offset, 'n', count, 't', text,
+    notify(r, {'k', 'done', 'a', fence, 'o', offset, 'n', count, 't', text,
       'fin', finish_reason, 'in', usage_in, 'out', usage_out})
   elseif outcome == 'failed' then
     notify(r, {'k', 'err', 'code', 'failed', 'msg', reason})
@@ -77,7 +77,7 @@ local function main()
   if sample ~= '' then
     redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', sample)
   end
-  return {'ok', fmt(refunded)}
+  return {'ok', fmt(given.refund)}
 end
 
 --!include main.lua

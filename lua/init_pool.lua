@@ -1,13 +1,14 @@
 -- init_pool: write a pool's policy from the configuration. Static fields (class order,
 -- weights, caps, max waits, floors, lease and retry settings) are always overwritten;
--- the controller-owned fields (rate, burst, ceil, ceil_burst per class; capacity,
--- pool_burst) are only set where absent, unless mode is reset_rates.
+-- the controller-owned fields (rate, burst, ceil, ceil_burst per class; capacity) are
+-- only set where absent, unless mode is reset_rates.
 --
 -- KEYS[1] policy   HASH qos:{pool}:policy
--- ARGV[1] policy   JSON: {pool, capacity, pool_burst, lease_ms, max_attempts,
+-- ARGV[1] policy   JSON: {pool, capacity, lease_ms, max_attempts,
 --                  frontend_ttl_ms, floor_half_life_ms, record_ttl_s, floor_quantum,
 --                  classes: [{name, rate, burst, ceil, ceil_burst, weight, out_weight,
---                  queue_cap, max_wait_ms, floor}, ...] highest priority first}
+--                  queue_cap, max_wait_ms, floor, fair (1: tenants by virtual token
+--                  counter, 0: arrival order; default 1)}, ...] highest priority first}
 --                  rates in weighted tokens/s, bursts in weighted tokens, times in ms
 -- ARGV[2] mode     keep_rates | reset_rates
 --
@@ -27,7 +28,6 @@ local function main()
   local rates = {}
   local function put(t, f, v) t[#t + 1] = f; t[#t + 1] = fmt(v) end
   put(rates, 'capacity', arg_num(doc.capacity, 'policy.capacity', 0, 1e12))
-  put(rates, 'pool_burst', arg_num(doc.pool_burst, 'policy.pool_burst', 0, 1e15))
   put(static, 'lease_ms', arg_int(doc.lease_ms, 'policy.lease_ms', 100, 3600000))
   put(static, 'max_attempts', arg_int(doc.max_attempts, 'policy.max_attempts', 1, 100))
   put(static, 'frontend_ttl_ms', arg_int(doc.frontend_ttl_ms, 'policy.frontend_ttl_ms', 100, 3600000))
@@ -57,6 +57,7 @@ local function main()
     put(static, n .. '.out_weight', arg_num(c.out_weight, f .. '.out_weight', 0, 1e6))
     put(static, n .. '.queue_cap', arg_int(c.queue_cap, f .. '.queue_cap', 0, 100000000))
     put(static, n .. '.max_wait_ms', arg_int(c.max_wait_ms, f .. '.max_wait_ms', 1, 86400000))
+    put(static, n .. '.fair', c.fair == nil and 1 or arg_int(c.fair, f .. '.fair', 0, 1))
     local floor = arg_num(c.floor, f .. '.floor', 0, 1)
     floors = floors + floor
     put(static, n .. '.floor', floor)
@@ -71,7 +72,6 @@ local function main()
   else
     for i = 1, #rates, 2 do redis.call('HSETNX', K_POLICY, rates[i], rates[i + 1]) end
   end
-  store_reserves(K_POLICY, names)
   redis.call('HSETNX', K_POLICY, 'version', 0)
   return tonumber(redis.call('HGET', K_POLICY, 'version'))
 end

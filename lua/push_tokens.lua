@@ -1,12 +1,12 @@
 -- push_tokens: a worker delivers a batch of generated tokens for one request. The tokens
 -- are appended to the request's record (so another worker can resume the stream) and
--- the text goes to the request's frontend reply stream. Fenced by worker and attempt:
--- a worker whose lease was taken over cannot write. Also extends the lease.
+-- the text goes to the request's frontend reply stream. Fenced: only the worker holding
+-- the lease with this fence token can write. Also extends the lease.
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] request_id  name
 -- ARGV[2] worker_id   name
--- ARGV[3] attempt     integer >= 1 (from claim)
+-- ARGV[3] fence       integer >= 1 (from claim)
 -- ARGV[4] offset      integer >= 0: tokens delivered before this batch (must match)
 -- ARGV[5] count       integer >= 1: tokens in this batch
 -- ARGV[6] token_ids   count x uint32 little-endian
@@ -17,15 +17,13 @@
 
 --!include validate.lua
 --!include policy.lua
---!include bucket.lua
---!include pool_keys.lua
---!include msgpack.lua
---!include request.lua
+--!include record.lua
+--!include finish.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
   local worker_id = arg_name(ARGV[2], 'worker_id')
-  local attempt = arg_int(ARGV[3], 'attempt', 1, 1000000)
+  local fence = arg_int(ARGV[3], 'fence', 1, 1e15)
   local offset = arg_int(ARGV[4], 'offset', 0, 10000000)
   local count = arg_int(ARGV[5], 'count', 1, 1000000)
   local token_ids = ARGV[6]
@@ -38,8 +36,8 @@ local function main()
   local p = load_policy(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
   local r = load_request(request_id)
-  if r == nil or r.state ~= 'leased' or r.worker ~= worker_id or r.attempts ~= attempt then
-    return {'lost', 'request is not leased to this worker at this attempt'}
+  if not holds_lease(r, worker_id, fence) then
+    return {'lost', 'request is not leased to this worker with this fence'}
   end
   if offset ~= r.out_tokens then
     fail('BADARG', 'offset: ' .. offset .. ' but ' .. r.out_tokens .. ' tokens were delivered')
@@ -50,13 +48,13 @@ local function main()
   local now = now_ms()
   local key = P_REQUEST .. request_id
   redis.call('APPEND', P_TOKENS .. request_id, token_ids)
-  redis.call('EXPIRE', P_TOKENS .. request_id, 86400)
   redis.call('HINCRBY', key, 'out_tokens', count)
   redis.call('HSET', key, 'lease_ms', now + lease_ms)
   if r.first_ms == nil then redis.call('HSET', key, 'first_ms', now) end
+  keep_alive(p, request_id, now + lease_ms, now)
   redis.call('ZADD', K_LEASES, now + lease_ms, request_id)
-  notify(r, {'k', 'tok', 'a', attempt, 'o', offset, 'n', count, 't', text})
-  return {'ok', r.cancel or 0}
+  notify(r, {'k', 'tok', 'a', fence, 'o', offset, 'n', count, 't', text})
+  return {'ok', r.cancel}
 end
 
 --!include main.lua

@@ -1,24 +1,25 @@
 -- reap_expired: the janitor. Expires queued requests past their max wait (refund in
 -- full, client told) and requeues requests whose worker lease expired (the worker is
--- presumed dead): back to the head of their class with the attempt count kept; past
+-- presumed dead): back to their tenant's queue with the attempt count kept; past
 -- max_attempts they fail with a clear reason; if their client is gone they are cancelled.
--- Claim does the same before choosing; this script lets workers and the controller run
--- it when nobody claims (e.g. no worker is alive).
+-- Claim does the same before choosing; workers, the controller and the frontends run this
+-- script so that it happens when nobody claims (e.g. no worker is alive).
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
--- ARGV[1] limit   integer 1..10000: at most this many of each kind per call
+-- Bounded work: at most `limit` (<= 64) entries of each kind per call; the caller calls
+-- again while a kind came back full, leaving Redis free for others in between.
+--
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
+-- ARGV[1] limit   integer 1..64: at most this many of each kind per call
 --
 -- Returns {expired, requeued, failed, cancelled}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
+--!flags allow-oom
 --!include validate.lua
 --!include policy.lua
---!include bucket.lua
---!include pool_keys.lua
---!include msgpack.lua
---!include request.lua
+--!include janitor.lua
 
 local function main()
-  local limit = arg_int(ARGV[1], 'limit', 1, 10000)
+  local limit = arg_int(ARGV[1], 'limit', 1, 64)
   local p = load_policy(K_POLICY)
   local now = now_ms()
   local expired = expire_overdue(p, now, limit)

@@ -1,43 +1,41 @@
 -- release: a draining worker hands a request back before finishing it (graceful shutdown
--- past its drain timeout, or work it claimed but never started). Fenced like push_tokens:
--- only the lease holder at that attempt may release. The request goes back to the head
--- of its class queue (original order kept, tokens delivered so far kept, so the next
--- worker resumes the stream) and workers are woken. The attempt is given back: a planned
--- hand-back does not use up one of the request's max_attempts. If its client is gone it
--- is finished as cancelled instead.
+-- past its drain timeout, or work it claimed but never started). Fenced like push_tokens.
+-- The request goes back to its tenant's queue at its original place (tokens delivered so
+-- far kept, so the next worker resumes the stream) with a new deadline of its own max wait,
+-- and workers are woken. A planned hand-back does not use up one of the request's
+-- max_attempts (the attempt count goes back; the fence token does not: the next claim gets
+-- a new one, so this worker's stale writes stay refused). If its client is gone it is
+-- finished as cancelled instead.
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] request_id  name
 -- ARGV[2] worker_id   name
--- ARGV[3] attempt     integer >= 1 (from claim)
+-- ARGV[3] fence       integer >= 1 (from claim)
 --
 -- Returns {'requeued'} | {'cancelled'} | {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
+--!flags allow-oom
 --!include validate.lua
 --!include policy.lua
---!include bucket.lua
---!include pool_keys.lua
---!include msgpack.lua
---!include request.lua
+--!include record.lua
+--!include janitor.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
   local worker_id = arg_name(ARGV[2], 'worker_id')
-  local attempt = arg_int(ARGV[3], 'attempt', 1, 1000000)
+  local fence = arg_int(ARGV[3], 'fence', 1, 1e15)
   local p = load_policy(K_POLICY)
   local r = load_request(request_id)
-  if r == nil or r.state ~= 'leased' or r.worker ~= worker_id or r.attempts ~= attempt then
-    return {'lost', 'request is not leased to this worker at this attempt'}
+  if not holds_lease(r, worker_id, fence) then
+    return {'lost', 'request is not leased to this worker with this fence'}
   end
   local now = now_ms()
   if r.cancel == 1 or not frontend_alive(p, r.frontend, now) then
-    finalize(p, r, 'cancelled', 'client went away', actual_cost(r, r.input_tokens, r.out_tokens or 0), now)
-    notify_cancelled(r, 'its client went away while its worker was draining')
-    add_sample(p, r, 'cancelled', now)
+    cancel_orphan(p, r, now, 'its client went away while its worker was draining')
     return {'cancelled'}
   end
   requeue(p, r, now)
-  redis.call('HSET', P_REQUEST .. request_id, 'attempts', attempt - 1)
+  redis.call('HSET', P_REQUEST .. request_id, 'attempts', math.max(r.attempts - 1, 0))
   redis.call('HINCRBY', K_STATS, r.class .. '.released', 1)
   return {'requeued'}
 end

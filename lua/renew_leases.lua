@@ -1,31 +1,30 @@
 -- renew_leases: extend a worker's leases, and tell it which requests to stop.
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; PoolKeys.lifecycle_keys()).
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1]  worker_id   name
 -- ARGV[2]  lease_ms    integer >= 0, 0 = the pool's lease_ms
--- ARGV[3..] entries    "<request_id>:<attempt>" for each request the worker runs
+-- ARGV[3..] entries    "<request_id>:<fence>" for each request the worker runs (at most 4096)
 --
--- A request is extended when it is leased to this worker at that attempt. It is "lost"
+-- A request is extended when it is leased to this worker with that fence. It is "lost"
 -- when not (the lease expired and it was requeued or finished): the worker must drop it
 -- without writing. It is "stop" when its client went away (cancelled, or its frontend
 -- stopped heartbeating): the worker should finish it with outcome cancelled.
--- Returns {{lost_id, ...}, {stop_id, ...}}.
+-- Returns {{lost_id, ...}, {stop_id, ...}}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!include validate.lua
 --!include policy.lua
---!include bucket.lua
---!include pool_keys.lua
---!include msgpack.lua
---!include request.lua
+--!include record.lua
+--!include liveness.lua
 
 local function main()
   local worker_id = arg_name(ARGV[1], 'worker_id')
   local lease_ms = arg_int(ARGV[2], 'lease_ms', 0, 3600000)
+  if #ARGV - 2 > 4096 then fail('BADARG', 'entries: at most 4096 per call') end
   local entries = {}
   for i = 3, #ARGV do
-    local id, attempt = string.match(ARGV[i], '^([%w_%.%-]+):(%d+)$')
-    if id == nil or #id > 64 then fail('BADARG', 'entries: expected <request_id>:<attempt>, got ' .. ARGV[i]) end
-    entries[#entries + 1] = {id, tonumber(attempt)}
+    local id, fence = string.match(ARGV[i], '^([%w_%.%-]+):(%d+)$')
+    if id == nil or #id > 64 then fail('BADARG', 'entries: expected <request_id>:<fence>, got ' .. ARGV[i]) end
+    entries[#entries + 1] = {id, tonumber(fence)}
   end
   local p = load_policy(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
@@ -33,11 +32,12 @@ local function main()
   local lost, stop = {}, {}
   for _, e in ipairs(entries) do
     local r = load_request(e[1])
-    if r == nil or r.state ~= 'leased' or r.worker ~= worker_id or r.attempts ~= e[2] then
+    if not holds_lease(r, worker_id, e[2]) then
       lost[#lost + 1] = e[1]
     else
       redis.call('ZADD', K_LEASES, now + lease_ms, r.id)
       redis.call('HSET', P_REQUEST .. r.id, 'lease_ms', now + lease_ms)
+      keep_alive(p, r.id, now + lease_ms, now)
       if r.cancel ~= 1 and not frontend_alive(p, r.frontend, now) then
         redis.call('HSET', P_REQUEST .. r.id, 'cancel', 1)
         redis.call('SADD', K_CANCELS, r.id)

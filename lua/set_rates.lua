@@ -8,8 +8,8 @@
 -- ARGV[1] controller_id  name
 -- ARGV[2] fence          integer >= 1
 -- ARGV[3] decision       JSON text describing the inputs and reasons (<= 64 KiB)
--- ARGV[4..] field, value pairs: <class>.rate|burst|ceil|ceil_burst, capacity or
---            pool_burst; values are numbers >= 0 (weighted tokens/s, weighted tokens)
+-- ARGV[4..] field, value pairs: <class>.rate|burst|ceil|ceil_burst, or capacity; values
+--            are numbers >= 0 (weighted tokens/s, weighted tokens)
 --
 -- Returns the new policy version. Errors: 'STALE ...' (not the leader with this fence),
 -- 'BADARG ...', 'NOPOLICY ...'.
@@ -32,7 +32,7 @@ local function main()
   for i = 4, #ARGV, 2 do
     local f = ARGV[i]
     local cls, what = string.match(f, '^([%w_%.%-]+)%.(%a[%a_]*)$')
-    local okf = f == 'capacity' or f == 'pool_burst'
+    local okf = f == 'capacity'
     if cls and p.class[cls] and (what == 'rate' or what == 'burst' or what == 'ceil' or what == 'ceil_burst') then
       okf = true
     end
@@ -51,7 +51,6 @@ local function main()
     local v = redis.call('HMGET', K_POLICY, cls .. '.rate', cls .. '.ceil')
     if tonumber(v[2]) < tonumber(v[1]) then redis.call('HSET', K_POLICY, cls .. '.ceil', v[1]) end
   end
-  store_reserves(K_POLICY, p.classes)
   local version = redis.call('HINCRBY', K_POLICY, 'version', 1)
   redis.call('HSET', K_POLICY, 'updated_ms', now, 'fence', fence)
   redis.call('XADD', K_DECISIONS, 'MAXLEN', '~', 10000, '*', 'version', version, 'fence', fence,

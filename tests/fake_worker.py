@@ -99,7 +99,7 @@ class FakeWorker:
         try:
             if self.fail:
                 await self.scripts.complete(self.keys, request_id=c.request_id, worker_id=self.worker_id,
-                                            attempt=c.attempt, outcome="failed", usage_in=usage_in,
+                                            fence=c.fence, outcome="failed", usage_in=usage_in,
                                             finish_reason="error", message="fake worker told to fail")
                 self.served.append(Served(c.request_id, "failed", usage_in, pos, "", c.cls))
                 return
@@ -108,12 +108,12 @@ class FakeWorker:
                     await asyncio.sleep(self.delay_s)
                 chunk = text[pos: pos + self.batch]
                 cancel = await self.scripts.push_tokens(
-                    self.keys, request_id=c.request_id, worker_id=self.worker_id, attempt=c.attempt,
+                    self.keys, request_id=c.request_id, worker_id=self.worker_id, fence=c.fence,
                     offset=pos, token_ids=[ord(ch) for ch in chunk], text=chunk)
                 pos += len(chunk)
                 if cancel:
                     await self.scripts.complete(self.keys, request_id=c.request_id, worker_id=self.worker_id,
-                                                attempt=c.attempt, outcome="cancelled", usage_in=usage_in,
+                                                fence=c.fence, outcome="cancelled", usage_in=usage_in,
                                                 finish_reason="cancelled")
                     self.served.append(Served(c.request_id, "cancelled", usage_in, pos, text[:pos], c.cls))
                     return
@@ -121,7 +121,7 @@ class FakeWorker:
                 await asyncio.sleep(self.delay_s)
             last = text[pos:]
             await self.scripts.complete(self.keys, request_id=c.request_id, worker_id=self.worker_id,
-                                        attempt=c.attempt, outcome="ok", usage_in=usage_in,
+                                        fence=c.fence, outcome="ok", usage_in=usage_in,
                                         token_ids=[ord(ch) for ch in last], text=last, finish_reason=finish)
             self.served.append(Served(c.request_id, "ok", usage_in, len(text), text, c.cls))
         except LeaseLost:

@@ -2,24 +2,42 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from typing import Any
 
+from limiter.config import QosConfig, demo_config
 from limiter.keys import PoolKeys
-from limiter.scripts import Admitted, Scripts
+from limiter.scripts import Admitted, Scripts, policy_document
 
 _ids = itertools.count(1)
+ALIVE = 4102444800000  # a heartbeat in 2100
+
+
+def class_cfg(**class_overrides: dict[str, Any]) -> QosConfig:
+    """The demo config with some fields of some classes replaced: ``P2={"queue_cap": 3}``."""
+    cfg = demo_config()
+    classes = tuple(dataclasses.replace(c, **class_overrides.get(c.name, {})) for c in cfg.classes)
+    return dataclasses.replace(cfg, classes=classes)
+
+
+async def init_pool(scripts: Scripts, cfg: QosConfig, capacity: float | None = None) -> PoolKeys:
+    """Pool 'tiny' of ``cfg`` (rates reset, at ``capacity`` when given) with a live frontend 'fe1'."""
+    keys = PoolKeys("tiny")
+    await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny"), capacity), reset_rates=True)
+    await scripts.client.zadd(keys.frontends, {"fe1": ALIVE})
+    return keys
 
 
 async def admit(scripts: Scripts, keys: PoolKeys, *, cls: str = "P1", tenant: str = "t1",
                 input_tokens: int = 100, max_tokens: int = 10, tenant_rate: float = 1e9,
                 tenant_burst: float = 1e9, max_inflight: int = 0, max_wait_ms: int = 0,
-                request_id: str | None = None, frontend: str = "fe1") -> Admitted:
+                request_id: str | None = None, frontend: str = "fe1", tenant_weight: float = 1.0) -> Admitted:
     rid = request_id or f"req-{next(_ids)}"
     return await scripts.admit(
         keys, request_id=rid, tenant=tenant, cls=cls, input_tokens=input_tokens, max_tokens=max_tokens,
         tenant_rate=tenant_rate, tenant_burst=tenant_burst, tenant_max_inflight=max_inflight,
-        max_wait_ms=max_wait_ms, frontend_id=frontend, payload=b"{}")
+        max_wait_ms=max_wait_ms, frontend_id=frontend, payload=b"{}", tenant_weight=tenant_weight)
 
 
 def dump_all(client: Any) -> dict[bytes, bytes]:

@@ -765,7 +765,6 @@ async def server_ledger(client: Any, pools: Iterable[str]) -> tuple[int, int, di
 
 FIXED = (
     "policy",
-    "bucket:pool",
     "deadlines",
     "leases",
     "cancels",
@@ -780,6 +779,8 @@ FIXED = (
     "fence",
     "frontends",
     "workers",
+    "worker_kv",
+    "queued",
 )
 EMPTY_AFTER = ("deadlines", "leases", "cancels", "inflight", "tenant_inflight")
 
@@ -796,7 +797,10 @@ async def leftovers(client: Any, pool: str) -> list[str]:
     """Keys of ``pool`` that should not exist once every request ended and its TTL passed."""
     out = []
     async for k, rest in pool_keys_in_redis(client, pool):
-        if rest.startswith(("req:", "gen:")) or (rest.startswith("queue:") and await client.zcard(k)):
+        per_request = rest.startswith(("req:", "gen:", "backlog:"))
+        if per_request or (rest.startswith("queue:") and await client.zcard(k)):
+            out.append(k)
+        elif rest == "queued" and any(float(v) for v in (await client.hgetall(k)).values()):
             out.append(k)
         elif rest in EMPTY_AFTER and await client.exists(k):
             out.append(k)
@@ -807,7 +811,8 @@ async def untimed_keys(client: Any, pool: str) -> list[str]:
     """Keys that are neither one of the pool's fixed keys nor set to expire (a leak)."""
     out = []
     async for k, rest in pool_keys_in_redis(client, pool):
-        if rest in FIXED or rest.startswith(("bucket:", "queue:")) or rest == "compliance":
+        # per tenant or class, so bounded by the config: buckets and idle tenants' counters
+        if rest in FIXED or rest.startswith(("bucket:", "queue:", "vtime:")) or rest == "compliance":
             continue
         if await client.pttl(k) < 0:
             out.append(k)
@@ -829,14 +834,14 @@ async def wait_clean(client: Any, pools: Iterable[str], timeout: float = 30.0) -
 
 
 async def buckets_full(client: Any, pool: str) -> dict[str, float]:
-    """Each class, ceiling and pool bucket's level now (refilled as the scripts compute it),
-    as a share of its burst; debt left by a missing refund would keep a bucket below 1."""
+    """Each class and ceiling bucket's level now (refilled as the scripts compute it), as a
+    share of its burst; debt left by a missing refund would keep a bucket below 1."""
     keys = PoolKeys(pool)
     pol = {k.decode(): v.decode() for k, v in (await client.hgetall(keys.policy)).items()}
     sec, usec = await client.time()
     now = int(sec) * 1000 + int(usec) // 1000
     levels = {}
-    specs = [(keys.pool_bucket, float(pol["capacity"]), float(pol["pool_burst"]))]
+    specs = []
     for c in pol["classes"].split(","):
         specs.append((keys.class_bucket(c), float(pol[f"{c}.rate"]), float(pol[f"{c}.burst"])))
         ceil = keys.ceil_bucket(c)

@@ -1,31 +1,21 @@
-"""admit.lua against a real redis-server: bucket math, borrowing, idempotency, caps."""
+"""admit.lua against a real redis-server: the tenant quota, idempotency, caps, and the one
+reason a class refuses work: it could not start within its max wait.
+
+Admission enforces limits, not shares: work above a class's guaranteed rate is queued (claim
+decides who runs), and a 429 comes only from the tenant's own quota or an estimated wait
+longer than the request's max wait, with a Retry-After that says when it would fit."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from limiter.config import QosConfig, demo_config
-from limiter.errors import QueueFull, TenantBusy, Throttled
-from limiter.keys import PoolKeys
-from limiter.scripts import policy_document
-from tests.helpers import admit
-
-
-def _cfg(**class_overrides) -> QosConfig:
-    cfg = demo_config()
-    classes = tuple(dataclasses.replace(c, **class_overrides.get(c.name, {})) for c in cfg.classes)
-    return dataclasses.replace(cfg, classes=classes)
-
-
-async def _init(scripts, cfg: QosConfig, capacity: float | None = None) -> PoolKeys:
-    keys = PoolKeys("tiny")
-    await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny"), capacity), reset_rates=True)
-    return keys
+from limiter.config import demo_config
+from limiter.errors import Overloaded, QueueFull, TenantBusy, Throttled
+from tests.helpers import admit, class_cfg, dump_all, init_pool
 
 
 async def _flood(scripts, keys, duration_s: float, **kw) -> list[tuple[int, float]]:
@@ -40,10 +30,7 @@ async def _flood(scripts, keys, duration_s: float, **kw) -> list[tuple[int, floa
             await asyncio.sleep(0.001)
             continue
         admitted.append(a)
-    rows = []
-    for a in admitted:
-        rows.append((a.deadline_ms, a.cost))
-    return rows
+    return [(a.deadline_ms, a.cost) for a in admitted]
 
 
 def _max_window_excess(rows: list[tuple[int, float]], rate: float, burst: float) -> float:
@@ -59,12 +46,13 @@ def _max_window_excess(rows: list[tuple[int, float]], rate: float, burst: float)
     return worst
 
 
+# --- the tenant's quota ---------------------------------------------------------------------
+
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(rate=st.floats(200, 3000), burst_s=st.floats(0.05, 0.5), cost=st.integers(1, 60))
 async def test_tenant_bucket_never_admits_more_than_burst_plus_rate(scripts, sync_redis, rate, burst_s, cost):
     sync_redis.flushall()
-    keys = await _init(scripts, demo_config())
-    await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})
+    keys = await init_pool(scripts, demo_config(), capacity=1e9)
     burst = max(rate * burst_s, cost + 1)
     rows = await _flood(scripts, keys, 0.4, cls="P0", input_tokens=cost, max_tokens=1,
                         tenant_rate=rate, tenant_burst=burst, max_wait_ms=0)
@@ -75,22 +63,10 @@ async def test_tenant_bucket_never_admits_more_than_burst_plus_rate(scripts, syn
     assert total >= burst + rate * 0.1 - (cost + 1)  # loose: a loaded CI machine floods slowly
 
 
-async def test_class_bucket_bound_without_borrowing(scripts, sync_redis):
-    cfg = _cfg(P1={"ceil_share": 0.35})  # ceil == rate: no borrowing
-    keys = await _init(scripts, cfg, capacity=4000)
-    await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})
-    rows = await _flood(scripts, keys, 0.4, cls="P1", input_tokens=30, max_tokens=5, max_wait_ms=0)
-    rate, burst = 0.35 * 4000, 0.35 * 4000 * 0.5
-    assert _max_window_excess(rows, rate, burst) <= 1e-6
-    stats = await scripts.client.hgetall(keys.stats)
-    assert b"P1.borrowed" not in stats
-
-
 async def test_fractional_tokens_are_not_lost(scripts, sync_redis):
     """The stored level equals a float reference model replaying the same admissions."""
-    cfg = _cfg(P0={"weight": 0.37, "out_weight": 1.13, "ceil_share": 0.6})
-    keys = await _init(scripts, cfg, capacity=1000.3)
-    await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})
+    cfg = class_cfg(P0={"weight": 0.37, "out_weight": 1.13})
+    keys = await init_pool(scripts, cfg, capacity=1e9)
     rate, burst = 333.7, 41.3
     enq = []
     for i in range(40):
@@ -107,10 +83,15 @@ async def test_fractional_tokens_are_not_lost(scripts, sync_redis):
             level = min(burst, level + rate * max(t - ts, 0) / 1000)
         level -= cost
         ts = t
-    stored = await scripts.client.hgetall(keys.tenant_bucket("frac"))
-    assert int(stored[b"ts"]) == ts
-    assert float(stored[b"tokens"]) == pytest.approx(level, rel=0, abs=1e-9)
+    raw = await scripts.client.hgetall(keys.tenant_bucket("frac"))
+    stored = {k.decode(): float(v) for k, v in raw.items()}
+    assert int(stored["ts"]) == ts
+    assert stored["tokens"] == pytest.approx(level, rel=0, abs=1e-9)
     assert any(c != int(c) for _, c in enq)  # costs really were fractional
+    # The ledger balances: tokens = start + refilled - debited + refunded.
+    assert stored["tokens"] == pytest.approx(stored["start"] + stored["refilled"] - stored["debited"]
+                                             + stored["refunded"], abs=1e-9)
+    assert stored["debited"] == pytest.approx(sum(c for _, c in enq), abs=1e-9)
 
 
 async def test_throttled_reply_says_when_tokens_will_be_there(scripts, pool):
@@ -138,13 +119,14 @@ async def test_readmitting_the_same_id_is_idempotent(scripts, pool):
     b = await admit(scripts, pool, request_id="same", tenant="idem", input_tokens=50, max_tokens=50,
                     tenant_rate=1, tenant_burst=100)
     assert a.duplicate_state is None and b.duplicate_state == "queued"
-    assert await scripts.client.zcard(pool.queue("P1")) == 1
+    assert await scripts.client.zcard(pool.queue("P1", "idem")) == 1
+    assert int(await scripts.client.hget(pool.queued, "P1")) == 1
     assert float(await scripts.client.hget(pool.tenant_bucket("idem"), "tokens")) < 1  # charged once
 
 
 async def test_bounded_queue_and_tenant_inflight_cap(scripts, sync_redis):
-    cfg = _cfg(P2={"queue_cap": 3})
-    keys = await _init(scripts, cfg)
+    cfg = class_cfg(P2={"queue_cap": 3})
+    keys = await init_pool(scripts, cfg)
     for _ in range(3):
         await admit(scripts, keys, cls="P2", input_tokens=1, max_tokens=1)
     with pytest.raises(QueueFull):
@@ -155,59 +137,97 @@ async def test_bounded_queue_and_tenant_inflight_cap(scripts, sync_redis):
         await admit(scripts, keys, cls="P1", tenant="capped", max_inflight=2, input_tokens=1, max_tokens=1)
 
 
-async def test_idle_pool_lends_to_a_low_class_up_to_its_ceiling(scripts, sync_redis):
-    """Work conservation: P2 alone exceeds its own rate, bounded by its ceiling bucket."""
-    cfg = _cfg(P2={"ceil_share": 0.5})
-    keys = await _init(scripts, cfg, capacity=10_000)
-    rows = await _flood(scripts, keys, 0.5, cls="P2", input_tokens=40, max_tokens=10, max_wait_ms=0)
-    total = sum(c for _, c in rows)
-    p2_rate, ceil = 0.05 * 10_000, 0.5 * 10_000
-    assert total > 3 * (p2_rate * 0.5 + p2_rate * 0.5)  # well past its guarantee
-    assert _max_window_excess(rows, ceil, ceil * 0.5) <= 1e-6  # never past its ceiling
-    stats = await scripts.client.hgetall(keys.stats)
-    assert int(stats[b"P2.borrowed"]) > 0
+# --- queued above the guarantee; refused only when the max wait cannot be met -----------------
+
+async def test_work_above_the_class_guarantee_is_queued_not_refused(scripts, sync_redis):
+    """P2's guarantee is 5 % of 10,000 tokens/s; a burst of 40x that is queued, because an idle
+    pool starts it within its 60 s max wait."""
+    keys = await init_pool(scripts, demo_config(), capacity=10_000)
+    for i in range(40):
+        a = await admit(scripts, keys, cls="P2", request_id=f"p2-{i}", input_tokens=450, max_tokens=50)
+        assert a.est_wait_ms <= 60_000
+    assert int(await scripts.client.hget(keys.queued, "P2")) == 40
+    assert float(await scripts.client.hget(keys.queued, "P2.cost")) == pytest.approx(40 * 500)
 
 
-async def test_under_contention_each_class_keeps_its_guarantee_and_higher_borrows_first(scripts, sync_redis):
-    keys = await _init(scripts, demo_config(), capacity=10_000)
-    got = {"P0": 0.0, "P1": 0.0, "P2": 0.0}
+async def test_a_request_that_cannot_start_in_time_is_refused_with_an_honest_retry_after(scripts, sync_redis):
+    """The wait estimate: (work queued at or above the class) / (capacity it can get). Once the
+    queue ahead holds more than max_wait of work the next request is refused, nothing
+    changes, and Retry-After is the time until enough of that queue has drained."""
+    keys = await init_pool(scripts, class_cfg(P1={"max_wait_ms": 2000}), capacity=1000)
+    # P1 alone: its spare capacity is the whole pool (no lower class is backlogged)
+    admitted = 0
+    with pytest.raises(Overloaded) as exc:
+        for i in range(100):
+            await admit(scripts, keys, cls="P1", request_id=f"q{i}", input_tokens=90, max_tokens=10)
+            admitted += 1
+    assert admitted == 21  # 20 x 100 tokens ahead = 2.0 s at 1000/s still fits; 21 do not
+    e = exc.value
+    assert e.cls == "P1" and e.max_wait_ms == 2000
+    assert e.est_wait_ms == pytest.approx(2100, abs=2)
+    assert e.retry_after_ms == pytest.approx(100, abs=2)
+    before = dump_all(sync_redis)
+    with pytest.raises(Overloaded):
+        await admit(scripts, keys, cls="P1", request_id="again", input_tokens=90, max_tokens=10)
+    assert dump_all(sync_redis) == before  # a refusal charges and queues nothing
+    # A shorter max wait of the client's own is refused earlier; a higher class is not.
+    with pytest.raises(Overloaded):
+        await admit(scripts, keys, cls="P1", request_id="short", input_tokens=1, max_tokens=1,
+                    max_wait_ms=500)
+    a = await admit(scripts, keys, cls="P0", request_id="top", input_tokens=90, max_tokens=10)
+    assert a.est_wait_ms == 0  # nothing of P0 is queued: it goes first
 
-    async def flood(cls):
-        for a_rows in [await _flood(scripts, keys, 0.8, cls=cls, input_tokens=40, max_tokens=10,
-                                     tenant=f"t{cls}", max_wait_ms=0)]:
-            got[cls] = sum(c for _, c in a_rows)
 
-    await asyncio.gather(flood("P0"), flood("P1"), flood("P2"))
-    stats = {k.decode(): int(v) for k, v in (await scripts.client.hgetall(keys.stats)).items()}
-    # Guarantees: each class got at least ~its rate for the run (minus one request of slack).
-    for cls, share in (("P0", 0.6), ("P1", 0.35), ("P2", 0.05)):
-        assert got[cls] >= share * 10_000 * 0.8 * 0.8, (cls, got)
-    # The pool never hands out more than it has: capacity x t plus its bursts.
-    assert sum(got.values()) <= 10_000 * 0.8 + 10_000 * 0.5 + 6000 + 3500 + 500 + 3 * 50
-    assert stats.get("P1.borrowed", 0) >= stats.get("P2.borrowed", 0)
+async def test_the_estimate_counts_higher_classes_and_the_guarantees_of_lower_ones(scripts, sync_redis):
+    keys = await init_pool(scripts, demo_config(), capacity=1000)  # rates 600 / 350 / 50
+    await admit(scripts, keys, cls="P0", request_id="a", input_tokens=900, max_tokens=100)
+    p1 = await admit(scripts, keys, cls="P1", request_id="b", input_tokens=90, max_tokens=10)
+    # nothing of P1 queued and its guarantee holds credit: the next claim after P0's takes it
+    assert p1.est_wait_ms == 0
+    await admit(scripts, keys, cls="P2", request_id="c", input_tokens=0, max_tokens=1)
+    p1b = await admit(scripts, keys, cls="P1", request_id="d", input_tokens=0, max_tokens=100)
+    # by its guarantee: 100 queued / 350 per s = 0.286 s; by priority: (1000 of P0 + 100) /
+    # (1000 - P2's 50 while P2 is backlogged) = 1.16 s: the smaller counts
+    assert p1b.est_wait_ms == pytest.approx(286, abs=2)
+    p2 = await admit(scripts, keys, cls="P2", request_id="e", input_tokens=0, max_tokens=100)
+    # P2: 1 queued / 50 per s = 0.02 s by its guarantee; by priority everything ahead / 1000
+    assert p2.est_wait_ms == pytest.approx(20, abs=2)
 
 
-async def test_the_top_class_may_borrow_into_the_pools_debt_and_no_further(scripts, sync_redis):
-    """At overload every admission drains the pool, so with each class at its rate it sits
-    near empty. A P0 burst still gets in (into the pool's debt, down to -pool_burst, and
-    within its ceiling bucket) while a P1 that wants to borrow is refused."""
-    keys = await _init(scripts, demo_config(), capacity=100)  # P0 60/s burst 30 ceil_burst 50; pool 50
-    p1 = await admit(scripts, keys, cls="P1", tenant="a", input_tokens=35, max_tokens=5)  # P1 own; pool 10
-    p0 = await admit(scripts, keys, cls="P0", tenant="b", input_tokens=25, max_tokens=5)  # P0 own; pool -20
-    assert not p1.borrowed and not p0.borrowed
-    small = {"input_tokens": 5, "max_tokens": 5}
-    assert (await admit(scripts, keys, cls="P0", tenant="b", **small)).borrowed  # pool -30, ceiling 10
-    with pytest.raises(Throttled) as exc:  # P1 must leave P0's burst in the pool: refused
-        await admit(scripts, keys, cls="P1", tenant="a", **small)
-    assert exc.value.bucket == "class"
-    assert (await admit(scripts, keys, cls="P0", tenant="b", **small)).borrowed  # pool -40, ceiling 0
-    with pytest.raises(Throttled):  # P0's ceiling bucket is empty now
-        await admit(scripts, keys, cls="P0", tenant="b", **small)
-    # The debt floor: with its ceiling refilled, P0 still needs the pool above -pool_burst + cost.
-    sec, usec = sync_redis.time()
-    now = sec * 1000 + usec // 1000
-    sync_redis.hset(keys.ceil_bucket("P0"), mapping={"tokens": 50, "ts": now})
-    sync_redis.hset(keys.pool_bucket, mapping={"tokens": -45, "ts": now})
+async def test_a_flooding_tenant_does_not_get_a_light_one_refused(scripts, sync_redis):
+    """In a fair class a tenant's wait is its own queued work at its share of the class: a
+    flood fills its own queue up to its max wait, and another tenant still gets in at once."""
+    keys = await init_pool(scripts, class_cfg(P1={"max_wait_ms": 2000}), capacity=1000)
+    flooded = 0
+    with pytest.raises(Overloaded):
+        for i in range(100):
+            await admit(scripts, keys, cls="P1", tenant="flood", request_id=f"f{i}", input_tokens=90,
+                        max_tokens=10)
+            flooded += 1
+    assert flooded == 21  # alone in P1: its 2,000 queued tokens at 1,000/s fit its 2 s
+    steady = await admit(scripts, keys, cls="P1", tenant="steady", request_id="s", input_tokens=90,
+                         max_tokens=10)
+    assert steady.est_wait_ms == 0  # lifted to the flood's counter: the next P1 claim is its
+    # ... and from now on the flood has half of P1: its 2,100 queued count double, capped by
+    # the whole class's queue (2,200 at 1,000/s)
+    with pytest.raises(Overloaded) as exc:
+        await admit(scripts, keys, cls="P1", tenant="flood", request_id="more", input_tokens=0, max_tokens=1)
+    assert exc.value.est_wait_ms == pytest.approx(2200, abs=2)
+
+
+async def test_a_class_at_its_ceiling_waits_at_least_its_queue_over_its_ceiling(scripts, sync_redis):
+    keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "max_wait_ms": 1000}), capacity=1000)
+    # P2: rate 50/s, ceiling 100/s; queued work / ceiling is a floor on the spare-capacity path
+    for i in range(2):
+        await admit(scripts, keys, cls="P2", request_id=f"c{i}", input_tokens=40, max_tokens=10)
+    a = await admit(scripts, keys, cls="P2", request_id="c2", input_tokens=40, max_tokens=10)
+    assert a.est_wait_ms == pytest.approx(1000, abs=2)  # 100 queued / 100 per s (guarantee: 2 s)
+    with pytest.raises(Overloaded):
+        await admit(scripts, keys, cls="P2", request_id="c3", input_tokens=40, max_tokens=10)
+
+
+async def test_a_disabled_class_is_refused_at_once(scripts, sync_redis):
+    keys = await init_pool(scripts, class_cfg(P2={"share": 0.0, "ceil_share": 0.0}), capacity=1000)
     with pytest.raises(Throttled) as exc:
-        await admit(scripts, keys, cls="P0", tenant="b", **small)
-    assert 40 <= exc.value.retry_after_ms <= 60  # 5 tokens short at 100/s
+        await admit(scripts, keys, cls="P2", input_tokens=1, max_tokens=1)
+    assert exc.value.bucket == "class" and exc.value.retry_after_ms == -1

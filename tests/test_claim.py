@@ -1,19 +1,26 @@
-"""claim.lua: priority, FIFO, starvation floors, expiry, token budget, wake-ups."""
+"""claim.lua: where shares are decided. Tiers (floors, guarantees, spare by priority),
+ceilings, tenants by virtual token counter, requests that do not fit, fences, expiry,
+dead frontends, wake-ups."""
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 
 import msgpack
+import pytest
 
 from limiter.config import demo_config
-from limiter.keys import PoolKeys
+from limiter.errors import LeaseLost
 from limiter.scripts import policy_document
-from tests.helpers import admit
+from tests.helpers import admit, class_cfg, init_pool
 
 
-async def test_highest_class_first_and_fifo_within_a_class(scripts, pool):
+async def _redis_ms(client) -> int:
+    sec, usec = await client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
+async def test_highest_class_first_and_fifo_within_a_tenant(scripts, pool):
     ids = {}
     for cls in ("P2", "P1", "P0", "P1", "P0"):
         rid = f"{cls}-{len(ids)}"
@@ -23,13 +30,36 @@ async def test_highest_class_first_and_fifo_within_a_class(scripts, pool):
     assert [c.request_id for c in got.requests] == ["P0-2"]
     got = await scripts.claim(pool, "w1", 10)
     order = [c.request_id for c in got.requests]
-    assert order[:3] == ["P0-4", "P1-1", "P1-3"]
-    assert set(order) == {"P0-4", "P1-1", "P1-3", "P2-0"}
+    assert order == ["P0-4", "P1-1", "P1-3", "P2-0"]
     assert all(c.attempt == 1 and c.frontend == "fe1" for c in got.requests)
+    assert await scripts.client.hget(pool.queued, "P1") == b"0"
+
+
+async def test_guarantees_are_kept_at_claim_and_spare_goes_by_priority(scripts, sync_redis):
+    """Every class backlogged and workers claiming faster than the pool's capacity: P1 and P2
+    get their guaranteed rates (within a burst and a request), P0 takes all the rest."""
+    long = {"max_wait_ms": 600_000}
+    keys = await init_pool(scripts, class_cfg(P0=long, P1={"floor": 0.0, **long}, P2={"floor": 0.0, **long}),
+                       capacity=1000)
+    for i in range(400):
+        for cls in ("P0", "P1", "P2"):
+            await admit(scripts, keys, cls=cls, request_id=f"{cls}-{i}", input_tokens=90, max_tokens=10)
+    served = {"P0": 0.0, "P1": 0.0, "P2": 0.0}
+    t0 = await _redis_ms(scripts.client)
+    while True:
+        got = await scripts.claim(keys, "w1", 1)
+        for c in got.requests:
+            served[c.cls] += 100
+        elapsed = (got.now_ms - t0) / 1000
+        if elapsed >= 1.5 or served["P0"] >= 300 * 100:  # stop while P0 is still backlogged
+            break
+    assert served["P1"] == pytest.approx(350 * elapsed + 175, abs=2 * 100)  # rate x t + burst
+    assert served["P2"] == pytest.approx(50 * elapsed + 25, abs=2 * 100)
+    assert served["P0"] > served["P1"] + served["P2"]  # all the spare capacity, by priority
 
 
 async def test_starvation_floors_hold_under_a_backlog_of_all_classes(scripts, pool):
-    """P0, P1 and P2 all backlogged: P1 still gets >= 30 % and P2 >= 5 % of served tokens."""
+    """P0, P1 and P2 all backlogged: P1 still gets >= 30 % and P2 >= 5 % of claimed work."""
     cfg = demo_config()
     await scripts.init_pool(pool, policy_document(cfg, cfg.pool("tiny"), capacity=1e9), reset_rates=True)
     for i in range(700):
@@ -59,6 +89,117 @@ async def test_no_floor_without_backlog_strict_priority(scripts, pool):
     assert got.requests[0].cls == "P0"
 
 
+async def test_a_binding_ceiling_caps_a_class_even_on_an_idle_pool(scripts, sync_redis):
+    keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
+                       capacity=1000)
+    for i in range(100):
+        await admit(scripts, keys, cls="P2", request_id=f"c{i}", input_tokens=40, max_tokens=10)
+    served = 0.0
+    t0 = await _redis_ms(scripts.client)
+    while True:
+        got = await scripts.claim(keys, "w1", 1)
+        served += 50 * len(got.requests)
+        if got.now_ms - t0 >= 1000:
+            break
+        if not got.requests:
+            await asyncio.sleep(0.01)
+    elapsed = (got.now_ms - t0) / 1000
+    # ceiling 100/s, its burst 50, one request of overdraw
+    assert served <= 100 * elapsed + 50 + 50
+    assert served >= 100 * elapsed - 50
+
+
+async def test_without_a_binding_ceiling_a_class_alone_takes_every_idle_slot(scripts, sync_redis):
+    """Work conservation: P2's guarantee is 50/s, yet alone it gets whatever workers take."""
+    keys = await init_pool(scripts, demo_config(), capacity=1000)
+    for i in range(60):
+        await admit(scripts, keys, cls="P2", request_id=f"w{i}", input_tokens=90, max_tokens=10)
+    got = await scripts.claim(keys, "w1", 60)
+    assert len(got.requests) == 60  # 6,000 tokens in one call, 120x its guarantee per second
+
+
+async def test_tenants_of_a_class_share_by_virtual_token_counter(scripts, pool):
+    """A tenant flooding P1 does not starve a light one: claims alternate by counter (cost /
+    weight), a heavier weight gets its share, and a tenant arriving late is lifted to the
+    smallest counter instead of cashing in its idle time."""
+    for i in range(30):
+        await admit(scripts, pool, cls="P1", tenant="flood", request_id=f"f{i}", input_tokens=90,
+                    max_tokens=10)
+    for i in range(5):
+        await admit(scripts, pool, cls="P1", tenant="steady", request_id=f"s{i}", input_tokens=90,
+                    max_tokens=10)
+    got = await scripts.claim(pool, "w1", 10)
+    order = [c.tenant for c in got.requests]
+    assert order.count("steady") == 5 and order.count("flood") == 5
+    assert order[:4] in (["flood", "steady", "flood", "steady"], ["steady", "flood", "steady", "flood"])
+    # flood has had 5 x 100 (its counter is 500); a newcomer starts at the smallest backlogged counter
+    for i in range(4):
+        await admit(scripts, pool, cls="P1", tenant="late", request_id=f"l{i}", input_tokens=90,
+                    max_tokens=10, tenant_weight=2.0)
+    counters = dict(await scripts.client.zrange(pool.backlog("P1"), 0, -1, withscores=True))
+    assert counters == {b"flood": 500.0, b"late": 500.0}
+    got = await scripts.claim(pool, "w1", 6)
+    order = [c.tenant for c in got.requests]
+    assert order.count("late") == 4 and order.count("flood") == 2  # weight 2: twice the share
+
+
+async def test_a_class_without_fairness_serves_its_tenants_in_arrival_order(scripts, sync_redis):
+    keys = await init_pool(scripts, class_cfg(P1={"fair": False}))
+    for i in range(4):
+        await admit(scripts, keys, cls="P1", tenant="flood", request_id=f"f{i}", input_tokens=9, max_tokens=1)
+    await admit(scripts, keys, cls="P1", tenant="steady", request_id="s0", input_tokens=9, max_tokens=1)
+    await admit(scripts, keys, cls="P1", tenant="flood", request_id="f4", input_tokens=9, max_tokens=1)
+    got = await scripts.claim(keys, "w1", 10)
+    assert [c.request_id for c in got.requests] == ["f0", "f1", "f2", "f3", "s0", "f4"]
+    assert await scripts.client.exists(keys.vtime("P1")) == 0  # no counters kept
+
+
+async def test_a_request_that_does_not_fit_holds_its_class_not_the_others(scripts, pool):
+    """The next request of a class needs more room than the worker has free: nothing of its
+    class jumps ahead of it (a stream of small requests would starve it), other classes go on."""
+    await admit(scripts, pool, cls="P0", tenant="big", request_id="huge", input_tokens=900, max_tokens=100)
+    await admit(scripts, pool, cls="P0", tenant="small", request_id="tiny", input_tokens=9, max_tokens=1)
+    await admit(scripts, pool, cls="P1", tenant="small", request_id="p1", input_tokens=9, max_tokens=1)
+    got = await scripts.claim(pool, "w1", 5, kv_room=500, kv_total=2000)
+    assert [c.request_id for c in got.requests] == ["p1"]  # 'huge' waits for room, 'tiny' behind it
+    got = await scripts.claim(pool, "w1", 5, kv_room=2000, kv_total=2000)
+    assert [c.request_id for c in got.requests] == ["huge", "tiny"]
+
+
+async def test_a_request_no_live_worker_can_hold_fails_with_a_clear_error(scripts, pool):
+    now = await _redis_ms(scripts.client)
+    await scripts.client.zadd(pool.workers, {"w1": now, "big-but-dead": now - 3_600_000})
+    await scripts.client.hset(pool.worker_kv, "big-but-dead", 100_000)
+    await admit(scripts, pool, cls="P0", request_id="huge", input_tokens=5000, max_tokens=10)
+    await admit(scripts, pool, cls="P1", request_id="fine", input_tokens=10, max_tokens=10)
+    got = await scripts.claim(pool, "w1", 5, kv_room=4000, kv_total=4000)
+    assert [c.request_id for c in got.requests] == ["fine"]
+    rec = await scripts.client.hgetall(pool.request("huge"))
+    assert rec[b"state"] == b"failed" and b"does not fit any live worker" in rec[b"reason"]
+    (_, entry), = [e for e in await scripts.client.xrange(pool.reply("fe1")) if e[1][b"id"] == b"huge"]
+    assert entry[b"code"] == b"too_large"
+    # With a live worker that could hold it, it is left for that worker instead.
+    await scripts.client.zadd(pool.workers, {"w2": now})
+    await scripts.client.hset(pool.worker_kv, "w2", 10_000)
+    await admit(scripts, pool, cls="P0", request_id="huge2", input_tokens=5000, max_tokens=10)
+    assert (await scripts.claim(pool, "w1", 5, kv_room=4000, kv_total=4000)).requests == []
+    got = await scripts.claim(pool, "w2", 5, kv_room=10_000, kv_total=10_000)
+    assert [c.request_id for c in got.requests] == ["huge2"]
+
+
+async def test_fences_never_repeat_and_a_stale_holder_cannot_write(scripts, pool):
+    await admit(scripts, pool, cls="P1", request_id="r", input_tokens=1, max_tokens=5)
+    (a,) = (await scripts.claim(pool, "w1", 1)).requests
+    assert await scripts.release(pool, request_id="r", worker_id="w1", fence=a.fence) == "requeued"
+    (b,) = (await scripts.claim(pool, "w1", 1)).requests  # the same worker id claims it again
+    assert b.fence > a.fence and b.attempt == 1  # a planned hand-back costs no attempt
+    with pytest.raises(LeaseLost):
+        await scripts.push_tokens(pool, request_id="r", worker_id="w1", fence=a.fence, offset=0,
+                                  token_ids=[1], text="x")
+    await scripts.push_tokens(pool, request_id="r", worker_id="w1", fence=b.fence, offset=0,
+                              token_ids=[1], text="x")
+
+
 async def test_above_class_claims_only_classes_ranked_above_it(scripts, pool):
     """A full worker's look-ahead: with above_class it takes only work that would preempt."""
     for rid, cls in (("low", "P2"), ("mid", "P1")):
@@ -72,21 +213,16 @@ async def test_above_class_claims_only_classes_ranked_above_it(scripts, pool):
     assert [c.request_id for c in got.requests] == ["low"]
 
 
-async def test_token_budget_limits_what_a_worker_takes(scripts, pool):
+async def test_kv_room_limits_what_a_worker_takes(scripts, pool):
     for i in range(5):
         await admit(scripts, pool, cls="P1", request_id=f"b{i}", input_tokens=300, max_tokens=100)
-    got = await scripts.claim(pool, "w1", 10, token_budget=1000)
+    got = await scripts.claim(pool, "w1", 10, kv_room=1000)
     assert len(got.requests) == 2
-    assert await scripts.client.zcard(pool.queue("P1")) == 3
+    assert int(await scripts.client.hget(pool.queued, "P1")) == 3
 
 
 async def test_p2_expires_with_no_worker_pulling(scripts, sync_redis):
-    cfg = demo_config()
-    classes = tuple(dataclasses.replace(c, max_wait_ms=150) if c.name == "P2" else c for c in cfg.classes)
-    cfg = dataclasses.replace(cfg, classes=classes)
-    keys = PoolKeys("tiny")
-    await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")), reset_rates=True)
-    await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})
+    keys = await init_pool(scripts, class_cfg(P2={"max_wait_ms": 150}))
     before = await scripts.client.hgetall(keys.tenant_bucket("t1"))
     await admit(scripts, keys, cls="P2", request_id="late", tenant="t1", input_tokens=50, max_tokens=50,
                 tenant_rate=1, tenant_burst=1000)
@@ -105,6 +241,7 @@ async def test_p2_expires_with_no_worker_pulling(scripts, sync_redis):
     s = msgpack.unpackb(sample[b"d"])
     assert s["outcome"] == "expired" and s["class"] == "P2" and s["queue_wait_ms"] >= 150
     assert await scripts.client.hget(keys.tenant_inflight, "t1") is None
+    assert await scripts.client.exists(keys.backlog("P2")) == 0  # the tenant left the backlog
     # Never handed out afterwards.
     assert (await scripts.claim(keys, "w1", 5)).requests == []
 

@@ -35,10 +35,10 @@ async def test_lifecycle_on_cluster_with_pools_on_different_shards(cluster_clien
         got = await scripts.claim(keys, "w1", 1)
         c = got.requests[0]
         assert c.request_id == f"{name}-a"
-        await scripts.push_tokens(keys, request_id=c.request_id, worker_id="w1", attempt=1, offset=0,
+        await scripts.push_tokens(keys, request_id=c.request_id, worker_id="w1", fence=c.fence, offset=0,
                                   token_ids=[65], text="A")
         await scripts.renew_leases(keys, "w1", [(c.request_id, 1)])
-        await scripts.complete(keys, request_id=c.request_id, worker_id="w1", attempt=1, outcome="ok",
+        await scripts.complete(keys, request_id=c.request_id, worker_id="w1", fence=c.fence, outcome="ok",
                                usage_in=5, token_ids=[66], text="B")
         assert await scripts.cancel(keys, f"{name}-b", "t1") == "cancelled"
         assert (await scripts.reap(keys)).expired == 0

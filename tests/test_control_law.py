@@ -153,14 +153,13 @@ def test_a_violation_episode_lasts_until_the_target_is_back() -> None:
 
 
 def test_written_bursts_are_per_class_seconds_of_the_new_rates() -> None:
-    law = dataclasses.replace(ControlConfig(), class_bursts=(2.0, 1.0, 4.0), pool_burst_s=3.0).validate()
+    law = dataclasses.replace(ControlConfig(), class_bursts=(2.0, 1.0, 4.0)).validate()
     d = decide(state(cfg=law), inputs(p2=(None, 0, 0.25), capacity=C / 2), 0.0)
     assert d.changed  # capacity halved: every rate is rewritten
     f = d.policy_fields()
     for name, b in zip(law.classes, law.class_bursts, strict=True):
         assert f[f"{name}.burst"] == pytest.approx(f[f"{name}.rate"] * b)
         assert f[f"{name}.ceil_burst"] == pytest.approx(f[f"{name}.ceil"] * b)
-    assert f["pool_burst"] == pytest.approx(f["capacity"] * 3.0)
     with pytest.raises(ConfigError, match="class_bursts"):
         dataclasses.replace(law, class_bursts=(1.0,)).validate()
 
@@ -265,7 +264,7 @@ def test_decision_is_loggable_and_writable() -> None:
     assert p2["reason"] == "tighten_lower_for_P0" and p2["old"]["ceil"] == 50_000.0
     assert record["classes"]["P0"]["compliance"] == 0.90
     fields = d.policy_fields()
-    assert fields["P2.ceil"] == pytest.approx(19_500.0) and fields["pool_burst"] == C * 0.5
+    assert fields["P2.ceil"] == pytest.approx(19_500.0) and fields["capacity"] == C
     assert set(fields) >= {"P0.rate", "P1.burst", "P2.ceil_burst", "capacity"}
 
 

@@ -20,15 +20,15 @@ from tests.redis_server import free_port
 
 
 async def _traffic(client, keys, stop: asyncio.Event) -> None:
-    """P0 misses its 500 ms TTFT target; P1 and P2 run fine and are admitted steadily."""
+    """P0 misses its 500 ms TTFT target; P1 and P2 run fine and are claimed steadily."""
     while not stop.is_set():
         now = await redis_ms(client)
         batch = [sample("P0", now, ttft_ms=2000.0) for _ in range(5)]
         batch += [sample("P1", now, input_tokens=200, output_tokens=100)]
         batch += [sample("P2", now, input_tokens=500, output_tokens=100)]
         await push(client, keys, batch)
-        await client.hincrby(keys.stats, "P1.admitted", 1)  # 10/s x 300 = 3000 tokens/s: 15 % of C
-        await client.hincrby(keys.stats, "P2.admitted", 1)  # 10/s x 600 = 6000 tokens/s: 30 % of C
+        await client.hincrby(keys.stats, "P1.claimed", 1)  # 10/s x 300 = 3000 tokens/s: 15 % of C
+        await client.hincrby(keys.stats, "P2.claimed", 1)  # 10/s x 600 = 6000 tokens/s: 30 % of C
         await asyncio.sleep(0.1)
 
 
@@ -122,7 +122,9 @@ async def test_a_new_leader_continues_from_the_policy_not_from_scratch(aredis, p
     old = {c.name: c.allowance for c in term.state.classes}
     new = {c.name: c.allowance for c in b.term.state.classes}
     assert new == pytest.approx(old) and old["P0"] < 1.0  # the cut survives the failover
-    assert b.term.state.last_change_ms == pytest.approx(decision.now_ms, abs=1)  # and so does the cooldown
+    # ... and so does the cooldown: the change time written is Redis' own (set_rates), the
+    # decision's is the controller's estimate of it, one round trip apart on a busy machine
+    assert b.term.state.last_change_ms == pytest.approx(decision.now_ms, abs=100)
 
 
 async def test_a_missing_policy_is_recreated_from_the_config(aredis, cfg, sync_redis):
@@ -196,8 +198,8 @@ async def test_rejections_count_against_a_class_only_inside_its_guarantee(aredis
     assert term.usage.mean_work("P0") == pytest.approx(200 + 100)  # the rejections did no work
     await push(aredis, pool, [sample("P1", now) for _ in range(5)])  # P1's mean work per request
     await pc.consume_once(term)
-    await aredis.hincrby(pool.stats, "P0.admitted", 1000)  # P0 far over its guarantee now
-    await aredis.hincrby(pool.stats, "P1.admitted", 1000)  # ...and P1 too
+    await aredis.hincrby(pool.stats, "P0.claimed", 1000)  # P0 far over its guarantee now
+    await aredis.hincrby(pool.stats, "P1.claimed", 1000)  # ...and P1 too
     await pc.tick(term)
     assert term.within_guarantee == {"P0": True, "P1": False, "P2": True}  # P0: the top class
     await push(aredis, pool, [sample("P1", now) | rejected for _ in range(5)])

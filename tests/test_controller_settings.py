@@ -40,15 +40,14 @@ def test_the_table_and_the_flags_are_merged():
 
 def test_the_rates_written_keep_the_configured_bursts():
     """The controller rescales rates, not the bursts the operator chose: each class keeps its
-    burst_s and the pool its pool_burst_s, unless [controller] burst_s overrides them all."""
+    burst_s, unless [controller] burst_s overrides them all."""
     cfg = demo_config()
     cfg = dataclasses.replace(cfg, classes=tuple(dataclasses.replace(c, burst_s=b)
                                                  for c, b in zip(cfg.classes, (2.0, 1.0, 4.0), strict=True)))
-    pool = dataclasses.replace(cfg.pool("tiny"), pool_burst_s=3.0)
-    law = load_settings(cfg, {"controller_id": "c1"}).control_config(cfg, pool)
-    assert (law.class_bursts, law.pool_burst_s) == ((2.0, 1.0, 4.0), 3.0)
-    law = load_settings(cfg, {"controller_id": "c1", "burst_s": 0.5}).control_config(cfg, pool)
-    assert (law.class_bursts, law.burst_s, law.pool_burst_s) == ((), 0.5, 0.0)
+    law = load_settings(cfg, {"controller_id": "c1"}).control_config(cfg)
+    assert law.class_bursts == (2.0, 1.0, 4.0)
+    law = load_settings(cfg, {"controller_id": "c1", "burst_s": 0.5}).control_config(cfg)
+    assert (law.class_bursts, law.burst_s) == ((), 0.5)
 
 
 @pytest.mark.parametrize(("section", "path"), [

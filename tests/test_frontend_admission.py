@@ -1,6 +1,7 @@
 """Honest throttling and the request lifecycle through the frontend: 429 with a Retry-After
-that works, admission waits, 503 for a full queue / queue timeout / Redis down, client
-disconnects that cancel everywhere and reconcile the buckets, the safety timeout."""
+that works (a tenant's quota, or a wait past the max wait), admission waits, 503 for a full
+queue / queue timeout / Redis down, client disconnects that cancel everywhere and reconcile
+the buckets, the safety timeout."""
 
 from __future__ import annotations
 
@@ -85,26 +86,31 @@ async def test_queue_full_is_503_with_retry_after(client, sync_redis):
     err = (await r.json())["error"]
     assert err["code"] == "queue_full" and "full" in err["message"]
     assert int(r.headers["Retry-After"]) >= 1
-    assert sync_redis.zcard(POOL.queue("P2")) == 0
+    assert int(sync_redis.hget(POOL.queued, "P2") or 0) == 0
 
 
 async def test_rejections_by_the_system_leave_a_sample_for_the_controller(redis_server, sync_redis, aredis):
-    """A class-budget 429 and a full queue are SLO misses the controller must count (outcome
-    ``rejected``); a tenant over its own budget is not the system's miss and leaves none."""
-    cfg = make_cfg(redis_server.url, classes=CLASSES, pool={"capacity_tokens_s": 10.0},  # P0: 6/s, burst 3
+    """A request its class cannot start within its max wait (429 max_wait_exceeded) and a full
+    queue are SLO misses the controller must count (outcome ``rejected``); a tenant over its
+    own budget is not the system's miss and leaves none."""
+    cfg = make_cfg(redis_server.url, classes=CLASSES, pool={"capacity_tokens_s": 10.0},  # P0 waits <= 400 ms
                    tenants=[*TENANTS, tenant("tiny-p1", "key-tiny-p1", "P1", rate=1, burst_s=1.0)])
-    async with frontend(cfg) as client, FakeWorker(aredis, POOL, fixed_text="z" * 7):
-        assert (await client.post("/v1/completions", json=SLOW, headers=auth("demo-p0"))).status == 200
+    async with frontend(cfg) as client:  # no worker: what is queued stays queued
+        first = asyncio.create_task(client.post("/v1/completions", json=SLOW, headers=auth("demo-p0")))
+        await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P0") or 0) == 1)
         r = await client.post("/v1/completions", json=SLOW, headers=auth("demo-p0"))
-        assert r.status == 429 and (await r.json())["error"]["code"] == "rate_limit_exceeded"
+        err = (await r.json())["error"]  # 10 weighted tokens ahead at 10/s: 1 s, past 400 ms
+        assert r.status == 429 and err["code"] == "max_wait_exceeded" and "max wait" in err["message"]
+        assert r.headers["Retry-After"] == "1"
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
                               headers=auth("demo-p2"))
         assert r.status == 503 and (await r.json())["error"]["code"] == "queue_full"
-        assert (await client.post("/v1/completions", json=SLOW, headers=auth("key-tiny-p1"))).status == 200
+        second = asyncio.create_task(client.post("/v1/completions", json=SLOW, headers=auth("key-tiny-p1")))
+        await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1)
         r = await client.post("/v1/completions", json=SLOW, headers=auth("key-tiny-p1"))
         assert r.status == 429 and "tenant" in (await r.json())["error"]["message"]
-        await _wait_for(lambda: sync_redis.xlen(POOL.samples) >= 2)
-        await asyncio.sleep(0.3)
+        assert (await first).status == 503 and (await second).status == 503  # their max waits passed
+        await _wait_for(lambda: sync_redis.xlen(POOL.samples) >= 4)
     samples = [msgpack.unpackb(f[b"d"], raw=False) for _, f in sync_redis.xrange(POOL.samples)]
     rejected = [(x["class"], x["tenant"], x["input_tokens"]) for x in samples if x["outcome"] == "rejected"]
     assert sorted(rejected) == [("P0", "demo-p0", 3), ("P2", "demo-p2", 2)], samples
@@ -123,7 +129,7 @@ async def test_queue_timeout_is_503_and_refunds(client, sync_redis):
     assert err["code"] == "queue_timeout" and "max queue wait" in err["message"]
     assert int(r.headers["Retry-After"]) >= 1
     assert 0.14 <= elapsed < 2.0
-    assert sync_redis.zcard(POOL.queue("P1")) == 0
+    assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0
     assert sync_redis.hget(POOL.stats, "P1.expired") == b"1"
     assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) == pytest.approx(1000.0, abs=1.0)
 
@@ -140,7 +146,7 @@ async def test_max_wait_header_cannot_lengthen(client, sync_redis):
 async def test_tenant_concurrency_cap_is_429(client, sync_redis):
     first = asyncio.create_task(client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
                                             headers=auth("key-single", **{"X-QoS-Max-Wait-Ms": "1000"})))
-    await _wait_for(lambda: sync_redis.zcard(POOL.queue("P1")) == 1)
+    await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1)
     second = {"model": "tiny", "prompt": "y"}
     r = await client.post("/v1/completions", json=second, headers=auth("key-single"))
     assert r.status == 429 and (await r.json())["error"]["code"] == "too_many_inflight"
@@ -158,11 +164,11 @@ async def test_worker_failure_is_503(client, aredis):
 async def test_disconnect_while_queued_cancels_and_refunds_in_full(client, sync_redis):
     task = asyncio.create_task(client.post("/v1/chat/completions", headers=auth("key-frugal"), json={
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50}))
-    await _wait_for(lambda: sync_redis.zcard(POOL.queue("P1")) == 1)
+    await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1)
     assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) < 1000 - 50
     task.cancel()  # the client closes its connection
     await _wait_for(lambda: sync_redis.hget(POOL.stats, "P1.cancelled") == b"1")
-    assert sync_redis.zcard(POOL.queue("P1")) == 0 and sync_redis.zcard(POOL.deadlines) == 0
+    assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0 and sync_redis.zcard(POOL.deadlines) == 0
     assert sync_redis.hlen(POOL.tenant_inflight) == 0
     assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) == pytest.approx(1000.0, abs=1.0)
 

@@ -7,9 +7,9 @@ from limiter.scripts import lifecycle_keys
 
 def test_every_key_of_a_pool_shares_its_hash_tag():
     keys = PoolKeys("llama-70b")
-    names = [*lifecycle_keys(keys), keys.leader, keys.fence, keys.decisions, keys.workers,
-             keys.request("abc"), keys.queue("P0"), keys.class_bucket("P0"), keys.tenant_bucket("acme"),
-             keys.reply("fe-1"), keys.worker("w1"), keys.tokens("abc")]
+    names = [*lifecycle_keys(keys), keys.leader, keys.fence, keys.decisions, keys.request("abc"),
+             keys.queue("P0", "acme"), keys.backlog("P0"), keys.vtime("P0"), keys.class_bucket("P0"),
+             keys.tenant_bucket("acme"), keys.reply("fe-1"), keys.worker("w1"), keys.tokens("abc")]
     assert all(n.startswith("qos:{llama-70b}:") for n in names)
     assert len(set(names)) == len(names)
 

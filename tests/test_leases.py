@@ -26,23 +26,25 @@ async def test_expired_lease_requeues_at_the_head_and_another_worker_resumes(scr
     await admit(scripts, pool, cls="P1", request_id="second", input_tokens=5, max_tokens=10)
     c = await _claim_one(scripts, pool, "w1", lease_ms=100)
     assert c.request_id == "first"
-    await scripts.push_tokens(pool, request_id="first", worker_id="w1", attempt=1, offset=0,
+    await scripts.push_tokens(pool, request_id="first", worker_id="w1", fence=c.fence, offset=0,
                               token_ids=[104, 105], text="hi", lease_ms=100)
     await asyncio.sleep(0.15)
     reaped = await scripts.reap(pool)
     assert reaped.requeued == 1
     c2 = await _claim_one(scripts, pool, "w2")
-    assert c2.request_id == "first" and c2.attempt == 2  # head of its class, ahead of "second"
+    assert c2.request_id == "first" and c2.attempt == 2  # head of its queue, ahead of "second"
+    assert c2.fence > c.fence  # a new lease token, never one handed out before
     assert c2.delivered == 2 and c2.generated == [104, 105]  # what the new worker re-prefills
     # The dead worker's late writes are fenced off.
     with pytest.raises(LeaseLost):
-        await scripts.push_tokens(pool, request_id="first", worker_id="w1", attempt=1, offset=2,
+        await scripts.push_tokens(pool, request_id="first", worker_id="w1", fence=c.fence, offset=2,
                                   token_ids=[33], text="!")
     with pytest.raises(LeaseLost):
-        await scripts.complete(pool, request_id="first", worker_id="w1", attempt=1, outcome="ok", usage_in=5)
-    await scripts.push_tokens(pool, request_id="first", worker_id="w2", attempt=2, offset=2,
+        await scripts.complete(pool, request_id="first", worker_id="w1", fence=c.fence, outcome="ok",
+                               usage_in=5)
+    await scripts.push_tokens(pool, request_id="first", worker_id="w2", fence=c2.fence, offset=2,
                               token_ids=[33], text="!")
-    await scripts.complete(pool, request_id="first", worker_id="w2", attempt=2, outcome="ok", usage_in=5)
+    await scripts.complete(pool, request_id="first", worker_id="w2", fence=c2.fence, outcome="ok", usage_in=5)
     entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
     text = "".join(e[b"t"].decode() for e in entries if e[b"k"] in (b"tok", b"done"))
     assert text == "hi!"
@@ -68,18 +70,19 @@ async def test_max_attempts_fails_with_a_clear_reason(scripts, pool):
 async def test_renew_extends_and_reports_lost_and_cancelled(scripts, pool):
     await admit(scripts, pool, cls="P1", request_id="keep", input_tokens=1, max_tokens=5)
     await admit(scripts, pool, cls="P1", request_id="cancelme", input_tokens=1, max_tokens=5)
-    await scripts.claim(pool, "w1", 2, lease_ms=200)
+    got = await scripts.claim(pool, "w1", 2, lease_ms=200)
+    fences = {c.request_id: c.fence for c in got.requests}
     for _ in range(4):
         await asyncio.sleep(0.1)
-        held = [("keep", 1), ("cancelme", 1), ("ghost", 1)]
+        held = [("keep", fences["keep"]), ("cancelme", fences["cancelme"]), ("ghost", 1)]
         res = await scripts.renew_leases(pool, "w1", held, lease_ms=200)
         assert res.lost == ["ghost"]
     assert (await scripts.reap(pool)).requeued == 0  # renewed leases did not expire
     assert await scripts.cancel(pool, "cancelme", "t1") == "cancelling"
-    res = await scripts.renew_leases(pool, "w1", [("keep", 1), ("cancelme", 1)])
+    res = await scripts.renew_leases(pool, "w1", [("keep", fences["keep"]), ("cancelme", fences["cancelme"])])
     assert res.stop == ["cancelme"]
-    assert await scripts.push_tokens(pool, request_id="cancelme", worker_id="w1", attempt=1, offset=0,
-                                     token_ids=[1], text="x") is True  # the cancel flag rides along
+    assert await scripts.push_tokens(pool, request_id="cancelme", worker_id="w1", fence=fences["cancelme"],
+                                     offset=0, token_ids=[1], text="x") is True  # the cancel flag rides along
 
 
 async def test_completion_refunds_the_unused_reservation_never_more(scripts, pool):
@@ -88,9 +91,9 @@ async def test_completion_refunds_the_unused_reservation_never_more(scripts, poo
                 tenant_rate=1e-9, tenant_burst=1000)
     assert float(await scripts.client.hget(b, "tokens")) == pytest.approx(500, abs=1e-3)
     c = await _claim_one(scripts, pool)
-    await scripts.push_tokens(pool, request_id="r", worker_id="w1", attempt=c.attempt, offset=0,
+    await scripts.push_tokens(pool, request_id="r", worker_id="w1", fence=c.fence, offset=0,
                               token_ids=list(range(30)), text="x" * 30)
-    refunded = await scripts.complete(pool, request_id="r", worker_id="w1", attempt=c.attempt, outcome="ok",
+    refunded = await scripts.complete(pool, request_id="r", worker_id="w1", fence=c.fence, outcome="ok",
                                       usage_in=100, token_ids=list(range(20)), text="y" * 20)
     assert refunded == pytest.approx(350)  # 400 reserved - 50 generated
     assert float(await scripts.client.hget(b, "tokens")) == pytest.approx(850, abs=1e-3)
@@ -102,7 +105,7 @@ async def test_completion_refunds_the_unused_reservation_never_more(scripts, poo
     c2 = await _claim_one(scripts, pool)
     from limiter.errors import InvalidArgument
     with pytest.raises(InvalidArgument):
-        await scripts.complete(pool, request_id="r2", worker_id="w1", attempt=c2.attempt, outcome="ok",
+        await scripts.complete(pool, request_id="r2", worker_id="w1", fence=c2.fence, outcome="ok",
                                usage_in=1, token_ids=[1, 2, 3], text="abc")
 
 
@@ -111,7 +114,7 @@ async def test_cancel_in_each_state(scripts, pool):
     await admit(scripts, pool, cls="P2", request_id="q", tenant="c", input_tokens=10, max_tokens=10,
                 tenant_rate=1e-9, tenant_burst=100)
     assert await scripts.cancel(pool, "q", "c") == "cancelled"
-    assert await scripts.client.zcard(pool.queue("P2")) == 0
+    assert await scripts.client.zcard(pool.queue("P2", "c")) == 0
     assert float(await scripts.client.hget(pool.tenant_bucket("c"), "tokens")) == pytest.approx(100, abs=1e-3)
     # another tenant cannot cancel (or even see) someone's request
     await admit(scripts, pool, cls="P2", request_id="mine", tenant="owner", input_tokens=1, max_tokens=1)
@@ -120,7 +123,7 @@ async def test_cancel_in_each_state(scripts, pool):
     c = await _claim_one(scripts, pool)
     assert await scripts.cancel(pool, "mine", "owner") == "cancelling"
     assert await scripts.client.sismember(pool.cancels, "mine")
-    await scripts.complete(pool, request_id="mine", worker_id="w1", attempt=c.attempt, outcome="cancelled",
+    await scripts.complete(pool, request_id="mine", worker_id="w1", fence=c.fence, outcome="cancelled",
                            usage_in=1, finish_reason="cancelled")
     assert not await scripts.client.sismember(pool.cancels, "mine")
     # finished and unknown
@@ -155,7 +158,7 @@ async def test_refunds_never_exceed_charges(scripts, pool, input_tokens, max_tok
                 max_tokens=max_tokens, tenant_rate=1e-9, tenant_burst=10_000)
     got = await scripts.claim(pool, "w1", 50)
     (c,) = [x for x in got.requests if x.request_id == rid]
-    refunded = await scripts.complete(pool, request_id=rid, worker_id="w1", attempt=c.attempt, outcome="ok",
+    refunded = await scripts.complete(pool, request_id=rid, worker_id="w1", fence=c.fence, outcome="ok",
                                       usage_in=input_tokens, token_ids=list(range(used)), text="x" * used)
     assert 0 <= refunded <= input_tokens + max_tokens
     assert refunded == pytest.approx(max_tokens - used)

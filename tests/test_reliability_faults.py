@@ -371,7 +371,7 @@ async def test_controller_kill_9_standby_takes_over_counting_every_sample_once(
                     await asyncio.sleep(0.05)
             outcomes = await task
             # A leader sets rates from the measured capacity, so the load may now be throttled.
-            rep = check_outcomes(outcomes, allowed_codes=("rate_limit_exceeded",), rec=rec)
+            rep = check_outcomes(outcomes, allowed_codes=("max_wait_exceeded",), rec=rec)
             seen: dict[str, float] = {}
 
             async def samples_once() -> None:
@@ -490,9 +490,7 @@ async def test_redis_restart_with_aof_keeps_queued_requests(
             for n in range(size.faults):
                 outage_s = size.outages_s[n % len(size.outages_s)]
                 await asyncio.sleep(2.0)
-                queued = [
-                    m.decode() for c in ("P0", "P1", "P2") for m in await r.zrange(POOL.queue(c), 0, -1)
-                ]
+                queued = [m.decode() for m in await r.zrange(POOL.deadlines, 0, -1)]
                 leased = [m.decode() for m in await r.zrange(POOL.leases, 0, -1)]
                 # AOF everysec writes before it replies, except when the disk's fsync lags: then
                 # Redis postpones writing for up to 2 s. Older than that is on disk for sure.
@@ -515,7 +513,7 @@ async def test_redis_restart_with_aof_keeps_queued_requests(
                 assert len(survived) == len(queued) + len(leased)
             outcomes = await task
             rep = check_outcomes(
-                outcomes, allowed_codes=("redis_unavailable", "rate_limit_exceeded"), rec=rec
+                outcomes, allowed_codes=("redis_unavailable", "max_wait_exceeded"), rec=rec
             )
 
             async def resumed() -> None:
@@ -657,11 +655,12 @@ async def test_after_an_outage_stale_heartbeats_do_not_cancel_live_frontends(
     await admit(scripts, POOL, request_id="queued-b", frontend="fe-b", input_tokens=1, max_tokens=1)
     got = await scripts.claim(POOL, "w1", 1)
     assert [c.request_id for c in got.requests] == ["queued-a"]  # not cancelled: nobody has beaten yet
-    assert (await scripts.renew_leases(POOL, "w1", [("queued-a", 1)])).stop == []
+    fence_a = got.requests[0].fence
+    assert (await scripts.renew_leases(POOL, "w1", [("queued-a", fence_a)])).stop == []
     await scripts.client.zadd(POOL.frontends, {"fe-b": now})  # fe-b is back; fe-a stays silent
     got = await scripts.claim(POOL, "w1", 1)
     assert [c.request_id for c in got.requests] == ["queued-b"]
-    assert (await scripts.renew_leases(POOL, "w1", [("queued-a", 1)])).stop == ["queued-a"]
+    assert (await scripts.renew_leases(POOL, "w1", [("queued-a", fence_a)])).stop == ["queued-a"]
     await scripts.client.zadd(POOL.frontends, {"fe-dead": now - 60_000})  # long dead while others beat
     await admit(scripts, POOL, request_id="orphan", frontend="fe-dead", input_tokens=1, max_tokens=1)
     assert (await scripts.claim(POOL, "w1", 1)).requests == []
@@ -672,7 +671,7 @@ async def test_after_an_outage_stale_heartbeats_do_not_cancel_live_frontends(
         POOL,
         request_id="queued-a",
         worker_id="w1",
-        attempt=1,
+        fence=fence_a,
         outcome="cancelled",
         usage_in=1,
         finish_reason="cancelled",
@@ -697,7 +696,7 @@ async def test_a_request_cancelled_for_a_late_heartbeat_is_a_clear_503(
                 headers={"Authorization": "Bearer demo-p1"},
             )
         )
-        while not sync_redis.zcard(POOL.queue("P1")):
+        while not int(sync_redis.hget(POOL.queued, "P1") or 0):
             await asyncio.sleep(0.01)
         now = await redis_ms(scripts.client)
         await scripts.client.zadd(POOL.frontends, {fe_id: now - 60_000, "fe-other": now})
@@ -725,9 +724,10 @@ async def test_frontends_reconnecting_one_after_another_are_not_taken_for_dead(
     await admit(scripts, POOL, request_id="late-1", frontend="fe-late", input_tokens=1, max_tokens=1)
     got = await scripts.claim(POOL, "w1", 1)
     assert [c.request_id for c in got.requests] == ["late-1"]
-    assert (await scripts.renew_leases(POOL, "w1", [("late-1", 1)])).stop == []
+    held = [("late-1", got.requests[0].fence)]
+    assert (await scripts.renew_leases(POOL, "w1", held)).stop == []
     await scripts.client.delete(POOL.outage)  # expired: fe-late never came back
-    assert (await scripts.renew_leases(POOL, "w1", [("late-1", 1)])).stop == ["late-1"]
+    assert (await scripts.renew_leases(POOL, "w1", held)).stop == ["late-1"]
 
 
 async def test_the_first_beat_after_losing_redis_records_the_outage(

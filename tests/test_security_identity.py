@@ -255,9 +255,13 @@ def test_names_are_validated_in_config_keys_and_scripts(evil: str) -> None:
         assert where in str(exc.value) or "classes" in str(exc.value), (where, exc.value)
     with pytest.raises(InvalidName):
         PoolKeys(evil)
-    for method in ("request", "tokens", "queue", "class_bucket", "tenant_bucket", "reply", "worker"):
+    methods = ("request", "tokens", "backlog", "vtime", "class_bucket", "tenant_bucket", "reply", "worker")
+    for method in methods:
         with pytest.raises(InvalidName):
             getattr(PoolKeys("tiny"), method)(evil)
+    for cls, tenant_name in ((evil, "t"), ("P1", evil)):
+        with pytest.raises(InvalidName):
+            PoolKeys("tiny").queue(cls, tenant_name)
 
 
 @pytest.mark.parametrize("field", ["request_id", "tenant", "cls", "frontend_id"])

@@ -87,7 +87,8 @@ async def ready_stack(
 async def quick_load(stack: LiveStack, admin: aioredis.Redis, n: int, tag: str) -> str:
     via = [p.name for p in stack.of("frontend") if p.alive()]
     outcomes = await drive(stack, via, Load(n=n, concurrency=8, max_tokens=(5, 30), tag=tag))
-    rep = check_outcomes(outcomes, allowed_codes=("rate_limit_exceeded",))
+    # P2 may be refused (429: it could not start in time) or, past a short max wait, expire (503)
+    rep = check_outcomes(outcomes, allowed_codes=("max_wait_exceeded", "queue_timeout"))
     assert rep.kinds["ok"] > n // 2, rep.client_line()
     return rep.client_line()
 

@@ -51,7 +51,7 @@ POOL = PoolKeys("tiny")
 QUEUE_CAP = 40
 CLASSES = ("P0", "P1", "P2")
 KEYS = {"P0": KEY_P0, "P1": KEY_P1, "P2": KEY_P2}
-SHED = ("rate_limit_exceeded", "queue_full", "queue_timeout", "too_many_inflight")
+SHED = ("max_wait_exceeded", "queue_full", "queue_timeout", "too_many_inflight")
 
 
 @dataclass
@@ -91,7 +91,7 @@ async def sample(r: aioredis.Redis, stack: LiveStack, curve: Curve, t0: float) -
         if p.role in ("frontend", "worker"):
             curve.rss_mb.setdefault(p.name, []).append(p.rss_kb() / 1024)
     for c in CLASSES:
-        curve.queues.setdefault(c, []).append(await r.zcard(POOL.queue(c)))
+        curve.queues.setdefault(c, []).append(int(await r.hget(POOL.queued, c) or 0))
     curve.inflight.append(await r.zcard(POOL.leases))
 
 

@@ -56,8 +56,9 @@ class Delivery:
         return self.claimed.request_id
 
     @property
-    def attempt(self) -> int:
-        return self.claimed.attempt
+    def fence(self) -> int:
+        """The lease token of this attempt: every write for the request carries it."""
+        return self.claimed.fence
 
     @property
     def total_tokens(self) -> int:
@@ -110,7 +111,7 @@ class Delivery:
         self._uncertain[len(ids)] = len(text)
         try:
             cancel = await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id,
-                                               attempt=self.attempt, offset=self.offset, token_ids=ids,
+                                               fence=self.fence, offset=self.offset, token_ids=ids,
                                                text=text, lease_ms=lease_ms)
         except InvalidArgument as exc:
             if "offset" not in str(exc):
@@ -124,7 +125,7 @@ class Delivery:
                        finish_reason: str, message: str = "", sample: bytes = b"") -> float:
         """Finish the request with whatever is pending. Raises LeaseLost."""
         return await scripts.complete(keys, request_id=self.request_id, worker_id=worker_id,
-                                      attempt=self.attempt, outcome=outcome, usage_in=self.usage_in,
+                                      fence=self.fence, outcome=outcome, usage_in=self.usage_in,
                                       token_ids=self.pending_ids, text=self.pending_text,
                                       finish_reason=finish_reason, message=message[:4000], sample=sample)
 

@@ -6,7 +6,7 @@ clients, claiming (pull-based: the caller says how much room it has), waiting fo
 nothing), finishing a request with its latency sample, handing work back on drain, and
 the background upkeep tasks:
 
-* lease renewal every ``lease_ms / 3`` for every held (request, attempt); ``lost`` ones
+* lease renewal every ``lease_ms / 3`` for every held (request, fence); ``lost`` ones
   are dropped silently (another worker owns them), ``stop`` ones cancelled;
 * a heartbeat every ``heartbeat_s``: ``ZADD workers`` and the worker's stats hash (TTL);
 * ``reap`` every ``reap_interval_s``, so dead workers' leases are requeued even when no
@@ -201,11 +201,13 @@ class WorkerRuntime:
                 log.exception("%s failed", name)
 
     # --- claiming -----------------------------------------------------------------------------
-    async def claim(self, max_requests: int, token_budget: int, above_class: str = "") -> list[Delivery]:
-        """Pull up to ``max_requests`` requests that fit ``token_budget`` (0 = no limit), of
-        classes ranked above ``above_class`` only when it is given."""
-        res = await self.scripts.claim(self.keys, self.worker_id, max_requests, token_budget, self.lease_ms,
-                                       above_class)
+    async def claim(self, max_requests: int, kv_room: int, above_class: str = "",
+                    kv_total: int = 0) -> list[Delivery]:
+        """Pull up to ``max_requests`` requests that fit ``kv_room`` free KV tokens (0 = no
+        limit), of classes ranked above ``above_class`` only when it is given. ``kv_total``
+        (the worker's whole KV room, 0 = unknown) lets claim fail what no worker can hold."""
+        res = await self.scripts.claim(self.keys, self.worker_id, max_requests, kv_room, self.lease_ms,
+                                       above_class, kv_total)
         t = time.monotonic()
         self._clock_offset_ms = res.now_ms - time.time() * 1000
         out = []
@@ -299,7 +301,7 @@ class WorkerRuntime:
         try:
             await self.push(d)
             state = await self.scripts.release(self.keys, request_id=d.request_id, worker_id=self.worker_id,
-                                               attempt=d.attempt)
+                                               fence=d.fence)
             log.info("%s: handed back (%s) after %d tokens", d.request_id, state, d.offset)
         except LeaseLost:
             pass
@@ -307,7 +309,7 @@ class WorkerRuntime:
 
     # --- upkeep -------------------------------------------------------------------------------
     async def renew(self) -> None:
-        held = [(rid, d.attempt) for rid, d in self.held.items()]
+        held = [(rid, d.fence) for rid, d in self.held.items()]
         if not held:
             return
         res = await self.scripts.renew_leases(self.keys, self.worker_id, held, self.lease_ms)
@@ -331,7 +333,7 @@ class WorkerRuntime:
             await self._redis(pipe.execute())
 
     async def reap(self) -> None:
-        res = await self.scripts.reap(self.keys)
+        res = await self.scripts.reap_all(self.keys)
         if res.requeued or res.failed or res.cancelled or res.expired:
             log.info("reap: %s", res)
 

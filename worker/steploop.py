@@ -4,7 +4,7 @@ One iteration, between engine steps:
 
 1. apply what the upkeep tasks learnt (leases lost -> drop silently; clients gone -> cancel);
 2. pull: if the batch has room, ``claim`` as much as fits (free slots -> ``max_requests``,
-   free KV tokens -> ``token_budget``), highest class first (the claim script decides).
+   free KV tokens -> ``kv_room``); the claim script decides which class and tenant go first.
    When full, up to ``claim_ahead`` more are held so that newly arrived higher-class work
    reaches the GPU's scheduler, which pauses a lower-class sequence for it; once those are
    held, one more is claimed only of a class above every waiting one (``above_class``), so
@@ -133,14 +133,14 @@ class StepLoop:
         above = ""
         waiting = self.sched.waiting
         if slots > 0 and kv_free > 0:
-            n, budget = slots, kv_free
+            n, room = slots, kv_free
         elif len(waiting) < s.claim_ahead:
-            n, budget = 1, self.kv_capacity  # look-ahead: a higher class may preempt
+            n, room = 1, self.kv_capacity  # look-ahead: a higher class may preempt
         elif s.claim_ahead > 0 and (best := min(w.class_rank for w in waiting)) > 0:
             # The look-ahead slots hold lower-class work: a newly queued request of a class
             # above all of it would otherwise wait for a slot to free. Claim only such a
             # class, so each extra claim raises the best waiting class (bounded hoarding).
-            n, budget = 1, self.kv_capacity
+            n, room = 1, self.kv_capacity
             above = self.rt.cfg.class_names()[best] if best < len(self.rt.cfg.classes) else ""
         else:
             return
@@ -153,7 +153,7 @@ class StepLoop:
                 return
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
-        got = await self.rt.claim(n, budget, above)
+        got = await self.rt.claim(n, room, above, self.kv_capacity)
         if got:
             self._empty_claims, self._next_claim = 0, 0.0
             for d in got:

@@ -3,7 +3,7 @@
 Three operations on the same Redis, side by side in one run, each at concurrency 1 and 50:
 
 * ``SET`` of a random key with a ~100-byte value: the one-round-trip floor;
-* ``admit``: ``admit.lua`` (tenant bucket + class/pool budget + enqueue), a unique request
+* ``admit``: ``admit.lua`` (tenant quota + wait estimate + enqueue), a unique request
   id per call and a ~100-byte msgpack payload, through :meth:`Scripts.admit`;
 * ``limits``: the ``limits`` library's moving-window limiter (``MovingWindowRateLimiter``
   on ``limits.aio.storage.RedisStorage``, redis-py implementation), with a limit so
@@ -15,7 +15,7 @@ Two drivers measure them:
   storage), N asyncio tasks issuing a fixed number of operations; latency is what an
   awaiting caller sees, Python client overhead included;
 * ``redis-benchmark``: the C load generator, no Python in the path, so it shows what the
-  server spends per decision. ``admit`` runs as ``EVALSHA <sha> 17 <keys> ...`` with
+  server spends per decision. ``admit`` runs as ``EVALSHA <sha> 22 <keys> ...`` with
   request id ``r__rand_int__`` (``-r 100000000``), ``limits`` as ``EVALSHA`` of its
   ``acquire_moving_window`` script with a fixed timestamp.
 

@@ -12,10 +12,11 @@ from limiter.cli import common_args, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), overhead, "
-                                      "admission")
+    p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), tenants, "
+                                      "overhead, admission, janitor")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
     _add_admission(bsub)
+    _add_janitor(bsub)
     from limiter.bench import cli_run
 
     cli_run.add_parsers(bsub)
@@ -85,4 +86,29 @@ def _admission(args: argparse.Namespace) -> int:
     if args.json:
         adm.write_json(report, args.json)
         console.print(f"[dim]wrote {args.json}[/]")
+    return 0
+
+
+def _add_janitor(bsub: argparse._SubParsersAction) -> None:
+    p = bsub.add_parser(
+        "janitor", help="Redis time of one script call while thousands of entries are dead",
+        description="Piles of dead entries (a dead frontend's queued requests, overdue requests, a dead "
+                    "worker's leases) cleared by claim / reap_expired: calls needed, largest and median "
+                    "Redis time of one call (SLOWLOG).")
+    _bench_common_args(p)
+    p.add_argument("--entries", type=int, default=10_000, help="requests per pile (default 10000)")
+    p.set_defaults(func=_janitor)
+
+
+def _janitor(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from limiter.bench import janitor
+
+    console = Console()
+    if not 1 <= args.entries <= 1_000_000:
+        console.print("[red]--entries must be in [1, 1000000][/]")
+        return 2
+    piles = asyncio.run(janitor.run_janitor(args.entries, args.redis_url))
+    console.print(janitor.render(piles))
     return 0

@@ -20,6 +20,54 @@ def add_parsers(bsub: argparse._SubParsersAction) -> None:
     _add_run(bsub)
     _add_plot(bsub)
     _add_overhead(bsub)
+    _add_tenants(bsub)
+
+
+def _add_tenants(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import tenants as tb
+
+    d = tb.TenantParams()
+    p = bsub.add_parser(
+        "tenants", help="fairness between the tenants of one class: a light tenant next to two floods",
+        description="Three P1 tenants (steady, heavy, medium) on a private stack, alone / arrival order / "
+                    "virtual token counters: the steady tenant's TTFT against its figure alone, and Jain's "
+                    "index over the backlogged tenants' weighted service. See docs/benchmarks.md.")
+    a = p.add_argument
+    a("--engine", choices=("sim", "torch"), default=d.engine, help="sim (default) or torch")
+    a("--duration", type=float, default=d.duration_s,
+      help=f"seconds of arrivals per mode (default {d.duration_s:g})")
+    a("--drain", type=float, default=d.drain_s,
+      help=f"seconds to wait for answers after (default {d.drain_s:g})")
+    a("--workers", type=int, default=d.workers, help=f"worker processes (default {d.workers})")
+    for t in ("steady", "heavy", "medium"):
+        a(f"--{t}", type=float, default=getattr(d, t),
+          help=f"the {t} tenant's load, a multiple of capacity (default {getattr(d, t):g})")
+    a("--calibrate", choices=("stack", "engine"), default=d.calibrate, help="capacity source (default stack)")
+    a("--out", metavar="DIR", help="write results.json, requests.jsonl, PNG plots and logs here")
+    a("--markdown", action="store_true", help="print the tables as markdown")
+    p.set_defaults(func=_tenants)
+
+
+def _tenants(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from limiter.bench import tenants as tb
+
+    console = Console()
+    for name in ("duration", "drain", "steady", "heavy", "medium"):
+        if getattr(args, name) <= 0 and not (name == "drain" and args.drain == 0):
+            raise ConfigError(f"--{name}", "must be > 0")
+    if args.workers < 1:
+        raise ConfigError("--workers", "must be >= 1")
+    p = tb.TenantParams(engine=args.engine, duration_s=args.duration, drain_s=args.drain,
+                        workers=args.workers, steady=args.steady, heavy=args.heavy, medium=args.medium,
+                        calibrate=args.calibrate, out_dir=args.out)
+    if args.engine == "torch":
+        p = tb.dataclasses.replace(p, token_budget=64)
+    results = asyncio.run(tb.run_tenants(p, console))
+    for t in tb.render(results, markdown=args.markdown):
+        console.print(t)
+    return 0
 
 
 def _add_run(bsub: argparse._SubParsersAction) -> None:

@@ -45,15 +45,16 @@ async def drive(base_url: str, model: str, arrivals: Sequence[Arrival], *, durat
                 drain_s: float, progress: Callable[[int, int], None] | None = None,
                 t0: float | None = None, keys: Mapping[str, str] | None = None) -> list[Record]:
     """Send ``arrivals`` open-loop from ``t0`` (monotonic; default now) with the API key of
-    each one's class (``keys``, default the benchmark's own); returns one :class:`Record`
-    per arrival, in arrival order."""
+    each one's tenant, else its class (``keys``, default the benchmark's own); returns one
+    :class:`Record` per arrival, in arrival order."""
     prompts = prompts_for(arrivals)
     records: list[Record | None] = [None] * len(arrivals)
     tasks: dict[int, asyncio.Task[Result]] = {}
     done = 0
 
-    def key_of(cls: str) -> str:
-        return keys[cls] if keys is not None else api_key(cls)
+    def key_of(a: Arrival) -> str:
+        who = a.tenant or a.cls
+        return keys[who] if keys is not None else api_key(who)
 
     def finished(_task: asyncio.Task[Result]) -> None:
         nonlocal done
@@ -69,7 +70,7 @@ async def drive(base_url: str, model: str, arrivals: Sequence[Arrival], *, durat
             if delay > 0:
                 await asyncio.sleep(delay)
             lag_ms = max(0.0, (time.monotonic() - start - a.at_s) * 1000)
-            task = asyncio.create_task(stream_completion(session, base_url, key_of(a.cls), model,
+            task = asyncio.create_task(stream_completion(session, base_url, key_of(a), model,
                                                          prompts[a.index], a.max_tokens, a.cls,
                                                          timeout_s=duration_s + drain_s + 60))
             task.add_done_callback(finished)

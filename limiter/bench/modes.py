@@ -1,14 +1,16 @@
 """The three ways the benchmark runs the same load: each mode is a config plus worker flags.
 
-* ``fifo`` -- no QoS, the seed's "before": **one class** that every tenant maps to, a
-  capacity so large that no bucket ever throttles, no floors, no controller, and workers
-  that prefill whole prompts (``--no-chunked-prefill``), so a 32K prompt stalls the batch.
+* ``fifo`` -- no QoS, the seed's "before": **one class** that every tenant maps to, served
+  in arrival order whoever sent the request (``fair = false``), a capacity so large that no
+  wait estimate ever refuses, no floors, no controller, and workers that prefill whole
+  prompts (``--no-chunked-prefill``), so a 32K prompt stalls the batch.
 * ``priority`` -- strict priority only: the three classes (P0 > P1 > P2, each with its own
-  max queue wait), chunked prefill, but no buckets (unbounded capacity), no floors and no
-  controller.
-* ``qos`` -- everything on: class buckets with the seed's 60/35/5 shares of the measured
-  capacity and a 2 s burst (``QOS_BURST_S``), borrowing up to the ceiling, starvation
-  floors, admission waits, max waits, chunked prefill and the controller.
+  max queue wait), arrival order inside a class, chunked prefill, but unbounded capacity
+  (nothing refused for its wait), no floors and no controller.
+* ``qos`` -- everything on: class guarantees at the seed's 60/35/5 shares of the measured
+  capacity (2 s bursts, ``QOS_BURST_S``) enforced when workers claim, spare capacity by
+  priority, tenants of a class by virtual token counters, starvation floors, admission
+  refusing only what cannot start within its max wait, chunked prefill and the controller.
 
 Each tenant (``bench-p0``, ``bench-p1``, ``bench-p2``) stands for one assigned class, so the
 client and the latency samples both tell which class a request *meant*, even in fifo where
@@ -82,18 +84,17 @@ def mode_spec(mode: str, *, capacity_tokens_s: float, context_tokens: int, out_w
     common: dict[str, Any] = {"frontend": {"shutdown_grace_s": 2.0}, "worker": {"drain_timeout_s": 2.0}}
     if mode == "fifo":
         one = ClassConfig(name=FIFO_CLASS, share=1.0, ceil_share=1.0, floor=0.0, max_wait_ms=NO_MAX_WAIT_MS,
-                          admission_wait_ms=0, queue_cap=1_000_000, out_weight=out_weight)
+                          admission_wait_ms=0, queue_cap=1_000_000, out_weight=out_weight, fair=False)
         cfg = QosConfig(classes=(one,), pools=(dataclasses.replace(pool, capacity_tokens_s=UNLIMITED),),
                         tenants=_tenants(names, dict.fromkeys(names, FIFO_CLASS)), **common)
         return ModeSpec(mode, validate(cfg), chunked_prefill=False, controller=False)
     if mode == "priority":
-        strict = tuple(dataclasses.replace(c, floor=0.0, queue_cap=1_000_000) for c in classes)
+        strict = tuple(dataclasses.replace(c, floor=0.0, queue_cap=1_000_000, fair=False) for c in classes)
         cfg = QosConfig(classes=strict, pools=(dataclasses.replace(pool, capacity_tokens_s=UNLIMITED),),
                         tenants=_tenants(names, {c: c for c in names}), **common)
         return ModeSpec(mode, validate(cfg), chunked_prefill=True, controller=False)
     if mode == "qos":
         classes = tuple(dataclasses.replace(c, burst_s=QOS_BURST_S) for c in classes)
-        pool = dataclasses.replace(pool, pool_burst_s=QOS_BURST_S)
         cfg = QosConfig(classes=classes, pools=(pool,), tenants=_tenants(names, {c: c for c in names}),
                         controller=dict(controller or {}), **common)
         return ModeSpec(mode, validate(cfg), chunked_prefill=True, controller=True)

@@ -220,3 +220,61 @@ def plot_all(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out_
             ttft_over_time(results, rows, out_dir / "ttft_over_time.png"),
             rates(results, rows, out_dir / "rates.png"),
             served_share(results, out_dir / "served_share.png")]
+
+
+# --- qos bench tenants ---------------------------------------------------------------------------
+
+TENANT_COLORS = {"steady": "#d62728", "heavy": "#7f7f7f", "medium": "#1f77b4"}
+
+
+def plot_tenants(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], out_dir: Path) -> list[Path]:
+    """``tenants_service.png``: weighted work served per tenant over time, one panel per mode;
+    ``tenants_ttft.png``: the steady tenant's TTFT CDF per mode."""
+    p = results["params"]
+    out_weight = p["capacity"]["out_weight"]
+    modes = list(results["modes"])
+    fig, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.6), sharey=True, squeeze=False)
+    bin_s = 2.0
+    n_bins = math.ceil((p["duration_s"] + p["drain_s"]) / bin_s)
+    for ax, mode in zip(axes[0], modes, strict=True):
+        for tenant, color in TENANT_COLORS.items():
+            work = [0.0] * n_bins
+            for r in rows:
+                if r["mode"] != mode or r["tenant"] != tenant or not r["token_times"]:
+                    continue
+                times = r["token_times"]
+                work[min(n_bins - 1, int(times[0] / bin_s))] += r["input_tokens"]
+                per_chunk = out_weight * r["output_tokens"] / len(times)
+                for t in times:
+                    work[min(n_bins - 1, int(t / bin_s))] += per_chunk
+            if any(work):
+                ax.plot([(i + 0.5) * bin_s for i in range(n_bins)], [w / bin_s for w in work], color=color,
+                        label=tenant)
+        ax.axvline(p["duration_s"], color="black", lw=0.5, ls=":")
+        jain = results["modes"][mode].get("jain_backlogged")
+        ax.set_title(f"{mode}" + (f" (Jain {jain:.3f})" if jain is not None else ""), fontsize=10)
+        ax.set_xlabel("time since start, s")
+        ax.legend(fontsize=8)
+    axes[0][0].set_ylabel("weighted tokens/s served")
+    fig.suptitle(f"qos bench tenants: P1 tenants steady {p['steady']:g}x, heavy {p['heavy']:g}x, "
+                 f"medium {p['medium']:g}x capacity ({p['engine']})", fontsize=10)
+    fig.tight_layout()
+    service = out_dir / "tenants_service.png"
+    fig.savefig(service, dpi=DPI)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    styles = (("#2ca02c", "-"), ("#7f7f7f", ":"), ("#9467bd", "-"))
+    for mode, (color, style) in zip(modes, styles, strict=False):
+        _cdf(ax, [r["ttft_ms"] for r in rows if r["mode"] == mode and r["tenant"] == "steady" and r["ok"]],
+             color=color, ls=style, label=mode)
+    ax.set_xscale("log")
+    ax.set_xlabel("steady tenant's TTFT, ms (log)")
+    ax.set_ylabel("share of its completed requests")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    ttft = out_dir / "tenants_ttft.png"
+    fig.savefig(ttft, dpi=DPI)
+    plt.close(fig)
+    return [service, ttft]

@@ -131,9 +131,8 @@ class Probe:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.policy)
             pipe.hgetall(self.keys.compliance)
-            for c in self.classes:
-                pipe.zcard(self.keys.queue(c))
-            policy, compliance, *depths = await pipe.execute()
+            pipe.hgetall(self.keys.queued)
+            policy, compliance, queued = await pipe.execute()
         pol = {_s(k): _s(v) for k, v in policy.items()}
         comp = {_s(k): _s(v) for k, v in compliance.items()}
         row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2),
@@ -142,7 +141,8 @@ class Probe:
                                "rates": {c: _float(pol.get(f"{c}.rate")) for c in self.classes},
                                "ceilings": {c: _float(pol.get(f"{c}.ceil")) for c in self.classes},
                                "compliance": {c: _float(comp.get(c)) for c in self.classes},
-                               "queue_depth": dict(zip(self.classes, depths, strict=True))}
+                               "queue_depth": {c: int(_float(_s(queued.get(c.encode(), b"0"))) or 0)
+                                               for c in self.classes}}
         self.timeline.append(row)
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -200,10 +200,12 @@ class Probe:
             last = _s(batch[-1][0])
 
     async def reset(self) -> None:
-        """Full buckets, an empty floor ledger and no decision history: what the gap probe
-        spent must not tilt the load that follows."""
-        keys = [k async for k in self.client.scan_iter(match=self.keys.bucket_prefix + "*", count=1000)]
-        await self.client.delete(*keys, self.keys.served, self.keys.pool_bucket, self.keys.decisions)
+        """Full buckets, fresh tenant counters, an empty floor ledger and no decision history:
+        what the gap probe spent must not tilt the load that follows."""
+        keys = []
+        for prefix in (self.keys.bucket_prefix, self.keys.vtime_prefix):
+            keys += [k async for k in self.client.scan_iter(match=prefix + "*", count=1000)]
+        await self.client.delete(*keys, self.keys.served, self.keys.decisions)
 
     async def redis_time_ms(self) -> float:
         sec, usec = await self.client.time()

@@ -52,6 +52,7 @@ class Arrival:
     prompt_tokens: int  # pool tokens (UTF-8 bytes + BOS)
     max_tokens: int
     trace_t_s: float  # the unscaled trace time, for the record
+    tenant: str = ""  # who sends it ('' = the benchmark tenant of its class)
 
 
 @dataclass(frozen=True)

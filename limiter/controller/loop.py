@@ -241,7 +241,7 @@ class PoolController:
             record = decision.record() | {
                 "pool": self.pool.name, "controller": self.settings.controller_id, "fence": term.fence,
                 "capacity_source": estimate.source, "live_workers": estimate.live_workers,
-                "admitted_per_s": {c: term.usage.admitted_per_s(c) for c in term.usage.classes},
+                "claimed_per_s": {c: term.usage.claimed_per_s(c) for c in term.usage.classes},
             }
             try:
                 version = await self.scripts.set_rates(self.keys, self.settings.controller_id, term.fence,

@@ -60,7 +60,7 @@ class ControllerSettings:
     batch: int = 500  # stream entries per read
     claim_idle_s: float = 0.0  # XAUTOCLAIM entries pending this long; 0 = lease_s
     window_max_age_s: float = 600.0  # SLO window also forgets samples older than this; 0 = never
-    used_window_s: float = 1.0  # "used" = admitted work over about this long
+    used_window_s: float = 1.0  # "used" = claimed work over about this long
     cost_samples: int = 200  # recent samples per class behind the mean cost of a request
     metrics_port: int = 0  # 0 = no metrics server
     metrics_host: str = "0.0.0.0"
@@ -73,7 +73,7 @@ class ControllerSettings:
     settle_s: float = _LAW.settle_s
     window: int = _LAW.window
     min_samples: int = _LAW.min_samples
-    burst_s: float = 0.0  # 0 = each class's burst_s and the pool's pool_burst_s; > 0 overrides all
+    burst_s: float = 0.0  # 0 = each class's burst_s; > 0 overrides them all
     use_threshold: float = _LAW.use_threshold
     capacity_deadband: float = _LAW.capacity_deadband
     reset_load_change: float = _LAW.reset_load_change
@@ -87,16 +87,15 @@ class ControllerSettings:
     def claim_idle_ms(self) -> int:
         return int(1000 * (self.claim_idle_s or self.lease_s))
 
-    def control_config(self, cfg: QosConfig, pool: PoolConfig | None = None) -> ControlConfig:
-        """The law's parameters: shares, ceilings and bursts from the classes (and ``pool``),
+    def control_config(self, cfg: QosConfig) -> ControlConfig:
+        """The law's parameters: shares, ceilings and bursts from the classes,
         the rest from here. The rates the controller writes keep the bursts the operator
         configured: ``[controller] burst_s`` replaces them only when set (> 0)."""
         shares = tuple(c.share for c in cfg.classes)
         if self.burst_s > 0:
-            burst_s, class_bursts, pool_burst_s = self.burst_s, (), 0.0
+            burst_s, class_bursts = self.burst_s, ()
         else:
             burst_s, class_bursts = _LAW.burst_s, tuple(c.burst_s for c in cfg.classes)
-            pool_burst_s = pool.pool_burst_s if pool is not None else _LAW.burst_s
         floors = self.floors or tuple(
             s * (TOP_FLOOR if i == 0 else LOWER_FLOOR) for i, s in enumerate(shares))
         return ControlConfig(
@@ -104,7 +103,7 @@ class ControllerSettings:
             ceilings=tuple(c.ceil_share for c in cfg.classes), target=self.target, low=self.low,
             relax_step=self.relax_step, tighten_step=self.tighten_step, cooldown_s=self.cooldown_s,
             settle_s=self.settle_s, window=self.window, min_samples=self.min_samples, burst_s=burst_s,
-            class_bursts=class_bursts, pool_burst_s=pool_burst_s, use_threshold=self.use_threshold,
+            class_bursts=class_bursts, use_threshold=self.use_threshold,
             capacity_deadband=self.capacity_deadband, reset_load_change=self.reset_load_change,
             memory=self.memory, min_change=self.min_change,
         )

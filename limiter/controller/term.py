@@ -62,7 +62,7 @@ def policy_fields(raw: Mapping[object, object]) -> dict[str, object]:
 def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: PoolConfig,
              settings: ControllerSettings) -> Term:
     """Build a term's state from the pool's policy hash (see the module docstring)."""
-    control = settings.control_config(cfg, pool)
+    control = settings.control_config(cfg)
     capacity = parse_float(policy.get("capacity"))
     if capacity is None or capacity <= 0:
         capacity = pool.capacity_tokens_s

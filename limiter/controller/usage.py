@@ -1,19 +1,20 @@
 """The control law's ``used`` input: what each class is consuming *now*, in weighted tokens/s.
 
 Why not the served rate from samples: a sample arrives when its request *finishes*, seconds
-after its work was admitted, so a completion-based rate lags exactly when it matters (a rising
+after its work was dispatched, so a completion-based rate lags exactly when it matters (a rising
 load), and a lagging ``used`` makes the first cut deeper than one step (docs/control-law.md).
 
 What is measured instead, per class:
 
-    used = admitted requests/s  x  mean work of a recent request of the class
+    used = claimed requests/s  x  mean work of a recent request of the class
 
-* **admitted requests/s**: the delta of the ``<class>.admitted`` counter in ``qos:{pool}:stats``
-  (incremented by ``admit.lua`` in the same script that charges the bucket) over the last
-  ``window_s`` of Redis time -- current to within one tick.
+* **claimed requests/s**: the delta of the ``<class>.claimed`` counter in ``qos:{pool}:stats``
+  (incremented by ``claim.lua`` when a worker takes a request: shares are decided there, so
+  this is what the class gets of the GPU, not what it asks for) over the last ``window_s`` of
+  Redis time -- current to within one tick.
 * **mean work**: the mean over the class's last ``cost_samples`` samples of the weighted work
   the request actually caused (:meth:`CapacityEstimator.work`: prefill if it ran, plus the
-  output), i.e. the same units as capacity and rates. Admission charges an *estimate* with
+  output), i.e. the same units as capacity and rates. Claim charges an *estimate* with
   reserved output tokens that is refunded later, so the charged amount would overstate use;
   the request mix changes much more slowly than the request rate, so this mean may lag.
 
@@ -58,9 +59,9 @@ class UsageMeter:
         return self._cost_sum[cls] / len(costs) if costs else None
 
     def observe_counters(self, now_ms: float, stats: Mapping[object, object]) -> None:
-        """A read of the stats hash at Redis time ``now_ms``: updates admitted requests/s."""
+        """A read of the stats hash at Redis time ``now_ms``: updates claimed requests/s."""
         fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in stats.items()}
-        counts = {c: _int(fields.get(f"{c}.admitted", 0)) or 0 for c in self.classes}
+        counts = {c: _int(fields.get(f"{c}.claimed", 0)) or 0 for c in self.classes}
         if self._snaps and any(counts[c] < self._snaps[-1][1].get(c, 0) for c in self.classes):
             self._snaps.clear()  # counters were reset: start over rather than report a negative rate
         self._snaps.append((now_ms, counts))
@@ -71,12 +72,12 @@ class UsageMeter:
         dt = (now_ms - t0) / 1000.0
         self._rates = {c: (counts[c] - c0.get(c, 0)) / dt for c in self.classes} if dt > 0 else {}
 
-    def admitted_per_s(self, cls: str) -> float | None:
-        """Requests/s admitted recently; None before two counter reads."""
+    def claimed_per_s(self, cls: str) -> float | None:
+        """Requests/s claimed recently; None before two counter reads."""
         return self._rates.get(cls)
 
     def used(self, cls: str, served_fallback: float) -> float:
-        rate, work = self.admitted_per_s(cls), self.mean_work(cls)
+        rate, work = self.claimed_per_s(cls), self.mean_work(cls)
         if rate is None or work is None:
             return max(0.0, served_fallback)
         return max(0.0, rate * work)

@@ -44,11 +44,11 @@ from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import (
     InvalidArgument,
+    Overloaded,
     PolicyMissing,
     QosError,
     QueueFull,
     RedisUnavailable,
-    RequestTooLarge,
     ScriptError,
     TenantBusy,
     Throttled,
@@ -148,7 +148,9 @@ class Frontend:
         await self.scripts.init_pool(self.pool_keys[pool.name], policy_document(self.cfg, pool))
 
     async def _heartbeat_loop(self) -> None:
-        assert self.heartbeat
+        assert self.heartbeat and self.scripts
+        loop = asyncio.get_running_loop()
+        next_reap = loop.time() + self.settings.reap_s
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._stop.wait(), self.settings.heartbeat_s)
@@ -156,6 +158,12 @@ class Frontend:
             try:
                 if self.bootstrapped:
                     await self.heartbeat.beat()
+                    if self.settings.reap_s and loop.time() >= next_reap:
+                        # Frontends sweep too, so requests are finished in time even while no
+                        # worker or controller of a pool runs (each call is bounded).
+                        next_reap = loop.time() + self.settings.reap_s
+                        for keys in self.pool_keys.values():
+                            await self.scripts.reap_all(keys, max_calls=4)
                 else:
                     await self._bootstrap()
             except asyncio.CancelledError:
@@ -222,8 +230,8 @@ class Frontend:
 
     def record_rejection(self, keys: PoolKeys, cls: str, tenant: str, request_id: str, input_tokens: int,
                          waited_ms: float) -> None:
-        """A request the class budget (429) or a full queue (503) turned away is an SLO miss
-        the controller must see: it gets no latency sample otherwise, and a class could miss
+        """A request its class could not start in time (429) or a full queue (503) turned away
+        is an SLO miss the controller must see: it gets no latency sample otherwise, and a class could miss
         its attainment on rejections while its window reads ~100 %. One sample, outcome
         ``rejected``, written in a task of its own so the client's answer does not wait."""
         assert self.heartbeat
@@ -327,9 +335,14 @@ class Generation:
                     # Sleep exactly until the bucket holds enough (+1 ms for rounding): no polling.
                     await asyncio.sleep((exc.retry_after_ms + 1) / 1000)
                     continue
-                if exc.bucket != "tenant":  # a tenant over its own budget is not the system's miss
+                if exc.bucket == "class":  # a tenant over its own quota is not the system's miss
                     fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
                                         self.req.prompt_tokens, waited_ms)
+                raise
+            except Overloaded:
+                # The class cannot start it within its max wait: an SLO miss the controller must see.
+                fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
+                                    self.req.prompt_tokens, (self.loop.time() - started) * 1000)
                 raise
             except QueueFull as exc:
                 exc.retry_after_ms = 1000 * fe.drain_estimate_s(self.req.pool.name, self.cls, exc.depth)
@@ -359,7 +372,7 @@ class Generation:
                 input_tokens=self.req.prompt_tokens, max_tokens=self.req.max_tokens,
                 tenant_rate=t.rate_tokens_s, tenant_burst=t.rate_tokens_s * t.burst_s,
                 tenant_max_inflight=t.max_inflight, max_wait_ms=self.max_wait_ms,
-                frontend_id=fe.frontend_id, payload=payload)
+                frontend_id=fe.frontend_id, payload=payload, tenant_weight=t.weight)
         except RedisUnavailable:
             raise  # ambiguous: the finally clause of run() cancels, in case it did run
         except QosError:
@@ -415,7 +428,7 @@ class Generation:
     async def expired_error(self) -> oa.ApiError:
         fe = self.fe
         try:
-            depth = int(await fe.client.zcard(self.keys.queue(self.cls)))
+            depth = int(await fe.client.hget(self.keys.queued, self.cls) or 0)
         except Exception:
             depth = 0
         wait_s = fe.drain_estimate_s(self.req.pool.name, self.cls, depth)
@@ -648,10 +661,14 @@ def _to_api_error(exc: BaseException) -> oa.ApiError:
     """Map the limiter.errors hierarchy (and HTTP/Redis exceptions) to one HTTP answer."""
     if isinstance(exc, oa.ApiError):
         return exc
+    if isinstance(exc, Overloaded):
+        retry_s = 5 if exc.retry_after_ms < 0 else max(1, math.ceil(exc.retry_after_ms / 1000))
+        return oa.ApiError(429, f"Overloaded: {exc}; retry in {retry_s} s", code="max_wait_exceeded",
+                           retry_after_s=retry_s, outcome="throttled")
     if isinstance(exc, Throttled):
         if exc.retry_after_ms < 0:
-            return oa.ApiError(429, f"Class budget is zero right now ({exc})", code="rate_limit_exceeded",
-                               retry_after_s=5, outcome="throttled")
+            return oa.ApiError(429, f"Class {exc.bucket} is disabled right now (its ceiling is 0)",
+                               code="rate_limit_exceeded", retry_after_s=5, outcome="throttled")
         return oa.ApiError(429, f"Rate limit reached: the {exc.bucket} token bucket is empty; retry in "
                            f"{exc.retry_after_ms} ms", code="rate_limit_exceeded",
                            retry_after_s=max(1, math.ceil(exc.retry_after_ms / 1000)), outcome="throttled")
@@ -662,8 +679,6 @@ def _to_api_error(exc: BaseException) -> oa.ApiError:
         return oa.ApiError(503, f"Overloaded: the {exc.cls} queue is full ({exc.depth} waiting); retry later",
                            code="queue_full", retry_after_s=max(1, math.ceil(exc.retry_after_ms / 1000)),
                            outcome="shed")
-    if isinstance(exc, RequestTooLarge):
-        return oa.ApiError(400, str(exc), code="request_too_large")
     if isinstance(exc, InvalidArgument):
         return oa.ApiError(400, str(exc), code="invalid_value", param=exc.field)
     if isinstance(exc, RedisUnavailable | PolicyMissing | RedisConnectionError | RedisTimeoutError):

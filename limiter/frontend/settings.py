@@ -24,6 +24,7 @@ class FrontendSettings:
     redis_max_connections: int = 32  # per process, whatever the number of in-flight requests
     body_timeout_s: float = 30.0  # a request body must arrive within this (slow-body clients: 408)
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
+    reap_s: float = 5.0  # janitor pass (reap_expired) over each pool; 0 = leave it to workers/controller
 
 
 def is_loopback(host: str) -> bool:
@@ -64,6 +65,7 @@ def validate(s: FrontendSettings, cfg: QosConfig) -> FrontendSettings:
     check(4 <= s.redis_max_connections <= 1024, "redis_max_connections", "must be in [4, 1024]")
     check(0.1 <= s.body_timeout_s <= 3600, "body_timeout_s", "must be in [0.1, 3600]")
     check(0.1 <= s.idle_timeout_s <= 3600, "idle_timeout_s", "must be in [0.1, 3600]")
+    check(s.reap_s == 0 or 0.1 <= s.reap_s <= 3600, "reap_s", "must be 0 or in [0.1, 3600]")
     ttl_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000
     check(0.05 <= s.heartbeat_s <= ttl_s / 3, "heartbeat_s",
           f"must be in [0.05, {ttl_s / 3:g}] (a third of the shortest pools[].frontend_ttl_ms)")

@@ -1,34 +1,74 @@
--- Token buckets: a hash with fields tokens (may be negative: debt) and ts (ms).
--- A bucket that does not exist yet is full. Needs fmt() from validate.lua.
+-- Token buckets: a hash with fields tokens (may be negative: debt), ts (ms) and a ledger
+-- (start, refilled, debited, refunded) such that, always,
+--     tokens = start + refilled - debited + refunded,   refunded <= debited
+-- where refilled is what time added (net of the cap at burst), debited what charges really
+-- took (after any debt floor) and refunded what refunds really gave back (after the cap).
+-- A bucket that does not exist yet is full (start = burst).
+--
+-- Every bucket a call touches goes through one cache, so two uses in the same call (a
+-- refund inside claim's janitor, then a charge) see each other; the cache is written back
+-- once, when main() returns (main.lua runs AT_EXIT).
+--!include validate.lua
 
-local function bucket_level(key, rate, burst, now)
-  local v = redis.call('HMGET', key, 'tokens', 'ts')
+local BUCKETS = {}
+
+local function bucket_get(key, rate, burst, now)
+  local b = BUCKETS[key]
+  if b then return b end
+  local v = redis.call('HMGET', key, 'tokens', 'ts', 'start', 'refilled', 'debited', 'refunded')
   local tokens, ts = tonumber(v[1]), tonumber(v[2])
-  if tokens == nil or ts == nil then return burst end
-  local elapsed = now - ts
-  if elapsed < 0 then elapsed = 0 end
-  local level = tokens + rate * elapsed / 1000
-  if level > burst then level = burst end
-  return level
+  b = {key = key, rate = rate, burst = burst, now = now, dirty = false}
+  if tokens == nil or ts == nil then
+    b.fresh, b.start, b.level, b.refilled, b.debited, b.refunded = true, burst, burst, 0, 0, 0
+  else
+    b.start = tonumber(v[3]) or tokens
+    b.refilled, b.debited, b.refunded = tonumber(v[4]) or 0, tonumber(v[5]) or 0, tonumber(v[6]) or 0
+    local level = tokens + rate * math.max(now - ts, 0) / 1000
+    -- the cap; a level above a burst that was lowered since comes down to it too
+    if level > burst then level = burst end
+    b.refilled = b.refilled + (level - tokens)
+    b.level = level
+  end
+  BUCKETS[key] = b
+  return b
 end
 
--- Milliseconds until a bucket at `level` holds `need` tokens, refilling at `rate`/s.
+-- Take `amount`; the level never sinks below `floor` (nil: no debt bound). Returns what was
+-- really taken, which is what the caller must record as charged.
+local function bucket_debit(b, amount, floor)
+  if amount <= 0 then return 0 end
+  local new = b.level - amount
+  if floor ~= nil and new < floor then new = math.min(b.level, floor) end
+  local taken = b.level - new
+  b.level, b.debited, b.dirty = new, b.debited + taken, true
+  return taken
+end
+
+-- Give back up to `amount` (a refund), never beyond the burst. Returns what was given back.
+local function bucket_credit(b, amount)
+  if amount <= 0 then return 0 end
+  local new = math.min(b.level + amount, math.max(b.burst, b.level))
+  local given = new - b.level
+  b.level, b.refunded, b.dirty = new, b.refunded + given, true
+  return given
+end
+
+-- Milliseconds until a bucket at `level` holds `need` tokens, refilling at `rate`/s; -1 never.
 local function bucket_wait_ms(level, need, rate)
   if level >= need then return 0 end
   if rate <= 0 then return -1 end
   return math.ceil((need - level) * 1000 / rate)
 end
 
--- Store a new level; it never sinks below `floor` (the debt bound) nor rises above `burst`.
-local function bucket_store(key, level, now, floor, burst)
-  if level < floor then level = floor end
-  if level > burst then level = burst end
-  redis.call('HSET', key, 'tokens', fmt(level), 'ts', fmt(now))
+local function bucket_flush()
+  for key, b in pairs(BUCKETS) do
+    if b.dirty then  -- a bucket only read is not written: its refill is recomputed next time
+      local f = {'tokens', fmt(b.level), 'ts', fmt(b.now), 'refilled', fmt(b.refilled),
+        'debited', fmt(b.debited), 'refunded', fmt(b.refunded)}
+      if b.fresh then f[#f + 1] = 'start'; f[#f + 1] = fmt(b.start) end
+      redis.call('HSET', key, unpack(f))
+    end
+  end
+  BUCKETS = {}
 end
-
--- Give back `amount` tokens (a refund), never beyond the burst.
-local function bucket_refund(key, amount, rate, burst, now)
-  if amount <= 0 then return end
-  local level = bucket_level(key, rate, burst, now)
-  bucket_store(key, level + amount, now, -math.huge, burst)
-end
+AT_EXIT[#AT_EXIT + 1] = bucket_flush

@@ -1,10 +1,10 @@
 -- Reads the pool policy hash (written by init_pool and set_rates).
--- Needs fail() from validate.lua.
+--!include validate.lua
 
-local POOL_FIELDS = {'pool', 'classes', 'capacity', 'pool_burst', 'lease_ms', 'max_attempts',
-  'frontend_ttl_ms', 'floor_half_life_ms', 'record_ttl_s', 'floor_quantum'}
+local POOL_FIELDS = {'pool', 'classes', 'capacity', 'lease_ms', 'max_attempts', 'frontend_ttl_ms',
+  'floor_half_life_ms', 'record_ttl_s', 'floor_quantum'}
 local CLASS_FIELDS = {'rate', 'burst', 'ceil', 'ceil_burst', 'weight', 'out_weight',
-  'queue_cap', 'max_wait_ms', 'floor'}
+  'queue_cap', 'max_wait_ms', 'floor', 'fair'}
 
 local function split_classes(s)
   local out = {}
@@ -12,7 +12,8 @@ local function split_classes(s)
   return out
 end
 
--- Returns pool table with .classes (ordered list), .index[cls] and .class[cls] tables.
+-- Returns the pool table with .classes (ordered list, highest priority first), .index[cls]
+-- (1 = highest) and .class[cls] tables.
 local function load_policy(policy_key)
   local vals = redis.call('HMGET', policy_key, unpack(POOL_FIELDS))
   if not vals[2] then
@@ -33,41 +34,10 @@ local function load_policy(policy_key)
       t[f] = tonumber(cv[j])
       j = j + 1
     end
+    t.fair = t.fair ~= 0  -- absent (a policy from before the field) = fair
     p.class[c] = t
   end
   return p
-end
-
--- The admission hot path reads only what one class needs: one HMGET instead of the
--- whole policy. `reserve` (the bursts of all higher classes) is precomputed on write.
-local ADMIT_FIELDS = {'rate', 'burst', 'ceil', 'ceil_burst', 'weight', 'out_weight', 'queue_cap',
-  'max_wait_ms', 'reserve'}
-
-local function load_class_policy(policy_key, cls)
-  local want = {'capacity', 'pool_burst'}
-  for _, f in ipairs(ADMIT_FIELDS) do want[#want + 1] = cls .. '.' .. f end
-  local v = redis.call('HMGET', policy_key, unpack(want))
-  if not v[1] then fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised') end
-  if not v[3] then fail('BADARG', 'class: unknown class ' .. cls) end
-  local c = {capacity = tonumber(v[1]), pool_burst = tonumber(v[2])}
-  for i, f in ipairs(ADMIT_FIELDS) do c[f] = tonumber(v[i + 2]) end
-  return c
-end
-
--- Write <class>.reserve = sum of the bursts of all higher classes (after bursts change).
-local function store_reserves(policy_key, classes)
-  local bursts = redis.call('HMGET', policy_key, unpack((function()
-    local t = {}
-    for i, c in ipairs(classes) do t[i] = c .. '.burst' end
-    return t
-  end)()))
-  local acc, fields = 0, {}
-  for i, c in ipairs(classes) do
-    fields[#fields + 1] = c .. '.reserve'
-    fields[#fields + 1] = fmt(acc)
-    acc = acc + (tonumber(bursts[i]) or 0)
-  end
-  redis.call('HSET', policy_key, unpack(fields))
 end
 
 local function policy_class(p, cls)
@@ -76,4 +46,10 @@ local function policy_class(p, cls)
     fail('BADARG', 'class: unknown class ' .. tostring(cls) .. ' (pool has ' .. table.concat(p.classes, ',') .. ')')
   end
   return c
+end
+
+-- A class's ceiling binds only below the pool's capacity: a ceiling at (or above) capacity
+-- means "every idle slot", so an estimate of capacity that runs low never idles a GPU.
+local function ceiling_binds(p, c)
+  return c.ceil < p.capacity
 end

@@ -1,6 +1,9 @@
 -- Shared helpers: argument validation, time and number formatting.
 -- Validation raises an error reply before any write, so a bad argument changes nothing.
 
+-- Hooks main.lua runs after a successful main() (the bucket cache registers its write-back).
+local AT_EXIT = {}
+
 local function fail(code, msg)
   error({err = code .. ' ' .. msg})
 end

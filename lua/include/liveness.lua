@@ -1,0 +1,39 @@
+-- Is a frontend (or a worker) alive? Read from the heartbeat ZSETs.
+--!include pool_keys.lua
+
+-- A frontend is alive when it beat within frontend_ttl_ms. After a Redis outage every
+-- heartbeat is as old as the outage, and the workers and frontends come back in any order;
+-- a frontend still holding its clients must not be taken for dead meanwhile:
+-- * while NO frontend has beaten within the TTL (Redis, or the frontends' network, was more
+--   likely down than every frontend dead at once), a frontend that was alive when the last
+--   beat landed counts as alive;
+-- * the first frontend to beat again records when the frontends lost Redis (K_OUTAGE, for two
+--   TTLs): until it expires, a frontend that was alive then counts as alive, so one that
+--   reconnects a moment later than another is not cancelled for it.
+local function frontend_alive(p, frontend, now)
+  local seen = tonumber(redis.call('ZSCORE', K_FRONTENDS, frontend))
+  if seen == nil then return false end
+  local ttl = p.frontend_ttl_ms
+  if seen >= now - ttl then return true end
+  local lost = tonumber(redis.call('GET', K_OUTAGE))
+  if lost ~= nil and seen >= lost - ttl then return true end
+  local newest = tonumber(redis.call('ZRANGE', K_FRONTENDS, -1, -1, 'WITHSCORES')[2])
+  return newest < now - ttl and seen >= newest - ttl
+end
+
+-- The largest whole KV room (tokens) among workers that beat within a lease; entries of
+-- workers that left the heartbeat set are dropped on the way. O(workers of the pool), and
+-- only called for a request that does not fit the claiming worker at all.
+local function largest_live_kv(p, now)
+  local kv = redis.call('HGETALL', K_WORKER_KV)
+  local best = 0
+  for i = 1, #kv, 2 do
+    local seen = tonumber(redis.call('ZSCORE', K_WORKERS, kv[i]))
+    if seen == nil then
+      redis.call('HDEL', K_WORKER_KV, kv[i])
+    elseif seen >= now - p.lease_ms then
+      best = math.max(best, tonumber(kv[i + 1]) or 0)
+    end
+  end
+  return best
+end

@@ -1,0 +1,129 @@
+-- The queues: one FIFO per (class, tenant), and per class the backlogged tenants in the
+-- order claim serves them.
+--
+--   queue:<class>:<tenant>  ZSET id -> seq           the tenant's requests, oldest first
+--   backlog:<class>         ZSET tenant -> score     tenants with a queued request
+--   vtime:<class>           HASH tenant -> counter   a tenant's counter while it is idle;
+--                                 field ':last' = the counter of the last tenant to go idle
+--   queued                  HASH <class> -> count, <class>.cost -> reserved cost queued,
+--                                 <class>:<tenant> -> that tenant's reserved cost queued
+--
+-- A fair class (the default) orders its tenants by virtual token counter (VTC, Sheng et
+-- al., OSDI'24): the score is the counter, in weighted tokens divided by the tenant's
+-- weight. A claim takes the backlogged tenant with the smallest counter and adds the
+-- request's reserved cost to it; the request's end gives back what it did not use. A
+-- tenant that becomes backlogged is lifted to the smallest backlogged counter (or ':last'
+-- when none), so idle time banks no credit, and a refund never takes a counter below that
+-- floor. Together these keep the counters of backlogged tenants within one request's cost
+-- of each other (tests/test_scheduler_model.py checks it after every step).
+-- A class with fair = 0 serves in arrival order whoever sent the request: the score is
+-- the seq of the tenant's oldest queued request.
+--!include pool_keys.lua
+--!include validate.lua
+
+local function tenant_queue(cls, tenant)
+  return P_QUEUE .. cls .. ':' .. tenant
+end
+
+-- The class's virtual time: the smallest backlogged counter, else the last one to go idle.
+local function vtime_floor(cls)
+  local head = redis.call('ZRANGE', P_BACKLOG .. cls, 0, 0, 'WITHSCORES')
+  if head[2] then return tonumber(head[2]) end
+  return tonumber(redis.call('HGET', P_VTIME .. cls, ':last') or '0')
+end
+
+-- A tenant's counter, and whether it is backlogged.
+local function vtc_get(cls, tenant)
+  local s = redis.call('ZSCORE', P_BACKLOG .. cls, tenant)
+  if s then return tonumber(s), true end
+  return tonumber(redis.call('HGET', P_VTIME .. cls, tenant) or '0'), false
+end
+
+local function vtc_set(cls, tenant, value, backlogged)
+  if backlogged then
+    redis.call('ZADD', P_BACKLOG .. cls, value, tenant)
+  else
+    redis.call('HSET', P_VTIME .. cls, tenant, fmt(value))
+  end
+end
+
+-- Put a request in its tenant's queue (at its original place: seq orders the queue).
+local function enqueue(p, r)
+  local cls, tenant = r.class, r.tenant
+  local backlog = P_BACKLOG .. cls
+  redis.call('ZADD', tenant_queue(cls, tenant), r.seq, r.id)
+  local score = redis.call('ZSCORE', backlog, tenant)
+  if p.class[cls].fair then
+    if not score then
+      local own = tonumber(redis.call('HGET', P_VTIME .. cls, tenant) or '0')
+      redis.call('ZADD', backlog, math.max(own, vtime_floor(cls)), tenant)
+    end
+  elseif not score or r.seq < tonumber(score) then
+    redis.call('ZADD', backlog, r.seq, tenant)  -- arrival order: the tenant's oldest request
+  end
+  redis.call('ZADD', K_DEADLINES, r.deadline_ms, r.id)
+  redis.call('HINCRBY', K_QUEUED, cls, 1)
+  redis.call('HINCRBYFLOAT', K_QUEUED, cls .. '.cost', fmt(r.cost))
+  redis.call('HINCRBYFLOAT', K_QUEUED, cls .. ':' .. tenant, fmt(r.cost))
+end
+
+-- Take a request out of its tenant's queue; a tenant whose queue empties goes idle.
+local function dequeue(p, r)
+  local cls, tenant = r.class, r.tenant
+  local q, backlog = tenant_queue(cls, tenant), P_BACKLOG .. cls
+  redis.call('ZREM', q, r.id)
+  redis.call('ZREM', K_DEADLINES, r.id)
+  local fair = p.class[cls] == nil or p.class[cls].fair
+  local head = redis.call('ZRANGE', q, 0, 0, 'WITHSCORES')
+  if head[2] == nil then
+    local s = redis.call('ZSCORE', backlog, tenant)
+    if s then
+      redis.call('ZREM', backlog, tenant)
+      if fair then
+        redis.call('HSET', P_VTIME .. cls, tenant, s)
+        if redis.call('EXISTS', backlog) == 0 then redis.call('HSET', P_VTIME .. cls, ':last', s) end
+      end
+    end
+    redis.call('HDEL', K_QUEUED, cls .. ':' .. tenant)
+  else
+    if not fair then redis.call('ZADD', backlog, head[2], tenant) end
+    redis.call('HINCRBYFLOAT', K_QUEUED, cls .. ':' .. tenant, fmt(-(r.cost or 0)))
+  end
+  if redis.call('HINCRBY', K_QUEUED, cls, -1) <= 0 then
+    redis.call('HSET', K_QUEUED, cls, 0, cls .. '.cost', 0)  -- no float residue on an empty class
+  else
+    redis.call('HINCRBYFLOAT', K_QUEUED, cls .. '.cost', fmt(-(r.cost or 0)))
+  end
+end
+
+-- Charge a tenant's counter; returns the amount charged.
+local function vtc_charge(cls, tenant, amount)
+  local v, backlogged = vtc_get(cls, tenant)
+  vtc_set(cls, tenant, v + amount, backlogged)
+  return amount
+end
+
+-- Give back up to `amount`, never below the class's virtual time; returns what was given.
+local function vtc_refund(cls, tenant, amount)
+  if amount <= 0 then return 0 end
+  local v, backlogged = vtc_get(cls, tenant)
+  local new = math.max(v - amount, math.min(v, vtime_floor(cls)))
+  vtc_set(cls, tenant, new, backlogged)
+  return v - new
+end
+
+-- Queued counts and costs per class: {n = {cls = count}, cost = {cls = cost}}.
+local function queued_counts(p)
+  local want = {}
+  for _, cls in ipairs(p.classes) do
+    want[#want + 1] = cls
+    want[#want + 1] = cls .. '.cost'
+  end
+  local v = redis.call('HMGET', K_QUEUED, unpack(want))
+  local out = {n = {}, cost = {}}
+  for i, cls in ipairs(p.classes) do
+    out.n[cls] = tonumber(v[2 * i - 1]) or 0
+    out.cost[cls] = math.max(tonumber(v[2 * i]) or 0, 0)
+  end
+  return out
+end

@@ -1,0 +1,53 @@
+-- Request records: HASH req:<id>, and the STRING gen:<id> of its generated token ids.
+--!include pool_keys.lua
+
+local REQ_FIELDS = {'id', 'tenant', 'class', 'state', 'frontend', 'attempts', 'fence', 'worker',
+  'lease_ms', 'enq_ms', 'seq', 'deadline_ms', 'max_wait_ms', 'claimed_ms', 'first_ms',
+  'input_tokens', 'max_tokens', 'w_in', 'w_out', 'cost', 't_rate', 't_burst', 't_weight',
+  'c_tenant', 'c_class', 'c_ceil', 'c_vtc', 'out_tokens', 'cancel'}
+local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = true, seq = true,
+  deadline_ms = true, max_wait_ms = true, claimed_ms = true, first_ms = true, input_tokens = true,
+  max_tokens = true, w_in = true, w_out = true, cost = true, t_rate = true, t_burst = true,
+  t_weight = true, c_tenant = true, c_class = true, c_ceil = true, c_vtc = true,
+  out_tokens = true, cancel = true}
+
+local function load_request(id)
+  local v = redis.call('HMGET', P_REQUEST .. id, unpack(REQ_FIELDS))
+  if not v[4] then return nil end
+  local r = {}
+  for i, f in ipairs(REQ_FIELDS) do
+    local x = v[i]
+    if x and REQ_NUMERIC[f] then x = tonumber(x) end
+    if x == false then x = nil end
+    r[f] = x
+  end
+  r.id = id
+  r.attempts = r.attempts or 0
+  r.fence = r.fence or 0
+  r.out_tokens = r.out_tokens or 0
+  r.cancel = r.cancel or 0
+  r.worker = r.worker or ''
+  r.t_weight = r.t_weight or 1
+  r.c_tenant, r.c_class, r.c_ceil, r.c_vtc = r.c_tenant or 0, r.c_class or 0, r.c_ceil or 0, r.c_vtc or 0
+  return r
+end
+
+-- Is `fence` the token of the lease this worker holds on `r`? Every write of a worker is
+-- fenced by it: a worker whose lease was taken over (or handed back) cannot write.
+local function holds_lease(r, worker_id, fence)
+  return r ~= nil and r.state == 'leased' and r.worker == worker_id and r.fence == fence
+end
+
+-- An unfinished request's record (and token string) lives until `until_ms`, the latest time
+-- its request can still be waiting for (its queue deadline, or its lease's end), plus the
+-- pool's record_ttl_s: long enough for any janitor to finish it, never forever.
+local function keep_alive(p, id, until_ms, now)
+  local ttl = math.max(until_ms - now, 0) + p.record_ttl_s * 1000
+  redis.call('PEXPIRE', P_REQUEST .. id, ttl)
+  redis.call('PEXPIRE', P_TOKENS .. id, ttl)
+end
+
+-- Weighted cost of what a request really used.
+local function actual_cost(r, in_tokens, out_tokens)
+  return in_tokens * r.w_in + out_tokens * r.w_out
+end

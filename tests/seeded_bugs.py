@@ -1,0 +1,126 @@
+"""Seeded bugs: break the Lua on purpose, one bug at a time, and check that the tests catch
+each one: the model test (tests/test_scheduler_model.py), and the scripts' own tests (claim,
+admit, leases, layout). A test that cannot fail proves nothing.
+
+    python -m tests.seeded_bugs            # every bug (about a minute each)
+    python -m tests.seeded_bugs refund_x3  # some of them
+
+Each bug is a text replacement in one file of ``lua/``; the file is restored afterwards
+whatever happens. Exit status 0 only when every seeded bug made the test fail. Not part of
+the default test run (it runs the model test and the script tests once per bug).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+LUA = Path(__file__).resolve().parent.parent / "lua"
+TEST = "tests/test_scheduler_model.py"
+UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
+              "tests/test_lua_layout.py")
+
+
+@dataclass(frozen=True)
+class Bug:
+    name: str
+    what: str
+    path: str
+    old: str
+    new: str
+    also: tuple[tuple[str, str, str], ...] = ()  # more (path, old, new) edits of the same bug
+
+
+BUGS = (
+    Bug("refund_x3", "every refund gives back 3x what it should",
+        "include/finish.lua", "math.min(unused, r.c_tenant))", "3 * math.min(unused, r.c_tenant))"),
+    Bug("clamped_debit_nominal_record", "the tenant debit is clamped at -burst but the full cost is "
+        "recorded as charged (so refunds can exceed what was taken)",
+        "admit.lua", "local charged = bucket_debit(tb, cost, nil)",
+        "local charged = cost; bucket_debit(tb, cost, -tenant_burst)"),
+    Bug("requeue_resets_own_wait", "a requeue gives the request its class's max wait, not its own",
+        "include/janitor.lua", "r.deadline_ms = now + r.max_wait_ms",
+        "r.deadline_ms = now + p.class[r.class].max_wait_ms"),
+    Bug("fixed_record_ttl", "records get a fixed TTL shorter than a max wait",
+        "include/record.lua", "local ttl = math.max(until_ms - now, 0) + p.record_ttl_s * 1000",
+        "local ttl = 500"),
+    Bug("fence_is_attempt", "the fence is the attempt number (release gives it back: it repeats)",
+        "claim.lua", "local fence = redis.call('HINCRBY', K_STATS, 'lease_fence', 1)",
+        "local fence = attempt"),
+    Bug("claim_stops_at_misfit", "claim stops at the first request that does not fit (blocks all classes)",
+        "claim.lua", "          closed[pick] = true\n        else\n          room = room - need",
+        "          break\n        else\n          room = room - need"),
+    Bug("no_vtc_lift", "a tenant that becomes backlogged keeps its old (low) counter: banked credit",
+        "include/queue.lua", "math.max(own, vtime_floor(cls))", "own"),
+    Bug("vtc_refund_unclamped", "a refund may take a tenant's counter below the class's virtual time",
+        "include/queue.lua", "local new = math.max(v - amount, math.min(v, vtime_floor(cls)))",
+        "local new = v - amount"),
+    Bug("inflight_leak_on_expiry", "an expired request is not subtracted from its tenant's in-flight count",
+        "include/finish.lua", "if redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, -1) <= 0 then",
+        "if (state == 'expired' and 1 or redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, -1)) <= 0 then"),
+    Bug("fifo_head_not_updated", "in an arrival-order class a tenant keeps the place of a request that left",
+        "include/queue.lua", "    if not fair then redis.call('ZADD', backlog, head[2], tenant) end\n", ""),
+    Bug("stale_completion", "complete does not check the fence: a stale worker can finish a request",
+        "complete.lua", "if not holds_lease(r, worker_id, fence) then", "if r == nil then"),
+    Bug("expired_stays_indexed", "an expired request is left in the deadline index",
+        "include/queue.lua", "  redis.call('ZREM', q, r.id)\n  redis.call('ZREM', K_DEADLINES, r.id)",
+        "  redis.call('ZREM', q, r.id)"),
+)
+
+
+def _pytest(args: list[str]) -> tuple[bool, str]:
+    """Run pytest; (failed, the first assertion or failing test it printed)."""
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args],
+                          capture_output=True, text=True, timeout=1800,
+                          env=dict(os.environ, QOS_MODEL_NO_SHRINK="1"))
+    out = proc.stdout + proc.stderr
+    failed = [ln.split(" ")[1] for ln in out.splitlines() if ln.startswith("FAILED ")]
+    asserts = [ln.strip() for ln in out.splitlines() if "AssertionError" in ln and ln.startswith(("E", "|"))]
+    why = (failed[0] + ": " if failed else "") + (asserts[0] if asserts else out.strip().splitlines()[-1])
+    return proc.returncode != 0, why[:220]
+
+
+def run(bug: Bug) -> tuple[tuple[bool, str], tuple[bool, str]]:
+    """Apply ``bug``; run the model test, then the scripts' own tests. Each: (caught, why)."""
+    edits = [(bug.path, bug.old, bug.new), *bug.also]
+    saved: dict[Path, str] = {}
+    try:
+        for rel, old, new in edits:
+            path = LUA / rel
+            saved.setdefault(path, path.read_text())
+            current = path.read_text()
+            if current.count(old) != 1:
+                raise SystemExit(f"{bug.name}: the text to replace is not in {rel} exactly once "
+                                 f"({current.count(old)} times)")
+            path.write_text(current.replace(old, new))
+        return _pytest(["-x", TEST]), _pytest(["-x", *UNIT_TESTS])
+    finally:
+        for path, text in saved.items():
+            path.write_text(text)
+
+
+def main(argv: list[str]) -> int:
+    # a SIGTERM must still run run()'s finally: the Lua files are restored
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    chosen = [b for b in BUGS if not argv or b.name in argv]
+    missed = by_model = 0
+    for bug in chosen:
+        t0 = time.monotonic()
+        (model, model_why), (unit, unit_why) = run(bug)
+        missed += not (model or unit)
+        by_model += model
+        took = time.monotonic() - t0
+        print(f"{bug.name} ({took:.0f} s): {bug.what}\n"
+              f"    model test: {'caught' if model else 'MISSED'}  {model_why}\n"
+              f"    script tests: {'caught' if unit else 'MISSED'}  {unit_why}", flush=True)
+    print(f"{len(chosen) - missed}/{len(chosen)} seeded bugs caught; {by_model} of them by {TEST}")
+    return 1 if missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

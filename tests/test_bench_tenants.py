@@ -1,0 +1,73 @@
+"""``qos bench tenants``: the workload, Jain's index, the summary, and a short real run."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from limiter.bench import tenants as tb
+from limiter.bench.calibrate import Capacity
+
+
+def test_jain_index_is_one_for_an_equal_split_and_half_for_one_taker() -> None:
+    assert tb.jain([5.0, 5.0]) == 1.0
+    assert tb.jain([10.0, 0.0]) == 0.5
+    assert tb.jain([3.0, 1.0]) == pytest.approx(0.8)
+    assert tb.jain([0.0, 0.0]) is None
+
+
+def test_each_tenant_offers_its_share_of_capacity() -> None:
+    p = tb.TenantParams(duration_s=20.0)
+    chat = tb.chat_arrivals(p)
+    assert all(a.cls == "P1" and a.prompt_tokens <= tb.CHAT_PROMPT_MAX for a in chat)
+    cap = Capacity(engine="sim", workers=4, sample_requests=1, out_weight=10.0,
+                   weighted_tokens_s_per_worker=5000.0, mean_weighted_tokens=2000.0, source="test")
+    arrivals = tb.tenant_arrivals(p, chat, cap, tb.TENANTS)
+    assert [a.index for a in arrivals] == list(range(len(arrivals)))
+    assert all(b.at_s >= a.at_s for a, b in itertools.pairwise(arrivals))
+    for tenant in tb.TENANTS:
+        work = sum(a.prompt_tokens + a.max_tokens * cap.out_weight for a in arrivals if a.tenant == tenant)
+        want = getattr(p, tenant) * cap.weighted_tokens_s * p.duration_s
+        assert 0.9 * want <= work <= 1.1 * want + 50_000, (tenant, work, want)
+
+
+def test_summary_computes_ratios_jain_and_targets() -> None:
+    def t(p99: float, work: int) -> dict[str, Any]:
+        return {"sent": 1, "completed": 1, "rejected_429": 0, "rejected_503": 0, "ttft_p50_ms": p99,
+                "ttft_p99_ms": p99, "work_in_window": work}
+
+    results: dict[str, Any] = {"modes": {
+        "alone": {"tenants": {"steady": t(100.0, 10)}},
+        "fifo": {"tenants": {"steady": t(900.0, 10), "heavy": t(1, 300), "medium": t(1, 100)}},
+        "vtc": {"tenants": {"steady": t(120.0, 10), "heavy": t(1, 200), "medium": t(1, 200)}},
+    }}
+    tb.summarize(results)
+    assert results["modes"]["fifo"]["steady_p99_over_alone"] == 9.0
+    assert results["modes"]["vtc"]["steady_p99_over_alone"] == 1.2
+    assert results["modes"]["fifo"]["jain_backlogged"] == pytest.approx(0.8)
+    assert results["modes"]["vtc"]["jain_backlogged"] == 1.0
+    met = {r["target"]: r["met"] for r in results["targets"]}
+    assert met["steady TTFT p99 / alone (vtc)"] is True
+    assert met["Jain index, backlogged tenants (vtc)"] is True
+    assert any("|" in table for table in tb.render(results, markdown=True))
+
+
+def test_a_short_real_run(tmp_path: Path) -> None:
+    p = tb.TenantParams(duration_s=6.0, drain_s=6.0, workers=2, max_seqs=6, calibrate="engine",
+                        out_dir=str(tmp_path))
+    results = asyncio.run(tb.run_tenants(p))
+    on_disk = json.loads((tmp_path / "results.json").read_text())
+    assert on_disk["schema"] == "qos-bench-tenants/1" and set(on_disk["modes"]) == set(tb.MODES)
+    assert set(on_disk["modes"]["alone"]["tenants"]) == {"steady"}
+    for mode in ("fifo", "vtc"):
+        per = on_disk["modes"][mode]["tenants"]
+        assert set(per) == set(tb.TENANTS)
+        assert per["steady"]["completed"] > 0 and per["heavy"]["sent"] > per["steady"]["sent"]
+        assert on_disk["modes"][mode]["jain_backlogged"] is not None
+    assert results["targets"] and {"tenants_service.png", "tenants_ttft.png"} <= {
+        f.name for f in tmp_path.iterdir()}

@@ -1,0 +1,142 @@
+"""The Lua layer's structure: includes resolved by the loader, `#!lua` flags, and the proof
+that every key any script touches is in its pool's slot."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import fakeredis
+import pytest
+import redis
+
+from limiter import scripts as scripts_mod
+from limiter.config import demo_config
+from limiter.errors import ScriptError
+from limiter.keys import PoolKeys
+from limiter.scripts import SCRIPT_NAMES, Scripts, policy_document, script_source
+from tests.helpers import admit
+
+
+def _lua_tree(tmp_path: Path, files: dict[str, str]) -> Path:
+    (tmp_path / "include").mkdir()
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    return tmp_path
+
+
+def test_includes_resolve_recursively_once_each_dependencies_first(tmp_path, monkeypatch):
+    _lua_tree(tmp_path, {
+        "main_script.lua": "--!flags allow-oom\n--!include b.lua\n--!include a.lua\nreturn 1\n",
+        "include/a.lua": "-- a\n",
+        "include/b.lua": "--!include a.lua\n-- b\n",
+    })
+    monkeypatch.setattr(scripts_mod, "lua_dir", lambda: tmp_path)
+    script_source.cache_clear()
+    try:
+        src = script_source("main_script")
+        assert src.splitlines()[0] == "#!lua flags=allow-oom"
+        assert src.count("-- a") == 1 and src.index("-- a") < src.index("-- b")  # a before b, once
+        assert script_source("main_script", shebang=False).startswith("--!flags")
+    finally:
+        script_source.cache_clear()
+
+
+def test_an_include_cycle_or_an_unknown_flag_is_refused(tmp_path, monkeypatch):
+    _lua_tree(tmp_path, {
+        "cyclic.lua": "--!include x.lua\n", "include/x.lua": "--!include y.lua\n",
+        "include/y.lua": "--!include x.lua\n", "flagged.lua": "--!flags no-such-flag\nreturn 1\n",
+        "missing.lua": "--!include nowhere.lua\n",
+    })
+    monkeypatch.setattr(scripts_mod, "lua_dir", lambda: tmp_path)
+    script_source.cache_clear()
+    try:
+        with pytest.raises(ScriptError, match=r"cycle: cyclic -> x\.lua -> y\.lua -> x\.lua"):
+            script_source("cyclic")
+        with pytest.raises(ScriptError, match="unknown --!flags value 'no-such-flag'"):
+            script_source("flagged")
+        with pytest.raises(ScriptError, match=r"nowhere\.lua: no such file"):
+            script_source("missing")
+    finally:
+        script_source.cache_clear()
+
+
+def test_every_script_carries_a_shebang_and_only_terminal_ones_may_run_out_of_memory():
+    for name in SCRIPT_NAMES:
+        first = script_source(name).splitlines()[0]
+        assert first.startswith("#!lua"), name
+        oom = name in ("complete", "cancel_request", "release", "reap_expired")
+        assert (first == "#!lua flags=allow-oom") == oom, (name, first)
+
+
+async def test_a_server_without_shebang_support_gets_the_plain_scripts():
+    """The embedded fakeredis of `qos up` (and Redis < 7) cannot parse `#!lua`."""
+    client = fakeredis.FakeAsyncRedis()
+    s = Scripts(client)
+    await s.load_all()
+    assert s.shebang is False
+    cfg = demo_config()
+    keys = PoolKeys("tiny")
+    assert await s.init_pool(keys, policy_document(cfg, cfg.pool("tiny"))) == 0
+    s2 = Scripts(client)  # and without load_all: the first call switches over
+    assert await s2.init_pool(keys, policy_document(cfg, cfg.pool("tiny"))) == 0
+    assert s2.shebang is False
+
+
+async def test_every_key_every_script_touches_is_in_the_pools_slot(redis_server, scripts, pool, sync_redis):
+    """MONITOR shows each command a script runs inside Redis: every key is the pool's."""
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def watch() -> None:
+        with redis_server.client().monitor() as m:
+            ready.set()
+            for cmd in m.listen():
+                if cmd["client_type"] == "lua":
+                    seen.append(cmd["command"])
+                elif cmd["command"].startswith("ECHO monitor-done"):
+                    return
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    assert ready.wait(5), "MONITOR did not start"
+    cfg = demo_config()
+    await scripts.init_pool(pool, policy_document(cfg, cfg.pool("tiny")))
+    fence, _holder = await scripts.acquire_leader(pool, "ctl", 5000)
+    await scripts.set_rates(pool, "ctl", fence, {"why": "test"}, {"P2.ceil": 100.0, "capacity": 20000.0})
+    await admit(scripts, pool, cls="P1", request_id="late", max_wait_ms=1, input_tokens=5, max_tokens=5)
+    for i, cls in enumerate(("P0", "P1", "P2", "P2")):
+        await admit(scripts, pool, cls=cls, request_id=f"m{i}", tenant=f"t{i % 2}", input_tokens=5,
+                    max_tokens=5)
+    got = await scripts.claim(pool, "w1", 3, kv_room=1000, kv_total=1000)
+    a, b, c = got.requests
+    await scripts.renew_leases(pool, "w1", [(x.request_id, x.fence) for x in got.requests])
+    await scripts.push_tokens(pool, request_id=a.request_id, worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=[1], text="a")
+    await scripts.complete(pool, request_id=a.request_id, worker_id="w1", fence=a.fence, outcome="ok",
+                           usage_in=5, token_ids=[2], text="b", sample=b"\x80")
+    await scripts.release(pool, request_id=b.request_id, worker_id="w1", fence=b.fence)
+    await scripts.cancel(pool, c.request_id, c.tenant)
+    await scripts.cancel(pool, "m3", "t1")
+    await scripts.reap(pool)
+    await scripts.release_leader(pool, "ctl", fence)
+    await scripts.client.echo("monitor-done")
+    t.join(5)
+    assert not t.is_alive()
+    commands = {line.split(" ")[0].lower() for line in seen}
+    assert {"hset", "zadd", "xadd", "hincrbyfloat", "zrange", "pexpire", "lpush"} <= commands  # it saw them
+    outside = [line for line in seen if line.split(" ")[0].lower() != "time"
+               and not line.split(" ")[1].startswith(pool.base)]
+    assert not outside, f"keys outside {pool.base}: {outside[:5]}"
+
+
+def test_a_key_outside_the_slot_is_refused_on_a_cluster(redis_cluster):
+    """With `#!lua` and no allow-cross-slot-keys flag, Redis refuses a script that strays."""
+    node = redis_cluster.nodes[0].client()
+    key = "qos:{x}:policy"
+    slot_node = redis.RedisCluster.from_url(redis_cluster.url).get_node_from_key(key)
+    target = redis.Redis(host=slot_node.host, port=slot_node.port)
+    with pytest.raises(redis.ResponseError, match="do not hash to the same slot"):
+        target.eval("#!lua\nredis.call('GET', KEYS[1]); return redis.call('GET', 'qos:{y}:policy')", 1, key)
+    node.close()
+    target.close()

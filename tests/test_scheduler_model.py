@@ -1,0 +1,535 @@
+"""A stateful model test of the whole request lifecycle against a real redis-server.
+
+Hypothesis drives random sequences of admit, claim, push, complete, cancel, release, renew,
+reap, stale writes, frontend death and revival, and time passing (real time: the scripts read
+Redis ``TIME``; leases, frontend TTLs and max waits are a few hundred ms so expiry happens).
+The model does not predict what Redis decides (which request expires when); it keeps what it
+knows for sure (what was admitted, at what cost, with which max wait; every fence handed out)
+and after EVERY step reads Redis' whole state and checks the invariants below. Each one was
+seen to fail with a bug seeded by hand (the closing note of the scheduler issue lists them).
+
+1. Partition: every admitted request is in exactly one of queued (its tenant's queue and
+   the deadline index), leased (the lease index) or finished (no index), and the indexes
+   hold nothing else; a finished request never comes back.
+2. Exactly once: a finished request has exactly one latency sample; the stats counters of
+   terminal states add up to the number of finished requests.
+3. Counters: queued count and cost per class, backlogged tenants per class, leased per
+   class and unfinished per tenant all equal what the records say.
+4. Conservation: each bucket's ledger balances (tokens = start + refilled - debited +
+   refunded) with refunded <= debited, sums over the requests' recorded charges and
+   refunds equal the bucket's debits and refunds, each request's refund to each bucket (and
+   to its tenant's counter) is at most what it was charged, and a request's tenant charge
+   is exactly its cost.
+5. Lifetimes: an unfinished record (and its token string) lives at least until its queue
+   deadline or lease end; a finished one has a TTL; a queued request's deadline is at most
+   its OWN max wait away (a client's shorter X-QoS-Max-Wait-Ms survives requeues).
+6. Fences never repeat; a write with a fence that is not the current lease's is refused and
+   changes nothing.
+7. Fairness: in each fair class, the counters of backlogged tenants are within one maximum
+   request cost (cost / weight) of each other, and the class's virtual time (its smallest
+   backlogged counter) never goes back; in an arrival-order class each backlogged tenant's
+   score is the seq of its oldest queued request.
+8. Work conservation: after a claim that returned fewer requests than asked, no class
+   that may still be served has a next request (its smallest-counter tenant's oldest) that
+   fits the room the worker had left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import os
+from typing import Any
+
+import msgpack
+import redis as sync_redis_mod
+import redis.asyncio as aioredis
+from hypothesis import HealthCheck, Phase, event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    rule,
+    run_state_machine_as_test,
+)
+
+from limiter.config import ClassConfig, PoolConfig, QosConfig
+from limiter.errors import AdmissionRejected, LeaseLost
+from limiter.keys import PoolKeys
+from limiter.scripts import Scripts, policy_document
+from tests.helpers import dump_all
+
+KEYS = PoolKeys("model")
+CLASSES = (
+    ClassConfig(name="P0", share=0.6, weight=1.0, out_weight=2.0, max_wait_ms=400, burst_s=0.5),
+    ClassConfig(name="P1", share=0.35, floor=0.3, weight=1.0, out_weight=2.0, max_wait_ms=800, burst_s=0.5),
+    ClassConfig(name="P2", share=0.05, ceil_share=0.5, floor=0.05, weight=0.5, out_weight=1.5,
+                max_wait_ms=1200, burst_s=0.5, queue_cap=12, fair=False),  # arrival order
+)
+POOL = PoolConfig(name="model", capacity_tokens_s=8000, lease_ms=150, max_attempts=3, frontend_ttl_ms=200,
+                  floor_half_life_ms=2000, record_ttl_s=30, floor_quantum_tokens=100)
+CFG = QosConfig(classes=CLASSES, pools=(POOL,))
+FAIR = {c.name: c.fair for c in CLASSES}
+TENANTS = {"t1": 1.0, "t2": 2.0, "t3": 0.5}  # VTC weights
+# a request may cost more than twice the burst: buckets go into debt (a clamp would show)
+TENANT_RATE, TENANT_BURST = 3000.0, 150.0
+FRONTENDS = ("fe1", "fe2")
+WORKERS = ("w1", "w2")
+KV_TOTAL = 400
+ALIVE = 4102444800000  # a heartbeat in 2100
+TERMINAL = ("done", "failed", "cancelled", "expired")
+EPS = 1e-6
+
+
+def unchanged(before: dict[bytes, Any], after: dict[bytes, Any]) -> bool:
+    """The same state, except keys that expired in between (finished records' TTLs run out
+    while the test runs): no key new, none changed, none gone that had no TTL."""
+    if set(after) - set(before):
+        return False
+    return all(k in after and after[k] == v if not v[1] else k not in after or after[k] == v
+               for k, v in before.items())
+
+
+def _s(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+def _f(v: Any, default: float = 0.0) -> float:
+    return default if v is None else float(_s(v))
+
+
+@dataclasses.dataclass
+class Known:
+    """What the model knows for sure about one admitted request."""
+
+    tenant: str
+    cls: str
+    input_tokens: int
+    max_tokens: int
+    cost: float
+    max_wait_ms: int
+    fences: list[int] = dataclasses.field(default_factory=list)
+    finished: bool = False
+    final: dict[str, str] = dataclasses.field(default_factory=dict)  # the record when first seen final
+
+
+class LifecycleModel(RuleBasedStateMachine):
+    def __init__(self, url: str) -> None:
+        super().__init__()
+        self.loop = asyncio.new_event_loop()
+        self.aclient = aioredis.from_url(url)
+        self.r = sync_redis_mod.Redis.from_url(url)
+        self.scripts = Scripts(self.aclient)
+        self.known: dict[str, Known] = {}
+        self.held: dict[str, tuple[str, int]] = {}  # id -> (worker, fence) the model last saw claimed
+        self.fences: set[int] = set()
+        self.vtime: dict[str, float] = {}  # class -> its virtual time at the last check
+        self.ids = itertools.count()
+        self.weights = {c.name: (c.weight, c.out_weight) for c in CLASSES}
+
+    def run(self, aw: Any) -> Any:
+        return self.loop.run_until_complete(aw)
+
+    def teardown(self) -> None:
+        self.run(self.aclient.aclose())
+        self.loop.close()
+        self.r.close()
+
+    def now_ms(self) -> int:
+        sec, usec = self.r.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    @initialize()
+    def setup(self) -> None:
+        self.r.flushall()
+        self.run(self.scripts.init_pool(KEYS, policy_document(CFG, POOL), reset_rates=True))
+        self.r.zadd(KEYS.frontends, dict.fromkeys(FRONTENDS, ALIVE))
+
+    # --- rules ---------------------------------------------------------------------------------
+    @rule(tenant=st.sampled_from(sorted(TENANTS)), cls=st.sampled_from(["P0", "P1", "P2"]),
+          input_tokens=st.integers(0, 150), max_tokens=st.integers(1, 100),
+          own_wait=st.sampled_from([0, 0, 150, 300]), frontend=st.sampled_from(FRONTENDS))
+    def admit(self, tenant: str, cls: str, input_tokens: int, max_tokens: int, own_wait: int,
+              frontend: str) -> None:
+        rid = f"r{next(self.ids)}"
+        w_in, w_out = self.weights[cls]
+        class_wait = next(c.max_wait_ms for c in CLASSES if c.name == cls)
+        before = dump_all(self.r)
+        try:
+            adm = self.run(self.scripts.admit(
+                KEYS, request_id=rid, tenant=tenant, cls=cls, input_tokens=input_tokens,
+                max_tokens=max_tokens,
+                tenant_rate=TENANT_RATE, tenant_burst=TENANT_BURST, tenant_max_inflight=10,
+                max_wait_ms=own_wait, frontend_id=frontend, payload=b"p", tenant_weight=TENANTS[tenant]))
+        except AdmissionRejected as exc:
+            event(f"admit refused: {type(exc).__name__}")
+            assert unchanged(before, dump_all(self.r)), "a refused admission changed state"
+            return
+        event("admit queued")
+        cost = input_tokens * w_in + max_tokens * w_out
+        assert adm.cost == cost
+        wait = min(own_wait, class_wait) if own_wait else class_wait
+        self.known[rid] = Known(tenant, cls, input_tokens, max_tokens, cost, wait)
+
+    @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 4),
+          kv_room=st.sampled_from([0, 0, 150, 250, 400]), above=st.sampled_from(["", "", "", "P1", "P2"]))
+    def claim(self, worker: str, n: int, kv_room: int, above: str) -> None:
+        unfinished_before = {rid for rid, k in self.known.items() if not k.finished}
+        got = self.run(self.scripts.claim(KEYS, worker, n, kv_room, 0, above, KV_TOTAL))
+        event(f"claim got {min(len(got.requests), 2)}{'+' if len(got.requests) >= 2 else ''}")
+        for c in got.requests:
+            assert c.fence not in self.fences, f"fence {c.fence} handed out twice"
+            self.fences.add(c.fence)
+            k = self.known[c.request_id]
+            assert (c.tenant, c.cls, c.input_tokens, c.max_tokens) == (k.tenant, k.cls, k.input_tokens,
+                                                                      k.max_tokens)
+            k.fences.append(c.fence)
+            self.held[c.request_id] = (worker, c.fence)
+        if len(got.requests) < n:
+            finished_now = [rid for rid in unfinished_before if self.state_of(rid) in TERMINAL]
+            if len(finished_now) < 16:  # well inside the call's bounded work: it did not stop early
+                self.check_nothing_left_that_fits(got, kv_room, above)
+
+    @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 3), finish=st.integers(0, 3),
+          out_share=st.floats(0, 1))
+    def worker_iteration(self, worker: str, n: int, finish: int, out_share: float) -> None:
+        """What a worker does most: claim, stream some tokens, complete some of what it holds."""
+        self.claim(worker, n, 0, "")
+        mine = sorted(rid for rid, (w, _f) in self.held.items() if w == worker)
+        for i, rid in enumerate(mine):
+            if i < finish:
+                self.complete_one(rid, "ok", out_share, 1.0)
+            else:
+                self.push_one(rid, 2)
+
+    def check_nothing_left_that_fits(self, got: Any, kv_room: int, above: str) -> None:
+        used = sum(min(c.input_tokens + c.max_tokens, KV_TOTAL) for c in got.requests)
+        left = kv_room - used
+        names = [c.name for c in CLASSES]
+        eligible = names[:names.index(above)] if above else names
+        policy = {_s(k): _s(v) for k, v in self.r.hgetall(KEYS.policy).items()}
+        for cls in eligible:
+            if float(policy[f"{cls}.ceil"]) < float(policy["capacity"]):
+                b = self.r.hmget(KEYS.ceil_bucket(cls), ["tokens", "ts"])
+                if b[0] is not None:
+                    level = min(float(policy[f"{cls}.ceil_burst"]), float(b[0]) + float(policy[f"{cls}.ceil"])
+                                * max(got.now_ms - int(b[1]), 0) / 1000)
+                    if level <= 0:
+                        continue  # the class is at its ceiling: it may not be served now
+            head = self.r.zrange(KEYS.backlog(cls), 0, 0)
+            if not head:
+                continue
+            ids = self.r.zrange(KEYS.queue(cls, _s(head[0])), 0, 0)
+            rec = {_s(k): _s(v) for k, v in self.r.hgetall(KEYS.request(_s(ids[0]))).items()} if ids else {}
+            if rec.get("state") != "queued" or int(rec["deadline_ms"]) <= got.now_ms:
+                continue
+            if not self.frontend_alive(rec["frontend"], got.now_ms):
+                continue
+            need = min(int(rec["input_tokens"]) + int(rec["max_tokens"]), KV_TOTAL)
+            assert kv_room > 0 and need > left, (
+                f"work conservation: {cls}'s next request {_s(ids[0])} needs {need} KV tokens, "
+                f"the worker had {left if kv_room else 'unlimited'} left, and the claim stopped short")
+
+    def frontend_alive(self, frontend: str, now: int) -> bool:
+        """lua/include/liveness.lua's rule (the model sets no outage marker)."""
+        seen = self.r.zscore(KEYS.frontends, frontend)
+        ttl = POOL.frontend_ttl_ms
+        if seen is None:
+            return False
+        if seen >= now - ttl:
+            return True
+        newest = self.r.zrange(KEYS.frontends, -1, -1, withscores=True)[0][1]
+        return newest < now - ttl and seen >= newest - ttl
+
+    def pick_held(self, pick: int) -> str | None:
+        """A held request, chosen by a drawn number (never by a draw whose range depends on
+        what Redis did, which would make hypothesis' replays generate different data)."""
+        ids = sorted(self.held)
+        return ids[pick % len(ids)] if ids else None
+
+    @rule(pick=st.integers(0, 1 << 16), count=st.integers(1, 3))
+    def push(self, pick: int, count: int) -> None:
+        rid = self.pick_held(pick)
+        if rid is not None:
+            self.push_one(rid, count)
+
+    def push_one(self, rid: str, count: int) -> None:
+        worker, fence = self.held[rid]
+        rec = self.record(rid)
+        offset = int(rec.get("out_tokens", 0))
+        current = rec.get("state") == "leased" and rec.get("worker") == worker and int(rec["fence"]) == fence
+        count = min(count, self.known[rid].max_tokens - offset)
+        if count <= 0:
+            return
+        try:
+            self.run(self.scripts.push_tokens(KEYS, request_id=rid, worker_id=worker, fence=fence,
+                                              offset=offset, token_ids=[7] * count, text="x" * count))
+        except LeaseLost:
+            assert not current, f"{rid}: the lease holder's push was refused"
+            del self.held[rid]
+            return
+        assert current, f"{rid}: a push with a stale fence was accepted"
+
+    @rule(pick=st.integers(0, 1 << 16), outcome=st.sampled_from(["ok", "ok", "failed", "cancelled"]),
+          out_share=st.floats(0, 1), in_share=st.floats(0, 1))
+    def complete(self, pick: int, outcome: str, out_share: float, in_share: float) -> None:
+        rid = self.pick_held(pick)
+        if rid is not None:
+            self.complete_one(rid, outcome, out_share, in_share)
+
+    def complete_one(self, rid: str, outcome: str, out_share: float, in_share: float) -> None:
+        worker, fence = self.held.pop(rid)
+        k = self.known[rid]
+        rec = self.record(rid)
+        current = rec.get("state") == "leased" and rec.get("worker") == worker and int(rec["fence"]) == fence
+        delivered = int(rec.get("out_tokens", 0))
+        count = int(out_share * (k.max_tokens - delivered))
+        usage_in = int(in_share * k.input_tokens)
+        sample = msgpack.packb({"request_id": rid, "outcome": outcome, "class": k.cls})
+        before = dump_all(self.r) if not current else None
+        try:
+            refund = self.run(self.scripts.complete(
+                KEYS, request_id=rid, worker_id=worker, fence=fence, outcome=outcome, usage_in=usage_in,
+                token_ids=[9] * count, text="y" * count, finish_reason="stop", sample=sample))
+        except LeaseLost:
+            assert not current, f"{rid}: the lease holder's completion was refused"
+            assert unchanged(before, dump_all(self.r)), "a refused completion changed state"
+            event("complete refused (stale)")
+            return
+        event(f"complete {outcome}")
+        assert current, f"{rid}: a completion with a stale fence was accepted"
+        used = usage_in * self.weights[k.cls][0] + (delivered + count) * self.weights[k.cls][1]
+        assert abs(refund - max(k.cost - used, 0.0)) < EPS
+
+    @rule(pick=st.integers(0, 1 << 16), reason=st.sampled_from(["client_gone", "expired", "shutdown"]))
+    def cancel(self, pick: int, reason: str) -> None:
+        if not self.known:
+            return
+        rid = sorted(self.known)[pick % len(self.known)]
+        event(f"cancel -> {self.run(self.scripts.cancel(KEYS, rid, self.known[rid].tenant, reason))}")
+
+    @rule(pick=st.integers(0, 1 << 16))
+    def release(self, pick: int) -> None:
+        rid = self.pick_held(pick)
+        if rid is None:
+            return
+        worker, fence = self.held.pop(rid)
+        try:
+            self.run(self.scripts.release(KEYS, request_id=rid, worker_id=worker, fence=fence))
+        except LeaseLost:
+            pass
+
+    @rule(pick=st.integers(0, 1 << 16), which=st.integers(0, 1 << 16))
+    def stale_write(self, pick: int, which: int) -> None:
+        """A worker writes with a fence that is not (or no longer) the request's lease."""
+        claimed = sorted(r for r, k in self.known.items() if k.fences)
+        if not claimed:
+            return
+        rid = claimed[pick % len(claimed)]
+        rec = self.record(rid)
+        fences = self.known[rid].fences
+        fence = fences[which % len(fences)]
+        for worker in WORKERS:
+            if rec.get("state") == "leased" and rec.get("worker") == worker and int(rec["fence"]) == fence:
+                return  # that is the current lease, not a stale one
+        before = dump_all(self.r)
+        for worker in WORKERS:
+            try:
+                offset = int(rec.get("out_tokens", 0))
+                self.run(self.scripts.push_tokens(KEYS, request_id=rid, worker_id=worker, fence=fence,
+                                                  offset=offset, token_ids=[1], text="z"))
+            except LeaseLost:
+                continue
+            raise AssertionError(f"{rid}: stale fence {fence} of {worker} was accepted")
+        for worker in WORKERS:
+            try:
+                self.run(self.scripts.complete(KEYS, request_id=rid, worker_id=worker, fence=fence,
+                                               outcome="ok", usage_in=0))
+            except LeaseLost:
+                continue
+            raise AssertionError(f"{rid}: a completion with stale fence {fence} of {worker} was accepted")
+        assert unchanged(before, dump_all(self.r)), "a refused stale write changed state"
+
+    @rule(worker=st.sampled_from(WORKERS))
+    def renew(self, worker: str) -> None:
+        mine = [(rid, f) for rid, (w, f) in self.held.items() if w == worker]
+        res = self.run(self.scripts.renew_leases(KEYS, worker, mine))
+        for rid in res.lost:
+            self.held.pop(rid, None)
+
+    @rule()
+    def reap(self) -> None:
+        self.run(self.scripts.reap(KEYS))
+
+    @rule(ms=st.sampled_from([0, 30, 80, 160, 260]))
+    def time_passes(self, ms: int) -> None:
+        """Time passes in a running system: its janitors (frontends, workers and the
+        controller all run reap_expired every few seconds) sweep meanwhile."""
+        self.run(asyncio.sleep(ms / 1000))
+        res = self.run(self.scripts.reap_all(KEYS))
+        for kind in ("expired", "requeued", "failed", "cancelled"):
+            if getattr(res, kind):
+                event(f"janitor {kind}")
+
+    @rule(frontend=st.sampled_from(FRONTENDS), alive=st.sampled_from([True, True, True, False]))
+    def frontend_heartbeat(self, frontend: str, alive: bool) -> None:
+        """A frontend dies (its last beat long ago, while the other beats) or comes back."""
+        self.r.zadd(KEYS.frontends, {frontend: ALIVE if alive else self.now_ms() - 60_000})
+
+    # --- reading Redis -------------------------------------------------------------------------
+    def record(self, rid: str) -> dict[str, str]:
+        return {_s(k): _s(v) for k, v in self.r.hgetall(KEYS.request(rid)).items() if k != b"payload"}
+
+    def state_of(self, rid: str) -> str:
+        return _s(self.r.hget(KEYS.request(rid), "state") or b"")
+
+    # --- invariants ------------------------------------------------------------------------------
+    @invariant()
+    def invariants_hold(self) -> None:
+        if not hasattr(self, "known"):
+            return
+        now = self.now_ms()
+        recs = {rid: self.record(rid) for rid in self.known}
+        pttl = {rid: self.r.pttl(KEYS.request(rid)) for rid in self.known}
+        for rid, rec in recs.items():
+            if self.known[rid].finished:
+                # finished for good; a finished record may expire (its TTL), never come back
+                assert rec.get("state", "done") in TERMINAL, f"{rid} left its final state: {rec.get('state')}"
+            elif rec.get("state") in TERMINAL:
+                self.known[rid].finished = True
+                self.known[rid].final = rec
+            else:
+                assert rec, f"{rid}: the record of an unfinished request vanished"
+        self.check_partition(recs, pttl, now)
+        self.check_counters(recs)
+        self.check_conservation(recs)
+        self.check_fairness()
+
+    def final_or_live(self, rid: str, rec: dict[str, str]) -> dict[str, str]:
+        return rec or self.known[rid].final
+
+    def check_partition(self, recs: dict[str, dict[str, str]], pttl: dict[str, int], now: int) -> None:
+        deadlines = {_s(m) for m in self.r.zrange(KEYS.deadlines, 0, -1)}
+        leases = {_s(m) for m in self.r.zrange(KEYS.leases, 0, -1)}
+        queued_ids: set[str] = set()
+        for cls in ("P0", "P1", "P2"):
+            for t in TENANTS:
+                queued_ids |= {_s(m) for m in self.r.zrange(KEYS.queue(cls, t), 0, -1)}
+        samples: dict[str, int] = {}
+        for _id, f in self.r.xrange(KEYS.samples):
+            rid = msgpack.unpackb(f[b"d"], raw=False)["request_id"]
+            samples[rid] = samples.get(rid, 0) + 1
+        for rid, rec in recs.items():
+            state = rec.get("state")
+            k = self.known[rid]
+            where = (rid in queued_ids, rid in deadlines, rid in leases)
+            if state == "queued":
+                assert where == (True, True, False), f"{rid} queued but indexed as {where}"
+                assert int(rec["max_wait_ms"]) == k.max_wait_ms, f"{rid}: its own max wait was lost"
+                deadline = int(rec["deadline_ms"])
+                assert deadline <= now + k.max_wait_ms, f"{rid}: deadline past its own max wait"
+                assert pttl[rid] >= deadline - now - 5, f"{rid}: record expires before its deadline"
+            elif state == "leased":
+                assert where == (False, False, True), f"{rid} leased but indexed as {where}"
+                assert int(rec["fence"]) in self.fences
+                assert pttl[rid] >= int(rec["lease_ms"]) - now - 5, f"{rid}: record expires before its lease"
+            else:  # finished (its record may have expired since: its TTL)
+                assert where == (False, False, False), f"{rid} finished but still indexed as {where}"
+                n = samples.get(rid, 0)
+                assert n == 1, f"{rid}: {n} samples for one finished request"
+                assert not rec or pttl[rid] > 0, f"{rid}: a finished record without a TTL"
+            if state in ("queued", "leased"):
+                assert rid not in samples, f"{rid}: a sample for a request that has not finished"
+            gen = self.r.pttl(KEYS.tokens(rid))
+            assert gen != -1, f"{rid}: a token string without a TTL"
+        stray = (queued_ids | deadlines | leases) - set(recs)
+        assert not stray, f"indexes hold unknown ids: {stray}"
+        stats = {_s(k): int(v) for k, v in self.r.hgetall(KEYS.stats).items() if b"." in k}
+        ended = sum(v for k, v in stats.items() if k.split(".")[1] in TERMINAL)
+        assert ended == sum(1 for k in self.known.values() if k.finished), "terminal counters drifted"
+
+    def check_counters(self, recs: dict[str, dict[str, str]]) -> None:
+        queued = {_s(k): _f(v) for k, v in self.r.hgetall(KEYS.queued).items()}
+        for cls in ("P0", "P1", "P2"):
+            mine = [(rid, r) for rid, r in recs.items() if r.get("state") == "queued" and r["class"] == cls]
+            assert queued.get(cls, 0) == len(mine), f"{cls}: queued count {queued.get(cls)} != {len(mine)}"
+            cost = sum(self.known[rid].cost for rid, _ in mine)
+            drift = abs(queued.get(f"{cls}.cost", 0.0) - cost)
+            assert drift < 1e-6 * max(cost, 1), f"{cls}: queued cost drifted by {drift}"
+            backlog = {_s(m): s for m, s in self.r.zrange(KEYS.backlog(cls), 0, -1, withscores=True)}
+            assert set(backlog) == {r["tenant"] for _, r in mine}, f"{cls}: backlogged tenants drifted"
+            for t in TENANTS:
+                theirs = [rid for rid, r in mine if r["tenant"] == t]
+                cost_t = sum(self.known[rid].cost for rid in theirs)
+                got_t = queued.get(f"{cls}:{t}", 0.0)
+                assert abs(got_t - cost_t) < 1e-6 * max(cost_t, 1), f"{cls}:{t}: queued {got_t}, not {cost_t}"
+                if theirs and not FAIR[cls]:  # arrival order: a tenant's score is its oldest seq
+                    oldest = min(int(recs[rid]["seq"]) for rid in theirs)
+                    assert backlog[t] == oldest, f"{cls}:{t}: score {backlog[t]}, oldest request {oldest}"
+            leased = sum(1 for r in recs.values() if r.get("state") == "leased" and r["class"] == cls)
+            assert int(self.r.hget(KEYS.inflight, cls) or 0) == leased, f"{cls}: leased count drifted"
+        for t in TENANTS:
+            live = sum(1 for r in recs.values()
+                       if r.get("state") in ("queued", "leased") and r["tenant"] == t)
+            assert int(self.r.hget(KEYS.tenant_inflight, t) or 0) == live, f"{t}: in-flight count drifted"
+
+    def check_conservation(self, recs: dict[str, dict[str, str]]) -> None:
+        charged: dict[str, float] = {}
+        refunded: dict[str, float] = {}
+        for rid, live in recs.items():
+            k = self.known[rid]
+            rec = self.final_or_live(rid, live)
+            if not rec:
+                continue
+            assert abs(_f(rec.get("c_tenant")) - k.cost) < EPS, f"{rid}: tenant charged {rec.get('c_tenant')}"
+            assert _f(rec.get("c_class")) in (0.0, k.cost), f"{rid}: guarantee charged {rec.get('c_class')}"
+            for what, key in (("tenant", KEYS.tenant_bucket(k.tenant)), ("class", KEYS.class_bucket(k.cls)),
+                              ("ceil", KEYS.ceil_bucket(k.cls))):
+                c, r = _f(rec.get(f"c_{what}")), _f(rec.get(f"r_{what}"))
+                assert r <= c + EPS, f"{rid}: refunded {r} to its {what} bucket, charged {c}"
+                assert c <= k.cost + EPS
+                charged[key] = charged.get(key, 0.0) + c
+                refunded[key] = refunded.get(key, 0.0) + r
+            assert _f(rec.get("r_vtc")) <= _f(rec.get("c_vtc")) + EPS, f"{rid}: its tenant counter gained"
+        for key in set(charged) | {_s(k) for k in self.r.keys(KEYS.bucket_prefix + "*")}:
+            b = {_s(f): float(v) for f, v in self.r.hgetall(key).items()}
+            if not b:
+                assert charged.get(key, 0.0) == 0, f"{key}: charged, yet the bucket was never written"
+                continue
+            balance = b["start"] + b["refilled"] - b["debited"] + b["refunded"]
+            assert abs(b["tokens"] - balance) < 1e-6 * max(1.0, abs(balance)), \
+                f"{key}: ledger does not balance ({b})"
+            assert b["refunded"] <= b["debited"] + EPS, f"{key}: more refunded than debited"
+            assert abs(b["debited"] - charged.get(key, 0.0)) < 1e-6 * max(1.0, b["debited"]), \
+                f"{key}: debited {b['debited']} but the requests record {charged.get(key, 0.0)}"
+            assert abs(b["refunded"] - refunded.get(key, 0.0)) < 1e-6 * max(1.0, b["refunded"]), \
+                f"{key}: refunded {b['refunded']} but the requests record {refunded.get(key, 0.0)}"
+
+    def check_fairness(self) -> None:
+        for cls in (c for c in FAIR if FAIR[c]):
+            # the class's virtual time (smallest backlogged counter, else the last to go idle)
+            # never goes back: no lift below it, no refund below it
+            head = self.r.zrange(KEYS.backlog(cls), 0, 0, withscores=True)
+            v = head[0][1] if head else float(self.r.hget(KEYS.vtime(cls), ":last") or 0)
+            assert v >= self.vtime.get(cls, 0.0) - EPS, f"{cls}: virtual time went back to {v}"
+            self.vtime[cls] = v
+            costs = [k.cost / TENANTS[k.tenant] for k in self.known.values() if k.cls == cls]
+            if not costs:
+                continue
+            counters = [s for _, s in self.r.zrange(KEYS.backlog(cls), 0, -1, withscores=True)]
+            if len(counters) > 1:
+                spread = max(counters) - min(counters)
+                assert spread <= max(costs) + EPS, f"{cls}: backlogged counters {counters} spread {spread}"
+
+
+def test_lifecycle_model(redis_server: Any) -> None:
+    # tests/seeded_bugs.py only needs to know that a bug is caught: no shrinking (with real
+    # time in the loop, shrinking a failure can take minutes)
+    no_shrink = bool(os.environ.get("QOS_MODEL_NO_SHRINK"))
+    phases = (Phase.explicit, Phase.reuse, Phase.generate) if no_shrink else tuple(Phase)
+    run_state_machine_as_test(
+        lambda: LifecycleModel(redis_server.url),
+        settings=settings(max_examples=100, stateful_step_count=50, deadline=None, phases=phases,
+                          suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
