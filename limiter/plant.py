@@ -3,10 +3,12 @@
 Used by tests/test_plant_stability.py to show the control law settles, and reusable by
 benchmarks. Per tick of ``dt_s``:
 
-1. **Admission** (fluid HTB, like lua/admit.lua): class i is admitted ``min(o_i, rate_i)``
-   from its own bucket; what the pool bucket (rate = the policy's capacity) has left is lent
+1. **Dispatch** (fluid HTB, the allocation lua/claim.lua's tiers make at claim time): class
+   i gets ``min(o_i, rate_i)`` from its guarantee; what the policy's capacity has left goes
    in priority order, each class up to its ceiling: ``A_i = own_i + min(o_i - own_i,
-   ceil_i - own_i, spare)``.
+   ceil_i - own_i, spare)``. What a class offers beyond ``A_i`` is lost (in the real system it
+   queues and is refused or expires once it cannot start within its max wait; the fluid
+   model keeps only the rates, which is what the law acts on).
 2. **Service**: the pool serves its true capacity ``C`` per second in strict priority from
    per-class fluid backlogs (a backlog only builds when admitted load exceeds ``C``, e.g.
    right after capacity drops and before the controller notices).
@@ -100,7 +102,7 @@ class Trace:
 def admit(
     offered: Mapping[str, float], policy: Mapping[str, ClassRates], capacity: float
 ) -> dict[str, float]:
-    """Fluid HTB admission: own rate first, then borrow spare pool capacity up to ceil, by priority."""
+    """Fluid HTB dispatch: own guarantee first, then spare capacity up to ceil, by priority."""
     own = {c: min(offered[c], r.rate) for c, r in policy.items()}
     spare = max(0.0, capacity - sum(own.values()))
     out = {}

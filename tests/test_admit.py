@@ -58,9 +58,10 @@ async def test_tenant_bucket_never_admits_more_than_burst_plus_rate(scripts, syn
                         tenant_rate=rate, tenant_burst=burst, max_wait_ms=0)
     # deadline = enq_ms + max wait, the same shift for every row: intervals are unchanged.
     assert _max_window_excess(rows, rate, burst) <= 1e-6
-    # ... and the bucket really is the limiter: the flood admitted about burst + rate x t.
+    # ... and the bucket really is the limiter, not something else: the whole burst got in
+    # (how much of the refill a flood catches depends on how fast the machine floods)
     total = sum(c for _, c in rows)
-    assert total >= burst + rate * 0.1 - (cost + 1)  # loose: a loaded CI machine floods slowly
+    assert total >= burst - (cost + 1)
 
 
 async def test_fractional_tokens_are_not_lost(scripts, sync_redis):

@@ -193,10 +193,10 @@ class LifecycleModel(RuleBasedStateMachine):
                 self.check_nothing_left_that_fits(got, kv_room, above)
 
     @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 3), finish=st.integers(0, 3),
-          out_share=st.floats(0, 1))
-    def worker_iteration(self, worker: str, n: int, finish: int, out_share: float) -> None:
+          out_share=st.floats(0, 1), kv_room=st.sampled_from([0, 0, 250, 400]))
+    def worker_iteration(self, worker: str, n: int, finish: int, out_share: float, kv_room: int) -> None:
         """What a worker does most: claim, stream some tokens, complete some of what it holds."""
-        self.claim(worker, n, 0, "")
+        self.claim(worker, n, kv_room, "")
         mine = sorted(rid for rid, (w, _f) in self.held.items() if w == worker)
         for i, rid in enumerate(mine):
             if i < finish:
