@@ -45,7 +45,7 @@ _FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
 # What a script may do under Redis 7's `#!lua` flags: scripts that only move requests to a
 # final state may run when Redis is out of memory (they free it); none may touch another slot.
 KNOWN_FLAGS = ("allow-oom",)
-REAP_LIMIT = 64  # reap_expired's most entries of each kind per call (bounded work)
+REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded work)
 
 
 def lua_dir() -> Path:
@@ -354,7 +354,7 @@ class Scripts:
         return f"final:{_s(reply[1])}" if status == "final" else status
 
     async def reap(self, keys: PoolKeys, limit: int = REAP_LIMIT) -> ReapResult:
-        """One bounded janitor pass (at most ``limit`` <= 64 entries of each kind)."""
+        """One bounded janitor pass (at most ``limit`` <= 16 entries of each kind)."""
         e, r, f, c = (int(x) for x in await self._run("reap_expired", lifecycle_keys(keys), [limit]))
         return ReapResult(e, r, f, c, full=e >= limit or r + f + c >= limit)
 

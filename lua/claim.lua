@@ -24,7 +24,7 @@
 -- requeue) charges nothing again. Each claim gets a fence token from a pool-wide counter:
 -- tokens never repeat, so a stale worker's write can never pass for a current one.
 --
--- Bounded work: at most 8 expired queue entries and 8 expired leases are swept first, at
+-- Bounded work: at most 4 expired queue entries and 4 expired leases are swept first, at
 -- most MAX_FINISH requests are finished per call, and the pick loop runs at most
 -- max_requests + MAX_SKIPS times.
 --
@@ -53,9 +53,9 @@
 --!include finish.lua
 --!include janitor.lua
 
-local MAX_FINISH = 24
+local MAX_FINISH = 16
 local MAX_SKIPS = 16
-local SWEEP = 8
+local SWEEP = 4
 
 local function main()
   local worker_id = arg_name(ARGV[1], 'worker_id')

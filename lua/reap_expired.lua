@@ -5,11 +5,11 @@
 -- Claim does the same before choosing; workers, the controller and the frontends run this
 -- script so that it happens when nobody claims (e.g. no worker is alive).
 --
--- Bounded work: at most `limit` (<= 64) entries of each kind per call; the caller calls
+-- Bounded work: at most `limit` (<= 16) entries of each kind per call; the caller calls
 -- again while a kind came back full, leaving Redis free for others in between.
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
--- ARGV[1] limit   integer 1..64: at most this many of each kind per call
+-- ARGV[1] limit   integer 1..16: at most this many of each kind per call
 --
 -- Returns {expired, requeued, failed, cancelled}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
@@ -19,7 +19,7 @@
 --!include janitor.lua
 
 local function main()
-  local limit = arg_int(ARGV[1], 'limit', 1, 64)
+  local limit = arg_int(ARGV[1], 'limit', 1, 16)
   local p = load_policy(K_POLICY)
   local now = now_ms()
   local expired = expire_overdue(p, now, limit)

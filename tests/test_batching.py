@@ -10,6 +10,7 @@ from limiter.errors import InvalidArgument
 from worker.batching import (
     Candidate,
     Limits,
+    Preemption,
     PrefillChunk,
     SeqState,
     build_plan,
@@ -133,11 +134,32 @@ def test_admission_does_not_let_small_low_class_prompts_skip_a_big_one() -> None
     assert choose_admissions(waiting, [dec("r", 1, 0, kv=200)], Limits(kv_capacity=1000)) == ()
 
 
-def test_preemption_picks_lowest_class_then_most_recent() -> None:
+def test_preemption_picks_lowest_class_then_least_kv_then_most_recent() -> None:
     running = [dec("a0", 0, 0), dec("b2-old", 2, 1), dec("c2-new", 2, 7), dec("d1", 1, 9)]
     waiting = [Candidate("w0", 0, 10, 20)]
-    assert choose_preemption(running, waiting, Limits(max_seqs=4)) == "c2-new"
-    assert choose_preemption(running[:2] + running[3:], waiting, Limits(max_seqs=3)) == "b2-old"
+    assert choose_preemption(running, waiting, Limits(max_seqs=4)) == Preemption("c2-new", free_kv=False)
+    assert choose_preemption(running[:2] + running[3:], waiting, Limits(max_seqs=3)).request_id == "b2-old"
+    # the least to recompute goes first: a 32K prompt half prefilled is not the victim
+    running = [dec("a0", 0, 0), pre("big", 2, 1, left=16000, kv=16000), dec("small", 2, 0, kv=50)]
+    assert choose_preemption(running, waiting, Limits(max_seqs=3)).request_id == "small"
+
+
+def test_a_pause_keeps_the_kv_when_only_a_slot_was_short() -> None:
+    """Slots short, KV ample: the victim keeps its cache (nothing recomputed); its kept KV
+    counts against capacity until it is readmitted, and is what goes first when KV runs short."""
+    running = [dec("a", 0, 0, kv=100), dec("low", 2, 1, kv=300)]
+    head = Candidate("w", 0, 2, 50)
+    limits = Limits(max_seqs=2, kv_capacity=1000)
+    assert choose_preemption(running, [head], limits) == Preemption("low", False)
+    kept = Candidate("low", 2, 1, 0, resident_kv=300)
+    assert kv_demand(running[:1], [kept]) == 101 + 300
+    assert choose_admissions([head, kept], running[:1], Limits(max_seqs=2, kv_capacity=1000)) == ("w",)
+    # KV short: a waiting sequence's kept KV is freed before anything running is paused
+    big = Candidate("big", 1, 3, 700)
+    assert choose_preemption(running[:1], [big, kept], Limits(kv_capacity=1000)) == Preemption("low", True)
+    # the running set overflows: the lowest kept KV goes first
+    overflow = choose_preemption([dec("a", 0, 0, kv=900)], [kept], Limits(kv_capacity=1000))
+    assert overflow == Preemption("low", True)
 
 
 def test_no_preemption_without_need_or_benefit() -> None:
@@ -152,13 +174,16 @@ def test_no_preemption_without_need_or_benefit() -> None:
 def test_preemption_for_kv_room() -> None:
     running = [dec("a", 0, 0, kv=400), pre("b", 2, 1, 100, kv=300)]
     waiting = [Candidate("w", 1, 2, 250)]
-    assert choose_preemption(running, waiting, Limits(kv_capacity=1000)) == "b"
+    # pausing b but keeping its 300 KV frees its 100 unprefilled tokens: enough for w's 251
+    assert choose_preemption(running, waiting, Limits(kv_capacity=1000)) == Preemption("b", free_kv=False)
+    # with less room b's cache must go
+    assert choose_preemption(running, waiting, Limits(kv_capacity=900)) == Preemption("b", free_kv=True)
     assert choose_preemption(running, [], Limits(kv_capacity=1000)) is None
 
 
 def test_preemption_when_decode_growth_overflows_kv() -> None:
     running = [dec("a", 0, 0, kv=500), dec("b", 1, 1, kv=500)]
-    assert choose_preemption(running, [], Limits(kv_capacity=1001)) == "b"
+    assert choose_preemption(running, [], Limits(kv_capacity=1001)) == Preemption("b", free_kv=True)
     assert choose_preemption(running, [], Limits(kv_capacity=1002)) is None
 
 
@@ -180,7 +205,8 @@ def test_admitted_sequences_are_never_preempted_for_kv_at_once() -> None:
         ]
         assert kv_demand(after) <= limits.kv_capacity
         rest = [c for c in waiting if c.request_id not in admitted]
-        assert choose_preemption(after, rest, limits) not in admitted  # None, or an older sequence
+        p = choose_preemption(after, rest, limits)
+        assert p is None or p.request_id not in admitted  # None, or an older sequence
 
 
 def test_bad_states_and_limits_are_rejected() -> None:

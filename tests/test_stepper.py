@@ -24,8 +24,8 @@ def prompt(n: int, salt: int) -> tuple[int, ...]:
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 def test_preempted_request_resumes_to_the_same_output(temperature: float) -> None:
-    """One slot: a P0 arrival pauses the running P2 request, which later resumes by
-    re-prefilling prompt + generated tokens and must finish with exactly its solo output."""
+    """One slot: a P0 arrival pauses the running P2 request, which later resumes (keeping its
+    KV: only the slot was short) and must finish with exactly its solo output."""
     low = LocalRequest(
         "low", prompt(30, 1), SamplingParams(temperature, seed=5, max_tokens=120), class_rank=2
     )

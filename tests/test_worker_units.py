@@ -75,6 +75,41 @@ def test_scheduler_resume_primes_the_decoder_and_counts_max_tokens() -> None:
     assert resume_finish_reason([1], 9, EOS_ID) is None
 
 
+async def _run(sched: BatchScheduler) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for _ in range(2000):
+        if not len(sched):
+            return out
+        res = await sched.step()
+        for rid, e in res.emissions.items():
+            out.setdefault(rid, []).extend(e.token_ids)
+    raise AssertionError("the scheduler did not finish")
+
+
+@pytest.mark.parametrize(("kv_capacity", "recomputed"), [(4096, False), (160, True)])
+def test_a_paused_sequence_keeps_its_kv_when_it_can_and_finishes_the_same_either_way(
+        kv_capacity: int, recomputed: bool) -> None:
+    """One slot; a P0 arrival pauses the running P2 one. With KV to spare the P2 keeps its
+    cache (nothing recomputed); with too little it is freed and re-prefilled on readmission.
+    Either way the P2 request ends with the tokens it would have had alone."""
+    async def go() -> tuple[BatchScheduler, dict[str, list[int]], list[int]]:
+        solo = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=1))
+        solo.add("low", encode("x" * 40), SamplingParams(max_tokens=60), class_rank=2, arrival=0)
+        alone = (await _run(solo))["low"]
+        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv_capacity),
+                               Limits(token_budget=64, max_seqs=1, kv_capacity=kv_capacity))
+        sched.add("low", encode("x" * 40), SamplingParams(max_tokens=60), class_rank=2, arrival=0)
+        for _ in range(5):
+            await sched.step()
+        sched.add("high", encode("y" * 120), SamplingParams(max_tokens=5), class_rank=0, arrival=1)
+        return sched, await _run(sched), alone
+
+    sched, out, alone = asyncio.run(go())
+    assert sched.preemptions == 1
+    assert (sched.recompute_tokens > 0) == recomputed
+    assert out["low"][-len(alone):] == alone[-len(out["low"]):] and len(out["high"]) == 5
+
+
 def test_scheduler_finishes_at_max_tokens_counting_resumed_ones() -> None:
     sched = BatchScheduler(SimEngine(time_scale=0), Limits())
     sched.add("r", encode("hi", bos=True), SamplingParams(max_tokens=5), class_rank=1, arrival=0,

@@ -20,10 +20,14 @@ tested exhaustively without a model, a GPU or Redis:
   prompts must not starve a large high-class one).
 * :func:`choose_preemption` - when the batch is full (sequences or KV) and a strictly
   higher class waits, or when the running set itself no longer fits in KV, the victim is
-  the lowest-class, most-recently-arrived running sequence.
+  the lowest-class running sequence that holds the least KV (the least to recompute),
+  the most recently arrived among equals.
 
-Preemption policy: a preempted sequence is *paused*, not swapped. Its KV cache is freed and
-it returns to the waiting set with its original arrival order; when readmitted it
+Preemption policy: a preempted sequence is *paused* and returns to the waiting set with its
+original arrival order. When a batch slot is what is short and the KV cache has room, the
+paused sequence **keeps its KV** (it is only left out of the steps): readmitted, it goes on
+where it stopped, nothing recomputed. When KV is short, its KV is freed (and a waiting
+sequence's kept KV is freed before any running sequence is paused for room); readmitted, it
 re-prefills prompt + already generated tokens (recompute) and continues. That is exactly
 the path a request resumed on another worker after a lease expiry takes, so there is one
 resume mechanism, not two; and recomputing a prompt costs prefill FLOPs, which chunked
@@ -76,20 +80,39 @@ class SeqState:
 
 @dataclass(frozen=True)
 class Candidate:
-    """A waiting sequence (claimed but not started, or paused by preemption)."""
+    """A waiting sequence (claimed but not started, or paused by preemption).
+
+    ``prompt_tokens`` is what it must (re)prefill when admitted; ``resident_kv`` the KV
+    tokens it still holds (a pause that kept its cache), which count against capacity while
+    it waits. A resident candidate that was decoding has nothing left to prefill."""
 
     request_id: str
     class_rank: int
     arrival: float
     prompt_tokens: int
+    resident_kv: int = 0
 
     def __post_init__(self) -> None:
         _check_nonneg_int("class_rank", self.class_rank)
-        _check_nonneg_int("prompt_tokens", self.prompt_tokens, positive=True)
+        _check_nonneg_int("resident_kv", self.resident_kv)
+        _check_nonneg_int("prompt_tokens", self.prompt_tokens, positive=not self.resident_kv)
 
     @property
     def priority(self) -> tuple[int, float]:
         return (self.class_rank, self.arrival)
+
+    @property
+    def need(self) -> int:
+        """New KV tokens to admit it: what it prefills, plus its first (next) token."""
+        return self.prompt_tokens + 1
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """Pause ``request_id`` (running), or free the KV a waiting one kept (``free_kv``)."""
+
+    request_id: str
+    free_kv: bool
 
 
 @dataclass(frozen=True)
@@ -143,11 +166,13 @@ class StepPlan:
         return not self.decode and not self.prefill
 
 
-def kv_demand(running: Sequence[SeqState]) -> int:
-    """KV tokens ``running`` needs through its next step: what it holds, the rest of its
-    prompts, and one more token per decoding sequence. Admission and preemption both use
-    this one figure, so a sequence admitted now is not immediately preempted for KV."""
-    return sum(s.kv_tokens + s.to_prefill + (1 if s.decoding else 0) for s in running)
+def kv_demand(running: Sequence[SeqState], waiting: Sequence[Candidate] = ()) -> int:
+    """KV tokens needed through the next step: what ``running`` holds, the rest of its
+    prompts and one more token per decoding sequence, plus what ``waiting`` sequences kept.
+    Admission and preemption both use this one figure, so a sequence admitted now is not
+    immediately preempted for KV."""
+    return (sum(s.kv_tokens + s.to_prefill + (1 if s.decoding else 0) for s in running)
+            + sum(c.resident_kv for c in waiting))
 
 
 def build_plan(running: Sequence[SeqState], limits: Limits) -> StepPlan:
@@ -201,16 +226,16 @@ def choose_admissions(
     """Which waiting sequences to start now, in the order to start them.
 
     A candidate needs a batch slot and KV room (beyond :func:`kv_demand` of the running
-    set) for its prompt plus its first generated token. Candidates are taken in priority
-    order and the first one that does not fit stops admission: skipping ahead would let
-    small low-class prompts starve a big high-class one. Decode growth beyond the next
-    step is handled by :func:`choose_preemption`.
+    set and the KV waiting sequences kept) for what it prefills plus its next token.
+    Candidates are taken in priority order and the first one that does not fit stops
+    admission: skipping ahead would let small low-class prompts starve a big high-class one.
+    Decode growth beyond the next step is handled by :func:`choose_preemption`.
     """
     slots = limits.max_seqs - len(running)
-    kv_free = limits.kv_capacity - kv_demand(running)
+    kv_free = limits.kv_capacity - kv_demand(running, waiting)
     chosen: list[str] = []
     for c in sorted(waiting, key=lambda c: c.priority):
-        need = c.prompt_tokens + 1
+        need = c.need
         if slots <= 0 or need > kv_free:
             break
         chosen.append(c.request_id)
@@ -219,39 +244,56 @@ def choose_admissions(
     return tuple(chosen)
 
 
+def victim_key(s: SeqState) -> tuple[int, int, float]:
+    """Who is paused first: the lowest class, then the least KV (the least to recompute if
+    its cache must go), then the most recent arrival. ``max`` of this key is the victim."""
+    return (s.class_rank, -s.kv_tokens, s.arrival)
+
+
 def choose_preemption(
     running: Sequence[SeqState], waiting: Sequence[Candidate], limits: Limits
-) -> str | None:
-    """The running sequence to pause now, or ``None``. Call repeatedly until ``None``.
+) -> Preemption | None:
+    """What to pause (or whose kept KV to free) now, or ``None``. Call repeatedly until ``None``.
 
     Two triggers, checked in order:
 
-    1. the running set cannot take its next decode tokens within ``kv_capacity`` (decode
-       growth filled the cache): pause the lowest-class, latest-arrived sequence, waiting
-       or not, because otherwise nobody can make progress;
+    1. the running set and the KV waiting sequences kept cannot take the next decode tokens
+       within ``kv_capacity``: free the kept KV of the lowest waiting sequence, else pause
+       the running victim (:func:`victim_key`) and free its KV, because otherwise nobody can
+       make progress;
     2. the highest-priority waiting candidate cannot be admitted (no slot or no KV room),
-       some running sequence has a strictly lower class, and pausing all such sequences
-       would make room for it: pause the lowest-class, latest-arrived one.
+       and pausing every strictly lower-class running sequence (and freeing what lower-class
+       waiting ones kept) would make room for it: when KV is short, free a lower waiting
+       sequence's kept KV first; otherwise pause the lowest running victim, keeping its KV
+       when the candidate fits anyway (a slot was all that was missing).
     """
-    if not running:
-        return None
-
-    def victim_key(s: SeqState) -> tuple[int, float]:
-        return (s.class_rank, s.arrival)
-
-    demand = kv_demand(running)
+    demand = kv_demand(running, waiting)
+    residents = [c for c in waiting if c.resident_kv]
     if demand > limits.kv_capacity:
-        return max(running, key=victim_key).request_id
-
-    if not waiting:
+        kept = max(residents, key=lambda c: (c.class_rank, c.arrival), default=None)
+        victim = max(running, key=victim_key, default=None)
+        if kept is not None and (victim is None or kept.class_rank >= victim.class_rank):
+            return Preemption(kept.request_id, True)
+        return None if victim is None else Preemption(victim.request_id, True)
+    if not waiting or not running:
         return None
     head = min(waiting, key=lambda c: c.priority)
-    need = head.prompt_tokens + 1
-    if len(running) < limits.max_seqs and demand + need <= limits.kv_capacity:
+    free = limits.kv_capacity - demand
+    slot_short = len(running) >= limits.max_seqs
+    if not slot_short and head.need <= free:
         return None  # admissible as is
     lower = [s for s in running if s.class_rank > head.class_rank]
+    lower_kept = [c for c in residents if c.class_rank > head.class_rank and c is not head]
+    if slot_short and not lower:
+        return None
+    freeable = kv_demand(lower) + sum(c.resident_kv for c in lower_kept)
+    if head.need > free + freeable:
+        return None  # pausing every lower-class sequence would still not make room
+    if head.need > free and lower_kept:
+        return Preemption(max(lower_kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
     if not lower:
         return None
-    if demand - kv_demand(lower) + need > limits.kv_capacity:
-        return None  # pausing every lower-class sequence would still not make room
-    return max(lower, key=victim_key).request_id
+    victim = max(lower, key=victim_key)
+    # paused but kept, the victim stops needing its unprefilled prompt and next token
+    keep_frees = victim.to_prefill + (1 if victim.decoding else 0)
+    return Preemption(victim.request_id, free_kv=head.need > free + keep_frees)

@@ -3,10 +3,10 @@
 :class:`BatchScheduler` owns the sequences one engine serves and turns the pure policy of
 :mod:`worker.batching` into engine calls, one step at a time:
 
-1. pause what :func:`~worker.batching.choose_preemption` picks (KV freed; the sequence
-   goes back to the waiting set with its original arrival and re-prefills prompt +
-   generated tokens when readmitted - the same path a request resumed on another worker
-   takes),
+1. pause what :func:`~worker.batching.choose_preemption` picks: back to the waiting set
+   with its original arrival, keeping its KV when only a batch slot was short (readmitted,
+   it goes on where it stopped), else with its KV freed (readmitted, it re-prefills prompt +
+   generated tokens - the same path a request resumed on another worker takes),
 2. start what :func:`~worker.batching.choose_admissions` allows,
 3. run one :func:`~worker.batching.build_plan` step on the engine,
 4. book the produced tokens: KV/prefill counters, decoding, finish detection (EOS,
@@ -58,6 +58,7 @@ class ScheduledSeq:
     kv_tokens: int = 0
     to_prefill: int = 0
     running: bool = False
+    resident: bool = False  # paused with its KV kept: the engine still holds the sequence
     preemptions: int = 0
 
     @property
@@ -69,6 +70,8 @@ class ScheduledSeq:
                         self.to_prefill == 0, self.kv_tokens)
 
     def candidate(self) -> Candidate:
+        if self.resident:
+            return Candidate(self.request_id, self.class_rank, self.arrival, self.to_prefill, self.kv_tokens)
         return Candidate(self.request_id, self.class_rank, self.arrival,
                          len(self.prompt_ids) + len(self.generated))
 
@@ -146,8 +149,8 @@ class BatchScheduler:
 
     @property
     def kv_used(self) -> int:
-        """KV tokens held by running sequences now."""
-        return sum(s.kv_tokens for s in self._seqs.values() if s.running)
+        """KV tokens held now: running sequences', and paused ones' that kept theirs."""
+        return sum(s.kv_tokens for s in self._seqs.values() if s.running or s.resident)
 
     def max_context(self) -> int:
         """The longest context (prompt + generated) a sequence can ever be admitted with."""
@@ -176,7 +179,7 @@ class BatchScheduler:
     def remove(self, request_id: str) -> ScheduledSeq | None:
         """Drop a request (cancelled, lease lost, failed); frees its KV. None if unknown."""
         seq = self._seqs.pop(request_id, None)
-        if seq is not None and seq.running:
+        if seq is not None and (seq.running or seq.resident):
             self.engine.remove(request_id)
         return seq
 
@@ -184,7 +187,7 @@ class BatchScheduler:
         """Drop everything (after an engine error the engine's state is suspect)."""
         out = list(self._seqs.values())
         for s in out:
-            if s.running:
+            if s.running or s.resident:
                 try:
                     self.engine.remove(s.request_id)
                 except InvalidArgument:
@@ -195,15 +198,20 @@ class BatchScheduler:
     # --- one step ------------------------------------------------------------------------------
     def _pause(self) -> list[str]:
         paused = []
-        while (victim := choose_preemption([s.state() for s in self.running],
-                                           [s.candidate() for s in self.waiting], self.limits)) is not None:
-            seq = self._seqs[victim]
-            self.engine.remove(victim)
-            self.preemptions += 1
-            self.recompute_tokens += seq.kv_tokens
-            seq.running, seq.kv_tokens, seq.to_prefill = False, 0, 0
-            seq.preemptions += 1
-            paused.append(victim)
+        while (p := choose_preemption([s.state() for s in self.running],
+                                      [s.candidate() for s in self.waiting], self.limits)) is not None:
+            seq = self._seqs[p.request_id]
+            if seq.running:
+                self.preemptions += 1
+                seq.preemptions += 1
+                paused.append(p.request_id)
+            seq.running = False
+            if p.free_kv:  # its cache goes: readmitted, it re-prefills its whole context
+                self.engine.remove(p.request_id)
+                self.recompute_tokens += seq.kv_tokens
+                seq.resident, seq.kv_tokens, seq.to_prefill = False, 0, 0
+            else:  # only left out of the steps; the engine keeps its cache
+                seq.resident = True
         return paused
 
     def _admit(self) -> list[str]:
@@ -216,6 +224,9 @@ class BatchScheduler:
                                   f"fit under {self.limits}")
         for rid in admit:
             seq = self._seqs[rid]
+            if seq.resident:  # it kept its KV: go on where it stopped
+                seq.running, seq.resident = True, False
+                continue
             ctx = seq.context
             self.engine.add(rid, ctx, seq.params)
             seq.running, seq.kv_tokens, seq.to_prefill = True, 0, len(ctx)

@@ -1,7 +1,7 @@
 """``qos bench janitor``: Redis time of one script call when thousands of entries are dead.
 
-Every script call does bounded work (claim finishes at most 24 requests and sweeps 8 + 8
-entries per call; reap_expired at most 64 of each kind), so a pile of dead entries is
+Every script call does bounded work (claim finishes at most 16 requests and sweeps 4 + 4
+entries per call; reap_expired at most 16 of each kind), so a pile of dead entries is
 cleared by many short calls instead of one long one that stalls every pool on the shard.
 This measures it: a private redis-server, ``SLOWLOG`` recording every command (threshold 0),
 and three piles of ``entries`` requests each:
@@ -47,7 +47,7 @@ class Pile:
 
 
 async def _admit_many(scripts: Scripts, n: int, frontend: str, max_wait_ms: int, tag: str) -> None:
-    batch = 200
+    batch = 32  # concurrent admits (the client opens one connection each)
     for start in range(0, n, batch):
         await asyncio.gather(*(scripts.admit(
             KEYS, request_id=f"{tag}{i}", tenant=f"t{i % 10}", cls="P1", input_tokens=10, max_tokens=10,
