@@ -147,6 +147,7 @@ def test_smoke_run_writes_every_documented_field(smoke: tuple[dict[str, Any], Pa
     for mode, m in on_disk["modes"].items():
         assert m["engine"] == "sim" and m["simulated"] is True
         assert m["throughput_tokens_s"] > 0, mode
+        assert m["server_work_s"] > 0 and m["slo_goodput_rps"] >= 0, mode  # the workers' own count
         assert m["preemptions"] >= 0 and m["recompute_tokens"] >= 0, mode
         assert set(m["classes"]) == {"P0", "P1", "P2"}
         for cls, c in m["classes"].items():

@@ -60,6 +60,7 @@ class ScheduledSeq:
     running: bool = False
     resident: bool = False  # paused with its KV kept: the engine still holds the sequence
     preemptions: int = 0
+    kv_high: int = 0  # the longest KV it ever reached: prefill below it is recomputation
 
     @property
     def context(self) -> list[int]:
@@ -98,6 +99,7 @@ class StepResult:
     emissions: dict[str, Emission]  # what may be streamed; includes every finished request
     admitted: tuple[str, ...]
     preempted: tuple[str, ...]
+    fresh_prefill: dict[str, int] = field(default_factory=dict)  # prompt tokens prefilled for the first time
 
     @property
     def duration_s(self) -> float:
@@ -247,12 +249,17 @@ class BatchScheduler:
         end = time.perf_counter()
 
         for rid in plan.decode:
-            if rid in self._seqs:
-                self._seqs[rid].kv_tokens += 1
+            if (seq := self._seqs.get(rid)) is not None:
+                seq.kv_tokens += 1
+                seq.kv_high = max(seq.kv_high, seq.kv_tokens)
+        fresh: dict[str, int] = {}
         for chunk in plan.prefill:
             if (seq := self._seqs.get(chunk.request_id)) is not None:
+                end = chunk.start + chunk.length
+                fresh[chunk.request_id] = max(0, end - max(chunk.start, seq.kv_high))
                 seq.kv_tokens += chunk.length
                 seq.to_prefill -= chunk.length
+                seq.kv_high = max(seq.kv_high, end)
         emissions: dict[str, Emission] = {}
         for rid, token in produced.items():
             seq = self._seqs.get(rid)
@@ -269,7 +276,7 @@ class BatchScheduler:
                 self.remove(rid)
             if rel.token_ids or rel.text or reason is not None:
                 emissions[rid] = Emission(rid, tuple(rel.token_ids), rel.text, reason)
-        return StepResult(plan, start, end, dict(produced), emissions, tuple(admitted), tuple(paused))
+        return StepResult(plan, start, end, dict(produced), emissions, tuple(admitted), tuple(paused), fresh)
 
     def _finish_reason(self, seq: ScheduledSeq, token: int) -> str | None:
         if self.engine.eos_id is not None and token == self.engine.eos_id:

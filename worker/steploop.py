@@ -61,6 +61,7 @@ class StepLoop:
         self._step_time = 0.0
         self._steps = 0
         self._busy = BusyMeter()  # capacity_tokens_s of the heartbeat
+        self._work_done = 0.0  # weighted tokens of useful work since start (heartbeat work_done)
         # The last step's pushes, completions and cancel check, running while the next step
         # computes (Redis round trips off the step's critical path); awaited before the next
         # step's calls are made, so one request's calls never overlap.
@@ -213,6 +214,12 @@ class StepLoop:
         self._step_time += res.duration_s
         held = self.rt.held
         plan = res.plan
+        for rid, n in res.fresh_prefill.items():  # useful work done (recomputation is not)
+            if (d := held.get(rid)) is not None:
+                self._work_done += n * self.rt.weights(d.claimed.cls)[0]
+        for rid in res.produced:
+            if (d := held.get(rid)) is not None:
+                self._work_done += self.rt.weights(d.claimed.cls)[1]
         full = plan.num_tokens >= FULL_SHARE * self.limits.token_budget or \
             len(plan.decode) + len(plan.prefill) >= FULL_SHARE * self.limits.max_seqs
         work = 0.0
@@ -352,4 +359,5 @@ class StepLoop:
                 "step_ms": round(step_ms, 2), "kv_used": kv_used, "kv_capacity": self.kv_capacity,
                 "kv_use": round(kv_used / self.kv_capacity, 4), "token_budget": self.limits.token_budget,
                 "max_seqs": self.limits.max_seqs, "chunked_prefill": int(self.limits.chunked_prefill),
-                "preemptions": self.sched.preemptions, "recompute_tokens": self.sched.recompute_tokens}
+                "preemptions": self.sched.preemptions, "recompute_tokens": self.sched.recompute_tokens,
+                "work_done": round(self._work_done, 1)}

@@ -271,7 +271,7 @@ def build_results(p: BenchParams, runs: Sequence[ModeRun], arrivals: Sequence[tr
                                      for c, cfg in cfgs.items()},
                                samples=run.samples, tenant_of=tenant_classes(classes), t0=run.t0,
                                duration_s=p.duration_s, out_weight=capacity.out_weight,
-                               capacity=capacity.weighted_tokens_s)
+                               capacity=capacity.weighted_tokens_s, timeline=run.timeline)
         modes[run.name] = {
             "engine": p.engine, "simulated": p.engine == "sim", **summary,
             "internal_classes": [FIFO_CLASS] if run.name == "fifo" else classes,

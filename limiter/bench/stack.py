@@ -127,15 +127,25 @@ class Probe:
         self.keys = PoolKeys(POOL)
         self.client = aioredis.from_url(self.redis_url)
 
+    async def work_done(self) -> float:
+        """Weighted tokens of useful work the live workers did since they started (the sum of
+        their heartbeats' ``work_done``: first-time prefill and generated tokens, no
+        recomputation), as of their last heartbeat."""
+        total = 0.0
+        for w in await self.client.zrange(self.keys.workers, 0, -1):
+            total += _float(_s(await self.client.hget(self.keys.worker(_s(w)), "work_done") or b"0")) or 0.0
+        return total
+
     async def sample(self) -> None:
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.policy)
             pipe.hgetall(self.keys.compliance)
             pipe.hgetall(self.keys.queued)
             policy, compliance, queued = await pipe.execute()
+        work = await self.work_done()
         pol = {_s(k): _s(v) for k, v in policy.items()}
         comp = {_s(k): _s(v) for k, v in compliance.items()}
-        row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2),
+        row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2), "work_done": round(work, 1),
                                "capacity": _float(pol.get("capacity")),
                                "measured_capacity": _float(comp.get("capacity")),
                                "rates": {c: _float(pol.get(f"{c}.rate")) for c in self.classes},
