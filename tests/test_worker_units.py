@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import time
+from typing import Any
 
 import pytest
 
@@ -84,6 +86,23 @@ async def _run(sched: BatchScheduler) -> dict[str, list[int]]:
         for rid, e in res.emissions.items():
             out.setdefault(rid, []).extend(e.token_ids)
     raise AssertionError("the scheduler did not finish")
+
+
+def test_a_step_reports_the_engine_calls_times_and_the_first_time_prefill() -> None:
+    async def go() -> list[Any]:
+        sched = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=32, max_seqs=4))
+        sched.add("a", encode("x" * 60), SamplingParams(max_tokens=3), class_rank=1, arrival=0)
+        out = []
+        while len(sched):
+            t0 = time.perf_counter()
+            res = await sched.step()
+            out.append((t0, res, time.perf_counter()))
+        return out
+
+    steps = asyncio.run(go())
+    for t0, res, t1 in steps:
+        assert t0 <= res.start <= res.end <= t1  # the worker times TPOT and capacity from these
+    assert sum(sum(r.fresh_prefill.values()) for _, r, _ in steps) == len(encode("x" * 60))  # each once
 
 
 @pytest.mark.parametrize(("kv_capacity", "recomputed"), [(4096, False), (160, True)])

@@ -255,11 +255,11 @@ class BatchScheduler:
         fresh: dict[str, int] = {}
         for chunk in plan.prefill:
             if (seq := self._seqs.get(chunk.request_id)) is not None:
-                end = chunk.start + chunk.length
-                fresh[chunk.request_id] = max(0, end - max(chunk.start, seq.kv_high))
+                upto = chunk.start + chunk.length
+                fresh[chunk.request_id] = max(0, upto - max(chunk.start, seq.kv_high))
                 seq.kv_tokens += chunk.length
                 seq.to_prefill -= chunk.length
-                seq.kv_high = max(seq.kv_high, end)
+                seq.kv_high = max(seq.kv_high, upto)
         emissions: dict[str, Emission] = {}
         for rid, token in produced.items():
             seq = self._seqs.get(rid)
