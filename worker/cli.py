@@ -33,7 +33,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("sim engine")
     g.add_argument("--time-scale", type=float, help="multiply modelled step times (default 1.0)")
     g = p.add_argument_group("batching (torch, sim)")
-    g.add_argument("--token-budget", type=int, help="tokens per engine step (default 512)")
+    g.add_argument("--token-budget", type=int,
+                   help="most tokens per engine step (default 512); each step is sized below it from the "
+                   "decoding classes' TPOT targets and the measured step cost")
+    g.add_argument("--adaptive-budget", action=bool_flag, default=None,
+                   help="size each step from the TPOT targets (default on; --no-adaptive-budget: always "
+                   "--token-budget)")
     g.add_argument("--max-seqs", type=int, help="sequences per batch (default 32)")
     g.add_argument("--kv-capacity", dest="kv_capacity_tokens", type=int,
                    help="KV cache tokens (default: the engine's estimate)")
@@ -63,7 +68,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 _FIELDS = (
     "pool", "engine", "device", "worker_id", "model", "checkpoint", "seed", "torch_threads", "time_scale",
-    "token_budget", "max_seqs", "kv_capacity_tokens", "chunked_prefill", "claim_ahead", "upstream_url",
+    "token_budget", "adaptive_budget", "max_seqs", "kv_capacity_tokens", "chunked_prefill", "claim_ahead",
+    "upstream_url",
     "upstream_model", "upstream_priority", "max_inflight", "flush_ms", "flush_tokens", "lease_ms",
     "drain_timeout_s", "metrics_port", "metrics_host",
 )

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from limiter.errors import InvalidArgument
 from worker.batching import (
@@ -38,6 +38,7 @@ from worker.batching import (
     choose_preemption,
 )
 from worker.engines.base import Engine, SamplingParams
+from worker.step_budget import StepBudget
 from worker.textstream import Release, StopScanner
 from worker.tokenizer import IncrementalDecoder
 
@@ -100,6 +101,7 @@ class StepResult:
     admitted: tuple[str, ...]
     preempted: tuple[str, ...]
     fresh_prefill: dict[str, int] = field(default_factory=dict)  # prompt tokens prefilled for the first time
+    token_budget: int = 0  # the step's token budget (worker/step_budget.py when adaptive)
 
     @property
     def duration_s(self) -> float:
@@ -123,9 +125,13 @@ def resume_finish_reason(generated: Sequence[int], max_tokens: int, eos_id: int 
 class BatchScheduler:
     """Continuous batching with chunked prefill over one engine (module docstring)."""
 
-    def __init__(self, engine: Engine, limits: Limits) -> None:
+    def __init__(self, engine: Engine, limits: Limits, budget: StepBudget | None = None) -> None:
+        """``budget``: size each step from the decoders' TPOT targets and the measured step
+        cost (``limits.token_budget`` is then the most a step may take); None = always
+        ``limits.token_budget``."""
         self.engine = engine
         self.limits = limits
+        self.budget = budget
         self.max_seq_len: int | None = getattr(engine, "max_seq_len", None)
         self._seqs: dict[str, ScheduledSeq] = {}
         self.preemptions = 0  # sequences paused so far
@@ -241,12 +247,19 @@ class BatchScheduler:
         propagate (the caller decides what happens to the requests)."""
         paused = self._pause()
         admitted = self._admit()
-        plan = build_plan([s.state() for s in self.running], self.limits)
+        running = self.running
+        limits = self.limits
+        if self.budget is not None:
+            tokens = self.budget.budget([s.class_rank for s in running if s.to_prefill == 0])
+            limits = replace(limits, token_budget=tokens)
+        plan = build_plan([s.state() for s in running], limits)
         if plan.empty:  # admission and preemption keep KV demand within capacity
             raise RuntimeError(f"no progress possible under {self.limits} with {len(self.running)} running")
         start = time.perf_counter()
         produced = await self.engine.step(plan)
         end = time.perf_counter()
+        if self.budget is not None:
+            self.budget.observe(plan.prefill_tokens, len(plan.decode), (end - start) * 1000)
 
         for rid in plan.decode:
             if (seq := self._seqs.get(rid)) is not None:
@@ -276,7 +289,8 @@ class BatchScheduler:
                 self.remove(rid)
             if rel.token_ids or rel.text or reason is not None:
                 emissions[rid] = Emission(rid, tuple(rel.token_ids), rel.text, reason)
-        return StepResult(plan, start, end, dict(produced), emissions, tuple(admitted), tuple(paused), fresh)
+        return StepResult(plan, start, end, dict(produced), emissions, tuple(admitted), tuple(paused), fresh,
+                          limits.token_budget)
 
     def _finish_reason(self, seq: ScheduledSeq, token: int) -> str | None:
         if self.engine.eos_id is not None and token == self.engine.eos_id:

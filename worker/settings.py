@@ -36,7 +36,9 @@ class WorkerSettings:
     # sim engine
     time_scale: float = 1.0  # multiplies the cost model's step times
     # batching (torch, sim)
-    token_budget: int = 512  # tokens per engine step (decodes + prefill chunks)
+    token_budget: int = 512  # most tokens per engine step (decodes + prefill chunks)
+    adaptive_budget: bool = True  # size each step from the decoders' TPOT targets (worker/step_budget.py)
+    budget_safety: float = 0.8  # aim a step at this share of the tightest TPOT target
     max_seqs: int = 32  # sequences in one batch
     kv_capacity_tokens: int = 0  # 0 = the engine's own estimate
     chunked_prefill: bool = True  # False = whole-prompt prefill (the seed's "before")
@@ -89,6 +91,7 @@ class WorkerSettings:
         check(self.max_seqs <= self.token_budget <= 1 << 20, "token_budget",
               f"must be in [max_seqs ({self.max_seqs}), 1048576]")
         check(self.kv_capacity_tokens >= 0, "kv_capacity_tokens", "must be >= 0 (0 = engine default)")
+        check(0 < self.budget_safety <= 1, "budget_safety", "must be in (0, 1]")
         check(0 <= self.claim_ahead <= 1024, "claim_ahead", "must be in [0, 1024]")
         check(0 <= self.claim_interval_ms <= 10_000, "claim_interval_ms", "must be in [0, 10000]")
         check(0 < self.flush_ms <= 10_000, "flush_ms", "must be in (0, 10000]")

@@ -36,6 +36,7 @@ from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.runtime import WorkerRuntime
 from worker.scheduler import BatchScheduler, StepResult, resume_finish_reason
+from worker.step_budget import BudgetConfig, StepBudget
 
 log = logging.getLogger("qos.worker")
 # A step at least this full (token budget or batch) measures capacity (worker/busy_meter.py).
@@ -49,7 +50,12 @@ class StepLoop:
         self.rt = rt
         self.engine = engine
         self.limits = limits
-        self.sched = BatchScheduler(engine, limits)
+        budget = None
+        if rt.settings.adaptive_budget and limits.chunked_prefill:
+            budget = StepBudget(BudgetConfig(tpot_ms=tuple(c.slo_tpot_ms for c in rt.cfg.classes),
+                                             min_budget=limits.max_seqs, max_budget=limits.token_budget,
+                                             safety=rt.settings.budget_safety))
+        self.sched = BatchScheduler(engine, limits, budget)
         self.kv_capacity = min(limits.kv_capacity, engine.kv_capacity_tokens)
         self._lost: set[str] = set()
         self._stop: set[str] = set()
@@ -220,7 +226,7 @@ class StepLoop:
         for rid in res.produced:
             if (d := held.get(rid)) is not None:
                 self._work_done += self.rt.weights(d.claimed.cls)[1]
-        full = plan.num_tokens >= FULL_SHARE * self.limits.token_budget or \
+        full = plan.num_tokens >= FULL_SHARE * res.token_budget or \
             len(plan.decode) + len(plan.prefill) >= FULL_SHARE * self.limits.max_seqs
         work = 0.0
         if full:  # weighted tokens: prefill x weight + generated x out_weight
@@ -357,7 +363,9 @@ class StepLoop:
         return {"batch_size": len(running), "running": len(running), "waiting": len(self.sched.waiting),
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1),
                 "step_ms": round(step_ms, 2), "kv_used": kv_used, "kv_capacity": self.kv_capacity,
-                "kv_use": round(kv_used / self.kv_capacity, 4), "token_budget": self.limits.token_budget,
+                "kv_use": round(kv_used / self.kv_capacity, 4),
+                "token_budget": self.sched.budget.last if self.sched.budget else self.limits.token_budget,
+                "token_budget_max": self.limits.token_budget,
                 "max_seqs": self.limits.max_seqs, "chunked_prefill": int(self.limits.chunked_prefill),
                 "preemptions": self.sched.preemptions, "recompute_tokens": self.sched.recompute_tokens,
                 "work_done": round(self._work_done, 1)}

@@ -1,0 +1,78 @@
+"""worker/step_budget.py: the step's token budget from the decoders' TPOT targets and the
+measured step cost."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from limiter.errors import InvalidArgument
+from worker.step_budget import BudgetConfig, StepBudget
+
+TARGETS = (50.0, 150.0, None)  # P0, P1, P2 (no TPOT target)
+
+
+def fed(cost, steps: int = 60, seed: int = 1, min_budget: int = 16) -> StepBudget:
+    """A budget that watched ``steps`` steps of varied sizes costing ``cost(prefill, decodes)`` ms."""
+    rng = random.Random(seed)
+    b = StepBudget(BudgetConfig(TARGETS, min_budget=min_budget, max_budget=2048))
+    for _ in range(steps):
+        p, d = rng.randint(0, 1500), rng.randint(0, 16)
+        b.observe(p, d, cost(p, d) * (1 + rng.uniform(-0.02, 0.02)))
+    return b
+
+
+def test_the_fit_recovers_the_step_cost_of_the_device() -> None:
+    fixed, per_prefill, per_decode = fed(lambda p, d: 10 + 0.06 * p + 1.0 * d).cost()
+    assert fixed == pytest.approx(10, abs=1.0)
+    assert per_prefill == pytest.approx(0.06, rel=0.05)
+    assert per_decode == pytest.approx(1.0, rel=0.15)
+
+
+def test_the_step_fits_the_tightest_decoding_target() -> None:
+    b = fed(lambda p, d: 10 + 0.06 * p + 1.0 * d)
+    # a P0 decodes: 0.8 x 50 = 40 ms; 16 decoders cost 26 ms; (40 - 26) / 0.06 = 233 prefill tokens
+    assert b.budget([0] * 4 + [2] * 12) == pytest.approx(16 + 233, abs=12)
+    # only P1 (150 ms) and P2 (none) decode: a bigger step
+    assert b.budget([1] * 4 + [2] * 12) == pytest.approx(16 + (120 - 26) / 0.06, abs=40)
+    # nobody decoding has a target (or nobody decodes at all): the most the config allows
+    assert b.budget([2] * 16) == 2048 and b.budget([]) == 2048
+    assert b.last == 2048
+
+
+def test_a_slow_device_gets_small_steps_never_below_the_batch() -> None:
+    cpu = fed(lambda p, d: 20 + 1.0 * p + 3.0 * d, min_budget=4)  # ~0.5 s for a 512-token chunk
+    assert cpu.budget([0] * 4) == pytest.approx(4 + (40 - 20 - 12) / 1.0, abs=2)
+    assert cpu.budget([0] * 8) == 8  # decoding alone takes 44 ms: one token each, no prefill
+
+
+def test_it_follows_a_device_that_gets_slower() -> None:
+    b = fed(lambda p, d: 10 + 0.06 * p + 1.0 * d)
+    before = b.budget([0] * 8)
+    rng = random.Random(2)
+    for _ in range(150):  # the same steps now cost twice as much (another model, a throttled GPU)
+        p, d = rng.randint(0, 1500), rng.randint(0, 16)
+        b.observe(p, d, 2 * (10 + 0.06 * p + 1.0 * d))
+    assert b.budget([0] * 8) < 0.5 * before
+
+
+def test_without_spread_in_prefill_sizes_it_trusts_nothing() -> None:
+    b = StepBudget(BudgetConfig(TARGETS, min_budget=16, max_budget=512))
+    for _ in range(20):
+        b.observe(0, 8, 18.0)  # decode-only steps say nothing about prefill cost
+    assert b.cost() is None and b.budget([0] * 8) == 512
+    b2 = StepBudget(BudgetConfig(TARGETS, min_budget=16, max_budget=512))
+    for p in range(100, 2000, 100):  # every step decoded 8: the line in prefill tokens alone
+        b2.observe(p, 8, 18 + 0.05 * p)
+    fixed, per_prefill, _ = b2.cost()
+    assert fixed == pytest.approx(18, abs=0.5) and per_prefill == pytest.approx(0.05, rel=0.01)
+
+
+def test_bad_config_is_refused() -> None:
+    with pytest.raises(InvalidArgument):
+        BudgetConfig(TARGETS, min_budget=64, max_budget=32)
+    with pytest.raises(InvalidArgument):
+        BudgetConfig(TARGETS, min_budget=1, max_budget=32, safety=0)
+    with pytest.raises(InvalidArgument):
+        BudgetConfig((0.0,), min_budget=1, max_budget=32)
