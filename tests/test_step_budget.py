@@ -57,11 +57,14 @@ def test_it_follows_a_device_that_gets_slower() -> None:
     assert b.budget([0] * 8) < 0.5 * before
 
 
-def test_without_spread_in_prefill_sizes_it_trusts_nothing() -> None:
-    b = StepBudget(BudgetConfig(TARGETS, min_budget=16, max_budget=512))
+def test_while_it_cannot_fit_the_cost_it_errs_small() -> None:
+    b = StepBudget(BudgetConfig(TARGETS, min_budget=8, max_budget=512))
+    assert b.budget([0] * 8) == 512  # nothing seen at all yet
     for _ in range(20):
-        b.observe(0, 8, 18.0)  # decode-only steps say nothing about prefill cost
-    assert b.cost() is None and b.budget([0] * 8) == 512
+        b.observe(0, 8, 18.0)  # decode-only steps say nothing about prefill cost...
+    assert b.cost() is None
+    assert b.budget([0] * 8) == int(40 / (18.0 / 8))  # ...so the target at their cost per token
+    assert b.budget([1, 2]) == int(120 / (18.0 / 8)) and b.budget([2]) == 512
     b2 = StepBudget(BudgetConfig(TARGETS, min_budget=16, max_budget=512))
     for p in range(100, 2000, 100):  # every step decoded 8: the line in prefill tokens alone
         b2.observe(p, 8, 18 + 0.05 * p)

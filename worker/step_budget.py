@@ -18,8 +18,11 @@ to a long prefill. So the budget follows two things the worker knows:
 For the next step, with ``D`` sequences decoding: ``P = (target - fixed - per_decode x D) /
 per_prefill_token`` and the budget is ``D + P``, clamped to ``[min_budget, max_budget]``: the
 minimum is the batch size (every decoder must fit a step), the maximum the configured
-``token_budget``. Until the fit stands on steps of different prefill sizes, the maximum is
-used. Pure: no clock, no engine; the scheduler feeds it each step's counts and duration.
+``token_budget``. Until the fit stands on steps of different prefill sizes, the budget is the
+target over the highest cost per token seen lately (decoding costs more per token than
+prefill, so this errs small: a first long prefill next to a P0 stream does not stall it while
+the worker is still learning its device); before any step at all, the maximum. Pure: no
+clock, no engine; the scheduler feeds it each step's counts and duration.
 """
 
 from __future__ import annotations
@@ -75,6 +78,7 @@ class StepBudget:
         self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x x^T, x = (1, prefill, decodes)
         self._xy = [0.0] * 3
         self._steps = 0.0
+        self._ms_per_token = 0.0  # decayed maximum of a step's ms / tokens: the cold-start bound
         self.last = config.max_budget  # the budget chosen last (for the heartbeat)
 
     def observe(self, prefill_tokens: int, decodes: int, ms: float) -> None:
@@ -89,6 +93,7 @@ class StepBudget:
             for j in range(3):
                 self._xx[i][j] = self._xx[i][j] * f + x[i] * x[j]
         self._steps = self._steps * f + 1.0
+        self._ms_per_token = max(self._ms_per_token * f, ms / (prefill_tokens + decodes))
 
     def cost(self) -> tuple[float, float, float] | None:
         """(fixed ms, ms per prefill token, ms per decoding sequence), or None while the
@@ -122,8 +127,10 @@ class StepBudget:
         c = self.config
         target = self.target_ms(decoding_ranks)
         fit = self.cost()
-        if target is None or fit is None:
+        if target is None or (fit is None and self._ms_per_token <= 0):
             self.last = c.max_budget
+        elif fit is None:  # still learning the device: err small
+            self.last = int(min(c.max_budget, max(c.min_budget, target / self._ms_per_token)))
         else:
             fixed, per_prefill, per_decode = fit
             decodes = len(decoding_ranks)

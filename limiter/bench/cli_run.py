@@ -63,7 +63,7 @@ def _tenants(args: argparse.Namespace) -> int:
                         workers=args.workers, steady=args.steady, heavy=args.heavy, medium=args.medium,
                         calibrate=args.calibrate, out_dir=args.out)
     if args.engine == "torch":
-        p = tb.dataclasses.replace(p, token_budget=512)
+        p = tb.dataclasses.replace(p, token_budget=64)
     results = asyncio.run(tb.run_tenants(p, console))
     for t in tb.render(results, markdown=args.markdown):
         console.print(t)
@@ -92,7 +92,7 @@ def _add_run(bsub: argparse._SubParsersAction) -> None:
     a("--frontends", type=int, default=1, help="frontend processes (default 1)")
     a("--time-scale", type=float, default=1.0, help="sim: multiply modelled step times (default 1)")
     a("--token-budget", type=int, default=None,
-      help="most worker tokens per step, sized below it from the TPOT targets (default 2048 sim, 512 torch)")
+      help="most worker tokens per step, sized below it from the TPOT targets (default 256 sim, 64 torch)")
     a("--max-seqs", type=int, default=16, help="worker batch size (default 16)")
     a("--torch-threads", type=int, default=1, help="torch CPU threads per worker (default 1)")
     a("--calibrate", choices=("stack", "engine"), default="stack",
@@ -139,7 +139,7 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
     workers = args.workers if args.workers is not None else (4 if args.engine == "sim" else 1)
     if not 1 <= workers <= 64:
         raise ConfigError("--workers", "must be in [1, 64]")
-    budget = args.token_budget or (2048 if args.engine == "sim" else 512)
+    budget = args.token_budget or (256 if args.engine == "sim" else 64)
     return BenchParams(
         engine=args.engine, modes=modes, load=args.load, duration_s=args.duration,
         drain_s=args.drain if args.drain is not None else args.duration, seed=args.seed, trace=args.trace,

@@ -54,7 +54,7 @@ class BenchParams:
     workers: int = 4
     frontends: int = 1
     time_scale: float = 1.0
-    token_budget: int = 2048  # the most a step may take; each is sized from the TPOT targets
+    token_budget: int = 256  # the most a step may take; each is sized below it from the TPOT targets
     max_seqs: int = 16
     torch_threads: int = 1
     capacity_rps: float | None = None  # skip the calibration: the pool serves this many req/s

@@ -65,7 +65,7 @@ class TenantParams:
     steady: float = 0.2
     heavy: float = 3.0
     medium: float = 1.0
-    token_budget: int = 2048  # the most a step may take; each is sized from the TPOT targets
+    token_budget: int = 256  # the most a step may take; each is sized below it from the TPOT targets
     max_seqs: int = 16
     calibrate: str = "stack"
     out_dir: str | None = None
