@@ -38,7 +38,7 @@ class WorkerSettings:
     # batching (torch, sim)
     token_budget: int = 512  # most tokens per engine step (decodes + prefill chunks)
     adaptive_budget: bool = True  # size each step from the decoders' TPOT targets (worker/step_budget.py)
-    budget_safety: float = 0.8  # aim a step at this share of the tightest TPOT target
+    budget_safety: float = 0.9  # aim a step at this share of the tightest TPOT target
     max_seqs: int = 32  # sequences in one batch
     kv_capacity_tokens: int = 0  # 0 = the engine's own estimate
     chunked_prefill: bool = True  # False = whole-prompt prefill (the seed's "before")

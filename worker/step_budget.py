@@ -39,7 +39,7 @@ class BudgetConfig:
     tpot_ms: Sequence[float | None]  # per class rank (0 = highest): its TPOT target, None = none
     min_budget: int
     max_budget: int
-    safety: float = 0.8  # aim the step at this share of the tightest target
+    safety: float = 0.9  # aim the step at this share of the tightest target
     forget: float = 0.97  # weight of the past in the fit, per step
 
     def __post_init__(self) -> None:
