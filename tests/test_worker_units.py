@@ -211,3 +211,42 @@ async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
     fake.landed = 9  # someone else's tokens: not ours to reconcile
     with pytest.raises(LeaseLost):
         await d.push(fake, PoolKeys("tiny"), "w")  # type: ignore[arg-type]
+
+
+class _FullWorkerRuntime:
+    """Enough of a WorkerRuntime for StepLoop._pull: a full batch, markers always there, and
+    claims that find nothing (the queued work is of lower classes than the look-ahead asks)."""
+
+    def __init__(self) -> None:
+        from worker.settings import WorkerSettings
+
+        self.cfg = demo_config()
+        self.settings = WorkerSettings(max_seqs=1, token_budget=8, claim_ahead=1, claim_interval_ms=20)
+        self.held: dict[str, Any] = {}
+        self.claims: list[str] = []
+
+    async def take_wake_marker(self) -> bool:
+        return True
+
+    async def claim(self, n: int, room: int, above: str, kv_total: int) -> list[Any]:
+        self.claims.append(above)
+        return []
+
+
+async def test_a_full_workers_look_ahead_never_backs_off_past_the_claim_interval() -> None:
+    """A full worker holding lower-class work looks ahead for a higher class every
+    claim_interval_ms, however often it finds none: a growing back-off kept it from claiming
+    a newly queued P0 for up to a second."""
+    from worker.steploop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=1))  # type: ignore[arg-type]
+    for rid, rank in (("run", 2), ("wait", 2)):
+        loop.sched.add(rid, [1, 2, 3], SamplingParams(max_tokens=4), class_rank=rank, arrival=0)
+        rt.held[rid] = _delivery()
+    await loop.sched.step()  # one runs, one waits: the batch is full and its look-ahead taken
+    for _ in range(8):
+        loop._next_claim = 0.0
+        await loop._pull()
+        assert loop._next_claim - time.monotonic() <= 0.021
+    assert rt.claims == ["P2"] * 8  # above_class: only classes ranked above the waiting P2

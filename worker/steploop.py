@@ -166,6 +166,12 @@ class StepLoop:
             for d in got:
                 await self._start(d)
             return
+        if above:
+            # A look-ahead for a higher class found none: expected (the markers were for lower
+            # classes), and no reason to back off. A growing back-off here kept a full worker
+            # from claiming a P0 for up to idle_block_s: P0 queue waits of 0.5 s at 1.0x load.
+            self._next_claim = time.monotonic() + s.claim_interval_ms / 1e3
+            return
         self._empty_claims += 1
         if self._empty_claims >= 2:  # a wake marker, yet nothing for us: back off
             backoff = s.claim_interval_ms / 1e3 * 2 ** (self._empty_claims - 2)
