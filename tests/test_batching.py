@@ -162,6 +162,28 @@ def test_a_pause_keeps_the_kv_when_only_a_slot_was_short() -> None:
     assert overflow == Preemption("low", True)
 
 
+def test_tenants_of_a_class_share_its_slots_evenly() -> None:
+    """A full batch of one class: a tenant holding two more of its slots than the waiting
+    request's tenant gives one up (kept KV); admission goes to the tenant with fewer slots."""
+    def run(rid: str, tenant: str, arrival: float) -> SeqState:
+        return SeqState(rid, 1, arrival, 0, True, 100, tenant)
+
+    flood = [run(f"f{i}", "flood", i) for i in range(3)]
+    light = Candidate("l", 1, 10, 50, tenant="light")
+    assert choose_preemption(flood, [light], Limits(max_seqs=3)) == Preemption("f2", free_kv=False)
+    # flood 2, light 1 already: less than two apart, nothing moves
+    assert choose_preemption([*flood[:2], run("l0", "light", 5)], [light], Limits(max_seqs=3)) is None
+    # once even (within one), nothing moves: no ping-pong
+    even = [run("f0", "flood", 0), run("l0", "light", 1)]
+    assert choose_preemption(even, [Candidate("f9", 1, 2, 10, tenant="flood")], Limits(max_seqs=2)) is None
+    # admission within a class: the tenant with fewer slots first, arrival order otherwise
+    waiting = [Candidate("f3", 1, 3, 10, tenant="flood"), Candidate("l1", 1, 9, 10, tenant="light")]
+    assert choose_admissions(waiting, flood[:2], Limits(max_seqs=3)) == ("l1",)
+    # a higher class still comes first, whatever the tenants
+    assert choose_admissions([*waiting, Candidate("p0", 0, 20, 10, tenant="flood")], flood[:2],
+                             Limits(max_seqs=3)) == ("p0",)
+
+
 def test_no_preemption_without_need_or_benefit() -> None:
     running = [dec("a", 1, 0), dec("b", 1, 1)]
     assert choose_preemption(running, [Candidate("w", 1, 2, 10)], Limits(max_seqs=2)) is None  # same class

@@ -105,6 +105,22 @@ def test_a_step_reports_the_engine_calls_times_and_the_first_time_prefill() -> N
     assert sum(sum(r.fresh_prefill.values()) for _, r, _ in steps) == len(encode("x" * 60))  # each once
 
 
+def test_the_top_class_prompt_is_prefilled_in_one_step_others_in_budget_slices() -> None:
+    async def go(top_prefill: int) -> list[Any]:
+        limits = Limits(token_budget=64, max_seqs=4)
+        sched = BatchScheduler(SimEngine(time_scale=0), limits, None, top_prefill)
+        sched.add("p0", encode("x" * 1000), SamplingParams(max_tokens=2), class_rank=0, arrival=0)
+        sched.add("p2", encode("y" * 1000), SamplingParams(max_tokens=2), class_rank=2, arrival=0)
+        return [await sched.step() for _ in range(3)]
+
+    steps = asyncio.run(go(2048))
+    assert [(c.request_id, c.length) for c in steps[0].plan.prefill] == [("p0", 1000)]
+    assert steps[0].token_budget == 1000
+    assert all(c.length <= 64 for r in steps[1:] for c in r.plan.prefill)  # P2: budget slices
+    sliced = asyncio.run(go(0))[0]  # off: the top class is sliced like everyone
+    assert [(c.request_id, c.length) for c in sliced.plan.prefill] == [("p0", 64)]
+
+
 @pytest.mark.parametrize(("kv_capacity", "recomputed"), [(4096, False), (160, True)])
 def test_a_paused_sequence_keeps_its_kv_when_it_can_and_finishes_the_same_either_way(
         kv_capacity: int, recomputed: bool) -> None:

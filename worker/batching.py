@@ -17,7 +17,8 @@ tested exhaustively without a model, a GPU or Redis:
   could never run, and that whole-prompt step is exactly the stall the seed describes.
 * :func:`choose_admissions` - which waiting sequences to start given free batch slots and
   KV room, strictly in priority order (no skipping ahead: a stream of small low-class
-  prompts must not starve a large high-class one).
+  prompts must not starve a large high-class one); inside a class, the tenant holding the
+  fewest of the class's slots first.
 * :func:`choose_preemption` - when the batch is full (sequences or KV) and a strictly
   higher class waits, or when the running set itself no longer fits in KV, the victim is
   the lowest-class running sequence that holds the least KV (the least to recompute),
@@ -64,6 +65,7 @@ class SeqState:
     to_prefill: int
     decoding: bool
     kv_tokens: int
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         _check_nonneg_int("class_rank", self.class_rank)
@@ -91,6 +93,7 @@ class Candidate:
     arrival: float
     prompt_tokens: int
     resident_kv: int = 0
+    tenant: str = ""
 
     def __post_init__(self) -> None:
         _check_nonneg_int("class_rank", self.class_rank)
@@ -234,14 +237,33 @@ def choose_admissions(
     slots = limits.max_seqs - len(running)
     kv_free = limits.kv_capacity - kv_demand(running, waiting)
     chosen: list[str] = []
-    for c in sorted(waiting, key=lambda c: c.priority):
+    share = _tenant_slots(running)
+    left = list(waiting)
+    while left:
+        c = min(left, key=lambda c: _fair_priority(c, share))
         need = c.need
         if slots <= 0 or need > kv_free:
             break
         chosen.append(c.request_id)
+        left.remove(c)
+        share[(c.class_rank, c.tenant)] = share.get((c.class_rank, c.tenant), 0) + 1
         slots -= 1
         kv_free -= need
     return tuple(chosen)
+
+
+def _tenant_slots(running: Sequence[SeqState]) -> dict[tuple[int, str], int]:
+    """(class, tenant) -> how many of the batch's slots that tenant holds in that class."""
+    out: dict[tuple[int, str], int] = {}
+    for s in running:
+        out[(s.class_rank, s.tenant)] = out.get((s.class_rank, s.tenant), 0) + 1
+    return out
+
+
+def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, float]:
+    """Priority order with tenants sharing their class: class first, then the tenant holding
+    the fewest of the class's slots in this batch, then arrival."""
+    return (c.class_rank, share.get((c.class_rank, c.tenant), 0), c.arrival)
 
 
 def victim_key(s: SeqState) -> tuple[int, int, float]:
@@ -261,11 +283,15 @@ def choose_preemption(
        within ``kv_capacity``: free the kept KV of the lowest waiting sequence, else pause
        the running victim (:func:`victim_key`) and free its KV, because otherwise nobody can
        make progress;
-    2. the highest-priority waiting candidate cannot be admitted (no slot or no KV room),
-       and pausing every strictly lower-class running sequence (and freeing what lower-class
+    2. the highest-priority waiting candidate (class, then the tenant holding the fewest of
+       its class's slots here, then arrival) cannot be admitted (no slot or no KV room), and
+       pausing every strictly lower-class running sequence (and freeing what lower-class
        waiting ones kept) would make room for it: when KV is short, free a lower waiting
        sequence's kept KV first; otherwise pause the lowest running victim, keeping its KV
-       when the candidate fits anyway (a slot was all that was missing).
+       when the candidate fits anyway (a slot was all that was missing);
+    3. no lower class runs but a tenant holds at least two more of the head's class's slots
+       than the head's tenant: pause one of that tenant's sequences (tenants of a class share
+       its slots evenly; within a tenant, arrival order).
     """
     demand = kv_demand(running, waiting)
     residents = [c for c in waiting if c.resident_kv]
@@ -277,7 +303,8 @@ def choose_preemption(
         return None if victim is None else Preemption(victim.request_id, True)
     if not waiting or not running:
         return None
-    head = min(waiting, key=lambda c: c.priority)
+    share = _tenant_slots(running)
+    head = min(waiting, key=lambda c: _fair_priority(c, share))
     free = limits.kv_capacity - demand
     slot_short = len(running) >= limits.max_seqs
     if not slot_short and head.need <= free:
@@ -285,7 +312,18 @@ def choose_preemption(
     lower = [s for s in running if s.class_rank > head.class_rank]
     lower_kept = [c for c in residents if c.class_rank > head.class_rank and c is not head]
     if slot_short and not lower:
-        return None
+        # 3. the batch is full of the head's class (or higher): a tenant holding at least two
+        # more of the class's slots than the head's gives one up (its KV kept), so a light
+        # tenant does not wait for a flood's streams to finish (slots converge to even)
+        mine = share.get((head.class_rank, head.tenant), 0)
+        rich = [s for s in running if s.class_rank == head.class_rank
+                and share[(s.class_rank, s.tenant)] >= mine + 2]
+        if not rich or head.need > free:
+            return None
+        most = max(share[(s.class_rank, s.tenant)] for s in rich)
+        victim = max((s for s in rich if share[(s.class_rank, s.tenant)] == most), key=victim_key)
+        return Preemption(victim.request_id, free_kv=head.need > free + victim.to_prefill
+                          + (1 if victim.decoding else 0))
     freeable = kv_demand(lower) + sum(c.resident_kv for c in lower_kept)
     if head.need > free + freeable:
         return None  # pausing every lower-class sequence would still not make room

@@ -54,6 +54,7 @@ class ScheduledSeq:
     arrival: float
     decoder: IncrementalDecoder
     scanner: StopScanner
+    tenant: str = ""
     generated: list[int] = field(default_factory=list)  # every generated id, resumed ones included
     resumed_tokens: int = 0  # how many of ``generated`` came from an earlier attempt
     kv_tokens: int = 0
@@ -69,13 +70,14 @@ class ScheduledSeq:
 
     def state(self) -> SeqState:
         return SeqState(self.request_id, self.class_rank, self.arrival, self.to_prefill,
-                        self.to_prefill == 0, self.kv_tokens)
+                        self.to_prefill == 0, self.kv_tokens, self.tenant)
 
     def candidate(self) -> Candidate:
         if self.resident:
-            return Candidate(self.request_id, self.class_rank, self.arrival, self.to_prefill, self.kv_tokens)
+            return Candidate(self.request_id, self.class_rank, self.arrival, self.to_prefill, self.kv_tokens,
+                             self.tenant)
         return Candidate(self.request_id, self.class_rank, self.arrival,
-                         len(self.prompt_ids) + len(self.generated))
+                         len(self.prompt_ids) + len(self.generated), tenant=self.tenant)
 
 
 @dataclass(frozen=True)
@@ -125,13 +127,16 @@ def resume_finish_reason(generated: Sequence[int], max_tokens: int, eos_id: int 
 class BatchScheduler:
     """Continuous batching with chunked prefill over one engine (module docstring)."""
 
-    def __init__(self, engine: Engine, limits: Limits, budget: StepBudget | None = None) -> None:
+    def __init__(self, engine: Engine, limits: Limits, budget: StepBudget | None = None,
+                 top_prefill_tokens: int = 0) -> None:
         """``budget``: size each step from the decoders' TPOT targets and the measured step
         cost (``limits.token_budget`` is then the most a step may take); None = always
-        ``limits.token_budget``."""
+        ``limits.token_budget``. ``top_prefill_tokens``: a step may also prefill this many
+        tokens of the top class's prompts, beyond that budget (0 = no more)."""
         self.engine = engine
         self.limits = limits
         self.budget = budget
+        self.top_prefill_tokens = top_prefill_tokens
         self.max_seq_len: int | None = getattr(engine, "max_seq_len", None)
         self._seqs: dict[str, ScheduledSeq] = {}
         self.preemptions = 0  # sequences paused so far
@@ -168,7 +173,7 @@ class BatchScheduler:
         return room - 1  # admission needs room for one generated token
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, class_rank: int,
-            arrival: float, generated: Iterable[int] = ()) -> ScheduledSeq:
+            arrival: float, generated: Iterable[int] = (), tenant: str = "") -> ScheduledSeq:
         """Queue a request. ``generated`` are tokens an earlier attempt already delivered:
         they are re-prefilled after the prompt and fed to a fresh decoder whose text is
         discarded (the client has it), so a half-emitted UTF-8 character continues."""
@@ -180,7 +185,7 @@ class BatchScheduler:
         decoder = self.engine.new_decoder()
         decoder.feed(gen)
         seq = ScheduledSeq(request_id, list(prompt_ids), params, class_rank, arrival, decoder,
-                        StopScanner(params.stop), gen, len(gen))
+                           StopScanner(params.stop), tenant, gen, len(gen))
         self._seqs[request_id] = seq
         return seq
 
@@ -249,8 +254,17 @@ class BatchScheduler:
         admitted = self._admit()
         running = self.running
         limits = self.limits
+        tokens = limits.token_budget
         if self.budget is not None:
             tokens = self.budget.budget([s.class_rank for s in running if s.to_prefill == 0])
+        if self.top_prefill_tokens:
+            # An interactive prompt is prefilled in a step or two, not in token-budget slices:
+            # its TTFT is what its user waits for, while one longer step adds a fraction of a
+            # millisecond to the mean TPOT of the streams decoding next to it.
+            top = sum(s.to_prefill for s in running if s.class_rank == 0)
+            decoding = sum(1 for s in running if s.to_prefill == 0)
+            tokens = max(tokens, decoding + min(top, self.top_prefill_tokens))
+        if tokens != limits.token_budget:
             limits = replace(limits, token_budget=tokens)
         plan = build_plan([s.state() for s in running], limits)
         if plan.empty:  # admission and preemption keep KV demand within capacity

@@ -39,6 +39,7 @@ class WorkerSettings:
     token_budget: int = 512  # most tokens per engine step (decodes + prefill chunks)
     adaptive_budget: bool = True  # size each step from the decoders' TPOT targets (worker/step_budget.py)
     budget_safety: float = 0.9  # aim a step at this share of the tightest TPOT target
+    top_prefill_tokens: int = 2048  # a step may prefill this much of the top class's prompts beyond it
     max_seqs: int = 32  # sequences in one batch
     kv_capacity_tokens: int = 0  # 0 = the engine's own estimate
     chunked_prefill: bool = True  # False = whole-prompt prefill (the seed's "before")
@@ -92,6 +93,7 @@ class WorkerSettings:
               f"must be in [max_seqs ({self.max_seqs}), 1048576]")
         check(self.kv_capacity_tokens >= 0, "kv_capacity_tokens", "must be >= 0 (0 = engine default)")
         check(0 < self.budget_safety <= 1, "budget_safety", "must be in (0, 1]")
+        check(0 <= self.top_prefill_tokens <= 1 << 20, "top_prefill_tokens", "must be in [0, 1048576]")
         check(0 <= self.claim_ahead <= 1024, "claim_ahead", "must be in [0, 1024]")
         check(0 <= self.claim_interval_ms <= 10_000, "claim_interval_ms", "must be in [0, 10000]")
         check(0 < self.flush_ms <= 10_000, "flush_ms", "must be in (0, 10000]")

@@ -55,7 +55,8 @@ class StepLoop:
             budget = StepBudget(BudgetConfig(tpot_ms=tuple(c.slo_tpot_ms for c in rt.cfg.classes),
                                              min_budget=limits.max_seqs, max_budget=limits.token_budget,
                                              safety=rt.settings.budget_safety))
-        self.sched = BatchScheduler(engine, limits, budget)
+        top = rt.settings.top_prefill_tokens if limits.chunked_prefill else 0
+        self.sched = BatchScheduler(engine, limits, budget, top)
         self.kv_capacity = min(limits.kv_capacity, engine.kv_capacity_tokens)
         self._lost: set[str] = set()
         self._stop: set[str] = set()
@@ -208,7 +209,7 @@ class StepLoop:
             return
         self._arrivals += 1
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
-                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated)
+                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated, tenant=c.tenant)
         if c.delivered:
             log.info("%s: resuming attempt %d at token %d", c.request_id, c.attempt, c.delivered)
 
