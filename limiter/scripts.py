@@ -228,9 +228,10 @@ class Scripts:
     async def load_all(self) -> None:
         """Load every script now (readiness check; also after a Redis restart)."""
         try:
-            if self.shebang:  # SCRIPT LOAD does not always compile: ask the server once
-                try:
-                    await self.client.eval("#!lua\nreturn 1", 0)
+            if self.shebang:  # SCRIPT LOAD does not always compile: run a probe once
+                try:  # (EVALSHA, not EVAL: the documented ACL user may not run EVAL)
+                    probe = await self.client.script_load("#!lua\nreturn 1")
+                    await self.client.evalsha(probe, 0)
                 except ResponseError as exc:
                     if self._no_shebang_support(exc):
                         self._register(False)
