@@ -136,7 +136,8 @@ class WorkerRuntime:
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        # SIGHUP (a closed terminal, or the parent `qos up` gone) drains like SIGTERM.
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.begin_drain, sig.name)
 

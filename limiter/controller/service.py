@@ -89,11 +89,11 @@ class Controller:
 
 
 async def serve(settings: ControllerSettings, cfg: QosConfig) -> int:
-    """Run until SIGTERM/SIGINT, then shut down cleanly (leases released)."""
+    """Run until SIGTERM/SIGINT/SIGHUP, then shut down cleanly (leases released)."""
     controller = Controller(settings, cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     await controller.start()

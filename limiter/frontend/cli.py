@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
+import signal
+import socket
 import sys
 
 from aiohttp import web
+from aiohttp.web_runner import GracefulExit
 
 from limiter.cli import common_args, load_config
 from limiter.errors import ConfigError
@@ -23,6 +27,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="listen port (env QOS_FRONTEND_PORT; config frontend.port; default 8000)")
     p.add_argument("--reuse-port", action="store_true", default=None,
                    help="set SO_REUSEPORT so several frontend processes share the port")
+    p.add_argument("--listen-fd", type=int, default=None, metavar="FD",
+                   help="serve on this inherited listening socket instead of binding --host/--port "
+                   "(what `qos up` passes its frontends)")
     p.add_argument("--allow-demo-keys-public", action="store_true", default=None,
                    help="serve the published demo keys on a non-loopback address (never in production)")
     p.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
@@ -40,6 +47,25 @@ def _env_int(name: str) -> int | None:
         raise SystemExit(f"qos: config error: {name}: must be an integer, got {v!r}") from exc
 
 
+def _raise_graceful_exit() -> None:
+    raise GracefulExit()
+
+
+async def _hangup_stops(_app: web.Application) -> None:
+    """SIGHUP (a closed terminal, or `qos up` gone) stops the frontend like SIGTERM does."""
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _raise_graceful_exit)
+
+
+def _inherited_socket(fd: int) -> socket.socket:
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise ConfigError("--listen-fd", f"{fd} is not an open socket: {exc}") from exc
+    if sock.type != socket.SOCK_STREAM:
+        raise ConfigError("--listen-fd", f"{fd} is not a TCP socket")
+    return sock
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -49,11 +75,16 @@ def run(args: argparse.Namespace) -> int:
     if cfg.demo:
         logging.getLogger("qos.frontend").warning(
             "no config file: serving the demo config (keys demo-p0, demo-p1, demo-p2, demo-admin)")
+    sock = _inherited_socket(args.listen_fd) if args.listen_fd is not None else None
     app = create_app(settings, cfg)
+    app.on_startup.append(_hangup_stops)
+    listen = {"sock": sock} if sock is not None else {
+        "host": settings.host, "port": settings.port, "reuse_port": settings.reuse_port or None}
     try:
-        # run_app turns SIGTERM/SIGINT into a graceful exit: stop listening, give in-flight
-        # requests shutdown_grace_s, cancel the rest (their handlers cancel them in Redis).
-        web.run_app(app, host=settings.host, port=settings.port, reuse_port=settings.reuse_port or None,
+        # run_app turns SIGTERM/SIGINT (and SIGHUP, above) into a graceful exit: stop listening,
+        # give in-flight requests shutdown_grace_s, cancel the rest (their handlers cancel
+        # them in Redis).
+        web.run_app(app, **listen,
                     shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True,
                     keepalive_timeout=settings.idle_timeout_s,
                     access_log=None, print=lambda _msg: logging.getLogger("qos.frontend").info(
