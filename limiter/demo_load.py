@@ -114,7 +114,13 @@ async def run_demo_load(
                 task = asyncio.create_task(one(session, load, tokens, i))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
-            if tasks:
+            if tasks and should_stop():
+                # Stopped (Ctrl-C, or the stack is going down): do not hold the stop up for the
+                # streams still open; cancelling them cancels their requests.
+                for t in tasks:
+                    t.cancel()
+                await asyncio.wait(tasks, timeout=5)
+            elif tasks:
                 await asyncio.wait(tasks, timeout=30)
             live.update(render(results, started, engine))
     return results

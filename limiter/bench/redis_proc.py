@@ -12,6 +12,7 @@ import socket
 import subprocess
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,6 +35,10 @@ class RedisServer:
     dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="qos-redis-")))
     proc: subprocess.Popen | None = None
     binary: str = "redis-server"
+    # `qos up`: a session of its own (the terminal's Ctrl-C does not reach it; `qos up` stops
+    # it last) and a preexec_fn that binds it to its parent (limiter.lifecycle.bind_to_parent).
+    new_session: bool = False
+    preexec_fn: Callable[[], None] | None = None
 
     @property
     def url(self) -> str:
@@ -44,7 +49,8 @@ class RedisServer:
             raise RuntimeError(f"{self.binary} not found on PATH")
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning", *self.extra]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                     start_new_session=self.new_session, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             try:
@@ -71,6 +77,15 @@ class RedisServer:
         if self.proc and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    def terminate(self, timeout_s: float = 5.0) -> None:
+        """SIGTERM (Redis shuts down cleanly), SIGKILL if it takes longer than ``timeout_s``."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
 
     def stop(self) -> None:
         self.kill()

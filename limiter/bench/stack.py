@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 from limiter.bench.modes import POOL, ModeSpec, write_config
 from limiter.bench.redis_proc import RedisServer, free_port
 from limiter.keys import PoolKeys
+from limiter.lifecycle import listen_socket
 from limiter.up import Child, Stack, build_commands, wait_ready
 
 
@@ -40,16 +41,14 @@ class LoggedStack(Stack):
         self.log_dir = log_dir
         self._logs: list[IO[bytes]] = []
 
-    def start(self, child: Child, env: dict[str, str]) -> None:
+    def start(self, child: Child, env: dict[str, str], **popen: Any) -> None:
         log = open(self.log_dir / f"{child.name}.log", "wb")
         self._logs.append(log)
-        child.proc = subprocess.Popen(child.argv, env=env, start_new_session=True, stdout=log,
-                                      stderr=subprocess.STDOUT)
-        self.children.append(child)
+        super().start(child, env, stdout=log, stderr=subprocess.STDOUT, **popen)
 
-    def stop(self, timeout_s: float = 20.0) -> None:
+    def stop(self, timeout_s: float = 20.0) -> None:  # type: ignore[override]
         try:
-            super().stop(timeout_s)
+            super().stop({"frontend": timeout_s, "worker": timeout_s, "controller": timeout_s})
         finally:
             for log in self._logs:
                 log.close()
@@ -94,13 +93,17 @@ async def start_stack(spec: StackSpec, mode: ModeSpec, work_dir: Path) -> Logged
     env = dict(os.environ, QOS_REDIS_URL=server.url, OMP_NUM_THREADS=str(spec.torch_threads))
     env.pop("QOS_CONFIG", None)
     try:
-        for child in build_commands(args):
-            if child.name.startswith("up-controller") and not mode.controller:
+        children = build_commands(args)
+        for child in children:
+            if child.role == "controller" and not mode.controller:
                 continue
-            if child.name.startswith("worker-"):
+            if child.role == "worker":
                 child.argv += worker_flags(spec, mode)
+            if child.role == "frontend":  # the port is bound here, the frontend inherits it
+                child.sock = listen_socket("127.0.0.1", port, reuse_port=spec.frontends > 1)
             stack.start(child, env)
-        await wait_ready(stack, mode.cfg, spec.workers, spec.ready_timeout_s)
+        await wait_ready(stack, mode.cfg, [c.worker_id for c in children if c.role == "worker"], 0,
+                         spec.ready_timeout_s)
     except BaseException:
         stack.stop(5.0)
         raise

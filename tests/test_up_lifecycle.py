@@ -1,0 +1,278 @@
+"""`qos up` process lifecycle, as an operator meets it: the terminal's Ctrl-C reaches `qos up`
+alone and the stack stops in order (Redis last) in a few seconds; a second Ctrl-C kills at
+once; no child outlives `qos up`; a taken port is refused before anything starts; a dead
+worker is reported while the stack keeps serving, and `--restart` brings it back."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import redis
+
+from tests.redis_server import free_port
+from tests.up_stack import Up, alive, children, complete, stream, wait_for, write_config
+
+
+def _role_pids(up: Up) -> dict[str, int]:
+    """'redis' / 'frontend' / 'controller' / 'worker-N' -> pid, from qos up's children."""
+    out = {}
+    for pid, cmd in children(up.proc.pid).items():
+        if cmd.startswith("redis-server"):
+            out["redis"] = pid
+        elif " frontend " in cmd:
+            out[f"frontend-{len([k for k in out if k.startswith('frontend')])}"] = pid
+        elif " controller " in cmd:
+            out["controller"] = pid
+        elif " worker " in cmd:
+            out[cmd.split("--worker-id ")[1].split()[0]] = pid
+    return out
+
+
+def _order(up: Up, *patterns: str) -> list[int]:
+    idx = []
+    for p in patterns:
+        line = up.line(p)
+        assert line is not None, f"no line matching {p!r}:\n{up.output}"
+        idx.append(up.lines.index(line))
+    return idx
+
+
+def test_terminal_ctrl_c_reaches_qos_up_alone_and_the_stack_stops_in_order(tmp_path):
+    config = write_config(tmp_path / "qos.toml", time_scale=3.0)  # ~35 ms per token
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "2") as up:
+        up.wait_ready()
+        pids = _role_pids(up)
+        assert {"redis", "frontend-0", "controller", "up-worker-0", "up-worker-1"} <= set(pids), pids
+        for role, pid in pids.items():  # a session each: the terminal's SIGINT reaches none of them
+            assert os.getsid(pid) == pid, f"{role} shares a session with qos up"
+
+        # A stream in flight when Ctrl-C comes finishes: the frontend stops first and waits
+        # for it while the workers and Redis still run.
+        result: dict[str, object] = {}
+        first = threading.Event()
+
+        def client() -> None:
+            try:
+                result["sse"], result["usage"] = stream(port, 80, on_first=first.set)
+            except Exception as exc:  # reported below
+                result["error"] = exc
+
+        t = threading.Thread(target=client)
+        t.start()
+        assert first.wait(60), "the stream's first token did not arrive within 60 s"
+        t0 = time.monotonic()
+        up.ctrl_c()
+        t.join(60)
+        assert not t.is_alive(), "the stream did not end within 60 s of Ctrl-C"
+        assert "error" not in result, result.get("error")
+        assert str(result["sse"]).rstrip().endswith("data: [DONE]")
+        assert result["usage"]["completion_tokens"] == 80
+        assert up.wait_exit(60) == 0, up.output
+        assert time.monotonic() - t0 < 30
+    fe, wk, ct, rd, done = _order(up, r"stopping 1 frontends", r"stopping 2 workers",
+                                  r"stopping 1 controllers", r"stopping redis", r"^qos up: stopped")
+    assert fe < wk < ct < rd < done, up.output
+    # Redis went last: nobody lost it while stopping.
+    assert "Redis unavailable" not in up.output and "retrying" not in up.output, up.output
+    assert [r for r, p in pids.items() if alive(p)] == []
+
+
+def test_an_idle_stack_stops_in_a_few_seconds(tmp_path):
+    config = write_config(tmp_path / "qos.toml")
+    with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "2",
+            "--frontends", "2") as up:
+        up.wait_ready()
+        pids = _role_pids(up)
+        t0 = time.monotonic()
+        up.ctrl_c()
+        assert up.wait_exit(30) == 0, up.output
+        took = time.monotonic() - t0
+    assert took < 8, f"an idle stack took {took:.1f} s to stop:\n{up.output}"
+    assert [r for r, p in pids.items() if alive(p)] == []
+
+
+def test_a_second_ctrl_c_stops_at_once(tmp_path):
+    # A stream that would take minutes, and a frontend grace longer than the test: only the
+    # second Ctrl-C can end this stop quickly.
+    config = write_config(tmp_path / "qos.toml", time_scale=20.0, grace_s=120.0, drain_s=120.0)
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1") as up:
+        up.wait_ready()
+        pids = _role_pids(up)
+        first = threading.Event()
+        t = threading.Thread(target=lambda: _swallow(lambda: stream(port, 2000, on_first=first.set)),
+                             daemon=True)
+        t.start()
+        assert first.wait(60), "the stream's first token did not arrive within 60 s"
+        up.ctrl_c()
+        up.wait_line(r"stopping 1 frontends", 30, "the frontends' stop line")
+        time.sleep(0.5)  # it is draining, not dead: the first Ctrl-C alone would take minutes
+        assert up.proc.poll() is None, up.output
+        t0 = time.monotonic()
+        up.ctrl_c()
+        up.wait_exit(15, "qos up to exit after the second Ctrl-C")
+        assert time.monotonic() - t0 < 10
+    assert "interrupted again" in up.output
+    assert [r for r, p in pids.items() if alive(p)] == []
+
+
+def _swallow(fn) -> None:
+    try:
+        fn()
+    except Exception:  # the stream is cut on purpose
+        pass
+
+
+def test_no_child_outlives_a_killed_qos_up(tmp_path):
+    config = write_config(tmp_path / "qos.toml")
+    with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1") as up:
+        up.wait_ready()
+        pids = _role_pids(up)
+        assert len(pids) == 4, pids
+        up.proc.kill()  # no chance to stop anything itself
+        up.proc.wait()
+        wait_for(lambda: not any(alive(p) for p in pids.values()), 30,
+                 "every child of the killed qos up to exit (left: "
+                 f"{ {r: p for r, p in pids.items() if alive(p)} })")
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path):
+    # What an orphaned frontend of an earlier stack looks like: a SO_REUSEPORT listener.
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(8)
+    port = holder.getsockname()[1]
+    try:
+        with Up(port, "--config", str(write_config(tmp_path / "qos.toml")), "--engine", "sim",
+                "--workers", "1", "--frontends", "2") as up:
+            rc = up.wait_exit(60, "qos up to refuse the port")
+            spawned = [line for line in up.lines if "ready at" in line or "stopping" in line]
+    finally:
+        holder.close()
+    assert rc == 2, up.output
+    assert f"port {port} on 127.0.0.1 is already in use" in up.output, up.output
+    assert f"held by pid {os.getpid()}" in up.output, up.output
+    assert spawned == [], up.output  # nothing was started, so nothing had to be stopped
+
+
+def test_a_dead_worker_is_reported_and_the_stack_keeps_serving(tmp_path):
+    config = write_config(tmp_path / "qos.toml", time_scale=3.0, lease_ms=2000)
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "2") as up:
+        up.wait_ready()
+        pids = _role_pids(up)
+        r = redis.Redis.from_url(up.redis_url)
+        results: list[tuple[str, dict | None] | Exception] = []
+        started = threading.Barrier(5)
+
+        def client() -> None:
+            try:
+                results.append(stream(port, 150, on_first=lambda: started.wait(60)))
+            except Exception as exc:
+                results.append(exc)
+
+        threads = [threading.Thread(target=client) for _ in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(60)  # every stream has its first token
+
+        def busy_worker() -> str | None:
+            for w in ("up-worker-0", "up-worker-1"):
+                if int(r.hget(f"qos:{{tiny}}:worker:{w}", "held") or 0) > 0:
+                    return w
+            return None
+        victim = wait_for(busy_worker, 20, "a worker's heartbeat to show it holds requests")
+        os.kill(pids[victim], signal.SIGKILL)
+        for t in threads:
+            t.join(120)
+        assert not any(t.is_alive() for t in threads), "streams still open 120 s after the kill"
+        # Nothing lost: every stream finished whole, the dead worker's resumed by the other.
+        assert all(not isinstance(x, Exception) for x in results), results
+        broken = [sse[-300:] for sse, _ in results if not sse.rstrip().endswith("data: [DONE]")]
+        assert broken == [], f"streams broken by the worker's death: {broken}"
+        assert [u["completion_tokens"] for _, u in results] == [150] * 4
+        idx = int(victim.rsplit("-", 1)[1])
+        up.wait_line(rf"WORKER worker-{idx} \(pid {pids[victim]}\) DIED with exit status -9", 10,
+                     "the loud report of the dead worker")
+        assert up.proc.poll() is None, up.output  # still serving
+        assert complete(port, "still there?", 4)["usage"]["completion_tokens"] == 4
+
+        # The last worker of the pool gone: the stack stops on its own, non-zero.
+        other = "up-worker-1" if victim == "up-worker-0" else "up-worker-0"
+        os.kill(pids[other], signal.SIGKILL)
+        assert up.wait_exit(60, "qos up to stop once no worker is left") == 1
+        r.close()
+    assert "no worker is left in the pool; stopping the stack" in up.output
+    assert [role for role, p in pids.items() if alive(p)] == []
+
+
+def test_restart_brings_a_dead_worker_back(tmp_path):
+    config = write_config(tmp_path / "qos.toml")
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1", "--restart") as up:
+        up.wait_ready()
+        r = redis.Redis.from_url(up.redis_url)
+        os.kill(_role_pids(up)["up-worker-0"], signal.SIGKILL)
+        up.wait_line(r"WORKER worker-0 .* DIED", 10, "the report of the dead worker")
+        up.wait_line(r"restarting worker-0 in 1 s", 10, "the restart notice")
+        up.wait_line(r"worker-0 restarted \(pid \d+, restart 1\)", 30, "the restart")
+        wait_for(lambda: r.zscore("qos:{tiny}:workers", "up-worker-0-r1") is not None, 60,
+                 "a heartbeat of the restarted worker up-worker-0-r1")
+        assert complete(port, "back?", 4)["usage"]["completion_tokens"] == 4
+        assert up.proc.poll() is None, up.output
+        up.ctrl_c()
+        assert up.wait_exit(30) == 0, up.output
+        r.close()
+
+
+@pytest.mark.parametrize("role", ["frontend", "worker", "controller"])
+def test_sighup_stops_a_standalone_role_like_sigterm(tmp_path, redis_server, role):
+    """A closed terminal (SIGHUP) stops each role cleanly: exit 0, gone from the heartbeat set."""
+    redis_server.client().flushall()
+    config = write_config(tmp_path / "qos.toml")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("QOS_")},
+           "QOS_REDIS_URL": redis_server.url, "OMP_NUM_THREADS": "1"}
+    port = free_port()
+    argv = {"frontend": ["frontend", "--port", str(port)], "worker": ["worker", "--engine", "sim",
+            "--worker-id", "w-hup"], "controller": ["controller", "--id", "c-hup"]}[role]
+    proc = subprocess_popen([sys.executable, "-m", "limiter.cli", *argv, "--config", str(config),
+                             "--log-level", "INFO"], env)
+    r = redis_server.client()
+    try:
+        if role == "frontend":
+            wait_for(lambda: r.zcard("qos:{tiny}:frontends") == 1, 60, "the frontend's first heartbeat")
+        elif role == "worker":
+            wait_for(lambda: r.zscore("qos:{tiny}:workers", "w-hup") is not None, 60,
+                     "the worker's first heartbeat")
+        else:
+            wait_for(lambda: r.get("qos:{tiny}:leader") is not None, 60, "the controller to take the lease")
+        proc.send_signal(signal.SIGHUP)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read().decode()
+    assert rc == 0, out
+    if role == "frontend":
+        assert r.zcard("qos:{tiny}:frontends") == 0, out
+    elif role == "worker":
+        assert "SIGHUP: draining" in out
+        assert r.zscore("qos:{tiny}:workers", "w-hup") is None, out
+    else:
+        assert "releasing leadership" in out and r.get("qos:{tiny}:leader") is None, out
+
+
+def subprocess_popen(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
+    return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            cwd=Path(__file__).resolve().parent.parent)
