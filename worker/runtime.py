@@ -34,6 +34,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter.config import QosConfig
 from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
+from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
 from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
@@ -332,6 +333,11 @@ class WorkerRuntime:
             pipe.hset(key, "ts_ms", now)
             pipe.expire(key, self.settings.heartbeat_ttl_s)
             await self._redis(pipe.execute())
+        # Workers killed without leaving: gone from the heartbeat set once silent for twice
+        # the stats hash's TTL (bounded per beat).
+        silent_ms = 2000 * self.settings.heartbeat_ttl_s
+        await self._redis(prune_stale(self.client, self.keys.workers, now - silent_ms,
+                                      also_hdel=self.keys.worker_kv))
 
     async def reap(self) -> None:
         res = await self.scripts.reap_all(self.keys)

@@ -122,7 +122,8 @@ class Frontend:
         router = self.router
         self.heartbeat = Heartbeat(self.client, keys, self.frontend_id, list(self.classes),
                                    self.settings.heartbeat_s, trim_upto=lambda pool: router.last_ids[pool],
-                                   outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in self.cfg.pools})
+                                   outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in self.cfg.pools},
+                                   prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in self.cfg.pools})
         for k in keys:
             self._tasks.append(asyncio.create_task(self.router.run(k), name=f"replies-{k.pool}"))
         # One attempt now, so a healthy deployment is ready the moment it listens; if Redis

@@ -25,9 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from limiter.frontend.metrics import FrontendMetrics
+from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
 
 log = logging.getLogger("qos.frontend.replies")
+# A reply stream's TTL, as the scripts set it on every entry (lua/include/pool_keys.lua).
+REPLY_TTL_S = 600
 
 
 def _s(v: Any) -> str:
@@ -121,9 +124,13 @@ class ReplyRouter:
         leave the loop running. If Redis is unreachable the loops notice within one block."""
         self._stopping = True
         for keys in self.pools:
+            stream = keys.reply(self.frontend_id)
             with contextlib.suppress(Exception):
-                await self.client.xadd(keys.reply(self.frontend_id), {"k": "stop"}, maxlen=100_000,
-                                       approximate=True)
+                pipe = self.client.pipeline(transaction=False)
+                pipe.xadd(stream, {"k": "stop"}, maxlen=100_000, approximate=True)
+                # The wake-up entry may create the stream: never leave one without a TTL.
+                pipe.expire(stream, REPLY_TTL_S)
+                await pipe.execute()
 
     def register(self, request_id: str) -> asyncio.Queue[Reply]:
         """Call BEFORE admitting: a fast worker's first tokens may arrive before admit returns."""
@@ -188,7 +195,8 @@ class Heartbeat:
 
     def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, classes: Iterable[str],
                  interval_s: float, trim_upto: Callable[[str], str] | None = None,
-                 outage_grace_ms: dict[str, int] | None = None) -> None:
+                 outage_grace_ms: dict[str, int] | None = None,
+                 prune_after_ms: dict[str, int] | None = None) -> None:
         self.client = client
         self.pools = list(pools)
         self.frontend_id = frontend_id
@@ -200,6 +208,8 @@ class Heartbeat:
         # pool -> how long the scripts should remember, after we lost Redis, that we were alive
         # (``keys.outage``; two heartbeat TTLs); empty: never written
         self.outage_grace_ms = outage_grace_ms or {}
+        # pool -> silence after which another frontend's entry is pruned; empty: never
+        self.prune_after_ms = prune_after_ms or {}
         self._last_beat_ms = 0  # Redis ms of the last complete beat
         self._in_beat = False  # a beat started and has not completed (Redis lost meanwhile)
         self._claimed: dict[tuple[str, str], tuple[float, int]] = {}
@@ -246,6 +256,11 @@ class Heartbeat:
         self.last_ok = time.monotonic()
         self._last_beat_ms = now_ms
         self._in_beat = False
+        for keys in self.pools:
+            if (after := self.prune_after_ms.get(keys.pool)) is not None:
+                # Frontends killed without leaving; never while an outage marker says an old
+                # beat may still count as alive (lua/include/liveness.lua).
+                await prune_stale(self.client, keys.frontends, now_ms - after, skip_while=keys.outage)
 
     def _sample_rates(self, pool: str, counts: list[Any], now: float) -> None:
         for cls, raw in zip(self.classes, counts, strict=True):
@@ -263,7 +278,12 @@ class Heartbeat:
         """On clean shutdown: stop counting as alive (nothing of ours is in flight by then)."""
         with contextlib.suppress(Exception):
             for keys in self.pools:
-                await self.client.zrem(keys.frontends, self.frontend_id)
+                # The reply stream goes too: nothing reads it any more (a late entry from a
+                # worker creates it again, with its TTL).
+                pipe = self.client.pipeline(transaction=False)
+                pipe.zrem(keys.frontends, self.frontend_id)
+                pipe.delete(keys.reply(self.frontend_id))
+                await pipe.execute()
 
 
 def drain_estimate_s(depth: int, rate: float | None, fallback_s: float) -> int:
