@@ -26,8 +26,22 @@ def example_text() -> str:
     return (Path(__file__).parent / "qos.example.toml").read_text()
 
 
+def check_role_sections(cfg: config_mod.QosConfig) -> None:
+    """Validate ``[frontend]``, ``[worker]`` and ``[controller]`` as each role would at start
+    (unknown keys, types, ranges; errors name ``<role>.<field>``), so that a typo shows here
+    and not only when that role starts."""
+    from limiter.controller.settings import load_settings as controller_settings
+    from limiter.frontend.settings import load_settings as frontend_settings
+    from worker.settings import load_settings as worker_settings
+
+    frontend_settings(cfg)
+    worker_settings(cfg)
+    controller_settings(cfg)
+
+
 def _check(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.file, {})
+    check_role_sections(cfg)
     print(f"{args.file}: ok ({len(cfg.pools)} pools, {len(cfg.classes)} classes, {len(cfg.tenants)} tenants)")
     return 0
 

@@ -368,14 +368,16 @@ def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | EmbeddedRe
 
 
 def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str, float]:
-    """Seconds each role may take to stop after SIGTERM, from its settings (also validates
-    the frontend and worker settings before anything starts)."""
+    """Seconds each role may take to stop after SIGTERM, from its settings (which are all
+    validated here: a bad role section is refused before anything starts)."""
+    from limiter.controller.settings import load_settings as controller_settings
     from limiter.frontend.settings import load_settings as frontend_settings
     from worker.settings import load_settings as worker_settings
 
     fe = frontend_settings(cfg, {"host": args.host, "port": args.port})
     wk = worker_settings(cfg, {"engine": args.engine, "device": args.device,
                                "upstream_url": args.upstream_url})
+    controller_settings(cfg)
     return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s, "worker": wk.drain_timeout_s}
 
 

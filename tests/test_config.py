@@ -107,3 +107,42 @@ def test_cli_config_example_is_valid_and_hash_key_prints_the_digest(tmp_path, ca
     assert [c.name for c in cfg.classes] == ["P0", "P1", "P2"] and "[controller]" in example
     assert main(["config", "hash-key", "demo-p0"]) == 0
     assert capsys.readouterr().out.strip() == config.hash_key("demo-p0")
+
+
+@pytest.mark.parametrize("section, line, path", [
+    (None, "wroker = 1", "wroker"),
+    ("[redis]", "urll = \"redis://x\"", "redis.urll"),
+    ("[[classes]]\nname = \"P2\"\nshare = 0.0", "sharee = 0.1", "classes[2].sharee"),
+    ("[[pools]]\nname = \"other\"", "lease = 1", "pools[1].lease"),
+    ("[[tenants]]\nname = \"t2\"", "rate = 1", "tenants[1].rate"),
+    ("[frontend]", "shutdown_grace = 5", "frontend.shutdown_grace"),
+    ("[worker]", "drain_timeout = 5", "worker.drain_timeout"),
+    ("[controller]", "tick = 2", "controller.tick"),
+    ("[controller.capacity]", "gainn = 2", "controller.capacity.gainn"),
+])
+def test_cli_config_check_rejects_unknown_keys_in_every_section(tmp_path, capsys, section, line, path):
+    """A typo anywhere is refused by `qos config check`, named by its path; before, one under
+    [frontend], [worker] or [controller] only showed when that role started."""
+    from limiter.cli import main
+    p = tmp_path / "typo.toml"
+    if section is None:  # top level
+        text = f"{line}\n{BASE}"
+    elif section in BASE:  # a table BASE has already
+        text = BASE.replace(section, f"{section}\n{line}", 1)
+    else:
+        text = BASE + f"\n{section}\n{line}\n"
+    p.write_text(text)
+    assert main(["config", "check", str(p)]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: {path}: unknown field" in err, err
+
+
+def test_cli_config_check_validates_the_role_sections(tmp_path, capsys):
+    from limiter.cli import main
+    p = tmp_path / "roles.toml"
+    p.write_text(BASE + "\n[worker]\ndrain_timeout_s = -1\n")
+    assert main(["config", "check", str(p)]) == 2
+    assert "worker.drain_timeout_s" in capsys.readouterr().err
+    p.write_text(BASE + "\n[frontend]\nshutdown_grace_s = 5\n[worker]\ndrain_timeout_s = 5\n"
+                 "[controller]\ntick_s = 2\n")
+    assert main(["config", "check", str(p)]) == 0
