@@ -42,6 +42,7 @@ from limiter.bench.redis_proc import RedisServer
 from limiter.cli import common_args, load_config
 from limiter.embedded_redis import EmbeddedRedis
 from limiter.errors import ConfigError
+from limiter.extras import require
 
 # --restart: back-off before the n-th restart in a row of a worker that died young.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
@@ -385,6 +386,8 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     cfg = load_config(args)
     limits = stop_limits(cfg, args)
+    if args.engine == "torch":
+        require("torch", "qos up --engine torch")
     # The port first: a taken port is refused before anything starts.
     lifecycle.check_port_free(args.host, args.port)
     children = build_commands(args)

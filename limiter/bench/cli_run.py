@@ -14,6 +14,7 @@ from typing import Any
 from limiter.bench.modes import MODES
 from limiter.bench.trace import DEFAULT_TRACE
 from limiter.errors import ConfigError
+from limiter.extras import require
 
 
 def add_parsers(bsub: argparse._SubParsersAction) -> None:
@@ -59,6 +60,10 @@ def _tenants(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name}", "must be > 0")
     if args.workers < 1:
         raise ConfigError("--workers", "must be >= 1")
+    if args.out:
+        require("matplotlib", "qos bench tenants --out (the plots)")
+    if args.engine == "torch":
+        require("torch", "qos bench tenants --engine torch")
     p = tb.TenantParams(engine=args.engine, duration_s=args.duration, drain_s=args.drain,
                         workers=args.workers, steady=args.steady, heavy=args.heavy, medium=args.medium,
                         calibrate=args.calibrate, out_dir=args.out)
@@ -182,6 +187,10 @@ def _run(args: argparse.Namespace) -> int:
     from limiter.bench.runner import run_bench
 
     params = params_from_args(args)
+    if params.out_dir:
+        require("matplotlib", "qos bench run --out (the plots)")
+    if params.engine == "torch":
+        require("torch", "qos bench run --engine torch")
     console = Console()
     results = asyncio.run(run_bench(params, console, quiet=args.quiet))
     for name, m in results["modes"].items():
@@ -218,6 +227,7 @@ def _plot(args: argparse.Namespace) -> int:
         return 0
     from limiter.bench.runner import redraw
 
+    require("matplotlib", "qos bench plot")
     for path in redraw(Path(args.dir)):
         print(path)
     return 0
