@@ -50,6 +50,8 @@ RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 RESTART_RESET_S = 60.0
 # Seconds each role may take to stop after SIGTERM, unless its settings say otherwise.
 DEFAULT_STOP_LIMITS = {"frontend": 30.0, "worker": 30.0, "controller": 5.0}
+# While starting, what the stack still waits for is printed this often.
+READY_REPORT_S = 15.0
 # Signal a child gets when `qos up` dies without stopping it (handled like SIGTERM).
 PARENT_DEATH_SIGNAL = signal.SIGTERM
 
@@ -319,7 +321,9 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[s
 
     from limiter.keys import PoolKeys
 
-    deadline = time.monotonic() + timeout_s
+    started = time.monotonic()
+    deadline = started + timeout_s
+    next_report = started + READY_REPORT_S
     client = aioredis.from_url(stack.redis_url)
     keys = PoolKeys(cfg.pools[0].name)
     try:
@@ -331,21 +335,29 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[s
                     raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode} while starting")
                 if (rc := stack.redis_exited()) is not None:
                     raise RuntimeError(f"redis-server exited with {rc} while starting")
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"the stack was not ready within {timeout_s:.0f} s")
+                missing = ""
                 try:
                     async with session.get(
                         f"{stack.base_url}/readyz", timeout=aiohttp.ClientTimeout(total=2)
                     ) as r:
-                        ready = r.status == 200
-                except (aiohttp.ClientError, TimeoutError):
+                        if r.status != 200:
+                            missing = f"/readyz answers {r.status} ({(await r.text())[:200]})"
+                except (aiohttp.ClientError, TimeoutError) as exc:
                     # (the port is bound before a frontend serves it: a request may wait in
                     # the socket's backlog until the frontend is up)
-                    ready = False
-                if ready:
+                    missing = f"/readyz does not answer yet ({type(exc).__name__})"
+                if not missing:
                     seen = await client.zmscore(keys.workers, worker_ids) if worker_ids else []
-                    if all(s is not None and s >= since_ms for s in seen):
+                    silent = [w for w, s in zip(worker_ids, seen, strict=True) if s is None or s < since_ms]
+                    if not silent:
                         return True
+                    missing = f"no heartbeat yet from {', '.join(silent)}"
+                now = time.monotonic()
+                if now > deadline:
+                    raise RuntimeError(f"the stack was not ready within {timeout_s:.0f} s: {missing}")
+                if now >= next_report:  # never wait silently
+                    say(f"qos up: not ready after {now - started:.0f} s: {missing}", err=True)
+                    next_report = now + READY_REPORT_S
                 await asyncio.sleep(0.2)
     finally:
         await client.aclose()
