@@ -132,17 +132,29 @@ def _swallow(fn) -> None:
         pass
 
 
-def test_no_child_outlives_a_killed_qos_up(tmp_path):
-    config = write_config(tmp_path / "qos.toml")
-    with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1") as up:
+def test_no_child_outlives_a_killed_qos_up_even_mid_stream(tmp_path):
+    # Grace and drain far longer than the test: the children must see that the stack is
+    # gone (Redis went with qos up) instead of waiting them out.
+    config = write_config(tmp_path / "qos.toml", time_scale=20.0, grace_s=120.0, drain_s=120.0)
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1") as up:
         up.wait_ready()
         pids = _role_pids(up)
         assert len(pids) == 4, pids
+        first = threading.Event()
+        threading.Thread(target=lambda: _swallow(lambda: stream(port, 2000, on_first=first.set)),
+                         daemon=True).start()
+        assert first.wait(60), "the stream's first token did not arrive within 60 s"
         up.proc.kill()  # no chance to stop anything itself
         up.proc.wait()
-        wait_for(lambda: not any(alive(p) for p in pids.values()), 30,
-                 "every child of the killed qos up to exit (left: "
-                 f"{ {r: p for r, p in pids.items() if alive(p)} })")
+        t0 = time.monotonic()
+        try:
+            wait_for(lambda: not any(alive(p) for p in pids.values()), 30,
+                     "every child of the killed qos up to exit")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}; left: { {r: p for r, p in pids.items() if alive(p)} }") from None
+        took = time.monotonic() - t0
+    assert took < 15, f"the children took {took:.1f} s to follow qos up:\n{up.output}"
 
 
 def test_a_taken_port_is_refused_before_anything_starts(tmp_path):

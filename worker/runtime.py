@@ -64,6 +64,7 @@ class WorkerRuntime:
         self.draining = asyncio.Event()
         self.drain_deadline = float("inf")
         self.redis_ok = False
+        self.beat_ok_at = time.monotonic()  # the last heartbeat that reached Redis
         self.started_ms = int(time.time() * 1000)
         self._clock_offset_ms = 0.0  # Redis clock minus local wall clock
         # Set by the serving loop: its live stats, and what to do with lost / stopped ids.
@@ -156,6 +157,16 @@ class WorkerRuntime:
     @property
     def drain_expired(self) -> bool:
         return time.monotonic() >= self.drain_deadline
+
+    @property
+    def drain_hopeless(self) -> bool:
+        """Draining while Redis has been out of reach for a whole lease (no heartbeat got
+        through; at least three heartbeat periods): nothing generated can
+        be delivered, and the leases lapse on their own (the requests resume elsewhere once
+        Redis is back). Waiting out drain_timeout_s would only keep the process around -- e.g.
+        after `qos up` died and took its Redis along."""
+        silent_s = max(self.lease_ms / 1000, 3 * self.settings.heartbeat_s)
+        return self.draining.is_set() and time.monotonic() - self.beat_ok_at >= silent_s
 
     # --- helpers ------------------------------------------------------------------------------
     async def _redis(self, aw: Awaitable[Any]) -> Any:
@@ -333,6 +344,7 @@ class WorkerRuntime:
             pipe.hset(key, "ts_ms", now)
             pipe.expire(key, self.settings.heartbeat_ttl_s)
             await self._redis(pipe.execute())
+        self.beat_ok_at = time.monotonic()
         # Workers killed without leaving: gone from the heartbeat set once silent for twice
         # the stats hash's TTL (bounded per beat).
         silent_ms = 2000 * self.settings.heartbeat_ttl_s

@@ -94,6 +94,11 @@ class StepLoop:
                 if not self.rt.held:
                     await self.rt.guard("worker", self._settle_io())  # a last cancel check
                     return
+                if self.rt.drain_hopeless:
+                    log.warning("draining with Redis out of reach for a whole lease: stopping now; "
+                                "the %d requests held resume on another worker once their leases "
+                                "expire", len(self.rt.held))
+                    return
                 if self.rt.drain_expired:
                     # What cannot be handed back now (Redis down) requeues when its lease expires.
                     await self.rt.guard("release", self._release(list(self.rt.held)))

@@ -206,7 +206,19 @@ class Frontend:
         self.shutting_down = True
 
         async def end_streams() -> None:
-            await asyncio.sleep(max(self.settings.shutdown_grace_s - 0.25, 0.0))
+            loop = asyncio.get_running_loop()
+            end = loop.time() + max(self.settings.shutdown_grace_s - 0.25, 0.0)
+            lost_since = None
+            while (now := loop.time()) < end:
+                # Redis out of reach for a second (e.g. `qos up` died and took it along): no
+                # stream can finish, so end them now rather than at the end of the grace.
+                if self.router and not any(self.router.healthy.values()):
+                    lost_since = now if lost_since is None else lost_since
+                    if now - lost_since >= 1.0:
+                        break
+                else:
+                    lost_since = None
+                await asyncio.sleep(min(0.1, max(end - now, 0.0)))
             if self.router:
                 self.router.broadcast(Reply("shutdown"))
 
