@@ -12,9 +12,12 @@ import json
 import aiohttp
 import pytest
 
+from limiter.controller.loop import PoolController
+from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.service import Controller
 from limiter.errors import PolicyMissing
 from limiter.keys import SAMPLES_GROUP
+from limiter.scripts import Scripts
 from tests.controller_helpers import fast_settings, metric, pool_controller, push, redis_ms, sample, wait_for
 from tests.redis_server import free_port
 
@@ -205,3 +208,35 @@ async def test_rejections_count_against_a_class_only_inside_its_guarantee(aredis
     await push(aredis, pool, [sample("P1", now) | rejected for _ in range(5)])
     await pc.consume_once(term)
     assert term.monitor.stats(now)["P1"].count == 5 and term.consumed == 30  # the 5 ok ones only
+
+
+class _TickThatEndsAsItIsCancelled(PoolController):
+    """The real pool loop; its tick tells the test it ran, and finishes in the same turn of the
+    event loop in which the test cancels the loop task: the race a stop meets, made certain."""
+
+    ticked: asyncio.Event
+
+    async def tick(self, term):
+        self.ticked.set()
+        return None
+
+
+async def test_a_loop_stops_when_cancelled_as_its_step_finishes(aredis, pool, cfg):
+    """Python 3.11's asyncio.wait_for returns the step's result instead of raising when the
+    cancellation arrives after the step finished: the loop went on for ever and the test
+    that stopped the controller hung until pytest's 300 s timeout (issue 14)."""
+    s = fast_settings(cfg)
+    pc = _TickThatEndsAsItIsCancelled(cfg=cfg, pool=cfg.pool("tiny"), settings=s, client=aredis,
+                                      scripts=Scripts(aredis), metrics=ControllerMetrics(s.controller_id))
+    pc.ticked = asyncio.Event()
+    await pc.renew_once()
+    assert pc.term is not None
+    for _ in range(3):
+        pc.ticked.clear()
+        task = asyncio.create_task(pc.tick_loop())
+        async with asyncio.timeout(10):  # (no task in between: we resume right after the tick)
+            await pc.ticked.wait()
+        task.cancel()
+        done, _ = await asyncio.wait({task}, timeout=5)
+        assert done, "the tick loop swallowed its cancellation and kept running"
+        assert task.cancelled()

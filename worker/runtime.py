@@ -40,6 +40,7 @@ from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
 from limiter.redis_conn import open_redis
 from limiter.scripts import Claimed, Scripts, policy_document
+from limiter.tasks import stop_tasks
 from worker.delivery import Delivery
 from worker.metrics import WorkerMetrics
 from worker.samples import build_sample, pack_sample
@@ -111,11 +112,7 @@ class WorkerRuntime:
             (s.reap_interval_s, "reap", self.reap))]
 
     async def close(self) -> None:
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(self._tasks, f"worker {self.worker_id}")
         with contextlib.suppress(QosError, OSError, Exception):
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.workers, self.worker_id)

@@ -20,6 +20,7 @@ import asyncio
 import logging
 import math
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -46,6 +47,17 @@ MAX_BACKOFF_S = 5.0
 # No socket timeout on the client (XREADGROUP blocks), so every step has its own deadline: a
 # connection that wedges must cost one step, not stop a loop while the lease is still renewed.
 STEP_TIMEOUT_S = 5.0
+
+
+async def within(aw: Awaitable[Any], timeout_s: float) -> Any:
+    """``await aw``, raising TimeoutError after ``timeout_s``.
+
+    Not ``asyncio.wait_for``: on Python 3.11 it returns the step's result when the loop's
+    task is cancelled in the same turn as the step finishes -- the cancellation is lost, the
+    loop runs on for ever and whoever stops it waits for ever (issue 14's 300 s hang).
+    ``asyncio.timeout`` runs the step in the loop's own task and lets the cancel through."""
+    async with asyncio.timeout(timeout_s):
+        return await aw
 
 
 class PoolController:
@@ -79,16 +91,16 @@ class PoolController:
                 log.error("%s: the tick loop has not run for %.1f s; giving up leadership", self.pool.name,
                           time.monotonic() - self._ticked)
                 self.step_down("tick loop stalled")
-                await asyncio.wait_for(self.scripts.release_leader(self.keys, self.settings.controller_id,
+                await within(self.scripts.release_leader(self.keys, self.settings.controller_id,
                                                                    self.lease.last_fence), STEP_TIMEOUT_S)
                 return
-            fence = await asyncio.wait_for(self.lease.renew(), max(0.5, self.settings.lease_s / 2))
+            fence = await within(self.lease.renew(), max(0.5, self.settings.lease_s / 2))
             self.redis_ok = True
             if not fence:
                 self.end_term(f"the lease is held by {self.lease.holder}")
             elif self.term is None or self.term.fence != fence:
                 self.end_term("a new term begins")
-                await asyncio.wait_for(self.begin_term(fence), STEP_TIMEOUT_S)
+                await within(self.begin_term(fence), STEP_TIMEOUT_S)
         except REDIS_ERRORS as exc:
             self._redis_error("lease", exc)
             if self.term is not None and not self.lease.leading:
@@ -136,7 +148,7 @@ class PoolController:
                 await asyncio.sleep(0)
                 continue
             try:
-                await asyncio.wait_for(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
+                await within(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
                 backoff = 0.0
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
@@ -204,7 +216,7 @@ class PoolController:
             started = time.monotonic()
             term = self.term
             if term is not None:
-                await self._guard(asyncio.wait_for(self.tick(term), STEP_TIMEOUT_S), "tick")
+                await self._guard(within(self.tick(term), STEP_TIMEOUT_S), "tick")
             self._ticked = time.monotonic()
             await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))
 

@@ -24,6 +24,7 @@ from limiter.controller.settings import ControllerSettings
 from limiter.metrics_server import start_metrics_server
 from limiter.redis_conn import open_redis
 from limiter.scripts import Scripts
+from limiter.tasks import stop_tasks
 
 log = logging.getLogger("qos.controller")
 
@@ -57,17 +58,14 @@ class Controller:
     async def stop(self, release: bool = True) -> None:
         """Stop the loops, then (``release``) give up every lease held. ``release=False``
         imitates a crash for tests: the lease is left to expire."""
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(self._tasks, f"controller {self.settings.controller_id}")
         self._tasks = []
         for pc in self.pools.values():
             pc.end_term("shutting down")
             if release:
                 try:
-                    await asyncio.wait_for(pc.lease.release(), timeout=2.0)
+                    async with asyncio.timeout(2.0):
+                        await pc.lease.release()
                 except Exception as exc:  # Redis down: the lease expires on its own
                     log.warning("%s: could not release the lease (%s); it expires in %.1f s", pc.pool.name,
                                 exc, self.settings.lease_s)
