@@ -557,7 +557,13 @@ async def test_slow_client_that_stops_reading_blocks_nobody_and_is_cancelled(
     sock = socket.socket()
     try:
         stack.frontend("fe0")
-        stack.worker("w0", time_scale=0.05)
+        # The sim engine sleeps its modelled step time: at time scale 0.5 the 4000 tokens take
+        # at least 4000 x ~12 ms x 0.5 = ~24 s, so the request is certainly still running when
+        # request_timeout_s (5 s) cancels it, however fast the machine (at 0.05 a quiet
+        # machine could finish all 4000 in under 5 s and the test saw done/length instead of
+        # the cancel, issue 14). ~170 tokens/s is still far more reply entries than the 500
+        # the backlog check allows if the frontend stopped reading.
+        stack.worker("w0", time_scale=0.5)
         await stack.wait_ready(r)
         fe_id = (await stack.frontend_ids())["fe0"]
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
