@@ -189,3 +189,72 @@ async def test_a_full_worker_claims_a_new_p0_past_its_lower_class_look_ahead(env
     assert c.answers[p1].tokens == 300 and c.answers[p1].text == sim_text("long P1", 0, 300)
     print(f"\n[look-ahead] P0 answered {p0_took * 1000:.0f} ms after it was queued (P1 needs ~3 s)")
     assert p0_took < 1.5
+
+
+async def test_a_drain_hands_back_held_work_that_is_not_running_instead_of_waiting(env) -> None:
+    """A request the worker holds (lease renewed) but never started -- what a failed start
+    used to leave behind for the rest of a claimed batch -- must not keep a drain waiting
+    for drain_timeout_s (issue 14: a worker 'draining' for 30 s with all its work done)."""
+    cfg, c = env
+    s = load_settings(cfg, {"pool": "tiny", "engine": "sim", "idle_block_s": 0.2, "drain_timeout_s": 60})
+    rt, loop = build_worker(s, cfg)
+    await rt.open()
+    try:
+        rid = await c.admit("held, never started", max_tokens=20)
+        (stranded,) = await rt.claim(1, 0)  # held by this worker, unknown to its loop
+        assert stranded.request_id == rid and rid in rt.held
+    except BaseException:
+        await rt.close()
+        raise
+    task = asyncio.create_task(loop.run())
+    t0 = time.monotonic()
+    rt.begin_drain("test")
+    try:
+        done, _ = await asyncio.wait({task}, timeout=10)
+        took = time.monotonic() - t0
+        if not done:  # end it the old way (the drain deadline) before failing
+            rt.drain_deadline = time.monotonic()
+            await task
+        assert done, "the drain waited for held work that was not running"
+        await task
+    finally:
+        await rt.close()
+    assert took < 10
+    rec = await c.record(rid)
+    assert rec["state"] == "queued" and rec["worker"] == "", rec  # handed back for another worker
+
+
+async def test_the_step_loop_yields_while_it_holds_work_it_cannot_step(env) -> None:
+    """A held request the loop has nothing to step for (a parked or stranded one) must not
+    turn the loop into a spin: heartbeats and lease renewals go on (issue 14)."""
+    cfg, c = env
+    s = load_settings(cfg, {"pool": "tiny", "engine": "sim", "idle_block_s": 0.2, "heartbeat_s": 0.1,
+                            "heartbeat_ttl_s": 1})
+    rt, loop = build_worker(s, cfg)
+    await rt.open()
+    task = None
+    try:
+        rid = await c.admit("parked", max_tokens=20)
+        (held,) = await rt.claim(1, 0)
+        assert held.request_id == rid
+        task = asyncio.create_task(loop.run())
+        first = await c.client.zscore(rt.keys.workers, rt.worker_id)
+        deadline = time.monotonic() + 10
+        beats = set()
+        cpu0, wall0 = time.process_time(), time.monotonic()
+        while len(beats) < 3:  # three fresh heartbeats while the loop runs with the request held
+            assert time.monotonic() < deadline, "no heartbeat: the step loop does not yield"
+            score = await c.client.zscore(rt.keys.workers, rt.worker_id)
+            if score is not None and score > first:
+                beats.add(score)
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(max(0.0, 1.0 - (time.monotonic() - wall0)))
+        cpu, wall = time.process_time() - cpu0, time.monotonic() - wall0
+        # Idle apart from a look every 50 ms: a spinning loop burns a whole core (cpu ~ wall).
+        assert cpu < 0.25 * wall, f"the step loop spins: {cpu:.2f} s CPU in {wall:.2f} s"
+    finally:
+        if task is not None:
+            rt.begin_drain("test over")
+            rt.drain_deadline = time.monotonic()
+            await asyncio.wait_for(task, 30)
+        await rt.close()

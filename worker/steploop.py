@@ -43,6 +43,8 @@ log = logging.getLogger("qos.worker")
 # A decode step's cost barely grows with its batch, so a half-full batch runs at ~60 % of the
 # full rate: counting such steps made the controller's capacity dip ~2x while a run ramped up.
 FULL_SHARE = 0.8
+# With requests held but none to step, the loop looks again after this long (never spins).
+IDLE_HELD_S = 0.05
 
 
 class StepLoop:
@@ -94,6 +96,14 @@ class StepLoop:
                 if not self.rt.held:
                     await self.rt.guard("worker", self._settle_io())  # a last cancel check
                     return
+                if self._stranded():
+                    await self.rt.guard("worker", self._settle_io())  # let finishing calls land first
+                    if stranded := self._stranded():
+                        # Held, yet neither running nor finishing: nothing would ever end them, and
+                        # the drain would wait out drain_timeout_s for work nobody is doing.
+                        log.warning("draining: handing back %d held request(s) that were not running: %s",
+                                    len(stranded), ", ".join(stranded))
+                        await self.rt.guard("release", self._release(stranded))
                 if self.rt.drain_hopeless:
                     log.warning("draining with Redis out of reach for a whole lease: stopping now; "
                                 "the %d requests held resume on another worker once their leases "
@@ -105,6 +115,10 @@ class StepLoop:
                     return
             await self.rt.guard("worker", self._iteration())
 
+    def _stranded(self) -> list[str]:
+        """Held requests the scheduler does not run and no completion is pending for."""
+        return [rid for rid, d in self.rt.held.items() if rid not in self.sched and d.final is None]
+
     async def _iteration(self) -> None:
         if self._io is not None and self._io.done():
             await self._settle_io()  # its outage, if any, backs the loop off (rt.guard)
@@ -114,7 +128,12 @@ class StepLoop:
         if not self.rt.draining.is_set():
             await self._pull()
         if not len(self.sched):
-            await self._settle_io()  # nothing to step: let the last calls land (and not spin)
+            await self._settle_io()  # nothing to step: let the last calls land
+            if self.rt.held:
+                # Held work but nothing to step (completions to retry, or a request that is not
+                # running): nothing above had to wait, so without this the loop spun without
+                # ever yielding -- no heartbeat, no lease renewal, no signal handled (issue 14).
+                await asyncio.sleep(IDLE_HELD_S)
             return
         try:
             res = await self.sched.step()
@@ -169,8 +188,7 @@ class StepLoop:
         got = await self.rt.claim(n, room, above, self.kv_capacity)
         if got:
             self._empty_claims, self._next_claim = 0, 0.0
-            for d in got:
-                await self._start(d)
+            await self._start_all(got)
             return
         if above:
             # A look-ahead for a higher class found none: expected (the markers were for lower
@@ -184,6 +202,26 @@ class StepLoop:
             self._next_claim = time.monotonic() + min(s.idle_block_s, backoff)
         if not held and not await self.rt.wait_for_work():
             self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
+
+    async def _start_all(self, got: list[Delivery]) -> None:
+        """Start every claimed request, even when one of them fails to: a failure used to skip
+        the rest, which stayed held (their leases renewed for ever) but never ran -- their
+        clients waited until request_timeout_s and a drain until drain_timeout_s."""
+        outage: RedisUnavailable | None = None
+        for d in got:
+            try:
+                await self._start(d)
+            except RedisUnavailable as exc:  # its finish failed: d.final is set, retried later
+                outage = outage or exc
+            except Exception as exc:
+                log.exception("%s: could not start", d.request_id)
+                try:
+                    await self.rt.finish(d, "failed", "error",
+                                         f"could not start: {type(exc).__name__}: {exc}")
+                except RedisUnavailable as again:
+                    outage = outage or again
+        if outage is not None:
+            raise outage
 
     async def _start(self, d: Delivery) -> None:
         c, p = d.claimed, d.payload
