@@ -299,3 +299,12 @@ def test_a_stack_that_is_not_ready_says_what_it_waits_for(tmp_path):
     assert line is not None, up.output
     assert "/readyz" in line or "no heartbeat yet from up-worker-0" in line, line
     assert up.line(r"^qos up: stopped") is not None, up.output
+
+
+def test_a_frontend_refuses_a_listen_fd_that_is_not_a_socket():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
+    out = subprocess.run([sys.executable, "-m", "limiter.cli", "frontend", "--listen-fd", "0"], env=env,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 2, out.stderr
+    assert "--listen-fd: 0 is not an open socket" in out.stderr, out.stderr
