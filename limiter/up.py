@@ -103,8 +103,9 @@ class Stack:
                                       preexec_fn=lifecycle.bind_to_parent(PARENT_DEATH_SIGNAL), **popen)
         child.started = time.monotonic()
         if child.sock is not None:
-            # Our copy must go: the kernel would otherwise hand connections to a socket that
-            # nobody accepts on. The child's copy keeps it open.
+            # Our copy must go: the child's keeps the socket open, and once that child exits
+            # the socket must close with it (connections refused), not stay listening here
+            # with nobody accepting (connections hanging in its backlog).
             child.sock.close()
             child.sock = None
         if child not in self.children:

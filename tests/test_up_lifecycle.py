@@ -5,6 +5,7 @@ worker is reported while the stack keeps serving, and `--restart` brings it back
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,14 @@ def test_an_idle_stack_stops_in_a_few_seconds(tmp_path):
             "--frontends", "2") as up:
         up.wait_ready()
         pids = _role_pids(up)
+        # Both frontends serve the port (each inherited a socket of the stack's SO_REUSEPORT group).
+        seen: set[str] = set()
+
+        def both_frontends_answered() -> bool:
+            with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/healthz", timeout=10) as r:
+                seen.add(json.loads(r.read())["frontend"])
+            return len(seen) == 2
+        wait_for(both_frontends_answered, 30, "both frontends to answer /healthz")
         t0 = time.monotonic()
         up.ctrl_c()
         assert up.wait_exit(30) == 0, up.output
