@@ -276,6 +276,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--upstream-url", "is required with --engine openai")
     if args.demo_duration < 0:
         raise ConfigError("--demo-duration", "must be >= 0")
+    if not 0 < args.ready_timeout <= 86_400:
+        raise ConfigError("--ready-timeout", "must be in (0, 86400] seconds")
 
 
 def build_commands(args: argparse.Namespace) -> list[Child]:
@@ -338,8 +340,9 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[s
                     raise RuntimeError(f"redis-server exited with {rc} while starting")
                 missing = ""
                 try:
+                    wait_s = min(2.0, max(0.05, deadline - time.monotonic()))  # never past the deadline
                     async with session.get(
-                        f"{stack.base_url}/readyz", timeout=aiohttp.ClientTimeout(total=2)
+                        f"{stack.base_url}/readyz", timeout=aiohttp.ClientTimeout(total=wait_s)
                     ) as r:
                         if r.status != 200:
                             missing = f"/readyz answers {r.status} ({(await r.text())[:200]})"
@@ -355,7 +358,7 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[s
                     missing = f"no heartbeat yet from {', '.join(silent)}"
                 now = time.monotonic()
                 if now > deadline:
-                    raise RuntimeError(f"the stack was not ready within {timeout_s:.0f} s: {missing}")
+                    raise RuntimeError(f"the stack was not ready within {timeout_s:g} s: {missing}")
                 if now >= next_report:  # never wait silently
                     say(f"qos up: not ready after {now - started:.0f} s: {missing}", err=True)
                     next_report = now + READY_REPORT_S

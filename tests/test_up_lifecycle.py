@@ -302,10 +302,11 @@ def subprocess_popen(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
 
 def test_a_stack_that_is_not_ready_says_what_it_waits_for(tmp_path):
     config = write_config(tmp_path / "qos.toml")
+    # 50 ms: no child can even have imported its modules by then, on any machine.
     with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1",
-            "--ready-timeout", "1") as up:
+            "--ready-timeout", "0.05") as up:
         assert up.wait_exit(60, "qos up to give up starting") == 1
-    line = up.line(r"not ready within 1 s: ")
+    line = up.line(r"not ready within 0.05 s: ")
     assert line is not None, up.output
     assert "/readyz" in line or "no heartbeat yet from up-worker-0" in line, line
     assert up.line(r"^qos up: stopped") is not None, up.output
