@@ -319,3 +319,15 @@ def test_a_frontend_refuses_a_listen_fd_that_is_not_a_socket():
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 2, out.stderr
     assert "--listen-fd: 0 is not an open socket" in out.stderr, out.stderr
+
+
+def test_a_closed_terminal_sighup_stops_qos_up_like_ctrl_c(tmp_path):
+    config = write_config(tmp_path / "qos.toml")
+    with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1") as up:
+        up.wait_ready()
+        pids = _role_pids(up)
+        os.killpg(up.proc.pid, signal.SIGHUP)  # what the terminal does when it goes away
+        assert up.wait_exit(30) == 0, up.output
+    fe, wk, rd = _order(up, r"stopping 1 frontends", r"stopping 1 workers", r"stopping redis")
+    assert fe < wk < rd, up.output
+    assert [r for r, p in pids.items() if alive(p)] == []
