@@ -351,7 +351,10 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[s
                     # the socket's backlog until the frontend is up)
                     missing = f"/readyz does not answer yet ({type(exc).__name__})"
                 if not missing:
-                    seen = await client.zmscore(keys.workers, worker_ids) if worker_ids else []
+                    async with client.pipeline(transaction=False) as pipe:
+                        for w in worker_ids:  # (ZSCORE: the documented ACL user has no ZMSCORE)
+                            pipe.zscore(keys.workers, w)
+                        seen = await pipe.execute() if worker_ids else []
                     silent = [w for w, s in zip(worker_ids, seen, strict=True) if s is None or s < since_ms]
                     if not silent:
                         return True
