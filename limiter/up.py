@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+from redis.exceptions import RedisError
 
 from limiter import config as config_mod
 from limiter import lifecycle
@@ -472,6 +473,9 @@ def run(args: argparse.Namespace) -> int:
             while not should_stop():
                 time.sleep(0.2)
         rc = verdict["rc"] or 0
+    except RedisError as exc:  # e.g. a wrong password, or a command the Redis user may not run
+        say(f"qos up: Redis refused: {type(exc).__name__}: {exc}", err=True)
+        rc = 1
     except (RuntimeError, ConfigError, OSError) as exc:
         say(f"qos up: {exc or type(exc).__name__}", err=True)
         rc = 1

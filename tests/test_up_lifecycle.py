@@ -331,3 +331,35 @@ def test_a_closed_terminal_sighup_stops_qos_up_like_ctrl_c(tmp_path):
     fe, wk, rd = _order(up, r"stopping 1 frontends", r"stopping 1 workers", r"stopping redis")
     assert fe < wk < rd, up.output
     assert [r for r, p in pids.items() if alive(p)] == []
+
+
+def test_qos_up_runs_against_a_redis_with_the_documented_acl_user(tmp_path):
+    """`qos up --redis-url` as an operator with the least-privilege user of docs/reliability.md:
+    ready, serving, stopped cleanly, and not one command refused (its own readiness check,
+    the pruning and the reply-stream TTL included)."""
+    from tests.redis_server import RedisServer
+    from tests.test_security_redis import ADMIN, PASSWORD, create_acl_user
+
+    server = RedisServer().start()
+    try:
+        create_acl_user(server.client())
+        admin = redis.Redis(port=server.port, username=ADMIN[0], password=ADMIN[1])
+        url = f"redis://qos:{PASSWORD}@127.0.0.1:{server.port}/0"
+        port = free_port()
+        with Up(port, "--config", str(write_config(tmp_path / "qos.toml")), "--engine", "sim",
+                "--workers", "1", "--redis-url", url) as up:
+            up.wait_ready()
+            assert complete(port, "acl", 4)["usage"]["completion_tokens"] == 4
+            up.ctrl_c()
+            assert up.wait_exit(30) == 0, up.output
+        assert admin.execute_command("ACL", "LOG") == [], up.output
+        assert "NOPERM" not in up.output, up.output
+        # A wrong password is refused with a clear line, before any child starts.
+        bad = url.replace(PASSWORD, "wrong")
+        with Up(free_port(), "--config", str(tmp_path / "qos.toml"), "--redis-url", bad) as up:
+            assert up.wait_exit(60, "qos up to refuse the password") == 1
+        assert "qos up: Redis refused: AuthenticationError" in up.output, up.output
+        assert "Traceback" not in up.output and "stopping 1 frontends" not in up.output, up.output
+        admin.close()
+    finally:
+        server.stop()
