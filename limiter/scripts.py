@@ -295,12 +295,16 @@ class Scripts:
         raise ScriptError(f"admit: unexpected reply {reply!r}")
 
     async def claim(self, keys: PoolKeys, worker_id: str, max_requests: int, kv_room: int = 0,
-                    lease_ms: int = 0, above_class: str = "", kv_total: int = 0) -> ClaimResult:
+                    lease_ms: int = 0, above_class: str = "", kv_total: int = 0,
+                    avoid_tenants: Sequence[str] = (), avoid_from: str = "") -> ClaimResult:
         """Claim up to ``max_requests`` that fit ``kv_room`` free KV tokens (0 = no limit).
         ``above_class``: only classes ranked strictly above it ('' = any class); ``kv_total``:
-        the worker's whole KV room (0 = unknown), so a request no live worker can hold fails."""
-        reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room,
-                                                              lease_ms, above_class, kv_total])
+        the worker's whole KV room (0 = unknown), so a request no live worker can hold fails;
+        ``avoid_tenants``: at most 16 tenants whose requests are skipped in class
+        ``avoid_from`` and below."""
+        avoid = ",".join(check_name("tenant", t) for t in avoid_tenants)
+        reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room, lease_ms,
+                                                              above_class, kv_total, avoid, avoid_from])
         out = []
         for e in reply[1:]:
             out.append(Claimed(

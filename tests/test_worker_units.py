@@ -240,12 +240,15 @@ class _FullWorkerRuntime:
         self.settings = WorkerSettings(max_seqs=1, token_budget=8, claim_ahead=1, claim_interval_ms=20)
         self.held: dict[str, Any] = {}
         self.claims: list[str] = []
+        self.avoided: list[tuple[list[str], str]] = []
 
     async def take_wake_marker(self) -> bool:
         return True
 
-    async def claim(self, n: int, room: int, above: str, kv_total: int) -> list[Any]:
+    async def claim(self, n: int, room: int, above: str, kv_total: int, avoid_tenants: Any = (),
+                    avoid_from: str = "") -> list[Any]:
         self.claims.append(above)
+        self.avoided.append((list(avoid_tenants), avoid_from))
         return []
 
 
@@ -266,3 +269,29 @@ async def test_a_full_workers_look_ahead_never_backs_off_past_the_claim_interval
         await loop._pull()
         assert loop._next_claim - time.monotonic() <= 0.021
     assert rt.claims == ["P2"] * 8  # above_class: only classes ranked above the waiting P2
+
+
+async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots() -> None:
+    """Every slot and the look-ahead held by one flooding P1 tenant: the worker claims one
+    request of anyone else (it then takes one of the flood's slots); once a poorer tenant's
+    request waits here, it stops looking (bounded)."""
+    from worker.settings import WorkerSettings
+    from worker.steploop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    rt.settings = WorkerSettings(max_seqs=2, token_budget=8, claim_ahead=1, claim_interval_ms=20)
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=2))  # type: ignore[arg-type]
+    for rid in ("h1", "h2", "h3"):
+        loop.sched.add(rid, [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=0, tenant="heavy")
+        rt.held[rid] = _delivery()
+    await loop.sched.step()  # two run, one waits: full, and the look-ahead is the flood's too
+    loop._next_claim = 0.0
+    await loop._pull()
+    assert rt.claims == ["P2"] and rt.avoided == [(["heavy"], "P1")]  # anyone but heavy, in P1 and above
+    loop.sched.add("s1", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=1, tenant="steady")
+    rt.held["s1"] = _delivery()
+    loop._next_claim = 0.0
+    await loop._pull()  # a poorer tenant waits here now: only the higher-class look-ahead
+    assert rt.claims == ["P2", "P1"] and rt.avoided[-1] == ([], "")
+    await loop.sched.step()
+    assert "s1" in {q.request_id for q in loop.sched.running}  # it took one of the flood's slots

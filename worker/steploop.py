@@ -61,6 +61,8 @@ class StepLoop:
         self._lost: set[str] = set()
         self._stop: set[str] = set()
         self._arrivals = 0
+        # classes whose tenants share slots evenly (ClassConfig.fair); others run in arrival order
+        self._fair = {c.name: c.fair for c in rt.cfg.classes}
         self._empty_claims = 0  # consecutive claims that found nothing despite a wake marker
         self._next_claim = 0.0  # monotonic time before which no claim is made
         # heartbeat figures, over the interval since the last heartbeat
@@ -138,12 +140,20 @@ class StepLoop:
         held = len(self.rt.held)
         slots = s.max_seqs - held
         kv_free = self.kv_capacity - self._reserved()
-        above = ""
+        above, avoid, avoid_from = "", [], ""
         waiting = self.sched.waiting
         if slots > 0 and kv_free > 0:
             n, room = slots, kv_free
         elif len(waiting) < s.claim_ahead:
             n, room = 1, self.kv_capacity  # look-ahead: a higher class may preempt
+        elif s.claim_ahead > 0 and (ahead := self._tenant_lookahead()) is not None:
+            # Every waiting request belongs to a tenant that holds two or more slots of its
+            # class: a tenant holding none would wait for a slot to free (a flood's long
+            # streams hold them all). Claim one request of any other tenant (or of a class
+            # above): it takes a rich tenant's slot (worker/batching.py). Once it waits here
+            # this branch is closed until it runs (bounded hoarding).
+            n, room = 1, self.kv_capacity
+            above, avoid, avoid_from = ahead
         elif s.claim_ahead > 0 and (best := min(w.class_rank for w in waiting)) > 0:
             # The look-ahead slots hold lower-class work: a newly queued request of a class
             # above all of it would otherwise wait for a slot to free. Claim only such a
@@ -161,13 +171,13 @@ class StepLoop:
                 return
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
-        got = await self.rt.claim(n, room, above, self.kv_capacity)
+        got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
         if got:
             self._empty_claims, self._next_claim = 0, 0.0
             for d in got:
                 await self._start(d)
             return
-        if above:
+        if above or avoid:
             # A look-ahead for a higher class found none: expected (the markers were for lower
             # classes), and no reason to back off. A growing back-off here kept a full worker
             # from claiming a P0 for up to idle_block_s: P0 queue waits of 0.5 s at 1.0x load.
@@ -179,6 +189,27 @@ class StepLoop:
             self._next_claim = time.monotonic() + min(s.idle_block_s, backoff)
         if not held and not await self.rt.wait_for_work():
             self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
+
+    def _tenant_lookahead(self) -> tuple[str, list[str], str] | None:
+        """For a full worker whose waiting requests all belong to tenants holding two or more
+        of its slots of their class: the claim's ``above_class`` (every class down to the
+        lowest such tenant's), the tenants to avoid (the richest first, at most 16) and the
+        highest class they are avoided in; else None."""
+        slots: dict[tuple[int, str], int] = {}
+        for q in self.sched.running:
+            if q.tenant:  # '' = a class without tenant fairness
+                slots[(q.class_rank, q.tenant)] = slots.get((q.class_rank, q.tenant), 0) + 1
+        rich = {key: n for key, n in slots.items() if n >= 2}
+        waiting = self.sched.waiting
+        if not rich or not waiting or any((w.class_rank, w.tenant) not in rich for w in waiting):
+            return None
+        names = self.rt.cfg.class_names()
+        lowest, highest = max(r for r, _ in rich), min(r for r, _ in rich)
+        most: dict[str, int] = {}
+        for (_, t), n in rich.items():
+            most[t] = max(most.get(t, 0), n)
+        tenants = sorted(most, key=lambda t: (-most[t], t))[:16]
+        return (names[lowest + 1] if lowest + 1 < len(names) else ""), tenants, names[highest]
 
     async def _start(self, d: Delivery) -> None:
         c, p = d.claimed, d.payload
@@ -209,7 +240,8 @@ class StepLoop:
             return
         self._arrivals += 1
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
-                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated, tenant=c.tenant)
+                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated,
+                       tenant=c.tenant if self._fair.get(c.cls, False) else "")
         if c.delivered:
             log.info("%s: resuming attempt %d at token %d", c.request_id, c.attempt, c.delivered)
 
