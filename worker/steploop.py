@@ -203,7 +203,9 @@ class StepLoop:
             return
         try:
             params = SamplingParams(temperature=p.temperature, seed=request_seed(p.seed, c.request_id),
-                                    max_tokens=max_tokens, stop=p.stop)
+                                    max_tokens=max_tokens, stop=p.stop,
+                                    eos_min_len=SamplingParams.eos_rule(len(prompt), p.ignore_eos,
+                                                                        p.min_tokens))
         except InvalidArgument as exc:
             await self.rt.finish(d, "failed", "error", f"bad sampling parameters: {exc}")
             return
