@@ -18,9 +18,12 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   ``stream_options.include_usage``) is reconciled into the sample as
   ``upstream_prompt_tokens`` / ``upstream_completion_tokens``. TPOT in the sample is per
   upstream chunk (about one upstream token), not per byte.
-* Chat payloads are sent to ``/v1/chat/completions`` with the messages recovered from the
-  rendered prompt (:func:`limiter.prompt.render_chat`'s inverse), so the upstream applies
-  its own chat template; completions go to ``/v1/completions``.
+* Chat payloads are sent to ``/v1/chat/completions`` with the messages the frontend
+  validated, carried as data in the payload (``Payload.messages``): the upstream applies its
+  own chat template to them, and no text is ever parsed back into roles, so a user message
+  that contains ``<|system|>`` stays a user message. Completions go to ``/v1/completions``.
+* vLLM's ``ignore_eos`` and ``min_tokens`` are passed through when the client set them
+  (``min_tokens`` less what an earlier attempt delivered, on resume).
 * Resume after a worker died: the delivered text is appended to the prompt (for chat, as a
   partial assistant message with vLLM's ``continue_final_message``) and the stream continues
   at the delivered offset. Upstream tokenisation of that text may differ from the original
@@ -36,7 +39,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -50,24 +52,7 @@ from worker.runtime import WorkerRuntime
 from worker.tokenizer import decode
 
 log = logging.getLogger("qos.worker")
-_ROLE = re.compile(r"<\|(system|user|assistant|tool)\|>\n")
-_ASSISTANT = "<|assistant|>\n"
 Result = tuple[str, str, str]  # outcome, finish_reason, message
-
-
-def parse_chat(prompt: str) -> list[dict[str, str]] | None:
-    """Messages of a prompt rendered by ``render_chat``; None if it is not in that shape."""
-    if not prompt.endswith(_ASSISTANT):
-        return None
-    parts = _ROLE.split(prompt[: -len(_ASSISTANT)])
-    if parts[0] or len(parts) < 3:
-        return None
-    msgs = []
-    for role, content in zip(parts[1::2], parts[2::2], strict=True):
-        if not content.endswith("\n"):
-            return None
-        msgs.append({"role": role, "content": content[:-1]})
-    return msgs
 
 
 def fit(piece: str, allowance: int) -> tuple[list[int], str, bool]:
@@ -232,6 +217,7 @@ class UpstreamLoop:
                 backoff = min(5.0, backoff * 2)
 
     def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
+        """The upstream request. Raises ValueError for a chat payload without its messages."""
         p, c = d.payload, d.claimed
         prior = decode(c.generated) if c.generated else ""
         body: dict[str, Any] = {
@@ -242,10 +228,16 @@ class UpstreamLoop:
             body["stop"] = list(p.stop)
         if self.rt.settings.upstream_priority:
             body["priority"] = d.class_rank
-        msgs = parse_chat(p.prompt) if p.kind == "chat" else None
-        if msgs is None:
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if p.min_tokens > d.total_tokens:
+            body["min_tokens"] = min(p.min_tokens - d.total_tokens, allowance)
+        if p.kind != "chat":
             body["prompt"] = p.prompt + prior
             return "/completions", body
+        if not p.messages:
+            raise ValueError("chat payload without structured messages (written by an older frontend?)")
+        msgs = [m.to_dict() for m in p.messages]
         if prior:
             msgs.append({"role": "assistant", "content": prior})
             body.update(continue_final_message=True, add_generation_prompt=False)
@@ -257,7 +249,10 @@ class UpstreamLoop:
         max_tokens = min(d.payload.max_tokens, d.claimed.max_tokens)
         if d.total_tokens >= max_tokens:
             return ("ok", "length", "")
-        path, body = self._body(d, max_tokens - d.total_tokens)
+        try:
+            path, body = self._body(d, max_tokens - d.total_tokens)
+        except ValueError as exc:
+            return ("failed", "error", f"unusable request: {exc}")
         url = self.base + path
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         chat = path == "/chat/completions"
