@@ -28,8 +28,19 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   partial assistant message with vLLM's ``continue_final_message``) and the stream continues
   at the delivered offset. Upstream tokenisation of that text may differ from the original
   run, so unlike the torch engine this is best effort, not bit-identical.
-* Errors (HTTP status, unreachable server, an ``error`` chunk, a stream cut short) finish
-  the request as ``failed`` with a message that says what the upstream did.
+* An upstream that cannot be reached is handled like a dead worker, not like a bad request
+  (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
+  broken off, or HTTP 502/503/504 hands the request back (``release``: requeued at the head
+  of its class with what was delivered, attempt given back, so another worker resumes it),
+  and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
+  ``upstream_retry_max_s``) it probes the upstream with ``GET /v1/models`` (any answer but
+  502/503/504 counts as up) and claims again only once that answers. The state is in the
+  heartbeat (``upstream_state`` closed | open, ``upstream_failures``, ``upstream_probes``).
+  A dead upstream therefore leaves the queue to workers that can serve it (or to its max
+  wait) instead of failing every queued request within milliseconds.
+* Other errors (an HTTP 4xx/500, an ``error`` chunk, a malformed chunk, a stream without a
+  finish reason) finish the request as ``failed``. What the client reads names what the
+  model server did, never its address or an exception's text; the log has the details.
 """
 
 from __future__ import annotations
@@ -53,6 +64,51 @@ from worker.tokenizer import decode
 
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
+DOWN_STATUSES = (502, 503, 504)  # a proxy or the server itself saying it cannot serve now
+
+
+class UpstreamDown(Exception):
+    """The upstream could not be reached or broke off: not this request's fault."""
+
+
+class Breaker:
+    """Circuit breaker over the upstream: ``closed`` (claim) or ``open`` (do not claim; probe
+    when ``retry_at`` comes). The back-off doubles on every failed probe and on a failure
+    soon after a successful probe, and goes back to ``min_s`` once a request succeeds."""
+
+    def __init__(self, min_s: float, max_s: float) -> None:
+        self.min_s, self.max_s = min_s, max_s
+        self.state = "closed"
+        self.backoff_s = min_s
+        self.retry_at = 0.0
+        self.failures = 0  # upstream failures since the last success
+        self.probes = 0  # probes sent, ever
+        self._proven = True  # a request succeeded since the breaker last closed
+
+    def trip(self, why: str) -> None:
+        self.failures += 1
+        if self.state == "open":
+            return  # several streams failing at once is one outage
+        if not self._proven:  # it failed again right after a probe said it was back
+            self.backoff_s = min(self.max_s, self.backoff_s * 2)
+        self.state = "open"
+        self.retry_at = time.monotonic() + self.backoff_s
+        log.warning("upstream unavailable (%s): not claiming; probing in %.1f s", why, self.backoff_s)
+
+    def probe_failed(self, why: str) -> None:
+        self.backoff_s = min(self.max_s, self.backoff_s * 2)
+        self.retry_at = time.monotonic() + self.backoff_s
+        log.warning("upstream probe failed (%s); next in %.1f s", why, self.backoff_s)
+
+    def probe_ok(self) -> None:
+        self.state = "closed"
+        self._proven = False
+        log.info("upstream answers again: claiming")
+
+    def success(self) -> None:
+        self.failures = 0
+        self._proven = True
+        self.backoff_s = self.min_s
 
 
 def fit(piece: str, allowance: int) -> tuple[list[int], str, bool]:
@@ -105,6 +161,7 @@ class UpstreamLoop:
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.why: dict[str, str] = {}  # request id -> cancel | lost | release
+        self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s)
         self._gen_tokens = 0
         self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
         self._busy_s = 0.0  # time with at least one request open upstream, since the last heartbeat
@@ -143,6 +200,9 @@ class UpstreamLoop:
             await self.rt.guard("worker", self._pull())
 
     async def _pull(self) -> None:
+        if self.breaker.state != "closed":
+            await self._probe_when_due()
+            return
         room = self.rt.settings.max_inflight - len(self.rt.held)
         if room <= 0:
             await asyncio.wait(list(self.tasks.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -153,6 +213,30 @@ class UpstreamLoop:
         self._track_busy()
         if not got:
             await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
+
+    async def _probe_when_due(self) -> None:
+        """Wait out the back-off (a drain ends the wait), then ask the upstream once."""
+        wait_s = self.breaker.retry_at - time.monotonic()
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.rt.draining.wait(), wait_s)
+            return  # the loop comes back here (or drains)
+        self.breaker.probes += 1
+        try:
+            async with self.session.get(self.base + "/models", headers=self._headers(),
+                                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                status = resp.status
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.breaker.probe_failed(f"{type(exc).__name__}: {exc}")
+            return
+        if status in DOWN_STATUSES:
+            self.breaker.probe_failed(f"HTTP {status}")
+        else:
+            self.breaker.probe_ok()
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _interrupt(self, ids: list[str], why: str) -> None:
         for rid in ids:
@@ -175,7 +259,16 @@ class UpstreamLoop:
         rid = d.request_id
         try:
             result = await self._stream(d)
+            if result[0] == "ok":
+                self.breaker.success()
             await self._finish(d, result)
+        except UpstreamDown as exc:
+            # As if this worker had died: the request goes back with what it delivered, and
+            # another worker (or this one, once the upstream answers) resumes it.
+            self.breaker.trip(str(exc))
+            with contextlib.suppress(RedisUnavailable):
+                await self.rt.release(d)
+            self.rt.drop(rid, "released")  # if release could not reach Redis, the lease expires
         except asyncio.CancelledError:
             why = self.why.get(rid, "release")
             if why == "lost":
@@ -188,8 +281,8 @@ class UpstreamLoop:
         except LeaseLost:
             self.rt.drop(rid)
         except Exception as exc:  # a bug must fail one request, not the worker
-            log.exception("%s: upstream stream failed", rid)
-            await self._finish(d, ("failed", "error", f"worker error: {type(exc).__name__}: {exc}"))
+            log.exception("%s: upstream stream failed: %s", rid, exc)
+            await self._finish(d, ("failed", "error", "internal error in the worker (details in its log)"))
         finally:
             self.tasks.pop(rid, None)
             self.why.pop(rid, None)
@@ -244,7 +337,16 @@ class UpstreamLoop:
         body["messages"] = msgs
         return "/chat/completions", body
 
+    def _failed(self, d: Delivery, url: str, client_message: str, detail: str = "") -> Result:
+        """A request the upstream refused or botched: the log names the upstream and the
+        details, the client reads only what the model server did."""
+        log.warning("%s: upstream %s: %s%s", d.request_id, url, client_message,
+                    f" ({detail})" if detail else "")
+        return ("failed", "error", client_message)
+
     async def _stream(self, d: Delivery) -> Result:
+        """Stream one attempt. Raises :class:`UpstreamDown` when the upstream cannot be reached
+        or breaks off (the caller hands the request back)."""
         s = self.rt.settings
         max_tokens = min(d.payload.max_tokens, d.claimed.max_tokens)
         if d.total_tokens >= max_tokens:
@@ -254,28 +356,33 @@ class UpstreamLoop:
         except ValueError as exc:
             return ("failed", "error", f"unusable request: {exc}")
         url = self.base + path
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         chat = path == "/chat/completions"
         finish: str | None = None
+        done = False
         last = time.monotonic()
         try:
-            async with self.session.post(url, json=body, headers=headers) as resp:
+            async with self.session.post(url, json=body, headers=self._headers()) as resp:
+                if resp.status in DOWN_STATUSES:
+                    raise UpstreamDown(f"HTTP {resp.status} from {url}")
                 if resp.status != 200:
-                    return ("failed", "error", f"upstream {url} answered HTTP {resp.status}: "
-                            f"{await _error_text(resp)}")
+                    text = (await _error_text(resp))[:300]
+                    return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
+                                        f"{text}")
                 async for data in sse_data(resp.content):
                     if data.strip() == "[DONE]":
+                        done = True
                         break
                     try:
                         chunk = json.loads(data)
                     except ValueError:
-                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                        chunk = None
                     if not isinstance(chunk, dict):
-                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                        return self._failed(d, url, "the model server sent a malformed response",
+                                            f"chunk {data[:200]!r}")
                     if chunk.get("error"):
                         err = chunk["error"]
-                        msg = err.get("message", err) if isinstance(err, dict) else err
-                        return ("failed", "error", f"upstream {url} error: {msg}")
+                        msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                        return self._failed(d, url, f"the model server reported an error: {msg}")
                     if isinstance(chunk.get("usage"), dict):
                         u = chunk["usage"]
                         d.sample_extra.update(upstream_prompt_tokens=u.get("prompt_tokens"),
@@ -295,10 +402,11 @@ class UpstreamLoop:
                     if cut:
                         return ("ok", "length", "")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            return ("failed", "error", f"upstream {url} unreachable or broke off: {why}")
+            raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}") from exc
         if finish is None:
-            return ("failed", "error", f"upstream {url} ended the stream without a finish_reason")
+            if not done:  # the connection ended mid-answer: the server went away
+                raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]")
+            return self._failed(d, url, "the model server ended its answer without a finish reason")
         return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
     def _take(self, d: Delivery, piece: str, max_tokens: int) -> bool:
@@ -327,4 +435,5 @@ class UpstreamLoop:
         return {"batch_size": len(self.tasks), "running": len(self.tasks), "waiting": 0,
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1), "step_ms": 0,
                 "kv_used": 0, "kv_capacity": 0, "kv_use": 0, "max_inflight": self.rt.settings.max_inflight,
-                "upstream": self.base}
+                "upstream": self.base, "upstream_state": self.breaker.state,
+                "upstream_failures": self.breaker.failures, "upstream_probes": self.breaker.probes}
