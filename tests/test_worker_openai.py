@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from limiter.cli import main
 from limiter.errors import ConfigError
 from limiter.prompt import ChatMessage, render_chat
 from tests.frontend_helpers import auth, frontend, make_cfg
@@ -325,3 +326,32 @@ async def test_worker_process_takes_upstream_model_and_priority_from_env(env, tm
     bad = spawn_worker(path, "--engine", "openai", "--upstream-url", up.url, log=tmp_path / "bad.log")
     assert bad.wait(30) == 2
     assert "QOS_UPSTREAM_PRIORITY" in (tmp_path / "bad.log").read_text()
+
+
+async def test_not_ready_and_shown_while_no_worker_can_reach_its_upstream(env, redis_server, capsys) -> None:
+    """/readyz (and /health) say 503 while every live worker of the pool has its breaker
+    open, `qos status` shows it, and both recover once a worker can serve."""
+    _cfg, c, up = env
+    cfg = make_cfg(redis_server.url)
+    dead = f"http://127.0.0.1:{free_port()}"
+    async with frontend(cfg) as client:
+        assert (await client.get("/readyz")).status == 200  # no worker yet: work can still queue
+        async with worker(cfg, engine="openai", upstream_url=dead, worker_id="w-dead", **RETRY) as rt:
+            await c.admit("wake the worker up", max_tokens=5)  # its first try trips the breaker
+            await _wait_heartbeat(c, rt, "the breaker to open", lambda h: h.get(b"upstream_state") == b"open")
+            for path in ("/readyz", "/health"):
+                r = await client.get(path)
+                assert r.status == 503 and r.headers["Retry-After"] == "1"
+                reason = (await r.json())["reason"]
+                assert reason == "every worker of pool tiny reports its upstream unreachable"
+            rc = await asyncio.to_thread(main, ["status", "--redis-url", redis_server.url])
+            assert rc == 0 and "upstream down" in capsys.readouterr().out
+            rc = await asyncio.to_thread(main, ["status", "--json", "--redis-url", redis_server.url])
+            snap = json.loads(capsys.readouterr().out)
+            assert snap["pools"]["tiny"]["workers"]["w-dead"]["upstream_state"] == "open"
+            async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-live"):
+                deadline = time.monotonic() + 20
+                while (r := await client.get("/readyz")).status != 200:
+                    assert time.monotonic() < deadline, ("waiting for /readyz 200 with a live worker",
+                                                         await r.json())
+                    await asyncio.sleep(0.05)

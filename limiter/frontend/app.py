@@ -650,12 +650,33 @@ async def readyz(request: web.Request) -> web.Response:
                     await fe.scripts.load_all()
             if not fe.ready():
                 problem = "heartbeat is stale"
+            elif down := await _pools_with_upstream_down(fe):
+                problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
     except (TimeoutError, QosError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
         problem = f"Redis unavailable: {exc}"
     if problem:
         return web.json_response({"status": "unavailable", "reason": problem}, status=503,
                                  headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", "frontend": fe.frontend_id})
+
+
+async def _pools_with_upstream_down(fe: Frontend) -> list[str]:
+    """Pools none of whose live workers can serve: each one's heartbeat says its upstream
+    is unreachable (openai engine, breaker open). A pool with no worker heartbeat at all is
+    left alone: workers may simply not have started yet, and admitted work waits for them."""
+    down = []
+    for name, keys in fe.pool_keys.items():
+        ids = await fe.client.zrange(keys.workers, 0, -1)
+        if not ids:
+            continue
+        pipe = fe.client.pipeline(transaction=False)
+        for w in ids:
+            wid = w.decode() if isinstance(w, bytes) else str(w)
+            pipe.hmget(keys.worker(wid), ["engine", "upstream_state"])
+        rows = [r for r in await pipe.execute() if r[0] is not None]  # no hash: its heartbeat expired
+        if rows and all(r[1] in (b"open", "open") for r in rows):
+            down.append(name)
+    return down
 
 
 async def metrics(request: web.Request) -> web.Response:
