@@ -355,3 +355,29 @@ async def test_not_ready_and_shown_while_no_worker_can_reach_its_upstream(env, r
                     assert time.monotonic() < deadline, ("waiting for /readyz 200 with a live worker",
                                                          await r.json())
                     await asyncio.sleep(0.05)
+
+
+async def _sse_pieces(client, prompt: str) -> list[str]:
+    r = await client.post("/v1/completions", headers=auth(),
+                          json={"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True})
+    assert r.status == 200, await r.text()
+    raw = await r.text()
+    chunks = [json.loads(e[6:]) for e in raw.strip().split("\n\n") if e != "data: [DONE]"]
+    return [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]]
+
+
+async def test_client_sees_the_upstreams_chunks(env, redis_server) -> None:
+    """Each upstream chunk reaches the client as one SSE chunk (not regrouped by the push
+    batching), unless upstream_forward_chunks is off."""
+    _cfg, _c, up = env
+    cfg = make_cfg(redis_server.url)
+    prompt = "SLOW " + "0123456789" * 3
+    answer = prompt[::-1]
+    upstream_pieces = [answer[i: i + 3] for i in range(0, len(answer), 3)]
+    async with frontend(cfg) as client:
+        async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-fwd"):
+            assert await _sse_pieces(client, prompt) == upstream_pieces
+        async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-batch",
+                          upstream_forward_chunks=False, flush_ms=10_000, flush_tokens=100_000):
+            # the first batch at once (TTFT), the rest with the completion
+            assert await _sse_pieces(client, prompt) == [upstream_pieces[0], "".join(upstream_pieces[1:])]

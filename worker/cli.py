@@ -58,6 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="send the class rank as vLLM's `priority` (env QOS_UPSTREAM_PRIORITY=0/1; "
                    "default on)")
     g.add_argument("--max-inflight", type=int, help="requests open at the upstream (default 64)")
+    g.add_argument("--upstream-forward-chunks", action=bool_flag, default=None,
+                   help="push each upstream chunk to the client as it comes (default on; off: batch by "
+                   "--flush-ms / --flush-tokens, fewer Redis writes)")
     g = p.add_argument_group("operation")
     g.add_argument("--flush-ms", type=float, help="push a request's tokens at least this often (default 50)")
     g.add_argument("--flush-tokens", type=int, help="...or once this many are pending (default 16)")
@@ -74,9 +77,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 _FIELDS = (
     "pool", "engine", "device", "worker_id", "model", "checkpoint", "seed", "torch_threads", "time_scale",
     "token_budget", "adaptive_budget", "max_seqs", "kv_capacity_tokens", "chunked_prefill", "claim_ahead",
-    "upstream_url",
-    "upstream_model", "upstream_priority", "max_inflight", "flush_ms", "flush_tokens", "lease_ms",
-    "drain_timeout_s", "metrics_port", "metrics_host",
+    "upstream_url", "upstream_model", "upstream_priority", "upstream_forward_chunks", "max_inflight",
+    "flush_ms", "flush_tokens", "lease_ms", "drain_timeout_s", "metrics_port", "metrics_host",
 )
 
 

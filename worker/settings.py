@@ -63,6 +63,7 @@ class WorkerSettings:
     upstream_priority: bool = True  # send the class rank as vLLM's `priority`
     max_inflight: int = 64  # requests in flight at the upstream
     upstream_timeout_s: float = 600.0
+    upstream_forward_chunks: bool = True  # push each upstream chunk as it comes (else flush_ms/flush_tokens)
     upstream_retry_min_s: float = 0.5  # unreachable upstream: first back-off before a probe...
     upstream_retry_max_s: float = 30.0  # ...doubling up to this
 

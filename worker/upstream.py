@@ -10,6 +10,9 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * The class goes upstream as ``priority`` (vLLM's field: lower runs earlier; the class
   rank, 0 for the highest class). vLLM only honours it with ``--scheduling-policy
   priority``; set ``upstream_priority = false`` for servers that reject the field.
+* Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
+  the client sees the upstream's chunks and inter-token times, not the worker's push
+  batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
 * Streaming: each text delta becomes byte-level token ids (the pool tokenizer: one id per
   UTF-8 byte), so delivered counts, ``max_tokens`` and the refund are in the same units the
   frontend charged. ``max_tokens`` is enforced here in those units (the upstream's tokens
@@ -395,7 +398,8 @@ class UpstreamLoop:
                             cut = self._take(d, piece, max_tokens) or cut
                     now = time.monotonic()
                     gap, last = now - last, now
-                    if d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next chunk ~gap away
+                    forward = s.upstream_forward_chunks and bool(d.pending_ids)  # as the upstream chunked it
+                    if forward or d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.rt.push(d):
                                 return ("cancelled", "cancelled", "")
