@@ -320,3 +320,23 @@ async def test_worker_passes_ignore_eos_and_min_tokens_to_the_torch_engine(worke
     assert EOS_ID not in await c.generated(ignore)
     assert c.answers[least].done["fin"] == "stop" and int(c.answers[least].done["out"]) == 5
     assert (await c.generated(least))[-1] == EOS_ID
+
+
+async def test_redis_outage_errors_name_no_address():
+    """When Redis goes away under a running frontend, the 503 a client gets and the public
+    /readyz reason say what is wrong without the store's address or the driver's text."""
+    from tests.redis_server import RedisServer
+
+    with RedisServer() as server:
+        async with frontend(make_cfg(server.url)) as c:
+            assert (await c.get("/health")).status == 200
+            server.kill()
+            r = await c.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+            assert r.status == 503
+            err = (await r.json())["error"]
+            assert err["code"] == "redis_unavailable" and "cannot be reached" in err["message"]
+            r = await c.get("/readyz")
+            body = await r.text()
+            assert r.status == 503
+            for text in (err["message"], body):
+                assert str(server.port) not in text and "127.0.0.1" not in text and "Error" not in text

@@ -653,7 +653,8 @@ async def readyz(request: web.Request) -> web.Response:
             elif down := await _pools_with_upstream_down(fe):
                 problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
     except (TimeoutError, QosError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        problem = f"Redis unavailable: {exc}"
+        log.warning("readiness: Redis unavailable: %s", exc)
+        problem = "Redis unavailable"  # /readyz is unauthenticated: no address, no driver text
     if problem:
         return web.json_response({"status": "unavailable", "reason": problem}, status=503,
                                  headers={"Retry-After": "1"})
@@ -719,8 +720,10 @@ def _to_api_error(exc: BaseException) -> oa.ApiError:
     if isinstance(exc, InvalidArgument):
         return oa.ApiError(400, str(exc), code="invalid_value", param=exc.field)
     if isinstance(exc, RedisUnavailable | PolicyMissing | RedisConnectionError | RedisTimeoutError):
-        return oa.ApiError(503, f"Service temporarily unavailable: {exc}", code="redis_unavailable",
-                           retry_after_s=1, outcome="unavailable")
+        # The client learns what happened, not the store's address or the driver's text.
+        log.warning("Redis unavailable: %s", exc)
+        return oa.ApiError(503, "Service temporarily unavailable: the request queue cannot be reached; retry "
+                           "shortly", code="redis_unavailable", retry_after_s=1, outcome="unavailable")
     if isinstance(exc, web.HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
         outcome = "not_found" if exc.status == 404 else "bad_request"
