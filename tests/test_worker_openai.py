@@ -184,6 +184,9 @@ async def test_unreachable_upstream_stops_claiming_and_hands_work_to_another_wor
         claims_before = int(await c.client.hget(rt.keys.stats, "P1.claimed") or 0)
         await _wait_heartbeat(c, rt, "two more probes", lambda h: int(h.get(b"upstream_probes", 0)) >= 4)
         assert int(await c.client.hget(rt.keys.stats, "P1.claimed") or 0) == claims_before  # not claiming
+        metrics = rt.metrics.render().decode()
+        assert "qos_worker_upstream_open 1.0" in metrics
+        assert 'qos_worker_upstream_probes_total{result="down"}' in metrics
         async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-live"):
             await c.wait(ids, timeout=30)
     for i, r in enumerate(ids):
@@ -202,6 +205,9 @@ async def test_worker_claims_again_once_its_upstream_answers(env) -> None:
             await c.wait([rid], timeout=30)
             await _wait_heartbeat(c, rt, "the breaker to close",
                                   lambda h: h.get(b"upstream_state") == b"closed")
+            metrics = rt.metrics.render().decode()
+            assert "qos_worker_upstream_open 0.0" in metrics
+            assert 'qos_worker_upstream_probes_total{result="up"} 1.0' in metrics
         finally:
             await later.runner.cleanup()
     assert c.answers[rid].text == "ecneitap" and c.answers[rid].done["fin"] == "stop"

@@ -62,6 +62,7 @@ import aiohttp
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
 from worker.delivery import Delivery
 from worker.engines.base import request_seed
+from worker.metrics import WorkerMetrics
 from worker.runtime import WorkerRuntime
 from worker.tokenizer import decode
 
@@ -79,8 +80,9 @@ class Breaker:
     when ``retry_at`` comes). The back-off doubles on every failed probe and on a failure
     soon after a successful probe, and goes back to ``min_s`` once a request succeeds."""
 
-    def __init__(self, min_s: float, max_s: float) -> None:
+    def __init__(self, min_s: float, max_s: float, metrics: WorkerMetrics | None = None) -> None:
         self.min_s, self.max_s = min_s, max_s
+        self.metrics = metrics
         self.state = "closed"
         self.backoff_s = min_s
         self.retry_at = 0.0
@@ -90,6 +92,9 @@ class Breaker:
 
     def trip(self, why: str) -> None:
         self.failures += 1
+        if self.metrics is not None:
+            self.metrics.upstream_failures.inc()
+            self.metrics.upstream_open.set(1)
         if self.state == "open":
             return  # several streams failing at once is one outage
         if not self._proven:  # it failed again right after a probe said it was back
@@ -99,11 +104,16 @@ class Breaker:
         log.warning("upstream unavailable (%s): not claiming; probing in %.1f s", why, self.backoff_s)
 
     def probe_failed(self, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_probes.labels("down").inc()
         self.backoff_s = min(self.max_s, self.backoff_s * 2)
         self.retry_at = time.monotonic() + self.backoff_s
         log.warning("upstream probe failed (%s); next in %.1f s", why, self.backoff_s)
 
     def probe_ok(self) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_probes.labels("up").inc()
+            self.metrics.upstream_open.set(0)
         self.state = "closed"
         self._proven = False
         log.info("upstream answers again: claiming")
@@ -164,7 +174,7 @@ class UpstreamLoop:
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.why: dict[str, str] = {}  # request id -> cancel | lost | release
-        self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s)
+        self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
         self._gen_tokens = 0
         self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
         self._busy_s = 0.0  # time with at least one request open upstream, since the last heartbeat
