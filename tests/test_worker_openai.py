@@ -18,6 +18,7 @@ from tests.frontend_helpers import auth, frontend, make_cfg
 from tests.redis_server import free_port
 from tests.worker_helpers import spawn_worker, stop_process, worker, write_config
 from worker.cli import upstream_env
+from worker.upstream import Breaker
 
 
 class FakeUpstream:
@@ -30,7 +31,9 @@ class FakeUpstream:
         self.max_active = 0
         self.disconnects = 0
         self.transports: set[Any] = set()
+        self.status: int | None = None  # answer every request with this HTTP status (e.g. 503)
         app = web.Application()
+        app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         self.runner = web.AppRunner(app)
@@ -44,9 +47,16 @@ class FakeUpstream:
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
+    async def models(self, request: web.Request) -> web.Response:
+        if self.status is not None:
+            return web.json_response({"error": {"message": "busy"}}, status=self.status)
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.status is not None:
+            return web.json_response({"error": {"message": "server busy"}}, status=self.status)
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if "FAIL" in prompt:
@@ -387,3 +397,37 @@ async def test_client_sees_the_upstreams_chunks(env, redis_server) -> None:
                           upstream_forward_chunks=False, flush_ms=10_000, flush_tokens=100_000):
             # the first batch at once (TTFT), the rest with the completion
             assert await _sse_pieces(client, prompt) == [upstream_pieces[0], "".join(upstream_pieces[1:])]
+
+
+
+def test_breaker_backoff_doubles_caps_and_resets() -> None:
+    b = Breaker(0.5, 3.0)
+    b.trip("refused")
+    assert b.state == "open" and b.backoff_s == 0.5 and b.failures == 1
+    b.trip("refused too")  # another stream of the same outage
+    assert b.backoff_s == 0.5 and b.failures == 2
+    for want in (1.0, 2.0, 3.0, 3.0):
+        b.probe_failed("still down")
+        assert b.state == "open" and b.backoff_s == want
+    b.probe_ok()
+    assert b.state == "closed"
+    b.trip("flapping")  # fails again before any request got through: no reset
+    assert b.state == "open" and b.backoff_s == 3.0
+    b.probe_ok()
+    b.success()
+    assert b.failures == 0 and b.backoff_s == 0.5
+    b.trip("a new outage")
+    assert b.backoff_s == 0.5
+
+
+@pytest.mark.parametrize("status", [503, 429, 502])
+async def test_upstream_busy_status_hands_back_instead_of_failing(env, status) -> None:
+    cfg, c, up = env
+    up.status = status
+    async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-busy", **RETRY) as rt:
+        rid = await c.admit("busy now, fine later", max_tokens=40)
+        await _wait_heartbeat(c, rt, "the breaker to open and probe twice", _breaker_open_and_probed)
+        assert (await c.record(rid))["state"] == "queued" and not c.answers[rid].finished
+        up.status = None
+        await c.wait([rid], timeout=30)
+    assert c.answers[rid].error is None and c.answers[rid].text == "busy now, fine later"[::-1]

@@ -33,11 +33,11 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   run, so unlike the torch engine this is best effort, not bit-identical.
 * An upstream that cannot be reached is handled like a dead worker, not like a bad request
   (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
-  broken off, or HTTP 502/503/504 hands the request back (``release``: requeued at the head
+  broken off, or HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
   of its class with what was delivered, attempt given back, so another worker resumes it),
   and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
   ``upstream_retry_max_s``) it probes the upstream with ``GET /v1/models`` (any answer but
-  502/503/504 counts as up) and claims again only once that answers. The state is in the
+  429/502/503/504 counts as up) and claims again only once that answers. The state is in the
   heartbeat (``upstream_state`` closed | open, ``upstream_failures``, ``upstream_probes``).
   A dead upstream therefore leaves the queue to workers that can serve it (or to its max
   wait) instead of failing every queued request within milliseconds.
@@ -68,7 +68,7 @@ from worker.tokenizer import decode
 
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
-DOWN_STATUSES = (502, 503, 504)  # a proxy or the server itself saying it cannot serve now
+DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
 
 
 class UpstreamDown(Exception):
