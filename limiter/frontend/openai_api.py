@@ -4,7 +4,9 @@ Validation turns a JSON body into a :class:`GenerationRequest` or raises :class:
 naming the offending field in ``param`` — before anything touches Redis, so a bad request
 is never admitted or charged. Fields OpenAI defines but this service does not implement
 are accepted only at their neutral value (``n: 1``, ``logprobs: false``, ...); anything
-else, and any field OpenAI does not define, is a 400 — the same as OpenAI's own API.
+else, and any field neither OpenAI nor vLLM (``ignore_eos``, ``min_tokens``,
+``stream_options.continuous_usage_stats``; ``repetition_penalty``/``top_k``/``min_p`` at
+neutral) defines, is a 400 naming it — the same as OpenAI's own API.
 """
 
 from __future__ import annotations
