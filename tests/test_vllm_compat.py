@@ -340,3 +340,22 @@ async def test_redis_outage_errors_name_no_address():
             assert r.status == 503
             for text in (err["message"], body):
                 assert str(server.port) not in text and "127.0.0.1" not in text and "Error" not in text
+
+
+async def test_openai_sdk_with_vllm_extras(client, fake):
+    """The official SDK passing vLLM's fields the documented way (extra_body, stream_options)."""
+    fake.batch = 2
+    sdk = openai.AsyncOpenAI(base_url=str(client.server.make_url("/v1")), api_key=KEY, max_retries=0)
+    stream = await sdk.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True, "min_tokens": 2})
+    usages = [ch.usage.completion_tokens async for ch in stream]
+    assert usages == sorted(usages) and usages[-1] == 8 and len(usages) >= 4
+    assert all(u is not None for u in usages)
+    (p,) = fake.payloads.values()
+    assert p.ignore_eos and p.min_tokens == 2
+    with pytest.raises(openai.BadRequestError) as e:
+        await sdk.completions.create(model="tiny", prompt="x", extra_body={"min_tokens": 5}, max_tokens=2)
+    assert e.value.body["param"] == "min_tokens"
+    await sdk.close()
