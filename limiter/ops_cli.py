@@ -129,7 +129,7 @@ def render(snap: dict[str, Any]) -> Group:
         for wid, info in sorted(pool["workers"].items()):
             engine = str(info.get("engine", "-")) + (
                 " (sim)" if str(info.get("simulated")) in ("1", "True") else ""
-            )
+            ) + (" (upstream down)" if info.get("upstream_state") == "open" else "")
             w.add_row(
                 wid,
                 _fmt(info.get("last_seen_s"), 1),

@@ -117,9 +117,10 @@ class StepLoop:
             res = await self.sched.step()
         except (RedisUnavailable, asyncio.CancelledError):
             raise
-        except Exception as exc:  # the engine's state is suspect: fail what it held
+        except Exception:  # the engine's state is suspect: fail what it held
             log.exception("engine step failed")
-            await self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            # The client reads that the engine failed, not the exception's text (the log has it).
+            await self._fail_all("engine error in the worker (details in its log)")
             return
         await self._after_step(res)
 
@@ -234,7 +235,9 @@ class StepLoop:
             return
         try:
             params = SamplingParams(temperature=p.temperature, seed=request_seed(p.seed, c.request_id),
-                                    max_tokens=max_tokens, stop=p.stop)
+                                    max_tokens=max_tokens, stop=p.stop,
+                                    eos_min_len=SamplingParams.eos_rule(len(prompt), p.ignore_eos,
+                                                                        p.min_tokens))
         except InvalidArgument as exc:
             await self.rt.finish(d, "failed", "error", f"bad sampling parameters: {exc}")
             return

@@ -10,6 +10,9 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * The class goes upstream as ``priority`` (vLLM's field: lower runs earlier; the class
   rank, 0 for the highest class). vLLM only honours it with ``--scheduling-policy
   priority``; set ``upstream_priority = false`` for servers that reject the field.
+* Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
+  the client sees the upstream's chunks and inter-token times, not the worker's push
+  batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
 * Streaming: each text delta becomes byte-level token ids (the pool tokenizer: one id per
   UTF-8 byte), so delivered counts, ``max_tokens`` and the refund are in the same units the
   frontend charged. ``max_tokens`` is enforced here in those units (the upstream's tokens
@@ -18,15 +21,29 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   ``stream_options.include_usage``) is reconciled into the sample as
   ``upstream_prompt_tokens`` / ``upstream_completion_tokens``. TPOT in the sample is per
   upstream chunk (about one upstream token), not per byte.
-* Chat payloads are sent to ``/v1/chat/completions`` with the messages recovered from the
-  rendered prompt (:func:`limiter.prompt.render_chat`'s inverse), so the upstream applies
-  its own chat template; completions go to ``/v1/completions``.
+* Chat payloads are sent to ``/v1/chat/completions`` with the messages the frontend
+  validated, carried as data in the payload (``Payload.messages``): the upstream applies its
+  own chat template to them, and no text is ever parsed back into roles, so a user message
+  that contains ``<|system|>`` stays a user message. Completions go to ``/v1/completions``.
+* vLLM's ``ignore_eos`` and ``min_tokens`` are passed through when the client set them
+  (``min_tokens`` less what an earlier attempt delivered, on resume).
 * Resume after a worker died: the delivered text is appended to the prompt (for chat, as a
   partial assistant message with vLLM's ``continue_final_message``) and the stream continues
   at the delivered offset. Upstream tokenisation of that text may differ from the original
   run, so unlike the torch engine this is best effort, not bit-identical.
-* Errors (HTTP status, unreachable server, an ``error`` chunk, a stream cut short) finish
-  the request as ``failed`` with a message that says what the upstream did.
+* An upstream that cannot be reached is handled like a dead worker, not like a bad request
+  (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
+  broken off, or HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
+  of its class with what was delivered, attempt given back, so another worker resumes it),
+  and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
+  ``upstream_retry_max_s``) it probes the upstream with ``GET /v1/models`` (any answer but
+  429/502/503/504 counts as up) and claims again only once that answers. The state is in the
+  heartbeat (``upstream_state`` closed | open, ``upstream_failures``, ``upstream_probes``).
+  A dead upstream therefore leaves the queue to workers that can serve it (or to its max
+  wait) instead of failing every queued request within milliseconds.
+* Other errors (an HTTP 4xx/500, an ``error`` chunk, a malformed chunk, a stream without a
+  finish reason) finish the request as ``failed``. What the client reads names what the
+  model server did, never its address or an exception's text; the log has the details.
 """
 
 from __future__ import annotations
@@ -36,7 +53,6 @@ import contextlib
 import json
 import logging
 import os
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -46,28 +62,66 @@ import aiohttp
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
 from worker.delivery import Delivery
 from worker.engines.base import request_seed
+from worker.metrics import WorkerMetrics
 from worker.runtime import WorkerRuntime
 from worker.tokenizer import decode
 
 log = logging.getLogger("qos.worker")
-_ROLE = re.compile(r"<\|(system|user|assistant|tool)\|>\n")
-_ASSISTANT = "<|assistant|>\n"
 Result = tuple[str, str, str]  # outcome, finish_reason, message
+DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
 
 
-def parse_chat(prompt: str) -> list[dict[str, str]] | None:
-    """Messages of a prompt rendered by ``render_chat``; None if it is not in that shape."""
-    if not prompt.endswith(_ASSISTANT):
-        return None
-    parts = _ROLE.split(prompt[: -len(_ASSISTANT)])
-    if parts[0] or len(parts) < 3:
-        return None
-    msgs = []
-    for role, content in zip(parts[1::2], parts[2::2], strict=True):
-        if not content.endswith("\n"):
-            return None
-        msgs.append({"role": role, "content": content[:-1]})
-    return msgs
+class UpstreamDown(Exception):
+    """The upstream could not be reached or broke off: not this request's fault."""
+
+
+class Breaker:
+    """Circuit breaker over the upstream: ``closed`` (claim) or ``open`` (do not claim; probe
+    when ``retry_at`` comes). The back-off doubles on every failed probe and on a failure
+    soon after a successful probe, and goes back to ``min_s`` once a request succeeds."""
+
+    def __init__(self, min_s: float, max_s: float, metrics: WorkerMetrics | None = None) -> None:
+        self.min_s, self.max_s = min_s, max_s
+        self.metrics = metrics
+        self.state = "closed"
+        self.backoff_s = min_s
+        self.retry_at = 0.0
+        self.failures = 0  # upstream failures since the last success
+        self.probes = 0  # probes sent, ever
+        self._proven = True  # a request succeeded since the breaker last closed
+
+    def trip(self, why: str) -> None:
+        self.failures += 1
+        if self.metrics is not None:
+            self.metrics.upstream_failures.inc()
+            self.metrics.upstream_open.set(1)
+        if self.state == "open":
+            return  # several streams failing at once is one outage
+        if not self._proven:  # it failed again right after a probe said it was back
+            self.backoff_s = min(self.max_s, self.backoff_s * 2)
+        self.state = "open"
+        self.retry_at = time.monotonic() + self.backoff_s
+        log.warning("upstream unavailable (%s): not claiming; probing in %.1f s", why, self.backoff_s)
+
+    def probe_failed(self, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_probes.labels("down").inc()
+        self.backoff_s = min(self.max_s, self.backoff_s * 2)
+        self.retry_at = time.monotonic() + self.backoff_s
+        log.warning("upstream probe failed (%s); next in %.1f s", why, self.backoff_s)
+
+    def probe_ok(self) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_probes.labels("up").inc()
+            self.metrics.upstream_open.set(0)
+        self.state = "closed"
+        self._proven = False
+        log.info("upstream answers again: claiming")
+
+    def success(self) -> None:
+        self.failures = 0
+        self._proven = True
+        self.backoff_s = self.min_s
 
 
 def fit(piece: str, allowance: int) -> tuple[list[int], str, bool]:
@@ -120,6 +174,7 @@ class UpstreamLoop:
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.why: dict[str, str] = {}  # request id -> cancel | lost | release
+        self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
         self._gen_tokens = 0
         self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
         self._busy_s = 0.0  # time with at least one request open upstream, since the last heartbeat
@@ -158,6 +213,9 @@ class UpstreamLoop:
             await self.rt.guard("worker", self._pull())
 
     async def _pull(self) -> None:
+        if self.breaker.state != "closed":
+            await self._probe_when_due()
+            return
         room = self.rt.settings.max_inflight - len(self.rt.held)
         if room <= 0:
             await asyncio.wait(list(self.tasks.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -168,6 +226,30 @@ class UpstreamLoop:
         self._track_busy()
         if not got:
             await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
+
+    async def _probe_when_due(self) -> None:
+        """Wait out the back-off (a drain ends the wait), then ask the upstream once."""
+        wait_s = self.breaker.retry_at - time.monotonic()
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.rt.draining.wait(), wait_s)
+            return  # the loop comes back here (or drains)
+        self.breaker.probes += 1
+        try:
+            async with self.session.get(self.base + "/models", headers=self._headers(),
+                                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                status = resp.status
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.breaker.probe_failed(f"{type(exc).__name__}: {exc}")
+            return
+        if status in DOWN_STATUSES:
+            self.breaker.probe_failed(f"HTTP {status}")
+        else:
+            self.breaker.probe_ok()
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _interrupt(self, ids: list[str], why: str) -> None:
         for rid in ids:
@@ -190,7 +272,16 @@ class UpstreamLoop:
         rid = d.request_id
         try:
             result = await self._stream(d)
+            if result[0] == "ok":
+                self.breaker.success()
             await self._finish(d, result)
+        except UpstreamDown as exc:
+            # As if this worker had died: the request goes back with what it delivered, and
+            # another worker (or this one, once the upstream answers) resumes it.
+            self.breaker.trip(str(exc))
+            with contextlib.suppress(RedisUnavailable):
+                await self.rt.release(d)
+            self.rt.drop(rid, "released")  # if release could not reach Redis, the lease expires
         except asyncio.CancelledError:
             why = self.why.get(rid, "release")
             if why == "lost":
@@ -203,8 +294,8 @@ class UpstreamLoop:
         except LeaseLost:
             self.rt.drop(rid)
         except Exception as exc:  # a bug must fail one request, not the worker
-            log.exception("%s: upstream stream failed", rid)
-            await self._finish(d, ("failed", "error", f"worker error: {type(exc).__name__}: {exc}"))
+            log.exception("%s: upstream stream failed: %s", rid, exc)
+            await self._finish(d, ("failed", "error", "internal error in the worker (details in its log)"))
         finally:
             self.tasks.pop(rid, None)
             self.why.pop(rid, None)
@@ -232,6 +323,7 @@ class UpstreamLoop:
                 backoff = min(5.0, backoff * 2)
 
     def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
+        """The upstream request. Raises ValueError for a chat payload without its messages."""
         p, c = d.payload, d.claimed
         prior = decode(c.generated) if c.generated else ""
         body: dict[str, Any] = {
@@ -242,45 +334,68 @@ class UpstreamLoop:
             body["stop"] = list(p.stop)
         if self.rt.settings.upstream_priority:
             body["priority"] = d.class_rank
-        msgs = parse_chat(p.prompt) if p.kind == "chat" else None
-        if msgs is None:
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if p.min_tokens > d.total_tokens:
+            body["min_tokens"] = min(p.min_tokens - d.total_tokens, allowance)
+        if p.kind != "chat":
             body["prompt"] = p.prompt + prior
             return "/completions", body
+        if not p.messages:
+            raise ValueError("chat payload without structured messages (written by an older frontend?)")
+        msgs = [m.to_dict() for m in p.messages]
         if prior:
             msgs.append({"role": "assistant", "content": prior})
             body.update(continue_final_message=True, add_generation_prompt=False)
         body["messages"] = msgs
         return "/chat/completions", body
 
+    def _failed(self, d: Delivery, url: str, client_message: str, detail: str = "") -> Result:
+        """A request the upstream refused or botched: the log names the upstream and the
+        details, the client reads only what the model server did."""
+        log.warning("%s: upstream %s: %s%s", d.request_id, url, client_message,
+                    f" ({detail})" if detail else "")
+        return ("failed", "error", client_message)
+
     async def _stream(self, d: Delivery) -> Result:
+        """Stream one attempt. Raises :class:`UpstreamDown` when the upstream cannot be reached
+        or breaks off (the caller hands the request back)."""
         s = self.rt.settings
         max_tokens = min(d.payload.max_tokens, d.claimed.max_tokens)
         if d.total_tokens >= max_tokens:
             return ("ok", "length", "")
-        path, body = self._body(d, max_tokens - d.total_tokens)
+        try:
+            path, body = self._body(d, max_tokens - d.total_tokens)
+        except ValueError as exc:
+            return ("failed", "error", f"unusable request: {exc}")
         url = self.base + path
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         chat = path == "/chat/completions"
         finish: str | None = None
+        done = False
         last = time.monotonic()
         try:
-            async with self.session.post(url, json=body, headers=headers) as resp:
+            async with self.session.post(url, json=body, headers=self._headers()) as resp:
+                if resp.status in DOWN_STATUSES:
+                    raise UpstreamDown(f"HTTP {resp.status} from {url}")
                 if resp.status != 200:
-                    return ("failed", "error", f"upstream {url} answered HTTP {resp.status}: "
-                            f"{await _error_text(resp)}")
+                    text = (await _error_text(resp))[:300]
+                    return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
+                                        f"{text}")
                 async for data in sse_data(resp.content):
                     if data.strip() == "[DONE]":
+                        done = True
                         break
                     try:
                         chunk = json.loads(data)
                     except ValueError:
-                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                        chunk = None
                     if not isinstance(chunk, dict):
-                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                        return self._failed(d, url, "the model server sent a malformed response",
+                                            f"chunk {data[:200]!r}")
                     if chunk.get("error"):
                         err = chunk["error"]
-                        msg = err.get("message", err) if isinstance(err, dict) else err
-                        return ("failed", "error", f"upstream {url} error: {msg}")
+                        msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                        return self._failed(d, url, f"the model server reported an error: {msg}")
                     if isinstance(chunk.get("usage"), dict):
                         u = chunk["usage"]
                         d.sample_extra.update(upstream_prompt_tokens=u.get("prompt_tokens"),
@@ -293,17 +408,19 @@ class UpstreamLoop:
                             cut = self._take(d, piece, max_tokens) or cut
                     now = time.monotonic()
                     gap, last = now - last, now
-                    if d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next chunk ~gap away
+                    forward = s.upstream_forward_chunks and bool(d.pending_ids)  # as the upstream chunked it
+                    if forward or d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.rt.push(d):
                                 return ("cancelled", "cancelled", "")
                     if cut:
                         return ("ok", "length", "")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            return ("failed", "error", f"upstream {url} unreachable or broke off: {why}")
+            raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}") from exc
         if finish is None:
-            return ("failed", "error", f"upstream {url} ended the stream without a finish_reason")
+            if not done:  # the connection ended mid-answer: the server went away
+                raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]")
+            return self._failed(d, url, "the model server ended its answer without a finish reason")
         return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
     def _take(self, d: Delivery, piece: str, max_tokens: int) -> bool:
@@ -332,4 +449,5 @@ class UpstreamLoop:
         return {"batch_size": len(self.tasks), "running": len(self.tasks), "waiting": 0,
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1), "step_ms": 0,
                 "kv_used": 0, "kv_capacity": 0, "kv_use": 0, "max_inflight": self.rt.settings.max_inflight,
-                "upstream": self.base}
+                "upstream": self.base, "upstream_state": self.breaker.state,
+                "upstream_failures": self.breaker.failures, "upstream_probes": self.breaker.probes}
