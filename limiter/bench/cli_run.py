@@ -55,8 +55,9 @@ def _tenants(args: argparse.Namespace) -> int:
 
     console = Console()
     for name in ("duration", "drain", "steady", "heavy", "medium"):
-        if getattr(args, name) <= 0 and not (name == "drain" and args.drain == 0):
-            raise ConfigError(f"--{name}", "must be > 0")
+        if getattr(args, name) <= 0 and not (name in ("drain", "medium") and getattr(args, name) == 0):
+            hint = " (or 0: leave it out)" if name == "medium" else ""
+            raise ConfigError(f"--{name}", f"must be > 0{hint}")
     if args.workers < 1:
         raise ConfigError("--workers", "must be >= 1")
     p = tb.TenantParams(engine=args.engine, duration_s=args.duration, drain_s=args.drain,
