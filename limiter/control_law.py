@@ -13,8 +13,10 @@ docs/control-law.md states the law as equations and argues why it settles; in br
   target, not at the edge of the band. Otherwise 95-99 % holds (the dead band); >= 99 %,
   over the whole window too, is *comfortable*. At most one change per ``cooldown_s``.
 * Violation of class k removes ``tighten_step`` (10 %) of the load of the classes below it,
-  lowest class first, borrowing before guarantees, never below a floor; only when nothing
-  below k can give does k cut itself (10 % of its own use).
+  lowest class first, borrowing before guarantees, never below a floor. When nothing below
+  k can give, the law holds (``overloaded``): the rates are applied at claim time, so a cut
+  to k's own ceiling would only make k's queued requests wait longer; what k asks beyond
+  the pool is admission's to refuse (the wait estimate against the max wait).
 * When every class at or above i is comfortable and i used its allowance, ``a_i`` grows by
   ``relax_step`` (5 %) toward its ceiling -- the top class's own cut is undone first, then
   lower guarantees, then borrowing. A cut remembers where the SLO broke: relaxing may
@@ -177,7 +179,7 @@ class ClassDecision:
     """One class's outcome with the inputs that led to it, so the role can log the why."""
 
     name: str
-    reason: str  # hold|relax|tighten_lower_for_<class>|tighten_self|cooldown|capacity_change|
+    reason: str  # hold|relax|tighten_lower_for_<class>|overloaded|cooldown|capacity_change|
     #             floor|ceiling|capped|unused|waiting|priority|rebalance (docs/control-law.md)
     compliance: float | None
     window_compliance: float | None
@@ -240,7 +242,7 @@ class Decision:
 
 
 # Reasons for a class whose own allowance moved (or whose whole policy was rescaled).
-ACTIONS = ("relax", "tighten_self", "capacity_change")
+ACTIONS = ("relax", "capacity_change")
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -342,13 +344,11 @@ def _tighten(plan: _Plan, k: int) -> None:
             plan.reasons[i] = "floor"
         elif i not in plan.moved and level[i] <= cfg.floors[i]:
             plan.reasons[i] = "unused"  # too little load to be the interference
-    if any(i in plan.moved for i in lower):
-        return
-    new = max(cfg.floors[k], (1 - cfg.tighten_step) * min(cls[k].allowance, plan.used[k]))
-    if new < cls[k].allowance * (1 - cfg.min_change):
-        plan.cut(k, new, "tighten_self", owner=k)
-    else:
-        plan.reasons[k] = "floor"
+    if not any(i in plan.moved for i in lower):
+        # Nothing below k can give. k's rates apply when workers claim: cutting k's own
+        # ceiling would leave its queued requests waiting longer (and a GPU idle), never
+        # shorter. Its demand beyond the pool is refused at admission (wait estimate).
+        plan.reasons[k] = "overloaded"
 
 
 def _relax(plan: _Plan, status: list[str]) -> None:

@@ -83,6 +83,7 @@ class PlantConfig:
     heartbeat_s: float = 1.0
     noise: tuple[float, ...] = ()  # recorded heartbeat figures / their median (block bootstrap)
     noise_block: int = 10  # consecutive recorded values per draw
+    capacity_window: int = 10  # the estimator's median window (CapacityConfig.window)
     classes: tuple[PlantClass, ...] = DEFAULT_PLANT_CLASSES
     slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     seed: int = 1
@@ -138,7 +139,8 @@ def simulate(
     rng = random.Random(plant.seed)
     monitor = SloMonitor({n: plant.slos.get(n, ClassSLO()) for n in names}, size=control.window)
     # "used" must be current: served work over the last half second (see ClassInputs.used).
-    estimator = CapacityEstimator(CapacityConfig(initial=plant.capacity, interval_s=0.5, rate_intervals=1))
+    estimator = CapacityEstimator(CapacityConfig(initial=plant.capacity, interval_s=0.5, rate_intervals=1,
+                                                 window=plant.capacity_window))
     state = ControlState.initial(control, plant.capacity)
     policy, backlog, carry = state.rates(), dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
     busy = [0.0] * len(names)  # share of capacity each class occupies in the GPU (lagged)

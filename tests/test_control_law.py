@@ -117,15 +117,14 @@ def test_then_guarantees_lowest_first_by_at_most_a_step_each() -> None:
     assert sum(rates) == pytest.approx(C)
 
 
-def test_p0_cuts_itself_only_when_lower_classes_are_at_their_floors() -> None:
+def test_p0_never_cuts_itself_when_lower_classes_are_at_their_floors() -> None:
+    """Rates apply at claim time: cutting P0's own ceiling would only queue P0 longer. The
+    law holds and says why; admission refuses what cannot start in time."""
     floors = (1.0, CFG.floors[1], CFG.floors[2])
     d = decide(state(floors), inputs(p0=(0.80, 1000, 0.45), p1=(0.99, 1000, 0.105), p2=(None, 0, 0.015)), 0.0)
-    assert reasons(d) == ("tighten_self", "floor", "floor")
-    assert allowances(d)[0] == pytest.approx(0.405)  # 10 % below its own use
-    at_floor = state((CFG.floors[0], *floors[1:]))
-    d = decide(at_floor, inputs(p0=(0.50, 1000, 0.30), p1=(0.99, 1000, 0.105), p2=(None, 0, 0.015)), 0.0)
     assert not d.changed
-    assert reasons(d) == ("floor", "floor", "floor")
+    assert reasons(d) == ("overloaded", "floor", "floor")
+    assert allowances(d) == pytest.approx(floors)
 
 
 def test_p1_violation_tightens_p2() -> None:
@@ -133,8 +132,7 @@ def test_p1_violation_tightens_p2() -> None:
     assert reasons(d) == ("hold", "hold", "tighten_lower_for_P1")
     assert allowances(d) == (1.0, 1.0, 0.18)
     d = decide(state((1.0, 1.0, CFG.floors[2])), inputs(p1=(0.90, 1000, 0.30), p2=(None, 0, 0.015)), 0.0)
-    assert reasons(d) == ("rebalance", "tighten_self", "floor")
-    assert allowances(d)[1] == pytest.approx(0.27)
+    assert reasons(d) == ("hold", "overloaded", "floor") and not d.changed  # P1 keeps its ceiling
 
 
 def test_a_violation_episode_lasts_until_the_target_is_back() -> None:
@@ -172,7 +170,7 @@ def test_no_verdict_without_enough_fresh_samples() -> None:
 
 def test_a_class_with_almost_no_load_is_not_the_interference() -> None:
     d = decide(state(), inputs(p0=(0.90, 1000, 0.45), p1=(0.99, 1000, 0.01), p2=(None, 0, 0.0)), 0.0)
-    assert reasons(d) == ("tighten_self", "unused", "unused")
+    assert reasons(d) == ("overloaded", "unused", "unused")
 
 
 # --- relax ------------------------------------------------------------------------------
