@@ -100,14 +100,30 @@ def _fmt(v: Any, digits: int = 0) -> str:
     return str(v)
 
 
+def _last_reasons(pool: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """Each class's reason in the newest decision record, and that record's age label."""
+    for row in pool.get("decisions") or []:
+        body = row["decision"]
+        if isinstance(body, dict) and isinstance(body.get("classes"), dict):
+            reasons = {k: str(v.get("reason")) for k, v in body["classes"].items() if isinstance(v, dict)}
+            return reasons, f"v{row['version']}"
+    return {}, "-"
+
+
 def render(snap: dict[str, Any]) -> Group:
     parts: list[Any] = []
     for name, pool in snap["pools"].items():
+        conf = pool.get("capacity_confidence")
+        source = pool.get("capacity_source") or "-"
+        measured = (f"measured {_fmt(pool.get('measured_capacity'))} from {source}"
+                    + ("" if conf is None else f", confidence {conf * 100:.0f} %"))
+        reasons, version = _last_reasons(pool)
         t = Table(
-            title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s, "
-            f"policy v{_fmt(pool['policy_version'])}"
+            title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s "
+            f"({measured}), policy v{_fmt(pool['policy_version'])}"
         )
-        for col in ("class", "rate", "burst", "tokens", "fill", "queued", "inflight", "compliance"):
+        for col in ("class", "rate", "ceil", "burst", "tokens", "fill", "queued", "inflight", "compliance",
+                    f"last decision ({version})"):
             t.add_column(col, justify="right")
         for cls, c in pool["classes"].items():
             fill = None if not c["burst"] or c["tokens"] is None else c["tokens"] / c["burst"]
@@ -115,16 +131,19 @@ def render(snap: dict[str, Any]) -> Group:
             t.add_row(
                 cls,
                 _fmt(c["rate"]),
+                _fmt(c.get("ceil")),
                 _fmt(c["burst"]),
                 _fmt(c["tokens"]),
                 "-" if fill is None else f"{fill * 100:.0f} %",
                 str(c["queued"]),
                 str(c["inflight"]),
                 comp or "-",
+                reasons.get(cls, "-"),
             )
         parts.append(t)
         w = Table(title=f"workers of {name}")
-        for col in ("worker", "last seen s", "engine", "batch", "tokens/s", "kv use"):
+        for col in ("worker", "last seen s", "engine", "batch", "tokens/s", "capacity", "step budget",
+                    "kv use"):
             w.add_column(col, justify="right")
         for wid, info in sorted(pool["workers"].items()):
             engine = str(info.get("engine", "-")) + (
@@ -136,6 +155,8 @@ def render(snap: dict[str, Any]) -> Group:
                 engine,
                 _fmt(info.get("batch_size")),
                 _fmt(info.get("tokens_s")),
+                _fmt(info.get("capacity_tokens_s")),
+                f"{_fmt(info.get('token_budget'))} / {_fmt(info.get('token_budget_max'))}",
                 _fmt(info.get("kv_use")),
             )
         parts.append(w)

@@ -96,9 +96,10 @@ def test_big_steps_without_cooldown_overshoot_even_with_memory() -> None:
 
 
 def test_capacity_loss_is_followed() -> None:
-    """A quarter of the pool disappears at t = 40 s: rates rescale at once, then the loop settles."""
+    """A quarter of the pool (2 of 8 workers) dies at t = 40 s: rates rescale at once, then
+    the loop settles."""
     load = {"P0": 0.45 * C, "P1": 0.30 * C, "P2": 3.0 * C}
-    trace = simulate(ControlConfig(), lambda t: load, 150.0, capacity_at=lambda t: C if t < 40 else 0.75 * C)
+    trace = simulate(ControlConfig(), lambda t: load, 150.0, workers_at=lambda t: 8 if t < 40 else 6)
     m = step_metrics(trace, 40.0)
     show("capacity -25 % at 40 s", m)
     first = next(d for d in trace.decisions if d.now_ms >= 40_000)

@@ -39,9 +39,10 @@ class LoggedStack(Stack):
         super().__init__(*args, **kw)
         self.log_dir = log_dir
         self._logs: list[IO[bytes]] = []
+        self.env: dict[str, str] = {}  # what the children were started with (a restart reuses it)
 
     def start(self, child: Child, env: dict[str, str]) -> None:
-        log = open(self.log_dir / f"{child.name}.log", "wb")
+        log = open(self.log_dir / f"{child.name}.log", "ab")  # a restarted child appends
         self._logs.append(log)
         child.proc = subprocess.Popen(child.argv, env=env, start_new_session=True, stdout=log,
                                       stderr=subprocess.STDOUT)
@@ -93,6 +94,7 @@ async def start_stack(spec: StackSpec, mode: ModeSpec, work_dir: Path) -> Logged
                               config=str(config_path))
     env = dict(os.environ, QOS_REDIS_URL=server.url, OMP_NUM_THREADS=str(spec.torch_threads))
     env.pop("QOS_CONFIG", None)
+    stack.env = env
     try:
         for child in build_commands(args):
             if child.name.startswith("up-controller") and not mode.controller:

@@ -57,11 +57,17 @@ class Controller:
     async def stop(self, release: bool = True) -> None:
         """Stop the loops, then (``release``) give up every lease held. ``release=False``
         imitates a crash for tests: the lease is left to expire."""
+        # Cancel until every loop has ended: on Python 3.11 ``asyncio.wait_for`` can swallow a
+        # cancellation that lands as its inner call completes, and the loop then goes on (a
+        # single cancel-and-await hung a test's teardown for its whole timeout).
+        pending = set(self._tasks)
+        while pending:
+            for t in pending:
+                t.cancel()
+            _done, pending = await asyncio.wait(pending, timeout=0.5)
         for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+            if not t.cancelled() and t.exception() is not None:
+                log.debug("a loop ended with %r", t.exception())
         self._tasks = []
         for pc in self.pools.values():
             pc.end_term("shutting down")
