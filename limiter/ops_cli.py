@@ -84,12 +84,18 @@ async def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snap, indent=2, sort_keys=True))
     else:
-        Console().print(render(snap))
+        _console().print(render(snap))
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
     return asyncio.run(_status(args))
+
+
+def _console() -> Console:
+    """A terminal's own width; piped or captured output gets room for every column (rich
+    would cut cells at 80 characters, e.g. a worker's "(upstream down)")."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _fmt(v: Any, digits: int = 0) -> str:
@@ -182,7 +188,7 @@ async def _top(args: argparse.Namespace) -> int:
     client = open_redis(cfg.redis)
     n = 0
     try:
-        with Live(console=Console(), refresh_per_second=4, screen=False) as live:
+        with Live(console=_console(), refresh_per_second=4, screen=False) as live:
             while args.iterations <= 0 or n < args.iterations:
                 started = time.monotonic()
                 live.update(render(await full_snapshot(client, cfg, 5)))

@@ -431,3 +431,45 @@ async def test_upstream_busy_status_hands_back_instead_of_failing(env, status) -
         up.status = None
         await c.wait([rid], timeout=30)
     assert c.answers[rid].error is None and c.answers[rid].text == "busy now, fine later"[::-1]
+
+
+def test_capacity_is_measured_only_while_the_upstream_is_saturated(monkeypatch) -> None:
+    """One sequential client is demand, not capacity: a heartbeat reports a capacity figure
+    only for time with at least 80 % of max_inflight requests open upstream (with the old
+    rule, a quiet phase read as ~2 % of the server's capacity and the controller cut every
+    class's rate to match)."""
+    from types import SimpleNamespace
+
+    from worker import upstream as up
+    from worker.metrics import WorkerMetrics
+    from worker.settings import WorkerSettings
+
+    clock = [100.0]
+    monkeypatch.setattr(up.time, "monotonic", lambda: clock[0])
+    settings = WorkerSettings(engine="openai", upstream_url="http://upstream.invalid:1", max_inflight=5)
+    rt = SimpleNamespace(settings=settings, pool_cfg=SimpleNamespace(model_name="m"),
+                         metrics=WorkerMetrics(pool="p", worker="w", engine="openai", simulated=False, device="-"))
+    loop = up.UpstreamLoop(rt)  # type: ignore[arg-type]
+
+    def open_streams(n: int) -> None:
+        loop.tasks = {f"r{i}": None for i in range(n)}  # type: ignore[misc]
+        loop._track_busy()
+
+    open_streams(1)  # one sequential client for 10 s, 1,000 weighted tokens/s
+    clock[0] += 10
+    loop._work += 10_000
+    assert loop.stats()["capacity_tokens_s"] == 0.0  # no measurement, not "1,000"
+    open_streams(4)  # 4 of 5 open: saturated (80 %)
+    clock[0] += 2
+    loop._work += 40_000
+    open_streams(2)  # back under: the next second's work does not count
+    clock[0] += 1
+    loop._work += 3_000
+    assert loop.stats()["capacity_tokens_s"] == pytest.approx(20_000.0)
+    open_streams(5)  # a stretch still open at the heartbeat counts up to it, then goes on
+    clock[0] += 1
+    loop._work += 25_000
+    assert loop.stats()["capacity_tokens_s"] == pytest.approx(25_000.0)
+    clock[0] += 1
+    loop._work += 30_000
+    assert loop.stats()["capacity_tokens_s"] == pytest.approx(30_000.0)

@@ -31,7 +31,7 @@ from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
 from worker.batching import Limits
-from worker.busy_meter import BusyMeter
+from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.runtime import WorkerRuntime
@@ -39,10 +39,6 @@ from worker.scheduler import BatchScheduler, StepResult, resume_finish_reason
 from worker.step_budget import BudgetConfig, StepBudget
 
 log = logging.getLogger("qos.worker")
-# A step at least this full (token budget or batch) measures capacity (worker/busy_meter.py).
-# A decode step's cost barely grows with its batch, so a half-full batch runs at ~60 % of the
-# full rate: counting such steps made the controller's capacity dip ~2x while a run ramped up.
-FULL_SHARE = 0.8
 
 
 class StepLoop:

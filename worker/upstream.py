@@ -52,6 +52,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import AsyncIterator
@@ -60,6 +61,7 @@ from typing import Any
 import aiohttp
 
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
+from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
 from worker.engines.base import request_seed
 from worker.metrics import WorkerMetrics
@@ -177,8 +179,14 @@ class UpstreamLoop:
         self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
         self._gen_tokens = 0
         self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
-        self._busy_s = 0.0  # time with at least one request open upstream, since the last heartbeat
+        # Capacity is measured only while the upstream is saturated (at least FULL_SHARE of
+        # max_inflight requests open): with fewer open it serves what is asked, so tokens/s
+        # would measure demand (one sequential client read as 2 % of the server's capacity).
+        self._full = max(1, math.ceil(FULL_SHARE * s.max_inflight))
+        self._busy_s = 0.0  # saturated time since the last heartbeat
         self._busy_since: float | None = None
+        self._busy_work = 0.0  # work streamed during that time
+        self._work_at_busy = 0.0  # self._work when the current saturated stretch began
         self._last_stats_t = time.monotonic()
         rt.on_lost = lambda ids: self._interrupt(ids, "lost")
         rt.on_stop = lambda ids: self._interrupt(ids, "cancel")
@@ -304,10 +312,12 @@ class UpstreamLoop:
     def _track_busy(self) -> None:
         self.rt.metrics.batch_size.set(len(self.tasks))
         now = time.monotonic()
-        if self.tasks and self._busy_since is None:
-            self._busy_since = now
-        elif not self.tasks and self._busy_since is not None:
+        saturated = len(self.tasks) >= self._full
+        if saturated and self._busy_since is None:
+            self._busy_since, self._work_at_busy = now, self._work
+        elif not saturated and self._busy_since is not None:
             self._busy_s += now - self._busy_since
+            self._busy_work += self._work - self._work_at_busy
             self._busy_since = None
 
     async def _finish(self, d: Delivery, result: Result) -> None:
@@ -438,14 +448,18 @@ class UpstreamLoop:
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time
-        with requests open upstream (0 when idle), for the controller's estimator."""
+        with the upstream saturated (0 = it was not: no measurement), for the controller's
+        estimator."""
         now = time.monotonic()
         tokens_s = self._gen_tokens / max(now - self._last_stats_t, 1e-9)
-        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
-        capacity = self._work / busy if busy > 0 else 0.0
-        self._gen_tokens, self._work, self._busy_s, self._last_stats_t = 0, 0.0, 0.0, now
+        busy, work = self._busy_s, self._busy_work
         if self._busy_since is not None:
-            self._busy_since = now
+            busy, work = busy + now - self._busy_since, work + self._work - self._work_at_busy
+        capacity = work / busy if busy > 0 else 0.0
+        self._gen_tokens, self._work, self._last_stats_t = 0, 0.0, now
+        self._busy_s, self._busy_work = 0.0, 0.0
+        if self._busy_since is not None:
+            self._busy_since, self._work_at_busy = now, 0.0
         return {"batch_size": len(self.tasks), "running": len(self.tasks), "waiting": 0,
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1), "step_ms": 0,
                 "kv_used": 0, "kv_capacity": 0, "kv_use": 0, "max_inflight": self.rt.settings.max_inflight,
