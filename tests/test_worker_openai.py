@@ -447,8 +447,8 @@ def test_capacity_is_measured_only_while_the_upstream_is_saturated(monkeypatch) 
     clock = [100.0]
     monkeypatch.setattr(up.time, "monotonic", lambda: clock[0])
     settings = WorkerSettings(engine="openai", upstream_url="http://upstream.invalid:1", max_inflight=5)
-    rt = SimpleNamespace(settings=settings, pool_cfg=SimpleNamespace(model_name="m"),
-                         metrics=WorkerMetrics(pool="p", worker="w", engine="openai", simulated=False, device="-"))
+    metrics = WorkerMetrics(pool="p", worker="w", engine="openai", simulated=False, device="-")
+    rt = SimpleNamespace(settings=settings, pool_cfg=SimpleNamespace(model_name="m"), metrics=metrics)
     loop = up.UpstreamLoop(rt)  # type: ignore[arg-type]
 
     def open_streams(n: int) -> None:

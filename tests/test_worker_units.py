@@ -295,3 +295,25 @@ async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots(
     assert rt.claims == ["P2", "P1"] and rt.avoided[-1] == ([], "")
     await loop.sched.step()
     assert "s1" in {q.request_id for q in loop.sched.running}  # it took one of the flood's slots
+
+
+async def test_a_tenant_that_holds_a_few_slots_is_not_avoided_while_another_holds_many() -> None:
+    """Rich is relative: a light tenant holding 2 of 6 slots next to a flood holding 4 can
+    still take one (4 >= 2 + 2), so only the flood is avoided; at 3 and 3 both are."""
+    from worker.settings import WorkerSettings
+    from worker.steploop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    rt.settings = WorkerSettings(max_seqs=6, token_budget=8, claim_ahead=1, claim_interval_ms=20)
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=6))  # type: ignore[arg-type]
+    for i, tenant in enumerate(["heavy"] * 4 + ["steady"] * 2 + ["heavy"]):
+        loop.sched.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=i,
+                       tenant=tenant)
+    await loop.sched.step()
+    assert loop._tenant_lookahead() == ("P2", ["heavy"], "P1")
+    even = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=6))  # type: ignore[arg-type]
+    for i, tenant in enumerate(["heavy"] * 3 + ["steady"] * 3 + ["heavy"]):
+        even.sched.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=i,
+                       tenant=tenant)
+    await even.sched.step()  # 3 and 3: neither can take the other's slot
+    assert even._tenant_lookahead() == ("P2", ["heavy", "steady"], "P1")

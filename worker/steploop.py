@@ -188,15 +188,19 @@ class StepLoop:
             self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
 
     def _tenant_lookahead(self) -> tuple[str, list[str], str] | None:
-        """For a full worker whose waiting requests all belong to tenants holding two or more
-        of its slots of their class: the claim's ``above_class`` (every class down to the
-        lowest such tenant's), the tenants to avoid (the richest first, at most 16) and the
-        highest class they are avoided in; else None."""
+        """For a full worker whose waiting requests all belong to *rich* tenants -- within one
+        of the most slots any tenant of their class holds here, that being two or more: a
+        tenant with fewer could take one of those slots (worker/batching.py) -- the claim's
+        ``above_class`` (every class down to the lowest such class), the tenants to avoid
+        (the richest first, at most 16) and the highest class they are avoided in; else None."""
         slots: dict[tuple[int, str], int] = {}
         for q in self.sched.running:
             if q.tenant:  # '' = a class without tenant fairness
                 slots[(q.class_rank, q.tenant)] = slots.get((q.class_rank, q.tenant), 0) + 1
-        rich = {key: n for key, n in slots.items() if n >= 2}
+        top: dict[int, int] = {}
+        for (rank, _), n in slots.items():
+            top[rank] = max(top.get(rank, 0), n)
+        rich = {key: n for key, n in slots.items() if top[key[0]] >= 2 and n >= top[key[0]] - 1}
         waiting = self.sched.waiting
         if not rich or not waiting or any((w.class_rank, w.tenant) not in rich for w in waiting):
             return None
