@@ -366,7 +366,6 @@ class UpstreamLoop:
         chat = path == "/chat/completions"
         allowance = max_tokens - d.total_tokens
         counted = 0  # upstream tokens taken in this attempt
-        reported: int | None = None  # the upstream's completion_tokens in its last usage
         finish: str | None = None
         done = False
         last = time.monotonic()
@@ -394,8 +393,6 @@ class UpstreamLoop:
                         msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
                         return self._failed(d, url, f"the model server reported an error: {msg}")
                     running = self._usage(d, chunk.get("usage"))
-                    if running is not None:
-                        reported = running
                     text = ""
                     for ch in chunk.get("choices") or []:
                         piece = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
@@ -403,7 +400,8 @@ class UpstreamLoop:
                         if isinstance(piece, str):
                             text += piece
                     # This chunk's tokens: the running usage says exactly; without it, one per
-                    # chunk with text (topped up from the final usage below).
+                    # chunk with text. The final usage (a chunk of its own, no text) brings the
+                    # count up to the upstream's completion_tokens: those tokens ride on complete.
                     new = max(running - counted, 0) if running is not None else int(bool(text))
                     cut = counted + new > allowance
                     if cut:  # the upstream went past max_tokens: stop there
@@ -426,10 +424,6 @@ class UpstreamLoop:
             if not done:  # the connection ended mid-answer: the server went away
                 raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]")
             return self._failed(d, url, "the model server ended its answer without a finish reason")
-        if reported is not None and reported > counted:
-            # Tokens the chunks did not show (no per-chunk usage, or tokens with no text): the
-            # upstream's own count is the truth; they ride on complete.
-            self._take(d, "", min(reported, allowance) - counted)
         return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
     def _usage(self, d: Delivery, u: Any) -> int | None:
