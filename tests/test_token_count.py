@@ -138,7 +138,7 @@ async def test_file_tokenizer_counts_for_admission_context_and_usage_is_the_upst
         assert choice["text"] == prompt[::-1][:12] and choice["finish_reason"] == "length"
         assert out["usage"] == {"prompt_tokens": fake_prompt_tokens({"prompt": prompt}),
                                 "completion_tokens": 4, "total_tokens": 9 + 4}
-        assert upstream.bodies[-1]["max_tokens"] == 4
+        assert upstream.bodies[-1]["max_tokens"] == 4 and upstream.disconnects == 0  # not cut off early
         assert rec["usage_in"] == "9" and rec["usage_out"] == "4" and float(rec["refund"]) == 0
 
         # The default max_tokens fills the room left in the pool's tokens: 32 - 9.

@@ -47,6 +47,7 @@ async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -
     assert bytes(await c.generated(plain)).decode() == a.text  # resume ids: the text's bytes
     assert c.answers[cut].text == "jihgfedcba98" and c.answers[cut].done["fin"] == "length"
     assert c.answers[cut].tokens == 4
+    assert up.disconnects == 0  # every answer ran to the upstream's own end: no connection dropped early
     assert c.answers[chat].text == "em htiw tahc"
     assert int(c.answers[chat].done["out"]) == 4 and int(c.answers[chat].done["in"]) == 1 + 3 + 5
     by_prompt = {b.get("prompt") or b["messages"][-1]["content"]: b for b in up.bodies}
