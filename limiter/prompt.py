@@ -1,8 +1,9 @@
 """What the frontend and the worker must agree on about a prompt, in one place.
 
-* :func:`count_tokens` — the pool tokenizer is byte-level: one token per UTF-8 byte plus
-  one BOS token. The frontend charges admission with it and checks the context limit;
-  the worker reports usage with it. Keeping one function keeps the charge honest.
+* :func:`count_tokens` — the byte tokenizer (a pool's default, ``tokenizer = "bytes"``): one
+  token per UTF-8 byte plus one BOS token. For such pools the frontend charges admission
+  with it and checks the context limit, and the step engines report usage with it: one
+  function keeps the charge honest. Pools with another tokenizer: :mod:`limiter.token_count`.
 * :func:`render_chat` — the chat template. Each message becomes ``<|role|>\\ncontent\\n``
   and the prompt ends with ``<|assistant|>\\n`` so the model answers as the assistant.
 * :class:`Payload` — the msgpack map the frontend stores with the request in Redis and
@@ -32,7 +33,7 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def count_tokens(text: str) -> int:
-    """Tokens the byte-level pool tokenizer produces for ``text``: UTF-8 bytes + BOS."""
+    """Tokens the byte tokenizer produces for ``text``: UTF-8 bytes + BOS."""
     return len(text.encode("utf-8")) + BOS_TOKENS
 
 

@@ -6,108 +6,18 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Any
 
 import pytest
-from aiohttp import web
 
 from limiter.cli import main
 from limiter.errors import ConfigError
 from limiter.prompt import ChatMessage, render_chat
+from tests.fake_upstream import FakeUpstream
 from tests.frontend_helpers import auth, frontend, make_cfg
 from tests.redis_server import free_port
 from tests.worker_helpers import spawn_worker, stop_process, worker, write_config
 from worker.cli import upstream_env
 from worker.upstream import Breaker
-
-
-class FakeUpstream:
-    """Answers with the prompt (or last user message) reversed, 3 characters per chunk.
-    Prompts containing FAIL get HTTP 400, MIDERR an error chunk, SLOW 40 ms per chunk."""
-
-    def __init__(self) -> None:
-        self.bodies: list[dict[str, Any]] = []
-        self.active = 0
-        self.max_active = 0
-        self.disconnects = 0
-        self.transports: set[Any] = set()
-        self.status: int | None = None  # answer every request with this HTTP status (e.g. 503)
-        app = web.Application()
-        app.router.add_get("/v1/models", self.models)
-        app.router.add_post("/v1/completions", self.handle)
-        app.router.add_post("/v1/chat/completions", self.handle)
-        self.runner = web.AppRunner(app)
-        self.port = free_port()
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    async def start(self) -> None:
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
-
-    async def models(self, request: web.Request) -> web.Response:
-        if self.status is not None:
-            return web.json_response({"error": {"message": "busy"}}, status=self.status)
-        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
-
-    async def handle(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
-        self.bodies.append(body)
-        if self.status is not None:
-            return web.json_response({"error": {"message": "server busy"}}, status=self.status)
-        chat = "messages" in body
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        if "FAIL" in prompt:
-            return web.json_response({"error": {"message": "model is overloaded", "type": "server_error",
-                                                "code": 400}}, status=400)
-        answer = prompt[::-1]
-        pieces = [answer[i: i + 3] for i in range(0, len(answer), 3)]
-        finish = "stop"
-        if len(pieces) > body["max_tokens"]:
-            pieces, finish = pieces[: body["max_tokens"]], "length"
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
-        self.transports.add(request.transport)
-        self.active += 1
-        self.max_active = max(self.max_active, self.active)
-
-        async def send(obj: Any) -> None:
-            await resp.write(f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode())
-
-        try:
-            for n, p in enumerate(pieces):
-                if "SLOW" in prompt:
-                    await asyncio.sleep(0.04)
-                if "MIDERR" in prompt and n == 2:
-                    await send({"error": {"message": "CUDA out of memory"}})
-                    return resp
-                choice = ({"index": 0, "delta": {"content": p}, "finish_reason": None} if chat
-                          else {"index": 0, "text": p, "finish_reason": None})
-                await send({"id": "x", "choices": [choice]})
-            last = {"index": 0, "delta": {}, "finish_reason": finish} if chat else {
-                "index": 0, "text": "", "finish_reason": finish}
-            await send({"id": "x", "choices": [last]})
-            if (body.get("stream_options") or {}).get("include_usage"):
-                await send({"id": "x", "choices": [], "usage": {"prompt_tokens": 7,
-                                                                "completion_tokens": len(pieces)}})
-            await send("[DONE]")
-        except (ConnectionError, asyncio.CancelledError):  # the worker closed the stream
-            self.disconnects += 1
-            raise
-        finally:
-            self.active -= 1
-            self.transports.discard(request.transport)
-        return resp
-
-    async def kill(self) -> None:
-        """As if the server process died: open connections are cut mid-answer (no final
-        chunk, no [DONE]) and nothing listens any more."""
-        for t in list(self.transports):
-            if t is not None:
-                t.abort()
-        await self.runner.cleanup()
 
 
 @pytest.fixture
@@ -119,31 +29,63 @@ async def env(worker_env):
 
 
 async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -> None:
+    """Counts are the upstream's tokens (3 characters each here), not bytes: max_tokens=4 is
+    4 upstream tokens (12 characters, the upstream stops itself, finish length), usage and
+    the refund follow the upstream's usage, and the stored resume ids are the text's bytes."""
     cfg, c, up = env
     async with worker(cfg, engine="openai", upstream_url=up.url, flush_tokens=4):
         plain = await c.admit("Grüße aus Köln, hello world", cls="P2", max_tokens=100, seed=None)
-        cut = await c.admit("0123456789abcdefghij", cls="P0", max_tokens=10)
+        cut = await c.admit("0123456789abcdefghij", cls="P0", max_tokens=4)
         msgs = (ChatMessage("system", "sys"), ChatMessage("user", "chat with me"))
         chat = await c.admit(render_chat((m.role, m.content) for m in msgs), max_tokens=50, kind="chat",
                              messages=msgs)
         await c.wait(timeout=20)
     a = c.answers[plain]
     assert a.text == "Grüße aus Köln, hello world"[::-1] and a.done["fin"] == "stop"
-    assert a.tokens == len(a.text.encode()) == int(a.done["out"])  # byte-level ids: honest counts
-    assert c.answers[cut].text == "jihgfedcba" and c.answers[cut].done["fin"] == "length"
-    assert c.answers[cut].tokens == 10
+    assert a.tokens == int(a.done["out"]) == 9  # 27 characters = 9 upstream tokens (30 bytes)
+    assert int(a.done["in"]) == 6  # the upstream's prompt_tokens (5 words + BOS), not our estimate
+    assert bytes(await c.generated(plain)).decode() == a.text  # resume ids: the text's bytes
+    assert c.answers[cut].text == "jihgfedcba98" and c.answers[cut].done["fin"] == "length"
+    assert c.answers[cut].tokens == 4
+    assert up.disconnects == 0  # every answer ran to the upstream's own end: no connection dropped early
     assert c.answers[chat].text == "em htiw tahc"
+    assert int(c.answers[chat].done["out"]) == 4 and int(c.answers[chat].done["in"]) == 1 + 3 + 5
     by_prompt = {b.get("prompt") or b["messages"][-1]["content"]: b for b in up.bodies}
     b = by_prompt["Grüße aus Köln, hello world"]
-    assert b["stream"] and b["stream_options"] == {"include_usage": True} and b["priority"] == 2
+    assert b["stream"] and b["priority"] == 2
+    assert b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
     assert isinstance(b["seed"], int) and b["max_tokens"] == 100
     assert by_prompt["0123456789abcdefghij"]["priority"] == 0
+    assert by_prompt["0123456789abcdefghij"]["max_tokens"] == 4
     assert by_prompt["chat with me"]["messages"][0] == {"role": "system", "content": "sys"}
+    rec = await c.record(plain)
+    assert rec["usage_in"] == "6" and rec["usage_out"] == "9"
+    # reserved: the prompt as admitted (30 bytes + BOS) + 100 output tokens; used: 6 + 9 (weights 1)
+    assert float(rec["refund"]) == pytest.approx(31 + 100 - (6 + 9))
     samples = {s["request_id"]: s for s in await c.samples()}
     s = samples[plain]
     assert s["engine"] == "openai" and s["upstream_completion_tokens"] == 9
-    assert s["upstream_prompt_tokens"] == 7
+    assert s["upstream_prompt_tokens"] == 6 and s["input_tokens"] == 6
     assert s["output_tokens"] == a.tokens and s["outcome"] == "ok" and s["ttft_ms"] > 0
+
+
+@pytest.mark.parametrize("chunk_usage", [True, False])
+async def test_chunks_of_several_tokens_are_counted_by_the_upstreams_usage(env, chunk_usage) -> None:
+    """Two upstream tokens per chunk: with per-chunk usage every push carries the exact count;
+    without it (a server that rejects continuous_usage_stats) the count is one per chunk while
+    streaming and the final usage tops it up, so the total is the upstream's either way."""
+    cfg, c, up = env
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_chunk_usage=chunk_usage,
+                      flush_tokens=1):
+        rid = await c.admit("PAIRS abcdefghijklmnopq", max_tokens=5)
+        await c.wait([rid], timeout=20)
+    a = c.answers[rid]
+    assert a.text == "PAIRS abcdefghijklmnopq"[::-1][:15] and a.done["fin"] == "length"
+    assert a.tokens == int(a.done["out"]) == 5
+    (body,) = up.bodies
+    assert ("continuous_usage_stats" in body["stream_options"]) is chunk_usage
+    # offsets of the pushes: exact per chunk (0, 2, 4) with usage; one per chunk (0, 1, 2) without
+    assert a.offsets == ([0, 2, 4] if chunk_usage else [0, 1, 2, 3])
 
 
 async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> None:
@@ -237,15 +179,19 @@ async def test_upstream_dying_mid_stream_hands_the_request_back_for_resume(env) 
             await up.kill()
             await _wait_heartbeat(c, a, "the breaker to open", lambda h: h.get(b"upstream_state") == b"open")
             delivered = int((await c.record(rid))["out_tokens"])
+            delivered_text = bytes(await c.generated(rid)).decode()  # what a resuming worker reads
             assert delivered >= 6 and c.answers[rid].error is None
+            assert len(delivered_text) == 3 * delivered  # upstream tokens counted, their text stored
             async with worker(cfg, engine="openai", upstream_url=spare.url, worker_id="w-b"):
                 await c.wait([rid], timeout=30)
     finally:
         await spare.runner.cleanup()
     ans = c.answers[rid]
-    assert ans.error is None and ans.done["fin"] == "stop" and ans.tokens > delivered
-    assert ans.text.startswith(("SLOW " + "abcdefghij" * 6)[::-1][:delivered])  # nothing lost or repeated
-    assert len(spare.bodies) == 1 and spare.bodies[0]["prompt"].endswith(ans.text[:delivered])
+    assert ans.error is None and ans.done["fin"] == "stop" and ans.tokens == int(ans.done["out"]) > delivered
+    assert delivered_text == ("SLOW " + "abcdefghij" * 6)[::-1][:3 * delivered]
+    assert ans.text.startswith(delivered_text)  # nothing lost or repeated
+    (body,) = spare.bodies
+    assert body["prompt"].endswith(delivered_text) and body["max_tokens"] == 200 - delivered
 
 
 async def test_max_inflight_bounds_the_upstream_and_cancel_closes_the_stream(env) -> None:

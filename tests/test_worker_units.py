@@ -201,11 +201,11 @@ class _FakeScripts:
         self.client = self
         self.calls: list[tuple[int, int]] = []
 
-    async def push_tokens(self, keys, *, offset: int, token_ids, **_kw) -> bool:
-        self.calls.append((offset, len(token_ids)))
+    async def push_tokens(self, keys, *, offset: int, token_ids, count: int, **_kw) -> bool:
+        self.calls.append((offset, count))
         if offset != self.landed:
             raise InvalidArgument("offset", f"offset: {offset} but {self.landed} tokens were delivered")
-        self.landed += len(token_ids)
+        self.landed += count
         return False
 
     async def hget(self, _key: str, _field: str) -> bytes:
@@ -218,7 +218,7 @@ async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
     d = _delivery()
     d.add([1, 2, 3], "abc", 0.0)
     fake = _FakeScripts(landed=0)
-    d._uncertain[3] = 3  # an earlier push of these 3 tokens: reply lost
+    d._uncertain[3] = (3, 3)  # an earlier push of these 3 tokens (3 ids, 3 chars): reply lost
     fake.landed = 3  # ...but it did land
     d.add([4], "d", 0.0)
     assert await d.push(fake, PoolKeys("tiny"), "w") is False  # type: ignore[arg-type]
@@ -227,6 +227,24 @@ async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
     fake.landed = 9  # someone else's tokens: not ours to reconcile
     with pytest.raises(LeaseLost):
         await d.push(fake, PoolKeys("tiny"), "w")  # type: ignore[arg-type]
+
+
+async def test_model_tokens_and_resume_ids_are_pushed_and_reconciled_apart() -> None:
+    """The openai engine's pending text: 2 model tokens whose resume ids are 5 bytes. Counts,
+    offsets and flushing follow the tokens; a lost reply is reconciled by them too."""
+    from limiter.keys import PoolKeys
+
+    d = _delivery()
+    d.add(list(b"hello"), "hello", 0.0, tokens=2)
+    assert d.total_tokens == 2 and d.due(0.0, 50, 3)  # the first push of an attempt goes at once
+    fake = _FakeScripts(landed=0)
+    d._uncertain[2] = (5, 5)
+    fake.landed = 2  # that push landed, its reply was lost
+    d.add(list(b" world"), " world", 0.0, tokens=1)
+    d.add([], "", 0.0, tokens=1)  # a token with no text
+    assert await d.push(fake, PoolKeys("tiny"), "w") is False  # type: ignore[arg-type]
+    assert fake.calls == [(0, 4), (2, 2)] and d.offset == 4
+    assert not d.pending_ids and not d.pending_text and d.pending_tokens == 0
 
 
 class _FullWorkerRuntime:

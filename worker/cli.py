@@ -61,6 +61,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--upstream-forward-chunks", action=bool_flag, default=None,
                    help="push each upstream chunk to the client as it comes (default on; off: batch by "
                    "--flush-ms / --flush-tokens, fewer Redis writes)")
+    g.add_argument("--upstream-chunk-usage", action=bool_flag, default=None,
+                   help="ask the upstream for its running usage on every chunk (vLLM's "
+                   "stream_options.continuous_usage_stats; default on): exact token counts as they stream; "
+                   "off for servers that reject it: one token per chunk, reconciled with the final usage")
     g = p.add_argument_group("operation")
     g.add_argument("--flush-ms", type=float, help="push a request's tokens at least this often (default 50)")
     g.add_argument("--flush-tokens", type=int, help="...or once this many are pending (default 16)")
@@ -77,7 +81,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 _FIELDS = (
     "pool", "engine", "device", "worker_id", "model", "checkpoint", "seed", "torch_threads", "time_scale",
     "token_budget", "adaptive_budget", "max_seqs", "kv_capacity_tokens", "chunked_prefill", "claim_ahead",
-    "upstream_url", "upstream_model", "upstream_priority", "upstream_forward_chunks", "max_inflight",
+    "upstream_url", "upstream_model", "upstream_priority", "upstream_forward_chunks", "upstream_chunk_usage",
+    "max_inflight",
     "flush_ms", "flush_tokens", "lease_ms", "drain_timeout_s", "metrics_port", "metrics_host",
 )
 

@@ -64,6 +64,7 @@ class WorkerSettings:
     max_inflight: int = 64  # requests in flight at the upstream
     upstream_timeout_s: float = 600.0
     upstream_forward_chunks: bool = True  # push each upstream chunk as it comes (else flush_ms/flush_tokens)
+    upstream_chunk_usage: bool = True  # ask for vLLM's continuous_usage_stats: exact token counts per chunk
     upstream_retry_min_s: float = 0.5  # unreachable upstream: first back-off before a probe...
     upstream_retry_max_s: float = 30.0  # ...doubling up to this
 
@@ -117,6 +118,14 @@ class WorkerSettings:
         if self.engine == "openai":
             check(self.upstream_url.startswith(("http://", "https://")), "upstream_url",
                   "the openai engine needs an http(s):// upstream URL")
+        if self.engine != "openai":
+            i = [p.name for p in cfg.pools].index(self.pool)
+            spec = cfg.pools[i].tokenizer
+            if spec != "bytes":
+                raise ConfigError(f"pools[{i}].tokenizer",
+                                  f"the {self.engine} engine counts tokens as UTF-8 bytes (its model's "
+                                  f"tokenizer); pool {self.pool!r} counts them with {spec!r}, so only the "
+                                  "openai engine can serve it (or set tokenizer = \"bytes\")")
         if self.engine == "torch" and not self.checkpoint:
             check(self.model in ("tiny", "1b"), "model", f"unknown preset {self.model!r}; known: tiny, 1b")
 

@@ -13,14 +13,18 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
   the client sees the upstream's chunks and inter-token times, not the worker's push
   batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
-* Streaming: each text delta becomes byte-level token ids (the pool tokenizer: one id per
-  UTF-8 byte), so delivered counts, ``max_tokens`` and the refund are in the same units the
-  frontend charged. ``max_tokens`` is enforced here in those units (the upstream's tokens
-  are usually longer than a byte): past it the text is cut at a character boundary and the
-  request finishes with ``length``. The upstream's own ``usage`` (requested with
-  ``stream_options.include_usage``) is reconciled into the sample as
-  ``upstream_prompt_tokens`` / ``upstream_completion_tokens``. TPOT in the sample is per
-  upstream chunk (about one upstream token), not per byte.
+* Tokens are the upstream's (the model's), end to end: ``max_tokens`` goes upstream as it is
+  (less what earlier attempts delivered) and the upstream stops there itself; each chunk's
+  tokens are counted from the running ``usage`` vLLM puts on every chunk when asked with
+  ``stream_options.continuous_usage_stats`` (``upstream_chunk_usage``, default on); a chunk
+  without it counts one token per chunk with text (what vLLM, SGLang and OpenAI stream),
+  and the final ``usage`` tops the count up to the upstream's own figure. So delivered
+  counts, ``usage`` and the refund are the upstream's ``completion_tokens``, and the prompt
+  side of ``usage`` is its ``prompt_tokens``. An upstream that overshoots ``max_tokens`` is
+  cut off there (finish ``length``).
+* What is stored for a resume is the text, as byte-level ids (one per UTF-8 byte, the
+  ``n_ids`` of ``push_tokens``), apart from the token count: a resuming worker decodes them
+  back to the delivered text.
 * Chat payloads are sent to ``/v1/chat/completions`` with the messages the frontend
   validated, carried as data in the payload (``Payload.messages``): the upstream applies its
   own chat template to them, and no text is ever parsed back into roles, so a user message
@@ -126,21 +130,8 @@ class Breaker:
         self.backoff_s = self.min_s
 
 
-def fit(piece: str, allowance: int) -> tuple[list[int], str, bool]:
-    """Byte ids and text of ``piece`` within ``allowance`` bytes, cut at a character
-    boundary; the flag says whether it was cut."""
-    raw = piece.encode()
-    if len(raw) <= allowance:
-        return list(raw), piece, False
-    n, out = 0, []
-    for ch in piece:
-        size = len(ch.encode())
-        if n + size > allowance:
-            break
-        out.append(ch)
-        n += size
-    text = "".join(out)
-    return list(text.encode()), text, True
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
@@ -278,6 +269,7 @@ class UpstreamLoop:
     # --- one request ------------------------------------------------------------------------
     async def _serve(self, d: Delivery) -> None:
         rid = d.request_id
+        d.usage_in = d.claimed.input_tokens  # the frontend's count, until the upstream reports its own
         try:
             result = await self._stream(d)
             if result[0] == "ok":
@@ -342,6 +334,8 @@ class UpstreamLoop:
             "seed": request_seed(p.seed, c.request_id)}
         if p.stop:
             body["stop"] = list(p.stop)
+        if self.rt.settings.upstream_chunk_usage:
+            body["stream_options"]["continuous_usage_stats"] = True
         if self.rt.settings.upstream_priority:
             body["priority"] = d.class_rank
         if p.ignore_eos:
@@ -380,6 +374,8 @@ class UpstreamLoop:
             return ("failed", "error", f"unusable request: {exc}")
         url = self.base + path
         chat = path == "/chat/completions"
+        allowance = max_tokens - d.total_tokens
+        counted = 0  # upstream tokens taken in this attempt
         finish: str | None = None
         done = False
         last = time.monotonic()
@@ -406,19 +402,26 @@ class UpstreamLoop:
                         err = chunk["error"]
                         msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
                         return self._failed(d, url, f"the model server reported an error: {msg}")
-                    if isinstance(chunk.get("usage"), dict):
-                        u = chunk["usage"]
-                        d.sample_extra.update(upstream_prompt_tokens=u.get("prompt_tokens"),
-                                              upstream_completion_tokens=u.get("completion_tokens"))
-                    cut = False
+                    running = self._usage(d, chunk.get("usage"))
+                    text = ""
                     for ch in chunk.get("choices") or []:
                         piece = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
                         finish = ch.get("finish_reason") or finish
-                        if piece:
-                            cut = self._take(d, piece, max_tokens) or cut
+                        if isinstance(piece, str):
+                            text += piece
+                    # This chunk's tokens: the running usage says exactly; without it, one per
+                    # chunk with text. The final usage (a chunk of its own, no text) brings the
+                    # count up to the upstream's completion_tokens: those tokens ride on complete.
+                    new = max(running - counted, 0) if running is not None else int(bool(text))
+                    cut = counted + new > allowance
+                    if cut:  # the upstream went past max_tokens: stop there
+                        new = allowance - counted
+                    if new or text:
+                        self._take(d, text, new)
+                        counted += new
                     now = time.monotonic()
                     gap, last = now - last, now
-                    forward = s.upstream_forward_chunks and bool(d.pending_ids)  # as the upstream chunked it
+                    forward = s.upstream_forward_chunks and d.pending_tokens > 0  # as the upstream chunked it
                     if forward or d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.rt.push(d):
@@ -433,18 +436,29 @@ class UpstreamLoop:
             return self._failed(d, url, "the model server ended its answer without a finish reason")
         return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
-    def _take(self, d: Delivery, piece: str, max_tokens: int) -> bool:
-        """Queue a text delta as byte-level tokens; True when ``max_tokens`` cut it short."""
-        ids, text, cut = fit(piece, max_tokens - d.total_tokens)
-        if ids:
-            t = time.monotonic()
+    def _usage(self, d: Delivery, u: Any) -> int | None:
+        """Record an upstream ``usage`` object; returns its ``completion_tokens`` (None: absent)."""
+        if not isinstance(u, dict):
+            return None
+        prompt, completion = _count(u.get("prompt_tokens")), _count(u.get("completion_tokens"))
+        d.sample_extra.update(upstream_prompt_tokens=prompt, upstream_completion_tokens=completion)
+        if prompt is not None:
+            # usage's prompt side is the upstream's count; on a resume its prompt also holds the
+            # text delivered before (about that many tokens), which is not prompt.
+            d.usage_in = max(prompt - d.claimed.delivered, 1) if d.claimed.delivered else prompt
+        return completion
+
+    def _take(self, d: Delivery, text: str, tokens: int) -> None:
+        """Queue ``tokens`` upstream tokens with their text; the text's bytes are the ids a
+        resuming worker rebuilds the delivered text from."""
+        t = time.monotonic()
+        if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
-            self._work += len(ids) * w_out + (d.usage_in * w_in if d.first_t is None else 0.0)
-            d.note_tokens(1, t)  # TPOT per upstream chunk (about one upstream token)
-            d.add(ids, text, t)
-            self._gen_tokens += len(ids)
-            self.rt.metrics.generated_tokens.inc(len(ids))
-        return cut
+            self._work += tokens * w_out + (d.usage_in * w_in if d.first_t is None else 0.0)
+            d.note_tokens(tokens, t)
+            self._gen_tokens += tokens
+            self.rt.metrics.generated_tokens.inc(tokens)
+        d.add(list(text.encode()), text, t, tokens=tokens)
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time

@@ -41,6 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter import status as status_mod
+from limiter import token_count
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import (
     InvalidArgument,
@@ -99,6 +100,10 @@ class Frontend:
         self.keyring = KeyRing(cfg)
         self.pool_keys = {p.name: PoolKeys(p.name) for p in cfg.pools}
         self.classes = {c.name: c for c in cfg.classes}
+        # Each pool's prompts are counted in its own tokens (limiter/token_count.py).
+        self.counters = {p.name: token_count.counter_for(p.tokenizer, p.tokenizer_url, cfg.worker,
+                                                         p.model_name, timeout_s=settings.tokenize_timeout_s)
+                         for p in cfg.pools}
         self.client: Any = None
         self.scripts: Scripts | None = None
         self.router: ReplyRouter | None = None
@@ -190,6 +195,8 @@ class Frontend:
                 t.cancel()
         if self.heartbeat and self.bootstrapped:
             await self.heartbeat.leave()
+        for counter in self.counters.values():
+            await counter.close()
         if self.client is not None:
             with contextlib.suppress(Exception):
                 await self.client.aclose()
@@ -212,6 +219,17 @@ class Frontend:
         self._end_streams = asyncio.create_task(end_streams())
 
     # --- helpers used by the request path ----------------------------------------------------
+    async def count_prompt(self, draft: oa.Draft) -> int:
+        """The prompt's tokens in its pool's tokenizer; 503 when the model server must count
+        them and cannot (nothing is admitted or charged)."""
+        try:
+            return await self.counters[draft.pool.name].count(draft.prompt, draft.messages)
+        except token_count.TokenizerUnavailable as exc:
+            log.warning("pool %s: the upstream tokenizer could not count a prompt: %s", draft.pool.name, exc)
+            raise oa.ApiError(503, "Service temporarily unavailable: the model server could not count the "
+                              "prompt's tokens; retry shortly", code="tokenizer_unavailable", retry_after_s=1,
+                              outcome="unavailable") from exc
+
     def ready(self) -> bool:
         return self.bootstrapped and self.heartbeat is not None and self.heartbeat.fresh(self._fresh_s)
 
@@ -596,7 +614,8 @@ def _generation_handler(kind: str) -> Handler:
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
-        req = oa.validate_request(kind, body, fe.cfg)
+        draft = oa.parse_request(kind, body, fe.cfg)
+        req = oa.finish_request(draft, await fe.count_prompt(draft))
         max_wait = _max_wait_ms(request.headers.get(MAX_WAIT_HEADER), fe.classes[cls])
         return await Generation(fe, request, tenant, cls, req, max_wait, received).run()
 

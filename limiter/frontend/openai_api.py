@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from limiter.config import PoolConfig, QosConfig
-from limiter.prompt import CHAT_ROLES, ChatMessage, Payload, count_tokens, render_chat
+from limiter.prompt import CHAT_ROLES, ChatMessage, Payload, render_chat
 
 INT64 = (-(2**63), 2**63 - 1)
 _DEFAULT_TYPES = {
@@ -236,8 +236,26 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     return float(v)
 
 
-def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> GenerationRequest:
-    """Check every field of a /v1/chat/completions (``kind='chat'``) or /v1/completions body."""
+@dataclass(frozen=True)
+class Draft:
+    """A body whose every field is checked except what depends on the prompt's token count
+    (the context check, ``max_tokens``' room and default, ``min_tokens`` against them):
+    counting may need the model server (``tokenizer = "upstream"``), so it comes last."""
+
+    kind: str
+    pool: PoolConfig
+    prompt: str
+    prompt_param: str
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int | None
+    max_param: str
+    min_tokens: int
+    fields: dict[str, Any]
+
+
+def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
+    """Check every field of a /v1/chat/completions (``kind='chat'``) or /v1/completions body
+    that does not depend on the prompt's token count; :func:`finish_request` does the rest."""
     allowed = _CHAT if kind == "chat" else _COMPLETION
     neutral = _CHAT_NEUTRAL if kind == "chat" else _COMPLETION_NEUTRAL
     for k, v in body.items():
@@ -259,11 +277,6 @@ def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Gene
     else:
         prompt_param = "prompt"
         prompt = _prompt(body.get("prompt"))
-    prompt_tokens = count_tokens(prompt)
-    room = pool.context_tokens - prompt_tokens
-    if room < 1:
-        raise bad(prompt_param, f"This model's maximum context length is {pool.context_tokens} tokens; "
-                  f"the prompt has {prompt_tokens}, leaving no room for output", "context_length_exceeded")
 
     max_tokens = body.get("max_tokens")
     param = "max_tokens"
@@ -272,15 +285,11 @@ def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Gene
             raise bad("max_completion_tokens", "'max_tokens' and 'max_completion_tokens' disagree")
         max_tokens, param = body["max_completion_tokens"], "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = min(pool.default_max_tokens, room)
+        pass
     elif not _is_int(max_tokens):
         raise bad(param, f"'{param}' must be an integer, got {_type_name(max_tokens)}", "invalid_type")
     elif max_tokens < 1:
         raise bad(param, f"'{param}' must be at least 1, got {max_tokens}")
-    elif max_tokens > room:
-        raise bad(param, f"'{param}' is {max_tokens}, but the prompt uses {prompt_tokens} of this model's "
-                  f"{pool.context_tokens}-token context: at most {room} output tokens fit",
-                  "context_length_exceeded")
 
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -343,7 +352,7 @@ def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Gene
     elif not _is_int(min_tokens):
         raise bad("min_tokens", f"'min_tokens' must be an integer, got {_type_name(min_tokens)}",
                   "invalid_type")
-    elif not 0 <= min_tokens <= max_tokens:
+    elif min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
         raise bad("min_tokens", f"'min_tokens' must be in [0, max_tokens ({max_tokens})], got {min_tokens}")
     elif min_tokens and stop:
         # vLLM also ignores stop strings before min_tokens; the step engines' stop check does
@@ -351,11 +360,34 @@ def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Gene
         raise bad("min_tokens", "'min_tokens' together with 'stop' is not supported by this service",
                   "unsupported_value")
 
-    return GenerationRequest(kind=kind, model=pool.model_name, pool=pool, prompt=prompt,
-                             prompt_tokens=prompt_tokens, max_tokens=max_tokens, temperature=temperature,
-                             top_p=top_p, stop=stop, seed=seed, stream=stream, include_usage=include_usage,
-                             continuous_usage=continuous_usage, ignore_eos=ignore_eos, min_tokens=min_tokens,
-                             messages=messages)
+    return Draft(kind=kind, pool=pool, prompt=prompt, prompt_param=prompt_param, messages=messages,
+                 max_tokens=max_tokens, max_param=param, min_tokens=min_tokens,
+                 fields={"temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed,
+                         "stream": stream, "include_usage": include_usage,
+                         "continuous_usage": continuous_usage, "ignore_eos": ignore_eos})
+
+
+def finish_request(d: Draft, prompt_tokens: int) -> GenerationRequest:
+    """The checks that need the prompt's token count (in the pool's tokenizer): the context
+    limit, ``max_tokens`` within the room left (its default fills the room up to
+    ``default_max_tokens``) and ``min_tokens`` within ``max_tokens``."""
+    pool = d.pool
+    room = pool.context_tokens - prompt_tokens
+    if room < 1:
+        raise bad(d.prompt_param, f"This model's maximum context length is {pool.context_tokens} tokens; "
+                  f"the prompt has {prompt_tokens}, leaving no room for output", "context_length_exceeded")
+    max_tokens = d.max_tokens
+    if max_tokens is None:
+        max_tokens = min(pool.default_max_tokens, room)
+    elif max_tokens > room:
+        raise bad(d.max_param, f"'{d.max_param}' is {max_tokens}, but the prompt uses {prompt_tokens} "
+                  f"of this model's {pool.context_tokens}-token context: at most {room} output tokens fit",
+                  "context_length_exceeded")
+    if d.min_tokens > max_tokens:
+        raise bad("min_tokens", f"'min_tokens' must be in [0, max_tokens ({max_tokens})], got {d.min_tokens}")
+    return GenerationRequest(kind=d.kind, model=pool.model_name, pool=pool, prompt=d.prompt,
+                             prompt_tokens=prompt_tokens, max_tokens=max_tokens, min_tokens=d.min_tokens,
+                             messages=d.messages, **d.fields)
 
 
 # --- responses -----------------------------------------------------------------------------
