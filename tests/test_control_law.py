@@ -164,8 +164,8 @@ def test_written_bursts_are_per_class_seconds_of_the_new_rates() -> None:
 
 
 def test_no_verdict_without_enough_fresh_samples() -> None:
-    d = decide(state(), inputs(p0=(0.10, 90, 0.45), p2=(None, 0, 0.25)), 0.0)
-    assert not d.changed  # 90 < min_samples: a few bad samples are not evidence
+    d = decide(state(), inputs(p0=(0.90, 90, 0.45), p2=(None, 0, 0.25)), 0.0)
+    assert not d.changed  # 90 < min_samples, and 90 % of 90 could still be a 95 % class
 
 
 def test_a_class_with_almost_no_load_is_not_the_interference() -> None:
@@ -370,3 +370,14 @@ def test_invariants_hold_for_any_input_sequence(steps: list) -> None:
         if d.changed:
             last_change = now
         s = d.state
+
+
+def test_strong_evidence_is_a_verdict_before_min_samples() -> None:
+    """20 fresh samples at 50 %: even the 99 % upper bound is far below 95 %, so the law acts
+    at once; 20 at 90 % could still be a 95 % class, so it waits for min_samples."""
+    d = decide(state(), inputs(p0=(0.50, 20, 0.45), p2=(None, 0, 0.25)), 0.0)
+    assert d.changed and reasons(d)[2] == "tighten_lower_for_P0"
+    d = decide(state(), inputs(p0=(0.90, 20, 0.45), p2=(None, 0, 0.25)), 0.0)
+    assert not d.changed and reasons(d)[0] != "overloaded"
+    d = decide(state(), inputs(p0=(0.0, 19, 0.45), p2=(None, 0, 0.25)), 0.0)
+    assert not d.changed  # below STRONG_MIN_SAMPLES: nothing is strong

@@ -333,6 +333,10 @@ async def run_scenario(s: Scenario, p: ControlParams, cap: Capacity, rows: Mappi
     else:
         out["figures"] = surge_figures(s, decisions, t_load_ms)
     out["heartbeats"] = beats.figures
+    out["requests"] = [{"cls": r.arrival.cls, "at_s": round(r.arrival.at_s, 3), "status": r.result.status,
+                        "ok": r.result.ok, "ttft_ms": r.result.ttft_ms, "tpot_ms": r.result.tpot_ms,
+                        "input_tokens": r.arrival.prompt_tokens, "max_tokens": r.arrival.max_tokens}
+                       for r in recs]
     return out
 
 
