@@ -4,23 +4,34 @@ The control law expresses every budget as a share of capacity, so capacity must 
 reality: workers join and leave, models and prompt mixes change. Two sources, best first:
 
 1. **Worker heartbeats.** Each worker reports the weighted tokens/s it processed while busy
-   (same units as the rates). Capacity = sum over *live* workers of an EWMA of their
-   reports. A worker silent for ``worker_ttl_s`` is gone and its share leaves the sum at
+   (same units as the rates). Capacity = sum over *live* workers of the median of their
+   last ``window`` reports. A worker silent for ``worker_ttl_s`` is gone and its share leaves the sum at
    once -- the drop is visible the moment it happens, not after an EWMA catches up. A live
    worker with no measurement yet (it has not been busy: just started, or lightly loaded)
    counts at the mean of the measured ones, so the first worker to report does not stand
    for the whole pool (one of four workers reporting used to quarter the estimate at start).
    A worker's reports count once it has made ``min_reports`` of them: its first ones are
-   taken while it ramps up (claims, first prefills) and read low.
+   taken while it ramps up (claims, first prefills) and read low. The median, not a mean or
+   an EWMA: one heartbeat's figure swings with the prompt mix of the steps it happened to
+   time (a long prefill runs at several times a decode step's tokens/s), and the control
+   law must see the plant's capacity, not that noise. A worker joining or leaving still
+   moves the sum at once: that is a real step.
 2. **Samples.** Completed work is bucketed into ``interval_s`` intervals by the sample's
    Redis timestamp. Throughput measured in an interval is only a capacity measurement if
    the pool was *busy* then (otherwise it measures demand): an interval counts as busy
    when at least ``busy_share`` of its samples waited ``busy_queue_ms`` or more in the queue
-   -- with a work-conserving scheduler, queued work means every worker was occupied. Busy
-   intervals feed an EWMA; idle ones can only raise it (serving X proves capacity >= X).
+   -- with a work-conserving scheduler, queued work means every worker was occupied. The
+   estimate is the median of the last ``window`` busy intervals; an idle interval counts
+   only when it served more than that (serving X proves capacity >= X). Idle time never
+   lowers it: throughput while the pool is not full measures demand, not capacity.
 
 Until either source has data (``min_busy_intervals`` busy intervals, or one heartbeat),
 the estimate is the configured ``initial`` capacity.
+
+Each estimate carries a **confidence** in [0, 1]: how full the windows behind it are (for
+heartbeats, averaged over the live workers, an unmeasured one counting 0; busy intervals
+count half, being the weaker source; ``initial`` is 0). ``qos top`` shows it;
+docs/control-law.md says how the law follows the estimate.
 
 A request's work is ``input_tokens x w_in + output_tokens x w_out`` with the class's
 weights (the same cost admission charges). Prefill is counted only if it happened (outcome
@@ -34,6 +45,7 @@ must not be given more).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -46,7 +58,7 @@ from limiter.slo import Sample
 class CapacityConfig:
     initial: float
     interval_s: float = 1.0
-    alpha: float = 0.3
+    window: int = 10  # reports per worker (and busy intervals) behind the median
     busy_queue_ms: float = 100.0
     busy_share: float = 0.1
     min_busy_intervals: int = 3
@@ -59,7 +71,7 @@ class CapacityConfig:
         checks = [
             ("initial", self.initial > 0 and math.isfinite(self.initial), "must be > 0"),
             ("interval_s", self.interval_s > 0, "must be > 0"),
-            ("alpha", 0 < self.alpha <= 1, "must be in (0, 1]"),
+            ("window", 1 <= self.window <= 1000, "must be in [1, 1000]"),
             ("busy_queue_ms", self.busy_queue_ms >= 0, "must be >= 0"),
             ("busy_share", 0 < self.busy_share <= 1, "must be in (0, 1]"),
             ("min_busy_intervals", self.min_busy_intervals >= 1, "must be >= 1"),
@@ -82,13 +94,18 @@ class CapacityEstimate:
     source: str  # 'workers' | 'samples' | 'initial'
     live_workers: int
     busy_intervals: int
+    confidence: float = 0.0  # 0..1: how full the windows behind the value are
 
 
 @dataclass
 class _Worker:
-    ewma: float
+    reports: deque[float]  # the last ``window`` figures
     seen_ms: float
-    reports: int = 1
+    count: int = 1  # every report so far (the first ``min_reports`` do not count)
+
+    @property
+    def value(self) -> float:
+        return statistics.median(self.reports)
 
 
 class CapacityEstimator:
@@ -99,7 +116,7 @@ class CapacityEstimator:
         self._interval_ms = config.interval_s * 1000.0
         self._workers: dict[str, _Worker] = {}
         self._alive: dict[str, float] = {}  # every live worker (measured or not) -> last seen ms
-        self._sample_ewma: float | None = None
+        self._busy_figures: deque[float] = deque(maxlen=config.window)  # busy intervals' tokens/s
         self._busy_intervals = 0
         self._index: int | None = None  # interval being filled
         self._work: dict[str, float] = {}
@@ -133,11 +150,13 @@ class CapacityEstimator:
             raise InvalidArgument("tokens_per_s", f"must be a finite number >= 0, got {tokens_per_s!r}")
         state = self._workers.get(worker)
         if state is None:
-            self._workers[worker] = _Worker(float(tokens_per_s), now_ms)
+            self._workers[worker] = _Worker(deque([float(tokens_per_s)], maxlen=self.config.window), now_ms)
         else:
-            state.ewma += self.config.alpha * (tokens_per_s - state.ewma)
+            if state.count < self.config.min_reports:
+                state.reports.clear()  # ramp-up figures read low: they leave the window
+            state.reports.append(float(tokens_per_s))
             state.seen_ms = now_ms
-            state.reports += 1
+            state.count += 1
 
     def set_alive(self, workers: Mapping[str, float]) -> None:
         """The live workers (name -> last heartbeat ms), measured or not; the rest are gone."""
@@ -167,11 +186,9 @@ class CapacityEstimator:
         total = sum(self._work.values())
         if self._n and self._waited >= self.config.busy_share * self._n:
             self._busy_intervals += 1
-            measured = total / seconds
-            prev = self._sample_ewma
-            self._sample_ewma = measured if prev is None else prev + self.config.alpha * (measured - prev)
-        elif self._sample_ewma is not None and total / seconds > self._sample_ewma:
-            self._sample_ewma += self.config.alpha * (total / seconds - self._sample_ewma)
+            self._busy_figures.append(total / seconds)
+        elif self._busy_figures and total / seconds > statistics.median(self._busy_figures):
+            self._busy_figures.append(total / seconds)  # served more than the estimate: it is at least that
         self._history.append({cls: work / seconds for cls, work in self._work.items()})
         # Intervals with no samples at all: nothing was served (bounded by the history length).
         for _ in range(min(index - self._index - 1, self.config.rate_intervals)):
@@ -184,16 +201,18 @@ class CapacityEstimator:
     def estimate(self, now_ms: float | None = None) -> CapacityEstimate:
         if now_ms is not None:
             self.advance(now_ms)
-        busy = self._busy_intervals
-        measured = {n: w for n, w in self._workers.items() if w.reports >= self.config.min_reports}
+        busy, window = self._busy_intervals, self.config.window
+        measured = {n: w for n, w in self._workers.items() if w.count >= self.config.min_reports}
         if measured:
-            total = sum(w.ewma for w in measured.values())
-            unmeasured = len(set(self._alive) | set(self._workers)) - len(measured)
-            total += unmeasured * total / len(measured)
-            return CapacityEstimate(total, "workers", len(measured) + unmeasured, busy)
-        if self._sample_ewma is not None and busy >= self.config.min_busy_intervals:
-            return CapacityEstimate(self._sample_ewma, "samples", 0, busy)
-        return CapacityEstimate(self.config.initial, "initial", 0, busy)
+            total = sum(w.value for w in measured.values())
+            live = len(set(self._alive) | set(self._workers))
+            total += (live - len(measured)) * total / len(measured)
+            confidence = sum(min(1.0, len(w.reports) / window) for w in measured.values()) / live
+            return CapacityEstimate(total, "workers", live, busy, confidence)
+        if self._busy_figures and busy >= self.config.min_busy_intervals:
+            confidence = 0.5 * min(1.0, len(self._busy_figures) / window)
+            return CapacityEstimate(statistics.median(self._busy_figures), "samples", 0, busy, confidence)
+        return CapacityEstimate(self.config.initial, "initial", 0, busy, 0.0)
 
     def served_rate(self, cls: str) -> float:
         """Weighted tokens/s served for ``cls`` over the last closed intervals (0 if none)."""

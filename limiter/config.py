@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from limiter import token_count
 from limiter.errors import ConfigError
 from limiter.keys import NAME_RE
 
@@ -67,6 +68,11 @@ class PoolConfig:
     floor_half_life_ms: int = 10_000
     record_ttl_s: int = 300
     floor_quantum_tokens: float = 2048.0  # how far below its floor a class must fall to go first
+    # What prompt tokens are counted in (limiter/token_count.py): "bytes" (UTF-8 bytes + BOS,
+    # the tiny model's and the sim engine's), the path of a tokenizer.json (or a directory
+    # holding one; relative to the config file), or "upstream" (the model server's /tokenize).
+    tokenizer: str = "bytes"
+    tokenizer_url: str = ""  # tokenizer = "upstream": the server (default: [worker] upstream_url)
 
     @property
     def model_name(self) -> str:
@@ -226,6 +232,7 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(1 <= pool.floor_half_life_ms <= 86_400_000, f"{p}.floor_half_life_ms", "out of range")
         _check(1 <= pool.record_ttl_s <= 604_800, f"{p}.record_ttl_s", "must be in [1, 604800]")
         _check(0 <= pool.floor_quantum_tokens <= 1e12, f"{p}.floor_quantum_tokens", "must be in [0, 1e12]")
+        token_count.check(pool.tokenizer, pool.tokenizer_url, f"{p}.tokenizer", cfg.worker)
     tenant_names: set[str] = set()
     all_keys: set[str] = set()
     for i, t in enumerate(cfg.tenants):
@@ -250,9 +257,20 @@ def validate(cfg: QosConfig) -> QosConfig:
     return cfg
 
 
-def parse(data: Mapping[str, Any]) -> QosConfig:
-    """Build and validate a config from a parsed TOML document."""
-    return validate(build_section("", QosConfig, data))
+def parse(data: Mapping[str, Any], base_dir: str | Path | None = None) -> QosConfig:
+    """Build and validate a config from a parsed TOML document; relative tokenizer paths are
+    taken from ``base_dir`` (the config file's directory)."""
+    cfg = build_section("", QosConfig, data)
+    if base_dir is not None:
+        def anchored(p: PoolConfig) -> PoolConfig:
+            spec = p.tokenizer
+            if spec in token_count.MODES or not spec.strip() or Path(spec).expanduser().is_absolute():
+                return p
+            return dataclasses.replace(p, tokenizer=str(Path(base_dir) / spec))
+
+        pools = tuple(anchored(p) for p in cfg.pools)
+        cfg = dataclasses.replace(cfg, pools=pools)
+    return validate(cfg)
 
 
 def apply_env(cfg: QosConfig, env: Mapping[str, str]) -> QosConfig:
@@ -281,7 +299,7 @@ def load(path: str | Path | None = None, env: Mapping[str, str] | None = None) -
             raise ConfigError(str(path), "file not found") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(str(path), f"invalid TOML: {exc}") from exc
-        cfg = parse(data)
+        cfg = parse(data, Path(path).resolve().parent)
     return apply_env(cfg, env)
 
 

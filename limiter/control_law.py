@@ -13,12 +13,18 @@ docs/control-law.md states the law as equations and argues why it settles; in br
   target, not at the edge of the band. Otherwise 95-99 % holds (the dead band); >= 99 %,
   over the whole window too, is *comfortable*. At most one change per ``cooldown_s``.
 * Violation of class k removes ``tighten_step`` (10 %) of the load of the classes below it,
-  lowest class first, borrowing before guarantees, never below a floor; only when nothing
-  below k can give does k cut itself (10 % of its own use).
+  lowest class first, borrowing before guarantees, never below a floor. When nothing below
+  k can give, the law holds (``overloaded``): the rates are applied at claim time, so a cut
+  to k's own ceiling would only make k's queued requests wait longer; what k asks beyond
+  the pool is admission's to refuse (the wait estimate against the max wait).
 * When every class at or above i is comfortable and i used its allowance, ``a_i`` grows by
   ``relax_step`` (5 %) toward its ceiling -- the top class's own cut is undone first, then
   lower guarantees, then borrowing. A cut remembers where the SLO broke: relaxing may
   go back at most one step / halfway toward that level, until the load or capacity changes.
+* Capacity moves the rates only when the plant really changed: at once when a worker joins
+  or leaves (a step), otherwise when the estimate has stayed more than
+  ``capacity_deadband`` (10 %) away, on the same side, for ``capacity_persist_s`` (two
+  cooldowns) and no change is cooling down. A rescale counts as a change for the cooldown.
 """
 
 from __future__ import annotations
@@ -50,7 +56,8 @@ class ControlConfig:
     burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts says otherwise
     class_bursts: tuple[float, ...] = ()  # per class, seconds of rate (the classes' burst_s); () = burst_s
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
-    capacity_deadband: float = 0.05  # capacity moves smaller than this are ignored
+    capacity_deadband: float = 0.10  # capacity moves smaller than this are ignored
+    capacity_persist_s: float = 10.0  # ...and larger ones until they last this long (no worker step)
     reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
     memory: bool = True
     min_change: float = 0.005  # relative allowance moves below this are not worth a write
@@ -87,6 +94,7 @@ class ControlConfig:
                 b > 0 for b in self.class_bursts)), f"must be empty or one value > 0 per class ({n})"),
             ("use_threshold", 0 < self.use_threshold <= 1, "must be in (0, 1]"),
             ("capacity_deadband", 0 <= self.capacity_deadband < 1, "must be in [0, 1)"),
+            ("capacity_persist_s", 0 <= self.capacity_persist_s <= 3600, "must be in [0, 3600]"),
             ("reset_load_change", self.reset_load_change > 0, "must be > 0"),
             ("min_change", 0 <= self.min_change < self.relax_step, "must be in [0, relax_step)"),
         ]
@@ -127,6 +135,9 @@ class ControlState:
     capacity: float
     classes: tuple[ClassState, ...]
     last_change_ms: float | None = None
+    workers: int = 0  # live workers behind ``capacity`` when it was set (0: not from heartbeats)
+    drift_since_ms: float | None = None  # the estimate left the dead band then (and stayed out)
+    drift_up: bool = False  # ...on this side
 
     @classmethod
     def initial(cls, config: ControlConfig, capacity: float) -> ControlState:
@@ -160,6 +171,7 @@ class Inputs:
 
     capacity: float  # measured, weighted tokens/s
     classes: Mapping[str, ClassInputs]
+    workers: int = 0  # live workers behind ``capacity`` (0: not measured from heartbeats)
 
 
 @dataclass(frozen=True)
@@ -167,7 +179,7 @@ class ClassDecision:
     """One class's outcome with the inputs that led to it, so the role can log the why."""
 
     name: str
-    reason: str  # hold|relax|tighten_lower_for_<class>|tighten_self|cooldown|capacity_change|
+    reason: str  # hold|relax|tighten_lower_for_<class>|overloaded|cooldown|capacity_change|
     #             floor|ceiling|capped|unused|waiting|priority|rebalance (docs/control-law.md)
     compliance: float | None
     window_compliance: float | None
@@ -230,7 +242,7 @@ class Decision:
 
 
 # Reasons for a class whose own allowance moved (or whose whole policy was rescaled).
-ACTIONS = ("relax", "tighten_self", "capacity_change")
+ACTIONS = ("relax", "capacity_change")
 
 
 def _check_positive(name: str, value: float) -> None:
@@ -254,10 +266,29 @@ def _rates(config: ControlConfig, capacity: float, allowances: list[float]) -> d
     return out
 
 
+# A class with few fresh samples is judged early only on strong evidence: when even the
+# 99 % upper confidence bound of its compliance (Wilson score) is below ``low`` (95 %). At
+# 20 samples that takes compliance below 0.82; at 50, below 0.87. A P0 of one request a
+# second (a small pool) otherwise waited 100 s for a verdict while a flood broke it.
+STRONG_Z = 2.576
+STRONG_MIN_SAMPLES = 20
+
+
+def compliance_upper_bound(compliance: float, samples: int, z: float = STRONG_Z) -> float:
+    """Wilson score upper bound of a proportion observed as ``compliance`` over ``samples``."""
+    n, p = float(samples), compliance
+    centre = p + z * z / (2 * n)
+    spread = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return (centre + spread) / (1 + z * z / n)
+
+
 def _status(config: ControlConfig, inp: ClassInputs, recovering: bool) -> str:
     if not inp.has_slo or (inp.samples == 0 and inp.used == 0):
         return "quiet"  # no SLO, or no traffic at all: nothing to protect
     if inp.samples < config.min_samples or inp.compliance is None:
+        if (inp.compliance is not None and inp.samples >= min(STRONG_MIN_SAMPLES, config.min_samples)
+                and compliance_upper_bound(inp.compliance, inp.samples) < config.low):
+            return "violating"  # few samples, but certainly below the band
         return "waiting"  # traffic, but not yet enough evidence since the last change
     if inp.compliance < config.low or (recovering and inp.compliance < config.target):
         return "violating"  # below 95 %, or still short of 99 % since it was
@@ -267,6 +298,8 @@ def _status(config: ControlConfig, inp: ClassInputs, recovering: bool) -> str:
 
 def _check_inputs(config: ControlConfig, inputs: Inputs) -> None:
     _check_positive("capacity", inputs.capacity)
+    if isinstance(inputs.workers, bool) or not isinstance(inputs.workers, int) or inputs.workers < 0:
+        raise InvalidArgument("workers", f"must be an integer >= 0, got {inputs.workers!r}")
     for name in config.classes:
         inp = inputs.classes.get(name)
         if inp is None:
@@ -330,13 +363,11 @@ def _tighten(plan: _Plan, k: int) -> None:
             plan.reasons[i] = "floor"
         elif i not in plan.moved and level[i] <= cfg.floors[i]:
             plan.reasons[i] = "unused"  # too little load to be the interference
-    if any(i in plan.moved for i in lower):
-        return
-    new = max(cfg.floors[k], (1 - cfg.tighten_step) * min(cls[k].allowance, plan.used[k]))
-    if new < cls[k].allowance * (1 - cfg.min_change):
-        plan.cut(k, new, "tighten_self", owner=k)
-    else:
-        plan.reasons[k] = "floor"
+    if not any(i in plan.moved for i in lower):
+        # Nothing below k can give. k's rates apply when workers claim: cutting k's own
+        # ceiling would leave its queued requests waiting longer (and a GPU idle), never
+        # shorter. Its demand beyond the pool is refused at admission (wait estimate).
+        plan.reasons[k] = "overloaded"
 
 
 def _relax(plan: _Plan, status: list[str]) -> None:
@@ -367,6 +398,28 @@ def _relax(plan: _Plan, status: list[str]) -> None:
                 plan.reasons[i] = "priority"  # a higher tier is being restored first
 
 
+def _follow_capacity(state: ControlState, inputs: Inputs, now_ms: float,
+                     cooling: bool) -> tuple[ControlState, bool]:
+    """Whether to rescale to ``inputs.capacity`` now, and the state's drift bookkeeping.
+
+    A worker joining or leaving is a real step: followed at once, cooldown or not (a pool that
+    lost a worker must not stay overloaded for a cooldown). Any other move is followed only
+    when it is large (beyond the dead band) and persistent (on the same side for
+    ``capacity_persist_s``) and nothing is cooling down: the estimate's noise must not become
+    rate noise that moves every client's 429 boundary."""
+    cfg = state.config
+    new, old = inputs.capacity, state.capacity
+    if inputs.workers != state.workers:
+        moved = abs(new - old) > cfg.min_change * old
+        return replace(state, workers=inputs.workers, drift_since_ms=None), moved
+    if abs(new - old) <= cfg.capacity_deadband * old:
+        return replace(state, drift_since_ms=None), False
+    up = new > old
+    if state.drift_since_ms is None or state.drift_up != up:
+        return replace(state, drift_since_ms=now_ms, drift_up=up), cfg.capacity_persist_s == 0 and not cooling
+    return state, now_ms - state.drift_since_ms >= cfg.capacity_persist_s * 1000 and not cooling
+
+
 def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
     """One controller tick: the new state and rates, with a reason per class."""
     cfg = state.config
@@ -374,11 +427,13 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
     old_rates = state.rates()
     ins = [inputs.classes[name] for name in cfg.classes]
 
-    if abs(inputs.capacity - state.capacity) > cfg.capacity_deadband * state.capacity:
+    cooling = state.last_change_ms is not None and now_ms - state.last_change_ms < cfg.cooldown_s * 1000
+    state, rescale = _follow_capacity(state, inputs, now_ms, cooling)
+    if rescale:
         # Rescale every rate at once (a lost worker must not overload the rest); shares and
         # allowances are unchanged, remembered limits are void: the plant changed.
         classes = tuple(ClassState(c.name, c.allowance) for c in state.classes)
-        new_state = ControlState(cfg, float(inputs.capacity), classes, now_ms)
+        new_state = ControlState(cfg, float(inputs.capacity), classes, now_ms, workers=inputs.workers)
         reasons = ["capacity_change"] * len(ins)
         return _finish(new_state, ins, old_rates, reasons, now_ms, True, state.capacity)
 
@@ -398,7 +453,6 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
     if not violating:
         _relax(plan, status)
 
-    cooling = state.last_change_ms is not None and now_ms - state.last_change_ms < cfg.cooldown_s * 1000
     if plan.moved and cooling:
         for i in plan.moved:
             plan.classes[i] = state.classes[i]  # at most one change per cooldown
@@ -407,7 +461,7 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
     for i, (s, c) in enumerate(zip(status, plan.classes, strict=True)):  # episodes end at target
         plan.classes[i] = replace(c, recovering=c.recovering if s == "waiting" else s == "violating")
     last = now_ms if plan.moved else state.last_change_ms
-    new_state = ControlState(cfg, state.capacity, tuple(plan.classes), last)
+    new_state = replace(state, classes=tuple(plan.classes), last_change_ms=last)
     return _finish(new_state, ins, old_rates, plan.reasons, now_ms, bool(plan.moved), state.capacity)
 
 

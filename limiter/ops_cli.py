@@ -84,12 +84,18 @@ async def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snap, indent=2, sort_keys=True))
     else:
-        Console().print(render(snap))
+        _console().print(render(snap))
     return 0
 
 
 def run_status(args: argparse.Namespace) -> int:
     return asyncio.run(_status(args))
+
+
+def _console() -> Console:
+    """A terminal's own width; piped or captured output gets room for every column (rich
+    would cut cells at 80 characters, e.g. a worker's "(upstream down)")."""
+    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _fmt(v: Any, digits: int = 0) -> str:
@@ -100,14 +106,30 @@ def _fmt(v: Any, digits: int = 0) -> str:
     return str(v)
 
 
+def _last_reasons(pool: dict[str, Any]) -> tuple[dict[str, str], str]:
+    """Each class's reason in the newest decision record, and that record's age label."""
+    for row in pool.get("decisions") or []:
+        body = row["decision"]
+        if isinstance(body, dict) and isinstance(body.get("classes"), dict):
+            reasons = {k: str(v.get("reason")) for k, v in body["classes"].items() if isinstance(v, dict)}
+            return reasons, f"v{row['version']}"
+    return {}, "-"
+
+
 def render(snap: dict[str, Any]) -> Group:
     parts: list[Any] = []
     for name, pool in snap["pools"].items():
+        conf = pool.get("capacity_confidence")
+        source = pool.get("capacity_source") or "-"
+        measured = (f"measured {_fmt(pool.get('measured_capacity'))} from {source}"
+                    + ("" if conf is None else f", confidence {conf * 100:.0f} %"))
+        reasons, version = _last_reasons(pool)
         t = Table(
-            title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s, "
-            f"policy v{_fmt(pool['policy_version'])}"
+            title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s "
+            f"({measured}), policy v{_fmt(pool['policy_version'])}"
         )
-        for col in ("class", "rate", "burst", "tokens", "fill", "queued", "inflight", "compliance"):
+        for col in ("class", "rate", "ceil", "burst", "tokens", "fill", "queued", "inflight", "compliance",
+                    f"last decision ({version})"):
             t.add_column(col, justify="right")
         for cls, c in pool["classes"].items():
             fill = None if not c["burst"] or c["tokens"] is None else c["tokens"] / c["burst"]
@@ -115,27 +137,32 @@ def render(snap: dict[str, Any]) -> Group:
             t.add_row(
                 cls,
                 _fmt(c["rate"]),
+                _fmt(c.get("ceil")),
                 _fmt(c["burst"]),
                 _fmt(c["tokens"]),
                 "-" if fill is None else f"{fill * 100:.0f} %",
                 str(c["queued"]),
                 str(c["inflight"]),
                 comp or "-",
+                reasons.get(cls, "-"),
             )
         parts.append(t)
         w = Table(title=f"workers of {name}")
-        for col in ("worker", "last seen s", "engine", "batch", "tokens/s", "kv use"):
+        for col in ("worker", "last seen s", "engine", "batch", "tokens/s", "capacity", "step budget",
+                    "kv use"):
             w.add_column(col, justify="right")
         for wid, info in sorted(pool["workers"].items()):
             engine = str(info.get("engine", "-")) + (
                 " (sim)" if str(info.get("simulated")) in ("1", "True") else ""
-            )
+            ) + (" (upstream down)" if info.get("upstream_state") == "open" else "")
             w.add_row(
                 wid,
                 _fmt(info.get("last_seen_s"), 1),
                 engine,
                 _fmt(info.get("batch_size")),
                 _fmt(info.get("tokens_s")),
+                _fmt(info.get("capacity_tokens_s")),
+                f"{_fmt(info.get('token_budget'))} / {_fmt(info.get('token_budget_max'))}",
                 _fmt(info.get("kv_use")),
             )
         parts.append(w)
@@ -161,7 +188,7 @@ async def _top(args: argparse.Namespace) -> int:
     client = open_redis(cfg.redis)
     n = 0
     try:
-        with Live(console=Console(), refresh_per_second=4, screen=False) as live:
+        with Live(console=_console(), refresh_per_second=4, screen=False) as live:
             while args.iterations <= 0 or n < args.iterations:
                 started = time.monotonic()
                 live.update(render(await full_snapshot(client, cfg, 5)))

@@ -27,7 +27,11 @@ benchmarks. Per tick of ``dt_s``:
    all the law relies on.
 4. **Samples**: one per completed request, as a raw dict, through the real
    :func:`limiter.slo.decode_sample` into a real :class:`SloMonitor` and
-   :class:`CapacityEstimator`; workers send heartbeats with +-1 % noise.
+   :class:`CapacityEstimator`. Each worker sends a heartbeat every ``heartbeat_s`` with its
+   share of the true capacity times a noise factor: uniform +-``heartbeat_noise``, or --
+   with ``noise`` set -- consecutive runs drawn from a recorded series of a real worker's
+   figures over their median (a block bootstrap keeps the real run's spread and its
+   autocorrelation; ``tests/data/heartbeat_noise.json`` is one).
 5. **Control**: every ``control_every_s`` the real :func:`limiter.control_law.decide` runs on
    the monitor's fresh and whole-window compliance, the estimator's capacity and served
    rates (over the last 0.5 s: ``used`` must be current); a change becomes the admission
@@ -75,7 +79,11 @@ class PlantConfig:
     wait_scale_ms: float = 10.0
     max_utilisation: float = 0.98
     lag_s: float = 2.0  # admitted work reaches (and leaves) the GPU with this time constant
-    heartbeat_noise: float = 0.01
+    heartbeat_noise: float = 0.01  # uniform +- this, unless ``noise`` is given
+    heartbeat_s: float = 1.0
+    noise: tuple[float, ...] = ()  # recorded heartbeat figures / their median (block bootstrap)
+    noise_block: int = 10  # consecutive recorded values per draw
+    capacity_window: int = 10  # the estimator's median window (CapacityConfig.window)
     classes: tuple[PlantClass, ...] = DEFAULT_PLANT_CLASSES
     slos: Mapping[str, ClassSLO] = field(default_factory=lambda: dict(DEFAULT_SLOS))
     seed: int = 1
@@ -119,14 +127,20 @@ def simulate(
     duration_s: float,
     plant: PlantConfig | None = None,
     capacity_at: Callable[[float], float] | None = None,
+    workers_at: Callable[[float], int] | None = None,
 ) -> Trace:
-    """Run the loop for ``duration_s`` simulated seconds; ``offered(t)`` is tokens/s per class."""
+    """Run the loop for ``duration_s`` simulated seconds; ``offered(t)`` is tokens/s per class.
+
+    ``capacity_at(t)``: the pool's true capacity (every worker slows down or speeds up);
+    ``workers_at(t)``: how many workers are alive, each worth ``capacity / workers`` (a
+    worker that dies leaves the heartbeats, one that starts joins them)."""
     plant = plant or PlantConfig()
     names = [c.name for c in plant.classes]
     rng = random.Random(plant.seed)
     monitor = SloMonitor({n: plant.slos.get(n, ClassSLO()) for n in names}, size=control.window)
     # "used" must be current: served work over the last half second (see ClassInputs.used).
-    estimator = CapacityEstimator(CapacityConfig(initial=plant.capacity, interval_s=0.5, rate_intervals=1))
+    estimator = CapacityEstimator(CapacityConfig(initial=plant.capacity, interval_s=0.5, rate_intervals=1,
+                                                 window=plant.capacity_window))
     state = ControlState.initial(control, plant.capacity)
     policy, backlog, carry = state.rates(), dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
     busy = [0.0] * len(names)  # share of capacity each class occupies in the GPU (lagged)
@@ -140,10 +154,14 @@ def simulate(
         decisions=[],
     )
     every = max(1, round(plant.control_every_s / plant.dt_s))
+    beat = max(1, round(plant.heartbeat_s / plant.dt_s))
+    noises = [_Noise(plant, random.Random(plant.seed * 1000 + w)) for w in range(4 * plant.workers)]
     for tick in range(round(duration_s / plant.dt_s)):
         t = (tick + 1) * plant.dt_s
         now_ms = t * 1000.0
-        true_c = capacity_at(t) if capacity_at else plant.capacity
+        live = workers_at(t) if workers_at else plant.workers
+        per_worker = (capacity_at(t) if capacity_at else plant.capacity) / plant.workers
+        true_c = per_worker * live
         admitted = admit(offered(t), policy, state.capacity)
         # Work in the GPU follows admission with a first-order lag: requests already admitted
         # keep running after a cut, which is why the law waits (cooldown) between changes.
@@ -167,9 +185,10 @@ def simulate(
             for _ in range(int(count)):
                 wait = ahead_ms + rng.expovariate(1.0 / mean_wait) if mean_wait > 0 else ahead_ms
                 _record(monitor, estimator, pc, wait, util, now_ms)
-        for w in range(plant.workers):
-            noise = 1.0 + plant.heartbeat_noise * rng.uniform(-1.0, 1.0)
-            estimator.observe_worker(f"w{w}", true_c / plant.workers * noise, now_ms)
+        if tick % beat == beat - 1:
+            estimator.set_alive({f"w{w}": now_ms for w in range(live)})
+            for w in range(live):
+                estimator.observe_worker(f"w{w}", per_worker * noises[w].next(), now_ms)
         if tick % every == every - 1:
             state = _control(state, monitor, estimator, names, now_ms, trace)
             policy = state.rates()
@@ -180,6 +199,23 @@ def simulate(
             trace.admitted[n].append(admitted[n])
             trace.compliance[n].append(monitor.windows[n].stats().compliance)
     return trace
+
+
+class _Noise:
+    """One worker's heartbeat noise factors: uniform, or blocks of a recorded series."""
+
+    def __init__(self, plant: PlantConfig, rng: random.Random) -> None:
+        self.plant, self.rng, self.block = plant, rng, []  # type: list[float]
+
+    def next(self) -> float:
+        series = self.plant.noise
+        if not series:
+            return 1.0 + self.plant.heartbeat_noise * self.rng.uniform(-1.0, 1.0)
+        if not self.block:
+            n = min(self.plant.noise_block, len(series))
+            start = self.rng.randrange(len(series) - n + 1)
+            self.block = list(series[start:start + n])
+        return self.block.pop(0)
 
 
 def _record(
@@ -213,15 +249,16 @@ def _control(
     trace: Trace,
 ) -> ControlState:
     stats = monitor.stats(now_ms)
-    capacity = estimator.estimate(now_ms).value
+    estimate = estimator.estimate(now_ms)
     inputs = Inputs(
-        capacity,
+        estimate.value,
         {
             n: ClassInputs(
                 s.fresh_compliance, s.fresh_count, estimator.served_rate(n), s.has_target, s.compliance
             )
             for n, s in stats.items()
         },
+        estimate.live_workers if estimate.source == "workers" else 0,
     )
     decision = decide(state, inputs, now_ms)
     if decision.evidence_from_ms is not None:

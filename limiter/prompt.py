@@ -1,15 +1,22 @@
 """What the frontend and the worker must agree on about a prompt, in one place.
 
-* :func:`count_tokens` — the pool tokenizer is byte-level: one token per UTF-8 byte plus
-  one BOS token. The frontend charges admission with it and checks the context limit;
-  the worker reports usage with it. Keeping one function keeps the charge honest.
+* :func:`count_tokens` — the byte tokenizer (a pool's default, ``tokenizer = "bytes"``): one
+  token per UTF-8 byte plus one BOS token. For such pools the frontend charges admission
+  with it and checks the context limit, and the step engines report usage with it: one
+  function keeps the charge honest. Pools with another tokenizer: :mod:`limiter.token_count`.
 * :func:`render_chat` — the chat template. Each message becomes ``<|role|>\\ncontent\\n``
   and the prompt ends with ``<|assistant|>\\n`` so the model answers as the assistant.
 * :class:`Payload` — the msgpack map the frontend stores with the request in Redis and
   the worker decodes after ``claim``::
 
       {"v": 1, "kind": "chat"|"completion", "prompt": str, "max_tokens": int,
-       "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str}
+       "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str,
+       "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?}]}
+
+  The last three are optional (a payload without them decodes to their defaults). ``messages``
+  are the chat messages as data: the openai engine sends them upstream as they are, never
+  parsed back out of the rendered ``prompt`` (a user message that contains ``<|system|>``
+  must stay a user message).
 """
 
 from __future__ import annotations
@@ -26,8 +33,35 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 def count_tokens(text: str) -> int:
-    """Tokens the byte-level pool tokenizer produces for ``text``: UTF-8 bytes + BOS."""
+    """Tokens the byte tokenizer produces for ``text``: UTF-8 bytes + BOS."""
     return len(text.encode("utf-8")) + BOS_TOKENS
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One validated chat message (text content; parts already joined)."""
+
+    role: str
+    content: str
+    name: str | None = None
+    tool_call_id: str | None = None
+
+    def to_dict(self) -> dict[str, str]:
+        d = {"role": self.role, "content": self.content}
+        if self.name is not None:
+            d["name"] = self.name
+        if self.tool_call_id is not None:
+            d["tool_call_id"] = self.tool_call_id
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any) -> ChatMessage:
+        if not isinstance(d, Mapping) or d.get("role") not in CHAT_ROLES \
+                or not isinstance(d.get("content"), str):
+            raise ValueError("payload message is not {role, content}")
+        name, call = d.get("name"), d.get("tool_call_id")
+        return cls(str(d["role"]), d["content"], None if name is None else str(name),
+                   None if call is None else str(call))
 
 
 def render_chat(messages: Iterable[tuple[str, str]]) -> str:
@@ -49,13 +83,23 @@ class Payload:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     model: str = ""
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    messages: tuple[ChatMessage, ...] = ()
 
     def pack(self) -> bytes:
-        return msgpack.packb({
+        d: dict[str, Any] = {
             "v": PAYLOAD_VERSION, "kind": self.kind, "prompt": self.prompt, "max_tokens": self.max_tokens,
             "temperature": float(self.temperature), "top_p": float(self.top_p), "stop": list(self.stop),
             "seed": self.seed, "model": self.model,
-        }, use_bin_type=True)
+        }
+        if self.ignore_eos:
+            d["ignore_eos"] = True
+        if self.min_tokens:
+            d["min_tokens"] = self.min_tokens
+        if self.messages:
+            d["messages"] = [m.to_dict() for m in self.messages]
+        return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
     def unpack(cls, blob: bytes) -> Payload:
@@ -66,7 +110,12 @@ class Payload:
             raise ValueError(f"payload is not msgpack: {exc}") from exc
         if not isinstance(d, Mapping) or d.get("v") != PAYLOAD_VERSION:
             raise ValueError("payload is not a version-1 map")
-        return cls(kind=str(d["kind"]), prompt=str(d["prompt"]), max_tokens=int(d["max_tokens"]),
-                   temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),
-                   stop=tuple(str(s) for s in d.get("stop") or ()), seed=d.get("seed"),
-                   model=str(d.get("model", "")))
+        try:
+            return cls(kind=str(d["kind"]), prompt=str(d["prompt"]), max_tokens=int(d["max_tokens"]),
+                       temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),
+                       stop=tuple(str(s) for s in d.get("stop") or ()), seed=d.get("seed"),
+                       model=str(d.get("model", "")), ignore_eos=bool(d.get("ignore_eos", False)),
+                       min_tokens=int(d.get("min_tokens", 0)),
+                       messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()))
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"payload is malformed: {exc}") from exc

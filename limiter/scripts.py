@@ -295,12 +295,16 @@ class Scripts:
         raise ScriptError(f"admit: unexpected reply {reply!r}")
 
     async def claim(self, keys: PoolKeys, worker_id: str, max_requests: int, kv_room: int = 0,
-                    lease_ms: int = 0, above_class: str = "", kv_total: int = 0) -> ClaimResult:
+                    lease_ms: int = 0, above_class: str = "", kv_total: int = 0,
+                    avoid_tenants: Sequence[str] = (), avoid_from: str = "") -> ClaimResult:
         """Claim up to ``max_requests`` that fit ``kv_room`` free KV tokens (0 = no limit).
         ``above_class``: only classes ranked strictly above it ('' = any class); ``kv_total``:
-        the worker's whole KV room (0 = unknown), so a request no live worker can hold fails."""
-        reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room,
-                                                              lease_ms, above_class, kv_total])
+        the worker's whole KV room (0 = unknown), so a request no live worker can hold fails;
+        ``avoid_tenants``: at most 16 tenants whose requests are skipped in class
+        ``avoid_from`` and below."""
+        avoid = ",".join(check_name("tenant", t) for t in avoid_tenants)
+        reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room, lease_ms,
+                                                              above_class, kv_total, avoid, avoid_from])
         out = []
         for e in reply[1:]:
             out.append(Claimed(
@@ -320,22 +324,30 @@ class Scripts:
         return RenewResult([_s(x) for x in lost], [_s(x) for x in stop])
 
     async def push_tokens(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int,
-                          offset: int, token_ids: Sequence[int], text: str, lease_ms: int = 0) -> bool:
-        """Deliver tokens; returns True when the client asked to cancel. Raises LeaseLost."""
+                          offset: int, token_ids: Sequence[int], text: str, lease_ms: int = 0,
+                          count: int | None = None) -> bool:
+        """Deliver tokens; returns True when the client asked to cancel. Raises LeaseLost.
+
+        ``count`` is the model tokens in the batch (default: one per id); ``token_ids`` are
+        what a resuming worker primes itself with (the openai engine: the text's bytes)."""
+        n = len(token_ids) if count is None else count
         reply = await self._run("push_tokens", lifecycle_keys(keys), [
-            request_id, worker_id, fence, offset, len(token_ids), pack_token_ids(token_ids),
-            text.encode(), lease_ms])
+            request_id, worker_id, fence, offset, n, pack_token_ids(token_ids),
+            text.encode(), lease_ms, len(token_ids)])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return bool(int(reply[1]))
 
     async def complete(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int, outcome: str,
                        usage_in: int, token_ids: Sequence[int] = (), text: str = "",
-                       finish_reason: str = "stop", message: str = "", sample: bytes = b"") -> float:
-        """Finish a request; returns the unused reservation it gives back. Raises LeaseLost."""
+                       finish_reason: str = "stop", message: str = "", sample: bytes = b"",
+                       count: int | None = None) -> float:
+        """Finish a request; returns the unused reservation it gives back. Raises LeaseLost.
+        ``count``: the last batch's model tokens (default: one per id, as in push_tokens)."""
+        n = len(token_ids) if count is None else count
         reply = await self._run("complete", lifecycle_keys(keys), [
-            request_id, worker_id, fence, outcome, usage_in, len(token_ids), pack_token_ids(token_ids),
-            text.encode(), finish_reason, message, sample])
+            request_id, worker_id, fence, outcome, usage_in, n, pack_token_ids(token_ids),
+            text.encode(), finish_reason, message, sample, len(token_ids)])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return float(_s(reply[1]))

@@ -103,6 +103,8 @@ async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
             "policy_version": int(policy["version"]) if "version" in policy else None,
             "capacity": capacity,
             "measured_capacity": _f(compliance.get("capacity")),
+            "capacity_source": compliance.get("capacity_source"),
+            "capacity_confidence": _f(compliance.get("capacity_confidence")),
             "classes": per_class,
             "workers": _ages(workers, now_ms),
             "frontends": _ages(frontends, now_ms),

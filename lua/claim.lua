@@ -39,6 +39,11 @@
 --                        what it holds); '' or absent = every class
 -- ARGV[6] kv_total       optional integer >= 0: the worker's whole KV room in tokens
 --                        (0 or absent = unknown: nothing is judged too large for it)
+-- ARGV[7] avoid_tenants  optional comma-separated tenant names (at most 16): tenants whose
+--                        requests this claim skips, as if their head did not fit, in the
+--                        class avoid_from and every class below it (a full worker's
+--                        look-ahead for a tenant that holds none of its slots); '' = none
+-- ARGV[8] avoid_from     the highest class avoid_tenants applies to; required with them
 --
 -- Returns {now_ms, {entry}, ...}; entry = {id, class, tenant, fence, payload, enq_ms,
 --   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms,
@@ -65,6 +70,21 @@ local function main()
   local above_class = ARGV[5] or ''
   if above_class ~= '' then above_class = arg_name(above_class, 'above_class') end
   local kv_total = arg_int(ARGV[6] or '0', 'kv_total', 0, 1e12)
+  local avoid = {}
+  local navoid = 0
+  local avoid_from = nil
+  if (ARGV[7] or '') ~= '' then
+    local list, start = ARGV[7], 1
+    while true do
+      local comma = string.find(list, ',', start, true)
+      navoid = navoid + 1
+      if navoid > 16 then fail('BADARG', 'avoid_tenants: at most 16 tenants') end
+      avoid[arg_name(string.sub(list, start, (comma or 0) - 1), 'avoid_tenants')] = true
+      if comma == nil then break end
+      start = comma + 1
+    end
+    avoid_from = arg_name(ARGV[8], 'avoid_from')
+  end
   local p = load_policy(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
   -- classes this claim may hand out: all, or those ranked above above_class
@@ -78,6 +98,14 @@ local function main()
       eligible[cls] = true
     end
     if not known then fail('BADARG', 'above_class: unknown class ' .. above_class) end
+  end
+  local avoiding = {}  -- class -> true: the classes avoid_tenants applies to
+  if avoid_from then
+    for _, cls in ipairs(p.classes) do
+      if cls == avoid_from then avoid_from = true end
+      if avoid_from == true then avoiding[cls] = true end
+    end
+    if avoid_from ~= true then fail('BADARG', 'avoid_from: unknown class ' .. avoid_from) end
   end
   local now = now_ms()
   if kv_total > 0 then redis.call('HSET', K_WORKER_KV, worker_id, kv_total) end
@@ -108,6 +136,11 @@ local function main()
   end
   local skipped = {}   -- class -> {tenant = true}: tenants whose head does not fit this worker
   local nskipped = {}  -- class -> count
+  for cls in pairs(avoiding) do  -- the avoided tenants are skipped in these classes
+    skipped[cls] = {}
+    for t in pairs(avoid) do skipped[cls][t] = true end
+    nskipped[cls] = navoid
+  end
   local closed = {}    -- class -> true: nothing more of it for this worker in this call
   local function open(cls)
     return eligible[cls] and q.n[cls] > 0 and not closed[cls]

@@ -9,12 +9,14 @@
 -- ARGV[3]  fence          integer >= 1 (from claim)
 -- ARGV[4]  outcome        ok | failed | cancelled
 -- ARGV[5]  usage_in       integer >= 0: prompt tokens the engine really processed
--- ARGV[6]  count          integer >= 0: tokens in this last batch
--- ARGV[7]  token_ids      count x uint32 little-endian
+-- ARGV[6]  count          integer >= 0: tokens in this last batch (the model's tokens)
+-- ARGV[7]  token_ids      n_ids x uint32 little-endian (resume data, as in push_tokens)
 -- ARGV[8]  text           the last batch's text
 -- ARGV[9]  finish_reason  stop | length | cancelled | error
 -- ARGV[10] message        error message for outcome failed ('' otherwise)
 -- ARGV[11] sample         msgpack latency sample ('' = none), appended to the samples stream
+-- ARGV[12] n_ids          optional integer >= 0: ids in token_ids ('' or absent = count;
+--                         see push_tokens)
 --
 -- usage_out = tokens delivered before + count. Returns {'ok', refund} (the part of the
 -- reservation it did not use; each bucket gets back at most what it was charged) or
@@ -33,9 +35,11 @@ local function main()
   local outcome = arg_oneof(ARGV[4], 'outcome', {'ok', 'failed', 'cancelled'})
   local usage_in = arg_int(ARGV[5], 'usage_in', 0, 10000000)
   local count = arg_int(ARGV[6], 'count', 0, 1000000)
+  local n_ids = count
+  if ARGV[12] ~= nil and ARGV[12] ~= '' then n_ids = arg_int(ARGV[12], 'n_ids', 0, 4194304) end
   local token_ids = ARGV[7]
-  if token_ids == nil or #token_ids ~= 4 * count then
-    fail('BADARG', 'token_ids: expected ' .. (4 * count) .. ' bytes (count x uint32)')
+  if token_ids == nil or #token_ids ~= 4 * n_ids then
+    fail('BADARG', 'token_ids: expected ' .. (4 * n_ids) .. ' bytes (n_ids x uint32)')
   end
   local text = ARGV[8]
   if text == nil or #text > 4194304 then fail('BADARG', 'text: missing or over 4 MiB') end
@@ -55,8 +59,8 @@ local function main()
     fail('BADARG', 'count: ' .. usage_out .. ' tokens exceed max_tokens ' .. r.max_tokens)
   end
   local now = now_ms()
+  if n_ids > 0 then redis.call('APPEND', P_TOKENS .. request_id, token_ids) end
   if count > 0 then
-    redis.call('APPEND', P_TOKENS .. request_id, token_ids)
     redis.call('HSET', P_REQUEST .. request_id, 'out_tokens', usage_out)
     if r.first_ms == nil then redis.call('HSET', P_REQUEST .. request_id, 'first_ms', now) end
   end

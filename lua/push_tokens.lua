@@ -8,10 +8,15 @@
 -- ARGV[2] worker_id   name
 -- ARGV[3] fence       integer >= 1 (from claim)
 -- ARGV[4] offset      integer >= 0: tokens delivered before this batch (must match)
--- ARGV[5] count       integer >= 1: tokens in this batch
--- ARGV[6] token_ids   count x uint32 little-endian
+-- ARGV[5] count       integer >= 1: tokens in this batch (the model's tokens: what out_tokens,
+--                     max_tokens and usage count)
+-- ARGV[6] token_ids   n_ids x uint32 little-endian: what a resuming worker primes itself with
 -- ARGV[7] text        the batch's decoded text (UTF-8, may be empty)
 -- ARGV[8] lease_ms    integer >= 0, 0 = the pool's lease_ms
+-- ARGV[9] n_ids       optional integer >= 0: ids in token_ids ('' or absent = count). The
+--                     step engines send one id per token; the openai engine, which cannot
+--                     see the upstream's ids, counts the upstream's tokens and stores the
+--                     text's UTF-8 bytes as ids (worker/upstream.py)
 --
 -- Returns {'ok', cancel(0|1)} or {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
@@ -26,9 +31,11 @@ local function main()
   local fence = arg_int(ARGV[3], 'fence', 1, 1e15)
   local offset = arg_int(ARGV[4], 'offset', 0, 10000000)
   local count = arg_int(ARGV[5], 'count', 1, 1000000)
+  local n_ids = count
+  if ARGV[9] ~= nil and ARGV[9] ~= '' then n_ids = arg_int(ARGV[9], 'n_ids', 0, 4194304) end
   local token_ids = ARGV[6]
-  if token_ids == nil or #token_ids ~= 4 * count then
-    fail('BADARG', 'token_ids: expected ' .. (4 * count) .. ' bytes (count x uint32)')
+  if token_ids == nil or #token_ids ~= 4 * n_ids then
+    fail('BADARG', 'token_ids: expected ' .. (4 * n_ids) .. ' bytes (n_ids x uint32)')
   end
   local text = ARGV[7]
   if text == nil or #text > 4194304 then fail('BADARG', 'text: missing or over 4 MiB') end
@@ -47,7 +54,7 @@ local function main()
   end
   local now = now_ms()
   local key = P_REQUEST .. request_id
-  redis.call('APPEND', P_TOKENS .. request_id, token_ids)
+  if n_ids > 0 then redis.call('APPEND', P_TOKENS .. request_id, token_ids) end
   redis.call('HINCRBY', key, 'out_tokens', count)
   redis.call('HSET', key, 'lease_ms', now + lease_ms)
   if r.first_ms == nil then redis.call('HSET', key, 'first_ms', now) end

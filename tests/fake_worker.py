@@ -39,6 +39,7 @@ class FakeWorker:
     fail: bool = False  # complete every request as failed
     served: list[Served] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
+    payloads: dict[str, Payload] = field(default_factory=dict)  # request id -> what the frontend stored
     _tasks: set[asyncio.Task[None]] = field(default_factory=set)
     _loop_task: asyncio.Task[None] | None = None
     _stopping: bool = False
@@ -87,6 +88,7 @@ class FakeWorker:
 
     async def _serve(self, c: Claimed) -> None:
         p = Payload.unpack(c.payload)
+        self.payloads[c.request_id] = p
         text = self.output(p)
         finish = "stop"
         for s in p.stop:

@@ -14,10 +14,10 @@ from tests.helpers import admit, dump_all
 K = PoolKeys("tiny")
 GOOD = {
     "admit": ["id-new", "t1", "P1", "10", "5", "1000", "1000", "0", "0", "fe1", "payload", "1"],
-    "claim": ["w9", "1", "0", "0", "P1", "0"],
+    "claim": ["w9", "1", "0", "0", "P1", "0", "t1,t2", "P2"],
     "renew_leases": ["w1", "0", "leased:1"],
-    "push_tokens": ["leased", "w1", "1", "0", "1", "\x01\x00\x00\x00", "a", "0"],
-    "complete": ["leased", "w1", "1", "ok", "3", "0", "", "", "stop", "", ""],
+    "push_tokens": ["leased", "w1", "1", "0", "1", "\x01\x00\x00\x00", "a", "0", "1"],
+    "complete": ["leased", "w1", "1", "ok", "3", "0", "", "", "stop", "", "", "0"],
     "cancel_request": ["queued", "t1", "client_gone"],
     "release": ["leased", "w1", "1"],
     "reap_expired": ["10"],

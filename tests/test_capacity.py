@@ -34,24 +34,25 @@ def test_initial_until_enough_data() -> None:
 
 
 def test_busy_intervals_measure_capacity() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5))
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=5))
     feed(est, seconds=20, per_s=20, wait=500.0)  # 20 req/s x 1000 tokens, everyone queued
     estimate = est.estimate(20_000.0)
     assert estimate.source == "samples" and estimate.busy_intervals == 20
     assert estimate.value == pytest.approx(20_000.0)
+    assert estimate.confidence == pytest.approx(0.5)  # full window, the weaker source
 
 
 def test_idle_throughput_is_only_a_lower_bound() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=1.0))
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3))
     feed(est, seconds=5, per_s=20, wait=500.0)  # busy: capacity 20k
     feed(est, seconds=5, per_s=5, wait=0.0, start_s=5)  # idle at 5k: does not lower it
     assert est.estimate(10_000.0).value == pytest.approx(20_000.0)
     feed(est, seconds=2, per_s=30, wait=0.0, start_s=10)  # served 30k without queueing: raise
-    assert est.estimate(12_000.0).value == pytest.approx(30_000.0)
+    assert est.estimate(12_000.0).value == pytest.approx(30_000.0)  # median of 20k, 30k, 30k
 
 
 def test_workers_win_and_follow_joins_and_leaves() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0, min_reports=1))
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3, worker_ttl_s=10.0, min_reports=1))
     feed(est, seconds=5, per_s=20, wait=500.0)
     est.observe_worker("w1", 12_000.0, 5000.0)
     est.observe_worker("w2", 10_000.0, 5000.0)
@@ -60,7 +61,7 @@ def test_workers_win_and_follow_joins_and_leaves() -> None:
         "workers",
         2,
     )
-    est.observe_worker("w1", 14_000.0, 6000.0)  # EWMA, alpha 0.5: 13k
+    est.observe_worker("w1", 14_000.0, 6000.0)  # median of 12k, 14k: 13k
     assert est.estimate().value == pytest.approx(23_000.0)
     est.observe_worker("w3", 9_000.0, 7000.0)  # a worker joins: counted at once
     assert est.estimate().value == pytest.approx(32_000.0)
@@ -76,7 +77,7 @@ def test_workers_win_and_follow_joins_and_leaves() -> None:
 def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None:
     """At start only some workers have been busy yet: one of four reporting must not quarter
     the pool's capacity (it throttled every class for the first seconds of a run)."""
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, worker_ttl_s=10.0, min_reports=1))
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3, worker_ttl_s=10.0, min_reports=1))
     est.set_alive({"w1": 1000.0, "w2": 1000.0, "w3": 1000.0, "w4": 1000.0})
     assert est.estimate(1000.0).source == "initial"  # nobody measured yet
     est.observe_worker("w1", 10_000.0, 1000.0)
@@ -95,14 +96,33 @@ def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None
 
 def test_a_workers_first_reports_do_not_count_yet() -> None:
     """A worker's first heartbeats are taken while it ramps up and read low."""
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, alpha=0.5, min_reports=3))
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=4, min_reports=3))
     est.set_alive({"w1": 1000.0, "w2": 1000.0})
     est.observe_worker("w1", 2_000.0, 1000.0)
     est.observe_worker("w2", 3_000.0, 1000.0)
     est.observe_worker("w1", 8_000.0, 2000.0)
     assert est.estimate(2000.0).source == "initial"
-    est.observe_worker("w1", 10_000.0, 3000.0)  # w1's third: 2k -> 5k -> 7.5k (EWMA 0.5)
-    assert est.estimate(3000.0).value == pytest.approx(2 * 7_500.0)  # w2 counts at w1's figure
+    est.observe_worker("w1", 10_000.0, 3000.0)  # w1's third: its first two left the window
+    e = est.estimate(3000.0)
+    assert e.value == pytest.approx(2 * 10_000.0)  # w2 counts at w1's figure
+    assert e.confidence == pytest.approx(0.25 / 2)  # one of four reports, w2 unmeasured
+    est.observe_worker("w1", 11_000.0, 4000.0)
+    assert est.estimate(4000.0).value == pytest.approx(2 * 10_500.0)
+
+
+def test_one_outlying_report_does_not_move_the_estimate() -> None:
+    """A heartbeat that timed a long prefill reads several times a decode step's tokens/s:
+    the median ignores it (an EWMA moved ~30 % of the jump)."""
+    est = CapacityEstimator(CapacityConfig(initial=1.0, window=10, min_reports=1))
+    for i in range(9):
+        est.observe_worker("w1", 10_000.0 + 100 * (i % 3), 1000.0 * i)
+    before = est.estimate(9000.0).value
+    est.observe_worker("w1", 40_000.0, 9000.0)
+    assert est.estimate(9000.0).value == pytest.approx(before, rel=0.02)
+    assert est.estimate(9000.0).confidence == 1.0
+    for i in range(10):  # a real, lasting change shows once it is most of the window
+        est.observe_worker("w1", 15_000.0, 10_000.0 + 1000.0 * i)
+    assert est.estimate(19_000.0).value == pytest.approx(15_000.0)
 
 
 def test_work_counts_what_the_pool_actually_did() -> None:
@@ -149,7 +169,7 @@ def test_late_sample_counts_in_the_open_interval() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("initial", 0.0), ("alpha", 1.5), ("interval_s", 0.0), ("busy_share", 0.0), ("rate_intervals", 0)],
+    [("initial", 0.0), ("window", 0), ("interval_s", 0.0), ("busy_share", 0.0), ("rate_intervals", 0)],
 )
 def test_config_errors_name_the_field(field: str, value: float) -> None:
     kwargs: dict[str, float] = {"initial": 1000.0, field: value}

@@ -213,6 +213,39 @@ async def test_above_class_claims_only_classes_ranked_above_it(scripts, pool):
     assert [c.request_id for c in got.requests] == ["low"]
 
 
+async def test_avoided_tenants_are_skipped_in_their_classes_only(scripts, pool):
+    """A full worker's tenant look-ahead: it asks for anyone but the tenants already holding
+    its slots, in their class and below; a higher class is not affected."""
+    for rid, tenant in (("heavy-1", "heavy"), ("heavy-2", "heavy"), ("light-1", "light")):
+        await admit(scripts, pool, cls="P1", tenant=tenant, request_id=rid, input_tokens=1, max_tokens=1)
+    await admit(scripts, pool, cls="P0", tenant="heavy", request_id="heavy-top", input_tokens=1, max_tokens=1)
+    got = await scripts.claim(pool, "w1", 5, avoid_tenants=["heavy"], avoid_from="P1")
+    assert [c.request_id for c in got.requests] == ["heavy-top", "light-1"]
+    none = await scripts.claim(pool, "w1", 5, avoid_tenants=["heavy", "light"], avoid_from="P1")
+    assert none.requests == []
+    got = await scripts.claim(pool, "w1", 5)
+    assert [c.request_id for c in got.requests] == ["heavy-1", "heavy-2"]
+
+
+@pytest.mark.parametrize(("avoid", "avoid_from", "error"), [
+    ("a,,b", "P1", "avoid_tenants"), (",a", "P1", "avoid_tenants"), ("a:b", "P1", "avoid_tenants"),
+    (",".join(f"t{i}" for i in range(17)), "P1", "at most 16"), ("a", "", "avoid_from"),
+    ("a", "P9", "unknown class"),
+])
+async def test_a_bad_avoid_list_is_refused_and_changes_nothing(scripts, pool, sync_redis, avoid, avoid_from,
+                                                               error):
+    from limiter.scripts import lifecycle_keys, script_source
+    from tests.helpers import dump_all
+
+    await admit(scripts, pool, cls="P1", tenant="a", request_id="r1", input_tokens=1, max_tokens=1)
+    sha = sync_redis.script_load(script_source("claim"))
+    keys = lifecycle_keys(pool)
+    before = dump_all(sync_redis)
+    with pytest.raises(Exception, match=error):
+        sync_redis.evalsha(sha, len(keys), *keys, "w1", "1", "0", "0", "", "100", avoid, avoid_from)
+    assert dump_all(sync_redis) == before
+
+
 async def test_kv_room_limits_what_a_worker_takes(scripts, pool):
     for i in range(5):
         await admit(scripts, pool, cls="P1", request_id=f"b{i}", input_tokens=300, max_tokens=100)

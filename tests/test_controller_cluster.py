@@ -25,9 +25,10 @@ async def test_the_controller_leads_consumes_and_decides_on_a_cluster(redis_clus
         await wait_for(lambda: asyncio.sleep(0, pc.term is not None))
         sec, _ = await ctl.client.time()
         now = int(sec) * 1000
-        await push(ctl.client, keys, [sample("P0", now, ttft_ms=3000.0) for _ in range(30)])
-        await wait_for(lambda: asyncio.sleep(0, pc.term is not None and pc.term.consumed == 30))
-        await wait_for(lambda: ctl.client.xlen(keys.decisions))  # P0 violates: a change is written
+        p2 = [sample("P2", now - 2000, input_tokens=4000, output_tokens=100) for _ in range(10)]
+        await push(ctl.client, keys, p2 + [sample("P0", now, ttft_ms=3000.0) for _ in range(30)])
+        await wait_for(lambda: asyncio.sleep(0, pc.term is not None and pc.term.consumed == 40))
+        await wait_for(lambda: ctl.client.xlen(keys.decisions))  # P0 violates: P2 is cut, written
         await wait_for(lambda: ctl.client.hget(keys.compliance, "P0"))
         assert await ctl.client.get(keys.leader) == f"a:{pc.term.fence}".encode()
     finally:

@@ -86,14 +86,16 @@ async def test_violating_samples_tighten_the_lower_classes(aredis, pool, cfg):
 
 
 async def _violate_and_tick(pc, client, keys):
-    """Lead, get 30 violating P0 samples into the window, and tick: the law wants a change."""
+    """Lead, get 30 violating P0 samples into the window while P2 served a lot of work two
+    seconds ago (a closed interval: the interference), and tick: the law wants to cut P2."""
     await pc.renew_once()
     term = pc.term
     assert term is not None
     now = await redis_ms(client)
-    await push(client, keys, [sample("P0", now, ttft_ms=3000.0) for _ in range(30)])
+    p2 = [sample("P2", now - 2000, input_tokens=4000, output_tokens=100) for _ in range(10)]
+    await push(client, keys, p2 + [sample("P0", now, ttft_ms=3000.0) for _ in range(30)])
     await pc.consume_once(term)
-    assert term.consumed == 30
+    assert term.consumed == 40
     return term
 
 
@@ -117,14 +119,16 @@ async def test_a_new_leader_continues_from_the_policy_not_from_scratch(aredis, p
     a = pool_controller(cfg, aredis)
     term = await _violate_and_tick(a, aredis, pool)
     decision = await a.tick(term)
-    assert decision is not None and decision.changed  # P0 cut itself: nothing below it is used
+    assert decision is not None and decision.changed  # P0 violates: P2's borrowing is cut
+    assert {c.name: c.reason for c in decision.classes}["P2"] == "tighten_lower_for_P0"
     await a.lease.release()
     b = pool_controller(cfg, aredis, controller_id="b")
     await b.renew_once()
     assert b.term is not None and b.term.fence == term.fence + 1
     old = {c.name: c.allowance for c in term.state.classes}
     new = {c.name: c.allowance for c in b.term.state.classes}
-    assert new == pytest.approx(old) and old["P0"] < 1.0  # the cut survives the failover
+    ceiling = {c.name: c.ceil_share for c in cfg.classes}["P2"]
+    assert new == pytest.approx(old) and old["P2"] < ceiling  # the cut survives the failover
     # ... and so does the cooldown: the change time written is Redis' own (set_rates), the
     # decision's is the controller's estimate of it, one round trip apart on a busy machine
     assert b.term.state.last_change_ms == pytest.approx(decision.now_ms, abs=100)
@@ -139,6 +143,7 @@ async def test_a_missing_policy_is_recreated_from_the_config(aredis, cfg, sync_r
     await aredis.delete(pc.keys.policy)  # e.g. Redis restarted without persistence
     with pytest.raises(PolicyMissing):
         await pc.tick(term)
+    await aredis.hincrby(pc.keys.stats, "P2.claimed", 10)  # P2 still claims: the law still cuts it
     await pc._guard(pc.tick(term), "tick")  # what the tick loop does: re-create, go on
     assert await aredis.hget(pc.keys.policy, "capacity") is not None
     assert pc.term is term  # still leading

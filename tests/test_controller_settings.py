@@ -32,9 +32,9 @@ def test_defaults_are_the_seeds_numbers_and_come_from_the_classes():
 
 
 def test_the_table_and_the_flags_are_merged():
-    cfg = _cfg({"tick_s": 0.5, "lease_s": 6.0, "capacity": {"alpha": 0.5}, "floors": [0.2, 0.1, 0.01]})
+    cfg = _cfg({"tick_s": 0.5, "lease_s": 6.0, "capacity": {"window": 5}, "floors": [0.2, 0.1, 0.01]})
     s = load_settings(cfg, {"controller_id": "x", "lease_s": 4.0, "pools": ["tiny"], "metrics_port": None})
-    assert (s.tick_s, s.lease_s, s.capacity.alpha, s.pools) == (0.5, 4.0, 0.5, ("tiny",))
+    assert (s.tick_s, s.lease_s, s.capacity.window, s.pools) == (0.5, 4.0, 5, ("tiny",))
     assert s.control_config(cfg).floors == (0.2, 0.1, 0.01)
 
 
@@ -61,7 +61,7 @@ def test_the_rates_written_keep_the_configured_bursts():
     ({"floors": [0.9, 0.1, 0.01]}, "controller.floors"),  # above P0's share
     ({"floors": [0.3]}, "controller.floors"),  # one per class
     ({"memory": "yes"}, "controller.memory"),
-    ({"capacity": {"alpha": 0}}, "controller.capacity.alpha"),
+    ({"capacity": {"window": 0}}, "controller.capacity.window"),
     ({"capacity": {"nope": 1}}, "controller.capacity.nope"),
     ({"capacity": {"worker_field": "a b"}}, "controller.capacity.worker_field"),
     ({"pools": ["nope"]}, "controller.pools[0]"),

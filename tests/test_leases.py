@@ -109,6 +109,36 @@ async def test_completion_refunds_the_unused_reservation_never_more(scripts, poo
                                usage_in=1, token_ids=[1, 2, 3], text="abc")
 
 
+async def test_model_tokens_are_counted_apart_from_the_resume_ids(scripts, pool):
+    """The openai engine counts the upstream's tokens (count) and stores the text's bytes as
+    the ids a resuming worker primes itself with: out_tokens, max_tokens, usage and the refund
+    follow count; the generated blob holds the ids; a resumed attempt gets both back."""
+    await admit(scripts, pool, cls="P1", request_id="m", tenant="model", input_tokens=10, max_tokens=4,
+                tenant_rate=1e-9, tenant_burst=1000)
+    c = await _claim_one(scripts, pool, lease_ms=100)
+    text = "Hello, wörld"  # 3 model tokens, 13 bytes
+    await scripts.push_tokens(pool, request_id="m", worker_id="w1", fence=c.fence, offset=0,
+                              token_ids=list(text.encode()), text=text, count=3, lease_ms=100)
+    rec = await scripts.client.hgetall(pool.request("m"))
+    assert rec[b"out_tokens"] == b"3"
+    from limiter.errors import InvalidArgument
+    before = await scripts.client.get(pool.tokens("m"))
+    with pytest.raises(InvalidArgument, match="max_tokens"):  # 3 + 2 model tokens > 4, however few ids
+        await scripts.push_tokens(pool, request_id="m", worker_id="w1", fence=c.fence, offset=3,
+                                  token_ids=[33], text="!", count=2)
+    assert await scripts.client.get(pool.tokens("m")) == before
+    await asyncio.sleep(0.15)
+    assert (await scripts.reap(pool)).requeued == 1
+    c2 = await _claim_one(scripts, pool, "w2")
+    assert c2.delivered == 3 and bytes(c2.generated).decode() == text  # resume text and count
+    refunded = await scripts.complete(pool, request_id="m", worker_id="w2", fence=c2.fence, outcome="ok",
+                                      usage_in=9, token_ids=[], text="", count=1)  # a token with no text
+    assert refunded == pytest.approx(14 - 13)  # reserved 10 + 4, used 9 + 4
+    rec = await scripts.client.hgetall(pool.request("m"))
+    assert rec[b"usage_out"] == b"4" and rec[b"usage_in"] == b"9"
+    assert await scripts.client.get(pool.tokens("m")) == before
+
+
 async def test_cancel_in_each_state(scripts, pool):
     # queued: removed and fully refunded
     await admit(scripts, pool, cls="P2", request_id="q", tenant="c", input_tokens=10, max_tokens=10,

@@ -46,3 +46,29 @@ async def test_top_renders_a_frame(scripts, pool, redis_server, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "pool tiny" in out and "w1" in out
+
+
+async def test_top_shows_why_the_rates_moved_and_how_sure_the_capacity_is(scripts, pool, redis_server,
+                                                                          capsys):
+    """Per class the newest decision's reason; the capacity estimate with its source and
+    confidence; each worker's step budget (issue: an operator must see why rates moved)."""
+    import asyncio
+
+    await scripts.client.zadd(pool.workers, {"w1": 4102444800000 - 10})
+    await scripts.client.hset(pool.worker("w1"), mapping={
+        "engine": "sim", "tokens_s": 12.5, "capacity_tokens_s": 9000, "token_budget": 96,
+        "token_budget_max": 256})
+    await scripts.client.hset(pool.compliance, mapping={
+        "P0": 0.995, "capacity": 41000.0, "capacity_source": "workers", "capacity_confidence": 0.8})
+    fence, _ = await scripts.acquire_leader(pool, "ctl", 1000)
+    record = {"classes": {"P0": {"reason": "hold"}, "P1": {"reason": "tighten_self"},
+                          "P2": {"reason": "tighten_lower_for_P1"}}}
+    await scripts.set_rates(pool, "ctl", fence, record, {"P1.rate": 9000})
+    rc = await asyncio.to_thread(
+        main, ["top", "--iterations", "1", "--interval", "0.1", "--redis-url", redis_server.url]
+    )
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "tighten_self" in out and "tighten_lower_for_P1" in out
+    assert "measured 41,000 from workers" in out and "confidence 80 %" in out
+    assert "96 / 256" in out

@@ -10,7 +10,9 @@ The same harness must fail a naive law.
 from __future__ import annotations
 
 import dataclasses
+import json
 from functools import cache
+from pathlib import Path
 
 import pytest
 
@@ -96,9 +98,10 @@ def test_big_steps_without_cooldown_overshoot_even_with_memory() -> None:
 
 
 def test_capacity_loss_is_followed() -> None:
-    """A quarter of the pool disappears at t = 40 s: rates rescale at once, then the loop settles."""
+    """A quarter of the pool (2 of 8 workers) dies at t = 40 s: rates rescale at once, then
+    the loop settles."""
     load = {"P0": 0.45 * C, "P1": 0.30 * C, "P2": 3.0 * C}
-    trace = simulate(ControlConfig(), lambda t: load, 150.0, capacity_at=lambda t: C if t < 40 else 0.75 * C)
+    trace = simulate(ControlConfig(), lambda t: load, 150.0, workers_at=lambda t: 8 if t < 40 else 6)
     m = step_metrics(trace, 40.0)
     show("capacity -25 % at 40 s", m)
     first = next(d for d in trace.decisions if d.now_ms >= 40_000)
@@ -140,3 +143,52 @@ def test_metrics_are_computed_as_defined() -> None:
     assert m.overshoot == pytest.approx(0.10) and m.worst["overshoot"] == "A.rate"
     assert m.oscillation == pytest.approx(0.3 / 7.15) and m.worst["oscillation"] == "B.ceil"
     assert m.recovery_s == pytest.approx(15.0) and m.min_compliance == 0.9
+
+
+# --- the real heartbeat noise ---------------------------------------------------------
+NOISE_FILE = Path(__file__).with_name("data") / "heartbeat_noise.json"
+
+
+@cache
+def recorded_noise() -> tuple[float, ...]:
+    """A running stack's heartbeat figures over their median (qos bench control --noise-out)."""
+    return tuple(json.loads(NOISE_FILE.read_text())["series"])
+
+
+def test_the_recorded_noise_is_real_noise() -> None:
+    noise = recorded_noise()
+    assert len(noise) >= 100
+    spread = sorted(abs(x - 1) for x in noise)[int(0.9 * len(noise))]
+    assert spread > 0.05  # a real worker's figure moves far more than the plant's +-1 %
+
+
+def test_steady_load_under_recorded_noise_moves_no_rate() -> None:
+    """With each heartbeat as noisy as a real worker's, a steady plant gets no capacity
+    change at all after the start, and its P0 rate stays put."""
+    plant = PlantConfig(noise=recorded_noise())
+    trace = simulate(ControlConfig(), lambda t: BEFORE, 300.0, plant)
+    moves = [d for d in trace.decisions if d.now_ms > 30_000]
+    assert moves == [], [(d.now_ms, {c.reason for c in d.classes}) for d in moves]
+    late = trace.rates["P0"][300:]
+    assert max(late) <= 1.05 * min(late)
+
+
+def test_the_old_capacity_rule_turns_the_same_noise_into_rate_noise() -> None:
+    """The check can fail: every heartbeat taken as it comes (window 1), a 5 % dead band and
+    no persistence -- the rule before -- rescales the rates again and again."""
+    plant = PlantConfig(noise=recorded_noise(), capacity_window=1)
+    old = dataclasses.replace(ControlConfig(), capacity_deadband=0.05, capacity_persist_s=0.0)
+    trace = simulate(old, lambda t: BEFORE, 300.0, plant)
+    moves = [d for d in trace.decisions if d.now_ms > 30_000
+             and {c.reason for c in d.classes} == {"capacity_change"}]
+    assert len(moves) >= 10
+
+
+@pytest.mark.parametrize("seed", [1, 2])
+def test_a_p2_flood_still_settles_under_recorded_noise(seed: int) -> None:
+    plant = PlantConfig(noise=recorded_noise(), seed=seed)
+    trace = simulate(ControlConfig(), step_load(BEFORE, P2_FLOOD, STEP_S), 120.0, plant)
+    m = step_metrics(trace, STEP_S)
+    show(f"P2 flood under recorded heartbeat noise, seed {seed}", m)
+    assert m.settling_s <= SETTLE_S and m.overshoot <= OVERSHOOT and m.oscillation <= OSCILLATION
+    assert m.recovery_s is not None and m.recovery_s <= RECOVERY_S

@@ -174,10 +174,14 @@ class LifecycleModel(RuleBasedStateMachine):
         self.known[rid] = Known(tenant, cls, input_tokens, max_tokens, cost, wait)
 
     @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 4),
-          kv_room=st.sampled_from([0, 0, 150, 250, 400]), above=st.sampled_from(["", "", "", "P1", "P2"]))
-    def claim(self, worker: str, n: int, kv_room: int, above: str) -> None:
+          kv_room=st.sampled_from([0, 0, 150, 250, 400]), above=st.sampled_from(["", "", "", "P1", "P2"]),
+          avoid=st.sampled_from([(), (), (), ("t1",), ("t2", "t3")]),
+          avoid_from=st.sampled_from(["P0", "P1"]))
+    def claim(self, worker: str, n: int, kv_room: int, above: str, avoid: tuple[str, ...] = (),
+              avoid_from: str = "P0") -> None:
         before = {rid: self.state_of(rid) for rid, k in self.known.items() if not k.finished}
-        got = self.run(self.scripts.claim(KEYS, worker, n, kv_room, 0, above, KV_TOTAL))
+        got = self.run(self.scripts.claim(KEYS, worker, n, kv_room, 0, above, KV_TOTAL, avoid,
+                                          avoid_from if avoid else ""))
         event(f"claim got {min(len(got.requests), 2)}{'+' if len(got.requests) >= 2 else ''}")
         for c in got.requests:
             assert c.fence not in self.fences, f"fence {c.fence} handed out twice"
@@ -192,7 +196,10 @@ class LifecycleModel(RuleBasedStateMachine):
             taken = {c.request_id for c in got.requests}
             swept = [rid for rid, st in before.items() if rid not in taken and self.state_of(rid) != st]
             if len(swept) < 8:  # well inside the call's bounded work: it did not stop early
-                self.check_nothing_left_that_fits(got, kv_room, above)
+                names = [c.name for c in CLASSES]
+                avoided = {c: set(avoid) if names.index(c) >= names.index(avoid_from) else set()
+                           for c in names}
+                self.check_nothing_left_that_fits(got, kv_room, above, avoided)
 
     @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 3), finish=st.integers(0, 3),
           out_share=st.floats(0, 1), kv_room=st.sampled_from([0, 0, 250, 400]))
@@ -206,7 +213,8 @@ class LifecycleModel(RuleBasedStateMachine):
             else:
                 self.push_one(rid, 2)
 
-    def check_nothing_left_that_fits(self, got: Any, kv_room: int, above: str) -> None:
+    def check_nothing_left_that_fits(self, got: Any, kv_room: int, above: str,
+                                     avoided: dict[str, set[str]]) -> None:
         used = sum(min(c.input_tokens + c.max_tokens, KV_TOTAL) for c in got.requests)
         left = kv_room - used
         names = [c.name for c in CLASSES]
@@ -220,7 +228,7 @@ class LifecycleModel(RuleBasedStateMachine):
                                 * max(got.now_ms - int(b[1]), 0) / 1000)
                     if level <= 0:
                         continue  # the class is at its ceiling: it may not be served now
-            head = self.r.zrange(KEYS.backlog(cls), 0, 0)
+            head = [t for t in self.r.zrange(KEYS.backlog(cls), 0, -1) if _s(t) not in avoided[cls]][:1]
             if not head:
                 continue
             ids = self.r.zrange(KEYS.queue(cls, _s(head[0])), 0, 0)

@@ -201,11 +201,11 @@ class _FakeScripts:
         self.client = self
         self.calls: list[tuple[int, int]] = []
 
-    async def push_tokens(self, keys, *, offset: int, token_ids, **_kw) -> bool:
-        self.calls.append((offset, len(token_ids)))
+    async def push_tokens(self, keys, *, offset: int, token_ids, count: int, **_kw) -> bool:
+        self.calls.append((offset, count))
         if offset != self.landed:
             raise InvalidArgument("offset", f"offset: {offset} but {self.landed} tokens were delivered")
-        self.landed += len(token_ids)
+        self.landed += count
         return False
 
     async def hget(self, _key: str, _field: str) -> bytes:
@@ -218,7 +218,7 @@ async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
     d = _delivery()
     d.add([1, 2, 3], "abc", 0.0)
     fake = _FakeScripts(landed=0)
-    d._uncertain[3] = 3  # an earlier push of these 3 tokens: reply lost
+    d._uncertain[3] = (3, 3)  # an earlier push of these 3 tokens (3 ids, 3 chars): reply lost
     fake.landed = 3  # ...but it did land
     d.add([4], "d", 0.0)
     assert await d.push(fake, PoolKeys("tiny"), "w") is False  # type: ignore[arg-type]
@@ -227,6 +227,24 @@ async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
     fake.landed = 9  # someone else's tokens: not ours to reconcile
     with pytest.raises(LeaseLost):
         await d.push(fake, PoolKeys("tiny"), "w")  # type: ignore[arg-type]
+
+
+async def test_model_tokens_and_resume_ids_are_pushed_and_reconciled_apart() -> None:
+    """The openai engine's pending text: 2 model tokens whose resume ids are 5 bytes. Counts,
+    offsets and flushing follow the tokens; a lost reply is reconciled by them too."""
+    from limiter.keys import PoolKeys
+
+    d = _delivery()
+    d.add(list(b"hello"), "hello", 0.0, tokens=2)
+    assert d.total_tokens == 2 and d.due(0.0, 50, 3)  # the first push of an attempt goes at once
+    fake = _FakeScripts(landed=0)
+    d._uncertain[2] = (5, 5)
+    fake.landed = 2  # that push landed, its reply was lost
+    d.add(list(b" world"), " world", 0.0, tokens=1)
+    d.add([], "", 0.0, tokens=1)  # a token with no text
+    assert await d.push(fake, PoolKeys("tiny"), "w") is False  # type: ignore[arg-type]
+    assert fake.calls == [(0, 4), (2, 2)] and d.offset == 4
+    assert not d.pending_ids and not d.pending_text and d.pending_tokens == 0
 
 
 class _FullWorkerRuntime:
@@ -240,12 +258,15 @@ class _FullWorkerRuntime:
         self.settings = WorkerSettings(max_seqs=1, token_budget=8, claim_ahead=1, claim_interval_ms=20)
         self.held: dict[str, Any] = {}
         self.claims: list[str] = []
+        self.avoided: list[tuple[list[str], str]] = []
 
     async def take_wake_marker(self) -> bool:
         return True
 
-    async def claim(self, n: int, room: int, above: str, kv_total: int) -> list[Any]:
+    async def claim(self, n: int, room: int, above: str, kv_total: int, avoid_tenants: Any = (),
+                    avoid_from: str = "") -> list[Any]:
         self.claims.append(above)
+        self.avoided.append((list(avoid_tenants), avoid_from))
         return []
 
 
@@ -266,3 +287,51 @@ async def test_a_full_workers_look_ahead_never_backs_off_past_the_claim_interval
         await loop._pull()
         assert loop._next_claim - time.monotonic() <= 0.021
     assert rt.claims == ["P2"] * 8  # above_class: only classes ranked above the waiting P2
+
+
+async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots() -> None:
+    """Every slot and the look-ahead held by one flooding P1 tenant: the worker claims one
+    request of anyone else (it then takes one of the flood's slots); once a poorer tenant's
+    request waits here, it stops looking (bounded)."""
+    from worker.settings import WorkerSettings
+    from worker.steploop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    rt.settings = WorkerSettings(max_seqs=2, token_budget=8, claim_ahead=1, claim_interval_ms=20)
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=2))  # type: ignore[arg-type]
+    for rid in ("h1", "h2", "h3"):
+        loop.sched.add(rid, [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=0, tenant="heavy")
+        rt.held[rid] = _delivery()
+    await loop.sched.step()  # two run, one waits: full, and the look-ahead is the flood's too
+    loop._next_claim = 0.0
+    await loop._pull()
+    assert rt.claims == ["P2"] and rt.avoided == [(["heavy"], "P1")]  # anyone but heavy, in P1 and above
+    loop.sched.add("s1", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=1, tenant="steady")
+    rt.held["s1"] = _delivery()
+    loop._next_claim = 0.0
+    await loop._pull()  # a poorer tenant waits here now: only the higher-class look-ahead
+    assert rt.claims == ["P2", "P1"] and rt.avoided[-1] == ([], "")
+    await loop.sched.step()
+    assert "s1" in {q.request_id for q in loop.sched.running}  # it took one of the flood's slots
+
+
+async def test_a_tenant_that_holds_a_few_slots_is_not_avoided_while_another_holds_many() -> None:
+    """Rich is relative: a light tenant holding 2 of 6 slots next to a flood holding 4 can
+    still take one (4 >= 2 + 2), so only the flood is avoided; at 3 and 3 both are."""
+    from worker.settings import WorkerSettings
+    from worker.steploop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    rt.settings = WorkerSettings(max_seqs=6, token_budget=8, claim_ahead=1, claim_interval_ms=20)
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=6))  # type: ignore[arg-type]
+    for i, tenant in enumerate(["heavy"] * 4 + ["steady"] * 2 + ["heavy"]):
+        loop.sched.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=i,
+                       tenant=tenant)
+    await loop.sched.step()
+    assert loop._tenant_lookahead() == ("P2", ["heavy"], "P1")
+    even = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=6))  # type: ignore[arg-type]
+    for i, tenant in enumerate(["heavy"] * 3 + ["steady"] * 3 + ["heavy"]):
+        even.sched.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=i,
+                       tenant=tenant)
+    await even.sched.step()  # 3 and 3: neither can take the other's slot
+    assert even._tenant_lookahead() == ("P2", ["heavy", "steady"], "P1")

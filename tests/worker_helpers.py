@@ -107,9 +107,10 @@ class Client:
 
     async def admit(self, prompt: str, *, cls: str = "P1", max_tokens: int = 32, temperature: float = 0.0,
                     seed: int | None = 1, stop: tuple[str, ...] = (), rid: str | None = None,
-                    kind: str = "completion") -> str:
+                    kind: str = "completion", **extra: Any) -> str:
+        """``extra``: more Payload fields (ignore_eos, min_tokens, messages)."""
         rid = rid or f"r{next(_ids)}"
-        payload = Payload(kind, prompt, max_tokens, temperature=temperature, stop=stop, seed=seed)
+        payload = Payload(kind, prompt, max_tokens, temperature=temperature, stop=stop, seed=seed, **extra)
         await self.scripts.admit(self.keys, request_id=rid, tenant="t1", cls=cls,
                                  input_tokens=count_tokens(prompt), max_tokens=max_tokens, tenant_rate=1e9,
                                  tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0, frontend_id=FE,

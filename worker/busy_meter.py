@@ -3,9 +3,10 @@
 The controller sums this over live workers as the pool's capacity (limiter/capacity.py), so
 it must be what the worker *delivers* when busy, not what its engine does in isolation:
 
-* only **full** steps count (80 % of the token budget or of the batch, ``FULL_SHARE`` in
-  worker/steploop.py): a lightly loaded step runs far below capacity, and counting it would
-  tell the controller the GPU is slow;
+* only **full** steps count (``FULL_SHARE``, 80 % of the token budget or of the batch): a
+  lightly loaded step runs far below capacity, and counting it would tell the controller
+  the GPU is slow (the openai engine likewise counts only time with 80 % of its
+  ``max_inflight`` requests open upstream);
 * each full step is timed from the **end of the step before it**, so the Redis work between
   steps (token pushes, completions, claims), which the worker awaits before it steps again,
   is in the figure. Engine time alone overstated what a stack serves by ~1.4x on the
@@ -14,6 +15,11 @@ it must be what the worker *delivers* when busy, not what its engine does in iso
 """
 
 from __future__ import annotations
+
+# A step at least this full (token budget or batch) measures capacity. A decode step's cost
+# barely grows with its batch, so a half-full batch runs at ~60 % of the full rate: counting
+# such steps made the controller's capacity dip ~2x while a run ramped up.
+FULL_SHARE = 0.8
 
 
 class BusyMeter:

@@ -11,8 +11,11 @@ import asyncio
 import logging
 import os
 import sys
+from collections.abc import Mapping
+from typing import Any
 
 from limiter.cli import common_args, load_config
+from limiter.errors import ConfigError
 from worker.settings import ENGINES, load_settings
 
 
@@ -49,10 +52,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g = p.add_argument_group("upstream (openai engine)")
     g.add_argument("--upstream-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 "
                    "(API key from env QOS_UPSTREAM_API_KEY)")
-    g.add_argument("--upstream-model", help="model name to send (default: the pool's model)")
+    g.add_argument("--upstream-model", help="model name to send (env QOS_UPSTREAM_MODEL; default: the pool's "
+                   "model)")
     g.add_argument("--upstream-priority", action=bool_flag, default=None,
-                   help="send the class rank as vLLM's `priority` (default on)")
+                   help="send the class rank as vLLM's `priority` (env QOS_UPSTREAM_PRIORITY=0/1; "
+                   "default on)")
     g.add_argument("--max-inflight", type=int, help="requests open at the upstream (default 64)")
+    g.add_argument("--upstream-forward-chunks", action=bool_flag, default=None,
+                   help="push each upstream chunk to the client as it comes (default on; off: batch by "
+                   "--flush-ms / --flush-tokens, fewer Redis writes)")
+    g.add_argument("--upstream-chunk-usage", action=bool_flag, default=None,
+                   help="ask the upstream for its running usage on every chunk (vLLM's "
+                   "stream_options.continuous_usage_stats; default on): exact token counts as they stream; "
+                   "off for servers that reject it: one token per chunk, reconciled with the final usage")
     g = p.add_argument_group("operation")
     g.add_argument("--flush-ms", type=float, help="push a request's tokens at least this often (default 50)")
     g.add_argument("--flush-tokens", type=int, help="...or once this many are pending (default 16)")
@@ -69,15 +81,35 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 _FIELDS = (
     "pool", "engine", "device", "worker_id", "model", "checkpoint", "seed", "torch_threads", "time_scale",
     "token_budget", "adaptive_budget", "max_seqs", "kv_capacity_tokens", "chunked_prefill", "claim_ahead",
-    "upstream_url",
-    "upstream_model", "upstream_priority", "max_inflight", "flush_ms", "flush_tokens", "lease_ms",
-    "drain_timeout_s", "metrics_port", "metrics_host",
+    "upstream_url", "upstream_model", "upstream_priority", "upstream_forward_chunks", "upstream_chunk_usage",
+    "max_inflight",
+    "flush_ms", "flush_tokens", "lease_ms", "drain_timeout_s", "metrics_port", "metrics_host",
 )
+
+
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def upstream_env(env: Mapping[str, str], flags: Mapping[str, Any]) -> dict[str, Any]:
+    """``QOS_UPSTREAM_MODEL`` / ``QOS_UPSTREAM_PRIORITY`` where no flag gave them: ``qos up``
+    passes its environment to every worker it starts, so an upstream's model name and the
+    priority switch reach them without a config file."""
+    out: dict[str, Any] = {}
+    if flags.get("upstream_model") is None and env.get("QOS_UPSTREAM_MODEL"):
+        out["upstream_model"] = env["QOS_UPSTREAM_MODEL"]
+    raw = env.get("QOS_UPSTREAM_PRIORITY")
+    if flags.get("upstream_priority") is None and raw is not None and raw.strip():
+        v = raw.strip().lower()
+        if v not in _TRUE + _FALSE:
+            raise ConfigError("QOS_UPSTREAM_PRIORITY", f"must be one of {_TRUE + _FALSE}, got {raw!r}")
+        out["upstream_priority"] = v in _TRUE
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args)
-    settings = load_settings(cfg, {f: getattr(args, f) for f in _FIELDS})
+    flags = {f: getattr(args, f) for f in _FIELDS}
+    settings = load_settings(cfg, {**flags, **upstream_env(os.environ, flags)})
     tag = " [SIMULATED]" if settings.engine == "sim" else ""
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[{settings.worker_id}]{tag}: %(message)s")

@@ -35,8 +35,9 @@ class Delivery:
     usage_in: int  # prompt tokens, in the pool tokenizer's units
     class_rank: int
     offset: int = 0  # tokens delivered so far (all attempts)
-    pending_ids: list[int] = field(default_factory=list)
+    pending_ids: list[int] = field(default_factory=list)  # resume ids of the pending tokens
     pending_text: str = ""
+    pending_tokens: int = 0  # model tokens pending (= len(pending_ids) for the step engines)
     pending_since: float | None = None
     pushes: int = 0
     first_t: float | None = None  # this attempt's first token (monotonic)
@@ -45,8 +46,8 @@ class Delivery:
     max_gap_s: float = 0.0
     final: tuple[str, str, str] | None = None  # (outcome, finish_reason, message) once finishing
     sample_extra: dict[str, Any] = field(default_factory=dict)  # engine-specific sample fields
-    # pushes whose reply was lost: token count -> text chars (see _reconcile)
-    _uncertain: dict[int, int] = field(default_factory=dict)
+    # pushes whose reply was lost: token count -> (ids, text chars) (see _reconcile)
+    _uncertain: dict[int, tuple[int, int]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.offset = self.claimed.delivered
@@ -63,7 +64,7 @@ class Delivery:
     @property
     def total_tokens(self) -> int:
         """Tokens generated for the request so far (delivered + pending)."""
-        return self.offset + len(self.pending_ids)
+        return self.offset + self.pending_tokens
 
     def redis_ms(self, t: float | None = None) -> float:
         """Redis time (ms) estimated for monotonic time ``t`` from this attempt's claim."""
@@ -81,20 +82,25 @@ class Delivery:
         self.last_t = t
         self.produced += n
 
-    def add(self, token_ids: list[int] | tuple[int, ...], text: str, t: float) -> None:
-        """Queue released tokens and their text for the next push."""
-        if (token_ids or text) and self.pending_since is None:
+    def add(self, token_ids: list[int] | tuple[int, ...], text: str, t: float,
+            tokens: int | None = None) -> None:
+        """Queue released tokens and their text for the next push. ``tokens`` is how many
+        model tokens they are (default one per id); the openai engine counts the upstream's
+        tokens and passes the text's bytes as ``token_ids`` (what a resuming worker needs)."""
+        n = len(token_ids) if tokens is None else tokens
+        if (n or token_ids or text) and self.pending_since is None:
             self.pending_since = t
         self.pending_ids.extend(token_ids)
         self.pending_text += text
+        self.pending_tokens += n
 
     def due(self, t: float, flush_ms: float, flush_tokens: int, step_s: float = 0.0) -> bool:
         """Push now? At once for an attempt's first batch, at ``flush_tokens`` pending, or when
         the oldest pending token would be older than ``flush_ms`` by the next chance to push
         (``step_s`` from now), so no token waits longer than ``flush_ms``."""
-        if not self.pending_ids:
+        if not self.pending_tokens:
             return False  # text alone (no token) waits for the next token or complete
-        if self.pushes == 0 or len(self.pending_ids) >= flush_tokens:
+        if self.pushes == 0 or self.pending_tokens >= flush_tokens:
             return True
         return self.pending_since is not None and (t - self.pending_since + step_s) * 1e3 >= flush_ms
 
@@ -105,20 +111,20 @@ class Delivery:
         Raises LeaseLost (another worker owns the request) and RedisUnavailable. Nothing is
         lost on an outage: the batch stays pending, and if it did land (the reply was lost,
         or redis-py's retry sent it twice) the next push's offset check says so."""
-        if not self.pending_ids:
+        if not self.pending_tokens:
             return False
-        ids, text = list(self.pending_ids), self.pending_text
-        self._uncertain[len(ids)] = len(text)
+        ids, text, n = list(self.pending_ids), self.pending_text, self.pending_tokens
+        self._uncertain[n] = (len(ids), len(text))
         try:
             cancel = await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id,
                                                fence=self.fence, offset=self.offset, token_ids=ids,
-                                               text=text, lease_ms=lease_ms)
+                                               text=text, lease_ms=lease_ms, count=n)
         except InvalidArgument as exc:
             if "offset" not in str(exc):
                 raise
             await self._reconcile(scripts.client, keys)
             return await self.push(scripts, keys, worker_id, lease_ms)
-        self._sent(len(ids), len(text))
+        self._sent(n, len(ids), len(text))
         return cancel
 
     async def complete(self, scripts: Scripts, keys: PoolKeys, worker_id: str, *, outcome: str,
@@ -127,13 +133,15 @@ class Delivery:
         return await scripts.complete(keys, request_id=self.request_id, worker_id=worker_id,
                                       fence=self.fence, outcome=outcome, usage_in=self.usage_in,
                                       token_ids=self.pending_ids, text=self.pending_text,
-                                      finish_reason=finish_reason, message=message[:4000], sample=sample)
+                                      finish_reason=finish_reason, message=message[:4000], sample=sample,
+                                      count=self.pending_tokens)
 
-    def _sent(self, n_ids: int, n_chars: int) -> None:
-        self.offset += n_ids
+    def _sent(self, n_tokens: int, n_ids: int, n_chars: int) -> None:
+        self.offset += n_tokens
+        self.pending_tokens -= n_tokens
         del self.pending_ids[:n_ids]
         self.pending_text = self.pending_text[n_chars:]
-        self.pending_since = time.monotonic() if self.pending_ids else None
+        self.pending_since = time.monotonic() if self.pending_tokens or self.pending_ids else None
         self.pushes += 1
         self._uncertain.clear()
 
@@ -144,4 +152,4 @@ class Delivery:
         landed = (int(out) if out is not None else -1) - self.offset
         if landed not in self._uncertain:
             raise LeaseLost(f"{self.request_id}: Redis has {out!r} tokens, this worker {self.offset}")
-        self._sent(landed, self._uncertain[landed])
+        self._sent(landed, *self._uncertain[landed])

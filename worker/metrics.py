@@ -47,6 +47,13 @@ class WorkerMetrics:
         self.pushes = Counter("qos_worker_pushes", "push_tokens calls (batched deltas)", registry=r)
         self.redis_errors = Counter("qos_worker_redis_errors", "Redis failures, by loop", ["loop"],
                                     registry=r)
+        # openai engine: the upstream circuit breaker (worker/upstream.py)
+        self.upstream_open = Gauge("qos_worker_upstream_open", "1 while the upstream is taken for "
+                                   "unreachable (not claiming, probing)", registry=r)
+        self.upstream_failures = Counter("qos_worker_upstream_failures", "Requests handed back because "
+                                         "the upstream could not be reached or broke off", registry=r)
+        self.upstream_probes = Counter("qos_worker_upstream_probes", "Probes of an unreachable upstream, "
+                                       "by result (up, down)", ["result"], registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -26,7 +26,7 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -212,12 +212,14 @@ class WorkerRuntime:
 
     # --- claiming -----------------------------------------------------------------------------
     async def claim(self, max_requests: int, kv_room: int, above_class: str = "",
-                    kv_total: int = 0) -> list[Delivery]:
+                    kv_total: int = 0, avoid_tenants: Sequence[str] = (),
+                    avoid_from: str = "") -> list[Delivery]:
         """Pull up to ``max_requests`` requests that fit ``kv_room`` free KV tokens (0 = no
-        limit), of classes ranked above ``above_class`` only when it is given. ``kv_total``
-        (the worker's whole KV room, 0 = unknown) lets claim fail what no worker can hold."""
+        limit), of classes ranked above ``above_class`` only when it is given, of tenants not
+        in ``avoid_tenants`` (in class ``avoid_from`` and below). ``kv_total`` (the worker's
+        whole KV room, 0 = unknown) lets claim fail what no worker can hold."""
         res = await self.scripts.claim(self.keys, self.worker_id, max_requests, kv_room, self.lease_ms,
-                                       above_class, kv_total)
+                                       above_class, kv_total, avoid_tenants, avoid_from)
         t = time.monotonic()
         self._clock_offset_ms = res.now_ms - time.time() * 1000
         out = []

@@ -21,7 +21,7 @@ The controller's SLO monitor (:mod:`limiter.slo`) consumes these from ``qos:{poo
                     ``(last - first) / (n - 1)``; absent when fewer than 2 tokens
 ``tpot_max_ms``     the largest inter-token gap of this attempt (the seed's stall shows here)
 ``e2e_ms``          admission -> completion
-``input_tokens``    prompt tokens (pool tokenizer units: UTF-8 bytes + BOS)
+``input_tokens``    prompt tokens (pool tokenizer units: UTF-8 bytes + BOS; openai: the upstream's)
 ``output_tokens``   tokens delivered in total, all attempts
 ``attempt``         this attempt's number (1 unless resumed after a worker died)
 ``ts_ms``           completion time (Redis clock, estimated from the claim reply)

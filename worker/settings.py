@@ -63,6 +63,10 @@ class WorkerSettings:
     upstream_priority: bool = True  # send the class rank as vLLM's `priority`
     max_inflight: int = 64  # requests in flight at the upstream
     upstream_timeout_s: float = 600.0
+    upstream_forward_chunks: bool = True  # push each upstream chunk as it comes (else flush_ms/flush_tokens)
+    upstream_chunk_usage: bool = True  # ask for vLLM's continuous_usage_stats: exact token counts per chunk
+    upstream_retry_min_s: float = 0.5  # unreachable upstream: first back-off before a probe...
+    upstream_retry_max_s: float = 30.0  # ...doubling up to this
 
     def resolved(self, cfg: QosConfig) -> WorkerSettings:
         """Fill the defaults that depend on the config or the host, then validate."""
@@ -108,9 +112,20 @@ class WorkerSettings:
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
         check(1 <= self.max_inflight <= 100_000, "max_inflight", "must be in [1, 100000]")
         check(self.upstream_timeout_s > 0, "upstream_timeout_s", "must be > 0")
+        check(0 < self.upstream_retry_min_s <= 3600, "upstream_retry_min_s", "must be in (0, 3600]")
+        check(self.upstream_retry_min_s <= self.upstream_retry_max_s <= 3600, "upstream_retry_max_s",
+              "must be in [upstream_retry_min_s, 3600]")
         if self.engine == "openai":
             check(self.upstream_url.startswith(("http://", "https://")), "upstream_url",
                   "the openai engine needs an http(s):// upstream URL")
+        if self.engine != "openai":
+            i = [p.name for p in cfg.pools].index(self.pool)
+            spec = cfg.pools[i].tokenizer
+            if spec != "bytes":
+                raise ConfigError(f"pools[{i}].tokenizer",
+                                  f"the {self.engine} engine counts tokens as UTF-8 bytes (its model's "
+                                  f"tokenizer); pool {self.pool!r} counts them with {spec!r}, so only the "
+                                  "openai engine can serve it (or set tokenizer = \"bytes\")")
         if self.engine == "torch" and not self.checkpoint:
             check(self.model in ("tiny", "1b"), "model", f"unknown preset {self.model!r}; known: tiny, 1b")
 

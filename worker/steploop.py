@@ -31,7 +31,7 @@ from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
 from worker.batching import Limits
-from worker.busy_meter import BusyMeter
+from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.runtime import WorkerRuntime
@@ -39,10 +39,6 @@ from worker.scheduler import BatchScheduler, StepResult, resume_finish_reason
 from worker.step_budget import BudgetConfig, StepBudget
 
 log = logging.getLogger("qos.worker")
-# A step at least this full (token budget or batch) measures capacity (worker/busy_meter.py).
-# A decode step's cost barely grows with its batch, so a half-full batch runs at ~60 % of the
-# full rate: counting such steps made the controller's capacity dip ~2x while a run ramped up.
-FULL_SHARE = 0.8
 # With requests held but none to step, the loop looks again after this long (never spins).
 IDLE_HELD_S = 0.05
 
@@ -63,6 +59,8 @@ class StepLoop:
         self._lost: set[str] = set()
         self._stop: set[str] = set()
         self._arrivals = 0
+        # classes whose tenants share slots evenly (ClassConfig.fair); others run in arrival order
+        self._fair = {c.name: c.fair for c in rt.cfg.classes}
         self._empty_claims = 0  # consecutive claims that found nothing despite a wake marker
         self._next_claim = 0.0  # monotonic time before which no claim is made
         # heartbeat figures, over the interval since the last heartbeat
@@ -139,9 +137,10 @@ class StepLoop:
             res = await self.sched.step()
         except (RedisUnavailable, asyncio.CancelledError):
             raise
-        except Exception as exc:  # the engine's state is suspect: fail what it held
+        except Exception:  # the engine's state is suspect: fail what it held
             log.exception("engine step failed")
-            await self._fail_all(f"engine error: {type(exc).__name__}: {exc}")
+            # The client reads that the engine failed, not the exception's text (the log has it).
+            await self._fail_all("engine error in the worker (details in its log)")
             return
         await self._after_step(res)
 
@@ -162,12 +161,20 @@ class StepLoop:
         held = len(self.rt.held)
         slots = s.max_seqs - held
         kv_free = self.kv_capacity - self._reserved()
-        above = ""
+        above, avoid, avoid_from = "", [], ""
         waiting = self.sched.waiting
         if slots > 0 and kv_free > 0:
             n, room = slots, kv_free
         elif len(waiting) < s.claim_ahead:
             n, room = 1, self.kv_capacity  # look-ahead: a higher class may preempt
+        elif s.claim_ahead > 0 and (ahead := self._tenant_lookahead()) is not None:
+            # Every waiting request belongs to a tenant that holds two or more slots of its
+            # class: a tenant holding none would wait for a slot to free (a flood's long
+            # streams hold them all). Claim one request of any other tenant (or of a class
+            # above): it takes a rich tenant's slot (worker/batching.py). Once it waits here
+            # this branch is closed until it runs (bounded hoarding).
+            n, room = 1, self.kv_capacity
+            above, avoid, avoid_from = ahead
         elif s.claim_ahead > 0 and (best := min(w.class_rank for w in waiting)) > 0:
             # The look-ahead slots hold lower-class work: a newly queued request of a class
             # above all of it would otherwise wait for a slot to free. Claim only such a
@@ -185,12 +192,12 @@ class StepLoop:
                 return
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
-        got = await self.rt.claim(n, room, above, self.kv_capacity)
+        got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
         if got:
             self._empty_claims, self._next_claim = 0, 0.0
             await self._start_all(got)
             return
-        if above:
+        if above or avoid:
             # A look-ahead for a higher class found none: expected (the markers were for lower
             # classes), and no reason to back off. A growing back-off here kept a full worker
             # from claiming a P0 for up to idle_block_s: P0 queue waits of 0.5 s at 1.0x load.
@@ -223,6 +230,31 @@ class StepLoop:
         if outage is not None:
             raise outage
 
+    def _tenant_lookahead(self) -> tuple[str, list[str], str] | None:
+        """For a full worker whose waiting requests all belong to *rich* tenants -- within one
+        of the most slots any tenant of their class holds here, that being two or more: a
+        tenant with fewer could take one of those slots (worker/batching.py) -- the claim's
+        ``above_class`` (every class down to the lowest such class), the tenants to avoid
+        (the richest first, at most 16) and the highest class they are avoided in; else None."""
+        slots: dict[tuple[int, str], int] = {}
+        for q in self.sched.running:
+            if q.tenant:  # '' = a class without tenant fairness
+                slots[(q.class_rank, q.tenant)] = slots.get((q.class_rank, q.tenant), 0) + 1
+        top: dict[int, int] = {}
+        for (rank, _), n in slots.items():
+            top[rank] = max(top.get(rank, 0), n)
+        rich = {key: n for key, n in slots.items() if top[key[0]] >= 2 and n >= top[key[0]] - 1}
+        waiting = self.sched.waiting
+        if not rich or not waiting or any((w.class_rank, w.tenant) not in rich for w in waiting):
+            return None
+        names = self.rt.cfg.class_names()
+        lowest, highest = max(r for r, _ in rich), min(r for r, _ in rich)
+        most: dict[str, int] = {}
+        for (_, t), n in rich.items():
+            most[t] = max(most.get(t, 0), n)
+        tenants = sorted(most, key=lambda t: (-most[t], t))[:16]
+        return (names[lowest + 1] if lowest + 1 < len(names) else ""), tenants, names[highest]
+
     async def _start(self, d: Delivery) -> None:
         c, p = d.claimed, d.payload
         if c.request_id in self.sched:
@@ -246,13 +278,16 @@ class StepLoop:
             return
         try:
             params = SamplingParams(temperature=p.temperature, seed=request_seed(p.seed, c.request_id),
-                                    max_tokens=max_tokens, stop=p.stop)
+                                    max_tokens=max_tokens, stop=p.stop,
+                                    eos_min_len=SamplingParams.eos_rule(len(prompt), p.ignore_eos,
+                                                                        p.min_tokens))
         except InvalidArgument as exc:
             await self.rt.finish(d, "failed", "error", f"bad sampling parameters: {exc}")
             return
         self._arrivals += 1
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
-                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated, tenant=c.tenant)
+                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated,
+                       tenant=c.tenant if self._fair.get(c.cls, False) else "")
         if c.delivered:
             log.info("%s: resuming attempt %d at token %d", c.request_id, c.attempt, c.delivered)
 

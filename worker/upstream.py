@@ -10,23 +10,44 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * The class goes upstream as ``priority`` (vLLM's field: lower runs earlier; the class
   rank, 0 for the highest class). vLLM only honours it with ``--scheduling-policy
   priority``; set ``upstream_priority = false`` for servers that reject the field.
-* Streaming: each text delta becomes byte-level token ids (the pool tokenizer: one id per
-  UTF-8 byte), so delivered counts, ``max_tokens`` and the refund are in the same units the
-  frontend charged. ``max_tokens`` is enforced here in those units (the upstream's tokens
-  are usually longer than a byte): past it the text is cut at a character boundary and the
-  request finishes with ``length``. The upstream's own ``usage`` (requested with
-  ``stream_options.include_usage``) is reconciled into the sample as
-  ``upstream_prompt_tokens`` / ``upstream_completion_tokens``. TPOT in the sample is per
-  upstream chunk (about one upstream token), not per byte.
-* Chat payloads are sent to ``/v1/chat/completions`` with the messages recovered from the
-  rendered prompt (:func:`limiter.prompt.render_chat`'s inverse), so the upstream applies
-  its own chat template; completions go to ``/v1/completions``.
+* Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
+  the client sees the upstream's chunks and inter-token times, not the worker's push
+  batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
+* Tokens are the upstream's (the model's), end to end: ``max_tokens`` goes upstream as it is
+  (less what earlier attempts delivered) and the upstream stops there itself; each chunk's
+  tokens are counted from the running ``usage`` vLLM puts on every chunk when asked with
+  ``stream_options.continuous_usage_stats`` (``upstream_chunk_usage``, default on); a chunk
+  without it counts one token per chunk with text (what vLLM, SGLang and OpenAI stream),
+  and the final ``usage`` tops the count up to the upstream's own figure. So delivered
+  counts, ``usage`` and the refund are the upstream's ``completion_tokens``, and the prompt
+  side of ``usage`` is its ``prompt_tokens``. An upstream that overshoots ``max_tokens`` is
+  cut off there (finish ``length``).
+* What is stored for a resume is the text, as byte-level ids (one per UTF-8 byte, the
+  ``n_ids`` of ``push_tokens``), apart from the token count: a resuming worker decodes them
+  back to the delivered text.
+* Chat payloads are sent to ``/v1/chat/completions`` with the messages the frontend
+  validated, carried as data in the payload (``Payload.messages``): the upstream applies its
+  own chat template to them, and no text is ever parsed back into roles, so a user message
+  that contains ``<|system|>`` stays a user message. Completions go to ``/v1/completions``.
+* vLLM's ``ignore_eos`` and ``min_tokens`` are passed through when the client set them
+  (``min_tokens`` less what an earlier attempt delivered, on resume).
 * Resume after a worker died: the delivered text is appended to the prompt (for chat, as a
   partial assistant message with vLLM's ``continue_final_message``) and the stream continues
   at the delivered offset. Upstream tokenisation of that text may differ from the original
   run, so unlike the torch engine this is best effort, not bit-identical.
-* Errors (HTTP status, unreachable server, an ``error`` chunk, a stream cut short) finish
-  the request as ``failed`` with a message that says what the upstream did.
+* An upstream that cannot be reached is handled like a dead worker, not like a bad request
+  (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
+  broken off, or HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
+  of its class with what was delivered, attempt given back, so another worker resumes it),
+  and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
+  ``upstream_retry_max_s``) it probes the upstream with ``GET /v1/models`` (any answer but
+  429/502/503/504 counts as up) and claims again only once that answers. The state is in the
+  heartbeat (``upstream_state`` closed | open, ``upstream_failures``, ``upstream_probes``).
+  A dead upstream therefore leaves the queue to workers that can serve it (or to its max
+  wait) instead of failing every queued request within milliseconds.
+* Other errors (an HTTP 4xx/500, an ``error`` chunk, a malformed chunk, a stream without a
+  finish reason) finish the request as ``failed``. What the client reads names what the
+  model server did, never its address or an exception's text; the log has the details.
 """
 
 from __future__ import annotations
@@ -35,8 +56,8 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import os
-import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -44,47 +65,73 @@ from typing import Any
 import aiohttp
 
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
+from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
 from worker.engines.base import request_seed
+from worker.metrics import WorkerMetrics
 from worker.runtime import WorkerRuntime
 from worker.tokenizer import decode
 
 log = logging.getLogger("qos.worker")
-_ROLE = re.compile(r"<\|(system|user|assistant|tool)\|>\n")
-_ASSISTANT = "<|assistant|>\n"
 Result = tuple[str, str, str]  # outcome, finish_reason, message
+DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
 
 
-def parse_chat(prompt: str) -> list[dict[str, str]] | None:
-    """Messages of a prompt rendered by ``render_chat``; None if it is not in that shape."""
-    if not prompt.endswith(_ASSISTANT):
-        return None
-    parts = _ROLE.split(prompt[: -len(_ASSISTANT)])
-    if parts[0] or len(parts) < 3:
-        return None
-    msgs = []
-    for role, content in zip(parts[1::2], parts[2::2], strict=True):
-        if not content.endswith("\n"):
-            return None
-        msgs.append({"role": role, "content": content[:-1]})
-    return msgs
+class UpstreamDown(Exception):
+    """The upstream could not be reached or broke off: not this request's fault."""
 
 
-def fit(piece: str, allowance: int) -> tuple[list[int], str, bool]:
-    """Byte ids and text of ``piece`` within ``allowance`` bytes, cut at a character
-    boundary; the flag says whether it was cut."""
-    raw = piece.encode()
-    if len(raw) <= allowance:
-        return list(raw), piece, False
-    n, out = 0, []
-    for ch in piece:
-        size = len(ch.encode())
-        if n + size > allowance:
-            break
-        out.append(ch)
-        n += size
-    text = "".join(out)
-    return list(text.encode()), text, True
+class Breaker:
+    """Circuit breaker over the upstream: ``closed`` (claim) or ``open`` (do not claim; probe
+    when ``retry_at`` comes). The back-off doubles on every failed probe and on a failure
+    soon after a successful probe, and goes back to ``min_s`` once a request succeeds."""
+
+    def __init__(self, min_s: float, max_s: float, metrics: WorkerMetrics | None = None) -> None:
+        self.min_s, self.max_s = min_s, max_s
+        self.metrics = metrics
+        self.state = "closed"
+        self.backoff_s = min_s
+        self.retry_at = 0.0
+        self.failures = 0  # upstream failures since the last success
+        self.probes = 0  # probes sent, ever
+        self._proven = True  # a request succeeded since the breaker last closed
+
+    def trip(self, why: str) -> None:
+        self.failures += 1
+        if self.metrics is not None:
+            self.metrics.upstream_failures.inc()
+            self.metrics.upstream_open.set(1)
+        if self.state == "open":
+            return  # several streams failing at once is one outage
+        if not self._proven:  # it failed again right after a probe said it was back
+            self.backoff_s = min(self.max_s, self.backoff_s * 2)
+        self.state = "open"
+        self.retry_at = time.monotonic() + self.backoff_s
+        log.warning("upstream unavailable (%s): not claiming; probing in %.1f s", why, self.backoff_s)
+
+    def probe_failed(self, why: str) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_probes.labels("down").inc()
+        self.backoff_s = min(self.max_s, self.backoff_s * 2)
+        self.retry_at = time.monotonic() + self.backoff_s
+        log.warning("upstream probe failed (%s); next in %.1f s", why, self.backoff_s)
+
+    def probe_ok(self) -> None:
+        if self.metrics is not None:
+            self.metrics.upstream_probes.labels("up").inc()
+            self.metrics.upstream_open.set(0)
+        self.state = "closed"
+        self._proven = False
+        log.info("upstream answers again: claiming")
+
+    def success(self) -> None:
+        self.failures = 0
+        self._proven = True
+        self.backoff_s = self.min_s
+
+
+def _count(v: Any) -> int | None:
+    return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
 async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
@@ -120,10 +167,17 @@ class UpstreamLoop:
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self.why: dict[str, str] = {}  # request id -> cancel | lost | release
+        self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
         self._gen_tokens = 0
         self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
-        self._busy_s = 0.0  # time with at least one request open upstream, since the last heartbeat
+        # Capacity is measured only while the upstream is saturated (at least FULL_SHARE of
+        # max_inflight requests open): with fewer open it serves what is asked, so tokens/s
+        # would measure demand (one sequential client read as 2 % of the server's capacity).
+        self._full = max(1, math.ceil(FULL_SHARE * s.max_inflight))
+        self._busy_s = 0.0  # saturated time since the last heartbeat
         self._busy_since: float | None = None
+        self._busy_work = 0.0  # work streamed during that time
+        self._work_at_busy = 0.0  # self._work when the current saturated stretch began
         self._last_stats_t = time.monotonic()
         rt.on_lost = lambda ids: self._interrupt(ids, "lost")
         rt.on_stop = lambda ids: self._interrupt(ids, "cancel")
@@ -158,6 +212,9 @@ class UpstreamLoop:
             await self.rt.guard("worker", self._pull())
 
     async def _pull(self) -> None:
+        if self.breaker.state != "closed":
+            await self._probe_when_due()
+            return
         room = self.rt.settings.max_inflight - len(self.rt.held)
         if room <= 0:
             await asyncio.wait(list(self.tasks.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
@@ -168,6 +225,30 @@ class UpstreamLoop:
         self._track_busy()
         if not got:
             await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
+
+    async def _probe_when_due(self) -> None:
+        """Wait out the back-off (a drain ends the wait), then ask the upstream once."""
+        wait_s = self.breaker.retry_at - time.monotonic()
+        if wait_s > 0:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.rt.draining.wait(), wait_s)
+            return  # the loop comes back here (or drains)
+        self.breaker.probes += 1
+        try:
+            async with self.session.get(self.base + "/models", headers=self._headers(),
+                                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                status = resp.status
+                await resp.read()
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            self.breaker.probe_failed(f"{type(exc).__name__}: {exc}")
+            return
+        if status in DOWN_STATUSES:
+            self.breaker.probe_failed(f"HTTP {status}")
+        else:
+            self.breaker.probe_ok()
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def _interrupt(self, ids: list[str], why: str) -> None:
         for rid in ids:
@@ -188,9 +269,19 @@ class UpstreamLoop:
     # --- one request ------------------------------------------------------------------------
     async def _serve(self, d: Delivery) -> None:
         rid = d.request_id
+        d.usage_in = d.claimed.input_tokens  # the frontend's count, until the upstream reports its own
         try:
             result = await self._stream(d)
+            if result[0] == "ok":
+                self.breaker.success()
             await self._finish(d, result)
+        except UpstreamDown as exc:
+            # As if this worker had died: the request goes back with what it delivered, and
+            # another worker (or this one, once the upstream answers) resumes it.
+            self.breaker.trip(str(exc))
+            with contextlib.suppress(RedisUnavailable):
+                await self.rt.release(d)
+            self.rt.drop(rid, "released")  # if release could not reach Redis, the lease expires
         except asyncio.CancelledError:
             why = self.why.get(rid, "release")
             if why == "lost":
@@ -203,8 +294,8 @@ class UpstreamLoop:
         except LeaseLost:
             self.rt.drop(rid)
         except Exception as exc:  # a bug must fail one request, not the worker
-            log.exception("%s: upstream stream failed", rid)
-            await self._finish(d, ("failed", "error", f"worker error: {type(exc).__name__}: {exc}"))
+            log.exception("%s: upstream stream failed: %s", rid, exc)
+            await self._finish(d, ("failed", "error", "internal error in the worker (details in its log)"))
         finally:
             self.tasks.pop(rid, None)
             self.why.pop(rid, None)
@@ -213,10 +304,12 @@ class UpstreamLoop:
     def _track_busy(self) -> None:
         self.rt.metrics.batch_size.set(len(self.tasks))
         now = time.monotonic()
-        if self.tasks and self._busy_since is None:
-            self._busy_since = now
-        elif not self.tasks and self._busy_since is not None:
+        saturated = len(self.tasks) >= self._full
+        if saturated and self._busy_since is None:
+            self._busy_since, self._work_at_busy = now, self._work
+        elif not saturated and self._busy_since is not None:
             self._busy_s += now - self._busy_since
+            self._busy_work += self._work - self._work_at_busy
             self._busy_since = None
 
     async def _finish(self, d: Delivery, result: Result) -> None:
@@ -232,6 +325,7 @@ class UpstreamLoop:
                 backoff = min(5.0, backoff * 2)
 
     def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
+        """The upstream request. Raises ValueError for a chat payload without its messages."""
         p, c = d.payload, d.claimed
         prior = decode(c.generated) if c.generated else ""
         body: dict[str, Any] = {
@@ -240,96 +334,148 @@ class UpstreamLoop:
             "seed": request_seed(p.seed, c.request_id)}
         if p.stop:
             body["stop"] = list(p.stop)
+        if self.rt.settings.upstream_chunk_usage:
+            body["stream_options"]["continuous_usage_stats"] = True
         if self.rt.settings.upstream_priority:
             body["priority"] = d.class_rank
-        msgs = parse_chat(p.prompt) if p.kind == "chat" else None
-        if msgs is None:
+        if p.ignore_eos:
+            body["ignore_eos"] = True
+        if p.min_tokens > d.total_tokens:
+            body["min_tokens"] = min(p.min_tokens - d.total_tokens, allowance)
+        if p.kind != "chat":
             body["prompt"] = p.prompt + prior
             return "/completions", body
+        if not p.messages:
+            raise ValueError("chat payload without structured messages (written by an older frontend?)")
+        msgs = [m.to_dict() for m in p.messages]
         if prior:
             msgs.append({"role": "assistant", "content": prior})
             body.update(continue_final_message=True, add_generation_prompt=False)
         body["messages"] = msgs
         return "/chat/completions", body
 
+    def _failed(self, d: Delivery, url: str, client_message: str, detail: str = "") -> Result:
+        """A request the upstream refused or botched: the log names the upstream and the
+        details, the client reads only what the model server did."""
+        log.warning("%s: upstream %s: %s%s", d.request_id, url, client_message,
+                    f" ({detail})" if detail else "")
+        return ("failed", "error", client_message)
+
     async def _stream(self, d: Delivery) -> Result:
+        """Stream one attempt. Raises :class:`UpstreamDown` when the upstream cannot be reached
+        or breaks off (the caller hands the request back)."""
         s = self.rt.settings
         max_tokens = min(d.payload.max_tokens, d.claimed.max_tokens)
         if d.total_tokens >= max_tokens:
             return ("ok", "length", "")
-        path, body = self._body(d, max_tokens - d.total_tokens)
+        try:
+            path, body = self._body(d, max_tokens - d.total_tokens)
+        except ValueError as exc:
+            return ("failed", "error", f"unusable request: {exc}")
         url = self.base + path
-        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
         chat = path == "/chat/completions"
+        allowance = max_tokens - d.total_tokens
+        counted = 0  # upstream tokens taken in this attempt
         finish: str | None = None
+        done = False
         last = time.monotonic()
         try:
-            async with self.session.post(url, json=body, headers=headers) as resp:
+            async with self.session.post(url, json=body, headers=self._headers()) as resp:
+                if resp.status in DOWN_STATUSES:
+                    raise UpstreamDown(f"HTTP {resp.status} from {url}")
                 if resp.status != 200:
-                    return ("failed", "error", f"upstream {url} answered HTTP {resp.status}: "
-                            f"{await _error_text(resp)}")
+                    text = (await _error_text(resp))[:300]
+                    return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
+                                        f"{text}")
                 async for data in sse_data(resp.content):
                     if data.strip() == "[DONE]":
+                        done = True
                         break
                     try:
                         chunk = json.loads(data)
                     except ValueError:
-                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                        chunk = None
                     if not isinstance(chunk, dict):
-                        return ("failed", "error", f"upstream {url} sent a malformed chunk: {data[:200]!r}")
+                        return self._failed(d, url, "the model server sent a malformed response",
+                                            f"chunk {data[:200]!r}")
                     if chunk.get("error"):
                         err = chunk["error"]
-                        msg = err.get("message", err) if isinstance(err, dict) else err
-                        return ("failed", "error", f"upstream {url} error: {msg}")
-                    if isinstance(chunk.get("usage"), dict):
-                        u = chunk["usage"]
-                        d.sample_extra.update(upstream_prompt_tokens=u.get("prompt_tokens"),
-                                              upstream_completion_tokens=u.get("completion_tokens"))
-                    cut = False
+                        msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                        return self._failed(d, url, f"the model server reported an error: {msg}")
+                    running = self._usage(d, chunk.get("usage"))
+                    text = ""
                     for ch in chunk.get("choices") or []:
                         piece = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
                         finish = ch.get("finish_reason") or finish
-                        if piece:
-                            cut = self._take(d, piece, max_tokens) or cut
+                        if isinstance(piece, str):
+                            text += piece
+                    # This chunk's tokens: the running usage says exactly; without it, one per
+                    # chunk with text. The final usage (a chunk of its own, no text) brings the
+                    # count up to the upstream's completion_tokens: those tokens ride on complete.
+                    new = max(running - counted, 0) if running is not None else int(bool(text))
+                    cut = counted + new > allowance
+                    if cut:  # the upstream went past max_tokens: stop there
+                        new = allowance - counted
+                    if new or text:
+                        self._take(d, text, new)
+                        counted += new
                     now = time.monotonic()
                     gap, last = now - last, now
-                    if d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next chunk ~gap away
+                    forward = s.upstream_forward_chunks and d.pending_tokens > 0  # as the upstream chunked it
+                    if forward or d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.rt.push(d):
                                 return ("cancelled", "cancelled", "")
                     if cut:
                         return ("ok", "length", "")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
-            return ("failed", "error", f"upstream {url} unreachable or broke off: {why}")
+            raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}") from exc
         if finish is None:
-            return ("failed", "error", f"upstream {url} ended the stream without a finish_reason")
+            if not done:  # the connection ended mid-answer: the server went away
+                raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]")
+            return self._failed(d, url, "the model server ended its answer without a finish reason")
         return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
-    def _take(self, d: Delivery, piece: str, max_tokens: int) -> bool:
-        """Queue a text delta as byte-level tokens; True when ``max_tokens`` cut it short."""
-        ids, text, cut = fit(piece, max_tokens - d.total_tokens)
-        if ids:
-            t = time.monotonic()
+    def _usage(self, d: Delivery, u: Any) -> int | None:
+        """Record an upstream ``usage`` object; returns its ``completion_tokens`` (None: absent)."""
+        if not isinstance(u, dict):
+            return None
+        prompt, completion = _count(u.get("prompt_tokens")), _count(u.get("completion_tokens"))
+        d.sample_extra.update(upstream_prompt_tokens=prompt, upstream_completion_tokens=completion)
+        if prompt is not None:
+            # usage's prompt side is the upstream's count; on a resume its prompt also holds the
+            # text delivered before (about that many tokens), which is not prompt.
+            d.usage_in = max(prompt - d.claimed.delivered, 1) if d.claimed.delivered else prompt
+        return completion
+
+    def _take(self, d: Delivery, text: str, tokens: int) -> None:
+        """Queue ``tokens`` upstream tokens with their text; the text's bytes are the ids a
+        resuming worker rebuilds the delivered text from."""
+        t = time.monotonic()
+        if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
-            self._work += len(ids) * w_out + (d.usage_in * w_in if d.first_t is None else 0.0)
-            d.note_tokens(1, t)  # TPOT per upstream chunk (about one upstream token)
-            d.add(ids, text, t)
-            self._gen_tokens += len(ids)
-            self.rt.metrics.generated_tokens.inc(len(ids))
-        return cut
+            self._work += tokens * w_out + (d.usage_in * w_in if d.first_t is None else 0.0)
+            d.note_tokens(tokens, t)
+            self._gen_tokens += tokens
+            self.rt.metrics.generated_tokens.inc(tokens)
+        d.add(list(text.encode()), text, t, tokens=tokens)
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time
-        with requests open upstream (0 when idle), for the controller's estimator."""
+        with the upstream saturated (0 = it was not: no measurement), for the controller's
+        estimator."""
         now = time.monotonic()
         tokens_s = self._gen_tokens / max(now - self._last_stats_t, 1e-9)
-        busy = self._busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
-        capacity = self._work / busy if busy > 0 else 0.0
-        self._gen_tokens, self._work, self._busy_s, self._last_stats_t = 0, 0.0, 0.0, now
+        busy, work = self._busy_s, self._busy_work
         if self._busy_since is not None:
-            self._busy_since = now
+            busy, work = busy + now - self._busy_since, work + self._work - self._work_at_busy
+        capacity = work / busy if busy > 0 else 0.0
+        self._gen_tokens, self._work, self._last_stats_t = 0, 0.0, now
+        self._busy_s, self._busy_work = 0.0, 0.0
+        if self._busy_since is not None:
+            self._busy_since, self._work_at_busy = now, 0.0
         return {"batch_size": len(self.tasks), "running": len(self.tasks), "waiting": 0,
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1), "step_ms": 0,
                 "kv_used": 0, "kv_capacity": 0, "kv_use": 0, "max_inflight": self.rt.settings.max_inflight,
-                "upstream": self.base}
+                "upstream": self.base, "upstream_state": self.breaker.state,
+                "upstream_failures": self.breaker.failures, "upstream_probes": self.breaker.probes}

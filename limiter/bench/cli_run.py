@@ -22,6 +22,58 @@ def add_parsers(bsub: argparse._SubParsersAction) -> None:
     _add_plot(bsub)
     _add_overhead(bsub)
     _add_tenants(bsub)
+    _add_control(bsub)
+
+
+def _add_control(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import control as cb
+
+    d = cb.ControlParams()
+    p = bsub.add_parser(
+        "control",
+        help="the controller on a running stack: steady load, a P2 flood, a lost worker, a P1 surge",
+        description="Each scenario on a private stack with the controller on (sim workers): policy "
+                    "changes at steady load, P0's recovery from a P2 flood, capacity following a killed "
+                    "and restarted worker, no cut to a P1 surge inside its guarantee. "
+                    "See docs/control-law.md.")
+    a = p.add_argument
+    a("--scenarios", default=",".join(cb.SCENARIOS),
+      help=f"comma-separated, in run order (default {','.join(cb.SCENARIOS)})")
+    a("--short", action="store_true", help="each scenario at about half its length (the default test's form)")
+    a("--workers", type=int, default=d.workers,
+      help=f"worker processes (default {d.workers}; worker_loss kills one)")
+    a("--drain", type=float, default=d.drain_s,
+      help=f"seconds to wait for answers after (default {d.drain_s:g})")
+    a("--calibrate", choices=("stack", "engine"), default=d.calibrate, help="capacity source (default stack)")
+    a("--out", metavar="DIR", help="write results.json, PNG plots and logs here")
+    a("--noise-out", metavar="FILE", help="write the steady scenario's heartbeat noise (JSON) here")
+    p.set_defaults(func=_control)
+
+
+def _control(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from limiter.bench import control as cb
+
+    names = tuple(n.strip() for n in args.scenarios.split(",") if n.strip())
+    unknown = [n for n in names if n not in cb.SCENARIOS]
+    if not names or unknown:
+        raise ConfigError("--scenarios",
+                          f"unknown {unknown or 'empty list'}; choose from {', '.join(cb.SCENARIOS)}")
+    if args.workers < 2 and "worker_loss" in names:
+        raise ConfigError("--workers", "worker_loss needs at least 2 workers")
+    if args.workers < 1:
+        raise ConfigError("--workers", "must be >= 1")
+    if args.drain < 0:
+        raise ConfigError("--drain", "must be >= 0")
+    if args.noise_out and "steady" not in names:
+        raise ConfigError("--noise-out", "needs the steady scenario")
+    p = cb.ControlParams(scenarios=names, short=args.short, workers=args.workers, drain_s=args.drain,
+                         calibrate=args.calibrate, out_dir=args.out, noise_out=args.noise_out)
+    console = Console()
+    results = asyncio.run(cb.run_control(p, console))
+    console.print(cb.markdown(results))
+    return 0
 
 
 def _add_tenants(bsub: argparse._SubParsersAction) -> None:
@@ -56,8 +108,9 @@ def _tenants(args: argparse.Namespace) -> int:
 
     console = Console()
     for name in ("duration", "drain", "steady", "heavy", "medium"):
-        if getattr(args, name) <= 0 and not (name == "drain" and args.drain == 0):
-            raise ConfigError(f"--{name}", "must be > 0")
+        if getattr(args, name) <= 0 and not (name in ("drain", "medium") and getattr(args, name) == 0):
+            hint = " (or 0: leave it out)" if name == "medium" else ""
+            raise ConfigError(f"--{name}", f"must be > 0{hint}")
     if args.workers < 1:
         raise ConfigError("--workers", "must be >= 1")
     if args.out:

@@ -278,3 +278,65 @@ def plot_tenants(results: Mapping[str, Any], rows: Sequence[Mapping[str, Any]], 
     fig.savefig(ttft, dpi=DPI)
     plt.close(fig)
     return [service, ttft]
+
+
+def plot_control(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
+    """``control-<scenario>.png`` per scenario, four panels over time: each class's rate
+    (solid) and ceiling (dotted); the policy's capacity, the controller's measured estimate and
+    each worker's heartbeat figure; client-side SLO attainment per bin; queue depths.
+    Decisions are grey lines, the scenario's step a black one."""
+    paths = []
+    classes = ("P0", "P1", "P2")
+    colors = {"P0": "#d62728", "P1": "#1f77b4", "P2": "#2ca02c"}
+    for name, sc in results["scenarios"].items():
+        tl = sc["timeline"]
+        t = [r["t_s"] for r in tl]
+        fig, axes = plt.subplots(4, 1, figsize=(8, 9), sharex=True)
+        ax = axes[0]
+        for c in classes:
+            ax.plot(t, [r["rates"].get(c) for r in tl], color=colors[c], label=f"{c} rate")
+            ax.plot(t, [r["ceilings"].get(c) for r in tl], color=colors[c], ls=":", lw=0.8)
+        ax.set_ylabel("weighted tokens/s")
+        ax.legend(fontsize=7, loc="upper right")
+        ax = axes[1]
+        ax.plot(t, [r["capacity"] for r in tl], color="black", label="policy capacity")
+        ax.plot(t, [r["measured_capacity"] for r in tl], color="#ff7f0e", label="measured (median)")
+        workers = sorted({w for r in tl for w in (r.get("workers") or {})})
+        for w in workers:
+            pts = [(r["t_s"], r["workers"][w]) for r in tl if w in (r.get("workers") or {})]
+            if pts:
+                ax.scatter(*zip(*pts, strict=True), s=4, alpha=0.5, label=f"{w} heartbeat")
+        ax.set_ylabel("capacity")
+        ax.legend(fontsize=7, loc="upper right")
+        ax = axes[2]
+        bin_s = sc["bin_s"]
+        for c in ("P0", "P1"):
+            bins = sc["attainment_bins"].get(c, [])
+            ys = [b if b is not None else float("nan") for b in bins]
+            ax.step([(i + 1) * bin_s for i in range(len(bins))], ys, color=colors[c], where="pre",
+                    label=f"{c} SLO attainment")
+        ax.axhline(0.99, color="black", lw=0.5, ls=":")
+        ax.set_ylim(0, 1.05)
+        ax.set_ylabel(f"met, per {bin_s:g} s")
+        ax.legend(fontsize=7, loc="lower right")
+        ax = axes[3]
+        for c in classes:
+            ax.plot(t, [r["queue_depth"].get(c) for r in tl], color=colors[c], label=f"{c} queued")
+        ax.set_ylabel("queued requests")
+        ax.set_xlabel("time since the load started, s")
+        ax.legend(fontsize=7, loc="upper right")
+        for ax in axes:
+            for d in sc["decisions"]:
+                ax.axvline(d["t_s"], color="k", alpha=0.15, lw=0.8)
+            for x in [sc.get("step_s")] + [e["t_s"] for e in sc.get("events", [])]:
+                if x is not None:
+                    ax.axvline(x, color="k", lw=1.0)
+            ax.grid(alpha=0.3)
+        figs = ", ".join(f"{k} {v}" for k, v in sc["figures"].items())
+        fig.suptitle(f"qos bench control: {name} ({len(sc['decisions'])} decisions)\n{figs}", fontsize=9)
+        fig.tight_layout()
+        path = out_dir / f"control-{name}.png"
+        fig.savefig(path, dpi=DPI)
+        plt.close(fig)
+        paths.append(path)
+    return paths

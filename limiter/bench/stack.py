@@ -40,9 +40,10 @@ class LoggedStack(Stack):
         super().__init__(*args, **kw)
         self.log_dir = log_dir
         self._logs: list[IO[bytes]] = []
+        self.env: dict[str, str] = {}  # what the children were started with (a restart reuses it)
 
     def start(self, child: Child, env: dict[str, str], **popen: Any) -> None:
-        log = open(self.log_dir / f"{child.name}.log", "wb")
+        log = open(self.log_dir / f"{child.name}.log", "ab")  # a restarted child appends
         self._logs.append(log)
         super().start(child, env, stdout=log, stderr=subprocess.STDOUT, **popen)
 
@@ -92,6 +93,7 @@ async def start_stack(spec: StackSpec, mode: ModeSpec, work_dir: Path) -> Logged
                               config=str(config_path))
     env = dict(os.environ, QOS_REDIS_URL=server.url, OMP_NUM_THREADS=str(spec.torch_threads))
     env.pop("QOS_CONFIG", None)
+    stack.env = env
     try:
         children = build_commands(args)
         for child in children:
@@ -146,6 +148,7 @@ class Probe:
             pipe.hgetall(self.keys.queued)
             policy, compliance, queued = await pipe.execute()
         work = await self.work_done()
+        workers = await self.worker_states()
         pol = {_s(k): _s(v) for k, v in policy.items()}
         comp = {_s(k): _s(v) for k, v in compliance.items()}
         row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2), "work_done": round(work, 1),
@@ -155,8 +158,21 @@ class Probe:
                                "ceilings": {c: _float(pol.get(f"{c}.ceil")) for c in self.classes},
                                "compliance": {c: _float(comp.get(c)) for c in self.classes},
                                "queue_depth": {c: int(_float(_s(queued.get(c.encode(), b"0"))) or 0)
-                                               for c in self.classes}}
+                                               for c in self.classes},
+                               "workers": workers}
         self.timeline.append(row)
+
+    WORKER_FIELDS = ("batch_size", "running", "waiting", "kv_use", "token_budget", "step_ms",
+                     "capacity_tokens_s", "tokens_s")
+
+    async def worker_states(self) -> dict[str, dict[str, float | None]]:
+        """Each live worker's heartbeat figures (batch, waiting, KV use, step budget, step time)."""
+        out = {}
+        for w in await self.client.zrange(self.keys.workers, 0, -1):
+            got = await self.client.hmget(self.keys.worker(_s(w)), list(self.WORKER_FIELDS))
+            out[_s(w)] = {k: _float(_s(v)) if v is not None else None
+                          for k, v in zip(self.WORKER_FIELDS, got, strict=True)}
+        return out
 
     async def run(self, stop: asyncio.Event) -> None:
         """Sample until ``stop`` is set; a Redis hiccup skips one sample, nothing more."""

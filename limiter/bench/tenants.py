@@ -5,7 +5,8 @@ inside its own quota (no tenant limit binds), open-loop, through the HTTP API:
 
 * ``steady``: a light tenant, ``steady`` x the pool's capacity (default 0.2);
 * ``heavy``: floods at ``heavy`` x capacity (default 3.0);
-* ``medium``: ``medium`` x capacity (default 1.0).
+* ``medium``: ``medium`` x capacity (default 1.0); 0 leaves it out (a flood and a steady
+  tenant only: Jain's index then has nothing to compare).
 
 Heavy and medium together ask for several times what the pool can do, so both stay
 backlogged for the whole window; steady is light and should not notice them. Modes, each a
@@ -138,7 +139,8 @@ async def run_tenants(p: TenantParams, console: Console | None = None) -> dict[s
                       f"{cap.weighted_tokens_s:,.0f} weighted tokens/s; steady {p.steady:g}x, "
                       f"heavy {p.heavy:g}x, medium {p.medium:g}x, {p.duration_s:g} s per mode")
         for mode in MODES:
-            arrivals = tenant_arrivals(p, chat, cap, ("steady",) if mode == "alone" else TENANTS)
+            active = tuple(t for t in TENANTS if getattr(p, t) > 0)  # --medium 0: the two tenants
+            arrivals = tenant_arrivals(p, chat, cap, ("steady",) if mode == "alone" else active)
             spec = mode_config(mode, cap, p.engine)
             stack = await start_stack(sspec, spec, work)
             try:

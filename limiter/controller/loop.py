@@ -243,7 +243,8 @@ class PoolController:
         inputs = Inputs(capacity, {name: ClassInputs(
             compliance=w.fresh_compliance, samples=w.fresh_count,
             used=term.usage.used(name, term.estimator.served_rate(name)),
-            has_slo=w.has_target, window_compliance=w.compliance) for name, w in window.items()})
+            has_slo=w.has_target, window_compliance=w.compliance) for name, w in window.items()},
+            workers=estimate.live_workers if estimate.source == "workers" else 0)
         rates = term.state.rates()
         top = term.state.config.classes[0]
         term.within_guarantee = {name: name == top or c.used < rates[name].rate
@@ -253,6 +254,7 @@ class PoolController:
             record = decision.record() | {
                 "pool": self.pool.name, "controller": self.settings.controller_id, "fence": term.fence,
                 "capacity_source": estimate.source, "live_workers": estimate.live_workers,
+                "capacity_confidence": round(estimate.confidence, 3), "capacity_estimate": estimate.value,
                 "claimed_per_s": {c: term.usage.claimed_per_s(c) for c in term.usage.classes},
             }
             try:

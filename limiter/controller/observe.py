@@ -76,6 +76,8 @@ async def publish(client: Any, keys: PoolKeys, settings: ControllerSettings, now
         pipe.hset(keys.compliance, mapping={
             **{c: repr(v) for c, v in values.items() if v is not None},
             "capacity": repr(float(estimate.value)), "capacity_source": estimate.source,
+            "capacity_confidence": repr(round(estimate.confidence, 3)),
+            "capacity_workers": estimate.live_workers,
             "updated_ms": int(now_ms), "controller": settings.controller_id})
         missing = [c for c, v in values.items() if v is None]
         if missing:

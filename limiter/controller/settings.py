@@ -35,7 +35,7 @@ class CapacitySettings:
     """``[controller.capacity]``: the estimator's tunables (limiter/capacity.py)."""
 
     interval_s: float = 1.0
-    alpha: float = 0.3
+    window: int = 10
     busy_queue_ms: float = 100.0
     busy_share: float = 0.1
     min_busy_intervals: int = 3
@@ -111,7 +111,7 @@ class ControllerSettings:
     def capacity_config(self, cfg: QosConfig, initial: float) -> CapacityConfig:
         c = self.capacity
         return CapacityConfig(
-            initial=initial, interval_s=c.interval_s, alpha=c.alpha, busy_queue_ms=c.busy_queue_ms,
+            initial=initial, interval_s=c.interval_s, window=c.window, busy_queue_ms=c.busy_queue_ms,
             busy_share=c.busy_share, min_busy_intervals=c.min_busy_intervals, worker_ttl_s=c.worker_ttl_s,
             min_reports=c.min_reports, rate_intervals=c.rate_intervals,
             weights={k.name: (k.weight, k.out_weight) for k in cfg.classes},

@@ -41,6 +41,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter import status as status_mod
+from limiter import token_count
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import (
     InvalidArgument,
@@ -99,6 +100,10 @@ class Frontend:
         self.keyring = KeyRing(cfg)
         self.pool_keys = {p.name: PoolKeys(p.name) for p in cfg.pools}
         self.classes = {c.name: c for c in cfg.classes}
+        # Each pool's prompts are counted in its own tokens (limiter/token_count.py).
+        self.counters = {p.name: token_count.counter_for(p.tokenizer, p.tokenizer_url, cfg.worker,
+                                                         p.model_name, timeout_s=settings.tokenize_timeout_s)
+                         for p in cfg.pools}
         self.client: Any = None
         self.scripts: Scripts | None = None
         self.router: ReplyRouter | None = None
@@ -191,6 +196,8 @@ class Frontend:
                 t.cancel()
         if self.heartbeat and self.bootstrapped:
             await self.heartbeat.leave()
+        for counter in self.counters.values():
+            await counter.close()
         if self.client is not None:
             with contextlib.suppress(Exception):
                 await self.client.aclose()
@@ -225,6 +232,17 @@ class Frontend:
         self._end_streams = asyncio.create_task(end_streams())
 
     # --- helpers used by the request path ----------------------------------------------------
+    async def count_prompt(self, draft: oa.Draft) -> int:
+        """The prompt's tokens in its pool's tokenizer; 503 when the model server must count
+        them and cannot (nothing is admitted or charged)."""
+        try:
+            return await self.counters[draft.pool.name].count(draft.prompt, draft.messages)
+        except token_count.TokenizerUnavailable as exc:
+            log.warning("pool %s: the upstream tokenizer could not count a prompt: %s", draft.pool.name, exc)
+            raise oa.ApiError(503, "Service temporarily unavailable: the model server could not count the "
+                              "prompt's tokens; retry shortly", code="tokenizer_unavailable", retry_after_s=1,
+                              outcome="unavailable") from exc
+
     def ready(self) -> bool:
         return self.bootstrapped and self.heartbeat is not None and self.heartbeat.fresh(self._fresh_s)
 
@@ -513,7 +531,8 @@ class Generation:
                 "X-Accel-Buffering": "no", REQUEST_ID_HEADER: rid})
             await s.prepare(self.request)
             if req.kind == "chat":
-                await s.write(oa.sse(oa.chunk(req, rid, created, role=True)))
+                opener = oa.chunk(req, rid, created, role=True, usage_so_far=(req.prompt_tokens, 0))
+                await s.write(oa.sse(opener))
             return s
 
         try:
@@ -533,10 +552,12 @@ class Generation:
                 if resp is None:
                     resp = await open_stream()
                 if text:
-                    await resp.write(oa.sse(oa.chunk(req, rid, created, text=text)))
+                    await resp.write(oa.sse(oa.chunk(req, rid, created, text=text,
+                                                     usage_so_far=(req.prompt_tokens, self.forwarded))))
                 if r.kind == "done":
                     self.observe_done(r)
-                    await resp.write(oa.sse(oa.chunk(req, rid, created, reason=r.finish)))
+                    await resp.write(oa.sse(oa.chunk(req, rid, created, reason=r.finish,
+                                                     usage_so_far=(r.usage_in, r.usage_out))))
                     if req.include_usage:
                         await resp.write(oa.sse(oa.usage_chunk(req, rid, created, r.usage_in, r.usage_out)))
                     await resp.write(oa.sse("[DONE]"))
@@ -606,18 +627,30 @@ def _generation_handler(kind: str) -> Handler:
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
-        req = oa.validate_request(kind, body, fe.cfg)
+        draft = oa.parse_request(kind, body, fe.cfg)
+        req = oa.finish_request(draft, await fe.count_prompt(draft))
         max_wait = _max_wait_ms(request.headers.get(MAX_WAIT_HEADER), fe.classes[cls])
         return await Generation(fe, request, tenant, cls, req, max_wait, received).run()
 
     return handler
 
 
+def _model_object(pool: PoolConfig) -> dict[str, Any]:
+    return {"id": pool.model_name, "object": "model", "created": 0, "owned_by": "qos",
+            "max_model_len": pool.context_tokens}
+
+
 async def models(request: web.Request) -> web.Response:
     fe = _frontend(request)
     fe.keyring.identify(request.headers.get("Authorization"))
-    data = [{"id": p.model_name, "object": "model", "created": 0, "owned_by": "qos"} for p in fe.cfg.pools]
-    return web.json_response({"object": "list", "data": data})
+    return web.json_response({"object": "list", "data": [_model_object(p) for p in fe.cfg.pools]})
+
+
+async def model(request: web.Request) -> web.Response:
+    """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``); ids may contain '/'."""
+    fe = _frontend(request)
+    fe.keyring.identify(request.headers.get("Authorization"))
+    return web.json_response(_model_object(oa.resolve_pool(fe.cfg, {"model": request.match_info["id"]})))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -631,6 +664,8 @@ def _script_shas() -> list[str]:
 
 
 async def readyz(request: web.Request) -> web.Response:
+    """``/readyz``, and ``/health`` (vLLM's name for it, which guidellm and vLLM's tooling
+    probe before they send anything): 200 only when this frontend can admit requests."""
     fe = _frontend(request)
     problem = ""
     try:
@@ -647,12 +682,34 @@ async def readyz(request: web.Request) -> web.Response:
                     await fe.scripts.load_all()
             if not fe.ready():
                 problem = "heartbeat is stale"
+            elif down := await _pools_with_upstream_down(fe):
+                problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
     except (TimeoutError, QosError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        problem = f"Redis unavailable: {exc}"
+        log.warning("readiness: Redis unavailable: %s", exc)
+        problem = "Redis unavailable"  # /readyz is unauthenticated: no address, no driver text
     if problem:
         return web.json_response({"status": "unavailable", "reason": problem}, status=503,
                                  headers={"Retry-After": "1"})
     return web.json_response({"status": "ready", "frontend": fe.frontend_id})
+
+
+async def _pools_with_upstream_down(fe: Frontend) -> list[str]:
+    """Pools none of whose live workers can serve: each one's heartbeat says its upstream
+    is unreachable (openai engine, breaker open). A pool with no worker heartbeat at all is
+    left alone: workers may simply not have started yet, and admitted work waits for them."""
+    down = []
+    for name, keys in fe.pool_keys.items():
+        ids = await fe.client.zrange(keys.workers, 0, -1)
+        if not ids:
+            continue
+        pipe = fe.client.pipeline(transaction=False)
+        for w in ids:
+            wid = w.decode() if isinstance(w, bytes) else str(w)
+            pipe.hmget(keys.worker(wid), ["engine", "upstream_state"])
+        rows = [r for r in await pipe.execute() if r[0] is not None]  # no hash: its heartbeat expired
+        if rows and all(r[1] in (b"open", "open") for r in rows):
+            down.append(name)
+    return down
 
 
 async def metrics(request: web.Request) -> web.Response:
@@ -695,8 +752,11 @@ def _to_api_error(exc: BaseException) -> oa.ApiError:
     if isinstance(exc, InvalidArgument):
         return oa.ApiError(400, str(exc), code="invalid_value", param=exc.field)
     if isinstance(exc, RedisUnavailable | PolicyMissing | RedisConnectionError | RedisTimeoutError):
-        return oa.ApiError(503, f"Service temporarily unavailable: {exc}", code="redis_unavailable",
-                           retry_after_s=1, outcome="unavailable")
+        # The client learns what happened, not the store's address or the driver's text (the
+        # heartbeat loop logs the outage once per beat; per request it would flood the log).
+        log.debug("Redis unavailable: %s", exc)
+        return oa.ApiError(503, "Service temporarily unavailable: the request queue cannot be reached; retry "
+                           "shortly", code="redis_unavailable", retry_after_s=1, outcome="unavailable")
     if isinstance(exc, web.HTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
         outcome = "not_found" if exc.status == 404 else "bad_request"
@@ -767,8 +827,10 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     app.router.add_post("/v1/chat/completions", _generation_handler("chat"))
     app.router.add_post("/v1/completions", _generation_handler("completion"))
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/v1/models/{id:.+}", model)
     app.router.add_get("/v1/qos/status", qos_status)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
+    app.router.add_get("/health", readyz)
     app.router.add_get("/metrics", metrics)
     return app

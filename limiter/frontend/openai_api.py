@@ -4,7 +4,9 @@ Validation turns a JSON body into a :class:`GenerationRequest` or raises :class:
 naming the offending field in ``param`` — before anything touches Redis, so a bad request
 is never admitted or charged. Fields OpenAI defines but this service does not implement
 are accepted only at their neutral value (``n: 1``, ``logprobs: false``, ...); anything
-else, and any field OpenAI does not define, is a 400 — the same as OpenAI's own API.
+else, and any field neither OpenAI nor vLLM (``ignore_eos``, ``min_tokens``,
+``stream_options.continuous_usage_stats``; ``repetition_penalty``/``top_k``/``min_p`` at
+neutral) defines, is a 400 naming it — the same as OpenAI's own API.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from limiter.config import PoolConfig, QosConfig
-from limiter.prompt import CHAT_ROLES, Payload, count_tokens, render_chat
+from limiter.prompt import CHAT_ROLES, ChatMessage, Payload, render_chat
 
 INT64 = (-(2**63), 2**63 - 1)
 _DEFAULT_TYPES = {
@@ -74,11 +76,16 @@ class GenerationRequest:
     seed: int | None
     stream: bool
     include_usage: bool
+    continuous_usage: bool = False  # vLLM's stream_options.continuous_usage_stats (with include_usage)
+    ignore_eos: bool = False  # vLLM: keep generating past the end-of-sequence token
+    min_tokens: int = 0  # vLLM: no end-of-sequence before this many tokens
+    messages: tuple[ChatMessage, ...] = ()  # chat: the messages as data (the openai engine sends these)
 
     def payload(self) -> Payload:
         return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
                        temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
-                       model=self.model)
+                       model=self.model, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
+                       messages=self.messages)
 
 
 def _reject_constant(name: str) -> Any:
@@ -105,6 +112,12 @@ _NEUTRAL: dict[str, Any] = {
     "frequency_penalty": lambda v: _is_num(v) and v == 0,
     "presence_penalty": lambda v: _is_num(v) and v == 0,
     "logit_bias": lambda v: isinstance(v, dict) and not v,
+    # vLLM's sampling extensions (``vllm bench serve`` sends repetition_penalty 1.0; top_k and
+    # min_p come from its --top-k / --min-p): accepted at the value that turns them off.
+    "repetition_penalty": lambda v: _is_num(v) and v == 1,
+    "top_k": lambda v: _is_int(v) and v in (-1, 0),
+    "min_p": lambda v: _is_num(v) and v == 0,
+    "skip_special_tokens": lambda v: v is True,
 }
 _CHAT_NEUTRAL: dict[str, Any] = {
     **_NEUTRAL,
@@ -120,7 +133,9 @@ _COMPLETION_NEUTRAL: dict[str, Any] = {
     "best_of": lambda v: _is_int(v) and v == 1,
     "suffix": lambda v: v == "",
 }
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user"}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
+           "ignore_eos", "min_tokens"}
+STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
 _COMPLETION = _COMMON | {"prompt"}
 
@@ -161,7 +176,7 @@ def resolve_pool(cfg: QosConfig, body: Mapping[str, Any]) -> PoolConfig:
                    code="model_not_found", param="model", outcome="not_found")
 
 
-def _messages(v: Any) -> list[tuple[str, str]]:
+def _messages(v: Any) -> list[ChatMessage]:
     if v is None:
         raise bad("messages", "'messages' is required", "missing_required_parameter")
     if not isinstance(v, list) or not v:
@@ -177,9 +192,10 @@ def _messages(v: Any) -> list[tuple[str, str]]:
         role = m.get("role")
         if role not in CHAT_ROLES:
             raise bad(f"{p}.role", f"'{p}.role' must be one of {', '.join(CHAT_ROLES)}")
+        extra = {}
         for k in ("name", "tool_call_id"):
             if m.get(k) is not None:
-                _text(m[k], f"{p}.{k}")
+                extra[k] = _text(m[k], f"{p}.{k}")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
@@ -192,7 +208,8 @@ def _messages(v: Any) -> list[tuple[str, str]]:
             content = "".join(texts)
         elif content is None:
             raise bad(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
-        out.append((role, _text(content, f"{p}.content")))
+        out.append(ChatMessage(role, _text(content, f"{p}.content"), extra.get("name"),
+                               extra.get("tool_call_id")))
     return out
 
 
@@ -219,8 +236,26 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     return float(v)
 
 
-def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> GenerationRequest:
-    """Check every field of a /v1/chat/completions (``kind='chat'``) or /v1/completions body."""
+@dataclass(frozen=True)
+class Draft:
+    """A body whose every field is checked except what depends on the prompt's token count
+    (the context check, ``max_tokens``' room and default, ``min_tokens`` against them):
+    counting may need the model server (``tokenizer = "upstream"``), so it comes last."""
+
+    kind: str
+    pool: PoolConfig
+    prompt: str
+    prompt_param: str
+    messages: tuple[ChatMessage, ...]
+    max_tokens: int | None
+    max_param: str
+    min_tokens: int
+    fields: dict[str, Any]
+
+
+def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
+    """Check every field of a /v1/chat/completions (``kind='chat'``) or /v1/completions body
+    that does not depend on the prompt's token count; :func:`finish_request` does the rest."""
     allowed = _CHAT if kind == "chat" else _COMPLETION
     neutral = _CHAT_NEUTRAL if kind == "chat" else _COMPLETION_NEUTRAL
     for k, v in body.items():
@@ -234,17 +269,14 @@ def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Gene
         raise bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
 
     pool = resolve_pool(cfg, body)
+    messages: tuple[ChatMessage, ...] = ()
     if kind == "chat":
         prompt_param = "messages"
-        prompt = render_chat(_messages(body.get("messages")))
+        messages = tuple(_messages(body.get("messages")))
+        prompt = render_chat((m.role, m.content) for m in messages)
     else:
         prompt_param = "prompt"
         prompt = _prompt(body.get("prompt"))
-    prompt_tokens = count_tokens(prompt)
-    room = pool.context_tokens - prompt_tokens
-    if room < 1:
-        raise bad(prompt_param, f"This model's maximum context length is {pool.context_tokens} tokens; "
-                  f"the prompt has {prompt_tokens}, leaving no room for output", "context_length_exceeded")
 
     max_tokens = body.get("max_tokens")
     param = "max_tokens"
@@ -253,15 +285,11 @@ def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Gene
             raise bad("max_completion_tokens", "'max_tokens' and 'max_completion_tokens' disagree")
         max_tokens, param = body["max_completion_tokens"], "max_completion_tokens"
     if max_tokens is None:
-        max_tokens = min(pool.default_max_tokens, room)
+        pass
     elif not _is_int(max_tokens):
         raise bad(param, f"'{param}' must be an integer, got {_type_name(max_tokens)}", "invalid_type")
     elif max_tokens < 1:
         raise bad(param, f"'{param}' must be at least 1, got {max_tokens}")
-    elif max_tokens > room:
-        raise bad(param, f"'{param}' is {max_tokens}, but the prompt uses {prompt_tokens} of this model's "
-                  f"{pool.context_tokens}-token context: at most {room} output tokens fit",
-                  "context_length_exceeded")
 
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_p = _number(body, "top_p", 1.0, 0.0, 1.0, lo_open=True)
@@ -301,16 +329,65 @@ def validate_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Gene
         if not stream:
             raise bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
         for k, v in so.items():
-            if k not in ("include_usage", "include_obfuscation"):
+            if k not in STREAM_OPTIONS:
                 raise bad(f"stream_options.{k}", f"unrecognized field 'stream_options.{k[:100]}'",
                           "unknown_parameter")
             if v is not None and not isinstance(v, bool):
                 raise bad(f"stream_options.{k}", f"'stream_options.{k}' must be a boolean", "invalid_type")
         include_usage = bool(so.get("include_usage"))
+        # As vLLM: per-chunk usage only together with include_usage.
+        continuous_usage = include_usage and bool(so.get("continuous_usage_stats"))
+    else:
+        continuous_usage = False
 
-    return GenerationRequest(kind=kind, model=pool.model_name, pool=pool, prompt=prompt,
-                             prompt_tokens=prompt_tokens, max_tokens=max_tokens, temperature=temperature,
-                             top_p=top_p, stop=stop, seed=seed, stream=stream, include_usage=include_usage)
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is None:
+        ignore_eos = False
+    elif not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", f"'ignore_eos' must be a boolean, got {_type_name(ignore_eos)}",
+                  "invalid_type")
+    min_tokens = body.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    elif not _is_int(min_tokens):
+        raise bad("min_tokens", f"'min_tokens' must be an integer, got {_type_name(min_tokens)}",
+                  "invalid_type")
+    elif min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
+        raise bad("min_tokens", f"'min_tokens' must be in [0, max_tokens ({max_tokens})], got {min_tokens}")
+    elif min_tokens and stop:
+        # vLLM also ignores stop strings before min_tokens; the step engines' stop check does
+        # not know min_tokens, so the combination is refused rather than half honoured.
+        raise bad("min_tokens", "'min_tokens' together with 'stop' is not supported by this service",
+                  "unsupported_value")
+
+    return Draft(kind=kind, pool=pool, prompt=prompt, prompt_param=prompt_param, messages=messages,
+                 max_tokens=max_tokens, max_param=param, min_tokens=min_tokens,
+                 fields={"temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed,
+                         "stream": stream, "include_usage": include_usage,
+                         "continuous_usage": continuous_usage, "ignore_eos": ignore_eos})
+
+
+def finish_request(d: Draft, prompt_tokens: int) -> GenerationRequest:
+    """The checks that need the prompt's token count (in the pool's tokenizer): the context
+    limit, ``max_tokens`` within the room left (its default fills the room up to
+    ``default_max_tokens``) and ``min_tokens`` within ``max_tokens``."""
+    pool = d.pool
+    room = pool.context_tokens - prompt_tokens
+    if room < 1:
+        raise bad(d.prompt_param, f"This model's maximum context length is {pool.context_tokens} tokens; "
+                  f"the prompt has {prompt_tokens}, leaving no room for output", "context_length_exceeded")
+    max_tokens = d.max_tokens
+    if max_tokens is None:
+        max_tokens = min(pool.default_max_tokens, room)
+    elif max_tokens > room:
+        raise bad(d.max_param, f"'{d.max_param}' is {max_tokens}, but the prompt uses {prompt_tokens} "
+                  f"of this model's {pool.context_tokens}-token context: at most {room} output tokens fit",
+                  "context_length_exceeded")
+    if d.min_tokens > max_tokens:
+        raise bad("min_tokens", f"'min_tokens' must be in [0, max_tokens ({max_tokens})], got {d.min_tokens}")
+    return GenerationRequest(kind=d.kind, model=pool.model_name, pool=pool, prompt=d.prompt,
+                             prompt_tokens=prompt_tokens, max_tokens=max_tokens, min_tokens=d.min_tokens,
+                             messages=d.messages, **d.fields)
 
 
 # --- responses -----------------------------------------------------------------------------
@@ -343,8 +420,12 @@ def full_response(req: GenerationRequest, request_id: str, created: int, text: s
 
 
 def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | None = None,
-          role: bool = False, reason: str | None = None) -> dict[str, Any]:
-    """One SSE chunk: a text delta, the chat role opener, or the final finish_reason."""
+          role: bool = False, reason: str | None = None,
+          usage_so_far: tuple[int, int] | None = None) -> dict[str, Any]:
+    """One SSE chunk: a text delta, the chat role opener, or the final finish_reason.
+
+    ``usage_so_far`` = (prompt tokens, completion tokens so far): with ``continuous_usage``
+    (vLLM's ``continuous_usage_stats``) every chunk carries the running usage."""
     fin = finish_reason(reason) if reason is not None else None
     if req.kind == "chat":
         delta: dict[str, Any] = {}
@@ -360,7 +441,9 @@ def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | 
         obj = "text_completion"
     out: dict[str, Any] = {"id": response_id(req, request_id), "object": obj, "created": created,
                            "model": req.model, "choices": [choice]}
-    if req.include_usage:
+    if req.continuous_usage and usage_so_far is not None:
+        out["usage"] = usage(*usage_so_far)
+    elif req.include_usage:
         out["usage"] = None  # as OpenAI: every chunk but the last carries "usage": null
     return out
 

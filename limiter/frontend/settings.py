@@ -25,6 +25,7 @@ class FrontendSettings:
     body_timeout_s: float = 30.0  # a request body must arrive within this (slow-body clients: 408)
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
     reap_s: float = 5.0  # janitor pass (reap_expired) over each pool; 0 = leave it to workers/controller
+    tokenize_timeout_s: float = 5.0  # tokenizer = "upstream": longest wait for the model server's /tokenize
 
 
 def is_loopback(host: str) -> bool:
@@ -63,6 +64,7 @@ def validate(s: FrontendSettings, cfg: QosConfig) -> FrontendSettings:
     check(1 <= s.request_timeout_s <= 86_400, "request_timeout_s", "must be in [1, 86400]")
     check(0 <= s.shutdown_grace_s <= 3600, "shutdown_grace_s", "must be in [0, 3600]")
     check(4 <= s.redis_max_connections <= 1024, "redis_max_connections", "must be in [4, 1024]")
+    check(0 < s.tokenize_timeout_s <= 600, "tokenize_timeout_s", "must be in (0, 600]")
     check(0.1 <= s.body_timeout_s <= 3600, "body_timeout_s", "must be in [0.1, 3600]")
     check(0.1 <= s.idle_timeout_s <= 3600, "idle_timeout_s", "must be in [0.1, 3600]")
     check(s.reap_s == 0 or 0.1 <= s.reap_s <= 3600, "reap_s", "must be 0 or in [0.1, 3600]")

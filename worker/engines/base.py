@@ -50,6 +50,11 @@ class SamplingParams:
     seed: int | None = None
     max_tokens: int = 256
     stop: tuple[str, ...] = ()
+    # vLLM's ignore_eos / min_tokens, as an absolute sequence length: the end-of-sequence token
+    # is never sampled at a position below ``eos_min_len`` (prompt length + min_tokens; -1 =
+    # never, ignore_eos). Absolute, so a sequence paused or resumed with its generated tokens
+    # re-prefilled as part of its prompt keeps the same rule.
+    eos_min_len: int = 0
 
     def __post_init__(self) -> None:
         t = self.temperature
@@ -63,6 +68,18 @@ class SamplingParams:
             raise InvalidArgument("max_tokens", f"max_tokens must be an int >= 1, got {m!r}")
         if not isinstance(self.stop, tuple) or not all(isinstance(x, str) and x for x in self.stop):
             raise InvalidArgument("stop", "stop must be a tuple of non-empty strings")
+        e = self.eos_min_len
+        if not isinstance(e, int) or isinstance(e, bool) or e < -1:
+            raise InvalidArgument("eos_min_len", f"eos_min_len must be an int >= -1, got {e!r}")
+
+    def eos_allowed(self, position: int) -> bool:
+        """May the token at absolute sequence ``position`` be the end-of-sequence token?"""
+        return self.eos_min_len != -1 and position >= self.eos_min_len
+
+    @staticmethod
+    def eos_rule(prompt_len: int, ignore_eos: bool, min_tokens: int) -> int:
+        """``eos_min_len`` for a request: -1 with ignore_eos, else prompt + min_tokens."""
+        return -1 if ignore_eos else (prompt_len + min_tokens if min_tokens > 0 else 0)
 
 
 class Engine(Protocol):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import secrets
 from dataclasses import asdict
@@ -51,9 +52,14 @@ def derive_seed(seed: int, position: int) -> int:
     return (z ^ (z >> 31)) >> 1
 
 
-def sample_token(logits: torch.Tensor, temperature: float, seed: int, position: int) -> int:
-    """Pick the token at ``position`` from 1-D ``logits`` (greedy when ``temperature`` is 0)."""
+def sample_token(logits: torch.Tensor, temperature: float, seed: int, position: int,
+                 banned: int | None = None) -> int:
+    """Pick the token at ``position`` from 1-D ``logits`` (greedy when ``temperature`` is 0).
+    ``banned`` (the EOS id under ignore_eos / min_tokens) is never picked."""
     logits = logits.detach().to("cpu", torch.float64)
+    if banned is not None:
+        logits = logits.clone()
+        logits[banned] = -math.inf
     if temperature == 0:
         return int(torch.argmax(logits))
     gen = torch.Generator(device="cpu")
@@ -230,6 +236,12 @@ class TorchEngine:
                 out[sid] = token
         return out
 
+    def _banned(self, e: SeqEntry) -> int | None:
+        """The EOS id while ``e`` may not end yet (ignore_eos, min_tokens), else None."""
+        if self.eos_id is None or e.params.eos_allowed(len(e.ids)):
+            return None
+        return self.eos_id
+
     def _compute(
         self,
         decoders: list[tuple[str, SeqEntry, KVCache]],
@@ -242,14 +254,16 @@ class TorchEngine:
                 ids = torch.tensor([e.ids[e.kv_len] for _, e, _ in decoders], device=self.device)
                 logits = self.model.decode(ids, [c for _, _, c in decoders]).cpu()
                 for row, (sid, e, _) in enumerate(decoders):
-                    token = sample_token(logits[row], e.params.temperature, e.seed, len(e.ids))
+                    token = sample_token(logits[row], e.params.temperature, e.seed, len(e.ids),
+                                         self._banned(e))
                     results.append((sid, e, 1, token))
             for chunk, e, cache in chunks:
                 ids = torch.tensor(e.ids[chunk.start : chunk.start + chunk.length], device=self.device)
                 logits = self.model.prefill(ids, cache)
                 token: int | None = None
                 if chunk.start + chunk.length == e.prompt_len:
-                    token = sample_token(logits[-1], e.params.temperature, e.seed, len(e.ids))
+                    token = sample_token(logits[-1], e.params.temperature, e.seed, len(e.ids),
+                                         self._banned(e))
                 results.append((chunk.request_id, e, chunk.length, token))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)

@@ -1,0 +1,404 @@
+"""``qos bench control``: the closed loop on a running stack, in four scenarios.
+
+The control law is proven on the plant model (tests/test_plant_stability.py), whose capacity
+is a constant. Here the same law runs in the controller process of a real stack (private
+Redis, one frontend, sim workers, the qos config with the controller on) under trace-shaped
+open-loop load, and what it did is read back from Redis: the policy every second, its
+decisions, the workers' heartbeats, and each request as the client saw it.
+
+Scenarios (times for the full form; ``--short`` scales them down for the default test run):
+
+* ``steady``: the trace's mix at ``steady_load`` (0.8) of capacity for 120 s. After 45 s:
+  policy changes per minute (goal <= 2, ideally none) and P0's rate within +-5 % of its
+  median.
+* ``p2_flood``: the mix at 0.6 for 40 s, then P2 adds 3x capacity until 100 s. P0's SLO
+  attainment (per 5 s of send time) back at >= 99 % within 30 s of the step, and the P2
+  ceiling's overshoot below its final value <= 10 %.
+* ``worker_loss``: the mix at 0.7 of two workers' capacity; one worker is killed (SIGKILL)
+  at 40 s and started again at 80 s; until 120 s. The policy's capacity follows each step
+  within 30 s, and no more than two capacity moves per phase (no oscillation).
+* ``p1_surge``: P0 0.3, P1 0.15, P2 0.05 of capacity, then P1 rises to 0.33 (inside its
+  0.35 guarantee) at 40 s, until 90 s. No decision cuts P1.
+
+Every scenario records a timeline (rates, ceilings, policy and measured capacity with its
+confidence, the controller's compliance, queue depths, each worker's capacity figure),
+the decisions, and per 5 s bin each class's client-side SLO attainment; ``--out DIR``
+writes ``results.json`` and one plot per scenario (``control-<scenario>.png``). The steady
+scenario's worker figures are the recorded noise the plant test replays
+(``tests/data/heartbeat_noise.json``, written with ``--noise-out``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import signal
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+
+from limiter.bench import trace as tr
+from limiter.bench.calibrate import Capacity
+from limiter.bench.driver import Record, drive
+from limiter.bench.modes import POOL, ModeSpec, mode_spec
+from limiter.bench.report import meets_slo
+from limiter.bench.runner import CONTEXT_TOKENS, speedup_for, tempfile_dir
+from limiter.bench.stack import LoggedStack, Probe, StackSpec, start_stack
+from limiter.bench.stackcal import calibrate
+
+SCENARIOS = ("steady", "p2_flood", "worker_loss", "p1_surge")
+BIN_S = 5.0  # client-side SLO attainment is reported per this many seconds of send time
+MIX = {"P0": 0.31, "P1": 0.48, "P2": 0.21}  # the trace's work mix (docs/benchmarks.md), scaled by load
+
+
+@dataclass(frozen=True)
+class Phase:
+    """From ``at_s`` on: offered load per class, as a multiple of the pool's capacity."""
+
+    at_s: float
+    load: Mapping[str, float]
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    duration_s: float
+    phases: tuple[Phase, ...]
+    step_s: float | None = None  # the moment the scenario's step happens
+    kill_s: float | None = None  # worker_loss: kill one worker here ...
+    restart_s: float | None = None  # ... and start it again here
+    settle_s: float = 45.0  # steady: changes are counted after this
+
+
+def _mix(load: float) -> dict[str, float]:
+    return {c: share * load for c, share in MIX.items()}
+
+
+def scenarios(short: bool = False) -> dict[str, Scenario]:
+    """The four scenarios; ``short`` keeps their shape at about half the length."""
+    k = 0.5 if short else 1.0
+    return {
+        "steady": Scenario("steady", 120 * k, (Phase(0, _mix(0.8)),), settle_s=45 * k),
+        "p2_flood": Scenario("p2_flood", 100 * k,
+                             (Phase(0, _mix(0.6)), Phase(40 * k, {**_mix(0.6), "P2": 3.0})), step_s=40 * k),
+        "worker_loss": Scenario("worker_loss", 120 * k, (Phase(0, _mix(0.7)),), step_s=40 * k, kill_s=40 * k,
+                                restart_s=80 * k),
+        "p1_surge": Scenario("p1_surge", 90 * k, (Phase(0, {"P0": 0.3, "P1": 0.15, "P2": 0.05}),
+                                                  Phase(40 * k, {"P0": 0.3, "P1": 0.33, "P2": 0.05})),
+                             step_s=40 * k),
+    }
+
+
+@dataclass
+class ControlParams:
+    engine: str = "sim"
+    workers: int = 2
+    scenarios: tuple[str, ...] = SCENARIOS
+    short: bool = False
+    drain_s: float = 20.0
+    token_budget: int = 256
+    max_seqs: int = 16
+    calibrate: str = "stack"  # 'stack' (a 25 s FIFO run) or 'engine' (the cost model, no stack)
+    out_dir: str | None = None
+    noise_out: str | None = None
+
+
+# --- load ---------------------------------------------------------------------------------------
+def class_rows(engine: str) -> dict[str, list[tr.Arrival]]:
+    rows = tr.scale_sizes(tr.assign_classes(tr.load_trace()), tr.ENGINE_SCALE[engine])
+    return {c: [a for a in rows if a.cls == c] for c in tr.CLASSES}
+
+
+def scenario_arrivals(s: Scenario, rows: Mapping[str, Sequence[tr.Arrival]],
+                      cap: Capacity) -> list[tr.Arrival]:
+    """Each class's trace rows, in order, time-scaled per phase to its offered load."""
+    out: list[tr.Arrival] = []
+    offset = dict.fromkeys(rows, 0)
+    ends = [p.at_s for p in s.phases[1:]] + [s.duration_s]
+    for phase, end in zip(s.phases, ends, strict=True):
+        length = end - phase.at_s
+        for cls, load in phase.load.items():
+            if load <= 0:
+                continue
+            mine = list(rows[cls][offset[cls]:])
+            speedup = speedup_for(mine, load * cap.weighted_tokens_s, length, cap.out_weight)
+            part = tr.time_scaled(mine, speedup, length)
+            offset[cls] += len(part)
+            out += [dataclasses.replace(a, at_s=a.at_s + phase.at_s) for a in part]
+    out.sort(key=lambda a: a.at_s)
+    return [dataclasses.replace(a, index=i) for i, a in enumerate(out)]
+
+
+def mode_config(cap: Capacity, engine: str) -> ModeSpec:
+    return dataclasses.replace(
+        mode_spec("qos", capacity_tokens_s=cap.weighted_tokens_s, out_weight=cap.out_weight,
+                  context_tokens=CONTEXT_TOKENS[engine]), name="control")
+
+
+# --- figures ------------------------------------------------------------------------------------
+def attainment_bins(recs: Sequence[Record], spec: ModeSpec, t0: float, duration_s: float) -> dict[str, list]:
+    """Per class, per ``BIN_S`` of send time: the share of requests sent then that met the SLO
+    (None where nothing was sent)."""
+    slos = {c.name: c for c in spec.cfg.classes}
+    n = int(duration_s // BIN_S) + 1
+    out: dict[str, list] = {}
+    for cls in slos:
+        sent, met = [0] * n, [0] * n
+        for r in recs:
+            if r.arrival.cls != cls:
+                continue
+            i = min(n - 1, int(r.arrival.at_s // BIN_S))
+            sent[i] += 1
+            met[i] += meets_slo(r, slos[cls])
+        out[cls] = [None if s == 0 else round(m / s, 4) for s, m in zip(sent, met, strict=True)]
+    return out
+
+
+def _median(xs: Sequence[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def steady_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions: Sequence[Mapping[str, Any]],
+                   t_load_ms: float) -> dict[str, Any]:
+    after = [d for d in decisions if (d["now_ms"] - t_load_ms) / 1000 >= s.settle_s]
+    minutes = max(1e-9, (s.duration_s - s.settle_s) / 60)
+    rates = [row["rates"]["P0"] for row in timeline if row["t_s"] >= s.settle_s and row["rates"]["P0"]]
+    mid = _median(rates)
+    swing = max(abs(r / mid - 1) for r in rates) if rates and mid else None
+    return {"changes_after_settle": len(after), "changes_per_min": round(len(after) / minutes, 2),
+            "p0_rate_max_dev": None if swing is None else round(swing, 4),
+            "met": len(after) / minutes <= 2 and swing is not None and swing <= 0.05}
+
+
+def recovery_s(bins: Sequence[float | None], step_s: float, goal: float = 0.99) -> float | None:
+    """Seconds from the step until every later bin (with requests) is at ``goal``."""
+    first = int(step_s // BIN_S)
+    last_bad = None
+    for i in range(first, len(bins)):
+        if bins[i] is not None and bins[i] < goal:
+            last_bad = i
+    if last_bad is None:
+        return 0.0
+    if last_bad == len(bins) - 1:
+        return None
+    return (last_bad + 1) * BIN_S - step_s
+
+
+def flood_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], bins: Mapping[str, Sequence]) -> dict:
+    assert s.step_s is not None
+    rec = recovery_s(bins["P0"][:-1], s.step_s)  # the last bin is partly drain: left out
+    ceil = [row["ceilings"]["P2"] for row in timeline if row["t_s"] >= s.step_s and row["ceilings"]["P2"]]
+    final = _median(ceil[-10:]) if ceil else None
+    overshoot = max(0.0, max(final - c for c in ceil) / final) if ceil and final else None
+    return {"p0_recovery_s": rec, "p2_ceiling_overshoot": None if overshoot is None else round(overshoot, 4),
+            "met": rec is not None and rec <= 30 and overshoot is not None and overshoot <= 0.10}
+
+
+def loss_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions: Sequence[Mapping[str, Any]],
+                 t_load_ms: float) -> dict[str, Any]:
+    assert s.kill_s is not None and s.restart_s is not None
+    before = _median([r["capacity"] for r in timeline
+                      if s.kill_s - 15 <= r["t_s"] < s.kill_s and r["capacity"]])
+
+    def follow(start: float, end: float, want: Callable[[float], bool]) -> float | None:
+        for row in timeline:
+            if start <= row["t_s"] < end and row["capacity"] and want(row["capacity"]):
+                return round(row["t_s"] - start, 1)
+        return None
+
+    down = follow(s.kill_s, s.restart_s, lambda c: before is not None and c <= 0.75 * before)
+    up = follow(s.restart_s, s.duration_s, lambda c: before is not None and c >= 0.85 * before)
+
+    def moves(start: float, end: float) -> int:
+        return sum(1 for d in decisions if start <= (d["now_ms"] - t_load_ms) / 1000 < end
+                   and any(c["reason"] == "capacity_change" for c in d["classes"].values()))
+
+    lost, back = moves(s.kill_s, s.restart_s), moves(s.restart_s, s.duration_s)
+    return {"capacity_before": before, "follow_down_s": down, "follow_up_s": up,
+            "capacity_moves_while_down": lost, "capacity_moves_after_restart": back,
+            "met": (down is not None and down <= 30 and up is not None and up <= 30
+                    and lost <= 2 and back <= 2)}
+
+
+def surge_figures(s: Scenario, decisions: Sequence[Mapping[str, Any]], t_load_ms: float) -> dict[str, Any]:
+    def cuts_p1(d: Mapping[str, Any]) -> bool:
+        reason = str(d["classes"].get("P1", {}).get("reason", ""))
+        return reason == "tighten_self" or reason.startswith("tighten_lower_for_")
+
+    cuts = [d for d in decisions if (d["now_ms"] - t_load_ms) / 1000 >= 0 and cuts_p1(d)]
+    return {"p1_cuts": len(cuts), "met": not cuts}
+
+
+# --- running ------------------------------------------------------------------------------------
+@dataclass
+class WorkerHeartbeats:
+    """Each worker's ``capacity_tokens_s`` per heartbeat (the controller's raw input)."""
+
+    figures: dict[str, list[float]] = field(default_factory=dict)
+    seen: dict[str, str] = field(default_factory=dict)
+
+    async def read(self, probe: Probe) -> dict[str, float]:
+        out = {}
+        for w in await probe.client.zrange(probe.keys.workers, 0, -1, withscores=True):
+            name = w[0].decode() if isinstance(w[0], bytes) else str(w[0])
+            got = await probe.client.hget(probe.keys.worker(name), "capacity_tokens_s")
+            stamp = repr(w[1])
+            if got is None or self.seen.get(name) == stamp:
+                continue
+            self.seen[name] = stamp
+            value = float(got)
+            out[name] = value
+            if value > 0:
+                self.figures.setdefault(name, []).append(value)
+        return out
+
+
+async def _sample_loop(probe: Probe, beats: WorkerHeartbeats, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            await probe.sample()
+            comp = await probe.client.hmget(probe.keys.compliance, ["capacity_confidence"])
+            probe.timeline[-1]["capacity_confidence"] = None if comp[0] is None else float(comp[0])
+            probe.timeline[-1]["workers"] = await beats.read(probe)
+        except Exception:  # a Redis hiccup (e.g. while a worker dies) skips one sample
+            pass
+        try:
+            await asyncio.wait_for(stop.wait(), probe.interval_s)
+        except TimeoutError:
+            pass
+
+
+async def _kill_and_restart(stack: LoggedStack, s: Scenario, t0: float) -> list[dict[str, Any]]:
+    """SIGKILL the last worker at ``kill_s``, start the same command again at ``restart_s``."""
+    events: list[dict[str, Any]] = []
+    assert s.kill_s is not None and s.restart_s is not None
+    victim = [c for c in stack.children if c.name.startswith("worker-")][-1]
+    await asyncio.sleep(max(0.0, t0 + s.kill_s - time.monotonic()))
+    assert victim.proc is not None
+    victim.proc.send_signal(signal.SIGKILL)
+    events.append({"t_s": round(time.monotonic() - t0, 2), "event": f"killed {victim.name}"})
+    await asyncio.sleep(max(0.0, t0 + s.restart_s - time.monotonic()))
+    await asyncio.to_thread(victim.proc.wait)
+    stack.children.remove(victim)
+    stack.start(victim, stack.env)
+    events.append({"t_s": round(time.monotonic() - t0, 2), "event": f"restarted {victim.name}"})
+    return events
+
+
+async def run_scenario(s: Scenario, p: ControlParams, cap: Capacity, rows: Mapping[str, Sequence[tr.Arrival]],
+                       sspec: StackSpec, work: Path, console: Console) -> dict[str, Any]:
+    arrivals = scenario_arrivals(s, rows, cap)
+    spec = mode_config(cap, p.engine)
+    stack = await start_stack(sspec, dataclasses.replace(spec, name=s.name), work)
+    probe = Probe(stack.redis_url, tuple(spec.cfg.class_names()))
+    beats = WorkerHeartbeats()
+    stop = asyncio.Event()
+    try:
+        console.print(f"[dim]  {s.name}: {len(arrivals)} arrivals over {s.duration_s:g} s[/]")
+        t0 = time.monotonic()
+        probe.t0 = t0
+        t_load_ms = await probe.redis_time_ms()
+        sampler = asyncio.create_task(_sample_loop(probe, beats, stop))
+        chaos = asyncio.create_task(_kill_and_restart(stack, s, t0)) if s.kill_s is not None else None
+        recs = await drive(stack.base_url, POOL, arrivals, duration_s=s.duration_s, drain_s=p.drain_s, t0=t0)
+        events = await chaos if chaos is not None else []
+        stop.set()
+        await sampler
+        decisions = await probe.decisions()
+    finally:
+        stop.set()
+        await probe.close()
+        await asyncio.to_thread(stack.stop, 10.0)
+    timeline = [row for row in probe.timeline if row["t_s"] <= s.duration_s + p.drain_s]
+    bins = attainment_bins(recs, spec, t0, s.duration_s)
+    for d in decisions:
+        d["t_s"] = round((d["now_ms"] - t_load_ms) / 1000, 2)
+    out: dict[str, Any] = {"duration_s": s.duration_s, "step_s": s.step_s,
+                           "phases": [dataclasses.asdict(x) for x in s.phases],
+                           "sent": len(recs), "completed": sum(r.result.ok for r in recs),
+                           "events": events, "decisions": decisions, "timeline": timeline,
+                           "attainment_bins": bins, "bin_s": BIN_S}
+    if s.name == "steady":
+        out["figures"] = steady_figures(s, timeline, decisions, t_load_ms)
+    elif s.name == "p2_flood":
+        out["figures"] = flood_figures(s, timeline, bins)
+    elif s.name == "worker_loss":
+        out["figures"] = loss_figures(s, timeline, decisions, t_load_ms)
+    else:
+        out["figures"] = surge_figures(s, decisions, t_load_ms)
+    out["heartbeats"] = beats.figures
+    out["requests"] = [{"cls": r.arrival.cls, "at_s": round(r.arrival.at_s, 3), "status": r.result.status,
+                        "ok": r.result.ok, "ttft_ms": r.result.ttft_ms, "tpot_ms": r.result.tpot_ms,
+                        "input_tokens": r.arrival.prompt_tokens, "max_tokens": r.arrival.max_tokens}
+                       for r in recs]
+    return out
+
+
+def noise_series(heartbeats: Mapping[str, Sequence[float]], skip: int = 10) -> list[float]:
+    """Each worker's figures over its own median (after ``skip`` ramp-up reports), joined:
+    the relative noise of a real worker's capacity figure, in recorded order."""
+    out: list[float] = []
+    for figures in heartbeats.values():
+        xs = list(figures[skip:])
+        if len(xs) < 5:
+            continue
+        mid = statistics.median(xs)
+        out += [round(x / mid, 4) for x in xs]
+    return out
+
+
+async def run_control(p: ControlParams, console: Console | None = None) -> dict[str, Any]:
+    console = console or Console()
+    out_dir = Path(p.out_dir) if p.out_dir else None
+    if out_dir:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    rows = class_rows(p.engine)
+    sspec = StackSpec(engine=p.engine, workers=p.workers, token_budget=p.token_budget, max_seqs=p.max_seqs)
+    results: dict[str, Any] = {"schema": "qos-bench-control/1", "params": dataclasses.asdict(p),
+                               "scenarios": {}}
+    table = scenarios(p.short)
+    with tempfile_dir(out_dir) as work:
+        mixed = sorted((a for c in rows.values() for a in c[:400]), key=lambda a: a.trace_t_s)
+        cap, engine_fig = await calibrate(p.engine, mixed, sspec, how=p.calibrate,
+                                          context_tokens=CONTEXT_TOKENS[p.engine], work_dir=work)
+        results["params"]["capacity"] = cap.to_dict() | engine_fig
+        console.print(f"[bold]qos bench control[/]: engine {p.engine}, {p.workers} workers, capacity "
+                      f"{cap.weighted_tokens_s:,.0f} weighted tokens/s ({cap.source}); "
+                      f"scenarios {', '.join(p.scenarios)}{' (short)' if p.short else ''}")
+        for name in p.scenarios:
+            results["scenarios"][name] = await run_scenario(table[name], p, cap, rows, sspec, work, console)
+    steady = results["scenarios"].get("steady")
+    if steady:
+        results["noise"] = noise_series(steady["heartbeats"])
+        if p.noise_out:
+            Path(p.noise_out).write_text(json.dumps({
+                "what": "capacity_tokens_s of each sim worker's heartbeats over that worker's median, "
+                        "recorded by `qos bench control --scenarios steady` (steady mixed load, 2 workers)",
+                "engine": p.engine, "series": results["noise"]}) + "\n")
+    if out_dir:
+        (out_dir / "results.json").write_text(json.dumps(results, indent=1))
+        from limiter.bench.plots import plot_control
+
+        plot_control(results, out_dir)
+    return results
+
+
+def summary_rows(results: Mapping[str, Any]) -> list[list[str]]:
+    rows = []
+    for name, sc in results["scenarios"].items():
+        f = dict(sc["figures"])
+        met = f.pop("met")
+        rows.append([name, ", ".join(f"{k} {v}" for k, v in f.items()), "yes" if met else "no"])
+    return rows
+
+
+def markdown(results: Mapping[str, Any]) -> str:
+    lines = ["| scenario | figures | met |", "|---|---|---|"]
+    lines += ["| " + " | ".join(r) + " |" for r in summary_rows(results)]
+    return "\n".join(lines)

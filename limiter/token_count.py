@@ -1,0 +1,191 @@
+"""Prompt token counts in each pool's own tokens: the pool names its tokenizer.
+
+``[[pools]] tokenizer`` is one of
+
+* ``"bytes"`` (the default): one token per UTF-8 byte plus BOS (:func:`limiter.prompt.count_tokens`),
+  the tokenizer of the tiny torch model and of the sim engine;
+* the path of a ``tokenizer.json`` (or of a directory holding one, as ``save_pretrained``
+  writes it), loaded with the ``tokenizers`` library; a relative path is taken from the
+  config file's directory. Chat prompts are counted as the frontend renders them
+  (:func:`limiter.prompt.render_chat`): the model's own chat template is not in
+  ``tokenizer.json``, so a chat count is an estimate, reconciled with the upstream's
+  ``usage`` when the request ends;
+* ``"upstream"``: the model server's ``POST /tokenize`` (vLLM: ``{model, prompt}`` or
+  ``{model, messages, add_generation_prompt}`` -> ``{count, tokens, max_model_len}``) at
+  ``tokenizer_url`` (default ``[worker] upstream_url``), with the model name the workers send
+  (``[worker] upstream_model``, env ``QOS_UPSTREAM_MODEL``, else the pool's model). Exact,
+  chat template included, at one HTTP round trip per request.
+
+The frontend counts every prompt with it for the admission cost and the context check.
+:func:`check` validates a pool's setting at start (every role), so a missing file, an
+unreadable tokenizer or an unknown mode is a :class:`ConfigError` naming
+``pools[i].tokenizer``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from limiter.errors import ConfigError
+from limiter.prompt import ChatMessage, count_tokens
+
+BYTES = "bytes"
+UPSTREAM = "upstream"
+MODES = (BYTES, UPSTREAM)
+FILE_NAME = "tokenizer.json"
+THREAD_CHARS = 16_384  # longer prompts are encoded off the event loop
+
+
+class TokenizerUnavailable(Exception):
+    """The upstream's tokenize endpoint could not count a prompt (down, or refused it)."""
+
+
+def tokenizer_file(spec: str, base_dir: str | Path | None = None) -> Path:
+    """The ``tokenizer.json`` a path setting names (``spec`` itself, or ``spec/tokenizer.json``)."""
+    path = Path(spec).expanduser()
+    if not path.is_absolute() and base_dir is not None:
+        path = Path(base_dir) / path
+    return path / FILE_NAME if path.is_dir() else path
+
+
+@functools.lru_cache(maxsize=16)
+def _load(path: str, mtime_ns: int, size: int) -> Any:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
+def load_file(path: Path, field: str) -> Any:
+    """Load a ``tokenizer.json`` (cached per file version); a ConfigError naming ``field``."""
+    try:
+        st = path.stat()
+    except OSError as exc:
+        raise ConfigError(field, f"{str(path)!r} is neither a tokenizer mode ({', '.join(MODES)}) nor a "
+                          f"readable file: {exc.strerror or exc}") from exc
+    try:
+        import tokenizers  # noqa: F401
+    except ImportError as exc:
+        raise ConfigError(field, "a tokenizer.json needs the 'tokenizers' package (pip install tokenizers)") \
+            from exc
+    try:
+        return _load(str(path), st.st_mtime_ns, st.st_size)
+    except Exception as exc:  # the Rust side raises plain Exceptions for bad JSON and bad models
+        raise ConfigError(field, f"cannot load tokenizer {str(path)!r}: {str(exc)[:300]}") from exc
+
+
+def check(spec: str, url: str, field: str, worker: Mapping[str, Any]) -> None:
+    """Validate one pool's tokenizer setting (``field`` = ``pools[i].tokenizer``)."""
+    if spec == BYTES:
+        if url:
+            raise ConfigError(field + "_url", "is only used with tokenizer = \"upstream\"")
+        return
+    if spec == UPSTREAM:
+        where = upstream_url(url, worker)
+        if not where.startswith(("http://", "https://")):
+            raise ConfigError(field + "_url", "tokenizer = \"upstream\" needs the model server's "
+                              "http(s):// URL here (or in [worker] upstream_url)")
+        return
+    if url:
+        raise ConfigError(field + "_url", "is only used with tokenizer = \"upstream\"")
+    if not spec.strip():
+        raise ConfigError(field, f"must be {BYTES!r}, {UPSTREAM!r} or the path of a tokenizer.json")
+    load_file(tokenizer_file(spec), field)
+
+
+def upstream_url(url: str, worker: Mapping[str, Any]) -> str:
+    """Where ``/tokenize`` is served: the pool's ``tokenizer_url``, else the workers' upstream."""
+    got = url or str(worker.get("upstream_url") or "")
+    return got.rstrip("/").removesuffix("/v1")
+
+
+class Counter:
+    """Counts a prompt in the pool's tokens."""
+
+    kind = BYTES
+
+    def count_text(self, text: str) -> int:
+        return count_tokens(text)
+
+    async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
+        """Tokens of a completion prompt, or of a chat (``messages``; ``prompt`` is its rendering)."""
+        return self.count_text(prompt)
+
+    async def close(self) -> None:
+        return None
+
+
+class FileCounter(Counter):
+    kind = "file"
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def count_text(self, text: str) -> int:
+        return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
+        if len(prompt) > THREAD_CHARS:  # the Rust encoder releases the GIL
+            return await asyncio.to_thread(self.count_text, prompt)
+        return self.count_text(prompt)
+
+
+class UpstreamCounter(Counter):
+    """vLLM's ``POST /tokenize``; raises :class:`TokenizerUnavailable` when it cannot answer."""
+
+    kind = UPSTREAM
+
+    def __init__(self, base_url: str, model: str, timeout_s: float = 5.0, api_key: str = "") -> None:
+        self.url = base_url + "/tokenize"
+        self.model = model
+        self.timeout_s = timeout_s
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._session: Any = None
+
+    async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+        body: dict[str, Any] = {"model": self.model}
+        if messages:
+            body.update(messages=[m.to_dict() for m in messages], add_generation_prompt=True)
+        else:
+            body["prompt"] = prompt
+        try:
+            async with self._session.post(self.url, json=body, headers=self.headers) as resp:
+                if resp.status != 200:
+                    text = (await resp.text(errors="replace"))[:200]
+                    raise TokenizerUnavailable(f"HTTP {resp.status}: {text}")
+                data = await resp.json(content_type=None)
+        except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+            raise TokenizerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        n = data.get("count") if isinstance(data, dict) else None
+        if isinstance(n, list) and len(n) == 1:  # some servers answer [n]
+            n = n[0]
+        if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+            raise TokenizerUnavailable(f"no token count in the answer: {str(data)[:200]}")
+        return n
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def counter_for(spec: str, url: str, worker: Mapping[str, Any], pool_model: str,
+                env: Mapping[str, str] | None = None, timeout_s: float = 5.0) -> Counter:
+    """The counter a validated pool setting names."""
+    env = os.environ if env is None else env
+    if spec == BYTES:
+        return Counter()
+    if spec == UPSTREAM:
+        model = str(worker.get("upstream_model") or env.get("QOS_UPSTREAM_MODEL") or pool_model)
+        key = env.get("QOS_UPSTREAM_API_KEY", "")
+        return UpstreamCounter(upstream_url(url, worker), model, timeout_s, key)
+    return FileCounter(load_file(tokenizer_file(spec), "tokenizer"))
+

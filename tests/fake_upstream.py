@@ -1,0 +1,139 @@
+"""A small OpenAI-compatible upstream for the openai engine's tests: a real aiohttp server on
+127.0.0.1 speaking vLLM's streaming format (usage on the last chunk, per-chunk usage when
+asked), its ``POST /tokenize``, and a way to die mid-answer."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+from aiohttp import web
+
+from tests.redis_server import free_port
+
+
+def words(text: str) -> int:
+    """The fake model's tokenizer for prompts: one token per whitespace-separated word."""
+    return len(text.split())
+
+
+def fake_prompt_tokens(body: dict[str, Any]) -> int:
+    """What the fake server counts for a request body (and answers on /tokenize): its words
+    plus BOS; a chat adds a 2-token template per message."""
+    if "messages" in body:
+        return 1 + sum(words(m["content"]) + 2 for m in body["messages"])
+    return 1 + words(body["prompt"])
+
+
+class FakeUpstream:
+    """Answers with the prompt (or last user message) reversed in tokens of 3 characters, one
+    token per chunk (two with PAIRS in the prompt); ``max_tokens`` in those tokens; usage on
+    the last chunk (and, asked with ``continuous_usage_stats``, the running usage on every
+    chunk), vLLM's ``POST /tokenize``. Prompts containing FAIL get HTTP 400, MIDERR an error
+    chunk, SLOW 40 ms per chunk."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+        self.tokenized: list[dict[str, Any]] = []
+        self.active = 0
+        self.max_active = 0
+        self.disconnects = 0
+        self.transports: set[Any] = set()
+        self.status: int | None = None  # answer every request with this HTTP status (e.g. 503)
+        app = web.Application()
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_post("/v1/completions", self.handle)
+        app.router.add_post("/v1/chat/completions", self.handle)
+        app.router.add_post("/tokenize", self.tokenize)
+        self.runner = web.AppRunner(app)
+        self.port = free_port()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def start(self) -> None:
+        await self.runner.setup()
+        await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def models(self, request: web.Request) -> web.Response:
+        if self.status is not None:
+            return web.json_response({"error": {"message": "busy"}}, status=self.status)
+        return web.json_response({"object": "list", "data": [{"id": "tiny", "object": "model"}]})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.tokenized.append(body)
+        if self.status is not None:
+            return web.json_response({"error": {"message": "busy"}}, status=self.status)
+        n = fake_prompt_tokens(body)
+        return web.json_response({"count": n, "max_model_len": 4096, "tokens": list(range(n))})
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        self.bodies.append(body)
+        if self.status is not None:
+            return web.json_response({"error": {"message": "server busy"}}, status=self.status)
+        chat = "messages" in body
+        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        if "FAIL" in prompt:
+            return web.json_response({"error": {"message": "model is overloaded", "type": "server_error",
+                                                "code": 400}}, status=400)
+        answer = prompt[::-1]
+        tokens = [answer[i: i + 3] for i in range(0, len(answer), 3)]
+        finish = "stop"
+        if len(tokens) > body["max_tokens"]:
+            tokens, finish = tokens[: body["max_tokens"]], "length"
+        per = 2 if "PAIRS" in prompt else 1
+        pieces = ["".join(tokens[i: i + per]) for i in range(0, len(tokens), per)]
+        so = body.get("stream_options") or {}
+        prompt_tokens = fake_prompt_tokens(body)
+
+        def usage(done: int) -> dict[str, int]:
+            return {"prompt_tokens": prompt_tokens, "completion_tokens": done,
+                    "total_tokens": prompt_tokens + done}
+
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        self.transports.add(request.transport)
+        self.active += 1
+        self.max_active = max(self.max_active, self.active)
+
+        async def send(obj: Any) -> None:
+            await resp.write(f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode())
+
+        try:
+            for n, p in enumerate(pieces):
+                if "SLOW" in prompt:
+                    await asyncio.sleep(0.04)
+                if "MIDERR" in prompt and n == 2:
+                    await send({"error": {"message": "CUDA out of memory"}})
+                    return resp
+                choice = ({"index": 0, "delta": {"content": p}, "finish_reason": None} if chat
+                          else {"index": 0, "text": p, "finish_reason": None})
+                chunk: dict[str, Any] = {"id": "x", "choices": [choice]}
+                if so.get("include_usage") and so.get("continuous_usage_stats"):
+                    chunk["usage"] = usage(min(len(tokens), (n + 1) * per))
+                await send(chunk)
+            last = {"index": 0, "delta": {}, "finish_reason": finish} if chat else {
+                "index": 0, "text": "", "finish_reason": finish}
+            await send({"id": "x", "choices": [last]})
+            if so.get("include_usage"):
+                await send({"id": "x", "choices": [], "usage": usage(len(tokens))})
+            await send("[DONE]")
+        except (ConnectionError, asyncio.CancelledError):  # the worker closed the stream
+            self.disconnects += 1
+            raise
+        finally:
+            self.active -= 1
+            self.transports.discard(request.transport)
+        return resp
+
+    async def kill(self) -> None:
+        """As if the server process died: open connections are cut mid-answer (no final
+        chunk, no [DONE]) and nothing listens any more."""
+        for t in list(self.transports):
+            if t is not None:
+                t.abort()
+        await self.runner.cleanup()

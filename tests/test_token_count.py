@@ -1,0 +1,217 @@
+"""Real token counts per pool: the pool names its tokenizer (a tokenizer.json loaded with the
+``tokenizers`` library, or the upstream's ``/tokenize``), the frontend charges and checks the
+context with it, and the openai engine's ``max_tokens`` and ``usage`` are the upstream's
+tokens end to end. Tokenizers are built here in code (no model hub)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from limiter.cli import main
+from limiter.config import load, parse, validate
+from limiter.errors import ConfigError
+from limiter.frontend.settings import FrontendSettings
+from limiter.keys import PoolKeys
+from limiter.prompt import ChatMessage
+from limiter.token_count import FileCounter, counter_for
+from tests.fake_upstream import FakeUpstream, fake_prompt_tokens
+from tests.frontend_helpers import auth, frontend, make_cfg, redis_state
+from tests.worker_helpers import worker
+from worker.settings import load_settings
+
+POOL = PoolKeys("tiny")
+WORDS = "one two three four five six seven eight nine ten".split()
+
+
+def word_tokenizer(path: Path) -> Path:
+    """A WordLevel tokenizer.json: one token per whitespace-separated word, BOS first."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, processors
+
+    vocab = {"[UNK]": 0, "[BOS]": 1, **{w: i + 2 for i, w in enumerate(WORDS)}}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.post_processor = processors.TemplateProcessing(single="[BOS] $A", special_tokens=[("[BOS]", 1)])
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tok.save(str(path))
+    return path
+
+
+def _cfg_toml(tokenizer: str, extra: str = "") -> str:
+    return f"""
+[[classes]]
+name = "P1"
+share = 1.0
+
+[[pools]]
+name = "tiny"
+tokenizer = "{tokenizer}"
+{extra}
+"""
+
+
+# --- config -------------------------------------------------------------------------------------
+
+def test_pool_tokenizer_config_loads_files_and_directories_relative_to_the_config(tmp_path, monkeypatch):
+    word_tokenizer(tmp_path / "conf" / "tok" / "tokenizer.json")
+    (tmp_path / "conf" / "qos.toml").write_text(_cfg_toml("tok"))  # a directory holding tokenizer.json
+    monkeypatch.chdir(tmp_path)  # relative to the config file, not to where the process runs
+    cfg = load(tmp_path / "conf" / "qos.toml", env={})
+    assert cfg.pools[0].tokenizer == str(tmp_path / "conf" / "tok")
+    counter = counter_for(cfg.pools[0].tokenizer, "", {}, "tiny")
+    assert isinstance(counter, FileCounter)
+    assert counter.count_text("one two three") == 4  # 3 words + BOS (bytes would say 14)
+    assert load(None, env={}).pools[0].tokenizer == "bytes"  # the demo: byte-level
+    assert counter_for("bytes", "", {}, "tiny").count_text("one two three") == 14
+
+
+@pytest.mark.parametrize(("tokenizer", "extra", "field", "words"), [
+    ("missing/tokenizer.json", "", "pools[0].tokenizer", "neither a tokenizer mode"),
+    ("sentencepiece", "", "pools[0].tokenizer", "neither a tokenizer mode (bytes, upstream)"),
+    ("bad.json", "", "pools[0].tokenizer", "cannot load tokenizer"),
+    ("", "", "pools[0].tokenizer", "must be 'bytes', 'upstream' or the path"),
+    ("upstream", "", "pools[0].tokenizer_url", "needs the model server's http(s):// URL"),
+    ("upstream", 'tokenizer_url = "ftp://x"', "pools[0].tokenizer_url", "http(s)://"),
+    ("bytes", 'tokenizer_url = "http://x"', "pools[0].tokenizer_url", "only used with"),
+])
+def test_bad_tokenizer_settings_name_the_field(tmp_path, capsys, tokenizer, extra, field, words):
+    (tmp_path / "bad.json").write_text('{"model": {"type": "NoSuchModel"}}')
+    p = tmp_path / "qos.toml"
+    p.write_text(_cfg_toml(tokenizer, extra))
+    with pytest.raises(ConfigError) as exc:
+        load(p, env={})
+    assert exc.value.path == field and words in str(exc.value), str(exc.value)
+    assert main(["config", "check", str(p)]) == 2  # every role exits with it at start
+    assert field in capsys.readouterr().err
+
+
+def test_upstream_mode_takes_the_workers_upstream_url(tmp_path):
+    cfg = parse({"classes": [{"name": "P1", "share": 1.0}],
+                 "pools": [{"name": "tiny", "tokenizer": "upstream"}],
+                 "worker": {"upstream_url": "http://127.0.0.1:9/v1", "upstream_model": "org/M"}})
+    counter = counter_for("upstream", "", cfg.worker, "tiny", env={})
+    # vLLM serves /tokenize at the root, not under /v1
+    assert counter.url == "http://127.0.0.1:9/tokenize" and counter.model == "org/M"
+
+
+def test_a_step_engine_refuses_a_pool_not_counted_in_bytes(tmp_path, redis_server):
+    tok = word_tokenizer(tmp_path / "tokenizer.json")
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": str(tok)})
+    for engine in ("sim", "torch"):
+        with pytest.raises(ConfigError) as exc:
+            load_settings(cfg, {"engine": engine})
+        assert exc.value.path == "pools[0].tokenizer" and "only the openai engine" in str(exc.value)
+    load_settings(cfg, {"engine": "openai", "upstream_url": "http://127.0.0.1:9"})
+
+
+# --- the frontend counts with the pool's tokenizer; the openai engine counts the upstream's ---------
+
+@pytest.fixture
+async def upstream():
+    up = FakeUpstream()
+    await up.start()
+    yield up
+    await up.runner.cleanup()
+
+
+async def test_file_tokenizer_counts_for_admission_context_and_usage_is_the_upstreams(
+        tmp_path, redis_server, sync_redis, upstream) -> None:
+    tok = word_tokenizer(tmp_path / "tokenizer.json")
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": str(tok), "context_tokens": 32,
+                                           "default_max_tokens": 32})
+    prompt = "one two three four five six seven eight"  # 8 words + BOS = 9 tokens; 40 bytes
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=upstream.url):
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": prompt, "max_tokens": 4})
+        assert r.status == 200, await r.text()
+        out = await r.json()
+        rid = r.headers["X-QoS-Request-Id"]
+        rec = {k.decode(): v.decode(errors="replace")
+               for k, v in sync_redis.hgetall(POOL.request(rid)).items()}
+        # admission charged the pool's tokens: 9 in (not 41 bytes), 4 out
+        assert rec["input_tokens"] == "9" and rec["max_tokens"] == "4"
+        # max_tokens=4 is 4 of the model's tokens (the fake's are 3 characters), not 4 characters
+        choice = out["choices"][0]
+        assert choice["text"] == prompt[::-1][:12] and choice["finish_reason"] == "length"
+        assert out["usage"] == {"prompt_tokens": fake_prompt_tokens({"prompt": prompt}),
+                                "completion_tokens": 4, "total_tokens": 9 + 4}
+        assert upstream.bodies[-1]["max_tokens"] == 4 and upstream.disconnects == 0  # not cut off early
+        assert rec["usage_in"] == "9" and rec["usage_out"] == "4" and float(rec["refund"]) == 0
+
+        # The default max_tokens fills the room left in the pool's tokens: 32 - 9.
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": prompt, "stream": True, "stream_options": {
+                                  "include_usage": True, "continuous_usage_stats": True}})
+        assert r.status == 200
+        chunks = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                  if line.startswith("data: {")]
+        assert upstream.bodies[-1]["max_tokens"] == 32 - 9
+        assert chunks[-1]["usage"]["completion_tokens"] == 13  # the upstream's: 39 characters, 3 a token
+
+        # The context check is in the pool's tokens too: 40 words (41 tokens) do not fit 32.
+        before = redis_state(sync_redis)
+        long = " ".join(WORDS * 4)
+        r = await client.post("/v1/completions", headers=auth(), json={"model": "tiny", "prompt": long})
+        body = await r.json()
+        assert r.status == 400 and body["error"]["code"] == "context_length_exceeded"
+        assert body["error"]["param"] == "prompt" and "the prompt has 41" in body["error"]["message"]
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": prompt, "max_tokens": 24})
+        body = await r.json()
+        assert r.status == 400 and body["error"]["param"] == "max_tokens"
+        assert "at most 23 output tokens fit" in body["error"]["message"]
+        assert redis_state(sync_redis) == before  # nothing charged or queued
+
+
+async def test_upstream_tokenizer_counts_chats_with_the_servers_template(tmp_path, redis_server, sync_redis,
+                                                                          upstream) -> None:
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": "upstream", "tokenizer_url": upstream.url,
+                                           "context_tokens": 64, "default_max_tokens": 64})
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "say it backwards please"}]
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=upstream.url,
+                                               upstream_model="org/Model-7B"):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": msgs, "max_tokens": 3})
+        assert r.status == 200, await r.text()
+        out = await r.json()
+        want = fake_prompt_tokens({"messages": msgs})  # 1 + (2 + 2) + (4 + 2) = 11
+        (asked,) = upstream.tokenized
+        assert asked["messages"] == msgs and asked["add_generation_prompt"] is True
+        assert asked["model"] == "tiny"  # no [worker] upstream_model in this config: the pool's model
+        rec = {k.decode(): v.decode(errors="replace") for k, v in
+               sync_redis.hgetall(POOL.request(r.headers["X-QoS-Request-Id"])).items()}
+        assert rec["input_tokens"] == str(want) == rec["usage_in"]
+        assert out["usage"]["prompt_tokens"] == want and out["usage"]["completion_tokens"] == 3
+        assert out["choices"][0]["message"]["content"] == "say it backwards please"[::-1][:9]
+
+        # The model server cannot count: a clear 503, nothing admitted or charged.
+        before = redis_state(sync_redis)
+        upstream.status = 503
+        r = await client.post("/v1/completions", headers=auth(), json={"model": "tiny", "prompt": "hi"})
+        body = await r.json()
+        assert r.status == 503 and body["error"]["code"] == "tokenizer_unavailable"
+        assert r.headers["Retry-After"] == "1" and "127.0.0.1" not in body["error"]["message"]
+        assert redis_state(sync_redis) == before
+
+
+async def test_counters_count_completions_and_chats(tmp_path) -> None:
+    from tokenizers import Tokenizer
+
+    counter = FileCounter(Tokenizer.from_file(str(word_tokenizer(tmp_path / "t.json"))))
+    assert await counter.count("one two") == 3
+    assert await counter.count(" ".join(["one"] * 20_000)) == 20_001  # long prompts: off the event loop
+    msgs = (ChatMessage("user", "one two"),)
+    # chat: the rendered prompt (its role markers are unknown words here)
+    assert await counter.count("<|user|>\none two\n<|assistant|>\n", msgs) == 5
+
+
+def test_frontend_settings_validate_the_tokenize_timeout(redis_server) -> None:
+    from limiter.frontend.settings import validate as validate_settings
+
+    cfg = validate(dataclasses.replace(make_cfg(redis_server.url)))
+    with pytest.raises(ConfigError) as exc:
+        validate_settings(FrontendSettings(tokenize_timeout_s=0), cfg)
+    assert exc.value.path == "frontend.tokenize_timeout_s"
