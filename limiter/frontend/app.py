@@ -159,7 +159,8 @@ class Frontend:
         next_reap = loop.time() + self.settings.reap_s
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stop.wait(), self.settings.heartbeat_s)
+                async with asyncio.timeout(self.settings.heartbeat_s):
+                    await self._stop.wait()
                 return
             try:
                 if self.bootstrapped:
@@ -430,8 +431,9 @@ class Generation:
                                       outcome="timeout")
                 await self.on_deadline()
                 continue
-            try:
-                return await asyncio.wait_for(self.queue.get(), limit - now)
+            try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                async with asyncio.timeout(limit - now):
+                    return await self.queue.get()
             except TimeoutError:
                 continue
 
