@@ -311,6 +311,10 @@ async def run_scenario(s: Scenario, p: ControlParams, cap: Capacity, rows: Mappi
         stop.set()
         await sampler
         decisions = await probe.decisions()
+        samples = [{"cls": x.get("class"), "outcome": x.get("outcome"), "worker": x.get("worker"),
+                    "queue_wait_ms": x.get("queue_wait_ms"), "ttft_ms": x.get("ttft_ms"),
+                    "t_s": round((x.get("ts_ms", 0) - t_load_ms) / 1000, 2)}
+                   for x in await probe.samples() if x.get("ts_ms", 0) >= t_load_ms]
     finally:
         stop.set()
         await probe.close()
@@ -333,6 +337,7 @@ async def run_scenario(s: Scenario, p: ControlParams, cap: Capacity, rows: Mappi
     else:
         out["figures"] = surge_figures(s, decisions, t_load_ms)
     out["heartbeats"] = beats.figures
+    out["samples"] = samples  # the latency samples: where a request's time went (queue or service)
     out["requests"] = [{"cls": r.arrival.cls, "at_s": round(r.arrival.at_s, 3), "status": r.result.status,
                         "ok": r.result.ok, "ttft_ms": r.result.ttft_ms, "tpot_ms": r.result.tpot_ms,
                         "input_tokens": r.arrival.prompt_tokens, "max_tokens": r.arrival.max_tokens}
