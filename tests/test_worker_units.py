@@ -335,3 +335,20 @@ async def test_a_tenant_that_holds_a_few_slots_is_not_avoided_while_another_hold
                        tenant=tenant)
     await even.sched.step()  # 3 and 3: neither can take the other's slot
     assert even._tenant_lookahead() == ("P2", ["heavy", "steady"], "P1")
+
+
+async def test_the_tenant_look_ahead_never_avoids_a_class_above_every_waiting_request() -> None:
+    """One tenant per class (each "rich" in its class): behind a P2 flood the look-ahead must
+    still take any P0, whoever sends it -- avoiding P0's only tenant kept P0 queued for
+    seconds (qos bench control, p2_flood)."""
+    from worker.settings import WorkerSettings
+    from worker.steploop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    rt.settings = WorkerSettings(max_seqs=6, token_budget=8, claim_ahead=1, claim_interval_ms=20)
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=6))  # type: ignore[arg-type]
+    for i, (rank, tenant) in enumerate([(0, "chat")] * 2 + [(2, "batch")] * 5):
+        loop.sched.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=rank, arrival=i,
+                       tenant=tenant)
+    await loop.sched.step()  # 2 P0 + 4 P2 run, one P2 waits
+    assert loop._tenant_lookahead() == ("", ["batch"], "P2")  # P0 and P1 open to anyone

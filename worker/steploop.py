@@ -41,6 +41,10 @@ from worker.step_budget import BudgetConfig, StepBudget
 log = logging.getLogger("qos.worker")
 # With requests held but none to step, the loop looks again after this long (never spins).
 IDLE_HELD_S = 0.05
+# An empty claim's back-off doubles from claim_interval_ms up to this many of them (100 ms at
+# the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
+# enough that work admitted meanwhile is claimed promptly.
+MAX_BACKOFF_INTERVALS = 5
 
 
 class StepLoop:
@@ -155,7 +159,8 @@ class StepLoop:
         whose head this worker cannot take (it needs more KV than the worker has) does not
         turn into a hot loop: ``claim`` re-announces a backlog it leaves behind, so after a
         second empty claim in a row the next one waits ``claim_interval_ms``, doubling up to
-        ``idle_block_s``, until a claim returns work or the wake list goes quiet. While busy,
+        ``MAX_BACKOFF_INTERVALS`` of them, until a claim returns work or the wake list goes
+        quiet. While busy,
         a claim is made only when a wake marker says work was announced."""
         s = self.rt.settings
         held = len(self.rt.held)
@@ -205,7 +210,10 @@ class StepLoop:
             return
         self._empty_claims += 1
         if self._empty_claims >= 2:  # a wake marker, yet nothing for us: back off
-            backoff = s.claim_interval_ms / 1e3 * 2 ** (self._empty_claims - 2)
+            # ...but never long: what is queued may be held by its class's ceiling (a P2 flood
+            # at its limit), and a P0 admitted meanwhile must not wait out a long back-off (a
+            # back-off growing to idle_block_s left P0 queued 0.4-2 s behind a P2 flood).
+            backoff = s.claim_interval_ms / 1e3 * min(2 ** (self._empty_claims - 2), MAX_BACKOFF_INTERVALS)
             self._next_claim = time.monotonic() + min(s.idle_block_s, backoff)
         if not held and not await self.rt.wait_for_work():
             self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
@@ -235,7 +243,8 @@ class StepLoop:
         of the most slots any tenant of their class holds here, that being two or more: a
         tenant with fewer could take one of those slots (worker/batching.py) -- the claim's
         ``above_class`` (every class down to the lowest such class), the tenants to avoid
-        (the richest first, at most 16) and the highest class they are avoided in; else None."""
+        (the richest first, at most 16) and the highest class they are avoided in (the best
+        waiting class: every class above it is claimed freely); else None."""
         slots: dict[tuple[int, str], int] = {}
         for q in self.sched.running:
             if q.tenant:  # '' = a class without tenant fairness
@@ -243,12 +252,19 @@ class StepLoop:
         top: dict[int, int] = {}
         for (rank, _), n in slots.items():
             top[rank] = max(top.get(rank, 0), n)
-        rich = {key: n for key, n in slots.items() if top[key[0]] >= 2 and n >= top[key[0]] - 1}
         waiting = self.sched.waiting
-        if not rich or not waiting or any((w.class_rank, w.tenant) not in rich for w in waiting):
+        if not waiting:
+            return None
+        # Only tenants of the waiting requests' classes and below: a class above every waiting
+        # request is claimed freely (the above_class look-ahead), whoever holds its slots --
+        # avoiding a single-tenant P0 there kept P0 queued for seconds behind a P2 flood.
+        best = min(w.class_rank for w in waiting)
+        rich = {key: n for key, n in slots.items()
+                if key[0] >= best and top[key[0]] >= 2 and n >= top[key[0]] - 1}
+        if not rich or any((w.class_rank, w.tenant) not in rich for w in waiting):
             return None
         names = self.rt.cfg.class_names()
-        lowest, highest = max(r for r, _ in rich), min(r for r, _ in rich)
+        lowest, highest = max(r for r, _ in rich), best
         most: dict[str, int] = {}
         for (_, t), n in rich.items():
             most[t] = max(most.get(t, 0), n)

@@ -301,9 +301,9 @@ def plot_control(results: Mapping[str, Any], out_dir: Path) -> list[Path]:
         ax = axes[1]
         ax.plot(t, [r["capacity"] for r in tl], color="black", label="policy capacity")
         ax.plot(t, [r["measured_capacity"] for r in tl], color="#ff7f0e", label="measured (median)")
-        workers = sorted({w for r in tl for w in (r.get("workers") or {})})
+        workers = sorted({w for r in tl for w in (r.get("capacity_figures") or {})})
         for w in workers:
-            pts = [(r["t_s"], r["workers"][w]) for r in tl if w in (r.get("workers") or {})]
+            pts = [(r["t_s"], r["capacity_figures"][w]) for r in tl if w in (r.get("capacity_figures") or {})]
             if pts:
                 ax.scatter(*zip(*pts, strict=True), s=4, alpha=0.5, label=f"{w} heartbeat")
         ax.set_ylabel("capacity")
