@@ -2,9 +2,10 @@
 
 The control law is proven on the plant model (tests/test_plant_stability.py), whose capacity
 is a constant. Here the same law runs in the controller process of a real stack (private
-Redis, one frontend, sim workers, the qos config with the controller on) under trace-shaped
-open-loop load, and what it did is read back from Redis: the policy every second, its
-decisions, the workers' heartbeats, and each request as the client saw it.
+Redis, one frontend, sim workers, the qos config with the controller on) under open-loop
+load (the trace's request sizes at a constant rate per phase), and what it did is read back
+from Redis: the policy every second, its decisions, the workers' heartbeats, and each
+request as the client saw it.
 
 Scenarios (times for the full form; ``--short`` scales them down for the default test run):
 
@@ -33,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import random
 import signal
 import statistics
 import time
@@ -48,7 +50,7 @@ from limiter.bench.calibrate import Capacity
 from limiter.bench.driver import Record, drive
 from limiter.bench.modes import POOL, ModeSpec, mode_spec
 from limiter.bench.report import meets_slo
-from limiter.bench.runner import CONTEXT_TOKENS, speedup_for, tempfile_dir
+from limiter.bench.runner import CONTEXT_TOKENS, tempfile_dir
 from limiter.bench.stack import LoggedStack, Probe, StackSpec, start_stack
 from limiter.bench.stackcal import calibrate
 
@@ -116,8 +118,13 @@ def class_rows(engine: str) -> dict[str, list[tr.Arrival]]:
 
 
 def scenario_arrivals(s: Scenario, rows: Mapping[str, Sequence[tr.Arrival]],
-                      cap: Capacity) -> list[tr.Arrival]:
-    """Each class's trace rows, in order, time-scaled per phase to its offered load."""
+                      cap: Capacity, seed: int = 1) -> list[tr.Arrival]:
+    """Each class's trace rows, in order (their sizes), at a constant rate per phase: as many
+    rows as carry the phase's offered work, each placed at a random point of its own equal
+    slice of the phase (seeded). The trace's own arrival times are not used: its density
+    drifts over minutes, and a scenario about the controller needs a load that is steady
+    when the scenario says so."""
+    rng = random.Random(seed)
     out: list[tr.Arrival] = []
     offset = dict.fromkeys(rows, 0)
     ends = [p.at_s for p in s.phases[1:]] + [s.duration_s]
@@ -126,11 +133,18 @@ def scenario_arrivals(s: Scenario, rows: Mapping[str, Sequence[tr.Arrival]],
         for cls, load in phase.load.items():
             if load <= 0:
                 continue
-            mine = list(rows[cls][offset[cls]:])
-            speedup = speedup_for(mine, load * cap.weighted_tokens_s, length, cap.out_weight)
-            part = tr.time_scaled(mine, speedup, length)
+            want, work, part = load * cap.weighted_tokens_s * length, 0.0, []
+            for a in rows[cls][offset[cls]:]:
+                if work >= want:
+                    break
+                part.append(a)
+                work += cap.cost(a)
+            if work < want:
+                raise ValueError(f"the trace holds too little {cls} work for {s.name}: lower the load")
             offset[cls] += len(part)
-            out += [dataclasses.replace(a, at_s=a.at_s + phase.at_s) for a in part]
+            slot = length / len(part)
+            out += [dataclasses.replace(a, at_s=phase.at_s + (k + rng.random()) * slot)
+                    for k, a in enumerate(part)]
     out.sort(key=lambda a: a.at_s)
     return [dataclasses.replace(a, index=i) for i, a in enumerate(out)]
 
