@@ -62,7 +62,7 @@ class CapacityConfig:
     busy_queue_ms: float = 100.0
     busy_share: float = 0.1
     min_busy_intervals: int = 3
-    worker_ttl_s: float = 15.0
+    worker_ttl_s: float = 5.0  # five missed heartbeats: a crashed worker leaves the sum soon
     min_reports: int = 3  # a worker's reports count once it has made this many (its first are ramp-up)
     rate_intervals: int = 5
     weights: Mapping[str, tuple[float, float]] = field(default_factory=dict)

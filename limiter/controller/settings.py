@@ -39,7 +39,7 @@ class CapacitySettings:
     busy_queue_ms: float = 100.0
     busy_share: float = 0.1
     min_busy_intervals: int = 3
-    worker_ttl_s: float = 15.0
+    worker_ttl_s: float = 5.0
     min_reports: int = 3
     rate_intervals: int = 5
     # Heartbeat field (qos:{pool}:worker:<id>) carrying weighted tokens/s while busy; "" = do
