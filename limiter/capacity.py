@@ -175,10 +175,14 @@ class CapacityEstimator:
         if self._index is not None and index > self._index:
             self._close_until(index)
         ttl_ms = self.config.worker_ttl_s * 1000.0
-        for name in [n for n, w in self._workers.items() if now_ms - w.seen_ms > ttl_ms]:
-            del self._workers[name]
         for name in [n for n, seen in self._alive.items() if now_ms - seen > ttl_ms]:
             del self._alive[name]
+        # A worker that still heartbeats keeps its measurement however long it idles (an idle
+        # worker reports nothing, and its capacity did not change; dropping it put the pool
+        # back on the samples' estimate, 2x off, 5 s after a load ended); a silent one loses it.
+        stale = [n for n, w in self._workers.items() if now_ms - w.seen_ms > ttl_ms and n not in self._alive]
+        for name in stale:
+            del self._workers[name]
 
     def _close_until(self, index: int) -> None:
         assert self._index is not None

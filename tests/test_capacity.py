@@ -89,9 +89,28 @@ def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None
     assert est.estimate(2000.0).value == pytest.approx(16_000.0)
     est.set_alive({"w1": 3000.0, "w2": 3000.0, "w5": 3000.0})
     est.observe_worker("w1", 10_000.0, 13_000.0)
-    # w2's measurement is older than the TTL: it still heartbeats (alive), so it counts at the mean
+    # w2's measurement is older than the TTL, but it still heartbeats (idle, reporting
+    # nothing): its capacity did not change, so its own figure stays
     est.set_alive({"w1": 13_000.0, "w2": 13_000.0})
-    assert est.estimate(13_000.0).value == pytest.approx(20_000.0)
+    assert est.estimate(13_000.0).value == pytest.approx(16_000.0)
+    est.set_alive({"w1": 13_000.0})  # w2 stopped heartbeating: its figure goes
+    assert est.estimate(13_000.0).value == pytest.approx(10_000.0)
+
+
+def test_an_idle_pool_keeps_its_measured_capacity() -> None:
+    """After a load ends the workers heartbeat but report nothing (no full steps): the
+    estimate stays theirs, not the samples' (which read 2x off in qos bench control)."""
+    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3, worker_ttl_s=5.0, min_reports=1,
+                                           min_busy_intervals=1))
+    feed(est, seconds=5, per_s=40, wait=500.0)  # the samples say 40k
+    for t in (1000.0, 2000.0, 3000.0):
+        est.set_alive({"w1": t, "w2": t})
+        est.observe_worker("w1", 10_000.0, t)
+        est.observe_worker("w2", 10_000.0, t)
+    for t in range(4000, 60_000, 1000):  # a minute of idle heartbeats
+        est.set_alive({"w1": float(t), "w2": float(t)})
+        e = est.estimate(float(t))
+        assert (e.source, e.value) == ("workers", pytest.approx(20_000.0)), t
 
 
 def test_a_workers_first_reports_do_not_count_yet() -> None:
