@@ -19,6 +19,7 @@ async def test_the_controller_leads_consumes_and_decides_on_a_cluster(redis_clus
                               pools=(PoolConfig(name="ctl-cluster"),))
     keys = PoolKeys("ctl-cluster")
     ctl = Controller(fast_settings(cfg), cfg)
+    claims: asyncio.Task[None] | None = None
     try:
         await ctl.start()
         pc = ctl.pools["ctl-cluster"]
@@ -28,8 +29,20 @@ async def test_the_controller_leads_consumes_and_decides_on_a_cluster(redis_clus
         p2 = [sample("P2", now - 2000, input_tokens=4000, output_tokens=100) for _ in range(10)]
         await push(ctl.client, keys, p2 + [sample("P0", now, ttft_ms=3000.0) for _ in range(30)])
         await wait_for(lambda: asyncio.sleep(0, pc.term is not None and pc.term.consumed == 40))
+        # P2 keeps claiming, as workers would: the law cuts a class only for what it uses now
+        # (claimed/s from the stats counters), so without claims P2 would not be interfering.
+        claims = asyncio.create_task(keep_claiming(ctl.client, keys, "P2"))
         await wait_for(lambda: ctl.client.xlen(keys.decisions))  # P0 violates: P2 is cut, written
         await wait_for(lambda: ctl.client.hget(keys.compliance, "P0"))
         assert await ctl.client.get(keys.leader) == f"a:{pc.term.fence}".encode()
     finally:
+        if claims is not None:
+            claims.cancel()
+            await asyncio.gather(claims, return_exceptions=True)
         await ctl.stop()
+
+
+async def keep_claiming(client, keys: PoolKeys, cls: str) -> None:
+    while True:
+        await client.hincrby(keys.stats, f"{cls}.claimed", 1)
+        await asyncio.sleep(0.02)
