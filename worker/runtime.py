@@ -29,16 +29,13 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from limiter.config import QosConfig
 from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
 from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
 from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
-from limiter.redis_conn import open_redis
+from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.scripts import Claimed, Scripts, policy_document
 from limiter.tasks import stop_tasks
 from worker.delivery import Delivery
@@ -168,10 +165,8 @@ class WorkerRuntime:
     # --- helpers ------------------------------------------------------------------------------
     async def _redis(self, aw: Awaitable[Any]) -> Any:
         """Await a plain redis-py command, mapping connection failures to RedisUnavailable."""
-        try:
+        with map_redis_errors():
             return await aw
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
 
     def weights(self, cls: str) -> tuple[float, float]:
         """(input, output) cost weights of class ``cls``: capacity is reported in the same

@@ -23,9 +23,7 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.control_law import ClassInputs, Decision, Inputs, decide
@@ -35,14 +33,13 @@ from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.observe import publish, read_heartbeats, record_metrics, redis_now_ms
 from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
-from limiter.errors import PolicyMissing, RedisUnavailable, StaleLeader
+from limiter.errors import PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
+from limiter.redis_conn import REDIS_ERRORS
 from limiter.scripts import Scripts, policy_document
 from limiter.slo import Sample
 
 log = logging.getLogger("qos.controller")
-# TimeoutError (a step that overran its timeout) is an OSError: handled like an outage.
-REDIS_ERRORS = (RedisUnavailable, RedisConnectionError, RedisTimeoutError, OSError)
 MAX_BACKOFF_S = 5.0
 # No socket timeout on the client (XREADGROUP blocks), so every step has its own deadline: a
 # connection that wedges must cost one step, not stop a loop while the lease is still renewed.

@@ -60,7 +60,7 @@ from limiter.frontend.metrics import FrontendMetrics
 from limiter.frontend.replies import Heartbeat, Reply, ReplyRouter, dedup, drain_estimate_s
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import SAMPLES_MAXLEN, PoolKeys
-from limiter.redis_conn import open_redis
+from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS, open_redis
 from limiter.scripts import SCRIPT_NAMES, Admitted, Scripts, policy_document, script_source
 
 log = logging.getLogger("qos.frontend")
@@ -135,7 +135,7 @@ class Frontend:
         # is not there yet, the heartbeat loop keeps trying and /readyz says 503 meanwhile.
         # Anything else (a policy Redis rejects, a script that does not load) is a real fault:
         # it propagates and the process does not start.
-        with contextlib.suppress(RedisUnavailable, RedisConnectionError, RedisTimeoutError, OSError):
+        with contextlib.suppress(*REDIS_ERRORS):
             await self._bootstrap()
         self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
 
@@ -686,7 +686,7 @@ async def readyz(request: web.Request) -> web.Response:
                 problem = "heartbeat is stale"
             elif down := await _pools_with_upstream_down(fe):
                 problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
-    except (TimeoutError, QosError, RedisConnectionError, RedisTimeoutError, OSError) as exc:
+    except (TimeoutError, QosError, *CONNECTION_ERRORS) as exc:
         log.warning("readiness: Redis unavailable: %s", exc)
         problem = "Redis unavailable"  # /readyz is unauthenticated: no address, no driver text
     if problem:
