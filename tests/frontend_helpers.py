@@ -10,7 +10,8 @@ from typing import Any
 from aiohttp.test_utils import TestClient, TestServer
 
 from limiter.config import QosConfig, RedisConfig, TenantConfig, demo_config, hash_key, validate
-from limiter.frontend.app import FRONTEND, Frontend, create_app
+from limiter.frontend.app import create_app
+from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import PoolKeys
 

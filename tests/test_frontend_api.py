@@ -9,8 +9,8 @@ import json
 import openai
 import pytest
 
-from limiter.frontend.app import FRONTEND
 from limiter.frontend.replies import Reply, dedup
+from limiter.frontend.runtime import FRONTEND
 from limiter.prompt import Payload, count_tokens, render_chat
 from tests.fake_worker import FakeWorker
 from tests.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg

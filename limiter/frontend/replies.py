@@ -146,10 +146,6 @@ class ReplyRouter:
         for q in self._queues.values():
             q.put_nowait(reply)
 
-    @property
-    def pending(self) -> int:
-        return len(self._queues)
-
     def dispatch(self, pool: str, fields: dict[Any, Any]) -> None:
         rid = _s(fields.get(b"id", fields.get("id", b"")))
         q = self._queues.get(rid)
