@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from limiter.backoff import Backoff
 from limiter.config import QosConfig
 from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
 from limiter.heartbeats import prune_stale
@@ -83,17 +84,16 @@ class WorkerRuntime:
         self.client = open_redis(self.cfg.redis, max_connections=8, pool_wait_s=30.0)
         self.blocking = open_redis(self.cfg.redis, max_connections=2)  # BLPOP blocks its connection
         self.scripts = Scripts(self.client)
-        backoff = 0.2
+        backoff = Backoff("Redis unavailable at start", first_s=0.2, max_s=5.0, logger=log)
         while True:
             try:
                 await self.ensure_pool()
+                backoff.succeeded()
                 break
             except RedisUnavailable as exc:
                 if self.draining.is_set():
                     raise
-                log.warning("Redis unavailable at start (%s); retrying in %.1f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+                await backoff.failed(exc)
         await self.guard("heartbeat", self.heartbeat(), backoff=0)
         if self.settings.metrics_port:
             try:

@@ -25,6 +25,7 @@ from typing import Any
 
 from redis.exceptions import ResponseError
 
+from limiter.backoff import Backoff
 from limiter.config import PoolConfig, QosConfig
 from limiter.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.consumer import Batch, SampleConsumer
@@ -137,7 +138,7 @@ class PoolController:
 
     # --- samples ------------------------------------------------------------------------------
     async def sample_loop(self) -> None:
-        backoff = 0.0
+        backoff = Backoff(f"{self.pool.name}: sample loop", first_s=0.1, max_s=MAX_BACKOFF_S)
         while True:
             await self._leading.wait()
             term = self.term
@@ -146,19 +147,19 @@ class PoolController:
                 continue
             try:
                 await within(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
-                backoff = 0.0
+                backoff.succeeded()
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
                     await self._guard(self.consumer.ensure_group(), "samples")
                 else:
                     log.error("%s: sample read failed: %s", self.pool.name, exc)
-                    backoff = await _sleep_backoff(backoff)
+                    await backoff.failed()
             except REDIS_ERRORS as exc:
                 self._redis_error("samples", exc)
-                backoff = await _sleep_backoff(backoff)
+                await backoff.failed()
             except Exception:
                 log.exception("%s: sample loop error", self.pool.name)
-                backoff = await _sleep_backoff(backoff)
+                await backoff.failed()
 
     async def consume_once(self, term: Term) -> None:
         """One step of the leader's sample loop: catch up once per term, then read new entries."""
@@ -291,9 +292,3 @@ class PoolController:
         if self.redis_ok:
             log.warning("%s: Redis unavailable in %s loop (%s); retrying", self.pool.name, loop, exc)
         self.redis_ok = False
-
-
-async def _sleep_backoff(previous: float) -> float:
-    delay = min(MAX_BACKOFF_S, max(0.1, previous * 2))
-    await asyncio.sleep(delay)
-    return delay
