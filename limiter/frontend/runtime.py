@@ -55,9 +55,8 @@ class Frontend:
         self.scripts = Scripts(self.client)
         keys = list(self.pool_keys.values())
         self.router = ReplyRouter(self.client, keys, self.frontend_id, self.metrics)
-        router = self.router
         self.heartbeat = Heartbeat(self.client, keys, self.frontend_id, list(self.classes),
-                                   settings.heartbeat_s, trim_upto=lambda pool: router.last_ids[pool],
+                                   settings.heartbeat_s, trim_upto=lambda pool: self.router.last_ids[pool],
                                    outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in cfg.pools},
                                    prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in cfg.pools})
         self.bootstrapped = False
