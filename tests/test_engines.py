@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from limiter.errors import ConfigError, InvalidArgument
-from worker.batching import Limits, PrefillChunk, StepPlan
+from worker.batch_policy import Limits, PrefillChunk, StepPlan
 from worker.engines.base import Engine, SamplingParams
 from worker.engines.sim import CostModel, SimEngine
 from worker.engines.torch_engine import TorchEngine, derive_seed, load_checkpoint, save_checkpoint
+from worker.local_run import LocalRequest, run_local
 from worker.model import ModelConfig, build_model
-from worker.stepper import LocalRequest, run_local
 from worker.tokenizer import BOS_ID
 
 torch.set_num_threads(2)

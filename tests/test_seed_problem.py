@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from worker.batching import Limits, PrefillChunk, StepPlan
+from worker.batch_policy import Limits, PrefillChunk, StepPlan
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, LocalRun, run_local
+from worker.local_run import LocalRequest, LocalRun, run_local
 
 BUDGET = 256  # fits this CPU: a 256-token slice at ~6K context costs tens of ms
 MIN_PREFILL_S = 1.0

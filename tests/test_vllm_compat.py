@@ -25,10 +25,10 @@ from limiter.prompt import ChatMessage, Payload, count_tokens, render_chat
 from tests.fake_worker import FakeWorker
 from tests.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
 from tests.worker_helpers import worker
-from worker.batching import Limits
+from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, run_local
+from worker.local_run import LocalRequest, run_local
 from worker.tokenizer import EOS_ID
 
 KEY = "demo-p1"

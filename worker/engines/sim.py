@@ -32,7 +32,7 @@ import asyncio
 from dataclasses import dataclass
 
 from limiter.errors import InvalidArgument
-from worker.batching import StepPlan
+from worker.batch_policy import StepPlan
 from worker.engines.base import SamplingParams, SeqEntry, SequenceTable
 from worker.tokenizer import EOS_ID, VOCAB_SIZE, IncrementalDecoder, encode
 

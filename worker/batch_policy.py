@@ -1,5 +1,9 @@
 """The pure batch builder: what the GPU does in the next step (iteration-level batching).
 
+Bottom of the worker's four loop modules: :mod:`worker.batch_scheduler` applies these
+decisions to an engine one step at a time, and :mod:`worker.local_run` (in-process) and
+:mod:`worker.claim_step_loop` (the Redis worker) drive that scheduler.
+
 The seed's problem is that a 32K-token prompt's prefill runs as one ~2 s step and every
 other request's decode waits behind it (TPOT jumps from ~25 ms to ~2000 ms). The cure,
 where it happens, is continuous batching with *chunked prefill*: each engine step has a

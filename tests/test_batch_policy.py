@@ -7,7 +7,7 @@ import random
 import pytest
 
 from limiter.errors import InvalidArgument
-from worker.batching import (
+from worker.batch_policy import (
     Candidate,
     Limits,
     Preemption,
