@@ -109,10 +109,6 @@ class StepResult:
     def duration_s(self) -> float:
         return self.end - self.start
 
-    @property
-    def finished(self) -> list[Emission]:
-        return [e for e in self.emissions.values() if e.finish_reason is not None]
-
 
 def resume_finish_reason(generated: Sequence[int], max_tokens: int, eos_id: int | None) -> str | None:
     """A resumed request whose earlier attempt already reached its end (it died between its
@@ -156,9 +152,6 @@ class BatchScheduler:
     @property
     def waiting(self) -> list[ScheduledSeq]:
         return [s for s in self._seqs.values() if not s.running]
-
-    def get(self, request_id: str) -> ScheduledSeq:
-        return self._seqs[request_id]
 
     @property
     def kv_used(self) -> int:
