@@ -40,7 +40,7 @@ def generate(engine: Engine, prompt: tuple[int, ...], params: SamplingParams, bu
 
 def test_sim_cost_model_matches_the_documented_figures() -> None:
     cost = CostModel()
-    assert 1.9 < cost.cost(32768, 0, 32768) < 2.1  # the seed's ~2 s 32K prefill
+    assert 1.9 < cost.cost(32768, 0, 32768) < 2.1  # the original problem's ~2 s 32K prefill
     assert 0.020 < cost.cost(0, 8, 8 * 4096) < 0.030  # ~25 ms decode step, 8 seqs at 4K
 
 

@@ -7,8 +7,8 @@ The in-process twin of :mod:`worker.claim_step_loop`: both drive the same
 arrive at given offsets, are admitted, preempted and resumed by the pure policy of
 :mod:`worker.batch_policy`, and every engine step really runs. It records, per request, the
 wall-clock time each token came out of the engine (step end: when a worker would stream
-it) and, per step, what ran and how long it took. Tests use it to show the seed's decode
-stall and its cure with real compute; benchmarks use it for throughput and TPOT.
+it) and, per step, what ran and how long it took. Tests use it to show the long-prefill
+decode stall and its cure with real compute; benchmarks use it for throughput and TPOT.
 
 The timestamps are honest: they are ``time.perf_counter()`` readings around the awaited
 ``engine.step`` calls, with no modelled or adjusted time.
