@@ -28,10 +28,10 @@ from tests.frontend_helpers import auth, fe_of, frontend, make_cfg
 from tests.frontend_helpers import client_fixture as client_fixture
 from tests.frontend_helpers import fake_worker_fixture as fake_worker_fixture
 from tests.worker_helpers import worker
-from worker.batching import Limits
+from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, run_local
+from worker.local_run import LocalRequest, run_local
 from worker.tokenizer import EOS_ID
 
 KEY = "demo-p1"
