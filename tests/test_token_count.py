@@ -123,35 +123,37 @@ async def test_file_tokenizer_counts_for_admission_context_and_usage_is_the_upst
     cfg = make_cfg(redis_server.url, pool={"tokenizer": str(tok), "context_tokens": 32,
                                            "default_max_tokens": 32})
     prompt = "one two three four five six seven eight"  # 8 words + BOS = 9 tokens; 40 bytes
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=upstream.url):
-        r = await client.post("/v1/completions", headers=auth(),
-                              json={"model": "tiny", "prompt": prompt, "max_tokens": 4})
-        assert r.status == 200, await r.text()
-        out = await r.json()
-        rid = r.headers["X-QoS-Request-Id"]
-        rec = {k.decode(): v.decode(errors="replace")
-               for k, v in sync_redis.hgetall(POOL.request(rid)).items()}
-        # admission charged the pool's tokens: 9 in (not 41 bytes), 4 out
-        assert rec["input_tokens"] == "9" and rec["max_tokens"] == "4"
-        # max_tokens=4 is 4 of the model's tokens (the fake's are 3 characters), not 4 characters
-        choice = out["choices"][0]
-        assert choice["text"] == prompt[::-1][:12] and choice["finish_reason"] == "length"
-        assert out["usage"] == {"prompt_tokens": fake_prompt_tokens({"prompt": prompt}),
-                                "completion_tokens": 4, "total_tokens": 9 + 4}
-        assert upstream.bodies[-1]["max_tokens"] == 4 and upstream.disconnects == 0  # not cut off early
-        assert rec["usage_in"] == "9" and rec["usage_out"] == "4" and float(rec["refund"]) == 0
+    async with frontend(cfg) as client:
+        async with worker(cfg, engine="openai", upstream_url=upstream.url):
+            r = await client.post("/v1/completions", headers=auth(),
+                                  json={"model": "tiny", "prompt": prompt, "max_tokens": 4})
+            assert r.status == 200, await r.text()
+            out = await r.json()
+            rid = r.headers["X-QoS-Request-Id"]
+            rec = {k.decode(): v.decode(errors="replace")
+                   for k, v in sync_redis.hgetall(POOL.request(rid)).items()}
+            # admission charged the pool's tokens: 9 in (not 41 bytes), 4 out
+            assert rec["input_tokens"] == "9" and rec["max_tokens"] == "4"
+            # max_tokens=4 is 4 of the model's tokens (the fake's are 3 characters), not 4 characters
+            choice = out["choices"][0]
+            assert choice["text"] == prompt[::-1][:12] and choice["finish_reason"] == "length"
+            assert out["usage"] == {"prompt_tokens": fake_prompt_tokens({"prompt": prompt}),
+                                    "completion_tokens": 4, "total_tokens": 9 + 4}
+            assert upstream.bodies[-1]["max_tokens"] == 4 and upstream.disconnects == 0  # not cut off early
+            assert rec["usage_in"] == "9" and rec["usage_out"] == "4" and float(rec["refund"]) == 0
 
-        # The default max_tokens fills the room left in the pool's tokens: 32 - 9.
-        r = await client.post("/v1/completions", headers=auth(),
-                              json={"model": "tiny", "prompt": prompt, "stream": True, "stream_options": {
-                                  "include_usage": True, "continuous_usage_stats": True}})
-        assert r.status == 200
-        chunks = [json.loads(line[6:]) for line in (await r.text()).splitlines()
-                  if line.startswith("data: {")]
-        assert upstream.bodies[-1]["max_tokens"] == 32 - 9
-        assert chunks[-1]["usage"]["completion_tokens"] == 13  # the upstream's: 39 characters, 3 a token
+            # The default max_tokens fills the room left in the pool's tokens: 32 - 9.
+            r = await client.post("/v1/completions", headers=auth(),
+                                  json={"model": "tiny", "prompt": prompt, "stream": True, "stream_options": {
+                                      "include_usage": True, "continuous_usage_stats": True}})
+            assert r.status == 200
+            chunks = [json.loads(line[6:]) for line in (await r.text()).splitlines()
+                      if line.startswith("data: {")]
+            assert upstream.bodies[-1]["max_tokens"] == 32 - 9
+            assert chunks[-1]["usage"]["completion_tokens"] == 13  # the upstream's: 39 characters, 3 a token
 
-        # The context check is in the pool's tokens too: 40 words (41 tokens) do not fit 32.
+        # The worker has stopped (its samples are written; no background write can follow):
+        # the context check is in the pool's tokens too: 40 words (41 tokens) do not fit 32.
         before = redis_state(sync_redis)
         long = " ".join(WORDS * 4)
         r = await client.post("/v1/completions", headers=auth(), json={"model": "tiny", "prompt": long})
