@@ -1,12 +1,12 @@
-"""Capacity and served-rate estimation (limiter/capacity.py)."""
+"""Capacity and served-rate estimation (limiter/controller/capacity.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from limiter.capacity import CapacityConfig, CapacityEstimator
+from limiter.controller.capacity import CapacityConfig, CapacityEstimator
+from limiter.controller.slo_window import Sample
 from limiter.errors import ConfigError, InvalidArgument
-from limiter.slo import Sample
 
 
 def done(

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from limiter.control_law import ClassInputs, ClassState, ControlConfig, ControlState, Decision, Inputs, decide
+from limiter.controller.control_law import (
+    ClassInputs,
+    ClassState,
+    ControlConfig,
+    ControlState,
+    Decision,
+    Inputs,
+    decide,
+)
 from limiter.errors import ConfigError, InvalidArgument
 
 C = 100_000.0

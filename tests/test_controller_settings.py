@@ -10,8 +10,8 @@ import pytest
 from limiter import cli
 from limiter.config import demo_config
 from limiter.controller.settings import ControllerSettings, load_settings
+from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
-from limiter.slo import ClassSLO
 
 
 def _cfg(section: dict):

@@ -1,4 +1,4 @@
-"""SLO samples, judging and the sliding compliance window (limiter/slo.py)."""
+"""SLO samples, judging and the sliding compliance window (limiter/controller/slo_window.py)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import random
 
 import pytest
 
+from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO, Sample, SloMonitor, SloWindow, decode_sample
 from limiter.errors import InvalidArgument
-from limiter.slo import DEFAULT_SLOS, ClassSLO, Sample, SloMonitor, SloWindow, decode_sample
 
 
 def raw(**over: object) -> dict[str, object]:

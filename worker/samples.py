@@ -1,6 +1,6 @@
 """The latency sample a worker appends (via ``complete``) for every request it finishes.
 
-The controller's SLO monitor (:mod:`limiter.slo`) consumes these from ``qos:{pool}:samples``
+The controller's SLO monitor (:mod:`limiter.controller.slo_window`) consumes these from ``qos:{pool}:samples``
 (field ``d``, msgpack map). Fields, all times in ms:
 
 ==================  ===========================================================================

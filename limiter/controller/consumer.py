@@ -27,9 +27,9 @@ import msgpack
 from redis.exceptions import ResponseError
 
 from limiter.controller.metrics import ControllerMetrics
+from limiter.controller.slo_window import Sample, decode_sample
 from limiter.errors import InvalidArgument
 from limiter.keys import SAMPLES_GROUP, PoolKeys
-from limiter.slo import Sample, decode_sample
 
 log = logging.getLogger("qos.controller")
 _LOG_EVERY_S = 10.0  # at most one bad-sample log line per this many seconds (a flood must not drown logs)

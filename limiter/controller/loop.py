@@ -6,7 +6,7 @@
   block on new ones; each sample feeds the SLO window, the capacity estimator and the usage
   meter, then is acknowledged (limiter/controller/consumer.py).
 * **tick** (every ``tick_s``, leader only): Redis ``TIME`` and counters -> ``Inputs`` ->
-  :func:`~limiter.control_law.decide`; a change is written with the fenced ``set_rates`` with
+  :func:`~limiter.controller.control_law.decide`; a change is written with the fenced ``set_rates`` with
   its decision record, and the windows are marked at ``evidence_from_ms``; compliance and
   capacity go to ``qos:{pool}:compliance`` every tick.
 
@@ -28,17 +28,17 @@ from redis.exceptions import ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter.config import PoolConfig, QosConfig
-from limiter.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.consumer import Batch, SampleConsumer
+from limiter.controller.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.leader import LeaderLease
 from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.observe import publish, read_heartbeats, record_metrics, redis_now_ms
 from limiter.controller.settings import ControllerSettings
+from limiter.controller.slo_window import Sample
 from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import PolicyMissing, RedisUnavailable, StaleLeader
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts, policy_document
-from limiter.slo import Sample
 
 log = logging.getLogger("qos.controller")
 # TimeoutError (a step that overran its timeout) is an OSError: handled like an outage.

@@ -12,14 +12,14 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from limiter.capacity import CapacityEstimate
-from limiter.control_law import Decision, Inputs
+from limiter.controller.capacity import CapacityEstimate
+from limiter.controller.control_law import Decision, Inputs
 from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.settings import CapacitySettings, ControllerSettings
+from limiter.controller.slo_window import WindowStats
 from limiter.controller.term import Term, parse_float
 from limiter.errors import InvalidName
 from limiter.keys import PoolKeys
-from limiter.slo import WindowStats
 
 
 async def redis_now_ms(client: Any, keys: PoolKeys) -> float:

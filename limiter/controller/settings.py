@@ -17,12 +17,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from limiter.capacity import CapacityConfig
 from limiter.config import PoolConfig, QosConfig, build_section
-from limiter.control_law import ControlConfig
+from limiter.controller.capacity import CapacityConfig
+from limiter.controller.control_law import ControlConfig
+from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
 from limiter.keys import NAME_RE
-from limiter.slo import ClassSLO
 
 _LAW = ControlConfig()  # the law's defaults are the seed's numbers; repeat them, not retype them
 # Rate floors when none are configured: the top class keeps half its share, the others 30 %
@@ -32,7 +32,7 @@ TOP_FLOOR, LOWER_FLOOR = 0.5, 0.3
 
 @dataclass(frozen=True)
 class CapacitySettings:
-    """``[controller.capacity]``: the estimator's tunables (limiter/capacity.py)."""
+    """``[controller.capacity]``: the estimator's tunables (limiter/controller/capacity.py)."""
 
     interval_s: float = 1.0
     window: int = 10
@@ -64,7 +64,7 @@ class ControllerSettings:
     cost_samples: int = 200  # recent samples per class behind the mean cost of a request
     metrics_port: int = 0  # 0 = no metrics server
     metrics_host: str = "0.0.0.0"
-    # the control law (limiter/control_law.py, docs/control-law.md)
+    # the control law (limiter/controller/control_law.py, docs/control-law.md)
     target: float = _LAW.target
     low: float = _LAW.low
     relax_step: float = _LAW.relax_step

@@ -19,12 +19,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from limiter.capacity import CapacityEstimator
 from limiter.config import PoolConfig, QosConfig
-from limiter.control_law import ClassState, ControlState, Decision
+from limiter.controller.capacity import CapacityEstimator
+from limiter.controller.control_law import ClassState, ControlState, Decision
 from limiter.controller.settings import ControllerSettings
+from limiter.controller.slo_window import SloMonitor
 from limiter.controller.usage import UsageMeter
-from limiter.slo import SloMonitor
 
 
 @dataclass

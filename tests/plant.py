@@ -26,13 +26,13 @@ benchmarks. Per tick of ``dt_s``:
    TPOT = base x (1 + rho). It is convex in load and steepest for lower-class load, which is
    all the law relies on.
 4. **Samples**: one per completed request, as a raw dict, through the real
-   :func:`limiter.slo.decode_sample` into a real :class:`SloMonitor` and
+   :func:`limiter.controller.slo_window.decode_sample` into a real :class:`SloMonitor` and
    :class:`CapacityEstimator`. Each worker sends a heartbeat every ``heartbeat_s`` with its
    share of the true capacity times a noise factor: uniform +-``heartbeat_noise``, or --
    with ``noise`` set -- consecutive runs drawn from a recorded series of a real worker's
    figures over their median (a block bootstrap keeps the real run's spread and its
    autocorrelation; ``tests/data/heartbeat_noise.json`` is one).
-5. **Control**: every ``control_every_s`` the real :func:`limiter.control_law.decide` runs on
+5. **Control**: every ``control_every_s`` the real :func:`limiter.controller.control_law.decide` runs on
    the monitor's fresh and whole-window compliance, the estimator's capacity and served
    rates (over the last 0.5 s: ``used`` must be current); a change becomes the admission
    policy and marks the windows at ``Decision.evidence_from_ms``.
@@ -44,9 +44,17 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from limiter.capacity import CapacityConfig, CapacityEstimator
-from limiter.control_law import ClassInputs, ClassRates, ControlConfig, ControlState, Decision, Inputs, decide
-from limiter.slo import DEFAULT_SLOS, ClassSLO, SloMonitor, decode_sample
+from limiter.controller.capacity import CapacityConfig, CapacityEstimator
+from limiter.controller.control_law import (
+    ClassInputs,
+    ClassRates,
+    ControlConfig,
+    ControlState,
+    Decision,
+    Inputs,
+    decide,
+)
+from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO, SloMonitor, decode_sample
 
 
 @dataclass(frozen=True)
