@@ -26,7 +26,7 @@ benchmarks. Per tick of ``dt_s``:
    TPOT = base x (1 + rho). It is convex in load and steepest for lower-class load, which is
    all the law relies on.
 4. **Samples**: one per completed request, as a raw dict, through the real
-   :func:`limiter.controller.slo_window.decode_sample` into a real :class:`SloMonitor` and
+   :func:`limiter.samples.decode_sample` into a real :class:`SloMonitor` and
    :class:`CapacityEstimator`. Each worker sends a heartbeat every ``heartbeat_s`` with its
    share of the true capacity times a noise factor: uniform +-``heartbeat_noise``, or --
    with ``noise`` set -- consecutive runs drawn from a recorded series of a real worker's
@@ -54,7 +54,8 @@ from limiter.controller.control_law import (
     Inputs,
     decide,
 )
-from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO, SloMonitor, decode_sample
+from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO, SloMonitor
+from limiter.samples import decode_sample
 
 
 @dataclass(frozen=True)

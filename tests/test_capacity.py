@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from limiter.controller.capacity import CapacityConfig, CapacityEstimator
-from limiter.controller.slo_window import Sample
 from limiter.errors import ConfigError, InvalidArgument
+from limiter.samples import Sample
 
 
 def done(

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from limiter.controller.slo_window import decode_sample
 from limiter.prompt import count_tokens
+from limiter.samples import decode_sample
 from tests.worker_helpers import worker
 
 # The sample times the engine producing a token; Redis records when its push landed (one

@@ -50,8 +50,8 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from limiter.controller.slo_window import Sample
 from limiter.errors import ConfigError, InvalidArgument
+from limiter.samples import Sample
 
 
 @dataclass(frozen=True)

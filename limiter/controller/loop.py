@@ -34,10 +34,10 @@ from limiter.controller.leader import LeaderLease
 from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.observe import publish, read_heartbeats, record_metrics, redis_now_ms
 from limiter.controller.settings import ControllerSettings
-from limiter.controller.slo_window import Sample
 from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import PolicyMissing, RedisUnavailable, StaleLeader
 from limiter.keys import PoolKeys
+from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
 
 log = logging.getLogger("qos.controller")

@@ -34,7 +34,6 @@ from typing import Any
 
 import aiohttp
 import aiohttp.http_exceptions
-import msgpack
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -61,6 +60,7 @@ from limiter.frontend.replies import Heartbeat, Reply, ReplyRouter, dedup, drain
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import SAMPLES_MAXLEN, PoolKeys
 from limiter.redis_conn import open_redis
+from limiter.samples import build_sample, pack_sample
 from limiter.scripts import SCRIPT_NAMES, Admitted, Scripts, policy_document, script_source
 
 log = logging.getLogger("qos.frontend")
@@ -267,10 +267,11 @@ class Frontend:
         its attainment on rejections while its window reads ~100 %. One sample, outcome
         ``rejected``, written in a task of its own so the client's answer does not wait."""
         assert self.heartbeat
-        sample = {"v": 1, "pool": keys.pool, "class": cls, "tenant": tenant, "outcome": "rejected",
-                  "request_id": request_id, "worker": "", "input_tokens": input_tokens, "output_tokens": 0,
-                  "queue_wait_ms": 0, "e2e_ms": round(waited_ms), "ts_ms": int(self.heartbeat.redis_now_ms())}
-        task = asyncio.create_task(self._add_sample(keys, msgpack.packb(sample, use_bin_type=True)))
+        sample = build_sample(pool=keys.pool, cls=cls, tenant=tenant, outcome="rejected",
+                              request_id=request_id, worker="", input_tokens=input_tokens, output_tokens=0,
+                              queue_wait_ms=0, e2e_ms=round(waited_ms),
+                              ts_ms=int(self.heartbeat.redis_now_ms()))
+        task = asyncio.create_task(self._add_sample(keys, pack_sample(sample)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
