@@ -9,9 +9,10 @@ from dataclasses import replace
 from typing import Any
 
 from limiter.config import QosConfig
+from limiter.controller.capacity import CapacityConfig
 from limiter.controller.loop import PoolController
 from limiter.controller.metrics import ControllerMetrics
-from limiter.controller.settings import CapacitySettings, ControllerSettings
+from limiter.controller.settings import ControllerSettings
 from limiter.keys import PoolKeys
 from limiter.samples import build_sample, pack_sample
 from limiter.scripts import Scripts
@@ -20,7 +21,7 @@ from limiter.scripts import Scripts
 FAST = ControllerSettings(
     controller_id="a", tick_s=0.1, lease_s=1.0, renew_s=0.1, block_s=0.05, claim_idle_s=0.2,
     cooldown_s=0.3, settle_s=0.1, window=200, min_samples=20, used_window_s=0.5,
-    capacity=CapacitySettings(interval_s=0.5, min_reports=1),
+    capacity=CapacityConfig(interval_s=0.5, min_reports=1),
 )
 
 

@@ -148,8 +148,8 @@ def simulate(
     rng = random.Random(plant.seed)
     monitor = SloMonitor({n: plant.slos.get(n, ClassSLO()) for n in names}, size=control.window)
     # "used" must be current: served work over the last half second (see ClassInputs.used).
-    estimator = CapacityEstimator(CapacityConfig(initial=plant.capacity, interval_s=0.5, rate_intervals=1,
-                                                 window=plant.capacity_window))
+    tunables = CapacityConfig(interval_s=0.5, rate_intervals=1, window=plant.capacity_window)
+    estimator = CapacityEstimator(tunables, plant.capacity)
     state = ControlState.initial(control, plant.capacity)
     policy, backlog, carry = state.rates(), dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
     busy = [0.0] * len(names)  # share of capacity each class occupies in the GPU (lagged)

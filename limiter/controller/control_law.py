@@ -38,13 +38,11 @@ from limiter.keys import NAME_RE
 
 
 @dataclass(frozen=True)
-class ControlConfig:
-    """The law's parameters; the defaults are the seed's numbers. Shares are of capacity."""
+class ControlTunables:
+    """The law's parameters an operator tunes: the ``[controller]`` keys of the same names
+    (limiter/controller/settings.py inherits them). The defaults are the original problem's
+    numbers; :meth:`ControlConfig.validate` checks them."""
 
-    classes: tuple[str, ...] = ("P0", "P1", "P2")  # highest priority first
-    shares: tuple[float, ...] = (0.60, 0.35, 0.05)  # default guarantees (sum <= 1)
-    floors: tuple[float, ...] = (0.30, 0.105, 0.015)  # 50 % / 30 % / 30 % of the share
-    ceilings: tuple[float, ...] = (1.0, 1.0, 0.5)  # HTB ceilings, the fully relaxed state
     target: float = 0.99
     low: float = 0.95
     relax_step: float = 0.05
@@ -53,14 +51,26 @@ class ControlConfig:
     settle_s: float = 2.5  # samples finishing this soon after a change are not evidence of it
     window: int = 1000  # SLO window size the role builds (samples)
     min_samples: int = 100  # fresh samples needed before a class's compliance is judged
-    burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts says otherwise
-    class_bursts: tuple[float, ...] = ()  # per class, seconds of rate (the classes' burst_s); () = burst_s
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
     capacity_deadband: float = 0.10  # capacity moves smaller than this are ignored
-    capacity_persist_s: float = 10.0  # ...and larger ones until they last this long (no worker step)
     reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
     memory: bool = True
     min_change: float = 0.005  # relative allowance moves below this are not worth a write
+
+
+@dataclass(frozen=True)
+class ControlConfig(ControlTunables):
+    """All the law's parameters: the tunables, and the per-class ones the role derives from
+    ``[[classes]]`` and ``[controller]`` (defaults: the original problem's three classes).
+    Shares are of capacity."""
+
+    classes: tuple[str, ...] = ("P0", "P1", "P2")  # highest priority first
+    shares: tuple[float, ...] = (0.60, 0.35, 0.05)  # default guarantees (sum <= 1)
+    floors: tuple[float, ...] = (0.30, 0.105, 0.015)  # 50 % / 30 % / 30 % of the share
+    ceilings: tuple[float, ...] = (1.0, 1.0, 0.5)  # HTB ceilings, the fully relaxed state
+    burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts says otherwise
+    class_bursts: tuple[float, ...] = ()  # per class, seconds of rate (the classes' burst_s); () = burst_s
+    capacity_persist_s: float = 10.0  # capacity moves beyond the dead band wait this long (no worker step)
 
     def validate(self, prefix: str = "controller") -> ControlConfig:
         """Raise :class:`ConfigError` naming the first bad field; return self when valid."""

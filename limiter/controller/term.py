@@ -76,6 +76,6 @@ def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: Poo
     monitor = SloMonitor(settings.slos(cfg), size=control.window, max_age_s=settings.window_max_age_s or None)
     if last is not None:
         monitor.mark(last + control.settle_s * 1000)
-    estimator = CapacityEstimator(settings.capacity_config(cfg, capacity))
+    estimator = settings.capacity_estimator(cfg, capacity)
     usage = UsageMeter(control.classes, settings.used_window_s, settings.cost_samples)
     return Term(fence, state, monitor, estimator, usage)
