@@ -200,7 +200,7 @@ class PoolController:
             # rejection is how overload is meant to end, and counting it would have the law
             # cut the class for its own excess (more rejections, more cuts) -- except for the
             # top class, whose guarantee is what the others leave: the law gives it more by
-            # cutting them (down to their floors). No work either.
+            # cutting them (down to their rate floors, min_shares). No work either.
             if term.within_guarantee.get(sample.cls, True):
                 term.monitor.add(sample)
         else:

@@ -24,9 +24,10 @@ from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
 from limiter.keys import NAME_RE
 
-# Rate floors when none are configured: the top class keeps half its share, the others 30 %
+# The law's rate floors (ControlConfig.min_shares) when ``floors`` is not configured, as a
+# fraction of each class's share: the top class keeps half, the others 30 %
 # (docs/control-law.md: 0.30 / 0.105 / 0.015 for shares 0.60 / 0.35 / 0.05).
-TOP_FLOOR, LOWER_FLOOR = 0.5, 0.3
+TOP_MIN_SHARE, LOWER_MIN_SHARE = 0.5, 0.3
 
 
 @dataclass(frozen=True)
@@ -52,7 +53,9 @@ class ControllerSettings(ControlTunables):
     metrics_port: int = 0  # 0 = no metrics server
     metrics_host: str = "0.0.0.0"
     burst_s: float = 0.0  # 0 = each class's burst_s; > 0 overrides them all
-    floors: tuple[float, ...] = ()  # rate floors, share of capacity per class; () = derived
+    # The law's rate floors (ControlConfig.min_shares), share of capacity per class; () = derived.
+    # Not the classes' starvation ``floor`` (served work at claim).
+    floors: tuple[float, ...] = ()
     capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
     # --- derived ----------------------------------------------------------------------
@@ -69,11 +72,11 @@ class ControllerSettings(ControlTunables):
             burst_s, class_bursts = self.burst_s, ()
         else:
             burst_s, class_bursts = ControlConfig.burst_s, tuple(c.burst_s for c in cfg.classes)
-        floors = self.floors or tuple(
-            s * (TOP_FLOOR if i == 0 else LOWER_FLOOR) for i, s in enumerate(shares))
+        min_shares = self.floors or tuple(
+            s * (TOP_MIN_SHARE if i == 0 else LOWER_MIN_SHARE) for i, s in enumerate(shares))
         tunables = {f.name: getattr(self, f.name) for f in dataclasses.fields(ControlTunables)}
         return ControlConfig(
-            **tunables, classes=tuple(cfg.class_names()), shares=shares, floors=floors,
+            **tunables, classes=tuple(cfg.class_names()), shares=shares, min_shares=min_shares,
             ceilings=tuple(c.ceil_share for c in cfg.classes), burst_s=burst_s, class_bursts=class_bursts,
         )
 
@@ -131,6 +134,8 @@ class ControllerSettings(ControlTunables):
                 # derived from [[classes]], not from [controller]: name where to fix it
                 raise ConfigError("classes", "the controller needs shares in (0, 1] and ceil_share >= "
                                   f"share: {exc.message}") from exc
+            if exc.path == "controller.min_shares":
+                raise ConfigError("controller.floors", exc.message) from exc  # the key they came from
             raise
         self.capacity.validate("controller.capacity")
 

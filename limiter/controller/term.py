@@ -67,9 +67,9 @@ def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: Poo
     if capacity is None or capacity <= 0:
         capacity = pool.capacity_tokens_s
     classes = []
-    for name, floor, ceiling in zip(control.classes, control.floors, control.ceilings, strict=True):
+    for name, min_share, ceiling in zip(control.classes, control.min_shares, control.ceilings, strict=True):
         ceil = parse_float(policy.get(f"{name}.ceil"))
-        allowance = ceiling if ceil is None else min(ceiling, max(floor, ceil / capacity))
+        allowance = ceiling if ceil is None else min(ceiling, max(min_share, ceil / capacity))
         classes.append(ClassState(name, allowance))
     last = parse_float(policy.get("updated_ms"))
     state = ControlState(control, capacity, tuple(classes), last)
