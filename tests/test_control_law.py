@@ -54,7 +54,7 @@ def reasons(d: Decision) -> tuple[str, ...]:
 
 
 # --- configuration ----------------------------------------------------------------------
-def test_defaults_are_the_seed_numbers() -> None:
+def test_defaults_are_the_original_problems_numbers() -> None:
     assert (CFG.target, CFG.low, CFG.relax_step, CFG.tighten_step) == (0.99, 0.95, 0.05, 0.10)
     assert (CFG.cooldown_s, CFG.window, CFG.shares, CFG.burst_s) == (5.0, 1000, (0.60, 0.35, 0.05), 0.5)
     rates = ControlState.initial(CFG, C).rates()

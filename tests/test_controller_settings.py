@@ -1,4 +1,4 @@
-"""``[controller]`` settings: defaults follow the seed, every error names controller.<field>."""
+"""``[controller]`` settings: defaults follow the original problem, every error names controller.<field>."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def _cfg(section: dict):
     return dataclasses.replace(demo_config(), controller=section)
 
 
-def test_defaults_are_the_seeds_numbers_and_come_from_the_classes():
+def test_defaults_are_the_original_problems_numbers_and_come_from_the_classes():
     cfg = demo_config()
     s = load_settings(cfg, {"controller_id": "c1"})
     law = s.control_config(cfg)

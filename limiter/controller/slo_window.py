@@ -7,7 +7,7 @@ controller decodes each with :func:`limiter.samples.decode_sample` -- a bad samp
 and feeds it to a :class:`SloMonitor`.
 
 Compliance of a class = share of its judged samples that met the class SLO, over the last
-``size`` judged samples (default 1000, the seed's window), optionally also limited to the
+``size`` judged samples (default 1000, the original problem's window), optionally also limited to the
 last ``max_age_s`` seconds so an idle class's verdict does not live forever.
 
 Judging (see :meth:`ClassSLO.judge`):
