@@ -13,10 +13,11 @@ docs/control-law.md states the law as equations and argues why it settles; in br
   target, not at the edge of the band. Otherwise 95-99 % holds (the dead band); >= 99 %,
   over the whole window too, is *comfortable*. At most one change per ``cooldown_s``.
 * Violation of class k removes ``tighten_step`` (10 %) of the load of the classes below it,
-  lowest class first, borrowing before guarantees, never below a class's ``min_shares``. When nothing below
-  k can give, the law holds (``overloaded``): the rates are applied at claim time, so a cut
-  to k's own ceiling would only make k's queued requests wait longer; what k asks beyond
-  the pool is admission's to refuse (the wait estimate against the max wait).
+  lowest class first, borrowing before guarantees, never below a class's rate floor
+  (``min_shares``). When nothing below k can give, the law holds (``overloaded``): the rates
+  are applied at claim time, so a cut to k's own ceiling would only make k's queued requests
+  wait longer; what k asks beyond the pool is admission's to refuse (the wait estimate
+  against the max wait).
 * When every class at or above i is comfortable and i used its allowance, ``a_i`` grows by
   ``relax_step`` (5 %) toward its ceiling -- the top class's own cut is undone first, then
   lower guarantees, then borrowing. A cut remembers where the SLO broke: relaxing may
@@ -54,7 +55,7 @@ class ControlTunables:
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
     capacity_deadband: float = 0.10  # capacity moves smaller than this are ignored
     reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
-    memory: bool = True
+    memory: bool = True  # a cut remembers where the SLO broke, and relaxing stops short of it
     min_change: float = 0.005  # relative allowance moves below this are not worth a write
 
 

@@ -9,8 +9,8 @@ that is enough to continue without a jump:
   cuts the old leader made -- starting "fully relaxed" would;
 * ``updated_ms`` (set by ``set_rates``) is the last change: the cooldown still holds, and
   samples that finished before ``updated_ms + settle_s`` are not counted as fresh evidence;
-* the capacity the policy was written with is the estimator's initial value, so the first tick does not
-  see a capacity "change".
+* the capacity the policy was written with is the estimator's initial value, so the first
+  tick does not see a capacity "change".
 """
 
 from __future__ import annotations
