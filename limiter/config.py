@@ -187,6 +187,14 @@ def _check(ok: bool, path: str, message: str) -> None:
         raise ConfigError(path, message)
 
 
+def _check_new_name(kind: str, path: str, name: str, seen: set[str]) -> None:
+    """``name`` (of a class, pool or tenant at ``path``) goes into Redis keys, so it must be a
+    valid key component, and it must not repeat one already in ``seen``; it is added there."""
+    _check(bool(NAME_RE.fullmatch(name)), f"{path}.name", f"{name!r} is not a valid name")
+    _check(name not in seen, f"{path}.name", f"duplicate {kind} {name!r}")
+    seen.add(name)
+
+
 def validate(cfg: QosConfig) -> QosConfig:
     """Cross-field checks; returns ``cfg`` unchanged when it is valid."""
     _check(cfg.redis.url.startswith(("redis://", "rediss://", "unix://")), "redis.url",
@@ -197,9 +205,7 @@ def validate(cfg: QosConfig) -> QosConfig:
     floors = 0.0
     for i, c in enumerate(cfg.classes):
         p = f"classes[{i}]"
-        _check(bool(NAME_RE.fullmatch(c.name)), f"{p}.name", f"{c.name!r} is not a valid name")
-        _check(c.name not in seen, f"{p}.name", f"duplicate class {c.name!r}")
-        seen.add(c.name)
+        _check_new_name("class", p, c.name, seen)
         _check(0 <= c.share <= 1, f"{p}.share", "must be between 0 and 1")
         _check(c.share <= c.ceil_share <= 1, f"{p}.ceil_share", "must be between share and 1")
         _check(0 <= c.floor <= 1, f"{p}.floor", "must be between 0 and 1")
@@ -219,9 +225,7 @@ def validate(cfg: QosConfig) -> QosConfig:
     pool_names: set[str] = set()
     for i, pool in enumerate(cfg.pools):
         p = f"pools[{i}]"
-        _check(bool(NAME_RE.fullmatch(pool.name)), f"{p}.name", f"{pool.name!r} is not a valid name")
-        _check(pool.name not in pool_names, f"{p}.name", f"duplicate pool {pool.name!r}")
-        pool_names.add(pool.name)
+        _check_new_name("pool", p, pool.name, pool_names)
         _check(16 <= pool.context_tokens <= 10_000_000, f"{p}.context_tokens", "must be in [16, 10000000]")
         _check(1 <= pool.default_max_tokens <= pool.context_tokens, f"{p}.default_max_tokens",
                "must be in [1, context_tokens]")
@@ -237,9 +241,7 @@ def validate(cfg: QosConfig) -> QosConfig:
     all_keys: set[str] = set()
     for i, t in enumerate(cfg.tenants):
         p = f"tenants[{i}]"
-        _check(bool(NAME_RE.fullmatch(t.name)), f"{p}.name", f"{t.name!r} is not a valid name")
-        _check(t.name not in tenant_names, f"{p}.name", f"duplicate tenant {t.name!r}")
-        tenant_names.add(t.name)
+        _check_new_name("tenant", p, t.name, tenant_names)
         _check(t.default_class in seen, f"{p}.default_class", f"unknown class {t.default_class!r}")
         _check(t.max_class in seen, f"{p}.max_class", f"unknown class {t.max_class!r}")
         _check(cfg.class_rank(t.default_class) >= cfg.class_rank(t.max_class), f"{p}.default_class",

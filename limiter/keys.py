@@ -56,7 +56,8 @@ class PoolKeys:
 
     @property
     def queued(self) -> str:
-        """HASH ``<class>`` -> queued requests, ``<class>.cost`` -> their reserved weighted cost."""
+        """HASH ``<class>`` -> queued requests, ``<class>.cost`` -> their reserved weighted cost,
+        ``<class>:<tenant>`` -> that tenant's share of it."""
         return self.base + "queued"
 
     @property
@@ -124,7 +125,8 @@ class PoolKeys:
 
     @property
     def compliance(self) -> str:
-        """HASH class -> SLO compliance (0..1) and ``capacity``, written by the controller."""
+        """HASH class -> SLO compliance (0..1), plus the ``capacity`` estimate and its basis, written by the
+        leading controller every tick (it expires unless rewritten)."""
         return self.base + "compliance"
 
     @property
@@ -189,12 +191,15 @@ class PoolKeys:
         return self.tokens_prefix + check_name("request id", request_id)
 
     def queue(self, cls: str, tenant: str) -> str:
-        """ZSET request id -> admission sequence number: one tenant's FIFO in one class."""
+        """ZSET request id -> admission sequence number (``stats`` ``seq``, not a time): one
+        tenant's FIFO in one class. A requeued request keeps its number, so it goes back to
+        the head."""
         return self.queue_prefix + check_name("class", cls) + ":" + check_name("tenant", tenant)
 
     def backlog(self, cls: str) -> str:
-        """ZSET tenant -> virtual token counter: the tenants of a class with queued requests;
-        claim serves the smallest counter first (lua/include/queue.lua)."""
+        """ZSET tenant -> virtual token counter (in a class with ``fair = false``: the sequence
+        number of the tenant's oldest queued request): the tenants of a class with queued
+        requests; claim serves the smallest score first (lua/include/queue.lua)."""
         return self.backlog_prefix + check_name("class", cls)
 
     def vtime(self, cls: str) -> str:

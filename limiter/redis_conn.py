@@ -1,16 +1,40 @@
 """Opening Redis: one client per process (a connection pool of O(1) size), standalone or
-Cluster, with TLS via ``rediss://`` and credentials from the URL."""
+Cluster, with TLS via ``rediss://`` and credentials from the URL; and what counts as
+"Redis is unreachable" (:data:`CONNECTION_ERRORS`, :func:`map_redis_errors`)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter.config import RedisConfig
+from limiter.errors import RedisUnavailable
+
+# Connection-level failures of a redis-py call: the server is down, out of reach, or too
+# slow. (A script's error reply is a ResponseError: an answer, not an outage.)
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# What a loop that keeps going through outages catches: the raw failures above, or the same
+# outage already mapped by a lower layer (scripts.py). TimeoutError (e.g. a controller step
+# that overran its own deadline) is an OSError: handled like an outage.
+REDIS_ERRORS: tuple[type[Exception], ...] = (RedisUnavailable, *CONNECTION_ERRORS)
+
+
+@contextlib.contextmanager
+def map_redis_errors() -> Iterator[None]:
+    """Turn a connection-level failure inside the block into :class:`RedisUnavailable`, the
+    one outage type every layer above handles (503 in the frontend, back-off elsewhere)."""
+    try:
+        yield
+    except CONNECTION_ERRORS as exc:
+        raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
 
 
 def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses: bool = False,

@@ -17,9 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import (
@@ -35,6 +33,7 @@ from limiter.errors import (
     Throttled,
 )
 from limiter.keys import PoolKeys, check_name
+from limiter.redis_conn import map_redis_errors
 
 SCRIPT_NAMES = (
     "admit", "claim", "renew_leases", "push_tokens", "complete", "cancel_request",
@@ -212,41 +211,39 @@ class Scripts:
         return self.shebang and "near '#'" in str(exc)
 
     async def _run(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
-        try:
+        with map_redis_errors():
             try:
-                return await self._scripts[name](keys=keys, args=args)
-            except ResponseError as exc:
-                if not self._no_shebang_support(exc):
-                    raise
-                self._register(False)
-                return await self._scripts[name](keys=keys, args=args)
-        except ResponseError as exc:
-            raise _map_error(str(exc)) from exc
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
-
-    async def load_all(self) -> None:
-        """Load every script now (readiness check; also after a Redis restart)."""
-        try:
-            if self.shebang:  # SCRIPT LOAD does not always compile: run a probe once
-                try:  # (EVALSHA, not EVAL: the documented ACL user may not run EVAL)
-                    probe = await self.client.script_load("#!lua\nreturn 1")
-                    await self.client.evalsha(probe, 0)
-                except ResponseError as exc:
-                    if self._no_shebang_support(exc):
-                        self._register(False)
-            for s in self._scripts.values():
                 try:
-                    s.sha = await self.client.script_load(s.script)
+                    return await self._scripts[name](keys=keys, args=args)
                 except ResponseError as exc:
                     if not self._no_shebang_support(exc):
                         raise
                     self._register(False)
-                    return await self.load_all()
-        except ResponseError as exc:
-            raise _map_error(str(exc)) from exc
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
+                    return await self._scripts[name](keys=keys, args=args)
+            except ResponseError as exc:
+                raise _map_error(str(exc)) from exc
+
+    async def load_all(self) -> None:
+        """Load every script now (readiness check; also after a Redis restart)."""
+        with map_redis_errors():
+            try:
+                if self.shebang:  # SCRIPT LOAD does not always compile: run a probe once
+                    try:  # (EVALSHA, not EVAL: the documented ACL user may not run EVAL)
+                        probe = await self.client.script_load("#!lua\nreturn 1")
+                        await self.client.evalsha(probe, 0)
+                    except ResponseError as exc:
+                        if self._no_shebang_support(exc):
+                            self._register(False)
+                for s in self._scripts.values():
+                    try:
+                        s.sha = await self.client.script_load(s.script)
+                    except ResponseError as exc:
+                        if not self._no_shebang_support(exc):
+                            raise
+                        self._register(False)
+                        return await self.load_all()
+            except ResponseError as exc:
+                raise _map_error(str(exc)) from exc
 
     # --- pool setup and control -----------------------------------------------------------
     async def init_pool(self, keys: PoolKeys, policy: dict[str, Any], reset_rates: bool = False) -> int:

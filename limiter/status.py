@@ -12,12 +12,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
 from limiter.config import QosConfig
-from limiter.errors import RedisUnavailable
 from limiter.keys import PoolKeys
+from limiter.redis_conn import map_redis_errors
 
 
 def _s(v: Any) -> str:
@@ -50,10 +47,8 @@ def _ages(rows: list[tuple[Any, float]], now_ms: float) -> dict[str, dict[str, f
 
 async def snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
     """The status of every configured pool; raises RedisUnavailable if Redis cannot answer."""
-    try:
+    with map_redis_errors():
         return await _snapshot(client, cfg)
-    except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-        raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
 
 
 async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:

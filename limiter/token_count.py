@@ -55,6 +55,8 @@ def tokenizer_file(spec: str, base_dir: str | Path | None = None) -> Path:
 
 @functools.lru_cache(maxsize=16)
 def _load(path: str, mtime_ns: int, size: int) -> Any:
+    # mtime_ns and size are unused here on purpose: they are part of the cache key, so a
+    # tokenizer.json replaced in place is loaded again instead of served from the cache.
     from tokenizers import Tokenizer
 
     return Tokenizer.from_file(path)

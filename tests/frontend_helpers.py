@@ -7,12 +7,15 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
 from limiter.config import QosConfig, RedisConfig, TenantConfig, demo_config, hash_key, validate
-from limiter.frontend.app import FRONTEND, Frontend, create_app
+from limiter.frontend.app import create_app
+from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import PoolKeys
+from tests.fake_worker import FakeWorker
 
 POOL = PoolKeys("tiny")
 
@@ -44,6 +47,22 @@ async def frontend(cfg: QosConfig, **settings: Any) -> AsyncIterator[TestClient]
     # A short shutdown grace: a failed test must not leave teardown waiting on open handlers.
     async with TestClient(TestServer(app, shutdown_timeout=1.0)) as client:
         yield client
+
+
+# Fixtures of the in-process frontend tests (a test module imports the *_fixture functions;
+# tests ask for them by the name= given here, which no import then shadows).
+@pytest.fixture(name="client")
+async def client_fixture(redis_server: Any, sync_redis: Any) -> AsyncIterator[TestClient]:
+    """The demo config's frontend on the test's private Redis (flushed first by sync_redis)."""
+    async with frontend(make_cfg(redis_server.url)) as c:
+        yield c
+
+
+@pytest.fixture(name="fake_worker")
+async def fake_worker_fixture(aredis: Any) -> AsyncIterator[FakeWorker]:
+    """The in-test worker (tests/fake_worker.py) serving the demo pool."""
+    async with FakeWorker(aredis, POOL) as w:
+        yield w
 
 
 def fe_of(client: TestClient) -> Frontend:

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from limiter.errors import ConfigError, InvalidArgument
-from worker.batching import Limits, PrefillChunk, StepPlan
+from worker.batch_policy import Limits, PrefillChunk, StepPlan
 from worker.engines.base import Engine, SamplingParams
 from worker.engines.sim import CostModel, SimEngine
 from worker.engines.torch_engine import TorchEngine, derive_seed, load_checkpoint, save_checkpoint
+from worker.local_run import LocalRequest, run_local
 from worker.model import ModelConfig, build_model
-from worker.stepper import LocalRequest, run_local
 from worker.tokenizer import BOS_ID
 
 torch.set_num_threads(2)
@@ -40,7 +40,7 @@ def generate(engine: Engine, prompt: tuple[int, ...], params: SamplingParams, bu
 
 def test_sim_cost_model_matches_the_documented_figures() -> None:
     cost = CostModel()
-    assert 1.9 < cost.cost(32768, 0, 32768) < 2.1  # the seed's ~2 s 32K prefill
+    assert 1.9 < cost.cost(32768, 0, 32768) < 2.1  # the original problem's ~2 s 32K prefill
     assert 0.020 < cost.cost(0, 8, 8 * 4096) < 0.030  # ~25 ms decode step, 8 seqs at 4K
 
 

@@ -9,25 +9,16 @@ import json
 import openai
 import pytest
 
-from limiter.frontend.app import FRONTEND
 from limiter.frontend.replies import Reply, dedup
+from limiter.frontend.runtime import FRONTEND
 from limiter.prompt import Payload, count_tokens, render_chat
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
+from tests.frontend_helpers import POOL, auth, fe_of
+
+# Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
+from tests.frontend_helpers import client_fixture as client_fixture
+from tests.frontend_helpers import fake_worker_fixture as fake_worker_fixture
 
 ONE_TOKEN = {"model": "tiny", "prompt": "x", "max_tokens": 1}
-
-
-@pytest.fixture
-async def client(redis_server, sync_redis):
-    async with frontend(make_cfg(redis_server.url)) as c:
-        yield c
-
-
-@pytest.fixture
-async def worker(aredis):
-    async with FakeWorker(aredis, POOL) as w:
-        yield w
 
 
 def sse_events(raw: str) -> list[str]:
@@ -66,7 +57,7 @@ def test_payload_roundtrip():
 
 # --- non-stream and stream through the test client -------------------------------------------
 
-async def test_chat_non_stream(client, worker):
+async def test_chat_non_stream(client, fake_worker):
     body = {"model": "tiny", "messages": [{"role": "system", "content": "sys"},
                                           {"role": "user", "content": [{"type": "text", "text": "hello"}]}],
             "max_tokens": 8, "temperature": 0.2, "seed": 3, "stop": ["zz"]}
@@ -74,7 +65,7 @@ async def test_chat_non_stream(client, worker):
     assert r.status == 200, await r.text()
     out = await r.json()
     prompt = render_chat([("system", "sys"), ("user", "hello")])
-    served = worker.by_id(r.headers["X-QoS-Request-Id"])
+    served = fake_worker.by_id(r.headers["X-QoS-Request-Id"])
     assert out["object"] == "chat.completion" and out["model"] == "tiny"
     assert out["choices"][0]["message"] == {"role": "assistant", "content": prompt[::-1][:8]}
     assert out["choices"][0]["finish_reason"] == "length"
@@ -83,7 +74,7 @@ async def test_chat_non_stream(client, worker):
     assert served.usage_in == count_tokens(prompt) and served.usage_out == 8
 
 
-async def test_completion_stream_sse_framing_and_usage(client, worker):
+async def test_completion_stream_sse_framing_and_usage(client, fake_worker):
     body = {"model": "tiny", "prompt": "hello stream", "stream": True,
             "stream_options": {"include_usage": True}}
     r = await client.post("/v1/completions", json=body, headers=auth())
@@ -97,13 +88,13 @@ async def test_completion_stream_sse_framing_and_usage(client, worker):
     assert text == "hello stream"[::-1]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["choices"] == []
-    served = worker.by_id(r.headers["X-QoS-Request-Id"])
+    served = fake_worker.by_id(r.headers["X-QoS-Request-Id"])
     assert chunks[-1]["usage"] == {"prompt_tokens": served.usage_in, "completion_tokens": served.usage_out,
                                    "total_tokens": served.usage_in + served.usage_out}
     assert all(c["usage"] is None for c in chunks[:-1])
 
 
-async def test_chat_stream_without_usage(client, worker):
+async def test_chat_stream_without_usage(client, fake_worker):
     body = {"model": "tiny", "messages": [{"role": "user", "content": "abc"}], "stream": True,
             "max_tokens": 5}
     r = await client.post("/v1/chat/completions", json=body, headers=auth())
@@ -138,20 +129,20 @@ async def test_missing_and_unknown_keys_are_401(client):
         assert err["type"] == "authentication_error" and err["code"] in ("missing_api_key", "invalid_api_key")
 
 
-async def test_class_ceiling(client, worker, sync_redis):
+async def test_class_ceiling(client, fake_worker, sync_redis):
     body = {"model": "tiny", "prompt": "x", "max_tokens": 1}
     r = await client.post("/v1/completions", json=body, headers=auth("demo-p2", **{"X-QoS-Class": "P0"}))
     assert r.status == 403
     assert (await r.json())["error"]["code"] == "class_not_allowed"
     r = await client.post("/v1/completions", json=body, headers=auth("demo-p0", **{"X-QoS-Class": "P2"}))
     assert r.status == 200
-    assert worker.by_id(r.headers["X-QoS-Request-Id"]).cls == "P2"
+    assert fake_worker.by_id(r.headers["X-QoS-Request-Id"]).cls == "P2"
     assert sync_redis.hget(POOL.stats, "P2.admitted") == b"1"
     r = await client.post("/v1/completions", json=body, headers=auth("demo-p0", **{"X-QoS-Class": "P7"}))
     assert r.status == 400 and (await r.json())["error"]["param"] == "X-QoS-Class"
 
 
-async def test_models_health_ready_metrics(client, worker):
+async def test_models_health_ready_metrics(client, fake_worker):
     r = await client.get("/v1/models", headers=auth())
     assert (await r.json())["data"][0]["id"] == "tiny"
     assert (await client.get("/v1/models")).status == 401
@@ -169,7 +160,7 @@ async def test_models_health_ready_metrics(client, worker):
         assert name in text
 
 
-async def test_admin_status(client, worker, sync_redis):
+async def test_admin_status(client, fake_worker, sync_redis):
     await client.post("/v1/completions", json=ONE_TOKEN, headers=auth())
     sync_redis.hset(POOL.compliance, mapping={"P0": "0.995"})
     assert (await client.get("/v1/qos/status")).status == 401
@@ -187,7 +178,7 @@ async def test_admin_status(client, worker, sync_redis):
     assert fe_of(client).frontend_id in tiny["frontends"]
 
 
-async def test_reply_stream_is_one_per_process(client, worker, sync_redis):
+async def test_reply_stream_is_one_per_process(client, fake_worker, sync_redis):
     """Many concurrent requests share one reply stream and a bounded connection pool."""
     fe = client.server.app[FRONTEND]
     bodies = [{"model": "tiny", "prompt": f"request {i}", "stream": i % 2 == 0} for i in range(40)]
@@ -209,7 +200,7 @@ async def test_reply_stream_is_one_per_process(client, worker, sync_redis):
 
 # --- the official SDK over real sockets ---------------------------------------------------------
 
-async def test_openai_sdk_async_and_sync(client, worker):
+async def test_openai_sdk_async_and_sync(client, fake_worker):
     base = str(client.server.make_url("/v1"))
     sdk = openai.AsyncOpenAI(base_url=base, api_key="demo-p1", max_retries=0)
     out = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi there"}],

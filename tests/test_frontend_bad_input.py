@@ -10,6 +10,7 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
+from tests.body_strategies import FIELDS
 from tests.fake_worker import FakeWorker
 from tests.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
 
@@ -152,28 +153,6 @@ async def test_wrong_method_and_unknown_path_are_json_errors(client):
 
 
 # --- fuzz ---------------------------------------------------------------------------------------
-
-JUNK = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(allow_nan=False),
-                 st.text(max_size=8), st.lists(st.integers(), max_size=3),
-                 st.dictionaries(st.text(max_size=3), st.integers(), max_size=2))
-MESSAGE = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant", "tool", "robot"]),
-                                 "content": st.one_of(st.text(max_size=20), JUNK)})
-FIELDS = {
-    "model": st.one_of(st.just("tiny"), st.just("tiny"), JUNK),
-    "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=3), JUNK),
-    "prompt": st.one_of(st.text(max_size=30), st.lists(st.text(max_size=5), max_size=2), JUNK),
-    "max_tokens": st.one_of(st.integers(-2, 40), JUNK),
-    "temperature": st.one_of(st.floats(-1, 3), JUNK),
-    "top_p": st.one_of(st.floats(-0.5, 1.5), JUNK),
-    "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=5), JUNK),
-    "seed": st.one_of(st.integers(-(2**64), 2**64), JUNK),
-    "n": st.one_of(st.just(1), JUNK),
-    "stream": st.one_of(st.booleans(), JUNK),
-    "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JUNK),
-    "user": st.one_of(st.text(max_size=5), JUNK),
-    "extra_field": JUNK,
-}
-
 
 @st.composite
 def requests(draw: st.DrawFn) -> tuple[str, bytes]:

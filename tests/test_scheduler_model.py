@@ -6,7 +6,7 @@ Redis ``TIME``; leases, frontend TTLs and max waits are a few hundred ms so expi
 The model does not predict what Redis decides (which request expires when); it keeps what it
 knows for sure (what was admitted, at what cost, with which max wait; every fence handed out)
 and after EVERY step reads Redis' whole state and checks the invariants below. Each one was
-seen to fail with a bug seeded by hand (the closing note of the scheduler issue lists them).
+seen to fail with a bug seeded by hand (tests/seeded_bugs.py plants each one again on demand).
 
 1. Partition: every admitted request is in exactly one of queued (its tenant's queue and
    the deadline index), leased (the lease index) or finished (no index), and the indexes

@@ -22,29 +22,20 @@ from torch import nn
 
 from limiter.errors import InvalidArgument
 from limiter.prompt import ChatMessage, Payload, count_tokens, render_chat
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
+from tests.frontend_helpers import auth, fe_of, frontend, make_cfg
+
+# Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
+from tests.frontend_helpers import client_fixture as client_fixture
+from tests.frontend_helpers import fake_worker_fixture as fake_worker_fixture
 from tests.worker_helpers import worker
-from worker.batching import Limits
+from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, run_local
+from worker.local_run import LocalRequest, run_local
 from worker.tokenizer import EOS_ID
 
 KEY = "demo-p1"
 TEXT = "The quick brown fox jumps over the lazy dog, again and again and again."
-
-
-@pytest.fixture
-async def client(redis_server, sync_redis):
-    async with frontend(make_cfg(redis_server.url)) as c:
-        yield c
-
-
-@pytest.fixture
-async def fake(aredis):
-    async with FakeWorker(aredis, POOL) as w:
-        yield w
 
 
 def events(raw: str) -> list[Any]:
@@ -99,12 +90,12 @@ async def test_models_retrieve(client):
 
 # --- vLLM's extensions ---------------------------------------------------------------------------
 
-async def test_extensions_reach_the_worker_payload(client, fake):
+async def test_extensions_reach_the_worker_payload(client, fake_worker):
     body = {"model": "tiny", "prompt": TEXT, "max_tokens": 12, "ignore_eos": True, "min_tokens": 5,
             "repetition_penalty": 1.0, "top_k": -1, "min_p": 0.0, "logprobs": None, "stop": None}
     r = await client.post("/v1/completions", json=body, headers=auth())
     assert r.status == 200, await r.text()
-    p = fake.payloads[r.headers["X-QoS-Request-Id"]]
+    p = fake_worker.payloads[r.headers["X-QoS-Request-Id"]]
     assert p.ignore_eos is True and p.min_tokens == 5 and p.max_tokens == 12 and p.messages == ()
 
     body = {"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
@@ -112,7 +103,7 @@ async def test_extensions_reach_the_worker_payload(client, fake):
                                            "name": "ann"}], "max_completion_tokens": 4}
     r = await client.post("/v1/chat/completions", json=body, headers=auth())
     assert r.status == 200, await r.text()
-    p = fake.payloads[r.headers["X-QoS-Request-Id"]]
+    p = fake_worker.payloads[r.headers["X-QoS-Request-Id"]]
     assert p.ignore_eos is False and p.min_tokens == 0
     assert p.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "hi", name="ann"))
     assert p.prompt == render_chat([("system", "be brief"), ("user", "hi")])
@@ -141,8 +132,8 @@ def _check_continuous_usage(chunks: list[dict[str, Any]], prompt_tokens: int, te
     return final["usage"]
 
 
-async def test_continuous_usage_stats_per_chunk(client, fake):
-    fake.batch = 3  # several reply entries, so several content chunks
+async def test_continuous_usage_stats_per_chunk(client, fake_worker):
+    fake_worker.batch = 3  # several reply entries, so several content chunks
     body = {"model": "tiny", "prompt": TEXT, "max_tokens": 20, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     r = await client.post("/v1/completions", json=body, headers=auth())
@@ -200,13 +191,13 @@ REPLAYS: list[tuple[str, str, dict[str, str], dict[str, Any]]] = [
 
 
 @pytest.mark.parametrize("tool,path,headers,body", REPLAYS, ids=[r[0] for r in REPLAYS])
-async def test_tool_requests_replayed(client, fake, tool, path, headers, body):
-    fake.batch = 5
+async def test_tool_requests_replayed(client, fake_worker, tool, path, headers, body):
+    fake_worker.batch = 5
     raw = json.dumps(body).encode()
     r = await client.post(path, data=raw, headers={**headers, "Authorization": f"Bearer {KEY}"})
     assert r.status == 200, (tool, await r.text())
     rid = r.headers["X-QoS-Request-Id"]
-    p = fake.payloads[rid]
+    p = fake_worker.payloads[rid]
     chat = path.endswith("chat/completions")
     prompt = render_chat([("user", TEXT)]) if chat else TEXT
     assert p.prompt == prompt and p.max_tokens == 16
@@ -233,7 +224,7 @@ async def test_tool_requests_replayed(client, fake, tool, path, headers, body):
     assert fins[-1] == "length" and all(f is None for f in fins[:-1])
 
 
-async def test_guidellm_probes_then_runs(client, fake):
+async def test_guidellm_probes_then_runs(client, fake_worker):
     """guidellm's start-up: GET /health with the key, GET /v1/models, then requests."""
     h = {**HTTPX, "Authorization": f"Bearer {KEY}"}
     h.pop("Content-Type")
@@ -342,9 +333,9 @@ async def test_redis_outage_errors_name_no_address():
                 assert str(server.port) not in text and "127.0.0.1" not in text and "Error" not in text
 
 
-async def test_openai_sdk_with_vllm_extras(client, fake):
+async def test_openai_sdk_with_vllm_extras(client, fake_worker):
     """The official SDK passing vLLM's fields the documented way (extra_body, stream_options)."""
-    fake.batch = 2
+    fake_worker.batch = 2
     sdk = openai.AsyncOpenAI(base_url=str(client.server.make_url("/v1")), api_key=KEY, max_retries=0)
     stream = await sdk.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": "count"}], max_tokens=8, stream=True,
@@ -353,7 +344,7 @@ async def test_openai_sdk_with_vllm_extras(client, fake):
     usages = [ch.usage.completion_tokens async for ch in stream]
     assert usages == sorted(usages) and usages[-1] == 8 and len(usages) >= 4
     assert all(u is not None for u in usages)
-    (p,) = fake.payloads.values()
+    (p,) = fake_worker.payloads.values()
     assert p.ignore_eos and p.min_tokens == 2
     with pytest.raises(openai.BadRequestError) as e:
         await sdk.completions.create(model="tiny", prompt="x", extra_body={"min_tokens": 5}, max_tokens=2)

@@ -14,11 +14,11 @@ import torch
 from limiter.prompt import count_tokens
 from tests.redis_server import free_port
 from tests.worker_helpers import Client, worker
-from worker.batching import Limits
+from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.sim import PLACEHOLDER, SimEngine
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, run_local
+from worker.local_run import LocalRequest, run_local
 
 
 def sim_text(prompt: str, start: int, n: int) -> str:

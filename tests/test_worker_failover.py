@@ -19,10 +19,10 @@ import torch
 
 from tests.redis_server import RedisServer
 from tests.worker_helpers import Client, config, spawn_worker, stop_process, write_config
-from worker.batching import Limits
+from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, run_local
+from worker.local_run import LocalRequest, run_local
 
 PROMPTS = [("Tell me a story about a dragon. ", 0.0, 11), ("Once upon a time, ", 0.8, 12),
            ("The quick brown fox ", 0.0, 13), ("Schöne Grüße aus Köln — ", 0.9, 14)]

@@ -15,11 +15,11 @@ from limiter.config import demo_config
 from limiter.errors import ConfigError, InvalidArgument, LeaseLost
 from limiter.prompt import Payload
 from limiter.scripts import Claimed
-from worker.batching import Limits
+from worker.batch_policy import Limits
+from worker.batch_scheduler import BatchScheduler, resume_finish_reason
 from worker.delivery import Delivery
 from worker.engines.base import SamplingParams, request_seed
 from worker.engines.sim import SimEngine
-from worker.scheduler import BatchScheduler, resume_finish_reason
 from worker.settings import default_worker_id, load_settings
 from worker.textstream import StopScanner
 from worker.tokenizer import EOS_ID, IncrementalDecoder, encode
@@ -274,7 +274,7 @@ async def test_a_full_workers_look_ahead_never_backs_off_past_the_claim_interval
     """A full worker holding lower-class work looks ahead for a higher class every
     claim_interval_ms, however often it finds none: a growing back-off kept it from claiming
     a newly queued P0 for up to a second."""
-    from worker.steploop import StepLoop
+    from worker.claim_step_loop import StepLoop
 
     rt = _FullWorkerRuntime()
     loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=1))  # type: ignore[arg-type]
@@ -293,8 +293,8 @@ async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots(
     """Every slot and the look-ahead held by one flooding P1 tenant: the worker claims one
     request of anyone else (it then takes one of the flood's slots); once a poorer tenant's
     request waits here, it stops looking (bounded)."""
+    from worker.claim_step_loop import StepLoop
     from worker.settings import WorkerSettings
-    from worker.steploop import StepLoop
 
     rt = _FullWorkerRuntime()
     rt.settings = WorkerSettings(max_seqs=2, token_budget=8, claim_ahead=1, claim_interval_ms=20)
@@ -318,8 +318,8 @@ async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots(
 async def test_a_tenant_that_holds_a_few_slots_is_not_avoided_while_another_holds_many() -> None:
     """Rich is relative: a light tenant holding 2 of 6 slots next to a flood holding 4 can
     still take one (4 >= 2 + 2), so only the flood is avoided; at 3 and 3 both are."""
+    from worker.claim_step_loop import StepLoop
     from worker.settings import WorkerSettings
-    from worker.steploop import StepLoop
 
     rt = _FullWorkerRuntime()
     rt.settings = WorkerSettings(max_seqs=6, token_budget=8, claim_ahead=1, claim_interval_ms=20)
@@ -341,8 +341,8 @@ async def test_the_tenant_look_ahead_never_avoids_a_class_above_every_waiting_re
     """One tenant per class (each "rich" in its class): behind a P2 flood the look-ahead must
     still take any P0, whoever sends it -- avoiding P0's only tenant kept P0 queued for
     seconds (qos bench control, p2_flood)."""
+    from worker.claim_step_loop import StepLoop
     from worker.settings import WorkerSettings
-    from worker.steploop import StepLoop
 
     rt = _FullWorkerRuntime()
     rt.settings = WorkerSettings(max_seqs=6, token_budget=8, claim_ahead=1, claim_interval_ms=20)

@@ -47,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="KV cache tokens (default: the engine's estimate)")
     g.add_argument("--chunked-prefill", action=bool_flag, default=None,
                    help="slice long prompts by the token budget (default on; --no-chunked-prefill is the "
-                   "seed's stalling 'before')")
+                   "original problem's stalling 'before')")
     g.add_argument("--claim-ahead", type=int, help="requests held beyond a full batch (default 1)")
     g = p.add_argument_group("upstream (openai engine)")
     g.add_argument("--upstream-url", help="OpenAI-compatible server, e.g. http://127.0.0.1:8000 "

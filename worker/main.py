@@ -7,7 +7,7 @@ from typing import Any
 
 from limiter.config import QosConfig
 from limiter.errors import RedisUnavailable
-from worker.batching import Limits
+from worker.batch_policy import Limits
 from worker.engines.base import Engine
 from worker.runtime import WorkerRuntime
 from worker.settings import WorkerSettings
@@ -55,7 +55,7 @@ def build_worker(s: WorkerSettings, cfg: QosConfig,
 
         rt = WorkerRuntime(s, cfg, engine="openai", simulated=False)
         return rt, UpstreamLoop(rt)
-    from worker.steploop import StepLoop
+    from worker.claim_step_loop import StepLoop
 
     engine = engine or build_engine(s)
     rt = WorkerRuntime(s, cfg, engine=engine.name, simulated=engine.simulated)

@@ -88,7 +88,7 @@ PRESETS: dict[str, ModelConfig] = {
     # on two CPU cores in about a second.
     "tiny": ModelConfig(),
     # A ~1B-parameter Llama-3.2-1B-shaped model for one GPU: 16 layers, d_model 2048,
-    # GQA 32/8 heads, 32K context (the seed's long-prompt case). bf16 KV: 32 KiB/token.
+    # GQA 32/8 heads, 32K context (the original problem's long-prompt case). bf16 KV: 32 KiB/token.
     "1b": ModelConfig(
         n_layer=16,
         n_head=32,

@@ -29,16 +29,14 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import TimeoutError as RedisTimeoutError
-
+from limiter.backoff import Backoff
 from limiter.config import QosConfig
 from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
 from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
 from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
-from limiter.redis_conn import open_redis
+from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.samples import pack_sample
 from limiter.scripts import Claimed, Scripts, policy_document
 from limiter.tasks import stop_tasks
@@ -87,17 +85,16 @@ class WorkerRuntime:
         self.client = open_redis(self.cfg.redis, max_connections=8, pool_wait_s=30.0)
         self.blocking = open_redis(self.cfg.redis, max_connections=2)  # BLPOP blocks its connection
         self.scripts = Scripts(self.client)
-        backoff = 0.2
+        backoff = Backoff("Redis unavailable at start", first_s=0.2, max_s=5.0, logger=log)
         while True:
             try:
                 await self.ensure_pool()
+                backoff.succeeded()
                 break
             except RedisUnavailable as exc:
                 if self.draining.is_set():
                     raise
-                log.warning("Redis unavailable at start (%s); retrying in %.1f s", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+                await backoff.failed(exc)
         await self.guard("heartbeat", self.heartbeat(), backoff=0)
         if self.settings.metrics_port:
             try:
@@ -169,10 +166,8 @@ class WorkerRuntime:
     # --- helpers ------------------------------------------------------------------------------
     async def _redis(self, aw: Awaitable[Any]) -> Any:
         """Await a plain redis-py command, mapping connection failures to RedisUnavailable."""
-        try:
+        with map_redis_errors():
             return await aw
-        except (RedisConnectionError, RedisTimeoutError, OSError) as exc:
-            raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
 
     def weights(self, cls: str) -> tuple[float, float]:
         """(input, output) cost weights of class ``cls``: capacity is reported in the same

@@ -42,7 +42,7 @@ class WorkerSettings:
     top_prefill_tokens: int = 2048  # a step may prefill this much of the top class's prompts beyond it
     max_seqs: int = 32  # sequences in one batch
     kv_capacity_tokens: int = 0  # 0 = the engine's own estimate
-    chunked_prefill: bool = True  # False = whole-prompt prefill (the seed's "before")
+    chunked_prefill: bool = True  # False = whole-prompt prefill (the original problem's "before")
     claim_ahead: int = 1  # requests held beyond a full batch, so higher classes can preempt
     claim_interval_ms: int = 20  # least time between claims that found nothing, while busy
     # streaming back

@@ -20,7 +20,6 @@ from limiter.errors import InvalidArgument
 BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
-SPECIAL_IDS = frozenset({BOS_ID, EOS_ID, PAD_ID})
 VOCAB_SIZE = 259
 
 

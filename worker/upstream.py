@@ -1,7 +1,7 @@
 """The ``openai`` engine: front an upstream OpenAI-compatible server (vLLM, SGLang, TGI).
 
 Such a server batches on its own (continuous batching, its own KV cache), so the step-based
-:class:`~worker.scheduler.BatchScheduler` does not apply. This is a separate small loop
+:class:`~worker.batch_scheduler.BatchScheduler` does not apply. This is a separate small loop
 that shares everything else with the step loop through :class:`~worker.runtime.WorkerRuntime`:
 claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sample, drain.
 

@@ -13,7 +13,7 @@ model. All three modes get the same weights (fifo and priority have no limits, s
 is affected).
 
 **Capacity.** A sample of the run's requests, all queued at once, is served by the
-worker's own scheduler (:class:`worker.scheduler.BatchScheduler`, the code the Redis
+worker's own scheduler (:class:`worker.batch_scheduler.BatchScheduler`, the code the Redis
 worker runs) on the engine; capacity = weighted tokens processed / time of those steps,
 counted while the queue was non-empty (the draining tail, a half-empty batch, would
 understate it).
@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from limiter.bench.trace import Arrival
-from worker.batching import Limits, PrefillChunk, StepPlan
+from worker.batch_policy import Limits, PrefillChunk, StepPlan
+from worker.batch_scheduler import BatchScheduler
 from worker.engines.base import Engine, SamplingParams
-from worker.scheduler import BatchScheduler
 
 
 @dataclass(frozen=True)

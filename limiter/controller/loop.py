@@ -23,10 +23,9 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
-from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from limiter.backoff import Backoff
 from limiter.config import PoolConfig, QosConfig
 from limiter.controller.consumer import Batch, SampleConsumer
 from limiter.controller.control_law import ClassInputs, Decision, Inputs, decide
@@ -35,14 +34,13 @@ from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.observe import publish, read_heartbeats, record_metrics, redis_now_ms
 from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
-from limiter.errors import PolicyMissing, RedisUnavailable, StaleLeader
+from limiter.errors import PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
+from limiter.redis_conn import REDIS_ERRORS
 from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
 
 log = logging.getLogger("qos.controller")
-# TimeoutError (a step that overran its timeout) is an OSError: handled like an outage.
-REDIS_ERRORS = (RedisUnavailable, RedisConnectionError, RedisTimeoutError, OSError)
 MAX_BACKOFF_S = 5.0
 # No socket timeout on the client (XREADGROUP blocks), so every step has its own deadline: a
 # connection that wedges must cost one step, not stop a loop while the lease is still renewed.
@@ -140,7 +138,7 @@ class PoolController:
 
     # --- samples ------------------------------------------------------------------------------
     async def sample_loop(self) -> None:
-        backoff = 0.0
+        backoff = Backoff(f"{self.pool.name}: sample loop", first_s=0.1, max_s=MAX_BACKOFF_S)
         while True:
             await self._leading.wait()
             term = self.term
@@ -149,19 +147,19 @@ class PoolController:
                 continue
             try:
                 await within(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
-                backoff = 0.0
+                backoff.succeeded()
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
                     await self._guard(self.consumer.ensure_group(), "samples")
                 else:
                     log.error("%s: sample read failed: %s", self.pool.name, exc)
-                    backoff = await _sleep_backoff(backoff)
+                    await backoff.failed()
             except REDIS_ERRORS as exc:
                 self._redis_error("samples", exc)
-                backoff = await _sleep_backoff(backoff)
+                await backoff.failed()
             except Exception:
                 log.exception("%s: sample loop error", self.pool.name)
-                backoff = await _sleep_backoff(backoff)
+                await backoff.failed()
 
     async def consume_once(self, term: Term) -> None:
         """One step of the leader's sample loop: catch up once per term, then read new entries."""
@@ -294,9 +292,3 @@ class PoolController:
         if self.redis_ok:
             log.warning("%s: Redis unavailable in %s loop (%s); retrying", self.pool.name, loop, exc)
         self.redis_ok = False
-
-
-async def _sleep_backoff(previous: float) -> float:
-    delay = min(MAX_BACKOFF_S, max(0.1, previous * 2))
-    await asyncio.sleep(delay)
-    return delay

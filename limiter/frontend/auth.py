@@ -13,7 +13,7 @@ import hashlib
 import hmac
 
 from limiter.config import QosConfig, TenantConfig
-from limiter.frontend.openai_api import ApiError
+from limiter.frontend.errors import ApiError
 
 CLASS_HEADER = "X-QoS-Class"
 

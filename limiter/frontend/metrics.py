@@ -3,6 +3,7 @@ process in tests; the global registry would mix them). Served at ``GET /metrics`
 
 from __future__ import annotations
 
+from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 # Latency buckets from sub-millisecond frontend overhead up to long queue waits.
@@ -48,3 +49,6 @@ class FrontendMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+METRICS = web.AppKey("metrics", FrontendMetrics)

@@ -1,4 +1,4 @@
-"""The OpenAI wire format: strict request validation, response and chunk builders, errors.
+"""The OpenAI wire format: strict request validation, response and chunk builders.
 
 Validation turns a JSON body into a :class:`GenerationRequest` or raises :class:`ApiError`
 naming the offending field in ``param`` — before anything touches Redis, so a bad request
@@ -18,42 +18,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from limiter.config import PoolConfig, QosConfig
+from limiter.frontend.errors import ApiError
 from limiter.prompt import CHAT_ROLES, ChatMessage, Payload, render_chat
 
 INT64 = (-(2**63), 2**63 - 1)
-_DEFAULT_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
-    500: "server_error", 503: "service_unavailable",
-}
-
-
-class ApiError(Exception):
-    """An HTTP error in OpenAI's shape; the app's error middleware renders it.
-
-    ``outcome`` is the label it is counted under in the requests metric."""
-
-    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
-                 err_type: str | None = None, retry_after_s: int | None = None,
-                 outcome: str = "bad_request") -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.code = code
-        self.param = param
-        self.err_type = err_type or _DEFAULT_TYPES.get(status, "server_error")
-        self.retry_after_s = retry_after_s
-        self.outcome = outcome
-
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.err_type, self.code, self.param)
-
-    def headers(self) -> dict[str, str]:
-        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
-
-
-def error_body(message: str, err_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
 
 
 def bad(param: str | None, message: str, code: str = "invalid_value") -> ApiError:
@@ -455,6 +423,11 @@ def usage_chunk(req: GenerationRequest, request_id: str, created: int, usage_in:
             "choices": [], "usage": usage(usage_in, usage_out)}
 
 
+def compact_json(obj: Any) -> str:
+    """JSON as the answers carry it: no spaces, and text as UTF-8 rather than escapes."""
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+
 def sse(data: Mapping[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else json.dumps(data, separators=(",", ":"), ensure_ascii=False)
+    payload = data if isinstance(data, str) else compact_json(data)
     return f"data: {payload}\n\n".encode()

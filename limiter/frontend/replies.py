@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from limiter.backoff import Backoff
 from limiter.frontend.metrics import FrontendMetrics
 from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
@@ -146,10 +147,6 @@ class ReplyRouter:
         for q in self._queues.values():
             q.put_nowait(reply)
 
-    @property
-    def pending(self) -> int:
-        return len(self._queues)
-
     def dispatch(self, pool: str, fields: dict[Any, Any]) -> None:
         rid = _s(fields.get(b"id", fields.get("id", b"")))
         q = self._queues.get(rid)
@@ -168,7 +165,7 @@ class ReplyRouter:
         stream = keys.reply(self.frontend_id)
         # The id is new for each process, so every entry of the stream is ours to read.
         last = self.last_ids[keys.pool]
-        backoff = 0.05
+        backoff = Backoff(f"reply stream {stream}", first_s=0.05, max_s=2.0, logger=log)
         while not self._stopping:
             try:
                 resp = await self.client.xread({stream: last}, count=1000, block=self.block_ms)
@@ -177,12 +174,10 @@ class ReplyRouter:
             except Exception as exc:  # Redis down or restarting: keep trying, never spin
                 self.healthy[keys.pool] = False
                 self.metrics.redis_errors.labels("xread").inc()
-                log.warning("reply stream %s: %s; retrying in %.2fs", stream, exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 2.0)
+                await backoff.failed(exc)
                 continue
             self.healthy[keys.pool] = True
-            backoff = 0.05
+            backoff.succeeded()
             # (entries read while stopping are still dispatched: their handlers may be waiting)
             for entry_id, fields in _entries(resp):
                 last = _s(entry_id)

@@ -1,7 +1,7 @@
 """The interface every engine implements, and the bookkeeping they share.
 
-The batching policy (:mod:`worker.batching`) is the same for every engine; an engine only
-executes a :class:`~worker.batching.StepPlan`. Two engines exist: ``torch`` runs the real
+The batching policy (:mod:`worker.batch_policy`) is the same for every engine; an engine only
+executes a :class:`~worker.batch_policy.StepPlan`. Two engines exist: ``torch`` runs the real
 model of :mod:`worker.model`, ``sim`` sleeps for a GPU cost model and emits placeholder
 text (and says so: ``simulated = True``), so the whole system can run without a GPU.
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from limiter.errors import InvalidArgument
-from worker.batching import StepPlan
+from worker.batch_policy import StepPlan
 from worker.tokenizer import IncrementalDecoder
 
 __all__ = ["Engine", "IncrementalDecoder", "SamplingParams", "SeqEntry", "SequenceTable", "request_seed"]

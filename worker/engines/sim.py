@@ -13,11 +13,11 @@ Cost model, one step (seconds, before ``time_scale``)::
 * ``context_tokens``: KV tokens attended to: ``kv_len + 1`` per decoder and
   ``start + length`` per prefill chunk (a chunk attends to everything before it).
 
-Defaults (roughly a 7B-class model on one modern GPU, the seed article's figures):
+Defaults (roughly a 7B-class model on one modern GPU, the original design's figures):
 ``c0 = 10 ms`` (launches, weight reads), ``c_prefill = 60 us/token``, ``c_decode = 1 ms/seq``,
 ``c_kv = 0.2 us/token``. Then a 32K-token prompt prefilled in one step costs
-10 ms + 1.966 s + 6.6 ms ~= 1.98 s (the seed's "~2 s"), and a decode step of a modest batch,
-8 sequences at 4K context, costs 10 + 8 + 6.6 ~= 25 ms (the seed's "~25 ms TPOT"). Chunking
+10 ms + 1.966 s + 6.6 ms ~= 1.98 s (the original "~2 s"), and a decode step of a modest batch,
+8 sequences at 4K context, costs 10 + 8 + 6.6 ~= 25 ms (the original "~25 ms TPOT"). Chunking
 that 32K prompt into 64 slices of 512 adds 64 * c0 plus re-read context, ~2.85 s in all: the
 throughput price paid for bounded decode latency. Attention is charged linearly in context,
 not quadratically; at these sizes the linear terms dominate anyway.
@@ -32,7 +32,7 @@ import asyncio
 from dataclasses import dataclass
 
 from limiter.errors import InvalidArgument
-from worker.batching import StepPlan
+from worker.batch_policy import StepPlan
 from worker.engines.base import SamplingParams, SeqEntry, SequenceTable
 from worker.tokenizer import EOS_ID, VOCAB_SIZE, IncrementalDecoder, encode
 

@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 
 from limiter.errors import ConfigError, InvalidArgument
-from worker.batching import PrefillChunk, StepPlan
+from worker.batch_policy import PrefillChunk, StepPlan
 from worker.engines.base import SamplingParams, SeqEntry, SequenceTable
 from worker.model import KVCache, ModelConfig, Transformer, build_model, preset
 from worker.tokenizer import EOS_ID, IncrementalDecoder, encode

@@ -1,6 +1,10 @@
 """The pure batch builder: what the GPU does in the next step (iteration-level batching).
 
-The seed's problem is that a 32K-token prompt's prefill runs as one ~2 s step and every
+Bottom of the worker's four loop modules: :mod:`worker.batch_scheduler` applies these
+decisions to an engine one step at a time, and :mod:`worker.local_run` (in-process) and
+:mod:`worker.claim_step_loop` (the Redis worker) drive that scheduler.
+
+The original problem is that a 32K-token prompt's prefill runs as one ~2 s step and every
 other request's decode waits behind it (TPOT jumps from ~25 ms to ~2000 ms). The cure,
 where it happens, is continuous batching with *chunked prefill*: each engine step has a
 token budget (default 512); decoding sequences spend it first, one token each, and the
@@ -12,9 +16,9 @@ tested exhaustively without a model, a GPU or Redis:
 
 * :func:`build_plan` - decodes first (class order), then prefill chunks by
   (class rank, arrival) until the budget or the KV capacity runs out. With
-  ``chunked_prefill=False`` (the seed's "before") a prompt is only ever prefilled whole;
+  ``chunked_prefill=False`` (the original "before") a prompt is only ever prefilled whole;
   one that exceeds the budget may still run as the step's first prefill, otherwise it
-  could never run, and that whole-prompt step is exactly the stall the seed describes.
+  could never run, and that whole-prompt step is exactly the stall the original problem describes.
 * :func:`choose_admissions` - which waiting sequences to start given free batch slots and
   KV room, strictly in priority order (no skipping ahead: a stream of small low-class
   prompts must not starve a large high-class one); inside a class, the tenant holding the

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from limiter.errors import InvalidArgument
-from worker.batching import Limits, StepPlan
+from worker.batch_policy import Limits, StepPlan
 from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, run_local
+from worker.local_run import LocalRequest, run_local
 from worker.tokenizer import BOS_ID, EOS_ID
 
 torch.set_num_threads(2)

@@ -1,8 +1,8 @@
-"""The seed's problem through the full worker (Redis, claim, batching, streaming, samples),
+"""The original problem through the full worker (Redis, claim, batching, streaming, samples),
 with the sim engine at full scale: a 32K-token P2 prompt (~2 s of prefill on the modelled
 GPU) arrives while a short P0 request is decoding (~11 ms per token).
 
-Without chunked prefill (``--no-chunked-prefill``, the seed's "before") the P0 request's
+Without chunked prefill (``--no-chunked-prefill``, the original "before") the P0 request's
 next token waits for the whole prefill: its worst inter-token gap is ~2 s. With chunked
 prefill (512-token budget per step) the prompt runs in 64 slices interleaved with P0's
 decode steps, and P0's worst gap is one loaded step (~45 ms).
@@ -47,8 +47,8 @@ async def test_chunked_prefill_bounds_the_p0_gap_through_the_worker(
              f" max gap {gap} ms; P2 TTFT {lg['ttft_ms']:.0f} ms"
              for name, s, lg, gap in (("chunked  ", short_on, long_on, gap_on),
                                       ("unchunked", short_off, long_off, gap_off))]
-    print("\n[seed problem via the worker, sim engine, time_scale 1] 32K-token P2 prompt vs a decoding P0:\n"
-          + "\n".join(lines))
+    print("\n[long-prefill stall via the worker, sim engine, time_scale 1] 32K-token P2 prompt"
+          " vs a decoding P0:\n" + "\n".join(lines))
     assert short_on["tpot_max_ms"] < 150  # one loaded step (~45 ms), with room for a busy box
     assert short_off["tpot_max_ms"] > 1500  # the whole ~2 s prefill
     assert gap_on < 250 and gap_off > 1500  # what the client sees (pushes batch up to ~50 ms)

@@ -1,20 +1,20 @@
 """The per-step state machine of continuous batching, shared by every step-based driver.
 
 :class:`BatchScheduler` owns the sequences one engine serves and turns the pure policy of
-:mod:`worker.batching` into engine calls, one step at a time:
+:mod:`worker.batch_policy` into engine calls, one step at a time:
 
-1. pause what :func:`~worker.batching.choose_preemption` picks: back to the waiting set
+1. pause what :func:`~worker.batch_policy.choose_preemption` picks: back to the waiting set
    with its original arrival, keeping its KV when only a batch slot was short (readmitted,
    it goes on where it stopped), else with its KV freed (readmitted, it re-prefills prompt +
    generated tokens - the same path a request resumed on another worker takes),
-2. start what :func:`~worker.batching.choose_admissions` allows,
-3. run one :func:`~worker.batching.build_plan` step on the engine,
+2. start what :func:`~worker.batch_policy.choose_admissions` allows,
+3. run one :func:`~worker.batch_policy.build_plan` step on the engine,
 4. book the produced tokens: KV/prefill counters, decoding, finish detection (EOS,
    ``max_tokens``, the engine's context limit, stop strings on the decoded text).
 
-Both the in-process :func:`worker.stepper.run_local` and the Redis worker
-(:mod:`worker.steploop`) drive this class, so what the tests measure with ``run_local``
-is the scheduling the production worker does. It knows nothing about Redis or clocks
+Both the in-process :func:`worker.local_run.run_local` and the Redis worker
+(:mod:`worker.claim_step_loop`) drive this class, so what the tests measure with
+``run_local`` is the scheduling the production worker does. It knows nothing about Redis or clocks
 beyond timing the engine call.
 
 Text goes out through :class:`~worker.textstream.StopScanner`: an :class:`Emission` carries
@@ -28,7 +28,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 
 from limiter.errors import InvalidArgument
-from worker.batching import (
+from worker.batch_policy import (
     Candidate,
     Limits,
     SeqState,
@@ -109,10 +109,6 @@ class StepResult:
     def duration_s(self) -> float:
         return self.end - self.start
 
-    @property
-    def finished(self) -> list[Emission]:
-        return [e for e in self.emissions.values() if e.finish_reason is not None]
-
 
 def resume_finish_reason(generated: Sequence[int], max_tokens: int, eos_id: int | None) -> str | None:
     """A resumed request whose earlier attempt already reached its end (it died between its
@@ -156,9 +152,6 @@ class BatchScheduler:
     @property
     def waiting(self) -> list[ScheduledSeq]:
         return [s for s in self._seqs.values() if not s.running]
-
-    def get(self, request_id: str) -> ScheduledSeq:
-        return self._seqs[request_id]
 
     @property
     def kv_used(self) -> int:

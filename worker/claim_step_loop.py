@@ -1,5 +1,8 @@
 """The Redis worker for step-based engines (torch, sim): claim -> step -> stream -> complete.
 
+It drives :class:`~worker.batch_scheduler.BatchScheduler` (which applies
+:mod:`worker.batch_policy`), the same scheduler :mod:`worker.local_run` drives in-process.
+
 One iteration, between engine steps:
 
 1. apply what the upkeep tasks learnt (leases lost -> drop silently; clients gone -> cancel);
@@ -10,7 +13,7 @@ One iteration, between engine steps:
    held, one more is claimed only of a class above every waiting one (``above_class``), so
    a P0 never waits behind a look-ahead slot taken by a P2. With nothing to do, block on
    ``BLPOP wake`` (~1 s timeout) instead of polling;
-3. one :class:`~worker.scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
+3. one :class:`~worker.batch_scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
    engine step, EOS / max_tokens / stop-string detection);
 4. send, concurrently, every due token push and every completion of this step, plus (at
    most every ``flush_ms``) one ``SMISMEMBER cancels`` over the held ids not pushed now, so
@@ -30,12 +33,12 @@ import time
 from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
-from worker.batching import Limits
+from worker.batch_policy import Limits
+from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_reason
 from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.runtime import WorkerRuntime
-from worker.scheduler import BatchScheduler, StepResult, resume_finish_reason
 from worker.step_budget import BudgetConfig, StepBudget
 
 log = logging.getLogger("qos.worker")
@@ -176,7 +179,7 @@ class StepLoop:
             # Every waiting request belongs to a tenant that holds two or more slots of its
             # class: a tenant holding none would wait for a slot to free (a flood's long
             # streams hold them all). Claim one request of any other tenant (or of a class
-            # above): it takes a rich tenant's slot (worker/batching.py). Once it waits here
+            # above): it takes a rich tenant's slot (worker/batch_policy.py). Once it waits here
             # this branch is closed until it runs (bounded hoarding).
             n, room = 1, self.kv_capacity
             above, avoid, avoid_from = ahead
@@ -241,7 +244,7 @@ class StepLoop:
     def _tenant_lookahead(self) -> tuple[str, list[str], str] | None:
         """For a full worker whose waiting requests all belong to *rich* tenants -- within one
         of the most slots any tenant of their class holds here, that being two or more: a
-        tenant with fewer could take one of those slots (worker/batching.py) -- the claim's
+        tenant with fewer could take one of those slots (worker/batch_policy.py) -- the claim's
         ``above_class`` (every class down to the lowest such class), the tenants to avoid
         (the richest first, at most 16) and the highest class they are avoided in (the best
         waiting class: every class above it is claimed freely); else None."""

@@ -1,11 +1,14 @@
 """An in-process driver: engine + batch builder over a list of timed requests, no Redis.
 
+The in-process twin of :mod:`worker.claim_step_loop`: both drive the same
+:class:`~worker.batch_scheduler.BatchScheduler` (which applies :mod:`worker.batch_policy`).
+
 :func:`run_local` is the worker's scheduling loop with the network taken out: requests
 arrive at given offsets, are admitted, preempted and resumed by the pure policy of
-:mod:`worker.batching`, and every engine step really runs. It records, per request, the
+:mod:`worker.batch_policy`, and every engine step really runs. It records, per request, the
 wall-clock time each token came out of the engine (step end: when a worker would stream
-it) and, per step, what ran and how long it took. Tests use it to show the seed's decode
-stall and its cure with real compute; benchmarks use it for throughput and TPOT.
+it) and, per step, what ran and how long it took. Tests use it to show the long-prefill
+decode stall and its cure with real compute; benchmarks use it for throughput and TPOT.
 
 The timestamps are honest: they are ``time.perf_counter()`` readings around the awaited
 ``engine.step`` calls, with no modelled or adjusted time.
@@ -20,9 +23,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from limiter.errors import InvalidArgument
-from worker.batching import Limits
+from worker.batch_policy import Limits
+from worker.batch_scheduler import BatchScheduler
 from worker.engines.base import Engine, SamplingParams
-from worker.scheduler import BatchScheduler
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,8 @@ class LocalRun:
 async def run_local(engine: Engine, requests: Sequence[LocalRequest], limits: Limits) -> LocalRun:
     """Serve ``requests`` on ``engine`` under ``limits``; return per-request traces and steps.
 
-    Arrivals are added to a :class:`~worker.scheduler.BatchScheduler` when their time comes;
-    each :meth:`~worker.scheduler.BatchScheduler.step` preempts, admits, runs one planned
+    Arrivals are added to a :class:`~worker.batch_scheduler.BatchScheduler` when their time comes;
+    each :meth:`~worker.batch_scheduler.BatchScheduler.step` preempts, admits, runs one planned
     step and books its tokens (finish on EOS, ``max_tokens`` or a stop string) - the same
     state machine the Redis worker drives, with the network taken out.
     """

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from limiter.errors import InvalidArgument
-from worker.batching import (
+from worker.batch_policy import (
     Candidate,
     Limits,
     Preemption,
@@ -66,7 +66,7 @@ def test_without_chunking_a_prompt_is_prefilled_whole_in_one_step() -> None:
     limits = Limits(token_budget=512, chunked_prefill=False)
     plan = build_plan([dec("short", 0, 0), pre("long", 2, 1, 32000)], limits)
     assert plan.decode == ("short",)
-    assert plan.prefill == (PrefillChunk("long", 0, 32000),)  # the seed's stall, on purpose
+    assert plan.prefill == (PrefillChunk("long", 0, 32000),)  # the long-prefill stall, on purpose
     # a second prompt that no longer fits waits whole; it is never split
     plan = build_plan([pre("a", 1, 0, 400), pre("b", 1, 1, 200), pre("c", 2, 2, 10)], limits)
     assert plan.prefill == (PrefillChunk("a", 0, 400),)

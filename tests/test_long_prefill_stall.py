@@ -1,9 +1,9 @@
-"""The seed's problem, with real compute: a long prefill stalls a decoding request.
+"""The original problem, with real compute: a long prefill stalls a decoding request.
 
 A short P0 request is streaming tokens when a long P2 prompt arrives. Without chunked
-prefill (the seed's "before") the long prompt's whole prefill runs as one step and the
+prefill (the original "before") the long prompt's whole prefill runs as one step and the
 short request's next token waits for all of it: its TPOT jumps from milliseconds to the
-prefill time (the seed's ~25 ms -> ~2000 ms). With chunked prefill the prompt is sliced by
+prefill time (the original ~25 ms -> ~2000 ms). With chunked prefill the prompt is sliced by
 the per-step token budget and the short request's worst gap is one budget-sized step.
 
 Everything is measured on this machine with the tiny model on CPU, on ONE torch thread:
@@ -24,10 +24,10 @@ import time
 
 import torch
 
-from worker.batching import Limits, PrefillChunk, StepPlan
+from worker.batch_policy import Limits, PrefillChunk, StepPlan
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine
-from worker.stepper import LocalRequest, LocalRun, run_local
+from worker.local_run import LocalRequest, LocalRun, run_local
 
 BUDGET = 256  # fits this CPU: a 256-token slice at ~6K context costs tens of ms
 MIN_PREFILL_S = 1.0
@@ -113,7 +113,7 @@ def _check_stall_with_and_without_chunking() -> None:
         * 1e3
     )
     print(
-        f"\n[seed problem] tiny model ({engine.model.cfg.num_params() / 1e6:.1f}M params), CPU, "
+        f"\n[long-prefill stall] tiny model ({engine.model.cfg.num_params() / 1e6:.1f}M params), CPU, "
         f"{torch.get_num_threads()} torch thread(s)\n"
         f"  decode step, 1 seq: {single_ms:.1f} ms = {1e3 / single_ms:.0f} tokens/s;"
         f" 4 seqs: {batch4_step_s * 1e3:.1f} ms = {4 / batch4_step_s:.0f} tokens/s\n"
@@ -132,6 +132,6 @@ def _check_stall_with_and_without_chunking() -> None:
     # with chunking: no gap is much worse than a typical loaded step, nor near the prefill time
     assert s_after.max_gap_s <= RATIO * s_after.median_gap_s
     assert s_after.max_gap_s <= 0.25 * prefill_s
-    # without chunking the same check fails: one gap swallows the whole prefill (the seed's stall)
+    # without chunking the same check fails: one gap swallows the whole prefill (the long-prefill stall)
     assert s_before.max_gap_s >= 0.5 * prefill_s
     assert s_before.max_gap_s > RATIO * s_before.median_gap_s

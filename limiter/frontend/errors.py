@@ -1,0 +1,158 @@
+"""HTTP errors: :class:`ApiError` (an error in OpenAI's shape), the mapping of the
+:mod:`limiter.errors` hierarchy onto it, and the one middleware that renders and counts them.
+
+Handlers and the request path raise; nothing else builds an error response. The mapping
+sits beside the error type it produces (as httpx's ``_exceptions`` + ``map_exceptions``):
+adding an exception to the hierarchy means adding one branch to :func:`to_api_error`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from limiter.errors import (
+    InvalidArgument,
+    Overloaded,
+    PolicyMissing,
+    QueueFull,
+    RedisUnavailable,
+    TenantBusy,
+    Throttled,
+)
+from limiter.frontend.metrics import METRICS
+
+log = logging.getLogger("qos.frontend")
+
+# The requests counted in the requests and rejections metrics.
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_DEFAULT_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
+    500: "server_error", 503: "service_unavailable",
+}
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class ApiError(Exception):
+    """An HTTP error in OpenAI's shape; the app's error middleware renders it.
+
+    ``outcome`` is the label it is counted under in the requests metric."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 err_type: str | None = None, retry_after_s: int | None = None,
+                 outcome: str = "bad_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.err_type = err_type or _DEFAULT_TYPES.get(status, "server_error")
+        self.retry_after_s = retry_after_s
+        self.outcome = outcome
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.code, self.param)
+
+    def headers(self) -> dict[str, str]:
+        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+
+
+def error_body(message: str, err_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": code}}
+
+
+@dataclass
+class RequestLabels:
+    """What the error middleware needs to count a request, filled in as it is learnt."""
+
+    pool: str = ""
+    cls: str = ""
+    tenant: str = ""
+    outcome: str = "ok"
+
+
+LABELS = web.RequestKey("qos_labels", RequestLabels)
+
+
+def _retry_s(retry_after_ms: int) -> int:
+    return max(1, math.ceil(retry_after_ms / 1000))
+
+
+def to_api_error(exc: BaseException) -> ApiError:
+    """Map the limiter.errors hierarchy (and HTTP/Redis exceptions) to one HTTP answer."""
+    if isinstance(exc, ApiError):
+        return exc
+    if isinstance(exc, Overloaded):
+        retry_s = 5 if exc.retry_after_ms < 0 else _retry_s(exc.retry_after_ms)
+        return ApiError(429, f"Overloaded: {exc}; retry in {retry_s} s", code="max_wait_exceeded",
+                        retry_after_s=retry_s, outcome="throttled")
+    if isinstance(exc, Throttled):
+        if exc.retry_after_ms < 0:
+            return ApiError(429, f"Class {exc.bucket} is disabled right now (its ceiling is 0)",
+                            code="rate_limit_exceeded", retry_after_s=5, outcome="throttled")
+        return ApiError(429, f"Rate limit reached: the {exc.bucket} token bucket is empty; retry in "
+                        f"{exc.retry_after_ms} ms", code="rate_limit_exceeded",
+                        retry_after_s=_retry_s(exc.retry_after_ms), outcome="throttled")
+    if isinstance(exc, TenantBusy):
+        return ApiError(429, f"Too many concurrent requests: {exc}", code="too_many_inflight",
+                        retry_after_s=1, outcome="throttled")
+    if isinstance(exc, QueueFull):
+        return ApiError(503, f"Overloaded: the {exc.cls} queue is full ({exc.depth} waiting); retry later",
+                        code="queue_full", retry_after_s=_retry_s(exc.retry_after_ms), outcome="shed")
+    if isinstance(exc, InvalidArgument):
+        return ApiError(400, str(exc), code="invalid_value", param=exc.field)
+    if isinstance(exc, RedisUnavailable | PolicyMissing | RedisConnectionError | RedisTimeoutError):
+        # The client learns what happened, not the store's address or the driver's text (the
+        # heartbeat loop logs the outage once per beat; per request it would flood the log).
+        log.debug("Redis unavailable: %s", exc)
+        return ApiError(503, "Service temporarily unavailable: the request queue cannot be reached; retry "
+                        "shortly", code="redis_unavailable", retry_after_s=1, outcome="unavailable")
+    if isinstance(exc, web.HTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status, "http_error")
+        outcome = "not_found" if exc.status == 404 else "bad_request"
+        return ApiError(exc.status, exc.reason, code=code, outcome=outcome)
+    return ApiError(500, "Internal server error", code="internal_error", outcome="error")
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error answer of the app, and the count of every generation request."""
+    labels = RequestLabels()
+    request[LABELS] = labels
+    counted = request.path in GENERATION_PATHS
+    try:
+        resp = await handler(request)
+    except asyncio.CancelledError:
+        if counted:
+            _count(request, "cancelled" if labels.outcome == "ok" else labels.outcome)
+        raise
+    except Exception as exc:
+        if isinstance(exc, web.HTTPException) and exc.status < 400:
+            raise  # redirects and the like are not errors
+        err = to_api_error(exc)
+        if err.status >= 500 and err.code == "internal_error":
+            log.exception("unhandled error on %s %s", request.method, request.path)
+        if err.status in (429, 503) and counted:
+            request.app[METRICS].rejections.labels(labels.pool, labels.cls, str(err.status),
+                                                   err.code or "").inc()
+        labels.outcome = err.outcome
+        if counted:
+            _count(request, err.outcome)
+        return web.json_response(err.body(), status=err.status, headers=err.headers())
+    if counted:
+        _count(request, labels.outcome)
+    return resp
+
+
+def _count(request: web.Request, outcome: str) -> None:
+    labels = request[LABELS]
+    request.app[METRICS].requests.labels(labels.pool, labels.cls, labels.tenant, outcome).inc()

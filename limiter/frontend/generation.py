@@ -1,0 +1,322 @@
+"""One generation request inside this process: admission, waiting for the reply stream,
+and the answer (one JSON body, or an SSE stream).
+
+The state machine of :class:`Generation`:
+
+1. register a reply queue, then admit (one script call). An empty bucket is waited out
+   when the wait fits the class's ``admission_wait_ms``, else 429 with an exact
+   ``Retry-After``; a full queue is 503 with a ``Retry-After`` from the measured drain rate;
+2. wait for reply entries, forwarding tokens in order (deduplicated by offset). If the
+   queue deadline passes before the first token, ``cancel(expired)`` decides: still queued
+   -> 503, already running -> keep waiting. A safety timeout bounds every request;
+3. a client that goes away (a failed write, or aiohttp cancelling the handler) cancels
+   the request everywhere; so does shutdown after its grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+import uuid
+
+from aiohttp import web
+
+from limiter.config import ClassConfig, TenantConfig
+from limiter.errors import (
+    Overloaded,
+    PolicyMissing,
+    QosError,
+    QueueFull,
+    RedisUnavailable,
+    ScriptError,
+    Throttled,
+)
+from limiter.frontend import openai_api as oa
+from limiter.frontend.errors import LABELS, ApiError
+from limiter.frontend.replies import Reply, dedup
+from limiter.frontend.runtime import Frontend
+from limiter.scripts import Admitted
+
+log = logging.getLogger("qos.frontend")
+
+REQUEST_ID_HEADER = "X-QoS-Request-Id"
+# After cancel(expired) finds the request already finished, its final entry is on the way.
+FINAL_GRACE_S = 2.0
+# Slack added to Redis' deadline: Redis' own expiry (claim) and ours then agree on the outcome.
+DEADLINE_SLACK_S = 0.02
+
+
+class Generation:
+    """The life of one admitted generation request inside this process."""
+
+    def __init__(self, fe: Frontend, request: web.Request, tenant: TenantConfig, cls: str,
+                 req: oa.GenerationRequest, max_wait_ms: int, received: float) -> None:
+        self.fe, self.request, self.tenant, self.cls, self.req = fe, request, tenant, cls, req
+        self.max_wait_ms = max_wait_ms
+        self.received = received
+        self.keys = fe.pool_keys[req.pool.name]
+        self.class_cfg: ClassConfig = fe.classes[cls]
+        self.request_id = "r" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.loop = asyncio.get_running_loop()
+        # Registered before admitting: a fast worker's first tokens may arrive before admit
+        # returns. run(), awaited right after construction, unregisters it in any case.
+        self.queue = fe.router.register(self.request_id)
+        self.maybe_admitted = False  # admit may have queued it: cancel on any abnormal exit
+        self.terminal = False  # the request reached a final state; nothing left to cancel
+        self.forwarded = 0  # tokens forwarded to the client (dedup by offset)
+        self.first_token_at: float | None = None
+        self.admitted_at = 0.0
+        self.local_deadline = math.inf
+        self.deadline_active = True
+        self.final_grace_used = False
+        self.safety_deadline = received + fe.settings.request_timeout_s
+        self.labels = (req.pool.name, cls)
+
+    async def run(self) -> web.StreamResponse:
+        fe = self.fe
+        fe.metrics.inflight.labels(self.req.pool.name).inc()
+        try:
+            await self.admit()
+            return await (self.stream() if self.req.stream else self.collect())
+        except asyncio.CancelledError:
+            self.request[LABELS].outcome = "cancelled"
+            raise
+        finally:
+            fe.router.unregister(self.request_id)
+            fe.metrics.inflight.labels(self.req.pool.name).dec()
+            if self.maybe_admitted and not self.terminal:
+                # Abandoned (client gone, timeout, shutdown): stop it everywhere, refund the rest.
+                reason = "shutdown" if fe.shutting_down else "client_gone"
+                fe.cancel_soon(self.keys, self.request_id, self.tenant.name, reason)
+
+    # --- admission --------------------------------------------------------------------------
+    async def admit(self) -> Admitted:
+        fe = self.fe
+        started = self.loop.time()
+        payload = self.req.payload().pack()
+        policy_retry = True
+        while True:
+            if fe.shutting_down:
+                raise ApiError(503, "This frontend is shutting down; retry (another one will serve you)",
+                                  code="shutting_down", retry_after_s=1, outcome="unavailable")
+            if not fe.ready():
+                raise RedisUnavailable("the frontend has no live Redis connection (not ready)")
+            try:
+                adm = await self._admit_once(payload)
+            except PolicyMissing:
+                # Redis restarted empty (or was flushed): write the policy again, retry once.
+                if not policy_retry:
+                    raise
+                policy_retry = False
+                await fe.init_pool(self.req.pool)
+                continue
+            except Throttled as exc:
+                waited_ms = (self.loop.time() - started) * 1000
+                budget_ms = self.class_cfg.admission_wait_ms
+                if 0 <= exc.retry_after_ms and waited_ms + exc.retry_after_ms <= budget_ms:
+                    fe.metrics.admission_retries.labels(*self.labels).inc()
+                    # Sleep exactly until the bucket holds enough (+1 ms for rounding): no polling.
+                    await asyncio.sleep((exc.retry_after_ms + 1) / 1000)
+                    continue
+                if exc.bucket == "class":  # a tenant over its own quota is not the system's miss
+                    fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
+                                        self.req.prompt_tokens, waited_ms)
+                raise
+            except Overloaded:
+                # The class cannot start it within its max wait: an SLO miss the controller must see.
+                fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
+                                    self.req.prompt_tokens, (self.loop.time() - started) * 1000)
+                raise
+            except QueueFull as exc:
+                exc.retry_after_ms = 1000 * fe.drain_estimate_s(self.req.pool.name, self.cls, exc.depth)
+                fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
+                                    self.req.prompt_tokens, (self.loop.time() - started) * 1000)
+                raise
+            break
+        now = self.loop.time()
+        self.admitted_at = now
+        fe.metrics.admission.labels(*self.labels).observe(now - started)
+        if adm.deadline_ms:
+            remaining_s = (adm.deadline_ms - fe.heartbeat.redis_now_ms()) / 1000
+        else:  # a retried call found it admitted already: its deadline is about max wait away
+            remaining_s = self.max_wait_ms / 1000
+        self.local_deadline = now + max(remaining_s, 0.0) + DEADLINE_SLACK_S
+        return adm
+
+    async def _admit_once(self, payload: bytes) -> Admitted:
+        fe, t = self.fe, self.tenant
+        # Until the script answers, it may have run (a lost reply, a cancelled handler).
+        self.maybe_admitted = True
+        try:
+            adm = await fe.scripts.admit(
+                self.keys, request_id=self.request_id, tenant=t.name, cls=self.cls,
+                input_tokens=self.req.prompt_tokens, max_tokens=self.req.max_tokens,
+                tenant_rate=t.rate_tokens_s, tenant_burst=t.rate_tokens_s * t.burst_s,
+                tenant_max_inflight=t.max_inflight, max_wait_ms=self.max_wait_ms,
+                frontend_id=fe.frontend_id, payload=payload, tenant_weight=t.weight)
+        except RedisUnavailable:
+            raise  # ambiguous: the finally clause of run() cancels, in case it did run
+        except QosError:
+            self.maybe_admitted = False  # the script said no: nothing was queued or charged
+            raise
+        if adm.duplicate_state is not None:
+            # redis-py retried after a lost reply and the first call had admitted it.
+            if adm.duplicate_state not in ("queued", "leased"):
+                raise ScriptError(f"request {self.request_id} is already {adm.duplicate_state}")
+        return adm
+
+    # --- waiting for replies ----------------------------------------------------------------
+    async def next_reply(self) -> Reply:
+        """The next reply entry, enforcing the queue deadline and the safety timeout."""
+        while True:
+            now = self.loop.time()
+            limit = min(self.safety_deadline, self.local_deadline) if self.deadline_active \
+                else self.safety_deadline
+            if now >= limit:
+                if now >= self.safety_deadline:
+                    raise ApiError(503, f"No answer within the {self.fe.settings.request_timeout_s:g} s "
+                                      "request timeout", code="request_timeout", retry_after_s=1,
+                                      outcome="timeout")
+                await self.on_deadline()
+                continue
+            try:  # asyncio.timeout, not wait_for: on 3.11 wait_for can swallow a cancellation
+                async with asyncio.timeout(limit - now):
+                    return await self.queue.get()
+            except TimeoutError:
+                continue
+
+    async def on_deadline(self) -> None:
+        """The max queue wait passed with no token yet: ask Redis whether it is still queued."""
+        fe = self.fe
+        state = await fe.scripts.cancel(self.keys, self.request_id, self.tenant.name, "expired")
+        if state == "expired":
+            self.terminal = True
+            raise await self.expired_error()
+        if state == "running":
+            self.deadline_active = False  # a worker has it: only the safety timeout applies now
+            return
+        # Finished (or gone) already: its final entry is in the reply stream or never comes
+        # (e.g. claim cancelled it while our heartbeat was late). Give it a short grace.
+        if state.startswith("final:") and not self.final_grace_used:
+            self.final_grace_used = True
+            self.local_deadline = self.loop.time() + FINAL_GRACE_S
+            return
+        self.terminal = True
+        raise ApiError(503, f"The request ended without an answer ({state})", code="request_lost",
+                          retry_after_s=1, outcome="failed")
+
+    async def expired_error(self) -> ApiError:
+        fe = self.fe
+        try:
+            depth = int(await fe.client.hget(self.keys.queued, self.cls) or 0)
+        except Exception:
+            depth = 0
+        wait_s = fe.drain_estimate_s(self.req.pool.name, self.cls, depth)
+        return ApiError(503, f"The request waited past its max queue wait ({self.max_wait_ms} ms) "
+                           f"without a worker taking it; {depth} requests are queued in class {self.cls}",
+                           code="queue_timeout", retry_after_s=wait_s, outcome="expired")
+
+    def reply_error(self, r: Reply) -> ApiError:
+        if r.kind == "shutdown":  # not terminal: run() cancels it in Redis
+            return ApiError(503, "This frontend is shutting down; the request was cancelled, retry it",
+                               code="shutting_down", retry_after_s=1, outcome="unavailable")
+        self.terminal = True
+        if r.code == "expired":
+            wait_s = self.fe.drain_estimate_s(self.req.pool.name, self.cls, 0)
+            return ApiError(503, f"The request waited past its max queue wait: {r.message}",
+                               code="queue_timeout", retry_after_s=wait_s, outcome="expired")
+        if r.code == "cancelled":  # e.g. this frontend's heartbeat was late and it was taken for dead
+            return ApiError(503, f"The request was cancelled: {r.message}", code="request_cancelled",
+                               retry_after_s=1, outcome="cancelled")
+        return ApiError(503, f"The worker failed the request: {r.message}", code="worker_failed",
+                           retry_after_s=1, outcome="failed")
+
+    def accept(self, r: Reply) -> str:
+        """The text of ``r`` not yet forwarded ('' for a replay from a resumed stream)."""
+        if r.offset > self.forwarded:  # push_tokens checks offsets, so this is a bug upstream
+            log.warning("%s: gap in reply stream (offset %d, forwarded %d)", self.request_id, r.offset,
+                        self.forwarded)
+        self.deadline_active = False  # a worker has it: the queue deadline no longer applies
+        text, forwarded = dedup(r, self.forwarded)
+        if r.count and forwarded == self.forwarded:
+            self.fe.metrics.reply_entries.labels(self.req.pool.name, "dup").inc()
+        self.forwarded = forwarded
+        if self.first_token_at is None and (r.count or r.kind == "done"):
+            self.first_token_at = self.loop.time()
+            self.fe.metrics.queue_wait.labels(*self.labels).observe(self.first_token_at - self.admitted_at)
+            self.fe.metrics.ttft.labels(*self.labels).observe(self.first_token_at - self.received)
+        return text
+
+    def observe_done(self, r: Reply) -> None:
+        self.terminal = True
+        if self.first_token_at is not None and r.usage_out > 1:
+            self.fe.metrics.tpot.labels(*self.labels).observe(
+                (self.loop.time() - self.first_token_at) / (r.usage_out - 1))
+
+    # --- answers ------------------------------------------------------------------------------
+    async def collect(self) -> web.Response:
+        parts: list[str] = []
+        while True:
+            r = await self.next_reply()
+            if r.kind in ("err", "shutdown"):
+                raise self.reply_error(r)
+            parts.append(self.accept(r))
+            if r.kind == "done":
+                self.observe_done(r)
+                body = oa.full_response(self.req, self.request_id, self.created, "".join(parts), r.finish,
+                                        r.usage_in, r.usage_out)
+                return web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id},
+                                         dumps=oa.compact_json)
+
+    async def stream(self) -> web.StreamResponse:
+        resp: web.StreamResponse | None = None
+        req, rid, created = self.req, self.request_id, self.created
+
+        async def open_stream() -> web.StreamResponse:
+            # Headers go out with the first token, not before: until then a queue timeout
+            # can still be an honest 503 rather than an error inside a 200 stream.
+            s = web.StreamResponse(headers={
+                "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+                "X-Accel-Buffering": "no", REQUEST_ID_HEADER: rid})
+            await s.prepare(self.request)
+            if req.kind == "chat":
+                opener = oa.chunk(req, rid, created, role=True, usage_so_far=(req.prompt_tokens, 0))
+                await s.write(oa.sse(opener))
+            return s
+
+        try:
+            while True:
+                try:
+                    r = await self.next_reply()
+                    if r.kind in ("err", "shutdown"):
+                        raise self.reply_error(r)
+                except ApiError as exc:
+                    if resp is None:
+                        raise
+                    # Mid-stream: the status is sent; report in-band as OpenAI does.
+                    self.request[LABELS].outcome = exc.outcome
+                    await resp.write(oa.sse(exc.body()))
+                    return resp
+                text = self.accept(r)
+                if resp is None:
+                    resp = await open_stream()
+                if text:
+                    await resp.write(oa.sse(oa.chunk(req, rid, created, text=text,
+                                                     usage_so_far=(req.prompt_tokens, self.forwarded))))
+                if r.kind == "done":
+                    self.observe_done(r)
+                    await resp.write(oa.sse(oa.chunk(req, rid, created, reason=r.finish,
+                                                     usage_so_far=(r.usage_in, r.usage_out))))
+                    if req.include_usage:
+                        await resp.write(oa.sse(oa.usage_chunk(req, rid, created, r.usage_in, r.usage_out)))
+                    await resp.write(oa.sse("[DONE]"))
+                    await resp.write_eof()
+                    return resp
+        except ConnectionError:
+            # The client closed the connection mid-stream (aiohttp's reset errors are
+            # ConnectionErrors): the finally clause in run() cancels the request.
+            self.request[LABELS].outcome = "cancelled"
+            return resp or web.Response(status=499)

@@ -1,0 +1,222 @@
+"""The frontend process's runtime: one Redis client, the scripts, the per-pool reply
+routers and the heartbeat, built once per app and shared by every request.
+
+:class:`Frontend` starts the background loops (one reply reader per pool, the heartbeat
+that also bootstraps the pools and sweeps expired work), answers readiness, cancels and
+records rejections on behalf of handlers, and ends in-flight requests cleanly on shutdown.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from typing import Any
+
+from aiohttp import web
+
+from limiter import token_count
+from limiter.config import PoolConfig, QosConfig
+from limiter.frontend import openai_api as oa
+from limiter.frontend.auth import KeyRing
+from limiter.frontend.errors import ApiError
+from limiter.frontend.metrics import FrontendMetrics
+from limiter.frontend.replies import Heartbeat, Reply, ReplyRouter, drain_estimate_s
+from limiter.frontend.settings import FrontendSettings
+from limiter.keys import SAMPLES_MAXLEN, PoolKeys
+from limiter.redis_conn import REDIS_ERRORS, open_redis
+from limiter.samples import build_sample, pack_sample
+from limiter.scripts import Scripts, policy_document
+
+log = logging.getLogger("qos.frontend")
+
+
+class Frontend:
+    """Per-process runtime: the Redis client, scripts, reply router and heartbeat."""
+
+    def __init__(self, settings: FrontendSettings, cfg: QosConfig, metrics: FrontendMetrics,
+                 frontend_id: str | None = None) -> None:
+        self.settings = settings
+        self.cfg = cfg
+        self.metrics = metrics
+        self.frontend_id = frontend_id or f"fe-{uuid.uuid4().hex[:16]}"
+        self.keyring = KeyRing(cfg)
+        self.pool_keys = {p.name: PoolKeys(p.name) for p in cfg.pools}
+        self.classes = {c.name: c for c in cfg.classes}
+        # Each pool's prompts are counted in its own tokens (limiter/token_count.py).
+        self.counters = {p.name: token_count.counter_for(p.tokenizer, p.tokenizer_url, cfg.worker,
+                                                         p.model_name, timeout_s=settings.tokenize_timeout_s)
+                         for p in cfg.pools}
+        # Nothing connects until the first command, so the clients exist for the runtime's
+        # whole life (start() only starts the loops that use them).
+        self.client: Any = open_redis(cfg.redis, max_connections=settings.redis_max_connections,
+                                      pool_wait_s=5.0)
+        self.scripts = Scripts(self.client)
+        keys = list(self.pool_keys.values())
+        self.router = ReplyRouter(self.client, keys, self.frontend_id, self.metrics)
+        self.heartbeat = Heartbeat(self.client, keys, self.frontend_id, list(self.classes),
+                                   settings.heartbeat_s, trim_upto=lambda pool: self.router.last_ids[pool],
+                                   outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in cfg.pools},
+                                   prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in cfg.pools})
+        self.bootstrapped = False
+        self.shutting_down = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Task[Any]] = set()
+        self._stop = asyncio.Event()
+        self._end_streams: asyncio.Task[None] | None = None
+        # Liveness must stay well inside the shortest TTL after which claim gives up on us.
+        self._fresh_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000 / 2
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def start(self) -> None:
+        for k in self.pool_keys.values():
+            self._tasks.append(asyncio.create_task(self.router.run(k), name=f"replies-{k.pool}"))
+        # One attempt now, so a healthy deployment is ready the moment it listens; if Redis
+        # is not there yet, the heartbeat loop keeps trying and /readyz says 503 meanwhile.
+        # Anything else (a policy Redis rejects, a script that does not load) is a real fault:
+        # it propagates and the process does not start.
+        with contextlib.suppress(*REDIS_ERRORS):
+            await self._bootstrap()
+        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+
+    async def _bootstrap(self) -> None:
+        await self.scripts.load_all()
+        for pool in self.cfg.pools:
+            await self.init_pool(pool)
+        await self.heartbeat.beat()  # before anything is admitted: claim must see us alive
+        self.bootstrapped = True
+        log.info("frontend %s ready (pools: %s)", self.frontend_id, ", ".join(self.pool_keys))
+
+    async def init_pool(self, pool: PoolConfig) -> None:
+        """Write the pool's static policy; keep_rates leaves the controller's rates alone."""
+        await self.scripts.init_pool(self.pool_keys[pool.name], policy_document(self.cfg, pool))
+
+    async def _heartbeat_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        next_reap = loop.time() + self.settings.reap_s
+        while not self._stop.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(self.settings.heartbeat_s):
+                    await self._stop.wait()
+                return
+            try:
+                if self.bootstrapped:
+                    await self.heartbeat.beat()
+                    if self.settings.reap_s and loop.time() >= next_reap:
+                        # Frontends sweep too, so requests are finished in time even while no
+                        # worker or controller of a pool runs (each call is bounded).
+                        next_reap = loop.time() + self.settings.reap_s
+                        for keys in self.pool_keys.values():
+                            await self.scripts.reap_all(keys, max_calls=4)
+                else:
+                    await self._bootstrap()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # keep beating through outages; readiness reports it
+                self.metrics.redis_errors.labels("heartbeat").inc()
+                log.warning("heartbeat failed: %s", exc)
+
+    async def stop(self) -> None:
+        # Cancels started by handlers (client gone, shutdown) must reach Redis first.
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=5.0)
+        if self._end_streams:
+            self._end_streams.cancel()
+        # Flags, not Task.cancel(): redis-py can swallow a cancellation that lands in a
+        # blocking read. The reply loops return within one XREAD block.
+        self._stop.set()
+        await self.router.stop()
+        if self._tasks:
+            block_s = self.router.block_ms / 1000
+            _, pending = await asyncio.wait(self._tasks, timeout=block_s + 1.0)
+            for t in pending:
+                t.cancel()
+        if self.bootstrapped:
+            await self.heartbeat.leave()
+        for counter in self.counters.values():
+            await counter.close()
+        with contextlib.suppress(Exception):
+            await self.client.aclose()
+
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new requests; in-flight ones get the grace period to finish.
+
+        Just before aiohttp would cancel the stragglers, tell them to end cleanly instead:
+        a stream gets an in-band error event and a proper end, a waiting non-stream request
+        a 503, and each is cancelled in Redis with reason 'shutdown' (its worker stops)."""
+        if self.shutting_down:
+            return
+        self.shutting_down = True
+
+        async def end_streams() -> None:
+            loop = asyncio.get_running_loop()
+            end = loop.time() + max(self.settings.shutdown_grace_s - 0.25, 0.0)
+            lost_since = None
+            while (now := loop.time()) < end:
+                # Redis out of reach for a second (e.g. `qos up` died and took it along): no
+                # stream can finish, so end them now rather than at the end of the grace.
+                if not any(self.router.healthy.values()):
+                    lost_since = now if lost_since is None else lost_since
+                    if now - lost_since >= 1.0:
+                        break
+                else:
+                    lost_since = None
+                await asyncio.sleep(min(0.1, max(end - now, 0.0)))
+            self.router.broadcast(Reply("shutdown"))
+
+        self._end_streams = asyncio.create_task(end_streams())
+
+    # --- helpers used by the request path ----------------------------------------------------
+    async def count_prompt(self, draft: oa.Draft) -> int:
+        """The prompt's tokens in its pool's tokenizer; 503 when the model server must count
+        them and cannot (nothing is admitted or charged)."""
+        try:
+            return await self.counters[draft.pool.name].count(draft.prompt, draft.messages)
+        except token_count.TokenizerUnavailable as exc:
+            log.warning("pool %s: the upstream tokenizer could not count a prompt: %s", draft.pool.name, exc)
+            raise ApiError(503, "Service temporarily unavailable: the model server could not count the "
+                              "prompt's tokens; retry shortly", code="tokenizer_unavailable", retry_after_s=1,
+                              outcome="unavailable") from exc
+
+    def ready(self) -> bool:
+        return self.bootstrapped and self.heartbeat.fresh(self._fresh_s)
+
+    def cancel_soon(self, keys: PoolKeys, request_id: str, tenant: str, reason: str) -> None:
+        """Cancel in a task of its own: the handler calling this is itself being cancelled."""
+        task = asyncio.create_task(self._cancel(keys, request_id, tenant, reason))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _cancel(self, keys: PoolKeys, request_id: str, tenant: str, reason: str) -> None:
+        try:
+            await self.scripts.cancel(keys, request_id, tenant, reason)
+        except Exception as exc:  # claim/reap will catch up once our heartbeat stops
+            log.warning("cancel %s (%s) failed: %s", request_id, reason, exc)
+
+    def record_rejection(self, keys: PoolKeys, cls: str, tenant: str, request_id: str, input_tokens: int,
+                         waited_ms: float) -> None:
+        """A request its class could not start in time (429) or a full queue (503) turned away
+        is an SLO miss the controller must see: it gets no latency sample otherwise, and a class could miss
+        its attainment on rejections while its window reads ~100 %. One sample, outcome
+        ``rejected``, written in a task of its own so the client's answer does not wait."""
+        sample = build_sample(pool=keys.pool, cls=cls, tenant=tenant, outcome="rejected",
+                              request_id=request_id, worker="", input_tokens=input_tokens, output_tokens=0,
+                              queue_wait_ms=0, e2e_ms=round(waited_ms),
+                              ts_ms=int(self.heartbeat.redis_now_ms()))
+        task = asyncio.create_task(self._add_sample(keys, pack_sample(sample)))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _add_sample(self, keys: PoolKeys, data: bytes) -> None:
+        try:
+            await self.client.xadd(keys.samples, {"d": data}, maxlen=SAMPLES_MAXLEN, approximate=True)
+        except Exception as exc:  # a lost sample only blurs the controller's view a little
+            log.warning("rejection sample for %s not written: %s", keys.pool, exc)
+
+    def drain_estimate_s(self, pool: str, cls: str, depth: int) -> int:
+        rate = self.heartbeat.service_rate(pool, cls)
+        return drain_estimate_s(depth, rate, self.classes[cls].max_wait_ms / 1000)
+
+
+FRONTEND = web.AppKey("frontend", Frontend)
