@@ -8,20 +8,20 @@ from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
-import msgpack
-
 from limiter.config import QosConfig
+from limiter.controller.capacity import CapacityConfig
 from limiter.controller.loop import PoolController
 from limiter.controller.metrics import ControllerMetrics
-from limiter.controller.settings import CapacitySettings, ControllerSettings
+from limiter.controller.settings import ControllerSettings
 from limiter.keys import PoolKeys
+from limiter.samples import build_sample, pack_sample
 from limiter.scripts import Scripts
 
 # Short everything: decisions every 0.1 s, a change at most every 0.3 s, 20 samples a verdict.
 FAST = ControllerSettings(
     controller_id="a", tick_s=0.1, lease_s=1.0, renew_s=0.1, block_s=0.05, claim_idle_s=0.2,
     cooldown_s=0.3, settle_s=0.1, window=200, min_samples=20, used_window_s=0.5,
-    capacity=CapacitySettings(interval_s=0.5, min_reports=1),
+    capacity=CapacityConfig(interval_s=0.5, min_reports=1),
 )
 
 
@@ -45,21 +45,20 @@ async def redis_ms(client: Any) -> int:
 def sample(cls: str, ts_ms: float, *, ttft_ms: float = 100.0, tpot_ms: float = 20.0, input_tokens: int = 200,
            output_tokens: int = 100, queue_wait_ms: float = 10.0, outcome: str = "ok", **extra: Any
            ) -> dict[str, Any]:
-    """A sample shaped like worker/samples.py's build_sample."""
-    s: dict[str, Any] = {
-        "v": 1, "pool": "tiny", "class": cls, "tenant": "t1", "outcome": outcome, "request_id": "r",
-        "worker": "w1", "engine": "sim", "simulated": True, "attempt": 1, "queue_wait_ms": queue_wait_ms,
-        "e2e_ms": ttft_ms + tpot_ms * output_tokens, "input_tokens": input_tokens,
-        "output_tokens": output_tokens, "ts_ms": int(ts_ms), "ttft_ms": ttft_ms, "tpot_mean_ms": tpot_ms,
-        "tpot_max_ms": 2 * tpot_ms,
-    }
+    """A sample shaped like a worker's (worker/samples.py); ``extra`` fields go in as given."""
+    s = build_sample(
+        pool="tiny", cls=cls, tenant="t1", outcome=outcome, request_id="r", worker="w1",
+        input_tokens=input_tokens, output_tokens=output_tokens, queue_wait_ms=queue_wait_ms,
+        e2e_ms=ttft_ms + tpot_ms * output_tokens, ts_ms=int(ts_ms), engine="sim", simulated=True, attempt=1,
+        ttft_ms=ttft_ms, tpot_mean_ms=tpot_ms, tpot_max_ms=2 * tpot_ms,
+    )
     return s | extra
 
 
 async def push(client: Any, keys: PoolKeys, samples: list[dict[str, Any]]) -> list[bytes]:
     async with client.pipeline(transaction=False) as pipe:
         for s in samples:
-            pipe.xadd(keys.samples, {"d": msgpack.packb(s, use_bin_type=True)})
+            pipe.xadd(keys.samples, {"d": pack_sample(s)})
         return await pipe.execute()
 
 

@@ -1,12 +1,12 @@
-"""Capacity and served-rate estimation (limiter/capacity.py)."""
+"""Capacity and served-rate estimation (limiter/controller/capacity.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from limiter.capacity import CapacityConfig, CapacityEstimator
+from limiter.controller.capacity import CapacityConfig, CapacityEstimator
 from limiter.errors import ConfigError, InvalidArgument
-from limiter.slo import Sample
+from limiter.samples import Sample
 
 
 def done(
@@ -26,7 +26,7 @@ def feed(
 
 
 def test_initial_until_enough_data() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0))
+    est = CapacityEstimator(CapacityConfig(), 50_000.0)
     assert est.estimate(0.0).value == 50_000.0 and est.estimate(0.0).source == "initial"
     feed(est, seconds=2, per_s=10, wait=500.0)
     est.advance(2000.0)
@@ -34,7 +34,7 @@ def test_initial_until_enough_data() -> None:
 
 
 def test_busy_intervals_measure_capacity() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=5))
+    est = CapacityEstimator(CapacityConfig(window=5), 50_000.0)
     feed(est, seconds=20, per_s=20, wait=500.0)  # 20 req/s x 1000 tokens, everyone queued
     estimate = est.estimate(20_000.0)
     assert estimate.source == "samples" and estimate.busy_intervals == 20
@@ -43,7 +43,7 @@ def test_busy_intervals_measure_capacity() -> None:
 
 
 def test_idle_throughput_is_only_a_lower_bound() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3))
+    est = CapacityEstimator(CapacityConfig(window=3), 50_000.0)
     feed(est, seconds=5, per_s=20, wait=500.0)  # busy: capacity 20k
     feed(est, seconds=5, per_s=5, wait=0.0, start_s=5)  # idle at 5k: does not lower it
     assert est.estimate(10_000.0).value == pytest.approx(20_000.0)
@@ -52,7 +52,7 @@ def test_idle_throughput_is_only_a_lower_bound() -> None:
 
 
 def test_workers_win_and_follow_joins_and_leaves() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3, worker_ttl_s=10.0, min_reports=1))
+    est = CapacityEstimator(CapacityConfig(window=3, worker_ttl_s=10.0, min_reports=1), 50_000.0)
     feed(est, seconds=5, per_s=20, wait=500.0)
     est.observe_worker("w1", 12_000.0, 5000.0)
     est.observe_worker("w2", 10_000.0, 5000.0)
@@ -77,7 +77,7 @@ def test_workers_win_and_follow_joins_and_leaves() -> None:
 def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None:
     """At start only some workers have been busy yet: one of four reporting must not quarter
     the pool's capacity (it throttled every class for the first seconds of a run)."""
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3, worker_ttl_s=10.0, min_reports=1))
+    est = CapacityEstimator(CapacityConfig(window=3, worker_ttl_s=10.0, min_reports=1), 50_000.0)
     est.set_alive({"w1": 1000.0, "w2": 1000.0, "w3": 1000.0, "w4": 1000.0})
     assert est.estimate(1000.0).source == "initial"  # nobody measured yet
     est.observe_worker("w1", 10_000.0, 1000.0)
@@ -100,8 +100,8 @@ def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None
 def test_an_idle_pool_keeps_its_measured_capacity() -> None:
     """After a load ends the workers heartbeat but report nothing (no full steps): the
     estimate stays theirs, not the samples' (which read 2x off in qos bench control)."""
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=3, worker_ttl_s=5.0, min_reports=1,
-                                           min_busy_intervals=1))
+    config = CapacityConfig(window=3, worker_ttl_s=5.0, min_reports=1, min_busy_intervals=1)
+    est = CapacityEstimator(config, 50_000.0)
     feed(est, seconds=5, per_s=40, wait=500.0)  # the samples say 40k
     for t in (1000.0, 2000.0, 3000.0):
         est.set_alive({"w1": t, "w2": t})
@@ -115,7 +115,7 @@ def test_an_idle_pool_keeps_its_measured_capacity() -> None:
 
 def test_a_workers_first_reports_do_not_count_yet() -> None:
     """A worker's first heartbeats are taken while it ramps up and read low."""
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, window=4, min_reports=3))
+    est = CapacityEstimator(CapacityConfig(window=4, min_reports=3), 50_000.0)
     est.set_alive({"w1": 1000.0, "w2": 1000.0})
     est.observe_worker("w1", 2_000.0, 1000.0)
     est.observe_worker("w2", 3_000.0, 1000.0)
@@ -132,7 +132,7 @@ def test_a_workers_first_reports_do_not_count_yet() -> None:
 def test_one_outlying_report_does_not_move_the_estimate() -> None:
     """A heartbeat that timed a long prefill reads several times a decode step's tokens/s:
     the median ignores it (an EWMA moved ~30 % of the jump)."""
-    est = CapacityEstimator(CapacityConfig(initial=1.0, window=10, min_reports=1))
+    est = CapacityEstimator(CapacityConfig(window=10, min_reports=1), 1.0)
     for i in range(9):
         est.observe_worker("w1", 10_000.0 + 100 * (i % 3), 1000.0 * i)
     before = est.estimate(9000.0).value
@@ -145,7 +145,7 @@ def test_one_outlying_report_does_not_move_the_estimate() -> None:
 
 
 def test_work_counts_what_the_pool_actually_did() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=1.0, weights={"P2": (0.5, 2.0)}))
+    est = CapacityEstimator(CapacityConfig(), 1.0, {"P2": (0.5, 2.0)})
     assert est.work(done(0.0, "P0", (600, 400))) == 1000.0
     assert est.work(done(0.0, "P2", (600, 400))) == 300.0 + 800.0
     assert est.work(done(0.0, "P0", (600, 0), outcome="expired")) == 0.0  # never ran
@@ -156,7 +156,7 @@ def test_work_counts_what_the_pool_actually_did() -> None:
 
 
 def test_rejected_samples_are_neither_work_nor_evidence_of_a_busy_pool() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=50_000.0, min_busy_intervals=1))
+    est = CapacityEstimator(CapacityConfig(min_busy_intervals=1), 50_000.0)
     for sec in range(5):  # every rejection "waited" 900 ms for tokens at admission
         for i in range(20):
             est.observe_sample(done(sec * 1000.0 + i * 50.0, wait=900.0, outcome="rejected"))
@@ -165,7 +165,7 @@ def test_rejected_samples_are_neither_work_nor_evidence_of_a_busy_pool() -> None
 
 
 def test_served_rate_per_class_over_recent_intervals() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=1.0, rate_intervals=4))
+    est = CapacityEstimator(CapacityConfig(rate_intervals=4), 1.0)
     assert est.served_rate("P0") == 0.0
     feed(est, seconds=4, per_s=10, wait=0.0, cls="P0")
     feed(est, seconds=4, per_s=3, wait=0.0, cls="P2")
@@ -179,7 +179,7 @@ def test_served_rate_per_class_over_recent_intervals() -> None:
 
 
 def test_late_sample_counts_in_the_open_interval() -> None:
-    est = CapacityEstimator(CapacityConfig(initial=1.0, rate_intervals=1))
+    est = CapacityEstimator(CapacityConfig(rate_intervals=1), 1.0)
     est.observe_sample(done(5000.0))
     est.observe_sample(done(3000.0))  # older timestamp: the work was still done
     est.advance(6000.0)
@@ -188,20 +188,22 @@ def test_late_sample_counts_in_the_open_interval() -> None:
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("initial", 0.0), ("window", 0), ("interval_s", 0.0), ("busy_share", 0.0), ("rate_intervals", 0)],
+    [("window", 0), ("interval_s", 0.0), ("busy_share", 0.0), ("rate_intervals", 0), ("worker_field", "a b")],
 )
-def test_config_errors_name_the_field(field: str, value: float) -> None:
-    kwargs: dict[str, float] = {"initial": 1000.0, field: value}
+def test_config_errors_name_the_field(field: str, value: object) -> None:
     with pytest.raises(ConfigError) as err:
-        CapacityConfig(**kwargs).validate()  # type: ignore[arg-type]
+        CapacityConfig(**{field: value}).validate()  # type: ignore[arg-type]
     assert err.value.path == f"controller.capacity.{field}"
 
 
-def test_bad_weights_and_heartbeats_are_rejected() -> None:
-    with pytest.raises(ConfigError) as err:
-        CapacityConfig(initial=1.0, weights={"P1": (1.0, -1.0)}).validate()
-    assert err.value.path == "controller.capacity.weights.P1"
-    est = CapacityEstimator(CapacityConfig(initial=1.0))
+def test_bad_initial_weights_and_heartbeats_are_rejected() -> None:
+    with pytest.raises(InvalidArgument) as bad_initial:
+        CapacityEstimator(CapacityConfig(), 0.0)
+    assert bad_initial.value.field == "initial"
+    with pytest.raises(InvalidArgument) as bad_weights:
+        CapacityEstimator(CapacityConfig(), 1.0, {"P1": (1.0, -1.0)})
+    assert bad_weights.value.field == "weights.P1"
+    est = CapacityEstimator(CapacityConfig(), 1.0)
     for bad in (-1.0, float("nan"), True):
         with pytest.raises(InvalidArgument):
             est.observe_worker("w1", bad, 0.0)  # type: ignore[arg-type]

@@ -9,7 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from limiter.control_law import ClassInputs, ClassState, ControlConfig, ControlState, Decision, Inputs, decide
+from limiter.controller.control_law import (
+    ClassInputs,
+    ClassState,
+    ControlConfig,
+    ControlState,
+    Decision,
+    Inputs,
+    decide,
+)
 from limiter.errors import ConfigError, InvalidArgument
 
 C = 100_000.0
@@ -46,7 +54,7 @@ def reasons(d: Decision) -> tuple[str, ...]:
 
 
 # --- configuration ----------------------------------------------------------------------
-def test_defaults_are_the_seed_numbers() -> None:
+def test_defaults_are_the_original_problems_numbers() -> None:
     assert (CFG.target, CFG.low, CFG.relax_step, CFG.tighten_step) == (0.99, 0.95, 0.05, 0.10)
     assert (CFG.cooldown_s, CFG.window, CFG.shares, CFG.burst_s) == (5.0, 1000, (0.60, 0.35, 0.05), 0.5)
     rates = ControlState.initial(CFG, C).rates()
@@ -63,8 +71,8 @@ def test_defaults_are_the_seed_numbers() -> None:
         ("classes", ("P0", "P{1}", "P2")),
         ("shares", (0.6, 0.35, 0.1)),
         ("shares", (0.6, 0.4)),
-        ("floors", (0.3, 0.4, 0.01)),
-        ("floors", (0.0, 0.1, 0.01)),
+        ("min_shares", (0.3, 0.4, 0.01)),
+        ("min_shares", (0.0, 0.1, 0.01)),
         ("ceilings", (1.0, 0.3, 0.5)),
         ("ceilings", (1.0, 1.0, 1.5)),
         ("low", 0.995),
@@ -120,7 +128,7 @@ def test_then_guarantees_lowest_first_by_at_most_a_step_each() -> None:
 def test_p0_never_cuts_itself_when_lower_classes_are_at_their_floors() -> None:
     """Rates apply at claim time: cutting P0's own ceiling would only queue P0 longer. The
     law holds and says why; admission refuses what cannot start in time."""
-    floors = (1.0, CFG.floors[1], CFG.floors[2])
+    floors = (1.0, CFG.min_shares[1], CFG.min_shares[2])
     d = decide(state(floors), inputs(p0=(0.80, 1000, 0.45), p1=(0.99, 1000, 0.105), p2=(None, 0, 0.015)), 0.0)
     assert not d.changed
     assert reasons(d) == ("overloaded", "floor", "floor")
@@ -131,7 +139,7 @@ def test_p1_violation_tightens_p2() -> None:
     d = decide(state(), inputs(p1=(0.90, 1000, 0.30), p2=(None, 0, 0.20)), 0.0)
     assert reasons(d) == ("hold", "hold", "tighten_lower_for_P1")
     assert allowances(d) == (1.0, 1.0, 0.18)
-    d = decide(state((1.0, 1.0, CFG.floors[2])), inputs(p1=(0.90, 1000, 0.30), p2=(None, 0, 0.015)), 0.0)
+    d = decide(state((1.0, 1.0, CFG.min_shares[2])), inputs(p1=(0.90, 1000, 0.30), p2=(None, 0, 0.015)), 0.0)
     assert reasons(d) == ("hold", "overloaded", "floor") and not d.changed  # P1 keeps its ceiling
 
 
@@ -361,7 +369,7 @@ def test_invariants_hold_for_any_input_sequence(steps: list) -> None:
         rates = {c.name: c.new for c in d.classes}
         assert sum(r.rate for r in rates.values()) <= cap * (1 + 1e-9)
         for i, r in enumerate(rates.values()):
-            assert CFG.floors[i] * cap * (1 - 1e-9) <= r.rate <= r.ceil <= cap * (1 + 1e-9)
+            assert CFG.min_shares[i] * cap * (1 - 1e-9) <= r.rate <= r.ceil <= cap * (1 + 1e-9)
             assert r.burst == pytest.approx(r.rate * CFG.burst_s)
         if d.changed and not step:  # only a worker joining or leaving skips the cooldown
             assert last_change is None or now - last_change >= CFG.cooldown_s * 1000

@@ -1,4 +1,4 @@
-"""``[controller]`` settings: defaults follow the seed, every error names controller.<field>."""
+"""``[controller]`` settings: defaults follow the original problem, every error names controller.<field>."""
 
 from __future__ import annotations
 
@@ -10,22 +10,22 @@ import pytest
 from limiter import cli
 from limiter.config import demo_config
 from limiter.controller.settings import ControllerSettings, load_settings
+from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
-from limiter.slo import ClassSLO
 
 
 def _cfg(section: dict):
     return dataclasses.replace(demo_config(), controller=section)
 
 
-def test_defaults_are_the_seeds_numbers_and_come_from_the_classes():
+def test_defaults_are_the_original_problems_numbers_and_come_from_the_classes():
     cfg = demo_config()
     s = load_settings(cfg, {"controller_id": "c1"})
     law = s.control_config(cfg)
     assert (law.target, law.low, law.relax_step, law.tighten_step, law.cooldown_s, law.window) == (
         0.99, 0.95, 0.05, 0.10, 5.0, 1000)
     assert law.shares == (0.60, 0.35, 0.05) and law.ceilings == (1.0, 1.0, 1.0)
-    assert law.floors == pytest.approx((0.30, 0.105, 0.015))
+    assert law.min_shares == pytest.approx((0.30, 0.105, 0.015))
     assert s.slos(cfg) == {"P0": ClassSLO(500, 50), "P1": ClassSLO(2000, 150), "P2": ClassSLO()}
     assert s.claim_idle_ms == 3000 and [p.name for p in s.pool_configs(cfg)] == ["tiny"]
     assert ControllerSettings().resolved(cfg).controller_id  # <hostname>-<pid>
@@ -35,7 +35,7 @@ def test_the_table_and_the_flags_are_merged():
     cfg = _cfg({"tick_s": 0.5, "lease_s": 6.0, "capacity": {"window": 5}, "floors": [0.2, 0.1, 0.01]})
     s = load_settings(cfg, {"controller_id": "x", "lease_s": 4.0, "pools": ["tiny"], "metrics_port": None})
     assert (s.tick_s, s.lease_s, s.capacity.window, s.pools) == (0.5, 4.0, 5, ("tiny",))
-    assert s.control_config(cfg).floors == (0.2, 0.1, 0.01)
+    assert s.control_config(cfg).min_shares == (0.2, 0.1, 0.01)
 
 
 def test_the_rates_written_keep_the_configured_bursts():

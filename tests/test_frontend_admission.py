@@ -12,7 +12,7 @@ import time
 import msgpack
 import pytest
 
-from limiter.slo import decode_sample
+from limiter.samples import decode_sample
 from tests.fake_worker import FakeWorker
 from tests.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
 

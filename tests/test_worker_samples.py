@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from limiter.prompt import count_tokens
-from limiter.slo import decode_sample
+from limiter.samples import decode_sample
 from tests.worker_helpers import worker
 
 # The sample times the engine producing a token; Redis records when its push landed (one

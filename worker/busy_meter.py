@@ -1,6 +1,6 @@
 """What a worker serves per second while it is full: the capacity figure of its heartbeat.
 
-The controller sums this over live workers as the pool's capacity (limiter/capacity.py), so
+The controller sums this over live workers as the pool's capacity (limiter/controller/capacity.py), so
 it must be what the worker *delivers* when busy, not what its engine does in isolation:
 
 * only **full** steps count (``FULL_SHARE``, 80 % of the token budget or of the batch): a

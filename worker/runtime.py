@@ -37,11 +37,12 @@ from limiter.keys import PoolKeys
 from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
 from limiter.redis_conn import map_redis_errors, open_redis
+from limiter.samples import pack_sample
 from limiter.scripts import Claimed, Scripts, policy_document
 from limiter.tasks import stop_tasks
 from worker.delivery import Delivery
 from worker.metrics import WorkerMetrics
-from worker.samples import build_sample, pack_sample
+from worker.samples import build_sample
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("qos.worker")

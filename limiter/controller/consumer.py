@@ -23,13 +23,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 from redis.exceptions import ResponseError
 
 from limiter.controller.metrics import ControllerMetrics
 from limiter.errors import InvalidArgument
 from limiter.keys import SAMPLES_GROUP, PoolKeys
-from limiter.slo import Sample, decode_sample
+from limiter.samples import Sample, unpack_sample
 
 log = logging.getLogger("qos.controller")
 _LOG_EVERY_S = 10.0  # at most one bad-sample log line per this many seconds (a flood must not drown logs)
@@ -136,11 +135,7 @@ class SampleConsumer:
         raw = fields.get(b"d", fields.get("d"))  # type: ignore[call-overload]
         if raw is None:
             raise InvalidArgument("d", "entry has no 'd' field")
-        try:
-            data = msgpack.unpackb(raw, raw=False, strict_map_key=False)
-        except Exception as exc:  # msgpack raises several unrelated types for bad input
-            raise InvalidArgument("d", f"undecodable msgpack ({type(exc).__name__}: {exc})") from exc
-        return decode_sample(data, self.classes)
+        return unpack_sample(raw, self.classes)
 
     def _bad(self, entry_id: bytes, what: str, message: str) -> None:
         self.metrics.bad_samples.labels(self.keys.pool, what).inc()

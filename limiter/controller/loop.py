@@ -6,7 +6,7 @@
   block on new ones; each sample feeds the SLO window, the capacity estimator and the usage
   meter, then is acknowledged (limiter/controller/consumer.py).
 * **tick** (every ``tick_s``, leader only): Redis ``TIME`` and counters -> ``Inputs`` ->
-  :func:`~limiter.control_law.decide`; a change is written with the fenced ``set_rates`` with
+  :func:`~limiter.controller.control_law.decide`; a change is written with the fenced ``set_rates`` with
   its decision record, and the windows are marked at ``evidence_from_ms``; compliance and
   capacity go to ``qos:{pool}:compliance`` every tick.
 
@@ -27,8 +27,8 @@ from redis.exceptions import ResponseError
 
 from limiter.backoff import Backoff
 from limiter.config import PoolConfig, QosConfig
-from limiter.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.consumer import Batch, SampleConsumer
+from limiter.controller.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.leader import LeaderLease
 from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.observe import publish, read_heartbeats, record_metrics, redis_now_ms
@@ -37,8 +37,8 @@ from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
 from limiter.redis_conn import REDIS_ERRORS
+from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
-from limiter.slo import Sample
 
 log = logging.getLogger("qos.controller")
 MAX_BACKOFF_S = 5.0
@@ -198,7 +198,7 @@ class PoolController:
             # rejection is how overload is meant to end, and counting it would have the law
             # cut the class for its own excess (more rejections, more cuts) -- except for the
             # top class, whose guarantee is what the others leave: the law gives it more by
-            # cutting them (down to their floors). No work either.
+            # cutting them (down to their rate floors, min_shares). No work either.
             if term.within_guarantee.get(sample.cls, True):
                 term.monitor.add(sample)
         else:

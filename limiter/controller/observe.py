@@ -12,14 +12,14 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
-from limiter.capacity import CapacityEstimate
-from limiter.control_law import Decision, Inputs
+from limiter.controller.capacity import CapacityConfig, CapacityEstimate
+from limiter.controller.control_law import Decision, Inputs
 from limiter.controller.metrics import ControllerMetrics
-from limiter.controller.settings import CapacitySettings, ControllerSettings
+from limiter.controller.settings import ControllerSettings
+from limiter.controller.slo_window import WindowStats
 from limiter.controller.term import Term, parse_float
 from limiter.errors import InvalidName
 from limiter.keys import PoolKeys
-from limiter.slo import WindowStats
 
 
 async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
@@ -34,7 +34,7 @@ async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
 
 
 async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list[tuple[bytes, float]],
-                          now_ms: float, cap: CapacitySettings) -> None:
+                          now_ms: float, cap: CapacityConfig) -> None:
     """Feed live workers' reported capacity (``cap.worker_field``) to the term's estimator.
 
     Only a heartbeat newer than the one last used is read (the EWMA must not count one report

@@ -17,39 +17,27 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from limiter.capacity import CapacityConfig
 from limiter.config import PoolConfig, QosConfig, build_section
-from limiter.control_law import ControlConfig
+from limiter.controller.capacity import CapacityConfig, CapacityEstimator
+from limiter.controller.control_law import ControlConfig, ControlTunables
+from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
 from limiter.keys import NAME_RE
-from limiter.slo import ClassSLO
 
-_LAW = ControlConfig()  # the law's defaults are the seed's numbers; repeat them, not retype them
-# Rate floors when none are configured: the top class keeps half its share, the others 30 %
+# The law's rate floors (ControlConfig.min_shares) when ``floors`` is not configured, as a
+# fraction of each class's share: the top class keeps half, the others 30 %
 # (docs/control-law.md: 0.30 / 0.105 / 0.015 for shares 0.60 / 0.35 / 0.05).
-TOP_FLOOR, LOWER_FLOOR = 0.5, 0.3
+TOP_MIN_SHARE, LOWER_MIN_SHARE = 0.5, 0.3
 
 
 @dataclass(frozen=True)
-class CapacitySettings:
-    """``[controller.capacity]``: the estimator's tunables (limiter/capacity.py)."""
+class ControllerSettings(ControlTunables):
+    """Everything one controller process needs besides the shared config (docs/controller.md).
 
-    interval_s: float = 1.0
-    window: int = 10
-    busy_queue_ms: float = 100.0
-    busy_share: float = 0.1
-    min_busy_intervals: int = 3
-    worker_ttl_s: float = 5.0
-    min_reports: int = 3
-    rate_intervals: int = 5
-    # Heartbeat field (qos:{pool}:worker:<id>) carrying weighted tokens/s while busy; "" = do
-    # not use heartbeats. Not ``tokens_s``: that counts output tokens only, idle time included.
-    worker_field: str = "capacity_tokens_s"
-
-
-@dataclass(frozen=True)
-class ControllerSettings:
-    """Everything one controller process needs besides the shared config (docs/controller.md)."""
+    The control law's tunables (``target``, ``low``, ``cooldown_s``, ...) are inherited from
+    :class:`ControlTunables`: declared there once, with their defaults, and checked by
+    :meth:`ControlConfig.validate`; ``[controller.capacity]`` is the estimator's own
+    :class:`CapacityConfig`."""
 
     controller_id: str = ""  # "" = <hostname>-<pid>; also the consumer name in the samples group
     pools: tuple[str, ...] = ()  # () = every configured pool
@@ -64,23 +52,11 @@ class ControllerSettings:
     cost_samples: int = 200  # recent samples per class behind the mean cost of a request
     metrics_port: int = 0  # 0 = no metrics server
     metrics_host: str = "0.0.0.0"
-    # the control law (limiter/control_law.py, docs/control-law.md)
-    target: float = _LAW.target
-    low: float = _LAW.low
-    relax_step: float = _LAW.relax_step
-    tighten_step: float = _LAW.tighten_step
-    cooldown_s: float = _LAW.cooldown_s
-    settle_s: float = _LAW.settle_s
-    window: int = _LAW.window
-    min_samples: int = _LAW.min_samples
     burst_s: float = 0.0  # 0 = each class's burst_s; > 0 overrides them all
-    use_threshold: float = _LAW.use_threshold
-    capacity_deadband: float = _LAW.capacity_deadband
-    reset_load_change: float = _LAW.reset_load_change
-    memory: bool = _LAW.memory
-    min_change: float = _LAW.min_change
-    floors: tuple[float, ...] = ()  # rate floors, share of capacity per class; () = derived
-    capacity: CapacitySettings = field(default_factory=CapacitySettings)
+    # The law's rate floors (ControlConfig.min_shares), share of capacity per class; () = derived.
+    # Not the classes' starvation ``floor`` (served work at claim).
+    floors: tuple[float, ...] = ()
+    capacity: CapacityConfig = field(default_factory=CapacityConfig)
 
     # --- derived ----------------------------------------------------------------------
     @property
@@ -95,27 +71,19 @@ class ControllerSettings:
         if self.burst_s > 0:
             burst_s, class_bursts = self.burst_s, ()
         else:
-            burst_s, class_bursts = _LAW.burst_s, tuple(c.burst_s for c in cfg.classes)
-        floors = self.floors or tuple(
-            s * (TOP_FLOOR if i == 0 else LOWER_FLOOR) for i, s in enumerate(shares))
+            burst_s, class_bursts = ControlConfig.burst_s, tuple(c.burst_s for c in cfg.classes)
+        min_shares = self.floors or tuple(
+            s * (TOP_MIN_SHARE if i == 0 else LOWER_MIN_SHARE) for i, s in enumerate(shares))
+        tunables = {f.name: getattr(self, f.name) for f in dataclasses.fields(ControlTunables)}
         return ControlConfig(
-            classes=tuple(cfg.class_names()), shares=shares, floors=floors,
-            ceilings=tuple(c.ceil_share for c in cfg.classes), target=self.target, low=self.low,
-            relax_step=self.relax_step, tighten_step=self.tighten_step, cooldown_s=self.cooldown_s,
-            settle_s=self.settle_s, window=self.window, min_samples=self.min_samples, burst_s=burst_s,
-            class_bursts=class_bursts, use_threshold=self.use_threshold,
-            capacity_deadband=self.capacity_deadband, reset_load_change=self.reset_load_change,
-            memory=self.memory, min_change=self.min_change,
+            **tunables, classes=tuple(cfg.class_names()), shares=shares, min_shares=min_shares,
+            ceilings=tuple(c.ceil_share for c in cfg.classes), burst_s=burst_s, class_bursts=class_bursts,
         )
 
-    def capacity_config(self, cfg: QosConfig, initial: float) -> CapacityConfig:
-        c = self.capacity
-        return CapacityConfig(
-            initial=initial, interval_s=c.interval_s, window=c.window, busy_queue_ms=c.busy_queue_ms,
-            busy_share=c.busy_share, min_busy_intervals=c.min_busy_intervals, worker_ttl_s=c.worker_ttl_s,
-            min_reports=c.min_reports, rate_intervals=c.rate_intervals,
-            weights={k.name: (k.weight, k.out_weight) for k in cfg.classes},
-        )
+    def capacity_estimator(self, cfg: QosConfig, initial: float) -> CapacityEstimator:
+        """The pool's estimator, starting at ``initial``; a class's work weighs what admission charges."""
+        weights = {k.name: (k.weight, k.out_weight) for k in cfg.classes}
+        return CapacityEstimator(self.capacity, initial, weights)
 
     @staticmethod
     def slos(cfg: QosConfig) -> dict[str, ClassSLO]:
@@ -166,11 +134,10 @@ class ControllerSettings:
                 # derived from [[classes]], not from [controller]: name where to fix it
                 raise ConfigError("classes", "the controller needs shares in (0, 1] and ceil_share >= "
                                   f"share: {exc.message}") from exc
+            if exc.path == "controller.min_shares":
+                raise ConfigError("controller.floors", exc.message) from exc  # the key they came from
             raise
-        worker_field = self.capacity.worker_field
-        if worker_field and not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", worker_field):
-            raise ConfigError("controller.capacity.worker_field", "must be a hash field name or ''")
-        self.capacity_config(cfg, 1.0).validate("controller.capacity")
+        self.capacity.validate("controller.capacity")
 
 
 def default_controller_id() -> str:

@@ -9,8 +9,8 @@ that is enough to continue without a jump:
   cuts the old leader made -- starting "fully relaxed" would;
 * ``updated_ms`` (set by ``set_rates``) is the last change: the cooldown still holds, and
   samples that finished before ``updated_ms + settle_s`` are not counted as fresh evidence;
-* the capacity the policy was written with seeds the estimator, so the first tick does not
-  see a capacity "change".
+* the capacity the policy was written with is the estimator's initial value, so the first
+  tick does not see a capacity "change".
 """
 
 from __future__ import annotations
@@ -19,12 +19,12 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from limiter.capacity import CapacityEstimator
 from limiter.config import PoolConfig, QosConfig
-from limiter.control_law import ClassState, ControlState, Decision
+from limiter.controller.capacity import CapacityEstimator
+from limiter.controller.control_law import ClassState, ControlState, Decision
 from limiter.controller.settings import ControllerSettings
+from limiter.controller.slo_window import SloMonitor
 from limiter.controller.usage import UsageMeter
-from limiter.slo import SloMonitor
 
 
 @dataclass
@@ -67,15 +67,15 @@ def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: Poo
     if capacity is None or capacity <= 0:
         capacity = pool.capacity_tokens_s
     classes = []
-    for name, floor, ceiling in zip(control.classes, control.floors, control.ceilings, strict=True):
+    for name, min_share, ceiling in zip(control.classes, control.min_shares, control.ceilings, strict=True):
         ceil = parse_float(policy.get(f"{name}.ceil"))
-        allowance = ceiling if ceil is None else min(ceiling, max(floor, ceil / capacity))
+        allowance = ceiling if ceil is None else min(ceiling, max(min_share, ceil / capacity))
         classes.append(ClassState(name, allowance))
     last = parse_float(policy.get("updated_ms"))
     state = ControlState(control, capacity, tuple(classes), last)
     monitor = SloMonitor(settings.slos(cfg), size=control.window, max_age_s=settings.window_max_age_s or None)
     if last is not None:
         monitor.mark(last + control.settle_s * 1000)
-    estimator = CapacityEstimator(settings.capacity_config(cfg, capacity))
+    estimator = settings.capacity_estimator(cfg, capacity)
     usage = UsageMeter(control.classes, settings.used_window_s, settings.cost_samples)
     return Term(fence, state, monitor, estimator, usage)

@@ -14,7 +14,6 @@ import logging
 import uuid
 from typing import Any
 
-import msgpack
 from aiohttp import web
 
 from limiter import token_count
@@ -27,6 +26,7 @@ from limiter.frontend.replies import Heartbeat, Reply, ReplyRouter, drain_estima
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import SAMPLES_MAXLEN, PoolKeys
 from limiter.redis_conn import REDIS_ERRORS, open_redis
+from limiter.samples import build_sample, pack_sample
 from limiter.scripts import Scripts, policy_document
 
 log = logging.getLogger("qos.frontend")
@@ -200,10 +200,11 @@ class Frontend:
         is an SLO miss the controller must see: it gets no latency sample otherwise, and a class could miss
         its attainment on rejections while its window reads ~100 %. One sample, outcome
         ``rejected``, written in a task of its own so the client's answer does not wait."""
-        sample = {"v": 1, "pool": keys.pool, "class": cls, "tenant": tenant, "outcome": "rejected",
-                  "request_id": request_id, "worker": "", "input_tokens": input_tokens, "output_tokens": 0,
-                  "queue_wait_ms": 0, "e2e_ms": round(waited_ms), "ts_ms": int(self.heartbeat.redis_now_ms())}
-        task = asyncio.create_task(self._add_sample(keys, msgpack.packb(sample, use_bin_type=True)))
+        sample = build_sample(pool=keys.pool, cls=cls, tenant=tenant, outcome="rejected",
+                              request_id=request_id, worker="", input_tokens=input_tokens, output_tokens=0,
+                              queue_wait_ms=0, e2e_ms=round(waited_ms),
+                              ts_ms=int(self.heartbeat.redis_now_ms()))
+        task = asyncio.create_task(self._add_sample(keys, pack_sample(sample)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 

@@ -45,18 +45,22 @@ must not be given more).
 from __future__ import annotations
 
 import math
+import re
 import statistics
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from limiter.errors import ConfigError, InvalidArgument
-from limiter.slo import Sample
+from limiter.samples import Sample
+
+HASH_FIELD_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 @dataclass(frozen=True)
 class CapacityConfig:
-    initial: float
+    """The estimator's tunables: the ``[controller.capacity]`` table of the settings."""
+
     interval_s: float = 1.0
     window: int = 10  # reports per worker (and busy intervals) behind the median
     busy_queue_ms: float = 100.0
@@ -65,11 +69,12 @@ class CapacityConfig:
     worker_ttl_s: float = 5.0  # five missed heartbeats: a crashed worker leaves the sum soon
     min_reports: int = 3  # a worker's reports count once it has made this many (its first are ramp-up)
     rate_intervals: int = 5
-    weights: Mapping[str, tuple[float, float]] = field(default_factory=dict)
+    # Heartbeat field (qos:{pool}:worker:<id>) carrying weighted tokens/s while busy; "" = do
+    # not use heartbeats. Not ``tokens_s``: that counts output tokens only, idle time included.
+    worker_field: str = "capacity_tokens_s"
 
     def validate(self, prefix: str = "controller.capacity") -> CapacityConfig:
         checks = [
-            ("initial", self.initial > 0 and math.isfinite(self.initial), "must be > 0"),
             ("interval_s", self.interval_s > 0, "must be > 0"),
             ("window", 1 <= self.window <= 1000, "must be in [1, 1000]"),
             ("busy_queue_ms", self.busy_queue_ms >= 0, "must be >= 0"),
@@ -78,13 +83,12 @@ class CapacityConfig:
             ("worker_ttl_s", self.worker_ttl_s > 0, "must be > 0"),
             ("min_reports", self.min_reports >= 1, "must be >= 1"),
             ("rate_intervals", self.rate_intervals >= 1, "must be >= 1"),
+            ("worker_field", not self.worker_field or bool(HASH_FIELD_RE.fullmatch(self.worker_field)),
+             "must be a hash field name or ''"),
         ]
         for name, ok, message in checks:
             if not ok:
                 raise ConfigError(f"{prefix}.{name}", f"{message}, got {getattr(self, name)!r}")
-        for cls, pair in self.weights.items():
-            if len(pair) != 2 or any(w < 0 for w in pair):
-                raise ConfigError(f"{prefix}.weights.{cls}", f"expected (w_in, w_out) >= 0, got {pair!r}")
         return self
 
 
@@ -111,8 +115,18 @@ class _Worker:
 class CapacityEstimator:
     """Feed samples and heartbeats; read :meth:`estimate` and :meth:`served_rate`."""
 
-    def __init__(self, config: CapacityConfig) -> None:
+    def __init__(self, config: CapacityConfig, initial: float,
+                 weights: Mapping[str, tuple[float, float]] | None = None) -> None:
+        """``initial``: the estimate until a source has data (the pool's configured capacity);
+        ``weights``: each class's (w_in, w_out), the cost admission charges (default 1, 1)."""
         self.config = config.validate()
+        if not (initial > 0 and math.isfinite(initial)):
+            raise InvalidArgument("initial", f"must be a finite number > 0, got {initial!r}")
+        for cls, pair in (weights or {}).items():
+            if len(pair) != 2 or any(w < 0 for w in pair):
+                raise InvalidArgument(f"weights.{cls}", f"expected (w_in, w_out) >= 0, got {pair!r}")
+        self.initial = initial
+        self.weights = dict(weights or {})
         self._interval_ms = config.interval_s * 1000.0
         self._workers: dict[str, _Worker] = {}
         self._alive: dict[str, float] = {}  # every live worker (measured or not) -> last seen ms
@@ -127,7 +141,7 @@ class CapacityEstimator:
     # --- inputs -----------------------------------------------------------------------
     def work(self, sample: Sample) -> float:
         """Weighted tokens the pool actually processed for this request."""
-        w_in, w_out = self.config.weights.get(sample.cls, (1.0, 1.0))
+        w_in, w_out = self.weights.get(sample.cls, (1.0, 1.0))
         prefilled = sample.outcome == "ok" or sample.ttft_ms is not None
         return (sample.input_tokens * w_in if prefilled else 0.0) + sample.output_tokens * w_out
 
@@ -216,7 +230,7 @@ class CapacityEstimator:
         if self._busy_figures and busy >= self.config.min_busy_intervals:
             confidence = 0.5 * min(1.0, len(self._busy_figures) / window)
             return CapacityEstimate(statistics.median(self._busy_figures), "samples", 0, busy, confidence)
-        return CapacityEstimate(self.config.initial, "initial", 0, busy, 0.0)
+        return CapacityEstimate(self.initial, "initial", 0, busy, 0.0)
 
     def served_rate(self, cls: str) -> float:
         """Weighted tokens/s served for ``cls`` over the last closed intervals (0 if none)."""

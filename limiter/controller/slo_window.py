@@ -1,12 +1,13 @@
 """Per-class SLO compliance over a sliding window of latency samples.
 
-Workers (and the Lua scripts, for outcomes decided inside Redis) push one sample per
-finished request to the samples stream. The controller decodes each with
-:func:`decode_sample` -- a bad sample raises :class:`InvalidArgument` naming the field, so
-the role can count it, ack it and move on -- and feeds it to a :class:`SloMonitor`.
+Workers, the frontend (rejections) and the Lua scripts (outcomes decided inside Redis) push
+one sample per finished request to the samples stream (schema: limiter/samples.py). The
+controller decodes each with :func:`limiter.samples.decode_sample` -- a bad sample raises
+:class:`InvalidArgument` naming the field, so the role can count it, ack it and move on --
+and feeds it to a :class:`SloMonitor`.
 
 Compliance of a class = share of its judged samples that met the class SLO, over the last
-``size`` judged samples (default 1000, the seed's window), optionally also limited to the
+``size`` judged samples (default 1000, the original problem's window), optionally also limited to the
 last ``max_age_s`` seconds so an idle class's verdict does not live forever.
 
 Judging (see :meth:`ClassSLO.judge`):
@@ -36,102 +37,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Collection, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from limiter.errors import InvalidArgument
-from limiter.keys import NAME_RE
+from limiter.samples import Sample
 
-# ``rejected``: turned away at admission by the class budget (429) or a full queue (503);
-# written by the frontend (limiter/frontend/app.py, record_rejection)
-OUTCOMES = ("ok", "expired", "cancelled", "failed", "rejected")
 DEFAULT_WINDOW = 1000
-
-
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One finished request, as the controller sees it. Times are ms; ``ts_ms`` is Redis time."""
-
-    cls: str
-    outcome: str
-    ts_ms: float
-    input_tokens: int
-    output_tokens: int
-    queue_wait_ms: float
-    e2e_ms: float
-    ttft_ms: float | None = None
-    tpot_mean_ms: float | None = None
-    tpot_max_ms: float | None = None
-    worker: str = ""
-
-
-def _text(value: object) -> object:
-    return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
-
-
-def _number(raw: Mapping[str, object], name: str, required: bool) -> float | None:
-    value = raw.get(name)
-    if value is None:
-        if required:
-            raise InvalidArgument(f"sample.{name}", "missing")
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise InvalidArgument(f"sample.{name}", f"expected a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgument(f"sample.{name}", f"must be a finite number >= 0, got {value!r}")
-    return float(value)
-
-
-def _required(raw: Mapping[str, object], name: str) -> float:
-    value = _number(raw, name, required=True)
-    assert value is not None  # _number raised for a missing required field
-    return value
-
-
-def _count(raw: Mapping[str, object], name: str) -> int:
-    value = _required(raw, name)
-    if value != int(value):
-        raise InvalidArgument(f"sample.{name}", f"must be a whole number, got {value!r}")
-    return int(value)
-
-
-def decode_sample(raw: object, classes: Collection[str] | None = None) -> Sample:
-    """Validate one raw sample (a msgpack-decoded map) and return it as a :class:`Sample`.
-
-    Required: ``class``, ``outcome``, ``ts_ms``, ``input_tokens``, ``output_tokens``,
-    ``queue_wait_ms``, ``e2e_ms``. Optional: ``ttft_ms``, ``tpot_mean_ms``, ``tpot_max_ms``
-    (Redis-side samples of requests that never ran have none of them) -- except that an ``ok``
-    sample that produced tokens must carry ``ttft_ms``, or its SLO could not be judged.
-    Bytes keys and values (msgpack ``raw=True``) are accepted; unknown fields are ignored.
-    Raises :class:`InvalidArgument` whose ``field`` names the offending field.
-    """
-    if not isinstance(raw, Mapping):
-        raise InvalidArgument("sample", f"expected a map, got {type(raw).__name__}")
-    fields: dict[str, object] = {str(_text(k)): v for k, v in raw.items()}
-    cls = _text(fields.get("class"))
-    if not isinstance(cls, str) or not NAME_RE.fullmatch(cls):
-        raise InvalidArgument("sample.class", f"expected a class name, got {cls!r}")
-    if classes is not None and cls not in classes:
-        raise InvalidArgument("sample.class", f"unknown class {cls!r}")
-    outcome = _text(fields.get("outcome"))
-    if outcome not in OUTCOMES:
-        raise InvalidArgument("sample.outcome", f"expected one of {OUTCOMES}, got {outcome!r}")
-    output_tokens = _count(fields, "output_tokens")
-    ttft = _number(fields, "ttft_ms", required=outcome == "ok" and output_tokens > 0)
-    worker = _text(fields.get("worker", ""))
-    return Sample(
-        cls=cls,
-        outcome=str(outcome),
-        ts_ms=_required(fields, "ts_ms"),
-        input_tokens=_count(fields, "input_tokens"),
-        output_tokens=output_tokens,
-        queue_wait_ms=_required(fields, "queue_wait_ms"),
-        e2e_ms=_required(fields, "e2e_ms"),
-        ttft_ms=ttft,
-        tpot_mean_ms=_number(fields, "tpot_mean_ms", required=False),
-        tpot_max_ms=_number(fields, "tpot_max_ms", required=False),
-        worker=worker if isinstance(worker, str) else "",
-    )
 
 
 @dataclass(frozen=True)

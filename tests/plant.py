@@ -1,7 +1,6 @@
 """A simulated GPU pool driven by the real controller code, in simulated time (no sleeping).
 
-Used by tests/test_plant_stability.py to show the control law settles, and reusable by
-benchmarks. Per tick of ``dt_s``:
+Used by tests/test_plant_stability.py to show the control law settles. Per tick of ``dt_s``:
 
 1. **Dispatch** (fluid HTB, the allocation lua/claim.lua's tiers make at claim time): class
    i gets ``min(o_i, rate_i)`` from its guarantee; what the policy's capacity has left goes
@@ -21,21 +20,22 @@ benchmarks. Per tick of ``dt_s``:
 
    -- the residual-work term of an M/G/1 priority queue (higher classes and the class itself
    count at their load; lower classes at ``beta`` times it, because their long prompts are
-   what stalls a step: the seed's 32K-prefill problem), over ``1 - rho`` because with
+   what stalls a step: the 32K-prefill stall of the original problem), over ``1 - rho`` because with
    continuous batching every admitted token slows every step. TTFT = prefill time + wait;
    TPOT = base x (1 + rho). It is convex in load and steepest for lower-class load, which is
    all the law relies on.
 4. **Samples**: one per completed request, as a raw dict, through the real
-   :func:`limiter.slo.decode_sample` into a real :class:`SloMonitor` and
+   :func:`limiter.samples.decode_sample` into a real :class:`SloMonitor` and
    :class:`CapacityEstimator`. Each worker sends a heartbeat every ``heartbeat_s`` with its
    share of the true capacity times a noise factor: uniform +-``heartbeat_noise``, or --
    with ``noise`` set -- consecutive runs drawn from a recorded series of a real worker's
    figures over their median (a block bootstrap keeps the real run's spread and its
    autocorrelation; ``tests/data/heartbeat_noise.json`` is one).
-5. **Control**: every ``control_every_s`` the real :func:`limiter.control_law.decide` runs on
-   the monitor's fresh and whole-window compliance, the estimator's capacity and served
-   rates (over the last 0.5 s: ``used`` must be current); a change becomes the admission
-   policy and marks the windows at ``Decision.evidence_from_ms``.
+5. **Control**: every ``control_every_s`` the real
+   :func:`limiter.controller.control_law.decide` runs on the monitor's fresh and
+   whole-window compliance, the estimator's capacity and served rates (over the last
+   0.5 s: ``used`` must be current); a change becomes the admission policy and marks the
+   windows at ``Decision.evidence_from_ms``.
 """
 
 from __future__ import annotations
@@ -44,9 +44,18 @@ import random
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from limiter.capacity import CapacityConfig, CapacityEstimator
-from limiter.control_law import ClassInputs, ClassRates, ControlConfig, ControlState, Decision, Inputs, decide
-from limiter.slo import DEFAULT_SLOS, ClassSLO, SloMonitor, decode_sample
+from limiter.controller.capacity import CapacityConfig, CapacityEstimator
+from limiter.controller.control_law import (
+    ClassInputs,
+    ClassRates,
+    ControlConfig,
+    ControlState,
+    Decision,
+    Inputs,
+    decide,
+)
+from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO, SloMonitor
+from limiter.samples import decode_sample
 
 
 @dataclass(frozen=True)
@@ -139,8 +148,8 @@ def simulate(
     rng = random.Random(plant.seed)
     monitor = SloMonitor({n: plant.slos.get(n, ClassSLO()) for n in names}, size=control.window)
     # "used" must be current: served work over the last half second (see ClassInputs.used).
-    estimator = CapacityEstimator(CapacityConfig(initial=plant.capacity, interval_s=0.5, rate_intervals=1,
-                                                 window=plant.capacity_window))
+    tunables = CapacityConfig(interval_s=0.5, rate_intervals=1, window=plant.capacity_window)
+    estimator = CapacityEstimator(tunables, plant.capacity)
     state = ControlState.initial(control, plant.capacity)
     policy, backlog, carry = state.rates(), dict.fromkeys(names, 0.0), dict.fromkeys(names, 0.0)
     busy = [0.0] * len(names)  # share of capacity each class occupies in the GPU (lagged)

@@ -13,10 +13,11 @@ docs/control-law.md states the law as equations and argues why it settles; in br
   target, not at the edge of the band. Otherwise 95-99 % holds (the dead band); >= 99 %,
   over the whole window too, is *comfortable*. At most one change per ``cooldown_s``.
 * Violation of class k removes ``tighten_step`` (10 %) of the load of the classes below it,
-  lowest class first, borrowing before guarantees, never below a floor. When nothing below
-  k can give, the law holds (``overloaded``): the rates are applied at claim time, so a cut
-  to k's own ceiling would only make k's queued requests wait longer; what k asks beyond
-  the pool is admission's to refuse (the wait estimate against the max wait).
+  lowest class first, borrowing before guarantees, never below a class's rate floor
+  (``min_shares``). When nothing below k can give, the law holds (``overloaded``): the rates
+  are applied at claim time, so a cut to k's own ceiling would only make k's queued requests
+  wait longer; what k asks beyond the pool is admission's to refuse (the wait estimate
+  against the max wait).
 * When every class at or above i is comfortable and i used its allowance, ``a_i`` grows by
   ``relax_step`` (5 %) toward its ceiling -- the top class's own cut is undone first, then
   lower guarantees, then borrowing. A cut remembers where the SLO broke: relaxing may
@@ -38,29 +39,41 @@ from limiter.keys import NAME_RE
 
 
 @dataclass(frozen=True)
-class ControlConfig:
-    """The law's parameters; the defaults are the seed's numbers. Shares are of capacity."""
+class ControlTunables:
+    """The law's parameters an operator tunes: the ``[controller]`` keys of the same names
+    (limiter/controller/settings.py inherits them). The defaults are the original problem's
+    numbers; :meth:`ControlConfig.validate` checks them."""
 
-    classes: tuple[str, ...] = ("P0", "P1", "P2")  # highest priority first
-    shares: tuple[float, ...] = (0.60, 0.35, 0.05)  # default guarantees (sum <= 1)
-    floors: tuple[float, ...] = (0.30, 0.105, 0.015)  # 50 % / 30 % / 30 % of the share
-    ceilings: tuple[float, ...] = (1.0, 1.0, 0.5)  # HTB ceilings, the fully relaxed state
-    target: float = 0.99
-    low: float = 0.95
-    relax_step: float = 0.05
-    tighten_step: float = 0.10
-    cooldown_s: float = 5.0
+    target: float = 0.99  # compliance that ends a violation episode, and "comfortable"
+    low: float = 0.95  # below this a class violates (target..low is the dead band)
+    relax_step: float = 0.05  # an allowance grows by this fraction per relax
+    tighten_step: float = 0.10  # a violation removes this fraction of the lower classes' load
+    cooldown_s: float = 5.0  # at most one change per cooldown
     settle_s: float = 2.5  # samples finishing this soon after a change are not evidence of it
     window: int = 1000  # SLO window size the role builds (samples)
     min_samples: int = 100  # fresh samples needed before a class's compliance is judged
-    burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts says otherwise
-    class_bursts: tuple[float, ...] = ()  # per class, seconds of rate (the classes' burst_s); () = burst_s
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
     capacity_deadband: float = 0.10  # capacity moves smaller than this are ignored
-    capacity_persist_s: float = 10.0  # ...and larger ones until they last this long (no worker step)
     reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
-    memory: bool = True
+    memory: bool = True  # a cut remembers where the SLO broke, and relaxing stops short of it
     min_change: float = 0.005  # relative allowance moves below this are not worth a write
+
+
+@dataclass(frozen=True)
+class ControlConfig(ControlTunables):
+    """All the law's parameters: the tunables, and the per-class ones the role derives from
+    ``[[classes]]`` and ``[controller]`` (defaults: the original problem's three classes).
+    Shares are of capacity."""
+
+    classes: tuple[str, ...] = ("P0", "P1", "P2")  # highest priority first
+    shares: tuple[float, ...] = (0.60, 0.35, 0.05)  # default guarantees (sum <= 1)
+    # Rate floors: the least share of capacity a cut leaves each class (50 % / 30 % / 30 % of
+    # its share). Not the scheduler's starvation floor (ClassConfig.floor, served work).
+    min_shares: tuple[float, ...] = (0.30, 0.105, 0.015)
+    ceilings: tuple[float, ...] = (1.0, 1.0, 0.5)  # HTB ceilings, the fully relaxed state
+    burst_s: float = 0.5  # seconds of rate per bucket, unless class_bursts says otherwise
+    class_bursts: tuple[float, ...] = ()  # per class, seconds of rate (the classes' burst_s); () = burst_s
+    capacity_persist_s: float = 10.0  # capacity moves beyond the dead band wait this long (no worker step)
 
     def validate(self, prefix: str = "controller") -> ControlConfig:
         """Raise :class:`ConfigError` naming the first bad field; return self when valid."""
@@ -71,13 +84,13 @@ class ControlConfig:
         n = len(self.classes)
         if n < 1 or len(set(self.classes)) != n or not all(NAME_RE.fullmatch(c) for c in self.classes):
             raise bad("classes", "must be distinct class names, highest priority first")
-        for name in ("shares", "floors", "ceilings"):
+        for name in ("shares", "min_shares", "ceilings"):
             if len(getattr(self, name)) != n:
                 raise bad(name, f"must have one value per class ({n})")
         if not all(0 < s <= 1 for s in self.shares) or sum(self.shares) > 1 + 1e-9:
             raise bad("shares", "must be in (0, 1] and sum to <= 1")
-        if not all(0 < f <= s for f, s in zip(self.floors, self.shares, strict=True)):
-            raise bad("floors", "must be in (0, share]")
+        if not all(0 < m <= s for m, s in zip(self.min_shares, self.shares, strict=True)):
+            raise bad("min_shares", "must be in (0, share]")
         if not all(s <= c <= 1 for s, c in zip(self.shares, self.ceilings, strict=True)):
             raise bad("ceilings", "must be in [share, 1]")
         ranges = [
@@ -350,7 +363,7 @@ def _tighten(plan: _Plan, k: int) -> None:
         cuts[i] = min(remaining, max(0.0, level[i] - cfg.shares[i]))
         remaining -= cuts[i]
     for i in lower:  # then guarantees, lowest class first, each by at most tighten_step of its use
-        room = min(level[i] - cuts[i] - cfg.floors[i], cfg.tighten_step * level[i])
+        room = min(level[i] - cuts[i] - cfg.min_shares[i], cfg.tighten_step * level[i])
         take = min(remaining, max(0.0, room))
         cuts[i] += take
         remaining -= take
@@ -359,9 +372,9 @@ def _tighten(plan: _Plan, k: int) -> None:
         if take > 0 and new < cls[i].allowance * (1 - cfg.min_change):
             plan.cut(i, new, f"tighten_lower_for_{cfg.classes[k]}", owner=k)
     for i in lower:  # classes this step did not cut: say why
-        if i not in plan.moved and cls[i].allowance <= cfg.floors[i] * (1 + cfg.min_change):
-            plan.reasons[i] = "floor"
-        elif i not in plan.moved and level[i] <= cfg.floors[i]:
+        if i not in plan.moved and cls[i].allowance <= cfg.min_shares[i] * (1 + cfg.min_change):
+            plan.reasons[i] = "floor"  # at its rate floor (the reason's name is in logs and docs)
+        elif i not in plan.moved and level[i] <= cfg.min_shares[i]:
             plan.reasons[i] = "unused"  # too little load to be the interference
     if not any(i in plan.moved for i in lower):
         # Nothing below k can give. k's rates apply when workers claim: cutting k's own
