@@ -2,8 +2,9 @@
 -- only here is the free capacity known (the worker says how much room it has).
 --
 -- Which class: the first of these tiers that has a candidate (docs/scheduling.md argues it):
---   1. floors: a backlogged class whose decayed served cost is below floor x the decayed
---      total by more than floor_quantum (the largest shortfall first);
+--   1. starvation floors: a backlogged class whose decayed served cost is below its floor
+--      (policy field floor, a share) x the decayed total by more than floor_quantum (the
+--      largest shortfall first);
 --   2. guarantees: the highest-priority backlogged class whose guarantee bucket (rate,
 --      burst) holds credit, i.e. that was served less than its rate lately;
 --   3. spare: the highest-priority backlogged class.
@@ -50,12 +51,18 @@
 --   first_ms (0 until a first token was delivered), attempt}; times are Redis server ms.
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
 
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
 --!include bucket.lua
 --!include record.lua
 --!include queue.lua
+--!include liveness.lua
+--!include served.lua
+--!include wake.lua
 --!include finish.lua
+--!include expire.lua
+--!include cancel.lua
 --!include janitor.lua
 
 local MAX_FINISH = 16
@@ -115,11 +122,7 @@ local function main()
   local finishes = MAX_FINISH - expired - rq - fl - cn
 
   -- Decay the served ledger to now.
-  local sv = redis.call('HGETALL', K_SERVED)
-  local served, ts = {}, now
-  for i = 1, #sv, 2 do
-    if sv[i] == 'ts' then ts = tonumber(sv[i + 1]) else served[sv[i]] = tonumber(sv[i + 1]) end
-  end
+  local served, ts = read_served(now)
   local decay = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms)
   local total = 0
   for _, cls in ipairs(p.classes) do
@@ -155,10 +158,10 @@ local function main()
   while #out - 1 < max_requests and loops < max_requests + MAX_SKIPS + MAX_FINISH do
     loops = loops + 1
     local pick, best = nil, 0
-    for _, cls in ipairs(p.classes) do  -- 1. floors
-      local floor = p.class[cls].floor or 0
-      if floor > 0 and open(cls) then
-        local deficit = floor * total - served[cls]
+    for _, cls in ipairs(p.classes) do  -- 1. starvation floors
+      local starvation_floor = p.class[cls].floor or 0
+      if starvation_floor > 0 and open(cls) then
+        local deficit = starvation_floor * total - served[cls]
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
@@ -203,7 +206,7 @@ local function main()
         if finishes <= 0 then break end
         finishes = finishes - 1
         if r.deadline_ms <= now then
-          expire_queued(p, r, now)
+          expire_queued(p, r, now, true)
         else
           cancel_orphan(p, r, now, 'its client frontend stopped heartbeating before a worker took it')
         end
@@ -217,9 +220,7 @@ local function main()
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
             .. math.max(kv_total, largest_live_kv(p, now)) .. ' tokens)'
-          finalize(p, r, 'failed', why, 0, now)
-          notify(r, {'k', 'err', 'code', 'too_large', 'msg', why})
-          add_sample(p, r, 'failed', now)
+          finish_by_redis(p, r, 'failed', why, 0, now, {code = 'too_large', msg = why})
           q.n[pick] = q.n[pick] - 1
         elseif never then
           -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it

@@ -11,10 +11,10 @@
 -- A fair class (the default) orders its tenants by virtual token counter (VTC, Sheng et
 -- al., OSDI'24): the score is the counter, in weighted tokens divided by the tenant's
 -- weight. A claim takes the backlogged tenant with the smallest counter and adds the
--- request's reserved cost to it; the request's end gives back what it did not use. A
--- tenant that becomes backlogged is lifted to the smallest backlogged counter (or ':last'
--- when none), so idle time banks no credit, and a refund never takes a counter below that
--- floor. Together these keep the counters of backlogged tenants within one request's cost
+-- request's reserved cost to it; the request's end gives back what it did not use. The
+-- class's virtual time is the smallest backlogged counter (or ':last' when none): a tenant
+-- that becomes backlogged is lifted to it, so idle time banks no credit, and a refund never
+-- takes a counter below it. Together these keep the counters of backlogged tenants within one request's cost
 -- of each other (tests/test_scheduler_model.py checks it after every step).
 -- A class with fair = 0 serves in arrival order whoever sent the request: the score is
 -- the seq of the tenant's oldest queued request.
@@ -26,7 +26,7 @@ local function tenant_queue(cls, tenant)
 end
 
 -- The class's virtual time: the smallest backlogged counter, else the last one to go idle.
-local function vtime_floor(cls)
+local function virtual_time(cls)
   local head = redis.call('ZRANGE', P_BACKLOG .. cls, 0, 0, 'WITHSCORES')
   if head[2] then return tonumber(head[2]) end
   return tonumber(redis.call('HGET', P_VTIME .. cls, ':last') or '0')
@@ -56,7 +56,7 @@ local function enqueue(p, r)
   if p.class[cls].fair then
     if not score then
       local own = tonumber(redis.call('HGET', P_VTIME .. cls, tenant) or '0')
-      redis.call('ZADD', backlog, math.max(own, vtime_floor(cls)), tenant)
+      redis.call('ZADD', backlog, math.max(own, virtual_time(cls)), tenant)
     end
   elseif not score or r.seq < tonumber(score) then
     redis.call('ZADD', backlog, r.seq, tenant)  -- arrival order: the tenant's oldest request
@@ -107,7 +107,7 @@ end
 local function vtc_refund(cls, tenant, amount)
   if amount <= 0 then return 0 end
   local v, backlogged = vtc_get(cls, tenant)
-  local new = math.max(v - amount, math.min(v, vtime_floor(cls)))
+  local new = math.max(v - amount, math.min(v, virtual_time(cls)))
   vtc_set(cls, tenant, new, backlogged)
   return v - new
 end
