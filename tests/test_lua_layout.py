@@ -208,3 +208,19 @@ def test_a_key_outside_the_slot_is_refused_on_a_cluster(redis_cluster):
         target.eval("#!lua\nredis.call('GET', KEYS[1]); return redis.call('GET', 'qos:{y}:policy')", 1, key)
     node.close()
     target.close()
+
+
+def test_every_script_header_states_its_contract():
+    """The comment a script opens with names its KEYS, every ARGV it reads, its return shape
+    and its errors."""
+    for name in SCRIPT_NAMES:
+        text = (lua_dir() / f"{name}.lua").read_text()
+        header = text[:text.index("\n\n")]
+        for word in ("KEYS", "ARGV", "Returns", "Errors"):
+            assert word in header, (name, word)
+        for kind in ("ARGV", "KEYS"):
+            read = set(re.findall(rf"\b{kind}\[(\d+)\]", _code(text)))
+            stated = set(re.findall(rf"\b{kind}\[(\d+)\]", header))
+            if kind == "KEYS" and "lifecycle key list" in header:
+                stated = read  # KEYS is include/pool_keys.lua's list
+            assert read <= stated, (name, kind, sorted(read - stated))
