@@ -10,8 +10,8 @@
 --   3. spare: the highest-priority backlogged class.
 -- A class whose ceiling binds (ceil < capacity) and whose ceiling bucket is empty is not
 -- dispatched at all: the ceiling is a hard limit the controller uses to cut interference.
--- Which tenant: the backlogged tenant of that class with the smallest virtual counter (or,
--- in a class with fair = 0, the one whose oldest request is oldest; include/queue.lua);
+-- Which tenant: the backlogged tenant of that class with the smallest virtual counter
+-- (include/vtc.lua; in a class with fair = 0, the one whose oldest request is oldest);
 -- which request: that tenant's oldest.
 -- When that request needs more than the worker's free room, its class takes nothing more
 -- from this worker in this call (room is gathered for it; other classes go on). One that
@@ -57,6 +57,7 @@
 --!include bucket.lua
 --!include record.lua
 --!include queue.lua
+--!include vtc.lua
 --!include liveness.lua
 --!include served.lua
 --!include wake.lua

@@ -58,7 +58,7 @@ BUGS = (
     Bug("no_vtc_lift", "a tenant that becomes backlogged keeps its old (low) counter: banked credit",
         "include/queue.lua", "math.max(own, virtual_time(cls))", "own"),
     Bug("vtc_refund_unclamped", "a refund may take a tenant's counter below the class's virtual time",
-        "include/queue.lua", "local new = math.max(v - amount, math.min(v, virtual_time(cls)))",
+        "include/vtc.lua", "local new = math.max(v - amount, math.min(v, virtual_time(cls)))",
         "local new = v - amount"),
     Bug("inflight_leak_on_expiry", "an expired request is not subtracted from its tenant's in-flight count",
         "include/finish.lua", "if redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, -1) <= 0 then",

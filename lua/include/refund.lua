@@ -1,7 +1,7 @@
 -- Refunds: what a finished request reserved but did not use goes back where it was charged.
 --!include pool_keys.lua
 --!include bucket.lua
---!include queue.lua
+--!include vtc.lua
 
 -- Give back what was reserved but not used. Each bucket (and the tenant's virtual counter)
 -- gets at most what it was really charged for this request; the amounts given back are
