@@ -194,7 +194,7 @@ class PoolKeys:
 
     def backlog(self, cls: str) -> str:
         """ZSET tenant -> virtual token counter: the tenants of a class with queued requests;
-        claim serves the smallest counter first (lua/include/vtc.lua)."""
+        claim serves the smallest counter first (lua/include/queue.lua)."""
         return self.backlog_prefix + check_name("class", cls)
 
     def vtime(self, cls: str) -> str:
