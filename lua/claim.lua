@@ -70,6 +70,32 @@ local MAX_FINISH = 16
 local MAX_SKIPS = 16
 local SWEEP = 4
 
+-- ARGV avoid_tenants: comma-separated tenant names, at most 16. Returns {tenant = true} and
+-- the number of entries (the claim looks that many tenants further down a backlog).
+local function arg_tenant_set(list)
+  local set, n, start = {}, 0, 1
+  while true do
+    local comma = string.find(list, ',', start, true)
+    n = n + 1
+    if n > 16 then fail('BADARG', 'avoid_tenants: at most 16 tenants') end
+    set[arg_name(string.sub(list, start, (comma or 0) - 1), 'avoid_tenants')] = true
+    if comma == nil then return set, n end
+    start = comma + 1
+  end
+end
+
+-- {class = true} for the classes ranked strictly above `cls` or, with `from_it_down`, for
+-- `cls` and every class below it. An unknown `cls` is a BADARG on ARGV `field`.
+local function class_range(p, cls, field, from_it_down)
+  local rank = p.index[cls]
+  if rank == nil then fail('BADARG', field .. ': unknown class ' .. cls) end
+  local out = {}
+  for i, c in ipairs(p.classes) do
+    if (i >= rank) == from_it_down then out[c] = true end
+  end
+  return out
+end
+
 local function main()
   local worker_id = arg_name(ARGV[1], 'worker_id')
   local max_requests = arg_int(ARGV[2], 'max_requests', 1, 1024)
@@ -78,19 +104,9 @@ local function main()
   local above_class = ARGV[5] or ''
   if above_class ~= '' then above_class = arg_name(above_class, 'above_class') end
   local kv_total = arg_int(ARGV[6] or '0', 'kv_total', 0, 1e12)
-  local avoid = {}
-  local navoid = 0
-  local avoid_from = nil
+  local avoid, navoid, avoid_from = {}, 0, nil
   if (ARGV[7] or '') ~= '' then
-    local list, start = ARGV[7], 1
-    while true do
-      local comma = string.find(list, ',', start, true)
-      navoid = navoid + 1
-      if navoid > 16 then fail('BADARG', 'avoid_tenants: at most 16 tenants') end
-      avoid[arg_name(string.sub(list, start, (comma or 0) - 1), 'avoid_tenants')] = true
-      if comma == nil then break end
-      start = comma + 1
-    end
+    avoid, navoid = arg_tenant_set(ARGV[7])
     avoid_from = arg_name(ARGV[8], 'avoid_from')
   end
   local p = load_policy(K_POLICY)
@@ -100,21 +116,10 @@ local function main()
   if above_class == '' then
     for _, cls in ipairs(p.classes) do eligible[cls] = true end
   else
-    local known = false
-    for _, cls in ipairs(p.classes) do
-      if cls == above_class then known = true break end
-      eligible[cls] = true
-    end
-    if not known then fail('BADARG', 'above_class: unknown class ' .. above_class) end
+    eligible = class_range(p, above_class, 'above_class', false)
   end
-  local avoiding = {}  -- class -> true: the classes avoid_tenants applies to
-  if avoid_from then
-    for _, cls in ipairs(p.classes) do
-      if cls == avoid_from then avoid_from = true end
-      if avoid_from == true then avoiding[cls] = true end
-    end
-    if avoid_from ~= true then fail('BADARG', 'avoid_from: unknown class ' .. avoid_from) end
-  end
+  -- the classes avoid_tenants applies to: avoid_from and every class below it
+  local avoiding = avoid_from and class_range(p, avoid_from, 'avoid_from', true) or {}
   local now = now_ms()
   if kv_total > 0 then redis.call('HSET', K_WORKER_KV, worker_id, kv_total) end
 
