@@ -56,8 +56,10 @@ def lua_dir() -> Path:
 
 
 def _resolve(name: str, text: str, include_dir: Path, done: list[str], stack: list[str]) -> str:
-    """``text`` with each ``--!include f`` replaced by ``f`` (itself resolved first), every
-    file once, in dependency order; a cycle is refused."""
+    """``text`` with each ``--!include f`` replaced by ``f`` (itself resolved first, depth
+    first), every file once per script (``done``: the files already pasted), so each helper
+    comes before its first user. ``stack`` is the chain being resolved: an include of a file
+    on it is a cycle, refused with the chain named."""
 
     def expand(m: re.Match[str]) -> str:
         inc = m.group(1)
@@ -75,22 +77,27 @@ def _resolve(name: str, text: str, include_dir: Path, done: list[str], stack: li
     return _INCLUDE.sub(expand, text)
 
 
-@cache
-def script_source(name: str, shebang: bool = True) -> str:
-    """The script ``name`` as Redis runs it: includes resolved recursively (each helper file
-    names what it needs), and, for servers that support it (Redis >= 7), a ``#!lua`` first
-    line with the script's ``--!flags``. With a shebang Redis refuses, in a cluster, any key
-    outside the slot of the declared keys: a lost hash tag fails at once, not after a reshard."""
-    base = lua_dir()
-    text = (base / f"{name}.lua").read_text()
+def load_script(name: str, directory: Path, shebang: bool = True) -> str:
+    """The script ``directory/name.lua`` as Redis runs it: its includes (from
+    ``directory/include``) resolved recursively, each helper file naming what it needs, and,
+    for servers that support it (Redis >= 7), a ``#!lua`` first line with the script's
+    ``--!flags``. With a shebang Redis refuses, in a cluster, any key outside the slot of the
+    declared keys: a lost hash tag fails at once, not after a reshard."""
+    text = (directory / f"{name}.lua").read_text()
     flags = [f for m in _FLAGS.finditer(text) for f in m.group(1).split(",")]
     for f in flags:
         if f not in KNOWN_FLAGS:
             raise ScriptError(f"{name}.lua: unknown --!flags value {f!r} (known: {', '.join(KNOWN_FLAGS)})")
-    body = _resolve(name, text, base / "include", [], [name])
+    body = _resolve(name, text, directory / "include", [], [name])
     if not shebang:
         return body
     return ("#!lua flags=" + ",".join(flags) if flags else "#!lua") + "\n" + body
+
+
+@cache
+def script_source(name: str, shebang: bool = True) -> str:
+    """The installed script ``name`` as Redis runs it (:func:`load_script`), read once."""
+    return load_script(name, lua_dir(), shebang)
 
 
 @cache

@@ -22,7 +22,7 @@
 -- tenants), and never more than the whole class queue: a flooding tenant's backlog does
 -- not make a light tenant wait (or be refused).
 -- R = max(capacity, the pool's measured claim rate); served rates come from the decayed
--- ledger claim keeps (K_SERVED): a ledger S with half-life h stands for a rate S ln2 / h.
+-- ledger claim keeps (include/served.lua).
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1]  request_id          name, unguessable id chosen by the frontend
@@ -52,11 +52,14 @@
 --   {'tenant_busy', inflight}
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
 
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
 --!include bucket.lua
 --!include record.lua
 --!include queue.lua
+--!include served.lua
+--!include wake.lua
 
 local LN2 = math.log(2)
 
@@ -73,11 +76,7 @@ local function wait_estimate_ms(p, cls, tenant, weight, q, now)
     if mine > 0 then others = others - 1 end
     own = math.min(own, math.max(mine, 0) * (weight + others) / weight)
   end
-  local sv = redis.call('HGETALL', K_SERVED)
-  local served, ts = {}, now
-  for i = 1, #sv, 2 do
-    if sv[i] == 'ts' then ts = tonumber(sv[i + 1]) else served[sv[i]] = tonumber(sv[i + 1]) end
-  end
+  local served, ts = read_served(now)
   local to_rate = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms) * LN2 / (p.floor_half_life_ms / 1000)
   local measured, total = {}, 0
   for _, j in ipairs(p.classes) do
@@ -166,7 +165,7 @@ local function main()
     cost = cost})
   redis.call('HINCRBY', K_TENANT_INFLIGHT, tenant, 1)
   redis.call('HINCRBY', K_STATS, cls .. '.admitted', 1)
-  if redis.call('LPUSH', K_WAKE, '1') > 64 then redis.call('LTRIM', K_WAKE, 0, 63) end
+  wake_workers()
   return {'queued', depth + 1, fmt(cost), math.ceil(est), deadline}
 end
 

@@ -12,10 +12,13 @@
 -- | {'not_found'}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!flags allow-oom
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
 --!include record.lua
+--!include lease.lua
 --!include finish.lua
+--!include expire.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
@@ -26,19 +29,16 @@ local function main()
   if r == nil or r.tenant ~= tenant then return {'not_found'} end
   local now = now_ms()
   if r.state == 'queued' then
+    -- the frontend asked: it tells its client itself
     if reason == 'expired' then
-      local waited = now - r.enq_ms
-      finalize(p, r, 'expired', 'max queue wait passed after ' .. waited .. ' ms', 0, now)
-      add_sample(p, r, 'expired', now)
+      expire_queued(p, r, now, false)
       return {'expired'}
     end
-    finalize(p, r, 'cancelled', reason, 0, now)
-    add_sample(p, r, 'cancelled', now)
+    finish_by_redis(p, r, 'cancelled', reason, 0, now, nil)
     return {'cancelled'}
   elseif r.state == 'leased' then
     if reason == 'expired' then return {'running'} end
-    redis.call('HSET', P_REQUEST .. request_id, 'cancel', 1)
-    redis.call('SADD', K_CANCELS, request_id)
+    flag_cancel(request_id)
     return {'cancelling'}
   end
   return {'final', r.state}

@@ -2,15 +2,16 @@
 -- only here is the free capacity known (the worker says how much room it has).
 --
 -- Which class: the first of these tiers that has a candidate (docs/scheduling.md argues it):
---   1. floors: a backlogged class whose decayed served cost is below floor x the decayed
---      total by more than floor_quantum (the largest shortfall first);
+--   1. starvation floors: a backlogged class whose decayed served cost is below its floor
+--      (policy field floor, a share) x the decayed total by more than floor_quantum (the
+--      largest shortfall first);
 --   2. guarantees: the highest-priority backlogged class whose guarantee bucket (rate,
 --      burst) holds credit, i.e. that was served less than its rate lately;
 --   3. spare: the highest-priority backlogged class.
 -- A class whose ceiling binds (ceil < capacity) and whose ceiling bucket is empty is not
 -- dispatched at all: the ceiling is a hard limit the controller uses to cut interference.
--- Which tenant: the backlogged tenant of that class with the smallest virtual counter (or,
--- in a class with fair = 0, the one whose oldest request is oldest; include/queue.lua);
+-- Which tenant: the backlogged tenant of that class with the smallest virtual counter
+-- (include/vtc.lua; in a class with fair = 0, the one whose oldest request is oldest);
 -- which request: that tenant's oldest.
 -- When that request needs more than the worker's free room, its class takes nothing more
 -- from this worker in this call (room is gathered for it; other classes go on). One that
@@ -50,17 +51,50 @@
 --   first_ms (0 until a first token was delivered), attempt}; times are Redis server ms.
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
 
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
 --!include bucket.lua
 --!include record.lua
 --!include queue.lua
+--!include vtc.lua
+--!include liveness.lua
+--!include served.lua
+--!include wake.lua
 --!include finish.lua
+--!include expire.lua
+--!include cancel.lua
 --!include janitor.lua
 
 local MAX_FINISH = 16
 local MAX_SKIPS = 16
 local SWEEP = 4
+
+-- ARGV avoid_tenants: comma-separated tenant names, at most 16. Returns {tenant = true} and
+-- the number of entries (the claim looks that many tenants further down a backlog).
+local function arg_tenant_set(list)
+  local set, n, start = {}, 0, 1
+  while true do
+    local comma = string.find(list, ',', start, true)
+    n = n + 1
+    if n > 16 then fail('BADARG', 'avoid_tenants: at most 16 tenants') end
+    set[arg_name(string.sub(list, start, (comma or 0) - 1), 'avoid_tenants')] = true
+    if comma == nil then return set, n end
+    start = comma + 1
+  end
+end
+
+-- {class = true} for the classes ranked strictly above `cls` or, with `from_it_down`, for
+-- `cls` and every class below it. An unknown `cls` is a BADARG on ARGV `field`.
+local function class_range(p, cls, field, from_it_down)
+  local rank = p.index[cls]
+  if rank == nil then fail('BADARG', field .. ': unknown class ' .. cls) end
+  local out = {}
+  for i, c in ipairs(p.classes) do
+    if (i >= rank) == from_it_down then out[c] = true end
+  end
+  return out
+end
 
 local function main()
   local worker_id = arg_name(ARGV[1], 'worker_id')
@@ -70,19 +104,9 @@ local function main()
   local above_class = ARGV[5] or ''
   if above_class ~= '' then above_class = arg_name(above_class, 'above_class') end
   local kv_total = arg_int(ARGV[6] or '0', 'kv_total', 0, 1e12)
-  local avoid = {}
-  local navoid = 0
-  local avoid_from = nil
+  local avoid, navoid, avoid_from = {}, 0, nil
   if (ARGV[7] or '') ~= '' then
-    local list, start = ARGV[7], 1
-    while true do
-      local comma = string.find(list, ',', start, true)
-      navoid = navoid + 1
-      if navoid > 16 then fail('BADARG', 'avoid_tenants: at most 16 tenants') end
-      avoid[arg_name(string.sub(list, start, (comma or 0) - 1), 'avoid_tenants')] = true
-      if comma == nil then break end
-      start = comma + 1
-    end
+    avoid, navoid = arg_tenant_set(ARGV[7])
     avoid_from = arg_name(ARGV[8], 'avoid_from')
   end
   local p = load_policy(K_POLICY)
@@ -92,21 +116,10 @@ local function main()
   if above_class == '' then
     for _, cls in ipairs(p.classes) do eligible[cls] = true end
   else
-    local known = false
-    for _, cls in ipairs(p.classes) do
-      if cls == above_class then known = true break end
-      eligible[cls] = true
-    end
-    if not known then fail('BADARG', 'above_class: unknown class ' .. above_class) end
+    eligible = class_range(p, above_class, 'above_class', false)
   end
-  local avoiding = {}  -- class -> true: the classes avoid_tenants applies to
-  if avoid_from then
-    for _, cls in ipairs(p.classes) do
-      if cls == avoid_from then avoid_from = true end
-      if avoid_from == true then avoiding[cls] = true end
-    end
-    if avoid_from ~= true then fail('BADARG', 'avoid_from: unknown class ' .. avoid_from) end
-  end
+  -- the classes avoid_tenants applies to: avoid_from and every class below it
+  local avoiding = avoid_from and class_range(p, avoid_from, 'avoid_from', true) or {}
   local now = now_ms()
   if kv_total > 0 then redis.call('HSET', K_WORKER_KV, worker_id, kv_total) end
 
@@ -115,11 +128,7 @@ local function main()
   local finishes = MAX_FINISH - expired - rq - fl - cn
 
   -- Decay the served ledger to now.
-  local sv = redis.call('HGETALL', K_SERVED)
-  local served, ts = {}, now
-  for i = 1, #sv, 2 do
-    if sv[i] == 'ts' then ts = tonumber(sv[i + 1]) else served[sv[i]] = tonumber(sv[i + 1]) end
-  end
+  local served, ts = read_served(now)
   local decay = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms)
   local total = 0
   for _, cls in ipairs(p.classes) do
@@ -155,10 +164,10 @@ local function main()
   while #out - 1 < max_requests and loops < max_requests + MAX_SKIPS + MAX_FINISH do
     loops = loops + 1
     local pick, best = nil, 0
-    for _, cls in ipairs(p.classes) do  -- 1. floors
-      local floor = p.class[cls].floor or 0
-      if floor > 0 and open(cls) then
-        local deficit = floor * total - served[cls]
+    for _, cls in ipairs(p.classes) do  -- 1. starvation floors
+      local starvation_floor = p.class[cls].floor or 0
+      if starvation_floor > 0 and open(cls) then
+        local deficit = starvation_floor * total - served[cls]
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
@@ -203,7 +212,7 @@ local function main()
         if finishes <= 0 then break end
         finishes = finishes - 1
         if r.deadline_ms <= now then
-          expire_queued(p, r, now)
+          expire_queued(p, r, now, true)
         else
           cancel_orphan(p, r, now, 'its client frontend stopped heartbeating before a worker took it')
         end
@@ -217,9 +226,7 @@ local function main()
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
             .. math.max(kv_total, largest_live_kv(p, now)) .. ' tokens)'
-          finalize(p, r, 'failed', why, 0, now)
-          notify(r, {'k', 'err', 'code', 'too_large', 'msg', why})
-          add_sample(p, r, 'failed', now)
+          finish_by_redis(p, r, 'failed', why, 0, now, {code = 'too_large', msg = why})
           q.n[pick] = q.n[pick] - 1
         elseif never then
           -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it

@@ -23,10 +23,15 @@
 -- {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!flags allow-oom
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
 --!include record.lua
+--!include lease.lua
+--!include tokens.lua
 --!include finish.lua
+--!include notify.lua
+--!include samples.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
@@ -35,31 +40,23 @@ local function main()
   local outcome = arg_oneof(ARGV[4], 'outcome', {'ok', 'failed', 'cancelled'})
   local usage_in = arg_int(ARGV[5], 'usage_in', 0, 10000000)
   local count = arg_int(ARGV[6], 'count', 0, 1000000)
-  local n_ids = count
-  if ARGV[12] ~= nil and ARGV[12] ~= '' then n_ids = arg_int(ARGV[12], 'n_ids', 0, 4194304) end
-  local token_ids = ARGV[7]
-  if token_ids == nil or #token_ids ~= 4 * n_ids then
-    fail('BADARG', 'token_ids: expected ' .. (4 * n_ids) .. ' bytes (n_ids x uint32)')
-  end
-  local text = ARGV[8]
-  if text == nil or #text > 4194304 then fail('BADARG', 'text: missing or over 4 MiB') end
+  local token_ids, text = ARGV[7], ARGV[8]
+  local n_ids = arg_token_batch(count, token_ids, text, ARGV[12])
   local finish_reason = arg_oneof(ARGV[9], 'finish_reason', {'stop', 'length', 'cancelled', 'error'})
   local message = ARGV[10]
   if message == nil or #message > 4096 then fail('BADARG', 'message: missing or over 4 KiB') end
   local sample = ARGV[11]
   if sample == nil or #sample > 65536 then fail('BADARG', 'sample: missing or over 64 KiB') end
   local p = load_policy(K_POLICY)
-  local r = load_request(request_id)
-  if not holds_lease(r, worker_id, fence) then
-    return {'lost', 'request is not leased to this worker with this fence'}
-  end
+  local r = leased_request(request_id, worker_id, fence)
+  if r == nil then return LEASE_LOST end
   local offset = r.out_tokens or 0
   local usage_out = offset + count
   if usage_out > r.max_tokens then
     fail('BADARG', 'count: ' .. usage_out .. ' tokens exceed max_tokens ' .. r.max_tokens)
   end
   local now = now_ms()
-  if n_ids > 0 then redis.call('APPEND', P_TOKENS .. request_id, token_ids) end
+  append_token_ids(request_id, token_ids, n_ids)
   if count > 0 then
     redis.call('HSET', P_REQUEST .. request_id, 'out_tokens', usage_out)
     if r.first_ms == nil then redis.call('HSET', P_REQUEST .. request_id, 'first_ms', now) end
@@ -76,11 +73,10 @@ local function main()
   elseif outcome == 'failed' then
     notify(r, {'k', 'err', 'code', 'failed', 'msg', reason})
   else
-    notify_cancelled(r, 'its worker stopped it: the client went away (or its frontend stopped heartbeating)')
+    notify(r, {'k', 'err', 'code', 'cancelled',
+      'msg', 'its worker stopped it: the client went away (or its frontend stopped heartbeating)'})
   end
-  if sample ~= '' then
-    redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', sample)
-  end
+  if sample ~= '' then append_sample(sample) end
   return {'ok', fmt(given.refund)}
 end
 

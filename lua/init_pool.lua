@@ -15,7 +15,6 @@
 -- Returns the policy version. Errors: 'BADARG <field>: ...'.
 
 --!include validate.lua
---!include policy.lua
 
 local K_POLICY = KEYS[1]
 

@@ -20,10 +20,12 @@
 --
 -- Returns {'ok', cancel(0|1)} or {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
---!include record.lua
---!include finish.lua
+--!include lease.lua
+--!include tokens.lua
+--!include notify.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
@@ -31,21 +33,13 @@ local function main()
   local fence = arg_int(ARGV[3], 'fence', 1, 1e15)
   local offset = arg_int(ARGV[4], 'offset', 0, 10000000)
   local count = arg_int(ARGV[5], 'count', 1, 1000000)
-  local n_ids = count
-  if ARGV[9] ~= nil and ARGV[9] ~= '' then n_ids = arg_int(ARGV[9], 'n_ids', 0, 4194304) end
-  local token_ids = ARGV[6]
-  if token_ids == nil or #token_ids ~= 4 * n_ids then
-    fail('BADARG', 'token_ids: expected ' .. (4 * n_ids) .. ' bytes (n_ids x uint32)')
-  end
-  local text = ARGV[7]
-  if text == nil or #text > 4194304 then fail('BADARG', 'text: missing or over 4 MiB') end
+  local token_ids, text = ARGV[6], ARGV[7]
+  local n_ids = arg_token_batch(count, token_ids, text, ARGV[9])
   local lease_ms = arg_int(ARGV[8], 'lease_ms', 0, 3600000)
   local p = load_policy(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
-  local r = load_request(request_id)
-  if not holds_lease(r, worker_id, fence) then
-    return {'lost', 'request is not leased to this worker with this fence'}
-  end
+  local r = leased_request(request_id, worker_id, fence)
+  if r == nil then return LEASE_LOST end
   if offset ~= r.out_tokens then
     fail('BADARG', 'offset: ' .. offset .. ' but ' .. r.out_tokens .. ' tokens were delivered')
   end
@@ -54,12 +48,10 @@ local function main()
   end
   local now = now_ms()
   local key = P_REQUEST .. request_id
-  if n_ids > 0 then redis.call('APPEND', P_TOKENS .. request_id, token_ids) end
+  append_token_ids(request_id, token_ids, n_ids)
   redis.call('HINCRBY', key, 'out_tokens', count)
-  redis.call('HSET', key, 'lease_ms', now + lease_ms)
   if r.first_ms == nil then redis.call('HSET', key, 'first_ms', now) end
-  keep_alive(p, request_id, now + lease_ms, now)
-  redis.call('ZADD', K_LEASES, now + lease_ms, request_id)
+  extend_lease(p, request_id, now + lease_ms, now)
   notify(r, {'k', 'tok', 'a', fence, 'o', offset, 'n', count, 't', text})
   return {'ok', r.cancel}
 end

@@ -14,6 +14,7 @@
 -- Returns {expired, requeued, failed, cancelled}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!flags allow-oom
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
 --!include janitor.lua

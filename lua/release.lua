@@ -15,20 +15,21 @@
 -- Returns {'requeued'} | {'cancelled'} | {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!flags allow-oom
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
---!include record.lua
---!include janitor.lua
+--!include lease.lua
+--!include liveness.lua
+--!include cancel.lua
+--!include requeue.lua
 
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
   local worker_id = arg_name(ARGV[2], 'worker_id')
   local fence = arg_int(ARGV[3], 'fence', 1, 1e15)
   local p = load_policy(K_POLICY)
-  local r = load_request(request_id)
-  if not holds_lease(r, worker_id, fence) then
-    return {'lost', 'request is not leased to this worker with this fence'}
-  end
+  local r = leased_request(request_id, worker_id, fence)
+  if r == nil then return LEASE_LOST end
   local now = now_ms()
   if r.cancel == 1 or not frontend_alive(p, r.frontend, now) then
     cancel_orphan(p, r, now, 'its client went away while its worker was draining')

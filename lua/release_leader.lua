@@ -4,7 +4,7 @@
 -- ARGV[1] controller_id  name
 -- ARGV[2] fence          integer >= 1
 --
--- Returns 1 if this controller held the lease and released it, else 0.
+-- Returns 1 if this controller held the lease and released it, else 0. Errors: 'BADARG ...'.
 
 --!include validate.lua
 

@@ -11,9 +11,10 @@
 -- stopped heartbeating): the worker should finish it with outcome cancelled.
 -- Returns {{lost_id, ...}, {stop_id, ...}}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
+--!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
---!include record.lua
+--!include lease.lua
 --!include liveness.lua
 
 local function main()
@@ -31,16 +32,13 @@ local function main()
   local now = now_ms()
   local lost, stop = {}, {}
   for _, e in ipairs(entries) do
-    local r = load_request(e[1])
-    if not holds_lease(r, worker_id, e[2]) then
+    local r = leased_request(e[1], worker_id, e[2])
+    if r == nil then
       lost[#lost + 1] = e[1]
     else
-      redis.call('ZADD', K_LEASES, now + lease_ms, r.id)
-      redis.call('HSET', P_REQUEST .. r.id, 'lease_ms', now + lease_ms)
-      keep_alive(p, r.id, now + lease_ms, now)
+      extend_lease(p, r.id, now + lease_ms, now)
       if r.cancel ~= 1 and not frontend_alive(p, r.frontend, now) then
-        redis.call('HSET', P_REQUEST .. r.id, 'cancel', 1)
-        redis.call('SADD', K_CANCELS, r.id)
+        flag_cancel(r.id)
         r.cancel = 1
       end
       if r.cancel == 1 then stop[#stop + 1] = r.id end

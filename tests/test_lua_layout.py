@@ -3,6 +3,7 @@ that every key any script touches is in its pool's slot."""
 
 from __future__ import annotations
 
+import re
 import threading
 from pathlib import Path
 
@@ -10,11 +11,10 @@ import fakeredis
 import pytest
 import redis
 
-from limiter import scripts as scripts_mod
 from limiter.config import demo_config
 from limiter.errors import ScriptError
 from limiter.keys import PoolKeys
-from limiter.scripts import SCRIPT_NAMES, Scripts, policy_document, script_source
+from limiter.scripts import SCRIPT_NAMES, Scripts, load_script, lua_dir, policy_document, script_source
 from tests.helpers import admit
 
 
@@ -25,40 +25,108 @@ def _lua_tree(tmp_path: Path, files: dict[str, str]) -> Path:
     return tmp_path
 
 
-def test_includes_resolve_recursively_once_each_dependencies_first(tmp_path, monkeypatch):
-    _lua_tree(tmp_path, {
-        "main_script.lua": "--!flags allow-oom\n--!include b.lua\n--!include a.lua\nreturn 1\n",
+def test_includes_resolve_recursively_dependencies_first(tmp_path):
+    lua = _lua_tree(tmp_path, {
+        "top.lua": "--!flags allow-oom\n--!include c.lua\nreturn 1\n",
+        "include/c.lua": "--!include b.lua\n-- c\n",
+        "include/b.lua": "--!include a.lua\n-- b\n",
+        "include/a.lua": "-- a\n",
+    })
+    src = load_script("top", lua)
+    assert src.splitlines()[0] == "#!lua flags=allow-oom"
+    assert src.index("-- a") < src.index("-- b") < src.index("-- c") < src.index("return 1")
+    assert "--!include" not in src
+    assert load_script("top", lua, shebang=False).startswith("--!flags")
+
+
+def test_each_include_is_pasted_once_per_script(tmp_path):
+    """A diamond (top needs b and c, both need a) and a repeat: a comes once, first."""
+    lua = _lua_tree(tmp_path, {
+        "top.lua": "--!include b.lua\n--!include c.lua\n--!include a.lua\nreturn 1\n",
+        "other.lua": "--!include a.lua\nreturn 2\n",
         "include/a.lua": "-- a\n",
         "include/b.lua": "--!include a.lua\n-- b\n",
+        "include/c.lua": "--!include a.lua\n--!include b.lua\n-- c\n",
     })
-    monkeypatch.setattr(scripts_mod, "lua_dir", lambda: tmp_path)
-    script_source.cache_clear()
-    try:
-        src = script_source("main_script")
-        assert src.splitlines()[0] == "#!lua flags=allow-oom"
-        assert src.count("-- a") == 1 and src.index("-- a") < src.index("-- b")  # a before b, once
-        assert script_source("main_script", shebang=False).startswith("--!flags")
-    finally:
-        script_source.cache_clear()
+    src = load_script("top", lua)
+    assert [src.count(f"-- {x}") for x in "abc"] == [1, 1, 1]
+    assert src.index("-- a") < src.index("-- b") < src.index("-- c")
+    assert load_script("other", lua).count("-- a") == 1  # once per script, not once ever
 
 
-def test_an_include_cycle_or_an_unknown_flag_is_refused(tmp_path, monkeypatch):
-    _lua_tree(tmp_path, {
+def test_an_include_cycle_is_refused_naming_the_chain(tmp_path):
+    lua = _lua_tree(tmp_path, {
         "cyclic.lua": "--!include x.lua\n", "include/x.lua": "--!include y.lua\n",
-        "include/y.lua": "--!include x.lua\n", "flagged.lua": "--!flags no-such-flag\nreturn 1\n",
-        "missing.lua": "--!include nowhere.lua\n",
+        "include/y.lua": "--!include x.lua\n",
+        "selfish.lua": "--!include s.lua\n", "include/s.lua": "--!include s.lua\n",
     })
-    monkeypatch.setattr(scripts_mod, "lua_dir", lambda: tmp_path)
-    script_source.cache_clear()
-    try:
-        with pytest.raises(ScriptError, match=r"cycle: cyclic -> x\.lua -> y\.lua -> x\.lua"):
-            script_source("cyclic")
-        with pytest.raises(ScriptError, match="unknown --!flags value 'no-such-flag'"):
-            script_source("flagged")
-        with pytest.raises(ScriptError, match=r"nowhere\.lua: no such file"):
-            script_source("missing")
-    finally:
-        script_source.cache_clear()
+    with pytest.raises(ScriptError, match=r"cycle: cyclic -> x\.lua -> y\.lua -> x\.lua"):
+        load_script("cyclic", lua)
+    with pytest.raises(ScriptError, match=r"cycle: selfish -> s\.lua -> s\.lua"):
+        load_script("selfish", lua)
+
+
+def test_an_unknown_include_or_flag_is_refused(tmp_path):
+    lua = _lua_tree(tmp_path, {
+        "missing.lua": "--!include a.lua\n", "include/a.lua": "--!include nowhere.lua\n",
+        "flagged.lua": "--!flags no-such-flag\nreturn 1\n",
+    })
+    with pytest.raises(ScriptError, match=r"a\.lua: --!include nowhere\.lua: no such file"):
+        load_script("missing", lua)
+    with pytest.raises(ScriptError, match="unknown --!flags value 'no-such-flag'"):
+        load_script("flagged", lua)
+
+
+# --- the real tree: each file names exactly what it uses --------------------------------
+_INCLUDE_LINE = re.compile(r"^--!include (\S+)\s*$", re.MULTILINE)
+_TOP_LOCAL = re.compile(r"^local (?:function )?([A-Za-z_]\w*(?:\s*,\s*[A-Za-z_]\w*)*)", re.MULTILINE)
+# comments and string literals, matched left to right so an apostrophe in a comment is no string
+_NOT_CODE = re.compile(r"--[^\n]*|'(?:\\.|[^'\\\n])*'|\"(?:\\.|[^\"\\\n])*\"")
+
+
+def _code(text: str) -> str:
+    return _NOT_CODE.sub(lambda m: "" if m.group(0).startswith("--") else "''", text)
+
+
+def _top_level_names(text: str) -> set[str]:
+    return {n.strip() for m in _TOP_LOCAL.finditer(_code(text)) for n in m.group(1).split(",")}
+
+
+def _used_names(text: str) -> set[str]:
+    return set(re.findall(r"(?<![\w.:])([A-Za-z_]\w*)", _code(text)))  # not fields (r.id, p:x)
+
+
+def test_every_lua_file_includes_exactly_the_helpers_it_uses():
+    """Each script and include lists the include files defining the names it uses itself, no
+    more (a stale include) and no fewer (one it only gets through another's includes)."""
+    base = lua_dir()
+    includes = {p.name: p.read_text() for p in sorted((base / "include").glob("*.lua"))}
+    defined_in: dict[str, set[str]] = {}
+    for name, text in includes.items():
+        if name == "main.lua":  # the trailer every script ends with, no helper
+            continue
+        for n in _top_level_names(text):
+            defined_in.setdefault(n, set()).add(name)
+    assert not {n: f for n, f in defined_in.items() if len(f) > 1}, "a name defined in two includes"
+    files = {f"include/{n}": t for n, t in includes.items()} | {
+        p.name: p.read_text() for p in sorted(base.glob("*.lua"))}
+    wrong = {}
+    for rel, text in files.items():
+        own = _top_level_names(text)
+        needed = {f for n in _used_names(text) - own for f in defined_in.get(n, ())} - {Path(rel).name}
+        listed = set(_INCLUDE_LINE.findall(text)) - {"main.lua"}
+        if needed != listed:
+            wrong[rel] = {"missing": sorted(needed - listed), "unused": sorted(listed - needed)}
+    assert not wrong, wrong
+
+
+def test_every_include_opens_with_what_it_holds_and_serves_a_script():
+    base = lua_dir()
+    pasted = "".join(script_source(n, shebang=False) for n in SCRIPT_NAMES)
+    for path in sorted((base / "include").glob("*.lua")):
+        text = path.read_text()
+        assert text.startswith("-- "), f"{path.name}: no opening comment"
+        assert text.splitlines()[0] in pasted, f"{path.name}: no script includes it"
 
 
 def test_every_script_carries_a_shebang_and_only_terminal_ones_may_run_out_of_memory():
@@ -140,3 +208,19 @@ def test_a_key_outside_the_slot_is_refused_on_a_cluster(redis_cluster):
         target.eval("#!lua\nredis.call('GET', KEYS[1]); return redis.call('GET', 'qos:{y}:policy')", 1, key)
     node.close()
     target.close()
+
+
+def test_every_script_header_states_its_contract():
+    """The comment a script opens with names its KEYS, every ARGV it reads, its return shape
+    and its errors."""
+    for name in SCRIPT_NAMES:
+        text = (lua_dir() / f"{name}.lua").read_text()
+        header = text[:text.index("\n\n")]
+        for word in ("KEYS", "ARGV", "Returns", "Errors"):
+            assert word in header, (name, word)
+        for kind in ("ARGV", "KEYS"):
+            read = set(re.findall(rf"\b{kind}\[(\d+)\]", _code(text)))
+            stated = set(re.findall(rf"\b{kind}\[(\d+)\]", header))
+            if kind == "KEYS" and "lifecycle key list" in header:
+                stated = read  # KEYS is include/pool_keys.lua's list
+            assert read <= stated, (name, kind, sorted(read - stated))

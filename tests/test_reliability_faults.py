@@ -641,7 +641,7 @@ async def test_worker_full_batch_finishing_at_once(
         stack.stop()
 
 
-# --- frontend liveness across a Redis outage (lua/include/request.lua frontend_alive) ----------
+# --- frontend liveness across a Redis outage (lua/include/liveness.lua frontend_alive) ---------
 
 
 async def test_after_an_outage_stale_heartbeats_do_not_cancel_live_frontends(

@@ -47,7 +47,7 @@ def _i(v: Any) -> int:
 
 @dataclass(frozen=True)
 class Reply:
-    """One reply-stream entry (see lua/include/request.lua ``notify``).
+    """One reply-stream entry (see lua/include/notify.lua ``notify``).
 
     kind ``tok``: offset = tokens delivered before this batch, count, text.
     kind ``done``: the last batch (offset, count, text) plus finish reason and usage.
@@ -226,7 +226,7 @@ class Heartbeat:
         The first beat that completes after one that did not (Redis restarted, or was out of
         reach) first records, once per outage, when the frontends last reached Redis: the
         lifecycle scripts then do not take another frontend for dead just because it
-        reconnects a moment later than this one (lua/include/request.lua, frontend_alive)."""
+        reconnects a moment later than this one (lua/include/liveness.lua, frontend_alive)."""
         interrupted = self._in_beat and self._last_beat_ms > 0
         self._in_beat = True
         t0 = time.time()

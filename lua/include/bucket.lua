@@ -2,7 +2,7 @@
 -- (start, refilled, debited, refunded) such that, always,
 --     tokens = start + refilled - debited + refunded,   refunded <= debited
 -- where refilled is what time added (net of the cap at burst), debited what charges really
--- took (after any debt floor) and refunded what refunds really gave back (after the cap).
+-- took (after any debt limit) and refunded what refunds really gave back (after the cap).
 -- A bucket that does not exist yet is full (start = burst).
 --
 -- Every bucket a call touches goes through one cache, so two uses in the same call (a
@@ -33,12 +33,13 @@ local function bucket_get(key, rate, burst, now)
   return b
 end
 
--- Take `amount`; the level never sinks below `floor` (nil: no debt bound). Returns what was
--- really taken, which is what the caller must record as charged.
-local function bucket_debit(b, amount, floor)
+-- Take `amount`; the level never sinks below `debt_limit` (the lowest level the bucket may
+-- reach, e.g. -burst; nil: debt without bound). Returns what was really taken, which is
+-- what the caller must record as charged.
+local function bucket_debit(b, amount, debt_limit)
   if amount <= 0 then return 0 end
   local new = b.level - amount
-  if floor ~= nil and new < floor then new = math.min(b.level, floor) end
+  if debt_limit ~= nil and new < debt_limit then new = math.min(b.level, debt_limit) end
   local taken = b.level - new
   b.level, b.debited, b.dirty = new, b.debited + taken, true
   return taken

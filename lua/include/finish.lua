@@ -1,65 +1,12 @@
--- Terminal transitions of a request: refund, notify its frontend, sample, release counters.
+-- Terminal transitions: a request leaves every index and counter, is refunded, and its
+-- record gets its final state and TTL.
 --!include pool_keys.lua
 --!include validate.lua
---!include policy.lua
---!include bucket.lua
---!include msgpack.lua
---!include record.lua
 --!include queue.lua
-
-local function notify(r, fields)
-  if r.frontend and r.frontend ~= '' then
-    local stream = P_REPLY .. r.frontend
-    redis.call('XADD', stream, 'MAXLEN', '~', REPLY_MAXLEN, '*', 'id', r.id, unpack(fields))
-    -- A frontend killed for good leaves no stream behind once nobody writes to it.
-    redis.call('EXPIRE', stream, REPLY_TTL_S)
-  end
-end
-
--- A request cancelled without its frontend asking (the frontend was taken for dead) still
--- tells that frontend why: if it is alive after all (a late heartbeat), its client gets a
--- clear error at once instead of waiting for request_timeout_s. A dead frontend's stream
--- just expires.
-local function notify_cancelled(r, why)
-  notify(r, {'k', 'err', 'code', 'cancelled', 'msg', why})
-end
-
--- A sample for outcomes decided inside Redis (expired, cancelled, failed by lease loss).
-local function add_sample(p, r, outcome, now)
-  local s = {v = 1, pool = p.name, class = r.class, tenant = r.tenant, outcome = outcome,
-    request_id = r.id, worker = r.worker or '', input_tokens = r.input_tokens,
-    output_tokens = r.out_tokens or 0, e2e_ms = now - r.enq_ms, ts_ms = now}
-  if r.claimed_ms then s.queue_wait_ms = r.claimed_ms - r.enq_ms else s.queue_wait_ms = now - r.enq_ms end
-  if r.first_ms then s.ttft_ms = r.first_ms - r.enq_ms end
-  redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', msgpack_map(s))
-end
-
--- Give back what was reserved but not used. Each bucket (and the tenant's virtual counter)
--- gets at most what it was really charged for this request; the amounts given back are
--- recorded next to the charges (r_tenant <= c_tenant, ...).
-local function refund_request(p, r, used, now)
-  local unused = math.max(r.cost - used, 0)
-  local given = {refund = unused}
-  given.r_tenant = bucket_credit(bucket_get(P_BUCKET .. 'tenant:' .. r.tenant, r.t_rate, r.t_burst, now),
-    math.min(unused, r.c_tenant))
-  local c = p.class[r.class]
-  given.r_class, given.r_ceil = 0, 0
-  if c then
-    if r.c_class > 0 then
-      given.r_class = bucket_credit(bucket_get(P_BUCKET .. 'class:' .. r.class, c.rate, c.burst, now),
-        math.min(unused, r.c_class))
-    end
-    if r.c_ceil > 0 then
-      given.r_ceil = bucket_credit(bucket_get(P_BUCKET .. 'ceil:' .. r.class, c.ceil, c.ceil_burst, now),
-        math.min(unused, r.c_ceil))
-    end
-  end
-  given.r_vtc = 0
-  if r.c_vtc > 0 then
-    given.r_vtc = vtc_refund(r.class, r.tenant, math.min(unused / r.t_weight, r.c_vtc))
-  end
-  return given
-end
+--!include lease.lua
+--!include refund.lua
+--!include notify.lua
+--!include samples.lua
 
 -- Move a request to a terminal state: leave every index, refund, release counters, TTL.
 local function finalize(p, r, state, reason, used, now)
@@ -67,8 +14,7 @@ local function finalize(p, r, state, reason, used, now)
   if r.state == 'queued' then
     dequeue(p, r)
   elseif r.state == 'leased' then
-    redis.call('ZREM', K_LEASES, r.id)
-    if redis.call('HINCRBY', K_INFLIGHT, r.class, -1) <= 0 then redis.call('HDEL', K_INFLIGHT, r.class) end
+    drop_lease(r)
   end
   redis.call('SREM', K_CANCELS, r.id)
   if redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, -1) <= 0 then
@@ -86,6 +32,12 @@ local function finalize(p, r, state, reason, used, now)
   return g
 end
 
-local function wake_workers()
-  if redis.call('LPUSH', K_WAKE, '1') > 64 then redis.call('LTRIM', K_WAKE, 0, 63) end
+-- An end decided inside Redis (a max wait passed, a client went away, every attempt's
+-- lease expired), not reported by a worker: finalize, then a latency sample with outcome =
+-- state. `notice` = {code = ..., msg = ...} is sent to the request's frontend as an error,
+-- so its client learns at once; nil when the frontend asked for this end itself.
+local function finish_by_redis(p, r, state, reason, used, now, notice)
+  finalize(p, r, state, reason, used, now)
+  if notice then notify(r, {'k', 'err', 'code', notice.code, 'msg', notice.msg}) end
+  add_sample(p, r, state, now)
 end

@@ -1,35 +1,12 @@
--- What happens to a request when time runs out: its queue deadline passes, its frontend
--- stops heartbeating, or its worker's lease expires. Each helper finishes or requeues ONE
--- request; the sweeps take at most `limit` entries, so every call does bounded work.
---!include finish.lua
+-- The janitor's sweeps: queued requests past their deadline, leases past theirs. Each
+-- takes at most `limit` entries, so every call does bounded work.
+--!include pool_keys.lua
+--!include record.lua
 --!include liveness.lua
-
-local function expire_queued(p, r, now)
-  local waited = now - r.enq_ms
-  finalize(p, r, 'expired', 'max queue wait passed after ' .. waited .. ' ms', 0, now)
-  notify(r, {'k', 'err', 'code', 'expired', 'msg', 'request waited ' .. waited .. ' ms in the ' .. r.class .. ' queue, past its max wait'})
-  add_sample(p, r, 'expired', now)
-end
-
-local function cancel_orphan(p, r, now, why)
-  finalize(p, r, 'cancelled', 'client went away', actual_cost(r, r.input_tokens, r.out_tokens), now)
-  notify_cancelled(r, why)
-  add_sample(p, r, 'cancelled', now)
-end
-
--- Put a leased request back in its tenant's queue, at its original place (seq), with a new
--- deadline of its own max wait (a client's shorter X-QoS-Max-Wait-Ms stays shorter).
-local function requeue(p, r, now)
-  redis.call('ZREM', K_LEASES, r.id)
-  if redis.call('HINCRBY', K_INFLIGHT, r.class, -1) <= 0 then redis.call('HDEL', K_INFLIGHT, r.class) end
-  r.deadline_ms = now + r.max_wait_ms
-  r.state = 'queued'
-  redis.call('HSET', P_REQUEST .. r.id, 'state', 'queued', 'worker', '', 'deadline_ms', r.deadline_ms)
-  enqueue(p, r)
-  keep_alive(p, r.id, r.deadline_ms, now)
-  redis.call('HINCRBY', K_STATS, r.class .. '.requeued', 1)
-  wake_workers()
-end
+--!include finish.lua
+--!include expire.lua
+--!include cancel.lua
+--!include requeue.lua
 
 -- Queued requests past their max wait: removed, refunded in full, their client told.
 local function expire_overdue(p, now, limit)
@@ -39,7 +16,7 @@ local function expire_overdue(p, now, limit)
   for _, id in ipairs(ids) do
     local r = load_request(id)
     if r and r.state == 'queued' then
-      expire_queued(p, r, now)
+      expire_queued(p, r, now, true)
       expired = expired + 1
     else
       redis.call('ZREM', K_DEADLINES, id)
@@ -63,9 +40,8 @@ local function reap_leases(p, now, limit)
       cancelled = cancelled + 1
     elseif r.attempts >= p.max_attempts then
       local why = 'worker lease expired on all ' .. r.attempts .. ' attempts'
-      finalize(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now)
-      notify(r, {'k', 'err', 'code', 'failed', 'msg', why})
-      add_sample(p, r, 'failed', now)
+      finish_by_redis(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now,
+        {code = 'failed', msg = why})
       failed = failed + 1
     else
       requeue(p, r, now)

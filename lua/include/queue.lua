@@ -3,48 +3,18 @@
 --
 --   queue:<class>:<tenant>  ZSET id -> seq           the tenant's requests, oldest first
 --   backlog:<class>         ZSET tenant -> score     tenants with a queued request
---   vtime:<class>           HASH tenant -> counter   a tenant's counter while it is idle;
---                                 field ':last' = the counter of the last tenant to go idle
 --   queued                  HASH <class> -> count, <class>.cost -> reserved cost queued,
 --                                 <class>:<tenant> -> that tenant's reserved cost queued
 --
--- A fair class (the default) orders its tenants by virtual token counter (VTC, Sheng et
--- al., OSDI'24): the score is the counter, in weighted tokens divided by the tenant's
--- weight. A claim takes the backlogged tenant with the smallest counter and adds the
--- request's reserved cost to it; the request's end gives back what it did not use. A
--- tenant that becomes backlogged is lifted to the smallest backlogged counter (or ':last'
--- when none), so idle time banks no credit, and a refund never takes a counter below that
--- floor. Together these keep the counters of backlogged tenants within one request's cost
--- of each other (tests/test_scheduler_model.py checks it after every step).
--- A class with fair = 0 serves in arrival order whoever sent the request: the score is
--- the seq of the tenant's oldest queued request.
+-- A fair class (the default) scores its backlogged tenants by virtual token counter
+-- (include/vtc.lua). A class with fair = 0 serves in arrival order whoever sent the
+-- request: the score is the seq of the tenant's oldest queued request.
 --!include pool_keys.lua
 --!include validate.lua
+--!include vtc.lua
 
 local function tenant_queue(cls, tenant)
   return P_QUEUE .. cls .. ':' .. tenant
-end
-
--- The class's virtual time: the smallest backlogged counter, else the last one to go idle.
-local function vtime_floor(cls)
-  local head = redis.call('ZRANGE', P_BACKLOG .. cls, 0, 0, 'WITHSCORES')
-  if head[2] then return tonumber(head[2]) end
-  return tonumber(redis.call('HGET', P_VTIME .. cls, ':last') or '0')
-end
-
--- A tenant's counter, and whether it is backlogged.
-local function vtc_get(cls, tenant)
-  local s = redis.call('ZSCORE', P_BACKLOG .. cls, tenant)
-  if s then return tonumber(s), true end
-  return tonumber(redis.call('HGET', P_VTIME .. cls, tenant) or '0'), false
-end
-
-local function vtc_set(cls, tenant, value, backlogged)
-  if backlogged then
-    redis.call('ZADD', P_BACKLOG .. cls, value, tenant)
-  else
-    redis.call('HSET', P_VTIME .. cls, tenant, fmt(value))
-  end
 end
 
 -- Put a request in its tenant's queue (at its original place: seq orders the queue).
@@ -56,7 +26,7 @@ local function enqueue(p, r)
   if p.class[cls].fair then
     if not score then
       local own = tonumber(redis.call('HGET', P_VTIME .. cls, tenant) or '0')
-      redis.call('ZADD', backlog, math.max(own, vtime_floor(cls)), tenant)
+      redis.call('ZADD', backlog, math.max(own, virtual_time(cls)), tenant)
     end
   elseif not score or r.seq < tonumber(score) then
     redis.call('ZADD', backlog, r.seq, tenant)  -- arrival order: the tenant's oldest request
@@ -94,22 +64,6 @@ local function dequeue(p, r)
   else
     redis.call('HINCRBYFLOAT', K_QUEUED, cls .. '.cost', fmt(-(r.cost or 0)))
   end
-end
-
--- Charge a tenant's counter; returns the amount charged.
-local function vtc_charge(cls, tenant, amount)
-  local v, backlogged = vtc_get(cls, tenant)
-  vtc_set(cls, tenant, v + amount, backlogged)
-  return amount
-end
-
--- Give back up to `amount`, never below the class's virtual time; returns what was given.
-local function vtc_refund(cls, tenant, amount)
-  if amount <= 0 then return 0 end
-  local v, backlogged = vtc_get(cls, tenant)
-  local new = math.max(v - amount, math.min(v, vtime_floor(cls)))
-  vtc_set(cls, tenant, new, backlogged)
-  return v - new
 end
 
 -- Queued counts and costs per class: {n = {cls = count}, cost = {cls = cost}}.

@@ -1,4 +1,5 @@
--- Request records: HASH req:<id>, and the STRING gen:<id> of its generated token ids.
+-- Request records: HASH req:<id>, and the STRING gen:<id> of its generated token ids: how
+-- they are read, how long they live, what a request's usage costs.
 --!include pool_keys.lua
 
 local REQ_FIELDS = {'id', 'tenant', 'class', 'state', 'frontend', 'attempts', 'fence', 'worker',
@@ -30,12 +31,6 @@ local function load_request(id)
   r.t_weight = r.t_weight or 1
   r.c_tenant, r.c_class, r.c_ceil, r.c_vtc = r.c_tenant or 0, r.c_class or 0, r.c_ceil or 0, r.c_vtc or 0
   return r
-end
-
--- Is `fence` the token of the lease this worker holds on `r`? Every write of a worker is
--- fenced by it: a worker whose lease was taken over (or handed back) cannot write.
-local function holds_lease(r, worker_id, fence)
-  return r ~= nil and r.state == 'leased' and r.worker == worker_id and r.fence == fence
 end
 
 -- An unfinished request's record (and token string) lives until `until_ms`, the latest time

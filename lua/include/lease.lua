@@ -1,0 +1,36 @@
+-- Leases: a worker's hold on a request. The lease's end is in the K_LEASES index and the
+-- record (lease_ms); its fence token fences every write of the worker; a flag tells the
+-- worker to stop between steps.
+--!include pool_keys.lua
+--!include record.lua
+
+-- What a fenced call of a worker answers when that worker no longer holds the lease.
+local LEASE_LOST = {'lost', 'request is not leased to this worker with this fence'}
+
+-- The request `id` when it is leased to this worker with this fence token, else nil: a
+-- worker whose lease was taken over (or handed back) cannot write.
+local function leased_request(id, worker_id, fence)
+  local r = load_request(id)
+  if r ~= nil and r.state == 'leased' and r.worker == worker_id and r.fence == fence then return r end
+  return nil
+end
+
+-- Extend a lease to `until_ms`; the record lives at least that long.
+local function extend_lease(p, id, until_ms, now)
+  redis.call('ZADD', K_LEASES, until_ms, id)
+  redis.call('HSET', P_REQUEST .. id, 'lease_ms', until_ms)
+  keep_alive(p, id, until_ms, now)
+end
+
+-- The request leaves the lease index and its class's in-flight count.
+local function drop_lease(r)
+  redis.call('ZREM', K_LEASES, r.id)
+  if redis.call('HINCRBY', K_INFLIGHT, r.class, -1) <= 0 then redis.call('HDEL', K_INFLIGHT, r.class) end
+end
+
+-- Ask the worker holding the lease to stop the request (its client is gone): renew_leases
+-- reports it in its stop list, push_tokens answers cancel = 1.
+local function flag_cancel(id)
+  redis.call('HSET', P_REQUEST .. id, 'cancel', 1)
+  redis.call('SADD', K_CANCELS, id)
+end
