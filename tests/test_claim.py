@@ -143,6 +143,34 @@ async def test_tenants_of_a_class_share_by_virtual_token_counter(scripts, pool):
     assert order.count("late") == 4 and order.count("flood") == 2  # weight 2: twice the share
 
 
+async def _backlog_counters(scripts, pool, cls: str) -> dict[str, float]:
+    """Each backlogged tenant's virtual token counter in ``cls``."""
+    pairs = await scripts.client.zrange(pool.backlog(cls), 0, -1, withscores=True)
+    return {tenant.decode(): score for tenant, score in pairs}
+
+
+async def test_a_refund_never_takes_a_tenant_below_the_classs_virtual_time(scripts, pool):
+    """An early finish gives back the unused reservation to the tenant's counter, but never
+    below the class's virtual time (the smallest backlogged counter): otherwise a tenant could
+    bank credit by reserving much and using little, and the virtual time would go back."""
+    for t in ("x", "y"):
+        for i in range(3):
+            await admit(scripts, pool, cls="P1", tenant=t, request_id=f"{t}{i}", input_tokens=10,
+                        max_tokens=90)
+    got = await scripts.claim(pool, "w1", 3)  # one tenant twice, the other once; both stay backlogged
+    counters = await _backlog_counters(scripts, pool, "P1")
+    ahead, behind = sorted(counters, key=counters.__getitem__, reverse=True)
+    assert counters[ahead] == 2 * counters[behind]
+    virtual_time = counters[behind]
+    for tenant in (behind, ahead):
+        c = next(c for c in got.requests if c.tenant == tenant)
+        await scripts.complete(pool, request_id=c.request_id, worker_id="w1", fence=c.fence, outcome="ok",
+                               usage_in=10, token_ids=[1])  # 1 of 90 output tokens: most is given back
+    after = await _backlog_counters(scripts, pool, "P1")
+    assert after[behind] == virtual_time  # already at the virtual time: nothing to give back
+    assert virtual_time <= after[ahead] < counters[ahead]  # given back, down to the virtual time at most
+
+
 async def test_a_class_without_fairness_serves_its_tenants_in_arrival_order(scripts, sync_redis):
     keys = await init_pool(scripts, class_cfg(P1={"fair": False}))
     for i in range(4):
