@@ -9,6 +9,7 @@ function the frontend charges with (limiter.prompt.count_tokens), as the real wo
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,8 +130,14 @@ class FakeWorker:
         except LeaseLost:
             self.served.append(Served(c.request_id, "lost", usage_in, pos, text[:pos], c.cls))
 
-    def by_id(self, request_id: str) -> Served:
-        for s in self.served:
-            if s.request_id == request_id:
-                return s
-        raise KeyError(request_id)
+    async def by_id(self, request_id: str, timeout: float = 10.0) -> Served:
+        """What this worker did with ``request_id``. Waits for it: the worker records a request
+        after its ``complete`` returned, and the frontend can answer the client before that."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for s in self.served:
+                if s.request_id == request_id:
+                    return s
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the fake worker did not record {request_id} within {timeout} s")
+            await asyncio.sleep(0.01)

@@ -183,7 +183,7 @@ async def test_disconnect_mid_stream_stops_the_worker_and_reconciles(client, are
         rid = resp.headers["X-QoS-Request-Id"]
         resp.close()  # drop the connection mid-stream
         await _wait_for(lambda: any(s.request_id == rid for s in w.served), timeout=5)
-        served = w.by_id(rid)
+        served = await w.by_id(rid)
     assert served.outcome == "cancelled"
     assert 1 <= served.usage_out < 100  # the worker stopped long before 200 tokens
     state, refund = sync_redis.hmget(POOL.request(rid), ["state", "refund"])

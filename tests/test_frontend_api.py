@@ -65,7 +65,7 @@ async def test_chat_non_stream(client, fake_worker):
     assert r.status == 200, await r.text()
     out = await r.json()
     prompt = render_chat([("system", "sys"), ("user", "hello")])
-    served = fake_worker.by_id(r.headers["X-QoS-Request-Id"])
+    served = await fake_worker.by_id(r.headers["X-QoS-Request-Id"])
     assert out["object"] == "chat.completion" and out["model"] == "tiny"
     assert out["choices"][0]["message"] == {"role": "assistant", "content": prompt[::-1][:8]}
     assert out["choices"][0]["finish_reason"] == "length"
@@ -88,7 +88,7 @@ async def test_completion_stream_sse_framing_and_usage(client, fake_worker):
     assert text == "hello stream"[::-1]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
     assert chunks[-1]["choices"] == []
-    served = fake_worker.by_id(r.headers["X-QoS-Request-Id"])
+    served = await fake_worker.by_id(r.headers["X-QoS-Request-Id"])
     assert chunks[-1]["usage"] == {"prompt_tokens": served.usage_in, "completion_tokens": served.usage_out,
                                    "total_tokens": served.usage_in + served.usage_out}
     assert all(c["usage"] is None for c in chunks[:-1])
@@ -136,7 +136,7 @@ async def test_class_ceiling(client, fake_worker, sync_redis):
     assert (await r.json())["error"]["code"] == "class_not_allowed"
     r = await client.post("/v1/completions", json=body, headers=auth("demo-p0", **{"X-QoS-Class": "P2"}))
     assert r.status == 200
-    assert fake_worker.by_id(r.headers["X-QoS-Request-Id"]).cls == "P2"
+    assert (await fake_worker.by_id(r.headers["X-QoS-Request-Id"])).cls == "P2"
     assert sync_redis.hget(POOL.stats, "P2.admitted") == b"1"
     r = await client.post("/v1/completions", json=body, headers=auth("demo-p0", **{"X-QoS-Class": "P7"}))
     assert r.status == 400 and (await r.json())["error"]["param"] == "X-QoS-Class"

@@ -183,8 +183,8 @@ async def test_sigterm_drains_then_cancels(two_frontends, redis_client):
         end = time.monotonic() + 5
         while not any(x.request_id == rid_b for x in w.served) and time.monotonic() < end:
             await asyncio.sleep(0.02)
-        assert w.by_id(rid_b).outcome == "cancelled"
-        assert w.by_id(rid_b).usage_out < 60
+        assert (await w.by_id(rid_b)).outcome == "cancelled"
+        assert (await w.by_id(rid_b)).usage_out < 60
     for proc in (proc_a, proc_b):
         assert proc.wait(timeout=10) == 0
     assert time.monotonic() - t0 < 8
