@@ -24,7 +24,7 @@ from limiter.bench.modes import FIFO_CLASS, MODES, mode_spec, to_toml
 from limiter.bench.report import class_stats, markdown, targets, window_tokens
 from limiter.bench.runner import BenchParams, redraw, run_bench, speedup_for
 from limiter.config import DEFAULT_CLASSES
-from limiter.loadgen import Result
+from limiter.localstack.loadgen import Result
 
 CLASS_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "max_gap_ms", "slo_attainment",
                 "completed", "rejected_429", "rejected_503", "max_queue_wait_ms", "served_tokens")

@@ -23,7 +23,7 @@ import aiohttp
 
 from limiter.bench.modes import api_key, tenant_name
 from limiter.bench.stack import Probe
-from limiter.loadgen import Result, make_prompt, stream_completion
+from limiter.localstack.loadgen import Result, make_prompt, stream_completion
 
 
 @dataclass(frozen=True)

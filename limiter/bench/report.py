@@ -46,7 +46,7 @@ from rich.table import Table
 
 from limiter.bench.driver import Record
 from limiter.config import ClassConfig
-from limiter.loadgen import percentile
+from limiter.localstack.loadgen import percentile
 
 
 def _r(v: float | None, nd: int = 1) -> float | None:

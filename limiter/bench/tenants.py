@@ -48,7 +48,7 @@ from limiter.bench.runner import CONTEXT_TOKENS, speedup_for, tempfile_dir
 from limiter.bench.stack import StackSpec, start_stack
 from limiter.bench.stackcal import calibrate
 from limiter.config import TenantConfig, hash_key, validate
-from limiter.loadgen import percentile
+from limiter.localstack.loadgen import percentile
 
 TENANTS = ("steady", "heavy", "medium")
 BACKLOGGED = ("heavy", "medium")

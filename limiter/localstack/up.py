@@ -39,11 +39,11 @@ from redis.exceptions import RedisError
 
 from limiter import config as config_mod
 from limiter import lifecycle
-from limiter.bench.redis_proc import RedisServer
 from limiter.cli import common_args, load_config
-from limiter.embedded_redis import EmbeddedRedis
 from limiter.errors import ConfigError
 from limiter.extras import require
+from limiter.localstack.embedded_redis import EmbeddedRedis
+from limiter.localstack.redis_server import RedisServer
 
 # --restart: back-off before the n-th restart in a row of a worker that died young.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
@@ -466,7 +466,7 @@ def run(args: argparse.Namespace) -> int:
             return signals["count"] > 0 or verdict["rc"] is not None
 
         if args.demo_load:
-            from limiter.demo_load import run_demo_load
+            from limiter.localstack.demo_load import run_demo_load
 
             asyncio.run(run_demo_load(stack.base_url, cfg, args.engine, args.demo_duration, should_stop))
         else:

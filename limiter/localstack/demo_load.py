@@ -17,7 +17,14 @@ from rich.live import Live
 from rich.table import Table
 
 from limiter.config import QosConfig
-from limiter.loadgen import ClassLoad, Result, make_prompt, percentile, poisson_schedule, stream_completion
+from limiter.localstack.loadgen import (
+    ClassLoad,
+    Result,
+    make_prompt,
+    percentile,
+    poisson_schedule,
+    stream_completion,
+)
 
 
 def demo_loads(engine: str) -> list[ClassLoad]:
