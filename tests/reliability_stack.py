@@ -41,6 +41,7 @@ import msgpack
 
 from limiter.config import hash_key
 from limiter.keys import PoolKeys
+from limiter.localstack.toml_writer import toml_dumps
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,42 +57,6 @@ WORKER_MAX_SEQS = int(os.environ.get("QOS_REL_MAX_SEQS", "6"))
 
 
 # --- config -----------------------------------------------------------------------------------
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-def toml_dumps(data: dict[str, Any]) -> str:
-    """Enough TOML for a qos config: scalars, lists, tables, arrays of tables, one nesting level."""
-    lines: list[str] = []
-
-    def table(prefix: str, body: dict[str, Any]) -> None:
-        subs = {k: v for k, v in body.items() if isinstance(v, dict)}
-        for k, v in body.items():
-            if not isinstance(v, dict):
-                lines.append(f"{k} = {_toml_value(v)}")
-        for k, v in subs.items():
-            lines.append(f"[{prefix}.{k}]")
-            table(f"{prefix}.{k}", v)
-
-    for name, value in data.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            for item in value:
-                lines.append(f"\n[[{name}]]")
-                table(name, item)
-        elif isinstance(value, dict):
-            lines.append(f"\n[{name}]")
-            table(name, value)
-    return "\n".join(lines) + "\n"
 
 
 def base_config(
