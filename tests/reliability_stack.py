@@ -41,6 +41,7 @@ import msgpack
 
 from limiter.config import hash_key
 from limiter.keys import PoolKeys
+from limiter.localstack.sse import sse_chunks
 from limiter.localstack.toml_writer import toml_dumps
 from tests.redis_server import free_port
 
@@ -458,15 +459,10 @@ async def call(
 
 async def _read_stream(r: aiohttp.ClientResponse, out: Outcome) -> None:
     done = False
-    async for raw in r.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
+    async for chunk in sse_chunks(r.content):
+        if chunk is None:
             done = True
             break
-        chunk = json.loads(data)
         if chunk.get("error"):
             out.kind = "stream_error"
             out.code = chunk["error"].get("code") or "stream_error"

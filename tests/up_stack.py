@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from limiter.config import hash_key
+from limiter.localstack.sse import sse_data
 from tests.qos_up import QOS
 
 CONFIG = """
@@ -198,10 +199,8 @@ def stream(port: int, max_tokens: int, on_first: Callable[[], None] | None = Non
     with post(port, body, timeout_s) as r:
         assert r.status == 200
         for raw in r:
-            line = raw.decode().rstrip("\n")
-            text.append(line)
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
+            text.append(raw.decode().rstrip("\n"))
+            if isinstance(chunk := sse_data(raw), dict):
                 if on_first is not None:
                     on_first()
                     on_first = None
