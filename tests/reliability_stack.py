@@ -49,12 +49,6 @@ ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDER = b"simulated output "  # worker/engines/sim.py: token = PLACEHOLDER[position % 17]
 TERMINAL = ("done", "failed", "expired", "cancelled")
 KEY_P0, KEY_P1, KEY_P2 = "rel-key-p0", "rel-key-p1", "rel-key-p2"
-# Workaround, see test_worker_full_batch_finishing_at_once: worker/runtime.py opens its Redis
-# client with a non-blocking pool of 8 connections and a step's pushes/completions go out
-# concurrently, so a batch of more than ~7 requests all due at once fails with "Too many
-# connections" on every retry and wedges the worker. Until that is fixed the stacks here run
-# workers with small batches; set QOS_REL_MAX_SEQS=32 to run them at the default.
-WORKER_MAX_SEQS = int(os.environ.get("QOS_REL_MAX_SEQS", "6"))
 
 
 # --- config -----------------------------------------------------------------------------------
@@ -249,17 +243,12 @@ class LiveStack:
         self.procs[proc.name] = proc.start(self.env)
         return proc
 
+    def _role(self, name: str, role: str, *args: str, port: int = 0) -> Proc:
+        return self._add(Proc(name, role, self._cmd(role, *args), self.tmp / f"{name}.log", port=port))
+
     def frontend(self, name: str) -> Proc:
         port = free_port()
-        return self._add(
-            Proc(
-                name,
-                "frontend",
-                self._cmd("frontend", "--port", str(port)),
-                self.tmp / f"{name}.log",
-                port=port,
-            )
-        )
+        return self._role(name, "frontend", "--port", str(port), port=port)
 
     def worker(
         self,
@@ -267,45 +256,18 @@ class LiveStack:
         *,
         pool: str | None = None,
         time_scale: float = 1.0,
-        max_seqs: int = WORKER_MAX_SEQS,
+        max_seqs: int | None = None,  # None: the worker's default
         extra: Iterable[str] = (),
     ) -> Proc:
         pool = pool or self.config["pools"][0]["name"]
-        return self._add(
-            Proc(
-                name,
-                "worker",
-                self._cmd(
-                    "worker",
-                    "--engine",
-                    "sim",
-                    "--worker-id",
-                    name,
-                    "--pool",
-                    pool,
-                    "--time-scale",
-                    str(time_scale),
-                    "--max-seqs",
-                    str(max_seqs),
-                    *extra,
-                ),
-                self.tmp / f"{name}.log",
-            )
-        )
+        batch = ["--max-seqs", str(max_seqs)] if max_seqs is not None else []
+        return self._role(name, "worker", "--engine", "sim", "--worker-id", name, "--pool", pool,
+                          "--time-scale", str(time_scale), *batch, *extra)
 
     def controller(self, name: str) -> Proc:
         port = free_port()
-        return self._add(
-            Proc(
-                name,
-                "controller",
-                self._cmd(
-                    "controller", "--id", name, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"
-                ),
-                self.tmp / f"{name}.log",
-                port=port,
-            )
-        )
+        return self._role(name, "controller", "--id", name, "--metrics-port", str(port),
+                          "--metrics-host", "127.0.0.1", port=port)
 
     def of(self, role: str) -> list[Proc]:
         return [p for p in self.procs.values() if p.role == role]
