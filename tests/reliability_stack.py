@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
@@ -41,6 +39,7 @@ import msgpack
 
 from limiter.config import hash_key
 from limiter.keys import PoolKeys
+from limiter.localstack.launcher import answers_ok, module_argv, spawn, stop_process
 from limiter.localstack.sse import sse_chunks
 from limiter.localstack.toml_writer import toml_dumps
 from tests.redis_server import free_port
@@ -135,12 +134,6 @@ def base_config(
 # --- processes --------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the test process dies, even if pytest itself is killed."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Proc:
     """One role process; its output goes to ``log`` (kept for a failing test's report)."""
@@ -154,15 +147,8 @@ class Proc:
     started: float = 0.0
 
     def start(self, env: dict[str, str]) -> Proc:
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(
-                self.argv,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                preexec_fn=_die_with_parent,
-            )
+        # SIGKILL when the test process dies, even if pytest itself is killed
+        self.popen = spawn(self.argv, env, log=self.log, death_signal=signal.SIGKILL, cwd=ROOT)
         self.started = time.monotonic()
         return self
 
@@ -188,13 +174,7 @@ class Proc:
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.popen is None:
             return None
-        self.signal(signal.SIGTERM)
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(5)
-            return None
+        return stop_process(self.popen, signal.SIGTERM, timeout)
 
     def rss_kb(self) -> int:
         """Resident set size now (0 once the process is gone)."""
@@ -226,17 +206,7 @@ class LiveStack:
 
     def _cmd(self, role: str, *args: str) -> list[str]:
         level = os.environ.get("QOS_REL_LOG_LEVEL", "WARNING")  # INFO to debug a failing run
-        return [
-            sys.executable,
-            "-m",
-            "limiter.cli",
-            role,
-            "--config",
-            str(self.path),
-            "--log-level",
-            level,
-            *args,
-        ]
+        return module_argv(role, self.path, "--log-level", level, *args)
 
     def _add(self, proc: Proc) -> Proc:
         assert proc.name not in self.procs, proc.name
@@ -298,13 +268,7 @@ class LiveStack:
                 for fe in self.of("frontend"):
                     if not fe.alive():
                         continue
-                    try:
-                        async with s.get(
-                            f"http://127.0.0.1:{fe.port}/readyz", timeout=aiohttp.ClientTimeout(total=2)
-                        ) as r:
-                            ok = ok and r.status == 200
-                    except (aiohttp.ClientError, TimeoutError):
-                        ok = False
+                    ok = ok and not await answers_ok(s, f"http://127.0.0.1:{fe.port}/readyz")
                 if ok:
                     seen: set[str] = set()
                     for k in pools:

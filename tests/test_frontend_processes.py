@@ -5,12 +5,9 @@ refuses to publish the demo keys."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +21,7 @@ from limiter import cli
 from limiter.config import demo_config, hash_key, load
 from limiter.errors import ConfigError
 from limiter.frontend.settings import load_settings
+from limiter.localstack import launcher
 from tests.fake_worker import FakeWorker
 from tests.frontend_helpers import POOL
 from tests.redis_server import RedisServer, free_port
@@ -81,16 +79,10 @@ def _config(url: str, shared: str, solo: str, user: str) -> str:
 
 def _start(config: Path, port: int) -> Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
-    return subprocess.Popen([sys.executable, "-m", "limiter.cli", "frontend", "--config", str(config),
-                             "--port", str(port), "--log-level", "WARNING"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the test process dies, even if pytest is killed (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # SIGKILL when the test process dies, even if pytest is killed (Linux)
+    argv = launcher.module_argv("frontend", config, "--port", str(port), "--log-level", "WARNING")
+    return launcher.spawn(argv, env, death_signal=signal.SIGKILL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
 
 
 async def _ready(port: int, proc: Popen[bytes], timeout: float = 20.0) -> None:
@@ -98,10 +90,8 @@ async def _ready(port: int, proc: Popen[bytes], timeout: float = 20.0) -> None:
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < end:
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            with contextlib.suppress(aiohttp.ClientError):
-                async with s.get(f"http://127.0.0.1:{port}/readyz") as r:
-                    if r.status == 200:
-                        return
+            if not await launcher.answers_ok(s, f"http://127.0.0.1:{port}/readyz", 5.0):
+                return
             await asyncio.sleep(0.05)
     raise AssertionError(f"frontend on {port} never became ready")
 

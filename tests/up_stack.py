@@ -10,13 +10,13 @@ import re
 import signal
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from limiter.config import hash_key
+from limiter.localstack.launcher import wait_for
 from limiter.localstack.sse import sse_data
 from tests.qos_up import QOS
 
@@ -63,18 +63,6 @@ def write_config(path: Path, *, lease_ms: int = 2000, grace_s: float = 10.0, tim
     path.write_text(CONFIG.format(lease_ms=lease_ms, key=hash_key(KEY), grace_s=grace_s,
                                   time_scale=time_scale, drain_s=drain_s))
     return path
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll ``pred`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
 
 
 def alive(pid: int) -> bool:

@@ -10,7 +10,6 @@ import itertools
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,6 +21,8 @@ import msgpack
 from limiter.config import QosConfig
 from limiter.config import load as load_config
 from limiter.keys import PoolKeys
+from limiter.localstack import launcher
+from limiter.localstack.launcher import module_argv, spawn
 from limiter.prompt import Payload, count_tokens
 from limiter.scripts import Scripts, policy_document, unpack_token_ids
 from worker.engines.base import Engine
@@ -192,19 +193,13 @@ def spawn_worker(config_path: Path, *args: str, log: Path | None = None) -> subp
     """``python -m limiter.cli worker --config ...`` as a real OS process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("QOS_REDIS_URL", None)
-    cmd = [sys.executable, "-m", "limiter.cli", "worker", "--config", str(config_path), *args]
-    if log is None:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
-    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT} if log is None else {}
+    return spawn(module_argv("worker", config_path, *args), env, log=log, append=False, cwd=ROOT, **quiet)
 
 
 def stop_process(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-    if p.poll() is None:
-        p.send_signal(sig)
-    try:
-        return p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        raise
+    """Its exit status; raises (after killing it) when it did not exit within ``timeout``."""
+    rc = launcher.stop_process(p, sig, timeout)
+    if rc is None:
+        raise subprocess.TimeoutExpired(p.args, timeout)
+    return rc
