@@ -23,8 +23,10 @@ from limiter.config import load as load_config
 from limiter.keys import PoolKeys
 from limiter.localstack import launcher
 from limiter.localstack.launcher import module_argv, spawn
+from limiter.localstack.toml_writer import write_toml
 from limiter.prompt import Payload, count_tokens
 from limiter.scripts import Scripts, policy_document, unpack_token_ids
+from tests.helpers import three_classes
 from worker.engines.base import Engine
 from worker.main import build_worker, run_worker
 from worker.runtime import WorkerRuntime
@@ -34,43 +36,16 @@ ROOT = Path(__file__).resolve().parent.parent
 FE = "fe1"
 _ids = itertools.count(1)
 
-CONFIG = """
-[redis]
-url = "{url}"
-
-[[classes]]
-name = "P0"
-share = 0.6
-max_wait_ms = 60000
-
-[[classes]]
-name = "P1"
-share = 0.35
-max_wait_ms = 60000
-
-[[classes]]
-name = "P2"
-share = 0.05
-max_wait_ms = 60000
-
-[[pools]]
-name = "tiny"
-lease_ms = {lease_ms}
-max_attempts = 5
-capacity_tokens_s = 1e9
-
-[worker]
-{worker}
-"""
-
 
 def write_config(path: Path, redis_url: str, *, lease_ms: int = 10000, worker: dict[str, Any] | None = None
                  ) -> Path:
-    lines = []
-    for k, v in (worker or {}).items():
-        lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}".replace("'", '"'))
-    path.write_text(CONFIG.format(url=redis_url, lease_ms=lease_ms, worker="\n".join(lines)))
-    return path
+    """Pool "tiny" (no rate limit) and classes that wait up to a minute; ``worker``: [worker] settings."""
+    return write_toml({
+        "redis": {"url": redis_url},
+        "classes": three_classes(**{c: {"max_wait_ms": 60000} for c in ("P0", "P1", "P2")}),
+        "pools": [{"name": "tiny", "lease_ms": lease_ms, "max_attempts": 5, "capacity_tokens_s": 1e9}],
+        "worker": dict(worker or {}),
+    }, path)
 
 
 @dataclass
