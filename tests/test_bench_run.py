@@ -57,7 +57,7 @@ def test_class_rule_is_seeded_and_matches_its_documentation() -> None:
             assert arr.prompt_tokens + arr.max_tokens <= 32768
         else:
             assert (arr.prompt_tokens, arr.max_tokens) == (row.context_tokens, row.generated_tokens)
-    assert max(x.prompt_tokens for x in a if x.cls == "P2") > 30000  # the seed's 32K prompts
+    assert max(x.prompt_tokens for x in a if x.cls == "P2") > 30000  # the original problem's 32K prompts
 
 
 def test_bad_trace_row_names_its_line(tmp_path: Path) -> None:

@@ -1,13 +1,13 @@
 """The three ways the benchmark runs the same load: each mode is a config plus worker flags.
 
-* ``fifo`` -- no QoS, the seed's "before": **one class** that every tenant maps to, served
+* ``fifo`` -- no QoS, the original problem's "before": **one class** that every tenant maps to, served
   in arrival order whoever sent the request (``fair = false``), a capacity so large that no
   wait estimate ever refuses, no floors, no controller, and workers that prefill whole
   prompts (``--no-chunked-prefill``), so a 32K prompt stalls the batch.
 * ``priority`` -- strict priority only: the three classes (P0 > P1 > P2, each with its own
   max queue wait), arrival order inside a class, chunked prefill, but unbounded capacity
   (nothing refused for its wait), no floors and no controller.
-* ``qos`` -- everything on: class guarantees at the seed's 60/35/5 shares of the measured
+* ``qos`` -- everything on: class guarantees at the original problem's 60/35/5 shares of the measured
   capacity (2 s bursts, ``QOS_BURST_S``) enforced when workers claim, spare capacity by
   priority, tenants of a class by virtual token counters, starvation floors, admission
   refusing only what cannot start within its max wait, chunked prefill and the controller.
