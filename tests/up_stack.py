@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from limiter.config import hash_key
-from limiter.localstack.launcher import wait_for
+from limiter.localstack.launcher import spawn, wait_for
 from limiter.localstack.sse import sse_data
 from tests.qos_up import QOS
 
@@ -98,9 +98,8 @@ class Up:
         self.port = port
         full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("QOS_")},
                     "QOS_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen([QOS, "up", "--port", str(port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=full_env,
-                                     start_new_session=True)
+        self.proc = spawn([QOS, "up", "--port", str(port), *args], full_env, new_session=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()

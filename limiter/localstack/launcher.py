@@ -182,7 +182,7 @@ def qos_argv() -> list[str]:
 
 def spawn(argv: Sequence[str], env: dict[str, str], *, log: Path | None = None, append: bool = True,
           new_session: bool = False, death_signal: int | None = None, **popen: Any
-          ) -> subprocess.Popen[bytes]:
+          ) -> subprocess.Popen[Any]:
     """Start ``argv``. ``log``: stdout and stderr go to that file (appended to, unless not
     ``append``; without ``log`` and ``stdout``/``stderr`` in ``popen`` they are inherited).
     ``new_session``: the terminal's Ctrl-C does not reach it. ``death_signal``: it gets that
