@@ -18,51 +18,24 @@ from typing import Any
 from limiter.config import hash_key
 from limiter.localstack.launcher import spawn, wait_for
 from limiter.localstack.sse import sse_data
+from limiter.localstack.toml_writer import write_toml
+from tests.helpers import three_classes
 from tests.qos_up import QOS
 
-CONFIG = """
-[redis]
-url = "redis://127.0.0.1:1/0"
-
-[[classes]]
-name = "P0"
-share = 0.6
-
-[[classes]]
-name = "P1"
-share = 0.35
-
-[[classes]]
-name = "P2"
-share = 0.05
-
-[[pools]]
-name = "tiny"
-context_tokens = 4096
-lease_ms = {lease_ms}
-
-[[tenants]]
-name = "user"
-key_sha256 = ["{key}"]
-max_inflight = 64
-
-[frontend]
-shutdown_grace_s = {grace_s}
-heartbeat_s = 0.5
-
-[worker]
-time_scale = {time_scale}
-drain_timeout_s = {drain_s}
-heartbeat_s = 0.5
-"""
 KEY = "key-user"
 
 
 def write_config(path: Path, *, lease_ms: int = 2000, grace_s: float = 10.0, time_scale: float = 1.0,
                  drain_s: float = 10.0) -> Path:
-    path.write_text(CONFIG.format(lease_ms=lease_ms, key=hash_key(KEY), grace_s=grace_s,
-                                  time_scale=time_scale, drain_s=drain_s))
-    return path
+    """One tenant (``KEY``), pool "tiny"; the Redis URL is a placeholder (`qos up` sets its own)."""
+    return write_toml({
+        "redis": {"url": "redis://127.0.0.1:1/0"},
+        "classes": three_classes(),
+        "pools": [{"name": "tiny", "context_tokens": 4096, "lease_ms": lease_ms}],
+        "tenants": [{"name": "user", "key_sha256": [hash_key(KEY)], "max_inflight": 64}],
+        "frontend": {"shutdown_grace_s": grace_s, "heartbeat_s": 0.5},
+        "worker": {"time_scale": time_scale, "drain_timeout_s": drain_s, "heartbeat_s": 0.5},
+    }, path)
 
 
 def alive(pid: int) -> bool:
