@@ -17,7 +17,7 @@ from limiter.errors import ConfigError, QosError
 
 # Subcommand modules, in help order. Each defines add_parser(subparsers).
 SUBCOMMANDS = (
-    "limiter.up",
+    "limiter.localstack.up",
     "limiter.config_cli",
     "limiter.ops_cli",
     "limiter.bench.cli",

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from limiter.localstack.launcher import answers_ok, spawn, stop_process  # noqa: E402
 from tests.redis_server import RedisServer, free_port  # noqa: E402
 
 WORKER = """
@@ -43,9 +43,9 @@ async def bench(n: int) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
     env["QOS_REDIS_URL"] = server.url
     procs = [
-        subprocess.Popen([sys.executable, "-m", "limiter.cli", "frontend", "--port", str(port),
-                          "--log-level", "ERROR"], env=env, cwd=ROOT),
-        subprocess.Popen([sys.executable, "-c", WORKER, server.url, str(ROOT)], env=env, cwd=ROOT),
+        spawn([sys.executable, "-m", "limiter.cli", "frontend", "--port", str(port), "--log-level", "ERROR"],
+              env, cwd=ROOT),
+        spawn([sys.executable, "-c", WORKER, server.url, str(ROOT)], env, cwd=ROOT),
     ]
     url = f"http://127.0.0.1:{port}"
     headers = {"Authorization": "Bearer demo-p0"}
@@ -53,12 +53,8 @@ async def bench(n: int) -> None:
     try:
         async with aiohttp.ClientSession() as s:
             for _ in range(400):
-                try:
-                    async with s.get(url + "/readyz") as r:
-                        if r.status == 200:
-                            break
-                except aiohttp.ClientError:
-                    pass
+                if not await answers_ok(s, url + "/readyz"):
+                    break
                 await asyncio.sleep(0.05)
 
             async def one(stream: bool = False) -> float:
@@ -82,8 +78,7 @@ async def bench(n: int) -> None:
             print(f"concurrent: {many / (time.perf_counter() - t0):.0f} requests/s ({many} at once)")
     finally:
         for p in procs:
-            p.terminate()
-            p.wait()
+            stop_process(p)
         server.stop()
 
 

@@ -14,6 +14,12 @@ _ids = itertools.count(1)
 ALIVE = 4102444800000  # a heartbeat in 2100
 
 
+def three_classes(**extra: dict[str, Any]) -> list[dict[str, Any]]:
+    """The classes P0/P1/P2 at the demo's 0.6/0.35/0.05 shares as TOML-shaped tables (for
+    :func:`limiter.localstack.toml_writer.toml_dumps`), ``extra[name]``'s fields added."""
+    return [{"name": n, "share": s, **extra.get(n, {})} for n, s in (("P0", 0.6), ("P1", 0.35), ("P2", 0.05))]
+
+
 def class_cfg(**class_overrides: dict[str, Any]) -> QosConfig:
     """The demo config with some fields of some classes replaced: ``P2={"queue_cap": 3}``."""
     cfg = demo_config()

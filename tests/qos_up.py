@@ -10,14 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+from limiter.localstack.launcher import spawn
+
 QOS = str(Path(sys.executable).parent / "qos")
 
 
 def start_qos_up(port: int, *extra: str, timeout_s: float = 180) -> tuple[subprocess.Popen, str, str]:
     """Run `qos up --port PORT EXTRA...` until its ready line; returns (process, line, redis URL)."""
     env = {**os.environ, "QOS_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([QOS, "up", "--port", str(port), *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env)
+    proc = spawn([QOS, "up", "--port", str(port), *extra], env, stdout=subprocess.PIPE,
+                 stderr=subprocess.STDOUT, text=True)
     lines = []
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

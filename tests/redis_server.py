@@ -1,6 +1,6 @@
 """Private redis-server processes for tests: never the shared instance on 6379.
 
-RedisServer and free_port live in limiter.bench.redis_proc (runtime code uses them too);
+RedisServer and free_port live in limiter.localstack.redis_server (qos up uses them too);
 they are re-exported here under their old names.
 """
 
@@ -10,7 +10,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 
-from limiter.bench.redis_proc import RedisServer, free_port
+from limiter.localstack.redis_server import RedisServer, free_port
 
 __all__ = ["RedisClusterServers", "RedisServer", "free_port", "pools_on_different_shards"]
 

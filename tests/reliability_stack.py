@@ -22,13 +22,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
 import json
 import math
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
@@ -41,57 +39,18 @@ import msgpack
 
 from limiter.config import hash_key
 from limiter.keys import PoolKeys
+from limiter.localstack.launcher import answers_ok, module_argv, spawn, stop_process
+from limiter.localstack.sse import sse_chunks
+from limiter.localstack.toml_writer import toml_dumps
 from tests.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 PLACEHOLDER = b"simulated output "  # worker/engines/sim.py: token = PLACEHOLDER[position % 17]
 TERMINAL = ("done", "failed", "expired", "cancelled")
 KEY_P0, KEY_P1, KEY_P2 = "rel-key-p0", "rel-key-p1", "rel-key-p2"
-# Workaround, see test_worker_full_batch_finishing_at_once: worker/runtime.py opens its Redis
-# client with a non-blocking pool of 8 connections and a step's pushes/completions go out
-# concurrently, so a batch of more than ~7 requests all due at once fails with "Too many
-# connections" on every retry and wedges the worker. Until that is fixed the stacks here run
-# workers with small batches; set QOS_REL_MAX_SEQS=32 to run them at the default.
-WORKER_MAX_SEQS = int(os.environ.get("QOS_REL_MAX_SEQS", "6"))
 
 
 # --- config -----------------------------------------------------------------------------------
-
-
-def _toml_value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return json.dumps(v)
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
-    raise TypeError(f"no TOML for {v!r}")
-
-
-def toml_dumps(data: dict[str, Any]) -> str:
-    """Enough TOML for a qos config: scalars, lists, tables, arrays of tables, one nesting level."""
-    lines: list[str] = []
-
-    def table(prefix: str, body: dict[str, Any]) -> None:
-        subs = {k: v for k, v in body.items() if isinstance(v, dict)}
-        for k, v in body.items():
-            if not isinstance(v, dict):
-                lines.append(f"{k} = {_toml_value(v)}")
-        for k, v in subs.items():
-            lines.append(f"[{prefix}.{k}]")
-            table(f"{prefix}.{k}", v)
-
-    for name, value in data.items():
-        if isinstance(value, list) and value and isinstance(value[0], dict):
-            for item in value:
-                lines.append(f"\n[[{name}]]")
-                table(name, item)
-        elif isinstance(value, dict):
-            lines.append(f"\n[{name}]")
-            table(name, value)
-    return "\n".join(lines) + "\n"
 
 
 def base_config(
@@ -175,12 +134,6 @@ def base_config(
 # --- processes --------------------------------------------------------------------------------
 
 
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the test process dies, even if pytest itself is killed."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 @dataclass
 class Proc:
     """One role process; its output goes to ``log`` (kept for a failing test's report)."""
@@ -194,15 +147,8 @@ class Proc:
     started: float = 0.0
 
     def start(self, env: dict[str, str]) -> Proc:
-        with open(self.log, "ab") as out:
-            self.popen = subprocess.Popen(
-                self.argv,
-                env=env,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                cwd=ROOT,
-                preexec_fn=_die_with_parent,
-            )
+        # SIGKILL when the test process dies, even if pytest itself is killed
+        self.popen = spawn(self.argv, env, log=self.log, death_signal=signal.SIGKILL, cwd=ROOT)
         self.started = time.monotonic()
         return self
 
@@ -228,13 +174,7 @@ class Proc:
     def stop(self, timeout: float = 15.0) -> int | None:
         if self.popen is None:
             return None
-        self.signal(signal.SIGTERM)
-        try:
-            return self.popen.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.popen.kill()
-            self.popen.wait(5)
-            return None
+        return stop_process(self.popen, signal.SIGTERM, timeout)
 
     def rss_kb(self) -> int:
         """Resident set size now (0 once the process is gone)."""
@@ -266,34 +206,19 @@ class LiveStack:
 
     def _cmd(self, role: str, *args: str) -> list[str]:
         level = os.environ.get("QOS_REL_LOG_LEVEL", "WARNING")  # INFO to debug a failing run
-        return [
-            sys.executable,
-            "-m",
-            "limiter.cli",
-            role,
-            "--config",
-            str(self.path),
-            "--log-level",
-            level,
-            *args,
-        ]
+        return module_argv(role, self.path, "--log-level", level, *args)
 
     def _add(self, proc: Proc) -> Proc:
         assert proc.name not in self.procs, proc.name
         self.procs[proc.name] = proc.start(self.env)
         return proc
 
+    def _role(self, name: str, role: str, *args: str, port: int = 0) -> Proc:
+        return self._add(Proc(name, role, self._cmd(role, *args), self.tmp / f"{name}.log", port=port))
+
     def frontend(self, name: str) -> Proc:
         port = free_port()
-        return self._add(
-            Proc(
-                name,
-                "frontend",
-                self._cmd("frontend", "--port", str(port)),
-                self.tmp / f"{name}.log",
-                port=port,
-            )
-        )
+        return self._role(name, "frontend", "--port", str(port), port=port)
 
     def worker(
         self,
@@ -301,45 +226,18 @@ class LiveStack:
         *,
         pool: str | None = None,
         time_scale: float = 1.0,
-        max_seqs: int = WORKER_MAX_SEQS,
+        max_seqs: int | None = None,  # None: the worker's default
         extra: Iterable[str] = (),
     ) -> Proc:
         pool = pool or self.config["pools"][0]["name"]
-        return self._add(
-            Proc(
-                name,
-                "worker",
-                self._cmd(
-                    "worker",
-                    "--engine",
-                    "sim",
-                    "--worker-id",
-                    name,
-                    "--pool",
-                    pool,
-                    "--time-scale",
-                    str(time_scale),
-                    "--max-seqs",
-                    str(max_seqs),
-                    *extra,
-                ),
-                self.tmp / f"{name}.log",
-            )
-        )
+        batch = ["--max-seqs", str(max_seqs)] if max_seqs is not None else []
+        return self._role(name, "worker", "--engine", "sim", "--worker-id", name, "--pool", pool,
+                          "--time-scale", str(time_scale), *batch, *extra)
 
     def controller(self, name: str) -> Proc:
         port = free_port()
-        return self._add(
-            Proc(
-                name,
-                "controller",
-                self._cmd(
-                    "controller", "--id", name, "--metrics-port", str(port), "--metrics-host", "127.0.0.1"
-                ),
-                self.tmp / f"{name}.log",
-                port=port,
-            )
-        )
+        return self._role(name, "controller", "--id", name, "--metrics-port", str(port),
+                          "--metrics-host", "127.0.0.1", port=port)
 
     def of(self, role: str) -> list[Proc]:
         return [p for p in self.procs.values() if p.role == role]
@@ -370,13 +268,7 @@ class LiveStack:
                 for fe in self.of("frontend"):
                     if not fe.alive():
                         continue
-                    try:
-                        async with s.get(
-                            f"http://127.0.0.1:{fe.port}/readyz", timeout=aiohttp.ClientTimeout(total=2)
-                        ) as r:
-                            ok = ok and r.status == 200
-                    except (aiohttp.ClientError, TimeoutError):
-                        ok = False
+                    ok = ok and not await answers_ok(s, f"http://127.0.0.1:{fe.port}/readyz")
                 if ok:
                     seen: set[str] = set()
                     for k in pools:
@@ -493,15 +385,10 @@ async def call(
 
 async def _read_stream(r: aiohttp.ClientResponse, out: Outcome) -> None:
     done = False
-    async for raw in r.content:
-        line = raw.strip()
-        if not line.startswith(b"data:"):
-            continue
-        data = line[5:].strip()
-        if data == b"[DONE]":
+    async for chunk in sse_chunks(r.content):
+        if chunk is None:
             done = True
             break
-        chunk = json.loads(data)
         if chunk.get("error"):
             out.kind = "stream_error"
             out.code = chunk["error"].get("code") or "stream_error"

@@ -24,7 +24,7 @@ from limiter.bench.modes import FIFO_CLASS, MODES, mode_spec, to_toml
 from limiter.bench.report import class_stats, markdown, targets, window_tokens
 from limiter.bench.runner import BenchParams, redraw, run_bench, speedup_for
 from limiter.config import DEFAULT_CLASSES
-from limiter.loadgen import Result
+from limiter.localstack.loadgen import Result
 
 CLASS_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "max_gap_ms", "slo_attainment",
                 "completed", "rejected_429", "rejected_503", "max_queue_wait_ms", "served_tokens")
@@ -57,7 +57,7 @@ def test_class_rule_is_seeded_and_matches_its_documentation() -> None:
             assert arr.prompt_tokens + arr.max_tokens <= 32768
         else:
             assert (arr.prompt_tokens, arr.max_tokens) == (row.context_tokens, row.generated_tokens)
-    assert max(x.prompt_tokens for x in a if x.cls == "P2") > 30000  # the seed's 32K prompts
+    assert max(x.prompt_tokens for x in a if x.cls == "P2") > 30000  # the original problem's 32K prompts
 
 
 def test_bad_trace_row_names_its_line(tmp_path: Path) -> None:

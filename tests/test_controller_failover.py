@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import redis
 
 from limiter.keys import PoolKeys
+from limiter.localstack import launcher
 from tests.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,9 +49,8 @@ tick_s = 0.2
 def spawn(config: Path, cid: str, log: Path, *extra: str) -> subprocess.Popen[bytes]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("QOS_REDIS_URL", None)
-    cmd = [sys.executable, "-m", "limiter.cli", "controller", "--config", str(config), "--id", cid, *extra]
-    with open(log, "wb") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    return launcher.spawn(launcher.module_argv("controller", config, "--id", cid, *extra), env, log=log,
+                          append=False, cwd=ROOT)
 
 
 def wait_leader(r: redis.Redis, key: str, prefix: str, timeout: float) -> tuple[float, str]:
@@ -68,16 +67,15 @@ def wait_leader(r: redis.Redis, key: str, prefix: str, timeout: float) -> tuple[
 def wait_healthy(port: int, proc: subprocess.Popen[bytes], timeout: float = 20.0) -> None:
     import urllib.request
 
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         assert proc.poll() is None, "controller exited"
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=0.5) as resp:
-                if resp.status == 200:
-                    return
+                return resp.status == 200
         except OSError:
-            time.sleep(0.05)
-    raise AssertionError("controller did not come up")
+            return False
+
+    launcher.wait_for(healthy, timeout, "the controller to come up")
 
 
 def stop(p: subprocess.Popen[bytes]) -> None:

@@ -5,12 +5,9 @@ refuses to publish the demo keys."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,73 +21,38 @@ from limiter import cli
 from limiter.config import demo_config, hash_key, load
 from limiter.errors import ConfigError
 from limiter.frontend.settings import load_settings
+from limiter.localstack import launcher
+from limiter.localstack.toml_writer import toml_dumps
 from tests.fake_worker import FakeWorker
 from tests.frontend_helpers import POOL
+from tests.helpers import three_classes
 from tests.redis_server import RedisServer, free_port
 
-CONFIG = """
-[redis]
-url = "{url}"
-
-[[classes]]
-name = "P0"
-share = 0.6
-admission_wait_ms = 0
-
-[[classes]]
-name = "P1"
-share = 0.35
-admission_wait_ms = 0
-
-[[classes]]
-name = "P2"
-share = 0.05
-
-[[pools]]
-name = "tiny"
-context_tokens = 4096
-
-[[tenants]]
-name = "shared"
-key_sha256 = ["{shared}"]
-rate_tokens_s = 0.5
-burst_s = 200.0
-
-[[tenants]]
-name = "solo"
-key_sha256 = ["{solo}"]
-rate_tokens_s = 0.5
-burst_s = 200.0
-
-[[tenants]]
-name = "user"
-key_sha256 = ["{user}"]
-
-[frontend]
-shutdown_grace_s = 1.5
-heartbeat_s = 0.5
-"""
 # Cost of this request: "ab" = 3 tokens (2 bytes + BOS) + 7 reserved = 10; the fixed-text
 # worker uses all 7, so nothing is refunded and a 100-token burst admits exactly 10.
 SLOW = {"model": "tiny", "prompt": "ab", "max_tokens": 7}
 
 
 def _config(url: str, shared: str, solo: str, user: str) -> str:
-    return CONFIG.format(url=url, shared=hash_key(shared), solo=hash_key(solo), user=hash_key(user))
+    """Tenants "shared" and "solo" (0.5 tokens/s, a 200 s burst) and "user" (no limit)."""
+    limited = {"rate_tokens_s": 0.5, "burst_s": 200.0}
+    return toml_dumps({
+        "redis": {"url": url},
+        "classes": three_classes(P0={"admission_wait_ms": 0}, P1={"admission_wait_ms": 0}),
+        "pools": [{"name": "tiny", "context_tokens": 4096}],
+        "tenants": [{"name": "shared", "key_sha256": [hash_key(shared)], **limited},
+                    {"name": "solo", "key_sha256": [hash_key(solo)], **limited},
+                    {"name": "user", "key_sha256": [hash_key(user)]}],
+        "frontend": {"shutdown_grace_s": 1.5, "heartbeat_s": 0.5},  # last: a test appends to it
+    })
 
 
 def _start(config: Path, port: int) -> Popen[bytes]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
-    return subprocess.Popen([sys.executable, "-m", "limiter.cli", "frontend", "--config", str(config),
-                             "--port", str(port), "--log-level", "WARNING"],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            preexec_fn=_die_with_parent)
-
-
-def _die_with_parent() -> None:
-    """In the child: SIGKILL when the test process dies, even if pytest is killed (Linux)."""
-    with contextlib.suppress(Exception):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    # SIGKILL when the test process dies, even if pytest is killed (Linux)
+    argv = launcher.module_argv("frontend", config, "--port", str(port), "--log-level", "WARNING")
+    return launcher.spawn(argv, env, death_signal=signal.SIGKILL, stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE)
 
 
 async def _ready(port: int, proc: Popen[bytes], timeout: float = 20.0) -> None:
@@ -98,10 +60,8 @@ async def _ready(port: int, proc: Popen[bytes], timeout: float = 20.0) -> None:
     async with aiohttp.ClientSession() as s:
         while time.monotonic() < end:
             assert proc.poll() is None, proc.stderr.read().decode() if proc.stderr else ""
-            with contextlib.suppress(aiohttp.ClientError):
-                async with s.get(f"http://127.0.0.1:{port}/readyz") as r:
-                    if r.status == 200:
-                        return
+            if not await launcher.answers_ok(s, f"http://127.0.0.1:{port}/readyz", 5.0):
+                return
             await asyncio.sleep(0.05)
     raise AssertionError(f"frontend on {port} never became ready")
 

@@ -5,6 +5,7 @@ worker is reported while the stack keeps serving, and `--restart` brings it back
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -14,6 +15,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -113,16 +115,7 @@ def test_an_idle_stack_stops_in_a_few_seconds(tmp_path):
 def test_a_second_ctrl_c_stops_at_once(tmp_path):
     # A stream that would take minutes, and a frontend grace longer than the test: only the
     # second Ctrl-C can end this stop quickly.
-    config = write_config(tmp_path / "qos.toml", time_scale=20.0, grace_s=120.0, drain_s=120.0)
-    port = free_port()
-    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1") as up:
-        up.wait_ready()
-        pids = _role_pids(up)
-        first = threading.Event()
-        t = threading.Thread(target=lambda: _swallow(lambda: stream(port, 2000, on_first=first.set)),
-                             daemon=True)
-        t.start()
-        assert first.wait(60), "the stream's first token did not arrive within 60 s"
+    with _up_mid_stream(tmp_path) as (up, pids):
         up.ctrl_c()
         up.wait_line(r"stopping 1 frontends", 30, "the frontends' stop line")
         time.sleep(0.5)  # it is draining, not dead: the first Ctrl-C alone would take minutes
@@ -135,6 +128,22 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert [r for r, p in pids.items() if alive(p)] == []
 
 
+@contextlib.contextmanager
+def _up_mid_stream(tmp_path: Path) -> Iterator[tuple[Up, dict[str, int]]]:
+    """A one-worker `qos up` whose frontend grace and worker drain outlast the test, with a
+    stream that would take minutes under way: (the stack, its role pids)."""
+    config = write_config(tmp_path / "qos.toml", time_scale=20.0, grace_s=120.0, drain_s=120.0)
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1") as up:
+        up.wait_ready()
+        pids = _role_pids(up)
+        first = threading.Event()
+        threading.Thread(target=lambda: _swallow(lambda: stream(port, 2000, on_first=first.set)),
+                         daemon=True).start()
+        assert first.wait(60), "the stream's first token did not arrive within 60 s"
+        yield up, pids
+
+
 def _swallow(fn) -> None:
     try:
         fn()
@@ -145,16 +154,8 @@ def _swallow(fn) -> None:
 def test_no_child_outlives_a_killed_qos_up_even_mid_stream(tmp_path):
     # Grace and drain far longer than the test: the children must see that the stack is
     # gone (Redis went with qos up) instead of waiting them out.
-    config = write_config(tmp_path / "qos.toml", time_scale=20.0, grace_s=120.0, drain_s=120.0)
-    port = free_port()
-    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1") as up:
-        up.wait_ready()
-        pids = _role_pids(up)
+    with _up_mid_stream(tmp_path) as (up, pids):
         assert len(pids) == 4, pids
-        first = threading.Event()
-        threading.Thread(target=lambda: _swallow(lambda: stream(port, 2000, on_first=first.set)),
-                         daemon=True).start()
-        assert first.wait(60), "the stream's first token did not arrive within 60 s"
         up.proc.kill()  # no chance to stop anything itself
         up.proc.wait()
         t0 = time.monotonic()

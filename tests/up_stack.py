@@ -10,70 +10,32 @@ import re
 import signal
 import subprocess
 import threading
-import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from limiter.config import hash_key
+from limiter.localstack.launcher import spawn, wait_for
+from limiter.localstack.sse import sse_data
+from limiter.localstack.toml_writer import write_toml
+from tests.helpers import three_classes
 from tests.qos_up import QOS
 
-CONFIG = """
-[redis]
-url = "redis://127.0.0.1:1/0"
-
-[[classes]]
-name = "P0"
-share = 0.6
-
-[[classes]]
-name = "P1"
-share = 0.35
-
-[[classes]]
-name = "P2"
-share = 0.05
-
-[[pools]]
-name = "tiny"
-context_tokens = 4096
-lease_ms = {lease_ms}
-
-[[tenants]]
-name = "user"
-key_sha256 = ["{key}"]
-max_inflight = 64
-
-[frontend]
-shutdown_grace_s = {grace_s}
-heartbeat_s = 0.5
-
-[worker]
-time_scale = {time_scale}
-drain_timeout_s = {drain_s}
-heartbeat_s = 0.5
-"""
 KEY = "key-user"
 
 
 def write_config(path: Path, *, lease_ms: int = 2000, grace_s: float = 10.0, time_scale: float = 1.0,
                  drain_s: float = 10.0) -> Path:
-    path.write_text(CONFIG.format(lease_ms=lease_ms, key=hash_key(KEY), grace_s=grace_s,
-                                  time_scale=time_scale, drain_s=drain_s))
-    return path
-
-
-def wait_for(pred: Callable[[], Any], timeout_s: float, what: str, interval_s: float = 0.05) -> Any:
-    """Poll ``pred`` until it returns something truthy; fail naming ``what`` after ``timeout_s``."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
-        time.sleep(interval_s)
+    """One tenant (``KEY``), pool "tiny"; the Redis URL is a placeholder (`qos up` sets its own)."""
+    return write_toml({
+        "redis": {"url": "redis://127.0.0.1:1/0"},
+        "classes": three_classes(),
+        "pools": [{"name": "tiny", "context_tokens": 4096, "lease_ms": lease_ms}],
+        "tenants": [{"name": "user", "key_sha256": [hash_key(KEY)], "max_inflight": 64}],
+        "frontend": {"shutdown_grace_s": grace_s, "heartbeat_s": 0.5},
+        "worker": {"time_scale": time_scale, "drain_timeout_s": drain_s, "heartbeat_s": 0.5},
+    }, path)
 
 
 def alive(pid: int) -> bool:
@@ -109,9 +71,8 @@ class Up:
         self.port = port
         full_env = {**{k: v for k, v in os.environ.items() if not k.startswith("QOS_")},
                     "QOS_LOG_LEVEL": "WARNING", "OMP_NUM_THREADS": "1", **(env or {})}
-        self.proc = subprocess.Popen([QOS, "up", "--port", str(port), *args], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, env=full_env,
-                                     start_new_session=True)
+        self.proc = spawn([QOS, "up", "--port", str(port), *args], full_env, new_session=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
@@ -198,10 +159,8 @@ def stream(port: int, max_tokens: int, on_first: Callable[[], None] | None = Non
     with post(port, body, timeout_s) as r:
         assert r.status == 200
         for raw in r:
-            line = raw.decode().rstrip("\n")
-            text.append(line)
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
+            text.append(raw.decode().rstrip("\n"))
+            if isinstance(chunk := sse_data(raw), dict):
                 if on_first is not None:
                     on_first()
                     on_first = None

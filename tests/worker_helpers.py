@@ -10,7 +10,6 @@ import itertools
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -22,8 +21,12 @@ import msgpack
 from limiter.config import QosConfig
 from limiter.config import load as load_config
 from limiter.keys import PoolKeys
+from limiter.localstack import launcher
+from limiter.localstack.launcher import module_argv, spawn
+from limiter.localstack.toml_writer import write_toml
 from limiter.prompt import Payload, count_tokens
 from limiter.scripts import Scripts, policy_document, unpack_token_ids
+from tests.helpers import three_classes
 from worker.engines.base import Engine
 from worker.main import build_worker, run_worker
 from worker.runtime import WorkerRuntime
@@ -33,43 +36,16 @@ ROOT = Path(__file__).resolve().parent.parent
 FE = "fe1"
 _ids = itertools.count(1)
 
-CONFIG = """
-[redis]
-url = "{url}"
-
-[[classes]]
-name = "P0"
-share = 0.6
-max_wait_ms = 60000
-
-[[classes]]
-name = "P1"
-share = 0.35
-max_wait_ms = 60000
-
-[[classes]]
-name = "P2"
-share = 0.05
-max_wait_ms = 60000
-
-[[pools]]
-name = "tiny"
-lease_ms = {lease_ms}
-max_attempts = 5
-capacity_tokens_s = 1e9
-
-[worker]
-{worker}
-"""
-
 
 def write_config(path: Path, redis_url: str, *, lease_ms: int = 10000, worker: dict[str, Any] | None = None
                  ) -> Path:
-    lines = []
-    for k, v in (worker or {}).items():
-        lines.append(f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}".replace("'", '"'))
-    path.write_text(CONFIG.format(url=redis_url, lease_ms=lease_ms, worker="\n".join(lines)))
-    return path
+    """Pool "tiny" (no rate limit) and classes that wait up to a minute; ``worker``: [worker] settings."""
+    return write_toml({
+        "redis": {"url": redis_url},
+        "classes": three_classes(**{c: {"max_wait_ms": 60000} for c in ("P0", "P1", "P2")}),
+        "pools": [{"name": "tiny", "lease_ms": lease_ms, "max_attempts": 5, "capacity_tokens_s": 1e9}],
+        "worker": dict(worker or {}),
+    }, path)
 
 
 @dataclass
@@ -192,19 +168,13 @@ def spawn_worker(config_path: Path, *args: str, log: Path | None = None) -> subp
     """``python -m limiter.cli worker --config ...`` as a real OS process."""
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("QOS_REDIS_URL", None)
-    cmd = [sys.executable, "-m", "limiter.cli", "worker", "--config", str(config_path), *args]
-    if log is None:
-        return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, cwd=ROOT)
-    with open(log, "wb") as out:  # the child keeps its own copy of the descriptor
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT)
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.STDOUT} if log is None else {}
+    return spawn(module_argv("worker", config_path, *args), env, log=log, append=False, cwd=ROOT, **quiet)
 
 
 def stop_process(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout: float = 30) -> int:
-    if p.poll() is None:
-        p.send_signal(sig)
-    try:
-        return p.wait(timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        p.wait()
-        raise
+    """Its exit status; raises (after killing it) when it did not exit within ``timeout``."""
+    rc = launcher.stop_process(p, sig, timeout)
+    if rc is None:
+        raise subprocess.TimeoutExpired(p.args, timeout)
+    return rc

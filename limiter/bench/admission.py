@@ -47,9 +47,9 @@ from typing import Any
 import msgpack
 import redis.asyncio as aioredis
 
-from limiter.bench.redis_proc import RedisServer
 from limiter.config import QosConfig, demo_config
 from limiter.keys import PoolKeys
+from limiter.localstack.redis_server import RedisServer
 from limiter.scripts import Scripts, lifecycle_keys, policy_document, script_source
 
 POOL = "bench"

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
+from collections.abc import Callable
 
 from limiter.cli import common_args, load_config
 
@@ -20,6 +22,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from limiter.bench import cli_run
 
     cli_run.add_parsers(bsub)
+
+
+def mode_parser(bsub: argparse._SubParsersAction, func: Callable[[argparse.Namespace], int], *,
+                help: str) -> argparse.ArgumentParser:
+    """The parser of the ``qos bench`` mode that ``func`` (``_<mode>``) runs; its docstring is
+    the mode's ``--help`` description."""
+    p = bsub.add_parser(func.__name__.lstrip("_"), help=help, description=inspect.getdoc(func))
+    p.set_defaults(func=func)
+    return p
 
 
 def _bench_common_args(p: argparse.ArgumentParser) -> None:
@@ -37,12 +48,8 @@ def _bench_common_args(p: argparse.ArgumentParser) -> None:
 def _add_admission(bsub: argparse._SubParsersAction) -> None:
     from limiter.bench import admission as adm
 
-    p = bsub.add_parser(
-        "admission", help="admit+enqueue decisions/s and p50/p99 vs SET and the limits library",
-        description="Admit+enqueue decisions/s and p50/p99 latency at concurrency 1 and 50, side by "
-                    "side with a plain SET (the one-round-trip floor) and the limits library's "
-                    "moving-window limiter on the same Redis; driven by redis-py (asyncio) and by "
-                    "redis-benchmark (server-side view).")
+    p = mode_parser(bsub, _admission,
+                    help="admit+enqueue decisions/s and p50/p99 vs SET and the limits library")
     _bench_common_args(p)
     p.add_argument("--quick", action="store_true",
                    help=f"short runs (~10 s in all): {adm.QUICK_OPS} ops, {adm.QUICK_RB_SECONDS} s each")
@@ -55,10 +62,12 @@ def _add_admission(bsub: argparse._SubParsersAction) -> None:
                         f"{adm.DEFAULT_ROUNDS}, 1 with --quick)")
     p.add_argument("--no-redis-benchmark", action="store_true", help="skip the redis-benchmark driver")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
-    p.set_defaults(func=_admission)
 
 
 def _admission(args: argparse.Namespace) -> int:
+    """Admit+enqueue decisions/s and p50/p99 latency at concurrency 1 and 50, side by side with a plain
+    SET (the one-round-trip floor) and the limits library's moving-window limiter on the same Redis;
+    driven by redis-py (asyncio) and by redis-benchmark (server-side view)."""
     from rich.console import Console
 
     from limiter.bench import admission as adm
@@ -90,17 +99,15 @@ def _admission(args: argparse.Namespace) -> int:
 
 
 def _add_janitor(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser(
-        "janitor", help="Redis time of one script call while thousands of entries are dead",
-        description="Piles of dead entries (a dead frontend's queued requests, overdue requests, a dead "
-                    "worker's leases) cleared by claim / reap_expired: calls needed, largest and median "
-                    "Redis time of one call (SLOWLOG).")
+    p = mode_parser(bsub, _janitor, help="Redis time of one script call while thousands of entries are dead")
     _bench_common_args(p)
     p.add_argument("--entries", type=int, default=10_000, help="requests per pile (default 10000)")
-    p.set_defaults(func=_janitor)
 
 
 def _janitor(args: argparse.Namespace) -> int:
+    """Piles of dead entries (a dead frontend's queued requests, overdue requests, a dead worker's
+    leases) cleared by claim / reap_expired: calls needed, largest and median Redis time of one call
+    (SLOWLOG)."""
     from rich.console import Console
 
     from limiter.bench import janitor

@@ -11,6 +11,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
+from limiter.bench.cli import mode_parser
 from limiter.bench.modes import MODES
 from limiter.bench.trace import DEFAULT_TRACE
 from limiter.errors import ConfigError
@@ -25,32 +26,35 @@ def add_parsers(bsub: argparse._SubParsersAction) -> None:
     _add_control(bsub)
 
 
+def _scenario_stack_args(p: argparse.ArgumentParser, d: Any, *, out: str, workers_help: str = "") -> None:
+    """The stack flags ``control`` and ``tenants`` share; ``d``: their parameters' defaults."""
+    a = p.add_argument
+    a("--workers", type=int, default=d.workers, help=f"worker processes (default {d.workers}{workers_help})")
+    a("--drain", type=float, default=d.drain_s,
+      help=f"seconds to wait for answers after (default {d.drain_s:g})")
+    a("--calibrate", choices=("stack", "engine"), default=d.calibrate, help="capacity source (default stack)")
+    a("--out", metavar="DIR", help=f"write {out} here")
+
+
 def _add_control(bsub: argparse._SubParsersAction) -> None:
     from limiter.bench import control as cb
 
     d = cb.ControlParams()
-    p = bsub.add_parser(
-        "control",
-        help="the controller on a running stack: steady load, a P2 flood, a lost worker, a P1 surge",
-        description="Each scenario on a private stack with the controller on (sim workers): policy "
-                    "changes at steady load, P0's recovery from a P2 flood, capacity following a killed "
-                    "and restarted worker, no cut to a P1 surge inside its guarantee. "
-                    "See docs/control-law.md.")
+    p = mode_parser(bsub, _control,
+                    help="the controller on a running stack: steady load, a P2 flood, a lost worker, "
+                         "a P1 surge")
     a = p.add_argument
     a("--scenarios", default=",".join(cb.SCENARIOS),
       help=f"comma-separated, in run order (default {','.join(cb.SCENARIOS)})")
     a("--short", action="store_true", help="each scenario at about half its length (the default test's form)")
-    a("--workers", type=int, default=d.workers,
-      help=f"worker processes (default {d.workers}; worker_loss kills one)")
-    a("--drain", type=float, default=d.drain_s,
-      help=f"seconds to wait for answers after (default {d.drain_s:g})")
-    a("--calibrate", choices=("stack", "engine"), default=d.calibrate, help="capacity source (default stack)")
-    a("--out", metavar="DIR", help="write results.json, PNG plots and logs here")
+    _scenario_stack_args(p, d, workers_help="; worker_loss kills one", out="results.json, PNG plots and logs")
     a("--noise-out", metavar="FILE", help="write the steady scenario's heartbeat noise (JSON) here")
-    p.set_defaults(func=_control)
 
 
 def _control(args: argparse.Namespace) -> int:
+    """Each scenario on a private stack with the controller on (sim workers): policy changes at steady
+    load, P0's recovery from a P2 flood, capacity following a killed and restarted worker, no cut to a
+    P1 surge inside its guarantee. See docs/control-law.md."""
     from rich.console import Console
 
     from limiter.bench import control as cb
@@ -80,28 +84,23 @@ def _add_tenants(bsub: argparse._SubParsersAction) -> None:
     from limiter.bench import tenants as tb
 
     d = tb.TenantParams()
-    p = bsub.add_parser(
-        "tenants", help="fairness between the tenants of one class: a light tenant next to two floods",
-        description="Three P1 tenants (steady, heavy, medium) on a private stack, alone / arrival order / "
-                    "virtual token counters: the steady tenant's TTFT against its figure alone, and Jain's "
-                    "index over the backlogged tenants' weighted service. See docs/benchmarks.md.")
+    p = mode_parser(bsub, _tenants,
+                    help="fairness between the tenants of one class: a light tenant next to two floods")
     a = p.add_argument
     a("--engine", choices=("sim", "torch"), default=d.engine, help="sim (default) or torch")
     a("--duration", type=float, default=d.duration_s,
       help=f"seconds of arrivals per mode (default {d.duration_s:g})")
-    a("--drain", type=float, default=d.drain_s,
-      help=f"seconds to wait for answers after (default {d.drain_s:g})")
-    a("--workers", type=int, default=d.workers, help=f"worker processes (default {d.workers})")
     for t in ("steady", "heavy", "medium"):
         a(f"--{t}", type=float, default=getattr(d, t),
           help=f"the {t} tenant's load, a multiple of capacity (default {getattr(d, t):g})")
-    a("--calibrate", choices=("stack", "engine"), default=d.calibrate, help="capacity source (default stack)")
-    a("--out", metavar="DIR", help="write results.json, requests.jsonl, PNG plots and logs here")
+    _scenario_stack_args(p, d, out="results.json, requests.jsonl, PNG plots and logs")
     a("--markdown", action="store_true", help="print the tables as markdown")
-    p.set_defaults(func=_tenants)
 
 
 def _tenants(args: argparse.Namespace) -> int:
+    """Three P1 tenants (steady, heavy, medium) on a private stack, alone / arrival order / virtual token
+    counters: the steady tenant's TTFT against its figure alone, and Jain's index over the backlogged
+    tenants' weighted service. See docs/benchmarks.md."""
     from rich.console import Console
 
     from limiter.bench import tenants as tb
@@ -129,11 +128,8 @@ def _tenants(args: argparse.Namespace) -> int:
 
 
 def _add_run(bsub: argparse._SubParsersAction) -> None:
-    p = bsub.add_parser(
-        "run", help="fifo vs priority vs qos on the Azure trace: open-loop load, tables, JSON, plots",
-        description="Start a private stack per mode (Redis, frontends, workers; controller for qos), send "
-                    "the same open-loop trace arrivals through the HTTP API with streaming, and measure on "
-                    "the client side. See docs/benchmarks.md.")
+    p = mode_parser(bsub, _run,
+                    help="fifo vs priority vs qos on the Azure trace: open-loop load, tables, JSON, plots")
     a = p.add_argument
     a("--engine", choices=("sim", "torch"), default="sim",
       help="sim: GPU cost model, full-scale prompts (default); torch: tiny real model on CPU, scaled prompts")
@@ -168,7 +164,6 @@ def _add_run(bsub: argparse._SubParsersAction) -> None:
     a("--key", action="append", default=[], metavar="CLASS=KEY",
       help="with --url: API key per class (default demo-p0/demo-p1/demo-p2)")
     a("--quiet", action="store_true", help="no progress bar")
-    p.set_defaults(func=_run)
 
 
 def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept lazy)
@@ -234,6 +229,9 @@ def controller_overrides(items: list[str]) -> dict[str, Any]:
 
 
 def _run(args: argparse.Namespace) -> int:
+    """Start a private stack per mode (Redis, frontends, workers; controller for qos), send the same
+    open-loop trace arrivals through the HTTP API with streaming, and measure on the client side. See
+    docs/benchmarks.md."""
     from rich.console import Console
 
     from limiter.bench.report import mode_table, targets_table
@@ -289,11 +287,8 @@ def _plot(args: argparse.Namespace) -> int:
 def _add_overhead(bsub: argparse._SubParsersAction) -> None:
     from limiter.bench import overhead as ov
 
-    p = bsub.add_parser(
-        "overhead", help="null-cost requests through the full path vs a bare aiohttp echo server",
-        description="The same load generator against (a) a bare aiohttp server that streams tokens at once "
-                    "and (b) the full stack (frontend -> Redis -> sim worker at time scale 0 -> frontend): "
-                    "throughput ratio, added latency p50/p99, Redis commands per request.")
+    p = mode_parser(bsub, _overhead,
+                    help="null-cost requests through the full path vs a bare aiohttp echo server")
     a = p.add_argument
     a("--seconds", type=float, default=ov.DEFAULT_SECONDS,
       help=f"per measurement (default {ov.DEFAULT_SECONDS})")
@@ -307,10 +302,12 @@ def _add_overhead(bsub: argparse._SubParsersAction) -> None:
     a("--frontends", type=int, default=1, help="frontend processes (default 1)")
     a("--max-seqs", type=int, default=64, help="worker batch size (default 64)")
     a("--json", metavar="PATH", help="also write the figures as JSON")
-    p.set_defaults(func=_overhead)
 
 
 def _overhead(args: argparse.Namespace) -> int:
+    """The same load generator against (a) a bare aiohttp server that streams tokens at once and (b) the
+    full stack (frontend -> Redis -> sim worker at time scale 0 -> frontend): throughput ratio, added
+    latency p50/p99, Redis commands per request."""
     from rich.console import Console
 
     from limiter.bench import overhead as ov

@@ -52,7 +52,7 @@ from limiter.bench.modes import POOL, ModeSpec, mode_spec
 from limiter.bench.report import meets_slo
 from limiter.bench.runner import CONTEXT_TOKENS, tempfile_dir
 from limiter.bench.stack import LoggedStack, Probe, StackSpec, start_stack
-from limiter.bench.stackcal import calibrate
+from limiter.bench.stackcal import calibrate_and_report
 
 SCENARIOS = ("steady", "p2_flood", "worker_loss", "p1_surge")
 BIN_S = 5.0  # client-side SLO attainment is reported per this many seconds of send time
@@ -384,12 +384,10 @@ async def run_control(p: ControlParams, console: Console | None = None) -> dict[
     table = scenarios(p.short)
     with tempfile_dir(out_dir) as work:
         mixed = sorted((a for c in rows.values() for a in c[:400]), key=lambda a: a.trace_t_s)
-        cap, engine_fig = await calibrate(p.engine, mixed, sspec, how=p.calibrate,
-                                          context_tokens=CONTEXT_TOKENS[p.engine], work_dir=work)
-        results["params"]["capacity"] = cap.to_dict() | engine_fig
-        console.print(f"[bold]qos bench control[/]: engine {p.engine}, {p.workers} workers, capacity "
-                      f"{cap.weighted_tokens_s:,.0f} weighted tokens/s ({cap.source}); "
-                      f"scenarios {', '.join(p.scenarios)}{' (short)' if p.short else ''}")
+        cap = await calibrate_and_report(
+            "control", p.engine, mixed, sspec, how=p.calibrate, context_tokens=CONTEXT_TOKENS[p.engine],
+            work_dir=work, results=results, console=console, source=True,
+            detail=f"; scenarios {', '.join(p.scenarios)}{' (short)' if p.short else ''}")
         for name in p.scenarios:
             results["scenarios"][name] = await run_scenario(table[name], p, cap, rows, sspec, work, console)
     steady = results["scenarios"].get("steady")

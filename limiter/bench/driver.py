@@ -1,6 +1,6 @@
 """The open-loop client: every arrival is sent at its scheduled time, whatever the server does.
 
-Requests go through the public HTTP API with streaming (:func:`limiter.loadgen.stream_completion`),
+Requests go through the public HTTP API with streaming (:func:`limiter.localstack.loadgen.stream_completion`),
 one task per request, so a slow server never slows the arrivals down (a closed loop would
 hide overload by sending less). How late each send was against its schedule is recorded,
 so a client that could not keep up shows in the results instead of silently changing the load.
@@ -20,7 +20,7 @@ import aiohttp
 
 from limiter.bench.modes import api_key
 from limiter.bench.trace import Arrival
-from limiter.loadgen import Result, make_prompt, stream_completion
+from limiter.localstack.loadgen import Result, make_prompt, stream_completion
 
 INCOMPLETE = "incomplete"  # Result.error of a request still open when the drain ran out
 

@@ -1,11 +1,11 @@
-"""The seed's stall, measured on its own: a decoding P0 stream, alone and next to a long prefill.
+"""The 32K-prefill stall, measured on its own: a decoding P0 stream, alone and next to a long prefill.
 
 On an idle one-worker stack of the mode (so the long prompt and the P0 streams share the
-worker), ``streams`` P0 requests (one by default: the seed's short chat next to a 32K
+worker), ``streams`` P0 requests (one by default: the original problem's short chat next to a 32K
 document) stream ``p0_tokens`` tokens each, alone; then the same again, and ``lead_s``
 later one long P2 prompt arrives. The figure is the longest P0 inter-token gap (over all
 streams) in the second case over the first: without chunked prefill the whole prompt runs
-in one step and the P0 stream stalls for all of it (the seed's 2 s); with it, the prompt
+in one step and the P0 stream stalls for all of it (the original problem's 2 s); with it, the prompt
 runs in budget-sized slices between P0's decode steps.
 
 Both views are reported: the client's (chunk arrival times, which include the worker's
@@ -23,7 +23,7 @@ import aiohttp
 
 from limiter.bench.modes import api_key, tenant_name
 from limiter.bench.stack import Probe
-from limiter.loadgen import Result, make_prompt, stream_completion
+from limiter.localstack.loadgen import Result, make_prompt, stream_completion
 
 
 @dataclass(frozen=True)

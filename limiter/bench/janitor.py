@@ -26,9 +26,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from limiter.bench.redis_proc import RedisServer
 from limiter.config import demo_config
 from limiter.keys import PoolKeys
+from limiter.localstack.redis_server import RedisServer
 from limiter.scripts import Scripts, policy_document
 
 KEYS = PoolKeys("janitor")

@@ -1,13 +1,13 @@
 """The three ways the benchmark runs the same load: each mode is a config plus worker flags.
 
-* ``fifo`` -- no QoS, the seed's "before": **one class** that every tenant maps to, served
+* ``fifo`` -- no QoS, the original problem's "before": **one class** that every tenant maps to, served
   in arrival order whoever sent the request (``fair = false``), a capacity so large that no
   wait estimate ever refuses, no floors, no controller, and workers that prefill whole
   prompts (``--no-chunked-prefill``), so a 32K prompt stalls the batch.
 * ``priority`` -- strict priority only: the three classes (P0 > P1 > P2, each with its own
   max queue wait), arrival order inside a class, chunked prefill, but unbounded capacity
   (nothing refused for its wait), no floors and no controller.
-* ``qos`` -- everything on: class guarantees at the seed's 60/35/5 shares of the measured
+* ``qos`` -- everything on: class guarantees at the original problem's 60/35/5 shares of the measured
   capacity (2 s bursts, ``QOS_BURST_S``) enforced when workers claim, spare capacity by
   priority, tenants of a class by virtual token counters, starvation floors, admission
   refusing only what cannot start within its max wait, chunked prefill and the controller.
@@ -34,6 +34,7 @@ from limiter.config import (
     hash_key,
     validate,
 )
+from limiter.localstack.toml_writer import config_toml, write_toml
 
 MODES = ("fifo", "priority", "qos")
 POOL = "bench"
@@ -103,46 +104,9 @@ def mode_spec(mode: str, *, capacity_tokens_s: float, context_tokens: int, out_w
 
 # --- TOML ---------------------------------------------------------------------------------------
 
-def _value(v: Any) -> str:
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, int | float):
-        return repr(v)
-    if isinstance(v, str):
-        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(v, list | tuple):
-        return "[" + ", ".join(_value(x) for x in v) + "]"
-    raise TypeError(f"cannot write {type(v).__name__} to TOML")
-
-
-def _table(name: str, data: Mapping[str, Any], array: bool = False) -> list[str]:
-    head = f"[[{name}]]" if array else f"[{name}]"
-    lines = [head]
-    subtables = []
-    for k, v in data.items():
-        if v is None:
-            continue
-        if isinstance(v, Mapping):
-            subtables.append((k, v))
-        else:
-            lines.append(f"{k} = {_value(v)}")
-    for k, v in subtables:
-        lines += ["", *_table(f"{name}.{k}", v)]
-    return [*lines, ""]
-
-
 def to_toml(cfg: QosConfig) -> str:
-    """The config as a TOML file every role can load (``--config``); round-trips through
-    :func:`limiter.config.load`."""
-    lines = ["# written by `qos bench run`", *_table("redis", dataclasses.asdict(cfg.redis))]
-    for section, items in (("classes", cfg.classes), ("pools", cfg.pools), ("tenants", cfg.tenants)):
-        for item in items:
-            lines += _table(section, dataclasses.asdict(item), array=True)
-    for section in ("frontend", "worker", "controller"):
-        lines += _table(section, getattr(cfg, section))
-    return "\n".join(lines)
+    return config_toml(cfg, "written by `qos bench run`")
 
 
 def write_config(cfg: QosConfig, path: Path) -> Path:
-    path.write_text(to_toml(cfg))
-    return path
+    return write_toml(cfg, path, "written by `qos bench run`")

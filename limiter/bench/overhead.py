@@ -1,6 +1,6 @@
 """``qos bench overhead``: what the QoS path costs per request, against a bare aiohttp server.
 
-Two targets, one load generator (:func:`limiter.loadgen.stream_completion`, streaming):
+Two targets, one load generator (:func:`limiter.localstack.loadgen.stream_completion`, streaming):
 
 * **echo**: :mod:`limiter.bench.echo`, its own process, answers at once;
 * **full path**: a private Redis, frontend(s) and sim worker(s) at ``--time-scale 0`` (steps
@@ -45,9 +45,9 @@ import aiohttp
 from rich.table import Table
 
 from limiter.bench.modes import POOL, UNLIMITED, api_key, mode_spec
-from limiter.bench.redis_proc import free_port
 from limiter.bench.stack import CommandMonitor, StackSpec, start_stack
-from limiter.loadgen import Result, make_prompt, percentile, stream_completion
+from limiter.localstack.loadgen import Result, make_prompt, percentile, stream_completion
+from limiter.localstack.redis_server import free_port
 
 DEFAULT_SECONDS = 10.0
 DEFAULT_CONCURRENCY = 32

@@ -8,7 +8,7 @@ Definitions (docs/benchmarks.md repeats them with the schema):
   (transport errors, and ``incomplete`` requests still open when the drain ran out).
 * Latencies are client-side, over completed requests: TTFT = send to first content chunk;
   TPOT = (last chunk - first chunk) / (output tokens - 1); ``max_gap_ms`` = the longest wait
-  between two chunks of any one request (the seed's stall).
+  between two chunks of any one request (the 32K-prefill stall).
 * ``slo_attainment`` = share of *sent* requests that completed within the class's SLO
   (TTFT and TPOT targets from the config); a rejection or failure is a miss. A class
   without SLO (P2): share of sent requests that completed.
@@ -46,7 +46,7 @@ from rich.table import Table
 
 from limiter.bench.driver import Record
 from limiter.config import ClassConfig
-from limiter.loadgen import percentile
+from limiter.localstack.loadgen import percentile
 
 
 def _r(v: float | None, nd: int = 1) -> float | None:

@@ -1,4 +1,4 @@
-"""``qos bench run``: the seed's scenario, fifo vs priority vs qos, same arrivals, one run.
+"""``qos bench run``: the original problem's scenario, fifo vs priority vs qos, same arrivals, one run.
 
 For each mode in turn: an optional gap probe on a one-worker stack of the mode
 (:mod:`limiter.bench.gapprobe`); then a fresh private Redis and the mode's stack

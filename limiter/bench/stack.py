@@ -1,9 +1,9 @@
 """One mode's stack, started the way ``qos up`` starts one, and what Redis tells us about it.
 
 Each role is its own OS process (``qos frontend|worker|controller --config <mode>.toml``)
-on a private ``redis-server``, built by :func:`limiter.up.build_commands` and stopped by
-:meth:`limiter.up.Stack.stop`; the benchmark only adds the worker flags of the mode and
-sends each child's output to a log file, so the progress bar stays readable and a failed
+on a private ``redis-server``, built by :func:`limiter.localstack.launcher.build_commands` and
+stopped by :meth:`limiter.localstack.launcher.Stack.stop`; the benchmark only adds the worker flags
+of the mode and sends each child's output to a log file, so the progress bar stays readable and a failed
 run can be diagnosed from ``<out>/logs/``.
 
 :class:`Probe` samples the pool while the load runs (policy rates, capacity, queue depths)
@@ -27,10 +27,10 @@ import msgpack
 import redis.asyncio as aioredis
 
 from limiter.bench.modes import POOL, ModeSpec, write_config
-from limiter.bench.redis_proc import RedisServer, free_port
 from limiter.keys import PoolKeys
 from limiter.lifecycle import listen_socket
-from limiter.up import Child, Stack, build_commands, wait_ready
+from limiter.localstack.launcher import Child, Stack, build_commands, wait_ready
+from limiter.localstack.redis_server import RedisServer, free_port
 
 
 class LoggedStack(Stack):

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rich.console import Console
+
 from limiter.bench.calibrate import Capacity, measure_capacity
 from limiter.bench.driver import drive
 from limiter.bench.modes import POOL, mode_spec
@@ -88,3 +90,17 @@ async def calibrate(engine_name: str, arrivals: Sequence[Arrival], sspec: StackS
     cap = await stack_capacity(engine, arrivals, sspec, context_tokens, work_dir / "calibration")
     record["stack_over_engine"] = round(cap.weighted_tokens_s / engine.weighted_tokens_s, 3)
     return cap, record
+
+
+async def calibrate_and_report(title: str, engine_name: str, arrivals: Sequence[Arrival], sspec: StackSpec, *,
+                               how: str, context_tokens: int, work_dir: Path, results: dict[str, Any],
+                               console: Console, detail: str, source: bool = False) -> Capacity:
+    """:func:`calibrate`, the capacity recorded in ``results["params"]``, and the run's header
+    line printed (``qos bench <title>: engine, workers, capacity[ (source)]<detail>``)."""
+    cap, engine_fig = await calibrate(engine_name, arrivals, sspec, how=how, context_tokens=context_tokens,
+                                      work_dir=work_dir)
+    results["params"]["capacity"] = cap.to_dict() | engine_fig
+    shown = f" ({cap.source})" if source else ""
+    console.print(f"[bold]qos bench {title}[/]: engine {engine_name}, {sspec.workers} workers, capacity "
+                  f"{cap.weighted_tokens_s:,.0f} weighted tokens/s{shown}{detail}")
+    return cap

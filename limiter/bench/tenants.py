@@ -46,9 +46,9 @@ from limiter.bench.modes import POOL, api_key, mode_spec
 from limiter.bench.report import window_tokens
 from limiter.bench.runner import CONTEXT_TOKENS, speedup_for, tempfile_dir
 from limiter.bench.stack import StackSpec, start_stack
-from limiter.bench.stackcal import calibrate
+from limiter.bench.stackcal import calibrate_and_report
 from limiter.config import TenantConfig, hash_key, validate
-from limiter.loadgen import percentile
+from limiter.localstack.loadgen import percentile
 
 TENANTS = ("steady", "heavy", "medium")
 BACKLOGGED = ("heavy", "medium")
@@ -132,12 +132,11 @@ async def run_tenants(p: TenantParams, console: Console | None = None) -> dict[s
     results: dict[str, Any] = {"schema": "qos-bench-tenants/1", "params": dataclasses.asdict(p), "modes": {}}
     rows: list[dict[str, Any]] = []
     with tempfile_dir(out_dir) as work:
-        cap, engine_fig = await calibrate(p.engine, chat, sspec, how=p.calibrate,
-                                          context_tokens=CONTEXT_TOKENS[p.engine], work_dir=work)
-        results["params"]["capacity"] = cap.to_dict() | engine_fig
-        console.print(f"[bold]qos bench tenants[/]: engine {p.engine}, {p.workers} workers, capacity "
-                      f"{cap.weighted_tokens_s:,.0f} weighted tokens/s; steady {p.steady:g}x, "
-                      f"heavy {p.heavy:g}x, medium {p.medium:g}x, {p.duration_s:g} s per mode")
+        cap = await calibrate_and_report(
+            "tenants", p.engine, chat, sspec, how=p.calibrate, context_tokens=CONTEXT_TOKENS[p.engine],
+            work_dir=work, results=results, console=console,
+            detail=f"; steady {p.steady:g}x, heavy {p.heavy:g}x, medium {p.medium:g}x, "
+                   f"{p.duration_s:g} s per mode")
         for mode in MODES:
             active = tuple(t for t in TENANTS if getattr(p, t) > 0)  # --medium 0: the two tenants
             arrivals = tenant_arrivals(p, chat, cap, ("steady",) if mode == "alone" else active)

@@ -7,7 +7,7 @@ adds them with a documented, seeded rule (docs/benchmarks.md, "Class assignment"
 * a request whose trace prompt has at least ``long_prompt`` tokens (the trace's long
   documents, most of them at its 4K context limit) joins the **P2 batch stream** with
   probability ``p2_long_share``; its prompt is stretched ``p2_stretch`` times, capped so
-  that prompt + output fit ``max_prompt`` (32K by default): the seed's 32K-token prompt;
+  that prompt + output fit ``max_prompt`` (32K by default): the original problem's 32K-token prompt;
 * any other request with a prompt of at most ``short_prompt`` tokens is **P0**
   (interactive) with probability ``p0_short_share``, else P1;
 * any other, longer request is **P1** with probability ``p1_long_share``, else P0.

@@ -26,102 +26,41 @@ import os
 import shutil
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
 
-import aiohttp
 from redis.exceptions import RedisError
 
 from limiter import config as config_mod
 from limiter import lifecycle
-from limiter.bench.redis_proc import RedisServer
 from limiter.cli import common_args, load_config
-from limiter.embedded_redis import EmbeddedRedis
 from limiter.errors import ConfigError
 from limiter.extras import require
+from limiter.localstack.embedded_redis import EmbeddedRedis
+from limiter.localstack.launcher import (
+    DEFAULT_STOP_LIMITS,
+    Stack,
+    build_commands,
+    redis_time_ms,
+    say,
+    wait_ready,
+)
+from limiter.localstack.redis_server import RedisServer
 
 # --restart: back-off before the n-th restart in a row of a worker that died young.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
 # A worker that ran this long before it died starts its back-off from the beginning again.
 RESTART_RESET_S = 60.0
-# Seconds each role may take to stop after SIGTERM, unless its settings say otherwise.
-DEFAULT_STOP_LIMITS = {"frontend": 30.0, "worker": 30.0, "controller": 5.0}
-# While starting, what the stack still waits for is printed this often.
-READY_REPORT_S = 15.0
-# Signal a child gets when `qos up` dies without stopping it (handled like SIGTERM).
-PARENT_DEATH_SIGNAL = signal.SIGTERM
-
-
-def say(line: str, err: bool = False) -> None:
-    """Print a status line; a closed terminal (SIGHUP) must not break the stop."""
-    with contextlib.suppress(OSError, ValueError):
-        print(line, file=sys.stderr if err else sys.stdout, flush=True)
 
 
 @dataclass
-class Child:
-    name: str
-    role: str  # frontend | controller | worker
-    argv: list[str]
-    worker_id: str = ""  # workers: the id it was first started with
-    proc: subprocess.Popen | None = None
-    sock: socket.socket | None = None  # frontends: the listening socket it inherits
-    started: float = 0.0
-    quick_deaths: int = 0  # deaths in a row, each within RESTART_RESET_S of its start
-    restarts: int = 0
-    restart_at: float | None = None  # --restart: when to start it again
-    gone: bool = False  # dead and not coming back
+class UpStack(Stack):
+    """The stack of ``qos up``: a worker that dies is reported and (``--restart``) started
+    again with back-off; any other death stops the stack."""
 
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-
-@dataclass
-class Stack:
-    """The processes of one local stack; :meth:`stop` ends every one of them, in order."""
-
-    redis_url: str
-    base_url: str
-    children: list[Child] = field(default_factory=list)
-    redis: RedisServer | EmbeddedRedis | None = None
     restart: bool = False
     lease_ms: int = 0
-
-    def start(self, child: Child, env: dict[str, str], **popen: Any) -> None:
-        # A session per child: Ctrl-C in the terminal reaches `qos up` only, which then stops
-        # the children in order (workers drain before Redis goes). The parent-death signal:
-        # no child outlives `qos up` (SIGKILLed, or its terminal gone).
-        argv, fds = child.argv, ()
-        if child.sock is not None:
-            argv, fds = [*argv, "--listen-fd", str(child.sock.fileno())], (child.sock.fileno(),)
-        child.proc = subprocess.Popen(argv, env=env, start_new_session=True, pass_fds=fds,
-                                      preexec_fn=lifecycle.bind_to_parent(PARENT_DEATH_SIGNAL), **popen)
-        child.started = time.monotonic()
-        if child.sock is not None:
-            # Our copy must go: the child's keeps the socket open, and once that child exits
-            # the socket must close with it (connections refused), not stay listening here
-            # with nobody accepting (connections hanging in its backlog).
-            child.sock.close()
-            child.sock = None
-        if child not in self.children:
-            self.children.append(child)
-
-    def exited(self) -> Child | None:
-        for c in self.children:
-            if c.proc is not None and c.proc.poll() is not None:
-                return c
-        return None
-
-    def redis_exited(self) -> int | None:
-        if isinstance(self.redis, RedisServer) and self.redis.proc is not None:
-            return self.redis.proc.poll()
-        return None
 
     # --- while serving ----------------------------------------------------------------------
     def check(self, env: dict[str, str]) -> int | None:
@@ -168,64 +107,11 @@ class Stack:
             return 1
         return None
 
-    # --- stopping ---------------------------------------------------------------------------
     def stop(self, limits: dict[str, float] | None = None,
              interrupted: Callable[[], bool] = lambda: False) -> None:
-        """Frontends -> workers -> controllers, each given ``limits[role]`` seconds after
-        SIGTERM (then 10 s more before SIGKILL), Redis last. ``interrupted()`` true (a second
-        Ctrl-C): kill everything that is left now."""
-        limits = {**DEFAULT_STOP_LIMITS, **(limits or {})}
         for c in self.children:
-            c.restart_at = None
-        for role, label, what in (
-            ("frontend", "frontends", "stop accepting, finish open streams within {:g} s"),
-            ("worker", "workers", "drain: finish running work within {:g} s, hand back the rest"),
-            ("controller", "controllers", "release their leases"),
-        ):
-            group = [c for c in self.children if c.role == role and c.running]
-            if not group:
-                continue
-            say(f"qos up: stopping {len(group)} {label} ({what.format(limits[role])})")
-            for c in group:
-                with contextlib.suppress(ProcessLookupError):
-                    c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + limits[role] + 10.0
-            while any(c.running for c in group):
-                if interrupted():
-                    say("qos up: interrupted again: killing every process of the stack now")
-                    self.kill()
-                    return
-                if time.monotonic() > deadline:
-                    late = [c.name for c in group if c.running]
-                    say(f"qos up: {', '.join(late)} did not stop in time; killing", err=True)
-                    for c in group:
-                        if c.running:
-                            c.proc.kill()
-                    break
-                time.sleep(0.05)
-        self.kill_children()  # reaps them (each has stopped, or was killed past its limit)
-        if self.redis is not None:
-            say("qos up: stopping redis")
-            if isinstance(self.redis, RedisServer):
-                self.redis.terminate(5.0)
-            self.redis.stop()
-            self.redis = None
-
-    def kill(self) -> None:
-        self.kill_children()
-        if self.redis is not None:
-            self.redis.stop()
-            self.redis = None
-
-    def kill_children(self) -> None:
-        for c in self.children:
-            if c.sock is not None:
-                c.sock.close()
-                c.sock = None
-            if c.proc is not None:
-                if c.proc.poll() is None:
-                    c.proc.kill()
-                c.proc.wait()
+            c.restart_at = None  # no restart while stopping
+        super().stop(limits, interrupted)
 
 
 def _with_worker_id(argv: list[str], worker_id: str) -> list[str]:
@@ -233,15 +119,6 @@ def _with_worker_id(argv: list[str], worker_id: str) -> list[str]:
     out = list(argv)
     out[out.index("--worker-id") + 1] = worker_id
     return out
-
-
-def qos_argv() -> list[str]:
-    """How to start a `qos` child: the console script next to this Python, if installed."""
-    script = Path(sys.executable).parent / "qos"
-    if script.exists():
-        return [str(script)]
-    found = shutil.which("qos")
-    return [found] if found else [sys.executable, "-m", "limiter.cli"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -279,96 +156,6 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--demo-duration", "must be >= 0")
     if not 0 < args.ready_timeout <= 86_400:
         raise ConfigError("--ready-timeout", "must be in (0, 86400] seconds")
-
-
-def build_commands(args: argparse.Namespace) -> list[Child]:
-    """The child command lines, in start order (frontends, controllers, workers)."""
-    qos = qos_argv()
-    common = ["--config", args.config] if args.config else []
-    children = []
-    for i in range(args.frontends):
-        # --host/--port name the address in its logs; it serves the socket `qos up` bound.
-        children.append(Child(f"frontend-{i}", "frontend",
-                              [*qos, "frontend", "--host", args.host, "--port", str(args.port), *common]))
-    controllers = ["up-controller-a", "up-controller-b"] if args.standby else ["up-controller-a"]
-    for cid in controllers:
-        children.append(Child(cid, "controller", [*qos, "controller", "--id", cid, *common]))
-    for i in range(args.workers):
-        wid = f"up-worker-{i}"
-        argv = [*qos, "worker", "--engine", args.engine, "--device", args.device, "--worker-id", wid, *common]
-        if args.engine == "openai":
-            argv += ["--upstream-url", args.upstream_url]
-        if args.engine == "torch" and args.device == "cpu":
-            # Several CPU workers on few cores: one torch thread each keeps step times even.
-            argv += ["--torch-threads", "1"]
-        children.append(Child(f"worker-{i}", "worker", argv, worker_id=wid))
-    return children
-
-
-async def redis_time_ms(url: str) -> int:
-    import redis.asyncio as aioredis
-
-    client = aioredis.from_url(url)
-    try:
-        sec, usec = await client.time()
-        return int(sec) * 1000 + int(usec) // 1000
-    finally:
-        await client.aclose()
-
-
-async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[str], since_ms: int,
-                     timeout_s: float, abort: Callable[[], bool] = lambda: False) -> bool:
-    """Until /readyz answers 200 and each of ``worker_ids`` has sent a heartbeat since
-    ``since_ms`` (Redis time; entries of an earlier stack do not count): True. False when
-    ``abort()`` (Ctrl-C while starting); raises when a child died or time ran out."""
-    import redis.asyncio as aioredis
-
-    from limiter.keys import PoolKeys
-
-    started = time.monotonic()
-    deadline = started + timeout_s
-    next_report = started + READY_REPORT_S
-    client = aioredis.from_url(stack.redis_url)
-    keys = PoolKeys(cfg.pools[0].name)
-    try:
-        async with aiohttp.ClientSession() as session:
-            while True:
-                if abort():
-                    return False
-                if (dead := stack.exited()) is not None:
-                    raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode} while starting")
-                if (rc := stack.redis_exited()) is not None:
-                    raise RuntimeError(f"redis-server exited with {rc} while starting")
-                missing = ""
-                try:
-                    wait_s = min(2.0, max(0.05, deadline - time.monotonic()))  # never past the deadline
-                    async with session.get(
-                        f"{stack.base_url}/readyz", timeout=aiohttp.ClientTimeout(total=wait_s)
-                    ) as r:
-                        if r.status != 200:
-                            missing = f"/readyz answers {r.status} ({(await r.text())[:200]})"
-                except (aiohttp.ClientError, TimeoutError) as exc:
-                    # (the port is bound before a frontend serves it: a request may wait in
-                    # the socket's backlog until the frontend is up)
-                    missing = f"/readyz does not answer yet ({type(exc).__name__})"
-                if not missing:
-                    async with client.pipeline(transaction=False) as pipe:
-                        for w in worker_ids:  # (ZSCORE: the documented ACL user has no ZMSCORE)
-                            pipe.zscore(keys.workers, w)
-                        seen = await pipe.execute() if worker_ids else []
-                    silent = [w for w, s in zip(worker_ids, seen, strict=True) if s is None or s < since_ms]
-                    if not silent:
-                        return True
-                    missing = f"no heartbeat yet from {', '.join(silent)}"
-                now = time.monotonic()
-                if now > deadline:
-                    raise RuntimeError(f"the stack was not ready within {timeout_s:g} s: {missing}")
-                if now >= next_report:  # never wait silently
-                    say(f"qos up: not ready after {now - started:.0f} s: {missing}", err=True)
-                    next_report = now + READY_REPORT_S
-                await asyncio.sleep(0.2)
-    finally:
-        await client.aclose()
 
 
 def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | EmbeddedRedis | None]:
@@ -434,13 +221,13 @@ def run(args: argparse.Namespace) -> int:
         return signals["count"] > stop_after["base"]
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    stack: Stack | None = None
+    stack: UpStack | None = None
     rc = 0
     try:
         redis_url, redis_server = start_redis(args)
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         host = f"[{host}]" if ":" in host else host
-        stack = Stack(redis_url=redis_url, base_url=f"http://{host}:{args.port}", redis=redis_server,
+        stack = UpStack(redis_url=redis_url, base_url=f"http://{host}:{args.port}", redis=redis_server,
                       restart=args.restart, lease_ms=cfg.pools[0].lease_ms)
         env = dict(os.environ, QOS_REDIS_URL=redis_url)
         since_ms = asyncio.run(redis_time_ms(redis_url))
@@ -466,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             return signals["count"] > 0 or verdict["rc"] is not None
 
         if args.demo_load:
-            from limiter.demo_load import run_demo_load
+            from limiter.localstack.demo_load import run_demo_load
 
             asyncio.run(run_demo_load(stack.base_url, cfg, args.engine, args.demo_duration, should_stop))
         else:

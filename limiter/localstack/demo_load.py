@@ -1,7 +1,7 @@
 """``qos up --demo-load``: a mixed P0/P1/P2 open-loop load and a live per-class table.
 
 P0 sends short interactive prompts, P1 medium ones, P2 a batch stream of long prompts —
-the seed's scenario in miniature — each class with its own demo key. The table shows what
+the original problem's scenario in miniature — each class with its own demo key. The table shows what
 each class's clients see: requests, p50/p99 TTFT and TPOT, the longest stall, 429/503s.
 """
 
@@ -17,7 +17,14 @@ from rich.live import Live
 from rich.table import Table
 
 from limiter.config import QosConfig
-from limiter.loadgen import ClassLoad, Result, make_prompt, percentile, poisson_schedule, stream_completion
+from limiter.localstack.loadgen import (
+    ClassLoad,
+    Result,
+    make_prompt,
+    percentile,
+    poisson_schedule,
+    stream_completion,
+)
 
 
 def demo_loads(engine: str) -> list[ClassLoad]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from limiter.localstack.sse import sse_chunks
+
 
 @dataclass
 class Result:
@@ -98,14 +100,9 @@ async def stream_completion(
                 except (aiohttp.ContentTypeError, KeyError, TypeError, json.JSONDecodeError):
                     res.error = f"http_{resp.status}"
                 return res
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
+            async for chunk in sse_chunks(resp.content):
+                if chunk is None:
                     break
-                chunk = json.loads(data)
                 if chunk.get("error"):
                     res.error = chunk["error"].get("code") or "stream_error"
                     break

@@ -10,8 +10,8 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from limiter.bench.redis_proc import free_port
 from limiter.errors import ConfigError
+from limiter.localstack.redis_server import free_port
 
 
 class EmbeddedRedis:
