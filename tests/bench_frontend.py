@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from limiter.localstack.launcher import answers_ok, spawn, stop_process  # noqa: E402
-from tests.redis_server import RedisServer, free_port  # noqa: E402
+from tests.support.redis_server import RedisServer, free_port  # noqa: E402
 
 WORKER = """
 import asyncio, sys
 sys.path.insert(0, sys.argv[2])
 import redis.asyncio as aioredis
 from limiter.keys import PoolKeys
-from tests.fake_worker import FakeWorker
+from tests.support.fake_worker import FakeWorker
 
 async def main():
     async with FakeWorker(aioredis.from_url(sys.argv[1]), PoolKeys("tiny"), fixed_text="k"):

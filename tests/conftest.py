@@ -9,7 +9,7 @@ import redis.asyncio as aioredis
 from limiter.config import demo_config
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts, policy_document
-from tests.redis_server import RedisClusterServers, RedisServer
+from tests.support.redis_server import RedisClusterServers, RedisServer
 
 if shutil.which("redis-server") is None:  # pragma: no cover - CI installs it
     raise RuntimeError("redis-server is required for the test suite")
@@ -66,7 +66,7 @@ async def pool(scripts: Scripts, cfg) -> PoolKeys:
 @pytest.fixture
 async def worker_env(redis_server: RedisServer, sync_redis, tmp_path):
     """A config file for the worker tests and a client that admits and reads replies."""
-    from tests.worker_helpers import Client, config
+    from tests.support.worker_helpers import Client, config
 
     cfg = config(tmp_path / "qos.toml", redis_server.url)
     r = aioredis.from_url(redis_server.url)

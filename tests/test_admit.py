@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 
 from limiter.config import demo_config
 from limiter.errors import Overloaded, QueueFull, TenantBusy, Throttled
-from tests.helpers import admit, class_cfg, dump_all, init_pool
+from tests.support.helpers import admit, class_cfg, dump_all, init_pool
 
 
 async def _flood(scripts, keys, duration_s: float, **kw) -> list[tuple[int, float]]:

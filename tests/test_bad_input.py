@@ -9,7 +9,7 @@ from redis.exceptions import ResponseError
 
 from limiter.keys import PoolKeys
 from limiter.scripts import SCRIPT_NAMES, lifecycle_keys, script_source
-from tests.helpers import admit, dump_all
+from tests.support.helpers import admit, dump_all
 
 K = PoolKeys("tiny")
 GOOD = {

@@ -12,7 +12,7 @@ import pytest
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
 from limiter.scripts import policy_document
-from tests.helpers import admit, class_cfg, init_pool
+from tests.support.helpers import admit, class_cfg, init_pool
 
 
 async def _redis_ms(client) -> int:
@@ -263,7 +263,7 @@ async def test_avoided_tenants_are_skipped_in_their_classes_only(scripts, pool):
 async def test_a_bad_avoid_list_is_refused_and_changes_nothing(scripts, pool, sync_redis, avoid, avoid_from,
                                                                error):
     from limiter.scripts import lifecycle_keys, script_source
-    from tests.helpers import dump_all
+    from tests.support.helpers import dump_all
 
     await admit(scripts, pool, cls="P1", tenant="a", request_id="r1", input_tokens=1, max_tokens=1)
     sha = sync_redis.script_load(script_source("claim"))

@@ -9,8 +9,8 @@ from redis.crc import key_slot
 from limiter.config import demo_config
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts, lifecycle_keys, policy_document
-from tests.helpers import admit
-from tests.redis_server import pools_on_different_shards
+from tests.support.helpers import admit
+from tests.support.redis_server import pools_on_different_shards
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import dataclasses
 from limiter.config import PoolConfig, RedisConfig, demo_config
 from limiter.controller.service import Controller
 from limiter.keys import PoolKeys
-from tests.controller_helpers import fast_settings, push, sample, wait_for
+from tests.support.controller_helpers import fast_settings, push, sample, wait_for
 
 
 async def test_the_controller_leads_consumes_and_decides_on_a_cluster(redis_cluster) -> None:

@@ -10,7 +10,7 @@ import msgpack
 import pytest
 
 from limiter.keys import SAMPLES_GROUP
-from tests.controller_helpers import metric, pool_controller, push, redis_ms, sample
+from tests.support.controller_helpers import metric, pool_controller, push, redis_ms, sample
 
 
 async def _group(client, keys) -> None:

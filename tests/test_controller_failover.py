@@ -18,7 +18,7 @@ import redis
 
 from limiter.keys import PoolKeys
 from limiter.localstack import launcher
-from tests.redis_server import RedisServer, free_port
+from tests.support.redis_server import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 LEASE_S, RENEW_S = 1.0, 0.2

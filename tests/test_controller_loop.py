@@ -18,8 +18,16 @@ from limiter.controller.service import Controller
 from limiter.errors import PolicyMissing
 from limiter.keys import SAMPLES_GROUP
 from limiter.scripts import Scripts
-from tests.controller_helpers import fast_settings, metric, pool_controller, push, redis_ms, sample, wait_for
-from tests.redis_server import free_port
+from tests.support.controller_helpers import (
+    fast_settings,
+    metric,
+    pool_controller,
+    push,
+    redis_ms,
+    sample,
+    wait_for,
+)
+from tests.support.redis_server import free_port
 
 
 async def _traffic(client, keys, stop: asyncio.Event) -> None:

@@ -10,8 +10,8 @@ import dataclasses
 from limiter.config import RedisConfig, demo_config
 from limiter.controller.service import Controller
 from limiter.keys import PoolKeys
-from tests.controller_helpers import fast_settings, metric, push, redis_ms, sample, wait_for
-from tests.redis_server import RedisServer
+from tests.support.controller_helpers import fast_settings, metric, push, redis_ms, sample, wait_for
+from tests.support.redis_server import RedisServer
 
 
 async def test_the_controller_rides_out_a_redis_restart() -> None:

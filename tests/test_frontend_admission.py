@@ -13,8 +13,8 @@ import msgpack
 import pytest
 
 from limiter.samples import decode_sample
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
+from tests.support.fake_worker import FakeWorker
+from tests.support.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
 
 # Tenant "slow": 20 weighted tokens/s, burst 20. A request "ab" with max_tokens 7 costs
 # 3 (2 bytes + BOS) + 7 = 10, and the fixed-text worker uses all 7: no refund blurs the math.
@@ -216,7 +216,7 @@ async def test_policy_missing_is_reinitialised(client, aredis, sync_redis):
 
 
 async def test_redis_down_is_503_not_ready(sync_redis):
-    from tests.redis_server import free_port
+    from tests.support.redis_server import free_port
 
     cfg = make_cfg(f"redis://127.0.0.1:{free_port()}/0")
     async with frontend(cfg) as client:

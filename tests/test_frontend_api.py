@@ -12,11 +12,11 @@ import pytest
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import FRONTEND
 from limiter.prompt import Payload, count_tokens, render_chat
-from tests.frontend_helpers import POOL, auth, fe_of
+from tests.support.frontend_helpers import POOL, auth, fe_of
 
 # Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
-from tests.frontend_helpers import client_fixture as client_fixture
-from tests.frontend_helpers import fake_worker_fixture as fake_worker_fixture
+from tests.support.frontend_helpers import client_fixture as client_fixture
+from tests.support.frontend_helpers import fake_worker_fixture as fake_worker_fixture
 
 ONE_TOKEN = {"model": "tiny", "prompt": "x", "max_tokens": 1}
 

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from tests.body_strategies import FIELDS
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
+from tests.support.body_strategies import FIELDS
+from tests.support.fake_worker import FakeWorker
+from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"

@@ -23,10 +23,10 @@ from limiter.errors import ConfigError
 from limiter.frontend.settings import load_settings
 from limiter.localstack import launcher
 from limiter.localstack.toml_writer import toml_dumps
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL
-from tests.helpers import three_classes
-from tests.redis_server import RedisServer, free_port
+from tests.support.fake_worker import FakeWorker
+from tests.support.frontend_helpers import POOL
+from tests.support.helpers import three_classes
+from tests.support.redis_server import RedisServer, free_port
 
 # Cost of this request: "ab" = 3 tokens (2 bytes + BOS) + 7 reserved = 10; the fixed-text
 # worker uses all 7, so nothing is refunded and a 100-token burst admits exactly 10.

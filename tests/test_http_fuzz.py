@@ -34,9 +34,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from limiter.config import DEMO_ADMIN_KEY, DEMO_KEYS
-from tests.body_strategies import FIELDS, JSON
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, frontend, make_cfg, tenant
+from tests.support.body_strategies import FIELDS, JSON
+from tests.support.fake_worker import FakeWorker
+from tests.support.frontend_helpers import POOL, frontend, make_cfg, tenant
 
 GEN = ("/v1/chat/completions", "/v1/completions")
 PATHS = (*GEN * 5, "/v1/models", "/v1/qos/status", "/healthz", "/readyz", "/metrics")

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
 from limiter.scripts import policy_document
-from tests.helpers import admit
+from tests.support.helpers import admit
 
 
 async def _claim_one(scripts, pool, worker="w1", lease_ms=0):

@@ -13,9 +13,9 @@ import redis.asyncio as aioredis
 
 from limiter.frontend.replies import REPLY_TTL_S
 from limiter.heartbeats import PRUNE_BATCH, prune_stale
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
-from tests.worker_helpers import worker
+from tests.support.fake_worker import FakeWorker
+from tests.support.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
+from tests.support.worker_helpers import worker
 
 LUA = Path(__file__).resolve().parent.parent / "lua"
 

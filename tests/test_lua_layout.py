@@ -15,7 +15,7 @@ from limiter.config import demo_config
 from limiter.errors import ScriptError
 from limiter.keys import PoolKeys
 from limiter.scripts import SCRIPT_NAMES, Scripts, load_script, lua_dir, policy_document, script_source
-from tests.helpers import admit
+from tests.support.helpers import admit
 
 
 def _lua_tree(tmp_path: Path, files: dict[str, str]) -> Path:

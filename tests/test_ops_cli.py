@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from limiter.cli import main
-from tests.helpers import admit
+from tests.support.helpers import admit
 
 
 async def test_status_json_has_the_documented_fields(scripts, pool, redis_server, capsys):

@@ -1,9 +1,9 @@
-"""The closed loop on the simulated pool (tests/plant.py) settles, and the check can fail.
+"""The closed loop on the simulated pool (tests/support/plant.py) settles, and the check can fail.
 
 A pool of 100k weighted tokens/s is offered P0 45 %, P1 30 % and P2 5 % of capacity. At
 t = 20 s one of three steps happens: P2 floods at 3x the pool, P2 triples its own load, or
 P1 surges to 60 %. Separately, a quarter of the pool disappears. The metrics are measured
-over 120 simulated seconds (definitions: tests.plant.StepMetrics) and printed (pytest -s).
+over 120 simulated seconds (definitions: tests.support.plant.StepMetrics) and printed (pytest -s).
 The same harness must fail a naive law.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from limiter.controller.control_law import ClassRates, ControlConfig
-from tests.plant import PlantConfig, StepMetrics, Trace, admit, simulate, step_load, step_metrics
+from tests.support.plant import PlantConfig, StepMetrics, Trace, admit, simulate, step_load, step_metrics
 
 C = 100_000.0
 STEP_S = 20.0

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.qos_up import QOS, start_qos_up, stop_qos_up
-from tests.redis_server import free_port
+from tests.support.qos_up import QOS, start_qos_up, stop_qos_up
+from tests.support.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

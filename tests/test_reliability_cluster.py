@@ -18,8 +18,8 @@ import pytest
 from redis.asyncio.cluster import RedisCluster
 
 from limiter.keys import PoolKeys
-from tests.redis_server import RedisClusterServers, pools_on_different_shards
-from tests.reliability_stack import (
+from tests.support.redis_server import RedisClusterServers, pools_on_different_shards
+from tests.support.reliability_stack import (
     LiveStack,
     Load,
     Recorder,

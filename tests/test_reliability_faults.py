@@ -3,7 +3,7 @@
 Each test starts a stack (``redis-server``, ``qos frontend`` x N, ``qos worker --engine sim``
 x M, ``qos controller`` x 2 where it matters), drives a load through the HTTP API, injects
 its fault while requests are in flight, and then holds the run to the ledger
-(tests/reliability_stack.py): every request the clients sent ended exactly once, with a
+(tests/support/reliability_stack.py): every request the clients sent ended exactly once, with a
 complete, coherent answer or an error that names its code (never a hang, never a silent
 drop); every admitted request reached exactly one terminal state in Redis and was charged
 exactly what it used; and once the short record TTL passed no per-request key is left and
@@ -36,10 +36,10 @@ from limiter.config import demo_config
 from limiter.frontend.replies import Heartbeat
 from limiter.keys import SAMPLES_GROUP, PoolKeys
 from limiter.scripts import policy_document
-from tests.frontend_helpers import fe_of, frontend, make_cfg
-from tests.helpers import admit
-from tests.redis_server import RedisServer
-from tests.reliability_stack import (
+from tests.support.frontend_helpers import fe_of, frontend, make_cfg
+from tests.support.helpers import admit
+from tests.support.redis_server import RedisServer
+from tests.support.reliability_stack import (
     KEY_P0,
     KEY_P1,
     LiveStack,

@@ -59,7 +59,7 @@ from limiter.config import ClassConfig, PoolConfig, QosConfig
 from limiter.errors import AdmissionRejected, LeaseLost
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts, policy_document
-from tests.helpers import dump_all
+from tests.support.helpers import dump_all
 
 KEYS = PoolKeys("model")
 CLASSES = (

@@ -32,10 +32,10 @@ from limiter.config import ConfigError, demo_config, hash_key, parse
 from limiter.errors import InvalidArgument, InvalidName
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
-from tests.helpers import admit
-from tests.reliability_stack import ROOT, toml_dumps
+from tests.support.fake_worker import FakeWorker
+from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
+from tests.support.helpers import admit
+from tests.support.reliability_stack import ROOT, toml_dumps
 
 COMP = "/v1/completions"
 CHAT = "/v1/chat/completions"

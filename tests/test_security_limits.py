@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
-from tests.fake_worker import FakeWorker
-from tests.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
-from tests.redis_server import RedisServer
-from tests.reliability_stack import KEY_P1, LiveStack, base_config
+from tests.support.fake_worker import FakeWorker
+from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
+from tests.support.redis_server import RedisServer
+from tests.support.reliability_stack import KEY_P1, LiveStack, base_config
 
 COMP = "/v1/completions"
 

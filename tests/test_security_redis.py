@@ -36,8 +36,8 @@ import redis
 import redis.asyncio as aioredis
 
 from limiter.keys import PoolKeys
-from tests.redis_server import RedisServer, free_port
-from tests.reliability_stack import (
+from tests.support.redis_server import RedisServer, free_port
+from tests.support.reliability_stack import (
     KEY_P1,
     ROOT,
     LiveStack,

@@ -30,8 +30,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from limiter.keys import PoolKeys
-from tests.redis_server import RedisServer
-from tests.reliability_stack import (
+from tests.support.redis_server import RedisServer
+from tests.support.reliability_stack import (
     KEY_P0,
     KEY_P1,
     KEY_P2,

@@ -18,9 +18,9 @@ from limiter.frontend.settings import FrontendSettings
 from limiter.keys import PoolKeys
 from limiter.prompt import ChatMessage
 from limiter.token_count import FileCounter, counter_for
-from tests.fake_upstream import FakeUpstream, fake_prompt_tokens
-from tests.frontend_helpers import auth, frontend, make_cfg, redis_state
-from tests.worker_helpers import worker
+from tests.support.fake_upstream import FakeUpstream, fake_prompt_tokens
+from tests.support.frontend_helpers import auth, frontend, make_cfg, redis_state
+from tests.support.worker_helpers import worker
 from worker.settings import load_settings
 
 POOL = PoolKeys("tiny")

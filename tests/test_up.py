@@ -12,8 +12,8 @@ from pathlib import Path
 
 import openai
 
-from tests.qos_up import QOS, start_qos_up, stop_qos_up
-from tests.redis_server import free_port
+from tests.support.qos_up import QOS, start_qos_up, stop_qos_up
+from tests.support.redis_server import free_port
 
 
 def _children(pid: int) -> list[int]:

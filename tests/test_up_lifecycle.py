@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.redis_server import free_port
-from tests.up_stack import Up, alive, children, complete, stream, wait_for, write_config
+from tests.support.redis_server import free_port
+from tests.support.up_stack import Up, alive, children, complete, stream, wait_for, write_config
 
 
 def _role_pids(up: Up) -> dict[str, int]:
@@ -338,7 +338,7 @@ def test_qos_up_runs_against_a_redis_with_the_documented_acl_user(tmp_path):
     """`qos up --redis-url` as an operator with the least-privilege user of docs/reliability.md:
     ready, serving, stopped cleanly, and not one command refused (its own readiness check,
     the pruning and the reply-stream TTL included)."""
-    from tests.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
     from tests.test_security_redis import ADMIN, PASSWORD, create_acl_user
 
     server = RedisServer().start()

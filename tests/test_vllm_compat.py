@@ -22,12 +22,12 @@ from torch import nn
 
 from limiter.errors import InvalidArgument
 from limiter.prompt import ChatMessage, Payload, count_tokens, render_chat
-from tests.frontend_helpers import auth, fe_of, frontend, make_cfg
+from tests.support.frontend_helpers import auth, fe_of, frontend, make_cfg
 
 # Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
-from tests.frontend_helpers import client_fixture as client_fixture
-from tests.frontend_helpers import fake_worker_fixture as fake_worker_fixture
-from tests.worker_helpers import worker
+from tests.support.frontend_helpers import client_fixture as client_fixture
+from tests.support.frontend_helpers import fake_worker_fixture as fake_worker_fixture
+from tests.support.worker_helpers import worker
 from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine
@@ -56,7 +56,7 @@ async def test_health_is_readiness(client):
 
 
 async def test_health_is_503_while_not_ready(sync_redis):
-    from tests.redis_server import free_port
+    from tests.support.redis_server import free_port
 
     async with frontend(make_cfg(f"redis://127.0.0.1:{free_port()}/0")) as c:  # nothing listens there
         r = await c.get("/health")
@@ -316,7 +316,7 @@ async def test_worker_passes_ignore_eos_and_min_tokens_to_the_torch_engine(worke
 async def test_redis_outage_errors_name_no_address():
     """When Redis goes away under a running frontend, the 503 a client gets and the public
     /readyz reason say what is wrong without the store's address or the driver's text."""
-    from tests.redis_server import RedisServer
+    from tests.support.redis_server import RedisServer
 
     with RedisServer() as server:
         async with frontend(make_cfg(server.url)) as c:

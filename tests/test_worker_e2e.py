@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from limiter.prompt import count_tokens
-from tests.redis_server import free_port
-from tests.worker_helpers import Client, worker
+from tests.support.redis_server import free_port
+from tests.support.worker_helpers import Client, worker
 from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.sim import PLACEHOLDER, SimEngine

@@ -17,8 +17,8 @@ from pathlib import Path
 import redis.asyncio as aioredis
 import torch
 
-from tests.redis_server import RedisServer
-from tests.worker_helpers import Client, config, spawn_worker, stop_process, write_config
+from tests.support.redis_server import RedisServer
+from tests.support.worker_helpers import Client, config, spawn_worker, stop_process, write_config
 from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.torch_engine import TorchEngine

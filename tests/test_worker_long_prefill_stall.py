@@ -14,8 +14,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
-from tests.redis_server import RedisServer
-from tests.worker_helpers import Client, config, worker
+from tests.support.redis_server import RedisServer
+from tests.support.worker_helpers import Client, config, worker
 
 LONG = 32768  # prompt tokens (UTF-8 bytes + BOS)
 

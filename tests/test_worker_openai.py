@@ -12,10 +12,10 @@ import pytest
 from limiter.cli import main
 from limiter.errors import ConfigError
 from limiter.prompt import ChatMessage, render_chat
-from tests.fake_upstream import FakeUpstream
-from tests.frontend_helpers import auth, frontend, make_cfg
-from tests.redis_server import free_port
-from tests.worker_helpers import spawn_worker, stop_process, worker, write_config
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.frontend_helpers import auth, frontend, make_cfg
+from tests.support.redis_server import free_port
+from tests.support.worker_helpers import spawn_worker, stop_process, worker, write_config
 from worker.cli import upstream_env
 from worker.upstream import Breaker
 

@@ -7,7 +7,7 @@ import pytest
 
 from limiter.prompt import count_tokens
 from limiter.samples import decode_sample
-from tests.worker_helpers import worker
+from tests.support.worker_helpers import worker
 
 # The sample times the engine producing a token; Redis records when its push landed (one
 # round trip later, more on a loaded 2-core test box). The local estimate of Redis time is

@@ -26,13 +26,13 @@ from limiter.localstack.launcher import module_argv, spawn
 from limiter.localstack.toml_writer import write_toml
 from limiter.prompt import Payload, count_tokens
 from limiter.scripts import Scripts, policy_document, unpack_token_ids
-from tests.helpers import three_classes
+from tests.support.helpers import three_classes
 from worker.engines.base import Engine
 from worker.main import build_worker, run_worker
 from worker.runtime import WorkerRuntime
 from worker.settings import load_settings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 FE = "fe1"
 _ids = itertools.count(1)
 

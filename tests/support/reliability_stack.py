@@ -42,9 +42,9 @@ from limiter.keys import PoolKeys
 from limiter.localstack.launcher import answers_ok, module_argv, spawn, stop_process
 from limiter.localstack.sse import sse_chunks
 from limiter.localstack.toml_writer import toml_dumps
-from tests.redis_server import free_port
+from tests.support.redis_server import free_port
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PLACEHOLDER = b"simulated output "  # worker/engines/sim.py: token = PLACEHOLDER[position % 17]
 TERMINAL = ("done", "failed", "expired", "cancelled")
 KEY_P0, KEY_P1, KEY_P2 = "rel-key-p0", "rel-key-p1", "rel-key-p2"

@@ -19,8 +19,8 @@ from limiter.config import hash_key
 from limiter.localstack.launcher import spawn, wait_for
 from limiter.localstack.sse import sse_data
 from limiter.localstack.toml_writer import write_toml
-from tests.helpers import three_classes
-from tests.qos_up import QOS
+from tests.support.helpers import three_classes
+from tests.support.qos_up import QOS
 
 KEY = "key-user"
 

@@ -15,7 +15,7 @@ from limiter.frontend.app import create_app
 from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import PoolKeys
-from tests.fake_worker import FakeWorker
+from tests.support.fake_worker import FakeWorker
 
 POOL = PoolKeys("tiny")
 
@@ -60,7 +60,7 @@ async def client_fixture(redis_server: Any, sync_redis: Any) -> AsyncIterator[Te
 
 @pytest.fixture(name="fake_worker")
 async def fake_worker_fixture(aredis: Any) -> AsyncIterator[FakeWorker]:
-    """The in-test worker (tests/fake_worker.py) serving the demo pool."""
+    """The in-test worker (tests/support/fake_worker.py) serving the demo pool."""
     async with FakeWorker(aredis, POOL) as w:
         yield w
 

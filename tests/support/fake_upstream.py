@@ -10,7 +10,7 @@ from typing import Any
 
 from aiohttp import web
 
-from tests.redis_server import free_port
+from tests.support.redis_server import free_port
 
 
 def words(text: str) -> int:

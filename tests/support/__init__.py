@@ -1,0 +1,1 @@
+"""Shared test helpers: Redis servers, fake workers and upstreams, stacks, configs, clients."""
