@@ -29,13 +29,18 @@ class Backoff:
 
     async def failed(self, exc: BaseException | None = None) -> float:
         """Sleep before the next attempt; returns the delay slept."""
+        await asyncio.sleep(self.next_delay(exc))
+        return self.delay_s
+
+    def next_delay(self, exc: BaseException | None = None) -> float:
+        """Record a failure and return the delay before the next attempt, without sleeping
+        (for a loop that waits on its own, e.g. for a stop event meanwhile)."""
         self.delay_s = min(self.max_s, max(self.first_s, self.delay_s * 2))
         if self._down_since is None:
             self._down_since = time.monotonic()
             if self.log:
                 self.log.warning("%s: %s; retrying every %.2g-%.2g s until it answers", self.what, exc,
                                  self.delay_s, self.max_s)
-        await asyncio.sleep(self.delay_s)
         return self.delay_s
 
     def succeeded(self) -> None:

@@ -51,3 +51,10 @@ def test_logs_once_when_it_goes_down_and_once_when_it_comes_back(
     assert len(lines) == 2, lines
     assert lines[0][0] == "WARNING" and "reply stream s: refused" in lines[0][1]
     assert lines[1][0] == "INFO" and "working again" in lines[1][1]
+
+
+def test_next_delay_records_a_failure_without_sleeping(slept: list[float]) -> None:
+    b = Backoff("heartbeat", first_s=1.0, max_s=1.0)
+    assert [b.next_delay(), b.next_delay()] == [1.0, 1.0]
+    b.succeeded()
+    assert b.delay_s == 0.0 and slept == []

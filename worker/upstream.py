@@ -64,6 +64,7 @@ from typing import Any
 
 import aiohttp
 
+from limiter.backoff import Backoff
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
 from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
@@ -313,16 +314,16 @@ class UpstreamLoop:
             self._busy_since = None
 
     async def _finish(self, d: Delivery, result: Result) -> None:
-        backoff = 0.2
+        backoff = Backoff(f"{d.request_id}: complete", first_s=0.2, max_s=5.0, logger=log)
         while d.request_id in self.rt.held:
             try:
                 await self.rt.finish(d, *result)
             except PolicyMissing:  # Redis restarted empty: re-create the pool; the record is gone
                 await self.rt.guard("pool", self.rt.ensure_pool())
             except RedisUnavailable as exc:
-                log.warning("%s: complete failed (%s); retrying", d.request_id, exc)
-                await asyncio.sleep(backoff)
-                backoff = min(5.0, backoff * 2)
+                await backoff.failed(exc)
+            else:
+                backoff.succeeded()
 
     def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
         """The upstream request. Raises ValueError for a chat payload without its messages."""

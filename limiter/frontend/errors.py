@@ -112,7 +112,7 @@ def to_api_error(exc: BaseException) -> ApiError:
         return ApiError(400, str(exc), code="invalid_value", param=exc.field)
     if isinstance(exc, RedisUnavailable | PolicyMissing | RedisConnectionError | RedisTimeoutError):
         # The client learns what happened, not the store's address or the driver's text (the
-        # heartbeat loop logs the outage once per beat; per request it would flood the log).
+        # heartbeat loop logs the outage once when it starts; per request it would flood the log).
         log.debug("Redis unavailable: %s", exc)
         return ApiError(503, "Service temporarily unavailable: the request queue cannot be reached; retry "
                         "shortly", code="redis_unavailable", retry_after_s=1, outcome="unavailable")

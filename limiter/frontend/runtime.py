@@ -17,6 +17,7 @@ from typing import Any
 from aiohttp import web
 
 from limiter import token_count
+from limiter.backoff import Backoff
 from limiter.config import PoolConfig, QosConfig
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import KeyRing
@@ -95,6 +96,10 @@ class Frontend:
     async def _heartbeat_loop(self) -> None:
         loop = asyncio.get_running_loop()
         next_reap = loop.time() + self.settings.reap_s
+        # Through an outage it keeps beating at its period (the back-off only logs: once when
+        # the outage starts, once when a beat succeeds again).
+        backoff = Backoff("heartbeat", first_s=self.settings.heartbeat_s, max_s=self.settings.heartbeat_s,
+                          logger=log)
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.heartbeat_s):
@@ -115,7 +120,9 @@ class Frontend:
                 raise
             except Exception as exc:  # keep beating through outages; readiness reports it
                 self.metrics.redis_errors.labels("heartbeat").inc()
-                log.warning("heartbeat failed: %s", exc)
+                backoff.next_delay(exc)
+            else:
+                backoff.succeeded()
 
     async def stop(self) -> None:
         # Cancels started by handlers (client gone, shutdown) must reach Redis first.
