@@ -147,7 +147,7 @@ async def test_worker_kill_9_at_random_moments_loses_nothing(
             next_id = 3
             for _ in range(size.faults):
                 await asyncio.sleep(rng.uniform(1.0, 2.5))
-                holders = [w for w in stack.of("worker") if w.alive()]
+                holders = [w for w in stack.of("worker") if w.running]
                 leased = {m.decode() for m in await r.zrange(POOL.leases, 0, -1)}
                 owners = {}
                 for rid in leased:
@@ -518,7 +518,7 @@ async def test_redis_restart_with_aof_keeps_queued_requests(
 
             async def resumed() -> None:
                 # workers and the controller carried on by themselves (same processes, fresh beats)
-                assert all(p.alive() for p in stack.procs.values())
+                assert all(p.running for p in stack.procs.values())
                 beats = await r.zrange(POOL.workers, 0, -1, withscores=True)
                 now = await redis_ms(r)
                 assert {m.decode() for m, s in beats if now - s < 2000} >= {"w0", "w1"}

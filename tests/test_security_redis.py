@@ -85,7 +85,7 @@ async def ready_stack(
 
 
 async def quick_load(stack: LiveStack, admin: aioredis.Redis, n: int, tag: str) -> str:
-    via = [p.name for p in stack.of("frontend") if p.alive()]
+    via = [p.name for p in stack.of("frontend") if p.running]
     outcomes = await drive(stack, via, Load(n=n, concurrency=8, max_tokens=(5, 30), tag=tag))
     # P2 may be refused (429: it could not start in time) or, past a short max wait, expire (503)
     rep = check_outcomes(outcomes, allowed_codes=("max_wait_exceeded", "queue_timeout"))
@@ -165,10 +165,10 @@ async def test_the_whole_stack_runs_under_the_documented_acl_user(tmp_path: Path
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
         # a worker drains (release), a frontend leaves; the rest keep serving
-        stack.procs["w1"].signal(signal.SIGTERM)
+        stack.procs["w1"].send_signal(signal.SIGTERM)
         stack.procs["fe1"].stop()
         lines.append(await quick_load(stack, admin, 20, "c"))
-        assert stack.procs["w1"].popen is not None and stack.procs["w1"].popen.wait(20) == 0
+        assert stack.procs["w1"].proc is not None and stack.procs["w1"].proc.wait(20) == 0
         await wait_clean(admin, ["tiny"])
         admitted, _, outcomes = await server_ledger(admin, ["tiny"])
         denied = await admin.execute_command("ACL", "LOG")

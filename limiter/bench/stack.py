@@ -17,11 +17,10 @@ import argparse
 import asyncio
 import contextlib
 import os
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import msgpack
 import redis.asyncio as aioredis
@@ -39,20 +38,14 @@ class LoggedStack(Stack):
     def __init__(self, *args: Any, log_dir: Path, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.log_dir = log_dir
-        self._logs: list[IO[bytes]] = []
         self.env: dict[str, str] = {}  # what the children were started with (a restart reuses it)
 
     def start(self, child: Child, env: dict[str, str], **popen: Any) -> None:
-        log = open(self.log_dir / f"{child.name}.log", "ab")  # a restarted child appends
-        self._logs.append(log)
-        super().start(child, env, stdout=log, stderr=subprocess.STDOUT, **popen)
+        child.log = self.log_dir / f"{child.name}.log"  # a restarted child appends
+        super().start(child, env, **popen)
 
     def stop(self, timeout_s: float = 20.0) -> None:  # type: ignore[override]
-        try:
-            super().stop({"frontend": timeout_s, "worker": timeout_s, "controller": timeout_s})
-        finally:
-            for log in self._logs:
-                log.close()
+        super().stop({"frontend": timeout_s, "worker": timeout_s, "controller": timeout_s})
 
 
 @dataclass(frozen=True)

@@ -52,7 +52,8 @@ def say(line: str, err: bool = False) -> None:
 
 @dataclass
 class Child:
-    """One role process of a :class:`Stack` (the restart fields serve ``qos up --restart``)."""
+    """One role process (of a :class:`Stack`, or of a test's stack); the restart fields serve
+    ``qos up --restart``."""
 
     name: str
     role: str  # frontend | controller | worker
@@ -60,15 +61,66 @@ class Child:
     worker_id: str = ""  # workers: the id it was first started with
     proc: subprocess.Popen | None = None
     sock: socket.socket | None = None  # frontends: the listening socket it inherits
+    log: Path | None = None  # its output goes there (appended); None: inherited, or as ``popen`` says
+    port: int = 0  # the port it serves on when it has one of its own (0: none, or the stack's)
     started: float = 0.0
     quick_deaths: int = 0  # deaths in a row, each within RESTART_RESET_S of its start
     restarts: int = 0
     restart_at: float | None = None  # --restart: when to start it again
     gone: bool = False  # dead and not coming back
 
+    def launch(self, env: dict[str, str], *extra: str, **spawn_args: Any) -> Child:
+        """Start ``argv`` and ``extra`` (:func:`spawn`; the output to ``log`` if set)."""
+        self.proc = spawn([*self.argv, *extra], env, log=self.log, **spawn_args)
+        self.started = time.monotonic()
+        return self
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def url(self, path: str = "") -> str:
+        """``path`` on its own port (e.g. ``/readyz``)."""
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def send_signal(self, sig: int) -> None:
+        if self.running:
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+
+    def kill9(self) -> None:
+        """SIGKILL and reap: the process gets no chance to clean anything up."""
+        self.send_signal(signal.SIGKILL)
+        if self.proc is not None:
+            self.proc.wait(10)
+
+    def stop(self, timeout_s: float = 15.0) -> int | None:
+        """:func:`stop_process` with SIGTERM (None: never started, or killed past ``timeout_s``)."""
+        if self.proc is None:
+            return None
+        return stop_process(self.proc, signal.SIGTERM, timeout_s)
+
+    def rss_kb(self) -> int:
+        """Resident set size now (0 once the process is gone)."""
+        try:
+            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+        except (OSError, AssertionError):
+            pass
+        return 0
+
+    def tail(self, n: int = 30) -> str:
+        """The last ``n`` lines of its ``log`` ("" without one)."""
+        if self.log is not None:
+            with contextlib.suppress(OSError):
+                return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+        return ""
 
 
 @dataclass
@@ -85,12 +137,10 @@ class Stack:
         # A session per child: Ctrl-C in the terminal reaches `qos up` only, which then stops
         # the children in order (workers drain before Redis goes). The parent-death signal:
         # no child outlives `qos up` (SIGKILLed, or its terminal gone).
-        argv, fds = child.argv, ()
+        extra, fds = (), ()
         if child.sock is not None:
-            argv, fds = [*argv, "--listen-fd", str(child.sock.fileno())], (child.sock.fileno(),)
-        child.proc = spawn(argv, env, new_session=True, death_signal=PARENT_DEATH_SIGNAL, pass_fds=fds,
-                           **popen)
-        child.started = time.monotonic()
+            extra, fds = ("--listen-fd", str(child.sock.fileno())), (child.sock.fileno(),)
+        child.launch(env, *extra, new_session=True, death_signal=PARENT_DEATH_SIGNAL, pass_fds=fds, **popen)
         if child.sock is not None:
             # Our copy must go: the child's keeps the socket open, and once that child exits
             # the socket must close with it (connections refused), not stay listening here

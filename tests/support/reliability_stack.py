@@ -26,7 +26,6 @@ import json
 import math
 import os
 import signal
-import subprocess
 import time
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
@@ -39,7 +38,7 @@ import msgpack
 
 from limiter.config import hash_key
 from limiter.keys import PoolKeys
-from limiter.localstack.launcher import answers_ok, module_argv, spawn, stop_process
+from limiter.localstack.launcher import Child, answers_ok, module_argv
 from limiter.localstack.sse import sse_chunks
 from limiter.localstack.toml_writer import toml_dumps
 from tests.support.redis_server import free_port
@@ -134,64 +133,6 @@ def base_config(
 # --- processes --------------------------------------------------------------------------------
 
 
-@dataclass
-class Proc:
-    """One role process; its output goes to ``log`` (kept for a failing test's report)."""
-
-    name: str
-    role: str
-    argv: list[str]
-    log: Path
-    port: int = 0
-    popen: subprocess.Popen[bytes] | None = None
-    started: float = 0.0
-
-    def start(self, env: dict[str, str]) -> Proc:
-        # SIGKILL when the test process dies, even if pytest itself is killed
-        self.popen = spawn(self.argv, env, log=self.log, death_signal=signal.SIGKILL, cwd=ROOT)
-        self.started = time.monotonic()
-        return self
-
-    @property
-    def pid(self) -> int:
-        assert self.popen is not None
-        return self.popen.pid
-
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def signal(self, sig: int) -> None:
-        if self.alive():
-            assert self.popen is not None
-            self.popen.send_signal(sig)
-
-    def kill9(self) -> None:
-        """SIGKILL and reap: the process gets no chance to clean anything up."""
-        self.signal(signal.SIGKILL)
-        if self.popen is not None:
-            self.popen.wait(10)
-
-    def stop(self, timeout: float = 15.0) -> int | None:
-        if self.popen is None:
-            return None
-        return stop_process(self.popen, signal.SIGTERM, timeout)
-
-    def rss_kb(self) -> int:
-        """Resident set size now (0 once the process is gone)."""
-        try:
-            for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1])
-        except (OSError, AssertionError):
-            pass
-        return 0
-
-    def tail(self, n: int = 30) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        return ""
-
-
 class LiveStack:
     """Frontends, sim workers and controllers as real processes sharing one config file."""
 
@@ -200,7 +141,7 @@ class LiveStack:
         self.config = config
         self.path = tmp / "qos.toml"
         self.path.write_text(toml_dumps(config))
-        self.procs: dict[str, Proc] = {}
+        self.procs: dict[str, Child] = {}
         self.env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
         self.env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
 
@@ -208,15 +149,15 @@ class LiveStack:
         level = os.environ.get("QOS_REL_LOG_LEVEL", "WARNING")  # INFO to debug a failing run
         return module_argv(role, self.path, "--log-level", level, *args)
 
-    def _add(self, proc: Proc) -> Proc:
-        assert proc.name not in self.procs, proc.name
-        self.procs[proc.name] = proc.start(self.env)
-        return proc
+    def _role(self, name: str, role: str, *args: str, port: int = 0) -> Child:
+        """Start one role process, its output to ``<name>.log`` (kept for a failing test's
+        report); SIGKILLed when the test process dies, even if pytest itself is killed."""
+        assert name not in self.procs, name
+        child = Child(name, role, self._cmd(role, *args), log=self.tmp / f"{name}.log", port=port)
+        self.procs[name] = child.launch(self.env, death_signal=signal.SIGKILL, cwd=ROOT)
+        return child
 
-    def _role(self, name: str, role: str, *args: str, port: int = 0) -> Proc:
-        return self._add(Proc(name, role, self._cmd(role, *args), self.tmp / f"{name}.log", port=port))
-
-    def frontend(self, name: str) -> Proc:
+    def frontend(self, name: str) -> Child:
         port = free_port()
         return self._role(name, "frontend", "--port", str(port), port=port)
 
@@ -228,22 +169,22 @@ class LiveStack:
         time_scale: float = 1.0,
         max_seqs: int | None = None,  # None: the worker's default
         extra: Iterable[str] = (),
-    ) -> Proc:
+    ) -> Child:
         pool = pool or self.config["pools"][0]["name"]
         batch = ["--max-seqs", str(max_seqs)] if max_seqs is not None else []
         return self._role(name, "worker", "--engine", "sim", "--worker-id", name, "--pool", pool,
                           "--time-scale", str(time_scale), *batch, *extra)
 
-    def controller(self, name: str) -> Proc:
+    def controller(self, name: str) -> Child:
         port = free_port()
         return self._role(name, "controller", "--id", name, "--metrics-port", str(port),
                           "--metrics-host", "127.0.0.1", port=port)
 
-    def of(self, role: str) -> list[Proc]:
+    def of(self, role: str) -> list[Child]:
         return [p for p in self.procs.values() if p.role == role]
 
     def base(self, name: str) -> str:
-        return f"http://127.0.0.1:{self.procs[name].port}"
+        return self.procs[name].url()
 
     async def wait_ready(self, client: Any, timeout: float = 60.0) -> None:
         """Every frontend's /readyz is 200 and every live worker has sent a heartbeat."""
@@ -254,26 +195,26 @@ class LiveStack:
                 dead = [
                     p
                     for p in self.procs.values()
-                    if p.popen is not None
-                    and p.popen.poll() is not None
-                    and p.popen.returncode not in (-signal.SIGKILL,)
+                    if p.proc is not None
+                    and p.proc.poll() is not None
+                    and p.proc.returncode not in (-signal.SIGKILL,)
                 ]
                 assert not dead, "\n".join(
-                    f"{p.name} exited {p.popen.returncode}:\n{p.tail()}" for p in dead if p.popen is not None
+                    f"{p.name} exited {p.proc.returncode}:\n{p.tail()}" for p in dead if p.proc is not None
                 )
                 assert time.monotonic() < deadline, "stack not ready: " + ", ".join(
                     f"{p.name}: {p.tail(5)}" for p in self.procs.values()
                 )
                 ok = True
                 for fe in self.of("frontend"):
-                    if not fe.alive():
+                    if not fe.running:
                         continue
-                    ok = ok and not await answers_ok(s, f"http://127.0.0.1:{fe.port}/readyz")
+                    ok = ok and not await answers_ok(s, fe.url("/readyz"))
                 if ok:
                     seen: set[str] = set()
                     for k in pools:
                         seen |= {m.decode() for m in await client.zrange(k.workers, 0, -1)}
-                    ok = all(w.name in seen for w in self.of("worker") if w.alive())
+                    ok = all(w.name in seen for w in self.of("worker") if w.running)
                 if ok:
                     return
                 await asyncio.sleep(0.1)
@@ -283,8 +224,8 @@ class LiveStack:
         out = {}
         async with aiohttp.ClientSession() as s:
             for fe in self.of("frontend"):
-                if fe.alive():
-                    async with s.get(f"http://127.0.0.1:{fe.port}/healthz") as r:
+                if fe.running:
+                    async with s.get(fe.url("/healthz")) as r:
                         out[fe.name] = (await r.json())["frontend"]
         return out
 
@@ -292,9 +233,9 @@ class LiveStack:
         """SIGTERM everything (workers first: they drain), then make sure nothing is left."""
         order = self.of("worker") + self.of("controller") + self.of("frontend")
         for p in order:
-            p.signal(signal.SIGTERM)
+            p.send_signal(signal.SIGTERM)
         for p in order:
-            p.stop(timeout=10)
+            p.stop(timeout_s=10)
 
 
 # --- one client request -----------------------------------------------------------------------
@@ -808,7 +749,7 @@ async def drive(
             async with sem:
                 # As a load balancer would: skip a frontend whose process is gone.
                 names = [via[(i + k) % len(via)] for k in range(len(via))]
-                name = next((n for n in names if stack.procs[n].alive()), names[0])
+                name = next((n for n in names if stack.procs[n].running), names[0])
                 o = await call(session, stack.base(name), name, key, f"{load.tag}{i}", **kw)
                 if o.retry_after and o.status in (429, 503):
                     await asyncio.sleep(min(load.backoff_cap_s, float(o.retry_after)))
