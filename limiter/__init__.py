@@ -14,21 +14,15 @@ configuration, the error hierarchy, the Redis key builder, the typed script regi
 latency-sample schema.
 """
 
+from limiter import errors  # the whole hierarchy: errors.Throttled, errors.QueueFull, ...
 from limiter.config import ClassConfig, PoolConfig, QosConfig, RedisConfig, TenantConfig, load
 from limiter.errors import (
     AdmissionRejected,
     ConfigError,
     InvalidArgument,
     LeaseLost,
-    Overloaded,
-    PolicyMissing,
     QosError,
-    QueueFull,
     RedisUnavailable,
-    ScriptError,
-    StaleLeader,
-    TenantBusy,
-    Throttled,
 )
 from limiter.keys import PoolKeys
 from limiter.redis_conn import open_redis
@@ -36,8 +30,7 @@ from limiter.samples import Sample, build_sample, decode_sample, pack_sample
 from limiter.scripts import Scripts
 
 __all__ = [
-    "AdmissionRejected", "ClassConfig", "ConfigError", "InvalidArgument", "LeaseLost", "Overloaded",
-    "PolicyMissing", "PoolConfig", "PoolKeys", "QosConfig", "QosError", "QueueFull", "RedisConfig",
-    "RedisUnavailable", "Sample", "ScriptError", "Scripts", "StaleLeader", "TenantBusy", "TenantConfig",
-    "Throttled", "build_sample", "decode_sample", "load", "open_redis", "pack_sample",
+    "AdmissionRejected", "ClassConfig", "ConfigError", "InvalidArgument", "LeaseLost", "PoolConfig",
+    "PoolKeys", "QosConfig", "QosError", "RedisConfig", "RedisUnavailable", "Sample", "Scripts",
+    "TenantConfig", "build_sample", "decode_sample", "errors", "load", "open_redis", "pack_sample",
 ]
