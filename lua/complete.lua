@@ -47,9 +47,10 @@ local function main()
   if message == nil or #message > 4096 then fail('BADARG', 'message: missing or over 4 KiB') end
   local sample = ARGV[11]
   if sample == nil or #sample > 65536 then fail('BADARG', 'sample: missing or over 64 KiB') end
-  local p = load_policy(K_POLICY)
+  local p = load_pool(K_POLICY)
   local r = leased_request(request_id, worker_id, fence)
   if r == nil then return LEASE_LOST end
+  load_classes(p, {r.class})  -- its refunds need only its own class
   local offset = r.out_tokens or 0
   local usage_out = offset + count
   if usage_out > r.max_tokens then

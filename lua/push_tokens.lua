@@ -36,7 +36,7 @@ local function main()
   local token_ids, text = ARGV[6], ARGV[7]
   local n_ids = arg_token_batch(count, token_ids, text, ARGV[9])
   local lease_ms = arg_int(ARGV[8], 'lease_ms', 0, 3600000)
-  local p = load_policy(K_POLICY)
+  local p = load_pool(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
   local r = leased_request(request_id, worker_id, fence)
   if r == nil then return LEASE_LOST end

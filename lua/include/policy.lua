@@ -12,23 +12,35 @@ local function split_classes(s)
   return out
 end
 
--- Returns the pool table with .classes (ordered list, highest priority first), .index[cls]
--- (1 = highest) and .class[cls] tables.
-local function load_policy(policy_key)
+-- The pool-level fields only (one HMGET): the pool table with .classes (ordered list,
+-- highest priority first), .index[cls] (1 = highest) and an empty .class; a script that
+-- needs classes' fields adds them with load_classes (only those it needs: every field read
+-- is Redis time on a hot path).
+local function load_pool(policy_key)
   local vals = redis.call('HMGET', policy_key, unpack(POOL_FIELDS))
   if not vals[2] then
     fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
   end
-  local p = {name = vals[1], classes = split_classes(vals[2]), index = {}, class = {}}
+  local p = {key = policy_key, name = vals[1], classes = split_classes(vals[2]), index = {}, class = {}}
   for i = 3, #POOL_FIELDS do p[POOL_FIELDS[i]] = tonumber(vals[i]) end
-  local want = {}
-  for _, c in ipairs(p.classes) do
-    for _, f in ipairs(CLASS_FIELDS) do want[#want + 1] = c .. '.' .. f end
+  for i, c in ipairs(p.classes) do p.index[c] = i end
+  return p
+end
+
+-- Fill p.class[cls] (a table of CLASS_FIELDS) for each of `names` that is a class of the
+-- pool (one HMGET); other names are left out, as absent from the policy.
+local function load_classes(p, names)
+  local want, got = {}, {}
+  for _, c in ipairs(names) do
+    if p.index[c] and not p.class[c] then
+      got[#got + 1] = c
+      for _, f in ipairs(CLASS_FIELDS) do want[#want + 1] = c .. '.' .. f end
+    end
   end
-  local cv = redis.call('HMGET', policy_key, unpack(want))
+  if #got == 0 then return p end
+  local cv = redis.call('HMGET', p.key, unpack(want))
   local j = 1
-  for i, c in ipairs(p.classes) do
-    p.index[c] = i
+  for _, c in ipairs(got) do
     local t = {}
     for _, f in ipairs(CLASS_FIELDS) do
       t[f] = tonumber(cv[j])
@@ -38,6 +50,12 @@ local function load_policy(policy_key)
     p.class[c] = t
   end
   return p
+end
+
+-- The whole policy: the pool and every class.
+local function load_policy(policy_key)
+  local p = load_pool(policy_key)
+  return load_classes(p, p.classes)
 end
 
 local function policy_class(p, cls)
