@@ -73,6 +73,9 @@ class Phase:
     p50_us: float  # SLOWLOG at threshold 0: the median call
     max_us: float
     inner: dict[str, float]  # inner command -> calls per script call (commandstats)
+    # the server's main-thread CPU time (INFO cpu) per call: the script and its request's
+    # network I/O, not inflated when other processes take the CPU from Redis
+    cpu_us_per_call: float = 0.0
 
 
 @dataclass
@@ -139,6 +142,11 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
             "admit_meets_goal": us["admit"] <= ADMIT_GOAL_US, "requests_per_s": 1e6 / total}
 
 
+def main_thread_cpu_us(info: dict[str, Any]) -> float:
+    """``INFO cpu`` -> the main thread's user + system CPU time, in microseconds."""
+    return (float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])) * 1e6
+
+
 def parse_commandstats(info: dict[str, Any]) -> dict[str, tuple[int, float]]:
     """``INFO commandstats`` (as redis-py parses it) -> command -> (calls, usec)."""
     out = {}
@@ -184,8 +192,10 @@ class Driver:
         """Run ``calls`` one after another between two RESETSTATs (and a SLOWLOG RESET)."""
         await self.client.config_resetstat()
         await self.client.slowlog_reset()
+        cpu0 = main_thread_cpu_us(await self.client.info("cpu"))
         for call in calls:
             await call()
+        cpu = main_thread_cpu_us(await self.client.info("cpu")) - cpu0
         stats = parse_commandstats(await self.client.info("commandstats"))
         log = await self.client.slowlog_get(10 * len(calls) + 100)
         n, usec = stats.get("evalsha", (0, 0.0))
@@ -194,7 +204,8 @@ class Driver:
         durations = sorted(int(e["duration"]) for e in log if _command(e).upper().startswith(b"EVALSHA"))
         skip = {"evalsha", "config", "slowlog", "info", "client", "hello"}
         inner = {c: k / n for c, (k, _) in sorted(stats.items()) if c not in skip}
-        return Phase(name, n, usec / n, float(durations[len(durations) // 2]), float(durations[-1]), inner)
+        return Phase(name, n, usec / n, float(durations[len(durations) // 2]), float(durations[-1]), inner,
+                     cpu / n)
 
     def floor(self) -> Callable[[], Awaitable[Any]]:
         return lambda: self.floor_script(keys=[self.keys.policy])
@@ -319,12 +330,12 @@ def render(report: BudgetReport) -> Any:
 
     m = report.meta
     t = Table(title="Redis time of one script call (INFO commandstats mean, SLOWLOG median)")
-    for col in ("script", "calls", "us/call", "p50 us", "max us", "inner commands/call"):
-        t.add_column(col, justify="left" if col in ("script", "inner commands/call") else "right")
+    for col in ("script", "calls", "us/call", "p50 us", "max us", "CPU us/call", "inner commands"):
+        t.add_column(col, justify="left" if col == "script" else "right")
     for p in report.phases:
         inner = sum(p.inner.values())
         t.add_row(p.name, f"{p.calls:,}", f"{p.usec_per_call:.1f}", f"{p.p50_us:.0f}", f"{p.max_us:.0f}",
-                  f"{inner:.1f}")
+                  f"{p.cpu_us_per_call:.1f}", f"{inner:.1f}")
     b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, step "
                     f"{m['step_ms']:g} ms; renewals every {m['lease_ms'] / 3:.0f} ms)")
     b.add_column("per request")

@@ -1,8 +1,8 @@
 -- Reads the pool policy hash (written by init_pool and set_rates).
 --!include validate.lua
 
-local POOL_FIELDS = {'pool', 'classes', 'capacity', 'lease_ms', 'max_attempts', 'frontend_ttl_ms',
-  'floor_half_life_ms', 'record_ttl_s', 'floor_quantum'}
+local POOL_NUMERIC = {'capacity', 'lease_ms', 'max_attempts', 'frontend_ttl_ms', 'floor_half_life_ms',
+  'record_ttl_s', 'floor_quantum'}
 local CLASS_FIELDS = {'rate', 'burst', 'ceil', 'ceil_burst', 'weight', 'out_weight',
   'queue_cap', 'max_wait_ms', 'floor', 'fair'}
 
@@ -12,17 +12,18 @@ local function split_classes(s)
   return out
 end
 
--- The pool-level fields only (one HMGET): the pool table with .classes (ordered list,
--- highest priority first), .index[cls] (1 = highest) and an empty .class; a script that
--- needs classes' fields adds them with load_classes (only those it needs: every field read
--- is Redis time on a hot path).
-local function load_pool(policy_key)
-  local vals = redis.call('HMGET', policy_key, unpack(POOL_FIELDS))
+-- The pool-level fields only (one HMGET): the pool table with .name, .classes (ordered
+-- list, highest priority first), .index[cls] (1 = highest), an empty .class, and the
+-- numeric fields `numeric` (default: all of POOL_NUMERIC; a hot script names the few it
+-- uses, as every field read costs Redis time). A script that needs classes' fields adds
+-- them with load_classes.
+local function load_pool(policy_key, numeric)
+  local vals = redis.call('HMGET', policy_key, 'pool', 'classes', unpack(numeric or POOL_NUMERIC))
   if not vals[2] then
     fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
   end
   local p = {key = policy_key, name = vals[1], classes = split_classes(vals[2]), index = {}, class = {}}
-  for i = 3, #POOL_FIELDS do p[POOL_FIELDS[i]] = tonumber(vals[i]) end
+  for i, f in ipairs(numeric or POOL_NUMERIC) do p[f] = tonumber(vals[i + 2]) end
   for i, c in ipairs(p.classes) do p.index[c] = i end
   return p
 end
