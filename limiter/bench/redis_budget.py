@@ -203,7 +203,7 @@ class Driver:
             raise RuntimeError(f"{name}: {n} EVALSHA calls counted, {len(calls)} made")
         durations = sorted(int(e["duration"]) for e in log if _command(e).upper().startswith(b"EVALSHA"))
         skip = {"evalsha", "config", "slowlog", "info", "client", "hello"}
-        inner = {c: k / n for c, (k, _) in sorted(stats.items()) if c not in skip}
+        inner = {c: k / n for c, (k, _) in sorted(stats.items()) if c.partition("|")[0] not in skip}
         return Phase(name, n, usec / n, float(durations[len(durations) // 2]), float(durations[-1]), inner,
                      cpu / n)
 
