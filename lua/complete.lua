@@ -58,16 +58,16 @@ local function main()
   end
   local now = now_ms()
   append_token_ids(request_id, token_ids, n_ids)
+  -- the record's last fields go with finalize's own HSET (one write)
+  local fields = {'usage_in', usage_in, 'usage_out', usage_out, 'finish_reason', finish_reason}
   if count > 0 then
-    redis.call('HSET', P_REQUEST .. request_id, 'out_tokens', usage_out)
-    if r.first_ms == nil then redis.call('HSET', P_REQUEST .. request_id, 'first_ms', now) end
+    fields[7], fields[8] = 'out_tokens', usage_out
+    if r.first_ms == nil then fields[9], fields[10] = 'first_ms', now end
   end
   r.out_tokens = usage_out
   local state = ({ok = 'done', failed = 'failed', cancelled = 'cancelled'})[outcome]
   local reason = message ~= '' and message or finish_reason
-  local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now)
-  redis.call('HSET', P_REQUEST .. request_id, 'usage_in', usage_in, 'usage_out', usage_out,
-    'finish_reason', finish_reason)
+  local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now, fields)
   if outcome == 'ok' then
     notify(r, {'k', 'done', 'a', fence, 'o', offset, 'n', count, 't', text,
       'fin', finish_reason, 'in', usage_in, 'out', usage_out})
