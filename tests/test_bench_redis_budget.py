@@ -75,3 +75,13 @@ def test_cli_parses() -> None:
                                       "--json", "x"])
     assert args.requests == 64 and args.tokens == [8] and args.json == "x"
     assert args.redis_url is None
+
+
+async def test_a_baseline_lua_dir_is_measured_in_the_same_rounds(tmp_path) -> None:
+    from limiter.scripts import lua_dir
+
+    report = await rb.run_budget(requests=16, rounds=1, push_rounds=1, tokens=(8,), baseline=lua_dir())
+    assert [p.name for p in report.baseline] == list(rb.PHASES)
+    assert all(p.usec_per_call > 0 for p in report.baseline)
+    assert report.meta["baseline"] == str(lua_dir())
+    rb.render(report)  # the comparison table renders

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 
 from limiter.cli import common_args, load_config
 
@@ -142,6 +143,9 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--rounds", type=int, default=rb.DEFAULT_ROUNDS,
                    help=f"measure everything N times, keep each script's best round "
                         f"(default {rb.DEFAULT_ROUNDS})")
+    p.add_argument("--baseline", metavar="LUA_DIR", type=Path,
+                   help="also measure the scripts of this lua/ directory (e.g. from git archive <commit> "
+                        "lua), in the same rounds, and print the change")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 
@@ -161,8 +165,12 @@ def _redis_budget(args: argparse.Namespace) -> int:
         console.print("[red]--requests: a positive multiple of 16; --step-ms, --tokens-per-push, --rounds: "
                       f"> 0; --tokens in [1, {rb.MAX_TOKENS}][/]")
         return 2
+    if args.baseline and not (args.baseline / "admit.lua").is_file():
+        console.print(f"[red]--baseline {args.baseline}: no admit.lua there[/]")
+        return 2
     report = asyncio.run(rb.run_budget(args.requests, args.step_ms, args.tokens_per_push,
-                                       redis_url=args.redis_url, tokens=args.tokens, rounds=args.rounds))
+                                       redis_url=args.redis_url, tokens=args.tokens, rounds=args.rounds,
+                                       baseline=args.baseline))
     console.print(rb.render(report))
     if args.json:
         rb.write_json(report, args.json)

@@ -32,6 +32,7 @@ import math
 import platform
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -83,13 +84,14 @@ class BudgetReport:
     phases: list[Phase] = field(default_factory=list)
     budgets: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    baseline: list[Phase] = field(default_factory=list)  # the --baseline Lua's phases, if any
 
     def us(self) -> dict[str, float]:
         return {p.name: p.usec_per_call for p in self.phases}
 
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "phases": [dataclasses.asdict(p) for p in self.phases],
-                "budgets": self.budgets,
+                "budgets": self.budgets, "baseline": [dataclasses.asdict(p) for p in self.baseline],
                 "goals": {"admit_us": ADMIT_GOAL_US, "lifecycle_us": f"{BASE_GOAL_US:g} + "
                           f"{PER_TOKEN_GOAL_US:g} x output tokens"}}
 
@@ -161,10 +163,10 @@ def parse_commandstats(info: dict[str, Any]) -> dict[str, tuple[int, float]]:
 class Driver:
     """The private Redis, the pool and the requests in flight."""
 
-    def __init__(self, client: aioredis.Redis, per_push: int, private: bool) -> None:
+    def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None) -> None:
         self.client = client
         self.private = private
-        self.scripts = Scripts(client)
+        self.scripts = Scripts(client, lua=lua)
         self.keys = PoolKeys(POOL)
         self.per_push = per_push
         self.payload = request_payload()
@@ -281,10 +283,13 @@ def best_phases(rounds: Sequence[Sequence[Phase]]) -> list[Phase]:
 
 async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_STEP_MS,
                      per_push: int | None = None, push_rounds: int = 2, redis_url: str | None = None,
-                     tokens: Sequence[int] = TOKENS, rounds: int = DEFAULT_ROUNDS) -> BudgetReport:
+                     tokens: Sequence[int] = TOKENS, rounds: int = DEFAULT_ROUNDS,
+                     baseline: Path | None = None) -> BudgetReport:
     """Measure every phase over ``requests`` requests (a multiple of 16: half claimed one
     at a time, half eight at a time), ``rounds`` times, and the per-request budgets at
-    ``tokens`` from each phase's best round."""
+    ``tokens`` from each phase's best round. ``baseline``: another ``lua/`` directory (e.g.
+    ``git archive <commit> lua``), measured in the same rounds, alternating with the
+    installed scripts, so that both see the same machine load."""
     if requests < 16 or requests % 16:
         raise ValueError("requests must be a positive multiple of 16")
     s = WorkerSettings()
@@ -293,13 +298,16 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
     client = aioredis.from_url(redis_url or (server.url if server else ""))
     try:
         d = Driver(client, per_push, private=server is not None)
-        all_rounds = []
+        base = Driver(client, per_push, private=server is not None, lua=baseline) if baseline else None
+        all_rounds, base_rounds = [], []
         for _ in range(rounds):
+            if base:
+                base_rounds.append((await measure_round(base, requests, push_rounds))[0])
             phases, lease_ms = await measure_round(d, requests, push_rounds)
             all_rounds.append(phases)
         if server is None:
             await unlink_matching(client, d.keys.pattern())
-        report = BudgetReport(best_phases(all_rounds))
+        report = BudgetReport(best_phases(all_rounds), baseline=best_phases(base_rounds))
         us = report.us()
         report.budgets = [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests))
                           for t in tokens for b in CLAIM_BATCHES]
@@ -309,7 +317,8 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                        "flush_ms": s.flush_ms, "flush_tokens": s.flush_tokens, "push_rounds": push_rounds,
                        "lease_ms": lease_ms, "renew_held": renew_held(requests), "tenants": TENANTS,
                        "redis_version": info.get("redis_version"), "private_server": server is not None,
-                       "machine": platform.machine(), "python": platform.python_version()}
+                       "machine": platform.machine(), "python": platform.python_version(),
+                       "baseline": str(baseline) if baseline else None}
         return report
     finally:
         await client.aclose()
@@ -350,7 +359,19 @@ def render(report: BudgetReport) -> Any:
     b.add_row("admit <= 50", *(("[green]met[/]" if x["admit_meets_goal"] else "[red]missed[/]")
                                for x in report.budgets))
     b.add_row("requests/s per shard", *(f"{x['requests_per_s']:,.0f}" for x in report.budgets))
-    return Group(t, b)
+    if not report.baseline:
+        return Group(t, b)
+    c = Table(title=f"against the baseline Lua in {m['baseline']} (same rounds, alternating)")
+    for col in ("script", "baseline us/call", "us/call", "change", "baseline p50", "p50", "inner commands"):
+        c.add_column(col, justify="left" if col == "script" else "right")
+    now = {p.name: p for p in report.phases}
+    for was in report.baseline:
+        p = now[was.name]
+        c.add_row(was.name, f"{was.usec_per_call:.1f}", f"{p.usec_per_call:.1f}",
+                  f"{(p.usec_per_call / was.usec_per_call - 1) * 100:+.0f}%", f"{was.p50_us:.0f}",
+                  f"{p.p50_us:.0f}",
+                  f"{sum(was.inner.values()):.1f} -> {sum(p.inner.values()):.1f}")
+    return Group(t, b, c)
 
 
 def write_json(report: BudgetReport, path: str) -> None:
