@@ -84,4 +84,5 @@ async def test_a_baseline_lua_dir_is_measured_in_the_same_rounds(tmp_path) -> No
     assert [p.name for p in report.baseline] == list(rb.PHASES)
     assert all(p.usec_per_call > 0 for p in report.baseline)
     assert report.meta["baseline"] == str(lua_dir())
+    assert [b["tokens"] for b in report.baseline_budgets] == [b["tokens"] for b in report.budgets]
     rb.render(report)  # the comparison table renders

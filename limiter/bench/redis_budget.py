@@ -85,6 +85,7 @@ class BudgetReport:
     budgets: list[dict[str, Any]] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
     baseline: list[Phase] = field(default_factory=list)  # the --baseline Lua's phases, if any
+    baseline_budgets: list[dict[str, Any]] = field(default_factory=list)
 
     def us(self) -> dict[str, float]:
         return {p.name: p.usec_per_call for p in self.phases}
@@ -92,6 +93,7 @@ class BudgetReport:
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "phases": [dataclasses.asdict(p) for p in self.phases],
                 "budgets": self.budgets, "baseline": [dataclasses.asdict(p) for p in self.baseline],
+                "baseline_budgets": self.baseline_budgets,
                 "goals": {"admit_us": ADMIT_GOAL_US, "lifecycle_us": f"{BASE_GOAL_US:g} + "
                           f"{PER_TOKEN_GOAL_US:g} x output tokens"}}
 
@@ -308,9 +310,13 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
         if server is None:
             await unlink_matching(client, d.keys.pattern())
         report = BudgetReport(best_phases(all_rounds), baseline=best_phases(base_rounds))
-        us = report.us()
-        report.budgets = [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests))
-                          for t in tokens for b in CLAIM_BATCHES]
+
+        def budgets(us: dict[str, float]) -> list[dict[str, Any]]:
+            return [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests))
+                    for t in tokens for b in CLAIM_BATCHES]
+        report.budgets = budgets(report.us())
+        if base:
+            report.baseline_budgets = budgets({p.name: p.usec_per_call for p in report.baseline})
         info = await client.info("server")
         report.meta = {"requests": requests, "rounds": rounds, "step_ms": step_ms,
                        "tokens_per_push": per_push,
@@ -354,6 +360,8 @@ def render(report: BudgetReport) -> Any:
         b.add_row(part, *(f"{x['us'][part]:.1f}" + (f" ({x['pushes']})" if part == "push_tokens" else "")
                           for x in report.budgets))
     b.add_row("total", *(f"[bold]{x['total_us']:.0f}[/]" for x in report.budgets))
+    if report.baseline_budgets:
+        b.add_row("baseline total", *(f"{x['total_us']:.0f}" for x in report.baseline_budgets))
     b.add_row("goal", *(f"{x['goal_us']:.0f} " + ("[green]met[/]" if x["meets_goal"] else "[red]missed[/]")
                         for x in report.budgets))
     b.add_row("admit <= 50", *(("[green]met[/]" if x["admit_meets_goal"] else "[red]missed[/]")
