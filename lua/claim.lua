@@ -109,7 +109,7 @@ local function main()
     avoid, navoid = arg_tenant_set(ARGV[7])
     avoid_from = arg_name(ARGV[8], 'avoid_from')
   end
-  local p = load_policy(K_POLICY)
+  local p = load_pool(K_POLICY)  -- a class's fields are read when the claim first looks at it
   if lease_ms == 0 then lease_ms = p.lease_ms end
   -- classes this claim may hand out: all, or those ranked above above_class
   local eligible = {}
@@ -181,8 +181,8 @@ local function main()
     loops = loops + 1
     local pick, best = nil, 0
     for _, cls in ipairs(p.classes) do  -- 1. starvation floors
-      local starvation_floor = p.class[cls].floor or 0
-      if starvation_floor > 0 and open(cls) then
+      local starvation_floor = open(cls) and p.class[cls].floor or 0
+      if starvation_floor > 0 then
         local deficit = starvation_floor * total - served[cls]
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end

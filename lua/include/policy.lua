@@ -12,28 +12,12 @@ local function split_classes(s)
   return out
 end
 
--- The pool-level fields only (one HMGET): the pool table with .name, .classes (ordered
--- list, highest priority first), .index[cls] (1 = highest), an empty .class, and the
--- numeric fields `numeric` (default: all of POOL_NUMERIC; a hot script names the few it
--- uses, as every field read costs Redis time). A script that needs classes' fields adds
--- them with load_classes.
-local function load_pool(policy_key, numeric)
-  local vals = redis.call('HMGET', policy_key, 'pool', 'classes', unpack(numeric or POOL_NUMERIC))
-  if not vals[2] then
-    fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
-  end
-  local p = {key = policy_key, name = vals[1], classes = split_classes(vals[2]), index = {}, class = {}}
-  for i, f in ipairs(numeric or POOL_NUMERIC) do p[f] = tonumber(vals[i + 2]) end
-  for i, c in ipairs(p.classes) do p.index[c] = i end
-  return p
-end
-
 -- Fill p.class[cls] (a table of CLASS_FIELDS) for each of `names` that is a class of the
 -- pool (one HMGET); other names are left out, as absent from the policy.
 local function load_classes(p, names)
   local want, got = {}, {}
   for _, c in ipairs(names) do
-    if p.index[c] and not p.class[c] then
+    if p.index[c] and not rawget(p.class, c) then
       got[#got + 1] = c
       for _, f in ipairs(CLASS_FIELDS) do want[#want + 1] = c .. '.' .. f end
     end
@@ -50,6 +34,24 @@ local function load_classes(p, names)
     t.fair = t.fair ~= 0  -- absent (a policy from before the field) = fair
     p.class[c] = t
   end
+  return p
+end
+
+-- The pool-level fields only (one HMGET): the pool table with .name, .classes (ordered
+-- list, highest priority first), .index[cls] (1 = highest), an empty .class, and the
+-- numeric fields `numeric` (default: all of POOL_NUMERIC; a hot script names the few it
+-- uses, as every field read costs Redis time). A class's fields are read the first time
+-- p.class[cls] is looked at (one HMGET for that class), or beforehand, several classes in
+-- one HMGET, with load_classes.
+local function load_pool(policy_key, numeric)
+  local vals = redis.call('HMGET', policy_key, 'pool', 'classes', unpack(numeric or POOL_NUMERIC))
+  if not vals[2] then
+    fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
+  end
+  local p = {key = policy_key, name = vals[1], classes = split_classes(vals[2]), index = {}, class = {}}
+  for i, f in ipairs(numeric or POOL_NUMERIC) do p[f] = tonumber(vals[i + 2]) end
+  for i, c in ipairs(p.classes) do p.index[c] = i end
+  setmetatable(p.class, {__index = function(t, c) return rawget(load_classes(p, {c}).class, c) end})
   return p
 end
 
