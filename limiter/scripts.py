@@ -203,16 +203,20 @@ class Scripts:
 
     Scripts carry a ``#!lua`` line (Redis >= 7). A server that cannot parse it (an older
     Redis, or the embedded fakeredis of ``qos up``) gets the same scripts without it: the
-    first compile error of that kind switches this registry over, once."""
+    first compile error of that kind switches this registry over, once. ``lua``: load the
+    scripts from this directory instead of the installed ones (a benchmark comparing two
+    versions of the Lua layer)."""
 
-    def __init__(self, client: Any, shebang: bool = True) -> None:
+    def __init__(self, client: Any, shebang: bool = True, lua: Path | None = None) -> None:
         self.client = client
+        self.lua = lua
         self._register(shebang)
 
     def _register(self, shebang: bool) -> None:
         self.shebang = shebang
-        self._scripts = {name: self.client.register_script(script_source(name, shebang))
-                         for name in SCRIPT_NAMES}
+        self._scripts = {name: self.client.register_script(
+            load_script(name, self.lua, shebang) if self.lua else script_source(name, shebang))
+            for name in SCRIPT_NAMES}
 
     def _no_shebang_support(self, exc: ResponseError) -> bool:
         return self.shebang and "near '#'" in str(exc)

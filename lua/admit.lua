@@ -84,6 +84,11 @@ local function wait_estimate_ms(p, cls, tenant, weight, q, now)
     total = total + measured[j]
   end
   local spare, ahead = math.max(p.capacity, total), own
+  local below = {}
+  for i, j in ipairs(p.classes) do
+    if i > rank and q.n[j] > 0 then below[#below + 1] = j end
+  end
+  load_classes(p, below)
   for i, j in ipairs(p.classes) do
     if i < rank then
       spare = spare - measured[j]
@@ -119,7 +124,9 @@ local function main()
   local payload = ARGV[11]
   if payload == nil or #payload > 8388608 then fail('BADARG', 'payload: missing or over 8 MiB') end
   local tenant_weight = arg_num(ARGV[12] or '1', 'tenant_weight', 1e-6, 1e6)
-  local p = load_policy(K_POLICY)
+  -- the pool fields admit uses and its own class (the wait estimate adds the rates of the
+  -- backlogged classes below it)
+  local p = load_classes(load_pool(K_POLICY, {'capacity', 'floor_half_life_ms', 'record_ttl_s'}), {cls})
   local c = policy_class(p, cls)
 
   local key = P_REQUEST .. request_id

@@ -109,7 +109,7 @@ local function main()
     avoid, navoid = arg_tenant_set(ARGV[7])
     avoid_from = arg_name(ARGV[8], 'avoid_from')
   end
-  local p = load_policy(K_POLICY)
+  local p = load_pool(K_POLICY)  -- a class's fields are read when the claim first looks at it
   if lease_ms == 0 then lease_ms = p.lease_ms end
   -- classes this claim may hand out: all, or those ranked above above_class
   local eligible = {}
@@ -137,11 +137,26 @@ local function main()
   end
 
   local q = queued_counts(p)
-  local guarantee, ceiling = {}, {}
-  for _, cls in ipairs(p.classes) do
-    local c = p.class[cls]
-    guarantee[cls] = bucket_get(P_BUCKET .. 'class:' .. cls, c.rate, c.burst, now)
-    if ceiling_binds(p, c) then ceiling[cls] = bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now) end
+  -- a class's guarantee and ceiling buckets, read when first needed: a class with nothing
+  -- queued (or not eligible) costs no read
+  local guarantee, ceiling = {}, {}  -- class -> bucket; ceiling: false where it does not bind
+  local function guarantee_of(cls)
+    local g = guarantee[cls]
+    if g == nil then
+      local c = p.class[cls]
+      g = bucket_get(P_BUCKET .. 'class:' .. cls, c.rate, c.burst, now)
+      guarantee[cls] = g
+    end
+    return g
+  end
+  local function ceiling_of(cls)
+    local h = ceiling[cls]
+    if h == nil then
+      local c = p.class[cls]
+      h = ceiling_binds(p, c) and bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
+      ceiling[cls] = h
+    end
+    return h
   end
   local skipped = {}   -- class -> {tenant = true}: tenants whose head does not fit this worker
   local nskipped = {}  -- class -> count
@@ -152,8 +167,9 @@ local function main()
   end
   local closed = {}    -- class -> true: nothing more of it for this worker in this call
   local function open(cls)
-    return eligible[cls] and q.n[cls] > 0 and not closed[cls]
-      and (ceiling[cls] == nil or ceiling[cls].level > 0)
+    if not (eligible[cls] and q.n[cls] > 0 and not closed[cls]) then return false end
+    local h = ceiling_of(cls)
+    return not h or h.level > 0
   end
 
   local quantum = p.floor_quantum or 0
@@ -165,15 +181,15 @@ local function main()
     loops = loops + 1
     local pick, best = nil, 0
     for _, cls in ipairs(p.classes) do  -- 1. starvation floors
-      local starvation_floor = p.class[cls].floor or 0
-      if starvation_floor > 0 and open(cls) then
+      local starvation_floor = open(cls) and p.class[cls].floor or 0
+      if starvation_floor > 0 then
         local deficit = starvation_floor * total - served[cls]
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
     if pick == nil then  -- 2. guarantees
       for _, cls in ipairs(p.classes) do
-        if open(cls) and p.class[cls].rate > 0 and guarantee[cls].level > 0 then pick = cls break end
+        if open(cls) and p.class[cls].rate > 0 and guarantee_of(cls).level > 0 then pick = cls break end
       end
     end
     if pick == nil then  -- 3. spare capacity, by priority
@@ -252,9 +268,9 @@ local function main()
           if r.claimed_ms == nil then
             -- the first claim: charge the reservation (what is charged is what may be refunded)
             local c = p.class[pick]
-            local g = guarantee[pick]
+            local g, h = guarantee_of(pick), ceiling_of(pick)
             local c_class = g.level > 0 and bucket_debit(g, r.cost, nil) or 0
-            local c_ceil = ceiling[pick] and bucket_debit(ceiling[pick], r.cost, -c.ceil_burst) or 0
+            local c_ceil = h and bucket_debit(h, r.cost, -c.ceil_burst) or 0
             local c_vtc = c.fair and vtc_charge(pick, tenant, r.cost / r.t_weight) or 0
             served[pick] = served[pick] + r.cost
             total = total + r.cost

@@ -47,9 +47,10 @@ local function main()
   if message == nil or #message > 4096 then fail('BADARG', 'message: missing or over 4 KiB') end
   local sample = ARGV[11]
   if sample == nil or #sample > 65536 then fail('BADARG', 'sample: missing or over 64 KiB') end
-  local p = load_policy(K_POLICY)
+  local p = load_pool(K_POLICY)
   local r = leased_request(request_id, worker_id, fence)
   if r == nil then return LEASE_LOST end
+  load_classes(p, {r.class})  -- its refunds need only its own class
   local offset = r.out_tokens or 0
   local usage_out = offset + count
   if usage_out > r.max_tokens then
@@ -57,16 +58,16 @@ local function main()
   end
   local now = now_ms()
   append_token_ids(request_id, token_ids, n_ids)
+  -- the record's last fields go with finalize's own HSET (one write)
+  local fields = {'usage_in', usage_in, 'usage_out', usage_out, 'finish_reason', finish_reason}
   if count > 0 then
-    redis.call('HSET', P_REQUEST .. request_id, 'out_tokens', usage_out)
-    if r.first_ms == nil then redis.call('HSET', P_REQUEST .. request_id, 'first_ms', now) end
+    fields[7], fields[8] = 'out_tokens', usage_out
+    if r.first_ms == nil then fields[9], fields[10] = 'first_ms', now end
   end
   r.out_tokens = usage_out
   local state = ({ok = 'done', failed = 'failed', cancelled = 'cancelled'})[outcome]
   local reason = message ~= '' and message or finish_reason
-  local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now)
-  redis.call('HSET', P_REQUEST .. request_id, 'usage_in', usage_in, 'usage_out', usage_out,
-    'finish_reason', finish_reason)
+  local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now, fields)
   if outcome == 'ok' then
     notify(r, {'k', 'done', 'a', fence, 'o', offset, 'n', count, 't', text,
       'fin', finish_reason, 'in', usage_in, 'out', usage_out})

@@ -23,6 +23,7 @@
 --!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
+--!include record.lua
 --!include lease.lua
 --!include tokens.lua
 --!include notify.lua
@@ -36,9 +37,9 @@ local function main()
   local token_ids, text = ARGV[6], ARGV[7]
   local n_ids = arg_token_batch(count, token_ids, text, ARGV[9])
   local lease_ms = arg_int(ARGV[8], 'lease_ms', 0, 3600000)
-  local p = load_policy(K_POLICY)
+  local p = load_pool(K_POLICY, {'lease_ms', 'record_ttl_s'})
   if lease_ms == 0 then lease_ms = p.lease_ms end
-  local r = leased_request(request_id, worker_id, fence)
+  local r = leased_request(request_id, worker_id, fence, LEASE_FIELDS)
   if r == nil then return LEASE_LOST end
   if offset ~= r.out_tokens then
     fail('BADARG', 'offset: ' .. offset .. ' but ' .. r.out_tokens .. ' tokens were delivered')
@@ -47,11 +48,10 @@ local function main()
     fail('BADARG', 'count: ' .. (offset + count) .. ' tokens exceed max_tokens ' .. r.max_tokens)
   end
   local now = now_ms()
-  local key = P_REQUEST .. request_id
   append_token_ids(request_id, token_ids, n_ids)
-  redis.call('HINCRBY', key, 'out_tokens', count)
-  if r.first_ms == nil then redis.call('HSET', key, 'first_ms', now) end
-  extend_lease(p, request_id, now + lease_ms, now)
+  local fields = {'out_tokens', offset + count}  -- offset is what was delivered: checked above
+  if r.first_ms == nil then fields[3], fields[4] = 'first_ms', now end
+  extend_lease(p, request_id, now + lease_ms, now, fields)
   notify(r, {'k', 'tok', 'a', fence, 'o', offset, 'n', count, 't', text})
   return {'ok', r.cancel}
 end

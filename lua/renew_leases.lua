@@ -14,6 +14,7 @@
 --!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
+--!include record.lua
 --!include lease.lua
 --!include liveness.lua
 
@@ -27,12 +28,12 @@ local function main()
     if id == nil or #id > 64 then fail('BADARG', 'entries: expected <request_id>:<fence>, got ' .. ARGV[i]) end
     entries[#entries + 1] = {id, tonumber(fence)}
   end
-  local p = load_policy(K_POLICY)
+  local p = load_pool(K_POLICY, {'lease_ms', 'record_ttl_s', 'frontend_ttl_ms'})
   if lease_ms == 0 then lease_ms = p.lease_ms end
   local now = now_ms()
   local lost, stop = {}, {}
   for _, e in ipairs(entries) do
-    local r = leased_request(e[1], worker_id, e[2])
+    local r = leased_request(e[1], worker_id, e[2], LEASE_FIELDS)
     if r == nil then
       lost[#lost + 1] = e[1]
     else

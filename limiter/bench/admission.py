@@ -148,6 +148,20 @@ def percentile(sorted_values: Sequence[float], q: float) -> float:
     return sorted_values[min(rank, len(sorted_values)) - 1]
 
 
+async def unlink_matching(client: aioredis.Redis, *patterns: str) -> None:
+    """Delete the keys matching ``patterns`` (SCAN + UNLINK in batches): a benchmark's own keys
+    on a server it does not own."""
+    for pattern in patterns:
+        batch = []
+        async for key in client.scan_iter(match=pattern, count=1000):
+            batch.append(key)
+            if len(batch) >= 1000:
+                await client.unlink(*batch)
+                batch = []
+        if batch:
+            await client.unlink(*batch)
+
+
 # --- the redis-py driver ----------------------------------------------------------------
 
 async def drive(op: Callable[[], Awaitable[bool]], ops: int,
@@ -217,15 +231,7 @@ class Target:
         if self.private:
             await self.client.flushall()
         else:
-            for pattern in (self.keys.pattern(), SET_PREFIX + "*", LIMITS_PREFIX + ":*"):
-                batch = []
-                async for key in self.client.scan_iter(match=pattern, count=1000):
-                    batch.append(key)
-                    if len(batch) >= 1000:
-                        await self.client.unlink(*batch)
-                        batch = []
-                if batch:
-                    await self.client.unlink(*batch)
+            await unlink_matching(self.client, self.keys.pattern(), SET_PREFIX + "*", LIMITS_PREFIX + ":*")
         cfg = self.cfg
         await self.scripts.init_pool(self.keys, policy_document(cfg, cfg.pool(POOL)), reset_rates=True)
         self._run += 1

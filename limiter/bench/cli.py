@@ -9,16 +9,18 @@ import argparse
 import asyncio
 import inspect
 from collections.abc import Callable
+from pathlib import Path
 
 from limiter.cli import common_args, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), tenants, "
-                                      "overhead, admission, janitor")
+                                      "overhead, admission, janitor, redis-budget")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
     _add_admission(bsub)
     _add_janitor(bsub)
+    _add_redis_budget(bsub)
     from limiter.bench import cli_run
 
     cli_run.add_parsers(bsub)
@@ -26,9 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def mode_parser(bsub: argparse._SubParsersAction, func: Callable[[argparse.Namespace], int], *,
                 help: str) -> argparse.ArgumentParser:
-    """The parser of the ``qos bench`` mode that ``func`` (``_<mode>``) runs; its docstring is
-    the mode's ``--help`` description."""
-    p = bsub.add_parser(func.__name__.lstrip("_"), help=help, description=inspect.getdoc(func))
+    """The parser of the ``qos bench`` mode that ``func`` (``_<mode>``, ``-`` spelt ``_``) runs;
+    its docstring is the mode's ``--help`` description."""
+    name = func.__name__.lstrip("_").replace("_", "-")
+    p = bsub.add_parser(name, help=help, description=inspect.getdoc(func))
     p.set_defaults(func=func)
     return p
 
@@ -118,4 +121,58 @@ def _janitor(args: argparse.Namespace) -> int:
         return 2
     piles = asyncio.run(janitor.run_janitor(args.entries, args.redis_url))
     console.print(janitor.render(piles))
+    return 0
+
+
+def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import redis_budget as rb
+
+    p = mode_parser(bsub, _redis_budget, help="Redis us per request, script by script (admit, claim, "
+                                              "push_tokens, renew_leases, complete) and the goal check")
+    _bench_common_args(p)
+    p.add_argument("--requests", type=int, default=rb.DEFAULT_REQUESTS,
+                   help=f"requests measured, a multiple of 16 (default {rb.DEFAULT_REQUESTS})")
+    p.add_argument("--step-ms", type=float, default=rb.DEFAULT_STEP_MS,
+                   help=f"one decode step: sets the tokens per push and the renewals "
+                        f"(default {rb.DEFAULT_STEP_MS})")
+    p.add_argument("--tokens-per-push", type=int, default=None,
+                   help="tokens per push after the first (default: what the worker's flush_ms / flush_tokens "
+                        "give at --step-ms)")
+    p.add_argument("--tokens", type=int, nargs="+", default=list(rb.TOKENS),
+                   help=f"output tokens of the per-request budgets (default {' '.join(map(str, rb.TOKENS))})")
+    p.add_argument("--rounds", type=int, default=rb.DEFAULT_ROUNDS,
+                   help=f"measure everything N times, keep each script's best round "
+                        f"(default {rb.DEFAULT_ROUNDS})")
+    p.add_argument("--baseline", metavar="LUA_DIR", type=Path,
+                   help="also measure the scripts of this lua/ directory (e.g. from git archive <commit> "
+                        "lua), in the same rounds, and print the change")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
+
+
+def _redis_budget(args: argparse.Namespace) -> int:
+    """Redis microseconds per request for the whole lifecycle: admit, claim (batches of 1 and 8),
+    push_tokens as the worker batches them, renew_leases' share, complete with its sample. Each script
+    runs alone between two CONFIG RESETSTATs (INFO commandstats mean; SLOWLOG median), then the
+    per-request budget at each --tokens, the requests/s one shard carries, and the goal check (admit
+    <= 50 us, the lifecycle <= 150 us + 2 us per output token)."""
+    from rich.console import Console
+
+    from limiter.bench import redis_budget as rb
+
+    console = Console()
+    if args.requests < 16 or args.requests % 16 or args.step_ms <= 0 or (args.tokens_per_push or 1) < 1 \
+            or args.rounds < 1 or min(args.tokens) < 1 or max(args.tokens) > rb.MAX_TOKENS:
+        console.print("[red]--requests: a positive multiple of 16; --step-ms, --tokens-per-push, --rounds: "
+                      f"> 0; --tokens in [1, {rb.MAX_TOKENS}][/]")
+        return 2
+    if args.baseline and not (args.baseline / "admit.lua").is_file():
+        console.print(f"[red]--baseline {args.baseline}: no admit.lua there[/]")
+        return 2
+    report = asyncio.run(rb.run_budget(args.requests, args.step_ms, args.tokens_per_push,
+                                       redis_url=args.redis_url, tokens=args.tokens, rounds=args.rounds,
+                                       baseline=args.baseline))
+    console.print(rb.render(report))
+    if args.json:
+        rb.write_json(report, args.json)
+        console.print(f"[dim]wrote {args.json}[/]")
     return 0

@@ -9,7 +9,8 @@
 --!include samples.lua
 
 -- Move a request to a terminal state: leave every index, refund, release counters, TTL.
-local function finalize(p, r, state, reason, used, now)
+-- `fields`: more (field, value, ...) of the record to set, in the same HSET.
+local function finalize(p, r, state, reason, used, now, fields)
   local key = P_REQUEST .. r.id
   if r.state == 'queued' then
     dequeue(p, r)
@@ -24,7 +25,8 @@ local function finalize(p, r, state, reason, used, now)
   -- refund: what the request did not use of its reservation (its reconciled charge is
   -- cost - refund); r_*: what each bucket and the tenant's counter really got back
   redis.call('HSET', key, 'state', state, 'reason', reason, 'finished_ms', now, 'refund', fmt(g.refund),
-    'r_tenant', fmt(g.r_tenant), 'r_class', fmt(g.r_class), 'r_ceil', fmt(g.r_ceil), 'r_vtc', fmt(g.r_vtc))
+    'r_tenant', fmt(g.r_tenant), 'r_class', fmt(g.r_class), 'r_ceil', fmt(g.r_ceil), 'r_vtc', fmt(g.r_vtc),
+    unpack(fields or {}))
   redis.call('EXPIRE', key, p.record_ttl_s)
   redis.call('EXPIRE', P_TOKENS .. r.id, p.record_ttl_s)
   redis.call('HINCRBY', K_STATS, r.class .. '.' .. state, 1)

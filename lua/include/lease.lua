@@ -8,17 +8,18 @@
 local LEASE_LOST = {'lost', 'request is not leased to this worker with this fence'}
 
 -- The request `id` when it is leased to this worker with this fence token, else nil: a
--- worker whose lease was taken over (or handed back) cannot write.
-local function leased_request(id, worker_id, fence)
-  local r = load_request(id)
+-- worker whose lease was taken over (or handed back) cannot write. `fields`: as load_request.
+local function leased_request(id, worker_id, fence, fields)
+  local r = load_request(id, fields)
   if r ~= nil and r.state == 'leased' and r.worker == worker_id and r.fence == fence then return r end
   return nil
 end
 
--- Extend a lease to `until_ms`; the record lives at least that long.
-local function extend_lease(p, id, until_ms, now)
+-- Extend a lease to `until_ms`; the record lives at least that long. `fields`: more
+-- (field, value, ...) of the record to set with it, in the same HSET.
+local function extend_lease(p, id, until_ms, now, fields)
   redis.call('ZADD', K_LEASES, until_ms, id)
-  redis.call('HSET', P_REQUEST .. id, 'lease_ms', until_ms)
+  redis.call('HSET', P_REQUEST .. id, 'lease_ms', until_ms, unpack(fields or {}))
   keep_alive(p, id, until_ms, now)
 end
 

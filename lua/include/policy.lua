@@ -1,8 +1,8 @@
 -- Reads the pool policy hash (written by init_pool and set_rates).
 --!include validate.lua
 
-local POOL_FIELDS = {'pool', 'classes', 'capacity', 'lease_ms', 'max_attempts', 'frontend_ttl_ms',
-  'floor_half_life_ms', 'record_ttl_s', 'floor_quantum'}
+local POOL_NUMERIC = {'capacity', 'lease_ms', 'max_attempts', 'frontend_ttl_ms', 'floor_half_life_ms',
+  'record_ttl_s', 'floor_quantum'}
 local CLASS_FIELDS = {'rate', 'burst', 'ceil', 'ceil_burst', 'weight', 'out_weight',
   'queue_cap', 'max_wait_ms', 'floor', 'fair'}
 
@@ -12,23 +12,20 @@ local function split_classes(s)
   return out
 end
 
--- Returns the pool table with .classes (ordered list, highest priority first), .index[cls]
--- (1 = highest) and .class[cls] tables.
-local function load_policy(policy_key)
-  local vals = redis.call('HMGET', policy_key, unpack(POOL_FIELDS))
-  if not vals[2] then
-    fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
+-- Fill p.class[cls] (a table of CLASS_FIELDS) for each of `names` that is a class of the
+-- pool (one HMGET); other names are left out, as absent from the policy.
+local function load_classes(p, names)
+  local want, got = {}, {}
+  for _, c in ipairs(names) do
+    if p.index[c] and not rawget(p.class, c) then
+      got[#got + 1] = c
+      for _, f in ipairs(CLASS_FIELDS) do want[#want + 1] = c .. '.' .. f end
+    end
   end
-  local p = {name = vals[1], classes = split_classes(vals[2]), index = {}, class = {}}
-  for i = 3, #POOL_FIELDS do p[POOL_FIELDS[i]] = tonumber(vals[i]) end
-  local want = {}
-  for _, c in ipairs(p.classes) do
-    for _, f in ipairs(CLASS_FIELDS) do want[#want + 1] = c .. '.' .. f end
-  end
-  local cv = redis.call('HMGET', policy_key, unpack(want))
+  if #got == 0 then return p end
+  local cv = redis.call('HMGET', p.key, unpack(want))
   local j = 1
-  for i, c in ipairs(p.classes) do
-    p.index[c] = i
+  for _, c in ipairs(got) do
     local t = {}
     for _, f in ipairs(CLASS_FIELDS) do
       t[f] = tonumber(cv[j])
@@ -38,6 +35,30 @@ local function load_policy(policy_key)
     p.class[c] = t
   end
   return p
+end
+
+-- The pool-level fields only (one HMGET): the pool table with .name, .classes (ordered
+-- list, highest priority first), .index[cls] (1 = highest), an empty .class, and the
+-- numeric fields `numeric` (default: all of POOL_NUMERIC; a hot script names the few it
+-- uses, as every field read costs Redis time). A class's fields are read the first time
+-- p.class[cls] is looked at (one HMGET for that class), or beforehand, several classes in
+-- one HMGET, with load_classes.
+local function load_pool(policy_key, numeric)
+  local vals = redis.call('HMGET', policy_key, 'pool', 'classes', unpack(numeric or POOL_NUMERIC))
+  if not vals[2] then
+    fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
+  end
+  local p = {key = policy_key, name = vals[1], classes = split_classes(vals[2]), index = {}, class = {}}
+  for i, f in ipairs(numeric or POOL_NUMERIC) do p[f] = tonumber(vals[i + 2]) end
+  for i, c in ipairs(p.classes) do p.index[c] = i end
+  setmetatable(p.class, {__index = function(t, c) return rawget(load_classes(p, {c}).class, c) end})
+  return p
+end
+
+-- The whole policy: the pool and every class.
+local function load_policy(policy_key)
+  local p = load_pool(policy_key)
+  return load_classes(p, p.classes)
 end
 
 local function policy_class(p, cls)

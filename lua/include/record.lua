@@ -12,16 +12,23 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
   t_weight = true, c_tenant = true, c_class = true, c_ceil = true, c_vtc = true,
   out_tokens = true, cancel = true}
 
-local function load_request(id)
-  local v = redis.call('HMGET', P_REQUEST .. id, unpack(REQ_FIELDS))
-  if not v[4] then return nil end
+-- What a worker's write checks and uses (push_tokens, renew_leases): a lease's fields.
+local LEASE_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens', 'first_ms',
+  'cancel'}
+
+-- The record of request `id` (nil when there is none): the fields `fields` (default: all of
+-- REQ_FIELDS; must include state), numbers as numbers; an absent counter reads as 0.
+local function load_request(id, fields)
+  fields = fields or REQ_FIELDS
+  local v = redis.call('HMGET', P_REQUEST .. id, unpack(fields))
   local r = {}
-  for i, f in ipairs(REQ_FIELDS) do
+  for i, f in ipairs(fields) do
     local x = v[i]
     if x and REQ_NUMERIC[f] then x = tonumber(x) end
     if x == false then x = nil end
     r[f] = x
   end
+  if r.state == nil then return nil end
   r.id = id
   r.attempts = r.attempts or 0
   r.fence = r.fence or 0

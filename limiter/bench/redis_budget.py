@@ -1,0 +1,387 @@
+"""``qos bench redis-budget``: Redis microseconds per request, script by script.
+
+Every state transition of a request is one Lua script, and a shard runs one script at a
+time: the Redis time a request's whole lifecycle costs bounds the requests/s one shard can
+carry. This measures it against a private redis-server, with no frontend nor worker
+process: the scripts are driven through :class:`~limiter.scripts.Scripts` as the worker
+drives them --
+
+* ``admit`` (one per request);
+* ``claim`` in batches of 1 and of 8 (a worker claims as many as it has free slots);
+* ``push_tokens``: an attempt's first token at once, then one push per request every
+  ``flush_ms`` with the tokens made meanwhile (``ceil(flush_ms / step_ms)``, at most
+  ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``;
+* ``complete`` with a latency sample;
+* ``renew_leases``: every ``lease_ms / 3`` over every held request (worker/runtime.py): a
+  request's share is its time on the worker (tokens x step_ms) over that period.
+
+Each script runs alone between two ``CONFIG RESETSTAT``; its ``EVALSHA`` row of ``INFO
+commandstats`` gives the mean Redis time of one call (the script's inner commands are
+counted there too, and also on rows of their own: the inner calls per script call are
+reported), and ``SLOWLOG`` at threshold 0 gives the median. The per-request budget at a
+number of output tokens is then arithmetic (:func:`budget`), as is the goal check: admit
+<= 50 us, the whole lifecycle <= 150 us + 2 us per output token (issue 17). Printed (and
+optionally written as JSON), never asserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import platform
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from limiter.bench.admission import bench_config, request_payload, unlink_matching
+from limiter.keys import PoolKeys
+from limiter.localstack.redis_server import RedisServer
+from limiter.samples import build_sample, pack_sample
+from limiter.scripts import Claimed, Scripts, policy_document
+from worker.settings import WorkerSettings
+
+POOL = "budget"
+WORKER = "budget-w1"
+FRONTEND = "budget-fe"
+ALIVE = 4102444800000  # a heartbeat in 2100: the frontend is alive throughout
+TENANTS = 8
+INPUT_TOKENS = 100
+MAX_TOKENS = 256
+TOKENS = (8, 256)  # output tokens of the per-request budgets
+CLAIM_BATCHES = (1, 8)
+DEFAULT_REQUESTS = 1024
+DEFAULT_ROUNDS = 3  # every phase's best round is kept (other processes' CPU use only adds)
+FLOOR_SCRIPT = "return redis.call('HGET', KEYS[1], 'pool')"  # the one-command floor
+DEFAULT_STEP_MS = 12.5  # one decode step (80 tokens/s per stream): 4 tokens per 50 ms push
+RENEW_HELD = 64  # requests per renew_leases call
+ADMIT_GOAL_US = 50.0
+BASE_GOAL_US = 150.0
+PER_TOKEN_GOAL_US = 2.0
+# the rows of the table: what one call of each measured phase is
+PHASES = ("floor (1-command script)", "admit", "claim x1", "claim x8", "push_tokens (first)", "push_tokens",
+          "renew_leases", "complete")
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    calls: int
+    usec_per_call: float  # INFO commandstats: the EVALSHA row's usec / calls
+    p50_us: float  # SLOWLOG at threshold 0: the median call
+    max_us: float
+    inner: dict[str, float]  # inner command -> calls per script call (commandstats)
+    # the server's main-thread CPU time (INFO cpu) per call: the script and its request's
+    # network I/O, not inflated when other processes take the CPU from Redis
+    cpu_us_per_call: float = 0.0
+
+
+@dataclass
+class BudgetReport:
+    phases: list[Phase] = field(default_factory=list)
+    budgets: list[dict[str, Any]] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    baseline: list[Phase] = field(default_factory=list)  # the --baseline Lua's phases, if any
+    baseline_budgets: list[dict[str, Any]] = field(default_factory=list)
+
+    def us(self) -> dict[str, float]:
+        return {p.name: p.usec_per_call for p in self.phases}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"meta": self.meta, "phases": [dataclasses.asdict(p) for p in self.phases],
+                "budgets": self.budgets, "baseline": [dataclasses.asdict(p) for p in self.baseline],
+                "baseline_budgets": self.baseline_budgets,
+                "goals": {"admit_us": ADMIT_GOAL_US, "lifecycle_us": f"{BASE_GOAL_US:g} + "
+                          f"{PER_TOKEN_GOAL_US:g} x output tokens"}}
+
+
+# --- the arithmetic ---------------------------------------------------------------------
+
+def tokens_per_push(step_ms: float, flush_ms: float, flush_tokens: int) -> int:
+    """Tokens in one push after the first: the worker pushes a request's pending tokens
+    before the oldest would wait ``flush_ms`` (worker/delivery.py Delivery.due), so every
+    ``ceil(flush_ms / step_ms)`` steps, or at ``flush_tokens``."""
+    return max(1, min(flush_tokens, math.ceil(flush_ms / step_ms - 1e-9)))
+
+
+def pushes_per_request(tokens: int, per_push: int) -> tuple[int, int]:
+    """(first pushes, later pushes) of a request with ``tokens`` output tokens: the first
+    token alone at once, then the rest in groups of ``per_push``, the last group on
+    ``complete`` (so a one-token request pushes nothing)."""
+    if tokens <= 1:
+        return 0, 0
+    return 1, math.ceil((tokens - 1) / per_push) - 1
+
+
+def renews_per_request(tokens: int, step_ms: float, lease_ms: int) -> float:
+    """renew_leases entries one request gets: its time on the worker over the renewal period."""
+    return tokens * step_ms / (lease_ms / 3)
+
+
+def renew_held(requests: int) -> int:
+    """Requests per measured renew_leases call: RENEW_HELD, or all of them when fewer."""
+    return min(RENEW_HELD, requests)
+
+
+def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, step_ms: float,
+           lease_ms: int, renew_held: int = RENEW_HELD) -> dict[str, Any]:
+    """Redis microseconds one request costs with ``tokens`` output tokens, by script, from
+    ``us`` (phase -> usec per call): claims of ``claim_batch`` share a call, a renew call
+    covers ``renew_held`` requests. With the goal check and what one shard carries."""
+    first, later = pushes_per_request(tokens, per_push)
+    by = {
+        "admit": us["admit"],
+        "claim": us[f"claim x{claim_batch}"] / claim_batch,
+        "push_tokens": first * us["push_tokens (first)"] + later * us["push_tokens"],
+        "renew_leases": renews_per_request(tokens, step_ms, lease_ms) * us["renew_leases"] / renew_held,
+        "complete": us["complete"],
+    }
+    total = sum(by.values())
+    goal = BASE_GOAL_US + PER_TOKEN_GOAL_US * tokens
+    return {"tokens": tokens, "claim_batch": claim_batch, "pushes": first + later, "us": by,
+            "total_us": total, "goal_us": goal, "meets_goal": total <= goal,
+            "admit_meets_goal": us["admit"] <= ADMIT_GOAL_US, "requests_per_s": 1e6 / total}
+
+
+def main_thread_cpu_us(info: dict[str, Any]) -> float:
+    """``INFO cpu`` -> the main thread's user + system CPU time, in microseconds."""
+    return (float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])) * 1e6
+
+
+def parse_commandstats(info: dict[str, Any]) -> dict[str, tuple[int, float]]:
+    """``INFO commandstats`` (as redis-py parses it) -> command -> (calls, usec)."""
+    out = {}
+    for k, v in info.items():
+        if k.startswith("cmdstat_") and isinstance(v, dict):
+            out[k.removeprefix("cmdstat_")] = (int(v["calls"]), float(v["usec"]))
+    return out
+
+
+# --- the run ----------------------------------------------------------------------------
+
+class Driver:
+    """The private Redis, the pool and the requests in flight."""
+
+    def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None) -> None:
+        self.client = client
+        self.private = private
+        self.scripts = Scripts(client, lua=lua)
+        self.keys = PoolKeys(POOL)
+        self.per_push = per_push
+        self.payload = request_payload()
+        self.claimed: list[Claimed] = []
+        self.offset: dict[str, int] = {}
+        self.floor_script = client.register_script(FLOOR_SCRIPT)
+
+    async def setup(self) -> tuple[str, int]:
+        if self.private:
+            await self.client.flushall()
+        else:  # a server given with --redis-url: only our keys (its commandstats are reset, though)
+            await unlink_matching(self.client, self.keys.pattern())
+        await self.client.config_set("slowlog-log-slower-than", 0)
+        await self.client.config_set("slowlog-max-len", 1_000_000)
+        await self.scripts.load_all()
+        await self.client.script_load(FLOOR_SCRIPT)
+        cfg = bench_config()
+        pool = dataclasses.replace(cfg.pools[0], name=POOL)
+        await self.scripts.init_pool(self.keys, policy_document(cfg, pool), reset_rates=True)
+        await self.client.zadd(self.keys.frontends, {FRONTEND: ALIVE})
+        cls = "P1" if "P1" in cfg.class_names() else cfg.class_names()[0]
+        return cls, pool.lease_ms
+
+    async def measure(self, name: str, calls: Sequence[Callable[[], Awaitable[Any]]]) -> Phase:
+        """Run ``calls`` one after another between two RESETSTATs (and a SLOWLOG RESET)."""
+        await self.client.config_resetstat()
+        await self.client.slowlog_reset()
+        cpu0 = main_thread_cpu_us(await self.client.info("cpu"))
+        for call in calls:
+            await call()
+        cpu = main_thread_cpu_us(await self.client.info("cpu")) - cpu0
+        stats = parse_commandstats(await self.client.info("commandstats"))
+        log = await self.client.slowlog_get(10 * len(calls) + 100)
+        n, usec = stats.get("evalsha", (0, 0.0))
+        if n != len(calls):
+            raise RuntimeError(f"{name}: {n} EVALSHA calls counted, {len(calls)} made")
+        durations = sorted(int(e["duration"]) for e in log if _command(e).upper().startswith(b"EVALSHA"))
+        skip = {"evalsha", "config", "slowlog", "info", "client", "hello"}
+        inner = {c: k / n for c, (k, _) in sorted(stats.items()) if c.partition("|")[0] not in skip}
+        return Phase(name, n, usec / n, float(durations[len(durations) // 2]), float(durations[-1]), inner,
+                     cpu / n)
+
+    def floor(self) -> Callable[[], Awaitable[Any]]:
+        return lambda: self.floor_script(keys=[self.keys.policy])
+
+    def admit(self, i: int, cls: str) -> Callable[[], Awaitable[Any]]:
+        return lambda: self.scripts.admit(
+            self.keys, request_id=f"r{i}", tenant=f"t{i % TENANTS}", cls=cls, input_tokens=INPUT_TOKENS,
+            max_tokens=MAX_TOKENS, tenant_rate=1e12, tenant_burst=1e15, tenant_max_inflight=0,
+            max_wait_ms=0, frontend_id=FRONTEND, payload=self.payload)
+
+    def claim(self, batch: int) -> Callable[[], Awaitable[Any]]:
+        async def call() -> None:
+            res = await self.scripts.claim(self.keys, WORKER, batch)
+            if len(res.requests) != batch:
+                raise RuntimeError(f"claim of {batch} got {len(res.requests)}")
+            self.claimed += res.requests
+            self.offset.update((c.request_id, 0) for c in res.requests)
+        return call
+
+    def push(self, c: Claimed, n: int) -> Callable[[], Awaitable[Any]]:
+        async def call() -> None:
+            off = self.offset[c.request_id]
+            await self.scripts.push_tokens(self.keys, request_id=c.request_id, worker_id=WORKER,
+                                           fence=c.fence, offset=off, text=" tok" * n,
+                                           token_ids=range(1000 + off, 1000 + off + n))
+            self.offset[c.request_id] = off + n
+        return call
+
+    def renew(self, held: Sequence[Claimed]) -> Callable[[], Awaitable[Any]]:
+        return lambda: self.scripts.renew_leases(self.keys, WORKER, [(c.request_id, c.fence) for c in held])
+
+    def complete(self, c: Claimed) -> Callable[[], Awaitable[Any]]:
+        n = self.per_push
+        sample = pack_sample(build_sample(
+            pool=POOL, cls=c.cls, tenant=c.tenant, outcome="ok", request_id=c.request_id, worker=WORKER,
+            input_tokens=INPUT_TOKENS, output_tokens=self.offset[c.request_id] + n,
+            queue_wait_ms=float(c.claimed_ms - c.enq_ms), e2e_ms=1234.5, ts_ms=c.claimed_ms + 1234,
+            engine="sim", simulated=True, attempt=c.attempt, ttft_ms=12.5, tpot_mean_ms=12.5,
+            tpot_max_ms=20.0))
+        return lambda: self.scripts.complete(
+            self.keys, request_id=c.request_id, worker_id=WORKER, fence=c.fence, outcome="ok",
+            usage_in=INPUT_TOKENS, token_ids=range(n), text=" tok" * n, finish_reason="stop", sample=sample)
+
+
+async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[list[Phase], int]:
+    """Every phase once, on an emptied server: (phases, the pool's lease_ms)."""
+    cls, lease_ms = await d.setup()
+    d.claimed, d.offset = [], {}
+    phases = [await d.measure(PHASES[0], [d.floor() for _ in range(requests)])]
+    phases.append(await d.measure("admit", [d.admit(i, cls) for i in range(requests)]))
+    half = requests // 2
+    phases.append(await d.measure("claim x1", [d.claim(1) for _ in range(half)]))
+    phases.append(await d.measure("claim x8", [d.claim(8) for _ in range(half // 8)]))
+    phases.append(await d.measure("push_tokens (first)", [d.push(c, 1) for c in d.claimed]))
+    phases.append(await d.measure("push_tokens", [d.push(c, d.per_push) for _ in range(push_rounds)
+                                                  for c in d.claimed]))
+    size = renew_held(requests)
+    held = [d.claimed[i:i + size] for i in range(0, len(d.claimed) - size + 1, size)]
+    phases.append(await d.measure("renew_leases", [d.renew(h) for h in held]))
+    phases.append(await d.measure("complete", [d.complete(c) for c in d.claimed]))
+    return phases, lease_ms
+
+
+def best_phases(rounds: Sequence[Sequence[Phase]]) -> list[Phase]:
+    """Each phase's round with the least Redis time per call, in PHASES order."""
+    best: dict[str, Phase] = {}
+    for phases in rounds:
+        for p in phases:
+            if p.name not in best or p.usec_per_call < best[p.name].usec_per_call:
+                best[p.name] = p
+    return [best[n] for n in PHASES if n in best]
+
+
+async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_STEP_MS,
+                     per_push: int | None = None, push_rounds: int = 2, redis_url: str | None = None,
+                     tokens: Sequence[int] = TOKENS, rounds: int = DEFAULT_ROUNDS,
+                     baseline: Path | None = None) -> BudgetReport:
+    """Measure every phase over ``requests`` requests (a multiple of 16: half claimed one
+    at a time, half eight at a time), ``rounds`` times, and the per-request budgets at
+    ``tokens`` from each phase's best round. ``baseline``: another ``lua/`` directory (e.g.
+    ``git archive <commit> lua``), measured in the same rounds, alternating with the
+    installed scripts, so that both see the same machine load."""
+    if requests < 16 or requests % 16:
+        raise ValueError("requests must be a positive multiple of 16")
+    s = WorkerSettings()
+    per_push = per_push or tokens_per_push(step_ms, s.flush_ms, s.flush_tokens)
+    server = None if redis_url else RedisServer(extra=["--appendonly", "no"]).start()
+    client = aioredis.from_url(redis_url or (server.url if server else ""))
+    try:
+        d = Driver(client, per_push, private=server is not None)
+        base = Driver(client, per_push, private=server is not None, lua=baseline) if baseline else None
+        all_rounds, base_rounds = [], []
+        for _ in range(rounds):
+            if base:
+                base_rounds.append((await measure_round(base, requests, push_rounds))[0])
+            phases, lease_ms = await measure_round(d, requests, push_rounds)
+            all_rounds.append(phases)
+        if server is None:
+            await unlink_matching(client, d.keys.pattern())
+        report = BudgetReport(best_phases(all_rounds), baseline=best_phases(base_rounds))
+
+        def budgets(us: dict[str, float]) -> list[dict[str, Any]]:
+            return [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests))
+                    for t in tokens for b in CLAIM_BATCHES]
+        report.budgets = budgets(report.us())
+        if base:
+            report.baseline_budgets = budgets({p.name: p.usec_per_call for p in report.baseline})
+        info = await client.info("server")
+        report.meta = {"requests": requests, "rounds": rounds, "step_ms": step_ms,
+                       "tokens_per_push": per_push,
+                       "flush_ms": s.flush_ms, "flush_tokens": s.flush_tokens, "push_rounds": push_rounds,
+                       "lease_ms": lease_ms, "renew_held": renew_held(requests), "tenants": TENANTS,
+                       "redis_version": info.get("redis_version"), "private_server": server is not None,
+                       "machine": platform.machine(), "python": platform.python_version(),
+                       "baseline": str(baseline) if baseline else None}
+        return report
+    finally:
+        await client.aclose()
+        if server:
+            server.stop()
+
+
+def _command(entry: dict[str, Any]) -> bytes:
+    c = entry["command"]
+    return c if isinstance(c, bytes) else str(c).encode()
+
+
+# --- output -----------------------------------------------------------------------------
+
+def render(report: BudgetReport) -> Any:
+    from rich.console import Group
+    from rich.table import Table
+
+    m = report.meta
+    t = Table(title="Redis time of one script call (INFO commandstats mean, SLOWLOG median)")
+    for col in ("script", "calls", "us/call", "p50 us", "max us", "CPU us/call", "inner commands"):
+        t.add_column(col, justify="left" if col == "script" else "right")
+    for p in report.phases:
+        inner = sum(p.inner.values())
+        t.add_row(p.name, f"{p.calls:,}", f"{p.usec_per_call:.1f}", f"{p.p50_us:.0f}", f"{p.max_us:.0f}",
+                  f"{p.cpu_us_per_call:.1f}", f"{inner:.1f}")
+    b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, step "
+                    f"{m['step_ms']:g} ms; renewals every {m['lease_ms'] / 3:.0f} ms)")
+    b.add_column("per request")
+    for x in report.budgets:
+        b.add_column(f"{x['tokens']} tokens\nclaims of {x['claim_batch']}", justify="right")
+    for part in ("admit", "claim", "push_tokens", "renew_leases", "complete"):
+        b.add_row(part, *(f"{x['us'][part]:.1f}" + (f" ({x['pushes']})" if part == "push_tokens" else "")
+                          for x in report.budgets))
+    b.add_row("total", *(f"[bold]{x['total_us']:.0f}[/]" for x in report.budgets))
+    if report.baseline_budgets:
+        b.add_row("baseline total", *(f"{x['total_us']:.0f}" for x in report.baseline_budgets))
+    b.add_row("goal", *(f"{x['goal_us']:.0f} " + ("[green]met[/]" if x["meets_goal"] else "[red]missed[/]")
+                        for x in report.budgets))
+    b.add_row("admit <= 50", *(("[green]met[/]" if x["admit_meets_goal"] else "[red]missed[/]")
+                               for x in report.budgets))
+    b.add_row("requests/s per shard", *(f"{x['requests_per_s']:,.0f}" for x in report.budgets))
+    if not report.baseline:
+        return Group(t, b)
+    c = Table(title=f"against the baseline Lua in {m['baseline']} (same rounds, alternating)")
+    for col in ("script", "baseline us/call", "us/call", "change", "baseline p50", "p50", "inner commands"):
+        c.add_column(col, justify="left" if col == "script" else "right")
+    now = {p.name: p for p in report.phases}
+    for was in report.baseline:
+        p = now[was.name]
+        c.add_row(was.name, f"{was.usec_per_call:.1f}", f"{p.usec_per_call:.1f}",
+                  f"{(p.usec_per_call / was.usec_per_call - 1) * 100:+.0f}%", f"{was.p50_us:.0f}",
+                  f"{p.p50_us:.0f}",
+                  f"{sum(was.inner.values()):.1f} -> {sum(p.inner.values()):.1f}")
+    return Group(t, b, c)
+
+
+def write_json(report: BudgetReport, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(report.to_dict(), f, indent=2)

@@ -1,0 +1,88 @@
+"""`qos bench redis-budget`: the per-request arithmetic, and a tiny real run (structure and
+signs only, never speed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from limiter.bench import redis_budget as rb
+from limiter.cli import build_parser
+
+
+def test_tokens_per_push_follows_the_worker_flush() -> None:
+    assert rb.tokens_per_push(12.5, 50, 16) == 4  # a push every 4 steps of 12.5 ms
+    assert rb.tokens_per_push(20, 50, 16) == 3
+    assert rb.tokens_per_push(1, 50, 16) == 16  # flush_tokens caps it
+    assert rb.tokens_per_push(100, 50, 16) == 1  # steps longer than flush_ms: every step
+
+
+def test_pushes_per_request() -> None:
+    assert rb.pushes_per_request(1, 4) == (0, 0)  # the only token rides on complete
+    assert rb.pushes_per_request(2, 4) == (1, 0)
+    assert rb.pushes_per_request(8, 4) == (1, 1)  # 1 | 2-5 pushed | 6-8 on complete
+    assert rb.pushes_per_request(9, 4) == (1, 1)
+    assert rb.pushes_per_request(10, 4) == (1, 2)
+    assert rb.pushes_per_request(256, 4) == (1, 63)
+
+
+def test_budget_arithmetic() -> None:
+    us = {"admit": 40.0, "claim x1": 60.0, "claim x8": 200.0, "push_tokens (first)": 10.0,
+          "push_tokens": 5.0, "renew_leases": 640.0, "complete": 50.0}
+    b = rb.budget(us, tokens=8, per_push=4, claim_batch=8, step_ms=10, lease_ms=300, renew_held=64)
+    # 8 tokens x 10 ms on the worker = 80 ms, renewed every 100 ms: 0.8 of a 64-entry call
+    assert b["us"] == {"admit": 40.0, "claim": 25.0, "push_tokens": 15.0, "renew_leases": 8.0,
+                       "complete": 50.0}
+    assert b["pushes"] == 2 and b["total_us"] == pytest.approx(138.0)
+    assert b["goal_us"] == 150 + 2 * 8 and b["meets_goal"] and b["admit_meets_goal"]
+    assert b["requests_per_s"] == pytest.approx(1e6 / 138.0)
+    worse = rb.budget(us | {"admit": 51.0}, tokens=1, per_push=4, claim_batch=1, step_ms=10, lease_ms=300)
+    assert worse["pushes"] == 0 and not worse["admit_meets_goal"]
+    assert worse["total_us"] == pytest.approx(51 + 60 + 0.1 * 640 / rb.RENEW_HELD + 50)
+    assert not worse["meets_goal"]  # 162 > 152
+
+
+def test_best_phases_keeps_the_least_time_per_call() -> None:
+    def ph(name: str, us: float) -> rb.Phase:
+        return rb.Phase(name, 10, us, us, us, {})
+    best = rb.best_phases([[ph("complete", 9.0), ph("admit", 5.0)], [ph("admit", 4.0), ph("complete", 11.0)]])
+    assert [(p.name, p.usec_per_call) for p in best] == [("admit", 4.0), ("complete", 9.0)]
+
+
+async def test_tiny_run(tmp_path) -> None:
+    report = await rb.run_budget(requests=32, rounds=1, push_rounds=1)
+    assert [p.name for p in report.phases] == list(rb.PHASES)
+    for p in report.phases:
+        assert p.calls > 0 and p.usec_per_call > 0 and 0 < p.p50_us <= p.max_us, p
+        assert sum(p.inner.values()) >= 1, p  # every script calls Redis at least once
+    assert report.phases[rb.PHASES.index("renew_leases")].calls == 1  # all 32 held in one call
+    assert report.meta["renew_held"] == 32
+    assert {(b["tokens"], b["claim_batch"]) for b in report.budgets} == {(t, c) for t in rb.TOKENS
+                                                                           for c in rb.CLAIM_BATCHES}
+    for b in report.budgets:
+        assert set(b["us"]) == {"admit", "claim", "push_tokens", "renew_leases", "complete"}
+        assert all(v > 0 for v in b["us"].values()), b
+        assert b["total_us"] == pytest.approx(sum(b["us"].values()))
+    path = tmp_path / "budget.json"
+    rb.write_json(report, str(path))
+    data = json.loads(path.read_text())
+    assert len(data["phases"]) == len(rb.PHASES) and data["meta"]["private_server"] is True
+
+
+def test_cli_parses() -> None:
+    args = build_parser().parse_args(["bench", "redis-budget", "--requests", "64", "--tokens", "8",
+                                      "--json", "x"])
+    assert args.requests == 64 and args.tokens == [8] and args.json == "x"
+    assert args.redis_url is None
+
+
+async def test_a_baseline_lua_dir_is_measured_in_the_same_rounds(tmp_path) -> None:
+    from limiter.scripts import lua_dir
+
+    report = await rb.run_budget(requests=16, rounds=1, push_rounds=1, tokens=(8,), baseline=lua_dir())
+    assert [p.name for p in report.baseline] == list(rb.PHASES)
+    assert all(p.usec_per_call > 0 for p in report.baseline)
+    assert report.meta["baseline"] == str(lua_dir())
+    assert [b["tokens"] for b in report.baseline_budgets] == [b["tokens"] for b in report.budgets]
+    rb.render(report)  # the comparison table renders
