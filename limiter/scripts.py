@@ -180,6 +180,9 @@ class Claimed:
 class ClaimResult:
     now_ms: int
     requests: list[Claimed]
+    # Requests were still queued after the call (claim announced them again): an empty
+    # claim with a backlog must back off, one without only consumed a stale wake marker.
+    backlog: bool = False
 
 
 @dataclass(frozen=True)
@@ -314,13 +317,13 @@ class Scripts:
         reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room, lease_ms,
                                                               above_class, kv_total, avoid, avoid_from])
         out = []
-        for e in reply[1:]:
+        for e in reply[2:]:
             out.append(Claimed(
                 request_id=_s(e[0]), cls=_s(e[1]), tenant=_s(e[2]), fence=int(e[3]), payload=bytes(e[4]),
                 enq_ms=int(e[5]), input_tokens=int(e[6]), max_tokens=int(e[7]), frontend=_s(e[8]),
                 delivered=int(e[9]), generated=unpack_token_ids(bytes(e[10])), claimed_ms=int(e[11]),
                 first_ms=int(e[12]), attempt=int(e[13])))
-        return ClaimResult(int(reply[0]), out)
+        return ClaimResult(int(reply[0]), out, bool(int(reply[1])))
 
     async def renew_leases(self, keys: PoolKeys, worker_id: str, held: Sequence[tuple[str, int]],
                            lease_ms: int = 0) -> RenewResult:

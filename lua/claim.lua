@@ -46,7 +46,9 @@
 --                        look-ahead for a tenant that holds none of its slots); '' = none
 -- ARGV[8] avoid_from     the highest class avoid_tenants applies to; required with them
 --
--- Returns {now_ms, {entry}, ...}; entry = {id, class, tenant, fence, payload, enq_ms,
+-- Returns {now_ms, backlog, {entry}, ...}; backlog = 1 when requests are still queued after
+--   this call (they were announced again on the wake list), else 0;
+--   entry = {id, class, tenant, fence, payload, enq_ms,
 --   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms,
 --   first_ms (0 until a first token was delivered), attempt}; times are Redis server ms.
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
@@ -173,11 +175,11 @@ local function main()
   end
 
   local quantum = p.floor_quantum or 0
-  local out = {now}
+  local out = {now, 0}  -- now_ms, backlog, then the entries
   local room = kv_room
   local skips = 0
   local loops = 0
-  while #out - 1 < max_requests and loops < max_requests + MAX_SKIPS + MAX_FINISH do
+  while #out - 2 < max_requests and loops < max_requests + MAX_SKIPS + MAX_FINISH do
     loops = loops + 1
     local pick, best = nil, 0
     for _, cls in ipairs(p.classes) do  -- 1. starvation floors
@@ -298,8 +300,11 @@ local function main()
     fields[#fields + 1] = fmt(served[cls])
   end
   redis.call('HSET', K_SERVED, unpack(fields))
+  -- Work left queued is announced again (another worker may hold room for it), and the
+  -- caller is told: an empty claim with nothing left queued only consumed a stale marker,
+  -- while one that left a backlog (a misfit, a class held by its ceiling) must back off.
   for _, cls in ipairs(p.classes) do
-    if q.n[cls] > 0 then wake_workers() break end
+    if q.n[cls] > 0 then wake_workers() out[2] = 1 break end
   end
   return out
 end

@@ -334,3 +334,21 @@ async def test_admit_wakes_a_blocked_worker(scripts, pool):
     assert not task.done()
     await admit(scripts, pool, cls="P1", input_tokens=1, max_tokens=1)
     assert await asyncio.wait_for(task, 2) is not None
+
+
+async def test_claim_says_whether_it_left_work_queued(scripts, pool):
+    """``backlog``: an empty claim on an empty queue only consumed a stale wake marker (the
+    worker need not back off); one that leaves requests queued -- more than it asked for, or a
+    head too large for its room -- says so, and announces them again."""
+    empty = await scripts.claim(pool, "w1", 4)
+    assert empty.requests == [] and empty.backlog is False
+    for i in range(3):
+        await admit(scripts, pool, cls="P1", request_id=f"b{i}", input_tokens=300, max_tokens=100)
+    await scripts.client.delete(pool.wake)
+    part = await scripts.claim(pool, "w1", 2)
+    assert len(part.requests) == 2 and part.backlog is True
+    assert await scripts.client.llen(pool.wake) == 1  # the one left is announced again
+    misfit = await scripts.claim(pool, "w1", 4, kv_room=100)
+    assert misfit.requests == [] and misfit.backlog is True
+    rest = await scripts.claim(pool, "w1", 4)
+    assert len(rest.requests) == 1 and rest.backlog is False

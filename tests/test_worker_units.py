@@ -257,6 +257,7 @@ class _FullWorkerRuntime:
         self.cfg = demo_config()
         self.settings = WorkerSettings(max_seqs=1, token_budget=8, claim_ahead=1, claim_interval_ms=20)
         self.held: dict[str, Any] = {}
+        self.claim_left_backlog = True  # the lower-class work it does not take stays queued
         self.claims: list[str] = []
         self.avoided: list[tuple[list[str], str]] = []
 
@@ -352,3 +353,65 @@ async def test_the_tenant_look_ahead_never_avoids_a_class_above_every_waiting_re
                        tenant=tenant)
     await loop.sched.step()  # 2 P0 + 4 P2 run, one P2 waits
     assert loop._tenant_lookahead() == ("", ["batch"], "P2")  # P0 and P1 open to anyone
+
+
+class _IdleWorkerRuntime:
+    """Enough of a WorkerRuntime for an idle StepLoop._pull: every claim finds nothing, and
+    a wake marker is always there (stale ones, or a backlog this worker cannot take)."""
+
+    def __init__(self, backlog: bool) -> None:
+        from worker.settings import WorkerSettings
+
+        self.cfg = demo_config()
+        self.settings = WorkerSettings(max_seqs=4, token_budget=8, claim_interval_ms=1)
+        self.held: dict[str, Any] = {}
+        self.claim_left_backlog = backlog
+        self.claims = 0
+
+    async def claim(self, *args: Any) -> list[Any]:
+        self.claims += 1
+        return []
+
+    async def wait_for_work(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("backlog", [False, True])
+async def test_an_idle_worker_backs_off_only_when_claim_left_work_it_cannot_take(backlog: bool) -> None:
+    """Stale wake markers (one claim took the work of several markers) must not make an idle
+    worker sleep before its next claim: that back-off added up to 100 ms to the TTFT of the
+    next request. A backlog it cannot take (a misfit, a ceiling) still backs off, so it is no
+    hot loop."""
+    from worker.claim_step_loop import StepLoop
+
+    rt = _IdleWorkerRuntime(backlog)
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=4))  # type: ignore[arg-type]
+    for _ in range(4):
+        await loop._pull()
+    assert rt.claims == 4
+    if backlog:
+        assert loop._empty_claims == 4 and loop._next_claim > time.monotonic()
+    else:
+        assert loop._empty_claims == 0 and loop._next_claim == 0.0
+
+
+async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:
+    """A worker with requests held and room for more looks at the wake list (one LPOP) again
+    within wake_check_ms when it found nothing there -- not after the longer claim interval."""
+    from worker.claim_step_loop import StepLoop
+    from worker.settings import WorkerSettings
+
+    rt = _FullWorkerRuntime()
+    rt.settings = WorkerSettings(max_seqs=4, token_budget=8, claim_interval_ms=500, wake_check_ms=3)
+    rt.held["run"] = _delivery()
+    looks: list[float] = []
+
+    async def no_marker() -> bool:
+        looks.append(time.monotonic())
+        return False
+
+    rt.take_wake_marker = no_marker  # type: ignore[method-assign]
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=4))  # type: ignore[arg-type]
+    await loop._pull()
+    assert len(looks) == 1 and rt.claims == []
+    assert 0 < loop._next_claim - looks[0] <= 0.003 + 1e-6

@@ -196,7 +196,7 @@ class StepLoop:
             if now < self._next_claim:
                 return
             if not await self.rt.take_wake_marker():
-                self._next_claim = now + s.claim_interval_ms / 1e3  # nothing announced: look again later
+                self._next_claim = now + s.wake_check_ms / 1e3  # nothing announced: look again soon
                 return
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
@@ -211,8 +211,14 @@ class StepLoop:
             # from claiming a P0 for up to idle_block_s: P0 queue waits of 0.5 s at 1.0x load.
             self._next_claim = time.monotonic() + s.claim_interval_ms / 1e3
             return
-        self._empty_claims += 1
-        if self._empty_claims >= 2:  # a wake marker, yet nothing for us: back off
+        if not self.rt.claim_left_backlog:
+            # Nothing is queued: the marker was stale (one claim took the work of several
+            # markers). No back-off: the next marker means new work, and a back-off here made an
+            # idle worker sleep up to 100 ms past a new request (TTFT p50 15 ms at 200 req/s).
+            self._empty_claims, self._next_claim = 0, 0.0
+        else:
+            self._empty_claims += 1
+        if self._empty_claims >= 2:  # a wake marker, work queued, yet nothing for us: back off
             # ...but never long: what is queued may be held by its class's ceiling (a P2 flood
             # at its limit), and a P0 admitted meanwhile must not wait out a long back-off (a
             # back-off growing to idle_block_s left P0 queued 0.4-2 s behind a P2 flood).

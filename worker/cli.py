@@ -16,6 +16,7 @@ from typing import Any
 
 from limiter.cli import common_args, load_config
 from limiter.errors import ConfigError
+from limiter.event_loop import install_event_loop
 from worker.settings import ENGINES, load_settings
 
 
@@ -115,4 +116,5 @@ def run(args: argparse.Namespace) -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s[{settings.worker_id}]{tag}: %(message)s")
     from worker.main import serve
 
+    install_event_loop()
     return asyncio.run(serve(settings, cfg))

@@ -61,6 +61,7 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(pool=settings.pool, worker=self.worker_id, engine=engine,
                                      simulated=simulated, device=settings.device)
         self.held: dict[str, Delivery] = {}
+        self.claim_left_backlog = False  # the last claim left requests queued (ClaimResult.backlog)
         self.draining = asyncio.Event()
         self.drain_deadline = float("inf")
         self.redis_ok = False
@@ -218,6 +219,7 @@ class WorkerRuntime:
                                        above_class, kv_total, avoid_tenants, avoid_from)
         t = time.monotonic()
         self._clock_offset_ms = res.now_ms - time.time() * 1000
+        self.claim_left_backlog = res.backlog
         out = []
         for c in res.requests:
             self.metrics.claims.labels(c.cls).inc()
