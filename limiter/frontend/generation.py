@@ -48,6 +48,13 @@ FINAL_GRACE_S = 2.0
 DEADLINE_SLACK_S = 0.02
 
 
+class _SseResponse(web.StreamResponse):
+    """A stream whose headers wait for its first body write and go out with it (one send
+    instead of two; aiohttp >= 3.11 honours the flag, older versions send them at once)."""
+
+    _send_headers_immediately = False
+
+
 class Generation:
     """The life of one admitted generation request inside this process."""
 
@@ -272,20 +279,24 @@ class Generation:
                                          dumps=oa.compact_json)
 
     async def stream(self) -> web.StreamResponse:
+        """The SSE answer. Each reply entry becomes one socket write (headers, the chat opener,
+        text, finish, usage and ``[DONE]`` are joined where they fall together): a send on a
+        loopback socket was a third of this process's CPU at full load, and the client sees
+        the same events either way."""
         resp: web.StreamResponse | None = None
         req, rid, created = self.req, self.request_id, self.created
 
-        async def open_stream() -> web.StreamResponse:
+        async def open_stream() -> tuple[web.StreamResponse, list[bytes]]:
             # Headers go out with the first token, not before: until then a queue timeout
             # can still be an honest 503 rather than an error inside a 200 stream.
-            s = web.StreamResponse(headers={
+            s = _SseResponse(headers={
                 "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no", REQUEST_ID_HEADER: rid})
             await s.prepare(self.request)
             if req.kind == "chat":
                 opener = oa.chunk(req, rid, created, role=True, usage_so_far=(req.prompt_tokens, 0))
-                await s.write(oa.sse(opener))
-            return s
+                return s, [oa.sse(opener)]
+            return s, []
 
         try:
             while True:
@@ -301,20 +312,23 @@ class Generation:
                     await resp.write(oa.sse(exc.body()))
                     return resp
                 text = self.accept(r)
+                out: list[bytes] = []
                 if resp is None:
-                    resp = await open_stream()
+                    resp, out = await open_stream()
                 if text:
-                    await resp.write(oa.sse(oa.chunk(req, rid, created, text=text,
-                                                     usage_so_far=(req.prompt_tokens, self.forwarded))))
+                    out.append(oa.sse(oa.chunk(req, rid, created, text=text,
+                                               usage_so_far=(req.prompt_tokens, self.forwarded))))
                 if r.kind == "done":
                     self.observe_done(r)
-                    await resp.write(oa.sse(oa.chunk(req, rid, created, reason=r.finish,
-                                                     usage_so_far=(r.usage_in, r.usage_out))))
+                    out.append(oa.sse(oa.chunk(req, rid, created, reason=r.finish,
+                                               usage_so_far=(r.usage_in, r.usage_out))))
                     if req.include_usage:
-                        await resp.write(oa.sse(oa.usage_chunk(req, rid, created, r.usage_in, r.usage_out)))
-                    await resp.write(oa.sse("[DONE]"))
-                    await resp.write_eof()
+                        out.append(oa.sse(oa.usage_chunk(req, rid, created, r.usage_in, r.usage_out)))
+                    out.append(oa.sse("[DONE]"))
+                    await resp.write_eof(b"".join(out))
                     return resp
+                if out:
+                    await resp.write(b"".join(out))
         except ConnectionError:
             # The client closed the connection mid-stream (aiohttp's reset errors are
             # ConnectionErrors): the finally clause in run() cancels the request.
