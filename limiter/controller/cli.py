@@ -15,6 +15,7 @@ import sys
 
 from limiter.cli import common_args, load_config
 from limiter.controller.settings import load_settings
+from limiter.event_loop import install_event_loop
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,4 +45,5 @@ def run(args: argparse.Namespace) -> int:
                         format=f"%(asctime)s %(levelname)s %(name)s[{settings.controller_id}]: %(message)s")
     from limiter.controller.service import serve
 
+    install_event_loop()
     return asyncio.run(serve(settings, cfg))

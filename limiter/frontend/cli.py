@@ -15,6 +15,7 @@ from aiohttp.web_runner import GracefulExit
 
 from limiter.cli import common_args, load_config
 from limiter.errors import ConfigError
+from limiter.event_loop import install_event_loop
 from limiter.frontend.app import create_app
 from limiter.frontend.settings import load_settings
 
@@ -76,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("qos.frontend").warning(
             "no config file: serving the demo config (keys demo-p0, demo-p1, demo-p2, demo-admin)")
     sock = _inherited_socket(args.listen_fd) if args.listen_fd is not None else None
+    loop = install_event_loop()
     app = create_app(settings, cfg)
     app.on_startup.append(_hangup_stops)
     listen = {"sock": sock} if sock is not None else {
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
                     shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True,
                     keepalive_timeout=settings.idle_timeout_s,
                     access_log=None, print=lambda _msg: logging.getLogger("qos.frontend").info(
-                        "listening on http://%s:%d", settings.host, settings.port))
+                        "listening on http://%s:%d (%s)", settings.host, settings.port, loop))
     except OSError as exc:
         where = f"{settings.host}:{settings.port}"
         raise ConfigError("frontend.port", f"cannot listen on {where}: {exc}") from exc

@@ -425,9 +425,19 @@ def usage_chunk(req: GenerationRequest, request_id: str, created: int, usage_in:
 
 def compact_json(obj: Any) -> str:
     """JSON as the answers carry it: no spaces, and text as UTF-8 rather than escapes."""
-    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+    return _dumps(obj).decode()
+
+
+def _std_dumps(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode()
+
+
+try:  # the same bytes as _std_dumps for what this module builds (str keys, finite numbers)
+    from orjson import dumps as _dumps
+except ImportError:  # pragma: no cover - orjson is a dependency; this keeps a bare install working
+    _dumps = _std_dumps
 
 
 def sse(data: Mapping[str, Any] | str) -> bytes:
-    payload = data if isinstance(data, str) else compact_json(data)
-    return f"data: {payload}\n\n".encode()
+    payload = data.encode() if isinstance(data, str) else _dumps(data)
+    return b"data: " + payload + b"\n\n"
