@@ -16,11 +16,12 @@ from limiter.cli import common_args, load_config
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), tenants, "
-                                      "overhead, admission, janitor, redis-budget")
+                                      "overhead, admission, janitor, redis-budget, scale-out")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
     _add_admission(bsub)
     _add_janitor(bsub)
     _add_redis_budget(bsub)
+    _add_scale_out(bsub)
     from limiter.bench import cli_run
 
     cli_run.add_parsers(bsub)
@@ -175,4 +176,62 @@ def _redis_budget(args: argparse.Namespace) -> int:
     if args.json:
         rb.write_json(report, args.json)
         console.print(f"[dim]wrote {args.json}[/]")
+    return 0
+
+
+def _add_scale_out(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import scale_out as so
+
+    p = mode_parser(bsub, _scale_out, help="requests/s per pool and in total as pools (one per shard of a "
+                                           "local 3-master Redis Cluster) are added; each shard's cost")
+    a = p.add_argument
+    a("--pools", type=int, default=so.MASTERS, help=f"add pools up to this many (default {so.MASTERS})")
+    a("--frontends", type=int, default=so.DEFAULT_FRONTENDS,
+      help=f"frontend processes serving every pool (default {so.DEFAULT_FRONTENDS})")
+    a("--workers", type=int, default=1, help="sim workers per pool (default 1)")
+    a("--seconds", type=float, default=so.DEFAULT_SECONDS,
+      help=f"length of each phase (default {so.DEFAULT_SECONDS:g})")
+    a("--idle-seconds", type=float, default=so.DEFAULT_IDLE_S,
+      help=f"the idle interval that measures each shard's background (default {so.DEFAULT_IDLE_S:g})")
+    a("--concurrency", type=int, default=so.DEFAULT_CONCURRENCY,
+      help=f"closed-loop streaming clients per loaded pool (default {so.DEFAULT_CONCURRENCY})")
+    a("--output-tokens", type=int, default=so.DEFAULT_OUTPUT_TOKENS,
+      help=f"max_tokens of each request (default {so.DEFAULT_OUTPUT_TOKENS})")
+    a("--max-seqs", type=int, default=64, help="each worker's batch (default 64)")
+    a("--rps-per-gpu", type=float, default=so.DEFAULT_RPS_PER_GPU,
+      help=f"the sizing table's requests/s per GPU (default {so.DEFAULT_RPS_PER_GPU:g}; docs/scaling.md)")
+    a("--headroom", type=float, default=so.DEFAULT_HEADROOM,
+      help=f"the sizing table's use of each core, 0-1 (default {so.DEFAULT_HEADROOM:g})")
+    a("--out", metavar="DIR", help="write scale-out.json and scale-out.md here")
+    a("--markdown", action="store_true", help="print the tables as markdown")
+
+
+def _scale_out(args: argparse.Namespace) -> int:
+    """A local 3-master Redis Cluster (private redis-servers), three pools whose hash tags land on
+    three different masters, frontends serving all of them and sim workers (time scale 0: the null
+    engine) per pool. Phases load 1, 2, 3 pools with closed-loop streaming clients: requests/s per pool,
+    in total and over one pool's; per shard the main thread's CPU and the commands per request of its
+    pool and the requests/s that implies at one core; the CPU of every process and of the machine; a
+    projection and a fleet sizing from the measured costs. See docs/scaling.md."""
+    from rich.console import Console
+
+    from limiter.bench import scale_out as so
+    from limiter.bench import scale_report
+
+    console = Console()
+    spec = so.ScaleSpec(pools=args.pools, frontends=args.frontends, workers_per_pool=args.workers,
+                        seconds=args.seconds, idle_s=args.idle_seconds, concurrency=args.concurrency,
+                        output_tokens=args.output_tokens, max_seqs=args.max_seqs,
+                        rps_per_gpu=args.rps_per_gpu, headroom=args.headroom)
+    try:
+        spec.check()
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    report = asyncio.run(so.run_scale_out(spec, log=console.print))
+    for t in scale_report.render(report, markdown=args.markdown):
+        console.print(t, soft_wrap=args.markdown)  # markdown rows must stay one line each
+    if args.out:
+        for path in scale_report.write_out(report, args.out):
+            console.print(f"[dim]wrote {path}[/]")
     return 0
