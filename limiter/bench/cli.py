@@ -184,26 +184,23 @@ def _add_scale_out(bsub: argparse._SubParsersAction) -> None:
 
     p = mode_parser(bsub, _scale_out, help="requests/s per pool and in total as pools (one per shard of a "
                                            "local 3-master Redis Cluster) are added; each shard's cost")
-    a = p.add_argument
-    a("--pools", type=int, default=so.MASTERS, help=f"add pools up to this many (default {so.MASTERS})")
-    a("--frontends", type=int, default=so.DEFAULT_FRONTENDS,
-      help=f"frontend processes serving every pool (default {so.DEFAULT_FRONTENDS})")
-    a("--workers", type=int, default=1, help="sim workers per pool (default 1)")
-    a("--seconds", type=float, default=so.DEFAULT_SECONDS,
-      help=f"length of each phase (default {so.DEFAULT_SECONDS:g})")
-    a("--idle-seconds", type=float, default=so.DEFAULT_IDLE_S,
-      help=f"the idle interval that measures each shard's background (default {so.DEFAULT_IDLE_S:g})")
-    a("--concurrency", type=int, default=so.DEFAULT_CONCURRENCY,
-      help=f"closed-loop streaming clients per loaded pool (default {so.DEFAULT_CONCURRENCY})")
-    a("--output-tokens", type=int, default=so.DEFAULT_OUTPUT_TOKENS,
-      help=f"max_tokens of each request (default {so.DEFAULT_OUTPUT_TOKENS})")
-    a("--max-seqs", type=int, default=64, help="each worker's batch (default 64)")
-    a("--rps-per-gpu", type=float, default=so.DEFAULT_RPS_PER_GPU,
-      help=f"the sizing table's requests/s per GPU (default {so.DEFAULT_RPS_PER_GPU:g}; docs/scaling.md)")
-    a("--headroom", type=float, default=so.DEFAULT_HEADROOM,
-      help=f"the sizing table's use of each core, 0-1 (default {so.DEFAULT_HEADROOM:g})")
-    a("--out", metavar="DIR", help="write scale-out.json and scale-out.md here")
-    a("--markdown", action="store_true", help="print the tables as markdown")
+    d = so.ScaleSpec()
+    # (flag, type, default, what it is): "(default X)" is added to each help
+    for flag, kind, default, what in (
+        ("--pools", int, d.pools, f"add pools up to this many, one per master (at most {so.MASTERS})"),
+        ("--frontends", int, d.frontends, "frontend processes serving every pool"),
+        ("--workers", int, d.workers_per_pool, "sim workers per pool"),
+        ("--seconds", float, d.seconds, "length of each phase"),
+        ("--idle-seconds", float, d.idle_s, "the idle interval that measures each shard's background"),
+        ("--concurrency", int, d.concurrency, "closed-loop streaming clients per loaded pool"),
+        ("--output-tokens", int, d.output_tokens, "max_tokens of each request"),
+        ("--max-seqs", int, d.max_seqs, "each worker's batch"),
+        ("--rps-per-gpu", float, d.rps_per_gpu, "the sizing table's requests/s per GPU (docs/scaling.md)"),
+        ("--headroom", float, d.headroom, "the sizing table's use of each core, 0-1"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
+    p.add_argument("--out", metavar="DIR", help="write scale-out.json and scale-out.md here")
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
 
 
 def _scale_out(args: argparse.Namespace) -> int:
