@@ -4,8 +4,9 @@ Cluster, with TLS via ``rediss://`` and credentials from the URL; and what count
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -47,9 +48,9 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
     would hide an outage from those decisions and stretch a request past its deadline;
     redis-py's cluster client still follows MOVED/ASK redirections.
 
-    With ``pool_wait_s`` (standalone Redis only) a command that finds all
-    ``max_connections`` busy waits up to that long for one instead of failing at once:
-    a server with many concurrent requests keeps O(1) connections.
+    With ``pool_wait_s`` a command that finds all ``max_connections`` busy waits up to that
+    long for one instead of failing at once: a server with many concurrent requests keeps
+    O(1) connections. (On a cluster, :class:`WaitingRedisCluster`.)
     """
     retry = Retry(NoBackoff(), retries=0)
     common: dict[str, Any] = {
@@ -59,9 +60,59 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
         "health_check_interval": 15,
     }
     if cfg.cluster:
+        if pool_wait_s is not None:
+            return WaitingRedisCluster.from_url(cfg.url, max_connections=max_connections,
+                                                pool_wait_s=pool_wait_s, **common)
         return RedisCluster.from_url(cfg.url, max_connections=max_connections, **common)
     if pool_wait_s is not None:
         pool = aioredis.BlockingConnectionPool.from_url(
             cfg.url, max_connections=max_connections, timeout=pool_wait_s, socket_keepalive=True, **common)
         return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
     return aioredis.from_url(cfg.url, max_connections=max_connections, socket_keepalive=True, **common)
+
+
+class WaitingRedisCluster(RedisCluster):
+    """A cluster client whose commands wait (up to ``pool_wait_s``) for a free connection.
+
+    redis-py's cluster client fails a command at once (``MaxConnectionsError``) when the
+    node's ``max_connections`` are all busy, where the standalone client here waits for one:
+    a worker with more requests in flight than connections then took its own cap for an
+    outage and backed off. This lets at most ``max_connections`` commands and pipelines be
+    in flight in all, so that no node ever needs more, and the rest wait their turn; one that
+    waits longer than ``pool_wait_s`` fails as an outage, as on a standalone Redis.
+    """
+
+    def __init__(self, *args: Any, pool_wait_s: float = 5.0, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pool_wait_s = pool_wait_s
+        self.turns = asyncio.Semaphore(kwargs.get("max_connections") or 2**31)
+
+    @contextlib.asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        try:
+            async with asyncio.timeout(self.pool_wait_s):
+                await self.turns.acquire()
+        except TimeoutError as exc:
+            raise RedisConnectionError(f"no free connection within {self.pool_wait_s:g} s") from exc
+        try:
+            yield
+        finally:
+            self.turns.release()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self.turn():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
+        # A pipeline holds one connection per node it sends to: one turn covers it. (Its
+        # commands redirected by MOVED/ASK are resent one by one through execute_command,
+        # which then waits for a second turn; pool_wait_s bounds that wait too.)
+        pipe = super().pipeline(transaction, shard_hint)
+        execute = pipe.execute
+
+        async def execute_in_turn(*args: Any, **kwargs: Any) -> Any:
+            async with self.turn():
+                return await execute(*args, **kwargs)
+
+        pipe.execute = execute_in_turn
+        return pipe

@@ -16,11 +16,12 @@ from limiter.cli import common_args, load_config
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), tenants, "
-                                      "overhead, admission, janitor, redis-budget")
+                                      "overhead, admission, janitor, redis-budget, scale-out")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
     _add_admission(bsub)
     _add_janitor(bsub)
     _add_redis_budget(bsub)
+    _add_scale_out(bsub)
     from limiter.bench import cli_run
 
     cli_run.add_parsers(bsub)
@@ -175,4 +176,59 @@ def _redis_budget(args: argparse.Namespace) -> int:
     if args.json:
         rb.write_json(report, args.json)
         console.print(f"[dim]wrote {args.json}[/]")
+    return 0
+
+
+def _add_scale_out(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import scale_out as so
+
+    p = mode_parser(bsub, _scale_out, help="requests/s per pool and in total as pools (one per shard of a "
+                                           "local 3-master Redis Cluster) are added; each shard's cost")
+    d = so.ScaleSpec()
+    # (flag, type, default, what it is): "(default X)" is added to each help
+    for flag, kind, default, what in (
+        ("--pools", int, d.pools, f"add pools up to this many, one per master (at most {so.MASTERS})"),
+        ("--frontends", int, d.frontends, "frontend processes serving every pool"),
+        ("--workers", int, d.workers_per_pool, "sim workers per pool"),
+        ("--seconds", float, d.seconds, "length of each phase"),
+        ("--idle-seconds", float, d.idle_s, "the idle interval that measures each shard's background"),
+        ("--concurrency", int, d.concurrency, "closed-loop streaming clients per loaded pool"),
+        ("--output-tokens", int, d.output_tokens, "max_tokens of each request"),
+        ("--max-seqs", int, d.max_seqs, "each worker's batch"),
+        ("--rps-per-gpu", float, d.rps_per_gpu, "the sizing table's requests/s per GPU (docs/scaling.md)"),
+        ("--headroom", float, d.headroom, "the sizing table's use of each core, 0-1"),
+    ):
+        p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
+    p.add_argument("--out", metavar="DIR", help="write scale-out.json and scale-out.md here")
+    p.add_argument("--markdown", action="store_true", help="print the tables as markdown")
+
+
+def _scale_out(args: argparse.Namespace) -> int:
+    """A local 3-master Redis Cluster (private redis-servers), three pools whose hash tags land on
+    three different masters, frontends serving all of them and sim workers (time scale 0: the null
+    engine) per pool. Phases load 1, 2, 3 pools with closed-loop streaming clients: requests/s per pool,
+    in total and over one pool's; per shard the main thread's CPU and the commands per request of its
+    pool and the requests/s that implies at one core; the CPU of every process and of the machine; a
+    projection and a fleet sizing from the measured costs. See docs/scaling.md."""
+    from rich.console import Console
+
+    from limiter.bench import scale_out as so
+    from limiter.bench import scale_report
+
+    console = Console()
+    spec = so.ScaleSpec(pools=args.pools, frontends=args.frontends, workers_per_pool=args.workers,
+                        seconds=args.seconds, idle_s=args.idle_seconds, concurrency=args.concurrency,
+                        output_tokens=args.output_tokens, max_seqs=args.max_seqs,
+                        rps_per_gpu=args.rps_per_gpu, headroom=args.headroom)
+    try:
+        spec.check()
+    except ValueError as exc:
+        console.print(f"[red]{exc}[/]")
+        return 2
+    report = asyncio.run(so.run_scale_out(spec, log=console.print))
+    for t in scale_report.render(report, markdown=args.markdown):
+        console.print(t, soft_wrap=args.markdown)  # markdown rows must stay one line each
+    if args.out:
+        for path in scale_report.write_out(report, args.out):
+            console.print(f"[dim]wrote {path}[/]")
     return 0

@@ -37,7 +37,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.table import Table
 
 from limiter.bench import trace as tr
 from limiter.bench.calibrate import Capacity
@@ -47,6 +46,7 @@ from limiter.bench.report import window_tokens
 from limiter.bench.runner import CONTEXT_TOKENS, speedup_for, tempfile_dir
 from limiter.bench.stack import StackSpec, start_stack
 from limiter.bench.stackcal import calibrate_and_report
+from limiter.bench.tables import render_tables
 from limiter.config import TenantConfig, hash_key, validate
 from limiter.localstack.loadgen import percentile
 
@@ -210,21 +210,7 @@ def render(results: Mapping[str, Any], markdown: bool = False) -> list[Any]:
                for t in results["targets"]]
     tables = [(head, body), (["mode", "steady p99 / alone", "Jain (heavy, medium)"], summary),
               (["target", "measured", "goal", "met"], targets)]
-    if markdown:
-        out = []
-        for h, rows in tables:
-            out.append("| " + " | ".join(h) + " |\n|" + "---|" * len(h) + "\n"
-                       + "\n".join("| " + " | ".join(str(c) for c in r) + " |" for r in rows))
-        return out
-    rendered = []
-    for h, rows in tables:
-        t = Table()
-        for col in h:
-            t.add_column(col)
-        for r in rows:
-            t.add_row(*(str(c) for c in r))
-        rendered.append(t)
-    return rendered
+    return render_tables(tables, markdown)
 
 
 def _fmt(v: float | None, nd: int = 1) -> str:

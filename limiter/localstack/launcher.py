@@ -24,7 +24,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -331,19 +331,24 @@ async def redis_time_ms(url: str) -> int:
 
 
 async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[str], since_ms: int,
-                     timeout_s: float, abort: Callable[[], bool] = lambda: False) -> bool:
+                     timeout_s: float, abort: Callable[[], bool] = lambda: False,
+                     pool_of: Mapping[str, str] | None = None) -> bool:
     """Until /readyz answers 200 and each of ``worker_ids`` has sent a heartbeat since
     ``since_ms`` (Redis time; entries of an earlier stack do not count): True. False when
-    ``abort()`` (Ctrl-C while starting); raises when a child died or time ran out."""
-    import redis.asyncio as aioredis
+    ``abort()`` (Ctrl-C while starting); raises when a child died or time ran out.
+    ``pool_of``: worker id -> the pool it serves (default: the config's first pool)."""
+    import dataclasses
 
     from limiter.keys import PoolKeys
+    from limiter.redis_conn import open_redis
 
     started = time.monotonic()
     deadline = started + timeout_s
     next_report = started + READY_REPORT_S
-    client = aioredis.from_url(stack.redis_url)
-    keys = PoolKeys(cfg.pools[0].name)
+    # cfg.redis says whether it is a cluster (a pool's keys may then live on any node)
+    client = open_redis(dataclasses.replace(cfg.redis, url=stack.redis_url), max_connections=4)
+    first = cfg.pools[0].name
+    workers_key = {w: PoolKeys((pool_of or {}).get(w, first)).workers for w in worker_ids}
     try:
         async with aiohttp.ClientSession() as session:
             while True:
@@ -361,7 +366,7 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[s
                 if not missing:
                     async with client.pipeline(transaction=False) as pipe:
                         for w in worker_ids:  # (ZSCORE: the documented ACL user has no ZMSCORE)
-                            pipe.zscore(keys.workers, w)
+                            pipe.zscore(workers_key[w], w)
                         seen = await pipe.execute() if worker_ids else []
                     silent = [w for w, s in zip(worker_ids, seen, strict=True) if s is None or s < since_ms]
                     if not silent:

@@ -1,4 +1,4 @@
-"""A private ``redis-server`` child process on a free port.
+"""A private ``redis-server`` child process on a free port, and a local Redis Cluster of them.
 
 Used by the benchmarks and the tests (and by roles that start a throwaway Redis), so that
 nothing ever touches a shared instance by accident. ``--save ""``: no RDB snapshots;
@@ -15,8 +15,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import redis
+from redis.crc import key_slot
 
 
 def free_port() -> int:
@@ -98,3 +100,74 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class LocalRedisCluster:
+    """A local Redis Cluster of ``masters`` private redis-servers (no replicas), each master
+    owning an equal share of the slots (``redis-cli --cluster create``)."""
+
+    nodes: list[RedisServer] = field(default_factory=list)
+    extra: list[str] = field(default_factory=list)  # server flags for every node
+
+    def start(self, masters: int = 3, timeout_s: float = 20.0) -> LocalRedisCluster:
+        try:
+            for _ in range(masters):
+                # The bus port defaults to port + 10000, which may not be free: name a free one.
+                node = RedisServer(extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
+                                          "--cluster-config-file", "nodes.conf",
+                                          "--cluster-port", str(free_port()), *self.extra])
+                self.nodes.append(node.start())
+            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+            subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                            "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                if all(b"cluster_state:ok" in self._call(n, "CLUSTER", "INFO") for n in self.nodes):
+                    return self
+                time.sleep(0.1)
+            raise RuntimeError("the cluster did not become ok")
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def url(self) -> str:
+        """A seed node's URL (a cluster client discovers the others from it)."""
+        return self.nodes[0].url
+
+    def owner(self, key: str) -> RedisServer:
+        """The master that holds ``key``'s slot."""
+        slot = key_slot(key.encode())
+        for start, end, master, *_ in self._call(self.nodes[0], "CLUSTER", "SLOTS"):
+            if start <= slot <= end:
+                port = int(master[1])
+                return next(n for n in self.nodes if n.port == port)
+        raise RuntimeError(f"no master owns slot {slot}")
+
+    @staticmethod
+    def _call(node: RedisServer, *args: str) -> Any:
+        with node.client() as c:
+            return c.execute_command(*args)
+
+    def stop(self) -> None:
+        for n in self.nodes:
+            n.stop()
+
+
+def pools_on_distinct_shards(shard_of: Callable[[str], str], count: int, prefix: str = "pool",
+                             tries: int = 1000) -> list[str]:
+    """``count`` pool names ``<prefix><i>`` whose keys live on ``count`` different shards;
+    ``shard_of`` names the shard of a key. Every key of a pool shares its hash tag, so the
+    pool's policy key stands for all of them."""
+    from limiter.keys import PoolKeys
+
+    chosen: dict[str, str] = {}
+    for i in range(tries):
+        name = f"{prefix}{i}"
+        shard = shard_of(PoolKeys(name).policy)
+        if shard not in chosen:
+            chosen[shard] = name
+            if len(chosen) == count:
+                return list(chosen.values())
+    raise RuntimeError(f"could not spread {count} pools over {count} shards (only {len(chosen)} found)")
