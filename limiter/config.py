@@ -223,9 +223,16 @@ def validate(cfg: QosConfig) -> QosConfig:
     _check(floors <= 1.0 + 1e-9, "classes", f"floors add up to {floors:.3f}, more than 1")
     _check(len(cfg.pools) > 0, "pools", "at least one pool is required")
     pool_names: set[str] = set()
+    models: dict[str, int] = {}  # model name -> the pool that serves it
     for i, pool in enumerate(cfg.pools):
         p = f"pools[{i}]"
         _check_new_name("pool", p, pool.name, pool_names)
+        # A request's `model` picks the first pool that serves it: a second pool with the same
+        # model name would never be reached (a split pool needs a model name per half).
+        _check(pool.model_name not in models, f"{p}.model",
+               f"model {pool.model_name!r} is already served by pools[{models.get(pool.model_name)}]; "
+               "each pool needs its own model name")
+        models[pool.model_name] = i
         _check(16 <= pool.context_tokens <= 10_000_000, f"{p}.context_tokens", "must be in [16, 10000000]")
         _check(1 <= pool.default_max_tokens <= pool.context_tokens, f"{p}.default_max_tokens",
                "must be in [1, context_tokens]")

@@ -58,6 +58,9 @@ def test_a_valid_file_loads(tmp_path):
     (('default_class = "P1"', 'default_class = "P0"\nbogus = 1'), "tenants[0].bogus"),
     (('url = "redis://127.0.0.1:6390/0"', 'url = "http://x"'), "redis.url"),
     (('key_sha256 = ["', 'key_sha256 = ["zz'), "tenants[0].key_sha256[0]"),
+    # a second pool serving the first one's model would never be reached
+    (("context_tokens = 8192", 'context_tokens = 8192\n\n[[pools]]\nname = "llama-b"\nmodel = "llama"'),
+     "pools[1].model"),
 ])
 def test_each_mistake_names_its_field(tmp_path, edit, path):
     with pytest.raises(ConfigError) as exc:
