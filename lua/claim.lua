@@ -47,7 +47,8 @@
 -- ARGV[8] avoid_from     the highest class avoid_tenants applies to; required with them
 --
 -- Returns {now_ms, backlog, {entry}, ...}; backlog = 1 when requests are still queued after
---   this call (they were announced again on the wake list), else 0;
+--   this call (they were announced again on the wake list), else 0 (and the wake list is
+--   emptied: its markers announced work that is taken);
 --   entry = {id, class, tenant, fence, payload, enq_ms,
 --   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms,
 --   first_ms (0 until a first token was delivered), attempt}; times are Redis server ms.
@@ -304,7 +305,14 @@ local function main()
   -- caller is told: an empty claim with nothing left queued only consumed a stale marker,
   -- while one that left a backlog (a misfit, a class held by its ceiling) must back off.
   for _, cls in ipairs(p.classes) do
-    if q.n[cls] > 0 then wake_workers() out[2] = 1 break end
+    if q.n[cls] > 0 then out[2] = 1 break end
+  end
+  if out[2] == 1 then
+    wake_workers()
+  else
+    -- Nothing is queued: every marker left announces work this call (or an earlier one)
+    -- took. Dropped, they cannot send another worker to an empty claim.
+    redis.call('DEL', K_WAKE)
   end
   return out
 end

@@ -352,3 +352,5 @@ async def test_claim_says_whether_it_left_work_queued(scripts, pool):
     assert misfit.requests == [] and misfit.backlog is True
     rest = await scripts.claim(pool, "w1", 4)
     assert len(rest.requests) == 1 and rest.backlog is False
+    # the markers left announced work now taken: dropped, so no worker claims in vain
+    assert await scripts.client.llen(pool.wake) == 0
