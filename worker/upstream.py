@@ -417,6 +417,8 @@ class UpstreamLoop:
                     cut = counted + new > allowance
                     if cut:  # the upstream went past max_tokens: stop there
                         new = allowance - counted
+                        if new == 0:  # all of this chunk is past it: none of its text either
+                            text = ""
                     if new or text:
                         self._take(d, text, new)
                         counted += new

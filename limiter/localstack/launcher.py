@@ -312,6 +312,10 @@ def build_commands(args: argparse.Namespace) -> list[Child]:
         argv = [*qos, "worker", "--engine", args.engine, "--device", args.device, "--worker-id", wid, *common]
         if args.engine == "openai":
             argv += ["--upstream-url", args.upstream_url]
+            if model := getattr(args, "upstream_model", None):
+                argv += ["--upstream-model", model]
+            if (priority := getattr(args, "upstream_priority", None)) is not None:
+                argv.append("--upstream-priority" if priority else "--no-upstream-priority")
         if args.engine == "torch" and args.device == "cpu":
             # Several CPU workers on few cores: one torch thread each keeps step times even.
             argv += ["--torch-threads", "1"]

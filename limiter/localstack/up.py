@@ -130,6 +130,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--engine", choices=("torch", "sim", "openai"), default="sim")
     p.add_argument("--device", default="cpu", help="worker device: cpu, cuda, cuda:N (default cpu)")
     p.add_argument("--upstream-url", default=None, help="openai engine: the upstream server's base URL")
+    p.add_argument("--upstream-model", default=None,
+                   help="openai engine: the model name sent upstream (default: the pool's model name)")
+    p.add_argument("--upstream-priority", action=argparse.BooleanOptionalAction, default=None,
+                   help="openai engine: send the class rank as vLLM's `priority` (default on; "
+                   "--no-upstream-priority for a server that rejects the field)")
     p.add_argument("--standby", action="store_true", help="also run a standby controller")
     p.add_argument("--restart", action="store_true",
                    help="start a worker that died again, with back-off (1, 2, 4, 8, 16 s; gives up after "
@@ -152,6 +157,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--port", "must be between 1 and 65535")
     if args.engine == "openai" and not args.upstream_url:
         raise ConfigError("--upstream-url", "is required with --engine openai")
+    openai_only = (("--upstream-model", args.upstream_model), ("--upstream-priority", args.upstream_priority))
+    for flag, value in openai_only:
+        if value is not None and args.engine != "openai":
+            raise ConfigError(flag, "applies to --engine openai only")
     if args.demo_duration < 0:
         raise ConfigError("--demo-duration", "must be >= 0")
     if not 0 < args.ready_timeout <= 86_400:
@@ -184,7 +193,8 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
 
     fe = frontend_settings(cfg, {"host": args.host, "port": args.port})
     wk = worker_settings(cfg, {"engine": args.engine, "device": args.device,
-                               "upstream_url": args.upstream_url})
+                               "upstream_url": args.upstream_url, "upstream_model": args.upstream_model,
+                               "upstream_priority": args.upstream_priority})
     controller_settings(cfg)
     return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s, "worker": wk.drain_timeout_s}
 
