@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import openai
+import pytest
 
 from tests.support.qos_up import QOS
 from tests.support.redis_server import free_port
@@ -60,3 +61,18 @@ def test_qos_up_without_redis_server_uses_an_embedded_redis_and_says_so(tmp_path
         assert done.usage.completion_tokens == 4
         up.ctrl_c()
         assert up.wait_exit(60) == 0, up.output
+
+
+@pytest.mark.parametrize(("argv", "named"), [
+    (["--frontends", "0"], "--frontends"),
+    (["--engine", "openai"], "--upstream-url"),
+    (["--upstream-model", "llama-3"], "--upstream-model"),  # the sim engine has no upstream
+    (["--no-upstream-priority"], "--upstream-priority"),
+    (["--demo-duration", "-1"], "--demo-duration"),
+])
+def test_a_bad_flag_is_refused_by_name_before_anything_starts(argv, named, capsys):
+    from limiter.cli import main
+
+    assert main(["up", "--port", "1", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "config error" in err
