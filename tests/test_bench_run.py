@@ -200,6 +200,8 @@ def test_overhead_smoke() -> None:
     rc = report["full"]["redis_commands"]
     assert rc["per_request"] > 0 and "EVALSHA admit" in rc["by_command_per_request"]
     assert report["full"]["latency"]["completed"] > 0
+    thr = report["full"]["throughput"]
+    assert thr["cpu_ms_per_request"]["frontend"] > 0 and thr["cpu_ms_per_request"]["redis"] > 0
 
 
 @pytest.mark.slow
@@ -221,3 +223,18 @@ def test_stack_calibration_is_below_the_engine_figure(tmp_path: Path) -> None:
                                         context_tokens=CONTEXT_TOKENS["sim"], work_dir=tmp_path))
     assert 0.2 < record["stack_over_engine"] <= 1.05
     assert cap.out_weight > 5 and cap.requests_s > 0
+
+
+def test_overhead_cpu_split_per_request_and_per_role_ceiling() -> None:
+    from limiter.bench.overhead import cpu_split
+    from limiter.bench.procstat import MachineTicks
+
+    pids = {"client": [1], "frontend": [2, 3], "redis": [4]}
+    split = cpu_split(pids, {"client": 1.0, "frontend": 2.0, "redis": 0.0},
+                      {"client": 1.5, "frontend": 3.0, "redis": 0.0},
+                      (MachineTicks(100, 1000), MachineTicks(280, 1200)), wall_s=2.0, completed=1000)
+    assert split["cpu_ms_per_request"] == {"client": 0.5, "frontend": 1.0, "redis": 0.0}
+    assert split["cores"] == {"client": 0.25, "frontend": 0.5, "redis": 0.0}
+    # two frontend processes at 1 ms of CPU per request: 2,000 req/s on a core each
+    assert split["ceiling_requests_s"] == {"client": 2000, "frontend": 2000, "redis": None}
+    assert split["machine_busy"] == 0.9

@@ -45,7 +45,8 @@ import aiohttp
 from rich.table import Table
 
 from limiter.bench.modes import POOL, UNLIMITED, api_key, mode_spec
-from limiter.bench.stack import CommandMonitor, StackSpec, start_stack
+from limiter.bench.procstat import MachineTicks, busy_share, process_cpu_s
+from limiter.bench.stack import CommandMonitor, LoggedStack, StackSpec, start_stack
 from limiter.localstack.loadgen import Result, make_prompt, percentile, stream_completion
 from limiter.localstack.redis_server import free_port
 
@@ -117,6 +118,38 @@ async def _wait_http(url: str, timeout_s: float = 20.0) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
+def role_pids(stack: LoggedStack) -> dict[str, list[int]]:
+    """The processes a request crosses, by role: this process (the load generator), the
+    stack's children and its Redis."""
+    pids: dict[str, list[int]] = {"client": [os.getpid()]}
+    for c in stack.children:
+        if c.proc is not None:
+            pids.setdefault(c.role, []).append(c.proc.pid)
+    redis_proc = getattr(stack.redis, "proc", None)
+    if redis_proc is not None:
+        pids["redis"] = [redis_proc.pid]
+    return pids
+
+
+def cpu_split(pids: dict[str, list[int]], before: dict[str, float], after: dict[str, float],
+              ticks: tuple[MachineTicks, MachineTicks], wall_s: float, completed: int) -> dict[str, Any]:
+    """Where the cores went during a phase: CPU ms per completed request and cores used, per
+    role; how busy the machine was. ``ceiling_requests_s``: what a role's process(es) would
+    complete on a core each of their own (1 / CPU s per request x processes) -- a projection,
+    for the machine is shared."""
+    used = {r: after[r] - before[r] for r in pids}
+    n = max(1, completed)
+    return {"cpu_ms_per_request": {r: round(v / n * 1e3, 3) for r, v in used.items()},
+            "cores": {r: round(v / wall_s, 2) for r, v in used.items()},
+            "ceiling_requests_s": {r: round(len(pids[r]) * n / v) if v > 0 else None
+                                   for r, v in used.items()},
+            "machine_busy": _r(busy_share(*ticks))}
+
+
+def _cpu_now(pids: dict[str, list[int]]) -> dict[str, float]:
+    return {r: sum(process_cpu_s(p) for p in ps) for r, ps in pids.items()}
+
+
 async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
                        log: Callable[[str], None]) -> dict[str, Any]:
     port = free_port()
@@ -152,9 +185,14 @@ async def measure_full(seconds: float, concurrency: int, rate: float | None, out
     key = api_key("P0")
     try:
         await closed_loop(stack.base_url, key, POOL, min(2.0, seconds), 4, output_tokens)  # warm up
-        thr = summarise(await closed_loop(stack.base_url, key, POOL, seconds, concurrency, output_tokens),
-                        seconds)
-        log(f"[dim]  full path throughput {thr['requests_s']:,.0f} req/s (c={concurrency})[/]")
+        pids = role_pids(stack)
+        cpu0, ticks0, t0 = _cpu_now(pids), MachineTicks.read(), time.monotonic()
+        results = await closed_loop(stack.base_url, key, POOL, seconds, concurrency, output_tokens)
+        split = cpu_split(pids, cpu0, _cpu_now(pids), (ticks0, MachineTicks.read()), time.monotonic() - t0,
+                          sum(r.ok for r in results))
+        thr = {**summarise(results, seconds), **split}
+        log(f"[dim]  full path throughput {thr['requests_s']:,.0f} req/s (c={concurrency}); CPU ms per "
+            f"request {thr['cpu_ms_per_request']}, machine {thr['machine_busy'] or 0:.0%} busy[/]")
         rate = rate or max(1.0, round(thr["requests_s"] * RATE_SHARE))
         await asyncio.sleep(1.0)
         lat = summarise(await open_loop(stack.base_url, key, POOL, seconds, rate, output_tokens), seconds)
@@ -227,6 +265,14 @@ def render(report: dict[str, Any]) -> Table:
     rc = f["redis_commands"]
     t.add_row("Redis commands / request", "-", f"{rc['per_request']:.2f}",
               f"{rc['per_request_minus_background']:.2f} w/o background", f"<= {rc['target']:g}")
+    thr = f["throughput"]
+    if "cpu_ms_per_request" in thr:
+        busy = thr["machine_busy"]
+        t.add_row(f"throughput phase: machine busy {'-' if busy is None else f'{busy:.0%}'}", "", "", "", "")
+        for role, ms in thr["cpu_ms_per_request"].items():
+            ceiling = thr["ceiling_requests_s"][role]
+            t.add_row(f"  {role}: CPU ms / request (cores)", "", f"{ms:.3f} ({thr['cores'][role]:.2f})",
+                      f"{ceiling:,} req/s alone" if ceiling else "-", "")
     return t
 
 
