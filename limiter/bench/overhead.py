@@ -45,8 +45,8 @@ import aiohttp
 from rich.table import Table
 
 from limiter.bench.modes import POOL, UNLIMITED, api_key, mode_spec
-from limiter.bench.procstat import MachineTicks, busy_share, process_cpu_s
-from limiter.bench.stack import CommandMonitor, LoggedStack, StackSpec, start_stack
+from limiter.bench.procstat import MachineTicks, busy_share, cpu_by_role
+from limiter.bench.stack import CommandMonitor, StackSpec, role_pids, start_stack
 from limiter.localstack.loadgen import Result, make_prompt, percentile, stream_completion
 from limiter.localstack.redis_server import free_port
 
@@ -118,19 +118,6 @@ async def _wait_http(url: str, timeout_s: float = 20.0) -> None:
     raise RuntimeError(f"{url} did not become ready")
 
 
-def role_pids(stack: LoggedStack) -> dict[str, list[int]]:
-    """The processes a request crosses, by role: this process (the load generator), the
-    stack's children and its Redis."""
-    pids: dict[str, list[int]] = {"client": [os.getpid()]}
-    for c in stack.children:
-        if c.proc is not None:
-            pids.setdefault(c.role, []).append(c.proc.pid)
-    redis_proc = getattr(stack.redis, "proc", None)
-    if redis_proc is not None:
-        pids["redis"] = [redis_proc.pid]
-    return pids
-
-
 def cpu_split(pids: dict[str, list[int]], before: dict[str, float], after: dict[str, float],
               ticks: tuple[MachineTicks, MachineTicks], wall_s: float, completed: int) -> dict[str, Any]:
     """Where the cores went during a phase: CPU ms per completed request and cores used, per
@@ -144,10 +131,6 @@ def cpu_split(pids: dict[str, list[int]], before: dict[str, float], after: dict[
             "ceiling_requests_s": {r: round(len(pids[r]) * n / v) if v > 0 else None
                                    for r, v in used.items()},
             "machine_busy": _r(busy_share(*ticks))}
-
-
-def _cpu_now(pids: dict[str, list[int]]) -> dict[str, float]:
-    return {r: sum(process_cpu_s(p) for p in ps) for r, ps in pids.items()}
 
 
 async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
@@ -185,10 +168,11 @@ async def measure_full(seconds: float, concurrency: int, rate: float | None, out
     key = api_key("P0")
     try:
         await closed_loop(stack.base_url, key, POOL, min(2.0, seconds), 4, output_tokens)  # warm up
-        pids = role_pids(stack)
-        cpu0, ticks0, t0 = _cpu_now(pids), MachineTicks.read(), time.monotonic()
+        redis_proc = getattr(stack.redis, "proc", None)
+        pids = role_pids(stack, [redis_proc.pid] if redis_proc is not None else [])
+        cpu0, ticks0, t0 = cpu_by_role(pids), MachineTicks.read(), time.monotonic()
         results = await closed_loop(stack.base_url, key, POOL, seconds, concurrency, output_tokens)
-        split = cpu_split(pids, cpu0, _cpu_now(pids), (ticks0, MachineTicks.read()), time.monotonic() - t0,
+        split = cpu_split(pids, cpu0, cpu_by_role(pids), (ticks0, MachineTicks.read()), time.monotonic() - t0,
                           sum(r.ok for r in results))
         thr = {**summarise(results, seconds), **split}
         log(f"[dim]  full path throughput {thr['requests_s']:,.0f} req/s (c={concurrency}); CPU ms per "

@@ -7,6 +7,7 @@ tell whether the machine's cores were the limit, and which process spent them.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,6 +28,11 @@ def process_cpu_s(pid: int) -> float:
         return parse_process_cpu_s(Path(f"/proc/{pid}/stat").read_text())
     except (OSError, ValueError, IndexError):
         return 0.0
+
+
+def cpu_by_role(pids: Mapping[str, Sequence[int]]) -> dict[str, float]:
+    """CPU seconds each role's processes used so far (``pids``: role -> its processes)."""
+    return {role: sum(process_cpu_s(p) for p in ps) for role, ps in pids.items()}
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,6 @@ shard-side projection (sum of the shards' ceilings) separately.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import os
@@ -40,13 +39,11 @@ import redis.asyncio as aioredis
 from limiter.bench import scale_math as sm
 from limiter.bench.modes import UNLIMITED, api_key, mode_spec, write_config
 from limiter.bench.overhead import closed_loop
-from limiter.bench.procstat import MachineTicks, busy_share, process_cpu_s
+from limiter.bench.procstat import MachineTicks, busy_share, cpu_by_role
 from limiter.bench.redis_budget import main_thread_cpu_us, parse_commandstats
-from limiter.bench.stack import LoggedStack, StackSpec, worker_flags
+from limiter.bench.stack import LoggedStack, StackSpec, launch_roles, role_pids, worker_flags
 from limiter.config import QosConfig, RedisConfig, validate
 from limiter.keys import PoolKeys
-from limiter.lifecycle import listen_socket
-from limiter.localstack.launcher import build_commands, wait_ready
 from limiter.localstack.redis_server import LocalRedisCluster, free_port, pools_on_distinct_shards
 
 MASTERS = 3
@@ -105,32 +102,12 @@ async def start_scale_stack(cluster: LocalRedisCluster, pools: Sequence[str], sp
     config_path = write_config(cfg, work_dir / "scale-out.toml")
     port = free_port()
     stack = LoggedStack(redis_url=cluster.url, base_url=f"http://127.0.0.1:{port}", log_dir=log_dir)
-    args = argparse.Namespace(frontends=spec.frontends, host="127.0.0.1", port=port,
-                              workers=spec.workers_per_pool * len(pools), engine="sim", device="cpu",
-                              upstream_url=None, standby=False, config=str(config_path))
-    env = dict(os.environ, QOS_REDIS_URL=cluster.url, OMP_NUM_THREADS="1")
-    env.pop("QOS_CONFIG", None)
-    stack.env = env
     flags = worker_flags(StackSpec(engine="sim", time_scale=0.0, token_budget=512, max_seqs=spec.max_seqs),
                          mode_spec("priority", capacity_tokens_s=UNLIMITED, context_tokens=4096))
-    pool_of: dict[str, str] = {}
-    try:
-        workers = 0
-        for child in build_commands(args):
-            if child.role == "controller":  # nothing to control: no capacity limit, no SLO loop
-                continue
-            if child.role == "worker":
-                pool = pools[workers % len(pools)]
-                workers += 1
-                pool_of[child.worker_id] = pool
-                child.argv += [*flags, "--pool", pool]
-            if child.role == "frontend":
-                child.sock = listen_socket("127.0.0.1", port, reuse_port=spec.frontends > 1)
-            stack.start(child, env)
-        await wait_ready(stack, cfg, list(pool_of), 0, 120.0, pool_of=pool_of)
-    except BaseException:
-        stack.stop(5.0)
-        raise
+    # no controller: nothing to control (no capacity limit, no SLO loop)
+    pool_of = await launch_roles(stack, cfg, config_path, port, frontends=spec.frontends,
+                                 workers=spec.workers_per_pool * len(pools), engine="sim", worker_argv=flags,
+                                 controller=False, pools=pools)
     return stack, pool_of
 
 
@@ -163,15 +140,11 @@ class Probe:
 
     def __init__(self, cluster: LocalRedisCluster, stack: LoggedStack) -> None:
         self.clients = {f"127.0.0.1:{n.port}": aioredis.from_url(n.url) for n in cluster.nodes}
-        self.pids: dict[str, list[int]] = {"client": [os.getpid()],
-                                           "redis": [n.proc.pid for n in cluster.nodes if n.proc]}
-        for c in stack.children:
-            if c.proc is not None:
-                self.pids.setdefault(c.role, []).append(c.proc.pid)
+        self.pids = role_pids(stack, [n.proc.pid for n in cluster.nodes if n.proc])
 
     async def read(self) -> Meters:
         shards = {a: await shard_counters(c) for a, c in self.clients.items()}
-        roles = {r: sum(process_cpu_s(p) for p in self.pids.get(r, [])) for r in ROLES}
+        roles = cpu_by_role({r: self.pids.get(r, []) for r in ROLES})
         return Meters(shards, roles, MachineTicks.read(), time.monotonic())
 
     async def keys_by_shard(self, pools: Sequence[str]) -> dict[str, dict[str, int]]:

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import msgpack
 import redis.asyncio as aioredis
 
 from limiter.bench.modes import POOL, ModeSpec, write_config
+from limiter.config import QosConfig
 from limiter.keys import PoolKeys
 from limiter.lifecycle import listen_socket
 from limiter.localstack.launcher import Child, Stack, build_commands, wait_ready
@@ -81,28 +83,57 @@ async def start_stack(spec: StackSpec, mode: ModeSpec, work_dir: Path) -> Logged
     port = free_port()
     stack = LoggedStack(redis_url=server.url, base_url=f"http://127.0.0.1:{port}", redis=server,
                         log_dir=log_dir)
-    args = argparse.Namespace(frontends=spec.frontends, host="127.0.0.1", port=port, workers=spec.workers,
-                              engine=spec.engine, device="cpu", upstream_url=None, standby=False,
+    await launch_roles(stack, mode.cfg, config_path, port, frontends=spec.frontends, workers=spec.workers,
+                       engine=spec.engine, worker_argv=worker_flags(spec, mode), controller=mode.controller,
+                       threads=spec.torch_threads, ready_timeout_s=spec.ready_timeout_s)
+    return stack
+
+
+async def launch_roles(stack: LoggedStack, cfg: QosConfig, config_path: Path, port: int, *, frontends: int,
+                       workers: int, engine: str, worker_argv: Sequence[str], controller: bool,
+                       threads: int = 1, ready_timeout_s: float = 120.0,
+                       pools: Sequence[str] = ()) -> dict[str, str]:
+    """Start a benchmark stack's roles with ``qos up``'s command lines (the frontends inherit
+    ``port``, bound here) on ``stack.redis_url``; return once /readyz answers and every worker
+    beat. ``worker_argv`` goes to every worker; with ``pools`` the workers are spread over
+    them in turn (``--pool``). Returns worker id -> pool (empty without ``pools``). On any
+    failure the stack, its Redis included, is stopped."""
+    args = argparse.Namespace(frontends=frontends, host="127.0.0.1", port=port, workers=workers,
+                              engine=engine, device="cpu", upstream_url=None, standby=False,
                               config=str(config_path))
-    env = dict(os.environ, QOS_REDIS_URL=server.url, OMP_NUM_THREADS=str(spec.torch_threads))
+    env = dict(os.environ, QOS_REDIS_URL=stack.redis_url, OMP_NUM_THREADS=str(threads))
     env.pop("QOS_CONFIG", None)
     stack.env = env
+    pool_of: dict[str, str] = {}
     try:
         children = build_commands(args)
         for child in children:
-            if child.role == "controller" and not mode.controller:
+            if child.role == "controller" and not controller:
                 continue
             if child.role == "worker":
-                child.argv += worker_flags(spec, mode)
+                child.argv += worker_argv
+                if pools:
+                    pool_of[child.worker_id] = pool = pools[len(pool_of) % len(pools)]
+                    child.argv += ["--pool", pool]
             if child.role == "frontend":  # the port is bound here, the frontend inherits it
-                child.sock = listen_socket("127.0.0.1", port, reuse_port=spec.frontends > 1)
+                child.sock = listen_socket("127.0.0.1", port, reuse_port=frontends > 1)
             stack.start(child, env)
-        await wait_ready(stack, mode.cfg, [c.worker_id for c in children if c.role == "worker"], 0,
-                         spec.ready_timeout_s)
+        await wait_ready(stack, cfg, [c.worker_id for c in children if c.role == "worker"], 0,
+                         ready_timeout_s, pool_of=pool_of or None)
     except BaseException:
         stack.stop(5.0)
         raise
-    return stack
+    return pool_of
+
+
+def role_pids(stack: Stack, redis_pids: Sequence[int]) -> dict[str, list[int]]:
+    """The processes a request crosses, by role: this process (the load generator), the
+    stack's children (frontend, worker, controller) and its Redis server(s)."""
+    pids: dict[str, list[int]] = {"client": [os.getpid()], "redis": list(redis_pids)}
+    for c in stack.children:
+        if c.proc is not None:
+            pids.setdefault(c.role, []).append(c.proc.pid)
+    return pids
 
 
 # --- what Redis says ----------------------------------------------------------------------------
