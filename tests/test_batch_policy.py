@@ -184,6 +184,25 @@ def test_tenants_of_a_class_share_its_slots_evenly() -> None:
                              Limits(max_seqs=3)) == ("p0",)
 
 
+def test_inside_a_class_the_tenant_with_fewest_slots_prefills_first() -> None:
+    """A light tenant's prompt admitted next to a flood's prefills ahead of the flood's
+    earlier prompts (in arrival order it waited ~10 steps); a higher class still comes first
+    and the flood's own prompts keep their arrival order."""
+    def run(rid: str, rank: int, tenant: str, arrival: float, left: int = 0) -> SeqState:
+        return SeqState(rid, rank, arrival, left, left == 0, 100, tenant)
+
+    running = [run("f0", 1, "flood", 0, 2000), run("f1", 1, "flood", 1, 2000), run("f2", 1, "flood", 2),
+               run("l0", 1, "light", 5, 800), run("p0", 0, "flood", 9, 100)]
+    plan = build_plan(running, Limits(token_budget=512))
+    assert plan.decode == ("f2",)
+    assert [(c.request_id, c.length) for c in plan.prefill] == [("p0", 100), ("l0", 411)]
+    plan = build_plan([r for r in running if r.request_id not in ("p0", "l0")], Limits(token_budget=512))
+    assert [(c.request_id, c.length) for c in plan.prefill] == [("f0", 511)]
+    # classes without tenant fairness carry no tenant: arrival order, as before
+    plan = build_plan([run("a", 1, "", 0, 400), run("b", 1, "", 1, 400)], Limits(token_budget=512))
+    assert [c.request_id for c in plan.prefill] == ["a", "b"]
+
+
 def test_no_preemption_without_need_or_benefit() -> None:
     running = [dec("a", 1, 0), dec("b", 1, 1)]
     assert choose_preemption(running, [Candidate("w", 1, 2, 10)], Limits(max_seqs=2)) is None  # same class

@@ -14,8 +14,9 @@ steps, and a decoding request's inter-token gap is bounded by one budget-sized s
 Everything here is a pure function of small frozen dataclasses, so the policy can be
 tested exhaustively without a model, a GPU or Redis:
 
-* :func:`build_plan` - decodes first (class order), then prefill chunks by
-  (class rank, arrival) until the budget or the KV capacity runs out. With
+* :func:`build_plan` - decodes first (class order), then prefill chunks by class rank,
+  then (inside a class) the tenant holding the fewest of its slots, then arrival, until the
+  budget or the KV capacity runs out. With
   ``chunked_prefill=False`` (the original "before") a prompt is only ever prefilled whole;
   one that exceeds the budget may still run as the step's first prefill, otherwise it
   could never run, and that whole-prompt step is exactly the stall the original problem describes.
@@ -187,8 +188,12 @@ def build_plan(running: Sequence[SeqState], limits: Limits) -> StepPlan:
 
     Decodes come first, in priority order, one budget token each; if there are more
     decoders than budget tokens (or KV room), the lowest-priority ones skip this step.
-    The remaining budget goes to prefill chunks in priority order, each as large as the
-    budget, the KV room and the sequence's remaining prompt allow.
+    The remaining budget goes to prefill chunks, each as large as the budget, the KV room
+    and the sequence's remaining prompt allow: by class, then the tenant holding the fewest
+    of the class's slots, then arrival. In arrival order alone, a light tenant's prompt
+    admitted next to a flood's waited for every flood prompt already prefilling on this
+    worker (a few 2,000-token prompts are ~10 steps at a TPOT-sized budget), although the
+    claim and the admission had put it first.
     """
     ids = [s.request_id for s in running]
     if len(set(ids)) != len(ids):
@@ -207,7 +212,8 @@ def build_plan(running: Sequence[SeqState], limits: Limits) -> StepPlan:
             slots -= 1
 
     prefill: list[PrefillChunk] = []
-    for s in ordered:
+    share = _tenant_slots(running)
+    for s in sorted(ordered, key=lambda s: (s.class_rank, share[(s.class_rank, s.tenant)], s.arrival)):
         if s.decoding or slots <= 0:
             continue
         if limits.chunked_prefill:
