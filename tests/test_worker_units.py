@@ -415,3 +415,43 @@ async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:
     await loop._pull()
     assert len(looks) == 1 and rt.claims == []
     assert 0 < loop._next_claim - looks[0] <= 0.003 + 1e-6
+
+
+async def test_a_redis_outage_backs_off_per_loop_and_is_logged_once_each_way(monkeypatch, caplog) -> None:
+    """guard(): the delay doubles with each failure of one loop up to 8x its first, another
+    loop keeps its own; one warning when the outage starts and one line when it ends (a
+    worker through a 30 s outage wrote a warning every 0.5 s)."""
+    import logging
+
+    from limiter import backoff as backoff_module
+    from limiter.errors import RedisUnavailable
+    from worker.runtime import WorkerRuntime
+    from worker.settings import WorkerSettings
+
+    slept: list[float] = []
+
+    async def no_sleep(s: float) -> None:
+        slept.append(s)
+
+    monkeypatch.setattr(backoff_module.asyncio, "sleep", no_sleep)
+    cfg = demo_config()
+    rt = WorkerRuntime(WorkerSettings(pool=cfg.pools[0].name), cfg, engine="sim", simulated=True)
+
+    async def down() -> None:
+        raise RedisUnavailable("connection refused")
+
+    async def up() -> str:
+        return "ok"
+
+    with caplog.at_level(logging.INFO, logger="qos.worker"):
+        for _ in range(6):
+            assert await rt.guard("worker", down()) is None
+        assert await rt.guard("heartbeat", down(), backoff=0) is None
+        assert not rt.redis_ok
+        assert await rt.guard("worker", up()) == "ok" and rt.redis_ok
+        assert await rt.guard("worker", down()) is None
+    assert slept == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 0.0, 0.5]
+    lines = [r.getMessage() for r in caplog.records]
+    assert sum("worker: connection refused" in m for m in lines) == 2, lines  # two outages of "worker"
+    assert sum("heartbeat: connection refused" in m for m in lines) == 1, lines
+    assert sum(m.startswith("worker: working again") for m in lines) == 1, lines

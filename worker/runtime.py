@@ -73,6 +73,7 @@ class WorkerRuntime:
         self.on_lost: Callable[[list[str]], None] = lambda ids: None
         self.on_stop: Callable[[list[str]], None] = lambda ids: None
         self._tasks: list[asyncio.Task[None]] = []
+        self._outages: dict[str, Backoff] = {}  # guard(): one back-off (and one warning) per loop
         self._metrics_runner: Any = None
         self.client: Any = None
         self.blocking: Any = None
@@ -182,11 +183,19 @@ class WorkerRuntime:
         return int(time.time() * 1000 + self._clock_offset_ms)
 
     async def guard(self, where: str, aw: Awaitable[Any], backoff: float = 0.5) -> Any:
-        """Run one loop iteration: on a Redis outage log and back off, on a vanished pool
-        re-initialise it. Returns None when the iteration failed."""
+        """Run one loop iteration: on a Redis outage back off, on a vanished pool
+        re-initialise it. Returns None when the iteration failed.
+
+        ``backoff`` is the first delay after a failure; it doubles with each failure in a
+        row of the same loop (``where``) up to 8x (0: the loop paces itself). An outage is
+        logged once when it starts and once when that loop works again, not per attempt: a
+        worker looping through a 30 s outage wrote a warning every 0.5 s."""
+        outage = self._outages.get(where)
         try:
             result = await aw
             self.redis_ok = True
+            if outage is not None:
+                outage.succeeded()
             return result
         except PolicyMissing:
             log.warning("pool %s has no policy (Redis restarted empty?): re-initialising", self.keys.pool)
@@ -195,8 +204,9 @@ class WorkerRuntime:
         except RedisUnavailable as exc:
             self.redis_ok = False
             self.metrics.redis_errors.labels(where).inc()
-            log.warning("%s: %s; retrying in %.1f s", where, exc, backoff)
-            await asyncio.sleep(backoff)
+            if outage is None:
+                outage = self._outages[where] = Backoff(where, first_s=backoff, max_s=8 * backoff, logger=log)
+            await outage.failed(exc)
         return None
 
     async def _every(self, period_s: float, name: str, fn: Callable[[], Awaitable[Any]]) -> None:
