@@ -60,6 +60,21 @@ async def test_sim_usage_length_and_stop_strings(env) -> None:
     assert await c.client.zscore(rt.keys.workers, rt.worker_id) is None  # a drained worker deregisters
 
 
+async def test_the_heartbeat_capacity_is_computed_for_saturation_once_the_worker_knows_its_mix(env) -> None:
+    """A fresh worker reports its full steps' rate; once it has fitted its step cost and
+    seen a mix (worker/saturated_capacity.py) the heartbeat's figure is the computed one."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.02) as rt:
+        key = rt.keys.worker(rt.worker_id)
+        ids = [await c.admit("word " * (20 + 37 * i), max_tokens=30) for i in range(12)]
+        await c.wait(ids, timeout=30)
+        deadline = time.monotonic() + 10
+        while (hb := await c.client.hgetall(key)).get(b"capacity_basis") != b"saturated":
+            assert time.monotonic() < deadline, f"no heartbeat with capacity_basis 'saturated' in 10 s: {hb}"
+            await asyncio.sleep(0.05)
+    assert float(hb[b"capacity_tokens_s"]) > 0 and b"full_steps_tokens_s" in hb
+
+
 async def test_batched_pushes_are_fewer_than_tokens(env) -> None:
     cfg, c = env
     async with worker(cfg, engine="sim", time_scale=0.01):

@@ -39,6 +39,7 @@ from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.runtime import WorkerRuntime
+from worker.saturated_capacity import SaturatedCapacity, StepLimits
 from worker.step_budget import BudgetConfig, StepBudget
 
 log = logging.getLogger("qos.worker")
@@ -74,7 +75,10 @@ class StepLoop:
         self._gen_tokens = 0
         self._step_time = 0.0
         self._steps = 0
-        self._busy = BusyMeter()  # capacity_tokens_s of the heartbeat
+        # capacity_tokens_s of the heartbeat: computed for saturation from the fitted step cost
+        # and the mix; the full steps' measured rate until that is known
+        self._capacity = SaturatedCapacity(StepLimits(limits.max_seqs, limits.token_budget, self.kv_capacity))
+        self._busy = BusyMeter()
         self._work_done = 0.0  # weighted tokens of useful work since start (heartbeat work_done)
         # The last step's pushes, completions and cancel check, running while the next step
         # computes (Redis round trips off the step's critical path); awaited before the next
@@ -313,6 +317,7 @@ class StepLoop:
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
                        arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated,
                        tenant=c.tenant if self._fair.get(c.cls, False) else "")
+        self._capacity.started(len(prompt) + max_tokens)
         if c.delivered:
             log.info("%s: resuming attempt %d at token %d", c.request_id, c.attempt, c.delivered)
 
@@ -330,23 +335,24 @@ class StepLoop:
         self._step_time += res.duration_s
         held = self.rt.held
         plan = res.plan
-        for rid, n in res.fresh_prefill.items():  # useful work done (recomputation is not)
-            if (d := held.get(rid)) is not None:
-                self._work_done += n * self.rt.weights(d.claimed.cls)[0]
+        # weighted tokens: prefill x weight + generated x out_weight
+        prefill_work = output_work = 0.0
+        for chunk in plan.prefill:  # recomputation included: it takes the device's time
+            if (d := held.get(chunk.request_id)) is not None:
+                prefill_work += chunk.length * self.rt.weights(d.claimed.cls)[0]
         for rid in res.produced:
             if (d := held.get(rid)) is not None:
-                self._work_done += self.rt.weights(d.claimed.cls)[1]
+                output_work += self.rt.weights(d.claimed.cls)[1]
+        self._work_done += output_work  # useful work done (recomputation is not)
+        for rid, n in res.fresh_prefill.items():
+            if (d := held.get(rid)) is not None:
+                self._work_done += n * self.rt.weights(d.claimed.cls)[0]
         full = plan.num_tokens >= FULL_SHARE * res.token_budget or \
             len(plan.decode) + len(plan.prefill) >= FULL_SHARE * self.limits.max_seqs
-        work = 0.0
-        if full:  # weighted tokens: prefill x weight + generated x out_weight
-            for chunk in plan.prefill:
-                if (d := held.get(chunk.request_id)) is not None:
-                    work += chunk.length * self.rt.weights(d.claimed.cls)[0]
-            for rid in res.produced:
-                if (d := held.get(rid)) is not None:
-                    work += self.rt.weights(d.claimed.cls)[1]
-        self._busy.step(res.start, res.end, full=full, work=work)
+        self._busy.step(res.start, res.end, full=full, work=prefill_work + output_work)
+        self._capacity.step(res.start, res.end, plan.prefill_tokens, len(plan.decode),
+                            self.sched.budget.last_target_ms if self.sched.budget else None,
+                            prefill_work=prefill_work, outputs=len(res.produced), output_work=output_work)
         self._steps += 1
         self._last_step_ms = res.duration_s * 1e3
         t = time.monotonic() - (time.perf_counter() - res.end)  # the step's end, monotonic clock
@@ -460,18 +466,24 @@ class StepLoop:
     # --- heartbeat -----------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures since the last heartbeat. ``capacity_tokens_s`` is the weighted
-        tokens per busy second (worker/busy_meter.py; 0 = no full step, no measurement): what
-        the controller's capacity estimator sums over live workers."""
+        tokens per second this worker would serve saturated (worker/saturated_capacity.py), or,
+        until its fit and mix are known, per busy second of its full steps
+        (worker/busy_meter.py; 0 = no full step, no measurement): what the controller's
+        capacity estimator sums over live workers. ``capacity_basis`` says which."""
         now = time.monotonic()
         dt = max(now - self._last_stats_t, 1e-9)
         tokens_s = self._gen_tokens / dt
         step_ms = self._step_time / self._steps * 1e3 if self._steps else self._last_step_ms
-        capacity = self._busy.take()
+        measured = self._busy.take()
+        saturated = self._capacity.value()
+        capacity = saturated or measured
         self._gen_tokens, self._step_time, self._steps, self._last_stats_t = 0, 0.0, 0, now
         running = self.sched.running
         kv_used = self.sched.kv_used
         return {"batch_size": len(running), "running": len(running), "waiting": len(self.sched.waiting),
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1),
+                "capacity_basis": "saturated" if saturated else "full_steps",
+                "full_steps_tokens_s": round(measured, 1),
                 "step_ms": round(step_ms, 2), "kv_used": kv_used, "kv_capacity": self.kv_capacity,
                 "kv_use": round(kv_used / self.kv_capacity, 4),
                 "token_budget": self.sched.budget.last if self.sched.budget else self.limits.token_budget,

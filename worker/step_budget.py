@@ -70,30 +70,30 @@ def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
     return [a[i][3] / a[i][i] for i in range(3)]
 
 
-class StepBudget:
-    """The online fit and the rule (module docstring)."""
+class StepCostFit:
+    """``ms = fixed + per_prefill_token x P + per_decode x D``, fitted by least squares to the
+    steps seen, each weighing ``forget`` times the one after it."""
 
-    def __init__(self, config: BudgetConfig) -> None:
-        self.config = config
+    def __init__(self, forget: float) -> None:
+        if not 0 < forget < 1:
+            raise InvalidArgument("forget", f"must be in (0, 1), got {forget}")
+        self.forget = forget
         self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x x^T, x = (1, prefill, decodes)
         self._xy = [0.0] * 3
         self._steps = 0.0
-        self._ms_per_token = 0.0  # decayed maximum of a step's ms / tokens: the cold-start bound
-        self.last = config.max_budget  # the budget chosen last (for the heartbeat)
 
-    def observe(self, prefill_tokens: int, decodes: int, ms: float) -> None:
-        """One step: ``prefill_tokens`` prompt tokens and ``decodes`` decoding sequences took
-        ``ms`` milliseconds."""
+    def observe(self, prefill_tokens: int, decodes: int, ms: float) -> bool:
+        """One step; False (and nothing learnt) for an empty step or a non-finite time."""
         if prefill_tokens + decodes <= 0 or not math.isfinite(ms) or ms < 0:
-            return
-        f = self.config.forget
+            return False
+        f = self.forget
         x = (1.0, float(prefill_tokens), float(decodes))
         for i in range(3):
             self._xy[i] = self._xy[i] * f + x[i] * ms
             for j in range(3):
                 self._xx[i][j] = self._xx[i][j] * f + x[i] * x[j]
         self._steps = self._steps * f + 1.0
-        self._ms_per_token = max(self._ms_per_token * f, ms / (prefill_tokens + decodes))
+        return True
 
     def cost(self) -> tuple[float, float, float] | None:
         """(fixed ms, ms per prefill token, ms per decoding sequence), or None while the
@@ -116,6 +116,27 @@ class StepBudget:
             return None
         return max(fixed, 0.0), per_prefill, max(per_decode, 0.0)
 
+
+class StepBudget:
+    """The online fit and the rule (module docstring)."""
+
+    def __init__(self, config: BudgetConfig) -> None:
+        self.config = config
+        self._fit = StepCostFit(config.forget)
+        self._ms_per_token = 0.0  # decayed maximum of a step's ms / tokens: the cold-start bound
+        self.last = config.max_budget  # the budget chosen last (for the heartbeat)
+        self.last_target_ms: float | None = None  # the step time the last budget aimed at (None: no target)
+
+    def observe(self, prefill_tokens: int, decodes: int, ms: float) -> None:
+        """One step: ``prefill_tokens`` prompt tokens and ``decodes`` decoding sequences took
+        ``ms`` milliseconds."""
+        if self._fit.observe(prefill_tokens, decodes, ms):
+            self._ms_per_token = max(self._ms_per_token * self.config.forget, ms / (prefill_tokens + decodes))
+
+    def cost(self) -> tuple[float, float, float] | None:
+        """The fit's (fixed ms, ms per prefill token, ms per decoding sequence), or None."""
+        return self._fit.cost()
+
     def target_ms(self, decoding_ranks: Iterable[int]) -> float | None:
         """The step time the decoding classes allow, or None when none of them has a target."""
         targets = [t for r in set(decoding_ranks) if 0 <= r < len(self.config.tpot_ms)
@@ -125,7 +146,7 @@ class StepBudget:
     def budget(self, decoding_ranks: Sequence[int]) -> int:
         """Tokens for the next step, ``decoding_ranks`` being the classes of its decoders."""
         c = self.config
-        target = self.target_ms(decoding_ranks)
+        target = self.last_target_ms = self.target_ms(decoding_ranks)
         fit = self.cost()
         if target is None or (fit is None and self._ms_per_token <= 0):
             self.last = c.max_budget

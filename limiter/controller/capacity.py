@@ -3,19 +3,20 @@
 The control law expresses every budget as a share of capacity, so capacity must follow
 reality: workers join and leave, models and prompt mixes change. Two sources, best first:
 
-1. **Worker heartbeats.** Each worker reports the weighted tokens/s it processed while busy
-   (same units as the rates). Capacity = sum over *live* workers of the median of their
-   last ``window`` reports. A worker silent for ``worker_ttl_s`` is gone and its share leaves the sum at
-   once -- the drop is visible the moment it happens, not after an EWMA catches up. A live
-   worker with no measurement yet (it has not been busy: just started, or lightly loaded)
-   counts at the mean of the measured ones, so the first worker to report does not stand
-   for the whole pool (one of four workers reporting used to quarter the estimate at start).
-   A worker's reports count once it has made ``min_reports`` of them: its first ones are
-   taken while it ramps up (claims, first prefills) and read low. The median, not a mean or
-   an EWMA: one heartbeat's figure swings with the prompt mix of the steps it happened to
-   time (a long prefill runs at several times a decode step's tokens/s), and the control
-   law must see the plant's capacity, not that noise. A worker joining or leaving still
-   moves the sum at once: that is a real step.
+1. **Worker heartbeats.** Each worker reports the weighted tokens/s it would serve
+   saturated, at the mix it serves (same units as the rates; worker/saturated_capacity.py,
+   or its full steps' measured rate until it knows its step cost and mix). Capacity = sum
+   over *live* workers of the median of their last ``window`` reports. A worker silent for
+   ``worker_ttl_s`` is gone and its share leaves the sum at once -- the drop is visible the
+   moment it happens, not after an EWMA catches up. A live worker with no measurement yet
+   (it has not been busy: just started, or lightly loaded) counts at the mean of the
+   measured ones, so the first worker to report does not stand for the whole pool (one of
+   four workers reporting used to quarter the estimate at start). A worker's reports count
+   once it has made ``min_reports`` of them: its first ones are taken while it ramps up
+   (claims, first prefills) and read low. The median, not a mean or an EWMA: one
+   heartbeat's figure can still swing (a fresh worker's first fits, a run of unusual
+   prompts), and the control law must see the plant's capacity, not that noise. A worker
+   joining or leaving still moves the sum at once: that is a real step.
 2. **Samples.** Completed work is bucketed into ``interval_s`` intervals by the sample's
    Redis timestamp. Throughput measured in an interval is only a capacity measurement if
    the pool was *busy* then (otherwise it measures demand): an interval counts as busy
