@@ -19,7 +19,7 @@ So the figure is *computed* from things that do not depend on how full the batch
 * **the mix**: over this worker's recent steps, the prompt tokens prefilled per output token
   produced, ``rho``, and the mean weight of a prompt and of an output token (counted as the
   steps process them: counted over *finished* requests, the first tens of seconds saw only
-  the short ones, and the figure climbed ~25 % over a minute as the long ones finished);
+  the short ones, and one worker's figure climbed ~30 % over 45 s as the long ones finished);
 * **the limits**: ``max_seqs``, the largest step budget, the KV room, and the step time
   the adaptive budget aims at when a class with a TPOT target is decoding (the share of
   steps that had one, from the steps seen).
