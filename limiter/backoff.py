@@ -38,9 +38,11 @@ class Backoff:
         self.delay_s = min(self.max_s, max(self.first_s, self.delay_s * 2))
         if self._down_since is None:
             self._down_since = time.monotonic()
-            if self.log:
+            if self.log and self.max_s > 0:
                 self.log.warning("%s: %s; retrying every %.2g-%.2g s until it answers", self.what, exc,
                                  self.delay_s, self.max_s)
+            elif self.log:  # a loop that keeps its own period
+                self.log.warning("%s: %s; retrying until it answers", self.what, exc)
         return self.delay_s
 
     def succeeded(self) -> None:

@@ -64,7 +64,7 @@ async def test_the_heartbeat_capacity_is_computed_for_saturation_once_the_worker
     """A fresh worker reports its full steps' rate; once it has fitted its step cost and
     seen a mix (worker/saturated_capacity.py) the heartbeat's figure is the computed one."""
     cfg, c = env
-    async with worker(cfg, engine="sim", time_scale=0.02) as rt:
+    async with worker(cfg, engine="sim", time_scale=0.2) as rt:  # steps of ms: a fit of real costs
         key = rt.keys.worker(rt.worker_id)
         ids = [await c.admit("word " * (20 + 37 * i), max_tokens=30) for i in range(12)]
         await c.wait(ids, timeout=30)

@@ -418,13 +418,15 @@ async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:
 
 
 async def test_a_redis_outage_backs_off_per_loop_and_is_logged_once_each_way(monkeypatch, caplog) -> None:
-    """guard(): the delay doubles with each failure of one loop up to 8x its first, another
+    """guard(): the delay doubles with each failure of one loop up to 4x its first, another
     loop keeps its own; one warning when the outage starts and one line when it ends (a
-    worker through a 30 s outage wrote a warning every 0.5 s)."""
+    worker through a 30 s outage wrote a warning every 0.5 s); Redis answering with a
+    missing policy ends the outage too."""
     import logging
+    import types
 
     from limiter import backoff as backoff_module
-    from limiter.errors import RedisUnavailable
+    from limiter.errors import PolicyMissing, RedisUnavailable
     from worker.runtime import WorkerRuntime
     from worker.settings import WorkerSettings
 
@@ -433,7 +435,7 @@ async def test_a_redis_outage_backs_off_per_loop_and_is_logged_once_each_way(mon
     async def no_sleep(s: float) -> None:
         slept.append(s)
 
-    monkeypatch.setattr(backoff_module.asyncio, "sleep", no_sleep)
+    monkeypatch.setattr(backoff_module, "asyncio", types.SimpleNamespace(sleep=no_sleep))
     cfg = demo_config()
     rt = WorkerRuntime(WorkerSettings(pool=cfg.pools[0].name), cfg, engine="sim", simulated=True)
 
@@ -450,8 +452,19 @@ async def test_a_redis_outage_backs_off_per_loop_and_is_logged_once_each_way(mon
         assert not rt.redis_ok
         assert await rt.guard("worker", up()) == "ok" and rt.redis_ok
         assert await rt.guard("worker", down()) is None
-    assert slept == [0.5, 1.0, 2.0, 4.0, 4.0, 4.0, 0.0, 0.5]
+        assert await rt.guard("worker", down()) is None  # the second outage goes on: 1 s
+
+        async def no_policy() -> None:
+            raise PolicyMissing("tiny")
+
+        async def nothing() -> None:
+            return None
+
+        monkeypatch.setattr(rt, "ensure_pool", nothing)
+        assert await rt.guard("worker", no_policy()) is None and rt.redis_ok
+        assert await rt.guard("worker", down()) is None  # a new outage starts again at 0.5 s
+    assert slept == [0.5, 1.0, 2.0, 2.0, 2.0, 2.0, 0.0, 0.5, 1.0, 0.5]
     lines = [r.getMessage() for r in caplog.records]
-    assert sum("worker: connection refused" in m for m in lines) == 2, lines  # two outages of "worker"
+    assert sum("worker: connection refused" in m for m in lines) == 3, lines  # three outages of "worker"
     assert sum("heartbeat: connection refused" in m for m in lines) == 1, lines
-    assert sum(m.startswith("worker: working again") for m in lines) == 1, lines
+    assert sum(m.startswith("worker: working again") for m in lines) == 2, lines

@@ -77,7 +77,11 @@ class StepLoop:
         self._steps = 0
         # capacity_tokens_s of the heartbeat: computed for saturation from the fitted step cost
         # and the mix; the full steps' measured rate until that is known
-        self._capacity = SaturatedCapacity(StepLimits(limits.max_seqs, limits.token_budget, self.kv_capacity))
+        targets = (tuple(None if c.slo_tpot_ms is None else rt.settings.budget_safety * c.slo_tpot_ms
+                         for c in rt.cfg.classes) if budget is not None else ())
+        self._capacity = SaturatedCapacity(StepLimits(limits.max_seqs, limits.token_budget, self.kv_capacity),
+                                           targets)
+        self._work_left = False  # the last step left sequences running (the next gap is overhead)
         self._busy = BusyMeter()
         self._work_done = 0.0  # weighted tokens of useful work since start (heartbeat work_done)
         # The last step's pushes, completions and cancel check, running while the next step
@@ -317,7 +321,7 @@ class StepLoop:
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
                        arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated,
                        tenant=c.tenant if self._fair.get(c.cls, False) else "")
-        self._capacity.started(len(prompt) + max_tokens)
+        self._capacity.started(len(prompt) + max_tokens)  # clipped to the room there
         if c.delivered:
             log.info("%s: resuming attempt %d at token %d", c.request_id, c.attempt, c.delivered)
 
@@ -336,23 +340,25 @@ class StepLoop:
         held = self.rt.held
         plan = res.plan
         # weighted tokens: prefill x weight + generated x out_weight
-        prefill_work = output_work = 0.0
-        for chunk in plan.prefill:  # recomputation included: it takes the device's time
+        prefill_work = output_work = fresh_work = 0.0
+        for chunk in plan.prefill:  # recomputation included: the full steps' rate counts it
             if (d := held.get(chunk.request_id)) is not None:
                 prefill_work += chunk.length * self.rt.weights(d.claimed.cls)[0]
+        for rid, n in res.fresh_prefill.items():  # useful work (recomputation is not)
+            if (d := held.get(rid)) is not None:
+                fresh_work += n * self.rt.weights(d.claimed.cls)[0]
         for rid in res.produced:
             if (d := held.get(rid)) is not None:
                 output_work += self.rt.weights(d.claimed.cls)[1]
-        self._work_done += output_work  # useful work done (recomputation is not)
-        for rid, n in res.fresh_prefill.items():
-            if (d := held.get(rid)) is not None:
-                self._work_done += n * self.rt.weights(d.claimed.cls)[0]
+        self._work_done += fresh_work + output_work
         full = plan.num_tokens >= FULL_SHARE * res.token_budget or \
             len(plan.decode) + len(plan.prefill) >= FULL_SHARE * self.limits.max_seqs
         self._busy.step(res.start, res.end, full=full, work=prefill_work + output_work)
-        self._capacity.step(res.start, res.end, plan.prefill_tokens, len(plan.decode),
-                            self.sched.budget.last_target_ms if self.sched.budget else None,
-                            prefill_work=prefill_work, outputs=len(res.produced), output_work=output_work)
+        self._capacity.step(res.start, res.end, plan.prefill_tokens,
+                            [d.class_rank for rid in plan.decode if (d := held.get(rid)) is not None],
+                            busy_before=self._work_left, fresh_prefill_work=fresh_work,
+                            outputs=len(res.produced), output_work=output_work)
+        self._work_left = bool(self.sched.running)
         self._steps += 1
         self._last_step_ms = res.duration_s * 1e3
         t = time.monotonic() - (time.perf_counter() - res.end)  # the step's end, monotonic clock

@@ -187,7 +187,8 @@ class WorkerRuntime:
         re-initialise it. Returns None when the iteration failed.
 
         ``backoff`` is the first delay after a failure; it doubles with each failure in a
-        row of the same loop (``where``) up to 8x (0: the loop paces itself). An outage is
+        row of the same loop (``where``) up to 4x (0: the loop paces itself), so the step
+        loop resumes at most 2 s after Redis is back. An outage is
         logged once when it starts and once when that loop works again, not per attempt: a
         worker looping through a 30 s outage wrote a warning every 0.5 s."""
         outage = self._outages.get(where)
@@ -197,7 +198,10 @@ class WorkerRuntime:
             if outage is not None:
                 outage.succeeded()
             return result
-        except PolicyMissing:
+        except PolicyMissing:  # Redis answered: whatever outage this loop was in is over
+            self.redis_ok = True
+            if outage is not None:
+                outage.succeeded()
             log.warning("pool %s has no policy (Redis restarted empty?): re-initialising", self.keys.pool)
             with contextlib.suppress(RedisUnavailable, PolicyMissing):
                 await self.ensure_pool()
@@ -205,7 +209,7 @@ class WorkerRuntime:
             self.redis_ok = False
             self.metrics.redis_errors.labels(where).inc()
             if outage is None:
-                outage = self._outages[where] = Backoff(where, first_s=backoff, max_s=8 * backoff, logger=log)
+                outage = self._outages[where] = Backoff(where, first_s=backoff, max_s=4 * backoff, logger=log)
             await outage.failed(exc)
         return None
 
