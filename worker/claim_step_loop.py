@@ -77,8 +77,8 @@ class StepLoop:
         self._steps = 0
         # capacity_tokens_s of the heartbeat: computed for saturation from the fitted step cost
         # and the mix; the full steps' measured rate until that is known
-        targets = (tuple(None if c.slo_tpot_ms is None else rt.settings.budget_safety * c.slo_tpot_ms
-                         for c in rt.cfg.classes) if budget is not None else ())
+        # per class rank, the step time the budget aims at while that class decodes
+        targets = tuple(budget.target_ms([r]) for r in range(len(rt.cfg.classes))) if budget else ()
         self._capacity = SaturatedCapacity(StepLimits(limits.max_seqs, limits.token_budget, self.kv_capacity),
                                            targets)
         self._work_left = False  # the last step left sequences running (the next gap is overhead)
@@ -340,10 +340,7 @@ class StepLoop:
         held = self.rt.held
         plan = res.plan
         # weighted tokens: prefill x weight + generated x out_weight
-        prefill_work = output_work = fresh_work = 0.0
-        for chunk in plan.prefill:  # recomputation included: the full steps' rate counts it
-            if (d := held.get(chunk.request_id)) is not None:
-                prefill_work += chunk.length * self.rt.weights(d.claimed.cls)[0]
+        output_work = fresh_work = 0.0
         for rid, n in res.fresh_prefill.items():  # useful work (recomputation is not)
             if (d := held.get(rid)) is not None:
                 fresh_work += n * self.rt.weights(d.claimed.cls)[0]
@@ -353,6 +350,11 @@ class StepLoop:
         self._work_done += fresh_work + output_work
         full = plan.num_tokens >= FULL_SHARE * res.token_budget or \
             len(plan.decode) + len(plan.prefill) >= FULL_SHARE * self.limits.max_seqs
+        prefill_work = 0.0  # recomputation included: the full steps' rate counts it
+        if full:
+            for chunk in plan.prefill:
+                if (d := held.get(chunk.request_id)) is not None:
+                    prefill_work += chunk.length * self.rt.weights(d.claimed.cls)[0]
         self._busy.step(res.start, res.end, full=full, work=prefill_work + output_work)
         self._capacity.step(res.start, res.end, plan.prefill_tokens,
                             [d.class_rank for rid in plan.decode if (d := held.get(rid)) is not None],

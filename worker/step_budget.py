@@ -125,7 +125,6 @@ class StepBudget:
         self._fit = StepCostFit(config.forget)
         self._ms_per_token = 0.0  # decayed maximum of a step's ms / tokens: the cold-start bound
         self.last = config.max_budget  # the budget chosen last (for the heartbeat)
-        self.last_target_ms: float | None = None  # the step time the last budget aimed at (None: no target)
 
     def observe(self, prefill_tokens: int, decodes: int, ms: float) -> None:
         """One step: ``prefill_tokens`` prompt tokens and ``decodes`` decoding sequences took
@@ -146,7 +145,7 @@ class StepBudget:
     def budget(self, decoding_ranks: Sequence[int]) -> int:
         """Tokens for the next step, ``decoding_ranks`` being the classes of its decoders."""
         c = self.config
-        target = self.last_target_ms = self.target_ms(decoding_ranks)
+        target = self.target_ms(decoding_ranks)
         fit = self.cost()
         if target is None or (fit is None and self._ms_per_token <= 0):
             self.last = c.max_budget
