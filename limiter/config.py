@@ -21,7 +21,7 @@ from typing import Any
 
 from limiter import token_count
 from limiter.errors import ConfigError
-from limiter.keys import NAME_RE
+from limiter.keys import CLASS_NAME_RE, NAME_RE
 
 DEMO_KEYS = {"demo-p0": "P0", "demo-p1": "P1", "demo-p2": "P2"}
 DEMO_ADMIN_KEY = "demo-admin"
@@ -190,7 +190,11 @@ def _check(ok: bool, path: str, message: str) -> None:
 def _check_new_name(kind: str, path: str, name: str, seen: set[str]) -> None:
     """``name`` (of a class, pool or tenant at ``path``) goes into Redis keys, so it must be a
     valid key component, and it must not repeat one already in ``seen``; it is added there."""
-    _check(bool(NAME_RE.fullmatch(name)), f"{path}.name", f"{name!r} is not a valid name")
+    if kind == "class":
+        _check(bool(CLASS_NAME_RE.fullmatch(name)), f"{path}.name",
+               f"{name!r} is not a valid class name (letters, digits, '_' and '-', up to 64)")
+    else:
+        _check(bool(NAME_RE.fullmatch(name)), f"{path}.name", f"{name!r} is not a valid name")
     _check(name not in seen, f"{path}.name", f"duplicate {kind} {name!r}")
     seen.add(name)
 

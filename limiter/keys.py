@@ -19,6 +19,10 @@ from limiter.errors import InvalidName
 # Names that become part of a key: pools, classes, tenants, workers, frontends,
 # request ids. No braces (hash tags), colons (key separators), spaces or globs.
 NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# A class name is also part of hash fields (<class>.cost, <class>.<state>, <class>:<tenant>,
+# next to <class> and the served ledger's .ts): without dots no class's field can be another
+# class's (classes 'a' and 'a.cost' once shared the field a.cost).
+CLASS_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ROOT = "qos"
 # Consumer group of the controllers on each pool's samples stream (``XINFO GROUPS``). Only
 # the leading controller reads through it; see docs/controller.md.
@@ -27,7 +31,13 @@ SAMPLES_MAXLEN = 100_000  # the samples stream's approximate cap (the scripts us
 
 
 def check_name(kind: str, value: object) -> str:
-    """Return ``value`` if it is a safe key component, else raise :class:`InvalidName`."""
+    """Return ``value`` if it is a safe key component (a class name: also a safe hash field),
+    else raise :class:`InvalidName`."""
+    if kind == "class":
+        if not isinstance(value, str) or not CLASS_NAME_RE.fullmatch(value):
+            raise InvalidName(kind, f"class name {value!r} must match {CLASS_NAME_RE.pattern} "
+                              "(letters, digits, '_', '-')")
+        return value
     if not isinstance(value, str) or not NAME_RE.fullmatch(value):
         raise InvalidName(
             kind, f"{kind} name {value!r} must match {NAME_RE.pattern} (letters, digits, '_', '.', '-')"

@@ -364,8 +364,9 @@ class Scripts:
         return float(_s(reply[1]))
 
     async def release(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int) -> str:
-        """Hand a leased request back to its queue (a draining worker); returns 'requeued' or
-        'cancelled' (its client is gone). Raises LeaseLost."""
+        """Hand a leased request back to its queue (a draining worker); returns 'requeued',
+        'cancelled' (its client is gone) or 'failed' (its class is no longer configured).
+        Raises LeaseLost."""
         reply = await self._run("release", lifecycle_keys(keys), [request_id, worker_id, fence])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")

@@ -295,7 +295,7 @@ local function main()
     end
   end
 
-  local fields = {'ts', now}
+  local fields = {'.ts', now}
   for _, cls in ipairs(p.classes) do
     fields[#fields + 1] = cls
     fields[#fields + 1] = fmt(served[cls])

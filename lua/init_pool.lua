@@ -40,7 +40,7 @@ local function main()
   for i, c in ipairs(doc.classes) do
     local f = 'policy.classes[' .. i .. ']'
     if type(c) ~= 'table' then fail('BADARG', f .. ': not an object') end
-    local n = arg_name(c.name, f .. '.name')
+    local n = arg_class_name(c.name, f .. '.name')
     for _, seen in ipairs(names) do
       if seen == n then fail('BADARG', f .. '.name: duplicate class ' .. n) end
     end

@@ -12,7 +12,8 @@
 -- ARGV[2] worker_id   name
 -- ARGV[3] fence       integer >= 1 (from claim)
 --
--- Returns {'requeued'} | {'cancelled'} | {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
+-- Returns {'requeued'} | {'cancelled'} | {'failed'} (its class is no longer in the policy:
+-- finished as failed, its client told) | {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!flags allow-oom
 --!include pool_keys.lua
@@ -35,7 +36,7 @@ local function main()
     cancel_orphan(p, r, now, 'its client went away while its worker was draining')
     return {'cancelled'}
   end
-  requeue(p, r, now)
+  if not requeue(p, r, now) then return {'failed'} end  -- its class left the policy
   redis.call('HSET', P_REQUEST .. request_id, 'attempts', math.max(r.attempts - 1, 0))
   redis.call('HINCRBY', K_STATS, r.class .. '.released', 1)
   return {'requeued'}

@@ -47,7 +47,7 @@ BUGS = (
         "include/requeue.lua", "r.deadline_ms = now + r.max_wait_ms",
         "r.deadline_ms = now + p.class[r.class].max_wait_ms"),
     Bug("fixed_record_ttl", "records get a fixed TTL shorter than a max wait",
-        "include/record.lua", "local ttl = math.max(until_ms - now, 0) + p.record_ttl_s * 1000",
+        "include/record.lua", "local ttl = math.max(until_ms - now, 0) + LIVE_RECORD_GRACE_MS",
         "local ttl = 500"),
     Bug("fence_is_attempt", "the fence is the attempt number (release gives it back: it repeats)",
         "claim.lua", "local fence = redis.call('HINCRBY', K_STATS, 'lease_fence', 1)",

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ResponseError
 
+from limiter.config import demo_config
 from limiter.keys import PoolKeys
-from limiter.scripts import SCRIPT_NAMES, lifecycle_keys, script_source
+from limiter.scripts import SCRIPT_NAMES, lifecycle_keys, policy_document, script_source
 from tests.support.helpers import admit, dump_all
 
 K = PoolKeys("tiny")
@@ -91,6 +94,11 @@ async def test_init_pool_rejects_bad_policies_without_writing(state, sync_redis)
     cases = ["", "[]", "{", '{"pool": "x"}', '{"pool": "a{b}", "capacity": 1}',
              '{"pool":"tiny","capacity":-1,"lease_ms":1000,"max_attempts":3,'
              '"frontend_ttl_ms":1000,"floor_half_life_ms":1,"record_ttl_s":1,"floor_quantum":0,"classes":[]}']
+    # a class name with a dot: its <class>.cost field would be another class's count
+    cfg = demo_config()
+    doc = policy_document(cfg, cfg.pool("tiny"))
+    doc["classes"][1]["name"] = "P0.cost"
+    cases.append(json.dumps(doc))
     for doc in cases:
         before = dump_all(sync_redis)
         with pytest.raises(ResponseError, match="BADARG"):

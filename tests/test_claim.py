@@ -354,3 +354,19 @@ async def test_claim_says_whether_it_left_work_queued(scripts, pool):
     assert len(rest.requests) == 1 and rest.backlog is False
     # the markers left announced work now taken: dropped, so no worker claims in vain
     assert await scripts.client.llen(pool.wake) == 0
+
+
+async def test_a_class_named_ts_keeps_its_own_served_figure_apart_from_the_ledgers_time(scripts, pool, cfg):
+    """The served ledger's timestamp was the field `ts`: a class named ts overwrote it with its
+    served cost, and every later read decayed the whole ledger to 0 (floors and the wait
+    estimate blind). The timestamp is `.ts` now, which no class name can be."""
+    doc = policy_document(cfg, cfg.pool("tiny"))
+    doc["classes"][0]["name"] = "ts"
+    await scripts.init_pool(pool, doc, reset_rates=True)
+    a = await admit(scripts, pool, cls="ts", request_id="a1", input_tokens=10, max_tokens=5)
+    before = await _redis_ms(scripts.client)
+    got = await scripts.claim(pool, "w1", 1)
+    assert [c.request_id for c in got.requests] == ["a1"]
+    ledger = {k.decode(): float(v) for k, v in (await scripts.client.hgetall(pool.served)).items()}
+    assert ledger["ts"] == pytest.approx(a.cost)
+    assert before <= ledger[".ts"] <= await _redis_ms(scripts.client)

@@ -53,6 +53,8 @@ def test_a_valid_file_loads(tmp_path):
     (("share = 0.4", "share = 0.5"), "classes"),  # shares add up past 1
     (("floor = 0.3", "floor = \"high\""), "classes[1].floor"),
     (('name = "llama"', 'name = "lla{ma}"'), "pools[0].name"),
+    # a class name is also part of hash fields: <class>.cost would be class "P1.cost"'s count
+    (('name = "P1"', 'name = "P1.cost"'), "classes[1].name"),
     (("context_tokens = 8192", "context_tokens = -5"), "pools[0].context_tokens"),
     (('max_class = "P0"', 'max_class = "P9"'), "tenants[0].max_class"),
     (('default_class = "P1"', 'default_class = "P0"\nbogus = 1'), "tenants[0].bogus"),

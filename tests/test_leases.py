@@ -195,3 +195,74 @@ async def test_refunds_never_exceed_charges(scripts, pool, input_tokens, max_tok
     level = float(await scripts.client.hget(b, "tokens"))
     assert level == pytest.approx(10_000 - input_tokens - used, abs=1e-3)
     assert level <= 10_000
+
+
+async def _lease_then_drop_its_class(scripts, pool, cfg, request_id: str, lease_ms: int):
+    """A P2 request is leased; then a deploy's config drops class P2 (every role rewrites the
+    policy from its config at start-up)."""
+    await admit(scripts, pool, cls="P2", tenant="t2", request_id=request_id, input_tokens=5, max_tokens=5)
+    c = await _claim_one(scripts, pool, "w1", lease_ms=lease_ms)
+    doc = policy_document(cfg, cfg.pool("tiny"))
+    doc["classes"] = [x for x in doc["classes"] if x["name"] != "P2"]
+    await scripts.init_pool(pool, doc)
+    return c
+
+
+async def _assert_failed_for_its_class(scripts, pool, request_id: str) -> None:
+    r = scripts.client
+    rec = await r.hgetall(pool.request(request_id))
+    assert rec[b"state"] == b"failed", rec
+    assert b"class P2 is no longer in the pool configuration" in rec[b"reason"]
+    _, last = (await r.xrange(pool.reply("fe1")))[-1]
+    assert last[b"code"] == b"failed" and b"P2" in last[b"msg"]  # its client is told why
+    # out of every index and counter; what it did not use given back, never more
+    assert await r.zscore(pool.leases, request_id) is None
+    assert await r.zscore(pool.deadlines, request_id) is None
+    assert await r.exists(pool.queue("P2", "t2")) == 0
+    assert await r.hget(pool.tenant_inflight, "t2") is None
+    assert await r.hget(pool.inflight, "P2") is None
+    assert 0 < await r.ttl(pool.request(request_id)) <= 300
+    assert 0 <= float(rec[b"r_tenant"]) <= float(rec[b"c_tenant"])
+
+
+async def test_a_lease_whose_class_left_the_policy_fails_with_its_reason_when_it_expires(scripts, pool, cfg):
+    # Requeueing it put it in a queue no claim reads, after a crash halfway (a nil class): the
+    # record said queued, in no index, and its tenant stayed in flight for good.
+    await _lease_then_drop_its_class(scripts, pool, cfg, "orphan", lease_ms=50)
+    await asyncio.sleep(0.08)
+    reaped = await scripts.reap(pool)
+    assert (reaped.requeued, reaped.failed) == (0, 1)
+    await _assert_failed_for_its_class(scripts, pool, "orphan")
+
+
+async def test_a_release_of_a_request_whose_class_left_the_policy_fails_it(scripts, pool, cfg):
+    c = await _lease_then_drop_its_class(scripts, pool, cfg, "handed-back", lease_ms=0)
+    state = await scripts.release(pool, request_id="handed-back", worker_id="w1", fence=c.fence)
+    assert state == "failed"
+    await _assert_failed_for_its_class(scripts, pool, "handed-back")
+
+
+@pytest.mark.parametrize("leased", [False, True], ids=["queued", "leased"])
+async def test_a_live_record_outlasts_record_ttl_so_a_late_janitor_still_ends_it(scripts, pool, cfg, leased):
+    """record_ttl_s is how long a *finished* record is kept. When every role was down for
+    longer than that, the records of queued and leased requests used to expire first: the
+    janitor then only dropped their index entries, and their tenants' in-flight counts and
+    queued costs stayed up for good (a capped tenant was refused as busy for ever)."""
+    await scripts.init_pool(pool, {**policy_document(cfg, cfg.pool("tiny")), "record_ttl_s": 1},
+                            reset_rates=True)
+    await admit(scripts, pool, cls="P1", tenant="t1", request_id="late", max_wait_ms=50)
+    if leased:
+        await _claim_one(scripts, pool, "w1", lease_ms=50)
+    r = scripts.client
+    await asyncio.sleep(1.3)  # past the deadline or the lease, and past record_ttl_s
+    assert await r.pttl(pool.request("late")) > 6 * 86400 * 1000  # alive for days yet
+    await scripts.reap(pool)
+    if leased:  # requeued by the late janitor; its own max wait has passed too by the next one
+        await asyncio.sleep(0.08)
+        await scripts.reap(pool)
+    rec = await r.hgetall(pool.request("late"))
+    assert rec[b"state"] == b"expired"
+    assert await r.hget(pool.tenant_inflight, "t1") is None
+    assert await r.hget(pool.queued, "P1:t1") is None
+    assert await r.zcard(pool.deadlines) == 0 and await r.zcard(pool.leases) == 0
+    assert 0 < await r.pttl(pool.request("late")) <= 1000  # finished: record_ttl_s from now

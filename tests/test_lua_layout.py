@@ -224,3 +224,25 @@ def test_every_script_header_states_its_contract():
             if kind == "KEYS" and "lifecycle key list" in header:
                 stated = read  # KEYS is include/pool_keys.lua's list
             assert read <= stated, (name, kind, sorted(read - stated))
+
+
+def test_an_error_after_a_write_still_writes_back_the_bucket_cache(tmp_path, sync_redis):
+    """Buckets are cached during a call and written back when main() ends. Redis keeps the
+    writes a script made before a runtime error: the buckets' must be kept too, or a record
+    says a refund was given that no bucket ever got (a janitor pass that failed halfway)."""
+    (tmp_path / "include").symlink_to(lua_dir() / "include")
+    (tmp_path / "fail_after_refund.lua").write_text(
+        "--!include validate.lua\n--!include bucket.lua\n"
+        "local function main()\n"
+        "  local b = bucket_get(KEYS[1], 0, 1000, 0)\n"  # new: full (1000), no refill
+        "  bucket_debit(b, 30, nil)\n"
+        "  bucket_credit(b, 20)\n"
+        "  redis.call('HSET', KEYS[2], 'refunded', 20)\n"  # the record's side, written at once
+        "  redis.call('HGET', KEYS[2], 'refunded', 'extra')\n"  # a runtime error (wrong arity)
+        "end\n--!include main.lua\n")
+    src = load_script("fail_after_refund", tmp_path, shebang=False)
+    with pytest.raises(redis.ResponseError):
+        sync_redis.eval(src, 2, "qos:{t}:bucket:x", "qos:{t}:req:x")
+    assert sync_redis.hget("qos:{t}:req:x", "refunded") == b"20"
+    bucket = {k.decode(): float(v) for k, v in sync_redis.hgetall("qos:{t}:bucket:x").items()}
+    assert bucket["debited"] == 30 and bucket["refunded"] == 20 and bucket["tokens"] == 990

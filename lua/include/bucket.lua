@@ -7,7 +7,7 @@
 --
 -- Every bucket a call touches goes through one cache, so two uses in the same call (a
 -- refund inside claim's janitor, then a charge) see each other; the cache is written back
--- once, when main() returns (main.lua runs AT_EXIT).
+-- once, when main() ends (main.lua runs AT_EXIT, after an error too).
 --!include validate.lua
 
 local BUCKETS = {}

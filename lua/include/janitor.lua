@@ -43,9 +43,10 @@ local function reap_leases(p, now, limit)
       finish_by_redis(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now,
         {code = 'failed', msg = why})
       failed = failed + 1
-    else
-      requeue(p, r, now)
+    elseif requeue(p, r, now) then
       requeued = requeued + 1
+    else  -- its class left the policy
+      failed = failed + 1
     end
   end
   return requeued, failed, cancelled

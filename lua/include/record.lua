@@ -41,10 +41,16 @@ local function load_request(id, fields)
 end
 
 -- An unfinished request's record (and token string) lives until `until_ms`, the latest time
--- its request can still be waiting for (its queue deadline, or its lease's end), plus the
--- pool's record_ttl_s: long enough for any janitor to finish it, never forever.
+-- its request can still be waiting for (its queue deadline, or its lease's end), plus a
+-- week: long enough for a janitor to finish it, never forever. Not plus record_ttl_s (how
+-- long a *finished* record is kept, 300 s by default): when every frontend, worker and
+-- controller was down for longer than that, the records of the requests still queued or
+-- leased expired before any janitor ran, and it could only drop their index entries --
+-- their tenants' in-flight counts and the queued costs were never given back (a tenant
+-- with a max_inflight cap was refused as busy for good).
+local LIVE_RECORD_GRACE_MS = 7 * 86400 * 1000
 local function keep_alive(p, id, until_ms, now)
-  local ttl = math.max(until_ms - now, 0) + p.record_ttl_s * 1000
+  local ttl = math.max(until_ms - now, 0) + LIVE_RECORD_GRACE_MS
   redis.call('PEXPIRE', P_REQUEST .. id, ttl)
   redis.call('PEXPIRE', P_TOKENS .. id, ttl)
 end

@@ -4,10 +4,20 @@
 --!include queue.lua
 --!include lease.lua
 --!include wake.lua
+--!include finish.lua
 
 -- Put a leased request back in its tenant's queue, at its original place (seq), with a new
 -- deadline of its own max wait (a client's shorter X-QoS-Max-Wait-Ms stays shorter).
+-- Returns true; false when its class is no longer in the pool's policy (a deploy removed or
+-- renamed it while the request ran): no claim serves that class, so the request fails now,
+-- its client told why, instead of waiting out its max wait in a queue nobody reads.
 local function requeue(p, r, now)
+  if p.class[r.class] == nil then
+    local why = 'its class ' .. r.class .. ' is no longer in the pool configuration'
+    finish_by_redis(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now,
+      {code = 'failed', msg = why})
+    return false
+  end
   drop_lease(r)
   r.deadline_ms = now + r.max_wait_ms
   r.state = 'queued'
@@ -16,4 +26,5 @@ local function requeue(p, r, now)
   keep_alive(p, r.id, r.deadline_ms, now)
   redis.call('HINCRBY', K_STATS, r.class .. '.requeued', 1)
   wake_workers()
+  return true
 end

@@ -35,6 +35,16 @@ local function arg_name(v, field)
   return v
 end
 
+-- A class name is also part of hash fields: <class>.cost, <class>.<state> and <class>:<tenant>,
+-- next to <class> itself and the served ledger's .ts. Without dots, no class's field can be
+-- another class's (classes 'a' and 'a.cost' shared the field a.cost) or the ledger's.
+local function arg_class_name(v, field)
+  if type(v) ~= 'string' or #v < 1 or #v > 64 or not string.match(v, '^[%w_%-]+$') then
+    fail('BADARG', field .. ': invalid class name (letters, digits, _ and -): ' .. tostring(v))
+  end
+  return v
+end
+
 local function arg_oneof(v, field, allowed)
   for _, a in ipairs(allowed) do
     if v == a then return v end
