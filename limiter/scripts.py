@@ -45,6 +45,7 @@ _FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
 # final state may run when Redis is out of memory (they free it); none may touch another slot.
 KNOWN_FLAGS = ("allow-oom",)
 REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded work)
+MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
 def lua_dir() -> Path:

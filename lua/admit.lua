@@ -36,6 +36,7 @@
 -- ARGV[9]  max_wait_ms         integer >= 0, 0 = the class default; never above it
 -- ARGV[10] frontend_id         name of the frontend whose reply stream gets the answer
 -- ARGV[11] payload             opaque bytes (msgpack prompt + sampling params), <= 8 MiB
+--                              (limiter/scripts.py MAX_PAYLOAD_BYTES)
 -- ARGV[12] tenant_weight       number in (0, 1e6]: the tenant's share of its class (VTC)
 --
 -- Cost = input_tokens x weight + max_tokens x out_weight. The tenant bucket admits when it

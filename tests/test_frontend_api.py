@@ -74,6 +74,26 @@ async def test_chat_non_stream(client, fake_worker):
     assert served.usage_in == count_tokens(prompt) and served.usage_out == 8
 
 
+async def test_a_multi_turn_client_may_send_back_its_answer_and_a_developer_message(client, fake_worker):
+    """Clients that append the assistant message they received (as OpenAI and vLLM return it:
+    refusal, tool_calls, function_call, audio at null) and send the tool fields empty were
+    refused field by field; "developer" is OpenAI's newer name for the system message."""
+    first = await client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4, "messages": [
+        {"role": "user", "content": "hi"}]}, headers=auth())
+    answer = (await first.json())["choices"][0]["message"]
+    echoed = {**answer, "refusal": None, "tool_calls": [], "function_call": None, "audio": None}
+    body = {"model": "tiny", "max_tokens": 4, "tools": None, "tool_choice": "none", "functions": [],
+            "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"},
+                         echoed, {"role": "user", "content": "again"}]}
+    r = await client.post("/v1/chat/completions", json=body, headers=auth())
+    assert r.status == 200, await r.text()
+    served = await fake_worker.by_id(r.headers["X-QoS-Request-Id"])
+    prompt = render_chat([("system", "be brief"), ("user", "hi"), ("assistant", answer["content"]),
+                          ("user", "again")])
+    assert served.usage_in == count_tokens(prompt)
+    assert (await r.json())["choices"][0]["message"]["content"] == prompt[::-1][:4]
+
+
 async def test_completion_stream_sse_framing_and_usage(client, fake_worker):
     body = {"model": "tiny", "prompt": "hello stream", "stream": True,
             "stream_options": {"include_usage": True}}

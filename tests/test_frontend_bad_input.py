@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from tests.support.body_strategies import FIELDS
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
+from tests.support.redis_server import free_port
 
 MSG = [{"role": "user", "content": "hi"}]
 CHAT = "/v1/chat/completions"
@@ -107,7 +108,19 @@ CASES = [
     (COMP, {"model": "tiny", "prompt": "x", "messages": MSG}, {}, 400, "messages", "unknown_parameter"),
     (CHAT, {"model": "tiny", "messages": MSG, "logprobs": True}, {}, 400, "logprobs", "unsupported_value"),
     (CHAT, {"model": "tiny", "messages": MSG, "user": 5}, {}, 400, "user", "invalid_type"),
-    (CHAT, {"model": "tiny", "messages": MSG, "tools": []}, {}, 400, "tools", "unknown_parameter"),
+    (CHAT, {"model": "tiny", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, {},
+     400, "tools", "unsupported_value"),
+    (CHAT, {"model": "tiny", "messages": MSG, "tool_choice": "auto"}, {}, 400, "tool_choice",
+     "unsupported_value"),
+    # an assistant message as returned, sent back: only at the values this service returns
+    (CHAT, {"model": "tiny", "messages": [{"role": "assistant", "content": "", "refusal": "no"}]}, {}, 400,
+     "messages[0].refusal", "unsupported_value"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "assistant", "content": "x",
+                                           "tool_calls": [{"id": "1"}]}]}, {}, 400,
+     "messages[0].tool_calls", "unsupported_value"),
+    # a wrong type is named as such, not as a disagreement with max_completion_tokens
+    (CHAT, {"model": "tiny", "messages": MSG, "max_tokens": "abc", "max_completion_tokens": 5}, {}, 400,
+     "max_tokens", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": "x" * (2 << 20)}, {}, 400, None, "request_too_large"),
     (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Max-Wait-Ms": "soon"}, 400, "X-QoS-Max-Wait-Ms",
      "invalid_value"),
@@ -145,9 +158,23 @@ async def test_bad_input_is_4xx_naming_the_field_and_changes_nothing(client, syn
     assert redis_state(sync_redis) == before
 
 
+async def test_a_bad_header_is_400_before_the_prompt_is_counted_by_the_model_server(redis_server, sync_redis):
+    """With tokenizer = "upstream", counting the prompt asks the model server: a bad
+    X-QoS-Max-Wait-Ms was judged only after that, so while the server was down the client got
+    503 tokenizer_unavailable with Retry-After (and retried for ever) instead of this 400."""
+    dead = f"http://127.0.0.1:{free_port()}"
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": "upstream", "tokenizer_url": dead})
+    async with frontend(cfg, tokenize_timeout_s=1.0) as c:
+        r = await c.post(COMP, json={"model": "tiny", "prompt": "x"},
+                         headers={**auth(), "X-QoS-Max-Wait-Ms": "soon"})
+        err = (await r.json())["error"]
+        assert (r.status, err["code"], err["param"]) == (400, "invalid_value", "X-QoS-Max-Wait-Ms"), err
+
+
 async def test_wrong_method_and_unknown_path_are_json_errors(client):
     r = await client.get(CHAT, headers=auth())
     assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+    assert r.headers.get("Allow") == "POST"  # a 405 says what is allowed (RFC 9110 15.5.6)
     r = await client.post("/v1/embeddings", json={}, headers=auth())
     assert r.status == 404 and (await r.json())["error"]["code"] == "not_found"
 

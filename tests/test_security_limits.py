@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from limiter.frontend.runtime import FRONTEND
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
 from tests.support.redis_server import RedisServer
@@ -104,6 +105,84 @@ async def test_a_body_that_never_arrives_is_408_and_changes_nothing(client: Any,
     assert err["code"] == "body_timeout" and err["message"]
     assert took < 3
     assert redis_state(sync_redis) == before
+
+
+@pytest.mark.parametrize("encoding", ["gzip", "deflate"])
+async def test_a_compressed_body_that_does_not_decompress_is_400_and_changes_nothing(
+    client: Any, sync_redis: Any, encoding: str
+) -> None:
+    """aiohttp raises a bare Exception for it (RequestPayloadError): it was a 500 and a logged
+    traceback for every such request."""
+    before = redis_state(sync_redis)
+    raw = (f"POST {COMP} HTTP/1.1\r\nHost: t\r\nConnection: close\r\nAuthorization: Bearer demo-p1\r\n"
+           f"Content-Type: application/json\r\nContent-Encoding: {encoding}\r\nContent-Length: 10\r\n\r\n"
+           "0123456789").encode()
+    s = await asyncio.to_thread(raw_request, client.port, raw)
+    try:
+        out, _ = await asyncio.to_thread(read_response, s, 5.0)
+    finally:
+        s.close()
+    status, _, rest = out.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 400"), out[:300]
+    err = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    assert err["type"] == "invalid_request_error" and err["code"] == "invalid_body", err
+    assert redis_state(sync_redis) == before
+
+
+async def test_a_request_over_what_a_queued_request_may_hold_is_refused_naming_its_field(
+    redis_server: RedisServer, sync_redis: Any
+) -> None:
+    """A chat request carries its text twice when queued (rendered, and as messages), so a body
+    well inside max_body_bytes can exceed the 8 MiB admit takes: the answer named 'payload', a
+    field the client never sent."""
+    cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000})
+    async with frontend(cfg, max_body_bytes=16 << 20) as c:
+        before = redis_state(sync_redis)
+        body = {"model": "tiny", "messages": [{"role": "user", "content": "x" * 4_500_000}], "max_tokens": 1}
+        r = await c.post("/v1/chat/completions", data=json.dumps(body),
+                         headers={**auth(), "Content-Type": "application/json"})
+        err = (await r.json())["error"]
+        assert r.status == 400 and (err["param"], err["code"]) == ("messages", "request_too_large"), err
+        assert "8 MiB" in err["message"]
+        assert redis_state(sync_redis) == before
+
+
+async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_timeout(
+    redis_server: RedisServer, sync_redis: Any, aredis: Any
+) -> None:
+    """The request timeout bounds writes too. A client that stops reading but keeps its socket
+    open held the handler, its reply queue and the whole output in the frontend for as long
+    as it liked: once the worker finished, its tenant's max_inflight no longer counted it."""
+    n = 6_000_000  # far more than the loopback socket buffers hold
+    cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000})
+    async with frontend(cfg, request_timeout_s=1.0) as c, \
+            FakeWorker(aredis, POOL, fixed_text="y" * n, batch=200_000) as w:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", c.port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        try:
+            body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": n, "stream": True}).encode()
+            head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer demo-p1\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+            writer.write(head.encode() + body)
+            await writer.drain()
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            # ... and it reads nothing more, keeping the connection open.
+            router = c.server.app[FRONTEND].router
+            deadline = time.monotonic() + 1.0 + 2.0 + 10.0  # timeout + write grace + slack
+            while router._queues:
+                assert time.monotonic() < deadline, "the stream's handler outlived request_timeout_s"
+                await asyncio.sleep(0.1)
+            assert w.served and w.served[0].outcome == "ok"  # the worker had finished long before
+            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+                async with asyncio.timeout(10):
+                    while await reader.read(1 << 16):  # what was buffered for it is gone: the
+                        pass  # connection was dropped (reset), not closed after the whole answer
+                    raise ConnectionResetError("closed without a reset")
+        finally:
+            writer.close()
 
 
 async def test_oversized_request_line_and_headers_are_refused_by_the_parser(

@@ -23,6 +23,7 @@ from typing import Any
 import aiohttp
 import aiohttp.http_exceptions
 from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from limiter import status as status_mod
@@ -65,8 +66,10 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
     except web.HTTPRequestEntityTooLarge as exc:
         raise ApiError(400, f"Request body is over the {limit}-byte limit",
                           code="request_too_large") from exc
-    except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError) as exc:
-        # A truncated or broken upload: the client's fault (and it is probably gone).
+    except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError,
+            RequestPayloadError) as exc:
+        # A truncated or broken upload, or a compressed body that does not decompress
+        # (RequestPayloadError, a bare Exception: it was a 500): the client's fault.
         raise ApiError(400, f"Could not read the request body: {exc}", code="invalid_body") from exc
 
 
@@ -98,8 +101,10 @@ def _generation_handler(kind: str) -> Handler:
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
         draft = oa.parse_request(kind, body, fe.cfg)
-        req = oa.finish_request(draft, await fe.count_prompt(draft))
+        # Every check of what the client sent comes before counting the prompt, which may ask
+        # the model server: a bad header was a 503 (retried for ever) while it was down.
         max_wait = _max_wait_ms(request.headers.get(MAX_WAIT_HEADER), fe.classes[cls])
+        req = oa.finish_request(draft, await fe.count_prompt(draft))
         return await Generation(fe, request, tenant, cls, req, max_wait, received).run()
 
     return handler

@@ -147,7 +147,10 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         labels.outcome = err.outcome
         if counted:
             _count(request, err.outcome)
-        return web.json_response(err.body(), status=err.status, headers=err.headers())
+        headers = err.headers()
+        if isinstance(exc, web.HTTPException) and "Allow" in exc.headers:
+            headers["Allow"] = exc.headers["Allow"]  # a 405 must say what is allowed (RFC 9110)
+        return web.json_response(err.body(), status=err.status, headers=headers)
     if counted:
         _count(request, labels.outcome)
     return resp

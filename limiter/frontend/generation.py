@@ -20,6 +20,8 @@ import logging
 import math
 import time
 import uuid
+from collections.abc import Awaitable
+from typing import Any
 
 from aiohttp import web
 
@@ -37,7 +39,7 @@ from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import Frontend
-from limiter.scripts import Admitted
+from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 
 log = logging.getLogger("qos.frontend")
 
@@ -46,6 +48,13 @@ REQUEST_ID_HEADER = "X-QoS-Request-Id"
 FINAL_GRACE_S = 2.0
 # Slack added to Redis' deadline: Redis' own expiry (claim) and ours then agree on the outcome.
 DEADLINE_SLACK_S = 0.02
+# A write to a streaming client may last until request_timeout_s plus this: the grace lets the
+# in-band error that says why a stream ended still go out.
+WRITE_GRACE_S = 2.0
+
+
+class _ClientStalled(Exception):
+    """The client stopped reading and its socket stayed full past the request's time."""
 
 
 class _SseResponse(web.StreamResponse):
@@ -104,6 +113,14 @@ class Generation:
         fe = self.fe
         started = self.loop.time()
         payload = self.req.payload().pack()
+        if len(payload) > MAX_PAYLOAD_BYTES:
+            # admit.lua would refuse it as 'payload', a field the client never sent; a chat
+            # request carries its text twice (rendered and as messages), so this comes before
+            # max_body_bytes can.
+            param = "messages" if self.req.kind == "chat" else "prompt"
+            raise ApiError(400, f"The request is too large to queue: its '{param}' take {len(payload)} bytes "
+                           f"as queued, over the {MAX_PAYLOAD_BYTES >> 20} MiB a request may hold",
+                           code="request_too_large", param=param)
         policy_retry = True
         while True:
             if fe.shutting_down:
@@ -278,6 +295,17 @@ class Generation:
                 return web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id},
                                          dumps=oa.compact_json)
 
+    async def _write(self, aw: Awaitable[Any]) -> None:
+        """One write to the client, bounded by the request's safety deadline (plus the grace):
+        a client that stops reading but keeps its socket open held this handler, its reply
+        queue and everything the worker sent for as long as it liked -- and once the worker is
+        done its tenant's max_inflight no longer counts it."""
+        try:
+            async with asyncio.timeout_at(self.safety_deadline + WRITE_GRACE_S):
+                await aw
+        except TimeoutError:
+            raise _ClientStalled from None
+
     async def stream(self) -> web.StreamResponse:
         """The SSE answer. Each reply entry becomes one socket write (headers, the chat opener,
         text, finish, usage and ``[DONE]`` are joined where they fall together): a send on a
@@ -292,7 +320,7 @@ class Generation:
             s = _SseResponse(headers={
                 "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
                 "X-Accel-Buffering": "no", REQUEST_ID_HEADER: rid})
-            await s.prepare(self.request)
+            await self._write(s.prepare(self.request))
             if req.kind == "chat":
                 opener = oa.chunk(req, rid, created, role=True, usage_so_far=(req.prompt_tokens, 0))
                 return s, [oa.sse(opener)]
@@ -309,7 +337,7 @@ class Generation:
                         raise
                     # Mid-stream: the status is sent; report in-band as OpenAI does.
                     self.request[LABELS].outcome = exc.outcome
-                    await resp.write(oa.sse(exc.body()))
+                    await self._write(resp.write(oa.sse(exc.body())))
                     return resp
                 text = self.accept(r)
                 out: list[bytes] = []
@@ -325,12 +353,21 @@ class Generation:
                     if req.include_usage:
                         out.append(oa.sse(oa.usage_chunk(req, rid, created, r.usage_in, r.usage_out)))
                     out.append(oa.sse("[DONE]"))
-                    await resp.write_eof(b"".join(out))
+                    await self._write(resp.write_eof(b"".join(out)))
                     return resp
                 if out:
-                    await resp.write(b"".join(out))
+                    await self._write(resp.write(b"".join(out)))
         except ConnectionError:
             # The client closed the connection mid-stream (aiohttp's reset errors are
             # ConnectionErrors): the finally clause in run() cancels the request.
             self.request[LABELS].outcome = "cancelled"
+            return resp or web.Response(status=499)
+        except _ClientStalled:
+            # Nothing more can reach it in time: drop the connection (and what is buffered for
+            # it); the finally clause in run() cancels the request if it is still running.
+            log.info("%s: the client stopped reading; dropped after the %g s request timeout",
+                     rid, self.fe.settings.request_timeout_s)
+            self.request[LABELS].outcome = "timeout"
+            if self.request.transport is not None:
+                self.request.transport.abort()
             return resp or web.Response(status=499)

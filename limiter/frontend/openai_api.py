@@ -93,6 +93,19 @@ _CHAT_NEUTRAL: dict[str, Any] = {
     "top_logprobs": lambda v: _is_int(v) and v == 0,
     "response_format": lambda v: v == {"type": "text"},
     "parallel_tool_calls": lambda v: isinstance(v, bool),
+    # no tools: what a client that always sends the tool fields sends when it has none
+    "tools": lambda v: v == [],
+    "tool_choice": lambda v: v == "none",
+    "functions": lambda v: v == [],
+    "function_call": lambda v: v == "none",
+}
+# Fields of an assistant message as OpenAI (and vLLM) return it: a client that appends the
+# answer it got to its next request's messages sends them back, at these values.
+_MESSAGE_NEUTRAL: dict[str, Any] = {
+    "refusal": lambda v: v is None,
+    "tool_calls": lambda v: v is None or v == [],
+    "function_call": lambda v: v is None,
+    "audio": lambda v: v is None,
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
     **_NEUTRAL,
@@ -155,11 +168,17 @@ def _messages(v: Any) -> list[ChatMessage]:
         if not isinstance(m, dict):
             raise bad(p, f"'{p}' must be an object, got {_type_name(m)}", "invalid_type")
         for k in m:
-            if k not in ("role", "content", "name", "tool_call_id"):
+            if k in _MESSAGE_NEUTRAL:
+                if not _MESSAGE_NEUTRAL[k](m[k]):
+                    raise bad(f"{p}.{k}", f"'{p}.{k}' = {json.dumps(m[k])[:100]} is not supported by this "
+                              "service (only its neutral value is accepted)", "unsupported_value")
+            elif k not in ("role", "content", "name", "tool_call_id"):
                 raise bad(f"{p}.{k}", f"unrecognized field '{p}.{k}'", "unknown_parameter")
         role = m.get("role")
+        if role == "developer":  # OpenAI's newer name for the system message
+            role = "system"
         if role not in CHAT_ROLES:
-            raise bad(f"{p}.role", f"'{p}.role' must be one of {', '.join(CHAT_ROLES)}")
+            raise bad(f"{p}.role", f"'{p}.role' must be one of {', '.join((*CHAT_ROLES, 'developer'))}")
         extra = {}
         for k in ("name", "tool_call_id"):
             if m.get(k) is not None:
@@ -249,6 +268,8 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
     max_tokens = body.get("max_tokens")
     param = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
+        if max_tokens is not None and not _is_int(max_tokens):  # a type error, not a disagreement
+            raise bad(param, f"'{param}' must be an integer, got {_type_name(max_tokens)}", "invalid_type")
         if max_tokens is not None and max_tokens != body["max_completion_tokens"]:
             raise bad("max_completion_tokens", "'max_tokens' and 'max_completion_tokens' disagree")
         max_tokens, param = body["max_completion_tokens"], "max_completion_tokens"
