@@ -320,7 +320,10 @@ async def test_requests_of_a_dead_frontend_are_cancelled_not_run(scripts, pool):
     await scripts.client.zadd(pool.frontends, {"gone": 1})  # last heartbeat in 1970
     await admit(scripts, pool, cls="P1", request_id="orphan", frontend="gone", input_tokens=1, max_tokens=1)
     assert (await scripts.claim(pool, "w1", 5)).requests == []
-    assert await scripts.client.hget(pool.request("orphan"), "state") == b"cancelled"
+    rec = await scripts.client.hgetall(pool.request("orphan"))
+    assert rec[b"state"] == b"cancelled"
+    # nothing ran: refunded in full, as a client's own cancel of a queued request is
+    assert float(rec[b"refund"]) == float(rec[b"cost"]) > 0
 
 
 async def test_admit_wakes_a_blocked_worker(scripts, pool):
