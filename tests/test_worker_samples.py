@@ -9,14 +9,13 @@ from limiter.prompt import count_tokens
 from limiter.samples import decode_sample
 from tests.support.worker_helpers import worker
 
-# The sample times the engine producing a token; Redis records when its push landed (one
-# round trip later, more on a loaded 2-core test box). The local estimate of Redis time is
-# good to ~1 ms, so the sample may be up to SLACK_MS earlier than Redis, never later.
-SLACK_MS = 30.0
-
-
-def close(sample_ms: float, redis_ms: float) -> bool:
-    return -2.0 <= redis_ms - sample_ms <= SLACK_MS
+# The sample times the engine producing a token; Redis records when its push landed: one
+# round trip later, plus however long this machine kept the worker from running (31 ms was
+# seen beside two busy loops). So the sample is never later than Redis (beyond the local
+# estimate of Redis time, good to ~1 ms), and never earlier than the sim's cost model allows:
+# every step takes at least its fixed cost (10 ms at time scale 1).
+CLOCK_MS = 2.0
+STEP_MIN_MS = 10.0
 
 
 @pytest.fixture
@@ -43,12 +42,20 @@ async def test_samples_match_the_request_record_and_the_reply_stream(env) -> Non
         assert s["input_tokens"] == int(rec["usage_in"]) == count_tokens(
             "interactive question" if rid == ids[0] else "batch job " * 20)
         assert s["output_tokens"] == int(rec["usage_out"]) == a.tokens
-        # TTFT: the first token is pushed at once, so Redis's first_ms is the reference
-        assert close(s["ttft_ms"], first - enq), (s, first - enq)
-        assert close(s["e2e_ms"], finished - enq) and close(s["ts_ms"], finished), (s, finished - enq)
-        # TPOT: first push (first token) to the final entry (last token), over n - 1 gaps
-        stream_tpot = (a.times_ms[-1] - a.times_ms[0]) / (a.tokens - 1)
-        assert abs(s["tpot_mean_ms"] - stream_tpot) <= 1.0 + 0.1 * stream_tpot, (s, stream_tpot)
-        assert 5 <= s["tpot_mean_ms"] <= s["tpot_max_ms"] < 100
+        # TTFT: the first token is pushed at once, so Redis's first_ms is the reference; it
+        # comes at least one step after the claim
+        assert claimed - enq + STEP_MIN_MS - CLOCK_MS <= s["ttft_ms"] <= first - enq + CLOCK_MS, (s, rec)
+        n = a.tokens
+        last = s["ttft_ms"] + s["tpot_mean_ms"] * (n - 1)  # the last token, from enqueue
+        assert s["ttft_ms"] + STEP_MIN_MS * (n - 1) - CLOCK_MS <= last <= s["e2e_ms"] + CLOCK_MS, (s, rec)
+        assert s["e2e_ms"] <= finished - enq + CLOCK_MS and s["ts_ms"] <= finished + CLOCK_MS, (s, rec)
+        assert STEP_MIN_MS - CLOCK_MS <= s["tpot_mean_ms"] <= s["tpot_max_ms"]
+        # TPOT against the client's view: first push (first token) to the final entry (last
+        # token), over n - 1 gaps; each end landed in Redis late by these (a loaded machine's
+        # delays spread over the n - 1 gaps)
+        lag_first, lag_last = first - enq - s["ttft_ms"], finished - enq - last
+        stream_tpot = (a.times_ms[-1] - a.times_ms[0]) / (n - 1)
+        slack = 1.0 + 0.1 * stream_tpot + (lag_first + lag_last) / (n - 1)
+        assert abs(s["tpot_mean_ms"] - stream_tpot) <= slack, (s, stream_tpot, lag_first, lag_last)
         decoded = decode_sample(s, ["P0", "P1", "P2"])  # the controller's reader accepts it
         assert decoded.ttft_ms == s["ttft_ms"]
