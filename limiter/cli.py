@@ -34,6 +34,24 @@ def common_args(parser: argparse.ArgumentParser) -> None:
                         help="Redis URL (env QOS_REDIS_URL), overrides the config's redis.url")
 
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+def _log_level(value: str) -> str:
+    level = value.strip().upper()
+    if level not in LOG_LEVELS:  # logging.basicConfig's ValueError was a traceback
+        raise argparse.ArgumentTypeError(f"{value!r} is not a log level: one of {', '.join(LOG_LEVELS)} "
+                                          "(the default comes from QOS_LOG_LEVEL)")
+    return level
+
+
+def log_level_arg(parser: argparse.ArgumentParser) -> None:
+    """``--log-level`` of a role (default: env QOS_LOG_LEVEL, else INFO), checked as parsed:
+    argparse also checks a string default, so a bad QOS_LOG_LEVEL is a usage error (exit 2)."""
+    parser.add_argument("--log-level", type=_log_level, default=os.environ.get("QOS_LOG_LEVEL", "INFO"),
+                        help=f"one of {', '.join(LOG_LEVELS)} (env QOS_LOG_LEVEL; default INFO)")
+
+
 def load_config(args: argparse.Namespace) -> config_mod.QosConfig:
     """The config named by --config, with env overrides, then --redis-url on top."""
     env = dict(os.environ)

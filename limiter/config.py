@@ -32,6 +32,11 @@ def hash_key(key: str) -> str:
     return hashlib.sha256(key.encode()).hexdigest()
 
 
+# The most weighted tokens/s a pool may be said to serve: a bound on the config, and on what
+# the controller takes from a worker's heartbeat or its own estimate (set_rates refuses
+# rates above 1e15, so a figure past this could only wedge it).
+MAX_CAPACITY_TOKENS_S = 1e12
+
 @dataclass(frozen=True)
 class ClassConfig:
     """One priority class. Rates are shares of the pool's capacity (weighted tokens/s)."""
@@ -240,7 +245,8 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(16 <= pool.context_tokens <= 10_000_000, f"{p}.context_tokens", "must be in [16, 10000000]")
         _check(1 <= pool.default_max_tokens <= pool.context_tokens, f"{p}.default_max_tokens",
                "must be in [1, context_tokens]")
-        _check(0 < pool.capacity_tokens_s <= 1e12, f"{p}.capacity_tokens_s", "must be in (0, 1e12]")
+        _check(0 < pool.capacity_tokens_s <= MAX_CAPACITY_TOKENS_S, f"{p}.capacity_tokens_s",
+               "must be in (0, 1e12]")
         _check(100 <= pool.lease_ms <= 3_600_000, f"{p}.lease_ms", "must be in [100, 3600000]")
         _check(1 <= pool.max_attempts <= 100, f"{p}.max_attempts", "must be in [1, 100]")
         _check(100 <= pool.frontend_ttl_ms <= 3_600_000, f"{p}.frontend_ttl_ms", "must be in [100, 3600000]")

@@ -108,6 +108,13 @@ def _text(value: object) -> object:
     return value.decode("utf-8", "replace") if isinstance(value, bytes) else value
 
 
+# Bounds a sample's figures must keep (a finite float can still be absurd: token counts of
+# 1e308 made the controller's work sums inf, then NaN): token counts as admit takes them,
+# times in ms up to ~300 years (ts_ms is a Unix time in ms).
+MAX_TOKENS = 10_000_000
+MAX_MS = 1e13
+
+
 def _number(raw: Mapping[str, object], name: str, required: bool) -> float | None:
     value = raw.get(name)
     if value is None:
@@ -116,8 +123,8 @@ def _number(raw: Mapping[str, object], name: str, required: bool) -> float | Non
         return None
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise InvalidArgument(f"sample.{name}", f"expected a number, got {type(value).__name__}")
-    if not math.isfinite(value) or value < 0:
-        raise InvalidArgument(f"sample.{name}", f"must be a finite number >= 0, got {value!r}")
+    if not math.isfinite(value) or not 0 <= value <= MAX_MS:
+        raise InvalidArgument(f"sample.{name}", f"must be a number in [0, {MAX_MS:g}], got {value!r}")
     return float(value)
 
 
@@ -129,8 +136,8 @@ def _required(raw: Mapping[str, object], name: str) -> float:
 
 def _count(raw: Mapping[str, object], name: str) -> int:
     value = _required(raw, name)
-    if value != int(value):
-        raise InvalidArgument(f"sample.{name}", f"must be a whole number, got {value!r}")
+    if value != int(value) or value > MAX_TOKENS:
+        raise InvalidArgument(f"sample.{name}", f"must be a whole number <= {MAX_TOKENS}, got {value!r}")
     return int(value)
 
 

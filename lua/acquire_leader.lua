@@ -1,8 +1,9 @@
 -- acquire_leader: take or keep the pool's controller leadership (a lease with fencing).
 --
--- KEYS[1] leader   STRING qos:{pool}:leader = "<controller_id>:<fence>", PX lease
+-- KEYS[1] leader   STRING qos:{pool}:leader = "<owner>:<fence>", PX lease (owner: the
+--                 controller id and a per-process suffix, limiter/controller/leader.py)
 -- KEYS[2] fence    STRING qos:{pool}:fence, a counter: each new leadership gets the next
--- ARGV[1] controller_id  name
+-- ARGV[1] owner          name: the lease owner (controller id + a per-process suffix)
 -- ARGV[2] ttl_ms         integer 100..600000: the lease length
 --
 -- Returns {fence, 1} when this controller leads (lease renewed or newly taken), or

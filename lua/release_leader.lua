@@ -1,7 +1,7 @@
 -- release_leader: give up leadership on a clean shutdown, so a standby takes over now.
 --
 -- KEYS[1] leader   STRING qos:{pool}:leader
--- ARGV[1] controller_id  name
+-- ARGV[1] owner          name (the lease owner, as acquire_leader took it)
 -- ARGV[2] fence          integer >= 1
 --
 -- Returns 1 if this controller held the lease and released it, else 0. Errors: 'BADARG ...'.

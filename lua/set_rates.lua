@@ -3,9 +3,10 @@
 -- the fencing token it was given, may write.
 --
 -- KEYS[1] policy      HASH qos:{pool}:policy
--- KEYS[2] leader      STRING qos:{pool}:leader = "<controller_id>:<fence>"
+-- KEYS[2] leader      STRING qos:{pool}:leader = "<owner>:<fence>" (owner: the controller id
+--                     and a per-process suffix, limiter/controller/leader.py)
 -- KEYS[3] decisions   STREAM qos:{pool}:decisions
--- ARGV[1] controller_id  name
+-- ARGV[1] owner          name (the lease owner, as acquire_leader took it)
 -- ARGV[2] fence          integer >= 1
 -- ARGV[3] decision       JSON text describing the inputs and reasons (<= 64 KiB)
 -- ARGV[4..] field, value pairs: <class>.rate|burst|ceil|ceil_burst, or capacity; values

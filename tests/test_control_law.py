@@ -115,6 +115,17 @@ def test_p0_violation_cuts_lower_borrowing_first() -> None:
     assert new["P1"].rate == pytest.approx(35_000.0)  # P1's guarantee untouched while P2 borrows
 
 
+def test_a_last_change_after_now_is_a_clock_stepped_back_not_a_cooldown() -> None:
+    """last_change_ms is Redis time: with Redis's clock stepped back an hour (an NTP step, a
+    failover to a node behind), now - last < cooldown held the law for the hour."""
+    now = 1_800_000_000_000.0
+    violating = inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.25))
+    d = decide(state(last_change_ms=now + 3_600_000), violating, now)
+    assert d.changed and reasons(d) == ("hold", "hold", "tighten_lower_for_P0")
+    cooling = decide(state(last_change_ms=now - 1000), violating, now)  # a real cooldown holds
+    assert not cooling.changed
+
+
 def test_then_guarantees_lowest_first_by_at_most_a_step_each() -> None:
     d = decide(state((1.0, 1.0, 0.05)), inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.05)), 0.0)
     # need 0.1 x 0.35 = 0.035: P2 gives 10 % of its use (0.005), P1 the remaining 0.030.

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 
 from limiter.config import PoolConfig, RedisConfig, demo_config
+from limiter.controller.leader import holder_id
 from limiter.controller.service import Controller
 from limiter.keys import PoolKeys
 from tests.support.controller_helpers import fast_settings, push, sample, wait_for
@@ -34,7 +35,8 @@ async def test_the_controller_leads_consumes_and_decides_on_a_cluster(redis_clus
         claims = asyncio.create_task(keep_claiming(ctl.client, keys, "P2"))
         await wait_for(lambda: ctl.client.xlen(keys.decisions))  # P0 violates: P2 is cut, written
         await wait_for(lambda: ctl.client.hget(keys.compliance, "P0"))
-        assert await ctl.client.get(keys.leader) == f"a:{pc.term.fence}".encode()
+        assert await ctl.client.get(keys.leader) == f"{pc.lease.owner}:{pc.term.fence}".encode()
+        assert holder_id(pc.lease.owner) == "a"
     finally:
         if claims is not None:
             claims.cancel()

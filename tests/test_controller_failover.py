@@ -16,6 +16,7 @@ from pathlib import Path
 
 import redis
 
+from limiter.controller.leader import holder_id
 from limiter.keys import PoolKeys
 from limiter.localstack import launcher
 from tests.support.redis_server import RedisServer, free_port
@@ -58,7 +59,7 @@ def wait_leader(r: redis.Redis, key: str, prefix: str, timeout: float) -> tuple[
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = r.get(key)
-        if v is not None and v.decode().startswith(prefix + ":"):
+        if v is not None and holder_id(v.decode()) == prefix:
             return time.monotonic(), v.decode()
         time.sleep(0.005)
     raise AssertionError(f"{prefix} did not take the lease within {timeout} s (now {r.get(key)!r})")

@@ -7,11 +7,13 @@ the others drive one pool's loop step by step so each fault path is deterministi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import aiohttp
 import pytest
 
+from limiter.controller.leader import holder_id
 from limiter.controller.loop import PoolController
 from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.service import Controller
@@ -57,7 +59,7 @@ async def test_violating_samples_tighten_the_lower_classes(aredis, pool, cfg):
         stop.set()
         await traffic
         (_id, fields), *_ = await aredis.xrange(pool.decisions)
-        assert fields[b"controller"] == b"a" and int(fields[b"fence"]) == pc.term.fence
+        assert fields[b"controller"] == pc.lease.owner.encode() and int(fields[b"fence"]) == pc.term.fence
         record = json.loads(fields[b"d"])
         p0, p2 = record["classes"]["P0"], record["classes"]["P2"]
         assert p0["compliance"] < 0.95 and p0["samples"] >= 20  # the input that caused it
@@ -112,7 +114,7 @@ async def test_a_stale_leaders_write_is_refused_and_it_steps_down(aredis, pool, 
     term = await _violate_and_tick(pc, aredis, pool)
     version = await aredis.hget(pool.policy, "version")
     # Meanwhile the lease went to "b" (e.g. this process was paused past its lease).
-    await aredis.set(pool.leader, f"b:{term.fence + 1}", px=10_000)
+    await aredis.set(pool.leader, f"b.0123abcd:{term.fence + 1}", px=10_000)
     assert await pc.tick(term) is None
     assert pc.term is None and pc.lease.fence == 0 and not pc.lease.leading
     assert metric(pc, "qos_controller_stale_writes_total", pool="tiny") == 1
@@ -120,7 +122,7 @@ async def test_a_stale_leaders_write_is_refused_and_it_steps_down(aredis, pool, 
     assert await aredis.hget(pool.policy, "version") == version  # nothing written
     assert await aredis.xlen(pool.decisions) == 0
     await pc.renew_once()  # and it stays a standby while b holds the lease
-    assert pc.term is None and pc.lease.holder == f"b:{term.fence + 1}"
+    assert pc.term is None and pc.lease.holder == f"b.0123abcd:{term.fence + 1}"
 
 
 async def test_a_new_leader_continues_from_the_policy_not_from_scratch(aredis, pool, cfg):
@@ -166,6 +168,110 @@ async def test_a_leader_whose_tick_loop_stalled_gives_up_its_lease(aredis, pool,
     await pc.renew_once()
     assert pc.term is None and pc.lease.fence == 0
     assert await aredis.get(pool.leader) is None  # released: a standby takes it at its next poll
+
+
+async def test_ticks_that_keep_failing_are_a_stall_and_end_the_leadership(aredis, pool, cfg, monkeypatch):
+    """A term whose state went bad (one absurd sample made every later tick raise) renewed
+    its lease for ever without deciding: a tick that fails with an error of its own is not a
+    turn of the loop for the watchdog; a Redis outage is."""
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    term = pc.term
+    assert term is not None
+
+    async def broken(_term):
+        raise ValueError("a term's state gone bad")
+
+    monkeypatch.setattr(pc, "tick", broken)
+    before = pc._ticked = pc._ticked - 1.0
+    loop = asyncio.create_task(pc.tick_loop())
+    try:
+        await asyncio.sleep(3 * pc.settings.tick_s)  # several turns, every one failing
+        assert pc._ticked == before
+        pc._ticked -= pc.stall_s  # ... for longer than the watchdog allows
+        await pc.renew_once()
+        assert pc.term is None and await aredis.get(pool.leader) is None  # a standby may take it
+    finally:
+        loop.cancel()
+
+
+async def test_absurd_figures_are_not_taken_from_samples_or_heartbeats(aredis, pool, cfg):
+    """Token counts of 1e308 (finite, whole) passed decode_sample and made the usage meter inf,
+    then NaN; a heartbeat of 2e15 tokens/s made every rate one set_rates refuses. Both wedged
+    the leader (every tick raised). A sample out of bounds is a bad sample; a heartbeat out of
+    bounds is not a report."""
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    term = pc.term
+    now = await redis_ms(aredis)
+    await push(aredis, pool, [sample("P1", now, input_tokens=1e308, output_tokens=1e308, e2e_ms=1000.0),
+                              *[sample("P1", now) for _ in range(5)]])
+    await pc.consume_once(term)
+    assert (term.consumed, term.bad) == (5, 1)
+    await aredis.zadd(pool.workers, {"w1": now})
+    await aredis.hset(pool.worker("w1"), mapping={"capacity_tokens_s": 2e15})
+    for _ in range(3):
+        await aredis.hincrby(pool.stats, "P1.claimed", 5)
+        assert await pc.tick(term) is not None
+        await asyncio.sleep(0.05)
+    assert 0 < float(await aredis.hget(pool.policy, "capacity")) <= 1e12
+    assert pc.term is term
+
+
+async def test_a_leader_whose_lease_lapsed_leaves_the_samples_it_read_to_its_successor(aredis, pool, cfg):
+    """A leader paused past its lease (GC, a VM, SIGSTOP) whose blocked read was answered
+    meanwhile resumed in its sample loop first: it fed the batch to its dead term and
+    acknowledged it, and the new leader never saw those samples."""
+    a = pool_controller(cfg, aredis)
+    b = pool_controller(cfg, aredis, controller_id="b")
+    await a.renew_once()
+    term = a.term
+    await a.consume_once(term)  # caught up
+    await push(aredis, pool, [sample("P0", await redis_ms(aredis)) for _ in range(5)])
+    batch = await a.consumer.read_new(50)  # delivered to a ... which is then paused past its lease
+    a.lease._valid_until = 0.0
+    await aredis.delete(pool.leader)  # (the lease's PX expiry)
+    await b.renew_once()
+    assert b.term is not None and not a.lease.leading
+    await a.take(term, batch)  # a resumes in its sample loop
+    assert term.consumed == 0
+    # still pending: b claims them once idle for claim_idle_s (tests/test_controller_consumer.py)
+    assert (await aredis.xpending(pool.samples, SAMPLES_GROUP))["pending"] == 5
+
+
+async def test_two_processes_started_with_one_id_do_not_both_lead(aredis, pool, cfg):
+    """A controller_id in the shared [controller] table gives every process the same id: the
+    lease, named by the id alone, was renewed by both, and both led with one fence."""
+    a = pool_controller(cfg, aredis, controller_id="ctl")
+    b = pool_controller(cfg, aredis, controller_id="ctl")
+    await a.renew_once()
+    await b.renew_once()
+    assert a.term is not None and b.term is None and not b.lease.leading
+    assert holder_id(b.lease.holder) == "ctl" and b.lease.holder != f"{b.lease.owner}:{a.term.fence}"
+    await a.lease.release()
+    a.end_term("test over")
+    await b.renew_once()
+    assert b.term is not None  # ... and it takes over once the first one lets go
+
+
+async def test_a_redis_clock_stepped_back_neither_freezes_the_law_nor_its_windows(aredis, pool, cfg):
+    """last_change_ms is Redis time, read back by every new term: with the clock stepped back
+    an hour, the law held for an hour (now - last < cooldown), and the windows, marked after
+    the last change, took no sample as fresh for as long."""
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    term = pc.term
+    now = await redis_ms(aredis)
+    term.state = dataclasses.replace(term.state, last_change_ms=now + 3_600_000)
+    term.monitor.mark(now + 3_600_000)
+    await push(aredis, pool, [sample("P0", now + 10, ttft_ms=3000.0) for _ in range(40)])
+    await pc.consume_once(term)
+    await aredis.hincrby(pool.stats, "P2.claimed", 50)
+    await pc.tick(term)
+    assert term.state.last_change_ms is None or term.state.last_change_ms <= await redis_ms(aredis)
+    await push(aredis, pool, [sample("P0", await redis_ms(aredis) + 10, ttft_ms=3000.0) for _ in range(40)])
+    await pc.consume_once(term)
+    assert term.monitor.stats()["P0"].fresh_count > 0  # fresh samples count again
 
 
 async def test_worker_heartbeats_move_the_capacity_and_every_rate_follows(aredis, pool, cfg):

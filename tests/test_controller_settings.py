@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from limiter import cli
 from limiter.config import demo_config
-from limiter.controller.settings import ControllerSettings, load_settings
+from limiter.controller.settings import WORKER_HEARTBEAT_S, ControllerSettings, load_settings
 from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
+from worker.settings import WorkerSettings
 
 
 def _cfg(section: dict):
@@ -75,6 +80,19 @@ def test_errors_name_the_field(section, path):
     assert err.value.path == path
 
 
+def test_the_capacitys_worker_ttl_leaves_room_for_the_workers_beats():
+    """[worker] heartbeat_s may be up to 60 s; with 10 s beside the controller's 5 s
+    worker_ttl_s every live worker left the capacity 5 s after each beat and came back at the
+    next, each time a change the law applies at once."""
+    cfg = dataclasses.replace(_cfg({}), worker={"heartbeat_s": 10.0})
+    with pytest.raises(ConfigError) as err:
+        load_settings(cfg, {"controller_id": "c1"})
+    assert err.value.path == "controller.capacity.worker_ttl_s" and "heartbeat_s" in err.value.message
+    ok = dataclasses.replace(_cfg({"capacity": {"worker_ttl_s": 30.0}}), worker={"heartbeat_s": 10.0})
+    assert load_settings(ok, {"controller_id": "c1"}).capacity.worker_ttl_s == 30.0
+    assert WORKER_HEARTBEAT_S == WorkerSettings.heartbeat_s  # the worker's default, not a guess
+
+
 def test_a_class_without_a_share_is_reported_against_classes():
     cfg = demo_config()
     cfg = dataclasses.replace(cfg, classes=(dataclasses.replace(cfg.classes[0], share=0.0), *cfg.classes[1:]))
@@ -100,3 +118,32 @@ lease_s = 0
     path.write_text(path.read_text().replace("lease_s = 0", "lease_s = 3.0"))
     assert cli.main(["controller", "--config", str(path), "--id", "a", "--pool", "nope"]) == 2
     assert "controller.pools[0]: unknown pool 'nope'" in capsys.readouterr().err
+
+
+def test_a_taken_metrics_port_is_a_clear_error_and_the_process_exits(redis_server, sync_redis):
+    """The loops used to start before the bind: a failed bind left them running, and the
+    process neither exited nor answered SIGTERM, while its lease loop kept taking the lease."""
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    port = taken.getsockname()[1]
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "limiter.cli", "controller", "--redis-url", redis_server.url, "--id", "x",
+             "--metrics-port", str(port), "--metrics-host", "127.0.0.1"],
+            capture_output=True, text=True, timeout=60)
+    finally:
+        taken.close()
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert "controller.metrics_port" in proc.stderr and str(port) in proc.stderr
+    assert sync_redis.get("qos:{tiny}:leader") is None  # it never led
+
+
+@pytest.mark.parametrize("role", [["controller"], ["worker", "--engine", "sim"], ["frontend"]])
+def test_a_bad_log_level_is_a_usage_error_not_a_traceback(role):
+    """A typo in QOS_LOG_LEVEL under `qos up` killed every child with logging's traceback."""
+    env = {**os.environ, "QOS_LOG_LEVEL": "verbose"}
+    proc = subprocess.run([sys.executable, "-m", "limiter.cli", *role, "--redis-url", "redis://127.0.0.1:1/0"],
+                          capture_output=True, text=True, timeout=60, env=env)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-600:]
+    assert "'verbose' is not a log level" in proc.stderr and "QOS_LOG_LEVEL" in proc.stderr

@@ -33,6 +33,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from limiter.config import demo_config
+from limiter.controller.leader import holder_id
 from limiter.frontend.replies import Heartbeat
 from limiter.keys import SAMPLES_GROUP, PoolKeys
 from limiter.scripts import policy_document
@@ -295,8 +296,8 @@ async def leader_of(r: aioredis.Redis) -> tuple[str, int]:
     raw = await r.get(POOL.leader)
     if raw is None:
         return "", 0
-    who, _, fence = raw.decode().rpartition(":")
-    return who, int(fence)
+    owner, _, fence = raw.decode().rpartition(":")
+    return holder_id(owner), int(fence)
 
 
 CTL_SIZES = [

@@ -35,6 +35,7 @@ import pytest
 import redis
 import redis.asyncio as aioredis
 
+from limiter.controller.leader import holder_id
 from limiter.keys import PoolKeys
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.reliability_stack import (
@@ -155,13 +156,13 @@ async def test_the_whole_stack_runs_under_the_documented_acl_user(tmp_path: Path
         )
         assert status.returncode == 0, status.stderr
         # controller failover: the standby claims the dead leader's pending samples
-        leader = (await admin.get(POOL.leader)).decode().rpartition(":")[0]
-        stack.procs[leader].kill9()
+        owner = (await admin.get(POOL.leader)).decode().rpartition(":")[0]
+        stack.procs[holder_id(owner)].kill9()
         # Redis loses its script cache: every role reloads its scripts (NOSCRIPT -> SCRIPT LOAD)
         await admin.script_flush()
         lines.append(await quick_load(stack, admin, 40, "b"))
         deadline = time.monotonic() + 10
-        while (await admin.get(POOL.leader) or b"").decode().startswith(leader + ":"):
+        while (await admin.get(POOL.leader) or b"").decode().startswith(owner + ":"):
             assert time.monotonic() < deadline
             await asyncio.sleep(0.1)
         # a worker drains (release), a frontend leaves; the rest keep serving

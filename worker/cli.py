@@ -14,7 +14,7 @@ import sys
 from collections.abc import Mapping
 from typing import Any
 
-from limiter.cli import common_args, load_config
+from limiter.cli import common_args, load_config, log_level_arg
 from limiter.errors import ConfigError
 from limiter.event_loop import install_event_loop
 from worker.settings import ENGINES, load_settings
@@ -74,7 +74,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="after SIGTERM, seconds running work may take before it is handed back (default 30)")
     g.add_argument("--metrics-port", type=int, help="Prometheus /metrics and /healthz port (0 = off)")
     g.add_argument("--metrics-host", help="metrics listen address (default 0.0.0.0)")
-    g.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    log_level_arg(g)
     common_args(p)
     p.set_defaults(func=run)
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 
-from limiter.cli import common_args, load_config
+from limiter.cli import common_args, load_config, log_level_arg
 from limiter.controller.settings import load_settings
 from limiter.event_loop import install_event_loop
 
@@ -30,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--lease", dest="lease_s", type=float, help="leader lease in seconds (default 3)")
     a("--metrics-port", type=int, help="Prometheus /metrics and /healthz port (0 = off, the default)")
     a("--metrics-host", help="metrics listen address (default 0.0.0.0)")
-    a("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    log_level_arg(p)
     common_args(p)
     p.set_defaults(func=run)
 

@@ -440,7 +440,10 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
     old_rates = state.rates()
     ins = [inputs.classes[name] for name in cfg.classes]
 
-    cooling = state.last_change_ms is not None and now_ms - state.last_change_ms < cfg.cooldown_s * 1000
+    # A last change "in the future" means the clock stepped back (an NTP step, a failover to a
+    # Redis whose clock is behind): not a reason to hold for the size of the step.
+    since_ms = None if state.last_change_ms is None else now_ms - state.last_change_ms
+    cooling = since_ms is not None and 0 <= since_ms < cfg.cooldown_s * 1000
     state, rescale = _follow_capacity(state, inputs, now_ms, cooling)
     if rescale:
         # Rescale every rate at once (a lost worker must not overload the rest); shares and

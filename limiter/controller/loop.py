@@ -21,12 +21,13 @@ import logging
 import math
 import time
 from collections.abc import Awaitable
+from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import ResponseError
 
 from limiter.backoff import Backoff
-from limiter.config import PoolConfig, QosConfig
+from limiter.config import MAX_CAPACITY_TOKENS_S, PoolConfig, QosConfig
 from limiter.controller.consumer import Batch, SampleConsumer
 from limiter.controller.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.leader import LeaderLease
@@ -85,12 +86,14 @@ class PoolController:
     async def renew_once(self) -> None:
         try:
             if self.term is not None and time.monotonic() - self._ticked > self.stall_s:
-                # A leader that renews its lease but no longer decides is worse than none.
-                log.error("%s: the tick loop has not run for %.1f s; giving up leadership", self.pool.name,
-                          time.monotonic() - self._ticked)
+                # A leader that renews its lease but no longer decides is worse than none: its
+                # tick loop is stuck, or every tick fails (a term whose state went bad -- a new
+                # term, here or on a standby, starts again from the policy).
+                log.error("%s: no decision for %.1f s (the tick loop is stuck or every tick fails); "
+                          "giving up leadership", self.pool.name, time.monotonic() - self._ticked)
                 self.step_down("tick loop stalled")
-                await within(self.scripts.release_leader(self.keys, self.settings.controller_id,
-                                                                   self.lease.last_fence), STEP_TIMEOUT_S)
+                await within(self.scripts.release_leader(self.keys, self.lease.owner, self.lease.last_fence),
+                             STEP_TIMEOUT_S)
                 return
             fence = await within(self.lease.renew(), max(0.5, self.settings.lease_s / 2))
             self.redis_ok = True
@@ -178,8 +181,10 @@ class PoolController:
 
     async def take(self, term: Term, batch: Batch) -> None:
         """Feed a batch to the term's windows and acknowledge it -- unless the term ended
-        meanwhile: then the entries stay pending for the next leader to claim."""
-        if self.term is not term or not batch.ids:
+        meanwhile, or the lease lapsed and the term does not know it yet (a leader paused past
+        its lease, whose blocked read was answered meanwhile): then the entries stay pending
+        for the next leader to claim."""
+        if self.term is not term or not self.lease.leading or not batch.ids:
             return
         fresh = [s for s, i in zip(batch.samples, batch.sample_ids, strict=True) if i not in term.unacked]
         for sample in fresh:
@@ -213,9 +218,11 @@ class PoolController:
         while True:
             started = time.monotonic()
             term = self.term
-            if term is not None:
-                await self._guard(within(self.tick(term), STEP_TIMEOUT_S), "tick")
-            self._ticked = time.monotonic()
+            # A tick that fails with an error of its own (not Redis's) does not count as a turn:
+            # the lease loop's watchdog then ends the term (one garbage sample poisoned a
+            # term's state for good: every tick raised, and the lease was renewed for ever).
+            if term is None or await self._guard(within(self.tick(term), STEP_TIMEOUT_S), "tick"):
+                self._ticked = time.monotonic()
             await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))
 
     async def tick(self, term: Term) -> Decision | None:
@@ -226,6 +233,14 @@ class PoolController:
             self.end_term("the lease lapsed")
             return None
         now_ms = await redis_now_ms(self.client, self.keys)
+        if term.state.last_change_ms is not None and term.state.last_change_ms > now_ms:
+            # Redis's clock stepped back past the last change: the windows, marked after it,
+            # would take no sample as fresh until the clock caught up (an hour for an hour's step).
+            log.warning("%s: Redis time %.0f is before the last rate change (%.0f): the clock stepped "
+                        "back; the SLO windows start afresh now", self.pool.name, now_ms,
+                        term.state.last_change_ms)
+            term.state = replace(term.state, last_change_ms=None)
+            term.monitor.mark(now_ms)
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.stats)
             pipe.zrange(self.keys.workers, 0, -1, withscores=True)
@@ -236,7 +251,7 @@ class PoolController:
         estimate = term.estimator.estimate(now_ms)
         window = term.monitor.stats(now_ms)
         capacity = estimate.value
-        if not (math.isfinite(capacity) and capacity > 0):
+        if not (math.isfinite(capacity) and 0 < capacity <= MAX_CAPACITY_TOKENS_S):
             capacity = term.state.capacity
         inputs = Inputs(capacity, {name: ClassInputs(
             compliance=w.fresh_compliance, samples=w.fresh_count,
@@ -256,7 +271,7 @@ class PoolController:
                 "claimed_per_s": {c: term.usage.claimed_per_s(c) for c in term.usage.classes},
             }
             try:
-                version = await self.scripts.set_rates(self.keys, self.settings.controller_id, term.fence,
+                version = await self.scripts.set_rates(self.keys, self.lease.owner, term.fence,
                                                        record, decision.policy_fields())
             except StaleLeader as exc:
                 self.metrics.stale.labels(self.pool.name).inc()
@@ -274,7 +289,9 @@ class PoolController:
         return decision
 
     # --- errors -------------------------------------------------------------------------------
-    async def _guard(self, coro: Any, loop: str) -> None:
+    async def _guard(self, coro: Any, loop: str) -> bool:
+        """Run one step; False when it failed with an error of its own (logged), True when it
+        ran or Redis was the trouble (an outage or a lost policy: retried by the loop)."""
         try:
             await coro
             self.redis_ok = True
@@ -286,6 +303,8 @@ class PoolController:
             self._redis_error(loop, exc)
         except Exception:
             log.exception("%s: %s error", self.pool.name, loop)
+            return False
+        return True
 
     def _redis_error(self, loop: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(loop).inc()

@@ -12,6 +12,7 @@ from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
 
+from limiter.config import MAX_CAPACITY_TOKENS_S
 from limiter.controller.capacity import CapacityConfig, CapacityEstimate
 from limiter.controller.control_law import Decision, Inputs
 from limiter.controller.metrics import ControllerMetrics
@@ -61,7 +62,7 @@ async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list
         values = await pipe.execute()
     for (w, seen, _), raw in zip(todo, values, strict=True):
         value = parse_float(raw)
-        if value is not None and value > 0:
+        if value is not None and 0 < value <= MAX_CAPACITY_TOKENS_S:  # else garbage: not a report
             term.estimator.observe_worker(w, value, now_ms)
             term.workers[w] = seen
 

@@ -21,6 +21,7 @@ from limiter.config import QosConfig
 from limiter.controller.loop import PoolController
 from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.settings import ControllerSettings
+from limiter.errors import ConfigError
 from limiter.metrics_server import start_metrics_server
 from limiter.redis_conn import open_redis
 from limiter.scripts import Scripts
@@ -46,12 +47,19 @@ class Controller:
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
+        # The port first: a port that is taken is a clear error before any loop runs (the loops
+        # used to start first, and a failed bind left them running: a process that neither
+        # exited nor answered SIGTERM, and kept taking the lease).
+        s = self.settings
+        if s.metrics_port:
+            try:
+                self._runner = await start_metrics_server(self.metrics.registry, self.health, s.metrics_host,
+                                                          s.metrics_port)
+            except OSError as exc:
+                raise ConfigError("controller.metrics_port",
+                                  f"cannot listen on {s.metrics_host}:{s.metrics_port}: {exc}") from exc
         for pc in self.pools.values():
             self._tasks += [asyncio.create_task(coro) for coro in pc.loops()]
-        if self.settings.metrics_port:
-            self._runner = await start_metrics_server(self.metrics.registry, self.health,
-                                                      self.settings.metrics_host, self.settings.metrics_port)
-        s = self.settings
         log.info("controller %s started for pools %s (lease %.1f s, tick %.1f s)", s.controller_id,
                  list(self.pools), s.lease_s, s.tick_s)
 
@@ -94,8 +102,8 @@ async def serve(settings: ControllerSettings, cfg: QosConfig) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
-    await controller.start()
     try:
+        await controller.start()
         await stop.wait()
         log.info("shutting down: releasing leadership")
     finally:

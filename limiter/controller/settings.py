@@ -138,6 +138,23 @@ class ControllerSettings(ControlTunables):
                 raise ConfigError("controller.floors", exc.message) from exc  # the key they came from
             raise
         self.capacity.validate("controller.capacity")
+        # A live worker must not look dead between two of its beats: each leave and return is a
+        # capacity change the law applies at once. (The worker's own flags and environment are
+        # per process, out of sight here: this checks what the shared file says.)
+        beat_s = cfg.worker.get("heartbeat_s", WORKER_HEARTBEAT_S)
+        if isinstance(beat_s, bool) or not isinstance(beat_s, int | float):
+            return  # the worker's own settings say what is wrong with it
+        if not self.capacity.worker_ttl_s >= HEARTBEATS_PER_TTL * beat_s:
+            raise ConfigError("controller.capacity.worker_ttl_s",
+                              f"must be >= {HEARTBEATS_PER_TTL} x [worker] heartbeat_s ({beat_s:g} s): a "
+                              "live worker would drop out of the capacity between its beats, got "
+                              f"{self.capacity.worker_ttl_s!r}")
+
+
+# The worker's default heartbeat_s (worker/settings.py; the worker package is not imported
+# here) and how many beats a live worker may take within the controller's worker_ttl_s.
+WORKER_HEARTBEAT_S = 1.0
+HEARTBEATS_PER_TTL = 3
 
 
 def default_controller_id() -> str:

@@ -13,7 +13,7 @@ import sys
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
-from limiter.cli import common_args, load_config
+from limiter.cli import common_args, load_config, log_level_arg
 from limiter.errors import ConfigError
 from limiter.event_loop import install_event_loop
 from limiter.frontend.app import create_app
@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "(what `qos up` passes its frontends)")
     p.add_argument("--allow-demo-keys-public", action="store_true", default=None,
                    help="serve the published demo keys on a non-loopback address (never in production)")
-    p.add_argument("--log-level", default=os.environ.get("QOS_LOG_LEVEL", "INFO"))
+    log_level_arg(p)
     common_args(p)
     p.set_defaults(func=run)
 
