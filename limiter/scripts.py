@@ -353,22 +353,27 @@ class Scripts:
     async def complete(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int, outcome: str,
                        usage_in: int, token_ids: Sequence[int] = (), text: str = "",
                        finish_reason: str = "stop", message: str = "", sample: bytes = b"",
-                       count: int | None = None) -> float:
+                       count: int | None = None, offset: int | None = None) -> float:
         """Finish a request; returns the unused reservation it gives back. Raises LeaseLost.
-        ``count``: the last batch's model tokens (default: one per id, as in push_tokens)."""
+        ``count``: the last batch's model tokens (default: one per id, as in push_tokens).
+        ``offset``: the tokens delivered before this batch, checked (InvalidArgument 'offset'
+        on a mismatch: an earlier push whose reply was lost did land)."""
         n = len(token_ids) if count is None else count
         reply = await self._run("complete", lifecycle_keys(keys), [
             request_id, worker_id, fence, outcome, usage_in, n, pack_token_ids(token_ids),
-            text.encode(), finish_reason, message, sample, len(token_ids)])
+            text.encode(), finish_reason, message, sample, len(token_ids), "" if offset is None else offset])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return float(_s(reply[1]))
 
-    async def release(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int) -> str:
+    async def release(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int,
+                      spent: bool = False) -> str:
         """Hand a leased request back to its queue (a draining worker); returns 'requeued',
-        'cancelled' (its client is gone) or 'failed' (its class is no longer configured).
+        'cancelled' (its client is gone) or 'failed' (its class is no longer configured, or
+        ``spent`` -- the attempt counts: the model server broke on it -- was its last).
         Raises LeaseLost."""
-        reply = await self._run("release", lifecycle_keys(keys), [request_id, worker_id, fence])
+        reply = await self._run("release", lifecycle_keys(keys), [request_id, worker_id, fence,
+                                                                  "1" if spent else "0"])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return _s(reply[0])

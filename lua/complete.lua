@@ -17,6 +17,10 @@
 -- ARGV[11] sample         msgpack latency sample ('' = none), appended to the samples stream
 -- ARGV[12] n_ids          optional integer >= 0: ids in token_ids ('' or absent = count;
 --                         see push_tokens)
+-- ARGV[13] offset         optional integer >= 0: tokens the worker knows were delivered before
+--                         this batch ('' or absent = not checked); a mismatch is an error, as
+--                         in push_tokens: a push whose reply was lost may have landed, and its
+--                         tokens must not be delivered twice
 --
 -- usage_out = tokens delivered before + count. Returns {'ok', refund} (the part of the
 -- reservation it did not use; each bucket gets back at most what it was charged) or
@@ -47,11 +51,16 @@ local function main()
   if message == nil or #message > 4096 then fail('BADARG', 'message: missing or over 4 KiB') end
   local sample = ARGV[11]
   if sample == nil or #sample > 65536 then fail('BADARG', 'sample: missing or over 64 KiB') end
+  local expected = nil
+  if ARGV[13] ~= nil and ARGV[13] ~= '' then expected = arg_int(ARGV[13], 'offset', 0, 10000000) end
   local p = load_pool(K_POLICY)
   local r = leased_request(request_id, worker_id, fence)
   if r == nil then return LEASE_LOST end
   load_classes(p, {r.class})  -- its refunds need only its own class
   local offset = r.out_tokens or 0
+  if expected ~= nil and expected ~= offset then
+    fail('BADARG', 'offset: ' .. expected .. ' but ' .. offset .. ' tokens were delivered')
+  end
   local usage_out = offset + count
   if usage_out > r.max_tokens then
     fail('BADARG', 'count: ' .. usage_out .. ' tokens exceed max_tokens ' .. r.max_tokens)

@@ -11,9 +11,12 @@
 -- ARGV[1] request_id  name
 -- ARGV[2] worker_id   name
 -- ARGV[3] fence       integer >= 1 (from claim)
+-- ARGV[4] spent       optional '1': not a planned hand-back -- the model server broke on it --
+--                     so the attempt counts, as when a worker dies; past max_attempts the
+--                     request fails instead ('0', '' or absent: the attempt is given back)
 --
--- Returns {'requeued'} | {'cancelled'} | {'failed'} (its class is no longer in the policy:
--- finished as failed, its client told) | {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
+-- Returns {'requeued'} | {'cancelled'} | {'failed'} (its class is no longer in the policy, or
+-- a spent attempt was its last: finished as failed, its client told) | {'lost', reason}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!flags allow-oom
 --!include pool_keys.lua
@@ -28,6 +31,7 @@ local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
   local worker_id = arg_name(ARGV[2], 'worker_id')
   local fence = arg_int(ARGV[3], 'fence', 1, 1e15)
+  local spent = arg_oneof(ARGV[4] or '', 'spent', {'', '0', '1'}) == '1'
   local p = load_policy(K_POLICY)
   local r = leased_request(request_id, worker_id, fence)
   if r == nil then return LEASE_LOST end
@@ -36,8 +40,16 @@ local function main()
     cancel_orphan(p, r, now, 'its client went away while its worker was draining')
     return {'cancelled'}
   end
+  if spent and r.attempts >= p.max_attempts then
+    local why = 'the model server failed while serving it, on all ' .. r.attempts .. ' attempts'
+    finish_by_redis(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now,
+      {code = 'failed', msg = why})
+    return {'failed'}
+  end
   if not requeue(p, r, now) then return {'failed'} end  -- its class left the policy
-  redis.call('HSET', P_REQUEST .. request_id, 'attempts', math.max(r.attempts - 1, 0))
+  if not spent then
+    redis.call('HSET', P_REQUEST .. request_id, 'attempts', math.max(r.attempts - 1, 0))
+  end
   redis.call('HINCRBY', K_STATS, r.class .. '.released', 1)
   return {'requeued'}
 end

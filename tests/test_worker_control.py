@@ -13,8 +13,15 @@ import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from tests.support.redis_server import RedisServer
-from tests.support.worker_helpers import Client, config, spawn_worker, stop_process, worker, write_config
-from tests.test_worker_e2e import sim_text
+from tests.support.worker_helpers import (
+    Client,
+    config,
+    sim_text,
+    spawn_worker,
+    stop_process,
+    worker,
+    write_config,
+)
 from worker.main import build_worker, run_worker
 from worker.settings import load_settings
 

@@ -13,18 +13,12 @@ import torch
 
 from limiter.prompt import count_tokens
 from tests.support.redis_server import free_port
-from tests.support.worker_helpers import Client, worker
+from tests.support.worker_helpers import Client, sim_text, worker
 from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
-from worker.engines.sim import PLACEHOLDER, SimEngine
+from worker.engines.sim import SimEngine
 from worker.engines.torch_engine import TorchEngine
 from worker.local_run import LocalRequest, run_local
-
-
-def sim_text(prompt: str, start: int, n: int) -> str:
-    """What the sim engine emits for a prompt: placeholder bytes keyed on position."""
-    pos = count_tokens(prompt)
-    return "".join(chr(PLACEHOLDER[(pos + i) % len(PLACEHOLDER)]) for i in range(start, start + n))
 
 
 @pytest.fixture

@@ -38,17 +38,11 @@ from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_rea
 from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
-from worker.runtime import WorkerRuntime
+from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.saturated_capacity import SaturatedCapacity, StepLimits
 from worker.step_budget import BudgetConfig, StepBudget
 
 log = logging.getLogger("qos.worker")
-# With requests held but none to step, the loop looks again after this long (never spins).
-IDLE_HELD_S = 0.05
-# An empty claim's back-off doubles from claim_interval_ms up to this many of them (100 ms at
-# the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
-# enough that work admitted meanwhile is claimed promptly.
-MAX_BACKOFF_INTERVALS = 5
 
 
 class StepLoop:

@@ -129,12 +129,23 @@ class Delivery:
 
     async def complete(self, scripts: Scripts, keys: PoolKeys, worker_id: str, *, outcome: str,
                        finish_reason: str, message: str = "", sample: bytes = b"") -> float:
-        """Finish the request with whatever is pending. Raises LeaseLost."""
-        return await scripts.complete(keys, request_id=self.request_id, worker_id=worker_id,
-                                      fence=self.fence, outcome=outcome, usage_in=self.usage_in,
-                                      token_ids=self.pending_ids, text=self.pending_text,
-                                      finish_reason=finish_reason, message=message[:4000], sample=sample,
-                                      count=self.pending_tokens)
+        """Finish the request with whatever is pending. Raises LeaseLost.
+
+        Offset-checked like a push: when an earlier push's reply was lost but the push landed,
+        its tokens were pending still, and complete delivered them a second time (or, past
+        max_tokens, was refused and took the worker down)."""
+        try:
+            return await scripts.complete(keys, request_id=self.request_id, worker_id=worker_id,
+                                          fence=self.fence, outcome=outcome, usage_in=self.usage_in,
+                                          token_ids=self.pending_ids, text=self.pending_text,
+                                          finish_reason=finish_reason, message=message[:4000], sample=sample,
+                                          count=self.pending_tokens, offset=self.offset)
+        except InvalidArgument as exc:
+            if "offset" not in str(exc):
+                raise
+            await self._reconcile(scripts.client, keys)
+            return await self.complete(scripts, keys, worker_id, outcome=outcome, finish_reason=finish_reason,
+                                       message=message, sample=sample)
 
     def _sent(self, n_tokens: int, n_ids: int, n_chars: int) -> None:
         self.offset += n_tokens

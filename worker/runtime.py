@@ -46,6 +46,12 @@ from worker.samples import build_sample
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("qos.worker")
+# With requests held but none to run, a loop looks again after this long (never spins).
+IDLE_HELD_S = 0.05
+# An empty claim's back-off doubles from claim_interval_ms up to this many of them (100 ms at
+# the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
+# enough that work admitted meanwhile is claimed promptly.
+MAX_BACKOFF_INTERVALS = 5
 
 
 class WorkerRuntime:
@@ -234,15 +240,23 @@ class WorkerRuntime:
         t = time.monotonic()
         self._clock_offset_ms = res.now_ms - time.time() * 1000
         self.claim_left_backlog = res.backlog
-        out = []
+        out, unusable = [], []
         for c in res.requests:
             self.metrics.claims.labels(c.cls).inc()
             d = self._delivery(c, res.now_ms, t)
             if isinstance(d, str):
-                await self.fail_unusable(c, res.now_ms, t, d)
+                unusable.append((c, d))
             else:
                 self.held[c.request_id] = d
                 out.append(d)
+        for c, why in unusable:
+            try:
+                await self.fail_unusable(c, res.now_ms, t, why)
+            except RedisUnavailable:
+                # Held with its final set: retried with the other finals. The requests claimed
+                # with it still start (raising here left them held, never run, leases renewed).
+                log.warning("%s: could not fail an unusable request (Redis unavailable); retrying later",
+                            c.request_id)
         return out
 
     def _delivery(self, c: Claimed, now_ms: int, t: float) -> Delivery | str:
@@ -320,12 +334,13 @@ class WorkerRuntime:
             what = "lease lost (another worker owns it)" if why == "lost" else why
             log.info("%s: %s, dropped", request_id, what)
 
-    async def release(self, d: Delivery) -> None:
-        """Hand ``d`` back to its queue after delivering what it has (drain)."""
+    async def release(self, d: Delivery, spent: bool = False) -> None:
+        """Hand ``d`` back to its queue after delivering what it has (drain; ``spent``: the
+        model server broke on it, and the attempt counts against max_attempts)."""
         try:
             await self.push(d)
             state = await self.scripts.release(self.keys, request_id=d.request_id, worker_id=self.worker_id,
-                                               fence=d.fence)
+                                               fence=d.fence, spent=spent)
             log.info("%s: handed back (%s) after %d tokens", d.request_id, state, d.offset)
         except LeaseLost:
             pass
@@ -337,10 +352,16 @@ class WorkerRuntime:
         if not held:
             return
         res = await self.scripts.renew_leases(self.keys, self.worker_id, held, self.lease_ms)
-        if res.lost:
-            self.on_lost(res.lost)
-        if res.stop:
-            self.on_stop(res.stop)
+        # News about the attempts asked about only: a request re-claimed by this worker while
+        # the call was out (its lease had lapsed) is a new attempt, and a late "lost" about the
+        # old one dropped it (nobody served it for a whole lease, and an attempt was spent).
+        asked = dict(held)
+        current = [rid for rid in res.lost + res.stop
+                   if (d := self.held.get(rid)) is not None and d.fence == asked.get(rid)]
+        if lost := [rid for rid in res.lost if rid in current]:
+            self.on_lost(lost)
+        if stop := [rid for rid in res.stop if rid in current]:
+            self.on_stop(stop)
 
     async def heartbeat(self) -> None:
         stats = {"engine": self.engine, "simulated": int(self.simulated), "device": self.settings.device,

@@ -70,7 +70,7 @@ from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
 from worker.engines.base import request_seed
 from worker.metrics import WorkerMetrics
-from worker.runtime import WorkerRuntime
+from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.tokenizer import decode
 
 log = logging.getLogger("qos.worker")
@@ -151,11 +151,23 @@ async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
+    """What the model server said went wrong: OpenAI's ``{"error": {"message"}}``, an older
+    vLLM's ``{"message"}``, FastAPI's ``{"detail"}`` (each was once read as "None"), or a plain
+    text body -- never an HTML page (a proxy's error page may name an internal address)."""
     body = (await resp.text(errors="replace"))[:500]
-    with contextlib.suppress(ValueError, AttributeError, TypeError):
-        err = json.loads(body).get("error")
-        return str(err.get("message", err) if isinstance(err, dict) else err)
-    return body.strip() or resp.reason or ""
+    with contextlib.suppress(ValueError):
+        doc = json.loads(body)
+        if isinstance(doc, dict):
+            err = doc.get("error")
+            if isinstance(err, dict) and err.get("message"):
+                return str(err["message"])
+            for found in (err, doc.get("message"), doc.get("detail")):
+                if isinstance(found, str) and found:
+                    return found
+    text = body.strip()
+    if not text or text.startswith("<") or text.startswith("{"):
+        return resp.reason or ""
+    return text
 
 
 class UpstreamLoop:
@@ -167,6 +179,7 @@ class UpstreamLoop:
         self.model = s.upstream_model or rt.pool_cfg.model_name
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
+        self._empty_claims = 0  # claims in a row that left a backlog this worker could not take
         self.why: dict[str, str] = {}  # request id -> cancel | lost | release
         self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
         self._gen_tokens = 0
@@ -213,19 +226,47 @@ class UpstreamLoop:
             await self.rt.guard("worker", self._pull())
 
     async def _pull(self) -> None:
+        # A completion decided outside a stream (an unusable payload at claim) that met a Redis
+        # outage is held with its final and no task: nothing else would ever retry it.
+        for rid, d in self.rt.held.items():
+            if rid not in self.tasks and d.final is not None:
+                self.tasks[rid] = asyncio.create_task(self._settle(d))
         if self.breaker.state != "closed":
             await self._probe_when_due()
             return
         room = self.rt.settings.max_inflight - len(self.rt.held)
         if room <= 0:
-            await asyncio.wait(list(self.tasks.values()), timeout=1.0, return_when=asyncio.FIRST_COMPLETED)
+            if self.tasks:
+                await asyncio.wait(list(self.tasks.values()), timeout=1.0,
+                                   return_when=asyncio.FIRST_COMPLETED)
+            else:  # held, none of it ours to run (asyncio.wait([]) raised and killed the worker)
+                await asyncio.sleep(IDLE_HELD_S)
             return
         got = await self.rt.claim(room, 0)
         for d in got:
             self.tasks[d.request_id] = asyncio.create_task(self._serve(d))
         self._track_busy()
-        if not got:
+        if got:
+            self._empty_claims = 0
+        elif self.rt.claim_left_backlog:
+            # Work is queued that this worker cannot take now (a class held by its ceiling):
+            # claim announces it again, and without a back-off the marker it left woke this
+            # loop at once (~1,000 claims a second). As the step loop does: 20 ms doubling to 100.
+            self._empty_claims += 1
+            s = self.rt.settings
+            await asyncio.sleep(min(s.idle_block_s, s.claim_interval_ms / 1e3
+                                    * min(2 ** (self._empty_claims - 1), MAX_BACKOFF_INTERVALS)))
+        else:
+            self._empty_claims = 0
             await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
+
+    async def _settle(self, d: Delivery) -> None:
+        """Land a held request's decided completion (retried through outages)."""
+        try:
+            assert d.final is not None
+            await self._finish(d, d.final)
+        finally:
+            self.tasks.pop(d.request_id, None)
 
     async def _probe_when_due(self) -> None:
         """Wait out the back-off (a drain ends the wait), then ask the upstream once."""
@@ -281,7 +322,9 @@ class UpstreamLoop:
             # another worker (or this one, once the upstream answers) resumes it.
             self.breaker.trip(str(exc))
             with contextlib.suppress(RedisUnavailable):
-                await self.rt.release(d)
+                # The attempt is spent (as when a worker dies): a prompt the model server always
+                # breaks on was handed back and claimed again for ever, max_attempts never applying.
+                await self.rt.release(d, spent=True)
             self.rt.drop(rid, "released")  # if release could not reach Redis, the lease expires
         except asyncio.CancelledError:
             why = self.why.get(rid, "release")

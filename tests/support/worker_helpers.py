@@ -28,6 +28,7 @@ from limiter.prompt import Payload, count_tokens
 from limiter.scripts import Scripts, policy_document, unpack_token_ids
 from tests.support.helpers import three_classes
 from worker.engines.base import Engine
+from worker.engines.sim import PLACEHOLDER
 from worker.main import build_worker, run_worker
 from worker.runtime import WorkerRuntime
 from worker.settings import load_settings
@@ -178,3 +179,9 @@ def stop_process(p: subprocess.Popen[bytes], sig: int = signal.SIGTERM, timeout:
     if rc is None:
         raise subprocess.TimeoutExpired(p.args, timeout)
     return rc
+
+
+def sim_text(prompt: str, start: int, n: int) -> str:
+    """What the sim engine emits for a prompt: placeholder bytes keyed on position."""
+    pos = count_tokens(prompt)
+    return "".join(chr(PLACEHOLDER[(pos + i) % len(PLACEHOLDER)]) for i in range(start, start + n))

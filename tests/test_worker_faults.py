@@ -1,0 +1,455 @@
+"""Worker faults found by review, each reproduced here first: a push whose reply was lost,
+a cancel during a push, an outage while failing an unusable request, a model server that
+breaks on one prompt, a backlog the worker cannot take, a late lease renewal, a model
+server's error bodies. Each test's docstring says what went wrong before its fix."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from limiter.errors import RedisUnavailable
+from limiter.scripts import Scripts
+from tests.support.worker_helpers import sim_text, worker
+from worker.main import build_worker, run_worker
+from worker.settings import load_settings
+
+
+@pytest.fixture
+def env(worker_env):
+    return worker_env
+
+
+async def start(cfg, engine_obj=None, **settings):
+    """An in-process worker like tests.support.worker_helpers.worker, with its task exposed."""
+    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, **settings})
+    rt, loop = build_worker(s, cfg, engine_obj)
+    return rt, loop, asyncio.create_task(run_worker(rt, loop))
+
+
+async def stop(rt, task) -> BaseException | None:
+    """Drain now; returns what the worker task raised (None if it ended cleanly)."""
+    rt.begin_drain("test over")
+    rt.drain_deadline = time.monotonic()
+    try:
+        await asyncio.wait_for(task, 30)
+    except BaseException as exc:
+        return exc
+    return None
+
+
+def lose_reply_of_push(monkeypatch, rid_holder: dict, at_offset: int) -> dict:
+    """push_tokens of request rid_holder['rid'] at ``at_offset`` lands in Redis, but its reply
+    is lost (the connection drops after the command ran): the caller sees RedisUnavailable."""
+    real = Scripts.push_tokens
+    state = {"fired": 0}
+
+    async def push_tokens(self, keys, *, request_id, offset, **kw):
+        res = await real(self, keys, request_id=request_id, offset=offset, **kw)
+        if request_id == rid_holder.get("rid") and offset == at_offset and not state["fired"]:
+            state["fired"] += 1
+            raise RedisUnavailable("Connection reset by peer (reply lost)")
+        return res
+
+    monkeypatch.setattr(Scripts, "push_tokens", push_tokens)
+    return state
+
+
+async def test_complete_after_a_push_whose_reply_was_lost_does_not_duplicate_tokens(env, monkeypatch) -> None:
+    """A push that landed but whose reply was lost keeps its tokens pending; when the very next
+    call for the request is ``complete`` (the request finished on the next step), complete has no
+    offset check and re-appends them: the client reads them twice (or complete fails BADARG)."""
+    cfg, c = env
+    holder: dict = {}
+    state = lose_reply_of_push(monkeypatch, holder, at_offset=0)
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_tokens=100, flush_ms=10000):
+        prompt = "abc"
+        full = sim_text(prompt, 0, 40)
+        # finishes by a stop string at the 3rd token: "sim" -> stop "m" cuts there
+        stop = full[2]
+        holder["rid"] = rid = await c.admit(prompt, max_tokens=40, stop=(stop,))
+        await c.wait([rid], timeout=15)
+    a = c.answers[rid]
+    assert state["fired"] == 1
+    expected = full[: full.index(stop)]
+    assert a.done is not None, a.error
+    assert a.text == expected, f"client text {a.text!r}, expected {expected!r}"
+    rec = await c.record(rid)
+    assert int(rec["usage_out"]) == a.tokens
+
+
+async def test_a_lost_push_reply_just_before_max_tokens_does_not_kill_the_worker(env, monkeypatch) -> None:
+    """Same lost reply, but the request ends by max_tokens on the next step: complete re-sends
+    the landed tokens, Redis refuses it (BADARG count > max_tokens), and InvalidArgument is not
+    an outage rt.guard handles: it escapes StepLoop.run and the worker process dies, taking
+    every request it held with it (they wait out their leases)."""
+    cfg, c = env
+    holder: dict = {}
+    lose_reply_of_push(monkeypatch, holder, at_offset=0)
+    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.01, flush_tokens=100, flush_ms=10000)
+    try:
+        holder["rid"] = rid = await c.admit("abc", max_tokens=2)
+        deadline = time.monotonic() + 8
+        while not c.answers[rid].finished and time.monotonic() < deadline and not task.done():
+            await c.read()
+        died = task.exception() if task.done() else None
+        assert died is None, f"the worker died: {type(died).__name__}: {died}"
+        a = c.answers[rid]
+        assert a.done is not None and a.tokens == 2, (a, await c.record(rid))
+    finally:
+        await stop(rt, task)
+
+
+class PoisonUpstream:
+    """Wraps FakeUpstream: a prompt containing POISON makes the 'server' drop the connection
+    before its first chunk (as a model server crashing on that input does); others are served."""
+
+    @staticmethod
+    async def make():
+        from aiohttp import web
+
+        from tests.support.fake_upstream import FakeUpstream
+
+        up = FakeUpstream()
+        up.poison_hits = 0
+        real = up.handle
+
+        async def handle(request):
+            body = await request.json()
+            prompt = body["messages"][-1]["content"] if "messages" in body else body["prompt"]
+            if "POISON" not in prompt:
+                return await real(request)
+            up.poison_hits += 1
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await asyncio.sleep(0.01)
+            request.transport.abort()
+            return resp
+
+        up.handle = handle
+        # the router captured the bound method at construction: re-register
+        for route in up.runner.app.router.routes():
+            if route.method == "POST" and route.resource.canonical.endswith("completions"):
+                route._handler = handle
+        await up.start()
+        return up
+
+
+async def test_a_request_that_always_breaks_the_upstream_is_not_retried_for_ever(env) -> None:
+    """UpstreamDown hands the request back with release, which gives the attempt back and
+    resets its queue deadline. A request whose stream always breaks the upstream (a crash on
+    that input) is thus claimed, breaks the stream, trips the breaker, and is requeued at the
+    head of its class -- for ever: max_attempts never bounds it and its client never hears."""
+    cfg, c = env
+    up = await PoisonUpstream.make()
+    try:
+        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, upstream_retry_min_s=0.05,
+                                      upstream_retry_max_s=0.1)
+        try:
+            rid = await c.admit("POISON prompt", max_tokens=50)
+            deadline = time.monotonic() + 8
+            while not c.answers[rid].finished and time.monotonic() < deadline:
+                await c.read()
+            rec = await c.record(rid)
+        finally:
+            await stop(rt, task)
+    finally:
+        await up.runner.cleanup()
+    max_attempts = cfg.pool("tiny").max_attempts
+    assert up.poison_hits <= max_attempts and c.answers[rid].finished, (
+        f"upstream hit {up.poison_hits} times (max_attempts {max_attempts}); record state "
+        f"{rec.get('state')!r}, attempts {rec.get('attempts')!r}; client finished: {c.answers[rid].finished}")
+
+
+async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_its_claim_running(
+        env, monkeypatch) -> None:
+    """WorkerRuntime.claim puts each claimed request in ``held`` as it goes; when an unusable
+    payload's ``finish`` meets a Redis outage, claim raises, and the requests of the same claim
+    already put in ``held`` are never returned to the loop: never started, not in the
+    scheduler, no final -- held (their leases renewed) for ever while their clients wait."""
+    from tests.support.worker_helpers import FE
+
+    cfg, c = env
+    good = await c.admit("a good request", max_tokens=8)
+    bad = "rbad"
+    await c.scripts.admit(c.keys, request_id=bad, tenant="t1", cls="P1", input_tokens=3, max_tokens=8,
+                          tenant_rate=1e9, tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0,
+                          frontend_id=FE, payload=b"\xc1 not a payload")
+    real = Scripts.complete
+    state = {"failed": 0}
+
+    async def complete(self, keys, *, request_id, **kw):
+        if request_id == bad and not state["failed"]:
+            state["failed"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, request_id=request_id, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.01)
+    try:
+        deadline = time.monotonic() + 8
+        while not c.answers[good].finished and time.monotonic() < deadline and not task.done():
+            await c.read()
+        rec = await c.record(good)
+        held = sorted(rt.held)
+    finally:
+        await stop(rt, task)
+    assert state["failed"] == 1
+    assert (await c.record(bad))["state"] == "failed"
+    assert c.answers[good].finished, (f"{good} never finished: record state {rec['state']!r}, "
+                                      f"worker holds {held}")
+
+
+async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_stream(
+        env, monkeypatch) -> None:
+    """The openai loop retries completions only inside a stream's task (_finish). A request
+    failed by WorkerRuntime.fail_unusable at claim time has no task: when its complete meets a
+    Redis outage it stays in ``held`` with its final set and nothing retries it. With
+    max_inflight 1 the worker then has no room and no task: ``asyncio.wait([])`` raises
+    ValueError out of _pull and the worker process dies."""
+    from tests.support.fake_upstream import FakeUpstream
+    from tests.support.worker_helpers import FE
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    bad = "rbad2"
+    await c.scripts.admit(c.keys, request_id=bad, tenant="t1", cls="P1", input_tokens=3, max_tokens=8,
+                          tenant_rate=1e9, tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0,
+                          frontend_id=FE, payload=b"\xc1 not a payload")
+    real = Scripts.complete
+    state = {"failed": 0}
+
+    async def complete(self, keys, *, request_id, **kw):
+        if request_id == bad and not state["failed"]:
+            state["failed"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, request_id=request_id, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    try:
+        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
+        try:
+            good = await c.admit("served after it", max_tokens=8)
+            deadline = time.monotonic() + 6
+            while not c.answers[good].finished and time.monotonic() < deadline and not task.done():
+                await c.read()
+            died = task.exception() if task.done() else None
+            rec = await c.record(bad)
+        finally:
+            await stop(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert state["failed"] == 1
+    assert died is None, f"the worker died: {type(died).__name__}: {died}"
+    assert rec["state"] == "failed" and c.answers[good].finished, (rec["state"], c.answers[good])
+
+
+async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(env, monkeypatch) -> None:
+    """The cancel watcher cancels the stream's task wherever it is -- also inside
+    ``rt.push``, after push_tokens ran in Redis but before its reply was read. _serve then
+    completes with those tokens still pending: complete has no offset check, so it adds them
+    again (usage over-counted) and, on the last token, Redis refuses (count > max_tokens):
+    InvalidArgument escapes _serve's CancelledError handler, the task ends, and the request stays
+    in ``held`` for ever (renewed, never finished, one max_inflight slot gone)."""
+    from tests.support.fake_upstream import FakeUpstream
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    holder: dict = {}
+    real = Scripts.push_tokens
+    landed = asyncio.Event()
+
+    async def push_tokens(self, keys, *, request_id, offset, **kw):
+        res = await real(self, keys, request_id=request_id, offset=offset, **kw)
+        if request_id == holder.get("rid") and offset == 4:
+            landed.set()
+            await asyncio.sleep(1.0)  # a slow reply: the cancel watcher (every 2 x flush_ms) fires meanwhile
+        return res
+
+    real_complete = Scripts.complete
+    refused: list[str] = []
+
+    async def complete(self, keys, **kw):
+        try:
+            return await real_complete(self, keys, **kw)
+        except Exception as exc:
+            refused.append(f"{type(exc).__name__}: {exc}")
+            raise
+
+    monkeypatch.setattr(Scripts, "push_tokens", push_tokens)
+    monkeypatch.setattr(Scripts, "complete", complete)
+    try:
+        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2)
+        try:
+            holder["rid"] = rid = await c.admit("SLOW " + "abcdefghij" * 3, max_tokens=5)
+            await asyncio.wait_for(landed.wait(), 10)
+            assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+            deadline = time.monotonic() + 5
+            while (await c.record(rid))["state"] == "leased" and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            rec = await c.record(rid)
+            held = sorted(rt.held)
+        finally:
+            await stop(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert rec["state"] == "cancelled" and not held, (
+        f"record {rec['state']!r}, worker still holds {held}; complete refused: {refused}")
+    assert int(rec["usage_out"]) == 5
+
+
+async def _json_error_upstream(status: int, body: dict):
+    """An upstream whose completions answer ``status`` with a JSON ``body`` (no 'error' key)."""
+    from aiohttp import web
+
+    from tests.support.redis_server import free_port
+
+    async def models(request):
+        return web.json_response({"object": "list", "data": [{"id": "tiny"}]})
+
+    async def completions(request):
+        await request.read()
+        return web.json_response(body, status=status)
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+@pytest.mark.parametrize("body", [
+    # vLLM's ErrorResponse before it was wrapped in {"error": ...} (vLLM <= 0.9)
+    {"object": "error", "message": "This model's maximum context length is 2048 tokens.",
+     "type": "BadRequestError", "param": None, "code": 400},
+    # FastAPI's own validation error (what vLLM answers for a field it rejects)
+    {"detail": [{"loc": ["body", "top_p"], "msg": "Input should be less than or equal to 1"}]},
+])
+async def test_an_upstream_json_error_without_an_error_key_reaches_the_client_as_its_text(env, body) -> None:
+    """_error_text takes json.loads(body).get('error'); when the JSON has no 'error' key it
+    returns str(None): the client reads '... (HTTP 400): None' instead of the server's reason."""
+    cfg, c = env
+    runner, url = await _json_error_upstream(400, body)
+    try:
+        rt, _loop, task = await start(cfg, engine="openai", upstream_url=url)
+        try:
+            rid = await c.admit("some prompt", max_tokens=8)
+            await c.wait([rid], timeout=10)
+        finally:
+            await stop(rt, task)
+    finally:
+        await runner.cleanup()
+    msg = c.answers[rid].error["msg"]
+    assert not msg.endswith(": None"), msg
+
+
+@pytest.mark.parametrize("engine", ["sim", "openai"])  # sim: the step loop, as a control (passes)
+async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(redis_server, sync_redis, tmp_path,
+                                                                     monkeypatch, engine) -> None:
+    """A class held by its ceiling stays queued; claim then announces it again on the wake list
+    (backlog = 1). The step loop backs off for that (claim_interval_ms, doubling); the openai
+    loop does not: _pull claims, finds nothing, BLPOPs the marker claim itself just pushed,
+    and claims again at once -- a hot loop of Lua claims against Redis for as long as the
+    ceiling binds, from every openai worker."""
+    import redis.asyncio as aioredis
+
+    from limiter.config import load as load_config
+    from limiter.localstack.toml_writer import write_toml
+    from tests.support.fake_upstream import FakeUpstream
+    from tests.support.helpers import three_classes
+    from tests.support.worker_helpers import Client
+
+    path = write_toml({
+        "redis": {"url": redis_server.url},
+        "classes": three_classes(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
+        "pools": [{"name": "tiny", "lease_ms": 10000, "max_attempts": 5, "capacity_tokens_s": 1000}],
+        "worker": {},
+    }, tmp_path / "qos.toml")
+    cfg = load_config(path, env={})
+    r = aioredis.from_url(redis_server.url)
+    c = Client(r, cfg)
+    await c.setup()
+    up = FakeUpstream()
+    await up.start()
+    real = Scripts.claim
+    calls = {"n": 0}
+
+    async def claim(self, *a, **kw):
+        calls["n"] += 1
+        return await real(self, *a, **kw)
+
+    monkeypatch.setattr(Scripts, "claim", claim)
+    try:
+        for i in range(30):  # ~50 tokens each against a 100 tokens/s ceiling (burst 50)
+            await c.admit(f"w{i} " + "x" * 20, cls="P2", max_tokens=10)
+        extra = {"upstream_url": up.url, "max_inflight": 8} if engine == "openai" else {"time_scale": 0.01}
+        rt, _loop, task = await start(cfg, engine=engine, **extra)
+        try:
+            await asyncio.sleep(1.0)
+            t0, n0 = time.monotonic(), calls["n"]
+            await asyncio.sleep(2.0)
+            rate = (calls["n"] - n0) / (time.monotonic() - t0)
+        finally:
+            await stop(rt, task)
+    finally:
+        await up.runner.cleanup()
+        await r.aclose()
+    # the step loop's back-off allows at most one claim per claim_interval_ms (20 ms): 50/s
+    assert rate <= 100, f"{rate:.0f} claims/s while the ceiling holds the backlog"
+
+
+async def test_a_late_renew_reply_about_an_old_attempt_does_not_drop_the_new_one(env, monkeypatch) -> None:
+    """The worker's lease on R lapses (as after a Redis outage longer than a lease) and R is
+    requeued; the worker claims R back (a new fence). A renew_leases call that asked about the
+    old fence answers 'lost' only after that: WorkerRuntime.renew passes bare ids to on_lost,
+    StepLoop._apply_signals then removes the *new* attempt from the scheduler and drops it from
+    ``held`` (its lease in Redis is kept by nobody) -- R stalls a whole lease and burns an
+    attempt. (_send checks the Delivery's identity for this; renew does not.)"""
+    cfg, c = env
+    rt_box: dict = {}
+    real = Scripts.renew_leases
+    state = {"stale_replies": 0}
+
+    async def renew_leases(self, keys, worker_id, held, lease_ms=0):
+        rt = rt_box.get("rt")
+        rid = rt_box.get("rid")
+        mine = dict(held)
+        if rt is None or rid not in mine or state["stale_replies"]:
+            return await real(self, keys, worker_id, held, lease_ms)
+        old = mine[rid]
+        # the lease lapses and a reaper requeues R just as this renew is sent
+        await real(self, keys, worker_id, [], lease_ms)
+        assert await self.release(keys, request_id=rid, worker_id=worker_id, fence=old) == "requeued"
+        res = await real(self, keys, worker_id, held, lease_ms)
+        assert rid in res.lost
+        deadline = time.monotonic() + 5
+        while not (rid in rt.held and rt.held[rid].fence != old) and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)  # the reply is slow: meanwhile the loop claims R back
+        state["stale_replies"] += 1
+        state["new_fence"] = rt.held[rid].fence if rid in rt.held else None
+        return res
+
+    monkeypatch.setattr(Scripts, "renew_leases", renew_leases)
+    rt, loop, task = await start(cfg, engine="sim", time_scale=0.01, lease_ms=1500)
+    try:
+        rid = await c.admit("a long stream", max_tokens=100000)
+        await c.wait_tokens(rid, 1)
+        rt_box.update(rt=rt, rid=rid)
+        deadline = time.monotonic() + 5
+        while not state["stale_replies"] and time.monotonic() < deadline:
+            await c.read()
+        assert state["stale_replies"] == 1 and state["new_fence"] is not None, state
+        await asyncio.sleep(0.3)  # a few iterations apply the renew's news
+        held = rid in rt.held and rt.held[rid].fence == state["new_fence"]
+        running = rid in loop.sched
+    finally:
+        await stop(rt, task)
+    assert held and running, (f"the new attempt (fence {state['new_fence']}) was dropped: held {held}, "
+                              f"running {running}")
