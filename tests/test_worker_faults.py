@@ -163,16 +163,11 @@ async def test_a_request_that_always_breaks_the_upstream_is_not_retried_for_ever
         f"{rec.get('state')!r}, attempts {rec.get('attempts')!r}; client finished: {c.answers[rid].finished}")
 
 
-async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_its_claim_running(
-        env, monkeypatch) -> None:
-    """WorkerRuntime.claim puts each claimed request in ``held`` as it goes; when an unusable
-    payload's ``finish`` meets a Redis outage, claim raises, and the requests of the same claim
-    already put in ``held`` are never returned to the loop: never started, not in the
-    scheduler, no final -- held (their leases renewed) for ever while their clients wait."""
+async def _unusable_whose_first_completion_meets_an_outage(c, monkeypatch) -> tuple[str, dict]:
+    """Queue a request whose payload no worker can read; the first ``complete`` for it (the
+    worker failing it at claim) meets a Redis outage. Returns its id and a counter."""
     from tests.support.worker_helpers import FE
 
-    cfg, c = env
-    good = await c.admit("a good request", max_tokens=8)
     bad = "rbad"
     await c.scripts.admit(c.keys, request_id=bad, tenant="t1", cls="P1", input_tokens=3, max_tokens=8,
                           tenant_rate=1e9, tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0,
@@ -187,6 +182,18 @@ async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_it
         return await real(self, keys, request_id=request_id, **kw)
 
     monkeypatch.setattr(Scripts, "complete", complete)
+    return bad, state
+
+
+async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_its_claim_running(
+        env, monkeypatch) -> None:
+    """WorkerRuntime.claim puts each claimed request in ``held`` as it goes; when an unusable
+    payload's ``finish`` meets a Redis outage, claim raises, and the requests of the same claim
+    already put in ``held`` are never returned to the loop: never started, not in the
+    scheduler, no final -- held (their leases renewed) for ever while their clients wait."""
+    cfg, c = env
+    good = await c.admit("a good request", max_tokens=8)
+    bad, state = await _unusable_whose_first_completion_meets_an_outage(c, monkeypatch)
     rt, _loop, task = await start(cfg, engine="sim", time_scale=0.01)
     try:
         deadline = time.monotonic() + 8
@@ -210,25 +217,11 @@ async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_s
     max_inflight 1 the worker then has no room and no task: ``asyncio.wait([])`` raises
     ValueError out of _pull and the worker process dies."""
     from tests.support.fake_upstream import FakeUpstream
-    from tests.support.worker_helpers import FE
 
     cfg, c = env
     up = FakeUpstream()
     await up.start()
-    bad = "rbad2"
-    await c.scripts.admit(c.keys, request_id=bad, tenant="t1", cls="P1", input_tokens=3, max_tokens=8,
-                          tenant_rate=1e9, tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0,
-                          frontend_id=FE, payload=b"\xc1 not a payload")
-    real = Scripts.complete
-    state = {"failed": 0}
-
-    async def complete(self, keys, *, request_id, **kw):
-        if request_id == bad and not state["failed"]:
-            state["failed"] += 1
-            raise RedisUnavailable("Connection reset by peer")
-        return await real(self, keys, request_id=request_id, **kw)
-
-    monkeypatch.setattr(Scripts, "complete", complete)
+    bad, state = await _unusable_whose_first_completion_meets_an_outage(c, monkeypatch)
     try:
         rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
         try:
