@@ -38,7 +38,8 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * An upstream that cannot be reached is handled like a dead worker, not like a bad request
   (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
   broken off, or HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
-  of its class with what was delivered, attempt given back, so another worker resumes it),
+  of its class with what was delivered, so another worker resumes it; the attempt counts,
+  as a worker's death does, so a prompt that breaks the server every time ends at max_attempts),
   and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
   ``upstream_retry_max_s``) it probes the upstream with ``GET /v1/models`` (any answer but
   429/502/503/504 counts as up) and claims again only once that answers. The state is in the
