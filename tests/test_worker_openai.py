@@ -373,7 +373,9 @@ async def test_upstream_busy_status_hands_back_instead_of_failing(env, status) -
     async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-busy", **RETRY) as rt:
         rid = await c.admit("busy now, fine later", max_tokens=40)
         await _wait_heartbeat(c, rt, "the breaker to open and probe twice", _breaker_open_and_probed)
-        assert (await c.record(rid))["state"] == "queued" and not c.answers[rid].finished
+        rec = await c.record(rid)
+        assert rec["state"] == "queued" and not c.answers[rid].finished
+        assert rec["attempts"] == "0"  # a busy server says nothing about the request: not spent
         up.status = None
         await c.wait([rid], timeout=30)
     assert c.answers[rid].error is None and c.answers[rid].text == "busy now, fine later"[::-1]

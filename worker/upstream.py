@@ -38,8 +38,9 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * An upstream that cannot be reached is handled like a dead worker, not like a bad request
   (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
   broken off, or HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
-  of its class with what was delivered, so another worker resumes it; the attempt counts,
-  as a worker's death does, so a prompt that breaks the server every time ends at max_attempts),
+  of its class with what was delivered, so another worker resumes it; when the answer broke
+  off, the attempt counts, as a worker's death does, so a prompt that breaks the server every
+  time ends at max_attempts),
   and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
   ``upstream_retry_max_s``) it probes the upstream with ``GET /v1/models`` (any answer but
   429/502/503/504 counts as up) and claims again only once that answers. The state is in the
@@ -80,7 +81,17 @@ DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot
 
 
 class UpstreamDown(Exception):
-    """The upstream could not be reached or broke off: not this request's fault."""
+    """The upstream could not be reached or broke off. ``spent``: the request reached it and
+    the answer broke off (the request may be why: the attempt counts, as when a worker dies);
+    not for a refused connection or a busy status, which say nothing about the request."""
+
+    def __init__(self, message: str, *, spent: bool) -> None:
+        super().__init__(message)
+        self.spent = spent
+
+
+# Failures to connect at all: the request never reached the model server.
+CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
 class Breaker:
@@ -323,9 +334,9 @@ class UpstreamLoop:
             # another worker (or this one, once the upstream answers) resumes it.
             self.breaker.trip(str(exc))
             with contextlib.suppress(RedisUnavailable):
-                # The attempt is spent (as when a worker dies): a prompt the model server always
-                # breaks on was handed back and claimed again for ever, max_attempts never applying.
-                await self.rt.release(d, spent=True)
+                # An answer that broke off spends the attempt (as when a worker dies): a prompt the
+                # model server always breaks on went round for ever, max_attempts never applying.
+                await self.rt.release(d, spent=exc.spent)
             self.rt.drop(rid, "released")  # if release could not reach Redis, the lease expires
         except asyncio.CancelledError:
             why = self.why.get(rid, "release")
@@ -427,7 +438,7 @@ class UpstreamLoop:
         try:
             async with self.session.post(url, json=body, headers=self._headers()) as resp:
                 if resp.status in DOWN_STATUSES:
-                    raise UpstreamDown(f"HTTP {resp.status} from {url}")
+                    raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                 if resp.status != 200:
                     text = (await _error_text(resp))[:300]
                     return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
@@ -476,10 +487,11 @@ class UpstreamLoop:
                     if cut:
                         return ("ok", "length", "")
         except (TimeoutError, aiohttp.ClientError) as exc:
-            raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}") from exc
+            raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
+                               spent=not isinstance(exc, CONNECT_ERRORS)) from exc
         if finish is None:
             if not done:  # the connection ended mid-answer: the server went away
-                raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]")
+                raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]", spent=True)
             return self._failed(d, url, "the model server ended its answer without a finish reason")
         return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
