@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 
@@ -34,7 +35,8 @@ def common_args(parser: argparse.ArgumentParser) -> None:
                         help="Redis URL (env QOS_REDIS_URL), overrides the config's redis.url")
 
 
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# Every name logging itself takes (WARN, FATAL and NOTSET too: they worked before the check).
+LOG_LEVELS = tuple(logging.getLevelNamesMapping())
 
 
 def _log_level(value: str) -> str:

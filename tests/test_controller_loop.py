@@ -254,24 +254,32 @@ async def test_two_processes_started_with_one_id_do_not_both_lead(aredis, pool, 
     assert b.term is not None  # ... and it takes over once the first one lets go
 
 
-async def test_a_redis_clock_stepped_back_neither_freezes_the_law_nor_its_windows(aredis, pool, cfg):
+async def test_a_redis_clock_stepped_back_starts_a_new_term_afresh(aredis, pool, cfg):
     """last_change_ms is Redis time, read back by every new term: with the clock stepped back
-    an hour, the law held for an hour (now - last < cooldown), and the windows, marked after
-    the last change, took no sample as fresh for as long."""
+    an hour, the law held for the hour (now - last < cooldown) and the windows, marked after
+    the last change, took no sample as fresh for as long. Marking them at the new time instead
+    took the samples stamped on the old clock -- under the old rates -- as fresh. The term ends;
+    the next one starts afresh: no cooldown, empty windows, nothing of the old clock."""
     pc = pool_controller(cfg, aredis)
     await pc.renew_once()
     term = pc.term
     now = await redis_ms(aredis)
-    term.state = dataclasses.replace(term.state, last_change_ms=now + 3_600_000)
-    term.monitor.mark(now + 3_600_000)
-    await push(aredis, pool, [sample("P0", now + 10, ttft_ms=3000.0) for _ in range(40)])
+    ahead = now + 3_600_000  # the clock before it stepped back an hour
+    await push(aredis, pool, [sample("P0", ahead - 10_000, ttft_ms=3000.0) for _ in range(40)])
     await pc.consume_once(term)
+    term.state = dataclasses.replace(term.state, last_change_ms=ahead - 5_000)
+    term.monitor.mark(ahead - 5_000 + pc.settings.settle_s * 1000)
+    await aredis.hset(pool.policy, "updated_ms", ahead - 5_000)  # as set_rates wrote it
+    assert await pc.tick(term) is None and pc.term is None
+    await pc.renew_once()  # same lease, a new term
+    fresh = pc.term
+    assert fresh is not None and fresh is not term and fresh.state.last_change_ms is None
+    assert fresh.monitor.stats()["P0"].count == 0  # nothing stamped on the old clock
+    await push(aredis, pool, [sample("P0", await redis_ms(aredis), ttft_ms=3000.0) for _ in range(40)])
+    await pc.consume_once(fresh)
+    assert fresh.monitor.stats()["P0"].fresh_count == 40  # what comes now counts
     await aredis.hincrby(pool.stats, "P2.claimed", 50)
-    await pc.tick(term)
-    assert term.state.last_change_ms is None or term.state.last_change_ms <= await redis_ms(aredis)
-    await push(aredis, pool, [sample("P0", await redis_ms(aredis) + 10, ttft_ms=3000.0) for _ in range(40)])
-    await pc.consume_once(term)
-    assert term.monitor.stats()["P0"].fresh_count > 0  # fresh samples count again
+    assert await pc.tick(fresh) is not None and pc.term is fresh
 
 
 async def test_worker_heartbeats_move_the_capacity_and_every_rate_follows(aredis, pool, cfg):

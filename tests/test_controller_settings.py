@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import socket
@@ -84,12 +85,14 @@ def test_the_capacitys_worker_ttl_leaves_room_for_the_workers_beats():
     """[worker] heartbeat_s may be up to 60 s; with 10 s beside the controller's 5 s
     worker_ttl_s every live worker left the capacity 5 s after each beat and came back at the
     next, each time a change the law applies at once."""
-    cfg = dataclasses.replace(_cfg({}), worker={"heartbeat_s": 10.0})
+    slow = {"heartbeat_s": 10.0}
+    set_too_short = dataclasses.replace(_cfg({"capacity": {"worker_ttl_s": 5.0}}), worker=slow)
     with pytest.raises(ConfigError) as err:
-        load_settings(cfg, {"controller_id": "c1"})
+        load_settings(set_too_short, {"controller_id": "c1"})
     assert err.value.path == "controller.capacity.worker_ttl_s" and "heartbeat_s" in err.value.message
-    ok = dataclasses.replace(_cfg({"capacity": {"worker_ttl_s": 30.0}}), worker={"heartbeat_s": 10.0})
-    assert load_settings(ok, {"controller_id": "c1"}).capacity.worker_ttl_s == 30.0
+    left_to_default = dataclasses.replace(_cfg({}), worker=slow)  # follows the beats
+    assert load_settings(left_to_default, {"controller_id": "c1"}).capacity.worker_ttl_s == 30.0
+    assert load_settings(_cfg({}), {"controller_id": "c1"}).capacity.worker_ttl_s == 5.0
     assert WORKER_HEARTBEAT_S == WorkerSettings.heartbeat_s  # the worker's default, not a guess
 
 
@@ -147,3 +150,11 @@ def test_a_bad_log_level_is_a_usage_error_not_a_traceback(role):
                           capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-600:]
     assert "'verbose' is not a log level" in proc.stderr and "QOS_LOG_LEVEL" in proc.stderr
+
+
+@pytest.mark.parametrize("level", ["WARN", "warn", "FATAL", "NOTSET", "debug"])
+def test_every_level_name_logging_takes_is_still_a_log_level(level):
+    """The check must not refuse what logging.basicConfig took before it (QOS_LOG_LEVEL=WARN)."""
+    parser = argparse.ArgumentParser(exit_on_error=False)
+    cli.log_level_arg(parser)
+    assert parser.parse_args(["--log-level", level]).log_level == level.upper()

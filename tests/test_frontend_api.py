@@ -81,7 +81,9 @@ async def test_a_multi_turn_client_may_send_back_its_answer_and_a_developer_mess
     first = await client.post("/v1/chat/completions", json={"model": "tiny", "max_tokens": 4, "messages": [
         {"role": "user", "content": "hi"}]}, headers=auth())
     answer = (await first.json())["choices"][0]["message"]
-    echoed = {**answer, "refusal": None, "tool_calls": [], "function_call": None, "audio": None}
+    # as OpenAI returns it (openai-python's model_dump) and as vLLM does (reasoning_content)
+    echoed = {**answer, "refusal": None, "tool_calls": [], "function_call": None, "audio": None,
+              "annotations": None, "reasoning_content": "thinking it over"}
     body = {"model": "tiny", "max_tokens": 4, "tools": None, "tool_choice": "none", "functions": [],
             "messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"},
                          echoed, {"role": "user", "content": "again"}]}

@@ -446,3 +446,162 @@ async def test_a_late_renew_reply_about_an_old_attempt_does_not_drop_the_new_one
         await stop(rt, task)
     assert held and running, (f"the new attempt (fence {state['new_fence']}) was dropped: held {held}, "
                               f"running {running}")
+
+
+class _LandingScripts:
+    """push_tokens/complete as Redis checks them (offsets in model tokens), keeping the text
+    that landed; the first push lands but its reply is lost."""
+
+    def __init__(self) -> None:
+        self.client = self
+        self.tokens, self.text, self.lost_once = 0, "", True
+
+    async def push_tokens(self, keys, *, offset, text, count, **_kw):
+        from limiter.errors import InvalidArgument, RedisUnavailable
+
+        if offset != self.tokens:
+            raise InvalidArgument("offset", f"offset: {offset} but {self.tokens} tokens were delivered")
+        self.tokens, self.text = self.tokens + count, self.text + text
+        if self.lost_once:
+            self.lost_once = False
+            raise RedisUnavailable("Connection reset by peer (reply lost)")
+        return False
+
+    async def complete(self, keys, *, offset, text, count, **_kw):
+        from limiter.errors import InvalidArgument
+
+        if offset != self.tokens:
+            raise InvalidArgument("offset", f"offset: {offset} but {self.tokens} tokens were delivered")
+        self.tokens, self.text = self.tokens + count, self.text + text
+        return 0.0
+
+    async def hget(self, _key, _field):
+        return str(self.tokens).encode()
+
+
+async def test_reconcile_does_not_drop_text_that_never_landed_when_two_pushes_carry_one_token_count() -> None:
+    """Delivery._uncertain is keyed by the pushed token count. On the openai path text may come
+    with no new token (upstream usage not advanced: ``new = running - counted`` = 0), so a
+    second push can carry the same count as the one whose reply was lost: it overwrites that
+    entry with its own (longer) ids/text, and the reconcile marks all of it delivered --
+    "cd" below never reaches Redis or the client, and complete sends nothing for it."""
+    from limiter.errors import RedisUnavailable
+    from limiter.keys import PoolKeys
+    from limiter.prompt import Payload
+    from limiter.scripts import Claimed
+    from worker.delivery import Delivery
+
+    c = Claimed("r1", "P1", "t1", 1, b"", 0, 5, 100, "fe1", 0, [], 0, 0)
+    d = Delivery(c, Payload("completion", "hi", 100), 1000, 0.0, 3, 1)
+    fake, keys = _LandingScripts(), PoolKeys("tiny")
+    d.add(list(b"ab"), "ab", 0.0, tokens=1)
+    with pytest.raises(RedisUnavailable):
+        await d.push(fake, keys, "w")  # landed; reply lost ("ab", 1 token)
+    d.add(list(b"cd"), "cd", 0.0, tokens=0)  # a chunk whose running usage did not move
+    assert d.due(0.0, 50, 16)  # the attempt's first push has not succeeded yet: due at once
+    await d.push(fake, keys, "w")
+    await d.complete(fake, keys, "w", outcome="ok", finish_reason="stop")  # type: ignore[arg-type]
+    assert fake.text == "abcd", f"Redis (and the client) got {fake.text!r}"
+
+
+async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(env, monkeypatch) -> None:
+    """The case efda348 fixed for renew (an old attempt's news dropping the new attempt of
+    the same request, claimed back by this worker after its lease lapsed) on the openai path:
+    the old stream's next push gets LeaseLost, and _serve's handler calls rt.drop(rid) -- by
+    id, so it drops the *new* attempt from ``held`` (its lease then renewed by nobody) and its
+    finally pops the new task from ``tasks`` (no cancel, no drain wait reaches it)."""
+    from tests.support.fake_upstream import FakeUpstream
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    box: dict = {}
+    real = Scripts.push_tokens
+
+    async def push_tokens(self, keys, *, request_id, worker_id, fence, offset, **kw):
+        rt = box.get("rt")
+        if rt is not None and request_id == box.get("rid") and offset >= 3 and "old_fence" not in box:
+            # the lease lapsed (a Redis outage longer than lease_ms): a reaper requeues it ...
+            box["old_fence"] = fence
+            released = await self.release(keys, request_id=request_id, worker_id=worker_id, fence=fence)
+            assert released == "requeued"
+            deadline = time.monotonic() + 5
+            while not (request_id in rt.held and rt.held[request_id].fence != fence) \
+                    and time.monotonic() < deadline:
+                await asyncio.sleep(0.005)  # ... and this worker claims it back meanwhile
+        return await real(self, keys, request_id=request_id, worker_id=worker_id, fence=fence, offset=offset,
+                          **kw)
+
+    monkeypatch.setattr(Scripts, "push_tokens", push_tokens)
+    try:
+        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
+                                      flush_tokens=1)
+        box["rt"] = rt
+        try:
+            box["rid"] = rid = await c.admit("SLOW " + "abcdefghij" * 12, max_tokens=30)
+            deadline = time.monotonic() + 8
+            while not ("old_fence" in box and rid in rt.held and rt.held[rid].fence != box["old_fence"]):
+                assert time.monotonic() < deadline, f"no new attempt of {rid} held in 8 s: {box}"
+                await c.read()
+            box["new_fence"] = rt.held[rid].fence
+            await asyncio.sleep(0.3)  # the old stream's push has had its LeaseLost
+            held = rid in rt.held and rt.held[rid].fence == box["new_fence"]
+            tracked = rid in _loop.tasks
+        finally:
+            await stop(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert held and tracked, (f"the new attempt (fence {box['new_fence']}) was dropped by the old one's "
+                              f"LeaseLost: held {held}, task tracked {tracked}")
+
+
+async def test_openai_an_old_attempts_completion_does_not_spin_while_a_new_attempt_runs(
+        env, monkeypatch) -> None:
+    """UpstreamLoop._finish retries ``while d.request_id in self.rt.held``: by id. When the old
+    attempt's complete meets LeaseLost while this worker holds a *new* attempt of the same
+    request (claimed back after its lease lapsed), rt.finish returns quietly (it drops only
+    its own Delivery) and the loop calls complete again at once, and again, for as long as the
+    new attempt runs: a hot loop of Lua calls (the same id test efda348's renew fix is about)."""
+    from tests.support.fake_upstream import FakeUpstream
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    box: dict = {"old_calls": 0}
+    real = Scripts.complete
+
+    async def complete(self, keys, *, request_id, worker_id, fence, **kw):
+        rt = box.get("rt")
+        if rt is not None and request_id == box.get("rid"):
+            if "old" not in box:
+                box["old"], box["t0"] = fence, time.monotonic()
+                # its lease lapsed meanwhile (an outage): requeued, and this worker claims it back
+                released = await self.release(keys, request_id=request_id, worker_id=worker_id, fence=fence)
+                assert released == "requeued"
+                deadline = time.monotonic() + 5
+                while not (request_id in rt.held and rt.held[request_id].fence != fence) \
+                        and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)
+            if fence == box["old"]:
+                box["old_calls"] += 1
+        return await real(self, keys, request_id=request_id, worker_id=worker_id, fence=fence, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    try:
+        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
+                                      flush_tokens=1000, flush_ms=10000)
+        box["rt"] = rt
+        try:
+            # the old attempt ends by "stop" short of max_tokens; the new one resumes (prompt + the
+            # text delivered before: a longer answer from the fake upstream) and runs ~1-2 s
+            box["rid"] = await c.admit("SLOW " + "abcdefghij" * 6, max_tokens=200)
+            deadline = time.monotonic() + 10
+            while "t0" not in box and time.monotonic() < deadline:
+                await c.read()
+            await asyncio.sleep(0.5)
+            calls, spent = box["old_calls"], time.monotonic() - box["t0"]
+        finally:
+            await stop(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert calls <= 3, f"{calls} complete calls for the old attempt in {spent:.2f} s"

@@ -114,6 +114,11 @@ class Delivery:
         if not self.pending_tokens:
             return False
         ids, text, n = list(self.pending_ids), self.pending_text, self.pending_tokens
+        if self._uncertain.get(n, (len(ids), len(text))) != (len(ids), len(text)):
+            # A push of as many tokens but more text (an upstream chunk with text and no new
+            # token) is in doubt already: Redis's token count could not tell which of the two
+            # landed. Wait for a token (or complete, offset-checked).
+            return False
         self._uncertain[n] = (len(ids), len(text))
         try:
             cancel = await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id,

@@ -327,7 +327,11 @@ class WorkerRuntime:
             self.metrics.cancellations.inc()
         self.metrics.finished.labels(d.claimed.cls, outcome).inc()
 
-    def drop(self, request_id: str, why: str = "lost") -> None:
+    def drop(self, request_id: str, why: str = "lost", attempt: Delivery | None = None) -> None:
+        """Forget a held request; with ``attempt``, only while that attempt is the one held (an
+        old attempt's news must not drop the new one this worker was handed meanwhile)."""
+        if attempt is not None and self.held.get(request_id) is not attempt:
+            return
         d = self.held.pop(request_id, None)
         if d is not None:
             self.metrics.finished.labels(d.claimed.cls, why).inc()
@@ -344,7 +348,7 @@ class WorkerRuntime:
             log.info("%s: handed back (%s) after %d tokens", d.request_id, state, d.offset)
         except LeaseLost:
             pass
-        self.drop(d.request_id, "released")
+        self.drop(d.request_id, "released", d)
 
     # --- upkeep -------------------------------------------------------------------------------
     async def renew(self) -> None:

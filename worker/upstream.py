@@ -256,6 +256,8 @@ class UpstreamLoop:
             return
         got = await self.rt.claim(room, 0)
         for d in got:
+            if (old := self.tasks.get(d.request_id)) is not None:
+                old.cancel()  # its attempt's lease had lapsed: this claim is the request now
             self.tasks[d.request_id] = asyncio.create_task(self._serve(d))
         self._track_busy()
         if got:
@@ -274,11 +276,13 @@ class UpstreamLoop:
 
     async def _settle(self, d: Delivery) -> None:
         """Land a held request's decided completion (retried through outages)."""
+        task = asyncio.current_task()
         try:
             assert d.final is not None
             await self._finish(d, d.final)
         finally:
-            self.tasks.pop(d.request_id, None)
+            if self.tasks.get(d.request_id) is task:
+                self.tasks.pop(d.request_id)
 
     async def _probe_when_due(self) -> None:
         """Wait out the back-off (a drain ends the wait), then ask the upstream once."""
@@ -322,7 +326,11 @@ class UpstreamLoop:
 
     # --- one request ------------------------------------------------------------------------
     async def _serve(self, d: Delivery) -> None:
+        # Everything below acts on this attempt only: when this worker's lease lapsed and it
+        # claimed the request back, the old attempt's LeaseLost dropped the new one from
+        # ``held`` and its task from ``tasks`` (the new stream ran on, unrenewed, uncancellable).
         rid = d.request_id
+        task = asyncio.current_task()
         d.usage_in = d.claimed.input_tokens  # the frontend's count, until the upstream reports its own
         try:
             result = await self._stream(d)
@@ -337,24 +345,25 @@ class UpstreamLoop:
                 # An answer that broke off spends the attempt (as when a worker dies): a prompt the
                 # model server always breaks on went round for ever, max_attempts never applying.
                 await self.rt.release(d, spent=exc.spent)
-            self.rt.drop(rid, "released")  # if release could not reach Redis, the lease expires
+            self.rt.drop(rid, "released", d)  # if release could not reach Redis, the lease expires
         except asyncio.CancelledError:
-            why = self.why.get(rid, "release")
+            why = self.why.get(rid, "release") if self.tasks.get(rid) is task else "lost"
             if why == "lost":
-                self.rt.drop(rid)
+                self.rt.drop(rid, "lost", d)
             elif why == "cancel":
                 await self._finish(d, ("cancelled", "cancelled", ""))
             else:
                 with contextlib.suppress(RedisUnavailable):
                     await self.rt.release(d)
         except LeaseLost:
-            self.rt.drop(rid)
+            self.rt.drop(rid, "lost", d)
         except Exception as exc:  # a bug must fail one request, not the worker
             log.exception("%s: upstream stream failed: %s", rid, exc)
             await self._finish(d, ("failed", "error", "internal error in the worker (details in its log)"))
         finally:
-            self.tasks.pop(rid, None)
-            self.why.pop(rid, None)
+            if self.tasks.get(rid) is task:
+                self.tasks.pop(rid)
+                self.why.pop(rid, None)
             self._track_busy()
 
     def _track_busy(self) -> None:
@@ -370,7 +379,7 @@ class UpstreamLoop:
 
     async def _finish(self, d: Delivery, result: Result) -> None:
         backoff = Backoff(f"{d.request_id}: complete", first_s=0.2, max_s=5.0, logger=log)
-        while d.request_id in self.rt.held:
+        while self.rt.held.get(d.request_id) is d:  # not a newer attempt's: it has its own
             try:
                 await self.rt.finish(d, *result)
             except PolicyMissing:  # Redis restarted empty: re-create the pool; the record is gone

@@ -21,7 +21,6 @@ import logging
 import math
 import time
 from collections.abc import Awaitable
-from dataclasses import replace
 from typing import Any
 
 from redis.exceptions import ResponseError
@@ -114,9 +113,10 @@ class PoolController:
         await self.scripts.init_pool(self.keys, policy_document(self.cfg, self.pool))
         policy = policy_fields(await self.client.hgetall(self.keys.policy))
         await self.consumer.ensure_group()
+        now_ms = await redis_now_ms(self.client, self.keys)
         if self.lease.fence != fence or not self.lease.leading:
             return  # lost it while setting up
-        self.term = new_term(fence, policy, self.cfg, self.pool, self.settings)
+        self.term = new_term(fence, policy, self.cfg, self.pool, self.settings, now_ms)
         self._ticked = time.monotonic()
         self._leading.set()
         self.metrics.leader.labels(self.pool.name).set(1)
@@ -234,13 +234,14 @@ class PoolController:
             return None
         now_ms = await redis_now_ms(self.client, self.keys)
         if term.state.last_change_ms is not None and term.state.last_change_ms > now_ms:
-            # Redis's clock stepped back past the last change: the windows, marked after it,
-            # would take no sample as fresh until the clock caught up (an hour for an hour's step).
+            # Redis's clock stepped back past the last change: the windows, marked after it, took
+            # no sample as fresh until the clock caught up (an hour for an hour's step), and the
+            # samples they hold are stamped on the old clock. A new term starts afresh (at the
+            # lease loop's next turn): empty windows, estimator and meter.
             log.warning("%s: Redis time %.0f is before the last rate change (%.0f): the clock stepped "
-                        "back; the SLO windows start afresh now", self.pool.name, now_ms,
-                        term.state.last_change_ms)
-            term.state = replace(term.state, last_change_ms=None)
-            term.monitor.mark(now_ms)
+                        "back; starting a new term", self.pool.name, now_ms, term.state.last_change_ms)
+            self.end_term("Redis's clock stepped back")
+            return None
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.stats)
             pipe.zrange(self.keys.workers, 0, -1, withscores=True)

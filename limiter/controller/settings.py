@@ -95,8 +95,14 @@ class ControllerSettings(ControlTunables):
 
     # --- validation -------------------------------------------------------------------
     def resolved(self, cfg: QosConfig) -> ControllerSettings:
-        """Fill the host-dependent default id, then validate against ``cfg``."""
+        """Fill the host-dependent default id (and a worker_ttl_s left to its default: at least
+        three of the configured worker beats), then validate against ``cfg``."""
         s = self if self.controller_id else replace(self, controller_id=default_controller_id())
+        beat_s = cfg.worker.get("heartbeat_s", WORKER_HEARTBEAT_S)
+        own = cfg.controller.get("capacity", {})
+        if "worker_ttl_s" not in own and not isinstance(beat_s, bool) and isinstance(beat_s, int | float):
+            ttl_s = max(s.capacity.worker_ttl_s, HEARTBEATS_PER_TTL * beat_s)
+            s = replace(s, capacity=replace(s.capacity, worker_ttl_s=ttl_s))
         s.validate(cfg)
         return s
 

@@ -60,8 +60,10 @@ def policy_fields(raw: Mapping[object, object]) -> dict[str, object]:
 
 
 def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: PoolConfig,
-             settings: ControllerSettings) -> Term:
-    """Build a term's state from the pool's policy hash (see the module docstring)."""
+             settings: ControllerSettings, now_ms: float | None = None) -> Term:
+    """Build a term's state from the pool's policy hash (see the module docstring). A last
+    change after ``now_ms`` (Redis's clock stepped back since) is taken as none: the law
+    would hold, and the windows take nothing as fresh, for the size of the step."""
     control = settings.control_config(cfg)
     capacity = parse_float(policy.get("capacity"))
     if capacity is None or capacity <= 0:
@@ -72,6 +74,8 @@ def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: Poo
         allowance = ceiling if ceil is None else min(ceiling, max(min_share, ceil / capacity))
         classes.append(ClassState(name, allowance))
     last = parse_float(policy.get("updated_ms"))
+    if last is not None and now_ms is not None and last > now_ms:
+        last = None
     state = ControlState(control, capacity, tuple(classes), last)
     monitor = SloMonitor(settings.slos(cfg), size=control.window, max_age_s=settings.window_max_age_s or None)
     if last is not None:

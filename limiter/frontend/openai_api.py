@@ -106,6 +106,11 @@ _MESSAGE_NEUTRAL: dict[str, Any] = {
     "tool_calls": lambda v: v is None or v == [],
     "function_call": lambda v: v is None,
     "audio": lambda v: v is None,
+    "annotations": lambda v: v is None or v == [],
+    # vLLM's reasoning output: not part of the next prompt (vLLM's own chat templates drop it),
+    # so it is ignored, whatever it holds
+    "reasoning_content": lambda v: v is None or isinstance(v, str),
+    "reasoning": lambda v: v is None or isinstance(v, str),
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
     **_NEUTRAL,
