@@ -14,6 +14,7 @@ import os
 import tomllib
 import types
 import typing
+import urllib.parse
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -204,11 +205,28 @@ def _check_new_name(kind: str, path: str, name: str, seen: set[str]) -> None:
     seen.add(name)
 
 
+def check_redis_url(url: str, path: str) -> None:
+    """A URL redis-py can open: its scheme, and a port that is a number (redis-py's own
+    ValueError came out of `qos status` as a traceback)."""
+    _check(url.startswith(("redis://", "rediss://", "unix://")), path,
+           "must start with redis://, rediss:// or unix://")
+    try:
+        _ = urllib.parse.urlsplit(url).port
+    except ValueError as exc:
+        raise ConfigError(path, f"not a valid URL: {exc}") from exc
+
+
+# The policy script's bounds (lua/init_pool.lua, lua/admit.lua): what `qos config check` calls ok
+# must be what every role's start can write (it was refused there, naming policy.classes[1]).
+MAX_CLASSES = 16
+MAX_WEIGHT = 1e6
+MAX_BURST_TOKENS = 1e15
+
+
 def validate(cfg: QosConfig) -> QosConfig:
     """Cross-field checks; returns ``cfg`` unchanged when it is valid."""
-    _check(cfg.redis.url.startswith(("redis://", "rediss://", "unix://")), "redis.url",
-           "must start with redis://, rediss:// or unix://")
-    _check(len(cfg.classes) > 0, "classes", "at least one class is required")
+    check_redis_url(cfg.redis.url, "redis.url")
+    _check(0 < len(cfg.classes) <= MAX_CLASSES, "classes", f"1 to {MAX_CLASSES} classes are allowed")
     seen: set[str] = set()
     shares = 0.0
     floors = 0.0
@@ -218,7 +236,8 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(0 <= c.share <= 1, f"{p}.share", "must be between 0 and 1")
         _check(c.share <= c.ceil_share <= 1, f"{p}.ceil_share", "must be between share and 1")
         _check(0 <= c.floor <= 1, f"{p}.floor", "must be between 0 and 1")
-        _check(c.weight >= 0 and c.out_weight >= 0, f"{p}.weight", "weights must be >= 0")
+        _check(0 <= c.weight <= MAX_WEIGHT, f"{p}.weight", f"must be in [0, {MAX_WEIGHT:g}]")
+        _check(0 <= c.out_weight <= MAX_WEIGHT, f"{p}.out_weight", f"must be in [0, {MAX_WEIGHT:g}]")
         _check(0 < c.burst_s <= 3600, f"{p}.burst_s", "must be in (0, 3600]")
         _check(1 <= c.max_wait_ms <= 86_400_000, f"{p}.max_wait_ms", "must be in [1, 86400000]")
         _check(0 <= c.admission_wait_ms <= 60_000, f"{p}.admission_wait_ms", "must be in [0, 60000]")
@@ -247,6 +266,9 @@ def validate(cfg: QosConfig) -> QosConfig:
                "must be in [1, context_tokens]")
         _check(0 < pool.capacity_tokens_s <= MAX_CAPACITY_TOKENS_S, f"{p}.capacity_tokens_s",
                "must be in (0, 1e12]")
+        longest = max(c.burst_s for c in cfg.classes)
+        _check(pool.capacity_tokens_s * longest <= MAX_BURST_TOKENS, f"{p}.capacity_tokens_s",
+               f"times the longest class burst_s ({longest:g} s) must be <= {MAX_BURST_TOKENS:g} tokens")
         _check(100 <= pool.lease_ms <= 3_600_000, f"{p}.lease_ms", "must be in [100, 3600000]")
         _check(1 <= pool.max_attempts <= 100, f"{p}.max_attempts", "must be in [1, 100]")
         _check(100 <= pool.frontend_ttl_ms <= 3_600_000, f"{p}.frontend_ttl_ms", "must be in [100, 3600000]")
@@ -265,6 +287,8 @@ def validate(cfg: QosConfig) -> QosConfig:
                f"{t.default_class} is above the tenant's max_class {t.max_class}")
         _check(0 < t.rate_tokens_s <= 1e12, f"{p}.rate_tokens_s", "must be in (0, 1e12]")
         _check(0 < t.burst_s <= 3600, f"{p}.burst_s", "must be in (0, 3600]")
+        _check(t.rate_tokens_s * t.burst_s <= MAX_BURST_TOKENS, f"{p}.burst_s",
+               f"times rate_tokens_s must be <= {MAX_BURST_TOKENS:g} tokens (its bucket's size)")
         _check(0 <= t.max_inflight <= 1_000_000, f"{p}.max_inflight", "must be in [0, 1000000]")
         _check(1e-3 <= t.weight <= 1e3, f"{p}.weight", "must be in [0.001, 1000]")
         for j, k in enumerate(t.key_sha256):
@@ -296,6 +320,7 @@ def apply_env(cfg: QosConfig, env: Mapping[str, str]) -> QosConfig:
     """Deploy-time overrides: QOS_REDIS_URL, QOS_REDIS_CLUSTER (1/0)."""
     redis_cfg = cfg.redis
     if url := env.get("QOS_REDIS_URL"):
+        check_redis_url(url, "QOS_REDIS_URL (or --redis-url)")  # not the file's redis.url
         redis_cfg = dataclasses.replace(redis_cfg, url=url)
     if (cl := env.get("QOS_REDIS_CLUSTER")) is not None:
         if cl not in ("0", "1"):
@@ -318,6 +343,10 @@ def load(path: str | Path | None = None, env: Mapping[str, str] | None = None) -
             raise ConfigError(str(path), "file not found") from exc
         except tomllib.TOMLDecodeError as exc:
             raise ConfigError(str(path), f"invalid TOML: {exc}") from exc
+        except UnicodeDecodeError as exc:  # tomllib's answer to bytes that are not UTF-8
+            raise ConfigError(str(path), f"not UTF-8 text: {exc}") from exc
+        except OSError as exc:  # a directory, no permission, ...
+            raise ConfigError(str(path), f"cannot read it: {exc.strerror or exc}") from exc
         cfg = parse(data, Path(path).resolve().parent)
     return apply_env(cfg, env)
 

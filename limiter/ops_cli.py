@@ -15,14 +15,16 @@ import sys
 import time
 from typing import Any
 
+from redis.exceptions import RedisClusterException, RedisError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
 
 from limiter.cli import common_args, load_config
 from limiter.config import QosConfig
+from limiter.errors import ConfigError, QosError
 from limiter.keys import PoolKeys
-from limiter.redis_conn import open_redis
+from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.status import snapshot
 
 
@@ -40,7 +42,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 async def full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[str, Any]:
-    """The status snapshot plus each worker's live stats and the last controller decisions."""
+    """The status snapshot plus each worker's live stats and the last controller decisions.
+    Raises RedisUnavailable (no answer) or QosError (Redis refused: a database index out of
+    range, cluster mode against a standalone server...), never redis-py's own tracebacks."""
+    try:
+        with map_redis_errors():
+            return await _full_snapshot(client, cfg, decisions)
+    except (RedisError, RedisClusterException) as exc:
+        raise QosError(f"Redis refused the status read: {exc}") from exc
+
+
+async def _full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[str, Any]:
     snap = await snapshot(client, cfg)
     for name, pool in snap["pools"].items():
         keys = PoolKeys(name)
@@ -184,6 +196,8 @@ def render(snap: dict[str, Any]) -> Group:
 
 
 async def _top(args: argparse.Namespace) -> int:
+    if not 0.1 <= args.interval <= 3600:  # 0, -1 or nan polled Redis flat out
+        raise ConfigError("--interval", f"must be in [0.1, 3600] seconds, got {args.interval}")
     cfg = load_config(args)
     client = open_redis(cfg.redis)
     n = 0

@@ -79,7 +79,9 @@ def run(args: argparse.Namespace) -> int:
     sock = _inherited_socket(args.listen_fd) if args.listen_fd is not None else None
     loop = install_event_loop()
     app = create_app(settings, cfg)
-    app.on_startup.append(_hangup_stops)
+    # First of the startup hooks: a SIGHUP while the Redis context starts (its first heartbeat
+    # already written) took the default action, killing the process (seen under load).
+    app.on_startup.insert(0, _hangup_stops)
     listen = {"sock": sock} if sock is not None else {
         "host": settings.host, "port": settings.port, "reuse_port": settings.reuse_port or None}
     try:

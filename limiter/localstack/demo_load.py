@@ -121,13 +121,17 @@ async def run_demo_load(
                 task = asyncio.create_task(one(session, load, tokens, i))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
+            # The schedule is sent: let the open streams finish (up to 30 s), but look for a stop
+            # all the while (a Ctrl-C there was only acted on once the 30 s were over).
+            deadline = time.monotonic() + 30
+            while tasks and not should_stop() and time.monotonic() < deadline:
+                await asyncio.wait(tasks, timeout=0.25)
+                live.update(render(results, started, engine))
             if tasks and should_stop():
                 # Stopped (Ctrl-C, or the stack is going down): do not hold the stop up for the
                 # streams still open; cancelling them cancels their requests.
                 for t in tasks:
                     t.cancel()
                 await asyncio.wait(tasks, timeout=5)
-            elif tasks:
-                await asyncio.wait(tasks, timeout=30)
             live.update(render(results, started, engine))
     return results

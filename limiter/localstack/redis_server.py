@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import redis
 from redis.crc import key_slot
@@ -49,8 +49,13 @@ class RedisServer:
     def start(self, timeout_s: float = 10.0) -> RedisServer:
         if shutil.which(self.binary) is None:
             raise RuntimeError(f"{self.binary} not found on PATH")
+        first = self.proc is None
+        # Its log goes to a file in its dir: a start that fails says why (a port taken since
+        # free_port() looked, a bad flag), where "exited with 1" was all there was to read.
+        log = self.dir / "redis.log"
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning", *self.extra]
+                "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning",
+                "--logfile", str(log), *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=self.new_session, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout_s
@@ -62,10 +67,21 @@ class RedisServer:
             except (redis.exceptions.BusyLoadingError, redis.exceptions.ConnectionError):
                 pass
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+                self._failed(first, f"redis-server on port {self.port} exited with {self.proc.returncode}")
             time.sleep(0.02)
         self.kill()
-        raise RuntimeError("redis-server did not start")
+        self._failed(first, f"redis-server on port {self.port} did not answer within {timeout_s:g} s")
+
+    def _failed(self, first: bool, what: str) -> NoReturn:
+        """Raise ``what`` with the tail of the server's log; a first start leaves no dir behind
+        (each failed start of `qos up` left a qos-redis-* directory)."""
+        try:
+            tail = (self.dir / "redis.log").read_text(errors="replace").strip().splitlines()[-3:]
+        except OSError:
+            tail = []
+        if first:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        raise RuntimeError(what + (": " + " / ".join(t.strip() for t in tail) if tail else ""))
 
     def restart(self) -> RedisServer:
         """Kill and start again on the same port and data dir."""

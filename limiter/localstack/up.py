@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import os
 import shutil
 import signal
@@ -161,8 +162,8 @@ def _check_args(args: argparse.Namespace) -> None:
     for flag, value in openai_only:
         if value is not None and args.engine != "openai":
             raise ConfigError(flag, "applies to --engine openai only")
-    if args.demo_duration < 0:
-        raise ConfigError("--demo-duration", "must be >= 0")
+    if not 0 <= args.demo_duration < math.inf:  # inf (and nan) made a schedule that never ends
+        raise ConfigError("--demo-duration", "must be a number of seconds >= 0 (0: until Ctrl-C)")
     if not 0 < args.ready_timeout <= 86_400:
         raise ConfigError("--ready-timeout", "must be in (0, 86400] seconds")
 
@@ -199,9 +200,22 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
     return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s, "worker": wk.drain_timeout_s}
 
 
+def check_demo_load(cfg: config_mod.QosConfig) -> None:
+    """--demo-load sends with the demo keys to the demo classes: a config without them got a
+    401 for every request, and `qos up` still exited 0."""
+    known = {k for t in cfg.tenants for k in t.key_sha256}
+    for key, cls in config_mod.DEMO_KEYS.items():
+        if config_mod.hash_key(key) not in known or cls not in cfg.class_names():
+            raise ConfigError("--demo-load", f"sends as the demo tenants ({', '.join(config_mod.DEMO_KEYS)}, "
+                              f"classes {', '.join(config_mod.DEMO_KEYS.values())}), which this config does "
+                              f"not have ({key!r} / class {cls}); use it with the demo config (no --config)")
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     cfg = load_config(args)
+    if args.demo_load:
+        check_demo_load(cfg)
     limits = stop_limits(cfg, args)
     if args.engine == "torch":
         require("torch", "qos up --engine torch")

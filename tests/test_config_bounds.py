@@ -1,0 +1,157 @@
+"""What `qos config check` calls ok can run, and a bad file, URL or flag is an error that
+names it: the policy script's own bounds (class count, weights, bursts), unreadable files,
+malformed Redis URLs (and which setting gave them), `qos status`/`qos top` against a Redis
+that answers but refuses, and `qos up` flags it cannot honour. Each was found by review as a
+traceback, or as a config that every role then failed to start with."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from limiter import config
+from limiter.cli import build_parser, main
+from limiter.errors import ConfigError
+from limiter.keys import PoolKeys
+from limiter.scripts import policy_document
+
+BASE = """
+[redis]
+url = "redis://127.0.0.1:6390/0"
+
+[[classes]]
+name = "P0"
+share = 0.6
+WEIGHT
+
+[[classes]]
+name = "P1"
+share = 0.4
+
+[[pools]]
+name = "tiny"
+context_tokens = 8192
+CAPACITY
+"""
+
+
+def _write(tmp_path, weight="", capacity="", extra_classes=""):
+    p = tmp_path / "qos.toml"
+    p.write_text(BASE.replace("WEIGHT", weight).replace("CAPACITY", capacity) + extra_classes)
+    return p
+
+
+# --- `qos config check FILE`: a bad file must be a config error, never a traceback ---------------
+
+def test_config_check_on_a_directory_is_a_config_error_not_a_traceback(tmp_path, capsys):
+    # config.load catches FileNotFoundError only: IsADirectoryError escapes cli.main.
+    assert main(["config", "check", str(tmp_path)]) == 2
+    assert str(tmp_path) in capsys.readouterr().err
+
+
+def test_config_check_on_a_file_that_is_not_utf8_is_a_config_error_not_a_traceback(tmp_path, capsys):
+    # tomllib raises UnicodeDecodeError (not TOMLDecodeError) for bytes that are not UTF-8.
+    p = tmp_path / "qos.toml"
+    p.write_bytes(b"\xff\xfe = 1\n")
+    assert main(["config", "check", str(p)]) == 2
+    assert "qos.toml" in capsys.readouterr().err
+
+
+# --- what `qos config check` calls ok must be what the pool's policy script accepts ---------------
+
+@pytest.mark.parametrize(("weight", "capacity", "extra_classes"), [
+    ("weight = 2e6", "", ""),                     # init_pool: weight in [0, 1e6]
+    ("out_weight = inf", "", ""),                 # init_pool: not a number
+    ("burst_s = 3600", "capacity_tokens_s = 1e12", ""),  # init_pool: burst 2.16e15 > 1e15
+    ("", "", "".join(f'\n[[classes]]\nname = "X{i}"\nshare = 0.0\n' for i in range(15))),  # 17 classes > 16
+], ids=["weight-2e6", "out_weight-inf", "capacity-1e12-burst", "17-classes"])
+async def test_a_config_that_check_accepts_can_initialise_its_pool(tmp_path, scripts, weight, capacity,
+                                                                  extra_classes):
+    path = _write(tmp_path, weight, capacity, extra_classes)
+    try:
+        cfg = config.load(path, {})
+    except ConfigError:
+        return  # refused up front, naming the field: fine
+    # Accepted: then every role's start (frontend/worker/controller call init_pool) must work.
+    await scripts.init_pool(PoolKeys("tiny"), policy_document(cfg, cfg.pool("tiny")))
+
+
+# --- the Redis URL / cluster flag: a bad value must be named, not a traceback ---------------------
+
+def test_a_redis_url_with_a_bad_port_is_a_config_error(tmp_path, capsys):
+    # validate() checks only the scheme; redis-py's ValueError escapes `qos status`.
+    rc = main(["status", "--redis-url", "redis://127.0.0.1:notaport/0"])
+    assert rc == 2
+    assert "redis" in capsys.readouterr().err.lower()
+
+
+def test_status_against_a_db_index_out_of_range_is_an_error_line_not_a_traceback(redis_server, capsys):
+    url = redis_server.url.rsplit("/", 1)[0] + "/99"  # the private server has 16 databases
+    rc = main(["status", "--redis-url", url])
+    assert rc in (1, 2)
+    assert "DB index" in capsys.readouterr().err
+
+
+def test_status_with_cluster_on_a_standalone_redis_is_an_error_line_not_a_traceback(
+        redis_server, monkeypatch, capsys):
+    monkeypatch.setenv("QOS_REDIS_CLUSTER", "1")
+    rc = main(["status", "--redis-url", redis_server.url])
+    assert rc in (1, 2)
+    assert "cluster" in capsys.readouterr().err.lower()
+
+
+def test_a_bad_qos_redis_url_is_named_as_the_env_override(tmp_path):
+    # The error says "redis.url: must start with redis://" although the file's redis.url is fine
+    # and the bad value came from QOS_REDIS_URL (or --redis-url).
+    with pytest.raises(ConfigError) as exc:
+        config.load(_write(tmp_path), {"QOS_REDIS_URL": "http://127.0.0.1:6390"})
+    assert "QOS_REDIS_URL" in str(exc.value)
+
+
+# --- `qos up` flags ------------------------------------------------------------------------------
+
+def _up_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["up", *argv])
+
+
+def test_qos_up_refuses_an_infinite_demo_duration():
+    # --demo-duration inf passes `< 0`; run_demo_load then builds poisson_schedule(..., inf), which
+    # never ends (t >= inf is never true): the stack is up but the demo hangs, eating memory.
+    from limiter.localstack import up
+
+    with pytest.raises(ConfigError) as exc:
+        up._check_args(_up_args("--demo-load", "--demo-duration", "inf"))
+    assert "--demo-duration" in str(exc.value)
+
+
+@pytest.mark.parametrize("interval", ["-1", "0", "nan"])
+def test_top_refuses_an_interval_that_would_poll_redis_in_a_busy_loop(redis_server, interval, capsys):
+    # --interval is not checked: -1, 0 or nan give asyncio.sleep(0) between full snapshots, so
+    # `qos top` (meant to be "safe to call at any rate") polls Redis flat out.
+    rc = main(["top", "--interval", interval, "--iterations", "2", "--redis-url", redis_server.url])
+    assert rc == 2
+    assert "--interval" in capsys.readouterr().err
+
+
+async def test_a_tenant_that_check_accepts_can_be_admitted(tmp_path, scripts):
+    # tenants[].rate_tokens_s <= 1e12 and burst_s <= 3600 pass validate(), but the frontend sends
+    # tenant_burst = rate_tokens_s * burst_s (generation.py) and admit.lua refuses above 1e15:
+    # every request of this tenant fails although `qos config check` said ok.
+    from tests.support.helpers import admit
+
+    text = BASE.replace("WEIGHT", "").replace("CAPACITY", "") + (
+        '\n[[tenants]]\nname = "big"\nkey_sha256 = ["' + config.hash_key("k") + '"]\n'
+        'rate_tokens_s = 1e12\nburst_s = 3600.0\n')
+    p = tmp_path / "qos.toml"
+    p.write_text(text)
+    try:
+        cfg = config.load(p, {})
+    except ConfigError:
+        return
+    keys = PoolKeys("tiny")
+    await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
+    await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})
+    t = cfg.tenants[0]
+    await admit(scripts, keys, cls="P1", tenant=t.name, tenant_rate=t.rate_tokens_s,
+                tenant_burst=t.rate_tokens_s * t.burst_s)

@@ -1,0 +1,110 @@
+"""`qos up` when its private redis-server cannot start (what is left behind, what is said:
+run in-process, nothing but Redis is started before the failure), and its demo load (a
+config without the demo keys, a Ctrl-C once the timed schedule is sent)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import tempfile
+import time
+
+import pytest
+
+from limiter.cli import main
+from tests.support.redis_server import free_port
+
+
+@pytest.fixture
+def redis_on_a_taken_port(tmp_path, monkeypatch):
+    """A PATH whose redis-server is the real one told to listen on a port somebody holds, as
+    when the free port qos up picked is taken before redis-server binds it; and a TMPDIR of
+    the test's own, to see what qos up leaves there."""
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    taken = holder.getsockname()[1]
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    fake = bindir / "redis-server"
+    fake.write_text(f"#!/bin/sh\nexec {shutil.which('redis-server')} \"$@\" --port {taken}\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setenv("PATH", f"{bindir}:{os.environ['PATH']}")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    for var in ("QOS_CONFIG", "QOS_REDIS_URL", "QOS_REDIS_CLUSTER"):
+        monkeypatch.delenv(var, raising=False)
+    yield tmp, taken
+    holder.close()
+
+
+def test_a_redis_server_that_fails_to_start_leaves_no_temp_dir(redis_on_a_taken_port):
+    tmp, _taken = redis_on_a_taken_port
+    rc = main(["up", "--port", str(free_port()), "--workers", "1"])
+    assert rc == 1
+    # RedisServer.start raises without removing its mkdtemp'd --dir; run() never gets an object
+    # to stop, so every failed start leaves a /tmp/qos-redis-* directory behind.
+    assert [p.name for p in tmp.iterdir()] == []
+
+
+def test_a_redis_server_that_fails_to_start_says_why(redis_on_a_taken_port, capsys):
+    _tmp, taken = redis_on_a_taken_port
+    rc = main(["up", "--port", str(free_port()), "--workers", "1"])
+    assert rc == 1
+    err = capsys.readouterr()
+    out = err.out + err.err
+    # All qos up says is "redis-server exited with 1": its output goes to /dev/null, so the
+    # port conflict (or a bad flag, a full disk...) is never reported.
+    assert "in use" in out or str(taken) in out, out
+
+
+# --- `qos up --demo-load` ------------------------------------------------------------------------
+
+def _demo_keys_config(path, time_scale: float):
+    """The demo's three keys and classes, with a slow simulated GPU (requests stay open)."""
+    from limiter.config import hash_key
+    from limiter.localstack.toml_writer import write_toml
+    from tests.support.helpers import three_classes
+
+    tenants = [{"name": f"demo-{c.lower()}", "key_sha256": [hash_key(f"demo-{c.lower()}")],
+                "default_class": c, "max_class": c} for c in ("P0", "P1", "P2")]
+    return write_toml({
+        "redis": {"url": "redis://127.0.0.1:1/0"},
+        "classes": three_classes(),
+        "pools": [{"name": "tiny", "context_tokens": 16384, "lease_ms": 2000}],
+        "tenants": tenants,
+        "frontend": {"shutdown_grace_s": 2.0, "heartbeat_s": 0.5},
+        "worker": {"time_scale": time_scale, "drain_timeout_s": 2.0, "heartbeat_s": 0.5},
+    }, path)
+
+
+def test_ctrl_c_at_the_end_of_a_timed_demo_load_is_not_ignored_for_30_s(tmp_path):
+    # run_demo_load: once the schedule of --demo-duration is sent it waits up to 30 s for the
+    # open streams (asyncio.wait(tasks, timeout=30)) without looking at should_stop(): a
+    # Ctrl-C (or a dead frontend) in that window is not acted on until the 30 s are over.
+    from tests.support.up_stack import Up
+
+    cfg = _demo_keys_config(tmp_path / "qos.toml", time_scale=200.0)
+    port = free_port()
+    with Up(port, "--config", str(cfg), "--engine", "sim", "--demo-load", "--demo-duration", "2") as up:
+        up.wait_ready(180)
+        time.sleep(4.0)  # the 2 s schedule is sent; slow streams are still open
+        up.ctrl_c()
+        sent = time.monotonic()
+        up.wait_line(r"^qos up: stopping", 60, "the stop to begin")
+        assert time.monotonic() - sent < 10, up.output
+
+
+def test_demo_load_with_a_config_that_has_no_demo_keys_is_refused(tmp_path):
+    # demo_loads() always sends with the keys demo-p0/p1/p2 and classes P0/P1/P2: with an
+    # operator's own config every request is a 401 ("other" in the table) and qos up exits 0.
+    from tests.support.up_stack import Up, write_config
+
+    cfg = write_config(tmp_path / "qos.toml")
+    port = free_port()
+    with Up(port, "--config", str(cfg), "--engine", "sim", "--demo-load", "--demo-duration", "3") as up:
+        rc = up.wait_exit(180)
+        assert rc != 0 and "--demo-load" in up.output, f"rc={rc}\n{up.output[-3000:]}"
