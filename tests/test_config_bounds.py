@@ -14,32 +14,17 @@ from limiter import config
 from limiter.cli import build_parser, main
 from limiter.errors import ConfigError
 from limiter.keys import PoolKeys
+from limiter.localstack.toml_writer import write_toml
 from limiter.scripts import policy_document
 
-BASE = """
-[redis]
-url = "redis://127.0.0.1:6390/0"
 
-[[classes]]
-name = "P0"
-share = 0.6
-WEIGHT
-
-[[classes]]
-name = "P1"
-share = 0.4
-
-[[pools]]
-name = "tiny"
-context_tokens = 8192
-CAPACITY
-"""
-
-
-def _write(tmp_path, weight="", capacity="", extra_classes=""):
-    p = tmp_path / "qos.toml"
-    p.write_text(BASE.replace("WEIGHT", weight).replace("CAPACITY", capacity) + extra_classes)
-    return p
+def _write(tmp_path, p0: dict | None = None, pool: dict | None = None, extra_classes: int = 0,
+           tenants: list | None = None):
+    classes = [{"name": "P0", "share": 0.6, **(p0 or {})}, {"name": "P1", "share": 0.4}]
+    classes += [{"name": f"X{i}", "share": 0.0} for i in range(extra_classes)]
+    return write_toml({"redis": {"url": "redis://127.0.0.1:6390/0"}, "classes": classes,
+                       "pools": [{"name": "tiny", "context_tokens": 8192, **(pool or {})}],
+                       "tenants": tenants or []}, tmp_path / "qos.toml")
 
 
 # --- `qos config check FILE`: a bad file must be a config error, never a traceback ---------------
@@ -60,15 +45,15 @@ def test_config_check_on_a_file_that_is_not_utf8_is_a_config_error_not_a_traceba
 
 # --- what `qos config check` calls ok must be what the pool's policy script accepts ---------------
 
-@pytest.mark.parametrize(("weight", "capacity", "extra_classes"), [
-    ("weight = 2e6", "", ""),                     # init_pool: weight in [0, 1e6]
-    ("out_weight = inf", "", ""),                 # init_pool: not a number
-    ("burst_s = 3600", "capacity_tokens_s = 1e12", ""),  # init_pool: burst 2.16e15 > 1e15
-    ("", "", "".join(f'\n[[classes]]\nname = "X{i}"\nshare = 0.0\n' for i in range(15))),  # 17 classes > 16
+@pytest.mark.parametrize(("p0", "pool", "extra_classes"), [
+    ({"weight": 2e6}, None, 0),  # init_pool: weight in [0, 1e6]
+    ({"out_weight": float("inf")}, None, 0),  # init_pool: not a number
+    ({"burst_s": 3600}, {"capacity_tokens_s": 1e12}, 0),  # init_pool: burst 2.16e15 > 1e15
+    (None, None, 15),  # 17 classes > 16
 ], ids=["weight-2e6", "out_weight-inf", "capacity-1e12-burst", "17-classes"])
-async def test_a_config_that_check_accepts_can_initialise_its_pool(tmp_path, scripts, weight, capacity,
+async def test_a_config_that_check_accepts_can_initialise_its_pool(tmp_path, scripts, p0, pool,
                                                                   extra_classes):
-    path = _write(tmp_path, weight, capacity, extra_classes)
+    path = _write(tmp_path, p0, pool, extra_classes)
     try:
         cfg = config.load(path, {})
     except ConfigError:
@@ -140,11 +125,8 @@ async def test_a_tenant_that_check_accepts_can_be_admitted(tmp_path, scripts):
     # every request of this tenant fails although `qos config check` said ok.
     from tests.support.helpers import admit
 
-    text = BASE.replace("WEIGHT", "").replace("CAPACITY", "") + (
-        '\n[[tenants]]\nname = "big"\nkey_sha256 = ["' + config.hash_key("k") + '"]\n'
-        'rate_tokens_s = 1e12\nburst_s = 3600.0\n')
-    p = tmp_path / "qos.toml"
-    p.write_text(text)
+    p = _write(tmp_path, tenants=[{"name": "big", "key_sha256": [config.hash_key("k")], "rate_tokens_s": 1e12,
+                                   "burst_s": 3600.0}])
     try:
         cfg = config.load(p, {})
     except ConfigError:
