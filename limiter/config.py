@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis.connection
+
 from limiter import token_count
 from limiter.errors import ConfigError
 from limiter.keys import CLASS_NAME_RE, NAME_RE
@@ -212,6 +214,7 @@ def check_redis_url(url: str, path: str) -> None:
            "must start with redis://, rediss:// or unix://")
     try:
         _ = urllib.parse.urlsplit(url).port
+        redis.connection.parse_url(url)  # its query too (?db=x was a traceback)
     except ValueError as exc:
         raise ConfigError(path, f"not a valid URL: {exc}") from exc
 
@@ -266,9 +269,14 @@ def validate(cfg: QosConfig) -> QosConfig:
                "must be in [1, context_tokens]")
         _check(0 < pool.capacity_tokens_s <= MAX_CAPACITY_TOKENS_S, f"{p}.capacity_tokens_s",
                "must be in (0, 1e12]")
+        # the controller's burst_s, when set, replaces the classes' in every rate it writes
+        ctl_burst = cfg.controller.get("burst_s", 0)
         longest = max(c.burst_s for c in cfg.classes)
+        if not isinstance(ctl_burst, bool) and isinstance(ctl_burst, int | float) and ctl_burst > longest:
+            longest = ctl_burst
         _check(pool.capacity_tokens_s * longest <= MAX_BURST_TOKENS, f"{p}.capacity_tokens_s",
-               f"times the longest class burst_s ({longest:g} s) must be <= {MAX_BURST_TOKENS:g} tokens")
+               f"times the longest burst_s ({longest:g} s, of a class or [controller]) must be "
+               f"<= {MAX_BURST_TOKENS:g} tokens")
         _check(100 <= pool.lease_ms <= 3_600_000, f"{p}.lease_ms", "must be in [100, 3600000]")
         _check(1 <= pool.max_attempts <= 100, f"{p}.max_attempts", "must be in [1, 100]")
         _check(100 <= pool.frontend_ttl_ms <= 3_600_000, f"{p}.frontend_ttl_ms", "must be in [100, 3600000]")

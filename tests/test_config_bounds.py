@@ -12,6 +12,8 @@ import pytest
 
 from limiter import config
 from limiter.cli import build_parser, main
+from limiter.controller.control_law import _rates
+from limiter.controller.settings import load_settings
 from limiter.errors import ConfigError
 from limiter.keys import PoolKeys
 from limiter.localstack.toml_writer import write_toml
@@ -137,3 +139,64 @@ async def test_a_tenant_that_check_accepts_can_be_admitted(tmp_path, scripts):
     t = cfg.tenants[0]
     await admit(scripts, keys, cls="P1", tenant=t.name, tenant_rate=t.rate_tokens_s,
                 tenant_burst=t.rate_tokens_s * t.burst_s)
+
+
+CONTROLLER_BURST_CFG = """
+[redis]
+url = "redis://127.0.0.1:6390/0"
+
+[[classes]]
+name = "P0"
+share = 0.6
+burst_s = 0.5
+
+[[classes]]
+name = "P1"
+share = 0.4
+burst_s = 0.5
+
+[[pools]]
+name = "tiny"
+context_tokens = 8192
+capacity_tokens_s = 1e12
+
+[controller]
+burst_s = 3600.0
+"""
+
+
+async def test_config_check_ok_means_the_controller_can_write_its_rates(tmp_path, scripts, aredis):
+    """The controller's own ``[controller] burst_s`` replaces every class's burst_s in the
+    rates it writes: bounding by the classes' alone, `qos config check` said ok to a config
+    whose first rate change set_rates refused (burst > 1e15)."""
+    p = tmp_path / "qos.toml"
+    p.write_text(CONTROLLER_BURST_CFG)
+    try:
+        cfg = config.load(p, env={})  # config check
+        settings = load_settings(cfg)  # the controller's settings
+    except ConfigError as exc:
+        assert exc.path == "pools[0].capacity_tokens_s" and "[controller]" in exc.message
+        return  # refused at config check, naming both: what is wanted
+    pool = cfg.pool("tiny")
+    keys = PoolKeys("tiny")
+    await scripts.init_pool(keys, policy_document(cfg, pool))
+    fence, _ = await scripts.acquire_leader(keys, "ctl1", 10_000)
+    control = settings.control_config(cfg)
+    rates = _rates(control, pool.capacity_tokens_s, list(control.ceilings))
+    fields = {"capacity": pool.capacity_tokens_s}
+    for name, r in rates.items():
+        fields |= {f"{name}.rate": r.rate, f"{name}.burst": r.burst,
+                   f"{name}.ceil": r.ceil, f"{name}.ceil_burst": r.ceil_burst}
+    # what the controller's tick sends when it moves the rates (decision.policy_fields())
+    await scripts.set_rates(keys, "ctl1", fence, {"test": 1}, fields)
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1/0?db=x", "redis://127.0.0.1:1/0?socket_timeout=abc"])
+def test_qos_status_with_a_bad_redis_url_query_is_a_config_error(url, capsys):
+    """A query value redis-py cannot parse (not only a bad port) is a config error too."""
+    try:
+        rc = main(["status", "--redis-url", url])
+    except (ValueError, TypeError) as exc:
+        pytest.fail(f"traceback instead of a config error: {type(exc).__name__}: {exc}")
+    assert rc == 2
+    assert "config error" in capsys.readouterr().err

@@ -108,3 +108,33 @@ def test_demo_load_with_a_config_that_has_no_demo_keys_is_refused(tmp_path):
     with Up(port, "--config", str(cfg), "--engine", "sim", "--demo-load", "--demo-duration", "3") as up:
         rc = up.wait_exit(180)
         assert rc != 0 and "--demo-load" in up.output, f"rc={rc}\n{up.output[-3000:]}"
+
+
+def test_a_failed_first_start_keeps_a_data_dir_the_caller_gave(tmp_path):
+    """A first start that fails removes the temp dir RedisServer made, never a data dir the
+    caller gave it."""
+    from tests.support.redis_server import RedisServer
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "appendonly.aof").write_text("keep me")
+    with socket.socket() as taken:  # bound, not listening: redis-server cannot bind it
+        taken.bind(("127.0.0.1", 0))
+        server = RedisServer(dir=data, port=taken.getsockname()[1])
+        with pytest.raises(RuntimeError):
+            server.start(timeout_s=3)
+    assert (data / "appendonly.aof").exists(), "the caller's data dir was deleted"
+
+
+def test_start_on_a_port_another_redis_holds_fails(redis_server):
+    """When another redis-server holds the port (taken since free_port() looked), its answer
+    to a ping passed for ours: start returned as started while its own server had exited, and
+    the caller used (the test fixtures FLUSHALL) somebody else's Redis."""
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer(port=redis_server.port)
+    try:
+        with pytest.raises(RuntimeError):
+            server.start(timeout_s=3)
+    finally:
+        server.stop()

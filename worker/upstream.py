@@ -258,6 +258,7 @@ class UpstreamLoop:
         for d in got:
             if (old := self.tasks.get(d.request_id)) is not None:
                 old.cancel()  # its attempt's lease had lapsed: this claim is the request now
+                self.why.pop(d.request_id, None)  # news for the old attempt, not this one
             self.tasks[d.request_id] = asyncio.create_task(self._serve(d))
         self._track_busy()
         if got:

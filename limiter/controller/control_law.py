@@ -34,6 +34,7 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
+from limiter.config import MAX_BURST_TOKENS
 from limiter.errors import ConfigError, InvalidArgument
 from limiter.keys import NAME_RE
 
@@ -224,11 +225,14 @@ class Decision:
         return self.now_ms + self.state.config.settle_s * 1000 if self.changed else None
 
     def policy_fields(self) -> dict[str, float]:
-        """The field/value pairs for ``set_rates`` (policy hash fields)."""
+        """The field/value pairs for ``set_rates`` (policy hash fields). A burst is capped at
+        the script's bound (1e15 tokens): a capacity measured far above the configured one,
+        times a long burst_s, was refused on every tick."""
         out: dict[str, float] = {}
         for c in self.classes:
-            out |= {f"{c.name}.rate": c.new.rate, f"{c.name}.burst": c.new.burst}
-            out |= {f"{c.name}.ceil": c.new.ceil, f"{c.name}.ceil_burst": c.new.ceil_burst}
+            out |= {f"{c.name}.rate": c.new.rate, f"{c.name}.burst": min(c.new.burst, MAX_BURST_TOKENS)}
+            out |= {f"{c.name}.ceil": c.new.ceil,
+                    f"{c.name}.ceil_burst": min(c.new.ceil_burst, MAX_BURST_TOKENS)}
         out["capacity"] = self.capacity
         return out
 

@@ -34,13 +34,19 @@ class RedisServer:
 
     extra: list[str] = field(default_factory=list)
     port: int = field(default_factory=free_port)
-    dir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="qos-redis-")))
+    dir: Path = None  # type: ignore[assignment]  # None: a temp dir of its own (__post_init__)
     proc: subprocess.Popen | None = None
     binary: str = "redis-server"
     # `qos up`: a session of its own (the terminal's Ctrl-C does not reach it; `qos up` stops
     # it last) and a preexec_fn that binds it to its parent (limiter.lifecycle.bind_to_parent).
     new_session: bool = False
     preexec_fn: Callable[[], None] | None = None
+
+    def __post_init__(self) -> None:
+        # Only a dir made here may be removed when a first start fails: a caller's is its data.
+        self.own_dir = self.dir is None
+        if self.dir is None:
+            self.dir = Path(tempfile.mkdtemp(prefix="qos-redis-"))
 
     @property
     def url(self) -> str:
@@ -60,14 +66,15 @@ class RedisServer:
                                      start_new_session=self.new_session, preexec_fn=self.preexec_fn)
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                self._failed(first, f"redis-server on port {self.port} exited with {self.proc.returncode}")
             try:
                 with redis.Redis(port=self.port, socket_connect_timeout=0.2) as probe:
-                    if probe.ping():
+                    # ours, not another server that took the port since free_port() looked
+                    if int(probe.info("server")["process_id"]) == self.proc.pid:
                         return self
             except (redis.exceptions.BusyLoadingError, redis.exceptions.ConnectionError):
                 pass
-            if self.proc.poll() is not None:
-                self._failed(first, f"redis-server on port {self.port} exited with {self.proc.returncode}")
             time.sleep(0.02)
         self.kill()
         self._failed(first, f"redis-server on port {self.port} did not answer within {timeout_s:g} s")
@@ -79,7 +86,7 @@ class RedisServer:
             tail = (self.dir / "redis.log").read_text(errors="replace").strip().splitlines()[-3:]
         except OSError:
             tail = []
-        if first:
+        if first and self.own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
         raise RuntimeError(what + (": " + " / ".join(t.strip() for t in tail) if tail else ""))
 
