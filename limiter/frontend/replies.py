@@ -103,10 +103,14 @@ class ReplyRouter:
     """Demultiplexes each pool's reply stream to per-request queues."""
 
     def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, metrics: FrontendMetrics,
-                 block_ms: int = 2000) -> None:
+                 block_ms: int = 2000, reader: Any = None) -> None:
         # block_ms stays below redis-py's 5 s default socket timeout, or every idle read
         # would end in a TimeoutError and a reconnect.
         self.client = client
+        # The blocked reads on a client of their own (one connection per pool): on the shared
+        # pool, with as many pools as connections, the readers held every connection (each
+        # took its own back before a waiting command could) and the frontend never got ready.
+        self.reader = client if reader is None else reader
         self.pools = list(pools)
         self.frontend_id = frontend_id
         self.metrics = metrics
@@ -168,7 +172,7 @@ class ReplyRouter:
         backoff = Backoff(f"reply stream {stream}", first_s=0.05, max_s=2.0, logger=log)
         while not self._stopping:
             try:
-                resp = await self.client.xread({stream: last}, count=1000, block=self.block_ms)
+                resp = await self.reader.xread({stream: last}, count=1000, block=self.block_ms)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or restarting: keep trying, never spin

@@ -55,7 +55,9 @@ class Frontend:
                                       pool_wait_s=5.0)
         self.scripts = Scripts(self.client)
         keys = list(self.pool_keys.values())
-        self.router = ReplyRouter(self.client, keys, self.frontend_id, self.metrics)
+        self.reader_client: Any = open_redis(cfg.redis, max_connections=len(keys), pool_wait_s=5.0)
+        self.router = ReplyRouter(self.client, keys, self.frontend_id, self.metrics,
+                                  reader=self.reader_client)
         self.heartbeat = Heartbeat(self.client, keys, self.frontend_id, list(self.classes),
                                    settings.heartbeat_s, trim_upto=lambda pool: self.router.last_ids[pool],
                                    outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in cfg.pools},
@@ -143,8 +145,9 @@ class Frontend:
             await self.heartbeat.leave()
         for counter in self.counters.values():
             await counter.close()
-        with contextlib.suppress(Exception):
-            await self.client.aclose()
+        for c in (self.client, self.reader_client):
+            with contextlib.suppress(Exception):
+                await c.aclose()
 
     def begin_shutdown(self) -> None:
         """SIGTERM: refuse new requests; in-flight ones get the grace period to finish.

@@ -1,0 +1,36 @@
+"""The frontend runtime: its reply readers and its Redis connection budget."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+from limiter.config import RedisConfig, demo_config, validate
+from limiter.frontend.metrics import FrontendMetrics
+from limiter.frontend.runtime import Frontend
+from limiter.frontend.settings import FrontendSettings
+from limiter.keys import PoolKeys
+
+
+async def test_a_frontend_with_as_many_pools_as_redis_connections_becomes_ready(redis_server, sync_redis):
+    """The blocking XREAD loops, one per pool, shared the frontend's connection pool with
+    everything else: with as many pools as redis_max_connections (4 and the minimum 4, both
+    valid) the readers held every connection for ever (each took its own back before a
+    waiting command could), bootstrap and every heartbeat failed with 'No connection
+    available', and the frontend was never ready. They have connections of their own now."""
+    cfg = demo_config()
+    tiny = cfg.pools[0]
+    pools = (tiny, *(dataclasses.replace(tiny, name=f"p{i}") for i in range(1, 4)))
+    cfg = validate(dataclasses.replace(cfg, redis=RedisConfig(url=redis_server.url), pools=pools))
+    fe = Frontend(FrontendSettings(redis_max_connections=4), cfg, FrontendMetrics())
+    await fe.start()
+    try:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 10.0
+        while not fe.ready() and loop.time() < end:
+            await asyncio.sleep(0.1)
+        assert fe.ready(), (f"never ready in 10 s: bootstrapped={fe.bootstrapped}, "
+                            f"reply readers healthy={fe.router.healthy}, "
+                            f"frontends zset={sync_redis.zrange(PoolKeys('tiny').frontends, 0, -1)}")
+    finally:
+        await fe.stop()
