@@ -25,6 +25,8 @@
 --!include lease.lua
 --!include liveness.lua
 --!include cancel.lua
+--!include record.lua
+--!include finish.lua
 --!include requeue.lua
 
 local function main()
