@@ -55,6 +55,11 @@ def test_worker_loss_figures_catch_a_slow_or_oscillating_follow() -> None:
     assert cb.loss_figures(s, slow, decisions, 0.0)["met"] is False  # 35 s to follow the loss
     wobbly = decisions + [{"now_ms": ms, **change} for ms in (50_000.0, 55_000.0, 60_000.0)]
     assert cb.loss_figures(s, good, wobbly, 0.0)["met"] is False  # four moves while down
+    # "before" is the capacity in force at the kill: a correction (25,000 -> 21,000 at 33 s) is
+    # not held against a full return to 21,000 (it was: the median over 25-40 s, 25,000)
+    corrected = [_row(t, 25_000 if t < 33 else 21_000 if t < 45 or t >= 85 else 10_000) for t in range(120)]
+    f = cb.loss_figures(s, corrected, decisions, 0.0)
+    assert (f["capacity_before"], f["follow_up_s"], f["met"]) == (21_000, 5.0, True)
 
 
 def test_steady_figures_count_changes_and_p0_swing_after_the_settle_time() -> None:

@@ -217,8 +217,11 @@ def flood_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], bins: Mapp
 def loss_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions: Sequence[Mapping[str, Any]],
                  t_load_ms: float) -> dict[str, Any]:
     assert s.kill_s is not None and s.restart_s is not None
-    before = _median([r["capacity"] for r in timeline
-                      if s.kill_s - 15 <= r["t_s"] < s.kill_s and r["capacity"]])
+    # The capacity in force when the worker is killed: a median over the 15 s before took in
+    # an early correction's older value (25,061 for 8.8 s, then 21,829), and a full return to
+    # 21,829 read as 83 % of "before" -- a failed follow-up of a step that was followed.
+    held = [r["capacity"] for r in timeline if r["t_s"] < s.kill_s and r["capacity"]]
+    before = held[-1] if held else None
 
     def follow(start: float, end: float, want: Callable[[float], bool]) -> float | None:
         for row in timeline:
