@@ -135,8 +135,10 @@ class PoolKeys:
 
     @property
     def compliance(self) -> str:
-        """HASH class -> SLO compliance (0..1), plus the ``capacity`` estimate and its basis, written by the
-        leading controller every tick (it expires unless rewritten)."""
+        """HASH class -> SLO compliance (0..1), plus the capacity estimate and its basis in fields
+        that start with a dot (``.capacity``, ``.capacity_source``, ...: no class name has a dot,
+        so a class named ``capacity`` cannot collide with them), written by the leading
+        controller every tick (it expires unless rewritten)."""
         return self.base + "compliance"
 
     @property

@@ -72,7 +72,7 @@ async def test_violating_samples_tighten_the_lower_classes(aredis, pool, cfg):
         compliance = await aredis.hgetall(pool.compliance)
         assert float(compliance[b"P0"]) < 0.95 and float(compliance[b"P1"]) == 1.0
         assert b"P2" not in compliance  # no SLO: no score, rather than a perfect one
-        assert float(compliance[b"capacity"]) == pytest.approx(20000.0)
+        assert float(compliance[b".capacity"]) == pytest.approx(20000.0)
         assert await aredis.pttl(pool.compliance) > 0
         assert metric(ctl.metrics, "qos_controller_rate_writes_total", pool="tiny") >= 1
         assert metric(ctl.metrics, "qos_controller_decisions_total", pool="tiny", **{"class": "P2"},
@@ -297,7 +297,7 @@ async def test_worker_heartbeats_move_the_capacity_and_every_rate_follows(aredis
     policy = await aredis.hgetall(pool.policy)
     assert float(policy[b"capacity"]) == pytest.approx(30000.0)
     assert float(policy[b"P1.rate"]) == pytest.approx(0.35 * 30000.0)
-    assert float((await aredis.hgetall(pool.compliance))[b"capacity"]) == pytest.approx(30000.0)
+    assert float((await aredis.hgetall(pool.compliance))[b".capacity"]) == pytest.approx(30000.0)
     await aredis.zrem(pool.workers, "w2")  # a clean shutdown: its share leaves at once
     decision = await pc.tick(pc.term)  # a capacity change rescales at once, cooldown or not
     assert pc.term.estimator.estimate().live_workers == 1

@@ -56,7 +56,8 @@ async def test_sim_step_sleeps_for_the_cost_model_times_time_scale() -> None:
     out = await eng.step(plan)
     elapsed = time.perf_counter() - t
     assert expected == pytest.approx(CostModel().cost(32768, 0, 32768))
-    assert expected * scale <= elapsed < expected * scale * 1.5 + 0.02
+    # never shorter than the model says; under twice it (a double sleep), with room for a busy machine
+    assert expected * scale <= elapsed < expected * scale * 2
     assert list(out) == ["long"]  # its prompt completed: first token
     await eng.step(StepPlan(prefill=(PrefillChunk("short", 0, 2),)))
     plan = StepPlan(decode=("short", "long"))

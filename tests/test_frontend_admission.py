@@ -15,6 +15,7 @@ import pytest
 from limiter.samples import decode_sample
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
+from tests.support.helpers import wait_until
 
 # Tenant "slow": 20 weighted tokens/s, burst 20. A request "ab" with max_tokens 7 costs
 # 3 (2 bytes + BOS) + 7 = 10, and the fixed-text worker uses all 7: no refund blurs the math.
@@ -39,13 +40,6 @@ async def cfg(redis_server, sync_redis):
 async def client(cfg):
     async with frontend(cfg) as c:
         yield c
-
-
-async def _wait_for(pred, timeout: float = 3.0) -> None:
-    end = time.monotonic() + timeout
-    while not pred():
-        assert time.monotonic() < end, "condition not reached"
-        await asyncio.sleep(0.01)
 
 
 async def test_429_retry_after_is_honest(client, aredis):
@@ -74,7 +68,7 @@ async def test_short_bucket_wait_is_slept_not_rejected(client, aredis):
         t0 = time.monotonic()
         r = await client.post("/v1/completions", json=SLOW, headers=h)
         assert r.status == 200
-        assert 0.4 <= time.monotonic() - t0 < 1.5
+        assert time.monotonic() - t0 >= 0.4  # it slept for the bucket (one retry, below)
     text = await (await client.get("/metrics")).text()
     assert 'qos_frontend_admission_retries_total{class="P1",pool="tiny"} 1.0' in text
 
@@ -97,7 +91,7 @@ async def test_rejections_by_the_system_leave_a_sample_for_the_controller(redis_
                    tenants=[*TENANTS, tenant("tiny-p1", "key-tiny-p1", "P1", rate=1, burst_s=1.0)])
     async with frontend(cfg) as client:  # no worker: what is queued stays queued
         first = asyncio.create_task(client.post("/v1/completions", json=SLOW, headers=auth("demo-p0")))
-        await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P0") or 0) == 1)
+        await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P0") or 0) == 1, "one P0 request queued")
         r = await client.post("/v1/completions", json=SLOW, headers=auth("demo-p0"))
         err = (await r.json())["error"]  # 10 weighted tokens ahead at 10/s: 1 s, past 400 ms
         assert r.status == 429 and err["code"] == "max_wait_exceeded" and "max wait" in err["message"]
@@ -106,16 +100,23 @@ async def test_rejections_by_the_system_leave_a_sample_for_the_controller(redis_
                               headers=auth("demo-p2"))
         assert r.status == 503 and (await r.json())["error"]["code"] == "queue_full"
         second = asyncio.create_task(client.post("/v1/completions", json=SLOW, headers=auth("key-tiny-p1")))
-        await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1)
+        await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1, "one P1 request queued")
         r = await client.post("/v1/completions", json=SLOW, headers=auth("key-tiny-p1"))
         assert r.status == 429 and "tenant" in (await r.json())["error"]["message"]
         assert (await first).status == 503 and (await second).status == 503  # their max waits passed
-        await _wait_for(lambda: sync_redis.xlen(POOL.samples) >= 4)
+        await wait_until(lambda: sync_redis.xlen(POOL.samples) >= 4, "four latency samples")
     samples = [msgpack.unpackb(f[b"d"], raw=False) for _, f in sync_redis.xrange(POOL.samples)]
     rejected = [(x["class"], x["tenant"], x["input_tokens"]) for x in samples if x["outcome"] == "rejected"]
     assert sorted(rejected) == [("P0", "demo-p0", 3), ("P2", "demo-p2", 2)], samples
     for x in samples:  # every sample, rejected ones included, is one the controller accepts
         decode_sample(x, ("P0", "P1", "P2"))
+
+
+def _only_record(sync_redis) -> dict[bytes, bytes]:
+    """The record of the one request this test sent."""
+    keys = sync_redis.keys(POOL.request_prefix + "*")
+    assert len(keys) == 1, keys
+    return sync_redis.hgetall(keys[0])
 
 
 async def test_queue_timeout_is_503_and_refunds(client, sync_redis):
@@ -128,7 +129,10 @@ async def test_queue_timeout_is_503_and_refunds(client, sync_redis):
     err = (await r.json())["error"]
     assert err["code"] == "queue_timeout" and "max queue wait" in err["message"]
     assert int(r.headers["Retry-After"]) >= 1
-    assert 0.14 <= elapsed < 2.0
+    # Never before its own max wait; that it was the header's 150 ms and not P1's class wait
+    # is read from the record, not from how soon the answer came on this machine.
+    assert elapsed >= 0.14
+    assert _only_record(sync_redis)[b"max_wait_ms"] == b"150"
     assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0
     assert sync_redis.hget(POOL.stats, "P1.expired") == b"1"
     assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) == pytest.approx(1000.0, abs=1.0)
@@ -140,13 +144,14 @@ async def test_max_wait_header_cannot_lengthen(client, sync_redis):
     r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
                           headers=auth("demo-p0", **{"X-QoS-Max-Wait-Ms": "86400000"}))
     assert r.status == 503 and (await r.json())["error"]["code"] == "queue_timeout"
-    assert 0.35 <= time.monotonic() - t0 < 2.0
+    assert time.monotonic() - t0 >= 0.35
+    assert _only_record(sync_redis)[b"max_wait_ms"] == b"400"  # the class's, not the day asked for
 
 
 async def test_tenant_concurrency_cap_is_429(client, sync_redis):
     first = asyncio.create_task(client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
                                             headers=auth("key-single", **{"X-QoS-Max-Wait-Ms": "1000"})))
-    await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1)
+    await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1, "one P1 request queued")
     second = {"model": "tiny", "prompt": "y"}
     r = await client.post("/v1/completions", json=second, headers=auth("key-single"))
     assert r.status == 429 and (await r.json())["error"]["code"] == "too_many_inflight"
@@ -164,10 +169,10 @@ async def test_worker_failure_is_503(client, aredis):
 async def test_disconnect_while_queued_cancels_and_refunds_in_full(client, sync_redis):
     task = asyncio.create_task(client.post("/v1/chat/completions", headers=auth("key-frugal"), json={
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50}))
-    await _wait_for(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1)
+    await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 1, "one P1 request queued")
     assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) < 1000 - 50
     task.cancel()  # the client closes its connection
-    await _wait_for(lambda: sync_redis.hget(POOL.stats, "P1.cancelled") == b"1")
+    await wait_until(lambda: sync_redis.hget(POOL.stats, "P1.cancelled") == b"1", "the P1 cancel counted")
     assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0 and sync_redis.zcard(POOL.deadlines) == 0
     assert sync_redis.hlen(POOL.tenant_inflight) == 0
     assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) == pytest.approx(1000.0, abs=1.0)
@@ -182,7 +187,8 @@ async def test_disconnect_mid_stream_stops_the_worker_and_reconciles(client, are
         assert first.startswith(b"data: ")
         rid = resp.headers["X-QoS-Request-Id"]
         resp.close()  # drop the connection mid-stream
-        await _wait_for(lambda: any(s.request_id == rid for s in w.served), timeout=5)
+        await wait_until(lambda: any(s.request_id == rid for s in w.served),
+                         "the worker to finish the dropped stream")
         served = await w.by_id(rid)
     assert served.outcome == "cancelled"
     assert 1 <= served.usage_out < 100  # the worker stopped long before 200 tokens
@@ -201,9 +207,11 @@ async def test_safety_timeout_cancels(redis_server, sync_redis, aredis, cfg):
             FakeWorker(aredis, POOL, fixed_text="slow", delay_s=3.0, batch=1):
         t0 = time.monotonic()
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        # request_timeout (not a late answer from the 3 s worker) says the 1 s timeout fired.
         assert r.status == 503 and (await r.json())["error"]["code"] == "request_timeout"
-        assert time.monotonic() - t0 < 2.0
-        await _wait_for(lambda: sync_redis.scard(POOL.cancels) == 1)  # the worker is told to stop
+        assert time.monotonic() - t0 >= 1.0
+        # the worker is told to stop
+        await wait_until(lambda: sync_redis.scard(POOL.cancels) == 1, "the cancel for the timed-out request")
 
 
 async def test_policy_missing_is_reinitialised(client, aredis, sync_redis):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 from limiter.cli import main
+from limiter.keys import PoolKeys
 from tests.support.helpers import admit
 
 
@@ -59,7 +60,7 @@ async def test_top_shows_why_the_rates_moved_and_how_sure_the_capacity_is(script
         "engine": "sim", "tokens_s": 12.5, "capacity_tokens_s": 9000, "token_budget": 96,
         "token_budget_max": 256})
     await scripts.client.hset(pool.compliance, mapping={
-        "P0": 0.995, "capacity": 41000.0, "capacity_source": "workers", "capacity_confidence": 0.8})
+        "P0": 0.995, ".capacity": 41000.0, ".capacity_source": "workers", ".capacity_confidence": 0.8})
     fence, _ = await scripts.acquire_leader(pool, "ctl", 1000)
     record = {"classes": {"P0": {"reason": "hold"}, "P1": {"reason": "tighten_self"},
                           "P2": {"reason": "tighten_lower_for_P1"}}}
@@ -72,3 +73,37 @@ async def test_top_shows_why_the_rates_moved_and_how_sure_the_capacity_is(script
     assert "tighten_self" in out and "tighten_lower_for_P1" in out
     assert "measured 41,000 from workers" in out and "confidence 80 %" in out
     assert "96 / 256" in out
+
+
+async def test_a_class_named_like_an_estimate_field_keeps_its_own_compliance(aredis):
+    """Classes named ``capacity`` and ``updated_ms``: the controller's compliance hash holds
+    their scores and its capacity estimate side by side, and status reads each back as what
+    it is (the estimate's fields used to be plain ``capacity``, ``updated_ms``, ...: a class
+    of that name and the estimate overwrote each other)."""
+    import dataclasses
+
+    from limiter.config import demo_config, validate
+    from limiter.controller.capacity import CapacityEstimate
+    from limiter.controller.observe import publish
+    from limiter.controller.settings import ControllerSettings
+    from limiter.controller.slo_window import WindowStats
+    from limiter.status import snapshot
+
+    base = demo_config()
+    names = {"P0": "capacity", "P1": "updated_ms", "P2": "P2"}
+    classes = tuple(dataclasses.replace(c, name=names[c.name]) for c in base.classes)
+    tenants = tuple(dataclasses.replace(t, default_class=names[t.default_class], max_class=names[t.max_class])
+                    for t in base.tenants)
+    cfg = validate(dataclasses.replace(base, classes=classes, tenants=tenants))
+    settings = ControllerSettings(controller_id="ctl").resolved(cfg)
+    window = {"capacity": WindowStats(10, 9, 10, 9, True), "updated_ms": WindowStats(4, 1, 4, 1, True),
+              "P2": WindowStats(5, 5, 5, 5, False)}
+    await publish(aredis, PoolKeys("tiny"), settings, 1_000.0, window,
+                  CapacityEstimate(value=41_000.0, source="workers", live_workers=2, busy_intervals=3,
+                                   confidence=0.8))
+    tiny = (await snapshot(aredis, cfg))["pools"]["tiny"]
+    assert tiny["classes"]["capacity"]["compliance"] == 0.9
+    assert tiny["classes"]["updated_ms"]["compliance"] == 0.25
+    assert tiny["classes"]["P2"]["compliance"] is None
+    assert tiny["measured_capacity"] == 41_000.0 and tiny["capacity_source"] == "workers"
+    assert tiny["capacity_confidence"] == 0.8

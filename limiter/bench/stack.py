@@ -177,7 +177,7 @@ class Probe:
         comp = {_s(k): _s(v) for k, v in compliance.items()}
         row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2), "work_done": round(work, 1),
                                "capacity": _float(pol.get("capacity")),
-                               "measured_capacity": _float(comp.get("capacity")),
+                               "measured_capacity": _float(comp.get(".capacity")),
                                "rates": {c: _float(pol.get(f"{c}.rate")) for c in self.classes},
                                "ceilings": {c: _float(pol.get(f"{c}.ceil")) for c in self.classes},
                                "compliance": {c: _float(comp.get(c)) for c in self.classes},

@@ -70,16 +70,17 @@ async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list
 async def publish(client: Any, keys: PoolKeys, settings: ControllerSettings, now_ms: float,
                   window: Mapping[str, WindowStats], estimate: CapacityEstimate) -> None:
     """``qos:{pool}:compliance`` for status/top: compliance per class (absent = no target or
-    no samples) and the capacity estimate; it expires unless the next tick rewrites it."""
+    no samples) and the capacity estimate in dotted fields (keys.PoolKeys.compliance); it
+    expires unless the next tick rewrites it."""
     values = {c: w.compliance for c, w in window.items()}
     ttl_ms = int(max(10.0, 10 * settings.tick_s) * 1000)  # a dead fleet's numbers fade out
     async with client.pipeline(transaction=True) as pipe:
         pipe.hset(keys.compliance, mapping={
             **{c: repr(v) for c, v in values.items() if v is not None},
-            "capacity": repr(float(estimate.value)), "capacity_source": estimate.source,
-            "capacity_confidence": repr(round(estimate.confidence, 3)),
-            "capacity_workers": estimate.live_workers,
-            "updated_ms": int(now_ms), "controller": settings.controller_id})
+            ".capacity": repr(float(estimate.value)), ".capacity_source": estimate.source,
+            ".capacity_confidence": repr(round(estimate.confidence, 3)),
+            ".capacity_workers": estimate.live_workers,
+            ".updated_ms": int(now_ms), ".controller": settings.controller_id})
         missing = [c for c, v in values.items() if v is None]
         if missing:
             pipe.hdel(keys.compliance, *missing)

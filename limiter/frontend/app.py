@@ -69,8 +69,11 @@ async def _read_body(request: web.Request, limit: int, timeout_s: float) -> byte
     except (ConnectionError, aiohttp.ClientPayloadError, aiohttp.http_exceptions.HttpProcessingError,
             RequestPayloadError) as exc:
         # A truncated or broken upload, or a compressed body that does not decompress
-        # (RequestPayloadError, a bare Exception: it was a 500): the client's fault.
-        raise ApiError(400, f"Could not read the request body: {exc}", code="invalid_body") from exc
+        # (RequestPayloadError, a bare Exception: it was a 500): the client's fault. The
+        # message names the problem, not the parser's exception text.
+        log.info("unreadable request body: %s", exc)
+        raise ApiError(400, "Could not read the request body: it was cut off, its framing is broken, or "
+                            "its Content-Encoding does not decode", code="invalid_body") from exc
 
 
 def _max_wait_ms(header: str | None, cls: ClassConfig) -> int:

@@ -28,21 +28,23 @@ local function arg_int(v, field, lo, hi)
 end
 
 -- Names become parts of keys: no braces, colons, spaces or globs.
-local function arg_name(v, field)
-  if type(v) ~= 'string' or #v < 1 or #v > 64 or not string.match(v, '^[%w_%.%-]+$') then
-    fail('BADARG', field .. ': invalid name: ' .. tostring(v))
+-- A string of 1 to 64 characters matching `pattern`; else BADARG naming `field` and `what`.
+local function arg_matching(v, field, pattern, what)
+  if type(v) ~= 'string' or #v < 1 or #v > 64 or not string.match(v, pattern) then
+    fail('BADARG', field .. ': invalid ' .. what .. ': ' .. tostring(v))
   end
   return v
+end
+
+local function arg_name(v, field)
+  return arg_matching(v, field, '^[%w_%.%-]+$', 'name')
 end
 
 -- A class name is also part of hash fields: <class>.cost, <class>.<state> and <class>:<tenant>,
 -- next to <class> itself and the served ledger's .ts. Without dots, no class's field can be
 -- another class's (classes 'a' and 'a.cost' shared the field a.cost) or the ledger's.
 local function arg_class_name(v, field)
-  if type(v) ~= 'string' or #v < 1 or #v > 64 or not string.match(v, '^[%w_%-]+$') then
-    fail('BADARG', field .. ': invalid class name (letters, digits, _ and -): ' .. tostring(v))
-  end
-  return v
+  return arg_matching(v, field, '^[%w_%-]+$', 'class name (letters, digits, _ and -)')
 end
 
 local function arg_oneof(v, field, allowed)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
+import time
+from collections.abc import Callable
 from typing import Any
 
 from limiter.config import QosConfig, demo_config
@@ -11,6 +14,18 @@ from limiter.keys import PoolKeys
 from limiter.scripts import Admitted, Scripts, policy_document
 
 _ids = itertools.count(1)
+
+
+async def wait_until(pred: Callable[[], Any], what: str, timeout: float = 15.0, every: float = 0.01) -> Any:
+    """Poll ``pred`` (a quick, synchronous check) without blocking the event loop until it is
+    true; fail naming ``what`` after ``timeout`` s. The deadline is generous on purpose: it
+    bounds a hang, it does not measure speed (a busy CI machine is slow, not wrong)."""
+    end = time.monotonic() + timeout
+    while not (value := pred()):
+        if time.monotonic() > end:
+            raise AssertionError(f"still waiting after {timeout} s for: {what}")
+        await asyncio.sleep(every)
+    return value
 ALIVE = 4102444800000  # a heartbeat in 2100
 
 
