@@ -82,10 +82,13 @@ def test_surge_figures_see_a_cut_to_p1() -> None:
     assert cb.surge_figures(s, cut, 0.0)["met"] is False
 
 
+@pytest.mark.slow
 async def test_capacity_follows_a_killed_and_restarted_worker_on_a_running_stack(tmp_path) -> None:
     """The short worker_loss scenario: one of two sim workers is killed at 20 s and started
     again at 40 s. The policy's capacity must follow each step (it is a real one, taken at
-    once) and not wander in between."""
+    once) and not wander in between. A benchmark with goals in seconds (72 s of a stack on 2
+    cores): it runs with ``make test-slow``; the default run covers the estimator in
+    test_capacity.py and the controller loop in test_controller_loop.py."""
     p = cb.ControlParams(scenarios=("worker_loss",), short=True, calibrate="engine", drain_s=5.0,
                          out_dir=str(tmp_path))
     results = await cb.run_control(p)

@@ -34,3 +34,29 @@ async def test_a_frontend_with_as_many_pools_as_redis_connections_becomes_ready(
                             f"frontends zset={sync_redis.zrange(PoolKeys('tiny').frontends, 0, -1)}")
     finally:
         await fe.stop()
+
+
+async def test_a_frontend_whose_reply_reader_cannot_read_is_not_ready(redis_server):
+    """The reply readers have connections of their own: when those fail (here: pointed at a
+    closed port) while the command connections work, the frontend would admit requests whose
+    answers it never reads. /readyz says so, and says ready again once the reader reads."""
+    from limiter.localstack.redis_server import free_port
+    from limiter.redis_conn import open_redis
+    from tests.support.helpers import wait_until
+
+    cfg = validate(dataclasses.replace(demo_config(), redis=RedisConfig(url=redis_server.url)))
+    fe = Frontend(FrontendSettings(), cfg, FrontendMetrics())
+    await fe.start()
+    good = fe.router.reader
+    broken = open_redis(RedisConfig(url=f"redis://127.0.0.1:{free_port()}/0"), max_connections=1)
+    try:
+        await wait_until(fe.ready, "the frontend to be ready")
+        fe.router.reader = broken
+        await wait_until(lambda: not fe.ready(), "the frontend to see its reply reader fail")
+        assert fe.heartbeat.fresh(5.0) and fe.bootstrapped  # only the reader is down
+        fe.router.reader = good
+        await wait_until(fe.ready, "the frontend to be ready again")
+    finally:
+        fe.router.reader = good
+        await fe.stop()
+        await broken.aclose()

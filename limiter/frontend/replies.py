@@ -170,9 +170,10 @@ class ReplyRouter:
         # The id is new for each process, so every entry of the stream is ours to read.
         last = self.last_ids[keys.pool]
         backoff = Backoff(f"reply stream {stream}", first_s=0.05, max_s=2.0, logger=log)
+        block: int | None = None  # the first read does not block: /readyz knows at once
         while not self._stopping:
             try:
-                resp = await self.reader.xread({stream: last}, count=1000, block=self.block_ms)
+                resp = await self.reader.xread({stream: last}, count=1000, block=block)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or restarting: keep trying, never spin
@@ -181,6 +182,7 @@ class ReplyRouter:
                 await backoff.failed(exc)
                 continue
             self.healthy[keys.pool] = True
+            block = self.block_ms
             backoff.succeeded()
             # (entries read while stopping are still dispatched: their handlers may be waiting)
             for entry_id, fields in _entries(resp):

@@ -190,7 +190,10 @@ class Frontend:
                               outcome="unavailable") from exc
 
     def ready(self) -> bool:
-        return self.bootstrapped and self.heartbeat.fresh(self._fresh_s)
+        """Bootstrapped, heartbeat fresh, and every pool's reply reader reading: a frontend
+        whose readers cannot reach Redis would admit requests whose answers it never sees."""
+        return (self.bootstrapped and self.heartbeat.fresh(self._fresh_s)
+                and all(self.router.healthy.values()))
 
     def cancel_soon(self, keys: PoolKeys, request_id: str, tenant: str, reason: str) -> None:
         """Cancel in a task of its own: the handler calling this is itself being cancelled."""
