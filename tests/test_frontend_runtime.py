@@ -53,6 +53,7 @@ async def test_a_frontend_whose_reply_reader_cannot_read_is_not_ready(redis_serv
         await wait_until(fe.ready, "the frontend to be ready")
         fe.router.reader = broken
         await wait_until(lambda: not fe.ready(), "the frontend to see its reply reader fail")
+        assert fe.not_ready_because() == "the reply stream of pool tiny cannot be read"
         assert fe.heartbeat.fresh(5.0) and fe.bootstrapped  # only the reader is down
         fe.router.reader = good
         await wait_until(fe.ready, "the frontend to be ready again")

@@ -157,8 +157,8 @@ async def readyz(request: web.Request) -> web.Response:
                 loaded = await fe.client.script_exists(*_script_shas())
                 if not all(loaded):  # Redis restarted and lost its script cache: load again
                     await fe.scripts.load_all()
-            if not fe.ready():
-                problem = "heartbeat is stale"
+            if why := fe.not_ready_because():
+                problem = why
             elif down := await _pools_with_upstream_down(fe):
                 problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
     except (TimeoutError, QosError, *CONNECTION_ERRORS) as exc:

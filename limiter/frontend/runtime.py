@@ -189,11 +189,20 @@ class Frontend:
                               "prompt's tokens; retry shortly", code="tokenizer_unavailable", retry_after_s=1,
                               outcome="unavailable") from exc
 
+    def not_ready_because(self) -> str:
+        """Why this frontend cannot serve ('' when it can): not bootstrapped, heartbeat stale,
+        or a pool's reply reader not reading (its connections are its own and can fail while
+        the command ones work: requests would be admitted whose answers nobody reads)."""
+        if not self.bootstrapped:
+            return "not connected to Redis yet"
+        if not self.heartbeat.fresh(self._fresh_s):
+            return "heartbeat is stale"
+        if down := [pool for pool, ok in self.router.healthy.items() if not ok]:
+            return f"the reply stream of pool {', '.join(down)} cannot be read"
+        return ""
+
     def ready(self) -> bool:
-        """Bootstrapped, heartbeat fresh, and every pool's reply reader reading: a frontend
-        whose readers cannot reach Redis would admit requests whose answers it never sees."""
-        return (self.bootstrapped and self.heartbeat.fresh(self._fresh_s)
-                and all(self.router.healthy.values()))
+        return not self.not_ready_because()
 
     def cancel_soon(self, keys: PoolKeys, request_id: str, tenant: str, reason: str) -> None:
         """Cancel in a task of its own: the handler calling this is itself being cancelled."""
