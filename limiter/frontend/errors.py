@@ -34,8 +34,10 @@ log = logging.getLogger("qos.frontend")
 
 # The requests counted in the requests and rejections metrics.
 GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+# 401 is OpenAI's own: type invalid_request_error, code invalid_api_key (authentication_error
+# is another vendor's word; the OpenAI SDKs key on the status, some proxies on the type).
 _DEFAULT_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
     404: "invalid_request_error", 405: "invalid_request_error", 429: "rate_limit_error",
     500: "server_error", 503: "service_unavailable",
 }
