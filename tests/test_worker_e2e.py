@@ -98,7 +98,7 @@ async def test_torch_tiny_end_to_end_matches_local_run(env) -> None:
                for i, (p, t) in enumerate(prompts)]
         capacity = 0.0
         while not all(c.answers[r].finished for r in ids):
-            assert time.monotonic() - t0 < 60
+            assert time.monotonic() - t0 < 120, "every request to finish"
             await c.read()
             hb = await c.client.hget(rt.keys.worker(rt.worker_id), "capacity_tokens_s")
             capacity = max(capacity, float(hb or 0))
