@@ -468,3 +468,60 @@ async def test_a_redis_outage_backs_off_per_loop_and_is_logged_once_each_way(mon
     assert sum("worker: connection refused" in m for m in lines) == 3, lines  # three outages of "worker"
     assert sum("heartbeat: connection refused" in m for m in lines) == 1, lines
     assert sum(m.startswith("worker: working again") for m in lines) == 2, lines
+
+
+# --- found by review: KV edge cases that took a whole worker down --------------------------
+
+
+def test_kept_kv_of_a_paused_sequence_does_not_make_a_fitting_request_never_fit() -> None:
+    """One slot, 1000 KV tokens. A P0 arrival pauses a decoding P1 sequence keeping its
+    ~300-token cache; a second P0 request of 800 tokens (fits the worker: 801 <= 1000) waits
+    behind the first. When the first P0 finished nothing ran, so nothing freed the paused
+    sequence's kept KV, and step() raised 'can never fit' (the Redis worker then failed
+    every request it held)."""
+    async def go() -> dict[str, int]:
+        cap = 1000
+        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=cap),
+                               Limits(token_budget=1024, max_seqs=1, kv_capacity=cap))
+        sched.add("low", encode("x" * 300), SamplingParams(max_tokens=50), class_rank=1, arrival=0)
+        for _ in range(3):
+            await sched.step()  # low is prefilled and decoding
+        sched.add("a", encode("y" * 50), SamplingParams(max_tokens=3), class_rank=0, arrival=1)
+        sched.add("h", encode("z" * 800), SamplingParams(max_tokens=3), class_rank=0, arrival=2)
+        done: dict[str, int] = {}
+        for _ in range(500):
+            if not len(sched):
+                return done
+            res = await sched.step()
+            for rid, e in res.emissions.items():
+                done[rid] = done.get(rid, 0) + len(e.token_ids)
+        raise AssertionError("did not finish in 500 steps")
+
+    done = asyncio.run(go())
+    assert done == {"low": 50 - 3, "a": 3, "h": 3}  # 3 of low's 50 came before the counting
+
+
+def test_a_sequence_that_grows_to_the_kv_capacity_finishes_with_length() -> None:
+    """claim hands a worker requests whose prompt + max_tokens exceeds its KV room (only a
+    prompt that cannot fit is refused). Such a sequence used to decode until its KV was full,
+    be paused, and never fit again: step() raised 'can never fit'. It ends with 'length' at
+    the worker's context, as at the model's."""
+    async def go() -> tuple[list[str | None], int, int]:
+        cap = 200
+        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=cap),
+                               Limits(token_budget=256, max_seqs=4, kv_capacity=cap))
+        prompt = encode("x" * 150)
+        assert len(prompt) <= sched.max_context()  # the check the step loop makes at start
+        sched.add("long", prompt, SamplingParams(max_tokens=100, eos_min_len=-1), class_rank=1, arrival=0)
+        reasons: list[str | None] = []
+        tokens = 0
+        for _ in range(500):
+            if not len(sched):
+                return reasons, tokens, len(prompt)
+            res = await sched.step()
+            reasons += [e.finish_reason for e in res.emissions.values() if e.finish_reason]
+            tokens += sum(len(e.token_ids) for e in res.emissions.values())
+        raise AssertionError("did not finish in 500 steps")
+
+    reasons, tokens, prompt_len = asyncio.run(go())
+    assert reasons == ["length"] and tokens == 200 - prompt_len  # up to the worker's context

@@ -302,6 +302,10 @@ def choose_preemption(
     3. no lower class runs but a tenant holds at least two more of the head's class's slots
        than the head's tenant: pause one of that tenant's sequences (tenants of a class share
        its slots evenly; within a tenant, arrival order).
+
+    With nothing running no step will free anything, so a head kept out by the KV that
+    paused sequences hold gets it (the lowest of them first): otherwise the scheduler saw a
+    request that fits the worker as one that never fits, and the worker failed all it held.
     """
     demand = kv_demand(running, waiting)
     residents = [c for c in waiting if c.resident_kv]
@@ -311,7 +315,13 @@ def choose_preemption(
         if kept is not None and (victim is None or kept.class_rank >= victim.class_rank):
             return Preemption(kept.request_id, True)
         return None if victim is None else Preemption(victim.request_id, True)
-    if not waiting or not running:
+    if not waiting:
+        return None
+    if not running:
+        head = min(waiting, key=lambda c: _fair_priority(c, {}))
+        kept = [c for c in residents if c is not head]
+        if head.need > limits.kv_capacity - demand and kept:
+            return Preemption(max(kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
         return None
     share = _tenant_slots(running)
     head = min(waiting, key=lambda c: _fair_priority(c, share))

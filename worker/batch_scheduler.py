@@ -304,6 +304,9 @@ class BatchScheduler:
             return "stop"
         if len(seq.generated) >= seq.params.max_tokens:
             return "length"
-        if self.max_seq_len is not None and len(seq.prompt_ids) + len(seq.generated) >= self.max_seq_len:
-            return "length"  # the model's context is full
+        if len(seq.prompt_ids) + len(seq.generated) > self.max_context():
+            # the context is full: the model's (max_seq_len) or this worker's KV room, which
+            # claim lets be smaller than prompt + max_tokens. Paused there, it could never be
+            # admitted again, and the worker failed every request it held.
+            return "length"
         return None
