@@ -213,10 +213,15 @@ def check_redis_url(url: str, path: str) -> None:
     _check(url.startswith(("redis://", "rediss://", "unix://")), path,
            "must start with redis://, rediss:// or unix://")
     try:
-        _ = urllib.parse.urlsplit(url).port
+        parts = urllib.parse.urlsplit(url)
+        _ = parts.port
         redis.connection.parse_url(url)  # its query too (?db=x was a traceback)
     except ValueError as exc:
         raise ConfigError(path, f"not a valid URL: {exc}") from exc
+    # TLS options on a plain URL: a cluster client dropped them and connected in plain text.
+    tls = sorted({k for k, _ in urllib.parse.parse_qsl(parts.query) if k == "ssl" or k.startswith("ssl_")})
+    _check(not tls or parts.scheme == "rediss", path,
+           f"has TLS options ({', '.join(tls)}) on a {parts.scheme}:// URL: use rediss:// for TLS")
 
 
 # The policy script's bounds (lua/init_pool.lua, lua/admit.lua): what `qos config check` calls ok

@@ -13,6 +13,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
+from redis.exceptions import ClusterError, RedisClusterException, SlotNotCoveredError, TryAgainError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -20,8 +21,19 @@ from limiter.config import RedisConfig
 from limiter.errors import RedisUnavailable
 
 # Connection-level failures of a redis-py call: the server is down, out of reach, or too
-# slow. (A script's error reply is a ResponseError: an answer, not an outage.)
-CONNECTION_ERRORS: tuple[type[Exception], ...] = (RedisConnectionError, RedisTimeoutError, OSError)
+# slow; or a cluster that cannot serve the slot now (CLUSTERDOWN / MASTERDOWN during a
+# failover, TRYAGAIN during a reshard, a slot no master covers). A script's error reply is a
+# ResponseError: an answer, not an outage -- but ClusterDownError and TryAgainError are
+# ResponseErrors too, so whoever maps replies checks for these first (scripts.py).
+CONNECTION_ERRORS: tuple[type[Exception], ...] = (
+    RedisConnectionError, RedisTimeoutError, OSError, ClusterError, TryAgainError, SlotNotCoveredError)
+# A new connection (TCP, TLS handshake, AUTH) gets this long: go-redis's default. At 2 s a
+# TLS handshake on a loaded host timed out and turned requests away with Redis answering.
+CONNECT_TIMEOUT_S = 5.0
+# redis-py's cluster client raises a bare RedisClusterException when, building its slot map,
+# no node answers or some slot has no master (a failover in progress); the same type also
+# reports misconfiguration and misuse, which must stay errors: only these messages are outages.
+_CLUSTER_UNREACHABLE = ("Redis Cluster cannot be connected", "All slots are not covered")
 # What a loop that keeps going through outages catches: the raw failures above, or the same
 # outage already mapped by a lower layer (scripts.py). TimeoutError (e.g. a controller step
 # that overran its own deadline) is an OSError: handled like an outage.
@@ -35,6 +47,10 @@ def map_redis_errors() -> Iterator[None]:
     try:
         yield
     except CONNECTION_ERRORS as exc:
+        raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
+    except RedisClusterException as exc:
+        if not str(exc).startswith(_CLUSTER_UNREACHABLE):
+            raise
         raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
 
 
@@ -56,7 +72,7 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
     common: dict[str, Any] = {
         "decode_responses": decode_responses,
         "retry": retry,
-        "socket_connect_timeout": 2.0,
+        "socket_connect_timeout": CONNECT_TIMEOUT_S,
         "health_check_interval": 15,
     }
     if cfg.cluster:

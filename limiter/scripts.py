@@ -33,7 +33,7 @@ from limiter.errors import (
     Throttled,
 )
 from limiter.keys import PoolKeys, check_name
-from limiter.redis_conn import map_redis_errors
+from limiter.redis_conn import CONNECTION_ERRORS, map_redis_errors
 
 SCRIPT_NAMES = (
     "admit", "claim", "renew_leases", "push_tokens", "complete", "cancel_request",
@@ -236,6 +236,8 @@ class Scripts:
                     self._register(False)
                     return await self._scripts[name](keys=keys, args=args)
             except ResponseError as exc:
+                if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage
+                    raise
                 raise _map_error(str(exc)) from exc
 
     async def load_all(self) -> None:
@@ -258,6 +260,8 @@ class Scripts:
                         self._register(False)
                         return await self.load_all()
             except ResponseError as exc:
+                if isinstance(exc, CONNECTION_ERRORS):
+                    raise
                 raise _map_error(str(exc)) from exc
 
     # --- pool setup and control -----------------------------------------------------------

@@ -126,8 +126,8 @@ class Generation:
             if fe.shutting_down:
                 raise ApiError(503, "This frontend is shutting down; retry (another one will serve you)",
                                   code="shutting_down", retry_after_s=1, outcome="unavailable")
-            if not fe.ready():
-                raise RedisUnavailable("the frontend has no live Redis connection (not ready)")
+            if why := fe.not_ready_because():
+                raise RedisUnavailable(f"this frontend is not ready: {why}")
             try:
                 adm = await self._admit_once(payload)
             except PolicyMissing:

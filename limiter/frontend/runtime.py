@@ -68,8 +68,12 @@ class Frontend:
         self._background: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._end_streams: asyncio.Task[None] | None = None
-        # Liveness must stay well inside the shortest TTL after which claim gives up on us.
-        self._fresh_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000 / 2
+        # Ready while one more missed beat would still leave us inside the shortest TTL after
+        # which claim gives up on us (and at least half of it). It guards against a dead
+        # heartbeat loop, not a slow one: at half the TTL, a loaded machine's late beat (TLS,
+        # 0.25 s beats, a 1.5 s TTL) turned requests away with Redis answering fine.
+        ttl_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000
+        self._fresh_s = max(ttl_s / 2, ttl_s - settings.heartbeat_s)
 
     # --- lifecycle ------------------------------------------------------------------------
     async def start(self) -> None:

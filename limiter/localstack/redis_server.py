@@ -141,9 +141,12 @@ class LocalRedisCluster:
                                           "--cluster-config-file", "nodes.conf",
                                           "--cluster-port", str(free_port()), *self.extra])
                 self.nodes.append(node.start())
-            addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
-            subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0",
-                            "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            if masters == 1:  # redis-cli --cluster create wants three: the one takes every slot
+                self._call(self.nodes[0], "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
+            else:
+                addrs = [f"127.0.0.1:{n.port}" for n in self.nodes]
+                subprocess.run(["redis-cli", "--cluster", "create", *addrs, "--cluster-replicas", "0",
+                                "--cluster-yes"], check=True, capture_output=True, timeout=60)
             deadline = time.monotonic() + timeout_s
             while time.monotonic() < deadline:
                 if all(b"cluster_state:ok" in self._call(n, "CLUSTER", "INFO") for n in self.nodes):

@@ -1,0 +1,123 @@
+"""What counts as "Redis is out of reach" (limiter/redis_conn.py): a Redis Cluster that cannot
+be reached or cannot serve a slot now is an outage (503 + Retry-After in the frontend,
+back-off in the loops), not an internal error. Found by review; each failed before its fix."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+from redis.exceptions import RedisClusterException
+
+from limiter.config import RedisConfig
+from limiter.errors import ConfigError, RedisUnavailable
+from limiter.frontend.errors import to_api_error
+from limiter.keys import PoolKeys
+from limiter.localstack.redis_server import LocalRedisCluster, RedisServer
+from limiter.redis_conn import REDIS_ERRORS, map_redis_errors, open_redis
+from limiter.scripts import Scripts
+from tests.support.helpers import wait_until
+
+
+@pytest.fixture
+def one_node_cluster() -> Iterator[RedisServer]:
+    """A private one-master Redis Cluster holding every slot: its node."""
+    cluster = LocalRedisCluster().start(masters=1)
+    try:
+        yield cluster.nodes[0]
+    finally:
+        cluster.stop()
+
+
+async def _take_slot_zero_away(node: RedisServer) -> None:
+    """What a failover in progress looks like to a client: a slot without a master, and the
+    node says CLUSTERDOWN until it has one again."""
+    with node.client() as admin:
+        admin.execute_command("CLUSTER", "DELSLOTS", 0)
+        await wait_until(lambda: b"cluster_state:fail" in admin.execute_command("CLUSTER", "INFO"),
+                         "the cluster to report cluster_state:fail")
+
+
+@pytest.mark.parametrize("pool_wait_s", [None, 1.0])
+async def test_an_unreachable_cluster_is_an_outage_not_an_internal_error(pool_wait_s: float | None) -> None:
+    """Every node down (or a role started before its cluster): redis-py raised a bare
+    RedisClusterException, which passed every outage handler: a 500 per request, a worker
+    that exited at start."""
+    hold = socket.socket()  # bound, never listening: refused, and no one else can take the port
+    hold.bind(("127.0.0.1", 0))
+    port = hold.getsockname()[1]
+    client = open_redis(RedisConfig(url=f"redis://127.0.0.1:{port}/0", cluster=True), pool_wait_s=pool_wait_s)
+    try:
+        with pytest.raises(REDIS_ERRORS) as info, map_redis_errors():
+            await client.ping()
+        assert isinstance(info.value, RedisUnavailable)
+        assert to_api_error(info.value).status == 503
+    finally:
+        await client.aclose()
+        hold.close()
+
+
+async def test_client_misuse_on_a_cluster_stays_an_error_not_an_outage(one_node_cluster: RedisServer) -> None:
+    """A bug (keys of two slots in one command) must not be taken for an outage and retried
+    for ever: it stays an error of its own type."""
+    client = open_redis(RedisConfig(url=one_node_cluster.url, cluster=True))
+    try:
+        with pytest.raises(Exception) as info, map_redis_errors():
+            await client.mget("qos:{a}:x", "qos:{b}:x")
+        assert not isinstance(info.value, REDIS_ERRORS), info.value
+        with pytest.raises(RedisClusterException) as info, map_redis_errors():
+            raise RedisClusterException("Keys in request don't hash to the same slot")
+    finally:
+        await client.aclose()
+
+
+async def test_a_cluster_that_goes_down_is_an_outage_not_an_internal_error(
+    one_node_cluster: RedisServer,
+) -> None:
+    """A slot loses its master: the node answers CLUSTERDOWN (a ResponseError subclass), then
+    the client cannot rebuild its slot map. Both passed the mapping as themselves."""
+    client = open_redis(RedisConfig(url=one_node_cluster.url, cluster=True))
+    try:
+        assert await client.set("qos:{p}:x", "1")  # healthy: the client knows the slots
+        await _take_slot_zero_away(one_node_cluster)
+        got = []
+        for _ in range(2):  # first CLUSTERDOWN, then the slot map cannot be rebuilt
+            try:
+                with map_redis_errors():
+                    await client.get("qos:{p}:x")
+                got.append("answered")
+            except Exception as exc:
+                got.append(type(exc).__name__)
+        assert got == ["RedisUnavailable", "RedisUnavailable"]
+    finally:
+        await client.aclose()
+
+
+async def test_a_script_call_on_a_downed_cluster_is_a_503_not_a_500(one_node_cluster: RedisServer) -> None:
+    """The request path's scripts: CLUSTERDOWN was read as the script's own error reply
+    (ScriptError, a 500), not as the outage it is."""
+    client = open_redis(RedisConfig(url=one_node_cluster.url, cluster=True))
+    scripts = Scripts(client)
+    keys = PoolKeys("p")
+    try:
+        await scripts.load_all()
+        await client.set(keys.policy, "x")  # healthy: the client knows the slots
+        await _take_slot_zero_away(one_node_cluster)
+        with pytest.raises(RedisUnavailable) as info:
+            await scripts.cancel(keys, "req-1", "tenant-a")
+        assert to_api_error(info.value).status == 503
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("query", ["ssl_ca_certs=/etc/ca.pem", "ssl_cert_reqs=required", "ssl=true"])
+def test_tls_options_on_a_plain_redis_url_are_refused(query: str) -> None:
+    """redis:// with TLS options: the cluster client dropped them and connected in plain text
+    (a standalone client failed at its first command). One letter from a TLS deployment:
+    refused when the config is read, naming the fix."""
+    from limiter.config import check_redis_url
+
+    with pytest.raises(ConfigError, match="rediss://"):
+        check_redis_url(f"redis://127.0.0.1:7000/0?{query}", "redis.url")
+    check_redis_url(f"rediss://127.0.0.1:7000/0?{query}", "redis.url")  # the right scheme is fine
