@@ -108,14 +108,15 @@ def tenant_stats(recs: Sequence[Record], t0: float, duration_s: float, out_weigh
     return {
         "sent": len(recs), "completed": len(ok), "rejected_429": sum(r.result.status == 429 for r in recs),
         "rejected_503": sum(r.result.status == 503 for r in recs),
-        "ttft_p50_ms": _r(percentile(ttft, 50)), "ttft_p99_ms": _r(percentile(ttft, 99)),
+        # not rounded: the ratio's goal check sees 150.04 / 100 as over 1.5 (the tables round)
+        "ttft_p50_ms": percentile(ttft, 50), "ttft_p99_ms": percentile(ttft, 99),
         "work_in_window": window_tokens(recs, t0, duration_s, out_weight),
     }
 
 
 def jain(values: Sequence[float]) -> float | None:
     total, sq = sum(values), sum(v * v for v in values)
-    return round(total * total / (len(values) * sq), 4) if sq > 0 else None
+    return total * total / (len(values) * sq) if sq > 0 else None
 
 
 def _r(v: float | None) -> float | None:
@@ -178,14 +179,18 @@ def summarize(results: dict[str, Any]) -> None:
     for m in modes.values():
         per = m["tenants"]
         steady = per.get("steady", {}).get("ttft_p99_ms")
-        m["steady_p99_over_alone"] = round(steady / alone, 3) if steady and alone else None
+        m["steady_p99_over_alone"] = steady / alone if steady and alone else None
         if all(t in per for t in BACKLOGGED):
             m["jain_backlogged"] = jain([per[t]["work_in_window"] for t in BACKLOGGED])
     vtc = modes.get("vtc", {})
+    ratio = vtc.get("steady_p99_over_alone")
+    # the p99 is over completed requests: a steady request refused or failed misses outright
+    steady = vtc.get("tenants", {}).get("steady", {})
+    all_served = steady.get("completed") == steady.get("sent")
     results["targets"] = [
-        {"target": "steady TTFT p99 / alone (vtc)", "value": vtc.get("steady_p99_over_alone"),
-         "goal": "<= 1.5",
-         "met": None if vtc.get("steady_p99_over_alone") is None else vtc["steady_p99_over_alone"] <= 1.5},
+        {"target": "steady TTFT p99 / alone (vtc)", "value": ratio,
+         "goal": "<= 1.5, every steady request served",
+         "met": None if ratio is None else ratio <= 1.5 and all_served},
         {"target": "Jain index, backlogged tenants (vtc)", "value": vtc.get("jain_backlogged"),
          "goal": ">= 0.95",
          "met": None if vtc.get("jain_backlogged") is None else vtc["jain_backlogged"] >= 0.95},

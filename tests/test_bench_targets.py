@@ -1,0 +1,139 @@
+"""The benchmarks' goal verdicts (limiter/bench/report.py, tenants.py): a figure that misses
+its goal never reads "met". Found by review: each test failed before its fix (figures rounded
+before the check, 0/0 read as 0, every 503 read as an expiry, a zero read as "not measured",
+a mostly refused tenant read as served in time). Pure Python, no processes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from limiter.bench import tenants as tb
+from limiter.bench import trace as tr
+from limiter.bench.driver import Record
+from limiter.bench.report import class_stats, mode_summary, targets
+from limiter.config import DEFAULT_CLASSES
+from limiter.localstack.loadgen import Result
+
+P0, P1, P2 = DEFAULT_CLASSES
+
+
+def _rec(cls: str, status: int = 200, ttft: float = 100.0, times: tuple[float, ...] = (1.0, 1.02, 1.04),
+         out: int = 3, inp: int = 10, error: str = "", tenant: str = "") -> Record:
+    arrival = tr.Arrival(0, 0.0, cls, inp, out, 0.0, tenant)
+    ok = status == 200 and not error
+    res = Result(cls=cls, sent_s=0.9, status=status, ttft_ms=ttft if ok else None,
+                 token_times=list(times) if ok else [], output_tokens=out if ok else 0,
+                 input_tokens=inp if ok else 0, error=error if error else ("" if status == 200 else "x"))
+    return Record(arrival, res, 0.0)
+
+
+def _row(rows: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    return next(r for r in rows if r["target"] == name)
+
+
+# --- 1. figures rounded before the goal check: "met" on a miss ---------------------------------------
+
+def test_p0_attainment_is_rounded_before_the_goal_check() -> None:
+    """198 of 199 P0 requests inside the SLO is 0.99497 < 0.995, yet slo_attainment is rounded
+    to 4 places (0.995) before targets() compares it, so the target reads met."""
+    recs = [_rec("P0") for _ in range(198)] + [_rec("P0", status=429)]
+    s = class_stats(recs, P0, [])
+    assert 198 / 199 < 0.995
+    rows = targets({"params": {"load": 1.5}, "modes": {"qos": {"classes": {"P0": s}}}})
+    row = _row(rows, "P0 SLO attainment (qos)")
+    assert row["met"] is not True, (s["slo_attainment"], row)
+
+
+def test_p2_served_work_share_is_rounded_before_the_floor_check() -> None:
+    """P2 served 49,996 of 1,000,000 weighted tokens (0.049996 < floor 0.05); the share is
+    rounded to 4 places (0.05) before the floor check, so the floor target reads met."""
+    classes = ["P0", "P1", "P2"]
+    recs = [_rec("P0", inp=950_001, out=3), _rec("P2", inp=49_993, out=3)]
+    m = mode_summary(recs, classes=classes, slos={"P0": P0, "P1": P1, "P2": None}, samples=[],
+                     tenant_of={}, t0=0.0, duration_s=10.0, out_weight=1.0)
+    true_share = 49_996 / 1_000_000
+    assert true_share < 0.05
+    rows = targets({"params": {"load": 1.5, "class_floor": {"P2": 0.05}}, "modes": {"qos": m}})
+    row = _row(rows, "P2 served share of work (qos)")
+    assert row["met"] is not True, (m["classes"]["P2"]["served_work_share"], row)
+
+
+def test_tenants_jain_is_rounded_before_the_goal_check() -> None:
+    """Jain over (3191, 2000) is 0.949992 < 0.95; jain() rounds to 4 places (0.95) and the
+    vtc target reads met."""
+    exact = (3191 + 2000) ** 2 / (2 * (3191 ** 2 + 2000 ** 2))
+    assert exact < 0.95
+
+    def t(p99: float, work: int) -> dict[str, Any]:
+        return {"sent": 1, "completed": 1, "rejected_429": 0, "rejected_503": 0, "ttft_p50_ms": p99,
+                "ttft_p99_ms": p99, "work_in_window": work}
+
+    results: dict[str, Any] = {"modes": {
+        "alone": {"tenants": {"steady": t(100.0, 10)}},
+        "vtc": {"tenants": {"steady": t(100.0, 10), "heavy": t(1, 3191), "medium": t(1, 2000)}},
+    }}
+    tb.summarize(results)
+    met = {r["target"]: r["met"] for r in results["targets"]}
+    assert met["Jain index, backlogged tenants (vtc)"] is not True, results["modes"]["vtc"]["jain_backlogged"]
+
+
+def test_tenants_steady_ratio_is_rounded_before_the_goal_check() -> None:
+    """Steady's TTFT p99 150.04 ms against 100.0 alone is 1.5004x > 1.5; the p99s are rounded
+    to 0.1 ms (150.0) before the ratio, so the vtc target reads met."""
+    alone = tb.tenant_stats([_rec("P1", ttft=100.0, tenant="steady")], 0.0, 60.0, 1.0)
+    vtc = tb.tenant_stats([_rec("P1", ttft=150.04, tenant="steady")], 0.0, 60.0, 1.0)
+    assert 150.04 / 100.0 > 1.5
+    results: dict[str, Any] = {"modes": {"alone": {"tenants": {"steady": alone}},
+                                         "vtc": {"tenants": {"steady": vtc}}}}
+    tb.summarize(results)
+    met = {r["target"]: r["met"] for r in results["targets"]}
+    assert met["steady TTFT p99 / alone (vtc)"] is not True, results["modes"]["vtc"]["steady_p99_over_alone"]
+
+
+# --- 2. P2 "admitted that expired": 0/0 and refusals counted as expiries ------------------------------
+
+def test_p2_expired_target_is_met_when_no_p2_was_admitted() -> None:
+    """Every P2 refused at admission (10 of 10 are 429): 0 admitted, so the share of admitted
+    that expired is 0/0; targets() reports 0.0 and 'met', i.e. 'queued rather than refused'
+    passes when everything was refused."""
+    s = class_stats([_rec("P2", status=429) for _ in range(10)], None, [])
+    rows = targets({"params": {"load": 1.5}, "modes": {"qos": {"classes": {"P2": s}}}})
+    row = _row(rows, "P2 admitted that expired in the queue (qos)")
+    assert row["met"] is not True, row
+
+
+def test_p2_queue_full_refusal_is_counted_as_admitted_and_expired() -> None:
+    """A 503 queue_full is a refusal at admission (outcome 'shed'; the request never entered the
+    queue), but the target divides all 503s by sent - 429: 5 shed + 5 completed reads as 50 %
+    of admitted P2 requests expiring in the queue (the truth: 0 of 5 admitted expired)."""
+    recs = [_rec("P2") for _ in range(5)] + [_rec("P2", status=503, error="queue_full") for _ in range(5)]
+    s = class_stats(recs, None, [])
+    rows = targets({"params": {"load": 1.5}, "modes": {"qos": {"classes": {"P2": s}}}})
+    assert _row(rows, "P2 admitted that expired in the queue (qos)")["value"] == 0.0
+
+
+# --- 3. a zero measurement turned into "not measured" -------------------------------------------------
+
+def test_work_conservation_target_is_not_na_when_qos_did_no_work() -> None:
+    """qos's workers did 0 weighted tokens/s in the window, fifo's 30,000: the ratio is 0,
+    a miss; `sq / sf if sq and sf` treats 0.0 as missing and the target reads n/a."""
+    results = {"params": {"load": 1.0},
+               "modes": {"qos": {"server_work_s": 0.0}, "fifo": {"server_work_s": 30_000.0}}}
+    rows = targets(results)
+    row = _row(rows, "work done by the workers qos / fifo (weighted tokens/s in the window)")
+    assert row["met"] is False, row
+
+
+# --- 4. the steady tenant's p99 ignores its refused requests --------------------------------------------
+
+def test_tenants_steady_target_is_not_met_when_steady_is_mostly_refused() -> None:
+    """vtc refuses 99 of steady's 100 requests (429) and serves one fast: TTFT p99 is taken over
+    the one completed request, the ratio is 1.0 and 'steady within 1.5x of alone' reads met."""
+    alone = tb.tenant_stats([_rec("P1", ttft=100.0, tenant="steady") for _ in range(100)], 0.0, 60.0, 1.0)
+    vtc = tb.tenant_stats([_rec("P1", ttft=100.0, tenant="steady")]
+                          + [_rec("P1", status=429, tenant="steady") for _ in range(99)], 0.0, 60.0, 1.0)
+    results: dict[str, Any] = {"modes": {"alone": {"tenants": {"steady": alone}},
+                                         "vtc": {"tenants": {"steady": vtc}}}}
+    tb.summarize(results)
+    met = {r["target"]: r["met"] for r in results["targets"]}
+    assert met["steady TTFT p99 / alone (vtc)"] is not True, (vtc, results["modes"]["vtc"])
