@@ -13,6 +13,7 @@ from limiter.bench.driver import Record
 from limiter.bench.report import class_stats, mode_summary, targets
 from limiter.config import DEFAULT_CLASSES
 from limiter.localstack.loadgen import Result
+from tests.support.helpers import tenant_figures
 
 P0, P1, P2 = DEFAULT_CLASSES
 
@@ -64,10 +65,7 @@ def test_tenants_jain_is_rounded_before_the_goal_check() -> None:
     exact = (3191 + 2000) ** 2 / (2 * (3191 ** 2 + 2000 ** 2))
     assert exact < 0.95
 
-    def t(p99: float, work: int) -> dict[str, Any]:
-        return {"sent": 1, "completed": 1, "rejected_429": 0, "rejected_503": 0, "ttft_p50_ms": p99,
-                "ttft_p99_ms": p99, "work_in_window": work}
-
+    t = tenant_figures
     results: dict[str, Any] = {"modes": {
         "alone": {"tenants": {"steady": t(100.0, 10)}},
         "vtc": {"tenants": {"steady": t(100.0, 10), "heavy": t(1, 3191), "medium": t(1, 2000)}},

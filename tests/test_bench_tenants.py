@@ -12,6 +12,7 @@ import pytest
 
 from limiter.bench import tenants as tb
 from limiter.bench.calibrate import Capacity
+from tests.support.helpers import tenant_figures
 
 
 def test_jain_index_is_one_for_an_equal_split_and_half_for_one_taker() -> None:
@@ -37,10 +38,7 @@ def test_each_tenant_offers_its_share_of_capacity() -> None:
 
 
 def test_summary_computes_ratios_jain_and_targets() -> None:
-    def t(p99: float, work: int) -> dict[str, Any]:
-        return {"sent": 1, "completed": 1, "rejected_429": 0, "rejected_503": 0, "ttft_p50_ms": p99,
-                "ttft_p99_ms": p99, "work_in_window": work}
-
+    t = tenant_figures
     results: dict[str, Any] = {"modes": {
         "alone": {"tenants": {"steady": t(100.0, 10)}},
         "fifo": {"tenants": {"steady": t(900.0, 10), "heavy": t(1, 300), "medium": t(1, 100)}},

@@ -132,6 +132,9 @@ def _check_stall_with_and_without_chunking() -> None:
     # with chunking: no gap is much worse than a typical loaded step, nor near the prefill time
     assert s_after.max_gap_s <= RATIO * s_after.median_gap_s
     assert s_after.max_gap_s <= 0.25 * prefill_s
-    # without chunking the same check fails: one gap swallows the whole prefill (the long-prefill stall)
-    assert s_before.max_gap_s >= 0.5 * prefill_s
+    # without chunking the same check fails: one gap swallows the whole prefill step (the
+    # long-prefill stall). Against that run's own step, not prefill_s measured earlier: load
+    # on a shared machine made one 2.3 s and the other 1.1 s.
+    whole_step_s = max(s.duration_s for s in before.steps if s.prefill_tokens >= n)
+    assert s_before.max_gap_s >= 0.95 * whole_step_s
     assert s_before.max_gap_s > RATIO * s_before.median_gap_s

@@ -67,3 +67,10 @@ def dump_all(client: Any) -> dict[bytes, bytes]:
     for key in sorted(client.keys("*")):
         out[key] = (client.dump(key), client.pttl(key) > 0)
     return out
+
+
+def tenant_figures(p99_ms: float, work: int) -> dict[str, Any]:
+    """One tenant's figures as ``qos bench tenants`` reports them: one request, served, with
+    this TTFT and this much work in the window."""
+    return {"sent": 1, "completed": 1, "rejected_429": 0, "rejected_503": 0, "ttft_p50_ms": p99_ms,
+            "ttft_p99_ms": p99_ms, "work_in_window": work}
