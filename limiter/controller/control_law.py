@@ -427,11 +427,17 @@ def _follow_capacity(state: ControlState, inputs: Inputs, now_ms: float,
     cfg = state.config
     new, old = inputs.capacity, state.capacity
     if inputs.workers != state.workers:
-        moved = abs(new - old) > cfg.min_change * old
+        # A new term starts knowing no workers (0): its first count is not a worker joining.
+        # Its first estimate is followed at once only beyond the dead band (what changed while
+        # no leader watched); a failover used to rescale every rate on a few beats' noise.
+        band = cfg.min_change if state.workers > 0 else cfg.capacity_deadband
+        moved = abs(new - old) > band * old
         return replace(state, workers=inputs.workers, drift_since_ms=None), moved
     if abs(new - old) <= cfg.capacity_deadband * old:
         return replace(state, drift_since_ms=None), False
     up = new > old
+    if state.drift_since_ms is not None and state.drift_since_ms > now_ms:
+        state = replace(state, drift_since_ms=None)  # the clock stepped back: start the wait afresh
     if state.drift_since_ms is None or state.drift_up != up:
         return replace(state, drift_since_ms=now_ms, drift_up=up), cfg.capacity_persist_s == 0 and not cooling
     return state, now_ms - state.drift_since_ms >= cfg.capacity_persist_s * 1000 and not cooling
@@ -451,8 +457,9 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
     state, rescale = _follow_capacity(state, inputs, now_ms, cooling)
     if rescale:
         # Rescale every rate at once (a lost worker must not overload the rest); shares and
-        # allowances are unchanged, remembered limits are void: the plant changed.
-        classes = tuple(ClassState(c.name, c.allowance) for c in state.classes)
+        # allowances are unchanged, remembered limits are void: the plant changed. A violation
+        # episode goes on (it ends when the class is back above target, not on a rescale).
+        classes = tuple(ClassState(c.name, c.allowance, recovering=c.recovering) for c in state.classes)
         new_state = ControlState(cfg, float(inputs.capacity), classes, now_ms, workers=inputs.workers)
         reasons = ["capacity_change"] * len(ins)
         return _finish(new_state, ins, old_rates, reasons, now_ms, True, state.capacity)

@@ -17,6 +17,7 @@ down, a missing policy is re-created from the config.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import time
@@ -56,6 +57,25 @@ async def within(aw: Awaitable[Any], timeout_s: float) -> Any:
     ``asyncio.timeout`` runs the step in the loop's own task and lets the cancel through."""
     async with asyncio.timeout(timeout_s):
         return await aw
+
+
+# How far a sample's own time may run ahead of its stream entry's (a frontend stamps its
+# rejections with its estimate of Redis's clock; the scripts stamp with Redis's own).
+SAMPLE_AHEAD_SLACK_MS = 1000
+
+
+def written_by(sample: Sample, entry_id: Any) -> Sample:
+    """``sample``, its time no later than its stream entry's (Redis's clock when it was
+    written, plus a slack): one stamped far ahead (a writer whose clock stepped, a failover to
+    a Redis whose clock is behind) wiped the SLO windows and froze the capacity intervals."""
+    raw = entry_id.decode() if isinstance(entry_id, bytes) else str(entry_id)
+    try:
+        written_ms = int(raw.split("-", 1)[0])
+    except ValueError:
+        return sample
+    if sample.ts_ms > written_ms + SAMPLE_AHEAD_SLACK_MS:
+        return dataclasses.replace(sample, ts_ms=float(written_ms))
+    return sample
 
 
 class PoolController:
@@ -186,9 +206,10 @@ class PoolController:
         for the next leader to claim."""
         if self.term is not term or not self.lease.leading or not batch.ids:
             return
-        fresh = [s for s, i in zip(batch.samples, batch.sample_ids, strict=True) if i not in term.unacked]
-        for sample in fresh:
-            self.feed(term, sample)
+        fresh = [(s, i) for s, i in zip(batch.samples, batch.sample_ids, strict=True)
+                 if i not in term.unacked]
+        for sample, entry_id in fresh:
+            self.feed(term, written_by(sample, entry_id))
         term.bad += batch.bad
         try:
             await self.consumer.ack(batch.ids)
@@ -209,7 +230,8 @@ class PoolController:
         else:
             term.monitor.add(sample)
             term.estimator.observe_sample(sample)
-            term.usage.observe_work(sample.cls, term.estimator.work(sample))
+            if sample.outcome != "expired":  # never claimed: not in the claim rate used multiplies
+                term.usage.observe_work(sample.cls, term.estimator.work(sample))
         term.consumed += 1
         self.metrics.samples.labels(self.pool.name, sample.cls).inc()
 

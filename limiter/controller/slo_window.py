@@ -126,7 +126,8 @@ class SloWindow:
             self._fresh_met += verdict
         if len(self._buf) > self.size:
             self._drop()
-        self.expire(sample.ts_ms)
+        # No expiry by the sample's own time: one stamped far ahead (a writer on a clock that
+        # stepped) forgot every other sample. stats(now) expires by the controller's now.
         return verdict
 
     def _drop(self) -> None:

@@ -19,7 +19,8 @@ What is measured instead, per class:
   the request mix changes much more slowly than the request rate, so this mean may lag.
 
 Until a class has a sample this term the estimator's served rate stands in (0 at start).
-A counter that went backwards (Redis restarted without persistence) restarts the baseline.
+A counter that went backwards (Redis restarted without persistence), or a clock that did
+(an NTP step, a failover to a Redis whose clock is behind), restarts the baseline.
 """
 
 from __future__ import annotations
@@ -45,7 +46,9 @@ class UsageMeter:
         self._rates: dict[str, float] = {}
 
     def observe_work(self, cls: str, work: float) -> None:
-        """One finished request of ``cls`` caused ``work`` weighted tokens."""
+        """One claimed request of ``cls`` finished, having caused ``work`` weighted tokens (the
+        caller leaves out requests no claim ever took, or the mean is diluted: ``used``
+        multiplies it by the rate of claims)."""
         costs = self._costs.get(cls)
         if costs is None:
             return
@@ -62,8 +65,11 @@ class UsageMeter:
         """A read of the stats hash at Redis time ``now_ms``: updates claimed requests/s."""
         fields = {(k.decode() if isinstance(k, bytes) else str(k)): v for k, v in stats.items()}
         counts = {c: _int(fields.get(f"{c}.claimed", 0)) or 0 for c in self.classes}
-        if self._snaps and any(counts[c] < self._snaps[-1][1].get(c, 0) for c in self.classes):
-            self._snaps.clear()  # counters were reset: start over rather than report a negative rate
+        if self._snaps and (any(counts[c] < self._snaps[-1][1].get(c, 0) for c in self.classes)
+                            or now_ms < self._snaps[-1][0]):
+            # counters reset, or the clock stepped back: start over rather than report a
+            # negative rate (or none at all until the clock caught up with the old stamps)
+            self._snaps.clear()
         self._snaps.append((now_ms, counts))
         # keep the newest snapshot that is at least window_ms old, and everything after it
         while len(self._snaps) > 2 and now_ms - self._snaps[1][0] >= self.window_ms:
