@@ -281,7 +281,7 @@ async def _sample_loop(probe: Probe, beats: WorkerHeartbeats, stop: asyncio.Even
         try:
             await probe.sample()
             comp = await probe.client.hmget(probe.keys.compliance, [".capacity_confidence"])
-            probe.timeline[-1][".capacity_confidence"] = None if comp[0] is None else float(comp[0])
+            probe.timeline[-1]["capacity_confidence"] = None if comp[0] is None else float(comp[0])
             probe.timeline[-1]["capacity_figures"] = await beats.read(probe)
         except Exception:  # a Redis hiccup (e.g. while a worker dies) skips one sample
             pass
