@@ -45,6 +45,7 @@ _FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
 # final state may run when Redis is out of memory (they free it); none may touch another slot.
 KNOWN_FLAGS = ("allow-oom",)
 REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded work)
+PUSH_LIMIT = 64  # push_tokens' most requests per call (bounded work; lua/push_tokens.lua)
 MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
@@ -184,6 +185,32 @@ class ClaimResult:
     # Requests were still queued after the call (claim announced them again): an empty
     # claim with a backlog must back off, one without only consumed a stale wake marker.
     backlog: bool = False
+
+
+@dataclass(frozen=True)
+class TokenBatch:
+    """One request's share of a ``push_tokens`` call: ``count`` model tokens after the
+    ``offset`` already delivered; ``token_ids`` are what a resuming worker primes itself with
+    (one per token for the step engines; the openai engine: the text's bytes)."""
+
+    request_id: str
+    fence: int
+    offset: int
+    token_ids: Sequence[int]
+    text: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Pushed:
+    """What ``push_tokens`` answered for one request: ``status`` 'ok' (delivered; ``cancel``:
+    its client asked to stop), 'lost' (not leased to this worker with this fence) or 'offset'
+    (nothing written: Redis had ``delivered`` tokens, not the batch's offset -- an earlier
+    push whose reply was lost did land)."""
+
+    status: str
+    cancel: bool = False
+    delivered: int = 0
 
 
 @dataclass(frozen=True)
@@ -339,20 +366,48 @@ class Scripts:
         lost, stop = await self._run("renew_leases", lifecycle_keys(keys), args)
         return RenewResult([_s(x) for x in lost], [_s(x) for x in stop])
 
+    async def push_tokens_many(self, keys: PoolKeys, worker_id: str, batches: Sequence[TokenBatch],
+                               lease_ms: int = 0) -> list[Pushed]:
+        """Deliver tokens of up to :data:`PUSH_LIMIT` requests in one call (one reply per
+        batch, in order). Raises InvalidArgument (nothing written for any of them)."""
+        if not batches:
+            return []
+        if len(batches) > PUSH_LIMIT:
+            raise InvalidArgument("batches", f"{len(batches)} requests, at most {PUSH_LIMIT} per call")
+        args: list[Any] = [worker_id, lease_ms, len(batches)]
+        for b in batches:
+            args += [b.request_id, b.fence, b.offset, b.count, pack_token_ids(b.token_ids), b.text.encode(),
+                     len(b.token_ids)]
+        replies = await self._run("push_tokens", lifecycle_keys(keys), args)
+        out = []
+        for r in replies:
+            status = _s(r[0])
+            if status == "ok":
+                out.append(Pushed("ok", cancel=bool(int(r[1]))))
+            elif status == "offset":
+                out.append(Pushed("offset", delivered=int(r[1])))
+            elif status == "lost":
+                out.append(Pushed("lost"))
+            else:
+                raise ScriptError(f"push_tokens: unexpected reply {r!r}")
+        return out
+
     async def push_tokens(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int,
                           offset: int, token_ids: Sequence[int], text: str, lease_ms: int = 0,
                           count: int | None = None) -> bool:
-        """Deliver tokens; returns True when the client asked to cancel. Raises LeaseLost.
+        """Deliver tokens of one request; returns True when the client asked to cancel.
+        Raises LeaseLost, and InvalidArgument 'offset' when Redis has another token count.
 
         ``count`` is the model tokens in the batch (default: one per id); ``token_ids`` are
         what a resuming worker primes itself with (the openai engine: the text's bytes)."""
         n = len(token_ids) if count is None else count
-        reply = await self._run("push_tokens", lifecycle_keys(keys), [
-            request_id, worker_id, fence, offset, n, pack_token_ids(token_ids),
-            text.encode(), lease_ms, len(token_ids)])
-        if _s(reply[0]) == "lost":
-            raise LeaseLost(f"{request_id}: {_s(reply[1])}")
-        return bool(int(reply[1]))
+        (r,) = await self.push_tokens_many(keys, worker_id, [TokenBatch(request_id, fence, offset, token_ids,
+                                                                        text, n)], lease_ms)
+        if r.status == "lost":
+            raise LeaseLost(f"{request_id}: request is not leased to this worker with this fence")
+        if r.status == "offset":
+            raise InvalidArgument("offset", f"{offset} but {r.delivered} tokens were delivered")
+        return r.cancel
 
     async def complete(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int, outcome: str,
                        usage_in: int, token_ids: Sequence[int] = (), text: str = "",

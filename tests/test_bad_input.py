@@ -19,7 +19,8 @@ GOOD = {
     "admit": ["id-new", "t1", "P1", "10", "5", "1000", "1000", "0", "0", "fe1", "payload", "1"],
     "claim": ["w9", "1", "0", "0", "P1", "0", "t1,t2", "P2"],
     "renew_leases": ["w1", "0", "leased:1"],
-    "push_tokens": ["leased", "w1", "1", "0", "1", "\x01\x00\x00\x00", "a", "0", "1"],
+    "push_tokens": ["w1", "0", "2", "leased", "1", "0", "1", "\x01\x00\x00\x00", "a", "1",
+                    "other", "1", "0", "1", "\x01\x00\x00\x00", "b", ""],
     "complete": ["leased", "w1", "1", "ok", "3", "0", "", "", "stop", "", "", "0", "0"],
     "cancel_request": ["queued", "t1", "client_gone"],
     "release": ["leased", "w1", "1", "0"],
@@ -67,6 +68,15 @@ def _bad_variants(name):
             args[i] = bad
             yield i, args
     yield -1, good[:-1]  # a missing argument
+
+
+@pytest.mark.parametrize("name", [n for n in SCRIPT_NAMES if n != "init_pool"])
+async def test_the_good_arguments_are_accepted(state, sync_redis, name):
+    """The baseline the bad variants below are made from is itself a valid call: else a
+    variant could be refused for another argument than the one it changed."""
+    if name == "set_rates":  # only the leader with its fence may write rates
+        assert _call(sync_redis, state["acquire_leader"], "acquire_leader", GOOD["acquire_leader"])[0] == 1
+    _call(sync_redis, state[name], name, GOOD[name])
 
 
 @pytest.mark.parametrize("name", [n for n in SCRIPT_NAMES if n != "init_pool"])

@@ -37,6 +37,13 @@ def test_budget_arithmetic() -> None:
     assert b["pushes"] == 2 and b["total_us"] == pytest.approx(138.0)
     assert b["goal_us"] == 150 + 2 * 8 and b["meets_goal"] and b["admit_meets_goal"]
     assert b["requests_per_s"] == pytest.approx(1e6 / 138.0)
+    # a worker running 8 at once also pushes them 8 to a call (the first token still alone)
+    batched = rb.budget(us | {"push_tokens x8": 16.0}, tokens=8, per_push=4, claim_batch=8, step_ms=10,
+                        lease_ms=300, renew_held=64)
+    assert batched["us"]["push_tokens"] == pytest.approx(10.0 + 16.0 / 8)
+    alone = rb.budget(us | {"push_tokens x8": 16.0}, tokens=8, per_push=4, claim_batch=1, step_ms=10,
+                      lease_ms=300, renew_held=64)
+    assert alone["us"]["push_tokens"] == 15.0
     worse = rb.budget(us | {"admit": 51.0}, tokens=1, per_push=4, claim_batch=1, step_ms=10, lease_ms=300)
     assert worse["pushes"] == 0 and not worse["admit_meets_goal"]
     assert worse["total_us"] == pytest.approx(51 + 60 + 0.1 * 640 / rb.RENEW_HELD + 50)

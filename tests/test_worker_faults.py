@@ -41,19 +41,21 @@ async def stop(rt, task) -> BaseException | None:
 
 
 def lose_reply_of_push(monkeypatch, rid_holder: dict, at_offset: int) -> dict:
-    """push_tokens of request rid_holder['rid'] at ``at_offset`` lands in Redis, but its reply
-    is lost (the connection drops after the command ran): the caller sees RedisUnavailable."""
-    real = Scripts.push_tokens
+    """The push_tokens call carrying request rid_holder['rid'] at ``at_offset`` lands in Redis,
+    but its reply is lost (the connection drops after the command ran): the caller sees
+    RedisUnavailable for the whole call."""
+    real = Scripts.push_tokens_many
     state = {"fired": 0}
 
-    async def push_tokens(self, keys, *, request_id, offset, **kw):
-        res = await real(self, keys, request_id=request_id, offset=offset, **kw)
-        if request_id == rid_holder.get("rid") and offset == at_offset and not state["fired"]:
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+        res = await real(self, keys, worker_id, batches, lease_ms)
+        if not state["fired"] and any(b.request_id == rid_holder.get("rid") and b.offset == at_offset
+                                      for b in batches):
             state["fired"] += 1
             raise RedisUnavailable("Connection reset by peer (reply lost)")
         return res
 
-    monkeypatch.setattr(Scripts, "push_tokens", push_tokens)
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     return state
 
 
@@ -78,6 +80,25 @@ async def test_complete_after_a_push_whose_reply_was_lost_does_not_duplicate_tok
     assert a.text == expected, f"client text {a.text!r}, expected {expected!r}"
     rec = await c.record(rid)
     assert int(rec["usage_out"]) == a.tokens
+
+
+async def test_a_push_after_a_lost_push_reply_takes_the_landed_tokens_as_delivered(env, monkeypatch) -> None:
+    """The next *push* after a lost reply carries the landed token again: push_tokens answers
+    'offset' with Redis's count, and the worker must take exactly the landed tokens as sent
+    (taking the whole retried batch as sent put it one token ahead of Redis: every later push
+    was refused and the request was dropped as lost)."""
+    cfg, c = env
+    holder: dict = {}
+    state = lose_reply_of_push(monkeypatch, holder, at_offset=0)
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_tokens=1):
+        holder["rid"] = rid = await c.admit("abc", max_tokens=12)
+        await c.wait([rid], timeout=15)
+    a = c.answers[rid]
+    assert state["fired"] == 1
+    assert a.done is not None and a.tokens == 12, (a, await c.record(rid))
+    assert a.text == sim_text("abc", 0, 12)  # each token once, in order (Client.read checks offsets)
+    rec = await c.record(rid)  # and by the one attempt: not dropped, then resumed after its lease
+    assert rec["attempts"] == "1" and len(set(a.attempts)) == 1, (rec, a.attempts)
 
 
 async def test_a_lost_push_reply_just_before_max_tokens_does_not_kill_the_worker(env, monkeypatch) -> None:

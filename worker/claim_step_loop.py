@@ -15,9 +15,10 @@ One iteration, between engine steps:
    ``BLPOP wake`` (~1 s timeout) instead of polling;
 3. one :class:`~worker.batch_scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
    engine step, EOS / max_tokens / stop-string detection);
-4. send, concurrently, every due token push and every completion of this step, plus (at
-   most every ``flush_ms``) one ``SMISMEMBER cancels`` over the held ids not pushed now, so
-   a cancelled request stops within ``flush_ms`` and a step or two. These calls run while
+4. send, concurrently, every completion of this step, one ``push_tokens`` call with every
+   due request's tokens, plus (at most every ``flush_ms``) one ``SMISMEMBER cancels`` over
+   the held ids not pushed now, so a cancelled request stops within ``flush_ms`` and a step
+   or two. These calls run while
    the *next* step computes (they are awaited before that step's own calls), so Redis round
    trips stay off the GPU's critical path.
 
@@ -374,17 +375,18 @@ class StepLoop:
         calls: dict[str, tuple[Delivery, Any]] = {
             d.request_id: (d, self.rt.finish(d, "ok", reason)) for d, reason in finishing}
         now, step = time.monotonic(), res.duration_s
-        for rid, d in held.items():
-            if rid not in calls and d.final is None and d.due(now, s.flush_ms, s.flush_tokens, step):
-                calls[rid] = (d, self.rt.push(d))
+        pushes = [d for rid, d in held.items()
+                  if rid not in calls and d.final is None and d.due(now, s.flush_ms, s.flush_tokens, step)]
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
         # takes well under a millisecond: per step it was most of the Redis commands per request).
         live: list[str] = []
         if now - self._cancel_checked >= s.flush_ms / 1e3:
-            live = [rid for rid, d in held.items() if rid not in calls and d.final is None]
+            pushing = {d.request_id for d in pushes}
+            live = [rid for rid, d in held.items()
+                    if rid not in calls and rid not in pushing and d.final is None]
             self._cancel_checked = now
-        self._io = asyncio.create_task(self._send(calls, live), name="step-io")
+        self._io = asyncio.create_task(self._send(calls, pushes, live), name="step-io")
 
     async def _settle_io(self) -> None:
         """Wait for the last step's Redis calls; raises their outage, if any."""
@@ -392,13 +394,23 @@ class StepLoop:
         if io is not None:
             await io
 
-    async def _send(self, calls: dict[str, tuple[Delivery, Any]], live: list[str]) -> None:
-        """One step's pushes and completions plus the cancel check, concurrently; what they
-        learn (cancelled, lease lost) is applied at the next iteration."""
-        results = await asyncio.gather(*(c for _, c in calls.values()), self.rt.cancelled(live),
-                                       return_exceptions=True)
+    async def _send(self, calls: dict[str, tuple[Delivery, Any]], pushes: list[Delivery],
+                    live: list[str]) -> None:
+        """One step's completions, its pushes (one ``push_tokens`` call for every request due)
+        and the cancel check, concurrently; what they learn (cancelled, lease lost) is
+        applied at the next iteration."""
+        results = await asyncio.gather(*(c for _, c in calls.values()), self.rt.push_many(pushes),
+                                       self.rt.cancelled(live), return_exceptions=True)
         outage: BaseException | None = None
-        for (rid, (d, _)), r in zip(calls.items(), results, strict=False):
+        news: list[tuple[Delivery, Any]] = [(d, r) for (d, _), r in
+                                            zip(calls.values(), results, strict=False)]
+        pushed, cancelled = results[-2], results[-1]
+        if isinstance(pushed, BaseException):
+            outage = pushed
+        else:
+            news += pushed
+        for d, r in news:
+            rid = d.request_id
             if self.rt.held.get(rid) is not d and (r is True or isinstance(r, LeaseLost)):
                 continue  # re-claimed meanwhile (our lease had expired): news of the old attempt
             if r is True:
@@ -407,7 +419,6 @@ class StepLoop:
                 self._lost.add(rid)
             elif isinstance(r, BaseException):
                 outage = r
-        cancelled = results[-1]
         if isinstance(cancelled, BaseException):
             outage = cancelled
         else:

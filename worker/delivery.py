@@ -5,9 +5,11 @@ A :class:`Delivery` buffers the tokens released for a request and pushes them wi
 the oldest would wait more than ``flush_ms`` (50 ms), whichever comes first, and the first
 batch of an attempt at once (time to first token is what users feel). So Redis sees far
 fewer than one write per generated token, while no token waits more than ~50 ms (with
-steps longer than that, every step pushes). The last tokens ride on
-``complete``. Offsets make delivery exactly-once: ``push_tokens`` refuses a batch whose
-offset is not the number of tokens already delivered.
+steps longer than that, every step pushes). The step loop sends the batches of every
+request due at a step in one ``push_tokens`` call (:meth:`Delivery.batch`,
+:meth:`Delivery.settle`). The last tokens ride on ``complete``. Offsets make delivery
+exactly-once: ``push_tokens`` refuses a batch whose offset is not the number of tokens
+already delivered.
 
 It also keeps the timings a latency sample needs (see :mod:`worker.samples`): when this
 attempt claimed the request, in Redis time and in local monotonic time, and when each
@@ -23,7 +25,7 @@ from typing import Any
 from limiter.errors import InvalidArgument, LeaseLost
 from limiter.keys import PoolKeys
 from limiter.prompt import Payload
-from limiter.scripts import Claimed, Scripts
+from limiter.scripts import Claimed, Pushed, Scripts, TokenBatch
 
 
 @dataclass
@@ -105,31 +107,53 @@ class Delivery:
         return self.pending_since is not None and (t - self.pending_since + step_s) * 1e3 >= flush_ms
 
     # --- Redis --------------------------------------------------------------------------------
-    async def push(self, scripts: Scripts, keys: PoolKeys, worker_id: str, lease_ms: int = 0) -> bool:
-        """Push what is pending; returns True when the client asked to cancel.
-
-        Raises LeaseLost (another worker owns the request) and RedisUnavailable. Nothing is
-        lost on an outage: the batch stays pending, and if it did land (the reply was lost,
-        or redis-py's retry sent it twice) the next push's offset check says so."""
+    def batch(self) -> TokenBatch | None:
+        """What to push now, for ``push_tokens`` (one call may carry several requests'), or
+        None: nothing pending, or an earlier push is in doubt and this one could not tell the
+        two apart. Hand the reply to :meth:`settle`."""
         if not self.pending_tokens:
-            return False
+            return None
         ids, text, n = list(self.pending_ids), self.pending_text, self.pending_tokens
         if self._uncertain.get(n, (len(ids), len(text))) != (len(ids), len(text)):
             # A push of as many tokens but more text (an upstream chunk with text and no new
             # token) is in doubt already: Redis's token count could not tell which of the two
             # landed. Wait for a token (or complete, offset-checked).
-            return False
+            return None
+        # Until its reply comes, this push may or may not have landed (an outage, a lost reply).
         self._uncertain[n] = (len(ids), len(text))
+        return TokenBatch(self.request_id, self.fence, self.offset, ids, text, n)
+
+    def settle(self, b: TokenBatch, reply: Pushed) -> bool:
+        """Apply ``push_tokens``' reply to batch ``b``; True when the client asked to cancel.
+        Raises LeaseLost. On 'offset' (an earlier push whose reply was lost did land), the
+        tokens Redis has are taken as delivered and the rest stay pending for the next push."""
+        if reply.status == "lost":
+            raise LeaseLost(f"{self.request_id}: request is not leased to this worker with this fence")
+        if reply.status == "offset":
+            self._landed(reply.delivered)
+            return False
+        self._sent(b.count, len(b.token_ids), len(b.text))
+        return reply.cancel
+
+    async def push(self, scripts: Scripts, keys: PoolKeys, worker_id: str, lease_ms: int = 0) -> bool:
+        """Push what is pending, alone; returns True when the client asked to cancel.
+
+        Raises LeaseLost (another worker owns the request) and RedisUnavailable. Nothing is
+        lost on an outage: the batch stays pending, and if it did land (the reply was lost,
+        or redis-py's retry sent it twice) the next push's offset check says so."""
+        b = self.batch()
+        if b is None:
+            return False
         try:
             cancel = await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id,
-                                               fence=self.fence, offset=self.offset, token_ids=ids,
-                                               text=text, lease_ms=lease_ms, count=n)
+                                               fence=self.fence, offset=b.offset, token_ids=b.token_ids,
+                                               text=b.text, lease_ms=lease_ms, count=b.count)
         except InvalidArgument as exc:
             if "offset" not in str(exc):
                 raise
             await self._reconcile(scripts.client, keys)
             return await self.push(scripts, keys, worker_id, lease_ms)
-        self._sent(n, len(ids), len(text))
+        self._sent(b.count, len(b.token_ids), len(b.text))
         return cancel
 
     async def complete(self, scripts: Scripts, keys: PoolKeys, worker_id: str, *, outcome: str,
@@ -162,10 +186,15 @@ class Delivery:
         self._uncertain.clear()
 
     async def _reconcile(self, client: Any, keys: PoolKeys) -> None:
-        """After an offset mismatch: one of our earlier pushes whose reply never came back
-        did land. Redis's token count says which; anything else means we lost the request."""
+        """After an offset mismatch: read Redis's token count (see :meth:`_landed`)."""
         out = await client.hget(keys.request(self.request_id), "out_tokens")
-        landed = (int(out) if out is not None else -1) - self.offset
+        self._landed(int(out) if out is not None else -1)
+
+    def _landed(self, delivered: int) -> None:
+        """Redis has ``delivered`` tokens, not our offset: one of our earlier pushes whose reply
+        never came back did land, and its tokens count as sent. Anything else means we lost
+        the request."""
+        landed = delivered - self.offset
         if landed not in self._uncertain:
-            raise LeaseLost(f"{self.request_id}: Redis has {out!r} tokens, this worker {self.offset}")
+            raise LeaseLost(f"{self.request_id}: Redis has {delivered} tokens, this worker {self.offset}")
         self._sent(landed, *self._uncertain[landed])

@@ -38,7 +38,7 @@ from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
 from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.samples import pack_sample
-from limiter.scripts import Claimed, Scripts, policy_document
+from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, policy_document
 from limiter.tasks import stop_tasks
 from worker.delivery import Delivery
 from worker.metrics import WorkerMetrics
@@ -306,6 +306,27 @@ class WorkerRuntime:
         """Push ``d``'s pending tokens; True when its client cancelled. Raises LeaseLost."""
         self.metrics.pushes.inc()
         return await d.push(self.scripts, self.keys, self.worker_id, self.lease_ms)
+
+    async def push_many(self, ds: list[Delivery]) -> list[tuple[Delivery, bool | LeaseLost]]:
+        """Push the pending tokens of ``ds`` with as few ``push_tokens`` calls as PUSH_LIMIT
+        allows; per delivery pushed, True when its client cancelled, or the LeaseLost it met.
+        Raises RedisUnavailable: the batches of that call and of the calls after it stay
+        pending (in doubt, settled by the next push's offset check); the ones before are
+        settled already, and their news comes again (a cancel flag stays set; a lost lease
+        stays lost)."""
+        todo = [(d, b) for d in ds if (b := d.batch()) is not None]
+        out: list[tuple[Delivery, bool | LeaseLost]] = []
+        for i in range(0, len(todo), PUSH_LIMIT):
+            chunk = todo[i:i + PUSH_LIMIT]
+            self.metrics.pushes.inc(len(chunk))
+            replies = await self.scripts.push_tokens_many(self.keys, self.worker_id, [b for _, b in chunk],
+                                                          self.lease_ms)
+            for (d, b), reply in zip(chunk, replies, strict=True):
+                try:
+                    out.append((d, d.settle(b, reply)))
+                except LeaseLost as exc:
+                    out.append((d, exc))
+        return out
 
     async def finish(self, d: Delivery, outcome: str, finish_reason: str, message: str = "") -> None:
         """Complete ``d`` with its sample and forget it. Raises RedisUnavailable (``d`` stays

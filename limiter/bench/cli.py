@@ -146,7 +146,8 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
                         f"(default {rb.DEFAULT_ROUNDS})")
     p.add_argument("--baseline", metavar="LUA_DIR", type=Path,
                    help="also measure the scripts of this lua/ directory (e.g. from git archive <commit> "
-                        "lua), in the same rounds, and print the change")
+                        "lua), in the same rounds, and print the change; its scripts must take the same "
+                        "arguments as the installed ones")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 

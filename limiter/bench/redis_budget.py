@@ -10,7 +10,9 @@ drives them --
 * ``claim`` in batches of 1 and of 8 (a worker claims as many as it has free slots);
 * ``push_tokens``: an attempt's first token at once, then one push per request every
   ``flush_ms`` with the tokens made meanwhile (``ceil(flush_ms / step_ms)``, at most
-  ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``;
+  ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``. Measured one
+  request per call, and eight per call (``push_tokens x8``: the step worker sends every
+  request due at a step in one call);
 * ``complete`` with a latency sample;
 * ``renew_leases``: every ``lease_ms / 3`` over every held request (worker/runtime.py): a
   request's share is its time on the worker (tokens x step_ms) over that period.
@@ -41,7 +43,7 @@ from limiter.bench.admission import bench_config, request_payload, unlink_matchi
 from limiter.keys import PoolKeys
 from limiter.localstack.redis_server import RedisServer
 from limiter.samples import build_sample, pack_sample
-from limiter.scripts import Claimed, Scripts, policy_document
+from limiter.scripts import Claimed, Scripts, TokenBatch, policy_document
 from worker.settings import WorkerSettings
 
 POOL = "budget"
@@ -63,7 +65,7 @@ BASE_GOAL_US = 150.0
 PER_TOKEN_GOAL_US = 2.0
 # the rows of the table: what one call of each measured phase is
 PHASES = ("floor (1-command script)", "admit", "claim x1", "claim x8", "push_tokens (first)", "push_tokens",
-          "renew_leases", "complete")
+          "push_tokens x8", "renew_leases", "complete")
 
 
 @dataclass(frozen=True)
@@ -129,13 +131,19 @@ def renew_held(requests: int) -> int:
 def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, step_ms: float,
            lease_ms: int, renew_held: int = RENEW_HELD) -> dict[str, Any]:
     """Redis microseconds one request costs with ``tokens`` output tokens, by script, from
-    ``us`` (phase -> usec per call): claims of ``claim_batch`` share a call, a renew call
-    covers ``renew_held`` requests. With the goal check and what one shard carries."""
+    ``us`` (phase -> usec per call): a worker running ``claim_batch`` requests together
+    claims them in one call and, when ``claim_batch`` is 8 (and ``us`` has the phase), sends
+    their later pushes 8 to a call (``push_tokens x8``; each request's first token alone);
+    a renew call covers ``renew_held`` requests. With the goal check and what one shard
+    carries."""
     first, later = pushes_per_request(tokens, per_push)
+    later_us = us["push_tokens"]
+    if claim_batch == 8 and "push_tokens x8" in us:
+        later_us = us["push_tokens x8"] / 8
     by = {
         "admit": us["admit"],
         "claim": us[f"claim x{claim_batch}"] / claim_batch,
-        "push_tokens": first * us["push_tokens (first)"] + later * us["push_tokens"],
+        "push_tokens": first * us["push_tokens (first)"] + later * later_us,
         "renew_leases": renews_per_request(tokens, step_ms, lease_ms) * us["renew_leases"] / renew_held,
         "complete": us["complete"],
     }
@@ -238,6 +246,19 @@ class Driver:
             self.offset[c.request_id] = off + n
         return call
 
+    def push_many(self, cs: Sequence[Claimed], n: int) -> Callable[[], Awaitable[Any]]:
+        """One push_tokens call with ``n`` tokens for each of ``cs`` (a worker's step)."""
+        async def call() -> None:
+            offsets = [self.offset[c.request_id] for c in cs]
+            batches = [TokenBatch(c.request_id, c.fence, off, range(1000 + off, 1000 + off + n),
+                                  " tok" * n, n) for c, off in zip(cs, offsets, strict=True)]
+            replies = await self.scripts.push_tokens_many(self.keys, WORKER, batches)
+            if any(r.status != "ok" for r in replies):
+                raise RuntimeError(f"push_tokens x{len(cs)}: {replies}")
+            for c in cs:
+                self.offset[c.request_id] += n
+        return call
+
     def renew(self, held: Sequence[Claimed]) -> Callable[[], Awaitable[Any]]:
         return lambda: self.scripts.renew_leases(self.keys, WORKER, [(c.request_id, c.fence) for c in held])
 
@@ -266,6 +287,9 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     phases.append(await d.measure("push_tokens (first)", [d.push(c, 1) for c in d.claimed]))
     phases.append(await d.measure("push_tokens", [d.push(c, d.per_push) for _ in range(push_rounds)
                                                   for c in d.claimed]))
+    groups = [d.claimed[i:i + 8] for i in range(0, len(d.claimed), 8)]
+    phases.append(await d.measure("push_tokens x8", [d.push_many(g, d.per_push) for _ in range(push_rounds)
+                                                     for g in groups]))
     size = renew_held(requests)
     held = [d.claimed[i:i + size] for i in range(0, len(d.claimed) - size + 1, size)]
     phases.append(await d.measure("renew_leases", [d.renew(h) for h in held]))
@@ -355,7 +379,7 @@ def render(report: BudgetReport) -> Any:
                     f"{m['step_ms']:g} ms; renewals every {m['lease_ms'] / 3:.0f} ms)")
     b.add_column("per request")
     for x in report.budgets:
-        b.add_column(f"{x['tokens']} tokens\nclaims of {x['claim_batch']}", justify="right")
+        b.add_column(f"{x['tokens']} tokens\nbatches of {x['claim_batch']}", justify="right")
     for part in ("admit", "claim", "push_tokens", "renew_leases", "complete"):
         b.add_row(part, *(f"{x['us'][part]:.1f}" + (f" ({x['pushes']})" if part == "push_tokens" else "")
                           for x in report.budgets))

@@ -1,0 +1,97 @@
+"""push_tokens with several requests in one call: each request's reply on its own, a refused
+call writes nothing, the call's size is bounded, and the step worker really sends one call
+for the requests due at a step."""
+
+from __future__ import annotations
+
+import pytest
+
+from limiter.errors import InvalidArgument
+from limiter.scripts import PUSH_LIMIT, Pushed, Scripts, TokenBatch, lifecycle_keys
+from tests.support.helpers import admit, dump_all
+from tests.support.worker_helpers import sim_text, worker
+
+
+async def _claim(scripts, pool, n):
+    got = await scripts.claim(pool, "w1", n)
+    assert len(got.requests) == n
+    return {c.request_id: c for c in got.requests}
+
+
+async def test_each_request_of_a_batch_gets_its_own_reply_and_only_the_good_ones_are_written(
+        scripts, pool) -> None:
+    for rid in ("a", "b", "c"):
+        await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=10)
+    held = await _claim(scripts, pool, 3)
+    lease_before = await scripts.client.zscore(pool.leases, "b")
+    await scripts.client.hset(pool.request("c"), "cancel", 1)
+    replies = await scripts.push_tokens_many(pool, "w1", [
+        TokenBatch("a", held["a"].fence, 0, [7, 8], "hi", 2),
+        TokenBatch("b", held["b"].fence + 1, 0, [9], "x", 1),  # a fence not issued: lost
+        TokenBatch("c", held["c"].fence, 0, [5], "c", 1),
+    ])
+    assert replies == [Pushed("ok"), Pushed("lost"), Pushed("ok", cancel=True)]
+    # a retry of a's batch (its reply was lost): Redis has 2 tokens, the batch says 0
+    again = await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 0, [7, 8], "hi", 2),
+                                                        TokenBatch("c", held["c"].fence, 1, [6], "d", 1)])
+    assert again == [Pushed("offset", delivered=2), Pushed("ok", cancel=True)]
+    recs = {rid: await scripts.client.hgetall(pool.request(rid)) for rid in "abc"}
+    assert recs["a"][b"out_tokens"] == b"2" and recs["c"][b"out_tokens"] == b"2"
+    assert b"out_tokens" not in recs["b"] and b"first_ms" not in recs["b"]
+    assert await scripts.client.zscore(pool.leases, "b") == lease_before  # b's lease not extended
+    assert await scripts.client.get(pool.tokens("b")) is None
+    entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
+    assert [(e[b"id"], e[b"o"], e[b"t"]) for e in entries] == [(b"a", b"0", b"hi"), (b"c", b"0", b"c"),
+                                                                (b"c", b"1", b"d")]
+    assert 0 < await scripts.client.ttl(pool.reply("fe1")) <= 600
+
+
+@pytest.mark.parametrize("why", ["past max_tokens", "same request twice"])
+async def test_a_refused_batch_writes_nothing_for_any_request(scripts, pool, sync_redis, why) -> None:
+    for rid in ("a", "b"):
+        await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=4)
+    held = await _claim(scripts, pool, 2)
+    second = TokenBatch("b", held["b"].fence, 0, [1] * 5, "toolong", 5) if why == "past max_tokens" \
+        else TokenBatch("a", held["a"].fence, 1, [2], "y", 1)
+    before = dump_all(sync_redis)
+    with pytest.raises(InvalidArgument, match="max_tokens" if why == "past max_tokens" else "twice"):
+        await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 0, [1], "x", 1), second])
+    assert dump_all(sync_redis) == before
+
+
+async def test_a_call_carries_at_most_push_limit_requests(scripts, pool, sync_redis) -> None:
+    batches = [TokenBatch(f"r{i}", 1, 0, [1], "x", 1) for i in range(PUSH_LIMIT + 1)]
+    with pytest.raises(InvalidArgument, match=f"at most {PUSH_LIMIT}"):
+        await scripts.push_tokens_many(pool, "w1", batches)
+    # the script refuses it too (bounded work whoever calls it), and says how many it takes
+    args: list = ["w1", 0, PUSH_LIMIT + 1]
+    for b in batches:
+        args += [b.request_id, 1, 0, 1, b"\x01\x00\x00\x00", "x", ""]
+    before = dump_all(sync_redis)
+    with pytest.raises(Exception, match=r"BADARG n: .* is outside \[1, 64\]"):
+        await scripts.client.evalsha(scripts._scripts["push_tokens"].sha or
+                                     await scripts.client.script_load(scripts._scripts["push_tokens"].script),
+                                     len(lifecycle_keys(pool)), *lifecycle_keys(pool), *args)
+    assert dump_all(sync_redis) == before
+
+
+async def test_the_step_worker_pushes_the_requests_due_at_a_step_in_one_call(worker_env, monkeypatch) -> None:
+    """Eight requests decoding together: their token batches travel together, and every
+    client still reads its whole text in order."""
+    cfg, c = worker_env
+    calls: list[int] = []
+    real = Scripts.push_tokens_many
+
+    async def counting(self, keys, worker_id, batches, lease_ms=0):
+        calls.append(len(batches))
+        return await real(self, keys, worker_id, batches, lease_ms)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", counting)
+    prompts = [f"prompt {i}" for i in range(8)]
+    rids = [await c.admit(p, max_tokens=24) for p in prompts]  # queued before the worker starts
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_tokens=4):
+        await c.wait(rids, timeout=30)
+    for rid, p in zip(rids, prompts, strict=True):
+        a = c.answers[rid]
+        assert a.done is not None and a.tokens == 24 and a.text == sim_text(p, 0, 24), (rid, a)
+    assert max(calls) > 1, f"push_tokens calls carried {calls} requests each: no call carried two"
