@@ -62,7 +62,7 @@ local function main()
     b.n_ids = arg_token_batch(b.count, b.token_ids, b.text, ARGV[a + 7])
     batch[i] = b
   end
-  local p = load_pool(K_POLICY, {'lease_ms', 'record_ttl_s'})
+  local p = load_pool(K_POLICY, {'lease_ms'})
   if lease_ms == 0 then lease_ms = p.lease_ms end
   -- Every record is read and checked before the first write: a refused batch writes nothing.
   local replies = {}
@@ -84,12 +84,17 @@ local function main()
   for i, b in ipairs(batch) do
     local r = b.r
     if r ~= nil then
-      append_token_ids(b.id, b.token_ids, b.n_ids)
+      -- The record's TTL is not extended here (two commands of ~6 per request): claim and
+      -- renew_leases (every lease_ms / 3) set it to the lease's end plus a week's grace, far
+      -- beyond the at most lease_ms a push moves the lease on. Only the token string this
+      -- push creates (an attempt's first ids) gets its TTL here.
+      if b.n_ids > 0 and redis.call('APPEND', P_TOKENS .. b.id, b.token_ids) == #b.token_ids then
+        redis.call('PEXPIRE', P_TOKENS .. b.id, lease_ms + LIVE_RECORD_GRACE_MS)  -- as keep_alive
+      end
       -- offset is what was delivered: checked above
       local fields = {'lease_ms', until_ms, 'out_tokens', b.offset + b.count}
       if r.first_ms == nil then fields[5], fields[6] = 'first_ms', now end
       redis.call('HSET', P_REQUEST .. b.id, unpack(fields))
-      keep_alive(p, b.id, until_ms, now)
       leases[#leases + 1] = until_ms
       leases[#leases + 1] = b.id
       notify(r, {'k', 'tok', 'a', b.fence, 'o', b.offset, 'n', b.count, 't', b.text}, expired)

@@ -40,6 +40,9 @@ async def test_each_request_of_a_batch_gets_its_own_reply_and_only_the_good_ones
     assert b"out_tokens" not in recs["b"] and b"first_ms" not in recs["b"]
     assert await scripts.client.zscore(pool.leases, "b") == lease_before  # b's lease not extended
     assert await scripts.client.get(pool.tokens("b")) is None
+    # the token strings a push creates live as long as their records can (a week's grace)
+    for rid in "ac":
+        assert await scripts.client.pttl(pool.tokens(rid)) > 7 * 86400 * 1000, rid
     entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
     assert [(e[b"id"], e[b"o"], e[b"t"]) for e in entries] == [(b"a", b"0", b"hi"), (b"c", b"0", b"c"),
                                                                 (b"c", b"1", b"d")]
