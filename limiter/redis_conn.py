@@ -30,6 +30,12 @@ CONNECTION_ERRORS: tuple[type[Exception], ...] = (
 # A new connection (TCP, TLS handshake, AUTH) gets this long: go-redis's default. At 2 s a
 # TLS handshake on a loaded host timed out and turned requests away with Redis answering.
 CONNECT_TIMEOUT_S = 5.0
+# A command whose reply does not come within this long fails as an outage (a Redis that
+# accepts connections and never answers: stopped, or hung). Set here rather than left to
+# redis-py's default, because a client whose commands block (BLPOP, XREAD BLOCK) needs its
+# blocking time on top: at the bare 5 s, a worker with idle_block_s = 10 took every idle
+# BLPOP for an outage and backed off (open_redis's ``blocking_s``).
+SOCKET_TIMEOUT_S = 5.0
 # redis-py's cluster client raises a bare RedisClusterException when, building its slot map,
 # no node answers or some slot has no master (a failover in progress); the same type also
 # reports misconfiguration and misuse, which must stay errors: only these messages are outages.
@@ -55,7 +61,7 @@ def map_redis_errors() -> Iterator[None]:
 
 
 def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses: bool = False,
-               pool_wait_s: float | None = None) -> Any:
+               pool_wait_s: float | None = None, blocking_s: float = 0.0) -> Any:
     """Build an async client; nothing connects until the first command.
 
     The client does not retry by itself: a command either answers or raises at once, and
@@ -67,12 +73,17 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
     With ``pool_wait_s`` a command that finds all ``max_connections`` busy waits up to that
     long for one instead of failing at once: a server with many concurrent requests keeps
     O(1) connections. (On a cluster, :class:`WaitingRedisCluster`.)
+
+    ``blocking_s``: the longest a command of this client blocks on the server by design
+    (BLPOP's timeout, XREAD's BLOCK); a reply may take that much longer than
+    :data:`SOCKET_TIMEOUT_S` before the client gives up.
     """
     retry = Retry(NoBackoff(), retries=0)
     common: dict[str, Any] = {
         "decode_responses": decode_responses,
         "retry": retry,
         "socket_connect_timeout": CONNECT_TIMEOUT_S,
+        "socket_timeout": SOCKET_TIMEOUT_S + blocking_s,
         "health_check_interval": 15,
     }
     if cfg.cluster:

@@ -4,12 +4,16 @@ back-off in the loops), not an internal error. Found by review; each failed befo
 
 from __future__ import annotations
 
+import asyncio
+import signal
 import socket
 from collections.abc import Iterator
 
 import pytest
 from redis.exceptions import RedisClusterException
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from limiter import redis_conn
 from limiter.config import RedisConfig
 from limiter.errors import ConfigError, RedisUnavailable
 from limiter.frontend.errors import to_api_error
@@ -121,3 +125,60 @@ def test_tls_options_on_a_plain_redis_url_are_refused(query: str) -> None:
     with pytest.raises(ConfigError, match="rediss://"):
         check_redis_url(f"redis://127.0.0.1:7000/0?{query}", "redis.url")
     check_redis_url(f"rediss://127.0.0.1:7000/0?{query}", "redis.url")  # the right scheme is fine
+
+
+
+async def test_a_redis_that_never_answers_is_an_outage_after_the_socket_timeout(monkeypatch) -> None:
+    """A Redis that accepts the connection and then stops answering (SIGSTOP: hung, or its
+    host frozen) fails the command as an outage, instead of hanging its caller."""
+    monkeypatch.setattr(redis_conn, "SOCKET_TIMEOUT_S", 0.5)
+    server = RedisServer().start()
+    client = open_redis(RedisConfig(url=server.url))
+    try:
+        await client.set("k", 1)
+        assert server.proc is not None
+        server.proc.send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(RedisUnavailable, match="Timeout"):
+                with map_redis_errors():
+                    await asyncio.wait_for(client.get("k"), 30)  # the deadline only bounds a hang
+        finally:
+            server.proc.send_signal(signal.SIGCONT)
+    finally:
+        await client.aclose()
+        server.stop()
+
+
+async def test_a_blocking_read_longer_than_the_socket_timeout_is_no_outage(monkeypatch, redis_server) -> None:
+    """BLPOP / XREAD BLOCK wait by design: a client opened with ``blocking_s`` allows for it.
+    Before, every client had redis-py's bare 5 s, so a worker with ``idle_block_s`` of 5 s or
+    more (the settings allow 60) took each idle BLPOP for an outage and backed off; so did a
+    controller with ``block_s`` of 5 s or more."""
+    monkeypatch.setattr(redis_conn, "SOCKET_TIMEOUT_S", 0.3)
+    cfg = RedisConfig(url=redis_server.url)
+    plain, blocking = open_redis(cfg), open_redis(cfg, blocking_s=1.0)
+    try:
+        with pytest.raises(RedisTimeoutError):  # what the bare timeout does to a 1 s block
+            await plain.blpop(["qos-test-empty"], timeout=1)
+        assert await blocking.blpop(["qos-test-empty"], timeout=1) is None
+        assert await blocking.xread({"qos-test-stream": "0-0"}, block=1000) in ([], {}, None)
+    finally:
+        await plain.aclose()
+        await blocking.aclose()
+
+
+async def test_an_idle_worker_waits_out_idle_block_s_without_an_outage(monkeypatch, worker_env) -> None:
+    """The worker's own blocking client: idle_block_s above the socket timeout is a quiet
+    idle wait, not RedisUnavailable."""
+    from worker.main import build_worker
+    from worker.settings import load_settings
+
+    monkeypatch.setattr(redis_conn, "SOCKET_TIMEOUT_S", 0.3)
+    cfg, _client = worker_env
+    rt, _loop = build_worker(load_settings(cfg, {"pool": "tiny", "idle_block_s": 1.0, "engine": "sim"}), cfg)
+    await rt.open()
+    try:
+        assert await asyncio.wait_for(rt.wait_for_work(), 30) is False  # no marker came, and no outage
+    finally:
+        await rt.close()
+

@@ -91,7 +91,8 @@ class WorkerRuntime:
         # A step's pushes and completions go out concurrently: past 8 they wait for a free
         # connection (O(1) connections per worker) instead of failing with 'Too many connections'.
         self.client = open_redis(self.cfg.redis, max_connections=8, pool_wait_s=30.0)
-        self.blocking = open_redis(self.cfg.redis, max_connections=2)  # BLPOP blocks its connection
+        self.blocking = open_redis(self.cfg.redis, max_connections=2,  # BLPOP blocks its connection
+                                   blocking_s=self.settings.idle_block_s)
         self.scripts = Scripts(self.client)
         backoff = Backoff("Redis unavailable at start", first_s=0.2, max_s=5.0, logger=log)
         while True:

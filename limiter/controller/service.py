@@ -37,7 +37,7 @@ class Controller:
         self._own_client = client is None
         # per pool: one connection blocked in XREADGROUP, one for the lease, one for the tick
         if client is None:
-            client = open_redis(cfg.redis, max_connections=2 + 3 * len(pools))
+            client = open_redis(cfg.redis, max_connections=2 + 3 * len(pools), blocking_s=settings.block_s)
         self.client = client
         self.scripts = Scripts(self.client)
         self.metrics = ControllerMetrics(settings.controller_id)

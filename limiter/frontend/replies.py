@@ -32,6 +32,7 @@ from limiter.keys import PoolKeys
 log = logging.getLogger("qos.frontend.replies")
 # A reply stream's TTL, as the scripts set it on every entry (lua/include/pool_keys.lua).
 REPLY_TTL_S = 600
+REPLY_BLOCK_MS = 2000  # a reply reader's XREAD BLOCK: how long an idle read waits
 
 
 def _s(v: Any) -> str:
@@ -103,9 +104,9 @@ class ReplyRouter:
     """Demultiplexes each pool's reply stream to per-request queues."""
 
     def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, metrics: FrontendMetrics,
-                 block_ms: int = 2000, reader: Any = None) -> None:
-        # block_ms stays below redis-py's 5 s default socket timeout, or every idle read
-        # would end in a TimeoutError and a reconnect.
+                 block_ms: int = REPLY_BLOCK_MS, reader: Any = None) -> None:
+        # ``reader`` must allow replies block_ms late (open_redis's blocking_s), or every idle
+        # read would end in a TimeoutError and a reconnect.
         self.client = client
         # The blocked reads on a client of their own (one connection per pool): on the shared
         # pool, with as many pools as connections, the readers held every connection (each

@@ -23,7 +23,7 @@ from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import KeyRing
 from limiter.frontend.errors import ApiError
 from limiter.frontend.metrics import FrontendMetrics
-from limiter.frontend.replies import Heartbeat, Reply, ReplyRouter, drain_estimate_s
+from limiter.frontend.replies import REPLY_BLOCK_MS, Heartbeat, Reply, ReplyRouter, drain_estimate_s
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import SAMPLES_MAXLEN, PoolKeys
 from limiter.redis_conn import REDIS_ERRORS, open_redis
@@ -55,9 +55,10 @@ class Frontend:
                                       pool_wait_s=5.0)
         self.scripts = Scripts(self.client)
         keys = list(self.pool_keys.values())
-        self.reader_client: Any = open_redis(cfg.redis, max_connections=len(keys), pool_wait_s=5.0)
+        self.reader_client: Any = open_redis(cfg.redis, max_connections=len(keys), pool_wait_s=5.0,
+                                             blocking_s=REPLY_BLOCK_MS / 1000)
         self.router = ReplyRouter(self.client, keys, self.frontend_id, self.metrics,
-                                  reader=self.reader_client)
+                                  block_ms=REPLY_BLOCK_MS, reader=self.reader_client)
         self.heartbeat = Heartbeat(self.client, keys, self.frontend_id, list(self.classes),
                                    settings.heartbeat_s, trim_upto=lambda pool: self.router.last_ids[pool],
                                    outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in cfg.pools},
