@@ -42,7 +42,22 @@ THREAD_CHARS = 16_384  # longer prompts are encoded off the event loop
 
 
 class TokenizerUnavailable(Exception):
-    """The upstream's tokenize endpoint could not count a prompt (down, or refused it)."""
+    """The upstream's tokenize endpoint could not count a prompt (down, busy, misconfigured)."""
+
+
+class TokenizerRefused(TokenizerUnavailable):
+    """The upstream's tokenize endpoint answered that this prompt cannot be counted (HTTP
+    400, 413 or 422: e.g. messages its chat template rejects): the request's fault, and
+    retrying it cannot help."""
+
+    def __init__(self, status: int, detail: str) -> None:
+        super().__init__(f"HTTP {status}: {detail}")
+        self.status = status
+
+
+# The upstream statuses that refuse the prompt itself. Others (401/403: our API key; 404: no
+# such endpoint; 429, 5xx: busy or down) are the deployment's problem, not the request's.
+REFUSING_STATUSES = (400, 413, 422)
 
 
 def tokenizer_file(spec: str, base_dir: str | Path | None = None) -> Path:
@@ -137,7 +152,8 @@ class FileCounter(Counter):
 
 
 class UpstreamCounter(Counter):
-    """vLLM's ``POST /tokenize``; raises :class:`TokenizerUnavailable` when it cannot answer."""
+    """vLLM's ``POST /tokenize``; raises :class:`TokenizerUnavailable` when it cannot answer,
+    :class:`TokenizerRefused` when it refuses the prompt."""
 
     kind = UPSTREAM
 
@@ -162,6 +178,8 @@ class UpstreamCounter(Counter):
             async with self._session.post(self.url, json=body, headers=self.headers) as resp:
                 if resp.status != 200:
                     text = (await resp.text(errors="replace"))[:200]
+                    if resp.status in REFUSING_STATUSES:
+                        raise TokenizerRefused(resp.status, text)
                     raise TokenizerUnavailable(f"HTTP {resp.status}: {text}")
                 data = await resp.json(content_type=None)
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:

@@ -197,6 +197,17 @@ async def test_upstream_tokenizer_counts_chats_with_the_servers_template(tmp_pat
         assert r.status == 503 and body["error"]["code"] == "tokenizer_unavailable"
         assert r.headers["Retry-After"] == "1" and "127.0.0.1" not in body["error"]["message"]
         assert redis_state(sync_redis) == before
+        # It refuses this prompt (its chat template rejects the messages, say): the request's
+        # fault, a 400 without Retry-After -- a 503 had the client retry it for ever.
+        upstream.status = 422
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": msgs})
+        body = await r.json()
+        err = body["error"]
+        assert (r.status, err["code"], err["param"]) == (400, "tokenizer_refused", "messages")
+        assert body["error"]["type"] == "invalid_request_error" and "Retry-After" not in r.headers
+        assert "busy" not in body["error"]["message"]  # the upstream's own text is not shown
+        assert redis_state(sync_redis) == before
 
 
 async def test_counters_count_completions_and_chats(tmp_path) -> None:

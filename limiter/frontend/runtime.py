@@ -185,9 +185,16 @@ class Frontend:
     # --- helpers used by the request path ----------------------------------------------------
     async def count_prompt(self, draft: oa.Draft) -> int:
         """The prompt's tokens in its pool's tokenizer; 503 when the model server must count
-        them and cannot (nothing is admitted or charged)."""
+        them and cannot, 400 when it refuses this prompt (nothing is admitted or charged)."""
         try:
             return await self.counters[draft.pool.name].count(draft.prompt, draft.messages)
+        except token_count.TokenizerRefused as exc:
+            # The upstream's own words stay in the log: they may name its internals.
+            log.info("pool %s: the upstream tokenizer refused a prompt: %s", draft.pool.name, exc)
+            param = "messages" if draft.messages else "prompt"
+            raise ApiError(400, f"The model server refused to count this request's prompt tokens "
+                                f"(HTTP {exc.status}); check its {param}",
+                           code="tokenizer_refused", param=param) from exc
         except token_count.TokenizerUnavailable as exc:
             log.warning("pool %s: the upstream tokenizer could not count a prompt: %s", draft.pool.name, exc)
             raise ApiError(503, "Service temporarily unavailable: the model server could not count the "
