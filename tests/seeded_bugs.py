@@ -23,7 +23,7 @@ from pathlib import Path
 LUA = Path(__file__).resolve().parent.parent / "lua"
 TEST = "tests/test_scheduler_model.py"
 UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
-              "tests/test_lua_layout.py")
+              "tests/test_lua_layout.py", "tests/test_push_tokens.py")
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,16 @@ BUGS = (
     Bug("expired_stays_indexed", "an expired request is left in the deadline index",
         "include/queue.lua", "  redis.call('ZREM', q, r.id)\n  redis.call('ZREM', K_DEADLINES, r.id)",
         "  redis.call('ZREM', q, r.id)"),
+    Bug("push_token_string_without_ttl", "a push that creates a token string leaves it without a TTL",
+        "push_tokens.lua", "        redis.call('PEXPIRE', P_TOKENS .. b.id, lease_ms + LIVE_RECORD_GRACE_MS)",
+        "        local _ = 0"),
+    Bug("push_ignores_fence", "push_tokens writes for a request leased to another attempt (no fence check)",
+        "push_tokens.lua", "local r = leased_request(b.id, worker_id, b.fence, LEASE_FIELDS)",
+        "local r = load_request(b.id, LEASE_FIELDS)"),
+    Bug("push_writes_before_checks", "a push batch writes its first requests before a later one is refused",
+        "push_tokens.lua", "      b.r = r\n    end\n  end\n  local now = now_ms()",
+        "      b.r = r\n      redis.call('HSET', P_REQUEST .. b.id, 'out_tokens', b.offset + b.count)\n"
+        "    end\n  end\n  local now = now_ms()"),
 )
 
 
