@@ -1,12 +1,15 @@
 """push_tokens with several requests in one call: each request's reply on its own, a refused
-call writes nothing, the call's size is bounded, and the step worker really sends one call
-for the requests due at a step."""
+call writes nothing, the call's size is bounded, the step worker really sends one call for
+the requests due at a step, and an outage between a step's calls loses and repeats nothing
+(the last two scenarios came from a review of the change)."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from limiter.errors import InvalidArgument
+from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.scripts import PUSH_LIMIT, Pushed, Scripts, TokenBatch, lifecycle_keys
 from tests.support.helpers import admit, dump_all
 from tests.support.worker_helpers import sim_text, worker
@@ -98,3 +101,77 @@ async def test_the_step_worker_pushes_the_requests_due_at_a_step_in_one_call(wor
         a = c.answers[rid]
         assert a.done is not None and a.tokens == 24 and a.text == sim_text(p, 0, 24), (rid, a)
     assert max(calls) > 1, f"push_tokens calls carried {calls} requests each: no call carried two"
+
+
+def _fail_one_call(monkeypatch, *, land: bool, which: int) -> dict:
+    """The ``which``-th push_tokens call that carries more than one request (1-based) meets
+    an outage: after landing (reply lost) or before."""
+    real = Scripts.push_tokens_many
+    state = {"calls": [], "fired": 0}
+
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+        state["calls"].append(len(batches))
+        multi = sum(1 for n in state["calls"] if n > 1)
+        if len(batches) > 1 and multi == which and not state["fired"]:
+            state["fired"] = 1
+            if land:
+                await real(self, keys, worker_id, batches, lease_ms)
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, worker_id, batches, lease_ms)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    return state
+
+
+@pytest.mark.parametrize("land", [True, False])
+async def test_outage_in_a_later_chunk_keeps_delivery_exactly_once(worker_env, monkeypatch, land) -> None:
+    """70 requests due at once take two calls (64 + 6); one multi-request call meets an
+    outage after it ran (its reply lost) or before: every client still reads its whole text,
+    each token once, by its first attempt."""
+    cfg, c = worker_env
+    n = PUSH_LIMIT + 6
+    state = _fail_one_call(monkeypatch, land=land, which=4)
+    prompts = [f"prompt {i}" for i in range(n)]
+    rids = [await c.admit(p, max_tokens=12) for p in prompts]
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_tokens=1, max_seqs=128, token_budget=4096):
+        await c.wait(rids, timeout=60)
+    assert state["fired"] == 1, state
+    assert max(state["calls"]) == PUSH_LIMIT, state["calls"]
+    for rid, p in zip(rids, prompts, strict=True):
+        a = c.answers[rid]
+        assert a.done is not None and a.tokens == 12 and a.text == sim_text(p, 0, 12), (rid, a)
+        rec = await c.record(rid)
+        assert rec["attempts"] == "1", (rid, rec)
+
+
+async def test_a_cancel_learnt_from_a_chunk_before_an_outage_still_stops_the_request(worker_env,
+                                                                                    monkeypatch) -> None:
+    """Chunk 1 of a step's pushes answers cancel=1 for a request, chunk 2 meets an outage: the
+    whole push_many raises and that news is dropped; it must come again (SMISMEMBER/renew)."""
+    cfg, c = worker_env
+    n = PUSH_LIMIT + 6
+    real = Scripts.push_tokens_many
+    state = {"phase": 0, "victim": None}
+
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+        if state["phase"] == 0 and len(batches) == PUSH_LIMIT and all(b.offset > 0 for b in batches):
+            state["victim"] = batches[0].request_id
+            await self.cancel(keys, state["victim"], "t1")
+            state["phase"] = 1
+            return await real(self, keys, worker_id, batches, lease_ms)
+        if state["phase"] == 1:
+            state["phase"] = 2
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, worker_id, batches, lease_ms)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    for i in range(n):
+        await c.admit(f"prompt {i}", max_tokens=300)
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_tokens=1, max_seqs=128, token_budget=4096):
+        deadline = asyncio.get_running_loop().time() + 60
+        while state["phase"] < 2 or not c.answers[state["victim"]].finished:
+            assert asyncio.get_running_loop().time() < deadline, f"the cancelled request to end: {state}"
+            await c.read()
+    a = c.answers[state["victim"]]
+    assert a.error is not None and a.error.get("code") == "cancelled", a
+    assert a.tokens < 300, a.tokens

@@ -229,6 +229,21 @@ async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
         await d.push(fake, PoolKeys("tiny"), "w")  # type: ignore[arg-type]
 
 
+async def test_a_refusal_that_is_not_an_offset_mismatch_is_raised_whatever_the_request_id() -> None:
+    """The reconcile path is chosen by the error's field, not its text: a request id holding
+    the word "offset" once turned a max_tokens refusal into a reconcile (and a LeaseLost)."""
+    from limiter.keys import PoolKeys
+
+    class Refusing(_FakeScripts):
+        async def push_tokens(self, keys, **_kw) -> bool:
+            raise InvalidArgument("count", "count: offset-7: 101 tokens exceed max_tokens 100")
+
+    d = _delivery()
+    d.add([1], "a", 0.0)
+    with pytest.raises(InvalidArgument, match="max_tokens"):
+        await d.push(Refusing(landed=0), PoolKeys("tiny"), "w")  # type: ignore[arg-type]
+
+
 async def test_model_tokens_and_resume_ids_are_pushed_and_reconciled_apart() -> None:
     """The openai engine's pending text: 2 model tokens whose resume ids are 5 bytes. Counts,
     offsets and flushing follow the tokens; a lost reply is reconciled by them too."""

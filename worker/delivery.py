@@ -149,7 +149,7 @@ class Delivery:
                                                fence=self.fence, offset=b.offset, token_ids=b.token_ids,
                                                text=b.text, lease_ms=lease_ms, count=b.count)
         except InvalidArgument as exc:
-            if "offset" not in str(exc):
+            if exc.field != "offset":  # not the message: a request id may contain "offset"
                 raise
             await self._reconcile(scripts.client, keys)
             return await self.push(scripts, keys, worker_id, lease_ms)
@@ -170,7 +170,7 @@ class Delivery:
                                           finish_reason=finish_reason, message=message[:4000], sample=sample,
                                           count=self.pending_tokens, offset=self.offset)
         except InvalidArgument as exc:
-            if "offset" not in str(exc):
+            if exc.field != "offset":  # not the message: a request id may contain "offset"
                 raise
             await self._reconcile(scripts.client, keys)
             return await self.complete(scripts, keys, worker_id, outcome=outcome, finish_reason=finish_reason,

@@ -47,7 +47,9 @@ end
 -- controller was down for longer than that, the records of the requests still queued or
 -- leased expired before any janitor ran, and it could only drop their index entries --
 -- their tenants' in-flight counts and the queued costs were never given back (a tenant
--- with a max_inflight cap was refused as busy for good).
+-- with a max_inflight cap was refused as busy for good). A push moves a lease on without
+-- this (push_tokens.lua): the margin is then a week less the time since the last claim or
+-- renewal, which a worker holding the lease makes every lease_ms / 3.
 local LIVE_RECORD_GRACE_MS = 7 * 86400 * 1000
 local function keep_alive(p, id, until_ms, now)
   local ttl = math.max(until_ms - now, 0) + LIVE_RECORD_GRACE_MS
