@@ -9,10 +9,20 @@ import redis.asyncio as aioredis
 from limiter.config import demo_config
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts, policy_document
+from tests.support.hang_report import before_timeout
 from tests.support.redis_server import RedisClusterServers, RedisServer
 
 if shutil.which("redis-server") is None:  # pragma: no cover - CI installs it
     raise RuntimeError("redis-server is required for the test suite")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    """A test that hangs says what it waited on (tests/support/hang_report.py)."""
+    marker = item.get_closest_marker("timeout")
+    timeout = float(marker.args[0]) if marker and marker.args else float(item.config.getini("timeout") or 0)
+    with before_timeout(item.nodeid, timeout):
+        return (yield)
 
 
 @pytest.fixture(scope="session")
