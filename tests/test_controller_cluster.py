@@ -38,10 +38,13 @@ async def test_the_controller_leads_consumes_and_decides_on_a_cluster(redis_clus
         assert await ctl.client.get(keys.leader) == f"{pc.lease.owner}:{pc.term.fence}".encode()
         assert holder_id(pc.lease.owner) == "a"
     finally:
+        # Bounded, so that a stuck teardown fails here with its own traceback instead of at
+        # pytest-timeout's 300 s (one loaded run hung in this test, where is not known).
         if claims is not None:
             claims.cancel()
-            await asyncio.gather(claims, return_exceptions=True)
-        await ctl.stop()
+            done, _ = await asyncio.wait({claims}, timeout=10)
+            assert done, "keep_claiming still running 10 s after its cancellation"
+        await asyncio.wait_for(ctl.stop(), 30)  # stop_tasks gives up after 6 s; release after 2
 
 
 async def keep_claiming(client, keys: PoolKeys, cls: str) -> None:
