@@ -56,6 +56,10 @@ class ClassConfig:
     queue_cap: int = 10_000
     slo_ttft_ms: float | None = None
     slo_tpot_ms: float | None = None
+    # A worker pushes this class's tokens to Redis at least this often (default: the worker's
+    # flush_ms, 50). Longer for classes whose clients read in bulk (batch jobs): each push is
+    # one request's share of a push_tokens call, the largest per-token Redis cost.
+    stream_flush_ms: float | None = None
     # Tenants of the class share it by virtual token counters (true), or are served in
     # arrival order whoever sent the request (false: plain FIFO inside the class).
     fair: bool = True
@@ -253,6 +257,8 @@ def validate(cfg: QosConfig) -> QosConfig:
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(c, name)
             _check(v is None or v > 0, f"{p}.{name}", "must be > 0")
+        _check(c.stream_flush_ms is None or 0 < c.stream_flush_ms <= 10_000, f"{p}.stream_flush_ms",
+               "must be in (0, 10000]")
         shares += c.share
         floors += c.floor
     _check(shares <= 1.0 + 1e-9, "classes", f"shares add up to {shares:.3f}, more than 1")

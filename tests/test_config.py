@@ -52,6 +52,8 @@ def test_a_valid_file_loads(tmp_path):
     (("share = 0.4", "share = 1.4"), "classes[1].share"),
     (("share = 0.4", "share = 0.5"), "classes"),  # shares add up past 1
     (("floor = 0.3", "floor = \"high\""), "classes[1].floor"),
+    (("floor = 0.3", "floor = 0.3\nstream_flush_ms = 0"), "classes[1].stream_flush_ms"),
+    (("floor = 0.3", "floor = 0.3\nstream_flush_ms = 20000"), "classes[1].stream_flush_ms"),
     (('name = "llama"', 'name = "lla{ma}"'), "pools[0].name"),
     # a class name is also part of hash fields: <class>.cost would be class "P1.cost"'s count
     (('name = "P1"', 'name = "P1.cost"'), "classes[1].name"),

@@ -6,6 +6,7 @@ the requests due at a step, and an outage between a step's calls loses and repea
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -101,6 +102,34 @@ async def test_the_step_worker_pushes_the_requests_due_at_a_step_in_one_call(wor
         a = c.answers[rid]
         assert a.done is not None and a.tokens == 24 and a.text == sim_text(p, 0, 24), (rid, a)
     assert max(calls) > 1, f"push_tokens calls carried {calls} requests each: no call carried two"
+
+
+async def test_a_class_with_a_longer_stream_flush_is_pushed_less_often(worker_env, monkeypatch) -> None:
+    """``stream_flush_ms`` of a class overrides the worker's flush_ms for its requests: a P2
+    request at 10 s is pushed once (its first token: time to first token is not batched)
+    and completes with the rest, while P1 beside it is pushed at the worker's 1 ms."""
+    cfg, c = worker_env
+    classes = tuple(dataclasses.replace(k, stream_flush_ms=10_000.0) if k.name == "P2" else k
+                    for k in cfg.classes)
+    batches: dict[str, int] = {}
+    real = Scripts.push_tokens_many
+
+    async def counting(self, keys, worker_id, bs, lease_ms=0):
+        for b in bs:
+            batches[b.request_id] = batches.get(b.request_id, 0) + 1
+        return await real(self, keys, worker_id, bs, lease_ms)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", counting)
+    p1 = await c.admit("steady one", cls="P1", max_tokens=24)
+    p2 = await c.admit("batch job", cls="P2", max_tokens=24)
+    async with worker(dataclasses.replace(cfg, classes=classes), engine="sim", time_scale=0.01, flush_ms=1,
+                      flush_tokens=100):
+        await c.wait([p1, p2], timeout=30)
+    for rid, prompt in ((p1, "steady one"), (p2, "batch job")):
+        a = c.answers[rid]
+        assert a.done is not None and a.text == sim_text(prompt, 0, 24), (rid, a)
+    assert batches.get(p2) == 1, batches
+    assert batches.get(p1, 0) >= 4, batches
 
 
 def _fail_one_call(monkeypatch, *, land: bool, which: int) -> dict:

@@ -374,8 +374,8 @@ class StepLoop:
         calls: dict[str, tuple[Delivery, Any]] = {
             d.request_id: (d, self.rt.finish(d, "ok", reason)) for d, reason in finishing}
         now, step = time.monotonic(), res.duration_s
-        pushes = [d for rid, d in held.items()
-                  if rid not in calls and d.final is None and d.due(now, s.flush_ms, s.flush_tokens, step)]
+        pushes = [d for rid, d in held.items() if rid not in calls and d.final is None
+                  and d.due(now, self.rt.flush_ms(d.claimed.cls), s.flush_tokens, step)]
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
         # takes well under a millisecond: per step it was most of the Redis commands per request).

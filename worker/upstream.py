@@ -490,7 +490,8 @@ class UpstreamLoop:
                     now = time.monotonic()
                     gap, last = now - last, now
                     forward = s.upstream_forward_chunks and d.pending_tokens > 0  # as the upstream chunked it
-                    if forward or d.due(now, s.flush_ms, s.flush_tokens, step_s=gap):  # next ~gap away
+                    flush_ms = self.rt.flush_ms(d.claimed.cls)
+                    if forward or d.due(now, flush_ms, s.flush_tokens, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.rt.push(d):
                                 return ("cancelled", "cancelled", "")
