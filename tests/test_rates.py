@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import pytest
 
@@ -23,11 +24,17 @@ async def test_leader_writes_rates_atomically_with_a_version_and_history(scripts
 
 
 async def test_standby_cannot_lead_while_the_lease_lives_and_takes_over_after(scripts, pool):
-    fa, _ = await scripts.acquire_leader(pool, "ctl-a", 200)
-    fb, holder = await scripts.acquire_leader(pool, "ctl-b", 200)
+    # Leases long enough for every step below on a loaded machine (at 200 ms, ctl-b's own
+    # lease once ran out before its first write); ctl-a's death is its lease running out now.
+    fa, _ = await scripts.acquire_leader(pool, "ctl-a", 60_000)
+    fb, holder = await scripts.acquire_leader(pool, "ctl-b", 60_000)
     assert fb == 0 and holder == f"ctl-a:{fa}"
-    await asyncio.sleep(0.25)  # ctl-a stops renewing (dies)
-    fb, _ = await scripts.acquire_leader(pool, "ctl-b", 200)
+    await scripts.client.pexpire(pool.leader, 1)  # ctl-a stops renewing (dies): its lease ends
+    deadline = time.monotonic() + 15
+    while await scripts.client.exists(pool.leader):
+        assert time.monotonic() < deadline, "ctl-a's lease to run out"
+        await asyncio.sleep(0.005)
+    fb, _ = await scripts.acquire_leader(pool, "ctl-b", 60_000)
     assert fb == fa + 1
     # The old leader wakes up and writes with its stale fence: rejected, nothing changes.
     before = await scripts.client.hgetall(pool.policy)
