@@ -130,6 +130,13 @@ class QosConfig:
     def class_names(self) -> list[str]:
         return [c.name for c in self.classes]
 
+    def class_config(self, name: str) -> ClassConfig | None:
+        """Class ``name``'s settings, or None for a class this config does not have."""
+        for c in self.classes:
+            if c.name == name:
+                return c
+        return None
+
     def class_rank(self, name: str) -> int:
         return self.class_names().index(name)
 

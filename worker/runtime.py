@@ -181,18 +181,14 @@ class WorkerRuntime:
     def weights(self, cls: str) -> tuple[float, float]:
         """(input, output) cost weights of class ``cls``: capacity is reported in the same
         weighted tokens the rates and admission costs use."""
-        for c in self.cfg.classes:
-            if c.name == cls:
-                return c.weight, c.out_weight
-        return 1.0, 1.0
+        c = self.cfg.class_config(cls)
+        return (c.weight, c.out_weight) if c else (1.0, 1.0)
 
     def flush_ms(self, cls: str) -> float:
         """How often a request of class ``cls`` has its tokens pushed at least: the class's
         ``stream_flush_ms``, else the worker's ``flush_ms``."""
-        for c in self.cfg.classes:
-            if c.name == cls and c.stream_flush_ms is not None:
-                return c.stream_flush_ms
-        return self.settings.flush_ms
+        c = self.cfg.class_config(cls)
+        return c.stream_flush_ms if c and c.stream_flush_ms is not None else self.settings.flush_ms
 
     def redis_now_ms(self) -> int:
         return int(time.time() * 1000 + self._clock_offset_ms)
