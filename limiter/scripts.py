@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import (
@@ -265,6 +265,10 @@ class Scripts:
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage
                     raise
+                if isinstance(exc, OutOfMemoryError):
+                    # At maxmemory (noeviction) Redis refuses the scripts without allow-oom:
+                    # nothing ran, and it passes as requests finish. An outage, not a bug.
+                    raise RedisUnavailable(f"Redis is out of memory: {exc}") from exc
                 raise _map_error(str(exc)) from exc
 
     async def load_all(self) -> None:

@@ -245,3 +245,18 @@ async def test_heartbeat_registers_before_admitting(client, sync_redis):
     assert sync_redis.zscore(POOL.frontends, fe.frontend_id) is not None
     json.dumps(fe.heartbeat.clock_offset_ms)  # measured, finite
     assert abs(fe.heartbeat.clock_offset_ms) < 5_000
+
+
+async def test_redis_out_of_memory_is_503_not_500(client, sync_redis):
+    """With Redis at its maxmemory (noeviction, as deployed), admit.lua (no allow-oom flag)
+    is refused with OOM: that was a 500 internal_error, logged as a bug per request, while
+    it is an overload that passes as requests finish (complete/cancel may run under OOM)."""
+    sync_redis.config_set("maxmemory", 1)
+    try:
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        body = await r.json()
+    finally:
+        sync_redis.config_set("maxmemory", 0)
+    assert r.status == 503, body
+    assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
+    assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0
