@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import OutOfMemoryError, ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import (
@@ -265,10 +265,11 @@ class Scripts:
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage
                     raise
-                if isinstance(exc, OutOfMemoryError):
-                    # At maxmemory (noeviction) Redis refuses the scripts without allow-oom:
-                    # nothing ran, and it passes as requests finish. An outage, not a bug.
-                    raise RedisUnavailable(f"Redis is out of memory: {exc}") from exc
+                if isinstance(exc, OutOfMemoryError | ReadOnlyError):
+                    # At maxmemory (noeviction) Redis refuses the scripts without allow-oom, and
+                    # a server a failover made a replica refuses every write: nothing ran, and
+                    # it is the store's state, not the request's. An outage (503), not a bug (500).
+                    raise RedisUnavailable(f"Redis refused the script: {exc}") from exc
                 raise _map_error(str(exc)) from exc
 
     async def load_all(self) -> None:

@@ -260,3 +260,18 @@ async def test_redis_out_of_memory_is_503_not_500(client, sync_redis):
     assert r.status == 503, body
     assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
     assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0
+
+
+async def test_a_redis_turned_replica_is_503_not_500(client, sync_redis):
+    """After a failover demotes the Redis a frontend is connected to (REPLICAOF), every write
+    script is refused READONLY: that was a 500 internal_error per request, not an outage."""
+    from tests.support.redis_server import free_port
+
+    sync_redis.replicaof("127.0.0.1", free_port())  # a master that never answers
+    try:
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        body = await r.json()
+    finally:
+        sync_redis.replicaof("NO", "ONE")
+    assert r.status == 503, body
+    assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
