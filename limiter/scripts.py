@@ -333,7 +333,7 @@ class Scripts:
         if status == "duplicate":
             return Admitted(0, 0.0, 0, 0, duplicate_state=_s(reply[1]))
         if status == "throttled":
-            return _raise(Throttled(_s(reply[2]), int(reply[1])))
+            return _raise(Throttled(_s(reply[2]), int(reply[1]), cls))
         if status == "overloaded":
             return _raise(Overloaded(cls, int(reply[1]), int(reply[2]), int(reply[3])))
         if status == "queue_full":

@@ -275,3 +275,16 @@ async def test_a_redis_turned_replica_is_503_not_500(client, sync_redis):
         sync_redis.replicaof("NO", "ONE")
     assert r.status == 503, body
     assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
+
+
+async def test_a_disabled_class_is_429_naming_the_class(redis_server, sync_redis):
+    """A class whose ceiling is 0 is closed: the answer named the bucket ("Class class is
+    disabled") instead of the class."""
+    cfg = make_cfg(redis_server.url, classes={"P2": {"share": 0.0, "ceil_share": 0.0, "floor": 0.0}},
+                   tenants=[tenant("batch", "key-batch", "P2")])
+    async with frontend(cfg) as c:
+        r = await c.post("/v1/completions", json=SLOW, headers=auth("key-batch"))
+        err = (await r.json())["error"]
+        assert r.status == 429 and err["code"] == "rate_limit_exceeded", err
+        assert err["message"].startswith("Class P2 is disabled right now"), err
+        assert r.headers["Retry-After"] == "5"
