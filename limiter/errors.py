@@ -55,10 +55,14 @@ class AdmissionRejected(QosError):
 
 
 class Throttled(AdmissionRejected):
-    def __init__(self, bucket: str, retry_after_ms: int) -> None:
+    """``bucket``: which bucket is empty ('tenant', 'class'); ``retry_after_ms`` -1: the
+    class ``cls`` is closed (its ceiling is 0), no wait will do."""
+
+    def __init__(self, bucket: str, retry_after_ms: int, cls: str = "") -> None:
         super().__init__(f"{bucket} token bucket is empty; retry in {retry_after_ms} ms")
         self.bucket = bucket
         self.retry_after_ms = retry_after_ms
+        self.cls = cls
 
 
 def _duration(ms: int) -> str:

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import (
@@ -265,6 +265,11 @@ class Scripts:
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage
                     raise
+                if isinstance(exc, OutOfMemoryError | ReadOnlyError):
+                    # At maxmemory (noeviction) Redis refuses the scripts without allow-oom, and
+                    # a server a failover made a replica refuses every write: nothing ran, and
+                    # it is the store's state, not the request's. An outage (503), not a bug (500).
+                    raise RedisUnavailable(f"Redis refused the script: {exc}") from exc
                 raise _map_error(str(exc)) from exc
 
     async def load_all(self) -> None:
@@ -328,7 +333,7 @@ class Scripts:
         if status == "duplicate":
             return Admitted(0, 0.0, 0, 0, duplicate_state=_s(reply[1]))
         if status == "throttled":
-            return _raise(Throttled(_s(reply[2]), int(reply[1])))
+            return _raise(Throttled(_s(reply[2]), int(reply[1]), cls))
         if status == "overloaded":
             return _raise(Overloaded(cls, int(reply[1]), int(reply[2]), int(reply[3])))
         if status == "queue_full":

@@ -245,3 +245,46 @@ async def test_heartbeat_registers_before_admitting(client, sync_redis):
     assert sync_redis.zscore(POOL.frontends, fe.frontend_id) is not None
     json.dumps(fe.heartbeat.clock_offset_ms)  # measured, finite
     assert abs(fe.heartbeat.clock_offset_ms) < 5_000
+
+
+async def test_redis_out_of_memory_is_503_not_500(client, sync_redis):
+    """With Redis at its maxmemory (noeviction, as deployed), admit.lua (no allow-oom flag)
+    is refused with OOM: that was a 500 internal_error, logged as a bug per request, while
+    it is an overload that passes as requests finish (complete/cancel may run under OOM)."""
+    sync_redis.config_set("maxmemory", 1)
+    try:
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        body = await r.json()
+    finally:
+        sync_redis.config_set("maxmemory", 0)
+    assert r.status == 503, body
+    assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
+    assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0
+
+
+async def test_a_redis_turned_replica_is_503_not_500(client, sync_redis):
+    """After a failover demotes the Redis a frontend is connected to (REPLICAOF), every write
+    script is refused READONLY: that was a 500 internal_error per request, not an outage."""
+    from tests.support.redis_server import free_port
+
+    sync_redis.replicaof("127.0.0.1", free_port())  # a master that never answers
+    try:
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        body = await r.json()
+    finally:
+        sync_redis.replicaof("NO", "ONE")
+    assert r.status == 503, body
+    assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
+
+
+async def test_a_disabled_class_is_429_naming_the_class(redis_server, sync_redis):
+    """A class whose ceiling is 0 is closed: the answer named the bucket ("Class class is
+    disabled") instead of the class."""
+    cfg = make_cfg(redis_server.url, classes={"P2": {"share": 0.0, "ceil_share": 0.0, "floor": 0.0}},
+                   tenants=[tenant("batch", "key-batch", "P2")])
+    async with frontend(cfg) as c:
+        r = await c.post("/v1/completions", json=SLOW, headers=auth("key-batch"))
+        err = (await r.json())["error"]
+        assert r.status == 429 and err["code"] == "rate_limit_exceeded", err
+        assert err["message"].startswith("Class P2 is disabled right now"), err
+        assert r.headers["Retry-After"] == "5"

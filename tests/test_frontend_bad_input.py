@@ -126,6 +126,11 @@ CASES = [
      "invalid_value"),
     (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Max-Wait-Ms": "0"}, 400, "X-QoS-Max-Wait-Ms",
      "invalid_value"),
+    # an HTTP integer is digits: Python's int() also took "1_000", "+1000" and non-ASCII digits
+    (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Max-Wait-Ms": "1_000"}, 400, "X-QoS-Max-Wait-Ms",
+     "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Max-Wait-Ms": "+1000"}, 400, "X-QoS-Max-Wait-Ms",
+     "invalid_value"),
     (COMP, {"model": "tiny", "prompt": "x"}, {"X-QoS-Class": "P9"}, 400, "X-QoS-Class", "invalid_class"),
 ]
 
@@ -169,6 +174,18 @@ async def test_a_bad_header_is_400_before_the_prompt_is_counted_by_the_model_ser
                          headers={**auth(), "X-QoS-Max-Wait-Ms": "soon"})
         err = (await r.json())["error"]
         assert (r.status, err["code"], err["param"]) == (400, "invalid_value", "X-QoS-Max-Wait-Ms"), err
+
+
+def test_max_wait_header_takes_ascii_digits_only():
+    from limiter.config import demo_config
+    from limiter.frontend.app import _max_wait_ms
+    from limiter.frontend.errors import ApiError
+
+    cls = demo_config().classes[2]
+    assert _max_wait_ms(" 0500 ", cls) == 500
+    for bad in ("\u0661\u0660\u0660\u0660", "\uff11\uff10", "1_000", "+1000", "-5", "5.0", ""):
+        with pytest.raises(ApiError):
+            _max_wait_ms(bad, cls)
 
 
 async def test_wrong_method_and_unknown_path_are_json_errors(client):

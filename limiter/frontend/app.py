@@ -80,10 +80,9 @@ def _max_wait_ms(header: str | None, cls: ClassConfig) -> int:
     """The client may shorten, never lengthen, its class's max queue wait."""
     if header is None:
         return cls.max_wait_ms
-    try:
-        v = int(header.strip())
-    except ValueError:
-        v = 0
+    text = header.strip()
+    # Digits only, as HTTP numbers are: int() also takes '1_000', '+5' and non-ASCII digits.
+    v = int(text) if text.isascii() and text.isdigit() and len(text) <= 12 else 0
     if not 1 <= v <= 86_400_000:
         raise ApiError(400, f"{MAX_WAIT_HEADER} must be an integer number of milliseconds in "
                           "[1, 86400000]", code="invalid_value", param=MAX_WAIT_HEADER)

@@ -99,7 +99,8 @@ def to_api_error(exc: BaseException) -> ApiError:
                         retry_after_s=retry_s, outcome="throttled")
     if isinstance(exc, Throttled):
         if exc.retry_after_ms < 0:
-            return ApiError(429, f"Class {exc.bucket} is disabled right now (its ceiling is 0)",
+            cls = exc.cls or "of this request"
+            return ApiError(429, f"Class {cls} is disabled right now (its ceiling is 0)",
                             code="rate_limit_exceeded", retry_after_s=5, outcome="throttled")
         return ApiError(429, f"Rate limit reached: the {exc.bucket} token bucket is empty; retry in "
                         f"{exc.retry_after_ms} ms", code="rate_limit_exceeded",
