@@ -4,19 +4,23 @@ on 127.0.0.1 speaking the streaming format, with a final usage chunk)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
+import redis.asyncio as aioredis
 
 from limiter.cli import main
 from limiter.errors import ConfigError
 from limiter.prompt import ChatMessage, render_chat
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
-from tests.support.redis_server import free_port
-from tests.support.worker_helpers import spawn_worker, stop_process, worker, write_config
+from tests.support.redis_server import RedisServer, free_port
+from tests.support.worker_helpers import Client, config, spawn_worker, stop_process, worker, write_config
 from worker.cli import upstream_env
+from worker.main import build_worker, run_worker
+from worker.settings import load_settings
 from worker.upstream import Breaker
 
 
@@ -421,3 +425,47 @@ def test_capacity_is_measured_only_while_the_upstream_is_saturated(monkeypatch) 
     clock[0] += 1
     loop._work += 30_000
     assert loop.stats()["capacity_tokens_s"] == pytest.approx(30_000.0)
+
+
+async def test_a_draining_openai_worker_whose_redis_is_gone_stops_after_a_lease(tmp_path) -> None:
+    """What `qos up` dying does (it takes its Redis along; the worker gets SIGTERM): a draining
+    worker that cannot reach Redis for a whole lease stops, as docs/worker.md says, since
+    nothing it generates can be delivered and its leases lapse on their own. The openai loop
+    never looked: it streamed on into the void, retried the completion until drain_timeout_s
+    and only then stopped (30 s by default; here 120 s)."""
+    srv = RedisServer().start()
+    up = FakeUpstream()
+    await up.start()
+    cfg = config(tmp_path / "qos.toml", srv.url, lease_ms=1000)
+    r = aioredis.from_url(srv.url)
+    task = None
+    try:
+        c = Client(r, cfg)
+        await c.setup()
+        s = load_settings(cfg, {"pool": "tiny", "engine": "openai", "upstream_url": up.url,
+                                "heartbeat_s": 0.2, "idle_block_s": 0.2, "drain_timeout_s": 120,
+                                "flush_tokens": 1})
+        rt, loop = build_worker(s, cfg)
+        task = asyncio.create_task(run_worker(rt, loop))
+        rid = await c.admit("SLOW " + "abcdefghij" * 300, max_tokens=2000)  # ~1,000 chunks, 40 ms each
+        await c.wait_tokens(rid, 3)
+        srv.kill()
+        rt.begin_drain("SIGTERM (qos up died)")
+        t0 = time.monotonic()
+        done, _ = await asyncio.wait({task}, timeout=20)
+        took = time.monotonic() - t0
+        assert done, f"still running {took:.1f} s after the drain began with Redis gone (lease 1 s)"
+        assert task.result() == 0
+        deadline = time.monotonic() + 10
+        while up.active:  # the upstream stream was closed, not left running
+            assert time.monotonic() < deadline, "the upstream stream to be closed"
+            await asyncio.sleep(0.02)
+    finally:
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await up.runner.cleanup()
+        with contextlib.suppress(Exception):
+            await r.aclose()
+        srv.stop()

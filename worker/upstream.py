@@ -229,6 +229,17 @@ class UpstreamLoop:
             if self.rt.draining.is_set():
                 if not self.tasks:
                     return
+                if self.rt.drain_hopeless:
+                    # Nothing streamed can be delivered and the leases lapse on their own: stop
+                    # the streams (closing them upstream) without a word to Redis.
+                    log.warning("draining with Redis out of reach for a whole lease: stopping now; "
+                                "the %d requests held resume on another worker once their leases "
+                                "expire", len(self.rt.held))
+                    for rid, task in self.tasks.items():
+                        self.why[rid] = "lost"  # also over a cancel whose completion cannot land
+                        task.cancel()
+                    await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+                    return
                 if self.rt.drain_expired:
                     self._interrupt(list(self.tasks), "release")
                     await asyncio.gather(*self.tasks.values(), return_exceptions=True)
