@@ -353,11 +353,15 @@ class UpstreamLoop:
             # As if this worker had died: the request goes back with what it delivered, and
             # another worker (or this one, once the upstream answers) resumes it.
             self.breaker.trip(str(exc))
-            with contextlib.suppress(RedisUnavailable):
-                # An answer that broke off spends the attempt (as when a worker dies): a prompt the
-                # model server always breaks on went round for ever, max_attempts never applying.
-                await self.rt.release(d, spent=exc.spent)
-            self.rt.drop(rid, "released", d)  # if release could not reach Redis, the lease expires
+            try:
+                with contextlib.suppress(RedisUnavailable):
+                    # An answer that broke off spends the attempt (as when a worker dies): a prompt the
+                    # model server always breaks on went round for ever, max_attempts never applying.
+                    await self.rt.release(d, spent=exc.spent)
+            finally:
+                # If release could not reach Redis, or a cancel or lost lease interrupted it, the
+                # lease expires (held, it was renewed for ever with no task to end it).
+                self.rt.drop(rid, "released", d)
         except asyncio.CancelledError:
             why = self.why.get(rid, "release") if self.tasks.get(rid) is task else "lost"
             if why == "lost":
