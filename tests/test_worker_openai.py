@@ -469,3 +469,58 @@ async def test_a_draining_openai_worker_whose_redis_is_gone_stops_after_a_lease(
         with contextlib.suppress(Exception):
             await r.aclose()
         srv.stop()
+
+
+async def test_a_drain_past_its_deadline_ends_though_a_cancelled_requests_completion_cannot_land(
+        tmp_path, monkeypatch) -> None:
+    """Redis dies just as a cancelled request's completion goes out: its task retries the
+    completion until Redis answers. At the drain's deadline (a second SIGTERM) the loop
+    interrupted every task but those already interrupted (this one, by its cancel) and then
+    awaited them all: with Redis gone for good the worker never exited, two SIGTERMs or not."""
+    from limiter.scripts import Scripts
+
+    srv = RedisServer().start()
+    up = FakeUpstream()
+    await up.start()
+    cfg = config(tmp_path / "qos.toml", srv.url, lease_ms=1000)
+    r = aioredis.from_url(srv.url)
+    real = Scripts.complete
+
+    async def complete(self, keys, **kw):
+        if kw["outcome"] == "cancelled":
+            await asyncio.to_thread(srv.kill)
+        return await real(self, keys, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    task = None
+    try:
+        c = Client(r, cfg)
+        await c.setup()
+        s = load_settings(cfg, {"pool": "tiny", "engine": "openai", "upstream_url": up.url,
+                                "heartbeat_s": 0.2, "idle_block_s": 0.2, "drain_timeout_s": 120,
+                                # no pushes after the first: renew's 'stop' brings the cancel
+                                "upstream_forward_chunks": False, "flush_tokens": 100_000,
+                                "flush_ms": 10_000})
+        rt, loop = build_worker(s, cfg)
+        task = asyncio.create_task(run_worker(rt, loop))
+        rid = await c.admit("SLOW " + "abcdefghij" * 300, max_tokens=2000)
+        await c.wait_tokens(rid, 1)
+        assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+        deadline = time.monotonic() + 30
+        while srv.proc.poll() is None:  # the cancel reached the worker; its completion killed Redis
+            assert time.monotonic() < deadline, "the worker to notice the cancel"
+            await asyncio.sleep(0.02)
+        rt.begin_drain("SIGTERM")
+        rt.begin_drain("SIGTERM")  # the second: hand back now
+        done, _ = await asyncio.wait({task}, timeout=20)
+        assert done, f"still running 20 s after two SIGTERMs; tasks {sorted(loop.tasks)}, why {loop.why}"
+        assert task.result() == 0
+    finally:
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await up.runner.cleanup()
+        with contextlib.suppress(Exception):
+            await r.aclose()
+        srv.stop()

@@ -241,9 +241,11 @@ class UpstreamLoop:
                     await asyncio.gather(*self.tasks.values(), return_exceptions=True)
                     return
                 if self.rt.drain_expired:
+                    # Those interrupted already (a cancel) are not again: one still landing its
+                    # completion through an outage is awaited here, a look at a time (awaiting
+                    # them all held the drain for as long as Redis stayed down), until Redis
+                    # has been gone for a lease (drain_hopeless, above).
                     self._interrupt(list(self.tasks), "release")
-                    await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-                    return
                 await asyncio.wait(list(self.tasks.values()), timeout=0.2)
                 continue
             await self.rt.guard("worker", self._pull())
