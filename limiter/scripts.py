@@ -46,6 +46,7 @@ _FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
 KNOWN_FLAGS = ("allow-oom",)
 REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded work)
 PUSH_LIMIT = 64  # push_tokens' most requests per call (bounded work; lua/push_tokens.lua)
+CLAIM_LIMIT = 1024  # claim's most requests per call (lua/claim.lua)
 MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
@@ -344,7 +345,9 @@ class Scripts:
         ``above_class``: only classes ranked strictly above it ('' = any class); ``kv_total``:
         the worker's whole KV room (0 = unknown), so a request no live worker can hold fails;
         ``avoid_tenants``: at most 16 tenants whose requests are skipped in class
-        ``avoid_from`` and below."""
+        ``avoid_from`` and below. At most :data:`CLAIM_LIMIT` a call: a worker with more room
+        (an openai worker's max_inflight may be up to 100,000) claims the rest next time."""
+        max_requests = min(max_requests, CLAIM_LIMIT)
         avoid = ",".join(check_name("tenant", t) for t in avoid_tenants)
         reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room, lease_ms,
                                                               above_class, kv_total, avoid, avoid_from])

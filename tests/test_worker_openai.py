@@ -524,3 +524,17 @@ async def test_a_drain_past_its_deadline_ends_though_a_cancelled_requests_comple
         with contextlib.suppress(Exception):
             await r.aclose()
         srv.stop()
+
+
+async def test_a_max_inflight_above_what_one_claim_may_take_serves(env) -> None:
+    """worker.max_inflight accepts up to 100,000, but the claim script takes at most 1,024
+    requests a call (BADARG beyond): an idle worker with max_inflight 2,000 asked for 2,000 at
+    its first claim, InvalidArgument is no outage rt.guard handles, and the worker died."""
+    cfg, c, up = env
+    async with worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2000) as rt:
+        rid = await c.admit("many slots", max_tokens=20)
+        deadline = time.monotonic() + 20
+        while not c.answers[rid].finished:
+            assert not rt.draining.is_set() and time.monotonic() < deadline, "the request to be served"
+            await c.read()
+    assert c.answers[rid].text == "many slots"[::-1]
