@@ -47,6 +47,7 @@ KNOWN_FLAGS = ("allow-oom",)
 REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded work)
 PUSH_LIMIT = 64  # push_tokens' most requests per call (bounded work; lua/push_tokens.lua)
 CLAIM_LIMIT = 1024  # claim's most requests per call (lua/claim.lua)
+RENEW_LIMIT = 4096  # renew_leases' most entries per call (lua/renew_leases.lua)
 MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
@@ -362,12 +363,16 @@ class Scripts:
 
     async def renew_leases(self, keys: PoolKeys, worker_id: str, held: Sequence[tuple[str, int]],
                            lease_ms: int = 0) -> RenewResult:
-        """``held``: (request id, fence) of every request the worker runs."""
-        if not held:
-            return RenewResult([], [])
-        args: list[Any] = [worker_id, lease_ms] + [f"{check_name('request id', rid)}:{f}" for rid, f in held]
-        lost, stop = await self._run("renew_leases", lifecycle_keys(keys), args)
-        return RenewResult([_s(x) for x in lost], [_s(x) for x in stop])
+        """``held``: (request id, fence) of every request the worker runs (in calls of at most
+        :data:`RENEW_LIMIT`: an openai worker may hold up to max_inflight, <= 100,000)."""
+        entries = [f"{check_name('request id', rid)}:{f}" for rid, f in held]
+        out = RenewResult([], [])
+        for i in range(0, len(entries), RENEW_LIMIT):
+            args: list[Any] = [worker_id, lease_ms, *entries[i:i + RENEW_LIMIT]]
+            lost, stop = await self._run("renew_leases", lifecycle_keys(keys), args)
+            out.lost.extend(_s(x) for x in lost)
+            out.stop.extend(_s(x) for x in stop)
+        return out
 
     async def push_tokens_many(self, keys: PoolKeys, worker_id: str, batches: Sequence[TokenBatch],
                                lease_ms: int = 0) -> list[Pushed]:
