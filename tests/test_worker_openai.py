@@ -538,3 +538,20 @@ async def test_a_max_inflight_above_what_one_claim_may_take_serves(env) -> None:
             assert not rt.draining.is_set() and time.monotonic() < deadline, "the request to be served"
             await c.read()
     assert c.answers[rid].text == "many slots"[::-1]
+
+
+async def test_a_stream_the_upstream_aborted_is_handed_back_not_finished_as_stop(env) -> None:
+    """vLLM ends a request its engine aborted (POST /pause in its default mode, an engine
+    shutting down) with finish_reason "abort" and [DONE]. Any finish reason but stop and length
+    was read as "stop": the client got the text so far as a complete answer. An aborted
+    stream is one that broke off: it goes back for resume, like a server that went away."""
+    cfg, c, up = env
+    up.abort_after = 2
+    async with worker(cfg, engine="openai", upstream_url=up.url, flush_tokens=1, **RETRY):
+        rid = await c.admit("abcdefghijklmnopqrstuvwxyz", max_tokens=100)
+        await c.wait([rid], timeout=30)
+    a = c.answers[rid]
+    assert len(up.bodies) == 2, (a, up.bodies)  # resumed after the abort
+    delivered = "abcdefghijklmnopqrstuvwxyz"[::-1][:6]
+    assert up.bodies[1]["prompt"].endswith(delivered) and up.bodies[1]["max_tokens"] == 98
+    assert a.error is None and a.text.startswith(delivered) and a.tokens > 2, a

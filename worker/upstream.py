@@ -37,7 +37,8 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   run, so unlike the torch engine this is best effort, not bit-identical.
 * An upstream that cannot be reached is handled like a dead worker, not like a bad request
   (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
-  broken off, or HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
+  broken off (or ended with vLLM's ``finish_reason`` ``abort``: its engine aborted it), or
+  HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
   of its class with what was delivered, so another worker resumes it; when the answer broke
   off, the attempt counts, as a worker's death does, so a prompt that breaks the server every
   time ends at max_attempts),
@@ -517,6 +518,9 @@ class UpstreamLoop:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
                                spent=not isinstance(exc, CONNECT_ERRORS)) from exc
+        if finish == "abort":  # vLLM: its engine aborted the request (POST /pause, a shutdown)
+            raise UpstreamDown(f"{url}: the model server aborted the request (finish_reason abort)",
+                               spent=True)
         if finish is None:
             if not done:  # the connection ended mid-answer: the server went away
                 raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]", spent=True)
