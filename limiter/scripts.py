@@ -46,6 +46,8 @@ _FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
 KNOWN_FLAGS = ("allow-oom",)
 REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded work)
 PUSH_LIMIT = 64  # push_tokens' most requests per call (bounded work; lua/push_tokens.lua)
+CLAIM_LIMIT = 1024  # claim's most requests per call (lua/claim.lua)
+RENEW_LIMIT = 4096  # renew_leases' most entries per call (lua/renew_leases.lua)
 MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
@@ -349,7 +351,9 @@ class Scripts:
         ``above_class``: only classes ranked strictly above it ('' = any class); ``kv_total``:
         the worker's whole KV room (0 = unknown), so a request no live worker can hold fails;
         ``avoid_tenants``: at most 16 tenants whose requests are skipped in class
-        ``avoid_from`` and below."""
+        ``avoid_from`` and below. At most :data:`CLAIM_LIMIT` a call: a worker with more room
+        (an openai worker's max_inflight may be up to 100,000) claims the rest next time."""
+        max_requests = min(max_requests, CLAIM_LIMIT)
         avoid = ",".join(check_name("tenant", t) for t in avoid_tenants)
         reply = await self._run("claim", lifecycle_keys(keys), [worker_id, max_requests, kv_room, lease_ms,
                                                               above_class, kv_total, avoid, avoid_from])
@@ -364,12 +368,16 @@ class Scripts:
 
     async def renew_leases(self, keys: PoolKeys, worker_id: str, held: Sequence[tuple[str, int]],
                            lease_ms: int = 0) -> RenewResult:
-        """``held``: (request id, fence) of every request the worker runs."""
-        if not held:
-            return RenewResult([], [])
-        args: list[Any] = [worker_id, lease_ms] + [f"{check_name('request id', rid)}:{f}" for rid, f in held]
-        lost, stop = await self._run("renew_leases", lifecycle_keys(keys), args)
-        return RenewResult([_s(x) for x in lost], [_s(x) for x in stop])
+        """``held``: (request id, fence) of every request the worker runs (in calls of at most
+        :data:`RENEW_LIMIT`: an openai worker may hold up to max_inflight, <= 100,000)."""
+        entries = [f"{check_name('request id', rid)}:{f}" for rid, f in held]
+        out = RenewResult([], [])
+        for i in range(0, len(entries), RENEW_LIMIT):
+            args: list[Any] = [worker_id, lease_ms, *entries[i:i + RENEW_LIMIT]]
+            lost, stop = await self._run("renew_leases", lifecycle_keys(keys), args)
+            out.lost.extend(_s(x) for x in lost)
+            out.stop.extend(_s(x) for x in stop)
+        return out
 
     async def push_tokens_many(self, keys: PoolKeys, worker_id: str, batches: Sequence[TokenBatch],
                                lease_ms: int = 0) -> list[Pushed]:

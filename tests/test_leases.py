@@ -85,6 +85,18 @@ async def test_renew_extends_and_reports_lost_and_cancelled(scripts, pool):
                                      offset=0, token_ids=[1], text="x") is True  # the cancel flag rides along
 
 
+async def test_renew_covers_more_leases_than_one_call_may_carry(scripts, pool):
+    """An openai worker may hold up to max_inflight (<= 100,000) requests, but renew_leases
+    takes at most 4,096 entries a call: the worker's one call for all of them was refused
+    (BADARG), so with more than 4,096 held no lease was ever renewed (each lapsed and was
+    requeued under the streams still running)."""
+    await admit(scripts, pool, cls="P1", request_id="keep", input_tokens=1, max_tokens=5)
+    (got,) = (await scripts.claim(pool, "w1", 1, lease_ms=60_000)).requests
+    held = [(f"ghost{i}", 1) for i in range(5000)] + [("keep", got.fence)]
+    res = await scripts.renew_leases(pool, "w1", held, lease_ms=60_000)
+    assert len(res.lost) == 5000 and "keep" not in res.lost and res.stop == []
+
+
 async def test_completion_refunds_the_unused_reservation_never_more(scripts, pool):
     b = pool.tenant_bucket("refund")
     await admit(scripts, pool, cls="P1", request_id="r", tenant="refund", input_tokens=100, max_tokens=400,

@@ -626,3 +626,49 @@ async def test_openai_an_old_attempts_completion_does_not_spin_while_a_new_attem
     finally:
         await up.runner.cleanup()
     assert calls <= 3, f"{calls} complete calls for the old attempt in {spent:.2f} s"
+
+
+async def test_openai_cancel_arriving_while_a_broken_stream_is_handed_back_does_not_strand_it(
+        env, monkeypatch) -> None:
+    """The upstream breaks off mid-stream: _serve's UpstreamDown handler hands the request back
+    (push + release). A cancel the watcher delivers meanwhile raised CancelledError inside that
+    handler, out of _serve, before rt.drop: the request stayed in ``held`` with no task, its
+    lease renewed for ever (renew's 'stop' found no task to tell), never finished, one
+    max_inflight slot gone."""
+    from tests.support.fake_upstream import FakeUpstream
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    real = Scripts.release
+    entered, gate = asyncio.Event(), asyncio.Event()
+
+    async def release(self, keys, **kw):
+        entered.set()
+        await gate.wait()  # a slow hand-back (a busy Redis, a connection to wait for)
+        return await real(self, keys, **kw)
+
+    monkeypatch.setattr(Scripts, "release", release)
+    rt, loop, task = await start(cfg, engine="openai", upstream_url=up.url, flush_tokens=1, lease_ms=1000,
+                                 upstream_retry_min_s=30, upstream_retry_max_s=30)
+    try:
+        rid = await c.admit("SLOW " + "abcdefghij" * 30, max_tokens=500)
+        await c.wait_tokens(rid, 3)
+        await up.kill()
+        await asyncio.wait_for(entered.wait(), 10)
+        assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+        deadline = time.monotonic() + 10
+        while rid in loop.tasks:  # the cancel watcher interrupts the hand-back
+            assert time.monotonic() < deadline, "the cancel watcher to reach the task"
+            await asyncio.sleep(0.02)
+        gate.set()
+        while (rec := await c.record(rid))["state"] != "cancelled":
+            assert time.monotonic() < deadline, (
+                f"record {rec['state']!r}; worker holds {sorted(rt.held)}, tasks {sorted(loop.tasks)}")
+            await c.scripts.reap(c.keys)  # once the lease lapses, the janitor ends it
+            await asyncio.sleep(0.05)
+        assert rid not in rt.held
+    finally:
+        gate.set()
+        await stop(rt, task)
+        await up.runner.cleanup()

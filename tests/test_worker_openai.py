@@ -4,19 +4,23 @@ on 127.0.0.1 speaking the streaming format, with a final usage chunk)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 
 import pytest
+import redis.asyncio as aioredis
 
 from limiter.cli import main
 from limiter.errors import ConfigError
 from limiter.prompt import ChatMessage, render_chat
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
-from tests.support.redis_server import free_port
-from tests.support.worker_helpers import spawn_worker, stop_process, worker, write_config
+from tests.support.redis_server import RedisServer, free_port
+from tests.support.worker_helpers import Client, config, spawn_worker, stop_process, worker, write_config
 from worker.cli import upstream_env
+from worker.main import build_worker, run_worker
+from worker.settings import load_settings
 from worker.upstream import Breaker
 
 
@@ -421,3 +425,133 @@ def test_capacity_is_measured_only_while_the_upstream_is_saturated(monkeypatch) 
     clock[0] += 1
     loop._work += 30_000
     assert loop.stats()["capacity_tokens_s"] == pytest.approx(30_000.0)
+
+
+async def test_a_draining_openai_worker_whose_redis_is_gone_stops_after_a_lease(tmp_path) -> None:
+    """What `qos up` dying does (it takes its Redis along; the worker gets SIGTERM): a draining
+    worker that cannot reach Redis for a whole lease stops, as docs/worker.md says, since
+    nothing it generates can be delivered and its leases lapse on their own. The openai loop
+    never looked: it streamed on into the void, retried the completion until drain_timeout_s
+    and only then stopped (30 s by default; here 120 s)."""
+    srv = RedisServer().start()
+    up = FakeUpstream()
+    await up.start()
+    cfg = config(tmp_path / "qos.toml", srv.url, lease_ms=1000)
+    r = aioredis.from_url(srv.url)
+    task = None
+    try:
+        c = Client(r, cfg)
+        await c.setup()
+        s = load_settings(cfg, {"pool": "tiny", "engine": "openai", "upstream_url": up.url,
+                                "heartbeat_s": 0.2, "idle_block_s": 0.2, "drain_timeout_s": 120,
+                                "flush_tokens": 1})
+        rt, loop = build_worker(s, cfg)
+        task = asyncio.create_task(run_worker(rt, loop))
+        rid = await c.admit("SLOW " + "abcdefghij" * 300, max_tokens=2000)  # ~1,000 chunks, 40 ms each
+        await c.wait_tokens(rid, 3)
+        srv.kill()
+        rt.begin_drain("SIGTERM (qos up died)")
+        t0 = time.monotonic()
+        done, _ = await asyncio.wait({task}, timeout=20)
+        took = time.monotonic() - t0
+        assert done, f"still running {took:.1f} s after the drain began with Redis gone (lease 1 s)"
+        assert task.result() == 0
+        deadline = time.monotonic() + 10
+        while up.active:  # the upstream stream was closed, not left running
+            assert time.monotonic() < deadline, "the upstream stream to be closed"
+            await asyncio.sleep(0.02)
+    finally:
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await up.runner.cleanup()
+        with contextlib.suppress(Exception):
+            await r.aclose()
+        srv.stop()
+
+
+async def test_a_drain_past_its_deadline_ends_though_a_cancelled_requests_completion_cannot_land(
+        tmp_path, monkeypatch) -> None:
+    """Redis dies just as a cancelled request's completion goes out: its task retries the
+    completion until Redis answers. At the drain's deadline (a second SIGTERM) the loop
+    interrupted every task but those already interrupted (this one, by its cancel) and then
+    awaited them all: with Redis gone for good the worker never exited, two SIGTERMs or not."""
+    from limiter.scripts import Scripts
+
+    srv = RedisServer().start()
+    up = FakeUpstream()
+    await up.start()
+    cfg = config(tmp_path / "qos.toml", srv.url, lease_ms=1000)
+    r = aioredis.from_url(srv.url)
+    real = Scripts.complete
+
+    async def complete(self, keys, **kw):
+        if kw["outcome"] == "cancelled":
+            await asyncio.to_thread(srv.kill)
+        return await real(self, keys, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    task = None
+    try:
+        c = Client(r, cfg)
+        await c.setup()
+        s = load_settings(cfg, {"pool": "tiny", "engine": "openai", "upstream_url": up.url,
+                                "heartbeat_s": 0.2, "idle_block_s": 0.2, "drain_timeout_s": 120,
+                                # no pushes after the first: renew's 'stop' brings the cancel
+                                "upstream_forward_chunks": False, "flush_tokens": 100_000,
+                                "flush_ms": 10_000})
+        rt, loop = build_worker(s, cfg)
+        task = asyncio.create_task(run_worker(rt, loop))
+        rid = await c.admit("SLOW " + "abcdefghij" * 300, max_tokens=2000)
+        await c.wait_tokens(rid, 1)
+        assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+        deadline = time.monotonic() + 30
+        while srv.proc.poll() is None:  # the cancel reached the worker; its completion killed Redis
+            assert time.monotonic() < deadline, "the worker to notice the cancel"
+            await asyncio.sleep(0.02)
+        rt.begin_drain("SIGTERM")
+        rt.begin_drain("SIGTERM")  # the second: hand back now
+        done, _ = await asyncio.wait({task}, timeout=20)
+        assert done, f"still running 20 s after two SIGTERMs; tasks {sorted(loop.tasks)}, why {loop.why}"
+        assert task.result() == 0
+    finally:
+        if task is not None and not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+        await up.runner.cleanup()
+        with contextlib.suppress(Exception):
+            await r.aclose()
+        srv.stop()
+
+
+async def test_a_max_inflight_above_what_one_claim_may_take_serves(env) -> None:
+    """worker.max_inflight accepts up to 100,000, but the claim script takes at most 1,024
+    requests a call (BADARG beyond): an idle worker with max_inflight 2,000 asked for 2,000 at
+    its first claim, InvalidArgument is no outage rt.guard handles, and the worker died."""
+    cfg, c, up = env
+    async with worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2000) as rt:
+        rid = await c.admit("many slots", max_tokens=20)
+        deadline = time.monotonic() + 20
+        while not c.answers[rid].finished:
+            assert not rt.draining.is_set() and time.monotonic() < deadline, "the request to be served"
+            await c.read()
+    assert c.answers[rid].text == "many slots"[::-1]
+
+
+async def test_a_stream_the_upstream_aborted_is_handed_back_not_finished_as_stop(env) -> None:
+    """vLLM ends a request its engine aborted (POST /pause in its default mode, an engine
+    shutting down) with finish_reason "abort" and [DONE]. Any finish reason but stop and length
+    was read as "stop": the client got the text so far as a complete answer. An aborted
+    stream is one that broke off: it goes back for resume, like a server that went away."""
+    cfg, c, up = env
+    up.abort_after = 2
+    async with worker(cfg, engine="openai", upstream_url=up.url, flush_tokens=1, **RETRY):
+        rid = await c.admit("abcdefghijklmnopqrstuvwxyz", max_tokens=100)
+        await c.wait([rid], timeout=30)
+    a = c.answers[rid]
+    assert len(up.bodies) == 2, (a, up.bodies)  # resumed after the abort
+    delivered = "abcdefghijklmnopqrstuvwxyz"[::-1][:6]
+    assert up.bodies[1]["prompt"].endswith(delivered) and up.bodies[1]["max_tokens"] == 98
+    assert a.error is None and a.text.startswith(delivered) and a.tokens > 2, a

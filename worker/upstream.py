@@ -37,7 +37,8 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   run, so unlike the torch engine this is best effort, not bit-identical.
 * An upstream that cannot be reached is handled like a dead worker, not like a bad request
   (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
-  broken off, or HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
+  broken off (or ended with vLLM's ``finish_reason`` ``abort``: its engine aborted it), or
+  HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
   of its class with what was delivered, so another worker resumes it; when the answer broke
   off, the attempt counts, as a worker's death does, so a prompt that breaks the server every
   time ends at max_attempts),
@@ -229,10 +230,23 @@ class UpstreamLoop:
             if self.rt.draining.is_set():
                 if not self.tasks:
                     return
-                if self.rt.drain_expired:
-                    self._interrupt(list(self.tasks), "release")
+                if self.rt.drain_hopeless:
+                    # Nothing streamed can be delivered and the leases lapse on their own: stop
+                    # the streams (closing them upstream) without a word to Redis.
+                    log.warning("draining with Redis out of reach for a whole lease: stopping now; "
+                                "the %d requests held resume on another worker once their leases "
+                                "expire", len(self.rt.held))
+                    for rid, task in self.tasks.items():
+                        self.why[rid] = "lost"  # also over a cancel whose completion cannot land
+                        task.cancel()
                     await asyncio.gather(*self.tasks.values(), return_exceptions=True)
                     return
+                if self.rt.drain_expired:
+                    # Those interrupted already (a cancel) are not again: one still landing its
+                    # completion through an outage is awaited here, a look at a time (awaiting
+                    # them all held the drain for as long as Redis stayed down), until Redis
+                    # has been gone for a lease (drain_hopeless, above).
+                    self._interrupt(list(self.tasks), "release")
                 await asyncio.wait(list(self.tasks.values()), timeout=0.2)
                 continue
             await self.rt.guard("worker", self._pull())
@@ -342,11 +356,15 @@ class UpstreamLoop:
             # As if this worker had died: the request goes back with what it delivered, and
             # another worker (or this one, once the upstream answers) resumes it.
             self.breaker.trip(str(exc))
-            with contextlib.suppress(RedisUnavailable):
-                # An answer that broke off spends the attempt (as when a worker dies): a prompt the
-                # model server always breaks on went round for ever, max_attempts never applying.
-                await self.rt.release(d, spent=exc.spent)
-            self.rt.drop(rid, "released", d)  # if release could not reach Redis, the lease expires
+            try:
+                with contextlib.suppress(RedisUnavailable):
+                    # An answer that broke off spends the attempt (as when a worker dies): a prompt the
+                    # model server always breaks on went round for ever, max_attempts never applying.
+                    await self.rt.release(d, spent=exc.spent)
+            finally:
+                # If release could not reach Redis, or a cancel or lost lease interrupted it, the
+                # lease expires (held, it was renewed for ever with no task to end it).
+                self.rt.drop(rid, "released", d)
         except asyncio.CancelledError:
             why = self.why.get(rid, "release") if self.tasks.get(rid) is task else "lost"
             if why == "lost":
@@ -500,6 +518,9 @@ class UpstreamLoop:
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
                                spent=not isinstance(exc, CONNECT_ERRORS)) from exc
+        if finish == "abort":  # vLLM: its engine aborted the request (POST /pause, a shutdown)
+            raise UpstreamDown(f"{url}: the model server aborted the request (finish_reason abort)",
+                               spent=True)
         if finish is None:
             if not done:  # the connection ended mid-answer: the server went away
                 raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]", spent=True)

@@ -41,6 +41,9 @@ class FakeUpstream:
         self.disconnects = 0
         self.transports: set[Any] = set()
         self.status: int | None = None  # answer every request with this HTTP status (e.g. 503)
+        # the next stream ends after this many chunks with finish_reason "abort" (vLLM: the
+        # engine aborted it, e.g. POST /pause in its default mode), usage and [DONE]
+        self.abort_after: int | None = None
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.handle)
@@ -107,6 +110,15 @@ class FakeUpstream:
             for n, p in enumerate(pieces):
                 if "SLOW" in prompt:
                     await asyncio.sleep(0.04)
+                if self.abort_after is not None and n == self.abort_after:
+                    self.abort_after = None
+                    last = {"index": 0, "delta": {}, "finish_reason": "abort"} if chat else {
+                        "index": 0, "text": "", "finish_reason": "abort"}
+                    await send({"id": "x", "choices": [last]})
+                    if so.get("include_usage"):
+                        await send({"id": "x", "choices": [], "usage": usage(n * per)})
+                    await send("[DONE]")
+                    return resp
                 if "MIDERR" in prompt and n == 2:
                     await send({"error": {"message": "CUDA out of memory"}})
                     return resp
