@@ -244,6 +244,25 @@ async def test_a_refusal_that_is_not_an_offset_mismatch_is_raised_whatever_the_r
         await d.push(Refusing(landed=0), PoolKeys("tiny"), "w")  # type: ignore[arg-type]
 
 
+async def test_an_outage_during_the_offset_reconcile_is_an_outage() -> None:
+    """The reconcile's read of Redis's token count raised redis-py's ConnectionError as it
+    came: not an outage the loops back off from (RedisUnavailable), so it ended the worker."""
+    import redis.exceptions
+
+    from limiter.errors import RedisUnavailable
+    from limiter.keys import PoolKeys
+
+    class Dropping(_FakeScripts):
+        async def hget(self, _key: str, _field: str) -> bytes:
+            raise redis.exceptions.ConnectionError("Connection reset by peer")
+
+    d = _delivery()
+    d.add([1], "a", 0.0)
+    with pytest.raises(RedisUnavailable):
+        await d.push(Dropping(landed=5), PoolKeys("tiny"), "w")  # type: ignore[arg-type]
+    assert d.offset == 0 and d.pending_ids == [1]  # nothing taken as sent
+
+
 async def test_model_tokens_and_resume_ids_are_pushed_and_reconciled_apart() -> None:
     """The openai engine's pending text: 2 model tokens whose resume ids are 5 bytes. Counts,
     offsets and flushing follow the tokens; a lost reply is reconciled by them too."""

@@ -25,6 +25,7 @@ from typing import Any
 from limiter.errors import InvalidArgument, LeaseLost
 from limiter.keys import PoolKeys
 from limiter.prompt import Payload
+from limiter.redis_conn import map_redis_errors
 from limiter.scripts import Claimed, Pushed, Scripts, TokenBatch
 
 
@@ -186,8 +187,10 @@ class Delivery:
         self._uncertain.clear()
 
     async def _reconcile(self, client: Any, keys: PoolKeys) -> None:
-        """After an offset mismatch: read Redis's token count (see :meth:`_landed`)."""
-        out = await client.hget(keys.request(self.request_id), "out_tokens")
+        """After an offset mismatch: read Redis's token count (see :meth:`_landed`). An
+        outage here is one (RedisUnavailable), as in the scripts' own calls."""
+        with map_redis_errors():
+            out = await client.hget(keys.request(self.request_id), "out_tokens")
         self._landed(int(out) if out is not None else -1)
 
     def _landed(self, delivered: int) -> None:
