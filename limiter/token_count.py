@@ -39,6 +39,11 @@ UPSTREAM = "upstream"
 MODES = (BYTES, UPSTREAM)
 FILE_NAME = "tokenizer.json"
 THREAD_CHARS = 16_384  # longer prompts are encoded off the event loop
+# How long an idle connection to the model server is kept for reuse (here and by the openai
+# worker): under the 5 s after which vLLM (uvicorn's timeout_keep_alive) closes one. A POST
+# sent on a connection the server is closing fails, and aiohttp retries only idempotent
+# methods: a 503 here, a tripped breaker and a spent attempt in the worker.
+MODEL_SERVER_KEEPALIVE_S = 3.0
 
 
 class TokenizerUnavailable(Exception):
@@ -168,7 +173,9 @@ class UpstreamCounter(Counter):
         import aiohttp
 
         if self._session is None:
-            self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout_s))
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(keepalive_timeout=MODEL_SERVER_KEEPALIVE_S))
         body: dict[str, Any] = {"model": self.model}
         if messages:
             body.update(messages=[m.to_dict() for m in messages], add_generation_prompt=True)

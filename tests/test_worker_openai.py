@@ -555,3 +555,24 @@ async def test_a_stream_the_upstream_aborted_is_handed_back_not_finished_as_stop
     delivered = "abcdefghijklmnopqrstuvwxyz"[::-1][:6]
     assert up.bodies[1]["prompt"].endswith(delivered) and up.bodies[1]["max_tokens"] == 98
     assert a.error is None and a.text.startswith(delivered) and a.tokens > 2, a
+
+
+async def test_an_idle_upstream_connection_is_not_reused_past_the_keepalive(env, monkeypatch) -> None:
+    """vLLM closes a connection idle for 5 s; a POST sent on one it is closing fails (aiohttp
+    retries only idempotent methods), tripping the breaker and spending an attempt. So the
+    worker keeps idle connections for less (MODEL_SERVER_KEEPALIVE_S; 0.2 s here), and one
+    idle longer than that is not reused. aiohttp's default kept them 15 s."""
+    from worker import upstream
+
+    monkeypatch.setattr(upstream, "MODEL_SERVER_KEEPALIVE_S", 0.2)
+    cfg, c, up = env
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        first = await c.admit("one", max_tokens=5)
+        again = await c.admit("two", max_tokens=5)
+        await c.wait([first], timeout=20)
+        await c.wait([again], timeout=20)
+        await asyncio.sleep(0.6)  # idle for 3x the keep-alive (a lower bound: longer is as good)
+        late = await c.admit("three", max_tokens=5)
+        await c.wait([late], timeout=20)
+    assert c.answers[late].text == "eerht"
+    assert up.peers[-1] not in up.peers[:-1], up.peers  # a fresh connection

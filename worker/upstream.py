@@ -69,6 +69,7 @@ import aiohttp
 
 from limiter.backoff import Backoff
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
+from limiter.token_count import MODEL_SERVER_KEEPALIVE_S
 from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
 from worker.engines.base import request_seed
@@ -214,8 +215,9 @@ class UpstreamLoop:
     async def run(self) -> None:
         s = self.rt.settings
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=s.upstream_timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout,
-                                         connector=aiohttp.TCPConnector(limit=s.max_inflight)) as session:
+        # Idle connections are dropped before the model server drops them (MODEL_SERVER_KEEPALIVE_S).
+        connector = aiohttp.TCPConnector(limit=s.max_inflight, keepalive_timeout=MODEL_SERVER_KEEPALIVE_S)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             self.session = session
             watch = asyncio.create_task(self._watch_cancels())
             try:

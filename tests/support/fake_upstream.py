@@ -40,6 +40,7 @@ class FakeUpstream:
         self.max_active = 0
         self.disconnects = 0
         self.transports: set[Any] = set()
+        self.peers: list[Any] = []  # the client address of each streamed request, in order
         self.status: int | None = None  # answer every request with this HTTP status (e.g. 503)
         # the next stream ends after this many chunks with finish_reason "abort" (vLLM: the
         # engine aborted it, e.g. POST /pause in its default mode), usage and [DONE]
@@ -100,6 +101,7 @@ class FakeUpstream:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         self.transports.add(request.transport)
+        self.peers.append(request.transport.get_extra_info("peername"))
         self.active += 1
         self.max_active = max(self.max_active, self.active)
 
