@@ -178,6 +178,32 @@ async def test_disconnect_while_queued_cancels_and_refunds_in_full(client, sync_
     assert bucket_tokens(sync_redis, POOL.tenant_bucket("frugal")) == pytest.approx(1000.0, abs=1.0)
 
 
+async def test_a_cancel_that_overtakes_its_admit_is_sent_again(client, sync_redis, monkeypatch):
+    """A client that leaves while its admit is in flight: the frontend's cancel goes on
+    another connection and can reach Redis first (an admit carrying a large prompt is still
+    being read). It found nothing ('not_found') and the admit that landed after it queued a
+    request nobody waits for: a worker ran it to its end. Now a cancel that finds nothing is
+    sent again shortly after."""
+    fe = fe_of(client)
+    answers: list[str] = []
+    cancel = fe.scripts.cancel
+
+    async def recording_cancel(*args, **kwargs):
+        answers.append(await cancel(*args, **kwargs))
+        return answers[-1]
+
+    monkeypatch.setattr(fe.scripts, "cancel", recording_cancel)
+    fe.cancel_soon(POOL, "overtaken", "frugal", "client_gone")
+    await wait_until(lambda: answers, "the first cancel's answer")
+    assert answers == ["not_found"]  # it overtook the admit
+    await fe.scripts.admit(POOL, request_id="overtaken", tenant="frugal", cls="P1", input_tokens=5,
+                           max_tokens=50, tenant_rate=1.0, tenant_burst=1000.0, tenant_max_inflight=0,
+                           max_wait_ms=0, frontend_id=fe.frontend_id, payload=b"x")
+    await wait_until(lambda: sync_redis.hget(POOL.stats, "P1.cancelled") == b"1", "the late cancel counted")
+    assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0 and sync_redis.hlen(POOL.tenant_inflight) == 0
+    assert answers[-1] == "cancelled"
+
+
 async def test_disconnect_mid_stream_stops_the_worker_and_reconciles(client, aredis, sync_redis):
     async with FakeWorker(aredis, POOL, fixed_text="y" * 200, batch=1, delay_s=0.02) as w:
         resp = await client.post("/v1/completions", headers=auth("key-frugal"), json={

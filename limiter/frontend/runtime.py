@@ -32,6 +32,9 @@ from limiter.scripts import Scripts, policy_document
 
 log = logging.getLogger("qos.frontend")
 
+# A cancel that found nothing is sent again after these delays: it may have overtaken its admit.
+CANCEL_AGAIN_S = (0.2, 1.0)
+
 
 class Frontend:
     """Per-process runtime: the Redis client, scripts, reply router and heartbeat."""
@@ -223,10 +226,22 @@ class Frontend:
         task.add_done_callback(self._background.discard)
 
     async def _cancel(self, keys: PoolKeys, request_id: str, tenant: str, reason: str) -> None:
-        try:
-            await self.scripts.cancel(keys, request_id, tenant, reason)
-        except Exception as exc:  # claim/reap will catch up once our heartbeat stops
-            log.warning("cancel %s (%s) failed: %s", request_id, reason, exc)
+        # A cancel sent while its admit was in flight goes on another connection and can reach
+        # Redis first (an admit with a large prompt is still being read): it finds nothing, and
+        # the admit then queues a request nobody waits for. So one that finds nothing is sent
+        # again, a little later (not while stopping: claim cancels our requests once our
+        # heartbeat stops).
+        for delay_s in (0.0, *CANCEL_AGAIN_S):
+            if delay_s:
+                await asyncio.sleep(delay_s)
+                if self.shutting_down:
+                    return
+            try:
+                if await self.scripts.cancel(keys, request_id, tenant, reason) != "not_found":
+                    return
+            except Exception as exc:  # claim/reap will catch up once our heartbeat stops
+                log.warning("cancel %s (%s) failed: %s", request_id, reason, exc)
+                return
 
     def record_rejection(self, keys: PoolKeys, cls: str, tenant: str, request_id: str, input_tokens: int,
                          waited_ms: float) -> None:
