@@ -73,6 +73,23 @@ async def test_short_bucket_wait_is_slept_not_rejected(client, aredis):
     assert 'qos_frontend_admission_retries_total{class="P1",pool="tiny"} 1.0' in text
 
 
+async def test_a_bucket_wait_past_the_request_timeout_is_429_at_once(cfg, aredis, sync_redis):
+    """The bucket wait is slept only when it ends before request_timeout_s: a 500 ms wait
+    under a 300 ms timeout was slept, admitted, and then timed out as a 503 -- the tokens
+    spent and the client told to retry in 1 s, when the honest answer was a 429 at once."""
+    async with frontend(cfg, request_timeout_s=0.3) as client, \
+            FakeWorker(aredis, POOL, fixed_text="z" * 7):
+        h = auth("key-slow-p1")
+        for _ in range(2):
+            assert (await client.post("/v1/completions", json=SLOW, headers=h)).status == 200
+        before = sync_redis.hget(POOL.stats, "P1.admitted")
+        r = await client.post("/v1/completions", json=SLOW, headers=h)
+        err = (await r.json())["error"]
+        assert r.status == 429 and err["code"] == "rate_limit_exceeded", err
+        assert r.headers["Retry-After"] == "1"
+        assert sync_redis.hget(POOL.stats, "P1.admitted") == before  # nothing queued or charged
+
+
 async def test_queue_full_is_503_with_retry_after(client, sync_redis):
     r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
                           headers=auth("demo-p2"))

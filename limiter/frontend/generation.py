@@ -140,7 +140,11 @@ class Generation:
             except Throttled as exc:
                 waited_ms = (self.loop.time() - started) * 1000
                 budget_ms = self.class_cfg.admission_wait_ms
-                if 0 <= exc.retry_after_ms and waited_ms + exc.retry_after_ms <= budget_ms:
+                # Slept only if the request may still run after it: past request_timeout_s it
+                # would be admitted (and charged) only to time out at once.
+                wakes = self.loop.time() + exc.retry_after_ms / 1000
+                if 0 <= exc.retry_after_ms and waited_ms + exc.retry_after_ms <= budget_ms \
+                        and wakes < self.safety_deadline:
                     fe.metrics.admission_retries.labels(*self.labels).inc()
                     # Sleep exactly until the bucket holds enough (+1 ms for rounding): no polling.
                     await asyncio.sleep((exc.retry_after_ms + 1) / 1000)
