@@ -118,7 +118,9 @@ class PoolController:
             self.redis_ok = True
             if not fence:
                 self.end_term(f"the lease is held by {self.lease.holder}")
-            elif self.term is None or self.term.fence != fence:
+            elif self.term is None or self.term.fence != fence or self.lease.taken:
+                # (taken anew with the term's own fence: Redis lost its data and with it the
+                # fence counter -- a new leadership all the same, its state read from Redis)
                 self.end_term("a new term begins")
                 await within(self.begin_term(fence), STEP_TIMEOUT_S)
         except REDIS_ERRORS as exc:
