@@ -175,7 +175,8 @@ class PoolController:
                 backoff.succeeded()
             except ResponseError as exc:
                 if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
-                    await self._guard(self.consumer.ensure_group(), "samples")
+                    if not (await self._guard(self.consumer.ensure_group(), "samples") and self.redis_ok):
+                        await backoff.failed()  # refused (out of memory, ...) or unreachable: no spin
                 else:
                     log.error("%s: sample read failed: %s", self.pool.name, exc)
                     await backoff.failed()
