@@ -37,7 +37,7 @@ from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
-from limiter.redis_conn import REDIS_ERRORS
+from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS
 from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
 
@@ -174,7 +174,10 @@ class PoolController:
                 await within(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
                 backoff.succeeded()
             except ResponseError as exc:
-                if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
+                if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage, not a reply
+                    self._redis_error("samples", exc)
+                    await backoff.failed()
+                elif "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
                     if not (await self._guard(self.consumer.ensure_group(), "samples") and self.redis_ok):
                         await backoff.failed()  # refused (out of memory, ...) or unreachable: no spin
                 else:
