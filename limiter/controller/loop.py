@@ -40,6 +40,7 @@ from limiter.keys import PoolKeys
 from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS
 from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
+from limiter.tasks import raise_if_cancelled
 
 log = logging.getLogger("qos.controller")
 MAX_BACKOFF_S = 5.0
@@ -100,6 +101,7 @@ class PoolController:
     async def lease_loop(self) -> None:
         while True:
             await self.renew_once()
+            raise_if_cancelled()
             await asyncio.sleep(self.settings.renew_s)
 
     async def renew_once(self) -> None:
@@ -165,6 +167,7 @@ class PoolController:
     async def sample_loop(self) -> None:
         backoff = Backoff(f"{self.pool.name}: sample loop", first_s=0.1, max_s=MAX_BACKOFF_S)
         while True:
+            raise_if_cancelled()  # (a redis-py call may have swallowed it: a busy stream never blocks)
             await self._leading.wait()
             term = self.term
             if term is None:
@@ -251,6 +254,7 @@ class PoolController:
             # term's state for good: every tick raised, and the lease was renewed for ever).
             if term is None or await self._guard(within(self.tick(term), STEP_TIMEOUT_S), "tick"):
                 self._ticked = time.monotonic()
+            raise_if_cancelled()
             await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))
 
     async def tick(self, term: Term) -> Decision | None:
