@@ -312,8 +312,15 @@ class Scripts:
 
     async def acquire_leader(self, keys: PoolKeys, controller_id: str, ttl_ms: int) -> tuple[int, str]:
         """Returns (fence, '') when this controller leads, else (0, holder)."""
+        fence, holder, _taken = await self.take_leader(keys, controller_id, ttl_ms)
+        return fence, holder
+
+    async def take_leader(self, keys: PoolKeys, controller_id: str, ttl_ms: int) -> tuple[int, str, bool]:
+        """:meth:`acquire_leader`, and whether the lease was taken anew rather than renewed: a
+        new leadership even when its fence repeats an earlier one (Redis lost the counter)."""
         fence, who = await self._run("acquire_leader", [keys.leader, keys.fence], [controller_id, ttl_ms])
-        return int(fence), ("" if int(fence) else _s(who))
+        fence = int(fence)
+        return fence, ("" if fence else _s(who)), bool(fence) and int(who) == 2
 
     async def release_leader(self, keys: PoolKeys, controller_id: str, fence: int) -> bool:
         return bool(await self._run("release_leader", [keys.leader], [controller_id, fence]))

@@ -16,6 +16,18 @@ from collections.abc import Iterable
 log = logging.getLogger("qos")
 
 
+def raise_if_cancelled() -> None:
+    """Raise the cancellation of the current task that a callee swallowed.
+
+    redis-py sends every command through ``asyncio.wait_for`` when the client has a socket
+    timeout; on Python 3.11 that returns normally when the cancellation lands as the send
+    finishes, and a loop whose steps never block (a busy stream) can lose every cancellation.
+    The request still shows in ``Task.cancelling()``: a loop calls this after each step."""
+    task = asyncio.current_task()
+    if task is not None and task.cancelling():
+        raise asyncio.CancelledError
+
+
 async def stop_tasks(tasks: Iterable[asyncio.Task], what: str, wait_s: float = 2.0, rounds: int = 3) -> bool:
     """Cancel ``tasks`` and wait for them, re-cancelling stragglers every ``wait_s`` up to
     ``rounds`` times. True when every one ended; their exceptions are consumed."""

@@ -6,8 +6,10 @@
 -- ARGV[1] owner          name: the lease owner (controller id + a per-process suffix)
 -- ARGV[2] ttl_ms         integer 100..600000: the lease length
 --
--- Returns {fence, 1} when this controller leads (lease renewed or newly taken), or
--- {0, holder} when another controller holds the lease. Errors: 'BADARG ...'.
+-- Returns {fence, 1} when this controller leads with its lease renewed, {fence, 2} when it
+-- took the lease anew (a new leadership, even if its fence repeats an earlier one: a Redis
+-- that lost its data restarts the counter), or {0, holder} when another controller holds
+-- the lease. Errors: 'BADARG ...'.
 
 --!include validate.lua
 
@@ -28,7 +30,7 @@ local function main()
   end
   local fence = redis.call('INCR', K_FENCE)
   redis.call('SET', K_LEADER, controller_id .. ':' .. fence, 'PX', ttl_ms)
-  return {fence, 1}
+  return {fence, 2}
 end
 
 --!include main.lua

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 
 from limiter.keys import SAMPLES_GROUP
+from limiter.tasks import stop_tasks
 from tests.support.controller_helpers import metric, pool_controller, push, redis_ms, sample
 
 
@@ -125,3 +126,53 @@ async def test_odd_payloads_never_raise(aredis, pool, cfg, payload):
     await aredis.xadd(pool.samples, {"d": payload})
     await pc.consume_once(pc.term)
     assert pc.term.bad == 1 and await _pending(aredis, pool) == 0
+
+
+async def test_a_group_redis_refuses_to_recreate_is_retried_with_backoff_not_in_a_tight_loop(aredis, pool,
+                                                                                           cfg):
+    """The stream (and its group) gone and XGROUP CREATE refused (here: Redis out of memory
+    under noeviction): the sample loop went straight from NOGROUP to the refused create and
+    back, thousands of round trips and logged tracebacks a second, with no back-off."""
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    await pc.consume_once(pc.term)
+    await aredis.delete(pool.samples)
+    creates = 0
+    real = pc.consumer.ensure_group
+
+    async def counted() -> None:
+        nonlocal creates
+        creates += 1
+        await real()
+
+    pc.consumer.ensure_group = counted
+    await aredis.config_set("maxmemory", 1)
+    loop = asyncio.create_task(pc.sample_loop())
+    try:
+        await asyncio.sleep(1.0)
+        in_a_second = creates
+    finally:
+        # (memory back first: a loop spinning through redis-py calls loses the cancellations
+        # that land in a send -- Python 3.11's wait_for -- and a stop would wait for ever)
+        await aredis.config_set("maxmemory", 0)
+        assert await stop_tasks([loop], "sample loop", wait_s=1.0)
+    assert 1 <= in_a_second <= 8  # back-off from 0.1 s, doubling: about 4 attempts in a second
+
+
+async def test_pending_entries_trimmed_away_are_acked_without_counting_as_bad_samples(aredis, pool, cfg):
+    """An entry delivered but trimmed from the stream before anyone acked it comes back from
+    XREADGROUP ... 0 with no data; redis-py hands it over as ``{}``, not None, so the check
+    for trimmed entries never matched and each was counted and logged as a bad sample (no
+    'd' field): a writer bug that does not exist."""
+    await _group(aredis, pool)
+    now = await redis_ms(aredis)
+    await push(aredis, pool, [sample("P0", now + i) for i in range(5)])
+    await _deliver_without_ack(aredis, pool, "a", 5)  # an earlier incarnation of --id a
+    await aredis.xtrim(pool.samples, maxlen=0)  # the writers' MAXLEN caught up with them
+    await push(aredis, pool, [sample("P0", now + 10)])
+    pc = pool_controller(cfg, aredis, claim_idle_s=60.0)
+    await pc.renew_once()
+    await pc.consume_once(pc.term)
+    assert (pc.term.consumed, pc.term.bad) == (1, 0)
+    assert metric(pc, "qos_controller_bad_samples_total", pool="tiny", field="d") == 0
+    assert await _pending(aredis, pool) == 0  # acknowledged all the same: they never come back

@@ -367,3 +367,59 @@ async def test_a_loop_stops_when_cancelled_as_its_step_finishes(aredis, pool, cf
         done, _ = await asyncio.wait({task}, timeout=5)
         assert done, "the tick loop swallowed its cancellation and kept running"
         assert task.cancelled()
+
+
+async def test_a_redis_emptied_within_a_lease_starts_a_new_term_though_the_fence_repeats(aredis, pool, cfg):
+    """Redis restarted without persistence (or was flushed) faster than a lease: the fence
+    counter went with it, so the leader took the lease again with the fence it had (1, the
+    first leadership's), the term went on, and its state kept the cuts it had written while
+    the policy, re-created from the config by a frontend, held the configured rates: the two
+    disagreed until the law next decided a change. A lease taken anew is a new leadership."""
+    from limiter.scripts import policy_document
+
+    pc = pool_controller(cfg, aredis)
+    term = await _violate_and_tick(pc, aredis, pool)
+    await aredis.hincrby(pool.stats, "P2.claimed", 10)
+    decision = await pc.tick(term)
+    assert decision is not None and decision.changed and term.fence == 1  # P2 cut, written
+    cut = term.state.rates()["P2"].ceil
+    await aredis.flushall()  # the data is gone (the connection, and the local lease, are not)
+    await Scripts(aredis).init_pool(pool, policy_document(cfg, cfg.pool("tiny")))  # a frontend's admit
+    configured = float(await aredis.hget(pool.policy, "P2.ceil"))
+    assert configured > cut
+    await pc.renew_once()  # the key is gone: taken again, and the counter restarts at 1
+    assert pc.lease.fence == 1 and pc.term is not None
+    assert pc.term is not term  # a new leadership: its state is what Redis holds now
+    assert pc.term.state.rates()["P2"].ceil == pytest.approx(configured)
+
+
+async def test_a_busy_sample_loop_stops_when_cancelled(aredis, pool, cfg):
+    """redis-py sends every command through asyncio.wait_for (the client has a socket timeout),
+    and on Python 3.11 that swallows a cancellation landing as the send finishes. With samples
+    arriving faster than it reads, the sample loop never blocks, so a stop's cancellations
+    often all landed in a send: the loop read and acknowledged on for the 6 s stop_tasks
+    waits, then was left behind, and the standby took over seconds late. (The step here is a
+    bare wait_for, the part of a redis-py call that loses the cancellation, every time.)"""
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    assert pc.term is not None
+    steps = 0
+
+    async def sent() -> None:  # a send that finishes at once (the socket takes it)
+        return None
+
+    async def busy(_term) -> None:
+        nonlocal steps
+        steps += 1
+        await asyncio.wait_for(sent(), 5.0)
+
+    pc.consume_once = busy
+    loop = asyncio.create_task(pc.sample_loop())
+    await wait_for(lambda: asyncio.sleep(0, steps > 10))
+    from limiter.tasks import stop_tasks
+
+    stopped = await stop_tasks([loop], "sample loop", wait_s=1.0, rounds=2)
+    if not stopped:  # (do not leave it spinning into the next test)
+        pc.consume_once = lambda _term: asyncio.sleep(1.0)
+        await stop_tasks([loop], "sample loop", wait_s=2.0)
+    assert stopped

@@ -38,3 +38,30 @@ async def test_the_controller_rides_out_a_redis_restart() -> None:
     finally:
         await ctl.stop()
         server.stop()
+
+
+async def test_a_cluster_that_cannot_serve_the_slot_is_an_outage_in_the_sample_loop(aredis, pool, cfg):
+    """CLUSTERDOWN and TRYAGAIN (a cluster failover, a reshard) are ResponseErrors in redis-py:
+    the sample loop took them for a bad reply -- an error line on every retry, no
+    qos_controller_redis_errors, redis_ok still true -- where the lease and tick loops count
+    them as the outage they are."""
+    from redis.exceptions import ClusterDownError
+
+    from limiter.tasks import stop_tasks
+    from tests.support.controller_helpers import pool_controller
+
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    assert pc.term is not None
+
+    async def down(_block_ms: int) -> None:
+        raise ClusterDownError("CLUSTERDOWN The cluster is down")
+
+    pc.consumer.read_new = down
+    loop = asyncio.create_task(pc.sample_loop())
+    try:
+        errors = lambda: metric(pc, "qos_controller_redis_errors_total", loop="samples")  # noqa: E731
+        await wait_for(lambda: asyncio.sleep(0, errors()), timeout=5)
+        assert pc.redis_ok is False
+    finally:
+        assert await stop_tasks([loop], "sample loop", wait_s=1.0)

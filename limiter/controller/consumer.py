@@ -121,7 +121,7 @@ class SampleConsumer:
         out = Batch()
         for entry_id, fields in entries:
             out.ids.append(entry_id)
-            if fields is None:  # a pending entry whose data was trimmed away: nothing to judge
+            if not fields:  # a pending entry whose data was trimmed away (redis-py: {}): nothing to judge
                 continue
             try:
                 out.samples.append(self._decode_one(fields))

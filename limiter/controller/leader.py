@@ -43,6 +43,7 @@ class LeaderLease:
         self.fence = 0  # > 0 while we hold the lease
         self.last_fence = 0  # the fence of our latest leadership (to release it after stepping down)
         self.holder = ""  # who holds it when we do not ("<owner>:<fence>")
+        self.taken = False  # the last renew took the lease anew (a new leadership), not renewed it
         self._valid_until = 0.0  # monotonic
 
     @property
@@ -53,7 +54,7 @@ class LeaderLease:
         """Take or keep the lease; returns our fence, or 0 when another controller holds it.
         Raises RedisUnavailable (then the lease lapses locally on its own)."""
         sent = time.monotonic()
-        fence, holder = await self.scripts.acquire_leader(self.keys, self.owner, self.lease_ms)
+        fence, holder, self.taken = await self.scripts.take_leader(self.keys, self.owner, self.lease_ms)
         if fence:
             if fence != self.fence:
                 log.info("%s: leading with fence %d", self.keys.pool, fence)

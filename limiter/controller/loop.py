@@ -37,9 +37,10 @@ from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
-from limiter.redis_conn import REDIS_ERRORS
+from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS
 from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
+from limiter.tasks import raise_if_cancelled
 
 log = logging.getLogger("qos.controller")
 MAX_BACKOFF_S = 5.0
@@ -100,6 +101,7 @@ class PoolController:
     async def lease_loop(self) -> None:
         while True:
             await self.renew_once()
+            raise_if_cancelled()
             await asyncio.sleep(self.settings.renew_s)
 
     async def renew_once(self) -> None:
@@ -118,7 +120,9 @@ class PoolController:
             self.redis_ok = True
             if not fence:
                 self.end_term(f"the lease is held by {self.lease.holder}")
-            elif self.term is None or self.term.fence != fence:
+            elif self.term is None or self.term.fence != fence or self.lease.taken:
+                # (taken anew with the term's own fence: Redis lost its data and with it the
+                # fence counter -- a new leadership all the same, its state read from Redis)
                 self.end_term("a new term begins")
                 await within(self.begin_term(fence), STEP_TIMEOUT_S)
         except REDIS_ERRORS as exc:
@@ -163,6 +167,7 @@ class PoolController:
     async def sample_loop(self) -> None:
         backoff = Backoff(f"{self.pool.name}: sample loop", first_s=0.1, max_s=MAX_BACKOFF_S)
         while True:
+            raise_if_cancelled()  # (a redis-py call may have swallowed it: a busy stream never blocks)
             await self._leading.wait()
             term = self.term
             if term is None:
@@ -172,8 +177,12 @@ class PoolController:
                 await within(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
                 backoff.succeeded()
             except ResponseError as exc:
-                if "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
-                    await self._guard(self.consumer.ensure_group(), "samples")
+                if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage, not a reply
+                    self._redis_error("samples", exc)
+                    await backoff.failed()
+                elif "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
+                    if not (await self._guard(self.consumer.ensure_group(), "samples") and self.redis_ok):
+                        await backoff.failed()  # refused (out of memory, ...) or unreachable: no spin
                 else:
                     log.error("%s: sample read failed: %s", self.pool.name, exc)
                     await backoff.failed()
@@ -245,6 +254,7 @@ class PoolController:
             # term's state for good: every tick raised, and the lease was renewed for ever).
             if term is None or await self._guard(within(self.tick(term), STEP_TIMEOUT_S), "tick"):
                 self._ticked = time.monotonic()
+            raise_if_cancelled()
             await asyncio.sleep(max(0.0, self.settings.tick_s - (time.monotonic() - started)))
 
     async def tick(self, term: Term) -> Decision | None:
