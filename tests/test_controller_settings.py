@@ -70,6 +70,12 @@ def test_the_rates_written_keep_the_configured_bursts():
     ({"capacity": {"window": 0}}, "controller.capacity.window"),
     ({"capacity": {"nope": 1}}, "controller.capacity.nope"),
     ({"capacity": {"worker_field": "a b"}}, "controller.capacity.worker_field"),
+    # inf, or so small that int(ts // interval) overflowed while feeding samples
+    ({"capacity": {"interval_s": float("inf")}}, "controller.capacity.interval_s"),
+    ({"capacity": {"interval_s": 1e-300}}, "controller.capacity.interval_s"),
+    ({"capacity": {"busy_queue_ms": float("inf")}}, "controller.capacity.busy_queue_ms"),
+    ({"capacity": {"worker_ttl_s": float("inf")}}, "controller.capacity.worker_ttl_s"),
+    ({"capacity": {"rate_intervals": 10**9}}, "controller.capacity.rate_intervals"),
     ({"pools": ["nope"]}, "controller.pools[0]"),
     ({"window_max_age_s": -1}, "controller.window_max_age_s"),
     ({"burst_s": -1}, "controller.burst_s"),

@@ -76,14 +76,15 @@ class CapacityConfig:
 
     def validate(self, prefix: str = "controller.capacity") -> CapacityConfig:
         checks = [
-            ("interval_s", self.interval_s > 0, "must be > 0"),
+            # bounded above too: an interval of 1e-300 s overflowed int(ts // interval)
+            ("interval_s", 0.01 <= self.interval_s <= 3600, "must be in [0.01, 3600]"),
             ("window", 1 <= self.window <= 1000, "must be in [1, 1000]"),
-            ("busy_queue_ms", self.busy_queue_ms >= 0, "must be >= 0"),
+            ("busy_queue_ms", 0 <= self.busy_queue_ms <= 3_600_000, "must be in [0, 3600000]"),
             ("busy_share", 0 < self.busy_share <= 1, "must be in (0, 1]"),
-            ("min_busy_intervals", self.min_busy_intervals >= 1, "must be >= 1"),
-            ("worker_ttl_s", self.worker_ttl_s > 0, "must be > 0"),
-            ("min_reports", self.min_reports >= 1, "must be >= 1"),
-            ("rate_intervals", self.rate_intervals >= 1, "must be >= 1"),
+            ("min_busy_intervals", 1 <= self.min_busy_intervals <= 1000, "must be in [1, 1000]"),
+            ("worker_ttl_s", 0 < self.worker_ttl_s <= 3600, "must be in (0, 3600]"),
+            ("min_reports", 1 <= self.min_reports <= 1000, "must be in [1, 1000]"),
+            ("rate_intervals", 1 <= self.rate_intervals <= 1000, "must be in [1, 1000]"),
             ("worker_field", not self.worker_field or bool(HASH_FIELD_RE.fullmatch(self.worker_field)),
              "must be a hash field name or ''"),
         ]
