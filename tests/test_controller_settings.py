@@ -164,3 +164,15 @@ def test_every_level_name_logging_takes_is_still_a_log_level(level):
     parser = argparse.ArgumentParser(exit_on_error=False)
     cli.log_level_arg(parser)
     assert parser.parse_args(["--log-level", level]).log_level == level.upper()
+
+
+def test_a_renewal_left_unset_follows_a_short_lease():
+    """`qos controller --lease 1` was refused as "controller.renew_s: must be in [0.01,
+    lease_s / 2], got 1.0": a field the operator never set. Left unset, it follows the lease;
+    set, it is checked as given."""
+    assert load_settings(_cfg({}), {"controller_id": "c1", "lease_s": 1.0}).renew_s == pytest.approx(1 / 3)
+    assert load_settings(_cfg({"lease_s": 1.2}), {"controller_id": "c1"}).renew_s == pytest.approx(0.4)
+    assert load_settings(_cfg({}), {"controller_id": "c1"}).renew_s == 1.0  # the default lease: as before
+    with pytest.raises(ConfigError) as err:
+        load_settings(_cfg({"lease_s": 1.0, "renew_s": 0.9}), {"controller_id": "c1"})
+    assert err.value.path == "controller.renew_s"

@@ -178,4 +178,9 @@ def load_settings(cfg: QosConfig, overrides: Mapping[str, Any] | None = None) ->
             raise ConfigError(f"controller.{key}", "unknown field")
     if "pools" in flags:
         flags["pools"] = tuple(flags["pools"])
-    return replace(base, **flags).resolved(cfg)
+    s = replace(base, **flags)
+    if "renew_s" not in flags and "renew_s" not in cfg.controller and isinstance(s.lease_s, float):
+        # Left unset, the renewal follows a short lease: `--lease 1` was refused naming renew_s,
+        # a setting the operator never gave.
+        s = replace(s, renew_s=min(s.renew_s, s.lease_s / 3))
+    return s.resolved(cfg)
