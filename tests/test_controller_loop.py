@@ -12,6 +12,7 @@ import json
 
 import aiohttp
 import pytest
+import redis.exceptions
 
 from limiter.controller.leader import holder_id
 from limiter.controller.loop import PoolController
@@ -193,6 +194,25 @@ async def test_ticks_that_keep_failing_are_a_stall_and_end_the_leadership(aredis
         assert pc.term is None and await aredis.get(pool.leader) is None  # a standby may take it
     finally:
         loop.cancel()
+
+
+async def test_a_lease_no_term_can_begin_on_is_given_up(aredis, pool, cfg, monkeypatch):
+    """A term that cannot begin (an error of its own each time: an ACL refusing XGROUP CREATE,
+    say) left the lease held and renewed for ever with no term: no decision, and every standby
+    kept out. The watchdog gives such a lease up as it does a stalled tick loop."""
+    pc = pool_controller(cfg, aredis)
+
+    async def refused():
+        raise redis.exceptions.NoPermissionError("NOPERM this user has no permissions to run 'xgroup'")
+
+    monkeypatch.setattr(pc.consumer, "ensure_group", refused)
+    await pc.renew_once()
+    assert pc.term is None and pc.lease.leading  # the lease is ours, no term began
+    await pc.renew_once()
+    assert pc.lease.leading and pc._termless_since is not None
+    pc._termless_since -= pc.stall_s + 1  # ... for longer than the watchdog allows
+    await pc.renew_once()
+    assert pc.lease.fence == 0 and await aredis.get(pool.leader) is None  # a standby may take it
 
 
 async def test_absurd_figures_are_not_taken_from_samples_or_heartbeats(aredis, pool, cfg):

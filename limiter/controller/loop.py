@@ -92,6 +92,7 @@ class PoolController:
         self.redis_ok = True
         self._leading = asyncio.Event()
         self._ticked = time.monotonic()  # the tick loop's last turn (the lease loop's watchdog)
+        self._termless_since: float | None = None  # since when the lease is ours with no term
         metrics.leader.labels(pool.name).set(0)
 
     def loops(self) -> list[Any]:
@@ -116,6 +117,16 @@ class PoolController:
                 await within(self.scripts.release_leader(self.keys, self.lease.owner, self.lease.last_fence),
                              STEP_TIMEOUT_S)
                 return
+            if self._termless_since is not None and time.monotonic() - self._termless_since > self.stall_s:
+                # The lease is ours but no term could begin (an error of its own each time, e.g.
+                # an ACL refusing XGROUP CREATE): renewed for ever, it kept every standby out.
+                log.error("%s: leading for %.1f s without a term (every start failed); giving up "
+                          "leadership", self.pool.name, time.monotonic() - self._termless_since)
+                self._termless_since = None
+                self.step_down("no term could begin")
+                await within(self.scripts.release_leader(self.keys, self.lease.owner, self.lease.last_fence),
+                             STEP_TIMEOUT_S)
+                return
             fence = await within(self.lease.renew(), max(0.5, self.settings.lease_s / 2))
             self.redis_ok = True
             if not fence:
@@ -131,6 +142,10 @@ class PoolController:
                 self.end_term("the lease lapsed while Redis was unreachable")
         except Exception:  # never let the lease loop die: the standby would never take over
             log.exception("%s: lease loop error", self.pool.name)
+        if self.term is not None or not self.lease.leading:
+            self._termless_since = None
+        elif self._termless_since is None:
+            self._termless_since = time.monotonic()
 
     async def begin_term(self, fence: int) -> None:
         # keep_rates: repairs a missing policy and syncs static fields; the rates stay as they are
