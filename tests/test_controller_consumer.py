@@ -176,3 +176,31 @@ async def test_pending_entries_trimmed_away_are_acked_without_counting_as_bad_sa
     assert (pc.term.consumed, pc.term.bad) == (1, 0)
     assert metric(pc, "qos_controller_bad_samples_total", pool="tiny", field="d") == 0
     assert await _pending(aredis, pool) == 0  # acknowledged all the same: they never come back
+
+
+async def _consumers(client, keys) -> dict[str, int]:
+    return {c["name"].decode() if isinstance(c["name"], bytes) else c["name"]: c["pending"]
+            for c in await client.xinfo_consumers(keys.samples, SAMPLES_GROUP)}
+
+
+async def test_idle_consumers_with_nothing_pending_are_removed_when_a_term_catches_up(aredis, pool, cfg):
+    """Every controller process reads under an id of its own (<host>-<pid>), so each restart
+    left one more consumer in the group for good. A term's catch-up removes those idle past
+    claim_idle_ms with nothing pending (once autoclaim took a dead leader's entries, it too),
+    a bounded number per call; a consumer still holding entries stays."""
+    await _group(aredis, pool)
+    now = await redis_ms(aredis)
+    await push(aredis, pool, [sample("P0", now + i) for i in range(6)])
+    for old in ("restarted-1", "restarted-2"):  # read and acked, long ago
+        reply = await aredis.xreadgroup(SAMPLES_GROUP, old, {pool.samples: ">"}, count=1)
+        await aredis.xack(pool.samples, SAMPLES_GROUP, reply[0][1][0][0])
+    await _deliver_without_ack(aredis, pool, "dead-leader", 2)
+    await asyncio.sleep(0.25)  # all three idle past claim_idle_s (0.2 s): a lower bound
+    pc = pool_controller(cfg, aredis)
+    assert await pc.consumer.prune_consumers(limit=1) == 1  # bounded
+    assert await pc.consumer.prune_consumers() == 1
+    assert set(await _consumers(aredis, pool)) == {"dead-leader"}  # it holds 2 entries
+    await pc.renew_once()
+    await pc.consume_once(pc.term)  # catch up: replay, autoclaim (dead-leader's 2), prune
+    assert set(await _consumers(aredis, pool)) == {pc.consumer.consumer}
+    assert await _pending(aredis, pool) == 0

@@ -31,6 +31,7 @@ from limiter.keys import SAMPLES_GROUP, PoolKeys
 from limiter.samples import Sample, unpack_sample
 
 log = logging.getLogger("qos.controller")
+PRUNE_LIMIT = 64  # idle consumers deleted at most per term start (bounded work)
 _LOG_EVERY_S = 10.0  # at most one bad-sample log line per this many seconds (a flood must not drown logs)
 
 
@@ -111,6 +112,25 @@ class SampleConsumer:
             self.metrics.claimed.labels(self.keys.pool, "autoclaimed").inc(len(out.ids))
             log.info("%s: claimed %d samples another controller left pending", self.keys.pool, len(out.ids))
         return out
+
+    async def prune_consumers(self, limit: int = PRUNE_LIMIT) -> int:
+        """Delete up to ``limit`` other consumers of the group that hold no pending entry and
+        have been idle longer than ``claim_idle_ms``: each controller process reads under an
+        id of its own (``<host>-<pid>`` by default), so every restart added one for good.
+        Safe at any time: a consumer is created again by its next read. Returns how many."""
+        gone = 0
+        for c in await self.client.xinfo_consumers(self.keys.samples, SAMPLES_GROUP):
+            name = _s(c.get("name", c.get(b"name", b"")))
+            pending = int(c.get("pending", c.get(b"pending", 0)))
+            idle = int(c.get("idle", c.get(b"idle", 0)))
+            if gone >= limit or name == self.consumer or pending or idle <= self.claim_idle_ms:
+                continue
+            await self.client.xgroup_delconsumer(self.keys.samples, SAMPLES_GROUP, name)
+            gone += 1
+        if gone:
+            log.info("%s: removed %d idle consumers of %s with nothing pending", self.keys.pool, gone,
+                     SAMPLES_GROUP)
+        return gone
 
     async def ack(self, ids: list[bytes]) -> None:
         if ids:

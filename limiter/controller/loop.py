@@ -216,6 +216,7 @@ class PoolController:
         if not term.caught_up:
             await self.take(term, await self.consumer.replay_own())
             await self.take(term, await self.consumer.autoclaim())
+            await self.consumer.prune_consumers()  # those autoclaim emptied, of processes long gone
             term.caught_up = True
             term.next_claim = time.monotonic() + self.settings.claim_idle_ms / 1000
         await self.take(term, await self.consumer.read_new(int(self.settings.block_s * 1000)))
