@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import inspect
 import os
 import tomllib
 import types
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import redis.asyncio.cluster
+import redis.asyncio.connection
 import redis.connection
 
 from limiter import token_count
@@ -218,21 +221,51 @@ def _check_new_name(kind: str, path: str, name: str, seen: set[str]) -> None:
     seen.add(name)
 
 
-def check_redis_url(url: str, path: str) -> None:
+def _init_params(cls: type) -> set[str]:
+    """The keyword arguments ``cls(...)`` takes, its base classes' included."""
+    names: set[str] = set()
+    for k in cls.__mro__:
+        if "__init__" in vars(k):
+            names |= {p.name for p in inspect.signature(vars(k)["__init__"]).parameters.values()
+                      if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name != "self"}
+    return names
+
+
+def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
     """A URL redis-py can open: its scheme, and a port that is a number (redis-py's own
-    ValueError came out of `qos status` as a traceback)."""
+    ValueError came out of `qos status` as a traceback); with ``cluster``, one the cluster
+    client takes. Never names the URL itself (it may hold a password)."""
     _check(url.startswith(("redis://", "rediss://", "unix://")), path,
            "must start with redis://, rediss:// or unix://")
     try:
         parts = urllib.parse.urlsplit(url)
         _ = parts.port
-        redis.connection.parse_url(url)  # its query too (?db=x was a traceback)
+        options = redis.connection.parse_url(url)  # its query too (?db=x was a traceback)
     except ValueError as exc:
         raise ConfigError(path, f"not a valid URL: {exc}") from exc
     # TLS options on a plain URL: a cluster client dropped them and connected in plain text.
     tls = sorted({k for k, _ in urllib.parse.parse_qsl(parts.query) if k == "ssl" or k.startswith("ssl_")})
     _check(not tls or parts.scheme == "rediss", path,
            f"has TLS options ({', '.join(tls)}) on a {parts.scheme}:// URL: use rediss:// for TLS")
+    # What redis-py refuses only when it builds the client or its first connection: a traceback
+    # (TypeError, RedisClusterException) at every role's start, or (a bad protocol or
+    # ssl_cert_reqs) an error each role took for an outage and retried for ever.
+    if cluster:
+        _check(parts.scheme != "unix", path, "a unix:// socket cannot reach a Redis Cluster "
+               "(redis.cluster / QOS_REDIS_CLUSTER): use redis:// or rediss://")
+        _check(not options.get("db"), path, f"names database {options.get('db')}: a Redis Cluster "
+               "has only database 0")
+        accepted = _init_params(redis.asyncio.cluster.RedisCluster)
+    else:
+        conn = {"unix": redis.asyncio.connection.UnixDomainSocketConnection,
+                "rediss": redis.asyncio.connection.SSLConnection}.get(parts.scheme,
+                                                                     redis.asyncio.connection.Connection)
+        accepted = _init_params(conn) | {"max_connections"}  # the one pool option every client takes
+    unknown = sorted(set(urllib.parse.parse_qs(parts.query)) - accepted)
+    _check(not unknown, path, f"has query options redis-py does not take here: {', '.join(unknown)}")
+    _check(options.get("protocol") in (None, 2, 3), path, "protocol must be 2 or 3")
+    _check(options.get("ssl_cert_reqs") in (None, "none", "optional", "required"), path,
+           "ssl_cert_reqs must be none, optional or required")
 
 
 # The policy script's bounds (lua/init_pool.lua, lua/admit.lua): what `qos config check` calls ok
@@ -244,7 +277,7 @@ MAX_BURST_TOKENS = 1e15
 
 def validate(cfg: QosConfig) -> QosConfig:
     """Cross-field checks; returns ``cfg`` unchanged when it is valid."""
-    check_redis_url(cfg.redis.url, "redis.url")
+    check_redis_url(cfg.redis.url, "redis.url", cfg.redis.cluster)
     _check(0 < len(cfg.classes) <= MAX_CLASSES, "classes", f"1 to {MAX_CLASSES} classes are allowed")
     seen: set[str] = set()
     shares = 0.0
@@ -345,13 +378,14 @@ def parse(data: Mapping[str, Any], base_dir: str | Path | None = None) -> QosCon
 def apply_env(cfg: QosConfig, env: Mapping[str, str]) -> QosConfig:
     """Deploy-time overrides: QOS_REDIS_URL, QOS_REDIS_CLUSTER (1/0)."""
     redis_cfg = cfg.redis
-    if url := env.get("QOS_REDIS_URL"):
-        check_redis_url(url, "QOS_REDIS_URL (or --redis-url)")  # not the file's redis.url
-        redis_cfg = dataclasses.replace(redis_cfg, url=url)
     if (cl := env.get("QOS_REDIS_CLUSTER")) is not None:
         if cl not in ("0", "1"):
             raise ConfigError("QOS_REDIS_CLUSTER", f"must be 0 or 1, got {cl!r}")
         redis_cfg = dataclasses.replace(redis_cfg, cluster=cl == "1")
+    if url := env.get("QOS_REDIS_URL"):
+        # not the file's redis.url
+        check_redis_url(url, "QOS_REDIS_URL (or --redis-url)", redis_cfg.cluster)
+        redis_cfg = dataclasses.replace(redis_cfg, url=url)
     return validate(dataclasses.replace(cfg, redis=redis_cfg))
 
 

@@ -200,3 +200,50 @@ def test_qos_status_with_a_bad_redis_url_query_is_a_config_error(url, capsys):
         pytest.fail(f"traceback instead of a config error: {type(exc).__name__}: {exc}")
     assert rc == 2
     assert "config error" in capsys.readouterr().err
+
+
+# --- a Redis URL that redis-py itself would refuse (at the first command, or building the cluster
+# client) must be refused by `qos config check` and every role's start, naming redis.url -----------
+
+def _write_redis(tmp_path, url: str, cluster: bool):
+    return write_toml({"redis": {"url": url, "cluster": cluster}, "classes": [{"name": "P0", "share": 0.6}],
+                       "pools": [{"name": "tiny"}]}, tmp_path / "qos.toml")
+
+
+@pytest.mark.parametrize(("url", "cluster", "word"), [
+    ("unix:///tmp/redis.sock", True, "unix"),  # RedisClusterException: Unix domain socket ... (a traceback)
+    ("redis://127.0.0.1:7000/1", True, "database"),  # RedisClusterException: 'db' must be 0
+    ("redis://127.0.0.1:7000/0?db=2", True, "database"),
+    ("redis://127.0.0.1:6390/0?sockettimeout=1", False, "sockettimeout"),  # TypeError at the first command
+    ("redis://127.0.0.1:7000/0?sockettimeout=1", True, "sockettimeout"),  # TypeError building the client
+    ("redis://127.0.0.1:6390/0?timeout=1", False, "timeout"),  # a pool option: TypeError on most clients
+    ("rediss://127.0.0.1:6390/0?ssl_cert_reqs=requird", False, "ssl_cert_reqs"),  # RedisError, first command
+    ("rediss://127.0.0.1:7000/0?ssl_cert_reqs=requird", True, "ssl_cert_reqs"),  # an "outage" for ever
+    ("redis://127.0.0.1:6390/0?protocol=4", False, "protocol"),  # "Redis unavailable" for ever
+], ids=["cluster-unix", "cluster-db1", "cluster-db-query", "unknown-option", "cluster-unknown-option",
+        "pool-timeout", "bad-cert-reqs", "cluster-bad-cert-reqs", "protocol-4"])
+def test_a_redis_url_redis_py_refuses_is_refused_by_config_check(tmp_path, capsys, url, cluster, word):
+    """`qos config check` called these ok; each role then died with redis-py's traceback (or, for
+    a bad TLS or protocol value, took it for an outage and retried for ever)."""
+    assert main(["config", "check", str(_write_redis(tmp_path, url, cluster))]) == 2
+    err = capsys.readouterr().err
+    assert "redis.url" in err and word in err
+
+
+@pytest.mark.parametrize(("url", "cluster"), [
+    ("rediss://qos:pw@127.0.0.1:6390/0?ssl_ca_certs=/etc/qos/ca.pem&ssl_cert_reqs=required", False),
+    ("rediss://qos:pw@127.0.0.1:7000/0?ssl_ca_certs=/etc/qos/ca.pem&ssl_cert_reqs=none", True),
+    ("redis://127.0.0.1:7000/0?read_from_replicas=0", True),
+    ("redis://127.0.0.1:7000", True),
+    ("unix:///tmp/redis.sock?db=3", False),
+    ("redis://127.0.0.1:6390/0?socket_timeout=2&max_connections=8&protocol=2&client_name=qos", False),
+])
+def test_redis_urls_redis_py_takes_are_still_ok(tmp_path, url, cluster):
+    config.load(_write_redis(tmp_path, url, cluster), {})
+
+
+def test_status_with_cluster_and_a_unix_socket_is_a_config_error_not_a_traceback(monkeypatch, capsys):
+    monkeypatch.setenv("QOS_REDIS_CLUSTER", "1")
+    rc = main(["status", "--redis-url", "unix:///tmp/no-such-redis.sock"])
+    assert rc == 2
+    assert "config error" in capsys.readouterr().err

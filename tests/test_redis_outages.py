@@ -124,7 +124,8 @@ def test_tls_options_on_a_plain_redis_url_are_refused(query: str) -> None:
 
     with pytest.raises(ConfigError, match="rediss://"):
         check_redis_url(f"redis://127.0.0.1:7000/0?{query}", "redis.url")
-    check_redis_url(f"rediss://127.0.0.1:7000/0?{query}", "redis.url")  # the right scheme is fine
+    # the right scheme is fine (on a cluster: a standalone client takes no `ssl` option, rediss:// is it)
+    check_redis_url(f"rediss://127.0.0.1:7000/0?{query}", "redis.url", cluster=True)
 
 
 
