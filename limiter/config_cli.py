@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from limiter import config as config_mod
+from limiter.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -35,7 +36,19 @@ def check_role_sections(cfg: config_mod.QosConfig) -> None:
     from worker.settings import load_settings as worker_settings
 
     frontend_settings(cfg)
-    worker_settings(cfg)
+    try:
+        worker_settings(cfg)
+    except ConfigError as exc:
+        # The engine is often each worker's flag (`qos worker --engine openai --upstream-url ...`,
+        # `qos up --engine openai`), not in [worker]: checked as a torch worker, a pool only the
+        # openai engine can serve was refused although every worker started with it took it.
+        if "engine" in cfg.worker or not exc.path.startswith("pools["):
+            raise
+        try:
+            worker_settings(cfg, {"engine": "openai",
+                                  "upstream_url": cfg.worker.get("upstream_url") or "http://upstream.invalid"})
+        except ConfigError:
+            raise exc from None
     controller_settings(cfg)
 
 

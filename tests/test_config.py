@@ -153,3 +153,28 @@ def test_cli_config_check_validates_the_role_sections(tmp_path, capsys):
     p.write_text(BASE + "\n[frontend]\nshutdown_grace_s = 5\n[worker]\ndrain_timeout_s = 5\n"
                  "[controller]\ntick_s = 2\n")
     assert main(["config", "check", str(p)]) == 0
+
+
+def test_cli_config_check_takes_a_pool_for_openai_workers_whose_engine_is_a_flag(tmp_path, capsys):
+    """docs/worker.md runs `qos worker --engine openai --upstream-url ...` (and `qos up --engine
+    openai`): the engine is a flag, not in [worker]. `qos config check` checked [worker] as a torch
+    worker and refused the file ("pools[0].tokenizer: ... only the openai engine can serve it"),
+    although every worker started with it accepts it."""
+    from limiter.cli import main
+    from worker.settings import load_settings
+
+    p = tmp_path / "openai.toml"
+    text = BASE.replace('context_tokens = 8192\n', 'context_tokens = 8192\ntokenizer = "upstream"\n'
+                        'tokenizer_url = "http://127.0.0.1:8001"\n')
+    p.write_text(text)
+    cfg = config.load(p, {})
+    load_settings(cfg, {"engine": "openai", "upstream_url": "http://127.0.0.1:8001"})  # the worker takes it
+    assert main(["config", "check", str(p)]) == 0, capsys.readouterr().err
+    # a file that names a step engine for it is still refused, naming the pool's tokenizer
+    p.write_text(text + '\n[worker]\nengine = "sim"\n')
+    assert main(["config", "check", str(p)]) == 2
+    assert "pools[0].tokenizer" in capsys.readouterr().err
+    # and an error of the section itself is still the one named
+    p.write_text(text + '\n[worker]\nmax_seqs = 0\n')
+    assert main(["config", "check", str(p)]) == 2
+    assert "worker.max_seqs" in capsys.readouterr().err
