@@ -247,3 +247,15 @@ def test_status_with_cluster_and_a_unix_socket_is_a_config_error_not_a_traceback
     rc = main(["status", "--redis-url", "unix:///tmp/no-such-redis.sock"])
     assert rc == 2
     assert "config error" in capsys.readouterr().err
+
+
+async def test_floors_that_add_up_to_one_can_initialise_the_pool(tmp_path, scripts):
+    """0.56 + 0.34 + 0.10 is 1.0000000000000002 in floating point: `qos config check` allows the
+    rounding (floors <= 1 + 1e-9), init_pool refused it ("floors add up to more than 1"), so
+    every role failed at start with a config that check called ok."""
+    classes = [{"name": "P0", "share": 0.5, "floor": 0.56}, {"name": "P1", "share": 0.3, "floor": 0.34},
+               {"name": "P2", "share": 0.2, "floor": 0.10}]
+    path = write_toml({"redis": {"url": "redis://127.0.0.1:6390/0"}, "classes": classes,
+                       "pools": [{"name": "tiny"}]}, tmp_path / "qos.toml")
+    cfg = config.load(path, {})
+    await scripts.init_pool(PoolKeys("tiny"), policy_document(cfg, cfg.pool("tiny")))
