@@ -240,6 +240,12 @@ def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
     try:
         parts = urllib.parse.urlsplit(url)
         _ = parts.port
+    except ValueError:
+        # urllib's message quotes the host part, which a password with '/', '?' or '#' cut
+        # short: "Port could not be cast to integer value as '<the password>'".
+        raise ConfigError(path, "not a valid URL: no host[:port] can be read from it (percent-encode "
+                          "a password's '/', '?', '#', '%' and '@', e.g. '/' as %2F)") from None
+    try:
         options = redis.connection.parse_url(url)  # its query too (?db=x was a traceback)
     except ValueError as exc:
         raise ConfigError(path, f"not a valid URL: {exc}") from exc

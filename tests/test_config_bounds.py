@@ -259,3 +259,20 @@ async def test_floors_that_add_up_to_one_can_initialise_the_pool(tmp_path, scrip
                        "pools": [{"name": "tiny"}]}, tmp_path / "qos.toml")
     cfg = config.load(path, {})
     await scripts.init_pool(PoolKeys("tiny"), policy_document(cfg, cfg.pool("tiny")))
+
+
+@pytest.mark.parametrize("url", [
+    "redis://qos:Zm9v/YmFyc2VjcmV0@redis.internal:6379/0",  # base64 passwords hold '/' and '+'
+    "redis://qos:Zm9vYmFy#c2VjcmV0@redis.internal:6379/0",
+    "rediss://qos:Zm9vYmFy?c2VjcmV0@redis.internal:6379/0",
+])
+def test_a_password_that_breaks_the_url_is_not_printed(url, tmp_path, capsys):
+    """A password with '/', '#' or '?' not percent-encoded ends the URL's host part early, and
+    urllib's "Port could not be cast to integer value as 'Zm9v'" -- the password -- went to
+    stderr (and the journal) in the config error."""
+    assert main(["status", "--redis-url", url]) == 2
+    err = capsys.readouterr().err
+    assert "Zm9v" not in err and "QOS_REDIS_URL" in err and "percent-encode" in err, err
+    assert main(["config", "check", str(_write_redis(tmp_path, url, False))]) == 2
+    err = capsys.readouterr().err
+    assert "Zm9v" not in err and "redis.url" in err, err
