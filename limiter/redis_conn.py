@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
@@ -86,16 +87,38 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
         "socket_timeout": SOCKET_TIMEOUT_S + blocking_s,
         "health_check_interval": 15,
     }
+    url = cfg.url
+    if blocking_s:
+        # redis-py lets the URL's query replace any argument: `?socket_timeout=1` took the
+        # blocking time away, and every idle BLPOP / XREAD BLOCK timed out as an outage.
+        url, own = _without_query_option(url, "socket_timeout")
+        if own is not None:
+            common["socket_timeout"] = float(own) + blocking_s
     if cfg.cluster:
         if pool_wait_s is not None:
-            return WaitingRedisCluster.from_url(cfg.url, max_connections=max_connections,
+            return WaitingRedisCluster.from_url(url, max_connections=max_connections,
                                                 pool_wait_s=pool_wait_s, **common)
-        return RedisCluster.from_url(cfg.url, max_connections=max_connections, **common)
+        return RedisCluster.from_url(url, max_connections=max_connections, **common)
     if pool_wait_s is not None:
         pool = aioredis.BlockingConnectionPool.from_url(
-            cfg.url, max_connections=max_connections, timeout=pool_wait_s, socket_keepalive=True, **common)
+            url, max_connections=max_connections, timeout=pool_wait_s, socket_keepalive=True, **common)
         return aioredis.Redis.from_pool(pool)  # the client owns (and closes) its pool
-    return aioredis.from_url(cfg.url, max_connections=max_connections, socket_keepalive=True, **common)
+    return aioredis.from_url(url, max_connections=max_connections, socket_keepalive=True, **common)
+
+
+def _without_query_option(url: str, name: str) -> tuple[str, str | None]:
+    """``url`` without the query option ``name``, and its value (the first, as redis-py reads
+    it; None when absent). The rest of the URL is left as it is."""
+    # split as urlsplit does (the fragment first, then the query), but keep the rest as written:
+    # urlunsplit turned unix:///path into unix:/path, which redis-py refuses
+    base, hash_sep, fragment = url.partition("#")
+    head, _, raw_query = base.partition("?")
+    query = urllib.parse.parse_qsl(raw_query, keep_blank_values=True)
+    values = [v for k, v in query if k == name]
+    if not values:
+        return url, None
+    rest = urllib.parse.urlencode([(k, v) for k, v in query if k != name])
+    return head + ("?" + rest if rest else "") + hash_sep + fragment, values[0]
 
 
 class WaitingRedisCluster(RedisCluster):

@@ -183,3 +183,23 @@ async def test_an_idle_worker_waits_out_idle_block_s_without_an_outage(monkeypat
     finally:
         await rt.close()
 
+
+
+@pytest.mark.parametrize("query", ["socket_timeout=0.3", "client_name=qos-w&socket_timeout=0.3"])
+async def test_a_socket_timeout_in_the_url_still_leaves_room_for_a_blocking_read(redis_server, query) -> None:
+    """A client whose commands block by design (BLPOP, XREAD BLOCK) gets its blocking time on
+    top of the socket timeout (open_redis's ``blocking_s``), but redis-py lets a URL's query
+    replace any argument: with `?socket_timeout=0.3` in redis.url every idle BLPOP of 1 s (a
+    worker's idle_block_s; the frontends' reply reads block 2 s) timed out and was taken for an
+    outage."""
+    base = redis_server.url
+    url = f"{base}{'&' if '?' in base else '?'}{query}"
+    client = open_redis(RedisConfig(url=url), blocking_s=1.0)
+    try:
+        assert await client.blpop(["qos:{url}:empty"], 1) is None  # an idle wait, not an outage
+        # and the URL's own timeout is still the one a command that should answer at once gets
+        pool = client.connection_pool
+        assert pool.connection_kwargs["socket_timeout"] == pytest.approx(0.3 + 1.0)
+        assert pool.connection_kwargs.get("client_name") == ("qos-w" if "client_name" in query else None)
+    finally:
+        await client.aclose()
