@@ -231,6 +231,24 @@ def _init_params(cls: type) -> set[str]:
     return names
 
 
+def redacted_url(url: str) -> str:
+    """``url`` fit to print: the password of its user part and of a ``password=`` query option
+    replaced by ``***``. The user part is taken to the *last* '@': a password with an
+    unencoded '/' or '?' would otherwise be read as a path."""
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "<the Redis URL>"
+    userinfo, at, host = rest.rpartition("@")
+    if at:
+        user, colon, _password = userinfo.partition(":")
+        rest = f"{user}:***@{host}" if colon else f"{userinfo}@{host}"
+    head, q, query = rest.partition("?")
+    if q:
+        query = "&".join("password=***" if part.partition("=")[0] == "password" else part
+                         for part in query.split("&"))
+    return f"{scheme}://{head}{q}{query}"
+
+
 def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
     """A URL redis-py can open: its scheme, and a port that is a number (redis-py's own
     ValueError came out of `qos status` as a traceback); with ``cluster``, one the cluster

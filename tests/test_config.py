@@ -178,3 +178,15 @@ def test_cli_config_check_takes_a_pool_for_openai_workers_whose_engine_is_a_flag
     p.write_text(text + '\n[worker]\nmax_seqs = 0\n')
     assert main(["config", "check", str(p)]) == 2
     assert "worker.max_seqs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("redis://127.0.0.1:6379/0", "redis://127.0.0.1:6379/0"),
+    ("rediss://user:s3cr%2Ft@h:6380/0?ssl_cert_reqs=none", "rediss://user:***@h:6380/0?ssl_cert_reqs=none"),
+    ("redis://h:1/0?db=0&password=abc", "redis://h:1/0?db=0&password=***"),
+    ("unix:///tmp/r.sock?password=x", "unix:///tmp/r.sock?password=***"),
+    ("redis://:pa/ss?w@h:6379", "redis://:***@h:6379"),  # unencoded '/' and '?' in the password
+])
+def test_a_redis_url_is_printed_without_its_password(url, shown):
+    """`qos up`'s ready line printed the whole Redis URL, password included."""
+    assert config.redacted_url(url) == shown

@@ -263,7 +263,8 @@ def run(args: argparse.Namespace) -> int:
             say("qos up: interrupted while starting")
             return 130
         line = (
-            f"qos up: ready at {stack.base_url} (redis {redis_url}, {args.frontends} frontends, "
+            f"qos up: ready at {stack.base_url} (redis {config_mod.redacted_url(redis_url)}, {args.frontends} "
+            f"frontends, "
             f"{args.workers} {args.engine} workers)"
         )
         if cfg.demo:
