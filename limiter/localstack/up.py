@@ -263,9 +263,8 @@ def run(args: argparse.Namespace) -> int:
             say("qos up: interrupted while starting")
             return 130
         line = (
-            f"qos up: ready at {stack.base_url} (redis {config_mod.redacted_url(redis_url)}, {args.frontends} "
-            f"frontends, "
-            f"{args.workers} {args.engine} workers)"
+            f"qos up: ready at {stack.base_url} (redis {config_mod.redacted_url(redis_url)}, "
+            f"{args.frontends} frontends, {args.workers} {args.engine} workers)"
         )
         if cfg.demo:
             line += f"; demo keys: {' '.join(config_mod.DEMO_KEYS)} (admin: {config_mod.DEMO_ADMIN_KEY})"
