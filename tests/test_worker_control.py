@@ -86,7 +86,8 @@ async def test_drain_hands_back_unstarted_work_at_once_and_finishes_running_work
 async def test_sigterm_drains_and_exits_0_and_a_timed_out_drain_hands_back(
         redis_server: RedisServer, env, tmp_path: Path) -> None:
     cfg, c = env
-    path = write_config(tmp_path / "w.toml", redis_server.url, worker={"idle_block_s": 0.2})
+    path = write_config(tmp_path / "w.toml", redis_server.url,
+                        worker={"idle_block_s": 0.2, "heartbeat_s": 0.2})
     args = ["--engine", "sim", "--time-scale", "0.3", "--pool", "tiny"]
     # 1. SIGTERM with a request running: it finishes, the process exits 0
     p = spawn_worker(path, *args, "--worker-id", "drainer", log=tmp_path / "drainer.log")
@@ -94,6 +95,13 @@ async def test_sigterm_drains_and_exits_0_and_a_timed_out_drain_hands_back(
         rid = await c.admit("drain me", max_tokens=150)
         await c.wait_tokens(rid, 5, timeout=30)
         p.send_signal(signal.SIGTERM)
+        # The signal is handled when the worker's loop gets to it: admitted before that (a
+        # loaded machine), "too late" was not too late. Its heartbeat says when it drains.
+        beat = c.keys.worker("drainer")
+        deadline = time.monotonic() + 30
+        while p.poll() is None and await c.client.hget(beat, "state") != b"draining":
+            assert time.monotonic() < deadline, "the worker to begin draining after SIGTERM"
+            await asyncio.sleep(0.02)
         late = await c.admit("too late", max_tokens=5)
         assert await asyncio.to_thread(p.wait, 20) == 0
         await c.wait([rid], timeout=5)
