@@ -19,8 +19,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ex = csub.add_parser("example", help="print a commented, complete example config")
     ex.set_defaults(func=lambda a: print(example_text(), end=""))
     hk = csub.add_parser("hash-key", help="print the sha256 of an API key, for tenants[].key_sha256")
-    hk.add_argument("key")
-    hk.set_defaults(func=lambda a: print(config_mod.hash_key(a.key)))
+    hk.add_argument("key", nargs="?", default="-",
+                    help="the key; '-' or none: read from standard input (out of the shell's history "
+                         "and the process list)")
+    hk.set_defaults(func=_hash_key)
+
+
+def _hash_key(args: argparse.Namespace) -> int:
+    key = args.key if args.key != "-" else sys.stdin.readline().rstrip("\r\n")
+    if not key:
+        print("qos config hash-key: no key given (an argument, or one line on standard input)",
+              file=sys.stderr)
+        return 2
+    print(config_mod.hash_key(key))
+    return 0
 
 
 def example_text() -> str:

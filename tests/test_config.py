@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+
 import pytest
 
 from limiter import config
@@ -114,6 +116,19 @@ def test_cli_config_example_is_valid_and_hash_key_prints_the_digest(tmp_path, ca
     assert [c.name for c in cfg.classes] == ["P0", "P1", "P2"] and "[controller]" in example
     assert main(["config", "hash-key", "demo-p0"]) == 0
     assert capsys.readouterr().out.strip() == config.hash_key("demo-p0")
+
+
+@pytest.mark.parametrize("argv", [["config", "hash-key"], ["config", "hash-key", "-"]])
+def test_hash_key_reads_the_key_from_standard_input(argv, capsys, monkeypatch):
+    """A key on the command line stays in the shell's history and shows in `ps`."""
+    from limiter.cli import main
+
+    monkeypatch.setattr("sys.stdin", io.StringIO("demo-p0\n"))
+    assert main(argv) == 0
+    assert capsys.readouterr().out.strip() == config.hash_key("demo-p0")
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main(argv) == 2
+    assert "no key given" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("section, line, path", [
