@@ -386,6 +386,10 @@ def validate(cfg: QosConfig) -> QosConfig:
 def parse(data: Mapping[str, Any], base_dir: str | Path | None = None) -> QosConfig:
     """Build and validate a config from a parsed TOML document; relative tokenizer paths are
     taken from ``base_dir`` (the config file's directory)."""
+    if "demo" in data:
+        # QosConfig.demo marks the built-in demo config (no file); a file saying demo = true
+        # had every role announce demo keys it does not hold.
+        raise ConfigError("demo", "unknown field (the demo config is what runs when no file is given)")
     cfg = build_section("", QosConfig, data)
     if base_dir is not None:
         def anchored(p: PoolConfig) -> PoolConfig:

@@ -205,3 +205,14 @@ def test_cli_config_check_takes_a_pool_for_openai_workers_whose_engine_is_a_flag
 def test_a_redis_url_is_printed_without_its_password(url, shown):
     """`qos up`'s ready line printed the whole Redis URL, password included."""
     assert config.redacted_url(url) == shown
+
+
+def test_demo_is_not_a_field_of_a_file(tmp_path):
+    """QosConfig.demo marks the built-in demo config; a file with `demo = true` made the
+    frontend say "serving the demo config" and `qos up` print demo keys the file lacked."""
+    p = tmp_path / "qos.toml"
+    p.write_text("demo = true\n" + BASE)
+    with pytest.raises(ConfigError) as err:
+        config.load(p, env={})
+    assert err.value.path == "demo"
+    assert config.load(None, env={}).demo  # the demo config itself
