@@ -172,6 +172,19 @@ def test_settings_errors_name_the_worker_field_and_ids_are_sanitised() -> None:
     assert wid.endswith("-cuda_0") and ":" not in wid
 
 
+@pytest.mark.parametrize(("field", "value"), [
+    ("time_scale", float("inf")),  # the sim engine slept for ever each step
+    ("time_scale", float("nan")),
+    ("heartbeat_s", 1e-9),  # heartbeats as fast as Redis answers
+    ("heartbeat_ttl_s", 1e12),  # an EXPIRE Redis refuses
+    ("upstream_timeout_s", float("inf")),
+    ("torch_threads", 10**9),
+])
+def test_implausible_worker_settings_are_refused_naming_the_field(field, value) -> None:
+    with pytest.raises(ConfigError, match=rf"worker\.{field}"):
+        load_settings(demo_config(), {field: value})
+
+
 def test_request_seed_is_stable_per_request() -> None:
     assert request_seed(None, "abc") == request_seed(None, "abc") != request_seed(None, "abd")
     assert request_seed(7, "abc") == 7 and 0 <= request_seed(None, "x") < 2**63

@@ -95,8 +95,9 @@ class WorkerSettings:
               f"must be cpu, cuda or cuda:N, got {self.device!r}")
         check(bool(NAME_RE.fullmatch(self.worker_id)), "worker_id", f"{self.worker_id!r} must match "
               f"{NAME_RE.pattern}")
-        check(self.torch_threads >= 0, "torch_threads", "must be >= 0")
-        check(self.time_scale >= 0, "time_scale", "must be >= 0")
+        check(0 <= self.torch_threads <= 1024, "torch_threads", "must be in [0, 1024]")
+        # inf slept for ever each step; nan passed a bare >= 0 check as no number does
+        check(0 <= self.time_scale <= 1000, "time_scale", "must be in [0, 1000]")
         check(1 <= self.max_seqs <= 1024, "max_seqs", "must be in [1, 1024]")
         check(self.max_seqs <= self.token_budget <= 1 << 20, "token_budget",
               f"must be in [max_seqs ({self.max_seqs}), 1048576]")
@@ -110,14 +111,16 @@ class WorkerSettings:
         check(1 <= self.flush_tokens <= 100_000, "flush_tokens", "must be in [1, 100000]")
         check(self.lease_ms == 0 or 100 <= self.lease_ms <= 3_600_000, "lease_ms",
               "must be 0 (the pool's) or in [100, 3600000]")
-        check(0 < self.heartbeat_s <= 60, "heartbeat_s", "must be in (0, 60]")
-        check(self.heartbeat_ttl_s >= 2 * self.heartbeat_s, "heartbeat_ttl_s", "must be >= 2 x heartbeat_s")
+        # (1e-9 heartbeat Redis flat out; a TTL past a day is one EXPIRE may refuse)
+        check(0.01 <= self.heartbeat_s <= 60, "heartbeat_s", "must be in [0.01, 60]")
+        check(2 * self.heartbeat_s <= self.heartbeat_ttl_s <= 86_400, "heartbeat_ttl_s",
+              "must be in [2 x heartbeat_s, 86400]")
         check(0 < self.reap_interval_s <= 3600, "reap_interval_s", "must be in (0, 3600]")
         check(0 < self.idle_block_s <= 60, "idle_block_s", "must be in (0, 60]")
         check(0 <= self.drain_timeout_s <= 86_400, "drain_timeout_s", "must be in [0, 86400]")
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
         check(1 <= self.max_inflight <= 100_000, "max_inflight", "must be in [1, 100000]")
-        check(self.upstream_timeout_s > 0, "upstream_timeout_s", "must be > 0")
+        check(0 < self.upstream_timeout_s <= 86_400, "upstream_timeout_s", "must be in (0, 86400]")
         check(0 < self.upstream_retry_min_s <= 3600, "upstream_retry_min_s", "must be in (0, 3600]")
         check(self.upstream_retry_min_s <= self.upstream_retry_max_s <= 3600, "upstream_retry_max_s",
               "must be in [upstream_retry_min_s, 3600]")
