@@ -22,7 +22,7 @@ from rich.table import Table
 
 from limiter.cli import common_args, load_config
 from limiter.config import QosConfig
-from limiter.errors import ConfigError, QosError
+from limiter.errors import ConfigError, InvalidName, QosError
 from limiter.keys import PoolKeys
 from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.status import snapshot
@@ -57,7 +57,12 @@ async def _full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[st
     for name, pool in snap["pools"].items():
         keys = PoolKeys(name)
         for worker_id, info in pool["workers"].items():
-            raw = await client.hgetall(keys.worker(worker_id))
+            try:
+                key = keys.worker(worker_id)
+            except InvalidName:  # not a name a worker could have (written by hand): no hash to read
+                info["note"] = "not a valid worker id"
+                continue
+            raw = await client.hgetall(key)
             info.update({_s(k): _num(_s(v)) for k, v in raw.items()})
         rows = await client.xrevrange(keys.decisions, count=decisions) if decisions > 0 else []
         pool["decisions"] = [_decision(entry) for _id, entry in rows]
@@ -187,9 +192,9 @@ def render(snap: dict[str, Any]) -> Group:
                 body = row["decision"]
                 reasons = body.get("reasons") if isinstance(body, dict) else None
                 if reasons is None and isinstance(body, dict):
-                    reasons = {
-                        k: v.get("reason") for k, v in body.get("classes", {}).items() if isinstance(v, dict)
-                    }
+                    classes = body.get("classes")
+                    reasons = {k: v.get("reason") for k, v in classes.items()
+                               if isinstance(v, dict)} if isinstance(classes, dict) else None
                 d.add_row(str(row["version"]), str(row["controller"]), json.dumps(reasons)[:80])
             parts.append(d)
     return Group(*parts)

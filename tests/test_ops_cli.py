@@ -107,3 +107,22 @@ async def test_a_class_named_like_an_estimate_field_keeps_its_own_compliance(are
     assert tiny["classes"]["P2"]["compliance"] is None
     assert tiny["measured_capacity"] == 41_000.0 and tiny["capacity_source"] == "workers"
     assert tiny["capacity_confidence"] == 0.8
+
+
+async def test_status_and_top_survive_odd_redis_contents(scripts, pool, redis_server, capsys):
+    """A worker id in the heartbeat set that is no valid name (written by hand, or by an old
+    version) made `qos status` fail with InvalidName; a decision whose `classes` is not an
+    object made `qos top`'s table raise."""
+    import asyncio
+
+    alive = 4102444800000 - 10
+    await scripts.client.zadd(pool.workers, {"w1": alive, "bad id:with{braces}": alive})
+    await scripts.client.xadd(pool.decisions, {"version": 7, "controller": "ctl",
+                                               "d": json.dumps({"classes": [1]})})
+    rc = await asyncio.to_thread(main, ["status", "--json", "--redis-url", redis_server.url])
+    assert rc == 0
+    tiny = json.loads(capsys.readouterr().out)["pools"]["tiny"]
+    assert "w1" in tiny["workers"] and "bad id:with{braces}" in tiny["workers"]
+    rc = await asyncio.to_thread(main, ["top", "--iterations", "1", "--interval", "0.1", "--redis-url",
+                                        redis_server.url])
+    assert rc == 0 and "w1" in capsys.readouterr().out
