@@ -58,8 +58,13 @@ async def test_cancellation_stops_generation_within_one_step(env) -> None:
         await c.wait([other])
     after = int(rec["usage_out"]) - at_cancel
     took = int(rec["finished_ms"]) - cancel_ms
-    print(f"\n[cancel] {after} token(s) generated after the cancel; stopped {took} ms later (step ~11 ms)")
-    assert after <= 2 and took <= 60
+    # This run's own step, from its tokens before the cancel (one reply entry each, Redis's
+    # clock): ~11 ms, longer on a loaded machine, where 60 ms is not 'a few steps' any more.
+    times = [t for t in c.answers[rid].times_ms if t <= cancel_ms][1:]  # (the first: prefill)
+    step_ms = (times[-1] - times[0]) / (len(times) - 1)
+    print(f"\n[cancel] {after} token(s) generated after the cancel; stopped {took} ms later "
+          f"(step {step_ms:.1f} ms)")
+    assert after <= 2 and took <= max(60, 5 * step_ms)
     assert c.answers[rid].done is None and c.answers[other].done["fin"] == "length"
     assert [s["outcome"] for s in await c.samples() if s["request_id"] == rid] == ["cancelled"]
 
