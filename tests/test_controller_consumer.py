@@ -204,3 +204,24 @@ async def test_idle_consumers_with_nothing_pending_are_removed_when_a_term_catch
     await pc.consume_once(pc.term)  # catch up: replay, autoclaim (dead-leader's 2), prune
     assert set(await _consumers(aredis, pool)) == {pc.consumer.consumer}
     assert await _pending(aredis, pool) == 0
+
+
+async def test_an_acl_without_the_pruning_commands_does_not_stop_the_samples(aredis, pool, cfg, monkeypatch):
+    """A qos user set up with an ACL line from before the pruning lacks XINFO CONSUMERS: the
+    catch-up must go on reading samples (pruning is housekeeping), not fail every time."""
+    import redis.exceptions
+
+    await _group(aredis, pool)
+    now = await redis_ms(aredis)
+    await push(aredis, pool, [sample("P0", now + i) for i in range(5)])
+    pc = pool_controller(cfg, aredis)
+
+    async def refused(*_args, **_kwargs):
+        raise redis.exceptions.NoPermissionError("NOPERM no permissions to run 'xinfo|consumers'")
+
+    monkeypatch.setattr(pc.client, "xinfo_consumers", refused)
+    await pc.renew_once()
+    term = pc.term
+    await pc.consume_once(term)
+    await pc.consume_once(term)
+    assert term.caught_up and term.consumed == 5

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from redis.exceptions import ResponseError
+from redis.exceptions import NoPermissionError, ResponseError
 
 from limiter.controller.metrics import ControllerMetrics
 from limiter.errors import InvalidArgument
@@ -119,14 +119,20 @@ class SampleConsumer:
         id of its own (``<host>-<pid>`` by default), so every restart added one for good.
         Safe at any time: a consumer is created again by its next read. Returns how many."""
         gone = 0
-        for c in await self.client.xinfo_consumers(self.keys.samples, SAMPLES_GROUP):
-            name = _s(c.get("name", c.get(b"name", b"")))
-            pending = int(c.get("pending", c.get(b"pending", 0)))
-            idle = int(c.get("idle", c.get(b"idle", 0)))
-            if gone >= limit or name == self.consumer or pending or idle <= self.claim_idle_ms:
-                continue
-            await self.client.xgroup_delconsumer(self.keys.samples, SAMPLES_GROUP, name)
-            gone += 1
+        try:
+            for c in await self.client.xinfo_consumers(self.keys.samples, SAMPLES_GROUP):
+                name = _s(c.get("name", c.get(b"name", b"")))
+                pending = int(c.get("pending", c.get(b"pending", 0)))
+                idle = int(c.get("idle", c.get(b"idle", 0)))
+                if gone >= limit or name == self.consumer or pending or idle <= self.claim_idle_ms:
+                    continue
+                await self.client.xgroup_delconsumer(self.keys.samples, SAMPLES_GROUP, name)
+                gone += 1
+        except NoPermissionError as exc:
+            # An ACL line from before this (docs/reliability.md) lacks XINFO CONSUMERS / XGROUP
+            # DELCONSUMER: housekeeping, not a reason to stop reading samples.
+            log.warning("%s: cannot remove idle consumers (%s); add +xinfo|consumers "
+                        "+xgroup|delconsumer to the qos user's ACL", self.keys.pool, exc)
         if gone:
             log.info("%s: removed %d idle consumers of %s with nothing pending", self.keys.pool, gone,
                      SAMPLES_GROUP)
