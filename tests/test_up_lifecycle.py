@@ -131,6 +131,22 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
     assert [r for r, p in pids.items() if alive(p)] == []
 
 
+def test_two_quick_ctrl_c_stop_at_once(tmp_path):
+    # An impatient operator presses Ctrl-C twice in a row: both arrive before qos up's next
+    # look (it polls every 0.2 s). The second must still mean "now", not be taken for part
+    # of the first and leave the 120 s grace and drain to run. (The second is a SIGTERM, which
+    # does what Ctrl-C does: two SIGINTs sent back to back may be merged into one by the
+    # kernel; two different signals never are, so both surely arrive before the next look.)
+    with _up_mid_stream(tmp_path) as (up, pids):
+        t0 = time.monotonic()
+        up.ctrl_c()
+        os.killpg(up.proc.pid, signal.SIGTERM)
+        up.wait_exit(60, "qos up to exit after two quick Ctrl-Cs")
+        print(f"\n[two quick Ctrl-Cs] exited {time.monotonic() - t0:.1f} s later")
+    assert "interrupted again" in up.output, up.output
+    assert [r for r, p in pids.items() if alive(p)] == []
+
+
 @contextlib.contextmanager
 def _up_mid_stream(tmp_path: Path) -> Iterator[tuple[Up, dict[str, int]]]:
     """A one-worker `qos up` whose frontend grace and worker drain outlast the test, with a

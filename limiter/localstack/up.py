@@ -235,14 +235,20 @@ def run(args: argparse.Namespace) -> int:
     if not lifecycle.parent_death_supported():
         say("qos up: WARNING: no parent-death signal on this platform: if qos up is killed, stop its "
             "children by hand", err=True)
-    signals = {"count": 0}
+    signals = {"count": 0, "urgent": 0}
     stop_after: dict[str, int] = {"base": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
         signals["count"] += 1
+        if signum != signal.SIGHUP:
+            signals["urgent"] += 1
 
     def interrupted() -> bool:
-        return signals["count"] > stop_after["base"]
+        # A signal once the stop began; or a second Ctrl-C (SIGTERM) however soon after the
+        # first: two quick ones both came before the stop began, and the second was taken for
+        # part of the first. (Not a second SIGHUP: a closed terminal may send two, from the
+        # shell and from the kernel.)
+        return signals["count"] > stop_after["base"] or signals["urgent"] >= 2
 
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     stack: UpStack | None = None
