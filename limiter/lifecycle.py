@@ -66,6 +66,12 @@ def bind_to_parent(sig: int = signal.SIGTERM) -> Callable[[], None] | None:
     return preexec
 
 
+def hangup_ignored() -> bool:
+    """True when this process was started with SIGHUP ignored (``nohup``): the operator asked
+    that a closed terminal not stop it, so no SIGHUP handler may take that back."""
+    return signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
 # --- ports ---------------------------------------------------------------------------------
 
 def _listening_inodes(port: int) -> set[str]:

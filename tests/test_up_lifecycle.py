@@ -316,6 +316,74 @@ def test_sighup_stops_a_standalone_role_like_sigterm(tmp_path, redis_server, rol
         assert "releasing leadership" in out and r.get("qos:{tiny}:leader") is None, out
 
 
+@contextlib.contextmanager
+def _nohup() -> Iterator[None]:
+    """What `nohup` does: a process started inside ignores SIGHUP from the start (an ignored
+    signal stays ignored across fork and exec)."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
+def _ignores_sighup(pid: int) -> bool:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigIgn:"):
+            return bool(int(line.split()[1], 16) >> (signal.SIGHUP - 1) & 1)
+    raise AssertionError(f"no SigIgn line for pid {pid}")
+
+
+def test_qos_up_under_nohup_is_not_stopped_by_a_hangup(tmp_path):
+    # `nohup qos up &`, then the terminal closes: the operator asked for SIGHUP to be
+    # ignored. qos up installed its own SIGHUP handler over nohup's SIG_IGN and stopped the
+    # whole stack when the shell sent its jobs SIGHUP.
+    config = write_config(tmp_path / "qos.toml")
+    port = free_port()
+    with _nohup():
+        up = Up(port, "--config", str(config), "--engine", "sim", "--workers", "1")
+    with up:
+        up.wait_ready()
+        assert _ignores_sighup(up.proc.pid), "qos up took SIGHUP back from nohup"
+        os.killpg(up.proc.pid, signal.SIGHUP)  # the terminal goes away
+        assert complete(port, "still there?", 4)["usage"]["completion_tokens"] == 4
+        assert up.proc.poll() is None and up.line(r"stopping") is None, up.output
+        up.ctrl_c()
+        assert up.wait_exit(30) == 0, up.output
+
+
+@pytest.mark.parametrize("role", ["frontend", "worker", "controller"])
+def test_a_standalone_role_under_nohup_keeps_ignoring_sighup(tmp_path, redis_server, role):
+    """`nohup qos worker &`: each role took SIGHUP like SIGTERM even when started with SIGHUP
+    ignored, so the shell's SIGHUP to its jobs on logout stopped a nohup'd role."""
+    redis_server.client().flushall()
+    config = write_config(tmp_path / "qos.toml")
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("QOS_")},
+           "QOS_REDIS_URL": redis_server.url, "OMP_NUM_THREADS": "1"}
+    argv = {"frontend": ["frontend", "--port", str(free_port())], "worker": ["worker", "--engine", "sim",
+            "--worker-id", "w-nohup"], "controller": ["controller", "--id", "c-nohup"]}[role]
+    with _nohup():
+        proc = subprocess_popen([sys.executable, "-m", "limiter.cli", *argv, "--config", str(config)], env)
+    r = redis_server.client()
+    try:
+        # each installs its signal handlers before its first heartbeat (the lease, for a controller)
+        if role == "frontend":
+            wait_for(lambda: r.zcard("qos:{tiny}:frontends") == 1, 60, "the frontend's first heartbeat")
+        elif role == "worker":
+            wait_for(lambda: r.zscore("qos:{tiny}:workers", "w-nohup") is not None, 60,
+                     "the worker's first heartbeat")
+        else:
+            wait_for(lambda: r.get("qos:{tiny}:leader") is not None, 60, "the controller to take the lease")
+        assert _ignores_sighup(proc.pid), f"{role} took SIGHUP back from nohup"
+        proc.send_signal(signal.SIGTERM)
+        rc = proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert rc == 0, proc.stdout.read().decode()
+
+
 def subprocess_popen(argv: list[str], env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             cwd=Path(__file__).resolve().parent.parent)

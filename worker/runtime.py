@@ -29,6 +29,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from limiter import lifecycle
 from limiter.backoff import Backoff
 from limiter.config import QosConfig
 from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
@@ -142,8 +143,10 @@ class WorkerRuntime:
 
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
-        # SIGHUP (a closed terminal, or the parent `qos up` gone) drains like SIGTERM.
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        # SIGHUP (a closed terminal, or the parent `qos up` gone) drains like SIGTERM (unless
+        # started under nohup: SIGHUP ignored stays ignored).
+        hup = () if lifecycle.hangup_ignored() else (signal.SIGHUP,)
+        for sig in (signal.SIGTERM, signal.SIGINT, *hup):
             with contextlib.suppress(NotImplementedError, RuntimeError):
                 loop.add_signal_handler(sig, self.begin_drain, sig.name)
 

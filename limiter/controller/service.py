@@ -17,6 +17,7 @@ from typing import Any
 
 from aiohttp import web
 
+from limiter import lifecycle
 from limiter.config import QosConfig
 from limiter.controller.loop import PoolController
 from limiter.controller.metrics import ControllerMetrics
@@ -99,7 +100,8 @@ async def serve(settings: ControllerSettings, cfg: QosConfig) -> int:
     controller = Controller(settings, cfg)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+    hup = () if lifecycle.hangup_ignored() else (signal.SIGHUP,)  # nohup: SIGHUP stays ignored
+    for sig in (signal.SIGTERM, signal.SIGINT, *hup):
         with contextlib.suppress(NotImplementedError, RuntimeError):
             loop.add_signal_handler(sig, stop.set)
     try:

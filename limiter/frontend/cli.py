@@ -13,6 +13,7 @@ import sys
 from aiohttp import web
 from aiohttp.web_runner import GracefulExit
 
+from limiter import lifecycle
 from limiter.cli import common_args, load_config, log_level_arg
 from limiter.errors import ConfigError
 from limiter.event_loop import install_event_loop
@@ -53,8 +54,10 @@ def _raise_graceful_exit() -> None:
 
 
 async def _hangup_stops(_app: web.Application) -> None:
-    """SIGHUP (a closed terminal, or `qos up` gone) stops the frontend like SIGTERM does."""
-    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _raise_graceful_exit)
+    """SIGHUP (a closed terminal, or `qos up` gone) stops the frontend like SIGTERM does
+    (unless started under nohup: SIGHUP ignored stays ignored)."""
+    if not lifecycle.hangup_ignored():
+        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _raise_graceful_exit)
 
 
 def _inherited_socket(fd: int) -> socket.socket:

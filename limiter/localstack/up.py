@@ -250,7 +250,9 @@ def run(args: argparse.Namespace) -> int:
         # shell and from the kernel.)
         return signals["count"] > stop_after["base"] or signals["urgent"] >= 2
 
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    # Under nohup (SIGHUP ignored on entry) a closed terminal must not stop the stack.
+    hup = () if lifecycle.hangup_ignored() else (signal.SIGHUP,)
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM, *hup)}
     stack: UpStack | None = None
     rc = 0
     try:
