@@ -120,7 +120,7 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def check_port_free(host: str, port: int) -> None:
+def check_port_free(host: str, port: int, name: str = "--port") -> None:
     """Raise ConfigError naming ``port`` (and its holder) if anyone listens on it.
 
     The probe binds without SO_REUSEPORT (so a reuse-port listener counts as taken) and with
@@ -134,8 +134,8 @@ def check_port_free(host: str, port: int) -> None:
             if exc.errno == errno.EADDRINUSE:
                 holders = port_holders(port)
                 who = f": held by {'; '.join(holders)}" if holders else ""
-                raise ConfigError("--port", f"port {port} on {host} is already in use{who}") from exc
-            raise ConfigError("--port", f"cannot listen on {host}:{port}: {exc}") from exc
+                raise ConfigError(name, f"port {port} on {host} is already in use{who}") from exc
+            raise ConfigError(name, f"cannot listen on {host}:{port}: {exc}") from exc
 
 
 def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:

@@ -138,3 +138,49 @@ def test_start_on_a_port_another_redis_holds_fails(redis_server):
             server.start(timeout_s=3)
     finally:
         server.stop()
+
+
+# --- the roles' own ports --------------------------------------------------------------------------
+
+def _metrics_config(path, worker_port: int = 0, controller_port: int = 0):
+    from limiter.config import hash_key
+    from limiter.localstack.toml_writer import write_toml
+    from tests.support.helpers import three_classes
+
+    return write_toml({
+        "redis": {"url": "redis://127.0.0.1:1/0"},
+        "classes": three_classes(),
+        "pools": [{"name": "tiny", "context_tokens": 4096}],
+        "tenants": [{"name": "user", "key_sha256": [hash_key("k")]}],
+        "worker": {"metrics_port": worker_port},
+        "controller": {"metrics_port": controller_port},
+    }, path)
+
+
+@pytest.mark.parametrize("flags, section", [(["--workers", "2"], "worker"), (["--standby"], "controller")])
+def test_a_metrics_port_two_children_would_share_is_refused_before_anything_starts(
+        redis_on_a_taken_port, tmp_path, capsys, flags, section):
+    # worker.metrics_port with --workers 2: every worker of the stack listens on the same port,
+    # so the second always failed -- after Redis, the frontends and the first worker had
+    # started ("worker-1 exited with 2 while starting"). The same for --standby controllers.
+    tmp, _taken = redis_on_a_taken_port
+    cfg = _metrics_config(tmp_path / "qos.toml", **{f"{section}_port": free_port()})
+    rc = main(["up", "--config", str(cfg), "--port", str(free_port()), "--ready-timeout", "60", *flags])
+    out = capsys.readouterr()
+    assert rc == 2, out
+    assert f"{section}.metrics_port" in out.err, out
+    assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
+
+
+def test_a_taken_metrics_port_is_refused_before_anything_starts(redis_on_a_taken_port, tmp_path, capsys):
+    tmp, _taken = redis_on_a_taken_port
+    with socket.socket() as holder:
+        holder.bind(("0.0.0.0", 0))
+        holder.listen(1)
+        port = holder.getsockname()[1]
+        cfg = _metrics_config(tmp_path / "qos.toml", worker_port=port)
+        rc = main(["up", "--config", str(cfg), "--port", str(free_port()), "--ready-timeout", "60"])
+    out = capsys.readouterr()
+    assert rc == 2, out
+    assert f"port {port} on 0.0.0.0 is already in use" in out.err, out
+    assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"

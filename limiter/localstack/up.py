@@ -200,6 +200,33 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
     return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s, "worker": wk.drain_timeout_s}
 
 
+def check_role_ports(cfg: config_mod.QosConfig, args: argparse.Namespace) -> None:
+    """The workers' and controllers' own (metrics) ports, like the HTTP port, before anything
+    starts: a port every worker (or both controllers) of the stack would listen on, or one
+    that is taken, made a child fail only once Redis and the other children were running."""
+    from limiter.controller.settings import load_settings as controller_settings
+    from worker.settings import load_settings as worker_settings
+
+    wk = worker_settings(cfg, {"engine": args.engine, "device": args.device,
+                               "upstream_url": args.upstream_url, "upstream_model": args.upstream_model,
+                               "upstream_priority": args.upstream_priority})
+    ct = controller_settings(cfg)
+    seen = {args.port: "the HTTP port (--port)"}
+    controllers = 2 if args.standby else 1
+    for role, count, host, port in (("worker", args.workers, wk.metrics_host, wk.metrics_port),
+                                    ("controller", controllers, ct.metrics_host, ct.metrics_port)):
+        name = f"{role}.metrics_port"
+        if not port or not count:
+            continue
+        if count > 1:
+            raise ConfigError(name, f"port {port} would be listened on by each of the stack's {count} "
+                              f"{role}s; set 0 (off) to run more than one")
+        if port in seen:
+            raise ConfigError(name, f"port {port} is also {seen[port]}")
+        seen[port] = name
+        lifecycle.check_port_free(host, port, name)
+
+
 def check_demo_load(cfg: config_mod.QosConfig) -> None:
     """--demo-load sends with the demo keys to the demo classes: a config without them got a
     401 for every request, and `qos up` still exited 0."""
@@ -221,6 +248,7 @@ def run(args: argparse.Namespace) -> int:
         require("torch", "qos up --engine torch")
     # The port first: a taken port is refused before anything starts.
     lifecycle.check_port_free(args.host, args.port)
+    check_role_ports(cfg, args)
     children = build_commands(args)
     frontends = [c for c in children if c.role == "frontend"]
     socks: list[socket.socket] = []
