@@ -76,3 +76,20 @@ def test_a_bad_flag_is_refused_by_name_before_anything_starts(argv, named, capsy
     assert main(["up", "--port", "1", *argv]) == 2
     err = capsys.readouterr().err
     assert named in err and "config error" in err
+
+
+def test_the_demo_load_without_a_duration_goes_on_past_its_first_round() -> None:
+    """`--demo-duration 0` is "until Ctrl-C", but the load was one hour-long schedule: after an
+    hour it was sent, and the demo stopped. Rounds follow one another, each its own draw."""
+    import itertools
+
+    from limiter.localstack.demo_load import demo_arrivals, demo_loads
+
+    loads = demo_loads("sim")
+    endless = list(itertools.islice(demo_arrivals(loads, 0, seed=7, round_s=2.0), 200))
+    offsets = [o for o, _, _ in endless]
+    assert offsets == sorted(offsets) and offsets[-1] > 3 * 2.0  # several rounds, in time order
+    first, second = [o for o in offsets if o < 2.0], [o - 2.0 for o in offsets if 2.0 <= o < 4.0]
+    assert first and second and first != second  # each round drawn afresh
+    bounded = list(demo_arrivals(loads, 5.0, seed=7))
+    assert bounded and max(o for o, _, _ in bounded) < 5.0  # a duration ends the schedule

@@ -8,8 +8,9 @@ each class's clients see: requests, p50/p99 TTFT and TPOT, the longest stall, 42
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import aiohttp
 from rich.console import Console
@@ -84,6 +85,19 @@ def render(results: list[Result], started: float, engine: str) -> Table:
     return t
 
 
+def demo_arrivals(loads: list[ClassLoad], duration_s: float, seed: int,
+                  round_s: float = 3600.0) -> Iterator[tuple[float, ClassLoad, int]]:
+    """(offset_s, load, prompt_tokens) in time order: ``duration_s`` of them, or (0) round
+    after round of ``round_s`` for as long as they are asked for -- a single hour-long
+    schedule stopped the "until Ctrl-C" demo load after an hour."""
+    for k in itertools.count():
+        horizon = duration_s if duration_s > 0 else round_s
+        for offset, load, tokens in poisson_schedule(loads, horizon, seed + k):
+            yield k * round_s + offset, load, tokens
+        if duration_s > 0:
+            return
+
+
 async def run_demo_load(
     base_url: str,
     cfg: QosConfig,
@@ -94,8 +108,7 @@ async def run_demo_load(
 ) -> list[Result]:
     """Send the demo load until ``duration_s`` (0 = until stopped); returns every result."""
     model = cfg.pools[0].model_name
-    horizon = duration_s if duration_s > 0 else 3600.0
-    schedule = poisson_schedule(demo_loads(engine), horizon, seed)
+    schedule = demo_arrivals(demo_loads(engine), duration_s, seed)
     results: list[Result] = []
     tasks: set[asyncio.Task[None]] = set()
     started = time.monotonic()
