@@ -278,6 +278,22 @@ def test_restart_brings_a_dead_worker_back(tmp_path):
         r.close()
 
 
+def test_a_worker_drained_on_purpose_is_not_reported_dead_nor_restarted(tmp_path):
+    """A SIGTERM an operator sends one worker drains it, and it exits 0: that was reported as
+    "!!! WORKER ... DIED with exit status 0" and, with --restart, undone."""
+    config = write_config(tmp_path / "qos.toml")
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "2", "--restart") as up:
+        up.wait_ready()
+        os.kill(_role_pids(up)["up-worker-0"], signal.SIGTERM)
+        up.wait_line(r"worker-0 \(pid \d+\) drained and stopped \(exit status 0\).*not restarted", 30,
+                     "the report of the drained worker")
+        assert complete(port, "still serving?", 4)["usage"]["completion_tokens"] == 4
+        assert "DIED" not in up.output and "restarting worker-0" not in up.output, up.output
+        up.ctrl_c()
+        assert up.wait_exit(30) == 0, up.output
+
+
 @pytest.mark.parametrize("role", ["frontend", "worker", "controller"])
 def test_sighup_stops_a_standalone_role_like_sigterm(tmp_path, redis_server, role):
     """A closed terminal (SIGHUP) stops each role cleanly: exit 0, gone from the heartbeat set."""

@@ -89,6 +89,13 @@ class UpStack(Stack):
                     f"(nothing is restarted silently)", err=True)
                 return 1
             lived = now - c.started
+            if rc == 0:
+                # It drained and left on purpose (an operator's SIGTERM to it): not a death, and
+                # not to be undone by --restart.
+                c.gone = True
+                say(f"qos up: {c.name} (pid {c.proc.pid}) drained and stopped (exit status 0) after "
+                    f"{lived:.0f} s; not restarted", err=True)
+                continue
             c.quick_deaths = c.quick_deaths + 1 if lived < RESTART_RESET_S else 1
             say(f"qos up: !!! WORKER {c.name} (pid {c.proc.pid}) DIED with exit status {rc} after "
                 f"{lived:.0f} s !!! Its requests resume on the other workers once their leases "
