@@ -30,8 +30,8 @@
 -- ARGV[3]  class               a class of the pool policy
 -- ARGV[4]  input_tokens        integer >= 0 (prompt tokens)
 -- ARGV[5]  max_tokens          integer >= 1 (output tokens reserved)
--- ARGV[6]  tenant_rate         weighted tokens/s > 0
--- ARGV[7]  tenant_burst        weighted tokens > 0
+-- ARGV[6]  tenant_rate         weighted tokens/s in [1e-9, 1e12]
+-- ARGV[7]  tenant_burst        weighted tokens in [1e-9, 1e15]
 -- ARGV[8]  tenant_max_inflight integer >= 0, 0 = no cap on unfinished requests
 -- ARGV[9]  max_wait_ms         integer >= 0, 0 = the class default; never above it
 -- ARGV[10] frontend_id         name of the frontend whose reply stream gets the answer
