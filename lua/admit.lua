@@ -46,7 +46,8 @@
 -- Returns one of
 --   {'queued', depth, cost, est_wait_ms, deadline_ms}
 --   {'duplicate', state}                      the id was admitted before; nothing charged
---   {'throttled', retry_after_ms, bucket}     bucket = tenant|class; -1 = class disabled
+--   {'throttled', retry_after_ms, bucket}     bucket = tenant|class; -1 = class disabled;
+--                                             at most 1e15 (a wait of over 31,000 years)
 --   {'overloaded', retry_after_ms, est_wait_ms, max_wait_ms}  it could not start in time
 --                                             (-1, -1: the class gets no capacity now)
 --   {'queue_full', depth}
