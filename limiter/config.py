@@ -297,6 +297,7 @@ def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
 MAX_CLASSES = 16
 MAX_WEIGHT = 1e6
 MAX_BURST_TOKENS = 1e15
+MIN_TENANT_QUOTA = 1e-9  # admit.lua's least tenant_rate (tokens/s) and tenant_burst (tokens)
 
 
 def validate(cfg: QosConfig) -> QosConfig:
@@ -368,10 +369,11 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(t.max_class in seen, f"{p}.max_class", f"unknown class {t.max_class!r}")
         _check(cfg.class_rank(t.default_class) >= cfg.class_rank(t.max_class), f"{p}.default_class",
                f"{t.default_class} is above the tenant's max_class {t.max_class}")
-        _check(0 < t.rate_tokens_s <= 1e12, f"{p}.rate_tokens_s", "must be in (0, 1e12]")
+        # admit.lua's bounds on tenant_rate and tenant_burst (= rate_tokens_s x burst_s)
+        _check(MIN_TENANT_QUOTA <= t.rate_tokens_s <= 1e12, f"{p}.rate_tokens_s", "must be in [1e-09, 1e12]")
         _check(0 < t.burst_s <= 3600, f"{p}.burst_s", "must be in (0, 3600]")
-        _check(t.rate_tokens_s * t.burst_s <= MAX_BURST_TOKENS, f"{p}.burst_s",
-               f"times rate_tokens_s must be <= {MAX_BURST_TOKENS:g} tokens (its bucket's size)")
+        _check(MIN_TENANT_QUOTA <= t.rate_tokens_s * t.burst_s <= MAX_BURST_TOKENS, f"{p}.burst_s",
+               f"times rate_tokens_s must be in [1e-09, {MAX_BURST_TOKENS:g}] tokens (its bucket's size)")
         _check(0 <= t.max_inflight <= 1_000_000, f"{p}.max_inflight", "must be in [0, 1000000]")
         _check(1e-3 <= t.weight <= 1e3, f"{p}.weight", "must be in [0.001, 1000]")
         for j, k in enumerate(t.key_sha256):

@@ -30,8 +30,8 @@
 -- ARGV[3]  class               a class of the pool policy
 -- ARGV[4]  input_tokens        integer >= 0 (prompt tokens)
 -- ARGV[5]  max_tokens          integer >= 1 (output tokens reserved)
--- ARGV[6]  tenant_rate         weighted tokens/s > 0
--- ARGV[7]  tenant_burst        weighted tokens > 0
+-- ARGV[6]  tenant_rate         weighted tokens/s in [1e-9, 1e12]
+-- ARGV[7]  tenant_burst        weighted tokens in [1e-9, 1e15]
 -- ARGV[8]  tenant_max_inflight integer >= 0, 0 = no cap on unfinished requests
 -- ARGV[9]  max_wait_ms         integer >= 0, 0 = the class default; never above it
 -- ARGV[10] frontend_id         name of the frontend whose reply stream gets the answer
@@ -46,7 +46,8 @@
 -- Returns one of
 --   {'queued', depth, cost, est_wait_ms, deadline_ms}
 --   {'duplicate', state}                      the id was admitted before; nothing charged
---   {'throttled', retry_after_ms, bucket}     bucket = tenant|class; -1 = class disabled
+--   {'throttled', retry_after_ms, bucket}     bucket = tenant|class; -1 = class disabled;
+--                                             at most 1e15 (a wait of over 31,000 years)
 --   {'overloaded', retry_after_ms, est_wait_ms, max_wait_ms}  it could not start in time
 --                                             (-1, -1: the class gets no capacity now)
 --   {'queue_full', depth}

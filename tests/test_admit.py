@@ -119,6 +119,18 @@ async def test_throttled_reply_says_when_tokens_will_be_there(scripts, pool):
     await admit(scripts, pool, **slow)
 
 
+async def test_a_throttled_wait_too_long_for_an_integer_reply_is_still_a_positive_wait(scripts, pool):
+    # A tenant at the least quota admit takes (1e-9 tokens/s) in debt for a 10M-token request:
+    # the wait, 1e19 ms, does not fit Redis' integer reply (int64): the frontend read it as
+    # -9223372036854775808, i.e. -1, "the class is disabled (its ceiling is 0)".
+    starved = {"tenant": "starved", "tenant_rate": 1e-9, "tenant_burst": 1e-9}
+    await admit(scripts, pool, input_tokens=10_000_000, max_tokens=1, **starved)
+    with pytest.raises(Throttled) as exc:
+        await admit(scripts, pool, input_tokens=1, max_tokens=1, **starved)
+    assert exc.value.bucket == "tenant"
+    assert exc.value.retry_after_ms >= 10**15  # over 31,000 years: never, honestly
+
+
 async def test_request_larger_than_burst_needs_a_full_bucket_then_leaves_debt(scripts, pool):
     big = {"tenant": "big", "tenant_rate": 100, "tenant_burst": 100}
     t0 = await redis_ms(scripts.client)

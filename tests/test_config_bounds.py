@@ -141,6 +141,29 @@ async def test_a_tenant_that_check_accepts_can_be_admitted(tmp_path, scripts):
                 tenant_burst=t.rate_tokens_s * t.burst_s)
 
 
+@pytest.mark.parametrize(("rate", "burst_s"), [(1e-10, 1.0), (1e-3, 1e-7)], ids=["rate-1e-10", "burst-1e-10"])
+async def test_a_tenant_with_a_tiny_quota_that_check_accepts_can_be_admitted(tmp_path, scripts, rate,
+                                                                            burst_s):
+    # validate() took any rate_tokens_s > 0 and burst_s > 0, as admit.lua's header said (> 0), but
+    # admit refuses tenant_rate and tenant_burst below 1e-9 (BADARG): a tenant throttled to almost
+    # nothing got a 400 invalid_value on every request instead of its 429.
+    from tests.support.helpers import admit
+
+    p = _write(tmp_path, tenants=[{"name": "slow", "key_sha256": [config.hash_key("k")],
+                                   "rate_tokens_s": rate, "burst_s": burst_s}])
+    try:
+        cfg = config.load(p, {})
+    except ConfigError as exc:
+        assert "tenants[0]" in str(exc)
+        return
+    keys = PoolKeys("tiny")
+    await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
+    await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})
+    t = cfg.tenants[0]
+    await admit(scripts, keys, cls="P1", tenant=t.name, tenant_rate=t.rate_tokens_s,
+                tenant_burst=t.rate_tokens_s * t.burst_s)
+
+
 CONTROLLER_BURST_CFG = """
 [redis]
 url = "redis://127.0.0.1:6390/0"

@@ -55,10 +55,13 @@ local function bucket_credit(b, amount)
 end
 
 -- Milliseconds until a bucket at `level` holds `need` tokens, refilling at `rate`/s; -1 never.
+-- At most MAX_WAIT_MS (over 31,000 years): a script's number reply is an int64, and a longer
+-- wait (a tiny rate, deep debt) came back as -2^63, which reads as -1.
+local MAX_WAIT_MS = 1e15
 local function bucket_wait_ms(level, need, rate)
   if level >= need then return 0 end
   if rate <= 0 then return -1 end
-  return math.ceil((need - level) * 1000 / rate)
+  return math.min(math.ceil((need - level) * 1000 / rate), MAX_WAIT_MS)
 end
 
 local function bucket_flush()
