@@ -48,6 +48,7 @@ REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded wo
 PUSH_LIMIT = 64  # push_tokens' most requests per call (bounded work; lua/push_tokens.lua)
 CLAIM_LIMIT = 1024  # claim's most requests per call (lua/claim.lua)
 RENEW_LIMIT = 4096  # renew_leases' most entries per call (lua/renew_leases.lua)
+MESSAGE_LIMIT = 4096  # complete's most bytes of a finish message (lua/complete.lua)
 MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
@@ -436,11 +437,13 @@ class Scripts:
         """Finish a request; returns the unused reservation it gives back. Raises LeaseLost.
         ``count``: the last batch's model tokens (default: one per id, as in push_tokens).
         ``offset``: the tokens delivered before this batch, checked (InvalidArgument 'offset'
-        on a mismatch: an earlier push whose reply was lost did land)."""
+        on a mismatch: an earlier push whose reply was lost did land). ``message`` is cut to
+        the :data:`MESSAGE_LIMIT` bytes complete takes, at a character's boundary."""
         n = len(token_ids) if count is None else count
+        cut = message.encode(errors="replace")[:MESSAGE_LIMIT].decode(errors="ignore")
         reply = await self._run("complete", lifecycle_keys(keys), [
             request_id, worker_id, fence, outcome, usage_in, n, pack_token_ids(token_ids),
-            text.encode(), finish_reason, message, sample, len(token_ids), "" if offset is None else offset])
+            text.encode(), finish_reason, cut, sample, len(token_ids), "" if offset is None else offset])
         if _s(reply[0]) == "lost":
             raise LeaseLost(f"{request_id}: {_s(reply[1])}")
         return float(_s(reply[1]))

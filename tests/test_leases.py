@@ -278,3 +278,16 @@ async def test_a_live_record_outlasts_record_ttl_so_a_late_janitor_still_ends_it
     assert await r.hget(pool.queued, "P1:t1") is None
     assert await r.zcard(pool.deadlines) == 0 and await r.zcard(pool.leases) == 0
     assert 0 < await r.pttl(pool.request("late")) <= 1000  # finished: record_ttl_s from now
+
+
+async def test_a_long_non_ascii_failure_message_is_cut_to_what_complete_takes(scripts, pool):
+    """complete.lua takes a message of at most 4 KiB; the worker cut messages at 4,000
+    characters, and 3,000 'é' are 6,000 bytes: a BADARG no finish path handles."""
+    await admit(scripts, pool, cls="P1", request_id="e", input_tokens=5, max_tokens=5)
+    c = await _claim_one(scripts, pool)
+    await scripts.complete(pool, request_id="e", worker_id="w1", fence=c.fence, outcome="failed",
+                           usage_in=5, finish_reason="error", message="é" * 3000)
+    rec = await scripts.client.hgetall(pool.request("e"))
+    assert rec[b"state"] == b"failed"
+    reason = rec[b"reason"].decode()  # whole characters only
+    assert set(reason) == {"é"} and len(reason.encode()) <= 4096
