@@ -572,3 +572,25 @@ def test_a_sequence_that_grows_to_the_kv_capacity_finishes_with_length() -> None
 
     reasons, tokens, prompt_len = asyncio.run(go())
     assert reasons == ["length"] and tokens == 200 - prompt_len  # up to the worker's context
+
+
+async def test_an_idle_worker_reports_an_empty_batch_and_no_kv_in_use(worker_env) -> None:
+    """The running-batch gauges follow the worker into idleness: they were set after each
+    engine step only, so once the last request finished (no more steps) a worker that ran
+    nothing said qos_worker_batch_size 1 and its last KV use for as long as it stayed idle."""
+    from tests.support.helpers import wait_until
+    from tests.support.worker_helpers import worker
+
+    cfg, c = worker_env
+    async with worker(cfg, engine="sim", time_scale=0.01) as rt:
+        rid = await c.admit("hello there", max_tokens=8)
+        await c.wait([rid], timeout=20)
+        reg = rt.metrics.registry
+        assert (reg.get_sample_value("qos_worker_generated_tokens_total") or 0) >= 8  # it did step
+        await wait_until(lambda: not rt.held, "the request to be forgotten")
+        await wait_until(lambda: reg.get_sample_value("qos_worker_batch_size") == 0
+                         and reg.get_sample_value("qos_worker_kv_used_tokens") == 0
+                         and reg.get_sample_value("qos_worker_waiting") == 0,
+                         "the idle worker's gauges to read 0 "
+                         f"(batch {reg.get_sample_value('qos_worker_batch_size')}, "
+                         f"kv {reg.get_sample_value('qos_worker_kv_used_tokens')})", timeout=10)

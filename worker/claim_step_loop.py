@@ -135,6 +135,11 @@ class StepLoop:
         if not self.rt.draining.is_set():
             await self._pull()
         if not len(self.sched):
+            # Nothing to step: the gauges the steps set would keep the last step's batch.
+            m = self.rt.metrics
+            m.batch_size.set(0)
+            m.waiting.set(0)
+            m.kv_used.set(self.sched.kv_used)
             await self._settle_io()  # nothing to step: let the last calls land
             if self.rt.held:
                 # Held work but nothing to step (completions to retry, or a request that is not
