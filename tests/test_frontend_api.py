@@ -290,3 +290,27 @@ async def test_openai_sdk_async_and_sync(client, fake_worker):
             return s.completions.create(model="tiny", prompt="sync", max_tokens=4).choices[0].text
 
     assert await asyncio.to_thread(sync_call) == "cnys"
+
+
+@pytest.mark.parametrize("ttft_ms,tpot_ms", [(2_000, 150), (300, 40)])
+def test_latency_histograms_have_a_bucket_at_every_class_slo(ttft_ms, tpot_ms):
+    """An SLO that is not a bucket boundary cannot be read off the histogram (the share of
+    requests within it is only bounded by the buckets either side): the demo's P1 TTFT
+    target of 2 s fell between the 1 s and 2.5 s buckets."""
+    from limiter.frontend.app import create_app
+    from limiter.frontend.metrics import METRICS
+    from limiter.frontend.settings import FrontendSettings
+    from tests.support.frontend_helpers import make_cfg
+
+    cfg = make_cfg("redis://127.0.0.1:1/0", classes={"P1": {"slo_ttft_ms": ttft_ms, "slo_tpot_ms": tpot_ms}})
+    m = create_app(FrontendSettings(), cfg)[METRICS]
+    m.ttft.labels("tiny", "P1").observe(0.1)
+    m.tpot.labels("tiny", "P1").observe(0.01)
+    for c in cfg.classes:
+        for name, slo_ms in (("ttft", c.slo_ttft_ms), ("tpot", c.slo_tpot_ms)):
+            if slo_ms is None:
+                continue
+            le = repr(float(slo_ms / 1000))
+            got = m.registry.get_sample_value(f"qos_frontend_{name}_seconds_bucket",
+                                              {"pool": "tiny", "class": "P1", "le": le})
+            assert got is not None, f"no {name} bucket at class {c.name}'s SLO of {slo_ms} ms (le={le})"

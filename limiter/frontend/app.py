@@ -213,7 +213,8 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
                frontend_id: str | None = None) -> web.Application:
     """The frontend as an aiohttp app; Redis is opened and closed with the app's lifetime."""
     app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
-    app[METRICS] = FrontendMetrics()
+    app[METRICS] = FrontendMetrics(ttft_slos_ms=[c.slo_ttft_ms for c in cfg.classes],
+                                   tpot_slos_ms=[c.slo_tpot_ms for c in cfg.classes])
 
     async def redis_ctx(app: web.Application) -> AsyncIterator[None]:
         fe = Frontend(settings, cfg, app[METRICS], frontend_id)

@@ -3,6 +3,8 @@ process in tests; the global registry would mix them). Served at ``GET /metrics`
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
@@ -11,8 +13,15 @@ _SECONDS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5
 _TPOT = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.15, 0.25, 0.5, 1.0, 2.0)
 
 
+def _with_slos(buckets: tuple[float, ...], slos_ms: Iterable[float | None]) -> tuple[float, ...]:
+    """``buckets`` plus a boundary at every SLO (ms -> s): the share of requests within a
+    target can only be read off a histogram that has a bucket there."""
+    return tuple(sorted(set(buckets) | {ms / 1000 for ms in slos_ms if ms}))
+
+
 class FrontendMetrics:
-    def __init__(self) -> None:
+    def __init__(self, ttft_slos_ms: Iterable[float | None] = (),
+                 tpot_slos_ms: Iterable[float | None] = ()) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -35,10 +44,10 @@ class FrontendMetrics:
             "(queue wait plus prefill)", ["pool", "class"], buckets=_SECONDS, registry=r)
         self.ttft = Histogram(
             "qos_frontend_ttft_seconds", "Time from request received to first token", ["pool", "class"],
-            buckets=_SECONDS, registry=r)
+            buckets=_with_slos(_SECONDS, ttft_slos_ms), registry=r)
         self.tpot = Histogram(
             "qos_frontend_tpot_seconds", "Mean time per output token after the first, per request",
-            ["pool", "class"], buckets=_TPOT, registry=r)
+            ["pool", "class"], buckets=_with_slos(_TPOT, tpot_slos_ms), registry=r)
         self.inflight = Gauge(
             "qos_frontend_inflight", "Generation requests being handled now", ["pool"], registry=r)
         self.reply_entries = Counter(
