@@ -443,3 +443,26 @@ async def test_a_busy_sample_loop_stops_when_cancelled(aredis, pool, cfg):
         pc.consume_once = lambda _term: asyncio.sleep(1.0)
         await stop_tasks([loop], "sample loop", wait_s=2.0)
     assert stopped
+
+
+async def test_a_controller_that_stops_leading_stops_reporting_the_pools_figures(aredis, pool, cfg):
+    """A deposed leader (or a stopped one) kept exporting the rates, ceilings, used, capacity
+    and compliance of its last tick for as long as it ran: a standby's scrape showed a P0
+    compliance that was no longer measured (an alert on it never cleared) and rates that
+    were no longer in force, beside the new leader's."""
+    pc = pool_controller(cfg, aredis)
+    term = await _violate_and_tick(pc, aredis, pool)
+    assert await pc.tick(term) is not None
+    reg = pc.metrics.registry
+    per_class = ("qos_controller_rate", "qos_controller_ceil", "qos_controller_used",
+                 "qos_controller_compliance", "qos_controller_fresh_compliance")
+    assert reg.get_sample_value("qos_controller_compliance", {"pool": "tiny", "class": "P0"}) < 0.95
+    assert reg.get_sample_value("qos_controller_capacity", {"pool": "tiny"}) is not None
+    await aredis.set(pool.leader, f"b.0123abcd:{term.fence + 1}", px=10_000)
+    await pc.renew_once()  # the lease is another's: the term ends
+    assert pc.term is None and metric(pc, "qos_controller_leader", pool="tiny") == 0
+    for name in per_class:
+        for c in cfg.class_names():
+            value = reg.get_sample_value(name, {"pool": "tiny", "class": c})
+            assert value is None, f"{name}{{class={c}}} still {value} after the term ended"
+    assert reg.get_sample_value("qos_controller_capacity", {"pool": "tiny"}) is None

@@ -173,6 +173,7 @@ class PoolController:
         self.term = None
         self._leading.clear()
         self.metrics.leader.labels(self.pool.name).set(0)
+        self.metrics.forget_term(self.pool.name, self.cfg.class_names())
 
     def step_down(self, why: str) -> None:
         self.lease.step_down(why)
@@ -333,7 +334,8 @@ class PoolController:
                 c.name: f"{c.reason} rate={c.new.rate:.0f} ceil={c.new.ceil:.0f}" for c in decision.classes})
         term.state = decision.state
         term.last_decision = decision
-        record_metrics(self.metrics, self.pool.name, decision, window, estimate.value, inputs)
+        if self.term is term:  # (a term that ended meanwhile has had its figures dropped)
+            record_metrics(self.metrics, self.pool.name, decision, window, estimate.value, inputs)
         await publish(self.client, self.keys, self.settings, now_ms, window, estimate)
         return decision
 

@@ -47,6 +47,14 @@ class ControllerMetrics:
         self.redis_errors = Counter("qos_controller_redis_errors", "Redis failures, by loop", ["loop"],
                                     registry=r)
 
+    def forget_term(self, pool: str, classes: list[str]) -> None:
+        """Drop the figures of a term that ended: a standby exporting its last tick's rates and
+        compliance for ever looked like a second, stale leader."""
+        self.capacity.remove(pool)
+        for g in (self.compliance, self.fresh_compliance, self.rate, self.ceil, self.used):
+            for c in classes:
+                g.remove(pool, c)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
