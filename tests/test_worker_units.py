@@ -594,3 +594,33 @@ async def test_an_idle_worker_reports_an_empty_batch_and_no_kv_in_use(worker_env
                          "the idle worker's gauges to read 0 "
                          f"(batch {reg.get_sample_value('qos_worker_batch_size')}, "
                          f"kv {reg.get_sample_value('qos_worker_kv_used_tokens')})", timeout=10)
+
+
+async def test_a_worker_started_while_redis_is_down_answers_its_health_probe(tmp_path) -> None:
+    """The metrics server started only once Redis had answered: a worker started during an
+    outage had no /healthz (a liveness probe killed it, over and over) and no /metrics to
+    show the outage on -- though /healthz is meant to say 200 with redis_ok false then."""
+    import aiohttp
+
+    from tests.support.redis_server import free_port
+    from tests.support.worker_helpers import config, worker
+
+    cfg = config(tmp_path / "qos.toml", f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
+    port = free_port()
+    health: dict[str, Any] = {}
+
+    async def probe() -> None:
+        try:
+            async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/healthz") as r:
+                if r.status == 200:
+                    health.update(await r.json())
+        except aiohttp.ClientError:
+            pass
+
+    async with worker(cfg, engine="sim", metrics_port=port, metrics_host="127.0.0.1"):
+        end = time.monotonic() + 15
+        while not health and time.monotonic() < end:
+            await probe()
+            await asyncio.sleep(0.1)
+        assert health, "no answer on /healthz while Redis was down"
+        assert health["redis_ok"] is False and health["status"] == "ok"

@@ -95,6 +95,15 @@ class WorkerRuntime:
         self.blocking = open_redis(self.cfg.redis, max_connections=2,  # BLPOP blocks its connection
                                    blocking_s=self.settings.idle_block_s)
         self.scripts = Scripts(self.client)
+        # The port first: /healthz must answer (redis_ok false) while Redis is not there yet.
+        if self.settings.metrics_port:
+            try:
+                s = self.settings
+                self._metrics_runner = await start_metrics_server(
+                    self.metrics.registry, self.health, s.metrics_host, s.metrics_port)
+            except OSError as exc:
+                where = f"{self.settings.metrics_host}:{self.settings.metrics_port}"
+                raise ConfigError("worker.metrics_port", f"cannot listen on {where}: {exc}") from exc
         backoff = Backoff("Redis unavailable at start", first_s=0.2, max_s=5.0, logger=log)
         while True:
             try:
@@ -106,14 +115,6 @@ class WorkerRuntime:
                     raise
                 await backoff.failed(exc)
         await self.guard("heartbeat", self.heartbeat(), backoff=0)
-        if self.settings.metrics_port:
-            try:
-                s = self.settings
-                self._metrics_runner = await start_metrics_server(
-                    self.metrics.registry, self.health, s.metrics_host, s.metrics_port)
-            except OSError as exc:
-                where = f"{self.settings.metrics_host}:{self.settings.metrics_port}"
-                raise ConfigError("worker.metrics_port", f"cannot listen on {where}: {exc}") from exc
         s = self.settings
         self._tasks = [asyncio.create_task(self._every(period, name, fn)) for period, name, fn in (
             (self.lease_ms / 3000, "renew", self.renew), (s.heartbeat_s, "heartbeat", self.heartbeat),
