@@ -624,3 +624,32 @@ async def test_a_worker_started_while_redis_is_down_answers_its_health_probe(tmp
             await asyncio.sleep(0.1)
         assert health, "no answer on /healthz while Redis was down"
         assert health["redis_ok"] is False and health["status"] == "ok"
+
+
+async def test_the_pushes_counter_counts_pushes_that_landed_once_each() -> None:
+    """qos_worker_pushes_total went up before each call: a push that met an outage and was
+    sent again counted twice, and a release (drain) with nothing pending counted a push that
+    never happened."""
+    from limiter.errors import RedisUnavailable
+    from worker.runtime import WorkerRuntime
+
+    class Flaky(_FakeScripts):
+        fail = 1
+
+        async def push_tokens(self, keys, **kw) -> bool:
+            if self.fail:
+                self.fail -= 1
+                raise RedisUnavailable("connection refused")
+            return await super().push_tokens(keys, **kw)
+
+    cfg = demo_config()
+    rt = WorkerRuntime(load_settings(cfg, {"pool": cfg.pools[0].name}), cfg, engine="sim", simulated=True)
+    rt.scripts = Flaky(landed=0)  # type: ignore[assignment]
+    d = _delivery()
+    d.add([1, 2], "ab", 0.0)
+    with pytest.raises(RedisUnavailable):
+        await rt.push(d)
+    assert await rt.push(d) is False and d.offset == 2  # sent again: it lands
+    assert await rt.push(d) is False  # nothing pending: no call
+    assert rt.scripts.calls == [(0, 2)]  # type: ignore[attr-defined]
+    assert rt.metrics.registry.get_sample_value("qos_worker_pushes_total") == 1

@@ -313,8 +313,11 @@ class WorkerRuntime:
     # --- finishing ----------------------------------------------------------------------------
     async def push(self, d: Delivery) -> bool:
         """Push ``d``'s pending tokens; True when its client cancelled. Raises LeaseLost."""
-        self.metrics.pushes.inc()
-        return await d.push(self.scripts, self.keys, self.worker_id, self.lease_ms)
+        before = d.pushes  # counted once landed: not a call that met an outage, nor no call at all
+        try:
+            return await d.push(self.scripts, self.keys, self.worker_id, self.lease_ms)
+        finally:
+            self.metrics.pushes.inc(d.pushes - before)
 
     async def push_many(self, ds: list[Delivery]) -> list[tuple[Delivery, bool | LeaseLost]]:
         """Push the pending tokens of ``ds`` with as few ``push_tokens`` calls as PUSH_LIMIT
@@ -327,14 +330,15 @@ class WorkerRuntime:
         out: list[tuple[Delivery, bool | LeaseLost]] = []
         for i in range(0, len(todo), PUSH_LIMIT):
             chunk = todo[i:i + PUSH_LIMIT]
-            self.metrics.pushes.inc(len(chunk))
             replies = await self.scripts.push_tokens_many(self.keys, self.worker_id, [b for _, b in chunk],
                                                           self.lease_ms)
             for (d, b), reply in zip(chunk, replies, strict=True):
+                before = d.pushes  # counted once landed (an outage's call is sent again)
                 try:
                     out.append((d, d.settle(b, reply)))
                 except LeaseLost as exc:
                     out.append((d, exc))
+                self.metrics.pushes.inc(d.pushes - before)
         return out
 
     async def finish(self, d: Delivery, outcome: str, finish_reason: str, message: str = "") -> None:
