@@ -82,6 +82,7 @@ class StepLoop:
         # computes (Redis round trips off the step's critical path); awaited before the next
         # step's calls are made, so one request's calls never overlap.
         self._io: asyncio.Task[None] | None = None
+        self._io_finishing: set[str] = set()  # ids whose completion is in self._io
         self._cancel_checked = 0.0  # monotonic time of the last SMISMEMBER cancels
         self._last_stats_t = time.monotonic()
         self._last_step_ms = 0.0
@@ -130,8 +131,7 @@ class StepLoop:
         if self._io is not None and self._io.done():
             await self._settle_io()  # its outage, if any, backs the loop off (rt.guard)
         await self._apply_signals()
-        if self._io is None:  # else a completion may be in flight: not a final to retry
-            await self._retry_finals()
+        await self._retry_finals()  # not the ones whose completion is in flight (self._io)
         if not self.rt.draining.is_set():
             await self._pull()
         if not len(self.sched):
@@ -385,6 +385,7 @@ class StepLoop:
             live = [rid for rid, d in held.items()
                     if rid not in calls and rid not in pushing and d.final is None]
             self._cancel_checked = now
+        self._io_finishing = set(calls)
         self._io = asyncio.create_task(self._send(calls, pushes, live), name="step-io")
 
     async def _settle_io(self) -> None:
@@ -447,8 +448,9 @@ class StepLoop:
 
     async def _retry_finals(self) -> None:
         """Completions that failed on a Redis outage are retried until they land."""
+        busy = self._io_finishing if self._io is not None else set()
         calls = [self.rt.finish(d, *d.final) for rid, d in self.rt.held.items()
-                 if d.final is not None and rid not in self.sched]
+                 if d.final is not None and rid not in self.sched and rid not in busy]
         if calls:
             await self._gather(calls)
 
