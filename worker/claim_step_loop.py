@@ -469,7 +469,12 @@ class StepLoop:
 
     async def _release(self, ids: list[str]) -> None:
         """Hand ``ids`` back (drain); ones already finishing are finished instead."""
-        await self._settle_io()
+        try:
+            await self._settle_io()
+        except RedisUnavailable:
+            # An outage the last step's calls met is no reason not to try now: their pushes
+            # are settled by the offset checks, their completions are retried below (d.final).
+            pass
         calls = []
         for rid in ids:
             self.sched.remove(rid)
