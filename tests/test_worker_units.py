@@ -572,3 +572,39 @@ def test_a_sequence_that_grows_to_the_kv_capacity_finishes_with_length() -> None
 
     reasons, tokens, prompt_len = asyncio.run(go())
     assert reasons == ["length"] and tokens == 200 - prompt_len  # up to the worker's context
+
+
+async def test_an_upkeep_loop_ends_on_a_cancellation_that_a_redis_call_swallowed() -> None:
+    """The renew / heartbeat / reap loops (WorkerRuntime._every) are stopped by cancelling
+    them. On Python 3.11 redis-py's asyncio.wait_for returns normally when the cancellation
+    lands as a reply comes back: the loop then slept its whole period (a renew period is
+    lease_ms / 3) and went on renewing, until stop_tasks asked again 2 s later -- every
+    worker shutdown waited that long, and a loop that kept swallowing was left running."""
+    from worker.runtime import WorkerRuntime
+    from worker.settings import WorkerSettings
+
+    cfg = demo_config()
+    rt = WorkerRuntime(WorkerSettings(pool=cfg.pools[0].name), cfg, engine="sim", simulated=True)
+    calls, swallow = 0, True
+
+    async def swallowing() -> None:  # a redis-py call that drops the cancellation
+        nonlocal calls
+        calls += 1
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if not swallow:
+                raise
+
+    task = asyncio.create_task(rt._every(0.0, "renew", swallowing))
+    deadline = time.monotonic() + 10
+    while not calls:
+        assert time.monotonic() < deadline, "the upkeep loop to make its first call"
+        await asyncio.sleep(0.01)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5)
+    if not done:  # end it for good before failing
+        swallow = False
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
+    assert done and task.cancelled(), f"the upkeep loop went on after its cancellation ({calls} calls)"
