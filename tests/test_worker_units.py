@@ -608,3 +608,31 @@ async def test_an_upkeep_loop_ends_on_a_cancellation_that_a_redis_call_swallowed
         task.cancel()
         await asyncio.wait({task}, timeout=5)
     assert done and task.cancelled(), f"the upkeep loop went on after its cancellation ({calls} calls)"
+
+
+async def test_news_of_an_old_attempt_that_was_not_running_does_not_drop_its_re_claimed_attempt() -> None:
+    """After an outage longer than a lease, a request whose completion had not landed (held,
+    not running) is requeued and claimed back by the same worker. A renew reply about the old
+    fence ('lost') that lands while that claim is out puts the id in StepLoop._lost; _start
+    discarded such news only when the old attempt was still in the scheduler, so the next
+    _apply_signals dropped the new attempt: removed from the scheduler and from ``held``,
+    its lease left to lapse again (another attempt spent, its client waiting a lease)."""
+    from worker.claim_step_loop import StepLoop
+
+    class _Rt(_FullWorkerRuntime):
+        def drop(self, rid: str, why: str = "lost", attempt: Any = None) -> None:
+            if attempt is None or self.held.get(rid) is attempt:
+                self.held.pop(rid, None)
+
+    rt = _Rt()
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=1))  # type: ignore[arg-type]
+    old = _delivery()
+    old.final = ("ok", "length", "")  # finished during the outage; its completion never landed
+    rt.held["r1"] = old
+    loop._lost.add("r1")  # renew: the old fence is lost (as rt.on_lost does), during the claim
+    c = dataclasses.replace(old.claimed, fence=2, attempt=2)
+    new = Delivery(c, Payload("completion", "hi", 100), 2000, 0.0, 3, 1)
+    rt.held["r1"] = new  # the claim hands it back
+    await loop._start(new)
+    await loop._apply_signals()
+    assert "r1" in loop.sched and rt.held.get("r1") is new, "the re-claimed attempt was dropped"

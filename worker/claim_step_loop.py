@@ -284,13 +284,15 @@ class StepLoop:
 
     async def _start(self, d: Delivery) -> None:
         c, p = d.claimed, d.payload
+        # News gathered so far is of an earlier attempt, not of this one (running or not: one
+        # whose completion had not landed is re-claimed too, after an outage past its lease).
+        self._lost.discard(c.request_id)
+        self._stop.discard(c.request_id)
         if c.request_id in self.sched:
             # Our own lease on an earlier attempt expired (Redis was out of reach longer than
             # the lease) and claim handed the request back to us: that sequence is stale, the
             # new attempt resumes from what Redis recorded as delivered.
             self.sched.remove(c.request_id)
-            self._lost.discard(c.request_id)  # news of the old attempt, not of this one
-            self._stop.discard(c.request_id)
             log.info("%s: re-claimed at attempt %d after our lease expired; restarting from token %d",
                      c.request_id, c.attempt, c.delivered)
         max_tokens = min(p.max_tokens, c.max_tokens)
