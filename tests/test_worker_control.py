@@ -279,3 +279,44 @@ async def test_the_step_loop_yields_while_it_holds_work_it_cannot_step(env) -> N
             rt.drain_deadline = time.monotonic()
             await asyncio.wait_for(task, 30)
         await rt.close()
+
+
+async def test_a_push_failing_just_before_the_drain_deadline_does_not_keep_the_work_from_being_handed_back(
+        env, monkeypatch) -> None:
+    """At the drain deadline the loop hands back what it holds with _release, which first awaits
+    the last step's calls; when one of those had met a passing outage (a push that failed just
+    then), that stale failure aborted _release before any hand-back, and the worker exited
+    holding the work: with Redis answering again, its requests waited out a whole lease and
+    burnt an attempt instead of being requeued at once."""
+    from limiter.errors import RedisUnavailable
+    from limiter.scripts import Scripts
+
+    cfg, c = env
+    s = load_settings(cfg, {"pool": "tiny", "engine": "sim", "time_scale": 0.2, "flush_tokens": 1,
+                            "idle_block_s": 0.2, "drain_timeout_s": 60})
+    rt, loop = build_worker(s, cfg)
+    real = Scripts.push_tokens_many
+    state = {"failed": 0}
+
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+        if rt.drain_expired and not state["failed"]:  # one push, the first after the deadline
+            state["failed"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, worker_id, batches, lease_ms)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    task = asyncio.create_task(run_worker(rt, loop))
+    try:
+        rid = await c.admit("hand me back", max_tokens=100000)
+        await c.wait_tokens(rid, 3)
+        rt.begin_drain("test")  # 60 s: the running request goes on
+        await c.wait_tokens(rid, c.answers[rid].tokens + 2)
+        rt.drain_deadline = time.monotonic()
+        await asyncio.wait_for(task, 20)
+    finally:
+        if not task.done():
+            task.cancel()
+    assert state["failed"] == 1
+    rec = await c.record(rid)
+    assert rec["state"] == "queued", f"the drained worker exited still holding {rid}: {rec.get('state')!r}"
+    assert rec["attempts"] == "0"

@@ -672,3 +672,32 @@ async def test_openai_cancel_arriving_while_a_broken_stream_is_handed_back_does_
         gate.set()
         await stop(rt, task)
         await up.runner.cleanup()
+
+
+async def test_a_failed_completion_is_retried_while_other_requests_keep_the_batch_stepping(
+        env, monkeypatch) -> None:
+    """StepLoop._retry_finals ran only when no step's calls were in flight at the top of an
+    iteration; but every step leaves its calls in flight (a fresh task that has not run yet),
+    so while any request keeps the batch stepping a completion that met an outage outside a
+    step's own calls (an unusable payload failed at claim) was never retried: its client
+    waited until the batch emptied -- for ever under steady load."""
+    cfg, c = env
+    good = await c.admit("a long stream", max_tokens=100000)
+    bad, state = await _unusable_whose_first_completion_meets_an_outage(c, monkeypatch)
+    rt, loop, task = await start(cfg, engine="sim", time_scale=0.05)
+    try:
+        deadline = time.monotonic() + 10
+        while state["failed"] == 0 and time.monotonic() < deadline and not task.done():
+            await asyncio.sleep(0.01)
+        assert state["failed"] == 1, "the worker never claimed the unusable request"
+        deadline = time.monotonic() + 10
+        while (await c.record(bad)).get("state") != "failed" and time.monotonic() < deadline \
+                and not task.done():
+            await asyncio.sleep(0.05)
+        bad_state = (await c.record(bad)).get("state")
+        good_running = good in loop.sched
+    finally:
+        await stop(rt, task)
+    assert good_running, "the long request stopped running: the test proves nothing"
+    assert bad_state == "failed", (f"{bad}'s completion was never retried while {good} ran: "
+                                   f"record state {bad_state!r}")

@@ -653,3 +653,67 @@ async def test_the_pushes_counter_counts_pushes_that_landed_once_each() -> None:
     assert await rt.push(d) is False  # nothing pending: no call
     assert rt.scripts.calls == [(0, 2)]  # type: ignore[attr-defined]
     assert rt.metrics.registry.get_sample_value("qos_worker_pushes_total") == 1
+
+
+async def test_an_upkeep_loop_ends_on_a_cancellation_that_a_redis_call_swallowed() -> None:
+    """The renew / heartbeat / reap loops (WorkerRuntime._every) are stopped by cancelling
+    them. On Python 3.11 redis-py's asyncio.wait_for returns normally when the cancellation
+    lands as a reply comes back: the loop then slept its whole period (a renew period is
+    lease_ms / 3) and went on renewing, until stop_tasks asked again 2 s later -- every
+    worker shutdown waited that long, and a loop that kept swallowing was left running."""
+    from worker.runtime import WorkerRuntime
+    from worker.settings import WorkerSettings
+
+    cfg = demo_config()
+    rt = WorkerRuntime(WorkerSettings(pool=cfg.pools[0].name), cfg, engine="sim", simulated=True)
+    calls, swallow = 0, True
+
+    async def swallowing() -> None:  # a redis-py call that drops the cancellation
+        nonlocal calls
+        calls += 1
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if not swallow:
+                raise
+
+    task = asyncio.create_task(rt._every(0.0, "renew", swallowing))
+    deadline = time.monotonic() + 10
+    while not calls:
+        assert time.monotonic() < deadline, "the upkeep loop to make its first call"
+        await asyncio.sleep(0.01)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=5)
+    if not done:  # end it for good before failing
+        swallow = False
+        task.cancel()
+        await asyncio.wait({task}, timeout=5)
+    assert done and task.cancelled(), f"the upkeep loop went on after its cancellation ({calls} calls)"
+
+
+async def test_news_of_an_old_attempt_that_was_not_running_does_not_drop_its_re_claimed_attempt() -> None:
+    """After an outage longer than a lease, a request whose completion had not landed (held,
+    not running) is requeued and claimed back by the same worker. A renew reply about the old
+    fence ('lost') that lands while that claim is out puts the id in StepLoop._lost; _start
+    discarded such news only when the old attempt was still in the scheduler, so the next
+    _apply_signals dropped the new attempt: removed from the scheduler and from ``held``,
+    its lease left to lapse again (another attempt spent, its client waiting a lease)."""
+    from worker.claim_step_loop import StepLoop
+
+    class _Rt(_FullWorkerRuntime):
+        def drop(self, rid: str, why: str = "lost", attempt: Any = None) -> None:
+            if attempt is None or self.held.get(rid) is attempt:
+                self.held.pop(rid, None)
+
+    rt = _Rt()
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=1))  # type: ignore[arg-type]
+    old = _delivery()
+    old.final = ("ok", "length", "")  # finished during the outage; its completion never landed
+    rt.held["r1"] = old
+    loop._lost.add("r1")  # renew: the old fence is lost (as rt.on_lost does), during the claim
+    c = dataclasses.replace(old.claimed, fence=2, attempt=2)
+    new = Delivery(c, Payload("completion", "hi", 100), 2000, 0.0, 3, 1)
+    rt.held["r1"] = new  # the claim hands it back
+    await loop._start(new)
+    await loop._apply_signals()
+    assert "r1" in loop.sched and rt.held.get("r1") is new, "the re-claimed attempt was dropped"

@@ -82,6 +82,7 @@ class StepLoop:
         # computes (Redis round trips off the step's critical path); awaited before the next
         # step's calls are made, so one request's calls never overlap.
         self._io: asyncio.Task[None] | None = None
+        self._io_finishing: set[str] = set()  # ids whose completion is in self._io
         self._cancel_checked = 0.0  # monotonic time of the last SMISMEMBER cancels
         self._last_stats_t = time.monotonic()
         self._last_step_ms = 0.0
@@ -130,8 +131,7 @@ class StepLoop:
         if self._io is not None and self._io.done():
             await self._settle_io()  # its outage, if any, backs the loop off (rt.guard)
         await self._apply_signals()
-        if self._io is None:  # else a completion may be in flight: not a final to retry
-            await self._retry_finals()
+        await self._retry_finals()  # not the ones whose completion is in flight (self._io)
         if not self.rt.draining.is_set():
             await self._pull()
         if not len(self.sched):
@@ -289,13 +289,15 @@ class StepLoop:
 
     async def _start(self, d: Delivery) -> None:
         c, p = d.claimed, d.payload
+        # News gathered so far is of an earlier attempt, not of this one (running or not: one
+        # whose completion had not landed is re-claimed too, after an outage past its lease).
+        self._lost.discard(c.request_id)
+        self._stop.discard(c.request_id)
         if c.request_id in self.sched:
             # Our own lease on an earlier attempt expired (Redis was out of reach longer than
             # the lease) and claim handed the request back to us: that sequence is stale, the
             # new attempt resumes from what Redis recorded as delivered.
             self.sched.remove(c.request_id)
-            self._lost.discard(c.request_id)  # news of the old attempt, not of this one
-            self._stop.discard(c.request_id)
             log.info("%s: re-claimed at attempt %d after our lease expired; restarting from token %d",
                      c.request_id, c.attempt, c.delivered)
         max_tokens = min(p.max_tokens, c.max_tokens)
@@ -390,6 +392,7 @@ class StepLoop:
             live = [rid for rid, d in held.items()
                     if rid not in calls and rid not in pushing and d.final is None]
             self._cancel_checked = now
+        self._io_finishing = set(calls)
         self._io = asyncio.create_task(self._send(calls, pushes, live), name="step-io")
 
     async def _settle_io(self) -> None:
@@ -452,8 +455,9 @@ class StepLoop:
 
     async def _retry_finals(self) -> None:
         """Completions that failed on a Redis outage are retried until they land."""
+        busy = self._io_finishing if self._io is not None else set()
         calls = [self.rt.finish(d, *d.final) for rid, d in self.rt.held.items()
-                 if d.final is not None and rid not in self.sched]
+                 if d.final is not None and rid not in self.sched and rid not in busy]
         if calls:
             await self._gather(calls)
 
@@ -472,7 +476,12 @@ class StepLoop:
 
     async def _release(self, ids: list[str]) -> None:
         """Hand ``ids`` back (drain); ones already finishing are finished instead."""
-        await self._settle_io()
+        try:
+            await self._settle_io()
+        except RedisUnavailable:
+            # An outage the last step's calls met is no reason not to try now: their pushes
+            # are settled by the offset checks, their completions are retried below (d.final).
+            pass
         calls = []
         for rid in ids:
             self.sched.remove(rid)

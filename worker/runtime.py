@@ -40,7 +40,7 @@ from limiter.prompt import Payload, count_tokens
 from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.samples import pack_sample
 from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, policy_document
-from limiter.tasks import stop_tasks
+from limiter.tasks import raise_if_cancelled, stop_tasks
 from worker.delivery import Delivery
 from worker.metrics import WorkerMetrics
 from worker.samples import build_sample
@@ -235,6 +235,7 @@ class WorkerRuntime:
                 await self.guard(name, fn(), backoff=0)
             except Exception:  # an upkeep bug must not silently stop renewing forever
                 log.exception("%s failed", name)
+            raise_if_cancelled()  # one a redis-py call swallowed (Python 3.11's wait_for)
 
     # --- claiming -----------------------------------------------------------------------------
     async def claim(self, max_requests: int, kv_room: int, above_class: str = "",
