@@ -25,6 +25,19 @@ from tests.support.redis_server import free_port
 from tests.support.up_stack import Up, alive, children, complete, stream, wait_for, write_config
 
 
+@pytest.fixture(autouse=True)
+def _hangup_as_a_terminal_leaves_it() -> Iterator[None]:
+    """The processes these tests start get SIGHUP at its default, as from a terminal: a suite
+    run under nohup (SIGHUP ignored, which children inherit) made every role keep ignoring it,
+    as a nohup'd role must, and the SIGHUP tests failed (a loaded pass run with nohup). The
+    nohup tests ignore it again themselves."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGHUP, old)
+
+
 def _role_pids(up: Up) -> dict[str, int]:
     """'redis' / 'frontend' / 'controller' / 'worker-N' -> pid, from qos up's children."""
     out = {}
