@@ -13,7 +13,8 @@ so ``ps`` shows which is which and an operator can signal one. Lifecycle:
   ever shared within the stack;
 * a worker that dies is reported loudly and the stack keeps serving (its requests resume
   on the other workers when their leases expire); ``--restart`` starts it again with
-  back-off. The stack stops on its own, non-zero, only when its pool has no worker left or
+  back-off, also one that dies before the stack is ready (without it, that fails the
+  start). The stack stops on its own, non-zero, only when its pool has no worker left or
   a frontend, a controller or Redis dies. Nothing is restarted silently.
 """
 
@@ -29,7 +30,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
@@ -41,6 +42,7 @@ from limiter.extras import require
 from limiter.localstack.embedded_redis import EmbeddedRedis
 from limiter.localstack.launcher import (
     DEFAULT_STOP_LIMITS,
+    Child,
     Stack,
     build_commands,
     redis_time_ms,
@@ -58,62 +60,82 @@ RESTART_RESET_S = 60.0
 @dataclass
 class UpStack(Stack):
     """The stack of ``qos up``: a worker that dies is reported and (``--restart``) started
-    again with back-off; any other death stops the stack."""
+    again with back-off, while starting as once serving; any other death stops the stack."""
 
     restart: bool = False
     lease_ms: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # a restarted worker's environment
 
-    # --- while serving ----------------------------------------------------------------------
-    def check(self, env: dict[str, str]) -> int | None:
-        """Notice dead children: None while the stack can keep serving, else the exit status.
+    # --- while starting and serving -----------------------------------------------------------
+    def check(self) -> str | None:
+        """Notice dead children: None while the stack can keep serving, else why it must stop.
 
         A dead worker is reported and (``--restart``) started again after a back-off; the
         stack stops when no worker is left, or a frontend, a controller or Redis died."""
         if (rc := self.redis_exited()) is not None:
-            say(f"qos up: redis-server exited with {rc}; stopping the stack", err=True)
-            return 1
+            return f"redis-server exited with {rc}"
         now = time.monotonic()
         for c in self.children:
             if c.restart_at is not None and now >= c.restart_at:
                 c.restart_at = None
                 c.restarts += 1
-                c.argv = _with_worker_id(c.argv, f"{c.worker_id}-r{c.restarts}")
-                self.start(c, env)
+                self.start(c, self.env)
                 say(f"qos up: {c.name} restarted (pid {c.proc.pid}, restart {c.restarts})", err=True)
                 continue
             if c.gone or c.restart_at is not None or c.proc is None or c.proc.poll() is None:
                 continue
-            rc = c.proc.returncode
             if c.role != "worker":
-                say(f"qos up: {c.name} (pid {c.proc.pid}) exited with {rc}; stopping the stack "
-                    f"(nothing is restarted silently)", err=True)
-                return 1
-            lived = now - c.started
-            if rc == 0:
-                # It drained and left on purpose (an operator's SIGTERM to it): not a death, and
-                # not to be undone by --restart.
-                c.gone = True
-                say(f"qos up: {c.name} (pid {c.proc.pid}) drained and stopped (exit status 0) after "
-                    f"{lived:.0f} s; not restarted", err=True)
-                continue
-            c.quick_deaths = c.quick_deaths + 1 if lived < RESTART_RESET_S else 1
-            say(f"qos up: !!! WORKER {c.name} (pid {c.proc.pid}) DIED with exit status {rc} after "
-                f"{lived:.0f} s !!! Its requests resume on the other workers once their leases "
-                f"expire (within {self.lease_ms / 1000:g} s).", err=True)
-            if self.restart and c.quick_deaths <= len(RESTART_BACKOFF_S):
-                delay = RESTART_BACKOFF_S[c.quick_deaths - 1]
-                c.restart_at = now + delay
-                say(f"qos up: restarting {c.name} in {delay:g} s (--restart)", err=True)
-            else:
-                c.gone = True
-                if self.restart:
-                    say(f"qos up: {c.name} died {c.quick_deaths} times in a row; not restarting it "
-                        f"again", err=True)
+                return (f"{c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} (nothing is "
+                        f"restarted silently)")
+            self._worker_exited(c, now)
         workers = [c for c in self.children if c.role == "worker"]
         if workers and all(c.gone for c in workers):
-            say("qos up: no worker is left in the pool; stopping the stack", err=True)
-            return 1
+            return "no worker is left in the pool"
         return None
+
+    def _worker_exited(self, c: Child, now: float) -> None:
+        """Report a worker that exited; with --restart, when to start it again."""
+        rc, lived = c.proc.returncode, now - c.started
+        if rc == 0:
+            # It drained and left on purpose (an operator's SIGTERM to it): not a death, and
+            # not to be undone by --restart.
+            c.gone = True
+            say(f"qos up: {c.name} (pid {c.proc.pid}) drained and stopped (exit status 0) after "
+                f"{lived:.0f} s; not restarted", err=True)
+            return
+        c.quick_deaths = c.quick_deaths + 1 if lived < RESTART_RESET_S else 1
+        say(f"qos up: !!! WORKER {c.name} (pid {c.proc.pid}) DIED with exit status {rc} after "
+            f"{lived:.0f} s !!! Its requests resume on the other workers once their leases "
+            f"expire (within {self.lease_ms / 1000:g} s).", err=True)
+        if self.restart and c.quick_deaths <= len(RESTART_BACKOFF_S):
+            delay = RESTART_BACKOFF_S[c.quick_deaths - 1]
+            c.restart_at = now + delay
+            # Its new id now: while starting, the stack waits for a heartbeat under that id.
+            c.argv = _with_worker_id(c.argv, f"{c.worker_id}-r{c.restarts + 1}")
+            say(f"qos up: restarting {c.name} in {delay:g} s (--restart)", err=True)
+        else:
+            c.gone = True
+            if self.restart:
+                say(f"qos up: {c.name} died {c.quick_deaths} times in a row; not restarting it "
+                    f"again", err=True)
+
+    def starting_failure(self) -> str | None:
+        """With --restart, a worker that dies before the stack is ready is started again as
+        one that dies later is (the start fails only when no worker is left); without it, any
+        death fails the start."""
+        if not self.restart:
+            why = super().starting_failure()
+            if why is not None and (dead := self.exited()) is not None and dead.role == "worker":
+                why += " (--restart starts a worker that died again)"
+            return why
+        why = self.check()
+        return None if why is None else f"{why} while starting"
+
+    def worker_ids(self) -> list[str]:
+        """The ids the stack's workers have now (a restarted one's is new), those given up on
+        left out: the heartbeats a start waits for."""
+        return [c.argv[c.argv.index("--worker-id") + 1] for c in self.children
+                if c.role == "worker" and not c.gone]
 
     def stop(self, limits: dict[str, float] | None = None,
              interrupted: Callable[[], bool] = lambda: False) -> None:
@@ -295,13 +317,12 @@ def run(args: argparse.Namespace) -> int:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         host = f"[{host}]" if ":" in host else host
         stack = UpStack(redis_url=redis_url, base_url=f"http://{host}:{args.port}", redis=redis_server,
-                      restart=args.restart, lease_ms=cfg.pools[0].lease_ms)
-        env = dict(os.environ, QOS_REDIS_URL=redis_url)
+                        restart=args.restart, lease_ms=cfg.pools[0].lease_ms,
+                        env=dict(os.environ, QOS_REDIS_URL=redis_url))
         since_ms = asyncio.run(redis_time_ms(redis_url))
         for child in children:
-            stack.start(child, env)
-        worker_ids = [c.worker_id for c in children if c.role == "worker"]
-        if not asyncio.run(wait_ready(stack, cfg, worker_ids, since_ms, args.ready_timeout,
+            stack.start(child, stack.env)
+        if not asyncio.run(wait_ready(stack, cfg, stack.worker_ids, since_ms, args.ready_timeout,
                                       lambda: signals["count"] > 0)):
             say("qos up: interrupted while starting")
             return 130
@@ -315,8 +336,9 @@ def run(args: argparse.Namespace) -> int:
         verdict: dict[str, int | None] = {"rc": None}
 
         def should_stop() -> bool:
-            if verdict["rc"] is None:
-                verdict["rc"] = stack.check(env)
+            if verdict["rc"] is None and (why := stack.check()) is not None:
+                say(f"qos up: {why}; stopping the stack", err=True)
+                verdict["rc"] = 1
             return signals["count"] > 0 or verdict["rc"] is not None
 
         if args.demo_load:
