@@ -138,9 +138,11 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         t0 = time.monotonic()
         up.ctrl_c()
         # The grace and the drain are 120 s: exiting well inside them is the second Ctrl-C's doing.
-        up.wait_exit(90, "qos up to exit after the second Ctrl-C")
+        rc = up.wait_exit(90, "qos up to exit after the second Ctrl-C")
         print(f"\n[second Ctrl-C] exited {time.monotonic() - t0:.1f} s later")
     assert "interrupted again" in up.output
+    # Killed, not stopped cleanly: the shell's status for SIGINT (it exited 0, as a clean stop).
+    assert rc == 128 + signal.SIGINT, up.output
     assert [r for r, p in pids.items() if alive(p)] == []
 
 
@@ -154,9 +156,10 @@ def test_two_quick_ctrl_c_stop_at_once(tmp_path):
         t0 = time.monotonic()
         up.ctrl_c()
         os.killpg(up.proc.pid, signal.SIGTERM)
-        up.wait_exit(60, "qos up to exit after two quick Ctrl-Cs")
+        rc = up.wait_exit(60, "qos up to exit after two quick Ctrl-Cs")
         print(f"\n[two quick Ctrl-Cs] exited {time.monotonic() - t0:.1f} s later")
     assert "interrupted again" in up.output, up.output
+    assert rc == 128 + signal.SIGTERM, up.output  # the signal that forced the kill
     assert [r for r, p in pids.items() if alive(p)] == []
 
 

@@ -172,10 +172,10 @@ class Stack:
 
     # --- stopping ---------------------------------------------------------------------------
     def stop(self, limits: dict[str, float] | None = None,
-             interrupted: Callable[[], bool] = lambda: False) -> None:
+             interrupted: Callable[[], bool] = lambda: False) -> bool:
         """Frontends -> workers -> controllers, each given ``limits[role]`` seconds after
         SIGTERM (then 10 s more before SIGKILL), Redis last. ``interrupted()`` true (a second
-        Ctrl-C): kill everything that is left now."""
+        Ctrl-C): kill everything that is left now, and return True (not a clean stop)."""
         limits = {**DEFAULT_STOP_LIMITS, **(limits or {})}
         for role, label, what in (
             ("frontend", "frontends", "stop accepting, finish open streams within {:g} s"),
@@ -194,7 +194,7 @@ class Stack:
                 if interrupted():
                     say("qos up: interrupted again: killing every process of the stack now")
                     self.kill()
-                    return
+                    return True
                 if time.monotonic() > deadline:
                     late = [c.name for c in group if c.running]
                     say(f"qos up: {', '.join(late)} did not stop in time; killing", err=True)
@@ -210,6 +210,7 @@ class Stack:
                 self.redis.terminate(5.0)
             self.redis.stop()
             self.redis = None
+        return False
 
     def kill(self) -> None:
         self.kill_children()

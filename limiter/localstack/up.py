@@ -6,7 +6,9 @@ so ``ps`` shows which is which and an operator can signal one. Lifecycle:
 * every child, Redis included, runs in a session of its own, so the terminal's Ctrl-C (or
   SIGHUP when it closes) reaches ``qos up`` alone, which then stops the stack in order:
   frontends (stop accepting, finish open streams within their grace) -> workers (drain) ->
-  controllers -> Redis last, one line per role; a second Ctrl-C kills what is left at once;
+  controllers -> Redis last, one line per role, and exits 0; a second Ctrl-C kills what is
+  left at once and exits 128 + that signal (130 for SIGINT, 143 for SIGTERM), as the shell
+  reports a killed process: it was not a clean stop;
 * every child gets a parent-death signal (Linux), so none outlives ``qos up``;
 * the HTTP port is bound by ``qos up`` before anything starts (a taken port is refused,
   naming it and its holder); the frontends inherit their sockets, so SO_REUSEPORT is only
@@ -138,10 +140,10 @@ class UpStack(Stack):
                 if c.role == "worker" and not c.gone]
 
     def stop(self, limits: dict[str, float] | None = None,
-             interrupted: Callable[[], bool] = lambda: False) -> None:
+             interrupted: Callable[[], bool] = lambda: False) -> bool:
         for c in self.children:
             c.restart_at = None  # no restart while stopping
-        super().stop(limits, interrupted)
+        return super().stop(limits, interrupted)
 
 
 def _with_worker_id(argv: list[str], worker_id: str) -> list[str]:
@@ -267,6 +269,34 @@ def check_demo_load(cfg: config_mod.QosConfig) -> None:
                               f"not have ({key!r} / class {cls}); use it with the demo config (no --config)")
 
 
+def serve(stack: UpStack, cfg: config_mod.QosConfig, args: argparse.Namespace,
+          signalled: Callable[[], bool]) -> int:
+    """Print the ready line and serve until ``signalled()`` (0) or the stack must stop (1)."""
+    line = (
+        f"qos up: ready at {stack.base_url} (redis {config_mod.redacted_url(stack.redis_url)}, "
+        f"{args.frontends} frontends, {args.workers} {args.engine} workers)"
+    )
+    if cfg.demo:
+        line += f"; demo keys: {' '.join(config_mod.DEMO_KEYS)} (admin: {config_mod.DEMO_ADMIN_KEY})"
+    say(line)
+    verdict: dict[str, int | None] = {"rc": None}
+
+    def should_stop() -> bool:
+        if verdict["rc"] is None and (why := stack.check()) is not None:
+            say(f"qos up: {why}; stopping the stack", err=True)
+            verdict["rc"] = 1
+        return signalled() or verdict["rc"] is not None
+
+    if args.demo_load:
+        from limiter.localstack.demo_load import run_demo_load
+
+        asyncio.run(run_demo_load(stack.base_url, cfg, args.engine, args.demo_duration, should_stop))
+    else:
+        while not should_stop():
+            time.sleep(0.2)
+    return verdict["rc"] or 0
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     cfg = load_config(args)
@@ -292,11 +322,12 @@ def run(args: argparse.Namespace) -> int:
     if not lifecycle.parent_death_supported():
         say("qos up: WARNING: no parent-death signal on this platform: if qos up is killed, stop its "
             "children by hand", err=True)
-    signals = {"count": 0, "urgent": 0}
+    signals = {"count": 0, "urgent": 0, "last": int(signal.SIGINT)}
     stop_after: dict[str, int] = {"base": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
         signals["count"] += 1
+        signals["last"] = signum
         if signum != signal.SIGHUP:
             signals["urgent"] += 1
 
@@ -322,33 +353,12 @@ def run(args: argparse.Namespace) -> int:
         since_ms = asyncio.run(redis_time_ms(redis_url))
         for child in children:
             stack.start(child, stack.env)
-        if not asyncio.run(wait_ready(stack, cfg, stack.worker_ids, since_ms, args.ready_timeout,
-                                      lambda: signals["count"] > 0)):
-            say("qos up: interrupted while starting")
-            return 130
-        line = (
-            f"qos up: ready at {stack.base_url} (redis {config_mod.redacted_url(redis_url)}, "
-            f"{args.frontends} frontends, {args.workers} {args.engine} workers)"
-        )
-        if cfg.demo:
-            line += f"; demo keys: {' '.join(config_mod.DEMO_KEYS)} (admin: {config_mod.DEMO_ADMIN_KEY})"
-        say(line)
-        verdict: dict[str, int | None] = {"rc": None}
-
-        def should_stop() -> bool:
-            if verdict["rc"] is None and (why := stack.check()) is not None:
-                say(f"qos up: {why}; stopping the stack", err=True)
-                verdict["rc"] = 1
-            return signals["count"] > 0 or verdict["rc"] is not None
-
-        if args.demo_load:
-            from limiter.localstack.demo_load import run_demo_load
-
-            asyncio.run(run_demo_load(stack.base_url, cfg, args.engine, args.demo_duration, should_stop))
+        if asyncio.run(wait_ready(stack, cfg, stack.worker_ids, since_ms, args.ready_timeout,
+                                  lambda: signals["count"] > 0)):
+            rc = serve(stack, cfg, args, lambda: signals["count"] > 0)
         else:
-            while not should_stop():
-                time.sleep(0.2)
-        rc = verdict["rc"] or 0
+            say("qos up: interrupted while starting")
+            rc = 128 + signals["last"]  # the shell's status for the signal (130: Ctrl-C)
     except RedisError as exc:  # e.g. a wrong password, or a command the Redis user may not run
         say(f"qos up: Redis refused: {type(exc).__name__}: {exc}", err=True)
         rc = 1
@@ -357,8 +367,10 @@ def run(args: argparse.Namespace) -> int:
         rc = 1
     finally:
         stop_after["base"] = signals["count"]
-        if stack is not None:
-            stack.stop(limits, interrupted)
+        if stack is not None and stack.stop(limits, interrupted):
+            # Killed, not stopped cleanly (a second Ctrl-C): exit as the shell reports a process
+            # that signal ended (130 for SIGINT, 143 for SIGTERM), never 0.
+            rc = 128 + signals["last"]
         for sk in socks:
             sk.close()
         for s, h in old.items():
