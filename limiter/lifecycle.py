@@ -7,6 +7,8 @@ before anything starts, and who holds a port when it is taken.
   and exits at once if the parent is already gone (the race prctl alone leaves open).
   A standalone ``qos frontend``/``worker``/``controller`` is started without it and is
   unaffected.
+* :func:`kill_and_reap` SIGKILLs processes and reaps them within a deadline: one that
+  SIGKILL does not end (stuck in the kernel) is named, not waited for.
 * :func:`listen_socket` binds the HTTP port in ``qos up`` itself, before any child starts:
   a taken port is refused with a message naming it (and, where /proc tells, the process
   holding it), and the frontends of the stack inherit their sockets, so SO_REUSEPORT never
@@ -21,13 +23,19 @@ import errno
 import os
 import signal
 import socket
+import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from limiter.errors import ConfigError
 
 PR_SET_PDEATHSIG = 1
+# Seconds processes SIGKILLed together get to be reaped. Normally it takes milliseconds, a
+# CUDA worker's teardown seconds; one in uninterruptible sleep (a hung GPU driver, a dead NFS
+# mount) ends only when that returns, which may be never: no stop may wait for it.
+REAP_TIMEOUT_S = 15.0
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -70,6 +78,23 @@ def hangup_ignored() -> bool:
     """True when this process was started with SIGHUP ignored (``nohup``): the operator asked
     that a closed terminal not stop it, so no SIGHUP handler may take that back."""
     return signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+def kill_and_reap(procs: Mapping[str, subprocess.Popen], timeout_s: float | None = None) -> list[str]:
+    """SIGKILL each of ``procs`` (name -> process) that still runs, then reap them all within
+    one deadline (``REAP_TIMEOUT_S`` unless given): '<name> (pid N)' for each one still not
+    reaped, left behind rather than waited for."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + (REAP_TIMEOUT_S if timeout_s is None else timeout_s)
+    left = []
+    for name, proc in procs.items():
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            left.append(f"{name} (pid {proc.pid})")
+    return left
 
 
 # --- ports ---------------------------------------------------------------------------------

@@ -1,14 +1,18 @@
 """`qos up` when its private redis-server cannot start (what is left behind, what is said:
-run in-process, nothing but Redis is started before the failure), and its demo load (a
-config without the demo keys, a Ctrl-C once the timed schedule is sent)."""
+run in-process, nothing but Redis is started before the failure), its demo load (a config
+without the demo keys, a Ctrl-C once the timed schedule is sent), the roles' own ports, and
+a child that SIGKILL does not end."""
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import stat
+import subprocess
 import tempfile
+import threading
 import time
 
 import pytest
@@ -184,3 +188,31 @@ def test_a_taken_metrics_port_is_refused_before_anything_starts(redis_on_a_taken
     assert rc == 2, out
     assert f"port {port} on 0.0.0.0 is already in use" in out.err, out
     assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
+
+
+# --- stopping: a child SIGKILL does not end ------------------------------------------------------
+
+def test_a_child_that_sigkill_does_not_end_is_reported_not_waited_for(monkeypatch, capsys):
+    # kill_children sent SIGKILL and then waited for each child with no deadline: a process
+    # stuck in the kernel (uninterruptible sleep: a hung GPU driver, a dead NFS mount) ends
+    # only when that returns, and `qos up` hung with it after "stopping".
+    from limiter import lifecycle
+    from limiter.localstack.launcher import Child, Stack
+
+    proc = subprocess.Popen(["sleep", "120"])
+    proc.kill = lambda: None  # what SIGKILL does to a process in uninterruptible sleep: nothing yet
+    monkeypatch.setattr(lifecycle, "REAP_TIMEOUT_S", 0.5)
+    stack = Stack("redis://127.0.0.1:1/0", "http://127.0.0.1:1",
+                  children=[Child("worker-0", "worker", ["sleep"], proc=proc)])
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (stack.kill_children(), done.set()), daemon=True)
+    t.start()
+    try:
+        assert done.wait(60), "kill_children still waits for a child SIGKILL did not end"
+        err = capsys.readouterr().err
+        assert f"worker-0 (pid {proc.pid})" in err, err
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        t.join(30)
+

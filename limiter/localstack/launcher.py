@@ -208,25 +208,32 @@ class Stack:
             say("qos up: stopping redis")
             if isinstance(self.redis, RedisServer):
                 self.redis.terminate(5.0)
-            self.redis.stop()
-            self.redis = None
+            self._stop_redis()
         return False
 
     def kill(self) -> None:
         self.kill_children()
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
         if self.redis is not None:
-            self.redis.stop()
+            _report_unreaped(self.redis.stop() or [])
             self.redis = None
 
     def kill_children(self) -> None:
+        """SIGKILL the children still running and reap them all within
+        ``lifecycle.REAP_TIMEOUT_S``; one that SIGKILL does not end is named, not waited for."""
         for c in self.children:
             if c.sock is not None:
                 c.sock.close()
                 c.sock = None
-            if c.proc is not None:
-                if c.proc.poll() is None:
-                    c.proc.kill()
-                c.proc.wait()
+        _report_unreaped(lifecycle.kill_and_reap({c.name: c.proc for c in self.children if c.proc}))
+
+
+def _report_unreaped(left: list[str]) -> None:
+    if left:
+        say(f"qos up: {', '.join(left)} still running {lifecycle.REAP_TIMEOUT_S:g} s after SIGKILL "
+            f"(stuck in the kernel?); left behind, not waited for", err=True)
 
 
 def qos_argv() -> list[str]:
@@ -266,8 +273,7 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        lifecycle.kill_and_reap({"process": proc})
         return None
 
 

@@ -20,6 +20,8 @@ from typing import Any, NoReturn
 import redis
 from redis.crc import key_slot
 
+from limiter import lifecycle
+
 
 def free_port() -> int:
     """A TCP port on 127.0.0.1 that was free a moment ago."""
@@ -98,10 +100,9 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port)
 
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    def kill(self) -> list[str]:
+        """SIGKILL, reaped within ``lifecycle.REAP_TIMEOUT_S``: ["redis-server (pid N)"] if not."""
+        return lifecycle.kill_and_reap({"redis-server": self.proc}) if self.proc else []
 
     def terminate(self, timeout_s: float = 5.0) -> None:
         """SIGTERM (Redis shuts down cleanly), SIGKILL if it takes longer than ``timeout_s``."""
@@ -112,9 +113,11 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def stop(self) -> None:
-        self.kill()
+    def stop(self) -> list[str]:
+        """Kill it and remove its dir: what :meth:`kill` left behind."""
+        left = self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+        return left
 
     def __enter__(self) -> RedisServer:
         if self.proc is None or self.proc.poll() is not None:
