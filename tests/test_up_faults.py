@@ -1,23 +1,28 @@
 """`qos up` when its private redis-server cannot start (what is left behind, what is said:
 run in-process, nothing but Redis is started before the failure), its demo load (a config
-without the demo keys, a Ctrl-C once the timed schedule is sent), the roles' own ports, and
-a child that SIGKILL does not end."""
+without the demo keys, a Ctrl-C once the timed schedule is sent), the roles' own ports, a
+child that SIGKILL does not end, and the data dirs a killed `qos up` leaves."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import shutil
 import signal
 import socket
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from limiter.cli import main
+from limiter.localstack.launcher import wait_for
 from tests.support.redis_server import free_port
 
 
@@ -215,4 +220,77 @@ def test_a_child_that_sigkill_does_not_end_is_reported_not_waited_for(monkeypatc
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
         t.join(30)
+
+
+# --- the private redis-server's data dir ---------------------------------------------------------
+
+def test_a_data_dir_left_by_a_killed_qos_up_is_removed_at_the_next_start(tmp_path, monkeypatch):
+    # SIGKILL gives qos up no chance to remove its /tmp/qos-redis-* dir: each one killed left
+    # one behind, for good. The next start removes those whose owner is gone.
+    from limiter.localstack.up import start_redis
+    from tests.support.up_stack import Up, alive, write_config
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with Up(free_port(), "--config", str(write_config(tmp_path / "qos.toml")), "--engine", "sim",
+            "--workers", "1", env={"TMPDIR": str(tmp)}) as up:
+        up.wait_ready()
+        (left,) = tmp.glob("qos-redis-*")
+        up.proc.kill()  # no chance to clean anything up
+        up.proc.wait()
+    # (Up.close SIGKILLed what was left, redis-server among its children)
+    wait_for(lambda: not any(alive(p) for p in up.known), 60, "every child of the killed qos up to exit")
+    assert left.is_dir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    _url, server = start_redis(argparse.Namespace(redis_url=None))
+    try:
+        assert not left.exists(), "the killed qos up's data dir is still there"
+        assert list(tmp.iterdir()) == [server.dir]
+    finally:
+        server.stop()
+
+
+def _dir_of_a_process_that_died(tmp: Path, start: bool) -> tuple[Path, int]:
+    """A RedisServer made (and, if ``start``, started) by a process that then died without
+    stopping it: (its data dir, the redis-server pid or 0)."""
+    code = ("import os, tempfile, sys\n"
+            f"tempfile.tempdir = {str(tmp)!r}\n"
+            "from limiter.localstack.redis_server import RedisServer\n"
+            "s = RedisServer()\n"
+            f"if {start}: s.start()\n"
+            "print(s.dir, s.proc.pid if s.proc else 0, flush=True)\n"
+            "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    d, pid = out.stdout.split()
+    return Path(d), int(pid)
+
+
+def test_the_sweep_removes_only_data_dirs_it_can_prove_abandoned(tmp_path, monkeypatch):
+    from limiter.localstack.redis_server import RedisServer, remove_stale_dirs
+    from tests.support.up_stack import alive
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    abandoned, _ = _dir_of_a_process_that_died(tmp, start=False)
+    served, server_pid = _dir_of_a_process_that_died(tmp, start=True)  # its redis-server still runs
+    unmarked = tmp / "qos-redis-unmarked"  # e.g. one an older qos up made: no owner recorded
+    unmarked.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    live = RedisServer()  # this process's own: its owner is alive
+    try:
+        remove_stale_dirs(tmp)
+        assert not abandoned.exists()
+        assert served.exists(), "removed under a redis-server that still runs"
+        assert unmarked.exists() and live.dir.exists()
+        os.kill(server_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(server_pid), 30, "the orphaned redis-server to go")
+        remove_stale_dirs(tmp)
+        assert not served.exists()
+        assert unmarked.exists() and live.dir.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+        live.stop()
 

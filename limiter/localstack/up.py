@@ -51,7 +51,7 @@ from limiter.localstack.launcher import (
     say,
     wait_ready,
 )
-from limiter.localstack.redis_server import RedisServer
+from limiter.localstack.redis_server import RedisServer, remove_stale_dirs
 
 # --restart: back-off before the n-th restart in a row of a worker that died young.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
@@ -209,6 +209,10 @@ def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | EmbeddedRe
             err=True)
         embedded = EmbeddedRedis().start()
         return embedded.url, embedded
+    # A `qos up` SIGKILLed could not remove its data dir: those whose processes are gone go now.
+    if stale := remove_stale_dirs():
+        say(f"qos up: removed {len(stale)} Redis data dir(s) left by a killed qos up: "
+            f"{', '.join(str(d) for d in stale)}", err=True)
     # Its own session (Ctrl-C does not reach it: it is stopped last) and bound to us: a
     # `qos up` that dies takes it along.
     server = RedisServer(extra=["--appendonly", "no"], new_session=True,
