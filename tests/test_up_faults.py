@@ -1,7 +1,8 @@
 """`qos up` when its private redis-server cannot start (what is left behind, what is said:
 run in-process, nothing but Redis is started before the failure), its demo load (a config
-without the demo keys, a Ctrl-C once the timed schedule is sent), the roles' own ports, a
-child that SIGKILL does not end, and the data dirs a killed `qos up` leaves."""
+without the demo keys, a Ctrl-C once the timed schedule is sent), the roles' own ports (a
+stranger on the IPv6 side included), a child that SIGKILL does not end, and the data dirs a
+killed `qos up` leaves."""
 
 from __future__ import annotations
 
@@ -181,17 +182,54 @@ def test_a_metrics_port_two_children_would_share_is_refused_before_anything_star
     assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
 
 
-def test_a_taken_metrics_port_is_refused_before_anything_starts(redis_on_a_taken_port, tmp_path, capsys):
+def _listener(host: str) -> socket.socket:
+    """A stranger listening on host:(a free port); on an IPv6 address for IPv6 only (its IPv4
+    side is what the probe of the stack's own host sees). Skips where this machine cannot."""
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 on this machine: {exc}")
+    try:
+        if ":" in host:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, 0))
+    except OSError as exc:
+        sock.close()
+        pytest.skip(f"cannot listen on {host} on this machine: {exc}")
+    sock.listen(1)
+    return sock
+
+
+@pytest.mark.parametrize("stranger, seen_on", [("0.0.0.0", "0.0.0.0"), ("::1", "::")])
+def test_a_taken_metrics_port_is_refused_before_anything_starts(redis_on_a_taken_port, tmp_path, capsys,
+                                                                 stranger, seen_on):
+    # [::1]: worker.metrics_host is 0.0.0.0 by default, which a listener on [::1]:PORT does
+    # not conflict with, so it went unseen: a scraper of localhost:PORT reached the stranger.
     tmp, _taken = redis_on_a_taken_port
-    with socket.socket() as holder:
-        holder.bind(("0.0.0.0", 0))
-        holder.listen(1)
+    with _listener(stranger) as holder:
         port = holder.getsockname()[1]
         cfg = _metrics_config(tmp_path / "qos.toml", worker_port=port)
         rc = main(["up", "--config", str(cfg), "--port", str(free_port()), "--ready-timeout", "60"])
     out = capsys.readouterr()
     assert rc == 2, out
-    assert f"port {port} on 0.0.0.0 is already in use" in out.err, out
+    assert f"worker.metrics_port: port {port} on {seen_on} is already in use" in out.err, out
+    assert f"held by pid {os.getpid()}" in out.err, out
+    assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
+
+
+@pytest.mark.parametrize("stranger", ["::1", "::"])
+def test_a_stranger_on_the_ipv6_side_of_the_http_port_is_refused(redis_on_a_taken_port, capsys, stranger):
+    # The probe bound 127.0.0.1 (the default --host) only: a listener on [::1]:PORT, or on
+    # [::]:PORT for IPv6 only, went unseen, and a client of http://localhost:PORT (localhost
+    # resolving to ::1 first) reached the stranger instead of the stack.
+    tmp, _taken = redis_on_a_taken_port
+    with _listener(stranger) as holder:
+        port = holder.getsockname()[1]
+        rc = main(["up", "--port", str(port), "--workers", "1", "--ready-timeout", "60"])
+    out = capsys.readouterr()
+    assert rc == 2, out
+    assert f"--port: port {port} on ::1 is already in use" in out.err, out
+    assert f"held by pid {os.getpid()}" in out.err, out
     assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
 
 

@@ -11,7 +11,8 @@ so ``ps`` shows which is which and an operator can signal one. Lifecycle:
   reports a killed process: it was not a clean stop;
 * every child gets a parent-death signal (Linux), so none outlives ``qos up``;
 * the HTTP port is bound by ``qos up`` before anything starts (a taken port is refused,
-  naming it and its holder); the frontends inherit their sockets, so SO_REUSEPORT is only
+  naming it and its holder, also one a stranger holds on ``[::1]`` beside ``127.0.0.1``,
+  where clients of ``localhost`` would reach it); the frontends inherit their sockets, so SO_REUSEPORT is only
   ever shared within the stack;
 * a worker that dies is reported loudly and the stack keeps serving (its requests resume
   on the other workers when their leases expire); ``--restart`` starts it again with
