@@ -7,10 +7,15 @@ before anything starts, and who holds a port when it is taken.
   and exits at once if the parent is already gone (the race prctl alone leaves open).
   A standalone ``qos frontend``/``worker``/``controller`` is started without it and is
   unaffected.
-* :func:`listen_socket` binds the HTTP port in ``qos up`` itself, before any child starts:
-  a taken port is refused with a message naming it (and, where /proc tells, the process
-  holding it), and the frontends of the stack inherit their sockets, so SO_REUSEPORT never
-  lets a stranger's listener (an orphaned frontend of another stack) share the port.
+* :func:`kill_and_reap` SIGKILLs processes and reaps them within a deadline: one that
+  SIGKILL does not end (stuck in the kernel) is named, not waited for.
+* :func:`check_port_free` and :func:`listen_socket` check and bind the HTTP port in ``qos
+  up`` itself, before any child starts: a taken port is refused with a message naming it
+  (and, where /proc tells, the process holding it), also when the stranger listens on the
+  other family's address where the stack's clients would reach it (``[::1]`` beside
+  ``127.0.0.1``: ``localhost`` resolves there first); the frontends of the stack inherit
+  their sockets, so SO_REUSEPORT never lets a stranger's listener (an orphaned frontend of
+  another stack) share the port.
 """
 
 from __future__ import annotations
@@ -21,13 +26,19 @@ import errno
 import os
 import signal
 import socket
+import subprocess
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from limiter.errors import ConfigError
 
 PR_SET_PDEATHSIG = 1
+# Seconds processes SIGKILLed together get to be reaped. Normally it takes milliseconds, a
+# CUDA worker's teardown seconds; one in uninterruptible sleep (a hung GPU driver, a dead NFS
+# mount) ends only when that returns, which may be never: no stop may wait for it.
+REAP_TIMEOUT_S = 15.0
 
 
 def _prctl() -> Callable[..., int] | None:
@@ -70,6 +81,23 @@ def hangup_ignored() -> bool:
     """True when this process was started with SIGHUP ignored (``nohup``): the operator asked
     that a closed terminal not stop it, so no SIGHUP handler may take that back."""
     return signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+
+
+def kill_and_reap(procs: Mapping[str, subprocess.Popen], timeout_s: float | None = None) -> list[str]:
+    """SIGKILL each of ``procs`` (name -> process) that still runs, then reap them all within
+    one deadline (``REAP_TIMEOUT_S`` unless given): '<name> (pid N)' for each one still not
+    reaped, left behind rather than waited for."""
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
+    deadline = time.monotonic() + (REAP_TIMEOUT_S if timeout_s is None else timeout_s)
+    left = []
+    for name, proc in procs.items():
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            left.append(f"{name} (pid {proc.pid})")
+    return left
 
 
 # --- ports ---------------------------------------------------------------------------------
@@ -120,22 +148,55 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
-def check_port_free(host: str, port: int, name: str = "--port") -> None:
-    """Raise ConfigError naming ``port`` (and its holder) if anyone listens on it.
+# Addresses where a stranger's listener on the port takes clients meant for the stack on a
+# host, though binding that host does not conflict with it (another family, or a specific
+# IPv6 address beside the IPv4 wildcard): `localhost` resolves to ::1 first on most systems.
+_ALSO_REACHED = {
+    "127.0.0.1": ("::1", "clients of localhost may connect there first"),
+    "localhost": ("::1", "clients of localhost may connect there first"),
+    "::1": ("127.0.0.1", "clients of localhost may connect there"),
+    "0.0.0.0": ("::", "IPv6 clients, localhost's ::1 among them, connect there"),
+    "::": ("0.0.0.0", "IPv4 clients connect there"),  # (a dual-stack probe covers it, unless bindv6only)
+}
 
-    The probe binds without SO_REUSEPORT (so a reuse-port listener counts as taken) and with
-    SO_REUSEADDR (so connections of a previous run in TIME_WAIT do not)."""
-    with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
+
+def _probe(host: str, port: int, v6only: bool = False) -> OSError | None:
+    """Bind and listen on host:port as a stack would: the error, or None when free.
+
+    Without SO_REUSEPORT (so a reuse-port listener counts as taken) and with SO_REUSEADDR (so
+    connections of a previous run in TIME_WAIT do not). ``v6only``: an IPv6 wildcard probes
+    the IPv6 side alone."""
+    try:
+        with socket.socket(_family(host), socket.SOCK_STREAM) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if v6only:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
             probe.bind((host, port))
             probe.listen(1)
-        except OSError as exc:
-            if exc.errno == errno.EADDRINUSE:
-                holders = port_holders(port)
-                who = f": held by {'; '.join(holders)}" if holders else ""
-                raise ConfigError(name, f"port {port} on {host} is already in use{who}") from exc
-            raise ConfigError(name, f"cannot listen on {host}:{port}: {exc}") from exc
+    except OSError as exc:
+        return exc
+    return None
+
+
+def _in_use(name: str, host: str, port: int, note: str = "") -> ConfigError:
+    holders = port_holders(port)
+    who = f": held by {'; '.join(holders)}" if holders else ""
+    return ConfigError(name, f"port {port} on {host} is already in use{note}{who}")
+
+
+def check_port_free(host: str, port: int, name: str = "--port") -> None:
+    """Raise ConfigError naming ``port`` (and its holder) if anyone listens on it: on ``host``,
+    or on the address of the other family where the stack's clients would reach a stranger
+    instead (``_ALSO_REACHED``; not checked where that family is not available)."""
+    if (exc := _probe(host, port)) is not None:
+        if exc.errno == errno.EADDRINUSE:
+            raise _in_use(name, host, port) from exc
+        raise ConfigError(name, f"cannot listen on {host}:{port}: {exc}") from exc
+    if host in _ALSO_REACHED:
+        other, why = _ALSO_REACHED[host]
+        exc = _probe(other, port, v6only=other == "::")
+        if exc is not None and exc.errno == errno.EADDRINUSE:
+            raise _in_use(name, other, port, f" ({why} instead of {host})") from exc
 
 
 def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
@@ -151,8 +212,6 @@ def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
         sock.close()
         if exc.errno != errno.EADDRINUSE:
             raise ConfigError("--port", f"cannot listen on {host}:{port}: {exc}") from exc
-        holders = port_holders(port)
-        who = f": held by {'; '.join(holders)}" if holders else ""
-        raise ConfigError("--port", f"port {port} on {host} is already in use{who}") from exc
+        raise _in_use("--port", host, port) from exc
     sock.set_inheritable(True)
     return sock

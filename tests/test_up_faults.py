@@ -1,19 +1,29 @@
 """`qos up` when its private redis-server cannot start (what is left behind, what is said:
-run in-process, nothing but Redis is started before the failure), and its demo load (a
-config without the demo keys, a Ctrl-C once the timed schedule is sent)."""
+run in-process, nothing but Redis is started before the failure), its demo load (a config
+without the demo keys, a Ctrl-C once the timed schedule is sent), the roles' own ports (a
+stranger on the IPv6 side included), a child that SIGKILL does not end, and the data dirs a
+killed `qos up` leaves."""
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import os
 import shutil
+import signal
 import socket
 import stat
+import subprocess
+import sys
 import tempfile
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
 from limiter.cli import main
+from limiter.localstack.launcher import wait_for
 from tests.support.redis_server import free_port
 
 
@@ -172,15 +182,153 @@ def test_a_metrics_port_two_children_would_share_is_refused_before_anything_star
     assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
 
 
-def test_a_taken_metrics_port_is_refused_before_anything_starts(redis_on_a_taken_port, tmp_path, capsys):
+def _listener(host: str) -> socket.socket:
+    """A stranger listening on host:(a free port); on an IPv6 address for IPv6 only (its IPv4
+    side is what the probe of the stack's own host sees). Skips where this machine cannot."""
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as exc:
+        pytest.skip(f"no IPv6 on this machine: {exc}")
+    try:
+        if ":" in host:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+        sock.bind((host, 0))
+    except OSError as exc:
+        sock.close()
+        pytest.skip(f"cannot listen on {host} on this machine: {exc}")
+    sock.listen(1)
+    return sock
+
+
+@pytest.mark.parametrize("stranger, seen_on", [("0.0.0.0", "0.0.0.0"), ("::1", "::")])
+def test_a_taken_metrics_port_is_refused_before_anything_starts(redis_on_a_taken_port, tmp_path, capsys,
+                                                                 stranger, seen_on):
+    # [::1]: worker.metrics_host is 0.0.0.0 by default, which a listener on [::1]:PORT does
+    # not conflict with, so it went unseen: a scraper of localhost:PORT reached the stranger.
     tmp, _taken = redis_on_a_taken_port
-    with socket.socket() as holder:
-        holder.bind(("0.0.0.0", 0))
-        holder.listen(1)
+    with _listener(stranger) as holder:
         port = holder.getsockname()[1]
         cfg = _metrics_config(tmp_path / "qos.toml", worker_port=port)
         rc = main(["up", "--config", str(cfg), "--port", str(free_port()), "--ready-timeout", "60"])
     out = capsys.readouterr()
     assert rc == 2, out
-    assert f"port {port} on 0.0.0.0 is already in use" in out.err, out
+    assert f"worker.metrics_port: port {port} on {seen_on} is already in use" in out.err, out
+    assert f"held by pid {os.getpid()}" in out.err, out
     assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
+
+
+@pytest.mark.parametrize("stranger", ["::1", "::"])
+def test_a_stranger_on_the_ipv6_side_of_the_http_port_is_refused(redis_on_a_taken_port, capsys, stranger):
+    # The probe bound 127.0.0.1 (the default --host) only: a listener on [::1]:PORT, or on
+    # [::]:PORT for IPv6 only, went unseen, and a client of http://localhost:PORT (localhost
+    # resolving to ::1 first) reached the stranger instead of the stack.
+    tmp, _taken = redis_on_a_taken_port
+    with _listener(stranger) as holder:
+        port = holder.getsockname()[1]
+        rc = main(["up", "--port", str(port), "--workers", "1", "--ready-timeout", "60"])
+    out = capsys.readouterr()
+    assert rc == 2, out
+    assert f"--port: port {port} on ::1 is already in use" in out.err, out
+    assert f"held by pid {os.getpid()}" in out.err, out
+    assert [p.name for p in tmp.iterdir()] == [], "a redis-server was started"
+
+
+# --- stopping: a child SIGKILL does not end ------------------------------------------------------
+
+def test_a_child_that_sigkill_does_not_end_is_reported_not_waited_for(monkeypatch, capsys):
+    # kill_children sent SIGKILL and then waited for each child with no deadline: a process
+    # stuck in the kernel (uninterruptible sleep: a hung GPU driver, a dead NFS mount) ends
+    # only when that returns, and `qos up` hung with it after "stopping".
+    from limiter import lifecycle
+    from limiter.localstack.launcher import Child, Stack
+
+    proc = subprocess.Popen(["sleep", "120"])
+    proc.kill = lambda: None  # what SIGKILL does to a process in uninterruptible sleep: nothing yet
+    monkeypatch.setattr(lifecycle, "REAP_TIMEOUT_S", 0.5)
+    stack = Stack("redis://127.0.0.1:1/0", "http://127.0.0.1:1",
+                  children=[Child("worker-0", "worker", ["sleep"], proc=proc)])
+    done = threading.Event()
+    t = threading.Thread(target=lambda: (stack.kill_children(), done.set()), daemon=True)
+    t.start()
+    try:
+        assert done.wait(60), "kill_children still waits for a child SIGKILL did not end"
+        err = capsys.readouterr().err
+        assert f"worker-0 (pid {proc.pid})" in err, err
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(30)
+        t.join(30)
+
+
+# --- the private redis-server's data dir ---------------------------------------------------------
+
+def test_a_data_dir_left_by_a_killed_qos_up_is_removed_at_the_next_start(tmp_path, monkeypatch):
+    # SIGKILL gives qos up no chance to remove its /tmp/qos-redis-* dir: each one killed left
+    # one behind, for good. The next start removes those whose owner is gone.
+    from limiter.localstack.up import start_redis
+    from tests.support.up_stack import Up, alive, write_config
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    with Up(free_port(), "--config", str(write_config(tmp_path / "qos.toml")), "--engine", "sim",
+            "--workers", "1", env={"TMPDIR": str(tmp)}) as up:
+        up.wait_ready()
+        (left,) = tmp.glob("qos-redis-*")
+        up.proc.kill()  # no chance to clean anything up
+        up.proc.wait()
+    # (Up.close SIGKILLed what was left, redis-server among its children)
+    wait_for(lambda: not any(alive(p) for p in up.known), 60, "every child of the killed qos up to exit")
+    assert left.is_dir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    _url, server = start_redis(argparse.Namespace(redis_url=None))
+    try:
+        assert not left.exists(), "the killed qos up's data dir is still there"
+        assert list(tmp.iterdir()) == [server.dir]
+    finally:
+        server.stop()
+
+
+def _dir_of_a_process_that_died(tmp: Path, start: bool) -> tuple[Path, int]:
+    """A RedisServer made (and, if ``start``, started) by a process that then died without
+    stopping it: (its data dir, the redis-server pid or 0)."""
+    code = ("import os, tempfile, sys\n"
+            f"tempfile.tempdir = {str(tmp)!r}\n"
+            "from limiter.localstack.redis_server import RedisServer\n"
+            "s = RedisServer()\n"
+            f"if {start}: s.start()\n"
+            "print(s.dir, s.proc.pid if s.proc else 0, flush=True)\n"
+            "os._exit(0)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 0, out.stderr
+    d, pid = out.stdout.split()
+    return Path(d), int(pid)
+
+
+def test_the_sweep_removes_only_data_dirs_it_can_prove_abandoned(tmp_path, monkeypatch):
+    from limiter.localstack.redis_server import RedisServer, remove_stale_dirs
+    from tests.support.up_stack import alive
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    abandoned, _ = _dir_of_a_process_that_died(tmp, start=False)
+    served, server_pid = _dir_of_a_process_that_died(tmp, start=True)  # its redis-server still runs
+    unmarked = tmp / "qos-redis-unmarked"  # e.g. one an older qos up made: no owner recorded
+    unmarked.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    live = RedisServer()  # this process's own: its owner is alive
+    try:
+        remove_stale_dirs(tmp)
+        assert not abandoned.exists()
+        assert served.exists(), "removed under a redis-server that still runs"
+        assert unmarked.exists() and live.dir.exists()
+        os.kill(server_pid, signal.SIGKILL)
+        wait_for(lambda: not alive(server_pid), 30, "the orphaned redis-server to go")
+        remove_stale_dirs(tmp)
+        assert not served.exists()
+        assert unmarked.exists() and live.dir.exists()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)
+        live.stop()
+

@@ -138,9 +138,11 @@ def test_a_second_ctrl_c_stops_at_once(tmp_path):
         t0 = time.monotonic()
         up.ctrl_c()
         # The grace and the drain are 120 s: exiting well inside them is the second Ctrl-C's doing.
-        up.wait_exit(90, "qos up to exit after the second Ctrl-C")
+        rc = up.wait_exit(90, "qos up to exit after the second Ctrl-C")
         print(f"\n[second Ctrl-C] exited {time.monotonic() - t0:.1f} s later")
     assert "interrupted again" in up.output
+    # Killed, not stopped cleanly: the shell's status for SIGINT (it exited 0, as a clean stop).
+    assert rc == 128 + signal.SIGINT, up.output
     assert [r for r, p in pids.items() if alive(p)] == []
 
 
@@ -154,9 +156,10 @@ def test_two_quick_ctrl_c_stop_at_once(tmp_path):
         t0 = time.monotonic()
         up.ctrl_c()
         os.killpg(up.proc.pid, signal.SIGTERM)
-        up.wait_exit(60, "qos up to exit after two quick Ctrl-Cs")
+        rc = up.wait_exit(60, "qos up to exit after two quick Ctrl-Cs")
         print(f"\n[two quick Ctrl-Cs] exited {time.monotonic() - t0:.1f} s later")
     assert "interrupted again" in up.output, up.output
+    assert rc == 128 + signal.SIGTERM, up.output  # the signal that forced the kill
     assert [r for r, p in pids.items() if alive(p)] == []
 
 
@@ -289,6 +292,62 @@ def test_restart_brings_a_dead_worker_back(tmp_path):
         up.ctrl_c()
         assert up.wait_exit(30) == 0, up.output
         r.close()
+
+
+def _workers_that_die_at_start(tmp_path: Path, which: bytes) -> dict[str, str]:
+    """The env of a `qos up` whose worker processes started with worker id ``which`` (b"": every
+    worker) exit 3 at once, before the ready line: a worker whose engine fails to load, say. A
+    sitecustomize on PYTHONPATH does it in the child, whatever the machine's speed."""
+    hook = tmp_path / "hook"
+    hook.mkdir(exist_ok=True)
+    (hook / "sitecustomize.py").write_text(
+        "import os\n"
+        "argv = open('/proc/self/cmdline', 'rb').read().split(b'\\0')\n"
+        "if b'worker' in argv and b'--worker-id' in argv:\n"
+        f"    if {which!r} in (b'', argv[argv.index(b'--worker-id') + 1]):\n"
+        "        os._exit(3)\n")
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(hook), os.environ.get("PYTHONPATH", "")]))}
+
+
+def test_restart_brings_back_a_worker_that_dies_while_the_stack_starts(tmp_path):
+    # Only a death after the ready line was restarted: one before it (an engine that failed
+    # to load the first time) stopped the whole stack, --restart or not.
+    config = write_config(tmp_path / "qos.toml")
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1", "--restart",
+            env=_workers_that_die_at_start(tmp_path, b"up-worker-0")) as up:
+        up.wait_ready()
+        died, again, restarted, ready = _order(
+            up, r"WORKER worker-0 \(pid \d+\) DIED with exit status 3", r"restarting worker-0 in 1 s",
+            r"worker-0 restarted \(pid \d+, restart 1\)", r"^qos up: ready at")
+        assert died < again < restarted < ready, up.output
+        assert complete(port, "back?", 4)["usage"]["completion_tokens"] == 4
+        up.ctrl_c()
+        assert up.wait_exit(30) == 0, up.output
+
+
+def test_restart_gives_up_on_a_worker_that_always_dies_while_the_stack_starts(tmp_path):
+    # The same back-off as once serving (1+2+4+8+16 s), then the start fails: not a wait for
+    # the whole --ready-timeout, nor restarts for ever.
+    config = write_config(tmp_path / "qos.toml")
+    with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1", "--restart",
+            "--ready-timeout", "600", env=_workers_that_die_at_start(tmp_path, b"")) as up:
+        assert up.wait_exit(240, "qos up to give up on the worker") == 1
+    assert up.line(r"worker-0 restarted \(pid \d+, restart 5\)") is not None, up.output
+    assert up.line(r"worker-0 died 6 times in a row; not restarting it again") is not None, up.output
+    assert up.line(r"^qos up: no worker is left in the pool.*while starting") is not None, up.output
+    assert up.line(r"ready at") is None, up.output
+
+
+def test_a_worker_that_dies_while_the_stack_starts_stops_it_without_restart(tmp_path):
+    config = write_config(tmp_path / "qos.toml")
+    with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1",
+            env=_workers_that_die_at_start(tmp_path, b"")) as up:
+        assert up.wait_exit(120, "qos up to fail its start") == 1
+    # The role, its pid and exit status, and what would have kept the stack going.
+    assert up.line(r"^qos up: worker-0 \(pid \d+\) exited with status 3 while starting.*--restart") \
+        is not None, up.output
+    assert up.line(r"^qos up: stopped") is not None, up.output
 
 
 def test_a_worker_drained_on_purpose_is_not_reported_dead_nor_restarted(tmp_path):

@@ -161,12 +161,21 @@ class Stack:
             return self.redis.proc.poll()
         return None
 
+    def starting_failure(self) -> str | None:
+        """While :func:`wait_ready` waits: why the stack cannot become ready (a child or
+        Redis died), else None."""
+        if (dead := self.exited()) is not None:
+            return f"{dead.name} (pid {dead.pid}) exited with status {dead.proc.returncode} while starting"
+        if (rc := self.redis_exited()) is not None:
+            return f"redis-server exited with {rc} while starting"
+        return None
+
     # --- stopping ---------------------------------------------------------------------------
     def stop(self, limits: dict[str, float] | None = None,
-             interrupted: Callable[[], bool] = lambda: False) -> None:
+             interrupted: Callable[[], bool] = lambda: False) -> bool:
         """Frontends -> workers -> controllers, each given ``limits[role]`` seconds after
         SIGTERM (then 10 s more before SIGKILL), Redis last. ``interrupted()`` true (a second
-        Ctrl-C): kill everything that is left now."""
+        Ctrl-C): kill everything that is left now, and return True (not a clean stop)."""
         limits = {**DEFAULT_STOP_LIMITS, **(limits or {})}
         for role, label, what in (
             ("frontend", "frontends", "stop accepting, finish open streams within {:g} s"),
@@ -185,7 +194,7 @@ class Stack:
                 if interrupted():
                     say("qos up: interrupted again: killing every process of the stack now")
                     self.kill()
-                    return
+                    return True
                 if time.monotonic() > deadline:
                     late = [c.name for c in group if c.running]
                     say(f"qos up: {', '.join(late)} did not stop in time; killing", err=True)
@@ -199,24 +208,32 @@ class Stack:
             say("qos up: stopping redis")
             if isinstance(self.redis, RedisServer):
                 self.redis.terminate(5.0)
-            self.redis.stop()
-            self.redis = None
+            self._stop_redis()
+        return False
 
     def kill(self) -> None:
         self.kill_children()
+        self._stop_redis()
+
+    def _stop_redis(self) -> None:
         if self.redis is not None:
-            self.redis.stop()
+            _report_unreaped(self.redis.stop() or [])
             self.redis = None
 
     def kill_children(self) -> None:
+        """SIGKILL the children still running and reap them all within
+        ``lifecycle.REAP_TIMEOUT_S``; one that SIGKILL does not end is named, not waited for."""
         for c in self.children:
             if c.sock is not None:
                 c.sock.close()
                 c.sock = None
-            if c.proc is not None:
-                if c.proc.poll() is None:
-                    c.proc.kill()
-                c.proc.wait()
+        _report_unreaped(lifecycle.kill_and_reap({c.name: c.proc for c in self.children if c.proc}))
+
+
+def _report_unreaped(left: list[str]) -> None:
+    if left:
+        say(f"qos up: {', '.join(left)} still running {lifecycle.REAP_TIMEOUT_S:g} s after SIGKILL "
+            f"(stuck in the kernel?); left behind, not waited for", err=True)
 
 
 def qos_argv() -> list[str]:
@@ -256,8 +273,7 @@ def stop_process(proc: subprocess.Popen[Any], sig: int = signal.SIGTERM, timeout
     try:
         return proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        lifecycle.kill_and_reap({"process": proc})
         return None
 
 
@@ -334,12 +350,15 @@ async def redis_time_ms(url: str) -> int:
         await client.aclose()
 
 
-async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[str], since_ms: int,
+async def wait_ready(stack: Stack, cfg: config_mod.QosConfig,
+                     worker_ids: Sequence[str] | Callable[[], Sequence[str]], since_ms: int,
                      timeout_s: float, abort: Callable[[], bool] = lambda: False,
                      pool_of: Mapping[str, str] | None = None) -> bool:
     """Until /readyz answers 200 and each of ``worker_ids`` has sent a heartbeat since
     ``since_ms`` (Redis time; entries of an earlier stack do not count): True. False when
-    ``abort()`` (Ctrl-C while starting); raises when a child died or time ran out.
+    ``abort()`` (Ctrl-C while starting); raises when ``stack.starting_failure()`` says why
+    it cannot start (a child died) or time ran out. ``worker_ids`` may be a function, asked
+    each time: the ids change as ``qos up --restart`` starts a worker again under a new one.
     ``pool_of``: worker id -> the pool it serves (default: the config's first pool)."""
     import dataclasses
 
@@ -352,27 +371,25 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig, worker_ids: list[s
     # cfg.redis says whether it is a cluster (a pool's keys may then live on any node)
     client = open_redis(dataclasses.replace(cfg.redis, url=stack.redis_url), max_connections=4)
     first = cfg.pools[0].name
-    workers_key = {w: PoolKeys((pool_of or {}).get(w, first)).workers for w in worker_ids}
     try:
         async with aiohttp.ClientSession() as session:
             while True:
                 if abort():
                     return False
-                if (dead := stack.exited()) is not None:
-                    raise RuntimeError(f"{dead.name} exited with {dead.proc.returncode} while starting")
-                if (rc := stack.redis_exited()) is not None:
-                    raise RuntimeError(f"redis-server exited with {rc} while starting")
+                if (why := stack.starting_failure()) is not None:
+                    raise RuntimeError(why)
                 wait_s = min(2.0, max(0.05, deadline - time.monotonic()))  # never past the deadline
                 # (the port is bound before a frontend serves it: a request may wait in the
                 # socket's backlog until the frontend is up)
                 missing = await answers_ok(session, f"{stack.base_url}/readyz", wait_s)
                 missing = missing and f"/readyz {missing}"
                 if not missing:
+                    ids = list(worker_ids() if callable(worker_ids) else worker_ids)
                     async with client.pipeline(transaction=False) as pipe:
-                        for w in worker_ids:  # (ZSCORE: the documented ACL user has no ZMSCORE)
-                            pipe.zscore(workers_key[w], w)
-                        seen = await pipe.execute() if worker_ids else []
-                    silent = [w for w, s in zip(worker_ids, seen, strict=True) if s is None or s < since_ms]
+                        for w in ids:  # (ZSCORE: the documented ACL user has no ZMSCORE)
+                            pipe.zscore(PoolKeys((pool_of or {}).get(w, first)).workers, w)
+                        seen = await pipe.execute() if ids else []
+                    silent = [w for w, s in zip(ids, seen, strict=True) if s is None or s < since_ms]
                     if not silent:
                         return True
                     missing = f"no heartbeat yet from {', '.join(silent)}"

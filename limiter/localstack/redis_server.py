@@ -3,12 +3,20 @@
 Used by the benchmarks and the tests (and by roles that start a throwaway Redis), so that
 nothing ever touches a shared instance by accident. ``--save ""``: no RDB snapshots;
 ``extra`` adds server flags (e.g. ``--appendonly yes``).
+
+A data dir it makes itself (``<tmp>/qos-redis-*``) names, in a file ``qos-owner``, the
+process that made it and its redis-server: a process SIGKILLed cannot remove its dir, so
+:func:`remove_stale_dirs` (``qos up`` calls it as it starts) removes those whose processes
+are all gone, and nothing else.
 """
 
 from __future__ import annotations
 
+import itertools
+import os
 import shutil
 import socket
+import stat
 import subprocess
 import tempfile
 import time
@@ -19,6 +27,12 @@ from typing import Any, NoReturn
 
 import redis
 from redis.crc import key_slot
+
+from limiter import lifecycle
+
+DIR_PREFIX = "qos-redis-"
+OWNER_FILE = "qos-owner"  # in a dir made here: "owner PID:START" and "server PID:START" lines
+STALE_SCAN_LIMIT = 64  # dirs one sweep looks at, whatever else the temp dir holds
 
 
 def free_port() -> int:
@@ -46,7 +60,15 @@ class RedisServer:
         # Only a dir made here may be removed when a first start fails: a caller's is its data.
         self.own_dir = self.dir is None
         if self.dir is None:
-            self.dir = Path(tempfile.mkdtemp(prefix="qos-redis-"))
+            self.dir = Path(tempfile.mkdtemp(prefix=DIR_PREFIX))
+            self._write_owner()
+
+    def _write_owner(self) -> None:
+        """Name who this dir belongs to (the sweep of a later start reads it)."""
+        lines = [f"owner {_process_id(os.getpid())}"]
+        if self.proc is not None:
+            lines.append(f"server {_process_id(self.proc.pid)}")
+        (self.dir / OWNER_FILE).write_text("\n".join(lines) + "\n")
 
     @property
     def url(self) -> str:
@@ -64,6 +86,8 @@ class RedisServer:
                 "--logfile", str(log), *self.extra]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=self.new_session, preexec_fn=self.preexec_fn)
+        if self.own_dir:  # a server that outlives us keeps its dir from the sweep
+            self._write_owner()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
@@ -98,10 +122,9 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port)
 
-    def kill(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+    def kill(self) -> list[str]:
+        """SIGKILL, reaped within ``lifecycle.REAP_TIMEOUT_S``: ["redis-server (pid N)"] if not."""
+        return lifecycle.kill_and_reap({"redis-server": self.proc}) if self.proc else []
 
     def terminate(self, timeout_s: float = 5.0) -> None:
         """SIGTERM (Redis shuts down cleanly), SIGKILL if it takes longer than ``timeout_s``."""
@@ -112,9 +135,11 @@ class RedisServer:
             except subprocess.TimeoutExpired:
                 self.kill()
 
-    def stop(self) -> None:
-        self.kill()
+    def stop(self) -> list[str]:
+        """Kill it and remove its dir: what :meth:`kill` left behind."""
+        left = self.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+        return left
 
     def __enter__(self) -> RedisServer:
         if self.proc is None or self.proc.poll() is not None:
@@ -123,6 +148,65 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _process_id(pid: int) -> str:
+    """'PID:START': the start time (from /proc, where there is one) tells a reused pid apart."""
+    try:
+        start = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        start = ""
+    return f"{pid}:{start}"
+
+
+def _still_running(ident: str) -> bool:
+    """Whether the process ``ident`` (:func:`_process_id`) still runs: not gone, not a zombie,
+    not a newer process that got its pid."""
+    pid = int(ident.partition(":")[0])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process has that pid: it runs
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return True  # no /proc to tell: the pid exists, so count it as running
+    return state != "Z" and _process_id(pid) == ident
+
+
+def _abandoned(path: Path) -> bool:
+    """A dir of ours (this user's, made by a RedisServer: it holds OWNER_FILE) whose owner and
+    server are all gone. A link, a dir without the file or with a process still running: no."""
+    try:
+        st, marker = path.lstat(), (path / OWNER_FILE).lstat()
+        if not (stat.S_ISDIR(st.st_mode) and stat.S_ISREG(marker.st_mode)):
+            return False
+        if st.st_uid != os.getuid() or marker.st_uid != os.getuid():
+            return False
+        idents = [f[1] for f in (line.split() for line in (path / OWNER_FILE).read_text().splitlines())
+                  if len(f) == 2 and f[0] in ("owner", "server")]
+        return bool(idents) and not any(_still_running(i) for i in idents)
+    except (OSError, ValueError):
+        return False
+
+
+def remove_stale_dirs(parent: Path | str | None = None, limit: int = STALE_SCAN_LIMIT) -> list[Path]:
+    """Remove the data dirs under ``parent`` (default: the temp dir) left by RedisServers whose
+    processes are all gone (a `qos up` SIGKILLed), looking at ``limit`` of them at most: the
+    dirs removed."""
+    parent = Path(parent if parent is not None else tempfile.gettempdir())
+    try:
+        with os.scandir(parent) as entries:
+            candidates = [Path(e.path) for e in itertools.islice(
+                (e for e in entries if e.name.startswith(DIR_PREFIX)), limit)]
+    except OSError:
+        return []
+    removed = [d for d in candidates if _abandoned(d)]
+    for d in removed:
+        shutil.rmtree(d, ignore_errors=True)
+    return removed
 
 
 @dataclass

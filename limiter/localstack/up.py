@@ -6,14 +6,18 @@ so ``ps`` shows which is which and an operator can signal one. Lifecycle:
 * every child, Redis included, runs in a session of its own, so the terminal's Ctrl-C (or
   SIGHUP when it closes) reaches ``qos up`` alone, which then stops the stack in order:
   frontends (stop accepting, finish open streams within their grace) -> workers (drain) ->
-  controllers -> Redis last, one line per role; a second Ctrl-C kills what is left at once;
+  controllers -> Redis last, one line per role, and exits 0; a second Ctrl-C kills what is
+  left at once and exits 128 + that signal (130 for SIGINT, 143 for SIGTERM), as the shell
+  reports a killed process: it was not a clean stop;
 * every child gets a parent-death signal (Linux), so none outlives ``qos up``;
 * the HTTP port is bound by ``qos up`` before anything starts (a taken port is refused,
-  naming it and its holder); the frontends inherit their sockets, so SO_REUSEPORT is only
+  naming it and its holder, also one a stranger holds on ``[::1]`` beside ``127.0.0.1``,
+  where clients of ``localhost`` would reach it); the frontends inherit their sockets, so SO_REUSEPORT is only
   ever shared within the stack;
 * a worker that dies is reported loudly and the stack keeps serving (its requests resume
   on the other workers when their leases expire); ``--restart`` starts it again with
-  back-off. The stack stops on its own, non-zero, only when its pool has no worker left or
+  back-off, also one that dies before the stack is ready (without it, that fails the
+  start). The stack stops on its own, non-zero, only when its pool has no worker left or
   a frontend, a controller or Redis dies. Nothing is restarted silently.
 """
 
@@ -29,7 +33,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from redis.exceptions import RedisError
 
@@ -41,13 +45,14 @@ from limiter.extras import require
 from limiter.localstack.embedded_redis import EmbeddedRedis
 from limiter.localstack.launcher import (
     DEFAULT_STOP_LIMITS,
+    Child,
     Stack,
     build_commands,
     redis_time_ms,
     say,
     wait_ready,
 )
-from limiter.localstack.redis_server import RedisServer
+from limiter.localstack.redis_server import RedisServer, remove_stale_dirs
 
 # --restart: back-off before the n-th restart in a row of a worker that died young.
 RESTART_BACKOFF_S = (1.0, 2.0, 4.0, 8.0, 16.0)
@@ -58,68 +63,88 @@ RESTART_RESET_S = 60.0
 @dataclass
 class UpStack(Stack):
     """The stack of ``qos up``: a worker that dies is reported and (``--restart``) started
-    again with back-off; any other death stops the stack."""
+    again with back-off, while starting as once serving; any other death stops the stack."""
 
     restart: bool = False
     lease_ms: int = 0
+    env: dict[str, str] = field(default_factory=dict)  # a restarted worker's environment
 
-    # --- while serving ----------------------------------------------------------------------
-    def check(self, env: dict[str, str]) -> int | None:
-        """Notice dead children: None while the stack can keep serving, else the exit status.
+    # --- while starting and serving -----------------------------------------------------------
+    def check(self) -> str | None:
+        """Notice dead children: None while the stack can keep serving, else why it must stop.
 
         A dead worker is reported and (``--restart``) started again after a back-off; the
         stack stops when no worker is left, or a frontend, a controller or Redis died."""
         if (rc := self.redis_exited()) is not None:
-            say(f"qos up: redis-server exited with {rc}; stopping the stack", err=True)
-            return 1
+            return f"redis-server exited with {rc}"
         now = time.monotonic()
         for c in self.children:
             if c.restart_at is not None and now >= c.restart_at:
                 c.restart_at = None
                 c.restarts += 1
-                c.argv = _with_worker_id(c.argv, f"{c.worker_id}-r{c.restarts}")
-                self.start(c, env)
+                self.start(c, self.env)
                 say(f"qos up: {c.name} restarted (pid {c.proc.pid}, restart {c.restarts})", err=True)
                 continue
             if c.gone or c.restart_at is not None or c.proc is None or c.proc.poll() is None:
                 continue
-            rc = c.proc.returncode
             if c.role != "worker":
-                say(f"qos up: {c.name} (pid {c.proc.pid}) exited with {rc}; stopping the stack "
-                    f"(nothing is restarted silently)", err=True)
-                return 1
-            lived = now - c.started
-            if rc == 0:
-                # It drained and left on purpose (an operator's SIGTERM to it): not a death, and
-                # not to be undone by --restart.
-                c.gone = True
-                say(f"qos up: {c.name} (pid {c.proc.pid}) drained and stopped (exit status 0) after "
-                    f"{lived:.0f} s; not restarted", err=True)
-                continue
-            c.quick_deaths = c.quick_deaths + 1 if lived < RESTART_RESET_S else 1
-            say(f"qos up: !!! WORKER {c.name} (pid {c.proc.pid}) DIED with exit status {rc} after "
-                f"{lived:.0f} s !!! Its requests resume on the other workers once their leases "
-                f"expire (within {self.lease_ms / 1000:g} s).", err=True)
-            if self.restart and c.quick_deaths <= len(RESTART_BACKOFF_S):
-                delay = RESTART_BACKOFF_S[c.quick_deaths - 1]
-                c.restart_at = now + delay
-                say(f"qos up: restarting {c.name} in {delay:g} s (--restart)", err=True)
-            else:
-                c.gone = True
-                if self.restart:
-                    say(f"qos up: {c.name} died {c.quick_deaths} times in a row; not restarting it "
-                        f"again", err=True)
+                return (f"{c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} (nothing is "
+                        f"restarted silently)")
+            self._worker_exited(c, now)
         workers = [c for c in self.children if c.role == "worker"]
         if workers and all(c.gone for c in workers):
-            say("qos up: no worker is left in the pool; stopping the stack", err=True)
-            return 1
+            return "no worker is left in the pool"
         return None
 
+    def _worker_exited(self, c: Child, now: float) -> None:
+        """Report a worker that exited; with --restart, when to start it again."""
+        rc, lived = c.proc.returncode, now - c.started
+        if rc == 0:
+            # It drained and left on purpose (an operator's SIGTERM to it): not a death, and
+            # not to be undone by --restart.
+            c.gone = True
+            say(f"qos up: {c.name} (pid {c.proc.pid}) drained and stopped (exit status 0) after "
+                f"{lived:.0f} s; not restarted", err=True)
+            return
+        c.quick_deaths = c.quick_deaths + 1 if lived < RESTART_RESET_S else 1
+        say(f"qos up: !!! WORKER {c.name} (pid {c.proc.pid}) DIED with exit status {rc} after "
+            f"{lived:.0f} s !!! Its requests resume on the other workers once their leases "
+            f"expire (within {self.lease_ms / 1000:g} s).", err=True)
+        if self.restart and c.quick_deaths <= len(RESTART_BACKOFF_S):
+            delay = RESTART_BACKOFF_S[c.quick_deaths - 1]
+            c.restart_at = now + delay
+            # Its new id now: while starting, the stack waits for a heartbeat under that id.
+            c.argv = _with_worker_id(c.argv, f"{c.worker_id}-r{c.restarts + 1}")
+            say(f"qos up: restarting {c.name} in {delay:g} s (--restart)", err=True)
+        else:
+            c.gone = True
+            if self.restart:
+                say(f"qos up: {c.name} died {c.quick_deaths} times in a row; not restarting it "
+                    f"again", err=True)
+
+    def starting_failure(self) -> str | None:
+        """With --restart, a worker that dies before the stack is ready is started again as
+        one that dies later is (the start fails only when no worker is left); without it, any
+        death fails the start."""
+        if not self.restart:
+            why = super().starting_failure()
+            if why is not None and (dead := self.exited()) is not None and dead.role == "worker":
+                why += " (--restart starts a worker that died again)"
+            return why
+        why = self.check()
+        return None if why is None else f"{why} while starting"
+
+    def worker_ids(self) -> list[str]:
+        """The ids the stack's workers have now (a restarted one's is new), those given up on
+        left out: the heartbeats a start waits for."""
+        return [c.argv[c.argv.index("--worker-id") + 1] for c in self.children
+                if c.role == "worker" and not c.gone]
+
     def stop(self, limits: dict[str, float] | None = None,
-             interrupted: Callable[[], bool] = lambda: False) -> None:
+             interrupted: Callable[[], bool] = lambda: False) -> bool:
         for c in self.children:
             c.restart_at = None  # no restart while stopping
-        super().stop(limits, interrupted)
+        return super().stop(limits, interrupted)
 
 
 def _with_worker_id(argv: list[str], worker_id: str) -> list[str]:
@@ -185,6 +210,10 @@ def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | EmbeddedRe
             err=True)
         embedded = EmbeddedRedis().start()
         return embedded.url, embedded
+    # A `qos up` SIGKILLed could not remove its data dir: those whose processes are gone go now.
+    if stale := remove_stale_dirs():
+        say(f"qos up: removed {len(stale)} Redis data dir(s) left by a killed qos up: "
+            f"{', '.join(str(d) for d in stale)}", err=True)
     # Its own session (Ctrl-C does not reach it: it is stopped last) and bound to us: a
     # `qos up` that dies takes it along.
     server = RedisServer(extra=["--appendonly", "no"], new_session=True,
@@ -245,6 +274,34 @@ def check_demo_load(cfg: config_mod.QosConfig) -> None:
                               f"not have ({key!r} / class {cls}); use it with the demo config (no --config)")
 
 
+def serve(stack: UpStack, cfg: config_mod.QosConfig, args: argparse.Namespace,
+          signalled: Callable[[], bool]) -> int:
+    """Print the ready line and serve until ``signalled()`` (0) or the stack must stop (1)."""
+    line = (
+        f"qos up: ready at {stack.base_url} (redis {config_mod.redacted_url(stack.redis_url)}, "
+        f"{args.frontends} frontends, {args.workers} {args.engine} workers)"
+    )
+    if cfg.demo:
+        line += f"; demo keys: {' '.join(config_mod.DEMO_KEYS)} (admin: {config_mod.DEMO_ADMIN_KEY})"
+    say(line)
+    verdict: dict[str, int | None] = {"rc": None}
+
+    def should_stop() -> bool:
+        if verdict["rc"] is None and (why := stack.check()) is not None:
+            say(f"qos up: {why}; stopping the stack", err=True)
+            verdict["rc"] = 1
+        return signalled() or verdict["rc"] is not None
+
+    if args.demo_load:
+        from limiter.localstack.demo_load import run_demo_load
+
+        asyncio.run(run_demo_load(stack.base_url, cfg, args.engine, args.demo_duration, should_stop))
+    else:
+        while not should_stop():
+            time.sleep(0.2)
+    return verdict["rc"] or 0
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     cfg = load_config(args)
@@ -270,11 +327,12 @@ def run(args: argparse.Namespace) -> int:
     if not lifecycle.parent_death_supported():
         say("qos up: WARNING: no parent-death signal on this platform: if qos up is killed, stop its "
             "children by hand", err=True)
-    signals = {"count": 0, "urgent": 0}
+    signals = {"count": 0, "urgent": 0, "last": int(signal.SIGINT)}
     stop_after: dict[str, int] = {"base": 0}
 
     def on_signal(signum: int, _frame: object) -> None:
         signals["count"] += 1
+        signals["last"] = signum
         if signum != signal.SIGHUP:
             signals["urgent"] += 1
 
@@ -295,38 +353,17 @@ def run(args: argparse.Namespace) -> int:
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         host = f"[{host}]" if ":" in host else host
         stack = UpStack(redis_url=redis_url, base_url=f"http://{host}:{args.port}", redis=redis_server,
-                      restart=args.restart, lease_ms=cfg.pools[0].lease_ms)
-        env = dict(os.environ, QOS_REDIS_URL=redis_url)
+                        restart=args.restart, lease_ms=cfg.pools[0].lease_ms,
+                        env=dict(os.environ, QOS_REDIS_URL=redis_url))
         since_ms = asyncio.run(redis_time_ms(redis_url))
         for child in children:
-            stack.start(child, env)
-        worker_ids = [c.worker_id for c in children if c.role == "worker"]
-        if not asyncio.run(wait_ready(stack, cfg, worker_ids, since_ms, args.ready_timeout,
-                                      lambda: signals["count"] > 0)):
-            say("qos up: interrupted while starting")
-            return 130
-        line = (
-            f"qos up: ready at {stack.base_url} (redis {config_mod.redacted_url(redis_url)}, "
-            f"{args.frontends} frontends, {args.workers} {args.engine} workers)"
-        )
-        if cfg.demo:
-            line += f"; demo keys: {' '.join(config_mod.DEMO_KEYS)} (admin: {config_mod.DEMO_ADMIN_KEY})"
-        say(line)
-        verdict: dict[str, int | None] = {"rc": None}
-
-        def should_stop() -> bool:
-            if verdict["rc"] is None:
-                verdict["rc"] = stack.check(env)
-            return signals["count"] > 0 or verdict["rc"] is not None
-
-        if args.demo_load:
-            from limiter.localstack.demo_load import run_demo_load
-
-            asyncio.run(run_demo_load(stack.base_url, cfg, args.engine, args.demo_duration, should_stop))
+            stack.start(child, stack.env)
+        if asyncio.run(wait_ready(stack, cfg, stack.worker_ids, since_ms, args.ready_timeout,
+                                  lambda: signals["count"] > 0)):
+            rc = serve(stack, cfg, args, lambda: signals["count"] > 0)
         else:
-            while not should_stop():
-                time.sleep(0.2)
-        rc = verdict["rc"] or 0
+            say("qos up: interrupted while starting")
+            rc = 128 + signals["last"]  # the shell's status for the signal (130: Ctrl-C)
     except RedisError as exc:  # e.g. a wrong password, or a command the Redis user may not run
         say(f"qos up: Redis refused: {type(exc).__name__}: {exc}", err=True)
         rc = 1
@@ -335,8 +372,10 @@ def run(args: argparse.Namespace) -> int:
         rc = 1
     finally:
         stop_after["base"] = signals["count"]
-        if stack is not None:
-            stack.stop(limits, interrupted)
+        if stack is not None and stack.stop(limits, interrupted):
+            # Killed, not stopped cleanly (a second Ctrl-C): exit as the shell reports a process
+            # that signal ended (130 for SIGINT, 143 for SIGTERM), never 0.
+            rc = 128 + signals["last"]
         for sk in socks:
             sk.close()
         for s, h in old.items():
