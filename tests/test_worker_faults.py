@@ -701,3 +701,61 @@ async def test_a_failed_completion_is_retried_while_other_requests_keep_the_batc
     assert good_running, "the long request stopped running: the test proves nothing"
     assert bad_state == "failed", (f"{bad}'s completion was never retried while {good} ran: "
                                    f"record state {bad_state!r}")
+
+
+async def test_a_hopeless_drain_leaves_none_of_the_last_steps_calls_behind(env, monkeypatch, caplog) -> None:
+    """Draining with Redis out of reach for a whole lease (rt.drain_hopeless), StepLoop.run
+    returned at once, leaving the last step's calls (the task the step just before had
+    created) unawaited: stuck on the unreachable Redis, it was still pending after the worker
+    had closed ("Task was destroyed but it is pending" at exit); failing (a refused
+    connection), its exception was never retrieved. Here Redis answers no heartbeat, and a
+    push made once the drain is hopeless hangs as a call to a host that does not answer."""
+    from worker.runtime import WorkerRuntime
+
+    cfg, c = env
+    state: dict = {"gone": False}
+    real_beat, real_push = WorkerRuntime.heartbeat, Scripts.push_tokens_many
+
+    async def heartbeat(self):
+        if state["gone"]:
+            raise RedisUnavailable("Redis out of reach (test)")
+        return await real_beat(self)
+
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+        if state["gone"] and state["rt"].drain_hopeless:
+            await asyncio.sleep(5)  # until redis-py's socket timeout
+            raise RedisUnavailable("Redis out of reach (test)")
+        return await real_push(self, keys, worker_id, batches, lease_ms)
+
+    monkeypatch.setattr(WorkerRuntime, "heartbeat", heartbeat)
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    ios: list[asyncio.Task] = []  # every step's calls
+    real_create = asyncio.create_task
+
+    def create_task(coro, **kw):
+        t = real_create(coro, **kw)
+        if t.get_name() == "step-io":
+            ios.append(t)
+        return t
+
+    monkeypatch.setattr(asyncio, "create_task", create_task)
+    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.2, flush_tokens=1, heartbeat_s=0.1,
+                                  lease_ms=1000, drain_timeout_s=120)
+    state["rt"] = rt
+    try:
+        rid = await c.admit("a long answer", max_tokens=100000)
+        await c.wait_tokens(rid, 3)
+        state["gone"] = True
+        rt.begin_drain("SIGTERM (Redis gone)")
+        done, _ = await asyncio.wait({task}, timeout=30)
+        assert done, "the hopeless drain did not end"
+        assert task.result() == 0
+        assert "Redis out of reach for a whole lease" in caplog.text  # the hopeless path, not the deadline
+        left = [t for t in ios if not t.done()]
+        assert not left, f"the worker exited with its last step's calls still pending: {left}"
+    finally:
+        if not task.done():
+            rt.drain_deadline = time.monotonic()
+            await asyncio.wait({task}, timeout=30)
+        for t in ios:
+            t.cancel()

@@ -33,6 +33,7 @@ import time
 from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
+from limiter.tasks import stop_tasks
 from worker.batch_policy import Limits
 from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_reason
 from worker.busy_meter import FULL_SHARE, BusyMeter
@@ -94,6 +95,14 @@ class StepLoop:
     async def run(self) -> None:
         """Serve until drained: after SIGTERM, hand back what never started, let running
         work finish until the drain deadline, then hand back the rest."""
+        try:
+            await self._serve()
+        finally:
+            # However the loop ends (a hopeless drain returns with the last step's calls just
+            # started), no task of it outlives the worker, pending or with an unread error.
+            await self._abandon_io()
+
+    async def _serve(self) -> None:
         handed_back_waiting = False
         while True:
             if self.rt.draining.is_set():
@@ -394,6 +403,19 @@ class StepLoop:
             self._cancel_checked = now
         self._io_finishing = set(calls)
         self._io = asyncio.create_task(self._send(calls, pushes, live), name="step-io")
+
+    async def _abandon_io(self) -> None:
+        """End the last step's calls without waiting on Redis: left running, they outlived the
+        worker (pending at exit, or failing with nobody to read it). Redis being out of reach
+        they may be stuck until the client's timeouts: cancelled (what they carried is
+        settled by the offset checks of whoever resumes the requests), bounded by stop_tasks."""
+        io, self._io = self._io, None
+        if io is None:
+            return
+        await stop_tasks([io], "the step loop's last Redis calls", wait_s=1.0)
+        if io.done() and not io.cancelled() and (exc := io.exception()) is not None \
+                and not isinstance(exc, RedisUnavailable):
+            log.error("the last step's Redis calls failed", exc_info=exc)
 
     async def _settle_io(self) -> None:
         """Wait for the last step's Redis calls; raises their outage, if any."""
