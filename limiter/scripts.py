@@ -207,13 +207,15 @@ class TokenBatch:
 @dataclass(frozen=True)
 class Pushed:
     """What ``push_tokens`` answered for one request: ``status`` 'ok' (delivered; ``cancel``:
-    its client asked to stop), 'lost' (not leased to this worker with this fence) or 'offset'
+    its client asked to stop), 'lost' (not leased to this worker with this fence), 'offset'
     (nothing written: Redis had ``delivered`` tokens, not the batch's offset -- an earlier
-    push whose reply was lost did land)."""
+    push whose reply was lost did land) or 'max_tokens' (nothing written: the batch would take
+    the request past the ``max_tokens`` its record allows)."""
 
     status: str
     cancel: bool = False
     delivered: int = 0
+    max_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -390,7 +392,8 @@ class Scripts:
     async def push_tokens_many(self, keys: PoolKeys, worker_id: str, batches: Sequence[TokenBatch],
                                lease_ms: int = 0) -> list[Pushed]:
         """Deliver tokens of up to :data:`PUSH_LIMIT` requests in one call (one reply per
-        batch, in order). Raises InvalidArgument (nothing written for any of them)."""
+        batch, in order). Raises InvalidArgument for an argument of any of them (nothing
+        written for any); one request's state (lost, offset, max_tokens) is its reply."""
         if not batches:
             return []
         if len(batches) > PUSH_LIMIT:
@@ -409,6 +412,8 @@ class Scripts:
                 out.append(Pushed("offset", delivered=int(r[1])))
             elif status == "lost":
                 out.append(Pushed("lost"))
+            elif status == "max_tokens":
+                out.append(Pushed("max_tokens", max_tokens=int(r[1])))
             else:
                 raise ScriptError(f"push_tokens: unexpected reply {r!r}")
         return out
@@ -417,7 +422,8 @@ class Scripts:
                           offset: int, token_ids: Sequence[int], text: str, lease_ms: int = 0,
                           count: int | None = None) -> bool:
         """Deliver tokens of one request; returns True when the client asked to cancel.
-        Raises LeaseLost, and InvalidArgument 'offset' when Redis has another token count.
+        Raises LeaseLost, InvalidArgument 'offset' when Redis has another token count, and
+        InvalidArgument 'count' when the batch is past the request's max_tokens.
 
         ``count`` is the model tokens in the batch (default: one per id); ``token_ids`` are
         what a resuming worker primes itself with (the openai engine: the text's bytes)."""
@@ -428,6 +434,9 @@ class Scripts:
             raise LeaseLost(f"{request_id}: request is not leased to this worker with this fence")
         if r.status == "offset":
             raise InvalidArgument("offset", f"{offset} but {r.delivered} tokens were delivered")
+        if r.status == "max_tokens":
+            raise InvalidArgument("count", f"{request_id}: {offset + n} tokens exceed max_tokens "
+                                           f"{r.max_tokens}")
         return r.cancel
 
     async def complete(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int, outcome: str,

@@ -23,12 +23,16 @@
 --               (worker/upstream.py)
 --
 -- Returns one reply per request, in order:
---   {'ok', cancel(0|1)}   delivered; cancel = its client asked to stop
---   {'lost', reason}      not leased to this worker with this fence: nothing written
---   {'offset', delivered} offset is not the tokens already delivered (an earlier push whose
---                         reply was lost did land): nothing written for it
--- Errors (nothing written for any request): 'BADARG ...' (an argument, a repeated
--- request id, or a batch past the request's max_tokens), 'NOPOLICY ...'.
+--   {'ok', cancel(0|1)}       delivered; cancel = its client asked to stop
+--   {'lost', reason}          not leased to this worker with this fence: nothing written
+--   {'offset', delivered}     offset is not the tokens already delivered (an earlier push whose
+--                             reply was lost did land): nothing written for it
+--   {'max_tokens', max_tokens} offset + count is past the request's max_tokens (the worker
+--                             counted more than the record allows): nothing written for it.
+--                             A reply, not an error: it is one request's state, and the
+--                             other requests of the call are delivered
+-- Errors (nothing written for any request): 'BADARG ...' (an argument or a repeated
+-- request id), 'NOPOLICY ...'.
 
 --!include pool_keys.lua
 --!include validate.lua
@@ -64,7 +68,7 @@ local function main()
   end
   local p = load_pool(K_POLICY, {'lease_ms'})
   if lease_ms == 0 then lease_ms = p.lease_ms end
-  -- Every record is read and checked before the first write: a refused batch writes nothing.
+  -- Every record is read and checked before the first write: a refused request has nothing written.
   local replies = {}
   for i, b in ipairs(batch) do
     local r = leased_request(b.id, worker_id, b.fence, LEASE_FIELDS)
@@ -73,7 +77,7 @@ local function main()
     elseif b.offset ~= r.out_tokens then
       replies[i] = {'offset', r.out_tokens}
     elseif b.offset + b.count > r.max_tokens then
-      fail('BADARG', 'count: ' .. b.id .. ': ' .. (b.offset + b.count) .. ' tokens exceed max_tokens ' .. r.max_tokens)
+      replies[i] = {'max_tokens', r.max_tokens}
     else
       b.r = r
     end

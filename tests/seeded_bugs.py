@@ -78,9 +78,13 @@ BUGS = (
         "push_tokens.lua", "local r = leased_request(b.id, worker_id, b.fence, LEASE_FIELDS)",
         "local r = load_request(b.id, LEASE_FIELDS)"),
     Bug("push_writes_before_checks", "a push batch writes its first requests before a later one is refused",
-        "push_tokens.lua", "      b.r = r\n    end\n  end\n  local now = now_ms()",
-        "      b.r = r\n      redis.call('HSET', P_REQUEST .. b.id, 'out_tokens', b.offset + b.count)\n"
-        "    end\n  end\n  local now = now_ms()"),
+        "push_tokens.lua", "    batch[i] = b\n",
+        "    batch[i] = b\n    redis.call('HSET', P_REQUEST .. b.id, 'out_tokens', b.offset + b.count)\n"),
+    Bug("push_writes_a_refused_request",
+        "push_tokens writes a batch it answers is past the request's max_tokens",
+        "push_tokens.lua", "      replies[i] = {'max_tokens', r.max_tokens}\n",
+        "      replies[i] = {'max_tokens', r.max_tokens}\n"
+        "      redis.call('HSET', P_REQUEST .. b.id, 'out_tokens', b.offset + b.count)\n"),
 )
 
 

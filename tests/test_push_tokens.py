@@ -53,17 +53,44 @@ async def test_each_request_of_a_batch_gets_its_own_reply_and_only_the_good_ones
     assert 0 < await scripts.client.ttl(pool.reply("fe1")) <= 600
 
 
-@pytest.mark.parametrize("why", ["past max_tokens", "same request twice"])
-async def test_a_refused_batch_writes_nothing_for_any_request(scripts, pool, sync_redis, why) -> None:
+async def test_a_refused_batch_writes_nothing_for_any_request(scripts, pool, sync_redis) -> None:
     for rid in ("a", "b"):
         await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=4)
     held = await _claim(scripts, pool, 2)
-    second = TokenBatch("b", held["b"].fence, 0, [1] * 5, "toolong", 5) if why == "past max_tokens" \
-        else TokenBatch("a", held["a"].fence, 1, [2], "y", 1)
     before = dump_all(sync_redis)
-    with pytest.raises(InvalidArgument, match="max_tokens" if why == "past max_tokens" else "twice"):
-        await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 0, [1], "x", 1), second])
+    with pytest.raises(InvalidArgument, match="twice"):
+        await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 0, [1], "x", 1),
+                                                    TokenBatch("b", held["b"].fence, 0, [1], "y", 1),
+                                                    TokenBatch("a", held["a"].fence, 1, [2], "y", 1)])
     assert dump_all(sync_redis) == before
+
+
+async def test_a_batch_past_its_max_tokens_is_refused_alone_and_the_others_are_delivered(
+        scripts, pool, sync_redis) -> None:
+    """One request's batch past its max_tokens is that request's state (the worker counted more
+    than its record allows), like a lost lease: it was a BADARG for the whole call, and one
+    such request kept every other request of the worker's step from being delivered."""
+    for rid in ("a", "b"):
+        await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=4)
+    held = await _claim(scripts, pool, 2)
+    of_b = [pool.request("b").encode(), pool.tokens("b").encode()]
+    before = {k: v for k, v in dump_all(sync_redis).items() if k in of_b}
+    assert of_b[0] in before
+    lease_before = await scripts.client.zscore(pool.leases, "b")
+    fits = TokenBatch("a", held["a"].fence, 0, [1], "x", 1)
+    past = TokenBatch("b", held["b"].fence, 0, [1] * 5, "5 tok", 5)  # 5 tokens, max_tokens 4
+    replies = await scripts.push_tokens_many(pool, "w1", [fits, past])
+    assert replies == [Pushed("ok"), Pushed("max_tokens", max_tokens=4)]
+    assert {k: v for k, v in dump_all(sync_redis).items() if k in of_b} == before  # nothing written for b
+    assert await scripts.client.zscore(pool.leases, "b") == lease_before
+    assert (await scripts.client.hgetall(pool.request("a")))[b"out_tokens"] == b"1"
+    entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
+    assert [(e[b"id"], e[b"t"]) for e in entries] == [(b"a", b"x")]
+    # one request alone: the wrapper for one request raises, as the refusal did before
+    with pytest.raises(InvalidArgument, match="5 tokens exceed max_tokens 4") as refused:
+        await scripts.push_tokens(pool, request_id="b", worker_id="w1", fence=held["b"].fence, offset=0,
+                                  token_ids=[1] * 5, text="5 tok")
+    assert refused.value.field == "count"
 
 
 async def test_a_call_carries_at_most_push_limit_requests(scripts, pool, sync_redis) -> None:
@@ -204,3 +231,45 @@ async def test_a_cancel_learnt_from_a_chunk_before_an_outage_still_stops_the_req
     a = c.answers[state["victim"]]
     assert a.error is not None and a.error.get("code") == "cancelled", a
     assert a.tokens < 300, a.tokens
+
+
+async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts, pool, cfg) -> None:
+    """A batch the script refuses as an argument (here a text over its 4 MiB) refuses the
+    whole call, nothing written: the worker sends that call's batches one at a time to find
+    it, the others land, and only that request is failed (its InvalidArgument escaped and
+    took the worker down, every request it held with it)."""
+    from limiter.prompt import Payload
+    from worker.delivery import Delivery
+    from worker.runtime import WorkerRuntime
+    from worker.settings import load_settings
+
+    for rid in "abc":
+        await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=10)
+    held = await _claim(scripts, pool, 3)
+    settings = load_settings(cfg, {"pool": "tiny", "worker_id": "w1"})
+    rt = WorkerRuntime(settings, cfg, engine="sim", simulated=True)
+    rt.scripts = scripts
+    ds = {rid: Delivery(c, Payload("completion", "p", 10), 0, 0.0, 3, 1) for rid, c in held.items()}
+    rt.held.update(ds)
+    for rid, d in ds.items():
+        d.add([1], "x" * (4 * 1024 * 1024 + 1) if rid == "b" else rid, 0.0)
+    news = {d.request_id: r for d, r in await rt.push_many(list(ds.values()))}
+    assert news["a"] is False and news["c"] is False
+    refused = news["b"]
+    assert isinstance(refused, InvalidArgument) and refused.field == "text"
+    for rid in "ac":
+        assert (await scripts.client.hgetall(pool.request(rid)))[b"out_tokens"] == b"1"
+    assert b"out_tokens" not in await scripts.client.hgetall(pool.request("b"))
+    assert rt.metrics.registry.get_sample_value("qos_worker_pushes_total") == 2
+    await rt.fail_refused(ds["b"], refused)
+    rec = await scripts.client.hgetall(pool.request("b"))
+    assert rec[b"state"] == b"failed" and b"refused" in rec[b"reason"] and b"out_tokens" not in rec, rec
+    assert "b" not in rt.held
+    # a drain's hand-back pushes what is pending first: refused, the request fails (it raised
+    # out of the drain, and the worker died holding the rest)
+    await scripts.client.hset(pool.request("c"), "max_tokens", 1)
+    ds["c"].add([2], "more", 0.0)
+    await rt.release(ds["c"])
+    rec = await scripts.client.hgetall(pool.request("c"))
+    assert rec[b"state"] == b"failed" and b"max_tokens" in rec[b"reason"] and rec[b"out_tokens"] == b"1", rec
+    assert "c" not in rt.held

@@ -701,3 +701,107 @@ async def test_a_failed_completion_is_retried_while_other_requests_keep_the_batc
     assert good_running, "the long request stopped running: the test proves nothing"
     assert bad_state == "failed", (f"{bad}'s completion was never retried while {good} ran: "
                                    f"record state {bad_state!r}")
+
+
+@pytest.mark.parametrize("where", ["push", "complete"])
+async def test_tokens_redis_refuses_for_one_request_fail_that_request_not_the_worker(
+        env, monkeypatch, where) -> None:
+    """A batch past the max_tokens Redis holds for one request (the worker believed more: here
+    the record is lowered just after the claim) was a BADARG for the whole ``push_tokens``
+    call -- nothing delivered for any request of the step -- and its InvalidArgument, no outage
+    rt.guard handles, escaped StepLoop.run: the worker process died and every request it held
+    waited out its lease. A completion whose last tokens Redis refused did the same."""
+    cfg, c = env
+    other = await c.admit("the other request", max_tokens=60)
+    bad = await c.admit("one past its max_tokens", max_tokens=60)
+    real = Scripts.claim
+
+    async def claim(self, keys, *args, **kw):
+        res = await real(self, keys, *args, **kw)
+        if any(r.request_id == bad for r in res.requests):  # the worker believes 60
+            await self.client.hset(keys.request(bad), "max_tokens", 10)
+        return res
+
+    monkeypatch.setattr(Scripts, "claim", claim)
+    # push: every token is pushed at once (the push at offset 10 is refused); complete: the
+    # first token is pushed, the rest rides on complete (60 tokens, refused)
+    flush = {"flush_tokens": 1} if where == "push" else {"flush_tokens": 100000, "flush_ms": 10000}
+    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.05, max_seqs=4, **flush)
+    try:
+        deadline = time.monotonic() + 30
+        while not (c.answers[bad].finished and c.answers[other].finished) and not task.done():
+            assert time.monotonic() < deadline, (c.answers, await c.record(bad))
+            await c.read()
+        died = task.exception() if task.done() else None
+        assert died is None, f"the worker died: {type(died).__name__}: {died}"
+        rec = await c.record(bad)
+        assert rec["state"] == "failed" and "max_tokens" in rec["reason"], rec
+        assert c.answers[bad].error is not None and "max_tokens" in c.answers[bad].error["msg"]
+        assert c.answers[bad].tokens == (10 if where == "push" else 1) == int(rec["out_tokens"])
+        a = c.answers[other]
+        assert a.done is not None and a.tokens == 60 and a.text == sim_text("the other request", 0, 60)
+        # the worker goes on serving
+        again = await c.admit("served after", max_tokens=8)
+        await c.wait([again], timeout=30)
+        assert c.answers[again].done is not None and c.answers[again].tokens == 8
+    finally:
+        stopped = await stop(rt, task)
+    assert stopped is None, f"the worker ended with {stopped!r}"
+
+
+async def test_a_hopeless_drain_leaves_none_of_the_last_steps_calls_behind(env, monkeypatch, caplog) -> None:
+    """Draining with Redis out of reach for a whole lease (rt.drain_hopeless), StepLoop.run
+    returned at once, leaving the last step's calls (the task the step just before had
+    created) unawaited: stuck on the unreachable Redis, it was still pending after the worker
+    had closed ("Task was destroyed but it is pending" at exit); failing (a refused
+    connection), its exception was never retrieved. Here Redis answers no heartbeat, and a
+    push made once the drain is hopeless hangs as a call to a host that does not answer."""
+    from worker.runtime import WorkerRuntime
+
+    cfg, c = env
+    state: dict = {"gone": False}
+    real_beat, real_push = WorkerRuntime.heartbeat, Scripts.push_tokens_many
+
+    async def heartbeat(self):
+        if state["gone"]:
+            raise RedisUnavailable("Redis out of reach (test)")
+        return await real_beat(self)
+
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+        if state["gone"] and state["rt"].drain_hopeless:
+            await asyncio.sleep(5)  # until redis-py's socket timeout
+            raise RedisUnavailable("Redis out of reach (test)")
+        return await real_push(self, keys, worker_id, batches, lease_ms)
+
+    monkeypatch.setattr(WorkerRuntime, "heartbeat", heartbeat)
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    ios: list[asyncio.Task] = []  # every step's calls
+    real_create = asyncio.create_task
+
+    def create_task(coro, **kw):
+        t = real_create(coro, **kw)
+        if t.get_name() == "step-io":
+            ios.append(t)
+        return t
+
+    monkeypatch.setattr(asyncio, "create_task", create_task)
+    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.2, flush_tokens=1, heartbeat_s=0.1,
+                                  lease_ms=1000, drain_timeout_s=120)
+    state["rt"] = rt
+    try:
+        rid = await c.admit("a long answer", max_tokens=100000)
+        await c.wait_tokens(rid, 3)
+        state["gone"] = True
+        rt.begin_drain("SIGTERM (Redis gone)")
+        done, _ = await asyncio.wait({task}, timeout=30)
+        assert done, "the hopeless drain did not end"
+        assert task.result() == 0
+        assert "Redis out of reach for a whole lease" in caplog.text  # the hopeless path, not the deadline
+        left = [t for t in ios if not t.done()]
+        assert not left, f"the worker exited with its last step's calls still pending: {left}"
+    finally:
+        if not task.done():
+            rt.drain_deadline = time.monotonic()
+            await asyncio.wait({task}, timeout=30)
+        for t in ios:
+            t.cancel()

@@ -23,6 +23,8 @@ One iteration, between engine steps:
 
 An engine error fails the requests the engine held (it cannot be trusted with them) and
 the loop goes on. Redis outages back off and retry; nothing generated is dropped meanwhile.
+A request whose tokens Redis refuses (past the max_tokens its record allows) fails alone,
+saying why; the others of the same ``push_tokens`` call are delivered.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import time
 from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
+from limiter.tasks import stop_tasks
 from worker.batch_policy import Limits
 from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_reason
 from worker.busy_meter import FULL_SHARE, BusyMeter
@@ -60,6 +63,8 @@ class StepLoop:
         self.kv_capacity = min(limits.kv_capacity, engine.kv_capacity_tokens)
         self._lost: set[str] = set()
         self._stop: set[str] = set()
+        # pushes Redis refused (past a request's max_tokens): those requests fail, alone
+        self._refused: dict[str, tuple[Delivery, InvalidArgument]] = {}
         self._arrivals = 0
         # classes whose tenants share slots evenly (ClassConfig.fair); others run in arrival order
         self._fair = {c.name: c.fair for c in rt.cfg.classes}
@@ -94,6 +99,14 @@ class StepLoop:
     async def run(self) -> None:
         """Serve until drained: after SIGTERM, hand back what never started, let running
         work finish until the drain deadline, then hand back the rest."""
+        try:
+            await self._serve()
+        finally:
+            # However the loop ends (a hopeless drain returns with the last step's calls just
+            # started), no task of it outlives the worker, pending or with an unread error.
+            await self._abandon_io()
+
+    async def _serve(self) -> None:
         handed_back_waiting = False
         while True:
             if self.rt.draining.is_set():
@@ -395,6 +408,19 @@ class StepLoop:
         self._io_finishing = set(calls)
         self._io = asyncio.create_task(self._send(calls, pushes, live), name="step-io")
 
+    async def _abandon_io(self) -> None:
+        """End the last step's calls without waiting on Redis: left running, they outlived the
+        worker (pending at exit, or failing with nobody to read it). Redis being out of reach
+        they may be stuck until the client's timeouts: cancelled (what they carried is
+        settled by the offset checks of whoever resumes the requests), bounded by stop_tasks."""
+        io, self._io = self._io, None
+        if io is None:
+            return
+        await stop_tasks([io], "the step loop's last Redis calls", wait_s=1.0)
+        if io.done() and not io.cancelled() and (exc := io.exception()) is not None \
+                and not isinstance(exc, RedisUnavailable):
+            log.error("the last step's Redis calls failed", exc_info=exc)
+
     async def _settle_io(self) -> None:
         """Wait for the last step's Redis calls; raises their outage, if any."""
         io, self._io = self._io, None
@@ -418,12 +444,14 @@ class StepLoop:
             news += pushed
         for d, r in news:
             rid = d.request_id
-            if self.rt.held.get(rid) is not d and (r is True or isinstance(r, LeaseLost)):
+            if self.rt.held.get(rid) is not d and (r is True or isinstance(r, LeaseLost | InvalidArgument)):
                 continue  # re-claimed meanwhile (our lease had expired): news of the old attempt
             if r is True:
                 self._stop.add(rid)
             elif isinstance(r, LeaseLost):
                 self._lost.add(rid)
+            elif isinstance(r, InvalidArgument):  # its tokens refused: it fails, not the call
+                self._refused[rid] = (d, r)
             elif isinstance(r, BaseException):
                 outage = r
         if isinstance(cancelled, BaseException):
@@ -434,17 +462,25 @@ class StepLoop:
             raise outage
 
     async def _apply_signals(self) -> None:
-        """Drop lost requests; cancel the ones whose client went away (the step after the one
-        whose calls found out)."""
-        if not (self._lost or self._stop):
+        """Drop lost requests; fail the ones whose tokens Redis refused; cancel the ones whose
+        client went away (the step after the one whose calls found out)."""
+        if not (self._lost or self._stop or self._refused):
             return
         await self._settle_io()  # a push for one of them may still be in flight
         lost, self._lost = self._lost, set()
         for rid in lost:
             self.sched.remove(rid)
             self.rt.drop(rid)
-        stop, self._stop = self._stop - lost, set()
-        calls = []
+        refused, self._refused = self._refused, {}
+        calls, failing = [], set()
+        for rid, (d, exc) in refused.items():
+            # Not when lost, re-claimed, or finishing already: its completion carries the same
+            # tokens, and meets the same refusal (WorkerRuntime.finish fails it then).
+            if rid not in lost and self.rt.held.get(rid) is d and d.final is None:
+                self.sched.remove(rid)
+                failing.add(rid)
+                calls.append(self.rt.fail_refused(d, exc))
+        stop, self._stop = self._stop - lost - failing, set()
         for rid in stop:
             self.sched.remove(rid)
             if (d := self.rt.held.get(rid)) is not None:

@@ -28,6 +28,11 @@ from limiter.prompt import Payload
 from limiter.redis_conn import map_redis_errors
 from limiter.scripts import Claimed, Pushed, Scripts, TokenBatch
 
+# The arguments of push_tokens and complete that are the batch's tokens: Redis refusing one
+# of them (past the request's max_tokens, a batch it cannot take) refuses that request's
+# tokens, not the worker's; any other refused argument is the worker's own bug.
+TOKEN_FIELDS = frozenset({"count", "token_ids", "text", "n_ids"})
+
 
 @dataclass
 class Delivery:
@@ -126,10 +131,15 @@ class Delivery:
 
     def settle(self, b: TokenBatch, reply: Pushed) -> bool:
         """Apply ``push_tokens``' reply to batch ``b``; True when the client asked to cancel.
-        Raises LeaseLost. On 'offset' (an earlier push whose reply was lost did land), the
-        tokens Redis has are taken as delivered and the rest stay pending for the next push."""
+        Raises LeaseLost, and InvalidArgument 'count' when Redis refused the batch as past
+        the request's max_tokens (nothing written: see :meth:`discard_pending`). On 'offset'
+        (an earlier push whose reply was lost did land), the tokens Redis has are taken as
+        delivered and the rest stay pending for the next push."""
         if reply.status == "lost":
             raise LeaseLost(f"{self.request_id}: request is not leased to this worker with this fence")
+        if reply.status == "max_tokens":
+            raise InvalidArgument("count", f"{self.request_id}: {b.offset + b.count} tokens exceed "
+                                           f"max_tokens {reply.max_tokens}")
         if reply.status == "offset":
             self._landed(reply.delivered)
             return False
@@ -176,6 +186,20 @@ class Delivery:
             await self._reconcile(scripts.client, keys)
             return await self.complete(scripts, keys, worker_id, outcome=outcome, finish_reason=finish_reason,
                                        message=message, sample=sample)
+
+    def discard_pending(self) -> None:
+        """Forget the tokens not delivered: Redis refused them and the request is failed with
+        what was delivered. No earlier push is in doubt any more: a refusal past max_tokens
+        comes after the offset check (push_tokens and complete check the offset first), so
+        Redis had exactly our offset, and a push whose reply was lost is never sent again (the
+        clients do not retry). (A batch refused for its arguments was not offset-checked:
+        should a push in doubt have landed, the failure's own offset check finds it, and the
+        request, taken for lost, is resumed elsewhere after its lease.)"""
+        self.pending_ids.clear()
+        self.pending_text = ""
+        self.pending_tokens = 0
+        self.pending_since = None
+        self._uncertain.clear()
 
     def _sent(self, n_tokens: int, n_ids: int, n_chars: int) -> None:
         self.offset += n_tokens

@@ -32,16 +32,16 @@ from typing import Any
 from limiter import lifecycle
 from limiter.backoff import Backoff
 from limiter.config import QosConfig
-from limiter.errors import ConfigError, LeaseLost, PolicyMissing, QosError, RedisUnavailable
+from limiter.errors import ConfigError, InvalidArgument, LeaseLost, PolicyMissing, QosError, RedisUnavailable
 from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
 from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
 from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.samples import pack_sample
-from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, policy_document
+from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, TokenBatch, policy_document
 from limiter.tasks import raise_if_cancelled, stop_tasks
-from worker.delivery import Delivery
+from worker.delivery import TOKEN_FIELDS, Delivery
 from worker.metrics import WorkerMetrics
 from worker.samples import build_sample
 from worker.settings import WorkerSettings
@@ -53,6 +53,9 @@ IDLE_HELD_S = 0.05
 # the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
 # enough that work admitted meanwhile is claimed promptly.
 MAX_BACKOFF_INTERVALS = 5
+# What a push learnt about one request (push_many): its client cancelled (True) or not, its
+# lease is lost, or Redis refused its tokens.
+PushNews = bool | LeaseLost | InvalidArgument
 
 
 class WorkerRuntime:
@@ -320,32 +323,51 @@ class WorkerRuntime:
         finally:
             self.metrics.pushes.inc(d.pushes - before)
 
-    async def push_many(self, ds: list[Delivery]) -> list[tuple[Delivery, bool | LeaseLost]]:
+    async def push_many(self, ds: list[Delivery]) -> list[tuple[Delivery, PushNews]]:
         """Push the pending tokens of ``ds`` with as few ``push_tokens`` calls as PUSH_LIMIT
-        allows; per delivery pushed, True when its client cancelled, or the LeaseLost it met.
+        allows; per delivery pushed, True when its client cancelled, the LeaseLost it met, or
+        the InvalidArgument Redis refused its batch with (past the request's max_tokens; or a
+        batch Redis cannot take): those tokens can never be delivered (:meth:`fail_refused`).
         Raises RedisUnavailable: the batches of that call and of the calls after it stay
         pending (in doubt, settled by the next push's offset check); the ones before are
         settled already, and their news comes again (a cancel flag stays set; a lost lease
         stays lost)."""
         todo = [(d, b) for d in ds if (b := d.batch()) is not None]
-        out: list[tuple[Delivery, bool | LeaseLost]] = []
+        out: list[tuple[Delivery, PushNews]] = []
         for i in range(0, len(todo), PUSH_LIMIT):
-            chunk = todo[i:i + PUSH_LIMIT]
-            replies = await self.scripts.push_tokens_many(self.keys, self.worker_id, [b for _, b in chunk],
-                                                          self.lease_ms)
-            for (d, b), reply in zip(chunk, replies, strict=True):
-                before = d.pushes  # counted once landed (an outage's call is sent again)
-                try:
-                    out.append((d, d.settle(b, reply)))
-                except LeaseLost as exc:
-                    out.append((d, exc))
-                self.metrics.pushes.inc(d.pushes - before)
+            await self._push_batches(todo[i:i + PUSH_LIMIT], out)
         return out
+
+    async def _push_batches(self, todo: list[tuple[Delivery, TokenBatch]],
+                            out: list[tuple[Delivery, PushNews]]) -> None:
+        """One ``push_tokens`` call for ``todo``; its news appended to ``out``."""
+        try:
+            replies = await self.scripts.push_tokens_many(self.keys, self.worker_id, [b for _, b in todo],
+                                                          self.lease_ms)
+        except InvalidArgument as exc:
+            if exc.field not in TOKEN_FIELDS:
+                raise
+            # A batch the script cannot take refuses the whole call, nothing written. Which
+            # one is known only by sending them one at a time: the others must still land.
+            if len(todo) == 1:
+                out.append((todo[0][0], exc))
+                return
+            for one in todo:
+                await self._push_batches([one], out)
+            return
+        for (d, b), reply in zip(todo, replies, strict=True):
+            before = d.pushes  # counted once landed (an outage's call is sent again)
+            try:
+                out.append((d, d.settle(b, reply)))
+            except (LeaseLost, InvalidArgument) as exc:
+                out.append((d, exc))
+            self.metrics.pushes.inc(d.pushes - before)
 
     async def finish(self, d: Delivery, outcome: str, finish_reason: str, message: str = "") -> None:
         """Complete ``d`` with its sample and forget it. Raises RedisUnavailable (``d`` stays
         held with ``d.final`` set: call again); LeaseLost only means someone else finished it
-        (or a retried call already did), so it is dropped."""
+        (or a retried call already did), so it is dropped. A completion whose last tokens
+        Redis refuses (past the request's max_tokens) fails the request (:meth:`fail_refused`)."""
         d.final = (outcome, finish_reason, message)
         sample = build_sample(d, pool=self.keys.pool, worker_id=self.worker_id, engine=self.engine,
                               simulated=self.simulated, outcome=outcome)
@@ -356,11 +378,27 @@ class WorkerRuntime:
             if self.held.get(d.request_id) is d:  # not a newer attempt we were handed meanwhile
                 self.drop(d.request_id, "lost")
             return
+        except InvalidArgument as exc:
+            if exc.field not in TOKEN_FIELDS or not (d.pending_tokens or d.pending_ids or d.pending_text):
+                raise  # not its tokens that were refused: a bug of the worker's own
+            # The one request's state, no reason to take the worker (and all it holds) down.
+            await self.fail_refused(d, exc)
+            return
         if self.held.get(d.request_id) is d:
             self.held.pop(d.request_id)
         if outcome == "cancelled":
             self.metrics.cancellations.inc()
         self.metrics.finished.labels(d.claimed.cls, outcome).inc()
+
+    async def fail_refused(self, d: Delivery, exc: InvalidArgument) -> None:
+        """Redis refused ``d``'s tokens (``exc``: past the max_tokens its record allows -- this
+        worker counted more -- or a batch the script cannot take): they can never be
+        delivered. Fail the request with what was delivered and say why; the worker and its
+        other requests go on. Raises RedisUnavailable as :meth:`finish` (``d.final`` set)."""
+        log.error("%s: Redis refused its tokens (%s); failing the request after %d delivered",
+                  d.request_id, exc, d.offset)
+        d.discard_pending()
+        await self.finish(d, "failed", "error", f"the worker's tokens for this request were refused: {exc}")
 
     def drop(self, request_id: str, why: str = "lost", attempt: Delivery | None = None) -> None:
         """Forget a held request; with ``attempt``, only while that attempt is the one held (an
@@ -383,6 +421,11 @@ class WorkerRuntime:
             log.info("%s: handed back (%s) after %d tokens", d.request_id, state, d.offset)
         except LeaseLost:
             pass
+        except InvalidArgument as exc:  # its tokens refused (the push): failed, not handed back
+            if exc.field not in TOKEN_FIELDS:
+                raise
+            await self.fail_refused(d, exc)
+            return
         self.drop(d.request_id, "released", d)
 
     # --- upkeep -------------------------------------------------------------------------------
