@@ -26,8 +26,9 @@
 -- tokens never repeat, so a stale worker's write can never pass for a current one.
 --
 -- Bounded work: at most 4 expired queue entries and 4 expired leases are swept first, at
--- most MAX_FINISH requests are finished per call, and the pick loop runs at most
--- max_requests + MAX_SKIPS times.
+-- most MAX_FINISH requests are finished per call, the pick loop runs at most
+-- max_requests + MAX_SKIPS + MAX_FINISH times, and the live workers' KV rooms (one read per
+-- worker) are read at most once.
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] worker_id      name
@@ -176,6 +177,13 @@ local function main()
     nskipped[cls] = navoid
   end
   local closed = {}    -- class -> true: nothing more of it for this worker in this call
+  -- the largest live worker's whole KV room: read once per call (it reads every worker's
+  -- heartbeat), and only when a request does not fit this worker at all
+  local largest = nil
+  local function largest_kv()
+    if largest == nil then largest = largest_live_kv(p, now) end
+    return largest
+  end
   local function open(cls)
     if not (eligible[cls] and q.n[cls] > 0 and not closed[cls]) then return false end
     local h = ceiling_of(cls)
@@ -247,11 +255,11 @@ local function main()
         local need = r.input_tokens + r.max_tokens
         if kv_total > 0 and need > kv_total then need = kv_total end
         local never = kv_total > 0 and r.input_tokens + 1 > kv_total
-        if never and largest_live_kv(p, now) < r.input_tokens + 1 then
+        if never and largest_kv() < r.input_tokens + 1 then
           if finishes <= 0 then break end
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
-            .. math.max(kv_total, largest_live_kv(p, now)) .. ' tokens)'
+            .. math.max(kv_total, largest_kv()) .. ' tokens)'
           finish_by_redis(p, r, 'failed', why, 0, now, {code = 'too_large', msg = why})
           q.n[pick] = q.n[pick] - 1
         elseif never then

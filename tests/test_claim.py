@@ -12,7 +12,7 @@ import pytest
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
 from limiter.scripts import policy_document
-from tests.support.helpers import admit, class_cfg, init_pool
+from tests.support.helpers import admit, class_cfg, init_pool, script_commands
 
 
 async def _redis_ms(client) -> int:
@@ -216,6 +216,38 @@ async def test_a_request_no_live_worker_can_hold_fails_with_a_clear_error(script
     assert (await scripts.claim(pool, "w1", 5, kv_room=4000, kv_total=4000)).requests == []
     got = await scripts.claim(pool, "w2", 5, kv_room=10_000, kv_total=10_000)
     assert [c.request_id for c in got.requests] == ["huge2"]
+
+
+@pytest.mark.parametrize("bigger_worker", [True, False])
+async def test_the_live_workers_kv_is_read_once_per_claim(redis_server, scripts, pool, bigger_worker):
+    """largest_live_kv (one HGETALL of worker_kv and one ZSCORE per worker) ran once per
+    misfit -- up to 16 skips, or twice per too_large failure, 16 of those -- in one claim: with
+    50 live workers that was 800-1,600 reads. It is read once per call."""
+    now = await _redis_ms(scripts.client)
+    workers = {f"w{i}": now for i in range(50)}
+    await scripts.client.zadd(pool.workers, workers)
+    await scripts.client.hset(pool.worker_kv, mapping={w: 100 for w in workers})
+    if bigger_worker:
+        await scripts.client.hset(pool.worker_kv, "w7", 100_000)
+    for i in range(20):  # each tenant's head never fits w0 (whole KV room 100)
+        await admit(scripts, pool, cls="P1", tenant=f"t{i}", request_id=f"big{i}", input_tokens=500,
+                    max_tokens=10)
+    got_box = []
+
+    async def claim():
+        got_box.append(await scripts.claim(pool, "w0", 4, kv_room=100, kv_total=100))
+
+    seen = await script_commands(redis_server, claim)
+    assert got_box[0].requests == []
+    states = [await scripts.client.hget(pool.request(f"big{i}"), "state") for i in range(20)]
+    if bigger_worker:
+        assert set(states) == {b"queued"}  # left to w7
+    else:
+        assert states.count(b"failed") == 16  # MAX_FINISH of them now, the rest next call
+    kv_reads = [c for c in seen if c.startswith(f"HGETALL {pool.worker_kv}")]
+    beats = [c for c in seen if c.startswith(f"ZSCORE {pool.workers} ")]
+    assert len(kv_reads) == 1, f"worker_kv read {len(kv_reads)} times in one claim"
+    assert len(beats) == len(workers), f"{len(beats)} heartbeat reads for {len(workers)} workers"
 
 
 async def test_fences_never_repeat_and_a_stale_holder_cannot_write(scripts, pool):
