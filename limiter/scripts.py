@@ -304,7 +304,7 @@ class Scripts:
     # --- pool setup and control -----------------------------------------------------------
     async def init_pool(self, keys: PoolKeys, policy: dict[str, Any], reset_rates: bool = False) -> int:
         mode = "reset_rates" if reset_rates else "keep_rates"
-        return int(await self._run("init_pool", [keys.policy], [json.dumps(policy), mode]))
+        return int(await self._run("init_pool", lifecycle_keys(keys), [json.dumps(policy), mode]))
 
     async def set_rates(self, keys: PoolKeys, controller_id: str, fence: int, decision: dict[str, Any],
                         fields: dict[str, float]) -> int:

@@ -26,8 +26,9 @@
 -- tokens never repeat, so a stale worker's write can never pass for a current one.
 --
 -- Bounded work: at most 4 expired queue entries and 4 expired leases are swept first, at
--- most MAX_FINISH requests are finished per call, and the pick loop runs at most
--- max_requests + MAX_SKIPS times.
+-- most MAX_FINISH requests are finished per call, the pick loop runs at most
+-- max_requests + MAX_SKIPS + MAX_FINISH times, and the live workers' KV rooms (one read per
+-- worker) are read at most once.
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] worker_id      name
@@ -37,14 +38,19 @@
 -- ARGV[4] lease_ms       integer >= 0, 0 = the pool's lease_ms
 -- ARGV[5] above_class    optional class name: only classes ranked strictly above it are
 --                        claimed (a full worker's look-ahead for work that would preempt
---                        what it holds); '' or absent = every class
+--                        what it holds); '' or absent = every class. A class the policy
+--                        does not know (a rolling deploy that adds or removes one) ranks
+--                        above every class it knows: nothing is claimed (never a class
+--                        lower than asked)
 -- ARGV[6] kv_total       optional integer >= 0: the worker's whole KV room in tokens
 --                        (0 or absent = unknown: nothing is judged too large for it)
 -- ARGV[7] avoid_tenants  optional comma-separated tenant names (at most 16): tenants whose
 --                        requests this claim skips, as if their head did not fit, in the
 --                        class avoid_from and every class below it (a full worker's
 --                        look-ahead for a tenant that holds none of its slots); '' = none
--- ARGV[8] avoid_from     the highest class avoid_tenants applies to; required with them
+-- ARGV[8] avoid_from     the highest class avoid_tenants applies to; required with them. A
+--                        class the policy does not know ranks above every class it knows:
+--                        the tenants are avoided in every class
 --
 -- Returns {now_ms, backlog, {entry}, ...}; backlog = 1 when requests are still queued after
 --   this call (they were announced again on the wake list), else 0 (and the wake list is
@@ -88,10 +94,12 @@ local function arg_tenant_set(list)
 end
 
 -- {class = true} for the classes ranked strictly above `cls` or, with `from_it_down`, for
--- `cls` and every class below it. An unknown `cls` is a BADARG on ARGV `field`.
-local function class_range(p, cls, field, from_it_down)
-  local rank = p.index[cls]
-  if rank == nil then fail('BADARG', field .. ': unknown class ' .. cls) end
+-- `cls` and every class below it. A `cls` the policy does not know (the caller's
+-- configuration has a class the policy lacks, or lost one it has: a rolling deploy) has no
+-- place in the order; it is taken as ranked above every known class, the placement under
+-- which the claim takes least: nothing above it, every class at or below it.
+local function class_range(p, cls, from_it_down)
+  local rank = p.index[cls] or 0
   local out = {}
   for i, c in ipairs(p.classes) do
     if (i >= rank) == from_it_down then out[c] = true end
@@ -105,12 +113,12 @@ local function main()
   local kv_room = arg_int(ARGV[3], 'kv_room', 0, 1e12)
   local lease_ms = arg_int(ARGV[4], 'lease_ms', 0, 3600000)
   local above_class = ARGV[5] or ''
-  if above_class ~= '' then above_class = arg_name(above_class, 'above_class') end
+  if above_class ~= '' then above_class = arg_class_name(above_class, 'above_class') end
   local kv_total = arg_int(ARGV[6] or '0', 'kv_total', 0, 1e12)
   local avoid, navoid, avoid_from = {}, 0, nil
   if (ARGV[7] or '') ~= '' then
     avoid, navoid = arg_tenant_set(ARGV[7])
-    avoid_from = arg_name(ARGV[8], 'avoid_from')
+    avoid_from = arg_class_name(ARGV[8], 'avoid_from')
   end
   local p = load_pool(K_POLICY)  -- a class's fields are read when the claim first looks at it
   if lease_ms == 0 then lease_ms = p.lease_ms end
@@ -119,10 +127,10 @@ local function main()
   if above_class == '' then
     for _, cls in ipairs(p.classes) do eligible[cls] = true end
   else
-    eligible = class_range(p, above_class, 'above_class', false)
+    eligible = class_range(p, above_class, false)
   end
   -- the classes avoid_tenants applies to: avoid_from and every class below it
-  local avoiding = avoid_from and class_range(p, avoid_from, 'avoid_from', true) or {}
+  local avoiding = avoid_from and class_range(p, avoid_from, true) or {}
   local now = now_ms()
   if kv_total > 0 then redis.call('HSET', K_WORKER_KV, worker_id, kv_total) end
 
@@ -169,6 +177,13 @@ local function main()
     nskipped[cls] = navoid
   end
   local closed = {}    -- class -> true: nothing more of it for this worker in this call
+  -- the largest live worker's whole KV room: read once per call (it reads every worker's
+  -- heartbeat), and only when a request does not fit this worker at all
+  local largest = nil
+  local function largest_kv()
+    if largest == nil then largest = largest_live_kv(p, now) end
+    return largest
+  end
   local function open(cls)
     if not (eligible[cls] and q.n[cls] > 0 and not closed[cls]) then return false end
     local h = ceiling_of(cls)
@@ -240,11 +255,11 @@ local function main()
         local need = r.input_tokens + r.max_tokens
         if kv_total > 0 and need > kv_total then need = kv_total end
         local never = kv_total > 0 and r.input_tokens + 1 > kv_total
-        if never and largest_live_kv(p, now) < r.input_tokens + 1 then
+        if never and largest_kv() < r.input_tokens + 1 then
           if finishes <= 0 then break end
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
-            .. math.max(kv_total, largest_live_kv(p, now)) .. ' tokens)'
+            .. math.max(kv_total, largest_kv()) .. ' tokens)'
           finish_by_redis(p, r, 'failed', why, 0, now, {code = 'too_large', msg = why})
           q.n[pick] = q.n[pick] - 1
         elseif never then

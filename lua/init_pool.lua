@@ -1,9 +1,20 @@
 -- init_pool: write a pool's policy from the configuration. Static fields (class order,
 -- weights, caps, max waits, floors, lease and retry settings) are always overwritten;
 -- the controller-owned fields (rate, burst, ceil, ceil_burst per class; capacity) are
--- only set where absent, unless mode is reset_rates.
+-- only set where absent, unless mode is reset_rates. A removed class's fields are left in
+-- place (its queued requests still drain, in the order its flag `fair` gave them).
 --
--- KEYS[1] policy   HASH qos:{pool}:policy
+-- A class whose `fair` flag changes has its backlog rescored in the same call (its scores
+-- meant the other thing: virtual token counters in a fair class, the seq of each tenant's
+-- oldest request in an arrival-order one), in bounded work: every backlogged tenant is set to
+-- 0 by one command (ZUNIONSTORE ... WEIGHTS 0) and the idle tenants' counters (vtime) are
+-- dropped. A class turned fair starts its counters there, all equal. A class turned to
+-- arrival order then gives at most RESCORE_LIMIT tenants the seq of their oldest request;
+-- any past that keep 0 and so go first (their requests are older than any admitted after
+-- the switch) until each is next taken from.
+--
+-- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys);
+--       KEYS[1] is the policy HASH qos:{pool}:policy, written here.
 -- ARGV[1] policy   JSON: {pool, capacity, lease_ms, max_attempts,
 --                  frontend_ttl_ms, floor_half_life_ms, record_ttl_s, floor_quantum,
 --                  classes: [{name, rate, burst, ceil, ceil_burst, weight, out_weight,
@@ -14,9 +25,24 @@
 --
 -- Returns the policy version. Errors: 'BADARG <field>: ...'.
 
+--!include pool_keys.lua
 --!include validate.lua
+--!include queue.lua
 
-local K_POLICY = KEYS[1]
+local RESCORE_LIMIT = 256
+
+-- Rescore the backlog of a class whose fair flag changed to `fair` (see the header).
+local function rescore(cls, fair)
+  local backlog = P_BACKLOG .. cls
+  redis.call('DEL', P_VTIME .. cls)
+  if redis.call('EXISTS', backlog) == 0 then return end
+  redis.call('ZUNIONSTORE', backlog, 1, backlog, 'WEIGHTS', 0)
+  if fair then return end
+  for _, tenant in ipairs(redis.call('ZRANGE', backlog, 0, RESCORE_LIMIT - 1)) do
+    local head = redis.call('ZRANGE', tenant_queue(cls, tenant), 0, 0, 'WITHSCORES')
+    if head[2] then redis.call('ZADD', backlog, head[2], tenant) end
+  end
+end
 
 local function main()
   local ok, doc = pcall(cjson.decode, ARGV[1] or '')
@@ -36,7 +62,7 @@ local function main()
   if type(doc.classes) ~= 'table' or #doc.classes < 1 or #doc.classes > 16 then
     fail('BADARG', 'policy.classes: 1 to 16 classes expected')
   end
-  local names, floors = {}, 0
+  local names, fair, floors = {}, {}, 0
   for i, c in ipairs(doc.classes) do
     local f = 'policy.classes[' .. i .. ']'
     if type(c) ~= 'table' then fail('BADARG', f .. ': not an object') end
@@ -56,7 +82,8 @@ local function main()
     put(static, n .. '.out_weight', arg_num(c.out_weight, f .. '.out_weight', 0, 1e6))
     put(static, n .. '.queue_cap', arg_int(c.queue_cap, f .. '.queue_cap', 0, 100000000))
     put(static, n .. '.max_wait_ms', arg_int(c.max_wait_ms, f .. '.max_wait_ms', 1, 86400000))
-    put(static, n .. '.fair', c.fair == nil and 1 or arg_int(c.fair, f .. '.fair', 0, 1))
+    fair[i] = c.fair == nil and 1 or arg_int(c.fair, f .. '.fair', 0, 1)
+    put(static, n .. '.fair', fair[i])
     local floor = arg_num(c.floor, f .. '.floor', 0, 1)
     floors = floors + floor
     put(static, n .. '.floor', floor)
@@ -66,7 +93,13 @@ local function main()
   static[#static + 1] = 'classes'
   static[#static + 1] = table.concat(names, ',')
 
+  local fair_fields = {}
+  for i, n in ipairs(names) do fair_fields[i] = n .. '.fair' end
+  local was = redis.call('HMGET', K_POLICY, unpack(fair_fields))  -- absent: fair (as policy.lua)
   redis.call('HSET', K_POLICY, unpack(static))
+  for i, n in ipairs(names) do
+    if (tonumber(was[i] or '1') ~= 0) ~= (fair[i] == 1) then rescore(n, fair[i] == 1) end
+  end
   if mode == 'reset_rates' then
     redis.call('HSET', K_POLICY, unpack(rates))
   else

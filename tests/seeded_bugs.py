@@ -23,7 +23,7 @@ from pathlib import Path
 LUA = Path(__file__).resolve().parent.parent / "lua"
 TEST = "tests/test_scheduler_model.py"
 UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
-              "tests/test_lua_layout.py", "tests/test_push_tokens.py")
+              "tests/test_lua_layout.py", "tests/test_push_tokens.py", "tests/test_init_pool.py")
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,20 @@ BUGS = (
         "push_tokens.lua", "      replies[i] = {'max_tokens', r.max_tokens}\n",
         "      replies[i] = {'max_tokens', r.max_tokens}\n"
         "      redis.call('HSET', P_REQUEST .. b.id, 'out_tokens', b.offset + b.count)\n"),
+    Bug("unknown_class_unrestricted", "a look-ahead naming a class the policy lacks claims every class "
+        "(and avoids its tenants nowhere)",
+        "claim.lua", "local rank = p.index[cls] or 0", "local rank = p.index[cls] or (#p.classes + 1)"),
+    Bug("live_kv_read_per_misfit", "claim reads every live worker's KV room again for each misfit",
+        "claim.lua", "if largest == nil then largest = largest_live_kv(p, now) end",
+        "largest = largest_live_kv(p, now)"),
+    Bug("fair_switch_not_rescored", "a deploy that switches a class's fair flag leaves its backlog's scores",
+        "init_pool.lua", "~= (fair[i] == 1) then rescore(", "~= (fair[i] == 1) and false then rescore("),
+    Bug("refund_moves_arrival_order", "a refund moves a tenant's score in a class turned to arrival order",
+        "include/refund.lua", "if r.c_vtc > 0 and class_fair(p, r.class) then",
+        "if r.c_vtc > 0 and (class_fair(p, r.class) or true) then"),
+    Bug("removed_class_drains_as_fair", "a class a deploy removed drains as if fair (arrival order lost)",
+        "include/queue.lua", "local fair = class_fair(p, cls)",
+        "local fair = p.class[cls] == nil or class_fair(p, cls)"),
 )
 
 

@@ -40,8 +40,6 @@ def keys_for(name: str) -> list[str]:
         return [K.leader, K.fence]
     if name == "release_leader":
         return [K.leader]
-    if name == "init_pool":
-        return [K.policy]
     return list(lifecycle_keys(K))
 
 

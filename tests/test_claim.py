@@ -12,7 +12,7 @@ import pytest
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
 from limiter.scripts import policy_document
-from tests.support.helpers import admit, class_cfg, init_pool
+from tests.support.helpers import admit, class_cfg, init_pool, script_commands
 
 
 async def _redis_ms(client) -> int:
@@ -218,6 +218,38 @@ async def test_a_request_no_live_worker_can_hold_fails_with_a_clear_error(script
     assert [c.request_id for c in got.requests] == ["huge2"]
 
 
+@pytest.mark.parametrize("bigger_worker", [True, False])
+async def test_the_live_workers_kv_is_read_once_per_claim(redis_server, scripts, pool, bigger_worker):
+    """largest_live_kv (one HGETALL of worker_kv and one ZSCORE per worker) ran once per
+    misfit -- up to 16 skips, or twice per too_large failure, 16 of those -- in one claim: with
+    50 live workers that was 800-1,600 reads. It is read once per call."""
+    now = await _redis_ms(scripts.client)
+    workers = {f"w{i}": now for i in range(50)}
+    await scripts.client.zadd(pool.workers, workers)
+    await scripts.client.hset(pool.worker_kv, mapping={w: 100 for w in workers})
+    if bigger_worker:
+        await scripts.client.hset(pool.worker_kv, "w7", 100_000)
+    for i in range(20):  # each tenant's head never fits w0 (whole KV room 100)
+        await admit(scripts, pool, cls="P1", tenant=f"t{i}", request_id=f"big{i}", input_tokens=500,
+                    max_tokens=10)
+    got_box = []
+
+    async def claim():
+        got_box.append(await scripts.claim(pool, "w0", 4, kv_room=100, kv_total=100))
+
+    seen = await script_commands(redis_server, claim)
+    assert got_box[0].requests == []
+    states = [await scripts.client.hget(pool.request(f"big{i}"), "state") for i in range(20)]
+    if bigger_worker:
+        assert set(states) == {b"queued"}  # left to w7
+    else:
+        assert states.count(b"failed") == 16  # MAX_FINISH of them now, the rest next call
+    kv_reads = [c for c in seen if c.startswith(f"HGETALL {pool.worker_kv}")]
+    beats = [c for c in seen if c.startswith(f"ZSCORE {pool.workers} ")]
+    assert len(kv_reads) == 1, f"worker_kv read {len(kv_reads)} times in one claim"
+    assert len(beats) == len(workers), f"{len(beats)} heartbeat reads for {len(workers)} workers"
+
+
 async def test_fences_never_repeat_and_a_stale_holder_cannot_write(scripts, pool):
     await admit(scripts, pool, cls="P1", request_id="r", input_tokens=1, max_tokens=5)
     (a,) = (await scripts.claim(pool, "w1", 1)).requests
@@ -261,7 +293,7 @@ async def test_avoided_tenants_are_skipped_in_their_classes_only(scripts, pool):
 @pytest.mark.parametrize(("avoid", "avoid_from", "error"), [
     ("a,,b", "P1", "avoid_tenants"), (",a", "P1", "avoid_tenants"), ("a:b", "P1", "avoid_tenants"),
     (",".join(f"t{i}" for i in range(17)), "P1", "at most 16"), ("a", "", "avoid_from"),
-    ("a", "P9", "unknown class"),
+    ("a", "P:9", "avoid_from"), ("a", "P" * 65, "avoid_from"), ("a", "P1.cost", "avoid_from"),
 ])
 async def test_a_bad_avoid_list_is_refused_and_changes_nothing(scripts, pool, sync_redis, avoid, avoid_from,
                                                                error):
@@ -274,6 +306,57 @@ async def test_a_bad_avoid_list_is_refused_and_changes_nothing(scripts, pool, sy
     before = dump_all(sync_redis)
     with pytest.raises(Exception, match=error):
         sync_redis.evalsha(sha, len(keys), *keys, "w1", "1", "0", "0", "", "100", avoid, avoid_from)
+    assert dump_all(sync_redis) == before
+
+
+async def test_an_above_class_the_policy_does_not_know_claims_nothing(scripts, pool, cfg):
+    """A rolling deploy that adds (or removes) a class: a worker on the other configuration
+    asks for work above a class the policy lacks. Every look-ahead claim of it was a BADARG.
+    The class has no place in the policy's order, so only what is above it wherever it ranked
+    may be taken -- nothing (ranked first, nothing is above it). 'No restriction' would hand a
+    full worker's look-ahead a lower class than it asked for, claim after claim (its waiting
+    set's best class never rises): a worker hoarding the queue."""
+    for rid, cls in (("top", "P0"), ("mid", "P1"), ("low", "P2")):
+        await admit(scripts, pool, cls=cls, request_id=rid, input_tokens=1, max_tokens=1)
+    for unknown in ("P0x", "P9", "ts"):
+        got = await scripts.claim(pool, "w1", 5, kv_room=100, above_class=unknown, kv_total=100)
+        assert got.requests == [] and got.backlog is True  # left queued, and announced again
+    assert await scripts.client.hget(pool.worker_kv, "w1") == b"100"  # the rest of the call ran
+    # the new class once the policy has it: P0x between P0 and P1
+    doc = policy_document(cfg, cfg.pool("tiny"))
+    doc["classes"].insert(1, {**doc["classes"][1], "name": "P0x", "floor": 0.0})
+    await scripts.init_pool(pool, doc)
+    got = await scripts.claim(pool, "w1", 5, above_class="P0x")
+    assert [c.request_id for c in got.requests] == ["top"]
+
+
+async def test_an_avoid_from_the_policy_does_not_know_avoids_the_tenants_in_every_class(scripts, pool):
+    """The tenant look-ahead names the highest class its tenants are avoided in; when the
+    policy lacks that class, they are avoided in every class (where it ranked first): never
+    one of the rich tenants' requests, which would leave the worker's waiting set as rich as
+    before and let it claim again and again."""
+    for rid, tenant in (("heavy-1", "heavy"), ("light-1", "light")):
+        await admit(scripts, pool, cls="P1", tenant=tenant, request_id=rid, input_tokens=1, max_tokens=1)
+    await admit(scripts, pool, cls="P0", tenant="heavy", request_id="heavy-top", input_tokens=1, max_tokens=1)
+    got = await scripts.claim(pool, "w1", 5, avoid_tenants=["heavy"], avoid_from="P0x")
+    assert [c.request_id for c in got.requests] == ["light-1"]
+    got = await scripts.claim(pool, "w1", 5, avoid_tenants=["heavy"], avoid_from="P0x", above_class="P2")
+    assert got.requests == []
+    got = await scripts.claim(pool, "w1", 5)
+    assert [c.request_id for c in got.requests] == ["heavy-top", "heavy-1"]
+
+
+@pytest.mark.parametrize("above", ["a:b", "P{1}", "P" * 65, "P1.cost", "P 1"])
+async def test_a_malformed_above_class_is_refused_and_changes_nothing(scripts, pool, sync_redis, above):
+    from limiter.scripts import lifecycle_keys, script_source
+    from tests.support.helpers import dump_all
+
+    await admit(scripts, pool, cls="P0", tenant="a", request_id="r1", input_tokens=1, max_tokens=1)
+    sha = sync_redis.script_load(script_source("claim"))
+    keys = lifecycle_keys(pool)
+    before = dump_all(sync_redis)
+    with pytest.raises(Exception, match="BADARG above_class"):
+        sync_redis.evalsha(sha, len(keys), *keys, "w1", "1", "0", "0", above, "100", "", "")
     assert dump_all(sync_redis) == before
 
 

@@ -4,7 +4,6 @@ that every key any script touches is in its pool's slot."""
 from __future__ import annotations
 
 import re
-import threading
 from pathlib import Path
 
 import fakeredis
@@ -15,7 +14,7 @@ from limiter.config import demo_config
 from limiter.errors import ScriptError
 from limiter.keys import PoolKeys
 from limiter.scripts import SCRIPT_NAMES, Scripts, load_script, lua_dir, policy_document, script_source
-from tests.support.helpers import admit
+from tests.support.helpers import admit, script_commands
 
 
 def _lua_tree(tmp_path: Path, files: dict[str, str]) -> Path:
@@ -153,44 +152,30 @@ async def test_a_server_without_shebang_support_gets_the_plain_scripts():
 
 async def test_every_key_every_script_touches_is_in_the_pools_slot(redis_server, scripts, pool, sync_redis):
     """MONITOR shows each command a script runs inside Redis: every key is the pool's."""
-    seen: list[str] = []
-    ready = threading.Event()
 
-    def watch() -> None:
-        with redis_server.client().monitor() as m:
-            ready.set()
-            for cmd in m.listen():
-                if cmd["client_type"] == "lua":
-                    seen.append(cmd["command"])
-                elif cmd["command"].startswith("ECHO monitor-done"):
-                    return
+    async def run() -> None:
+        cfg = demo_config()
+        await scripts.init_pool(pool, policy_document(cfg, cfg.pool("tiny")))
+        fence, _holder = await scripts.acquire_leader(pool, "ctl", 5000)
+        await scripts.set_rates(pool, "ctl", fence, {"why": "test"}, {"P2.ceil": 100.0, "capacity": 20000.0})
+        await admit(scripts, pool, cls="P1", request_id="late", max_wait_ms=1, input_tokens=5, max_tokens=5)
+        for i, cls in enumerate(("P0", "P1", "P2", "P2")):
+            await admit(scripts, pool, cls=cls, request_id=f"m{i}", tenant=f"t{i % 2}", input_tokens=5,
+                        max_tokens=5)
+        got = await scripts.claim(pool, "w1", 3, kv_room=1000, kv_total=1000)
+        a, b, c = got.requests
+        await scripts.renew_leases(pool, "w1", [(x.request_id, x.fence) for x in got.requests])
+        await scripts.push_tokens(pool, request_id=a.request_id, worker_id="w1", fence=a.fence, offset=0,
+                                  token_ids=[1], text="a")
+        await scripts.complete(pool, request_id=a.request_id, worker_id="w1", fence=a.fence, outcome="ok",
+                               usage_in=5, token_ids=[2], text="b", sample=b"\x80")
+        await scripts.release(pool, request_id=b.request_id, worker_id="w1", fence=b.fence)
+        await scripts.cancel(pool, c.request_id, c.tenant)
+        await scripts.cancel(pool, "m3", "t1")
+        await scripts.reap(pool)
+        await scripts.release_leader(pool, "ctl", fence)
 
-    t = threading.Thread(target=watch, daemon=True)
-    t.start()
-    assert ready.wait(5), "MONITOR did not start"
-    cfg = demo_config()
-    await scripts.init_pool(pool, policy_document(cfg, cfg.pool("tiny")))
-    fence, _holder = await scripts.acquire_leader(pool, "ctl", 5000)
-    await scripts.set_rates(pool, "ctl", fence, {"why": "test"}, {"P2.ceil": 100.0, "capacity": 20000.0})
-    await admit(scripts, pool, cls="P1", request_id="late", max_wait_ms=1, input_tokens=5, max_tokens=5)
-    for i, cls in enumerate(("P0", "P1", "P2", "P2")):
-        await admit(scripts, pool, cls=cls, request_id=f"m{i}", tenant=f"t{i % 2}", input_tokens=5,
-                    max_tokens=5)
-    got = await scripts.claim(pool, "w1", 3, kv_room=1000, kv_total=1000)
-    a, b, c = got.requests
-    await scripts.renew_leases(pool, "w1", [(x.request_id, x.fence) for x in got.requests])
-    await scripts.push_tokens(pool, request_id=a.request_id, worker_id="w1", fence=a.fence, offset=0,
-                              token_ids=[1], text="a")
-    await scripts.complete(pool, request_id=a.request_id, worker_id="w1", fence=a.fence, outcome="ok",
-                           usage_in=5, token_ids=[2], text="b", sample=b"\x80")
-    await scripts.release(pool, request_id=b.request_id, worker_id="w1", fence=b.fence)
-    await scripts.cancel(pool, c.request_id, c.tenant)
-    await scripts.cancel(pool, "m3", "t1")
-    await scripts.reap(pool)
-    await scripts.release_leader(pool, "ctl", fence)
-    await scripts.client.echo("monitor-done")
-    t.join(5)
-    assert not t.is_alive()
+    seen = await script_commands(redis_server, run)
     commands = {line.split(" ")[0].lower() for line in seen}
     assert {"hset", "zadd", "xadd", "hincrbyfloat", "zrange", "pexpire", "lpush"} <= commands  # it saw them
     outside = [line for line in seen if line.split(" ")[0].lower() != "time"

@@ -1,8 +1,11 @@
 """A stateful model test of the whole request lifecycle against a real redis-server.
 
-Hypothesis drives random sequences of admit, claim, push, complete, cancel, release, renew,
-reap, stale writes, frontend death and revival, and time passing (real time: the scripts read
-Redis ``TIME``; leases, frontend TTLs and max waits are a few hundred ms so expiry happens).
+Hypothesis drives random sequences of admit, claim (by workers of two sizes: one is too small
+for some requests), push, complete, cancel, release (planned, or spending the attempt), renew,
+reap, stale writes, frontend and worker death and revival, the controller's rate writes, a
+deploy re-running init_pool mid-flight (removing a class, restoring it, switching a class's
+`fair` flag), and time passing (real time: the scripts read Redis ``TIME``; leases, frontend
+TTLs and max waits are a few hundred ms so expiry happens).
 The model does not predict what Redis decides (which request expires when); it keeps what it
 knows for sure (what was admitted, at what cost, with which max wait; every fence handed out)
 and after EVERY step reads Redis' whole state and checks the invariants below. Each one was
@@ -27,11 +30,14 @@ seen to fail with a bug seeded by hand (tests/seeded_bugs.py plants each one aga
    changes nothing.
 7. Fairness: in each fair class, the counters of backlogged tenants are within one maximum
    request cost (cost / weight) of each other, and the class's virtual time (its smallest
-   backlogged counter) never goes back; in an arrival-order class each backlogged tenant's
-   score is the seq of its oldest queued request.
+   backlogged counter) never goes back (but starts again at 0 when a deploy makes the class
+   fair); in an arrival-order class each backlogged tenant's score is the seq of its oldest
+   queued request -- across deploys that switch the flag or remove and restore the class.
 8. Work conservation: after a claim that returned fewer requests than asked, no class
-   that may still be served has a next request (its smallest-counter tenant's oldest) that
-   fits the room the worker had left.
+   that may still be served has a next request (its smallest-counter tenant's oldest, past
+   tenants whose oldest this worker can never hold) that fits the room the worker had left.
+   A look-ahead naming a class the policy lacks (removed by a deploy) takes nothing above
+   it, and avoids its tenants in every class.
 """
 
 from __future__ import annotations
@@ -56,7 +62,7 @@ from hypothesis.stateful import (
 )
 
 from limiter.config import ClassConfig, PoolConfig, QosConfig
-from limiter.errors import AdmissionRejected, LeaseLost
+from limiter.errors import AdmissionRejected, InvalidArgument, LeaseLost
 from limiter.keys import PoolKeys
 from limiter.scripts import Scripts, policy_document
 from tests.support.helpers import dump_all
@@ -71,13 +77,14 @@ CLASSES = (
 POOL = PoolConfig(name="model", capacity_tokens_s=8000, lease_ms=150, max_attempts=3, frontend_ttl_ms=200,
                   floor_half_life_ms=2000, record_ttl_s=30, floor_quantum_tokens=100)
 CFG = QosConfig(classes=CLASSES, pools=(POOL,))
+NAMES = [c.name for c in CLASSES]
 FAIR = {c.name: c.fair for c in CLASSES}
 TENANTS = {"t1": 1.0, "t2": 2.0, "t3": 0.5}  # VTC weights
 # a request may cost more than twice the burst: buckets go into debt (a clamp would show)
 TENANT_RATE, TENANT_BURST = 3000.0, 150.0
 FRONTENDS = ("fe1", "fe2")
-WORKERS = ("w1", "w2")
-KV_TOTAL = 400
+KV_TOTAL = {"w1": 400, "w2": 400, "ws": 120}  # ws never holds a prompt of 120 tokens or more
+WORKERS = tuple(KV_TOTAL)
 ALIVE = 4102444800000  # a heartbeat in 2100
 TERMINAL = ("done", "failed", "cancelled", "expired")
 EPS = 1e-6
@@ -128,6 +135,9 @@ class LifecycleModel(RuleBasedStateMachine):
         self.vtime: dict[str, float] = {}  # class -> its virtual time at the last check
         self.ids = itertools.count()
         self.weights = {c.name: (c.weight, c.out_weight) for c in CLASSES}
+        self.present = list(NAMES)  # the classes of the policy now, in its order
+        self.fair = dict(FAIR)  # what each class's backlog scores mean (its flag last written)
+        self.fence = 0  # the controller's
 
     def run(self, aw: Any) -> Any:
         return self.loop.run_until_complete(aw)
@@ -146,6 +156,9 @@ class LifecycleModel(RuleBasedStateMachine):
         self.r.flushall()
         self.run(self.scripts.init_pool(KEYS, policy_document(CFG, POOL), reset_rates=True))
         self.r.zadd(KEYS.frontends, dict.fromkeys(FRONTENDS, ALIVE))
+        self.r.zadd(KEYS.workers, dict.fromkeys(WORKERS, ALIVE))
+        self.fence, _holder = self.run(self.scripts.acquire_leader(KEYS, "ctl", 600_000))
+        assert self.fence
 
     # --- rules ---------------------------------------------------------------------------------
     @rule(tenant=st.sampled_from(sorted(TENANTS)), cls=st.sampled_from(["P0", "P1", "P2"]),
@@ -167,20 +180,30 @@ class LifecycleModel(RuleBasedStateMachine):
             event(f"admit refused: {type(exc).__name__}")
             assert unchanged(before, dump_all(self.r)), "a refused admission changed state"
             return
+        except InvalidArgument:
+            assert cls not in self.present, f"admit refused {cls}, a class of the policy"
+            event("admit refused: class removed")
+            assert unchanged(before, dump_all(self.r)), "a refused admission changed state"
+            return
+        assert cls in self.present, f"admitted to {cls}, which the policy lacks"
         event("admit queued")
         cost = input_tokens * w_in + max_tokens * w_out
         assert adm.cost == cost
         wait = min(own_wait, class_wait) if own_wait else class_wait
         self.known[rid] = Known(tenant, cls, input_tokens, max_tokens, cost, wait)
 
+    # P9: a class of a newer configuration that the policy lacks (as P1 and P2 after a deploy
+    # removed them): a look-ahead above it takes nothing, its tenants are avoided everywhere
     @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 4),
-          kv_room=st.sampled_from([0, 0, 150, 250, 400]), above=st.sampled_from(["", "", "", "P1", "P2"]),
+          kv_room=st.sampled_from([0, 0, 150, 250, 400]),
+          above=st.sampled_from(["", "", "", "P1", "P2", "P9"]),
           avoid=st.sampled_from([(), (), (), ("t1",), ("t2", "t3")]),
-          avoid_from=st.sampled_from(["P0", "P1"]))
+          avoid_from=st.sampled_from(["P0", "P1", "P9"]))
     def claim(self, worker: str, n: int, kv_room: int, above: str, avoid: tuple[str, ...] = (),
               avoid_from: str = "P0") -> None:
         before = {rid: self.state_of(rid) for rid, k in self.known.items() if not k.finished}
-        got = self.run(self.scripts.claim(KEYS, worker, n, kv_room, 0, above, KV_TOTAL, avoid,
+        kv_room = min(kv_room, KV_TOTAL[worker])
+        got = self.run(self.scripts.claim(KEYS, worker, n, kv_room, 0, above, KV_TOTAL[worker], avoid,
                                           avoid_from if avoid else ""))
         event(f"claim got {min(len(got.requests), 2)}{'+' if len(got.requests) >= 2 else ''}")
         for c in got.requests:
@@ -189,57 +212,80 @@ class LifecycleModel(RuleBasedStateMachine):
             k = self.known[c.request_id]
             assert (c.tenant, c.cls, c.input_tokens, c.max_tokens) == (k.tenant, k.cls, k.input_tokens,
                                                                       k.max_tokens)
+            assert c.cls in self.present, f"claimed {c.request_id} of {c.cls}, which the policy lacks"
+            rank = self.present.index
+            assert not above or (above in self.present and rank(c.cls) < rank(above)), \
+                f"a look-ahead above {above} took {c.request_id} of {c.cls}"
+            assert c.input_tokens + 1 <= KV_TOTAL[worker], f"{worker} took {c.request_id}, too large for it"
             k.fences.append(c.fence)
             self.held[c.request_id] = (worker, c.fence)
         if len(got.requests) < n:
             # requests the call finished or requeued (its janitor work) other than by claiming
             taken = {c.request_id for c in got.requests}
             swept = [rid for rid, st in before.items() if rid not in taken and self.state_of(rid) != st]
+            if any("does not fit" in self.record(rid).get("reason", "") for rid in swept):
+                event("claim failed a request no live worker can hold")
             if len(swept) < 8:  # well inside the call's bounded work: it did not stop early
-                names = [c.name for c in CLASSES]
-                avoided = {c: set(avoid) if names.index(c) >= names.index(avoid_from) else set()
-                           for c in names}
-                self.check_nothing_left_that_fits(got, kv_room, above, avoided)
+                names = self.present
+                # avoided from avoid_from down; a class the policy lacks ranks above all it has
+                start = names.index(avoid_from) if avoid_from in names else 0
+                avoided = {c: set(avoid) if i >= start else set() for i, c in enumerate(names)}
+                self.check_nothing_left_that_fits(got, worker, kv_room, above, avoided)
 
     @rule(worker=st.sampled_from(WORKERS), n=st.integers(1, 3), finish=st.integers(0, 3),
-          out_share=st.floats(0, 1), kv_room=st.sampled_from([0, 0, 250, 400]))
-    def worker_iteration(self, worker: str, n: int, finish: int, out_share: float, kv_room: int) -> None:
-        """What a worker does most: claim, stream some tokens, complete some of what it holds."""
+          out_share=st.floats(0, 1), kv_room=st.sampled_from([0, 0, 250, 400]),
+          hand_back=st.sampled_from([None, None, False, True]))
+    def worker_iteration(self, worker: str, n: int, finish: int, out_share: float, kv_room: int,
+                         hand_back: bool | None = None) -> None:
+        """What a worker does most: claim, stream some tokens, complete some of what it holds,
+        and perhaps hand its last one back (``hand_back``: True when the model server broke on
+        it, which spends the attempt; False when draining)."""
         self.claim(worker, n, kv_room, "")
         mine = sorted(rid for rid, (w, _f) in self.held.items() if w == worker)
         for i, rid in enumerate(mine):
             if i < finish:
                 self.complete_one(rid, "ok", out_share, 1.0)
+            elif hand_back is not None and i == len(mine) - 1:
+                self.release_one(rid, hand_back)
             else:
                 self.push_one(rid, 2)
 
-    def check_nothing_left_that_fits(self, got: Any, kv_room: int, above: str,
+    def check_nothing_left_that_fits(self, got: Any, worker: str, kv_room: int, above: str,
                                      avoided: dict[str, set[str]]) -> None:
-        used = sum(min(c.input_tokens + c.max_tokens, KV_TOTAL) for c in got.requests)
+        kv_total = KV_TOTAL[worker]
+        used = sum(min(c.input_tokens + c.max_tokens, kv_total) for c in got.requests)
         left = kv_room - used
-        names = [c.name for c in CLASSES]
-        eligible = names[:names.index(above)] if above else names
+        names = self.present
+        # a look-ahead above a class the policy lacks takes nothing (it ranks above them all)
+        eligible = (names[:names.index(above)] if above in names else []) if above else names
         policy = {_s(k): _s(v) for k, v in self.r.hgetall(KEYS.policy).items()}
         for cls in eligible:
             if float(policy[f"{cls}.ceil"]) < float(policy["capacity"]):
                 b = self.r.hmget(KEYS.ceil_bucket(cls), ["tokens", "ts"])
-                if b[0] is not None:
-                    level = min(float(policy[f"{cls}.ceil_burst"]), float(b[0]) + float(policy[f"{cls}.ceil"])
-                                * max(got.now_ms - int(b[1]), 0) / 1000)
-                    if level <= 0:
-                        continue  # the class is at its ceiling: it may not be served now
-            head = [t for t in self.r.zrange(KEYS.backlog(cls), 0, -1) if _s(t) not in avoided[cls]][:1]
-            if not head:
+                burst = float(policy[f"{cls}.ceil_burst"])  # a bucket not written yet is full
+                level = burst if b[0] is None else min(burst, float(b[0]) + float(policy[f"{cls}.ceil"])
+                                                       * max(got.now_ms - int(b[1]), 0) / 1000)
+                if level <= 0:
+                    continue  # the class is at its ceiling: it may not be served now
+            rec: dict[str, str] = {}
+            for t in self.r.zrange(KEYS.backlog(cls), 0, -1):  # by counter (or arrival)
+                ids = self.r.zrange(KEYS.queue(cls, _s(t)), 0, 0)
+                head = self.record(_s(ids[0])) if ids and _s(t) not in avoided[cls] else {}
+                # a head this worker can never hold is left to a bigger one (or failed)
+                if head and not (head.get("state") == "queued" and int(head["input_tokens"]) + 1 > kv_total):
+                    rec = head
+                    break
+                if head:
+                    event("claim left a request to a bigger worker")
+            if not rec:
                 continue
-            ids = self.r.zrange(KEYS.queue(cls, _s(head[0])), 0, 0)
-            rec = {_s(k): _s(v) for k, v in self.r.hgetall(KEYS.request(_s(ids[0]))).items()} if ids else {}
             if rec.get("state") != "queued" or int(rec["deadline_ms"]) <= got.now_ms:
                 continue
             if not self.frontend_alive(rec["frontend"], got.now_ms):
                 continue
-            need = min(int(rec["input_tokens"]) + int(rec["max_tokens"]), KV_TOTAL)
+            need = min(int(rec["input_tokens"]) + int(rec["max_tokens"]), kv_total)
             assert kv_room > 0 and need > left, (
-                f"work conservation: {cls}'s next request {_s(ids[0])} needs {need} KV tokens, "
+                f"work conservation: {cls}'s next request {rec['id']} needs {need} KV tokens, "
                 f"the worker had {left if kv_room else 'unlimited'} left, and the claim stopped short")
 
     def frontend_alive(self, frontend: str, now: int) -> bool:
@@ -320,16 +366,30 @@ class LifecycleModel(RuleBasedStateMachine):
         rid = sorted(self.known)[pick % len(self.known)]
         event(f"cancel -> {self.run(self.scripts.cancel(KEYS, rid, self.known[rid].tenant, reason))}")
 
-    @rule(pick=st.integers(0, 1 << 16))
-    def release(self, pick: int) -> None:
+    @rule(pick=st.integers(0, 1 << 16), spent=st.sampled_from([False, False, True]))
+    def release(self, pick: int, spent: bool) -> None:
+        """A worker hands a request back: draining (the attempt is given back), or because the
+        model server broke on it (``spent``: the attempt counts; past max_attempts it fails)."""
         rid = self.pick_held(pick)
-        if rid is None:
-            return
+        if rid is not None:
+            self.release_one(rid, spent)
+
+    def release_one(self, rid: str, spent: bool) -> None:
         worker, fence = self.held.pop(rid)
+        attempts = int(self.record(rid).get("attempts", 0))
         try:
-            self.run(self.scripts.release(KEYS, request_id=rid, worker_id=worker, fence=fence))
+            res = self.run(self.scripts.release(KEYS, request_id=rid, worker_id=worker, fence=fence,
+                                                spent=spent))
         except LeaseLost:
-            pass
+            return
+        event(f"release{' spent' if spent else ''} -> {res}")
+        after = int(self.record(rid).get("attempts", 0))
+        if res == "requeued":
+            assert after == (attempts if spent else max(attempts - 1, 0)), \
+                f"{rid}: attempts {attempts} -> {after} on a {'spent' if spent else 'planned'} release"
+        elif res == "failed":
+            assert self.known[rid].cls not in self.present or (spent and attempts >= POOL.max_attempts), \
+                f"{rid} failed on a release with {attempts} attempts"
 
     @rule(pick=st.integers(0, 1 << 16), which=st.integers(0, 1 << 16))
     def stale_write(self, pick: int, which: int) -> None:
@@ -387,6 +447,57 @@ class LifecycleModel(RuleBasedStateMachine):
     def frontend_heartbeat(self, frontend: str, alive: bool) -> None:
         """A frontend dies (its last beat long ago, while the other beats) or comes back."""
         self.r.zadd(KEYS.frontends, {frontend: ALIVE if alive else self.now_ms() - 60_000})
+
+    @rule(workers=st.sampled_from([("w1", "w2"), ("w1", "w2"), ("w1",), ("ws",)]), alive=st.booleans())
+    def worker_heartbeat(self, workers: tuple[str, ...], alive: bool) -> None:
+        """Workers die (their last beat long ago) or come back: a request too large for the
+        small worker is left to a live bigger one, or fails (too_large) when there is none."""
+        self.r.zadd(KEYS.workers, dict.fromkeys(workers, ALIVE if alive else self.now_ms() - 60_000))
+
+    # mostly ordinary rates (a class the controller cuts to 0, or whose ceiling binds hard,
+    # now and then: every example that disables a class serves less)
+    @rule(pick=st.integers(0, 1 << 16), rate=st.sampled_from([300.0, 2800.0, 2800.0, 9000.0, 0.0]),
+          ceil=st.sampled_from([8000.0, 1e5, 4000.0, 8000.0, 500.0, 0.0]),
+          burst_s=st.sampled_from([0.5, 2.0, 0.0]),
+          capacity=st.sampled_from([0.0, 0.0, 8000.0, 20000.0, 4000.0]))
+    def set_rates(self, pick: int, rate: float, ceil: float, burst_s: float, capacity: float) -> None:
+        """The controller's rate write: a class's guarantee and ceiling (0 disables it), and
+        the pool's capacity (what decides whether a ceiling binds)."""
+        cls = NAMES[pick % len(NAMES)]
+        fields = {f"{cls}.rate": rate, f"{cls}.burst": rate * burst_s, f"{cls}.ceil": ceil,
+                  f"{cls}.ceil_burst": ceil * burst_s}
+        if capacity:
+            fields["capacity"] = capacity
+        before = dump_all(self.r) if cls not in self.present else None
+        try:
+            self.run(self.scripts.set_rates(KEYS, "ctl", self.fence, {"model": True}, fields))
+        except InvalidArgument:
+            assert before is not None, f"set_rates refused {cls}, a class of the policy"
+            assert unchanged(before, dump_all(self.r)), "a refused rate write changed state"
+            return
+        assert before is None, f"set_rates wrote {cls}, which the policy lacks"
+        event("set_rates")
+
+    @rule(drop=st.sampled_from([None, None, None, "P1", "P2"]),
+          flip=st.sampled_from([None, None, "P1", "P2"]))
+    def redeploy(self, drop: str | None, flip: str | None) -> None:
+        """A role on another configuration starts and runs init_pool mid-flight (keeping the
+        controller's rates): one class removed (``drop``; None restores every class), and one
+        class's ``fair`` flag switched (``flip``, when the new policy has it)."""
+        present = [c for c in NAMES if c != drop]
+        fair = dict(self.fair)
+        if flip in present:
+            fair[flip] = not fair[flip]
+        doc = policy_document(CFG, POOL)
+        doc["classes"] = [dict(c, fair=int(fair[c["name"]])) for c in doc["classes"] if c["name"] in present]
+        self.run(self.scripts.init_pool(KEYS, doc))
+        for c in present:
+            if fair[c] and not self.fair[c]:
+                self.vtime[c] = 0.0  # a class turned fair starts its counters again
+            self.fair[c] = fair[c]
+        event(f"redeploy{' without ' + drop if drop else ''}"
+              f"{' switching ' + flip if flip in present else ''}")
+        self.present = present
 
     # --- reading Redis -------------------------------------------------------------------------
     def record(self, rid: str) -> dict[str, str]:
@@ -475,7 +586,7 @@ class LifecycleModel(RuleBasedStateMachine):
                 cost_t = sum(self.known[rid].cost for rid in theirs)
                 got_t = queued.get(f"{cls}:{t}", 0.0)
                 assert abs(got_t - cost_t) < 1e-6 * max(cost_t, 1), f"{cls}:{t}: queued {got_t}, not {cost_t}"
-                if theirs and not FAIR[cls]:  # arrival order: a tenant's score is its oldest seq
+                if theirs and not self.fair[cls]:  # arrival order: a tenant's score is its oldest seq
                     oldest = min(int(recs[rid]["seq"]) for rid in theirs)
                     assert backlog[t] == oldest, f"{cls}:{t}: score {backlog[t]}, oldest request {oldest}"
             leased = sum(1 for r in recs.values() if r.get("state") == "leased" and r["class"] == cls)
@@ -518,7 +629,7 @@ class LifecycleModel(RuleBasedStateMachine):
                 f"{key}: refunded {b['refunded']} but the requests record {refunded.get(key, 0.0)}"
 
     def check_fairness(self) -> None:
-        for cls in (c for c in FAIR if FAIR[c]):
+        for cls in (c for c in NAMES if self.fair[c]):
             # the class's virtual time (smallest backlogged counter, else the last to go idle)
             # never goes back: no lift below it, no refund below it
             head = self.r.zrange(KEYS.backlog(cls), 0, 0, withscores=True)

@@ -22,8 +22,9 @@ local function frontend_alive(p, frontend, now)
 end
 
 -- The largest whole KV room (tokens) among workers that beat within a lease; entries of
--- workers that left the heartbeat set are dropped on the way. O(workers of the pool), and
--- only called for a request that does not fit the claiming worker at all.
+-- workers that left the heartbeat set are dropped on the way. O(workers of the pool): claim
+-- calls it at most once per call, and only for a request that does not fit the claiming
+-- worker at all.
 local function largest_live_kv(p, now)
   local kv = redis.call('HGETALL', K_WORKER_KV)
   local best = 0

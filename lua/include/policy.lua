@@ -69,6 +69,16 @@ local function policy_class(p, cls)
   return c
 end
 
+-- Whether a class's tenants are ordered by virtual token counter (fair) or by their oldest
+-- request's seq (arrival order). A class a deploy removed from the policy still has queued
+-- requests that expire or are cancelled, and its backlog must keep the order it had:
+-- init_pool leaves a removed class's fields in place, so its flag is read from there.
+local function class_fair(p, cls)
+  local c = p.class[cls]
+  if c then return c.fair end
+  return tonumber(redis.call('HGET', p.key, cls .. '.fair') or '1') ~= 0
+end
+
 -- A class's ceiling binds only below the pool's capacity: a ceiling at (or above) capacity
 -- means "every idle slot", so an estimate of capacity that runs low never idles a GPU.
 local function ceiling_binds(p, c)

@@ -11,6 +11,7 @@
 -- request: the score is the seq of the tenant's oldest queued request.
 --!include pool_keys.lua
 --!include validate.lua
+--!include policy.lua
 --!include vtc.lua
 
 local function tenant_queue(cls, tenant)
@@ -43,7 +44,7 @@ local function dequeue(p, r)
   local q, backlog = tenant_queue(cls, tenant), P_BACKLOG .. cls
   redis.call('ZREM', q, r.id)
   redis.call('ZREM', K_DEADLINES, r.id)
-  local fair = p.class[cls] == nil or p.class[cls].fair
+  local fair = class_fair(p, cls)  -- also for a class a deploy removed (its queue still drains)
   local head = redis.call('ZRANGE', q, 0, 0, 'WITHSCORES')
   if head[2] == nil then
     local s = redis.call('ZSCORE', backlog, tenant)

@@ -1,6 +1,7 @@
 -- Refunds: what a finished request reserved but did not use goes back where it was charged.
 --!include pool_keys.lua
 --!include bucket.lua
+--!include policy.lua
 --!include vtc.lua
 
 -- Give back what was reserved but not used. Each bucket (and the tenant's virtual counter)
@@ -24,7 +25,9 @@ local function refund_request(p, r, used, now)
     end
   end
   given.r_vtc = 0
-  if r.c_vtc > 0 then
+  -- a class that has turned to arrival order since the claim keeps no counters: its backlog
+  -- scores are seqs, which a refund must not move
+  if r.c_vtc > 0 and class_fair(p, r.class) then
     given.r_vtc = vtc_refund(r.class, r.tenant, math.min(unused / r.t_weight, r.c_vtc))
   end
   return given

@@ -5,8 +5,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from limiter.config import QosConfig, demo_config
@@ -74,3 +75,33 @@ def tenant_figures(p99_ms: float, work: int) -> dict[str, Any]:
     this TTFT and this much work in the window."""
     return {"sent": 1, "completed": 1, "rejected_429": 0, "rejected_503": 0, "ttft_p50_ms": p99_ms,
             "ttft_p99_ms": p99_ms, "work_in_window": work}
+
+
+async def script_commands(redis_server: Any, run: Callable[[], Awaitable[Any]]) -> list[str]:
+    """Every command a script ran inside Redis while ``run()`` ran, as MONITOR shows it
+    ("HSET qos:{tiny}:... ..."): what a script touches and how often."""
+    seen: list[str] = []
+    ready = threading.Event()
+
+    def watch() -> None:
+        with redis_server.client().monitor() as m:
+            ready.set()
+            for cmd in m.listen():
+                if cmd["client_type"] == "lua":
+                    seen.append(cmd["command"])
+                elif cmd["command"].startswith("ECHO monitor-done"):
+                    return
+
+    def done() -> None:
+        client = redis_server.client()
+        client.echo("monitor-done")
+        client.close()
+
+    t = threading.Thread(target=watch, daemon=True)
+    t.start()
+    assert await asyncio.to_thread(ready.wait, 15), "MONITOR did not start"
+    await run()
+    await asyncio.to_thread(done)
+    await asyncio.to_thread(t.join, 15)
+    assert not t.is_alive(), "MONITOR did not see the end marker"
+    return seen
