@@ -22,6 +22,7 @@ import pytest
 import redis
 
 from tests.support.redis_server import free_port
+from tests.support.stalling_proxy import StallingProxy
 from tests.support.up_stack import Up, alive, children, complete, stream, wait_for, write_config
 
 
@@ -402,6 +403,45 @@ def test_sighup_stops_a_standalone_role_like_sigterm(tmp_path, redis_server, rol
         assert r.zscore("qos:{tiny}:workers", "w-hup") is None, out
     else:
         assert "releasing leadership" in out and r.get("qos:{tiny}:leader") is None, out
+
+
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGTERM])
+def test_a_stop_signal_while_the_frontend_starts_waits_for_the_startup_then_cleans_up(
+        tmp_path, redis_server, sig):
+    """A SIGHUP landing after the frontend's first heartbeat but before its startup was done
+    raised aiohttp's GracefulExit inside the startup: the startup was cancelled halfway, the
+    cleanup skipped, and the process hung past the test's 30 s (loaded pass 18, in
+    test_sighup_stops_a_standalone_role_like_sigterm). Here the first heartbeat's reply is
+    held back, so the signal lands exactly there."""
+    redis_server.client().flushall()
+    config = write_config(tmp_path / "qos.toml")
+    r = redis_server.client()
+    with StallingProxy(redis_server.port) as proxy:
+        proxy.hold_replies_after(b"$4\r\nZADD\r\n")  # the heartbeat's ZADD (scripts say 'ZADD')
+        env = {**{k: v for k, v in os.environ.items() if not k.startswith("QOS_")},
+               "QOS_REDIS_URL": proxy.url, "OMP_NUM_THREADS": "1"}
+        proc = subprocess_popen([sys.executable, "-m", "limiter.cli", "frontend", "--port", str(free_port()),
+                                 "--config", str(config), "--log-level", "INFO"], env)
+        lines: list[str] = []
+        reader = threading.Thread(target=lambda: lines.extend(x.decode() for x in proc.stdout), daemon=True)
+        reader.start()
+        try:
+            wait_for(lambda: r.zcard("qos:{tiny}:frontends") == 1, 60,
+                     "the first heartbeat to reach Redis (its reply held back)")
+            proc.send_signal(sig)
+            wait_for(lambda: proc.poll() is not None or any(f"{sig.name}: stopping" in x for x in lines),
+                     30, f"the frontend to log the {sig.name} (or exit)")
+            proxy.release()
+            rc = proc.wait(60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            reader.join(5)
+    out = "".join(lines)
+    assert rc == 0, out
+    assert r.zcard("qos:{tiny}:frontends") == 0, out  # it left, as a clean stop does
+    assert "listening on" not in out, out  # stopped before it ever listened
 
 
 @contextlib.contextmanager

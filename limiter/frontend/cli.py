@@ -11,14 +11,15 @@ import socket
 import sys
 
 from aiohttp import web
-from aiohttp.web_runner import GracefulExit
 
 from limiter import lifecycle
 from limiter.cli import common_args, load_config, log_level_arg
 from limiter.errors import ConfigError
 from limiter.event_loop import install_event_loop
 from limiter.frontend.app import create_app
-from limiter.frontend.settings import load_settings
+from limiter.frontend.settings import FrontendSettings, load_settings
+
+log = logging.getLogger("qos.frontend")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -49,15 +50,49 @@ def _env_int(name: str) -> int | None:
         raise SystemExit(f"qos: config error: {name}: must be an integer, got {v!r}") from exc
 
 
-def _raise_graceful_exit() -> None:
-    raise GracefulExit()
+async def _serve(app: web.Application, settings: FrontendSettings, sock: socket.socket | None,
+                 loop_name: str) -> None:
+    """Serve until SIGTERM, SIGINT or SIGHUP (unless started under nohup: SIGHUP ignored
+    stays ignored), then stop listening, give in-flight requests shutdown_grace_s and cancel
+    the rest (their handlers cancel them in Redis).
 
+    A signal only sets an event, looked at once the startup is done. aiohttp's run_app raised
+    GracefulExit from the handler instead: one that landed while the app started (its first
+    heartbeat already written) cancelled the startup halfway and skipped the cleanup, so the
+    process left its heartbeat behind or hung in its reply readers' blocking reads (loaded
+    pass 18). Handlers go in before the startup: a signal in it must not kill the process."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
 
-async def _hangup_stops(_app: web.Application) -> None:
-    """SIGHUP (a closed terminal, or `qos up` gone) stops the frontend like SIGTERM does
-    (unless started under nohup: SIGHUP ignored stays ignored)."""
-    if not lifecycle.hangup_ignored():
-        asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, _raise_graceful_exit)
+    def on_signal(sig: signal.Signals) -> None:
+        if stop.is_set():
+            log.warning("%s again: already stopping (in-flight requests get up to %.0f s)",
+                        sig.name, settings.shutdown_grace_s)
+            return
+        log.info("%s: stopping", sig.name)
+        stop.set()
+
+    hup = () if lifecycle.hangup_ignored() else (signal.SIGHUP,)
+    for sig in (signal.SIGTERM, signal.SIGINT, *hup):
+        loop.add_signal_handler(sig, on_signal, sig)
+    runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=settings.shutdown_grace_s,
+                           handler_cancellation=True, keepalive_timeout=settings.idle_timeout_s,
+                           access_log=None)
+    await runner.setup()
+    try:
+        if stop.is_set():
+            return  # stopped while starting: never listened
+        site = web.SockSite(runner, sock) if sock is not None else web.TCPSite(
+            runner, settings.host, settings.port, reuse_port=settings.reuse_port or None)
+        try:
+            await site.start()
+        except OSError as exc:
+            where = f"{settings.host}:{settings.port}"
+            raise ConfigError("frontend.port", f"cannot listen on {where}: {exc}") from exc
+        log.info("listening on http://%s:%d (%s)", settings.host, settings.port, loop_name)
+        await stop.wait()
+    finally:
+        await runner.cleanup()
 
 
 def _inherited_socket(fd: int) -> socket.socket:
@@ -77,26 +112,10 @@ def run(args: argparse.Namespace) -> int:
     settings = load_settings(cfg, {"host": args.host, "port": args.port, "reuse_port": args.reuse_port,
                                    "allow_demo_keys_public": args.allow_demo_keys_public})
     if cfg.demo:
-        logging.getLogger("qos.frontend").warning(
+        log.warning(
             "no config file: serving the demo config (keys demo-p0, demo-p1, demo-p2, demo-admin)")
     sock = _inherited_socket(args.listen_fd) if args.listen_fd is not None else None
-    loop = install_event_loop()
+    loop_name = install_event_loop()
     app = create_app(settings, cfg)
-    # First of the startup hooks: a SIGHUP while the Redis context starts (its first heartbeat
-    # already written) took the default action, killing the process (seen under load).
-    app.on_startup.insert(0, _hangup_stops)
-    listen = {"sock": sock} if sock is not None else {
-        "host": settings.host, "port": settings.port, "reuse_port": settings.reuse_port or None}
-    try:
-        # run_app turns SIGTERM/SIGINT (and SIGHUP, above) into a graceful exit: stop listening,
-        # give in-flight requests shutdown_grace_s, cancel the rest (their handlers cancel
-        # them in Redis).
-        web.run_app(app, **listen,
-                    shutdown_timeout=settings.shutdown_grace_s, handler_cancellation=True,
-                    keepalive_timeout=settings.idle_timeout_s,
-                    access_log=None, print=lambda _msg: logging.getLogger("qos.frontend").info(
-                        "listening on http://%s:%d (%s)", settings.host, settings.port, loop))
-    except OSError as exc:
-        where = f"{settings.host}:{settings.port}"
-        raise ConfigError("frontend.port", f"cannot listen on {where}: {exc}") from exc
+    asyncio.run(_serve(app, settings, sock, loop_name))
     return 0
