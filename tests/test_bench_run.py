@@ -20,7 +20,7 @@ import pytest
 from limiter import config as config_mod
 from limiter.bench import trace as tr
 from limiter.bench.driver import Record
-from limiter.bench.modes import FIFO_CLASS, MODES, mode_spec, to_toml
+from limiter.bench.modes import ALL_MODES, FIFO_CLASS, MODES, mode_spec, to_toml
 from limiter.bench.report import class_stats, markdown, targets, window_tokens
 from limiter.bench.runner import BenchParams, redraw, run_bench, speedup_for
 from limiter.config import DEFAULT_CLASSES
@@ -80,15 +80,18 @@ def test_speedup_offers_the_asked_tokens() -> None:
 
 # --- modes -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_mode_configs_round_trip_through_toml(mode: str, tmp_path: Path) -> None:
     spec = mode_spec(mode, capacity_tokens_s=12_000, context_tokens=40960)
     path = tmp_path / "c.toml"
     path.write_text(to_toml(spec.cfg))
     assert config_mod.load(path, env={}) == spec.cfg
-    if mode == "fifo":
-        assert spec.cfg.class_names() == [FIFO_CLASS] and not spec.chunked_prefill and not spec.controller
+    if mode.startswith("fifo"):
+        # the reference differs from fifo in its workers' chunked prefill only
+        assert spec.cfg == mode_spec("fifo", capacity_tokens_s=12_000, context_tokens=40960).cfg
+        assert spec.cfg.class_names() == [FIFO_CLASS] and not spec.controller
         assert {t.max_class for t in spec.cfg.tenants} == {FIFO_CLASS}
+        assert spec.chunked_prefill == (mode == "fifo-chunked")
     elif mode == "priority":
         assert all(c.floor == 0 for c in spec.cfg.classes) and not spec.controller
         assert spec.cfg.pools[0].capacity_tokens_s >= 1e12
@@ -183,6 +186,18 @@ def test_plots_are_drawn_from_the_run_files(smoke: tuple[dict[str, Any], Path]) 
     assert {p.name for p in paths} == names
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_chunked_reference_splits_the_work_gap_into_chunking_and_scheduling() -> None:
+    modes = {"fifo": {"server_work_s": 100.0}, "fifo-chunked": {"server_work_s": 90.0},
+             "qos": {"server_work_s": 81.0}}
+    rows = {r["target"]: r["value"] for r in targets({"params": {"load": 1.0}, "modes": modes})}
+    assert rows["work done by the workers qos / fifo (weighted tokens/s in the window)"] == 0.81
+    chunking = "work done by the workers fifo-chunked / fifo (what chunked prefill costs, for reference)"
+    scheduling = "work done by the workers qos / fifo-chunked (what the scheduling costs, for reference)"
+    assert rows[chunking] == 0.9 and rows[scheduling] == 0.9
+    without = {r["target"] for r in targets({"params": {"load": 1.0}, "modes": {"fifo": modes["fifo"]}})}
+    assert not any("fifo-chunked" in t for t in without)
 
 
 def test_targets_report_what_was_not_measured() -> None:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from limiter.bench.cli import mode_parser
-from limiter.bench.modes import MODES
+from limiter.bench.modes import ALL_MODES, MODES
 from limiter.bench.trace import DEFAULT_TRACE
 from limiter.errors import ConfigError
 from limiter.extras import require
@@ -133,7 +133,8 @@ def _add_run(bsub: argparse._SubParsersAction) -> None:
     a = p.add_argument
     a("--engine", choices=("sim", "torch"), default="sim",
       help="sim: GPU cost model, full-scale prompts (default); torch: tiny real model on CPU, scaled prompts")
-    a("--modes", default=",".join(MODES), help=f"comma-separated, in run order (default {','.join(MODES)})")
+    a("--modes", default=",".join(MODES), help=f"comma-separated, in run order (default {','.join(MODES)}; "
+      "fifo-chunked: fifo with chunked prefill, a reference for what chunking costs)")
     a("--load", type=float, default=1.5, help="offered load, a multiple of the pool's capacity (default 1.5)")
     a("--duration", type=float, default=60.0, help="seconds of arrivals per mode (default 60)")
     a("--drain", type=float, default=None,
@@ -171,8 +172,8 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
 
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     for m in modes:
-        if m not in MODES:
-            raise ConfigError("--modes", f"unknown mode {m!r}; known: {', '.join(MODES)}")
+        if m not in ALL_MODES:
+            raise ConfigError("--modes", f"unknown mode {m!r}; known: {', '.join(ALL_MODES)}")
     if not modes:
         raise ConfigError("--modes", "name at least one mode")
     if not 0 < args.load <= 20:

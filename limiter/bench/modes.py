@@ -1,9 +1,12 @@
-"""The three ways the benchmark runs the same load: each mode is a config plus worker flags.
+"""The ways the benchmark runs the same load: each mode is a config plus worker flags.
 
 * ``fifo`` -- no QoS, the original problem's "before": **one class** that every tenant maps to, served
   in arrival order whoever sent the request (``fair = false``), a capacity so large that no
   wait estimate ever refuses, no floors, no controller, and workers that prefill whole
   prompts (``--no-chunked-prefill``), so a 32K prompt stalls the batch.
+* ``fifo-chunked`` -- a reference, not run by default: ``fifo`` with chunked prefill (the
+  slices sized exactly as in ``priority`` and ``qos``). Against ``fifo`` it measures what
+  chunking itself costs in work; against ``qos``, what the scheduling costs on top.
 * ``priority`` -- strict priority only: the three classes (P0 > P1 > P2, each with its own
   max queue wait), arrival order inside a class, chunked prefill, but unbounded capacity
   (nothing refused for its wait), no floors and no controller.
@@ -36,7 +39,8 @@ from limiter.config import (
 )
 from limiter.localstack.toml_writer import config_toml, write_toml
 
-MODES = ("fifo", "priority", "qos")
+MODES = ("fifo", "priority", "qos")  # the default run
+ALL_MODES = (*MODES, "fifo-chunked")
 POOL = "bench"
 UNLIMITED = 1e12  # capacity that never throttles (the Lua maxima accept it)
 FIFO_CLASS = "fifo"
@@ -83,12 +87,12 @@ def mode_spec(mode: str, *, capacity_tokens_s: float, context_tokens: int, out_w
     pool = PoolConfig(name=POOL, model=POOL, context_tokens=context_tokens, default_max_tokens=256,
                       capacity_tokens_s=capacity_tokens_s)
     common: dict[str, Any] = {"frontend": {"shutdown_grace_s": 2.0}, "worker": {"drain_timeout_s": 2.0}}
-    if mode == "fifo":
+    if mode in ("fifo", "fifo-chunked"):
         one = ClassConfig(name=FIFO_CLASS, share=1.0, ceil_share=1.0, floor=0.0, max_wait_ms=NO_MAX_WAIT_MS,
                           admission_wait_ms=0, queue_cap=1_000_000, out_weight=out_weight, fair=False)
         cfg = QosConfig(classes=(one,), pools=(dataclasses.replace(pool, capacity_tokens_s=UNLIMITED),),
                         tenants=_tenants(names, dict.fromkeys(names, FIFO_CLASS)), **common)
-        return ModeSpec(mode, validate(cfg), chunked_prefill=False, controller=False)
+        return ModeSpec(mode, validate(cfg), chunked_prefill=mode == "fifo-chunked", controller=False)
     if mode == "priority":
         strict = tuple(dataclasses.replace(c, floor=0.0, queue_cap=1_000_000, fair=False) for c in classes)
         cfg = QosConfig(classes=strict, pools=(dataclasses.replace(pool, capacity_tokens_s=UNLIMITED),),
@@ -99,7 +103,7 @@ def mode_spec(mode: str, *, capacity_tokens_s: float, context_tokens: int, out_w
         cfg = QosConfig(classes=classes, pools=(pool,), tenants=_tenants(names, {c: c for c in names}),
                         controller=dict(controller or {}), **common)
         return ModeSpec(mode, validate(cfg), chunked_prefill=True, controller=True)
-    raise ValueError(f"unknown mode {mode!r}; known: {', '.join(MODES)}")
+    raise ValueError(f"unknown mode {mode!r}; known: {', '.join(ALL_MODES)}")
 
 
 # --- TOML ---------------------------------------------------------------------------------------

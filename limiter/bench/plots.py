@@ -26,7 +26,8 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import NullFormatter
 
 CLASS_COLORS = {"P0": "#d62728", "P1": "#1f77b4", "P2": "#2ca02c"}
-MODE_STYLES = {"fifo": ("#7f7f7f", ":"), "priority": ("#ff7f0e", "--"), "qos": ("#9467bd", "-"),
+MODE_STYLES = {"fifo": ("#7f7f7f", ":"), "fifo-chunked": ("#8c564b", ":"), "priority": ("#ff7f0e", "--"),
+               "qos": ("#9467bd", "-"),
                "external": ("#17becf", "-")}
 DPI = 90
 NOT_COMPLETED_Y = 5.0  # ms: where ttft_over_time puts the requests that got no answer

@@ -213,6 +213,12 @@ def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     sr = sq / sf if sq is not None and sf else None  # qos at 0 is a miss, not "not measured"
     add("work done by the workers qos / fifo (weighted tokens/s in the window)", _r(sr, 3), ">= 0.97",
         None if sr is None else sr >= 0.97, (load or 9) <= 1.0)
+    sc = _get(results, "fifo-chunked", "server_work_s")
+    if sc:  # the reference mode ran: split the gap into chunking's cost and the scheduling's
+        add("work done by the workers fifo-chunked / fifo (what chunked prefill costs, for reference)",
+            _r(sc / sf, 3) if sf else None, "report", None, False)
+        add("work done by the workers qos / fifo-chunked (what the scheduling costs, for reference)",
+            _r(sq / sc, 3) if sq is not None else None, "report", None, False)
     tq = _get(results, "qos", "throughput_work_s")
     tf = _get(results, "fifo", "throughput_work_s")
     tr = tq / tf if tq is not None and tf else None
@@ -222,7 +228,7 @@ def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
     tf = _get(results, "fifo", "throughput_tokens_s")
     tr = tq / tf if tq is not None and tf else None
     add("throughput qos / fifo (plain tokens/s, for reference)", _r(tr, 3), "report", None, False)
-    for mode in ("fifo", "priority", "qos"):
+    for mode in ("fifo", "fifo-chunked", "priority", "qos"):
         g = _get(results, mode, "gap_probe")
         if g:
             rc = g.get("ratio_client")

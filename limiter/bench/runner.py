@@ -274,7 +274,7 @@ def build_results(p: BenchParams, runs: Sequence[ModeRun], arrivals: Sequence[tr
                                capacity=capacity.weighted_tokens_s, timeline=run.timeline)
         modes[run.name] = {
             "engine": p.engine, "simulated": p.engine == "sim", **summary,
-            "internal_classes": [FIFO_CLASS] if run.name == "fifo" else classes,
+            "internal_classes": [FIFO_CLASS] if run.name.startswith("fifo") else classes,
             "chunked_prefill": run.name != "fifo", "controller": run.controller,
             "gap_probe": run.gap, "redis_commandstats": run.commands, **run.preemptions,
             "decisions": run.decisions, "timeline": run.timeline,
