@@ -21,7 +21,6 @@ class StallingProxy:
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._marker: bytes | None = None
         self._held = threading.Event()  # replies are being held back
-        self.marker_seen = threading.Event()
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
         self._sockets: list[socket.socket] = []
@@ -60,7 +59,6 @@ class StallingProxy:
                         break
                     if self._marker is not None and self._marker in data:
                         self._held.set()
-                        self.marker_seen.set()
                     upstream.sendall(data)
                 if upstream in ready:
                     data = upstream.recv(65536)
