@@ -13,9 +13,10 @@ before anything starts, and who holds a port when it is taken.
   up`` itself, before any child starts: a taken port is refused with a message naming it
   (and, where /proc tells, the process holding it), also when the stranger listens on the
   other family's address where the stack's clients would reach it (``[::1]`` beside
-  ``127.0.0.1``: ``localhost`` resolves there first); the frontends of the stack inherit
-  their sockets, so SO_REUSEPORT never lets a stranger's listener (an orphaned frontend of
-  another stack) share the port.
+  ``127.0.0.1``: ``localhost`` resolves there first). :func:`share_listen_socket` gives every
+  frontend of the stack the one socket, bound without SO_REUSEPORT, so no stranger's
+  listener (an orphaned frontend of another stack, a later ``--reuse-port`` process) can
+  share the port with the stack, before or after it starts.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
+from typing import Protocol
 
 from limiter.errors import ConfigError
 
@@ -199,8 +201,9 @@ def check_port_free(host: str, port: int, name: str = "--port") -> None:
             raise _in_use(name, other, port, f" ({why} instead of {host})") from exc
 
 
-def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
-    """A listening socket on host:port for one frontend of the stack (inheritable)."""
+def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.socket:
+    """A listening socket on host:port (inheritable); ``reuse_port`` only for a private stack
+    on a free port (the benchmarks), never for ``qos up``'s (see :func:`share_listen_socket`)."""
     sock = socket.socket(_family(host), socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -215,3 +218,32 @@ def listen_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
         raise _in_use("--port", host, port) from exc
     sock.set_inheritable(True)
     return sock
+
+
+class _Listener(Protocol):
+    sock: socket.socket | None
+
+
+def share_listen_socket(frontends: Sequence[_Listener], host: str, port: int) -> None:
+    """Bind host:port once, without SO_REUSEPORT, and give each frontend its own descriptor of
+    that one socket (``.sock``, inheritable; the caller closes each once its child holds it).
+
+    One socket, not one per frontend in a SO_REUSEPORT group: the kernel lets any process of
+    the same user join such a group, so a stranger started later with SO_REUSEPORT (a
+    standalone ``qos frontend --reuse-port``, another stack's orphan) silently took a share of
+    the stack's connections. Against a socket without SO_REUSEPORT its bind fails with
+    EADDRINUSE. The frontends accept from the one queue; the socket closes when the last of
+    them exits (connections then refused, not left hanging in a backlog nobody accepts)."""
+    shared = listen_socket(host, port)
+    try:
+        for c in frontends:
+            c.sock = shared.dup()
+            c.sock.set_inheritable(True)
+    except OSError as exc:
+        for c in frontends:
+            if c.sock is not None:
+                c.sock.close()
+                c.sock = None
+        raise ConfigError("--port", f"cannot share the socket on {host}:{port}: {exc}") from exc
+    finally:
+        shared.close()

@@ -288,6 +288,20 @@ def test_a_data_dir_left_by_a_killed_qos_up_is_removed_at_the_next_start(tmp_pat
         server.stop()
 
 
+def test_a_start_on_an_external_redis_sweeps_too(tmp_path, monkeypatch):
+    # The sweep ran only where qos up started its own redis-server: a user who switched to
+    # --redis-url kept every dir the killed runs before had left.
+    from limiter.localstack.up import start_redis
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    left, _ = _dir_of_a_process_that_died(tmp, start=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    url, server = start_redis(argparse.Namespace(redis_url="redis://127.0.0.1:1/0"))
+    assert (url, server) == ("redis://127.0.0.1:1/0", None)
+    assert not left.exists(), "a dead qos up's data dir survived a start with --redis-url"
+
+
 def _dir_of_a_process_that_died(tmp: Path, start: bool) -> tuple[Path, int]:
     """A RedisServer made (and, if ``start``, started) by a process that then died without
     stopping it: (its data dir, the redis-server pid or 0)."""

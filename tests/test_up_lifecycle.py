@@ -6,6 +6,7 @@ worker is reported while the stack keeps serving, and `--restart` brings it back
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import signal
@@ -52,6 +53,17 @@ def _role_pids(up: Up) -> dict[str, int]:
         elif " worker " in cmd:
             out[cmd.split("--worker-id ")[1].split()[0]] = pid
     return out
+
+
+def _wait_for_both_frontends(up: Up) -> None:
+    """Both frontends serve the port: each inherited the stack's one listening socket."""
+    seen: set[str] = set()
+
+    def both_frontends_answered() -> bool:
+        with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/healthz", timeout=10) as r:
+            seen.add(json.loads(r.read())["frontend"])
+        return len(seen) == 2
+    wait_for(both_frontends_answered, 30, "both frontends to answer /healthz")
 
 
 def _order(up: Up, *patterns: str) -> list[int]:
@@ -112,14 +124,7 @@ def test_an_idle_stack_stops_without_waiting_out_any_grace(tmp_path):
             "--frontends", "2") as up:
         up.wait_ready()
         pids = _role_pids(up)
-        # Both frontends serve the port (each inherited a socket of the stack's SO_REUSEPORT group).
-        seen: set[str] = set()
-
-        def both_frontends_answered() -> bool:
-            with urllib.request.urlopen(f"http://127.0.0.1:{up.port}/healthz", timeout=10) as r:
-                seen.add(json.loads(r.read())["frontend"])
-            return len(seen) == 2
-        wait_for(both_frontends_answered, 30, "both frontends to answer /healthz")
+        _wait_for_both_frontends(up)
         t0 = time.monotonic()
         up.ctrl_c()
         assert up.wait_exit(90) == 0, up.output
@@ -223,6 +228,26 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path):
     assert f"port {port} on 127.0.0.1 is already in use" in up.output, up.output
     assert f"held by pid {os.getpid()}" in up.output, up.output
     assert spawned == [], up.output  # nothing was started, so nothing had to be stopped
+
+
+def test_a_stranger_cannot_bind_the_port_beside_a_running_stack(tmp_path):
+    # Two frontends share the port, yet a later SO_REUSEPORT listener of the same user (a
+    # standalone `qos frontend --reuse-port`, another stack's orphan) is refused: with one
+    # socket per frontend in a SO_REUSEPORT group the kernel let it in, and it took a share
+    # of the stack's connections without a word.
+    with Up(free_port(), "--config", str(write_config(tmp_path / "qos.toml")), "--engine", "sim",
+            "--workers", "1", "--frontends", "2") as up:
+        up.wait_ready()
+        for family, host in ((socket.AF_INET, "127.0.0.1"), (socket.AF_INET, "0.0.0.0")):
+            with socket.socket(family, socket.SOCK_STREAM) as stranger:
+                stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                with pytest.raises(OSError) as refused:
+                    stranger.bind((host, up.port))
+                    stranger.listen(8)
+                assert refused.value.errno == errno.EADDRINUSE, (host, refused.value)
+        _wait_for_both_frontends(up)
+        up.ctrl_c()
+        assert up.wait_exit(90) == 0, up.output
 
 
 def test_a_dead_worker_is_reported_and_the_stack_keeps_serving(tmp_path):

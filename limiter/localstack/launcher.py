@@ -142,9 +142,9 @@ class Stack:
             extra, fds = ("--listen-fd", str(child.sock.fileno())), (child.sock.fileno(),)
         child.launch(env, *extra, new_session=True, death_signal=PARENT_DEATH_SIGNAL, pass_fds=fds, **popen)
         if child.sock is not None:
-            # Our copy must go: the child's keeps the socket open, and once that child exits
-            # the socket must close with it (connections refused), not stay listening here
-            # with nobody accepting (connections hanging in its backlog).
+            # Our copy must go: the children's keep the socket open, and once the last of
+            # them exits the socket must close with it (connections refused), not stay
+            # listening here with nobody accepting (connections hanging in its backlog).
             child.sock.close()
             child.sock = None
         if child not in self.children:

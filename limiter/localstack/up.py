@@ -12,8 +12,8 @@ so ``ps`` shows which is which and an operator can signal one. Lifecycle:
 * every child gets a parent-death signal (Linux), so none outlives ``qos up``;
 * the HTTP port is bound by ``qos up`` before anything starts (a taken port is refused,
   naming it and its holder, also one a stranger holds on ``[::1]`` beside ``127.0.0.1``,
-  where clients of ``localhost`` would reach it); the frontends inherit their sockets, so SO_REUSEPORT is only
-  ever shared within the stack;
+  where clients of ``localhost`` would reach it); the frontends all inherit that one socket,
+  bound without SO_REUSEPORT, so a stranger started later cannot bind the port beside them;
 * a worker that dies is reported loudly and the stack keeps serving (its requests resume
   on the other workers when their leases expire); ``--restart`` starts it again with
   back-off, also one that dies before the stack is ready (without it, that fails the
@@ -30,7 +30,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -202,6 +201,11 @@ def _check_args(args: argparse.Namespace) -> None:
 
 def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | EmbeddedRedis | None]:
     """--redis-url if given; else a private redis-server child; else an embedded server."""
+    # A `qos up` SIGKILLed could not remove its data dir: those whose processes are gone go
+    # now, whichever Redis this start uses (a later start with --redis-url saw them too).
+    if stale := remove_stale_dirs():
+        say(f"qos up: removed {len(stale)} Redis data dir(s) left by a killed qos up: "
+            f"{', '.join(str(d) for d in stale)}", err=True)
     if args.redis_url:
         return args.redis_url, None
     if shutil.which("redis-server") is None:
@@ -210,10 +214,6 @@ def start_redis(args: argparse.Namespace) -> tuple[str, RedisServer | EmbeddedRe
             err=True)
         embedded = EmbeddedRedis().start()
         return embedded.url, embedded
-    # A `qos up` SIGKILLed could not remove its data dir: those whose processes are gone go now.
-    if stale := remove_stale_dirs():
-        say(f"qos up: removed {len(stale)} Redis data dir(s) left by a killed qos up: "
-            f"{', '.join(str(d) for d in stale)}", err=True)
     # Its own session (Ctrl-C does not reach it: it is stopped last) and bound to us: a
     # `qos up` that dies takes it along.
     server = RedisServer(extra=["--appendonly", "no"], new_session=True,
@@ -314,16 +314,7 @@ def run(args: argparse.Namespace) -> int:
     lifecycle.check_port_free(args.host, args.port)
     check_role_ports(cfg, args)
     children = build_commands(args)
-    frontends = [c for c in children if c.role == "frontend"]
-    socks: list[socket.socket] = []
-    try:
-        for c in frontends:
-            c.sock = lifecycle.listen_socket(args.host, args.port, reuse_port=len(frontends) > 1)
-            socks.append(c.sock)
-    except ConfigError:
-        for sk in socks:
-            sk.close()
-        raise
+    lifecycle.share_listen_socket([c for c in children if c.role == "frontend"], args.host, args.port)
     if not lifecycle.parent_death_supported():
         say("qos up: WARNING: no parent-death signal on this platform: if qos up is killed, stop its "
             "children by hand", err=True)
@@ -376,8 +367,10 @@ def run(args: argparse.Namespace) -> int:
             # Killed, not stopped cleanly (a second Ctrl-C): exit as the shell reports a process
             # that signal ended (130 for SIGINT, 143 for SIGTERM), never 0.
             rc = 128 + signals["last"]
-        for sk in socks:
-            sk.close()
+        for c in children:  # a frontend never started (the start failed first) still holds one
+            if c.sock is not None:
+                c.sock.close()
+                c.sock = None
         for s, h in old.items():
             with contextlib.suppress(ValueError):
                 signal.signal(s, h)
