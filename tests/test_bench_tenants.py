@@ -69,3 +69,29 @@ def test_a_short_real_run(tmp_path: Path) -> None:
         assert on_disk["modes"][mode]["jain_backlogged"] is not None
     assert results["targets"] and {"tenants_service.png", "tenants_ttft.png"} <= {
         f.name for f in tmp_path.iterdir()}
+
+
+@pytest.mark.parametrize("value", ["0", "-256"])
+def test_a_step_budget_below_one_token_is_refused_before_any_stack_starts(
+        value: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    from limiter import cli
+
+    started: list[object] = []
+    monkeypatch.setattr(tb, "run_tenants", lambda *a, **k: started.append(a))
+    assert cli.main(["bench", "tenants", "--token-budget", value]) == 2
+    assert "--token-budget: must be >= 1" in capsys.readouterr().err
+    assert started == []
+
+
+def test_the_step_budget_flag_reaches_the_stack(monkeypatch) -> None:
+    from limiter import cli
+
+    seen: list[tb.TenantParams] = []
+
+    async def run(p: tb.TenantParams, console: object = None) -> dict[str, Any]:
+        seen.append(p)
+        raise SystemExit(0)
+    monkeypatch.setattr(tb, "run_tenants", run)
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "tenants", "--token-budget", "2048"])
+    assert [p.token_budget for p in seen] == [2048]

@@ -93,6 +93,9 @@ def _add_tenants(bsub: argparse._SubParsersAction) -> None:
     for t in ("steady", "heavy", "medium"):
         a(f"--{t}", type=float, default=getattr(d, t),
           help=f"the {t} tenant's load, a multiple of capacity (default {getattr(d, t):g})")
+    a("--token-budget", type=int, default=None,
+      help="most worker tokens per step, sized below it from the TPOT targets "
+           f"(default {d.token_budget} sim, 64 torch)")
     _scenario_stack_args(p, d, out="results.json, requests.jsonl, PNG plots and logs")
     a("--markdown", action="store_true", help="print the tables as markdown")
 
@@ -112,6 +115,8 @@ def _tenants(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name}", f"must be > 0{hint}")
     if args.workers < 1:
         raise ConfigError("--workers", "must be >= 1")
+    if args.token_budget is not None and args.token_budget < 1:
+        raise ConfigError("--token-budget", "must be >= 1")
     if args.out:
         require("matplotlib", "qos bench tenants --out (the plots)")
     if args.engine == "torch":
@@ -119,8 +124,8 @@ def _tenants(args: argparse.Namespace) -> int:
     p = tb.TenantParams(engine=args.engine, duration_s=args.duration, drain_s=args.drain,
                         workers=args.workers, steady=args.steady, heavy=args.heavy, medium=args.medium,
                         calibrate=args.calibrate, out_dir=args.out)
-    if args.engine == "torch":
-        p = tb.dataclasses.replace(p, token_budget=64)
+    if args.token_budget is not None or args.engine == "torch":
+        p = tb.dataclasses.replace(p, token_budget=args.token_budget or 64)
     results = asyncio.run(tb.run_tenants(p, console))
     for t in tb.render(results, markdown=args.markdown):
         console.print(t)
