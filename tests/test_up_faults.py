@@ -71,6 +71,26 @@ def test_a_redis_server_that_fails_to_start_says_why(redis_on_a_taken_port, caps
     assert "in use" in out or str(taken) in out, out
 
 
+def test_a_free_port_taken_before_the_server_binds_it_is_replaced_by_another():
+    # free_port() only says a port was free a moment ago: another process (a second test
+    # worker, anything on the host) may be handed it too. A server on a port it chose itself
+    # starts on another; one whose port the caller named still fails (the test above).
+    from limiter.localstack.redis_server import RedisServer
+
+    server = RedisServer()
+    taken = server.port
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", taken))
+        thief.listen(1)
+        server.start()
+    try:
+        assert server.port != taken
+        assert server.client().ping()
+        assert "Address already in use" not in (server.dir / "redis.log").read_text(errors="replace")
+    finally:
+        server.stop()
+
+
 # --- `qos up --demo-load` ------------------------------------------------------------------------
 
 def _demo_keys_config(path, time_scale: float):

@@ -26,13 +26,16 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import redis
+from redis.backoff import NoBackoff
 from redis.crc import key_slot
+from redis.retry import Retry
 
 from limiter import lifecycle
 
 DIR_PREFIX = "qos-redis-"
 OWNER_FILE = "qos-owner"  # in a dir made here: "owner PID:START" and "server PID:START" lines
 STALE_SCAN_LIMIT = 64  # dirs one sweep looks at, whatever else the temp dir holds
+PORT_ATTEMPTS = 3  # first starts on a free port someone else took meanwhile: a new one each time
 
 
 def free_port() -> int:
@@ -47,7 +50,9 @@ class RedisServer:
     """A redis-server child on a free port; `restart()` keeps its data dir (AOF)."""
 
     extra: list[str] = field(default_factory=list)
-    port: int = field(default_factory=free_port)
+    # 0: a free one (free_port), and another if a process takes it before the server binds it
+    # (two test processes, or anything on the host, can be handed the same free port).
+    port: int = 0
     dir: Path = None  # type: ignore[assignment]  # None: a temp dir of its own (__post_init__)
     proc: subprocess.Popen | None = None
     binary: str = "redis-server"
@@ -57,6 +62,9 @@ class RedisServer:
     preexec_fn: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
+        self.own_port = self.port == 0
+        if self.own_port:
+            self.port = free_port()
         # Only a dir made here may be removed when a first start fails: a caller's is its data.
         self.own_dir = self.dir is None
         if self.dir is None:
@@ -78,6 +86,18 @@ class RedisServer:
         if shutil.which(self.binary) is None:
             raise RuntimeError(f"{self.binary} not found on PATH")
         first = self.proc is None
+        retries = PORT_ATTEMPTS - 1 if first and self.own_port else 0
+        while self._launch(first, timeout_s, port_taken_ok=retries > 0):
+            # Its free port was taken meanwhile: a first start again, on another one.
+            retries -= 1
+            self.proc = None
+            (self.dir / "redis.log").unlink(missing_ok=True)
+            self.port = free_port()
+        return self
+
+    def _launch(self, first: bool, timeout_s: float, port_taken_ok: bool) -> bool:
+        """Start the server and wait until it answers: False once it does; True when it exited
+        because its port was taken and ``port_taken_ok``; else raise what went wrong."""
         # Its log goes to a file in its dir: a start that fails says why (a port taken since
         # free_port() looked, a bad flag), where "exited with 1" was all there was to read.
         log = self.dir / "redis.log"
@@ -91,13 +111,19 @@ class RedisServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
+                if port_taken_ok and _port_taken(log):
+                    return True
                 self._failed(first, f"redis-server on port {self.port} exited with {self.proc.returncode}")
             try:
-                with redis.Redis(port=self.port, socket_connect_timeout=0.2) as probe:
+                # Bounded, no retries: against a listener that never answers (a port taken by
+                # something else) redis-py's default retries made one probe take 5-16 s.
+                with redis.Redis(port=self.port, socket_connect_timeout=0.2, socket_timeout=0.5,
+                                 retry=Retry(NoBackoff(), 0)) as probe:
                     # ours, not another server that took the port since free_port() looked
                     if int(probe.info("server")["process_id"]) == self.proc.pid:
-                        return self
-            except (redis.exceptions.BusyLoadingError, redis.exceptions.ConnectionError):
+                        return False
+            except (redis.exceptions.BusyLoadingError, redis.exceptions.ConnectionError,
+                    redis.exceptions.TimeoutError):  # (a listener on the port that is not a Redis)
                 pass
             time.sleep(0.02)
         self.kill()
@@ -148,6 +174,14 @@ class RedisServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _port_taken(log: Path) -> bool:
+    """Whether the server's log says it could not bind its port."""
+    try:
+        return "Address already in use" in log.read_text(errors="replace")
+    except OSError:
+        return False
 
 
 def _process_id(pid: int) -> str:
