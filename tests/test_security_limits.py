@@ -29,6 +29,7 @@ import redis.asyncio as aioredis
 from limiter.frontend.runtime import FRONTEND
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
+from tests.support.helpers import wait_until
 from tests.support.redis_server import RedisServer
 from tests.support.reliability_stack import KEY_P1, LiveStack, base_config
 
@@ -162,9 +163,12 @@ async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_t
     open held the handler, its reply queue and the whole output in the frontend for as long
     as it liked: once the worker finished, its tenant's max_inflight no longer counted it."""
     n = 6_000_000  # far more than the loopback socket buffers hold
+    # Long enough for the worker to finish first, even on a loaded machine (loaded pass 24 of
+    # the eleventh stop: at 1 s the handler was dropped while the worker was still pushing).
+    timeout_s = 8.0
     cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000})
-    async with frontend(cfg, request_timeout_s=1.0) as c, \
-            FakeWorker(aredis, POOL, fixed_text="y" * n, batch=200_000) as w:
+    async with frontend(cfg, request_timeout_s=timeout_s) as c, \
+            FakeWorker(aredis, POOL, fixed_text="y" * n, batch=1_000_000) as w:
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.connect(("127.0.0.1", c.port))
@@ -178,12 +182,13 @@ async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_t
             await writer.drain()
             assert (await reader.readline()).startswith(b"HTTP/1.1 200")
             # ... and it reads nothing more, keeping the connection open.
+            deadline = time.monotonic() + timeout_s + 2.0 + 10.0  # timeout + write grace + slack
+            await wait_until(lambda: w.served, "the worker to finish the whole answer", timeout=timeout_s)
+            assert w.served[0].outcome == "ok", w.served  # all of it now waits in the frontend
             router = c.server.app[FRONTEND].router
-            deadline = time.monotonic() + 1.0 + 2.0 + 10.0  # timeout + write grace + slack
             while router._queues:
                 assert time.monotonic() < deadline, "the stream's handler outlived request_timeout_s"
                 await asyncio.sleep(0.1)
-            assert w.served and w.served[0].outcome == "ok"  # the worker had finished long before
             with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
                 async with asyncio.timeout(10):
                     while await reader.read(1 << 16):  # what was buffered for it is gone: the
