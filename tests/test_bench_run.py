@@ -30,6 +30,33 @@ CLASS_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "max
                 "completed", "rejected_429", "rejected_503", "max_queue_wait_ms", "served_tokens")
 
 
+# --- flags ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--token-budget", "0"], "--token-budget: must be >= 1"),  # was: the default, silently
+    (["--token-budget", "-256"], "--token-budget: must be >= 1"),
+    (["--token-budget", "8"], "--token-budget: must be >= --max-seqs (16)"),
+    (["--max-seqs", "0"], "--max-seqs: must be in [1, 1024]"),
+    (["--frontends", "0"], "--frontends: must be in [1, 64]"),
+    (["--time-scale", "-1"], "--time-scale: must be in [0, 1000]"),
+    (["--time-scale", "nan"], "--time-scale: must be in [0, 1000]"),
+    (["--drain", "-5"], "--drain: must be in [0, 3600]"),
+    (["--torch-threads", "0"], "--torch-threads: must be >= 1"),
+    (["--capacity-rps", "0"], "--capacity-rps: must be > 0"),
+])
+def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
+        flags: list[str], named: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from limiter import cli
+    from limiter.bench import runner
+
+    started: list[object] = []
+    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: started.append(a))
+    assert cli.main(["bench", "run", *flags]) == 2
+    assert named in capsys.readouterr().err
+    assert started == []
+
+
 # --- workload --------------------------------------------------------------------------------------
 
 def test_shipped_trace_loads_with_its_attribution() -> None:

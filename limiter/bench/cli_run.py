@@ -198,7 +198,8 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
     workers = args.workers if args.workers is not None else (4 if args.engine == "sim" else 1)
     if not 1 <= workers <= 64:
         raise ConfigError("--workers", "must be in [1, 64]")
-    budget = args.token_budget or (256 if args.engine == "sim" else 64)
+    check_run_limits(args)
+    budget = args.token_budget if args.token_budget is not None else (256 if args.engine == "sim" else 64)
     return BenchParams(
         engine=args.engine, modes=modes, load=args.load, duration_s=args.duration,
         drain_s=args.drain if args.drain is not None else args.duration, seed=args.seed, trace=args.trace,
@@ -208,6 +209,30 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
         gap_probe=not args.no_gap_probe and not args.url, out_dir=args.out,
         url=args.url.rstrip("/") if args.url else None, model=args.model, keys=keys if args.url else {},
         controller=controller)
+
+
+def check_run_limits(args: argparse.Namespace) -> None:
+    """The stack flags of ``qos bench run``, checked before anything starts: a bad one used to
+    start Redis and the calibration first (or, for ``--token-budget 0``, fall back silently to
+    the default), and the workers then refused it one by one."""
+    if args.token_budget is not None and args.token_budget < 1:
+        raise ConfigError("--token-budget", "must be >= 1")
+    if not 1 <= args.max_seqs <= 1024:
+        raise ConfigError("--max-seqs", "must be in [1, 1024]")
+    budget = args.token_budget if args.token_budget is not None else (256 if args.engine == "sim" else 64)
+    if budget < args.max_seqs:
+        raise ConfigError("--token-budget", f"must be >= --max-seqs ({args.max_seqs}): a step serves every "
+                                            "decoder first, and a prompt must still get a token")
+    if not 1 <= args.frontends <= 64:
+        raise ConfigError("--frontends", "must be in [1, 64]")
+    if not 0 <= args.time_scale <= 1000:
+        raise ConfigError("--time-scale", "must be in [0, 1000]")
+    if args.drain is not None and not 0 <= args.drain <= 3600:
+        raise ConfigError("--drain", "must be in [0, 3600]")
+    if args.torch_threads < 1:
+        raise ConfigError("--torch-threads", "must be >= 1")
+    if args.capacity_rps is not None and not args.capacity_rps > 0:
+        raise ConfigError("--capacity-rps", "must be > 0")
 
 
 def controller_overrides(items: list[str]) -> dict[str, Any]:
