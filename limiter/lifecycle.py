@@ -223,6 +223,8 @@ def listen_socket(host: str, port: int, reuse_port: bool = False) -> socket.sock
 class _Listener(Protocol):
     sock: socket.socket | None
 
+    def close_sock(self) -> None: ...
+
 
 def share_listen_socket(frontends: Sequence[_Listener], host: str, port: int) -> None:
     """Bind host:port once, without SO_REUSEPORT, and give each frontend its own descriptor of
@@ -241,9 +243,7 @@ def share_listen_socket(frontends: Sequence[_Listener], host: str, port: int) ->
             c.sock.set_inheritable(True)
     except OSError as exc:
         for c in frontends:
-            if c.sock is not None:
-                c.sock.close()
-                c.sock = None
+            c.close_sock()
         raise ConfigError("--port", f"cannot share the socket on {host}:{port}: {exc}") from exc
     finally:
         shared.close()

@@ -69,6 +69,12 @@ class Child:
     restart_at: float | None = None  # --restart: when to start it again
     gone: bool = False  # dead and not coming back
 
+    def close_sock(self) -> None:
+        """Close our copy of its listening socket, if we hold one (idempotent)."""
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
     def launch(self, env: dict[str, str], *extra: str, **spawn_args: Any) -> Child:
         """Start ``argv`` and ``extra`` (:func:`spawn`; the output to ``log`` if set)."""
         self.proc = spawn([*self.argv, *extra], env, log=self.log, **spawn_args)
@@ -145,8 +151,7 @@ class Stack:
             # Our copy must go: the children's keep the socket open, and once the last of
             # them exits the socket must close with it (connections refused), not stay
             # listening here with nobody accepting (connections hanging in its backlog).
-            child.sock.close()
-            child.sock = None
+            child.close_sock()
         if child not in self.children:
             self.children.append(child)
 
@@ -224,9 +229,7 @@ class Stack:
         """SIGKILL the children still running and reap them all within
         ``lifecycle.REAP_TIMEOUT_S``; one that SIGKILL does not end is named, not waited for."""
         for c in self.children:
-            if c.sock is not None:
-                c.sock.close()
-                c.sock = None
+            c.close_sock()
         _report_unreaped(lifecycle.kill_and_reap({c.name: c.proc for c in self.children if c.proc}))
 
 

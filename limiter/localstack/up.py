@@ -368,9 +368,7 @@ def run(args: argparse.Namespace) -> int:
             # that signal ended (130 for SIGINT, 143 for SIGTERM), never 0.
             rc = 128 + signals["last"]
         for c in children:  # a frontend never started (the start failed first) still holds one
-            if c.sock is not None:
-                c.sock.close()
-                c.sock = None
+            c.close_sock()
         for s, h in old.items():
             with contextlib.suppress(ValueError):
                 signal.signal(s, h)
