@@ -69,6 +69,27 @@ async def test_the_heartbeat_capacity_is_computed_for_saturation_once_the_worker
     assert float(hb[b"capacity_tokens_s"]) > 0 and b"full_steps_tokens_s" in hb
 
 
+async def test_the_heartbeat_reports_the_loops_time_between_busy_steps_and_zero_once_idle(env) -> None:
+    """``step_gap_ms``: while steps follow each other with work left, the mean time from one
+    step's end to the next one's start (claims, cancel checks) is > 0; an interval without
+    such a pair reports 0, not the last busy figure."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.2) as rt:
+        key = rt.keys.worker(rt.worker_id)
+        ids = [await c.admit("word " * (20 + 37 * i), max_tokens=60) for i in range(8)]
+        deadline = time.monotonic() + 20
+        while float((hb := await c.client.hgetall(key)).get(b"step_gap_ms", b"0")) <= 0:
+            assert time.monotonic() < deadline, f"no heartbeat with step_gap_ms > 0 while busy in 20 s: {hb}"
+            await asyncio.sleep(0.05)
+        busy_gap = float(hb[b"step_gap_ms"])
+        await c.wait(ids, timeout=30)
+        deadline = time.monotonic() + 10
+        while float((hb := await c.client.hgetall(key)).get(b"step_gap_ms", b"-1")) != 0:
+            assert time.monotonic() < deadline, f"no heartbeat with step_gap_ms 0 once idle in 10 s: {hb}"
+            await asyncio.sleep(0.05)
+    assert 0 < busy_gap < 1000  # ms: the loop's own time, not an idle wait
+
+
 async def test_batched_pushes_are_fewer_than_tokens(env) -> None:
     cfg, c = env
     # Only the token count may trigger a push here: with the default flush_ms (50 ms), how

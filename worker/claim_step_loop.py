@@ -81,6 +81,11 @@ class StepLoop:
         self._capacity = SaturatedCapacity(StepLimits(limits.max_seqs, limits.token_budget, self.kv_capacity),
                                            targets)
         self._work_left = False  # the last step left sequences running (the next gap is overhead)
+        # the loop's time between a step and the next while work was left (claims, cancel
+        # checks, the last step's calls when they are still running): heartbeat step_gap_ms
+        self._prev_step_end: float | None = None
+        self._gap_time = 0.0
+        self._gaps = 0
         self._busy = BusyMeter()
         self._work_done = 0.0  # weighted tokens of useful work since start (heartbeat work_done)
         # The last step's pushes, completions and cancel check, running while the next step
@@ -374,6 +379,10 @@ class StepLoop:
                             [d.class_rank for rid in plan.decode if (d := held.get(rid)) is not None],
                             busy_before=self._work_left, fresh_prefill_work=fresh_work,
                             outputs=len(res.produced), output_work=output_work)
+        if self._work_left and self._prev_step_end is not None:
+            self._gap_time += max(0.0, res.start - self._prev_step_end)
+            self._gaps += 1
+        self._prev_step_end = res.end
         self._work_left = bool(self.sched.running)
         self._steps += 1
         self._last_step_ms = res.duration_s * 1e3
@@ -536,6 +545,8 @@ class StepLoop:
         dt = max(now - self._last_stats_t, 1e-9)
         tokens_s = self._gen_tokens / dt
         step_ms = self._step_time / self._steps * 1e3 if self._steps else self._last_step_ms
+        gap_ms = self._gap_time / self._gaps * 1e3 if self._gaps else 0.0
+        self._gap_time, self._gaps = 0.0, 0
         measured = self._busy.take()
         saturated = self._capacity.value()
         capacity = saturated or measured
@@ -546,7 +557,8 @@ class StepLoop:
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1),
                 "capacity_basis": "saturated" if saturated else "full_steps",
                 "full_steps_tokens_s": round(measured, 1),
-                "step_ms": round(step_ms, 2), "kv_used": kv_used, "kv_capacity": self.kv_capacity,
+                "step_ms": round(step_ms, 2), "step_gap_ms": round(gap_ms, 3),
+                "kv_used": kv_used, "kv_capacity": self.kv_capacity,
                 "kv_use": round(kv_used / self.kv_capacity, 4),
                 "token_budget": self.sched.budget.last if self.sched.budget else self.limits.token_budget,
                 "token_budget_max": self.limits.token_budget,

@@ -186,7 +186,7 @@ class Probe:
                                "workers": workers}
         self.timeline.append(row)
 
-    WORKER_FIELDS = ("batch_size", "running", "waiting", "kv_use", "token_budget", "step_ms",
+    WORKER_FIELDS = ("batch_size", "running", "waiting", "kv_use", "token_budget", "step_ms", "step_gap_ms",
                      "capacity_tokens_s", "tokens_s")
 
     async def worker_states(self) -> dict[str, dict[str, float | None]]:
