@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import aiohttp
 import pytest
@@ -88,6 +89,39 @@ async def test_the_heartbeat_reports_the_loops_time_between_busy_steps_and_zero_
             assert time.monotonic() < deadline, f"no heartbeat with step_gap_ms 0 once idle in 10 s: {hb}"
             await asyncio.sleep(0.05)
     assert 0 < busy_gap < 1000  # ms: the loop's own time, not an idle wait
+
+
+async def test_a_full_batch_keeps_stepping_while_its_look_ahead_claim_waits_on_redis(env) -> None:
+    """A full worker's look-ahead claim runs beside its steps: while that claim's reply is held
+    back, the running requests go on producing tokens (awaited before each step, a slow claim
+    stopped the whole batch), and the request it brings runs once the reply lands."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.02, max_seqs=2, token_budget=64) as rt:
+        first = [await c.admit("run " * 20, max_tokens=2000) for _ in range(2)]
+        for rid in first:
+            await c.wait_tokens(rid, 1)
+        real, gate, held_back = rt.claim, asyncio.Event(), asyncio.Event()
+
+        async def slow_claim(*args: Any, **kwargs: Any) -> Any:
+            if len(rt.held) >= 2:  # the batch is full: this is the look-ahead claim
+                held_back.set()
+                await gate.wait()
+            return await real(*args, **kwargs)
+
+        rt.claim = slow_claim  # type: ignore[method-assign]
+        late = await c.admit("late " * 5, max_tokens=4)
+        deadline = time.monotonic() + 15
+        while not held_back.is_set():
+            assert time.monotonic() < deadline, "no look-ahead claim within 15 s of the third request"
+            await asyncio.sleep(0.01)
+        before = c.answers[first[0]].tokens
+        await c.wait_tokens(first[0], before + 50, timeout=15)  # the batch steps on meanwhile
+        gate.set()
+        await c.wait([late], timeout=30)
+        for rid in first:
+            await c.client.sadd(rt.keys.cancels, rid)
+        await c.wait(first, timeout=30)
+    assert c.answers[late].done["fin"] == "length"
 
 
 async def test_batched_pushes_are_fewer_than_tokens(env) -> None:
