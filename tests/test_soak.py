@@ -3,9 +3,12 @@
 The stack (2 frontends, 2 sim workers, a controller, real processes) is first measured: a
 closed loop that keeps every batch slot busy gives its capacity in requests/s. Then an
 open-loop Poisson load at twice that rate runs for ``QOS_SOAK_S`` seconds (20 in the default
-run, 180 in the slow one) and stops by itself. Every second the test records Redis'
-``used_memory`` (and the part of it that is the samples and decisions streams, capped by MAXLEN
-rather than by time), the RSS of every frontend and worker, and every queue's depth.
+run, 180 in the slow one) and stops by itself. A round that shed nothing (the machine was
+slower while the capacity was measured than during the round) runs again at twice what it
+answered, up to three rounds: the test waits for the overload it checks, not for a speed.
+Every second the test records Redis' ``used_memory`` (and the part of it that is the
+samples and decisions streams, capped by MAXLEN rather than by time), the RSS of every
+frontend and worker, and every queue's depth.
 
 Checks: every queue stays within its ``queue_cap`` at every sample; memory and RSS stay
 bounded (no trend between the middle and the last third of the run); every request ends
@@ -52,6 +55,7 @@ QUEUE_CAP = 40
 CLASSES = ("P0", "P1", "P2")
 KEYS = {"P0": KEY_P0, "P1": KEY_P1, "P2": KEY_P2}
 SHED = ("max_wait_exceeded", "queue_full", "queue_timeout", "too_many_inflight")
+MAX_ROUNDS = 3  # open-loop rounds, each at twice what the last one answered, until one sheds
 
 
 @dataclass
@@ -148,6 +152,63 @@ def write_artifacts(curve: Curve, out: Path) -> None:
     fig.savefig(out / "soak.png", dpi=90)
 
 
+async def overload_round(stack: LiveStack, r: aioredis.Redis, s: aiohttp.ClientSession, rng: random.Random,
+                         spec: dict[str, Any], rate: float, duration: float, curve: Curve,
+                         outcomes: list[Outcome], attempt: int) -> None:
+    """``duration`` seconds of open-loop Poisson arrivals at ``rate`` (they never wait for
+    answers), sampling ``curve`` every second; returns once every request has ended."""
+    t0 = time.monotonic()
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def one(i: int) -> None:
+        cls = CLASSES[i % 3]
+        kw = {
+            **spec,
+            "prompt_tokens": rng.randint(40, 200),
+            "max_tokens": rng.randint(10, 70),
+            "stream": i % 4 != 0,
+        }
+        fe = f"fe{i % 2}"
+        outcomes.append(await call(s, stack.base(fe), fe, KEYS[cls], f"s{attempt}-{i}", **kw))
+
+    async def sampler() -> None:
+        while time.monotonic() - t0 < duration + 1:
+            await sample(r, stack, curve, t0)
+            await asyncio.sleep(1.0)
+
+    sampling = asyncio.create_task(sampler())
+    i, next_at = 0, 0.0
+    while next_at < duration:
+        await asyncio.sleep(max(0.0, t0 + next_at - time.monotonic()))
+        task = asyncio.create_task(one(i))
+        tasks.add(task)
+        task.add_done_callback(tasks.discard)
+        i += 1
+        next_at += rng.expovariate(rate)
+    await asyncio.gather(*tasks)
+    await sampling
+
+
+def check_bounded(curve: Curve, what: str) -> None:
+    """Queues within their cap at every sample; Redis memory (less the MAXLEN-capped streams)
+    and every process's RSS without an upward trend."""
+    assert all(max(v) <= QUEUE_CAP for v in curve.queues.values()), (what, curve.queues)
+    redis_wo_samples = [a - b for a, b in zip(curve.redis_mb, curve.streams_mb, strict=True)]
+    assert bounded(redis_wo_samples, slack=2.0), (what, redis_wo_samples)
+    for name, v in curve.rss_mb.items():
+        assert bounded(v, slack=8.0), (what, name, v)
+
+
+def curve_lines(curve: Curve) -> str:
+    return "\n".join([
+        curve.row("Redis used_memory MiB", curve.redis_mb),
+        curve.row("capped streams MiB", curve.streams_mb),
+        *[curve.row(f"{n} RSS MiB", v) for n, v in curve.rss_mb.items()],
+        *[curve.row(f"queue {c} (cap {QUEUE_CAP})", [float(x) for x in v]) for c, v in curve.queues.items()],
+        curve.row("leased", [float(x) for x in curve.inflight]),
+    ])
+
+
 @pytest.mark.parametrize(
     "duration", [pytest.param(20.0, id="short"), pytest.param(180.0, id="full", marks=pytest.mark.slow)]
 )
@@ -167,44 +228,29 @@ async def test_overload_soak_at_twice_capacity(tmp_path: Path, duration: float) 
         await stack.wait_ready(r)
         rng = random.Random(3)
         outcomes: list[Outcome] = []
-        curve = Curve()
         async with (
             Recorder(r, ["tiny"], period_s=1.0) as rec,
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s,
         ):
             cap = await capacity_rps(stack, 4.0, 24, spec)
             rate = 2 * cap
-            t0 = time.monotonic()
-            tasks: set[asyncio.Task[None]] = set()
-
-            async def one(i: int) -> None:
-                cls = CLASSES[i % 3]
-                kw = {
-                    **spec,
-                    "prompt_tokens": rng.randint(40, 200),
-                    "max_tokens": rng.randint(10, 70),
-                    "stream": i % 4 != 0,
-                }
-                outcomes.append(
-                    await call(s, stack.base(f"fe{i % 2}"), f"fe{i % 2}", KEYS[cls], f"s{i}", **kw)
-                )
-
-            async def sampler() -> None:
-                while time.monotonic() - t0 < duration + 1:
-                    await sample(r, stack, curve, t0)
-                    await asyncio.sleep(1.0)
-
-            sampling = asyncio.create_task(sampler())
-            i, next_at = 0, 0.0
-            while next_at < duration:  # open loop: arrivals never wait for answers
-                await asyncio.sleep(max(0.0, t0 + next_at - time.monotonic()))
-                task = asyncio.create_task(one(i))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-                i += 1
-                next_at += rng.expovariate(rate)
-            await asyncio.gather(*tasks)
-            await sampling
+            # The closed loop measures the machine as fast as it is during those 4 s. On a busy
+            # CI box that can be half of what it is during the soak (loaded pass 30: 6.0 req/s
+            # measured, then 12.0 offered and all of it answered: no overload to test). So a round
+            # that shed nothing is run again at twice what it answered, up to MAX_ROUNDS.
+            for attempt in range(1, MAX_ROUNDS + 1):
+                curve = Curve()
+                first = len(outcomes)
+                await overload_round(stack, r, s, rng, spec, rate, duration, curve, outcomes, attempt)
+                shed = sum(1 for o in outcomes[first:] if o.kind == "http_error")
+                answered = sum(1 for o in outcomes[first:] if o.kind == "ok") / duration
+                check_bounded(curve, f"round {attempt} at {rate:.1f} req/s")
+                print(f"\n[soak] round {attempt}: {duration:.0f} s at {rate:.1f} req/s (measured capacity "
+                      f"{cap:.1f} req/s): {len(outcomes) - first} sent, {shed} shed, "
+                      f"{answered:.1f} answered/s\n" + curve_lines(curve))
+                if shed:
+                    break
+                rate = 2 * max(rate, answered)
             rep = check_outcomes(outcomes, allowed_codes=SHED, rec=rec)
             await rec.scan()
             clean_s = await wait_clean(r, ["tiny"], timeout=30)
@@ -212,31 +258,13 @@ async def test_overload_soak_at_twice_capacity(tmp_path: Path, duration: float) 
         states = check_charges(rec.records)
         assert sum(states.values()) == rep.admitted
         assert not await untimed_keys(r, "tiny")
-        lines = [
-            curve.row("Redis used_memory MiB", curve.redis_mb),
-            curve.row("capped streams MiB", curve.streams_mb),
-            *[curve.row(f"{n} RSS MiB", v) for n, v in curve.rss_mb.items()],
-            *[
-                curve.row(f"queue {c} (cap {QUEUE_CAP})", [float(x) for x in v])
-                for c, v in curve.queues.items()
-            ],
-            curve.row("leased", [float(x) for x in curve.inflight]),
-        ]
-        ok = rep.kinds["ok"]
-        print(
-            f"\n[soak] {duration:.0f} s at {rate:.1f} req/s = 2 x measured capacity {cap:.1f} req/s: "
-            f"{rep.line()}; {ok / duration:.1f} answered/s; requests by final state {states}; "
-            "zero orphan keys "
-            f"{clean_s:.1f} s after the load\n" + "\n".join(lines)
-        )
+        print(f"[soak] {rep.line()}; requests by final state {states}; "
+              f"zero orphan keys {clean_s:.1f} s after the load")
         if out := os.environ.get("QOS_SOAK_OUT"):
             write_artifacts(curve, Path(out))
-        assert all(max(v) <= QUEUE_CAP for v in curve.queues.values()), curve.queues
-        redis_wo_samples = [a - b for a, b in zip(curve.redis_mb, curve.streams_mb, strict=True)]
-        assert bounded(redis_wo_samples, slack=2.0), redis_wo_samples
-        for name, v in curve.rss_mb.items():
-            assert bounded(v, slack=8.0), (name, v)
-        assert ok > 0 and rep.kinds["http_error"] > 0  # it was overloaded, and it still served
+        # it was overloaded, and it still served
+        assert rep.kinds["ok"] > 0 and rep.kinds["http_error"] > 0, (
+            f"never overloaded: {MAX_ROUNDS} rounds up to {rate:.1f} req/s shed nothing")
     finally:
         stack.stop()
         await r.aclose()
