@@ -13,6 +13,7 @@ from worker.batch_policy import (
     Preemption,
     PrefillChunk,
     SeqState,
+    behind_prefill_tokens,
     build_plan,
     choose_admissions,
     choose_preemption,
@@ -201,6 +202,24 @@ def test_inside_a_class_the_tenant_with_fewest_slots_prefills_first() -> None:
     # classes without tenant fairness carry no tenant: arrival order, as before
     plan = build_plan([run("a", 1, "", 0, 400), run("b", 1, "", 1, 400)], Limits(token_budget=512))
     assert [c.request_id for c in plan.prefill] == ["a", "b"]
+
+
+def test_a_tenant_two_slots_behind_another_of_its_class_is_behind() -> None:
+    """The prompts that may go beyond the step's budget (worker/batch_scheduler.py): those of
+    a tenant holding at least two fewer of its class's slots than another tenant of it."""
+    def run(rid: str, rank: int, tenant: str, left: int = 0) -> SeqState:
+        return SeqState(rid, rank, 0, left, left == 0, 100, tenant)
+
+    flood = [run(f"f{i}", 1, "flood") for i in range(3)]
+    assert behind_prefill_tokens([*flood, run("l", 1, "light", 900)]) == 900  # 1 slot against 3
+    assert behind_prefill_tokens([*flood[:2], run("l", 1, "light", 900)]) == 0  # 1 against 2: even
+    assert behind_prefill_tokens([run("l", 1, "light", 900)]) == 0  # alone: behind nobody
+    # only what is left to prefill counts; the rich tenant's own prompts never do
+    assert behind_prefill_tokens([*flood, run("f3", 1, "flood", 500), run("l", 1, "light", 900),
+                                  run("l2", 1, "light")]) == 900
+    # tenants of other classes are not compared; classes without fairness (tenant '') never are
+    assert behind_prefill_tokens([*flood, run("p0", 0, "light", 300)]) == 0
+    assert behind_prefill_tokens([run(f"x{i}", 1, "") for i in range(4)] + [run("y", 1, "", 50)]) == 0
 
 
 def test_no_preemption_without_need_or_benefit() -> None:

@@ -19,8 +19,9 @@ from worker.batch_policy import Limits
 from worker.batch_scheduler import BatchScheduler, resume_finish_reason
 from worker.delivery import Delivery
 from worker.engines.base import SamplingParams, request_seed
-from worker.engines.sim import SimEngine
+from worker.engines.sim import CostModel, SimEngine
 from worker.settings import default_worker_id, load_settings
+from worker.step_budget import BudgetConfig, StepBudget
 from worker.textstream import StopScanner
 from worker.tokenizer import EOS_ID, IncrementalDecoder, encode
 
@@ -119,6 +120,50 @@ def test_the_top_class_prompt_is_prefilled_in_one_step_others_in_budget_slices()
     assert all(c.length <= 64 for r in steps[1:] for c in r.plan.prefill)  # P2: budget slices
     sliced = asyncio.run(go(0))[0]  # off: the top class is sliced like everyone
     assert [(c.request_id, c.length) for c in sliced.plan.prefill] == [("p0", 64)]
+
+
+def test_a_prompt_of_a_tenant_behind_in_its_class_goes_in_at_once_within_the_tpot_targets() -> None:
+    """Beside a flood tenant's streams, a light tenant's prompt was prefilled in budget slices,
+    each slice's step also carrying the flood's decoders: its TTFT was 1.6-2.4x its TTFT alone.
+    It now goes in at once, as far as the decoders' TPOT targets allow (P1 150 ms, P0 50 ms,
+    x 0.9); alone, or with the extension off, it is sliced as before."""
+    cost = CostModel(c0=0.010, c_prefill=60e-6, c_decode=1e-3, c_kv=0.0)
+
+    def light_chunk(prompt_chars: int, *, flood: int = 6, p0: bool = False, top_prefill: int = 2048) -> int:
+        async def go() -> int:
+            budget = StepBudget(BudgetConfig((50.0, 150.0, None), min_budget=16, max_budget=64))
+            rng = random.Random(1)
+            for _ in range(60):  # a worker that has watched steps of this cost
+                p, d = rng.randint(0, 1500), rng.randint(0, 16)
+                budget.observe(p, d, 1e3 * cost.cost(p, d, 0))
+            sched = BatchScheduler(SimEngine(time_scale=0, cost=cost), Limits(token_budget=64, max_seqs=16),
+                                   budget, top_prefill)
+            for i in range(flood):
+                sched.add(f"f{i}", encode("x" * 8), SamplingParams(max_tokens=50, eos_min_len=-1),
+                          class_rank=1, arrival=i, tenant="flood")
+            if p0:
+                sched.add("p0", encode("x" * 8), SamplingParams(max_tokens=50, eos_min_len=-1), class_rank=0,
+                          arrival=0)
+            while len(sched) and (not sched.running or any(s.to_prefill for s in sched.running)):
+                await sched.step()
+            sched.add("light", encode("y" * prompt_chars), SamplingParams(max_tokens=5), class_rank=1,
+                      arrival=99, tenant="light")
+            res = await sched.step()
+            chunks = {c.request_id: c.length for c in res.plan.prefill}
+            modelled_ms = 1e3 * cost.cost(res.plan.prefill_tokens, len(res.plan.decode), 0)
+            target_ms = 0.9 * (50 if p0 else 150)
+            assert not res.plan.decode or modelled_ms <= target_ms * 1.05, (modelled_ms, target_ms)
+            return chunks["light"]
+
+        return asyncio.run(go())
+
+    n = len(encode("y" * 1000))
+    assert light_chunk(1000) == n  # behind the flood (1 slot against 6): the whole prompt at once
+    assert light_chunk(1000, flood=0) == 64  # alone: budget slices
+    assert light_chunk(1000, flood=2) == 64 - 2  # one slot against two: not behind
+    assert light_chunk(1000, top_prefill=0) == 64 - 6  # the extension off
+    assert 1000 < light_chunk(3000) < len(encode("y" * 3000))  # held to P1's 135 ms
+    assert 200 < light_chunk(1000, p0=True) < 500  # a P0 decodes: held to its 45 ms
 
 
 @pytest.mark.parametrize(("kv_capacity", "recomputed"), [(4096, False), (160, True)])

@@ -270,6 +270,23 @@ def _tenant_slots(running: Sequence[SeqState]) -> dict[tuple[int, str], int]:
     return out
 
 
+def behind_prefill_tokens(running: Sequence[SeqState]) -> int:
+    """Prompt tokens still to prefill of running sequences whose tenant is *behind* in its
+    class: it holds at least two fewer of the class's slots here than another tenant of that
+    class (the gap at which :func:`choose_preemption` takes a slot from the richer tenant).
+    The scheduler lets such a prompt go into one step beyond the token budget, within the
+    decoders' TPOT targets: in budget-sized slices, each slice's step also carries the rich
+    tenant's decoders, and a light tenant's TTFT beside a flood was 1.6-2.4x its TTFT alone
+    (docs/benchmarks.md). Classes without tenant fairness (tenant ``''``) are never behind."""
+    share = _tenant_slots(running)
+    most: dict[int, int] = {}
+    for (rank, tenant), n in share.items():
+        if tenant:
+            most[rank] = max(most.get(rank, 0), n)
+    return sum(s.to_prefill for s in running
+               if s.tenant and not s.decoding and share[(s.class_rank, s.tenant)] + 2 <= most[s.class_rank])
+
+
 def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, float]:
     """Priority order with tenants sharing their class: class first, then the tenant holding
     the fewest of the class's slots in this batch, then arrival."""

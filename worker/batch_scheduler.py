@@ -33,6 +33,7 @@ from worker.batch_policy import (
     Limits,
     SeqState,
     StepPlan,
+    behind_prefill_tokens,
     build_plan,
     choose_admissions,
     choose_preemption,
@@ -128,7 +129,9 @@ class BatchScheduler:
         """``budget``: size each step from the decoders' TPOT targets and the measured step
         cost (``limits.token_budget`` is then the most a step may take); None = always
         ``limits.token_budget``. ``top_prefill_tokens``: a step may also prefill this many
-        tokens of the top class's prompts, beyond that budget (0 = no more)."""
+        tokens of the top class's prompts, beyond that budget, and as many of the prompts of
+        a tenant behind in its class while the decoders' TPOT targets allow (that needs
+        ``budget``; 0 = no more for either)."""
         self.engine = engine
         self.limits = limits
         self.budget = budget
@@ -246,20 +249,27 @@ class BatchScheduler:
         paused = self._pause()
         admitted = self._admit()
         running = self.running
+        states = [s.state() for s in running]
         limits = self.limits
         tokens = limits.token_budget
+        ranks = [s.class_rank for s in running if s.to_prefill == 0]
         if self.budget is not None:
-            tokens = self.budget.budget([s.class_rank for s in running if s.to_prefill == 0])
+            tokens = self.budget.budget(ranks)
         if self.top_prefill_tokens:
             # An interactive prompt is prefilled in a step or two, not in token-budget slices:
             # its TTFT is what its user waits for, while one longer step adds a fraction of a
             # millisecond to the mean TPOT of the streams decoding next to it.
-            top = sum(s.to_prefill for s in running if s.class_rank == 0)
-            decoding = sum(1 for s in running if s.to_prefill == 0)
-            tokens = max(tokens, decoding + min(top, self.top_prefill_tokens))
+            top = min(self.top_prefill_tokens, sum(s.to_prefill for s in running if s.class_rank == 0))
+            tokens = max(tokens, len(ranks) + top)
+            if self.budget is not None and (behind := behind_prefill_tokens(states)):
+                # So is the prompt of a tenant behind in its class (batch_policy), but only as
+                # far as the decoders' TPOT targets allow: the rich tenant's streams beside it
+                # keep their SLO. build_plan prefills that tenant's prompt first in its class.
+                allowed = self.budget.size(ranks, limits.token_budget + self.top_prefill_tokens)
+                tokens = max(tokens, min(allowed, len(ranks) + top + behind))
         if tokens != limits.token_budget:
             limits = replace(limits, token_budget=tokens)
-        plan = build_plan([s.state() for s in running], limits)
+        plan = build_plan(states, limits)
         if plan.empty:  # admission and preemption keep KV demand within capacity
             raise RuntimeError(f"no progress possible under {self.limits} with {len(self.running)} running")
         start = time.perf_counter()

@@ -144,16 +144,22 @@ class StepBudget:
 
     def budget(self, decoding_ranks: Sequence[int]) -> int:
         """Tokens for the next step, ``decoding_ranks`` being the classes of its decoders."""
+        self.last = self.size(decoding_ranks, self.config.max_budget)
+        return self.last
+
+    def size(self, decoding_ranks: Sequence[int], most: int) -> int:
+        """The step the decoders' targets allow, at most ``most`` tokens (the rule above with
+        ``most`` for the configured maximum; :meth:`budget` is this at that maximum). The
+        scheduler asks with a larger ``most`` for a prompt that may go beyond the maximum
+        (worker/batch_scheduler.py), still held to the targets."""
         c = self.config
         target = self.target_ms(decoding_ranks)
         fit = self.cost()
         if target is None or (fit is None and self._ms_per_token <= 0):
-            self.last = c.max_budget
-        elif fit is None:  # still learning the device: err small
-            self.last = int(min(c.max_budget, max(c.min_budget, target / self._ms_per_token)))
-        else:
-            fixed, per_prefill, per_decode = fit
-            decodes = len(decoding_ranks)
-            prefill = (target - fixed - per_decode * decodes) / per_prefill
-            self.last = int(min(c.max_budget, max(c.min_budget, decodes + max(prefill, 0.0))))
-        return self.last
+            return most
+        if fit is None:  # still learning the device: err small
+            return int(min(most, max(c.min_budget, target / self._ms_per_token)))
+        fixed, per_prefill, per_decode = fit
+        decodes = len(decoding_ranks)
+        prefill = (target - fixed - per_decode * decodes) / per_prefill
+        return int(min(most, max(c.min_budget, decodes + max(prefill, 0.0))))
