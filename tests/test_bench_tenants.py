@@ -92,6 +92,8 @@ def test_the_step_budget_flag_reaches_the_stack(monkeypatch) -> None:
         seen.append(p)
         raise SystemExit(0)
     monkeypatch.setattr(tb, "run_tenants", run)
-    with pytest.raises(SystemExit):
-        cli.main(["bench", "tenants", "--token-budget", "2048"])
-    assert [p.token_budget for p in seen] == [2048]
+    for argv in (["--token-budget", "256"], [], ["--engine", "torch"]):
+        with pytest.raises(SystemExit):
+            cli.main(["bench", "tenants", *argv])
+    # the default: vLLM's own for the sim (limiter/bench/modes.py), a CPU-sized one for torch
+    assert [p.token_budget for p in seen] == [256, 2048, 64]

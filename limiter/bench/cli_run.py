@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from limiter.bench.cli import mode_parser
-from limiter.bench.modes import ALL_MODES, MODES
+from limiter.bench.modes import ALL_MODES, MODES, SIM_TOKEN_BUDGET
 from limiter.bench.trace import DEFAULT_TRACE
 from limiter.errors import ConfigError
 from limiter.extras import require
@@ -95,7 +95,7 @@ def _add_tenants(bsub: argparse._SubParsersAction) -> None:
           help=f"the {t} tenant's load, a multiple of capacity (default {getattr(d, t):g})")
     a("--token-budget", type=int, default=None,
       help="most worker tokens per step, sized below it from the TPOT targets "
-           f"(default {d.token_budget} sim, 64 torch)")
+           f"(default {d.token_budget} sim, as vLLM's; 64 torch)")
     _scenario_stack_args(p, d, out="results.json, requests.jsonl, PNG plots and logs")
     a("--markdown", action="store_true", help="print the tables as markdown")
 
@@ -125,7 +125,7 @@ def _tenants(args: argparse.Namespace) -> int:
                         workers=args.workers, steady=args.steady, heavy=args.heavy, medium=args.medium,
                         calibrate=args.calibrate, out_dir=args.out)
     if args.token_budget is not None or args.engine == "torch":
-        p = tb.dataclasses.replace(p, token_budget=args.token_budget or 64)
+        p = tb.dataclasses.replace(p, token_budget=default_token_budget(args))
     results = asyncio.run(tb.run_tenants(p, console))
     for t in tb.render(results, markdown=args.markdown):
         console.print(t)
@@ -152,7 +152,8 @@ def _add_run(bsub: argparse._SubParsersAction) -> None:
     a("--frontends", type=int, default=1, help="frontend processes (default 1)")
     a("--time-scale", type=float, default=1.0, help="sim: multiply modelled step times (default 1)")
     a("--token-budget", type=int, default=None,
-      help="most worker tokens per step, sized below it from the TPOT targets (default 256 sim, 64 torch)")
+      help="most worker tokens per step, sized below it from the TPOT targets "
+           f"(default {SIM_TOKEN_BUDGET} sim, as vLLM's; 64 torch)")
     a("--max-seqs", type=int, default=16, help="worker batch size (default 16)")
     a("--torch-threads", type=int, default=1, help="torch CPU threads per worker (default 1)")
     a("--calibrate", choices=("stack", "engine"), default="stack",
@@ -199,7 +200,7 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
     if not 1 <= workers <= 64:
         raise ConfigError("--workers", "must be in [1, 64]")
     check_run_limits(args)
-    budget = args.token_budget if args.token_budget is not None else (256 if args.engine == "sim" else 64)
+    budget = default_token_budget(args)
     return BenchParams(
         engine=args.engine, modes=modes, load=args.load, duration_s=args.duration,
         drain_s=args.drain if args.drain is not None else args.duration, seed=args.seed, trace=args.trace,
@@ -211,6 +212,13 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
         controller=controller)
 
 
+def default_token_budget(args: argparse.Namespace) -> int:
+    """``--token-budget``, or its default for the engine."""
+    if args.token_budget is not None:
+        return int(args.token_budget)
+    return SIM_TOKEN_BUDGET if args.engine == "sim" else 64
+
+
 def check_run_limits(args: argparse.Namespace) -> None:
     """The stack flags of ``qos bench run``, checked before anything starts: a bad one used to
     start Redis and the calibration first (or, for ``--token-budget 0``, fall back silently to
@@ -219,7 +227,7 @@ def check_run_limits(args: argparse.Namespace) -> None:
         raise ConfigError("--token-budget", "must be >= 1")
     if not 1 <= args.max_seqs <= 1024:
         raise ConfigError("--max-seqs", "must be in [1, 1024]")
-    budget = args.token_budget if args.token_budget is not None else (256 if args.engine == "sim" else 64)
+    budget = default_token_budget(args)
     if budget < args.max_seqs:
         raise ConfigError("--token-budget", f"must be >= --max-seqs ({args.max_seqs}): a step serves every "
                                             "decoder first, and a prompt must still get a token")

@@ -42,6 +42,12 @@ from limiter.localstack.toml_writer import config_toml, write_toml
 MODES = ("fifo", "priority", "qos")  # the default run
 ALL_MODES = (*MODES, "fifo-chunked")
 POOL = "bench"
+# The sim workers' step cap (``--token-budget``): vLLM's own default max_num_batched_tokens for
+# `vllm serve` (2,048 on GPUs under 70 GiB and on A100s, 8,192 above; its arg_utils.py). Each
+# step is still sized below it from the TPOT targets (worker/step_budget.py). Before the
+# fourteenth stop it was 256, a stress setting: every long prompt paid the step's fixed cost
+# once per 256 tokens (docs/benchmarks.md has the figures at both).
+SIM_TOKEN_BUDGET = 2048
 UNLIMITED = 1e12  # capacity that never throttles (the Lua maxima accept it)
 FIFO_CLASS = "fifo"
 NO_MAX_WAIT_MS = 600_000  # fifo: requests wait as long as they must (the run's drain bounds it)

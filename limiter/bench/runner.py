@@ -31,7 +31,7 @@ from limiter.bench import trace as tr
 from limiter.bench.calibrate import Capacity
 from limiter.bench.driver import Record, drive
 from limiter.bench.gapprobe import run_gap_probe
-from limiter.bench.modes import FIFO_CLASS, MODES, POOL, ModeSpec, mode_spec, tenant_name
+from limiter.bench.modes import FIFO_CLASS, MODES, POOL, SIM_TOKEN_BUDGET, ModeSpec, mode_spec, tenant_name
 from limiter.bench.stack import Probe, StackSpec, start_stack
 from limiter.bench.stackcal import calibrate
 from limiter.config import DEFAULT_CLASSES, ClassConfig
@@ -54,7 +54,7 @@ class BenchParams:
     workers: int = 4
     frontends: int = 1
     time_scale: float = 1.0
-    token_budget: int = 256  # the most a step may take; each is sized below it from the TPOT targets
+    token_budget: int = SIM_TOKEN_BUDGET  # the most a step may take; each is sized below it (TPOT targets)
     max_seqs: int = 16
     torch_threads: int = 1
     capacity_rps: float | None = None  # skip the calibration: the pool serves this many req/s

@@ -41,7 +41,7 @@ from rich.console import Console
 from limiter.bench import trace as tr
 from limiter.bench.calibrate import Capacity
 from limiter.bench.driver import Record, drive
-from limiter.bench.modes import POOL, api_key, mode_spec
+from limiter.bench.modes import POOL, SIM_TOKEN_BUDGET, api_key, mode_spec
 from limiter.bench.report import window_tokens
 from limiter.bench.runner import CONTEXT_TOKENS, speedup_for, tempfile_dir
 from limiter.bench.stack import StackSpec, start_stack
@@ -66,7 +66,7 @@ class TenantParams:
     steady: float = 0.2
     heavy: float = 3.0
     medium: float = 1.0
-    token_budget: int = 256  # the most a step may take; each is sized below it from the TPOT targets
+    token_budget: int = SIM_TOKEN_BUDGET  # the most a step may take; each is sized below it (TPOT targets)
     max_seqs: int = 16
     calibrate: str = "stack"
     out_dir: str | None = None
