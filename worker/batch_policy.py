@@ -24,6 +24,9 @@ tested exhaustively without a model, a GPU or Redis:
   KV room, strictly in priority order (no skipping ahead: a stream of small low-class
   prompts must not starve a large high-class one); inside a class, the tenant holding the
   fewest of the class's slots first.
+* :func:`behind_prefill_tokens` - the prompt tokens of tenants *behind* in their class (two
+  or more of its slots fewer than another tenant), which the scheduler lets go into one step
+  beyond the budget as far as the TPOT targets allow.
 * :func:`choose_preemption` - when the batch is full (sequences or KV) and a strictly
   higher class waits, or when the running set itself no longer fits in KV, the victim is
   the lowest-class running sequence that holds the least KV (the least to recompute),
