@@ -13,11 +13,11 @@ from worker.batch_policy import (
     Preemption,
     PrefillChunk,
     SeqState,
-    behind_prefill_tokens,
     build_plan,
     choose_admissions,
     choose_preemption,
     kv_demand,
+    prefill_through_behind,
 )
 
 
@@ -204,22 +204,31 @@ def test_inside_a_class_the_tenant_with_fewest_slots_prefills_first() -> None:
     assert [c.request_id for c in plan.prefill] == ["a", "b"]
 
 
-def test_a_tenant_two_slots_behind_another_of_its_class_is_behind() -> None:
-    """The prompts that may go beyond the step's budget (worker/batch_scheduler.py): those of
-    a tenant holding at least two fewer of its class's slots than another tenant of it."""
+def test_a_step_for_a_tenant_behind_in_its_class_takes_its_prompts_and_what_goes_before_them() -> None:
+    """What a step needs to prefill at once the prompts of a tenant behind in its class (at
+    least two fewer of its class's slots than another tenant of it; worker/batch_scheduler.py
+    sizes such a step to this): those prompts and the prompts of the classes between the top
+    one and theirs, never the richer tenant's own prompts."""
     def run(rid: str, rank: int, tenant: str, left: int = 0) -> SeqState:
         return SeqState(rid, rank, 0, left, left == 0, 100, tenant)
 
     flood = [run(f"f{i}", 1, "flood") for i in range(3)]
-    assert behind_prefill_tokens([*flood, run("l", 1, "light", 900)]) == 900  # 1 slot against 3
-    assert behind_prefill_tokens([*flood[:2], run("l", 1, "light", 900)]) == 0  # 1 against 2: even
-    assert behind_prefill_tokens([run("l", 1, "light", 900)]) == 0  # alone: behind nobody
+    assert prefill_through_behind([*flood, run("l", 1, "light", 900)]) == 900  # 1 slot against 3
+    assert prefill_through_behind([*flood[:2], run("l", 1, "light", 900)]) == 0  # 1 against 2: even
+    assert prefill_through_behind([run("l", 1, "light", 900)]) == 0  # alone: behind nobody
     # only what is left to prefill counts; the rich tenant's own prompts never do
-    assert behind_prefill_tokens([*flood, run("f3", 1, "flood", 500), run("l", 1, "light", 900),
-                                  run("l2", 1, "light")]) == 900
+    assert prefill_through_behind([*flood, run("f3", 1, "flood", 500), run("l", 1, "light", 900),
+                                   run("l2", 1, "light")]) == 900
     # tenants of other classes are not compared; classes without fairness (tenant '') never are
-    assert behind_prefill_tokens([*flood, run("p0", 0, "light", 300)]) == 0
-    assert behind_prefill_tokens([run(f"x{i}", 1, "") for i in range(4)] + [run("y", 1, "", 50)]) == 0
+    assert prefill_through_behind([*flood, run("p0", 0, "light", 300)]) == 0
+    assert prefill_through_behind([run(f"x{i}", 1, "") for i in range(4)] + [run("y", 1, "", 50)]) == 0
+    # behind in P2: P1's prompts go first (build_plan), so they count; P0's are the scheduler's
+    low = [run(f"g{i}", 2, "flood") for i in range(3)]
+    assert prefill_through_behind([*low, run("l", 2, "light", 900), run("p1", 1, "", 400),
+                                   run("p0", 0, "", 70), run("g3", 2, "flood", 800)]) == 1300
+    # behind in the top class only: its prompts go in at once anyway (top_prefill_tokens)
+    top = [run(f"t{i}", 0, "flood") for i in range(3)]
+    assert prefill_through_behind([*top, run("l", 0, "light", 900)]) == 0
 
 
 def test_no_preemption_without_need_or_benefit() -> None:

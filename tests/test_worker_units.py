@@ -126,17 +126,19 @@ def test_a_prompt_of_a_tenant_behind_in_its_class_goes_in_at_once_within_the_tpo
     """Beside a flood tenant's streams, a light tenant's prompt was prefilled in budget slices,
     each slice's step also carrying the flood's decoders: its TTFT was 1.6-2.4x its TTFT alone.
     It now goes in at once, as far as the decoders' TPOT targets allow (P1 150 ms, P0 50 ms,
-    x 0.9); alone, or with the extension off, it is sliced as before."""
+    x 0.9), in a step that carries no prompt of the flood's (at a 2,048 cap those filled it to
+    135 ms); alone, or with the extension off, it is sliced as before."""
     cost = CostModel(c0=0.010, c_prefill=60e-6, c_decode=1e-3, c_kv=0.0)
 
-    def light_chunk(prompt_chars: int, *, flood: int = 6, p0: bool = False, top_prefill: int = 2048) -> int:
-        async def go() -> int:
-            budget = StepBudget(BudgetConfig((50.0, 150.0, None), min_budget=16, max_budget=64))
+    def light_step(prompt_chars: int, *, flood: int = 6, p0: bool = False, top_prefill: int = 2048,
+                   cap: int = 64, flood_prompt: int = 0) -> dict[str, int]:
+        async def go() -> dict[str, int]:
+            budget = StepBudget(BudgetConfig((50.0, 150.0, None), min_budget=16, max_budget=cap))
             rng = random.Random(1)
             for _ in range(60):  # a worker that has watched steps of this cost
                 p, d = rng.randint(0, 1500), rng.randint(0, 16)
                 budget.observe(p, d, 1e3 * cost.cost(p, d, 0))
-            sched = BatchScheduler(SimEngine(time_scale=0, cost=cost), Limits(token_budget=64, max_seqs=16),
+            sched = BatchScheduler(SimEngine(time_scale=0, cost=cost), Limits(token_budget=cap, max_seqs=16),
                                    budget, top_prefill)
             for i in range(flood):
                 sched.add(f"f{i}", encode("x" * 8), SamplingParams(max_tokens=50, eos_min_len=-1),
@@ -146,24 +148,31 @@ def test_a_prompt_of_a_tenant_behind_in_its_class_goes_in_at_once_within_the_tpo
                           arrival=0)
             while len(sched) and (not sched.running or any(s.to_prefill for s in sched.running)):
                 await sched.step()
+            if flood_prompt:
+                sched.add("fp", encode("z" * flood_prompt), SamplingParams(max_tokens=5), class_rank=1,
+                          arrival=98, tenant="flood")
             sched.add("light", encode("y" * prompt_chars), SamplingParams(max_tokens=5), class_rank=1,
                       arrival=99, tenant="light")
             res = await sched.step()
-            chunks = {c.request_id: c.length for c in res.plan.prefill}
             modelled_ms = 1e3 * cost.cost(res.plan.prefill_tokens, len(res.plan.decode), 0)
             target_ms = 0.9 * (50 if p0 else 150)
             assert not res.plan.decode or modelled_ms <= target_ms * 1.05, (modelled_ms, target_ms)
-            return chunks["light"]
+            return {c.request_id: c.length for c in res.plan.prefill}
 
         return asyncio.run(go())
 
     n = len(encode("y" * 1000))
-    assert light_chunk(1000) == n  # behind the flood (1 slot against 6): the whole prompt at once
-    assert light_chunk(1000, flood=0) == 64  # alone: budget slices
-    assert light_chunk(1000, flood=2) == 64 - 2  # one slot against two: not behind
-    assert light_chunk(1000, top_prefill=0) == 64 - 6  # the extension off
-    assert 1000 < light_chunk(3000) < len(encode("y" * 3000))  # held to P1's 135 ms
-    assert 200 < light_chunk(1000, p0=True) < 500  # a P0 decodes: held to its 45 ms
+    assert light_step(1000) == {"light": n}  # behind the flood (1 slot against 6): the whole prompt at once
+    assert light_step(1000, flood=0) == {"light": 64}  # alone: budget slices
+    assert light_step(1000, flood=2) == {"light": 64 - 2}  # one slot against two: not behind
+    assert light_step(1000, top_prefill=0) == {"light": 64 - 6}  # the extension off
+    assert 1000 < light_step(3000)["light"] < len(encode("y" * 3000))  # held to P1's 135 ms
+    assert 200 < light_step(1000, p0=True)["light"] < 500  # a P0 decodes: held to its 45 ms
+    # at a cap above what the light prompt needs, the step is sized to it: the flood's own
+    # prompt waits for the next step (it used to fill the step up to P1's target)
+    assert light_step(1000, cap=2048, flood_prompt=3000) == {"light": n}
+    # nobody behind (one slot and its prompt against two): a full TPOT-sized step, both prompts
+    assert light_step(1000, cap=2048, flood_prompt=3000, flood=1)["fp"] > 500
 
 
 @pytest.mark.parametrize(("kv_capacity", "recomputed"), [(4096, False), (160, True)])

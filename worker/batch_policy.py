@@ -24,9 +24,10 @@ tested exhaustively without a model, a GPU or Redis:
   KV room, strictly in priority order (no skipping ahead: a stream of small low-class
   prompts must not starve a large high-class one); inside a class, the tenant holding the
   fewest of the class's slots first.
-* :func:`behind_prefill_tokens` - the prompt tokens of tenants *behind* in their class (two
-  or more of its slots fewer than another tenant), which the scheduler lets go into one step
-  beyond the budget as far as the TPOT targets allow.
+* :func:`prefill_through_behind` - the prompt tokens a step needs to prefill at once the
+  prompts of tenants *behind* in their class (two or more of its slots fewer than another
+  tenant): the scheduler sizes such a step to them, beyond the budget as far as the TPOT
+  targets allow, and no larger.
 * :func:`choose_preemption` - when the batch is full (sequences or KV) and a strictly
   higher class waits, or when the running set itself no longer fits in KV, the victim is
   the lowest-class running sequence that holds the least KV (the least to recompute),
@@ -273,21 +274,41 @@ def _tenant_slots(running: Sequence[SeqState]) -> dict[tuple[int, str], int]:
     return out
 
 
-def behind_prefill_tokens(running: Sequence[SeqState]) -> int:
-    """Prompt tokens still to prefill of running sequences whose tenant is *behind* in its
-    class: it holds at least two fewer of the class's slots here than another tenant of that
-    class (the gap at which :func:`choose_preemption` takes a slot from the richer tenant).
-    The scheduler lets such a prompt go into one step beyond the token budget, within the
-    decoders' TPOT targets: in budget-sized slices, each slice's step also carries the rich
-    tenant's decoders, and a light tenant's TTFT beside a flood was 1.6-2.4x its TTFT alone
-    (docs/benchmarks.md). Classes without tenant fairness (tenant ``''``) are never behind."""
+def _behind(running: Sequence[SeqState]) -> list[SeqState]:
+    """The prefilling sequences of tenants *behind* in their class: a tenant holding at least
+    two fewer of the class's slots here than another tenant of that class (the gap at which
+    :func:`choose_preemption` takes a slot from the richer tenant). Classes without tenant
+    fairness (tenant ``''``) are never behind. The scheduler lets their prompts go into one
+    step beyond the token budget, within the decoders' TPOT targets: in budget-sized slices,
+    each slice's step also carried the rich tenant's decoders, and a light tenant's TTFT
+    beside a flood was 1.6-2.4x its TTFT alone (docs/benchmarks.md)."""
     share = _tenant_slots(running)
     most: dict[int, int] = {}
     for (rank, tenant), n in share.items():
         if tenant:
             most[rank] = max(most.get(rank, 0), n)
-    return sum(s.to_prefill for s in running
-               if s.tenant and not s.decoding and share[(s.class_rank, s.tenant)] + 2 <= most[s.class_rank])
+    return [s for s in running
+            if s.tenant and not s.decoding and share[(s.class_rank, s.tenant)] + 2 <= most[s.class_rank]]
+
+
+def prefill_through_behind(running: Sequence[SeqState]) -> int:
+    """Prompt tokens a step needs, beside the top class's prompts, to prefill at once every
+    prompt of a tenant behind in its class below the top class: those prompts, and the
+    prompts :func:`build_plan` puts before them (every class between the top one and the
+    lowest such prompt's class). 0 when no such tenant is behind. The top class's prompts
+    are the scheduler's to add (they go in at once anyway, up to ``top_prefill_tokens``).
+    A step sized to this, not to the whole TPOT-sized budget, carries no prompt of the
+    tenants ahead of the behind one: at a 2,048-token cap their slices filled such a step up
+    to P1's 135 ms, and the light tenant's first token waited for them (TTFT p99 1.3-1.8x its
+    figure alone against 1.0-1.1x at a 256 cap)."""
+    behind = [s for s in _behind(running) if s.class_rank > 0]
+    if not behind:
+        return 0
+    lowest = max(s.class_rank for s in behind)
+    ids = {s.request_id for s in behind}
+    above = sum(s.to_prefill for s in running
+                if not s.decoding and 0 < s.class_rank < lowest and s.request_id not in ids)
+    return above + sum(s.to_prefill for s in behind)
 
 
 def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, float]:

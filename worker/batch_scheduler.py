@@ -33,10 +33,10 @@ from worker.batch_policy import (
     Limits,
     SeqState,
     StepPlan,
-    behind_prefill_tokens,
     build_plan,
     choose_admissions,
     choose_preemption,
+    prefill_through_behind,
 )
 from worker.engines.base import Engine, SamplingParams
 from worker.step_budget import StepBudget
@@ -261,12 +261,14 @@ class BatchScheduler:
             # millisecond to the mean TPOT of the streams decoding next to it.
             top = min(self.top_prefill_tokens, sum(s.to_prefill for s in running if s.class_rank == 0))
             tokens = max(tokens, len(ranks) + top)
-            if self.budget is not None and (behind := behind_prefill_tokens(states)):
+            if self.budget is not None and (behind := prefill_through_behind(states)):
                 # So is the prompt of a tenant behind in its class (batch_policy), but only as
                 # far as the decoders' TPOT targets allow: the rich tenant's streams beside it
-                # keep their SLO. build_plan prefills that tenant's prompt first in its class.
+                # keep their SLO. build_plan prefills that tenant's prompt first in its class,
+                # and the step takes no more than it needs: the rest of a TPOT-sized budget
+                # went to the rich tenant's prompts, and the light tenant's token waited.
                 allowed = self.budget.size(ranks, limits.token_budget + self.top_prefill_tokens)
-                tokens = max(tokens, min(allowed, len(ranks) + top + behind))
+                tokens = max(limits.max_seqs, min(allowed, len(ranks) + top + behind))
         if tokens != limits.token_budget:
             limits = replace(limits, token_budget=tokens)
         plan = build_plan(states, limits)
