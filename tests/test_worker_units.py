@@ -391,6 +391,53 @@ async def test_a_full_workers_look_ahead_never_backs_off_past_the_claim_interval
     assert rt.claims == ["P2"] * 8  # above_class: only classes ranked above the waiting P2
 
 
+async def test_a_look_ahead_claim_is_timed_by_the_step_running_not_the_last_one(monkeypatch) -> None:
+    """A full batch's look-ahead claim waits until just before the end of the step it runs
+    beside. Timed by the last step's length, a long prefill step after short decode steps was
+    claimed for early in it, and a request arriving in the rest of it (a light tenant's,
+    beside a flood) waited one whole step more. The cost fit's prediction of the running step
+    comes first; without it, the last step's length."""
+    from worker import claim_step_loop
+    from worker.claim_step_loop import LOOKAHEAD_LEAD_S, StepLoop
+
+    cost = CostModel(c0=0.010, c_prefill=60e-6, c_decode=1e-3, c_kv=0.0)
+    budget = StepBudget(BudgetConfig((50.0, 150.0, None), min_budget=1, max_budget=2048))
+    rng = random.Random(1)
+    for _ in range(60):
+        p, d = rng.randint(0, 1500), rng.randint(0, 16)
+        budget.observe(p, d, 1e3 * cost.cost(p, d, 0))
+    rt = _FullWorkerRuntime()
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=1))  # type: ignore[arg-type]
+    loop.sched.budget = budget
+    loop.sched.add("a", encode("x" * 1000), SamplingParams(max_tokens=4), class_rank=1, arrival=0)
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(s: float) -> None:
+        if s:  # the sim engine's own step (time scale 0) sleeps 0
+            waits.append(s)
+        await real_sleep(0)
+
+    async def pull() -> None:
+        return None
+
+    monkeypatch.setattr(claim_step_loop.asyncio, "sleep", sleep)
+    monkeypatch.setattr(loop, "_pull", pull)
+    loop._last_step_ms = 30.0  # the steps before were short
+    step = asyncio.ensure_future(loop.sched.step())
+    await real_sleep(0)  # the step is planned and running now
+    assert loop.sched.running_plan is not None
+    expected = loop.sched.expected_step_ms()
+    assert expected == pytest.approx(1e3 * cost.cost(loop.sched.running_plan.prefill_tokens, 0, 0), rel=0.05)
+    await loop._pull_late()
+    await step
+    assert loop.sched.running_plan is None and loop.sched.expected_step_ms() is None
+    assert waits == [pytest.approx(expected / 1e3 - LOOKAHEAD_LEAD_S)]  # not 30 ms - the lead
+    waits.clear()
+    await loop._pull_late()  # between steps (or with no fit): the last step's length
+    assert waits == [pytest.approx(0.030 - LOOKAHEAD_LEAD_S)]
+
+
 async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots() -> None:
     """Every slot and the look-ahead held by one flooding P1 tenant: the worker claims one
     request of anyone else (it then takes one of the flood's slots); once a poorer tenant's

@@ -138,6 +138,7 @@ class BatchScheduler:
         self.top_prefill_tokens = top_prefill_tokens
         self.max_seq_len: int | None = getattr(engine, "max_seq_len", None)
         self._seqs: dict[str, ScheduledSeq] = {}
+        self.running_plan: StepPlan | None = None  # the step the engine runs now; None between steps
         self.preemptions = 0  # sequences paused so far
         self.recompute_tokens = 0  # KV tokens those pauses threw away (prefilled again on readmission)
 
@@ -275,7 +276,11 @@ class BatchScheduler:
         if plan.empty:  # admission and preemption keep KV demand within capacity
             raise RuntimeError(f"no progress possible under {self.limits} with {len(self.running)} running")
         start = time.perf_counter()
-        produced = await self.engine.step(plan)
+        self.running_plan = plan
+        try:
+            produced = await self.engine.step(plan)
+        finally:
+            self.running_plan = None
         end = time.perf_counter()
         if self.budget is not None:
             self.budget.observe(plan.prefill_tokens, len(plan.decode), (end - start) * 1000)
@@ -310,6 +315,15 @@ class BatchScheduler:
                 emissions[rid] = Emission(rid, tuple(rel.token_ids), rel.text, reason)
         return StepResult(plan, start, end, dict(produced), emissions, tuple(admitted), tuple(paused), fresh,
                           limits.token_budget)
+
+    def expected_step_ms(self) -> float | None:
+        """How long the step the engine runs now takes, as the budget's cost fit predicts it
+        (ms); None between steps, without an adaptive budget, or before the fit stands."""
+        plan = self.running_plan
+        if plan is None or self.budget is None or (fit := self.budget.cost()) is None:
+            return None
+        fixed, per_prefill, per_decode = fit
+        return fixed + per_prefill * plan.prefill_tokens + per_decode * len(plan.decode)
 
     def _finish_reason(self, seq: ScheduledSeq, token: int) -> str | None:
         if self.engine.eos_id is not None and token == self.engine.eos_id:

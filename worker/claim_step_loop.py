@@ -204,12 +204,15 @@ class StepLoop:
             await self._pull()
 
     async def _pull_late(self) -> None:
-        """:meth:`_pull` near the end of the step it runs beside (the last step's length less
-        ``LOOKAHEAD_LEAD_S``): it then sees what arrived during most of that step and, done
-        before the step ends, its requests run in the very next step. Claimed at the step's
-        start, a P0 arriving during the step waited one more step: P0 TTFT p50 70 -> 94 ms at
-        1.0x load (docs/benchmarks.md)."""
-        wait = self._last_step_ms / 1e3 - LOOKAHEAD_LEAD_S
+        """:meth:`_pull` near the end of the step it runs beside (that step's length as the
+        cost fit predicts it, else the last step's, less ``LOOKAHEAD_LEAD_S``): it then sees
+        what arrived during most of that step and, done before the step ends, its requests
+        run in the very next step. Claimed at the step's start, a P0 arriving during the step
+        waited one more step: P0 TTFT p50 70 -> 94 ms at 1.0x load (docs/benchmarks.md). Timed
+        by the last step alone, a long prefill step after short decode steps was claimed for
+        early in it, and what arrived in the rest of it waited a whole step more."""
+        expected = self.sched.expected_step_ms()  # the task first runs once the step has started
+        wait = (self._last_step_ms if expected is None else expected) / 1e3 - LOOKAHEAD_LEAD_S
         if wait > 0:
             await asyncio.sleep(wait)
         await self._pull()
