@@ -320,10 +320,9 @@ class BatchScheduler:
         """How long the step the engine runs now takes, as the budget's cost fit predicts it
         (ms); None between steps, without an adaptive budget, or before the fit stands."""
         plan = self.running_plan
-        if plan is None or self.budget is None or (fit := self.budget.cost()) is None:
+        if plan is None or self.budget is None:
             return None
-        fixed, per_prefill, per_decode = fit
-        return fixed + per_prefill * plan.prefill_tokens + per_decode * len(plan.decode)
+        return self.budget.expected_ms(plan.prefill_tokens, len(plan.decode))
 
     def _finish_reason(self, seq: ScheduledSeq, token: int) -> str | None:
         if self.engine.eos_id is not None and token == self.engine.eos_id:

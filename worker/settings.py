@@ -39,8 +39,8 @@ class WorkerSettings:
     token_budget: int = 512  # most tokens per engine step (decodes + prefill chunks)
     adaptive_budget: bool = True  # size each step from the decoders' TPOT targets (worker/step_budget.py)
     budget_safety: float = 0.9  # aim a step at this share of the tightest TPOT target
-    # a step may prefill this much of the top class's prompts beyond it, and of a tenant's that is
-    # behind in its class while the TPOT targets allow (worker/batch_policy.py)
+    # a step may prefill this much of the top class's prompts beyond it, and of the prompts of a
+    # tenant behind in its class while the TPOT targets allow (worker/batch_policy.py)
     top_prefill_tokens: int = 2048
     max_seqs: int = 32  # sequences in one batch
     kv_capacity_tokens: int = 0  # 0 = the engine's own estimate

@@ -136,6 +136,13 @@ class StepBudget:
         """The fit's (fixed ms, ms per prefill token, ms per decoding sequence), or None."""
         return self._fit.cost()
 
+    def expected_ms(self, prefill_tokens: int, decodes: int) -> float | None:
+        """A step's time as the fit predicts it (the plane above), or None before it stands."""
+        if (fit := self.cost()) is None:
+            return None
+        fixed, per_prefill, per_decode = fit
+        return fixed + per_prefill * prefill_tokens + per_decode * decodes
+
     def target_ms(self, decoding_ranks: Iterable[int]) -> float | None:
         """The step time the decoding classes allow, or None when none of them has a target."""
         targets = [t for r in set(decoding_ranks) if 0 <= r < len(self.config.tpot_ms)
