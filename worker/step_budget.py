@@ -13,7 +13,10 @@ to a long prefill. So the budget follows two things the worker knows:
 * **The cost.** A step's time is close to linear in its prefill tokens and its decoding
   sequences: ``ms = fixed + per_prefill_token x P + per_decode x D``. The worker fits that
   plane to its own steps by least squares with exponential forgetting, so it follows the
-  device, the model and the context lengths it runs, without a profile.
+  device, the model and the context lengths it runs, without a profile. No coefficient may
+  be negative: where the plain solution has one, the best fit with it held at zero is
+  taken (a full worker's steps all decode 15 or 16 sequences, and the plain solution then
+  splits the fixed and per-decoder costs arbitrarily).
 
 For the next step, with ``D`` sequences decoding: ``P = (target - fixed - per_decode x D) /
 per_prefill_token`` and the budget is ``D + P``, clamped to ``[min_budget, max_budget]``: the
@@ -55,19 +58,29 @@ class BudgetConfig:
                 raise InvalidArgument("tpot_ms", f"targets must be > 0, got {t}")
 
 
-def _solve3(m: list[list[float]], v: list[float]) -> list[float] | None:
-    """Solve the 3x3 system ``m x = v`` (Gaussian elimination, partial pivoting); None if singular."""
+def _solve(m: list[list[float]], v: list[float]) -> list[float] | None:
+    """Solve the square system ``m x = v`` (Gaussian elimination, partial pivoting); None if
+    singular."""
+    size = len(v)
     a = [[*row, v[i]] for i, row in enumerate(m)]
-    for col in range(3):
-        piv = max(range(col, 3), key=lambda r: abs(a[r][col]))
-        if abs(a[piv][col]) < 1e-12 * max(1.0, max(abs(x) for row in m for x in row)):
+    scale = max(1.0, max(abs(x) for row in m for x in row))
+    for col in range(size):
+        piv = max(range(col, size), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) < 1e-12 * scale:
             return None
         a[col], a[piv] = a[piv], a[col]
-        for r in range(3):
+        for r in range(size):
             if r != col:
                 f = a[r][col] / a[col][col]
                 a[r] = [x - f * y for x, y in zip(a[r], a[col], strict=True)]
-    return [a[i][3] / a[i][i] for i in range(3)]
+    return [a[i][size] / a[i][i] for i in range(size)]
+
+
+# The coefficients a fit may solve for: per prefill token always; the fixed cost and the
+# per-decoder cost each unless the data puts it below zero (then it is held at zero). Where
+# two sets fit as well (every step decoded as many sequences), the earlier one is kept: the
+# decoders' cost goes into the fixed cost rather than the other way round.
+_FREE_SETS = ((0, 1, 2), (0, 1), (1, 2), (1,))
 
 
 class StepCostFit:
@@ -105,16 +118,36 @@ class StepCostFit:
         var_p = self._xx[1][1] / n - mean_p * mean_p
         if var_p <= (0.05 * max(mean_p, 1.0)) ** 2:
             return None
-        sol = _solve3(self._xx, self._xy)
-        if sol is None:
-            # every step decoded as many sequences: fit the line in prefill tokens alone
-            mean_y = self._xy[0] / n
-            slope = (self._xy[1] / n - mean_p * mean_y) / var_p
-            sol = [mean_y - slope * mean_p, slope, 0.0]
-        fixed, per_prefill, per_decode = sol
-        if per_prefill <= 0:
-            return None
-        return max(fixed, 0.0), per_prefill, max(per_decode, 0.0)
+        sol = self._constrained()
+        return None if sol is None else (sol[0], sol[1], sol[2])
+
+    def _constrained(self) -> list[float] | None:
+        """The least-squares plane with no coefficient below zero (and a positive cost per
+        prefill token), or None. Where the unconstrained solution breaks that, each smaller
+        set of free coefficients is solved with the others held at zero and the one that
+        fits best wins. A full worker decodes 15 or 16 sequences every step: the fixed cost
+        and the per-decoder cost are then nearly collinear, and the plain solution came out
+        as, e.g., 66.8 ms fixed and -2.3 ms per decoder. Clamping that coefficient to zero
+        on its own left the rest as solved: a decode step of 30 ms was predicted at 67 ms,
+        and the look-ahead claim timed by it slept past the step's end (docs/worker.md)."""
+        best: tuple[float, list[float]] | None = None
+        for free in _FREE_SETS:
+            sub = _solve([[self._xx[i][j] for j in free] for i in free], [self._xy[i] for i in free])
+            if sub is None:
+                continue
+            beta = [0.0, 0.0, 0.0]
+            for i, b in zip(free, sub, strict=True):
+                beta[i] = b
+            if beta[1] <= 0 or beta[0] < 0 or beta[2] < 0:
+                continue
+            if len(free) == 3:
+                return beta  # the unconstrained optimum is feasible: nothing fits better
+            # the weighted squared error, less the constant sum of weighted y^2
+            loss = sum(beta[i] * self._xx[i][j] * beta[j] for i in range(3) for j in range(3)) \
+                - 2 * sum(beta[i] * self._xy[i] for i in range(3))
+            if best is None or loss < best[0] - 1e-9 * max(1.0, abs(best[0])):
+                best = (loss, beta)
+        return None if best is None else best[1]
 
 
 class StepBudget:
