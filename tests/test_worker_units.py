@@ -385,9 +385,9 @@ async def test_a_full_workers_look_ahead_never_backs_off_past_the_claim_interval
         rt.held[rid] = _delivery()
     await loop.sched.step()  # one runs, one waits: the batch is full and its look-ahead taken
     for _ in range(8):
-        loop._next_claim = 0.0
+        loop._next_lookahead = 0.0
         await loop._pull()
-        assert loop._next_claim - time.monotonic() <= 0.021
+        assert loop._next_lookahead - time.monotonic() <= 0.021 and loop._next_claim == 0.0
     assert rt.claims == ["P2"] * 8  # above_class: only classes ranked above the waiting P2
 
 
@@ -438,6 +438,72 @@ async def test_a_look_ahead_claim_is_timed_by_the_step_running_not_the_last_one(
     assert waits == [pytest.approx(0.030 - LOOKAHEAD_LEAD_S)]
 
 
+async def test_no_step_starts_while_a_look_ahead_claim_is_pending(monkeypatch) -> None:
+    """What a full batch's look-ahead claim brings runs in the very next step. A claim still
+    in flight when its step ends is waited for; one still asleep (the step ended before the
+    fit said it would) is dropped, never reaching Redis, for a claim made at once. Left
+    pending, the next step ran without it and without a look-ahead of its own, and a light
+    tenant's request arriving during the step waited one or two steps more."""
+    from worker import claim_step_loop
+    from worker.claim_step_loop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=1))  # type: ignore[arg-type]
+    for rid in ("run", "wait"):
+        loop.sched.add(rid, [1, 2, 3], SamplingParams(max_tokens=8), class_rank=1, arrival=0)
+        rt.held[rid] = _delivery()
+    await loop.sched.step()  # one runs, one waits: full, so the claim goes beside the step
+    pulls: list[str] = []
+    in_flight = asyncio.Event()
+    reply = asyncio.Event()
+    real_sleep = asyncio.sleep
+    sleeps: list[asyncio.Future[None]] = []  # each a sleep that lasts until the test ends it
+
+    async def sleep(s: float) -> None:
+        if not s:
+            return await real_sleep(0)
+        sleeps.append(asyncio.get_running_loop().create_future())
+        await sleeps[-1]
+
+    async def pull() -> None:
+        pulls.append("late" if loop._claiming is not None and not loop._claiming.done()
+                     and asyncio.current_task() is loop._claiming else "now")
+        in_flight.set()
+        if pulls[-1] == "late":
+            await reply.wait()  # the claim's round trip
+
+    monkeypatch.setattr(claim_step_loop.asyncio, "sleep", sleep)
+    monkeypatch.setattr(loop, "_pull", pull)
+    loop._last_step_ms = 30.0
+
+    # 1. The step ends while its look-ahead still sleeps: dropped, and a claim made now.
+    await loop._claim_now_or_beside_the_step()
+    first = loop._claiming
+    assert first is not None and not first.done() and pulls == []
+    await real_sleep(0)  # the task runs up to its sleep
+    await loop._claim_now_or_beside_the_step()  # the step ended early
+    assert first.cancelled() and pulls == ["now"] and loop._claiming is None
+
+    # 2. The step ends while the look-ahead's claim is in flight: the next step waits for it.
+    await loop._claim_now_or_beside_the_step()
+    second = loop._claiming
+    assert second is not None
+    await real_sleep(0)
+    sleeps[-1].set_result(None)  # its sleep ends: the claim goes out
+    await asyncio.wait_for(in_flight.wait(), 5)
+    in_flight.clear()
+    assert pulls == ["now", "late"]
+    settle = asyncio.ensure_future(loop._claim_now_or_beside_the_step())
+    for _ in range(10):
+        await real_sleep(0)
+    assert not settle.done(), "the next step started with the look-ahead claim still in flight"
+    reply.set()
+    await asyncio.wait_for(settle, 5)
+    assert second.done() and not second.cancelled() and pulls == ["now", "late"]
+    assert loop._claiming is not None  # and the next step has a look-ahead of its own
+    await loop._abandon_claim()
+
+
 async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots() -> None:
     """Every slot and the look-ahead held by one flooding P1 tenant: the worker claims one
     request of anyone else (it then takes one of the flood's slots); once a poorer tenant's
@@ -452,12 +518,12 @@ async def test_a_full_worker_looks_ahead_for_a_tenant_holding_none_of_its_slots(
         loop.sched.add(rid, [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=0, tenant="heavy")
         rt.held[rid] = _delivery()
     await loop.sched.step()  # two run, one waits: full, and the look-ahead is the flood's too
-    loop._next_claim = 0.0
+    loop._next_lookahead = 0.0
     await loop._pull()
     assert rt.claims == ["P2"] and rt.avoided == [(["heavy"], "P1")]  # anyone but heavy, in P1 and above
     loop.sched.add("s1", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=1, tenant="steady")
     rt.held["s1"] = _delivery()
-    loop._next_claim = 0.0
+    loop._next_lookahead = 0.0
     await loop._pull()  # a poorer tenant waits here now: only the higher-class look-ahead
     assert rt.claims == ["P2", "P1"] and rt.avoided[-1] == ([], "")
     await loop.sched.step()
@@ -501,6 +567,42 @@ async def test_the_tenant_look_ahead_never_avoids_a_class_above_every_waiting_re
                        tenant=tenant)
     await loop.sched.step()  # 2 P0 + 4 P2 run, one P2 waits
     assert loop._tenant_lookahead() == ("", ["batch"], "P2")  # P0 and P1 open to anyone
+
+
+async def test_a_full_workers_first_look_ahead_skips_a_tenant_that_could_only_wait_here() -> None:
+    """Nothing waiting on a full worker: its look-ahead claims one request, but not of a
+    tenant holding two or more slots of its class more than another tenant of it here (that
+    request would only wait for a slot, while VTC put the flood first during a light
+    tenant's burst and the light tenant's request waited a step for the worker's next look).
+    A class with one tenant here is claimed as before. The look-ahead finding nothing paces
+    only further look-aheads: a slot freeing meanwhile is claimed at once."""
+    from worker.claim_step_loop import StepLoop
+    from worker.settings import WorkerSettings
+
+    rt = _FullWorkerRuntime()
+    rt.settings = WorkerSettings(max_seqs=6, token_budget=8, claim_ahead=1, claim_interval_ms=20)
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=6))  # type: ignore[arg-type]
+    for i, tenant in enumerate(["heavy"] * 4 + ["steady"] * 2):
+        loop.sched.add(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=1, arrival=i,
+                       tenant=tenant)
+        rt.held[f"r{i}"] = _delivery()
+    await loop.sched.step()  # full, nothing waiting
+    await loop._pull()
+    assert rt.claims == [""] and rt.avoided == [(["heavy"], "P1")]  # any class, heavy not in P1/P2
+    assert loop._next_claim == 0.0 and loop._next_lookahead > time.monotonic()
+    await loop._pull()  # paced: no second look-ahead within claim_interval_ms
+    assert len(rt.claims) == 1
+    loop.sched.remove("r0")  # a stream ended: a free slot is claimed now, look-ahead pacing or not
+    del rt.held["r0"]
+    await loop._pull()
+    assert len(rt.claims) == 2 and rt.avoided[-1] == ([], "")
+
+    alone = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=6))  # type: ignore[arg-type]
+    for i, (rank, tenant) in enumerate([(0, "chat")] + [(1, "heavy")] * 5):
+        alone.sched.add(f"a{i}", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=rank, arrival=i,
+                        tenant=tenant)
+    await alone.sched.step()
+    assert alone._tenants_ahead() == ([], "")  # one tenant per class here: nobody is ahead
 
 
 class _IdleWorkerRuntime:

@@ -76,6 +76,7 @@ class StepLoop:
         self._fair = {c.name: c.fair for c in rt.cfg.classes}
         self._empty_claims = 0  # consecutive claims that found nothing despite a wake marker
         self._next_claim = 0.0  # monotonic time before which no claim is made
+        self._next_lookahead = 0.0  # ... and no look-ahead claim (after one that found nothing)
         # heartbeat figures, over the interval since the last heartbeat
         self._gen_tokens = 0
         self._step_time = 0.0
@@ -101,6 +102,7 @@ class StepLoop:
         self._io_finishing: set[str] = set()  # ids whose completion is in self._io
         self._cancel_checked = 0.0  # monotonic time of the last SMISMEMBER cancels
         self._claiming: asyncio.Task[None] | None = None  # a full batch's look-ahead claim, beside a step
+        self._lookahead_asleep = False  # that claim has not started its Redis calls yet
         self._last_stats_t = time.monotonic()
         self._last_step_ms = 0.0
         rt.on_lost = self._lost.update
@@ -193,12 +195,22 @@ class StepLoop:
         class is paused for them, at the next step either way; awaited before the step, its
         round trips (the wake-marker ``LPOP``, the claim) held the GPU idle: at 1.0x load a
         qos worker spent ~10 ms between ~33 ms steps (fifo's ~3 ms), most of it in those round
-        trips. The task's claims start between two steps like any other (``_start_all``)."""
+        trips. The task's claims start between two steps like any other (``_start_all``).
+
+        No step starts while a look-ahead claim is pending, so what it claims runs in the very
+        next step: a claim still in flight when its step ends is waited for (the rest of a
+        round trip), and one still asleep (the step ended before its predicted end) is
+        dropped for a claim now. Left pending, as before, the next step ran without it and
+        without a look-ahead of its own: what arrived during the step waited one or two steps
+        more (a light tenant's TTFT beside a flood, 6 % of steps, docs/benchmarks.md)."""
         if self._claiming is not None:
-            if not self._claiming.done() and self.sched.running:
-                return  # still in flight: the step goes on without it
-            await self._settle_claim()  # done (or nothing to step: wait for it, do not spin)
+            if self._lookahead_asleep and not self._claiming.done():
+                await self._abandon_claim()  # asleep: no Redis call of it has started
+                await self._pull()
+                return
+            await self._settle_claim()  # in flight (or done): the step waits for its last round trip
         if self.sched.running and self._batch_full():
+            self._lookahead_asleep = True  # until its sleep ends (it has not even started)
             self._claiming = asyncio.create_task(self._pull_late(), name="look-ahead-claim")
         else:
             await self._pull()
@@ -213,8 +225,11 @@ class StepLoop:
         early in it, and what arrived in the rest of it waited a whole step more."""
         expected = self.sched.expected_step_ms()  # the task first runs once the step has started
         wait = (self._last_step_ms if expected is None else expected) / 1e3 - LOOKAHEAD_LEAD_S
-        if wait > 0:
-            await asyncio.sleep(wait)
+        try:
+            if wait > 0:
+                await asyncio.sleep(wait)
+        finally:
+            self._lookahead_asleep = False
         await self._pull()
 
     async def _settle_claim(self) -> None:
@@ -263,7 +278,13 @@ class StepLoop:
         if slots > 0 and kv_free > 0:
             n, room = slots, kv_free
         elif len(waiting) < s.claim_ahead:
-            n, room = 1, self.kv_capacity  # look-ahead: a higher class may preempt
+            # Look-ahead: a higher class may preempt. Not for a tenant holding two or more
+            # slots of its class more than another tenant of it here: its request would only
+            # wait for a slot to free, and a poorer tenant's, which could take one of its slots
+            # now, would wait a step for this worker's next look-ahead (VTC puts the flood
+            # first while a light tenant's burst is served above its share).
+            n, room = 1, self.kv_capacity
+            avoid, avoid_from = self._tenants_ahead()
         elif s.claim_ahead > 0 and (ahead := self._tenant_lookahead()) is not None:
             # Every waiting request belongs to a tenant that holds two or more slots of its
             # class: a tenant holding none would wait for a slot to free (a flood's long
@@ -282,7 +303,7 @@ class StepLoop:
             return
         now = time.monotonic()
         if held:
-            if now < self._next_claim:
+            if now < self._next_claim or (slots <= 0 and now < self._next_lookahead):
                 return
             if not await self.rt.take_wake_marker():
                 self._next_claim = now + s.wake_check_ms / 1e3  # nothing announced: look again soon
@@ -291,14 +312,15 @@ class StepLoop:
             await asyncio.sleep(self._next_claim - now)
         got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
         if got:
-            self._empty_claims, self._next_claim = 0, 0.0
+            self._empty_claims, self._next_claim, self._next_lookahead = 0, 0.0, 0.0
             await self._start_all(got)
             return
         if above or avoid:
             # A look-ahead for a higher class found none: expected (the markers were for lower
             # classes), and no reason to back off. A growing back-off here kept a full worker
             # from claiming a P0 for up to idle_block_s: P0 queue waits of 0.5 s at 1.0x load.
-            self._next_claim = time.monotonic() + s.claim_interval_ms / 1e3
+            # Only further look-ahead waits: a slot freeing meanwhile is claimed at once.
+            self._next_lookahead = time.monotonic() + s.claim_interval_ms / 1e3
             return
         if not self.rt.claim_left_backlog:
             # Nothing is queued: the marker was stale (one claim took the work of several
@@ -336,6 +358,33 @@ class StepLoop:
         if outage is not None:
             raise outage
 
+    def _class_slots(self) -> dict[tuple[int, str], int]:
+        """(class rank, tenant) -> the running sequences it holds here; classes without tenant
+        fairness (tenant '') are left out."""
+        slots: dict[tuple[int, str], int] = {}
+        for q in self.sched.running:
+            if q.tenant:
+                slots[(q.class_rank, q.tenant)] = slots.get((q.class_rank, q.tenant), 0) + 1
+        return slots
+
+    def _tenants_ahead(self) -> tuple[list[str], str]:
+        """Tenants holding at least two more of their class's slots here than another tenant
+        of that class running here (the richest first, at most 16), and the highest such
+        class (they are avoided there and below); ([], '') when there is none. A class with a
+        single tenant here has none: its look-ahead is unchanged."""
+        slots = self._class_slots()
+        least: dict[int, int] = {}
+        for (rank, _), n in slots.items():
+            least[rank] = min(least.get(rank, n), n)
+        ahead = {key: n for key, n in slots.items() if n >= least[key[0]] + 2}
+        if not ahead:
+            return [], ""
+        most: dict[str, int] = {}
+        for (_, t), n in ahead.items():
+            most[t] = max(most.get(t, 0), n)
+        tenants = sorted(most, key=lambda t: (-most[t], t))[:16]
+        return tenants, self.rt.cfg.class_names()[min(r for r, _ in ahead)]
+
     def _tenant_lookahead(self) -> tuple[str, list[str], str] | None:
         """For a full worker whose waiting requests all belong to *rich* tenants -- within one
         of the most slots any tenant of their class holds here, that being two or more: a
@@ -343,10 +392,7 @@ class StepLoop:
         ``above_class`` (every class down to the lowest such class), the tenants to avoid
         (the richest first, at most 16) and the highest class they are avoided in (the best
         waiting class: every class above it is claimed freely); else None."""
-        slots: dict[tuple[int, str], int] = {}
-        for q in self.sched.running:
-            if q.tenant:  # '' = a class without tenant fairness
-                slots[(q.class_rank, q.tenant)] = slots.get((q.class_rank, q.tenant), 0) + 1
+        slots = self._class_slots()
         top: dict[int, int] = {}
         for (rank, _), n in slots.items():
             top[rank] = max(top.get(rank, 0), n)
