@@ -440,10 +440,11 @@ async def test_a_look_ahead_claim_is_timed_by_the_step_running_not_the_last_one(
 
 async def test_no_step_starts_while_a_look_ahead_claim_is_pending(monkeypatch) -> None:
     """What a full batch's look-ahead claim brings runs in the very next step. A claim still
-    in flight when its step ends is waited for; one still asleep (the step ended before the
-    fit said it would) is dropped, never reaching Redis, for a claim made at once. Left
-    pending, the next step ran without it and without a look-ahead of its own, and a light
-    tenant's request arriving during the step waited one or two steps more."""
+    in flight when its step ends is waited for, up to LOOKAHEAD_WAIT_S (a stalled Redis never
+    stops the batch); one still asleep (the step ended before the fit said it would) is
+    dropped, never reaching Redis, for a claim made at once. Left pending, the next step ran
+    without it and without a look-ahead of its own, and a light tenant's request arriving
+    during the step waited one or two steps more."""
     from worker import claim_step_loop
     from worker.claim_step_loop import StepLoop
 
@@ -453,7 +454,7 @@ async def test_no_step_starts_while_a_look_ahead_claim_is_pending(monkeypatch) -
         loop.sched.add(rid, [1, 2, 3], SamplingParams(max_tokens=8), class_rank=1, arrival=0)
         rt.held[rid] = _delivery()
     await loop.sched.step()  # one runs, one waits: full, so the claim goes beside the step
-    pulls: list[str] = []
+    pulls = 0
     in_flight = asyncio.Event()
     reply = asyncio.Event()
     real_sleep = asyncio.sleep
@@ -466,41 +467,55 @@ async def test_no_step_starts_while_a_look_ahead_claim_is_pending(monkeypatch) -
         await sleeps[-1]
 
     async def pull() -> None:
-        pulls.append("late" if loop._claiming is not None and not loop._claiming.done()
-                     and asyncio.current_task() is loop._claiming else "now")
+        nonlocal pulls
+        pulls += 1
         in_flight.set()
-        if pulls[-1] == "late":
-            await reply.wait()  # the claim's round trip
+        await reply.wait()  # the claim's round trip
 
     monkeypatch.setattr(claim_step_loop.asyncio, "sleep", sleep)
     monkeypatch.setattr(loop, "_pull", pull)
+    monkeypatch.setattr(claim_step_loop, "LOOKAHEAD_WAIT_S", 30.0)  # a slow host, not an outage
     loop._last_step_ms = 30.0
 
-    # 1. The step ends while its look-ahead still sleeps: dropped, and a claim made now.
+    # 1. The step ends while its look-ahead still sleeps: dropped, and a claim made at once.
     await loop._claim_now_or_beside_the_step()
     first = loop._claiming
-    assert first is not None and not first.done() and pulls == []
+    assert first is not None and not first.done() and pulls == 0
     await real_sleep(0)  # the task runs up to its sleep
-    await loop._claim_now_or_beside_the_step()  # the step ended early
-    assert first.cancelled() and pulls == ["now"] and loop._claiming is None
+    ended = asyncio.ensure_future(loop._claim_now_or_beside_the_step())  # the step ended early
+    await asyncio.wait_for(in_flight.wait(), 5)
+    assert first.cancelled() and pulls == 1 and not ended.done()  # claimed now, and waited for
+    reply.set()
+    await asyncio.wait_for(ended, 5)
+    second = loop._claiming
+    assert second is not None and second is not first  # the next step's own look-ahead
 
     # 2. The step ends while the look-ahead's claim is in flight: the next step waits for it.
-    await loop._claim_now_or_beside_the_step()
-    second = loop._claiming
-    assert second is not None
+    reply.clear()
+    in_flight.clear()
     await real_sleep(0)
     sleeps[-1].set_result(None)  # its sleep ends: the claim goes out
     await asyncio.wait_for(in_flight.wait(), 5)
-    in_flight.clear()
-    assert pulls == ["now", "late"]
+    assert pulls == 2
     settle = asyncio.ensure_future(loop._claim_now_or_beside_the_step())
     for _ in range(10):
         await real_sleep(0)
     assert not settle.done(), "the next step started with the look-ahead claim still in flight"
     reply.set()
     await asyncio.wait_for(settle, 5)
-    assert second.done() and not second.cancelled() and pulls == ["now", "late"]
-    assert loop._claiming is not None  # and the next step has a look-ahead of its own
+    assert second.done() and not second.cancelled()
+
+    # 3. A claim stuck on Redis: after LOOKAHEAD_WAIT_S the step goes on without it.
+    third = loop._claiming
+    assert third is not None
+    reply.clear()
+    in_flight.clear()
+    await real_sleep(0)
+    sleeps[-1].set_result(None)
+    await asyncio.wait_for(in_flight.wait(), 5)
+    monkeypatch.setattr(claim_step_loop, "LOOKAHEAD_WAIT_S", 0.01)
+    await asyncio.wait_for(loop._claim_now_or_beside_the_step(), 5)
+    assert not third.done() and loop._claiming is third  # still pending; the batch steps on
     await loop._abandon_claim()
 
 

@@ -52,6 +52,9 @@ log = logging.getLogger("qos.worker")
 # A look-ahead claim beside a step starts this long before the step's expected end: room for
 # its round trips (a wake-marker LPOP and a claim, ~1 ms on a quiet host) and the step's jitter.
 LOOKAHEAD_LEAD_S = 0.005
+# The longest a step waits for a look-ahead claim still in flight when the step before ended:
+# a round trip on a busy host (up to ~10 ms on the 2-core bench machine), not a Redis outage.
+LOOKAHEAD_WAIT_S = 0.020
 
 
 class StepLoop:
@@ -199,16 +202,22 @@ class StepLoop:
 
         No step starts while a look-ahead claim is pending, so what it claims runs in the very
         next step: a claim still in flight when its step ends is waited for (the rest of a
-        round trip), and one still asleep (the step ended before its predicted end) is
-        dropped for a claim now. Left pending, as before, the next step ran without it and
+        round trip, at most ``LOOKAHEAD_WAIT_S``: a stalled Redis never stops the batch), and
+        one still asleep (the step ended before its predicted end) is dropped for a claim
+        made at once, waited for the same way. Left pending, as before, the next step ran without it and
         without a look-ahead of its own: what arrived during the step waited one or two steps
         more (a light tenant's TTFT beside a flood, 6 % of steps, docs/benchmarks.md)."""
         if self._claiming is not None:
             if self._lookahead_asleep and not self._claiming.done():
                 await self._abandon_claim()  # asleep: no Redis call of it has started
-                await self._pull()
-                return
-            await self._settle_claim()  # in flight (or done): the step waits for its last round trip
+                self._claiming = asyncio.create_task(self._pull(), name="look-ahead-claim")  # at once
+            if not self._claiming.done():
+                # The rest of its round trip, but never a stalled Redis: past LOOKAHEAD_WAIT_S
+                # the step goes on without it, as a full batch must (its streams keep going).
+                await asyncio.wait({self._claiming}, timeout=LOOKAHEAD_WAIT_S)
+                if not self._claiming.done() and self.sched.running:
+                    return
+            await self._settle_claim()
         if self.sched.running and self._batch_full():
             self._lookahead_asleep = True  # until its sleep ends (it has not even started)
             self._claiming = asyncio.create_task(self._pull_late(), name="look-ahead-claim")
