@@ -12,7 +12,9 @@ queue, what are the rates, how full are the buckets"); README.md documents it.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from limiter.errors import InvalidName
 
@@ -28,6 +30,19 @@ ROOT = "qos"
 # the leading controller reads through it; see docs/controller.md.
 SAMPLES_GROUP = "controller"
 SAMPLES_MAXLEN = 100_000  # the samples stream's approximate cap (the scripts use the same)
+# The policy hash's msgpack copy of its own fields, which the scripts read instead of them
+# (lua/include/policy.lua PACKED_FIELD): binary, so readers of the fields leave it out.
+PACKED_POLICY_FIELD = "~packed"
+
+
+def policy_text(raw: Mapping[Any, Any]) -> dict[str, str]:
+    """An ``HGETALL`` of the policy hash as text, field -> value, without the packed copy."""
+    out = {}
+    for k, v in raw.items():
+        field = k.decode() if isinstance(k, bytes) else str(k)
+        if field != PACKED_POLICY_FIELD:
+            out[field] = v.decode() if isinstance(v, bytes) else str(v)
+    return out
 
 
 def check_name(kind: str, value: object) -> str:
@@ -61,7 +76,9 @@ class PoolKeys:
     # --- fixed keys -----------------------------------------------------------------
     @property
     def policy(self) -> str:
-        """HASH: class order, per-class rate/burst/ceil/weights/caps, capacity, version."""
+        """HASH: class order, per-class rate/burst/ceil/weights/caps, capacity, version, and
+        ``~packed``, a msgpack copy of those fields (:data:`PACKED_POLICY_FIELD`)."""
+
         return self.base + "policy"
 
     @property

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from limiter.config import QosConfig
-from limiter.keys import PoolKeys
+from limiter.keys import PoolKeys, policy_text
 from limiter.redis_conn import map_redis_errors
 
 
@@ -71,7 +71,9 @@ async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
             pipe.hmget(keys.ceil_bucket(c), ["tokens", "ts"])
             pipe.zcard(keys.backlog(c))
         res = await pipe.execute()
-        policy, inflight, compliance, stats, queued = (_hash(r) for r in res[:5])
+        policy = policy_text(res[0])
+        inflight, compliance, stats, queued = (_hash(r) for r in res[1:5])
+
         workers, frontends = res[5], res[6]
         capacity = _f(policy.get("capacity"))
         per_class: dict[str, Any] = {}

@@ -73,10 +73,10 @@ local function wait_estimate_ms(p, cls, tenant, weight, q, now)
   -- class (every other backlogged tenant counted at weight 1)
   local own = q.cost[cls]
   if c.fair then
-    local mine = tonumber(redis.call('HGET', K_QUEUED, cls .. ':' .. tenant) or '0')
+    local mine = q.tenant_cost
     local others = redis.call('ZCARD', P_BACKLOG .. cls)
     if mine > 0 then others = others - 1 end
-    own = math.min(own, math.max(mine, 0) * (weight + others) / weight)
+    own = math.min(own, mine * (weight + others) / weight)
   end
   local served, ts = read_served(now)
   local to_rate = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms) * LN2 / (p.floor_half_life_ms / 1000)
@@ -86,11 +86,6 @@ local function wait_estimate_ms(p, cls, tenant, weight, q, now)
     total = total + measured[j]
   end
   local spare, ahead = math.max(p.capacity, total), own
-  local below = {}
-  for i, j in ipairs(p.classes) do
-    if i > rank and q.n[j] > 0 then below[#below + 1] = j end
-  end
-  load_classes(p, below)
   for i, j in ipairs(p.classes) do
     if i < rank then
       spare = spare - measured[j]
@@ -126,9 +121,7 @@ local function main()
   local payload = ARGV[11]
   if payload == nil or #payload > 8388608 then fail('BADARG', 'payload: missing or over 8 MiB') end
   local tenant_weight = arg_num(ARGV[12] or '1', 'tenant_weight', 1e-6, 1e6)
-  -- the pool fields admit uses and its own class (the wait estimate adds the rates of the
-  -- backlogged classes below it)
-  local p = load_classes(load_pool(K_POLICY, {'capacity', 'floor_half_life_ms', 'record_ttl_s'}), {cls})
+  local p = load_policy(K_POLICY)
   local c = policy_class(p, cls)
 
   local key = P_REQUEST .. request_id
@@ -139,7 +132,7 @@ local function main()
     local busy = tonumber(redis.call('HGET', K_TENANT_INFLIGHT, tenant) or '0')
     if busy >= tenant_max_inflight then return {'tenant_busy', busy} end
   end
-  local q = queued_counts(p)
+  local q = queued_counts(p, cls, tenant)
   local depth = q.n[cls]
   if depth >= c.queue_cap then return {'queue_full', depth} end
   if c.ceil <= 0 then return {'throttled', -1, 'class'} end
@@ -169,9 +162,9 @@ local function main()
     'max_tokens', max_tokens, 'w_in', fmt(c.weight), 'w_out', fmt(c.out_weight), 'cost', fmt(cost),
     't_rate', fmt(tenant_rate), 't_burst', fmt(tenant_burst), 't_weight', fmt(tenant_weight),
     'c_tenant', fmt(charged), 'payload', payload)
-  keep_alive(p, request_id, deadline, now)
+  keep_alive(p, request_id, deadline, now, true)
   enqueue(p, {id = request_id, class = cls, tenant = tenant, seq = seq, deadline_ms = deadline,
-    cost = cost})
+    cost = cost}, q)
   redis.call('HINCRBY', K_TENANT_INFLIGHT, tenant, 1)
   redis.call('HINCRBY', K_STATS, cls .. '.admitted', 1)
   wake_workers()

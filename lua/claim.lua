@@ -98,7 +98,13 @@ end
 -- configuration has a class the policy lacks, or lost one it has: a rolling deploy) has no
 -- place in the order; it is taken as ranked above every known class, the placement under
 -- which the claim takes least: nothing above it, every class at or below it.
+-- The record fields a claim reads of a queued request it hands out (its payload with them,
+-- not in a second command); a request it finishes instead is read whole.
+local CLAIM_FIELDS = {'state', 'tenant', 'class', 'frontend', 'attempts', 'enq_ms', 'deadline_ms',
+  'claimed_ms', 'first_ms', 'input_tokens', 'max_tokens', 'cost', 't_weight', 'out_tokens', 'payload'}
+
 local function class_range(p, cls, from_it_down)
+
   local rank = p.index[cls] or 0
   local out = {}
   for i, c in ipairs(p.classes) do
@@ -120,7 +126,7 @@ local function main()
     avoid, navoid = arg_tenant_set(ARGV[7])
     avoid_from = arg_class_name(ARGV[8], 'avoid_from')
   end
-  local p = load_pool(K_POLICY)  -- a class's fields are read when the claim first looks at it
+  local p = load_policy(K_POLICY)
   if lease_ms == 0 then lease_ms = p.lease_ms end
   -- classes this claim may hand out: all, or those ranked above above_class
   local eligible = {}
@@ -233,7 +239,7 @@ local function main()
       redis.call('ZREM', P_BACKLOG .. pick, tenant)
       if p.class[pick].fair then redis.call('HSET', P_VTIME .. pick, tenant, s) end
     else
-      local r = load_request(id)
+      local r = load_request(id, CLAIM_FIELDS)
       if r == nil or r.state ~= 'queued' then
         -- an index entry without a queued record (only after a partial failure): drop it
         redis.call('ZREM', tenant_queue(pick, tenant), id)
@@ -245,6 +251,7 @@ local function main()
       elseif r.deadline_ms <= now or not frontend_alive(p, r.frontend, now) then
         if finishes <= 0 then break end
         finishes = finishes - 1
+        r = load_request(id)  -- the whole record: a finish gives back what was charged
         if r.deadline_ms <= now then
           expire_queued(p, r, now, true)
         else
@@ -260,7 +267,8 @@ local function main()
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
             .. math.max(kv_total, largest_kv()) .. ' tokens)'
-          finish_by_redis(p, r, 'failed', why, 0, now, {code = 'too_large', msg = why})
+          finish_by_redis(p, load_request(id), 'failed', why, 0, now, {code = 'too_large', msg = why})
+
           q.n[pick] = q.n[pick] - 1
         elseif never then
           -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it
@@ -297,13 +305,14 @@ local function main()
                                 'c_vtc', fmt(c_vtc)}) do fields[#fields + 1] = f end
           end
           redis.call('HSET', key, unpack(fields))
-          keep_alive(p, id, now + lease_ms, now)
+          keep_alive(p, id, now + lease_ms, now, r.out_tokens == 0)
           redis.call('ZADD', K_LEASES, now + lease_ms, id)
           redis.call('HINCRBY', K_INFLIGHT, pick, 1)
           redis.call('HINCRBY', K_STATS, pick .. '.claimed', 1)
-          local payload = redis.call('HGET', key, 'payload')
-          local gen = redis.call('GET', P_TOKENS .. id) or ''
-          out[#out + 1] = {id, pick, tenant, fence, payload, r.enq_ms, r.input_tokens, r.max_tokens,
+          -- a retried request gets the tokens it delivered before; a first attempt has none
+          local gen = r.out_tokens > 0 and redis.call('GET', P_TOKENS .. id) or ''
+          out[#out + 1] = {id, pick, tenant, fence, r.payload, r.enq_ms, r.input_tokens, r.max_tokens,
+
             r.frontend, r.out_tokens, gen, r.claimed_ms, r.first_ms or 0, attempt}
         end
       end

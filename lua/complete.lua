@@ -53,10 +53,9 @@ local function main()
   if sample == nil or #sample > 65536 then fail('BADARG', 'sample: missing or over 64 KiB') end
   local expected = nil
   if ARGV[13] ~= nil and ARGV[13] ~= '' then expected = arg_int(ARGV[13], 'offset', 0, 10000000) end
-  local p = load_pool(K_POLICY)
+  local p = load_policy(K_POLICY)
   local r = leased_request(request_id, worker_id, fence)
   if r == nil then return LEASE_LOST end
-  load_classes(p, {r.class})  -- its refunds need only its own class
   local offset = r.out_tokens or 0
   if expected ~= nil and expected ~= offset then
     fail('BADARG', 'offset: ' .. expected .. ' but ' .. offset .. ' tokens were delivered')

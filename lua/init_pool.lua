@@ -2,7 +2,9 @@
 -- weights, caps, max waits, floors, lease and retry settings) are always overwritten;
 -- the controller-owned fields (rate, burst, ceil, ceil_burst per class; capacity) are
 -- only set where absent, unless mode is reset_rates. A removed class's fields are left in
--- place (its queued requests still drain, in the order its flag `fair` gave them).
+-- place (its queued requests still drain, in the order its flag `fair` gave them). Last,
+-- the packed copy every script reads (PACKED_FIELD, include/policy.lua) is rebuilt from
+-- the fields.
 --
 -- A class whose `fair` flag changes has its backlog rescored in the same call (its scores
 -- meant the other thing: virtual token counters in a fair class, the seq of each tenant's
@@ -27,7 +29,9 @@
 
 --!include pool_keys.lua
 --!include validate.lua
+--!include policy.lua
 --!include queue.lua
+
 
 local RESCORE_LIMIT = 256
 
@@ -106,6 +110,7 @@ local function main()
     for i = 1, #rates, 2 do redis.call('HSETNX', K_POLICY, rates[i], rates[i + 1]) end
   end
   redis.call('HSETNX', K_POLICY, 'version', 0)
+  pack_policy(K_POLICY)  -- last: the packed copy is the fields as this call left them
   return tonumber(redis.call('HGET', K_POLICY, 'version'))
 end
 

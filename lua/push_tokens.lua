@@ -66,7 +66,7 @@ local function main()
     b.n_ids = arg_token_batch(b.count, b.token_ids, b.text, ARGV[a + 7])
     batch[i] = b
   end
-  local p = load_pool(K_POLICY, {'lease_ms'})
+  local p = load_pool_fields(K_POLICY, {'lease_ms'})
   if lease_ms == 0 then lease_ms = p.lease_ms end
   -- Every record is read and checked before the first write: a refused request has nothing written.
   local replies = {}

@@ -28,7 +28,7 @@ local function main()
     if id == nil or #id > 64 then fail('BADARG', 'entries: expected <request_id>:<fence>, got ' .. ARGV[i]) end
     entries[#entries + 1] = {id, tonumber(fence)}
   end
-  local p = load_pool(K_POLICY, {'lease_ms', 'record_ttl_s', 'frontend_ttl_ms'})
+  local p = load_pool_fields(K_POLICY, {'lease_ms', 'record_ttl_s', 'frontend_ttl_ms'})
   if lease_ms == 0 then lease_ms = p.lease_ms end
   local now = now_ms()
   local lost, stop = {}, {}

@@ -1,6 +1,7 @@
 -- set_rates: the controller's write of new rates, applied atomically, versioned, and
 -- recorded in the decision history stream. Fenced: only the current leader, holding
--- the fencing token it was given, may write.
+-- the fencing token it was given, may write. Last, the packed copy every script reads
+-- (PACKED_FIELD, include/policy.lua) is rebuilt from the fields.
 --
 -- KEYS[1] policy      HASH qos:{pool}:policy
 -- KEYS[2] leader      STRING qos:{pool}:leader = "<owner>:<fence>" (owner: the controller id
@@ -54,6 +55,7 @@ local function main()
   end
   local version = redis.call('HINCRBY', K_POLICY, 'version', 1)
   redis.call('HSET', K_POLICY, 'updated_ms', now, 'fence', fence)
+  pack_policy(K_POLICY)  -- last: the packed copy is the fields as this call left them
   redis.call('XADD', K_DECISIONS, 'MAXLEN', '~', 10000, '*', 'version', version, 'fence', fence,
     'controller', controller_id, 'd', decision)
   return version

@@ -23,7 +23,8 @@ from pathlib import Path
 LUA = Path(__file__).resolve().parent.parent / "lua"
 TEST = "tests/test_scheduler_model.py"
 UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
-              "tests/test_lua_layout.py", "tests/test_push_tokens.py", "tests/test_init_pool.py")
+              "tests/test_lua_layout.py", "tests/test_push_tokens.py", "tests/test_init_pool.py",
+              "tests/test_policy_packed.py")
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,19 @@ BUGS = (
     Bug("refund_moves_arrival_order", "a refund moves a tenant's score in a class turned to arrival order",
         "include/refund.lua", "if r.c_vtc > 0 and class_fair(p, r.class) then",
         "if r.c_vtc > 0 and (class_fair(p, r.class) or true) then"),
+    Bug("rates_not_repacked", "set_rates writes the fields but not the policy's packed copy",
+        "set_rates.lua", "  pack_policy(K_POLICY)  -- last", "  local _ = 0  -- last"),
+    Bug("packed_copy_of_any_version", "the scripts use the packed policy even when the version moved on",
+        "include/policy.lua", "if p.version ~= tonumber(v[2]) then p = nil end", "local _ = 0"),
+    Bug("claim_forgets_delivered_tokens", "a re-claimed request is not given the tokens it delivered before",
+        "claim.lua", "local gen = r.out_tokens > 0 and redis.call(", "local gen = false and redis.call("),
+    Bug("claim_reads_no_weight", "claim reads a queued request without its tenant's weight (charges it as 1)",
+        "claim.lua", "'cost', 't_weight', 'out_tokens', 'payload'}", "'cost', 'out_tokens', 'payload'}"),
+    Bug("requeue_leaves_token_ttl",
+ "a requeued request's token string keeps the TTL of its last lease",
+        "include/requeue.lua", "keep_alive(p, r.id, r.deadline_ms, now, r.out_tokens == 0)",
+        "keep_alive(p, r.id, r.deadline_ms, now, true)"),
+
     Bug("removed_class_drains_as_fair", "a class a deploy removed drains as if fair (arrival order lost)",
         "include/queue.lua", "local fair = class_fair(p, cls)",
         "local fair = p.class[cls] == nil or class_fair(p, cls)"),

@@ -31,7 +31,15 @@ async def test_expired_lease_requeues_at_the_head_and_another_worker_resumes(scr
     await asyncio.sleep(0.15)
     reaped = await scripts.reap(pool)
     assert reaped.requeued == 1
+    # requeued, its token string lives as long as its record: until its queue deadline + a week
+    # (P1's max wait is 10 s, its last lease was 0.1 s: a string left at the lease's TTL is
+    # ~10 s short; both TTLs are read in one round trip)
+    async with scripts.client.pipeline(transaction=False) as pipe:
+        ttl_record, ttl_tokens = await pipe.pttl(pool.request("first")).pttl(pool.tokens("first")).execute()
+    assert ttl_record > 7 * 86400 * 1000 and abs(ttl_tokens - ttl_record) < 2_000
+
     c2 = await _claim_one(scripts, pool, "w2")
+
     assert c2.request_id == "first" and c2.attempt == 2  # head of its queue, ahead of "second"
     assert c2.fence > c.fence  # a new lease token, never one handed out before
     assert c2.delivered == 2 and c2.generated == [104, 105]  # what the new worker re-prefills

@@ -65,7 +65,7 @@ from hypothesis.stateful import (
 
 from limiter.config import ClassConfig, PoolConfig, QosConfig
 from limiter.errors import AdmissionRejected, InvalidArgument, LeaseLost
-from limiter.keys import PoolKeys
+from limiter.keys import PoolKeys, policy_text
 from limiter.scripts import Scripts, policy_document
 from tests.support.helpers import dump_all
 
@@ -260,7 +260,8 @@ class LifecycleModel(RuleBasedStateMachine):
         names = self.present
         # a look-ahead above a class the policy lacks takes nothing (it ranks above them all)
         eligible = (names[:names.index(above)] if above in names else []) if above else names
-        policy = {_s(k): _s(v) for k, v in self.r.hgetall(KEYS.policy).items()}
+        policy = policy_text(self.r.hgetall(KEYS.policy))
+
         for cls in eligible:
             if float(policy[f"{cls}.ceil"]) < float(policy["capacity"]):
                 b = self.r.hmget(KEYS.ceil_bucket(cls), ["tokens", "ts"])

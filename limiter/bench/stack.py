@@ -28,7 +28,7 @@ import redis.asyncio as aioredis
 
 from limiter.bench.modes import POOL, ModeSpec, write_config
 from limiter.config import QosConfig
-from limiter.keys import PoolKeys
+from limiter.keys import PoolKeys, policy_text
 from limiter.lifecycle import listen_socket
 from limiter.localstack.launcher import Child, Stack, build_commands, wait_ready
 from limiter.localstack.redis_server import RedisServer, free_port
@@ -173,7 +173,8 @@ class Probe:
             policy, compliance, queued = await pipe.execute()
         work = await self.work_done()
         workers = await self.worker_states()
-        pol = {_s(k): _s(v) for k, v in policy.items()}
+        pol = policy_text(policy)
+
         comp = {_s(k): _s(v) for k, v in compliance.items()}
         row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2), "work_done": round(work, 1),
                                "capacity": _float(pol.get("capacity")),

@@ -50,11 +50,15 @@ end
 -- with a max_inflight cap was refused as busy for good). A push moves a lease on without
 -- this (push_tokens.lua): the margin is then a week less the time since the last claim or
 -- renewal, which a worker holding the lease makes every lease_ms / 3.
+-- `no_tokens`: the request has delivered no token yet (out_tokens = 0), so it has no token
+-- string (push_tokens writes the string and out_tokens together, and gives a string it
+-- creates a TTL of its own): one command less for admit and a first claim.
 local LIVE_RECORD_GRACE_MS = 7 * 86400 * 1000
-local function keep_alive(p, id, until_ms, now)
+local function keep_alive(p, id, until_ms, now, no_tokens)
   local ttl = math.max(until_ms - now, 0) + LIVE_RECORD_GRACE_MS
   redis.call('PEXPIRE', P_REQUEST .. id, ttl)
-  redis.call('PEXPIRE', P_TOKENS .. id, ttl)
+  if not no_tokens then redis.call('PEXPIRE', P_TOKENS .. id, ttl) end
+
 end
 
 -- Weighted cost of what a request really used.

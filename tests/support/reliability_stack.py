@@ -37,7 +37,7 @@ import aiohttp
 import msgpack
 
 from limiter.config import hash_key
-from limiter.keys import PoolKeys
+from limiter.keys import PoolKeys, policy_text
 from limiter.localstack.launcher import Child, answers_ok, module_argv
 from limiter.localstack.sse import sse_chunks
 from limiter.localstack.toml_writer import toml_dumps
@@ -665,7 +665,8 @@ async def buckets_full(client: Any, pool: str) -> dict[str, float]:
     """Each class and ceiling bucket's level now (refilled as the scripts compute it), as a
     share of its burst; debt left by a missing refund would keep a bucket below 1."""
     keys = PoolKeys(pool)
-    pol = {k.decode(): v.decode() for k, v in (await client.hgetall(keys.policy)).items()}
+    pol = policy_text(await client.hgetall(keys.policy))
+
     sec, usec = await client.time()
     now = int(sec) * 1000 + int(usec) // 1000
     levels = {}
