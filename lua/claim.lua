@@ -319,12 +319,17 @@ local function main()
     end
   end
 
-  local fields = {'.ts', now}
-  for _, cls in ipairs(p.classes) do
-    fields[#fields + 1] = cls
-    fields[#fields + 1] = fmt(served[cls])
+  if #out > 2 then
+    -- An empty claim leaves the ledger as it was: decayed later from its own .ts, it is
+    -- the same ledger (the decay is a factor per elapsed ms).
+    local fields = {'.ts', now}
+    for _, cls in ipairs(p.classes) do
+      fields[#fields + 1] = cls
+      fields[#fields + 1] = fmt(served[cls])
+    end
+    redis.call('HSET', K_SERVED, unpack(fields))
   end
-  redis.call('HSET', K_SERVED, unpack(fields))
+
   -- Work left queued is announced again (another worker may hold room for it), and the
   -- caller is told: an empty claim with nothing left queued only consumed a stale marker,
   -- while one that left a backlog (a misfit, a class held by its ceiling) must back off.

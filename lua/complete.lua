@@ -72,7 +72,8 @@ local function main()
     fields[7], fields[8] = 'out_tokens', usage_out
     if r.first_ms == nil then fields[9], fields[10] = 'first_ms', now end
   end
-  r.out_tokens = usage_out
+  r.out_tokens, r.wrote_ids = usage_out, n_ids > 0
+
   local state = ({ok = 'done', failed = 'failed', cancelled = 'cancelled'})[outcome]
   local reason = message ~= '' and message or finish_reason
   local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now, fields)

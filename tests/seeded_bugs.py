@@ -105,7 +105,17 @@ BUGS = (
         "claim.lua", "local gen = r.out_tokens > 0 and redis.call(", "local gen = false and redis.call("),
     Bug("claim_reads_no_weight", "claim reads a queued request without its tenant's weight (charges it as 1)",
         "claim.lua", "'cost', 't_weight', 'out_tokens', 'payload'}", "'cost', 'out_tokens', 'payload'}"),
+    Bug("finish_keeps_cancel_flag", "a finished request whose client left stays in the cancels set",
+        "include/finish.lua", "if r.cancel == 1 then redis.call('SREM'", "if false then redis.call('SREM'"),
+    Bug("finish_keeps_token_ttl", "a finished request's token string keeps its week-long TTL",
+        "include/finish.lua", "if r.out_tokens > 0 or r.wrote_ids then", "if false then"),
+    Bug("idle_tenant_not_charged", "a claim that empties its tenant's queue does not charge its counter",
+        "include/vtc.lua", "    redis.call('HINCRBYFLOAT', P_VTIME .. cls, tenant, fmt(amount))\n", ""),
+    Bug("served_ledger_not_written", "claim never writes the served ledger (as if every claim were empty)",
+        "claim.lua", "  if #out > 2 then\n    -- An empty claim", "  if false then\n    -- An empty claim"),
     Bug("requeue_leaves_token_ttl",
+
+
  "a requeued request's token string keeps the TTL of its last lease",
         "include/requeue.lua", "keep_alive(p, r.id, r.deadline_ms, now, r.out_tokens == 0)",
         "keep_alive(p, r.id, r.deadline_ms, now, true)"),

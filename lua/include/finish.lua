@@ -17,7 +17,7 @@ local function finalize(p, r, state, reason, used, now, fields)
   elseif r.state == 'leased' then
     drop_lease(r)
   end
-  redis.call('SREM', K_CANCELS, r.id)
+  if r.cancel == 1 then redis.call('SREM', K_CANCELS, r.id) end  -- flag_cancel sets both
   if redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, -1) <= 0 then
     redis.call('HDEL', K_TENANT_INFLIGHT, r.tenant)
   end
@@ -28,7 +28,10 @@ local function finalize(p, r, state, reason, used, now, fields)
     'r_tenant', fmt(g.r_tenant), 'r_class', fmt(g.r_class), 'r_ceil', fmt(g.r_ceil), 'r_vtc', fmt(g.r_vtc),
     unpack(fields or {}))
   redis.call('EXPIRE', key, p.record_ttl_s)
-  redis.call('EXPIRE', P_TOKENS .. r.id, p.record_ttl_s)
+  -- a token string exists only once a token was delivered (or complete just wrote ids)
+  if r.out_tokens > 0 or r.wrote_ids then redis.call('EXPIRE', P_TOKENS .. r.id, p.record_ttl_s) end
+
+
   redis.call('HINCRBY', K_STATS, r.class .. '.' .. state, 1)
   r.state = state
   return g

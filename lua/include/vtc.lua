@@ -35,12 +35,15 @@ local function vtc_set(cls, tenant, value, backlogged)
   end
 end
 
--- Charge a tenant's counter; returns the amount charged.
+-- Charge a tenant's counter; returns the amount charged. One command for a backlogged tenant
+-- (its score moved in place: ZADD XX INCR answers nil for a tenant that is not in the backlog).
 local function vtc_charge(cls, tenant, amount)
-  local v, backlogged = vtc_get(cls, tenant)
-  vtc_set(cls, tenant, v + amount, backlogged)
+  if not redis.call('ZADD', P_BACKLOG .. cls, 'XX', 'INCR', amount, tenant) then
+    redis.call('HINCRBYFLOAT', P_VTIME .. cls, tenant, fmt(amount))
+  end
   return amount
 end
+
 
 -- Give back up to `amount`, never below the class's virtual time; returns what was given.
 local function vtc_refund(cls, tenant, amount)
