@@ -37,6 +37,11 @@
 --!include notify.lua
 --!include samples.lua
 
+-- The record fields a completion reads: the lease's, and what its refunds and reply need.
+local COMPLETE_FIELDS = {'state', 'worker', 'fence', 'frontend', 'tenant', 'class', 'out_tokens',
+  'max_tokens', 'first_ms', 'cancel', 'cost', 'w_in', 'w_out', 't_rate', 't_burst', 't_weight',
+  'c_tenant', 'c_class', 'c_ceil', 'c_vtc'}
+
 local function main()
   local request_id = arg_name(ARGV[1], 'request_id')
   local worker_id = arg_name(ARGV[2], 'worker_id')
@@ -54,7 +59,8 @@ local function main()
   local expected = nil
   if ARGV[13] ~= nil and ARGV[13] ~= '' then expected = arg_int(ARGV[13], 'offset', 0, 10000000) end
   local p = load_policy(K_POLICY)
-  local r = leased_request(request_id, worker_id, fence)
+  local r = leased_request(request_id, worker_id, fence, COMPLETE_FIELDS)
+
   if r == nil then return LEASE_LOST end
   local offset = r.out_tokens or 0
   if expected ~= nil and expected ~= offset then

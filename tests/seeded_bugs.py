@@ -113,7 +113,12 @@ BUGS = (
         "include/vtc.lua", "    redis.call('HINCRBYFLOAT', P_VTIME .. cls, tenant, fmt(amount))\n", ""),
     Bug("served_ledger_not_written", "claim never writes the served ledger (as if every claim were empty)",
         "claim.lua", "  if #out > 2 then\n    -- An empty claim", "  if false then\n    -- An empty claim"),
+    Bug("complete_reads_no_weight", "complete reads the record without its tenant's weight (refunds as 1)",
+        "complete.lua", "'t_rate', 't_burst', 't_weight',\n", "'t_rate', 't_burst',\n"),
+    Bug("complete_reads_no_out_weight", "complete reads the record without its output weight",
+        "complete.lua", "'cost', 'w_in', 'w_out',", "'cost', 'w_in',"),
     Bug("requeue_leaves_token_ttl",
+
 
 
  "a requeued request's token string keeps the TTL of its last lease",

@@ -146,7 +146,25 @@ async def test_tenants_of_a_class_share_by_virtual_token_counter(scripts, pool):
     assert order.count("late") == 4 and order.count("flood") == 2  # weight 2: twice the share
 
 
+async def test_a_weighted_tenants_refund_is_its_unused_reservation_over_its_weight(scripts, pool):
+    """A tenant of weight 2 is charged cost / 2 at its claim and, finishing early, given back
+    unused / 2: its counter moves in its own units both ways (the virtual time, held at 0 by a
+    tenant the claims avoid, does not clamp it)."""
+    await admit(scripts, pool, cls="P1", tenant="zero", request_id="z0", input_tokens=10, max_tokens=90)
+    for i in range(2):
+        await admit(scripts, pool, cls="P1", tenant="heavy", request_id=f"h{i}", input_tokens=10,
+                    max_tokens=90, tenant_weight=2.0)
+    (c,) = (await scripts.claim(pool, "w1", 1, avoid_tenants=["zero"], avoid_from="P1")).requests
+    assert c.tenant == "heavy"
+    assert await _backlog_counters(scripts, pool, "P1") == {"zero": 0.0, "heavy": 50.0}  # 100 / 2
+    await scripts.complete(pool, request_id=c.request_id, worker_id="w1", fence=c.fence, outcome="ok",
+                           usage_in=10, token_ids=[1])  # used 11 of 100: 89 unused
+    assert await _backlog_counters(scripts, pool, "P1") == {"zero": 0.0, "heavy": 50.0 - 89 / 2}
+    assert float(await scripts.client.hget(pool.request(c.request_id), "r_vtc")) == 89 / 2
+
+
 async def _backlog_counters(scripts, pool, cls: str) -> dict[str, float]:
+
     """Each backlogged tenant's virtual token counter in ``cls``."""
     pairs = await scripts.client.zrange(pool.backlog(cls), 0, -1, withscores=True)
     return {tenant.decode(): score for tenant, score in pairs}
