@@ -7,8 +7,13 @@
 -- some forty fields (issue 17: the policy read was ~16 us of a script's Redis time, ~4 us
 -- packed). A copy that is missing, or whose version is not the hash's (a set_rates of an
 -- older release during a rolling deploy bumps the version but does not repack), is ignored
--- and the fields are read. A server without cmsgpack (the embedded fakeredis of `qos up`)
--- keeps no packed copy: there every script reads the fields.
+-- and the fields are read. An older release's init_pool (a role of the previous release
+-- starting during a rolling deploy) rewrites the static fields without repacking or a new
+-- version: with a configuration that changed them, the scripts keep the static values of
+-- the last packing until a role of this release runs init_pool (every role does at start)
+-- or the controller's next set_rates. A server without cmsgpack (the embedded fakeredis of
+-- `qos up`) keeps no packed copy: there every script reads the fields.
+
 --!include validate.lua
 
 local POOL_NUMERIC = {'capacity', 'lease_ms', 'max_attempts', 'frontend_ttl_ms', 'floor_half_life_ms',
