@@ -78,7 +78,6 @@ class PoolKeys:
     def policy(self) -> str:
         """HASH: class order, per-class rate/burst/ceil/weights/caps, capacity, version, and
         ``~packed``, a msgpack copy of those fields (:data:`PACKED_POLICY_FIELD`)."""
-
         return self.base + "policy"
 
     @property

@@ -73,7 +73,6 @@ async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
         res = await pipe.execute()
         policy = policy_text(res[0])
         inflight, compliance, stats, queued = (_hash(r) for r in res[1:5])
-
         workers, frontends = res[5], res[6]
         capacity = _f(policy.get("capacity"))
         per_class: dict[str, Any] = {}

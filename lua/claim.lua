@@ -93,18 +93,17 @@ local function arg_tenant_set(list)
   end
 end
 
--- {class = true} for the classes ranked strictly above `cls` or, with `from_it_down`, for
--- `cls` and every class below it. A `cls` the policy does not know (the caller's
--- configuration has a class the policy lacks, or lost one it has: a rolling deploy) has no
--- place in the order; it is taken as ranked above every known class, the placement under
--- which the claim takes least: nothing above it, every class at or below it.
 -- The record fields a claim reads of a queued request it hands out (its payload with them,
 -- not in a second command); a request it finishes instead is read whole.
 local CLAIM_FIELDS = {'state', 'tenant', 'class', 'frontend', 'attempts', 'enq_ms', 'deadline_ms',
   'claimed_ms', 'first_ms', 'input_tokens', 'max_tokens', 'cost', 't_weight', 'out_tokens', 'payload'}
 
+-- {class = true} for the classes ranked strictly above `cls` or, with `from_it_down`, for
+-- `cls` and every class below it. A `cls` the policy does not know (the caller's
+-- configuration has a class the policy lacks, or lost one it has: a rolling deploy) has no
+-- place in the order; it is taken as ranked above every known class, the placement under
+-- which the claim takes least: nothing above it, every class at or below it.
 local function class_range(p, cls, from_it_down)
-
   local rank = p.index[cls] or 0
   local out = {}
   for i, c in ipairs(p.classes) do
@@ -268,7 +267,6 @@ local function main()
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
             .. math.max(kv_total, largest_kv()) .. ' tokens)'
           finish_by_redis(p, load_request(id), 'failed', why, 0, now, {code = 'too_large', msg = why})
-
           q.n[pick] = q.n[pick] - 1
         elseif never then
           -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it
@@ -312,7 +310,6 @@ local function main()
           -- a retried request gets the tokens it delivered before; a first attempt has none
           local gen = r.out_tokens > 0 and redis.call('GET', P_TOKENS .. id) or ''
           out[#out + 1] = {id, pick, tenant, fence, r.payload, r.enq_ms, r.input_tokens, r.max_tokens,
-
             r.frontend, r.out_tokens, gen, r.claimed_ms, r.first_ms or 0, attempt}
         end
       end
@@ -329,7 +326,6 @@ local function main()
     end
     redis.call('HSET', K_SERVED, unpack(fields))
   end
-
   -- Work left queued is announced again (another worker may hold room for it), and the
   -- caller is told: an empty claim with nothing left queued only consumed a stale marker,
   -- while one that left a backlog (a misfit, a class held by its ceiling) must back off.

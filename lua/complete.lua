@@ -60,7 +60,6 @@ local function main()
   if ARGV[13] ~= nil and ARGV[13] ~= '' then expected = arg_int(ARGV[13], 'offset', 0, 10000000) end
   local p = load_policy(K_POLICY)
   local r = leased_request(request_id, worker_id, fence, COMPLETE_FIELDS)
-
   if r == nil then return LEASE_LOST end
   local offset = r.out_tokens or 0
   if expected ~= nil and expected ~= offset then
@@ -79,7 +78,6 @@ local function main()
     if r.first_ms == nil then fields[9], fields[10] = 'first_ms', now end
   end
   r.out_tokens, r.wrote_ids = usage_out, n_ids > 0
-
   local state = ({ok = 'done', failed = 'failed', cancelled = 'cancelled'})[outcome]
   local reason = message ~= '' and message or finish_reason
   local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now, fields)

@@ -32,7 +32,6 @@
 --!include policy.lua
 --!include queue.lua
 
-
 local RESCORE_LIMIT = 256
 
 -- Rescore the backlog of a class whose fair flag changed to `fair` (see the header).

@@ -117,14 +117,9 @@ BUGS = (
         "complete.lua", "'t_rate', 't_burst', 't_weight',\n", "'t_rate', 't_burst',\n"),
     Bug("complete_reads_no_out_weight", "complete reads the record without its output weight",
         "complete.lua", "'cost', 'w_in', 'w_out',", "'cost', 'w_in',"),
-    Bug("requeue_leaves_token_ttl",
-
-
-
- "a requeued request's token string keeps the TTL of its last lease",
+    Bug("requeue_leaves_token_ttl", "a requeued request's token string keeps the TTL of its last lease",
         "include/requeue.lua", "keep_alive(p, r.id, r.deadline_ms, now, r.out_tokens == 0)",
         "keep_alive(p, r.id, r.deadline_ms, now, true)"),
-
     Bug("removed_class_drains_as_fair", "a class a deploy removed drains as if fair (arrival order lost)",
         "include/queue.lua", "local fair = class_fair(p, cls)",
         "local fair = p.class[cls] == nil or class_fair(p, cls)"),

@@ -37,9 +37,7 @@ async def test_expired_lease_requeues_at_the_head_and_another_worker_resumes(scr
     async with scripts.client.pipeline(transaction=False) as pipe:
         ttl_record, ttl_tokens = await pipe.pttl(pool.request("first")).pttl(pool.tokens("first")).execute()
     assert ttl_record > 7 * 86400 * 1000 and abs(ttl_tokens - ttl_record) < 2_000
-
     c2 = await _claim_one(scripts, pool, "w2")
-
     assert c2.request_id == "first" and c2.attempt == 2  # head of its queue, ahead of "second"
     assert c2.fence > c.fence  # a new lease token, never one handed out before
     assert c2.delivered == 2 and c2.generated == [104, 105]  # what the new worker re-prefills

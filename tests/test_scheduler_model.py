@@ -261,7 +261,6 @@ class LifecycleModel(RuleBasedStateMachine):
         # a look-ahead above a class the policy lacks takes nothing (it ranks above them all)
         eligible = (names[:names.index(above)] if above in names else []) if above else names
         policy = policy_text(self.r.hgetall(KEYS.policy))
-
         for cls in eligible:
             if float(policy[f"{cls}.ceil"]) < float(policy["capacity"]):
                 b = self.r.hmget(KEYS.ceil_bucket(cls), ["tokens", "ts"])

@@ -174,7 +174,6 @@ class Probe:
         work = await self.work_done()
         workers = await self.worker_states()
         pol = policy_text(policy)
-
         comp = {_s(k): _s(v) for k, v in compliance.items()}
         row: dict[str, Any] = {"t_s": round(time.monotonic() - self.t0, 2), "work_done": round(work, 1),
                                "capacity": _float(pol.get("capacity")),

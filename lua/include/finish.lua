@@ -30,8 +30,6 @@ local function finalize(p, r, state, reason, used, now, fields)
   redis.call('EXPIRE', key, p.record_ttl_s)
   -- a token string exists only once a token was delivered (or complete just wrote ids)
   if r.out_tokens > 0 or r.wrote_ids then redis.call('EXPIRE', P_TOKENS .. r.id, p.record_ttl_s) end
-
-
   redis.call('HINCRBY', K_STATS, r.class .. '.' .. state, 1)
   r.state = state
   return g

@@ -53,7 +53,7 @@ local function read_policy_fields(policy_key)
       t[f] = tonumber(cv[j])
       j = j + 1
     end
-    t.fair = t.fair ~= 0
+    t.fair = t.fair ~= 0  -- absent (a policy from before the field) = fair
     p.class[c] = t
   end
   return p
@@ -73,7 +73,6 @@ local function load_policy(policy_key)
   local p
   if v[1] and cmsgpack then
     p = cmsgpack.unpack(v[1])
-
     if p.version ~= tonumber(v[2]) then p = nil end
   end
   p = p or read_policy_fields(policy_key)

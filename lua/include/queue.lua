@@ -93,4 +93,3 @@ local function queued_counts(p, cls, tenant)
   if tenant then out.tenant_cost = math.max(tonumber(v[#want]) or 0, 0) end
   return out
 end
-

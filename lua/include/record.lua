@@ -58,7 +58,6 @@ local function keep_alive(p, id, until_ms, now, no_tokens)
   local ttl = math.max(until_ms - now, 0) + LIVE_RECORD_GRACE_MS
   redis.call('PEXPIRE', P_REQUEST .. id, ttl)
   if not no_tokens then redis.call('PEXPIRE', P_TOKENS .. id, ttl) end
-
 end
 
 -- Weighted cost of what a request really used.

@@ -24,7 +24,6 @@ local function requeue(p, r, now)
   redis.call('HSET', P_REQUEST .. r.id, 'state', 'queued', 'worker', '', 'deadline_ms', r.deadline_ms)
   enqueue(p, r)
   keep_alive(p, r.id, r.deadline_ms, now, r.out_tokens == 0)
-
   redis.call('HINCRBY', K_STATS, r.class .. '.requeued', 1)
   wake_workers()
   return true

@@ -44,7 +44,6 @@ local function vtc_charge(cls, tenant, amount)
   return amount
 end
 
-
 -- Give back up to `amount`, never below the class's virtual time; returns what was given.
 local function vtc_refund(cls, tenant, amount)
   if amount <= 0 then return 0 end

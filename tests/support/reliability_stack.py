@@ -666,7 +666,6 @@ async def buckets_full(client: Any, pool: str) -> dict[str, float]:
     share of its burst; debt left by a missing refund would keep a bucket below 1."""
     keys = PoolKeys(pool)
     pol = policy_text(await client.hgetall(keys.policy))
-
     sec, usec = await client.time()
     now = int(sec) * 1000 + int(usec) // 1000
     levels = {}
