@@ -111,6 +111,8 @@ BUGS = (
         "include/finish.lua", "if r.out_tokens > 0 or r.wrote_ids then", "if false then"),
     Bug("idle_tenant_not_charged", "a claim that empties its tenant's queue does not charge its counter",
         "include/vtc.lua", "    redis.call('HINCRBYFLOAT', P_VTIME .. cls, tenant, fmt(amount))\n", ""),
+    Bug("vtc_charged_twice", "a claim adds twice the request's cost to a backlogged tenant's counter",
+        "include/vtc.lua", "'XX', 'INCR', amount, tenant", "'XX', 'INCR', 2 * amount, tenant"),
     Bug("served_ledger_not_written", "claim never writes the served ledger (as if every claim were empty)",
         "claim.lua", "  if #out > 2 then\n    -- An empty claim", "  if false then\n    -- An empty claim"),
     Bug("complete_reads_no_weight", "complete reads the record without its tenant's weight (refunds as 1)",
