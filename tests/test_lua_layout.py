@@ -53,6 +53,44 @@ def test_each_include_is_pasted_once_per_script(tmp_path):
     assert load_script("other", lua).count("-- a") == 1  # once per script, not once ever
 
 
+def test_helpers_no_one_calls_are_left_out_of_the_script(tmp_path):
+    """An include brings every helper of its file; the script Redis runs keeps those it
+    calls, those they call, and nothing else (each helper left in is a closure made on
+    every call)."""
+    lua = _lua_tree(tmp_path, {
+        "top.lua": "--!include h.lua\nlocal function main()\n  return used(1)\nend\nreturn main()\n",
+        "include/h.lua": ("local function inner(x)\n  return x + 1\nend\n\n"
+                          "local function used(x)\n  return inner(x)\nend\n\n"
+                          "local function only_for_dead(x)\n  return x\nend\n\n"
+                          "local function dead(x)\n  return only_for_dead(x)\nend\n\n"
+                          "local function recursive(n)\n  if n > 0 then return recursive(n - 1) end\nend\n"
+                          "-- named in a comment: mentioned(), so kept\n"
+                          "local function mentioned()\n  return 0\nend\n"),
+    })
+    src = load_script("top", lua)
+    names = re.findall(r"^local function (\w+)", src, re.MULTILINE)
+    # a self-call counts as a use (a conservative rule: it only ever keeps too much)
+    assert names == ["inner", "used", "recursive", "mentioned", "main"]
+    assert "only_for_dead" not in src and "dead(" not in src
+
+
+def test_every_top_level_helper_ends_with_an_end_at_column_0():
+    """The layout drop_unused_helpers relies on to cut a helper out whole: a top-level
+    `local function` runs to the first line that is `end`, with nothing but indented lines,
+    blank lines and comments before it."""
+    for path in sorted(lua_dir().rglob("*.lua")):
+        lines = path.read_text().split("\n")
+        for i, line in enumerate(lines):
+            if not line.startswith("local function"):
+                continue
+            j = i + 1
+            while j < len(lines) and lines[j] != "end":
+                assert not lines[j] or lines[j][0].isspace() or lines[j].startswith("--"), \
+                    f"{path.name}:{j + 1}: a column-0 line inside the helper of line {i + 1}"
+                j += 1
+            assert j < len(lines), f"{path.name}:{i + 1}: its helper has no column-0 end"
+
+
 def test_an_include_cycle_is_refused_naming_the_chain(tmp_path):
     lua = _lua_tree(tmp_path, {
         "cyclic.lua": "--!include x.lua\n", "include/x.lua": "--!include y.lua\n",
