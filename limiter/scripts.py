@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -44,6 +45,7 @@ _FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
 # A helper: from a top-level `local function name(` to the first `end` at column 0 (the
 # layout every file keeps; tests/test_lua_layout.py checks it).
 _TOP_FUNCTION = re.compile(r"^local function (\w+)\(.*?^end\n", re.MULTILINE | re.DOTALL)
+_WORD = re.compile(r"\w+")
 # What a script may do under Redis 7's `#!lua` flags: scripts that only move requests to a
 # final state may run when Redis is out of memory (they free it); none may touch another slot.
 KNOWN_FLAGS = ("allow-oom",)
@@ -109,8 +111,8 @@ def drop_unused_helpers(body: str) -> str:
     (issue 17): admit's ~38 helpers cost ~5 us a call of Redis time, ~2 us of it the unused
     ones. A name is kept when it appears anywhere else, a comment included."""
     while True:
-        unused = [m for m in _TOP_FUNCTION.finditer(body)
-                  if len(re.findall(rf"\b{m.group(1)}\b", body)) == 1]
+        uses = Counter(_WORD.findall(body))
+        unused = [m for m in _TOP_FUNCTION.finditer(body) if uses[m.group(1)] == 1]
         if not unused:
             return body
         for m in reversed(unused):
