@@ -16,11 +16,12 @@ from limiter.cli import common_args, load_config
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), tenants, "
-                                      "overhead, admission, janitor, redis-budget, scale-out")
+                                      "overhead, admission, janitor, redis-budget, lua-profile, scale-out")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
     _add_admission(bsub)
     _add_janitor(bsub)
     _add_redis_budget(bsub)
+    _add_lua_profile(bsub)
     _add_scale_out(bsub)
     from limiter.bench import cli_run
 
@@ -177,6 +178,40 @@ def _redis_budget(args: argparse.Namespace) -> int:
     if args.json:
         rb.write_json(report, args.json)
         console.print(f"[dim]wrote {args.json}[/]")
+    return 0
+
+
+def _add_lua_profile(bsub: argparse._SubParsersAction) -> None:
+    from limiter.bench import lua_profile as lp
+
+    p = mode_parser(bsub, _lua_profile, help="where a script's Redis time goes: the script cut short "
+                                             "at its main steps, each cut measured")
+    _bench_common_args(p)
+    p.add_argument("--script", nargs="+", choices=sorted(lp.CUTS), default=["admit"],
+                   help="the scripts to profile (default admit)")
+    p.add_argument("--requests", type=int, default=lp.DEFAULT_REQUESTS,
+                   help=f"calls per cut and round, a multiple of 8 (default {lp.DEFAULT_REQUESTS})")
+    p.add_argument("--rounds", type=int, default=lp.DEFAULT_ROUNDS,
+                   help=f"measure every cut N times, keep each one's best (default {lp.DEFAULT_ROUNDS})")
+
+
+def _lua_profile(args: argparse.Namespace) -> int:
+    """Where a script's Redis time goes. Redis has no Lua profiler (and TIME does not move inside a
+    script), so the script is cut short: a copy returns before each of its main steps, every copy is
+    measured over the same calls as the whole script (INFO commandstats, round-robin, each cut's best
+    round), and the difference between consecutive cuts is what the lines between them cost. The
+    first cut is the fixed part every call pays (keys, arguments, the helpers' definitions)."""
+    from rich.console import Console
+
+    from limiter.bench import lua_profile as lp
+
+    console = Console()
+    if args.requests < 8 or args.requests % 8 or args.rounds < 1:
+        console.print("[red]--requests: a positive multiple of 8; --rounds: at least 1[/]")
+        return 2
+    for script in args.script:
+        segments = asyncio.run(lp.profile(script, args.requests, args.rounds, redis_url=args.redis_url))
+        console.print(lp.render(script, segments))
     return 0
 
 
