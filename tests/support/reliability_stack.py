@@ -36,6 +36,7 @@ from typing import Any
 import aiohttp
 import msgpack
 
+from limiter import lifecycle
 from limiter.config import hash_key
 from limiter.keys import PoolKeys, policy_text
 from limiter.localstack.launcher import Child, answers_ok, module_argv
@@ -149,17 +150,26 @@ class LiveStack:
         level = os.environ.get("QOS_REL_LOG_LEVEL", "WARNING")  # INFO to debug a failing run
         return module_argv(role, self.path, "--log-level", level, *args)
 
-    def _role(self, name: str, role: str, *args: str, port: int = 0) -> Child:
+    def _role(self, name: str, role: str, *args: str, port: int = 0, pass_fds: tuple[int, ...] = ()) -> Child:
         """Start one role process, its output to ``<name>.log`` (kept for a failing test's
         report); SIGKILLed when the test process dies, even if pytest itself is killed."""
         assert name not in self.procs, name
         child = Child(name, role, self._cmd(role, *args), log=self.tmp / f"{name}.log", port=port)
-        self.procs[name] = child.launch(self.env, death_signal=signal.SIGKILL, cwd=ROOT)
+        self.procs[name] = child.launch(self.env, death_signal=signal.SIGKILL, cwd=ROOT, pass_fds=pass_fds)
         return child
 
     def frontend(self, name: str) -> Child:
-        port = free_port()
-        return self._role(name, "frontend", "--port", str(port), port=port)
+        """A frontend serving a socket bound here on a port the kernel picks, which it
+        inherits: no other process can take that port between its choice and the bind (with
+        free_port() and --port, an outgoing connection of any process could, and the
+        frontend died at start)."""
+        sock = lifecycle.listen_socket("127.0.0.1", 0)
+        port = sock.getsockname()[1]
+        try:
+            return self._role(name, "frontend", "--port", str(port), "--listen-fd", str(sock.fileno()),
+                              port=port, pass_fds=(sock.fileno(),))
+        finally:
+            sock.close()  # the child holds its own copy: the socket closes when the child exits
 
     def worker(
         self,
