@@ -91,6 +91,26 @@ def test_a_free_port_taken_before_the_server_binds_it_is_replaced_by_another():
         server.stop()
 
 
+def test_a_cluster_nodes_bus_port_taken_before_it_binds_is_replaced_too():
+    # A cluster node binds two ports: a taken bus port (--cluster-port) fails its start the
+    # same way, and the retry must pick a new bus port, not only a new port.
+    from limiter.localstack.redis_server import RedisServer
+
+    server = RedisServer(extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
+                         cluster_bus=True)
+    taken = server.bus_port
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", taken))
+        thief.listen(1)
+        server.start()
+    try:
+        assert server.bus_port != taken
+        assert server.client().ping()
+        assert server.client().config_get("cluster-port")["cluster-port"] == str(server.bus_port)
+    finally:
+        server.stop()
+
+
 # --- `qos up --demo-load` ------------------------------------------------------------------------
 
 def _demo_keys_config(path, time_scale: float):

@@ -60,11 +60,18 @@ class RedisServer:
     # it last) and a preexec_fn that binds it to its parent (limiter.lifecycle.bind_to_parent).
     new_session: bool = False
     preexec_fn: Callable[[], None] | None = None
+    # A cluster node: its bus port (--cluster-port; Redis' default, port + 10000, may not be
+    # free) is a free one too, chosen again with the port when a first start finds either
+    # taken. A restart keeps both (the other nodes know them).
+    cluster_bus: bool = False
+    bus_port: int = 0
 
     def __post_init__(self) -> None:
         self.own_port = self.port == 0
         if self.own_port:
             self.port = free_port()
+        if self.cluster_bus and self.bus_port == 0:
+            self.bus_port = free_port()
         # Only a dir made here may be removed when a first start fails: a caller's is its data.
         self.own_dir = self.dir is None
         if self.dir is None:
@@ -93,6 +100,8 @@ class RedisServer:
             self.proc = None
             (self.dir / "redis.log").unlink(missing_ok=True)
             self.port = free_port()
+            if self.cluster_bus:
+                self.bus_port = free_port()
         return self
 
     def _launch(self, first: bool, timeout_s: float, port_taken_ok: bool) -> bool:
@@ -104,6 +113,8 @@ class RedisServer:
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--dir", str(self.dir), "--daemonize", "no", "--loglevel", "warning",
                 "--logfile", str(log), *self.extra]
+        if self.cluster_bus:
+            args += ["--cluster-port", str(self.bus_port)]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                      start_new_session=self.new_session, preexec_fn=self.preexec_fn)
         if self.own_dir:  # a server that outlives us keeps its dir from the sweep
@@ -254,10 +265,9 @@ class LocalRedisCluster:
     def start(self, masters: int = 3, timeout_s: float = 20.0) -> LocalRedisCluster:
         try:
             for _ in range(masters):
-                # The bus port defaults to port + 10000, which may not be free: name a free one.
                 node = RedisServer(extra=["--cluster-enabled", "yes", "--cluster-node-timeout", "2000",
-                                          "--cluster-config-file", "nodes.conf",
-                                          "--cluster-port", str(free_port()), *self.extra])
+                                          "--cluster-config-file", "nodes.conf", *self.extra],
+                                   cluster_bus=True)
                 self.nodes.append(node.start())
             if masters == 1:  # redis-cli --cluster create wants three: the one takes every slot
                 self._call(self.nodes[0], "CLUSTER", "ADDSLOTSRANGE", "0", "16383")
