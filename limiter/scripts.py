@@ -109,7 +109,8 @@ def drop_unused_helpers(body: str) -> str:
     they named, and so on). An include brings all of a file's helpers, and EVALSHA runs the
     whole script body on every call: each helper is a closure made anew each time. Measured
     (issue 17): admit's ~38 helpers cost ~5 us a call of Redis time, ~2 us of it the unused
-    ones. A name is kept when it appears anywhere else, a comment included."""
+    ones. A name is kept when it appears anywhere else, a comment included (a mention keeps
+    a helper: the rule only ever keeps too much)."""
     while True:
         uses = Counter(_WORD.findall(body))
         unused = [m for m in _TOP_FUNCTION.finditer(body) if uses[m.group(1)] == 1]

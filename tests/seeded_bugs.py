@@ -113,6 +113,8 @@ BUGS = (
         "include/vtc.lua", "    redis.call('HINCRBYFLOAT', P_VTIME .. cls, tenant, fmt(amount))\n", ""),
     Bug("vtc_charged_twice", "a claim adds twice the request's cost to a backlogged tenant's counter",
         "include/vtc.lua", "'XX', 'INCR', amount, tenant", "'XX', 'INCR', 2 * amount, tenant"),
+    Bug("claim_takes_last_candidate", "past a skipped tenant, claim serves the last candidate it read",
+        "claim.lua", "then tenant = t break end", "then tenant = t end"),
     Bug("served_ledger_not_written", "claim never writes the served ledger (as if every claim were empty)",
         "claim.lua", "  if #out > 2 then\n    -- An empty claim", "  if false then\n    -- An empty claim"),
     Bug("complete_reads_no_weight", "complete reads the record without its tenant's weight (refunds as 1)",

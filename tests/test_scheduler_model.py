@@ -53,6 +53,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import math
 import os
 import sys
 from typing import Any
@@ -130,6 +131,20 @@ class Known:
     fences: list[int] = dataclasses.field(default_factory=list)
     finished: bool = False
     final: dict[str, str] = dataclasses.field(default_factory=dict)  # the record when first seen final
+
+
+@dataclasses.dataclass
+class Backlogs:
+    """The fair classes' backlogs as one claim finds them (LifecycleModel.backlogs)."""
+
+    # class -> tenant -> counter
+    scores: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
+    passed: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # class -> tenants passed over
+    queued: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (class, tenant) -> queued
+
+    def passed_score(self, cls: str, tenant: str) -> float | None:
+        """The counter of a tenant passed over in `cls` (None: not passed over there)."""
+        return self.scores[cls][tenant] if tenant in self.passed.get(cls, set()) else None
 
 
 class LifecycleModel(RuleBasedStateMachine):
@@ -219,7 +234,7 @@ class LifecycleModel(RuleBasedStateMachine):
               avoid_from: str = "P0") -> None:
         before = {rid: self.state_of(rid) for rid, k in self.known.items() if not k.finished}
         kv_room = min(kv_room, KV_TOTAL[worker])
-        skippable = self.tenants_a_claim_may_skip(worker, avoid, avoid_from if avoid else "")
+        pre = self.backlogs(worker, avoid, avoid_from if avoid else "")
         counters = self.counters()
         got = self.run(self.scripts.claim(KEYS, worker, n, kv_room, 0, above, KV_TOTAL[worker], avoid,
                                           avoid_from if avoid else ""))
@@ -233,6 +248,20 @@ class LifecycleModel(RuleBasedStateMachine):
                 if not self.known[c.request_id].fences and self.fair[c.cls]:  # a first claim
                     charged[(c.cls, c.tenant)] += _f(self.record(c.request_id).get("c_vtc"))
             self.check_counters_moved(counters, charged, "claim")
+            self.check_pick_order(got.requests, pre)
+        else:
+            # the call's own sweeps may have changed who is passed over (a head expired or
+            # cancelled shows one too large for this worker; a requeued tenant is avoided):
+            # both views count, and a served tenant's counter after the call bounds its pick's
+            post = self.backlogs(worker, avoid, avoid_from if avoid else "")
+            for c in got.requests:
+                if not self.known[c.request_id].fences and self.fair.get(c.cls):
+                    passed = {t: min(x for x in (pre.passed_score(c.cls, t), post.passed_score(c.cls, t))
+                                     if x is not None)
+                              for t in pre.passed.get(c.cls, set()) | post.passed.get(c.cls, set())}
+                    now = self.counter(c.cls, c.tenant)
+                    if any(t != c.tenant and x < now - EPS for t, x in passed.items()):
+                        self.add_lead(c.cls, c.tenant, c.request_id)
         event(f"claim got {min(len(got.requests), 2)}{'+' if len(got.requests) >= 2 else ''}")
         for c in got.requests:
             assert c.fence not in self.fences, f"fence {c.fence} handed out twice"
@@ -245,8 +274,6 @@ class LifecycleModel(RuleBasedStateMachine):
             assert not above or (above in self.present and rank(c.cls) < rank(above)), \
                 f"a look-ahead above {above} took {c.request_id} of {c.cls}"
             assert c.input_tokens + 1 <= KV_TOTAL[worker], f"{worker} took {c.request_id}, too large for it"
-            if not k.fences:  # a first claim charges the tenant's counter
-                self.note_out_of_order(c.cls, c.tenant, skippable.get(c.cls, {}), c.request_id)
             k.fences.append(c.fence)
             self.held[c.request_id] = (worker, c.fence)
         if len(got.requests) < n:
@@ -260,36 +287,62 @@ class LifecycleModel(RuleBasedStateMachine):
                 avoided = {c: set(avoid) if i >= start else set() for i, c in enumerate(names)}
                 self.check_nothing_left_that_fits(got, worker, kv_room, above, avoided)
 
-    def tenants_a_claim_may_skip(self, worker: str, avoid: tuple[str, ...],
-                                 avoid_from: str) -> dict[str, dict[str, float]]:
-        """Per fair class, the backlogged tenants this claim may pass over, with their
-        counters: those it avoids, and those whose oldest request this worker can never hold
-        (left to a bigger one). The claim may then serve a tenant whose counter is not the
-        smallest -- by design: the one passed over could not use this worker."""
+    def backlogs(self, worker: str, avoid: tuple[str, ...], avoid_from: str) -> Backlogs:
+        """The fair classes' backlogs as a claim by `worker` avoiding `avoid` from
+        `avoid_from` down finds them, with the tenants it passes over: those it avoids, and
+        those whose oldest request this worker can never hold (left to a bigger worker). It
+        then serves the next tenant, by design: the one passed over could not (or is not to)
+        use this worker."""
         names = self.present
         start = names.index(avoid_from) if avoid_from in names else 0
-        out: dict[str, dict[str, float]] = {}
+        out = Backlogs()
         for i, cls in enumerate(names):
             if not self.fair[cls]:
                 continue
+            out.scores[cls] = {}
             for t, score in self.r.zrange(KEYS.backlog(cls), 0, -1, withscores=True):
-                ids = self.r.zrange(KEYS.queue(cls, _s(t)), 0, 0)
+                tenant = _s(t)
+                out.scores[cls][tenant] = score
+                out.queued[(cls, tenant)] = self.r.zcard(KEYS.queue(cls, tenant))
+                ids = self.r.zrange(KEYS.queue(cls, tenant), 0, 0)
                 head = self.record(_s(ids[0])) if ids else {}
                 too_large = int(head.get("input_tokens", 0)) + 1 > KV_TOTAL[worker]
-                if (_s(t) in avoid and i >= start) or too_large:
-                    out.setdefault(cls, {})[_s(t)] = score
+                if (tenant in avoid and i >= start) or too_large:
+                    out.passed.setdefault(cls, set()).add(tenant)
         return out
 
-    def note_out_of_order(self, cls: str, tenant: str, passed_over: dict[str, float], rid: str) -> None:
-        """A claim charged `tenant`'s counter for `rid`: when a tenant it may have passed over
-        had a smaller counter than `tenant` has now (counters of tenants it passed over do not
-        move in the call; `tenant`'s was at most this when it was picked), the charge may have
-        been out of counter order, and `tenant` may get ahead by it (invariant 7)."""
-        if not self.fair.get(cls):
-            return
-        now = self.counter(cls, tenant)
-        if any(t != tenant and score < now - EPS for t, score in passed_over.items()):
-            self.lead[(cls, tenant)] = self.lead.get((cls, tenant), 0.0) + _f(self.record(rid).get("c_vtc"))
+    def check_pick_order(self, claimed: list[Any], pre: Backlogs) -> None:
+        """A claim without janitor work, replayed on the backlogs it found: in a fair class
+        each request served is of the backlogged tenant with the smallest counter (ties by
+        name, as a sorted set orders them) among those not passed over; each first claim adds
+        its charge to that counter, and a tenant whose queue it empties leaves the backlog. A
+        charge made while a passed-over tenant had a smaller counter than the one served may
+        put that tenant ahead by it (invariant 7)."""
+        scores = {cls: dict(b) for cls, b in pre.scores.items()}
+        left = dict(pre.queued)
+        for c in claimed:
+            if c.cls not in scores:
+                continue
+            backlog, passed = scores[c.cls], pre.passed.get(c.cls, set())
+            order = sorted((x, t) for t, x in backlog.items() if t not in passed)
+            assert order and order[0][1] == c.tenant, (
+                f"claim served {c.tenant} in {c.cls}; the smallest counter not passed over was "
+                f"{order[0] if order else None} (backlog {backlog}, passed over {sorted(passed)})")
+            pick = backlog[c.tenant]
+            first = not self.known[c.request_id].fences
+            charge = _f(self.record(c.request_id).get("c_vtc")) if first else 0.0
+            if any(t != c.tenant and backlog.get(t, math.inf) < pick - EPS for t in passed):
+                self.add_lead(c.cls, c.tenant, c.request_id)
+            left[(c.cls, c.tenant)] -= 1
+            if left[(c.cls, c.tenant)] <= 0:
+                del backlog[c.tenant]
+            else:
+                backlog[c.tenant] = pick + charge
+
+    def add_lead(self, cls: str, tenant: str, rid: str) -> None:
+        """`rid`'s first claim may have served `tenant` out of counter order: it may get
+        ahead by the charge (invariant 7)."""
+        self.lead[(cls, tenant)] = self.lead.get((cls, tenant), 0.0) + _f(self.record(rid).get("c_vtc"))
 
     def counters(self) -> dict[tuple[str, str], float]:
         """Every tenant's counter in every fair class."""
@@ -835,3 +888,19 @@ def test_replay_a_tenant_that_becomes_backlogged_is_lifted_to_the_virtual_time(
     claim = {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}
     _replay(monkeypatch, redis_server.url, ("admit", p0), ("admit", p0), ("claim", claim),
             ("admit", {**p0, "tenant": "t2"}))
+
+
+def test_replay_a_claims_own_sweep_may_show_the_head_it_passes_over(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """t1's oldest request belongs to a dead frontend; the small worker's claim cancels it,
+    which shows t1's next request, too large for that worker: t1 is passed over and t3, with
+    the larger counter, is served twice. The lead is read from the backlogs after the call
+    too (a reviewer's scenario: the view before the call alone failed this correct run)."""
+    p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 10, "max_tokens": 1, "own_wait": 0, "frontend": "fe2"}
+    t3 = {**p0, "tenant": "t3", "max_tokens": 30, "frontend": "fe1"}
+    _replay(monkeypatch, redis_server.url,
+            ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),  # a bigger live worker
+            ("admit", p0), ("admit", {**p0, "input_tokens": 130, "frontend": "fe1"}),
+            ("admit", t3), ("admit", t3),
+            ("frontend_heartbeat", {"frontend": "fe2", "alive": False}),
+            ("claim", {"worker": "ws", "n": 3, "kv_room": 0, "above": ""}))

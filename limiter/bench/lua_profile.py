@@ -152,9 +152,10 @@ async def profile(script: str, requests: int = DEFAULT_REQUESTS, rounds: int = D
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
     tmp = Path(tempfile.mkdtemp(prefix="qos-lua-profile-"))
-    server = None if redis_url else RedisServer(extra=["--appendonly", "no"]).start()
-    client = aioredis.from_url(redis_url or (server.url if server else ""))
+    server = client = None
     try:
+        server = None if redis_url else RedisServer(extra=["--appendonly", "no"]).start()
+        client = aioredis.from_url(redis_url or (server.url if server else ""))
         copies = cut_copies(script, tmp)
         drivers = {}
         for until, lua in copies.items():
@@ -174,7 +175,8 @@ async def profile(script: str, requests: int = DEFAULT_REQUESTS, rounds: int = D
             s.added, previous = s.best - previous, s.best
         return out
     finally:
-        await client.aclose()
+        if client is not None:
+            await client.aclose()
         if server:
             server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
