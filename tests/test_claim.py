@@ -164,7 +164,6 @@ async def test_a_weighted_tenants_refund_is_its_unused_reservation_over_its_weig
 
 
 async def _backlog_counters(scripts, pool, cls: str) -> dict[str, float]:
-
     """Each backlogged tenant's virtual token counter in ``cls``."""
     pairs = await scripts.client.zrange(pool.backlog(cls), 0, -1, withscores=True)
     return {tenant.decode(): score for tenant, score in pairs}

@@ -142,9 +142,9 @@ class Backlogs:
     passed: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # class -> tenants passed over
     queued: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (class, tenant) -> queued
 
-    def passed_score(self, cls: str, tenant: str) -> float | None:
-        """The counter of a tenant passed over in `cls` (None: not passed over there)."""
-        return self.scores[cls][tenant] if tenant in self.passed.get(cls, set()) else None
+    def passed_scores(self, cls: str) -> dict[str, float]:
+        """The tenants passed over in `cls`, with their counters."""
+        return {t: self.scores[cls][t] for t in self.passed.get(cls, set())}
 
 
 class LifecycleModel(RuleBasedStateMachine):
@@ -159,7 +159,7 @@ class LifecycleModel(RuleBasedStateMachine):
         self.fences: set[int] = set()
         self.vtime: dict[str, float] = {}  # class -> its virtual time at the last check
         # (class, tenant) -> what its counter was charged in claims that may have served it
-        # out of counter order (see tenants_a_claim_may_skip)
+        # out of counter order (see backlogs and check_pick_order)
         self.lead: dict[tuple[str, str], float] = {}
         self.ids = itertools.count()
         self.weights = {c.name: (c.weight, c.out_weight) for c in CLASSES}
@@ -234,10 +234,11 @@ class LifecycleModel(RuleBasedStateMachine):
               avoid_from: str = "P0") -> None:
         before = {rid: self.state_of(rid) for rid, k in self.known.items() if not k.finished}
         kv_room = min(kv_room, KV_TOTAL[worker])
-        pre = self.backlogs(worker, avoid, avoid_from if avoid else "")
+        avoid_from = avoid_from if avoid else ""
+        pre = self.backlogs(worker, avoid, avoid_from)
         counters = self.counters()
         got = self.run(self.scripts.claim(KEYS, worker, n, kv_room, 0, above, KV_TOTAL[worker], avoid,
-                                          avoid_from if avoid else ""))
+                                          avoid_from))
         taken = {c.request_id for c in got.requests}
         swept = [rid for rid, st in before.items() if rid not in taken and self.state_of(rid) != st]
         # janitor work may also requeue (a lift) or refund: a request swept, or one whose
@@ -253,12 +254,12 @@ class LifecycleModel(RuleBasedStateMachine):
             # the call's own sweeps may have changed who is passed over (a head expired or
             # cancelled shows one too large for this worker; a requeued tenant is avoided):
             # both views count, and a served tenant's counter after the call bounds its pick's
-            post = self.backlogs(worker, avoid, avoid_from if avoid else "")
+            post = self.backlogs(worker, avoid, avoid_from)
             for c in got.requests:
                 if not self.known[c.request_id].fences and self.fair.get(c.cls):
-                    passed = {t: min(x for x in (pre.passed_score(c.cls, t), post.passed_score(c.cls, t))
-                                     if x is not None)
-                              for t in pre.passed.get(c.cls, set()) | post.passed.get(c.cls, set())}
+                    passed = pre.passed_scores(c.cls)
+                    for t, x in post.passed_scores(c.cls).items():
+                        passed[t] = min(x, passed.get(t, x))
                     now = self.counter(c.cls, c.tenant)
                     if any(t != c.tenant and x < now - EPS for t, x in passed.items()):
                         self.add_lead(c.cls, c.tenant, c.request_id)
@@ -904,3 +905,4 @@ def test_replay_a_claims_own_sweep_may_show_the_head_it_passes_over(
             ("admit", t3), ("admit", t3),
             ("frontend_heartbeat", {"frontend": "fe2", "alive": False}),
             ("claim", {"worker": "ws", "n": 3, "kv_room": 0, "above": ""}))
+

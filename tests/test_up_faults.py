@@ -71,6 +71,14 @@ def test_a_redis_server_that_fails_to_start_says_why(redis_on_a_taken_port, caps
     assert "in use" in out or str(taken) in out, out
 
 
+def _start_while_taken(server, port: int) -> None:
+    """Start ``server`` while another socket listens on ``port`` (one it chose itself)."""
+    with socket.socket() as thief:
+        thief.bind(("127.0.0.1", port))
+        thief.listen(1)
+        server.start()
+
+
 def test_a_free_port_taken_before_the_server_binds_it_is_replaced_by_another():
     # free_port() only says a port was free a moment ago: another process (a second test
     # worker, anything on the host) may be handed it too. A server on a port it chose itself
@@ -79,10 +87,7 @@ def test_a_free_port_taken_before_the_server_binds_it_is_replaced_by_another():
 
     server = RedisServer()
     taken = server.port
-    with socket.socket() as thief:
-        thief.bind(("127.0.0.1", taken))
-        thief.listen(1)
-        server.start()
+    _start_while_taken(server, taken)
     try:
         assert server.port != taken
         assert server.client().ping()
@@ -99,10 +104,7 @@ def test_a_cluster_nodes_bus_port_taken_before_it_binds_is_replaced_too():
     server = RedisServer(extra=["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf"],
                          cluster_bus=True)
     taken = server.bus_port
-    with socket.socket() as thief:
-        thief.bind(("127.0.0.1", taken))
-        thief.listen(1)
-        server.start()
+    _start_while_taken(server, taken)
     try:
         assert server.bus_port != taken
         assert server.client().ping()

@@ -159,9 +159,8 @@ async def profile(script: str, requests: int = DEFAULT_REQUESTS, rounds: int = D
         copies = cut_copies(script, tmp)
         drivers = {}
         for until, lua in copies.items():
-            d = Driver(client, per_push=4, private=server is not None, lua=lua)
-            d.scripts = _CutScripts(client, lua=lua)
-            drivers[until] = d
+            drivers[until] = Driver(client, per_push=4, private=server is not None,
+                                    scripts=_CutScripts(client, lua=lua))
         segments = {until: Segment(until, []) for until in copies}
         for _ in range(rounds):
             for until, d in drivers.items():

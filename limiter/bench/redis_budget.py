@@ -173,10 +173,12 @@ def parse_commandstats(info: dict[str, Any]) -> dict[str, tuple[int, float]]:
 class Driver:
     """The private Redis, the pool and the requests in flight."""
 
-    def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None) -> None:
+    def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None,
+                 scripts: Scripts | None = None) -> None:
+        """``scripts``: a registry of the caller's (default: one over ``lua``)."""
         self.client = client
         self.private = private
-        self.scripts = Scripts(client, lua=lua)
+        self.scripts = scripts or Scripts(client, lua=lua)
         self.keys = PoolKeys(POOL)
         self.per_push = per_push
         self.payload = request_payload()

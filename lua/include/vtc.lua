@@ -11,7 +11,8 @@
 -- backlogged tenants within one request's cost of each other, except by what a claim that
 -- passed a tenant over (its request too large for that worker, or the tenant avoided by a
 -- full worker's look-ahead) charged the tenant it served instead: service really received,
--- evened out by later picks (docs/scheduling.md; tests/test_scheduler_model.py checks it after every step).
+-- evened out by later picks (docs/scheduling.md; tests/test_scheduler_model.py checks it
+-- after every step).
 --!include pool_keys.lua
 --!include validate.lua
 
