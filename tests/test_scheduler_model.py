@@ -906,3 +906,14 @@ def test_replay_a_claims_own_sweep_may_show_the_head_it_passes_over(
             ("frontend_heartbeat", {"frontend": "fe2", "alive": False}),
             ("claim", {"worker": "ws", "n": 3, "kv_room": 0, "above": ""}))
 
+
+def test_replay_a_claim_past_an_avoided_tenant_serves_the_smallest_counter_left(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """t1 is charged first and then avoided; of t2 and t3, both at 0, the claim serves t2 (the
+    smaller name breaks the tie, as the sorted set orders them), not the last candidate it
+    read (seeded: claim_takes_last_candidate, which the random search caught in 1 of 2 runs)."""
+    p0 = {"tenant": "t2", "cls": "P0", "input_tokens": 10, "max_tokens": 5, "own_wait": 0, "frontend": "fe1"}
+    claim = {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}
+    _replay(monkeypatch, redis_server.url, ("admit", p0), ("admit", {**p0, "tenant": "t3"}),
+            ("admit", {**p0, "tenant": "t1"}), ("admit", {**p0, "tenant": "t1"}),
+            ("claim", claim), ("claim", {**claim, "avoid": ("t1",), "avoid_from": "P0"}))
