@@ -1,8 +1,9 @@
 """The script registry: loads ``lua/*.lua`` once and exposes typed async wrappers.
 
-Each wrapper is one Redis round trip (EVALSHA; redis-py's registered scripts reload
-themselves on NOSCRIPT, e.g. after a Redis restart). Script replies become dataclasses;
-error replies become exceptions from :mod:`limiter.errors`.
+Each wrapper is one EVALSHA (a script Redis lost, e.g. after a restart, is loaded again
+and called once more). The calls made during one turn of the event loop travel in one
+pipeline (:mod:`limiter.script_batcher`). Script replies become dataclasses; error replies
+become exceptions from :mod:`limiter.errors`.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import (
@@ -35,6 +37,7 @@ from limiter.errors import (
 )
 from limiter.keys import PoolKeys, check_name
 from limiter.redis_conn import CONNECTION_ERRORS, map_redis_errors
+from limiter.script_batcher import ScriptBatcher
 
 SCRIPT_NAMES = (
     "admit", "claim", "renew_leases", "push_tokens", "complete", "cancel_request",
@@ -262,11 +265,16 @@ class Scripts:
     Redis, or the embedded fakeredis of ``qos up``) gets the same scripts without it: the
     first compile error of that kind switches this registry over, once. ``lua``: load the
     scripts from this directory instead of the installed ones (a benchmark comparing two
-    versions of the Lua layer)."""
+    versions of the Lua layer).
 
-    def __init__(self, client: Any, shebang: bool = True, lua: Path | None = None) -> None:
+    On a standalone client the calls made in one event-loop turn share one pipeline
+    (:mod:`limiter.script_batcher`); ``batch=False`` sends each on its own."""
+
+    def __init__(self, client: Any, shebang: bool = True, lua: Path | None = None,
+                 batch: bool = True) -> None:
         self.client = client
         self.lua = lua
+        self.batcher = ScriptBatcher(client) if batch and not isinstance(client, RedisCluster) else None
         self._register(shebang)
 
     def _register(self, shebang: bool) -> None:
@@ -278,16 +286,25 @@ class Scripts:
     def _no_shebang_support(self, exc: ResponseError) -> bool:
         return self.shebang and "near '#'" in str(exc)
 
+    async def _call(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
+        script = self._scripts[name]
+        if self.batcher is not None:
+            try:
+                return await self.batcher.evalsha(script.sha, keys, args)
+            except NoScriptError:
+                pass  # Redis lost its script cache (a restart): the call below loads it again
+        return await script(keys=keys, args=args)
+
     async def _run(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
         with map_redis_errors():
             try:
                 try:
-                    return await self._scripts[name](keys=keys, args=args)
+                    return await self._call(name, keys, args)
                 except ResponseError as exc:
                     if not self._no_shebang_support(exc):
                         raise
                     self._register(False)
-                    return await self._scripts[name](keys=keys, args=args)
+                    return await self._call(name, keys, args)
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage
                     raise

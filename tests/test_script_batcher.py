@@ -1,0 +1,126 @@
+"""limiter/script_batcher.py against a real redis-server: the script calls of one event-loop
+turn share one pipeline, and each call still gets its own reply, its own error, and the
+connection's failure."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+
+from limiter.errors import InvalidArgument, RedisUnavailable
+from limiter.keys import PoolKeys
+from limiter.script_batcher import BATCH_LIMIT, ScriptBatcher
+from limiter.scripts import Scripts
+from tests.support.helpers import admit, dump_all
+from tests.support.redis_server import free_port
+
+
+async def within(calls: list[Any], what: str) -> list[Any]:
+    """The results of ``calls`` gathered (exceptions returned), or a failure naming ``what``
+    after 30 s: a call whose reply never comes must fail the test, not hang it."""
+    try:
+        return await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), 30)
+    except TimeoutError:
+        raise AssertionError(f"{what}: no reply within 30 s") from None
+
+
+@pytest.fixture
+async def scripts(scripts: Scripts) -> Scripts:
+    """The scripts loaded, as every role does at start: a first call is not a NOSCRIPT."""
+    await scripts.load_all()
+    return scripts
+
+
+async def test_calls_of_one_turn_share_one_round_trip_and_each_gets_its_own_reply(scripts, pool, sync_redis):
+    assert scripts.batcher is not None
+    trips = scripts.batcher.round_trips
+    # different input sizes: a reply handed to the wrong call shows as the wrong cost
+    sizes = [10 * (i + 1) for i in range(12)]
+    results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=n, max_tokens=5)
+                            for i, n in enumerate(sizes)], "12 admits")
+    assert scripts.batcher.round_trips == trips + 1
+    solo = await admit(scripts, pool, request_id="solo", input_tokens=10, max_tokens=5)
+    unit = solo.cost - 10  # the cost's part that is not the prompt (same max_tokens, class, weight)
+    assert [r.cost - unit for r in results] == sizes
+    assert scripts.batcher.round_trips == trips + 2  # a call alone goes alone, at once
+    for i, n in enumerate(sizes):
+        assert int(sync_redis.hget(pool.request(f"r{i}"), "input_tokens")) == n
+
+
+async def test_more_calls_than_the_limit_go_in_several_pipelines(scripts, pool, sync_redis):
+    n, trips, sent = 2 * BATCH_LIMIT + 3, scripts.batcher.round_trips, scripts.batcher.calls
+    results = await within([admit(scripts, pool, request_id=f"r{i}") for i in range(n)], f"{n} admits")
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert scripts.batcher.round_trips == trips + 3 and scripts.batcher.calls == sent + n  # each sent once
+    assert sync_redis.zcard(pool.deadlines) == n
+
+
+async def test_one_calls_error_fails_that_call_only(scripts, pool, sync_redis):
+    trips = scripts.batcher.round_trips
+    good, bad = await within([admit(scripts, pool, request_id="good"),
+                              admit(scripts, pool, request_id="bad", max_tokens=-1)], "two admits")
+    assert scripts.batcher.round_trips == trips + 1
+    assert not isinstance(good, BaseException) and good.duplicate_state is None
+    assert isinstance(bad, InvalidArgument) and bad.field == "max_tokens"
+    assert sync_redis.exists(pool.request("good")) and not sync_redis.exists(pool.request("bad"))
+
+
+async def test_a_lost_script_cache_is_loaded_again_for_every_call_of_the_pipeline(scripts, pool, sync_redis):
+    sync_redis.script_flush()
+    results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=10 * (i + 1))
+                            for i in range(5)], "5 admits after SCRIPT FLUSH")
+    recorded = [float(sync_redis.hget(pool.request(f"r{i}"), "cost")) for i in range(5)]
+    assert [r.cost for r in results] == recorded
+    assert sync_redis.zcard(pool.deadlines) == 5
+
+
+async def test_a_caller_cancelled_before_its_turn_ends_sends_nothing(scripts, pool, sync_redis):
+    before, trips = dump_all(sync_redis), scripts.batcher.round_trips
+    task = asyncio.create_task(admit(scripts, pool, request_id="gone"))
+    await asyncio.sleep(0)  # the task queues its call; the flush comes after this turn
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.01)
+    assert scripts.batcher.round_trips == trips
+    assert dump_all(sync_redis) == before
+
+
+async def test_a_caller_cancelled_after_the_send_leaves_the_others_their_replies(scripts, pool, sync_redis):
+    trips = scripts.batcher.round_trips
+    gone = asyncio.create_task(admit(scripts, pool, request_id="gone"))
+    stay = asyncio.create_task(admit(scripts, pool, request_id="stay"))
+    deadline = asyncio.get_running_loop().time() + 10
+    while scripts.batcher.round_trips == trips:  # both calls went out in one pipeline
+        assert asyncio.get_running_loop().time() < deadline, "the batch was never sent"
+        await asyncio.sleep(0)
+    gone.cancel()
+    assert (await stay).duplicate_state is None
+    with pytest.raises(asyncio.CancelledError):
+        await gone
+    assert sync_redis.exists(pool.request("stay"))  # and "gone" ran or not: Redis had it either way
+
+
+async def test_a_connection_failure_fails_every_call_of_the_pipeline_as_an_outage():
+    client = aioredis.from_url(f"redis://127.0.0.1:{free_port()}/0", socket_connect_timeout=2)
+    try:
+        scripts = Scripts(client)
+        calls = [admit(scripts, PoolKeys("tiny"), request_id=f"r{i}") for i in range(4)]
+        results = await within(calls, "4 admits to a closed port")
+        assert scripts.batcher.round_trips == 1
+        assert all(isinstance(r, RedisUnavailable) for r in results), results
+        assert len({id(r.__cause__) for r in results}) == 4  # each call raises its own exception
+    finally:
+        await client.aclose()
+
+
+async def test_the_cluster_client_and_batch_false_send_each_call_alone(aredis):
+    assert Scripts(aredis, batch=False).batcher is None
+    cluster = RedisCluster.from_url(f"redis://127.0.0.1:{free_port()}")  # not connected: never used
+    assert Scripts(cluster).batcher is None
+    with pytest.raises(ValueError, match="limit"):
+        ScriptBatcher(aredis, limit=0)
