@@ -15,7 +15,7 @@ from limiter.config import demo_config
 from limiter.errors import ConfigError, InvalidArgument, LeaseLost
 from limiter.prompt import Payload
 from limiter.scripts import Claimed
-from worker.batch_policy import Limits
+from worker.batch_policy import Limits, SeqState
 from worker.batch_scheduler import BatchScheduler, resume_finish_reason
 from worker.delivery import Delivery
 from worker.engines.base import SamplingParams, request_seed
@@ -87,6 +87,34 @@ async def _run(sched: BatchScheduler) -> dict[str, list[int]]:
         for rid, e in res.emissions.items():
             out.setdefault(rid, []).extend(e.token_ids)
     raise AssertionError("the scheduler did not finish")
+
+
+def test_a_sequences_state_is_made_anew_whenever_its_prefill_or_kv_moved() -> None:
+    """ScheduledSeq.state() keeps the last state it made (a step asks up to three times): what
+    it returns must always be the state its fields say, through prefill slices, decoding,
+    preemption with and without the KV kept, and readmission."""
+    async def go() -> tuple[int, int]:
+        # KV for less than two whole requests: sequences are paused and readmitted
+        sched = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=16, max_seqs=2, kv_capacity=120))
+        params = SamplingParams(max_tokens=30, seed=1)
+        for rid, rank in (("a", 2), ("b", 1)):
+            sched.add(rid, encode("x" * 40), params, class_rank=rank, arrival=0)
+        checked = 0
+        for n in range(200):
+            if n == 6:  # a P0 newcomer midway
+                sched.add("c", encode("y" * 40), params, class_rank=0, arrival=1)
+            if not len(sched):
+                return checked, sched.preemptions
+            await sched.step()
+            for seq in sched.running:
+                fresh = SeqState(seq.request_id, seq.class_rank, seq.arrival, seq.to_prefill,
+                                 seq.to_prefill == 0, seq.kv_tokens, seq.tenant)
+                assert seq.state() == fresh, (n, seq.request_id)
+                checked += 1
+        raise AssertionError("the three requests did not finish in 200 steps")
+
+    checked, preemptions = asyncio.run(go())
+    assert checked > 50 and preemptions > 0
 
 
 def test_a_step_reports_the_engine_calls_times_and_the_first_time_prefill() -> None:

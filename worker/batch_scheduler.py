@@ -64,14 +64,21 @@ class ScheduledSeq:
     resident: bool = False  # paused with its KV kept: the engine still holds the sequence
     preemptions: int = 0
     kv_high: int = 0  # the longest KV it ever reached: prefill below it is recomputation
+    # The last state() made: a step asks for every running sequence's state up to three
+    # times (preemption, admission, the plan), and making them was a third of a step's CPU
+    # with a null engine. Only to_prefill and kv_tokens change while a sequence is held.
+    _state: SeqState | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def context(self) -> list[int]:
         return [*self.prompt_ids, *self.generated]
 
     def state(self) -> SeqState:
-        return SeqState(self.request_id, self.class_rank, self.arrival, self.to_prefill,
-                        self.to_prefill == 0, self.kv_tokens, self.tenant)
+        s = self._state
+        if s is None or s.to_prefill != self.to_prefill or s.kv_tokens != self.kv_tokens:
+            s = self._state = SeqState(self.request_id, self.class_rank, self.arrival, self.to_prefill,
+                                       self.to_prefill == 0, self.kv_tokens, self.tenant)
+        return s
 
     def candidate(self) -> Candidate:
         if self.resident:
