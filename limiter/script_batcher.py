@@ -16,8 +16,9 @@ of them on its own connection. Redis runs a pipeline's scripts one after the oth
 runs those of many connections read in one event-loop pass, so at most :data:`BATCH_LIMIT`
 go in one pipeline: no call holds the server longer than that many would anyway.
 
-The standalone client only. A cluster client's pipeline splits by node and retries moved
-slots its own way; script calls there go one by one as before.
+The standalone client only: redis-py's cluster pipeline refuses ``EVALSHA`` ("Calling
+pipelined function evalsha is blocked when running redis in cluster mode"; redis-py 8.1,
+tried), so script calls on a Redis Cluster go one by one as before.
 """
 
 from __future__ import annotations
