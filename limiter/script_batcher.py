@@ -48,7 +48,10 @@ class ScriptBatcher:
         self.client = client
         self.limit = limit
         self._queued: list[_Call] = []
-        self._flush_scheduled = False
+        # The loop whose turn will send the queued calls (None: no flush pending). A loop that
+        # stopped before that turn (a process's first asyncio.run, ended abruptly) must not
+        # leave every later call queued behind a flush that never comes.
+        self._flush_loop: asyncio.AbstractEventLoop | None = None
         self._sending: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak refs
         self.round_trips = 0  # pipelines and lone calls sent (for tests and benchmarks)
         self.calls = 0
@@ -60,15 +63,16 @@ class ScriptBatcher:
         loop = asyncio.get_running_loop()
         call = _Call(sha, keys, args, loop.create_future())
         self._queued.append(call)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            loop.call_soon(self._flush)
+        if self._flush_loop is not loop:  # none pending, or pending on a loop that has stopped
+            self._flush_loop = loop
+            loop.call_soon(self._flush, loop)
         return await call.reply
 
-    def _flush(self) -> None:
-        self._flush_scheduled = False
-        # A caller cancelled before its call went out (its client left): it is not sent.
-        queued = [c for c in self._queued if not c.reply.done()]
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._flush_loop = None
+        # Not sent: a call whose caller was cancelled before the turn ended (its client
+        # left), and one left queued by a loop that has stopped (nobody awaits its reply).
+        queued = [c for c in self._queued if not c.reply.done() and c.reply.get_loop() is loop]
         self._queued = []
         for i in range(0, len(queued), self.limit):
             task = asyncio.ensure_future(self._send(queued[i:i + self.limit]))

@@ -11,11 +11,12 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
+from limiter.config import demo_config
 from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.script_batcher import BATCH_LIMIT, ScriptBatcher
 from limiter.scripts import Scripts
-from tests.support.helpers import admit, dump_all
+from tests.support.helpers import admit, dump_all, init_pool
 from tests.support.redis_server import free_port
 
 
@@ -124,3 +125,32 @@ async def test_the_cluster_client_and_batch_false_send_each_call_alone(aredis):
     assert Scripts(cluster).batcher is None
     with pytest.raises(ValueError, match="limit"):
         ScriptBatcher(aredis, limit=0)
+
+
+def test_a_loop_that_stopped_before_its_flush_does_not_strand_later_calls(redis_server, sync_redis):
+    """A process whose first event loop ends between a call and the end of that turn (its
+    flush never runs) goes on with a new loop: the batcher must not wait for that flush."""
+    client = aioredis.from_url(redis_server.url)
+    scripts = Scripts(client)
+    first = asyncio.new_event_loop()  # it opens no connection: redis-py's are bound to their loop
+    try:
+        stranded = first.create_task(admit(scripts, PoolKeys("tiny"), request_id="stranded"))
+        first.call_soon(first.stop)  # runs in the same turn as the task's first step: no flush
+        first.run_forever()
+        assert not stranded.done()  # queued, never sent: its loop stops for good below
+    finally:
+        first.close()
+
+    async def on_a_new_loop() -> list[Any]:
+        try:
+            await scripts.load_all()
+            await within([init_pool(scripts, demo_config())], "init_pool on a new loop")
+            later = admit(scripts, PoolKeys("tiny"), request_id="later")
+            return await within([later], "an admit on a new loop")
+        finally:
+            await client.aclose()
+
+    (result,) = asyncio.run(on_a_new_loop())
+    assert not isinstance(result, BaseException), result
+    assert sync_redis.exists(PoolKeys("tiny").request("later"))
+    assert not sync_redis.exists(PoolKeys("tiny").request("stranded"))
