@@ -10,9 +10,12 @@ So :class:`ScriptBatcher` queues the calls made during one turn of the loop and 
 once that turn's ready callbacks have run, as one non-transactional pipeline (one write,
 one read, one connection). Nothing waits for company: a call alone goes out alone in the
 same turn, and a pipeline in flight does not hold up the calls of later turns, which form
-their own. Each call keeps its own reply or error: a script's error reply fails that call
-only; a connection failure fails every call of the pipeline, as it would have failed each
-of them on its own connection. Redis runs a pipeline's scripts one after the other as it
+their own. A call whose arguments pass :data:`LONE_CALL_BYTES` (an admit with a large
+prompt) goes alone too: a pipeline's replies all wait until the whole of it is read.
+
+Each call keeps its own reply or error: a script's error reply fails that call only; a
+connection failure fails every call of the pipeline, as it would have failed each of them
+on its own connection. Redis runs a pipeline's scripts one after the other as it
 runs those of many connections read in one event-loop pass, so at most :data:`BATCH_LIMIT`
 go in one pipeline: no call holds the server longer than that many would anyway.
 
@@ -29,6 +32,9 @@ from dataclasses import dataclass
 from typing import Any
 
 BATCH_LIMIT = 32  # calls per pipeline at most
+# A call whose arguments are larger goes alone: every reply of a pipeline waits until the
+# whole of it is read, and an admit's payload may be up to 8 MiB.
+LONE_CALL_BYTES = 64 << 10
 
 
 @dataclass
@@ -74,12 +80,18 @@ class ScriptBatcher:
         # left), and one left queued by a loop that has stopped (nobody awaits its reply).
         queued = [c for c in self._queued if not c.reply.done() and c.reply.get_loop() is loop]
         self._queued = []
-        for i in range(0, len(queued), self.limit):
-            task = asyncio.ensure_future(self._send(queued[i:i + self.limit]))
+        together = [c for c in queued if _arg_bytes(c) <= LONE_CALL_BYTES]
+        batches = [together[i:i + self.limit] for i in range(0, len(together), self.limit)]
+        batches += [[c] for c in queued if _arg_bytes(c) > LONE_CALL_BYTES]
+        for calls in batches:
+            task = asyncio.ensure_future(self._send(calls))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
     async def _send(self, calls: list[_Call]) -> None:
+        calls = [c for c in calls if not c.reply.done()]  # cancelled since the flush: not sent
+        if not calls:
+            return
         self.round_trips += 1
         self.calls += len(calls)
         try:
@@ -107,6 +119,10 @@ class ScriptBatcher:
                 c.reply.set_exception(r)
             else:
                 c.reply.set_result(r)
+
+
+def _arg_bytes(call: _Call) -> int:
+    return sum(len(a) for a in call.args if isinstance(a, bytes | str))
 
 
 def _copy(exc: Exception) -> Exception:

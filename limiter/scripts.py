@@ -283,8 +283,10 @@ class Scripts:
             load_script(name, self.lua, shebang) if self.lua else script_source(name, shebang))
             for name in SCRIPT_NAMES}
 
-    def _no_shebang_support(self, exc: ResponseError) -> bool:
-        return self.shebang and "near '#'" in str(exc)
+    def _no_shebang_support(self, exc: ResponseError, shebang: bool | None = None) -> bool:
+        """``exc`` is a server refusing the ``#!lua`` line of a script sent with one
+        (``shebang``: whether the call's script had it; default: this registry's now)."""
+        return (self.shebang if shebang is None else shebang) and "near '#'" in str(exc)
 
     async def _call(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
         script = self._scripts[name]
@@ -298,12 +300,16 @@ class Scripts:
     async def _run(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
         with map_redis_errors():
             try:
+                shebang = self.shebang
                 try:
                     return await self._call(name, keys, args)
                 except ResponseError as exc:
-                    if not self._no_shebang_support(exc):
+                    # Calls sent together all meet the refusal: the first switches the
+                    # registry over, and each sends its own call again without the line.
+                    if not self._no_shebang_support(exc, shebang):
                         raise
-                    self._register(False)
+                    if self.shebang:
+                        self._register(False)
                     return await self._call(name, keys, args)
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import fakeredis
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
@@ -14,8 +15,8 @@ from redis.asyncio.cluster import RedisCluster
 from limiter.config import demo_config
 from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.keys import PoolKeys
-from limiter.script_batcher import BATCH_LIMIT, ScriptBatcher
-from limiter.scripts import Scripts
+from limiter.script_batcher import BATCH_LIMIT, LONE_CALL_BYTES, ScriptBatcher
+from limiter.scripts import Scripts, policy_document
 from tests.support.helpers import admit, dump_all, init_pool
 from tests.support.redis_server import free_port
 
@@ -72,23 +73,60 @@ async def test_one_calls_error_fails_that_call_only(scripts, pool, sync_redis):
 
 async def test_a_lost_script_cache_is_loaded_again_for_every_call_of_the_pipeline(scripts, pool, sync_redis):
     sync_redis.script_flush()
+    trips = scripts.batcher.round_trips
     results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=10 * (i + 1))
                             for i in range(5)], "5 admits after SCRIPT FLUSH")
     recorded = [float(sync_redis.hget(pool.request(f"r{i}"), "cost")) for i in range(5)]
     assert [r.cost for r in results] == recorded
+    assert scripts.batcher.round_trips == trips + 1  # the NOSCRIPTs came back in one pipeline
     assert sync_redis.zcard(pool.deadlines) == 5
 
 
-async def test_a_caller_cancelled_before_its_turn_ends_sends_nothing(scripts, pool, sync_redis):
+async def _cancelled_admit_sends_nothing(scripts: Scripts, pool: PoolKeys, sync_redis: Any,
+                                        after_flush: bool) -> None:
     before, trips = dump_all(sync_redis), scripts.batcher.round_trips
     task = asyncio.create_task(admit(scripts, pool, request_id="gone"))
     await asyncio.sleep(0)  # the task queues its call; the flush comes after this turn
-    task.cancel()
+    if after_flush:  # after the flush has made the send's task, before that task's first step
+        asyncio.get_running_loop().call_soon(task.cancel)
+    else:
+        task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
     await asyncio.sleep(0.01)
     assert scripts.batcher.round_trips == trips
     assert dump_all(sync_redis) == before
+
+
+async def test_a_caller_cancelled_before_its_turn_ends_sends_nothing(scripts, pool, sync_redis):
+    await _cancelled_admit_sends_nothing(scripts, pool, sync_redis, after_flush=False)
+
+
+async def test_a_caller_cancelled_between_the_flush_and_the_send_sends_nothing(scripts, pool, sync_redis):
+    await _cancelled_admit_sends_nothing(scripts, pool, sync_redis, after_flush=True)
+
+
+async def test_a_call_with_large_arguments_goes_alone(scripts, pool, sync_redis):
+    trips = scripts.batcher.round_trips
+    big = scripts.admit(pool, request_id="big", tenant="t1", cls="P1", input_tokens=10, max_tokens=5,
+                        tenant_rate=1e9, tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0,
+                        frontend_id="fe1", payload=b"x" * (LONE_CALL_BYTES + 1))
+    results = await within([big, *(admit(scripts, pool, request_id=f"r{i}") for i in range(3))], "4 admits")
+    assert not any(isinstance(r, BaseException) for r in results), results
+    assert scripts.batcher.round_trips == trips + 2  # the three small ones together, the big one alone
+    assert len(sync_redis.hget(pool.request("big"), "payload")) == LONE_CALL_BYTES + 1
+
+
+async def test_calls_sent_together_to_a_server_without_shebang_support_all_switch_over():
+    """The embedded fakeredis of `qos up` refuses `#!lua`: every call of the first pipeline
+    meets the refusal, and each must be sent again without the line, not only the first."""
+    client = fakeredis.FakeAsyncRedis()
+    scripts = Scripts(client)  # no load_all: the controller calls scripts without one
+    keys = PoolKeys("tiny")
+    cfg = demo_config()
+    doc = policy_document(cfg, cfg.pool("tiny"))
+    results = await within([scripts.init_pool(keys, doc) for _ in range(3)], "3 init_pool calls")
+    assert results == [0, 0, 0] and scripts.shebang is False
 
 
 async def test_a_caller_cancelled_after_the_send_leaves_the_others_their_replies(scripts, pool, sync_redis):
