@@ -80,9 +80,14 @@ class ScriptBatcher:
         # left), and one left queued by a loop that has stopped (nobody awaits its reply).
         queued = [c for c in self._queued if not c.reply.done() and c.reply.get_loop() is loop]
         self._queued = []
-        together = [c for c in queued if _arg_bytes(c) <= LONE_CALL_BYTES]
-        batches = [together[i:i + self.limit] for i in range(0, len(together), self.limit)]
-        batches += [[c] for c in queued if _arg_bytes(c) > LONE_CALL_BYTES]
+        together: list[_Call] = []
+        batches: list[list[_Call]] = []
+        for c in queued:
+            if _arg_bytes(c) > LONE_CALL_BYTES:
+                batches.append([c])
+            else:
+                together.append(c)
+        batches += [together[i:i + self.limit] for i in range(0, len(together), self.limit)]
         for calls in batches:
             task = asyncio.ensure_future(self._send(calls))
             self._sending.add(task)
