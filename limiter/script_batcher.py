@@ -13,9 +13,11 @@ same turn, and a pipeline in flight does not hold up the calls of later turns, w
 their own. A call whose arguments pass :data:`LONE_CALL_BYTES` (an admit with a large
 prompt) goes alone too: a pipeline's replies all wait until the whole of it is read.
 
-Each call keeps its own reply or error: a script's error reply fails that call only; a
-connection failure fails every call of the pipeline, as it would have failed each of them
-on its own connection. Redis runs a pipeline's scripts one after the other as it
+Each call keeps its own reply or error: a script's error reply (OOM, READONLY included)
+fails that call only, and so does an argument redis-py cannot encode (the pipeline is
+packed before it is sent, and its calls then go alone); a connection failure, even one in
+the middle of the replies, fails every call of the pipeline, as it would have failed each
+of them on its own connection. Redis runs a pipeline's scripts one after the other as it
 runs those of many connections read in one event-loop pass, so at most :data:`BATCH_LIMIT`
 go in one pipeline: no call holds the server longer than that many would anyway.
 
@@ -30,6 +32,8 @@ import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from redis.exceptions import DataError
 
 BATCH_LIMIT = 32  # calls per pipeline at most
 # A call whose arguments are larger goes alone: every reply of a pipeline waits until the
@@ -113,6 +117,12 @@ class ScriptBatcher:
                 c.reply.cancel()
             raise
         except Exception as exc:  # a lone call's error, or the connection's: every call's
+            if isinstance(exc, DataError) and len(calls) > 1:
+                # An argument redis-py cannot encode (a None) is found while the pipeline is
+                # packed, before a byte is sent: each call goes again alone, so that only the
+                # one with that argument fails, as it would have on its own.
+                await asyncio.gather(*(self._send([c]) for c in calls))
+                return
             for c in calls:
                 if not c.reply.done():
                     c.reply.set_exception(_copy(exc) if len(calls) > 1 else exc)

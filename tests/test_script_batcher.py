@@ -11,6 +11,7 @@ import fakeredis
 import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import DataError
 
 from limiter.config import demo_config
 from limiter.errors import InvalidArgument, RedisUnavailable
@@ -19,6 +20,7 @@ from limiter.script_batcher import BATCH_LIMIT, LONE_CALL_BYTES, ScriptBatcher
 from limiter.scripts import Scripts, policy_document
 from tests.support.helpers import admit, dump_all, init_pool, wait_until
 from tests.support.redis_server import free_port
+from tests.support.stalling_proxy import StallingProxy
 
 
 async def within(calls: list[Any], what: str) -> list[Any]:
@@ -190,3 +192,66 @@ def test_a_loop_that_stopped_before_its_flush_does_not_strand_later_calls(redis_
     assert not isinstance(result, BaseException), result
     assert sync_redis.exists(PoolKeys("tiny").request("later"))
     assert not sync_redis.exists(PoolKeys("tiny").request("stranded"))
+
+
+@pytest.mark.parametrize("keep", [1, 60], ids=["in the first reply", "after the first reply"])
+async def test_a_connection_cut_while_the_replies_are_read_fails_every_call_as_an_outage(
+        scripts, pool, redis_server, sync_redis, keep):
+    """Redis ran every script of the pipeline; the client's read broke in its replies. Each
+    call fails as an outage (whether it ran is not known to it), none is handed a reply that
+    is not its own, and the next calls go on a new connection."""
+    with StallingProxy(redis_server.port) as proxy:
+        client = aioredis.from_url(proxy.url)
+        try:
+            relayed = Scripts(client)  # the same scripts, loaded on that server by the fixture
+            proxy.cut_replies_after(b"EVALSHA", keep)
+            calls = [admit(relayed, pool, request_id=f"r{i}", input_tokens=10 * (i + 1)) for i in range(6)]
+            results = await within(calls, "6 admits whose replies are cut")
+            assert relayed.batcher.round_trips == 1
+            assert all(isinstance(r, RedisUnavailable) for r in results), results
+            # They ran: sent again, each is its own duplicate, and a new request gets its own cost.
+            calls = [admit(relayed, pool, request_id=f"r{i}", input_tokens=10 * (i + 1)) for i in range(6)]
+            calls.append(admit(relayed, pool, request_id="new", input_tokens=70))
+            again = await within(calls, "the same admits again and a new one")
+        finally:
+            await client.aclose()
+    assert [a.duplicate_state for a in again[:6]] == ["queued"] * 6, again
+    assert again[6].duplicate_state is None
+    assert again[6].cost == float(sync_redis.hget(pool.request("new"), "cost"))
+    assert sync_redis.zcard(pool.deadlines) == 7
+
+
+@pytest.mark.parametrize("refusal", ["maxmemory", "replica"])
+async def test_a_store_that_refuses_writes_fails_each_call_of_the_pipeline_as_an_outage(
+        scripts, pool, sync_redis, refusal):
+    """At maxmemory (noeviction) and on a server a failover made a replica, every admit of the
+    pipeline is refused, each as an outage (the lone call's 503, not a 500), and nothing is
+    written."""
+    before, trips = dump_all(sync_redis), scripts.batcher.round_trips
+    if refusal == "maxmemory":
+        sync_redis.config_set("maxmemory", 1)
+    else:
+        sync_redis.replicaof("127.0.0.1", free_port())  # a master that never answers
+    try:
+        calls = [admit(scripts, pool, request_id=f"r{i}") for i in range(4)]
+        results = await within(calls, "4 refused admits")
+    finally:
+        if refusal == "maxmemory":
+            sync_redis.config_set("maxmemory", 0)
+        else:
+            sync_redis.replicaof("NO", "ONE")
+    assert scripts.batcher.round_trips == trips + 1
+    assert all(isinstance(r, RedisUnavailable) for r in results), results
+    assert dump_all(sync_redis) == before
+
+
+async def test_an_argument_redis_py_cannot_encode_fails_its_own_call_only(aredis, sync_redis):
+    """redis-py refuses a None while it packs the pipeline, before anything is sent: the
+    other calls are sent (alone) and answered, and each script ran once."""
+    sha = await aredis.script_load("return redis.call('INCR', KEYS[1]) .. ARGV[1]")
+    batcher = ScriptBatcher(aredis)
+    results = await within([batcher.evalsha(sha, ["n"], ["a"]), batcher.evalsha(sha, ["n"], [None]),
+                            batcher.evalsha(sha, ["n"], ["c"])], "3 calls, one with a None")
+    assert isinstance(results[1], DataError), results
+    assert sorted([results[0], results[2]]) in ([b"1a", b"2c"], [b"1c", b"2a"]), results
+    assert int(sync_redis.get("n")) == 2  # the pipeline was never sent: 2 runs, not 2 + 2

@@ -4,6 +4,9 @@ It lands an event (a signal, a crash) at an exact point of a process' Redis conv
 ``hold_replies_after(b"ZADD")`` forwards every command as usual, so Redis applies them, but
 once a client sends one containing that marker, nothing more goes back to any client until
 ``release()``. The process is then stuck awaiting that reply, a state the test can wait for.
+``cut_replies_after(b"EVALSHA", keep=5)`` instead closes the client's connection once
+``keep`` bytes of the replies that follow such a command went back: Redis ran the commands,
+and the client's read breaks in the middle of its replies.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ class StallingProxy:
         self.port = self._listener.getsockname()[1]
         self.url = f"redis://127.0.0.1:{self.port}/0"
         self._marker: bytes | None = None
+        self._cut_marker: bytes | None = None
+        self._cut_keep = 0
         self._held = threading.Event()  # replies are being held back
         self._closed = threading.Event()
         self._threads: list[threading.Thread] = []
@@ -28,6 +33,11 @@ class StallingProxy:
 
     def hold_replies_after(self, marker: bytes) -> None:
         self._marker = marker
+
+    def cut_replies_after(self, marker: bytes, keep: int) -> None:
+        """Close the connection of the next client that sends ``marker`` once ``keep`` bytes of
+        the replies after it went back (once only: later connections are relayed whole)."""
+        self._cut_keep, self._cut_marker = keep, marker
 
     def release(self) -> None:
         self._marker = None
@@ -50,6 +60,7 @@ class StallingProxy:
 
     def _relay(self, client: socket.socket, upstream: socket.socket) -> None:
         pending = b""  # replies held back
+        cut_left: int | None = None  # reply bytes this client still gets before its cut
         while not self._closed.is_set():
             try:
                 ready, _, _ = select.select([client, upstream], [], [], 0.05)
@@ -59,6 +70,8 @@ class StallingProxy:
                         break
                     if self._marker is not None and self._marker in data:
                         self._held.set()
+                    if self._cut_marker is not None and self._cut_marker in data:
+                        self._cut_marker, cut_left = None, self._cut_keep
                     upstream.sendall(data)
                 if upstream in ready:
                     data = upstream.recv(65536)
@@ -66,6 +79,11 @@ class StallingProxy:
                         break
                     pending += data
                 if pending and not self._held.is_set():
+                    if cut_left is not None and len(pending) >= cut_left:
+                        client.sendall(pending[:cut_left])
+                        break
+                    if cut_left is not None:
+                        cut_left -= len(pending)
                     client.sendall(pending)
                     pending = b""
             except OSError:
