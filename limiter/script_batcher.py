@@ -14,16 +14,20 @@ their own. A call whose arguments pass :data:`LONE_CALL_BYTES` (an admit with a 
 prompt) goes alone too: a pipeline's replies all wait until the whole of it is read.
 
 Each call keeps its own reply or error: a script's error reply (OOM, READONLY included)
-fails that call only, and so does an argument redis-py cannot encode (the pipeline is
-packed before it is sent, and its calls then go alone); a connection failure, even one in
-the middle of the replies, fails every call of the pipeline, as it would have failed each
-of them on its own connection. Redis runs a pipeline's scripts one after the other as it
-runs those of many connections read in one event-loop pass, so at most :data:`BATCH_LIMIT`
-go in one pipeline: no call holds the server longer than that many would anyway.
+fails that call only; a connection failure, even one in the middle of the replies, fails
+every call of the pipeline, as it would have failed each of them on its own connection. A
+call with an argument redis-py may refuse to encode (a None) goes alone: the refusal comes
+while a pipeline is packed, and would fail every call in it. Redis runs a pipeline's
+scripts one after the other as it runs those of many connections read in one event-loop
+pass, so at most :data:`BATCH_LIMIT` go in one pipeline: no call holds the server longer
+than that many would anyway.
 
-The standalone client only: redis-py's cluster pipeline refuses ``EVALSHA`` ("Calling
-pipelined function evalsha is blocked when running redis in cluster mode"; redis-py 8.1,
-tried), so script calls on a Redis Cluster go one by one as before.
+On a Redis Cluster the pipeline is redis-py's cluster pipeline: it sends each node's calls
+as one pipeline to that node (a pool's calls all go to the one that holds its hash tag),
+and a call that meets ``MOVED``/``ASK``/``TRYAGAIN`` (a resharding) goes again alone, which
+follows the redirection. Its ``evalsha`` method is blocked ("Calling pipelined function
+evalsha is blocked when running redis in cluster mode", redis-py 8.1), so the command is
+queued by name.
 """
 
 from __future__ import annotations
@@ -33,12 +37,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from redis.exceptions import DataError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import ClusterDownError, MaxConnectionsError, SlotNotCoveredError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 BATCH_LIMIT = 32  # calls per pipeline at most
 # A call whose arguments are larger goes alone: every reply of a pipeline waits until the
 # whole of it is read, and an admit's payload may be up to 8 MiB.
 LONE_CALL_BYTES = 64 << 10
+# a cluster pipeline's reply that means its node is gone or moved (see ScriptBatcher._send)
+TOPOLOGY_ERRORS = (RedisConnectionError, RedisTimeoutError, ClusterDownError, SlotNotCoveredError)
 
 
 @dataclass
@@ -56,6 +65,7 @@ class ScriptBatcher:
         if limit < 1:
             raise ValueError(f"limit must be >= 1, not {limit}")
         self.client = client
+        self.cluster = isinstance(client, RedisCluster)
         self.limit = limit
         self._queued: list[_Call] = []
         # The loop whose turn will send the queued calls (None: no flush pending). A loop that
@@ -87,7 +97,7 @@ class ScriptBatcher:
         together: list[_Call] = []
         batches: list[list[_Call]] = []
         for c in queued:
-            if _arg_bytes(c) > LONE_CALL_BYTES:
+            if _goes_alone(c):
                 batches.append([c])
             else:
                 together.append(c)
@@ -108,25 +118,18 @@ class ScriptBatcher:
                 c = calls[0]
                 replies: list[Any] = [await self.client.evalsha(c.sha, len(c.keys), *c.keys, *c.args)]
             else:
-                pipe = self.client.pipeline(transaction=False)
-                for c in calls:
-                    pipe.evalsha(c.sha, len(c.keys), *c.keys, *c.args)
-                replies = await pipe.execute(raise_on_error=False)
+                replies = await self._pipeline(calls)
         except asyncio.CancelledError:  # the loop is going away: so are the callers
             for c in calls:
                 c.reply.cancel()
             raise
         except Exception as exc:  # a lone call's error, or the connection's: every call's
-            if isinstance(exc, DataError) and len(calls) > 1:
-                # An argument redis-py cannot encode (a None) is found while the pipeline is
-                # packed, before a byte is sent: each call goes again alone, so that only the
-                # one with that argument fails, as it would have on its own.
-                await asyncio.gather(*(self._send([c]) for c in calls))
-                return
+            self._after_cluster_failure([exc])
             for c in calls:
                 if not c.reply.done():
                     c.reply.set_exception(_copy(exc) if len(calls) > 1 else exc)
             return
+        self._after_cluster_failure(replies)
         for c, r in zip(calls, replies, strict=True):
             if c.reply.done():  # its caller was cancelled meanwhile: the script ran, nobody reads it
                 continue
@@ -135,9 +138,36 @@ class ScriptBatcher:
             else:
                 c.reply.set_result(r)
 
+    async def _pipeline(self, calls: list[_Call]) -> list[Any]:
+        pipe = self.client.pipeline(transaction=False)
+        for c in calls:
+            # not pipe.evalsha: redis-py's cluster pipeline blocks that method, yet routes
+            # the command by its keys' slot (every key of a pool shares one)
+            pipe.execute_command("EVALSHA", c.sha, len(c.keys), *c.keys, *c.args)
+        return await pipe.execute(raise_on_error=False)
 
-def _arg_bytes(call: _Call) -> int:
-    return sum(len(a) for a in call.args if isinstance(a, bytes | str))
+    def _after_cluster_failure(self, outcomes: list[Any]) -> None:
+        """A cluster client reads the cluster's layout again before its next command after a
+        command of its own failed so (a failover moved a shard: the old node is gone); its
+        pipeline, which returns such a failure as a reply or raises it without a retry, does
+        not. Without this, pipelines went on to the gone node until some call went alone."""
+        if self.cluster and any(isinstance(o, TOPOLOGY_ERRORS) and not isinstance(o, MaxConnectionsError)
+                                for o in outcomes):
+            self.client._initialize = True  # what RedisCluster.execute_command sets then
+
+def _goes_alone(call: _Call) -> bool:
+    """Whether ``call`` goes in a pipeline of its own: its arguments pass
+    :data:`LONE_CALL_BYTES`, or one is of a type other than str, bytes, int and float. redis-py
+    may refuse such an argument (a None, a bool: ``DataError``) while it packs the pipeline,
+    which fails every call in it; alone, only that call fails, before anything is sent."""
+    size = 0
+    for a in call.args:
+        kind = type(a)
+        if kind is str or kind is bytes:
+            size += len(a)
+        elif kind is not int and kind is not float:
+            return True
+    return size > LONE_CALL_BYTES
 
 
 def _copy(exc: Exception) -> Exception:

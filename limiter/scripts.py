@@ -19,7 +19,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
@@ -267,14 +266,14 @@ class Scripts:
     scripts from this directory instead of the installed ones (a benchmark comparing two
     versions of the Lua layer).
 
-    On a standalone client the calls made in one event-loop turn share one pipeline
+    The calls made in one event-loop turn share one pipeline
     (:mod:`limiter.script_batcher`); ``batch=False`` sends each on its own."""
 
     def __init__(self, client: Any, shebang: bool = True, lua: Path | None = None,
                  batch: bool = True) -> None:
         self.client = client
         self.lua = lua
-        self.batcher = ScriptBatcher(client) if batch and not isinstance(client, RedisCluster) else None
+        self.batcher = ScriptBatcher(client) if batch else None
         self._register(shebang)
 
     def _register(self, shebang: bool) -> None:

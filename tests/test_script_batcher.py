@@ -5,21 +5,25 @@ connection's failure."""
 from __future__ import annotations
 
 import asyncio
+import itertools
+from collections.abc import AsyncIterator
 from typing import Any
 
 import fakeredis
 import pytest
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode
+from redis.crc import key_slot
 from redis.exceptions import DataError
 
-from limiter.config import demo_config
+from limiter.config import RedisConfig, demo_config
 from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.keys import PoolKeys
+from limiter.redis_conn import open_redis
 from limiter.script_batcher import BATCH_LIMIT, LONE_CALL_BYTES, ScriptBatcher
 from limiter.scripts import Scripts, policy_document
 from tests.support.helpers import admit, dump_all, init_pool, wait_until
-from tests.support.redis_server import free_port
+from tests.support.redis_server import free_port, pools_on_different_shards
 from tests.support.stalling_proxy import StallingProxy
 
 
@@ -157,12 +161,82 @@ async def test_a_connection_failure_fails_every_call_of_the_pipeline_as_an_outag
         await client.aclose()
 
 
-async def test_the_cluster_client_and_batch_false_send_each_call_alone(aredis):
+async def test_batch_false_sends_each_call_alone(aredis):
     assert Scripts(aredis, batch=False).batcher is None
-    cluster = RedisCluster.from_url(f"redis://127.0.0.1:{free_port()}")  # not connected: never used
-    assert Scripts(cluster).batcher is None
     with pytest.raises(ValueError, match="limit"):
         ScriptBatcher(aredis, limit=0)
+
+
+@pytest.fixture
+async def cluster_scripts(redis_cluster) -> AsyncIterator[tuple[Scripts, list[PoolKeys]]]:
+    """Scripts on a 3-master cluster, loaded, and two initialised pools on different shards,
+    through a client made as the roles make theirs (no retries of its own, pool waits)."""
+    client = open_redis(RedisConfig(url=redis_cluster.url, cluster=True), pool_wait_s=5)
+    try:
+        await client.initialize()
+        scripts = Scripts(client)
+        await scripts.load_all()
+        pools = [PoolKeys(name) for name in pools_on_different_shards(client, prefix=f"batch{next(_runs)}-")]
+        cfg = demo_config()
+        for keys in pools:
+            await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
+        yield scripts, pools
+    finally:
+        await client.aclose()
+
+
+_runs = itertools.count()
+
+
+async def test_on_a_cluster_the_calls_of_one_turn_go_to_each_shard_in_one_pipeline(
+        cluster_scripts, redis_cluster):
+    scripts, pools = cluster_scripts
+    trips = scripts.batcher.round_trips
+    sizes = [10 * (i + 1) for i in range(8)]  # a reply handed to the wrong call shows as the wrong cost
+    calls = [admit(scripts, pools[i % 2], request_id=f"r{i}", input_tokens=n) for i, n in enumerate(sizes)]
+    results = await within(calls, "8 admits over two shards")
+    assert scripts.batcher.round_trips == trips + 1  # one cluster pipeline: one per node inside
+    for i, (r, n) in enumerate(zip(results, sizes, strict=True)):
+        keys = pools[i % 2]
+        shard = redis_cluster.owner(keys.request(f"r{i}")).client()
+        assert float(shard.hget(keys.request(f"r{i}"), "cost")) == r.cost
+        assert int(shard.hget(keys.request(f"r{i}"), "input_tokens")) == n
+
+
+async def test_on_a_cluster_a_call_sent_to_a_node_that_no_longer_holds_its_slot_follows_the_move(
+        cluster_scripts, redis_cluster):
+    """A resharding: the client's slot map names the wrong node, which answers MOVED; the
+    call goes again alone and lands where the slot is."""
+    scripts, pools = cluster_scripts
+    client = scripts.client
+    keys, other = pools
+    slot = key_slot(keys.policy.encode())
+    nodes = client.nodes_manager.slots_cache
+    nodes[slot] = [client.get_node_from_key(other.policy)]  # a stale map: the other pool's shard
+    results = await within([admit(scripts, keys, request_id=f"m{i}") for i in range(3)], "admits, MOVED")
+    assert all(not isinstance(r, BaseException) and r.duplicate_state is None for r in results), results
+    shard = redis_cluster.owner(keys.policy).client()
+    assert all(shard.exists(keys.request(f"m{i}")) for i in range(3))
+    assert client.get_node_from_key(keys.policy).name != client.get_node_from_key(other.policy).name
+
+
+async def test_on_a_cluster_a_pipeline_to_a_gone_node_fails_as_an_outage_and_the_next_reads_the_layout(
+        cluster_scripts, redis_cluster):
+    """A failover moved a shard: the client's map still names a node that is gone. Every call
+    of that pipeline fails as an outage; the next calls find the shard again (the client
+    reads the cluster's layout), as a call sent alone would have made it do."""
+    scripts, pools = cluster_scripts
+    client = scripts.client
+    keys = pools[0]
+    kwargs = dict(client.get_node_from_key(keys.policy).connection_kwargs)
+    del kwargs["host"], kwargs["port"]
+    gone = ClusterNode("127.0.0.1", free_port(), "primary", **kwargs)
+    client.nodes_manager.slots_cache[key_slot(keys.policy.encode())] = [gone]
+    failed = await within([admit(scripts, keys, request_id=f"g{i}") for i in range(3)], "admits, node gone")
+    assert all(isinstance(r, RedisUnavailable) for r in failed), failed
+    again = await within([admit(scripts, keys, request_id=f"a{i}") for i in range(3)], "admits after it")
+    assert all(not isinstance(r, BaseException) and r.duplicate_state is None for r in again), again
+    assert redis_cluster.owner(keys.policy).client().exists(keys.request("a0"))
 
 
 def test_a_loop_that_stopped_before_its_flush_does_not_strand_later_calls(redis_server, sync_redis):
