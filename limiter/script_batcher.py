@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
-from redis.exceptions import ClusterDownError, MaxConnectionsError, SlotNotCoveredError
+from redis.exceptions import ClusterDownError, MaxConnectionsError, ResponseError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -56,6 +56,15 @@ class _Call:
     keys: Sequence[str]
     args: Sequence[Any]
     reply: asyncio.Future[Any]
+    # > 0: ``args`` are one item of a script that takes up to this many in one call (the
+    # items' arguments one after the other; the reply of a call of n > 1 items is a list of
+    # n replies, of one item its reply): the calls of one turn with the same script and keys
+    # are sent as one such call
+    merge_limit: int = 0
+
+
+# What one EVALSHA sends: calls of one script and keys, merged when there are several.
+_Unit = list[_Call]
 
 
 class ScriptBatcher:
@@ -74,14 +83,16 @@ class ScriptBatcher:
         self._flush_loop: asyncio.AbstractEventLoop | None = None
         self._sending: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak refs
         self.round_trips = 0  # pipelines and lone calls sent (for tests and benchmarks)
-        self.calls = 0
+        self.calls = 0  # EVALSHAs sent
+        self.merged = 0  # calls that went inside another's EVALSHA
 
-    async def evalsha(self, sha: str, keys: Sequence[str], args: Sequence[Any]) -> Any:
+    async def evalsha(self, sha: str, keys: Sequence[str], args: Sequence[Any], merge_limit: int = 0) -> Any:
         """The reply of ``EVALSHA sha`` (raises what the call raised: ``NoScriptError`` for
         the caller to load the script and call again, a script's ``ResponseError``, or the
-        connection's failure)."""
+        connection's failure). ``merge_limit`` > 0: the script takes up to that many calls'
+        arguments in one call (see ``_Call``), and this call may go in one with others."""
         loop = asyncio.get_running_loop()
-        call = _Call(sha, keys, args, loop.create_future())
+        call = _Call(sha, keys, args, loop.create_future(), merge_limit)
         self._queued.append(call)
         if self._flush_loop is not loop:  # none pending, or pending on a loop that has stopped
             self._flush_loop = loop
@@ -94,56 +105,90 @@ class ScriptBatcher:
         # left), and one left queued by a loop that has stopped (nobody awaits its reply).
         queued = [c for c in self._queued if not c.reply.done() and c.reply.get_loop() is loop]
         self._queued = []
-        together: list[_Call] = []
-        batches: list[list[_Call]] = []
+        together: list[_Unit] = []
+        batches: list[list[_Unit]] = []
+        merging: dict[tuple[Any, ...], _Unit] = {}  # the open unit of each script and keys
         for c in queued:
             if _goes_alone(c):
-                batches.append([c])
+                batches.append([[c]])
+            elif c.merge_limit > 0:
+                key = (c.sha, tuple(c.keys))
+                unit = merging.get(key)
+                if unit is None or len(unit) >= c.merge_limit:
+                    unit = merging[key] = [c]
+                    together.append(unit)
+                else:
+                    unit.append(c)
             else:
-                together.append(c)
+                together.append([c])
         batches += [together[i:i + self.limit] for i in range(0, len(together), self.limit)]
-        for calls in batches:
-            task = asyncio.ensure_future(self._send(calls))
+        for units in batches:
+            task = asyncio.ensure_future(self._send(units))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
-    async def _send(self, calls: list[_Call]) -> None:
-        calls = [c for c in calls if not c.reply.done()]  # cancelled since the flush: not sent
-        if not calls:
+    async def _send(self, units: list[_Unit]) -> None:
+        # cancelled since the flush: not sent
+        units = [live for u in units if (live := [c for c in u if not c.reply.done()])]
+        if not units:
             return
         self.round_trips += 1
-        self.calls += len(calls)
+        self.calls += len(units)
+        self.merged += sum(len(u) - 1 for u in units)
         try:
-            if len(calls) == 1:  # a lone call: no pipeline to build
-                c = calls[0]
-                replies: list[Any] = [await self.client.evalsha(c.sha, len(c.keys), *c.keys, *c.args)]
+            if len(units) == 1:  # one EVALSHA: no pipeline to build
+                sha, keys, args = _evalsha_of(units[0])
+                replies: list[Any] = [await self.client.evalsha(sha, len(keys), *keys, *args)]
             else:
-                replies = await self._pipeline(calls)
+                replies = await self._pipeline(units)
         except asyncio.CancelledError:  # the loop is going away: so are the callers
-            for c in calls:
-                c.reply.cancel()
+            for u in units:
+                for c in u:
+                    c.reply.cancel()
             raise
         except Exception as exc:  # a lone call's error, or the connection's: every call's
             self._after_cluster_failure([exc])
+            calls = [c for u in units for c in u]
+            if isinstance(exc, ResponseError) and len(calls) > 1:
+                # a script's error reply to merged calls: each goes again on its own
+                await self._send([[c] for c in calls])
+                return
             for c in calls:
                 if not c.reply.done():
                     c.reply.set_exception(_copy(exc) if len(calls) > 1 else exc)
             return
         self._after_cluster_failure(replies)
-        for c, r in zip(calls, replies, strict=True):
-            if c.reply.done():  # its caller was cancelled meanwhile: the script ran, nobody reads it
+        again: list[_Unit] = []
+        for u, r in zip(units, replies, strict=True):
+            if len(u) > 1 and isinstance(r, Exception):
+                # An error reply to merged calls (a bad argument of one of them, the script
+                # cache lost): nothing was written, as the script checks every argument
+                # first; each goes again on its own and gets its own answer.
+                again += [[c] for c in u]
                 continue
-            if isinstance(r, Exception):
-                c.reply.set_exception(r)
-            else:
-                c.reply.set_result(r)
+            items = r if len(u) > 1 else [r]
+            if len(u) > 1 and (not isinstance(r, list) or len(r) != len(u)
+                               or not all(isinstance(x, list) for x in r)):
+                # not a list of replies (a script that takes one call's arguments only)
+                bad = ResponseError(f"a merged call of {len(u)} got the reply {r!r}")
+                items = [bad] * len(u)
+            for c, item in zip(u, items, strict=True):
+                if c.reply.done():  # its caller was cancelled meanwhile: the script ran, nobody reads it
+                    continue
+                if isinstance(item, Exception):
+                    c.reply.set_exception(item)
+                else:
+                    c.reply.set_result(item)
+        if again:
+            await self._send(again)
 
-    async def _pipeline(self, calls: list[_Call]) -> list[Any]:
+    async def _pipeline(self, units: list[_Unit]) -> list[Any]:
         pipe = self.client.pipeline(transaction=False)
-        for c in calls:
+        for u in units:
+            sha, keys, args = _evalsha_of(u)
             # not pipe.evalsha: redis-py's cluster pipeline blocks that method, yet routes
             # the command by its keys' slot (every key of a pool shares one)
-            pipe.execute_command("EVALSHA", c.sha, len(c.keys), *c.keys, *c.args)
+            pipe.execute_command("EVALSHA", sha, len(keys), *keys, *args)
         return await pipe.execute(raise_on_error=False)
 
     def _after_cluster_failure(self, outcomes: list[Any]) -> None:
@@ -154,6 +199,15 @@ class ScriptBatcher:
         if self.cluster and any(isinstance(o, TOPOLOGY_ERRORS) and not isinstance(o, MaxConnectionsError)
                                 for o in outcomes):
             self.client._initialize = True  # what RedisCluster.execute_command sets then
+
+
+def _evalsha_of(unit: _Unit) -> tuple[str, Sequence[str], list[Any]]:
+    """The script, keys and arguments of the one EVALSHA that sends ``unit``."""
+    first = unit[0]
+    if len(unit) == 1:
+        return first.sha, first.keys, list(first.args)
+    return first.sha, first.keys, [a for c in unit for a in c.args]
+
 
 def _goes_alone(call: _Call) -> bool:
     """Whether ``call`` goes in a pipeline of its own: its arguments pass

@@ -56,6 +56,10 @@ PUSH_LIMIT = 64  # push_tokens' most requests per call (bounded work; lua/push_t
 CLAIM_LIMIT = 1024  # claim's most requests per call (lua/claim.lua)
 RENEW_LIMIT = 4096  # renew_leases' most entries per call (lua/renew_leases.lua)
 MESSAGE_LIMIT = 4096  # complete's most bytes of a finish message (lua/complete.lua)
+# Scripts that take several calls' arguments in one call (lua/admit.lua: requests of 12
+# arguments each): the batcher merges such calls of one event-loop turn, up to this many.
+ADMIT_LIMIT = 64
+MERGE_LIMITS = {"admit": ADMIT_LIMIT}
 MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
@@ -291,7 +295,7 @@ class Scripts:
         script = self._scripts[name]
         if self.batcher is not None:
             try:
-                return await self.batcher.evalsha(script.sha, keys, args)
+                return await self.batcher.evalsha(script.sha, keys, args, MERGE_LIMITS.get(name, 0))
             except NoScriptError:
                 pass  # Redis lost its script cache (a restart): the call below loads it again
         return await script(keys=keys, args=args)

@@ -1,5 +1,8 @@
--- admit: check a request against the hard limits, then queue it. One call, all or nothing;
--- idempotent per request id.
+-- admit: check requests against the hard limits, then queue each that passes. Idempotent
+-- per request id. One call takes up to 64 requests (a frontend's admits of one event-loop
+-- turn); they are admitted one after the other, each seeing the ones before it, exactly as
+-- the same requests in separate calls, and every argument of every request is checked
+-- before the first write.
 --
 -- Admission enforces limits, not shares (which class runs next is decided by claim, where
 -- the free capacity is known). It refuses only when
@@ -25,6 +28,8 @@
 -- ledger claim keeps (include/served.lua).
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
+-- ARGV: n groups of the 12 arguments below, n in 1..64, request k's at ARGV[12 (k - 1) + i];
+-- a call of one request may leave out its tenant_weight (1).
 -- ARGV[1]  request_id          name, unguessable id chosen by the frontend
 -- ARGV[2]  tenant              name
 -- ARGV[3]  class               a class of the pool policy
@@ -43,7 +48,8 @@
 -- holds min(cost, burst) tokens (a request larger than the burst needs a full bucket and
 -- leaves debt), so `retry_after_ms` is always finite and honest.
 --
--- Returns one of
+-- Returns, for a call of one request, its reply; for n > 1, {reply_1, ..., reply_n}. A reply
+-- is one of
 --   {'queued', depth, cost, est_wait_ms, deadline_ms}
 --   {'duplicate', state}                      the id was admitted before; nothing charged
 --   {'throttled', retry_after_ms, bucket}     bucket = tenant|class; -1 = class disabled;
@@ -52,7 +58,8 @@
 --                                             (-1, -1: the class gets no capacity now)
 --   {'queue_full', depth}
 --   {'tenant_busy', inflight}
--- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
+-- Errors: 'BADARG <field>: ...' (an argument of any request: nothing is admitted),
+-- 'NOPOLICY ...'.
 
 --!include pool_keys.lua
 --!include validate.lua
@@ -107,48 +114,57 @@ local function wait_estimate_ms(p, cls, tenant, weight, q, now)
   return est * 1000
 end
 
-local function main()
-  local request_id = arg_name(ARGV[1], 'request_id')
-  local tenant = arg_name(ARGV[2], 'tenant')
-  local cls = arg_name(ARGV[3], 'class')
-  local input_tokens = arg_int(ARGV[4], 'input_tokens', 0, 10000000)
-  local max_tokens = arg_int(ARGV[5], 'max_tokens', 1, 10000000)
-  local tenant_rate = arg_num(ARGV[6], 'tenant_rate', 1e-9, 1e12)
-  local tenant_burst = arg_num(ARGV[7], 'tenant_burst', 1e-9, 1e15)
-  local tenant_max_inflight = arg_int(ARGV[8], 'tenant_max_inflight', 0, 1000000000)
-  local max_wait_ms = arg_int(ARGV[9], 'max_wait_ms', 0, 86400000)
-  local frontend_id = arg_name(ARGV[10], 'frontend_id')
-  local payload = ARGV[11]
-  if payload == nil or #payload > 8388608 then fail('BADARG', 'payload: missing or over 8 MiB') end
-  local tenant_weight = arg_num(ARGV[12] or '1', 'tenant_weight', 1e-6, 1e6)
-  local p = load_policy(K_POLICY)
-  local c = policy_class(p, cls)
+local ITEM = 12     -- arguments per request
+local MAX_ITEMS = 64  -- requests per call (limiter/scripts.py ADMIT_LIMIT)
 
-  local key = P_REQUEST .. request_id
+-- Request k's arguments, checked (BADARG before any write).
+local function read_request(k)
+  local a = ITEM * (k - 1)
+  local r = {
+    id = arg_name(ARGV[a + 1], 'request_id'),
+    tenant = arg_name(ARGV[a + 2], 'tenant'),
+    cls = arg_name(ARGV[a + 3], 'class'),
+    input_tokens = arg_int(ARGV[a + 4], 'input_tokens', 0, 10000000),
+    max_tokens = arg_int(ARGV[a + 5], 'max_tokens', 1, 10000000),
+    rate = arg_num(ARGV[a + 6], 'tenant_rate', 1e-9, 1e12),
+    burst = arg_num(ARGV[a + 7], 'tenant_burst', 1e-9, 1e15),
+    max_inflight = arg_int(ARGV[a + 8], 'tenant_max_inflight', 0, 1000000000),
+    max_wait_ms = arg_int(ARGV[a + 9], 'max_wait_ms', 0, 86400000),
+    frontend = arg_name(ARGV[a + 10], 'frontend_id'),
+    payload = ARGV[a + 11],
+    weight = arg_num(ARGV[a + 12] or '1', 'tenant_weight', 1e-6, 1e6),
+  }
+  if r.payload == nil or #r.payload > 8388608 then fail('BADARG', 'payload: missing or over 8 MiB') end
+  return r
+end
+
+-- Admit one checked request. Returns its reply and whether it was queued.
+local function admit_one(p, r, now)
+  local c = r.c
+  local key = P_REQUEST .. r.id
   local state = redis.call('HGET', key, 'state')
-  if state then return {'duplicate', state} end
+  if state then return {'duplicate', state}, false end
 
-  if tenant_max_inflight > 0 then
-    local busy = tonumber(redis.call('HGET', K_TENANT_INFLIGHT, tenant) or '0')
-    if busy >= tenant_max_inflight then return {'tenant_busy', busy} end
+  if r.max_inflight > 0 then
+    local busy = tonumber(redis.call('HGET', K_TENANT_INFLIGHT, r.tenant) or '0')
+    if busy >= r.max_inflight then return {'tenant_busy', busy}, false end
   end
-  local q = queued_counts(p, cls, tenant)
-  local depth = q.n[cls]
-  if depth >= c.queue_cap then return {'queue_full', depth} end
-  if c.ceil <= 0 then return {'throttled', -1, 'class'} end
+  local q = queued_counts(p, r.cls, r.tenant)
+  local depth = q.n[r.cls]
+  if depth >= c.queue_cap then return {'queue_full', depth}, false end
+  if c.ceil <= 0 then return {'throttled', -1, 'class'}, false end
 
-  local now = now_ms()
-  local cost = input_tokens * c.weight + max_tokens * c.out_weight
-  local tb = bucket_get(P_BUCKET .. 'tenant:' .. tenant, tenant_rate, tenant_burst, now)
-  if tb.level < math.min(cost, tenant_burst) then
-    return {'throttled', bucket_wait_ms(tb.level, math.min(cost, tenant_burst), tenant_rate), 'tenant'}
+  local cost = r.input_tokens * c.weight + r.max_tokens * c.out_weight
+  local tb = bucket_get(P_BUCKET .. 'tenant:' .. r.tenant, r.rate, r.burst, now)
+  if tb.level < math.min(cost, r.burst) then
+    return {'throttled', bucket_wait_ms(tb.level, math.min(cost, r.burst), r.rate), 'tenant'}, false
   end
   local wait = c.max_wait_ms
-  if max_wait_ms > 0 and max_wait_ms < wait then wait = max_wait_ms end
-  local est = wait_estimate_ms(p, cls, tenant, tenant_weight, q, now)
+  if r.max_wait_ms > 0 and r.max_wait_ms < wait then wait = r.max_wait_ms end
+  local est = wait_estimate_ms(p, r.cls, r.tenant, r.weight, q, now)
   if est > wait then
     local retry = est == math.huge and -1 or math.ceil(est - wait)
-    return {'overloaded', retry, est == math.huge and -1 or math.ceil(est), wait}
+    return {'overloaded', retry, est == math.huge and -1 or math.ceil(est), wait}, false
   end
 
   -- Every check passed: from here on, writes. Tenants come from the config, so their
@@ -156,19 +172,41 @@ local function main()
   local charged = bucket_debit(tb, cost, nil)
   local deadline = now + wait
   local seq = redis.call('HINCRBY', K_STATS, 'seq', 1)
-  redis.call('HSET', key, 'id', request_id, 'tenant', tenant, 'class', cls, 'state', 'queued',
-    'frontend', frontend_id, 'attempts', 0, 'fence', 0, 'enq_ms', now, 'seq', seq,
-    'deadline_ms', deadline, 'max_wait_ms', wait, 'input_tokens', input_tokens,
-    'max_tokens', max_tokens, 'w_in', fmt(c.weight), 'w_out', fmt(c.out_weight), 'cost', fmt(cost),
-    't_rate', fmt(tenant_rate), 't_burst', fmt(tenant_burst), 't_weight', fmt(tenant_weight),
-    'c_tenant', fmt(charged), 'payload', payload)
-  keep_alive(p, request_id, deadline, now, true)
-  enqueue(p, {id = request_id, class = cls, tenant = tenant, seq = seq, deadline_ms = deadline,
+  redis.call('HSET', key, 'id', r.id, 'tenant', r.tenant, 'class', r.cls, 'state', 'queued',
+    'frontend', r.frontend, 'attempts', 0, 'fence', 0, 'enq_ms', now, 'seq', seq,
+    'deadline_ms', deadline, 'max_wait_ms', wait, 'input_tokens', r.input_tokens,
+    'max_tokens', r.max_tokens, 'w_in', fmt(c.weight), 'w_out', fmt(c.out_weight), 'cost', fmt(cost),
+    't_rate', fmt(r.rate), 't_burst', fmt(r.burst), 't_weight', fmt(r.weight),
+    'c_tenant', fmt(charged), 'payload', r.payload)
+  keep_alive(p, r.id, deadline, now, true)
+  enqueue(p, {id = r.id, class = r.cls, tenant = r.tenant, seq = seq, deadline_ms = deadline,
     cost = cost}, q)
-  redis.call('HINCRBY', K_TENANT_INFLIGHT, tenant, 1)
-  redis.call('HINCRBY', K_STATS, cls .. '.admitted', 1)
-  wake_workers()
-  return {'queued', depth + 1, fmt(cost), math.ceil(est), deadline}
+  redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, 1)
+  redis.call('HINCRBY', K_STATS, r.cls .. '.admitted', 1)
+  return {'queued', depth + 1, fmt(cost), math.ceil(est), deadline}, true
+end
+
+local function main()
+  -- one request: its arguments' own checks name what is missing
+  local n = math.max(math.floor(#ARGV / ITEM), 1)
+  if #ARGV > ITEM and #ARGV ~= n * ITEM then
+    fail('BADARG', 'ARGV: ' .. #ARGV .. ' arguments are not groups of ' .. ITEM .. ' (one per request)')
+  end
+  if n > MAX_ITEMS then fail('BADARG', 'ARGV: ' .. n .. ' requests, at most ' .. MAX_ITEMS .. ' a call') end
+  local requests = {}
+  for k = 1, n do requests[k] = read_request(k) end
+  local p = load_policy(K_POLICY)
+  for _, r in ipairs(requests) do r.c = policy_class(p, r.cls) end
+  local now = now_ms()
+  local out, queued = {}, false
+  for k = 1, n do
+    local reply, ok = admit_one(p, requests[k], now)
+    out[k] = reply
+    queued = queued or ok
+  end
+  if queued then wake_workers() end
+  if n == 1 then return out[1] end
+  return out
 end
 
 --!include main.lua

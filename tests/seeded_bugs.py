@@ -24,7 +24,7 @@ LUA = Path(__file__).resolve().parent.parent / "lua"
 TEST = "tests/test_scheduler_model.py"
 UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
               "tests/test_lua_layout.py", "tests/test_push_tokens.py", "tests/test_init_pool.py",
-              "tests/test_policy_packed.py")
+              "tests/test_policy_packed.py", "tests/test_admit_merged.py")
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,14 @@ BUGS = (
     Bug("clamped_debit_nominal_record", "the tenant debit is clamped at -burst but the full cost is "
         "recorded as charged (so refunds can exceed what was taken)",
         "admit.lua", "local charged = bucket_debit(tb, cost, nil)",
-        "local charged = cost; bucket_debit(tb, cost, -tenant_burst)"),
+        "local charged = cost; bucket_debit(tb, cost, -r.burst)"),
+    Bug("admit_checks_as_it_goes", "a merged admit checks each request's arguments only when it "
+        "comes to it: the requests before a bad one are admitted, and the call's error reply "
+        "hides that they were",
+        "admit.lua", "  for k = 1, n do requests[k] = read_request(k) end\n", "",
+        also=(("admit.lua", "    local reply, ok = admit_one(p, requests[k], now)",
+               "    requests[k] = read_request(k)\n    requests[k].c = policy_class(p, requests[k].cls)\n"
+               "    local reply, ok = admit_one(p, requests[k], now)"),)),
     Bug("requeue_resets_own_wait", "a requeue gives the request its class's max wait, not its own",
         "include/requeue.lua", "r.deadline_ms = now + r.max_wait_ms",
         "r.deadline_ms = now + p.class[r.class].max_wait_ms"),

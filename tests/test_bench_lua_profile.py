@@ -35,7 +35,7 @@ def test_every_cut_line_is_in_its_script_once(tmp_path) -> None:
 async def test_a_cut_copy_returns_at_its_cut_and_writes_nothing_before_it(tmp_path, aredis, pool,
                                                                           sync_redis) -> None:
     copies = lp.cut_copies("admit", tmp_path)
-    cut = lp._CutScripts(aredis, lua=copies["local key = P_REQUEST .. request_id"])
+    cut = lp._CutScripts(aredis, lua=copies["local key = P_REQUEST .. r.id"])
     before = dump_all(sync_redis)
     with pytest.raises(lp._Cut):
         await admit(cut, pool, request_id="cut-1")

@@ -44,6 +44,13 @@ def test_budget_arithmetic() -> None:
     alone = rb.budget(us | {"push_tokens x8": 16.0}, tokens=8, per_push=4, claim_batch=1, step_ms=10,
                       lease_ms=300, renew_held=64)
     assert alone["us"]["push_tokens"] == 15.0
+    # ...and its frontends' admits came 8 to a call: the admit goal is judged on that share
+    merged = rb.budget(us | {"admit": 60.0, "admit x8": 320.0}, tokens=8, per_push=4, claim_batch=8,
+                       step_ms=10, lease_ms=300, renew_held=64)
+    assert merged["us"]["admit"] == 40.0 and merged["admit_meets_goal"]
+    single = rb.budget(us | {"admit": 60.0, "admit x8": 320.0}, tokens=8, per_push=4, claim_batch=1,
+                       step_ms=10, lease_ms=300, renew_held=64)
+    assert single["us"]["admit"] == 60.0 and not single["admit_meets_goal"]
     worse = rb.budget(us | {"admit": 51.0}, tokens=1, per_push=4, claim_batch=1, step_ms=10, lease_ms=300)
     assert worse["pushes"] == 0 and not worse["admit_meets_goal"]
     assert worse["total_us"] == pytest.approx(51 + 60 + 0.1 * 640 / rb.RENEW_HELD + 50)

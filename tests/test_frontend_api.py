@@ -246,7 +246,8 @@ async def test_reply_stream_is_one_per_process(client, fake_worker, sync_redis):
     assert streams == [POOL.reply(fe.frontend_id).encode()]
     pool = fe.client.connection_pool
     opened = len(pool._available_connections) + len(pool._in_use_connections)
-    assert 2 <= opened <= fe.settings.redis_max_connections
+    # (one may do: the admits of one event-loop turn go as one call)
+    assert 1 <= opened <= fe.settings.redis_max_connections
 
 
 # --- the official SDK over real sockets ---------------------------------------------------------

@@ -21,7 +21,7 @@ from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import open_redis
 from limiter.script_batcher import BATCH_LIMIT, LONE_CALL_BYTES, ScriptBatcher
-from limiter.scripts import Scripts, policy_document
+from limiter.scripts import ADMIT_LIMIT, Scripts, policy_document
 from tests.support.helpers import admit, dump_all, init_pool, wait_until
 from tests.support.redis_server import free_port, pools_on_different_shards
 from tests.support.stalling_proxy import StallingProxy
@@ -43,49 +43,95 @@ async def scripts(scripts: Scripts) -> Scripts:
     return scripts
 
 
-async def test_calls_of_one_turn_share_one_round_trip_and_each_gets_its_own_reply(scripts, pool, sync_redis):
+@pytest.fixture
+async def pools(scripts: Scripts, pool: PoolKeys) -> list[PoolKeys]:
+    """Three initialised pools with a live frontend 'fe1': calls to different pools are
+    different script calls (their admits are not merged into one)."""
+    cfg = demo_config()
+    out = [pool]
+    for name in ("tiny-b", "tiny-c"):
+        keys = PoolKeys(name)
+        await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
+        await scripts.client.zadd(keys.frontends, {"fe1": 4102444800000})
+        out.append(keys)
+    return out
+
+
+async def test_calls_of_one_turn_share_one_round_trip_and_each_gets_its_own_reply(scripts, pools, sync_redis):
     assert scripts.batcher is not None
-    trips = scripts.batcher.round_trips
+    trips, sent, merged = scripts.batcher.round_trips, scripts.batcher.calls, scripts.batcher.merged
     # different input sizes: a reply handed to the wrong call shows as the wrong cost
     sizes = [10 * (i + 1) for i in range(12)]
-    results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=n, max_tokens=5)
-                            for i, n in enumerate(sizes)], "12 admits")
+    results = await within([admit(scripts, pools[i % 3], request_id=f"r{i}", input_tokens=n, max_tokens=5)
+                            for i, n in enumerate(sizes)], "12 admits to 3 pools")
     assert scripts.batcher.round_trips == trips + 1
-    solo = await admit(scripts, pool, request_id="solo", input_tokens=10, max_tokens=5)
+    # one EVALSHA per pool, each with its 4 admits
+    assert (scripts.batcher.calls, scripts.batcher.merged) == (sent + 3, merged + 9)
+    solo = await admit(scripts, pools[0], request_id="solo", input_tokens=10, max_tokens=5)
     unit = solo.cost - 10  # the cost's part that is not the prompt (same max_tokens, class, weight)
     assert [r.cost - unit for r in results] == sizes
     assert scripts.batcher.round_trips == trips + 2  # a call alone goes alone, at once
     for i, n in enumerate(sizes):
-        assert int(sync_redis.hget(pool.request(f"r{i}"), "input_tokens")) == n
+        assert int(sync_redis.hget(pools[i % 3].request(f"r{i}"), "input_tokens")) == n
+        assert int(sync_redis.hget(pools[i % 3].request(f"r{i}"), "seq")) == i // 3 + 1
 
 
-async def test_more_calls_than_the_limit_go_in_several_pipelines(scripts, pool, sync_redis):
-    n, trips, sent = 2 * BATCH_LIMIT + 3, scripts.batcher.round_trips, scripts.batcher.calls
-    results = await within([admit(scripts, pool, request_id=f"r{i}") for i in range(n)], f"{n} admits")
-    assert not any(isinstance(r, BaseException) for r in results), results
-    assert scripts.batcher.round_trips == trips + 3 and scripts.batcher.calls == sent + n  # each sent once
+async def test_more_calls_than_the_limit_go_in_several_pipelines(aredis, sync_redis):
+    sha = await aredis.script_load("return redis.call('INCR', KEYS[1]) .. ARGV[1]")
+    batcher = ScriptBatcher(aredis)
+    n = 2 * BATCH_LIMIT + 3
+    results = await within([batcher.evalsha(sha, ["n"], [f"-{i}"]) for i in range(n)], f"{n} calls")
+    assert sorted(int(r.split(b"-")[1]) for r in results) == list(range(n))
+    assert batcher.round_trips == 3 and batcher.calls == n and batcher.merged == 0  # each sent once
+    assert int(sync_redis.get("n")) == n
+
+
+async def test_admits_of_one_pool_in_one_turn_go_in_one_call_up_to_its_limit(scripts, pool, sync_redis):
+    trips, sent, merged = scripts.batcher.round_trips, scripts.batcher.calls, scripts.batcher.merged
+    n = 2 * ADMIT_LIMIT + 3
+    results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=i) for i in range(n)],
+                           f"{n} admits")
+    assert [r.depth for r in results] == list(range(1, n + 1))  # in order, each seeing those before it
+    assert scripts.batcher.round_trips == trips + 1
+    assert (scripts.batcher.calls, scripts.batcher.merged) == (sent + 3, merged + n - 3)
+    assert [int(sync_redis.hget(pool.request(f"r{i}"), "input_tokens")) for i in range(n)] == list(range(n))
     assert sync_redis.zcard(pool.deadlines) == n
 
 
-async def test_one_calls_error_fails_that_call_only(scripts, pool, sync_redis):
+async def test_one_calls_error_fails_that_call_only(scripts, pools, sync_redis):
     trips = scripts.batcher.round_trips
-    good, bad = await within([admit(scripts, pool, request_id="good"),
-                              admit(scripts, pool, request_id="bad", max_tokens=-1)], "two admits")
+    good, bad = await within([admit(scripts, pools[0], request_id="good"),
+                              admit(scripts, pools[1], request_id="bad", max_tokens=-1)], "two admits")
     assert scripts.batcher.round_trips == trips + 1
     assert not isinstance(good, BaseException) and good.duplicate_state is None
     assert isinstance(bad, InvalidArgument) and bad.field == "max_tokens"
-    assert sync_redis.exists(pool.request("good")) and not sync_redis.exists(pool.request("bad"))
+    assert sync_redis.exists(pools[0].request("good")) and not sync_redis.exists(pools[1].request("bad"))
 
 
-async def test_a_lost_script_cache_is_loaded_again_for_every_call_of_the_pipeline(scripts, pool, sync_redis):
+async def test_a_bad_argument_in_merged_admits_fails_its_own_admit_only(scripts, pool, sync_redis):
+    """The merged call is refused whole (admit.lua checks every request before it writes);
+    each admit then goes again on its own and gets its own answer."""
+    trips = scripts.batcher.round_trips
+    calls = [admit(scripts, pool, request_id="a"), admit(scripts, pool, request_id="bad", max_tokens=-1),
+             admit(scripts, pool, request_id="b")]
+    results = await within(calls, "three admits, one bad")
+    assert scripts.batcher.round_trips == trips + 2  # the merged call, then each alone in one pipeline
+    assert isinstance(results[1], InvalidArgument) and results[1].field == "max_tokens"
+    assert [r.depth for r in (results[0], results[2])] == [1, 2]
+    assert sync_redis.exists(pool.request("a"), pool.request("b")) == 2
+    assert not sync_redis.exists(pool.request("bad"))
+
+
+async def test_a_lost_script_cache_is_loaded_again_for_every_call_of_the_pipeline(scripts, pools, sync_redis):
     sync_redis.script_flush()
     trips = scripts.batcher.round_trips
-    results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=10 * (i + 1))
-                            for i in range(5)], "5 admits after SCRIPT FLUSH")
-    recorded = [float(sync_redis.hget(pool.request(f"r{i}"), "cost")) for i in range(5)]
+    results = await within([admit(scripts, pools[i % 3], request_id=f"r{i}", input_tokens=10 * (i + 1))
+                            for i in range(6)], "6 admits to 3 pools after SCRIPT FLUSH")
+    recorded = [float(sync_redis.hget(pools[i % 3].request(f"r{i}"), "cost")) for i in range(6)]
     assert [r.cost for r in results] == recorded
-    assert scripts.batcher.round_trips == trips + 1  # the NOSCRIPTs came back in one pipeline
-    assert sync_redis.zcard(pool.deadlines) == 5
+    # the NOSCRIPTs of the 3 merged calls came back in one pipeline, then each admit's own in one
+    assert scripts.batcher.round_trips == trips + 2
+    assert sum(sync_redis.zcard(keys.deadlines) for keys in pools) == 6
 
 
 async def _cancelled_admit_sends_nothing(scripts: Scripts, pool: PoolKeys, sync_redis: Any,
@@ -268,36 +314,38 @@ def test_a_loop_that_stopped_before_its_flush_does_not_strand_later_calls(redis_
     assert not sync_redis.exists(PoolKeys("tiny").request("stranded"))
 
 
-@pytest.mark.parametrize("keep", [1, 60], ids=["in the first reply", "after the first reply"])
+@pytest.mark.parametrize("keep", [1, 120], ids=["in the first reply", "after the first reply"])
 async def test_a_connection_cut_while_the_replies_are_read_fails_every_call_as_an_outage(
-        scripts, pool, redis_server, sync_redis, keep):
-    """Redis ran every script of the pipeline; the client's read broke in its replies. Each
-    call fails as an outage (whether it ran is not known to it), none is handed a reply that
-    is not its own, and the next calls go on a new connection."""
+        scripts, pools, redis_server, sync_redis, keep):
+    """Redis ran every script of the pipeline (one per pool, two admits each; a reply of two
+    is about 100 bytes); the client's read broke in its replies. Each call fails as an outage
+    (whether it ran is not known to it), none is handed a reply that is not its own, and the
+    next calls go on a new connection."""
     with StallingProxy(redis_server.port) as proxy:
         client = aioredis.from_url(proxy.url)
         try:
             relayed = Scripts(client)  # the same scripts, loaded on that server by the fixture
             proxy.cut_replies_after(b"EVALSHA", keep)
-            calls = [admit(relayed, pool, request_id=f"r{i}", input_tokens=10 * (i + 1)) for i in range(6)]
-            results = await within(calls, "6 admits whose replies are cut")
+            def six() -> list[Any]:
+                return [admit(relayed, pools[i % 3], request_id=f"r{i}", input_tokens=10 * (i + 1))
+                        for i in range(6)]
+            results = await within(six(), "6 admits whose replies are cut")
             assert relayed.batcher.round_trips == 1
             assert all(isinstance(r, RedisUnavailable) for r in results), results
             # They ran: sent again, each is its own duplicate, and a new request gets its own cost.
-            calls = [admit(relayed, pool, request_id=f"r{i}", input_tokens=10 * (i + 1)) for i in range(6)]
-            calls.append(admit(relayed, pool, request_id="new", input_tokens=70))
-            again = await within(calls, "the same admits again and a new one")
+            again = await within([*six(), admit(relayed, pools[0], request_id="new", input_tokens=70)],
+                                 "the same admits again and a new one")
         finally:
             await client.aclose()
     assert [a.duplicate_state for a in again[:6]] == ["queued"] * 6, again
     assert again[6].duplicate_state is None
-    assert again[6].cost == float(sync_redis.hget(pool.request("new"), "cost"))
-    assert sync_redis.zcard(pool.deadlines) == 7
+    assert again[6].cost == float(sync_redis.hget(pools[0].request("new"), "cost"))
+    assert sum(sync_redis.zcard(keys.deadlines) for keys in pools) == 7
 
 
 @pytest.mark.parametrize("refusal", ["maxmemory", "replica"])
 async def test_a_store_that_refuses_writes_fails_each_call_of_the_pipeline_as_an_outage(
-        scripts, pool, sync_redis, refusal):
+        scripts, pools, sync_redis, refusal):
     """At maxmemory (noeviction) and on a server a failover made a replica, every admit of the
     pipeline is refused, each as an outage (the lone call's 503, not a 500), and nothing is
     written."""
@@ -307,8 +355,8 @@ async def test_a_store_that_refuses_writes_fails_each_call_of_the_pipeline_as_an
     else:
         sync_redis.replicaof("127.0.0.1", free_port())  # a master that never answers
     try:
-        calls = [admit(scripts, pool, request_id=f"r{i}") for i in range(4)]
-        results = await within(calls, "4 refused admits")
+        calls = [admit(scripts, pools[i], request_id=f"r{i}") for i in range(3)]
+        results = await within(calls, "3 refused admits")
     finally:
         if refusal == "maxmemory":
             sync_redis.config_set("maxmemory", 0)

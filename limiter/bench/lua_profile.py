@@ -36,16 +36,18 @@ CUT_REPLY = "do return {'cut'} end"
 # own file), in the order they run.
 CUTS: dict[str, tuple[str, ...]] = {
     "admit": (
-        "  local request_id = arg_name(ARGV[1], 'request_id')",
+        "  local n = math.max(math.floor(#ARGV / ITEM), 1)",
         "  local p = load_policy(K_POLICY)",
-        "  local key = P_REQUEST .. request_id",
         "  local now = now_ms()",
+        "  local key = P_REQUEST .. r.id",
+        "  local cost = r.input_tokens * c.weight + r.max_tokens * c.out_weight",
         "  local wait = c.max_wait_ms",
         "  local charged = bucket_debit(tb, cost, nil)",
         "  local seq = redis.call('HINCRBY', K_STATS, 'seq', 1)",
-        "  keep_alive(p, request_id, deadline, now, true)",
-        "  enqueue(p, {id = request_id, class = cls, tenant = tenant, seq = seq, deadline_ms = deadline,",
-        "  redis.call('HINCRBY', K_TENANT_INFLIGHT, tenant, 1)",
+        "  keep_alive(p, r.id, deadline, now, true)",
+        "  enqueue(p, {id = r.id, class = r.cls, tenant = r.tenant, seq = seq, deadline_ms = deadline,",
+        "  redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, 1)",
+        "  if queued then wake_workers() end",
     ),
     "claim": (
         "  local worker_id = arg_name(ARGV[1], 'worker_id')",
