@@ -51,6 +51,11 @@ BUGS = (
         also=(("admit.lua", "    local reply, ok = admit_one(p, requests[k], now)",
                "    requests[k] = read_request(k)\n    requests[k].c = policy_class(p, requests[k].cls)\n"
                "    local reply, ok = admit_one(p, requests[k], now)"),)),
+    Bug("bucket_cache_ignores_new_burst", "a bucket used twice in one call with another burst keeps "
+        "the first use's (a merged admit of a tenant under two configurations is not what "
+        "separate calls do)",
+        "include/bucket.lua", "  if b and b.rate == rate and b.burst == burst then return b end",
+        "  if b then return b end"),
     Bug("requeue_resets_own_wait", "a requeue gives the request its class's max wait, not its own",
         "include/requeue.lua", "r.deadline_ms = now + r.max_wait_ms",
         "r.deadline_ms = now + p.class[r.class].max_wait_ms"),

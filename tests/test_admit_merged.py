@@ -8,6 +8,8 @@ import json
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from redis.exceptions import ResponseError
 
 from limiter.config import demo_config
@@ -113,6 +115,28 @@ def test_a_merged_call_replies_and_writes_as_the_same_requests_in_separate_calls
     assert {"queued", "duplicate", "tenant_busy", "throttled"} <= statuses, statuses  # not vacuous
     assert pool_state(sync_redis, merged) == pool_state(sync_redis, apart)
     assert sync_redis.llen(merged.wake) == 1  # one marker for the whole call
+
+
+_requests = st.lists(st.builds(
+    request, rid=st.sampled_from([f"q{i}" for i in range(12)]), tenant=st.sampled_from(["t1", "t2", "t3"]),
+    cls=st.sampled_from(["P0", "P1", "P2", "P2"]), input_tokens=st.integers(0, 300),
+    max_tokens=st.integers(1, 100), burst=st.sampled_from([1e6, 1e6, 200.0, 30.0]),
+    max_inflight=st.sampled_from([0, 0, 1, 3]), max_wait_ms=st.sampled_from([0, 0, 1, 50]),
+    weight=st.sampled_from([1.0, 0.5, 3.0])), min_size=2, max_size=ADMIT_LIMIT)
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(requests=_requests)
+def test_any_merged_call_replies_and_writes_as_separate_calls(sync_redis, sha, requests):
+    """The same, for random calls: repeated ids, tenants at their caps, small buckets,
+    a tenant whose burst differs between its requests, every class."""
+    sync_redis.flushall()
+    sha = sync_redis.script_load(script_source("admit"))
+    apart, merged = init(sync_redis, "tiny"), init(sync_redis, "tiny-m")
+    one_by_one = [admit_call(sync_redis, sha, apart, [r]) for r in requests]
+    together = admit_call(sync_redis, sha, merged, requests)
+    assert [_reply(r) for r in together] == [_reply(r) for r in one_by_one]
+    assert pool_state(sync_redis, merged) == pool_state(sync_redis, apart)
 
 
 def test_a_call_of_one_request_keeps_its_reply_and_its_optional_weight(sync_redis, sha):

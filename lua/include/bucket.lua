@@ -7,14 +7,30 @@
 --
 -- Every bucket a call touches goes through one cache, so two uses in the same call (a
 -- refund inside claim's janitor, then a charge) see each other; the cache is written back
--- once, when main() ends (main.lua runs AT_EXIT, after an error too).
+-- once, when main() ends (main.lua runs AT_EXIT, after an error too), or when a use asks for
+-- the bucket with another rate or burst (then read again).
 --!include validate.lua
 
 local BUCKETS = {}
 
+local function bucket_write(b)
+  if b.dirty then  -- a bucket only read is not written: its refill is recomputed next time
+    local f = {'tokens', fmt(b.level), 'ts', fmt(b.now), 'refilled', fmt(b.refilled),
+      'debited', fmt(b.debited), 'refunded', fmt(b.refunded)}
+    if b.fresh then f[#f + 1] = 'start'; f[#f + 1] = fmt(b.start) end
+    redis.call('HSET', b.key, unpack(f))
+  end
+end
+
 local function bucket_get(key, rate, burst, now)
   local b = BUCKETS[key]
-  if b then return b end
+  if b and b.rate == rate and b.burst == burst then return b end
+  if b then
+    -- Used again in this call with another rate or burst (two requests of one tenant
+    -- admitted in one call under two configurations): written back now and read again, as a
+    -- call of its own would find it at this same time.
+    bucket_write(b)
+  end
   local v = redis.call('HMGET', key, 'tokens', 'ts', 'start', 'refilled', 'debited', 'refunded')
   local tokens, ts = tonumber(v[1]), tonumber(v[2])
   b = {key = key, rate = rate, burst = burst, now = now, dirty = false}
@@ -65,14 +81,7 @@ local function bucket_wait_ms(level, need, rate)
 end
 
 local function bucket_flush()
-  for key, b in pairs(BUCKETS) do
-    if b.dirty then  -- a bucket only read is not written: its refill is recomputed next time
-      local f = {'tokens', fmt(b.level), 'ts', fmt(b.now), 'refilled', fmt(b.refilled),
-        'debited', fmt(b.debited), 'refunded', fmt(b.refunded)}
-      if b.fresh then f[#f + 1] = 'start'; f[#f + 1] = fmt(b.start) end
-      redis.call('HSET', key, unpack(f))
-    end
-  end
+  for _, b in pairs(BUCKETS) do bucket_write(b) end
   BUCKETS = {}
 end
 AT_EXIT[#AT_EXIT + 1] = bucket_flush
