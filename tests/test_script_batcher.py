@@ -21,7 +21,7 @@ from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import open_redis
 from limiter.script_batcher import BATCH_LIMIT, LONE_CALL_BYTES, ScriptBatcher
-from limiter.scripts import ADMIT_LIMIT, Scripts, policy_document
+from limiter.scripts import ADMIT_MERGE, Scripts, policy_document
 from tests.support.helpers import admit, dump_all, init_pool, wait_until
 from tests.support.redis_server import free_port, pools_on_different_shards
 from tests.support.stalling_proxy import StallingProxy
@@ -88,7 +88,7 @@ async def test_more_calls_than_the_limit_go_in_several_pipelines(aredis, sync_re
 
 async def test_admits_of_one_pool_in_one_turn_go_in_one_call_up_to_its_limit(scripts, pool, sync_redis):
     trips, sent, merged = scripts.batcher.round_trips, scripts.batcher.calls, scripts.batcher.merged
-    n = 2 * ADMIT_LIMIT + 3
+    n = 2 * ADMIT_MERGE + 3
     results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=i) for i in range(n)],
                            f"{n} admits")
     assert [r.depth for r in results] == list(range(1, n + 1))  # in order, each seeing those before it
