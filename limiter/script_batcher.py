@@ -19,15 +19,23 @@ every call of the pipeline, as it would have failed each of them on its own conn
 call with an argument redis-py may refuse to encode (a None) goes alone: the refusal comes
 while a pipeline is packed, and would fail every call in it. Redis runs a pipeline's
 scripts one after the other as it runs those of many connections read in one event-loop
-pass, so at most :data:`BATCH_LIMIT` go in one pipeline: no call holds the server longer
-than that many would anyway.
+pass, so at most :data:`BATCH_LIMIT` calls go in one pipeline: no call holds the server
+longer than that many would anyway.
 
-On a Redis Cluster the pipeline is redis-py's cluster pipeline: it sends each node's calls
-as one pipeline to that node (a pool's calls all go to the one that holds its hash tag),
-and a call that meets ``MOVED``/``ASK``/``TRYAGAIN`` (a resharding) goes again alone, which
-follows the redirection. Its ``evalsha`` method is blocked ("Calling pipelined function
-evalsha is blocked when running redis in cluster mode", redis-py 8.1), so the command is
-queued by name.
+Calls of a script that takes several calls' arguments in one call (``merge_limit``: admit)
+with the same keys are merged: one ``EVALSHA`` of up to ``merge_limit`` of them, whose
+arguments stay under :data:`LONE_CALL_BYTES`, counted call by call against
+:data:`BATCH_LIMIT`. The script answers with one reply per call. An error reply to a merged
+call (a bad argument of one of them; the script checks them all before it writes) sends
+each of its calls again on its own, once; a connection's failure does not (it may have
+run).
+
+On a Redis Cluster the pipeline is redis-py's cluster pipeline, one per hash slot: it fails
+every call in it when one of its nodes cannot be reached, those another node ran included,
+so calls of two shards never share one. A call that meets ``MOVED``/``ASK``/``TRYAGAIN`` (a
+resharding) goes again alone, which follows the redirection. Its ``evalsha`` method is
+blocked ("Calling pipelined function evalsha is blocked when running redis in cluster
+mode", redis-py 8.1), so the command is queued by name.
 """
 
 from __future__ import annotations
@@ -38,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from redis.asyncio.cluster import RedisCluster
+from redis.crc import key_slot
 from redis.exceptions import ClusterDownError, MaxConnectionsError, ResponseError, SlotNotCoveredError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -105,29 +114,38 @@ class ScriptBatcher:
         # left), and one left queued by a loop that has stopped (nobody awaits its reply).
         queued = [c for c in self._queued if not c.reply.done() and c.reply.get_loop() is loop]
         self._queued = []
-        together: list[_Unit] = []
+        # On a cluster, one pipeline per hash slot: redis-py's cluster pipeline fails every
+        # call in it when one node cannot be reached, those another node ran included.
+        together: dict[int, list[_Unit]] = {}
         batches: list[list[_Unit]] = []
-        merging: dict[tuple[Any, ...], _Unit] = {}  # the open unit of each script and keys
+        merging: dict[tuple[Any, ...], tuple[_Unit, list[int]]] = {}  # open unit, its bytes
         for c in queued:
-            if _goes_alone(c):
+            size = _arg_size(c)
+            if size is None or size > LONE_CALL_BYTES:
                 batches.append([[c]])
-            elif c.merge_limit > 0:
-                key = (c.sha, tuple(c.keys))
-                unit = merging.get(key)
-                if unit is None or len(unit) >= c.merge_limit:
-                    unit = merging[key] = [c]
-                    together.append(unit)
-                else:
-                    unit.append(c)
-            else:
-                together.append([c])
-        batches += [together[i:i + self.limit] for i in range(0, len(together), self.limit)]
+                continue
+            group = together.setdefault(key_slot(c.keys[0].encode()) if self.cluster and c.keys else 0, [])
+            if c.merge_limit <= 0:
+                group.append([c])
+                continue
+            key = (c.sha, tuple(c.keys))
+            unit, used = merging.get(key, (None, [0]))
+            if unit is None or len(unit) >= c.merge_limit or used[0] + size > LONE_CALL_BYTES:
+                unit, used = [], [0]  # a merged call's arguments stay under LONE_CALL_BYTES too
+                merging[key] = (unit, used)
+                group.append(unit)
+            unit.append(c)
+            used[0] += size
+        for group in together.values():
+            batches += _by_calls(group, self.limit)
         for units in batches:
             task = asyncio.ensure_future(self._send(units))
             self._sending.add(task)
             task.add_done_callback(self._sending.discard)
 
     async def _send(self, units: list[_Unit]) -> None:
+        """Send ``units``. An error reply to a merged call sends each of its calls again on
+        its own, once: a call on its own is never split again."""
         # cancelled since the flush: not sent
         units = [live for u in units if (live := [c for c in u if not c.reply.done()])]
         if not units:
@@ -148,11 +166,10 @@ class ScriptBatcher:
             raise
         except Exception as exc:  # a lone call's error, or the connection's: every call's
             self._after_cluster_failure([exc])
-            calls = [c for u in units for c in u]
-            if isinstance(exc, ResponseError) and len(calls) > 1:
-                # a script's error reply to merged calls: each goes again on its own
-                await self._send([[c] for c in calls])
+            if len(units) == 1 and len(units[0]) > 1 and _script_refused(exc):
+                await self._send([[c] for c in units[0]])  # see below
                 return
+            calls = [c for u in units for c in u]
             for c in calls:
                 if not c.reply.done():
                     c.reply.set_exception(_copy(exc) if len(calls) > 1 else exc)
@@ -160,16 +177,17 @@ class ScriptBatcher:
         self._after_cluster_failure(replies)
         again: list[_Unit] = []
         for u, r in zip(units, replies, strict=True):
-            if len(u) > 1 and isinstance(r, Exception):
+            if len(u) > 1 and _script_refused(r):
                 # An error reply to merged calls (a bad argument of one of them, the script
                 # cache lost): nothing was written, as the script checks every argument
-                # first; each goes again on its own and gets its own answer.
+                # first; each goes again on its own and gets its own answer. Not after a
+                # connection's failure: the merged call may have run.
                 again += [[c] for c in u]
                 continue
             items = r if len(u) > 1 else [r]
             if len(u) > 1 and (not isinstance(r, list) or len(r) != len(u)
                                or not all(isinstance(x, list) for x in r)):
-                # not a list of replies (a script that takes one call's arguments only)
+                # not a list of replies: never from a script that takes several calls
                 bad = ResponseError(f"a merged call of {len(u)} got the reply {r!r}")
                 items = [bad] * len(u)
             for c, item in zip(u, items, strict=True):
@@ -209,19 +227,38 @@ def _evalsha_of(unit: _Unit) -> tuple[str, Sequence[str], list[Any]]:
     return first.sha, first.keys, [a for c in unit for a in c.args]
 
 
-def _goes_alone(call: _Call) -> bool:
-    """Whether ``call`` goes in a pipeline of its own: its arguments pass
-    :data:`LONE_CALL_BYTES`, or one is of a type other than str, bytes, int and float. redis-py
-    may refuse such an argument (a None, a bool: ``DataError``) while it packs the pipeline,
-    which fails every call in it; alone, only that call fails, before anything is sent."""
+def _arg_size(call: _Call) -> int | None:
+    """The bytes of ``call``'s str and bytes arguments, or None when one is of a type other
+    than str, bytes, int and float: redis-py may refuse such an argument (a None, a bool:
+    ``DataError``) while it packs a pipeline, which fails every call in it; alone, only that
+    call fails, before anything is sent."""
     size = 0
     for a in call.args:
         kind = type(a)
         if kind is str or kind is bytes:
             size += len(a)
         elif kind is not int and kind is not float:
-            return True
-    return size > LONE_CALL_BYTES
+            return None
+    return size
+
+
+def _by_calls(units: list[_Unit], limit: int) -> list[list[_Unit]]:
+    """``units`` in pipelines of at most ``limit`` calls, merged ones counted call by call."""
+    out: list[list[_Unit]] = []
+    n = limit
+    for u in units:
+        if n + len(u) > limit:
+            out.append([])
+            n = 0
+        out[-1].append(u)
+        n += len(u)
+    return out
+
+
+def _script_refused(outcome: Any) -> bool:
+    """An error reply a script's call got from Redis (a bad argument, NOSCRIPT, OOM): the
+    call did not run. Not a connection's failure, after which it may have run."""
+    return isinstance(outcome, ResponseError) and not isinstance(outcome, TOPOLOGY_ERRORS)
 
 
 def _copy(exc: Exception) -> Exception:

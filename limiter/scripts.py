@@ -274,14 +274,20 @@ class Scripts:
     scripts from this directory instead of the installed ones (a benchmark comparing two
     versions of the Lua layer).
 
-    The calls made in one event-loop turn share one pipeline
-    (:mod:`limiter.script_batcher`); ``batch=False`` sends each on its own."""
+    The calls made in one event-loop turn share one pipeline, and the admits of one pool
+    among them are one call (:mod:`limiter.script_batcher`); ``merge=False`` sends each admit
+    as a call of its own in that pipeline (a benchmark's comparison), ``batch=False`` each
+    call on its own."""
 
     def __init__(self, client: Any, shebang: bool = True, lua: Path | None = None,
-                 batch: bool = True) -> None:
+                 batch: bool = True, merge: bool = True) -> None:
         self.client = client
         self.lua = lua
         self.batcher = ScriptBatcher(client) if batch else None
+        # An admit.lua from before 2026-12-03 (another version's, given with ``lua``) takes
+        # one request a call: merged, the first would be admitted and every caller told no.
+        merge = merge and (lua is None or "MAX_ITEMS" in (lua / "admit.lua").read_text())
+        self.merge_limits = MERGE_LIMITS if merge else {}
         self._register(shebang)
 
     def _register(self, shebang: bool) -> None:
@@ -299,7 +305,7 @@ class Scripts:
         script = self._scripts[name]
         if self.batcher is not None:
             try:
-                return await self.batcher.evalsha(script.sha, keys, args, MERGE_LIMITS.get(name, 0))
+                return await self.batcher.evalsha(script.sha, keys, args, self.merge_limits.get(name, 0))
             except NoScriptError:
                 pass  # Redis lost its script cache (a restart): the call below loads it again
         return await script(keys=keys, args=args)

@@ -198,13 +198,13 @@ local function main()
   local p = load_policy(K_POLICY)
   for _, r in ipairs(requests) do r.c = policy_class(p, r.cls) end
   local now = now_ms()
-  local out, queued = {}, false
+  local out, queued = {}, 0
   for k = 1, n do
     local reply, ok = admit_one(p, requests[k], now)
     out[k] = reply
-    queued = queued or ok
+    if ok then queued = queued + 1 end
   end
-  if queued then wake_workers() end
+  if queued > 0 then wake_workers(queued) end  -- a marker each, as separate calls push
   if n == 1 then return out[1] end
   return out
 end

@@ -1,14 +1,15 @@
-"""Redis CPU per admit, script calls sent alone against one pipeline per event-loop turn:
-``python tests/bench_script_batcher.py [--cluster] [--concurrency 1 8 32]``.
+"""Redis CPU per admit, script calls sent alone, in one pipeline per event-loop turn, and
+merged into one call: ``python tests/bench_script_batcher.py [--cluster] [--concurrency 1 8 32]``.
 
 Admits of one pool go out ``--concurrency`` at a time (``asyncio.gather``, as a frontend's
-handlers make them) through :class:`Scripts` with and without its batcher
-(``limiter/script_batcher.py``), on a private redis-server or, with ``--cluster``, on a
+handlers make them) through :class:`Scripts` without its batcher, with it but each admit a
+call of its own (``merge=False``), and with it as the roles run it (the turn's admits merged
+into calls of up to 16; ``limiter/script_batcher.py``), on a private redis-server or, with ``--cluster``, on a
 local 3-master Redis Cluster through the roles' cluster client. Per admit it reports the
 main-thread CPU of the server that holds the pool (``INFO cpu``: the script and its
 request's I/O) and the client's wall time. Blocks of 128 admits are measured; between
 them a claim (not measured) empties the queue, so that the wait estimate never sheds one.
-The two ways alternate ``--rounds`` times; the best and the median round are printed. Not
+The three ways alternate ``--rounds`` times; the best and the median round are printed. Not
 collected by pytest (no ``test_`` prefix); docs/benchmarks.md quotes its output.
 """
 
@@ -39,10 +40,13 @@ def main_thread_cpu_s(node: Any) -> float:
     return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
 
 
-async def one_round(client: Any, node_of: Any, batch: bool, concurrency: int, admits: int,
+WAYS = {"alone": {"batch": False}, "pipelined": {"merge": False}, "merged": {}}
+
+
+async def one_round(client: Any, node_of: Any, way: str, concurrency: int, admits: int,
                     name: str) -> tuple[float, float, float]:
-    """(server CPU us per admit, client wall us per admit, calls per round trip)."""
-    scripts = Scripts(client, batch=batch)
+    """(server CPU us per admit, client wall us per admit, admits per round trip)."""
+    scripts = Scripts(client, **WAYS[way])
     await scripts.load_all()
     keys = PoolKeys(name)
     cfg = demo_config()
@@ -58,19 +62,20 @@ async def one_round(client: Any, node_of: Any, batch: bool, concurrency: int, ad
             done += concurrency
         cpu_s, wall_s = cpu_s + main_thread_cpu_s(node) - c0, wall_s + time.perf_counter() - t0
         await scripts.claim(keys, "w1", 1024)
-    per_trip = scripts.batcher.calls / scripts.batcher.round_trips if scripts.batcher else 1.0
+    b = scripts.batcher
+    per_trip = (b.calls + b.merged) / b.round_trips if b else 1.0
     return cpu_s / done * 1e6, wall_s / done * 1e6, per_trip
 
 
 async def measure(url: str, cluster: bool, node_of: Any, concurrency: int, admits: int,
-                  rounds: int) -> dict[bool, list[tuple[float, float, float]]]:
+                  rounds: int) -> dict[str, list[tuple[float, float, float]]]:
     client = open_redis(RedisConfig(url=url, cluster=cluster), pool_wait_s=5)
-    out: dict[bool, list[tuple[float, float, float]]] = {True: [], False: []}
+    out: dict[str, list[tuple[float, float, float]]] = {way: [] for way in WAYS}
     try:
         for r in range(rounds):
-            for batch in (True, False) if r % 2 == 0 else (False, True):
-                out[batch].append(await one_round(client, node_of, batch, concurrency, admits,
-                                                  f"bench{concurrency}-{r}-{int(batch)}"))
+            for way in list(WAYS)[::1 if r % 2 == 0 else -1]:
+                out[way].append(await one_round(client, node_of, way, concurrency, admits,
+                                                f"bench{concurrency}-{r}-{way}"))
     finally:
         await client.aclose()
     return out
@@ -102,13 +107,13 @@ def main() -> None:
               f"round, {args.rounds} rounds each way; server CPU and client wall time per admit, us")
         for c in args.concurrency:
             res = asyncio.run(measure(url, args.cluster, node_of, c, args.admits, args.rounds))
-            for batch, label in ((False, "alone    "), (True, "pipelined")):
-                cpu = sorted(x[0] for x in res[batch])
-                wall = statistics.median(x[1] for x in res[batch])
-                trip = statistics.median(x[2] for x in res[batch])
-                print(f"concurrency {c:>2} {label}: server CPU best {cpu[0]:6.1f} median "
+            for way in WAYS:
+                cpu = sorted(x[0] for x in res[way])
+                wall = statistics.median(x[1] for x in res[way])
+                trip = statistics.median(x[2] for x in res[way])
+                print(f"concurrency {c:>2} {way:<9}: server CPU best {cpu[0]:6.1f} median "
                       f"{statistics.median(cpu):6.1f}; client wall median {wall:6.1f}; "
-                      f"{trip:4.1f} calls a round trip")
+                      f"{trip:4.1f} admits a round trip")
     finally:
         stop()
 

@@ -56,6 +56,10 @@ BUGS = (
         "separate calls do)",
         "include/bucket.lua", "  if b and b.rate == rate and b.burst == burst then return b end",
         "  if b then return b end"),
+    Bug("admit_wakes_one_worker", "a merged admit pushes one wake marker for all its queued "
+        "requests: one idle worker wakes where separate calls woke one each",
+        "admit.lua", "  if queued > 0 then wake_workers(queued) end",
+        "  if queued > 0 then wake_workers() end"),
     Bug("requeue_resets_own_wait", "a requeue gives the request its class's max wait, not its own",
         "include/requeue.lua", "r.deadline_ms = now + r.max_wait_ms",
         "r.deadline_ms = now + p.class[r.class].max_wait_ms"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import shutil
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,7 +22,7 @@ from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import open_redis
 from limiter.script_batcher import BATCH_LIMIT, LONE_CALL_BYTES, ScriptBatcher
-from limiter.scripts import ADMIT_MERGE, Scripts, policy_document
+from limiter.scripts import ADMIT_MERGE, Scripts, lua_dir, policy_document
 from tests.support.helpers import admit, dump_all, init_pool, wait_until
 from tests.support.redis_server import free_port, pools_on_different_shards
 from tests.support.stalling_proxy import StallingProxy
@@ -92,7 +93,8 @@ async def test_admits_of_one_pool_in_one_turn_go_in_one_call_up_to_its_limit(scr
     results = await within([admit(scripts, pool, request_id=f"r{i}", input_tokens=i) for i in range(n)],
                            f"{n} admits")
     assert [r.depth for r in results] == list(range(1, n + 1))  # in order, each seeing those before it
-    assert scripts.batcher.round_trips == trips + 1
+    # calls of 16, 16 and 3; a pipeline holds at most BATCH_LIMIT admits, merged or not
+    assert scripts.batcher.round_trips == trips + 2
     assert (scripts.batcher.calls, scripts.batcher.merged) == (sent + 3, merged + n - 3)
     assert [int(sync_redis.hget(pool.request(f"r{i}"), "input_tokens")) for i in range(n)] == list(range(n))
     assert sync_redis.zcard(pool.deadlines) == n
@@ -120,6 +122,39 @@ async def test_a_bad_argument_in_merged_admits_fails_its_own_admit_only(scripts,
     assert [r.depth for r in (results[0], results[2])] == [1, 2]
     assert sync_redis.exists(pool.request("a"), pool.request("b")) == 2
     assert not sync_redis.exists(pool.request("bad"))
+
+
+async def test_merged_admits_stay_under_the_size_of_a_lone_call(scripts, pool, sync_redis):
+    """Admits whose payloads together pass LONE_CALL_BYTES are not merged into one call: a
+    pipeline's replies all wait for the whole of it."""
+    sent, merged = scripts.batcher.calls, scripts.batcher.merged
+    payload = b"x" * (LONE_CALL_BYTES // 2 - 1024)
+
+    def big(rid: str) -> Any:
+        return scripts.admit(pool, request_id=rid, tenant="t1", cls="P1", input_tokens=10, max_tokens=5,
+                             tenant_rate=1e9, tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0,
+                             frontend_id="fe1", payload=payload)
+    results = await within([big(f"b{i}") for i in range(3)], "3 admits of half a lone call each")
+    assert [r.depth for r in results] == [1, 2, 3]
+    assert (scripts.batcher.calls, scripts.batcher.merged) == (sent + 2, merged + 1)  # two, then one
+
+
+async def test_an_error_at_connect_fails_each_call_once_and_is_not_sent_again_and_again(redis_server, pools):
+    """A refusal while the connection is set up (here SELECT of a database that does not
+    exist; NOPERM under an ACL) is a ResponseError too. A merged call sent again as single
+    calls met it again, and again, until Python's recursion limit (reviewed)."""
+    for batch in (True, False):
+        client = aioredis.from_url(redis_server.url.rsplit("/", 1)[0] + "/99")
+        try:
+            scripts = Scripts(client, batch=batch)
+            calls = [admit(scripts, pools[i % 2], request_id=f"r{i}") for i in range(4)]
+            results = await within(calls, f"4 admits, batch={batch}")
+        finally:
+            await client.aclose()
+        kinds = {type(r).__name__ for r in results}
+        assert kinds == {"ScriptError"}, (batch, results)
+        if batch:
+            assert scripts.batcher.round_trips <= 2, scripts.batcher.round_trips
 
 
 async def test_a_lost_script_cache_is_loaded_again_for_every_call_of_the_pipeline(scripts, pools, sync_redis):
@@ -241,7 +276,7 @@ async def test_on_a_cluster_the_calls_of_one_turn_go_to_each_shard_in_one_pipeli
     sizes = [10 * (i + 1) for i in range(8)]  # a reply handed to the wrong call shows as the wrong cost
     calls = [admit(scripts, pools[i % 2], request_id=f"r{i}", input_tokens=n) for i, n in enumerate(sizes)]
     results = await within(calls, "8 admits over two shards")
-    assert scripts.batcher.round_trips == trips + 1  # one cluster pipeline: one per node inside
+    assert scripts.batcher.round_trips == trips + 2  # a pipeline per hash slot
     for i, (r, n) in enumerate(zip(results, sizes, strict=True)):
         keys = pools[i % 2]
         shard = redis_cluster.owner(keys.request(f"r{i}")).client()
@@ -269,8 +304,9 @@ async def test_on_a_cluster_a_call_sent_to_a_node_that_no_longer_holds_its_slot_
 async def test_on_a_cluster_a_pipeline_to_a_gone_node_fails_as_an_outage_and_the_next_reads_the_layout(
         cluster_scripts, redis_cluster):
     """A failover moved a shard: the client's map still names a node that is gone. Every call
-    of that pipeline fails as an outage; the next calls find the shard again (the client
-    reads the cluster's layout), as a call sent alone would have made it do."""
+    to it fails as an outage, a call of the same turn to another shard does not; the next
+    calls find the shard again (the client reads the cluster's layout), as a call sent alone
+    would have made it do."""
     scripts, pools = cluster_scripts
     client = scripts.client
     keys = pools[0]
@@ -278,8 +314,14 @@ async def test_on_a_cluster_a_pipeline_to_a_gone_node_fails_as_an_outage_and_the
     del kwargs["host"], kwargs["port"]
     gone = ClusterNode("127.0.0.1", free_port(), "primary", **kwargs)
     client.nodes_manager.slots_cache[key_slot(keys.policy.encode())] = [gone]
-    failed = await within([admit(scripts, keys, request_id=f"g{i}") for i in range(3)], "admits, node gone")
+    healthy = pools[1]
+    calls = [admit(scripts, keys, request_id=f"g{i}") for i in range(3)]
+    calls.append(admit(scripts, healthy, request_id="h0"))  # the same turn, the other shard
+    *failed, other = await within(calls, "admits, node gone")
     assert all(isinstance(r, RedisUnavailable) for r in failed), failed
+    # the healthy shard's call ran, and its caller is told so (a pipeline over both nodes
+    # failed it too, after it ran: the frontend then cancelled a queued request)
+    assert not isinstance(other, BaseException) and other.duplicate_state is None, other
     again = await within([admit(scripts, keys, request_id=f"a{i}") for i in range(3)], "admits after it")
     assert all(not isinstance(r, BaseException) and r.duplicate_state is None for r in again), again
     assert redis_cluster.owner(keys.policy).client().exists(keys.request("a0"))
@@ -377,3 +419,14 @@ async def test_an_argument_redis_py_cannot_encode_fails_its_own_call_only(aredis
     assert isinstance(results[1], DataError), results
     assert sorted([results[0], results[2]]) in ([b"1a", b"2c"], [b"1c", b"2a"]), results
     assert int(sync_redis.get("n")) == 2  # the pipeline was never sent: 2 runs, not 2 + 2
+
+
+def test_scripts_of_another_version_whose_admit_takes_one_request_are_not_merged(tmp_path, aredis):
+    """``Scripts(lua=...)`` with an admit.lua from before 2026-12-03 (a benchmark's baseline):
+    merged, its first request would be admitted and every caller told no."""
+    shutil.copytree(lua_dir(), tmp_path / "lua")
+    admit_lua = tmp_path / "lua" / "admit.lua"
+    assert Scripts(aredis, lua=tmp_path / "lua").merge_limits == {"admit": ADMIT_MERGE}
+    admit_lua.write_text(admit_lua.read_text().replace("MAX_ITEMS", "MOST_ITEMS"))
+    assert Scripts(aredis, lua=tmp_path / "lua").merge_limits == {}
+    assert Scripts(aredis, merge=False).merge_limits == {}

@@ -47,7 +47,7 @@ CUTS: dict[str, tuple[str, ...]] = {
         "  keep_alive(p, r.id, deadline, now, true)",
         "  enqueue(p, {id = r.id, class = r.cls, tenant = r.tenant, seq = seq, deadline_ms = deadline,",
         "  redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, 1)",
-        "  if queued then wake_workers() end",
+        "  if queued > 0 then wake_workers(queued) end  -- a marker each, as separate calls push",
     ),
     "claim": (
         "  local worker_id = arg_name(ARGV[1], 'worker_id')",
