@@ -118,7 +118,8 @@ class ScriptBatcher:
         # call in it when one node cannot be reached, those another node ran included.
         together: dict[int, list[_Unit]] = {}
         batches: list[list[_Unit]] = []
-        merging: dict[tuple[Any, ...], tuple[_Unit, list[int]]] = {}  # open unit, its bytes
+        merging: dict[tuple[Any, ...], _Unit] = {}  # the open unit of each script and keys
+        merged_bytes: dict[tuple[Any, ...], int] = {}  # its calls' argument bytes
         for c in queued:
             size = _arg_size(c)
             if size is None or size > LONE_CALL_BYTES:
@@ -129,13 +130,14 @@ class ScriptBatcher:
                 group.append([c])
                 continue
             key = (c.sha, tuple(c.keys))
-            unit, used = merging.get(key, (None, [0]))
-            if unit is None or len(unit) >= c.merge_limit or used[0] + size > LONE_CALL_BYTES:
-                unit, used = [], [0]  # a merged call's arguments stay under LONE_CALL_BYTES too
-                merging[key] = (unit, used)
+            unit = merging.get(key)
+            if unit is None or len(unit) >= c.merge_limit or merged_bytes[key] + size > LONE_CALL_BYTES:
+                # a merged call's arguments stay under LONE_CALL_BYTES too
+                unit = merging[key] = []
+                merged_bytes[key] = 0
                 group.append(unit)
             unit.append(c)
-            used[0] += size
+            merged_bytes[key] += size
         for group in together.values():
             batches += _by_calls(group, self.limit)
         for units in batches:
@@ -221,10 +223,7 @@ class ScriptBatcher:
 
 def _evalsha_of(unit: _Unit) -> tuple[str, Sequence[str], list[Any]]:
     """The script, keys and arguments of the one EVALSHA that sends ``unit``."""
-    first = unit[0]
-    if len(unit) == 1:
-        return first.sha, first.keys, list(first.args)
-    return first.sha, first.keys, [a for c in unit for a in c.args]
+    return unit[0].sha, unit[0].keys, [a for c in unit for a in c.args]
 
 
 def _arg_size(call: _Call) -> int | None:

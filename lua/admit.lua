@@ -138,33 +138,33 @@ local function read_request(k)
   return r
 end
 
--- Admit one checked request. Returns its reply and whether it was queued.
+-- Admit one checked request. Returns its reply.
 local function admit_one(p, r, now)
   local c = r.c
   local key = P_REQUEST .. r.id
   local state = redis.call('HGET', key, 'state')
-  if state then return {'duplicate', state}, false end
+  if state then return {'duplicate', state} end
 
   if r.max_inflight > 0 then
     local busy = tonumber(redis.call('HGET', K_TENANT_INFLIGHT, r.tenant) or '0')
-    if busy >= r.max_inflight then return {'tenant_busy', busy}, false end
+    if busy >= r.max_inflight then return {'tenant_busy', busy} end
   end
   local q = queued_counts(p, r.cls, r.tenant)
   local depth = q.n[r.cls]
-  if depth >= c.queue_cap then return {'queue_full', depth}, false end
-  if c.ceil <= 0 then return {'throttled', -1, 'class'}, false end
+  if depth >= c.queue_cap then return {'queue_full', depth} end
+  if c.ceil <= 0 then return {'throttled', -1, 'class'} end
 
   local cost = r.input_tokens * c.weight + r.max_tokens * c.out_weight
   local tb = bucket_get(P_BUCKET .. 'tenant:' .. r.tenant, r.rate, r.burst, now)
   if tb.level < math.min(cost, r.burst) then
-    return {'throttled', bucket_wait_ms(tb.level, math.min(cost, r.burst), r.rate), 'tenant'}, false
+    return {'throttled', bucket_wait_ms(tb.level, math.min(cost, r.burst), r.rate), 'tenant'}
   end
   local wait = c.max_wait_ms
   if r.max_wait_ms > 0 and r.max_wait_ms < wait then wait = r.max_wait_ms end
   local est = wait_estimate_ms(p, r.cls, r.tenant, r.weight, q, now)
   if est > wait then
     local retry = est == math.huge and -1 or math.ceil(est - wait)
-    return {'overloaded', retry, est == math.huge and -1 or math.ceil(est), wait}, false
+    return {'overloaded', retry, est == math.huge and -1 or math.ceil(est), wait}
   end
 
   -- Every check passed: from here on, writes. Tenants come from the config, so their
@@ -183,7 +183,7 @@ local function admit_one(p, r, now)
     cost = cost}, q)
   redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, 1)
   redis.call('HINCRBY', K_STATS, r.cls .. '.admitted', 1)
-  return {'queued', depth + 1, fmt(cost), math.ceil(est), deadline}, true
+  return {'queued', depth + 1, fmt(cost), math.ceil(est), deadline}
 end
 
 local function main()
@@ -200,9 +200,8 @@ local function main()
   local now = now_ms()
   local out, queued = {}, 0
   for k = 1, n do
-    local reply, ok = admit_one(p, requests[k], now)
-    out[k] = reply
-    if ok then queued = queued + 1 end
+    out[k] = admit_one(p, requests[k], now)
+    if out[k][1] == 'queued' then queued = queued + 1 end
   end
   if queued > 0 then wake_workers(queued) end  -- a marker each, as separate calls push
   if n == 1 then return out[1] end

@@ -25,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from limiter.bench.redis_budget import main_thread_cpu_us
 from limiter.config import RedisConfig, demo_config
 from limiter.keys import PoolKeys
 from limiter.localstack.redis_server import LocalRedisCluster, RedisServer
@@ -36,8 +37,7 @@ BLOCK = 128  # admits measured between two claims
 
 
 def main_thread_cpu_s(node: Any) -> float:
-    info = node.info("cpu")
-    return float(info["used_cpu_user_main_thread"]) + float(info["used_cpu_sys_main_thread"])
+    return main_thread_cpu_us(node.info("cpu")) / 1e6
 
 
 WAYS = {"alone": {"batch": False}, "pipelined": {"merge": False}, "merged": {}}

@@ -48,9 +48,9 @@ BUGS = (
         "comes to it: the requests before a bad one are admitted, and the call's error reply "
         "hides that they were",
         "admit.lua", "  for k = 1, n do requests[k] = read_request(k) end\n", "",
-        also=(("admit.lua", "    local reply, ok = admit_one(p, requests[k], now)",
+        also=(("admit.lua", "    out[k] = admit_one(p, requests[k], now)",
                "    requests[k] = read_request(k)\n    requests[k].c = policy_class(p, requests[k].cls)\n"
-               "    local reply, ok = admit_one(p, requests[k], now)"),)),
+               "    out[k] = admit_one(p, requests[k], now)"),)),
     Bug("bucket_cache_ignores_new_burst", "a bucket used twice in one call with another burst keeps "
         "the first use's (a merged admit of a tenant under two configurations is not what "
         "separate calls do)",

@@ -191,8 +191,6 @@ class Driver:
         self.claimed: list[Claimed] = []
         self.offset: dict[str, int] = {}
         self.floor_script = client.register_script(FLOOR_SCRIPT)
-        # An admit.lua from before 2026-12-03 takes one request a call: no "admit x8" phase.
-        self.merges_admits = "admit" in self.scripts.merge_limits
 
     async def setup(self) -> tuple[str, int]:
         if self.private:
@@ -295,7 +293,7 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     cls, lease_ms = await d.setup()
     d.claimed, d.offset = [], {}
     phases = [await d.measure(PHASES[0], [d.floor() for _ in range(requests)])]
-    if d.merges_admits:
+    if "admit" in d.scripts.merge_limits:  # not with an admit.lua of one request a call
         # a frontend's 8 admits of one event-loop turn, merged into one call by the batcher;
         # then the pool is emptied, so that the admits one by one see the queue they always did
         phases.append(await d.measure("admit x8", [d.admit_group(range(i, i + 8), cls)
