@@ -26,6 +26,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from limiter.bench.slowlog import log_slow_calls, quantile_us, script_durations
 from limiter.config import demo_config
 from limiter.keys import PoolKeys
 from limiter.localstack.redis_server import RedisServer
@@ -66,12 +67,10 @@ async def _drain(client: Any, call: Callable[[], Awaitable[Any]], left: Callable
         if calls > 100 * entries:
             raise RuntimeError(f"{name}: the pile is not shrinking")
     total_ms = (time.perf_counter() - t0) * 1000
-    log = await client.slowlog_get(10 * calls + 100)
-    durations = sorted(int(e["duration"]) for e in log
-                       if (e["command"] if isinstance(e["command"], bytes) else str(e["command"]).encode())
-                       .upper().startswith(b"EVALSHA"))
-    return Pile(name, entries, calls, entries, durations[-1] if durations else 0,
-                durations[len(durations) // 2] if durations else 0, round(total_ms, 1))
+    durations = await script_durations(client)
+    # a call under SLOWLOG_US is not logged: counted as 0
+    return Pile(name, entries, calls, entries, int(quantile_us(durations, calls, 1.0) or 0),
+                int(quantile_us(durations, calls, 0.5) or 0), round(total_ms, 1))
 
 
 async def run_janitor(entries: int = 10_000, redis_url: str | None = None) -> list[Pile]:
@@ -79,8 +78,7 @@ async def run_janitor(entries: int = 10_000, redis_url: str | None = None) -> li
     url = redis_url or (server.url if server else "")
     client = aioredis.from_url(url)
     try:
-        await client.config_set("slowlog-log-slower-than", 0)
-        await client.config_set("slowlog-max-len", 1_000_000)
+        await log_slow_calls(client)
         scripts = Scripts(client)
         await scripts.load_all()
         cfg = demo_config()

@@ -21,7 +21,8 @@ drives them --
 Each script runs alone between two ``CONFIG RESETSTAT``; its ``EVALSHA`` row of ``INFO
 commandstats`` gives the mean Redis time of one call (the script's inner commands are
 counted there too, and also on rows of their own: the inner calls per script call are
-reported), and ``SLOWLOG`` at threshold 0 gives the median. The per-request budget at a
+reported), and ``SLOWLOG`` the median (calls slower than 10 us only: logging every inner
+command would slow the scripts down; limiter/bench/slowlog.py). The per-request budget at a
 number of output tokens is then arithmetic (:func:`budget`), as is the goal check: admit
 <= 50 us, the whole lifecycle <= 150 us + 2 us per output token (issue 17). Printed (and
 optionally written as JSON), never asserted.
@@ -42,6 +43,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from limiter.bench.admission import bench_config, request_payload, unlink_matching
+from limiter.bench.slowlog import SLOWLOG_US, log_slow_calls, quantile_us, script_durations
 from limiter.keys import PoolKeys
 from limiter.localstack.redis_server import RedisServer
 from limiter.samples import build_sample, pack_sample
@@ -75,8 +77,8 @@ class Phase:
     name: str
     calls: int
     usec_per_call: float  # INFO commandstats: the EVALSHA row's usec / calls
-    p50_us: float  # SLOWLOG at threshold 0: the median call
-    max_us: float
+    p50_us: float | None  # SLOWLOG: the median call; None: under SLOWLOG_US (not logged)
+    max_us: float | None
     inner: dict[str, float]  # inner command -> calls per script call (commandstats)
     # the server's main-thread CPU time (INFO cpu) per call: the script and its request's
     # network I/O, not inflated when other processes take the CPU from Redis
@@ -197,8 +199,7 @@ class Driver:
             await self.client.flushall()
         else:  # a server given with --redis-url: only our keys (its commandstats are reset, though)
             await unlink_matching(self.client, self.keys.pattern())
-        await self.client.config_set("slowlog-log-slower-than", 0)
-        await self.client.config_set("slowlog-max-len", 1_000_000)
+        await log_slow_calls(self.client)
         await self.scripts.load_all()
         await self.client.script_load(FLOOR_SCRIPT)
         cfg = bench_config()
@@ -217,14 +218,13 @@ class Driver:
             await call()
         cpu = main_thread_cpu_us(await self.client.info("cpu")) - cpu0
         stats = parse_commandstats(await self.client.info("commandstats"))
-        log = await self.client.slowlog_get(10 * len(calls) + 100)
+        durations = await script_durations(self.client)
         n, usec = stats.get("evalsha", (0, 0.0))
         if n != len(calls):
             raise RuntimeError(f"{name}: {n} EVALSHA calls counted, {len(calls)} made")
-        durations = sorted(int(e["duration"]) for e in log if _command(e).upper().startswith(b"EVALSHA"))
         skip = {"evalsha", "config", "slowlog", "info", "client", "hello"}
         inner = {c: k / n for c, (k, _) in sorted(stats.items()) if c.partition("|")[0] not in skip}
-        return Phase(name, n, usec / n, float(durations[len(durations) // 2]), float(durations[-1]), inner,
+        return Phase(name, n, usec / n, quantile_us(durations, n, 0.5), quantile_us(durations, n, 1.0), inner,
                      cpu / n)
 
     def floor(self) -> Callable[[], Awaitable[Any]]:
@@ -375,12 +375,11 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
             server.stop()
 
 
-def _command(entry: dict[str, Any]) -> bytes:
-    c = entry["command"]
-    return c if isinstance(c, bytes) else str(c).encode()
-
-
 # --- output -----------------------------------------------------------------------------
+
+def _us(v: float | None) -> str:
+    return f"<{SLOWLOG_US}" if v is None else f"{v:.0f}"
+
 
 def render(report: BudgetReport) -> Any:
     from rich.console import Group
@@ -392,7 +391,7 @@ def render(report: BudgetReport) -> Any:
         t.add_column(col, justify="left" if col == "script" else "right")
     for p in report.phases:
         inner = sum(p.inner.values())
-        t.add_row(p.name, f"{p.calls:,}", f"{p.usec_per_call:.1f}", f"{p.p50_us:.0f}", f"{p.max_us:.0f}",
+        t.add_row(p.name, f"{p.calls:,}", f"{p.usec_per_call:.1f}", _us(p.p50_us), _us(p.max_us),
                   f"{p.cpu_us_per_call:.1f}", f"{inner:.1f}")
     b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, step "
                     f"{m['step_ms']:g} ms; renewals every {m['lease_ms'] / 3:.0f} ms)")
@@ -421,8 +420,8 @@ def render(report: BudgetReport) -> Any:
     for was in report.baseline:
         p = now[was.name]
         c.add_row(was.name, f"{was.usec_per_call:.1f}", f"{p.usec_per_call:.1f}",
-                  f"{(p.usec_per_call / was.usec_per_call - 1) * 100:+.0f}%", f"{was.p50_us:.0f}",
-                  f"{p.p50_us:.0f}",
+                  f"{(p.usec_per_call / was.usec_per_call - 1) * 100:+.0f}%", _us(was.p50_us),
+                  _us(p.p50_us),
                   f"{sum(was.inner.values()):.1f} -> {sum(p.inner.values()):.1f}")
     return Group(t, b, c)
 
