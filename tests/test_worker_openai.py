@@ -17,7 +17,16 @@ from limiter.prompt import ChatMessage, render_chat
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.redis_server import RedisServer, free_port
-from tests.support.worker_helpers import Client, config, spawn_worker, stop_process, worker, write_config
+from tests.support.worker_helpers import (
+    Client,
+    admit_one_at_a_time,
+    config,
+    count_claims,
+    spawn_worker,
+    stop_process,
+    worker,
+    write_config,
+)
 from worker.cli import upstream_env
 from worker.main import build_worker, run_worker
 from worker.settings import load_settings
@@ -256,6 +265,18 @@ async def test_vllm_extensions_model_and_priority_switch(env) -> None:
     assert "priority" not in ba and "priority" not in bb
     assert c.answers[a].done and c.answers[b].done
     assert "without structured messages" in c.answers[old_chat].error["msg"]
+
+
+async def test_an_idle_worker_claims_only_when_work_is_announced(env) -> None:
+    """One request at a time, each admitted once the worker waits on the wake list: a claim
+    each. Every claim that brought work used to be followed by one that found nothing (a
+    whole claim script of the shard's time) before the worker blocked."""
+    cfg, c, up = env
+    async with worker(cfg, engine="openai", upstream_url=up.url, idle_block_s=30.0) as rt:
+        claims = count_claims(rt)
+        ids = await admit_one_at_a_time(c, 6)
+    assert all(c.answers[r].done for r in ids)
+    assert claims[0] <= len(ids) + 1, claims  # + the claim a worker makes at start
 
 
 def test_upstream_env_defaults() -> None:

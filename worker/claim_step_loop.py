@@ -12,7 +12,8 @@ One iteration, between engine steps:
    reaches the GPU's scheduler, which pauses a lower-class sequence for it; once those are
    held, one more is claimed only of a class above every waiting one (``above_class``), so
    a P0 never waits behind a look-ahead slot taken by a P2. With nothing to do, block on
-   ``BLPOP wake`` (~1 s timeout) instead of polling. A full batch's look-ahead claim runs
+   ``BLPOP wake`` (~1 s timeout) instead of polling, and claim when it answers (not before
+   it: queued work is always announced there). A full batch's look-ahead claim runs
    *beside* the next step (its round trips off the GPU's critical path; what it brings runs
    from the step after, as it would have once a slot freed or a lower class was paused);
 3. one :class:`~worker.batch_scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
@@ -80,6 +81,9 @@ class StepLoop:
         self._empty_claims = 0  # consecutive claims that found nothing despite a wake marker
         self._next_claim = 0.0  # monotonic time before which no claim is made
         self._next_lookahead = 0.0  # ... and no look-ahead claim (after one that found nothing)
+        # An idle worker claims without a wake marker only at start and after a wait on the
+        # wake list (see _pull); one that has just gone idle waits first.
+        self._idle_claim_due = True
         # heartbeat figures, over the interval since the last heartbeat
         self._gen_tokens = 0
         self._step_time = 0.0
@@ -317,11 +321,20 @@ class StepLoop:
             if not await self.rt.take_wake_marker():
                 self._next_claim = now + s.wake_check_ms / 1e3  # nothing announced: look again soon
                 return
+        elif not self._idle_claim_due:
+            # Just gone idle. Whatever is queued now was announced on the wake list (admit, a
+            # requeue and a claim that leaves work behind push a marker; a claim that empties
+            # the queue clears them), so wait on it -- the BLPOP returns at once when a marker
+            # is there -- instead of claiming: a claim that finds nothing costs the shard a
+            # whole claim script (~150 us), and one came with every idle spell.
+            await self._wait_for_work()
+            return
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
         got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
         if got:
             self._empty_claims, self._next_claim, self._next_lookahead = 0, 0.0, 0.0
+            self._idle_claim_due = False
             await self._start_all(got)
             return
         if above or avoid:
@@ -344,8 +357,16 @@ class StepLoop:
             # back-off growing to idle_block_s left P0 queued 0.4-2 s behind a P2 flood).
             backoff = s.claim_interval_ms / 1e3 * min(2 ** (self._empty_claims - 2), MAX_BACKOFF_INTERVALS)
             self._next_claim = time.monotonic() + min(s.idle_block_s, backoff)
-        if not held and not await self.rt.wait_for_work():
+        if not held and not await self._wait_for_work():
             self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
+
+    async def _wait_for_work(self) -> bool:
+        """Block on the wake list (:meth:`WorkerRuntime.wait_for_work`); the next claim of
+        an idle worker is due after it, marker or not: the marker it took was that claim's
+        cue, and a wait that timed out is the safety net for a marker lost (a worker that
+        took one and stopped before its claim)."""
+        self._idle_claim_due = True
+        return await self.rt.wait_for_work()
 
     async def _start_all(self, got: list[Delivery]) -> None:
         """Start every claimed request, even when one of them fails to: a failure used to skip

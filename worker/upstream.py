@@ -279,6 +279,11 @@ class UpstreamLoop:
         self._track_busy()
         if got:
             self._empty_claims = 0
+            if not self.rt.claim_left_backlog and len(got) < room:
+                # It took everything queued: more work comes with a wake marker, so wait for
+                # one (the BLPOP returns at once when one is there) instead of the claim that
+                # used to follow every claim and find nothing (~150 us of the shard's time).
+                await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
         elif self.rt.claim_left_backlog:
             # Work is queued that this worker cannot take now (a class held by its ceiling):
             # claim announces it again, and without a back-off the marker it left woke this

@@ -161,6 +161,39 @@ async def worker(cfg: QosConfig, engine_obj: Engine | None = None, **settings: A
         await asyncio.wait_for(task, 30)
 
 
+async def blocked_on_the_wake_list(c: Client, timeout: float = 30.0) -> None:
+    """Until a client of this Redis is blocked in BLPOP: an idle worker waiting for work."""
+    deadline = time.monotonic() + timeout
+    while not any(x.get("cmd") == "blpop" and "b" in x.get("flags", "")
+                  for x in await c.client.client_list()):
+        assert time.monotonic() < deadline, f"no worker blocked on the wake list after {timeout} s"
+        await asyncio.sleep(0.01)
+
+
+async def admit_one_at_a_time(c: Client, n: int) -> list[str]:
+    """``n`` short requests, each admitted once a worker waits on the wake list (idle) and
+    read to its end before the next."""
+    ids: list[str] = []
+    for i in range(n):
+        await blocked_on_the_wake_list(c)
+        ids.append(await c.admit(f"one at a time {i}", max_tokens=4))
+        await c.wait(ids[-1:], timeout=30)
+    return ids
+
+
+def count_claims(rt: WorkerRuntime) -> list[int]:
+    """Counts the worker's claim calls from now on: a one-item list that holds the count."""
+    count = [0]
+    real = rt.claim
+
+    async def counted(*args: Any, **kwargs: Any) -> Any:
+        count[0] += 1
+        return await real(*args, **kwargs)
+
+    rt.claim = counted  # type: ignore[method-assign]
+    return count
+
+
 def config(path: Path, redis_url: str, **kw: Any) -> QosConfig:
     return load_config(write_config(path, redis_url, **kw), env={})
 
