@@ -46,8 +46,9 @@ prefill already schedules fairly, instead of host memory and PCIe bandwidth for 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from limiter.errors import InvalidArgument
 
@@ -216,7 +217,7 @@ def build_plan(running: Sequence[SeqState], limits: Limits) -> StepPlan:
             slots -= 1
 
     prefill: list[PrefillChunk] = []
-    share = _tenant_slots(running)
+    share = tenant_slots(running)
     for s in sorted(ordered, key=lambda s: (s.class_rank, share[(s.class_rank, s.tenant)], s.arrival)):
         if s.decoding or slots <= 0:
             continue
@@ -251,7 +252,7 @@ def choose_admissions(
     slots = limits.max_seqs - len(running)
     kv_free = limits.kv_capacity - kv_demand(running, waiting)
     chosen: list[str] = []
-    share = _tenant_slots(running)
+    share = tenant_slots(running)
     left = list(waiting)
     while left:
         c = min(left, key=lambda c: _fair_priority(c, share))
@@ -266,11 +267,20 @@ def choose_admissions(
     return tuple(chosen)
 
 
-def _tenant_slots(running: Sequence[SeqState]) -> dict[tuple[int, str], int]:
-    """(class, tenant) -> how many of the batch's slots that tenant holds in that class."""
+class _SlotHolder(Protocol):
+    @property
+    def class_rank(self) -> int: ...
+    @property
+    def tenant(self) -> str: ...
+
+
+def tenant_slots(running: Iterable[_SlotHolder], fair_only: bool = False) -> dict[tuple[int, str], int]:
+    """(class, tenant) -> how many of the batch's slots that tenant holds in that class;
+    ``fair_only``: without the classes that have no tenant fairness (tenant ``''``)."""
     out: dict[tuple[int, str], int] = {}
     for s in running:
-        out[(s.class_rank, s.tenant)] = out.get((s.class_rank, s.tenant), 0) + 1
+        if s.tenant or not fair_only:
+            out[(s.class_rank, s.tenant)] = out.get((s.class_rank, s.tenant), 0) + 1
     return out
 
 
@@ -282,7 +292,7 @@ def _behind(running: Sequence[SeqState]) -> list[SeqState]:
     step beyond the token budget, within the decoders' TPOT targets: in budget-sized slices,
     each slice's step also carried the rich tenant's decoders, and a light tenant's TTFT
     beside a flood was 1.6-2.4x its TTFT alone (docs/benchmarks.md)."""
-    share = _tenant_slots(running)
+    share = tenant_slots(running)
     most: dict[int, int] = {}
     for (rank, tenant), n in share.items():
         if tenant:
@@ -364,7 +374,7 @@ def choose_preemption(
         if head.need > limits.kv_capacity - demand and kept:
             return Preemption(max(kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
         return None
-    share = _tenant_slots(running)
+    share = tenant_slots(running)
     head = min(waiting, key=lambda c: _fair_priority(c, share))
     free = limits.kv_capacity - demand
     slot_short = len(running) >= limits.max_seqs

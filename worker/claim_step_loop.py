@@ -39,7 +39,7 @@ from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
 from limiter.tasks import stop_tasks
-from worker.batch_policy import Limits
+from worker.batch_policy import Limits, tenant_slots
 from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_reason
 from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
@@ -388,21 +388,12 @@ class StepLoop:
         if outage is not None:
             raise outage
 
-    def _class_slots(self) -> dict[tuple[int, str], int]:
-        """(class rank, tenant) -> the running sequences it holds here; classes without tenant
-        fairness (tenant '') are left out."""
-        slots: dict[tuple[int, str], int] = {}
-        for q in self.sched.running:
-            if q.tenant:
-                slots[(q.class_rank, q.tenant)] = slots.get((q.class_rank, q.tenant), 0) + 1
-        return slots
-
     def _tenants_ahead(self) -> tuple[list[str], str]:
         """Tenants holding at least two more of their class's slots here than another tenant
         of that class running here (the richest first, at most 16), and the highest such
         class (they are avoided there and below); ([], '') when there is none. A class with a
         single tenant here has none: its look-ahead is unchanged."""
-        slots = self._class_slots()
+        slots = tenant_slots(self.sched.running, fair_only=True)
         least: dict[int, int] = {}
         for (rank, _), n in slots.items():
             least[rank] = min(least.get(rank, n), n)
@@ -422,7 +413,7 @@ class StepLoop:
         ``above_class`` (every class down to the lowest such class), the tenants to avoid
         (the richest first, at most 16) and the highest class they are avoided in (the best
         waiting class: every class above it is claimed freely); else None."""
-        slots = self._class_slots()
+        slots = tenant_slots(self.sched.running, fair_only=True)
         top: dict[int, int] = {}
         for (rank, _), n in slots.items():
             top[rank] = max(top.get(rank, 0), n)
