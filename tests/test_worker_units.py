@@ -660,12 +660,14 @@ class _IdleWorkerRuntime:
         self.held: dict[str, Any] = {}
         self.claim_left_backlog = backlog
         self.claims = 0
+        self.waits: list[float] = []  # when each wait on the wake list began (monotonic)
 
     async def claim(self, *args: Any) -> list[Any]:
         self.claims += 1
         return []
 
     async def wait_for_work(self) -> bool:
+        self.waits.append(time.monotonic())
         return True
 
 
@@ -679,13 +681,21 @@ async def test_an_idle_worker_backs_off_only_when_claim_left_work_it_cannot_take
 
     rt = _IdleWorkerRuntime(backlog)
     loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=4))  # type: ignore[arg-type]
+    backoff_ends = []
     for _ in range(4):
         await loop._pull()
-    assert rt.claims == 4
+        backoff_ends.append(loop._next_claim)
+    assert rt.claims == 4 and len(rt.waits) == 4
     if backlog:
-        assert loop._empty_claims == 4 and loop._next_claim > time.monotonic()
+        assert loop._empty_claims == 4
+        # Backed off from the second empty claim on, and slept out *before* the wait on the wake
+        # list: a marker taken and held through the sleep is one another idle worker (one that
+        # can take the work) never sees.
+        assert all(end > 0 for end in backoff_ends[1:]), backoff_ends
+        assert all(w >= end for w, end in zip(rt.waits[1:], backoff_ends[1:], strict=True)), \
+            (rt.waits, backoff_ends)
     else:
-        assert loop._empty_claims == 0 and loop._next_claim == 0.0
+        assert loop._empty_claims == 0 and backoff_ends == [0.0] * 4
 
 
 async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:

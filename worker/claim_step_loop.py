@@ -357,16 +357,22 @@ class StepLoop:
             # back-off growing to idle_block_s left P0 queued 0.4-2 s behind a P2 flood).
             backoff = s.claim_interval_ms / 1e3 * min(2 ** (self._empty_claims - 2), MAX_BACKOFF_INTERVALS)
             self._next_claim = time.monotonic() + min(s.idle_block_s, backoff)
-        if not held and not await self._wait_for_work():
-            self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
+        if not held:
+            await self._wait_for_work()
 
-    async def _wait_for_work(self) -> bool:
-        """Block on the wake list (:meth:`WorkerRuntime.wait_for_work`); the next claim of
+    async def _wait_for_work(self) -> None:
+        """Block on the wake list (:meth:`WorkerRuntime.wait_for_work`). The next claim of
         an idle worker is due after it, marker or not: the marker it took was that claim's
         cue, and a wait that timed out is the safety net for a marker lost (a worker that
-        took one and stopped before its claim)."""
+        took one and stopped before its claim). A back-off is slept out before the wait, not
+        after it: a marker held through the sleep (claim announces work it leaves again) is
+        one another idle worker never sees -- one with the KV for a request this one cannot
+        take waited out this one's back-off, up to 100 ms, before it claimed."""
+        if self._empty_claims >= 2 and (backoff := self._next_claim - time.monotonic()) > 0:
+            await asyncio.sleep(backoff)
         self._idle_claim_due = True
-        return await self.rt.wait_for_work()
+        if not await self.rt.wait_for_work():
+            self._empty_claims, self._next_claim = 0, 0.0  # quiet: nothing is queued for anyone
 
     async def _start_all(self, got: list[Delivery]) -> None:
         """Start every claimed request, even when one of them fails to: a failure used to skip
