@@ -3,8 +3,9 @@
 At ``slowlog-log-slower-than 0`` Redis logs every command a script runs as well as the
 script, and writing those entries is time spent inside the script's call: measured on the
 same admit calls, 17 % more Redis time for one request a call and 28 % more for eight. So
-only calls slower than SLOWLOG_US are logged: the scripts, not their inner commands (1 to
-3 us each). A call faster than that is missing from the log and counted as below it.
+only calls slower than SLOWLOG_US are logged: the scripts, not their inner commands (about
+a microsecond each; their log entries cost more than that). A call faster than the threshold
+is missing from the log and counted as below it.
 """
 
 from __future__ import annotations
