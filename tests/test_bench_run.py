@@ -176,6 +176,7 @@ def test_smoke_run_writes_every_documented_field(smoke: tuple[dict[str, Any], Pa
         assert key in on_disk["params"], key
     for mode, m in on_disk["modes"].items():
         assert m["engine"] == "sim" and m["simulated"] is True
+        assert m["chunked_prefill"] is (mode != "fifo"), mode  # the workers' flag, as the mode set it
         assert m["throughput_tokens_s"] > 0, mode
         assert m["server_work_s"] > 0 and m["slo_goodput_rps"] >= 0, mode  # the workers' own count
         assert m["preemptions"] >= 0 and m["recompute_tokens"] >= 0, mode

@@ -81,6 +81,7 @@ class ModeRun:
     gap: dict[str, Any] | None
     commands: dict[str, int]
     controller: bool
+    chunked_prefill: bool | None  # the workers'; None: an external server's, not known
     preemptions: dict[str, int] = dataclasses.field(default_factory=dict)
 
 
@@ -234,7 +235,7 @@ async def run_mode(p: BenchParams, mode: str, arrivals: Sequence[tr.Arrival], ca
         update(state="done")
         commands = {k: after.get(k, 0) - before.get(k, 0) for k in after}
         return ModeRun(mode, records, t0, probe.timeline, decisions, samples, gap, commands, spec.controller,
-                       preempted)
+                       spec.chunked_prefill, preempted)
     finally:
         await probe.close()
         await asyncio.to_thread(stack.stop, 10.0)
@@ -246,7 +247,7 @@ async def _run_external(p: BenchParams, arrivals: Sequence[tr.Arrival],
     update(state="load")
     records = await drive(p.url or "", p.model or POOL, arrivals, duration_s=p.duration_s, drain_s=p.drain_s,
                           t0=t0, keys=p.keys, progress=lambda sent, done: update(sent=sent, done=done))
-    return ModeRun("external", records, t0, [], [], [], None, {}, False)
+    return ModeRun("external", records, t0, [], [], [], None, {}, False, None)
 
 
 def offered_share(arrivals: Sequence[tr.Arrival], classes: Sequence[str], out_weight: float = 1.0
@@ -275,7 +276,7 @@ def build_results(p: BenchParams, runs: Sequence[ModeRun], arrivals: Sequence[tr
         modes[run.name] = {
             "engine": p.engine, "simulated": p.engine == "sim", **summary,
             "internal_classes": [FIFO_CLASS] if run.name.startswith("fifo") else classes,
-            "chunked_prefill": run.name != "fifo", "controller": run.controller,
+            "chunked_prefill": run.chunked_prefill, "controller": run.controller,
             "gap_probe": run.gap, "redis_commandstats": run.commands, **run.preemptions,
             "decisions": run.decisions, "timeline": run.timeline,
         }
