@@ -128,4 +128,6 @@ async def test_the_scripts_inner_commands_are_not_logged_while_measured(aredis) 
         # a busy machine may stretch a few past the threshold, not half of them
         assert len(inner_logged) < inner_calls / 2, (len(inner_logged), inner_calls)
     finally:
-        await aredis.config_set("slowlog-log-slower-than", 10_000)  # the server is the session's
+        # the server is the session's: back to Redis's defaults
+        await aredis.config_set("slowlog-log-slower-than", 10_000)
+        await aredis.config_set("slowlog-max-len", 128)
