@@ -22,8 +22,8 @@ scripts one after the other as it runs those of many connections read in one eve
 pass, so at most :data:`BATCH_LIMIT` calls go in one pipeline: no call holds the server
 longer than that many would anyway.
 
-Calls of a script that takes several calls' arguments in one call (``merge_limit``: admit)
-with the same keys are merged: one ``EVALSHA`` of up to ``merge_limit`` of them, whose
+Calls of a script that takes several calls' arguments in one call (``merge_limit``: admit,
+complete) with the same keys are merged: one ``EVALSHA`` of up to ``merge_limit`` of them, whose
 arguments stay under :data:`LONE_CALL_BYTES`, counted call by call against
 :data:`BATCH_LIMIT`. The script answers with one reply per call. An error reply to a merged
 call (a bad argument of one of them; the script checks them all before it writes) sends

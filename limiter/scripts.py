@@ -58,12 +58,14 @@ RENEW_LIMIT = 4096  # renew_leases' most entries per call (lua/renew_leases.lua)
 MESSAGE_LIMIT = 4096  # complete's most bytes of a finish message (lua/complete.lua)
 # Scripts that take several calls' arguments in one call: the batcher merges such calls of
 # one event-loop turn, up to this many a call. lua/admit.lua takes up to ADMIT_LIMIT requests
-# (12 arguments each); merged, at most ADMIT_MERGE: a script holds the whole shard while it
-# runs, and 16 admits are 1-4 ms on this project's machine (a call of one request's fixed
-# part, ~25 us, is 94 % paid off at 16 already).
+# (12 arguments each), lua/complete.lua up to COMPLETE_LIMIT (13 each); merged, at most 16:
+# a script holds the whole shard while it runs, and 16 admits are 1-4 ms on this project's
+# machine (a call of one request's fixed part, ~25 us, is 94 % paid off at 16 already).
 ADMIT_LIMIT = 64
 ADMIT_MERGE = 16
-MERGE_LIMITS = {"admit": ADMIT_MERGE}
+COMPLETE_LIMIT = 64
+COMPLETE_MERGE = 16
+MERGE_LIMITS = {"admit": ADMIT_MERGE, "complete": COMPLETE_MERGE}
 MAX_PAYLOAD_BYTES = 8 << 20  # admit.lua's most bytes of a request's packed payload
 
 
@@ -284,10 +286,11 @@ class Scripts:
         self.client = client
         self.lua = lua
         self.batcher = ScriptBatcher(client) if batch else None
-        # An admit.lua from before 2026-12-03 (another version's, given with ``lua``) takes
-        # one request a call: merged, the first would be admitted and every caller told no.
-        merge = merge and (lua is None or "MAX_ITEMS" in (lua / "admit.lua").read_text())
-        self.merge_limits = MERGE_LIMITS if merge else {}
+        # Another version's script (given with ``lua``) may take one request a call (admit.lua
+        # before 2026-12-03, complete.lua before 2026-12-04): merged, the first request would
+        # be served and every other caller told no.
+        self.merge_limits = {name: limit for name, limit in MERGE_LIMITS.items()
+                             if merge and (lua is None or "MAX_ITEMS" in (lua / f"{name}.lua").read_text())}
         self._register(shebang)
 
     def _register(self, shebang: bool) -> None:

@@ -187,12 +187,7 @@ local function admit_one(p, r, now)
 end
 
 local function main()
-  -- one request: its arguments' own checks name what is missing
-  local n = math.max(math.floor(#ARGV / ITEM), 1)
-  if #ARGV > ITEM and #ARGV ~= n * ITEM then
-    fail('BADARG', 'ARGV: ' .. #ARGV .. ' arguments are not groups of ' .. ITEM .. ' (one per request)')
-  end
-  if n > MAX_ITEMS then fail('BADARG', 'ARGV: ' .. n .. ' requests, at most ' .. MAX_ITEMS .. ' a call') end
+  local n = arg_items(ITEM, MAX_ITEMS)
   local requests = {}
   for k = 1, n do requests[k] = read_request(k) end
   local p = load_policy(K_POLICY)

@@ -24,7 +24,8 @@ LUA = Path(__file__).resolve().parent.parent / "lua"
 TEST = "tests/test_scheduler_model.py"
 UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
               "tests/test_lua_layout.py", "tests/test_push_tokens.py", "tests/test_init_pool.py",
-              "tests/test_policy_packed.py", "tests/test_admit_merged.py")
+              "tests/test_policy_packed.py", "tests/test_admit_merged.py",
+              "tests/test_complete_merged.py")
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,15 @@ BUGS = (
         "requests: one idle worker wakes where separate calls woke one each",
         "admit.lua", "  if queued > 0 then wake_workers(queued) end",
         "  if queued > 0 then wake_workers() end"),
+    Bug("complete_checks_as_it_goes", "a merged complete checks each request's offset and "
+        "token count only when it comes to it: the requests before a refused one are finished, "
+        "and the call's error reply hides that they were",
+        "complete.lua", "  for k = 1, n do records[k] = leased_completion(calls[k]) or false end\n", "",
+        also=(("complete.lua", "out[k] = complete_one(p, calls[k], records[k] or nil, now)",
+               "out[k] = complete_one(p, calls[k], leased_completion(calls[k]), now)"),)),
+    Bug("complete_takes_an_id_twice", "a merged complete takes two completions of one request: both "
+        "pass the checks made before the first write, and the second finishes it again",
+        "complete.lua", "    if seen[id] then fail(", "    if false then fail("),
     Bug("requeue_resets_own_wait", "a requeue gives the request its class's max wait, not its own",
         "include/requeue.lua", "r.deadline_ms = now + r.max_wait_ms",
         "r.deadline_ms = now + p.class[r.class].max_wait_ms"),
@@ -83,8 +93,8 @@ BUGS = (
     Bug("fifo_head_not_updated", "in an arrival-order class a tenant keeps the place of a request that left",
         "include/queue.lua", "    if not fair then redis.call('ZADD', backlog, head[2], tenant) end\n", ""),
     Bug("stale_completion", "complete does not check the fence: a stale worker can finish a request",
-        "complete.lua", "local r = leased_request(request_id, worker_id, fence)",
-        "local r = load_request(request_id)"),
+        "complete.lua", "local r = leased_request(c.request_id, c.worker_id, c.fence, COMPLETE_FIELDS)",
+        "local r = load_request(c.request_id, COMPLETE_FIELDS)"),
     Bug("expired_stays_indexed", "an expired request is left in the deadline index",
         "include/queue.lua", "  redis.call('ZREM', q, r.id)\n  redis.call('ZREM', K_DEADLINES, r.id)",
         "  redis.call('ZREM', q, r.id)"),

@@ -4,7 +4,6 @@ calls, and a bad argument of any of them refuses the whole call with nothing wri
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import pytest
@@ -12,14 +11,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from redis.exceptions import ResponseError
 
-from limiter.config import demo_config
 from limiter.keys import PoolKeys
-from limiter.scripts import ADMIT_LIMIT, lifecycle_keys, policy_document, script_source
+from limiter.scripts import ADMIT_LIMIT, lifecycle_keys, script_source
 from tests.support.helpers import dump_all
+from tests.support.pool_state import init_demo_pool, pool_state
 
-ALIVE = 4102444800000
 SLOW_RATE = 1e-9  # no refill between two calls: separate calls see the buckets a merged one does
-TIME_FIELDS = {"enq_ms", "deadline_ms", "ts"}
 
 
 def request(rid: str, tenant: str = "t1", cls: str = "P1", input_tokens: int = 100, max_tokens: int = 10,
@@ -46,32 +43,6 @@ SCENARIO = [
 ]
 
 
-def _number(v: bytes) -> Any:
-    try:
-        return round(float(v), 6)
-    except ValueError:
-        return v
-
-
-def pool_state(client: Any, keys: PoolKeys) -> dict[str, Any]:
-    """Every key of the pool, by its name within the pool, with what time puts in it left
-    out (enqueue and deadline times, bucket refill times)."""
-    out: dict[str, Any] = {}
-    for raw in client.scan_iter(match=keys.base + "*", count=1000):
-        name = raw.decode()[len(keys.base):]
-        kind = client.type(raw).decode()
-        if kind == "hash":
-            out[name] = {f.decode(): _number(v) for f, v in client.hgetall(raw).items()
-                         if f.decode() not in TIME_FIELDS}
-        elif name == "deadlines":
-            out[name] = sorted(client.zrange(raw, 0, -1))
-        elif kind == "zset":
-            out[name] = [(m, round(s, 6)) for m, s in client.zrange(raw, 0, -1, withscores=True)]
-        else:
-            out[name] = client.dump(raw)
-    return out
-
-
 def _reply(r: list[Any]) -> tuple[Any, ...]:
     """A reply without its time-made parts (the wait estimates and deadlines, a bucket's wait)."""
     status = r[0].decode()
@@ -87,24 +58,13 @@ def sha(sync_redis) -> str:
     return sync_redis.script_load(script_source("admit"))
 
 
-def init(sync_redis, name: str) -> PoolKeys:
-    """A pool with the demo pool's policy, and a live frontend fe1."""
-    cfg = demo_config()
-    keys = PoolKeys(name)
-    init_sha = sync_redis.script_load(script_source("init_pool"))
-    doc = json.dumps(policy_document(cfg, cfg.pool("tiny")))
-    sync_redis.evalsha(init_sha, len(lifecycle_keys(keys)), *lifecycle_keys(keys), doc, "keep_rates")
-    sync_redis.zadd(keys.frontends, {"fe1": ALIVE})
-    return keys
-
-
 def admit_call(sync_redis, sha: str, keys: PoolKeys, requests: list[list[Any]]) -> Any:
     ks = lifecycle_keys(keys)
     return sync_redis.evalsha(sha, len(ks), *ks, *[a for r in requests for a in r])
 
 
 def test_a_merged_call_replies_and_writes_as_the_same_requests_in_separate_calls(sync_redis, sha):
-    apart, merged = init(sync_redis, "tiny"), init(sync_redis, "tiny-m")
+    apart, merged = init_demo_pool(sync_redis, "tiny"), init_demo_pool(sync_redis, "tiny-m")
     one_by_one = [admit_call(sync_redis, sha, apart, [r]) for r in SCENARIO]
     together = admit_call(sync_redis, sha, merged, SCENARIO)
     assert len(together) == len(SCENARIO)
@@ -131,7 +91,7 @@ def test_any_merged_call_replies_and_writes_as_separate_calls(sync_redis, sha, r
     a tenant whose burst differs between its requests, every class."""
     sync_redis.flushall()
     sha = sync_redis.script_load(script_source("admit"))
-    apart, merged = init(sync_redis, "tiny"), init(sync_redis, "tiny-m")
+    apart, merged = init_demo_pool(sync_redis, "tiny"), init_demo_pool(sync_redis, "tiny-m")
     one_by_one = [admit_call(sync_redis, sha, apart, [r]) for r in requests]
     together = admit_call(sync_redis, sha, merged, requests)
     assert [_reply(r) for r in together] == [_reply(r) for r in one_by_one]
@@ -139,7 +99,7 @@ def test_any_merged_call_replies_and_writes_as_separate_calls(sync_redis, sha, r
 
 
 def test_a_call_of_one_request_keeps_its_reply_and_its_optional_weight(sync_redis, sha):
-    keys = init(sync_redis, "tiny")
+    keys = init_demo_pool(sync_redis, "tiny")
     reply = admit_call(sync_redis, sha, keys, [request("a")[:11]])  # no tenant_weight: 1
     assert reply[0] == b"queued" and reply[1] == 1
     assert sync_redis.hget(keys.request("a"), "t_weight") == b"1"
@@ -151,7 +111,7 @@ def test_a_call_of_one_request_keeps_its_reply_and_its_optional_weight(sync_redi
     ("payload", 10, b"x" * (8 << 20 | 1))])
 def test_a_bad_argument_of_any_request_refuses_the_whole_call_and_writes_nothing(
         sync_redis, sha, bad_at, field, index, value):
-    keys = init(sync_redis, "tiny")
+    keys = init_demo_pool(sync_redis, "tiny")
     requests = [list(r) for r in SCENARIO]
     requests[bad_at][index] = value
     before = dump_all(sync_redis)
@@ -166,7 +126,7 @@ def test_a_bad_argument_of_any_request_refuses_the_whole_call_and_writes_nothing
     (lambda: [*request("a"), "extra"], "not groups of 12"),
 ])
 def test_a_call_whose_arguments_are_not_whole_requests_is_refused(sync_redis, sha, args, message):
-    keys = init(sync_redis, "tiny")
+    keys = init_demo_pool(sync_redis, "tiny")
     before = dump_all(sync_redis)
     ks = lifecycle_keys(keys)
     with pytest.raises(ResponseError, match=f"BADARG ARGV: .*{message}"):

@@ -52,6 +52,11 @@ def test_budget_arithmetic() -> None:
     single = rb.budget(us | {"admit": 60.0, "admit x8": 320.0}, tokens=8, per_push=4, claim_batch=1,
                        step_ms=10, lease_ms=300, renew_held=64)
     assert single["us"]["admit"] == 60.0 and not single["admit_meets_goal"]
+    # ...and completes the 8 in one call when they finish at the same step
+    together = us | {"complete x8": 160.0}
+    for batch, share in ((8, 20.0), (1, 50.0)):
+        b = rb.budget(together, tokens=8, per_push=4, claim_batch=batch, step_ms=10, lease_ms=300)
+        assert b["us"]["complete"] == share
     worse = rb.budget(us | {"admit": 51.0}, tokens=1, per_push=4, claim_batch=1, step_ms=10, lease_ms=300)
     assert worse["pushes"] == 0 and not worse["admit_meets_goal"]
     assert worse["total_us"] == pytest.approx(51 + 60 + 0.1 * 640 / rb.RENEW_HELD + 50)

@@ -93,7 +93,8 @@ async def test_tiny_run_on_a_three_master_cluster(tmp_path) -> None:
         for p in ph["loaded"]:
             assert ph["completed"][p] > 0, (p, ph)  # every loaded pool served requests
             s = ph["shards"][p]
-            assert s["evalsha_per_request"] >= 2 and s["calls_per_request"] > s["evalsha_per_request"], s
+            # under 2 scripts a request is possible: admits and completions of one turn merge
+            assert s["evalsha_per_request"] > 0 and s["calls_per_request"] > s["evalsha_per_request"], s
             assert s["ceiling_rps"] and s["ceiling_rps"] > 0
     first = report["phases"][0]
     loaded = first["shards"][pools[0]]

@@ -22,7 +22,7 @@ from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import open_redis
 from limiter.script_batcher import BATCH_LIMIT, LONE_CALL_BYTES, ScriptBatcher
-from limiter.scripts import ADMIT_MERGE, Scripts, lua_dir, policy_document
+from limiter.scripts import ADMIT_MERGE, MERGE_LIMITS, Scripts, lua_dir, policy_document
 from tests.support.helpers import admit, dump_all, init_pool, wait_until
 from tests.support.redis_server import free_port, pools_on_different_shards
 from tests.support.stalling_proxy import StallingProxy
@@ -122,6 +122,29 @@ async def test_a_bad_argument_in_merged_admits_fails_its_own_admit_only(scripts,
     assert [r.depth for r in (results[0], results[2])] == [1, 2]
     assert sync_redis.exists(pool.request("a"), pool.request("b")) == 2
     assert not sync_redis.exists(pool.request("bad"))
+
+
+async def test_a_steps_completions_go_in_one_call_and_a_refused_one_fails_alone(scripts, pool, sync_redis):
+    """A step worker completes its finished requests concurrently: one complete call. One
+    whose offset Redis refuses (a push whose reply was lost had landed) refuses the merged
+    call whole; each goes again alone, and the others finish with their own refunds."""
+    ids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(ids):
+        await admit(scripts, pool, request_id=rid, max_tokens=10 + i)
+    held = {c.request_id: c for c in (await scripts.claim(pool, "w1", 8)).requests}
+    sent, merged = scripts.batcher.calls, scripts.batcher.merged
+
+    def complete(rid: str, **extra: Any) -> Any:
+        return scripts.complete(pool, request_id=rid, worker_id="w1", fence=held[rid].fence, outcome="ok",
+                                usage_in=10, token_ids=[1, 2], text="hi", **extra)
+    refunds = await within([complete(rid) for rid in ids[:2]], "two completions")
+    assert (scripts.batcher.calls, scripts.batcher.merged) == (sent + 1, merged + 1)
+    assert refunds[1] - refunds[0] == 1  # one more token reserved, none more used: each its own reply
+    results = await within([complete("r2", offset=0), complete("r3", offset=5)], "two, one refused")
+    assert isinstance(results[1], InvalidArgument) and results[1].field == "offset"
+    assert not isinstance(results[0], BaseException)
+    states = [sync_redis.hget(pool.request(rid), "state") for rid in ids]
+    assert states == [b"done", b"done", b"done", b"leased"]
 
 
 async def test_merged_admits_stay_under_the_size_of_a_lone_call(scripts, pool, sync_redis):
@@ -421,12 +444,16 @@ async def test_an_argument_redis_py_cannot_encode_fails_its_own_call_only(aredis
     assert int(sync_redis.get("n")) == 2  # the pipeline was never sent: 2 runs, not 2 + 2
 
 
-def test_scripts_of_another_version_whose_admit_takes_one_request_are_not_merged(tmp_path, aredis):
-    """``Scripts(lua=...)`` with an admit.lua from before 2026-12-03 (a benchmark's baseline):
-    merged, its first request would be admitted and every caller told no."""
+@pytest.mark.parametrize("name", ["admit", "complete"])
+def test_scripts_of_another_version_that_take_one_request_are_not_merged(tmp_path, aredis, name):
+    """``Scripts(lua=...)`` with an admit.lua from before 2026-12-03 or a complete.lua from
+    before 2026-12-04 (a benchmark's baseline): merged, its first request would be served
+    and every other caller told no."""
     shutil.copytree(lua_dir(), tmp_path / "lua")
-    admit_lua = tmp_path / "lua" / "admit.lua"
-    assert Scripts(aredis, lua=tmp_path / "lua").merge_limits == {"admit": ADMIT_MERGE}
-    admit_lua.write_text(admit_lua.read_text().replace("MAX_ITEMS", "MOST_ITEMS"))
-    assert Scripts(aredis, lua=tmp_path / "lua").merge_limits == {}
+    script = tmp_path / "lua" / f"{name}.lua"
+    assert Scripts(aredis, lua=tmp_path / "lua").merge_limits == MERGE_LIMITS
+    assert set(MERGE_LIMITS) == {"admit", "complete"}
+    script.write_text(script.read_text().replace("MAX_ITEMS", "MOST_ITEMS"))
+    assert Scripts(aredis, lua=tmp_path / "lua").merge_limits == {
+        other: limit for other, limit in MERGE_LIMITS.items() if other != name}
     assert Scripts(aredis, merge=False).merge_limits == {}

@@ -14,7 +14,14 @@ import torch
 
 from limiter.prompt import count_tokens
 from tests.support.redis_server import free_port
-from tests.support.worker_helpers import Client, admit_one_at_a_time, count_claims, sim_text, worker
+from tests.support.worker_helpers import (
+    Client,
+    admit_one_at_a_time,
+    blocked_on_the_wake_list,
+    count_claims,
+    sim_text,
+    worker,
+)
 from worker.batch_policy import Limits
 from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
@@ -227,3 +234,20 @@ async def test_an_idle_worker_claims_only_when_work_is_announced(env) -> None:
         ids = await admit_one_at_a_time(c, 6)
     assert all(c.answers[r].done for r in ids)
     assert claims[0] <= len(ids) + 1, claims  # + the claim a worker makes at start
+
+
+async def test_requests_that_finish_at_one_step_are_completed_in_one_call(env) -> None:
+    """Four requests claimed together, of one prompt and one length, end at the same step:
+    their completions are one complete call (the script batcher merges them), a quarter of
+    the shard's fixed cost of four calls."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.0) as rt:
+        await blocked_on_the_wake_list(c)  # idle: its next claim takes all four at once
+        assert rt.scripts.batcher is not None
+        claims, before = count_claims(rt), rt.scripts.batcher.merged
+        ids = await asyncio.gather(*(c.admit("same prompt", max_tokens=6) for _ in range(4)))
+        await c.wait(ids, timeout=30)
+        merged = rt.scripts.batcher.merged - before
+    assert all(c.answers[r].done["fin"] == "length" for r in ids)
+    assert claims[0] == 1, claims  # claimed together, so they ran as one batch
+    assert merged == 3, merged  # three completions went inside the fourth's call

@@ -36,7 +36,7 @@ CUT_REPLY = "do return {'cut'} end"
 # own file), in the order they run.
 CUTS: dict[str, tuple[str, ...]] = {
     "admit": (
-        "  local n = math.max(math.floor(#ARGV / ITEM), 1)",
+        "  local n = arg_items(ITEM, MAX_ITEMS)",
         "  local p = load_policy(K_POLICY)",
         "  local now = now_ms()",
         "  local key = P_REQUEST .. r.id",
@@ -60,13 +60,13 @@ CUTS: dict[str, tuple[str, ...]] = {
         "  if #out > 2 then",
     ),
     "complete": (
-        "  local request_id = arg_name(ARGV[1], 'request_id')",
+        "  local n = arg_items(ITEM, MAX_ITEMS)",
         "  local p = load_policy(K_POLICY)",
-        "  local r = leased_request(request_id, worker_id, fence, COMPLETE_FIELDS)",
         "  local now = now_ms()",
-        "  local given = finalize(p, r, state, reason, actual_cost(r, usage_in, usage_out), now, fields)",
-        "  if outcome == 'ok' then",
-        "  if sample ~= '' then append_sample(sample) end",
+        "  append_token_ids(c.request_id, c.token_ids, c.n_ids)",
+        "  local given = finalize(p, r, state, reason, actual_cost(r, c.usage_in, usage_out), now, fields)",
+        "  if c.outcome == 'ok' then",
+        "  if c.sample ~= '' then append_sample(c.sample) end",
     ),
 }
 WHOLE = "(whole script)"

@@ -14,7 +14,8 @@ drives them --
   ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``. Measured one
   request per call, and eight per call (``push_tokens x8``: the step worker sends every
   request due at a step in one call);
-* ``complete`` with a latency sample;
+* ``complete`` with a latency sample, one request per call, and eight (``complete x8``: a
+  step worker's completions of one step, which its script batcher sends as one call);
 * ``renew_leases``: every ``lease_ms / 3`` over every held request (worker/runtime.py): a
   request's share is its time on the worker (tokens x step_ms) over that period.
 
@@ -69,7 +70,7 @@ BASE_GOAL_US = 150.0
 PER_TOKEN_GOAL_US = 2.0
 # the rows of the table: what one call of each measured phase is
 PHASES = ("floor (1-command script)", "admit", "admit x8", "claim x1", "claim x8", "push_tokens (first)",
-          "push_tokens", "push_tokens x8", "renew_leases", "complete")
+          "push_tokens", "push_tokens x8", "renew_leases", "complete", "complete x8")
 
 
 @dataclass(frozen=True)
@@ -137,23 +138,28 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     """Redis microseconds one request costs with ``tokens`` output tokens, by script, from
     ``us`` (phase -> usec per call): a worker running ``claim_batch`` requests together
     claims them in one call and, when ``claim_batch`` is 8 (and ``us`` has the phase), sends
-    their later pushes 8 to a call (``push_tokens x8``; each request's first token alone),
-    and their frontends' admits came 8 to a call too (``admit x8``: a loaded frontend);
+    their later pushes 8 to a call (``push_tokens x8``; each request's first token alone)
+    and completes them 8 to a call (``complete x8``: they finish at the same step, as
+    requests of one length claimed together do), and their frontends' admits came 8 to a
+    call too (``admit x8``: a loaded frontend);
     a renew call covers ``renew_held`` requests. With the goal check and what one shard
     carries."""
     first, later = pushes_per_request(tokens, per_push)
     later_us = us["push_tokens"]
     admit_us = us["admit"]
+    complete_us = us["complete"]
     if claim_batch == 8 and "push_tokens x8" in us:
         later_us = us["push_tokens x8"] / 8
     if claim_batch == 8 and "admit x8" in us:
         admit_us = us["admit x8"] / 8
+    if claim_batch == 8 and "complete x8" in us:
+        complete_us = us["complete x8"] / 8
     by = {
         "admit": admit_us,
         "claim": us[f"claim x{claim_batch}"] / claim_batch,
         "push_tokens": first * us["push_tokens (first)"] + later * later_us,
         "renew_leases": renews_per_request(tokens, step_ms, lease_ms) * us["renew_leases"] / renew_held,
-        "complete": us["complete"],
+        "complete": complete_us,
     }
     total = sum(by.values())
     goal = BASE_GOAL_US + PER_TOKEN_GOAL_US * tokens
@@ -275,6 +281,11 @@ class Driver:
     def renew(self, held: Sequence[Claimed]) -> Callable[[], Awaitable[Any]]:
         return lambda: self.scripts.renew_leases(self.keys, WORKER, [(c.request_id, c.fence) for c in held])
 
+    def complete_group(self, cs: Sequence[Claimed]) -> Callable[[], Awaitable[Any]]:
+        async def call() -> None:
+            await asyncio.gather(*(self.complete(c)() for c in cs))
+        return call
+
     def complete(self, c: Claimed) -> Callable[[], Awaitable[Any]]:
         n = self.per_push
         sample = pack_sample(build_sample(
@@ -312,7 +323,13 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     size = renew_held(requests)
     held = [d.claimed[i:i + size] for i in range(0, len(d.claimed) - size + 1, size)]
     phases.append(await d.measure("renew_leases", [d.renew(h) for h in held]))
-    phases.append(await d.measure("complete", [d.complete(c) for c in d.claimed]))
+    if "complete" not in d.scripts.merge_limits:  # a complete.lua of one request a call
+        phases.append(await d.measure("complete", [d.complete(c) for c in d.claimed]))
+        return phases, lease_ms
+    # half one by one, half as a step worker's 8 completions of one step (one call)
+    phases.append(await d.measure("complete", [d.complete(c) for c in d.claimed[:half]]))
+    groups = [d.claimed[i:i + 8] for i in range(half, len(d.claimed), 8)]
+    phases.append(await d.measure("complete x8", [d.complete_group(g) for g in groups]))
     return phases, lease_ms
 
 
@@ -403,8 +420,8 @@ def render(report: BudgetReport) -> Any:
                           for x in report.budgets))
     b.add_row("total", *(f"[bold]{x['total_us']:.0f}[/]" for x in report.budgets))
     if report.baseline_budgets:
-        merged = any(p.name == "admit x8" for p in report.baseline)
-        b.add_row("baseline total" if merged else "baseline total\n(its admits one a call)",
+        merged = {p.name for p in report.baseline} >= {"admit x8", "complete x8"}
+        b.add_row("baseline total" if merged else "baseline total\n(some scripts one request a call)",
                   *(f"{x['total_us']:.0f}" for x in report.baseline_budgets))
     b.add_row("goal", *(f"{x['goal_us']:.0f} " + ("[green]met[/]" if x["meets_goal"] else "[red]missed[/]")
                         for x in report.budgets))

@@ -54,6 +54,18 @@ local function arg_oneof(v, field, allowed)
   fail('BADARG', field .. ': must be one of ' .. table.concat(allowed, '|') .. ', got ' .. tostring(v))
 end
 
+-- The requests in a call of `item` arguments each (scripts that take several calls' requests
+-- in one call: admit, complete), at most `max_items`. A call of one request may leave out
+-- its optional last arguments: their own checks name what is missing.
+local function arg_items(item, max_items)
+  local n = math.max(math.floor(#ARGV / item), 1)
+  if #ARGV > item and #ARGV ~= n * item then
+    fail('BADARG', 'ARGV: ' .. #ARGV .. ' arguments are not groups of ' .. item .. ' (one per request)')
+  end
+  if n > max_items then fail('BADARG', 'ARGV: ' .. n .. ' requests, at most ' .. max_items .. ' a call') end
+  return n
+end
+
 -- Milliseconds since the epoch from the Redis server clock (never the client's).
 local function now_ms()
   local t = redis.call('TIME')
