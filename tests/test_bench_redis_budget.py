@@ -45,6 +45,10 @@ def test_budget_arithmetic() -> None:
     alone = rb.budget(us | {"push_tokens x8": 16.0}, tokens=8, per_push=4, claim_batch=1, step_ms=10,
                       lease_ms=300, renew_held=64)
     assert alone["us"]["push_tokens"] == 15.0
+    # ...and their first tokens too, made at the same step
+    firsts = rb.budget(us | {"push_tokens x8": 16.0, "push_tokens (first) x8": 24.0}, tokens=8, per_push=4,
+                       claim_batch=8, step_ms=10, lease_ms=300, renew_held=64)
+    assert firsts["us"]["push_tokens"] == pytest.approx(24.0 / 8 + 16.0 / 8)
     # ...and its frontends' admits came 8 to a call: the admit goal is judged on that share
     merged = rb.budget(us | {"admit": 60.0, "admit x8": 320.0}, tokens=8, per_push=4, claim_batch=8,
                        step_ms=10, lease_ms=300, renew_held=64)

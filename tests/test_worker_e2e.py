@@ -19,6 +19,7 @@ from tests.support.worker_helpers import (
     admit_one_at_a_time,
     blocked_on_the_wake_list,
     count_claims,
+    count_pushes,
     sim_text,
     worker,
 )
@@ -239,15 +240,19 @@ async def test_an_idle_worker_claims_only_when_work_is_announced(env) -> None:
 async def test_requests_that_finish_at_one_step_are_completed_in_one_call(env) -> None:
     """Four requests claimed together, of one prompt and one length, end at the same step:
     their completions are one complete call (the script batcher merges them), a quarter of
-    the shard's fixed cost of four calls."""
+    the shard's fixed cost of four calls; and their first tokens are one push."""
     cfg, c = env
     async with worker(cfg, engine="sim", time_scale=0.0) as rt:
         await blocked_on_the_wake_list(c)  # idle: its next claim takes all four at once
         assert rt.scripts.batcher is not None
         claims, before = count_claims(rt), rt.scripts.batcher.merged
+        pushes = count_pushes(rt)
         ids = await asyncio.gather(*(c.admit("same prompt", max_tokens=6) for _ in range(4)))
         await c.wait(ids, timeout=30)
         merged = rt.scripts.batcher.merged - before
     assert all(c.answers[r].done["fin"] == "length" for r in ids)
     assert claims[0] == 1, claims  # claimed together, so they ran as one batch
     assert merged == 3, merged  # three completions went inside the fourth's call
+    # their first tokens came at one step too: one push (what qos bench redis-budget's
+    # "push_tokens (first) x8" assumes of requests claimed together)
+    assert pushes[0] == [(0, 1)] * 4, pushes

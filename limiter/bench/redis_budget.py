@@ -12,8 +12,9 @@ drives them --
 * ``push_tokens``: an attempt's first token at once, then one push per request every
   ``flush_ms`` with the tokens made meanwhile (``ceil(flush_ms / step_ms)``, at most
   ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``. Measured one
-  request per call, and eight per call (``push_tokens x8``: the step worker sends every
-  request due at a step in one call);
+  request per call, and eight per call (``push_tokens (first) x8`` and ``push_tokens x8``:
+  the step worker sends every request due at a step in one call, and requests claimed
+  together make their first tokens at the same step);
 * ``complete`` with a latency sample, one request per call, and eight (``complete x8``: a
   step worker's completions of one step, which its script batcher sends as one call);
 * ``renew_leases``: every ``lease_ms / 3`` over every held request (worker/runtime.py): a
@@ -70,7 +71,8 @@ BASE_GOAL_US = 150.0
 PER_TOKEN_GOAL_US = 2.0
 # the rows of the table: what one call of each measured phase is
 PHASES = ("floor (1-command script)", "admit", "admit x8", "claim x1", "claim x8", "push_tokens (first)",
-          "push_tokens", "push_tokens x8", "renew_leases", "complete", "complete x8")
+          "push_tokens (first) x8", "push_tokens", "push_tokens x8", "renew_leases", "complete",
+          "complete x8")
 
 
 @dataclass(frozen=True)
@@ -138,16 +140,18 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     """Redis microseconds one request costs with ``tokens`` output tokens, by script, from
     ``us`` (phase -> usec per call): a worker running ``claim_batch`` requests together
     claims them in one call and, when ``claim_batch`` is 8 (and ``us`` has the phase), sends
-    their later pushes 8 to a call (``push_tokens x8``; each request's first token alone)
-    and completes them 8 to a call (``complete x8``: they finish at the same step, as
-    requests of one length claimed together do), and their frontends' admits came 8 to a
-    call too (``admit x8``: a loaded frontend);
+    their pushes 8 to a call (``push_tokens (first) x8``: their first tokens come at the
+    same step; ``push_tokens x8``) and completes them 8 to a call (``complete x8``: they
+    finish at the same step, as requests of one length claimed together do), and their
+    frontends' admits came 8 to a call too (``admit x8``: a loaded frontend);
     a renew call covers ``renew_held`` requests. With the goal check and what one shard
     carries."""
     first, later = pushes_per_request(tokens, per_push)
-    later_us = us["push_tokens"]
+    first_us, later_us = us["push_tokens (first)"], us["push_tokens"]
     admit_us = us["admit"]
     complete_us = us["complete"]
+    if claim_batch == 8 and "push_tokens (first) x8" in us:
+        first_us = us["push_tokens (first) x8"] / 8
     if claim_batch == 8 and "push_tokens x8" in us:
         later_us = us["push_tokens x8"] / 8
     if claim_batch == 8 and "admit x8" in us:
@@ -157,7 +161,7 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     by = {
         "admit": admit_us,
         "claim": us[f"claim x{claim_batch}"] / claim_batch,
-        "push_tokens": first * us["push_tokens (first)"] + later * later_us,
+        "push_tokens": first * first_us + later * later_us,
         "renew_leases": renews_per_request(tokens, step_ms, lease_ms) * us["renew_leases"] / renew_held,
         "complete": complete_us,
     }
@@ -314,7 +318,10 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     half = requests // 2
     phases.append(await d.measure("claim x1", [d.claim(1) for _ in range(half)]))
     phases.append(await d.measure("claim x8", [d.claim(8) for _ in range(half // 8)]))
-    phases.append(await d.measure("push_tokens (first)", [d.push(c, 1) for c in d.claimed]))
+    # half alone, half as 8 requests claimed together push their first tokens (one call)
+    phases.append(await d.measure("push_tokens (first)", [d.push(c, 1) for c in d.claimed[:half]]))
+    firsts = [d.claimed[i:i + 8] for i in range(half, len(d.claimed), 8)]
+    phases.append(await d.measure("push_tokens (first) x8", [d.push_many(g, 1) for g in firsts]))
     phases.append(await d.measure("push_tokens", [d.push(c, d.per_push) for _ in range(push_rounds)
                                                   for c in d.claimed]))
     groups = [d.claimed[i:i + 8] for i in range(0, len(d.claimed), 8)]

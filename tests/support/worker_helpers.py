@@ -194,6 +194,20 @@ def count_claims(rt: WorkerRuntime) -> list[int]:
     return count
 
 
+def count_pushes(rt: WorkerRuntime) -> list[list[tuple[int, int]]]:
+    """Records the worker's push_tokens calls from now on: per call, each request's
+    (offset, count)."""
+    calls: list[list[tuple[int, int]]] = []
+    real = rt.scripts.push_tokens_many
+
+    async def counted(keys: Any, worker_id: str, batches: Any, lease_ms: int = 0) -> Any:
+        calls.append([(b.offset, b.count) for b in batches])
+        return await real(keys, worker_id, batches, lease_ms)
+
+    rt.scripts.push_tokens_many = counted  # type: ignore[method-assign]
+    return calls
+
+
 def config(path: Path, redis_url: str, **kw: Any) -> QosConfig:
     return load_config(write_config(path, redis_url, **kw), env={})
 
