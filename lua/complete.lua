@@ -91,7 +91,8 @@ local function leased_completion(c)
   return r
 end
 
-local function complete_one(p, c, r, now)
+-- `expired`: the reply streams whose TTL this call set already (include/notify.lua).
+local function complete_one(p, c, r, now, expired)
   if r == nil then return LEASE_LOST end
   local offset, count = r.out_tokens, c.count
   local usage_out = offset + count
@@ -108,12 +109,12 @@ local function complete_one(p, c, r, now)
   local given = finalize(p, r, state, reason, actual_cost(r, c.usage_in, usage_out), now, fields)
   if c.outcome == 'ok' then
     notify(r, {'k', 'done', 'a', c.fence, 'o', offset, 'n', count, 't', c.text,
-      'fin', c.finish_reason, 'in', c.usage_in, 'out', usage_out})
+      'fin', c.finish_reason, 'in', c.usage_in, 'out', usage_out}, expired)
   elseif c.outcome == 'failed' then
-    notify(r, {'k', 'err', 'code', 'failed', 'msg', reason})
+    notify(r, {'k', 'err', 'code', 'failed', 'msg', reason}, expired)
   else
     notify(r, {'k', 'err', 'code', 'cancelled',
-      'msg', 'its worker stopped it: the client went away (or its frontend stopped heartbeating)'})
+      'msg', 'its worker stopped it: the client went away (or its frontend stopped heartbeating)'}, expired)
   end
   if c.sample ~= '' then append_sample(c.sample) end
   return {'ok', fmt(given.refund)}
@@ -134,8 +135,8 @@ local function main()
   local records = {}
   for k = 1, n do records[k] = leased_completion(calls[k]) or false end
   local now = now_ms()
-  local out = {}
-  for k = 1, n do out[k] = complete_one(p, calls[k], records[k] or nil, now) end
+  local out, expired = {}, {}
+  for k = 1, n do out[k] = complete_one(p, calls[k], records[k] or nil, now, expired) end
   if n == 1 then return out[1] end
   return out
 end

@@ -65,8 +65,8 @@ BUGS = (
         "token count only when it comes to it: the requests before a refused one are finished, "
         "and the call's error reply hides that they were",
         "complete.lua", "  for k = 1, n do records[k] = leased_completion(calls[k]) or false end\n", "",
-        also=(("complete.lua", "out[k] = complete_one(p, calls[k], records[k] or nil, now)",
-               "out[k] = complete_one(p, calls[k], leased_completion(calls[k]), now)"),)),
+        also=(("complete.lua", "out[k] = complete_one(p, calls[k], records[k] or nil, now, expired)",
+               "out[k] = complete_one(p, calls[k], leased_completion(calls[k]), now, expired)"),)),
     Bug("complete_takes_an_id_twice", "a merged complete takes two completions of one request: both "
         "pass the checks made before the first write, and the second finishes it again",
         "complete.lua", "    if seen[id] then fail(", "    if false then fail("),
