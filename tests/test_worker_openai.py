@@ -20,6 +20,7 @@ from tests.support.redis_server import RedisServer, free_port
 from tests.support.worker_helpers import (
     Client,
     admit_one_at_a_time,
+    blocked_on_the_wake_list,
     config,
     count_claims,
     spawn_worker,
@@ -277,6 +278,38 @@ async def test_an_idle_worker_claims_only_when_work_is_announced(env) -> None:
         ids = await admit_one_at_a_time(c, 6)
     assert all(c.answers[r].done for r in ids)
     assert claims[0] <= len(ids) + 1, claims  # + the claim a worker makes at start
+
+
+async def test_a_wake_marker_taken_as_the_breaker_opens_is_put_back(env) -> None:
+    """A stream fails while the worker waits on the wake list: its breaker opens, and the
+    marker that wait takes announced work this worker will not claim now. It goes back on
+    the list, so that an idle worker whose upstream answers wakes at once, not when its own
+    wait runs out (idle_block_s)."""
+    cfg, c, up = env
+    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "engine": "openai", "upstream_url": up.url,
+                            "idle_block_s": 30.0, "upstream_retry_min_s": 30.0, "upstream_retry_max_s": 60.0})
+    rt, loop = build_worker(s, cfg)
+    real_wait = rt.wait_for_work
+
+    async def wait_then_a_stream_fails() -> bool:
+        got = await real_wait()
+        if got:
+            loop.breaker.trip("a stream failed while the worker waited")
+        return got
+    rt.wait_for_work = wait_then_a_stream_fails  # type: ignore[method-assign]
+    task = asyncio.create_task(run_worker(rt, loop))
+    try:
+        await blocked_on_the_wake_list(c)
+        rid = await c.admit("announced while a stream broke", max_tokens=5)
+        deadline = time.monotonic() + 30
+        while not (loop.breaker.state == "open" and await c.client.llen(rt.keys.wake) == 1):
+            assert time.monotonic() < deadline, "the wake marker was not put back within 30 s"
+            await asyncio.sleep(0.01)
+        assert (await c.record(rid))["state"] == "queued"
+    finally:
+        rt.begin_drain("test over")
+        rt.drain_deadline = time.monotonic()
+        await asyncio.wait_for(task, 30)
 
 
 def test_upstream_env_defaults() -> None:

@@ -302,6 +302,13 @@ class WorkerRuntime:
                     await t
         return blpop in done and blpop.result() is not None
 
+    async def announce_work(self) -> None:
+        """Put back a wake marker this worker took and will not act on (include/wake.lua
+        keeps the list as short)."""
+        async with self.client.pipeline(transaction=False) as pipe:
+            pipe.lpush(self.keys.wake, "1").ltrim(self.keys.wake, 0, 63)
+            await self._redis(pipe.execute())
+
     async def take_wake_marker(self) -> bool:
         """Non-blocking: was work announced since we last looked? (For a busy worker with
         room: an LPOP on an empty list is a cheap read, unlike a claim.)"""

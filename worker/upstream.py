@@ -194,6 +194,7 @@ class UpstreamLoop:
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._empty_claims = 0  # claims in a row that left a backlog this worker could not take
+        self._marker_taken = False  # the last wait took a wake marker no claim has acted on yet
         self.why: dict[str, str] = {}  # request id -> cancel | lost | release
         self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
         self._gen_tokens = 0
@@ -263,6 +264,12 @@ class UpstreamLoop:
     async def _pull(self) -> None:
         self._settle_decided()
         if self.breaker.state != "closed":
+            if self._marker_taken:
+                # A stream failed while this worker waited on the wake list, and the marker
+                # the wait took announced work it will not claim now: another idle worker
+                # would have learnt of that work only when its own wait ran out (idle_block_s).
+                self._marker_taken = False
+                await self.rt.announce_work()
             await self._probe_when_due()
             return
         room = self.rt.settings.max_inflight - len(self.rt.held)
@@ -274,6 +281,7 @@ class UpstreamLoop:
                 await asyncio.sleep(IDLE_HELD_S)
             return
         got = await self.rt.claim(room, 0)
+        self._marker_taken = False
         for d in got:
             if (old := self.tasks.get(d.request_id)) is not None:
                 old.cancel()  # its attempt's lease had lapsed: this claim is the request now
@@ -288,7 +296,7 @@ class UpstreamLoop:
                 # used to follow every claim and find nothing (~150 us of the shard's time).
                 # Not before what this claim decided is on its way (its settling, retried).
                 self._settle_decided()
-                await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
+                self._marker_taken = await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
         elif self.rt.claim_left_backlog:
             # Work is queued that this worker cannot take now (a class held by its ceiling):
             # claim announces it again, and without a back-off the marker it left woke this
@@ -299,7 +307,7 @@ class UpstreamLoop:
                                     * min(2 ** (self._empty_claims - 1), MAX_BACKOFF_INTERVALS)))
         else:
             self._empty_claims = 0
-            await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
+            self._marker_taken = await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
 
     async def _settle(self, d: Delivery) -> None:
         """Land a held request's decided completion (retried through outages)."""
