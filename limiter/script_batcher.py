@@ -187,11 +187,17 @@ class ScriptBatcher:
                 again += [[c] for c in u]
                 continue
             items = r if len(u) > 1 else [r]
-            if len(u) > 1 and (not isinstance(r, list) or len(r) != len(u)
-                               or not all(isinstance(x, list) for x in r)):
+            if len(u) > 1 and isinstance(r, Exception):
+                # A cluster pipeline returns a connection's failure while its replies were read
+                # as each command's reply: an outage of every call merged in it (it may have
+                # run), as a lone call gets it; not the "not a list of replies" below, which
+                # became a ScriptError (a 500, a step worker stopped) instead of an outage.
+                items = [_copy(r) for _ in u]
+            elif len(u) > 1 and (not isinstance(r, list) or len(r) != len(u)
+                                 or not all(isinstance(x, list) for x in r)):
                 # not a list of replies: never from a script that takes several calls
                 bad = ResponseError(f"a merged call of {len(u)} got the reply {r!r}")
-                items = [bad] * len(u)
+                items = [_copy(bad) for _ in u]
             for c, item in zip(u, items, strict=True):
                 if c.reply.done():  # its caller was cancelled meanwhile: the script ran, nobody reads it
                     continue

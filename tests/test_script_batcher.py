@@ -15,6 +15,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import ClusterNode
 from redis.crc import key_slot
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import DataError
 
 from limiter.config import RedisConfig, demo_config
@@ -140,11 +141,44 @@ async def test_a_steps_completions_go_in_one_call_and_a_refused_one_fails_alone(
     refunds = await within([complete(rid) for rid in ids[:2]], "two completions")
     assert (scripts.batcher.calls, scripts.batcher.merged) == (sent + 1, merged + 1)
     assert refunds[1] - refunds[0] == 1  # one more token reserved, none more used: each its own reply
+    merged = scripts.batcher.merged
     results = await within([complete("r2", offset=0), complete("r3", offset=5)], "two, one refused")
+    assert scripts.batcher.merged == merged + 1  # sent merged, refused whole, then each alone
     assert isinstance(results[1], InvalidArgument) and results[1].field == "offset"
     assert not isinstance(results[0], BaseException)
     states = [sync_redis.hget(pool.request(rid), "state") for rid in ids]
     assert states == [b"done", b"done", b"done", b"leased"]
+
+
+@pytest.mark.parametrize("merge", [True, False])
+async def test_a_pipelines_replies_cut_as_a_cluster_returns_them_are_an_outage_of_every_call(
+        aredis, pool, monkeypatch, merge):
+    """redis-py's cluster pipeline does not raise when its connection breaks while the
+    replies are read: each command's reply is the ConnectionError (``execute(raise_on_error=
+    False)``). A merged call's must be an outage of each of its calls too (a step worker
+    retries its completions through one), as a call of its own is: it was read as "not a list
+    of replies", a ScriptError, which stopped the worker. Emulated on one server: the
+    pipeline runs, then its replies are swapped for that failure. (A review found it.)"""
+    scripts = Scripts(aredis, merge=merge)
+    await scripts.load_all()
+    for i in range(3):
+        await admit(scripts, pool, request_id=f"r{i}")
+    held = {c.request_id: c for c in (await scripts.claim(pool, "w1", 8)).requests}
+    real = ScriptBatcher._pipeline
+
+    async def cut(self: ScriptBatcher, units: Any) -> list[Any]:
+        await real(self, units)  # Redis ran every script; the read of the replies broke
+        return [RedisConnectionError("Connection closed by server.") for _ in units]
+    monkeypatch.setattr(ScriptBatcher, "_pipeline", cut)
+
+    def complete(rid: str) -> Any:
+        return scripts.complete(pool, request_id=rid, worker_id="w1", fence=held[rid].fence, outcome="ok",
+                                usage_in=10, token_ids=[1, 2], text="hi", offset=0)
+    push = scripts.push_tokens(pool, request_id="r2", worker_id="w1", fence=held["r2"].fence, offset=0,
+                               token_ids=[1], text="x")
+    results = await within([complete("r0"), complete("r1"), push], "a step's two completions and a push")
+    assert all(isinstance(r, RedisUnavailable) for r in results), results
+    assert len({id(r) for r in results}) == 3  # each its own exception: one raised in many tasks
 
 
 async def test_merged_admits_stay_under_the_size_of_a_lone_call(scripts, pool, sync_redis):
