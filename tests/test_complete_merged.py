@@ -21,6 +21,10 @@ SLOW_RATE = repr(1e-9)  # no refill between two calls: separate calls see the bu
 # The requests every example completes some of: (id, tenant, class, tokens pushed before).
 HELD = [("q0", "t1", "P1", 0), ("q1", "t1", "P1", 2), ("q2", "t2", "P0", 1), ("q3", "t2", "P2", 3),
         ("q4", "t3", "P2", 0), ("q5", "t3", "P1", 4), ("q6", "t1", "P0", 1), ("q7", "t4", "P2", 2)]
+# Tenant t1's requests were admitted under different quotas (its config changed between
+# them): their refunds meet one bucket, read with a different burst each (the bucket cache's
+# write-back and re-read within one call).
+BURST = {"q0": "1000000.0", "q1": "700.0", "q6": "400.0"}
 MAX_TOKENS = 10
 
 
@@ -34,8 +38,8 @@ def held_pool(client: Any, name: str) -> tuple[PoolKeys, dict[str, int]]:
     pushed; and each request's fence."""
     keys = init_demo_pool(client, name)
     for rid, tenant, cls, _ in HELD:
-        reply = _eval(client, "admit", keys, [rid, tenant, cls, 50, MAX_TOKENS, SLOW_RATE, "1000000.0", 0, 0,
-                                              "fe1", b"{}", "1.0"])
+        reply = _eval(client, "admit", keys, [rid, tenant, cls, 50, MAX_TOKENS, SLOW_RATE,
+                                              BURST.get(rid, "1000000.0"), 0, 0, "fe1", b"{}", "1.0"])
         assert reply[0] == b"queued", reply
     claimed = _eval(client, "claim", keys, ["w1", len(HELD), 0, 60000, "", 0, "", ""])
     fences = {e[0].decode(): int(e[3]) for e in claimed[2:]}
