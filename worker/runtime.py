@@ -303,8 +303,8 @@ class WorkerRuntime:
         return blpop in done and blpop.result() is not None
 
     async def announce_work(self) -> None:
-        """Put back a wake marker this worker took and will not act on (include/wake.lua
-        keeps the list as short)."""
+        """Put back a wake marker this worker took and will not act on; the list is kept at
+        most 64 long, as include/wake.lua keeps it (a marker is a hint, not a count)."""
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.lpush(self.keys.wake, "1").ltrim(self.keys.wake, 0, 63)
             await self._redis(pipe.execute())
