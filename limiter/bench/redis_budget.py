@@ -318,10 +318,11 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     half = requests // 2
     phases.append(await d.measure("claim x1", [d.claim(1) for _ in range(half)]))
     phases.append(await d.measure("claim x8", [d.claim(8) for _ in range(half // 8)]))
+    # the requests claimed 8 at a time, in those eights
+    together = [d.claimed[i:i + 8] for i in range(half, len(d.claimed), 8)]
     # half alone, half as 8 requests claimed together push their first tokens (one call)
     phases.append(await d.measure("push_tokens (first)", [d.push(c, 1) for c in d.claimed[:half]]))
-    firsts = [d.claimed[i:i + 8] for i in range(half, len(d.claimed), 8)]
-    phases.append(await d.measure("push_tokens (first) x8", [d.push_many(g, 1) for g in firsts]))
+    phases.append(await d.measure("push_tokens (first) x8", [d.push_many(g, 1) for g in together]))
     phases.append(await d.measure("push_tokens", [d.push(c, d.per_push) for _ in range(push_rounds)
                                                   for c in d.claimed]))
     groups = [d.claimed[i:i + 8] for i in range(0, len(d.claimed), 8)]
@@ -335,8 +336,7 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
         return phases, lease_ms
     # half one by one, half as a step worker's 8 completions of one step (one call)
     phases.append(await d.measure("complete", [d.complete(c) for c in d.claimed[:half]]))
-    groups = [d.claimed[i:i + 8] for i in range(half, len(d.claimed), 8)]
-    phases.append(await d.measure("complete x8", [d.complete_group(g) for g in groups]))
+    phases.append(await d.measure("complete x8", [d.complete_group(g) for g in together]))
     return phases, lease_ms
 
 

@@ -11,7 +11,7 @@ import os
 import signal
 import subprocess
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,31 +181,29 @@ async def admit_one_at_a_time(c: Client, n: int) -> list[str]:
     return ids
 
 
-def count_claims(rt: WorkerRuntime) -> list[int]:
-    """Counts the worker's claim calls from now on: a one-item list that holds the count."""
-    count = [0]
-    real = rt.claim
+def record_calls(owner: Any, name: str, what: Callable[..., Any]) -> list[Any]:
+    """Wraps the coroutine method ``name`` of ``owner``: from now on each call appends
+    ``what(*its arguments)`` to the list returned, then runs as before."""
+    calls: list[Any] = []
+    real = getattr(owner, name)
 
-    async def counted(*args: Any, **kwargs: Any) -> Any:
-        count[0] += 1
+    async def recorded(*args: Any, **kwargs: Any) -> Any:
+        calls.append(what(*args, **kwargs))
         return await real(*args, **kwargs)
 
-    rt.claim = counted  # type: ignore[method-assign]
-    return count
+    setattr(owner, name, recorded)
+    return calls
+
+
+def count_claims(rt: WorkerRuntime) -> list[None]:
+    """The worker's claim calls from now on, one entry each."""
+    return record_calls(rt, "claim", lambda *_, **__: None)
 
 
 def count_pushes(rt: WorkerRuntime) -> list[list[tuple[int, int]]]:
-    """Records the worker's push_tokens calls from now on: per call, each request's
-    (offset, count)."""
-    calls: list[list[tuple[int, int]]] = []
-    real = rt.scripts.push_tokens_many
-
-    async def counted(keys: Any, worker_id: str, batches: Any, lease_ms: int = 0) -> Any:
-        calls.append([(b.offset, b.count) for b in batches])
-        return await real(keys, worker_id, batches, lease_ms)
-
-    rt.scripts.push_tokens_many = counted  # type: ignore[method-assign]
-    return calls
+    """The worker's push_tokens calls from now on: per call, each request's (offset, count)."""
+    return record_calls(rt.scripts, "push_tokens_many",
+                        lambda keys, worker_id, batches, *_: [(b.offset, b.count) for b in batches])
 
 
 def config(path: Path, redis_url: str, **kw: Any) -> QosConfig:
