@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from limiter.prompt import count_tokens
+from tests.support.helpers import wait_until
 from tests.support.redis_server import free_port
 from tests.support.worker_helpers import (
     Client,
@@ -20,6 +21,7 @@ from tests.support.worker_helpers import (
     blocked_on_the_wake_list,
     count_claims,
     count_pushes,
+    record_calls,
     sim_text,
     worker,
 )
@@ -256,3 +258,47 @@ async def test_requests_that_finish_at_one_step_are_completed_in_one_call(env) -
     # their first tokens came at one step too: one push (what qos bench redis-budget's
     # "push_tokens (first) x8" assumes of requests claimed together)
     assert pushes[0] == [(0, 1)] * 4, pushes
+
+
+async def test_a_busy_worker_claims_new_work_through_its_parked_read_without_polling(env) -> None:
+    """While a long request runs, requests admitted meanwhile are claimed by this busy worker
+    (its parked BLPOP took their markers, worker/wake_watch.py), and the wake list is never
+    polled: no LPOP at all (a busy worker used to LPOP it every 2 ms, once a step on a GPU)."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=1.0, max_seqs=4) as rt:
+        await blocked_on_the_wake_list(c)
+        held_at_claim = record_calls(rt, "claim", lambda *_, **__: len(rt.held))
+        lpops = int((await c.client.info("commandstats")).get("cmdstat_lpop", {}).get("calls", 0))
+        long = await c.admit("long " * 4, max_tokens=5000)  # a minute of steps: cancelled below
+        await c.wait_tokens(long, 1)
+        short = [await c.admit(f"short {i}", max_tokens=3) for i in range(3)]
+        await c.wait(short, timeout=30)
+        running = c.answers[long].done is None  # the long one still ran when they ended
+        await c.client.sadd(rt.keys.cancels, long)
+        await c.wait([long], timeout=30)
+        stats = await c.client.info("commandstats")
+    assert running and all(c.answers[r].done["fin"] == "length" for r in short)
+    assert held_at_claim[0] == 0 and all(n >= 1 for n in held_at_claim[1:]), held_at_claim
+    assert len(held_at_claim) >= 2  # the short ones came with claims of the busy worker
+    assert int(stats.get("cmdstat_lpop", {}).get("calls", 0)) == lpops
+
+
+async def test_a_draining_worker_leaves_new_work_announced_for_the_others(env) -> None:
+    """A worker draining with work still running claims nothing more, so a request admitted
+    then stays announced on the wake list for another worker: its parked read, if it takes
+    the marker, puts it back (held, the others would learn of the request only when their
+    waits time out)."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=1.0, drain_timeout_s=600) as rt:
+        long = await c.admit("long " * 4, max_tokens=5000)  # a minute of steps: cancelled below
+        await c.wait_tokens(long, 1)
+        rt.begin_drain("test")
+        await wait_until(lambda: not rt.wake.wanted, "the draining worker to want no more work")
+        late = await c.admit("late", max_tokens=3)
+        deadline = time.monotonic() + 15
+        while await c.client.llen(rt.keys.wake) < 1:
+            assert time.monotonic() < deadline, "the late request's marker is not on the wake list"
+            await asyncio.sleep(0.01)
+        assert c.answers[long].done is None and late not in rt.held
+        await c.client.sadd(rt.keys.cancels, long)
+        await c.wait([long], timeout=30)

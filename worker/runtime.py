@@ -2,8 +2,9 @@
 
 :class:`WorkerRuntime` owns what does not depend on how tokens are produced: the Redis
 clients, claiming (pull-based: the caller says how much room it has), waiting for work
-(``BLPOP`` on the pool's wake list on a connection of its own: an idle worker costs Redis
-nothing), finishing a request with its latency sample, handing work back on drain, and
+(a ``BLPOP`` on the pool's wake list parked on a connection of its own: an idle worker costs
+Redis nothing, a busy one asks it between steps without a round trip; worker/wake_watch.py),
+finishing a request with its latency sample, handing work back on drain, and
 the background upkeep tasks:
 
 * lease renewal every ``lease_ms / 3`` for every held (request, fence); ``lost`` ones
@@ -45,6 +46,7 @@ from worker.delivery import TOKEN_FIELDS, Delivery
 from worker.metrics import WorkerMetrics
 from worker.samples import build_sample
 from worker.settings import WorkerSettings
+from worker.wake_watch import WakeWatch
 
 log = logging.getLogger("qos.worker")
 # With requests held but none to run, a loop looks again after this long (never spins).
@@ -88,6 +90,8 @@ class WorkerRuntime:
         self.client: Any = None
         self.blocking: Any = None
         self.scripts: Scripts
+        # the wake list, watched by one parked BLPOP on self.blocking (worker/wake_watch.py)
+        self.wake = WakeWatch(self._read_wake, self.announce_work)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -125,6 +129,7 @@ class WorkerRuntime:
 
     async def close(self) -> None:
         await stop_tasks(self._tasks, f"worker {self.worker_id}")
+        await self.wake.close()
         with contextlib.suppress(QosError, OSError, Exception):
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.workers, self.worker_id)
@@ -291,16 +296,12 @@ class WorkerRuntime:
     async def wait_for_work(self) -> bool:
         """Block (no polling) until a wake marker arrives, ``idle_block_s`` passes, or a
         drain begins (an idle worker exits at once on SIGTERM). True if a marker came."""
-        blpop = asyncio.ensure_future(self._redis(
-            self.blocking.blpop([self.keys.wake], timeout=self.settings.idle_block_s)))
-        drain = asyncio.ensure_future(self.draining.wait())
-        done, _ = await asyncio.wait({blpop, drain}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (blpop, drain):
-            if not t.done():
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError, QosError):
-                    await t
-        return blpop in done and blpop.result() is not None
+        return await self.wake.wait(self.draining)
+
+    async def _read_wake(self) -> bool:
+        """One ``BLPOP`` of the wake list (``idle_block_s``): True when it took a marker."""
+        got = await self._redis(self.blocking.blpop([self.keys.wake], timeout=self.settings.idle_block_s))
+        return got is not None
 
     async def announce_work(self) -> None:
         """Put back a wake marker this worker took and will not act on; the list is kept at
@@ -309,10 +310,6 @@ class WorkerRuntime:
             pipe.lpush(self.keys.wake, "1").ltrim(self.keys.wake, 0, 63)
             await self._redis(pipe.execute())
 
-    async def take_wake_marker(self) -> bool:
-        """Non-blocking: was work announced since we last looked? (For a busy worker with
-        room: an LPOP on an empty list is a cheap read, unlike a claim.)"""
-        return await self._redis(self.client.lpop(self.keys.wake)) is not None
 
     async def cancelled(self, ids: list[str]) -> list[str]:
         """Which of ``ids`` their clients cancelled: one SMISMEMBER, cheap enough per step."""
@@ -330,7 +327,7 @@ class WorkerRuntime:
         finally:
             self.metrics.pushes.inc(d.pushes - before)
 
-    async def push_many(self, ds: list[Delivery]) -> list[tuple[Delivery, PushNews]]:
+    def push_many(self, ds: list[Delivery]) -> Awaitable[list[tuple[Delivery, PushNews]]]:
         """Push the pending tokens of ``ds`` with as few ``push_tokens`` calls as PUSH_LIMIT
         allows; per delivery pushed, True when its client cancelled, the LeaseLost it met, or
         the InvalidArgument Redis refused its batch with (past the request's max_tokens; or a
@@ -338,8 +335,13 @@ class WorkerRuntime:
         Raises RedisUnavailable: the batches of that call and of the calls after it stay
         pending (in doubt, settled by the next push's offset check); the ones before are
         settled already, and their news comes again (a cancel flag stays set; a lost lease
-        stays lost)."""
-        todo = [(d, b) for d in ds if (b := d.batch()) is not None]
+        stays lost).
+
+        The batches are what is pending when this is called, not when the coroutine it
+        returns first runs (tokens added meanwhile wait for the next push)."""
+        return self._push_todo([(d, b) for d in ds if (b := d.batch()) is not None])
+
+    async def _push_todo(self, todo: list[tuple[Delivery, TokenBatch]]) -> list[tuple[Delivery, PushNews]]:
         out: list[tuple[Delivery, PushNews]] = []
         for i in range(0, len(todo), PUSH_LIMIT):
             await self._push_batches(todo[i:i + PUSH_LIMIT], out)
