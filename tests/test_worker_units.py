@@ -385,7 +385,7 @@ class _FakeWake:
         self.asks = 0
         self.pauses = 0
 
-    def take(self) -> bool:
+    async def take(self) -> bool:
         self.asks += 1
         return self.marker
 
@@ -715,9 +715,9 @@ async def test_an_idle_worker_backs_off_only_when_claim_left_work_it_cannot_take
 
 async def test_a_busy_worker_claims_on_the_parked_reads_marker_and_pauses_it_when_it_wants_none() -> None:
     """A worker with requests held and room for more asks the wake watch at every pull (no
-    round trip, so no pacing between looks) and claims only when its read took a marker;
-    while it backs off after empty claims, or its batch is full with no look-ahead due, it
-    pauses the watch (a marker taken then goes back on the list for another worker)."""
+    round trip while its read is parked, so no pacing between looks) and claims only when
+    work was announced; while it backs off after empty claims, or its batch is full with no
+    look-ahead due, it pauses the watch (a marker taken then goes back for another worker)."""
     from worker.claim_step_loop import StepLoop
     from worker.settings import WorkerSettings
 

@@ -325,7 +325,7 @@ class StepLoop:
             if now < self._next_claim or (slots <= 0 and now < self._next_lookahead):
                 await self.rt.wake.pause()  # backing off: nor is one now
                 return
-            if not self.rt.wake.take():  # the parked BLPOP's answer, if any: no round trip
+            if not await self.rt.wake.take():  # the parked BLPOP's answer: no round trip
                 return
         elif not self._idle_claim_due:
             # Just gone idle. Whatever is queued now was announced on the wake list (admit, a

@@ -91,7 +91,7 @@ class WorkerRuntime:
         self.blocking: Any = None
         self.scripts: Scripts
         # the wake list, watched by one parked BLPOP on self.blocking (worker/wake_watch.py)
-        self.wake = WakeWatch(self._read_wake, self.announce_work)
+        self.wake = WakeWatch(self._read_wake, self._look_wake, self.announce_work)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -302,6 +302,10 @@ class WorkerRuntime:
         """One ``BLPOP`` of the wake list (``idle_block_s``): True when it took a marker."""
         got = await self._redis(self.blocking.blpop([self.keys.wake], timeout=self.settings.idle_block_s))
         return got is not None
+
+    async def _look_wake(self) -> bool:
+        """One ``LPOP`` of the wake list: True when it took a marker."""
+        return await self._redis(self.client.lpop(self.keys.wake)) is not None
 
     async def announce_work(self) -> None:
         """Put back a wake marker this worker took and will not act on; the list is kept at

@@ -8,8 +8,12 @@ read, the reply, the dispatch), 2.1-3.0 of them a request in the overhead bench,
 frequent command left, and once a step per worker in a fleet, whether work came or not.
 
 :class:`WakeWatch` keeps one ``BLPOP`` parked on the worker's blocking connection instead.
-The step loop asks it between steps without a round trip (:meth:`take`), the wait of an
-idle worker is the same read (:meth:`wait`), and the shard answers once per marker.
+The step loop asks it between steps (:meth:`take`), without a round trip while a read is
+parked; the wait of an idle worker is the same read (:meth:`wait`), and the shard answers
+once per marker. When no read was parked since the last look (the worker was idle, backed
+off or full; the last read timed out) nothing is known of what came meanwhile, and the look
+is one ``LPOP`` as before (then a read is parked): a busy worker never learns of work later
+than the ``LPOP`` at each look told it, and it polls no more while its read is parked.
 
 A marker is a hint that another worker may act on, so this watch never sits on one it will
 not act on: a marker the read takes while the worker does not want work (its batch is full,
@@ -29,10 +33,13 @@ from limiter.tasks import stop_tasks
 
 class WakeWatch:
     """``read``: one ``BLPOP`` of the wake list with its timeout, True when it took a marker;
-    ``put_back``: push one marker back (:meth:`WorkerRuntime.announce_work`)."""
+    ``look``: one ``LPOP`` of it, the same answer at once; ``put_back``: push one marker back
+    (:meth:`WorkerRuntime.announce_work`)."""
 
-    def __init__(self, read: Callable[[], Awaitable[bool]], put_back: Callable[[], Awaitable[None]]) -> None:
+    def __init__(self, read: Callable[[], Awaitable[bool]], look: Callable[[], Awaitable[bool]],
+                 put_back: Callable[[], Awaitable[None]]) -> None:
         self._read = read
+        self._look = look
         self._put_back = put_back
         self._task: asyncio.Task[bool] | None = None
         self.wanted = False  # a marker the read takes is kept for the worker (else put back)
@@ -42,16 +49,19 @@ class WakeWatch:
         """A read is on the wake list now (for tests and the docs' claims)."""
         return self._task is not None and not self._task.done()
 
-    def take(self) -> bool:
-        """Did the parked read take a marker? Never waits. The worker wants work from now on:
-        a read is kept parked (started here when there is none). Raises the read's failure
-        (e.g. RedisUnavailable), once."""
+    async def take(self) -> bool:
+        """Was work announced since the last look? The parked read's answer, with no round
+        trip; when no read was parked all along (none, or it ended without a marker), an
+        ``LPOP``. The worker wants work from now on: a read is kept parked. Raises the
+        read's failure (e.g. RedisUnavailable), once."""
         self.wanted = True
         task = self._task
         if task is not None and not task.done():
             return False
         self._task = None
         got = task.result() if task is not None else False
+        if not got:
+            got = await self._look()
         self._park()
         return got
 
