@@ -221,7 +221,8 @@ class ScriptBatcher:
         """A cluster client reads the cluster's layout again before its next command after a
         command of its own failed so (a failover moved a shard: the old node is gone); its
         pipeline, which returns such a failure as a reply or raises it without a retry, does
-        not. Without this, pipelines went on to the gone node until some call went alone."""
+        not before redis-py 8.2 (8.2 asks itself). Without this, pipelines went on to the gone
+        node until some call went alone."""
         if self.cluster and any(isinstance(o, TOPOLOGY_ERRORS) and not isinstance(o, MaxConnectionsError)
                                 for o in outcomes):
             self.client._initialize = True  # what RedisCluster.execute_command sets then

@@ -37,10 +37,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable
 from typing import Any
 
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
+from limiter.scripts import TokenBatch
 from limiter.tasks import stop_tasks
 from worker.batch_policy import Limits, tenant_slots
 from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_reason
@@ -543,10 +543,9 @@ class StepLoop:
                 d.final = ("ok", em.finish_reason, "")  # should its call never land: _retry_finals
                 finishing.append((d, em.finish_reason))
         await self._settle_io()  # the previous step's calls: normally done while this step ran
-        calls: dict[str, tuple[Delivery, Any]] = {
-            d.request_id: (d, self.rt.finish(d, "ok", reason)) for d, reason in finishing}
+        ending = {d.request_id for d, _ in finishing}
         now, step = time.monotonic(), res.duration_s
-        pushes = [d for rid, d in held.items() if rid not in calls and d.final is None
+        pushes = [d for rid, d in held.items() if rid not in ending and d.final is None
                   and d.due(now, self.rt.flush_ms(d.claimed.cls), s.flush_tokens, step)]
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
@@ -555,12 +554,13 @@ class StepLoop:
         if now - self._cancel_checked >= s.flush_ms / 1e3:
             pushing = {d.request_id for d in pushes}
             live = [rid for rid, d in held.items()
-                    if rid not in calls and rid not in pushing and d.final is None]
+                    if rid not in ending and rid not in pushing and d.final is None]
             self._cancel_checked = now
-        self._io_finishing = set(calls)
+        self._io_finishing = ending
         # The pushes' batches are made now: they carry this step's tokens (an attempt's first
-        # token alone) even when the next step starts before this task first runs.
-        self._io = asyncio.create_task(self._send(calls, self.rt.push_many(pushes), live), name="step-io")
+        # token alone) even when the next step starts before this task first runs. The calls
+        # themselves are made by the task: one cancelled before it ran leaves none unawaited.
+        self._io = asyncio.create_task(self._send(finishing, self.rt.batches(pushes), live), name="step-io")
 
     async def _abandon_io(self) -> None:
         """End the last step's calls without waiting on Redis: left running, they outlived the
@@ -581,12 +581,13 @@ class StepLoop:
         if io is not None:
             await io
 
-    async def _send(self, calls: dict[str, tuple[Delivery, Any]],
-                    pushes: Awaitable[list[tuple[Delivery, Any]]], live: list[str]) -> None:
-        """One step's completions, its pushes (one ``push_tokens`` call for every request due)
-        and the cancel check, concurrently; what they learn (cancelled, lease lost) is
-        applied at the next iteration."""
-        results = await asyncio.gather(*(c for _, c in calls.values()), pushes,
+    async def _send(self, finishing: list[tuple[Delivery, str]],
+                    pushes: list[tuple[Delivery, TokenBatch]], live: list[str]) -> None:
+        """One step's completions (each request and its finish reason), its pushes (one
+        ``push_tokens`` call for every batch) and the cancel check, concurrently; what they
+        learn (cancelled, lease lost) is applied at the next iteration."""
+        calls = {d.request_id: (d, self.rt.finish(d, "ok", reason)) for d, reason in finishing}
+        results = await asyncio.gather(*(c for _, c in calls.values()), self.rt.push_batches(pushes),
                                        self.rt.cancelled(live), return_exceptions=True)
         outage: BaseException | None = None
         news: list[tuple[Delivery, Any]] = [(d, r) for (d, _), r in

@@ -331,7 +331,7 @@ class WorkerRuntime:
         finally:
             self.metrics.pushes.inc(d.pushes - before)
 
-    def push_many(self, ds: list[Delivery]) -> Awaitable[list[tuple[Delivery, PushNews]]]:
+    async def push_many(self, ds: list[Delivery]) -> list[tuple[Delivery, PushNews]]:
         """Push the pending tokens of ``ds`` with as few ``push_tokens`` calls as PUSH_LIMIT
         allows; per delivery pushed, True when its client cancelled, the LeaseLost it met, or
         the InvalidArgument Redis refused its batch with (past the request's max_tokens; or a
@@ -339,13 +339,17 @@ class WorkerRuntime:
         Raises RedisUnavailable: the batches of that call and of the calls after it stay
         pending (in doubt, settled by the next push's offset check); the ones before are
         settled already, and their news comes again (a cancel flag stays set; a lost lease
-        stays lost).
+        stays lost)."""
+        return await self.push_batches(self.batches(ds))
 
-        The batches are what is pending when this is called, not when the coroutine it
-        returns first runs (tokens added meanwhile wait for the next push)."""
-        return self._push_todo([(d, b) for d in ds if (b := d.batch()) is not None])
+    @staticmethod
+    def batches(ds: list[Delivery]) -> list[tuple[Delivery, TokenBatch]]:
+        """What :meth:`push_batches` sends for ``ds``: their tokens pending now. Taken when
+        called, so tokens added before the push runs wait for the next one."""
+        return [(d, b) for d in ds if (b := d.batch()) is not None]
 
-    async def _push_todo(self, todo: list[tuple[Delivery, TokenBatch]]) -> list[tuple[Delivery, PushNews]]:
+    async def push_batches(self, todo: list[tuple[Delivery, TokenBatch]]) -> list[tuple[Delivery, PushNews]]:
+        """:meth:`push_many` for batches :meth:`batches` took."""
         out: list[tuple[Delivery, PushNews]] = []
         for i in range(0, len(todo), PUSH_LIMIT):
             await self._push_batches(todo[i:i + PUSH_LIMIT], out)
