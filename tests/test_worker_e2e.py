@@ -13,7 +13,6 @@ import pytest
 import torch
 
 from limiter.prompt import count_tokens
-from tests.support.helpers import wait_until
 from tests.support.redis_server import free_port
 from tests.support.worker_helpers import (
     Client,
@@ -21,7 +20,6 @@ from tests.support.worker_helpers import (
     blocked_on_the_wake_list,
     count_claims,
     count_pushes,
-    record_calls,
     sim_text,
     worker,
 )
@@ -258,56 +256,3 @@ async def test_requests_that_finish_at_one_step_are_completed_in_one_call(env) -
     # their first tokens came at one step too: one push (what qos bench redis-budget's
     # "push_tokens (first) x8" assumes of requests claimed together)
     assert pushes[0] == [(0, 1)] * 4, pushes
-
-
-async def _wake_list_commands(c: Client) -> int:
-    stats = await c.client.info("commandstats")
-    return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in ("lpop", "blpop"))
-
-
-async def test_a_busy_worker_claims_new_work_through_its_parked_read_without_polling(env) -> None:
-    """While a long request runs and nothing new comes, the worker sends no command about the
-    wake list at all (it used to LPOP it every 2 ms, once a step on a GPU): its parked BLPOP
-    waits. Requests admitted meanwhile are claimed by this busy worker (the read took their
-    markers, worker/wake_watch.py)."""
-    cfg, c = env
-    # idle_block_s: no read times out during the test (each would be a BLPOP and an LPOP more)
-    async with worker(cfg, engine="sim", time_scale=1.0, max_seqs=4, idle_block_s=30.0) as rt:
-        await blocked_on_the_wake_list(c)
-        held_at_claim = record_calls(rt, "claim", lambda *_, **__: len(rt.held))
-        long = await c.admit("long " * 4, max_tokens=5000)  # a minute of steps: cancelled below
-        await c.wait_tokens(long, 2)
-        await wait_until(lambda: rt.wake.parked, "the busy worker's parked read")
-        before = await _wake_list_commands(c)
-        await c.wait_tokens(long, c.answers[long].tokens + 20)  # 20 steps and more, nothing new
-        quiet = await _wake_list_commands(c) - before
-        short = [await c.admit(f"short {i}", max_tokens=3) for i in range(3)]
-        await c.wait(short, timeout=30)
-        running = c.answers[long].done is None  # the long one still ran when they ended
-        await c.client.sadd(rt.keys.cancels, long)
-        await c.wait([long], timeout=30)
-    assert quiet == 0, f"{quiet} wake-list commands while busy with no new work"
-    assert running and all(c.answers[r].done["fin"] == "length" for r in short)
-    assert held_at_claim[0] == 0 and all(n >= 1 for n in held_at_claim[1:]), held_at_claim
-    assert len(held_at_claim) >= 2  # the short ones came with claims of the busy worker
-
-
-async def test_a_draining_worker_leaves_new_work_announced_for_the_others(env) -> None:
-    """A worker draining with work still running claims nothing more, so a request admitted
-    then stays announced on the wake list for another worker: its parked read, if it takes
-    the marker, puts it back (held, the others would learn of the request only when their
-    waits time out)."""
-    cfg, c = env
-    async with worker(cfg, engine="sim", time_scale=1.0, drain_timeout_s=600) as rt:
-        long = await c.admit("long " * 4, max_tokens=5000)  # a minute of steps: cancelled below
-        await c.wait_tokens(long, 1)
-        rt.begin_drain("test")
-        await wait_until(lambda: not rt.wake.wanted, "the draining worker to want no more work")
-        late = await c.admit("late", max_tokens=3)
-        deadline = time.monotonic() + 15
-        while await c.client.llen(rt.keys.wake) < 1:
-            assert time.monotonic() < deadline, "the late request's marker is not on the wake list"
-            await asyncio.sleep(0.01)
-        assert c.answers[long].done is None and late not in rt.held
-        await c.client.sadd(rt.keys.cancels, long)
-        await c.wait([long], timeout=30)

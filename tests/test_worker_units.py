@@ -376,23 +376,6 @@ async def test_model_tokens_and_resume_ids_are_pushed_and_reconciled_apart() -> 
     assert not d.pending_ids and not d.pending_text and d.pending_tokens == 0
 
 
-class _FakeWake:
-    """A WakeWatch whose parked read has always taken a marker (``marker``), counting asks
-    and pauses."""
-
-    def __init__(self, marker: bool = True) -> None:
-        self.marker = marker
-        self.asks = 0
-        self.pauses = 0
-
-    async def take(self) -> bool:
-        self.asks += 1
-        return self.marker
-
-    async def pause(self) -> None:
-        self.pauses += 1
-
-
 class _FullWorkerRuntime:
     """Enough of a WorkerRuntime for StepLoop._pull: a full batch, markers always there, and
     claims that find nothing (the queued work is of lower classes than the look-ahead asks)."""
@@ -406,7 +389,9 @@ class _FullWorkerRuntime:
         self.claim_left_backlog = True  # the lower-class work it does not take stays queued
         self.claims: list[str] = []
         self.avoided: list[tuple[list[str], str]] = []
-        self.wake = _FakeWake()
+
+    async def take_wake_marker(self) -> bool:
+        return True
 
     async def claim(self, n: int, room: int, above: str, kv_total: int, avoid_tenants: Any = (),
                     avoid_from: str = "") -> list[Any]:
@@ -713,36 +698,26 @@ async def test_an_idle_worker_backs_off_only_when_claim_left_work_it_cannot_take
         assert loop._empty_claims == 0 and backoff_ends == [0.0] * 4
 
 
-async def test_a_busy_worker_claims_on_the_parked_reads_marker_and_pauses_it_when_it_wants_none() -> None:
-    """A worker with requests held and room for more asks the wake watch at every pull (no
-    round trip while its read is parked, so no pacing between looks) and claims only when
-    work was announced; while it backs off after empty claims, or its batch is full with no
-    look-ahead due, it pauses the watch (a marker taken then goes back for another worker)."""
+async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:
+    """A worker with requests held and room for more looks at the wake list (one LPOP) again
+    within wake_check_ms when it found nothing there -- not after the longer claim interval."""
     from worker.claim_step_loop import StepLoop
     from worker.settings import WorkerSettings
 
     rt = _FullWorkerRuntime()
-    rt.settings = WorkerSettings(max_seqs=4, token_budget=8, claim_interval_ms=500)
+    rt.settings = WorkerSettings(max_seqs=4, token_budget=8, claim_interval_ms=500, wake_check_ms=3)
     rt.held["run"] = _delivery()
-    rt.wake = _FakeWake(marker=False)
+    looks: list[float] = []
+
+    async def no_marker() -> bool:
+        looks.append(time.monotonic())
+        return False
+
+    rt.take_wake_marker = no_marker  # type: ignore[method-assign]
     loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=4))  # type: ignore[arg-type]
-    for _ in range(3):
-        await loop._pull()
-    assert rt.wake.asks == 3 and rt.claims == [] and loop._next_claim == 0.0 and rt.wake.pauses == 0
-    rt.wake.marker = True  # work announced, but what is queued is not for this worker (backlog)
     await loop._pull()
-    await loop._pull()
-    assert len(rt.claims) == 2 and loop._next_claim > time.monotonic()  # backing off now
-    asks = rt.wake.asks
-    await loop._pull()
-    assert rt.claims == [""] * 2 and rt.wake.asks == asks and rt.wake.pauses == 1
-    # full, nothing waiting above what runs, no look-ahead due: it wants no marker
-    loop._next_claim = 0.0
-    for i in range(3):
-        rt.held[f"more{i}"] = _delivery()
-    loop.sched.add("wait", [1, 2, 3], SamplingParams(max_tokens=4), class_rank=0, arrival=0)
-    await loop._pull()
-    assert rt.wake.asks == asks and rt.wake.pauses == 2 and len(rt.claims) == 2
+    assert len(looks) == 1 and rt.claims == []
+    assert 0 < loop._next_claim - looks[0] <= 0.003 + 1e-6
 
 
 async def test_a_redis_outage_backs_off_per_loop_and_is_logged_once_each_way(monkeypatch, caplog) -> None:

@@ -11,11 +11,9 @@ One iteration, between engine steps:
    When full, up to ``claim_ahead`` more are held so that newly arrived higher-class work
    reaches the GPU's scheduler, which pauses a lower-class sequence for it; once those are
    held, one more is claimed only of a class above every waiting one (``above_class``), so
-   a P0 never waits behind a look-ahead slot taken by a P2. Claims follow the wake list
-   (queued work is always announced there): one ``BLPOP wake`` (~1 s timeout) is kept parked
-   while the worker wants work (worker/wake_watch.py). With nothing to do, the loop blocks on
-   it; while busy it asks it between steps, no round trip, and claims when it took a marker
-   (a marker taken while the worker wants none goes back at once). A full batch's look-ahead claim runs
+   a P0 never waits behind a look-ahead slot taken by a P2. With nothing to do, block on
+   ``BLPOP wake`` (~1 s timeout) instead of polling, and claim when it answers (not before
+   it: queued work is always announced there). A full batch's look-ahead claim runs
    *beside* the next step (its round trips off the GPU's critical path; what it brings runs
    from the step after, as it would have once a slot freed or a lower class was paused);
 3. one :class:`~worker.batch_scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
@@ -54,7 +52,7 @@ from worker.step_budget import BudgetConfig, StepBudget
 log = logging.getLogger("qos.worker")
 
 # A look-ahead claim beside a step starts this long before the step's expected end: room for
-# its round trip (a claim, ~1 ms on a quiet host) and the step's jitter.
+# its round trips (a wake-marker LPOP and a claim, ~1 ms on a quiet host) and the step's jitter.
 LOOKAHEAD_LEAD_S = 0.005
 # The longest a step waits for a look-ahead claim still in flight when the step before ended:
 # a round trip on a busy host (up to ~10 ms on the 2-core bench machine), not a Redis outage.
@@ -139,7 +137,6 @@ class StepLoop:
                     await self.rt.guard("worker", self._settle_claim())
                 if not handed_back_waiting:
                     handed_back_waiting = True
-                    await self.rt.guard("worker", self.rt.wake.pause())  # no more claims: markers are others'
                     fresh = [s.request_id for s in self.sched.waiting if len(s.generated) == s.resumed_tokens]
                     await self.rt.guard("release", self._release(fresh))
                 if not self.rt.held:
@@ -204,7 +201,7 @@ class StepLoop:
         """:meth:`_pull` now, or, for a batch that is full and running, as a task beside the
         next step. A look-ahead claim's requests can only run once a slot frees or a lower
         class is paused for them, at the next step either way; awaited before the step, its
-        round trips (a wake-marker ``LPOP`` then, the claim) held the GPU idle: at 1.0x load a
+        round trips (the wake-marker ``LPOP``, the claim) held the GPU idle: at 1.0x load a
         qos worker spent ~10 ms between ~33 ms steps (fifo's ~3 ms), most of it in those round
         trips. The task's claims start between two steps like any other (``_start_all``).
 
@@ -285,9 +282,8 @@ class StepLoop:
         turn into a hot loop: ``claim`` re-announces a backlog it leaves behind, so after a
         second empty claim in a row the next one waits ``claim_interval_ms``, doubling up to
         ``MAX_BACKOFF_INTERVALS`` of them, until a claim returns work or the wake list goes
-        quiet. While busy, a claim is made only when the parked read of the wake list took a
-        marker (work was announced); while backing off or full (no look-ahead due) the worker
-        wants none, and a marker that read takes goes back on the list."""
+        quiet. While busy,
+        a claim is made only when a wake marker says work was announced."""
         s = self.rt.settings
         held = len(self.rt.held)
         slots, kv_free = self._room()
@@ -318,14 +314,13 @@ class StepLoop:
             n, room = 1, self.kv_capacity
             above = self.rt.cfg.class_names()[best] if best < len(self.rt.cfg.classes) else ""
         else:
-            await self.rt.wake.pause()  # full: a marker is another worker's to act on
             return
         now = time.monotonic()
         if held:
             if now < self._next_claim or (slots <= 0 and now < self._next_lookahead):
-                await self.rt.wake.pause()  # backing off: nor is one now
                 return
-            if not await self.rt.wake.take():  # the parked BLPOP's answer: no round trip
+            if not await self.rt.take_wake_marker():
+                self._next_claim = now + s.wake_check_ms / 1e3  # nothing announced: look again soon
                 return
         elif not self._idle_claim_due:
             # Just gone idle. Whatever is queued now was announced on the wake list (admit, a
@@ -557,9 +552,9 @@ class StepLoop:
                     if rid not in ending and rid not in pushing and d.final is None]
             self._cancel_checked = now
         self._io_finishing = ending
-        # The pushes' batches are made now: they carry this step's tokens (an attempt's first
-        # token alone) even when the next step starts before this task first runs. The calls
-        # themselves are made by the task: one cancelled before it ran leaves none unawaited.
+        # The pushes' batches are made now: they carry this step's tokens even when the next
+        # step starts before this task first runs. The calls themselves are made by the task:
+        # one cancelled before it ran (a hopeless drain) leaves no coroutine unawaited.
         self._io = asyncio.create_task(self._send(finishing, self.rt.batches(pushes), live), name="step-io")
 
     async def _abandon_io(self) -> None:

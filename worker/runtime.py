@@ -2,9 +2,8 @@
 
 :class:`WorkerRuntime` owns what does not depend on how tokens are produced: the Redis
 clients, claiming (pull-based: the caller says how much room it has), waiting for work
-(a ``BLPOP`` on the pool's wake list parked on a connection of its own: an idle worker costs
-Redis nothing, a busy one asks it between steps without a round trip; worker/wake_watch.py),
-finishing a request with its latency sample, handing work back on drain, and
+(``BLPOP`` on the pool's wake list on a connection of its own: an idle worker costs Redis
+nothing), finishing a request with its latency sample, handing work back on drain, and
 the background upkeep tasks:
 
 * lease renewal every ``lease_ms / 3`` for every held (request, fence); ``lost`` ones
@@ -46,7 +45,6 @@ from worker.delivery import TOKEN_FIELDS, Delivery
 from worker.metrics import WorkerMetrics
 from worker.samples import build_sample
 from worker.settings import WorkerSettings
-from worker.wake_watch import WakeWatch
 
 log = logging.getLogger("qos.worker")
 # With requests held but none to run, a loop looks again after this long (never spins).
@@ -90,8 +88,6 @@ class WorkerRuntime:
         self.client: Any = None
         self.blocking: Any = None
         self.scripts: Scripts
-        # the wake list, watched by one parked BLPOP on self.blocking (worker/wake_watch.py)
-        self.wake = WakeWatch(self._read_wake, self._look_wake, self.announce_work)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def open(self) -> None:
@@ -129,7 +125,6 @@ class WorkerRuntime:
 
     async def close(self) -> None:
         await stop_tasks(self._tasks, f"worker {self.worker_id}")
-        await self.wake.close()
         with contextlib.suppress(QosError, OSError, Exception):
             async with self.client.pipeline(transaction=False) as pipe:
                 pipe.zrem(self.keys.workers, self.worker_id)
@@ -296,16 +291,16 @@ class WorkerRuntime:
     async def wait_for_work(self) -> bool:
         """Block (no polling) until a wake marker arrives, ``idle_block_s`` passes, or a
         drain begins (an idle worker exits at once on SIGTERM). True if a marker came."""
-        return await self.wake.wait(self.draining)
-
-    async def _read_wake(self) -> bool:
-        """One ``BLPOP`` of the wake list (``idle_block_s``): True when it took a marker."""
-        got = await self._redis(self.blocking.blpop([self.keys.wake], timeout=self.settings.idle_block_s))
-        return got is not None
-
-    async def _look_wake(self) -> bool:
-        """One ``LPOP`` of the wake list: True when it took a marker."""
-        return await self._redis(self.client.lpop(self.keys.wake)) is not None
+        blpop = asyncio.ensure_future(self._redis(
+            self.blocking.blpop([self.keys.wake], timeout=self.settings.idle_block_s)))
+        drain = asyncio.ensure_future(self.draining.wait())
+        done, _ = await asyncio.wait({blpop, drain}, return_when=asyncio.FIRST_COMPLETED)
+        for t in (blpop, drain):
+            if not t.done():
+                t.cancel()
+                with contextlib.suppress(asyncio.CancelledError, QosError):
+                    await t
+        return blpop in done and blpop.result() is not None
 
     async def announce_work(self) -> None:
         """Put back a wake marker this worker took and will not act on; the list is kept at
@@ -314,6 +309,10 @@ class WorkerRuntime:
             pipe.lpush(self.keys.wake, "1").ltrim(self.keys.wake, 0, 63)
             await self._redis(pipe.execute())
 
+    async def take_wake_marker(self) -> bool:
+        """Non-blocking: was work announced since we last looked? (For a busy worker with
+        room: an LPOP on an empty list is a cheap read, unlike a claim.)"""
+        return await self._redis(self.client.lpop(self.keys.wake)) is not None
 
     async def cancelled(self, ids: list[str]) -> list[str]:
         """Which of ``ids`` their clients cancelled: one SMISMEMBER, cheap enough per step."""
