@@ -749,16 +749,15 @@ async def test_tokens_redis_refuses_for_one_request_fail_that_request_not_the_wo
     assert stopped is None, f"the worker ended with {stopped!r}"
 
 
-# A coroutine never awaited is a warning at its collection, raised here (a task cancelled
-# before its first run left the push and completion coroutines it was handed unawaited)
-@pytest.mark.filterwarnings("error::RuntimeWarning", "error::pytest.PytestUnraisableExceptionWarning")
 async def test_a_hopeless_drain_leaves_none_of_the_last_steps_calls_behind(env, monkeypatch, caplog) -> None:
     """Draining with Redis out of reach for a whole lease (rt.drain_hopeless), StepLoop.run
     returned at once, leaving the last step's calls (the task the step just before had
     created) unawaited: stuck on the unreachable Redis, it was still pending after the worker
     had closed ("Task was destroyed but it is pending" at exit); failing (a refused
     connection), its exception was never retrieved. Here Redis answers no heartbeat, and a
-    push made once the drain is hopeless hangs as a call to a host that does not answer."""
+    push made once the drain is hopeless hangs as a call to a host that does not answer.
+    The step task cancelled before it first ran also left the push coroutine it was handed
+    never awaited (pyproject's filterwarnings makes that warning a failure)."""
     from worker.runtime import WorkerRuntime
 
     cfg, c = env
