@@ -102,6 +102,7 @@ async def test_capacity_follows_a_killed_and_restarted_worker_on_a_running_stack
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # the whole bench: a calibration and four scenarios, 5-10 min on 2 cores
 async def test_the_four_scenarios_meet_their_goals(tmp_path) -> None:
     results = await cb.run_control(cb.ControlParams(out_dir=str(tmp_path)))
     for name, sc in results["scenarios"].items():
