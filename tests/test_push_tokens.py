@@ -203,7 +203,7 @@ async def test_outage_in_a_later_chunk_keeps_delivery_exactly_once(worker_env, m
 async def test_a_cancel_learnt_from_a_chunk_before_an_outage_still_stops_the_request(worker_env,
                                                                                     monkeypatch) -> None:
     """Chunk 1 of a step's pushes answers cancel=1 for a request, chunk 2 meets an outage: the
-    whole push_many raises and that news is dropped; it must come again (SMISMEMBER/renew)."""
+    whole push_batches raises and that news is dropped; it must come again (SMISMEMBER/renew)."""
     cfg, c = worker_env
     n = PUSH_LIMIT + 6
     real = Scripts.push_tokens_many
@@ -253,7 +253,7 @@ async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts
     rt.held.update(ds)
     for rid, d in ds.items():
         d.add([1], "x" * (4 * 1024 * 1024 + 1) if rid == "b" else rid, 0.0)
-    news = {d.request_id: r for d, r in await rt.push_many(list(ds.values()))}
+    news = {d.request_id: r for d, r in await rt.push_batches(rt.batches(list(ds.values())))}
     assert news["a"] is False and news["c"] is False
     refused = news["b"]
     assert isinstance(refused, InvalidArgument) and refused.field == "text"

@@ -395,8 +395,7 @@ async def test_on_a_cluster_a_pipeline_to_a_gone_node_fails_as_an_outage_and_the
             break
         assert time.monotonic() < deadline, f"admits still failing after 15 s: {again}"
         await asyncio.sleep(0.05)
-    last = n
-    assert redis_cluster.owner(keys.policy).client().exists(keys.request(f"a{last}-0"))
+    assert redis_cluster.owner(keys.policy).client().exists(keys.request(f"a{n}-0"))
 
 
 def test_a_loop_that_stopped_before_its_flush_does_not_strand_later_calls(redis_server, sync_redis):

@@ -53,7 +53,7 @@ IDLE_HELD_S = 0.05
 # the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
 # enough that work admitted meanwhile is claimed promptly.
 MAX_BACKOFF_INTERVALS = 5
-# What a push learnt about one request (push_many): its client cancelled (True) or not, its
+# What a push learnt about one request (push_batches): its client cancelled (True) or not, its
 # lease is lost, or Redis refused its tokens.
 PushNews = bool | LeaseLost | InvalidArgument
 
@@ -330,17 +330,6 @@ class WorkerRuntime:
         finally:
             self.metrics.pushes.inc(d.pushes - before)
 
-    async def push_many(self, ds: list[Delivery]) -> list[tuple[Delivery, PushNews]]:
-        """Push the pending tokens of ``ds`` with as few ``push_tokens`` calls as PUSH_LIMIT
-        allows; per delivery pushed, True when its client cancelled, the LeaseLost it met, or
-        the InvalidArgument Redis refused its batch with (past the request's max_tokens; or a
-        batch Redis cannot take): those tokens can never be delivered (:meth:`fail_refused`).
-        Raises RedisUnavailable: the batches of that call and of the calls after it stay
-        pending (in doubt, settled by the next push's offset check); the ones before are
-        settled already, and their news comes again (a cancel flag stays set; a lost lease
-        stays lost)."""
-        return await self.push_batches(self.batches(ds))
-
     @staticmethod
     def batches(ds: list[Delivery]) -> list[tuple[Delivery, TokenBatch]]:
         """What :meth:`push_batches` sends for ``ds``: their tokens pending now. Taken when
@@ -348,7 +337,14 @@ class WorkerRuntime:
         return [(d, b) for d in ds if (b := d.batch()) is not None]
 
     async def push_batches(self, todo: list[tuple[Delivery, TokenBatch]]) -> list[tuple[Delivery, PushNews]]:
-        """:meth:`push_many` for batches :meth:`batches` took."""
+        """Push ``todo`` (:meth:`batches`) with as few ``push_tokens`` calls as PUSH_LIMIT
+        allows; per delivery pushed, True when its client cancelled, the LeaseLost it met, or
+        the InvalidArgument Redis refused its batch with (past the request's max_tokens; or a
+        batch Redis cannot take): those tokens can never be delivered (:meth:`fail_refused`).
+        Raises RedisUnavailable: the batches of that call and of the calls after it stay
+        pending (in doubt, settled by the next push's offset check); the ones before are
+        settled already, and their news comes again (a cancel flag stays set; a lost lease
+        stays lost)."""
         out: list[tuple[Delivery, PushNews]] = []
         for i in range(0, len(todo), PUSH_LIMIT):
             await self._push_batches(todo[i:i + PUSH_LIMIT], out)
