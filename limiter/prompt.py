@@ -11,9 +11,12 @@
 
       {"v": 1, "kind": "chat"|"completion", "prompt": str, "max_tokens": int,
        "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str,
-       "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?}]}
+       "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?}],
+       "stream": bool}
 
-  The last three are optional (a payload without them decodes to their defaults). ``messages``
+  The last four are optional (a payload without them decodes to their defaults; ``stream``
+  is written only when false, and a payload without it, from an older frontend, is taken
+  for a streamed one: pushed as often as before). ``messages``
   are the chat messages as data: the openai engine sends them upstream as they are, never
   parsed back out of the rendered ``prompt`` (a user message that contains ``<|system|>``
   must stay a user message).
@@ -71,6 +74,12 @@ def render_chat(messages: Iterable[tuple[str, str]]) -> str:
     return "".join(parts)
 
 
+def _flag(v: Any, name: str) -> bool:
+    if not isinstance(v, bool):
+        raise ValueError(f"payload field {name!r} is not a boolean: {v!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class Payload:
     """The request as the worker needs it; ``kind`` only matters for logs and samples."""
@@ -86,6 +95,10 @@ class Payload:
     ignore_eos: bool = False
     min_tokens: int = 0
     messages: tuple[ChatMessage, ...] = ()
+    # Whether the client reads the answer as it is made (SSE). A worker pushes the tokens of
+    # an unstreamed request far less often (worker/settings.py unstreamed_flush_ms): nobody
+    # reads them before the end, and each push is Redis time.
+    stream: bool = True
 
     def pack(self) -> bytes:
         d: dict[str, Any] = {
@@ -99,6 +112,8 @@ class Payload:
             d["min_tokens"] = self.min_tokens
         if self.messages:
             d["messages"] = [m.to_dict() for m in self.messages]
+        if not self.stream:
+            d["stream"] = False
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -116,6 +131,7 @@ class Payload:
                        stop=tuple(str(s) for s in d.get("stop") or ()), seed=d.get("seed"),
                        model=str(d.get("model", "")), ignore_eos=bool(d.get("ignore_eos", False)),
                        min_tokens=int(d.get("min_tokens", 0)),
-                       messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()))
+                       messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()),
+                       stream=_flag(d.get("stream", True), "stream"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"payload is malformed: {exc}") from exc

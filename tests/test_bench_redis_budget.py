@@ -19,6 +19,12 @@ def test_tokens_per_push_follows_the_worker_flush() -> None:
     assert rb.tokens_per_push(100, 50, 16) == 1  # steps longer than flush_ms: every step
 
 
+def test_an_unstreamed_request_pushes_every_unstreamed_flush_ms_however_many_tokens() -> None:
+    assert rb.unstreamed_tokens_per_push(12.5, 50, 1000) == 80  # not capped at flush_tokens
+    assert rb.unstreamed_tokens_per_push(12.5, 2000, 1000) == 160  # never more often than the class
+    assert rb.unstreamed_tokens_per_push(2000, 50, 1000) == 1  # steps longer than that: every step
+
+
 def test_pushes_per_request() -> None:
     assert rb.pushes_per_request(1, 4) == (0, 0)  # the only token rides on complete
     assert rb.pushes_per_request(2, 4) == (1, 0)
@@ -61,6 +67,19 @@ def test_budget_arithmetic() -> None:
     for batch, share in ((8, 20.0), (1, 50.0)):
         b = rb.budget(together, tokens=8, per_push=4, claim_batch=batch, step_ms=10, lease_ms=300)
         assert b["us"]["complete"] == share
+    # a client that does not stream: after the first token, pushes of 80 tokens, 8 a call
+    quiet = us | {"push_tokens x8": 16.0, "push_tokens x8 unstreamed": 40.0}
+    b = rb.budget(quiet, tokens=256, per_push=4, claim_batch=8, step_ms=10, lease_ms=300,
+                  unstreamed_per_push=80)
+    assert not b["streamed"] and b["pushes"] == 1 + 3  # 1 | 2-81 | 82-161 | 162-241 | 242-256 on complete
+    assert b["us"]["push_tokens"] == pytest.approx(10.0 + 3 * 40.0 / 8)
+    streamed = rb.budget(quiet, tokens=256, per_push=4, claim_batch=8, step_ms=10, lease_ms=300)
+    assert streamed["streamed"] and streamed["pushes"] == 64
+    assert rb.budget(quiet, tokens=8, per_push=4, claim_batch=8, step_ms=10, lease_ms=300,
+                     unstreamed_per_push=80)["pushes"] == 1  # the first token; the rest on complete
+    with pytest.raises(ValueError, match="batches of 8"):
+        rb.budget(quiet, tokens=8, per_push=4, claim_batch=1, step_ms=10, lease_ms=300,
+                  unstreamed_per_push=80)
     worse = rb.budget(us | {"admit": 51.0}, tokens=1, per_push=4, claim_batch=1, step_ms=10, lease_ms=300)
     assert worse["pushes"] == 0 and not worse["admit_meets_goal"]
     assert worse["total_us"] == pytest.approx(51 + 60 + 0.1 * 640 / rb.RENEW_HELD + 50)
@@ -84,8 +103,11 @@ async def test_tiny_run(tmp_path) -> None:
         assert sum(p.inner.values()) >= 1, p  # every script calls Redis at least once
     assert report.phases[rb.PHASES.index("renew_leases")].calls == 1  # all 32 held in one call
     assert report.meta["renew_held"] == 32
-    assert {(b["tokens"], b["claim_batch"]) for b in report.budgets} == {(t, c) for t in rb.TOKENS
-                                                                           for c in rb.CLAIM_BATCHES}
+    assert [(b["tokens"], b["claim_batch"], b["streamed"]) for b in report.budgets] == \
+        [(t, c, True) for t in rb.TOKENS for c in rb.CLAIM_BATCHES] + [(t, 8, False) for t in rb.TOKENS]
+    assert report.meta["unstreamed_tokens_per_push"] == 80 and report.meta["max_tokens"] == rb.MAX_TOKENS
+    unstreamed = report.phases[rb.PHASES.index("push_tokens x8 unstreamed")]
+    assert unstreamed.calls == 32 // 8 and unstreamed.inner.get("xadd") == 8  # 8 requests pushed a call
     for b in report.budgets:
         assert set(b["us"]) == {"admit", "claim", "push_tokens", "renew_leases", "complete"}
         assert all(v > 0 for v in b["us"].values()), b

@@ -131,13 +131,8 @@ async def test_the_step_worker_pushes_the_requests_due_at_a_step_in_one_call(wor
     assert max(calls) > 1, f"push_tokens calls carried {calls} requests each: no call carried two"
 
 
-async def test_a_class_with_a_longer_stream_flush_is_pushed_less_often(worker_env, monkeypatch) -> None:
-    """``stream_flush_ms`` of a class overrides the worker's flush_ms for its requests: a P2
-    request at 10 s is pushed once (its first token: time to first token is not batched)
-    and completes with the rest, while P1 beside it is pushed at the worker's 1 ms."""
-    cfg, c = worker_env
-    classes = tuple(dataclasses.replace(k, stream_flush_ms=10_000.0) if k.name == "P2" else k
-                    for k in cfg.classes)
+def _count_pushes(monkeypatch) -> dict[str, int]:
+    """Request id -> the push_tokens batches it had, counted as the worker sends them."""
     batches: dict[str, int] = {}
     real = Scripts.push_tokens_many
 
@@ -147,6 +142,17 @@ async def test_a_class_with_a_longer_stream_flush_is_pushed_less_often(worker_en
         return await real(self, keys, worker_id, bs, lease_ms)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", counting)
+    return batches
+
+
+async def test_a_class_with_a_longer_stream_flush_is_pushed_less_often(worker_env, monkeypatch) -> None:
+    """``stream_flush_ms`` of a class overrides the worker's flush_ms for its requests: a P2
+    request at 10 s is pushed once (its first token: time to first token is not batched)
+    and completes with the rest, while P1 beside it is pushed at the worker's 1 ms."""
+    cfg, c = worker_env
+    classes = tuple(dataclasses.replace(k, stream_flush_ms=10_000.0) if k.name == "P2" else k
+                    for k in cfg.classes)
+    batches = _count_pushes(monkeypatch)
     p1 = await c.admit("steady one", cls="P1", max_tokens=24)
     p2 = await c.admit("batch job", cls="P2", max_tokens=24)
     async with worker(dataclasses.replace(cfg, classes=classes), engine="sim", time_scale=0.01, flush_ms=1,
@@ -157,6 +163,26 @@ async def test_a_class_with_a_longer_stream_flush_is_pushed_less_often(worker_en
         assert a.done is not None and a.text == sim_text(prompt, 0, 24), (rid, a)
     assert batches.get(p2) == 1, batches
     assert batches.get(p1, 0) >= 4, batches
+
+
+async def test_an_unstreamed_request_is_pushed_once_and_completes_with_the_rest(worker_env,
+                                                                                   monkeypatch) -> None:
+    """A client that does not stream reads the whole answer at the end: its request's first
+    token is pushed at once (it tells the frontend the request runs) and the rest rides on
+    complete well inside unstreamed_flush_ms, while a streamed request of the same class
+    beside it is pushed at the worker's flush_ms / flush_tokens. Both answers are whole."""
+    cfg, c = worker_env
+    batches = _count_pushes(monkeypatch)
+    streamed = await c.admit("read as it comes", max_tokens=24)
+    unstreamed = await c.admit("read at the end", max_tokens=24, stream=False)
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_ms=1, flush_tokens=2,
+                      unstreamed_flush_ms=60_000):
+        await c.wait([streamed, unstreamed], timeout=30)
+    for rid, prompt in ((streamed, "read as it comes"), (unstreamed, "read at the end")):
+        a = c.answers[rid]
+        assert a.done is not None and a.tokens == 24 and a.text == sim_text(prompt, 0, 24), (rid, a)
+    assert batches.get(unstreamed) == 1, batches
+    assert batches.get(streamed, 0) >= 4, batches
 
 
 def _fail_one_call(monkeypatch, *, land: bool, which: int) -> dict:

@@ -97,6 +97,12 @@ async def test_extensions_reach_the_worker_payload(client, fake_worker):
     assert r.status == 200, await r.text()
     p = fake_worker.payloads[r.headers["X-QoS-Request-Id"]]
     assert p.ignore_eos is True and p.min_tokens == 5 and p.max_tokens == 12 and p.messages == ()
+    assert p.stream is False  # what the worker's push cadence follows
+
+    r = await client.post("/v1/completions", json={**body, "stream": True}, headers=auth())
+    assert r.status == 200, await r.text()
+    await r.read()
+    assert fake_worker.payloads[r.headers["X-QoS-Request-Id"]].stream is True
 
     body = {"model": "tiny", "messages": [{"role": "system", "content": "be brief"},
                                           {"role": "user", "content": [{"type": "text", "text": "hi"}],
@@ -243,6 +249,12 @@ def test_payload_carries_extensions_and_messages():
     # a payload written without the new fields (an older frontend) decodes to the defaults
     old = Payload("completion", "x", 2).pack()
     assert Payload.unpack(old) == Payload("completion", "x", 2)
+    import msgpack
+    assert "stream" not in msgpack.unpackb(old)  # a streamed request's payload is as before
+    unstreamed = Payload("completion", "x", 2, stream=False)
+    assert Payload.unpack(unstreamed.pack()) == unstreamed and not Payload.unpack(unstreamed.pack()).stream
+    with pytest.raises(ValueError, match="'stream' is not a boolean"):
+        Payload.unpack(msgpack.packb({"v": 1, "kind": "chat", "prompt": "x", "max_tokens": 1, "stream": 0}))
     with pytest.raises(ValueError):
         import msgpack
         Payload.unpack(msgpack.packb({"v": 1, "kind": "chat", "prompt": "x", "max_tokens": 1,

@@ -102,6 +102,24 @@ async def test_chunks_of_several_tokens_are_counted_by_the_upstreams_usage(env, 
     assert a.offsets == ([0, 2, 4] if chunk_usage else [0, 1, 2, 3])
 
 
+async def test_an_unstreamed_requests_chunks_are_not_forwarded_one_by_one(env) -> None:
+    """upstream_forward_chunks pushes each chunk for a client that reads them as they come;
+    a client that does not stream reads the answer at the end, so its request is pushed once
+    (the first token: the frontend learns it runs) and the rest rides on complete."""
+    cfg, c, up = env
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        streamed = await c.admit("abcdefghijklmnopq", max_tokens=5)
+        unstreamed = await c.admit("abcdefghijklmnopq", max_tokens=5, stream=False)
+        await c.wait([streamed, unstreamed], timeout=20)
+    for rid in (streamed, unstreamed):
+        a = c.answers[rid]
+        assert a.text == "abcdefghijklmnopq"[::-1][:15] and a.tokens == int(a.done["out"]) == 5, (rid, a)
+    # the offsets of the entries with tokens: a push per chunk, the last with nothing left
+    # for complete; the unstreamed request's first push and its complete with the other four
+    assert c.answers[streamed].offsets == [0, 1, 2, 3, 4] and c.answers[streamed].done["n"] == "0"
+    assert c.answers[unstreamed].offsets == [0, 1] and c.answers[unstreamed].done["n"] == "4"
+
+
 async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> None:
     cfg, c, up = env
     async with worker(cfg, engine="openai", upstream_url=up.url):

@@ -20,6 +20,7 @@ from worker.batch_scheduler import BatchScheduler, resume_finish_reason
 from worker.delivery import Delivery
 from worker.engines.base import SamplingParams, request_seed
 from worker.engines.sim import CostModel, SimEngine
+from worker.runtime import WorkerRuntime
 from worker.settings import default_worker_id, load_settings
 from worker.step_budget import BudgetConfig, StepBudget
 from worker.textstream import StopScanner
@@ -261,6 +262,8 @@ def test_settings_errors_name_the_worker_field_and_ids_are_sanitised() -> None:
     ("heartbeat_ttl_s", 1e12),  # an EXPIRE Redis refuses
     ("upstream_timeout_s", float("inf")),
     ("torch_threads", 10**9),
+    ("unstreamed_flush_ms", 0),  # an unstreamed request pushed every step
+    ("unstreamed_flush_ms", float("inf")),  # never pushed: a lost worker's successor redoes it all
 ])
 def test_implausible_worker_settings_are_refused_naming_the_field(field, value) -> None:
     with pytest.raises(ConfigError, match=rf"worker\.{field}"):
@@ -286,6 +289,41 @@ def test_push_batching_rules() -> None:
     assert d.due(0.045, 50, 16, step_s=0.01)  # would be older than 50 ms by the next step
     d.add(list(range(15)), "b" * 15, 0.02)
     assert d.due(0.02, 50, 16)  # 16 pending
+
+
+def _pushed_once(cls: str, stream: bool) -> Delivery:
+    """A request of class ``cls`` whose first token went out; 999 more pending since t=0."""
+    c = Claimed("r1", cls, "t1", 1, b"", 0, 5, 10_000, "fe1", 0, [], 0, 0)
+    d = Delivery(c, Payload("completion", "hi", 10_000, stream=stream), 1000, 0.0, 3, 1)
+    d.add([1], "a", 0.0)
+    d.pushes = 1
+    d.pending_ids, d.pending_text, d.pending_tokens, d.pending_since = [], "", 0, None
+    d.add(list(range(999)), "b" * 999, 0.0)
+    return d
+
+
+def test_an_unstreamed_requests_tokens_are_pushed_every_unstreamed_flush_ms_however_many() -> None:
+    """A client that does not stream reads nothing before the end: after its first batch
+    (at once, as for everyone) its tokens wait up to unstreamed_flush_ms (never less than its
+    class's own period), not flush_ms, and flush_tokens does not hurry them."""
+    cfg = demo_config()
+    classes = tuple(dataclasses.replace(k, stream_flush_ms=3000.0) if k.name == "P2" else k
+                    for k in cfg.classes)
+    cfg = dataclasses.replace(cfg, classes=classes)
+    rt = WorkerRuntime(load_settings(cfg, {"engine": "sim", "flush_ms": 50, "flush_tokens": 16,
+                                           "unstreamed_flush_ms": 1000}), cfg, engine="sim", simulated=True)
+    streamed, unstreamed = _pushed_once("P1", True), _pushed_once("P1", False)
+    assert rt.push_due(streamed, 0.001)  # 999 pending >= flush_tokens
+    assert not rt.push_due(unstreamed, 0.001) and not rt.push_due(unstreamed, 0.9)
+    assert not rt.push_due(unstreamed, 0.95, step_s=0.04)
+    assert rt.push_due(unstreamed, 0.95, step_s=0.05)  # older than 1 s by the next step
+    assert rt.push_due(unstreamed, 1.0)
+    slow_class = _pushed_once("P2", False)  # its class pushes every 3 s: not more often unstreamed
+    assert not rt.push_due(slow_class, 2.9) and rt.push_due(slow_class, 3.0)
+    first = _delivery()
+    first.payload = Payload("completion", "hi", 100, stream=False)
+    first.add([1], "a", 0.0)
+    assert rt.push_due(first, 0.0)  # an attempt's first batch goes at once, streamed or not
 
 
 class _FakeScripts:

@@ -19,10 +19,12 @@ One iteration, between engine steps:
 3. one :class:`~worker.batch_scheduler.BatchScheduler` step (preempt, admit, chunked-prefill plan,
    engine step, EOS / max_tokens / stop-string detection);
 4. send, concurrently, every completion of this step, one ``push_tokens`` call with every
-   due request's tokens, plus (at most every ``flush_ms``) one ``SMISMEMBER cancels`` over
-   the held ids not pushed now, so a cancelled request stops within ``flush_ms`` and a step
-   or two. These calls run while the *next* step computes (they are awaited before that
-   step's own calls), so Redis round trips stay off the GPU's critical path.
+   due request's tokens (``WorkerRuntime.push_due``: streamed requests every ``flush_ms``,
+   unstreamed ones every ``unstreamed_flush_ms``), plus (at most every ``flush_ms``) one
+   ``SMISMEMBER cancels`` over the held ids not pushed now, so a cancelled request stops
+   within ``flush_ms`` and a step or two. These calls run while the *next* step computes
+   (they are awaited before that step's own calls), so Redis round trips stay off the GPU's
+   critical path.
 
 An engine error fails the requests the engine held (it cannot be trusted with them) and
 the loop goes on. Redis outages back off and retry; nothing generated is dropped meanwhile.
@@ -541,7 +543,7 @@ class StepLoop:
         ending = {d.request_id for d, _ in finishing}
         now, step = time.monotonic(), res.duration_s
         pushes = [d for rid, d in held.items() if rid not in ending and d.final is None
-                  and d.due(now, self.rt.flush_ms(d.claimed.cls), s.flush_tokens, step)]
+                  and self.rt.push_due(d, now, step)]
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
         # takes well under a millisecond: per step it was most of the Redis commands per request).

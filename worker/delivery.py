@@ -3,7 +3,9 @@
 A :class:`Delivery` buffers the tokens released for a request and pushes them with
 ``push_tokens`` in batches: per request, when ``flush_tokens`` (16) are pending or before
 the oldest would wait more than ``flush_ms`` (50 ms), whichever comes first, and the first
-batch of an attempt at once (time to first token is what users feel). So Redis sees far
+batch of an attempt at once (time to first token is what users feel). A request whose
+client does not stream is pushed only every ``unstreamed_flush_ms`` (1 s) after its first
+batch (``WorkerRuntime.push_due`` decides). So Redis sees far
 fewer than one write per generated token, while no token waits more than ~50 ms (with
 steps longer than that, every step pushes). The step loop sends the batches of every
 request due at a step in one ``push_tokens`` call (:meth:`Delivery.batch`,
@@ -102,13 +104,14 @@ class Delivery:
         self.pending_text += text
         self.pending_tokens += n
 
-    def due(self, t: float, flush_ms: float, flush_tokens: int, step_s: float = 0.0) -> bool:
-        """Push now? At once for an attempt's first batch, at ``flush_tokens`` pending, or when
-        the oldest pending token would be older than ``flush_ms`` by the next chance to push
-        (``step_s`` from now), so no token waits longer than ``flush_ms``."""
+    def due(self, t: float, flush_ms: float, flush_tokens: int | None, step_s: float = 0.0) -> bool:
+        """Push now? At once for an attempt's first batch, at ``flush_tokens`` pending (None:
+        no such bound), or when the oldest pending token would be older than ``flush_ms`` by
+        the next chance to push (``step_s`` from now), so no token waits longer than
+        ``flush_ms``."""
         if not self.pending_tokens:
             return False  # text alone (no token) waits for the next token or complete
-        if self.pushes == 0 or self.pending_tokens >= flush_tokens:
+        if self.pushes == 0 or (flush_tokens is not None and self.pending_tokens >= flush_tokens):
             return True
         return self.pending_since is not None and (t - self.pending_since + step_s) * 1e3 >= flush_ms
 

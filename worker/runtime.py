@@ -191,11 +191,18 @@ class WorkerRuntime:
         c = self.cfg.class_config(cls)
         return (c.weight, c.out_weight) if c else (1.0, 1.0)
 
-    def flush_ms(self, cls: str) -> float:
-        """How often a request of class ``cls`` has its tokens pushed at least: the class's
-        ``stream_flush_ms``, else the worker's ``flush_ms``."""
-        c = self.cfg.class_config(cls)
-        return c.stream_flush_ms if c and c.stream_flush_ms is not None else self.settings.flush_ms
+    def push_due(self, d: Delivery, t: float, step_s: float = 0.0) -> bool:
+        """Push ``d``'s pending tokens now (:meth:`Delivery.due`)? A streamed request's tokens
+        at least every ``stream_flush_ms`` of its class (else the worker's ``flush_ms``) or at
+        ``flush_tokens`` pending; an unstreamed one's only every ``unstreamed_flush_ms`` (at
+        least the class's period), however many are pending. The first batch goes at once
+        either way: it is what tells the frontend, and its metrics, that the request runs."""
+        s = self.settings
+        c = self.cfg.class_config(d.claimed.cls)
+        flush_ms = c.stream_flush_ms if c and c.stream_flush_ms is not None else s.flush_ms
+        if d.payload.stream:
+            return d.due(t, flush_ms, s.flush_tokens, step_s)
+        return d.due(t, max(flush_ms, s.unstreamed_flush_ms), None, step_s)
 
     def redis_now_ms(self) -> int:
         return int(time.time() * 1000 + self._clock_offset_ms)

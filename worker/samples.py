@@ -6,7 +6,8 @@ the controller; this module only fills it from a worker's :class:`Delivery` (out
 
 Token times are when the engine produced the token (end of its step), not when the batched
 push reached Redis: the sample measures the GPU schedule, which is what the controller
-steers; the push batching adds at most ``flush_ms`` on top and is the same for every class.
+steers; the push batching adds at most ``flush_ms`` on top for a streamed request (its
+class's ``stream_flush_ms``; an unstreamed one's client reads nothing before the end).
 """
 
 from __future__ import annotations

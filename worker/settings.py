@@ -55,6 +55,13 @@ class WorkerSettings:
     # streaming back
     flush_ms: float = 50.0  # push a request's tokens at least this often...
     flush_tokens: int = 16  # ...or once this many are pending, whichever comes first
+    # A request whose client does not stream (stream=false: it reads the whole answer at the
+    # end) has its first token pushed at once and the rest at least this often, however many
+    # are pending (not flush_ms / flush_tokens: nobody reads them before the end, and each
+    # push is a request's share of a push_tokens call). The pushes left are what a worker that
+    # takes the request over resumes from: a lost worker's successor makes again at most this
+    # much of its answer. Never less often than the class's own stream_flush_ms.
+    unstreamed_flush_ms: float = 1000.0
     # upkeep
     lease_ms: int = 0  # 0 = the pool's lease_ms
     heartbeat_s: float = 1.0
@@ -111,6 +118,7 @@ class WorkerSettings:
         check(0 <= self.wake_check_ms <= 10_000, "wake_check_ms", "must be in [0, 10000]")
         check(0 < self.flush_ms <= 10_000, "flush_ms", "must be in (0, 10000]")
         check(1 <= self.flush_tokens <= 100_000, "flush_tokens", "must be in [1, 100000]")
+        check(0 < self.unstreamed_flush_ms <= 60_000, "unstreamed_flush_ms", "must be in (0, 60000]")
         check(self.lease_ms == 0 or 100 <= self.lease_ms <= 3_600_000, "lease_ms",
               "must be 0 (the pool's) or in [100, 3600000]")
         # (1e-9 heartbeat Redis flat out; a TTL past a day is one EXPIRE may refuse)

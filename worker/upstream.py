@@ -527,9 +527,9 @@ class UpstreamLoop:
                         counted += new
                     now = time.monotonic()
                     gap, last = now - last, now
-                    forward = s.upstream_forward_chunks and d.pending_tokens > 0  # as the upstream chunked it
-                    flush_ms = self.rt.flush_ms(d.claimed.cls)
-                    if forward or d.due(now, flush_ms, s.flush_tokens, step_s=gap):  # next ~gap away
+                    # as the upstream chunked it, for a client that reads the chunks as they come
+                    forward = s.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0
+                    if forward or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.rt.push(d):
                                 return ("cancelled", "cancelled", "")

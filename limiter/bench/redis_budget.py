@@ -14,7 +14,10 @@ drives them --
   ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``. Measured one
   request per call, and eight per call (``push_tokens (first) x8`` and ``push_tokens x8``:
   the step worker sends every request due at a step in one call, and requests claimed
-  together make their first tokens at the same step);
+  together make their first tokens at the same step). A request whose client does not
+  stream is pushed every ``unstreamed_flush_ms`` (1 s) after its first token, however many
+  tokens that is (``push_tokens x8 unstreamed``, 80 tokens each at 12.5 ms steps): the
+  budget's "unstreamed" columns;
 * ``complete`` with a latency sample, one request per call, and eight (``complete x8``: a
   step worker's completions of one step, which its script batcher sends as one call);
 * ``renew_leases``: every ``lease_ms / 3`` over every held request (worker/runtime.py): a
@@ -71,8 +74,8 @@ BASE_GOAL_US = 150.0
 PER_TOKEN_GOAL_US = 2.0
 # the rows of the table: what one call of each measured phase is
 PHASES = ("floor (1-command script)", "admit", "admit x8", "claim x1", "claim x8", "push_tokens (first)",
-          "push_tokens (first) x8", "push_tokens", "push_tokens x8", "renew_leases", "complete",
-          "complete x8")
+          "push_tokens (first) x8", "push_tokens", "push_tokens x8", "push_tokens x8 unstreamed",
+          "renew_leases", "complete", "complete x8")
 
 
 @dataclass(frozen=True)
@@ -116,6 +119,12 @@ def tokens_per_push(step_ms: float, flush_ms: float, flush_tokens: int) -> int:
     return max(1, min(flush_tokens, math.ceil(flush_ms / step_ms - 1e-9)))
 
 
+def unstreamed_tokens_per_push(step_ms: float, flush_ms: float, unstreamed_flush_ms: float) -> int:
+    """Tokens in one push after the first for a request whose client does not stream: every
+    ``max(flush_ms, unstreamed_flush_ms)`` however many are pending (WorkerRuntime.push_due)."""
+    return max(1, math.ceil(max(flush_ms, unstreamed_flush_ms) / step_ms - 1e-9))
+
+
 def pushes_per_request(tokens: int, per_push: int) -> tuple[int, int]:
     """(first pushes, later pushes) of a request with ``tokens`` output tokens: the first
     token alone at once, then the rest in groups of ``per_push``, the last group on
@@ -136,7 +145,8 @@ def renew_held(requests: int) -> int:
 
 
 def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, step_ms: float,
-           lease_ms: int, renew_held: int = RENEW_HELD) -> dict[str, Any]:
+           lease_ms: int, renew_held: int = RENEW_HELD, unstreamed_per_push: int | None = None
+           ) -> dict[str, Any]:
     """Redis microseconds one request costs with ``tokens`` output tokens, by script, from
     ``us`` (phase -> usec per call): a worker running ``claim_batch`` requests together
     claims them in one call and, when ``claim_batch`` is 8 (and ``us`` has the phase), sends
@@ -144,9 +154,12 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     same step; ``push_tokens x8``) and completes them 8 to a call (``complete x8``: they
     finish at the same step, as requests of one length claimed together do), and their
     frontends' admits came 8 to a call too (``admit x8``: a loaded frontend);
-    a renew call covers ``renew_held`` requests. With the goal check and what one shard
-    carries."""
-    first, later = pushes_per_request(tokens, per_push)
+    a renew call covers ``renew_held`` requests. ``unstreamed_per_push`` (with
+    ``claim_batch`` 8): the request's client does not stream, and its pushes after the first
+    carry that many tokens (``push_tokens x8 unstreamed``). With the goal check and what one
+    shard carries."""
+    streamed = unstreamed_per_push is None
+    first, later = pushes_per_request(tokens, per_push if streamed else unstreamed_per_push)
     first_us, later_us = us["push_tokens (first)"], us["push_tokens"]
     admit_us = us["admit"]
     complete_us = us["complete"]
@@ -154,6 +167,10 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
         first_us = us["push_tokens (first) x8"] / 8
     if claim_batch == 8 and "push_tokens x8" in us:
         later_us = us["push_tokens x8"] / 8
+    if not streamed:
+        if claim_batch != 8:
+            raise ValueError("the unstreamed budget is of batches of 8 (push_tokens x8 unstreamed)")
+        later_us = us["push_tokens x8 unstreamed"] / 8
     if claim_batch == 8 and "admit x8" in us:
         admit_us = us["admit x8"] / 8
     if claim_batch == 8 and "complete x8" in us:
@@ -167,7 +184,8 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     }
     total = sum(by.values())
     goal = BASE_GOAL_US + PER_TOKEN_GOAL_US * tokens
-    return {"tokens": tokens, "claim_batch": claim_batch, "pushes": first + later, "us": by,
+    return {"tokens": tokens, "claim_batch": claim_batch, "streamed": streamed, "pushes": first + later,
+            "us": by,
             "total_us": total, "goal_us": goal, "meets_goal": total <= goal,
             "admit_meets_goal": admit_us <= ADMIT_GOAL_US, "requests_per_s": 1e6 / total}
 
@@ -192,13 +210,17 @@ class Driver:
     """The private Redis, the pool and the requests in flight."""
 
     def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None,
-                 scripts: Scripts | None = None) -> None:
-        """``scripts``: a registry of the caller's (default: one over ``lua``)."""
+                 scripts: Scripts | None = None, unstreamed_per_push: int = 80,
+                 max_tokens: int = MAX_TOKENS) -> None:
+        """``scripts``: a registry of the caller's (default: one over ``lua``); ``max_tokens``:
+        each request's, at least what the phases push into it."""
         self.client = client
         self.private = private
         self.scripts = scripts or Scripts(client, lua=lua)
         self.keys = PoolKeys(POOL)
         self.per_push = per_push
+        self.unstreamed_per_push = unstreamed_per_push
+        self.max_tokens = max_tokens
         self.payload = request_payload()
         self.claimed: list[Claimed] = []
         self.offset: dict[str, int] = {}
@@ -248,7 +270,7 @@ class Driver:
     def admit(self, i: int, cls: str) -> Callable[[], Awaitable[Any]]:
         return lambda: self.scripts.admit(
             self.keys, request_id=f"r{i}", tenant=f"t{i % TENANTS}", cls=cls, input_tokens=INPUT_TOKENS,
-            max_tokens=MAX_TOKENS, tenant_rate=1e12, tenant_burst=1e15, tenant_max_inflight=0,
+            max_tokens=self.max_tokens, tenant_rate=1e12, tenant_burst=1e15, tenant_max_inflight=0,
             max_wait_ms=0, frontend_id=FRONTEND, payload=self.payload)
 
     def claim(self, batch: int) -> Callable[[], Awaitable[Any]]:
@@ -328,6 +350,8 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     groups = [d.claimed[i:i + 8] for i in range(0, len(d.claimed), 8)]
     phases.append(await d.measure("push_tokens x8", [d.push_many(g, d.per_push) for _ in range(push_rounds)
                                                      for g in groups]))
+    phases.append(await d.measure("push_tokens x8 unstreamed", [d.push_many(g, d.unstreamed_per_push)
+                                                                for g in groups]))
     size = renew_held(requests)
     held = [d.claimed[i:i + size] for i in range(0, len(d.claimed) - size + 1, size)]
     phases.append(await d.measure("renew_leases", [d.renew(h) for h in held]))
@@ -363,11 +387,17 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
         raise ValueError("requests must be a positive multiple of 16")
     s = WorkerSettings()
     per_push = per_push or tokens_per_push(step_ms, s.flush_ms, s.flush_tokens)
+    unstreamed = unstreamed_tokens_per_push(step_ms, s.flush_ms, s.unstreamed_flush_ms)
+    # a request's max_tokens holds what its phases push (first token, pushes, the unstreamed
+    # push) and complete's tokens: 256 at the defaults, more at short steps
+    max_tokens = max(MAX_TOKENS, 1 + (2 * push_rounds + 1) * per_push + unstreamed)
     server = None if redis_url else RedisServer(extra=["--appendonly", "no"]).start()
     client = aioredis.from_url(redis_url or (server.url if server else ""))
     try:
-        d = Driver(client, per_push, private=server is not None)
-        base = Driver(client, per_push, private=server is not None, lua=baseline) if baseline else None
+        d = Driver(client, per_push, private=server is not None, unstreamed_per_push=unstreamed,
+                   max_tokens=max_tokens)
+        base = Driver(client, per_push, private=server is not None, lua=baseline,
+                      unstreamed_per_push=unstreamed, max_tokens=max_tokens) if baseline else None
         all_rounds, base_rounds = [], []
         for _ in range(rounds):
             if base:
@@ -380,13 +410,17 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
 
         def budgets(us: dict[str, float]) -> list[dict[str, Any]]:
             return [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests))
-                    for t in tokens for b in CLAIM_BATCHES]
+                    for t in tokens for b in CLAIM_BATCHES] + \
+                [budget(us, t, per_push, 8, step_ms, lease_ms, renew_held(requests), unstreamed)
+                 for t in tokens]
         report.budgets = budgets(report.us())
         if base:
             report.baseline_budgets = budgets({p.name: p.usec_per_call for p in report.baseline})
         info = await client.info("server")
         report.meta = {"requests": requests, "rounds": rounds, "step_ms": step_ms,
-                       "tokens_per_push": per_push,
+                       "tokens_per_push": per_push, "unstreamed_tokens_per_push": unstreamed,
+                       "max_tokens": max_tokens,
+                       "unstreamed_flush_ms": s.unstreamed_flush_ms,
                        "flush_ms": s.flush_ms, "flush_tokens": s.flush_tokens, "push_rounds": push_rounds,
                        "lease_ms": lease_ms, "renew_held": renew_held(requests), "tenants": TENANTS,
                        "redis_version": info.get("redis_version"), "private_server": server is not None,
@@ -417,11 +451,13 @@ def render(report: BudgetReport) -> Any:
         inner = sum(p.inner.values())
         t.add_row(p.name, f"{p.calls:,}", f"{p.usec_per_call:.1f}", _us(p.p50_us), _us(p.max_us),
                   f"{p.cpu_us_per_call:.1f}", f"{inner:.1f}")
-    b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, step "
-                    f"{m['step_ms']:g} ms; renewals every {m['lease_ms'] / 3:.0f} ms)")
+    b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, unstreamed "
+                    f"{m['unstreamed_tokens_per_push']}; step {m['step_ms']:g} ms; renewals every "
+                    f"{m['lease_ms'] / 3:.0f} ms)")
     b.add_column("per request")
     for x in report.budgets:
-        b.add_column(f"{x['tokens']} tokens\nbatches of {x['claim_batch']}", justify="right")
+        b.add_column(f"{x['tokens']} tokens\nbatches of {x['claim_batch']}"
+                     + ("" if x["streamed"] else "\nunstreamed"), justify="right")
     for part in ("admit", "claim", "push_tokens", "renew_leases", "complete"):
         b.add_row(part, *(f"{x['us'][part]:.1f}" + (f" ({x['pushes']})" if part == "push_tokens" else "")
                           for x in report.budgets))

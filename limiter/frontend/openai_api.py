@@ -53,7 +53,7 @@ class GenerationRequest:
         return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
                        temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
                        model=self.model, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                       messages=self.messages)
+                       messages=self.messages, stream=self.stream)
 
 
 def _reject_constant(name: str) -> Any:
