@@ -28,15 +28,19 @@ local function split_classes(s)
   return out
 end
 
+-- The error of every script that finds no policy (init_pool never ran, or Redis lost it):
+-- the roles map it to PolicyMissing and write the policy again.
+local function fail_no_policy(policy_key)
+  fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
+end
+
 -- The policy from its fields: the pool table with .name, .version, .classes (ordered list,
 -- highest priority first), .index[cls] (1 = highest), the numeric POOL_NUMERIC fields, and
 -- .class[cls], a table of CLASS_FIELDS (.fair a boolean; absent, as in a policy from before
 -- the field, = fair).
 local function read_policy_fields(policy_key)
   local vals = redis.call('HMGET', policy_key, 'pool', 'classes', 'version', unpack(POOL_NUMERIC))
-  if not vals[2] then
-    fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
-  end
+  if not vals[2] then fail_no_policy(policy_key) end
   local p = {name = vals[1], classes = split_classes(vals[2]), version = tonumber(vals[3]) or 0,
     index = {}, class = {}}
   for i, f in ipairs(POOL_NUMERIC) do p[f] = tonumber(vals[i + 3]) end
@@ -85,9 +89,7 @@ end
 -- there than unpacking the whole policy).
 local function load_pool_fields(policy_key, names)
   local vals = redis.call('HMGET', policy_key, 'classes', unpack(names))
-  if not vals[1] then
-    fail('NOPOLICY', 'pool policy ' .. policy_key .. ' is not initialised')
-  end
+  if not vals[1] then fail_no_policy(policy_key) end
   local p = {key = policy_key}
   for i, f in ipairs(names) do p[f] = tonumber(vals[i + 1]) end
   return p
