@@ -310,11 +310,10 @@ class WorkerRuntime:
         return blpop in done and blpop.result() is not None
 
     async def announce_work(self) -> None:
-        """Put back a wake marker this worker took and will not act on; the list is kept at
-        most 64 long, as include/wake.lua keeps it (a marker is a hint, not a count)."""
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.lpush(self.keys.wake, "1").ltrim(self.keys.wake, 0, 63)
-            await self._redis(pipe.execute())
+        """Put back a wake marker this worker took and will not act on. No trim: the list is
+        one shorter than before the take, and the scripts that push markers keep it short
+        (include/wake.lua)."""
+        await self._redis(self.client.lpush(self.keys.wake, "1"))
 
     async def take_wake_marker(self) -> bool:
         """Non-blocking: was work announced since we last looked? (For a busy worker with
