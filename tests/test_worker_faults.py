@@ -281,7 +281,7 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
         res = await real(self, keys, request_id=request_id, offset=offset, **kw)
         if request_id == holder.get("rid") and offset == 4:
             landed.set()
-            await asyncio.sleep(1.0)  # a slow reply: the cancel watcher (every 2 x flush_ms) fires meanwhile
+            await asyncio.sleep(1.0)  # a slow reply: the cancel watcher (every flush_ms) fires meanwhile
         return res
 
     real_complete = Scripts.complete

@@ -245,6 +245,25 @@ async def test_max_inflight_bounds_the_upstream_and_cancel_closes_the_stream(env
     assert all(c.answers[r].done["fin"] == "stop" for r in ids)
 
 
+async def test_an_unstreamed_request_is_cancelled_mid_answer_without_pushes_to_learn_it_from(env) -> None:
+    """An unstreamed request's pushes (whose replies carry the cancel flag) come once a second
+    at most: its cancel comes from the watcher's SMISMEMBER, and the upstream stream closes
+    long before the answer's end (40 ms a chunk, ~70 chunks)."""
+    cfg, c, up = env
+    async with worker(cfg, engine="openai", upstream_url=up.url, unstreamed_flush_ms=60_000):
+        victim = await c.admit("SLOW " + "x" * 200, max_tokens=500, stream=False)
+        await c.wait_tokens(victim, 1)  # its first token: it runs
+        assert await c.scripts.cancel(c.keys, victim, "t1") == "cancelling"
+        deadline = time.monotonic() + 30
+        while not up.disconnects:  # the upstream notices at its next write
+            assert time.monotonic() < deadline, "the upstream to see the cancelled stream disconnect"
+            await asyncio.sleep(0.02)
+        while (await c.record(victim))["state"] != "cancelled":
+            assert time.monotonic() < deadline, "the victim's record to say cancelled"
+            await asyncio.sleep(0.02)
+    assert int((await c.record(victim))["out_tokens"]) < 60  # of the ~70 the whole answer is
+
+
 async def test_chat_messages_go_upstream_as_data_never_reparsed(env, redis_server) -> None:
     """Through the real frontend and worker: a user message holding the chat template's role
     markers reaches the upstream as one user message, byte for byte, and no system message

@@ -60,8 +60,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "default on)")
     g.add_argument("--max-inflight", type=int, help="requests open at the upstream (default 64)")
     g.add_argument("--upstream-forward-chunks", action=bool_flag, default=None,
-                   help="push each upstream chunk to the client as it comes (default on; off: batch by "
-                   "--flush-ms / --flush-tokens, fewer Redis writes)")
+                   help="push each upstream chunk to a streaming client as it comes (default on; off: "
+                   "batch by --flush-ms / --flush-tokens, fewer Redis writes)")
     g.add_argument("--upstream-chunk-usage", action=bool_flag, default=None,
                    help="ask the upstream for its running usage on every chunk (vLLM's "
                    "stream_options.continuous_usage_stats; default on): exact token counts as they stream; "

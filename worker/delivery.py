@@ -6,8 +6,8 @@ the oldest would wait more than ``flush_ms`` (50 ms), whichever comes first, and
 batch of an attempt at once (time to first token is what users feel). A request whose
 client does not stream is pushed only every ``unstreamed_flush_ms`` (1 s) after its first
 batch (``WorkerRuntime.push_due`` decides). So Redis sees far
-fewer than one write per generated token, while no token waits more than ~50 ms (with
-steps longer than that, every step pushes). The step loop sends the batches of every
+fewer than one write per generated token, while no streamed token waits more than ~50 ms
+(with steps longer than that, every step pushes). The step loop sends the batches of every
 request due at a step in one ``push_tokens`` call (:meth:`Delivery.batch`,
 :meth:`Delivery.settle`). The last tokens ride on ``complete``. Offsets make delivery
 exactly-once: ``push_tokens`` refuses a batch whose offset is not the number of tokens

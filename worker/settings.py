@@ -77,7 +77,8 @@ class WorkerSettings:
     upstream_priority: bool = True  # send the class rank as vLLM's `priority`
     max_inflight: int = 64  # requests in flight at the upstream
     upstream_timeout_s: float = 600.0
-    upstream_forward_chunks: bool = True  # push each upstream chunk as it comes (else flush_ms/flush_tokens)
+    # push each upstream chunk of a streamed request as it comes (else flush_ms/flush_tokens)
+    upstream_forward_chunks: bool = True
     upstream_chunk_usage: bool = True  # ask for vLLM's continuous_usage_stats: exact token counts per chunk
     upstream_retry_min_s: float = 0.5  # unreachable upstream: first back-off before a probe...
     upstream_retry_max_s: float = 30.0  # ...doubling up to this

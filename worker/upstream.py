@@ -13,6 +13,8 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
   the client sees the upstream's chunks and inter-token times, not the worker's push
   batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
+  Not for a client that does not stream: its request is pushed as the step worker pushes
+  one (``WorkerRuntime.push_due``: the first token, then every ``unstreamed_flush_ms``).
 * Tokens are the upstream's (the model's), end to end: ``max_tokens`` goes upstream as it is
   (less what earlier attempts delivered) and the upstream stops there itself; each chunk's
   tokens are counted from the running ``usage`` vLLM puts on every chunk when asked with
@@ -351,8 +353,10 @@ class UpstreamLoop:
                 task.cancel()
 
     async def _watch_cancels(self) -> None:
-        """Cancellation check for streams that are quiet (no pushes to learn it from)."""
-        period = 2 * self.rt.settings.flush_ms / 1e3
+        """Cancellation check for streams that are quiet (no pushes to learn it from): an
+        upstream between chunks, and every unstreamed request, pushed once a second at most.
+        Every ``flush_ms``, as the step worker checks its own: one SMISMEMBER."""
+        period = self.rt.settings.flush_ms / 1e3
         while True:
             await asyncio.sleep(period)
             if self.tasks:
