@@ -107,7 +107,8 @@ async def test_an_unstreamed_requests_chunks_are_not_forwarded_one_by_one(env) -
     a client that does not stream reads the answer at the end, so its request is pushed once
     (the first token: the frontend learns it runs) and the rest rides on complete."""
     cfg, c, up = env
-    async with worker(cfg, engine="openai", upstream_url=up.url):
+    # 60 s: a slow machine must not make the unstreamed request's period pass mid-answer
+    async with worker(cfg, engine="openai", upstream_url=up.url, unstreamed_flush_ms=60_000):
         streamed = await c.admit("abcdefghijklmnopq", max_tokens=5)
         unstreamed = await c.admit("abcdefghijklmnopq", max_tokens=5, stream=False)
         await c.wait([streamed, unstreamed], timeout=20)
