@@ -284,8 +284,7 @@ class StepLoop:
         turn into a hot loop: ``claim`` re-announces a backlog it leaves behind, so after a
         second empty claim in a row the next one waits ``claim_interval_ms``, doubling up to
         ``MAX_BACKOFF_INTERVALS`` of them, until a claim returns work or the wake list goes
-        quiet. While busy,
-        a claim is made only when a wake marker says work was announced."""
+        quiet. While busy, a claim is made only when a wake marker says work was announced."""
         s = self.rt.settings
         held = len(self.rt.held)
         slots, kv_free = self._room()
