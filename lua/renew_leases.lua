@@ -14,7 +14,6 @@
 --!include pool_keys.lua
 --!include validate.lua
 --!include policy.lua
---!include record.lua
 --!include lease.lua
 --!include liveness.lua
 
@@ -33,7 +32,7 @@ local function main()
   local now = now_ms()
   local lost, stop = {}, {}
   for _, e in ipairs(entries) do
-    local r = leased_request(e[1], worker_id, e[2], LEASE_FIELDS)
+    local r = leased_for_write(e[1], worker_id, e[2])
     if r == nil then
       lost[#lost + 1] = e[1]
     else

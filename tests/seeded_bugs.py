@@ -25,7 +25,7 @@ TEST = "tests/test_scheduler_model.py"
 UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
               "tests/test_lua_layout.py", "tests/test_push_tokens.py", "tests/test_init_pool.py",
               "tests/test_policy_packed.py", "tests/test_admit_merged.py",
-              "tests/test_complete_merged.py")
+              "tests/test_complete_merged.py", "tests/test_lua_validate.py")
 
 
 @dataclass(frozen=True)
@@ -102,11 +102,22 @@ BUGS = (
         "push_tokens.lua", "        redis.call('PEXPIRE', P_TOKENS .. b.id, lease_ms + LIVE_RECORD_GRACE_MS)",
         "        local _ = 0"),
     Bug("push_ignores_fence", "push_tokens writes for a request leased to another attempt (no fence check)",
-        "push_tokens.lua", "local r = leased_request(b.id, worker_id, b.fence, LEASE_FIELDS)",
+        "push_tokens.lua", "local r = leased_for_write(b.id, worker_id, b.fence)",
         "local r = load_request(b.id, LEASE_FIELDS)"),
+    Bug("write_check_ignores_fence", "the lease check of push_tokens and renew_leases passes a stale fence",
+        "include/lease.lua", "v[2] ~= worker_id or tonumber(v[3]) ~= fence then return nil end",
+        "v[2] ~= worker_id then return nil end"),
+    Bug("write_check_drops_cancel", "push_tokens never tells the worker its client cancelled",
+        "include/lease.lua", "cancel = tonumber(v[8]) or 0}", "cancel = 0}"),
+    Bug("arg_int_takes_fractions", "an integer argument takes a fraction (the fast path skips a check)",
+        "include/validate.lua", "n <= hi and n == math_floor(n) then return n end",
+        "n <= hi then return n end"),
     Bug("push_writes_before_checks", "a push batch writes its first requests before a later one is refused",
-        "push_tokens.lua", "    batch[i] = b\n",
-        "    batch[i] = b\n    redis.call('HSET', P_REQUEST .. b.id, 'out_tokens', b.offset + b.count)\n"),
+        "push_tokens.lua", "ARGV[a + 7]), r = false}\n",
+        "ARGV[a + 7]), r = false}\n"
+        "    redis.call('HSET', P_REQUEST .. id, 'out_tokens', 0 + ARGV[a + 3] + count)\n"),
+    Bug("push_streams_a_wrong_offset", "the reply stream's entry carries the batch's count as its offset",
+        "push_tokens.lua", "'o', fmt('%d', b.offset)", "'o', fmt('%d', b.count)"),
     Bug("push_writes_a_refused_request",
         "push_tokens writes a batch it answers is past the request's max_tokens",
         "push_tokens.lua", "      replies[i] = {'max_tokens', r.max_tokens}\n",

@@ -15,6 +15,19 @@ local function leased_request(id, worker_id, fence, fields)
   return nil
 end
 
+-- leased_request(id, worker_id, fence, LEASE_FIELDS) for the calls a worker makes at every
+-- push (push_tokens) and renewal (renew_leases): the same table for a request so leased (id
+-- and LEASE_FIELDS, numbers as numbers, absent counters 0), else nil. One HMGET and no
+-- generic decoding: load_request's loop over the fields and its defaults for fields not
+-- asked for were ~2 us a request, a sixth of a request's share of a push.
+local function leased_for_write(id, worker_id, fence)
+  local v = redis.call('HMGET', P_REQUEST .. id, unpack(LEASE_FIELDS))
+  if v[1] ~= 'leased' or v[2] ~= worker_id or tonumber(v[3]) ~= fence then return nil end
+  return {id = id, state = 'leased', worker = worker_id, fence = fence, frontend = v[4] or nil,
+    out_tokens = tonumber(v[5]) or 0, max_tokens = tonumber(v[6]), first_ms = tonumber(v[7]),
+    cancel = tonumber(v[8]) or 0}
+end
+
 -- Extend a lease to `until_ms`; the record lives at least that long. `fields`: more
 -- (field, value, ...) of the record to set with it, in the same HSET.
 local function extend_lease(p, id, until_ms, now, fields)

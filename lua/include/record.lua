@@ -12,7 +12,8 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
   t_weight = true, c_tenant = true, c_class = true, c_ceil = true, c_vtc = true,
   out_tokens = true, cancel = true}
 
--- What a worker's write checks and uses (push_tokens, renew_leases): a lease's fields.
+-- What a worker's write checks and uses (push_tokens, renew_leases): a lease's fields, in
+-- the order include/lease.lua leased_for_write reads them.
 local LEASE_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens', 'first_ms',
   'cancel'}
 
