@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from limiter.bench import callgrind
 from limiter.bench import redis_budget as rb
 from limiter.bench.slowlog import SLOWLOG_US, quantile_us
 from limiter.cli import build_parser
@@ -162,3 +163,44 @@ async def test_the_scripts_inner_commands_are_not_logged_while_measured(aredis) 
         # the server is the session's: back to Redis's defaults
         await aredis.config_set("slowlog-log-slower-than", 10_000)
         await aredis.config_set("slowlog-max-len", 128)
+
+
+@pytest.mark.skipif(callgrind.missing() is not None, reason=f"no valgrind: {callgrind.missing()}")
+async def test_instructions_are_counted_and_tell_a_dearer_script_apart(tmp_path) -> None:
+    """--instructions: every phase's instructions per call, and a push_tokens that does ~3M
+    instructions' more work a call is told apart in every push phase, where the other
+    phases (the same scripts) differ by far less. (A step of Lua's garbage collector, ~1M
+    instructions, runs every 50 script calls: a phase of 1 or 2 calls, as here over 16
+    requests, may or may not get one; the docs compare runs of 256 requests or more.)"""
+    import shutil
+
+    from limiter.scripts import lua_dir
+
+    dearer = tmp_path / "lua"
+    shutil.copytree(lua_dir(), dearer)
+    push = dearer / "push_tokens.lua"
+    work = "local function main()\n  for i = 1, 1000 do local _ = tostring(i * 1.5) end\n"
+    text = push.read_text()
+    assert text.count("local function main()\n") == 1
+    push.write_text(text.replace("local function main()\n", work))
+    report = await rb.run_budget(requests=16, rounds=1, push_rounds=1, tokens=(8,), baseline=dearer,
+                                 instructions=True)
+    now, was = report.instructions(), report.instructions(baseline=True)
+    assert set(now) == set(was) == set(rb.PHASES)
+    assert all(v > 0 for v in now.values()), now
+    calls = {p.name: p.calls for p in report.phases}
+    for name in rb.PHASES:
+        if name.startswith("push_tokens"):  # 3M a call more, less a collector step (at most ~2M)
+            assert was[name] - now[name] > 500_000, (name, was[name], now[name])
+        else:  # the same scripts: in all, at most about a collector step apart
+            assert abs(was[name] - now[name]) * calls[name] < 3_000_000, (name, was[name], now[name])
+    for b, base in zip(report.budgets, report.baseline_budgets, strict=True):
+        assert 0 < b["instructions"] < base["instructions"]
+    assert report.meta["instructions"] is True
+    assert all(p.p50_us is None for p in report.phases)  # SLOWLOG off: its entries would count
+    rb.render(report)
+
+
+async def test_instructions_are_refused_with_a_server_given(tmp_path) -> None:
+    with pytest.raises(ValueError, match="private server"):
+        await rb.run_budget(requests=16, redis_url="redis://127.0.0.1:1/0", instructions=True)

@@ -149,6 +149,10 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
                    help="also measure the scripts of this lua/ directory (e.g. from git archive <commit> "
                         "lua), in the same rounds, and print the change; its scripts must take the same "
                         "arguments as the installed ones")
+    p.add_argument("--instructions", action="store_true",
+                   help="run the private server under valgrind's callgrind and also count the instructions "
+                        "it runs per call and per request: figures that do not move with the machine's load "
+                        "(to compare with --baseline; about 50x slower, so fewer --requests and --rounds 1)")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 
@@ -160,6 +164,7 @@ def _redis_budget(args: argparse.Namespace) -> int:
     <= 50 us, the lifecycle <= 150 us + 2 us per output token)."""
     from rich.console import Console
 
+    from limiter.bench import callgrind
     from limiter.bench import redis_budget as rb
 
     console = Console()
@@ -171,9 +176,15 @@ def _redis_budget(args: argparse.Namespace) -> int:
     if args.baseline and not (args.baseline / "admit.lua").is_file():
         console.print(f"[red]--baseline {args.baseline}: no admit.lua there[/]")
         return 2
+    if args.instructions and args.redis_url:
+        console.print("[red]--instructions counts on a private server: not with --redis-url[/]")
+        return 2
+    if args.instructions and (why := callgrind.missing()):
+        console.print(f"[red]--instructions: {why}[/]")
+        return 2
     report = asyncio.run(rb.run_budget(args.requests, args.step_ms, args.tokens_per_push,
                                        redis_url=args.redis_url, tokens=args.tokens, rounds=args.rounds,
-                                       baseline=args.baseline))
+                                       baseline=args.baseline, instructions=args.instructions))
     console.print(rb.render(report))
     if args.json:
         rb.write_json(report, args.json)

@@ -31,6 +31,12 @@ command would slow the scripts down; limiter/bench/slowlog.py). The per-request 
 number of output tokens is then arithmetic (:func:`budget`), as is the goal check: admit
 <= 50 us, the whole lifecycle <= 150 us + 2 us per output token (issue 17). Printed (and
 optionally written as JSON), never asserted.
+
+With ``instructions``, the private server runs under valgrind's callgrind and every phase
+also gets the instructions the server ran per call (limiter/bench/callgrind.py): figures
+that do not move with the machine's load, to compare two versions of the scripts with
+(``--baseline``). Its times are callgrind's (tens of times slower) and SLOWLOG is off (its
+entries would be counted as the calls' work).
 """
 
 from __future__ import annotations
@@ -40,6 +46,8 @@ import dataclasses
 import json
 import math
 import platform
+import shutil
+import tempfile
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +55,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
+from limiter.bench import callgrind
 from limiter.bench.admission import bench_config, request_payload, unlink_matching
 from limiter.bench.slowlog import SLOWLOG_US, log_slow_calls, quantile_us, script_durations
 from limiter.keys import PoolKeys
@@ -89,6 +98,8 @@ class Phase:
     # the server's main-thread CPU time (INFO cpu) per call: the script and its request's
     # network I/O, not inflated when other processes take the CPU from Redis
     cpu_us_per_call: float = 0.0
+    # the instructions the server ran per call (callgrind), when counted
+    instructions_per_call: float | None = None
 
 
 @dataclass
@@ -101,6 +112,11 @@ class BudgetReport:
 
     def us(self) -> dict[str, float]:
         return {p.name: p.usec_per_call for p in self.phases}
+
+    def instructions(self, baseline: bool = False) -> dict[str, float]:
+        """Phase -> instructions per call, for the phases counted ({} when none were)."""
+        return {p.name: p.instructions_per_call for p in (self.baseline if baseline else self.phases)
+                if p.instructions_per_call is not None}
 
     def to_dict(self) -> dict[str, Any]:
         return {"meta": self.meta, "phases": [dataclasses.asdict(p) for p in self.phases],
@@ -211,9 +227,10 @@ class Driver:
 
     def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None,
                  scripts: Scripts | None = None, unstreamed_per_push: int = 80,
-                 max_tokens: int = MAX_TOKENS) -> None:
+                 max_tokens: int = MAX_TOKENS, counter: callgrind.InstructionCounter | None = None) -> None:
         """``scripts``: a registry of the caller's (default: one over ``lua``); ``max_tokens``:
-        each request's, at least what the phases push into it."""
+        each request's, at least what the phases push into it; ``counter``: the server runs
+        under callgrind, and every phase counts its instructions."""
         self.client = client
         self.private = private
         self.scripts = scripts or Scripts(client, lua=lua)
@@ -225,13 +242,17 @@ class Driver:
         self.claimed: list[Claimed] = []
         self.offset: dict[str, int] = {}
         self.floor_script = client.register_script(FLOOR_SCRIPT)
+        self.counter = counter
 
     async def setup(self) -> tuple[str, int]:
         if self.private:
             await self.client.flushall()
         else:  # a server given with --redis-url: only our keys (its commandstats are reset, though)
             await unlink_matching(self.client, self.keys.pattern())
-        await log_slow_calls(self.client)
+        if self.counter is None:
+            await log_slow_calls(self.client)
+        else:  # its entries would be counted as the calls' work
+            await self.client.config_set("slowlog-log-slower-than", -1)
         await self.scripts.load_all()
         await self.client.script_load(FLOOR_SCRIPT)
         cfg = bench_config()
@@ -246,8 +267,11 @@ class Driver:
         await self.client.config_resetstat()
         await self.client.slowlog_reset()
         cpu0 = main_thread_cpu_us(await self.client.info("cpu"))
+        if self.counter is not None:
+            await self.counter.zero()
         for call in calls:
             await call()
+        instructions = await self.counter.read() if self.counter is not None else None
         cpu = main_thread_cpu_us(await self.client.info("cpu")) - cpu0
         stats = parse_commandstats(await self.client.info("commandstats"))
         durations = await script_durations(self.client)
@@ -257,7 +281,7 @@ class Driver:
         skip = {"evalsha", "config", "slowlog", "info", "client", "hello"}
         inner = {c: k / n for c, (k, _) in sorted(stats.items()) if c.partition("|")[0] not in skip}
         return Phase(name, n, usec / n, quantile_us(durations, n, 0.5), quantile_us(durations, n, 1.0), inner,
-                     cpu / n)
+                     cpu / n, None if instructions is None else instructions / n)
 
     def floor(self) -> Callable[[], Awaitable[Any]]:
         return lambda: self.floor_script(keys=[self.keys.policy])
@@ -377,27 +401,40 @@ def best_phases(rounds: Sequence[Sequence[Phase]]) -> list[Phase]:
 async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_STEP_MS,
                      per_push: int | None = None, push_rounds: int = 2, redis_url: str | None = None,
                      tokens: Sequence[int] = TOKENS, rounds: int = DEFAULT_ROUNDS,
-                     baseline: Path | None = None) -> BudgetReport:
+                     baseline: Path | None = None, instructions: bool = False) -> BudgetReport:
     """Measure every phase over ``requests`` requests (a multiple of 16: half claimed one
     at a time, half eight at a time), ``rounds`` times, and the per-request budgets at
     ``tokens`` from each phase's best round. ``baseline``: another ``lua/`` directory (e.g.
     ``git archive <commit> lua``), measured in the same rounds, alternating with the
-    installed scripts, so that both see the same machine load."""
+    installed scripts, so that both see the same machine load. ``instructions``: count each
+    phase's instructions too (a private server under callgrind; not with ``redis_url``)."""
     if requests < 16 or requests % 16:
         raise ValueError("requests must be a positive multiple of 16")
+    if instructions and redis_url:
+        raise ValueError("instructions are counted on a private server only (not with redis_url)")
+    if instructions and (why := callgrind.missing()):
+        raise RuntimeError(f"cannot count instructions: {why}")
     s = WorkerSettings()
     per_push = per_push or tokens_per_push(step_ms, s.flush_ms, s.flush_tokens)
     unstreamed = unstreamed_tokens_per_push(step_ms, s.flush_ms, s.unstreamed_flush_ms)
     # a request's max_tokens holds what its phases push (first token, pushes, the unstreamed
     # push) and complete's tokens: 256 at the defaults, more at short steps
     max_tokens = max(MAX_TOKENS, 1 + (2 * push_rounds + 1) * per_push + unstreamed)
-    server = None if redis_url else RedisServer(extra=["--appendonly", "no"]).start()
+    profiles = Path(tempfile.mkdtemp(prefix="qos-callgrind-")) if instructions else None
+    server = counter = None
+    if not redis_url:
+        server = RedisServer(extra=["--appendonly", "no"],
+                             wrapper=callgrind.wrapper(profiles) if profiles else [])
+        server.start(timeout_s=120.0 if profiles else 10.0)
+        if profiles and server.proc:
+            counter = callgrind.InstructionCounter(server.proc.pid, profiles)
     client = aioredis.from_url(redis_url or (server.url if server else ""))
     try:
         d = Driver(client, per_push, private=server is not None, unstreamed_per_push=unstreamed,
-                   max_tokens=max_tokens)
-        base = Driver(client, per_push, private=server is not None, lua=baseline,
-                      unstreamed_per_push=unstreamed, max_tokens=max_tokens) if baseline else None
+                   max_tokens=max_tokens, counter=counter)
+        base = None if baseline is None else Driver(
+            client, per_push, private=server is not None, lua=baseline, unstreamed_per_push=unstreamed,
+            max_tokens=max_tokens, counter=counter)
         all_rounds, base_rounds = [], []
         for _ in range(rounds):
             if base:
@@ -416,6 +453,11 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
         report.budgets = budgets(report.us())
         if base:
             report.baseline_budgets = budgets({p.name: p.usec_per_call for p in report.baseline})
+        # the same arithmetic over instructions per call: instructions per request
+        for out, counted in ((report.budgets, report.instructions()),
+                             (report.baseline_budgets, report.instructions(baseline=True))):
+            for x, y in zip(out, budgets(counted) if counted else [], strict=False):
+                x["instructions"] = y["total_us"]
         info = await client.info("server")
         report.meta = {"requests": requests, "rounds": rounds, "step_ms": step_ms,
                        "tokens_per_push": per_push, "unstreamed_tokens_per_push": unstreamed,
@@ -425,12 +467,14 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                        "lease_ms": lease_ms, "renew_held": renew_held(requests), "tenants": TENANTS,
                        "redis_version": info.get("redis_version"), "private_server": server is not None,
                        "machine": platform.machine(), "python": platform.python_version(),
-                       "baseline": str(baseline) if baseline else None}
+                       "baseline": str(baseline) if baseline else None, "instructions": instructions}
         return report
     finally:
         await client.aclose()
         if server:
             server.stop()
+        if profiles:
+            shutil.rmtree(profiles, ignore_errors=True)
 
 
 # --- output -----------------------------------------------------------------------------
@@ -439,21 +483,30 @@ def _us(v: float | None) -> str:
     return f"<{SLOWLOG_US}" if v is None else f"{v:.0f}"
 
 
+def _k(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1e3:,.1f}"
+
+
 def render(report: BudgetReport) -> Any:
     from rich.console import Group
     from rich.table import Table
 
     m = report.meta
-    t = Table(title="Redis time of one script call (INFO commandstats mean, SLOWLOG median)")
-    for col in ("script", "calls", "us/call", "p50 us", "max us", "CPU us/call", "inner commands"):
+    counted = bool(report.instructions())
+    t = Table(title="Redis time of one script call (INFO commandstats mean, SLOWLOG median)"
+              + (" under callgrind, and the instructions the server ran" if counted else ""))
+    for col in ("script", "calls", "us/call", "p50 us", "max us", "CPU us/call", "inner commands",
+                *(["k instructions/call"] if counted else [])):
         t.add_column(col, justify="left" if col == "script" else "right")
     for p in report.phases:
         inner = sum(p.inner.values())
         t.add_row(p.name, f"{p.calls:,}", f"{p.usec_per_call:.1f}", _us(p.p50_us), _us(p.max_us),
-                  f"{p.cpu_us_per_call:.1f}", f"{inner:.1f}")
+                  f"{p.cpu_us_per_call:.1f}", f"{inner:.1f}",
+                  *([_k(p.instructions_per_call)] if counted else []))
     b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, unstreamed "
                     f"{m['unstreamed_tokens_per_push']}; step {m['step_ms']:g} ms; renewals every "
-                    f"{m['lease_ms'] / 3:.0f} ms)")
+                    f"{m['lease_ms'] / 3:.0f} ms)"
+              + ("; the times are callgrind's, not this machine's: no goal check" if counted else ""))
     b.add_column("per request")
     for x in report.budgets:
         b.add_column(f"{x['tokens']} tokens\nbatches of {x['claim_batch']}"
@@ -466,23 +519,33 @@ def render(report: BudgetReport) -> Any:
         merged = {p.name for p in report.baseline} >= {"admit x8", "complete x8"}
         b.add_row("baseline total" if merged else "baseline total\n(some scripts one request a call)",
                   *(f"{x['total_us']:.0f}" for x in report.baseline_budgets))
-    b.add_row("goal", *(f"{x['goal_us']:.0f} " + ("[green]met[/]" if x["meets_goal"] else "[red]missed[/]")
-                        for x in report.budgets))
-    b.add_row("admit <= 50", *(("[green]met[/]" if x["admit_meets_goal"] else "[red]missed[/]")
-                               for x in report.budgets))
-    b.add_row("requests/s per shard", *(f"{x['requests_per_s']:,.0f}" for x in report.budgets))
+    if not counted:
+        b.add_row("goal", *(f"{x['goal_us']:.0f} " + ("[green]met[/]" if x["meets_goal"]
+                                                        else "[red]missed[/]") for x in report.budgets))
+        b.add_row("admit <= 50", *(("[green]met[/]" if x["admit_meets_goal"] else "[red]missed[/]")
+                                   for x in report.budgets))
+        b.add_row("requests/s per shard", *(f"{x['requests_per_s']:,.0f}" for x in report.budgets))
+    else:
+        b.add_row("k instructions", *(_k(x.get("instructions")) for x in report.budgets))
+    if report.instructions(baseline=True):
+        b.add_row("baseline k instructions", *(_k(x.get("instructions")) for x in report.baseline_budgets))
     if not report.baseline:
         return Group(t, b)
     c = Table(title=f"against the baseline Lua in {m['baseline']} (same rounds, alternating)")
-    for col in ("script", "baseline us/call", "us/call", "change", "baseline p50", "p50", "inner commands"):
+    for col in ("script", "baseline us/call", "us/call", "change", "baseline p50", "p50", "inner commands",
+                *(["baseline k instr.", "k instr.", "change"] if counted else [])):
         c.add_column(col, justify="left" if col == "script" else "right")
     now = {p.name: p for p in report.phases}
     for was in report.baseline:
         p = now[was.name]
+        instr = []
+        if counted and was.instructions_per_call and p.instructions_per_call is not None:
+            instr = [_k(was.instructions_per_call), _k(p.instructions_per_call),
+                     f"{(p.instructions_per_call / was.instructions_per_call - 1) * 100:+.1f}%"]
         c.add_row(was.name, f"{was.usec_per_call:.1f}", f"{p.usec_per_call:.1f}",
                   f"{(p.usec_per_call / was.usec_per_call - 1) * 100:+.0f}%", _us(was.p50_us),
                   _us(p.p50_us),
-                  f"{sum(was.inner.values()):.1f} -> {sum(p.inner.values()):.1f}")
+                  f"{sum(was.inner.values()):.1f} -> {sum(p.inner.values()):.1f}", *instr)
     return Group(t, b, c)
 
 
