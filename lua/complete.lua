@@ -108,13 +108,13 @@ local function complete_one(p, c, r, now, expired)
   local reason = c.message ~= '' and c.message or c.finish_reason
   local given = finalize(p, r, state, reason, actual_cost(r, c.usage_in, usage_out), now, fields)
   if c.outcome == 'ok' then
-    notify(r, {'k', 'done', 'a', c.fence, 'o', offset, 'n', count, 't', c.text,
-      'fin', c.finish_reason, 'in', c.usage_in, 'out', usage_out}, expired)
+    notify(r.id, r.frontend, expired, 'k', 'done', 'a', c.fence, 'o', offset, 'n', count, 't', c.text,
+      'fin', c.finish_reason, 'in', c.usage_in, 'out', usage_out)
   elseif c.outcome == 'failed' then
-    notify(r, {'k', 'err', 'code', 'failed', 'msg', reason}, expired)
+    notify(r.id, r.frontend, expired, 'k', 'err', 'code', 'failed', 'msg', reason)
   else
-    notify(r, {'k', 'err', 'code', 'cancelled',
-      'msg', 'its worker stopped it: the client went away (or its frontend stopped heartbeating)'}, expired)
+    notify(r.id, r.frontend, expired, 'k', 'err', 'code', 'cancelled',
+      'msg', 'its worker stopped it: the client went away (or its frontend stopped heartbeating)')
   end
   if c.sample ~= '' then append_sample(c.sample) end
   return {'ok', fmt(given.refund)}

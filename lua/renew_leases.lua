@@ -25,23 +25,24 @@ local function main()
   for i = 3, #ARGV do
     local id, fence = string.match(ARGV[i], '^([%w_%.%-]+):(%d+)$')
     if id == nil or #id > 64 then fail('BADARG', 'entries: expected <request_id>:<fence>, got ' .. ARGV[i]) end
-    entries[#entries + 1] = {id, tonumber(fence)}
+    entries[#entries + 1] = {id, fence}
   end
   local p = load_pool_fields(K_POLICY, {'lease_ms', 'record_ttl_s', 'frontend_ttl_ms'})
   if lease_ms == 0 then lease_ms = p.lease_ms end
   local now = now_ms()
   local lost, stop = {}, {}
   for _, e in ipairs(entries) do
-    local r = leased_for_write(e[1], worker_id, e[2])
-    if r == nil then
-      lost[#lost + 1] = e[1]
+    local id = e[1]
+    local held, _, _, _, cancel, frontend = leased_for_write(id, worker_id, e[2])
+    if not held then
+      lost[#lost + 1] = id
     else
-      extend_lease(p, r.id, now + lease_ms, now)
-      if r.cancel ~= 1 and not frontend_alive(p, r.frontend, now) then
-        flag_cancel(r.id)
-        r.cancel = 1
+      extend_lease(p, id, now + lease_ms, now)
+      if cancel ~= 1 and not frontend_alive(p, frontend, now) then
+        flag_cancel(id)
+        cancel = 1
       end
-      if r.cancel == 1 then stop[#stop + 1] = r.id end
+      if cancel == 1 then stop[#stop + 1] = id end
     end
   end
   return {lost, stop}

@@ -299,3 +299,33 @@ async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts
     rec = await scripts.client.hgetall(pool.request("c"))
     assert rec[b"state"] == b"failed" and b"max_tokens" in rec[b"reason"] and rec[b"out_tokens"] == b"1", rec
     assert "c" not in rt.held
+
+
+async def test_numbers_written_otherwise_are_the_same_numbers(scripts, pool) -> None:
+    """push_tokens and renew_leases compare the fence and the offset with the record's as
+    strings first (no conversion when the digits are the same); a checked argument written
+    otherwise ('007', '1e0', ' 3') is the same number, and the reply entry carries the
+    record's canonical digits, never the argument's spelling."""
+    await admit(scripts, pool, cls="P1", request_id="a", input_tokens=3, max_tokens=10)
+    (held,) = (await _claim(scripts, pool, 1)).values()
+    sha = await scripts.client.script_load(scripts._scripts["push_tokens"].script)
+
+    async def push(fence: str, offset: str, count: str, text: str) -> list:
+        args = ["w1", 0, 1, "a", fence, offset, count, b"\x01\x00\x00\x00" * int(float(count)), text, ""]
+        return await scripts.client.evalsha(sha, len(lifecycle_keys(pool)), *lifecycle_keys(pool), *args)
+
+    assert await push(f"00{held.fence}", "0", "1", "x") == [[b"ok", 0]]
+    assert await push(f"{held.fence}e0", "1e0", "2", "yz") == [[b"ok", 0]]
+    assert await push(str(held.fence), " 3", "1", "w") == [[b"ok", 0]]
+    assert await push(str(held.fence), "003", "1", "v") == [[b"offset", 4]]  # 4 were delivered
+    assert await push(f"0{held.fence + 1}", "4", "1", "v") == [[b"lost", b"request is not leased to this "
+                                                                b"worker with this fence"]]
+    entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
+    fence = str(held.fence).encode()
+    assert [(e[b"a"], e[b"o"], e[b"n"], e[b"t"]) for e in entries] == [
+        (fence, b"0", b"1", b"x"), (fence, b"1", b"2", b"yz"), (fence, b"3", b"1", b"w")]
+    assert (await scripts.client.hgetall(pool.request("a")))[b"out_tokens"] == b"4"
+    renew = await scripts.client.script_load(scripts._scripts["renew_leases"].script)
+    keys = lifecycle_keys(pool)
+    for entry, lost in ((f"a:00{held.fence}", []), (f"a:{held.fence + 1}", [b"a"])):
+        assert await scripts.client.evalsha(renew, len(keys), *keys, "w1", 0, entry) == [lost, []], entry

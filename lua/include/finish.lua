@@ -41,6 +41,6 @@ end
 -- so its client learns at once; nil when the frontend asked for this end itself.
 local function finish_by_redis(p, r, state, reason, used, now, notice)
   finalize(p, r, state, reason, used, now)
-  if notice then notify(r, {'k', 'err', 'code', notice.code, 'msg', notice.msg}) end
+  if notice then notify(r.id, r.frontend, nil, 'k', 'err', 'code', notice.code, 'msg', notice.msg) end
   add_sample(p, r, state, now)
 end

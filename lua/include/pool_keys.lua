@@ -23,6 +23,6 @@ local P_QUEUE = KEYS[19]          -- prefix of ZSET queue:<class>:<tenant> (id -
 local P_BACKLOG = KEYS[20]        -- prefix of ZSET backlog:<class> (backlogged tenant -> virtual counter)
 local P_VTIME = KEYS[21]          -- prefix of HASH vtime:<class> (tenant -> counter while idle)
 local P_REPLY = KEYS[22]          -- prefix of STREAM out:<frontend>
-local REPLY_MAXLEN = 100000
+local REPLY_MAXLEN = '100000'  -- a string: redis.call formats a number with '%.17g' at every use
 local SAMPLES_MAXLEN = 100000
 local REPLY_TTL_S = 600
