@@ -26,6 +26,8 @@ import re
 import shutil
 from pathlib import Path
 
+from limiter.localstack.redis_server import RedisServer
+
 VALGRIND = "valgrind"
 CONTROL = "callgrind_control"
 # Where a redis-server reads a client's commands (parsing and running them) and writes
@@ -40,6 +42,23 @@ def missing() -> str | None:
         if shutil.which(tool) is None:
             return f"{tool} not found on PATH (install valgrind)"
     return None
+
+
+def why_not(redis_url: str | None) -> str | None:
+    """Why instructions cannot be counted for a run given ``redis_url`` (a server of the
+    caller's, not one started under callgrind here), or None."""
+    if redis_url:
+        return "instructions are counted on a private server only (not with a Redis URL given)"
+    return missing()
+
+
+def start_server(out_dir: Path | None) -> tuple[RedisServer, InstructionCounter | None]:
+    """A private redis-server (no AOF); with ``out_dir``, running under callgrind (its
+    profiles written there), and the counter of its instructions."""
+    server = RedisServer(extra=["--appendonly", "no"], wrapper=wrapper(out_dir) if out_dir else [])
+    server.start(timeout_s=120.0 if out_dir else 10.0)  # valgrind starts a server slowly
+    counter = InstructionCounter(server.proc.pid, out_dir) if out_dir and server.proc else None
+    return server, counter
 
 
 def wrapper(out_dir: Path) -> list[str]:

@@ -176,10 +176,7 @@ def _redis_budget(args: argparse.Namespace) -> int:
     if args.baseline and not (args.baseline / "admit.lua").is_file():
         console.print(f"[red]--baseline {args.baseline}: no admit.lua there[/]")
         return 2
-    if args.instructions and args.redis_url:
-        console.print("[red]--instructions counts on a private server: not with --redis-url[/]")
-        return 2
-    if args.instructions and (why := callgrind.missing()):
+    if args.instructions and (why := callgrind.why_not(args.redis_url)):
         console.print(f"[red]--instructions: {why}[/]")
         return 2
     report = asyncio.run(rb.run_budget(args.requests, args.step_ms, args.tokens_per_push,
@@ -204,6 +201,10 @@ def _add_lua_profile(bsub: argparse._SubParsersAction) -> None:
                    help=f"calls per cut and round, a multiple of 8 (default {lp.DEFAULT_REQUESTS})")
     p.add_argument("--rounds", type=int, default=lp.DEFAULT_ROUNDS,
                    help=f"measure every cut N times, keep each one's best (default {lp.DEFAULT_ROUNDS})")
+    p.add_argument("--instructions", action="store_true",
+                   help="run the private server under valgrind's callgrind and also count the instructions "
+                        "each cut runs per call: figures that do not move with the machine's load (about 50x "
+                        "slower: --rounds 1)")
 
 
 def _lua_profile(args: argparse.Namespace) -> int:
@@ -214,14 +215,19 @@ def _lua_profile(args: argparse.Namespace) -> int:
     first cut is the fixed part every call pays (keys, arguments, the helpers' definitions)."""
     from rich.console import Console
 
+    from limiter.bench import callgrind
     from limiter.bench import lua_profile as lp
 
     console = Console()
     if args.requests < 8 or args.requests % 8 or args.rounds < 1:
         console.print("[red]--requests: a positive multiple of 8; --rounds: at least 1[/]")
         return 2
+    if args.instructions and (why := callgrind.why_not(args.redis_url)):
+        console.print(f"[red]--instructions: {why}[/]")
+        return 2
     for script in args.script:
-        segments = asyncio.run(lp.profile(script, args.requests, args.rounds, redis_url=args.redis_url))
+        segments = asyncio.run(lp.profile(script, args.requests, args.rounds, redis_url=args.redis_url,
+                                          instructions=args.instructions))
         console.print(lp.render(script, segments))
     return 0
 

@@ -11,6 +11,13 @@ every call pays: the keys and arguments, and the helpers' definitions (EVALSHA r
 whole script body on every call). Variants run round-robin, on a server emptied before
 each, so that all of them see the same machine load; each cut's best round is reported.
 
+With ``instructions`` the private server runs under valgrind's callgrind and every cut also
+gets the instructions the server ran per call (limiter/bench/callgrind.py): the same from
+one run to the next, where the times move with the machine's load. ``push_tokens`` is cut
+only before its per-request loop (each request is read, checked and written in turn: a cut
+inside the loop would return at its first request); its calls carry 8 requests of 4
+tokens, each request's first push made beforehand by the whole script.
+
 Cuts after a script's first write leave partial state behind; every call works on its
 own request, so that only makes the copy's later calls see a little more of it. Printed,
 never asserted.
@@ -21,14 +28,14 @@ from __future__ import annotations
 import shutil
 import tempfile
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
+from limiter.bench import callgrind
 from limiter.bench.redis_budget import Driver
-from limiter.localstack.redis_server import RedisServer
 from limiter.scripts import Scripts, lua_dir
 
 CUT_REPLY = "do return {'cut'} end"
@@ -67,6 +74,11 @@ CUTS: dict[str, tuple[str, ...]] = {
         "  local given = finalize(p, r, state, reason, actual_cost(r, c.usage_in, usage_out), now, fields)",
         "  if c.outcome == 'ok' then",
         "  if c.sample ~= '' then append_sample(c.sample) end",
+    ),
+    "push_tokens": (
+        "  local worker_id = arg_name(ARGV[1], 'worker_id')",
+        "  local p = load_pool_fields(K_POLICY, {'lease_ms'})",
+        "  local replies, leases, expired = {}, {}, {}",
     ),
 }
 WHOLE = "(whole script)"
@@ -113,12 +125,16 @@ def cut_copies(script: str, into: Path, source: Path | None = None) -> dict[str,
 @dataclass
 class Segment:
     """One cut: the Redis us per call of the script run up to it (every round's, and the
-    best), and what the lines since the previous cut added (best against best)."""
+    best), and what the lines since the previous cut added (best against best); with
+    instructions counted, the same in instructions per call (the least of the rounds)."""
 
     until: str
     rounds: list[float]
     best: float = 0.0
     added: float = 0.0
+    instructions: list[float] = field(default_factory=list)
+    best_instructions: float | None = None
+    added_instructions: float | None = None
 
 
 async def _prepare(d: Driver, script: str, requests: int) -> list[Callable[[], Awaitable[Any]]]:
@@ -133,6 +149,15 @@ async def _prepare(d: Driver, script: str, requests: int) -> list[Callable[[], A
         return [d.claim(1) for _ in range(requests)]
     for _ in range(requests // 8):
         await d.claim(8)()
+    if script == "push_tokens":
+        # each request's first push by the whole script (it creates the token string): the
+        # measured pushes are the later ones, 8 requests a call, as a step worker's
+        whole = Driver(d.client, d.per_push, d.private, counter=None)
+        whole.claimed, whole.offset = d.claimed, d.offset
+        groups = [d.claimed[i:i + 8] for i in range(0, len(d.claimed), 8)]
+        for g in groups:
+            await whole.push_many(g, 1)()
+        return [d.push_many(g, d.per_push) for g in groups]
     return [d.complete(c) for c in d.claimed]
 
 
@@ -146,34 +171,44 @@ def _tolerating_cuts(call: Callable[[], Awaitable[Any]]) -> Callable[[], Awaitab
 
 
 async def profile(script: str, requests: int = DEFAULT_REQUESTS, rounds: int = DEFAULT_ROUNDS,
-                  redis_url: str | None = None) -> list[Segment]:
+                  redis_url: str | None = None, instructions: bool = False) -> list[Segment]:
     """Every cut of ``script`` (and the whole script) measured ``rounds`` times over
-    ``requests`` calls (a multiple of 8)."""
+    ``requests`` calls (a multiple of 8); with ``instructions``, on a private server under
+    callgrind, their instructions too (not with ``redis_url``)."""
     if requests < 8 or requests % 8:
         raise ValueError("requests must be a positive multiple of 8")
     if rounds < 1:
         raise ValueError("rounds must be at least 1")
+    if instructions and (why := callgrind.why_not(redis_url)):
+        raise ValueError(why)
     tmp = Path(tempfile.mkdtemp(prefix="qos-lua-profile-"))
-    server = client = None
+    server = client = counter = None
     try:
-        server = None if redis_url else RedisServer(extra=["--appendonly", "no"]).start()
+        if not redis_url:
+            server, counter = callgrind.start_server(tmp if instructions else None)
         client = aioredis.from_url(redis_url or (server.url if server else ""))
         copies = cut_copies(script, tmp)
         drivers = {}
         for until, lua in copies.items():
             drivers[until] = Driver(client, per_push=4, private=server is not None,
-                                    scripts=_CutScripts(client, lua=lua))
+                                    scripts=_CutScripts(client, lua=lua), counter=counter)
         segments = {until: Segment(until, []) for until in copies}
         for _ in range(rounds):
             for until, d in drivers.items():
                 calls = await _prepare(d, script, requests)
                 phase = await d.measure(until, [_tolerating_cuts(c) for c in calls])
                 segments[until].rounds.append(phase.usec_per_call)
+                if phase.instructions_per_call is not None:
+                    segments[until].instructions.append(phase.instructions_per_call)
         out = list(segments.values())
-        previous = 0.0
+        previous = previous_instructions = 0.0
         for s in out:
             s.best = min(s.rounds)
             s.added, previous = s.best - previous, s.best
+            if s.instructions:
+                s.best_instructions = min(s.instructions)
+                s.added_instructions = s.best_instructions - previous_instructions
+                previous_instructions = s.best_instructions
         return out
     finally:
         if client is not None:
@@ -186,10 +221,15 @@ async def profile(script: str, requests: int = DEFAULT_REQUESTS, rounds: int = D
 def render(script: str, segments: Sequence[Segment]) -> Any:
     from rich.table import Table
 
+    counted = segments[0].best_instructions is not None
     t = Table(title=f"{script}: Redis us per call, run up to each line (best of {len(segments[0].rounds)} "
-                    "rounds; the first row is the fixed part: keys, arguments, helper definitions)")
-    for col in ("runs up to (not including)", "us/call", "added", "every round"):
+                    "rounds; the first row is the fixed part: keys, arguments, helper definitions)"
+                    + ("; times under callgrind, and the instructions the server ran" if counted else ""))
+    for col in ("runs up to (not including)", "us/call", "added", "every round",
+                *(["k instructions/call", "added"] if counted else [])):
         t.add_column(col, justify="left" if col.startswith("runs") else "right")
     for s in segments:
-        t.add_row(s.until, f"{s.best:.1f}", f"{s.added:+.1f}", " ".join(f"{x:.1f}" for x in s.rounds))
+        t.add_row(s.until, f"{s.best:.1f}", f"{s.added:+.1f}", " ".join(f"{x:.1f}" for x in s.rounds),
+                  *([f"{(s.best_instructions or 0) / 1e3:,.1f}", f"{(s.added_instructions or 0) / 1e3:+,.1f}"]
+                    if counted else []))
     return t

@@ -59,7 +59,6 @@ from limiter.bench import callgrind
 from limiter.bench.admission import bench_config, request_payload, unlink_matching
 from limiter.bench.slowlog import SLOWLOG_US, log_slow_calls, quantile_us, script_durations
 from limiter.keys import PoolKeys
-from limiter.localstack.redis_server import RedisServer
 from limiter.samples import build_sample, pack_sample
 from limiter.scripts import Claimed, Scripts, TokenBatch, policy_document
 from worker.settings import WorkerSettings
@@ -410,10 +409,8 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
     phase's instructions too (a private server under callgrind; not with ``redis_url``)."""
     if requests < 16 or requests % 16:
         raise ValueError("requests must be a positive multiple of 16")
-    if instructions and redis_url:
-        raise ValueError("instructions are counted on a private server only (not with redis_url)")
-    if instructions and (why := callgrind.missing()):
-        raise RuntimeError(f"cannot count instructions: {why}")
+    if instructions and (why := callgrind.why_not(redis_url)):
+        raise ValueError(why)
     s = WorkerSettings()
     per_push = per_push or tokens_per_push(step_ms, s.flush_ms, s.flush_tokens)
     unstreamed = unstreamed_tokens_per_push(step_ms, s.flush_ms, s.unstreamed_flush_ms)
@@ -423,11 +420,7 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
     profiles = Path(tempfile.mkdtemp(prefix="qos-callgrind-")) if instructions else None
     server = counter = None
     if not redis_url:
-        server = RedisServer(extra=["--appendonly", "no"],
-                             wrapper=callgrind.wrapper(profiles) if profiles else [])
-        server.start(timeout_s=120.0 if profiles else 10.0)
-        if profiles and server.proc:
-            counter = callgrind.InstructionCounter(server.proc.pid, profiles)
+        server, counter = callgrind.start_server(profiles)
     client = aioredis.from_url(redis_url or (server.url if server else ""))
     try:
         d = Driver(client, per_push, private=server is not None, unstreamed_per_push=unstreamed,
