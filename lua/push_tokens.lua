@@ -72,7 +72,7 @@ local function main()
   -- '%.17g', the dearest part of an argument (callgrind: a tenth of a call), and the lease's
   -- end is the same for every request.
   local fmt = string.format
-  local until_s, now_s = fmt('%d', now + lease_ms), fmt('%d', now)
+  local until_s = fmt('%d', now + lease_ms)
   local replies, leases, expired = {}, {}, {}
   -- Each request is read, checked and written in turn: a request refused (lost, offset,
   -- max_tokens) has nothing written, and requests' writes touch only their own keys until the
@@ -102,11 +102,11 @@ local function main()
         redis.call('PEXPIRE', P_TOKENS .. id, lease_ms + LIVE_RECORD_GRACE_MS)  -- as a claim's
       end
       -- offset is what was delivered: checked above
+      local key, delivered = P_REQUEST .. id, fmt('%d', offset + count)
       if started then
-        redis.call('HSET', P_REQUEST .. id, 'lease_ms', until_s, 'out_tokens', fmt('%d', offset + count))
+        redis.call('HSET', key, 'lease_ms', until_s, 'out_tokens', delivered)
       else
-        redis.call('HSET', P_REQUEST .. id, 'lease_ms', until_s, 'out_tokens', fmt('%d', offset + count),
-          'first_ms', now_s)
+        redis.call('HSET', key, 'lease_ms', until_s, 'out_tokens', delivered, 'first_ms', fmt('%d', now))
       end
       leases[#leases + 1] = until_s
       leases[#leases + 1] = id

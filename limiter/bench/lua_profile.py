@@ -152,7 +152,7 @@ async def _prepare(d: Driver, script: str, requests: int) -> list[Callable[[], A
     if script == "push_tokens":
         # each request's first push by the whole script (it creates the token string): the
         # measured pushes are the later ones, 8 requests a call, as a step worker's
-        whole = Driver(d.client, d.per_push, d.private, counter=None)
+        whole = Driver(d.client, d.per_push, d.private)
         whole.claimed, whole.offset = d.claimed, d.offset
         groups = [d.claimed[i:i + 8] for i in range(0, len(d.claimed), 8)]
         for g in groups:

@@ -109,8 +109,9 @@ class BudgetReport:
     baseline: list[Phase] = field(default_factory=list)  # the --baseline Lua's phases, if any
     baseline_budgets: list[dict[str, Any]] = field(default_factory=list)
 
-    def us(self) -> dict[str, float]:
-        return {p.name: p.usec_per_call for p in self.phases}
+    def us(self, baseline: bool = False) -> dict[str, float]:
+        """Phase -> Redis us per call (of the baseline Lua's phases with ``baseline``)."""
+        return {p.name: p.usec_per_call for p in (self.baseline if baseline else self.phases)}
 
     def instructions(self, baseline: bool = False) -> dict[str, float]:
         """Phase -> instructions per call, for the phases counted ({} when none were)."""
@@ -418,11 +419,11 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
     # push) and complete's tokens: 256 at the defaults, more at short steps
     max_tokens = max(MAX_TOKENS, 1 + (2 * push_rounds + 1) * per_push + unstreamed)
     profiles = Path(tempfile.mkdtemp(prefix="qos-callgrind-")) if instructions else None
-    server = counter = None
-    if not redis_url:
-        server, counter = callgrind.start_server(profiles)
-    client = aioredis.from_url(redis_url or (server.url if server else ""))
-    try:
+    server = counter = client = None
+    try:  # (a server that fails to start leaves no profiles dir behind)
+        if not redis_url:
+            server, counter = callgrind.start_server(profiles)
+        client = aioredis.from_url(redis_url or (server.url if server else ""))
         d = Driver(client, per_push, private=server is not None, unstreamed_per_push=unstreamed,
                    max_tokens=max_tokens, counter=counter)
         base = None if baseline is None else Driver(
@@ -445,7 +446,7 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                  for t in tokens]
         report.budgets = budgets(report.us())
         if base:
-            report.baseline_budgets = budgets({p.name: p.usec_per_call for p in report.baseline})
+            report.baseline_budgets = budgets(report.us(baseline=True))
         # the same arithmetic over instructions per call: instructions per request
         for out, counted in ((report.budgets, report.instructions()),
                              (report.baseline_budgets, report.instructions(baseline=True))):
@@ -463,7 +464,8 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                        "baseline": str(baseline) if baseline else None, "instructions": instructions}
         return report
     finally:
-        await client.aclose()
+        if client is not None:
+            await client.aclose()
         if server:
             server.stop()
         if profiles:
