@@ -12,11 +12,13 @@
       {"v": 1, "kind": "chat"|"completion", "prompt": str, "max_tokens": int,
        "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str,
        "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?}],
-       "stream": bool}
+       "stream": bool, "grouped_tokens": bool}
 
-  The last four are optional (a payload without them decodes to their defaults; ``stream``
+  The last five are optional (a payload without them decodes to their defaults; ``stream``
   is written only when false, and a payload without it, from an older frontend, is taken
-  for a streamed one: pushed as often as before). ``messages``
+  for a streamed one: pushed as often as before; ``grouped_tokens`` only when true, and a
+  payload without it, from an older frontend, gets one reply entry per token batch, the
+  only kind that frontend reads). ``messages``
   are the chat messages as data: the openai engine sends them upstream as they are, never
   parsed back out of the rendered ``prompt`` (a user message that contains ``<|system|>``
   must stay a user message).
@@ -99,6 +101,10 @@ class Payload:
     # an unstreamed request far less often (worker/settings.py unstreamed_flush_ms): nobody
     # reads them before the end, and each push is Redis time.
     stream: bool = True
+    # Whether the request's frontend reads a push's token batches for several of its requests
+    # from one reply-stream entry (lua/include/notify.lua notify_grouped). Every frontend of
+    # this release does; False (absent) from an older one, which reads one entry per batch.
+    grouped_tokens: bool = False
 
     def pack(self) -> bytes:
         d: dict[str, Any] = {
@@ -114,6 +120,8 @@ class Payload:
             d["messages"] = [m.to_dict() for m in self.messages]
         if not self.stream:
             d["stream"] = False
+        if self.grouped_tokens:
+            d["grouped_tokens"] = True
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -132,6 +140,7 @@ class Payload:
                        model=str(d.get("model", "")), ignore_eos=bool(d.get("ignore_eos", False)),
                        min_tokens=int(d.get("min_tokens", 0)),
                        messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()),
-                       stream=_flag(d.get("stream", True), "stream"))
+                       stream=_flag(d.get("stream", True), "stream"),
+                       grouped_tokens=_flag(d.get("grouped_tokens", False), "grouped_tokens"))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"payload is malformed: {exc}") from exc

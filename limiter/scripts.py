@@ -450,15 +450,19 @@ class Scripts:
         return out
 
     async def push_tokens_many(self, keys: PoolKeys, worker_id: str, batches: Sequence[TokenBatch],
-                               lease_ms: int = 0) -> list[Pushed]:
+                               lease_ms: int = 0, *, grouped: bool = False) -> list[Pushed]:
         """Deliver tokens of up to :data:`PUSH_LIMIT` requests in one call (one reply per
         batch, in order). Raises InvalidArgument for an argument of any of them (nothing
-        written for any); one request's state (lost, offset, max_tokens) is its reply."""
+        written for any); one request's state (lost, offset, max_tokens) is its reply.
+
+        ``grouped``: every request's frontend reads grouped entries (its payload's
+        ``grouped_tokens``): one reply-stream entry per frontend for the call, not one per
+        request (lua/push_tokens.lua)."""
         if not batches:
             return []
         if len(batches) > PUSH_LIMIT:
             raise InvalidArgument("batches", f"{len(batches)} requests, at most {PUSH_LIMIT} per call")
-        args: list[Any] = [worker_id, lease_ms, len(batches)]
+        args: list[Any] = [worker_id, lease_ms, len(batches), int(grouped)]
         for b in batches:
             # n_ids '' = one id per token (the step engines): one number less for the script to check
             n_ids = "" if len(b.token_ids) == b.count else len(b.token_ids)
@@ -482,7 +486,7 @@ class Scripts:
 
     async def push_tokens(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int,
                           offset: int, token_ids: Sequence[int], text: str, lease_ms: int = 0,
-                          count: int | None = None) -> bool:
+                          count: int | None = None, grouped: bool = False) -> bool:
         """Deliver tokens of one request; returns True when the client asked to cancel.
         Raises LeaseLost, InvalidArgument 'offset' when Redis has another token count, and
         InvalidArgument 'count' when the batch is past the request's max_tokens.
@@ -491,7 +495,8 @@ class Scripts:
         what a resuming worker primes itself with (the openai engine: the text's bytes)."""
         n = len(token_ids) if count is None else count
         (r,) = await self.push_tokens_many(keys, worker_id, [TokenBatch(request_id, fence, offset, token_ids,
-                                                                        text, n)], lease_ms)
+                                                                        text, n)], lease_ms,
+                                             grouped=grouped)
         if r.status == "lost":
             raise LeaseLost(f"{request_id}: request is not leased to this worker with this fence")
         if r.status == "offset":

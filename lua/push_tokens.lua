@@ -9,6 +9,12 @@
 -- ARGV[1] worker_id   name
 -- ARGV[2] lease_ms    integer >= 0, 0 = the pool's lease_ms
 -- ARGV[3] n           integer in [1, 64]: requests in this call (bounded work per call)
+-- ARGV[4] grouped     0|1: 1 = the requests' frontends read grouped entries (their payloads
+--                     say so: limiter/prompt.py Payload.grouped_tokens), so each frontend
+--                     gets ONE entry for all its requests of this call (include/notify.lua
+--                     notify_grouped; an entry costs ~10-14k instructions, a push ~100k a
+--                     request); 0 = one entry per request (notify), what a frontend of an
+--                     older release reads. A call of one request gets an entry of its own.
 -- then n groups of 7, one per request (distinct request ids):
 --   request_id  name
 --   fence       integer >= 1 (from claim)
@@ -43,21 +49,25 @@
 --!include notify.lua
 
 local MAX_REQUESTS = 64
+local HEADER = 4
 local PER_REQUEST = 7
 
 local function main()
   local worker_id = arg_name(ARGV[1], 'worker_id')
   local lease_ms = arg_int(ARGV[2], 'lease_ms', 0, 3600000)
   local n = arg_int(ARGV[3], 'n', 1, MAX_REQUESTS)
-  if #ARGV ~= 3 + PER_REQUEST * n then
-    fail('BADARG', 'argv: expected ' .. (3 + PER_REQUEST * n) .. ' arguments for ' .. n .. ' requests, got ' .. #ARGV)
+  -- (a call of one request: an entry of its own, the same entry without a table to build)
+  local grouped = arg_int(ARGV[4], 'grouped', 0, 1) == 1 and n > 1
+  if #ARGV ~= HEADER + PER_REQUEST * n then
+    fail('BADARG', 'argv: expected ' .. (HEADER + PER_REQUEST * n) .. ' arguments for ' .. n .. ' requests, got '
+      .. #ARGV)
   end
   -- Every argument of every request is checked before the first write. Nothing is kept:
   -- the loop below reads the checked arguments again, cheaper than a table per request
   -- (~9k instructions each, callgrind).
   local seen = {}
   for i = 1, n do
-    local a = 3 + PER_REQUEST * (i - 1)
+    local a = HEADER + PER_REQUEST * (i - 1)
     local id = arg_name(ARGV[a + 1], 'request_id')
     if seen[id] then fail('BADARG', 'request_id: ' .. id .. ' twice in one push') end
     seen[id] = true
@@ -73,12 +83,13 @@ local function main()
   -- end is the same for every request.
   local fmt = string.format
   local until_s = fmt('%d', now + lease_ms)
-  local replies, leases, expired = {}, {}, {}
+  -- groups: per frontend, its entry's fields (notify_grouped), in the order first met
+  local replies, leases, expired, groups = {}, {}, {}, {}
   -- Each request is read, checked and written in turn: a request refused (lost, offset,
   -- max_tokens) has nothing written, and requests' writes touch only their own keys until the
   -- lease index's ZADD at the end.
   for i = 1, n do
-    local a = 3 + PER_REQUEST * (i - 1)
+    local a = HEADER + PER_REQUEST * (i - 1)
     local id, offset_s = ARGV[a + 1], ARGV[a + 3]
     local held, out_s, max_tokens, started, cancel, frontend, fence_s = leased_for_write(id, worker_id,
       ARGV[a + 2])
@@ -110,12 +121,17 @@ local function main()
       end
       leases[#leases + 1] = until_s
       leases[#leases + 1] = id
-      notify(id, frontend, expired, 'k', 'tok', 'a', fence_s, 'o', out_s, 'n', fmt('%d', count),
-        't', ARGV[a + 6])
+      if grouped then
+        group_entry(groups, id, frontend, fence_s, out_s, count, ARGV[a + 6])
+      else
+        notify(id, frontend, expired, 'k', 'tok', 'a', fence_s, 'o', out_s, 'n', fmt('%d', count),
+          't', ARGV[a + 6])
+      end
       replies[i] = {'ok', cancel}
     end
   end
   if #leases > 0 then redis.call('ZADD', K_LEASES, unpack(leases)) end
+  notify_grouped(groups)
   return replies
 end
 

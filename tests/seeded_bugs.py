@@ -101,6 +101,20 @@ BUGS = (
     Bug("push_token_string_without_ttl", "a push that creates a token string leaves it without a TTL",
         "push_tokens.lua", "        redis.call('PEXPIRE', P_TOKENS .. id, lease_ms + LIVE_RECORD_GRACE_MS)",
         "        local _ = 0"),
+    Bug("grouped_entry_without_ttl", "a push's grouped reply entry leaves its stream without a TTL",
+        "include/notify.lua", "    redis.call('EXPIRE', stream, REPLY_TTL_S)  -- as notify's",
+        "    local _ = 0"),
+    Bug("grouped_entry_spells_count_as_given", "a grouped entry carries the count argument as written "
+        "('2e0'), not the number's digits",
+        "push_tokens.lua", "group_entry(groups, id, frontend, fence_s, out_s, count, ARGV[a + 6])",
+        "group_entry(groups, id, frontend, fence_s, out_s, ARGV[a + 4], ARGV[a + 6])"),
+    Bug("groups_ignore_the_flag", "push_tokens groups every call of several requests, also for the "
+        "requests of a frontend that reads only entries of their own",
+        "push_tokens.lua", "arg_int(ARGV[4], 'grouped', 0, 1) == 1 and n > 1",
+        "arg_int(ARGV[4], 'grouped', 0, 1) >= 0 and n > 1"),
+    Bug("group_not_found_again", "a frontend's group is started anew for each of its requests (the "
+        "earlier requests' batches are lost, the last one's sent twice)",
+        "include/notify.lua", "  local fields = groups[frontend]\n", "  local fields = nil\n"),
     Bug("push_ignores_fence", "push_tokens writes for a request leased to another attempt (no fence check)",
         "push_tokens.lua", "leased_for_write(id, worker_id,\n      ARGV[a + 2])\n",
         "leased_for_write(id, redis.call('HGET', P_REQUEST .. id, 'worker') or '',\n"

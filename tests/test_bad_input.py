@@ -19,7 +19,7 @@ GOOD = {
     "admit": ["id-new", "t1", "P1", "10", "5", "1000", "1000", "0", "0", "fe1", "payload", "1"],
     "claim": ["w9", "1", "0", "0", "P1", "0", "t1,t2", "P2"],
     "renew_leases": ["w1", "0", "leased:1"],
-    "push_tokens": ["w1", "0", "2", "leased", "1", "0", "1", "\x01\x00\x00\x00", "a", "1",
+    "push_tokens": ["w1", "0", "2", "1", "leased", "1", "0", "1", "\x01\x00\x00\x00", "a", "1",
                     "other", "1", "0", "1", "\x01\x00\x00\x00", "b", ""],
     "complete": ["leased", "w1", "1", "ok", "3", "0", "", "", "stop", "", "", "0", "0"],
     "cancel_request": ["queued", "t1", "client_gone"],

@@ -95,7 +95,7 @@ def test_best_phases_keeps_the_least_time_per_call() -> None:
 
 
 async def test_tiny_run(tmp_path) -> None:
-    report = await rb.run_budget(requests=32, rounds=1, push_rounds=1)
+    report = await rb.run_budget(requests=32, rounds=1, push_rounds=1, frontends=3)
     assert [p.name for p in report.phases] == list(rb.PHASES)
     for p in report.phases:
         assert p.calls > 0 and p.usec_per_call > 0, p
@@ -108,7 +108,10 @@ async def test_tiny_run(tmp_path) -> None:
         [(t, c, True) for t in rb.TOKENS for c in rb.CLAIM_BATCHES] + [(t, 8, False) for t in rb.TOKENS]
     assert report.meta["unstreamed_tokens_per_push"] == 80 and report.meta["max_tokens"] == rb.MAX_TOKENS
     unstreamed = report.phases[rb.PHASES.index("push_tokens x8 unstreamed")]
-    assert unstreamed.calls == 32 // 8 and unstreamed.inner.get("xadd") == 8  # 8 requests pushed a call
+    # 8 requests pushed a call, from the 3 frontends in turn: one reply entry for each frontend
+    assert unstreamed.calls == 32 // 8 and unstreamed.inner.get("hset") == 8 and unstreamed.inner["xadd"] == 3
+    alone = report.phases[rb.PHASES.index("push_tokens")]
+    assert alone.inner.get("hset") == 1 and alone.inner["xadd"] == 1
     for b in report.budgets:
         assert set(b["us"]) == {"admit", "claim", "push_tokens", "renew_leases", "complete"}
         assert all(v > 0 for v in b["us"].values()), b
@@ -117,12 +120,14 @@ async def test_tiny_run(tmp_path) -> None:
     rb.write_json(report, str(path))
     data = json.loads(path.read_text())
     assert len(data["phases"]) == len(rb.PHASES) and data["meta"]["private_server"] is True
+    assert data["meta"]["frontends"] == 3 and data["meta"]["reply_entries"] == "grouped"
 
 
 def test_cli_parses() -> None:
     args = build_parser().parse_args(["bench", "redis-budget", "--requests", "64", "--tokens", "8",
                                       "--json", "x"])
     assert args.requests == 64 and args.tokens == [8] and args.json == "x"
+    assert args.frontends == 1 and args.reply_entries == "grouped"
     assert args.redis_url is None
 
 

@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from limiter.errors import InvalidArgument, RedisUnavailable
+from limiter.frontend.replies import replies_of
 from limiter.scripts import PUSH_LIMIT, Pushed, Scripts, TokenBatch, lifecycle_keys
 from tests.support.helpers import admit, dump_all
 from tests.support.worker_helpers import sim_text, worker
@@ -98,7 +99,7 @@ async def test_a_call_carries_at_most_push_limit_requests(scripts, pool, sync_re
     with pytest.raises(InvalidArgument, match=f"at most {PUSH_LIMIT}"):
         await scripts.push_tokens_many(pool, "w1", batches)
     # the script refuses it too (bounded work whoever calls it), and says how many it takes
-    args: list = ["w1", 0, PUSH_LIMIT + 1]
+    args: list = ["w1", 0, PUSH_LIMIT + 1, 1]
     for b in batches:
         args += [b.request_id, 1, 0, 1, b"\x01\x00\x00\x00", "x", ""]
     before = dump_all(sync_redis)
@@ -116,9 +117,9 @@ async def test_the_step_worker_pushes_the_requests_due_at_a_step_in_one_call(wor
     calls: list[int] = []
     real = Scripts.push_tokens_many
 
-    async def counting(self, keys, worker_id, batches, lease_ms=0):
+    async def counting(self, keys, worker_id, batches, lease_ms=0, **kw):
         calls.append(len(batches))
-        return await real(self, keys, worker_id, batches, lease_ms)
+        return await real(self, keys, worker_id, batches, lease_ms, **kw)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", counting)
     prompts = [f"prompt {i}" for i in range(8)]
@@ -136,10 +137,10 @@ def _count_pushes(monkeypatch) -> dict[str, int]:
     batches: dict[str, int] = {}
     real = Scripts.push_tokens_many
 
-    async def counting(self, keys, worker_id, bs, lease_ms=0):
+    async def counting(self, keys, worker_id, bs, lease_ms=0, **kw):
         for b in bs:
             batches[b.request_id] = batches.get(b.request_id, 0) + 1
-        return await real(self, keys, worker_id, bs, lease_ms)
+        return await real(self, keys, worker_id, bs, lease_ms, **kw)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", counting)
     return batches
@@ -191,15 +192,15 @@ def _fail_one_call(monkeypatch, *, land: bool, which: int) -> dict:
     real = Scripts.push_tokens_many
     state = {"calls": [], "fired": 0}
 
-    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
         state["calls"].append(len(batches))
         multi = sum(1 for n in state["calls"] if n > 1)
         if len(batches) > 1 and multi == which and not state["fired"]:
             state["fired"] = 1
             if land:
-                await real(self, keys, worker_id, batches, lease_ms)
+                await real(self, keys, worker_id, batches, lease_ms, **kw)
             raise RedisUnavailable("Connection reset by peer")
-        return await real(self, keys, worker_id, batches, lease_ms)
+        return await real(self, keys, worker_id, batches, lease_ms, **kw)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     return state
@@ -235,16 +236,16 @@ async def test_a_cancel_learnt_from_a_chunk_before_an_outage_still_stops_the_req
     real = Scripts.push_tokens_many
     state = {"phase": 0, "victim": None}
 
-    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
         if state["phase"] == 0 and len(batches) == PUSH_LIMIT and all(b.offset > 0 for b in batches):
             state["victim"] = batches[0].request_id
             await self.cancel(keys, state["victim"], "t1")
             state["phase"] = 1
-            return await real(self, keys, worker_id, batches, lease_ms)
+            return await real(self, keys, worker_id, batches, lease_ms, **kw)
         if state["phase"] == 1:
             state["phase"] = 2
             raise RedisUnavailable("Connection reset by peer")
-        return await real(self, keys, worker_id, batches, lease_ms)
+        return await real(self, keys, worker_id, batches, lease_ms, **kw)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     for i in range(n):
@@ -301,31 +302,126 @@ async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts
     assert "c" not in rt.held
 
 
-async def test_numbers_written_otherwise_are_the_same_numbers(scripts, pool) -> None:
+@pytest.mark.parametrize("grouped", [0, 1])
+async def test_numbers_written_otherwise_are_the_same_numbers(scripts, pool, grouped) -> None:
     """push_tokens and renew_leases compare the fence and the offset with the record's as
     strings first (no conversion when the digits are the same); a checked argument written
-    otherwise ('007', '1e0', ' 3') is the same number, and the reply entry carries the
-    record's canonical digits, never the argument's spelling."""
+    otherwise ('007', '1e0', ' 3') is the same number, and the reply entry (one of its own or
+    a grouped one) carries the record's canonical digits, never the argument's spelling."""
     await admit(scripts, pool, cls="P1", request_id="a", input_tokens=3, max_tokens=10)
-    (held,) = (await _claim(scripts, pool, 1)).values()
+    await admit(scripts, pool, cls="P1", request_id="b", input_tokens=3, max_tokens=10)
+    held = await _claim(scripts, pool, 2)
     sha = await scripts.client.script_load(scripts._scripts["push_tokens"].script)
+    pushed_b = 0
 
     async def push(fence: str, offset: str, count: str, text: str) -> list:
-        args = ["w1", 0, 1, "a", fence, offset, count, b"\x01\x00\x00\x00" * int(float(count)), text, ""]
-        return await scripts.client.evalsha(sha, len(lifecycle_keys(pool)), *lifecycle_keys(pool), *args)
+        """a's batch, written as given, and (grouped: a call of one request is an entry of its
+        own) one token of b's, written plainly, in the same call."""
+        nonlocal pushed_b
+        a_batch = ["a", fence, offset, count, b"\x01\x00\x00\x00" * int(float(count)), text, ""]
+        b_batch = ["b", held["b"].fence, pushed_b, 1, b"\x01\x00\x00\x00", "b", ""] if grouped else []
+        pushed_b += grouped
+        keys = lifecycle_keys(pool)
+        args = ["w1", 0, 1 + grouped, grouped, *a_batch, *b_batch]
+        replies = await scripts.client.evalsha(sha, len(keys), *keys, *args)
+        assert not grouped or replies.pop() == [b"ok", 0]
+        return replies
 
-    assert await push(f"00{held.fence}", "0", "1", "x") == [[b"ok", 0]]
-    assert await push(f"{held.fence}e0", "1e0", "2", "yz") == [[b"ok", 0]]
-    assert await push(str(held.fence), " 3", "1", "w") == [[b"ok", 0]]
-    assert await push(str(held.fence), "003", "1", "v") == [[b"offset", 4]]  # 4 were delivered
-    assert await push(f"0{held.fence + 1}", "4", "1", "v") == [[b"lost", b"request is not leased to this "
-                                                                b"worker with this fence"]]
+    fence_a = held["a"].fence
+    assert await push(f"00{fence_a}", "0", "1", "x") == [[b"ok", 0]]
+    assert await push(f"{fence_a}e0", "1e0", "2e0", "yz") == [[b"ok", 0]]
+    assert await push(str(fence_a), " 3", "1", "w") == [[b"ok", 0]]
+    assert await push(str(fence_a), "003", "1", "v") == [[b"offset", 4]]  # 4 were delivered
+    assert await push(f"0{fence_a + 1}", "4", "1", "v") == [[b"lost", b"request is not leased to this "
+                                                               b"worker with this fence"]]
     entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
-    fence = str(held.fence).encode()
-    assert [(e[b"a"], e[b"o"], e[b"n"], e[b"t"]) for e in entries] == [
-        (fence, b"0", b"1", b"x"), (fence, b"1", b"2", b"yz"), (fence, b"3", b"1", b"w")]
+    fence = str(fence_a).encode()
+    if grouped:  # one entry a call, a's batch under its id "a" (none when refused)
+        assert [e.get(b"a") for e in entries] == [fence + b" 0 1 x", fence + b" 1 2 yz", fence + b" 3 1 w",
+                                                  None, None]
+        assert [e[b"k"] for e in entries] == [b"toks"] * 5
+    else:
+        assert [(e[b"a"], e[b"o"], e[b"n"], e[b"t"]) for e in entries] == [
+            (fence, b"0", b"1", b"x"), (fence, b"1", b"2", b"yz"), (fence, b"3", b"1", b"w")]
     assert (await scripts.client.hgetall(pool.request("a")))[b"out_tokens"] == b"4"
     renew = await scripts.client.script_load(scripts._scripts["renew_leases"].script)
     keys = lifecycle_keys(pool)
-    for entry, lost in ((f"a:00{held.fence}", []), (f"a:{held.fence + 1}", [b"a"])):
+    for entry, lost in ((f"a:00{fence_a}", []), (f"a:{fence_a + 1}", [b"a"])):
         assert await scripts.client.evalsha(renew, len(keys), *keys, "w1", 0, entry) == [lost, []], entry
+
+
+async def test_a_grouped_entry_tells_each_frontend_what_entries_of_their_own_would(scripts, pool) -> None:
+    """The same pushes, once with one entry per request and once grouped (two sets of
+    requests, the same shapes): per frontend one entry a call instead of one a request, the
+    refused batches in neither, and what the frontend's reader makes of them (replies_of) the
+    same replies, in the same order per request -- text with spaces, several tokens, none."""
+    fronts = {"a": "fe1", "b": "fe1", "c": "fe2", "d": "fe1"}
+    await scripts.client.zadd(pool.frontends, dict.fromkeys(("fe1", "fe2"), 4102444800000))  # alive
+    for mode in ("e", "g"):
+        for rid, fe in fronts.items():
+            await admit(scripts, pool, cls="P1", request_id=mode + rid, input_tokens=3, max_tokens=10,
+                        frontend=fe)
+    held = await _claim(scripts, pool, 8)
+
+    def calls(mode: str) -> list[list[TokenBatch]]:
+        def f(rid: str, fence_add: int = 0) -> int:
+            return held[mode + rid].fence + fence_add
+        return [
+            [TokenBatch(mode + "a", f("a"), 0, [1], "x", 1),
+             TokenBatch(mode + "b", f("b"), 0, [2, 3], " two words ", 2),
+             TokenBatch(mode + "c", f("c"), 0, [4], "Grüße", 1),
+             TokenBatch(mode + "d", f("d", 1), 0, [5], "no", 1)],  # a fence not issued: lost
+            [TokenBatch(mode + "b", f("b"), 2, [6], "", 1),
+             TokenBatch(mode + "a", f("a"), 0, [1], "again", 1),  # its reply was lost: offset
+             TokenBatch(mode + "c", f("c"), 1, [7, 8, 9], "a b c", 3)],
+        ]
+
+    replies = {}
+    for mode, grouped in (("g", True), ("e", False)):
+        replies[mode] = [await scripts.push_tokens_many(pool, "w1", batches, grouped=grouped)
+                         for batches in calls(mode)]
+        if grouped:  # streams the grouped entries made (before the others set a TTL of their own)
+            for fe in ("fe1", "fe2"):
+                assert 0 < await scripts.client.ttl(pool.reply(fe)) <= 600, fe
+    assert replies["e"] == replies["g"] == [[Pushed("ok"), Pushed("ok"), Pushed("ok"), Pushed("lost")],
+                                            [Pushed("ok"), Pushed("offset", delivered=1), Pushed("ok")]]
+    for fe in ("fe1", "fe2"):
+        entries = [f for _, f in await scripts.client.xrange(pool.reply(fe))]
+        seen: dict[str, list] = {"e": [], "g": []}
+        for f in entries:
+            for rid, reply in replies_of(f):  # attempt: the fence, another in each set
+                assert reply.attempt == held[rid].fence
+                seen[rid[0]].append((rid[1:], dataclasses.replace(reply, attempt=0)))
+        assert seen["g"] == seen["e"] and seen["e"], fe
+        grouped_entries = [f for f in entries if f[b"k"] == b"toks"]
+        assert len(grouped_entries) == 2  # one a call: fe1 had requests in both calls, fe2 too
+        assert len(entries) - len(grouped_entries) == len(seen["e"])  # the others: one a request
+    assert [(rid, r.offset, r.count, r.text) for rid, r in seen["g"]] == [
+        ("c", 0, 1, "Grüße"), ("c", 1, 3, "a b c")]  # fe2's, the last one checked
+
+
+async def test_a_worker_sends_older_frontends_requests_in_calls_of_their_own(worker_env, monkeypatch) -> None:
+    """A rolling deploy: requests of a frontend of this release (payload grouped_tokens) and of
+    an older one (without it) held together go in separate calls, the older frontend's with
+    one entry per request -- the only kind it reads -- and every client gets its whole text."""
+    cfg, c = worker_env
+    modes: list[tuple[bool, frozenset[str]]] = []
+    real = Scripts.push_tokens_many
+
+    async def recording(self, keys, worker_id, batches, lease_ms=0, *, grouped=False):
+        modes.append((grouped, frozenset(b.request_id for b in batches)))
+        return await real(self, keys, worker_id, batches, lease_ms, grouped=grouped)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", recording)
+    new = [await c.admit(f"new {i}", max_tokens=16) for i in range(3)]
+    old = [await c.admit(f"old {i}", max_tokens=16, grouped_tokens=False) for i in range(3)]
+    async with worker(cfg, engine="sim", time_scale=0.01, flush_tokens=4):
+        await c.wait(new + old, timeout=30)
+    for rid, prompt in zip(new + old, [f"new {i}" for i in range(3)] + [f"old {i}" for i in range(3)],
+                           strict=True):
+        a = c.answers[rid]
+        assert a.done is not None and a.tokens == 16 and a.text == sim_text(prompt, 0, 16), (rid, a)
+    assert modes and all(ids <= set(new) if grouped else ids <= set(old) for grouped, ids in modes)
+    assert any(len(ids) > 1 for grouped, ids in modes if grouped)  # the new ones were grouped together
+    entries = [f for _, f in await c.client.xrange(c.keys.reply("fe1"))]
+    assert all(f[b"k"] != b"toks" or not set(f) & {o.encode() for o in old} for f in entries)

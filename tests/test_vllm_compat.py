@@ -98,6 +98,7 @@ async def test_extensions_reach_the_worker_payload(client, fake_worker):
     p = fake_worker.payloads[r.headers["X-QoS-Request-Id"]]
     assert p.ignore_eos is True and p.min_tokens == 5 and p.max_tokens == 12 and p.messages == ()
     assert p.stream is False  # what the worker's push cadence follows
+    assert p.grouped_tokens is True  # this frontend reads a push's grouped reply entries
 
     r = await client.post("/v1/completions", json={**body, "stream": True}, headers=auth())
     assert r.status == 200, await r.text()
@@ -255,6 +256,13 @@ def test_payload_carries_extensions_and_messages():
     assert Payload.unpack(unstreamed.pack()) == unstreamed and not Payload.unpack(unstreamed.pack()).stream
     with pytest.raises(ValueError, match="'stream' is not a boolean"):
         Payload.unpack(msgpack.packb({"v": 1, "kind": "chat", "prompt": "x", "max_tokens": 1, "stream": 0}))
+    # this release's frontends read grouped reply entries and say so; an older one's payload does not
+    grouped = Payload("completion", "x", 2, grouped_tokens=True)
+    assert Payload.unpack(grouped.pack()).grouped_tokens and not Payload.unpack(old).grouped_tokens
+    assert "grouped_tokens" not in msgpack.unpackb(old)
+    with pytest.raises(ValueError, match="'grouped_tokens' is not a boolean"):
+        Payload.unpack(msgpack.packb({"v": 1, "kind": "chat", "prompt": "x", "max_tokens": 1,
+                                      "grouped_tokens": 1}))
     with pytest.raises(ValueError):
         import msgpack
         Payload.unpack(msgpack.packb({"v": 1, "kind": "chat", "prompt": "x", "max_tokens": 1,

@@ -298,11 +298,11 @@ async def test_a_push_failing_just_before_the_drain_deadline_does_not_keep_the_w
     real = Scripts.push_tokens_many
     state = {"failed": 0}
 
-    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
         if rt.drain_expired and not state["failed"]:  # one push, the first after the deadline
             state["failed"] += 1
             raise RedisUnavailable("Connection reset by peer")
-        return await real(self, keys, worker_id, batches, lease_ms)
+        return await real(self, keys, worker_id, batches, lease_ms, **kw)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     task = asyncio.create_task(run_worker(rt, loop))

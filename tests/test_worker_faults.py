@@ -47,8 +47,8 @@ def lose_reply_of_push(monkeypatch, rid_holder: dict, at_offset: int) -> dict:
     real = Scripts.push_tokens_many
     state = {"fired": 0}
 
-    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
-        res = await real(self, keys, worker_id, batches, lease_ms)
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
+        res = await real(self, keys, worker_id, batches, lease_ms, **kw)
         if not state["fired"] and any(b.request_id == rid_holder.get("rid") and b.offset == at_offset
                                       for b in batches):
             state["fired"] += 1
@@ -769,11 +769,11 @@ async def test_a_hopeless_drain_leaves_none_of_the_last_steps_calls_behind(env, 
             raise RedisUnavailable("Redis out of reach (test)")
         return await real_beat(self)
 
-    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0):
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
         if state["gone"] and state["rt"].drain_hopeless:
             await asyncio.sleep(5)  # until redis-py's socket timeout
             raise RedisUnavailable("Redis out of reach (test)")
-        return await real_push(self, keys, worker_id, batches, lease_ms)
+        return await real_push(self, keys, worker_id, batches, lease_ms, **kw)
 
     monkeypatch.setattr(WorkerRuntime, "heartbeat", heartbeat)
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 
+from limiter.frontend.replies import replies_of
 from tests.support.redis_server import RedisServer
 from tests.support.worker_helpers import FE, Client, config, worker
 
@@ -30,11 +31,11 @@ async def p0_tokens_during_prefill(c: Client, short: str, long: str, after: byte
     request was admitted) and before the P2 request's first token: stream order, not time."""
     count = 0
     for _eid, f in await c.client.xrange(c.keys.reply(FE), f"({after.decode()}", "+"):
-        n = int(f.get(b"n", b"0"))
-        if f[b"id"] == long.encode() and n:
-            return count
-        if f[b"id"] == short.encode():
-            count += n
+        for rid, r in replies_of(f):
+            if rid == long and r.count:
+                return count
+            if rid == short:
+                count += r.count
     raise AssertionError(f"{long}: no first token on the reply stream")
 
 

@@ -161,7 +161,8 @@ class Delivery:
         try:
             cancel = await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id,
                                                fence=self.fence, offset=b.offset, token_ids=b.token_ids,
-                                               text=b.text, lease_ms=lease_ms, count=b.count)
+                                               text=b.text, lease_ms=lease_ms, count=b.count,
+                                               grouped=self.payload.grouped_tokens)
         except InvalidArgument as exc:
             if exc.field != "offset":  # not the message: a request id may contain "offset"
                 raise

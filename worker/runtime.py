@@ -352,8 +352,12 @@ class WorkerRuntime:
         settled already, and their news comes again (a cancel flag stays set; a lost lease
         stays lost)."""
         out: list[tuple[Delivery, PushNews]] = []
-        for i in range(0, len(todo), PUSH_LIMIT):
-            await self._push_batches(todo[i:i + PUSH_LIMIT], out)
+        # Requests whose frontends read grouped entries and the others (of an older frontend,
+        # during a rolling deploy) in calls of their own: the script takes one kind a call.
+        for grouped in (True, False):
+            part = [t for t in todo if t[0].payload.grouped_tokens is grouped]
+            for i in range(0, len(part), PUSH_LIMIT):
+                await self._push_batches(part[i:i + PUSH_LIMIT], out)
         return out
 
     async def _push_batches(self, todo: list[tuple[Delivery, TokenBatch]],
@@ -361,7 +365,8 @@ class WorkerRuntime:
         """One ``push_tokens`` call for ``todo``; its news appended to ``out``."""
         try:
             replies = await self.scripts.push_tokens_many(self.keys, self.worker_id, [b for _, b in todo],
-                                                          self.lease_ms)
+                                                          self.lease_ms,
+                                                          grouped=todo[0][0].payload.grouped_tokens)
         except InvalidArgument as exc:
             if exc.field not in TOKEN_FIELDS:
                 raise

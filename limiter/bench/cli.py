@@ -153,6 +153,12 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
                    help="run the private server under valgrind's callgrind and also count the instructions "
                         "it runs per call and per request: figures that do not move with the machine's load "
                         "(to compare with --baseline; about 50x slower, so fewer --requests and --rounds 1)")
+    p.add_argument("--frontends", type=int, default=1,
+                   help="the requests come from this many frontends in turn, so a push of 8 requests "
+                        "carries min(8, N) of them (default 1)")
+    p.add_argument("--reply-entries", choices=("grouped", "each"), default="grouped",
+                   help="a push's reply entries: one per frontend (grouped, this release's frontends) or "
+                        "one per request (each, what a frontend of an older release reads); default grouped")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 
@@ -169,9 +175,10 @@ def _redis_budget(args: argparse.Namespace) -> int:
 
     console = Console()
     if args.requests < 16 or args.requests % 16 or args.step_ms <= 0 or (args.tokens_per_push or 1) < 1 \
-            or args.rounds < 1 or min(args.tokens) < 1 or max(args.tokens) > rb.MAX_TOKENS:
+            or args.rounds < 1 or min(args.tokens) < 1 or max(args.tokens) > rb.MAX_TOKENS \
+            or not 1 <= args.frontends <= 64:
         console.print("[red]--requests: a positive multiple of 16; --step-ms, --tokens-per-push, --rounds: "
-                      f"> 0; --tokens in [1, {rb.MAX_TOKENS}][/]")
+                      f"> 0; --tokens in [1, {rb.MAX_TOKENS}]; --frontends in [1, 64][/]")
         return 2
     if args.baseline and not (args.baseline / "admit.lua").is_file():
         console.print(f"[red]--baseline {args.baseline}: no admit.lua there[/]")
@@ -181,7 +188,8 @@ def _redis_budget(args: argparse.Namespace) -> int:
         return 2
     report = asyncio.run(rb.run_budget(args.requests, args.step_ms, args.tokens_per_push,
                                        redis_url=args.redis_url, tokens=args.tokens, rounds=args.rounds,
-                                       baseline=args.baseline, instructions=args.instructions))
+                                       baseline=args.baseline, instructions=args.instructions,
+                                       frontends=args.frontends, grouped=args.reply_entries == "grouped"))
     console.print(rb.render(report))
     if args.json:
         rb.write_json(report, args.json)

@@ -14,10 +14,13 @@ drives them --
   ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``. Measured one
   request per call, and eight per call (``push_tokens (first) x8`` and ``push_tokens x8``:
   the step worker sends every request due at a step in one call, and requests claimed
-  together make their first tokens at the same step). A request whose client does not
-  stream is pushed every ``unstreamed_flush_ms`` (1 s) after its first token, however many
-  tokens that is (``push_tokens x8 unstreamed``, 80 tokens each at 12.5 ms steps): the
-  budget's "unstreamed" columns;
+  together make their first tokens at the same step). Each call appends one reply entry per
+  frontend of its requests, as it does for this release's frontends (``--reply-entries
+  each``: one per request, as for a frontend of an older release); the requests come from
+  ``--frontends`` frontends in turn, so a call of 8 carries min(8, frontends) of them. A
+  request whose client does not stream is pushed every ``unstreamed_flush_ms`` (1 s) after
+  its first token, however many tokens that is (``push_tokens x8 unstreamed``, 80 tokens
+  each at 12.5 ms steps): the budget's "unstreamed" columns;
 * ``complete`` with a latency sample, one request per call, and eight (``complete x8``: a
   step worker's completions of one step, which its script batcher sends as one call);
 * ``renew_leases``: every ``lease_ms / 3`` over every held request (worker/runtime.py): a
@@ -227,10 +230,13 @@ class Driver:
 
     def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None,
                  scripts: Scripts | None = None, unstreamed_per_push: int = 80,
-                 max_tokens: int = MAX_TOKENS, counter: callgrind.InstructionCounter | None = None) -> None:
+                 max_tokens: int = MAX_TOKENS, counter: callgrind.InstructionCounter | None = None,
+                 frontends: int = 1, grouped: bool = True) -> None:
         """``scripts``: a registry of the caller's (default: one over ``lua``); ``max_tokens``:
         each request's, at least what the phases push into it; ``counter``: the server runs
-        under callgrind, and every phase counts its instructions."""
+        under callgrind, and every phase counts its instructions; ``frontends``: request i
+        comes from frontend ``i % frontends``; ``grouped``: pushes append one reply entry per
+        frontend (False: one per request)."""
         self.client = client
         self.private = private
         self.scripts = scripts or Scripts(client, lua=lua)
@@ -243,6 +249,8 @@ class Driver:
         self.offset: dict[str, int] = {}
         self.floor_script = client.register_script(FLOOR_SCRIPT)
         self.counter = counter
+        self.frontends = [FRONTEND] if frontends == 1 else [f"{FRONTEND}{k}" for k in range(frontends)]
+        self.grouped = grouped
 
     async def setup(self) -> tuple[str, int]:
         if self.private:
@@ -258,7 +266,7 @@ class Driver:
         cfg = bench_config()
         pool = dataclasses.replace(cfg.pools[0], name=POOL)
         await self.scripts.init_pool(self.keys, policy_document(cfg, pool), reset_rates=True)
-        await self.client.zadd(self.keys.frontends, {FRONTEND: ALIVE})
+        await self.client.zadd(self.keys.frontends, dict.fromkeys(self.frontends, ALIVE))
         cls = "P1" if "P1" in cfg.class_names() else cfg.class_names()[0]
         return cls, pool.lease_ms
 
@@ -295,7 +303,7 @@ class Driver:
         return lambda: self.scripts.admit(
             self.keys, request_id=f"r{i}", tenant=f"t{i % TENANTS}", cls=cls, input_tokens=INPUT_TOKENS,
             max_tokens=self.max_tokens, tenant_rate=1e12, tenant_burst=1e15, tenant_max_inflight=0,
-            max_wait_ms=0, frontend_id=FRONTEND, payload=self.payload)
+            max_wait_ms=0, frontend_id=self.frontends[i % len(self.frontends)], payload=self.payload)
 
     def claim(self, batch: int) -> Callable[[], Awaitable[Any]]:
         async def call() -> None:
@@ -311,7 +319,7 @@ class Driver:
             off = self.offset[c.request_id]
             await self.scripts.push_tokens(self.keys, request_id=c.request_id, worker_id=WORKER,
                                            fence=c.fence, offset=off, text=" tok" * n,
-                                           token_ids=range(1000 + off, 1000 + off + n))
+                                           token_ids=range(1000 + off, 1000 + off + n), grouped=self.grouped)
             self.offset[c.request_id] = off + n
         return call
 
@@ -321,7 +329,7 @@ class Driver:
             offsets = [self.offset[c.request_id] for c in cs]
             batches = [TokenBatch(c.request_id, c.fence, off, range(1000 + off, 1000 + off + n),
                                   " tok" * n, n) for c, off in zip(cs, offsets, strict=True)]
-            replies = await self.scripts.push_tokens_many(self.keys, WORKER, batches)
+            replies = await self.scripts.push_tokens_many(self.keys, WORKER, batches, grouped=self.grouped)
             if any(r.status != "ok" for r in replies):
                 raise RuntimeError(f"push_tokens x{len(cs)}: {replies}")
             for c in cs:
@@ -401,13 +409,15 @@ def best_phases(rounds: Sequence[Sequence[Phase]]) -> list[Phase]:
 async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_STEP_MS,
                      per_push: int | None = None, push_rounds: int = 2, redis_url: str | None = None,
                      tokens: Sequence[int] = TOKENS, rounds: int = DEFAULT_ROUNDS,
-                     baseline: Path | None = None, instructions: bool = False) -> BudgetReport:
+                     baseline: Path | None = None, instructions: bool = False, frontends: int = 1,
+                     grouped: bool = True) -> BudgetReport:
     """Measure every phase over ``requests`` requests (a multiple of 16: half claimed one
     at a time, half eight at a time), ``rounds`` times, and the per-request budgets at
     ``tokens`` from each phase's best round. ``baseline``: another ``lua/`` directory (e.g.
     ``git archive <commit> lua``), measured in the same rounds, alternating with the
     installed scripts, so that both see the same machine load. ``instructions``: count each
-    phase's instructions too (a private server under callgrind; not with ``redis_url``)."""
+    phase's instructions too (a private server under callgrind; not with ``redis_url``).
+    ``frontends`` and ``grouped``: see :class:`Driver`."""
     if requests < 16 or requests % 16:
         raise ValueError("requests must be a positive multiple of 16")
     if instructions and (why := callgrind.why_not(redis_url)):
@@ -425,10 +435,10 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
             server, counter = callgrind.start_server(profiles)
         client = aioredis.from_url(redis_url or (server.url if server else ""))
         d = Driver(client, per_push, private=server is not None, unstreamed_per_push=unstreamed,
-                   max_tokens=max_tokens, counter=counter)
+                   max_tokens=max_tokens, counter=counter, frontends=frontends, grouped=grouped)
         base = None if baseline is None else Driver(
             client, per_push, private=server is not None, lua=baseline, unstreamed_per_push=unstreamed,
-            max_tokens=max_tokens, counter=counter)
+            max_tokens=max_tokens, counter=counter, frontends=frontends, grouped=grouped)
         all_rounds, base_rounds = [], []
         for _ in range(rounds):
             if base:
@@ -461,7 +471,8 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                        "lease_ms": lease_ms, "renew_held": renew_held(requests), "tenants": TENANTS,
                        "redis_version": info.get("redis_version"), "private_server": server is not None,
                        "machine": platform.machine(), "python": platform.python_version(),
-                       "baseline": str(baseline) if baseline else None, "instructions": instructions}
+                       "baseline": str(baseline) if baseline else None, "instructions": instructions,
+                       "frontends": frontends, "reply_entries": "grouped" if grouped else "each"}
         return report
     finally:
         if client is not None:
@@ -500,7 +511,8 @@ def render(report: BudgetReport) -> Any:
                   *([_k(p.instructions_per_call)] if counted else []))
     b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, unstreamed "
                     f"{m['unstreamed_tokens_per_push']}; step {m['step_ms']:g} ms; renewals every "
-                    f"{m['lease_ms'] / 3:.0f} ms)"
+                    f"{m['lease_ms'] / 3:.0f} ms; {m['frontends']} frontend(s), reply entries "
+                    f"{m['reply_entries']})"
               + ("; the times are callgrind's, not this machine's: no goal check" if counted else ""))
     b.add_column("per request")
     for x in report.budgets:

@@ -51,7 +51,8 @@ class FrontendMetrics:
         self.inflight = Gauge(
             "qos_frontend_inflight", "Generation requests being handled now", ["pool"], registry=r)
         self.reply_entries = Counter(
-            "qos_frontend_reply_entries", "Reply-stream entries read, by kind (tok, done, err, orphan, dup)",
+            "qos_frontend_reply_entries",
+            "Replies read from the reply stream, by kind (tok, done, err, orphan, dup, malformed)",
             ["pool", "kind"], registry=r)
         self.redis_errors = Counter(
             "qos_frontend_redis_errors", "Redis failures seen by background loops", ["loop"], registry=r)

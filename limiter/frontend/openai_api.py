@@ -53,7 +53,8 @@ class GenerationRequest:
         return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
                        temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
                        model=self.model, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                       messages=self.messages, stream=self.stream)
+                       messages=self.messages, stream=self.stream,
+                       grouped_tokens=True)  # this frontend reads grouped entries (replies.py)
 
 
 def _reject_constant(name: str) -> Any:

@@ -74,6 +74,25 @@ class Reply:
                    message=_s(g.get("msg", "")))
 
 
+def replies_of(fields: dict[Any, Any]) -> list[tuple[str, Reply]]:
+    """The (request id, reply) pairs of one reply-stream entry: one for an entry of its own
+    (notify), one per request for a grouped entry (kind ``toks``: a push's token batches for
+    this frontend's requests, each id -> ``fence offset count text``; lua/include/notify.lua
+    notify_grouped). Raises ValueError for a grouped value that is not of that shape."""
+    kind = fields.get(b"k", fields.get("k"))
+    if kind not in (b"toks", "toks"):
+        return [(_s(fields.get(b"id", fields.get("id", b""))), Reply.parse(fields))]
+    out = []
+    for k, v in fields.items():
+        rid = _s(k)
+        if rid == "k":
+            continue
+        a, o, n, t = (v if isinstance(v, bytes) else str(v).encode()).split(b" ", 3)
+        out.append((rid, Reply("tok", offset=int(o), count=int(n), text=t.decode("utf-8", "replace"),
+                               attempt=int(a))))
+    return out
+
+
 def dedup(r: Reply, forwarded: int) -> tuple[str, int]:
     """(text to forward, tokens forwarded after it) for entry ``r``.
 
@@ -153,17 +172,22 @@ class ReplyRouter:
             q.put_nowait(reply)
 
     def dispatch(self, pool: str, fields: dict[Any, Any]) -> None:
-        rid = _s(fields.get(b"id", fields.get("id", b"")))
-        q = self._queues.get(rid)
-        if q is None and not rid:
-            return  # our own wake-up entry (stop)
-        if q is None:
-            # The client is gone (its request was cancelled); the worker learns via cancels.
-            self.metrics.reply_entries.labels(pool, "orphan").inc()
+        try:
+            replies = replies_of(fields)
+        except ValueError:  # not from a script of ours: nothing to hand anyone
+            log.warning("pool %s: a reply-stream entry of an unknown shape was skipped", pool)
+            self.metrics.reply_entries.labels(pool, "malformed").inc()
             return
-        reply = Reply.parse(fields)
-        self.metrics.reply_entries.labels(pool, reply.kind).inc()
-        q.put_nowait(reply)
+        for rid, reply in replies:
+            q = self._queues.get(rid)
+            if q is None and not rid:
+                continue  # our own wake-up entry (stop)
+            if q is None:
+                # The client is gone (its request was cancelled); the worker learns via cancels.
+                self.metrics.reply_entries.labels(pool, "orphan").inc()
+                continue
+            self.metrics.reply_entries.labels(pool, reply.kind).inc()
+            q.put_nowait(reply)
 
     async def run(self, keys: PoolKeys) -> None:
         """The one blocking reader of this pool's reply stream; runs until cancelled."""

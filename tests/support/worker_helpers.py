@@ -20,6 +20,7 @@ import msgpack
 
 from limiter.config import QosConfig
 from limiter.config import load as load_config
+from limiter.frontend.replies import replies_of
 from limiter.keys import PoolKeys
 from limiter.localstack import launcher
 from limiter.localstack.launcher import module_argv, spawn
@@ -85,8 +86,10 @@ class Client:
     async def admit(self, prompt: str, *, cls: str = "P1", max_tokens: int = 32, temperature: float = 0.0,
                     seed: int | None = 1, stop: tuple[str, ...] = (), rid: str | None = None,
                     kind: str = "completion", **extra: Any) -> str:
-        """``extra``: more Payload fields (ignore_eos, min_tokens, messages)."""
+        """``extra``: more Payload fields (ignore_eos, min_tokens, messages; grouped_tokens=False
+        for a frontend of an older release, which reads one entry per token batch)."""
         rid = rid or f"r{next(_ids)}"
+        extra.setdefault("grouped_tokens", True)  # as this release's frontend
         payload = Payload(kind, prompt, max_tokens, temperature=temperature, stop=stop, seed=seed, **extra)
         await self.scripts.admit(self.keys, request_id=rid, tenant="t1", cls=cls,
                                  input_tokens=count_tokens(prompt), max_tokens=max_tokens, tenant_rate=1e9,
@@ -101,21 +104,20 @@ class Client:
             for eid, f in entries:
                 self._last = eid.decode()
                 self.entries += 1
-                g = {k.decode(): v.decode() for k, v in f.items()}
-                a = self.answers.setdefault(g["id"], Answer())
-                if g["k"] in ("tok", "done"):
-                    n = int(g["n"])
-                    if n:
-                        a.offsets.append(int(g["o"]))
-                        a.attempts.append(int(g["a"]))
-                        a.times_ms.append(int(self._last.split("-")[0]))
-                    assert not n or int(g["o"]) == a.tokens, f"{g['id']}: offset {g['o']} after {a.tokens}"
-                    a.tokens += n
-                    a.text += g["t"]
-                    if g["k"] == "done":
-                        a.done = g
-                else:
-                    a.error = g
+                for rid, r in replies_of(f):  # one per request of a grouped entry
+                    a = self.answers.setdefault(rid, Answer())
+                    if r.kind in ("tok", "done"):
+                        if r.count:
+                            a.offsets.append(r.offset)
+                            a.attempts.append(r.attempt)
+                            a.times_ms.append(int(self._last.split("-")[0]))
+                        assert not r.count or r.offset == a.tokens, f"{rid}: {r.offset} after {a.tokens}"
+                        a.tokens += r.count
+                        a.text += r.text
+                        if r.kind == "done":
+                            a.done = {k.decode(): v.decode() for k, v in f.items()}
+                    else:
+                        a.error = {k.decode(): v.decode() for k, v in f.items()}
 
     async def wait(self, ids: list[str] | None = None, timeout: float = 30.0) -> None:
         ids = list(self.answers) if ids is None else ids
@@ -203,7 +205,7 @@ def count_claims(rt: WorkerRuntime) -> list[None]:
 def count_pushes(rt: WorkerRuntime) -> list[list[tuple[int, int]]]:
     """The worker's push_tokens calls from now on: per call, each request's (offset, count)."""
     return record_calls(rt.scripts, "push_tokens_many",
-                        lambda keys, worker_id, batches, *_: [(b.offset, b.count) for b in batches])
+                        lambda keys, worker_id, batches, *_, **__: [(b.offset, b.count) for b in batches])
 
 
 def config(path: Path, redis_url: str, **kw: Any) -> QosConfig:
