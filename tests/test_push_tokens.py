@@ -146,6 +146,36 @@ def _count_pushes(monkeypatch) -> dict[str, int]:
     return batches
 
 
+async def test_requests_started_out_of_step_are_soon_pushed_in_the_same_calls(
+        worker_env, monkeypatch) -> None:
+    """B starts while A is somewhere in its push period: within a period or two, a call made
+    for one carries the other too (it joins once its tokens waited half a period), so the
+    two make one call a period instead of two, and every token still arrives, in order."""
+    cfg, c = worker_env
+    calls: list[set[str]] = []
+    real = Scripts.push_tokens_many
+
+    async def recording(self, keys, worker_id, batches, lease_ms=0, **kw):
+        calls.append({b.request_id for b in batches})
+        return await real(self, keys, worker_id, batches, lease_ms, **kw)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", recording)
+    async with worker(cfg, engine="sim", time_scale=0.2, flush_ms=60, flush_tokens=100_000):
+        a = await c.admit("first one", max_tokens=300)
+        await c.wait_tokens(a, 1)
+        b = await c.admit("second one", max_tokens=300)
+        await c.wait([a, b], timeout=60)
+    for rid, prompt in ((a, "first one"), (b, "second one")):
+        assert c.answers[rid].tokens == 300 and c.answers[rid].text == sim_text(prompt, 0, 300)
+    with_a = [i for i, ids in enumerate(calls) if a in ids]
+    with_b = [i for i, ids in enumerate(calls) if b in ids]
+    # from each one's third push on (a period or two to fall into step) until either's last
+    start, end = max(with_a[2], with_b[2]), min(with_a[-1], with_b[-1])
+    window = [calls[i] for i in range(start, end) if calls[i] & {a, b}]
+    assert len(window) >= 3, (with_a, with_b)  # the two ran side by side for some periods
+    assert all({a, b} <= ids for ids in window), (with_a, with_b)
+
+
 async def test_a_class_with_a_longer_stream_flush_is_pushed_less_often(worker_env, monkeypatch) -> None:
     """``stream_flush_ms`` of a class overrides the worker's flush_ms for its requests: a P2
     request at 10 s is pushed once (its first token: time to first token is not batched)

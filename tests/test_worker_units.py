@@ -326,6 +326,26 @@ def test_an_unstreamed_requests_tokens_are_pushed_every_unstreamed_flush_ms_howe
     assert rt.push_due(first, 0.0)  # an attempt's first batch goes at once, streamed or not
 
 
+def test_a_request_joins_a_call_made_for_others_from_half_its_period_on() -> None:
+    """joining: another request's push makes a call now; one whose oldest pending token has
+    waited half its period (streamed: flush_ms; unstreamed: unstreamed_flush_ms) goes along,
+    one that waited less does not, and nothing is ever pushed later than alone."""
+    cfg = demo_config()
+    rt = WorkerRuntime(load_settings(cfg, {"engine": "sim", "flush_ms": 100, "flush_tokens": 10_000,
+                                           "unstreamed_flush_ms": 1000}), cfg, engine="sim", simulated=True)
+    streamed, unstreamed = _pushed_once("P1", True), _pushed_once("P1", False)
+    assert rt.push_due(streamed, 0.05, joining=True) and not rt.push_due(streamed, 0.05)
+    assert not rt.push_due(streamed, 0.049, joining=True)
+    assert rt.push_due(streamed, 0.04, step_s=0.01, joining=True)  # half a period by the next step
+    assert rt.push_due(unstreamed, 0.5, joining=True) and not rt.push_due(unstreamed, 0.49, joining=True)
+    assert not rt.push_due(unstreamed, 0.5)
+    for t in (0.1, 0.2, 1.0):  # due alone: joining too
+        assert rt.push_due(streamed, t, joining=True) and rt.push_due(streamed, t)
+    nothing = _pushed_once("P1", True)
+    nothing.pending_ids, nothing.pending_text, nothing.pending_tokens, nothing.pending_since = [], "", 0, None
+    assert not rt.push_due(nothing, 10.0, joining=True)  # nothing pending: nothing to join with
+
+
 class _FakeScripts:
     """push_tokens that already landed once (a lost reply), then accepts the rest."""
 

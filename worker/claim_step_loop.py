@@ -541,8 +541,13 @@ class StepLoop:
         await self._settle_io()  # the previous step's calls: normally done while this step ran
         ending = {d.request_id for d, _ in finishing}
         now, step = time.monotonic(), res.duration_s
-        pushes = [d for rid, d in held.items() if rid not in ending and d.final is None
-                  and self.rt.push_due(d, now, step)]
+        pushes: list[Delivery] = []
+        rest: list[Delivery] = []
+        for rid, d in held.items():
+            if rid not in ending and d.final is None:
+                (pushes if self.rt.push_due(d, now, step) else rest).append(d)
+        if pushes:  # a call is made anyway: requests far enough into their period join it
+            pushes += [d for d in rest if self.rt.push_due(d, now, step, joining=True)]
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
         # takes well under a millisecond: per step it was most of the Redis commands per request).
