@@ -148,9 +148,9 @@ def _count_pushes(monkeypatch) -> dict[str, int]:
 
 async def test_requests_started_out_of_step_are_soon_pushed_in_the_same_calls(
         worker_env, monkeypatch) -> None:
-    """B starts while A is somewhere in its push period: within a period or two, a call made
-    for one carries the other too (it joins once its tokens waited half a period), so the
-    two make one call a period instead of two, and every token still arrives, in order."""
+    """B starts while A is somewhere in its push period: from B's second push on, both keep
+    the step loop's push clock (worker/push_clock.py), so a call carries both and the two make
+    one call a period instead of two, and every token still arrives, in order."""
     cfg, c = worker_env
     calls: list[set[str]] = []
     real = Scripts.push_tokens_many

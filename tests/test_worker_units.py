@@ -20,6 +20,7 @@ from worker.batch_scheduler import BatchScheduler, resume_finish_reason
 from worker.delivery import Delivery
 from worker.engines.base import SamplingParams, request_seed
 from worker.engines.sim import CostModel, SimEngine
+from worker.push_clock import PushClock
 from worker.runtime import WorkerRuntime
 from worker.settings import default_worker_id, load_settings
 from worker.step_budget import BudgetConfig, StepBudget
@@ -326,24 +327,55 @@ def test_an_unstreamed_requests_tokens_are_pushed_every_unstreamed_flush_ms_howe
     assert rt.push_due(first, 0.0)  # an attempt's first batch goes at once, streamed or not
 
 
-def test_a_request_joins_a_call_made_for_others_from_half_its_period_on() -> None:
-    """joining: another request's push makes a call now; one whose oldest pending token has
-    waited half its period (streamed: flush_ms; unstreamed: unstreamed_flush_ms) goes along,
-    one that waited less does not, and nothing is ever pushed later than alone."""
+def _stream_steps(rt: WorkerRuntime, starts: dict[str, int], steps: int, step_s: float,
+                  clock: PushClock | None) -> tuple[dict[str, list[int]], float]:
+    """Requests that each get a token a step from their start step on, pushed when push_due
+    says: the steps each was pushed at, and the oldest token's age at a push (s)."""
+    ds = {rid: Delivery(Claimed(rid, "P1", "t1", 1, b"", 0, 5, 10_000, "fe1", 0, [], 0, 0),
+                        Payload("completion", "hi", 10_000), 1000, 0.0, 3, 1) for rid in starts}
+    pushed: dict[str, list[int]] = {rid: [] for rid in starts}
+    oldest = 0.0
+    for k in range(steps):
+        t = 100.0 + k * step_s
+        for rid, d in ds.items():
+            if k >= starts[rid]:
+                d.add([1], "x", t)
+        for rid, d in ds.items():
+            if d.pending_tokens and rt.push_due(d, t, step_s, clock):
+                oldest = max(oldest, t - d.pending_since)
+                pushed[rid].append(k)
+                d._sent(d.pending_tokens, len(d.pending_ids), len(d.pending_text))
+    return pushed, oldest
+
+
+@pytest.mark.parametrize("step_ms", [7.0, 12.5, 20.0, 30.0, 45.0, 60.0])
+def test_requests_keep_the_clock_steps_from_their_second_push_on(step_ms: float) -> None:
+    """Requests started at other steps: with the step loop's clock, from each one's second
+    push on they are pushed at the same steps (one call), no more often than each alone
+    (one push more at most), and no token waits longer than flush_ms."""
     cfg = demo_config()
-    rt = WorkerRuntime(load_settings(cfg, {"engine": "sim", "flush_ms": 100, "flush_tokens": 10_000,
-                                           "unstreamed_flush_ms": 1000}), cfg, engine="sim", simulated=True)
-    streamed, unstreamed = _pushed_once("P1", True), _pushed_once("P1", False)
-    assert rt.push_due(streamed, 0.05, joining=True) and not rt.push_due(streamed, 0.05)
-    assert not rt.push_due(streamed, 0.049, joining=True)
-    assert rt.push_due(streamed, 0.04, step_s=0.01, joining=True)  # half a period by the next step
-    assert rt.push_due(unstreamed, 0.5, joining=True) and not rt.push_due(unstreamed, 0.49, joining=True)
-    assert not rt.push_due(unstreamed, 0.5)
-    for t in (0.1, 0.2, 1.0):  # due alone: joining too
-        assert rt.push_due(streamed, t, joining=True) and rt.push_due(streamed, t)
-    nothing = _pushed_once("P1", True)
-    nothing.pending_ids, nothing.pending_text, nothing.pending_tokens, nothing.pending_since = [], "", 0, None
-    assert not rt.push_due(nothing, 10.0, joining=True)  # nothing pending: nothing to join with
+    rt = WorkerRuntime(load_settings(cfg, {"engine": "sim", "flush_ms": 50, "flush_tokens": 10_000}), cfg,
+                       engine="sim", simulated=True)
+    starts = {"a": 0, "b": 3, "c": 5, "d": 8}
+    alone, _ = _stream_steps(rt, starts, 200, step_ms / 1e3, None)
+    together, oldest = _stream_steps(rt, starts, 200, step_ms / 1e3, PushClock())
+    assert oldest <= 0.050 + 1e-9
+    after = max(p[1] for p in together.values())  # once each made its second push
+    later = [{k for k in p if k > after} for p in together.values()]
+    assert later[0] and all(x == later[0] for x in later), together
+    for rid in starts:
+        assert len(together[rid]) <= len(alone[rid]) + 1, (rid, alone[rid], together[rid])
+    if step_ms < 25:  # several steps a period: alone, they were pushed at different steps
+        assert len({frozenset(k for k in p if k > after) for p in alone.values()}) > 1
+
+
+def test_a_clock_answers_the_same_for_one_step_and_times_each_period_apart() -> None:
+    clock = PushClock()
+    assert not clock.fires(50, 1.000, 0.02)  # the first step starts the period
+    assert not clock.fires(50, 1.020, 0.02) and not clock.fires(50, 1.020, 0.02)
+    assert clock.fires(50, 1.040, 0.02) and clock.fires(50, 1.040, 0.02)  # 40 + 20 >= 50: asked twice
+    assert not clock.fires(1000, 1.040, 0.02)  # another period keeps its own time
+    assert not clock.fires(50, 1.060, 0.02)  # the step after a push step starts the next period
 
 
 class _FakeScripts:

@@ -47,6 +47,7 @@ from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_rea
 from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
+from worker.push_clock import PushClock
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.saturated_capacity import SaturatedCapacity, StepLimits
 from worker.step_budget import BudgetConfig, StepBudget
@@ -111,6 +112,7 @@ class StepLoop:
         self._io: asyncio.Task[None] | None = None
         self._io_finishing: set[str] = set()  # ids whose completion is in self._io
         self._cancel_checked = 0.0  # monotonic time of the last SMISMEMBER cancels
+        self._push_clock = PushClock()  # the push steps every held request keeps (push_due)
         self._claiming: asyncio.Task[None] | None = None  # a full batch's look-ahead claim, beside a step
         self._lookahead_asleep = False  # that claim has not started its Redis calls yet
         self._last_stats_t = time.monotonic()
@@ -541,13 +543,8 @@ class StepLoop:
         await self._settle_io()  # the previous step's calls: normally done while this step ran
         ending = {d.request_id for d, _ in finishing}
         now, step = time.monotonic(), res.duration_s
-        pushes: list[Delivery] = []
-        rest: list[Delivery] = []
-        for rid, d in held.items():
-            if rid not in ending and d.final is None:
-                (pushes if self.rt.push_due(d, now, step) else rest).append(d)
-        if pushes:  # a call is made anyway: requests far enough into their period join it
-            pushes += [d for d in rest if self.rt.push_due(d, now, step, joining=True)]
+        pushes = [d for rid, d in held.items() if rid not in ending and d.final is None
+                  and self.rt.push_due(d, now, step, self._push_clock)]
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
         # takes well under a millisecond: per step it was most of the Redis commands per request).

@@ -5,8 +5,9 @@ A :class:`Delivery` buffers the tokens released for a request and pushes them wi
 the oldest would wait more than ``flush_ms`` (50 ms), whichever comes first, and the first
 batch of an attempt at once (time to first token is what users feel). A request whose
 client does not stream is pushed only every ``unstreamed_flush_ms`` (1 s) after its first
-batch (``WorkerRuntime.push_due`` decides; a request whose tokens waited half their period
-joins a call made for others). So Redis sees far
+batch (``WorkerRuntime.push_due`` decides; from a request's second push on, the step loop
+also pushes it at its period's push steps, shared by every request: worker/push_clock.py).
+So Redis sees far
 fewer than one write per generated token, while no streamed token waits more than ~50 ms
 (with steps longer than that, every step pushes). The step loop sends the batches of every
 request due at a step in one ``push_tokens`` call (:meth:`Delivery.batch`,

@@ -43,15 +43,13 @@ from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, TokenBatch, policy_doc
 from limiter.tasks import raise_if_cancelled, stop_tasks
 from worker.delivery import TOKEN_FIELDS, Delivery
 from worker.metrics import WorkerMetrics
+from worker.push_clock import PushClock
 from worker.samples import build_sample
 from worker.settings import WorkerSettings
 
 log = logging.getLogger("qos.worker")
 # With requests held but none to run, a loop looks again after this long (never spins).
 IDLE_HELD_S = 0.05
-# A request joins a push call made for others once its tokens waited this share of its push
-# period (push_due's joining): they are pushed early, never late.
-JOIN_SHARE = 0.5
 # An empty claim's back-off doubles from claim_interval_ms up to this many of them (100 ms at
 # the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
 # enough that work admitted meanwhile is claimed promptly.
@@ -194,27 +192,25 @@ class WorkerRuntime:
         c = self.cfg.class_config(cls)
         return (c.weight, c.out_weight) if c else (1.0, 1.0)
 
-    def push_due(self, d: Delivery, t: float, step_s: float = 0.0, joining: bool = False) -> bool:
+    def push_due(self, d: Delivery, t: float, step_s: float = 0.0, clock: PushClock | None = None) -> bool:
         """Push ``d``'s pending tokens now (:meth:`Delivery.due`)? A streamed request's tokens
         at least every ``stream_flush_ms`` of its class (else the worker's ``flush_ms``) or at
         ``flush_tokens`` pending; an unstreamed one's only every ``unstreamed_flush_ms`` (at
         least the class's period), however many are pending. The first batch goes at once
         either way: it is what tells the frontend, and its metrics, that the request runs.
 
-        ``joining``: a call is made now anyway (another request is due): may ``d`` join it?
-        Yes once its oldest pending token has waited half its period (JOIN_SHARE). Two
-        requests whose pushes are out of step fall into step within one period (at one of
-        the two's pushes the other's tokens are at least half a period old), and from then
-        on share every call: a call costs Redis ~190k instructions before its requests' ~75k
-        each (callgrind, lua/push_tokens.lua), and requests claimed at different times
-        otherwise each set off calls of their own."""
+        ``clock``: the step loop's (``t`` a step's end): from its second push on, ``d`` is
+        also pushed at every push step of its period's clock, with every other request of
+        that period, in one call (worker/push_clock.py)."""
         s = self.settings
         c = self.cfg.class_config(d.claimed.cls)
         flush_ms = c.stream_flush_ms if c and c.stream_flush_ms is not None else s.flush_ms
-        share = JOIN_SHARE if joining else 1.0
-        if d.payload.stream:
-            return d.due(t, flush_ms * share, s.flush_tokens, step_s)
-        return d.due(t, max(flush_ms, s.unstreamed_flush_ms) * share, None, step_s)
+        tokens = s.flush_tokens
+        if not d.payload.stream:
+            flush_ms, tokens = max(flush_ms, s.unstreamed_flush_ms), None
+        # the clock asked at every step, whatever the answer is used for: it keeps time only so
+        fires = clock is not None and clock.fires(flush_ms, t, step_s)
+        return d.due(t, flush_ms, tokens, step_s) or (fires and d.pushes > 0 and d.pending_tokens > 0)
 
     def redis_now_ms(self) -> int:
         return int(time.time() * 1000 + self._clock_offset_ms)
