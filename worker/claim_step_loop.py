@@ -528,6 +528,7 @@ class StepLoop:
         self._steps += 1
         self._last_step_ms = res.duration_s * 1e3
         t = time.monotonic() - (time.perf_counter() - res.end)  # the step's end, monotonic clock
+        self._push_clock.step_ended(t)
         for rid in res.produced:
             if rid in held:
                 held[rid].note_tokens(1, t)

@@ -24,25 +24,35 @@ from dataclasses import dataclass
 @dataclass
 class _Period:
     since: float | None = None  # the period's start: the end of the step after its last push step
-    step_t: float | None = None  # the step the answer below is for
+    step_end: float | None = None  # the step the answer below is for
     fires: bool = False
 
 
 class PushClock:
     def __init__(self) -> None:
         self._periods: dict[float, _Period] = {}
+        self._step_end: float | None = None
 
-    def fires(self, period_ms: float, t: float, step_s: float) -> bool:
-        """Is the step that ended at ``t`` a push step of ``period_ms``? ``step_s``: how long
+    def step_ended(self, t: float) -> None:
+        """The step loop's last step ended at ``t``: the time its tokens carry (a request's
+        oldest pending token is such a time), and the step the answers of :meth:`fires` are
+        for. Called once a step, before any of them."""
+        self._step_end = t
+
+    def fires(self, period_ms: float, now: float, step_s: float) -> bool:
+        """Is the last step a push step of ``period_ms``? ``now``: the time it is decided at
+        (the one a request's own rule compares its oldest token with); ``step_s``: how long
         until the next chance to push (the last step's length). Asked any number of times
-        for one step (one ``t``), the answer is the same."""
+        for one step, the answer is the same."""
         p = self._periods.setdefault(period_ms, _Period())
-        if p.step_t != t:
-            p.step_t = t
+        if p.step_end != self._step_end:
+            p.step_end = self._step_end
             if p.since is None:  # the step after a push step (or the first one): a period starts
-                p.since, p.fires = t, False
+                p.since, p.fires = self._step_end, False
             else:
-                p.fires = (t - p.since + step_s) * 1e3 >= period_ms
+                # timed as Delivery.due times a request's oldest token (its step's end) from
+                # now: a request pushed at the clock's steps is due on its own at the same ones
+                p.fires = (now - p.since + step_s) * 1e3 >= period_ms
                 if p.fires:
                     p.since = None
         return p.fires

@@ -199,9 +199,9 @@ class WorkerRuntime:
         least the class's period), however many are pending. The first batch goes at once
         either way: it is what tells the frontend, and its metrics, that the request runs.
 
-        ``clock``: the step loop's (``t`` a step's end): from its second push on, ``d`` is
-        also pushed at every push step of its period's clock, with every other request of
-        that period, in one call (worker/push_clock.py)."""
+        ``clock``: the step loop's (told of the step's end first): from its second push on,
+        ``d`` is also pushed at every push step of its period's clock, with every other
+        request of that period, in one call (worker/push_clock.py)."""
         s = self.settings
         c = self.cfg.class_config(d.claimed.cls)
         flush_ms = c.stream_flush_ms if c and c.stream_flush_ms is not None else s.flush_ms
