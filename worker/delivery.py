@@ -7,9 +7,8 @@ batch of an attempt at once (time to first token is what users feel). A request 
 client does not stream is pushed only every ``unstreamed_flush_ms`` (1 s) after its first
 batch (``WorkerRuntime.push_due`` decides; from a request's second push on, the step loop
 also pushes it at its period's push steps, shared by every request: worker/push_clock.py).
-So Redis sees far
-fewer than one write per generated token, while no streamed token waits more than ~50 ms
-(with steps longer than that, every step pushes). The step loop sends the batches of every
+So Redis sees far fewer than one write per generated token, while no streamed token waits
+more than ~50 ms (with steps longer than that, every step pushes). The step loop sends the batches of every
 request due at a step in one ``push_tokens`` call (:meth:`Delivery.batch`,
 :meth:`Delivery.settle`). The last tokens ride on ``complete``. Offsets make delivery
 exactly-once: ``push_tokens`` refuses a batch whose offset is not the number of tokens

@@ -37,7 +37,7 @@ end
 
 -- Append each frontend's grouped entry to its reply stream: 'k' = 'toks', then per request
 -- its id -> 'fence offset count text' (three integers and the text, one space apart: the
--- text may hold spaces, the integers cannot; limiter/frontend/replies.py grouped_replies).
+-- text may hold spaces, the integers cannot; limiter/frontend/replies.py replies_of).
 -- One entry for a frontend's requests of a push, not one each: an entry costs ~10-14k
 -- instructions (callgrind), of ~100k a request's share of a push, and the frontend reads one
 -- entry, not n.
