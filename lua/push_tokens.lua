@@ -3,11 +3,16 @@
 -- and each call costs a fixed ~40 us of Redis time and I/O however little it carries). Per
 -- request, the tokens are appended to the request's record (so another worker can resume
 -- the stream) and the text goes to the request's frontend reply stream. Fenced: only the
--- worker holding the lease with this fence token can write. Also extends the leases.
+-- worker holding the lease with this fence token can write. A push does not extend the
+-- leases: renew_leases does, for every request the worker holds (every lease_ms / 3), as it
+-- must anyway for a request with nothing to push (a long prefill, an unstreamed answer);
+-- moving a pushed request's lease too was a sorted-set ZADD and a record field a call
+-- (-5.5 % of a 256-token streamed request's instructions, callgrind).
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] worker_id   name
--- ARGV[2] lease_ms    integer >= 0, 0 = the pool's lease_ms
+-- ARGV[2] lease_ms    integer >= 0, 0 = the pool's lease_ms: the worker's lease length, for
+--                     the TTL of a token string this push creates (as claim's)
 -- ARGV[3] n           integer in [1, 64]: requests in this call (bounded work per call)
 -- ARGV[4] grouped     0|1: 1 = the requests' frontends read grouped entries (their payloads
 --                     say so: limiter/prompt.py Payload.grouped_tokens), so each frontend
@@ -79,15 +84,13 @@ local function main()
   if lease_ms == 0 then lease_ms = p.lease_ms end
   local now = now_ms()
   -- Numbers go to Redis as strings made here: redis.call formats a number argument with
-  -- '%.17g', the dearest part of an argument (callgrind: a tenth of a call), and the lease's
-  -- end is the same for every request.
+  -- '%.17g', the dearest part of an argument (callgrind: a tenth of a call).
   local fmt = string.format
-  local until_s = fmt('%d', now + lease_ms)
   -- groups: per frontend, its entry's fields (notify_grouped), in the order first met
-  local replies, leases, expired, groups = {}, {}, {}, {}
+  local replies, expired, groups = {}, {}, {}
   -- Each request is read, checked and written in turn: a request refused (lost, offset,
-  -- max_tokens) has nothing written, and requests' writes touch only their own keys until the
-  -- lease index's ZADD at the end.
+  -- max_tokens) has nothing written, and a request's writes touch only its own keys (and
+  -- its frontend's reply stream).
   for i = 1, n do
     local a = HEADER + PER_REQUEST * (i - 1)
     local id, offset_s = ARGV[a + 1], ARGV[a + 3]
@@ -105,9 +108,9 @@ local function main()
       replies[i] = {'max_tokens', max_tokens}
     else
       -- The record's TTL is not extended here (two commands of ~6 per request): claim and
-      -- renew_leases (every lease_ms / 3) set it to the lease's end plus a week's grace, far
-      -- beyond the at most lease_ms a push moves the lease on. Only the token string this
-      -- push creates (an attempt's first ids) gets its TTL here.
+      -- renew_leases (every lease_ms / 3) set it to the lease's end plus a week's grace, as
+      -- they move the lease. Only the token string this push creates (an attempt's first
+      -- ids) gets its TTL here.
       local token_ids = ARGV[a + 5]
       if #token_ids > 0 and redis.call('APPEND', P_TOKENS .. id, token_ids) == #token_ids then
         redis.call('PEXPIRE', P_TOKENS .. id, lease_ms + LIVE_RECORD_GRACE_MS)  -- as a claim's
@@ -115,12 +118,10 @@ local function main()
       -- offset is what was delivered: checked above
       local key, delivered = P_REQUEST .. id, fmt('%d', offset + count)
       if started then
-        redis.call('HSET', key, 'lease_ms', until_s, 'out_tokens', delivered)
+        redis.call('HSET', key, 'out_tokens', delivered)
       else
-        redis.call('HSET', key, 'lease_ms', until_s, 'out_tokens', delivered, 'first_ms', fmt('%d', now))
+        redis.call('HSET', key, 'out_tokens', delivered, 'first_ms', fmt('%d', now))
       end
-      leases[#leases + 1] = until_s
-      leases[#leases + 1] = id
       if grouped then
         group_entry(groups, id, frontend, fence_s, out_s, count, ARGV[a + 6])
       else
@@ -130,7 +131,6 @@ local function main()
       replies[i] = {'ok', cancel}
     end
   end
-  if #leases > 0 then redis.call('ZADD', K_LEASES, unpack(leases)) end
   notify_grouped(groups)
   return replies
 end

@@ -115,6 +115,10 @@ BUGS = (
     Bug("group_not_found_again", "a frontend's group is started anew for each of its requests (the "
         "earlier requests' batches are lost, the last one's sent twice)",
         "include/notify.lua", "  local fields = groups[frontend]\n", "  local fields = nil\n"),
+    Bug("push_moves_leases", "a push extends its requests' leases (only renew_leases may)",
+        "push_tokens.lua", "        redis.call('HSET', key, 'out_tokens', delivered)\n",
+        "        redis.call('HSET', key, 'out_tokens', delivered, 'lease_ms', now + lease_ms)\n"
+        "        redis.call('ZADD', K_LEASES, now + lease_ms, id)\n"),
     Bug("push_ignores_fence", "push_tokens writes for a request leased to another attempt (no fence check)",
         "push_tokens.lua", "leased_for_write(id, worker_id,\n      ARGV[a + 2])\n",
         "leased_for_write(id, redis.call('HGET', P_REQUEST .. id, 'worker') or '',\n"

@@ -54,6 +54,36 @@ async def test_each_request_of_a_batch_gets_its_own_reply_and_only_the_good_ones
     assert 0 < await scripts.client.ttl(pool.reply("fe1")) <= 600
 
 
+async def test_a_push_moves_no_lease_and_a_renewal_moves_them_all(scripts, pool) -> None:
+    """Leases move with renew_leases only (the worker renews every held request every
+    lease_ms / 3): a push writes neither the lease index nor the record's lease end."""
+    for rid in ("a", "b"):
+        await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=10)
+    held = await _claim(scripts, pool, 2)
+    # leases ending 5 s earlier than the claim set them: any write of now + lease_ms shows
+    earlier = {}
+    for rid in "ab":
+        end = int(await scripts.client.zscore(pool.leases, rid)) - 5000
+        await scripts.client.zadd(pool.leases, {rid: end})
+        await scripts.client.hset(pool.request(rid), "lease_ms", end)
+        earlier[rid] = end
+
+    async def lease_ends() -> dict[str, tuple[int, int]]:
+        return {rid: (int(await scripts.client.zscore(pool.leases, rid)),
+                      int(await scripts.client.hget(pool.request(rid), "lease_ms"))) for rid in "ab"}
+
+    for offset in (0, 1):  # an attempt's first push (first_ms written) and a later one
+        replies = await scripts.push_tokens_many(pool, "w1", [
+            TokenBatch(rid, held[rid].fence, offset, [7], "x", 1) for rid in "ab"])
+        assert replies == [Pushed("ok"), Pushed("ok")]
+        assert await lease_ends() == {rid: (end, end) for rid, end in earlier.items()}
+    renewed = await scripts.renew_leases(pool, "w1", [(rid, held[rid].fence) for rid in "ab"])
+    assert renewed.lost == [] and renewed.stop == []
+    after = await lease_ends()
+    for rid, end in earlier.items():
+        assert after[rid][0] == after[rid][1] >= end + 5000, (rid, after[rid], end)
+
+
 async def test_a_refused_batch_writes_nothing_for_any_request(scripts, pool, sync_redis) -> None:
     for rid in ("a", "b"):
         await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=4)

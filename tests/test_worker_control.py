@@ -170,7 +170,7 @@ async def test_a_request_reclaimed_by_the_same_worker_after_its_lease_expired_re
     drops its stale sequence and resumes from what Redis recorded (it used to crash on
     'already scheduled')."""
     cfg, c = env
-    # pushes (which extend the lease) only every 5 s after the first token
+    # pushes only every 5 s after the first token: the request is mid-stream when its lease expires
     async with worker(cfg, engine="sim", time_scale=1.0, flush_ms=5000, flush_tokens=100000) as rt:
         rid = await c.admit("lease expires under me", max_tokens=400)
         await c.wait_tokens(rid, 1)

@@ -78,7 +78,7 @@ CUTS: dict[str, tuple[str, ...]] = {
     "push_tokens": (
         "  local worker_id = arg_name(ARGV[1], 'worker_id')",
         "  local p = load_pool_fields(K_POLICY, {'lease_ms'})",
-        "  local replies, leases, expired, groups = {}, {}, {}, {}",
+        "  local replies, expired, groups = {}, {}, {}",
     ),
 }
 WHOLE = "(whole script)"
