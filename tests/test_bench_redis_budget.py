@@ -87,6 +87,44 @@ def test_budget_arithmetic() -> None:
     assert not worse["meets_goal"]  # 162 > 152
 
 
+def test_pushes_of_a_gpu_step_share_their_calls_the_rest_stays_eight() -> None:
+    us = {"admit": 40.0, "admit x8": 160.0, "claim x1": 60.0, "claim x8": 200.0, "push_tokens (first)": 10.0,
+          "push_tokens": 5.0, "renew_leases": 640.0, "complete": 50.0, "complete x8": 160.0,
+          "push_tokens x8": 16.0, "push_tokens (first) x8": 24.0, "push_tokens x8 unstreamed": 40.0,
+          "push_tokens x64": 64.0, "push_tokens (first) x64": 128.0, "push_tokens x64 unstreamed": 192.0}
+    wide = rb.budget(us, tokens=256, per_push=4, claim_batch=8, step_ms=10, lease_ms=300, push_batch=64)
+    assert wide["us"]["push_tokens"] == pytest.approx(128.0 / 64 + 63 * 64.0 / 64)
+    assert wide["us"]["admit"] == 20.0 and wide["us"]["claim"] == 25.0 and wide["us"]["complete"] == 20.0
+    assert wide["push_batch"] == 64
+    quiet = rb.budget(us, tokens=256, per_push=4, claim_batch=8, step_ms=10, lease_ms=300,
+                      unstreamed_per_push=80, push_batch=64)
+    assert quiet["us"]["push_tokens"] == pytest.approx(128.0 / 64 + 3 * 192.0 / 64)
+    alone = rb.budget(us, tokens=256, per_push=4, claim_batch=1, step_ms=10, lease_ms=300, push_batch=64)
+    assert alone["us"]["push_tokens"] == 10.0 + 63 * 5.0 and alone["push_batch"] == 1
+    assert rb.phase_names(64)[6:10] == ("push_tokens (first) x64", "push_tokens", "push_tokens x64",
+                                        "push_tokens x64 unstreamed")
+    assert rb.phase_names() == rb.PHASES
+
+
+async def test_a_run_with_wider_pushes_measures_them_and_refuses_what_does_not_divide() -> None:
+    report = await rb.run_budget(requests=64, rounds=1, push_rounds=1, tokens=(256,), push_batch=32)
+    assert [p.name for p in report.phases] == list(rb.phase_names(32))
+    wide = {p.name: p for p in report.phases}
+    assert wide["push_tokens x32"].calls == 64 // 32 and wide["push_tokens x32"].inner["hset"] == 32
+    assert wide["push_tokens (first) x32"].calls == 1 and wide["push_tokens (first) x32"].inner["hset"] == 32
+    assert wide["push_tokens x32 unstreamed"].inner["hset"] == 32
+    assert report.meta["push_batch"] == 32
+    assert [b["push_batch"] for b in report.budgets] == [1, 32, 32]
+    rb.render(report)
+    for bad in (7, 65, 24):  # 24 does not divide the 32 requests of a half
+        with pytest.raises(ValueError, match="push_batch"):
+            await rb.run_budget(requests=64, rounds=1, push_batch=bad)
+    assert build_parser().parse_args(["bench", "redis-budget"]).push_batch == rb.PUSH_BATCH
+    for args in (["--push-batch", "4"], ["--push-batch", "48", "--requests", "128"]):
+        parsed = build_parser().parse_args(["bench", "redis-budget", *args])
+        assert parsed.func(parsed) == 2, args
+
+
 def test_best_phases_keeps_the_least_time_per_call() -> None:
     def ph(name: str, us: float) -> rb.Phase:
         return rb.Phase(name, 10, us, us, us, {})

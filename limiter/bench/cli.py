@@ -159,6 +159,10 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--reply-entries", choices=("grouped", "each"), default="grouped",
                    help="a push's reply entries: one per frontend (grouped, this release's frontends) or "
                         "one per request (each, what a frontend of an older release reads); default grouped")
+    p.add_argument("--push-batch", type=int, default=rb.PUSH_BATCH,
+                   help=f"requests per push_tokens call in the batched push phases, as a GPU's step of N "
+                        f"running sequences pushes them (in [8, {rb.MAX_PUSH_BATCH}], dividing half of "
+                        f"--requests; admits, claims and completions stay 8 a call; default {rb.PUSH_BATCH})")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 
@@ -180,6 +184,10 @@ def _redis_budget(args: argparse.Namespace) -> int:
         console.print("[red]--requests: a positive multiple of 16; --step-ms, --tokens-per-push, --rounds: "
                       f"> 0; --tokens in [1, {rb.MAX_TOKENS}]; --frontends in [1, 64][/]")
         return 2
+    if not rb.PUSH_BATCH <= args.push_batch <= rb.MAX_PUSH_BATCH or (args.requests // 2) % args.push_batch:
+        console.print(f"[red]--push-batch {args.push_batch}: must be in [{rb.PUSH_BATCH}, "
+                      f"{rb.MAX_PUSH_BATCH}] and divide half of --requests ({args.requests // 2})[/]")
+        return 2
     if args.baseline and not (args.baseline / "admit.lua").is_file():
         console.print(f"[red]--baseline {args.baseline}: no admit.lua there[/]")
         return 2
@@ -189,7 +197,8 @@ def _redis_budget(args: argparse.Namespace) -> int:
     report = asyncio.run(rb.run_budget(args.requests, args.step_ms, args.tokens_per_push,
                                        redis_url=args.redis_url, tokens=args.tokens, rounds=args.rounds,
                                        baseline=args.baseline, instructions=args.instructions,
-                                       frontends=args.frontends, grouped=args.reply_entries == "grouped"))
+                                       frontends=args.frontends, grouped=args.reply_entries == "grouped",
+                                       push_batch=args.push_batch))
     console.print(rb.render(report))
     if args.json:
         rb.write_json(report, args.json)

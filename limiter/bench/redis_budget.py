@@ -14,7 +14,9 @@ drives them --
   ``flush_tokens``; worker/delivery.py); the last tokens ride on ``complete``. Measured one
   request per call, and eight per call (``push_tokens (first) x8`` and ``push_tokens x8``:
   the step worker sends every request due at a step in one call, and requests claimed
-  together make their first tokens at the same step). Each call appends one reply entry per
+  together make their first tokens at the same step; ``--push-batch N``: N to a call, as a
+  GPU's step of N running sequences pushes them, its worker's push clock keeping them in
+  step, worker/push_clock.py). Each call appends one reply entry per
   frontend of its requests, as it does for this release's frontends (``--reply-entries
   each``: one per request, as for a frontend of an older release); the requests come from
   ``--frontends`` frontends in turn, so a call of 8 carries min(8, frontends) of them. A
@@ -63,7 +65,7 @@ from limiter.bench.admission import bench_config, request_payload, unlink_matchi
 from limiter.bench.slowlog import SLOWLOG_US, log_slow_calls, quantile_us, script_durations
 from limiter.keys import PoolKeys
 from limiter.samples import build_sample, pack_sample
-from limiter.scripts import Claimed, Scripts, TokenBatch, policy_document
+from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, TokenBatch, policy_document
 from worker.settings import WorkerSettings
 
 POOL = "budget"
@@ -75,6 +77,8 @@ INPUT_TOKENS = 100
 MAX_TOKENS = 256
 TOKENS = (8, 256)  # output tokens of the per-request budgets
 CLAIM_BATCHES = (1, 8)
+PUSH_BATCH = 8  # requests per push_tokens call in the batched phases (--push-batch)
+MAX_PUSH_BATCH = PUSH_LIMIT  # push_tokens' own limit
 DEFAULT_REQUESTS = 1024
 DEFAULT_ROUNDS = 3  # every phase's best round is kept (other processes' CPU use only adds)
 FLOOR_SCRIPT = "return redis.call('HGET', KEYS[1], 'pool')"  # the one-command floor
@@ -83,10 +87,17 @@ RENEW_HELD = 64  # requests per renew_leases call
 ADMIT_GOAL_US = 50.0
 BASE_GOAL_US = 150.0
 PER_TOKEN_GOAL_US = 2.0
-# the rows of the table: what one call of each measured phase is
-PHASES = ("floor (1-command script)", "admit", "admit x8", "claim x1", "claim x8", "push_tokens (first)",
-          "push_tokens (first) x8", "push_tokens", "push_tokens x8", "push_tokens x8 unstreamed",
-          "renew_leases", "complete", "complete x8")
+
+
+def phase_names(push_batch: int = PUSH_BATCH) -> tuple[str, ...]:
+    """The rows of the table, in the order measured: what one call of each phase is."""
+    n = push_batch
+    return ("floor (1-command script)", "admit", "admit x8", "claim x1", "claim x8", "push_tokens (first)",
+            f"push_tokens (first) x{n}", "push_tokens", f"push_tokens x{n}", f"push_tokens x{n} unstreamed",
+            "renew_leases", "complete", "complete x8")
+
+
+PHASES = phase_names()
 
 
 @dataclass(frozen=True)
@@ -164,8 +175,8 @@ def renew_held(requests: int) -> int:
 
 
 def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, step_ms: float,
-           lease_ms: int, renew_held: int = RENEW_HELD, unstreamed_per_push: int | None = None
-           ) -> dict[str, Any]:
+           lease_ms: int, renew_held: int = RENEW_HELD, unstreamed_per_push: int | None = None,
+           push_batch: int = PUSH_BATCH) -> dict[str, Any]:
     """Redis microseconds one request costs with ``tokens`` output tokens, by script, from
     ``us`` (phase -> usec per call): a worker running ``claim_batch`` requests together
     claims them in one call and, when ``claim_batch`` is 8 (and ``us`` has the phase), sends
@@ -175,21 +186,24 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     frontends' admits came 8 to a call too (``admit x8``: a loaded frontend);
     a renew call covers ``renew_held`` requests. ``unstreamed_per_push`` (with
     ``claim_batch`` 8): the request's client does not stream, and its pushes after the first
-    carry that many tokens (``push_tokens x8 unstreamed``). With the goal check and what one
-    shard carries."""
+    carry that many tokens (``push_tokens x8 unstreamed``). ``push_batch``: the batched
+    pushes are that many requests a call (``push_tokens x<push_batch>``, and its ``(first)``
+    and ``unstreamed`` phases), the rest still 8. With the goal check and what one shard
+    carries."""
     streamed = unstreamed_per_push is None
     first, later = pushes_per_request(tokens, per_push if streamed else unstreamed_per_push)
     first_us, later_us = us["push_tokens (first)"], us["push_tokens"]
     admit_us = us["admit"]
     complete_us = us["complete"]
-    if claim_batch == 8 and "push_tokens (first) x8" in us:
-        first_us = us["push_tokens (first) x8"] / 8
-    if claim_batch == 8 and "push_tokens x8" in us:
-        later_us = us["push_tokens x8"] / 8
+    n = push_batch
+    if claim_batch == 8 and f"push_tokens (first) x{n}" in us:
+        first_us = us[f"push_tokens (first) x{n}"] / n
+    if claim_batch == 8 and f"push_tokens x{n}" in us:
+        later_us = us[f"push_tokens x{n}"] / n
     if not streamed:
         if claim_batch != 8:
-            raise ValueError("the unstreamed budget is of batches of 8 (push_tokens x8 unstreamed)")
-        later_us = us["push_tokens x8 unstreamed"] / 8
+            raise ValueError(f"the unstreamed budget is of batches of 8 (push_tokens x{n} unstreamed)")
+        later_us = us[f"push_tokens x{n} unstreamed"] / n
     if claim_batch == 8 and "admit x8" in us:
         admit_us = us["admit x8"] / 8
     if claim_batch == 8 and "complete x8" in us:
@@ -203,8 +217,8 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     }
     total = sum(by.values())
     goal = BASE_GOAL_US + PER_TOKEN_GOAL_US * tokens
-    return {"tokens": tokens, "claim_batch": claim_batch, "streamed": streamed, "pushes": first + later,
-            "us": by,
+    return {"tokens": tokens, "claim_batch": claim_batch, "push_batch": push_batch if claim_batch == 8 else 1,
+            "streamed": streamed, "pushes": first + later, "us": by,
             "total_us": total, "goal_us": goal, "meets_goal": total <= goal,
             "admit_meets_goal": admit_us <= ADMIT_GOAL_US, "requests_per_s": 1e6 / total}
 
@@ -357,8 +371,11 @@ class Driver:
             usage_in=INPUT_TOKENS, token_ids=range(n), text=" tok" * n, finish_reason="stop", sample=sample)
 
 
-async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[list[Phase], int]:
-    """Every phase once, on an emptied server: (phases, the pool's lease_ms)."""
+async def measure_round(d: Driver, requests: int, push_rounds: int, push_batch: int = PUSH_BATCH
+                        ) -> tuple[list[Phase], int]:
+    """Every phase once, on an emptied server: (phases, the pool's lease_ms). The batched
+    pushes carry ``push_batch`` requests a call (half of ``requests`` must be a multiple)."""
+    names = phase_names(push_batch)  # (the order of the table, not of the measurements)
     cls, lease_ms = await d.setup()
     d.claimed, d.offset = [], {}
     phases = [await d.measure(PHASES[0], [d.floor() for _ in range(requests)])]
@@ -372,18 +389,19 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     half = requests // 2
     phases.append(await d.measure("claim x1", [d.claim(1) for _ in range(half)]))
     phases.append(await d.measure("claim x8", [d.claim(8) for _ in range(half // 8)]))
-    # the requests claimed 8 at a time, in those eights
+    # the requests claimed 8 at a time, in those eights (for the completions), and in calls
+    # of push_batch for their first tokens (requests claimed together make theirs at one step)
     together = [d.claimed[i:i + 8] for i in range(half, len(d.claimed), 8)]
-    # half alone, half as 8 requests claimed together push their first tokens (one call)
+    firsts = [d.claimed[i:i + push_batch] for i in range(half, len(d.claimed), push_batch)]
+    # half alone, half as requests claimed together push their first tokens (one call)
     phases.append(await d.measure("push_tokens (first)", [d.push(c, 1) for c in d.claimed[:half]]))
-    phases.append(await d.measure("push_tokens (first) x8", [d.push_many(g, 1) for g in together]))
+    phases.append(await d.measure(names[6], [d.push_many(g, 1) for g in firsts]))
     phases.append(await d.measure("push_tokens", [d.push(c, d.per_push) for _ in range(push_rounds)
                                                   for c in d.claimed]))
-    groups = [d.claimed[i:i + 8] for i in range(0, len(d.claimed), 8)]
-    phases.append(await d.measure("push_tokens x8", [d.push_many(g, d.per_push) for _ in range(push_rounds)
-                                                     for g in groups]))
-    phases.append(await d.measure("push_tokens x8 unstreamed", [d.push_many(g, d.unstreamed_per_push)
-                                                                for g in groups]))
+    groups = [d.claimed[i:i + push_batch] for i in range(0, len(d.claimed), push_batch)]
+    phases.append(await d.measure(names[8], [d.push_many(g, d.per_push) for _ in range(push_rounds)
+                                             for g in groups]))
+    phases.append(await d.measure(names[9], [d.push_many(g, d.unstreamed_per_push) for g in groups]))
     size = renew_held(requests)
     held = [d.claimed[i:i + size] for i in range(0, len(d.claimed) - size + 1, size)]
     phases.append(await d.measure("renew_leases", [d.renew(h) for h in held]))
@@ -396,30 +414,34 @@ async def measure_round(d: Driver, requests: int, push_rounds: int) -> tuple[lis
     return phases, lease_ms
 
 
-def best_phases(rounds: Sequence[Sequence[Phase]]) -> list[Phase]:
-    """Each phase's round with the least Redis time per call, in PHASES order."""
+def best_phases(rounds: Sequence[Sequence[Phase]], names: Sequence[str] = PHASES) -> list[Phase]:
+    """Each phase's round with the least Redis time per call, in the table's order (``names``)."""
     best: dict[str, Phase] = {}
     for phases in rounds:
         for p in phases:
             if p.name not in best or p.usec_per_call < best[p.name].usec_per_call:
                 best[p.name] = p
-    return [best[n] for n in PHASES if n in best]
+    return [best[n] for n in names if n in best]
 
 
 async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_STEP_MS,
                      per_push: int | None = None, push_rounds: int = 2, redis_url: str | None = None,
                      tokens: Sequence[int] = TOKENS, rounds: int = DEFAULT_ROUNDS,
                      baseline: Path | None = None, instructions: bool = False, frontends: int = 1,
-                     grouped: bool = True) -> BudgetReport:
+                     grouped: bool = True, push_batch: int = PUSH_BATCH) -> BudgetReport:
     """Measure every phase over ``requests`` requests (a multiple of 16: half claimed one
     at a time, half eight at a time), ``rounds`` times, and the per-request budgets at
     ``tokens`` from each phase's best round. ``baseline``: another ``lua/`` directory (e.g.
     ``git archive <commit> lua``), measured in the same rounds, alternating with the
     installed scripts, so that both see the same machine load. ``instructions``: count each
     phase's instructions too (a private server under callgrind; not with ``redis_url``).
-    ``frontends`` and ``grouped``: see :class:`Driver`."""
+    ``frontends`` and ``grouped``: see :class:`Driver`. ``push_batch``: requests a call in
+    the batched push phases (8 to 64; half of ``requests`` a multiple of it)."""
     if requests < 16 or requests % 16:
         raise ValueError("requests must be a positive multiple of 16")
+    if not 8 <= push_batch <= MAX_PUSH_BATCH or (requests // 2) % push_batch:
+        raise ValueError(f"push_batch must be in [8, {MAX_PUSH_BATCH}] and divide half the requests "
+                         f"({requests // 2}), got {push_batch}")
     if instructions and (why := callgrind.why_not(redis_url)):
         raise ValueError(why)
     s = WorkerSettings()
@@ -442,17 +464,18 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
         all_rounds, base_rounds = [], []
         for _ in range(rounds):
             if base:
-                base_rounds.append((await measure_round(base, requests, push_rounds))[0])
-            phases, lease_ms = await measure_round(d, requests, push_rounds)
+                base_rounds.append((await measure_round(base, requests, push_rounds, push_batch))[0])
+            phases, lease_ms = await measure_round(d, requests, push_rounds, push_batch)
             all_rounds.append(phases)
         if server is None:
             await unlink_matching(client, d.keys.pattern())
-        report = BudgetReport(best_phases(all_rounds), baseline=best_phases(base_rounds))
+        names = phase_names(push_batch)
+        report = BudgetReport(best_phases(all_rounds, names), baseline=best_phases(base_rounds, names))
 
         def budgets(us: dict[str, float]) -> list[dict[str, Any]]:
-            return [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests))
+            return [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests), push_batch=push_batch)
                     for t in tokens for b in CLAIM_BATCHES] + \
-                [budget(us, t, per_push, 8, step_ms, lease_ms, renew_held(requests), unstreamed)
+                [budget(us, t, per_push, 8, step_ms, lease_ms, renew_held(requests), unstreamed, push_batch)
                  for t in tokens]
         report.budgets = budgets(report.us())
         if base:
@@ -472,7 +495,8 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                        "redis_version": info.get("redis_version"), "private_server": server is not None,
                        "machine": platform.machine(), "python": platform.python_version(),
                        "baseline": str(baseline) if baseline else None, "instructions": instructions,
-                       "frontends": frontends, "reply_entries": "grouped" if grouped else "each"}
+                       "frontends": frontends, "reply_entries": "grouped" if grouped else "each",
+                       "push_batch": push_batch}
         return report
     finally:
         if client is not None:
@@ -517,6 +541,7 @@ def render(report: BudgetReport) -> Any:
     b.add_column("per request")
     for x in report.budgets:
         b.add_column(f"{x['tokens']} tokens\nbatches of {x['claim_batch']}"
+                     + (f",\npushes of {x['push_batch']}" if x["push_batch"] not in (1, 8) else "")
                      + ("" if x["streamed"] else "\nunstreamed"), justify="right")
     for part in ("admit", "claim", "push_tokens", "renew_leases", "complete"):
         b.add_row(part, *(f"{x['us'][part]:.1f}" + (f" ({x['pushes']})" if part == "push_tokens" else "")
