@@ -52,6 +52,7 @@ _WORD = re.compile(r"\w+")
 # final state may run when Redis is out of memory (they free it); none may touch another slot.
 KNOWN_FLAGS = ("allow-oom",)
 REAP_LIMIT = 16  # reap_expired's most entries of each kind per call (bounded work)
+PUSH_KEYS = 4  # push_tokens' keys: the head of the lifecycle key list (lua/include/pool_keys.lua)
 PUSH_LIMIT = 64  # push_tokens' most requests per call (bounded work; lua/push_tokens.lua)
 CLAIM_LIMIT = 1024  # claim's most requests per call (lua/claim.lua)
 RENEW_LIMIT = 4096  # renew_leases' most entries per call (lua/renew_leases.lua)
@@ -144,11 +145,20 @@ def lifecycle_keys(keys: PoolKeys) -> tuple[str, ...]:
 
     Cached per pool: it is on every hot path and never changes."""
     return (
-        keys.policy, keys.queued, keys.deadlines, keys.leases, keys.cancels, keys.served,
+        keys.policy, keys.request_prefix, keys.tokens_prefix, keys.reply_prefix,  # push_keys: these
+        keys.queued, keys.deadlines, keys.leases, keys.cancels, keys.served,
         keys.wake, keys.inflight, keys.tenant_inflight, keys.stats, keys.samples, keys.frontends,
-        keys.outage, keys.workers, keys.worker_kv, keys.request_prefix, keys.tokens_prefix,
-        keys.bucket_prefix, keys.queue_prefix, keys.backlog_prefix, keys.vtime_prefix, keys.reply_prefix,
+        keys.outage, keys.workers, keys.worker_kv,
+        keys.bucket_prefix, keys.queue_prefix, keys.backlog_prefix, keys.vtime_prefix,
     )
+
+
+@cache
+def push_keys(keys: PoolKeys) -> tuple[str, ...]:
+    """The head of :func:`lifecycle_keys` that ``push_tokens`` uses (policy, request, token and
+    reply prefixes), all it is passed: every key a call carries costs Redis ~1k instructions,
+    and a worker pushes every few steps."""
+    return lifecycle_keys(keys)[:PUSH_KEYS]
 
 
 def policy_document(cfg: QosConfig, pool: PoolConfig, capacity: float | None = None) -> dict[str, Any]:
@@ -468,7 +478,7 @@ class Scripts:
             n_ids = "" if len(b.token_ids) == b.count else len(b.token_ids)
             args += [b.request_id, b.fence, b.offset, b.count, pack_token_ids(b.token_ids), b.text.encode(),
                      n_ids]
-        replies = await self._run("push_tokens", lifecycle_keys(keys), args)
+        replies = await self._run("push_tokens", push_keys(keys), args)
         out = []
         for r in replies:
             status = _s(r[0])

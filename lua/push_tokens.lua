@@ -9,7 +9,8 @@
 -- moving a pushed request's lease too was a sorted-set ZADD and a record field a call
 -- (-5.5 % of a 256-token streamed request's instructions, callgrind).
 --
--- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
+-- KEYS: the head of the lifecycle key list: its first 4 (policy, request, token and reply
+--       prefixes; include/pool_keys.lua; limiter/scripts.py push_keys), or the whole list.
 -- ARGV[1] worker_id   name
 -- ARGV[2] lease_ms    integer >= 0, 0 = the pool's lease_ms: the worker's lease length, for
 --                     the TTL of a token string this push creates (as claim's)
@@ -58,6 +59,8 @@ local HEADER = 4
 local PER_REQUEST = 7
 
 local function main()
+  if #KEYS < 4 then fail('BADARG', 'KEYS: expected at least the 4 of the lifecycle list push_tokens uses, got '
+    .. #KEYS) end
   local worker_id = arg_name(ARGV[1], 'worker_id')
   local lease_ms = arg_int(ARGV[2], 'lease_ms', 0, 3600000)
   local n = arg_int(ARGV[3], 'n', 1, MAX_REQUESTS)

@@ -12,7 +12,7 @@ import pytest
 
 from limiter.errors import InvalidArgument, RedisUnavailable
 from limiter.frontend.replies import replies_of
-from limiter.scripts import PUSH_LIMIT, Pushed, Scripts, TokenBatch, lifecycle_keys
+from limiter.scripts import PUSH_KEYS, PUSH_LIMIT, Pushed, Scripts, TokenBatch, lifecycle_keys, push_keys
 from tests.support.helpers import admit, dump_all
 from tests.support.worker_helpers import sim_text, worker
 
@@ -137,6 +137,37 @@ async def test_a_call_carries_at_most_push_limit_requests(scripts, pool, sync_re
         await scripts.client.evalsha(scripts._scripts["push_tokens"].sha or
                                      await scripts.client.script_load(scripts._scripts["push_tokens"].script),
                                      len(lifecycle_keys(pool)), *lifecycle_keys(pool), *args)
+    assert dump_all(sync_redis) == before
+
+
+async def test_a_push_takes_the_head_of_the_key_list_or_all_of_it_and_refuses_less(
+        scripts, pool, sync_redis) -> None:
+    """push_tokens is passed the first PUSH_KEYS keys of the lifecycle list (the ones it uses:
+    a key a call carries costs Redis ~1k instructions); the whole list works the same, and
+    fewer keys are refused before anything is written."""
+    assert push_keys(pool) == lifecycle_keys(pool)[:PUSH_KEYS] == (
+        pool.policy, pool.request_prefix, pool.tokens_prefix, pool.reply_prefix)
+    for rid in ("a", "b"):
+        await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=10)
+    held = await _claim(scripts, pool, 2)
+    sha = await scripts.client.script_load(scripts._scripts["push_tokens"].script)
+
+    def args(rid: str) -> list:
+        return ["w1", 0, 1, 0, rid, held[rid].fence, 0, 1, b"\x07\x00\x00\x00", "t", ""]
+
+    assert await scripts.client.evalsha(sha, PUSH_KEYS, *push_keys(pool), *args("a")) == [[b"ok", 0]]
+    whole = lifecycle_keys(pool)
+    assert await scripts.client.evalsha(sha, len(whole), *whole, *args("b")) == [[b"ok", 0]]
+    for rid in "ab":
+        assert (await scripts.client.hgetall(pool.request(rid)))[b"out_tokens"] == b"1"
+        assert await scripts.client.get(pool.tokens(rid)) == b"\x07\x00\x00\x00"
+    entries = [e for _, e in await scripts.client.xrange(pool.reply("fe1"))]
+    assert [(e[b"id"], e[b"t"]) for e in entries] == [(b"a", b"t"), (b"b", b"t")]
+    before = dump_all(sync_redis)
+    next_batch = args("a")
+    next_batch[6] = 1  # a's offset now
+    with pytest.raises(Exception, match="BADARG KEYS: expected at least the 4"):
+        await scripts.client.evalsha(sha, PUSH_KEYS - 1, *push_keys(pool)[:-1], *next_batch)
     assert dump_all(sync_redis) == before
 
 
