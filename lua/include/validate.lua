@@ -8,8 +8,6 @@ local function fail(code, msg)
   error({err = code .. ' ' .. msg})
 end
 
-local math_floor = math.floor
-
 -- The error for a value arg_num or arg_int refused: which check it failed.
 local function fail_number(v, field, lo, hi)
   local n = tonumber(v)
@@ -35,7 +33,8 @@ end
 -- An integer in [lo, hi] (finite bounds, both required), as arg_num.
 local function arg_int(v, field, lo, hi)
   local n = tonumber(v)
-  if n ~= nil and n >= lo and n <= hi and n == math_floor(n) then return n end
+  -- (n % 1, not n == math.floor(n): no function call, ~220 of a check's ~1.5k instructions)
+  if n ~= nil and n >= lo and n <= hi and n % 1 == 0 then return n end
   fail_number(v, field, lo, hi)
 end
 
