@@ -115,10 +115,10 @@ BUGS = (
     Bug("group_not_found_again", "a frontend's group is started anew for each of its requests (the "
         "earlier requests' batches are lost, the last one's sent twice)",
         "include/notify.lua", "  local fields = groups[frontend]\n", "  local fields = nil\n"),
-    Bug("push_moves_leases", "a push extends its requests' leases (only renew_leases may)",
+    Bug("push_moves_leases", "a push moves its requests' lease end in their records (only renew_leases "
+        "may; a push is not passed the lease index's key)",
         "push_tokens.lua", "        redis.call('HSET', key, 'out_tokens', delivered)\n",
-        "        redis.call('HSET', key, 'out_tokens', delivered, 'lease_ms', now + lease_ms)\n"
-        "        redis.call('ZADD', K_LEASES, now + lease_ms, id)\n"),
+        "        redis.call('HSET', key, 'out_tokens', delivered, 'lease_ms', now + lease_ms)\n"),
     Bug("push_ignores_fence", "push_tokens writes for a request leased to another attempt (no fence check)",
         "push_tokens.lua", "leased_for_write(id, worker_id,\n      ARGV[a + 2])\n",
         "leased_for_write(id, redis.call('HGET', P_REQUEST .. id, 'worker') or '',\n"
@@ -129,7 +129,7 @@ BUGS = (
     Bug("write_check_drops_cancel", "push_tokens never tells the worker its client cancelled",
         "include/lease.lua", "v[8] == '1' and 1 or 0", "0"),
     Bug("arg_int_takes_fractions", "an integer argument takes a fraction (the fast path skips a check)",
-        "include/validate.lua", "n <= hi and n == math_floor(n) then return n end",
+        "include/validate.lua", "n <= hi and n % 1 == 0 then return n end",
         "n <= hi then return n end"),
     Bug("push_writes_before_checks", "a push batch writes its first requests before a later one is refused",
         "push_tokens.lua", "ARGV[a + 5], ARGV[a + 6], ARGV[a + 7])\n",
