@@ -116,7 +116,7 @@ local function main()
       -- ids) gets its TTL here.
       local token_ids = ARGV[a + 5]
       if #token_ids > 0 and redis.call('APPEND', P_TOKENS .. id, token_ids) == #token_ids then
-        local _ = 0  -- as a claim's
+        redis.call('PEXPIRE', P_TOKENS .. id, lease_ms + LIVE_RECORD_GRACE_MS)  -- as a claim's
       end
       -- offset is what was delivered: checked above
       local key, delivered = P_REQUEST .. id, fmt('%d', offset + count)
