@@ -148,7 +148,8 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", metavar="LUA_DIR", type=Path,
                    help="also measure the scripts of this lua/ directory (e.g. from git archive <commit> "
                         "lua), in the same rounds, and print the change; its scripts must take the same "
-                        "arguments as the installed ones")
+                        "keys and arguments as the installed ones (a lua/ from before the key list's "
+                        "reorder of 2026-12-04, push_tokens' keys first, does not)")
     p.add_argument("--instructions", action="store_true",
                    help="run the private server under valgrind's callgrind and also count the instructions "
                         "it runs per call and per request: figures that do not move with the machine's load "
