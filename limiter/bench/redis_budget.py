@@ -90,7 +90,8 @@ PER_TOKEN_GOAL_US = 2.0
 
 
 def phase_names(push_batch: int = PUSH_BATCH) -> tuple[str, ...]:
-    """The rows of the table, in the order measured: what one call of each phase is."""
+    """The rows of the table, in its order (not quite the order measured: admit x8 runs first,
+    on a pool emptied again after it): what one call of each phase is."""
     n = push_batch
     return ("floor (1-command script)", "admit", "admit x8", "claim x1", "claim x8", "push_tokens (first)",
             f"push_tokens (first) x{n}", "push_tokens", f"push_tokens x{n}", f"push_tokens x{n} unstreamed",
