@@ -119,6 +119,13 @@ BUGS = (
         "may; a push is not passed the lease index's key)",
         "push_tokens.lua", "        redis.call('HSET', key, 'out_tokens', delivered)\n",
         "        redis.call('HSET', key, 'out_tokens', delivered, 'lease_ms', now + lease_ms)\n"),
+    Bug("push_restamps_first_token", "every push takes itself for its request's first and writes "
+        "first_ms again (the TTFT moves to the latest push)",
+        "include/lease.lua", "tonumber(v[6]), v[5] ~= false,", "tonumber(v[6]), false,"),
+    Bug("first_push_without_first_ms", "an attempt's first push writes out_tokens without first_ms "
+        "(the next push takes the request for started and no TTFT is ever stamped)",
+        "push_tokens.lua", "redis.call('HSET', key, 'out_tokens', delivered, 'first_ms', fmt('%d', now))",
+        "redis.call('HSET', key, 'out_tokens', delivered)"),
     Bug("push_ignores_fence", "push_tokens writes for a request leased to another attempt (no fence check)",
         "push_tokens.lua", "leased_for_write(id, worker_id,\n      ARGV[a + 2])\n",
         "leased_for_write(id, redis.call('HGET', P_REQUEST .. id, 'worker') or '',\n"
@@ -127,7 +134,7 @@ BUGS = (
         "include/lease.lua",
         "  if v[3] ~= fence and tonumber(v[3]) ~= tonumber(fence) then return false end\n", ""),
     Bug("write_check_drops_cancel", "push_tokens never tells the worker its client cancelled",
-        "include/lease.lua", "v[8] == '1' and 1 or 0", "0"),
+        "include/lease.lua", "v[7] == '1' and 1 or 0", "0"),
     Bug("arg_int_takes_fractions", "an integer argument takes a fraction (the fast path skips a check)",
         "include/validate.lua", "n <= hi and n % 1 == 0 then return n end",
         "n <= hi then return n end"),

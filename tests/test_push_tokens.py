@@ -84,6 +84,30 @@ async def test_a_push_moves_no_lease_and_a_renewal_moves_them_all(scripts, pool)
         assert after[rid][0] == after[rid][1] >= end + 5000, (rid, after[rid], end)
 
 
+async def test_the_first_push_stamps_the_first_token_and_no_later_push_moves_it(scripts, pool) -> None:
+    """first_ms (the TTFT) is written by an attempt's first push only: a push tells that from
+    out_tokens (not reading first_ms), and a later push of this attempt or of a resumed one
+    leaves the stamp, however much later it comes."""
+    await admit(scripts, pool, cls="P1", request_id="a", input_tokens=3, max_tokens=10)
+    held = await _claim(scripts, pool, 1)
+    assert await scripts.client.hget(pool.request("a"), "first_ms") is None
+    assert await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 0, [7], "x", 1)]) \
+        == [Pushed("ok")]
+    stamped = int(await scripts.client.hget(pool.request("a"), "first_ms"))
+    earlier = stamped - 5000  # as if the first token came 5 s ago: a rewrite of now would show
+    await scripts.client.hset(pool.request("a"), "first_ms", earlier)
+    assert await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 1, [8], "y", 1)]) \
+        == [Pushed("ok")]
+    assert int(await scripts.client.hget(pool.request("a"), "first_ms")) == earlier
+    # handed back and claimed again: the new attempt's first push is not the request's first
+    assert await scripts.release(pool, request_id="a", worker_id="w1", fence=held["a"].fence) == "requeued"
+    again = await _claim(scripts, pool, 1)
+    assert await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", again["a"].fence, 2, [9], "z", 1)]) \
+        == [Pushed("ok")]
+    rec = await scripts.client.hgetall(pool.request("a"))
+    assert int(rec[b"first_ms"]) == earlier and rec[b"out_tokens"] == b"3"
+
+
 async def test_a_refused_batch_writes_nothing_for_any_request(scripts, pool, sync_redis) -> None:
     for rid in ("a", "b"):
         await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=4)

@@ -471,6 +471,11 @@ class LifecycleModel(RuleBasedStateMachine):
             del self.held[rid]
             return
         assert current, f"{rid}: a push with a stale fence was accepted"
+        # The first push of a request stamps its first token's time (TTFT); a later one,
+        # from this attempt or a resumed one, leaves it as it was.
+        first = self.record(rid).get("first_ms")
+        assert first is not None, f"{rid}: a push left no first_ms"
+        assert rec.get("first_ms") in (None, first), f"{rid}: a later push moved first_ms"
 
     @rule(pick=st.integers(0, 1 << 16), outcome=st.sampled_from(["ok", "ok", "failed", "cancelled"]),
           out_share=st.floats(0, 1), in_share=st.floats(0, 1))
@@ -722,6 +727,9 @@ class LifecycleModel(RuleBasedStateMachine):
                 assert not rec or pttl[rid] > 0, f"{rid}: a finished record without a TTL"
             if state in ("queued", "leased"):
                 assert rid not in samples, f"{rid}: a sample for a request that has not finished"
+                # push_tokens tells an attempt's first push from out_tokens alone (not first_ms)
+                assert ("first_ms" in rec) == ("out_tokens" in rec), \
+                    f"{rid}: first_ms {rec.get('first_ms')} with out_tokens {rec.get('out_tokens')}"
             gen = self.r.pttl(KEYS.tokens(rid))
             assert gen != -1, f"{rid}: a token string without a TTL"
         stray = (queued_ids | deadlines | leases) - set(recs)

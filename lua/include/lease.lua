@@ -18,8 +18,9 @@ end
 -- For the calls a worker makes at every push (push_tokens) and renewal (renew_leases):
 -- whether request `id` is leased to this worker with the fence token `fence` (a checked
 -- integer argument, as a string), then (when it is) its out_tokens (a string, as stored:
--- '0' when none), max_tokens, started (whether a first token was delivered: first_ms is
--- set), cancel (0|1), frontend (nil: none) and the fence as stored. One HMGET and no table
+-- '0' when none), max_tokens, started (whether a first token was delivered: out_tokens is
+-- set, which the first push writes with first_ms), cancel (0|1), frontend (nil: none) and
+-- the fence as stored. One HMGET and no table
 -- (the generic record loader's loop over the fields, and a table per request, were as dear
 -- as the HMGET itself: callgrind); the fence is compared as a string first, as the caller
 -- compares out_tokens: the same digits are the same number, and a string-to-number
@@ -29,7 +30,7 @@ local function leased_for_write(id, worker_id, fence)
   local v = redis.call('HMGET', P_REQUEST .. id, unpack(LEASE_FIELDS))
   if v[1] ~= 'leased' or v[2] ~= worker_id then return false end
   if v[3] ~= fence and tonumber(v[3]) ~= tonumber(fence) then return false end
-  return true, v[5] or '0', tonumber(v[6]), v[7] ~= false, v[8] == '1' and 1 or 0, v[4] or nil, v[3]
+  return true, v[5] or '0', tonumber(v[6]), v[5] ~= false, v[7] == '1' and 1 or 0, v[4] or nil, v[3]
 end
 
 -- Extend a lease to `until_ms`; the record lives at least that long. `fields`: more
