@@ -925,3 +925,19 @@ def test_replay_a_claim_past_an_avoided_tenant_serves_the_smallest_counter_left(
     _replay(monkeypatch, redis_server.url, ("admit", p0), ("admit", {**p0, "tenant": "t3"}),
             ("admit", {**p0, "tenant": "t1"}), ("admit", {**p0, "tenant": "t1"}),
             ("claim", claim), ("claim", {**claim, "avoid": ("t1",), "avoid_from": "P0"}))
+
+
+def test_replay_a_resumed_request_keeps_its_first_token_and_refuses_the_old_fence(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pushed twice, its lease lost (150 ms) and requeued, claimed by another worker and pushed
+    again: the first push's first_ms stays through all of it, and the first worker's fence
+    writes nothing (seeded: push_restamps_first_token, push_ignores_fence and
+    write_check_ignores_fence, which the random search caught in none of 4 runs once the
+    model's source changed and hypothesis' saved examples of them no longer applied)."""
+    p1 = {"tenant": "t1", "cls": "P1", "input_tokens": 10, "max_tokens": 20, "own_wait": 0, "frontend": "fe1"}
+    _replay(monkeypatch, redis_server.url, ("admit", p1),
+            ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
+            ("push", {"pick": 0, "count": 1}), ("time_passes", {"ms": 30}), ("push", {"pick": 0, "count": 1}),
+            ("time_passes", {"ms": 260}),  # past the lease: the janitor requeues it
+            ("claim", {"worker": "w2", "n": 1, "kv_room": 0, "above": ""}),
+            ("push", {"pick": 0, "count": 1}), ("stale_write", {"pick": 0, "which": 0}))
