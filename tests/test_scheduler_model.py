@@ -932,8 +932,8 @@ def test_replay_a_resumed_request_keeps_its_first_token_and_refuses_the_old_fenc
     """Pushed twice, its lease lost (150 ms) and requeued, claimed by another worker and pushed
     again: the first push's first_ms stays through all of it, and the first worker's fence
     writes nothing (seeded: push_restamps_first_token, push_ignores_fence and
-    write_check_ignores_fence, which the random search caught in none of 4 runs once the
-    model's source changed and hypothesis' saved examples of them no longer applied)."""
+    write_check_ignores_fence: the random search, without hypothesis' local example
+    database, caught the last two in none of 5 runs)."""
     p1 = {"tenant": "t1", "cls": "P1", "input_tokens": 10, "max_tokens": 20, "own_wait": 0, "frontend": "fe1"}
     _replay(monkeypatch, redis_server.url, ("admit", p1),
             ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
