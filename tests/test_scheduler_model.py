@@ -933,7 +933,7 @@ def test_replay_a_resumed_request_keeps_its_first_token_and_refuses_the_old_fenc
     again: the first push's first_ms stays through all of it, and the first worker's fence
     writes nothing (seeded: push_restamps_first_token, push_ignores_fence and
     write_check_ignores_fence: the random search, without hypothesis' local example
-    database, caught the last two in none of 5 runs)."""
+    database, caught the last two in none of 3 runs each)."""
     p1 = {"tenant": "t1", "cls": "P1", "input_tokens": 10, "max_tokens": 20, "own_wait": 0, "frontend": "fe1"}
     _replay(monkeypatch, redis_server.url, ("admit", p1),
             ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
