@@ -20,12 +20,12 @@ end
 -- integer argument, as a string), then (when it is) its out_tokens (a string, as stored:
 -- '0' when none), max_tokens, started (whether a first token was delivered: out_tokens is
 -- set, which the first push writes with first_ms), cancel (0|1), frontend (nil: none) and
--- the fence as stored. One HMGET and no table
--- (the generic record loader's loop over the fields, and a table per request, were as dear
--- as the HMGET itself: callgrind); the fence is compared as a string first, as the caller
--- compares out_tokens: the same digits are the same number, and a string-to-number
--- conversion is two of libc's strtod. The stored strings are canonical (written from
--- numbers), so a caller can pass them on to a reply without formatting them.
+-- the fence as stored. One HMGET and no table (the generic record loader's loop over the
+-- fields, and a table per request, were as dear as the HMGET itself: callgrind); the fence
+-- is compared as a string first, as the caller compares out_tokens: the same digits are the
+-- same number, and a string-to-number conversion is two of libc's strtod. The stored strings
+-- are canonical (written from numbers), so a caller can pass them on to a reply without
+-- formatting them.
 local function leased_for_write(id, worker_id, fence)
   local v = redis.call('HMGET', P_REQUEST .. id, unpack(LEASE_FIELDS))
   if v[1] ~= 'leased' or v[2] ~= worker_id then return false end

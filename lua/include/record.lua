@@ -15,8 +15,9 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
 -- What a worker's write checks and uses (push_tokens, renew_leases): a lease's fields, in
 -- the order include/lease.lua leased_for_write reads them. Not first_ms: the first push
 -- writes it with out_tokens, and nothing else writes out_tokens before the request ends, so
--- out_tokens present means first_ms present (the model test checks it on every record), and
--- a field fewer is ~2.2k instructions of every push's HMGET a request (callgrind).
+-- out_tokens present means first_ms present (the model test checks it on every queued and
+-- leased record), and a field fewer is ~2.2k instructions of every push's HMGET a request
+-- (callgrind).
 local LEASE_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens', 'cancel'}
 
 -- The record of request `id` (nil when there is none): the fields `fields` (default: all of
