@@ -32,29 +32,69 @@ CLASS_FIELDS = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "max
 
 # --- flags ----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize(("flags", "named"), [
-    (["--token-budget", "0"], "--token-budget: must be >= 1"),  # was: the default, silently
-    (["--token-budget", "-256"], "--token-budget: must be >= 1"),
-    (["--token-budget", "8"], "--token-budget: must be >= --max-seqs (16)"),
-    (["--max-seqs", "0"], "--max-seqs: must be in [1, 1024]"),
-    (["--frontends", "0"], "--frontends: must be in [1, 64]"),
-    (["--time-scale", "-1"], "--time-scale: must be in [0, 1000]"),
-    (["--time-scale", "nan"], "--time-scale: must be in [0, 1000]"),
-    (["--drain", "-5"], "--drain: must be in [0, 3600]"),
-    (["--torch-threads", "0"], "--torch-threads: must be >= 1"),
-    (["--capacity-rps", "0"], "--capacity-rps: must be > 0"),
+RUN = ("run", "limiter.bench.runner", "run_bench")
+OVERHEAD = ("overhead", "limiter.bench.overhead", "run_overhead")
+
+
+@pytest.mark.parametrize(("command", "flags", "named"), [
+    (RUN, ["--token-budget", "0"], "--token-budget: must be >= 1"),  # was: the default, silently
+    (RUN, ["--token-budget", "-256"], "--token-budget: must be >= 1"),
+    (RUN, ["--token-budget", "8"], "--token-budget: must be >= --max-seqs (16)"),
+    (RUN, ["--max-seqs", "0"], "--max-seqs: must be in [1, 1024]"),
+    (RUN, ["--frontends", "0"], "--frontends: must be in [1, 64]"),
+    (RUN, ["--time-scale", "-1"], "--time-scale: must be in [0, 1000]"),
+    (RUN, ["--time-scale", "nan"], "--time-scale: must be in [0, 1000]"),
+    (RUN, ["--drain", "-5"], "--drain: must be in [0, 3600]"),
+    (RUN, ["--torch-threads", "0"], "--torch-threads: must be >= 1"),
+    (RUN, ["--capacity-rps", "0"], "--capacity-rps: must be > 0"),
+    (OVERHEAD, ["--chunk-tokens", "0"], "--chunk-tokens: must be in [1, 100000]"),
+    (OVERHEAD, ["--seconds", "0"], "--seconds: must be > 0"),
+    (OVERHEAD, ["--rate", "-1"], "--rate: must be > 0"),
+    (OVERHEAD, ["--concurrency", "0"], "--concurrency: must be in [1, 10000]"),
+    (OVERHEAD, ["--output-tokens", "0"], "--output-tokens: must be in [1, 100000]"),
+    (OVERHEAD, ["--workers", "0"], "--workers: must be in [1, 64]"),
+    (OVERHEAD, ["--max-seqs", "2000"], "--max-seqs: must be in [1, 1024]"),
 ])
 def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
-        flags: list[str], named: str, capsys: pytest.CaptureFixture[str],
+        command: tuple[str, str, str], flags: list[str], named: str, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from limiter import cli
-    from limiter.bench import runner
+    import importlib
 
+    from limiter import cli
+
+    name, module, runs = command
     started: list[object] = []
-    monkeypatch.setattr(runner, "run_bench", lambda *a, **k: started.append(a))
-    assert cli.main(["bench", "run", *flags]) == 2
+    monkeypatch.setattr(importlib.import_module(module), runs, lambda *a, **k: started.append(a))
+    assert cli.main(["bench", name, *flags]) == 2
     assert named in capsys.readouterr().err
     assert started == []
+
+
+async def test_the_echo_server_streams_in_its_chunks_with_the_usage_asked_for() -> None:
+    """The overhead bench's baseline, and the model server behind its openai workers: chunks
+    of --chunk-tokens, the running usage on each when asked (vLLM's continuous_usage_stats),
+    the final usage, [DONE]; /v1/models for the worker's probe."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from limiter.bench.echo import make_app
+
+    async with TestClient(TestServer(make_app(chunk_tokens=3))) as client:
+        body = {"model": "m", "prompt": "hi", "max_tokens": 7, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        r = await client.post("/v1/completions", json=body)
+        events = [e.removeprefix("data: ") for e in (await r.text()).strip().split("\n\n")]
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        texts = [c["choices"][0]["text"] for c in chunks if c["choices"]]
+        assert texts == ["xxx", "xxx", "x", ""] and chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert [c["usage"]["completion_tokens"] for c in chunks[:3]] == [3, 6, 7]
+        assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+            "prompt_tokens": 3, "completion_tokens": 7, "total_tokens": 10}
+        plain = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "stream": True})
+        assert "usage" not in await plain.text()  # nothing asked, nothing sent (the baseline's bytes)
+        assert (await (await client.get("/v1/models")).json())["data"][0]["id"] == "echo"
+    with pytest.raises(ValueError, match="chunk_tokens"):
+        make_app(chunk_tokens=0)
 
 
 # --- workload --------------------------------------------------------------------------------------
@@ -245,6 +285,20 @@ def test_overhead_smoke() -> None:
     assert report["full"]["latency"]["completed"] > 0
     thr = report["full"]["throughput"]
     assert thr["cpu_ms_per_request"]["frontend"] > 0 and thr["cpu_ms_per_request"]["redis"] > 0
+
+
+@pytest.mark.slow
+def test_overhead_smoke_in_front_of_a_model_server() -> None:
+    """--engine openai: the workers front a second echo process, counted as the upstream."""
+    from limiter.bench.overhead import render, run_overhead
+
+    report = asyncio.run(run_overhead(seconds=2.0, concurrency=8, rate=20, engine="openai", chunk_tokens=1,
+                                      log=lambda _s: None))
+    assert report["params"]["engine"] == "openai" and report["params"]["chunk_tokens"] == 1
+    assert report["full"]["latency"]["completed"] > 0 and report["full"]["latency"]["errors"] == 0
+    assert report["full"]["throughput"]["cpu_ms_per_request"]["upstream"] > 0
+    assert "EVALSHA complete" in report["full"]["redis_commands"]["by_command_per_request"]
+    assert "in front of an echo server" in str(render(report).title)
 
 
 @pytest.mark.slow

@@ -337,25 +337,39 @@ def _add_overhead(bsub: argparse._SubParsersAction) -> None:
       help="open-loop requests/s for the latency phase (default: 0.3 x the full path's throughput)")
     a("--output-tokens", type=int, default=ov.DEFAULT_OUTPUT_TOKENS,
       help=f"max_tokens per request (default {ov.DEFAULT_OUTPUT_TOKENS})")
-    a("--workers", type=int, default=1, help="sim workers (default 1)")
+    a("--workers", type=int, default=1, help="workers (default 1)")
     a("--frontends", type=int, default=1, help="frontend processes (default 1)")
     a("--max-seqs", type=int, default=64, help="worker batch size (default 64)")
+    a("--engine", choices=ov.ENGINES, default="sim",
+      help="the workers' engine: sim (time scale 0: each token one step of the worker's scheduler) or "
+           "openai (in front of a second echo server: the QoS path's own cost) (default sim)")
+    a("--chunk-tokens", type=int, default=ov.CHUNK_TOKENS,
+      help=f"tokens per SSE chunk the echo server sends, as baseline and as upstream (default "
+           f"{ov.CHUNK_TOKENS}; 1 = one a chunk, as vLLM streams)")
     a("--json", metavar="PATH", help="also write the figures as JSON")
 
 
 def _overhead(args: argparse.Namespace) -> int:
     """The same load generator against (a) a bare aiohttp server that streams tokens at once and (b) the
-    full stack (frontend -> Redis -> sim worker at time scale 0 -> frontend): throughput ratio, added
-    latency p50/p99, Redis commands per request."""
+    full stack (frontend -> Redis -> worker -> frontend; the worker a sim engine at time scale 0, or in
+    front of a second such server): throughput ratio, added latency p50/p99, Redis commands per request."""
     from rich.console import Console
 
     from limiter.bench import overhead as ov
 
+    if not args.seconds > 0:
+        raise ConfigError("--seconds", "must be > 0")
+    if args.rate is not None and not args.rate > 0:
+        raise ConfigError("--rate", "must be > 0")
+    for name, low, high in (("concurrency", 1, 10_000), ("output_tokens", 1, 100_000), ("workers", 1, 64),
+                            ("frontends", 1, 64), ("max_seqs", 1, 1024), ("chunk_tokens", 1, 100_000)):
+        if not low <= getattr(args, name) <= high:
+            raise ConfigError(f"--{name.replace('_', '-')}", f"must be in [{low}, {high}]")
     console = Console()
     report = asyncio.run(ov.run_overhead(seconds=args.seconds, concurrency=args.concurrency, rate=args.rate,
                                          output_tokens=args.output_tokens, workers=args.workers,
-                                         frontends=args.frontends, max_seqs=args.max_seqs,
-                                         log=console.print))
+                                         frontends=args.frontends, max_seqs=args.max_seqs, engine=args.engine,
+                                         chunk_tokens=args.chunk_tokens, log=console.print))
     console.print(ov.render(report))
     if args.json:
         Path(args.json).write_text(__import__("json").dumps(report, indent=1))

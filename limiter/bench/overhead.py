@@ -3,10 +3,20 @@
 Two targets, one load generator (:func:`limiter.localstack.loadgen.stream_completion`, streaming):
 
 * **echo**: :mod:`limiter.bench.echo`, its own process, answers at once;
-* **full path**: a private Redis, frontend(s) and sim worker(s) at ``--time-scale 0`` (steps
-  cost nothing), started like ``qos bench run``'s priority stack (no buckets or controller in
-  the way: the path itself is measured): frontend -> admit (Redis) -> worker claim -> token
-  pushes -> reply stream -> frontend -> client.
+* **full path**: a private Redis, frontend(s) and worker(s), started like ``qos bench run``'s
+  priority stack (no buckets or controller in the way: the path itself is measured):
+  frontend -> admit (Redis) -> worker claim -> token pushes -> reply stream -> frontend ->
+  client. The worker's engine is one of two:
+
+  - ``sim`` (default): the worker is the engine's driver, a sim engine at ``--time-scale 0``
+    (steps cost nothing), so each output token is one step of the worker's own batch
+    scheduler, counted in the added latency;
+  - ``openai``: the worker fronts a model server, which is a second echo process: the QoS
+    path in front of a server against that server alone, as an operator puts it in front of
+    vLLM (and as LiteLLM's proxy overhead is measured, against a fake OpenAI endpoint). The
+    added latency is then the path's own: the frontend, Redis, the worker's relay and one
+    more HTTP hop, with no step loop. ``chunk_tokens`` is the echo's chunking, the same for
+    both targets (1 streams one token a chunk, as vLLM does; each chunk is then one push).
 
 Two phases per target, each ``seconds`` long:
 
@@ -37,13 +47,14 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 from rich.table import Table
 
+from limiter.bench.echo import CHUNK_TOKENS
 from limiter.bench.modes import POOL, UNLIMITED, api_key, mode_spec
 from limiter.bench.procstat import MachineTicks, busy_share, cpu_by_role
 from limiter.bench.stack import CommandMonitor, StackSpec, role_pids, start_stack
@@ -54,6 +65,7 @@ DEFAULT_SECONDS = 10.0
 DEFAULT_CONCURRENCY = 32
 DEFAULT_OUTPUT_TOKENS = 16
 PROMPT_TOKENS = 16
+ENGINES = ("sim", "openai")
 RATE_SHARE = 0.3  # latency phase: this share of the full path's throughput (well below saturation)
 MONITOR_RATE = 50.0  # the command count runs at most this many req/s (MONITOR slows Redis down)
 
@@ -133,22 +145,17 @@ def cpu_split(pids: dict[str, list[int]], before: dict[str, float], after: dict[
             "machine_busy": _r(busy_share(*ticks))}
 
 
-async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
-                       log: Callable[[str], None]) -> dict[str, Any]:
+@contextlib.asynccontextmanager
+async def echo_server(chunk_tokens: int) -> AsyncIterator[tuple[str, int]]:
+    """A :mod:`limiter.bench.echo` process on a free port: yields its URL and pid."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "limiter.bench.echo", "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "limiter.bench.echo", "--port", str(port),
+                             "--chunk-tokens", str(chunk_tokens)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
         await _wait_http(url)
-        thr = summarise(await closed_loop(url, "echo", "echo", seconds, concurrency, output_tokens), seconds)
-        log(f"[dim]  echo      throughput {thr['requests_s']:,.0f} req/s (c={concurrency})[/]")
-        lat = None
-        if rate:
-            lat = summarise(await open_loop(url, "echo", "echo", seconds, rate, output_tokens), seconds)
-            log(f"[dim]  echo      latency at {rate:g} req/s: e2e p50 {lat['e2e_p50_ms']} ms, "
-                f"p99 {lat['e2e_p99_ms']} ms[/]")
-        return {"throughput": thr, "latency": lat}
+        yield url, proc.pid
     finally:
         proc.terminate()
         try:
@@ -158,18 +165,44 @@ async def measure_echo(seconds: float, concurrency: int, rate: float | None, out
             proc.wait()
 
 
+async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
+                       log: Callable[[str], None], chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
+    async with echo_server(chunk_tokens) as (url, _pid):
+        thr = summarise(await closed_loop(url, "echo", "echo", seconds, concurrency, output_tokens), seconds)
+        log(f"[dim]  echo      throughput {thr['requests_s']:,.0f} req/s (c={concurrency})[/]")
+        lat = None
+        if rate:
+            lat = summarise(await open_loop(url, "echo", "echo", seconds, rate, output_tokens), seconds)
+            log(f"[dim]  echo      latency at {rate:g} req/s: e2e p50 {lat['e2e_p50_ms']} ms, "
+                f"p99 {lat['e2e_p99_ms']} ms[/]")
+        return {"throughput": thr, "latency": lat}
+
+
 async def measure_full(seconds: float, concurrency: int, rate: float | None, output_tokens: int, workers: int,
                        frontends: int, log: Callable[[str], None], work_dir: Path,
-                       max_seqs: int = 64) -> dict[str, Any]:
+                       max_seqs: int = 64, engine: str = "sim",
+                       chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
+    args = (seconds, concurrency, rate, output_tokens, workers, frontends, log, work_dir, max_seqs, engine)
+    if engine != "openai":
+        return await _measure_stack(*args, None)
+    async with echo_server(chunk_tokens) as upstream:  # the model server the workers front
+        return await _measure_stack(*args, upstream)
+
+
+async def _measure_stack(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
+                         workers: int, frontends: int, log: Callable[[str], None], work_dir: Path,
+                         max_seqs: int, engine: str, upstream: tuple[str, int] | None) -> dict[str, Any]:
     spec = mode_spec("priority", capacity_tokens_s=UNLIMITED, context_tokens=4096)
-    sspec = StackSpec(engine="sim", workers=workers, frontends=frontends, time_scale=0.0, token_budget=512,
-                      max_seqs=max_seqs)
+    sspec = StackSpec(engine=engine, workers=workers, frontends=frontends, time_scale=0.0, token_budget=512,
+                      max_seqs=max_seqs, upstream_url=upstream[0] if upstream else None)
     stack = await start_stack(sspec, spec, work_dir)
     key = api_key("P0")
     try:
         await closed_loop(stack.base_url, key, POOL, min(2.0, seconds), 4, output_tokens)  # warm up
         redis_proc = getattr(stack.redis, "proc", None)
         pids = role_pids(stack, [redis_proc.pid] if redis_proc is not None else [])
+        if upstream is not None:
+            pids["upstream"] = [upstream[1]]
         cpu0, ticks0, t0 = cpu_by_role(pids), MachineTicks.read(), time.monotonic()
         results = await closed_loop(stack.base_url, key, POOL, seconds, concurrency, output_tokens)
         split = cpu_split(pids, cpu0, cpu_by_role(pids), (ticks0, MachineTicks.read()), time.monotonic() - t0,
@@ -209,15 +242,20 @@ async def measure_full(seconds: float, concurrency: int, rate: float | None, out
 
 async def run_overhead(*, seconds: float = DEFAULT_SECONDS, concurrency: int = DEFAULT_CONCURRENCY,
                        rate: float | None = None, output_tokens: int = DEFAULT_OUTPUT_TOKENS,
-                       workers: int = 1, frontends: int = 1, max_seqs: int = 64,
+                       workers: int = 1, frontends: int = 1, max_seqs: int = 64, engine: str = "sim",
+                       chunk_tokens: int = CHUNK_TOKENS,
                        log: Callable[[str], None] = print) -> dict[str, Any]:
     """Both targets, both phases; the full path first so its throughput sets the rate."""
     import tempfile
 
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be at least 1, not {chunk_tokens}")
     with tempfile.TemporaryDirectory(prefix="qos-overhead-") as d:
         full = await measure_full(seconds, concurrency, rate, output_tokens, workers, frontends, log, Path(d),
-                                  max_seqs)
-    echo = await measure_echo(seconds, concurrency, full["rate"], output_tokens, log)
+                                  max_seqs, engine, chunk_tokens)
+    echo = await measure_echo(seconds, concurrency, full["rate"], output_tokens, log, chunk_tokens)
     ft, et = full["throughput"]["requests_s"], echo["throughput"]["requests_s"]
     fl, el = full["latency"], echo["latency"] or {}
     added = {f"{m}_{q}_ms": _r(fl[f"{m}_{q}_ms"] - el[f"{m}_{q}_ms"])
@@ -225,7 +263,8 @@ async def run_overhead(*, seconds: float = DEFAULT_SECONDS, concurrency: int = D
              for m in ("e2e", "ttft") for q in ("p50", "p99")}
     return {"params": {"seconds": seconds, "concurrency": concurrency, "rate": full["rate"],
                        "output_tokens": output_tokens, "prompt_tokens": PROMPT_TOKENS, "workers": workers,
-                       "frontends": frontends, "max_seqs": max_seqs, "cpus": os.cpu_count()},
+                       "frontends": frontends, "max_seqs": max_seqs, "engine": engine,
+                       "chunk_tokens": chunk_tokens, "cpus": os.cpu_count()},
             "echo": echo, "full": full, "throughput_ratio": round(ft / et, 3) if et else None,
             "added_latency": added, "targets": {"throughput_ratio": 0.5,
                                                 "commands_per_request": full["redis_commands"]["target"]}}
@@ -233,9 +272,13 @@ async def run_overhead(*, seconds: float = DEFAULT_SECONDS, concurrency: int = D
 
 def render(report: dict[str, Any]) -> Table:
     p = report["params"]
-    t = Table(title=f"overhead: {p['prompt_tokens']}-token prompts, {p['output_tokens']} output tokens, "
-                    f"{p['workers']} sim worker(s) at time scale 0, {p['cpus']} CPUs shared by everything",
-              title_justify="left")
+    if p.get("engine", "sim") == "sim":
+        workers = f"{p['workers']} sim worker(s) at time scale 0"
+    else:
+        workers = f"{p['workers']} openai worker(s) in front of an echo server"
+    t = Table(title=f"overhead: {p['prompt_tokens']}-token prompts, {p['output_tokens']} output tokens in "
+                    f"chunks of {p.get('chunk_tokens', CHUNK_TOKENS)}, {workers}, {p['cpus']} CPUs shared by "
+                    "everything", title_justify="left")
     for c in ("figure", "echo", "full path", "full - echo / ratio", "target"):
         t.add_column(c, justify="right")
     e, f = report["echo"], report["full"]

@@ -62,6 +62,7 @@ class StackSpec:
     max_seqs: int = 16
     torch_threads: int = 1
     ready_timeout_s: float = 120.0
+    upstream_url: str | None = None  # the openai engine's model server
 
 
 def worker_flags(spec: StackSpec, mode: ModeSpec) -> list[str]:
@@ -69,7 +70,7 @@ def worker_flags(spec: StackSpec, mode: ModeSpec) -> list[str]:
              "--chunked-prefill" if mode.chunked_prefill else "--no-chunked-prefill"]
     if spec.engine == "sim":
         flags += ["--time-scale", repr(spec.time_scale)]
-    else:
+    elif spec.engine == "torch":
         flags += ["--torch-threads", str(spec.torch_threads)]
     return flags
 
@@ -85,21 +86,23 @@ async def start_stack(spec: StackSpec, mode: ModeSpec, work_dir: Path) -> Logged
                         log_dir=log_dir)
     await launch_roles(stack, mode.cfg, config_path, port, frontends=spec.frontends, workers=spec.workers,
                        engine=spec.engine, worker_argv=worker_flags(spec, mode), controller=mode.controller,
-                       threads=spec.torch_threads, ready_timeout_s=spec.ready_timeout_s)
+                       threads=spec.torch_threads, ready_timeout_s=spec.ready_timeout_s,
+                       upstream_url=spec.upstream_url)
     return stack
 
 
 async def launch_roles(stack: LoggedStack, cfg: QosConfig, config_path: Path, port: int, *, frontends: int,
                        workers: int, engine: str, worker_argv: Sequence[str], controller: bool,
                        threads: int = 1, ready_timeout_s: float = 120.0,
-                       pools: Sequence[str] = ()) -> dict[str, str]:
+                       pools: Sequence[str] = (), upstream_url: str | None = None) -> dict[str, str]:
     """Start a benchmark stack's roles with ``qos up``'s command lines (the frontends inherit
     ``port``, bound here) on ``stack.redis_url``; return once /readyz answers and every worker
     beat. ``worker_argv`` goes to every worker; with ``pools`` the workers are spread over
-    them in turn (``--pool``). Returns worker id -> pool (empty without ``pools``). On any
-    failure the stack, its Redis included, is stopped."""
+    them in turn (``--pool``); ``upstream_url`` is the openai engine's model server. Returns
+    worker id -> pool (empty without ``pools``). On any failure the stack, its Redis included,
+    is stopped."""
     args = argparse.Namespace(frontends=frontends, host="127.0.0.1", port=port, workers=workers,
-                              engine=engine, device="cpu", upstream_url=None, standby=False,
+                              engine=engine, device="cpu", upstream_url=upstream_url, standby=False,
                               config=str(config_path))
     env = dict(os.environ, QOS_REDIS_URL=stack.redis_url, OMP_NUM_THREADS=str(threads))
     env.pop("QOS_CONFIG", None)
