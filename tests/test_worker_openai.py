@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
@@ -83,15 +84,30 @@ async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -
     assert s["output_tokens"] == a.tokens and s["outcome"] == "ok" and s["ttft_ms"] > 0
 
 
+async def release_each_chunk_once_pushed(c: Client, up: FakeUpstream, rid: str, chunks: int,
+                                         timeout: float = 20.0) -> None:
+    """Let a gated upstream send ``rid``'s chunks one at a time, each once the one before
+    reached the reply stream in an entry of its own; ``chunks``: its text chunks (the
+    finish chunk is released after the last)."""
+    for k in range(1, chunks + 1):
+        deadline = time.monotonic() + timeout
+        while len(c.answers[rid].offsets) < k:
+            assert time.monotonic() < deadline, f"{rid}: chunk {k - 1} was not pushed ({c.answers[rid]})"
+            await c.read()
+        up.gate.release()
+
+
 @pytest.mark.parametrize("chunk_usage", [True, False])
 async def test_chunks_of_several_tokens_are_counted_by_the_upstreams_usage(env, chunk_usage) -> None:
     """Two upstream tokens per chunk: with per-chunk usage every push carries the exact count;
     without it (a server that rejects continuous_usage_stats) the count is one per chunk while
     streaming and the final usage tops it up, so the total is the upstream's either way."""
     cfg, c, up = env
+    up.gate = asyncio.Semaphore(0)  # the chunks come apart: each is pushed on its own
     async with worker(cfg, engine="openai", upstream_url=up.url, upstream_chunk_usage=chunk_usage,
                       flush_tokens=1):
         rid = await c.admit("PAIRS abcdefghijklmnopq", max_tokens=5)
+        await release_each_chunk_once_pushed(c, up, rid, chunks=3)
         await c.wait([rid], timeout=20)
     a = c.answers[rid]
     assert a.text == "PAIRS abcdefghijklmnopq"[::-1][:15] and a.done["fin"] == "length"
@@ -107,11 +123,17 @@ async def test_an_unstreamed_requests_chunks_are_not_forwarded_one_by_one(env) -
     a client that does not stream reads the answer at the end, so its request is pushed once
     (the first token: the frontend learns it runs) and the rest rides on complete."""
     cfg, c, up = env
+    up.gate = asyncio.Semaphore(0)  # the chunks come apart (chunks that come together share a push)
     # 60 s: a slow machine must not make the unstreamed request's period pass mid-answer
     async with worker(cfg, engine="openai", upstream_url=up.url, unstreamed_flush_ms=60_000):
         streamed = await c.admit("abcdefghijklmnopq", max_tokens=5)
+        await release_each_chunk_once_pushed(c, up, streamed, chunks=5)
+        await c.wait([streamed], timeout=20)
         unstreamed = await c.admit("abcdefghijklmnopq", max_tokens=5, stream=False)
-        await c.wait([streamed, unstreamed], timeout=20)
+        await c.wait_tokens(unstreamed, 1)  # its first token, pushed at once
+        for _ in range(5):  # the other four chunks and the finish, one at a time
+            up.gate.release()
+        await c.wait([unstreamed], timeout=20)
     for rid in (streamed, unstreamed):
         a = c.answers[rid]
         assert a.text == "abcdefghijklmnopq"[::-1][:15] and a.tokens == int(a.done["out"]) == 5, (rid, a)
@@ -126,14 +148,17 @@ async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> Non
     async with worker(cfg, engine="openai", upstream_url=up.url):
         bad = await c.admit("please FAIL", max_tokens=20)
         mid = await c.admit("a MIDERR b c d e f g h", max_tokens=50)
+        huge = await c.admit("a HUGE b c d e f g h", max_tokens=50)
         await c.wait(timeout=20)
     assert c.answers[bad].error["msg"] == \
         "the model server refused the request (HTTP 400): model is overloaded"
     assert c.answers[mid].error["msg"] == "the model server reported an error: CUDA out of memory"
-    for rid in (bad, mid):  # what the client reads never names the upstream's address
+    assert c.answers[huge].error["msg"] == "the model server sent a malformed response"
+    assert c.answers[huge].text == "h g"  # its first chunk, delivered before the line that never ended
+    for rid in (bad, mid, huge):  # what the client reads never names the upstream's address
         msg = c.answers[rid].error["msg"]
         assert "127.0.0.1" not in msg and str(up.port) not in msg
-    assert (await c.record(bad))["state"] == "failed" and (await c.record(mid))["state"] == "failed"
+        assert (await c.record(rid))["state"] == "failed"
 
 
 async def _wait_heartbeat(c, rt, what: str, ok, timeout: float = 20.0) -> dict[bytes, bytes]:
@@ -415,30 +440,97 @@ async def test_not_ready_and_shown_while_no_worker_can_reach_its_upstream(env, r
                     await asyncio.sleep(0.05)
 
 
-async def _sse_pieces(client, prompt: str) -> list[str]:
+async def _sse_pieces(client, up: FakeUpstream, prompt: str, chunks: int, after_first: int) -> list[str]:
+    """The text pieces of a streamed completion as the client reads them from the frontend.
+    The gated upstream sends its first chunk; once the client has read the first piece it is
+    let send ``after_first`` more (the rest at once: ``chunks``), and one more after each
+    later piece (one at a time)."""
     r = await client.post("/v1/completions", headers=auth(),
                           json={"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True})
     assert r.status == 200, await r.text()
-    raw = await r.text()
-    chunks = [json.loads(e[6:]) for e in raw.strip().split("\n\n") if e != "data: [DONE]"]
-    return [c["choices"][0]["text"] for c in chunks if c["choices"][0]["text"]]
+    pieces: list[str] = []
+    async for event in sse_events(r.content):
+        if event == "[DONE]":
+            break
+        text = json.loads(event)["choices"][0]["text"]
+        if text:
+            pieces.append(text)
+            for _ in range(after_first if len(pieces) == 1 else 0 if after_first == chunks else 1):
+                up.gate.release()
+    return pieces
+
+
+async def sse_events(content) -> AsyncIterator[str]:
+    buffer = b""
+    async for raw in content.iter_any():
+        buffer += raw
+        *events, buffer = buffer.split(b"\n\n")
+        for e in events:
+            yield e.decode().removeprefix("data: ")
 
 
 async def test_client_sees_the_upstreams_chunks(env, redis_server) -> None:
-    """Each upstream chunk reaches the client as one SSE chunk (not regrouped by the push
-    batching), unless upstream_forward_chunks is off."""
+    """Each upstream chunk that comes on its own reaches the client as one SSE chunk (not
+    regrouped by the push batching), unless upstream_forward_chunks is off; chunks that
+    come together reach it together (test_chunks_that_come_together_share_one_push)."""
     _cfg, _c, up = env
+    up.gate = asyncio.Semaphore(0)
     cfg = make_cfg(redis_server.url)
-    prompt = "SLOW " + "0123456789" * 3
+    prompt = "0123456789" * 3
     answer = prompt[::-1]
     upstream_pieces = [answer[i: i + 3] for i in range(0, len(answer), 3)]
+    n = len(upstream_pieces)
     async with frontend(cfg) as client:
         async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-fwd"):
-            assert await _sse_pieces(client, prompt) == upstream_pieces
+            assert await _sse_pieces(client, up, prompt, n, after_first=1) == upstream_pieces
         async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-batch",
                           upstream_forward_chunks=False, flush_ms=10_000, flush_tokens=100_000):
             # the first batch at once (TTFT), the rest with the completion
-            assert await _sse_pieces(client, prompt) == [upstream_pieces[0], "".join(upstream_pieces[1:])]
+            assert await _sse_pieces(client, up, prompt, n, after_first=n) == [upstream_pieces[0],
+                                                                               "".join(upstream_pieces[1:])]
+
+
+async def test_chunks_that_come_together_share_one_push(env) -> None:
+    """An answer the upstream sends in one go (its chunks came while the worker was busy, or
+    a server that sends bursts) is read at once: its chunks, finish and [DONE] together, so
+    it goes in the completion with no push before it (one Redis call and one reply entry,
+    not one per chunk), and its count is still the upstream's."""
+    cfg, c, up = env
+    up.burst = True
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        streamed = await c.admit("abcdefghijklmnopq", max_tokens=5)
+        await c.wait([streamed], timeout=20)
+        up.overshoot = 2  # the worker cuts the answer at max_tokens, in the middle of the batch
+        cut = await c.admit("0123456789abcdefghij", max_tokens=4)
+        await c.wait([cut], timeout=20)
+    a = c.answers[streamed]
+    assert a.text == "abcdefghijklmnopq"[::-1][:15] and a.tokens == int(a.done["out"]) == 5
+    assert a.offsets == [0] and a.done["n"] == "5" and a.done["fin"] == "length"
+    b = c.answers[cut]
+    assert b.text == "jihgfedcba98" and b.offsets == [0] and b.done["n"] == "4" and b.done["fin"] == "length"
+
+
+@pytest.mark.parametrize("chunk_usage", [True, False])
+async def test_an_upstream_past_max_tokens_is_cut_there(env, chunk_usage) -> None:
+    """A server that does not honour max_tokens: the worker takes the tokens up to it, no
+    text past it, ends the request there (finish length) and closes the stream."""
+    cfg, c, up = env
+    up.overshoot, up.gate = 3, asyncio.Semaphore(0)
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_chunk_usage=chunk_usage):
+        rid = await c.admit("0123456789abcdefghijklmno", max_tokens=4)
+        await release_each_chunk_once_pushed(c, up, rid, chunks=4)
+        await c.wait([rid], timeout=20)
+    a = c.answers[rid]
+    assert a.text == "onmlkjihgfed" and a.tokens == int(a.done["out"]) == 4 and a.done["fin"] == "length"
+    assert a.offsets == [0, 1, 2, 3] and a.done["n"] == "0"
+    rec = await c.record(rid)
+    assert rec["usage_out"] == "4"
+    for _ in range(3):  # the server goes on (two chunks and its finish) into a closed stream
+        up.gate.release()
+    deadline = time.monotonic() + 20
+    while up.disconnects < 1:
+        assert time.monotonic() < deadline, "waiting for the server to find the stream closed by the worker"
+        await asyncio.sleep(0.02)
 
 
 

@@ -13,6 +13,10 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
   the client sees the upstream's chunks and inter-token times, not the worker's push
   batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
+  The chunks that arrived together (in one read of the stream: the worker was busy, the
+  server sent a burst) go in one push, and the read that holds the end of the answer goes
+  in ``complete`` with no push before it: a worker that falls behind catches up in fewer
+  Redis calls, not one a chunk.
   Not for a client that does not stream: its request is pushed as the step worker pushes
   one (``WorkerRuntime.push_due``: the first token, then every ``unstreamed_flush_ms``).
 * Tokens are the upstream's (the model's), end to end: ``max_tokens`` goes upstream as it is
@@ -151,19 +155,72 @@ def _count(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-async def sse_data(content: aiohttp.StreamReader) -> AsyncIterator[str]:
-    """The ``data:`` payloads of a Server-Sent Events stream."""
-    data: list[str] = []
-    async for raw in content:
-        line = raw.decode("utf-8", "replace").rstrip("\r\n")
+class MalformedStream(ValueError):
+    """The upstream's event stream cannot be parsed (a line past :data:`MAX_SSE_LINE`)."""
+
+
+MAX_SSE_LINE = 1 << 20  # bytes; a chunk of a model server's stream is well under a kilobyte
+
+
+class SseParser:
+    """The ``data:`` payloads of a Server-Sent Events stream, from its bytes as they come.
+
+    :meth:`feed` returns the events its bytes completed (an event ends at a blank line; its
+    ``data:`` lines are joined with newlines; other fields are ignored); :meth:`close`, at
+    the end of the stream, what was left open. Lines end in ``\n`` or ``\r\n``. A line
+    longer than ``max_line`` raises :class:`MalformedStream` from the next call, so the
+    events completed before it are still returned."""
+
+    def __init__(self, max_line: int = MAX_SSE_LINE) -> None:
+        self.max_line = max_line
+        self._partial = b""  # the start of a line whose end has not come yet
+        self._data: list[str] = []  # the data lines of the event being read
+
+    def _check(self) -> None:
+        if len(self._partial) > self.max_line:
+            raise MalformedStream(f"a line of more than {self.max_line} bytes")
+
+    def feed(self, raw: bytes) -> list[str]:
+        self._check()
+        lines = (self._partial + raw).split(b"\n")
+        self._partial = lines.pop()
+        out: list[str] = []
+        for line in lines:
+            self._line(line, out)
+        return out
+
+    def close(self) -> list[str]:
+        self._check()
+        out: list[str] = []
+        if self._partial:
+            self._line(self._partial, out)
+            self._partial = b""
+        if self._data:
+            out.append("\n".join(self._data))
+            self._data = []
+        return out
+
+    def _line(self, raw: bytes, out: list[str]) -> None:
+        line = raw.decode("utf-8", "replace").rstrip("\r")
         if not line:
-            if data:
-                yield "\n".join(data)
-                data = []
+            if self._data:
+                out.append("\n".join(self._data))
+                self._data = []
         elif line.startswith("data:"):
-            data.append(line[5:].removeprefix(" "))
-    if data:
-        yield "\n".join(data)
+            self._data.append(line[5:].removeprefix(" "))
+
+
+async def sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
+    """The ``data:`` payloads of a Server-Sent Events stream, a batch per read: every event
+    whose bytes had come when the worker read (``readany`` takes all that is buffered), so
+    chunks the server sent while the worker was busy are handled, and pushed, together.
+    Raises :class:`MalformedStream`."""
+    parser = SseParser()
+    while raw := await content.readany():
+        if events := parser.feed(raw):
+            yield events
+    if events := parser.close():
+        yield events
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
@@ -495,50 +552,60 @@ class UpstreamLoop:
                     text = (await _error_text(resp))[:300]
                     return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
                                         f"{text}")
-                async for data in sse_data(resp.content):
-                    if data.strip() == "[DONE]":
-                        done = True
+                cut = False
+                async for events in sse_batches(resp.content):
+                    for data in events:
+                        if data.strip() == "[DONE]":
+                            done = True
+                            break
+                        try:
+                            chunk = json.loads(data)
+                        except ValueError:
+                            chunk = None
+                        if not isinstance(chunk, dict):
+                            return self._failed(d, url, "the model server sent a malformed response",
+                                                f"chunk {data[:200]!r}")
+                        if chunk.get("error"):
+                            err = chunk["error"]
+                            msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                            return self._failed(d, url, f"the model server reported an error: {msg}")
+                        running = self._usage(d, chunk.get("usage"))
+                        text = ""
+                        for ch in chunk.get("choices") or []:
+                            piece = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
+                            finish = ch.get("finish_reason") or finish
+                            if isinstance(piece, str):
+                                text += piece
+                        # This chunk's tokens: the running usage says exactly; without it, one per
+                        # chunk with text. The final usage (a chunk of its own, no text) brings the
+                        # count up to the upstream's completion_tokens.
+                        new = max(running - counted, 0) if running is not None else int(bool(text))
+                        cut = counted + new > allowance
+                        if cut:  # the upstream went past max_tokens: stop there
+                            new = allowance - counted
+                            if new == 0:  # all of this chunk is past it: none of its text either
+                                text = ""
+                        if new or text:
+                            self._take(d, text, new)
+                            counted += new
+                        if cut:
+                            break
+                    if done or cut:  # what is pending rides on complete: no push before it
                         break
-                    try:
-                        chunk = json.loads(data)
-                    except ValueError:
-                        chunk = None
-                    if not isinstance(chunk, dict):
-                        return self._failed(d, url, "the model server sent a malformed response",
-                                            f"chunk {data[:200]!r}")
-                    if chunk.get("error"):
-                        err = chunk["error"]
-                        msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
-                        return self._failed(d, url, f"the model server reported an error: {msg}")
-                    running = self._usage(d, chunk.get("usage"))
-                    text = ""
-                    for ch in chunk.get("choices") or []:
-                        piece = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
-                        finish = ch.get("finish_reason") or finish
-                        if isinstance(piece, str):
-                            text += piece
-                    # This chunk's tokens: the running usage says exactly; without it, one per
-                    # chunk with text. The final usage (a chunk of its own, no text) brings the
-                    # count up to the upstream's completion_tokens: those tokens ride on complete.
-                    new = max(running - counted, 0) if running is not None else int(bool(text))
-                    cut = counted + new > allowance
-                    if cut:  # the upstream went past max_tokens: stop there
-                        new = allowance - counted
-                        if new == 0:  # all of this chunk is past it: none of its text either
-                            text = ""
-                    if new or text:
-                        self._take(d, text, new)
-                        counted += new
                     now = time.monotonic()
                     gap, last = now - last, now
-                    # as the upstream chunked it, for a client that reads the chunks as they come
+                    # As the upstream chunked it, for a client that reads the chunks as they come;
+                    # chunks that came together (the worker was busy, the server sent a burst) go
+                    # in one push: one Redis call and one reply entry, not one a chunk.
                     forward = s.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0
                     if forward or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.rt.push(d):
                                 return ("cancelled", "cancelled", "")
-                    if cut:
-                        return ("ok", "length", "")
+                if cut:
+                    return ("ok", "length", "")
+        except MalformedStream as exc:
+            return self._failed(d, url, "the model server sent a malformed response", str(exc))
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
                                spent=not isinstance(exc, CONNECT_ERRORS)) from exc

@@ -31,7 +31,13 @@ class FakeUpstream:
     token per chunk (two with PAIRS in the prompt); ``max_tokens`` in those tokens; usage on
     the last chunk (and, asked with ``continuous_usage_stats``, the running usage on every
     chunk), vLLM's ``POST /tokenize``. Prompts containing FAIL get HTTP 400, MIDERR an error
-    chunk, SLOW 40 ms per chunk."""
+    chunk, HUGE a 2 MiB line that never ends, SLOW 40 ms per chunk.
+
+    How the chunks leave, for tests of what the worker does with them as they come: with
+    ``gate`` set, each one after the first, and the finish chunk, waits for a
+    ``gate.release()`` (the test releases it once it saw the chunk before delivered: the
+    chunks come apart, whatever the machine's speed); with ``burst``, the whole answer
+    (chunks, finish, usage, ``[DONE]``) goes in one write, so it comes in one read."""
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
@@ -45,6 +51,9 @@ class FakeUpstream:
         # the next stream ends after this many chunks with finish_reason "abort" (vLLM: the
         # engine aborted it, e.g. POST /pause in its default mode), usage and [DONE]
         self.abort_after: int | None = None
+        self.gate: asyncio.Semaphore | None = None
+        self.burst = False
+        self.overshoot = 0  # send this many tokens past max_tokens (a server that does not honour it)
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.handle)
@@ -87,8 +96,8 @@ class FakeUpstream:
         answer = prompt[::-1]
         tokens = [answer[i: i + 3] for i in range(0, len(answer), 3)]
         finish = "stop"
-        if len(tokens) > body["max_tokens"]:
-            tokens, finish = tokens[: body["max_tokens"]], "length"
+        if len(tokens) > body["max_tokens"] + self.overshoot:
+            tokens, finish = tokens[: body["max_tokens"] + self.overshoot], "length"
         per = 2 if "PAIRS" in prompt else 1
         pieces = ["".join(tokens[i: i + per]) for i in range(0, len(tokens), per)]
         so = body.get("stream_options") or {}
@@ -105,13 +114,28 @@ class FakeUpstream:
         self.active += 1
         self.max_active = max(self.max_active, self.active)
 
+        held: list[bytes] = []  # burst: everything, written at the end in one go
+
         async def send(obj: Any) -> None:
-            await resp.write(f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode())
+            raw = f"data: {json.dumps(obj) if not isinstance(obj, str) else obj}\n\n".encode()
+            if self.burst:
+                held.append(raw)
+            else:
+                await resp.write(raw)
+
+        async def flush() -> None:
+            if held:
+                await resp.write(b"".join(held))
+
+        async def gate(n: int) -> None:
+            if n and self.gate is not None:
+                await self.gate.acquire()
 
         try:
             for n, p in enumerate(pieces):
                 if "SLOW" in prompt:
                     await asyncio.sleep(0.04)
+                await gate(n)
                 if self.abort_after is not None and n == self.abort_after:
                     self.abort_after = None
                     last = {"index": 0, "delta": {}, "finish_reason": "abort"} if chat else {
@@ -120,9 +144,14 @@ class FakeUpstream:
                     if so.get("include_usage"):
                         await send({"id": "x", "choices": [], "usage": usage(n * per)})
                     await send("[DONE]")
+                    await flush()
+                    return resp
+                if "HUGE" in prompt and n == 1:  # a line that never ends
+                    await resp.write(b"data: " + b"y" * (2 << 20))
                     return resp
                 if "MIDERR" in prompt and n == 2:
                     await send({"error": {"message": "CUDA out of memory"}})
+                    await flush()
                     return resp
                 choice = ({"index": 0, "delta": {"content": p}, "finish_reason": None} if chat
                           else {"index": 0, "text": p, "finish_reason": None})
@@ -132,10 +161,12 @@ class FakeUpstream:
                 await send(chunk)
             last = {"index": 0, "delta": {}, "finish_reason": finish} if chat else {
                 "index": 0, "text": "", "finish_reason": finish}
+            await gate(len(pieces))
             await send({"id": "x", "choices": [last]})
             if so.get("include_usage"):
                 await send({"id": "x", "choices": [], "usage": usage(len(tokens))})
             await send("[DONE]")
+            await flush()
         except (ConnectionError, asyncio.CancelledError):  # the worker closed the stream
             self.disconnects += 1
             raise
