@@ -12,7 +12,7 @@ import pytest
 
 from limiter.errors import RedisUnavailable
 from limiter.scripts import Scripts
-from tests.support.worker_helpers import sim_text, worker
+from tests.support.worker_helpers import release_each_chunk_once_pushed, sim_text, worker
 from worker.main import build_worker, run_worker
 from worker.settings import load_settings
 
@@ -296,10 +296,12 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
 
     monkeypatch.setattr(Scripts, "push_tokens", push_tokens)
     monkeypatch.setattr(Scripts, "complete", complete)
+    up.gate = asyncio.Semaphore(0)  # the chunks come apart: a push each, the fifth at offset 4
     try:
         rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2)
         try:
-            holder["rid"] = rid = await c.admit("SLOW " + "abcdefghij" * 3, max_tokens=5)
+            holder["rid"] = rid = await c.admit("abcdefghij" * 3, max_tokens=5)
+            await release_each_chunk_once_pushed(c, up, rid, chunks=4)
             await asyncio.wait_for(landed.wait(), 10)
             assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
             deadline = time.monotonic() + 5
@@ -310,6 +312,7 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
         finally:
             await stop(rt, task)
     finally:
+        up.gate.release()  # the finish chunk: the handler finds the stream the cancel closed
         await up.runner.cleanup()
     assert rec["state"] == "cancelled" and not held, (
         f"record {rec['state']!r}, worker still holds {held}; complete refused: {refused}")

@@ -24,6 +24,7 @@ from tests.support.worker_helpers import (
     blocked_on_the_wake_list,
     config,
     count_claims,
+    release_each_chunk_once_pushed,
     spawn_worker,
     stop_process,
     worker,
@@ -82,19 +83,6 @@ async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -
     assert s["engine"] == "openai" and s["upstream_completion_tokens"] == 9
     assert s["upstream_prompt_tokens"] == 6 and s["input_tokens"] == 6
     assert s["output_tokens"] == a.tokens and s["outcome"] == "ok" and s["ttft_ms"] > 0
-
-
-async def release_each_chunk_once_pushed(c: Client, up: FakeUpstream, rid: str, chunks: int,
-                                         timeout: float = 20.0) -> None:
-    """Let a gated upstream send ``rid``'s chunks one at a time, each once the one before
-    reached the reply stream in an entry of its own; ``chunks``: its text chunks (the
-    finish chunk is released after the last)."""
-    for k in range(1, chunks + 1):
-        deadline = time.monotonic() + timeout
-        while len(c.answers[rid].offsets) < k:
-            assert time.monotonic() < deadline, f"{rid}: chunk {k - 1} was not pushed ({c.answers[rid]})"
-            await c.read()
-        up.gate.release()
 
 
 @pytest.mark.parametrize("chunk_usage", [True, False])

@@ -14,7 +14,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgpack
 
@@ -33,6 +33,9 @@ from worker.engines.sim import PLACEHOLDER
 from worker.main import build_worker, run_worker
 from worker.runtime import WorkerRuntime
 from worker.settings import load_settings
+
+if TYPE_CHECKING:
+    from tests.support.fake_upstream import FakeUpstream
 
 ROOT = Path(__file__).resolve().parents[2]
 FE = "fe1"
@@ -232,3 +235,16 @@ def sim_text(prompt: str, start: int, n: int) -> str:
     """What the sim engine emits for a prompt: placeholder bytes keyed on position."""
     pos = count_tokens(prompt)
     return "".join(chr(PLACEHOLDER[(pos + i) % len(PLACEHOLDER)]) for i in range(start, start + n))
+
+
+async def release_each_chunk_once_pushed(c: Client, up: FakeUpstream, rid: str, chunks: int,
+                                         timeout: float = 20.0) -> None:
+    """Let a gated upstream send ``rid``'s chunks one at a time, each once the one before
+    reached the reply stream in an entry of its own; ``chunks``: its text chunks (the
+    finish chunk is released after the last)."""
+    for k in range(1, chunks + 1):
+        deadline = time.monotonic() + timeout
+        while len(c.answers[rid].offsets) < k:
+            assert time.monotonic() < deadline, f"{rid}: chunk {k - 1} was not pushed ({c.answers[rid]})"
+            await c.read()
+        up.gate.release()
