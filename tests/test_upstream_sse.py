@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.upstream import MalformedStream, SseParser
+from worker.upstream import MalformedStream, SseParser, parse_chunk
 
 # data lines: any text without line breaks (an event of several data lines joins them with "\n")
 line_text = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=12)
@@ -85,3 +85,14 @@ def test_many_short_lines_are_not_a_long_line() -> None:
     p = SseParser(max_line=16)
     raw = b"".join(b"data: %d\n\n" % i for i in range(1000))
     assert len(p.feed(raw)) == 1000 and p.close() == []
+
+
+def test_a_chunk_parses_as_the_standard_library_reads_it() -> None:
+    chunk = '{"id":"x","choices":[{"index":0,"text":"h\\u00e9","finish_reason":null}],"usage":{"n":3}}'
+    assert parse_chunk(chunk) == {"id": "x", "choices": [{"index": 0, "text": "hé", "finish_reason": None}],
+                                  "usage": {"n": 3}}
+    # what orjson refuses and Python's json writes (a server built on it) still reads
+    assert parse_chunk('{"logprob": -Infinity, "x": NaN}')["logprob"] == float("-inf")
+    for bad in ("", "{", "data: {}", "[DONE"):
+        with pytest.raises(ValueError):
+            parse_chunk(bad)
