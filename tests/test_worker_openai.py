@@ -498,6 +498,27 @@ async def test_chunks_that_come_together_share_one_push(env) -> None:
     assert b.text == "jihgfedcba98" and b.offsets == [0] and b.done["n"] == "4" and b.done["fin"] == "length"
 
 
+async def test_a_client_reads_an_answer_that_came_in_one_read_whole(env, redis_server) -> None:
+    """Through the frontend: the completion with no push before it is the stream's one text
+    chunk, then its finish, usage and [DONE], as for any other answer."""
+    _cfg, _c, up = env
+    up.burst = True
+    cfg = make_cfg(redis_server.url)
+    prompt = "0123456789" * 3
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True,
+                                    "stream_options": {"include_usage": True}})
+        assert r.status == 200, await r.text()
+        events = [e async for e in sse_events(r.content)]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
+    assert texts == [prompt[::-1]]
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] == 10  # the upstream's count: 30 characters, 3 a token
+
+
 @pytest.mark.parametrize("chunk_usage", [True, False])
 async def test_an_upstream_past_max_tokens_is_cut_there(env, chunk_usage) -> None:
     """A server that does not honour max_tokens: the worker takes the tokens up to it, no
