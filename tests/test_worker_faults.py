@@ -274,12 +274,12 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
     up = FakeUpstream()
     await up.start()
     holder: dict = {}
-    real = Scripts.push_tokens
+    real = Scripts.push_tokens_many
     landed = asyncio.Event()
 
-    async def push_tokens(self, keys, *, request_id, offset, **kw):
-        res = await real(self, keys, request_id=request_id, offset=offset, **kw)
-        if request_id == holder.get("rid") and offset == 4:
+    async def push_tokens_many(self, keys, worker_id, batches, *args, **kw):
+        res = await real(self, keys, worker_id, batches, *args, **kw)
+        if any(b.request_id == holder.get("rid") and b.offset == 4 for b in batches):
             landed.set()
             await asyncio.sleep(1.0)  # a slow reply: the cancel watcher (every flush_ms) fires meanwhile
         return res
@@ -294,7 +294,7 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
             refused.append(f"{type(exc).__name__}: {exc}")
             raise
 
-    monkeypatch.setattr(Scripts, "push_tokens", push_tokens)
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     monkeypatch.setattr(Scripts, "complete", complete)
     up.gate = asyncio.Semaphore(0)  # the chunks come apart: a push each, the fifth at offset 4
     try:
@@ -540,23 +540,24 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
     up = FakeUpstream()
     await up.start()
     box: dict = {}
-    real = Scripts.push_tokens
+    real = Scripts.push_tokens_many
 
-    async def push_tokens(self, keys, *, request_id, worker_id, fence, offset, **kw):
+    async def push_tokens_many(self, keys, worker_id, batches, *args, **kw):
         rt = box.get("rt")
-        if rt is not None and request_id == box.get("rid") and offset >= 3 and "old_fence" not in box:
-            # the lease lapsed (a Redis outage longer than lease_ms): a reaper requeues it ...
-            box["old_fence"] = fence
-            released = await self.release(keys, request_id=request_id, worker_id=worker_id, fence=fence)
-            assert released == "requeued"
-            deadline = time.monotonic() + 5
-            while not (request_id in rt.held and rt.held[request_id].fence != fence) \
-                    and time.monotonic() < deadline:
-                await asyncio.sleep(0.005)  # ... and this worker claims it back meanwhile
-        return await real(self, keys, request_id=request_id, worker_id=worker_id, fence=fence, offset=offset,
-                          **kw)
+        for b in batches:
+            if rt is not None and b.request_id == box.get("rid") and b.offset >= 3 and "old_fence" not in box:
+                # the lease lapsed (a Redis outage longer than lease_ms): a reaper requeues it ...
+                box["old_fence"] = b.fence
+                released = await self.release(keys, request_id=b.request_id, worker_id=worker_id,
+                                              fence=b.fence)
+                assert released == "requeued"
+                deadline = time.monotonic() + 5
+                while not (b.request_id in rt.held and rt.held[b.request_id].fence != b.fence) \
+                        and time.monotonic() < deadline:
+                    await asyncio.sleep(0.005)  # ... and this worker claims it back meanwhile
+        return await real(self, keys, worker_id, batches, *args, **kw)
 
-    monkeypatch.setattr(Scripts, "push_tokens", push_tokens)
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     try:
         rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
                                       flush_tokens=1)

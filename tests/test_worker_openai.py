@@ -15,6 +15,7 @@ import redis.asyncio as aioredis
 from limiter.cli import main
 from limiter.errors import ConfigError
 from limiter.prompt import ChatMessage, render_chat
+from limiter.scripts import Scripts
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.redis_server import RedisServer, free_port
@@ -496,6 +497,39 @@ async def test_chunks_that_come_together_share_one_push(env) -> None:
     assert a.offsets == [0] and a.done["n"] == "5" and a.done["fin"] == "length"
     b = c.answers[cut]
     assert b.text == "jihgfedcba98" and b.offsets == [0] and b.done["n"] == "4" and b.done["fin"] == "length"
+
+
+async def test_streams_fed_by_one_step_of_the_server_push_in_one_call(env, monkeypatch) -> None:
+    """A model server's decode step gives every sequence its next token at once: the worker
+    reads those chunks in one turn of its loop and pushes them in one push_tokens call (as a
+    step worker pushes a step's tokens), and each stream still gets exactly its own tokens."""
+    cfg, c, up = env
+    up.gate = asyncio.Semaphore(0)
+    calls: list[list[tuple[str, int]]] = []
+    real = Scripts.push_tokens_many
+
+    async def push_tokens_many(self, keys, worker_id, batches, *args, **kw):
+        calls.append([(b.request_id, b.offset) for b in batches])
+        return await real(self, keys, worker_id, batches, *args, **kw)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    prompts = [f"{i} abcdefghijklmnopq" for i in range(6)]
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rids = [await c.admit(p, max_tokens=5) for p in prompts]
+        for step in range(1, 6):  # the first chunks came ungated; then 4 steps and the finish
+            deadline = time.monotonic() + 20
+            while any(len(c.answers[r].offsets) < step for r in rids):
+                assert time.monotonic() < deadline, f"step {step}: {[c.answers[r] for r in rids]}"
+                await c.read()
+            for _ in rids:  # one step of the server: every stream's next chunk at once
+                up.gate.release()
+        await c.wait(rids, timeout=20)
+    for p, r in zip(prompts, rids, strict=True):
+        a = c.answers[r]
+        assert a.text == p[::-1][:15] and a.tokens == int(a.done["out"]) == 5 and a.offsets == [0, 1, 2, 3, 4]
+    stepped = [call for call in calls if all(offset > 0 for _, offset in call)]
+    # every stream's pushes of offsets 1-4, 24 in all, in calls of several (one a step on an idle machine)
+    assert sum(len(call) for call in stepped) == 24 and max(len(call) for call in stepped) >= 2, stepped
 
 
 async def test_a_client_reads_an_answer_that_came_in_one_read_whole(env, redis_server) -> None:

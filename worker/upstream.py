@@ -16,7 +16,9 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   The chunks that arrived together (in one read of the stream: the worker was busy, the
   server sent a burst) go in one push, and the read that holds the end of the answer goes
   in ``complete`` with no push before it: a worker that falls behind catches up in fewer
-  Redis calls, not one a chunk.
+  Redis calls, not one a chunk. The pushes of all the streams read in one turn of the event
+  loop (a server's decode step feeds them all at once) go in one ``push_tokens`` call
+  (:mod:`worker.push_merge`), as a step worker's pushes of one step do.
   Not for a client that does not stream: its request is pushed as the step worker pushes
   one (``WorkerRuntime.push_due``: the first token, then every ``unstreamed_flush_ms``).
 * Tokens are the upstream's (the model's), end to end: ``max_tokens`` goes upstream as it is
@@ -81,6 +83,7 @@ from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
 from worker.engines.base import request_seed
 from worker.metrics import WorkerMetrics
+from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.tokenizer import decode
 
@@ -268,6 +271,7 @@ class UpstreamLoop:
         self._marker_taken = False  # the last wait took a wake marker no claim has acted on yet
         self.why: dict[str, str] = {}  # request id -> cancel | lost | release
         self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
+        self.pushes = MergedPushes(rt)
         self._gen_tokens = 0
         self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
         # Capacity is measured only while the upstream is saturated (at least FULL_SHARE of
@@ -612,7 +616,7 @@ class UpstreamLoop:
                     forward = s.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0
                     if forward or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
-                            if await self.rt.push(d):
+                            if await self.pushes.push(d):  # with the other streams' of this turn
                                 return ("cancelled", "cancelled", "")
                 if cut:
                     return ("ok", "length", "")

@@ -1,0 +1,77 @@
+"""The pushes of one event-loop turn in one ``push_tokens`` call, for a worker whose requests
+each run in a task of their own (the openai engine).
+
+A step worker pushes the tokens of every request a step produced in one call
+(:meth:`~worker.runtime.WorkerRuntime.push_batches`), because each call costs Redis a fixed
+~40 us however little it carries (a request's push 42 us alone, 11 in calls of 8: `qos bench
+redis-budget`). The openai engine has no step: a stream's task pushes when its chunk comes.
+But a model server does step: one decode step gives every sequence its next token, and the
+server writes them to their streams together, so the worker reads many streams' chunks in
+the same turn of its event loop. :class:`MergedPushes` lets those tasks ask for a push each
+and sends them, once the turn's ready callbacks have run, as one call (or as few as
+``PUSH_LIMIT`` and the frontends' reply format allow); each task gets its own request's
+news. A push asked for alone goes out alone, one loop iteration later.
+
+Each :meth:`MergedPushes.push` behaves as ``WorkerRuntime.push`` did for its request: True
+when its client cancelled; raises LeaseLost, the InvalidArgument Redis refused its batch
+with (past its max_tokens), or RedisUnavailable (its batch stays pending: the next push's
+offset check settles a batch that did land). The tokens pushed are those pending when the
+call is sent, so a chunk that came in the same turn rides along. A task cancelled while it
+waits does not stop the call: the others in it still need their news, and the request's
+record is settled either way (its completion's offset check covers a push in flight).
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from limiter.errors import RedisUnavailable
+from worker.delivery import Delivery
+from worker.runtime import WorkerRuntime
+
+
+class MergedPushes:
+    """Pushes asked for in one event-loop turn, sent in one call (module docstring)."""
+
+    def __init__(self, rt: WorkerRuntime) -> None:
+        self.rt = rt
+        self._waiting: list[tuple[Delivery, asyncio.Future[bool]]] = []
+        self._sender: asyncio.Task[None] | None = None
+        self.calls = 0  # sends made (each one push_tokens call or more), for tests and stats
+
+    async def push(self, d: Delivery) -> bool:
+        """Push ``d``'s pending tokens with the others of this turn (module docstring)."""
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiting.append((d, fut))
+        if self._sender is None:
+            # A task's first step runs in the loop's next iteration: after every callback
+            # ready in this one, so the streams whose chunks came in this turn are all in.
+            self._sender = asyncio.create_task(self._send())
+        return await fut
+
+    async def _send(self) -> None:
+        waiting, self._waiting, self._sender = self._waiting, [], None
+        self.calls += 1
+        todo = self.rt.batches(list({id(d): d for d, _ in waiting}.values()))
+        try:
+            news = {id(d): n for d, n in await self.rt.push_batches(todo)} if todo else {}
+        except asyncio.CancelledError:  # the worker stops: its batches stay pending
+            _fail(waiting, RedisUnavailable("the worker stopped before the push was sent"))
+            raise
+        except Exception as exc:  # RedisUnavailable, or a bug: every waiting task hears of it
+            _fail(waiting, exc)
+            return
+        for d, fut in waiting:
+            if fut.done():  # its task was cancelled meanwhile
+                continue
+            result = news.get(id(d), False)  # not in the call: nothing was pending
+            if isinstance(result, Exception):
+                fut.set_exception(result)
+            else:
+                fut.set_result(bool(result))
+
+
+def _fail(waiting: list[tuple[Delivery, asyncio.Future[bool]]], exc: Exception) -> None:
+    for _, fut in waiting:
+        if not fut.done():
+            fut.set_exception(exc)
