@@ -54,6 +54,9 @@ OVERHEAD = ("overhead", "limiter.bench.overhead", "run_overhead")
     (OVERHEAD, ["--output-tokens", "0"], "--output-tokens: must be in [1, 100000]"),
     (OVERHEAD, ["--workers", "0"], "--workers: must be in [1, 64]"),
     (OVERHEAD, ["--max-seqs", "2000"], "--max-seqs: must be in [1, 1024]"),
+    (OVERHEAD, ["--step-ms", "-1"], "--step-ms: must be in [0, 10000]"),
+    (OVERHEAD, ["--step-ms", "nan"], "--step-ms: must be in [0, 10000]"),
+    (OVERHEAD, ["--step-ms", "20"], "--step-ms: paces the echo server as a model server: it needs --engine"),
 ])
 def test_a_bad_stack_flag_is_refused_by_name_before_anything_starts(
         command: tuple[str, str, str], flags: list[str], named: str, capsys: pytest.CaptureFixture[str],
@@ -95,6 +98,31 @@ async def test_the_echo_server_streams_in_its_chunks_with_the_usage_asked_for() 
         assert (await (await client.get("/v1/models")).json())["data"][0]["id"] == "echo"
     with pytest.raises(ValueError, match="chunk_tokens"):
         make_app(chunk_tokens=0)
+    with pytest.raises(ValueError, match="step_ms"):
+        make_app(step_ms=-1)
+
+
+async def test_the_echo_servers_steps_pace_every_stream_together() -> None:
+    """--step-ms: the streams open at a step all go on at it (a cancelled one does not stop
+    it for the others), and a paced answer is the same answer."""
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from limiter.bench.echo import Steps, make_app
+
+    steps = Steps(0.005)
+    runner = asyncio.create_task(steps.run())
+    try:
+        waiters = [asyncio.create_task(steps.next()) for _ in range(3)]
+        await asyncio.sleep(0)
+        waiters[0].cancel()
+        await asyncio.wait_for(asyncio.gather(*waiters[1:]), 10)
+        assert waiters[0].cancelled()
+    finally:
+        runner.cancel()
+    async with TestClient(TestServer(make_app(chunk_tokens=2, step_ms=1))) as client:
+        r = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 5, "stream": True})
+        events = [e.removeprefix("data: ") for e in (await r.text()).strip().split("\n\n")]
+    assert [json.loads(e)["choices"][0]["text"] for e in events[:-1]] == ["xx", "xx", "x", ""]
 
 
 # --- workload --------------------------------------------------------------------------------------

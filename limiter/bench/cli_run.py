@@ -346,6 +346,9 @@ def _add_overhead(bsub: argparse._SubParsersAction) -> None:
     a("--chunk-tokens", type=int, default=ov.CHUNK_TOKENS,
       help=f"tokens per SSE chunk the echo server sends, as baseline and as upstream (default "
            f"{ov.CHUNK_TOKENS}; 1 = one a chunk, as vLLM streams)")
+    a("--step-ms", type=float, default=0.0,
+      help="with --engine openai: the echo server steps every this many ms, every open stream's next "
+           "chunk at each, as a continuous-batching server (default 0: all at once)")
     a("--json", metavar="PATH", help="also write the figures as JSON")
 
 
@@ -365,11 +368,16 @@ def _overhead(args: argparse.Namespace) -> int:
                             ("frontends", 1, 64), ("max_seqs", 1, 1024), ("chunk_tokens", 1, 100_000)):
         if not low <= getattr(args, name) <= high:
             raise ConfigError(f"--{name.replace('_', '-')}", f"must be in [{low}, {high}]")
+    if not 0 <= args.step_ms <= 10_000:
+        raise ConfigError("--step-ms", "must be in [0, 10000]")
+    if args.step_ms and args.engine != "openai":
+        raise ConfigError("--step-ms", "paces the echo server as a model server: it needs --engine openai")
     console = Console()
     report = asyncio.run(ov.run_overhead(seconds=args.seconds, concurrency=args.concurrency, rate=args.rate,
                                          output_tokens=args.output_tokens, workers=args.workers,
                                          frontends=args.frontends, max_seqs=args.max_seqs, engine=args.engine,
-                                         chunk_tokens=args.chunk_tokens, log=console.print))
+                                         chunk_tokens=args.chunk_tokens, step_ms=args.step_ms,
+                                         log=console.print))
     console.print(ov.render(report))
     if args.json:
         Path(args.json).write_text(__import__("json").dumps(report, indent=1))

@@ -16,7 +16,9 @@ Two targets, one load generator (:func:`limiter.localstack.loadgen.stream_comple
     vLLM (and as LiteLLM's proxy overhead is measured, against a fake OpenAI endpoint). The
     added latency is then the path's own: the frontend, Redis, the worker's relay and one
     more HTTP hop, with no step loop. ``chunk_tokens`` is the echo's chunking, the same for
-    both targets (1 streams one token a chunk, as vLLM does; each chunk is then one push).
+    both targets (1 streams one token a chunk, as vLLM does), and ``step_ms`` its pacing: a
+    decode step every that many ms at which every open stream gets its next chunk, as from
+    a continuous-batching server (0: all at once).
 
 Two phases per target, each ``seconds`` long:
 
@@ -146,11 +148,11 @@ def cpu_split(pids: dict[str, list[int]], before: dict[str, float], after: dict[
 
 
 @contextlib.asynccontextmanager
-async def echo_server(chunk_tokens: int) -> AsyncIterator[tuple[str, int]]:
+async def echo_server(chunk_tokens: int, step_ms: float = 0.0) -> AsyncIterator[tuple[str, int]]:
     """A :mod:`limiter.bench.echo` process on a free port: yields its URL and pid."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "limiter.bench.echo", "--port", str(port),
-                             "--chunk-tokens", str(chunk_tokens)],
+                             "--chunk-tokens", str(chunk_tokens), "--step-ms", repr(step_ms)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -166,8 +168,9 @@ async def echo_server(chunk_tokens: int) -> AsyncIterator[tuple[str, int]]:
 
 
 async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
-                       log: Callable[[str], None], chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
-    async with echo_server(chunk_tokens) as (url, _pid):
+                       log: Callable[[str], None], chunk_tokens: int = CHUNK_TOKENS,
+                       step_ms: float = 0.0) -> dict[str, Any]:
+    async with echo_server(chunk_tokens, step_ms) as (url, _pid):
         thr = summarise(await closed_loop(url, "echo", "echo", seconds, concurrency, output_tokens), seconds)
         log(f"[dim]  echo      throughput {thr['requests_s']:,.0f} req/s (c={concurrency})[/]")
         lat = None
@@ -181,11 +184,11 @@ async def measure_echo(seconds: float, concurrency: int, rate: float | None, out
 async def measure_full(seconds: float, concurrency: int, rate: float | None, output_tokens: int, workers: int,
                        frontends: int, log: Callable[[str], None], work_dir: Path,
                        max_seqs: int = 64, engine: str = "sim",
-                       chunk_tokens: int = CHUNK_TOKENS) -> dict[str, Any]:
+                       chunk_tokens: int = CHUNK_TOKENS, step_ms: float = 0.0) -> dict[str, Any]:
     args = (seconds, concurrency, rate, output_tokens, workers, frontends, log, work_dir, max_seqs, engine)
     if engine != "openai":
         return await _measure_stack(*args, None)
-    async with echo_server(chunk_tokens) as upstream:  # the model server the workers front
+    async with echo_server(chunk_tokens, step_ms) as upstream:  # the model server the workers front
         return await _measure_stack(*args, upstream)
 
 
@@ -243,7 +246,7 @@ async def _measure_stack(seconds: float, concurrency: int, rate: float | None, o
 async def run_overhead(*, seconds: float = DEFAULT_SECONDS, concurrency: int = DEFAULT_CONCURRENCY,
                        rate: float | None = None, output_tokens: int = DEFAULT_OUTPUT_TOKENS,
                        workers: int = 1, frontends: int = 1, max_seqs: int = 64, engine: str = "sim",
-                       chunk_tokens: int = CHUNK_TOKENS,
+                       chunk_tokens: int = CHUNK_TOKENS, step_ms: float = 0.0,
                        log: Callable[[str], None] = print) -> dict[str, Any]:
     """Both targets, both phases; the full path first so its throughput sets the rate."""
     import tempfile
@@ -252,10 +255,12 @@ async def run_overhead(*, seconds: float = DEFAULT_SECONDS, concurrency: int = D
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, not {engine!r}")
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be at least 1, not {chunk_tokens}")
+    if step_ms and engine != "openai":
+        raise ValueError("step_ms paces the echo server as a model server: it needs engine openai")
     with tempfile.TemporaryDirectory(prefix="qos-overhead-") as d:
         full = await measure_full(seconds, concurrency, rate, output_tokens, workers, frontends, log, Path(d),
-                                  max_seqs, engine, chunk_tokens)
-    echo = await measure_echo(seconds, concurrency, full["rate"], output_tokens, log, chunk_tokens)
+                                  max_seqs, engine, chunk_tokens, step_ms)
+    echo = await measure_echo(seconds, concurrency, full["rate"], output_tokens, log, chunk_tokens, step_ms)
     ft, et = full["throughput"]["requests_s"], echo["throughput"]["requests_s"]
     fl, el = full["latency"], echo["latency"] or {}
     added = {f"{m}_{q}_ms": _r(fl[f"{m}_{q}_ms"] - el[f"{m}_{q}_ms"])
@@ -264,7 +269,7 @@ async def run_overhead(*, seconds: float = DEFAULT_SECONDS, concurrency: int = D
     return {"params": {"seconds": seconds, "concurrency": concurrency, "rate": full["rate"],
                        "output_tokens": output_tokens, "prompt_tokens": PROMPT_TOKENS, "workers": workers,
                        "frontends": frontends, "max_seqs": max_seqs, "engine": engine,
-                       "chunk_tokens": chunk_tokens, "cpus": os.cpu_count()},
+                       "chunk_tokens": chunk_tokens, "step_ms": step_ms, "cpus": os.cpu_count()},
             "echo": echo, "full": full, "throughput_ratio": round(ft / et, 3) if et else None,
             "added_latency": added, "targets": {"throughput_ratio": 0.5,
                                                 "commands_per_request": full["redis_commands"]["target"]}}
@@ -275,7 +280,8 @@ def render(report: dict[str, Any]) -> Table:
     if p.get("engine", "sim") == "sim":
         workers = f"{p['workers']} sim worker(s) at time scale 0"
     else:
-        workers = f"{p['workers']} openai worker(s) in front of an echo server"
+        paced = f" stepping every {p['step_ms']:g} ms" if p.get("step_ms") else ""
+        workers = f"{p['workers']} openai worker(s) in front of an echo server{paced}"
     t = Table(title=f"overhead: {p['prompt_tokens']}-token prompts, {p['output_tokens']} output tokens in "
                     f"chunks of {p.get('chunk_tokens', CHUNK_TOKENS)}, {workers}, {p['cpus']} CPUs shared by "
                     "everything", title_justify="left")
