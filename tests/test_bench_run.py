@@ -15,6 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 
 from limiter import config as config_mod
@@ -100,6 +101,25 @@ async def test_the_echo_server_streams_in_its_chunks_with_the_usage_asked_for() 
         make_app(chunk_tokens=0)
     with pytest.raises(ValueError, match="step_ms"):
         make_app(step_ms=-1)
+
+
+async def test_an_echo_server_whose_port_was_taken_starts_on_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """free_port() then the child's bind: a port taken in between costs a try, not the run."""
+    import socket
+
+    from limiter.bench import overhead
+    from limiter.localstack.redis_server import free_port
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = taken.getsockname()[1]
+        ports = iter([busy, free_port()])
+        monkeypatch.setattr(overhead, "free_port", lambda: next(ports))
+        async with overhead.echo_server(chunk_tokens=16) as (url, _pid):
+            async with aiohttp.ClientSession() as session, session.get(f"{url}/readyz") as r:
+                assert r.status == 200
+        assert not url.endswith(f":{busy}")
 
 
 async def test_the_echo_servers_steps_pace_every_stream_together() -> None:

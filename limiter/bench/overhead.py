@@ -69,6 +69,7 @@ DEFAULT_OUTPUT_TOKENS = 16
 PROMPT_TOKENS = 16
 ENGINES = ("sim", "openai")
 RATE_SHARE = 0.3  # latency phase: this share of the full path's throughput (well below saturation)
+ECHO_START_TRIES = 3  # free_port() then the child's bind: another process may take the port between
 MONITOR_RATE = 50.0  # the command count runs at most this many req/s (MONITOR slows Redis down)
 
 
@@ -120,16 +121,20 @@ def _r(v: float | None) -> float | None:
     return None if v is None else round(v, 2)
 
 
-async def _wait_http(url: str, timeout_s: float = 20.0) -> None:
+async def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> bool:
+    """Wait for ``url``'s /readyz to answer 200; False when ``proc`` exited first (its port was
+    taken between free_port() and its bind)."""
     deadline = time.monotonic() + timeout_s
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                return False
             with contextlib.suppress(aiohttp.ClientError, OSError):
                 async with session.get(f"{url}/readyz", timeout=aiohttp.ClientTimeout(total=1)) as r:
                     if r.status == 200:
-                        return
+                        return True
             await asyncio.sleep(0.1)
-    raise RuntimeError(f"{url} did not become ready")
+    raise RuntimeError(f"{url} did not become ready in {timeout_s:g} s")
 
 
 def cpu_split(pids: dict[str, list[int]], before: dict[str, float], after: dict[str, float],
@@ -149,22 +154,33 @@ def cpu_split(pids: dict[str, list[int]], before: dict[str, float], after: dict[
 
 @contextlib.asynccontextmanager
 async def echo_server(chunk_tokens: int, step_ms: float = 0.0) -> AsyncIterator[tuple[str, int]]:
-    """A :mod:`limiter.bench.echo` process on a free port: yields its URL and pid."""
-    port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "limiter.bench.echo", "--port", str(port),
-                             "--chunk-tokens", str(chunk_tokens), "--step-ms", repr(step_ms)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        await _wait_http(url)
-        yield url, proc.pid
-    finally:
-        proc.terminate()
+    """A :mod:`limiter.bench.echo` process on a free port: yields its URL and pid. A port
+    another process took before the echo server bound it costs a try, not the run."""
+    for attempt in range(ECHO_START_TRIES):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "limiter.bench.echo", "--port", str(port),
+                                 "--chunk-tokens", str(chunk_tokens), "--step-ms", repr(step_ms)],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        url = f"http://127.0.0.1:{port}"
         try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            if not await _wait_http(url, proc):
+                if attempt + 1 == ECHO_START_TRIES:
+                    raise RuntimeError(f"the echo server exited at start {ECHO_START_TRIES} times "
+                                       f"(status {proc.returncode})")
+                continue
+            yield url, proc.pid
+            return
+        finally:
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    proc.terminate()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
 
 
 async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
