@@ -94,13 +94,28 @@ async def test_an_outage_reaches_every_stream_of_the_call() -> None:
 
 
 async def test_a_stream_cancelled_while_it_waits_does_not_stop_the_others_call() -> None:
-    rt = Runtime(news={"b": True})
+    """...and goes on being cancelled only once the call's reply came: what it does next
+    (complete, release) is offset-checked against the tokens it knows were delivered."""
+    reply = asyncio.Event()
+
+    class Slow(Runtime):
+        async def push_batches(self, todo: list[tuple[Stream, int]]) -> list[tuple[Stream, Any]]:
+            self.calls.append([(d.name, n) for d, n in todo])
+            await reply.wait()
+            return [(d, self.news.get(d.name, False)) for d, _ in todo]
+
+    rt = Slow(news={"b": True})
     pushes = merged(rt)
     a = asyncio.create_task(pushes.push(Stream("a")))
     b = asyncio.create_task(pushes.push(Stream("b")))
-    await asyncio.sleep(0)  # both asked; the call is about to go
+    while not rt.calls:  # both asked; the call went out
+        await asyncio.sleep(0)
     a.cancel()
+    for _ in range(5):
+        await asyncio.sleep(0)
+    assert not a.done()  # waiting for the reply, though cancelled
+    reply.set()
     with pytest.raises(asyncio.CancelledError):
         await a
     assert await b is True
-    assert rt.calls == [[("a", 1), ("b", 1)]]  # a's tokens went too: its record is settled either way
+    assert rt.calls == [[("a", 1), ("b", 1)]]  # a's tokens went too

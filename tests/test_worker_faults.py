@@ -6,6 +6,7 @@ server's error bodies. Each test's docstring says what went wrong before its fix
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import pytest
@@ -267,27 +268,50 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
     completes with those tokens still pending: complete has no offset check, so it adds them
     again (usage over-counted) and, on the last token, Redis refuses (count > max_tokens):
     InvalidArgument escapes _serve's CancelledError handler, the task ends, and the request stays
-    in ``held`` for ever (renewed, never finished, one max_inflight slot gone)."""
+    in ``held`` for ever (renewed, never finished, one max_inflight slot gone).
+
+    Since the pushes of a turn share a call (worker/push_merge.py), a cancel does not stop
+    the call, and the race moved: the cancelled task sent complete at once, offset-checked
+    against the offset before the push; the push's reply was then applied (offset 5), and
+    complete's offset error found Redis's 5 tokens "already sent": LeaseLost, the request
+    dropped, its record leased until the lease ran out. Here the push's reply waits for
+    complete to be sent (2 s at most: a worker that waits for the reply never sends it), and
+    complete's call for that reply to be applied."""
     from tests.support.fake_upstream import FakeUpstream
+    from worker.delivery import Delivery
 
     cfg, c = env
     up = FakeUpstream()
     await up.start()
     holder: dict = {}
     real = Scripts.push_tokens_many
-    landed = asyncio.Event()
+    landed, complete_sent, settled = asyncio.Event(), asyncio.Event(), asyncio.Event()
 
     async def push_tokens_many(self, keys, worker_id, batches, *args, **kw):
         res = await real(self, keys, worker_id, batches, *args, **kw)
         if any(b.request_id == holder.get("rid") and b.offset == 4 for b in batches):
-            landed.set()
-            await asyncio.sleep(1.0)  # a slow reply: the cancel watcher (every flush_ms) fires meanwhile
+            landed.set()  # a slow reply: the cancel watcher (every flush_ms) fires meanwhile
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(complete_sent.wait(), 2.0)
         return res
+
+    real_settle = Delivery.settle
+
+    def settle(self, b, reply):
+        try:
+            return real_settle(self, b, reply)
+        finally:
+            if b.request_id == holder.get("rid") and b.offset == 4:
+                settled.set()
 
     real_complete = Scripts.complete
     refused: list[str] = []
 
     async def complete(self, keys, **kw):
+        if kw.get("request_id") == holder.get("rid"):
+            complete_sent.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(settled.wait(), 2.0)
         try:
             return await real_complete(self, keys, **kw)
         except Exception as exc:
@@ -295,6 +319,7 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
             raise
 
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    monkeypatch.setattr(Delivery, "settle", settle)
     monkeypatch.setattr(Scripts, "complete", complete)
     up.gate = asyncio.Semaphore(0)  # the chunks come apart: a push each, the fifth at offset 4
     try:
@@ -304,8 +329,9 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
             await release_each_chunk_once_pushed(c, up, rid, chunks=4)
             await asyncio.wait_for(landed.wait(), 10)
             assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
-            deadline = time.monotonic() + 5
-            while (await c.record(rid))["state"] == "leased" and time.monotonic() < deadline:
+            deadline = time.monotonic() + 10
+            while (await c.record(rid))["state"] == "leased" and rid in rt.held:  # or dropped, stranded
+                assert time.monotonic() < deadline, "waiting for the cancelled request to end"
                 await asyncio.sleep(0.05)
             rec = await c.record(rid)
             held = sorted(rt.held)

@@ -16,14 +16,20 @@ Each :meth:`MergedPushes.push` behaves as ``WorkerRuntime.push`` did for its req
 when its client cancelled; raises LeaseLost, the InvalidArgument Redis refused its batch
 with (past its max_tokens), or RedisUnavailable (its batch stays pending: the next push's
 offset check settles a batch that did land). The tokens pushed are those pending when the
-call is sent, so a chunk that came in the same turn rides along. A task cancelled while it
-waits does not stop the call: the others in it still need their news, and the request's
-record is settled either way (its completion's offset check covers a push in flight).
+call is sent, so a chunk that came in the same turn rides along.
+
+A task cancelled while it waits (its client cancelled, the worker drains) does not stop the
+call, which carries the other streams' tokens too; it waits for the call's reply before it
+goes on being cancelled. What it does next is offset-checked against the tokens it knows
+were delivered (``complete``, or ``release``'s push): sent before this reply was applied, the
+check met the tokens this call delivered, which the reply then counted a second time, and
+the request was taken for lost (dropped, its record left leased until its lease ran out).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 from limiter.errors import RedisUnavailable
 from worker.delivery import Delivery
@@ -36,7 +42,8 @@ class MergedPushes:
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
         self._waiting: list[tuple[Delivery, asyncio.Future[bool]]] = []
-        self._sender: asyncio.Task[None] | None = None
+        self._sender: asyncio.Task[None] | None = None  # the next call's, not yet started
+        self._sending: set[asyncio.Task[None]] = set()  # every call's task until it ends
         self.calls = 0  # sends made (each one push_tokens call or more), for tests and stats
 
     async def push(self, d: Delivery) -> bool:
@@ -46,8 +53,16 @@ class MergedPushes:
         if self._sender is None:
             # A task's first step runs in the loop's next iteration: after every callback
             # ready in this one, so the streams whose chunks came in this turn are all in.
-            self._sender = asyncio.create_task(self._send())
-        return await fut
+            self._sender = task = asyncio.create_task(self._send())
+            self._sending.add(task)  # the loop keeps only a weak reference to a task
+            task.add_done_callback(self._sending.discard)
+        try:
+            return await asyncio.shield(fut)
+        except asyncio.CancelledError:
+            # Cancelled: first the call's reply (module docstring), whatever it says.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(fut)
+            raise
 
     async def _send(self) -> None:
         waiting, self._waiting, self._sender = self._waiting, [], None
@@ -62,7 +77,7 @@ class MergedPushes:
             _fail(waiting, exc)
             return
         for d, fut in waiting:
-            if fut.done():  # its task was cancelled meanwhile
+            if fut.done():
                 continue
             result = news.get(id(d), False)  # not in the call: nothing was pending
             if isinstance(result, Exception):
