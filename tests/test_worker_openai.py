@@ -150,6 +150,21 @@ async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> Non
         assert (await c.record(rid))["state"] == "failed"
 
 
+async def test_text_that_came_with_an_error_in_one_read_reaches_the_client_first(env) -> None:
+    """The chunks before an error chunk, in the same read: pushed before the request fails,
+    as they were when each chunk was pushed as it came (a failed completion sends only the
+    error, and its usage counts those tokens)."""
+    cfg, c, up = env
+    up.burst = True  # two chunks and the error chunk come in one read
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        mid = await c.admit("a MIDERR b c d e f g h", max_tokens=50)
+        await c.wait([mid], timeout=20)
+    a = c.answers[mid]
+    assert a.error["msg"] == "the model server reported an error: CUDA out of memory"
+    assert a.text == "h g f " and a.tokens == 2  # its two chunks before the error
+    assert (await c.record(mid))["usage_out"] == "2"
+
+
 async def _wait_heartbeat(c, rt, what: str, ok, timeout: float = 20.0) -> dict[bytes, bytes]:
     deadline = time.monotonic() + timeout
     while True:

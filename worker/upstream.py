@@ -579,11 +579,13 @@ class UpstreamLoop:
                         except ValueError:
                             chunk = None
                         if not isinstance(chunk, dict):
+                            await self._forward_before_failing(d)
                             return self._failed(d, url, "the model server sent a malformed response",
                                                 f"chunk {data[:200]!r}")
                         if chunk.get("error"):
                             err = chunk["error"]
                             msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                            await self._forward_before_failing(d)
                             return self._failed(d, url, f"the model server reported an error: {msg}")
                         running = self._usage(d, chunk.get("usage"))
                         text = ""
@@ -621,6 +623,7 @@ class UpstreamLoop:
                 if cut:
                     return ("ok", "length", "")
         except MalformedStream as exc:
+            await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
@@ -633,6 +636,14 @@ class UpstreamLoop:
                 raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]", spent=True)
             return self._failed(d, url, "the model server ended its answer without a finish reason")
         return ("ok", finish if finish in ("stop", "length") else "stop", "")
+
+    async def _forward_before_failing(self, d: Delivery) -> None:
+        """A streamed answer that fails after text came in the same read as the failure: the
+        client sees that text before the error, as when each chunk was pushed as it came (a
+        failed completion counts its tokens as usage but sends the client only the error)."""
+        if self.rt.settings.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0:
+            with contextlib.suppress(RedisUnavailable):  # the failure goes on; complete retries
+                await self.pushes.push(d)
 
     def _usage(self, d: Delivery, u: Any) -> int | None:
         """Record an upstream ``usage`` object; returns its ``completion_tokens`` (None: absent)."""
