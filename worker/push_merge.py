@@ -24,6 +24,15 @@ goes on being cancelled. What it does next is offset-checked against the tokens 
 were delivered (``complete``, or ``release``'s push): sent before this reply was applied, the
 check met the tokens this call delivered, which the reply then counted a second time, and
 the request was taken for lost (dropped, its record left leased until its lease ran out).
+
+Where it differs from a push alone: a reply ``offset`` (an earlier push whose reply was lost
+did land) takes the tokens Redis has as delivered and leaves the rest for the stream's next
+push or its completion, where ``Delivery.push`` read the count and pushed the rest at once;
+when a turn's pushes need several calls (more than ``PUSH_LIMIT``, or frontends of two
+releases) and a later one meets an outage, every stream of the turn hears RedisUnavailable,
+those an earlier call settled too (their tokens landed; a cancel or a lost lease they would
+have heard comes again from the cancel watcher, the lease renewal or the next push); and an
+error that is not one request's (a bug) fails every stream of the call, not one.
 """
 
 from __future__ import annotations
