@@ -7,13 +7,13 @@ import asyncio
 import contextlib
 import json
 import time
-from collections.abc import AsyncIterator
 
 import pytest
 import redis.asyncio as aioredis
 
 from limiter.cli import main
 from limiter.errors import ConfigError
+from limiter.localstack.sse import sse_chunks
 from limiter.prompt import ChatMessage, render_chat
 from limiter.scripts import Scripts
 from tests.support.fake_upstream import FakeUpstream
@@ -453,24 +453,15 @@ async def _sse_pieces(client, up: FakeUpstream, prompt: str, chunks: int, after_
                           json={"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True})
     assert r.status == 200, await r.text()
     pieces: list[str] = []
-    async for event in sse_events(r.content):
-        if event == "[DONE]":
+    async for chunk in sse_chunks(r.content):
+        if chunk is None:  # [DONE]
             break
-        text = json.loads(event)["choices"][0]["text"]
+        text = chunk["choices"][0]["text"]
         if text:
             pieces.append(text)
             for _ in range(after_first if len(pieces) == 1 else 0 if after_first == chunks else 1):
                 up.gate.release()
     return pieces
-
-
-async def sse_events(content) -> AsyncIterator[str]:
-    buffer = b""
-    async for raw in content.iter_any():
-        buffer += raw
-        *events, buffer = buffer.split(b"\n\n")
-        for e in events:
-            yield e.decode().removeprefix("data: ")
 
 
 async def test_client_sees_the_upstreams_chunks(env, redis_server) -> None:
@@ -559,9 +550,9 @@ async def test_a_client_reads_an_answer_that_came_in_one_read_whole(env, redis_s
                               json={"model": "tiny", "prompt": prompt, "max_tokens": 200, "stream": True,
                                     "stream_options": {"include_usage": True}})
         assert r.status == 200, await r.text()
-        events = [e async for e in sse_events(r.content)]
-    assert events[-1] == "[DONE]"
-    chunks = [json.loads(e) for e in events[:-1]]
+        events = [e async for e in sse_chunks(r.content)]
+    assert events[-1] is None  # [DONE]
+    chunks = events[:-1]
     texts = [c["choices"][0]["text"] for c in chunks if c["choices"] and c["choices"][0]["text"]]
     assert texts == [prompt[::-1]]
     assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "stop"
