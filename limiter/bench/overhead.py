@@ -60,6 +60,7 @@ from limiter.bench.echo import CHUNK_TOKENS
 from limiter.bench.modes import POOL, UNLIMITED, api_key, mode_spec
 from limiter.bench.procstat import MachineTicks, busy_share, cpu_by_role
 from limiter.bench.stack import CommandMonitor, StackSpec, role_pids, start_stack
+from limiter.localstack.launcher import stop_process
 from limiter.localstack.loadgen import Result, make_prompt, percentile, stream_completion
 from limiter.localstack.redis_server import free_port
 
@@ -171,16 +172,7 @@ async def echo_server(chunk_tokens: int, step_ms: float = 0.0) -> AsyncIterator[
             yield url, proc.pid
             return
         finally:
-            _stop(proc)
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(5)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+            stop_process(proc, timeout_s=5.0)
 
 
 async def measure_echo(seconds: float, concurrency: int, rate: float | None, output_tokens: int,
