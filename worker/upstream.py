@@ -545,7 +545,6 @@ class UpstreamLoop:
     async def _stream(self, d: Delivery) -> Result:
         """Stream one attempt. Raises :class:`UpstreamDown` when the upstream cannot be reached
         or breaks off (the caller hands the request back)."""
-        s = self.rt.settings
         max_tokens = min(d.payload.max_tokens, d.claimed.max_tokens)
         if d.total_tokens >= max_tokens:
             return ("ok", "length", "")
@@ -615,8 +614,7 @@ class UpstreamLoop:
                     # As the upstream chunked it, for a client that reads the chunks as they come;
                     # chunks that came together (the worker was busy, the server sent a burst) go
                     # in one push: one Redis call and one reply entry, not one a chunk.
-                    forward = s.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0
-                    if forward or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
+                    if self._forwards(d) or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
                             if await self.pushes.push(d):  # with the other streams' of this turn
                                 return ("cancelled", "cancelled", "")
@@ -641,9 +639,14 @@ class UpstreamLoop:
         """A streamed answer that fails after text came in the same read as the failure: the
         client sees that text before the error, as when each chunk was pushed as it came (a
         failed completion counts its tokens as usage but sends the client only the error)."""
-        if self.rt.settings.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0:
+        if self._forwards(d):
             with contextlib.suppress(RedisUnavailable):  # the failure goes on; complete retries
                 await self.pushes.push(d)
+
+    def _forwards(self, d: Delivery) -> bool:
+        """Whether ``d``'s pending chunks are pushed as they come: for a client that reads
+        them as they come (upstream_forward_chunks)."""
+        return self.rt.settings.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0
 
     def _usage(self, d: Delivery, u: Any) -> int | None:
         """Record an upstream ``usage`` object; returns its ``completion_tokens`` (None: absent)."""
