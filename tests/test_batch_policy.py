@@ -281,8 +281,11 @@ def test_admitted_sequences_are_never_preempted_for_kv_at_once() -> None:
 def test_bad_states_and_limits_are_rejected() -> None:
     with pytest.raises(InvalidArgument):
         SeqState("x", 0, 0, to_prefill=5, decoding=True, kv_tokens=0)
-    with pytest.raises(InvalidArgument):
-        SeqState("x", -1, 0, to_prefill=0, decoding=True, kv_tokens=0)
+    for bad in ({"class_rank": -1}, {"class_rank": True}, {"to_prefill": 1.0, "decoding": False},
+                {"kv_tokens": -2}, {"kv_tokens": "3"}):
+        fields = {"class_rank": 0, "to_prefill": 0, "decoding": True, "kv_tokens": 0, **bad}
+        with pytest.raises(InvalidArgument, match=next(iter(bad))):
+            SeqState("x", arrival=0, **fields)
     with pytest.raises(InvalidArgument):
         Limits(token_budget=0)
     with pytest.raises(InvalidArgument):

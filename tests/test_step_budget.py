@@ -101,3 +101,32 @@ def test_a_full_worker_s_steps_are_predicted_where_it_runs() -> None:
             assert min(fit) >= 0 and fit[1] > 0
     assert len(errors) > 2500
     assert max(errors) < 5.0, f"worst prediction {max(errors):.1f} ms off"
+
+
+def test_the_fit_is_solved_once_between_two_steps_and_anew_after_each() -> None:
+    """cost() keeps its answer until the next observation (a step asks up to three times),
+    and an observation makes it solve again: the answer is always that of a fit fed the same
+    steps from scratch."""
+    rng = random.Random(5)
+    cached = StepBudget(BudgetConfig(TARGETS, min_budget=16, max_budget=2048))
+    solves = 0
+    solve = cached._fit._solved
+
+    def counted() -> tuple[float, float, float] | None:
+        nonlocal solves
+        solves += 1
+        return solve()
+
+    cached._fit._solved = counted  # type: ignore[method-assign]
+    seen: list[tuple[int, int, float]] = []
+    for i in range(40):
+        p, d = rng.randint(0, 1500), rng.randint(0, 16)
+        ms = 10 + 0.06 * p + 1.0 * d + rng.uniform(-0.5, 0.5)
+        cached.observe(p, d, ms)
+        seen.append((p, d, ms))
+        fresh = StepBudget(BudgetConfig(TARGETS, min_budget=16, max_budget=2048))
+        for step in seen:
+            fresh.observe(*step)
+        assert cached.cost() == fresh.cost() == cached.cost()
+        assert cached.budget([0]) == fresh.budget([0])
+        assert solves == i + 1  # once for the three asks since the last step

@@ -50,3 +50,15 @@ def test_out_of_range_ids_are_rejected(bad: object) -> None:
 def test_encode_rejects_non_str() -> None:
     with pytest.raises(InvalidArgument):
         encode(b"bytes")  # type: ignore[arg-type]
+
+
+def test_feeding_one_id_is_feeding_a_list_of_it() -> None:
+    """feed_one (the scheduler's, a token a step) decodes as feed([id]) does, partial UTF-8
+    characters and invalid bytes included, and refuses what feed refuses."""
+    ids = [*encode("a€é\n"), 0xE2, 0x82, BOS_ID, 0xFF, 0x41, EOS_ID, PAD_ID, *range(256)]
+    one, listed = IncrementalDecoder(), IncrementalDecoder()
+    assert [one.feed_one(i) for i in ids] == [listed.feed([i]) for i in ids]
+    assert one.flush() == listed.flush()
+    for bad in (-1, VOCAB_SIZE, True, 1.0, "a", None):
+        with pytest.raises(InvalidArgument):
+            IncrementalDecoder().feed_one(bad)  # type: ignore[arg-type]

@@ -152,6 +152,41 @@ def test_the_top_class_prompt_is_prefilled_in_one_step_others_in_budget_slices()
     assert [(c.request_id, c.length) for c in sliced.plan.prefill] == [("p0", 64)]
 
 
+class CountingBudget(StepBudget):
+    """A StepBudget that counts the steps it sized."""
+
+    sized = 0
+
+    def budget(self, decoding_ranks: Any) -> int:
+        self.sized += 1
+        return super().budget(decoding_ranks)
+
+
+def test_a_step_that_prefills_nothing_is_not_sized() -> None:
+    """Sizing a step (the cost fit's least squares) was the largest cost of a decode step's
+    CPU. A step that prefills nothing is not sized: each decoder takes one token and a
+    step's budget is never below max_seqs (Limits), so any budget gives the same plan. A
+    step that prefills, a prompt arriving beside the decoders included, is sized."""
+    async def go() -> tuple[CountingBudget, list[Any]]:
+        budget = CountingBudget(BudgetConfig((50.0, None), min_budget=8, max_budget=64))
+        budget.observe(0, 6, 60.0)  # 10 ms a token, no fit yet: the floor, 8 tokens a step
+        sched = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=8), budget)
+        steps = []
+        for i in range(6):
+            sched.add(f"r{i}", encode("hi"), SamplingParams(max_tokens=50), class_rank=0, arrival=i)
+            steps += [await sched.step() for _ in range(2)]
+        return budget, steps
+
+    budget, steps = asyncio.run(go())
+    prefilling = [r for r in steps if r.plan.prefill]
+    decode_only = [r for r in steps if not r.plan.prefill]
+    assert len(prefilling) == 6 and len(decode_only) == 6
+    assert budget.sized == 6  # the prefill steps only
+    assert prefilling[1].token_budget == 8  # sized beside a P0 decoder: the floor, still learning
+    assert all(r.token_budget == 64 for r in decode_only)  # not sized: the configured maximum
+    assert [len(r.plan.decode) for r in decode_only] == [1, 2, 3, 4, 5, 6]
+
+
 def test_a_prompt_of_a_tenant_behind_in_its_class_goes_in_at_once_within_the_tpot_targets() -> None:
     """Beside a flood tenant's streams, a light tenant's prompt was prefilled in budget slices,
     each slice's step also carrying the flood's decoders: its TTFT was 1.6-2.4x its TTFT alone.

@@ -78,10 +78,15 @@ class SeqState:
     tenant: str = ""
 
     def __post_init__(self) -> None:
-        _check_nonneg_int("class_rank", self.class_rank)
-        _check_nonneg_int("to_prefill", self.to_prefill)
-        _check_nonneg_int("kv_tokens", self.kv_tokens)
-        if self.decoding == (self.to_prefill > 0):
+        # The scheduler makes one for every running sequence every step: the common case is
+        # checked in one expression, the checks that name the bad field run when it fails.
+        rank, to_prefill, kv = self.class_rank, self.to_prefill, self.kv_tokens
+        if not (type(rank) is int and type(to_prefill) is int and type(kv) is int
+                and rank >= 0 and to_prefill >= 0 and kv >= 0):
+            _check_nonneg_int("class_rank", rank)
+            _check_nonneg_int("to_prefill", to_prefill)
+            _check_nonneg_int("kv_tokens", kv)
+        if self.decoding == (to_prefill > 0):
             raise InvalidArgument("decoding", f"{self.request_id}: decoding iff nothing is left to prefill")
 
     @property

@@ -111,7 +111,9 @@ class StepResult:
     admitted: tuple[str, ...]
     preempted: tuple[str, ...]
     fresh_prefill: dict[str, int] = field(default_factory=dict)  # prompt tokens prefilled for the first time
-    token_budget: int = 0  # the step's token budget (worker/step_budget.py when adaptive)
+    # the step's token budget (worker/step_budget.py when adaptive; a step that prefills
+    # nothing is not sized: limits.token_budget)
+    token_budget: int = 0
 
     @property
     def duration_s(self) -> float:
@@ -232,11 +234,14 @@ class BatchScheduler:
         return paused
 
     def _admit(self) -> list[str]:
+        waiting = self.waiting
+        if not waiting:  # most steps: nothing to choose from
+            return []
         running = self.running
-        admit = choose_admissions([s.candidate() for s in self.waiting], [s.state() for s in running],
+        admit = choose_admissions([s.candidate() for s in waiting], [s.state() for s in running],
                                   self.limits)
         if not admit and not running and self._seqs:
-            head = min(self.waiting, key=lambda s: s.candidate().priority)
+            head = min(waiting, key=lambda s: s.candidate().priority)
             raise InvalidArgument("requests", f"{head.request_id}: {len(head.context)} tokens can never "
                                   f"fit under {self.limits}")
         for rid in admit:
@@ -261,9 +266,14 @@ class BatchScheduler:
         limits = self.limits
         tokens = limits.token_budget
         ranks = [s.class_rank for s in running if s.to_prefill == 0]
-        if self.budget is not None:
+        # A step that prefills nothing is not sized: each decoder takes one token and a step's
+        # budget is never below max_seqs (Limits), so the plan is the same at any budget, and
+        # sizing it (the cost fit's least squares) was the largest single cost of a decode
+        # step's CPU (docs/worker.md).
+        sized = len(ranks) < len(running)
+        if self.budget is not None and sized:
             tokens = self.budget.budget(ranks)
-        if self.top_prefill_tokens:
+        if self.top_prefill_tokens and sized:
             # An interactive prompt is prefilled in a step or two, not in token-budget slices:
             # its TTFT is what its user waits for, while one longer step adds a fraction of a
             # millisecond to the mean TPOT of the streams decoding next to it.
@@ -305,13 +315,14 @@ class BatchScheduler:
                 seq.to_prefill -= chunk.length
                 seq.kv_high = max(seq.kv_high, upto)
         emissions: dict[str, Emission] = {}
+        room = self.max_context()
         for rid, token in produced.items():
             seq = self._seqs.get(rid)
             if seq is None:  # removed while the step ran
                 continue
             seq.generated.append(token)
-            rel = seq.scanner.feed(token, seq.decoder.feed([token]))
-            reason = "stop" if rel.stopped else self._finish_reason(seq, token)
+            rel = seq.scanner.feed(token, seq.decoder.feed_one(token))
+            reason = "stop" if rel.stopped else self._finish_reason(seq, token, room)
             if reason is not None and not rel.stopped:
                 tail = seq.scanner.finish(seq.decoder.flush())
                 rel = Release(rel.token_ids + tail.token_ids, rel.text + tail.text, tail.stopped)
@@ -331,12 +342,13 @@ class BatchScheduler:
             return None
         return self.budget.expected_ms(plan.prefill_tokens, len(plan.decode))
 
-    def _finish_reason(self, seq: ScheduledSeq, token: int) -> str | None:
+    def _finish_reason(self, seq: ScheduledSeq, token: int, room: int) -> str | None:
+        """``room``: :meth:`max_context`, the same for every sequence of a step."""
         if self.engine.eos_id is not None and token == self.engine.eos_id:
             return "stop"
         if len(seq.generated) >= seq.params.max_tokens:
             return "length"
-        if len(seq.prompt_ids) + len(seq.generated) > self.max_context():
+        if len(seq.prompt_ids) + len(seq.generated) > room:
             # the context is full: the model's (max_seq_len) or this worker's KV room, which
             # claim lets be smaller than prompt + max_tokens. Paused there, it could never be
             # admitted again, and the worker failed every request it held.

@@ -94,6 +94,10 @@ class StepCostFit:
         self._xx = [[0.0] * 3 for _ in range(3)]  # weighted sums of x x^T, x = (1, prefill, decodes)
         self._xy = [0.0] * 3
         self._steps = 0.0
+        # cost() as last solved, until the next observation: a step may ask several times
+        # (its budget, a prompt's size beyond it, the look-ahead claim's timing)
+        self._cost: tuple[float, float, float] | None = None
+        self._cost_known = False
 
     def observe(self, prefill_tokens: int, decodes: int, ms: float) -> bool:
         """One step; False (and nothing learnt) for an empty step or a non-finite time."""
@@ -106,11 +110,17 @@ class StepCostFit:
             for j in range(3):
                 self._xx[i][j] = self._xx[i][j] * f + x[i] * x[j]
         self._steps = self._steps * f + 1.0
+        self._cost_known = False
         return True
 
     def cost(self) -> tuple[float, float, float] | None:
         """(fixed ms, ms per prefill token, ms per decoding sequence), or None while the
         steps seen cannot pin them down (no spread in prefill sizes, or a non-physical fit)."""
+        if not self._cost_known:
+            self._cost, self._cost_known = self._solved(), True
+        return self._cost
+
+    def _solved(self) -> tuple[float, float, float] | None:
         n = self._steps
         if n < 3:
             return None

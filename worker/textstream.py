@@ -48,6 +48,8 @@ class StopScanner:
 
     def feed(self, token_id: int, piece: str) -> Release:
         """Add one generated token and its decoded text piece; return what may be released."""
+        if not self.stops:  # nothing is ever held back: the token goes with its text
+            return Release([token_id], piece)
         self._tokens.append(token_id)
         self._pieces.append(piece)
         text = "".join(self._pieces)

@@ -21,6 +21,7 @@ BOS_ID = 256
 EOS_ID = 257
 PAD_ID = 258
 VOCAB_SIZE = 259
+_BYTES = [bytes((b,)) for b in range(256)]  # id -> its byte, made once
 
 
 def encode(text: str, *, bos: bool = False) -> list[int]:
@@ -56,6 +57,12 @@ class IncrementalDecoder:
             if i < 256:
                 buf.append(i)
         return self._utf8.decode(bytes(buf), final=False)
+
+    def feed_one(self, token_id: int) -> str:
+        """:meth:`feed` for one id: what a step produces for a sequence, once a step each."""
+        if type(token_id) is not int or not 0 <= token_id < VOCAB_SIZE:
+            raise InvalidArgument("token_id", f"token id {token_id!r} is outside 0..{VOCAB_SIZE - 1}")
+        return self._utf8.decode(_BYTES[token_id], False) if token_id < 256 else ""
 
     def flush(self) -> str:
         """End of stream: return any dangling partial character as U+FFFD."""
