@@ -12,7 +12,9 @@ import aiohttp
 import pytest
 import torch
 
+from limiter.errors import RedisUnavailable
 from limiter.prompt import count_tokens
+from tests.support.controller_helpers import metric
 from tests.support.redis_server import free_port
 from tests.support.worker_helpers import (
     Client,
@@ -28,6 +30,8 @@ from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
 from worker.engines.torch_engine import TorchEngine
 from worker.local_run import LocalRequest, run_local
+from worker.main import build_worker, run_worker
+from worker.settings import load_settings
 
 
 @pytest.fixture
@@ -130,6 +134,102 @@ async def test_a_full_batch_keeps_stepping_while_its_look_ahead_claim_waits_on_r
             await c.client.sadd(rt.keys.cancels, rid)
         await c.wait(first, timeout=30)
     assert c.answers[late].done["fin"] == "length"
+
+
+async def test_steps_go_on_while_a_push_s_reply_is_awaited_and_a_request_s_calls_never_overlap(
+        env) -> None:
+    """Each step waited for the last step's calls even with nothing of its own to send: with
+    steps shorter than a round trip (a null engine) every step after a push waited for the
+    push's reply. While a push's reply is held back the worker now goes on stepping; what
+    that request sends next (here its completion) still waits for the reply, so one
+    request's calls never overlap; and the client gets every token once, in order."""
+    cfg, c = env
+    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, "engine": "sim",
+                            "time_scale": 0.0})
+    rt, loop = build_worker(s, cfg)
+    real_push, real_finish = rt.push_batches, rt.finish
+    gate, held_back = asyncio.Event(), asyncio.Event()
+    in_flight: list[str] = []
+    overlaps: list[str] = []
+    finishing: list[str] = []
+
+    async def calls_of(ids: list[str], call: Any) -> Any:
+        overlaps.extend(r for r in ids if r in in_flight)
+        in_flight.extend(ids)
+        try:
+            return await call
+        finally:
+            for r in ids:
+                in_flight.remove(r)
+
+    async def push_batches(todo: Any) -> Any:
+        if not held_back.is_set():  # the first push: its reply is held back
+            held_back.set()
+            await gate.wait()
+        return await real_push(todo)
+
+    async def pushed(todo: Any) -> Any:
+        return await calls_of([d.request_id for d, _ in todo], push_batches(todo))
+
+    async def finish(d: Any, *args: Any, **kwargs: Any) -> Any:
+        finishing.append(d.request_id)
+        return await calls_of([d.request_id], real_finish(d, *args, **kwargs))
+
+    rt.push_batches, rt.finish = pushed, finish  # type: ignore[method-assign]
+    task = asyncio.create_task(run_worker(rt, loop))
+    try:
+        rid = await c.admit("hold", max_tokens=120)
+        deadline = time.monotonic() + 15
+        while not (held_back.is_set() and rid in rt.held and rid not in loop.sched):
+            assert time.monotonic() < deadline, (
+                f"the request did not run to its end while its first push's reply was held back "
+                f"(held back: {held_back.is_set()}; pending tokens: "
+                f"{rt.held[rid].pending_tokens if rid in rt.held else None})")
+            await asyncio.sleep(0.01)
+        assert finishing == [], "the completion went while the push's reply was still awaited"
+        gate.set()
+        await c.wait([rid], timeout=30)
+    finally:
+        gate.set()
+        rt.begin_drain("test over")
+        rt.drain_deadline = time.monotonic()
+        await asyncio.wait_for(task, 30)
+    a = c.answers[rid]
+    assert a.done["fin"] == "length" and a.tokens == 120 and a.text == sim_text("hold", 0, 120)
+    assert overlaps == [] and finishing == [rid]
+
+
+async def test_an_outage_a_step_s_calls_met_is_raised_before_the_next_step_sends(env) -> None:
+    """The step loop leaves a step's calls running beside the next step; a finished one is
+    still settled before the next step's calls are made: its outage backs the loop off once
+    (counted by loop), and its pushes, in doubt, are settled by the next push's offset check.
+    Replaced by the next step's task unsettled, the outage went unseen."""
+    cfg, c = env
+    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, "engine": "sim",
+                            "time_scale": 0.0})
+    rt, loop = build_worker(s, cfg)
+    real_push = rt.push_batches
+    failed: list[list[str]] = []
+
+    async def push_batches(todo: Any) -> Any:
+        if not failed:  # the first push meets an outage (at once: done before the next step)
+            failed.append([d.request_id for d, _ in todo])
+            raise RedisUnavailable("connection reset (the test)")
+        return await real_push(todo)
+
+    rt.push_batches = push_batches  # type: ignore[method-assign]
+    task = asyncio.create_task(run_worker(rt, loop))
+    try:
+        rid = await c.admit("outage", max_tokens=20)
+        await c.wait([rid], timeout=30)
+    finally:
+        rt.begin_drain("test over")
+        rt.drain_deadline = time.monotonic()
+        await asyncio.wait_for(task, 30)
+    assert failed == [[rid]]
+    assert metric(rt, "qos_worker_redis_errors_total", loop="worker") == 1
+    a = c.answers[rid]
+    assert a.done["fin"] == "length" and a.tokens == 20 and a.text == sim_text("outage", 0, 20)
 
 
 async def test_batched_pushes_are_fewer_than_tokens(env) -> None:

@@ -541,11 +541,23 @@ class StepLoop:
             if em.finish_reason is not None:
                 d.final = ("ok", em.finish_reason, "")  # should its call never land: _retry_finals
                 finishing.append((d, em.finish_reason))
-        await self._settle_io()  # the previous step's calls: normally done while this step ran
         ending = {d.request_id for d, _ in finishing}
         now, step = time.monotonic(), res.duration_s
-        pushes = [d for rid, d in held.items() if rid not in ending and d.final is None
-                  and self.rt.push_due(d, now, step, self._push_clock)]
+        pushes = self._due(ending, now, step)  # asked every step: the push clock keeps time so
+        io = self._io
+        if io is not None:
+            # The previous step's calls, awaited before this step's own, so one request's calls
+            # never overlap. Still running, they are left beside the next step when this one
+            # completes nothing; its pushes and cancel check go with a later step's (they would
+            # have waited for that reply anyway): a null engine's steps are shorter than a
+            # round trip, and every step after a push waited for its reply.
+            running = not io.done()
+            if running and not finishing:
+                return
+            await self._settle_io()
+            if running:  # its replies moved the requests it pushed
+                now = time.monotonic()
+                pushes = self._due(ending, now, step)
         # Every push's reply says whether its client cancelled; the requests not pushing now
         # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
         # takes well under a millisecond: per step it was most of the Redis commands per request).
@@ -564,6 +576,11 @@ class StepLoop:
             self._io = asyncio.create_task(self._send(finishing, batches, live), name="step-io")
         # else no task at all: most steps of a stream between its pushes have nothing to send,
         # and a task with its gather was a quarter of such a step's CPU at one sequence
+
+    def _due(self, ending: set[str], now: float, step_s: float) -> list[Delivery]:
+        """The held requests whose tokens are pushed now (``ending``: those completing now)."""
+        return [d for rid, d in self.rt.held.items() if rid not in ending and d.final is None
+                and self.rt.push_due(d, now, step_s, self._push_clock)]
 
     async def _abandon_io(self) -> None:
         """End the last step's calls without waiting on Redis: left running, they outlived the
