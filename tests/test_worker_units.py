@@ -971,9 +971,17 @@ async def test_an_idle_worker_reports_an_empty_batch_and_no_kv_in_use(worker_env
 
     cfg, c = worker_env
     async with worker(cfg, engine="sim", time_scale=0.01) as rt:
+        reg = rt.metrics.registry
+        # running: the gauges (read when scraped) see its batch and the KV it holds
+        long = await c.admit("a long one", max_tokens=100000)
+        await c.wait_tokens(long, 2)
+        assert reg.get_sample_value("qos_worker_batch_size") == 1
+        assert reg.get_sample_value("qos_worker_kv_used_tokens") >= len("a long one")
+        assert reg.get_sample_value("qos_worker_waiting") == 0
+        await c.client.sadd(rt.keys.cancels, long)
+        await c.wait([long], timeout=20)
         rid = await c.admit("hello there", max_tokens=8)
         await c.wait([rid], timeout=20)
-        reg = rt.metrics.registry
         assert (reg.get_sample_value("qos_worker_generated_tokens_total") or 0) >= 8  # it did step
         await wait_until(lambda: not rt.held, "the request to be forgotten")
         await wait_until(lambda: reg.get_sample_value("qos_worker_batch_size") == 0

@@ -120,6 +120,7 @@ class StepLoop:
         rt.on_lost = self._lost.update
         rt.on_stop = self._stop.update
         rt.stats = self.stats
+        self.last_batch_size = 0  # sequences in the last step, 0 once idle (a gauge: worker/main.py)
 
     # --- the loop -------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -177,11 +178,7 @@ class StepLoop:
         if not self.rt.draining.is_set():
             await self._claim_now_or_beside_the_step()
         if not len(self.sched):
-            # Nothing to step: the gauges the steps set would keep the last step's batch.
-            m = self.rt.metrics
-            m.batch_size.set(0)
-            m.waiting.set(0)
-            m.kv_used.set(self.sched.kv_used)
+            self.last_batch_size = 0  # nothing to step: the gauge would keep the last step's batch
             await self._settle_io()  # nothing to step: let the last calls land
             if self.rt.held:
                 # Held work but nothing to step (completions to retry, or a request that is not
@@ -489,12 +486,10 @@ class StepLoop:
     async def _after_step(self, res: StepResult) -> None:
         m, s = self.rt.metrics, self.rt.settings
         m.step_seconds.observe(res.duration_s)
-        m.batch_size.set(len(res.plan.decode) + len(res.plan.prefill))
+        self.last_batch_size = len(res.plan.decode) + len(res.plan.prefill)
         m.generated_tokens.inc(len(res.produced))
         m.prefill_tokens.inc(res.plan.prefill_tokens)
         m.preemptions.inc(len(res.preempted))
-        m.kv_used.set(self.sched.kv_used)
-        m.waiting.set(len(self.sched.waiting))
         self._gen_tokens += len(res.produced)
         self._step_time += res.duration_s
         held = self.rt.held

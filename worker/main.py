@@ -59,8 +59,15 @@ def build_worker(s: WorkerSettings, cfg: QosConfig,
 
     engine = engine or build_engine(s)
     rt = WorkerRuntime(s, cfg, engine=engine.name, simulated=engine.simulated)
-    rt.metrics.kv_capacity.set(engine.kv_capacity_tokens)
-    return rt, StepLoop(rt, engine, build_limits(s, engine))
+    loop = StepLoop(rt, engine, build_limits(s, engine))
+    m = rt.metrics
+    m.kv_capacity.set(engine.kv_capacity_tokens)
+    # Read when scraped, not set every step: KV in use and the waiting count are each a pass
+    # over the sequences, made every step for a scrape every few seconds.
+    m.batch_size.set_function(lambda: loop.last_batch_size)
+    m.waiting.set_function(lambda: len(loop.sched.waiting))
+    m.kv_used.set_function(lambda: loop.sched.kv_used)
+    return rt, loop
 
 
 async def run_worker(rt: WorkerRuntime, loop: Any) -> int:
