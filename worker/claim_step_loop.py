@@ -23,8 +23,9 @@ One iteration, between engine steps:
    unstreamed ones every ``unstreamed_flush_ms``), plus (at most every ``flush_ms``) one
    ``SMISMEMBER cancels`` over the held ids not pushed now, so a cancelled request stops
    within ``flush_ms`` and a step or two. These calls run while the *next* step computes
-   (they are awaited before that step's own calls), so Redis round trips stay off the GPU's
-   critical path.
+   (they are awaited before that step's own calls; a step that completes nothing does not
+   wait for them, its pushes going with a later step's), so Redis round trips stay off the
+   GPU's critical path.
 
 An engine error fails the requests the engine held (it cannot be trusted with them) and
 the loop goes on. Redis outages back off and retry; nothing generated is dropped meanwhile.
