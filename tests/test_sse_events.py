@@ -1,4 +1,4 @@
-"""worker.upstream's Server-Sent Events parser: the events of a model server's stream, however
+"""worker.sse_events: the events of a model server's Server-Sent Events stream, however
 its bytes are cut into reads (the worker handles, and pushes, what one read completed)."""
 
 from __future__ import annotations
@@ -7,29 +7,46 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.upstream import MalformedStream, SseParser, parse_chunk
+from worker.sse_events import MalformedStream, SseParser, parse_chunk
 
 # data lines: any text without line breaks (an event of several data lines joins them with "\n")
 line_text = st.text(st.characters(blacklist_characters="\r\n", blacklist_categories=("Cs",)), max_size=12)
 events = st.lists(st.lists(line_text, min_size=1, max_size=3), max_size=6)
 
 
-def encode(evs: list[list[str]], crlf: list[bool], extras: bool) -> bytes:
+# Every line end the format allows. A lone \r followed by a line ended by \n would read as one
+# \r\n: a stream mixes \n and \r\n, or uses \r alone (ENDS[2]).
+ENDS = (b"\n", b"\r\n", b"\r")
+line_ends = st.one_of(st.lists(st.integers(0, 1), min_size=1, max_size=4), st.just([2]))
+
+
+def encode(evs: list[list[str]], ends: list[int], extras: bool, bom: bool = False) -> bytes:
     """The events as a server writes them: ``data:`` lines (with or without the space after
-    the colon), each event ended by a blank line; with ``extras``, the fields a parser skips
-    (a comment, ``event:``, ``id:``) between them."""
-    out = b""
+    the colon; an empty line of data as a bare ``data``), each event ended by a blank line,
+    lines ended by ``ENDS[ends[i]]`` in turn; with ``extras``, the fields a parser skips (a
+    comment, ``event:``, ``id:``, a bare ``retry``) between them; with ``bom``, a byte order
+    mark first."""
+    out = b"\xef\xbb\xbf" if bom else b""
+    n = 0
+
+    def end() -> bytes:
+        nonlocal n
+        n += 1
+        return ENDS[ends[n % len(ends)]]
+
     for i, ev in enumerate(evs):
-        end = b"\r\n" if crlf[i % len(crlf)] else b"\n"
         if extras:
-            out += b": keep-alive" + end + b"event: chunk" + end
+            out += b": keep-alive" + end() + b"event: chunk" + end() + b"retry" + end()
         for j, line in enumerate(ev):
+            if not line and j % 2 == 0:
+                out += b"data" + end()  # no colon: the field with an empty value
+                continue
             # one space after the colon is not part of the data (so a line that starts with one keeps it)
             bare = j % 2 == 1 and not line.startswith(" ")
-            out += (b"data:" if bare else b"data: ") + line.encode() + end
+            out += (b"data:" if bare else b"data: ") + line.encode() + end()
         if extras:
-            out += b"id: " + str(i).encode() + end
-        out += end
+            out += b"id: " + str(i).encode() + end()
+        out += end()
     return out
 
 
@@ -43,16 +60,17 @@ def parse(raw: bytes, cuts: list[int]) -> list[list[str]]:
     return batches
 
 
-@settings(max_examples=300, deadline=None)
-@given(events, st.lists(st.booleans(), min_size=1, max_size=4), st.booleans(),
-       st.lists(st.integers(0, 10_000), max_size=8))
-def test_every_cut_of_the_bytes_gives_the_same_events_in_order(evs, crlf, extras, cuts) -> None:
-    """Cut anywhere (inside a line, between \\r and \\n, inside a UTF-8 character), the
-    stream gives the events the server wrote, each once, in order."""
-    raw = encode(evs, crlf, extras)
+@settings(max_examples=400, deadline=None)
+@given(events, line_ends, st.booleans(), st.booleans(), st.lists(st.integers(0, 10_000), max_size=8))
+def test_every_cut_of_the_bytes_gives_the_same_events_in_order(evs, ends, extras, bom, cuts) -> None:
+    """Lines ended by \\n and \\r\\n in any mix, or by a lone \\r; a byte order mark or none;
+    cut anywhere (inside a line, between \\r and \\n, inside the mark or a UTF-8 character),
+    the stream gives the events the server wrote, each once, in order."""
+    raw = encode(evs, ends, extras, bom)
     batches = parse(raw, cuts)
     assert [e for b in batches for e in b] == ["\n".join(ev) for ev in evs]
-    assert batches[-1] == []  # every event was ended by its blank line: nothing left for close()
+    if not raw.endswith(b"\r"):  # a \r last may be half a \r\n until the stream ends
+        assert batches[-1] == []  # every event was ended by its blank line: nothing left for close()
 
 
 def test_a_read_returns_every_event_it_completed_and_keeps_the_rest() -> None:
@@ -61,6 +79,25 @@ def test_a_read_returns_every_event_it_completed_and_keeps_the_rest() -> None:
     assert p.feed(b":3}\n") == []  # the line ended, the event not yet
     assert p.feed(b"\ndata: [DONE]\n\n") == ['{"c":3}', "[DONE]"]
     assert p.close() == []
+
+
+def test_the_format_s_corners_one_by_one() -> None:
+    """The byte order mark only at the start (split over reads); a lone \\r as a line end,
+    the event it ends handed on once the next read shows no \\n follows; a bare ``data``
+    line; comments and other fields skipped."""
+    p = SseParser()
+    assert p.feed(b"\xef") == [] and p.feed(b"\xbb") == []
+    assert p.feed(b"\xbfdata: a\r\r") == []  # the last \r may still be half a \r\n
+    assert p.feed(b"data\r: c\rretry\rid: 7\r") == ["a"]
+    assert p.feed(b"data:\xef\xbb\xbfb\r\r") == []  # a mark later on is data
+    assert p.close() == ["\n\ufeffb"]  # the bare data line, then that one
+    q = SseParser()
+    assert q.feed(b"data\n\ndata: x\r") == [""]
+    assert q.feed(b"\n\r\n") == ["x"]  # \r then \n: one line end, then a blank line
+    assert q.close() == []
+    r = SseParser()
+    assert r.feed(b"data: y\r") == []
+    assert r.close() == ["y"]  # cut off after a line's \r: the line ended there
 
 
 def test_close_returns_what_a_stream_left_open() -> None:

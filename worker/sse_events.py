@@ -1,0 +1,127 @@
+"""The events of a model server's Server-Sent Events stream, as its bytes come.
+
+The openai engine (:mod:`worker.upstream`) reads a model server's answer with
+:func:`sse_batches`: every event whose bytes had come when the worker read, so chunks the
+server sent while the worker was busy are handled, and pushed, together. The parser follows
+the event-stream format of the HTML standard ("Server-sent events", parsing an event
+stream), for the one field the worker needs:
+
+* lines end in ``\\r\\n``, ``\\n`` or a lone ``\\r`` (a ``\\r`` at the end of a read waits
+  for the next one, which may begin with its ``\\n``);
+* a byte order mark at the start of the stream is not part of the first line;
+* a line ``field:value`` sets ``field`` (one space after the colon is not part of the
+  value); a line with no colon is a field with an empty value; a line starting with a
+  colon is a comment; only ``data`` is kept, other fields (``event``, ``id``, ``retry``)
+  are skipped;
+* a blank line ends an event: its ``data`` lines joined with newlines (no event without
+  one). An event left open when the stream ends is still returned by :meth:`SseParser.close`
+  (the standard drops it; a server cut off after its last chunk lost nothing then).
+
+A line longer than :data:`MAX_SSE_LINE` is refused (:class:`MalformedStream`), after the
+events before it: a worker must not buffer without bound what a broken server sends.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import orjson
+
+MAX_SSE_LINE = 1 << 20  # bytes; a chunk of a model server's stream is well under a kilobyte
+_BOM = b"\xef\xbb\xbf"  # U+FEFF in UTF-8
+_LINE_END = re.compile(rb"\r\n|\r|\n")
+
+
+class MalformedStream(ValueError):
+    """The upstream's event stream cannot be parsed (a line past :data:`MAX_SSE_LINE`)."""
+
+
+class SseParser:
+    """The ``data`` payloads of an event stream (module docstring), from its bytes as they come.
+
+    :meth:`feed` returns the events its bytes completed; :meth:`close`, at the end of the
+    stream, what was left open. A line longer than ``max_line`` raises
+    :class:`MalformedStream` from the next call, so the events completed before it are
+    still returned."""
+
+    def __init__(self, max_line: int = MAX_SSE_LINE) -> None:
+        self.max_line = max_line
+        self._partial = b""  # the start of a line whose end has not come yet
+        self._data: list[str] = []  # the data lines of the event being read
+        self._started = False  # the stream's first bytes were seen (its byte order mark gone)
+
+    def _check(self) -> None:
+        if len(self._partial) > self.max_line:
+            raise MalformedStream(f"a line of more than {self.max_line} bytes")
+
+    def feed(self, raw: bytes) -> list[str]:
+        self._check()
+        buf = self._partial + raw
+        if not self._started:
+            if len(buf) < len(_BOM) and _BOM.startswith(buf):
+                self._partial = buf  # maybe the start of a byte order mark: wait for more
+                return []
+            self._started = True
+            buf = buf.removeprefix(_BOM)
+        # A lone \r ends a line too; one at the end of the read may be the first half of \r\n.
+        held = b"\r" if buf.endswith(b"\r") else b""
+        if held:
+            buf = buf[:-1]
+        lines = _LINE_END.split(buf) if b"\r" in buf else buf.split(b"\n")
+        self._partial = lines.pop() + held
+        out: list[str] = []
+        for line in lines:
+            self._line(line, out)
+        return out
+
+    def close(self) -> list[str]:
+        self._check()
+        out: list[str] = []
+        partial = self._partial.removesuffix(b"\r")
+        if not self._started:
+            partial = partial.removeprefix(_BOM)
+        self._partial = b""
+        if partial:
+            self._line(partial, out)
+        if self._data:
+            out.append("\n".join(self._data))
+            self._data = []
+        return out
+
+    def _line(self, raw: bytes, out: list[str]) -> None:
+        if not raw:
+            if self._data:
+                out.append("\n".join(self._data))
+                self._data = []
+            return
+        line = raw.decode("utf-8", "replace")
+        field, colon, value = line.partition(":")
+        if field == "data":  # a comment (":...") has the empty field name
+            self._data.append(value.removeprefix(" ") if colon else "")
+
+
+def parse_chunk(data: str) -> Any:
+    """One chunk's JSON. orjson first: the worker parses every chunk of every stream, and it
+    takes a quarter of the standard library's time for a chunk (2.1 against 7.8 us for a
+    210-byte one); what orjson refuses, the standard library tries too, which also reads the
+    ``NaN`` and ``Infinity`` a server built on Python's json may write. Raises ValueError."""
+    try:
+        return orjson.loads(data)
+    except orjson.JSONDecodeError:
+        return json.loads(data)
+
+
+async def sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
+    """The ``data`` payloads of an event stream, a batch per read: every event whose bytes had
+    come when the worker read (``readany`` takes all that is buffered). Raises
+    :class:`MalformedStream`."""
+    parser = SseParser()
+    while raw := await content.readany():
+        if events := parser.feed(raw):
+            yield events
+    if events := parser.close():
+        yield events
