@@ -38,6 +38,11 @@ def decode(ids: Iterable[int]) -> str:
     return dec.feed(ids) + dec.flush()
 
 
+def _check_id(i: object) -> None:
+    if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < VOCAB_SIZE:
+        raise InvalidArgument("token_id", f"token id {i!r} is outside 0..{VOCAB_SIZE - 1}")
+
+
 class IncrementalDecoder:
     """Turn a stream of ids into text pieces that never split a UTF-8 character.
 
@@ -52,16 +57,14 @@ class IncrementalDecoder:
         """Consume ``ids``; return the text completed by them (possibly ``""``)."""
         buf = bytearray()
         for i in ids:
-            if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < VOCAB_SIZE:
-                raise InvalidArgument("token_id", f"token id {i!r} is outside 0..{VOCAB_SIZE - 1}")
+            _check_id(i)
             if i < 256:
                 buf.append(i)
         return self._utf8.decode(bytes(buf), final=False)
 
     def feed_one(self, token_id: int) -> str:
         """:meth:`feed` for one id: what a step produces for a sequence, once a step each."""
-        if type(token_id) is not int or not 0 <= token_id < VOCAB_SIZE:
-            raise InvalidArgument("token_id", f"token id {token_id!r} is outside 0..{VOCAB_SIZE - 1}")
+        _check_id(token_id)
         return self._utf8.decode(_BYTES[token_id], False) if token_id < 256 else ""
 
     def flush(self) -> str:
