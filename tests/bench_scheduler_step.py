@@ -22,24 +22,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from limiter.config import DEFAULT_CLASSES
 from worker.batch_policy import Limits
 from worker.batch_scheduler import BatchScheduler
+from worker.claim_step_loop import build_scheduler
 from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
 from worker.settings import WorkerSettings
-from worker.step_budget import BudgetConfig, StepBudget
 
 WARM_UP_STEPS = 50
 
 
 def scheduler(running: int, fixed_budget: bool) -> BatchScheduler:
-    """The scheduler a worker with the default settings builds (claim_step_loop.StepLoop)."""
+    """The scheduler a worker with the default settings builds (claim_step_loop.build_scheduler)."""
     limits = Limits(token_budget=512, max_seqs=max(64, running))
-    if fixed_budget:
-        return BatchScheduler(SimEngine(time_scale=0), limits)
-    s = WorkerSettings()
-    budget = StepBudget(BudgetConfig(tpot_ms=tuple(c.slo_tpot_ms for c in DEFAULT_CLASSES),
-                                     min_budget=limits.max_seqs, max_budget=limits.token_budget,
-                                     safety=s.budget_safety))
-    return BatchScheduler(SimEngine(time_scale=0), limits, budget, s.top_prefill_tokens)
+    plain = {"adaptive_budget": False, "top_prefill_tokens": 0} if fixed_budget else {}
+    settings = WorkerSettings(**plain)
+    return build_scheduler(SimEngine(time_scale=0), limits, settings, DEFAULT_CLASSES)
 
 
 async def one_round(running: int, steps: int, fixed_budget: bool = False, output_tokens: int = 0) -> float:

@@ -38,8 +38,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from typing import Any
 
+from limiter.config import ClassConfig
 from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
 from limiter.scripts import TokenBatch
 from limiter.tasks import stop_tasks
@@ -51,6 +53,7 @@ from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.push_clock import PushClock
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.saturated_capacity import SaturatedCapacity, StepLimits
+from worker.settings import WorkerSettings
 from worker.step_budget import BudgetConfig, StepBudget
 
 log = logging.getLogger("qos.worker")
@@ -63,18 +66,27 @@ LOOKAHEAD_LEAD_S = 0.005
 LOOKAHEAD_WAIT_S = 0.020
 
 
+def build_scheduler(engine: Engine, limits: Limits, settings: WorkerSettings,
+                    classes: Sequence[ClassConfig]) -> BatchScheduler:
+    """The scheduler a step worker runs: steps sized from ``classes``' TPOT targets when
+    ``settings.adaptive_budget`` (and prefill is chunked), the top class's prompts beyond the
+    budget up to ``settings.top_prefill_tokens``."""
+    budget = None
+    if settings.adaptive_budget and limits.chunked_prefill:
+        budget = StepBudget(BudgetConfig(tpot_ms=tuple(c.slo_tpot_ms for c in classes),
+                                         min_budget=limits.max_seqs, max_budget=limits.token_budget,
+                                         safety=settings.budget_safety))
+    top = settings.top_prefill_tokens if limits.chunked_prefill else 0
+    return BatchScheduler(engine, limits, budget, top)
+
+
 class StepLoop:
     def __init__(self, rt: WorkerRuntime, engine: Engine, limits: Limits) -> None:
         self.rt = rt
         self.engine = engine
         self.limits = limits
-        budget = None
-        if rt.settings.adaptive_budget and limits.chunked_prefill:
-            budget = StepBudget(BudgetConfig(tpot_ms=tuple(c.slo_tpot_ms for c in rt.cfg.classes),
-                                             min_budget=limits.max_seqs, max_budget=limits.token_budget,
-                                             safety=rt.settings.budget_safety))
-        top = rt.settings.top_prefill_tokens if limits.chunked_prefill else 0
-        self.sched = BatchScheduler(engine, limits, budget, top)
+        self.sched = build_scheduler(engine, limits, rt.settings, rt.cfg.classes)
+        budget = self.sched.budget
         self.kv_capacity = min(limits.kv_capacity, engine.kv_capacity_tokens)
         self._lost: set[str] = set()
         self._stop: set[str] = set()
