@@ -23,6 +23,8 @@ from tests.support.worker_helpers import (
     count_claims,
     count_pushes,
     sim_text,
+    start_worker,
+    stop_worker,
     worker,
 )
 from worker.batch_policy import Limits
@@ -30,8 +32,6 @@ from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
 from worker.engines.torch_engine import TorchEngine
 from worker.local_run import LocalRequest, run_local
-from worker.main import build_worker, run_worker
-from worker.settings import load_settings
 
 
 @pytest.fixture
@@ -144,10 +144,8 @@ async def test_steps_go_on_while_a_push_s_reply_is_awaited_and_a_request_s_calls
     that request sends next (here its completion) still waits for the reply, so one
     request's calls never overlap; and the client gets every token once, in order."""
     cfg, c = env
-    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, "engine": "sim",
-                            "time_scale": 0.0})
-    rt, loop = build_worker(s, cfg)
-    real_push, real_finish = rt.push_batches, rt.finish
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.0)
+    real_push, real_finish = rt.push_batches, rt.finish  # patched before the worker first runs
     gate, held_back = asyncio.Event(), asyncio.Event()
     in_flight: list[str] = []
     overlaps: list[str] = []
@@ -176,7 +174,6 @@ async def test_steps_go_on_while_a_push_s_reply_is_awaited_and_a_request_s_calls
         return await calls_of([d.request_id], real_finish(d, *args, **kwargs))
 
     rt.push_batches, rt.finish = pushed, finish  # type: ignore[method-assign]
-    task = asyncio.create_task(run_worker(rt, loop))
     try:
         rid = await c.admit("hold", max_tokens=120)
         deadline = time.monotonic() + 15
@@ -191,9 +188,7 @@ async def test_steps_go_on_while_a_push_s_reply_is_awaited_and_a_request_s_calls
         await c.wait([rid], timeout=30)
     finally:
         gate.set()
-        rt.begin_drain("test over")
-        rt.drain_deadline = time.monotonic()
-        await asyncio.wait_for(task, 30)
+        assert await stop_worker(rt, task) is None
     a = c.answers[rid]
     assert a.done["fin"] == "length" and a.tokens == 120 and a.text == sim_text("hold", 0, 120)
     assert overlaps == [] and finishing == [rid]
@@ -205,10 +200,8 @@ async def test_an_outage_a_step_s_calls_met_is_raised_before_the_next_step_sends
     (counted by loop), and its pushes, in doubt, are settled by the next push's offset check.
     Replaced by the next step's task unsettled, the outage went unseen."""
     cfg, c = env
-    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, "engine": "sim",
-                            "time_scale": 0.0})
-    rt, loop = build_worker(s, cfg)
-    real_push = rt.push_batches
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.0)
+    real_push = rt.push_batches  # patched before the worker first runs
     failed: list[list[str]] = []
 
     async def push_batches(todo: Any) -> Any:
@@ -218,14 +211,11 @@ async def test_an_outage_a_step_s_calls_met_is_raised_before_the_next_step_sends
         return await real_push(todo)
 
     rt.push_batches = push_batches  # type: ignore[method-assign]
-    task = asyncio.create_task(run_worker(rt, loop))
     try:
         rid = await c.admit("outage", max_tokens=20)
         await c.wait([rid], timeout=30)
     finally:
-        rt.begin_drain("test over")
-        rt.drain_deadline = time.monotonic()
-        await asyncio.wait_for(task, 30)
+        assert await stop_worker(rt, task) is None
     assert failed == [[rid]]
     assert metric(rt, "qos_worker_redis_errors_total", loop="worker") == 1
     a = c.answers[rid]

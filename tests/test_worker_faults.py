@@ -13,32 +13,18 @@ import pytest
 
 from limiter.errors import RedisUnavailable
 from limiter.scripts import Scripts
-from tests.support.worker_helpers import release_each_chunk_once_pushed, sim_text, worker
-from worker.main import build_worker, run_worker
-from worker.settings import load_settings
+from tests.support.worker_helpers import (
+    release_each_chunk_once_pushed,
+    sim_text,
+    start_worker,
+    stop_worker,
+    worker,
+)
 
 
 @pytest.fixture
 def env(worker_env):
     return worker_env
-
-
-async def start(cfg, engine_obj=None, **settings):
-    """An in-process worker like tests.support.worker_helpers.worker, with its task exposed."""
-    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, **settings})
-    rt, loop = build_worker(s, cfg, engine_obj)
-    return rt, loop, asyncio.create_task(run_worker(rt, loop))
-
-
-async def stop(rt, task) -> BaseException | None:
-    """Drain now; returns what the worker task raised (None if it ended cleanly)."""
-    rt.begin_drain("test over")
-    rt.drain_deadline = time.monotonic()
-    try:
-        await asyncio.wait_for(task, 30)
-    except BaseException as exc:
-        return exc
-    return None
 
 
 def lose_reply_of_push(monkeypatch, rid_holder: dict, at_offset: int) -> dict:
@@ -110,7 +96,7 @@ async def test_a_lost_push_reply_just_before_max_tokens_does_not_kill_the_worker
     cfg, c = env
     holder: dict = {}
     lose_reply_of_push(monkeypatch, holder, at_offset=0)
-    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.01, flush_tokens=100, flush_ms=10000)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.01, flush_tokens=100, flush_ms=10000)
     try:
         holder["rid"] = rid = await c.admit("abc", max_tokens=2)
         deadline = time.monotonic() + 8
@@ -121,7 +107,7 @@ async def test_a_lost_push_reply_just_before_max_tokens_does_not_kill_the_worker
         a = c.answers[rid]
         assert a.done is not None and a.tokens == 2, (a, await c.record(rid))
     finally:
-        await stop(rt, task)
+        await stop_worker(rt, task)
 
 
 class PoisonUpstream:
@@ -167,8 +153,8 @@ async def test_a_request_that_always_breaks_the_upstream_is_not_retried_for_ever
     cfg, c = env
     up = await PoisonUpstream.make()
     try:
-        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, upstream_retry_min_s=0.05,
-                                      upstream_retry_max_s=0.1)
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url,
+                                             upstream_retry_min_s=0.05, upstream_retry_max_s=0.1)
         try:
             rid = await c.admit("POISON prompt", max_tokens=50)
             deadline = time.monotonic() + 8
@@ -176,7 +162,7 @@ async def test_a_request_that_always_breaks_the_upstream_is_not_retried_for_ever
                 await c.read()
             rec = await c.record(rid)
         finally:
-            await stop(rt, task)
+            await stop_worker(rt, task)
     finally:
         await up.runner.cleanup()
     max_attempts = cfg.pool("tiny").max_attempts
@@ -216,7 +202,7 @@ async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_it
     cfg, c = env
     good = await c.admit("a good request", max_tokens=8)
     bad, state = await _unusable_whose_first_completion_meets_an_outage(c, monkeypatch)
-    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.01)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.01)
     try:
         deadline = time.monotonic() + 8
         while not c.answers[good].finished and time.monotonic() < deadline and not task.done():
@@ -224,7 +210,7 @@ async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_it
         rec = await c.record(good)
         held = sorted(rt.held)
     finally:
-        await stop(rt, task)
+        await stop_worker(rt, task)
     assert state["failed"] == 1
     assert (await c.record(bad))["state"] == "failed"
     assert c.answers[good].finished, (f"{good} never finished: record state {rec['state']!r}, "
@@ -245,7 +231,7 @@ async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_s
     await up.start()
     bad, state = await _unusable_whose_first_completion_meets_an_outage(c, monkeypatch)
     try:
-        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
         try:
             good = await c.admit("served after it", max_tokens=8)
             deadline = time.monotonic() + 6
@@ -254,7 +240,7 @@ async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_s
             died = task.exception() if task.done() else None
             rec = await c.record(bad)
         finally:
-            await stop(rt, task)
+            await stop_worker(rt, task)
     finally:
         await up.runner.cleanup()
     assert state["failed"] == 1
@@ -323,7 +309,7 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
     monkeypatch.setattr(Scripts, "complete", complete)
     up.gate = asyncio.Semaphore(0)  # the chunks come apart: a push each, the fifth at offset 4
     try:
-        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2)
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2)
         try:
             holder["rid"] = rid = await c.admit("abcdefghij" * 3, max_tokens=5)
             await release_each_chunk_once_pushed(c, up, rid, chunks=4)
@@ -336,7 +322,7 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
             rec = await c.record(rid)
             held = sorted(rt.held)
         finally:
-            await stop(rt, task)
+            await stop_worker(rt, task)
     finally:
         up.gate.release()  # the finish chunk: the handler finds the stream the cancel closed
         await up.runner.cleanup()
@@ -381,12 +367,12 @@ async def test_an_upstream_json_error_without_an_error_key_reaches_the_client_as
     cfg, c = env
     runner, url = await _json_error_upstream(400, body)
     try:
-        rt, _loop, task = await start(cfg, engine="openai", upstream_url=url)
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=url)
         try:
             rid = await c.admit("some prompt", max_tokens=8)
             await c.wait([rid], timeout=10)
         finally:
-            await stop(rt, task)
+            await stop_worker(rt, task)
     finally:
         await runner.cleanup()
     msg = c.answers[rid].error["msg"]
@@ -433,14 +419,14 @@ async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(redis_ser
         for i in range(30):  # ~50 tokens each against a 100 tokens/s ceiling (burst 50)
             await c.admit(f"w{i} " + "x" * 20, cls="P2", max_tokens=10)
         extra = {"upstream_url": up.url, "max_inflight": 8} if engine == "openai" else {"time_scale": 0.01}
-        rt, _loop, task = await start(cfg, engine=engine, **extra)
+        rt, _loop, task = await start_worker(cfg, engine=engine, **extra)
         try:
             await asyncio.sleep(1.0)
             t0, n0 = time.monotonic(), calls["n"]
             await asyncio.sleep(2.0)
             rate = (calls["n"] - n0) / (time.monotonic() - t0)
         finally:
-            await stop(rt, task)
+            await stop_worker(rt, task)
     finally:
         await up.runner.cleanup()
         await r.aclose()
@@ -480,7 +466,7 @@ async def test_a_late_renew_reply_about_an_old_attempt_does_not_drop_the_new_one
         return res
 
     monkeypatch.setattr(Scripts, "renew_leases", renew_leases)
-    rt, loop, task = await start(cfg, engine="sim", time_scale=0.01, lease_ms=1500)
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.01, lease_ms=1500)
     try:
         rid = await c.admit("a long stream", max_tokens=100000)
         await c.wait_tokens(rid, 1)
@@ -493,7 +479,7 @@ async def test_a_late_renew_reply_about_an_old_attempt_does_not_drop_the_new_one
         held = rid in rt.held and rt.held[rid].fence == state["new_fence"]
         running = rid in loop.sched
     finally:
-        await stop(rt, task)
+        await stop_worker(rt, task)
     assert held and running, (f"the new attempt (fence {state['new_fence']}) was dropped: held {held}, "
                               f"running {running}")
 
@@ -585,8 +571,8 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
 
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     try:
-        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
-                                      flush_tokens=1)
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
+                                             flush_tokens=1)
         box["rt"] = rt
         try:
             box["rid"] = rid = await c.admit("SLOW " + "abcdefghij" * 12, max_tokens=30)
@@ -599,7 +585,7 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
             held = rid in rt.held and rt.held[rid].fence == box["new_fence"]
             tracked = rid in _loop.tasks
         finally:
-            await stop(rt, task)
+            await stop_worker(rt, task)
     finally:
         await up.runner.cleanup()
     assert held and tracked, (f"the new attempt (fence {box['new_fence']}) was dropped by the old one's "
@@ -639,8 +625,8 @@ async def test_openai_an_old_attempts_completion_does_not_spin_while_a_new_attem
 
     monkeypatch.setattr(Scripts, "complete", complete)
     try:
-        rt, _loop, task = await start(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
-                                      flush_tokens=1000, flush_ms=10000)
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
+                                             flush_tokens=1000, flush_ms=10000)
         box["rt"] = rt
         try:
             # the old attempt ends by "stop" short of max_tokens; the new one resumes (prompt + the
@@ -652,7 +638,7 @@ async def test_openai_an_old_attempts_completion_does_not_spin_while_a_new_attem
             await asyncio.sleep(0.5)
             calls, spent = box["old_calls"], time.monotonic() - box["t0"]
         finally:
-            await stop(rt, task)
+            await stop_worker(rt, task)
     finally:
         await up.runner.cleanup()
     assert calls <= 3, f"{calls} complete calls for the old attempt in {spent:.2f} s"
@@ -679,8 +665,8 @@ async def test_openai_cancel_arriving_while_a_broken_stream_is_handed_back_does_
         return await real(self, keys, **kw)
 
     monkeypatch.setattr(Scripts, "release", release)
-    rt, loop, task = await start(cfg, engine="openai", upstream_url=up.url, flush_tokens=1, lease_ms=1000,
-                                 upstream_retry_min_s=30, upstream_retry_max_s=30)
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, flush_tokens=1,
+                                        lease_ms=1000, upstream_retry_min_s=30, upstream_retry_max_s=30)
     try:
         rid = await c.admit("SLOW " + "abcdefghij" * 30, max_tokens=500)
         await c.wait_tokens(rid, 3)
@@ -700,7 +686,7 @@ async def test_openai_cancel_arriving_while_a_broken_stream_is_handed_back_does_
         assert rid not in rt.held
     finally:
         gate.set()
-        await stop(rt, task)
+        await stop_worker(rt, task)
         await up.runner.cleanup()
 
 
@@ -714,7 +700,7 @@ async def test_a_failed_completion_is_retried_while_other_requests_keep_the_batc
     cfg, c = env
     good = await c.admit("a long stream", max_tokens=100000)
     bad, state = await _unusable_whose_first_completion_meets_an_outage(c, monkeypatch)
-    rt, loop, task = await start(cfg, engine="sim", time_scale=0.05)
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.05)
     try:
         deadline = time.monotonic() + 10
         while state["failed"] == 0 and time.monotonic() < deadline and not task.done():
@@ -727,7 +713,7 @@ async def test_a_failed_completion_is_retried_while_other_requests_keep_the_batc
         bad_state = (await c.record(bad)).get("state")
         good_running = good in loop.sched
     finally:
-        await stop(rt, task)
+        await stop_worker(rt, task)
     assert good_running, "the long request stopped running: the test proves nothing"
     assert bad_state == "failed", (f"{bad}'s completion was never retried while {good} ran: "
                                    f"record state {bad_state!r}")
@@ -756,7 +742,7 @@ async def test_tokens_redis_refuses_for_one_request_fail_that_request_not_the_wo
     # push: every token is pushed at once (the push at offset 10 is refused); complete: the
     # first token is pushed, the rest rides on complete (60 tokens, refused)
     flush = {"flush_tokens": 1} if where == "push" else {"flush_tokens": 100000, "flush_ms": 10000}
-    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.05, max_seqs=4, **flush)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.05, max_seqs=4, **flush)
     try:
         deadline = time.monotonic() + 30
         while not (c.answers[bad].finished and c.answers[other].finished) and not task.done():
@@ -775,7 +761,7 @@ async def test_tokens_redis_refuses_for_one_request_fail_that_request_not_the_wo
         await c.wait([again], timeout=30)
         assert c.answers[again].done is not None and c.answers[again].tokens == 8
     finally:
-        stopped = await stop(rt, task)
+        stopped = await stop_worker(rt, task)
     assert stopped is None, f"the worker ended with {stopped!r}"
 
 
@@ -817,8 +803,8 @@ async def test_a_hopeless_drain_leaves_none_of_the_last_steps_calls_behind(env, 
         return t
 
     monkeypatch.setattr(asyncio, "create_task", create_task)
-    rt, _loop, task = await start(cfg, engine="sim", time_scale=0.2, flush_tokens=1, heartbeat_s=0.1,
-                                  lease_ms=1000, drain_timeout_s=120)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, flush_tokens=1, heartbeat_s=0.1,
+                                         lease_ms=1000, drain_timeout_s=120)
     state["rt"] = rt
     try:
         rid = await c.admit("a long answer", max_tokens=100000)

@@ -150,20 +150,38 @@ class Client:
         return out
 
 
+async def start_worker(cfg: QosConfig, engine_obj: Engine | None = None, **settings: Any
+                       ) -> tuple[WorkerRuntime, Any, asyncio.Task[int]]:
+    """An in-process worker (the real runtime and loop) running as a task: its runtime, its
+    loop and the task. The task has not run yet: the runtime may be patched before the
+    caller's next await."""
+    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, **settings})
+    rt, loop = build_worker(s, cfg, engine_obj)
+    return rt, loop, asyncio.create_task(run_worker(rt, loop))
+
+
+async def stop_worker(rt: WorkerRuntime, task: asyncio.Task[int]) -> BaseException | None:
+    """Drain now; returns what the worker task raised (None if it ended cleanly)."""
+    rt.begin_drain("test over")
+    rt.drain_deadline = time.monotonic()
+    try:
+        await asyncio.wait_for(task, 30)
+    except BaseException as exc:
+        return exc
+    return None
+
+
 @contextlib.asynccontextmanager
 async def worker(cfg: QosConfig, engine_obj: Engine | None = None, **settings: Any
                  ) -> AsyncIterator[WorkerRuntime]:
     """An in-process worker (the real runtime and loop) for the duration of the block;
-    drained on exit."""
-    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "idle_block_s": 0.2, **settings})
-    rt, loop = build_worker(s, cfg, engine_obj)
-    task = asyncio.create_task(run_worker(rt, loop))
+    drained on exit (what the worker raised is raised there)."""
+    rt, _loop, task = await start_worker(cfg, engine_obj, **settings)
     try:
         yield rt
     finally:
-        rt.begin_drain("test over")
-        rt.drain_deadline = time.monotonic()
-        await asyncio.wait_for(task, 30)
+        if (exc := await stop_worker(rt, task)) is not None:
+            raise exc
 
 
 async def blocked_on_the_wake_list(c: Client, timeout: float = 30.0) -> None:
