@@ -130,3 +130,18 @@ def test_the_fit_is_solved_once_between_two_steps_and_anew_after_each() -> None:
         assert cached.cost() == fresh.cost() == cached.cost()
         assert cached.budget([0]) == fresh.budget([0])
         assert solves == i + 1  # once for the three asks since the last step
+
+
+def test_a_step_whose_decoders_have_no_tpot_target_is_sized_without_solving_the_fit() -> None:
+    """Without a TPOT target among the decoders (none decoding: an idle worker's first step,
+    every first token's) the answer is the most allowed whatever the fit says: it is not
+    solved for (up to four 3x3 solves, most of that step's CPU)."""
+    budget = StepBudget(BudgetConfig((50.0, None), min_budget=8, max_budget=64))
+    for p in (0, 100, 300, 50, 200):  # a fit that stands
+        budget.observe(p, 4, 2.0 + 0.01 * p + 0.5 * 4)
+    solves = []
+    real = budget._fit._solved
+    budget._fit._solved = lambda: solves.append(1) or real()  # type: ignore[method-assign]
+    assert budget.size([], 64) == 64 and budget.size([1, 1], 200) == 200 and solves == []
+    budget.size([0, 1], 64)  # a P0 decodes: its target sizes the step
+    assert solves == [1]

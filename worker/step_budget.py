@@ -204,8 +204,10 @@ class StepBudget:
         (worker/batch_scheduler.py), still held to the targets."""
         c = self.config
         target = self.target_ms(decoding_ranks)
+        if target is None:  # before the fit: an idle worker's first step (its TTFT) solved it for nothing
+            return most
         fit = self.cost()
-        if target is None or (fit is None and self._ms_per_token <= 0):
+        if fit is None and self._ms_per_token <= 0:
             return most
         if fit is None:  # still learning the device: err small
             return int(min(most, max(c.min_budget, target / self._ms_per_token)))
