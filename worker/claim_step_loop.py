@@ -96,7 +96,11 @@ class StepLoop:
         # classes whose tenants share slots evenly (ClassConfig.fair); others run in arrival order
         self._fair = {c.name: c.fair for c in rt.cfg.classes}
         self._empty_claims = 0  # consecutive claims that found nothing despite a wake marker
-        self._next_claim = 0.0  # monotonic time before which no claim is made
+        self._next_claim = 0.0  # monotonic time before which no claim is made (a back-off)
+        # ... and before which a busy worker does not look at the wake list again (every
+        # wake_check_ms). Its own timer: on the back-off's, an idle worker woken by a marker
+        # slept the rest of a busy look's wake_check_ms before claiming.
+        self._next_look = 0.0
         self._next_lookahead = 0.0  # ... and no look-ahead claim (after one that found nothing)
         # An idle worker claims without a wake marker only at start and after a wait on the
         # wake list (see _pull); one that has just gone idle waits first.
@@ -330,10 +334,10 @@ class StepLoop:
             return
         now = time.monotonic()
         if held:
-            if now < self._next_claim or (slots <= 0 and now < self._next_lookahead):
+            if now < self._next_claim or now < self._next_look or (slots <= 0 and now < self._next_lookahead):
                 return
             if not await self.rt.take_wake_marker():
-                self._next_claim = now + s.wake_check_ms / 1e3  # nothing announced: look again soon
+                self._next_look = now + s.wake_check_ms / 1e3  # nothing announced: look again soon
                 return
         elif not self._idle_claim_due:
             # Just gone idle. Whatever is queued now was announced on the wake list (admit, a
@@ -348,6 +352,7 @@ class StepLoop:
         got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
         if got:
             self._empty_claims, self._next_claim, self._next_lookahead = 0, 0.0, 0.0
+            self._next_look = 0.0  # what arrived during the claim's round trip: looked for at once
             self._idle_claim_due = False
             await self._start_all(got)
             return
@@ -739,3 +744,4 @@ class StepLoop:
                 "max_seqs": self.limits.max_seqs, "chunked_prefill": int(self.limits.chunked_prefill),
                 "preemptions": self.sched.preemptions, "recompute_tokens": self.sched.recompute_tokens,
                 "work_done": round(self._work_done, 1)}
+
