@@ -346,3 +346,44 @@ async def test_requests_that_finish_at_one_step_are_completed_in_one_call(env) -
     # their first tokens came at one step too: one push (what qos bench redis-budget's
     # "push_tokens (first) x8" assumes of requests claimed together)
     assert pushes[0] == [(0, 1)] * 4, pushes
+
+
+
+
+async def test_a_step_s_push_goes_out_during_the_next_step(env) -> None:
+    """A step's only call (a push, or a completion) is awaited in the calls' own task, which
+    first runs when the next step yields: the tokens go out during that step. gather made each
+    call a task of its own, started a loop turn later: behind a null engine, whose step yields
+    once, a push went out after the next step, two steps after its tokens were made."""
+    cfg, c = env
+    # a push every 4 tokens; no look at the wake list after the first (its wait lets tasks run)
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.0, flush_tokens=4,
+                                        wake_check_ms=10_000)
+    real_push, real_step = rt.push_batches, loop.sched.step  # patched before the worker first runs
+    stepped = 0
+    pushes: list[tuple[int, int]] = []  # (engine steps done when the push was sent, tokens it covers)
+
+    async def push_batches(todo: Any) -> Any:
+        pushes.extend((stepped, b.offset + b.count) for _, b in todo)
+        return await real_push(todo)
+
+    async def step() -> Any:
+        nonlocal stepped
+        res = await real_step()
+        stepped += 1
+        # the last step's push landed before this step ends: no push is put off to a later step
+        if loop._io is not None:
+            await asyncio.wait({loop._io}, timeout=30)
+        return res
+
+    rt.push_batches, loop.sched.step = push_batches, step  # type: ignore[method-assign]
+    try:
+        await blocked_on_the_wake_list(c)
+        rid = await c.admit("every four", max_tokens=40)
+        await c.wait([rid], timeout=30)
+    finally:
+        assert await stop_worker(rt, task) is None
+    assert [tokens for _, tokens in pushes] == list(range(1, 40, 4)), pushes
+    assert all(steps == tokens for steps, tokens in pushes), pushes
+    a = c.answers[rid]
+    assert a.done["fin"] == "length" and a.tokens == 40 and a.text == sim_text("every four", 0, 40)

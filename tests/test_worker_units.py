@@ -1143,3 +1143,31 @@ async def test_news_of_an_old_attempt_that_was_not_running_does_not_drop_its_re_
     await loop._apply_signals()
     assert "r1" in loop.sched and rt.held.get("r1") is new, "the re-claimed attempt was dropped"
 
+
+async def test_calls_made_one_by_one_return_their_errors_and_close_what_a_cancel_left() -> None:
+    """The step's calls awaited in its own task (one of them at most waits on Redis): each
+    error comes back in its call's place, as gather(return_exceptions=True) gives it; a
+    cancel (a hopeless drain) closes the calls not reached, never started and never awaited."""
+    from worker.claim_step_loop import _one_by_one
+
+    async def answer(x: int) -> int:
+        return x
+
+    async def refused() -> int:
+        raise LeaseLost("r1", "lost (the test)")
+
+    first, error, last = await _one_by_one([answer(1), refused(), answer(3)])
+    assert (first, last) == (1, 3) and isinstance(error, LeaseLost)
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def waiting() -> None:
+        started.set()
+        await gate.wait()
+
+    never = answer(4)
+    task = asyncio.create_task(_one_by_one([waiting(), never]))
+    await asyncio.wait_for(started.wait(), 5)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert never.cr_frame is None  # closed: no "coroutine was never awaited" at exit

@@ -38,7 +38,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from limiter.config import ClassConfig
@@ -620,8 +620,14 @@ class StepLoop:
         ``push_tokens`` call for every batch) and the cancel check, concurrently; what they
         learn (cancelled, lease lost) is applied at the next iteration."""
         calls = {d.request_id: (d, self.rt.finish(d, "ok", reason)) for d, reason in finishing}
-        results = await asyncio.gather(*(c for _, c in calls.values()), self.rt.push_batches(pushes),
-                                       self.rt.cancelled(live), return_exceptions=True)
+        every = [*(c for _, c in calls.values()), self.rt.push_batches(pushes), self.rt.cancelled(live)]
+        if len(finishing) + bool(pushes) + bool(live) <= 1:
+            # One call with a round trip (the others return at once): awaited in this task.
+            # gather makes each call a task, which starts a loop turn later: behind a null
+            # engine's step a first token's push went out two steps after the token.
+            results = await _one_by_one(every)
+        else:
+            results = await asyncio.gather(*every, return_exceptions=True)
         outage: BaseException | None = None
         news: list[tuple[Delivery, Any]] = [(d, r) for (d, _), r in
                                             zip(calls.values(), results, strict=False)]
@@ -745,3 +751,20 @@ class StepLoop:
                 "preemptions": self.sched.preemptions, "recompute_tokens": self.sched.recompute_tokens,
                 "work_done": round(self._work_done, 1)}
 
+
+
+async def _one_by_one(calls: list[Coroutine[Any, Any, Any]]) -> list[Any]:
+    """``asyncio.gather(*calls, return_exceptions=True)`` in this task, one call after the
+    other: for calls of which one at most waits on Redis. Those not reached when this task is
+    cancelled are closed (never started, nothing to warn about)."""
+    out: list[Any] = []
+    try:
+        for call in calls:
+            try:
+                out.append(await call)
+            except Exception as exc:
+                out.append(exc)
+    finally:
+        for call in calls[len(out):]:
+            call.close()
+    return out
