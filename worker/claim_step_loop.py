@@ -752,7 +752,6 @@ class StepLoop:
                 "work_done": round(self._work_done, 1)}
 
 
-
 async def _one_by_one(calls: list[Coroutine[Any, Any, Any]]) -> list[Any]:
     """``asyncio.gather(*calls, return_exceptions=True)`` in this task, one call after the
     other: for calls of which one at most waits on Redis. Those not reached when this task is

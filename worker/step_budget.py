@@ -204,7 +204,7 @@ class StepBudget:
         (worker/batch_scheduler.py), still held to the targets."""
         c = self.config
         target = self.target_ms(decoding_ranks)
-        if target is None:  # before the fit: an idle worker's first step (its TTFT) solved it for nothing
+        if target is None:  # the fit would go unused: not solved (an idle worker's first step solved it)
             return most
         fit = self.cost()
         if fit is None and self._ms_per_token <= 0:
