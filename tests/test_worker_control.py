@@ -18,11 +18,12 @@ from tests.support.worker_helpers import (
     config,
     sim_text,
     spawn_worker,
+    start_worker,
     stop_process,
     worker,
     write_config,
 )
-from worker.main import build_worker, run_worker
+from worker.main import build_worker
 from worker.settings import load_settings
 
 
@@ -71,10 +72,8 @@ async def test_cancellation_stops_generation_within_one_step(env) -> None:
 
 async def test_drain_hands_back_unstarted_work_at_once_and_finishes_running_work(env) -> None:
     cfg, c = env
-    s = load_settings(cfg, {"pool": "tiny", "engine": "sim", "time_scale": 0.5, "max_seqs": 1,
-                            "token_budget": 64, "claim_ahead": 1, "idle_block_s": 0.2})
-    rt, loop = build_worker(s, cfg)
-    task = asyncio.create_task(run_worker(rt, loop))
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.5, max_seqs=1, token_budget=64,
+                                         claim_ahead=1)
     running = await c.admit("first", max_tokens=80)
     await c.wait_tokens(running, 3)
     queued = await c.admit("second", max_tokens=80)
@@ -292,9 +291,8 @@ async def test_a_push_failing_just_before_the_drain_deadline_does_not_keep_the_w
     from limiter.scripts import Scripts
 
     cfg, c = env
-    s = load_settings(cfg, {"pool": "tiny", "engine": "sim", "time_scale": 0.2, "flush_tokens": 1,
-                            "idle_block_s": 0.2, "drain_timeout_s": 60})
-    rt, loop = build_worker(s, cfg)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, flush_tokens=1,
+                                         drain_timeout_s=60)
     real = Scripts.push_tokens_many
     state = {"failed": 0}
 
@@ -304,8 +302,7 @@ async def test_a_push_failing_just_before_the_drain_deadline_does_not_keep_the_w
             raise RedisUnavailable("Connection reset by peer")
         return await real(self, keys, worker_id, batches, lease_ms, **kw)
 
-    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
-    task = asyncio.create_task(run_worker(rt, loop))
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)  # before the worker first runs
     try:
         rid = await c.admit("hand me back", max_tokens=100000)
         await c.wait_tokens(rid, 3)

@@ -27,7 +27,9 @@ from tests.support.worker_helpers import (
     count_claims,
     release_each_chunk_once_pushed,
     spawn_worker,
+    start_worker,
     stop_process,
+    stop_worker,
     worker,
     write_config,
 )
@@ -353,10 +355,9 @@ async def test_a_wake_marker_taken_as_the_breaker_opens_is_put_back(env) -> None
     the list, so that an idle worker whose upstream answers wakes at once, not when its own
     wait runs out (idle_block_s)."""
     cfg, c, up = env
-    s = load_settings(cfg, {"pool": "tiny", "heartbeat_s": 0.2, "engine": "openai", "upstream_url": up.url,
-                            "idle_block_s": 30.0, "upstream_retry_min_s": 30.0, "upstream_retry_max_s": 60.0})
-    rt, loop = build_worker(s, cfg)
-    real_wait = rt.wait_for_work
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, idle_block_s=30.0,
+                                        upstream_retry_min_s=30.0, upstream_retry_max_s=60.0)
+    real_wait = rt.wait_for_work  # patched before the worker first runs
 
     async def wait_then_a_stream_fails() -> bool:
         got = await real_wait()
@@ -364,7 +365,6 @@ async def test_a_wake_marker_taken_as_the_breaker_opens_is_put_back(env) -> None
             loop.breaker.trip("a stream failed while the worker waited")
         return got
     rt.wait_for_work = wait_then_a_stream_fails  # type: ignore[method-assign]
-    task = asyncio.create_task(run_worker(rt, loop))
     try:
         await blocked_on_the_wake_list(c)
         rid = await c.admit("announced while a stream broke", max_tokens=5)
@@ -374,9 +374,7 @@ async def test_a_wake_marker_taken_as_the_breaker_opens_is_put_back(env) -> None
             await asyncio.sleep(0.01)
         assert (await c.record(rid))["state"] == "queued"
     finally:
-        rt.begin_drain("test over")
-        rt.drain_deadline = time.monotonic()
-        await asyncio.wait_for(task, 30)
+        assert await stop_worker(rt, task) is None
 
 
 def test_upstream_env_defaults() -> None:
