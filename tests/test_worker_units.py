@@ -856,7 +856,7 @@ async def test_a_busy_look_that_found_nothing_does_not_hold_back_the_claim_once_
     """A busy worker's look at the wake list that found nothing times the next look, not a
     claim back-off: on one timer, a worker that went idle right after such a look and was
     woken by a marker slept the rest of wake_check_ms before claiming (the new request's
-    TTFT; up to 2 ms by default, ~a quarter of the requests at 200 req/s)."""
+    TTFT: up to 2 ms more by default)."""
     from worker.claim_step_loop import StepLoop
     from worker.settings import WorkerSettings
 
