@@ -348,8 +348,6 @@ async def test_requests_that_finish_at_one_step_are_completed_in_one_call(env) -
     assert pushes[0] == [(0, 1)] * 4, pushes
 
 
-
-
 async def test_a_step_s_push_goes_out_during_the_next_step(env) -> None:
     """A step's only call (a push, or a completion) is awaited in the calls' own task, which
     first runs when the next step yields: the tokens go out during that step. gather made each

@@ -830,6 +830,18 @@ async def test_an_idle_worker_backs_off_only_when_claim_left_work_it_cannot_take
         assert loop._empty_claims == 0 and backoff_ends == [0.0] * 4
 
 
+def _looks_finding_nothing(rt: Any) -> list[float]:
+    """From now on ``rt``'s looks at the wake list find no marker; when each was made (monotonic)."""
+    looks: list[float] = []
+
+    async def no_marker() -> bool:
+        looks.append(time.monotonic())
+        return False
+
+    rt.take_wake_marker = no_marker
+    return looks
+
+
 async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:
     """A worker with requests held and room for more looks at the wake list (one LPOP) again
     within wake_check_ms when it found nothing there -- not after the longer claim interval."""
@@ -839,13 +851,7 @@ async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:
     rt = _FullWorkerRuntime()
     rt.settings = WorkerSettings(max_seqs=4, token_budget=8, claim_interval_ms=500, wake_check_ms=3)
     rt.held["run"] = _delivery()
-    looks: list[float] = []
-
-    async def no_marker() -> bool:
-        looks.append(time.monotonic())
-        return False
-
-    rt.take_wake_marker = no_marker  # type: ignore[method-assign]
+    looks = _looks_finding_nothing(rt)
     loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=4))  # type: ignore[arg-type]
     await loop._pull()
     assert len(looks) == 1 and rt.claims == []
@@ -862,13 +868,7 @@ async def test_a_busy_look_that_found_nothing_does_not_hold_back_the_claim_once_
 
     rt = _IdleWorkerRuntime(backlog=False)  # every claim finds nothing; a marker wakes every wait
     rt.settings = WorkerSettings(max_seqs=4, token_budget=8, wake_check_ms=10_000)  # plain if slept
-    looks: list[float] = []
-
-    async def no_marker() -> bool:
-        looks.append(time.monotonic())
-        return False
-
-    rt.take_wake_marker = no_marker  # type: ignore[attr-defined]
+    looks = _looks_finding_nothing(rt)
     loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=4))  # type: ignore[arg-type]
     rt.held["run"] = _delivery()
     await loop._pull()  # busy with room: a look that finds nothing

@@ -624,7 +624,7 @@ class StepLoop:
         if len(finishing) + bool(pushes) + bool(live) <= 1:
             # One call with a round trip (the others return at once): awaited in this task.
             # gather makes each call a task, which starts a loop turn later: behind a null
-            # engine's step a first token's push went out two steps after the token.
+            # engine's step a push went out two steps after its tokens.
             results = await _one_by_one(every)
         else:
             results = await asyncio.gather(*every, return_exceptions=True)
