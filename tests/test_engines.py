@@ -90,8 +90,15 @@ async def test_engines_reject_plans_that_do_not_match_their_state() -> None:
             eng.add("a", [1], SamplingParams())  # duplicate
         with pytest.raises(InvalidArgument):
             eng.add("b", [999], SamplingParams())
+        with pytest.raises(InvalidArgument, match="twice"):
+            await eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 2), PrefillChunk("a", 0, 2))))
         out = await eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 4),)))  # state unharmed
         assert set(out) == {"a"}
+        with pytest.raises(InvalidArgument, match="twice"):
+            await eng.step(StepPlan(decode=("a", "a")))
+        eng.add("b", [BOS_ID, 1], SamplingParams())
+        out = await eng.step(StepPlan(decode=("a",), prefill=(PrefillChunk("b", 0, 2),)))
+        assert set(out) == {"a", "b"}
 
 
 # --- torch -------------------------------------------------------------------------------

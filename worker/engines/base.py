@@ -172,35 +172,42 @@ class SequenceTable:
         except KeyError:
             raise InvalidArgument("seq_id", f"unknown sequence {seq_id!r}") from None
 
-    def get(self, seq_id: str) -> SeqEntry:
-        try:
-            return self.seqs[seq_id]
-        except KeyError:
-            raise InvalidArgument("plan", f"plan names unknown sequence {seq_id!r}") from None
-
-    def validate(self, plan: StepPlan) -> None:
-        """Reject a plan that does not match the sequences' state (before any compute)."""
-        seen: set[str] = set()
-        new_tokens = len(plan.decode)
+    def validate(self, plan: StepPlan) -> tuple[list[SeqEntry], list[SeqEntry]]:
+        """Reject a plan that does not match the sequences' state (before any compute).
+        Returns the entries of its decoders and of its chunks, in the plan's order: a step
+        looks each sequence up once (the engine's lookups were a tenth of a null-engine
+        step's CPU at 128 sequences)."""
+        seqs, most = self.seqs, self.max_seq_len
+        decoders: list[SeqEntry] = []
         for sid in plan.decode:
-            e = self.get(sid)
-            if sid in seen or not e.decoding:
-                raise InvalidArgument("plan", f"{sid!r} cannot decode (duplicate or still prefilling)")
-            if len(e.ids) > self.max_seq_len:  # the decode writes position len(ids) - 1
-                raise InvalidArgument("plan", f"{sid!r} reached max_seq_len {self.max_seq_len}")
-            seen.add(sid)
+            e = seqs.get(sid)
+            if e is None:
+                raise InvalidArgument("plan", f"plan names unknown sequence {sid!r}")
+            if e.kv_len < e.prompt_len:
+                raise InvalidArgument("plan", f"{sid!r} cannot decode (still prefilling)")
+            if len(e.ids) > most:  # the decode writes position len(ids) - 1
+                raise InvalidArgument("plan", f"{sid!r} reached max_seq_len {most}")
+            decoders.append(e)
+        chunks: list[SeqEntry] = []
+        new_tokens = len(decoders)
         for c in plan.prefill:
-            e = self.get(c.request_id)
-            if c.request_id in seen or c.start != e.kv_len or c.length < 1:
+            e = seqs.get(c.request_id)
+            if e is None:
+                raise InvalidArgument("plan", f"plan names unknown sequence {c.request_id!r}")
+            if c.start != e.kv_len or c.length < 1:
                 raise InvalidArgument(
                     "plan", f"chunk {c} does not continue {c.request_id!r} at KV length {e.kv_len}"
                 )
             if c.start + c.length > e.prompt_len:
                 raise InvalidArgument("plan", f"chunk {c} runs past the prompt ({e.prompt_len} tokens)")
-            seen.add(c.request_id)
+            chunks.append(e)
             new_tokens += c.length
+        named = len(decoders) + len(chunks)
+        if len({*plan.decode, *(c.request_id for c in plan.prefill)}) != named:
+            raise InvalidArgument("plan", "plan names a sequence twice")
         used = sum(e.kv_len for e in self.seqs.values())
         if used + new_tokens > self.kv_capacity_tokens:
             raise InvalidArgument(
                 "plan", f"plan needs {used + new_tokens} KV tokens, capacity is {self.kv_capacity_tokens}"
             )
+        return decoders, chunks

@@ -109,30 +109,32 @@ class SimEngine:
 
     def plan_cost(self, plan: StepPlan) -> float:
         """Modelled seconds for ``plan`` given current sequence state (before ``time_scale``)."""
-        self._table.validate(plan)
-        context = sum(self._table.get(s).kv_len + 1 for s in plan.decode)
-        context += sum(c.start + c.length for c in plan.prefill)
-        return self.cost.cost(plan.prefill_tokens, len(plan.decode), context)
+        decoders, _ = self._table.validate(plan)
+        return self._cost(plan, decoders)
+
+    def _cost(self, plan: StepPlan, decoders: list[SeqEntry]) -> float:
+        context = sum(e.kv_len + 1 for e in decoders) + sum(c.start + c.length for c in plan.prefill)
+        return self.cost.cost(plan.prefill_tokens, len(decoders), context)
 
     async def step(self, plan: StepPlan) -> dict[str, int]:
         if self._busy:
             raise RuntimeError("SimEngine.step called while another step is running")
-        seconds = self.plan_cost(plan)
+        entries, chunk_entries = self._table.validate(plan)
+        seconds = self._cost(plan, entries)
         self.last_step_cost_s = seconds
-        decoders = [(sid, self._table.get(sid)) for sid in plan.decode]
-        chunks = [(c, self._table.get(c.request_id)) for c in plan.prefill]
         self._busy = True
         try:
             await asyncio.sleep(seconds * self.time_scale)
         finally:
             self._busy = False
         out: dict[str, int] = {}
-        for sid, e in decoders:
-            if self._table.seqs.get(sid) is e:  # skip sequences removed during the step
+        seqs = self._table.seqs
+        for sid, e in zip(plan.decode, entries, strict=True):
+            if seqs.get(sid) is e:  # skip sequences removed during the step
                 e.kv_len += 1
                 out[sid] = self._emit(e)
-        for c, e in chunks:
-            if self._table.seqs.get(c.request_id) is e:
+        for c, e in zip(plan.prefill, chunk_entries, strict=True):
+            if seqs.get(c.request_id) is e:
                 e.kv_len += c.length
                 if e.kv_len == e.prompt_len:
                     out[c.request_id] = self._emit(e)

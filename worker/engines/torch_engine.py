@@ -214,9 +214,10 @@ class TorchEngine:
     async def step(self, plan: StepPlan) -> dict[str, int]:
         if self._busy:
             raise RuntimeError("TorchEngine.step called while another step is running")
-        self._table.validate(plan)
-        decoders = [(sid, self._table.get(sid), self._caches[sid]) for sid in plan.decode]
-        chunks = [(c, self._table.get(c.request_id), self._caches[c.request_id]) for c in plan.prefill]
+        entries, chunk_entries = self._table.validate(plan)
+        caches = self._caches
+        decoders = [(sid, e, caches[sid]) for sid, e in zip(plan.decode, entries, strict=True)]
+        chunks = [(c, e, caches[c.request_id]) for c, e in zip(plan.prefill, chunk_entries, strict=True)]
         self._busy = True
         try:
             results = await asyncio.to_thread(self._compute, decoders, chunks)
