@@ -55,10 +55,16 @@ def test_encode_rejects_non_str() -> None:
 def test_feeding_one_id_is_feeding_a_list_of_it() -> None:
     """feed_one (the scheduler's, a token a step) decodes as feed([id]) does, partial UTF-8
     characters and invalid bytes included, and refuses what feed refuses."""
-    ids = [*encode("a€é\n"), 0xE2, 0x82, BOS_ID, 0xFF, 0x41, EOS_ID, PAD_ID, *range(256)]
+    ids = [*encode("a€é\n"), 0xE2, 0x82, BOS_ID, 0xFF, 0x41, EOS_ID, PAD_ID, *range(256),
+           # ASCII ids after begun characters
+           0xE4, 0x41, 0xC3, BOS_ID, 0x42, 0xE2, 0x82, 0x43, 0xF0, 0x9F, 0x8E, 0x89, 0x44]
     one, listed = IncrementalDecoder(), IncrementalDecoder()
     assert [one.feed_one(i) for i in ids] == [listed.feed([i]) for i in ids]
     assert one.flush() == listed.flush()
+    one.feed([0xE4, 0xB8])  # a character begun by feed, then an ASCII id
+    assert one.feed_one(0x41) == "\ufffdA"
+    one.feed([0xE4])  # a character begun, then the stream ended: the next ASCII id is its own
+    assert one.flush() == "\ufffd" and one.feed_one(0x41) == "A"
     for bad in (-1, VOCAB_SIZE, True, 1.0, "a", None):
         with pytest.raises(InvalidArgument):
             IncrementalDecoder().feed_one(bad)  # type: ignore[arg-type]

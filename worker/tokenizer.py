@@ -22,6 +22,7 @@ EOS_ID = 257
 PAD_ID = 258
 VOCAB_SIZE = 259
 _BYTES = [bytes((b,)) for b in range(256)]  # id -> its byte, made once
+_ASCII = [chr(b) for b in range(128)]  # an ASCII id -> its text
 
 
 def encode(text: str, *, bos: bool = False) -> list[int]:
@@ -52,6 +53,7 @@ class IncrementalDecoder:
 
     def __init__(self) -> None:
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self._partial = False  # the UTF-8 decoder holds the first bytes of a character
 
     def feed(self, ids: Iterable[int]) -> str:
         """Consume ``ids``; return the text completed by them (possibly ``""``)."""
@@ -60,13 +62,24 @@ class IncrementalDecoder:
             _check_id(i)
             if i < 256:
                 buf.append(i)
-        return self._utf8.decode(bytes(buf), final=False)
+        out = self._utf8.decode(bytes(buf), final=False)
+        self._partial = bool(self._utf8.getstate()[0])
+        return out
 
     def feed_one(self, token_id: int) -> str:
-        """:meth:`feed` for one id: what a step produces for a sequence, once a step each."""
+        """:meth:`feed` for one id: what a step produces for a sequence, once a step each.
+        An ASCII byte with no character begun is its own text: most tokens of most text,
+        one table lookup instead of the UTF-8 decoder (a tenth of a null-engine step)."""
+        if type(token_id) is int and 0 <= token_id < 128 and not self._partial:
+            return _ASCII[token_id]
         _check_id(token_id)
-        return self._utf8.decode(_BYTES[token_id], False) if token_id < 256 else ""
+        if token_id >= 256:
+            return ""
+        out = self._utf8.decode(_BYTES[token_id], False)
+        self._partial = bool(self._utf8.getstate()[0])
+        return out
 
     def flush(self) -> str:
         """End of stream: return any dangling partial character as U+FFFD."""
+        self._partial = False
         return self._utf8.decode(b"", final=True)
