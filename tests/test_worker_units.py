@@ -15,7 +15,16 @@ from limiter.config import demo_config
 from limiter.errors import ConfigError, InvalidArgument, LeaseLost
 from limiter.prompt import Payload
 from limiter.scripts import Claimed
-from worker.batch_policy import Limits, SeqState
+from worker.batch_policy import (
+    Candidate,
+    Limits,
+    SeqState,
+    build_plan,
+    choose_admissions,
+    choose_preemption,
+    kv_demand,
+    prefill_through_behind,
+)
 from worker.batch_scheduler import BatchScheduler, resume_finish_reason
 from worker.delivery import Delivery
 from worker.engines.base import SamplingParams, request_seed
@@ -91,32 +100,47 @@ async def _run(sched: BatchScheduler) -> dict[str, list[int]]:
     raise AssertionError("the scheduler did not finish")
 
 
-def test_a_sequences_state_is_made_anew_whenever_its_prefill_or_kv_moved() -> None:
-    """ScheduledSeq.state() keeps the last state it made (a step asks up to three times): what
-    it returns must always be the state its fields say, through prefill slices, decoding,
-    preemption with and without the KV kept, and readmission."""
-    async def go() -> tuple[int, int]:
-        # KV for less than two whole requests: sequences are paused and readmitted
-        sched = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=16, max_seqs=2, kv_capacity=120))
-        params = SamplingParams(max_tokens=30, seed=1)
-        for rid, rank in (("a", 2), ("b", 1)):
-            sched.add(rid, encode("x" * 40), params, class_rank=rank, arrival=0)
-        checked = 0
-        for n in range(200):
-            if n == 6:  # a P0 newcomer midway
-                sched.add("c", encode("y" * 40), params, class_rank=0, arrival=1)
-            if not len(sched):
-                return checked, sched.preemptions
-            await sched.step()
-            for seq in sched.running:
-                fresh = SeqState(seq.request_id, seq.class_rank, seq.arrival, seq.to_prefill,
-                                 seq.to_prefill == 0, seq.kv_tokens, seq.tenant)
-                assert seq.state() == fresh, (n, seq.request_id)
-                checked += 1
-        raise AssertionError("the three requests did not finish in 200 steps")
+def test_the_planner_decides_the_same_from_the_scheduler_s_sequences_as_from_their_values() -> None:
+    """The scheduler hands the planner its own sequences, read in place (batch_policy.Planned),
+    not a SeqState of each: before every step, every planner function must decide from them
+    what it decides from checked SeqState copies of them (SeqState's own checks, decoding iff
+    nothing is left to prefill, run on each copy), through prefill slices, tenants sharing a
+    class, preemption, admission and readmission."""
+    limits = Limits(token_budget=16, max_seqs=4, kv_capacity=250)  # KV for under four whole requests
 
-    checked, preemptions = asyncio.run(go())
-    assert checked > 50 and preemptions > 0
+    def decide(running: list[Any], waiting: list[Candidate]) -> dict[str, Any]:
+        return {"plan": build_plan(running, limits), "pause": choose_preemption(running, waiting, limits),
+                "admit": choose_admissions(waiting, running, limits),
+                "behind": prefill_through_behind(running), "kv": kv_demand(running, waiting)}
+
+    async def go() -> tuple[int, set[str]]:
+        sched = BatchScheduler(SimEngine(time_scale=0), limits)
+        params = SamplingParams(max_tokens=30, seed=1)
+        for rid, rank, tenant in (("a", 2, "t1"), ("b", 1, "t1"), ("d", 1, "t1"), ("f", 1, "t1")):
+            sched.add(rid, encode("x" * 40), params, class_rank=rank, arrival=len(sched), tenant=tenant)
+        checked, seen = 0, set()
+        for n in range(400):
+            if n == 2:  # a second tenant of the class, behind the first
+                sched.add("e", encode("z" * 40), params, class_rank=1, arrival=8, tenant="t2")
+            if n == 6:  # a P0 newcomer midway
+                sched.add("c", encode("y" * 40), params, class_rank=0, arrival=9)
+            if not len(sched):
+                return checked, seen
+            live = sched.running
+            values = [SeqState(s.request_id, s.class_rank, s.arrival, s.to_prefill, s.decoding,
+                               s.kv_tokens, s.tenant) for s in live]
+            waiting = [s.candidate() for s in sched.waiting]
+            decided = decide(live, waiting)
+            assert decided == decide(values, waiting), (n, [s.request_id for s in live])
+            seen.update(k for k, v in decided.items() if v and k != "plan")
+            seen.update(("prefill",) if decided["plan"].prefill else ())
+            checked += len(live)
+            await sched.step()
+        raise AssertionError("the six requests did not finish in 400 steps")
+
+    checked, seen = asyncio.run(go())
+    assert checked > 50
+    assert seen == {"pause", "admit", "behind", "kv", "prefill"}, seen
 
 
 def test_a_step_reports_the_engine_calls_times_and_the_first_time_prefill() -> None:

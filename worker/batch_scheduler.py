@@ -31,7 +31,6 @@ from limiter.errors import InvalidArgument
 from worker.batch_policy import (
     Candidate,
     Limits,
-    SeqState,
     StepPlan,
     build_plan,
     choose_admissions,
@@ -64,21 +63,16 @@ class ScheduledSeq:
     resident: bool = False  # paused with its KV kept: the engine still holds the sequence
     preemptions: int = 0
     kv_high: int = 0  # the longest KV it ever reached: prefill below it is recomputation
-    # The last state() made: a step asks for every running sequence's state up to three
-    # times (preemption, admission, the plan), and making them was a third of a step's CPU
-    # with a null engine. Only to_prefill and kv_tokens change while a sequence is held.
-    _state: SeqState | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def context(self) -> list[int]:
         return [*self.prompt_ids, *self.generated]
 
-    def state(self) -> SeqState:
-        s = self._state
-        if s is None or s.to_prefill != self.to_prefill or s.kv_tokens != self.kv_tokens:
-            s = self._state = SeqState(self.request_id, self.class_rank, self.arrival, self.to_prefill,
-                                       self.to_prefill == 0, self.kv_tokens, self.tenant)
-        return s
+    @property
+    def decoding(self) -> bool:
+        """Nothing left to prefill: the planner's view of a running sequence
+        (:class:`~worker.batch_policy.Planned`, which the scheduler's sequences are)."""
+        return self.to_prefill == 0
 
     def candidate(self) -> Candidate:
         if self.resident:
@@ -217,8 +211,8 @@ class BatchScheduler:
     # --- one step ------------------------------------------------------------------------------
     def _pause(self) -> list[str]:
         paused = []
-        while (p := choose_preemption([s.state() for s in self.running],
-                                      [s.candidate() for s in self.waiting], self.limits)) is not None:
+        while (p := choose_preemption(self.running, [s.candidate() for s in self.waiting],
+                                      self.limits)) is not None:
             seq = self._seqs[p.request_id]
             if seq.running:
                 self.preemptions += 1
@@ -238,8 +232,7 @@ class BatchScheduler:
         if not waiting:  # most steps: nothing to choose from
             return []
         running = self.running
-        admit = choose_admissions([s.candidate() for s in waiting], [s.state() for s in running],
-                                  self.limits)
+        admit = choose_admissions([s.candidate() for s in waiting], running, self.limits)
         if not admit and not running and self._seqs:
             head = min(waiting, key=lambda s: s.candidate().priority)
             raise InvalidArgument("requests", f"{head.request_id}: {len(head.context)} tokens can never "
@@ -262,7 +255,6 @@ class BatchScheduler:
         paused = self._pause()
         admitted = self._admit()
         running = self.running
-        states = [s.state() for s in running]
         limits = self.limits
         tokens = limits.token_budget
         ranks = [s.class_rank for s in running if s.to_prefill == 0]
@@ -279,7 +271,7 @@ class BatchScheduler:
             # millisecond to the mean TPOT of the streams decoding next to it.
             top = min(self.top_prefill_tokens, sum(s.to_prefill for s in running if s.class_rank == 0))
             tokens = max(tokens, len(ranks) + top)
-            if self.budget is not None and (behind := prefill_through_behind(states)):
+            if self.budget is not None and (behind := prefill_through_behind(running)):
                 # So is the prompt of a tenant behind in its class (batch_policy), but only as
                 # far as the decoders' TPOT targets allow: the rich tenant's streams beside it
                 # keep their SLO. build_plan prefills that tenant's prompt first in its class,
@@ -289,7 +281,7 @@ class BatchScheduler:
                 tokens = max(limits.max_seqs, min(allowed, len(ranks) + top + behind))
         if tokens != limits.token_budget:
             limits = replace(limits, token_budget=tokens)
-        plan = build_plan(states, limits)
+        plan = build_plan(running, limits)
         if plan.empty:  # admission and preemption keep KV demand within capacity
             raise RuntimeError(f"no progress possible under {self.limits} with {len(self.running)} running")
         start = time.perf_counter()
@@ -321,9 +313,15 @@ class BatchScheduler:
             if seq is None:  # removed while the step ran
                 continue
             seq.generated.append(token)
-            rel = seq.scanner.feed(token, seq.decoder.feed_one(token))
-            reason = "stop" if rel.stopped else self._finish_reason(seq, token, room)
-            if reason is not None and not rel.stopped:
+            piece = seq.decoder.feed_one(token)
+            reason = self._finish_reason(seq, token, room)
+            if reason is None and not seq.scanner.stops:  # most tokens: nothing held back or ended
+                emissions[rid] = Emission(rid, (token,), piece)
+                continue
+            rel = seq.scanner.feed(token, piece)
+            if rel.stopped:
+                reason = "stop"
+            elif reason is not None:
                 tail = seq.scanner.finish(seq.decoder.flush())
                 rel = Release(rel.token_ids + tail.token_ids, rel.text + tail.text, tail.stopped)
                 reason = "stop" if tail.stopped else reason
@@ -344,7 +342,8 @@ class BatchScheduler:
 
     def _finish_reason(self, seq: ScheduledSeq, token: int, room: int) -> str | None:
         """``room``: :meth:`max_context`, the same for every sequence of a step."""
-        if self.engine.eos_id is not None and token == self.engine.eos_id:
+        eos = self.engine.eos_id
+        if eos is not None and token == eos:
             return "stop"
         if len(seq.generated) >= seq.params.max_tokens:
             return "length"
