@@ -5,6 +5,7 @@ runtime, loop and engines). Sim engine at a small time scale, and the torch tiny
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from typing import Any
 
@@ -80,6 +81,26 @@ async def test_the_heartbeat_capacity_is_computed_for_saturation_once_the_worker
             assert time.monotonic() < deadline, f"no heartbeat with capacity_basis 'saturated' in 10 s: {hb}"
             await asyncio.sleep(0.05)
     assert float(hb[b"capacity_tokens_s"]) > 0 and b"full_steps_tokens_s" in hb
+
+
+async def test_the_work_a_worker_reports_is_weighted_by_its_requests_classes(env) -> None:
+    """``work_done`` (the heartbeat's weighted tokens of useful work, what capacity is
+    measured in) counts each request's prompt at its class's weight and its output at the
+    class's out_weight."""
+    cfg, c = env
+    cfg = dataclasses.replace(cfg, classes=tuple(
+        dataclasses.replace(k, weight=2.0, out_weight=3.0) if k.name == "P1" else k for k in cfg.classes))
+    p0 = cfg.class_config("P0")
+    assert p0 is not None and (p0.weight, p0.out_weight) == (1.0, 1.0)
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.0)
+    try:
+        ids = [await c.admit("hello", cls="P1", max_tokens=10), await c.admit("hi", cls="P0", max_tokens=4)]
+        await c.wait(ids, timeout=20)
+        work = loop.stats()["work_done"]
+    finally:
+        assert await stop_worker(rt, task) is None
+    prompt = {text: len(SimEngine(time_scale=0).encode(text)) for text in ("hello", "hi")}
+    assert work == 2.0 * prompt["hello"] + 3.0 * 10 + prompt["hi"] + 4, (work, prompt)
 
 
 async def test_the_heartbeat_reports_the_loops_time_between_busy_steps_and_zero_once_idle(env) -> None:

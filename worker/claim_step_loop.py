@@ -286,8 +286,9 @@ class StepLoop:
         return self.rt.settings.max_seqs - len(self.rt.held), self.kv_capacity - self._reserved()
 
     def _batch_full(self) -> bool:
-        slots, kv_free = self._room()
-        return slots <= 0 or kv_free <= 0
+        if self.rt.settings.max_seqs <= len(self.rt.held):
+            return True  # asked every step: the KV reserved (a pass over the held) not needed
+        return self.kv_capacity - self._reserved() <= 0
 
     def _reserved(self) -> int:
         """KV tokens the held requests may come to need (prompt + max output each)."""
