@@ -507,8 +507,10 @@ class StepLoop:
         m.step_seconds.observe(res.duration_s)
         self.last_batch_size = len(res.plan.decode) + len(res.plan.prefill)
         m.generated_tokens.inc(len(res.produced))
-        m.prefill_tokens.inc(res.plan.prefill_tokens)
-        m.preemptions.inc(len(res.preempted))
+        if res.plan.prefill:  # most steps prefill nothing and pause nothing: no lock taken for 0
+            m.prefill_tokens.inc(res.plan.prefill_tokens)
+        if res.preempted:
+            m.preemptions.inc(len(res.preempted))
         self._gen_tokens += len(res.produced)
         self._step_time += res.duration_s
         held = self.rt.held

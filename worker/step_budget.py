@@ -103,12 +103,16 @@ class StepCostFit:
         """One step; False (and nothing learnt) for an empty step or a non-finite time."""
         if prefill_tokens + decodes <= 0 or not math.isfinite(ms) or ms < 0:
             return False
-        f = self.forget
-        x = (1.0, float(prefill_tokens), float(decodes))
-        for i in range(3):
-            self._xy[i] = self._xy[i] * f + x[i] * ms
-            for j in range(3):
-                self._xx[i][j] = self._xx[i][j] * f + x[i] * x[j]
+        # x = (1, prefill, decodes): the decayed sums of x x^T and x ms, written out (a loop
+        # over the nine entries was a tenth of a one-sequence step's own CPU, and two fits
+        # observe every step: this one and worker/saturated_capacity.py's)
+        f, p, d = self.forget, float(prefill_tokens), float(decodes)
+        xy, (r0, r1, r2) = self._xy, self._xx
+        xy[0], xy[1], xy[2] = xy[0] * f + ms, xy[1] * f + p * ms, xy[2] * f + d * ms
+        pp, pd = p * p, p * d
+        r0[0], r0[1], r0[2] = r0[0] * f + 1.0, r0[1] * f + p, r0[2] * f + d
+        r1[0], r1[1], r1[2] = r1[0] * f + p, r1[1] * f + pp, r1[2] * f + pd
+        r2[0], r2[1], r2[2] = r2[0] * f + d, r2[1] * f + pd, r2[2] * f + d * d
         self._steps = self._steps * f + 1.0
         self._cost_known = False
         return True
