@@ -26,6 +26,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NamedTuple
 
 from limiter.errors import InvalidArgument
 from worker.batch_policy import (
@@ -82,10 +83,12 @@ class ScheduledSeq:
                          len(self.prompt_ids) + len(self.generated), tenant=self.tenant)
 
 
-@dataclass(frozen=True)
-class Emission:
+class Emission(NamedTuple):
     """What one step releases for one request: token ids whose text is complete in ``text``
-    (bar an unfinished UTF-8 character), and the finish reason when the request ended."""
+    (bar an unfinished UTF-8 character), and the finish reason when the request ended.
+    Immutable as a frozen dataclass would be, but made at the cost of a tuple: a step makes
+    one for every sequence, and a frozen dataclass's field-by-field init was a tenth of a
+    128-sequence step's CPU."""
 
     request_id: str
     token_ids: tuple[int, ...]

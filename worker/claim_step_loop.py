@@ -282,13 +282,14 @@ class StepLoop:
             log.error("the look-ahead claim failed", exc_info=exc)
 
     def _room(self) -> tuple[int, int]:
-        """(free batch slots, free KV tokens) once every held request is counted."""
-        return self.rt.settings.max_seqs - len(self.rt.held), self.kv_capacity - self._reserved()
+        """(free batch slots, free KV tokens) once every held request is counted; no KV
+        (and no pass over the held requests: a full batch asks every step) without a slot."""
+        slots = self.rt.settings.max_seqs - len(self.rt.held)
+        return slots, self.kv_capacity - self._reserved() if slots > 0 else 0
 
     def _batch_full(self) -> bool:
-        if self.rt.settings.max_seqs <= len(self.rt.held):
-            return True  # asked every step: the KV reserved (a pass over the held) not needed
-        return self.kv_capacity - self._reserved() <= 0
+        slots, kv_free = self._room()
+        return slots <= 0 or kv_free <= 0
 
     def _reserved(self) -> int:
         """KV tokens the held requests may come to need (prompt + max output each)."""

@@ -44,7 +44,9 @@ class PushClock:
         (the one a request's own rule compares its oldest token with); ``step_s``: how long
         until the next chance to push (the last step's length). Asked any number of times
         for one step, the answer is the same."""
-        p = self._periods.setdefault(period_ms, _Period())
+        p = self._periods.get(period_ms)
+        if p is None:  # (not setdefault: its default would be made at every call)
+            p = self._periods[period_ms] = _Period()
         if p.step_end != self._step_end:
             p.step_end = self._step_end
             if p.since is None:  # the step after a push step (or the first one): a period starts
