@@ -5,8 +5,9 @@ redis-server, the sim engine at time scale 0, ``--running`` requests decoding th
 (5-token prompts, outputs that outlast the rounds): the worker process's CPU per step, its
 pushes, cancel checks, heartbeats and Redis client included, Redis' own CPU not.
 ``tests/bench_scheduler_step.py`` times the scheduler alone; this adds what the worker does
-around it. Prints the best and every one of ``--rounds`` rounds of ``--seconds`` each. Not
-collected by pytest (no ``test_`` prefix); docs/benchmarks.md quotes its output.
+around it. It runs on the event loop the worker role runs on (``QOS_EVENT_LOOP``: uvloop
+where installed). Prints the best and every one of ``--rounds`` rounds of ``--seconds``
+each. Not collected by pytest (no ``test_`` prefix); docs/benchmarks.md quotes its output.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import redis.asyncio as aioredis
 
+from limiter.event_loop import install_event_loop
 from limiter.localstack.redis_server import RedisServer
 from tests.support.worker_helpers import Client, config, start_worker, stop_worker
 from worker.batch_scheduler import StepResult
@@ -101,9 +103,10 @@ def main() -> None:
         ap.error("--max-seqs must be 0 or >= --running")
     if not a.seconds > 0:
         ap.error("--seconds must be > 0")
+    loop = install_event_loop()  # as the worker role's entry point does
     us = asyncio.run(measure(a.running, a.seconds, a.rounds, a.max_seqs))
     room = f" of {a.max_seqs} slots" if a.max_seqs > a.running else ""
-    print(f"worker step, {a.running} requests decoding{room}: best {min(us):.1f} us of CPU "
+    print(f"worker step, {a.running} requests decoding{room}, {loop} loop: best {min(us):.1f} us of CPU "
           f"(rounds: {', '.join(f'{u:.1f}' for u in us)})")
 
 

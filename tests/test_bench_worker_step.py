@@ -20,7 +20,7 @@ def test_a_run_prints_the_cpu_of_a_step_for_each_round() -> None:
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     number = r"([\d.]+)"
-    m = re.fullmatch(rf"worker step, 4 requests decoding: best {number} us of CPU "
+    m = re.fullmatch(rf"worker step, 4 requests decoding, (?:uvloop|asyncio) loop: best {number} us of CPU "
                      rf"\(rounds: {number}, {number}\)\n", r.stdout)
     assert m is not None, r.stdout
     best, *rounds = map(float, m.groups())

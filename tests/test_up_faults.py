@@ -226,20 +226,45 @@ def test_a_metrics_port_two_children_would_share_is_refused_before_anything_star
 
 def _listener(host: str) -> socket.socket:
     """A stranger listening on host:(a free port); on an IPv6 address for IPv6 only (its IPv4
-    side is what the probe of the stack's own host sees). Skips where this machine cannot."""
-    try:
-        sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    except OSError as exc:
-        pytest.skip(f"no IPv6 on this machine: {exc}")
-    try:
-        if ":" in host:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
-        sock.bind((host, 0))
-    except OSError as exc:
+    side is what the probe of the stack's own host sees). The port is one the other address
+    family has free too: the test expects the stranger to be what is reported, and a port
+    the OS hands out on one family may be held on the other (a cluster node of a test
+    running beside this one held it on 127.0.0.1, and that holder was reported). Skips where
+    this machine cannot."""
+    ipv6 = ":" in host
+    for _ in range(20):
+        try:
+            sock = socket.socket(socket.AF_INET6 if ipv6 else socket.AF_INET, socket.SOCK_STREAM)
+        except OSError as exc:
+            pytest.skip(f"no IPv6 on this machine: {exc}")
+        try:
+            if ipv6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            sock.bind((host, 0))
+        except OSError as exc:
+            sock.close()
+            pytest.skip(f"cannot listen on {host} on this machine: {exc}")
+        if _free_on_the_other_family(sock.getsockname()[1], ipv6):
+            sock.listen(1)
+            return sock
         sock.close()
-        pytest.skip(f"cannot listen on {host} on this machine: {exc}")
-    sock.listen(1)
-    return sock
+    raise AssertionError(f"no port free on both address families in 20 tries (stranger {host})")
+
+
+def _free_on_the_other_family(port: int, ipv6: bool) -> bool:
+    """Can ``port`` be bound on every address of the family ``host`` is not of?"""
+    try:
+        probe = socket.socket(socket.AF_INET if ipv6 else socket.AF_INET6, socket.SOCK_STREAM)
+    except OSError:
+        return True  # no IPv6 here: nothing there can hold it
+    with probe:
+        try:
+            if not ipv6:
+                probe.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            probe.bind(("0.0.0.0" if ipv6 else "::", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.mark.parametrize("stranger, seen_on", [("0.0.0.0", "0.0.0.0"), ("::1", "::")])
