@@ -99,6 +99,8 @@ async def test_engines_reject_plans_that_do_not_match_their_state() -> None:
         eng.add("b", [BOS_ID, 1], SamplingParams())
         out = await eng.step(StepPlan(decode=("a",), prefill=(PrefillChunk("b", 0, 2),)))
         assert set(out) == {"a", "b"}
+        # each step's tokens went to the sequence the plan named: both decode now
+        assert set(await eng.step(StepPlan(decode=("a", "b")))) == {"a", "b"}
 
 
 # --- torch -------------------------------------------------------------------------------
