@@ -183,7 +183,7 @@ class SequenceTable:
             e = seqs.get(sid)
             if e is None:
                 raise InvalidArgument("plan", f"plan names unknown sequence {sid!r}")
-            if e.kv_len < e.prompt_len:
+            if not e.decoding:
                 raise InvalidArgument("plan", f"{sid!r} cannot decode (still prefilling)")
             if len(e.ids) > most:  # the decode writes position len(ids) - 1
                 raise InvalidArgument("plan", f"{sid!r} reached max_seq_len {most}")
