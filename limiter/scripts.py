@@ -249,16 +249,20 @@ class TokenBatch:
 
 @dataclass(frozen=True)
 class Pushed:
-    """What ``push_tokens`` answered for one request: ``status`` 'ok' (delivered; ``cancel``:
-    its client asked to stop), 'lost' (not leased to this worker with this fence), 'offset'
-    (nothing written: Redis had ``delivered`` tokens, not the batch's offset -- an earlier
-    push whose reply was lost did land) or 'max_tokens' (nothing written: the batch would take
-    the request past the ``max_tokens`` its record allows)."""
+    """What ``push_tokens`` answered for one request: ``status`` 'ok' (delivered), 'lost' (not
+    leased to this worker with this fence), 'offset' (nothing written: Redis had ``delivered``
+    tokens, not the batch's offset -- an earlier push whose reply was lost did land) or
+    'max_tokens' (nothing written: the batch would take the request past the ``max_tokens``
+    its record allows). Whether its client cancelled is not in it: the worker asks
+    :meth:`~worker.runtime.WorkerRuntime.cancelled` for everything it holds (one
+    ``SMISMEMBER`` every ``flush_ms``), and ``renew_leases`` reports it too."""
 
     status: str
-    cancel: bool = False
     delivered: int = 0
     max_tokens: int = 0
+
+
+_PUSHED = Pushed("ok")  # the reply of most requests of most pushes: made once
 
 
 @dataclass(frozen=True)
@@ -481,10 +485,13 @@ class Scripts:
         replies = await self._run("push_tokens", push_keys(keys), args)
         out = []
         for r in replies:
+            if not isinstance(r, list):  # delivered: the one reply that is not a table
+                if _s(r) != "ok":
+                    raise ScriptError(f"push_tokens: unexpected reply {r!r}")
+                out.append(_PUSHED)
+                continue
             status = _s(r[0])
-            if status == "ok":
-                out.append(Pushed("ok", cancel=bool(int(r[1]))))
-            elif status == "offset":
+            if status == "offset":
                 out.append(Pushed("offset", delivered=int(r[1])))
             elif status == "lost":
                 out.append(Pushed("lost"))
@@ -496,10 +503,10 @@ class Scripts:
 
     async def push_tokens(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int,
                           offset: int, token_ids: Sequence[int], text: str, lease_ms: int = 0,
-                          count: int | None = None, grouped: bool = False) -> bool:
-        """Deliver tokens of one request; returns True when the client asked to cancel.
-        Raises LeaseLost, InvalidArgument 'offset' when Redis has another token count, and
-        InvalidArgument 'count' when the batch is past the request's max_tokens.
+                          count: int | None = None, grouped: bool = False) -> None:
+        """Deliver tokens of one request. Raises LeaseLost, InvalidArgument 'offset' when Redis
+        has another token count, and InvalidArgument 'count' when the batch is past the
+        request's max_tokens.
 
         ``count`` is the model tokens in the batch (default: one per id); ``token_ids`` are
         what a resuming worker primes itself with (the openai engine: the text's bytes)."""
@@ -514,7 +521,6 @@ class Scripts:
         if r.status == "max_tokens":
             raise InvalidArgument("count", f"{request_id}: {offset + n} tokens exceed max_tokens "
                                            f"{r.max_tokens}")
-        return r.cancel
 
     async def complete(self, keys: PoolKeys, *, request_id: str, worker_id: str, fence: int, outcome: str,
                        usage_in: int, token_ids: Sequence[int] = (), text: str = "",

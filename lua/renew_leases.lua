@@ -33,7 +33,7 @@ local function main()
   local lost, stop = {}, {}
   for _, e in ipairs(entries) do
     local id = e[1]
-    local held, _, _, _, cancel, frontend = leased_for_write(id, worker_id, e[2])
+    local held, cancel, frontend = leased_for_renewal(id, worker_id, e[2])
     if not held then
       lost[#lost + 1] = id
     else

@@ -132,9 +132,15 @@ BUGS = (
         "      redis.call('HGET', P_REQUEST .. id, 'fence') or '0')\n"),
     Bug("write_check_ignores_fence", "the lease check of push_tokens and renew_leases passes a stale fence",
         "include/lease.lua",
-        "  if v[3] ~= fence and tonumber(v[3]) ~= tonumber(fence) then return false end\n", ""),
-    Bug("write_check_drops_cancel", "push_tokens never tells the worker its client cancelled",
-        "include/lease.lua", "v[7] == '1' and 1 or 0", "0"),
+        "PUSH_FIELDS))\n  if v[1] ~= 'leased' or v[2] ~= worker_id then return false end\n"
+        "  if v[3] ~= fence and tonumber(v[3]) ~= tonumber(fence) then return false end\n",
+        "PUSH_FIELDS))\n  if v[1] ~= 'leased' or v[2] ~= worker_id then return false end\n",
+        also=(("include/lease.lua",
+               "RENEW_FIELDS))\n  if v[1] ~= 'leased' or v[2] ~= worker_id then return false end\n"
+               "  if v[3] ~= fence and tonumber(v[3]) ~= tonumber(fence) then return false end\n",
+               "RENEW_FIELDS))\n  if v[1] ~= 'leased' or v[2] ~= worker_id then return false end\n"),)),
+    Bug("renewal_drops_cancel", "renew_leases never tells the worker its client cancelled",
+        "include/lease.lua", "v[5] == '1' and 1 or 0", "0"),
     Bug("arg_int_takes_fractions", "an integer argument takes a fraction (the fast path skips a check)",
         "include/validate.lua", "n <= hi and n % 1 == 0 then return n end",
         "n <= hi then return n end"),

@@ -37,14 +37,19 @@ def test_pushes_per_request() -> None:
 
 def test_budget_arithmetic() -> None:
     us = {"admit": 40.0, "claim x1": 60.0, "claim x8": 200.0, "push_tokens (first)": 10.0,
-          "push_tokens": 5.0, "renew_leases": 640.0, "complete": 50.0}
-    b = rb.budget(us, tokens=8, per_push=4, claim_batch=8, step_ms=10, lease_ms=300, renew_held=64)
-    # 8 tokens x 10 ms on the worker = 80 ms, renewed every 100 ms: 0.8 of a 64-entry call
+          "push_tokens": 5.0, "renew_leases": 640.0, "cancel check": 32.0, "complete": 50.0}
+    b = rb.budget(us, tokens=8, per_push=4, claim_batch=8, step_ms=10, lease_ms=300, renew_held=64,
+                  flush_ms=40)
+    # 8 tokens x 10 ms on the worker = 80 ms, renewed every 100 ms: 0.8 of a 64-entry call;
+    # its cancels checked every 40 ms: 2 entries of a 64-entry SMISMEMBER
     assert b["us"] == {"admit": 40.0, "claim": 25.0, "push_tokens": 15.0, "renew_leases": 8.0,
-                       "complete": 50.0}
-    assert b["pushes"] == 2 and b["total_us"] == pytest.approx(138.0)
+                       "cancel_check": 1.0, "complete": 50.0}
+    assert b["pushes"] == 2 and b["total_us"] == pytest.approx(139.0)
     assert b["goal_us"] == 150 + 2 * 8 and b["meets_goal"] and b["admit_meets_goal"]
-    assert b["requests_per_s"] == pytest.approx(1e6 / 138.0)
+    assert b["requests_per_s"] == pytest.approx(1e6 / 139.0)
+    # at the worker's own flush_ms (50 ms): 1.6 entries
+    default = rb.budget(us, tokens=8, per_push=4, claim_batch=8, step_ms=10, lease_ms=300)
+    assert default["us"]["cancel_check"] == pytest.approx(1.6 * 32.0 / 64)
     # a worker running 8 at once also pushes them 8 to a call (the first token still alone)
     batched = rb.budget(us | {"push_tokens x8": 16.0}, tokens=8, per_push=4, claim_batch=8, step_ms=10,
                         lease_ms=300, renew_held=64)
@@ -83,13 +88,15 @@ def test_budget_arithmetic() -> None:
                   unstreamed_per_push=80)
     worse = rb.budget(us | {"admit": 51.0}, tokens=1, per_push=4, claim_batch=1, step_ms=10, lease_ms=300)
     assert worse["pushes"] == 0 and not worse["admit_meets_goal"]
-    assert worse["total_us"] == pytest.approx(51 + 60 + 0.1 * 640 / rb.RENEW_HELD + 50)
+    renewals, cancel_checks = 0.1 * 640 / rb.RENEW_HELD, 0.2 * 32 / rb.RENEW_HELD  # 10 ms on the worker
+    assert worse["total_us"] == pytest.approx(51 + 60 + renewals + cancel_checks + 50)
     assert not worse["meets_goal"]  # 162 > 152
 
 
 def test_pushes_of_a_gpu_step_share_their_calls_the_rest_stays_eight() -> None:
     us = {"admit": 40.0, "admit x8": 160.0, "claim x1": 60.0, "claim x8": 200.0, "push_tokens (first)": 10.0,
-          "push_tokens": 5.0, "renew_leases": 640.0, "complete": 50.0, "complete x8": 160.0,
+          "push_tokens": 5.0, "renew_leases": 640.0, "cancel check": 32.0, "complete": 50.0,
+          "complete x8": 160.0,
           "push_tokens x8": 16.0, "push_tokens (first) x8": 24.0, "push_tokens x8 unstreamed": 40.0,
           "push_tokens x64": 64.0, "push_tokens (first) x64": 128.0, "push_tokens x64 unstreamed": 192.0}
     wide = rb.budget(us, tokens=256, per_push=4, claim_batch=8, step_ms=10, lease_ms=300, push_batch=64)
@@ -141,6 +148,8 @@ async def test_tiny_run(tmp_path) -> None:
             assert p.max_us is not None and SLOWLOG_US <= p.p50_us <= p.max_us, p
         assert sum(p.inner.values()) >= 1, p  # every script calls Redis at least once
     assert report.phases[rb.PHASES.index("renew_leases")].calls == 1  # all 32 held in one call
+    check = report.phases[rb.PHASES.index("cancel check")]
+    assert check.calls == 1 and check.inner == {"smismember": 1.0}  # ...and one SMISMEMBER for them
     assert report.meta["renew_held"] == 32
     assert [(b["tokens"], b["claim_batch"], b["streamed"]) for b in report.budgets] == \
         [(t, c, True) for t in rb.TOKENS for c in rb.CLAIM_BATCHES] + [(t, 8, False) for t in rb.TOKENS]
@@ -151,7 +160,7 @@ async def test_tiny_run(tmp_path) -> None:
     alone = report.phases[rb.PHASES.index("push_tokens")]
     assert alone.inner.get("hset") == 1 and alone.inner["xadd"] == 1
     for b in report.budgets:
-        assert set(b["us"]) == {"admit", "claim", "push_tokens", "renew_leases", "complete"}
+        assert set(b["us"]) == {"admit", "claim", "push_tokens", "renew_leases", "cancel_check", "complete"}
         assert all(v > 0 for v in b["us"].values()), b
         assert b["total_us"] == pytest.approx(sum(b["us"].values()))
     path = tmp_path / "budget.json"

@@ -87,8 +87,8 @@ async def test_renew_extends_and_reports_lost_and_cancelled(scripts, pool):
     assert await scripts.cancel(pool, "cancelme", "t1") == "cancelling"
     res = await scripts.renew_leases(pool, "w1", [("keep", fences["keep"]), ("cancelme", fences["cancelme"])])
     assert res.stop == ["cancelme"]
-    assert await scripts.push_tokens(pool, request_id="cancelme", worker_id="w1", fence=fences["cancelme"],
-                                     offset=0, token_ids=[1], text="x") is True  # the cancel flag rides along
+    # A push does not say it (lua/push_tokens.lua): the worker asks the cancels set.
+    assert await scripts.client.smismember(pool.cancels, ["keep", "cancelme"]) == [0, 1]
 
 
 async def test_renew_covers_more_leases_than_one_call_may_carry(scripts, pool):

@@ -25,7 +25,8 @@ class Stream:
 
 @dataclass
 class Runtime:
-    """Records each push_batches call; answers with ``news`` per stream name (default False)."""
+    """Records each push_batches call; answers with ``news`` per stream name (default None:
+    delivered)."""
 
     news: dict[str, Any] = field(default_factory=dict)
     calls: list[list[tuple[str, int]]] = field(default_factory=list)
@@ -39,7 +40,7 @@ class Runtime:
         await asyncio.sleep(0)  # a round trip: the reply comes in a later turn
         if self.outage:
             raise RedisUnavailable("connection refused")
-        return [(d, self.news.get(d.name, False)) for d, _ in todo]
+        return [(d, self.news.get(d.name)) for d, _ in todo]
 
 
 def merged(rt: Runtime) -> MergedPushes:
@@ -47,14 +48,13 @@ def merged(rt: Runtime) -> MergedPushes:
 
 
 async def test_the_pushes_of_one_turn_go_in_one_call_and_each_hears_its_own_news() -> None:
-    rt = Runtime(news={"cancelled": True, "lost": LeaseLost("lost"),
-                       "past": InvalidArgument("count", "past")})
+    rt = Runtime(news={"lost": LeaseLost("lost"), "past": InvalidArgument("count", "past")})
     pushes = merged(rt)
-    names = ["a", "cancelled", "lost", "past", "b"]
+    names = ["a", "lost", "past", "b"]
     results = await asyncio.gather(*(pushes.push(Stream(n)) for n in names), return_exceptions=True)
     assert rt.calls == [[(n, 1) for n in names]] and pushes.calls == 1
-    assert results[0] is False and results[1] is True and results[4] is False
-    assert isinstance(results[2], LeaseLost) and isinstance(results[3], InvalidArgument)
+    assert results[0] is None and results[3] is None
+    assert isinstance(results[1], LeaseLost) and isinstance(results[2], InvalidArgument)
 
 
 async def test_pushes_of_later_turns_make_calls_of_their_own() -> None:
@@ -64,7 +64,7 @@ async def test_pushes_of_later_turns_make_calls_of_their_own() -> None:
     await asyncio.sleep(0)  # the call for "a" is on its way
     await asyncio.sleep(0)
     second = asyncio.create_task(pushes.push(Stream("b")))
-    assert await first is False and await second is False
+    assert await first is None and await second is None
     assert rt.calls == [[("a", 1)], [("b", 1)]]
 
 
@@ -75,14 +75,14 @@ async def test_tokens_that_come_in_the_same_turn_ride_along() -> None:
     s = Stream("a")
     task = asyncio.create_task(pushes.push(s))
     s.pending = 3  # a chunk more, read before the call went out
-    assert await task is False
+    assert await task is None
     assert rt.calls == [[("a", 3)]]
 
 
 async def test_a_stream_with_nothing_pending_hears_no_news_and_costs_nothing() -> None:
     rt = Runtime()
     pushes = merged(rt)
-    assert await pushes.push(Stream("idle", pending=0)) is False
+    assert await pushes.push(Stream("idle", pending=0)) is None
     assert rt.calls == []
 
 
@@ -102,9 +102,9 @@ async def test_a_stream_cancelled_while_it_waits_does_not_stop_the_others_call()
         async def push_batches(self, todo: list[tuple[Stream, int]]) -> list[tuple[Stream, Any]]:
             self.calls.append([(d.name, n) for d, n in todo])
             await reply.wait()
-            return [(d, self.news.get(d.name, False)) for d, _ in todo]
+            return [(d, self.news.get(d.name)) for d, _ in todo]
 
-    rt = Slow(news={"b": True})
+    rt = Slow(news={"b": LeaseLost("lost")})
     pushes = merged(rt)
     a = asyncio.create_task(pushes.push(Stream("a")))
     b = asyncio.create_task(pushes.push(Stream("b")))
@@ -117,5 +117,6 @@ async def test_a_stream_cancelled_while_it_waits_does_not_stop_the_others_call()
     reply.set()
     with pytest.raises(asyncio.CancelledError):
         await a
-    assert await b is True
+    with pytest.raises(LeaseLost):  # b hears its own news
+        await b
     assert rt.calls == [[("a", 1), ("b", 1)]]  # a's tokens went too

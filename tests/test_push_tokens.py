@@ -29,17 +29,16 @@ async def test_each_request_of_a_batch_gets_its_own_reply_and_only_the_good_ones
         await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=10)
     held = await _claim(scripts, pool, 3)
     lease_before = await scripts.client.zscore(pool.leases, "b")
-    await scripts.client.hset(pool.request("c"), "cancel", 1)
     replies = await scripts.push_tokens_many(pool, "w1", [
         TokenBatch("a", held["a"].fence, 0, [7, 8], "hi", 2),
         TokenBatch("b", held["b"].fence + 1, 0, [9], "x", 1),  # a fence not issued: lost
         TokenBatch("c", held["c"].fence, 0, [5], "c", 1),
     ])
-    assert replies == [Pushed("ok"), Pushed("lost"), Pushed("ok", cancel=True)]
+    assert replies == [Pushed("ok"), Pushed("lost"), Pushed("ok")]
     # a retry of a's batch (its reply was lost): Redis has 2 tokens, the batch says 0
     again = await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 0, [7, 8], "hi", 2),
                                                         TokenBatch("c", held["c"].fence, 1, [6], "d", 1)])
-    assert again == [Pushed("offset", delivered=2), Pushed("ok", cancel=True)]
+    assert again == [Pushed("offset", delivered=2), Pushed("ok")]
     recs = {rid: await scripts.client.hgetall(pool.request(rid)) for rid in "abc"}
     assert recs["a"][b"out_tokens"] == b"2" and recs["c"][b"out_tokens"] == b"2"
     assert b"out_tokens" not in recs["b"] and b"first_ms" not in recs["b"]
@@ -179,9 +178,9 @@ async def test_a_push_takes_the_head_of_the_key_list_or_all_of_it_and_refuses_le
     def args(rid: str) -> list:
         return ["w1", 0, 1, 0, rid, held[rid].fence, 0, 1, b"\x07\x00\x00\x00", "t", ""]
 
-    assert await scripts.client.evalsha(sha, PUSH_KEYS, *push_keys(pool), *args("a")) == [[b"ok", 0]]
+    assert await scripts.client.evalsha(sha, PUSH_KEYS, *push_keys(pool), *args("a")) == [b"ok"]
     whole = lifecycle_keys(pool)
-    assert await scripts.client.evalsha(sha, len(whole), *whole, *args("b")) == [[b"ok", 0]]
+    assert await scripts.client.evalsha(sha, len(whole), *whole, *args("b")) == [b"ok"]
     for rid in "ab":
         assert (await scripts.client.hgetall(pool.request(rid)))[b"out_tokens"] == b"1"
         assert await scripts.client.get(pool.tokens(rid)) == b"\x07\x00\x00\x00"
@@ -344,8 +343,9 @@ async def test_outage_in_a_later_chunk_keeps_delivery_exactly_once(worker_env, m
 
 async def test_a_cancel_learnt_from_a_chunk_before_an_outage_still_stops_the_request(worker_env,
                                                                                     monkeypatch) -> None:
-    """Chunk 1 of a step's pushes answers cancel=1 for a request, chunk 2 meets an outage: the
-    whole push_batches raises and that news is dropped; it must come again (SMISMEMBER/renew)."""
+    """A client cancels while its request's push (chunk 1 of a step's pushes) is in flight, and
+    chunk 2 meets an outage: the whole push_batches raises. The request must still stop: the
+    cancel comes from the worker's SMISMEMBER (or renew's stop list), not from a push."""
     cfg, c = worker_env
     n = PUSH_LIMIT + 6
     real = Scripts.push_tokens_many
@@ -396,7 +396,7 @@ async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts
     for rid, d in ds.items():
         d.add([1], "x" * (4 * 1024 * 1024 + 1) if rid == "b" else rid, 0.0)
     news = {d.request_id: r for d, r in await rt.push_batches(rt.batches(list(ds.values())))}
-    assert news["a"] is False and news["c"] is False
+    assert news["a"] is None and news["c"] is None
     refused = news["b"]
     assert isinstance(refused, InvalidArgument) and refused.field == "text"
     for rid in "ac":
@@ -439,13 +439,13 @@ async def test_numbers_written_otherwise_are_the_same_numbers(scripts, pool, gro
         keys = lifecycle_keys(pool)
         args = ["w1", 0, 1 + grouped, grouped, *a_batch, *b_batch]
         replies = await scripts.client.evalsha(sha, len(keys), *keys, *args)
-        assert not grouped or replies.pop() == [b"ok", 0]
+        assert not grouped or replies.pop() == b"ok"
         return replies
 
     fence_a = held["a"].fence
-    assert await push(f"00{fence_a}", "0", "1", "x") == [[b"ok", 0]]
-    assert await push(f"{fence_a}e0", "1e0", "2e0", "yz") == [[b"ok", 0]]
-    assert await push(str(fence_a), " 3", "1", "w") == [[b"ok", 0]]
+    assert await push(f"00{fence_a}", "0", "1", "x") == [b"ok"]
+    assert await push(f"{fence_a}e0", "1e0", "2e0", "yz") == [b"ok"]
+    assert await push(str(fence_a), " 3", "1", "w") == [b"ok"]
     assert await push(str(fence_a), "003", "1", "v") == [[b"offset", 4]]  # 4 were delivered
     assert await push(f"0{fence_a + 1}", "4", "1", "v") == [[b"lost", b"request is not leased to this "
                                                                b"worker with this fence"]]

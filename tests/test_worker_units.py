@@ -452,12 +452,11 @@ class _FakeScripts:
         self.client = self
         self.calls: list[tuple[int, int]] = []
 
-    async def push_tokens(self, keys, *, offset: int, token_ids, count: int, **_kw) -> bool:
+    async def push_tokens(self, keys, *, offset: int, token_ids, count: int, **_kw) -> None:
         self.calls.append((offset, count))
         if offset != self.landed:
             raise InvalidArgument("offset", f"offset: {offset} but {self.landed} tokens were delivered")
         self.landed += count
-        return False
 
     async def hget(self, _key: str, _field: str) -> bytes:
         return str(self.landed).encode()
@@ -472,7 +471,7 @@ async def test_a_push_whose_reply_was_lost_is_reconciled_by_offset() -> None:
     d._uncertain[3] = (3, 3)  # an earlier push of these 3 tokens (3 ids, 3 chars): reply lost
     fake.landed = 3  # ...but it did land
     d.add([4], "d", 0.0)
-    assert await d.push(fake, PoolKeys("tiny"), "w") is False  # type: ignore[arg-type]
+    await d.push(fake, PoolKeys("tiny"), "w")  # type: ignore[arg-type]
     assert d.offset == 4 and not d.pending_ids and fake.calls == [(0, 4), (3, 1)]
     d.add([5], "e", 0.0)
     fake.landed = 9  # someone else's tokens: not ours to reconcile
@@ -486,7 +485,7 @@ async def test_a_refusal_that_is_not_an_offset_mismatch_is_raised_whatever_the_r
     from limiter.keys import PoolKeys
 
     class Refusing(_FakeScripts):
-        async def push_tokens(self, keys, **_kw) -> bool:
+        async def push_tokens(self, keys, **_kw) -> None:
             raise InvalidArgument("count", "count: offset-7: 101 tokens exceed max_tokens 100")
 
     d = _delivery()
@@ -527,7 +526,7 @@ async def test_model_tokens_and_resume_ids_are_pushed_and_reconciled_apart() -> 
     fake.landed = 2  # that push landed, its reply was lost
     d.add(list(b" world"), " world", 0.0, tokens=1)
     d.add([], "", 0.0, tokens=1)  # a token with no text
-    assert await d.push(fake, PoolKeys("tiny"), "w") is False  # type: ignore[arg-type]
+    await d.push(fake, PoolKeys("tiny"), "w")  # type: ignore[arg-type]
     assert fake.calls == [(0, 4), (2, 2)] and d.offset == 4
     assert not d.pending_ids and not d.pending_text and d.pending_tokens == 0
 
@@ -1085,11 +1084,11 @@ async def test_the_pushes_counter_counts_pushes_that_landed_once_each() -> None:
     class Flaky(_FakeScripts):
         fail = 1
 
-        async def push_tokens(self, keys, **kw) -> bool:
+        async def push_tokens(self, keys, **kw) -> None:
             if self.fail:
                 self.fail -= 1
                 raise RedisUnavailable("connection refused")
-            return await super().push_tokens(keys, **kw)
+            await super().push_tokens(keys, **kw)
 
     cfg = demo_config()
     rt = WorkerRuntime(load_settings(cfg, {"pool": cfg.pools[0].name}), cfg, engine="sim", simulated=True)
@@ -1098,8 +1097,9 @@ async def test_the_pushes_counter_counts_pushes_that_landed_once_each() -> None:
     d.add([1, 2], "ab", 0.0)
     with pytest.raises(RedisUnavailable):
         await rt.push(d)
-    assert await rt.push(d) is False and d.offset == 2  # sent again: it lands
-    assert await rt.push(d) is False  # nothing pending: no call
+    await rt.push(d)
+    assert d.offset == 2  # sent again: it lands
+    await rt.push(d)  # nothing pending: no call
     assert rt.scripts.calls == [(0, 2)]  # type: ignore[attr-defined]
     assert rt.metrics.registry.get_sample_value("qos_worker_pushes_total") == 1
 

@@ -21,11 +21,11 @@ One iteration, between engine steps:
 4. send, concurrently, every completion of this step, one ``push_tokens`` call with every
    due request's tokens (``WorkerRuntime.push_due``: streamed requests every ``flush_ms``,
    unstreamed ones every ``unstreamed_flush_ms``), plus (at most every ``flush_ms``) one
-   ``SMISMEMBER cancels`` over the held ids not pushed now, so a cancelled request stops
-   within ``flush_ms`` and a step or two. These calls run while the *next* step computes
-   (they are awaited before that step's own calls; a step that completes nothing does not
-   wait for them, its pushes going with a later step's), so Redis round trips stay off the
-   GPU's critical path.
+   ``SMISMEMBER cancels`` over the held ids, so a cancelled request stops within
+   ``flush_ms`` and a step or two (a push does not say it: lua/push_tokens.lua). These calls
+   run while the *next* step computes (they are awaited before that step's own calls; a step
+   that completes nothing does not wait for them, its pushes going with a later step's), so
+   Redis round trips stay off the GPU's critical path.
 
 An engine error fails the requests the engine held (it cannot be trusted with them) and
 the loop goes on. Redis outages back off and retry; nothing generated is dropped meanwhile.
@@ -575,14 +575,14 @@ class StepLoop:
             if running:  # its replies moved the requests it pushed
                 now = time.monotonic()
                 pushes = self._due(ending, now, step)
-        # Every push's reply says whether its client cancelled; the requests not pushing now
-        # are asked with one SMISMEMBER at most every flush_ms (a step of a null-cost engine
-        # takes well under a millisecond: per step it was most of the Redis commands per request).
+        # Whether their clients cancelled: one SMISMEMBER over the held requests at most every
+        # flush_ms (a step of a null-cost engine takes well under a millisecond: per step it was
+        # most of the Redis commands per request). Pushes do not say it: reading the flag made
+        # each pushed request's lease check dearer than a whole SMISMEMBER a flush (~7 % of a
+        # push of 8, lua/push_tokens.lua).
         live: list[str] = []
         if now - self._cancel_checked >= s.flush_ms / 1e3:
-            pushing = {d.request_id for d in pushes}
-            live = [rid for rid, d in held.items()
-                    if rid not in ending and rid not in pushing and d.final is None]
+            live = [rid for rid, d in held.items() if rid not in ending and d.final is None]
             self._cancel_checked = now
         self._io_finishing = ending
         # The pushes' batches are made now: they carry this step's tokens even when the next
@@ -642,11 +642,9 @@ class StepLoop:
             news += pushed
         for d, r in news:
             rid = d.request_id
-            if self.rt.held.get(rid) is not d and (r is True or isinstance(r, LeaseLost | InvalidArgument)):
+            if self.rt.held.get(rid) is not d and isinstance(r, LeaseLost | InvalidArgument):
                 continue  # re-claimed meanwhile (our lease had expired): news of the old attempt
-            if r is True:
-                self._stop.add(rid)
-            elif isinstance(r, LeaseLost):
+            if isinstance(r, LeaseLost):
                 self._lost.add(rid)
             elif isinstance(r, InvalidArgument):  # its tokens refused: it fails, not the call
                 self._refused[rid] = (d, r)

@@ -133,12 +133,12 @@ class Delivery:
         self._uncertain[n] = (len(ids), len(text))
         return TokenBatch(self.request_id, self.fence, self.offset, ids, text, n)
 
-    def settle(self, b: TokenBatch, reply: Pushed) -> bool:
-        """Apply ``push_tokens``' reply to batch ``b``; True when the client asked to cancel.
-        Raises LeaseLost, and InvalidArgument 'count' when Redis refused the batch as past
-        the request's max_tokens (nothing written: see :meth:`discard_pending`). On 'offset'
-        (an earlier push whose reply was lost did land), the tokens Redis has are taken as
-        delivered and the rest stay pending for the next push."""
+    def settle(self, b: TokenBatch, reply: Pushed) -> None:
+        """Apply ``push_tokens``' reply to batch ``b``. Raises LeaseLost, and InvalidArgument
+        'count' when Redis refused the batch as past the request's max_tokens (nothing
+        written: see :meth:`discard_pending`). On 'offset' (an earlier push whose reply was
+        lost did land), the tokens Redis has are taken as delivered and the rest stay pending
+        for the next push."""
         if reply.status == "lost":
             raise LeaseLost(f"{self.request_id}: request is not leased to this worker with this fence")
         if reply.status == "max_tokens":
@@ -146,31 +146,29 @@ class Delivery:
                                            f"max_tokens {reply.max_tokens}")
         if reply.status == "offset":
             self._landed(reply.delivered)
-            return False
+            return
         self._sent(b.count, len(b.token_ids), len(b.text))
-        return reply.cancel
 
-    async def push(self, scripts: Scripts, keys: PoolKeys, worker_id: str, lease_ms: int = 0) -> bool:
-        """Push what is pending, alone; returns True when the client asked to cancel.
+    async def push(self, scripts: Scripts, keys: PoolKeys, worker_id: str, lease_ms: int = 0) -> None:
+        """Push what is pending, alone.
 
         Raises LeaseLost (another worker owns the request) and RedisUnavailable. Nothing is
         lost on an outage: the batch stays pending, and if it did land (the reply was lost,
         or redis-py's retry sent it twice) the next push's offset check says so."""
         b = self.batch()
         if b is None:
-            return False
+            return
         try:
-            cancel = await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id,
-                                               fence=self.fence, offset=b.offset, token_ids=b.token_ids,
-                                               text=b.text, lease_ms=lease_ms, count=b.count,
-                                               grouped=self.payload.grouped_tokens)
+            await scripts.push_tokens(keys, request_id=self.request_id, worker_id=worker_id, fence=self.fence,
+                                      offset=b.offset, token_ids=b.token_ids, text=b.text, lease_ms=lease_ms,
+                                      count=b.count, grouped=self.payload.grouped_tokens)
         except InvalidArgument as exc:
             if exc.field != "offset":  # not the message: a request id may contain "offset"
                 raise
             await self._reconcile(scripts.client, keys)
-            return await self.push(scripts, keys, worker_id, lease_ms)
+            await self.push(scripts, keys, worker_id, lease_ms)
+            return
         self._sent(b.count, len(b.token_ids), len(b.text))
-        return cancel
 
     async def complete(self, scripts: Scripts, keys: PoolKeys, worker_id: str, *, outcome: str,
                        finish_reason: str, message: str = "", sample: bytes = b"") -> float:

@@ -12,8 +12,8 @@ and sends them, once the turn's ready callbacks have run, as one call (or as few
 ``PUSH_LIMIT`` and the frontends' reply format allow); each task gets its own request's
 news. A push asked for alone goes out alone, one loop iteration later.
 
-Each :meth:`MergedPushes.push` behaves as ``WorkerRuntime.push`` did for its request: True
-when its client cancelled; raises LeaseLost, the InvalidArgument Redis refused its batch
+Each :meth:`MergedPushes.push` behaves as ``WorkerRuntime.push`` did for its request: it
+raises LeaseLost, the InvalidArgument Redis refused its batch
 with (past its max_tokens), or RedisUnavailable (its batch stays pending: the next push's
 offset check settles a batch that did land). The tokens pushed are those pending when the
 call is sent, so a chunk that came in the same turn rides along.
@@ -30,8 +30,8 @@ did land) takes the tokens Redis has as delivered and leaves the rest for the st
 push or its completion, where ``Delivery.push`` read the count and pushed the rest at once;
 when a turn's pushes need several calls (more than ``PUSH_LIMIT``, or frontends of two
 releases) and a later one meets an outage, every stream of the turn hears RedisUnavailable,
-those an earlier call settled too (their tokens landed; a cancel or a lost lease they would
-have heard comes again from the cancel watcher, the lease renewal or the next push); and an
+those an earlier call settled too (their tokens landed; a lost lease they would have heard
+comes again from the lease renewal or the next push); and an
 error that is not one request's (a bug) fails every stream of the call, not one.
 """
 
@@ -50,14 +50,14 @@ class MergedPushes:
 
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
-        self._waiting: list[tuple[Delivery, asyncio.Future[bool]]] = []
+        self._waiting: list[tuple[Delivery, asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None  # the next call's, not yet started
         self._sending: set[asyncio.Task[None]] = set()  # every call's task until it ends
         self.calls = 0  # sends made (each one push_tokens call or more), for tests and stats
 
-    async def push(self, d: Delivery) -> bool:
+    async def push(self, d: Delivery) -> None:
         """Push ``d``'s pending tokens with the others of this turn (module docstring)."""
-        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append((d, fut))
         if self._sender is None:
             # A task's first step runs in the loop's next iteration: after every callback
@@ -66,7 +66,7 @@ class MergedPushes:
             self._sending.add(task)  # the loop keeps only a weak reference to a task
             task.add_done_callback(self._sending.discard)
         try:
-            return await asyncio.shield(fut)
+            await asyncio.shield(fut)
         except asyncio.CancelledError:
             # Cancelled: first the call's reply (module docstring), whatever it says.
             with contextlib.suppress(Exception):
@@ -88,14 +88,14 @@ class MergedPushes:
         for d, fut in waiting:
             if fut.done():
                 continue
-            result = news.get(id(d), False)  # not in the call: nothing was pending
+            result = news.get(id(d))  # None: delivered, or not in the call (nothing was pending)
             if isinstance(result, Exception):
                 fut.set_exception(result)
             else:
-                fut.set_result(bool(result))
+                fut.set_result(None)
 
 
-def _fail(waiting: list[tuple[Delivery, asyncio.Future[bool]]], exc: Exception) -> None:
+def _fail(waiting: list[tuple[Delivery, asyncio.Future[None]]], exc: Exception) -> None:
     for _, fut in waiting:
         if not fut.done():
             fut.set_exception(exc)

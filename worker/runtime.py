@@ -54,9 +54,10 @@ IDLE_HELD_S = 0.05
 # the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
 # enough that work admitted meanwhile is claimed promptly.
 MAX_BACKOFF_INTERVALS = 5
-# What a push learnt about one request (push_batches): its client cancelled (True) or not, its
-# lease is lost, or Redis refused its tokens.
-PushNews = bool | LeaseLost | InvalidArgument
+# What a push learnt about one request (push_batches): nothing (delivered, or an offset
+# settled), its lease is lost, or Redis refused its tokens. Not whether its client cancelled:
+# that is :meth:`WorkerRuntime.cancelled`'s.
+PushNews = None | LeaseLost | InvalidArgument
 
 
 class WorkerRuntime:
@@ -340,11 +341,11 @@ class WorkerRuntime:
         return [rid for rid, f in zip(ids, flags, strict=True) if int(f)]
 
     # --- finishing ----------------------------------------------------------------------------
-    async def push(self, d: Delivery) -> bool:
-        """Push ``d``'s pending tokens; True when its client cancelled. Raises LeaseLost."""
+    async def push(self, d: Delivery) -> None:
+        """Push ``d``'s pending tokens. Raises LeaseLost."""
         before = d.pushes  # counted once landed: not a call that met an outage, nor no call at all
         try:
-            return await d.push(self.scripts, self.keys, self.worker_id, self.lease_ms)
+            await d.push(self.scripts, self.keys, self.worker_id, self.lease_ms)
         finally:
             self.metrics.pushes.inc(d.pushes - before)
 
@@ -356,13 +357,12 @@ class WorkerRuntime:
 
     async def push_batches(self, todo: list[tuple[Delivery, TokenBatch]]) -> list[tuple[Delivery, PushNews]]:
         """Push ``todo`` (:meth:`batches`) with as few ``push_tokens`` calls as PUSH_LIMIT
-        allows; per delivery pushed, True when its client cancelled, the LeaseLost it met, or
-        the InvalidArgument Redis refused its batch with (past the request's max_tokens; or a
+        allows; per delivery pushed, None (delivered), the LeaseLost it met, or the
+        InvalidArgument Redis refused its batch with (past the request's max_tokens; or a
         batch Redis cannot take): those tokens can never be delivered (:meth:`fail_refused`).
         Raises RedisUnavailable: the batches of that call and of the calls after it stay
         pending (in doubt, settled by the next push's offset check); the ones before are
-        settled already, and their news comes again (a cancel flag stays set; a lost lease
-        stays lost)."""
+        settled already, and their news comes again (a lost lease stays lost)."""
         out: list[tuple[Delivery, PushNews]] = []
         # Requests whose frontends read grouped entries and the others (of an older frontend,
         # during a rolling deploy) in calls of their own: the script takes one kind a call.
@@ -393,7 +393,8 @@ class WorkerRuntime:
         for (d, b), reply in zip(todo, replies, strict=True):
             before = d.pushes  # counted once landed (an outage's call is sent again)
             try:
-                out.append((d, d.settle(b, reply)))
+                d.settle(b, reply)
+                out.append((d, None))
             except (LeaseLost, InvalidArgument) as exc:
                 out.append((d, exc))
             self.metrics.pushes.inc(d.pushes - before)

@@ -346,8 +346,7 @@ class UpstreamLoop:
                 task.cancel()
 
     async def _watch_cancels(self) -> None:
-        """Cancellation check for streams that are quiet (no pushes to learn it from): an
-        upstream between chunks, and every unstreamed request, pushed once a second at most.
+        """Cancellation check for every stream: pushes do not say it (lua/push_tokens.lua).
         Every ``flush_ms``, as the step worker checks its own: one SMISMEMBER."""
         period = self.rt.settings.flush_ms / 1e3
         while True:
@@ -536,8 +535,7 @@ class UpstreamLoop:
                     # in one push: one Redis call and one reply entry, not one a chunk.
                     if self._forwards(d) or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
                         with contextlib.suppress(RedisUnavailable):  # stays pending; retried
-                            if await self.pushes.push(d):  # with the other streams' of this turn
-                                return ("cancelled", "cancelled", "")
+                            await self.pushes.push(d)  # with the other streams' of this turn
                 if cut:
                     return ("ok", "length", "")
         except MalformedStream as exc:

@@ -148,8 +148,9 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
     p.add_argument("--baseline", metavar="LUA_DIR", type=Path,
                    help="also measure the scripts of this lua/ directory (e.g. from git archive <commit> "
                         "lua), in the same rounds, and print the change; its scripts must take the same "
-                        "keys and arguments as the installed ones (a lua/ from before the key list's "
-                        "reorder of 2026-12-04, push_tokens' keys first, does not)")
+                        "keys and arguments, and answer alike, as the installed ones (a lua/ from before "
+                        "the key list's reorder of 2026-12-04, push_tokens' keys first, does not; nor one "
+                        "whose push_tokens answers {'ok', cancel}, before 2026-12-05's thirty-third stop)")
     p.add_argument("--instructions", action="store_true",
                    help="run the private server under valgrind's callgrind and also count the instructions "
                         "it runs per call and per request: figures that do not move with the machine's load "
@@ -169,10 +170,11 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
 
 def _redis_budget(args: argparse.Namespace) -> int:
     """Redis microseconds per request for the whole lifecycle: admit, claim (batches of 1 and 8),
-    push_tokens as the worker batches them, renew_leases' share, complete with its sample. Each script
-    runs alone between two CONFIG RESETSTATs (INFO commandstats mean; SLOWLOG median), then the
-    per-request budget at each --tokens, the requests/s one shard carries, and the goal check (admit
-    <= 50 us, the lifecycle <= 150 us + 2 us per output token)."""
+    push_tokens as the worker batches them, renew_leases' share and the worker's cancel checks' (an
+    SMISMEMBER), complete with its sample. Each script runs alone between two CONFIG RESETSTATs (INFO
+    commandstats mean; SLOWLOG median), then the per-request budget at each --tokens, the requests/s
+    one shard carries, and the goal check (admit <= 50 us, the lifecycle <= 150 us + 2 us per output
+    token)."""
     from rich.console import Console
 
     from limiter.bench import callgrind

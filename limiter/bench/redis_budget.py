@@ -26,7 +26,11 @@ drives them --
 * ``complete`` with a latency sample, one request per call, and eight (``complete x8``: a
   step worker's completions of one step, which its script batcher sends as one call);
 * ``renew_leases``: every ``lease_ms / 3`` over every held request (worker/runtime.py): a
-  request's share is its time on the worker (tokens x step_ms) over that period.
+  request's share is its time on the worker (tokens x step_ms) over that period;
+* ``cancel check``: the worker's ``SMISMEMBER`` of the cancels set over every held request,
+  every ``flush_ms`` (worker/claim_step_loop.py; a push does not say whether its client
+  cancelled): a request's share is its time on the worker over ``flush_ms``. Not a script:
+  its ``SMISMEMBER`` row of ``INFO commandstats``.
 
 Each script runs alone between two ``CONFIG RESETSTAT``; its ``EVALSHA`` row of ``INFO
 commandstats`` gives the mean Redis time of one call (the script's inner commands are
@@ -83,7 +87,9 @@ DEFAULT_REQUESTS = 1024
 DEFAULT_ROUNDS = 3  # every phase's best round is kept (other processes' CPU use only adds)
 FLOOR_SCRIPT = "return redis.call('HGET', KEYS[1], 'pool')"  # the one-command floor
 DEFAULT_STEP_MS = 12.5  # one decode step (80 tokens/s per stream): 4 tokens per 50 ms push
-RENEW_HELD = 64  # requests per renew_leases call
+RENEW_HELD = 64  # requests per renew_leases call, and per cancel check
+DEFAULT_FLUSH_MS = WorkerSettings.flush_ms  # the worker's cancel check period (a field's default)
+CANCELLED = 8  # ids in the cancels set while the cancel checks are measured (clients gone)
 ADMIT_GOAL_US = 50.0
 BASE_GOAL_US = 150.0
 PER_TOKEN_GOAL_US = 2.0
@@ -95,7 +101,7 @@ def phase_names(push_batch: int = PUSH_BATCH) -> tuple[str, ...]:
     n = push_batch
     return ("floor (1-command script)", "admit", "admit x8", "claim x1", "claim x8", "push_tokens (first)",
             f"push_tokens (first) x{n}", "push_tokens", f"push_tokens x{n}", f"push_tokens x{n} unstreamed",
-            "renew_leases", "complete", "complete x8")
+            "renew_leases", "cancel check", "complete", "complete x8")
 
 
 PHASES = phase_names()
@@ -170,6 +176,11 @@ def renews_per_request(tokens: int, step_ms: float, lease_ms: int) -> float:
     return tokens * step_ms / (lease_ms / 3)
 
 
+def cancel_checks_per_request(tokens: int, step_ms: float, flush_ms: float) -> float:
+    """Cancel checks (SMISMEMBER entries) one request gets: its time on the worker over flush_ms."""
+    return tokens * step_ms / flush_ms
+
+
 def renew_held(requests: int) -> int:
     """Requests per measured renew_leases call: RENEW_HELD, or all of them when fewer."""
     return min(RENEW_HELD, requests)
@@ -177,7 +188,7 @@ def renew_held(requests: int) -> int:
 
 def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, step_ms: float,
            lease_ms: int, renew_held: int = RENEW_HELD, unstreamed_per_push: int | None = None,
-           push_batch: int = PUSH_BATCH) -> dict[str, Any]:
+           push_batch: int = PUSH_BATCH, flush_ms: float = DEFAULT_FLUSH_MS) -> dict[str, Any]:
     """Redis microseconds one request costs with ``tokens`` output tokens, by script, from
     ``us`` (phase -> usec per call): a worker running ``claim_batch`` requests together
     claims them in one call and, when ``claim_batch`` is 8 (and ``us`` has the phase), sends
@@ -185,7 +196,8 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     same step; ``push_tokens x8``) and completes them 8 to a call (``complete x8``: they
     finish at the same step, as requests of one length claimed together do), and their
     frontends' admits came 8 to a call too (``admit x8``: a loaded frontend);
-    a renew call covers ``renew_held`` requests. ``unstreamed_per_push`` (with
+    a renew call, and a cancel check every ``flush_ms``, cover ``renew_held`` requests.
+    ``unstreamed_per_push`` (with
     ``claim_batch`` 8): the request's client does not stream, and its pushes after the first
     carry that many tokens (``push_tokens x8 unstreamed``). ``push_batch``: the batched
     pushes are that many requests a call (``push_tokens x<push_batch>``, and its ``(first)``
@@ -214,6 +226,8 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
         "claim": us[f"claim x{claim_batch}"] / claim_batch,
         "push_tokens": first * first_us + later * later_us,
         "renew_leases": renews_per_request(tokens, step_ms, lease_ms) * us["renew_leases"] / renew_held,
+        "cancel_check": cancel_checks_per_request(tokens, step_ms, flush_ms) * us["cancel check"]
+        / renew_held,
         "complete": complete_us,
     }
     total = sum(by.values())
@@ -285,8 +299,10 @@ class Driver:
         cls = "P1" if "P1" in cfg.class_names() else cfg.class_names()[0]
         return cls, pool.lease_ms
 
-    async def measure(self, name: str, calls: Sequence[Callable[[], Awaitable[Any]]]) -> Phase:
-        """Run ``calls`` one after another between two RESETSTATs (and a SLOWLOG RESET)."""
+    async def measure(self, name: str, calls: Sequence[Callable[[], Awaitable[Any]]],
+                      command: str = "evalsha") -> Phase:
+        """Run ``calls`` one after another between two RESETSTATs (and a SLOWLOG RESET), each
+        one ``command`` (a script's ``EVALSHA``, or a plain command: its own inner command)."""
         await self.client.config_resetstat()
         await self.client.slowlog_reset()
         cpu0 = main_thread_cpu_us(await self.client.info("cpu"))
@@ -298,9 +314,9 @@ class Driver:
         cpu = main_thread_cpu_us(await self.client.info("cpu")) - cpu0
         stats = parse_commandstats(await self.client.info("commandstats"))
         durations = await script_durations(self.client)
-        n, usec = stats.get("evalsha", (0, 0.0))
+        n, usec = stats.get(command, (0, 0.0))
         if n != len(calls):
-            raise RuntimeError(f"{name}: {n} EVALSHA calls counted, {len(calls)} made")
+            raise RuntimeError(f"{name}: {n} {command.upper()} calls counted, {len(calls)} made")
         skip = {"evalsha", "config", "slowlog", "info", "client", "hello"}
         inner = {c: k / n for c, (k, _) in sorted(stats.items()) if c.partition("|")[0] not in skip}
         return Phase(name, n, usec / n, quantile_us(durations, n, 0.5), quantile_us(durations, n, 1.0), inner,
@@ -354,6 +370,10 @@ class Driver:
     def renew(self, held: Sequence[Claimed]) -> Callable[[], Awaitable[Any]]:
         return lambda: self.scripts.renew_leases(self.keys, WORKER, [(c.request_id, c.fence) for c in held])
 
+    def cancel_check(self, held: Sequence[Claimed]) -> Callable[[], Awaitable[Any]]:
+        """The worker's cancel check over ``held`` (WorkerRuntime.cancelled)."""
+        return lambda: self.client.smismember(self.keys.cancels, [c.request_id for c in held])
+
     def complete_group(self, cs: Sequence[Claimed]) -> Callable[[], Awaitable[Any]]:
         async def call() -> None:
             await asyncio.gather(*(self.complete(c)() for c in cs))
@@ -406,6 +426,10 @@ async def measure_round(d: Driver, requests: int, push_rounds: int, push_batch: 
     size = renew_held(requests)
     held = [d.claimed[i:i + size] for i in range(0, len(d.claimed) - size + 1, size)]
     phases.append(await d.measure("renew_leases", [d.renew(h) for h in held]))
+    # a few clients gone (ids of requests of no worker here): the set exists, as it does
+    # while cancels are pending, and every id asked is looked up in it
+    await d.client.sadd(d.keys.cancels, *(f"gone{i}" for i in range(CANCELLED)))
+    phases.append(await d.measure("cancel check", [d.cancel_check(h) for h in held], command="smismember"))
     if "complete" not in d.scripts.merge_limits:  # a complete.lua of one request a call
         phases.append(await d.measure("complete", [d.complete(c) for c in d.claimed]))
         return phases, lease_ms
@@ -474,10 +498,10 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
         report = BudgetReport(best_phases(all_rounds, names), baseline=best_phases(base_rounds, names))
 
         def budgets(us: dict[str, float]) -> list[dict[str, Any]]:
-            return [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests), push_batch=push_batch)
-                    for t in tokens for b in CLAIM_BATCHES] + \
-                [budget(us, t, per_push, 8, step_ms, lease_ms, renew_held(requests), unstreamed, push_batch)
-                 for t in tokens]
+            return [budget(us, t, per_push, b, step_ms, lease_ms, renew_held(requests), push_batch=push_batch,
+                           flush_ms=s.flush_ms) for t in tokens for b in CLAIM_BATCHES] + \
+                [budget(us, t, per_push, 8, step_ms, lease_ms, renew_held(requests), unstreamed, push_batch,
+                        s.flush_ms) for t in tokens]
         report.budgets = budgets(report.us())
         if base:
             report.baseline_budgets = budgets(report.us(baseline=True))
@@ -544,7 +568,7 @@ def render(report: BudgetReport) -> Any:
         b.add_column(f"{x['tokens']} tokens\nbatches of {x['claim_batch']}"
                      + (f",\npushes of {x['push_batch']}" if x["push_batch"] not in (1, 8) else "")
                      + ("" if x["streamed"] else "\nunstreamed"), justify="right")
-    for part in ("admit", "claim", "push_tokens", "renew_leases", "complete"):
+    for part in ("admit", "claim", "push_tokens", "renew_leases", "cancel_check", "complete"):
         b.add_row(part, *(f"{x['us'][part]:.1f}" + (f" ({x['pushes']})" if part == "push_tokens" else "")
                           for x in report.budgets))
     b.add_row("total", *(f"[bold]{x['total_us']:.0f}[/]" for x in report.budgets))

@@ -12,13 +12,16 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
   t_weight = true, c_tenant = true, c_class = true, c_ceil = true, c_vtc = true,
   out_tokens = true, cancel = true}
 
--- What a worker's write checks and uses (push_tokens, renew_leases): a lease's fields, in
--- the order include/lease.lua leased_for_write reads them. Not first_ms: the first push
--- writes it with out_tokens, and nothing else writes out_tokens before the request ends, so
--- out_tokens present means first_ms present (the model test checks it on every queued and
--- leased record), and a field fewer is ~2.2k instructions of every push's HMGET a request
--- (callgrind).
-local LEASE_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens', 'cancel'}
+-- What a worker's fenced calls read of a record, each only what it uses (a field fewer is
+-- ~2.2k instructions of an HMGET a request, callgrind), in the order include/lease.lua reads
+-- them: the lease check's three (state, worker, fence) first.
+-- push_tokens: not first_ms -- the first push writes it with out_tokens, and nothing else
+-- writes out_tokens before the request ends, so out_tokens present means first_ms present
+-- (the model test checks it on every queued and leased record); not cancel -- the worker
+-- asks the cancels set for everything it holds (limiter/scripts.py Pushed).
+local PUSH_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens'}
+-- renew_leases: whether to tell the worker to stop (cancel, or a frontend gone).
+local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel'}
 
 -- The record of request `id` (nil when there is none): the fields `fields` (default: all of
 -- REQ_FIELDS; must include state), numbers as numbers; an absent counter reads as 0.

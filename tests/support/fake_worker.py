@@ -2,7 +2,7 @@
 
 It "generates" the rendered prompt reversed (or a fixed text), one token per character,
 in batches, optionally with a delay per batch, honouring max_tokens, stop sequences and
-cancellation (push_tokens returns the cancel flag). Usage in is counted with the same
+cancellation (the cancels set, asked after each push). Usage in is counted with the same
 function the frontend charges with (limiter.prompt.count_tokens), as the real worker does.
 """
 
@@ -110,11 +110,12 @@ class FakeWorker:
                 if self.delay_s:
                     await asyncio.sleep(self.delay_s)
                 chunk = text[pos: pos + self.batch]
-                cancel = await self.scripts.push_tokens(
+                await self.scripts.push_tokens(
                     self.keys, request_id=c.request_id, worker_id=self.worker_id, fence=c.fence,
                     offset=pos, token_ids=[ord(ch) for ch in chunk], text=chunk)
                 pos += len(chunk)
-                if cancel:
+                # as a real worker learns it: the cancels set (a push does not say it)
+                if await self.scripts.client.sismember(self.keys.cancels, c.request_id):
                     await self.scripts.complete(self.keys, request_id=c.request_id, worker_id=self.worker_id,
                                                 fence=c.fence, outcome="cancelled", usage_in=usage_in,
                                                 finish_reason="cancelled")
