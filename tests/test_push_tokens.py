@@ -29,11 +29,13 @@ async def test_each_request_of_a_batch_gets_its_own_reply_and_only_the_good_ones
         await admit(scripts, pool, cls="P1", request_id=rid, input_tokens=3, max_tokens=10)
     held = await _claim(scripts, pool, 3)
     lease_before = await scripts.client.zscore(pool.leases, "b")
+    await scripts.client.hset(pool.request("c"), "cancel", 1)  # its client cancelled: still delivered
     replies = await scripts.push_tokens_many(pool, "w1", [
         TokenBatch("a", held["a"].fence, 0, [7, 8], "hi", 2),
         TokenBatch("b", held["b"].fence + 1, 0, [9], "x", 1),  # a fence not issued: lost
         TokenBatch("c", held["c"].fence, 0, [5], "c", 1),
     ])
+    # ...and answered "ok": a push does not say a cancel (the worker asks the cancels set)
     assert replies == [Pushed("ok"), Pushed("lost"), Pushed("ok")]
     # a retry of a's batch (its reply was lost): Redis has 2 tokens, the batch says 0
     again = await scripts.push_tokens_many(pool, "w1", [TokenBatch("a", held["a"].fence, 0, [7, 8], "hi", 2),
@@ -341,8 +343,8 @@ async def test_outage_in_a_later_chunk_keeps_delivery_exactly_once(worker_env, m
         assert rec["attempts"] == "1", (rid, rec)
 
 
-async def test_a_cancel_learnt_from_a_chunk_before_an_outage_still_stops_the_request(worker_env,
-                                                                                    monkeypatch) -> None:
+async def test_a_cancel_made_while_a_step_s_pushes_meet_an_outage_still_stops_the_request(worker_env,
+                                                                                         monkeypatch) -> None:
     """A client cancels while its request's push (chunk 1 of a step's pushes) is in flight, and
     chunk 2 meets an outage: the whole push_batches raises. The request must still stop: the
     cancel comes from the worker's SMISMEMBER (or renew's stop list), not from a push."""
@@ -373,6 +375,47 @@ async def test_a_cancel_learnt_from_a_chunk_before_an_outage_still_stops_the_req
     a = c.answers[state["victim"]]
     assert a.error is not None and a.error.get("code") == "cancelled", a
     assert a.tokens < 300, a.tokens
+
+
+async def test_a_cancel_check_that_meets_an_outage_is_asked_again(worker_env, monkeypatch) -> None:
+    """The worker's SMISMEMBER of the cancels set meets an outage once, just after a client
+    cancelled: the request must still stop, from a later check (the news is not lost with the
+    call). The renewals' stop list is hidden here: the cancel check is the only way left for
+    the worker to learn it (a push does not say it)."""
+    from worker.runtime import WorkerRuntime
+
+    cfg, c = worker_env
+    real_cancelled, real_renew = WorkerRuntime.cancelled, Scripts.renew_leases
+    state = {"victim": "", "outages": 0, "asked_after": 0, "stops_hidden": 0}
+
+    async def cancelled(self, ids):
+        if state["victim"] in ids:
+            if not state["outages"]:
+                state["outages"] += 1
+                raise RedisUnavailable("Connection reset by peer")
+            state["asked_after"] += 1
+        return await real_cancelled(self, ids)
+
+    async def renew_leases(self, keys, worker_id, held, lease_ms=0):
+        res = await real_renew(self, keys, worker_id, held, lease_ms)
+        state["stops_hidden"] += len(res.stop)
+        return dataclasses.replace(res, stop=[])
+
+    monkeypatch.setattr(WorkerRuntime, "cancelled", cancelled)
+    monkeypatch.setattr(Scripts, "renew_leases", renew_leases)
+    async with worker(cfg, engine="sim", time_scale=1.0):  # ~11 ms steps: 1,000 tokens take ~11 s
+        rid = await c.admit("cancel me", max_tokens=1000)
+        await c.wait_tokens(rid, 2)
+        state["victim"] = rid
+        assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+        deadline = asyncio.get_running_loop().time() + 30
+        while not c.answers[rid].finished:
+            assert asyncio.get_running_loop().time() < deadline, f"the cancelled request to end: {state}"
+            await c.read()
+    a = c.answers[rid]
+    assert a.error is not None and a.error.get("code") == "cancelled", a
+    assert state["outages"] == 1 and state["asked_after"] >= 1, state
+    assert a.tokens < 1000, a.tokens
 
 
 async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts, pool, cfg) -> None:

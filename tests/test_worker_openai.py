@@ -277,7 +277,7 @@ async def test_max_inflight_bounds_the_upstream_and_cancel_closes_the_stream(env
     assert all(c.answers[r].done["fin"] == "stop" for r in ids)
 
 
-async def test_an_unstreamed_request_is_cancelled_mid_answer_without_pushes_to_learn_it_from(env) -> None:
+async def test_an_unstreamed_request_is_cancelled_mid_answer_by_the_cancel_watcher(env) -> None:
     """An unstreamed request is pushed once a second at most, and no push says a cancel anyway:
     its cancel comes from the watcher's SMISMEMBER, and the upstream stream closes
     long before the answer's end (40 ms a chunk, ~70 chunks)."""
