@@ -89,6 +89,59 @@ def test_scheduler_resume_primes_the_decoder_and_counts_max_tokens() -> None:
     assert resume_finish_reason([1], 9, EOS_ID) is None
 
 
+class _GatedSim(SimEngine):
+    """A sim engine whose steps, once begun (their plan checked), wait for ``gate``: what
+    happens beside a running step."""
+
+    def __init__(self) -> None:
+        super().__init__(time_scale=0)
+        self.gate = asyncio.Event()
+        self.gate.set()
+
+    async def _elapse(self, seconds: float) -> None:
+        await self.gate.wait()
+
+
+async def test_a_step_s_results_never_go_to_a_sequence_added_under_a_removed_ones_id() -> None:
+    """A look-ahead claim runs beside the engine's step, and may hand back a request this
+    worker still runs (its lease lapsed): the loop removes the old sequence and adds the new
+    attempt under the same id while the step runs. That step's KV, prefill and tokens are the
+    old sequence's: the new one must look as if it had been added between two steps (its
+    prefill counted the old one's chunk, its KV the old one's token, and its re-prefill was
+    taken for recomputation)."""
+    prompt = encode("a prompt of a hundred bytes " * 4, bos=True)
+    params = SamplingParams(max_tokens=50)
+    eng = _GatedSim()
+    sched = BatchScheduler(eng, Limits(token_budget=8, max_seqs=4))
+    sched.add("d", encode("hi", bos=True), params, class_rank=0, arrival=0)
+    sched.add("p", prompt, params, class_rank=0, arrival=1)  # prefilled in slices, beside d
+    while not (sched._seqs["d"].decoding and sched._seqs["d"].generated):
+        await sched.step()
+    assert sched._seqs["p"].to_prefill > 0  # still prefilling: the next step takes a slice of it
+
+    reference = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=8, max_seqs=4))
+    expected = {rid: reference.add(rid, ids, params, class_rank=0, arrival=2, generated=[7, 7])
+                for rid, ids in (("p", prompt), ("d", encode("hi", bos=True)))}
+    eng.gate.clear()
+    step = asyncio.create_task(sched.step())
+    while sched.running_plan is None:  # the step is in the engine
+        await asyncio.sleep(0)
+    assert "p" in {c.request_id for c in sched.running_plan.prefill} and "d" in sched.running_plan.decode
+    for rid, ids in (("p", prompt), ("d", encode("hi", bos=True))):
+        sched.remove(rid)
+        sched.add(rid, ids, params, class_rank=0, arrival=2, generated=[7, 7])
+    eng.gate.set()
+    res = await step
+    assert "p" not in res.fresh_prefill and "p" not in res.emissions and "d" not in res.emissions
+    for rid, want in expected.items():
+        got = sched._seqs[rid]
+        assert (got.generated, got.kv_tokens, got.kv_high, got.to_prefill, got.running, got.resident) == \
+            (want.generated, want.kv_tokens, want.kv_high, want.to_prefill, want.running, want.resident), rid
+    # ...and the new attempts run as any other would (both end at max_tokens, resumed tokens counted)
+    out = await _run(sched)
+    assert len(out["p"]) == len(out["d"]) == 48
+
+
 async def _run(sched: BatchScheduler) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for _ in range(2000):

@@ -145,6 +145,10 @@ class BatchScheduler:
         self.max_seq_len: int | None = getattr(engine, "max_seq_len", None)
         self._seqs: dict[str, ScheduledSeq] = {}
         self.running_plan: StepPlan | None = None  # the step the engine runs now; None between steps
+        # Ids removed while the engine stepped (a look-ahead claim runs beside the step): that
+        # step's results are nobody's, also when the id is added again meanwhile (our lease had
+        # lapsed and the claim handed the request back to us: a new sequence, a new attempt).
+        self._removed_in_step: set[str] = set()
         self.preemptions = 0  # sequences paused so far
         self.recompute_tokens = 0  # KV tokens those pauses threw away (prefilled again on readmission)
 
@@ -197,6 +201,8 @@ class BatchScheduler:
         seq = self._seqs.pop(request_id, None)
         if seq is not None and (seq.running or seq.resident):
             self.engine.remove(request_id)
+        if seq is not None and self.running_plan is not None:
+            self._removed_in_step.add(request_id)
         return seq
 
     def clear(self) -> list[ScheduledSeq]:
@@ -293,17 +299,23 @@ class BatchScheduler:
             produced = await self.engine.step(plan)
         finally:
             self.running_plan = None
+            gone = self._removed_in_step
+            if gone:
+                self._removed_in_step = set()
         end = time.perf_counter()
         if self.budget is not None:
             self.budget.observe(plan.prefill_tokens, len(plan.decode), (end - start) * 1000)
 
+        # The sequences this step ran, less those removed meanwhile (a new sequence under a
+        # removed one's id is not the one stepped: its KV and prefill were counted the old one's).
+        seqs = {rid: s for rid, s in self._seqs.items() if rid not in gone} if gone else self._seqs
         for rid in plan.decode:
-            if (seq := self._seqs.get(rid)) is not None:
+            if (seq := seqs.get(rid)) is not None:
                 seq.kv_tokens += 1
                 seq.kv_high = max(seq.kv_high, seq.kv_tokens)
         fresh: dict[str, int] = {}
         for chunk in plan.prefill:
-            if (seq := self._seqs.get(chunk.request_id)) is not None:
+            if (seq := seqs.get(chunk.request_id)) is not None:
                 upto = chunk.start + chunk.length
                 fresh[chunk.request_id] = max(0, upto - max(chunk.start, seq.kv_high))
                 seq.kv_tokens += chunk.length
@@ -312,7 +324,7 @@ class BatchScheduler:
         emissions: dict[str, Emission] = {}
         room = self.max_context()
         for rid, token in produced.items():
-            seq = self._seqs.get(rid)
+            seq = seqs.get(rid)
             if seq is None:  # removed while the step ran
                 continue
             seq.generated.append(token)

@@ -124,7 +124,7 @@ class SimEngine:
         self.last_step_cost_s = seconds
         self._busy = True
         try:
-            await asyncio.sleep(seconds * self.time_scale)
+            await self._elapse(seconds)
         finally:
             self._busy = False
         out: dict[str, int] = {}
@@ -139,6 +139,10 @@ class SimEngine:
                 if e.kv_len == e.prompt_len:
                     out[c.request_id] = self._emit(e)
         return out
+
+    async def _elapse(self, seconds: float) -> None:
+        """The step's modelled time passing (scaled): where a step is in the engine."""
+        await asyncio.sleep(seconds * self.time_scale)
 
     @staticmethod
     def _emit(e: SeqEntry) -> int:
