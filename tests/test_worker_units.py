@@ -932,6 +932,11 @@ async def test_a_busy_worker_looks_for_new_work_every_wake_check_ms() -> None:
     await loop._pull()
     assert len(looks) == 1 and rt.claims == []
     assert 0 < loop._next_look - looks[0] <= 0.003 + 1e-6
+    await loop._pull()  # again before it is due (the next step of a fast engine): no LPOP
+    assert len(looks) == 1
+    loop._next_look = time.monotonic()  # its wake_check_ms are over
+    await loop._pull()
+    assert len(looks) == 2 and rt.claims == []
 
 
 async def test_a_busy_look_that_found_nothing_does_not_hold_back_the_claim_once_idle() -> None:

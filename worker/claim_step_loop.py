@@ -305,6 +305,12 @@ class StepLoop:
         quiet. While busy, a claim is made only when a wake marker says work was announced."""
         s = self.rt.settings
         held = len(self.rt.held)
+        now = time.monotonic()
+        # A busy worker's looks are paced: most steps of a fast engine come before the next is
+        # due, and need nothing below (the room's pass over the held requests, the waiting list).
+        if held and (now < self._next_claim or now < self._next_look
+                     or (s.max_seqs <= held and now < self._next_lookahead)):
+            return
         slots, kv_free = self._room()
         above, avoid, avoid_from = "", [], ""
         waiting = self.sched.waiting
@@ -334,10 +340,7 @@ class StepLoop:
             above = self.rt.cfg.class_names()[best] if best < len(self.rt.cfg.classes) else ""
         else:
             return
-        now = time.monotonic()
         if held:
-            if now < self._next_claim or now < self._next_look or (slots <= 0 and now < self._next_lookahead):
-                return
             if not await self.rt.take_wake_marker():
                 self._next_look = now + s.wake_check_ms / 1e3  # nothing announced: look again soon
                 return
