@@ -39,9 +39,9 @@
 --                             nested reply were ~1k instructions each). Whether its client
 --                             cancelled is not said here: the worker asks the cancels set
 --                             for all it holds, one SMISMEMBER every flush_ms, and
---                             renew_leases says it too (reading the flag here was one more
---                             field of every request's HMGET: -7 to -10 % of a push of 8 to
---                             64 without it, callgrind)
+--                             renew_leases says it too (the flag, one more field of every
+--                             request's HMGET, and the table reply: a push of 8 to 64
+--                             requests -7 to -10 % without them, callgrind)
 --   {'lost', reason}          not leased to this worker with this fence: nothing written
 --   {'offset', delivered}     offset is not the tokens already delivered (an earlier push whose
 --                             reply was lost did land): nothing written for it

@@ -195,14 +195,13 @@ def budget(us: dict[str, float], tokens: int, per_push: int, claim_batch: int, s
     their pushes 8 to a call (``push_tokens (first) x8``: their first tokens come at the
     same step; ``push_tokens x8``) and completes them 8 to a call (``complete x8``: they
     finish at the same step, as requests of one length claimed together do), and their
-    frontends' admits came 8 to a call too (``admit x8``: a loaded frontend);
-    a renew call, and a cancel check every ``flush_ms``, cover ``renew_held`` requests.
-    ``unstreamed_per_push`` (with
-    ``claim_batch`` 8): the request's client does not stream, and its pushes after the first
-    carry that many tokens (``push_tokens x8 unstreamed``). ``push_batch``: the batched
-    pushes are that many requests a call (``push_tokens x<push_batch>``, and its ``(first)``
-    and ``unstreamed`` phases), the rest still 8. With the goal check and what one shard
-    carries."""
+    frontends' admits came 8 to a call too (``admit x8``: a loaded frontend); a renew call,
+    and a cancel check every ``flush_ms``, cover ``renew_held`` requests.
+    ``unstreamed_per_push`` (with ``claim_batch`` 8): the request's client does not stream,
+    and its pushes after the first carry that many tokens (``push_tokens x8 unstreamed``).
+    ``push_batch``: the batched pushes are that many requests a call (``push_tokens
+    x<push_batch>``, and its ``(first)`` and ``unstreamed`` phases), the rest still 8. With
+    the goal check and what one shard carries."""
     streamed = unstreamed_per_push is None
     first, later = pushes_per_request(tokens, per_push if streamed else unstreamed_per_push)
     first_us, later_us = us["push_tokens (first)"], us["push_tokens"]
