@@ -30,7 +30,8 @@ from tests.support.worker_helpers import Client, config, start_worker, stop_work
 from worker.batch_scheduler import StepResult
 from worker.engines.sim import SimEngine
 
-MAX_TOKENS = 100_000  # a request outlasts any sensible run: the batch size never moves
+# A request outlasts any sensible run (one request alone steps every ~50 us): the batch never moves.
+MAX_TOKENS = 10_000_000
 START_TIMEOUT_S = 60.0
 
 
@@ -50,7 +51,8 @@ async def measure(running: int, seconds: float, rounds: int, max_seqs: int = 0) 
         await c.setup()
         for i in range(running):
             await c.admit("hello", max_tokens=MAX_TOKENS, seed=i)
-        engine = SimEngine(time_scale=0, kv_capacity_tokens=running * (MAX_TOKENS + 64))
+        engine = SimEngine(time_scale=0, kv_capacity_tokens=running * (MAX_TOKENS + 64),
+                           max_seq_len=MAX_TOKENS + 64)
         rt, loop, task = await start_worker(cfg, engine, max_seqs=max_seqs or running, claim_ahead=0)
         steps = 0
         step = loop.sched.step
