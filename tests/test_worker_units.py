@@ -142,6 +142,46 @@ async def test_a_step_s_results_never_go_to_a_sequence_added_under_a_removed_one
     assert len(out["p"]) == len(out["d"]) == 48
 
 
+
+class _FailingGatedSim(_GatedSim):
+    """A gated sim whose step, once let go, raises (``fail``)."""
+
+    fail = False
+
+    async def _elapse(self, seconds: float) -> None:
+        await self.gate.wait()
+        if self.fail:
+            raise RuntimeError("the engine's step failed")
+
+
+@pytest.mark.parametrize("end", ["raises", "cancelled"])
+async def test_ids_removed_during_a_step_that_never_ended_are_credited_in_the_next(end: str) -> None:
+    """The ids removed while a step ran are forgotten however that step ends: a step that
+    raised or was cancelled must not leave them to the next step, whose results for a
+    request added under such an id (between the two steps, the usual way) are its own."""
+    eng = _FailingGatedSim()
+    sched = BatchScheduler(eng, Limits(token_budget=8, max_seqs=4))
+    params = SamplingParams(max_tokens=20)
+    sched.add("a", encode("hi", bos=True), params, class_rank=0, arrival=0)
+    await sched.step()
+    eng.gate.clear()
+    step = asyncio.create_task(sched.step())
+    while sched.running_plan is None:  # the step is in the engine
+        await asyncio.sleep(0)
+    sched.remove("a")
+    if end == "cancelled":
+        step.cancel()
+    else:
+        eng.fail = True
+    eng.gate.set()
+    with pytest.raises(asyncio.CancelledError if end == "cancelled" else RuntimeError):
+        await step
+    eng.fail = False
+    sched.add("a", encode("hi", bos=True), params, class_rank=0, arrival=1)
+    res = await sched.step()
+    assert res.fresh_prefill.get("a") == len(encode("hi", bos=True)) and "a" in res.emissions
+    assert sched._seqs["a"].kv_tokens == len(encode("hi", bos=True))
+
 async def _run(sched: BatchScheduler) -> dict[str, list[int]]:
     out: dict[str, list[int]] = {}
     for _ in range(2000):
