@@ -54,3 +54,41 @@ def test_the_load_balancer_points_at_the_frontends():
 def test_the_shared_config_is_valid():
     cfg = config.load(ROOT / "deploy" / "qos.toml", {})
     assert cfg.redis.url == "redis://redis:6379/0"
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration ("45s", "1m30s", "500ms") in seconds."""
+    parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, f"not a compose duration: {duration!r}"
+    unit = {"h": 3600, "m": 60, "s": 1, "ms": 1e-3, "us": 1e-6}
+    return sum(float(n) * unit[u] for n, u in parts)
+
+
+DOCKER_DEFAULT_GRACE_S = 10.0  # `docker compose stop/down` sends SIGKILL this long after SIGTERM
+MARGIN_S = 5.0  # the last calls of a drain (heartbeat entry removed, connections closed)
+
+
+@pytest.mark.parametrize("name", sorted(_qos_services()))
+def test_every_role_is_given_the_time_its_drain_takes_before_sigkill(name):
+    """A frontend gets shutdown_grace_s for its in-flight streams and a worker
+    drain_timeout_s for its running requests, then up to HAND_BACK_RETRY_S to hand back the
+    rest: docker's default 10 s killed both mid-drain (the worker's requests then waited out
+    their leases and spent an attempt each)."""
+    from limiter.frontend.settings import load_settings as frontend_settings
+    from worker.runtime import HAND_BACK_RETRY_S
+    from worker.settings import load_settings as worker_settings
+
+    svc = _qos_services()[name]
+    cfg = config.load(ROOT / "deploy" / "qos.toml", {})
+    args = vars(build_parser().parse_args(svc["command"][1:]))
+    role = svc["command"][1]
+    if role == "frontend":
+        needed = frontend_settings(cfg).shutdown_grace_s
+    elif role == "worker":
+        s = worker_settings(cfg, {"drain_timeout_s": args.get("drain_timeout_s")})
+        needed = s.drain_timeout_s + HAND_BACK_RETRY_S
+    else:  # a controller hands over its leadership at once
+        needed = 0.0
+    grace = _seconds(svc.get("stop_grace_period", f"{DOCKER_DEFAULT_GRACE_S:g}s"))
+    assert grace >= needed + MARGIN_S, \
+        f"{name}: SIGKILL {grace:g} s after SIGTERM, its drain takes up to {needed:g} s"

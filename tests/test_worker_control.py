@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import math
 import signal
 import time
@@ -13,6 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from tests.support.helpers import wait_until
 from tests.support.redis_server import RedisServer
 from tests.support.worker_helpers import (
     Client,
@@ -319,6 +321,85 @@ async def test_a_push_failing_just_before_the_drain_deadline_does_not_keep_the_w
         if not task.done():
             task.cancel()
     assert state["failed"] == 1
+    rec = await c.record(rid)
+    assert rec["state"] == "queued", f"the drained worker exited still holding {rid}: {rec.get('state')!r}"
+    assert rec["attempts"] == "0"
+
+
+async def test_a_hand_back_that_keeps_failing_at_the_drain_deadline_is_given_up(env, monkeypatch) -> None:
+    """The retry of a failed hand-back is bounded (HAND_BACK_RETRY_S): with every release
+    refused by an outage the worker still exits, leaving the request to requeue when its lease
+    expires, as when Redis is down."""
+    from limiter.errors import RedisUnavailable
+    from limiter.scripts import Scripts
+
+    cfg, c = env
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, drain_timeout_s=60)
+    tries = []
+
+    async def release(self, keys, **kw):
+        tries.append(time.monotonic())
+        raise RedisUnavailable("Connection reset by peer")
+
+    monkeypatch.setattr(Scripts, "release", release)
+    try:
+        rid = await c.admit("never handed back", max_tokens=100000)
+        await c.wait_tokens(rid, 1)
+        rt.begin_drain("test")
+        rt.drain_deadline = time.monotonic()
+        assert await asyncio.wait_for(task, 30) == 0
+    finally:
+        if not task.done():
+            task.cancel()
+    assert len(tries) >= 2, f"tried {len(tries)} time(s): no retry"
+    assert (await c.record(rid))["state"] == "leased"  # its lease lapses: claim requeues it
+
+
+@pytest.mark.parametrize("failing", ["release", "push_tokens_many"])
+async def test_a_hand_back_meeting_a_passing_outage_at_the_drain_deadline_is_tried_again(
+        env, monkeypatch, failing: str) -> None:
+    """At the drain deadline the worker hands back what it holds, pushing its last tokens
+    first. A passing outage just then (one call of the hand-back failed: its push or the
+    release itself) left the worker to exit holding the request, which then waited out a
+    whole lease and spent an attempt; it is tried again after a back-off (HAND_BACK_RETRY_S).
+    Found by the suite with both cores busy: the test above failed when the first push after
+    the deadline was the hand-back's own rather than a step's."""
+    from limiter.errors import RedisUnavailable
+    from limiter.scripts import Scripts
+    from worker.runtime import WorkerRuntime
+
+    cfg, c = env
+    # No push of the steps' own after the first token: the hand-back has tokens to push.
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, flush_ms=10_000,
+                                         flush_tokens=100_000, drain_timeout_s=60)
+    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
+    real_release, real = WorkerRuntime.release, getattr(Scripts, failing)
+    state = {"failed": 0}
+
+    async def release(self, d, spent=False):
+        handing_back.set(True)  # this task's context (and of those it starts) only
+        return await real_release(self, d, spent)
+
+    async def once_failing(self, *args, **kw):
+        if handing_back.get() and rt.drain_expired and not state["failed"]:
+            state["failed"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, *args, **kw)
+
+    monkeypatch.setattr(WorkerRuntime, "release", release)
+    monkeypatch.setattr(Scripts, failing, once_failing)  # before the worker first runs
+    try:
+        rid = await c.admit("hand me back", max_tokens=100000)
+        await c.wait_tokens(rid, 1)  # running (its first token is pushed at once)
+        rt.begin_drain("test")  # 60 s: the running request goes on
+        await wait_until(lambda: rid in rt.held and rt.held[rid].pending_tokens >= 3,
+                         "three tokens generated and not pushed")
+        rt.drain_deadline = time.monotonic()
+        await asyncio.wait_for(task, 20)
+    finally:
+        if not task.done():
+            task.cancel()
+    assert state["failed"] == 1, f"no {failing} call after the deadline: the test did not test"
     rec = await c.record(rid)
     assert rec["state"] == "queued", f"the drained worker exited still holding {rid}: {rec.get('state')!r}"
     assert rec["attempts"] == "0"

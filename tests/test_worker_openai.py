@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
+from typing import Any
 
 import pytest
 import redis.asyncio as aioredis
@@ -807,3 +808,72 @@ async def test_an_idle_upstream_connection_is_not_reused_past_the_keepalive(env,
         await c.wait([late], timeout=20)
     assert c.answers[late].text == "eerht"
     assert up.peers[-1] not in up.peers[:-1], up.peers  # a fresh connection
+
+
+
+async def _drained_now_with_releases_failing(cfg, c, up, monkeypatch, fails: Any) -> str:
+    """An openai worker streaming a slow answer, drained at once (two SIGTERMs); each call
+    of the release script after the deadline for which ``fails()`` is true raises an outage.
+    Returns the request's id once the worker has exited (0)."""
+    from limiter.errors import RedisUnavailable
+
+    s = load_settings(cfg, {"pool": "tiny", "engine": "openai", "upstream_url": up.url,
+                            "heartbeat_s": 0.2, "idle_block_s": 0.2, "drain_timeout_s": 120})
+    rt, loop = build_worker(s, cfg)
+    real = Scripts.release
+
+    async def release(self, keys, **kw):
+        if rt.drain_expired and fails():
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, **kw)
+
+    monkeypatch.setattr(Scripts, "release", release)
+    task = asyncio.create_task(run_worker(rt, loop))
+    try:
+        rid = await c.admit("SLOW " + "abcdefghij" * 300, max_tokens=2000)  # a chunk every 40 ms
+        await c.wait_tokens(rid, 1)
+        rt.begin_drain("SIGTERM")
+        rt.begin_drain("SIGTERM")  # the second: hand back now
+        assert await asyncio.wait_for(task, 30) == 0
+    finally:
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(BaseException):
+                await task
+    return rid
+
+
+async def test_a_hand_back_meeting_a_passing_outage_at_the_drain_deadline_is_tried_again(
+        env, monkeypatch) -> None:
+    """At the drain deadline each stream is interrupted and hands its request back. Its one
+    release met a passing outage (a connection reset just then) and the worker exited holding
+    the request, which waited out a whole lease and spent an attempt; it is tried again after
+    a back-off (HAND_BACK_RETRY_S), as the step worker's hand-back is."""
+    cfg, c, up = env
+    failed = []
+
+    def first_only() -> bool:
+        failed.append(len(failed) == 0)
+        return failed[-1]
+
+    rid = await _drained_now_with_releases_failing(cfg, c, up, monkeypatch, first_only)
+    assert failed, "no release after the deadline: the test did not test"
+    rec = await c.record(rid)
+    assert rec["state"] == "queued", f"the drained worker exited still holding {rid}: {rec.get('state')!r}"
+    assert rec["attempts"] == "0"
+
+
+async def test_a_hand_back_that_keeps_failing_at_the_drain_deadline_is_given_up(env, monkeypatch) -> None:
+    """The retry is bounded (HAND_BACK_RETRY_S): with every release refused by an outage, and
+    Redis otherwise answering (the drain is never hopeless), the worker still exits; the
+    request requeues when its lease expires."""
+    cfg, c, up = env
+    tries: list[float] = []
+
+    def always() -> bool:
+        tries.append(time.monotonic())
+        return True
+
+    rid = await _drained_now_with_releases_failing(cfg, c, up, monkeypatch, always)
+    assert len(tries) >= 2, f"tried {len(tries)} time(s): no retry"
+    assert (await c.record(rid))["state"] == "leased"

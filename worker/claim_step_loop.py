@@ -51,7 +51,7 @@ from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.push_clock import PushClock
-from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
+from worker.runtime import HAND_BACK_RETRY_S, IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.saturated_capacity import SaturatedCapacity, StepLimits
 from worker.settings import WorkerSettings
 from worker.step_budget import BudgetConfig, StepBudget
@@ -178,8 +178,7 @@ class StepLoop:
                                 "expire", len(self.rt.held))
                     return
                 if self.rt.drain_expired:
-                    # What cannot be handed back now (Redis down) requeues when its lease expires.
-                    await self.rt.guard("release", self._release(list(self.rt.held)))
+                    await self._hand_back_all()
                     return
             await self.rt.guard("worker", self._iteration())
 
@@ -708,6 +707,17 @@ class StepLoop:
         for d in list(self.rt.held.values()):
             calls.append(self.rt.finish(d, "failed", "error", message))
         await self._gather(calls)
+
+    async def _hand_back_all(self) -> None:
+        """At the drain deadline, hand back everything held. A hand-back that meets an outage
+        is tried again after guard's back-off for up to ``HAND_BACK_RETRY_S`` (a connection
+        reset as the deadline came left the request to wait out its lease); what cannot be
+        handed back by then (Redis down) requeues when its lease expires."""
+        give_up = time.monotonic() + HAND_BACK_RETRY_S
+        while True:
+            await self.rt.guard("release", self._release(list(self.rt.held)))
+            if not self.rt.held or self.rt.drain_hopeless or time.monotonic() >= give_up:
+                return
 
     async def _release(self, ids: list[str]) -> None:
         """Hand ``ids`` back (drain); ones already finishing are finished instead."""

@@ -54,6 +54,12 @@ IDLE_HELD_S = 0.05
 # the default 20 ms): long enough that a backlog nobody can take now is no hot loop, short
 # enough that work admitted meanwhile is claimed promptly.
 MAX_BACKOFF_INTERVALS = 5
+# At the drain deadline a hand-back that met a passing outage (a connection reset just then) is
+# tried again, after a back-off, for this long: given up at once, the request waited out a
+# whole lease (10 s by default) and spent an attempt. What is still held after it requeues when
+# its lease expires, as when Redis is down. docker-compose.yml's stop_grace_period leaves room
+# for it beyond drain_timeout_s.
+HAND_BACK_RETRY_S = 5.0
 # What a push learnt about one request (push_batches): nothing (delivered, or an offset
 # settled), its lease is lost, or Redis refused its tokens. Not whether its client cancelled:
 # that is :meth:`WorkerRuntime.cancelled`'s.

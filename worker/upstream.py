@@ -82,7 +82,7 @@ from worker.delivery import Delivery
 from worker.engines.base import request_seed
 from worker.metrics import WorkerMetrics
 from worker.push_merge import MergedPushes
-from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
+from worker.runtime import HAND_BACK_RETRY_S, IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.sse_events import MalformedStream, parse_chunk, sse_batches
 from worker.tokenizer import decode
 
@@ -388,8 +388,7 @@ class UpstreamLoop:
             elif why == "cancel":
                 await self._finish(d, ("cancelled", "cancelled", ""))
             else:
-                with contextlib.suppress(RedisUnavailable):
-                    await self.rt.release(d)
+                await self._hand_back(d)
         except LeaseLost:
             self.rt.drop(rid, "lost", d)
         except Exception as exc:  # a bug must fail one request, not the worker
@@ -411,6 +410,22 @@ class UpstreamLoop:
             self._busy_s += now - self._busy_since
             self._busy_work += self._work - self._work_at_busy
             self._busy_since = None
+
+    async def _hand_back(self, d: Delivery) -> None:
+        """Release ``d`` (the drain's deadline, or the loop ending): an outage is tried again
+        after a back-off for up to ``HAND_BACK_RETRY_S`` (a connection reset as the deadline
+        came left the request to wait out its lease and spend an attempt); still held after
+        that, it requeues when its lease expires."""
+        give_up = time.monotonic() + HAND_BACK_RETRY_S
+        backoff = Backoff(f"{d.request_id}: release", first_s=0.2, max_s=1.0, logger=log)
+        while True:
+            try:
+                await self.rt.release(d)
+                return
+            except RedisUnavailable as exc:
+                if self.rt.drain_hopeless or time.monotonic() + backoff.next_delay(exc) >= give_up:
+                    return
+                await asyncio.sleep(backoff.delay_s)
 
     async def _finish(self, d: Delivery, result: Result) -> None:
         backoff = Backoff(f"{d.request_id}: complete", first_s=0.2, max_s=5.0, logger=log)
