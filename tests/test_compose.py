@@ -51,6 +51,19 @@ def test_the_load_balancer_points_at_the_frontends():
     assert COMPOSE["services"]["lb"]["depends_on"] == ["frontend"]
 
 
+def test_a_body_over_the_frontends_limit_reaches_them_to_be_refused_with_their_own_error():
+    """nginx's client_max_body_size must be above the frontends' max_body_bytes: at or below
+    it, nginx answers an HTML 413 of its own where the frontend answers the OpenAI-shaped 400
+    ``request_too_large`` naming its limit."""
+    from limiter.frontend.settings import load_settings as frontend_settings
+
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    (size, unit) = re.findall(r"^\s*client_max_body_size\s+(\d+)([kKmMgG]?);", conf, re.MULTILINE)[0]
+    nginx_bytes = int(size) * {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30}[unit.lower()]
+    limit = frontend_settings(config.load(ROOT / "deploy" / "qos.toml", {})).max_body_bytes
+    assert nginx_bytes > limit, f"nginx refuses bodies over {nginx_bytes} bytes, the frontends over {limit}"
+
+
 def test_the_shared_config_is_valid():
     cfg = config.load(ROOT / "deploy" / "qos.toml", {})
     assert cfg.redis.url == "redis://redis:6379/0"
