@@ -64,6 +64,19 @@ def test_a_body_over_the_frontends_limit_reaches_them_to_be_refused_with_their_o
     assert nginx_bytes > limit, f"nginx refuses bodies over {nginx_bytes} bytes, the frontends over {limit}"
 
 
+def test_nginx_waits_for_the_frontends_longer_than_they_wait_for_an_answer():
+    """A request queued, or throttled and retried, gets no byte until its first token; the
+    frontend ends it at request_timeout_s with a 503 of its own. nginx's proxy_read_timeout
+    must be longer, or the client gets nginx's 504 instead (at equal values, either)."""
+    from limiter.frontend.settings import load_settings as frontend_settings
+
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    (value, unit) = re.findall(r"^\s*proxy_read_timeout\s+(\d+)(s|m)?;", conf, re.MULTILINE)[0]
+    nginx_s = int(value) * (60 if unit == "m" else 1)
+    limit = frontend_settings(config.load(ROOT / "deploy" / "qos.toml", {})).request_timeout_s
+    assert nginx_s > limit, f"nginx gives up after {nginx_s} s of silence, the frontends after {limit:g} s"
+
+
 def test_the_shared_config_is_valid():
     cfg = config.load(ROOT / "deploy" / "qos.toml", {})
     assert cfg.redis.url == "redis://redis:6379/0"
