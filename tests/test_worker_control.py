@@ -326,20 +326,19 @@ async def test_a_push_failing_just_before_the_drain_deadline_does_not_keep_the_w
     assert rec["attempts"] == "0"
 
 
-async def test_a_hand_back_that_keeps_failing_at_the_drain_deadline_is_given_up(env, monkeypatch) -> None:
-    """The retry of a failed hand-back is bounded (HAND_BACK_RETRY_S): with every release
-    refused by an outage the worker still exits, leaving the request to requeue when its lease
-    expires, as when Redis is down."""
-    from limiter.errors import RedisUnavailable
+async def _every_release_refused_at_the_deadline(env, monkeypatch, error: Exception
+                                                 ) -> tuple[str, list[float]]:
+    """A step worker running one request, drained at once, every release raising ``error``:
+    the request's id and the times of the tries, once the worker has exited (0)."""
     from limiter.scripts import Scripts
 
     cfg, c = env
     rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, drain_timeout_s=60)
-    tries = []
+    tries: list[float] = []
 
     async def release(self, keys, **kw):
         tries.append(time.monotonic())
-        raise RedisUnavailable("Connection reset by peer")
+        raise error
 
     monkeypatch.setattr(Scripts, "release", release)
     try:
@@ -351,8 +350,31 @@ async def test_a_hand_back_that_keeps_failing_at_the_drain_deadline_is_given_up(
     finally:
         if not task.done():
             task.cancel()
+    return rid, tries
+
+
+async def test_a_hand_back_that_keeps_failing_at_the_drain_deadline_is_given_up(env, monkeypatch) -> None:
+    """The retry of a failed hand-back is bounded (HAND_BACK_RETRY_S): with every release
+    refused by an outage the worker still exits, leaving the request to requeue when its lease
+    expires, as when Redis is down."""
+    from limiter.errors import RedisUnavailable
+
+    rid, tries = await _every_release_refused_at_the_deadline(
+        env, monkeypatch, RedisUnavailable("Connection reset by peer"))
     assert len(tries) >= 2, f"tried {len(tries)} time(s): no retry"
-    assert (await c.record(rid))["state"] == "leased"  # its lease lapses: claim requeues it
+    assert (await env[1].record(rid))["state"] == "leased"  # its lease lapses: claim requeues it
+
+
+async def test_a_hand_back_that_meets_a_missing_policy_at_the_deadline_does_not_spin(
+        env, monkeypatch) -> None:
+    """guard backs off after an outage but not after NOPOLICY (it writes the policy again
+    at once): the hand-back's retry made ~1,500 tries in its 5 s (found by a review). It
+    pauses IDLE_HELD_S between tries at least."""
+    from limiter.errors import PolicyMissing
+    from worker.runtime import HAND_BACK_RETRY_S, IDLE_HELD_S
+
+    _rid, tries = await _every_release_refused_at_the_deadline(env, monkeypatch, PolicyMissing("tiny"))
+    assert 2 <= len(tries) <= HAND_BACK_RETRY_S / IDLE_HELD_S + 2, f"{len(tries)} tries"
 
 
 @pytest.mark.parametrize("failing", ["release", "push_tokens_many"])

@@ -19,6 +19,7 @@ from limiter.prompt import ChatMessage, render_chat
 from limiter.scripts import Scripts
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
+from tests.support.helpers import wait_until
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.worker_helpers import (
     Client,
@@ -811,36 +812,58 @@ async def test_an_idle_upstream_connection_is_not_reused_past_the_keepalive(env,
 
 
 
-async def _drained_now_with_releases_failing(cfg, c, up, monkeypatch, fails: Any) -> str:
-    """An openai worker streaming a slow answer, drained at once (two SIGTERMs); each call
-    of the release script after the deadline for which ``fails()`` is true raises an outage.
-    Returns the request's id once the worker has exited (0)."""
-    from limiter.errors import RedisUnavailable
-
+def _draining_openai_worker(cfg, up) -> tuple[Any, Any]:
+    """An openai worker (runtime, loop) in front of ``up`` whose drain lasts 120 s: the
+    tests end it with a second SIGTERM."""
     s = load_settings(cfg, {"pool": "tiny", "engine": "openai", "upstream_url": up.url,
                             "heartbeat_s": 0.2, "idle_block_s": 0.2, "drain_timeout_s": 120})
-    rt, loop = build_worker(s, cfg)
+    return build_worker(s, cfg)
+
+
+async def _drained_now_with_releases_failing(cfg, c, up, monkeypatch, fails: Any,
+                                             error: type[Exception] | None = None) -> str:
+    """An openai worker streaming a slow answer, drained at once (two SIGTERMs); each call
+    of the release script after the deadline for which ``fails()`` is true raises ``error``
+    (an outage by default). Returns the request's id once the worker has exited (0)."""
+    from limiter.errors import RedisUnavailable
+
+    error = error or RedisUnavailable
+    rt, loop = _draining_openai_worker(cfg, up)
     real = Scripts.release
 
     async def release(self, keys, **kw):
         if rt.drain_expired and fails():
-            raise RedisUnavailable("Connection reset by peer")
+            raise error("Connection reset by peer" if error is RedisUnavailable else "tiny")
         return await real(self, keys, **kw)
 
     monkeypatch.setattr(Scripts, "release", release)
-    task = asyncio.create_task(run_worker(rt, loop))
-    try:
+
+    async def streaming() -> str:
         rid = await c.admit("SLOW " + "abcdefghij" * 300, max_tokens=2000)  # a chunk every 40 ms
         await c.wait_tokens(rid, 1)
+        return rid
+
+    return await _run_then_drain_now(rt, loop, streaming)
+
+
+async def _run_then_drain_now(rt: Any, loop: Any, before: Any, meanwhile: Any = None) -> str:
+    """Run the worker; ``before()`` (its result is returned), two SIGTERMs (the second: hand
+    back now), then ``meanwhile()`` if given: the worker must then exit 0 within 30 s. It is
+    cancelled if it has not (a failure on the way included)."""
+    task = asyncio.create_task(run_worker(rt, loop))
+    try:
+        out = await before()
         rt.begin_drain("SIGTERM")
-        rt.begin_drain("SIGTERM")  # the second: hand back now
+        rt.begin_drain("SIGTERM")
+        if meanwhile is not None:
+            await meanwhile()
         assert await asyncio.wait_for(task, 30) == 0
+        return out
     finally:
         if not task.done():
             task.cancel()
             with contextlib.suppress(BaseException):
                 await task
-    return rid
 
 
 async def test_a_hand_back_meeting_a_passing_outage_at_the_drain_deadline_is_tried_again(
@@ -877,3 +900,61 @@ async def test_a_hand_back_that_keeps_failing_at_the_drain_deadline_is_given_up(
     rid = await _drained_now_with_releases_failing(cfg, c, up, monkeypatch, always)
     assert len(tries) >= 2, f"tried {len(tries)} time(s): no retry"
     assert (await c.record(rid))["state"] == "leased"
+
+
+async def test_a_hand_back_that_meets_a_missing_policy_is_tried_again_and_ends(
+        env, monkeypatch, caplog) -> None:
+    """NOPOLICY at the deadline (Redis restarted empty) was raised in the stream task's
+    cancellation branch: nobody read it ("Task exception was never retrieved") and the
+    request stayed held. The pool is written again and the release tried again, within the
+    same bound (found by a review)."""
+    from limiter.errors import PolicyMissing
+
+    cfg, c, up = env
+    tries: list[float] = []
+
+    def always() -> bool:
+        tries.append(time.monotonic())
+        return True
+
+    rid = await _drained_now_with_releases_failing(cfg, c, up, monkeypatch, always, PolicyMissing)
+    assert len(tries) >= 2, f"tried {len(tries)} time(s): no retry"
+    assert (await c.record(rid))["state"] == "leased"
+    assert "never retrieved" not in caplog.text
+
+
+async def test_an_answer_decided_before_the_drain_deadline_is_finished_not_handed_back(
+        env, monkeypatch) -> None:
+    """The stream ended; its completion met an outage and was being retried when the drain
+    deadline came. The interrupt handed the request back (`release` ignored its decided
+    answer): requeued, another worker answered it again past its end. It is finished with its
+    answer, once the outage passes (found by a review of the hand-back's retry)."""
+    from limiter.errors import RedisUnavailable
+
+    cfg, c, up = env
+    rt, loop = _draining_openai_worker(cfg, up)
+    real = Scripts.complete
+    outage = {"on": True, "refused": 0}
+
+    async def complete(self, keys, **kw):
+        if outage["on"]:
+            outage["refused"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    ids: list[str] = []
+
+    async def decided() -> str:
+        ids.append(rid := await c.admit("hello world", max_tokens=100))
+        await wait_until(lambda: rid in rt.held and rt.held[rid].final is not None and outage["refused"],
+                         "the answer decided, its completion refused")
+        return rid
+
+    async def interrupted_then_outage_over() -> None:
+        await wait_until(lambda: ids[0] in loop.why or ids[0] not in rt.held, "the stream's task interrupted")
+        outage["on"] = False
+
+    rid = await _run_then_drain_now(rt, loop, decided, interrupted_then_outage_over)
+    rec = await c.record(rid)
+    assert (rec["state"], rec["attempts"]) == ("done", "1"), rec

@@ -718,6 +718,9 @@ class StepLoop:
             await self.rt.guard("release", self._release(list(self.rt.held)))
             if not self.rt.held or self.rt.drain_hopeless or time.monotonic() >= give_up:
                 return
+            # guard backs off after an outage, not after a missing policy (it writes the policy
+            # again at once): never a hot loop either way
+            await asyncio.sleep(IDLE_HELD_S)
 
     async def _release(self, ids: list[str]) -> None:
         """Hand ``ids`` back (drain); ones already finishing are finished instead."""

@@ -415,17 +415,27 @@ class UpstreamLoop:
         """Release ``d`` (the drain's deadline, or the loop ending): an outage is tried again
         after a back-off for up to ``HAND_BACK_RETRY_S`` (a connection reset as the deadline
         came left the request to wait out its lease and spend an attempt); still held after
-        that, it requeues when its lease expires."""
+        that, it requeues when its lease expires. A request whose answer is decided (its
+        completion met an outage, or was in flight at the interrupt) is finished with it, not
+        requeued to be answered again: as any completion, until it lands or the drain is
+        hopeless (the loop then cancels this task)."""
+        if d.final is not None:
+            await self._finish(d, d.final)
+            return
         give_up = time.monotonic() + HAND_BACK_RETRY_S
         backoff = Backoff(f"{d.request_id}: release", first_s=0.2, max_s=1.0, logger=log)
-        while True:
+        while self.rt.held.get(d.request_id) is d:
             try:
                 await self.rt.release(d)
                 return
+            except PolicyMissing:  # Redis restarted empty: the pool again; the record is gone
+                await self.rt.guard("pool", self.rt.ensure_pool())
+                delay = backoff.next_delay()
             except RedisUnavailable as exc:
-                if self.rt.drain_hopeless or time.monotonic() + backoff.next_delay(exc) >= give_up:
-                    return
-                await asyncio.sleep(backoff.delay_s)
+                delay = backoff.next_delay(exc)
+            if self.rt.drain_hopeless or time.monotonic() + delay >= give_up:
+                return
+            await asyncio.sleep(delay)
 
     async def _finish(self, d: Delivery, result: Result) -> None:
         backoff = Backoff(f"{d.request_id}: complete", first_s=0.2, max_s=5.0, logger=log)

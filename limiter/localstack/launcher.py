@@ -184,7 +184,7 @@ class Stack:
         limits = {**DEFAULT_STOP_LIMITS, **(limits or {})}
         for role, label, what in (
             ("frontend", "frontends", "stop accepting, finish open streams within {:g} s"),
-            ("worker", "workers", "drain: finish running work within {:g} s, hand back the rest"),
+            ("worker", "workers", "drain: finish running work and hand back the rest within {:g} s"),
             ("controller", "controllers", "release their leases"),
         ):
             group = [c for c in self.children if c.role == role and c.running]

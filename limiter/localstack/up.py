@@ -226,6 +226,7 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
     validated here: a bad role section is refused before anything starts)."""
     from limiter.controller.settings import load_settings as controller_settings
     from limiter.frontend.settings import load_settings as frontend_settings
+    from worker.runtime import HAND_BACK_RETRY_S
     from worker.settings import load_settings as worker_settings
 
     fe = frontend_settings(cfg, {"host": args.host, "port": args.port})
@@ -233,7 +234,9 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
                                "upstream_url": args.upstream_url, "upstream_model": args.upstream_model,
                                "upstream_priority": args.upstream_priority})
     controller_settings(cfg)
-    return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s, "worker": wk.drain_timeout_s}
+    # a worker's hand-back after its drain may take HAND_BACK_RETRY_S more
+    return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s,
+            "worker": wk.drain_timeout_s + HAND_BACK_RETRY_S}
 
 
 def check_role_ports(cfg: config_mod.QosConfig, args: argparse.Namespace) -> None:
