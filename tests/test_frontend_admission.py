@@ -183,6 +183,38 @@ async def test_worker_failure_is_503(client, aredis):
     assert (await r.json())["error"]["code"] == "worker_failed"
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+async def test_a_failure_after_a_push_with_no_text_is_still_an_honest_503(client, aredis, path):
+    """A first push may carry a token and no text (the first byte of a UTF-8 character is
+    held back): nothing the client can see, so a failure after it is still an HTTP 503, not
+    an error inside a 200 stream (the stream was opened by any first entry; found by a
+    review)."""
+    from limiter.scripts import Scripts
+
+    scripts = Scripts(aredis)
+    body = {"model": "tiny", "stream": True, "prompt": "hi"} if path == "/v1/completions" else \
+        {"model": "tiny", "stream": True, "messages": [{"role": "user", "content": "hi"}]}
+    post = asyncio.create_task(client.post(path, json=body, headers=auth()))
+    claimed = []
+
+    async def claim() -> bool:
+        claimed.extend((await scripts.claim(POOL, "w1", 1)).requests)
+        return bool(claimed)
+
+    deadline = time.monotonic() + 15
+    while not await claim():
+        assert time.monotonic() < deadline, "the request to be claimed"
+        await asyncio.sleep(0.01)
+    (c,) = claimed
+    await scripts.push_tokens(POOL, request_id=c.request_id, worker_id="w1", fence=c.fence, offset=0,
+                              token_ids=[0xE6], text="", grouped=True)  # half of a character
+    await scripts.complete(POOL, request_id=c.request_id, worker_id="w1", fence=c.fence, outcome="failed",
+                           usage_in=3, finish_reason="error", message="engine broke")
+    r = await post
+    assert r.status == 503, await r.text()
+    assert (await r.json())["error"]["code"] == "worker_failed"
+
+
 async def test_disconnect_while_queued_cancels_and_refunds_in_full(client, sync_redis):
     task = asyncio.create_task(client.post("/v1/chat/completions", headers=auth("key-frugal"), json={
         "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50}))

@@ -346,6 +346,10 @@ class Generation:
                 text = self.accept(r)
                 out: list[bytes] = []
                 if resp is None:
+                    if not text and r.kind != "done":
+                        # a token with no text yet (the first byte of a character): nothing the
+                        # client could see, and a failure after it is still an honest 503
+                        continue
                     resp, out = await open_stream()
                 if text:
                     out.append(oa.sse(oa.chunk(req, rid, created, text=text,
