@@ -428,9 +428,9 @@ class UpstreamLoop:
             try:
                 await self.rt.release(d)
                 return
-            except PolicyMissing:  # Redis restarted empty: the pool again; the record is gone
+            except PolicyMissing as exc:  # Redis restarted empty: the pool again; the record is gone
                 await self.rt.guard("pool", self.rt.ensure_pool())
-                delay = backoff.next_delay()
+                delay = backoff.next_delay(exc)
             except RedisUnavailable as exc:
                 delay = backoff.next_delay(exc)
             if self.rt.drain_hopeless or time.monotonic() + delay >= give_up:
