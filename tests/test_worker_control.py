@@ -425,3 +425,42 @@ async def test_a_hand_back_meeting_a_passing_outage_at_the_drain_deadline_is_tri
     rec = await c.record(rid)
     assert rec["state"] == "queued", f"the drained worker exited still holding {rid}: {rec.get('state')!r}"
     assert rec["attempts"] == "0"
+
+
+async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_hand_back_bound(
+        env, monkeypatch) -> None:
+    """A request whose answer is decided (its completion met an outage) when the drain's
+    deadline comes is finished with it, retried as any completion until it lands: given up
+    after the hand-back's bound (HAND_BACK_RETRY_S, as a release is), it stayed held, and
+    requeued at its lease's end to be answered again. The openai worker already kept trying."""
+    from limiter.errors import RedisUnavailable
+    from limiter.scripts import Scripts
+
+    monkeypatch.setattr("worker.runtime.HAND_BACK_RETRY_S", 0.3)
+    cfg, c = env
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, drain_timeout_s=60)
+    real = Scripts.complete
+    state = {"fail_until": math.inf, "failed": 0}
+
+    async def complete(self, keys, **kw):
+        if time.monotonic() < state["fail_until"]:
+            state["failed"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)  # before the worker first runs
+    try:
+        rid = await c.admit("decided, then drained", max_tokens=4)
+        await wait_until(lambda: rid in rt.held and rt.held[rid].final is not None,
+                         "the request's completion met the outage")
+        rt.begin_drain("test")
+        rt.drain_deadline = time.monotonic()
+        state["fail_until"] = time.monotonic() + 1.5  # well past the bound of a release's retries
+        assert await asyncio.wait_for(task, 30) == 0
+    finally:
+        if not task.done():
+            task.cancel()
+    assert state["fail_until"] < time.monotonic(), "the worker exited during the outage, its answer held"
+    rec = await c.record(rid)
+    assert rec["state"] == "done", f"a decided answer was left held at the drain: {rec.get('state')!r}"
+    assert (rec["finish_reason"], rec["attempts"]) == ("length", "1"), rec

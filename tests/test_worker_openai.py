@@ -618,6 +618,36 @@ async def test_upstream_busy_status_hands_back_instead_of_failing(env, status) -
     assert c.answers[rid].error is None and c.answers[rid].text == "busy now, fine later"[::-1]
 
 
+async def test_a_hand_back_after_the_upstream_went_down_meeting_a_passing_outage_is_tried_again(
+        env, monkeypatch) -> None:
+    """A request whose model server is down is handed back at once, for a worker that can
+    reach one. That release was one try: a passing Redis outage just then (a connection reset)
+    left it to wait out its lease and spend an attempt. It is tried again (rt.hand_back), as at
+    a drain's deadline."""
+    from limiter.errors import RedisUnavailable
+
+    cfg, c, up = env
+    up.status = 503
+    real = Scripts.release
+    refused: list[float] = []
+
+    async def release(self, keys, **kw):
+        if not refused:
+            refused.append(time.monotonic())
+            raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, **kw)
+
+    monkeypatch.setattr(Scripts, "release", release)
+    async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-busy", **RETRY):
+        rid = await c.admit("busy now", max_tokens=40)
+        await wait_until(lambda: refused, "the first hand-back refused by the outage")
+        deadline = time.monotonic() + 10
+        while (rec := await c.record(rid))["state"] != "queued":
+            assert time.monotonic() < deadline, f"not handed back after the outage passed: {rec}"
+            await asyncio.sleep(0.05)
+    assert rec["attempts"] == "0"  # not spent: a busy server says nothing about the request
+
+
 def test_capacity_is_measured_only_while_the_upstream_is_saturated(monkeypatch) -> None:
     """One sequential client is demand, not capacity: a heartbeat reports a capacity figure
     only for time with at least 80 % of max_inflight requests open upstream (with the old

@@ -36,6 +36,7 @@ saying why; the others of the same ``push_tokens`` call are delivered.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Sequence
@@ -51,7 +52,7 @@ from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
 from worker.push_clock import PushClock
-from worker.runtime import HAND_BACK_RETRY_S, IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
+from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.saturated_capacity import SaturatedCapacity, StepLimits
 from worker.settings import WorkerSettings
 from worker.step_budget import BudgetConfig, StepBudget
@@ -709,18 +710,13 @@ class StepLoop:
         await self._gather(calls)
 
     async def _hand_back_all(self) -> None:
-        """At the drain deadline, hand back everything held. A hand-back that meets an outage
-        is tried again after guard's back-off for up to ``HAND_BACK_RETRY_S`` (a connection
-        reset as the deadline came left the request to wait out its lease); what cannot be
-        handed back by then (Redis down) requeues when its lease expires."""
-        give_up = time.monotonic() + HAND_BACK_RETRY_S
-        while True:
-            await self.rt.guard("release", self._release(list(self.rt.held)))
-            if not self.rt.held or self.rt.drain_hopeless or time.monotonic() >= give_up:
-                return
-            # guard backs off after an outage, not after a missing policy (it writes the policy
-            # again at once): never a hot loop either way
-            await asyncio.sleep(IDLE_HELD_S)
+        """At the drain deadline, hand back everything held (:meth:`WorkerRuntime.hand_back`:
+        a decided answer is finished, the rest released, through a passing outage)."""
+        with contextlib.suppress(RedisUnavailable):
+            await self._settle_io()  # as in _release: an outage the step's calls met is retried below
+        for rid in list(self.rt.held):
+            self.sched.remove(rid)
+        await self.rt.hand_back(list(self.rt.held.values()))
 
     async def _release(self, ids: list[str]) -> None:
         """Hand ``ids`` back (drain); ones already finishing are finished instead."""

@@ -470,6 +470,49 @@ class WorkerRuntime:
             return
         self.drop(d.request_id, "released", d)
 
+    async def hand_back(self, ds: Sequence[Delivery], spent: bool = False) -> None:
+        """Give up ``ds`` (the drain's deadline, a stream's loop ending, its model server
+        down): each is released (:meth:`release`), or finished with its answer where one is
+        decided (``d.final``: a completion that met an outage or was in flight; released, it
+        would be requeued and answered again). Both engines' workers hand back through here.
+
+        A call that meets an outage or a missing policy is tried again after a back-off: a
+        release for up to ``HAND_BACK_RETRY_S`` (a connection reset just then left the
+        request to wait out its lease and spend an attempt), then left to requeue when its
+        lease expires; a decided answer as any completion, until it lands, or, draining, until
+        Redis has been out of reach for a lease (:attr:`drain_hopeless`: its lease lapses then
+        anyway). Returns when none of ``ds`` is left to try; raises what is not an outage."""
+        give_up = time.monotonic() + HAND_BACK_RETRY_S
+        outage = Backoff(f"hand-back of {len(ds)} request(s)", first_s=0.2, max_s=1.0, logger=log)
+        while True:
+            todo = [d for d in ds if self.held.get(d.request_id) is d
+                    and (d.final is not None or time.monotonic() < give_up)]
+            if not todo:
+                return
+            calls = [self.finish(d, *d.final) if d.final is not None else self.release(d, spent)
+                     for d in todo]
+            failure: BaseException | None = None
+            for r in await asyncio.gather(*calls, return_exceptions=True):
+                if isinstance(r, RedisUnavailable | PolicyMissing):
+                    failure = failure or r
+                elif isinstance(r, BaseException):
+                    raise r
+            if failure is None:
+                outage.succeeded()  # each landed, or was dropped (its lease lost, its tokens refused)
+                return
+            if isinstance(failure, PolicyMissing):  # Redis restarted empty: the pool again
+                log.warning("pool %s has no policy (Redis restarted empty?): re-initialising", self.keys.pool)
+                with contextlib.suppress(RedisUnavailable, PolicyMissing):
+                    await self.ensure_pool()
+            else:
+                self.metrics.redis_errors.labels("release").inc()
+            delay = outage.next_delay(failure)
+            if self.drain_hopeless:
+                return
+            if all(d.final is None for d in todo) and time.monotonic() + delay >= give_up:
+                return  # nothing decided to wait for: what is left requeues at its lease's end
+            await asyncio.sleep(delay)
+
     # --- upkeep -------------------------------------------------------------------------------
     async def renew(self) -> None:
         held = [(rid, d.fence) for rid, d in self.held.items()]

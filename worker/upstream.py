@@ -82,7 +82,7 @@ from worker.delivery import Delivery
 from worker.engines.base import request_seed
 from worker.metrics import WorkerMetrics
 from worker.push_merge import MergedPushes
-from worker.runtime import HAND_BACK_RETRY_S, IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
+from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.sse_events import MalformedStream, parse_chunk, sse_batches
 from worker.tokenizer import decode
 
@@ -373,12 +373,12 @@ class UpstreamLoop:
             # another worker (or this one, once the upstream answers) resumes it.
             self.breaker.trip(str(exc))
             try:
-                with contextlib.suppress(RedisUnavailable):
-                    # An answer that broke off spends the attempt (as when a worker dies): a prompt the
-                    # model server always breaks on went round for ever, max_attempts never applying.
-                    await self.rt.release(d, spent=exc.spent)
+                # An answer that broke off spends the attempt (as when a worker dies): a prompt the
+                # model server always breaks on went round for ever, max_attempts never applying.
+                # Through a passing Redis outage it is tried again (rt.hand_back).
+                await self.rt.hand_back([d], spent=exc.spent)
             finally:
-                # If release could not reach Redis, or a cancel or lost lease interrupted it, the
+                # If it could not be handed back, or a cancel or lost lease interrupted it, the
                 # lease expires (held, it was renewed for ever with no task to end it).
                 self.rt.drop(rid, "released", d)
         except asyncio.CancelledError:
@@ -387,8 +387,8 @@ class UpstreamLoop:
                 self.rt.drop(rid, "lost", d)
             elif why == "cancel":
                 await self._finish(d, ("cancelled", "cancelled", ""))
-            else:
-                await self._hand_back(d)
+            else:  # the drain's deadline, or the loop ending: a decided answer is finished
+                await self.rt.hand_back([d])
         except LeaseLost:
             self.rt.drop(rid, "lost", d)
         except Exception as exc:  # a bug must fail one request, not the worker
@@ -410,32 +410,6 @@ class UpstreamLoop:
             self._busy_s += now - self._busy_since
             self._busy_work += self._work - self._work_at_busy
             self._busy_since = None
-
-    async def _hand_back(self, d: Delivery) -> None:
-        """Release ``d`` (the drain's deadline, or the loop ending): an outage is tried again
-        after a back-off for up to ``HAND_BACK_RETRY_S`` (a connection reset as the deadline
-        came left the request to wait out its lease and spend an attempt); still held after
-        that, it requeues when its lease expires. A request whose answer is decided (its
-        completion met an outage, or was in flight at the interrupt) is finished with it, not
-        requeued to be answered again: as any completion, until it lands or the drain is
-        hopeless (the loop then cancels this task)."""
-        if d.final is not None:
-            await self._finish(d, d.final)
-            return
-        give_up = time.monotonic() + HAND_BACK_RETRY_S
-        backoff = Backoff(f"{d.request_id}: release", first_s=0.2, max_s=1.0, logger=log)
-        while self.rt.held.get(d.request_id) is d:
-            try:
-                await self.rt.release(d)
-                return
-            except PolicyMissing as exc:  # Redis restarted empty: the pool again; the record is gone
-                await self.rt.guard("pool", self.rt.ensure_pool())
-                delay = backoff.next_delay(exc)
-            except RedisUnavailable as exc:
-                delay = backoff.next_delay(exc)
-            if self.rt.drain_hopeless or time.monotonic() + delay >= give_up:
-                return
-            await asyncio.sleep(delay)
 
     async def _finish(self, d: Delivery, result: Result) -> None:
         backoff = Backoff(f"{d.request_id}: complete", first_s=0.2, max_s=5.0, logger=log)
