@@ -97,11 +97,11 @@ MARGIN_S = 5.0  # the last calls of a drain (heartbeat entry removed, connection
 @pytest.mark.parametrize("name", sorted(_qos_services()))
 def test_every_role_is_given_the_time_its_drain_takes_before_sigkill(name):
     """A frontend gets shutdown_grace_s for its in-flight streams and a worker
-    drain_timeout_s for its running requests, then up to HAND_BACK_RETRY_S to hand back the
-    rest: docker's default 10 s killed both mid-drain (the worker's requests then waited out
-    their leases and spent an attempt each)."""
+    drain_timeout_s for its running requests, then up to hand_back_limit_s to hand back the
+    rest (a decided answer retried for up to a lease): docker's default 10 s killed both
+    mid-drain (the worker's requests then waited out their leases and spent an attempt each)."""
     from limiter.frontend.settings import load_settings as frontend_settings
-    from worker.runtime import HAND_BACK_RETRY_S
+    from worker.runtime import hand_back_limit_s
     from worker.settings import load_settings as worker_settings
 
     svc = _qos_services()[name]
@@ -112,7 +112,7 @@ def test_every_role_is_given_the_time_its_drain_takes_before_sigkill(name):
         needed = frontend_settings(cfg).shutdown_grace_s
     elif role == "worker":
         s = worker_settings(cfg, {"drain_timeout_s": args.get("drain_timeout_s")})
-        needed = s.drain_timeout_s + HAND_BACK_RETRY_S
+        needed = s.drain_timeout_s + hand_back_limit_s(s, s.lease_ms or cfg.pool(s.pool).lease_ms)
     else:  # a controller hands over its leadership at once
         needed = 0.0
     grace = _seconds(svc.get("stop_grace_period", f"{DOCKER_DEFAULT_GRACE_S:g}s"))

@@ -326,6 +326,54 @@ async def test_a_push_failing_just_before_the_drain_deadline_does_not_keep_the_w
     assert rec["attempts"] == "0"
 
 
+async def test_a_missing_policy_met_by_the_last_steps_push_does_not_keep_the_work_from_being_handed_back(
+        env, monkeypatch) -> None:
+    """The step's calls still in flight at the drain deadline are awaited before the hand-back;
+    one that met NOPOLICY (Redis restarted empty just then) raised out of the hand-back, and the
+    worker exited with a traceback holding its work (found by a review of the shared
+    hand-back): each request waited out its lease. The hand-back goes on (it writes the pool
+    again on its own calls' NOPOLICY)."""
+    from limiter.errors import PolicyMissing
+    from limiter.scripts import Scripts
+
+    cfg, c = env
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, flush_tokens=1,
+                                         drain_timeout_s=60)
+    real, real_hand_back_all = Scripts.push_tokens_many, loop._hand_back_all
+    state = {"failed": 0}
+    handing_back = asyncio.Event()
+
+    async def hand_back_all() -> None:
+        handing_back.set()
+        await real_hand_back_all()
+
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
+        # a step's push after the drain began, nobody awaiting it yet (not one the drain's
+        # first look settles, nor the hand-back's own)
+        if rt.draining.is_set() and loop._io is asyncio.current_task() and not state["failed"]:
+            state["failed"] += 1
+            rt.drain_deadline = time.monotonic()
+            # still in flight when the loop next looks: the hand-back, not a step, awaits it
+            await wait_until(handing_back.is_set, "the hand-back to begin")
+            raise PolicyMissing(keys.pool)
+        return await real(self, keys, worker_id, batches, lease_ms, **kw)
+
+    loop._hand_back_all = hand_back_all
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)  # before the worker first runs
+    try:
+        rid = await c.admit("hand me back", max_tokens=100000)
+        await c.wait_tokens(rid, 3)
+        rt.begin_drain("test")  # 60 s: the running request goes on, pushing every token
+        assert await asyncio.wait_for(task, 20) == 0
+    finally:
+        if not task.done():
+            task.cancel()
+    assert state["failed"] == 1
+    rec = await c.record(rid)
+    assert (rec["state"], rec["attempts"]) == ("queued", "0"), rec
+
+
 async def _every_release_refused_at_the_deadline(env, monkeypatch, error: Exception
                                                  ) -> tuple[str, list[float]]:
     """A step worker running one request, drained at once, every release raising ``error``:
@@ -430,24 +478,35 @@ async def test_a_hand_back_meeting_a_passing_outage_at_the_drain_deadline_is_tri
 async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_hand_back_bound(
         env, monkeypatch) -> None:
     """A request whose answer is decided (its completion met an outage) when the drain's
-    deadline comes is finished with it, retried as any completion until it lands: given up
-    after the hand-back's bound (HAND_BACK_RETRY_S, as a release is), it stayed held, and
-    requeued at its lease's end to be answered again. The openai worker already kept trying."""
+    deadline comes is finished with it, retried as any completion: given up after the
+    hand-back's bound for a release (HAND_BACK_RETRY_S), it stayed held, and requeued at its
+    lease's end to be answered again. The openai worker already kept trying. The bound for an
+    answer is as long as a drain waits for Redis (hand_back_limit_s: a lease here, 10 s)."""
     from limiter.errors import RedisUnavailable
     from limiter.scripts import Scripts
+    from worker.runtime import WorkerRuntime, hand_back_limit_s
 
     monkeypatch.setattr("worker.runtime.HAND_BACK_RETRY_S", 0.3)
     cfg, c = env
     rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, drain_timeout_s=60)
-    real = Scripts.complete
-    state = {"fail_until": math.inf, "failed": 0}
+    assert hand_back_limit_s(rt.settings, rt.lease_ms) >= 5  # the outage below ends well before
+    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
+    real_hand_back, real = WorkerRuntime.hand_back, Scripts.complete
+    tries: list[float] = []  # the hand-back's
+
+    async def hand_back(self, ds, spent=False):
+        handing_back.set(True)  # this task's context (and of those it starts) only
+        return await real_hand_back(self, ds, spent)
 
     async def complete(self, keys, **kw):
-        if time.monotonic() < state["fail_until"]:
-            state["failed"] += 1
-            raise RedisUnavailable("Connection reset by peer")
-        return await real(self, keys, **kw)
+        if handing_back.get():
+            tries.append(time.monotonic())
+            if tries[-1] < tries[0] + 1.0:  # more than the 0.3 s a release is given
+                raise RedisUnavailable("Connection reset by peer")
+            return await real(self, keys, **kw)
+        raise RedisUnavailable("Connection reset by peer")  # the step's own, and its retries
 
+    monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
     monkeypatch.setattr(Scripts, "complete", complete)  # before the worker first runs
     try:
         rid = await c.admit("decided, then drained", max_tokens=4)
@@ -455,12 +514,11 @@ async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_
                          "the request's completion met the outage")
         rt.begin_drain("test")
         rt.drain_deadline = time.monotonic()
-        state["fail_until"] = time.monotonic() + 1.5  # well past the bound of a release's retries
         assert await asyncio.wait_for(task, 30) == 0
     finally:
         if not task.done():
             task.cancel()
-    assert state["fail_until"] < time.monotonic(), "the worker exited during the outage, its answer held"
+    assert len(tries) >= 2 and tries[-1] >= tries[0] + 1.0, f"the hand-back's tries: {tries}"
     rec = await c.record(rid)
     assert rec["state"] == "done", f"a decided answer was left held at the drain: {rec.get('state')!r}"
     assert (rec["finish_reason"], rec["attempts"]) == ("length", "1"), rec

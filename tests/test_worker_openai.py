@@ -648,6 +648,44 @@ async def test_a_hand_back_after_the_upstream_went_down_meeting_a_passing_outage
     assert rec["attempts"] == "0"  # not spent: a busy server says nothing about the request
 
 
+async def test_a_cancel_during_the_hand_back_after_the_upstream_went_down_does_not_cut_it_short(
+        env, monkeypatch) -> None:
+    """The hand-back after the model server went down is retried through a passing outage;
+    the cancel watcher, seeing the client's cancel meanwhile, interrupted the retry, and the
+    request was dropped unreleased: its cancel waited a lease for the janitor (found by a
+    review of the shared hand-back). The hand-back goes on and its release applies the
+    cancel."""
+    from limiter.errors import RedisUnavailable
+    from worker.runtime import WorkerRuntime
+
+    cfg, c, up = env
+    up.status = 503
+    real_release, real_cancelled = Scripts.release, WorkerRuntime.cancelled
+    seen = {"cancel_seen": False, "refused": 0}
+
+    async def cancelled(self, ids):
+        out = await real_cancelled(self, ids)
+        seen["cancel_seen"] = seen["cancel_seen"] or bool(out)
+        return out
+
+    async def release(self, keys, **kw):
+        if not seen["cancel_seen"]:  # refused until the watcher has seen the cancel
+            if not seen["refused"]:
+                assert await c.scripts.cancel(c.keys, kw["request_id"], "t1") == "cancelling"
+            seen["refused"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real_release(self, keys, **kw)
+
+    monkeypatch.setattr(WorkerRuntime, "cancelled", cancelled)
+    monkeypatch.setattr(Scripts, "release", release)
+    async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-busy", **RETRY) as rt:
+        rid = await c.admit("busy now", max_tokens=40)
+        await wait_until(lambda: seen["refused"] and rid not in rt.held, "the hand-back to end")
+        rec = await c.record(rid)
+    assert seen["cancel_seen"], "the watcher never saw the cancel: the test did not test"
+    assert rec["state"] == "cancelled", rec
+
+
 def test_capacity_is_measured_only_while_the_upstream_is_saturated(monkeypatch) -> None:
     """One sequential client is demand, not capacity: a heartbeat reports a capacity figure
     only for time with at least 80 % of max_inflight requests open upstream (with the old

@@ -43,7 +43,7 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from limiter.config import ClassConfig
-from limiter.errors import InvalidArgument, LeaseLost, RedisUnavailable
+from limiter.errors import InvalidArgument, LeaseLost, PolicyMissing, RedisUnavailable
 from limiter.scripts import TokenBatch
 from limiter.tasks import stop_tasks
 from worker.batch_policy import Limits, tenant_slots
@@ -712,8 +712,11 @@ class StepLoop:
     async def _hand_back_all(self) -> None:
         """At the drain deadline, hand back everything held (:meth:`WorkerRuntime.hand_back`:
         a decided answer is finished, the rest released, through a passing outage)."""
-        with contextlib.suppress(RedisUnavailable):
-            await self._settle_io()  # as in _release: an outage the step's calls met is retried below
+        # As in _release: an outage (or NOPOLICY: Redis restarted empty) the step's calls met is
+        # no reason not to hand back; their completions are retried below (d.final), hand_back
+        # writes the pool again if it has to.
+        with contextlib.suppress(RedisUnavailable, PolicyMissing):
+            await self._settle_io()
         for rid in list(self.rt.held):
             self.sched.remove(rid)
         await self.rt.hand_back(list(self.rt.held.values()))
@@ -722,9 +725,9 @@ class StepLoop:
         """Hand ``ids`` back (drain); ones already finishing are finished instead."""
         try:
             await self._settle_io()
-        except RedisUnavailable:
-            # An outage the last step's calls met is no reason not to try now: their pushes
-            # are settled by the offset checks, their completions are retried below (d.final).
+        except (RedisUnavailable, PolicyMissing):
+            # An outage (or NOPOLICY) the last step's calls met is no reason not to try now: their
+            # pushes are settled by the offset checks, their completions are retried (d.final).
             pass
         calls = []
         for rid in ids:

@@ -66,6 +66,20 @@ HAND_BACK_RETRY_S = 5.0
 PushNews = None | LeaseLost | InvalidArgument
 
 
+def silence_limit_s(settings: WorkerSettings, lease_ms: int) -> float:
+    """How long Redis may be out of reach of a draining worker before the drain is hopeless
+    (:attr:`WorkerRuntime.drain_hopeless`): a lease, at least three heartbeat periods."""
+    return max(lease_ms / 1000, 3 * settings.heartbeat_s)
+
+
+def hand_back_limit_s(settings: WorkerSettings, lease_ms: int) -> float:
+    """The longest a worker's hand-back may go on past its drain's deadline: a release is
+    retried for ``HAND_BACK_RETRY_S``, a decided answer as long as a drain may wait for Redis
+    (:func:`silence_limit_s`), whichever is longer. What stops a worker must allow it beyond
+    ``drain_timeout_s`` (a SIGKILL sooner costs what giving up would: leases waited out)."""
+    return max(HAND_BACK_RETRY_S, silence_limit_s(settings, lease_ms))
+
+
 class WorkerRuntime:
     def __init__(self, settings: WorkerSettings, cfg: QosConfig, *, engine: str, simulated: bool) -> None:
         self.settings = settings
@@ -190,7 +204,7 @@ class WorkerRuntime:
         be delivered, and the leases lapse on their own (the requests resume elsewhere once
         Redis is back). Waiting out drain_timeout_s would only keep the process around -- e.g.
         after `qos up` died and took its Redis along."""
-        silent_s = max(self.lease_ms / 1000, 3 * self.settings.heartbeat_s)
+        silent_s = silence_limit_s(self.settings, self.lease_ms)
         return self.draining.is_set() and time.monotonic() - self.beat_ok_at >= silent_s
 
     # --- helpers ------------------------------------------------------------------------------
@@ -479,14 +493,17 @@ class WorkerRuntime:
         A call that meets an outage or a missing policy is tried again after a back-off: a
         release for up to ``HAND_BACK_RETRY_S`` (a connection reset just then left the
         request to wait out its lease and spend an attempt), then left to requeue when its
-        lease expires; a decided answer as any completion, until it lands, or, draining, until
-        Redis has been out of reach for a lease (:attr:`drain_hopeless`: its lease lapses then
-        anyway). Returns when none of ``ds`` is left to try; raises what is not an outage."""
-        give_up = time.monotonic() + HAND_BACK_RETRY_S
+        lease expires; a decided answer as any completion, for up to
+        :func:`hand_back_limit_s` (or, draining, until Redis has been out of reach that long:
+        :attr:`drain_hopeless`; its lease lapses then anyway). Returns when none of ``ds`` is
+        left to try; raises what is not an outage."""
+        start = time.monotonic()
+        limits = {False: start + HAND_BACK_RETRY_S,  # by whether the answer is decided
+                  True: start + hand_back_limit_s(self.settings, self.lease_ms)}
         outage = Backoff(f"hand-back of {len(ds)} request(s)", first_s=0.2, max_s=1.0, logger=log)
         while True:
-            todo = [d for d in ds if self.held.get(d.request_id) is d
-                    and (d.final is not None or time.monotonic() < give_up)]
+            now = time.monotonic()
+            todo = [d for d in ds if self.held.get(d.request_id) is d and now < limits[d.final is not None]]
             if not todo:
                 return
             calls = [self.finish(d, *d.final) if d.final is not None else self.release(d, spent)
@@ -509,8 +526,8 @@ class WorkerRuntime:
             delay = outage.next_delay(failure)
             if self.drain_hopeless:
                 return
-            if all(d.final is None for d in todo) and time.monotonic() + delay >= give_up:
-                return  # nothing decided to wait for: what is left requeues at its lease's end
+            if time.monotonic() + delay >= max(limits[d.final is not None] for d in todo):
+                return  # what is left requeues at its lease's end
             await asyncio.sleep(delay)
 
     # --- upkeep -------------------------------------------------------------------------------

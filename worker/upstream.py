@@ -372,6 +372,11 @@ class UpstreamLoop:
             # As if this worker had died: the request goes back with what it delivered, and
             # another worker (or this one, once the upstream answers) resumes it.
             self.breaker.trip(str(exc))
+            if self.tasks.get(rid) is task:
+                # Handing back already: not to be interrupted meanwhile by the cancel watcher or
+                # the drain's deadline (a cancel interrupting the retry dropped the request to
+                # wait out its lease; `release` cancels a request whose client is gone).
+                self.why.setdefault(rid, "release")
             try:
                 # An answer that broke off spends the attempt (as when a worker dies): a prompt the
                 # model server always breaks on went round for ever, max_attempts never applying.

@@ -226,7 +226,7 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
     validated here: a bad role section is refused before anything starts)."""
     from limiter.controller.settings import load_settings as controller_settings
     from limiter.frontend.settings import load_settings as frontend_settings
-    from worker.runtime import HAND_BACK_RETRY_S
+    from worker.runtime import hand_back_limit_s
     from worker.settings import load_settings as worker_settings
 
     fe = frontend_settings(cfg, {"host": args.host, "port": args.port})
@@ -234,9 +234,10 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
                                "upstream_url": args.upstream_url, "upstream_model": args.upstream_model,
                                "upstream_priority": args.upstream_priority})
     controller_settings(cfg)
-    # a worker's hand-back after its drain may take HAND_BACK_RETRY_S more
+    # a worker's hand-back after its drain may take up to hand_back_limit_s more
+    lease_ms = wk.lease_ms or cfg.pool(wk.pool).lease_ms
     return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s,
-            "worker": wk.drain_timeout_s + HAND_BACK_RETRY_S}
+            "worker": wk.drain_timeout_s + hand_back_limit_s(wk, lease_ms)}
 
 
 def check_role_ports(cfg: config_mod.QosConfig, args: argparse.Namespace) -> None:
