@@ -13,6 +13,7 @@ import pytest
 
 from limiter.errors import RedisUnavailable
 from limiter.scripts import Scripts
+from tests.support.helpers import wait_until
 from tests.support.worker_helpers import (
     release_each_chunk_once_pushed,
     sim_text,
@@ -171,15 +172,21 @@ async def test_a_request_that_always_breaks_the_upstream_is_not_retried_for_ever
         f"{rec.get('state')!r}, attempts {rec.get('attempts')!r}; client finished: {c.answers[rid].finished}")
 
 
-async def _unusable_whose_first_completion_meets_an_outage(c, monkeypatch) -> tuple[str, dict]:
-    """Queue a request whose payload no worker can read; the first ``complete`` for it (the
-    worker failing it at claim) meets a Redis outage. Returns its id and a counter."""
+async def _queue_unusable(c) -> str:
+    """Queue a request whose payload no worker can read (failed at claim); returns its id."""
     from tests.support.worker_helpers import FE
 
     bad = "rbad"
     await c.scripts.admit(c.keys, request_id=bad, tenant="t1", cls="P1", input_tokens=3, max_tokens=8,
                           tenant_rate=1e9, tenant_burst=1e9, tenant_max_inflight=0, max_wait_ms=0,
                           frontend_id=FE, payload=b"\xc1 not a payload")
+    return bad
+
+
+async def _unusable_whose_first_completion_meets_an_outage(c, monkeypatch) -> tuple[str, dict]:
+    """Queue a request whose payload no worker can read; the first ``complete`` for it (the
+    worker failing it at claim) meets a Redis outage. Returns its id and a counter."""
+    bad = await _queue_unusable(c)
     real = Scripts.complete
     state = {"failed": 0}
 
@@ -215,6 +222,98 @@ async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_it
     assert (await c.record(bad))["state"] == "failed"
     assert c.answers[good].finished, (f"{good} never finished: record state {rec['state']!r}, "
                                       f"worker holds {held}")
+
+
+async def test_openai_a_decided_answer_being_landed_is_not_interrupted_by_its_clients_cancel(
+        env, monkeypatch) -> None:
+    """A decided answer held without a stream (an unusable payload failed at claim, its
+    completion meeting an outage) is landed by a task of its own. The cancel watcher, seeing its
+    client's cancel, interrupted that task: the next look made it again, and the interrupt's
+    reason was never forgotten (left in ``why`` for good: a later attempt of the id could not
+    be interrupted). The answer stands; the task is not interrupted and leaves nothing behind."""
+    from tests.support.fake_upstream import FakeUpstream
+    from worker.runtime import WorkerRuntime
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    bad = await _queue_unusable(c)
+    real_complete, real_cancelled = Scripts.complete, WorkerRuntime.cancelled
+    seen = {"cancel_seen": False, "refused": 0}
+
+    async def cancelled(self, ids):
+        out = await real_cancelled(self, ids)
+        seen["cancel_seen"] = seen["cancel_seen"] or bad in out
+        return out
+
+    async def complete(self, keys, *, request_id, **kw):
+        if request_id == bad and not seen["cancel_seen"]:  # refused until the watcher saw the cancel
+            if not seen["refused"]:
+                assert await c.scripts.cancel(c.keys, bad, "t1") == "cancelling"
+            seen["refused"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real_complete(self, keys, request_id=request_id, **kw)
+
+    monkeypatch.setattr(WorkerRuntime, "cancelled", cancelled)
+    monkeypatch.setattr(Scripts, "complete", complete)
+    try:
+        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
+        try:
+            await wait_until(lambda: seen["cancel_seen"] and bad not in rt.held and bad not in loop.tasks,
+                             "the cancel seen by the watcher, then the answer landed")
+            why = dict(loop.why)
+        finally:
+            await stop_worker(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert (await c.record(bad))["state"] == "failed"
+    assert bad not in why, f"an interrupt's reason left behind: {why}"
+
+
+async def test_openai_a_decided_answer_being_landed_at_the_drain_deadline_is_handed_back_as_one(
+        env, monkeypatch) -> None:
+    """At the drain's deadline the task landing a decided answer outside a stream (an unusable
+    payload's failure meeting an outage) was cancelled like a stream, and the worker exited
+    holding the answer: requeued at its lease's end and answered again. It ends as any
+    hand-back of a decided answer does: retried, for a bounded time (hand_back_limit_s)."""
+    import contextvars
+
+    from tests.support.fake_upstream import FakeUpstream
+    from worker.runtime import WorkerRuntime
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    bad = await _queue_unusable(c)
+    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
+    real_hand_back, real_complete = WorkerRuntime.hand_back, Scripts.complete
+    tries: list[bool] = []  # whether each try was the hand-back's
+
+    async def hand_back(self, ds, spent=False):
+        handing_back.set(True)  # this task's context (and of those it starts) only
+        return await real_hand_back(self, ds, spent)
+
+    async def complete(self, keys, **kw):
+        tries.append(handing_back.get())
+        if tries.count(True) < 2:  # refused until the hand-back's second try
+            raise RedisUnavailable("Connection reset by peer")
+        return await real_complete(self, keys, **kw)
+
+    monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
+    monkeypatch.setattr(Scripts, "complete", complete)
+    try:
+        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
+        try:
+            await wait_until(lambda: bad in loop.tasks and tries, "the answer's task retrying it")
+            rt.begin_drain("test")
+            rt.drain_deadline = time.monotonic()
+            assert await asyncio.wait_for(task, 30) == 0
+        finally:
+            await stop_worker(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert tries.count(True) == 2, tries
+    assert (await c.record(bad))["state"] == "failed"
 
 
 async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_stream(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import json
 import time
 from typing import Any
@@ -684,6 +685,55 @@ async def test_a_cancel_during_the_hand_back_after_the_upstream_went_down_does_n
         rec = await c.record(rid)
     assert seen["cancel_seen"], "the watcher never saw the cancel: the test did not test"
     assert rec["state"] == "cancelled", rec
+
+
+async def test_an_answer_decided_in_the_hand_back_after_the_upstream_went_down_is_landed_not_dropped(
+        env, monkeypatch) -> None:
+    """The hand-back after the model server went down can decide the answer: Redis refuses the
+    last tokens (the request is failed, saying why) and that completion meets an outage. Given
+    up after the hand-back's bound, the request was dropped (its lease waited out, then answered
+    again); it is landed by the task that lands decided answers (found by a review)."""
+    from limiter.errors import InvalidArgument, RedisUnavailable
+    from worker.runtime import WorkerRuntime
+
+    monkeypatch.setattr("worker.runtime.HAND_BACK_RETRY_S", 0.3)
+    cfg, c, up = env
+    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
+    real_hand_back, real_release, real_complete = WorkerRuntime.hand_back, Scripts.release, Scripts.complete
+    state = {"handed_back": False, "refused": 0}
+
+    async def hand_back(self, ds, spent=False):
+        handing_back.set(True)  # this task's context (and of those it starts) only
+        try:
+            return await real_hand_back(self, ds, spent)
+        finally:
+            state["handed_back"] = True
+
+    async def release(self, keys, **kw):  # as a refusal of the last tokens pushed before it
+        if handing_back.get():
+            raise InvalidArgument("count", "past the max_tokens its record allows")
+        return await real_release(self, keys, **kw)
+
+    async def complete(self, keys, **kw):
+        if handing_back.get():  # every try of the hand-back's, none after it
+            state["refused"] += 1
+            raise RedisUnavailable("Connection reset by peer")
+        return await real_complete(self, keys, **kw)
+
+    monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
+    monkeypatch.setattr(Scripts, "release", release)
+    monkeypatch.setattr(Scripts, "complete", complete)
+    # a lease of 1 s: the hand-back gives a decided answer 1 s (hand_back_limit_s)
+    async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-a", lease_ms=1000,
+                      **RETRY) as rt:
+        rid = await c.admit("SLOW " + "abcdefghij" * 6, max_tokens=200)
+        await c.wait_tokens(rid, 3)
+        await up.kill()
+        await wait_until(lambda: state["handed_back"] and rid not in rt.held,
+                         "the hand-back over, the request no longer held")
+        rec = await c.record(rid)
+    assert state["refused"] >= 2, f"the decided answer's completion tried {state['refused']} time(s)"
+    assert rec["state"] == "failed", rec
 
 
 def test_capacity_is_measured_only_while_the_upstream_is_saturated(monkeypatch) -> None:

@@ -226,6 +226,8 @@ class UpstreamLoop:
     async def _loop(self) -> None:
         while True:
             if self.rt.draining.is_set():
+                if not self.rt.drain_expired:
+                    self._settle_decided()  # after the deadline, one hand-back each is the bound
                 if not self.tasks:
                     return
                 if self.rt.drain_hopeless:
@@ -254,6 +256,9 @@ class UpstreamLoop:
         Redis outage is held with its final and no task: nothing else would ever retry it."""
         for rid, d in self.rt.held.items():
             if rid not in self.tasks and d.final is not None:
+                # Not to be interrupted by a client's cancel (the answer stands; cancelled, the
+                # task was made again at the next look, to be cancelled again): see _interrupt.
+                self.why[rid] = "settle"
                 self.tasks[rid] = asyncio.create_task(self._settle(d))
 
     async def _pull(self) -> None:
@@ -280,7 +285,7 @@ class UpstreamLoop:
         for d in got:
             if (old := self.tasks.get(d.request_id)) is not None:
                 old.cancel()  # its attempt's lease had lapsed: this claim is the request now
-                self.why.pop(d.request_id, None)  # news for the old attempt, not this one
+            self.why.pop(d.request_id, None)  # news for an old attempt, not this one
             self.tasks[d.request_id] = asyncio.create_task(self._serve(d))
         self._track_busy()
         if got:
@@ -305,14 +310,20 @@ class UpstreamLoop:
             self._marker_taken = await self.rt.wait_for_work()  # in-flight streams carry on meanwhile
 
     async def _settle(self, d: Delivery) -> None:
-        """Land a held request's decided completion (retried through outages)."""
+        """Land a held request's decided completion (retried through outages; at the drain's
+        deadline for as long as a hand-back retries one)."""
         task = asyncio.current_task()
         try:
             assert d.final is not None
             await self._finish(d, d.final)
+        except asyncio.CancelledError:
+            if self.tasks.get(d.request_id) is not task or self.why.get(d.request_id) != "release":
+                raise  # a newer attempt's claim, or the loop ending
+            await self.rt.hand_back([d])
         finally:
             if self.tasks.get(d.request_id) is task:
                 self.tasks.pop(d.request_id)
+                self.why.pop(d.request_id, None)  # not to be read by a later attempt's task
 
     async def _probe_when_due(self) -> None:
         """Wait out the back-off (a drain ends the wait), then ask the upstream once."""
@@ -341,7 +352,10 @@ class UpstreamLoop:
     def _interrupt(self, ids: list[str], why: str) -> None:
         for rid in ids:
             task = self.tasks.get(rid)
-            if task is not None and rid not in self.why:
+            # A task interrupted already is not again; one landing a decided answer
+            # (_settle_decided) only by the drain's deadline, which bounds it as a hand-back.
+            now = self.why.get(rid)
+            if task is not None and (now is None or (now == "settle" and why == "release")):
                 self.why[rid] = why
                 task.cancel()
 
@@ -384,8 +398,11 @@ class UpstreamLoop:
                 await self.rt.hand_back([d], spent=exc.spent)
             finally:
                 # If it could not be handed back, or a cancel or lost lease interrupted it, the
-                # lease expires (held, it was renewed for ever with no task to end it).
-                self.rt.drop(rid, "released", d)
+                # lease expires (held, it was renewed for ever with no task to end it). Unless
+                # its answer got decided meanwhile (its tokens refused, the failure's completion
+                # meeting an outage): _settle_decided lands that, not a requeue and a new answer.
+                if d.final is None:
+                    self.rt.drop(rid, "released", d)
         except asyncio.CancelledError:
             why = self.why.get(rid, "release") if self.tasks.get(rid) is task else "lost"
             if why == "lost":
