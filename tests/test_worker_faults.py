@@ -258,6 +258,13 @@ async def test_openai_a_decided_answer_being_landed_is_not_interrupted_by_its_cl
     monkeypatch.setattr(Scripts, "complete", complete)
     try:
         rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
+        real_settle, settles = loop._settle, []
+
+        def settle(d):
+            settles.append(d.request_id)
+            return real_settle(d)
+
+        loop._settle = settle
         try:
             await wait_until(lambda: seen["cancel_seen"] and bad not in rt.held and bad not in loop.tasks,
                              "the cancel seen by the watcher, then the answer landed")
@@ -267,6 +274,7 @@ async def test_openai_a_decided_answer_being_landed_is_not_interrupted_by_its_cl
     finally:
         await up.runner.cleanup()
     assert (await c.record(bad))["state"] == "failed"
+    assert settles == [bad], f"the answer's task was made {len(settles)} times: interrupted"
     assert bad not in why, f"an interrupt's reason left behind: {why}"
 
 
@@ -314,6 +322,96 @@ async def test_openai_a_decided_answer_being_landed_at_the_drain_deadline_is_han
         await up.runner.cleanup()
     assert tries.count(True) == 2, tries
     assert (await c.record(bad))["state"] == "failed"
+
+
+async def test_openai_a_drain_deadline_falling_as_a_decided_answers_task_is_made_does_not_spin(
+        env, monkeypatch) -> None:
+    """The drain loop made the task landing a decided answer, then read the deadline again to
+    interrupt its tasks: a deadline falling between the two reads cancelled the new task before
+    its first step, so its body (and its finally) never ran. It stayed in the loop's tasks,
+    done, and the drain spun at 100 % CPU, the answer held (found by a review). Here the
+    deadline falls just after the task is made."""
+    import contextvars
+
+    from tests.support.fake_upstream import FakeUpstream
+    from worker.runtime import WorkerRuntime
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    bad = await _queue_unusable(c)
+    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
+    real_hand_back, real_complete = WorkerRuntime.hand_back, Scripts.complete
+
+    async def hand_back(self, ds, spent=False):
+        handing_back.set(True)  # this task's context (and of those it starts) only
+        return await real_hand_back(self, ds, spent)
+
+    try:
+        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
+        real_settle_decided = loop._settle_decided
+
+        async def complete(self, keys, **kw):
+            if not rt.draining.is_set():
+                rt.begin_drain("test")  # failing the unusable request at claim: drained then
+            if handing_back.get():
+                return await real_complete(self, keys, **kw)
+            raise RedisUnavailable("Connection reset by peer")  # until the hand-back's
+
+        def settle_decided() -> None:
+            real_settle_decided()
+            if rt.draining.is_set() and bad in loop.tasks:
+                rt.drain_deadline = time.monotonic()  # just after the task was made
+
+        monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
+        monkeypatch.setattr(Scripts, "complete", complete)
+        loop._settle_decided = settle_decided
+        try:
+            assert await asyncio.wait_for(task, 30) == 0
+        finally:
+            await stop_worker(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert (await c.record(bad))["state"] == "failed"
+
+
+async def test_openai_a_decided_answer_redis_refuses_is_given_up_not_tried_for_ever(
+        env, monkeypatch) -> None:
+    """The task landing a decided answer died on an error that is not an outage (Redis refusing
+    an argument of the worker's own), the answer still held: the next look made it again, to
+    fail again, each time an unread task exception (found by a review). It is logged and the
+    request left to its lease."""
+    from limiter.errors import InvalidArgument
+    from tests.support.fake_upstream import FakeUpstream
+
+    cfg, c = env
+    up = FakeUpstream()
+    await up.start()
+    bad = await _queue_unusable(c)
+    calls: list[str] = []
+    real = Scripts.complete
+
+    async def complete(self, keys, *, request_id, **kw):
+        calls.append(request_id)
+        if request_id != bad:
+            return await real(self, keys, request_id=request_id, **kw)
+        if len(calls) == 1:
+            raise RedisUnavailable("Connection reset by peer")  # failing it at claim: held, decided
+        raise InvalidArgument("outcome", "refused")
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    try:
+        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
+        try:
+            await wait_until(lambda: len(calls) >= 2 and bad not in rt.held and bad not in loop.tasks,
+                             "the refused answer given up")
+            await c.admit("another request, served after it", max_tokens=4)
+            await wait_until(lambda: len(rt.held) == 0 and len(calls) >= 3, "the next request served")
+        finally:
+            await stop_worker(rt, task)
+    finally:
+        await up.runner.cleanup()
+    assert calls.count(bad) == 2, f"the refused answer's completion was tried {calls.count(bad)} times"
 
 
 async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_stream(

@@ -694,7 +694,7 @@ async def test_an_answer_decided_in_the_hand_back_after_the_upstream_went_down_i
     up after the hand-back's bound, the request was dropped (its lease waited out, then answered
     again); it is landed by the task that lands decided answers (found by a review)."""
     from limiter.errors import InvalidArgument, RedisUnavailable
-    from worker.runtime import WorkerRuntime
+    from worker.runtime import WorkerRuntime, hand_back_limit_s
 
     monkeypatch.setattr("worker.runtime.HAND_BACK_RETRY_S", 0.3)
     cfg, c, up = env
@@ -723,9 +723,11 @@ async def test_an_answer_decided_in_the_hand_back_after_the_upstream_went_down_i
     monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
     monkeypatch.setattr(Scripts, "release", release)
     monkeypatch.setattr(Scripts, "complete", complete)
-    # a lease of 1 s: the hand-back gives a decided answer 1 s (hand_back_limit_s)
-    async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-a", lease_ms=1000,
-                      **RETRY) as rt:
+    # The hand-back gives a decided answer hand_back_limit_s: 2 s here (the lease), which the
+    # lease's renewals (every 0.67 s) outlast on a busy machine.
+    async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-a", lease_ms=2000,
+                      heartbeat_s=0.2, **RETRY) as rt:
+        assert hand_back_limit_s(rt.settings, rt.lease_ms) == 2.0
         rid = await c.admit("SLOW " + "abcdefghij" * 6, max_tokens=200)
         await c.wait_tokens(rid, 3)
         await up.kill()

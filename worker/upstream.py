@@ -226,8 +226,15 @@ class UpstreamLoop:
     async def _loop(self) -> None:
         while True:
             if self.rt.draining.is_set():
-                if not self.rt.drain_expired:
+                # Read once a pass: a task made below and cancelled by the deadline's interrupt
+                # before its first step never runs its body (nor its finally), and stayed in
+                # self.tasks, done, the wait below returning at once: a spinning drain.
+                expired = self.rt.drain_expired
+                if not expired:
                     self._settle_decided()  # after the deadline, one hand-back each is the bound
+                for rid in [rid for rid, task in self.tasks.items() if task.done()]:
+                    del self.tasks[rid]  # only such a task: the others leave on their own
+                    self.why.pop(rid, None)
                 if not self.tasks:
                     return
                 if self.rt.drain_hopeless:
@@ -241,7 +248,7 @@ class UpstreamLoop:
                         task.cancel()
                     await asyncio.gather(*self.tasks.values(), return_exceptions=True)
                     return
-                if self.rt.drain_expired:
+                if expired:
                     # Those interrupted already (a cancel) are not again: one still landing its
                     # completion through an outage is awaited here, a look at a time (awaiting
                     # them all held the drain for as long as Redis stayed down), until Redis
@@ -320,6 +327,9 @@ class UpstreamLoop:
             if self.tasks.get(d.request_id) is not task or self.why.get(d.request_id) != "release":
                 raise  # a newer attempt's claim, or the loop ending
             await self.rt.hand_back([d])
+        except Exception:  # not an outage (a refusal of the worker's own): made again, it would fail again
+            log.exception("%s: its decided answer cannot be landed; left to its lease", d.request_id)
+            self.rt.drop(d.request_id, "released", d)
         finally:
             if self.tasks.get(d.request_id) is task:
                 self.tasks.pop(d.request_id)
