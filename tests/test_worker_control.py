@@ -19,6 +19,7 @@ from tests.support.redis_server import RedisServer
 from tests.support.worker_helpers import (
     Client,
     config,
+    mark_hand_backs,
     sim_text,
     spawn_worker,
     start_worker,
@@ -484,19 +485,15 @@ async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_
     answer is as long as a drain waits for Redis (hand_back_limit_s: a lease here, 10 s)."""
     from limiter.errors import RedisUnavailable
     from limiter.scripts import Scripts
-    from worker.runtime import WorkerRuntime, hand_back_limit_s
+    from worker.runtime import hand_back_limit_s
 
     monkeypatch.setattr("worker.runtime.HAND_BACK_RETRY_S", 0.3)
     cfg, c = env
     rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, drain_timeout_s=60)
     assert hand_back_limit_s(rt.settings, rt.lease_ms) >= 5  # the outage below ends well before
-    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
-    real_hand_back, real = WorkerRuntime.hand_back, Scripts.complete
+    handing_back = mark_hand_backs(monkeypatch)
+    real = Scripts.complete
     tries: list[float] = []  # the hand-back's
-
-    async def hand_back(self, ds, spent=False):
-        handing_back.set(True)  # this task's context (and of those it starts) only
-        return await real_hand_back(self, ds, spent)
 
     async def complete(self, keys, **kw):
         if handing_back.get():
@@ -506,7 +503,6 @@ async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_
             return await real(self, keys, **kw)
         raise RedisUnavailable("Connection reset by peer")  # the step's own, and its retries
 
-    monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
     monkeypatch.setattr(Scripts, "complete", complete)  # before the worker first runs
     try:
         rid = await c.admit("decided, then drained", max_tokens=4)

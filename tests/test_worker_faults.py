@@ -15,6 +15,7 @@ from limiter.errors import RedisUnavailable
 from limiter.scripts import Scripts
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import (
+    mark_hand_backs,
     release_each_chunk_once_pushed,
     sim_text,
     start_worker,
@@ -284,22 +285,15 @@ async def test_openai_a_decided_answer_being_landed_at_the_drain_deadline_is_han
     payload's failure meeting an outage) was cancelled like a stream, and the worker exited
     holding the answer: requeued at its lease's end and answered again. It ends as any
     hand-back of a decided answer does: retried, for a bounded time (hand_back_limit_s)."""
-    import contextvars
-
     from tests.support.fake_upstream import FakeUpstream
-    from worker.runtime import WorkerRuntime
 
     cfg, c = env
     up = FakeUpstream()
     await up.start()
     bad = await _queue_unusable(c)
-    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
-    real_hand_back, real_complete = WorkerRuntime.hand_back, Scripts.complete
+    handing_back = mark_hand_backs(monkeypatch)
+    real_complete = Scripts.complete
     tries: list[bool] = []  # whether each try was the hand-back's
-
-    async def hand_back(self, ds, spent=False):
-        handing_back.set(True)  # this task's context (and of those it starts) only
-        return await real_hand_back(self, ds, spent)
 
     async def complete(self, keys, **kw):
         tries.append(handing_back.get())
@@ -307,7 +301,6 @@ async def test_openai_a_decided_answer_being_landed_at_the_drain_deadline_is_han
             raise RedisUnavailable("Connection reset by peer")
         return await real_complete(self, keys, **kw)
 
-    monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
     monkeypatch.setattr(Scripts, "complete", complete)
     try:
         rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
@@ -331,21 +324,14 @@ async def test_openai_a_drain_deadline_falling_as_a_decided_answers_task_is_made
     its first step, so its body (and its finally) never ran. It stayed in the loop's tasks,
     done, and the drain spun at 100 % CPU, the answer held (found by a review). Here the
     deadline falls just after the task is made."""
-    import contextvars
-
     from tests.support.fake_upstream import FakeUpstream
-    from worker.runtime import WorkerRuntime
 
     cfg, c = env
     up = FakeUpstream()
     await up.start()
     bad = await _queue_unusable(c)
-    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
-    real_hand_back, real_complete = WorkerRuntime.hand_back, Scripts.complete
-
-    async def hand_back(self, ds, spent=False):
-        handing_back.set(True)  # this task's context (and of those it starts) only
-        return await real_hand_back(self, ds, spent)
+    handing_back = mark_hand_backs(monkeypatch)
+    real_complete = Scripts.complete
 
     try:
         rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
@@ -363,7 +349,6 @@ async def test_openai_a_drain_deadline_falling_as_a_decided_answers_task_is_made
             if rt.draining.is_set() and bad in loop.tasks:
                 rt.drain_deadline = time.monotonic()  # just after the task was made
 
-        monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
         monkeypatch.setattr(Scripts, "complete", complete)
         loop._settle_decided = settle_decided
         try:

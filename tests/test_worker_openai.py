@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import contextvars
 import json
 import time
 from typing import Any
@@ -28,6 +27,7 @@ from tests.support.worker_helpers import (
     blocked_on_the_wake_list,
     config,
     count_claims,
+    mark_hand_backs,
     release_each_chunk_once_pushed,
     spawn_worker,
     start_worker,
@@ -698,14 +698,14 @@ async def test_an_answer_decided_in_the_hand_back_after_the_upstream_went_down_i
 
     monkeypatch.setattr("worker.runtime.HAND_BACK_RETRY_S", 0.3)
     cfg, c, up = env
-    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
-    real_hand_back, real_release, real_complete = WorkerRuntime.hand_back, Scripts.release, Scripts.complete
+    handing_back = mark_hand_backs(monkeypatch)
+    marked_hand_back = WorkerRuntime.hand_back
+    real_release, real_complete = Scripts.release, Scripts.complete
     state = {"handed_back": False, "refused": 0}
 
     async def hand_back(self, ds, spent=False):
-        handing_back.set(True)  # this task's context (and of those it starts) only
         try:
-            return await real_hand_back(self, ds, spent)
+            return await marked_hand_back(self, ds, spent)
         finally:
             state["handed_back"] = True
 

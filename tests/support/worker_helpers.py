@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import itertools
 import os
 import signal
@@ -266,3 +267,18 @@ async def release_each_chunk_once_pushed(c: Client, up: FakeUpstream, rid: str, 
             assert time.monotonic() < deadline, f"{rid}: chunk {k - 1} was not pushed ({c.answers[rid]})"
             await c.read()
         up.gate.release()
+
+
+def mark_hand_backs(monkeypatch: Any) -> contextvars.ContextVar[bool]:
+    """Patch :meth:`WorkerRuntime.hand_back` so that the calls it makes can tell they are its
+    own: the variable returned is True in its context (and in the tasks it starts) only, for a
+    test that fails a script's call in the hand-back and nowhere else."""
+    handing_back: contextvars.ContextVar[bool] = contextvars.ContextVar("handing_back", default=False)
+    real = WorkerRuntime.hand_back
+
+    async def hand_back(self: WorkerRuntime, ds: Any, spent: bool = False) -> None:
+        handing_back.set(True)
+        await real(self, ds, spent)
+
+    monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
+    return handing_back
