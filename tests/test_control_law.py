@@ -80,7 +80,13 @@ def test_defaults_are_the_original_problems_numbers() -> None:
         ("tighten_step", 1.0),
         ("relax_step", 0.0),
         ("cooldown_s", -1.0),
+        ("cooldown_s", float("inf")),  # froze the rates after their first change
+        ("cooldown_s", 1e30),
         ("settle_s", 6.0),
+        ("window", 10**9),
+        ("burst_s", float("inf")),
+        ("class_bursts", (0.5, float("inf"), 0.5)),
+        ("reset_load_change", float("inf")),
         ("min_samples", 2000),
         ("burst_s", 0.0),
         ("use_threshold", 0.0),

@@ -64,6 +64,8 @@ def test_the_rates_written_keep_the_configured_bursts():
     ({"low": 0.995}, "controller.low"),  # above the target
     ({"min_samples": 5000}, "controller.min_samples"),  # more than the window
     ({"settle_s": 9.0}, "controller.settle_s"),  # longer than the cooldown
+    ({"cooldown_s": float("inf"), "settle_s": float("inf")}, "controller.cooldown_s"),  # TOML's inf
+    ({"window": 10**9}, "controller.window"),
     ({"floors": [0.9, 0.1, 0.01]}, "controller.floors"),  # above P0's share
     ({"floors": [0.3]}, "controller.floors"),  # one per class
     ({"memory": "yes"}, "controller.memory"),

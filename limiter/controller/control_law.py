@@ -99,17 +99,21 @@ class ControlConfig(ControlTunables):
             ("target", 0 < self.target <= 1, "must be in (0, 1]"),
             ("relax_step", 0 < self.relax_step <= 1, "must be in (0, 1]"),
             ("tighten_step", 0 < self.tighten_step < 1, "must be in (0, 1)"),
-            ("cooldown_s", self.cooldown_s >= 0, "must be >= 0"),
+            # bounded: an infinite cooldown froze the rates after their first change, for good
+            # (the last change's time is in the policy), and an infinite settle judged no
+            # sample fresh; a window of millions held as many samples a class
+            ("cooldown_s", 0 <= self.cooldown_s <= 3600, "must be in [0, 3600]"),
             ("settle_s", 0 <= self.settle_s <= self.cooldown_s, "must be in [0, cooldown_s]"),
-            ("window", self.window >= 1, "must be >= 1"),
+            ("window", 1 <= self.window <= 100_000, "must be in [1, 100000]"),
             ("min_samples", 1 <= self.min_samples <= self.window, "must be in [1, window]"),
-            ("burst_s", self.burst_s > 0, "must be > 0"),
+            ("burst_s", 0 < self.burst_s <= 3600, "must be in (0, 3600]"),
             ("class_bursts", not self.class_bursts or (len(self.class_bursts) == n and all(
-                b > 0 for b in self.class_bursts)), f"must be empty or one value > 0 per class ({n})"),
+                0 < b <= 3600 for b in self.class_bursts)),
+             f"must be empty or one value in (0, 3600] per class ({n})"),
             ("use_threshold", 0 < self.use_threshold <= 1, "must be in (0, 1]"),
             ("capacity_deadband", 0 <= self.capacity_deadband < 1, "must be in [0, 1)"),
             ("capacity_persist_s", 0 <= self.capacity_persist_s <= 3600, "must be in [0, 3600]"),
-            ("reset_load_change", self.reset_load_change > 0, "must be > 0"),
+            ("reset_load_change", 0 < self.reset_load_change < math.inf, "must be > 0 and finite"),
             ("min_change", 0 <= self.min_change < self.relax_step, "must be in [0, relax_step)"),
         ]
         for name, ok, message in ranges:
