@@ -126,6 +126,60 @@ async def test_a_stale_leaders_write_is_refused_and_it_steps_down(aredis, pool, 
     assert pc.term is None and pc.lease.holder == f"b.0123abcd:{term.fence + 1}"
 
 
+async def _taken_again(pc, pool) -> None:
+    """The lease lapsed (Redis stalled past it) and the lease loop took it again: a new term."""
+    await pc.client.delete(pool.leader)
+    pc.lease._valid_until = 0.0
+    await pc.renew_once()
+
+
+async def test_a_tick_whose_term_ended_while_it_read_writes_nothing_and_leaves_the_new_term_be(
+        aredis, pool, cfg, monkeypatch):
+    """A tick checked its term once, at its start: the lease lapsing and taken again while it
+    read (a new term, a new fence) left it to write the old term's decision with the old
+    fence, refused, and the refusal stepped down -- ending the new, valid term, its lease held
+    in Redis and led by nobody (found by a review)."""
+    import limiter.controller.loop as loop_mod
+
+    pc = pool_controller(cfg, aredis)
+    term = await _violate_and_tick(pc, aredis, pool)
+    await aredis.hincrby(pool.stats, "P2.claimed", 10)  # the law wants to cut P2 now
+    version = await aredis.hget(pool.policy, "version")
+    real, calls = loop_mod.redis_now_ms, []
+
+    async def redis_now_ms(client, keys):
+        calls.append(1)
+        if len(calls) == 1:  # the tick's first read
+            await _taken_again(pc, pool)
+        return await real(client, keys)
+
+    monkeypatch.setattr(loop_mod, "redis_now_ms", redis_now_ms)
+    assert await pc.tick(term) is None
+    assert pc.term is not None and pc.term is not term and pc.lease.leading
+    assert pc.lease.fence == pc.term.fence == term.fence + 1
+    assert await aredis.hget(pool.policy, "version") == version  # nothing written
+    assert metric(pc, "qos_controller_stale_writes_total", pool="tiny") == 0
+
+
+async def test_a_write_refused_for_a_term_that_ended_meanwhile_leaves_the_new_term_be(aredis, pool, cfg):
+    """The same, the lease taken again while the write was on its way: the refusal is the old
+    term's, not a reason to end the new one."""
+    pc = pool_controller(cfg, aredis)
+    term = await _violate_and_tick(pc, aredis, pool)
+    await aredis.hincrby(pool.stats, "P2.claimed", 10)
+    real = pc.scripts.set_rates
+
+    async def set_rates(*args, **kw):
+        await _taken_again(pc, pool)
+        return await real(*args, **kw)
+
+    pc.scripts.set_rates = set_rates
+    assert await pc.tick(term) is None
+    assert metric(pc, "qos_controller_stale_writes_total", pool="tiny") == 1  # it was refused
+    assert pc.term is not None and pc.term is not term and pc.lease.leading
+    assert pc.lease.fence == pc.term.fence == term.fence + 1
+
+
 async def test_a_new_leader_continues_from_the_policy_not_from_scratch(aredis, pool, cfg):
     a = pool_controller(cfg, aredis)
     term = await _violate_and_tick(a, aredis, pool)

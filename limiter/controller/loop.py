@@ -320,12 +320,18 @@ class PoolController:
                 "capacity_confidence": round(estimate.confidence, 3), "capacity_estimate": estimate.value,
                 "claimed_per_s": {c: term.usage.claimed_per_s(c) for c in term.usage.classes},
             }
+            if self.term is not term or not self.lease.leading or self.lease.fence != term.fence:
+                # The term ended while this tick read (Redis stalled past the lease, which the
+                # lease loop then took again: a new term): its decision is the old term's, and
+                # written with the old fence it was refused and ended the new term.
+                return None
             try:
                 version = await self.scripts.set_rates(self.keys, self.lease.owner, term.fence,
                                                        record, decision.policy_fields())
             except StaleLeader as exc:
                 self.metrics.stale.labels(self.pool.name).inc()
-                self.step_down(f"set_rates refused: {exc}")
+                if self.term is term:  # not a term begun while the write was out: it is current
+                    self.step_down(f"set_rates refused: {exc}")
                 return None
             assert decision.evidence_from_ms is not None
             term.monitor.mark(decision.evidence_from_ms)
