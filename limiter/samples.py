@@ -56,8 +56,10 @@ from limiter.errors import InvalidArgument
 from limiter.keys import NAME_RE
 
 SAMPLE_VERSION = 1
-# ``rejected``: turned away at admission by the class budget (429) or a full queue (503)
-OUTCOMES = ("ok", "expired", "cancelled", "failed", "rejected")
+# ``rejected``: turned away at admission by the class budget (429) or a full queue (503);
+# ``refused``: failed for what the request is (a prompt no worker can hold, a model server's
+# 400), which no retry mends: not a miss of its class's latency targets
+OUTCOMES = ("ok", "expired", "cancelled", "failed", "rejected", "refused")
 
 
 @dataclass(frozen=True, slots=True)

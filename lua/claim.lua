@@ -266,7 +266,8 @@ local function main()
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
             .. math.max(kv_total, largest_kv()) .. ' tokens)'
-          finish_by_redis(p, load_request(id), 'failed', why, 0, now, {code = 'too_large', msg = why})
+          finish_by_redis(p, load_request(id), 'failed', why, 0, now, {code = 'too_large', msg = why},
+            'refused')
           q.n[pick] = q.n[pick] - 1
         elseif never then
           -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it

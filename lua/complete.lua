@@ -13,13 +13,15 @@
 -- ARGV[1]  request_id     name
 -- ARGV[2]  worker_id      name
 -- ARGV[3]  fence          integer >= 1 (from claim)
--- ARGV[4]  outcome        ok | failed | cancelled
+-- ARGV[4]  outcome        ok | failed | refused | cancelled (refused: failed for what the
+--                         request is, e.g. a model server's 400 -- a retry fails the same way:
+--                         the record says failed, its frontend hears code 'refused')
 -- ARGV[5]  usage_in       integer >= 0: prompt tokens the engine really processed
 -- ARGV[6]  count          integer >= 0: tokens in this last batch (the model's tokens)
 -- ARGV[7]  token_ids      n_ids x uint32 little-endian (resume data, as in push_tokens)
 -- ARGV[8]  text           the last batch's text
 -- ARGV[9]  finish_reason  stop | length | cancelled | error
--- ARGV[10] message        error message for outcome failed ('' otherwise)
+-- ARGV[10] message        error message for outcome failed or refused ('' otherwise)
 -- ARGV[11] sample         msgpack latency sample ('' = none), appended to the samples stream
 -- ARGV[12] n_ids          integer >= 0: ids in token_ids ('' or absent = count; see
 --                         push_tokens)
@@ -60,7 +62,7 @@ local function read_completion(k)
   c.request_id = arg_name(ARGV[a + 1], 'request_id')
   c.worker_id = arg_name(ARGV[a + 2], 'worker_id')
   c.fence = arg_int(ARGV[a + 3], 'fence', 1, 1e15)
-  c.outcome = arg_oneof(ARGV[a + 4], 'outcome', {'ok', 'failed', 'cancelled'})
+  c.outcome = arg_oneof(ARGV[a + 4], 'outcome', {'ok', 'failed', 'refused', 'cancelled'})
   c.usage_in = arg_int(ARGV[a + 5], 'usage_in', 0, 10000000)
   c.count = arg_int(ARGV[a + 6], 'count', 0, 1000000)
   c.token_ids, c.text = ARGV[a + 7], ARGV[a + 8]
@@ -104,14 +106,14 @@ local function complete_one(p, c, r, now, expired)
     if r.first_ms == nil then fields[9], fields[10] = 'first_ms', now end
   end
   r.out_tokens, r.wrote_ids = usage_out, c.n_ids > 0
-  local state = ({ok = 'done', failed = 'failed', cancelled = 'cancelled'})[c.outcome]
+  local state = ({ok = 'done', failed = 'failed', refused = 'failed', cancelled = 'cancelled'})[c.outcome]
   local reason = c.message ~= '' and c.message or c.finish_reason
   local given = finalize(p, r, state, reason, actual_cost(r, c.usage_in, usage_out), now, fields)
   if c.outcome == 'ok' then
     notify(r.id, r.frontend, expired, 'k', 'done', 'a', c.fence, 'o', offset, 'n', count, 't', c.text,
       'fin', c.finish_reason, 'in', c.usage_in, 'out', usage_out)
-  elseif c.outcome == 'failed' then
-    notify(r.id, r.frontend, expired, 'k', 'err', 'code', 'failed', 'msg', reason)
+  elseif c.outcome ~= 'cancelled' then  -- failed or refused
+    notify(r.id, r.frontend, expired, 'k', 'err', 'code', c.outcome, 'msg', reason)
   else
     notify(r.id, r.frontend, expired, 'k', 'err', 'code', 'cancelled',
       'msg', 'its worker stopped it: the client went away (or its frontend stopped heartbeating)')

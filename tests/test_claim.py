@@ -11,6 +11,7 @@ import pytest
 
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
+from limiter.samples import unpack_sample
 from limiter.scripts import policy_document
 from tests.support.helpers import admit, class_cfg, init_pool, script_commands
 
@@ -226,6 +227,9 @@ async def test_a_request_no_live_worker_can_hold_fails_with_a_clear_error(script
     assert rec[b"state"] == b"failed" and b"does not fit any live worker" in rec[b"reason"]
     (_, entry), = [e for e in await scripts.client.xrange(pool.reply("fe1")) if e[1][b"id"] == b"huge"]
     assert entry[b"code"] == b"too_large"
+    # refused (not failed): no sign of its class's service, not counted against its targets
+    samples = [unpack_sample(f[b"d"]) for _, f in await scripts.client.xrange(pool.samples)]
+    assert [(s.cls, s.outcome) for s in samples] == [("P0", "refused")]  # huge's: P1's fine ran
     # With a live worker that could hold it, it is left for that worker instead.
     await scripts.client.zadd(pool.workers, {"w2": now})
     await scripts.client.hset(pool.worker_kv, "w2", 10_000)

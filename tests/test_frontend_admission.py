@@ -183,6 +183,27 @@ async def test_worker_failure_is_503(client, aredis):
     assert (await r.json())["error"]["code"] == "worker_failed"
 
 
+async def test_a_request_refused_for_what_it_is_is_a_400_the_sdk_does_not_send_again(client, aredis):
+    """A failure no retry mends (a model server's 400 for a prompt past its context, a prompt
+    no worker can hold) was a 503 with Retry-After: the OpenAI SDK sent it twice more, each
+    time admitted, charged and failed again (found by a review). It is a 400, as the model
+    server's own answer, and the SDK gives up at once."""
+    import openai
+
+    base = str(client.server.make_url("/v1"))
+    sdk = openai.AsyncOpenAI(base_url=base, api_key="demo-p1")  # the SDK's default retries (2)
+    async with FakeWorker(aredis, POOL, fail=True, fail_outcome="refused") as fw:
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        assert r.status == 400 and "Retry-After" not in r.headers
+        err = (await r.json())["error"]
+        assert (err["type"], err["code"]) == ("invalid_request_error", "request_refused")
+        assert "fake worker told to fail" in err["message"]
+        with pytest.raises(openai.BadRequestError):
+            await sdk.completions.create(model="tiny", prompt="y", max_tokens=3)
+    await sdk.close()
+    assert len(fw.claimed) == 2, f"claimed {fw.claimed}: the SDK sent the refused request again"
+
+
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
 async def test_a_failure_after_a_push_with_no_text_is_still_an_honest_503(client, aredis, path):
     """A first push may carry a token and no text (the first byte of a UTF-8 character is

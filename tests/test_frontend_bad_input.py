@@ -107,6 +107,8 @@ CASES = [
      "unknown_parameter"),
     (COMP, {"model": "tiny", "prompt": "x", "messages": MSG}, {}, 400, "messages", "unknown_parameter"),
     (CHAT, {"model": "tiny", "messages": MSG, "logprobs": True}, {}, 400, "logprobs", "unsupported_value"),
+    # 0 asks for the sampled token's logprob: answered with null, a client read nothing
+    (COMP, {"model": "tiny", "prompt": "x", "logprobs": 0}, {}, 400, "logprobs", "unsupported_value"),
     (CHAT, {"model": "tiny", "messages": MSG, "user": 5}, {}, 400, "user", "invalid_type"),
     (CHAT, {"model": "tiny", "messages": MSG, "tools": [{"type": "function", "function": {"name": "f"}}]}, {},
      400, "tools", "unsupported_value"),

@@ -32,6 +32,8 @@ def test_judge_rules() -> None:
     assert p0.judge(sample(outcome="failed", ttft=10.0)) is False
     assert p0.judge(sample(outcome="rejected", ttft=None)) is False  # a 429 of the class budget
     assert p0.judge(sample(outcome="cancelled", ttft=9999.0)) is None  # the client left
+    # failed for what it is (a prompt past any context): no sign of the class's service
+    assert p0.judge(sample(outcome="refused", ttft=None)) is None
     assert DEFAULT_SLOS["P2"].judge(sample("P2", ttft=99999.0)) is None
     assert ClassSLO(tpot_ms=30.0).judge(sample(ttft=99999.0, tpot=20.0)) is True
 

@@ -153,6 +153,11 @@ async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> Non
         msg = c.answers[rid].error["msg"]
         assert "127.0.0.1" not in msg and str(up.port) not in msg
         assert (await c.record(rid))["state"] == "failed"
+    # The server's 400 refuses the request itself: no retry mends it (its frontend answers 400);
+    # an error in the middle of an answer, or a botched one, is the server's own (503).
+    assert [c.answers[r].error["code"] for r in (bad, mid, huge)] == ["refused", "failed", "failed"]
+    assert {s["request_id"]: s["outcome"] for s in await c.samples()} == \
+        {bad: "refused", mid: "failed", huge: "failed"}
 
 
 async def test_text_that_came_with_an_error_in_one_read_reaches_the_client_first(env) -> None:

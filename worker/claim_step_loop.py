@@ -486,8 +486,10 @@ class StepLoop:
             return
         prompt = self.engine.encode(p.prompt)
         if (n := len(prompt) + len(c.generated)) > (room := self.sched.max_context()):
-            await self.rt.finish(d, "failed", "error", f"prompt of {len(prompt)} tokens (+{len(c.generated)} "
-                                 f"generated, {n} in all) exceeds this worker's context of {room} tokens")
+            # refused: another try fails the same way (its client is told so: a 400, not a 503)
+            await self.rt.finish(d, "refused", "error", f"prompt of {len(prompt)} tokens "
+                                 f"(+{len(c.generated)} generated, {n} in all) exceeds this worker's "
+                                 f"context of {room} tokens")
             return
         try:
             params = SamplingParams(temperature=p.temperature, seed=request_seed(p.seed, c.request_id),
@@ -495,7 +497,7 @@ class StepLoop:
                                     eos_min_len=SamplingParams.eos_rule(len(prompt), p.ignore_eos,
                                                                         p.min_tokens))
         except InvalidArgument as exc:
-            await self.rt.finish(d, "failed", "error", f"bad sampling parameters: {exc}")
+            await self.rt.finish(d, "refused", "error", f"bad sampling parameters: {exc}")
             return
         self._arrivals += 1
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,

@@ -2,7 +2,7 @@
 
 The schema (fields, version, packing) is limiter/samples.py's, shared with the frontend and
 the controller; this module only fills it from a worker's :class:`Delivery` (outcomes ``ok``,
-``cancelled``, ``failed``).
+``cancelled``, ``failed``, ``refused``).
 
 Token times are when the engine produced the token (end of its step), not when the batched
 push reached Redis: the sample measures the GPU schedule, which is what the controller

@@ -89,6 +89,10 @@ from worker.tokenizer import decode
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
 DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
+# The request itself is at fault (vLLM's 400 for a prompt past the model's context, a 413, a
+# 422): another try fails the same way, so its client gets a 400, not a 503 to retry. A 401,
+# 403 or 404 is the worker's configuration (its key, its model name), a 500 the server's own.
+REFUSED_STATUSES = (400, 413, 422)
 
 
 class UpstreamDown(Exception):
@@ -485,12 +489,14 @@ class UpstreamLoop:
         body["messages"] = msgs
         return "/chat/completions", body
 
-    def _failed(self, d: Delivery, url: str, client_message: str, detail: str = "") -> Result:
+    def _failed(self, d: Delivery, url: str, client_message: str, detail: str = "",
+                outcome: str = "failed") -> Result:
         """A request the upstream refused or botched: the log names the upstream and the
-        details, the client reads only what the model server did."""
+        details, the client reads only what the model server did. ``outcome`` "refused": the
+        request itself is at fault (lua/complete.lua), its client is told not to retry it."""
         log.warning("%s: upstream %s: %s%s", d.request_id, url, client_message,
                     f" ({detail})" if detail else "")
-        return ("failed", "error", client_message)
+        return (outcome, "error", client_message)
 
     async def _stream(self, d: Delivery) -> Result:
         """Stream one attempt. Raises :class:`UpstreamDown` when the upstream cannot be reached
@@ -501,7 +507,7 @@ class UpstreamLoop:
         try:
             path, body = self._body(d, max_tokens - d.total_tokens)
         except ValueError as exc:
-            return ("failed", "error", f"unusable request: {exc}")
+            return ("refused", "error", f"unusable request: {exc}")
         url = self.base + path
         chat = path == "/chat/completions"
         allowance = max_tokens - d.total_tokens
@@ -516,7 +522,8 @@ class UpstreamLoop:
                 if resp.status != 200:
                     text = (await _error_text(resp))[:300]
                     return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
-                                        f"{text}")
+                                        f"{text}", outcome="refused" if resp.status in REFUSED_STATUSES
+                                        else "failed")
                 cut = False
                 async for events in sse_batches(resp.content):
                     for data in events:

@@ -58,8 +58,10 @@ class ClassSLO:
         return self.ttft_ms is not None or self.tpot_ms is not None
 
     def judge(self, sample: Sample) -> bool | None:
-        """True = met, False = violated, None = not counted (cancelled, or no target at all)."""
-        if sample.outcome == "cancelled" or not self.has_target:
+        """True = met, False = violated, None = not counted (cancelled, refused for what the
+        request is -- a client's too-long prompt is no sign of the class's service -- or no
+        target at all)."""
+        if sample.outcome in ("cancelled", "refused") or not self.has_target:
             return None
         if sample.outcome != "ok":
             return False

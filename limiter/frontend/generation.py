@@ -259,6 +259,15 @@ class Generation:
         if r.code == "cancelled":  # e.g. this frontend's heartbeat was late and it was taken for dead
             return ApiError(503, f"The request was cancelled: {r.message}", code="request_cancelled",
                                retry_after_s=1, outcome="cancelled")
+        # Failed for what the request is (lua/complete.lua 'refused', claim's 'too_large'): a
+        # retry fails the same way, so a 400 as the model server itself would answer (a 503
+        # made the OpenAI SDK send it twice more, each admitted, charged and failed again).
+        if r.code == "too_large":
+            return ApiError(400, f"The request cannot be served: {r.message}", code="context_length_exceeded",
+                               outcome="refused")
+        if r.code == "refused":
+            return ApiError(400, f"The request cannot be served: {r.message}", code="request_refused",
+                               outcome="refused")
         return ApiError(503, f"The worker failed the request: {r.message}", code="worker_failed",
                            retry_after_s=1, outcome="failed")
 

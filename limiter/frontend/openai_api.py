@@ -115,7 +115,9 @@ _MESSAGE_NEUTRAL: dict[str, Any] = {
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
     **_NEUTRAL,
-    "logprobs": lambda v: _is_int(v) and v == 0,
+    # Any number asks for logprobs, 0 too (the sampled token's: OpenAI's and vLLM's answer
+    # then has a logprobs object): not served, so refused, not answered with null.
+    "logprobs": lambda v: False,
     "echo": lambda v: v is False,
     "best_of": lambda v: _is_int(v) and v == 1,
     "suffix": lambda v: v == "",

@@ -37,10 +37,12 @@ end
 
 -- An end decided inside Redis (a max wait passed, a client went away, every attempt's
 -- lease expired), not reported by a worker: finalize, then a latency sample with outcome =
--- state. `notice` = {code = ..., msg = ...} is sent to the request's frontend as an error,
--- so its client learns at once; nil when the frontend asked for this end itself.
-local function finish_by_redis(p, r, state, reason, used, now, notice)
+-- `outcome`, or state when nil ('refused': a request failed for what it is, which no retry
+-- mends -- not a violation of its class's latency targets). `notice` = {code = ..., msg =
+-- ...} is sent to the request's frontend as an error, so its client learns at once; nil when
+-- the frontend asked for this end itself.
+local function finish_by_redis(p, r, state, reason, used, now, notice, outcome)
   finalize(p, r, state, reason, used, now)
   if notice then notify(r.id, r.frontend, nil, 'k', 'err', 'code', notice.code, 'msg', notice.msg) end
-  add_sample(p, r, state, now)
+  add_sample(p, r, outcome or state, now)
 end

@@ -38,6 +38,7 @@ class FakeWorker:
     batch: int = 4
     delay_s: float = 0.0  # sleep before each batch
     fail: bool = False  # complete every request as failed
+    fail_outcome: str = "failed"  # or "refused" (failed for what the request is)
     served: list[Served] = field(default_factory=list)
     claimed: list[str] = field(default_factory=list)
     payloads: dict[str, Payload] = field(default_factory=dict)  # request id -> what the frontend stored
@@ -102,9 +103,9 @@ class FakeWorker:
         try:
             if self.fail:
                 await self.scripts.complete(self.keys, request_id=c.request_id, worker_id=self.worker_id,
-                                            fence=c.fence, outcome="failed", usage_in=usage_in,
+                                            fence=c.fence, outcome=self.fail_outcome, usage_in=usage_in,
                                             finish_reason="error", message="fake worker told to fail")
-                self.served.append(Served(c.request_id, "failed", usage_in, pos, "", c.cls))
+                self.served.append(Served(c.request_id, self.fail_outcome, usage_in, pos, "", c.cls))
                 return
             while len(text) - pos > self.batch:
                 if self.delay_s:
