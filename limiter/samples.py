@@ -4,11 +4,12 @@ Every writer appends it to ``qos:{pool}:samples`` (field ``d``, a msgpack map); 
 reads it back with :func:`unpack_sample` / :func:`decode_sample` into its SLO windows
 (limiter/controller/slo_window.py) and capacity estimator. This module is the schema. Writers:
 
-* workers, for requests they finished (``ok``, ``cancelled``, ``failed``): worker/samples.py
+* workers, for requests they finished (``ok``, ``cancelled``, ``failed``, ``refused``): worker/samples.py
   fills it from the request's delivery;
 * the frontend, for requests admission turned away (``rejected``): ``record_rejection``;
 * the Redis Lua scripts, for outcomes decided inside Redis (``expired``, ``cancelled``,
-  ``failed`` by lease loss): ``add_sample`` in lua/include/. Lua cannot import this module,
+  ``failed`` by lease loss, ``refused`` by claim: a prompt no worker of the pool can hold):
+  ``add_sample`` in lua/include/. Lua cannot import this module,
   so it writes the same map by hand: a field added here must be added there too.
 
 Fields, all times in ms. :func:`decode_sample` requires ``class``, ``outcome``, ``ts_ms``,

@@ -184,9 +184,9 @@ local function main()
   local closed = {}    -- class -> true: nothing more of it for this worker in this call
   -- the largest live worker's whole KV room: read once per call (it reads every worker's
   -- heartbeat), and only when a request does not fit this worker at all
-  local largest = nil
+  local largest, largest_listed = nil, 0  -- (largest_kv: live workers; listed: any still in the set)
   local function largest_kv()
-    if largest == nil then largest = largest_live_kv(p, now) end
+    if largest == nil then largest, largest_listed = largest_live_kv(p, now) end
     return largest
   end
   local function open(cls)
@@ -266,8 +266,12 @@ local function main()
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
             .. math.max(kv_total, largest_kv()) .. ' tokens)'
-          finish_by_redis(p, load_request(id), 'failed', why, 0, now, {code = 'too_large', msg = why},
-            'refused')
+          -- No worker of the pool could ever hold it: refused (its client is told not to retry,
+          -- its class's targets do not count it). One that could is silent (restarting?): a
+          -- failure a retry may mend.
+          local code, outcome = 'too_large', 'refused'
+          if largest_listed >= r.input_tokens + 1 then code, outcome = 'failed', 'failed' end
+          finish_by_redis(p, load_request(id), 'failed', why, 0, now, {code = code, msg = why}, outcome)
           q.n[pick] = q.n[pick] - 1
         elseif never then
           -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it

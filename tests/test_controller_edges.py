@@ -173,7 +173,10 @@ def test_guarantees_never_exceed_capacity_and_fill_it_while_p0_allowance_covers_
 
 
 # --- 8. requests that expired in the queue dilute `used` --------------------------------
-def test_used_is_not_diluted_by_requests_that_expired_before_any_claim() -> None:
+# (and those ended in the queue otherwise: cancelled there, or refused by claim -- a prompt no
+# worker can hold -- whose samples name no worker)
+@pytest.mark.parametrize("unclaimed", ["expired", "cancelled", "refused"])
+def test_used_is_not_diluted_by_requests_that_expired_before_any_claim(unclaimed: str) -> None:
     """usage.py: used = claimed requests/s x mean work of a recent request. loop.feed gives
     the mean every non-rejected sample, including `expired` ones that never were claimed
     (max wait passed in the queue: work 0), while the rate counts claims only. Under a
@@ -195,7 +198,7 @@ def test_used_is_not_diluted_by_requests_that_expired_before_any_claim() -> None
     for sec in range(10):  # each second: 10 requests claimed and served, 10 expire unclaimed
         for i in range(10):
             PoolController.feed(fake, term, dataclasses.replace(ok, ts_ms=t + sec * 1000 + i * 100))
-            PoolController.feed(fake, term, Sample("P2", "expired", t + sec * 1000 + i * 100 + 50,
+            PoolController.feed(fake, term, Sample("P2", unclaimed, t + sec * 1000 + i * 100 + 50,
                                                    600, 0, 30_000.0, 30_000.0))
             claimed += 1
             term.usage.observe_counters(t + sec * 1000 + i * 100, {"P2.claimed": str(claimed)})

@@ -315,6 +315,23 @@ async def test_prompt_too_long_for_the_engine_fails_clearly(env) -> None:
     assert [s["outcome"] for s in await c.samples() if s["request_id"] == big] == ["refused"]
 
 
+async def test_a_resume_too_long_for_the_engine_is_a_failure_a_retry_may_mend(env) -> None:
+    """The prompt fits; with what an earlier attempt (on a bigger worker) generated it does
+    not: that is the resume's, not the request's, so it fails as a worker failure (a 503 its
+    client may retry), not refused (found by a review)."""
+    cfg, c = env
+    rid = await c.admit("y" * 40, max_tokens=60)
+    first = (await c.scripts.claim(c.keys, "w-big", 1)).requests[0]  # a bigger worker's attempt
+    await c.scripts.push_tokens(c.keys, request_id=rid, worker_id="w-big", fence=first.fence, offset=0,
+                                token_ids=[65] * 30, text="A" * 30)
+    assert await c.scripts.release(c.keys, request_id=rid, worker_id="w-big", fence=first.fence) == "requeued"
+    async with worker(cfg, engine_obj=SimEngine(time_scale=0.0, max_seq_len=64)):
+        await c.wait([rid], timeout=10)
+    err = c.answers[rid].error
+    assert err is not None and err["code"] == "failed" and "30 generated" in err["msg"], err
+    assert [s["outcome"] for s in await c.samples() if s["request_id"] == rid] == ["failed"]
+
+
 async def _script_calls(c: Client) -> int:
     stats = await c.client.info("commandstats")
     return sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))

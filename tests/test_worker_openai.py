@@ -141,11 +141,12 @@ async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> Non
     cfg, c, up = env
     async with worker(cfg, engine="openai", upstream_url=up.url):
         bad = await c.admit("please FAIL", max_tokens=20)
+        prio = await c.admit("PRIOFAIL", max_tokens=20)
         mid = await c.admit("a MIDERR b c d e f g h", max_tokens=50)
         huge = await c.admit("a HUGE b c d e f g h", max_tokens=50)
         await c.wait(timeout=20)
     assert c.answers[bad].error["msg"] == \
-        "the model server refused the request (HTTP 400): model is overloaded"
+        "the model server refused the request (HTTP 400): This model's maximum context length is 64 tokens"
     assert c.answers[mid].error["msg"] == "the model server reported an error: CUDA out of memory"
     assert c.answers[huge].error["msg"] == "the model server sent a malformed response"
     assert c.answers[huge].text == "h g"  # its first chunk, delivered before the line that never ended
@@ -154,10 +155,34 @@ async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> Non
         assert "127.0.0.1" not in msg and str(up.port) not in msg
         assert (await c.record(rid))["state"] == "failed"
     # The server's 400 refuses the request itself: no retry mends it (its frontend answers 400);
-    # an error in the middle of an answer, or a botched one, is the server's own (503).
-    assert [c.answers[r].error["code"] for r in (bad, mid, huge)] == ["refused", "failed", "failed"]
+    # one naming a field the worker adds (priority) is the worker's configuration, an error in
+    # the middle of an answer, or a botched one, the server's own (503).
+    assert [c.answers[r].error["code"] for r in (bad, prio, mid, huge)] == ["refused", "failed", "failed",
+                                                                           "failed"]
     assert {s["request_id"]: s["outcome"] for s in await c.samples()} == \
-        {bad: "refused", mid: "failed", huge: "failed"}
+        {bad: "refused", prio: "failed", mid: "failed", huge: "failed"}
+
+
+def test_a_model_servers_refusal_is_the_requests_only_on_a_first_attempt_naming_no_field_of_the_workers(
+        ) -> None:
+    """A 400/413/422 refuses the request itself (its client gets a 400, not a 503 to retry)
+    unless it refuses a resume (the continuation is the worker's) or names a field the worker
+    adds of its own accord (a server without priority scheduling: the worker's
+    configuration)."""
+    from types import SimpleNamespace
+
+    from worker.upstream import _refusal_outcome
+
+    first, resumed = SimpleNamespace(total_tokens=0), SimpleNamespace(total_tokens=5)
+    context = "This model's maximum context length is 2048 tokens. However, you requested 3000"
+    assert _refusal_outcome(400, context, first) == "refused"
+    assert _refusal_outcome(413, "too large", first) == "refused"
+    assert _refusal_outcome(422, "field required", first) == "refused"
+    assert _refusal_outcome(400, context, resumed) == "failed"
+    assert _refusal_outcome(400, "Got priority 1 but Priority scheduling is not enabled.", first) == "failed"
+    assert _refusal_outcome(400, "unknown field: stream_options", first) == "failed"
+    for status in (401, 403, 404, 500):
+        assert _refusal_outcome(status, "anything", first) == "failed"
 
 
 async def test_text_that_came_with_an_error_in_one_read_reaches_the_client_first(env) -> None:

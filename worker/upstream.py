@@ -93,6 +93,11 @@ DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot
 # 422): another try fails the same way, so its client gets a 400, not a 503 to retry. A 401,
 # 403 or 404 is the worker's configuration (its key, its model name), a 500 the server's own.
 REFUSED_STATUSES = (400, 413, 422)
+# ... unless the refusal names a field the worker adds of its own accord (a server that takes
+# no `priority`: the worker's configuration, upstream_priority) or refuses a resume (the
+# continuation is the worker's): failed, as the server's own error.
+WORKER_FIELDS = ("priority", "stream_options", "continuous_usage_stats", "seed", "continue_final_message",
+                 "add_generation_prompt")
 
 
 class UpstreamDown(Exception):
@@ -160,6 +165,15 @@ class Breaker:
 
 def _count(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
+
+
+def _refusal_outcome(status: int, text: str, d: Delivery) -> str:
+    """``refused`` for a model server's refusal of the request itself (REFUSED_STATUSES, on
+    its first attempt, naming no field of the worker's own), else ``failed``."""
+    if status not in REFUSED_STATUSES or d.total_tokens > 0:
+        return "failed"
+    said = text.lower()
+    return "failed" if any(f in said for f in WORKER_FIELDS) else "refused"
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
@@ -507,7 +521,7 @@ class UpstreamLoop:
         try:
             path, body = self._body(d, max_tokens - d.total_tokens)
         except ValueError as exc:
-            return ("refused", "error", f"unusable request: {exc}")
+            return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
         url = self.base + path
         chat = path == "/chat/completions"
         allowance = max_tokens - d.total_tokens
@@ -522,8 +536,7 @@ class UpstreamLoop:
                 if resp.status != 200:
                     text = (await _error_text(resp))[:300]
                     return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
-                                        f"{text}", outcome="refused" if resp.status in REFUSED_STATUSES
-                                        else "failed")
+                                        f"{text}", outcome=_refusal_outcome(resp.status, text, d))
                 cut = False
                 async for events in sse_batches(resp.content):
                     for data in events:

@@ -256,7 +256,9 @@ class PoolController:
         else:
             term.monitor.add(sample)
             term.estimator.observe_sample(sample)
-            if sample.outcome != "expired":  # never claimed: not in the claim rate used multiplies
+            # Never claimed (expired in its queue, cancelled or refused there: no worker named)
+            # is not in the claim rate `used` multiplies the mean by: it would dilute the mean.
+            if sample.outcome != "expired" and sample.worker:
                 term.usage.observe_work(sample.cls, term.estimator.work(sample))
         term.consumed += 1
         self.metrics.samples.labels(self.pool.name, sample.cls).inc()

@@ -12,7 +12,9 @@ last ``max_age_s`` seconds so an idle class's verdict does not live forever.
 
 Judging (see :meth:`ClassSLO.judge`):
 
-* ``cancelled`` samples are ignored: the client left, the system did not fail it.
+* ``cancelled`` samples are ignored: the client left, the system did not fail it; so are
+  ``refused`` ones: failed for what the request is (a prompt past any worker's context, a
+  model server's 400), no sign of the class's service.
 * ``expired``, ``failed`` and ``rejected`` samples are violations: the request got no
   answer in time, or none at all (a 429 of the class budget or a full queue: without these
   a class could miss its attainment on rejections while its window read ~100 %).

@@ -21,20 +21,22 @@ local function frontend_alive(p, frontend, now)
   return newest < now - ttl and seen >= newest - ttl
 end
 
--- The largest whole KV room (tokens) among workers that beat within a lease; entries of
--- workers that left the heartbeat set are dropped on the way. O(workers of the pool): claim
--- calls it at most once per call, and only for a request that does not fit the claiming
--- worker at all.
+-- The largest whole KV room (tokens) among workers that beat within a lease, and among all
+-- still in the heartbeat set (a silent one may be restarting); entries of workers that left
+-- the set are dropped on the way. O(workers of the pool): claim calls it at most once per
+-- call, and only for a request that does not fit the claiming worker at all.
 local function largest_live_kv(p, now)
   local kv = redis.call('HGETALL', K_WORKER_KV)
-  local best = 0
+  local best, listed = 0, 0
   for i = 1, #kv, 2 do
     local seen = tonumber(redis.call('ZSCORE', K_WORKERS, kv[i]))
     if seen == nil then
       redis.call('HDEL', K_WORKER_KV, kv[i])
-    elseif seen >= now - p.lease_ms then
-      best = math.max(best, tonumber(kv[i + 1]) or 0)
+    else
+      local room = tonumber(kv[i + 1]) or 0
+      listed = math.max(listed, room)
+      if seen >= now - p.lease_ms then best = math.max(best, room) end
     end
   end
-  return best
+  return best, listed
 end

@@ -30,7 +30,8 @@ class FakeUpstream:
     """Answers with the prompt (or last user message) reversed in tokens of 3 characters, one
     token per chunk (two with PAIRS in the prompt); ``max_tokens`` in those tokens; usage on
     the last chunk (and, asked with ``continuous_usage_stats``, the running usage on every
-    chunk), vLLM's ``POST /tokenize``. Prompts containing FAIL get HTTP 400, MIDERR an error
+    chunk), vLLM's ``POST /tokenize``. Prompts containing FAIL get HTTP 400 (PRIOFAIL: naming
+    ``priority``), MIDERR an error
     chunk, HUGE a 2 MiB line that never ends, SLOW 40 ms per chunk.
 
     How the chunks leave, for tests of what the worker does with them as they come: with
@@ -91,8 +92,10 @@ class FakeUpstream:
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
         if "FAIL" in prompt:
-            return web.json_response({"error": {"message": "model is overloaded", "type": "server_error",
-                                                "code": 400}}, status=400)
+            message = ("Got priority 1 but Priority scheduling is not enabled." if "PRIOFAIL" in prompt
+                       else "This model's maximum context length is 64 tokens")  # vLLM's words
+            return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": 400}},
+                                     status=400)
         answer = prompt[::-1]
         tokens = [answer[i: i + 3] for i in range(0, len(answer), 3)]
         finish = "stop"
