@@ -14,7 +14,15 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterError, RedisClusterException, SlotNotCoveredError, TryAgainError
+from redis.exceptions import (
+    ClusterError,
+    OutOfMemoryError,
+    ReadOnlyError,
+    RedisClusterException,
+    ResponseError,
+    SlotNotCoveredError,
+    TryAgainError,
+)
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -47,14 +55,32 @@ _CLUSTER_UNREACHABLE = ("Redis Cluster cannot be connected", "All slots are not 
 REDIS_ERRORS: tuple[type[Exception], ...] = (RedisUnavailable, *CONNECTION_ERRORS)
 
 
+# Replies of a store that cannot take a command now, whatever the command: its state, not a
+# bug, so an outage. redis-py has classes for OOM (maxmemory, noeviction) and READONLY (a
+# failover made it a replica); these come as bare ResponseErrors: NOREPLICAS
+# (min-replicas-to-write not met), UNBLOCKED (a blocked BLPOP released as the server became
+# a replica: an idle worker died of it) and MASTERDOWN (a replica cut off from its master).
+_STORE_REFUSALS = ("NOREPLICAS", "UNBLOCKED", "MASTERDOWN")
+
+
+def store_refused(exc: ResponseError) -> bool:
+    """Whether ``exc`` is Redis refusing for its own state (an outage) rather than the call."""
+    return isinstance(exc, OutOfMemoryError | ReadOnlyError) or str(exc).startswith(_STORE_REFUSALS)
+
+
 @contextlib.contextmanager
 def map_redis_errors() -> Iterator[None]:
-    """Turn a connection-level failure inside the block into :class:`RedisUnavailable`, the
-    one outage type every layer above handles (503 in the frontend, back-off elsewhere)."""
+    """Turn a connection-level failure inside the block, or a refusal for the store's own
+    state (:func:`store_refused`), into :class:`RedisUnavailable`, the one outage type every
+    layer above handles (503 in the frontend, back-off elsewhere)."""
     try:
         yield
     except CONNECTION_ERRORS as exc:
         raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
+    except ResponseError as exc:
+        if not store_refused(exc):
+            raise
+        raise RedisUnavailable(f"Redis refused the command: {exc}") from exc
     except RedisClusterException as exc:
         if not str(exc).startswith(_CLUSTER_UNREACHABLE):
             raise

@@ -19,7 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.exceptions import NoScriptError, OutOfMemoryError, ReadOnlyError, ResponseError
+from redis.exceptions import NoScriptError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import (
@@ -35,7 +35,7 @@ from limiter.errors import (
     Throttled,
 )
 from limiter.keys import PoolKeys, check_name
-from limiter.redis_conn import CONNECTION_ERRORS, map_redis_errors
+from limiter.redis_conn import CONNECTION_ERRORS, map_redis_errors, store_refused
 from limiter.script_batcher import ScriptBatcher
 
 SCRIPT_NAMES = (
@@ -344,10 +344,11 @@ class Scripts:
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage
                     raise
-                if isinstance(exc, OutOfMemoryError | ReadOnlyError):
-                    # At maxmemory (noeviction) Redis refuses the scripts without allow-oom, and
-                    # a server a failover made a replica refuses every write: nothing ran, and
-                    # it is the store's state, not the request's. An outage (503), not a bug (500).
+                if store_refused(exc):
+                    # At maxmemory (noeviction) Redis refuses the scripts without allow-oom, a
+                    # server a failover made a replica refuses every write, one short of its
+                    # min-replicas-to-write too: nothing ran, and it is the store's state, not
+                    # the request's. An outage (503), not a bug (500).
                     raise RedisUnavailable(f"Redis refused the script: {exc}") from exc
                 raise _map_error(str(exc)) from exc
 

@@ -377,6 +377,21 @@ async def test_a_redis_turned_replica_is_503_not_500(client, sync_redis):
     assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
 
 
+async def test_a_redis_short_of_its_min_replicas_is_503_not_500(client, sync_redis):
+    """With min-replicas-to-write unmet (its replicas lagging or gone), Redis refuses every
+    write script with NOREPLICAS, a reply redis-py has no class for: it was a 500
+    internal_error per request (and a worker claiming died of it), not an outage (found by a
+    review)."""
+    sync_redis.config_set("min-replicas-to-write", 1)
+    try:
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
+        body = await r.json()
+    finally:
+        sync_redis.config_set("min-replicas-to-write", 0)
+    assert r.status == 503, body
+    assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
+
+
 async def test_a_disabled_class_is_429_naming_the_class(redis_server, sync_redis):
     """A class whose ceiling is 0 is closed: the answer named the bucket ("Class class is
     disabled") instead of the class."""

@@ -185,6 +185,44 @@ async def test_an_idle_worker_waits_out_idle_block_s_without_an_outage(monkeypat
 
 
 
+async def test_an_idle_worker_outlives_its_redis_turned_replica(worker_env, sync_redis) -> None:
+    """A failover demotes the Redis an idle worker waits on: Redis releases the blocked BLPOP
+    with UNBLOCKED, a bare ResponseError that was no outage, and the worker process died of it
+    (the one role that did; found by a review). It is an outage: the worker backs off, and
+    serves again once the server takes writes."""
+    from tests.support.redis_server import free_port
+    from tests.support.worker_helpers import blocked_on_the_wake_list, start_worker, stop_worker
+
+    cfg, c = worker_env
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.0, idle_block_s=30.0)
+    try:
+        await blocked_on_the_wake_list(c)
+        sync_redis.replicaof("127.0.0.1", free_port())  # a master that never answers
+        try:
+            await wait_until(lambda: not rt.redis_ok or task.done(), "the worker to meet the demotion")
+            assert not task.done(), f"the worker died: {task.exception()!r}"
+        finally:
+            sync_redis.replicaof("NO", "ONE")
+        rid = await c.admit("served after the failover", max_tokens=4)
+        await c.wait([rid], timeout=30)
+        assert c.answers[rid].done is not None
+    finally:
+        assert await stop_worker(rt, task) is None
+
+
+def test_a_refusal_for_the_stores_state_is_an_outage_and_any_other_stays_an_error() -> None:
+    from redis.exceptions import ResponseError
+
+    for reply in ("NOREPLICAS Not enough good replicas to write.",
+                  "UNBLOCKED force unblock from blocking operation, instance state changed "
+                  "(master -> replica?)",
+                  "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'."):
+        with pytest.raises(RedisUnavailable), map_redis_errors():
+            raise ResponseError(reply)
+    with pytest.raises(ResponseError), map_redis_errors():
+        raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+
 @pytest.mark.parametrize("query", ["socket_timeout=0.3", "client_name=qos-w&socket_timeout=0.3"])
 async def test_a_socket_timeout_in_the_url_still_leaves_room_for_a_blocking_read(redis_server, query) -> None:
     """A client whose commands block by design (BLPOP, XREAD BLOCK) gets its blocking time on
