@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 
 import msgpack
 import pytest
@@ -347,49 +348,39 @@ async def test_heartbeat_registers_before_admitting(client, sync_redis):
     assert abs(fe.heartbeat.clock_offset_ms) < 5_000
 
 
-async def test_redis_out_of_memory_is_503_not_500(client, sync_redis):
-    """With Redis at its maxmemory (noeviction, as deployed), admit.lua (no allow-oom flag)
-    is refused with OOM: that was a 500 internal_error, logged as a bug per request, while
-    it is an overload that passes as requests finish (complete/cancel may run under OOM)."""
-    sync_redis.config_set("maxmemory", 1)
+def _refusing(sync_redis, state: str) -> tuple[Callable[[], object], Callable[[], object]]:
+    """How to put a Redis into a state where it refuses every write script, and back."""
+    from tests.support.redis_server import free_port
+
+    return {
+        "maxmemory": (lambda: sync_redis.config_set("maxmemory", 1),
+                      lambda: sync_redis.config_set("maxmemory", 0)),
+        # a failover demoted it: a master that never answers
+        "replica": (lambda: sync_redis.replicaof("127.0.0.1", free_port()),
+                    lambda: sync_redis.replicaof("NO", "ONE")),
+        # its replicas lagging or gone
+        "min_replicas": (lambda: sync_redis.config_set("min-replicas-to-write", 1),
+                         lambda: sync_redis.config_set("min-replicas-to-write", 0)),
+    }[state]
+
+
+@pytest.mark.parametrize("state", ["maxmemory", "replica", "min_replicas"])
+async def test_redis_refusing_for_its_own_state_is_503_not_500(client, sync_redis, state):
+    """Redis refuses admit.lua for its own state, not the request's: at its maxmemory
+    (noeviction, as deployed; OOM), demoted by a failover (READONLY), short of its
+    min-replicas-to-write (NOREPLICAS, a reply redis-py has no class for; found by a review).
+    Each was a 500 internal_error, logged as a bug per request, while it is an outage that
+    passes (complete/cancel may run under OOM)."""
+    enter, leave = _refusing(sync_redis, state)
+    enter()
     try:
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
         body = await r.json()
     finally:
-        sync_redis.config_set("maxmemory", 0)
+        leave()
     assert r.status == 503, body
     assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
     assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0
-
-
-async def test_a_redis_turned_replica_is_503_not_500(client, sync_redis):
-    """After a failover demotes the Redis a frontend is connected to (REPLICAOF), every write
-    script is refused READONLY: that was a 500 internal_error per request, not an outage."""
-    from tests.support.redis_server import free_port
-
-    sync_redis.replicaof("127.0.0.1", free_port())  # a master that never answers
-    try:
-        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
-        body = await r.json()
-    finally:
-        sync_redis.replicaof("NO", "ONE")
-    assert r.status == 503, body
-    assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
-
-
-async def test_a_redis_short_of_its_min_replicas_is_503_not_500(client, sync_redis):
-    """With min-replicas-to-write unmet (its replicas lagging or gone), Redis refuses every
-    write script with NOREPLICAS, a reply redis-py has no class for: it was a 500
-    internal_error per request (and a worker claiming died of it), not an outage (found by a
-    review)."""
-    sync_redis.config_set("min-replicas-to-write", 1)
-    try:
-        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
-        body = await r.json()
-    finally:
-        sync_redis.config_set("min-replicas-to-write", 0)
-    assert r.status == 503, body
-    assert body["error"]["code"] == "redis_unavailable" and r.headers["Retry-After"] == "1"
 
 
 async def test_a_disabled_class_is_429_naming_the_class(redis_server, sync_redis):
