@@ -131,6 +131,49 @@ def test_resume_from_prompt_plus_generated_continues_identically(temperature: fl
     assert resumed == straight[8:]
 
 
+def test_a_subnormal_temperature_samples_as_greedy_not_the_first_token() -> None:
+    """logits / T overflowed to inf for a subnormal T (the frontend takes any temperature in
+    [0, 2]), and argmax picked the first infinite entry, not the largest logit (found by a
+    review)."""
+    from worker.engines.torch_engine import sample_token
+
+    logits = torch.tensor([1.0, 3.0, 2.0, -1.0])
+    for temperature in (1e-310, 5e-324, 1e-12):
+        assert sample_token(logits, temperature, seed=7, position=3) == 1 == sample_token(logits, 0.0, 7, 3)
+
+
+def test_an_engine_whose_cache_could_not_be_made_can_take_the_id_again() -> None:
+    """TorchEngine.add entered the sequence in its table before making its cache: a cache
+    that could not be made (a CUDA OOM) left the id in the table for good, and every later
+    claim of the request on this worker failed ('already allocated'; found by a review)."""
+    eng = tiny_engine()
+    real, failures = eng.model.new_cache, [torch.OutOfMemoryError("CUDA out of memory (simulated)")]
+
+    def new_cache(capacity: int = 64):
+        if failures:
+            raise failures.pop()
+        return real(capacity)
+
+    eng.model.new_cache = new_cache
+    with pytest.raises(torch.OutOfMemoryError):
+        eng.add("x", list(PROMPT), SamplingParams(max_tokens=4))
+    eng.add("x", list(PROMPT), SamplingParams(max_tokens=4))  # the same id, claimed again
+    eng.remove("x")
+    assert generate(eng, PROMPT, SamplingParams(max_tokens=4)) == generate(tiny_engine(), PROMPT,
+                                                                          SamplingParams(max_tokens=4))
+
+
+def test_plans_stay_within_the_engines_kv_when_the_limits_allow_more() -> None:
+    """The planner counted KV against limits.kv_capacity (default 1M) while the engine held
+    200 tokens: three 81-token prompts made a plan the engine refused ('plan needs 246 KV
+    tokens, capacity is 200') on every step (found by a review)."""
+    eng = TorchEngine.from_preset("tiny", seed=0, device="cpu", kv_capacity_tokens=200)
+    prompts = [tuple(BOS_ID if i == 0 else 32 + (i * k) % 95 for i in range(81)) for k in (3, 5, 7)]
+    run = asyncio.run(run_local(eng, [LocalRequest(f"r{k}", p, SamplingParams(max_tokens=8))
+                                      for k, p in enumerate(prompts)], Limits(token_budget=64, max_seqs=4)))
+    assert all(len(run.traces[f"r{k}"].tokens) == 8 for k in range(3))
+
+
 def test_derive_seed_separates_positions_and_seeds() -> None:
     values = {derive_seed(s, p) for s in range(20) for p in range(50)}
     assert len(values) == 1000 and all(0 <= v < 2**63 for v in values)

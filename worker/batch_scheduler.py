@@ -139,6 +139,10 @@ class BatchScheduler:
         a tenant behind in its class while the decoders' TPOT targets allow (that needs
         ``budget``; 0 = no more for either)."""
         self.engine = engine
+        # The plans are made against limits.kv_capacity: never more than the engine holds (a
+        # plan past it was refused by the engine, InvalidArgument, on every step)
+        if (held := engine.kv_capacity_tokens) < limits.kv_capacity:
+            limits = replace(limits, kv_capacity=held)
         self.limits = limits
         self.budget = budget
         self.top_prefill_tokens = top_prefill_tokens

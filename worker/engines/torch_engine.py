@@ -15,9 +15,12 @@ Sampling: greedy for ``temperature == 0``; otherwise Gumbel-max sampling (exactl
 from softmax(logits / T)) with noise from a CPU ``torch.Generator`` seeded by
 :func:`derive_seed` ``(seed, position)``. Keying the randomness on the absolute position of
 the token, not on a per-request generator's running state, is what makes a preempted or
-re-leased sequence - re-added with prompt + generated tokens - continue with exactly the
-tokens it would have produced (bit-exact in fp32; in bf16 the recomputed logits can differ
-slightly from the incrementally decoded ones, so a near-tie may resolve differently).
+re-leased sequence - re-added with prompt + generated tokens - continue with the tokens it
+would have produced: the same noise at the same position. The logits themselves are not
+bit-exact: a re-prefill of the generated tokens (many rows in one matmul) and their decode
+(one row a step) round differently, by ~1e-7 in fp32 (more in bf16), so a near-tie of the two
+best logits may resolve the other way (in fp32, 2 of 200,000 positions in a review's test;
+exact would need matmul kernels whose result does not depend on the row count).
 """
 
 from __future__ import annotations
@@ -66,7 +69,9 @@ def sample_token(logits: torch.Tensor, temperature: float, seed: int, position: 
     gen.manual_seed(derive_seed(seed, position))
     u = torch.rand(logits.shape, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
     gumbel = -torch.log(-torch.log(u))
-    return int(torch.argmax(logits / temperature + gumbel))
+    # argmax(logits / T + g) is argmax(logits + T g) for T > 0, and the latter cannot overflow:
+    # a subnormal T made logits / T infinite, and argmax picked the first infinite entry
+    return int(torch.argmax(logits + temperature * gumbel))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -204,8 +209,13 @@ class TorchEngine:
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         entry = self._table.add(seq_id, prompt_ids, params, seed)
-        # Room for the prompt and a first stretch of output; the cache doubles beyond that.
-        self._caches[seq_id] = self.model.new_cache(capacity=entry.prompt_len + 64)
+        try:
+            # Room for the prompt and a first stretch of output; the cache doubles beyond that.
+            self._caches[seq_id] = self.model.new_cache(capacity=entry.prompt_len + 64)
+        except BaseException:
+            # (a CUDA OOM): not in the table either, or the id could never be added again
+            self._table.remove(seq_id)
+            raise
 
     def remove(self, seq_id: str) -> None:
         self._table.remove(seq_id)
