@@ -57,10 +57,11 @@ REDIS_ERRORS: tuple[type[Exception], ...] = (RedisUnavailable, *CONNECTION_ERROR
 
 # Replies of a store that cannot take a command now, whatever the command: its state, not a
 # bug, so an outage. redis-py has classes for OOM (maxmemory, noeviction) and READONLY (a
-# failover made it a replica); these come as bare ResponseErrors: NOREPLICAS
-# (min-replicas-to-write not met), UNBLOCKED (a blocked BLPOP released as the server became
-# a replica: an idle worker died of it) and MASTERDOWN (a replica cut off from its master).
-_STORE_REFUSALS = ("NOREPLICAS", "UNBLOCKED", "MASTERDOWN")
+# failover made it a replica) (MASTERDOWN is a ClusterError, above); these come as bare
+# ResponseErrors, their code still in the message: NOREPLICAS (min-replicas-to-write not
+# met) and UNBLOCKED (a blocked BLPOP released as the server became a replica: an idle
+# worker died of it).
+_STORE_REFUSALS = ("NOREPLICAS", "UNBLOCKED")
 
 
 def store_refused(exc: ResponseError) -> bool:

@@ -422,6 +422,24 @@ class _TickThatEndsAsItIsCancelled(PoolController):
         return None
 
 
+async def test_a_refusal_for_redis_own_state_is_an_outage_of_the_loop_not_its_error(aredis, pool, cfg):
+    """A plain command (an XACK, a read of the stats) refused for the store's state --
+    NOREPLICAS with min-replicas-to-write unmet -- was logged as the loop's own error and
+    counted as a failed step (the stall watchdog's business); it is an outage, retried."""
+    from redis.exceptions import ResponseError
+
+    pc = pool_controller(cfg, aredis)
+
+    async def refused() -> None:
+        raise ResponseError("NOREPLICAS Not enough good replicas to write.")
+
+    async def bug() -> None:
+        raise ResponseError("WRONGTYPE Operation against a key holding the wrong kind of value")
+
+    assert await pc._guard(refused(), "samples") is True and pc.redis_ok is False
+    assert await pc._guard(bug(), "samples") is False
+
+
 async def test_a_loop_stops_when_cancelled_as_its_step_finishes(aredis, pool, cfg):
     """Python 3.11's asyncio.wait_for returns the step's result instead of raising when the
     cancellation arrives after the step finished: the loop went on for ever and the test

@@ -37,7 +37,7 @@ from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
-from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS
+from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS, store_refused
 from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
 from limiter.tasks import raise_if_cancelled
@@ -359,6 +359,11 @@ class PoolController:
                         self.pool.name)
             await self._guard(self.scripts.init_pool(self.keys, policy_document(self.cfg, self.pool)), loop)
         except REDIS_ERRORS as exc:
+            self._redis_error(loop, exc)
+        except ResponseError as exc:
+            if not store_refused(exc):  # NOREPLICAS on an XACK, say: the store's state, an outage
+                log.exception("%s: %s error", self.pool.name, loop)
+                return False
             self._redis_error(loop, exc)
         except Exception:
             log.exception("%s: %s error", self.pool.name, loop)
