@@ -167,8 +167,8 @@ def test_a_model_servers_refusal_is_the_requests_only_on_a_first_attempt_naming_
         ) -> None:
     """A 400/413/422 refuses the request itself (its client gets a 400, not a 503 to retry)
     unless it refuses a resume (the continuation is the worker's) or names a field the worker
-    adds of its own accord (a server without priority scheduling: the worker's
-    configuration)."""
+    adds of its own accord (a server without priority scheduling) or the model name it sends:
+    the worker's configuration."""
     from types import SimpleNamespace
 
     from worker.upstream import _refusal_outcome
@@ -181,6 +181,9 @@ def test_a_model_servers_refusal_is_the_requests_only_on_a_first_attempt_naming_
     assert _refusal_outcome(400, context, resumed) == "failed"
     assert _refusal_outcome(400, "Got priority 1 but Priority scheduling is not enabled.", first) == "failed"
     assert _refusal_outcome(400, "unknown field: stream_options", first) == "failed"
+    # a proxy's (LiteLLM's) answer to a model name it does not serve: the worker's configuration
+    assert _refusal_outcome(400, "Invalid model name passed in model=Tiny-7B", first, "tiny-7b") == "failed"
+    assert _refusal_outcome(400, context, first, "tiny-7b") == "refused"
     for status in (401, 403, 404, 500):
         assert _refusal_outcome(status, "anything", first) == "failed"
 

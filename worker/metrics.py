@@ -43,8 +43,8 @@ class WorkerMetrics:
         self.cancellations = Counter("qos_worker_cancellations", "Requests stopped because their client "
                                      "went away", registry=r)
         self.finished = Counter("qos_worker_requests", "Requests this worker finished, by outcome "
-                                "(ok, cancelled, failed, refused, lost, released)", ["class", "outcome"],
-                                registry=r)
+                                "(ok, cancelled, failed, refused, lost, released, given_up)",
+                                ["class", "outcome"], registry=r)
         self.pushes = Counter("qos_worker_pushes", "token batches pushed, one per request and push "
                               "(a push_tokens call carries a step's due requests)", registry=r)
         self.redis_errors = Counter("qos_worker_redis_errors", "Redis failures, by loop", ["loop"],

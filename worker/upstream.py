@@ -167,13 +167,16 @@ def _count(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
 
-def _refusal_outcome(status: int, text: str, d: Delivery) -> str:
-    """``refused`` for a model server's refusal of the request itself (REFUSED_STATUSES, on
-    its first attempt, naming no field of the worker's own), else ``failed``."""
+def _refusal_outcome(status: int, text: str, d: Delivery, model: str = "") -> str:
+    """``refused`` for a model server's refusal of the request itself (REFUSED_STATUSES, not of
+    a resume, naming no field of the worker's own nor ``model``, the name the worker sends: a
+    proxy's 400 "Invalid model name" is the worker's configuration), else ``failed``."""
     if status not in REFUSED_STATUSES or d.total_tokens > 0:
         return "failed"
     said = text.lower()
-    return "failed" if any(f in said for f in WORKER_FIELDS) else "refused"
+    if any(f in said for f in WORKER_FIELDS) or (model and model.lower() in said):
+        return "failed"
+    return "refused"
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
@@ -207,7 +210,9 @@ class UpstreamLoop:
         self.tasks: dict[str, asyncio.Task[None]] = {}
         self._empty_claims = 0  # claims in a row that left a backlog this worker could not take
         self._marker_taken = False  # the last wait took a wake marker no claim has acted on yet
-        self.why: dict[str, str] = {}  # request id -> cancel | lost | release
+        # request id -> why its task was interrupted (cancel | lost | release), or "settle": a
+        # task landing a decided answer, which only the drain's deadline interrupts
+        self.why: dict[str, str] = {}
         self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
         self.pushes = MergedPushes(rt)
         self._gen_tokens = 0
@@ -347,7 +352,7 @@ class UpstreamLoop:
             await self.rt.hand_back([d])
         except Exception:  # not an outage (a refusal of the worker's own): made again, it would fail again
             log.exception("%s: its decided answer cannot be landed; left to its lease", d.request_id)
-            self.rt.drop(d.request_id, "released", d)
+            self.rt.drop(d.request_id, "given_up", d)
         finally:
             if self.tasks.get(d.request_id) is task:
                 self.tasks.pop(d.request_id)
@@ -536,7 +541,7 @@ class UpstreamLoop:
                 if resp.status != 200:
                     text = (await _error_text(resp))[:300]
                     return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
-                                        f"{text}", outcome=_refusal_outcome(resp.status, text, d))
+                                        f"{text}", outcome=_refusal_outcome(resp.status, text, d, self.model))
                 cut = False
                 async for events in sse_batches(resp.content):
                     for data in events:
