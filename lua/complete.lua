@@ -1,4 +1,4 @@
--- complete: a worker finishes requests (ok, failed or cancelled) with their true usage. One
+-- complete: a worker finishes requests (ok, failed, refused or cancelled) with their true usage. One
 -- call takes up to 64 (a worker's completions of one step: limiter/script_batcher.py merges
 -- the calls of one event-loop turn); each is finished as the same request in a call of its
 -- own would be, one after the other, and every argument and every request's offset and

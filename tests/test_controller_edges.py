@@ -176,7 +176,7 @@ def test_guarantees_never_exceed_capacity_and_fill_it_while_p0_allowance_covers_
 # (and those ended in the queue otherwise: cancelled there, or refused by claim -- a prompt no
 # worker can hold -- whose samples name no worker)
 @pytest.mark.parametrize("unclaimed", ["expired", "cancelled", "refused"])
-def test_used_is_not_diluted_by_requests_that_expired_before_any_claim(unclaimed: str) -> None:
+def test_used_is_not_diluted_by_requests_no_claim_took(unclaimed: str) -> None:
     """usage.py: used = claimed requests/s x mean work of a recent request. loop.feed gives
     the mean every non-rejected sample, including `expired` ones that never were claimed
     (max wait passed in the queue: work 0), while the rate counts claims only. Under a

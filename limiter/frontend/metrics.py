@@ -26,7 +26,7 @@ class FrontendMetrics:
         r = self.registry
         self.requests = Counter(
             "qos_frontend_requests", "Finished generation requests by outcome "
-            "(ok, throttled, shed, expired, failed, cancelled, timeout, bad_request, unauthorized, "
+            "(ok, throttled, shed, expired, failed, refused, cancelled, timeout, bad_request, unauthorized, "
             "forbidden, not_found, unavailable, error)",
             ["pool", "class", "tenant", "outcome"], registry=r)
         self.rejections = Counter(

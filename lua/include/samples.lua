@@ -8,7 +8,8 @@ local function append_sample(blob)
   redis.call('XADD', K_SAMPLES, 'MAXLEN', '~', SAMPLES_MAXLEN, '*', 'd', blob)
 end
 
--- A sample for outcomes decided inside Redis (expired, cancelled, failed by lease loss).
+-- A sample for outcomes decided inside Redis (expired, cancelled, failed by lease loss,
+-- refused by claim: a prompt no worker of the pool can hold).
 local function add_sample(p, r, outcome, now)
   local s = {v = 1, pool = p.name, class = r.class, tenant = r.tenant, outcome = outcome,
     request_id = r.id, worker = r.worker or '', input_tokens = r.input_tokens,

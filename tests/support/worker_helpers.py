@@ -277,8 +277,11 @@ def mark_hand_backs(monkeypatch: Any) -> contextvars.ContextVar[bool]:
     real = WorkerRuntime.hand_back
 
     async def hand_back(self: WorkerRuntime, ds: Any, spent: bool = False) -> None:
-        handing_back.set(True)
-        await real(self, ds, spent)
+        token = handing_back.set(True)
+        try:
+            await real(self, ds, spent)
+        finally:
+            handing_back.reset(token)  # the caller's own calls after it are not the hand-back's
 
     monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
     return handing_back
