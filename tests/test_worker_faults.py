@@ -938,7 +938,12 @@ async def test_tokens_redis_refuses_for_one_request_fail_that_request_not_the_wo
         rec = await c.record(bad)
         assert rec["state"] == "failed" and "max_tokens" in rec["reason"], rec
         assert c.answers[bad].error is not None and "max_tokens" in c.answers[bad].error["msg"]
-        assert c.answers[bad].tokens == (10 if where == "push" else 1) == int(rec["out_tokens"])
+        # what was delivered stays delivered: up to the refused batch (a push of one token at
+        # a time on an idle machine, 10; on a busy one a push carries what several steps made,
+        # and the refused one may start below 10 -- a loaded pass saw 9), or the first token
+        delivered = int(rec["out_tokens"])
+        assert c.answers[bad].tokens == delivered
+        assert (1 <= delivered <= 10) if where == "push" else delivered == 1, delivered
         a = c.answers[other]
         assert a.done is not None and a.tokens == 60 and a.text == sim_text("the other request", 0, 60)
         # the worker goes on serving
