@@ -173,6 +173,13 @@ class WorkerRuntime:
         self._clock_offset_ms = int(sec) * 1000 + int(usec) / 1000 - time.time() * 1000
         self.redis_ok = True
 
+    async def restore_pool(self) -> None:
+        """A call met NOPOLICY (Redis restarted empty): write the pool's policy again, once;
+        a failure to is left to the caller's next try."""
+        log.warning("pool %s has no policy (Redis restarted empty?): re-initialising", self.keys.pool)
+        with contextlib.suppress(RedisUnavailable, PolicyMissing):
+            await self.ensure_pool()
+
     def install_signal_handlers(self) -> None:
         loop = asyncio.get_running_loop()
         # SIGHUP (a closed terminal, or the parent `qos up` gone) drains like SIGTERM (unless
@@ -260,9 +267,7 @@ class WorkerRuntime:
             self.redis_ok = True
             if outage is not None:
                 outage.succeeded()
-            log.warning("pool %s has no policy (Redis restarted empty?): re-initialising", self.keys.pool)
-            with contextlib.suppress(RedisUnavailable, PolicyMissing):
-                await self.ensure_pool()
+            await self.restore_pool()
         except RedisUnavailable as exc:
             self.redis_ok = False
             self.metrics.redis_errors.labels(where).inc()
@@ -517,10 +522,8 @@ class WorkerRuntime:
             if failure is None:
                 outage.succeeded()  # each landed, or was dropped (its lease lost, its tokens refused)
                 return
-            if isinstance(failure, PolicyMissing):  # Redis restarted empty: the pool again
-                log.warning("pool %s has no policy (Redis restarted empty?): re-initialising", self.keys.pool)
-                with contextlib.suppress(RedisUnavailable, PolicyMissing):
-                    await self.ensure_pool()
+            if isinstance(failure, PolicyMissing):
+                await self.restore_pool()
             else:
                 self.metrics.redis_errors.labels("release").inc()
             delay = outage.next_delay(failure)
