@@ -112,7 +112,7 @@ def test_every_role_is_given_the_time_its_drain_takes_before_sigkill(name):
         needed = frontend_settings(cfg).shutdown_grace_s
     elif role == "worker":
         s = worker_settings(cfg, {"drain_timeout_s": args.get("drain_timeout_s")})
-        needed = s.drain_timeout_s + hand_back_limit_s(s, s.lease_ms or cfg.pool(s.pool).lease_ms)
+        needed = s.drain_timeout_s + hand_back_limit_s(s, cfg)
     else:  # a controller hands over its leadership at once
         needed = 0.0
     grace = _seconds(svc.get("stop_grace_period", f"{DOCKER_DEFAULT_GRACE_S:g}s"))

@@ -490,7 +490,7 @@ async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_
     monkeypatch.setattr("worker.runtime.HAND_BACK_RETRY_S", 0.3)
     cfg, c = env
     rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.2, drain_timeout_s=60)
-    assert hand_back_limit_s(rt.settings, rt.lease_ms) >= 5  # the outage below ends well before
+    assert hand_back_limit_s(rt.settings, rt.cfg) >= 5  # the outage below ends well before
     handing_back = mark_hand_backs(monkeypatch)
     real = Scripts.complete
     tries: list[float] = []  # the hand-back's

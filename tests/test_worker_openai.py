@@ -760,7 +760,7 @@ async def test_an_answer_decided_in_the_hand_back_after_the_upstream_went_down_i
     # lease's renewals (every 0.67 s) outlast on a busy machine.
     async with worker(cfg, engine="openai", upstream_url=up.url, worker_id="w-a", lease_ms=2000,
                       heartbeat_s=0.2, **RETRY) as rt:
-        assert hand_back_limit_s(rt.settings, rt.lease_ms) == 2.0
+        assert hand_back_limit_s(rt.settings, rt.cfg) == 2.0
         rid = await c.admit("SLOW " + "abcdefghij" * 6, max_tokens=200)
         await c.wait_tokens(rid, 3)
         await up.kill()

@@ -72,12 +72,17 @@ def silence_limit_s(settings: WorkerSettings, lease_ms: int) -> float:
     return max(lease_ms / 1000, 3 * settings.heartbeat_s)
 
 
-def hand_back_limit_s(settings: WorkerSettings, lease_ms: int) -> float:
+def worker_lease_ms(settings: WorkerSettings, cfg: QosConfig) -> int:
+    """The lease a worker takes: its own ``lease_ms``, else its pool's."""
+    return settings.lease_ms or cfg.pool(settings.pool).lease_ms
+
+
+def hand_back_limit_s(settings: WorkerSettings, cfg: QosConfig) -> float:
     """The longest a worker's hand-back may go on past its drain's deadline: a release is
     retried for ``HAND_BACK_RETRY_S``, a decided answer as long as a drain may wait for Redis
     (:func:`silence_limit_s`), whichever is longer. What stops a worker must allow it beyond
     ``drain_timeout_s`` (a SIGKILL sooner costs what giving up would: leases waited out)."""
-    return max(HAND_BACK_RETRY_S, silence_limit_s(settings, lease_ms))
+    return max(HAND_BACK_RETRY_S, silence_limit_s(settings, worker_lease_ms(settings, cfg)))
 
 
 class WorkerRuntime:
@@ -87,7 +92,7 @@ class WorkerRuntime:
         self.pool_cfg = cfg.pool(settings.pool)
         self.keys = PoolKeys(settings.pool)
         self.worker_id = settings.worker_id
-        self.lease_ms = settings.lease_ms or self.pool_cfg.lease_ms
+        self.lease_ms = worker_lease_ms(settings, cfg)
         self.engine = engine
         self.simulated = simulated
         self.metrics = WorkerMetrics(pool=settings.pool, worker=self.worker_id, engine=engine,
@@ -504,7 +509,7 @@ class WorkerRuntime:
         left to try; raises what is not an outage."""
         start = time.monotonic()
         limits = {False: start + HAND_BACK_RETRY_S,  # by whether the answer is decided
-                  True: start + hand_back_limit_s(self.settings, self.lease_ms)}
+                  True: start + hand_back_limit_s(self.settings, self.cfg)}
         outage = Backoff(f"hand-back of {len(ds)} request(s)", first_s=0.2, max_s=1.0, logger=log)
         while True:
             now = time.monotonic()

@@ -235,9 +235,8 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
                                "upstream_priority": args.upstream_priority})
     controller_settings(cfg)
     # a worker's hand-back after its drain may take up to hand_back_limit_s more
-    lease_ms = wk.lease_ms or cfg.pool(wk.pool).lease_ms
     return {**DEFAULT_STOP_LIMITS, "frontend": fe.shutdown_grace_s,
-            "worker": wk.drain_timeout_s + hand_back_limit_s(wk, lease_ms)}
+            "worker": wk.drain_timeout_s + hand_back_limit_s(wk, cfg)}
 
 
 def check_role_ports(cfg: config_mod.QosConfig, args: argparse.Namespace) -> None:
