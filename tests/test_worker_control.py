@@ -19,6 +19,7 @@ from tests.support.redis_server import RedisServer
 from tests.support.worker_helpers import (
     Client,
     config,
+    drained_now,
     mark_hand_backs,
     sim_text,
     spawn_worker,
@@ -393,9 +394,7 @@ async def _every_release_refused_at_the_deadline(env, monkeypatch, error: Except
     try:
         rid = await c.admit("never handed back", max_tokens=100000)
         await c.wait_tokens(rid, 1)
-        rt.begin_drain("test")
-        rt.drain_deadline = time.monotonic()
-        assert await asyncio.wait_for(task, 30) == 0
+        await drained_now(rt, task)
     finally:
         if not task.done():
             task.cancel()
@@ -508,9 +507,7 @@ async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_
         rid = await c.admit("decided, then drained", max_tokens=4)
         await wait_until(lambda: rid in rt.held and rt.held[rid].final is not None,
                          "the request's completion met the outage")
-        rt.begin_drain("test")
-        rt.drain_deadline = time.monotonic()
-        assert await asyncio.wait_for(task, 30) == 0
+        await drained_now(rt, task)
     finally:
         if not task.done():
             task.cancel()

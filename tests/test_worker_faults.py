@@ -15,6 +15,7 @@ from limiter.errors import RedisUnavailable
 from limiter.scripts import Scripts
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import (
+    drained_now,
     mark_hand_backs,
     release_each_chunk_once_pushed,
     sim_text,
@@ -306,9 +307,7 @@ async def test_openai_a_decided_answer_being_landed_at_the_drain_deadline_is_han
         rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
         try:
             await wait_until(lambda: bad in loop.tasks and tries, "the answer's task retrying it")
-            rt.begin_drain("test")
-            rt.drain_deadline = time.monotonic()
-            assert await asyncio.wait_for(task, 30) == 0
+            await drained_now(rt, task)
         finally:
             await stop_worker(rt, task)
     finally:

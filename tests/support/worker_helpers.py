@@ -161,6 +161,14 @@ async def start_worker(cfg: QosConfig, engine_obj: Engine | None = None, **setti
     return rt, loop, asyncio.create_task(run_worker(rt, loop))
 
 
+async def drained_now(rt: WorkerRuntime, task: asyncio.Task[int]) -> None:
+    """A SIGTERM with its deadline at once (what remains is handed back); the worker must
+    exit 0 within 30 s."""
+    rt.begin_drain("test")
+    rt.drain_deadline = time.monotonic()
+    assert await asyncio.wait_for(task, 30) == 0
+
+
 async def stop_worker(rt: WorkerRuntime, task: asyncio.Task[int]) -> BaseException | None:
     """Drain now; returns what the worker task raised (None if it ended cleanly)."""
     rt.begin_drain("test over")
