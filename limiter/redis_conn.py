@@ -12,6 +12,7 @@ from typing import Any
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
@@ -125,7 +126,7 @@ def open_redis(cfg: RedisConfig, *, max_connections: int = 16, decode_responses:
         if pool_wait_s is not None:
             return WaitingRedisCluster.from_url(url, max_connections=max_connections,
                                                 pool_wait_s=pool_wait_s, **common)
-        return RedisCluster.from_url(url, max_connections=max_connections, **common)
+        return CheckedRedisCluster.from_url(url, max_connections=max_connections, **common)
     if pool_wait_s is not None:
         pool = aioredis.BlockingConnectionPool.from_url(
             url, max_connections=max_connections, timeout=pool_wait_s, socket_keepalive=True, **common)
@@ -148,7 +149,69 @@ def _without_query_option(url: str, name: str) -> tuple[str, str | None]:
     return head + ("?" + rest if rest else "") + hash_sep + fragment, values[0]
 
 
-class WaitingRedisCluster(RedisCluster):
+class _ChecksBeforeWriting(Connection):
+    """A connection that, before each command it sends, checks the server has not closed it
+    meanwhile and connects again if it has, as the standalone pool does when it hands one
+    out (``ensure_connection``). Nothing of the command has been sent at that point, so
+    connecting again cannot run it twice. Not while connecting: the handshake sends several
+    commands before it reads their replies."""
+
+    _handshaking = False
+
+    async def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
+        self._handshaking = True
+        try:
+            await super().connect_check_health(*args, **kwargs)
+        finally:
+            self._handshaking = False
+
+    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
+        if self.is_connected and not self._handshaking and await self._closed_by_server():
+            await self.disconnect()
+        await super().send_packed_command(command, check_health)
+
+    async def _closed_by_server(self) -> bool:
+        try:
+            await self.can_read()  # raises on EOF (closed) or a reset; True: unread bytes
+        except (RedisConnectionError, OSError):
+            return True
+        return False
+
+
+class CheckedConnection(_ChecksBeforeWriting, Connection):
+    pass
+
+
+class CheckedSSLConnection(_ChecksBeforeWriting, SSLConnection):
+    pass
+
+
+_CHECKED = {Connection: CheckedConnection, SSLConnection: CheckedSSLConnection}
+
+
+class CheckedRedisCluster(RedisCluster):
+    """A cluster client whose connections survive the server closing them while idle.
+
+    redis-py's cluster nodes hand out a free connection as it is: one the server closed while
+    it sat idle (Redis' ``timeout``, a managed service's idle limit, a restart of a proxy)
+    failed its next command with "Connection closed by server", one per node, which a
+    frontend answered 503 and a worker took for an outage and backed off. The standalone pool
+    checks each connection it hands out; these connections check themselves before writing.
+    ``RedisCluster`` takes no connection class, so the one it would use is swapped for its
+    checked kind in the kwargs every node is built from.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        checked = _CHECKED.get(self.connection_kwargs["connection_class"])
+        if checked is None:
+            raise TypeError(f"no checked kind of {self.connection_kwargs['connection_class']!r}")
+        self.connection_kwargs["connection_class"] = checked  # every node made from now on
+        for node in self.startup_nodes:  # and the ones made already
+            node.connection_class = checked
+
+
+class WaitingRedisCluster(CheckedRedisCluster):
     """A cluster client whose commands wait (up to ``pool_wait_s``) for a free connection.
 
     redis-py's cluster client fails a command at once (``MaxConnectionsError``) when the

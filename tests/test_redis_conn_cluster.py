@@ -1,15 +1,17 @@
 """open_redis on a cluster: more commands in flight than connections wait their turn (as on a
-standalone Redis) instead of failing at once with redis-py's MaxConnectionsError."""
+standalone Redis) instead of failing at once with redis-py's MaxConnectionsError; and a
+connection the server closed while idle is opened again, as the standalone pool does."""
 
 from __future__ import annotations
 
 import asyncio
 import time
 
+import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from limiter.config import RedisConfig
-from limiter.redis_conn import WaitingRedisCluster, open_redis
+from limiter.redis_conn import CheckedConnection, WaitingRedisCluster, open_redis
 
 HOLD_S = 0.2  # each command holds its connection this long (BLPOP on an empty list)
 
@@ -54,3 +56,85 @@ async def test_without_pool_wait_the_cluster_client_fails_at_once(redis_cluster)
         assert any(isinstance(g, RedisConnectionError) for g in got)
     finally:
         await client.aclose()
+
+
+def _kill_clients_named(nodes, name: str) -> int:
+    """Close, server side, every connection named ``name`` on ``nodes``, as Redis' idle
+    ``timeout`` does: the count closed."""
+    closed = 0
+    for node in nodes:
+        with node.client() as c:
+            for entry in c.client_list():
+                if entry["name"] == name:
+                    closed += c.client_kill_filter(_id=entry["id"])
+    return closed
+
+
+async def _closed_seen_by(connections) -> bool:
+    """Whether each of ``connections`` has seen its server close it (EOF on the socket)."""
+    for conn in connections:
+        try:
+            await conn.can_read()
+        except (RedisConnectionError, OSError):
+            continue
+        return False
+    return True
+
+
+@pytest.mark.parametrize("pool_wait_s", [None, 5.0], ids=["plain", "waiting"])
+async def test_connections_the_server_closed_while_idle_are_opened_again_not_an_outage(
+        redis_cluster, pool_wait_s) -> None:
+    """A connection the server closed while it sat idle (Redis' ``timeout``, a managed
+    service's idle limit) is opened again before the next command: redis-py's cluster node
+    handed it out as it was and the command failed, "Connection closed by server", once per
+    node (a 503, a worker's back-off)."""
+    name = f"idle-{pool_wait_s}"
+    client = open_redis(RedisConfig(url=f"{redis_cluster.url}?client_name={name}", cluster=True),
+                        pool_wait_s=pool_wait_s)
+    keys = [f"qos:{{idle{i}}}:k" for i in range(12)]  # spread over the three masters
+    try:
+        for key in keys:
+            await client.set(key, "1")
+        assert _kill_clients_named(redis_cluster.nodes, name) >= 3
+        connections = [c for node in client.get_nodes() for c in node._connections]
+        deadline = time.monotonic() + 15
+        while not await _closed_seen_by(connections):
+            assert time.monotonic() < deadline, "still waiting for the client to see its connections closed"
+            await asyncio.sleep(0.01)
+        assert [await client.get(key) for key in keys] == [b"1"] * len(keys)
+    finally:
+        await client.aclose()
+
+
+async def test_a_reply_not_yet_read_is_not_taken_for_a_closed_connection(redis_server) -> None:
+    """Commands sent before their replies are read (the handshake sends several; a pipeline)
+    keep their connection: only a connection the server closed is opened again. Taking the
+    first reply, already buffered, for a closed connection reconnected in the middle of the
+    handshake, and one command in ten of a fresh cluster client timed out."""
+    conn = CheckedConnection(port=redis_server.port)
+    try:
+        await conn.connect()
+        await conn.send_command("PING")
+        deadline = time.monotonic() + 15
+        while not await conn.can_read():
+            assert time.monotonic() < deadline, "still waiting for PING's reply to arrive"
+            await asyncio.sleep(0.01)
+        await conn.send_command("ECHO", "second")
+        assert [await conn.read_response(), await conn.read_response()] == [b"PONG", b"second"]
+    finally:
+        await conn.disconnect()
+
+
+async def test_the_handshake_is_not_checked_for_a_closed_connection(redis_server, monkeypatch) -> None:
+    """While connecting, nothing is checked: a check finding the connection closed there
+    would connect again inside the handshake."""
+    async def closed(self) -> bool:
+        raise RedisConnectionError("closed")
+
+    conn = CheckedConnection(port=redis_server.port, client_name="handshake")  # several commands
+    monkeypatch.setattr(CheckedConnection, "can_read", closed)
+    try:
+        await conn.connect()
+        assert conn.is_connected
+    finally:
+        await conn.disconnect()
