@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-slow lint bench clean
+.PHONY: install demo test test-slow lint bench-hot-path clean
 
 $(BIN)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,22 @@ test: install lint
 
 test-slow: install
 	$(BIN)/pytest -q -m slow
+
+# Issue 17's figures in one go (~6 min), to run when the machine is quiet: Redis' one-command
+# floor (the "floor" row; a quiet hour's is 1.1-1.4 us) is printed before and after, so a
+# run whose floor moved can be told and set aside. Figures as JSON under $(OUT).
+OUT ?= /tmp/qos-hot-path
+bench-hot-path: install
+	mkdir -p $(OUT)
+	$(BIN)/qos bench redis-budget --rounds 1 --requests 256 | grep "floor"
+	for i in 1 2 3; do $(BIN)/qos bench overhead --seconds 8 --rate 200 --json $(OUT)/sim-$$i.json || exit 1; done
+	for i in 1 2; do $(BIN)/qos bench overhead --seconds 8 --rate 200 --engine openai \
+		--json $(OUT)/openai-$$i.json || exit 1; done
+	$(BIN)/qos bench overhead --seconds 8 --rate 30 --engine openai --chunk-tokens 1 --step-ms 20 \
+		--json $(OUT)/openai-stepped.json
+	for b in 8 64; do $(BIN)/qos bench redis-budget --rounds 3 --push-batch $$b \
+		--json $(OUT)/budget-$$b.json || exit 1; done
+	$(BIN)/qos bench redis-budget --rounds 1 --requests 256 | grep "floor"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -163,6 +163,14 @@ async def test_tiny_run(tmp_path) -> None:
         assert set(b["us"]) == {"admit", "claim", "push_tokens", "renew_leases", "cancel_check", "complete"}
         assert all(v > 0 for v in b["us"].values()), b
         assert b["total_us"] == pytest.approx(sum(b["us"].values()))
+        # the shard's CPU for the same calls, their I/O included, and the requests/s it leaves
+        assert b["cpu_us"] > 0 and b["requests_per_s_cpu"] == pytest.approx(1e6 / b["cpu_us"])
+    from rich.console import Console
+
+    console = Console(width=200, record=True)
+    console.print(rb.render(report))
+    shown = console.export_text()
+    assert "scripts' time alone" in shown and "I/O included" in shown and "scale-out" in shown
     path = tmp_path / "budget.json"
     rb.write_json(report, str(path))
     data = json.loads(path.read_text())

@@ -383,3 +383,76 @@ def test_overhead_cpu_split_per_request_and_per_role_ceiling() -> None:
     # two frontend processes at 1 ms of CPU per request: 2,000 req/s on a core each
     assert split["ceiling_requests_s"] == {"client": 2000, "frontend": 2000, "redis": None}
     assert split["machine_busy"] == 0.9
+
+
+async def _served(handler: Any, *, scheduled_ago_s: float | None = None) -> Result:
+    """One ``stream_completion`` against a test server answering with ``handler``."""
+    import time
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestServer
+
+    from limiter.localstack.loadgen import stream_completion
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    async with TestServer(app) as server, aiohttp.ClientSession() as session:
+        scheduled = None if scheduled_ago_s is None else time.monotonic() - scheduled_ago_s
+        return await stream_completion(session, str(server.make_url("")).rstrip("/"), "k", "m", "hi", 2, "P0",
+                                       timeout_s=30, scheduled_s=scheduled)
+
+
+def _sse_handler(events: list[str]) -> Any:
+    from aiohttp import web
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for e in events:
+            await resp.write(f"data: {e}\n\n".encode())
+        await resp.write_eof()
+        return resp
+    return handler
+
+
+CHUNK = json.dumps({"choices": [{"index": 0, "text": "x", "finish_reason": None}]})
+
+
+async def test_a_stream_that_ends_without_done_is_not_counted_answered() -> None:
+    """A 200 stream cut short (no ``[DONE]``, no error event) is an error, so the benchmarks'
+    latency figures (over the answered only) do not count it: it counted as an answer, with
+    the end to end of its cut."""
+    cut = await _served(_sse_handler([CHUNK]))
+    assert not cut.ok and cut.error == "stream_truncated" and cut.text == "x"
+    whole = await _served(_sse_handler([CHUNK, "[DONE]"]))
+    assert whole.ok and whole.text == "x"
+
+
+async def test_an_open_loop_request_is_timed_from_its_slot_not_from_when_it_ran() -> None:
+    """An open-loop client late to send (its event loop busy) counts the wait: the request's
+    times start at the slot it was scheduled for (coordinated omission otherwise hides it)."""
+    late = await _served(_sse_handler([CHUNK, "[DONE]"]), scheduled_ago_s=0.5)
+    assert late.ok and late.ttft_ms >= 500 and late.e2e_ms >= 500
+
+
+def test_the_overhead_table_shows_the_failed_requests_its_latencies_leave_out() -> None:
+    from rich.console import Console
+
+    from limiter.bench.overhead import render
+
+    def phase(errors: int) -> dict[str, Any]:
+        return {"sent": 100, "completed": 100 - errors, "errors": errors, "requests_s": 10.0,
+                **{f"{m}_{q}_ms": 1.0 for m in ("e2e", "ttft") for q in ("p50", "p99")}}
+
+    report = {"params": {"prompt_tokens": 16, "output_tokens": 16, "workers": 1, "cpus": 2, "concurrency": 8,
+                         "rate": 20, "engine": "sim"},
+              "echo": {"throughput": phase(0), "latency": phase(0)},
+              "full": {"throughput": phase(0), "latency": phase(7),
+                       "redis_commands": {"per_request": 8.0, "per_request_minus_background": 7.9,
+                                          "target": 9}},
+              "throughput_ratio": 0.2,
+              "added_latency": {f"{m}_{q}_ms": 0.0 for m in ("e2e", "ttft") for q in ("p50", "p99")}}
+    console = Console(width=200, record=True)
+    console.print(render(report))
+    row = next(line for line in console.export_text().splitlines() if "errors / sent" in line)
+    assert "0/100, 0/100" in row and "0/100, 7/100" in row

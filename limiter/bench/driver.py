@@ -72,7 +72,8 @@ async def drive(base_url: str, model: str, arrivals: Sequence[Arrival], *, durat
             lag_ms = max(0.0, (time.monotonic() - start - a.at_s) * 1000)
             task = asyncio.create_task(stream_completion(session, base_url, key_of(a), model,
                                                          prompts[a.index], a.max_tokens, a.cls,
-                                                         timeout_s=duration_s + drain_s + 60))
+                                                         timeout_s=duration_s + drain_s + 60,
+                                                         scheduled_s=start + a.at_s))
             task.add_done_callback(finished)
             tasks[i] = task
             records[i] = Record(a, Result(cls=a.cls, sent_s=time.monotonic(), error=INCOMPLETE), lag_ms)

@@ -106,8 +106,9 @@ async def open_loop(url: str, key: str, model: str, seconds: float, rate: float,
             delay = start + t - time.monotonic()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(
-                stream_completion(session, url, key, model, prompt, output_tokens, "P0", timeout_s=30)))
+            tasks.append(asyncio.create_task(  # timed from its slot, not from when it ran
+                stream_completion(session, url, key, model, prompt, output_tokens, "P0", timeout_s=30,
+                                  scheduled_s=start + t)))
             t += rng.expovariate(rate)
         return list(await asyncio.gather(*tasks))
 
@@ -229,7 +230,7 @@ async def _measure_stack(seconds: float, concurrency: int, rate: float | None, o
         await asyncio.sleep(1.0)
         lat = summarise(await open_loop(stack.base_url, key, POOL, seconds, rate, output_tokens), seconds)
         log(f"[dim]  full path latency at {rate:g} req/s: e2e p50 {lat['e2e_p50_ms']} ms, "
-            f"p99 {lat['e2e_p99_ms']} ms[/]")
+            f"p99 {lat['e2e_p99_ms']} ms; {lat['errors']} of {lat['sent']} failed[/]")
         await asyncio.sleep(1.0)
         mon = CommandMonitor(stack.redis_url)
         await mon.start()
@@ -311,6 +312,8 @@ def render(report: dict[str, Any]) -> Table:
             k = f"{m}_{q}_ms"
             t.add_row(f"{m.upper()} {q} at {p['rate']:g} req/s, ms", _fmt((e["latency"] or {}).get(k)),
                       _fmt(f["latency"].get(k)), _fmt(report["added_latency"][k]), added_goal[q])
+    t.add_row("errors / sent: throughput, latency phases", _errors(e["throughput"], e["latency"]),
+              _errors(f["throughput"], f["latency"]), "", "0 (the figures count the answered only)")
     rc = f["redis_commands"]
     t.add_row("Redis commands / request", "-", f"{rc['per_request']:.2f}",
               f"{rc['per_request_minus_background']:.2f} w/o background", f"<= {rc['target']:g}")
@@ -323,6 +326,13 @@ def render(report: dict[str, Any]) -> Table:
             t.add_row(f"  {role}: CPU ms / request (cores)", "", f"{ms:.3f} ({thr['cores'][role]:.2f})",
                       f"{ceiling:,} req/s alone" if ceiling else "-", "")
     return t
+
+
+def _errors(*phases: dict[str, Any] | None) -> str:
+    """``errors/sent`` of each phase, red where any failed: the latency figures leave them out."""
+    out = [f"{p['errors']}/{p['sent']}" if p else "-" for p in phases]
+    text = ", ".join(out)
+    return f"[red]{text}[/]" if any(p and p["errors"] for p in phases) else text
 
 
 def _fmt(v: float | None) -> str:

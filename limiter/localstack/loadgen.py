@@ -70,8 +70,14 @@ async def stream_completion(
     *,
     qos_class: str | None = None,
     timeout_s: float = 600.0,
+    scheduled_s: float | None = None,
 ) -> Result:
-    """POST /v1/completions with stream=true; time the first token and every chunk."""
+    """POST /v1/completions with stream=true; time the first token and every chunk.
+
+    ``scheduled_s``: when an open-loop schedule meant the request to go (monotonic); its
+    times count from then, so a client late to send it (its event loop busy) does not hide
+    that wait from the figures. A 200 stream that ends without ``[DONE]`` (nor an error
+    event) is an error, ``stream_truncated``: it was cut short."""
     headers = {"Authorization": f"Bearer {key}"}
     if qos_class:
         headers["X-QoS-Class"] = qos_class
@@ -83,7 +89,8 @@ async def stream_completion(
         "temperature": 0,
         "stream_options": {"include_usage": True},
     }
-    res = Result(cls=cls, sent_s=time.monotonic())
+    res = Result(cls=cls, sent_s=time.monotonic() if scheduled_s is None else scheduled_s)
+    ended = False
     try:
         async with session.post(
             f"{base_url}/v1/completions",
@@ -102,6 +109,7 @@ async def stream_completion(
                 return res
             async for chunk in sse_chunks(resp.content):
                 if chunk is None:
+                    ended = True
                     break
                 if chunk.get("error"):
                     res.error = chunk["error"].get("code") or "stream_error"
@@ -118,6 +126,8 @@ async def stream_completion(
                 if usage:
                     res.output_tokens = int(usage.get("completion_tokens") or 0)
                     res.input_tokens = int(usage.get("prompt_tokens") or 0)
+            if not ended and not res.error:
+                res.error = "stream_truncated"
     except (TimeoutError, aiohttp.ClientError) as exc:
         res.error = res.error or type(exc).__name__
     res.e2e_ms = (time.monotonic() - res.sent_s) * 1000
