@@ -59,15 +59,26 @@ REDIS_ERRORS: tuple[type[Exception], ...] = (RedisUnavailable, *CONNECTION_ERROR
 # Replies of a store that cannot take a command now, whatever the command: its state, not a
 # bug, so an outage. redis-py has classes for OOM (maxmemory, noeviction) and READONLY (a
 # failover made it a replica) (MASTERDOWN is a ClusterError, above); these come as bare
-# ResponseErrors, their code still in the message: NOREPLICAS (min-replicas-to-write not
-# met) and UNBLOCKED (a blocked BLPOP released as the server became a replica: an idle
-# worker died of it).
-_STORE_REFUSALS = ("NOREPLICAS", "UNBLOCKED")
+# ResponseErrors, their code the message's first word: NOREPLICAS (min-replicas-to-write not
+# met), UNBLOCKED (a blocked BLPOP released as the server became a replica: an idle worker
+# died of it), BUSY (a script ran past busy-reply-threshold: every other command waits for it)
+# and MISCONF (a failed snapshot: stop-writes-on-bgsave-error refuses every write). A worker
+# died of the last two too (its wake-list LPOP).
+_STORE_REFUSALS = frozenset({"NOREPLICAS", "UNBLOCKED", "BUSY", "MISCONF"})
+# redis-py rewrites an error of a pipeline's command: "Command # 2 (ZADD ...) of pipeline
+# caused error: <the reply>".
+_PIPELINE_ERROR = " of pipeline caused error: "
 
 
 def store_refused(exc: ResponseError) -> bool:
-    """Whether ``exc`` is Redis refusing for its own state (an outage) rather than the call."""
-    return isinstance(exc, OutOfMemoryError | ReadOnlyError) or str(exc).startswith(_STORE_REFUSALS)
+    """Whether ``exc`` is Redis refusing for its own state (an outage) rather than the call,
+    alone or as a pipeline's command."""
+    if isinstance(exc, OutOfMemoryError | ReadOnlyError):
+        return True
+    message = str(exc)
+    if message.startswith("Command # ") and _PIPELINE_ERROR in message:
+        message = message.partition(_PIPELINE_ERROR)[2]
+    return message.partition(" ")[0] in _STORE_REFUSALS
 
 
 @contextlib.contextmanager

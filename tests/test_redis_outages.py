@@ -215,16 +215,123 @@ def test_a_refusal_for_the_stores_state_is_an_outage_and_any_other_stays_an_erro
     from redis._parsers.base import BaseParser
     from redis.exceptions import ResponseError
 
+    def in_pipeline(exc: ResponseError) -> ResponseError:  # as redis-py's pipelines rewrite it
+        exc.args = (f"Command # 2 (ZADD qos:{{p}}:workers 1 w) of pipeline caused error: {exc.args[0]}",)
+        return exc
+
     for reply in ("NOREPLICAS Not enough good replicas to write.",
                   "UNBLOCKED force unblock from blocking operation, instance state changed "
                   "(master -> replica?)",
                   "MASTERDOWN Link with MASTER is down and replica-serve-stale-data is set to 'no'.",
                   "OOM command not allowed when used memory > 'maxmemory'.",
-                  "READONLY You can't write against a read only replica."):
+                  "READONLY You can't write against a read only replica.",
+                  "BUSY Redis is busy running a script. You can only call SCRIPT KILL or SHUTDOWN NOSCRIPT.",
+                  "MISCONF Redis is configured to save RDB snapshots, but it's currently unable to persist "
+                  "to disk."):
         with pytest.raises(RedisUnavailable), map_redis_errors():
             raise BaseParser.parse_error(reply)
-    with pytest.raises(ResponseError), map_redis_errors():
-        raise BaseParser.parse_error("WRONGTYPE Operation against a key holding the wrong kind of value")
+        with pytest.raises(RedisUnavailable), map_redis_errors():  # a pipeline's command met it
+            raise in_pipeline(BaseParser.parse_error(reply))
+    for reply in ("WRONGTYPE Operation against a key holding the wrong kind of value",
+                  "BUSYKEY Target key name already exists.",  # a code that starts like one
+                  "ERR value is not an integer or out of range"):
+        with pytest.raises(ResponseError), map_redis_errors():
+            raise BaseParser.parse_error(reply)
+        with pytest.raises(ResponseError), map_redis_errors():
+            raise in_pipeline(BaseParser.parse_error(reply))
+
+
+async def test_a_worker_outlives_a_script_running_past_the_busy_threshold(worker_env, sync_redis,
+                                                                          redis_server) -> None:
+    """A script that runs past ``busy-reply-threshold`` (someone's EVAL, a slow one of ours on
+    a loaded shard) makes Redis answer BUSY to every other command until it ends: a bare
+    ResponseError, and the worker process died of it at its wake-list LPOP (found by a review
+    of the shared core). It is an outage: the worker backs off and serves once it ends."""
+    import threading
+
+    import redis as sync_redis_mod
+
+    from tests.support.worker_helpers import start_worker, stop_worker
+
+    cfg, c = worker_env
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.0)
+    spinner = sync_redis_mod.Redis(port=redis_server.port)
+    spun: list[BaseException] = []
+
+    def spin() -> None:
+        try:
+            spinner.eval("while true do end", 0)  # writes nothing: SCRIPT KILL may end it
+        except BaseException as exc:  # killed: what the test waits for
+            spun.append(exc)
+
+    threshold = sync_redis.config_get("busy-reply-threshold")["busy-reply-threshold"]
+    sync_redis.config_set("busy-reply-threshold", 50)
+    thread = threading.Thread(target=spin, daemon=True)
+    try:
+        rid = await c.admit("before the script", max_tokens=4)
+        await c.wait([rid], timeout=30)
+        thread.start()
+        killer = sync_redis_mod.Redis(port=redis_server.port)
+        await wait_until(lambda: not rt.redis_ok or task.done(), "the worker to meet the busy script")
+        assert not task.done(), f"the worker died: {task.exception()!r}"
+        while thread.is_alive():  # SCRIPT KILL answers NOTBUSY until the script is past the threshold
+            try:
+                killer.script_kill()
+            except sync_redis_mod.ResponseError:
+                pass
+            await asyncio.sleep(0.05)
+        killer.close()
+        assert spun and "killed" in str(spun[0]).lower()
+        rid = await c.admit("served after the script", max_tokens=4)
+        await c.wait([rid], timeout=30)
+        assert c.answers[rid].done is not None
+    finally:
+        if thread.is_alive():
+            redis_server.client().script_kill()
+        thread.join(10)
+        sync_redis.config_set("busy-reply-threshold", threshold)
+        spinner.close()
+        assert await stop_worker(rt, task) is None
+
+
+async def test_redis_refusing_writes_after_a_failed_snapshot_is_an_outage(tmp_path) -> None:
+    """stop-writes-on-bgsave-error: after a failed snapshot Redis answers every write MISCONF.
+    The scripts' calls raised ScriptError (a 500 at the frontend) and plain commands a bare
+    ResponseError (a worker died of it); both are an outage, and pass once a snapshot works."""
+    from limiter.config import demo_config
+    from tests.support.helpers import init_pool
+
+    server = RedisServer(extra=["--enable-protected-configs", "yes"]).start()  # to move its dir
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    client = open_redis(RedisConfig(url=server.url))
+    try:
+        scripts = Scripts(client)
+        keys = await init_pool(scripts, demo_config())
+        with server.client() as admin:
+            saved_dir = admin.config_get("dir")["dir"]
+            admin.config_set("save", "3600 1")  # MISCONF needs a save point configured
+            admin.config_set("dir", str(gone))
+            gone.rmdir()  # the snapshot cannot write its temporary file
+            admin.bgsave()
+            deadline = asyncio.get_running_loop().time() + 15
+            while admin.info("persistence")["rdb_last_bgsave_status"] != "err":
+                assert asyncio.get_running_loop().time() < deadline, "still waiting for the snapshot to fail"
+                await asyncio.sleep(0.05)
+            with pytest.raises(RedisUnavailable, match="MISCONF"):
+                await scripts.reap(keys)
+            with pytest.raises(RedisUnavailable, match="MISCONF"), map_redis_errors():
+                await client.lpush(keys.wake, "x")
+            admin.config_set("dir", saved_dir)
+            admin.bgsave()
+            while admin.info("persistence")["rdb_last_bgsave_status"] != "ok":
+                assert asyncio.get_running_loop().time() < deadline + 15, "still waiting for a snapshot"
+                await asyncio.sleep(0.05)
+        with map_redis_errors():
+            await client.lpush(keys.wake, "x")
+    finally:
+        await client.aclose()
+        server.stop()
 
 
 @pytest.mark.parametrize("query", ["socket_timeout=0.3", "client_name=qos-w&socket_timeout=0.3"])
