@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import inspect
+import math
 import os
 import tomllib
 import types
@@ -249,6 +250,20 @@ def redacted_url(url: str) -> str:
     return f"{scheme}://{head}{q}{query}"
 
 
+# The numbers a Redis URL's query may set, and their bounds: redis-py takes any, and then
+# ?socket_timeout=0 (or nan, or 1e-9) timed every command out, for ever, as an outage;
+# ?max_connections=-1 was a traceback; ?health_check_interval=-5 failed every command.
+_URL_NUMBERS: dict[str, tuple[float, float, str]] = {
+    "socket_timeout": (0.001, 3600, " s"),
+    "socket_connect_timeout": (0.001, 3600, " s"),
+    "timeout": (0, 3600, " s"),  # a blocking pool's wait for a free connection
+    "health_check_interval": (0, 86400, " s"),
+    "max_connections": (1, 100_000, ""),
+    "socket_read_size": (1, 1 << 26, " bytes"),
+    "db": (0, 1 << 31, ""),
+}
+
+
 def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
     """A URL redis-py can open: its scheme, and a port that is a number (redis-py's own
     ValueError came out of `qos status` as a traceback); with ``cluster``, one the cluster
@@ -288,6 +303,10 @@ def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
     unknown = sorted(set(urllib.parse.parse_qs(parts.query)) - accepted)
     _check(not unknown, path, f"has query options redis-py does not take here: {', '.join(unknown)}")
     _check(options.get("protocol") in (None, 2, 3), path, "protocol must be 2 or 3")
+    for name, (low, high, unit) in _URL_NUMBERS.items():
+        value = options.get(name)
+        _check(value is None or (math.isfinite(value) and low <= value <= high), path,
+               f"query option {name} must be in [{low:g}, {high:g}]{unit}, got {value}")
     _check(options.get("ssl_cert_reqs") in (None, "none", "optional", "required"), path,
            "ssl_cert_reqs must be none, optional or required")
 

@@ -142,5 +142,5 @@ class Payload:
                        messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()),
                        stream=_flag(d.get("stream", True), "stream"),
                        grouped_tokens=_flag(d.get("grouped_tokens", False), "grouped_tokens"))
-        except (KeyError, TypeError) as exc:
+        except (KeyError, TypeError, OverflowError) as exc:  # OverflowError: int(inf)
             raise ValueError(f"payload is malformed: {exc}") from exc

@@ -41,8 +41,11 @@ async def stop_tasks(tasks: Iterable[asyncio.Task], what: str, wait_s: float = 2
         for t in pending:
             t.cancel()  # it swallowed the first cancellation: ask again
     for t in tasks:
-        if t.done() and not t.cancelled():
-            t.exception()  # retrieved: no "exception was never retrieved" at exit
+        if t.done() and not t.cancelled() and (exc := t.exception()) is not None:
+            # retrieved (no "exception was never retrieved" at exit), and said: a background
+            # task that died of an error before its stop is worth a line, not silence
+            log.warning("%s: task %s had ended with an error: %r", what, t.get_name(), exc,
+                        exc_info=exc)
     if pending:
         log.error("%s: %d task(s) ignored cancellation for %.0f s; leaving them behind: %s", what,
                   len(pending), wait_s * rounds, ", ".join(t.get_name() for t in pending))

@@ -243,8 +243,18 @@ def _write_redis(tmp_path, url: str, cluster: bool):
     ("rediss://127.0.0.1:6390/0?ssl_cert_reqs=requird", False, "ssl_cert_reqs"),  # RedisError, first command
     ("rediss://127.0.0.1:7000/0?ssl_cert_reqs=requird", True, "ssl_cert_reqs"),  # an "outage" for ever
     ("redis://127.0.0.1:6390/0?protocol=4", False, "protocol"),  # "Redis unavailable" for ever
+    # numbers redis-py takes whatever they are (found by a review of the shared core):
+    ("redis://127.0.0.1:6390/0?socket_timeout=0", False, "socket_timeout"),  # every command timed out
+    ("redis://127.0.0.1:7000/0?socket_timeout=nan", True, "socket_timeout"),  # ...and aclose() failed
+    ("redis://127.0.0.1:6390/0?socket_timeout=1e-9", False, "socket_timeout"),
+    ("redis://127.0.0.1:6390/0?socket_connect_timeout=0", False, "socket_connect_timeout"),
+    ("redis://127.0.0.1:6390/0?max_connections=-1", False, "max_connections"),  # a traceback
+    ("redis://127.0.0.1:6390/0?health_check_interval=-5", False, "health_check_interval"),  # every command
+    ("redis://127.0.0.1:6390/0?db=-1", False, "db"),
 ], ids=["cluster-unix", "cluster-db1", "cluster-db-query", "unknown-option", "cluster-unknown-option",
-        "pool-timeout", "bad-cert-reqs", "cluster-bad-cert-reqs", "protocol-4"])
+        "pool-timeout", "bad-cert-reqs", "cluster-bad-cert-reqs", "protocol-4", "socket-timeout-0",
+        "cluster-socket-timeout-nan", "socket-timeout-tiny", "connect-timeout-0", "max-connections-negative",
+        "health-check-negative", "db-negative"])
 def test_a_redis_url_redis_py_refuses_is_refused_by_config_check(tmp_path, capsys, url, cluster, word):
     """`qos config check` called these ok; each role then died with redis-py's traceback (or, for
     a bad TLS or protocol value, took it for an outage and retried for ever)."""
@@ -263,6 +273,12 @@ def test_a_redis_url_redis_py_refuses_is_refused_by_config_check(tmp_path, capsy
 ])
 def test_redis_urls_redis_py_takes_are_still_ok(tmp_path, url, cluster):
     config.load(_write_redis(tmp_path, url, cluster), {})
+
+
+def test_status_with_a_negative_max_connections_is_a_config_error_not_a_traceback(capsys):
+    assert main(["status", "--redis-url", "redis://127.0.0.1:6390/0?max_connections=-1"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "max_connections" in err and "Traceback" not in err
 
 
 def test_status_with_cluster_and_a_unix_socket_is_a_config_error_not_a_traceback(monkeypatch, capsys):

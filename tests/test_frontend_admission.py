@@ -394,3 +394,34 @@ async def test_a_disabled_class_is_429_naming_the_class(redis_server, sync_redis
         assert r.status == 429 and err["code"] == "rate_limit_exceeded", err
         assert err["message"].startswith("Class P2 is disabled right now"), err
         assert r.headers["Retry-After"] == "5"
+
+
+async def test_a_class_the_pools_policy_lacks_is_a_503_while_configurations_differ(redis_server, scripts,
+                                                                                   sync_redis):
+    """A rolling deploy that adds a class: this frontend has it, the pool's policy (written by a
+    role of the older configuration) does not, and admit refuses the class. That was a 400
+    `invalid_value` carrying the Lua's text (the pool's class list): the client told to change
+    a request that was fine. It is the server's disagreement: a 503 to retry, nothing queued;
+    and the request passes once the policy has the class (any role of the new configuration
+    starting writes it)."""
+    import dataclasses
+
+    from limiter.scripts import policy_document
+
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as c:
+        older = dataclasses.replace(cfg, classes=cfg.classes[:2])
+        await scripts.init_pool(POOL, policy_document(older, older.pool("tiny")))
+        r = await c.post("/v1/completions", json=SLOW, headers=auth("demo-p2"))
+        err = (await r.json())["error"]
+        assert r.status == 503 and err["code"] == "class_unavailable", err
+        assert r.headers["Retry-After"] == "5" and "P0" not in err["message"]
+        assert int(await scripts.client.hget(POOL.queued, "P2") or 0) == 0
+        await scripts.init_pool(POOL, policy_document(cfg, cfg.pool("tiny")))
+        waiting = asyncio.create_task(c.post("/v1/completions", json=SLOW, headers=auth("demo-p2")))
+        try:  # no worker here: admitted, it waits in its queue
+            await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P2") or 0) == 1,
+                             "the request admitted once the policy has its class")
+        finally:
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)

@@ -53,6 +53,14 @@ def test_payload_roundtrip():
     assert Payload.unpack(p.pack()) == p
     with pytest.raises(ValueError):
         Payload.unpack(b"\x93\x01")
+    # a number no int holds is a malformed payload (ValueError, which a worker fails the request
+    # for), not an OverflowError out of the worker's claim
+    import msgpack
+
+    for field, value in (("max_tokens", float("inf")), ("min_tokens", float("-inf"))):
+        blob = msgpack.packb({"v": 1, "kind": "completion", "prompt": "x", "max_tokens": 3, field: value})
+        with pytest.raises(ValueError, match="malformed"):
+            Payload.unpack(blob)
 
 
 # --- non-stream and stream through the test client -------------------------------------------

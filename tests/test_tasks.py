@@ -40,3 +40,15 @@ async def test_a_task_that_never_stops_is_left_behind_in_bounded_time(caplog):
     while not forever.done():  # the test's own cleanup: ask until it gives in
         forever.cancel()
         await asyncio.wait({forever}, timeout=0.05)
+
+
+async def test_a_task_that_had_died_of_an_error_is_said_not_swallowed(caplog):
+    """Its exception is retrieved (no "never retrieved" at exit) and logged: stop_tasks once
+    consumed it in silence, so a background loop dead of a bug left no trace at shutdown."""
+    async def fails() -> None:
+        raise RuntimeError("the loop's bug")
+
+    dead = asyncio.create_task(fails(), name="heartbeat")
+    await asyncio.wait({dead})
+    assert await stop_tasks([dead], "test", wait_s=0.1)
+    assert "heartbeat" in caplog.text and "the loop's bug" in caplog.text

@@ -112,7 +112,17 @@ def to_api_error(exc: BaseException) -> ApiError:
         return ApiError(503, f"Overloaded: the {exc.cls} queue is full ({exc.depth} waiting); retry later",
                         code="queue_full", retry_after_s=_retry_s(exc.retry_after_ms), outcome="shed")
     if isinstance(exc, InvalidArgument):
-        return ApiError(400, str(exc), code="invalid_value", param=exc.field)
+        # Only a script raises it here: the frontend checked the client's input before the call,
+        # so a script refusing an argument is the server's own disagreement, not the client's
+        # (a 400 told the client to change a request that was fine, with the Lua's text).
+        if exc.field == "class":
+            # the pool's policy lacks a class this frontend's configuration has: its roles run
+            # different configurations (a rolling deploy that adds one) until the next init_pool
+            log.warning("the pool's policy has no such class (its roles' configurations differ?): %s", exc)
+            return ApiError(503, "Service temporarily unavailable: this class is not in the pool's policy "
+                            "yet; retry shortly", code="class_unavailable", retry_after_s=5,
+                            outcome="unavailable")
+        return ApiError(500, "Internal server error", code="internal_error", outcome="error")
     if isinstance(exc, RedisUnavailable | PolicyMissing | RedisConnectionError | RedisTimeoutError):
         # The client learns what happened, not the store's address or the driver's text (the
         # heartbeat loop logs the outage once when it starts; per request it would flood the log).
