@@ -131,3 +131,30 @@ async def test_a_stopped_frontend_leaves_no_reply_stream_without_a_ttl(redis_ser
 def test_the_reply_ttl_is_the_scripts_one():
     lua = (LUA / "include" / "pool_keys.lua").read_text()
     assert int(re.search(r"local REPLY_TTL_S = (\d+)", lua).group(1)) == REPLY_TTL_S
+
+
+async def test_a_frontend_started_during_an_outage_does_not_make_the_others_dead(redis_server, scripts):
+    """After an outage every frontend's beat is as old as it. A frontend whose process started
+    during the outage had never beaten, so it did not count as interrupted and set no outage
+    marker; its first beat made "some frontend beat within the TTL" true, and until the
+    others beat again every script took them for dead: a worker's claim cancelled their queued
+    requests (found by a review of the shared core). Its first beat now records the newest
+    old beat as when the frontends lost Redis."""
+    from tests.support.helpers import admit, init_pool
+
+    cfg = make_cfg(redis_server.url, pool={"frontend_ttl_ms": 300})
+    keys = await init_pool(scripts, cfg)
+    r = scripts.client
+    await r.delete(keys.frontends)  # (init_pool's helper lists a frontend alive until 2100)
+    now = await _redis_ms(r)
+    await r.zadd(keys.frontends, {"fe-through-the-outage": now - 5_000})  # its beat, as old as the outage
+    await admit(scripts, keys, frontend="fe-through-the-outage", request_id="queued-before")
+    async with frontend(cfg, heartbeat_s=0.05) as client:
+        fe = fe_of(client)
+
+        async def beaten() -> bool:
+            return fe.heartbeat.last_ok > 0
+        await _until(beaten, 10, "the new frontend's first beat")
+        assert await r.get(keys.outage) == str(now - 5_000).encode()
+        got = await scripts.claim(keys, "w1", 8)
+        assert [c.request_id for c in got.requests] == ["queued-before"]  # served, not cancelled

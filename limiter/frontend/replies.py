@@ -259,6 +259,7 @@ class Heartbeat:
         lifecycle scripts then do not take another frontend for dead just because it
         reconnects a moment later than this one (lua/include/liveness.lua, frontend_alive)."""
         interrupted = self._in_beat and self._last_beat_ms > 0
+        first = self._last_beat_ms == 0
         self._in_beat = True
         t0 = time.time()
         sec, usec = await self.client.time()
@@ -267,10 +268,20 @@ class Heartbeat:
         self.clock_offset_ms = redis_ms - (t0 + t1) * 500  # against the round trip's midpoint
         now_ms = int(redis_ms)
         for keys in self.pools:
-            pipe = self.client.pipeline(transaction=False)
             grace = self.outage_grace_ms.get(keys.pool)
-            if interrupted and grace:  # before the ZADD: no script may see us fresh without it
-                pipe.set(keys.outage, self._last_beat_ms, nx=True, px=grace)
+            lost = self._last_beat_ms if interrupted else None
+            if first and grace:
+                # A process's first beat cannot tell whether the others lost Redis (it may have
+                # started during an outage): when no frontend has beaten within the TTL, the
+                # newest beat is when they did. Without the marker its own beat made the
+                # frontends that lived through the outage dead to every script until they
+                # beat again, and their requests were cancelled.
+                newest = await self.client.zrange(keys.frontends, -1, -1, withscores=True)
+                if newest and newest[0][1] < now_ms - grace / 2:
+                    lost = int(newest[0][1])
+            pipe = self.client.pipeline(transaction=False)
+            if lost is not None and grace:  # before the ZADD: no script may see us fresh without it
+                pipe.set(keys.outage, lost, nx=True, px=grace)
             pipe.zadd(keys.frontends, {self.frontend_id: now_ms})
             pipe.hmget(keys.stats, [f"{c}.claimed" for c in self.classes])
             last = self.trim_upto(keys.pool) if self.trim_upto else "0-0"
@@ -278,7 +289,7 @@ class Heartbeat:
                 # Entries up to the last one read were handed out already; keep the stream small.
                 pipe.xtrim(keys.reply(self.frontend_id), minid=last, approximate=False)
             res = await pipe.execute()
-            self._sample_rates(keys.pool, res[2 if interrupted and grace else 1], time.monotonic())
+            self._sample_rates(keys.pool, res[2 if lost is not None and grace else 1], time.monotonic())
         self.last_ok = time.monotonic()
         self._last_beat_ms = now_ms
         self._in_beat = False

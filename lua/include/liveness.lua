@@ -9,7 +9,9 @@
 --   beat landed counts as alive;
 -- * the first frontend to beat again records when the frontends lost Redis (K_OUTAGE, for two
 --   TTLs): until it expires, a frontend that was alive then counts as alive, so one that
---   reconnects a moment later than another is not cancelled for it.
+--   reconnects a moment later than another is not cancelled for it. So does a frontend's
+--   first beat ever that finds no frontend beaten within the TTL (it may have started during
+--   the outage): the newest beat is when they lost Redis.
 local function frontend_alive(p, frontend, now)
   local seen = tonumber(redis.call('ZSCORE', K_FRONTENDS, frontend))
   if seen == nil then return false end
