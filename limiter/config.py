@@ -35,8 +35,11 @@ DEMO_ADMIN_KEY = "demo-admin"
 
 
 def hash_key(key: str) -> str:
-    """Keys are stored in config as sha256 hex digests, never in clear."""
-    return hashlib.sha256(key.encode()).hexdigest()
+    """Keys are stored in config as sha256 hex digests, never in clear. The digest is of the
+    key's bytes as sent: a key that is not UTF-8 comes in (argv, stdin, an HTTP header) with
+    its bytes as surrogates, and goes back to them here, as the frontend's lookup does (a
+    strict encode was a traceback out of `qos config hash-key`)."""
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
 
 
 # The most weighted tokens/s a pool may be said to serve: a bound on the config, and on what

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -216,3 +217,21 @@ def test_demo_is_not_a_field_of_a_file(tmp_path):
         config.load(p, env={})
     assert err.value.path == "demo"
     assert config.load(None, env={}).demo  # the demo config itself
+
+
+def test_a_key_that_is_not_utf8_is_hashed_as_the_bytes_sent(capsys):
+    """argv and stdin carry a key's non-UTF-8 bytes as surrogates: `qos config hash-key` died of
+    a UnicodeEncodeError (found by a review of what operators see). Its digest is of the
+    bytes, the one the frontend's lookup computes for the same key in a header."""
+    import hashlib
+
+    from limiter.cli import main
+    from limiter.frontend.auth import KeyRing
+
+    key = b"caf\xe9".decode("utf-8", "surrogateescape")  # what argv holds for those bytes
+    assert main(["config", "hash-key", key]) == 0
+    digest = capsys.readouterr().out.strip()
+    assert digest == hashlib.sha256(b"caf\xe9").hexdigest()
+    cfg = dataclasses.replace(config.demo_config(), tenants=(config.TenantConfig(
+        name="latin1", key_sha256=(digest,), default_class="P1", max_class="P1"),))
+    assert KeyRing(cfg).lookup(key).name == "latin1"

@@ -41,3 +41,26 @@ def test_replies_of_reads_both_shapes_for_either_client_decoding() -> None:
     own = {"id": "ra", "k": "tok", "a": "1", "o": "0", "n": "1", "t": "x"}  # decode_responses=True
     assert replies_of(own) == [("ra", Reply("tok", offset=0, count=1, text="x", attempt=1))]
     assert replies_of({"k": "toks", "ra": "1 0 1 x"}) == replies_of(own)
+
+
+def test_a_replay_is_counted_once_as_read_and_once_as_dropped_not_twice_as_read() -> None:
+    """A resumed request's replayed tokens: read (kind `tok`), then dropped by the request
+    (its own counter). Counted as a `dup` kind of the same counter, each replay was two of
+    the replies read (found by a review of what operators see)."""
+    import types
+
+    from limiter.frontend.generation import Generation
+
+    m = FrontendMetrics()
+    router = ReplyRouter(None, [PoolKeys("tiny")], "fe1", m)
+    q = router.register("rX")
+    entry = {b"k": b"tok", b"id": b"rX", b"o": b"0", b"n": b"3", b"t": b"abc", b"a": b"1"}
+    router.dispatch("tiny", entry)
+    router.dispatch("tiny", entry)  # a worker resuming the request sends the same 3 tokens again
+    request = types.SimpleNamespace(  # what Generation.accept reads of its request
+        forwarded=0, deadline_active=True, first_token_at=None, request_id="rX", labels=("tiny", "P0"),
+        req=types.SimpleNamespace(pool=types.SimpleNamespace(name="tiny")), admitted_at=0.0, received=0.0,
+        fe=types.SimpleNamespace(metrics=m))
+    assert [Generation.accept(request, q.get_nowait()) for _ in range(2)] == ["abc", ""]
+    assert _counted(m, "tok") == 2 and _counted(m, "dup") == 0
+    assert m.registry.get_sample_value("qos_frontend_replayed_replies_total", {"pool": "tiny"}) == 1

@@ -352,3 +352,42 @@ async def test_a_socket_timeout_in_the_url_still_leaves_room_for_a_blocking_read
         assert pool.connection_kwargs.get("client_name") == ("qos-w" if "client_name" in query else None)
     finally:
         await client.aclose()
+
+
+async def test_a_workers_health_says_redis_is_down_for_the_whole_outage(tmp_path) -> None:
+    """/healthz's redis_ok was set by any loop's pass that did not fail, and an idle worker's
+    renewal (nothing held: no Redis call) passed every lease/3 in the middle of an outage:
+    the flag flapped true (found by a review of what operators see). It stays false until a
+    heartbeat, a Redis round trip every pass, lands again."""
+    from tests.support.worker_helpers import config, start_worker, stop_worker
+
+    server = RedisServer().start()
+    cfg = config(tmp_path / "qos.toml", server.url)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.0)
+    renewals = 0
+    renew = rt.renew
+
+    async def counted() -> None:
+        nonlocal renewals
+        renewals += 1
+        await renew()
+
+    rt.renew = counted  # (before the runtime's first await: its loops take this one)
+    try:
+        await wait_until(lambda: rt.redis_ok, "the worker to reach Redis")
+        server.kill()
+        await wait_until(lambda: not rt.redis_ok, "the worker to see the outage")
+        seen_true, start = [], renewals
+
+        def three_renewals_later() -> bool:
+            if rt.redis_ok:
+                seen_true.append(renewals)
+            return renewals >= start + 3
+        await wait_until(three_renewals_later, "three renewal passes during the outage", every=0.002)
+        assert seen_true == [], f"redis_ok true during the outage after renewal {seen_true[0]}"
+        assert not task.done()
+        server.start()
+        await wait_until(lambda: rt.redis_ok, "the worker to see Redis back")
+    finally:
+        assert await stop_worker(rt, task) is None
+        server.stop()

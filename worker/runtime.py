@@ -264,7 +264,11 @@ class WorkerRuntime:
         outage = self._outages.get(where)
         try:
             result = await aw
-            self.redis_ok = True
+            if where == "heartbeat":
+                # The one loop whose every pass is a Redis round trip: another's may touch
+                # nothing (a renewal with nothing held), and its success said "Redis ok" in the
+                # middle of an outage (/healthz flapped true every renewal period).
+                self.redis_ok = True
             if outage is not None:
                 outage.succeeded()
             return result

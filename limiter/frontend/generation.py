@@ -76,7 +76,9 @@ class Generation:
         self.class_cfg: ClassConfig = fe.classes[cls]
         self.request_id = "r" + uuid.uuid4().hex
         self.created = int(time.time())
-        self.loop = asyncio.get_running_loop()
+        # Times are time.monotonic(), not the loop's clock: uvloop's counts whole milliseconds
+        # and stands still within a turn, and the admission and TTFT histograms have
+        # sub-millisecond buckets (every figure was a whole ms). ``received`` is one too.
         # Registered before admitting: a fast worker's first tokens may arrive before admit
         # returns. run(), awaited right after construction, unregisters it in any case.
         self.queue = fe.router.register(self.request_id)
@@ -111,7 +113,7 @@ class Generation:
     # --- admission --------------------------------------------------------------------------
     async def admit(self) -> Admitted:
         fe = self.fe
-        started = self.loop.time()
+        started = time.monotonic()
         payload = self.req.payload().pack()
         if len(payload) > MAX_PAYLOAD_BYTES:
             # admit.lua would refuse it as 'payload', a field the client never sent; a chat
@@ -138,11 +140,11 @@ class Generation:
                 await fe.init_pool(self.req.pool)
                 continue
             except Throttled as exc:
-                waited_ms = (self.loop.time() - started) * 1000
+                waited_ms = (time.monotonic() - started) * 1000
                 budget_ms = self.class_cfg.admission_wait_ms
                 # Slept only if the request may still run after it: past request_timeout_s it
                 # would be admitted (and charged) only to time out at once.
-                wakes = self.loop.time() + exc.retry_after_ms / 1000
+                wakes = time.monotonic() + exc.retry_after_ms / 1000
                 if 0 <= exc.retry_after_ms and waited_ms + exc.retry_after_ms <= budget_ms \
                         and wakes < self.safety_deadline:
                     fe.metrics.admission_retries.labels(*self.labels).inc()
@@ -156,15 +158,15 @@ class Generation:
             except Overloaded:
                 # The class cannot start it within its max wait: an SLO miss the controller must see.
                 fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
-                                    self.req.prompt_tokens, (self.loop.time() - started) * 1000)
+                                    self.req.prompt_tokens, (time.monotonic() - started) * 1000)
                 raise
             except QueueFull as exc:
                 exc.retry_after_ms = 1000 * fe.drain_estimate_s(self.req.pool.name, self.cls, exc.depth)
                 fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
-                                    self.req.prompt_tokens, (self.loop.time() - started) * 1000)
+                                    self.req.prompt_tokens, (time.monotonic() - started) * 1000)
                 raise
             break
-        now = self.loop.time()
+        now = time.monotonic()
         self.admitted_at = now
         fe.metrics.admission.labels(*self.labels).observe(now - started)
         if adm.deadline_ms:
@@ -200,7 +202,7 @@ class Generation:
     async def next_reply(self) -> Reply:
         """The next reply entry, enforcing the queue deadline and the safety timeout."""
         while True:
-            now = self.loop.time()
+            now = time.monotonic()
             limit = min(self.safety_deadline, self.local_deadline) if self.deadline_active \
                 else self.safety_deadline
             if now >= limit:
@@ -230,7 +232,7 @@ class Generation:
         # (e.g. claim cancelled it while our heartbeat was late). Give it a short grace.
         if state.startswith("final:") and not self.final_grace_used:
             self.final_grace_used = True
-            self.local_deadline = self.loop.time() + FINAL_GRACE_S
+            self.local_deadline = time.monotonic() + FINAL_GRACE_S
             return
         self.terminal = True
         raise ApiError(503, f"The request ended without an answer ({state})", code="request_lost",
@@ -279,10 +281,10 @@ class Generation:
         self.deadline_active = False  # a worker has it: the queue deadline no longer applies
         text, forwarded = dedup(r, self.forwarded)
         if r.count and forwarded == self.forwarded:
-            self.fe.metrics.reply_entries.labels(self.req.pool.name, "dup").inc()
+            self.fe.metrics.replayed_replies.labels(self.req.pool.name).inc()
         self.forwarded = forwarded
         if self.first_token_at is None and (r.count or r.kind == "done"):
-            self.first_token_at = self.loop.time()
+            self.first_token_at = time.monotonic()
             self.fe.metrics.queue_wait.labels(*self.labels).observe(self.first_token_at - self.admitted_at)
             self.fe.metrics.ttft.labels(*self.labels).observe(self.first_token_at - self.received)
         return text
@@ -291,7 +293,7 @@ class Generation:
         self.terminal = True
         if self.first_token_at is not None and r.usage_out > 1:
             self.fe.metrics.tpot.labels(*self.labels).observe(
-                (self.loop.time() - self.first_token_at) / (r.usage_out - 1))
+                (time.monotonic() - self.first_token_at) / (r.usage_out - 1))
 
     # --- answers ------------------------------------------------------------------------------
     async def collect(self) -> web.Response:

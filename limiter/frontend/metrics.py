@@ -52,8 +52,15 @@ class FrontendMetrics:
             "qos_frontend_inflight", "Generation requests being handled now", ["pool"], registry=r)
         self.reply_entries = Counter(
             "qos_frontend_reply_entries",
-            "Replies read from the reply stream, by kind (tok, done, err, orphan, dup, malformed)",
+            "Replies read from the reply stream, by kind (tok, done, err, orphan, malformed)",
             ["pool", "kind"], registry=r)
+        # A subset of the `tok` replies, so a counter of its own: as a kind of the one above it
+        # was counted twice (as `tok` when read, as `dup` when dropped) and a sum over kinds
+        # overstated the replies read.
+        self.replayed_replies = Counter(
+            "qos_frontend_replayed_replies",
+            "Token replies dropped as replays of text the client already has (a resumed request)",
+            ["pool"], registry=r)
         self.redis_errors = Counter(
             "qos_frontend_redis_errors", "Redis failures seen by background loops", ["loop"], registry=r)
 
