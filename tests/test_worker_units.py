@@ -1035,7 +1035,8 @@ async def test_a_redis_outage_backs_off_per_loop_and_is_logged_once_each_way(mon
             assert await rt.guard("worker", down()) is None
         assert await rt.guard("heartbeat", down(), backoff=0) is None
         assert not rt.redis_ok
-        assert await rt.guard("worker", up()) == "ok" and rt.redis_ok
+        assert await rt.guard("worker", up()) == "ok" and not rt.redis_ok  # a heartbeat says so
+        assert await rt.guard("heartbeat", up(), backoff=0) == "ok" and rt.redis_ok
         assert await rt.guard("worker", down()) is None
         assert await rt.guard("worker", down()) is None  # the second outage goes on: 1 s
 
@@ -1293,3 +1294,101 @@ async def test_calls_made_one_by_one_return_their_errors_and_close_what_a_cancel
     with pytest.raises(asyncio.CancelledError):
         await task
     assert never.cr_frame is None  # closed: no "coroutine was never awaited" at exit
+
+
+# --- found by a review of the worker's scheduling (2026-12-05): the look-ahead by KV ------------
+
+RANKS = {"P0": 0, "P1": 1, "P2": 2}
+
+
+def _queued(rid: str, cls: str, prompt_tokens: int, max_tokens: int) -> Delivery:
+    c = Claimed(rid, cls, "t-" + rid, 1, b"", 1, prompt_tokens, max_tokens, "fe", 0, [], 0, 0)
+    return Delivery(c, Payload("completion", "x" * (prompt_tokens - 1), max_tokens), 0, 0.0, prompt_tokens,
+                    RANKS[cls])
+
+
+class _QueueRuntime:
+    """Enough of a WorkerRuntime for StepLoop._pull, with a queue that claims as claim.lua does:
+    best class first, only classes above ``above_class`` when it is given, a class's next
+    request that does not fit the room closing it for the call; markers always there."""
+
+    def __init__(self, max_seqs: int = 8) -> None:
+        from worker.settings import WorkerSettings
+
+        self.cfg = demo_config()
+        self.settings = WorkerSettings(max_seqs=max_seqs, token_budget=64, claim_ahead=1,
+                                       claim_interval_ms=20, adaptive_budget=False)
+        self.held: dict[str, Any] = {}
+        self.queue: list[Delivery] = []
+        self.claims: list[tuple[int, int, str]] = []
+
+    @property
+    def claim_left_backlog(self) -> bool:
+        return bool(self.queue)
+
+    async def take_wake_marker(self) -> bool:
+        return True
+
+    async def claim(self, n: int, room: int, above: str, kv_total: int, avoid_tenants: Any = (),
+                    avoid_from: str = "") -> list[Any]:
+        self.claims.append((n, room, above))
+        out, closed = [], set()
+        for d in sorted(self.queue, key=lambda d: RANKS[d.claimed.cls]):
+            cls = d.claimed.cls
+            if len(out) >= n or cls in closed or (above and RANKS[cls] >= RANKS[above]):
+                continue
+            need = d.claimed.input_tokens + d.claimed.max_tokens
+            if need > room:
+                closed.add(cls)
+                continue
+            room -= need
+            self.queue.remove(d)
+            self.held[d.request_id] = d
+            out.append(d)
+        return out
+
+
+def _queue_loop(rt: _QueueRuntime, kv: int = 1000) -> Any:
+    from worker.claim_step_loop import StepLoop
+
+    return StepLoop(rt, SimEngine(time_scale=0, kv_capacity_tokens=kv),  # type: ignore[arg-type]
+                    Limits(token_budget=64, max_seqs=rt.settings.max_seqs, kv_capacity=kv))
+
+
+async def _looks(loop: Any, n: int) -> None:
+    """``n`` looks of the worker, each due, with a step of its batch after each."""
+    for _ in range(n):
+        loop._next_look = loop._next_claim = loop._next_lookahead = 0.0
+        await loop._pull()
+        if len(loop.sched):
+            await loop.sched.step()
+
+
+async def test_a_worker_whose_kv_reservations_are_full_holds_one_request_beyond_them_not_every_slot() -> None:
+    """Slots free, the KV reserved in full (input + max_tokens each): the look-ahead's request
+    started at once (the engine admits on KV used, not reserved), nothing waited, and the next
+    look took another, until every slot was held; their KV then grew and the worker preempted
+    them in turn. It holds claim_ahead (1) beyond its reservations."""
+    rt = _QueueRuntime()
+    loop = _queue_loop(rt)
+    rt.queue = [_queued(f"q{i}", "P1", 100, 400) for i in range(12)]
+    await _looks(loop, 1)
+    assert len(rt.held) == 2  # 1000 / (100 + 400)
+    await _looks(loop, 10)
+    assert len(rt.held) == 3 and loop._beyond_reservation() == 1
+
+
+async def test_a_p0_reaches_a_worker_a_few_tokens_short_of_full_as_it_does_one_exactly_full() -> None:
+    """Two P2 jobs reserve 990 of 1000 KV tokens: the P0 (100) did not fit the 10 left, closed
+    its class for the claim, and the look-ahead (which takes it and preempts a P2 for it) was
+    never tried since the batch was not full: the P0 waited for a P2 to finish. At 1000 of
+    1000 it was claimed at once; now both are."""
+    for p2_max in (400, 395):
+        rt = _QueueRuntime()
+        loop = _queue_loop(rt)
+        rt.queue = [_queued("p2a", "P2", 100, p2_max), _queued("p2b", "P2", 100, p2_max)]
+        await _looks(loop, 1)
+        rt.queue = [_queued("p0", "P0", 50, 50)]
+        await _looks(loop, 3)
+        assert "p0" in rt.held, p2_max
+        assert "p0" in {q.request_id for q in loop.sched.running}, p2_max  # a P2 preempted for it

@@ -291,6 +291,48 @@ class StepLoop:
         slots, kv_free = self._room()
         return slots <= 0 or kv_free <= 0
 
+    def _lookahead(self) -> tuple[int, int, str, list[str], str] | None:
+        """The claim a worker with no room makes so that a higher class may preempt:
+        (n, room, above_class, avoid_tenants, avoid_from), or None when it holds its share
+        beyond a full batch already (bounded hoarding: ``claim_ahead``)."""
+        s = self.rt.settings
+        waiting = self.sched.waiting
+        beyond = max(len(waiting), self._beyond_reservation())
+        if beyond < s.claim_ahead:
+            # Not for a tenant holding two or more slots of its class more than another
+            # tenant of it here: its request would only wait for a slot to free, and a poorer
+            # tenant's, which could take one of its slots now, would wait a step for this
+            # worker's next look-ahead (VTC puts the flood first while a light tenant's burst
+            # is served above its share).
+            avoid, avoid_from = self._tenants_ahead()
+            return 1, self.kv_capacity, "", avoid, avoid_from
+        if s.claim_ahead > 0 and waiting and (ahead := self._tenant_lookahead()) is not None:
+            # Every waiting request belongs to a tenant that holds two or more slots of its
+            # class: a tenant holding none would wait for a slot to free (a flood's long
+            # streams hold them all). Claim one request of any other tenant (or of a class
+            # above): it takes a rich tenant's slot (worker/batch_policy.py). Once it waits here
+            # this branch is closed until it runs (bounded hoarding).
+            return 1, self.kv_capacity, *ahead
+        if s.claim_ahead > 0 and waiting and (best := min(w.class_rank for w in waiting)) > 0:
+            # The look-ahead slots hold lower-class work: a newly queued request of a class
+            # above all of it would otherwise wait for a slot to free. Claim only such a
+            # class, so each extra claim raises the best waiting class (bounded hoarding).
+            above = self.rt.cfg.class_names()[best] if best < len(self.rt.cfg.classes) else ""
+            return 1, self.kv_capacity, above, [], ""
+        return None
+
+    def _beyond_reservation(self) -> int:
+        """Held requests past what the KV holds at their reservations (in the order they came):
+        a look-ahead claim made while the reservations fill the KV but slots are free starts
+        at once (the engine admits on KV used, not reserved), so the waiting list alone did
+        not bound it, and a worker took a request a look until every slot was full, then
+        preempted them in turn as their KV grew."""
+        total, beyond = 0, 0
+        for d in self.rt.held.values():
+            total += min(d.claimed.input_tokens + d.claimed.max_tokens, self.kv_capacity)
+            beyond += total > self.kv_capacity
+        return beyond
+
     def _reserved(self) -> int:
         """KV tokens the held requests may come to need (prompt + max output each)."""
         return sum(min(d.claimed.input_tokens + d.claimed.max_tokens, self.kv_capacity)
@@ -308,36 +350,15 @@ class StepLoop:
         now = time.monotonic()
         # A busy worker's looks are paced: most steps of a fast engine come before the next is
         # due, and need nothing below (the room's pass over the held requests, the waiting list).
-        if held and (now < self._next_claim or now < self._next_look
-                     or (s.max_seqs <= held and now < self._next_lookahead)):
+        if held and (now < self._next_claim or now < self._next_look):
             return
         slots, kv_free = self._room()
-        above, avoid, avoid_from = "", [], ""
-        waiting = self.sched.waiting
+        if held and (slots <= 0 or kv_free <= 0) and now < self._next_lookahead:
+            return  # full by slots or by KV: look ahead every claim_interval_ms, no more
         if slots > 0 and kv_free > 0:
-            n, room = slots, kv_free
-        elif len(waiting) < s.claim_ahead:
-            # Look-ahead: a higher class may preempt. Not for a tenant holding two or more
-            # slots of its class more than another tenant of it here: its request would only
-            # wait for a slot to free, and a poorer tenant's, which could take one of its slots
-            # now, would wait a step for this worker's next look-ahead (VTC puts the flood
-            # first while a light tenant's burst is served above its share).
-            n, room = 1, self.kv_capacity
-            avoid, avoid_from = self._tenants_ahead()
-        elif s.claim_ahead > 0 and (ahead := self._tenant_lookahead()) is not None:
-            # Every waiting request belongs to a tenant that holds two or more slots of its
-            # class: a tenant holding none would wait for a slot to free (a flood's long
-            # streams hold them all). Claim one request of any other tenant (or of a class
-            # above): it takes a rich tenant's slot (worker/batch_policy.py). Once it waits here
-            # this branch is closed until it runs (bounded hoarding).
-            n, room = 1, self.kv_capacity
-            above, avoid, avoid_from = ahead
-        elif s.claim_ahead > 0 and (best := min(w.class_rank for w in waiting)) > 0:
-            # The look-ahead slots hold lower-class work: a newly queued request of a class
-            # above all of it would otherwise wait for a slot to free. Claim only such a
-            # class, so each extra claim raises the best waiting class (bounded hoarding).
-            n, room = 1, self.kv_capacity
-            above = self.rt.cfg.class_names()[best] if best < len(self.rt.cfg.classes) else ""
+            n, room, above, avoid, avoid_from = slots, kv_free, "", [], ""
+        elif (ahead := self._lookahead()) is not None:
+            n, room, above, avoid, avoid_from = ahead
         else:
             return
         if held:
@@ -355,6 +376,16 @@ class StepLoop:
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
         got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
+        if not got and held and room < self.kv_capacity and self.rt.claim_left_backlog \
+                and time.monotonic() >= self._next_lookahead and (ahead := self._lookahead()) is not None:
+            # Work is queued and none of it fits the room left, a few tokens short of full or a
+            # prompt's worth: look ahead as a full worker does (paced alike). A P0 that did not
+            # fit closed its class for the claim and never reached a worker a few tokens short
+            # of full (at exactly full, the look-ahead took it at once and preempted a P2).
+            n, room, above, avoid, avoid_from = ahead
+            got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
+            if not got:
+                self._next_lookahead = time.monotonic() + s.claim_interval_ms / 1e3
         if got:
             self._empty_claims, self._next_claim, self._next_lookahead = 0, 0.0, 0.0
             self._next_look = 0.0  # what arrived during the claim's round trip: looked for at once
