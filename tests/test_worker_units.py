@@ -1392,3 +1392,35 @@ async def test_a_p0_reaches_a_worker_a_few_tokens_short_of_full_as_it_does_one_e
         await _looks(loop, 3)
         assert "p0" in rt.held, p2_max
         assert "p0" in {q.request_id for q in loop.sched.running}, p2_max  # a P2 preempted for it
+
+
+def test_a_tenant_behind_in_a_lower_class_does_not_take_the_p0_prompts_step_away() -> None:
+    """A P0 prompt goes in at once (top_prefill_tokens); a tenant behind in a lower class had
+    the step sized to the decoders' TPOT targets, and the P0's 2,000-token prompt went in 516
+    tokens a step, 4 steps (found by a review of the worker's scheduling)."""
+    def fit() -> StepBudget:
+        b = StepBudget(BudgetConfig(tpot_ms=(50.0, 150.0, None), min_budget=8, max_budget=512))
+        for p, d in [(0, 4), (100, 4), (400, 2), (50, 8), (300, 6), (0, 1)]:
+            b.observe(p, d, 10 + 0.06 * p + 1.0 * d)
+        return b
+
+    async def p0_prefill_steps(behind: bool) -> int:
+        sched = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=512, max_seqs=8), fit(), 2048)
+        sp = SamplingParams(max_tokens=500)
+        for i in range(3):  # tenant A: three P2 streams
+            sched.add(f"A{i}", [1] * 20, sp, class_rank=2, arrival=i, tenant="A")
+        sched.add("S0", [1] * 20, sp, class_rank=0, arrival=5, tenant="Y")
+        for _ in range(2):
+            await sched.step()
+        sched.add("P0", [1] * 2000, sp, class_rank=0, arrival=10, tenant="X")
+        if behind:  # tenant B: one P2 prompt against A's three streams
+            sched.add("B0", [1] * 30, sp, class_rank=2, arrival=11, tenant="B")
+        steps = 0
+        while steps == 0 or sched._seqs["P0"].to_prefill > 0:
+            sched.budget = fit()  # (the sim steps at time scale 0 took no time: keep the fit)
+            await sched.step()
+            steps += 1
+        return steps
+
+    assert asyncio.run(p0_prefill_steps(False)) == 1
+    assert asyncio.run(p0_prefill_steps(True)) == 1

@@ -290,8 +290,11 @@ class BatchScheduler:
                 # keep their SLO. build_plan prefills that tenant's prompt first in its class,
                 # and the step takes no more than it needs: the rest of a TPOT-sized budget
                 # went to the rich tenant's prompts, and the light tenant's token waited.
+                # Never below the P0 prompt's share above: a P2 tenant behind in its class
+                # took the P0's prompt down to the TPOT-sized step (2,000 tokens in 4 steps).
                 allowed = self.budget.size(ranks, limits.token_budget + self.top_prefill_tokens)
-                tokens = max(limits.max_seqs, min(allowed, len(ranks) + top + behind))
+                floor = len(ranks) + top if top else limits.max_seqs
+                tokens = max(limits.max_seqs, floor, min(allowed, len(ranks) + top + behind))
         if tokens != limits.token_budget:
             limits = replace(limits, token_budget=tokens)
         plan = build_plan(running, limits)
