@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig
-from limiter.errors import QosError
+from limiter.errors import ConfigError, QosError
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, require_admin, resolve_class
 from limiter.frontend.errors import LABELS, ApiError, Handler, error_middleware
@@ -37,6 +37,7 @@ from limiter.frontend.generation import Generation
 from limiter.frontend.metrics import METRICS, FrontendMetrics
 from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
+from limiter.metrics_server import start_metrics_server
 from limiter.redis_conn import CONNECTION_ERRORS
 from limiter.scripts import SCRIPT_NAMES, script_source
 
@@ -225,7 +226,24 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
         fe.begin_shutdown()
         await fe.stop()
 
+    async def metrics_ctx(app: web.Application) -> AsyncIterator[None]:
+        # This process's own /metrics (and /healthz), apart from the API port that processes
+        # may share: a scrape there reaches whichever the kernel picks.
+        host = settings.metrics_host or settings.host
+
+        def health() -> dict[str, str]:
+            return {"status": "ok", "frontend": app[FRONTEND].frontend_id}
+        try:
+            runner = await start_metrics_server(app[METRICS].registry, health, host, settings.metrics_port)
+        except OSError as exc:
+            raise ConfigError("frontend.metrics_port",
+                              f"cannot listen on {host}:{settings.metrics_port}: {exc}") from exc
+        yield
+        await runner.cleanup()
+
     app.cleanup_ctx.append(redis_ctx)
+    if settings.metrics_port:
+        app.cleanup_ctx.append(metrics_ctx)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/chat/completions", _generation_handler("chat"))
     app.router.add_post("/v1/completions", _generation_handler("completion"))

@@ -28,6 +28,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="listen address (env QOS_FRONTEND_HOST; config frontend.host; default 127.0.0.1)")
     p.add_argument("--port", type=int, default=_env_int("QOS_FRONTEND_PORT"),
                    help="listen port (env QOS_FRONTEND_PORT; config frontend.port; default 8000)")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="also serve this process's /metrics and /healthz alone on this port ([frontend] "
+                        "metrics_port; default 0: none): processes sharing the API port (--reuse-port) "
+                        "each answer its /metrics in turn, so scrape these instead")
     p.add_argument("--reuse-port", action="store_true", default=None,
                    help="set SO_REUSEPORT so several frontend processes share the port")
     p.add_argument("--listen-fd", type=int, default=None, metavar="FD",
@@ -110,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args)
     settings = load_settings(cfg, {"host": args.host, "port": args.port, "reuse_port": args.reuse_port,
+                                   "metrics_port": args.metrics_port,
                                    "allow_demo_keys_public": args.allow_demo_keys_public})
     if cfg.demo:
         log.warning(

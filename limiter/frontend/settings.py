@@ -26,6 +26,11 @@ class FrontendSettings:
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
     reap_s: float = 5.0  # janitor pass (reap_expired) over each pool; 0 = leave it to workers/controller
     tokenize_timeout_s: float = 5.0  # tokenizer = "upstream": longest wait for the model server's /tokenize
+    # /metrics and /healthz of this process alone on a port of its own (0: none). Processes
+    # sharing the API port (reuse_port, `qos up --frontends N`) each answer its /metrics in
+    # turn, so counters read from it jump between processes: scrape these instead.
+    metrics_port: int = 0
+    metrics_host: str = ""  # "" = the API's host
 
 
 def is_loopback(host: str) -> bool:
@@ -68,6 +73,9 @@ def validate(s: FrontendSettings, cfg: QosConfig) -> FrontendSettings:
     check(0.1 <= s.body_timeout_s <= 3600, "body_timeout_s", "must be in [0.1, 3600]")
     check(0.1 <= s.idle_timeout_s <= 3600, "idle_timeout_s", "must be in [0.1, 3600]")
     check(s.reap_s == 0 or 0.1 <= s.reap_s <= 3600, "reap_s", "must be 0 or in [0.1, 3600]")
+    check(0 <= s.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
+    check(s.metrics_port == 0 or s.metrics_port != s.port, "metrics_port",
+          f"must not be the API's port ({s.port}): it serves this process's metrics alone")
     ttl_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000
     check(0.05 <= s.heartbeat_s <= ttl_s / 3, "heartbeat_s",
           f"must be in [0.05, {ttl_s / 3:g}] (a third of the shortest pools[].frontend_ttl_ms)")
