@@ -207,3 +207,21 @@ def test_bad_initial_weights_and_heartbeats_are_rejected() -> None:
     for bad in (-1.0, float("nan"), True):
         with pytest.raises(InvalidArgument):
             est.observe_worker("w1", bad, 0.0)  # type: ignore[arg-type]
+
+
+def test_a_pool_whose_workers_all_left_keeps_their_last_measure_not_the_configured_guess() -> None:
+    """Its one worker restarting, a lightly loaded pool (no busy interval) went back to its
+    configured capacity, 180x the measured one, and the law raised every class's rates for
+    the worker's return (found by a review of what operators see). It keeps the workers' last
+    sum until a worker reports again."""
+    est = CapacityEstimator(CapacityConfig(window=3, worker_ttl_s=10.0, min_reports=1), 20_000.0)
+    est.observe_worker("w1", 111.6, 1000.0)
+    assert est.estimate(1000.0).value == pytest.approx(111.6)
+    est.remove_worker("w1")  # stopped (or silent past worker_ttl_s)
+    kept = est.estimate(2000.0)
+    assert (kept.value, kept.source, kept.live_workers, kept.confidence) == (
+        pytest.approx(111.6), "workers", 0, 0.0)
+    est.advance(60_000.0)
+    assert est.estimate().value == pytest.approx(111.6)
+    est.observe_worker("w2", 150.0, 61_000.0)  # a worker reports: its figure
+    assert est.estimate().value == pytest.approx(150.0)

@@ -27,7 +27,9 @@ reality: workers join and leave, models and prompt mixes change. Two sources, be
    lowers it: throughput while the pool is not full measures demand, not capacity.
 
 Until either source has data (``min_busy_intervals`` busy intervals, or one heartbeat),
-the estimate is the configured ``initial`` capacity.
+the estimate is the configured ``initial`` capacity. Once the workers have measured it, a
+pool with none live and no busy interval keeps their last sum (source ``workers``, no live
+worker, confidence 0), not the configured guess.
 
 Each estimate carries a **confidence** in [0, 1]: how full the windows behind it are (for
 heartbeats, averaged over the live workers, an unmeasured one counting 0; busy intervals
@@ -131,6 +133,7 @@ class CapacityEstimator:
         self.weights = dict(weights or {})
         self._interval_ms = config.interval_s * 1000.0
         self._workers: dict[str, _Worker] = {}
+        self._last_measured: float | None = None  # the workers' last sum, while none is live
         self._alive: dict[str, float] = {}  # every live worker (measured or not) -> last seen ms
         self._busy_figures: deque[float] = deque(maxlen=config.window)  # busy intervals' tokens/s
         self._busy_intervals = 0
@@ -228,10 +231,17 @@ class CapacityEstimator:
             live = len(set(self._alive) | set(self._workers))
             total += (live - len(measured)) * total / len(measured)
             confidence = sum(min(1.0, len(w.reports) / window) for w in measured.values()) / live
+            self._last_measured = total
             return CapacityEstimate(total, "workers", live, busy, confidence)
         if self._busy_figures and busy >= self.config.min_busy_intervals:
             confidence = 0.5 * min(1.0, len(self._busy_figures) / window)
             return CapacityEstimate(statistics.median(self._busy_figures), "samples", 0, busy, confidence)
+        if self._last_measured is not None:
+            # Every measured worker gone (a restart, a lost node) and no busy interval to go
+            # by: the pool's last measured capacity, not the configured guess. Falling back to
+            # it took a 111.6 tokens/s pool to its configured 20,000 when its one worker
+            # restarted, and the law raised every class's rates for the worker's return.
+            return CapacityEstimate(self._last_measured, "workers", 0, busy, 0.0)
         return CapacityEstimate(self.initial, "initial", 0, busy, 0.0)
 
     def served_rate(self, cls: str) -> float:
