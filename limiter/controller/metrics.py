@@ -37,7 +37,8 @@ class ControllerMetrics:
                               registry=r)
         self.stale = Counter("qos_controller_stale_writes", "set_rates refused: this controller was no "
                              "longer the leader (it stepped down)", ["pool"], registry=r)
-        self.samples = Counter("qos_controller_samples", "Latency samples consumed into the SLO window",
+        self.samples = Counter("qos_controller_samples", "Latency samples read and acknowledged (a "
+                               "class's admission rejections over its guarantee are read, not judged)",
                                ["pool", "class"], registry=r)
         self.bad_samples = Counter("qos_controller_bad_samples", "Samples that could not be used (logged and "
                                    "acknowledged), by offending field", ["pool", "field"], registry=r)
