@@ -9,7 +9,8 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   so the pool's priority queue (not the upstream's FIFO) decides what runs next.
 * The class goes upstream as ``priority`` (vLLM's field: lower runs earlier; the class
   rank, 0 for the highest class). vLLM only honours it with ``--scheduling-policy
-  priority``; set ``upstream_priority = false`` for servers that reject the field.
+  priority`` and otherwise refuses a non-zero one: the worker then sends none (a warning,
+  once) and sends that request again without it; ``upstream_priority = false`` never sends it.
 * Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
   the client sees the upstream's chunks and inter-token times, not the worker's push
   batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
@@ -214,6 +215,9 @@ class UpstreamLoop:
         # task landing a decided answer, which only the drain's deadline interrupts
         self.why: dict[str, str] = {}
         self.breaker = Breaker(s.upstream_retry_min_s, s.upstream_retry_max_s, rt.metrics)
+        # upstream_priority is on and the server refused the field (vLLM without
+        # --scheduling-policy priority): sent no more by this process (a warning, once)
+        self.priority_refused = False
         self.pushes = MergedPushes(rt)
         self._gen_tokens = 0
         self._work = 0.0  # weighted tokens streamed (prompt x weight at the first token, bytes x out_weight)
@@ -490,7 +494,7 @@ class UpstreamLoop:
             body["stop"] = list(p.stop)
         if self.rt.settings.upstream_chunk_usage:
             body["stream_options"]["continuous_usage_stats"] = True
-        if self.rt.settings.upstream_priority:
+        if self.rt.settings.upstream_priority and not self.priority_refused:
             body["priority"] = d.class_rank
         if p.ignore_eos:
             body["ignore_eos"] = True
@@ -540,8 +544,24 @@ class UpstreamLoop:
                     raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                 if resp.status != 200:
                     text = (await _error_text(resp))[:300]
+                    if resp.status == 400 and "priority" in body and "priority" in text.lower():
+                        # A vLLM left at its default (first come, first served) refuses every
+                        # non-zero priority: every class but the top one failed. The pool's
+                        # queue still orders the work; the server's own queue then goes FIFO.
+                        log.warning("the model server refuses `priority` (%s): sending none from now "
+                                    "on (vLLM: --scheduling-policy priority, or upstream_priority = "
+                                    "false to silence this)", text[:200])
+                        self.priority_refused = True
+                        return await self._stream(d)
                     return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
                                         f"{text}", outcome=_refusal_outcome(resp.status, text, d, self.model))
+                if resp.content_type == "application/json":
+                    # A 200 that is not a stream: an error a proxy or server put in a JSON body
+                    # (`{"error": ...}`), or an answer that ignored `stream`. Read as a stream,
+                    # it "ended mid-answer": every attempt spent on it, the breaker tripped, and
+                    # the server's message lost.
+                    text = (await _error_text(resp))[:300]
+                    return self._failed(d, url, f"the model server answered without a stream: {text}")
                 cut = False
                 async for events in sse_batches(resp.content):
                     for data in events:
@@ -598,11 +618,22 @@ class UpstreamLoop:
             await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))
         except (TimeoutError, aiohttp.ClientError) as exc:
+            if finish is not None and finish not in ("abort", "error"):
+                # The answer was over (its finish_reason came) and the connection broke before
+                # the usage chunk or [DONE]: finish it. Handed back, it was resumed from its
+                # whole text and the model wrote on past its own stop.
+                log.warning("%s: upstream %s: the connection broke after the answer's end (%s: %s)",
+                            d.request_id, url, type(exc).__name__, exc)
+                return ("ok", finish if finish in ("stop", "length") else "stop", "")
             raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
                                spent=not isinstance(exc, CONNECT_ERRORS)) from exc
         if finish == "abort":  # vLLM: its engine aborted the request (POST /pause, a shutdown)
             raise UpstreamDown(f"{url}: the model server aborted the request (finish_reason abort)",
                                spent=True)
+        if finish == "error":  # vLLM: the engine failed the request; what came is not the answer
+            await self._forward_before_failing(d)
+            return self._failed(d, url, "the model server ended the answer with an error (finish_reason "
+                                "error)")
         if finish is None:
             if not done:  # the connection ended mid-answer: the server went away
                 raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]", spent=True)

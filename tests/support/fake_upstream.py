@@ -55,6 +55,10 @@ class FakeUpstream:
         self.gate: asyncio.Semaphore | None = None
         self.burst = False
         self.overshoot = 0  # send this many tokens past max_tokens (a server that does not honour it)
+        # a prompt containing a key is answered by its handler, (request, body, n-th call) ->
+        # response: a test's own misbehaving server (see sse_chunk)
+        self.scripts: dict[str, Any] = {}
+        self.calls: dict[str, int] = {}
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
         app.router.add_post("/v1/completions", self.handle)
@@ -91,9 +95,16 @@ class FakeUpstream:
             return web.json_response({"error": {"message": "server busy"}}, status=self.status)
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
-        if "FAIL" in prompt:
-            message = ("Got priority 1 but Priority scheduling is not enabled." if "PRIOFAIL" in prompt
-                       else "This model's maximum context length is 64 tokens")  # vLLM's words
+        for key, script in self.scripts.items():
+            if key in prompt:
+                n = self.calls[key] = self.calls.get(key, 0) + 1
+                return await script(request, body, n)
+        if "PRIOFAIL" in prompt and body.get("priority"):  # vLLM without priority scheduling
+            message = f"Got priority {body['priority']} but Priority scheduling is not enabled."
+            return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": 400}},
+                                     status=400)
+        if "FAIL" in prompt and "PRIOFAIL" not in prompt:
+            message = "This model's maximum context length is 64 tokens"  # vLLM's words
             return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": 400}},
                                      status=400)
         answer = prompt[::-1]
@@ -185,3 +196,20 @@ class FakeUpstream:
             if t is not None:
                 t.abort()
         await self.runner.cleanup()
+
+
+def sse_chunk(text: str | None = None, finish: str | None = None,
+              completion_tokens: int | None = None) -> bytes:
+    """One completions SSE event: ``text``, a ``finish_reason``, the running usage."""
+    c: dict[str, Any] = {"id": "x", "object": "text_completion", "model": "tiny",
+                         "choices": [{"index": 0, "text": text or "", "finish_reason": finish}]}
+    if completion_tokens is not None:
+        c["usage"] = {"prompt_tokens": 5, "completion_tokens": completion_tokens,
+                      "total_tokens": 5 + completion_tokens}
+    return ("data: " + json.dumps(c) + "\n\n").encode()
+
+
+async def sse_response(request: web.Request) -> web.StreamResponse:
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await resp.prepare(request)
+    return resp
