@@ -102,7 +102,9 @@ local function wait_estimate_ms(p, cls, tenant, weight, q, now)
     end
   end
   local est = math.huge
-  if spare > 0 then est = ahead / spare end
+  -- (the subtraction's rounding leaves ~1e-12 where nothing is spare: no spare capacity,
+  -- not a sliver of it that admitted a class with no rate, or waited an int64 overflow)
+  if spare > 1e-9 * math.max(p.capacity, total) then est = ahead / spare end
   if ceiling_binds(p, c) then
     local h = bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
     est = math.max(est, (own + math.max(-h.level, 0)) / c.ceil)
@@ -163,8 +165,8 @@ local function admit_one(p, r, now)
   if r.max_wait_ms > 0 and r.max_wait_ms < wait then wait = r.max_wait_ms end
   local est = wait_estimate_ms(p, r.cls, r.tenant, r.weight, q, now)
   if est > wait then
-    local retry = est == math.huge and -1 or math.ceil(est - wait)
-    return {'overloaded', retry, est == math.huge and -1 or math.ceil(est), wait}
+    if est >= MAX_WAIT_MS then return {'overloaded', -1, -1, wait} end  -- (an int64 reply)
+    return {'overloaded', math.ceil(est - wait), math.ceil(est), wait}
   end
 
   -- Every check passed: from here on, writes. Tenants come from the config, so their

@@ -259,3 +259,37 @@ async def test_a_disabled_class_is_refused_at_once(scripts, sync_redis):
     with pytest.raises(Throttled) as exc:
         await admit(scripts, keys, cls="P2", input_tokens=1, max_tokens=1)
     assert exc.value.bucket == "class" and exc.value.retry_after_ms == -1
+
+
+@pytest.mark.parametrize("served", [
+    {"P0": repr(616004.70012516), "P1": repr(823624.2151600365)},  # their subtraction leaves 1e-12
+    {"P0": "1000", "P1": "2000"},  # exactly nothing left
+], ids=["rounding", "exact"])
+async def test_a_class_with_no_rate_and_no_capacity_left_is_refused_whatever_the_rounding(scripts, sync_redis,
+                                                                                         served):
+    """Spare capacity = capacity less what the higher classes are served: with them served
+    past it, nothing. The subtraction's rounding left +1e-12 a quarter of the time, and a class
+    with no rate (share 0) was admitted into a queue nothing drains, or refused with a wait
+    past int64 (Redis replied -9223372036854775808) (found by a review of the Lua layer)."""
+    from limiter.keys import PoolKeys
+    from limiter.scripts import policy_document
+    from tests.support.helpers import ALIVE
+
+    cfg = demo_config()
+    policy = policy_document(cfg, cfg.pool("tiny"), 100.0)
+    for c in policy["classes"]:
+        if c["name"] == "P2":
+            c["rate"], c["burst"] = 0.0, 0.0
+    policy["floor_half_life_ms"] = 10_000
+    keys = PoolKeys("tiny")
+    await scripts.init_pool(keys, policy, reset_rates=True)
+    await scripts.client.zadd(keys.frontends, {"fe1": ALIVE})
+    await scripts.client.hset(keys.served, mapping={".ts": ALIVE, "P2": "0", **served})
+    before = dump_all(sync_redis)
+    with pytest.raises(Overloaded) as alone:
+        await admit(scripts, keys, cls="P2", request_id="nothing-ahead", input_tokens=10, max_tokens=1)
+    assert alone.value.est_wait_ms == -1 and dump_all(sync_redis) == before  # nothing queued
+    await admit(scripts, keys, cls="P0", request_id="big", input_tokens=200_000, max_tokens=1)
+    with pytest.raises(Overloaded) as behind:
+        await admit(scripts, keys, cls="P2", request_id="behind-p0", input_tokens=10, max_tokens=1)
+    assert behind.value.est_wait_ms == -1 and behind.value.retry_after_ms == -1
