@@ -33,6 +33,8 @@ from typing import Any
 import msgpack
 
 PAYLOAD_VERSION = 1
+# The sampling fields a client may leave to the model server's defaults (Payload.defaulted).
+DEFAULTABLE = ("temperature", "top_p")
 BOS_TOKENS = 1
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
@@ -105,6 +107,11 @@ class Payload:
     # from one reply-stream entry (lua/include/notify.lua notify_grouped). Every frontend of
     # this release does; False (absent) from an older one, which reads one entry per batch.
     grouped_tokens: bool = False
+    # Sampling fields the client left out (of DEFAULTABLE): the values above are the
+    # service's defaults for the step engines, while a model server in front of which the
+    # openai engine sits is sent nothing for them, so it applies its own (vLLM: the model's
+    # generation_config), as it would for the client directly. Absent: all were given.
+    defaulted: tuple[str, ...] = ()
 
     def pack(self) -> bytes:
         d: dict[str, Any] = {
@@ -122,6 +129,8 @@ class Payload:
             d["stream"] = False
         if self.grouped_tokens:
             d["grouped_tokens"] = True
+        if self.defaulted:
+            d["defaulted"] = list(self.defaulted)
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -141,6 +150,7 @@ class Payload:
                        min_tokens=int(d.get("min_tokens", 0)),
                        messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()),
                        stream=_flag(d.get("stream", True), "stream"),
-                       grouped_tokens=_flag(d.get("grouped_tokens", False), "grouped_tokens"))
+                       grouped_tokens=_flag(d.get("grouped_tokens", False), "grouped_tokens"),
+                       defaulted=tuple(n for n in DEFAULTABLE if n in (d.get("defaulted") or ())))
         except (KeyError, TypeError, OverflowError) as exc:  # OverflowError: int(inf)
             raise ValueError(f"payload is malformed: {exc}") from exc

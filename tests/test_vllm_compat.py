@@ -370,3 +370,30 @@ async def test_openai_sdk_with_vllm_extras(client, fake_worker):
         await sdk.completions.create(model="tiny", prompt="x", extra_body={"min_tokens": 5}, max_tokens=2)
     assert e.value.body["param"] == "min_tokens"
     await sdk.close()
+
+
+def test_sampling_fields_the_client_left_out_are_left_to_the_model_server():
+    """A request without temperature / top_p: the step engines use the service's defaults, the
+    openai engine sends nothing for them (vLLM applies the model's generation_config, as for
+    the client directly; found by a review of the openai worker). An older frontend's payload
+    has no `defaulted`: everything counts as given, as before."""
+    import msgpack
+
+    from limiter.config import demo_config
+    from limiter.frontend.openai_api import finish_request, parse_request
+
+    cfg = demo_config()
+
+    def payload(**fields: Any) -> Payload:
+        return finish_request(parse_request("completion", {"model": "tiny", "prompt": "x", **fields}, cfg),
+                              2).payload()
+
+    left_out = payload()
+    assert left_out.defaulted == ("temperature", "top_p") and left_out.temperature == 1.0
+    assert payload(temperature=0.2).defaulted == ("top_p",)
+    assert payload(temperature=0.2, top_p=0.9).defaulted == ()
+    assert Payload.unpack(left_out.pack()) == left_out
+    assert "defaulted" not in msgpack.unpackb(Payload("completion", "x", 2).pack())
+    odd = msgpack.packb({"v": 1, "kind": "completion", "prompt": "x", "max_tokens": 1,
+                         "defaulted": ["seed", "temperature"]})
+    assert Payload.unpack(odd).defaulted == ("temperature",)  # only what may be left out

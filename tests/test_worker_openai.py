@@ -56,8 +56,9 @@ async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -
     the refund follow the upstream's usage, and the stored resume ids are the text's bytes."""
     cfg, c, up = env
     async with worker(cfg, engine="openai", upstream_url=up.url, flush_tokens=4):
-        plain = await c.admit("Grüße aus Köln, hello world", cls="P2", max_tokens=100, seed=None)
-        cut = await c.admit("0123456789abcdefghij", cls="P0", max_tokens=4)
+        plain = await c.admit("Grüße aus Köln, hello world", cls="P2", max_tokens=100, seed=None,
+                              defaulted=("temperature", "top_p"))
+        cut = await c.admit("0123456789abcdefghij", cls="P0", max_tokens=4, seed=7)
         msgs = (ChatMessage("system", "sys"), ChatMessage("user", "chat with me"))
         chat = await c.admit(render_chat((m.role, m.content) for m in msgs), max_tokens=50, kind="chat",
                              messages=msgs)
@@ -76,7 +77,12 @@ async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -
     b = by_prompt["Grüße aus Köln, hello world"]
     assert b["stream"] and b["priority"] == 2
     assert b["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
-    assert isinstance(b["seed"], int) and b["max_tokens"] == 100
+    assert b["max_tokens"] == 100
+    # what the client left out stays out: the server's own defaults apply (vLLM: the model's
+    # generation_config; temperature 1.0 and a seed were sent before, found by a review)
+    assert "seed" not in b and "temperature" not in b and "top_p" not in b
+    given = by_prompt["0123456789abcdefghij"]
+    assert given["temperature"] == 0.0 and given["top_p"] == 1.0 and given["seed"] == 7
     assert by_prompt["0123456789abcdefghij"]["priority"] == 0
     assert by_prompt["0123456789abcdefghij"]["max_tokens"] == 4
     assert by_prompt["chat with me"]["messages"][0] == {"role": "system", "content": "sys"}

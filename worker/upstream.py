@@ -80,7 +80,6 @@ from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
 from limiter.token_count import MODEL_SERVER_KEEPALIVE_S
 from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
-from worker.engines.base import request_seed
 from worker.metrics import WorkerMetrics
 from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
@@ -97,7 +96,7 @@ REFUSED_STATUSES = (400, 413, 422)
 # ... unless the refusal names a field the worker adds of its own accord (a server that takes
 # no `priority`: the worker's configuration, upstream_priority) or refuses a resume (the
 # continuation is the worker's): failed, as the server's own error.
-WORKER_FIELDS = ("priority", "stream_options", "continuous_usage_stats", "seed", "continue_final_message",
+WORKER_FIELDS = ("priority", "stream_options", "continuous_usage_stats", "continue_final_message",
                  "add_generation_prompt")
 
 
@@ -488,8 +487,16 @@ class UpstreamLoop:
         prior = decode(c.generated) if c.generated else ""
         body: dict[str, Any] = {
             "model": self.model, "stream": True, "stream_options": {"include_usage": True},
-            "max_tokens": allowance, "temperature": p.temperature, "top_p": p.top_p,
-            "seed": request_seed(p.seed, c.request_id)}
+            "max_tokens": allowance}
+        # What the client left out stays out: the server applies its own defaults (vLLM: the
+        # model's generation_config), as it would for the client directly; and no seed the
+        # client did not give (vLLM: a seeded request gets a generator of its own, off its
+        # batched sampler; a resume upstream is not reproducible by a seed anyway).
+        for name, value in (("temperature", p.temperature), ("top_p", p.top_p)):
+            if name not in p.defaulted:
+                body[name] = value
+        if p.seed is not None:
+            body["seed"] = p.seed
         if p.stop:
             body["stop"] = list(p.stop)
         if self.rt.settings.upstream_chunk_usage:

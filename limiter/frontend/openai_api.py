@@ -19,7 +19,7 @@ from typing import Any
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.frontend.errors import ApiError
-from limiter.prompt import CHAT_ROLES, ChatMessage, Payload, render_chat
+from limiter.prompt import CHAT_ROLES, DEFAULTABLE, ChatMessage, Payload, render_chat
 
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -48,12 +48,13 @@ class GenerationRequest:
     ignore_eos: bool = False  # vLLM: keep generating past the end-of-sequence token
     min_tokens: int = 0  # vLLM: no end-of-sequence before this many tokens
     messages: tuple[ChatMessage, ...] = ()  # chat: the messages as data (the openai engine sends these)
+    defaulted: tuple[str, ...] = ()  # sampling fields the client left out (Payload.defaulted)
 
     def payload(self) -> Payload:
         return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
                        temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
                        model=self.model, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
-                       messages=self.messages, stream=self.stream,
+                       messages=self.messages, stream=self.stream, defaulted=self.defaulted,
                        grouped_tokens=True)  # this frontend reads grouped entries (replies.py)
 
 
@@ -360,6 +361,7 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
     return Draft(kind=kind, pool=pool, prompt=prompt, prompt_param=prompt_param, messages=messages,
                  max_tokens=max_tokens, max_param=param, min_tokens=min_tokens,
                  fields={"temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed,
+                         "defaulted": tuple(n for n in DEFAULTABLE if body.get(n) is None),
                          "stream": stream, "include_usage": include_usage,
                          "continuous_usage": continuous_usage, "ignore_eos": ignore_eos})
 
