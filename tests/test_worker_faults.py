@@ -560,6 +560,26 @@ async def test_an_upstream_json_error_without_an_error_key_reaches_the_client_as
     assert not msg.endswith(": None"), msg
 
 
+async def test_a_long_upstream_json_error_reaches_the_client_as_its_message(env) -> None:
+    """The error body was cut to its first 500 characters before it was parsed: a longer JSON
+    error (a validation error listing its fields, say) failed to parse and the client read the
+    reason phrase, "Bad Request" (found by a review of the openai worker)."""
+    cfg, c = env
+    message = "Input validation failed: " + "field x out of range; " * 40  # ~900 characters
+    runner, url = await _json_error_upstream(400, {"error": {"message": message, "code": 400}})
+    try:
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=url)
+        try:
+            rid = await c.admit("some prompt", max_tokens=8)
+            await c.wait([rid], timeout=10)
+        finally:
+            await stop_worker(rt, task)
+    finally:
+        await runner.cleanup()
+    msg = c.answers[rid].error["msg"]
+    assert msg.startswith("the model server refused the request (HTTP 400): Input validation failed: "), msg
+
+
 @pytest.mark.parametrize("engine", ["sim", "openai"])  # sim: the step loop, as a control (passes)
 async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(redis_server, sync_redis, tmp_path,
                                                                      monkeypatch, engine) -> None:

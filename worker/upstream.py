@@ -93,6 +93,7 @@ DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot
 # 422): another try fails the same way, so its client gets a 400, not a 503 to retry. A 401,
 # 403 or 404 is the worker's configuration (its key, its model name), a 500 the server's own.
 REFUSED_STATUSES = (400, 413, 422)
+ERROR_BODY_LIMIT = 64 << 10  # the most of an error body read (_error_text)
 # ... unless the refusal names a field the worker adds of its own accord (a server that takes
 # no `priority`: the worker's configuration, upstream_priority) or refuses a resume (the
 # continuation is the worker's): failed, as the server's own error.
@@ -182,8 +183,17 @@ def _refusal_outcome(status: int, text: str, d: Delivery, model: str = "") -> st
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
     """What the model server said went wrong: OpenAI's ``{"error": {"message"}}``, an older
     vLLM's ``{"message"}``, FastAPI's ``{"detail"}`` (each was once read as "None"), or a plain
-    text body -- never an HTML page (a proxy's error page may name an internal address)."""
-    body = (await resp.text(errors="replace"))[:500]
+    text body -- never an HTML page (a proxy's error page may name an internal address).
+
+    At most ERROR_BODY_LIMIT bytes are read (the body was read whole: a server's endless or
+    huge error body held the worker's memory), and the JSON is parsed whole, not its first
+    500 characters (a longer error, vLLM's validation errors say, was read as its reason
+    phrase, "Bad Request")."""
+    raw = await resp.content.read(ERROR_BODY_LIMIT)
+    try:
+        body = raw.decode(resp.charset or "utf-8", errors="replace")
+    except LookupError:  # a charset Python does not know
+        body = raw.decode("utf-8", errors="replace")
     with contextlib.suppress(ValueError):
         doc = json.loads(body)
         if isinstance(doc, dict):
@@ -193,7 +203,7 @@ async def _error_text(resp: aiohttp.ClientResponse) -> str:
             for found in (err, doc.get("message"), doc.get("detail")):
                 if isinstance(found, str) and found:
                     return found
-    text = body.strip()
+    text = body.strip()[:500]
     if not text or text.startswith("<") or text.startswith("{"):
         return resp.reason or ""
     return text
