@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+from typing import Any
 
 import pytest
 
@@ -535,6 +536,23 @@ async def _json_error_upstream(status: int, body: dict):
     return runner, f"http://127.0.0.1:{port}"
 
 
+async def _error_read_from(env: Any, status: int, body: dict[str, Any]) -> str:
+    """The error message a request's client reads when the model server answers ``status``
+    with ``body``."""
+    cfg, c = env
+    runner, url = await _json_error_upstream(status, body)
+    try:
+        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=url)
+        try:
+            rid = await c.admit("some prompt", max_tokens=8)
+            await c.wait([rid], timeout=10)
+        finally:
+            await stop_worker(rt, task)
+    finally:
+        await runner.cleanup()
+    return c.answers[rid].error["msg"]
+
+
 @pytest.mark.parametrize("body", [
     # vLLM's ErrorResponse before it was wrapped in {"error": ...} (vLLM <= 0.9)
     {"object": "error", "message": "This model's maximum context length is 2048 tokens.",
@@ -545,18 +563,7 @@ async def _json_error_upstream(status: int, body: dict):
 async def test_an_upstream_json_error_without_an_error_key_reaches_the_client_as_its_text(env, body) -> None:
     """_error_text takes json.loads(body).get('error'); when the JSON has no 'error' key it
     returns str(None): the client reads '... (HTTP 400): None' instead of the server's reason."""
-    cfg, c = env
-    runner, url = await _json_error_upstream(400, body)
-    try:
-        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=url)
-        try:
-            rid = await c.admit("some prompt", max_tokens=8)
-            await c.wait([rid], timeout=10)
-        finally:
-            await stop_worker(rt, task)
-    finally:
-        await runner.cleanup()
-    msg = c.answers[rid].error["msg"]
+    msg = await _error_read_from(env, 400, body)
     assert not msg.endswith(": None"), msg
 
 
@@ -564,19 +571,8 @@ async def test_a_long_upstream_json_error_reaches_the_client_as_its_message(env)
     """The error body was cut to its first 500 characters before it was parsed: a longer JSON
     error (a validation error listing its fields, say) failed to parse and the client read the
     reason phrase, "Bad Request" (found by a review of the openai worker)."""
-    cfg, c = env
     message = "Input validation failed: " + "field x out of range; " * 40  # ~900 characters
-    runner, url = await _json_error_upstream(400, {"error": {"message": message, "code": 400}})
-    try:
-        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=url)
-        try:
-            rid = await c.admit("some prompt", max_tokens=8)
-            await c.wait([rid], timeout=10)
-        finally:
-            await stop_worker(rt, task)
-    finally:
-        await runner.cleanup()
-    msg = c.answers[rid].error["msg"]
+    msg = await _error_read_from(env, 400, {"error": {"message": message, "code": 400}})
     assert msg.startswith("the model server refused the request (HTTP 400): Input validation failed: "), msg
 
 
