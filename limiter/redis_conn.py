@@ -160,7 +160,7 @@ def _without_query_option(url: str, name: str) -> tuple[str, str | None]:
     return head + ("?" + rest if rest else "") + hash_sep + fragment, values[0]
 
 
-class _ChecksBeforeWriting(Connection):
+class CheckedConnection(Connection):
     """A connection that, before each command it sends, checks the server has not closed it
     meanwhile and connects again if it has, as the standalone pool does when it hands one
     out (``ensure_connection``). Nothing of the command has been sent at that point, so
@@ -189,11 +189,7 @@ class _ChecksBeforeWriting(Connection):
         return False
 
 
-class CheckedConnection(_ChecksBeforeWriting, Connection):
-    pass
-
-
-class CheckedSSLConnection(_ChecksBeforeWriting, SSLConnection):
+class CheckedSSLConnection(CheckedConnection, SSLConnection):
     pass
 
 

@@ -329,14 +329,17 @@ class StepLoop:
         preempted them in turn as their KV grew."""
         total, beyond = 0, 0
         for d in self.rt.held.values():
-            total += min(d.claimed.input_tokens + d.claimed.max_tokens, self.kv_capacity)
+            total += self._reservation(d)
             beyond += total > self.kv_capacity
         return beyond
 
     def _reserved(self) -> int:
-        """KV tokens the held requests may come to need (prompt + max output each)."""
-        return sum(min(d.claimed.input_tokens + d.claimed.max_tokens, self.kv_capacity)
-                   for d in self.rt.held.values())
+        """KV tokens the held requests may come to need."""
+        return sum(self._reservation(d) for d in self.rt.held.values())
+
+    def _reservation(self, d: Delivery) -> int:
+        """KV tokens a held request may come to need: its prompt and its most output."""
+        return min(d.claimed.input_tokens + d.claimed.max_tokens, self.kv_capacity)
 
     async def _pull(self) -> None:
         """Claim what fits (see the module docstring). Claims are paced so that a queue

@@ -180,6 +180,12 @@ def _refusal_outcome(status: int, text: str, d: Delivery, model: str = "") -> st
     return "refused"
 
 
+def _ended(finish: str) -> Result:
+    """An answer the model server ended with ``finish``: stop and length as they are, any
+    other reason (vLLM's repetition, say) as a stop."""
+    return ("ok", finish if finish in ("stop", "length") else "stop", "")
+
+
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
     """What the model server said went wrong: OpenAI's ``{"error": {"message"}}``, an older
     vLLM's ``{"message"}``, FastAPI's ``{"detail"}`` (each was once read as "None"), or a plain
@@ -641,7 +647,7 @@ class UpstreamLoop:
                 # whole text and the model wrote on past its own stop.
                 log.warning("%s: upstream %s: the connection broke after the answer's end (%s: %s)",
                             d.request_id, url, type(exc).__name__, exc)
-                return ("ok", finish if finish in ("stop", "length") else "stop", "")
+                return _ended(finish)
             raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
                                spent=not isinstance(exc, CONNECT_ERRORS)) from exc
         if finish == "abort":  # vLLM: its engine aborted the request (POST /pause, a shutdown)
@@ -655,7 +661,7 @@ class UpstreamLoop:
             if not done:  # the connection ended mid-answer: the server went away
                 raise UpstreamDown(f"{url}: the stream ended without a finish_reason or [DONE]", spent=True)
             return self._failed(d, url, "the model server ended its answer without a finish reason")
-        return ("ok", finish if finish in ("stop", "length") else "stop", "")
+        return _ended(finish)
 
     async def _forward_before_failing(self, d: Delivery) -> None:
         """A streamed answer that fails after text came in the same read as the failure: the

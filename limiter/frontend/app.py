@@ -132,8 +132,13 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(oa.resolve_pool(fe.cfg, {"model": request.match_info["id"]})))
 
 
+def _health(fe: Frontend) -> dict[str, str]:
+    """``/healthz``: the process runs (on the API port, and on ``metrics_port`` when set)."""
+    return {"status": "ok", "frontend": fe.frontend_id}
+
+
 async def healthz(request: web.Request) -> web.Response:
-    return web.json_response({"status": "ok", "frontend": _frontend(request).frontend_id})
+    return web.json_response(_health(_frontend(request)))
 
 
 @functools.cache
@@ -230,11 +235,9 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
         # This process's own /metrics (and /healthz), apart from the API port that processes
         # may share: a scrape there reaches whichever the kernel picks.
         host = settings.metrics_host or settings.host
-
-        def health() -> dict[str, str]:
-            return {"status": "ok", "frontend": app[FRONTEND].frontend_id}
         try:
-            runner = await start_metrics_server(app[METRICS].registry, health, host, settings.metrics_port)
+            runner = await start_metrics_server(app[METRICS].registry, lambda: _health(app[FRONTEND]), host,
+                                                settings.metrics_port)
         except OSError as exc:
             raise ConfigError("frontend.metrics_port",
                               f"cannot listen on {host}:{settings.metrics_port}: {exc}") from exc
