@@ -859,6 +859,36 @@ async def test_the_tenant_look_ahead_never_avoids_a_class_above_every_waiting_re
     await loop.sched.step()  # 2 P0 + 4 P2 run, one P2 waits
     assert loop._tenant_lookahead() == ("", ["batch"], "P2")  # P0 and P1 open to anyone
 
+async def test_claimed_requests_keep_their_enqueue_order_on_a_long_lived_worker() -> None:
+    """Arrival is (enqueue ms, claim count), exact at today's epoch ms. As one float
+    (``enq_ms + count * 1e-6``) two requests enqueued in the same ms tied below the float's
+    resolution (the earlier claimed was paused first, not the later), and three million
+    claims on, a request re-queued from an earlier ms ranked behind one enqueued after it."""
+    from worker.claim_step_loop import StepLoop
+
+    rt = _FullWorkerRuntime()
+    loop = StepLoop(rt, SimEngine(time_scale=0), Limits(token_budget=64, max_seqs=2))  # type: ignore[arg-type]
+    now_ms = 1_770_000_000_000
+
+    async def start(rid: str, enq_ms: int, cls: str = "P2") -> None:
+        c = Claimed(rid, cls, "t1", 1, b"", enq_ms, 5, 100, "fe1", 0, [], enq_ms, 0)
+        d = Delivery(c, Payload("completion", "hi", 100), enq_ms, 0.0, 3, rt.cfg.class_rank(cls))
+        rt.held[rid] = d
+        await loop._start(d)
+
+    await start("first", now_ms)
+    await start("second", now_ms)  # same ms, claimed next: the more recent arrival
+    await loop.sched.step()
+    await start("p0", now_ms + 5, "P0")
+    res = await loop.sched.step()
+    assert res.preempted == ("second",) and res.admitted == ("p0",)
+
+    loop._arrivals = 3_000_000
+    await start("requeued", now_ms - 1)  # enqueued 1 ms before "second", claimed 3e6 claims on
+    waiting = sorted(loop.sched.waiting, key=lambda s: s.candidate().priority)
+    assert [s.request_id for s in waiting] == ["requeued", "second"]
+
+
 
 async def test_a_full_workers_first_look_ahead_skips_a_tenant_that_could_only_wait_here() -> None:
     """Nothing waiting on a full worker: its look-ahead claims one request, but not of a

@@ -56,6 +56,13 @@ from typing import Protocol
 
 from limiter.errors import InvalidArgument
 
+Arrival = float | tuple[int, int]
+"""When a sequence arrived, as an order (lower arrived earlier): a number (a counter or a
+timestamp), or (timestamp, counter) where timestamps tie. The Redis worker's is (enqueue
+ms, claim count): as one float, ``enq_ms + count * 1e-6``, the counter was below the float's
+resolution at today's epoch ms (1.77e12: steps of 2.4e-4) and grew into a drift toward claim
+order. The sequences of one scheduler all use one form."""
+
 
 def _check_nonneg_int(field: str, value: object, *, positive: bool = False) -> None:
     low = 1 if positive else 0
@@ -72,7 +79,7 @@ class Planned(Protocol):
     @property
     def class_rank(self) -> int: ...
     @property
-    def arrival(self) -> float: ...
+    def arrival(self) -> Arrival: ...
     @property
     def to_prefill(self) -> int: ...
     @property
@@ -90,12 +97,12 @@ class SeqState:
     ``to_prefill`` counts prompt tokens (including re-prefilled generated tokens of a
     resumed sequence) not yet in the KV cache; ``kv_tokens`` counts those that are. A
     decoding sequence has ``to_prefill == 0`` and feeds its last sampled token next step.
-    ``arrival`` is a monotonic order (a counter or a timestamp): lower arrived earlier.
+    ``arrival`` is a monotonic order (:data:`Arrival`): lower arrived earlier.
     """
 
     request_id: str
     class_rank: int
-    arrival: float
+    arrival: Arrival
     to_prefill: int
     decoding: bool
     kv_tokens: int
@@ -114,7 +121,7 @@ class SeqState:
             raise InvalidArgument("decoding", f"{self.request_id}: decoding iff nothing is left to prefill")
 
     @property
-    def priority(self) -> tuple[int, float]:
+    def priority(self) -> tuple[int, Arrival]:
         """Sort key: lower class rank first, then earlier arrival."""
         return (self.class_rank, self.arrival)
 
@@ -129,7 +136,7 @@ class Candidate:
 
     request_id: str
     class_rank: int
-    arrival: float
+    arrival: Arrival
     prompt_tokens: int
     resident_kv: int = 0
     tenant: str = ""
@@ -140,7 +147,7 @@ class Candidate:
         _check_nonneg_int("prompt_tokens", self.prompt_tokens, positive=not self.resident_kv)
 
     @property
-    def priority(self) -> tuple[int, float]:
+    def priority(self) -> tuple[int, Arrival]:
         return (self.class_rank, self.arrival)
 
     @property
@@ -356,13 +363,13 @@ def prefill_through_behind(running: Sequence[Planned]) -> int:
     return above + sum(s.to_prefill for s in behind)
 
 
-def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, float]:
+def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, Arrival]:
     """Priority order with tenants sharing their class: class first, then the tenant holding
     the fewest of the class's slots in this batch, then arrival."""
     return (c.class_rank, share.get((c.class_rank, c.tenant), 0), c.arrival)
 
 
-def victim_key(s: Planned) -> tuple[int, int, float]:
+def victim_key(s: Planned) -> tuple[int, int, Arrival]:
     """Who is paused first: the lowest class, then the least KV (the least to recompute if
     its cache must go), then the most recent arrival. ``max`` of this key is the victim."""
     return (s.class_rank, -s.kv_tokens, s.arrival)

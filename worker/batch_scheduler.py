@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 from limiter.errors import InvalidArgument
 from worker.batch_policy import (
+    Arrival,
     Candidate,
     Limits,
     StepPlan,
@@ -52,7 +53,7 @@ class ScheduledSeq:
     prompt_ids: list[int]
     params: SamplingParams
     class_rank: int
-    arrival: float
+    arrival: Arrival
     decoder: IncrementalDecoder
     scanner: StopScanner
     tenant: str = ""
@@ -184,7 +185,7 @@ class BatchScheduler:
         return room - 1  # admission needs room for one generated token
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, class_rank: int,
-            arrival: float, generated: Iterable[int] = (), tenant: str = "") -> ScheduledSeq:
+            arrival: Arrival, generated: Iterable[int] = (), tenant: str = "") -> ScheduledSeq:
         """Queue a request. ``generated`` are tokens an earlier attempt already delivered:
         they are re-prefilled after the prompt and fed to a fresh decoder whose text is
         discarded (the client has it), so a half-emitted UTF-8 character continues."""
@@ -267,6 +268,17 @@ class BatchScheduler:
         propagate (the caller decides what happens to the requests)."""
         paused = self._pause()
         admitted = self._admit()
+        # choose_preemption makes room for the head of the waiting set only: with k P0
+        # requests arriving together at a full batch, the next head is looked at once the
+        # first is in, in this step, not one step later each (k steps of P2 decodes). Each
+        # round admits at least one sequence, so the rounds are bounded by the set's size.
+        again = admitted
+        for _ in range(len(self._seqs)):
+            if not again:
+                break
+            paused += self._pause()
+            again = self._admit()
+            admitted += again
         running = self.running
         limits = self.limits
         tokens = limits.token_budget

@@ -538,7 +538,7 @@ class StepLoop:
             return
         self._arrivals += 1
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
-                       arrival=c.enq_ms + self._arrivals * 1e-6, generated=c.generated,
+                       arrival=(c.enq_ms, self._arrivals), generated=c.generated,
                        tenant=c.tenant if self._fair.get(c.cls, False) else "")
         self._capacity.started(len(prompt) + max_tokens)  # clipped to the room there
         if c.delivered:

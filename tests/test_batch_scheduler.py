@@ -1,0 +1,66 @@
+"""BatchScheduler's step: how preemption and admission play out when several requests wait."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from worker.batch_policy import Limits
+from worker.batch_scheduler import BatchScheduler
+from worker.engines.base import SamplingParams
+from worker.engines.sim import SimEngine
+from worker.tokenizer import encode
+
+
+async def _full_of_p2(sched: BatchScheduler, n: int) -> None:
+    """``n`` P2 requests decoding (their prompts prefilled), filling the batch."""
+    for i in range(n):
+        sched.add(f"p2-{i}", encode("x" * 20), SamplingParams(max_tokens=500), class_rank=2, arrival=i)
+    for _ in range(100):
+        if all(s.running and s.to_prefill == 0 for s in sched._seqs.values()):
+            return
+        await sched.step()
+    raise AssertionError("the P2 requests never all reached their decode")
+
+
+@pytest.mark.parametrize(("k", "kv_capacity"), [(1, 1 << 20), (3, 1 << 20), (4, 1 << 20), (3, 80)])
+def test_p0_requests_arriving_together_at_a_full_batch_all_start_in_the_next_step(
+        k: int, kv_capacity: int) -> None:
+    """k P0 requests arrive together at a batch full of P2 decoders: the next step pauses k
+    of them and starts all k P0s (each P0's first token comes after one step, not after k).
+    With KV for two 30-token prompts beside one P2 (80 tokens), the first P0 fits as is
+    and the second in the same step once the P2's KV is freed. Room was made for the head
+    of the waiting set only, and the k-th P0 waited k steps while the P2s decoded."""
+    async def go() -> tuple[BatchScheduler, set[str], set[str], set[str]]:
+        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv_capacity),
+                               Limits(token_budget=256, max_seqs=4, kv_capacity=kv_capacity))
+        await _full_of_p2(sched, 4 if kv_capacity > 1000 else 1)
+        for i in range(k):
+            sched.add(f"p0-{i}", encode("y" * 30), SamplingParams(max_tokens=5), class_rank=0,
+                      arrival=100 + i)
+        res = await sched.step()
+        return sched, set(res.admitted), set(res.preempted), set(res.produced)
+
+    sched, admitted, paused, produced = asyncio.run(go())
+    p0 = {f"p0-{i}" for i in range(k)}
+    if kv_capacity > 1000:
+        assert admitted == p0 and len(paused) == k and all(r.startswith("p2-") for r in paused)
+        assert p0 <= produced  # each P0's prompt went in and gave its first token in this step
+    else:
+        assert admitted == {"p0-0", "p0-1"} and paused == {"p2-0"} and sched.recompute_tokens > 0
+
+
+def test_requests_of_one_class_are_not_paused_for_each_other() -> None:
+    """Admission rounds in one step never pause a sequence for one of its own class and
+    tenant: with the batch full of P0s, a newly arrived P0 waits for a slot."""
+    async def go() -> tuple[set[str], set[str]]:
+        sched = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=256, max_seqs=2))
+        for i in range(2):
+            sched.add(f"a-{i}", encode("x" * 10), SamplingParams(max_tokens=50), class_rank=0, arrival=i)
+        await sched.step()
+        sched.add("late", encode("y" * 10), SamplingParams(max_tokens=5), class_rank=0, arrival=9)
+        res = await sched.step()
+        return set(res.admitted), set(res.preempted)
+
+    assert asyncio.run(go()) == (set(), set())
