@@ -1,6 +1,8 @@
 -- cancel_request: a client went away (or its deadline passed before any worker took
 -- the request). Removes the request wherever it is: a queued request is finished now
--- and refunded in full; a leased one is flagged so its worker stops it between steps.
+-- and refunded what it did not use (all of it unless an earlier attempt ran it before it
+-- was requeued: record.lua used_cost); a leased one is flagged so its worker stops it
+-- between steps.
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] request_id  name
@@ -34,7 +36,7 @@ local function main()
       expire_queued(p, r, now, false)
       return {'expired'}
     end
-    finish_by_redis(p, r, 'cancelled', reason, 0, now, nil)
+    finish_by_redis(p, r, 'cancelled', reason, used_cost(r), now, nil)
     return {'cancelled'}
   elseif r.state == 'leased' then
     if reason == 'expired' then return {'running'} end

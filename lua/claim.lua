@@ -271,7 +271,8 @@ local function main()
           -- failure a retry may mend.
           local code, outcome = 'too_large', 'refused'
           if largest_listed >= r.input_tokens + 1 then code, outcome = 'failed', 'failed' end
-          finish_by_redis(p, load_request(id), 'failed', why, 0, now, {code = code, msg = why}, outcome)
+          local whole = load_request(id)
+          finish_by_redis(p, whole, 'failed', why, used_cost(whole), now, {code = code, msg = why}, outcome)
           q.n[pick] = q.n[pick] - 1
         elseif never then
           -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it

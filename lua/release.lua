@@ -44,7 +44,7 @@ local function main()
   end
   if spent and r.attempts >= p.max_attempts then
     local why = 'the model server failed while serving it, on all ' .. r.attempts .. ' attempts'
-    finish_by_redis(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now,
+    finish_by_redis(p, r, 'failed', why, used_cost(r), now,
       {code = 'failed', msg = why})
     return {'failed'}
   end

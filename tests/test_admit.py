@@ -15,8 +15,7 @@ from hypothesis import strategies as st
 
 from limiter.config import demo_config
 from limiter.errors import Overloaded, QueueFull, TenantBusy, Throttled
-from tests.support.controller_helpers import redis_ms
-from tests.support.helpers import admit, class_cfg, dump_all, init_pool
+from tests.support.helpers import admit, class_cfg, dump_all, init_pool, redis_ms
 
 
 async def _flood(scripts, keys, duration_s: float, at_least: float = 0.0, **kw) -> list[tuple[int, float]]:

@@ -13,12 +13,7 @@ from limiter.config import demo_config
 from limiter.errors import LeaseLost
 from limiter.samples import unpack_sample
 from limiter.scripts import policy_document
-from tests.support.helpers import admit, class_cfg, init_pool, script_commands
-
-
-async def _redis_ms(client) -> int:
-    sec, usec = await client.time()
-    return int(sec) * 1000 + int(usec) // 1000
+from tests.support.helpers import admit, class_cfg, init_pool, redis_ms, script_commands
 
 
 async def test_highest_class_first_and_fifo_within_a_tenant(scripts, pool):
@@ -46,7 +41,7 @@ async def test_guarantees_are_kept_at_claim_and_spare_goes_by_priority(scripts, 
         for cls in ("P0", "P1", "P2"):
             await admit(scripts, keys, cls=cls, request_id=f"{cls}-{i}", input_tokens=90, max_tokens=10)
     served = {"P0": 0.0, "P1": 0.0, "P2": 0.0}
-    t0 = await _redis_ms(scripts.client)
+    t0 = await redis_ms(scripts.client)
     while True:
         got = await scripts.claim(keys, "w1", 1)
         for c in got.requests:
@@ -99,7 +94,7 @@ async def test_a_binding_ceiling_caps_a_class_even_on_an_idle_pool(scripts, sync
     for i in range(100):
         await admit(scripts, keys, cls="P2", request_id=f"c{i}", input_tokens=40, max_tokens=10)
     served = 0.0
-    t0 = await _redis_ms(scripts.client)
+    t0 = await redis_ms(scripts.client)
     while True:
         got = await scripts.claim(keys, "w1", 1)
         served += 50 * len(got.requests)
@@ -216,7 +211,7 @@ async def test_a_request_that_does_not_fit_holds_its_class_not_the_others(script
 
 
 async def test_a_request_no_live_worker_can_hold_fails_with_a_clear_error(scripts, pool):
-    now = await _redis_ms(scripts.client)
+    now = await redis_ms(scripts.client)
     await scripts.client.zadd(pool.workers, {"w1": now, "big-but-dead": now - 3_600_000})
     await scripts.client.hset(pool.worker_kv, "big-but-dead", 100_000)
     await admit(scripts, pool, cls="P0", request_id="huge", input_tokens=5000, max_tokens=10)
@@ -256,7 +251,7 @@ async def test_the_live_workers_kv_is_read_once_per_claim(redis_server, scripts,
     """largest_live_kv (one HGETALL of worker_kv and one ZSCORE per worker) ran once per
     misfit -- up to 16 skips, or twice per too_large failure, 16 of those -- in one claim: with
     50 live workers that was 800-1,600 reads. It is read once per call."""
-    now = await _redis_ms(scripts.client)
+    now = await redis_ms(scripts.client)
     workers = {f"w{i}": now for i in range(50)}
     await scripts.client.zadd(pool.workers, workers)
     await scripts.client.hset(pool.worker_kv, mapping={w: 100 for w in workers})
@@ -486,9 +481,9 @@ async def test_a_class_named_ts_keeps_its_own_served_figure_apart_from_the_ledge
     doc["classes"][0]["name"] = "ts"
     await scripts.init_pool(pool, doc, reset_rates=True)
     a = await admit(scripts, pool, cls="ts", request_id="a1", input_tokens=10, max_tokens=5)
-    before = await _redis_ms(scripts.client)
+    before = await redis_ms(scripts.client)
     got = await scripts.claim(pool, "w1", 1)
     assert [c.request_id for c in got.requests] == ["a1"]
     ledger = {k.decode(): float(v) for k, v in (await scripts.client.hgetall(pool.served)).items()}
     assert ledger["ts"] == pytest.approx(a.cost)
-    assert before <= ledger[".ts"] <= await _redis_ms(scripts.client)
+    assert before <= ledger[".ts"] <= await redis_ms(scripts.client)

@@ -11,7 +11,8 @@ import pytest
 
 from limiter.keys import SAMPLES_GROUP
 from limiter.tasks import stop_tasks
-from tests.support.controller_helpers import metric, pool_controller, push, redis_ms, sample
+from tests.support.controller_helpers import metric, pool_controller, push, sample
+from tests.support.helpers import redis_ms
 
 
 async def _group(client, keys) -> None:

@@ -10,7 +10,8 @@ import dataclasses
 from limiter.config import RedisConfig, demo_config
 from limiter.controller.service import Controller
 from limiter.keys import PoolKeys
-from tests.support.controller_helpers import fast_settings, metric, push, redis_ms, sample, wait_for
+from tests.support.controller_helpers import fast_settings, metric, push, sample, wait_for
+from tests.support.helpers import redis_ms
 from tests.support.redis_server import RedisServer
 
 

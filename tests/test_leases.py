@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
 from limiter.scripts import policy_document
-from tests.support.helpers import admit
+from tests.support.helpers import admit, redis_ms
 
 
 async def _claim_one(scripts, pool, worker="w1", lease_ms=0):
@@ -181,6 +181,32 @@ async def test_cancel_in_each_state(scripts, pool):
     await admit(scripts, pool, cls="P1", request_id="run", tenant="owner", input_tokens=1, max_tokens=1)
     await _claim_one(scripts, pool)
     assert await scripts.cancel(pool, "run", "owner", reason="expired") == "running"
+
+
+@pytest.mark.parametrize("end", ["client_gone", "expired", "too_large"])
+async def test_a_requeued_request_ended_while_queued_is_charged_what_it_delivered(scripts, pool, end):
+    """A request handed back after delivering 30 tokens (a worker drained), then ended while
+    queued -- its client gone, its max wait passed, no live worker able to hold it -- is
+    charged its prompt and those 30 tokens, as the end of that lease would have charged
+    them: it was refunded as if nothing had been used (the tenant got its client's 30 tokens
+    free, and its counter in a fair class went back as far)."""
+    b = pool.tenant_bucket("served")
+    await admit(scripts, pool, cls="P1", request_id="r", tenant="served", input_tokens=100, max_tokens=400,
+                tenant_rate=1e-9, tenant_burst=1000)
+    c = await _claim_one(scripts, pool)
+    await scripts.push_tokens(pool, request_id="r", worker_id="w1", fence=c.fence, offset=0,
+                              token_ids=list(range(30)), text="x" * 30)
+    assert await scripts.release(pool, request_id="r", worker_id="w1", fence=c.fence) == "requeued"
+    if end == "too_large":
+        await scripts.client.zadd(pool.workers, {"w1": await redis_ms(scripts.client)})
+        assert (await scripts.claim(pool, "w1", 1, kv_room=50, kv_total=50)).requests == []
+    else:
+        assert await scripts.cancel(pool, "r", "served", reason=end) == ("cancelled" if end == "client_gone"
+                                                                           else "expired")
+    rec = await scripts.client.hgetall(pool.request("r"))
+    assert rec[b"state"] in (b"cancelled", b"expired", b"failed")
+    assert float(rec[b"refund"]) == pytest.approx(500 - (100 + 30))  # reserved 100 + 400, used 100 + 30
+    assert float(await scripts.client.hget(b, "tokens")) == pytest.approx(1000 - 130, abs=1e-3)
 
 
 async def test_a_cancelled_request_whose_worker_died_is_finished_by_the_reaper(scripts, pool):

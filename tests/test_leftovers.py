@@ -15,14 +15,10 @@ from limiter.frontend.replies import REPLY_TTL_S
 from limiter.heartbeats import PRUNE_BATCH, prune_stale
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
+from tests.support.helpers import redis_ms
 from tests.support.worker_helpers import worker
 
 LUA = Path(__file__).resolve().parent.parent / "lua"
-
-
-async def _redis_ms(client) -> int:
-    sec, usec = await client.time()
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 async def _until(pred, timeout_s: float, what: str) -> None:
@@ -34,7 +30,7 @@ async def _until(pred, timeout_s: float, what: str) -> None:
 
 
 async def test_prune_is_bounded_and_spares_the_living(aredis):
-    now = await _redis_ms(aredis)
+    now = await redis_ms(aredis)
     await aredis.zadd("hb", {f"dead-{i}": now - 600_000 - i for i in range(100)})
     await aredis.zadd("hb", {"alive-a": now, "alive-b": now - 1000})
     await aredis.hset("kv", mapping={**{f"dead-{i}": 1 for i in range(100)}, "alive-a": 1})
@@ -56,7 +52,7 @@ async def test_prune_is_bounded_and_spares_the_living(aredis):
 async def test_a_worker_prunes_workers_killed_without_leaving(worker_env):
     cfg, client = worker_env
     r = client.client
-    now = await _redis_ms(r)
+    now = await redis_ms(r)
     dead = {f"killed-{i}": now - 120_000 for i in range(2 * PRUNE_BATCH + 5)}
     await r.zadd(POOL.workers, dead)
     async with worker(cfg, engine="sim", worker_id="w-live", heartbeat_ttl_s=1) as rt:
@@ -71,7 +67,7 @@ async def test_a_frontend_prunes_dead_frontends_but_not_during_an_outage(redis_s
     try:
         async with frontend(cfg, heartbeat_s=0.05) as client:
             fe = fe_of(client)
-            now = await _redis_ms(r)
+            now = await redis_ms(r)
             await r.set(POOL.outage, now - 10_000, px=60_000)
             await r.zadd(POOL.frontends, {"fe-killed": now - 30_000})
 
@@ -146,7 +142,7 @@ async def test_a_frontend_started_during_an_outage_does_not_make_the_others_dead
     keys = await init_pool(scripts, cfg)
     r = scripts.client
     await r.delete(keys.frontends)  # (init_pool's helper lists a frontend alive until 2100)
-    now = await _redis_ms(r)
+    now = await redis_ms(r)
     await r.zadd(keys.frontends, {"fe-through-the-outage": now - 5_000})  # its beat, as old as the outage
     await admit(scripts, keys, frontend="fe-through-the-outage", request_id="queued-before")
     async with frontend(cfg, heartbeat_s=0.05) as client:

@@ -38,7 +38,7 @@ from limiter.frontend.replies import Heartbeat
 from limiter.keys import SAMPLES_GROUP, PoolKeys
 from limiter.scripts import policy_document
 from tests.support.frontend_helpers import fe_of, frontend, make_cfg
-from tests.support.helpers import admit
+from tests.support.helpers import admit, redis_ms
 from tests.support.redis_server import RedisServer
 from tests.support.reliability_stack import (
     KEY_P0,
@@ -172,11 +172,6 @@ async def test_worker_kill_9_at_random_moments_loses_nothing(
         assert sum(h for _, h in kills) > 0 and resumed > 0  # the faults did hit requests in flight
     finally:
         stack.stop()
-
-
-async def redis_ms(r: aioredis.Redis) -> int:
-    sec, usec = await r.time()
-    return int(sec) * 1000 + int(usec) // 1000
 
 
 async def wait_streams_on(r: aioredis.Redis, fe_id: str, n: int, timeout: float = 20.0) -> int:

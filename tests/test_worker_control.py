@@ -14,7 +14,7 @@ import pytest
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from tests.support.helpers import wait_until
+from tests.support.helpers import redis_ms, wait_until
 from tests.support.redis_server import RedisServer
 from tests.support.worker_helpers import (
     Client,
@@ -37,11 +37,6 @@ def env(worker_env):
     return worker_env
 
 
-async def redis_ms(c: Client) -> int:
-    sec, usec = await c.client.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
 async def wait_state(c: Client, rid: str, states: tuple[str, ...], timeout: float = 10) -> dict[str, str]:
     deadline = time.monotonic() + timeout
     while (rec := await c.record(rid)).get("state") not in states:
@@ -62,7 +57,7 @@ async def test_cancellation_stops_generation_within_flush_ms_and_a_step_or_two(e
         other = await c.admit("keep me", max_tokens=60)
         await c.wait_tokens(rid, 10)
         assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
-        cancel_ms = await redis_ms(c)
+        cancel_ms = await redis_ms(c.client)
         at_cancel = int((await c.record(rid))["out_tokens"])
         rec = await wait_state(c, rid, ("cancelled",))
         await c.wait([other])

@@ -8,7 +8,8 @@
 --!include cancel.lua
 --!include requeue.lua
 
--- Queued requests past their max wait: removed, refunded in full, their client told.
+-- Queued requests past their max wait: removed, refunded what they did not use, their
+-- client told.
 local function expire_overdue(p, now, limit)
   if limit <= 0 then return 0 end
   local ids = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, limit)
@@ -40,7 +41,7 @@ local function reap_leases(p, now, limit)
       cancelled = cancelled + 1
     elseif r.attempts >= p.max_attempts then
       local why = 'worker lease expired on all ' .. r.attempts .. ' attempts'
-      finish_by_redis(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now,
+      finish_by_redis(p, r, 'failed', why, used_cost(r), now,
         {code = 'failed', msg = why})
       failed = failed + 1
     elseif requeue(p, r, now) then

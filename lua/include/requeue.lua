@@ -14,7 +14,7 @@
 local function requeue(p, r, now)
   if p.class[r.class] == nil then
     local why = 'its class ' .. r.class .. ' is no longer in the pool configuration'
-    finish_by_redis(p, r, 'failed', why, actual_cost(r, r.input_tokens, r.out_tokens), now,
+    finish_by_redis(p, r, 'failed', why, used_cost(r), now,
       {code = 'failed', msg = why})
     return false
   end

@@ -37,11 +37,6 @@ def pool_controller(cfg: QosConfig, client: Any, **kw: Any) -> PoolController:
                           metrics=ControllerMetrics(s.controller_id))
 
 
-async def redis_ms(client: Any) -> int:
-    sec, usec = await client.time()
-    return int(sec) * 1000 + int(usec) // 1000
-
-
 def sample(cls: str, ts_ms: float, *, ttft_ms: float = 100.0, tpot_ms: float = 20.0, input_tokens: int = 200,
            output_tokens: int = 100, queue_wait_ms: float = 10.0, outcome: str = "ok", **extra: Any
            ) -> dict[str, Any]:

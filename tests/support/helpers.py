@@ -62,6 +62,28 @@ async def admit(scripts: Scripts, keys: PoolKeys, *, cls: str = "P1", tenant: st
         max_wait_ms=max_wait_ms, frontend_id=frontend, payload=b"{}", tenant_weight=tenant_weight)
 
 
+def charge_of(record: dict[str, Any]) -> float:
+    """What a finished request's record says it must have been charged (``cost - refund``),
+    the ledger's rule: its true usage when its worker completed it (usage_in, usage_out);
+    otherwise (an expiry, a cancel, a refusal, a lease given up) its prompt and the tokens
+    delivered once a worker took it (claimed_ms), nothing when none ever did -- never more
+    than it reserved. Absent fields may be missing or None."""
+    w_in, w_out, cost = float(record["w_in"]), float(record["w_out"]), float(record["cost"])
+    if record.get("usage_in") is not None:
+        used = int(record["usage_in"]) * w_in + int(record["usage_out"]) * w_out
+    elif record.get("claimed_ms") is not None:
+        used = int(record["input_tokens"]) * w_in + int(record.get("out_tokens") or 0) * w_out
+    else:
+        used = 0.0
+    return min(used, cost)
+
+
+async def redis_ms(client: Any) -> int:
+    """The Redis server's clock, in ms (what the scripts read with TIME)."""
+    sec, usec = await client.time()
+    return int(sec) * 1000 + int(usec) // 1000
+
+
 def dump_all(client: Any) -> dict[bytes, tuple[bytes, bool]]:
     """Every key's DUMP (type, value, encoding) and whether it has a TTL: byte-for-byte state.
 
