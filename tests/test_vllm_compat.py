@@ -115,6 +115,14 @@ async def test_extensions_reach_the_worker_payload(client, fake_worker):
     assert p.messages == (ChatMessage("system", "be brief"), ChatMessage("user", "hi", name="ann"))
     assert p.prompt == render_chat([("system", "be brief"), ("user", "hi")])
 
+    # text parts are joined with a newline, as vLLM joins them (not run into one word)
+    parts = [{"type": "text", "text": "Hello"}, {"type": "text", "text": "world"}]
+    body["messages"] = [{"role": "user", "content": parts}]
+    r = await client.post("/v1/chat/completions", json=body, headers=auth())
+    assert r.status == 200, await r.text()
+    p = fake_worker.payloads[r.headers["X-QoS-Request-Id"]]
+    assert p.messages == (ChatMessage("user", "Hello\nworld"),)
+
 
 def _check_continuous_usage(chunks: list[dict[str, Any]], prompt_tokens: int, text: str) -> dict[str, int]:
     """Every chunk carries the running usage; the content chunks' completion_tokens is the

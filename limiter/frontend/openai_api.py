@@ -201,7 +201,9 @@ def _messages(v: Any) -> list[ChatMessage]:
                     raise bad(pp, f"'{pp}' must be {{\"type\": \"text\", \"text\": str}} (only text parts "
                               "are supported)", "invalid_type")
                 texts.append(_text(part["text"], f"{pp}.text"))
-            content = "".join(texts)
+            # as vLLM joins text parts for its (usual) string-content chat templates; joined
+            # with nothing, ["Hello", "world"] reached the model as "Helloworld"
+            content = "\n".join(texts)
         elif content is None:
             raise bad(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
         out.append(ChatMessage(role, _text(content, f"{p}.content"), extra.get("name"),
