@@ -4,15 +4,18 @@ sockets, against a private redis-server and the in-test fake worker (real script
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 
 import openai
 import pytest
 
+from limiter.config import validate
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import FRONTEND
+from limiter.keys import PoolKeys
 from limiter.prompt import Payload, count_tokens, render_chat
-from tests.support.frontend_helpers import POOL, auth, fe_of
+from tests.support.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
 
 # Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
 from tests.support.frontend_helpers import client_fixture as client_fixture
@@ -217,6 +220,41 @@ async def test_models_health_ready_metrics(client, fake_worker):
                  "qos_frontend_ttft_seconds_bucket", "qos_frontend_tpot_seconds_bucket",
                  'qos_frontend_inflight{pool="tiny"} 0.0'):
         assert name in text
+
+
+async def test_one_pool_whose_upstream_is_down_leaves_the_frontend_ready_for_the_others(
+        redis_server, sync_redis) -> None:
+    """Every live worker of one pool reports its upstream unreachable: the frontend stays
+    ready (its other pool serves; it was 503 for all, and a readiness probe took every
+    frontend out of the balancer for one broken model server), lists the pool as degraded,
+    and ``?pool=`` answers per pool. With every pool down it is not ready."""
+    cfg = make_cfg(redis_server.url)
+    tiny = cfg.pools[0]
+    cfg = validate(dataclasses.replace(cfg, pools=(tiny, dataclasses.replace(tiny, name="big", model="big"))))
+
+    def upstream(pool: str, state: str) -> None:
+        keys = PoolKeys(pool)
+        sync_redis.zadd(keys.workers, {f"w-{pool}": 4102444800000})
+        sync_redis.hset(keys.worker(f"w-{pool}"), mapping={"engine": "openai", "upstream_state": state})
+
+    async with frontend(cfg) as client:
+        assert (await client.get("/readyz")).status == 200
+        upstream("tiny", "open")
+        upstream("big", "closed")
+        r = await client.get("/readyz")
+        assert r.status == 200 and (await r.json())["degraded"] == {
+            "tiny": "every worker reports its upstream unreachable"}
+        r = await client.get("/readyz?pool=tiny")
+        assert r.status == 503 and r.headers["Retry-After"] == "1"
+        assert (await r.json())["reason"] == "every worker of pool tiny reports its upstream unreachable"
+        r = await client.get("/health?pool=big")
+        assert r.status == 200 and "degraded" not in await r.json()
+        r = await client.get("/readyz?pool=nope")
+        assert r.status == 404 and (await r.json())["status"] == "unknown"
+        upstream("big", "open")
+        r = await client.get("/readyz")
+        assert r.status == 503
+        assert (await r.json())["reason"] == "every worker of pool tiny, big reports its upstream unreachable"
 
 
 async def test_admin_status(client, fake_worker, sync_redis):

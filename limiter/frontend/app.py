@@ -149,9 +149,19 @@ def _script_shas() -> list[str]:
 
 async def readyz(request: web.Request) -> web.Response:
     """``/readyz``, and ``/health`` (vLLM's name for it, which guidellm and vLLM's tooling
-    probe before they send anything): 200 only when this frontend can admit requests."""
+    probe before they send anything): 200 only when this frontend can admit requests.
+
+    A pool whose live workers all report their upstream unreachable makes it 503 only when
+    that is every pool this frontend serves: behind a readiness probe, one broken model
+    server took every frontend out of its load balancer, and every other pool's clients
+    with it. Such pools are listed as ``degraded``; ``?pool=NAME`` asks about one pool (a
+    probe per model), 503 while it is down, 404 for a pool this frontend does not serve."""
     fe = _frontend(request)
+    asked = request.query.get("pool")
+    if asked is not None and asked not in fe.pool_keys:
+        return web.json_response({"status": "unknown", "reason": "no such pool"}, status=404)
     problem = ""
+    degraded: list[str] = []
     try:
         if fe.shutting_down:
             problem = "shutting down"
@@ -165,15 +175,22 @@ async def readyz(request: web.Request) -> web.Response:
                     await fe.scripts.load_all()
             if why := fe.not_ready_because():
                 problem = why
-            elif down := await _pools_with_upstream_down(fe):
-                problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
+            else:
+                degraded = await _pools_with_upstream_down(fe)
+                asked_down = [asked] if asked in degraded else []
+                if asked_down or (asked is None and degraded and len(degraded) == len(fe.pool_keys)):
+                    down = asked_down or degraded
+                    problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
     except (TimeoutError, QosError, *CONNECTION_ERRORS) as exc:
         log.warning("readiness: Redis unavailable: %s", exc)
         problem = "Redis unavailable"  # /readyz is unauthenticated: no address, no driver text
     if problem:
         return web.json_response({"status": "unavailable", "reason": problem}, status=503,
                                  headers={"Retry-After": "1"})
-    return web.json_response({"status": "ready", "frontend": fe.frontend_id})
+    body: dict[str, Any] = {"status": "ready", "frontend": fe.frontend_id}
+    if degraded and asked is None:
+        body["degraded"] = {p: "every worker reports its upstream unreachable" for p in degraded}
+    return web.json_response(body)
 
 
 async def _pools_with_upstream_down(fe: Frontend) -> list[str]:
