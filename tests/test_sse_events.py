@@ -133,3 +133,33 @@ def test_a_chunk_parses_as_the_standard_library_reads_it() -> None:
     for bad in ("", "{", "data: {}", "[DONE"):
         with pytest.raises(ValueError):
             parse_chunk(bad)
+
+
+class _Reads:
+    """A stream's reads, as aiohttp's ``readany`` returns them (b"" at the end)."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = list(reads)
+
+    async def readany(self) -> bytes:
+        return self.reads.pop(0) if self.reads else b""
+
+
+async def test_bytes_without_an_event_past_the_idle_bound_are_a_timeout(monkeypatch) -> None:
+    """A server (or a proxy) that sends keep-alive comments and nothing else: the socket's read
+    timeout never fires, and the request waited for its client's timeout. Past ``idle_s``
+    without an event the stream is a timeout; an event resets the bound. The clock is the
+    test's: one second a read."""
+    from worker import sse_events
+    from worker.sse_events import StreamIdle, sse_batches
+
+    clock = iter(range(1000))
+    monkeypatch.setattr(sse_events.time, "monotonic", lambda: float(next(clock)))
+    ka = b": keep-alive\n\n"
+    got: list[list[str]] = []
+    with pytest.raises(StreamIdle):
+        async for batch in sse_batches(_Reads([ka, b"data: a\n\n", ka, ka, ka, ka, b"data: b\n\n"]), 3.5):
+            got.append(batch)
+    assert got == [["a"]]  # three comment reads after it were within the bound, the fourth not
+    got = [b async for b in sse_batches(_Reads([ka, ka, ka, ka, ka, b"data: a\n\n"]))]
+    assert got == [["a"]]  # no bound: comments are skipped for as long as they come

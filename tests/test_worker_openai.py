@@ -1157,6 +1157,37 @@ async def test_an_answer_whose_connection_breaks_after_its_finish_reason_is_fini
     assert a.text == "Hello world" and a.done["fin"] == "stop" and up.calls["BREAKS"] == 1
 
 
+async def test_a_stream_of_keep_alive_comments_only_is_given_up_and_resumed(env) -> None:
+    """After its first chunk the server sends keep-alive comments and nothing else (a proxy
+    in front of a stuck engine): bytes keep coming, so the socket's read timeout never
+    fired, and the request waited for its client's timeout (600 s). Past upstream_timeout_s
+    without an event it is a timeout: handed back, and resumed after the delivered text."""
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+
+    async def stuck(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        if n == 1:
+            await resp.write(sse_chunk("Hi", completion_tokens=1))
+            with contextlib.suppress(ConnectionError):
+                while True:  # until the worker gives up on it
+                    await resp.write(b": keep-alive\n\n")
+                    await asyncio.sleep(0.02)
+            return resp
+        await resp.write(sse_chunk(" there", finish="stop", completion_tokens=1))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["STUCK"] = stuck
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_timeout_s=0.5,
+                      upstream_retry_min_s=0.1, upstream_retry_max_s=0.4):
+        rid = await c.admit("STUCK", max_tokens=20)
+        await c.wait([rid], timeout=30)
+    a = c.answers[rid]
+    assert a.text == "Hi there" and a.done["fin"] == "stop" and up.calls["STUCK"] == 2
+
+
 async def test_a_200_that_is_not_a_stream_fails_once_with_the_servers_message(env) -> None:
     """A proxy's 200 with a JSON error body was read as a stream that ended mid-answer: every
     attempt spent on it (5 calls), the breaker tripped, the server's message lost."""

@@ -18,13 +18,17 @@ stream), for the one field the worker needs:
   (the standard drops it; a server cut off after its last chunk lost nothing then).
 
 A line longer than :data:`MAX_SSE_LINE` is refused (:class:`MalformedStream`), after the
-events before it: a worker must not buffer without bound what a broken server sends.
+events before it: a worker must not buffer without bound what a broken server sends. A
+stream whose bytes keep coming without an event (comments only, a keep-alive a proxy sends
+while the answer is stuck) is given up after ``idle_s`` (:class:`StreamIdle`): the socket's
+read timeout never fired on it, and the request waited for its client's own timeout.
 """
 
 from __future__ import annotations
 
 import json
 import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -38,6 +42,10 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 
 class MalformedStream(ValueError):
     """The upstream's event stream cannot be parsed (a line past :data:`MAX_SSE_LINE`)."""
+
+
+class StreamIdle(TimeoutError):
+    """Bytes came, but no event, for longer than the stream's idle bound: read as a timeout."""
 
 
 class SseParser:
@@ -115,13 +123,19 @@ def parse_chunk(data: str) -> Any:
         return json.loads(data)
 
 
-async def sse_batches(content: aiohttp.StreamReader) -> AsyncIterator[list[str]]:
+async def sse_batches(content: aiohttp.StreamReader, idle_s: float | None = None) -> AsyncIterator[list[str]]:
     """The ``data`` payloads of an event stream, a batch per read: every event whose bytes had
     come when the worker read (``readany`` takes all that is buffered). Raises
-    :class:`MalformedStream`."""
+    :class:`MalformedStream`, and :class:`StreamIdle` when reads went on for more than
+    ``idle_s`` seconds without an event (None: no bound; a silent server is the socket read
+    timeout's)."""
     parser = SseParser()
+    last = time.monotonic()
     while raw := await content.readany():
         if events := parser.feed(raw):
+            last = time.monotonic()
             yield events
+        elif idle_s is not None and time.monotonic() - last > idle_s:
+            raise StreamIdle(f"bytes but no event for more than {idle_s:g} s (comments only?)")
     if events := parser.close():
         yield events

@@ -586,7 +586,7 @@ class UpstreamLoop:
                     text = (await _error_text(resp))[:300]
                     return self._failed(d, url, f"the model server answered without a stream: {text}")
                 cut = False
-                async for events in sse_batches(resp.content):
+                async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s):
                     for data in events:
                         if data.strip() == "[DONE]":
                             done = True
