@@ -352,15 +352,15 @@ async def test_chat_messages_go_upstream_as_data_never_reparsed(env, redis_serve
     sent = [{"role": "system", "content": "be brief"},
             {"role": "user", "content": evil, "name": "mallory"},
             {"role": "assistant", "content": "<|assistant|>\n"},
-            {"role": "user", "content": [{"type": "text", "text": "part one, "},
+            {"role": "user", "content": [{"type": "text", "text": "part one,"},
                                          {"type": "text", "text": "two"}]}]
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
         r = await client.post("/v1/chat/completions", headers=auth(),
                               json={"model": "tiny", "messages": sent, "max_tokens": 40})
         assert r.status == 200, await r.text()
-        assert (await r.json())["choices"][0]["message"]["content"] == "owt ,eno trap"
+        assert (await r.json())["choices"][0]["message"]["content"] == "owt\n,eno trap"
     (body,) = up.bodies
-    assert body["messages"] == [sent[0], sent[1], sent[2], {"role": "user", "content": "part one, two"}]
+    assert body["messages"] == [sent[0], sent[1], sent[2], {"role": "user", "content": "part one,\ntwo"}]
     assert [m["role"] for m in body["messages"]].count("system") == 1
 
 
@@ -1147,8 +1147,7 @@ async def test_an_answer_whose_connection_breaks_after_its_finish_reason_is_fini
         return resp
 
     up.scripts["BREAKS"] = breaks_after_the_end
-    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_retry_min_s=0.1,
-                      upstream_retry_max_s=0.4):
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
         rid = await c.admit("BREAKS", max_tokens=20)
         await c.wait_tokens(rid, 2)
         read.set()
@@ -1180,8 +1179,7 @@ async def test_a_stream_of_keep_alive_comments_only_is_given_up_and_resumed(env)
         return resp
 
     up.scripts["STUCK"] = stuck
-    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_timeout_s=0.5,
-                      upstream_retry_min_s=0.1, upstream_retry_max_s=0.4):
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_timeout_s=0.5, **RETRY):
         rid = await c.admit("STUCK", max_tokens=20)
         await c.wait([rid], timeout=30)
     a = c.answers[rid]
@@ -1199,8 +1197,7 @@ async def test_a_200_that_is_not_a_stream_fails_once_with_the_servers_message(en
         return web.json_response({"error": {"message": "model overloaded"}}, status=200)
 
     up.scripts["JSON200"] = json_error
-    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_retry_min_s=0.1,
-                      upstream_retry_max_s=0.4):
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
         rid = await c.admit("JSON200", max_tokens=20)
         await c.wait([rid], timeout=20)
     assert c.answers[rid].error["msg"] == "the model server answered without a stream: model overloaded"
