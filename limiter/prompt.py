@@ -11,7 +11,8 @@
 
       {"v": 1, "kind": "chat"|"completion", "prompt": str, "max_tokens": int,
        "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str,
-       "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?}],
+       "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?,
+       "reasoning"? | "reasoning_content"?}],
        "stream": bool, "grouped_tokens": bool}
 
   The last five are optional (a payload without them decodes to their defaults; ``stream``
@@ -31,6 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+
+from limiter.reply_text import REASONING_FIELDS
 
 PAYLOAD_VERSION = 1
 # The sampling fields a client may leave to the model server's defaults (Payload.defaulted).
@@ -52,6 +55,7 @@ class ChatMessage:
     content: str
     name: str | None = None
     tool_call_id: str | None = None
+    reasoning: tuple[str, str] | None = None  # (field name, text): an earlier answer's thinking
 
     def to_dict(self) -> dict[str, str]:
         d = {"role": self.role, "content": self.content}
@@ -59,6 +63,8 @@ class ChatMessage:
             d["name"] = self.name
         if self.tool_call_id is not None:
             d["tool_call_id"] = self.tool_call_id
+        if self.reasoning is not None:
+            d[self.reasoning[0]] = self.reasoning[1]
         return d
 
     @classmethod
@@ -67,8 +73,9 @@ class ChatMessage:
                 or not isinstance(d.get("content"), str):
             raise ValueError("payload message is not {role, content}")
         name, call = d.get("name"), d.get("tool_call_id")
+        reasoning = next(((k, d[k]) for k in REASONING_FIELDS if isinstance(d.get(k), str)), None)
         return cls(str(d["role"]), d["content"], None if name is None else str(name),
-                   None if call is None else str(call))
+                   None if call is None else str(call), reasoning)
 
 
 def render_chat(messages: Iterable[tuple[str, str]]) -> str:

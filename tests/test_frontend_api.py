@@ -105,6 +105,14 @@ async def test_a_multi_turn_client_may_send_back_its_answer_and_a_developer_mess
                           ("user", "again")])
     assert served.usage_in == count_tokens(prompt)
     assert (await r.json())["choices"][0]["message"]["content"] == prompt[::-1][:4]
+    # the thinking sent back is kept, under the client's name for it, for the model server
+    # (interleaved-thinking models' templates render it); it was dropped
+    kept = fake_worker.payloads[r.headers["X-QoS-Request-Id"]].messages[2]
+    assert kept.reasoning == ("reasoning_content", "thinking it over")
+    assert kept.to_dict()["reasoning_content"] == "thinking it over"
+    echoed["reasoning_content"] = 5
+    r = await client.post("/v1/chat/completions", json=body, headers=auth())
+    assert r.status == 400 and (await r.json())["error"]["param"] == "messages[2].reasoning_content"
 
 
 async def test_completion_stream_sse_framing_and_usage(client, fake_worker):

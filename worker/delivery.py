@@ -29,6 +29,7 @@ from limiter.errors import InvalidArgument, LeaseLost
 from limiter.keys import PoolKeys
 from limiter.prompt import Payload
 from limiter.redis_conn import map_redis_errors
+from limiter.reply_text import NUL, pack
 from limiter.scripts import Claimed, Pushed, Scripts, TokenBatch
 
 # The arguments of push_tokens and complete that are the batch's tokens: Redis refusing one
@@ -94,11 +95,15 @@ class Delivery:
         self.produced += n
 
     def add(self, token_ids: list[int] | tuple[int, ...], text: str, t: float,
-            tokens: int | None = None) -> None:
+            tokens: int | None = None, reasoning: str = "", reasoning_field: str = "reasoning") -> None:
         """Queue released tokens and their text for the next push. ``tokens`` is how many
         model tokens they are (default one per id); the openai engine counts the upstream's
-        tokens and passes the text's bytes as ``token_ids`` (what a resuming worker needs)."""
+        tokens and passes the text's bytes as ``token_ids`` (what a resuming worker needs),
+        and the reasoning a model server sent apart from the text (``reasoning``, under the
+        field name it used), which the push carries marked in the text (limiter/reply_text)."""
         n = len(token_ids) if tokens is None else tokens
+        if reasoning or NUL in text:
+            text = pack(text, reasoning, reasoning_field)
         if (n or token_ids or text) and self.pending_since is None:
             self.pending_since = t
         self.pending_ids.extend(token_ids)

@@ -77,6 +77,7 @@ import aiohttp
 
 from limiter.backoff import Backoff
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
+from limiter.reply_text import REASONING_FIELDS
 from limiter.token_count import MODEL_SERVER_KEEPALIVE_S
 from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
@@ -558,6 +559,7 @@ class UpstreamLoop:
         chat = path == "/chat/completions"
         allowance = max_tokens - d.total_tokens
         counted = 0  # upstream tokens taken in this attempt
+        reasoning_field = "reasoning"
         finish: str | None = None
         done = False
         last = time.monotonic()
@@ -605,23 +607,35 @@ class UpstreamLoop:
                             await self._forward_before_failing(d)
                             return self._failed(d, url, f"the model server reported an error: {msg}")
                         running = self._usage(d, chunk.get("usage"))
-                        text = ""
+                        text = thought = ""
                         for ch in chunk.get("choices") or []:
-                            piece = ((ch.get("delta") or {}).get("content") if chat else ch.get("text")) or ""
                             finish = ch.get("finish_reason") or finish
+                            if not chat:
+                                piece = ch.get("text")
+                            else:
+                                delta = ch.get("delta") or {}
+                                piece = delta.get("content")
+                                # vLLM's --reasoning-parser: the thinking of a reasoning model
+                                # comes apart from the answer (`reasoning`; `reasoning_content`
+                                # before vLLM renamed it): forwarded under the same name
+                                for name in REASONING_FIELDS:
+                                    if isinstance(r := delta.get(name), str) and r:
+                                        thought += r
+                                        reasoning_field = name
+                                        break
                             if isinstance(piece, str):
                                 text += piece
                         # This chunk's tokens: the running usage says exactly; without it, one per
                         # chunk with text. The final usage (a chunk of its own, no text) brings the
                         # count up to the upstream's completion_tokens.
-                        new = max(running - counted, 0) if running is not None else int(bool(text))
+                        new = max(running - counted, 0) if running is not None else int(bool(text or thought))
                         cut = counted + new > allowance
                         if cut:  # the upstream went past max_tokens: stop there
                             new = allowance - counted
                             if new == 0:  # all of this chunk is past it: none of its text either
-                                text = ""
-                        if new or text:
-                            self._take(d, text, new)
+                                text = thought = ""
+                        if new or text or thought:
+                            self._take(d, text, new, thought, reasoning_field)
                             counted += new
                         if cut:
                             break
@@ -688,9 +702,13 @@ class UpstreamLoop:
             d.usage_in = max(prompt - d.claimed.delivered, 1) if d.claimed.delivered else prompt
         return completion
 
-    def _take(self, d: Delivery, text: str, tokens: int) -> None:
-        """Queue ``tokens`` upstream tokens with their text; the text's bytes are the ids a
-        resuming worker rebuilds the delivered text from."""
+    def _take(self, d: Delivery, text: str, tokens: int, reasoning: str = "",
+              reasoning_field: str = "reasoning") -> None:
+        """Queue ``tokens`` upstream tokens with their text (and reasoning); the text's bytes
+        are the ids a resuming worker rebuilds the delivered text from. The reasoning is not
+        among them: a resume sends the answer's text as the assistant message to continue,
+        which is what a chat template renders of an earlier turn (vLLM's parsers drop the
+        thinking there); a resume cut mid-thought thinks again."""
         t = time.monotonic()
         if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
@@ -698,7 +716,8 @@ class UpstreamLoop:
             d.note_tokens(tokens, t)
             self._gen_tokens += tokens
             self.rt.metrics.generated_tokens.inc(tokens)
-        d.add(list(text.encode()), text, t, tokens=tokens)
+        d.add(list(text.encode()), text, t, tokens=tokens, reasoning=reasoning,
+              reasoning_field=reasoning_field)
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time

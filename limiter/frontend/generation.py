@@ -39,6 +39,7 @@ from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import Frontend
+from limiter.reply_text import unpack
 from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 
 log = logging.getLogger("qos.frontend")
@@ -305,8 +306,10 @@ class Generation:
             parts.append(self.accept(r))
             if r.kind == "done":
                 self.observe_done(r)
-                body = oa.full_response(self.req, self.request_id, self.created, "".join(parts), r.finish,
-                                        r.usage_in, r.usage_out)
+                answer = unpack("".join(parts))
+                body = oa.full_response(self.req, self.request_id, self.created, answer.content, r.finish,
+                                        r.usage_in, r.usage_out,
+                                        (answer.field, answer.reasoning) if answer.reasoning else None)
                 return web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id},
                                          dumps=oa.compact_json)
 
@@ -363,7 +366,12 @@ class Generation:
                         continue
                     resp, out = await open_stream()
                 if text:
-                    out.append(oa.sse(oa.chunk(req, rid, created, text=text,
+                    # the answer's text, and a reasoning model's thinking where the model server
+                    # sent it apart (limiter/reply_text.py): a delta of thinking alone has no content
+                    piece = unpack(text)
+                    thought = (piece.field, piece.reasoning) if piece.reasoning else None
+                    content = piece.content or (None if thought else "")
+                    out.append(oa.sse(oa.chunk(req, rid, created, text=content, reasoning=thought,
                                                usage_so_far=(req.prompt_tokens, self.forwarded))))
                 if r.kind == "done":
                     self.observe_done(r)

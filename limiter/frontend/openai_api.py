@@ -20,6 +20,7 @@ from typing import Any
 from limiter.config import PoolConfig, QosConfig
 from limiter.frontend.errors import ApiError
 from limiter.prompt import CHAT_ROLES, DEFAULTABLE, ChatMessage, Payload, render_chat
+from limiter.reply_text import REASONING_FIELDS
 
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -109,10 +110,6 @@ _MESSAGE_NEUTRAL: dict[str, Any] = {
     "function_call": lambda v: v is None,
     "audio": lambda v: v is None,
     "annotations": lambda v: v is None or v == [],
-    # vLLM's reasoning output: not part of the next prompt (vLLM's own chat templates drop it),
-    # so it is ignored, whatever it holds
-    "reasoning_content": lambda v: v is None or isinstance(v, str),
-    "reasoning": lambda v: v is None or isinstance(v, str),
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
     **_NEUTRAL,
@@ -181,7 +178,7 @@ def _messages(v: Any) -> list[ChatMessage]:
                 if not _MESSAGE_NEUTRAL[k](m[k]):
                     raise bad(f"{p}.{k}", f"'{p}.{k}' = {json.dumps(m[k])[:100]} is not supported by this "
                               "service (only its neutral value is accepted)", "unsupported_value")
-            elif k not in ("role", "content", "name", "tool_call_id"):
+            elif k not in ("role", "content", "name", "tool_call_id", *REASONING_FIELDS):
                 raise bad(f"{p}.{k}", f"unrecognized field '{p}.{k}'", "unknown_parameter")
         role = m.get("role")
         if role == "developer":  # OpenAI's newer name for the system message
@@ -192,6 +189,13 @@ def _messages(v: Any) -> list[ChatMessage]:
         for k in ("name", "tool_call_id"):
             if m.get(k) is not None:
                 extra[k] = _text(m[k], f"{p}.{k}")
+        # An earlier answer's thinking, sent back (vLLM's `reasoning`, or `reasoning_content`):
+        # kept, and sent upstream under the client's name for it, for the chat templates of
+        # interleaved-thinking models that render it; the others drop it.
+        reasoning = None
+        for k in REASONING_FIELDS:
+            if m.get(k) is not None and reasoning is None:
+                reasoning = (k, _text(m[k], f"{p}.{k}"))
         content = m.get("content")
         if isinstance(content, list):
             texts = []
@@ -207,7 +211,7 @@ def _messages(v: Any) -> list[ChatMessage]:
         elif content is None:
             raise bad(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
         out.append(ChatMessage(role, _text(content, f"{p}.content"), extra.get("name"),
-                               extra.get("tool_call_id")))
+                               extra.get("tool_call_id"), reasoning))
     return out
 
 
@@ -408,9 +412,14 @@ def response_id(req: GenerationRequest, request_id: str) -> str:
 
 
 def full_response(req: GenerationRequest, request_id: str, created: int, text: str, reason: str,
-                  usage_in: int, usage_out: int) -> dict[str, Any]:
+                  usage_in: int, usage_out: int, reasoning: tuple[str, str] | None = None) -> dict[str, Any]:
+    """``reasoning``: (field name, text) of what a model server sent apart from the answer
+    (limiter/reply_text.py), in the chat message as that server put it."""
     if req.kind == "chat":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+        message = {"role": "assistant", "content": text}
+        if reasoning:
+            message[reasoning[0]] = reasoning[1]
+        choice: dict[str, Any] = {"index": 0, "message": message,
                                   "logprobs": None, "finish_reason": finish_reason(reason)}
         obj = "chat.completion"
     else:
@@ -421,18 +430,22 @@ def full_response(req: GenerationRequest, request_id: str, created: int, text: s
 
 
 def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | None = None,
-          role: bool = False, reason: str | None = None,
-          usage_so_far: tuple[int, int] | None = None) -> dict[str, Any]:
+          role: bool = False, reason: str | None = None, usage_so_far: tuple[int, int] | None = None,
+          reasoning: tuple[str, str] | None = None) -> dict[str, Any]:
     """One SSE chunk: a text delta, the chat role opener, or the final finish_reason.
 
     ``usage_so_far`` = (prompt tokens, completion tokens so far): with ``continuous_usage``
-    (vLLM's ``continuous_usage_stats``) every chunk carries the running usage."""
+    (vLLM's ``continuous_usage_stats``) every chunk carries the running usage. ``reasoning``
+    = (field name, text): a chat delta of a reasoning model's thinking, as vLLM's reasoning
+    parser sends it (no ``content`` unless ``text`` has some too)."""
     fin = finish_reason(reason) if reason is not None else None
     if req.kind == "chat":
         delta: dict[str, Any] = {}
         if role:
             delta["role"] = "assistant"
             delta["content"] = ""
+        if reasoning:
+            delta[reasoning[0]] = reasoning[1]
         if text is not None:
             delta["content"] = text
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}

@@ -95,8 +95,10 @@ class FakeUpstream:
             return web.json_response({"error": {"message": "server busy"}}, status=self.status)
         chat = "messages" in body
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        # a script is chosen by any message of a chat (a resume's last one is the answer so far)
+        every = " ".join(str(m.get("content")) for m in body["messages"]) if chat else prompt
         for key, script in self.scripts.items():
-            if key in prompt:
+            if key in every:
                 n = self.calls[key] = self.calls.get(key, 0) + 1
                 return await script(request, body, n)
         if "PRIOFAIL" in prompt and body.get("priority"):  # vLLM without priority scheduling
@@ -203,6 +205,23 @@ def sse_chunk(text: str | None = None, finish: str | None = None,
     """One completions SSE event: ``text``, a ``finish_reason``, the running usage."""
     c: dict[str, Any] = {"id": "x", "object": "text_completion", "model": "tiny",
                          "choices": [{"index": 0, "text": text or "", "finish_reason": finish}]}
+    if completion_tokens is not None:
+        c["usage"] = {"prompt_tokens": 5, "completion_tokens": completion_tokens,
+                      "total_tokens": 5 + completion_tokens}
+    return ("data: " + json.dumps(c) + "\n\n").encode()
+
+
+def chat_chunk(content: str | None = None, reasoning: str | None = None, field: str = "reasoning",
+               finish: str | None = None, completion_tokens: int | None = None) -> bytes:
+    """One chat SSE event as vLLM sends it with a reasoning parser: the answer's ``content``
+    and (apart) the model's thinking under ``field``, a ``finish_reason``, the running usage."""
+    delta: dict[str, Any] = {}
+    if reasoning is not None:
+        delta[field] = reasoning
+    if content is not None:
+        delta["content"] = content
+    c: dict[str, Any] = {"id": "x", "object": "chat.completion.chunk", "model": "tiny",
+                         "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
     if completion_tokens is not None:
         c["usage"] = {"prompt_tokens": 5, "completion_tokens": completion_tokens,
                       "total_tokens": 5 + completion_tokens}

@@ -1,0 +1,74 @@
+"""The text a token push carries: the answer's text, and the reasoning a model server sent
+apart from it.
+
+A model server with a reasoning parser (vLLM ``--reasoning-parser``) streams a reasoning
+model's thinking in its own delta field (``reasoning``; ``reasoning_content`` before vLLM
+removed that name) and the answer in ``content``. The openai worker forwards both; the
+pushes, the reply stream and ``complete`` carry one text per batch (lua/push_tokens.lua:
+the scripts never read it), so the reasoning rides inside it, marked:
+
+* ``NUL r`` starts reasoning under the field ``reasoning``, ``NUL R`` under
+  ``reasoning_content`` (the frontend answers under the name the server used);
+* ``NUL c`` goes back to the answer's text;
+* ``NUL NUL`` is one NUL of the text it is in.
+
+Every packed piece ends in the answer's text, so pieces joined in order (a push takes all
+that is pending; a non-streamed answer joins its pushes) unpack as a whole. Text without a
+NUL -- every answer without reasoning -- is carried as it is, and unpacking it is one scan.
+A frontend of an earlier release shows the marks of a reasoning answer as text: deploy
+frontends before workers.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+NUL = "\x00"
+REASONING_FIELDS = {"reasoning": "r", "reasoning_content": "R"}
+_FIELD_OF = {mark: field for field, mark in REASONING_FIELDS.items()}
+
+
+class ReplyText(NamedTuple):
+    content: str
+    reasoning: str = ""
+    field: str = ""  # the reasoning's field name ("" when there is none)
+
+
+def pack(content: str, reasoning: str = "", field: str = "reasoning") -> str:
+    """One batch's text as a push carries it (module docstring)."""
+    if NUL in content:
+        content = content.replace(NUL, NUL + NUL)
+    if not reasoning:
+        return content
+    if NUL in reasoning:
+        reasoning = reasoning.replace(NUL, NUL + NUL)
+    return f"{NUL}{REASONING_FIELDS[field]}{reasoning}{NUL}c{content}"
+
+
+def unpack(text: str) -> ReplyText:
+    """The answer's text and reasoning of packed text. A mark this module does not write
+    (text from elsewhere) is kept as text."""
+    if NUL not in text:
+        return ReplyText(text)
+    out: dict[str, list[str]] = {"c": [], "r": []}
+    mode, field = "c", ""
+    i, n = 0, len(text)
+    while i < n:
+        j = text.find(NUL, i)
+        if j < 0:
+            out[mode].append(text[i:])
+            break
+        out[mode].append(text[i:j])
+        mark = text[j + 1:j + 2]
+        if mark == NUL:
+            out[mode].append(NUL)
+        elif mark == "c":
+            mode = "c"
+        elif mark in _FIELD_OF:
+            mode, field = "r", field or _FIELD_OF[mark]
+        else:  # not a mark: the NUL is text
+            out[mode].append(NUL)
+            i = j + 1
+            continue
+        i = j + 2
+    return ReplyText("".join(out["c"]), "".join(out["r"]), field)
