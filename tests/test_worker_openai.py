@@ -975,6 +975,36 @@ async def test_an_idle_upstream_connection_is_not_reused_past_the_keepalive(env,
 
 
 
+@pytest.mark.parametrize("chat", [False, True])
+async def test_one_request_after_another_reuses_the_upstream_connection(env, chat: bool) -> None:
+    """A server ends its answer with [DONE] and then the body's end (the last chunk of a
+    chunked response, its own write): where that came in a later read, the worker left the
+    stream at [DONE] with the body unfinished, and aiohttp closed the connection -- a new
+    TCP connection per request (a TIME_WAIT socket each: at 1,000 requests/s, ports run out)."""
+    from tests.support.fake_upstream import chat_chunk, sse_chunk, sse_response
+
+    cfg, c, up = env
+    peers = []
+
+    async def end_apart(request: Any, body: dict[str, Any], n: int) -> Any:
+        peers.append(request.transport.get_extra_info("peername"))
+        resp = await sse_response(request)
+        await resp.write(chat_chunk("ok", finish="stop", completion_tokens=1) if chat else
+                         sse_chunk("ok", finish="stop", completion_tokens=1))
+        await resp.write(b"data: [DONE]\n\n")
+        await asyncio.sleep(0.05)  # the body's end in a read of its own (a lower bound: later is as good)
+        return resp
+
+    up.scripts["APART"] = end_apart
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        for i in range(3):
+            extra = {"kind": "chat", "messages": (ChatMessage("user", f"APART {i}"),)} if chat else {}
+            rid = await c.admit(f"APART {i}", max_tokens=5, **extra)
+            await c.wait([rid], timeout=20)
+            assert c.answers[rid].text == "ok"
+    assert len(set(peers)) == 1, peers
+
+
 def _draining_openai_worker(cfg, up) -> tuple[Any, Any]:
     """An openai worker (runtime, loop) in front of ``up`` whose drain lasts 120 s: the
     tests end it with a second SIGTERM."""

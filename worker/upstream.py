@@ -95,6 +95,9 @@ DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot
 # 403 or 404 is the worker's configuration (its key, its model name), a 500 the server's own.
 REFUSED_STATUSES = (400, 413, 422)
 ERROR_BODY_LIMIT = 64 << 10  # the most of an error body read (_error_text)
+# After [DONE], how long the worker waits for the body's end (a chunked response's last
+# chunk, the server's next write: microseconds) before it gives the connection up.
+END_OF_BODY_S = 0.1
 # ... unless the refusal names a field the worker adds of its own accord (a server that takes
 # no `priority`: the worker's configuration, upstream_priority) or refuses a resume (the
 # continuation is the worker's): failed, as the server's own error.
@@ -185,6 +188,19 @@ def _ended(finish: str) -> Result:
     """An answer the model server ended with ``finish``: stop and length as they are, any
     other reason (vLLM's repetition, say) as a stop."""
     return ("ok", finish if finish in ("stop", "length") else "stop", "")
+
+
+async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
+    """Read a stream's body to its end after its ``[DONE]``: the connection goes back to the
+    pool for the next request. Left at ``[DONE]`` where the body's end had not come in the
+    same read, aiohttp closed it: a new TCP connection per request, and a TIME_WAIT socket
+    each (at 1,000 requests/s the ephemeral ports run out). What a server sends after
+    ``[DONE]`` is not part of the answer; one that never ends its body loses the connection
+    after END_OF_BODY_S, as before."""
+    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+        async with asyncio.timeout(END_OF_BODY_S):
+            while await resp.content.readany():
+                pass
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
@@ -651,6 +667,8 @@ class UpstreamLoop:
                             await self.pushes.push(d)  # with the other streams' of this turn
                 if cut:
                     return ("ok", "length", "")
+                if done:
+                    await _read_to_end(resp)
         except MalformedStream as exc:
             await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))
