@@ -294,3 +294,41 @@ def test_bad_states_and_limits_are_rejected() -> None:
         Candidate("x", 0, 0, 0)
     with pytest.raises(InvalidArgument):
         build_plan([dec("x", 0, 0), dec("x", 1, 1)], Limits())
+
+
+def test_a_tenant_behind_in_its_class_gets_the_kv_a_richer_tenant_holds() -> None:
+    """KV, not slots, is short: a flood tenant's long prompts hold a class's KV and a light
+    tenant's request waited for one of them to finish. The flood gives up as many sequences
+    as the light request needs (their KV freed), if the rule allows pausing enough: a tenant
+    keeps one slot more than the light tenant will hold; none when that would not make room."""
+    def run(rid: str, tenant: str, arrival: float, kv: int) -> SeqState:
+        return SeqState(rid, 1, arrival, 0, True, kv, tenant)
+
+    flood = [run(f"f{i}", "flood", i, 300) for i in range(3)]  # 903 of 1000 KV through the next step
+    limits = Limits(max_seqs=8, kv_capacity=1000)
+    light = Candidate("l", 1, 10, 200, tenant="light")  # needs 201: 97 free
+    assert choose_preemption(flood, [light], limits) == Preemption("f2", free_kv=True)
+    # 3 against 0: two may go (602 more, 699 in all); a request needing more moves nobody
+    assert choose_preemption(flood, [Candidate("l", 1, 10, 700, tenant="light")], limits) is None
+    assert choose_preemption(flood, [Candidate("l", 1, 10, 690, tenant="light")], limits) == \
+        Preemption("f2", free_kv=True)
+    # 2 against 1: not two apart, nobody moves, however short the KV
+    two = [*flood[:2], run("l0", "light", 5, 100)]
+    assert choose_preemption(two, [Candidate("l", 1, 10, 500, tenant="light")], limits) is None
+    # classes without tenant fairness (tenant ''): never
+    anon = [run(f"a{i}", "", i, 300) for i in range(3)]
+    assert choose_preemption(anon, [Candidate("x", 1, 10, 200)], limits) is None
+
+
+def test_decode_growth_past_the_kv_pauses_the_richest_tenants_sequence_first() -> None:
+    """The running set outgrows the KV: in the lowest class, a sequence of the tenant holding
+    the most of its slots goes, not the least KV of anyone (a light tenant's just-admitted
+    prompt, which rule 3 then admitted again at the flood's expense, recomputed each step)."""
+    def run(rid: str, tenant: str, arrival: float, kv: int) -> SeqState:
+        return SeqState(rid, 1, arrival, 0, True, kv, tenant)
+
+    running = [run("f0", "flood", 0, 400), run("f1", "flood", 1, 400), run("l0", "light", 5, 100)]
+    assert choose_preemption(running, [], Limits(kv_capacity=902)) == Preemption("f1", True)
+    # without tenants (a class without fairness), the least KV, as before
+    anon = [run("a0", "", 0, 400), run("a1", "", 1, 400), run("a2", "", 5, 100)]
+    assert choose_preemption(anon, [], Limits(kv_capacity=902)) == Preemption("a2", True)

@@ -34,7 +34,9 @@ step was 15 % of a 128-sequence step's CPU).
 * :func:`choose_preemption` - when the batch is full (sequences or KV) and a strictly
   higher class waits, or when the running set itself no longer fits in KV, the victim is
   the lowest-class running sequence that holds the least KV (the least to recompute),
-  the most recently arrived among equals.
+  the most recently arrived among equals; when a tenant behind in its class waits at a
+  batch full of that class (slots or KV), a sequence of the tenant holding the most of
+  its slots.
 
 Preemption policy: a preempted sequence is *paused* and returns to the waiting set with its
 original arrival order. When a batch slot is what is short and the KV cache has room, the
@@ -375,6 +377,31 @@ def victim_key(s: Planned) -> tuple[int, int, Arrival]:
     return (s.class_rank, -s.kv_tokens, s.arrival)
 
 
+def _tenant_preemption(running: Sequence[Planned], head: Candidate, share: dict[tuple[int, str], int],
+                       free: int) -> Preemption | None:
+    """Rule 3 of :func:`choose_preemption`: the sequence of a tenant rich in the head's class
+    to pause for the head, or None. A tenant holding ``n`` of the class's slots may give up
+    ``n - mine - 1`` (``mine``: the head's tenant's), in :func:`victim_key` order, so that
+    it still holds one more than the head's tenant will; the richest tenant goes first."""
+    rank = head.class_rank
+    mine = share.get((rank, head.tenant), 0)
+    allowed: list[Planned] = []
+    for (r, tenant), n in share.items():
+        if r == rank and tenant and n >= mine + 2:
+            theirs = sorted((s for s in running if s.class_rank == rank and s.tenant == tenant),
+                            key=victim_key, reverse=True)
+            allowed += theirs[:n - mine - 1]
+    if not allowed:
+        return None
+    if head.need > free + sum(s.kv_tokens + s.to_prefill + (1 if s.decoding else 0) for s in allowed):
+        return None  # pausing all it may would still not make room: pause none
+    most = max(share[(s.class_rank, s.tenant)] for s in allowed)
+    victim = max((s for s in allowed if share[(s.class_rank, s.tenant)] == most), key=victim_key)
+    # paused but kept, the victim stops needing its unprefilled prompt and next token
+    return Preemption(victim.request_id, free_kv=head.need > free + victim.to_prefill
+                      + (1 if victim.decoding else 0))
+
+
 def choose_preemption(
     running: Sequence[Planned], waiting: Sequence[Candidate], limits: Limits
 ) -> Preemption | None:
@@ -384,8 +411,8 @@ def choose_preemption(
 
     1. the running set and the KV waiting sequences kept cannot take the next decode tokens
        within ``kv_capacity``: free the kept KV of the lowest waiting sequence, else pause
-       the running victim (:func:`victim_key`) and free its KV, because otherwise nobody can
-       make progress;
+       the running victim (:func:`victim_key`, after the lowest class, the tenant holding the
+       most of its slots) and free its KV, because otherwise nobody can make progress;
     2. the highest-priority waiting candidate (class, then the tenant holding the fewest of
        its class's slots here, then arrival) cannot be admitted (no slot or no KV room), and
        pausing every strictly lower-class running sequence (and freeing what lower-class
@@ -394,7 +421,9 @@ def choose_preemption(
        when the candidate fits anyway (a slot was all that was missing);
     3. no lower class runs but a tenant holds at least two more of the head's class's slots
        than the head's tenant: pause one of that tenant's sequences (tenants of a class share
-       its slots evenly; within a tenant, arrival order).
+       its slots evenly; within a tenant, :func:`victim_key` order) -- its KV kept when a slot
+       is all the head lacks; when KV is short, as many as the head needs, their KV freed,
+       if the rule allows pausing enough (:func:`_tenant_preemption`).
 
     With nothing running no step will free anything, so a head kept out by the KV that
     paused sequences hold gets it (the lowest of them first): otherwise the scheduler saw a
@@ -404,7 +433,12 @@ def choose_preemption(
     residents = [c for c in waiting if c.resident_kv]
     if demand > limits.kv_capacity:
         kept = max(residents, key=lambda c: (c.class_rank, c.arrival), default=None)
-        victim = max(running, key=victim_key, default=None)
+        # the lowest class's tenant holding the most of its slots gives up KV first: the least
+        # KV of anyone was a light tenant's just-admitted prompt, paused at the next decode
+        # step and admitted again (rule 3) in turn, recomputed each time
+        share = tenant_slots(running)
+        victim = max(running, key=lambda s: (s.class_rank, share[(s.class_rank, s.tenant)], -s.kv_tokens,
+                                              s.arrival), default=None)
         if kept is not None and (victim is None or kept.class_rank >= victim.class_rank):
             return Preemption(kept.request_id, True)
         return None if victim is None else Preemption(victim.request_id, True)
@@ -424,19 +458,15 @@ def choose_preemption(
         return None  # admissible as is
     lower = [s for s in running if s.class_rank > head.class_rank]
     lower_kept = [c for c in residents if c.class_rank > head.class_rank and c is not head]
-    if slot_short and not lower:
-        # 3. the batch is full of the head's class (or higher): a tenant holding at least two
-        # more of the class's slots than the head's gives one up (its KV kept), so a light
-        # tenant does not wait for a flood's streams to finish (slots converge to even)
-        mine = share.get((head.class_rank, head.tenant), 0)
-        rich = [s for s in running if s.class_rank == head.class_rank
-                and share[(s.class_rank, s.tenant)] >= mine + 2]
-        if not rich or head.need > free:
-            return None
-        most = max(share[(s.class_rank, s.tenant)] for s in rich)
-        victim = max((s for s in rich if share[(s.class_rank, s.tenant)] == most), key=victim_key)
-        return Preemption(victim.request_id, free_kv=head.need > free + victim.to_prefill
-                          + (1 if victim.decoding else 0))
+    if not lower and (not lower_kept or head.need <= free):
+        # 3. nothing of a lower class runs (or keeps KV the head needs), and the batch is full
+        # of the head's class (or higher) -- its slots, or its KV: a tenant holding at least
+        # two more of the class's slots than the head's gives them up, so a light tenant does
+        # not wait for a flood's streams to finish (slots converge to even). Slots alone: one,
+        # its KV kept. KV: as many as the head needs, their KV freed, if pausing those the rule
+        # allows (a tenant keeps one slot more than the head's tenant will hold) makes room;
+        # else none (a flood's long prompts holding the KV kept a light tenant waiting).
+        return _tenant_preemption(running, head, share, free)
     freeable = kv_demand(lower) + sum(c.resident_kv for c in lower_kept)
     if head.need > free + freeable:
         return None  # pausing every lower-class sequence would still not make room
