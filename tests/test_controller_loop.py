@@ -26,10 +26,10 @@ from tests.support.controller_helpers import (
     metric,
     pool_controller,
     push,
-    redis_ms,
     sample,
     wait_for,
 )
+from tests.support.helpers import redis_ms
 from tests.support.redis_server import free_port
 
 
