@@ -1283,7 +1283,7 @@ async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(en
         await c.wait_tokens(rid, 2)
         read.set()
         await c.wait([rid], timeout=20)
-    assert unpack(c.answers[rid].text) == ReplyText("It is 4.", "Two and two.", "reasoning")
+    assert unpack(c.answers[rid].wire) == ReplyText("It is 4.", "Two and two.", "reasoning")
     assert up.bodies[-1]["messages"][-1] == {"role": "assistant", "content": "It is"}
     assert up.calls["THINK2"] == 2
 

@@ -27,6 +27,7 @@ from limiter.localstack import launcher
 from limiter.localstack.launcher import module_argv, spawn
 from limiter.localstack.toml_writer import write_toml
 from limiter.prompt import Payload, count_tokens
+from limiter.reply_text import unpack
 from limiter.scripts import Scripts, policy_document, unpack_token_ids
 from tests.support.helpers import three_classes
 from worker.engines.base import Engine
@@ -58,7 +59,7 @@ def write_config(path: Path, redis_url: str, *, lease_ms: int = 10000, worker: d
 class Answer:
     """One request as the client saw it on the reply stream."""
 
-    text: str = ""
+    wire: str = ""  # the entries' texts as pushed (limiter/reply_text.py: marks and all)
     tokens: int = 0  # sum of counts delivered
     offsets: list[int] = field(default_factory=list)
     attempts: list[int] = field(default_factory=list)
@@ -69,6 +70,15 @@ class Answer:
     @property
     def finished(self) -> bool:
         return self.done is not None or self.error is not None
+
+    @property
+    def text(self) -> str:
+        """The answer's text, as the frontend unpacks it (a NUL the model wrote is one NUL)."""
+        return unpack(self.wire).content
+
+    @property
+    def reasoning(self) -> str:
+        return unpack(self.wire).reasoning
 
 
 class Client:
@@ -117,7 +127,7 @@ class Client:
                             a.times_ms.append(int(self._last.split("-")[0]))
                         assert not r.count or r.offset == a.tokens, f"{rid}: {r.offset} after {a.tokens}"
                         a.tokens += r.count
-                        a.text += r.text
+                        a.wire += r.text
                         if r.kind == "done":
                             a.done = {k.decode(): v.decode() for k, v in f.items()}
                     else:
