@@ -1288,6 +1288,42 @@ async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(en
     assert up.calls["THINK2"] == 2
 
 
+@pytest.mark.parametrize("where", ["mid-stream", "http-500"])
+async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(env, where: str) -> None:
+    """vLLM's engine dies (EngineDeadError): every request it held gets "EngineCore encountered
+    an issue" -- as a chunk of its stream, or as an HTTP 500 -- and the server exits. Each was
+    failed as the request's own error, its client told so, though any other server would have
+    answered it. It is the server going away: handed back and resumed (the attempt counts)."""
+    from aiohttp import web
+
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+    dead = {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+            "type": "InternalServerError", "param": None, "code": 500}
+
+    async def dies(request: Any, body: dict[str, Any], n: int) -> Any:
+        if n == 1 and where == "http-500":
+            return web.json_response({"error": dead}, status=500)
+        resp = await sse_response(request)
+        if n == 1:
+            await resp.write(sse_chunk("Hello", completion_tokens=1))
+            await resp.write(("data: " + json.dumps({"error": dead}) + "\n\n").encode())
+            return resp
+        await resp.write(sse_chunk(" world", finish="stop", completion_tokens=1))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["DIES"] = dies
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        rid = await c.admit("DIES", max_tokens=20)
+        await c.wait([rid], timeout=30)
+    a = c.answers[rid]
+    assert a.error is None and a.done["fin"] == "stop", a
+    assert a.text == ("Hello world" if where == "mid-stream" else " world") and up.calls["DIES"] == 2
+    assert (await c.record(rid))["attempts"] == "2"
+
+
 async def test_a_200_that_is_not_a_stream_fails_once_with_the_servers_message(env) -> None:
     """A proxy's 200 with a JSON error body was read as a stream that ended mid-answer: every
     attempt spent on it (5 calls), the breaker tripped, the server's message lost."""

@@ -103,6 +103,17 @@ END_OF_BODY_S = 0.1
 # continuation is the worker's): failed, as the server's own error.
 WORKER_FIELDS = ("priority", "stream_options", "continuous_usage_stats", "continue_final_message",
                  "add_generation_prompt")
+# vLLM's words when its engine died (EngineDeadError; the V0 engine's AsyncEngineDeadError):
+# every request it held gets them, as a chunk of its stream or an HTTP 500, and the server
+# exits. Read as the request's own error, each such request failed -- though any other
+# server would have answered it. They are the server going away: handed back for resume.
+ENGINE_DEAD = ("enginecore encountered an issue", "enginedeaderror", "engine core proc",
+               "engine loop has died", "background loop has errored", "background loop is not running")
+
+
+def _engine_died(message: str) -> bool:
+    m = message.lower()
+    return any(p in m for p in ENGINE_DEAD)
 
 
 class UpstreamDown(Exception):
@@ -585,6 +596,9 @@ class UpstreamLoop:
                     raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                 if resp.status != 200:
                     text = (await _error_text(resp))[:300]
+                    if resp.status >= 500 and _engine_died(text):
+                        raise UpstreamDown(f"{url}: HTTP {resp.status}, the model server's engine died: "
+                                           f"{text}", spent=True)
                     if resp.status == 400 and "priority" in body and "priority" in text.lower():
                         # A vLLM left at its default (first come, first served) refuses every
                         # non-zero priority: every class but the top one failed. The pool's
@@ -620,6 +634,9 @@ class UpstreamLoop:
                         if chunk.get("error"):
                             err = chunk["error"]
                             msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                            if _engine_died(msg):
+                                raise UpstreamDown(f"{url}: the model server's engine died mid-answer: {msg}",
+                                                   spent=True)
                             await self._forward_before_failing(d)
                             return self._failed(d, url, f"the model server reported an error: {msg}")
                         running = self._usage(d, chunk.get("usage"))
