@@ -17,7 +17,7 @@ from limiter.errors import ConfigError
 from limiter.localstack.sse import sse_chunks
 from limiter.prompt import ChatMessage, render_chat
 from limiter.scripts import Scripts
-from tests.support.fake_upstream import FakeUpstream
+from tests.support.fake_upstream import FakeUpstream, end_stream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.helpers import wait_until
 from tests.support.redis_server import RedisServer, free_port
@@ -1172,9 +1172,7 @@ async def test_an_answer_whose_connection_breaks_after_its_finish_reason_is_fini
             await read.wait()  # the worker has pushed " world": it read the finish with it
             request.transport.abort()
             return resp
-        await resp.write(sse_chunk(" more", finish="stop", completion_tokens=3))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await end_stream(resp, sse_chunk(" more", finish="stop", completion_tokens=3))
 
     up.scripts["BREAKS"] = breaks_after_the_end
     async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
@@ -1204,9 +1202,7 @@ async def test_a_stream_of_keep_alive_comments_only_is_given_up_and_resumed(env)
                     await resp.write(b": keep-alive\n\n")
                     await asyncio.sleep(0.02)
             return resp
-        await resp.write(sse_chunk(" there", finish="stop", completion_tokens=1))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await end_stream(resp, sse_chunk(" there", finish="stop", completion_tokens=1))
 
     up.scripts["STUCK"] = stuck
     async with worker(cfg, engine="openai", upstream_url=up.url, upstream_timeout_s=0.5, **RETRY):
@@ -1273,9 +1269,7 @@ async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(en
             await read.wait()  # both pushed
             request.transport.abort()
             return resp
-        await resp.write(chat_chunk(" 4.", None, finish="stop", completion_tokens=1))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await end_stream(resp, chat_chunk(" 4.", None, finish="stop", completion_tokens=1))
 
     up.scripts["THINK2"] = breaks
     async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
@@ -1310,9 +1304,7 @@ async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(en
             await resp.write(sse_chunk("Hello", completion_tokens=1))
             await resp.write(("data: " + json.dumps({"error": dead}) + "\n\n").encode())
             return resp
-        await resp.write(sse_chunk(" world", finish="stop", completion_tokens=1))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await end_stream(resp, sse_chunk(" world", finish="stop", completion_tokens=1))
 
     up.scripts["DIES"] = dies
     async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
@@ -1352,9 +1344,7 @@ async def test_a_finish_reason_error_fails_the_request_rather_than_ending_it_as_
     async def engine_error(request: Any, body: dict[str, Any], n: int) -> Any:
         resp = await sse_response(request)
         await resp.write(sse_chunk("partial", completion_tokens=1))
-        await resp.write(sse_chunk(None, finish="error", completion_tokens=1))
-        await resp.write(b"data: [DONE]\n\n")
-        return resp
+        return await end_stream(resp, sse_chunk(None, finish="error", completion_tokens=1))
 
     up.scripts["ENGERR"] = engine_error
     async with worker(cfg, engine="openai", upstream_url=up.url):

@@ -228,6 +228,12 @@ def chat_chunk(content: str | None = None, reasoning: str | None = None, field: 
     return ("data: " + json.dumps(c) + "\n\n").encode()
 
 
+async def end_stream(resp: web.StreamResponse, last: bytes) -> web.StreamResponse:
+    """Write a scripted stream's last chunk and ``[DONE]`` (one write); returns ``resp``."""
+    await resp.write(last + b"data: [DONE]\n\n")
+    return resp
+
+
 async def sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
