@@ -1316,6 +1316,52 @@ async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(en
     assert (await c.record(rid))["attempts"] == "2"
 
 
+@pytest.mark.parametrize("chat", [False, True])
+async def test_a_resume_after_a_space_does_not_give_the_client_two(env, chat: bool) -> None:
+    """An answer broken off after "It is " is resumed. Sent with its trailing space, the
+    continuation began with one of its own (" 4."; a chat template that trims the message to
+    continue always gives one) and the client read "It is  4.". The space is left out of what
+    the model continues, and the continuation's own, which the client has, is not sent again;
+    a continuation that starts otherwise is forwarded whole."""
+    from tests.support.fake_upstream import chat_chunk, sse_chunk, sse_response
+
+    cfg, c, up = env
+    read = asyncio.Event()
+
+    def chunk(text: str, **kw: Any) -> bytes:
+        return chat_chunk(text, **kw) if chat else sse_chunk(text, **kw)
+
+    async def breaks(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        if n == 1:
+            await resp.write(chunk("It is ", completion_tokens=2))
+            await read.wait()  # pushed
+            request.transport.abort()
+            return resp
+        seen = body["messages"][-1]["content"] if chat else body["prompt"]
+        assert seen.endswith("It is") and not seen.endswith(" "), seen
+        return await end_stream(resp, chunk(" 4.\n", finish="stop", completion_tokens=1))
+
+    up.scripts["SEAM"] = breaks
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        extra = {"kind": "chat", "messages": (ChatMessage("user", "SEAM"),)} if chat else {}
+        rid = await c.admit("SEAM", max_tokens=20, **extra)
+        await c.wait_tokens(rid, 2)
+        read.set()
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].text == "It is 4.\n" and c.answers[rid].tokens == 3
+
+
+def test_past_the_seam_drops_only_the_whitespace_the_client_has() -> None:
+    from worker.upstream import _past_seam
+
+    assert _past_seam(" 4.", " ") == ("4.", "")
+    assert _past_seam("4.", " ") == ("4.", "")  # nothing repeated: forwarded whole
+    assert _past_seam("\nok", " ") == ("\nok", "")  # other whitespace is the model's own
+    assert _past_seam(" ", " \n") == ("", "\n")  # all of it matched: go on with the next text
+    assert _past_seam("\nx", "\n") == ("x", "")
+
+
 async def test_a_200_that_is_not_a_stream_fails_once_with_the_servers_message(env) -> None:
     """A proxy's 200 with a JSON error body was read as a stream that ended mid-answer: every
     attempt spent on it (5 calls), the breaker tripped, the server's message lost."""

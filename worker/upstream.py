@@ -201,6 +201,28 @@ def _ended(finish: str) -> Result:
     return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
 
+def _seam(d: Delivery) -> str:
+    """The whitespace that ends the text delivered before this attempt. A resume sends that
+    text without it (_body), and the continuation's first whitespace, as far as it is the
+    same, is not sent again (:func:`_past_seam`): the client has it. Sent with it, the
+    continuation often began with its own (" 4." after "It is "; a chat template that trims
+    the message to continue, as Llama 3's does, always gave it one), and the client read two."""
+    if not d.claimed.generated:
+        return ""
+    prior = decode(d.claimed.generated)
+    return prior[len(prior.rstrip()):]
+
+
+def _past_seam(text: str, seam: str) -> tuple[str, str]:
+    """(``text`` less its start that repeats ``seam``, what of the seam is still to match): the
+    matching stops at the first character that differs, or goes on in the next text when
+    all of this one matched."""
+    k, n = 0, min(len(text), len(seam))
+    while k < n and text[k] == seam[k]:
+        k += 1
+    return ("", seam[k:]) if k == len(text) else (text[k:], "")
+
+
 async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
     """Read a stream's body to its end after its ``[DONE]``: the connection goes back to the
     pool for the next request. Left at ``[DONE]`` where the body's end had not come in the
@@ -528,7 +550,7 @@ class UpstreamLoop:
     def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
         """The upstream request. Raises ValueError for a chat payload without its messages."""
         p, c = d.payload, d.claimed
-        prior = decode(c.generated) if c.generated else ""
+        prior = decode(c.generated).rstrip() if c.generated else ""  # the seam's whitespace: _seam
         body: dict[str, Any] = {
             "model": self.model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": allowance}
@@ -587,6 +609,7 @@ class UpstreamLoop:
         allowance = max_tokens - d.total_tokens
         counted = 0  # upstream tokens taken in this attempt
         reasoning_field = "reasoning"
+        seam = _seam(d)
         finish: str | None = None
         done = False
         last = time.monotonic()
@@ -658,6 +681,8 @@ class UpstreamLoop:
                                         break
                             if isinstance(piece, str):
                                 text += piece
+                        if seam and text:
+                            text, seam = _past_seam(text, seam)
                         # This chunk's tokens: the running usage says exactly; without it, one per
                         # chunk with text. The final usage (a chunk of its own, no text) brings the
                         # count up to the upstream's completion_tokens.
