@@ -125,6 +125,16 @@ def upstream_url(url: str, worker: Mapping[str, Any]) -> str:
     return got.rstrip("/").removesuffix("/v1")
 
 
+def with_reasoning(prompt: str, messages: Sequence[ChatMessage]) -> str:
+    """A chat's rendering and the thinking its messages send back (an earlier answer's
+    ``reasoning``): the openai engine sends that upstream, where the chat templates of
+    interleaved-thinking models render it, so it is counted too (an estimate, as the rest of
+    a chat's local count; the upstream counter sees it in the messages). Uncounted, a
+    megabyte of it went upstream under a few dozen admitted tokens."""
+    thoughts = [m.reasoning[1] for m in messages if m.reasoning]
+    return prompt + "".join(thoughts) if thoughts else prompt
+
+
 class Counter:
     """Counts a prompt in the pool's tokens."""
 
@@ -135,7 +145,7 @@ class Counter:
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
         """Tokens of a completion prompt, or of a chat (``messages``; ``prompt`` is its rendering)."""
-        return self.count_text(prompt)
+        return self.count_text(with_reasoning(prompt, messages))
 
     async def close(self) -> None:
         return None
@@ -151,6 +161,7 @@ class FileCounter(Counter):
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
+        prompt = with_reasoning(prompt, messages)
         if len(prompt) > THREAD_CHARS:  # the Rust encoder releases the GIL
             return await asyncio.to_thread(self.count_text, prompt)
         return self.count_text(prompt)

@@ -198,7 +198,7 @@ BUGS = (
         "local fair = p.class[cls] == nil or class_fair(p, cls)"),
     Bug("queued_end_refunds_all", "a request requeued after an attempt served it, then ended while "
         "queued (cancelled, expired, too large), is refunded as if nothing had been used",
-        "include/record.lua", "  if r.claimed_ms then return actual_cost",
+        "include/record.lua", "  if r.state == 'leased' or r.out_tokens > 0 then return actual_cost",
         "  if r.state == 'leased' then return actual_cost"),
     Bug("expiry_refunds_all", "an expiry refunds a request in full, whatever an earlier attempt served",
         "include/expire.lua", "' ms', used_cost(r), now,", "' ms', 0, now,"),

@@ -332,3 +332,15 @@ def test_decode_growth_past_the_kv_pauses_the_richest_tenants_sequence_first() -
     # without tenants (a class without fairness), the least KV, as before
     anon = [run("a0", "", 0, 400), run("a1", "", 1, 400), run("a2", "", 5, 100)]
     assert choose_preemption(anon, [], Limits(kv_capacity=902)) == Preemption("a2", True)
+
+
+def test_a_higher_class_takes_its_room_from_the_richest_tenant_below_it() -> None:
+    """A P0 needs KV held by P1 tenants a (two sequences) and b (one): a's goes. The least KV
+    of anyone was b's, whose tenant rule 3 then admitted again in the same step at a's
+    expense, its context recomputed (122 tokens where 101 would do)."""
+    def run(rid: str, tenant: str, arrival: float, kv: int) -> SeqState:
+        return SeqState(rid, 1, arrival, 0, True, kv, tenant)
+
+    running = [run("a1", "a", 0, 100), run("a2", "a", 1, 100), run("b1", "b", 2, 20)]  # 223 through next step
+    p0 = Candidate("p0", 0, 5, 30, tenant="c")  # needs 31: 17 free
+    assert choose_preemption(running, [p0], Limits(max_seqs=4, kv_capacity=240)) == Preemption("a2", True)

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from worker.batch_policy import Limits
-from worker.batch_scheduler import BatchScheduler
+from worker.batch_scheduler import ADMISSION_ROUNDS, BatchScheduler
 from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
 from worker.tokenizer import encode
@@ -49,6 +49,20 @@ def test_p0_requests_arriving_together_at_a_full_batch_all_start_in_the_next_ste
         assert p0 <= produced  # each P0's prompt went in and gave its first token in this step
     else:
         assert admitted == {"p0-0", "p0-1"} and paused == {"p2-0"} and sched.recompute_tokens > 0
+
+
+def test_the_admission_rounds_of_one_step_are_bounded() -> None:
+    """20 P0s at a batch full of 20 P2s: one step starts 1 + ADMISSION_ROUNDS of them (each
+    round is O(sequences): 256 against 256 made one step of 0.75 s), the next steps the rest."""
+    async def go() -> list[int]:
+        sched = BatchScheduler(SimEngine(time_scale=0), Limits(token_budget=512, max_seqs=20))
+        await _full_of_p2(sched, 20)
+        for i in range(20):
+            sched.add(f"p0-{i}", encode("y" * 5), SamplingParams(max_tokens=50), class_rank=0,
+                      arrival=100 + i)
+        return [len((await sched.step()).admitted) for _ in range(3)]
+
+    assert asyncio.run(go()) == [1 + ADMISSION_ROUNDS, 1 + ADMISSION_ROUNDS, 20 - 2 * (1 + ADMISSION_ROUNDS)]
 
 
 def test_requests_of_one_class_are_not_paused_for_each_other() -> None:

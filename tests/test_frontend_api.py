@@ -85,7 +85,8 @@ async def test_chat_non_stream(client, fake_worker):
     assert served.usage_in == count_tokens(prompt) and served.usage_out == 8
 
 
-async def test_a_multi_turn_client_may_send_back_its_answer_and_a_developer_message(client, fake_worker):
+async def test_a_multi_turn_client_may_send_back_its_answer_and_a_developer_message(client, fake_worker,
+                                                                                     sync_redis):
     """Clients that append the assistant message they received (as OpenAI and vLLM return it:
     refusal, tool_calls, function_call, audio at null) and send the tool fields empty were
     refused field by field; "developer" is OpenAI's newer name for the system message."""
@@ -103,14 +104,20 @@ async def test_a_multi_turn_client_may_send_back_its_answer_and_a_developer_mess
     served = await fake_worker.by_id(r.headers["X-QoS-Request-Id"])
     prompt = render_chat([("system", "be brief"), ("user", "hi"), ("assistant", answer["content"]),
                           ("user", "again")])
-    assert served.usage_in == count_tokens(prompt)
+    # the thinking sent back is counted (the model server may render it: a megabyte of it went
+    # upstream under a few dozen admitted tokens) and kept, under the client's name for it, for
+    # the model server (interleaved-thinking models' templates render it); it was dropped
+    assert served.usage_in == count_tokens(prompt)  # what the (fake) engine saw
+    admitted = sync_redis.hget(POOL.request(r.headers["X-QoS-Request-Id"]), "input_tokens")
+    assert int(admitted) == count_tokens(prompt) + len("thinking it over")
     assert (await r.json())["choices"][0]["message"]["content"] == prompt[::-1][:4]
-    # the thinking sent back is kept, under the client's name for it, for the model server
-    # (interleaved-thinking models' templates render it); it was dropped
     kept = fake_worker.payloads[r.headers["X-QoS-Request-Id"]].messages[2]
     assert kept.reasoning == ("reasoning_content", "thinking it over")
     assert kept.to_dict()["reasoning_content"] == "thinking it over"
     echoed["reasoning_content"] = 5
+    r = await client.post("/v1/chat/completions", json=body, headers=auth())
+    assert r.status == 400 and (await r.json())["error"]["param"] == "messages[2].reasoning_content"
+    echoed.update(reasoning="a thought", reasoning_content=5)  # the second one is checked too
     r = await client.post("/v1/chat/completions", json=body, headers=auth())
     assert r.status == 400 and (await r.json())["error"]["param"] == "messages[2].reasoning_content"
 

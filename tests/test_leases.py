@@ -209,6 +209,22 @@ async def test_a_requeued_request_ended_while_queued_is_charged_what_it_delivere
     assert float(await scripts.client.hget(b, "tokens")) == pytest.approx(1000 - 130, abs=1e-3)
 
 
+@pytest.mark.parametrize("end", ["client_gone", "expired"])
+async def test_a_request_handed_back_unstarted_and_then_ended_is_refunded_in_full(scripts, pool, end):
+    """A draining worker hands back work it never started (the attempt is given back); the
+    request is then cancelled or expires while queued: nothing was used, all is refunded.
+    Charging its prompt once any worker had claimed it (this stop's first rule) charged it
+    for nothing."""
+    await admit(scripts, pool, cls="P1", request_id="r", tenant="unstarted", input_tokens=100, max_tokens=400,
+                tenant_rate=1e-9, tenant_burst=1000)
+    c = await _claim_one(scripts, pool)
+    assert await scripts.release(pool, request_id="r", worker_id="w1", fence=c.fence) == "requeued"
+    await scripts.cancel(pool, "r", "unstarted", reason=end)
+    assert float(await scripts.client.hget(pool.request("r"), "refund")) == pytest.approx(500)
+    bucket = float(await scripts.client.hget(pool.tenant_bucket("unstarted"), "tokens"))
+    assert bucket == pytest.approx(1000, abs=1e-3)
+
+
 async def test_a_cancelled_request_whose_worker_died_is_finished_by_the_reaper(scripts, pool):
     await admit(scripts, pool, cls="P1", request_id="zombie", input_tokens=1, max_tokens=5)
     await _claim_one(scripts, pool, lease_ms=50)

@@ -51,7 +51,7 @@ prefill already schedules fairly, instead of host memory and PCIe bandwidth for 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import Protocol
@@ -371,6 +371,13 @@ def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int
     return (c.class_rank, share.get((c.class_rank, c.tenant), 0), c.arrival)
 
 
+def _richest_first(share: dict[tuple[int, str], int]) -> Callable[[Planned], tuple[int, int, int, Arrival]]:
+    """:func:`victim_key` with, after the class, the tenant holding the most of its slots
+    (``share``: :func:`tenant_slots` of the running set; one value for a class without
+    tenants, so there it is victim_key's order)."""
+    return lambda s: (s.class_rank, share[(s.class_rank, s.tenant)], -s.kv_tokens, s.arrival)
+
+
 def victim_key(s: Planned) -> tuple[int, int, Arrival]:
     """Who is paused first: the lowest class, then the least KV (the least to recompute if
     its cache must go), then the most recent arrival. ``max`` of this key is the victim."""
@@ -436,9 +443,7 @@ def choose_preemption(
         # the lowest class's tenant holding the most of its slots gives up KV first: the least
         # KV of anyone was a light tenant's just-admitted prompt, paused at the next decode
         # step and admitted again (rule 3) in turn, recomputed each time
-        share = tenant_slots(running)
-        victim = max(running, key=lambda s: (s.class_rank, share[(s.class_rank, s.tenant)], -s.kv_tokens,
-                                              s.arrival), default=None)
+        victim = max(running, key=_richest_first(tenant_slots(running)), default=None)
         if kept is not None and (victim is None or kept.class_rank >= victim.class_rank):
             return Preemption(kept.request_id, True)
         return None if victim is None else Preemption(victim.request_id, True)
@@ -474,7 +479,9 @@ def choose_preemption(
         return Preemption(max(lower_kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
     if not lower:
         return None
-    victim = max(lower, key=victim_key)
+    # the lowest class's richest tenant first, as under rule 1: the least KV of anyone was a
+    # light tenant's sequence, admitted again at once by rule 3 at the richer one's expense
+    victim = max(lower, key=_richest_first(share))
     # paused but kept, the victim stops needing its unprefilled prompt and next token
     keep_frees = victim.to_prefill + (1 if victim.decoding else 0)
     return Preemption(victim.request_id, free_kv=head.need > free + keep_frees)

@@ -44,6 +44,8 @@ from worker.step_budget import StepBudget
 from worker.textstream import Release, StopScanner
 from worker.tokenizer import IncrementalDecoder
 
+ADMISSION_ROUNDS = 8  # more pause-and-admit rounds in one step, beyond the first (step())
+
 
 @dataclass
 class ScheduledSeq:
@@ -241,10 +243,11 @@ class BatchScheduler:
                 seq.resident = True
         return paused
 
-    def _admit(self) -> list[str]:
+    def _admit(self) -> tuple[list[str], bool]:
+        """What was started, and whether anything still waits."""
         waiting = self.waiting
         if not waiting:  # most steps: nothing to choose from
-            return []
+            return [], False
         running = self.running
         admit = choose_admissions([s.candidate() for s in waiting], running, self.limits)
         if not admit and not running and self._seqs:
@@ -259,7 +262,7 @@ class BatchScheduler:
             ctx = seq.context
             self.engine.add(rid, ctx, seq.params)
             seq.running, seq.kv_tokens, seq.to_prefill = True, 0, len(ctx)
-        return list(admit)
+        return list(admit), len(admit) < len(waiting)
 
     async def step(self) -> StepResult:
         """Preempt, admit, run one planned engine step, book its tokens (module docstring).
@@ -267,17 +270,19 @@ class BatchScheduler:
         Raises :class:`InvalidArgument` when a waiting request can never fit; engine errors
         propagate (the caller decides what happens to the requests)."""
         paused = self._pause()
-        admitted = self._admit()
+        admitted, left = self._admit()
         # choose_preemption makes room for the head of the waiting set only: with k P0
         # requests arriving together at a full batch, the next head is looked at once the
-        # first is in, in this step, not one step later each (k steps of P2 decodes). Each
-        # round admits at least one sequence, so the rounds are bounded by the set's size.
+        # first is in, in this step, not one step later each (k steps of P2 decodes). Only
+        # while a round started something and something still waits, and at most
+        # ADMISSION_ROUNDS of them: each is O(sequences), and 256 P0s arriving at 256 P2s
+        # made one step of 0.75 s; the rest start in the next steps.
         again = admitted
-        for _ in range(len(self._seqs)):
-            if not again:
+        for _ in range(ADMISSION_ROUNDS):
+            if not (again and left):
                 break
             paused += self._pause()
-            again = self._admit()
+            again, left = self._admit()
             admitted += again
         running = self.running
         limits = self.limits

@@ -194,8 +194,9 @@ def _messages(v: Any) -> list[ChatMessage]:
         # interleaved-thinking models that render it; the others drop it.
         reasoning = None
         for k in REASONING_FIELDS:
-            if m.get(k) is not None and reasoning is None:
-                reasoning = (k, _text(m[k], f"{p}.{k}"))
+            if m.get(k) is not None:
+                text = _text(m[k], f"{p}.{k}")  # both checked, the first kept
+                reasoning = reasoning or (k, text)
         content = m.get("content")
         if isinstance(content, list):
             texts = []

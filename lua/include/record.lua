@@ -73,12 +73,12 @@ local function actual_cost(r, in_tokens, out_tokens)
 end
 
 -- What an end that no worker reported (an expiry, a cancel, a refusal, a lease given up)
--- charges a request: nothing when no worker ever took it; once one did (claimed_ms is
--- set at the first claim, and kept when the request goes back to its queue), its prompt
--- and the tokens delivered so far, whether it is leased or queued again at the end. A
--- request requeued after serving tokens and then cancelled or expired was refunded as if
--- nothing had been used: its client's tokens were free to its tenant.
+-- charges a request: its prompt and the tokens delivered so far while a worker holds it,
+-- or once an attempt delivered tokens (a request requeued after serving some, then
+-- cancelled or expired, was refunded as if nothing had been used: its client's tokens were
+-- free to its tenant); nothing while it is queued with nothing delivered (never taken, or
+-- handed back unstarted by a draining worker: that attempt is given back).
 local function used_cost(r)
-  if r.claimed_ms then return actual_cost(r, r.input_tokens, r.out_tokens) end
+  if r.state == 'leased' or r.out_tokens > 0 then return actual_cost(r, r.input_tokens, r.out_tokens) end
   return 0
 end
