@@ -389,7 +389,7 @@ def _tenant_preemption(running: Sequence[Planned], head: Candidate, share: dict[
     """Rule 3 of :func:`choose_preemption`: the sequence of a tenant rich in the head's class
     to pause for the head, or None. A tenant holding ``n`` of the class's slots may give up
     ``n - mine - 1`` (``mine``: the head's tenant's), in :func:`victim_key` order, so that
-    it still holds one more than the head's tenant will; the richest tenant goes first."""
+    it still holds as many as the head's tenant will; the richest tenant goes first."""
     rank = head.class_rank
     mine = share.get((rank, head.tenant), 0)
     allowed: list[Planned] = []
@@ -469,7 +469,7 @@ def choose_preemption(
         # two more of the class's slots than the head's gives them up, so a light tenant does
         # not wait for a flood's streams to finish (slots converge to even). Slots alone: one,
         # its KV kept. KV: as many as the head needs, their KV freed, if pausing those the rule
-        # allows (a tenant keeps one slot more than the head's tenant will hold) makes room;
+        # allows (a tenant keeps as many slots as the head's tenant will hold) makes room;
         # else none (a flood's long prompts holding the KV kept a light tenant waiting).
         return _tenant_preemption(running, head, share, free)
     freeable = kv_demand(lower) + sum(c.resident_kv for c in lower_kept)
