@@ -9,7 +9,10 @@
   config file's directory. Chat prompts are counted as the frontend renders them
   (:func:`limiter.prompt.render_chat`): the model's own chat template is not in
   ``tokenizer.json``, so a chat count is an estimate, reconciled with the upstream's
-  ``usage`` when the request ends;
+  ``usage`` when the request ends. An earlier answer's thinking that a client sends back
+  (a message's ``reasoning``) is not counted: most templates drop it, and counted, it
+  refused chats that fit (the context check); the upstream counter sees it where the
+  template renders it, and the model server refuses a prompt past its context;
 * ``"upstream"``: the model server's ``POST /tokenize`` (vLLM: ``{model, prompt}`` or
   ``{model, messages, add_generation_prompt}`` -> ``{count, tokens, max_model_len}``) at
   ``tokenizer_url`` (default ``[worker] upstream_url``), with the model name the workers send
@@ -125,16 +128,6 @@ def upstream_url(url: str, worker: Mapping[str, Any]) -> str:
     return got.rstrip("/").removesuffix("/v1")
 
 
-def with_reasoning(prompt: str, messages: Sequence[ChatMessage]) -> str:
-    """A chat's rendering and the thinking its messages send back (an earlier answer's
-    ``reasoning``): the openai engine sends that upstream, where the chat templates of
-    interleaved-thinking models render it, so it is counted too (an estimate, as the rest of
-    a chat's local count; the upstream counter sees it in the messages). Uncounted, a
-    megabyte of it went upstream under a few dozen admitted tokens."""
-    thoughts = [m.reasoning[1] for m in messages if m.reasoning]
-    return prompt + "".join(thoughts) if thoughts else prompt
-
-
 class Counter:
     """Counts a prompt in the pool's tokens."""
 
@@ -145,7 +138,7 @@ class Counter:
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
         """Tokens of a completion prompt, or of a chat (``messages``; ``prompt`` is its rendering)."""
-        return self.count_text(with_reasoning(prompt, messages))
+        return self.count_text(prompt)
 
     async def close(self) -> None:
         return None
@@ -161,7 +154,6 @@ class FileCounter(Counter):
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
-        prompt = with_reasoning(prompt, messages)
         if len(prompt) > THREAD_CHARS:  # the Rust encoder releases the GIL
             return await asyncio.to_thread(self.count_text, prompt)
         return self.count_text(prompt)

@@ -1313,7 +1313,19 @@ async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(en
     a = c.answers[rid]
     assert a.error is None and a.done["fin"] == "stop", a
     assert a.text == ("Hello world" if where == "mid-stream" else " world") and up.calls["DIES"] == 2
-    assert (await c.record(rid))["attempts"] == "2"
+    # the HTTP 500 comes before vLLM takes the request (it checks its engine first): not spent
+    assert (await c.record(rid))["attempts"] == ("2" if where == "mid-stream" else "1")
+
+
+def test_only_a_message_that_is_an_engines_death_reads_as_one() -> None:
+    """Matched at the message's start, as vLLM writes it: a request's own error that quotes
+    the words (its stop string, a bad regex) is not the server going away."""
+    from worker.upstream import _engine_died
+
+    assert _engine_died("EngineCore encountered an issue. See stack trace (above) for the root cause.")
+    assert _engine_died("Background loop has errored already.")
+    assert not _engine_died("'stop' must not contain 'engine loop has died'")
+    assert not _engine_died("Invalid regex '(EngineCore encountered an issue'")
 
 
 @pytest.mark.parametrize("chat", [False, True])

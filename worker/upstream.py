@@ -104,16 +104,17 @@ END_OF_BODY_S = 0.1
 WORKER_FIELDS = ("priority", "stream_options", "continuous_usage_stats", "continue_final_message",
                  "add_generation_prompt")
 # vLLM's words when its engine died (EngineDeadError; the V0 engine's AsyncEngineDeadError):
-# every request it held gets them, as a chunk of its stream or an HTTP 500, and the server
-# exits. Read as the request's own error, each such request failed -- though any other
-# server would have answered it. They are the server going away: handed back for resume.
-ENGINE_DEAD = ("enginecore encountered an issue", "enginedeaderror", "engine core proc",
-               "engine loop has died", "background loop has errored", "background loop is not running")
+# every request it held gets them, as a chunk of its stream, and new ones as an HTTP 500
+# until the server exits. Read as the request's own error, each such request failed --
+# though any other server would have answered it. They are the server going away: handed
+# back for resume. Matched at the message's start, as vLLM writes it: a request's own error
+# that quotes them (a stop string, a bad regex) is not an engine's death.
+ENGINE_DEAD = ("EngineCore encountered an issue", "Engine loop has died",
+               "Background loop has errored already", "Background loop is not running")
 
 
 def _engine_died(message: str) -> bool:
-    m = message.lower()
-    return any(p in m for p in ENGINE_DEAD)
+    return message.lstrip().startswith(ENGINE_DEAD)
 
 
 class UpstreamDown(Exception):
@@ -201,6 +202,9 @@ def _ended(finish: str) -> Result:
     return ("ok", finish if finish in ("stop", "length") else "stop", "")
 
 
+SEAM_SPACE = " \t"  # not line ends: a continuation after "one.\n" sent as "one." began " Line two"
+
+
 def _seam(d: Delivery) -> str:
     """The whitespace that ends the text delivered before this attempt. A resume sends that
     text without it (_body), and the continuation's first whitespace, as far as it is the
@@ -210,7 +214,7 @@ def _seam(d: Delivery) -> str:
     if not d.claimed.generated:
         return ""
     prior = decode(d.claimed.generated)
-    return prior[len(prior.rstrip()):]
+    return prior[len(prior.rstrip(SEAM_SPACE)):]
 
 
 def _past_seam(text: str, seam: str) -> tuple[str, str]:
@@ -550,7 +554,7 @@ class UpstreamLoop:
     def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
         """The upstream request. Raises ValueError for a chat payload without its messages."""
         p, c = d.payload, d.claimed
-        prior = decode(c.generated).rstrip() if c.generated else ""  # the seam's whitespace: _seam
+        prior = decode(c.generated).rstrip(SEAM_SPACE) if c.generated else ""  # the seam: _seam
         body: dict[str, Any] = {
             "model": self.model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": allowance}
@@ -620,8 +624,10 @@ class UpstreamLoop:
                 if resp.status != 200:
                     text = (await _error_text(resp))[:300]
                     if resp.status >= 500 and _engine_died(text):
+                        # vLLM checks its engine before it takes the request: this one never
+                        # ran, and its attempt is not spent (the breaker bounds the retries)
                         raise UpstreamDown(f"{url}: HTTP {resp.status}, the model server's engine died: "
-                                           f"{text}", spent=True)
+                                           f"{text}", spent=False)
                     if resp.status == 400 and "priority" in body and "priority" in text.lower():
                         # A vLLM left at its default (first come, first served) refuses every
                         # non-zero priority: every class but the top one failed. The pool's
@@ -657,7 +663,10 @@ class UpstreamLoop:
                         if chunk.get("error"):
                             err = chunk["error"]
                             msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
-                            if _engine_died(msg):
+                            code = err.get("code") if isinstance(err, dict) else None
+                            if _engine_died(msg) and code in (None, 500, "500"):
+                                if finish is not None and finish not in ("abort", "error"):
+                                    return _ended(finish)  # the answer was over: as a break after it
                                 raise UpstreamDown(f"{url}: the model server's engine died mid-answer: {msg}",
                                                    spent=True)
                             await self._forward_before_failing(d)
