@@ -39,7 +39,7 @@ local function main()
   if r == nil then return LEASE_LOST end
   local now = now_ms()
   if r.cancel == 1 or not frontend_alive(p, r.frontend, now) then
-    cancel_orphan(p, r, now, 'its client went away while its worker was draining')
+    cancel_orphan(p, r, now, 'its client went away while its worker was draining', not spent)
     return {'cancelled'}
   end
   if spent and r.attempts >= p.max_attempts then

@@ -200,6 +200,10 @@ BUGS = (
         "queued (cancelled, expired, too large), is refunded as if nothing had been used",
         "include/record.lua", "  if r.state == 'leased' or r.out_tokens > 0 then return actual_cost",
         "  if r.state == 'leased' then return actual_cost"),
+    Bug("leased_end_charges_nothing", "a request a worker held, ended with nothing delivered (its "
+        "lease given up, its client gone), is charged nothing, not its prompt",
+        "include/record.lua", "  if r.state == 'leased' or r.out_tokens > 0 then return actual_cost",
+        "  if r.out_tokens > 0 then return actual_cost"),
     Bug("expiry_refunds_all", "an expiry refunds a request in full, whatever an earlier attempt served",
         "include/expire.lua", "' ms', used_cost(r), now,", "' ms', 0, now,"),
 )

@@ -209,18 +209,24 @@ async def test_a_requeued_request_ended_while_queued_is_charged_what_it_delivere
     assert float(await scripts.client.hget(b, "tokens")) == pytest.approx(1000 - 130, abs=1e-3)
 
 
-@pytest.mark.parametrize("end", ["client_gone", "expired"])
+@pytest.mark.parametrize("end", ["client_gone", "expired", "at_the_hand_back"])
 async def test_a_request_handed_back_unstarted_and_then_ended_is_refunded_in_full(scripts, pool, end):
     """A draining worker hands back work it never started (the attempt is given back); the
-    request is then cancelled or expires while queued: nothing was used, all is refunded.
-    Charging its prompt once any worker had claimed it (this stop's first rule) charged it
-    for nothing."""
+    request is then cancelled or expires while queued, or its client was gone at the hand-back
+    itself: nothing was used, all is refunded, and it ended as a queued request. Charging its
+    prompt once any worker had claimed it (this stop's first rule), or while it was leased at
+    the hand-back (a review's find), charged it for nothing."""
     await admit(scripts, pool, cls="P1", request_id="r", tenant="unstarted", input_tokens=100, max_tokens=400,
                 tenant_rate=1e-9, tenant_burst=1000)
     c = await _claim_one(scripts, pool)
-    assert await scripts.release(pool, request_id="r", worker_id="w1", fence=c.fence) == "requeued"
-    await scripts.cancel(pool, "r", "unstarted", reason=end)
-    assert float(await scripts.client.hget(pool.request("r"), "refund")) == pytest.approx(500)
+    if end == "at_the_hand_back":
+        assert await scripts.cancel(pool, "r", "unstarted") == "cancelling"
+        assert await scripts.release(pool, request_id="r", worker_id="w1", fence=c.fence) == "cancelled"
+    else:
+        assert await scripts.release(pool, request_id="r", worker_id="w1", fence=c.fence) == "requeued"
+        await scripts.cancel(pool, "r", "unstarted", reason=end)
+    rec = await scripts.client.hgetall(pool.request("r"))
+    assert float(rec[b"refund"]) == pytest.approx(500) and rec[b"ended"] == b"queued"
     bucket = float(await scripts.client.hget(pool.tenant_bucket("unstarted"), "tokens"))
     assert bucket == pytest.approx(1000, abs=1e-3)
 
@@ -231,7 +237,10 @@ async def test_a_cancelled_request_whose_worker_died_is_finished_by_the_reaper(s
     await scripts.cancel(pool, "zombie", "t1")
     await asyncio.sleep(0.07)
     assert (await scripts.reap(pool)).cancelled == 1
-    assert await scripts.client.hget(pool.request("zombie"), "state") == b"cancelled"
+    rec = await scripts.client.hgetall(pool.request("zombie"))
+    assert rec[b"state"] == b"cancelled" and rec[b"ended"] == b"leased"
+    # a worker held it (its prompt taken in), nothing delivered: charged its prompt (1 of 6)
+    assert float(rec[b"refund"]) == pytest.approx(5)
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

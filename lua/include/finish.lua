@@ -9,7 +9,9 @@
 --!include samples.lua
 
 -- Move a request to a terminal state: leave every index, refund, release counters, TTL.
--- `fields`: more (field, value, ...) of the record to set, in the same HSET.
+-- The record keeps the state it ended from (`ended`: queued or leased), with what it was
+-- charged: the ledger's rule reads both (record.lua used_cost). `fields`: more (field,
+-- value, ...) of the record to set, in the same HSET (a later `ended` overrides).
 local function finalize(p, r, state, reason, used, now, fields)
   local key = P_REQUEST .. r.id
   if r.state == 'queued' then
@@ -24,7 +26,8 @@ local function finalize(p, r, state, reason, used, now, fields)
   local g = refund_request(p, r, used, now)
   -- refund: what the request did not use of its reservation (its reconciled charge is
   -- cost - refund); r_*: what each bucket and the tenant's counter really got back
-  redis.call('HSET', key, 'state', state, 'reason', reason, 'finished_ms', now, 'refund', fmt(g.refund),
+  redis.call('HSET', key, 'state', state, 'ended', r.state, 'reason', reason, 'finished_ms', now,
+    'refund', fmt(g.refund),
     'r_tenant', fmt(g.r_tenant), 'r_class', fmt(g.r_class), 'r_ceil', fmt(g.r_ceil), 'r_vtc', fmt(g.r_vtc),
     unpack(fields or {}))
   redis.call('EXPIRE', key, p.record_ttl_s)
@@ -41,8 +44,8 @@ end
 -- mends -- not a violation of its class's latency targets). `notice` = {code = ..., msg =
 -- ...} is sent to the request's frontend as an error, so its client learns at once; nil when
 -- the frontend asked for this end itself.
-local function finish_by_redis(p, r, state, reason, used, now, notice, outcome)
-  finalize(p, r, state, reason, used, now)
+local function finish_by_redis(p, r, state, reason, used, now, notice, outcome, fields)
+  finalize(p, r, state, reason, used, now, fields)
   if notice then notify(r.id, r.frontend, nil, 'k', 'err', 'code', notice.code, 'msg', notice.msg) end
   add_sample(p, r, outcome or state, now)
 end

@@ -62,25 +62,22 @@ async def admit(scripts: Scripts, keys: PoolKeys, *, cls: str = "P1", tenant: st
         max_wait_ms=max_wait_ms, frontend_id=frontend, payload=b"{}", tenant_weight=tenant_weight)
 
 
-def charges_of(record: dict[str, Any]) -> tuple[float, ...]:
-    """What a finished request's record says it may have been charged (``cost - refund``),
+def charge_of(record: dict[str, Any]) -> float:
+    """What a finished request's record says it must have been charged (``cost - refund``),
     the ledger's rule, never more than it reserved: its true usage when its worker completed
     it (usage_in, usage_out); otherwise (an expiry, a cancel, a refusal, a lease given up)
-    its prompt and the tokens delivered once an attempt delivered some; with none delivered,
-    its prompt if a worker held it at the end, nothing if it was queued (the record does not
-    say which: a claimed request may have been either), nothing if never claimed. Absent
-    fields may be missing or None."""
+    its prompt and the tokens delivered when it ended held by a worker (``ended`` leased) or
+    an attempt had delivered some, nothing when it ended queued with none. Absent fields may
+    be missing or None."""
     w_in, w_out, cost = float(record["w_in"]), float(record["w_out"]), float(record["cost"])
-    prompt, out = int(record["input_tokens"]) * w_in, int(record.get("out_tokens") or 0)
+    out = int(record.get("out_tokens") or 0)
     if record.get("usage_in") is not None:
-        used: tuple[float, ...] = (int(record["usage_in"]) * w_in + int(record["usage_out"]) * w_out,)
-    elif out:
-        used = (prompt + out * w_out,)
-    elif record.get("claimed_ms") is not None:
-        used = (0.0, prompt)
+        used = int(record["usage_in"]) * w_in + int(record["usage_out"]) * w_out
+    elif out or record.get("ended") == "leased":
+        used = int(record["input_tokens"]) * w_in + out * w_out
     else:
-        used = (0.0,)
-    return tuple(min(u, cost) for u in used)
+        used = 0.0
+    return min(used, cost)
 
 
 async def redis_ms(client: Any) -> int:

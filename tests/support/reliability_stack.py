@@ -42,7 +42,7 @@ from limiter.keys import PoolKeys, policy_text
 from limiter.localstack.launcher import Child, answers_ok, module_argv
 from limiter.localstack.sse import sse_chunks
 from limiter.localstack.toml_writer import toml_dumps
-from tests.support.helpers import charges_of
+from tests.support.helpers import charge_of
 from tests.support.redis_server import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -433,6 +433,7 @@ class Recorder:
 
     FIELDS = (
         "state",
+        "ended",
         "class",
         "tenant",
         "cost",
@@ -529,12 +530,12 @@ def _cid(payload: bytes | None) -> str:
 
 
 def check_charges(records: dict[str, dict[str, str]]) -> dict[str, int]:
-    """Every finished request was charged exactly what it used (helpers.charges_of)."""
+    """Every finished request was charged exactly what it used (helpers.charge_of)."""
     states: Counter[str] = Counter()
     for rid, r in records.items():
         states[r["state"]] += 1
         charged = float(r["cost"]) - float(r["refund"] or 0)
-        assert any(math.isclose(charged, c, abs_tol=1e-6) for c in charges_of(r)), (rid, r, charges_of(r))
+        assert math.isclose(charged, charge_of(r), abs_tol=1e-6), (rid, r, charge_of(r))
     return dict(states)
 
 
