@@ -1317,6 +1317,35 @@ async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(en
     assert (await c.record(rid))["attempts"] == ("2" if where == "mid-stream" else "1")
 
 
+async def test_a_server_whose_engine_is_dead_is_not_taken_for_up_because_it_lists_its_models(env) -> None:
+    """vLLM kept up after its engine died (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH, or the seconds
+    before it exits) answers every request with the engine's death but still lists its
+    models: the probe of /v1/models said "up" and the worker claimed work into it again
+    and again. The probe asks /health first: the breaker stays open until it says 200."""
+    from aiohttp import web
+
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+    up.health_status = 500
+
+    async def dead_until_healthy(request: Any, body: dict[str, Any], n: int) -> Any:
+        if up.health_status != 200:
+            dead = {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause."}
+            return web.json_response({"error": dead}, status=500)
+        resp = await sse_response(request)
+        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
+
+    up.scripts["HEALTH"] = dead_until_healthy
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY) as rt:
+        rid = await c.admit("HEALTH", max_tokens=20)
+        await _wait_heartbeat(c, rt, "the breaker open and probed twice", _breaker_open_and_probed)
+        assert up.calls["HEALTH"] == 1  # /v1/models answers 200 all along: no claim into the dead server
+        up.health_status = 200
+        await c.wait([rid], timeout=30)
+    assert c.answers[rid].text == "fine" and up.calls["HEALTH"] == 2
+
+
 def test_only_a_message_that_is_an_engines_death_reads_as_one() -> None:
     """Matched at the message's start, as vLLM writes it: a request's own error that quotes
     the words (its stop string, a bad regex) is not the server going away."""

@@ -439,15 +439,23 @@ class UpstreamLoop:
                 await asyncio.wait_for(self.rt.draining.wait(), wait_s)
             return  # the loop comes back here (or drains)
         self.breaker.probes += 1
+        # The server's own health first (vLLM, SGLang, TGI: GET /health, 200 when its engine
+        # serves): vLLM kept up after its engine died (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH, or the
+        # seconds before it exits) still lists its models, and every probe said "up". A
+        # server without one (404/405) is asked for its models, as before.
+        status = 0
         try:
-            async with self.session.get(self.base + "/models", headers=self._headers(),
-                                        timeout=aiohttp.ClientTimeout(total=5)) as resp:
-                status = resp.status
-                await resp.read()
+            for path in (self.base.removesuffix("/v1") + "/health", self.base + "/models"):
+                async with self.session.get(path, headers=self._headers(),
+                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                    status = resp.status
+                    await resp.read()
+                if status not in (404, 405):
+                    break
         except (TimeoutError, aiohttp.ClientError) as exc:
             self.breaker.probe_failed(f"{type(exc).__name__}: {exc}")
             return
-        if status in DOWN_STATUSES:
+        if status in DOWN_STATUSES or status >= 500:
             self.breaker.probe_failed(f"HTTP {status}")
         else:
             self.breaker.probe_ok()

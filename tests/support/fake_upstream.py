@@ -58,9 +58,11 @@ class FakeUpstream:
         # a prompt containing a key is answered by its handler, (request, body, n-th call) ->
         # response: a test's own misbehaving server (see sse_chunk)
         self.scripts: dict[str, Any] = {}
+        self.health_status: int | None = None  # GET /health's answer (None: no such endpoint, 404)
         self.calls: dict[str, int] = {}
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_post("/tokenize", self.tokenize)
@@ -74,6 +76,11 @@ class FakeUpstream:
     async def start(self) -> None:
         await self.runner.setup()
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.health_status is None:
+            raise web.HTTPNotFound()
+        return web.Response(status=self.health_status)
 
     async def models(self, request: web.Request) -> web.Response:
         if self.status is not None:
