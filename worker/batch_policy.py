@@ -384,6 +384,12 @@ def victim_key(s: Planned) -> tuple[int, int, Arrival]:
     return (s.class_rank, -s.kv_tokens, s.arrival)
 
 
+def _kept_frees(s: Planned) -> int:
+    """KV room pausing ``s`` makes while it keeps its cache: its unprefilled prompt and its
+    next token are no longer needed."""
+    return s.to_prefill + (1 if s.decoding else 0)
+
+
 def _tenant_preemption(running: Sequence[Planned], head: Candidate, share: dict[tuple[int, str], int],
                        free: int) -> Preemption | None:
     """Rule 3 of :func:`choose_preemption`: the sequence of a tenant rich in the head's class
@@ -400,13 +406,10 @@ def _tenant_preemption(running: Sequence[Planned], head: Candidate, share: dict[
             allowed += theirs[:n - mine - 1]
     if not allowed:
         return None
-    if head.need > free + sum(s.kv_tokens + s.to_prefill + (1 if s.decoding else 0) for s in allowed):
+    if head.need > free + kv_demand(allowed):
         return None  # pausing all it may would still not make room: pause none
-    most = max(share[(s.class_rank, s.tenant)] for s in allowed)
-    victim = max((s for s in allowed if share[(s.class_rank, s.tenant)] == most), key=victim_key)
-    # paused but kept, the victim stops needing its unprefilled prompt and next token
-    return Preemption(victim.request_id, free_kv=head.need > free + victim.to_prefill
-                      + (1 if victim.decoding else 0))
+    victim = max(allowed, key=_richest_first(share))
+    return Preemption(victim.request_id, free_kv=head.need > free + _kept_frees(victim))
 
 
 def choose_preemption(
@@ -482,6 +485,4 @@ def choose_preemption(
     # the lowest class's richest tenant first, as under rule 1: the least KV of anyone was a
     # light tenant's sequence, admitted again at once by rule 3 at the richer one's expense
     victim = max(lower, key=_richest_first(share))
-    # paused but kept, the victim stops needing its unprefilled prompt and next token
-    keep_frees = victim.to_prefill + (1 if victim.decoding else 0)
-    return Preemption(victim.request_id, free_kv=head.need > free + keep_frees)
+    return Preemption(victim.request_id, free_kv=head.need > free + _kept_frees(victim))

@@ -205,16 +205,18 @@ def _ended(finish: str) -> Result:
 SEAM_SPACE = " \t"  # not line ends: a continuation after "one.\n" sent as "one." began " Line two"
 
 
-def _seam(d: Delivery) -> str:
-    """The whitespace that ends the text delivered before this attempt. A resume sends that
-    text without it (_body), and the continuation's first whitespace, as far as it is the
-    same, is not sent again (:func:`_past_seam`): the client has it. Sent with it, the
-    continuation often began with its own (" 4." after "It is "; a chat template that trims
-    the message to continue, as Llama 3's does, always gave it one), and the client read two."""
+def _delivered(d: Delivery) -> tuple[str, str]:
+    """The text delivered before this attempt, less the spaces and tabs that end it (the
+    seam), and the seam. A resume sends the text without it (_body), and the continuation's
+    first whitespace, as far as it is the same, is not sent again (:func:`_past_seam`): the
+    client has it. Sent with it, the continuation often began with its own (" 4." after
+    "It is "; a chat template that trims the message to continue, as Llama 3's does, always
+    gave it one), and the client read two."""
     if not d.claimed.generated:
-        return ""
-    prior = decode(d.claimed.generated)
-    return prior[len(prior.rstrip(SEAM_SPACE)):]
+        return "", ""
+    text = decode(d.claimed.generated)
+    prior = text.rstrip(SEAM_SPACE)
+    return prior, text[len(prior):]
 
 
 def _past_seam(text: str, seam: str) -> tuple[str, str]:
@@ -559,10 +561,10 @@ class UpstreamLoop:
             else:
                 backoff.succeeded()
 
-    def _body(self, d: Delivery, allowance: int) -> tuple[str, dict[str, Any]]:
-        """The upstream request. Raises ValueError for a chat payload without its messages."""
-        p, c = d.payload, d.claimed
-        prior = decode(c.generated).rstrip(SEAM_SPACE) if c.generated else ""  # the seam: _seam
+    def _body(self, d: Delivery, allowance: int, prior: str) -> tuple[str, dict[str, Any]]:
+        """The upstream request, continuing ``prior`` (:func:`_delivered`). Raises ValueError
+        for a chat payload without its messages."""
+        p = d.payload
         body: dict[str, Any] = {
             "model": self.model, "stream": True, "stream_options": {"include_usage": True},
             "max_tokens": allowance}
@@ -613,7 +615,8 @@ class UpstreamLoop:
         if d.total_tokens >= max_tokens:
             return ("ok", "length", "")
         try:
-            path, body = self._body(d, max_tokens - d.total_tokens)
+            prior, seam = _delivered(d)
+            path, body = self._body(d, max_tokens - d.total_tokens, prior)
         except ValueError as exc:
             return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
         url = self.base + path
@@ -621,7 +624,6 @@ class UpstreamLoop:
         allowance = max_tokens - d.total_tokens
         counted = 0  # upstream tokens taken in this attempt
         reasoning_field = "reasoning"
-        seam = _seam(d)
         finish: str | None = None
         done = False
         last = time.monotonic()

@@ -18,7 +18,7 @@ import functools
 import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import aiohttp
@@ -176,11 +176,9 @@ async def readyz(request: web.Request) -> web.Response:
             if why := fe.not_ready_because():
                 problem = why
             else:
-                degraded = await _pools_with_upstream_down(fe)
-                asked_down = [asked] if asked in degraded else []
-                if asked_down or (asked is None and degraded and len(degraded) == len(fe.pool_keys)):
-                    down = asked_down or degraded
-                    problem = f"every worker of pool {', '.join(down)} reports its upstream unreachable"
+                degraded = await _pools_with_upstream_down(fe, [asked] if asked is not None else fe.pool_keys)
+                if degraded and (asked is not None or len(degraded) == len(fe.pool_keys)):
+                    problem = f"every worker of pool {', '.join(degraded)} reports its upstream unreachable"
     except (TimeoutError, QosError, *CONNECTION_ERRORS) as exc:
         log.warning("readiness: Redis unavailable: %s", exc)
         problem = "Redis unavailable"  # /readyz is unauthenticated: no address, no driver text
@@ -193,12 +191,14 @@ async def readyz(request: web.Request) -> web.Response:
     return web.json_response(body)
 
 
-async def _pools_with_upstream_down(fe: Frontend) -> list[str]:
-    """Pools none of whose live workers can serve: each one's heartbeat says its upstream
-    is unreachable (openai engine, breaker open). A pool with no worker heartbeat at all is
-    left alone: workers may simply not have started yet, and admitted work waits for them."""
+async def _pools_with_upstream_down(fe: Frontend, pools: Iterable[str]) -> list[str]:
+    """Those of ``pools`` none of whose live workers can serve: each one's heartbeat says its
+    upstream is unreachable (openai engine, breaker open). A pool with no worker heartbeat at
+    all is left alone: workers may simply not have started yet, and admitted work waits for
+    them. (A probe of one pool reads that pool's workers only.)"""
     down = []
-    for name, keys in fe.pool_keys.items():
+    for name in pools:
+        keys = fe.pool_keys[name]
         ids = await fe.client.zrange(keys.workers, 0, -1)
         if not ids:
             continue
