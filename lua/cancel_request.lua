@@ -1,7 +1,7 @@
 -- cancel_request: a client went away (or its deadline passed before any worker took
 -- the request). Removes the request wherever it is: a queued request is finished now
--- and refunded what it did not use (all of it unless an earlier attempt ran it before it
--- was requeued: record.lua used_cost); a leased one is flagged so its worker stops it
+-- and refunded what it did not use (all of it unless an earlier attempt delivered tokens
+-- before it was requeued: record.lua used_cost); a leased one is flagged so its worker stops it
 -- between steps.
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).

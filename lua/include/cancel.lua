@@ -6,8 +6,8 @@
 -- Finish `r` as cancelled, charged for what it used (record.lua used_cost). Its frontend is
 -- still told `why`: if it is alive after all (a late heartbeat), its client gets a clear
 -- error at once instead of waiting for request_timeout_s; a dead frontend's stream just
--- expires. `handed_back`: a draining worker gives the attempt back (release.lua, not spent): with
--- nothing delivered the request ends as a queued one would, charged nothing.
+-- expires. `handed_back`: a draining worker gives the attempt back (release.lua, not
+-- spent): with nothing delivered the request ends as a queued one would, charged nothing.
 local function cancel_orphan(p, r, now, why, handed_back)
   local used, fields = used_cost(r), nil
   if handed_back and r.out_tokens == 0 then used, fields = 0, {'ended', 'queued'} end

@@ -3,8 +3,9 @@
 --!include finish.lua
 
 -- Finish `r` (queued) as expired, refunded what it did not use (record.lua used_cost: all
--- of it unless an earlier attempt ran it before it was requeued). `tell`: send its frontend the error
--- (false when the frontend itself reported the expiry: cancel_request's reason expired).
+-- of it unless an earlier attempt delivered tokens before it was requeued). `tell`: send
+-- its frontend the error (false when the frontend itself reported the expiry:
+-- cancel_request's reason expired).
 local function expire_queued(p, r, now, tell)
   local waited = now - r.enq_ms
   local notice = nil
