@@ -394,8 +394,10 @@ async def test_a_step_s_push_goes_out_during_the_next_step(env) -> None:
     call a task of its own, started a loop turn later: behind a null engine, whose step yields
     once, a push went out after the next step, two steps after its tokens were made."""
     cfg, c = env
-    # a push every 4 tokens; no look at the wake list after the first (its wait lets tasks run)
-    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.0, flush_tokens=4,
+    # a push every 4 tokens, never for time (flush_ms at its most: a step slowed past the 50 ms
+    # default on a loaded machine pushed one token alone); no look at the wake list after the
+    # first (its wait lets tasks run)
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.0, flush_tokens=4, flush_ms=10_000,
                                         wake_check_ms=10_000)
     real_push, real_step = rt.push_batches, loop.sched.step  # patched before the worker first runs
     stepped = 0
