@@ -841,10 +841,13 @@ def test_lifecycle_model(redis_server: Any) -> None:
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
-def _replay(monkeypatch: pytest.MonkeyPatch, url: str, *steps: tuple[str, dict[str, Any]]) -> None:
+def _replay(monkeypatch: pytest.MonkeyPatch, url: str, *steps: tuple[str, dict[str, Any]]
+            ) -> dict[str, dict[str, str]]:
     """One fixed sequence of the model's rules, every invariant checked after each step: the
     model as a regression test, for a bug whose sequence a random search finds only in some
-    runs (each such bug is also seeded in tests/seeded_bugs.py)."""
+    runs (each such bug is also seeded in tests/seeded_bugs.py). Returns each request's
+    record at the end (its final one where it finished), for the test to check that the
+    sequence reached the state it is about."""
     monkeypatch.setattr(sys.modules[__name__], "event", lambda *_args: None)  # hypothesis' own only
     model = LifecycleModel(url)
     try:
@@ -853,6 +856,7 @@ def _replay(monkeypatch: pytest.MonkeyPatch, url: str, *steps: tuple[str, dict[s
         for name, args in steps:
             getattr(model, name)(**args)
             model.invariants_hold()
+        return {rid: model.final_or_live(rid, model.record(rid)) for rid in model.known}
     finally:
         model.teardown()
 
@@ -947,3 +951,53 @@ def test_replay_a_resumed_request_keeps_its_first_token_and_refuses_the_old_fenc
             ("time_passes", {"ms": 260}),  # past the lease: the janitor requeues it
             ("claim", {"worker": "w2", "n": 1, "kv_room": 0, "above": ""}),
             ("push", {"pick": 0, "count": 1}), ("stale_write", {"pick": 0, "which": 0}))
+
+
+def test_replay_a_request_failed_in_its_workers_hands_pays_its_prompt(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Claimed and handed back three times as the model server broke on it (each attempt
+    spent), nothing delivered: it fails while its worker holds it, and pays its prompt, which
+    the server read each time (seeded: leased_end_charges_nothing, which the random search
+    missed in the runs of the thirty-seventh stop)."""
+    p1 = {"tenant": "t1", "cls": "P1", "input_tokens": 40, "max_tokens": 20, "own_wait": 0, "frontend": "fe1"}
+    claim = {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}
+    spent = {"pick": 0, "spent": True}
+    records = _replay(monkeypatch, redis_server.url, ("admit", p1),
+            ("claim", claim), ("release", spent), ("claim", claim), ("release", spent),
+            ("claim", claim), ("release", spent))
+    rec = records["r0"]
+    assert (rec["state"], rec["ended"], rec.get("out_tokens", "0")) == ("failed", "leased", "0"), rec
+    assert float(rec["cost"]) - float(rec["refund"]) == 40  # its prompt, at weight 1
+
+
+def test_replay_a_request_requeued_after_delivering_then_cancelled_pays_what_it_got(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two tokens delivered, its lease lost (requeued), then its client gone while it waits:
+    it pays its prompt and the two tokens, not nothing (seeded: queued_end_refunds_all, which
+    the random search missed in the runs of the thirty-seventh stop)."""
+    p1 = {"tenant": "t1", "cls": "P1", "input_tokens": 40, "max_tokens": 20, "own_wait": 0, "frontend": "fe1"}
+    records = _replay(monkeypatch, redis_server.url, ("admit", p1),
+            ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
+            ("push", {"pick": 0, "count": 2}),
+            ("time_passes", {"ms": 260}),  # past the lease: the janitor requeues it
+            ("cancel", {"pick": 0, "reason": "client_gone"}))
+    rec = records["r0"]
+    assert (rec["state"], rec["ended"], rec["out_tokens"]) == ("cancelled", "queued", "2"), rec
+    assert float(rec["cost"]) - float(rec["refund"]) == 40 + 2 * 2  # prompt, two tokens at weight 2
+
+
+def test_replay_a_request_requeued_after_delivering_then_expired_pays_what_it_got(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """As above, but it waits past its own 150 ms max wait after the requeue and expires: it
+    pays its prompt and the two tokens (seeded: expiry_refunds_all, which the random search
+    missed in the runs of the thirty-seventh stop)."""
+    p1 = {"tenant": "t1", "cls": "P1", "input_tokens": 40, "max_tokens": 20, "own_wait": 150,
+          "frontend": "fe1"}
+    records = _replay(monkeypatch, redis_server.url, ("admit", p1),
+            ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
+            ("push", {"pick": 0, "count": 2}),
+            ("time_passes", {"ms": 260}),  # past the lease: the janitor requeues it
+            ("time_passes", {"ms": 260}))  # past its max wait: the janitor expires it
+    rec = records["r0"]
+    assert (rec["state"], rec["ended"], rec["out_tokens"]) == ("expired", "queued", "2"), rec
+    assert float(rec["cost"]) - float(rec["refund"]) == 40 + 2 * 2  # prompt, two tokens at weight 2
