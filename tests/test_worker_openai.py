@@ -1282,6 +1282,44 @@ async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(en
     assert up.calls["THINK2"] == 2
 
 
+@pytest.mark.parametrize("text_before", [True, False], ids=["after-text", "mid-thought"])
+async def test_a_resumed_reasoning_answer_is_charged_its_clients_prompt(env, text_before: bool) -> None:
+    """A reasoning answer broken off after three tokens of thinking (and, ``after-text``, one
+    of text): the resume's prompt holds the client's 5 tokens and the text (6), not the
+    thinking. The prompt charged was the resume's prompt less every delivered token, thinking
+    too: 6 - 4 and 5 - 3, both 2 of the client's 5. It is 5: the thinking delivered is told
+    apart in the stored resume ids."""
+    from tests.support.fake_upstream import chat_chunk, sse_response
+
+    cfg, c, up = env
+    read = asyncio.Event()
+    delivered = 4 if text_before else 3
+
+    async def breaks(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        if n == 1:
+            for i in (1, 2, 3):
+                await resp.write(chat_chunk(None, f"thought {i}. ", completion_tokens=i))
+            if text_before:
+                await resp.write(chat_chunk("It is", None, completion_tokens=4))
+            await read.wait()  # all pushed
+            request.transport.abort()
+            return resp
+        prompt = 5 + (1 if text_before else 0)  # the client's prompt and the text to continue
+        return await end_stream(resp, chat_chunk(" 4.", None, finish="stop", completion_tokens=1,
+                                                 prompt_tokens=prompt))
+
+    up.scripts["THINK3"] = breaks
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        rid = await c.admit("THINK3", kind="chat", messages=(ChatMessage("user", "THINK3"),), max_tokens=20)
+        await c.wait_tokens(rid, delivered)
+        read.set()
+        await c.wait([rid], timeout=20)
+    assert up.calls["THINK3"] == 2
+    rec = await c.record(rid)
+    assert (rec["state"], rec["usage_in"], rec["usage_out"]) == ("done", "5", str(delivered + 1)), rec
+
+
 @pytest.mark.parametrize("where", ["mid-stream", "http-500"])
 async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(env, where: str) -> None:
     """vLLM's engine dies (EngineDeadError): every request it held gets "EngineCore encountered
@@ -1344,6 +1382,45 @@ async def test_a_server_whose_engine_is_dead_is_not_taken_for_up_because_it_list
         up.health_status = 200
         await c.wait([rid], timeout=30)
     assert c.answers[rid].text == "fine" and up.calls["HEALTH"] == 2
+
+
+@pytest.mark.parametrize("health", [503, 200])
+async def test_an_http_500_without_the_words_of_a_death_asks_the_servers_health(env, health: int) -> None:
+    """An older vLLM answered a request with a bare HTTP 500 when its engine had died: read
+    as the request's own error, every request it took failed. Now a 5xx asks the server's
+    /health: unwell (503, vLLM's answer once its engine died), the request is handed back
+    unspent and resumed once the server is well, and the breaker trips; well, it is the
+    request's own failure, as before, and the breaker stays closed."""
+    from aiohttp import web
+
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+    up.health_status = health
+
+    async def bare_500(request: Any, body: dict[str, Any], n: int) -> Any:
+        if n == 1:
+            return web.Response(status=500)  # no body at all
+        resp = await sse_response(request)
+        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
+
+    up.scripts["BARE"] = bare_500
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY) as rt:
+        rid = await c.admit("BARE", max_tokens=20)
+        if health == 503:
+            await _wait_heartbeat(c, rt, "the breaker open and probed twice", _breaker_open_and_probed)
+            assert up.calls["BARE"] == 1  # no claim into the unwell server meanwhile
+            up.health_status = 200
+        await c.wait([rid], timeout=30)
+        hb = await c.client.hgetall(rt.keys.worker(rt.worker_id))
+    a, rec = c.answers[rid], await c.record(rid)
+    if health == 503:
+        assert a.error is None and a.text == "fine" and up.calls["BARE"] == 2, a
+        assert rec["attempts"] == "1"  # the server never took it: not spent
+    else:
+        assert a.error["msg"] == "the model server refused the request (HTTP 500): Internal Server Error", a
+        assert rec["state"] == "failed" and up.calls["BARE"] == 1
+        assert hb.get(b"upstream_state") == b"closed" and int(hb.get(b"upstream_probes", 0)) == 0
 
 
 def test_only_a_message_that_is_an_engines_death_reads_as_one() -> None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -90,6 +91,7 @@ from worker.tokenizer import decode
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
 DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
+HEALTH_TIMEOUT_S = 5.0  # a health check (the breaker's probe, or after an HTTP 5xx)
 # The request itself is at fault (vLLM's 400 for a prompt past the model's context, a 413, a
 # 422): another try fails the same way, so its client gets a 400, not a 503 to retry. A 401,
 # 403 or 404 is the worker's configuration (its key, its model name), a 500 the server's own.
@@ -203,20 +205,35 @@ def _ended(finish: str) -> Result:
 
 
 SEAM_SPACE = " \t"  # not line ends: a continuation after "one.\n" sent as "one." began " Line two"
+# Stored among a request's resume ids, one per upstream token of thinking (a reasoning model's
+# text apart from its answer): outside every vocabulary, and never decoded as text. A resume
+# sends the answer's text alone, so its prompt holds those tokens and not these (_usage).
+THOUGHT_ID = 0xFFFF_FFFF
 
 
-def _delivered(d: Delivery) -> tuple[str, str]:
-    """The text delivered before this attempt, less the spaces and tabs that end it (the
-    seam), and the seam. A resume sends the text without it (_body), and the continuation's
-    first whitespace, as far as it is the same, is not sent again (:func:`_past_seam`): the
-    client has it. Sent with it, the continuation often began with its own (" 4." after
-    "It is "; a chat template that trims the message to continue, as Llama 3's does, always
-    gave it one), and the client read two."""
+@dataclasses.dataclass(frozen=True, slots=True)
+class Delivered:
+    """What earlier attempts delivered, as a resume needs it: the answer's text less the
+    spaces and tabs that end it (``prior``), those (``seam``), and how many of the delivered
+    tokens were thinking (``thought_tokens``)."""
+
+    prior: str = ""
+    seam: str = ""
+    thought_tokens: int = 0
+
+
+def _delivered(d: Delivery) -> Delivered:
+    """What was delivered before this attempt. A resume sends the text without its seam
+    (_body), and the continuation's first whitespace, as far as it is the same, is not sent
+    again (:func:`_past_seam`): the client has it. Sent with it, the continuation often began
+    with its own (" 4." after "It is "; a chat template that trims the message to continue,
+    as Llama 3's does, always gave it one), and the client read two."""
     if not d.claimed.generated:
-        return "", ""
-    text = decode(d.claimed.generated)
+        return Delivered()
+    ids = [i for i in d.claimed.generated if i != THOUGHT_ID]
+    text = decode(ids)
     prior = text.rstrip(SEAM_SPACE)
-    return prior, text[len(prior):]
+    return Delivered(prior, text[len(prior):], len(d.claimed.generated) - len(ids))
 
 
 def _past_seam(text: str, seam: str) -> tuple[str, str]:
@@ -441,26 +458,30 @@ class UpstreamLoop:
                 await asyncio.wait_for(self.rt.draining.wait(), wait_s)
             return  # the loop comes back here (or drains)
         self.breaker.probes += 1
-        # The server's own health first (vLLM, SGLang, TGI: GET /health, 200 when its engine
-        # serves): vLLM kept up after its engine died (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH, or the
-        # seconds before it exits) still lists its models, and every probe said "up". A
-        # server without one (404/405) is asked for its models, as before.
+        why = await self._unwell()
+        if why:
+            self.breaker.probe_failed(why)
+        else:
+            self.breaker.probe_ok()
+
+    async def _unwell(self) -> str:
+        """Why the model server cannot serve now ("" when it can), by its own health: GET
+        /health first (vLLM, SGLang, TGI: 200 when the engine serves, vLLM 503 once it died).
+        vLLM kept up after its engine died (VLLM_KEEP_ALIVE_ON_ENGINE_DEATH, or the seconds
+        before it exits) still lists its models, and a probe of those said "up". A server
+        without one (404/405) is asked for its models."""
         status = 0
         try:
             for path in (self.base.removesuffix("/v1") + "/health", self.base + "/models"):
                 async with self.session.get(path, headers=self._headers(),
-                                            timeout=aiohttp.ClientTimeout(total=5)) as resp:
+                                            timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
                     status = resp.status
                     await resp.read()
                 if status not in (404, 405):
                     break
         except (TimeoutError, aiohttp.ClientError) as exc:
-            self.breaker.probe_failed(f"{type(exc).__name__}: {exc}")
-            return
-        if status in DOWN_STATUSES or status >= 500:
-            self.breaker.probe_failed(f"HTTP {status}")
-        else:
-            self.breaker.probe_ok()
+            return f"{type(exc).__name__}: {exc}"
+        return f"HTTP {status}" if status in DOWN_STATUSES or status >= 500 else ""
 
     def _headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -615,8 +636,9 @@ class UpstreamLoop:
         if d.total_tokens >= max_tokens:
             return ("ok", "length", "")
         try:
-            prior, seam = _delivered(d)
-            path, body = self._body(d, max_tokens - d.total_tokens, prior)
+            before = _delivered(d)
+            seam = before.seam
+            path, body = self._body(d, max_tokens - d.total_tokens, before.prior)
         except ValueError as exc:
             return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
         url = self.base + path
@@ -638,6 +660,16 @@ class UpstreamLoop:
                         # ran, and its attempt is not spent (the breaker bounds the retries)
                         raise UpstreamDown(f"{url}: HTTP {resp.status}, the model server's engine died: "
                                            f"{text}", spent=False)
+                    if resp.status >= 500:
+                        # Not in the words of a death vLLM writes today (an older vLLM's 500
+                        # had no body), so the server's health decides: unwell, it is the
+                        # server going away, as above; well, the request's own failure. The
+                        # connection goes back first: with every slot of the pool held by a
+                        # failing stream, the health check would wait for one.
+                        resp.release()
+                        if why := await self._unwell():
+                            raise UpstreamDown(f"{url}: HTTP {resp.status} ({text}), and the model server's "
+                                               f"health says {why}", spent=False)
                     if resp.status == 400 and "priority" in body and "priority" in text.lower():
                         # A vLLM left at its default (first come, first served) refuses every
                         # non-zero priority: every class but the top one failed. The pool's
@@ -681,7 +713,7 @@ class UpstreamLoop:
                                                    spent=True)
                             await self._forward_before_failing(d)
                             return self._failed(d, url, f"the model server reported an error: {msg}")
-                        running = self._usage(d, chunk.get("usage"))
+                        running = self._usage(d, chunk.get("usage"), before.thought_tokens)
                         text = thought = ""
                         for ch in chunk.get("choices") or []:
                             finish = ch.get("finish_reason") or finish
@@ -769,16 +801,20 @@ class UpstreamLoop:
         them as they come (upstream_forward_chunks)."""
         return self.rt.settings.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0
 
-    def _usage(self, d: Delivery, u: Any) -> int | None:
-        """Record an upstream ``usage`` object; returns its ``completion_tokens`` (None: absent)."""
+    def _usage(self, d: Delivery, u: Any, thought_tokens: int = 0) -> int | None:
+        """Record an upstream ``usage`` object; returns its ``completion_tokens`` (None: absent).
+        ``thought_tokens``: how many of the tokens delivered before this attempt were thinking."""
         if not isinstance(u, dict):
             return None
         prompt, completion = _count(u.get("prompt_tokens")), _count(u.get("completion_tokens"))
         d.sample_extra.update(upstream_prompt_tokens=prompt, upstream_completion_tokens=completion)
         if prompt is not None:
             # usage's prompt side is the upstream's count; on a resume its prompt also holds the
-            # text delivered before (about that many tokens), which is not prompt.
-            d.usage_in = max(prompt - d.claimed.delivered, 1) if d.claimed.delivered else prompt
+            # text delivered before (about that many tokens), which is not prompt -- but not the
+            # thinking delivered before, which the resume does not send (a resume cut off
+            # mid-thought sends no text at all: its prompt is the client's alone).
+            answered = d.claimed.delivered - thought_tokens
+            d.usage_in = max(prompt - answered, 1) if answered > 0 else prompt
         return completion
 
     def _take(self, d: Delivery, text: str, tokens: int, reasoning: str = "",
@@ -795,8 +831,10 @@ class UpstreamLoop:
             d.note_tokens(tokens, t)
             self._gen_tokens += tokens
             self.rt.metrics.generated_tokens.inc(tokens)
-        d.add(list(text.encode()), text, t, tokens=tokens, reasoning=reasoning,
-              reasoning_field=reasoning_field)
+        ids = list(text.encode())
+        if reasoning and not text:  # a chunk of thinking alone (one with both counts as text)
+            ids += [THOUGHT_ID] * tokens
+        d.add(ids, text, t, tokens=tokens, reasoning=reasoning, reasoning_field=reasoning_field)
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time

@@ -219,9 +219,11 @@ def sse_chunk(text: str | None = None, finish: str | None = None,
 
 
 def chat_chunk(content: str | None = None, reasoning: str | None = None, field: str = "reasoning",
-               finish: str | None = None, completion_tokens: int | None = None) -> bytes:
+               finish: str | None = None, completion_tokens: int | None = None,
+               prompt_tokens: int = 5) -> bytes:
     """One chat SSE event as vLLM sends it with a reasoning parser: the answer's ``content``
-    and (apart) the model's thinking under ``field``, a ``finish_reason``, the running usage."""
+    and (apart) the model's thinking under ``field``, a ``finish_reason``, the running usage
+    (``prompt_tokens`` and ``completion_tokens``)."""
     delta: dict[str, Any] = {}
     if reasoning is not None:
         delta[field] = reasoning
@@ -230,8 +232,8 @@ def chat_chunk(content: str | None = None, reasoning: str | None = None, field: 
     c: dict[str, Any] = {"id": "x", "object": "chat.completion.chunk", "model": "tiny",
                          "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
     if completion_tokens is not None:
-        c["usage"] = {"prompt_tokens": 5, "completion_tokens": completion_tokens,
-                      "total_tokens": 5 + completion_tokens}
+        c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+                      "total_tokens": prompt_tokens + completion_tokens}
     return ("data: " + json.dumps(c) + "\n\n").encode()
 
 
