@@ -210,6 +210,34 @@ async def test_each_process_can_serve_its_own_metrics_apart_from_a_shared_api_po
         await r.aclose()
 
 
+async def test_metrics_can_be_kept_off_a_client_facing_api_port(redis_server):
+    """The frontend's series name tenants, and /metrics needs no key: on an API port that
+    faces clients, any client read every tenant's name and traffic. With api_metrics false
+    the API port has no /metrics (404, as any unknown path); metrics_port still serves it."""
+    from tests.support.frontend_helpers import auth, frontend, make_cfg
+
+    cfg = make_cfg(redis_server.url)
+    port = free_port()
+    r = aioredis.from_url(redis_server.url)
+    try:
+        async with FakeWorker(r, POOL, fixed_text="hi"), \
+                frontend(cfg, metrics_port=port, api_metrics=False) as api, aiohttp.ClientSession() as s:
+            resp = await api.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2},
+                                  headers=auth())
+            assert resp.status == 200
+            assert (await api.get("/metrics")).status == 404
+            async with s.get(f"http://127.0.0.1:{port}/metrics") as m:
+                assert m.status == 200 and 'tenant="' in await m.text()
+    finally:
+        await r.aclose()
+
+
+def test_api_metrics_off_without_a_metrics_port_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"frontend\.api_metrics: false needs a metrics_port"):
+        load_settings(demo_config(), {"api_metrics": False})
+    assert not load_settings(demo_config(), {"api_metrics": False, "metrics_port": 9100}).api_metrics
+
+
 def test_a_metrics_port_on_the_api_port_or_out_of_range_is_refused_by_name():
     cfg = demo_config()
     for bad in (-1, 65536, 8000):

@@ -273,5 +273,6 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/health", readyz)
-    app.router.add_get("/metrics", metrics)
+    if settings.api_metrics:
+        app.router.add_get("/metrics", metrics)
     return app

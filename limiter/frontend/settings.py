@@ -31,6 +31,9 @@ class FrontendSettings:
     # turn, so counters read from it jump between processes: scrape these instead.
     metrics_port: int = 0
     metrics_host: str = ""  # "" = the API's host
+    # /metrics on the API port too. Its series name tenants: where that port faces clients,
+    # set false and scrape metrics_port on an internal address instead.
+    api_metrics: bool = True
 
 
 def is_loopback(host: str) -> bool:
@@ -76,6 +79,8 @@ def validate(s: FrontendSettings, cfg: QosConfig) -> FrontendSettings:
     check(0 <= s.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
     check(s.metrics_port == 0 or s.metrics_port != s.port, "metrics_port",
           f"must not be the API's port ({s.port}): it serves this process's metrics alone")
+    check(s.api_metrics or s.metrics_port != 0, "api_metrics",
+          "false needs a metrics_port: this process's /metrics would be served nowhere")
     ttl_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000
     check(0.05 <= s.heartbeat_s <= ttl_s / 3, "heartbeat_s",
           f"must be in [0.05, {ttl_s / 3:g}] (a third of the shortest pools[].frontend_ttl_ms)")
