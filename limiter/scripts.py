@@ -277,7 +277,7 @@ class ReapResult:
     requeued: int
     failed: int
     cancelled: int
-    full: bool = False  # a kind came back at the call's limit: there may be more to reap
+    full: bool = False  # a sweep read the call's limit of entries (stale ones too): there may be more
 
 
 class Scripts:
@@ -561,8 +561,8 @@ class Scripts:
 
     async def reap(self, keys: PoolKeys, limit: int = REAP_LIMIT) -> ReapResult:
         """One bounded janitor pass (at most ``limit`` <= 16 entries of each kind)."""
-        e, r, f, c = (int(x) for x in await self._run("reap_expired", lifecycle_keys(keys), [limit]))
-        return ReapResult(e, r, f, c, full=e >= limit or r + f + c >= limit)
+        e, r, f, c, more = (int(x) for x in await self._run("reap_expired", lifecycle_keys(keys), [limit]))
+        return ReapResult(e, r, f, c, full=bool(more))
 
     async def reap_all(self, keys: PoolKeys, max_calls: int = 50) -> ReapResult:
         """Janitor passes until one comes back short (at most ``max_calls``): each call is

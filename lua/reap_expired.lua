@@ -6,12 +6,15 @@
 -- script so that it happens when nobody claims (e.g. no worker is alive).
 --
 -- Bounded work: at most `limit` (<= 16) entries of each kind per call; the caller calls
--- again while a kind came back full, leaving Redis free for others in between.
+-- again while `more` says a kind's sweep read `limit` entries, leaving Redis free for others
+-- in between. Stale entries (their request finished or gone) count: a sweep of 16 of them
+-- ended nothing, and a caller that judged by the counts stopped with due entries behind.
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).
 -- ARGV[1] limit   integer 1..16: at most this many of each kind per call
 --
--- Returns {expired, requeued, failed, cancelled}. Errors: 'BADARG ...', 'NOPOLICY ...'.
+-- Returns {expired, requeued, failed, cancelled, more} (more: 1 when a sweep read `limit`
+-- entries, else 0). Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!flags allow-oom
 --!include pool_keys.lua
@@ -23,9 +26,10 @@ local function main()
   local limit = arg_int(ARGV[1], 'limit', 1, 16)
   local p = load_policy(K_POLICY)
   local now = now_ms()
-  local expired = expire_overdue(p, now, limit)
-  local requeued, failed, cancelled = reap_leases(p, now, limit)
-  return {expired, requeued, failed, cancelled}
+  local expired, overdue = expire_overdue(p, now, limit)
+  local requeued, failed, cancelled, lapsed = reap_leases(p, now, limit)
+  local more = (overdue >= limit or lapsed >= limit) and 1 or 0
+  return {expired, requeued, failed, cancelled, more}
 end
 
 --!include main.lua

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
-from limiter.scripts import policy_document
+from limiter.scripts import REAP_LIMIT, policy_document
 from tests.support.helpers import admit, redis_ms
 
 
@@ -348,3 +348,24 @@ async def test_a_long_non_ascii_failure_message_is_cut_to_what_complete_takes(sc
     assert rec[b"state"] == b"failed"
     reason = rec[b"reason"].decode()  # whole characters only
     assert set(reason) == {"é"} and len(reason.encode()) <= 4096
+
+
+@pytest.mark.parametrize("index", ["deadlines", "leases"])
+async def test_a_janitor_pass_goes_on_past_a_sweep_of_stale_entries(scripts, pool, index):
+    """A sweep reads at most 16 index entries. Sixteen stale ones (their records gone, as
+    after a restore or a flush of records) ended nothing, so reap_all took the pass for
+    the last and stopped, with a due entry behind them left to the next tick. A sweep that
+    read its limit now says there may be more, whatever it ended."""
+    await admit(scripts, pool, cls="P1", tenant="t1", request_id="due", max_wait_ms=50)
+    if index == "leases":
+        await _claim_one(scripts, pool, "w1", lease_ms=50)
+    key = pool.deadlines if index == "deadlines" else pool.leases
+    # older than the real entry's deadline, so a sweep reads them first
+    await scripts.client.zadd(key, {f"gone-{i}": 1000 + i for i in range(REAP_LIMIT)})
+    await asyncio.sleep(0.08)  # past the due entry's deadline or lease
+    first = await scripts.reap(pool)
+    assert first.full and (first.expired, first.requeued) == (0, 0)  # the stale ones alone
+    await scripts.client.zadd(key, {f"gone-{i}": 1000 + i for i in range(REAP_LIMIT)})
+    res = await scripts.reap_all(pool)
+    assert (res.expired, res.requeued) == ((1, 0) if index == "deadlines" else (0, 1)), res
+    assert await scripts.client.zcard(key) == 0 and not res.full

@@ -9,9 +9,10 @@
 --!include requeue.lua
 
 -- Queued requests past their max wait: removed, refunded what they did not use, their
--- client told.
+-- client told. Returns how many expired, and how many index entries it read (stale ones
+-- included: at `limit`, there may be more to sweep).
 local function expire_overdue(p, now, limit)
-  if limit <= 0 then return 0 end
+  if limit <= 0 then return 0, 0 end
   local ids = redis.call('ZRANGEBYSCORE', K_DEADLINES, '-inf', now, 'LIMIT', 0, limit)
   local expired = 0
   for _, id in ipairs(ids) do
@@ -23,14 +24,15 @@ local function expire_overdue(p, now, limit)
       redis.call('ZREM', K_DEADLINES, id)
     end
   end
-  return expired
+  return expired, #ids
 end
 
 -- Leases past their deadline: the worker is presumed dead. Requeue, or fail after
--- max_attempts, or finish the cancellation the dead worker never acknowledged.
+-- max_attempts, or finish the cancellation the dead worker never acknowledged. Returns the
+-- three counts, and how many index entries it read (as expire_overdue).
 local function reap_leases(p, now, limit)
   local requeued, failed, cancelled = 0, 0, 0
-  if limit <= 0 then return requeued, failed, cancelled end
+  if limit <= 0 then return requeued, failed, cancelled, 0 end
   local ids = redis.call('ZRANGEBYSCORE', K_LEASES, '-inf', now, 'LIMIT', 0, limit)
   for _, id in ipairs(ids) do
     local r = load_request(id)
@@ -50,5 +52,5 @@ local function reap_leases(p, now, limit)
       failed = failed + 1
     end
   end
-  return requeued, failed, cancelled
+  return requeued, failed, cancelled, #ids
 end
