@@ -194,7 +194,7 @@ def test_start_on_a_port_another_redis_holds_fails(redis_server):
 
 # --- the roles' own ports --------------------------------------------------------------------------
 
-def _metrics_config(path, worker_port: int = 0, controller_port: int = 0):
+def _metrics_config(path, worker_port: int = 0, controller_port: int = 0, frontend_port: int = 0):
     from limiter.config import hash_key
     from limiter.localstack.toml_writer import write_toml
     from tests.support.helpers import three_classes
@@ -204,12 +204,14 @@ def _metrics_config(path, worker_port: int = 0, controller_port: int = 0):
         "classes": three_classes(),
         "pools": [{"name": "tiny", "context_tokens": 4096}],
         "tenants": [{"name": "user", "key_sha256": [hash_key("k")]}],
+        "frontend": {"metrics_port": frontend_port},
         "worker": {"metrics_port": worker_port},
         "controller": {"metrics_port": controller_port},
     }, path)
 
 
-@pytest.mark.parametrize("flags, section", [(["--workers", "2"], "worker"), (["--standby"], "controller")])
+@pytest.mark.parametrize("flags, section", [(["--workers", "2"], "worker"), (["--standby"], "controller"),
+                                            (["--frontends", "2"], "frontend")])
 def test_a_metrics_port_two_children_would_share_is_refused_before_anything_starts(
         redis_on_a_taken_port, tmp_path, capsys, flags, section):
     # worker.metrics_port with --workers 2: every worker of the stack listens on the same port,

@@ -1384,13 +1384,25 @@ async def test_a_server_whose_engine_is_dead_is_not_taken_for_up_because_it_list
     assert c.answers[rid].text == "fine" and up.calls["HEALTH"] == 2
 
 
+def test_a_thought_mark_is_dropped_by_every_decoder() -> None:
+    """The mark stored per token of thinking is no byte of any text, and the byte decoder
+    (every worker release's, and the step engines') drops it: a worker that does not know
+    it reads the delivered text as before. An id outside the vocabulary was refused there,
+    and that worker failed the request instead of resuming it."""
+    from worker.tokenizer import decode
+    from worker.upstream import THOUGHT_ID
+
+    assert THOUGHT_ID > 255 and decode([72, THOUGHT_ID, THOUGHT_ID, 105]) == "Hi"
+
+
 @pytest.mark.parametrize("health", [503, 200])
 async def test_an_http_500_without_the_words_of_a_death_asks_the_servers_health(env, health: int) -> None:
     """An older vLLM answered a request with a bare HTTP 500 when its engine had died: read
     as the request's own error, every request it took failed. Now a 5xx asks the server's
     /health: unwell (503, vLLM's answer once its engine died), the request is handed back
-    unspent and resumed once the server is well, and the breaker trips; well, it is the
-    request's own failure, as before, and the breaker stays closed."""
+    (the attempt counts: it may be the request that broke the server) and resumed once the
+    server is well, and the breaker trips; well, it is the request's own failure, as
+    before, and the breaker stays closed."""
     from aiohttp import web
 
     from tests.support.fake_upstream import sse_chunk, sse_response
@@ -1416,7 +1428,7 @@ async def test_an_http_500_without_the_words_of_a_death_asks_the_servers_health(
     a, rec = c.answers[rid], await c.record(rid)
     if health == 503:
         assert a.error is None and a.text == "fine" and up.calls["BARE"] == 2, a
-        assert rec["attempts"] == "1"  # the server never took it: not spent
+        assert rec["attempts"] == "2"  # the first attempt counts
     else:
         assert a.error["msg"] == "the model server refused the request (HTTP 500): Internal Server Error", a
         assert rec["state"] == "failed" and up.calls["BARE"] == 1

@@ -86,7 +86,7 @@ from worker.metrics import WorkerMetrics
 from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.sse_events import MalformedStream, parse_chunk, sse_batches
-from worker.tokenizer import decode
+from worker.tokenizer import PAD_ID, decode
 
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
@@ -206,9 +206,12 @@ def _ended(finish: str) -> Result:
 
 SEAM_SPACE = " \t"  # not line ends: a continuation after "one.\n" sent as "one." began " Line two"
 # Stored among a request's resume ids, one per upstream token of thinking (a reasoning model's
-# text apart from its answer): outside every vocabulary, and never decoded as text. A resume
-# sends the answer's text alone, so its prompt holds those tokens and not these (_usage).
-THOUGHT_ID = 0xFFFF_FFFF
+# text apart from its answer): a resume sends the answer's text alone, so its prompt holds
+# those tokens and not these (_usage). The byte vocabulary's PAD: never one of a text's bytes,
+# and a special id every decoder drops, so a worker of an earlier release resuming the request
+# reads the text as before. An id outside the vocabulary made that worker fail the request
+# (its decoder refuses one; found by a review).
+THOUGHT_ID = PAD_ID
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -663,13 +666,18 @@ class UpstreamLoop:
                     if resp.status >= 500:
                         # Not in the words of a death vLLM writes today (an older vLLM's 500
                         # had no body), so the server's health decides: unwell, it is the
-                        # server going away, as above; well, the request's own failure. The
-                        # connection goes back first: with every slot of the pool held by a
-                        # failing stream, the health check would wait for one.
+                        # server going away; well, the request's own failure. The attempt
+                        # counts here: a request that itself breaks the server before its
+                        # answer starts would go round the fleet's servers, breaking each,
+                        # where max_attempts now stops it. The connection goes back first:
+                        # with every slot of the pool held by a failing stream, the health
+                        # check would wait for one. Once the breaker is open (another stream
+                        # found the server down), it is not asked again.
                         resp.release()
-                        if why := await self._unwell():
+                        why = "open" if self.breaker.state == "open" else await self._unwell()
+                        if why:
                             raise UpstreamDown(f"{url}: HTTP {resp.status} ({text}), and the model server's "
-                                               f"health says {why}", spent=False)
+                                               f"health says {why}", spent=True)
                     if resp.status == 400 and "priority" in body and "priority" in text.lower():
                         # A vLLM left at its default (first come, first served) refuses every
                         # non-zero priority: every class but the top one failed. The pool's

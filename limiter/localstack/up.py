@@ -240,19 +240,22 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
 
 
 def check_role_ports(cfg: config_mod.QosConfig, args: argparse.Namespace) -> None:
-    """The workers' and controllers' own (metrics) ports, like the HTTP port, before anything
-    starts: a port every worker (or both controllers) of the stack would listen on, or one
-    that is taken, made a child fail only once Redis and the other children were running."""
+    """The roles' own (metrics) ports, like the HTTP port, before anything starts: a port
+    every frontend or worker (or both controllers) of the stack would listen on, or one that
+    is taken, made a child fail only once Redis and the other children were running."""
     from limiter.controller.settings import load_settings as controller_settings
+    from limiter.frontend.settings import load_settings as frontend_settings
     from worker.settings import load_settings as worker_settings
 
+    fe = frontend_settings(cfg, {"host": args.host, "port": args.port})
     wk = worker_settings(cfg, {"engine": args.engine, "device": args.device,
                                "upstream_url": args.upstream_url, "upstream_model": args.upstream_model,
                                "upstream_priority": args.upstream_priority})
     ct = controller_settings(cfg)
     seen = {args.port: "the HTTP port (--port)"}
     controllers = 2 if args.standby else 1
-    for role, count, host, port in (("worker", args.workers, wk.metrics_host, wk.metrics_port),
+    for role, count, host, port in (("frontend", args.frontends, fe.metrics_host or fe.host, fe.metrics_port),
+                                    ("worker", args.workers, wk.metrics_host, wk.metrics_port),
                                     ("controller", controllers, ct.metrics_host, ct.metrics_port)):
         name = f"{role}.metrics_port"
         if not port or not count:
