@@ -85,7 +85,7 @@ def stop(p: subprocess.Popen[bytes]) -> None:
     p.wait(10)
 
 
-def test_standby_takes_over_a_killed_leader_within_two_lease_periods(redis_server: RedisServer, sync_redis,
+def test_a_standby_takes_over_a_killed_leader_with_a_new_fence(redis_server: RedisServer, sync_redis,
                                                                        tmp_path: Path) -> None:
     config = tmp_path / "qos.toml"
     config.write_text(CONFIG.format(url=redis_server.url, lease=LEASE_S, renew=RENEW_S))

@@ -6,7 +6,6 @@ the buckets, the safety timeout."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 from collections.abc import Callable
 
@@ -341,11 +340,10 @@ async def test_redis_down_is_503_not_ready(sync_redis):
         assert r.status == 400
 
 
-async def test_heartbeat_registers_before_admitting(client, sync_redis):
+async def test_a_started_frontend_is_registered_with_a_measured_clock_offset(client, sync_redis):
     fe = fe_of(client)
     assert sync_redis.zscore(POOL.frontends, fe.frontend_id) is not None
-    json.dumps(fe.heartbeat.clock_offset_ms)  # measured, finite
-    assert abs(fe.heartbeat.clock_offset_ms) < 5_000
+    assert abs(fe.heartbeat.clock_offset_ms) < 5_000  # measured, finite (NaN fails this too)
 
 
 def _refusing(sync_redis, state: str) -> tuple[Callable[[], object], Callable[[], object]]:

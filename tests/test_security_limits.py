@@ -16,6 +16,7 @@ Every rejected request leaves Redis byte-for-byte unchanged (heartbeats aside).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
@@ -189,11 +190,15 @@ async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_t
             while router._queues:
                 assert time.monotonic() < deadline, "the stream's handler outlived request_timeout_s"
                 await asyncio.sleep(0.1)
-            with pytest.raises((ConnectionError, asyncio.IncompleteReadError)):
+            # The connection was dropped with the answer unsent, not closed after all of it
+            # (6 MB of text; the socket buffers hold a small part): a clean end after the
+            # whole answer passed here once, a reset being one of the errors taken.
+            got = 0
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
                 async with asyncio.timeout(10):
-                    while await reader.read(1 << 16):  # what was buffered for it is gone: the
-                        pass  # connection was dropped (reset), not closed after the whole answer
-                    raise ConnectionResetError("closed without a reset")
+                    while chunk := await reader.read(1 << 16):
+                        got += len(chunk)
+            assert got < n, f"the whole answer ({got} bytes) was sent after the request timeout"
         finally:
             writer.close()
 

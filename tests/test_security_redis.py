@@ -40,6 +40,7 @@ from limiter.keys import PoolKeys
 from tests.support.redis_server import RedisServer, free_port
 from tests.support.reliability_stack import (
     KEY_P1,
+    KEY_P2,
     ROOT,
     LiveStack,
     Load,
@@ -151,6 +152,17 @@ async def test_the_whole_stack_runs_under_the_documented_acl_user(tmp_path: Path
             with pytest.raises(TimeoutError):
                 async with asyncio.timeout(0.5):
                     await call(s, stack.base("fe0"), "fe0", KEY_P1, "leaver", max_tokens=3000, timeout_s=30)
+            # an expiry (the janitor's path): every worker paused, a P2 request waits out its
+            # 300 ms max wait (the load above expired none: its workers kept up)
+            workers = [p for p in stack.of("worker") if p.running]
+            for w in workers:
+                w.send_signal(signal.SIGSTOP)
+            try:
+                late = await call(s, stack.base("fe0"), "fe0", KEY_P2, "waits", max_tokens=5, timeout_s=30)
+            finally:
+                for w in workers:
+                    w.send_signal(signal.SIGCONT)
+            assert (late.status, late.code) == (503, "queue_timeout"), late
         status = subprocess.run(
             [sys.executable, "-m", "limiter.cli", "status", "--json", "--config", str(stack.path)],
             capture_output=True,
@@ -184,7 +196,7 @@ async def test_the_whole_stack_runs_under_the_documented_acl_user(tmp_path: Path
             f"\n[redis ACL] {' | '.join(lines)}; admitted {admitted}, ended {dict(outcomes['tiny'])}; "
             f"ACL LOG empty"
         )
-        assert outcomes["tiny"]["cancelled"] >= 1 and outcomes["tiny"]["expired"] + outcomes["tiny"]["ok"] > 0
+        assert outcomes["tiny"]["cancelled"] >= 1 and outcomes["tiny"]["expired"] >= 1, outcomes["tiny"]
         # ...and the user can do nothing else
         qos = redis.Redis(port=server.port, username="qos", password=PASSWORD)
         for cmd in (
