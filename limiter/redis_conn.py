@@ -16,6 +16,7 @@ from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
+    AskError,
     ClusterError,
     OutOfMemoryError,
     ReadOnlyError,
@@ -28,7 +29,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter.config import RedisConfig
-from limiter.errors import RedisUnavailable
+from limiter.errors import ConfigError, RedisUnavailable
 
 # Connection-level failures of a redis-py call: the server is down, out of reach, or too
 # slow; or a cluster that cannot serve the slot now (CLUSTERDOWN / MASTERDOWN during a
@@ -81,16 +82,31 @@ def store_refused(exc: ResponseError) -> bool:
     return message.partition(" ")[0] in _STORE_REFUSALS
 
 
+def cluster_misconfigured(exc: ResponseError) -> ConfigError | None:
+    """The error to raise for ``exc`` when it is a MOVED or ASK redirection (alone or as a
+    pipeline's command), else None. Only a client that does not speak cluster sees one (the
+    cluster client follows them): ``redis.url`` names a node of a Redis Cluster while
+    ``redis.cluster`` is false. Its bare text was all an operator read ("2789
+    127.0.0.1:22896", the slot and another node), or a controller's traceback every second."""
+    if not isinstance(exc, AskError):  # MovedError is an AskError
+        return None
+    return ConfigError("redis.cluster", "redis.url is a node of a Redis Cluster (it sent a command on "
+                       "to another node): set redis.cluster = true (env QOS_REDIS_CLUSTER=1)")
+
+
 @contextlib.contextmanager
 def map_redis_errors() -> Iterator[None]:
     """Turn a connection-level failure inside the block, or a refusal for the store's own
     state (:func:`store_refused`), into :class:`RedisUnavailable`, the one outage type every
-    layer above handles (503 in the frontend, back-off elsewhere)."""
+    layer above handles (503 in the frontend, back-off elsewhere); a cluster's redirection
+    into the configuration error it is (:func:`cluster_misconfigured`)."""
     try:
         yield
     except CONNECTION_ERRORS as exc:
         raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
     except ResponseError as exc:
+        if (wrong := cluster_misconfigured(exc)) is not None:
+            raise wrong from exc
         if not store_refused(exc):
             raise
         raise RedisUnavailable(f"Redis refused the command: {exc}") from exc

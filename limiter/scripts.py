@@ -35,7 +35,7 @@ from limiter.errors import (
     Throttled,
 )
 from limiter.keys import PoolKeys, check_name
-from limiter.redis_conn import CONNECTION_ERRORS, map_redis_errors, store_refused
+from limiter.redis_conn import CONNECTION_ERRORS, cluster_misconfigured, map_redis_errors, store_refused
 from limiter.script_batcher import ScriptBatcher
 
 SCRIPT_NAMES = (
@@ -344,6 +344,8 @@ class Scripts:
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage
                     raise
+                if (wrong := cluster_misconfigured(exc)) is not None:
+                    raise wrong from exc
                 if store_refused(exc):
                     # At maxmemory (noeviction) Redis refuses the scripts without allow-oom, a
                     # server a failover made a replica refuses every write, one short of its

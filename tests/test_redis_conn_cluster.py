@@ -138,3 +138,53 @@ async def test_the_handshake_is_not_checked_for_a_closed_connection(redis_server
         assert conn.is_connected
     finally:
         await conn.disconnect()
+
+
+def _a_node_not_holding(redis_cluster, key: str):
+    owner = redis_cluster.owner(key)
+    return next(n for n in redis_cluster.nodes if n.port != owner.port)
+
+
+async def test_a_cluster_node_named_without_redis_cluster_is_a_config_error(redis_cluster) -> None:
+    """redis.url a node of a Redis Cluster, redis.cluster left false: a command on a slot of
+    another node is answered MOVED, which a client that does not speak cluster does not
+    follow. Scripts, plain commands and pipelines said only "2789 127.0.0.1:22896" (the
+    slot and the other node): now a configuration error naming the setting."""
+    from limiter.config import demo_config
+    from limiter.errors import ConfigError
+    from limiter.keys import PoolKeys
+    from limiter.redis_conn import map_redis_errors
+    from limiter.scripts import Scripts, policy_document
+    from limiter.status import snapshot
+
+    cfg, keys = demo_config(), PoolKeys("tiny")
+    node = _a_node_not_holding(redis_cluster, keys.policy)
+    client = open_redis(RedisConfig(url=node.url, cluster=False))
+    want = r"redis\.cluster: redis\.url is a node of a Redis Cluster .* set redis\.cluster = true"
+    try:
+        with pytest.raises(ConfigError, match=want):
+            await Scripts(client).init_pool(keys, policy_document(cfg, cfg.pool("tiny")))
+        with pytest.raises(ConfigError, match=want):
+            with map_redis_errors():
+                await client.exists(keys.policy)
+        with pytest.raises(ConfigError, match=want):
+            await snapshot(client, cfg)  # pipelines
+    finally:
+        await client.aclose()
+
+
+@pytest.mark.parametrize("role", [["controller", "--id", "x"], ["status"], ["frontend", "--port", "0"],
+                                  ["worker", "--engine", "sim"]])
+def test_a_role_on_a_cluster_node_without_redis_cluster_exits_naming_it(redis_cluster, role) -> None:
+    """The controller logged a MovedError traceback every second for ever; `qos status`, the
+    frontend and the worker named the slot and another node. Each now exits 2 naming
+    redis.cluster."""
+    import subprocess
+    import sys
+
+    node = _a_node_not_holding(redis_cluster, "qos:{tiny}:policy")
+    proc = subprocess.run([sys.executable, "-m", "limiter.cli", role[0], "--redis-url", node.url, *role[1:]],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert "config error: redis.cluster: redis.url is a node of a Redis Cluster" in proc.stderr, proc.stderr
+    assert "127.0.0.1" not in proc.stderr.rpartition("config error")[2]  # no node's address

@@ -19,12 +19,12 @@ from aiohttp import web
 
 from limiter import lifecycle
 from limiter.config import QosConfig
-from limiter.controller.loop import PoolController
+from limiter.controller.loop import STEP_TIMEOUT_S, PoolController
 from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.settings import ControllerSettings
-from limiter.errors import ConfigError
+from limiter.errors import ConfigError, RedisUnavailable
 from limiter.metrics_server import start_metrics_server
-from limiter.redis_conn import open_redis
+from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.scripts import Scripts
 from limiter.tasks import stop_tasks
 
@@ -59,10 +59,24 @@ class Controller:
             except OSError as exc:
                 raise ConfigError("controller.metrics_port",
                                   f"cannot listen on {s.metrics_host}:{s.metrics_port}: {exc}") from exc
+        await self._check_redis_mode()
         for pc in self.pools.values():
             self._tasks += [asyncio.create_task(coro) for coro in pc.loops()]
         log.info("controller %s started for pools %s (lease %.1f s, tick %.1f s)", s.controller_id,
                  list(self.pools), s.lease_s, s.tick_s)
+
+    async def _check_redis_mode(self) -> None:
+        """A read of each pool's key: a node of a Redis Cluster named with ``redis.cluster``
+        false redirects it, a configuration error to stop at (the loops, which go on through
+        every error, logged a traceback a second for ever). Redis out of reach now is left
+        to the loops, which wait for it."""
+        for pc in self.pools.values():
+            try:
+                async with asyncio.timeout(STEP_TIMEOUT_S):
+                    with map_redis_errors():
+                        await self.client.exists(pc.keys.policy)
+            except (RedisUnavailable, TimeoutError):
+                return
 
     async def stop(self, release: bool = True) -> None:
         """Stop the loops, then (``release``) give up every lease held. ``release=False``
