@@ -1384,6 +1384,39 @@ async def test_a_server_whose_engine_is_dead_is_not_taken_for_up_because_it_list
     assert c.answers[rid].text == "fine" and up.calls["HEALTH"] == 2
 
 
+async def test_credentials_in_the_upstream_url_are_used_and_never_shown(env, caplog) -> None:
+    """aiohttp sends a URL's user and password as Basic auth, so an upstream_url may carry
+    them. The whole URL went into the worker's heartbeat (which `qos status --json` prints)
+    and its start line: the password in Redis and on an operator's screen."""
+    import base64
+    import logging
+
+    from worker.main import describe
+
+    cfg, c, up = env
+    secret = "hunter2"
+    url = up.url.replace("http://", f"http://admin:{secret}@")
+    seen: list[str] = []
+
+    async def records_auth(request: Any, body: dict[str, Any], n: int) -> Any:
+        from tests.support.fake_upstream import sse_chunk, sse_response
+
+        seen.append(request.headers.get("Authorization", ""))
+        resp = await sse_response(request)
+        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
+
+    up.scripts["AUTH"] = records_auth
+    with caplog.at_level(logging.INFO):
+        async with worker(cfg, engine="openai", upstream_url=url) as rt:
+            rid = await c.admit("AUTH", max_tokens=5)
+            await c.wait([rid], timeout=20)
+            hb = await _wait_heartbeat(c, rt, "a heartbeat naming the upstream", lambda h: b"upstream" in h)
+    assert c.answers[rid].text == "fine"
+    assert seen == ["Basic " + base64.b64encode(f"admin:{secret}".encode()).decode()]  # used
+    assert hb[b"upstream"] == up.url.replace("http://", "http://***@").encode() + b"/v1"
+    assert secret not in describe(rt.settings, None) and secret not in caplog.text
+
+
 def test_a_thought_mark_is_dropped_by_every_decoder() -> None:
     """The mark stored per token of thinking is no byte of any text, and the byte decoder
     (every worker release's, and the step engines') drops it: a worker that does not know

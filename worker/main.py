@@ -10,7 +10,7 @@ from limiter.errors import RedisUnavailable
 from worker.batch_policy import Limits
 from worker.engines.base import Engine
 from worker.runtime import WorkerRuntime
-from worker.settings import WorkerSettings
+from worker.settings import WorkerSettings, shown_upstream
 
 log = logging.getLogger("qos.worker")
 
@@ -40,7 +40,7 @@ def build_limits(s: WorkerSettings, engine: Engine) -> Limits:
 
 def describe(s: WorkerSettings, engine: Engine | None) -> str:
     if engine is None:
-        return f"openai engine -> {s.upstream_url} (max_inflight {s.max_inflight})"
+        return f"openai engine -> {shown_upstream(s.upstream_url)} (max_inflight {s.max_inflight})"
     what = s.checkpoint or s.model if engine.name == "torch" else f"time_scale {s.time_scale}"
     chunked = "on" if s.chunked_prefill else "OFF"
     return (f"{engine.name} engine ({what}) on {s.device}; token_budget {s.token_budget}, "

@@ -162,3 +162,14 @@ def load_settings(cfg: QosConfig, overrides: Mapping[str, Any] | None = None) ->
     data.update({k: v for k, v in (overrides or {}).items() if v is not None})
     settings: WorkerSettings = build_section("worker", WorkerSettings, data)
     return settings.resolved(cfg)
+
+
+def shown_upstream(url: str) -> str:
+    """``upstream_url`` fit to show (the worker's log, its heartbeat, which `qos status --json`
+    prints): its user part (aiohttp sends a URL's user and password as Basic auth) and any
+    query as ``***``. They were written to Redis and printed whole (found by a review,
+    2026-12-06). The user part is taken to the last '@', as limiter.config.redacted_url does."""
+    scheme, sep, rest = url.partition("://")
+    _userinfo, at, rest = rest.rpartition("@")
+    rest, q, _query = rest.partition("?")
+    return f"{scheme}{sep}{'***@' if at else ''}{rest}{'?***' if q else ''}"

@@ -85,6 +85,7 @@ from worker.delivery import Delivery
 from worker.metrics import WorkerMetrics
 from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
+from worker.settings import shown_upstream
 from worker.sse_events import MalformedStream, parse_chunk, sse_batches
 from worker.tokenizer import PAD_ID, decode
 
@@ -297,6 +298,7 @@ class UpstreamLoop:
         s = rt.settings
         base = s.upstream_url.rstrip("/")
         self.base = base if base.endswith("/v1") else base + "/v1"
+        self.shown = shown_upstream(self.base)  # in logs and the heartbeat
         self.model = s.upstream_model or rt.pool_cfg.model_name
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -644,7 +646,7 @@ class UpstreamLoop:
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior)
         except ValueError as exc:
             return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
-        url = self.base + path
+        url = self.shown + path  # in what is logged: never the credentials of upstream_url
         chat = path == "/chat/completions"
         allowance = max_tokens - d.total_tokens
         counted = 0  # upstream tokens taken in this attempt
@@ -653,7 +655,7 @@ class UpstreamLoop:
         done = False
         last = time.monotonic()
         try:
-            async with self.session.post(url, json=body, headers=self._headers()) as resp:
+            async with self.session.post(self.base + path, json=body, headers=self._headers()) as resp:
                 if resp.status in DOWN_STATUSES:
                     raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                 if resp.status != 200:
@@ -861,5 +863,5 @@ class UpstreamLoop:
         return {"batch_size": len(self.tasks), "running": len(self.tasks), "waiting": 0,
                 "tokens_s": round(tokens_s, 1), "capacity_tokens_s": round(capacity, 1), "step_ms": 0,
                 "kv_used": 0, "kv_capacity": 0, "kv_use": 0, "max_inflight": self.rt.settings.max_inflight,
-                "upstream": self.base, "upstream_state": self.breaker.state,
+                "upstream": self.shown, "upstream_state": self.breaker.state,
                 "upstream_failures": self.breaker.failures, "upstream_probes": self.breaker.probes}
