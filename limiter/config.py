@@ -281,6 +281,17 @@ def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
         # short: "Port could not be cast to integer value as '<the password>'".
         raise ConfigError(path, "not a valid URL: no host[:port] can be read from it (percent-encode "
                           "a password's '/', '?', '#', '%' and '@', e.g. '/' as %2F)") from None
+    if parts.scheme != "unix":
+        # urllib ends the host part at the first '/', '?' or '#': a password holding one, not
+        # percent-encoded, put the rest of the password and the real host in the path, and
+        # the host was read from the password ("Error connecting to ssw0rd:6379"; a password
+        # of digits then '/' named localhost and a port). An '@' past the host part shows it.
+        _check("@" not in url.partition("://")[2].partition(parts.netloc)[2], path,
+               "not a valid URL: an '@' after its host part (percent-encode a password's '/', '?', "
+               "'#', '%' and '@', e.g. '/' as %2F, or the host is read from the password)")
+        # redis-py reads the path as the database and ignores one that is not a number (db 0)
+        db = urllib.parse.unquote(parts.path).strip("/")
+        _check(not db or db.isdigit(), path, "its path (the database) must be a number, e.g. /0")
     try:
         options = redis.connection.parse_url(url)  # its query too (?db=x was a traceback)
     except ValueError as exc:

@@ -304,14 +304,26 @@ async def test_floors_that_add_up_to_one_can_initialise_the_pool(tmp_path, scrip
     "redis://qos:Zm9v/YmFyc2VjcmV0@redis.internal:6379/0",  # base64 passwords hold '/' and '+'
     "redis://qos:Zm9vYmFy#c2VjcmV0@redis.internal:6379/0",
     "rediss://qos:Zm9vYmFy?c2VjcmV0@redis.internal:6379/0",
+    # ... and where what precedes the '/' reads as a host (and a port): redis-py connected to
+    # "ssw0rd:6379", or to localhost:4821 (a Redis there would be read as this one)
+    "redis://default:P@ssw0rd/2024@10.0.0.5:6379/0",
+    "redis://:4821/Zq@10.0.0.5:6379/0",
 ])
 def test_a_password_that_breaks_the_url_is_not_printed(url, tmp_path, capsys):
     """A password with '/', '#' or '?' not percent-encoded ends the URL's host part early, and
     urllib's "Port could not be cast to integer value as 'Zm9v'" -- the password -- went to
     stderr (and the journal) in the config error."""
+    secret = next(part for part in ("Zm9v", "ssw0rd", "4821/Zq") if part in url)  # of the password
     assert main(["status", "--redis-url", url]) == 2
     err = capsys.readouterr().err
-    assert "Zm9v" not in err and "QOS_REDIS_URL" in err and "percent-encode" in err, err
+    assert secret not in err and "QOS_REDIS_URL" in err and "percent-encode" in err, err
     assert main(["config", "check", str(_write_redis(tmp_path, url, False))]) == 2
     err = capsys.readouterr().err
-    assert "Zm9v" not in err and "redis.url" in err, err
+    assert secret not in err and "redis.url" in err, err
+
+
+def test_a_database_that_is_not_a_number_is_refused(tmp_path, capsys):
+    """redis-py ignores a path that is not a number and uses database 0: another role's
+    data, silently."""
+    assert main(["config", "check", str(_write_redis(tmp_path, "redis://127.0.0.1:6379/abc", False))]) == 2
+    assert "redis.url: its path (the database) must be a number" in capsys.readouterr().err
