@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import time
 from typing import Any
@@ -63,7 +64,8 @@ async def _full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[st
                 info["note"] = "not a valid worker id"
                 continue
             raw = await client.hgetall(key)
-            info.update({_s(k): _num(_s(v)) for k, v in raw.items()})
+            fields = {_s(k): _s(v) for k, v in raw.items()}
+            info.update({k: v if k in TEXT_FIELDS else _num(v) for k, v in fields.items()})
         rows = await client.xrevrange(keys.decisions, count=decisions) if decisions > 0 else []
         pool["decisions"] = [_decision(entry) for _id, entry in rows]
     return snap
@@ -73,12 +75,19 @@ def _s(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
 
+# A worker's heartbeat fields that are text whatever they look like (a host named "1e3")
+TEXT_FIELDS = frozenset({"host", "engine", "pool", "device", "state", "upstream", "upstream_state"})
+
+
 def _num(v: str) -> Any:
+    """A heartbeat field's number, or its text: also where it is not finite (``--json`` would
+    print NaN, which is not JSON)."""
     for conv in (int, float):
         try:
-            return conv(v)
+            n = conv(v)
         except ValueError:
-            pass
+            continue
+        return n if math.isfinite(n) else v
     return v
 
 
@@ -91,7 +100,12 @@ def _decision(entry: dict[Any, Any]) -> dict[str, Any]:
     return {"version": _num(e.get("version", "0")), "controller": e.get("controller"), "decision": body}
 
 
+MAX_DECISIONS = 1000  # --decisions: what one status read fetches per pool at most
+
+
 async def _status(args: argparse.Namespace) -> int:
+    if not 0 <= args.decisions <= MAX_DECISIONS:  # -3 showed none; a huge one was Redis' own error
+        raise ConfigError("--decisions", f"must be in [0, {MAX_DECISIONS}], got {args.decisions}")
     cfg = load_config(args)
     client = open_redis(cfg.redis)
     try:
@@ -121,6 +135,11 @@ def _fmt(v: Any, digits: int = 0) -> str:
     if isinstance(v, float):
         return f"{v:,.{digits}f}"
     return str(v)
+
+
+def _percent(v: Any) -> str:
+    """A 0-1 fraction as a percentage (kv use: 0.97 showed as "1", full, and 0.3 as "0")."""
+    return f"{v * 100:.1f} %" if isinstance(v, int | float) and not isinstance(v, bool) else _fmt(v)
 
 
 def _last_reasons(pool: dict[str, Any]) -> tuple[dict[str, str], str]:
@@ -180,7 +199,7 @@ def render(snap: dict[str, Any]) -> Group:
                 _fmt(info.get("tokens_s")),
                 _fmt(info.get("capacity_tokens_s")),
                 f"{_fmt(info.get('token_budget'))} / {_fmt(info.get('token_budget_max'))}",
-                _fmt(info.get("kv_use")),
+                _percent(info.get("kv_use")),
             )
         parts.append(w)
         if pool.get("decisions"):
@@ -203,6 +222,8 @@ def render(snap: dict[str, Any]) -> Group:
 async def _top(args: argparse.Namespace) -> int:
     if not 0.1 <= args.interval <= 3600:  # 0, -1 or nan polled Redis flat out
         raise ConfigError("--interval", f"must be in [0.1, 3600] seconds, got {args.interval}")
+    if args.iterations < 0:  # -1 ran for ever, as 0 does by design
+        raise ConfigError("--iterations", f"must be 0 (until Ctrl-C) or more, got {args.iterations}")
     cfg = load_config(args)
     client = open_redis(cfg.redis)
     n = 0

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from limiter.cli import main
 from limiter.keys import PoolKeys
 from tests.support.helpers import admit
@@ -126,3 +128,35 @@ async def test_status_and_top_survive_odd_redis_contents(scripts, pool, redis_se
     rc = await asyncio.to_thread(main, ["top", "--iterations", "1", "--interval", "0.1", "--redis-url",
                                         redis_server.url])
     assert rc == 0 and "w1" in capsys.readouterr().out
+
+
+async def test_a_workers_kv_use_is_a_percentage_and_odd_fields_stay_text(scripts, pool, redis_server, capsys):
+    """kv use is a 0-1 fraction: it was rounded to a whole number, so a worker at 97 % read
+    "1" (full) and one at 30 % "0". A host named like a number became one, and a field
+    reading "nan" made `--json` print NaN, which is not JSON."""
+    import asyncio
+
+    alive = 4102444800000 - 10
+    await scripts.client.zadd(pool.workers, {"w1": alive})
+    await scripts.client.hset(pool.worker("w1"), mapping={"kv_use": "0.97", "host": "1e3", "tokens_s": "nan",
+                                                          "engine": "sim"})
+    rc = await asyncio.to_thread(main, ["status", "--json", "--redis-url", redis_server.url])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "NaN" not in out  # Python's json reads it; JSON has no NaN
+    w1 = json.loads(out)["pools"]["tiny"]["workers"]["w1"]
+    assert (w1["kv_use"], w1["host"], w1["tokens_s"]) == (0.97, "1e3", "nan")
+    rc = await asyncio.to_thread(main, ["status", "--redis-url", redis_server.url])
+    assert rc == 0 and "97.0 %" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["top", "--iterations", "-1"], "--iterations"),  # ran for ever
+    (["top", "--interval", "0"], "--interval"),  # polled Redis flat out
+    (["status", "--decisions", "-3"], "--decisions"),  # showed none
+    (["status", "--decisions", "99999999999999999999"], "--decisions"),  # Redis' own error, no flag named
+])
+def test_status_and_top_refuse_bad_flags_by_name(argv, flag, capsys):
+    # an address nothing listens on: a flag refused before any connection is tried
+    assert main([*argv, "--redis-url", "redis://127.0.0.1:1/0"]) == 2
+    assert f"config error: {flag}: must be" in capsys.readouterr().err
