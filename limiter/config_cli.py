@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _hash_key(args: argparse.Namespace) -> int:
-    key = args.key if args.key != "-" else sys.stdin.readline().rstrip("\r\n")
+    # stdin's bytes as they are (its text layer decodes strictly under a UTF-8 locale: a key
+    # that is not UTF-8 was a traceback), as hash_key takes them
+    key = args.key if args.key != "-" else _stdin_line()
     if not key:
         print("qos config hash-key: no key given (an argument, or one line on standard input)",
               file=sys.stderr)
@@ -73,3 +75,10 @@ def _check(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(0)
+
+
+def _stdin_line() -> str:
+    line = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline().encode(
+        "utf-8", "surrogateescape")
+    return line.rstrip(b"\r\n").decode("utf-8", "surrogateescape")
+

@@ -235,3 +235,18 @@ def test_a_key_that_is_not_utf8_is_hashed_as_the_bytes_sent(capsys):
     cfg = dataclasses.replace(config.demo_config(), tenants=(config.TenantConfig(
         name="latin1", key_sha256=(digest,), default_class="P1", max_class="P1"),))
     assert KeyRing(cfg).lookup(key).name == "latin1"
+
+
+def test_a_key_on_standard_input_that_is_not_utf8_is_hashed_as_its_bytes(tmp_path):
+    """Under a UTF-8 locale Python decodes stdin strictly: a key of other bytes was a
+    UnicodeDecodeError traceback (found by a review of the operator paths, 2026-12-06)."""
+    import hashlib
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONIOENCODING": "utf-8:strict"}
+    proc = subprocess.run([sys.executable, "-m", "limiter.cli", "config", "hash-key"], input=b"caf\xe9\n",
+                          capture_output=True, timeout=60, env=env)
+    assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr[-800:]
+    assert proc.stdout.decode().strip() == hashlib.sha256(b"caf\xe9").hexdigest()
