@@ -54,12 +54,13 @@ def log_level_arg(parser: argparse.ArgumentParser) -> None:
                         help=f"one of {', '.join(LOG_LEVELS)} (env QOS_LOG_LEVEL; default INFO)")
 
 
-def load_config(args: argparse.Namespace) -> config_mod.QosConfig:
-    """The config named by --config, with env overrides, then --redis-url on top."""
+def load_config(args: argparse.Namespace, *, tokenizer_files: bool = True) -> config_mod.QosConfig:
+    """The config named by --config, with env overrides, then --redis-url on top.
+    ``tokenizer_files`` False for a role that counts no tokens (config.validate)."""
     env = dict(os.environ)
     if getattr(args, "redis_url", None):
         env["QOS_REDIS_URL"] = args.redis_url
-    return config_mod.load(getattr(args, "config", None), env)
+    return config_mod.load(getattr(args, "config", None), env, tokenizer_files=tokenizer_files)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -333,8 +333,11 @@ MAX_BURST_TOKENS = 1e15
 MIN_TENANT_QUOTA = 1e-9  # admit.lua's least tenant_rate (tokens/s) and tenant_burst (tokens)
 
 
-def validate(cfg: QosConfig) -> QosConfig:
-    """Cross-field checks; returns ``cfg`` unchanged when it is valid."""
+def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
+    """Cross-field checks; returns ``cfg`` unchanged when it is valid. ``tokenizer_files``
+    False: a pool's tokenizer.json is not read (a role that counts no tokens -- workers, the
+    controller, `qos status` -- runs on a host without the model's files; its mode and URL
+    are still checked)."""
     check_redis_url(cfg.redis.url, "redis.url", cfg.redis.cluster)
     _check(0 < len(cfg.classes) <= MAX_CLASSES, "classes", f"1 to {MAX_CLASSES} classes are allowed")
     seen: set[str] = set()
@@ -392,7 +395,8 @@ def validate(cfg: QosConfig) -> QosConfig:
         _check(1 <= pool.floor_half_life_ms <= 86_400_000, f"{p}.floor_half_life_ms", "out of range")
         _check(1 <= pool.record_ttl_s <= 604_800, f"{p}.record_ttl_s", "must be in [1, 604800]")
         _check(0 <= pool.floor_quantum_tokens <= 1e12, f"{p}.floor_quantum_tokens", "must be in [0, 1e12]")
-        token_count.check(pool.tokenizer, pool.tokenizer_url, f"{p}.tokenizer", cfg.worker)
+        token_count.check(pool.tokenizer, pool.tokenizer_url, f"{p}.tokenizer", cfg.worker,
+                          read_file=tokenizer_files)
     tenant_names: set[str] = set()
     all_keys: set[str] = set()
     for i, t in enumerate(cfg.tenants):
@@ -418,7 +422,8 @@ def validate(cfg: QosConfig) -> QosConfig:
     return cfg
 
 
-def parse(data: Mapping[str, Any], base_dir: str | Path | None = None) -> QosConfig:
+def parse(data: Mapping[str, Any], base_dir: str | Path | None = None, *,
+          tokenizer_files: bool = True) -> QosConfig:
     """Build and validate a config from a parsed TOML document; relative tokenizer paths are
     taken from ``base_dir`` (the config file's directory)."""
     if "demo" in data:
@@ -435,10 +440,10 @@ def parse(data: Mapping[str, Any], base_dir: str | Path | None = None) -> QosCon
 
         pools = tuple(anchored(p) for p in cfg.pools)
         cfg = dataclasses.replace(cfg, pools=pools)
-    return validate(cfg)
+    return validate(cfg, tokenizer_files=tokenizer_files)
 
 
-def apply_env(cfg: QosConfig, env: Mapping[str, str]) -> QosConfig:
+def apply_env(cfg: QosConfig, env: Mapping[str, str], *, tokenizer_files: bool = True) -> QosConfig:
     """Deploy-time overrides: QOS_REDIS_URL, QOS_REDIS_CLUSTER (1/0)."""
     redis_cfg = cfg.redis
     if (cl := env.get("QOS_REDIS_CLUSTER")) is not None:
@@ -449,11 +454,13 @@ def apply_env(cfg: QosConfig, env: Mapping[str, str]) -> QosConfig:
         # not the file's redis.url
         check_redis_url(url, "QOS_REDIS_URL (or --redis-url)", redis_cfg.cluster)
         redis_cfg = dataclasses.replace(redis_cfg, url=url)
-    return validate(dataclasses.replace(cfg, redis=redis_cfg))
+    return validate(dataclasses.replace(cfg, redis=redis_cfg), tokenizer_files=tokenizer_files)
 
 
-def load(path: str | Path | None = None, env: Mapping[str, str] | None = None) -> QosConfig:
-    """Load the config file (or the demo config when no path is given), then env overrides."""
+def load(path: str | Path | None = None, env: Mapping[str, str] | None = None, *,
+         tokenizer_files: bool = True) -> QosConfig:
+    """Load the config file (or the demo config when no path is given), then env overrides
+    (``tokenizer_files``: :func:`validate`)."""
     env = os.environ if env is None else env
     path = path or env.get("QOS_CONFIG") or None
     if path is None:
@@ -470,8 +477,8 @@ def load(path: str | Path | None = None, env: Mapping[str, str] | None = None) -
             raise ConfigError(str(path), f"not UTF-8 text: {exc}") from exc
         except OSError as exc:  # a directory, no permission, ...
             raise ConfigError(str(path), f"cannot read it: {exc.strerror or exc}") from exc
-        cfg = parse(data, Path(path).resolve().parent)
-    return apply_env(cfg, env)
+        cfg = parse(data, Path(path).resolve().parent, tokenizer_files=tokenizer_files)
+    return apply_env(cfg, env, tokenizer_files=tokenizer_files)
 
 
 DEFAULT_CLASSES = (

@@ -106,7 +106,7 @@ MAX_DECISIONS = 1000  # --decisions: what one status read fetches per pool at mo
 async def _status(args: argparse.Namespace) -> int:
     if not 0 <= args.decisions <= MAX_DECISIONS:  # -3 showed none; a huge one was Redis' own error
         raise ConfigError("--decisions", f"must be in [0, {MAX_DECISIONS}], got {args.decisions}")
-    cfg = load_config(args)
+    cfg = load_config(args, tokenizer_files=False)  # counts no tokens
     client = open_redis(cfg.redis)
     try:
         snap = await full_snapshot(client, cfg, args.decisions)
@@ -224,7 +224,7 @@ async def _top(args: argparse.Namespace) -> int:
         raise ConfigError("--interval", f"must be in [0.1, 3600] seconds, got {args.interval}")
     if args.iterations < 0:  # -1 ran for ever, as 0 does by design
         raise ConfigError("--iterations", f"must be 0 (until Ctrl-C) or more, got {args.iterations}")
-    cfg = load_config(args)
+    cfg = load_config(args, tokenizer_files=False)  # counts no tokens
     client = open_redis(cfg.redis)
     n = 0
     try:

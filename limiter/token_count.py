@@ -103,8 +103,9 @@ def load_file(path: Path, field: str) -> Any:
         raise ConfigError(field, f"cannot load tokenizer {str(path)!r}: {str(exc)[:300]}") from exc
 
 
-def check(spec: str, url: str, field: str, worker: Mapping[str, Any]) -> None:
-    """Validate one pool's tokenizer setting (``field`` = ``pools[i].tokenizer``)."""
+def check(spec: str, url: str, field: str, worker: Mapping[str, Any], *, read_file: bool = True) -> None:
+    """Validate one pool's tokenizer setting (``field`` = ``pools[i].tokenizer``); a file is
+    loaded only with ``read_file``."""
     if spec == BYTES:
         if url:
             raise ConfigError(field + "_url", "is only used with tokenizer = \"upstream\"")
@@ -119,7 +120,8 @@ def check(spec: str, url: str, field: str, worker: Mapping[str, Any]) -> None:
         raise ConfigError(field + "_url", "is only used with tokenizer = \"upstream\"")
     if not spec.strip():
         raise ConfigError(field, f"must be {BYTES!r}, {UPSTREAM!r} or the path of a tokenizer.json")
-    load_file(tokenizer_file(spec), field)
+    if read_file:
+        load_file(tokenizer_file(spec), field)
 
 
 def upstream_url(url: str, worker: Mapping[str, Any]) -> str:

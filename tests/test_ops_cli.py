@@ -160,3 +160,25 @@ def test_status_and_top_refuse_bad_flags_by_name(argv, flag, capsys):
     # an address nothing listens on: a flag refused before any connection is tried
     assert main([*argv, "--redis-url", "redis://127.0.0.1:1/0"]) == 2
     assert f"config error: {flag}: must be" in capsys.readouterr().err
+
+
+async def test_status_needs_no_tokenizer_file_of_the_pools(scripts, pool, redis_server, tmp_path, capsys):
+    """`qos status` loaded each pool's tokenizer.json to validate the config: on an operator's
+    host without the model's files it exited 2 (found by a review of the operator paths). A
+    role that counts no tokens (status, top, workers, the controller) reads no such file;
+    `qos config check` and the frontend still do."""
+    import asyncio
+
+    from limiter.config import demo_config
+    from limiter.localstack.toml_writer import write_toml
+    from tests.support.helpers import three_classes
+
+    path = write_toml({"redis": {"url": redis_server.url}, "classes": three_classes(),
+                       "pools": [{"name": "tiny", "tokenizer": str(tmp_path / "absent" / "tokenizer.json")}],
+                       "tenants": [{"name": "user", "key_sha256": [demo_config().tenants[0].key_sha256[0]]}]},
+                      tmp_path / "qos.toml")
+    rc = await asyncio.to_thread(main, ["status", "--json", "--config", str(path)])
+    assert rc == 0, capsys.readouterr().err
+    assert "tiny" in json.loads(capsys.readouterr().out)["pools"]
+    assert main(["config", "check", str(path)]) == 2
+    assert "pools[0].tokenizer" in capsys.readouterr().err

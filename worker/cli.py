@@ -108,7 +108,7 @@ def upstream_env(env: Mapping[str, str], flags: Mapping[str, Any]) -> dict[str, 
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args)
+    cfg = load_config(args, tokenizer_files=False)  # counts no tokens
     flags = {f: getattr(args, f) for f in _FIELDS}
     settings = load_settings(cfg, {**flags, **upstream_env(os.environ, flags)})
     tag = " [SIMULATED]" if settings.engine == "sim" else ""

@@ -38,7 +38,7 @@ _FIELDS = ("controller_id", "pools", "tick_s", "lease_s", "metrics_port", "metri
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg = load_config(args)
+    cfg = load_config(args, tokenizer_files=False)  # counts no tokens
     settings = load_settings(cfg, {f: getattr(args, f) for f in _FIELDS})
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[{settings.controller_id}]: %(message)s")
