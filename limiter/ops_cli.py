@@ -160,9 +160,10 @@ def render(snap: dict[str, Any]) -> Group:
         measured = (f"measured {_fmt(pool.get('measured_capacity'))} from {source}"
                     + ("" if conf is None else f", confidence {conf * 100:.0f} %"))
         reasons, version = _last_reasons(pool)
+        unset = "" if pool.get("initialised", True) else " — NOT INITIALISED (no role set it up here)"
         t = Table(
             title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s "
-            f"({measured}), policy v{_fmt(pool['policy_version'])}"
+            f"({measured}), policy v{_fmt(pool['policy_version'])}{unset}"
         )
         for col in ("class", "rate", "ceil", "burst", "tokens", "fill", "queued", "inflight", "compliance",
                     f"last decision ({version})"):

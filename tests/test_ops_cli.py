@@ -182,3 +182,12 @@ async def test_status_needs_no_tokenizer_file_of_the_pools(scripts, pool, redis_
     assert "tiny" in json.loads(capsys.readouterr().out)["pools"]
     assert main(["config", "check", str(path)]) == 2
     assert "pools[0].tokenizer" in capsys.readouterr().err
+
+
+async def test_status_says_a_pool_is_not_initialised(redis_server, sync_redis, capsys):
+    """An empty Redis (the wrong database, say) showed a table of dashes: only --json said
+    so (`initialised: false`)."""
+    import asyncio
+
+    rc = await asyncio.to_thread(main, ["status", "--redis-url", redis_server.url])
+    assert rc == 0 and "NOT INITIALISED" in capsys.readouterr().out
