@@ -99,7 +99,7 @@ async def test_a_lost_push_reply_just_before_max_tokens_does_not_kill_the_worker
     every request it held with it (they wait out their leases)."""
     cfg, c = env
     holder: dict = {}
-    lose_reply_of_push(monkeypatch, holder, at_offset=0)
+    state = lose_reply_of_push(monkeypatch, holder, at_offset=0)
     rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.01, flush_tokens=100, flush_ms=10000)
     try:
         holder["rid"] = rid = await c.admit("abc", max_tokens=2)
@@ -110,6 +110,7 @@ async def test_a_lost_push_reply_just_before_max_tokens_does_not_kill_the_worker
         assert died is None, f"the worker died: {type(died).__name__}: {died}"
         a = c.answers[rid]
         assert a.done is not None and a.tokens == 2, (a, await c.record(rid))
+        assert state["fired"] == 1  # the reply was lost: the case this test is about happened
     finally:
         await stop_worker(rt, task)
 
