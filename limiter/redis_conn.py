@@ -30,6 +30,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from limiter.config import RedisConfig
 from limiter.errors import ConfigError, RedisUnavailable
+from limiter.keys import PoolKeys
 
 # Connection-level failures of a redis-py call: the server is down, out of reach, or too
 # slow; or a cluster that cannot serve the slot now (CLUSTERDOWN / MASTERDOWN during a
@@ -279,3 +280,16 @@ class WaitingRedisCluster(CheckedRedisCluster):
 
         pipe.execute = execute_in_turn
         return pipe
+
+
+async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
+    """Redis TIME -- on a cluster, of the shard holding this pool (the clock its scripts stamp
+    everything with: hosts' clocks differ); cluster pipelines refuse keyless commands, hence a
+    call of its own."""
+    if isinstance(client, RedisCluster):
+        node = client.get_node_from_key(keys.policy)
+        sec, usec = await client.execute_command("TIME", target_nodes=node)
+    else:
+        sec, usec = await client.time()
+    return int(sec) * 1000 + int(usec) / 1000
+

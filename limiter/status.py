@@ -14,7 +14,7 @@ from typing import Any
 
 from limiter.config import QosConfig
 from limiter.keys import PoolKeys, policy_text
-from limiter.redis_conn import map_redis_errors
+from limiter.redis_conn import map_redis_errors, redis_now_ms
 
 
 def _s(v: Any) -> str:
@@ -52,12 +52,14 @@ async def snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
 
 
 async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
-    sec, usec = await client.time()
-    now_ms = int(sec) * 1000 + int(usec) / 1000
     classes = cfg.class_names()
-    out: dict[str, Any] = {"now_ms": int(now_ms), "pools": {}}
+    out: dict[str, Any] = {"pools": {}}
     for pool in cfg.pools:
         keys = PoolKeys(pool.name)
+        # each pool's buckets and heartbeats against its own shard's clock (they are stamped
+        # with it; one node's clock for every pool shifted ages and levels by the skew)
+        now_ms = await redis_now_ms(client, keys)
+        out.setdefault("now_ms", int(now_ms))
         pipe = client.pipeline(transaction=False)
         pipe.hgetall(keys.policy)
         pipe.hgetall(keys.inflight)

@@ -46,3 +46,31 @@ async def test_lifecycle_on_cluster_with_pools_on_different_shards(cluster_clien
         assert await scripts.set_rates(keys, "ctl", fence, {}, {"P0.rate": 10}) == 1
         entries = await cluster_client.xrange(keys.reply("fe1"))
         assert "".join(e[b"t"].decode() for _, e in entries) == "AB"
+
+
+async def test_status_reads_each_pools_time_from_its_own_shard(cluster_client, monkeypatch):
+    """A pool's buckets and heartbeats are stamped with its shard's clock; `qos status` aged
+    and refilled every pool by one node's (TIME went to redis-py's default node): a host's
+    clock skew moved every other pool's figures by it (found by a review of the operator
+    paths)."""
+    import dataclasses
+
+    from limiter.status import snapshot
+
+    names = pools_on_different_shards(cluster_client)
+    base = demo_config()
+    pools = tuple(dataclasses.replace(base.pool("tiny"), name=n) for n in names)
+    cfg = dataclasses.replace(base, pools=pools)
+    asked: list[str] = []
+    real = cluster_client.execute_command
+
+    async def spy(*args, **kwargs):
+        if args and args[0] == "TIME":
+            nodes = kwargs.get("target_nodes")
+            asked.append(getattr(nodes, "name", "default"))
+        return await real(*args, **kwargs)
+
+    monkeypatch.setattr(cluster_client, "execute_command", spy)
+    snap = await snapshot(cluster_client, cfg)
+    assert set(snap["pools"]) == set(names)
+    assert asked == [cluster_client.get_node_from_key(PoolKeys(n).policy).name for n in names]

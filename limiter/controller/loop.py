@@ -32,12 +32,12 @@ from limiter.controller.consumer import Batch, SampleConsumer
 from limiter.controller.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.leader import LeaderLease
 from limiter.controller.metrics import ControllerMetrics
-from limiter.controller.observe import publish, read_heartbeats, record_metrics, redis_now_ms
+from limiter.controller.observe import publish, read_heartbeats, record_metrics
 from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
-from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS, store_refused
+from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS, redis_now_ms, store_refused
 from limiter.samples import Sample
 from limiter.scripts import Scripts, policy_document
 from limiter.tasks import raise_if_cancelled

@@ -10,8 +10,6 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
-
 from limiter.config import MAX_CAPACITY_TOKENS_S
 from limiter.controller.capacity import CapacityConfig, CapacityEstimate
 from limiter.controller.control_law import Decision, Inputs
@@ -21,17 +19,6 @@ from limiter.controller.slo_window import WindowStats
 from limiter.controller.term import Term, parse_float
 from limiter.errors import InvalidName
 from limiter.keys import PoolKeys
-
-
-async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
-    """Redis TIME -- on a cluster, of the shard holding this pool (the clock its scripts stamp
-    samples with); cluster pipelines refuse keyless commands, hence a call of its own."""
-    if isinstance(client, RedisCluster):
-        node = client.get_node_from_key(keys.policy)
-        sec, usec = await client.execute_command("TIME", target_nodes=node)
-    else:
-        sec, usec = await client.time()
-    return int(sec) * 1000 + int(usec) / 1000
 
 
 async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list[tuple[bytes, float]],
