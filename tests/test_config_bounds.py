@@ -47,19 +47,20 @@ def test_config_check_on_a_file_that_is_not_utf8_is_a_config_error_not_a_traceba
 
 # --- what `qos config check` calls ok must be what the pool's policy script accepts ---------------
 
-@pytest.mark.parametrize(("p0", "pool", "extra_classes"), [
-    ({"weight": 2e6}, None, 0),  # init_pool: weight in [0, 1e6]
-    ({"out_weight": float("inf")}, None, 0),  # init_pool: not a number
-    ({"burst_s": 3600}, {"capacity_tokens_s": 1e12}, 0),  # init_pool: burst 2.16e15 > 1e15
-    (None, None, 15),  # 17 classes > 16
+@pytest.mark.parametrize(("p0", "pool", "extra_classes", "field"), [
+    ({"weight": 2e6}, None, 0, "classes[0].weight"),  # init_pool: weight in [0, 1e6]
+    ({"out_weight": float("inf")}, None, 0, "classes[0].out_weight"),  # init_pool: not a number
+    ({"burst_s": 3600}, {"capacity_tokens_s": 1e12}, 0, "pools[0].capacity_tokens_s"),  # burst 2.16e15 > 1e15
+    (None, None, 15, "classes"),  # 17 classes > 16
 ], ids=["weight-2e6", "out_weight-inf", "capacity-1e12-burst", "17-classes"])
 async def test_a_config_that_check_accepts_can_initialise_its_pool(tmp_path, scripts, p0, pool,
-                                                                  extra_classes):
+                                                                  extra_classes, field):
     path = _write(tmp_path, p0, pool, extra_classes)
     try:
         cfg = config.load(path, {})
-    except ConfigError:
-        return  # refused up front, naming the field: fine
+    except ConfigError as exc:
+        assert exc.path == field, exc  # refused up front, naming the field (not another's)
+        return
     # Accepted: then every role's start (frontend/worker/controller call init_pool) must work.
     await scripts.init_pool(PoolKeys("tiny"), policy_document(cfg, cfg.pool("tiny")))
 
@@ -131,7 +132,8 @@ async def test_a_tenant_that_check_accepts_can_be_admitted(tmp_path, scripts):
                                    "burst_s": 3600.0}])
     try:
         cfg = config.load(p, {})
-    except ConfigError:
+    except ConfigError as exc:
+        assert exc.path == "tenants[0].burst_s", exc  # refused up front, naming the field
         return
     keys = PoolKeys("tiny")
     await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny")))

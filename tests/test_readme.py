@@ -57,15 +57,28 @@ def test_readme_http_examples_run_as_written(stack):
 
 
 def test_readme_redis_cli_lines_answer(stack):
+    """Each documented line names a key the code builds (limiter/keys.py) and answers without
+    an error; the policy line reads real fields. A misspelt key answered nothing, without an
+    error, and passed (found by a review)."""
+    from limiter.keys import PoolKeys
+
     _, redis_url = stack
+    keys = PoolKeys("tiny")
+    known = {keys.policy, keys.queued, keys.leases, keys.inflight, keys.decisions}
+    for c in ("P0", "P1", "P2"):
+        known |= {keys.backlog(c), keys.class_bucket(c), keys.ceil_bucket(c)}
     (block,) = [b for b in _blocks(_section("Redis key layout"), "bash") if "redis-cli" in b]
     for line in block.strip().splitlines():
         cmd = shlex.split(line.split("#")[0])
         assert cmd[0] == "redis-cli"
+        assert cmd[2] in known, f"{line}: {cmd[2]} is no key the code writes"
         out = subprocess.run(
             ["redis-cli", "-u", redis_url, *cmd[1:]], capture_output=True, text=True, timeout=10
         )
         assert out.returncode == 0 and "ERR" not in out.stdout, (line, out.stdout, out.stderr)
+        if cmd[2] == keys.policy:  # set up at start: every field named is there
+            values = out.stdout.splitlines()  # one a field; a missing one an empty line
+            assert len(values) == len(cmd) - 3 and all(v.strip() for v in values), (line, out.stdout)
 
 
 def test_make_demo_command_serves_a_demo_load():

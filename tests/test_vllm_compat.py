@@ -240,7 +240,8 @@ async def test_tool_requests_replayed(client, fake_worker, tool, path, headers, 
 
 
 async def test_guidellm_probes_then_runs(client, fake_worker):
-    """guidellm's start-up: GET /health with the key, GET /v1/models, then requests."""
+    """guidellm's start-up: GET /health with the key, then GET /v1/models (its requests:
+    test_tool_requests_replayed)."""
     h = {**HTTPX, "Authorization": f"Bearer {KEY}"}
     h.pop("Content-Type")
     assert (await client.get("/health", headers=h)).status == 200
