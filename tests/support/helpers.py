@@ -103,6 +103,32 @@ def dump_all(client: Any) -> dict[bytes, tuple[bytes, bool]]:
     return out
 
 
+def logical_state(client: Any) -> dict[bytes, tuple[Any, bool]]:
+    """Every key's contents and whether it has a TTL, compared as data: what :func:`dump_all`
+    gives where DUMP's bytes may differ for the same contents (a hash restored by RESTORE is
+    rehashed as it is read, and its DUMP then lists its fields in another order)."""
+    out: dict[bytes, tuple[Any, bool]] = {}
+    for key in sorted(client.keys("*")):
+        kind = client.type(key).decode()
+        if kind == "hash":
+            value: Any = sorted(client.hgetall(key).items())
+        elif kind == "zset":
+            value = client.zrange(key, 0, -1, withscores=True)
+        elif kind == "set":
+            value = sorted(client.smembers(key))
+        elif kind == "list":
+            value = client.lrange(key, 0, -1)
+        elif kind == "stream":
+            value = client.xrange(key)
+        else:
+            value = client.get(key)
+        ttl = client.pttl(key)
+        if ttl == -2:  # gone meanwhile (its TTL ran out)
+            continue
+        out[key] = (value, ttl != -1)
+    return out
+
+
 def tenant_figures(p99_ms: float, work: int) -> dict[str, Any]:
     """One tenant's figures as ``qos bench tenants`` reports them: one request, served, with
     this TTFT and this much work in the window."""
