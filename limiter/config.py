@@ -285,9 +285,10 @@ def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
         # urllib ends the host part at the first '/', '?' or '#': a password holding one, not
         # percent-encoded, put the rest of the password and the real host in the path, and
         # the host was read from the password ("Error connecting to ssw0rd:6379"; a password
-        # of digits then '/' named localhost and a port). An '@' past the host part shows it.
-        _check("@" not in url.partition("://")[2].partition(parts.netloc)[2], path,
-               "not a valid URL: an '@' after its host part (percent-encode a password's '/', '?', "
+        # of digits then '/' named localhost and a port). An '@' in the path shows it (in the
+        # query it may be a value: ?password=p@ss).
+        _check("@" not in parts.path, path,
+               "not a valid URL: an '@' in its path (percent-encode a password's '/', '?', "
                "'#', '%' and '@', e.g. '/' as %2F, or the host is read from the password)")
         # redis-py reads the path as the database and ignores one that is not a number (db 0)
         db = urllib.parse.unquote(parts.path).strip("/")

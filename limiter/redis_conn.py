@@ -287,6 +287,9 @@ async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
     everything with: hosts' clocks differ); cluster pipelines refuse keyless commands, hence a
     call of its own."""
     if isinstance(client, RedisCluster):
+        # the slot map is read at the client's first command: a new client (`qos status`)
+        # had none, and every slot read as not covered (found by a review)
+        await client.initialize()
         node = client.get_node_from_key(keys.policy)
         sec, usec = await client.execute_command("TIME", target_nodes=node)
     else:

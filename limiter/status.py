@@ -10,6 +10,7 @@ only: safe to call at any rate from any process.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from limiter.config import QosConfig
@@ -22,12 +23,15 @@ def _s(v: Any) -> str:
 
 
 def _f(v: Any) -> float | None:
+    """A stored number, or None (absent, not a number, or not finite: ``--json`` printed
+    NaN, which is not JSON)."""
     if v is None:
         return None
     try:
-        return float(_s(v))
+        x = float(_s(v))
     except ValueError:
         return None
+    return x if math.isfinite(x) else None
 
 
 def _hash(raw: dict[Any, Any]) -> dict[str, str]:

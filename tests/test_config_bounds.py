@@ -324,6 +324,17 @@ def test_a_password_that_breaks_the_url_is_not_printed(url, tmp_path, capsys):
     assert secret not in err and "redis.url" in err, err
 
 
+@pytest.mark.parametrize("url", [
+    "redis:///0", "redis://", "redis://?db=1",  # no host: localhost, as redis-py reads them
+    "redis://h:6379/0?password=p@ss", "redis://h:6379/0?username=me@corp",  # an '@' in a value
+    "rediss://h/0?ssl_ca_certs=/etc/ssl/ca@2024.pem",
+])
+def test_urls_with_an_at_sign_in_their_query_or_no_host_are_accepted(url):
+    """The first form of the '@' check looked past the path (a query value) and split on an
+    empty host (a traceback): both refused or broke URLs accepted before (found by a review)."""
+    config.check_redis_url(url, "redis.url")
+
+
 def test_a_database_that_is_not_a_number_is_refused(tmp_path, capsys):
     """redis-py ignores a path that is not a number and uses database 0: another role's
     data, silently."""

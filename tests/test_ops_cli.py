@@ -140,12 +140,15 @@ async def test_a_workers_kv_use_is_a_percentage_and_odd_fields_stay_text(scripts
     await scripts.client.zadd(pool.workers, {"w1": alive})
     await scripts.client.hset(pool.worker("w1"), mapping={"kv_use": "0.97", "host": "1e3", "tokens_s": "nan",
                                                           "engine": "sim"})
+    await scripts.client.hset(pool.compliance, mapping={"P0": "nan", ".capacity": "inf"})  # pool figures too
     rc = await asyncio.to_thread(main, ["status", "--json", "--redis-url", redis_server.url])
     assert rc == 0
     out = capsys.readouterr().out
     assert "NaN" not in out  # Python's json reads it; JSON has no NaN
     w1 = json.loads(out)["pools"]["tiny"]["workers"]["w1"]
     assert (w1["kv_use"], w1["host"], w1["tokens_s"]) == (0.97, "1e3", "nan")
+    tiny = json.loads(out)["pools"]["tiny"]
+    assert tiny["classes"]["P0"]["compliance"] is None and tiny["measured_capacity"] is None
     rc = await asyncio.to_thread(main, ["status", "--redis-url", redis_server.url])
     assert rc == 0 and "97.0 %" in capsys.readouterr().out
 

@@ -188,3 +188,39 @@ def test_a_role_on_a_cluster_node_without_redis_cluster_exits_naming_it(redis_cl
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert "config error: redis.cluster: redis.url is a node of a Redis Cluster" in proc.stderr, proc.stderr
     assert "127.0.0.1" not in proc.stderr.rpartition("config error")[2]  # no node's address
+
+
+async def test_a_controller_finding_the_cluster_node_later_ends_naming_it(redis_cluster, monkeypatch) -> None:
+    """Redis out of reach at the controller's start skips its check; once Redis answered as
+    a cluster node named without redis.cluster, every loop logged the error and went on, a
+    traceback a second for ever (found by a review). The process now ends with it."""
+    import asyncio
+    import dataclasses
+
+    from limiter.config import demo_config
+    from limiter.controller.service import Controller, serve
+    from limiter.errors import ConfigError
+    from tests.support.controller_helpers import fast_settings
+
+    async def unreachable_at_start(self) -> None:
+        return None
+
+    monkeypatch.setattr(Controller, "_check_redis_mode", unreachable_at_start)
+    node = _a_node_not_holding(redis_cluster, "qos:{tiny}:policy")
+    base = demo_config()
+    cfg = dataclasses.replace(base, redis=dataclasses.replace(base.redis, url=node.url, cluster=False))
+    with pytest.raises(ConfigError, match=r"redis\.cluster"):
+        await asyncio.wait_for(serve(fast_settings(cfg), cfg), 30)
+
+
+def test_status_and_top_run_on_a_cluster(redis_cluster, monkeypatch, capsys) -> None:
+    """A new client knows no slots until its first command: reading each pool's clock from
+    its shard first said every slot was not covered (found by a review)."""
+    import json
+
+    from limiter.cli import main
+
+    monkeypatch.setenv("QOS_REDIS_CLUSTER", "1")
+    assert main(["status", "--json", "--redis-url", redis_cluster.url]) == 0, capsys.readouterr().err
+    assert "tiny" in json.loads(capsys.readouterr().out)["pools"]
+    assert main(["top", "--iterations", "1", "--interval", "0.1", "--redis-url", redis_cluster.url]) == 0

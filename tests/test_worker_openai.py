@@ -1417,6 +1417,20 @@ async def test_credentials_in_the_upstream_url_are_used_and_never_shown(env, cap
     assert secret not in describe(rt.settings, None) and secret not in caplog.text
 
 
+@pytest.mark.parametrize("url, shown", [
+    ("http://h:8000", "http://h:8000"),
+    ("http://admin:pw@h:9/v1", "http://***@h:9/v1"),
+    ("http://u:p@ss@h:1/v1", "http://***@h:1/v1"),  # an '@' in the password: the last one
+    ("https://tok@h/v1?api-key=x", "https://***@h/v1?***"),
+    ("http://h:8000/v1?key=a@b", "http://h:8000/v1?***"),  # not a user part: the host stays
+    ("http://h/models/org@v2/v1", "http://h/models/org@v2/v1"),
+])
+def test_an_upstream_url_is_shown_without_its_credentials(url: str, shown: str) -> None:
+    from worker.settings import shown_upstream
+
+    assert shown_upstream(url) == shown
+
+
 def test_a_thought_mark_is_dropped_by_every_decoder() -> None:
     """The mark stored per token of thinking is no byte of any text, and the byte decoder
     (every worker release's, and the step engines') drops it: a worker that does not know

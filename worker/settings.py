@@ -168,8 +168,11 @@ def shown_upstream(url: str) -> str:
     """``upstream_url`` fit to show (the worker's log, its heartbeat, which `qos status --json`
     prints): its user part (aiohttp sends a URL's user and password as Basic auth) and any
     query as ``***``. They were written to Redis and printed whole (found by a review,
-    2026-12-06). The user part is taken to the last '@', as limiter.config.redacted_url does."""
+    2026-12-06)."""
     scheme, sep, rest = url.partition("://")
-    _userinfo, at, rest = rest.rpartition("@")
     rest, q, _query = rest.partition("?")
-    return f"{scheme}{sep}{'***@' if at else ''}{rest}{'?***' if q else ''}"
+    # the user part is in the authority (up to the first '/'): an '@' in the path or query
+    # is not one, and splitting the whole URL there showed "http://***@b" for "...?key=a@b"
+    head, slash, tail = rest.partition("/")
+    _userinfo, at, host = head.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}{slash}{tail}{'?***' if q else ''}"

@@ -35,7 +35,7 @@ from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.observe import publish, read_heartbeats, record_metrics
 from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
-from limiter.errors import PolicyMissing, StaleLeader
+from limiter.errors import ConfigError, PolicyMissing, StaleLeader
 from limiter.keys import PoolKeys
 from limiter.redis_conn import CONNECTION_ERRORS, REDIS_ERRORS, redis_now_ms, store_refused
 from limiter.samples import Sample
@@ -140,6 +140,8 @@ class PoolController:
             self._redis_error("lease", exc)
             if self.term is not None and not self.lease.leading:
                 self.end_term("the lease lapsed while Redis was unreachable")
+        except ConfigError:
+            raise  # the deployment is wrong (redis.cluster): the process ends, naming it
         except Exception:  # never let the lease loop die: the standby would never take over
             log.exception("%s: lease loop error", self.pool.name)
         if self.term is not None or not self.lease.leading:
@@ -205,6 +207,8 @@ class PoolController:
             except REDIS_ERRORS as exc:
                 self._redis_error("samples", exc)
                 await backoff.failed()
+            except ConfigError:
+                raise
             except Exception:
                 log.exception("%s: sample loop error", self.pool.name)
                 await backoff.failed()
@@ -365,6 +369,8 @@ class PoolController:
                 log.exception("%s: %s error", self.pool.name, loop)
                 return False
             self._redis_error(loop, exc)
+        except ConfigError:
+            raise
         except Exception:
             log.exception("%s: %s error", self.pool.name, loop)
             return False

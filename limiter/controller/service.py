@@ -46,6 +46,9 @@ class Controller:
                                              scripts=self.scripts, metrics=self.metrics) for p in pools}
         self._tasks: list[asyncio.Task[None]] = []
         self._runner: web.AppRunner | None = None
+        # a loop that met a configuration error (a Redis Cluster node named without
+        # redis.cluster, found once Redis answered): the process ends with it (serve)
+        self.failed: asyncio.Future[None] | None = None
 
     async def start(self) -> None:
         # The port first: a port that is taken is a clear error before any loop runs (the loops
@@ -60,10 +63,19 @@ class Controller:
                 raise ConfigError("controller.metrics_port",
                                   f"cannot listen on {s.metrics_host}:{s.metrics_port}: {exc}") from exc
         await self._check_redis_mode()
+        self.failed = asyncio.get_running_loop().create_future()
         for pc in self.pools.values():
             self._tasks += [asyncio.create_task(coro) for coro in pc.loops()]
+        for task in self._tasks:
+            task.add_done_callback(self._loop_ended)
         log.info("controller %s started for pools %s (lease %.1f s, tick %.1f s)", s.controller_id,
                  list(self.pools), s.lease_s, s.tick_s)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or self.failed is None or self.failed.done():
+            return
+        if isinstance(exc := task.exception(), ConfigError):
+            self.failed.set_exception(exc)
 
     async def _check_redis_mode(self) -> None:
         """A read of each pool's key: a node of a Redis Cluster named with ``redis.cluster``
@@ -120,7 +132,12 @@ async def serve(settings: ControllerSettings, cfg: QosConfig) -> int:
             loop.add_signal_handler(sig, stop.set)
     try:
         await controller.start()
-        await stop.wait()
+        assert controller.failed is not None
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({stopped, controller.failed}, return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        if controller.failed.done():
+            controller.failed.result()  # raises the configuration error: exit 2, naming it
         log.info("shutting down: releasing leadership")
     finally:
         await controller.stop()
