@@ -206,6 +206,10 @@ BUGS = (
         "  if r.out_tokens > 0 then return actual_cost"),
     Bug("expiry_refunds_all", "an expiry refunds a request in full, whatever an earlier attempt served",
         "include/expire.lua", "' ms', used_cost(r), now,", "' ms', 0, now,"),
+    Bug("janitor_stops_at_stale_entries", "a janitor pass judges whether there is more by what it "
+        "ended: a sweep of 16 stale index entries ends the pass with due entries behind them",
+        "reap_expired.lua", "local more = (overdue >= limit or lapsed >= limit) and 1 or 0",
+        "local more = (expired >= limit or requeued + failed + cancelled >= limit) and 1 or 0"),
 )
 
 
