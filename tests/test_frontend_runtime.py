@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 from limiter.config import RedisConfig, demo_config, validate
 from limiter.frontend.metrics import FrontendMetrics
@@ -61,3 +62,33 @@ async def test_a_frontend_whose_reply_reader_cannot_read_is_not_ready(redis_serv
         fe.router.reader = good
         await fe.stop()
         await broken.aclose()
+
+
+async def test_a_config_error_met_once_redis_answers_is_the_readiness_reason(redis_server, sync_redis,
+                                                                            monkeypatch):
+    """Redis out of reach at the start, then answering as a node of a Redis Cluster named
+    without redis.cluster: the heartbeat loop's bootstrap met the configuration error and
+    logged it each beat, while /readyz said "not connected to Redis yet". /readyz now gives
+    the error (it names no address), logged once."""
+    from limiter.errors import ConfigError, RedisUnavailable
+    from tests.support.frontend_helpers import frontend, make_cfg
+
+    calls = {"n": 0}
+
+    async def bootstrap(self) -> None:
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RedisUnavailable("Redis unavailable")  # at the start: left to the loop
+        raise ConfigError("redis.cluster", "redis.url is a node of a Redis Cluster: set redis.cluster = true")
+
+    monkeypatch.setattr(Frontend, "_bootstrap", bootstrap)
+    async with frontend(make_cfg(redis_server.url), heartbeat_s=0.1) as client:
+        deadline = time.monotonic() + 20
+        while True:
+            r = await client.get("/readyz")
+            body = await r.json()
+            if body["reason"].startswith("redis.cluster:"):
+                break
+            assert time.monotonic() < deadline, f"waiting for /readyz to give the configuration error: {body}"
+            await asyncio.sleep(0.05)
+    assert r.status == 503 and "set redis.cluster = true" in body["reason"] and calls["n"] >= 2

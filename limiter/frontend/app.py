@@ -166,7 +166,7 @@ async def readyz(request: web.Request) -> web.Response:
         if fe.shutting_down:
             problem = "shutting down"
         elif not fe.bootstrapped:
-            problem = "not connected to Redis yet"
+            problem = fe.not_ready_because()  # not connected yet, or a configuration error met
         else:
             async with asyncio.timeout(2.0):
                 await fe.client.ping()

@@ -19,6 +19,7 @@ from aiohttp import web
 from limiter import token_count
 from limiter.backoff import Backoff
 from limiter.config import PoolConfig, QosConfig
+from limiter.errors import ConfigError
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import KeyRing
 from limiter.frontend.errors import ApiError
@@ -67,6 +68,9 @@ class Frontend:
                                    outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in cfg.pools},
                                    prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in cfg.pools})
         self.bootstrapped = False
+        # A configuration error its start met once Redis answered (a Redis Cluster node named
+        # without redis.cluster): /readyz gives it as the reason (it names no address)
+        self.config_problem = ""
         self.shutting_down = False
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -128,6 +132,11 @@ class Frontend:
                     await self._bootstrap()
             except asyncio.CancelledError:
                 raise
+            except ConfigError as exc:  # the deployment, not an outage: said once, and by /readyz
+                if not self.config_problem:
+                    log.error("frontend %s cannot start: %s", self.frontend_id, exc)
+                self.config_problem = str(exc)
+                self.metrics.redis_errors.labels("heartbeat").inc()
             except Exception as exc:  # keep beating through outages; readiness reports it
                 self.metrics.redis_errors.labels("heartbeat").inc()
                 backoff.next_delay(exc)
@@ -209,7 +218,7 @@ class Frontend:
         or a pool's reply reader not reading (its connections are its own and can fail while
         the command ones work: requests would be admitted whose answers nobody reads)."""
         if not self.bootstrapped:
-            return "not connected to Redis yet"
+            return self.config_problem or "not connected to Redis yet"
         if not self.heartbeat.fresh(self._fresh_s):
             return "heartbeat is stale"
         if down := [pool for pool, ok in self.router.healthy.items() if not ok]:
