@@ -25,6 +25,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     hk.set_defaults(func=_hash_key)
 
 
+def _stdin_line() -> str:
+    """One line of standard input as its bytes (surrogates for what is not UTF-8)."""
+    line = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline().encode(
+        "utf-8", "surrogateescape")
+    return line.rstrip(b"\r\n").decode("utf-8", "surrogateescape")
+
+
 def _hash_key(args: argparse.Namespace) -> int:
     # stdin's bytes as they are (its text layer decodes strictly under a UTF-8 locale: a key
     # that is not UTF-8 was a traceback), as hash_key takes them
@@ -75,10 +82,3 @@ def _check(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(0)
-
-
-def _stdin_line() -> str:
-    line = sys.stdin.buffer.readline() if hasattr(sys.stdin, "buffer") else sys.stdin.readline().encode(
-        "utf-8", "surrogateescape")
-    return line.rstrip(b"\r\n").decode("utf-8", "surrogateescape")
-

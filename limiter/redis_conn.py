@@ -295,4 +295,3 @@ async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
     else:
         sec, usec = await client.time()
     return int(sec) * 1000 + int(usec) / 1000
-
