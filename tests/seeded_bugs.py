@@ -210,6 +210,10 @@ BUGS = (
         "ended: a sweep of 16 stale index entries ends the pass with due entries behind them",
         "reap_expired.lua", "local more = (overdue >= limit or lapsed >= limit) and 1 or 0",
         "local more = (expired >= limit or requeued + failed + cancelled >= limit) and 1 or 0"),
+    Bug("second_key_outside_slot", "a script reads a key of another pool as a command's second key "
+        "(a plain Redis runs it; a cluster refuses the script)",
+        "cancel_request.lua", "  local r = load_request(request_id)\n",
+        "  local r = load_request(request_id)\n  redis.call('EXISTS', K_POLICY, 'qos:{elsewhere}:x')\n"),
 )
 
 

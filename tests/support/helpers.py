@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import itertools
+import re
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -136,19 +137,40 @@ def tenant_figures(p99_ms: float, work: int) -> dict[str, Any]:
             "ttft_p99_ms": p99_ms, "work_in_window": work}
 
 
-async def script_commands(redis_server: Any, run: Callable[[], Awaitable[Any]]) -> list[str]:
-    """Every command a script ran inside Redis while ``run()`` ran, as MONITOR shows it
-    ("HSET qos:{tiny}:... ..."): what a script touches and how often."""
-    seen: list[str] = []
+_MONITOR_LINE = re.compile(r'^[\d.]+ \[\d+ (\S+)[^\]]*\] (.*)$', re.S)
+_MONITOR_ARG = re.compile(r'"((?:[^"\\]|\\.)*)"', re.S)
+_MONITOR_ESCAPE = re.compile(r'\\(x[0-9a-fA-F]{2}|.)', re.S)
+_ESCAPED = {"n": "\n", "r": "\r", "t": "\t", "a": "\a", "b": "\b"}
+
+
+def _unescape(arg: str) -> str:
+    """One MONITOR argument as Redis quoted it (``sdscatrepr``: \\xHH, \\n, \\", \\\\)."""
+    def one(m: re.Match[str]) -> str:
+        e = m.group(1)
+        return chr(int(e[1:], 16)) if len(e) == 3 else _ESCAPED.get(e, e)
+    return _MONITOR_ESCAPE.sub(one, arg)
+
+
+async def script_command_args(redis_server: Any, run: Callable[[], Awaitable[Any]]) -> list[list[str]]:
+    """Every command a script ran inside Redis while ``run()`` ran, as MONITOR shows it, each
+    as its list of arguments (``["HSET", "qos:{tiny}:...", ...]``; an argument with a space
+    stays one): what a script touches and how often."""
+    seen: list[list[str]] = []
     ready = threading.Event()
 
     def watch() -> None:
         with redis_server.client().monitor() as m:
             ready.set()
-            for cmd in m.listen():
-                if cmd["client_type"] == "lua":
-                    seen.append(cmd["command"])
-                elif cmd["command"].startswith("ECHO monitor-done"):
+            while True:
+                raw = m.connection.read_response()
+                text = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else str(raw)
+                line = _MONITOR_LINE.match(text)
+                if line is None:  # the +OK MONITOR answers with
+                    continue
+                args = [_unescape(a) for a in _MONITOR_ARG.findall(line.group(2))]
+                if line.group(1) == "lua":
+                    seen.append(args)
+                elif args[:2] == ["ECHO", "monitor-done"] or args[:2] == ["echo", "monitor-done"]:
                     return
 
     def done() -> None:
@@ -164,3 +186,8 @@ async def script_commands(redis_server: Any, run: Callable[[], Awaitable[Any]]) 
     await asyncio.to_thread(t.join, 15)
     assert not t.is_alive(), "MONITOR did not see the end marker"
     return seen
+
+
+async def script_commands(redis_server: Any, run: Callable[[], Awaitable[Any]]) -> list[str]:
+    """:func:`script_command_args`, each command as one line ("HSET qos:{tiny}:... ...")."""
+    return [" ".join(args) for args in await script_command_args(redis_server, run)]
