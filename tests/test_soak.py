@@ -10,8 +10,9 @@ Every second the test records Redis' ``used_memory`` (and the part of it that is
 samples and decisions streams, capped by MAXLEN rather than by time), the RSS of every
 frontend and worker, and every queue's depth.
 
-Checks: every queue stays within its ``queue_cap`` at every sample; memory and RSS stay
-bounded (no trend between the middle and the last third of the run); every request ends
+Checks: every queue stays within its ``queue_cap`` at every sample; Redis memory stays
+bounded (no trend between the middle and the last third of the run) and no frontend's or
+worker's RSS grows with the requests it served (a bound per request); every request ends
 once (answered, or 429/503 with Retry-After); afterwards the ledger holds and zero orphan
 keys remain (every per-request key deleted or expired). The curves are printed; with
 ``QOS_SOAK_OUT=<dir>`` they are also written there as JSON and PNG (docs/img/soak.png).
@@ -56,6 +57,8 @@ CLASSES = ("P0", "P1", "P2")
 KEYS = {"P0": KEY_P0, "P1": KEY_P1, "P2": KEY_P2}
 SHED = ("max_wait_exceeded", "queue_full", "queue_timeout", "too_many_inflight")
 MAX_ROUNDS = 3  # open-loop rounds, each at twice what the last one answered, until one sheds
+LEAK_SLACK_MB = 1.5  # a process's RSS may move this much after its warm-up (measured: 0.5-0.8)
+LEAK_PER_REQUEST_KB = 4.0  # and this much more for each request it saw (allocator, caches)
 
 
 @dataclass
@@ -66,6 +69,7 @@ class Curve:
     redis_mb: list[float] = field(default_factory=list)
     streams_mb: list[float] = field(default_factory=list)  # samples + decisions: capped by MAXLEN
     rss_mb: dict[str, list[float]] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)  # process name -> frontend / worker
     queues: dict[str, list[int]] = field(default_factory=dict)
     inflight: list[int] = field(default_factory=list)
 
@@ -94,6 +98,7 @@ async def sample(r: aioredis.Redis, stack: LiveStack, curve: Curve, t0: float) -
     for p in stack.procs.values():
         if p.role in ("frontend", "worker"):
             curve.rss_mb.setdefault(p.name, []).append(p.rss_kb() / 1024)
+            curve.roles[p.name] = p.role
     for c in CLASSES:
         curve.queues.setdefault(c, []).append(int(await r.hget(POOL.queued, c) or 0))
     curve.inflight.append(await r.zcard(POOL.leases))
@@ -189,21 +194,50 @@ async def overload_round(stack: LiveStack, r: aioredis.Redis, s: aiohttp.ClientS
     await sampling
 
 
-def check_bounded(curve: Curve, what: str) -> None:
+def rss_growth_mb(t: list[float], values: list[float]) -> float:
+    """How much a process's RSS grew over the last two thirds of a round (the first third
+    warms it up): the least-squares slope over that window times its length. A passing peak
+    at either end (a burst of buffers) moves a slope little; a leak grows it throughout."""
+    start = len(values) // 3
+    t, values = t[start:], values[start:]
+    if len(values) < 2 or t[-1] == t[0]:
+        return 0.0
+    mean_t, mean_v = sum(t) / len(t), sum(values) / len(values)
+    slope = (sum((a - mean_t) * (v - mean_v) for a, v in zip(t, values, strict=True))
+             / sum((a - mean_t) ** 2 for a in t))
+    return slope * (t[-1] - t[0])
+
+
+def check_bounded(curve: Curve, what: str, sent: int, answered: int, duration: float) -> None:
     """Queues within their cap at every sample; Redis memory (less the MAXLEN-capped streams)
-    and every process's RSS without an upward trend."""
+    without an upward trend; and no process's RSS growing with the requests it served.
+
+    The RSS bound is per request: a leak grows with the requests a process has seen, noise
+    does not. Each frontend sees about half of the round's requests and each worker half of
+    those answered; those of the last two thirds fall in the window. On this machine a round
+    sends ~790 requests and a process's RSS grows by 0.0-0.3 MiB after its warm-up, so the
+    bound (LEAK_SLACK_MB + LEAK_PER_REQUEST_KB a request, ~2.4 MiB) catches a leak of 16 KiB
+    a request (3.5-4.3 MiB, planted in a frontend and in a worker); the old trend check (last
+    third within 1.25x the middle's + 8 MiB) let it through."""
     assert all(max(v) <= QUEUE_CAP for v in curve.queues.values()), (what, curve.queues)
     redis_wo_samples = [a - b for a, b in zip(curve.redis_mb, curve.streams_mb, strict=True)]
     assert bounded(redis_wo_samples, slack=2.0), (what, redis_wo_samples)
+    in_window = max(0.0, duration - curve.t[len(curve.t) // 3]) / duration
     for name, v in curve.rss_mb.items():
-        assert bounded(v, slack=8.0), (what, name, v)
+        seen = (sent if curve.roles[name] == "frontend" else answered) / 2 * in_window
+        allowed = LEAK_SLACK_MB + seen * LEAK_PER_REQUEST_KB / 1024
+        grew = rss_growth_mb(curve.t, v)
+        assert grew <= allowed, (
+            f"{what}: {name}'s RSS grew {grew:.1f} MiB over ~{seen:.0f} requests "
+            f"({grew * 1024 / max(seen, 1):.1f} KiB a request; allowed {allowed:.1f} MiB): {v}")
 
 
 def curve_lines(curve: Curve) -> str:
     return "\n".join([
         curve.row("Redis used_memory MiB", curve.redis_mb),
         curve.row("capped streams MiB", curve.streams_mb),
-        *[curve.row(f"{n} RSS MiB", v) for n, v in curve.rss_mb.items()],
+        *[curve.row(f"{n} RSS MiB", v) + f"  grew {rss_growth_mb(curve.t, v):.1f} after the first third"
+          for n, v in curve.rss_mb.items()],
         *[curve.row(f"queue {c} (cap {QUEUE_CAP})", [float(x) for x in v]) for c, v in curve.queues.items()],
         curve.row("leased", [float(x) for x in curve.inflight]),
     ])
@@ -243,8 +277,10 @@ async def test_overload_soak_at_twice_capacity(tmp_path: Path, duration: float) 
                 first = len(outcomes)
                 await overload_round(stack, r, s, rng, spec, rate, duration, curve, outcomes, attempt)
                 shed = sum(1 for o in outcomes[first:] if o.kind == "http_error")
-                answered = sum(1 for o in outcomes[first:] if o.kind == "ok") / duration
-                check_bounded(curve, f"round {attempt} at {rate:.1f} req/s")
+                ok = sum(1 for o in outcomes[first:] if o.kind == "ok")
+                answered = ok / duration
+                check_bounded(curve, f"round {attempt} at {rate:.1f} req/s", len(outcomes) - first, ok,
+                              duration)
                 print(f"\n[soak] round {attempt}: {duration:.0f} s at {rate:.1f} req/s (measured capacity "
                       f"{cap:.1f} req/s): {len(outcomes) - first} sent, {shed} shed, "
                       f"{answered:.1f} answered/s\n" + curve_lines(curve))
