@@ -996,13 +996,61 @@ async def test_one_request_after_another_reuses_the_upstream_connection(env, cha
         return resp
 
     up.scripts["APART"] = end_apart
-    async with worker(cfg, engine="openai", upstream_url=up.url):
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
+    try:
         for i in range(3):
             extra = {"kind": "chat", "messages": (ChatMessage("user", f"APART {i}"),)} if chat else {}
             rid = await c.admit(f"APART {i}", max_tokens=5, **extra)
             await c.wait([rid], timeout=20)
             assert c.answers[rid].text == "ok"
+            # the body's end is read after the answer landed (a request sent before that
+            # takes another connection: one of the pool's, or a new one the first time)
+            await wait_until(lambda: not loop.ending_bodies, f"the end of request {i}'s body read")
+    finally:
+        exc = await stop_worker(rt, task)
+    assert exc is None, exc
     assert len(set(peers)) == 1, peers
+
+
+async def test_an_answer_lands_at_done_while_the_body_stays_open_and_the_connection_is_kept(
+        env, monkeypatch) -> None:
+    """A server (or a proxy before it) that keeps its body open after [DONE]: the worker read
+    on for the body's end (up to END_OF_BODY_S) before it landed the answer, adding that much
+    to every request's end. The answer now lands at [DONE]; the body's end is read beside
+    what follows, and where it comes the connection goes back to the pool."""
+    from tests.support.fake_upstream import sse_chunk, sse_response
+    from worker import upstream
+
+    monkeypatch.setattr(upstream, "END_OF_BODY_S", 120.0)  # a wait for it outlasts the test
+    cfg, c, up = env
+    peers = []
+    end_body = asyncio.Event()
+
+    async def hold_open(request: Any, body: dict[str, Any], n: int) -> Any:
+        peers.append(request.transport.get_extra_info("peername"))
+        resp = await sse_response(request)
+        await resp.write(sse_chunk("ok", finish="stop", completion_tokens=1))
+        await resp.write(b"data: [DONE]\n\n")
+        await end_body.wait()
+        return resp
+
+    up.scripts["HOLD"] = hold_open
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
+    try:
+        rid = await c.admit("HOLD 0", max_tokens=5)
+        await c.wait([rid], timeout=30)  # a wait for the body's end: 120 s
+        assert c.answers[rid].text == "ok" and c.answers[rid].error is None
+        assert len(loop.ending_bodies) == 1  # its body's end still to come
+        end_body.set()
+        await wait_until(lambda: not loop.ending_bodies, "the body's end read after the answer landed")
+        again = await c.admit("HOLD 1", max_tokens=5)
+        await c.wait([again], timeout=30)
+        assert c.answers[again].text == "ok"
+    finally:
+        end_body.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None, exc
+    assert len(peers) == 2 and peers[0] == peers[1], peers  # the same connection, kept
 
 
 def _draining_openai_worker(cfg, up) -> tuple[Any, Any]:

@@ -72,6 +72,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -98,8 +99,9 @@ HEALTH_TIMEOUT_S = 5.0  # a health check (the breaker's probe, or after an HTTP 
 # 403 or 404 is the worker's configuration (its key, its model name), a 500 the server's own.
 REFUSED_STATUSES = (400, 413, 422)
 ERROR_BODY_LIMIT = 64 << 10  # the most of an error body read (_error_text)
-# After [DONE], how long the worker waits for the body's end (a chunked response's last
-# chunk, the server's next write: microseconds) before it gives the connection up.
+# After [DONE], how long the worker reads on for the body's end (a chunked response's last
+# chunk, the server's next write: microseconds) before it gives the connection up. The
+# answer is landed first: this holds a connection of the pool, not the request.
 END_OF_BODY_S = 0.1
 # ... unless the refusal names a field the worker adds of its own accord (a server that takes
 # no `priority`: the worker's configuration, upstream_priority) or refuses a resume (the
@@ -251,16 +253,19 @@ def _past_seam(text: str, seam: str) -> tuple[str, str]:
 
 
 async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
-    """Read a stream's body to its end after its ``[DONE]``: the connection goes back to the
-    pool for the next request. Left at ``[DONE]`` where the body's end had not come in the
-    same read, aiohttp closed it: a new TCP connection per request, and a TIME_WAIT socket
-    each (at 1,000 requests/s the ephemeral ports run out). What a server sends after
-    ``[DONE]`` is not part of the answer; one that never ends its body loses the connection
-    after END_OF_BODY_S, as before."""
-    with contextlib.suppress(TimeoutError, aiohttp.ClientError):
-        async with asyncio.timeout(END_OF_BODY_S):
-            while await resp.content.readany():
-                pass
+    """Read a stream's body to its end after its ``[DONE]``, then let it go: the connection
+    goes back to the pool for the next request. Left at ``[DONE]`` where the body's end had
+    not come in the same read, aiohttp closed it: a new TCP connection per request, and a
+    TIME_WAIT socket each (at 1,000 requests/s the ephemeral ports run out). What a server
+    sends after ``[DONE]`` is not part of the answer; one that never ends its body loses the
+    connection after END_OF_BODY_S."""
+    try:
+        with contextlib.suppress(TimeoutError, aiohttp.ClientError):
+            async with asyncio.timeout(END_OF_BODY_S):
+                while await resp.content.readany():
+                    pass
+    finally:
+        resp.release()  # read to its end, it went back to the pool; else its connection closes
 
 
 async def _error_text(resp: aiohttp.ClientResponse) -> str:
@@ -327,6 +332,30 @@ class UpstreamLoop:
         rt.on_stop = lambda ids: self._interrupt(ids, "cancel")
         rt.stats = self.stats
         self.session: aiohttp.ClientSession
+        # Streams answered ([DONE] read) whose body's end is still to come: read on beside the
+        # next requests (_read_to_end), so that a server slow to end its body does not hold
+        # the answer's landing. Each holds its connection until then.
+        self.ending_bodies: dict[aiohttp.ClientResponse, asyncio.Task[None]] = {}
+
+    @contextlib.asynccontextmanager
+    async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
+        """``session.post`` as ``async with``, except that a response handed to
+        :meth:`_end_body_later` is left open for that task to end."""
+        resp = await self.session.post(self.base + path, json=body, headers=self._headers())
+        try:
+            yield resp
+        finally:
+            if resp not in self.ending_bodies:
+                resp.release()
+
+    def _end_body_later(self, resp: aiohttp.ClientResponse) -> None:
+        """After ``[DONE]``: the body's end is read (and the connection let go) beside what
+        follows, at once where it has come already."""
+        if resp.content.at_eof():
+            return  # _post releases it: back to the pool now
+        task = asyncio.create_task(_read_to_end(resp))
+        self.ending_bodies[resp] = task
+        task.add_done_callback(lambda _t: self.ending_bodies.pop(resp, None))
 
     async def run(self) -> None:
         s = self.rt.settings
@@ -340,8 +369,9 @@ class UpstreamLoop:
                 await self._loop()
             finally:
                 watch.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await watch
+                for task in list(self.ending_bodies.values()):
+                    task.cancel()  # their connections close with the session
+                await asyncio.gather(watch, *self.ending_bodies.values(), return_exceptions=True)
 
     async def _loop(self) -> None:
         while True:
@@ -655,7 +685,7 @@ class UpstreamLoop:
         done = False
         last = time.monotonic()
         try:
-            async with self.session.post(self.base + path, json=body, headers=self._headers()) as resp:
+            async with self._post(path, body) as resp:
                 if resp.status in DOWN_STATUSES:
                     raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                 if resp.status != 200:
@@ -771,7 +801,7 @@ class UpstreamLoop:
                 if cut:
                     return ("ok", "length", "")
                 if done:
-                    await _read_to_end(resp)
+                    self._end_body_later(resp)
         except MalformedStream as exc:
             await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))
