@@ -1299,27 +1299,24 @@ async def test_a_reasoning_models_thinking_reaches_the_client_under_the_servers_
     assert all(set(d) <= {"role", "content", field} for d in deltas)
 
 
-async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(env) -> None:
+@pytest.mark.parametrize("parser", ["content", "deepseek_r1"])
+async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(env, parser: str) -> None:
     """A reasoning answer broken off after its thinking and some text: the next attempt
     continues the text (the assistant message to continue holds the text alone, as a chat
-    template renders an earlier turn), and the client has the thinking once."""
+    template renders an earlier turn), and the client has the thinking once.
+
+    ``deepseek_r1``: vLLM's parser for DeepSeek-R1 and QwQ calls all output before a
+    `</think>` thinking, and a continuation has none: the rest of the answer came as
+    `reasoning`, and the client's answer stopped at "It is" with " 4." in its thinking."""
     from limiter.reply_text import ReplyText, unpack
-    from tests.support.fake_upstream import chat_chunk, sse_response
+    from tests.support.fake_upstream import breaks_once, chat_chunk
 
     cfg, c, up = env
     read = asyncio.Event()
-
-    async def breaks(request: Any, body: dict[str, Any], n: int) -> Any:
-        resp = await sse_response(request)
-        if n == 1:
-            await resp.write(chat_chunk(None, "Two and two.", completion_tokens=1))
-            await resp.write(chat_chunk("It is", None, completion_tokens=2))
-            await read.wait()  # both pushed
-            request.transport.abort()
-            return resp
-        return await end_stream(resp, chat_chunk(" 4.", None, finish="stop", completion_tokens=1))
-
-    up.scripts["THINK2"] = breaks
+    rest = chat_chunk(None, " 4.", finish="stop", completion_tokens=1) if parser == "deepseek_r1" else (
+        chat_chunk(" 4.", None, finish="stop", completion_tokens=1))
+    up.scripts["THINK2"] = breaks_once([chat_chunk(None, "Two and two.", completion_tokens=1),
+                                        chat_chunk("It is", None, completion_tokens=2)], read, [rest])
     async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
         rid = await c.admit("THINK2", kind="chat", messages=(ChatMessage("user", "THINK2"),), max_tokens=20)
         await c.wait_tokens(rid, 2)
@@ -1330,6 +1327,32 @@ async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(en
     assert up.calls["THINK2"] == 2
 
 
+async def test_a_reasoning_answer_resumed_mid_thought_is_not_sent_a_second_thought(env) -> None:
+    """A reasoning answer broken off mid-thought: the resume sends the client's prompt as it
+    was, and the model thinks again from the start. The client read that second thought after
+    the first ("Let me see. Let me see. Two and two."); it now reads the first as far as it
+    came, then the answer. The second thought is counted and charged all the same."""
+    from limiter.reply_text import ReplyText, unpack
+    from tests.support.fake_upstream import breaks_once, chat_chunk
+
+    cfg, c, up = env
+    read = asyncio.Event()
+    again = [chat_chunk(None, "Let me see.", completion_tokens=3),
+             chat_chunk(None, " Two and two.", completion_tokens=6),
+             chat_chunk("It is 4.", None, finish="stop", completion_tokens=9, prompt_tokens=5)]
+    up.scripts["THINK4"] = breaks_once([chat_chunk(None, "Let me see.", completion_tokens=3)], read, again)
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        rid = await c.admit("THINK4", kind="chat", messages=(ChatMessage("user", "THINK4"),), max_tokens=40)
+        await c.wait_tokens(rid, 3)
+        read.set()
+        await c.wait([rid], timeout=20)
+    assert up.calls["THINK4"] == 2
+    assert up.bodies[-1]["messages"] == up.bodies[0]["messages"]  # nothing to continue
+    assert unpack(c.answers[rid].wire) == ReplyText("It is 4.", "Let me see.", "reasoning")
+    rec = await c.record(rid)
+    assert (rec["state"], rec["usage_in"], rec["usage_out"]) == ("done", "5", "12"), rec
+
+
 @pytest.mark.parametrize("text_before", [True, False], ids=["after-text", "mid-thought"])
 async def test_a_resumed_reasoning_answer_is_charged_its_clients_prompt(env, text_before: bool) -> None:
     """A reasoning answer broken off after three tokens of thinking (and, ``after-text``, one
@@ -1337,27 +1360,17 @@ async def test_a_resumed_reasoning_answer_is_charged_its_clients_prompt(env, tex
     thinking. The prompt charged was the resume's prompt less every delivered token, thinking
     too: 6 - 4 and 5 - 3, both 2 of the client's 5. It is 5: the thinking delivered is told
     apart in the stored resume ids."""
-    from tests.support.fake_upstream import chat_chunk, sse_response
+    from tests.support.fake_upstream import breaks_once, chat_chunk
 
     cfg, c, up = env
     read = asyncio.Event()
     delivered = 4 if text_before else 3
-
-    async def breaks(request: Any, body: dict[str, Any], n: int) -> Any:
-        resp = await sse_response(request)
-        if n == 1:
-            for i in (1, 2, 3):
-                await resp.write(chat_chunk(None, f"thought {i}. ", completion_tokens=i))
-            if text_before:
-                await resp.write(chat_chunk("It is", None, completion_tokens=4))
-            await read.wait()  # all pushed
-            request.transport.abort()
-            return resp
-        prompt = 5 + (1 if text_before else 0)  # the client's prompt and the text to continue
-        return await end_stream(resp, chat_chunk(" 4.", None, finish="stop", completion_tokens=1,
-                                                 prompt_tokens=prompt))
-
-    up.scripts["THINK3"] = breaks
+    first = [chat_chunk(None, f"thought {i}. ", completion_tokens=i) for i in (1, 2, 3)]
+    if text_before:
+        first.append(chat_chunk("It is", None, completion_tokens=4))
+    prompt = 5 + (1 if text_before else 0)  # the client's prompt and the text to continue
+    rest = chat_chunk(" 4.", None, finish="stop", completion_tokens=1, prompt_tokens=prompt)
+    up.scripts["THINK3"] = breaks_once(first, read, [rest])
     async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
         rid = await c.admit("THINK3", kind="chat", messages=(ChatMessage("user", "THINK3"),), max_tokens=20)
         await c.wait_tokens(rid, delivered)

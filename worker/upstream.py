@@ -678,6 +678,16 @@ class UpstreamLoop:
             return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
         url = self.shown + path  # in what is logged: never the credentials of upstream_url
         chat = path == "/chat/completions"
+        # A resume after the answer's text began continues that text (the assistant message
+        # to continue): all the model writes is answer, whichever field the server puts it in.
+        # vLLM's deepseek_r1 parser (DeepSeek-R1, QwQ) calls everything before a `</think>`
+        # thinking, and a continuation has none: the rest of the answer came as thinking.
+        continues_text = chat and bool(before.prior or before.seam)
+        # A resume after thinking alone sends the client's prompt as it was: the model thinks
+        # again from the start. That second thought is counted and charged, not forwarded:
+        # the client read the first (as far as it came); a second after it began the same
+        # reasoning anew.
+        thinks_again = chat and not continues_text and before.thought_tokens > 0
         allowance = max_tokens - d.total_tokens
         counted = 0  # upstream tokens taken in this attempt
         reasoning_field = "reasoning"
@@ -767,8 +777,11 @@ class UpstreamLoop:
                                 # before vLLM renamed it): forwarded under the same name
                                 for name in REASONING_FIELDS:
                                     if isinstance(r := delta.get(name), str) and r:
-                                        thought += r
-                                        reasoning_field = name
+                                        if continues_text:
+                                            text += r  # (before this delta's content)
+                                        else:
+                                            thought += r
+                                            reasoning_field = name
                                         break
                             if isinstance(piece, str):
                                 text += piece
@@ -784,7 +797,8 @@ class UpstreamLoop:
                             if new == 0:  # all of this chunk is past it: none of its text either
                                 text = thought = ""
                         if new or text or thought:
-                            self._take(d, text, new, thought, reasoning_field)
+                            self._take(d, text, new, thought, reasoning_field,
+                                       forward_thought=not thinks_again)
                             counted += new
                         if cut:
                             break
@@ -858,12 +872,13 @@ class UpstreamLoop:
         return completion
 
     def _take(self, d: Delivery, text: str, tokens: int, reasoning: str = "",
-              reasoning_field: str = "reasoning") -> None:
-        """Queue ``tokens`` upstream tokens with their text (and reasoning); the text's bytes
-        are the ids a resuming worker rebuilds the delivered text from. The reasoning is not
-        among them: a resume sends the answer's text as the assistant message to continue,
-        which is what a chat template renders of an earlier turn (vLLM's parsers drop the
-        thinking there); a resume cut mid-thought thinks again."""
+              reasoning_field: str = "reasoning", forward_thought: bool = True) -> None:
+        """Queue ``tokens`` upstream tokens with their text (and reasoning, unless not
+        ``forward_thought``: counted and marked all the same); the text's bytes are the ids a
+        resuming worker rebuilds the delivered text from. The reasoning is not among them: a
+        resume sends the answer's text as the assistant message to continue, which is what a
+        chat template renders of an earlier turn (vLLM's parsers drop the thinking there); a
+        resume cut mid-thought thinks again (not forwarded: _stream)."""
         t = time.monotonic()
         if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
@@ -874,7 +889,8 @@ class UpstreamLoop:
         ids = list(text.encode())
         if reasoning and not text:  # a chunk of thinking alone (one with both counts as text)
             ids += [THOUGHT_ID] * tokens
-        d.add(ids, text, t, tokens=tokens, reasoning=reasoning, reasoning_field=reasoning_field)
+        d.add(ids, text, t, tokens=tokens, reasoning=reasoning if forward_thought else "",
+              reasoning_field=reasoning_field)
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time

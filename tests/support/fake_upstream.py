@@ -243,6 +243,26 @@ async def end_stream(resp: web.StreamResponse, last: bytes) -> web.StreamRespons
     return resp
 
 
+def breaks_once(first: list[bytes], read: asyncio.Event, then: list[bytes]) -> Any:
+    """A server script whose first call writes ``first``, waits for ``read`` (the test saw it
+    pushed) and breaks the connection; each later call writes ``then`` and ends the stream."""
+
+    async def script(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        resp = await sse_response(request)
+        if n == 1:
+            for chunk in first:
+                await resp.write(chunk)
+            await read.wait()
+            assert request.transport is not None
+            request.transport.abort()
+            return resp
+        for chunk in then[:-1]:
+            await resp.write(chunk)
+        return await end_stream(resp, then[-1])
+
+    return script
+
+
 async def sse_response(request: web.Request) -> web.StreamResponse:
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
