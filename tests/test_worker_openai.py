@@ -1260,6 +1260,83 @@ async def test_a_stream_of_keep_alive_comments_only_is_given_up_and_resumed(env)
     assert a.text == "Hi there" and a.done["fin"] == "stop" and up.calls["STUCK"] == 2
 
 
+async def test_a_server_silent_on_every_stream_past_upstream_stall_s_is_taken_as_hung(env) -> None:
+    """A model server whose engine hangs keeps its sockets open (and may answer /health): each
+    stream waited upstream_timeout_s (600 s) for an event, and the worker took a new request
+    into the same wait each time one ended. Silent on every open stream past upstream_stall_s,
+    the server is taken as hung: its streams are handed back (the breaker trips) and the
+    request resumed, here on the same server once its probe answers."""
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+    hung = asyncio.Event()
+    end = asyncio.Event()
+
+    async def hangs(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)  # the headers come; nothing after them
+        if n == 1:
+            hung.set()
+            await end.wait()
+            return resp
+        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
+
+    up.scripts["HANG"] = hangs
+    try:
+        async with worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5, **RETRY) as rt:
+            rid = await c.admit("HANG", max_tokens=20)
+            await c.wait([rid], timeout=30)  # without the watch: 600 s
+            assert rt.metrics.upstream_failures._value.get() >= 1
+    finally:
+        end.set()
+    assert hung.is_set() and up.calls["HANG"] == 2
+    assert c.answers[rid].text == "fine" and c.answers[rid].error is None
+
+
+async def test_one_silent_stream_beside_others_streaming_is_not_a_hang(env) -> None:
+    """The watch is over the server, not a stream: a long prefill (silent past
+    upstream_stall_s) while another request streams its tokens is a busy server, not a hung
+    one; and a request that opens after the worker sat idle longer than upstream_stall_s has
+    its whole upstream_stall_s before its first token."""
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+    first_token = asyncio.Event()
+    slow_done = asyncio.Event()
+
+    async def steady(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        k = 0
+        while not slow_done.is_set():  # a token every 50 ms until the silent one has answered
+            k += 1
+            await resp.write(sse_chunk("t", completion_tokens=k))
+            first_token.set()
+            await asyncio.sleep(0.05)
+        return await end_stream(resp, sse_chunk(".", finish="stop", completion_tokens=k + 1))
+
+    async def slow(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await asyncio.sleep(1.5)  # 3x upstream_stall_s without an event (a lower bound: longer is as good)
+        slow_done.set()
+        return await end_stream(resp, sse_chunk("late", finish="stop", completion_tokens=1))
+
+    async def after_idle(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await asyncio.sleep(0.3)  # past a watch tick (0.125 s), within upstream_stall_s
+        return await end_stream(resp, sse_chunk("ok", finish="stop", completion_tokens=1))
+
+    up.scripts.update(STEADY=steady, SILENT=slow, IDLE=after_idle)
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5, **RETRY):
+        busy = await c.admit("STEADY", max_tokens=1000)
+        await asyncio.wait_for(first_token.wait(), 30)
+        silent = await c.admit("SILENT", max_tokens=20)
+        await c.wait([busy, silent], timeout=30)
+        await asyncio.sleep(1.0)  # idle past upstream_stall_s (a lower bound: longer is as good)
+        idle = await c.admit("IDLE", max_tokens=20)
+        await c.wait([idle], timeout=30)
+    assert (up.calls["STEADY"], up.calls["SILENT"], up.calls["IDLE"]) == (1, 1, 1)
+    assert c.answers[silent].text == "late" and c.answers[idle].text == "ok"
+
+
 @pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
 async def test_a_reasoning_models_thinking_reaches_the_client_under_the_servers_field(
         env, redis_server, field: str) -> None:

@@ -414,6 +414,8 @@ def test_settings_errors_name_the_worker_field_and_ids_are_sanitised() -> None:
     ("heartbeat_s", 1e-9),  # heartbeats as fast as Redis answers
     ("heartbeat_ttl_s", 1e12),  # an EXPIRE Redis refuses
     ("upstream_timeout_s", float("inf")),
+    ("upstream_stall_s", -1.0),
+    ("upstream_stall_s", float("nan")),
     ("torch_threads", 10**9),
     ("unstreamed_flush_ms", 0),  # an unstreamed request pushed every step
     ("unstreamed_flush_ms", float("inf")),  # never pushed: a lost worker's successor redoes it all

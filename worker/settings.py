@@ -77,6 +77,8 @@ class WorkerSettings:
     upstream_priority: bool = True  # send the class rank as vLLM's `priority`
     max_inflight: int = 64  # requests in flight at the upstream
     upstream_timeout_s: float = 600.0
+    # no event on any of the server's open streams for this long: it is hung (0 = not watched)
+    upstream_stall_s: float = 120.0
     # push each upstream chunk of a streamed request as it comes (else flush_ms/flush_tokens)
     upstream_forward_chunks: bool = True
     upstream_chunk_usage: bool = True  # ask for vLLM's continuous_usage_stats: exact token counts per chunk
@@ -132,6 +134,9 @@ class WorkerSettings:
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
         check(1 <= self.max_inflight <= 100_000, "max_inflight", "must be in [1, 100000]")
         check(0 < self.upstream_timeout_s <= 86_400, "upstream_timeout_s", "must be in (0, 86400]")
+        # (past upstream_timeout_s it is moot: each silent stream times out first)
+        check(0 <= self.upstream_stall_s <= 86_400, "upstream_stall_s",
+              "must be in [0, 86400] (0: not watched)")
         check(0 < self.upstream_retry_min_s <= 3600, "upstream_retry_min_s", "must be in (0, 3600]")
         check(self.upstream_retry_min_s <= self.upstream_retry_max_s <= 3600, "upstream_retry_max_s",
               "must be in [upstream_retry_min_s, 3600]")

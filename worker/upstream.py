@@ -336,6 +336,11 @@ class UpstreamLoop:
         # next requests (_read_to_end), so that a server slow to end its body does not hold
         # the answer's landing. Each holds its connection until then.
         self.ending_bodies: dict[aiohttp.ClientResponse, asyncio.Task[None]] = {}
+        # The hang watch (upstream_stall_s): the requests whose stream is open now, and when
+        # the server last sent an event on any stream. A server whose engine hangs keeps its
+        # sockets open and may still answer /health; only its silence tells.
+        self.streaming: set[str] = set()
+        self._heard = time.monotonic()
 
     @contextlib.asynccontextmanager
     async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -364,14 +369,13 @@ class UpstreamLoop:
         connector = aiohttp.TCPConnector(limit=s.max_inflight, keepalive_timeout=MODEL_SERVER_KEEPALIVE_S)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             self.session = session
-            watch = asyncio.create_task(self._watch_cancels())
+            watches = [asyncio.create_task(self._watch_cancels()), asyncio.create_task(self._watch_stalls())]
             try:
                 await self._loop()
             finally:
-                watch.cancel()
-                for task in list(self.ending_bodies.values()):
-                    task.cancel()  # their connections close with the session
-                await asyncio.gather(watch, *self.ending_bodies.values(), return_exceptions=True)
+                for task in [*watches, *self.ending_bodies.values()]:
+                    task.cancel()  # (the bodies' connections close with the session)
+                await asyncio.gather(*watches, *self.ending_bodies.values(), return_exceptions=True)
 
     async def _loop(self) -> None:
         while True:
@@ -541,6 +545,26 @@ class UpstreamLoop:
                 ids = await self.rt.guard("cancels", self.rt.cancelled(list(self.tasks)), backoff=0)
                 self._interrupt(ids or [], "cancel")
 
+    async def _watch_stalls(self) -> None:
+        """The hang watch: when the server has sent no event on any of its open streams for
+        ``upstream_stall_s``, it is taken as hung, and every open stream is handed back as if
+        it had broken off (the breaker trips; another worker resumes them). Each stream alone
+        would wait ``upstream_timeout_s`` (600 s), and a server whose engine hung took a new
+        request into that wait every time one ended. A healthy server under load always
+        streams some request's tokens; all of them silent that long is no prefill."""
+        stall_s = self.rt.settings.upstream_stall_s
+        if stall_s <= 0:
+            return
+        while True:
+            await asyncio.sleep(min(1.0, stall_s / 4))
+            silent = time.monotonic() - self._heard
+            if self.streaming and silent > stall_s:
+                log.warning("%s sent nothing on any of its %d open streams for %.0f s (upstream_stall_s "
+                            "%g): taken as hung, the requests handed back", self.shown,
+                            len(self.streaming), silent, stall_s)
+                self._interrupt(list(self.streaming), "stalled")
+                self._heard = time.monotonic()
+
     # --- one request ------------------------------------------------------------------------
     async def _serve(self, d: Delivery) -> None:
         # Everything below acts on this attempt only: when this worker's lease lapsed and it
@@ -555,32 +579,17 @@ class UpstreamLoop:
                 self.breaker.success()
             await self._finish(d, result)
         except UpstreamDown as exc:
-            # As if this worker had died: the request goes back with what it delivered, and
-            # another worker (or this one, once the upstream answers) resumes it.
-            self.breaker.trip(str(exc))
-            if self.tasks.get(rid) is task:
-                # Handing back already: not to be interrupted meanwhile by the cancel watcher or
-                # the drain's deadline (a cancel interrupting the retry dropped the request to
-                # wait out its lease; `release` cancels a request whose client is gone).
-                self.why.setdefault(rid, "release")
-            try:
-                # An answer that broke off spends the attempt (as when a worker dies): a prompt the
-                # model server always breaks on went round for ever, max_attempts never applying.
-                # Through a passing Redis outage it is tried again (rt.hand_back).
-                await self.rt.hand_back([d], spent=exc.spent)
-            finally:
-                # If it could not be handed back, or a cancel or lost lease interrupted it, the
-                # lease expires (held, it was renewed for ever with no task to end it). Unless
-                # its answer got decided meanwhile (its tokens refused, the failure's completion
-                # meeting an outage): _settle_decided lands that, not a requeue and a new answer.
-                if d.final is None:
-                    self.rt.drop(rid, "released", d)
+            await self._upstream_down(d, task, exc)
         except asyncio.CancelledError:
             why = self.why.get(rid, "release") if self.tasks.get(rid) is task else "lost"
             if why == "lost":
                 self.rt.drop(rid, "lost", d)
             elif why == "cancel":
                 await self._finish(d, ("cancelled", "cancelled", ""))
+            elif why == "stalled":  # (_watch_stalls) as if the stream had broken off
+                await self._upstream_down(d, task, UpstreamDown(
+                    f"{self.shown}: no event on any stream for more than "
+                    f"{self.rt.settings.upstream_stall_s:g} s (upstream_stall_s)", spent=True))
             else:  # the drain's deadline, or the loop ending: a decided answer is finished
                 await self.rt.hand_back([d])
         except LeaseLost:
@@ -593,6 +602,29 @@ class UpstreamLoop:
                 self.tasks.pop(rid)
                 self.why.pop(rid, None)
             self._track_busy()
+
+    async def _upstream_down(self, d: Delivery, task: asyncio.Task[Any] | None, exc: UpstreamDown) -> None:
+        """As if this worker had died: the request goes back with what it delivered, and
+        another worker (or this one, once the upstream answers) resumes it."""
+        rid = d.request_id
+        self.breaker.trip(str(exc))
+        if self.tasks.get(rid) is task:
+            # Handing back already: not to be interrupted meanwhile by the cancel watcher or
+            # the drain's deadline (a cancel interrupting the retry dropped the request to
+            # wait out its lease; `release` cancels a request whose client is gone).
+            self.why.setdefault(rid, "release")
+        try:
+            # An answer that broke off spends the attempt (as when a worker dies): a prompt the
+            # model server always breaks on went round for ever, max_attempts never applying.
+            # Through a passing Redis outage it is tried again (rt.hand_back).
+            await self.rt.hand_back([d], spent=exc.spent)
+        finally:
+            # If it could not be handed back, or a cancel or lost lease interrupted it, the
+            # lease expires (held, it was renewed for ever with no task to end it). Unless
+            # its answer got decided meanwhile (its tokens refused, the failure's completion
+            # meeting an outage): _settle_decided lands that, not a requeue and a new answer.
+            if d.final is None:
+                self.rt.drop(rid, "released", d)
 
     def _track_busy(self) -> None:
         self.rt.metrics.batch_size.set(len(self.tasks))
@@ -694,128 +726,137 @@ class UpstreamLoop:
         finish: str | None = None
         done = False
         last = time.monotonic()
+        if not self.streaming:
+            self._heard = last  # none was open: no silence to count before now
+        self.streaming.add(d.request_id)
         try:
-            async with self._post(path, body) as resp:
-                if resp.status in DOWN_STATUSES:
-                    raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
-                if resp.status != 200:
-                    text = (await _error_text(resp))[:300]
-                    if resp.status >= 500 and _engine_died(text):
-                        # vLLM checks its engine before it takes the request: this one never
-                        # ran, and its attempt is not spent (the breaker bounds the retries)
-                        raise UpstreamDown(f"{url}: HTTP {resp.status}, the model server's engine died: "
-                                           f"{text}", spent=False)
-                    if resp.status >= 500:
-                        # Not in the words of a death vLLM writes today (an older vLLM's 500
-                        # had no body), so the server's health decides: unwell, it is the
-                        # server going away; well, the request's own failure. The attempt
-                        # counts here: a request that itself breaks the server before its
-                        # answer starts would go round the fleet's servers, breaking each,
-                        # where max_attempts now stops it. The connection goes back first:
-                        # with every slot of the pool held by a failing stream, the health
-                        # check would wait for one. Once the breaker is open (another stream
-                        # found the server down), it is not asked again.
-                        resp.release()
-                        why = "open" if self.breaker.state == "open" else await self._unwell()
-                        if why:
-                            raise UpstreamDown(f"{url}: HTTP {resp.status} ({text}), and the model server's "
-                                               f"health says {why}", spent=True)
-                    if resp.status == 400 and "priority" in body and "priority" in text.lower():
-                        # A vLLM left at its default (first come, first served) refuses every
-                        # non-zero priority: every class but the top one failed. The pool's
-                        # queue still orders the work; the server's own queue then goes FIFO.
-                        log.warning("the model server refuses `priority` (%s): sending none from now "
-                                    "on (vLLM: --scheduling-policy priority, or upstream_priority = "
-                                    "false to silence this)", text[:200])
-                        self.priority_refused = True
-                        return await self._stream(d)
-                    return self._failed(d, url, f"the model server refused the request (HTTP {resp.status}): "
-                                        f"{text}", outcome=_refusal_outcome(resp.status, text, d, self.model))
-                if resp.content_type == "application/json":
-                    # A 200 that is not a stream: an error a proxy or server put in a JSON body
-                    # (`{"error": ...}`), or an answer that ignored `stream`. Read as a stream,
-                    # it "ended mid-answer": every attempt spent on it, the breaker tripped, and
-                    # the server's message lost.
-                    text = (await _error_text(resp))[:300]
-                    return self._failed(d, url, f"the model server answered without a stream: {text}")
-                cut = False
-                async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s):
-                    for data in events:
-                        if data.strip() == "[DONE]":
-                            done = True
+            try:
+                async with self._post(path, body) as resp:
+                    if resp.status in DOWN_STATUSES:
+                        raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
+                    if resp.status != 200:
+                        text = (await _error_text(resp))[:300]
+                        if resp.status >= 500 and _engine_died(text):
+                            # vLLM checks its engine before it takes the request: this one never
+                            # ran, and its attempt is not spent (the breaker bounds the retries)
+                            raise UpstreamDown(f"{url}: HTTP {resp.status}, the model server's engine died: "
+                                               f"{text}", spent=False)
+                        if resp.status >= 500:
+                            # Not in the words of a death vLLM writes today (an older vLLM's 500
+                            # had no body), so the server's health decides: unwell, it is the
+                            # server going away; well, the request's own failure. The attempt
+                            # counts here: a request that itself breaks the server before its
+                            # answer starts would go round the fleet's servers, breaking each,
+                            # where max_attempts now stops it. The connection goes back first:
+                            # with every slot of the pool held by a failing stream, the health
+                            # check would wait for one. Once the breaker is open (another stream
+                            # found the server down), it is not asked again.
+                            resp.release()
+                            why = "open" if self.breaker.state == "open" else await self._unwell()
+                            if why:
+                                raise UpstreamDown(f"{url}: HTTP {resp.status} ({text}), and the model "
+                                                   f"server's health says {why}", spent=True)
+                        if resp.status == 400 and "priority" in body and "priority" in text.lower():
+                            # A vLLM left at its default (first come, first served) refuses every
+                            # non-zero priority: every class but the top one failed. The pool's
+                            # queue still orders the work; the server's own queue then goes FIFO.
+                            log.warning("the model server refuses `priority` (%s): sending none from now "
+                                        "on (vLLM: --scheduling-policy priority, or upstream_priority = "
+                                        "false to silence this)", text[:200])
+                            self.priority_refused = True
+                            return await self._stream(d)
+                        return self._failed(d, url, f"the model server refused the request (HTTP "
+                                            f"{resp.status}): {text}",
+                                            outcome=_refusal_outcome(resp.status, text, d, self.model))
+                    if resp.content_type == "application/json":
+                        # A 200 that is not a stream: an error a proxy or server put in a JSON body
+                        # (`{"error": ...}`), or an answer that ignored `stream`. Read as a stream,
+                        # it "ended mid-answer": every attempt spent on it, the breaker tripped, and
+                        # the server's message lost.
+                        text = (await _error_text(resp))[:300]
+                        return self._failed(d, url, f"the model server answered without a stream: {text}")
+                    cut = False
+                    async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s):
+                        self._heard = time.monotonic()
+                        for data in events:
+                            if data.strip() == "[DONE]":
+                                done = True
+                                break
+                            try:
+                                chunk = parse_chunk(data)
+                            except ValueError:
+                                chunk = None
+                            if not isinstance(chunk, dict):
+                                await self._forward_before_failing(d)
+                                return self._failed(d, url, "the model server sent a malformed response",
+                                                    f"chunk {data[:200]!r}")
+                            if chunk.get("error"):
+                                err = chunk["error"]
+                                msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
+                                code = err.get("code") if isinstance(err, dict) else None
+                                if _engine_died(msg) and code in (None, 500, "500"):
+                                    if finish is not None and finish not in ("abort", "error"):
+                                        return _ended(finish)  # the answer was over: as a break after it
+                                    raise UpstreamDown(f"{url}: the model server's engine died mid-answer: "
+                                                       f"{msg}", spent=True)
+                                await self._forward_before_failing(d)
+                                return self._failed(d, url, f"the model server reported an error: {msg}")
+                            running = self._usage(d, chunk.get("usage"), before.thought_tokens)
+                            text = thought = ""
+                            for ch in chunk.get("choices") or []:
+                                finish = ch.get("finish_reason") or finish
+                                if not chat:
+                                    piece = ch.get("text")
+                                else:
+                                    delta = ch.get("delta") or {}
+                                    piece = delta.get("content")
+                                    # vLLM's --reasoning-parser: the thinking of a reasoning model
+                                    # comes apart from the answer (`reasoning`; `reasoning_content`
+                                    # before vLLM renamed it): forwarded under the same name
+                                    for name in REASONING_FIELDS:
+                                        if isinstance(r := delta.get(name), str) and r:
+                                            if continues_text:
+                                                text += r  # (before this delta's content)
+                                            else:
+                                                thought += r
+                                                reasoning_field = name
+                                            break
+                                if isinstance(piece, str):
+                                    text += piece
+                            if seam and text:
+                                text, seam = _past_seam(text, seam)
+                            # This chunk's tokens: the running usage says exactly; without it, one per
+                            # chunk with text. The final usage (a chunk of its own, no text) brings the
+                            # count up to the upstream's completion_tokens.
+                            new = (max(running - counted, 0) if running is not None
+                                   else int(bool(text or thought)))
+                            cut = counted + new > allowance
+                            if cut:  # the upstream went past max_tokens: stop there
+                                new = allowance - counted
+                                if new == 0:  # all of this chunk is past it: none of its text either
+                                    text = thought = ""
+                            if new or text or thought:
+                                self._take(d, text, new, thought, reasoning_field,
+                                           forward_thought=not thinks_again)
+                                counted += new
+                            if cut:
+                                break
+                        if done or cut:  # what is pending rides on complete: no push before it
                             break
-                        try:
-                            chunk = parse_chunk(data)
-                        except ValueError:
-                            chunk = None
-                        if not isinstance(chunk, dict):
-                            await self._forward_before_failing(d)
-                            return self._failed(d, url, "the model server sent a malformed response",
-                                                f"chunk {data[:200]!r}")
-                        if chunk.get("error"):
-                            err = chunk["error"]
-                            msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
-                            code = err.get("code") if isinstance(err, dict) else None
-                            if _engine_died(msg) and code in (None, 500, "500"):
-                                if finish is not None and finish not in ("abort", "error"):
-                                    return _ended(finish)  # the answer was over: as a break after it
-                                raise UpstreamDown(f"{url}: the model server's engine died mid-answer: {msg}",
-                                                   spent=True)
-                            await self._forward_before_failing(d)
-                            return self._failed(d, url, f"the model server reported an error: {msg}")
-                        running = self._usage(d, chunk.get("usage"), before.thought_tokens)
-                        text = thought = ""
-                        for ch in chunk.get("choices") or []:
-                            finish = ch.get("finish_reason") or finish
-                            if not chat:
-                                piece = ch.get("text")
-                            else:
-                                delta = ch.get("delta") or {}
-                                piece = delta.get("content")
-                                # vLLM's --reasoning-parser: the thinking of a reasoning model
-                                # comes apart from the answer (`reasoning`; `reasoning_content`
-                                # before vLLM renamed it): forwarded under the same name
-                                for name in REASONING_FIELDS:
-                                    if isinstance(r := delta.get(name), str) and r:
-                                        if continues_text:
-                                            text += r  # (before this delta's content)
-                                        else:
-                                            thought += r
-                                            reasoning_field = name
-                                        break
-                            if isinstance(piece, str):
-                                text += piece
-                        if seam and text:
-                            text, seam = _past_seam(text, seam)
-                        # This chunk's tokens: the running usage says exactly; without it, one per
-                        # chunk with text. The final usage (a chunk of its own, no text) brings the
-                        # count up to the upstream's completion_tokens.
-                        new = max(running - counted, 0) if running is not None else int(bool(text or thought))
-                        cut = counted + new > allowance
-                        if cut:  # the upstream went past max_tokens: stop there
-                            new = allowance - counted
-                            if new == 0:  # all of this chunk is past it: none of its text either
-                                text = thought = ""
-                        if new or text or thought:
-                            self._take(d, text, new, thought, reasoning_field,
-                                       forward_thought=not thinks_again)
-                            counted += new
-                        if cut:
-                            break
-                    if done or cut:  # what is pending rides on complete: no push before it
-                        break
-                    now = time.monotonic()
-                    gap, last = now - last, now
-                    # As the upstream chunked it, for a client that reads the chunks as they come;
-                    # chunks that came together (the worker was busy, the server sent a burst) go
-                    # in one push: one Redis call and one reply entry, not one a chunk.
-                    if self._forwards(d) or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
-                        with contextlib.suppress(RedisUnavailable):  # stays pending; retried
-                            await self.pushes.push(d)  # with the other streams' of this turn
-                if cut:
-                    return ("ok", "length", "")
-                if done:
-                    self._end_body_later(resp)
+                        now = time.monotonic()
+                        gap, last = now - last, now
+                        # As the upstream chunked it, for a client that reads the chunks as they come;
+                        # chunks that came together (the worker was busy, the server sent a burst) go
+                        # in one push: one Redis call and one reply entry, not one a chunk.
+                        if self._forwards(d) or self.rt.push_due(d, now, step_s=gap):  # next ~gap away
+                            with contextlib.suppress(RedisUnavailable):  # stays pending; retried
+                                await self.pushes.push(d)  # with the other streams' of this turn
+                    if cut:
+                        return ("ok", "length", "")
+                    if done:
+                        self._end_body_later(resp)
+            finally:
+                self.streaming.discard(d.request_id)
         except MalformedStream as exc:
             await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))
