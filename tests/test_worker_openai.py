@@ -1018,23 +1018,14 @@ async def test_an_answer_lands_at_done_while_the_body_stays_open_and_the_connect
     on for the body's end (up to END_OF_BODY_S) before it landed the answer, adding that much
     to every request's end. The answer now lands at [DONE]; the body's end is read beside
     what follows, and where it comes the connection goes back to the pool."""
-    from tests.support.fake_upstream import sse_chunk, sse_response
+    from tests.support.fake_upstream import answers_then_holds_its_body
     from worker import upstream
 
     monkeypatch.setattr(upstream, "END_OF_BODY_S", 120.0)  # a wait for it outlasts the test
     cfg, c, up = env
-    peers = []
+    peers: list[Any] = []
     end_body = asyncio.Event()
-
-    async def hold_open(request: Any, body: dict[str, Any], n: int) -> Any:
-        peers.append(request.transport.get_extra_info("peername"))
-        resp = await sse_response(request)
-        await resp.write(sse_chunk("ok", finish="stop", completion_tokens=1))
-        await resp.write(b"data: [DONE]\n\n")
-        await end_body.wait()
-        return resp
-
-    up.scripts["HOLD"] = hold_open
+    up.scripts["HOLD"] = answers_then_holds_its_body(end_body, peers)
     rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
     try:
         rid = await c.admit("HOLD 0", max_tokens=5)
@@ -1292,6 +1283,89 @@ async def test_a_server_silent_on_every_stream_past_upstream_stall_s_is_taken_as
     assert c.answers[rid].text == "fine" and c.answers[rid].error is None
 
 
+async def test_a_hang_is_found_when_every_stream_ends_before_upstream_stall_s(env) -> None:
+    """Clients that give up before upstream_stall_s, one stream at a time: each new stream
+    restarted the clock, and a hung server was never found (a review). The silence the
+    streams met is carried over the spells with none open."""
+    from tests.support.fake_upstream import sse_response
+
+    cfg, c, up = env
+    end = asyncio.Event()
+
+    async def hangs(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await end.wait()
+        return resp
+
+    up.scripts["HANG"] = hangs
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5,
+                                        **RETRY)
+    n = 0
+    try:
+        deadline = time.monotonic() + 30
+        while loop.breaker.failures == 0:
+            assert time.monotonic() < deadline, f"no hang found in {n} streams, each cancelled at 0.3 s"
+            rid = await c.admit(f"HANG {n}", max_tokens=20)
+            await wait_until(lambda: rid in loop.streaming, f"stream {n} open")  # noqa: B023
+            await asyncio.sleep(0.3)  # its client gives up within upstream_stall_s
+            await c.scripts.cancel(c.keys, rid, "t1")
+            await wait_until(lambda: rid not in loop.streaming, f"stream {n} closed")  # noqa: B023
+            n += 1
+    finally:
+        end.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None
+    assert n >= 2  # none alone was silent that long
+
+
+async def test_after_a_stall_nothing_is_claimed_until_the_server_generates(env) -> None:
+    """An engine hung behind a live API server, which still answers /health (here, with
+    none, /v1/models): a probe that asked only that closed the breaker, and the worker took
+    requests into the same silence at each stall, an attempt spent each time (a request
+    failed after max_attempts on one hung server a healthy one could have served: a review).
+    After a stall, a probe must see a one-token generation answer; until then the request
+    waits in the queue, its attempt spent once."""
+    cfg, c, up = env
+    up.hold = asyncio.Event()
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5,
+                                        **RETRY)
+    try:
+        rid = await c.admit("held", max_tokens=20)
+        await wait_until(lambda: loop.breaker.probes >= 3, "three probes after the stall", timeout=30)
+        asked = [b for b in up.bodies if b.get("prompt") == "held"]
+        canaries = [b for b in up.bodies if b.get("prompt") == "ping" and b["max_tokens"] == 1]
+        assert len(asked) == 1 and len(canaries) >= 2, (len(asked), len(canaries))
+        assert (await c.record(rid))["state"] == "queued"
+        up.hold.set()  # the engine comes back: the next probe's generation answers
+        await c.wait([rid], timeout=30)
+    finally:
+        up.hold.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None
+    assert c.answers[rid].error is None and c.answers[rid].text == "dleh"
+
+
+async def test_a_body_still_open_does_not_hold_the_next_request_at_max_inflight(env, monkeypatch) -> None:
+    """With max_inflight connections at most, the next request waited for the slot a body
+    still open after its [DONE] held (a review): the pool has room for those."""
+    from tests.support.fake_upstream import answers_then_holds_its_body
+    from worker import upstream
+
+    monkeypatch.setattr(upstream, "END_OF_BODY_S", 120.0)
+    cfg, c, up = env
+    end_body = asyncio.Event()
+    up.scripts["HOLD"] = answers_then_holds_its_body(end_body)
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
+    try:
+        first, second = await c.admit("HOLD 0", max_tokens=5), await c.admit("HOLD 1", max_tokens=5)
+        await c.wait([first, second], timeout=30)  # waiting for a slot: 120 s
+        assert len(loop.ending_bodies) == 2
+    finally:
+        end_body.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None
+
+
 async def test_one_silent_stream_beside_others_streaming_is_not_a_hang(env) -> None:
     """The watch is over the server, not a stream: a long prefill (silent past
     upstream_stall_s) while another request streams its tokens is a busy server, not a hung
@@ -1404,30 +1478,39 @@ async def test_a_reasoning_answer_resumed_continues_its_text_not_its_thinking(en
     assert up.calls["THINK2"] == 2
 
 
-async def test_a_reasoning_answer_resumed_mid_thought_is_not_sent_a_second_thought(env) -> None:
+@pytest.mark.parametrize("space", ["", " "], ids=["mid-thought", "after-a-space"])
+async def test_a_reasoning_answer_resumed_mid_thought_is_not_sent_a_second_thought(env, space: str) -> None:
     """A reasoning answer broken off mid-thought: the resume sends the client's prompt as it
     was, and the model thinks again from the start. The client read that second thought after
     the first ("Let me see. Let me see. Two and two."); it now reads the first as far as it
-    came, then the answer. The second thought is counted and charged all the same."""
+    came, then the answer. The second thought is counted and charged all the same.
+
+    ``after-a-space``: the answer's text had begun with a space alone, which a resume does
+    not continue (the seam): the second thought was read as answer text, and the prompt
+    charged one token short (a review)."""
     from limiter.reply_text import ReplyText, unpack
     from tests.support.fake_upstream import breaks_once, chat_chunk
 
     cfg, c, up = env
     read = asyncio.Event()
+    first = [chat_chunk(None, "Let me see.", completion_tokens=3)]
+    if space:
+        first.append(chat_chunk(space, None, completion_tokens=4))
     again = [chat_chunk(None, "Let me see.", completion_tokens=3),
              chat_chunk(None, " Two and two.", completion_tokens=6),
              chat_chunk("It is 4.", None, finish="stop", completion_tokens=9, prompt_tokens=5)]
-    up.scripts["THINK4"] = breaks_once([chat_chunk(None, "Let me see.", completion_tokens=3)], read, again)
+    up.scripts["THINK4"] = breaks_once(first, read, again)
     async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
         rid = await c.admit("THINK4", kind="chat", messages=(ChatMessage("user", "THINK4"),), max_tokens=40)
-        await c.wait_tokens(rid, 3)
+        await c.wait_tokens(rid, len(first) + 2)
         read.set()
         await c.wait([rid], timeout=20)
     assert up.calls["THINK4"] == 2
     assert up.bodies[-1]["messages"] == up.bodies[0]["messages"]  # nothing to continue
-    assert unpack(c.answers[rid].wire) == ReplyText("It is 4.", "Let me see.", "reasoning")
+    assert unpack(c.answers[rid].wire) == ReplyText(space + "It is 4.", "Let me see.", "reasoning")
     rec = await c.record(rid)
-    assert (rec["state"], rec["usage_in"], rec["usage_out"]) == ("done", "5", "12"), rec
+    delivered = 3 + len(first) - 1
+    assert (rec["state"], rec["usage_in"], rec["usage_out"]) == ("done", "5", str(delivered + 9)), rec
 
 
 @pytest.mark.parametrize("text_before", [True, False], ids=["after-text", "mid-thought"])

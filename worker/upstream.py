@@ -80,6 +80,7 @@ import aiohttp
 from limiter.backoff import Backoff
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
 from limiter.reply_text import REASONING_FIELDS
+from limiter.tasks import raise_if_cancelled, stop_tasks
 from limiter.token_count import MODEL_SERVER_KEEPALIVE_S
 from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
@@ -94,6 +95,7 @@ log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
 DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
 HEALTH_TIMEOUT_S = 5.0  # a health check (the breaker's probe, or after an HTTP 5xx)
+CANARY_TIMEOUT_S = 30.0  # after a stall, the most a probe's one-token generation may take
 # The request itself is at fault (vLLM's 400 for a prompt past the model's context, a 413, a
 # 422): another try fails the same way, so its client gets a 400, not a 503 to retry. A 401,
 # 403 or 404 is the worker's configuration (its key, its model name), a 500 the server's own.
@@ -339,8 +341,12 @@ class UpstreamLoop:
         # The hang watch (upstream_stall_s): the requests whose stream is open now, and when
         # the server last sent an event on any stream. A server whose engine hangs keeps its
         # sockets open and may still answer /health; only its silence tells.
-        self.streaming: set[str] = set()
+        self.streaming: dict[str, Delivery] = {}  # request id -> its attempt streaming now
         self._heard = time.monotonic()
+        # the silence the streams met, carried over a spell with none open (streams that end
+        # before a hung server's first event, cancelled by their clients, do not reset it)
+        self._silent_s = 0.0
+        self._hung = False  # a stall tripped the breaker: a probe must see the server generate
 
     @contextlib.asynccontextmanager
     async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -366,16 +372,19 @@ class UpstreamLoop:
         s = self.rt.settings
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=s.upstream_timeout_s)
         # Idle connections are dropped before the model server drops them (MODEL_SERVER_KEEPALIVE_S).
-        connector = aiohttp.TCPConnector(limit=s.max_inflight, keepalive_timeout=MODEL_SERVER_KEEPALIVE_S)
+        # Twice max_inflight: a body's end read after [DONE] (_end_body_later) holds its
+        # connection while the request that took the slot opens another (at max_inflight, the
+        # next request waited for that end: a review), and a health check never waits for one.
+        connector = aiohttp.TCPConnector(limit=2 * s.max_inflight, keepalive_timeout=MODEL_SERVER_KEEPALIVE_S)
         async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
             self.session = session
             watches = [asyncio.create_task(self._watch_cancels()), asyncio.create_task(self._watch_stalls())]
             try:
                 await self._loop()
             finally:
-                for task in [*watches, *self.ending_bodies.values()]:
-                    task.cancel()  # (the bodies' connections close with the session)
-                await asyncio.gather(*watches, *self.ending_bodies.values(), return_exceptions=True)
+                # (re-cancelled where a redis-py call swallowed it; the bodies' connections
+                # close with the session)
+                await stop_tasks([*watches, *self.ending_bodies.values()], "openai worker")
 
     async def _loop(self) -> None:
         while True:
@@ -498,10 +507,46 @@ class UpstreamLoop:
             return  # the loop comes back here (or drains)
         self.breaker.probes += 1
         why = await self._unwell()
+        if not why and self._hung:
+            why = await self._no_generation()
         if why:
             self.breaker.probe_failed(why)
         else:
+            self._hung = False
             self.breaker.probe_ok()
+
+    async def _no_generation(self) -> str:
+        """After a stall (_watch_stalls): why the server does not generate ("" when it does).
+        A hung engine's server may answer /health, and the worker claimed again, took up to
+        max_inflight requests into the same silence, and handed them back each stall (an
+        attempt spent each time: a request failed after max_attempts on one hung server that
+        a healthy one could have served; found by a review). So a one-token completion must
+        bring an event within min(upstream_stall_s, CANARY_TIMEOUT_S); a server that takes no
+        completions (404/405/400) is asked for a chat completion."""
+        timeout_s = min(self.rt.settings.upstream_stall_s, CANARY_TIMEOUT_S)
+        base = {"model": self.model, "max_tokens": 1, "stream": True}
+        asks = (("/completions", {**base, "prompt": "ping"}),
+                ("/chat/completions", {**base, "messages": [{"role": "user", "content": "ping"}]}))
+        status = 0
+        try:
+            async with asyncio.timeout(timeout_s):
+                for path, body in asks:
+                    async with self._post(path, body) as resp:
+                        status = resp.status
+                        if status in (400, 404, 405):
+                            continue
+                        if status != 200:
+                            return f"a one-token generation: HTTP {status}"
+                        async for _events in sse_batches(resp.content):
+                            self._heard, self._silent_s = time.monotonic(), 0.0
+                            return ""
+                        return "a one-token generation ended without an event"
+        except TimeoutError:
+            return f"no event from a one-token generation in {timeout_s:g} s"
+        except (aiohttp.ClientError, MalformedStream) as exc:
+            return f"a one-token generation: {type(exc).__name__}: {exc}"
+        log.warning("the model server refuses a one-token generation (HTTP %d): taken as generating", status)
+        return ""
 
     async def _unwell(self) -> str:
         """Why the model server cannot serve now ("" when it can), by its own health: GET
@@ -544,6 +589,7 @@ class UpstreamLoop:
             if self.tasks:
                 ids = await self.rt.guard("cancels", self.rt.cancelled(list(self.tasks)), backoff=0)
                 self._interrupt(ids or [], "cancel")
+                raise_if_cancelled()  # one the redis-py call swallowed: the worker's stop waited on it
 
     async def _watch_stalls(self) -> None:
         """The hang watch: when the server has sent no event on any of its open streams for
@@ -560,10 +606,12 @@ class UpstreamLoop:
             silent = time.monotonic() - self._heard
             if self.streaming and silent > stall_s:
                 log.warning("%s sent nothing on any of its %d open streams for %.0f s (upstream_stall_s "
-                            "%g): taken as hung, the requests handed back", self.shown,
-                            len(self.streaming), silent, stall_s)
+                            "%g): taken as hung, the requests handed back; claiming again once a "
+                            "one-token generation answers", self.shown, len(self.streaming), silent,
+                            stall_s)
+                self._hung = True
                 self._interrupt(list(self.streaming), "stalled")
-                self._heard = time.monotonic()
+                self._heard, self._silent_s = time.monotonic(), 0.0
 
     # --- one request ------------------------------------------------------------------------
     async def _serve(self, d: Delivery) -> None:
@@ -714,7 +762,7 @@ class UpstreamLoop:
         # to continue): all the model writes is answer, whichever field the server puts it in.
         # vLLM's deepseek_r1 parser (DeepSeek-R1, QwQ) calls everything before a `</think>`
         # thinking, and a continuation has none: the rest of the answer came as thinking.
-        continues_text = chat and bool(before.prior or before.seam)
+        continues_text = chat and bool(before.prior)  # (what _body sends: whitespace alone is not)
         # A resume after thinking alone sends the client's prompt as it was: the model thinks
         # again from the start. That second thought is counted and charged, not forwarded:
         # the client read the first (as far as it came); a second after it began the same
@@ -726,12 +774,14 @@ class UpstreamLoop:
         finish: str | None = None
         done = False
         last = time.monotonic()
-        if not self.streaming:
-            self._heard = last  # none was open: no silence to count before now
-        self.streaming.add(d.request_id)
+        if not self.streaming:  # a spell with none open is no silence; what streams met before is
+            self._heard = last - self._silent_s
+        self.streaming[d.request_id] = d
         try:
             try:
                 async with self._post(path, body) as resp:
+                    if resp.status != 200:  # an answer of the server's (a hung engine's is a 200)
+                        self._heard = time.monotonic()
                     if resp.status in DOWN_STATUSES:
                         raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                     if resp.status != 200:
@@ -801,7 +851,7 @@ class UpstreamLoop:
                                                        f"{msg}", spent=True)
                                 await self._forward_before_failing(d)
                                 return self._failed(d, url, f"the model server reported an error: {msg}")
-                            running = self._usage(d, chunk.get("usage"), before.thought_tokens)
+                            running = self._usage(d, chunk.get("usage"), before)
                             text = thought = ""
                             for ch in chunk.get("choices") or []:
                                 finish = ch.get("finish_reason") or finish
@@ -856,7 +906,10 @@ class UpstreamLoop:
                     if done:
                         self._end_body_later(resp)
             finally:
-                self.streaming.discard(d.request_id)
+                if self.streaming.get(d.request_id) is d:  # (not a newer attempt's)
+                    del self.streaming[d.request_id]
+                    if not self.streaming:
+                        self._silent_s = time.monotonic() - self._heard
         except MalformedStream as exc:
             await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))
@@ -896,9 +949,10 @@ class UpstreamLoop:
         them as they come (upstream_forward_chunks)."""
         return self.rt.settings.upstream_forward_chunks and d.payload.stream and d.pending_tokens > 0
 
-    def _usage(self, d: Delivery, u: Any, thought_tokens: int = 0) -> int | None:
+    def _usage(self, d: Delivery, u: Any, before: Delivered) -> int | None:
         """Record an upstream ``usage`` object; returns its ``completion_tokens`` (None: absent).
-        ``thought_tokens``: how many of the tokens delivered before this attempt were thinking."""
+        ``before``: what earlier attempts delivered (how many of its tokens were thinking, and
+        whether the resume's prompt holds any of its text)."""
         if not isinstance(u, dict):
             return None
         prompt, completion = _count(u.get("prompt_tokens")), _count(u.get("completion_tokens"))
@@ -908,7 +962,9 @@ class UpstreamLoop:
             # text delivered before (about that many tokens), which is not prompt -- but not the
             # thinking delivered before, which the resume does not send (a resume cut off
             # mid-thought sends no text at all: its prompt is the client's alone).
-            answered = d.claimed.delivered - thought_tokens
+            # Whitespace alone is not sent either (_body continues ``prior``, the text less its
+            # seam): the prompt is then the client's alone.
+            answered = d.claimed.delivered - before.thought_tokens if before.prior else 0
             d.usage_in = max(prompt - answered, 1) if answered > 0 else prompt
         return completion
 

@@ -59,6 +59,9 @@ class FakeUpstream:
         # response: a test's own misbehaving server (see sse_chunk)
         self.scripts: dict[str, Any] = {}
         self.health_status: int | None = None  # GET /health's answer (None: no such endpoint, 404)
+        # while set and not yet released, every generation request waits (its headers sent,
+        # nothing after them): an engine that hung behind a live API server
+        self.hold: asyncio.Event | None = None
         self.calls: dict[str, int] = {}
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
@@ -98,6 +101,10 @@ class FakeUpstream:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        if self.hold is not None and not self.hold.is_set():
+            resp = await sse_response(request)
+            await self.hold.wait()
+            return resp
         if self.status is not None:
             return web.json_response({"error": {"message": "server busy"}}, status=self.status)
         chat = "messages" in body
@@ -241,6 +248,24 @@ async def end_stream(resp: web.StreamResponse, last: bytes) -> web.StreamRespons
     """Write a scripted stream's last chunk and ``[DONE]`` (one write); returns ``resp``."""
     await resp.write(last + b"data: [DONE]\n\n")
     return resp
+
+
+def answers_then_holds_its_body(end_body: asyncio.Event, peers: list[Any] | None = None) -> Any:
+    """A server script that answers "ok", finish and ``[DONE]``, then keeps the body open
+    until ``end_body`` is set (a server, or a proxy before it, slow to end its body); each
+    call's client address goes to ``peers``."""
+
+    async def script(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        if peers is not None:
+            assert request.transport is not None
+            peers.append(request.transport.get_extra_info("peername"))
+        resp = await sse_response(request)
+        await resp.write(sse_chunk("ok", finish="stop", completion_tokens=1))
+        await resp.write(b"data: [DONE]\n\n")
+        await end_body.wait()
+        return resp
+
+    return script
 
 
 def breaks_once(first: list[bytes], read: asyncio.Event, then: list[bytes]) -> Any:
