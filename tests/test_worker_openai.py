@@ -1298,7 +1298,7 @@ async def test_a_hang_is_found_when_every_stream_ends_before_upstream_stall_s(en
         return resp
 
     up.scripts["HANG"] = hangs
-    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5,
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=1.0,
                                         **RETRY)
     n = 0
     try:
@@ -1315,7 +1315,7 @@ async def test_a_hang_is_found_when_every_stream_ends_before_upstream_stall_s(en
         end.set()
         exc = await stop_worker(rt, task)
     assert exc is None
-    assert n >= 2  # none alone was silent that long
+    assert n >= 3  # none alone was silent that long
 
 
 async def test_after_a_stall_nothing_is_claimed_until_the_server_generates(env) -> None:
@@ -1343,6 +1343,127 @@ async def test_after_a_stall_nothing_is_claimed_until_the_server_generates(env) 
         exc = await stop_worker(rt, task)
     assert exc is None
     assert c.answers[rid].error is None and c.answers[rid].text == "dleh"
+
+
+async def test_the_silence_carried_over_a_spell_longer_than_upstream_stall_s_is_dropped(env) -> None:
+    """A stream cancelled in a long prefill leaves its silence behind; carried over hours, it
+    made the next long prefill on a healthy server look like a hang (a review). It is
+    dropped after a spell with no stream open longer than upstream_stall_s."""
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+    end = asyncio.Event()
+
+    async def prefill(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        if n == 1:  # longer than its client waits
+            await end.wait()
+            return resp
+        await asyncio.sleep(1.0)  # half of upstream_stall_s without an event
+        return await end_stream(resp, sse_chunk("late", finish="stop", completion_tokens=1))
+
+    up.scripts["PREFILL"] = prefill
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=2.0,
+                                        **RETRY)
+    try:
+        gone = await c.admit("PREFILL gone", max_tokens=20)
+        await wait_until(lambda: gone in loop.streaming, "the first stream open")
+        await asyncio.sleep(1.2)  # its client gives up 1.2 s into it: 1.2 + 1.0 > 2.0 carried
+        await c.scripts.cancel(c.keys, gone, "t1")
+        await wait_until(lambda: not loop.streaming, "the first stream closed")
+        await asyncio.sleep(2.5)  # idle past upstream_stall_s (a lower bound: longer is as good)
+        later = await c.admit("PREFILL later", max_tokens=20)
+        await c.wait([later], timeout=30)
+    finally:
+        end.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None
+    assert c.answers[later].text == "late" and up.calls["PREFILL"] == 2 and loop.breaker.failures == 0
+
+
+async def test_refusals_the_api_server_answers_do_not_hide_a_hang(env) -> None:
+    """vLLM's API server refuses a request its engine never sees (a prompt past the context:
+    HTTP 400) while the engine hangs. Any non-200 answer restarted the watch's clock, and a
+    steady trickle of them hid the hang for good (a review)."""
+    cfg, c, up = env
+    end = asyncio.Event()
+
+    async def hangs(request: Any, body: dict[str, Any], n: int) -> Any:
+        from tests.support.fake_upstream import sse_response
+        resp = await sse_response(request)
+        await end.wait()
+        return resp
+
+    up.scripts["HANG"] = hangs
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=1.0,
+                                        **RETRY)
+    refused = 0
+    try:
+        await c.admit("HANG", max_tokens=20)
+        deadline = time.monotonic() + 30
+        while loop.breaker.failures == 0:
+            assert time.monotonic() < deadline, f"the hang not found beside {refused} refusals"
+            await c.admit(f"FAIL {refused}", max_tokens=5)  # 400, as vLLM's past-the-context
+            refused += 1
+            await asyncio.sleep(0.3)
+    finally:
+        end.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None and refused >= 3
+
+
+async def test_a_canary_refused_at_one_endpoint_is_asked_at_the_other(env) -> None:
+    """After a stall, a server whose /completions answers 501 (or a proxy's 403 for a key
+    that allows chat alone) failed every probe, and the breaker stayed open for good though
+    chat answered (a review): the canary goes to the other endpoint for such a refusal."""
+    from aiohttp import web
+
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+    end = asyncio.Event()
+
+    async def hangs_once(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        if n == 1:
+            await end.wait()
+            return resp
+        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
+
+    async def chat_only(request: Any, body: dict[str, Any], n: int) -> Any:
+        if "messages" not in body:
+            return web.json_response({"error": {"message": "not implemented"}}, status=501)
+        resp = await sse_response(request)
+        return await end_stream(resp, sse_chunk("pong", finish="stop", completion_tokens=1))
+
+    up.scripts.update(HANG=hangs_once, ping=chat_only)
+    try:
+        async with worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5, **RETRY):
+            rid = await c.admit("HANG", max_tokens=20)  # a completion: the canary asks /completions first
+            await c.wait([rid], timeout=30)
+    finally:
+        end.set()
+    assert c.answers[rid].text == "fine" and up.calls["HANG"] == 2
+    assert [("messages" in b) for b in up.bodies if "HANG" not in str(b)][:2] == [False, True]
+
+
+async def test_a_drain_does_not_wait_for_a_probe(env, monkeypatch) -> None:
+    """A stop during a probe waited for it: its health checks (5 s each) and, after a stall,
+    its one-token generation (up to 30 s; a review). The drain now ends the probe."""
+    from worker import upstream
+
+    monkeypatch.setattr(upstream, "HEALTH_TIMEOUT_S", 120.0)
+    cfg, c, up = env
+    up.hold, up.hold_health = asyncio.Event(), True  # an engine and a /health that never answer
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5,
+                                        **RETRY)
+    try:
+        await c.admit("held", max_tokens=20)
+        await wait_until(lambda: loop.breaker.probes >= 1, "a probe after the stall")
+        exc = await stop_worker(rt, task)  # waiting for the probe: 120 s, past stop_worker's 30
+    finally:
+        up.hold.set()
+    assert exc is None, exc
 
 
 async def test_a_body_still_open_does_not_hold_the_next_request_at_max_inflight(env, monkeypatch) -> None:

@@ -344,8 +344,12 @@ class UpstreamLoop:
         self.streaming: dict[str, Delivery] = {}  # request id -> its attempt streaming now
         self._heard = time.monotonic()
         # the silence the streams met, carried over a spell with none open (streams that end
-        # before a hung server's first event, cancelled by their clients, do not reset it)
+        # before a hung server's first event, cancelled by their clients, do not reset it),
+        # unless that spell outlasted upstream_stall_s (a review: an old cancel's silence,
+        # carried for hours, made a long prefill on a healthy server look like a hang)
         self._silent_s = 0.0
+        self._idle_since = time.monotonic()
+        self._last_path = "/chat/completions"  # the generation endpoint the last stream used
         self._hung = False  # a stall tripped the breaker: a probe must see the server generate
 
     @contextlib.asynccontextmanager
@@ -506,14 +510,30 @@ class UpstreamLoop:
                 await asyncio.wait_for(self.rt.draining.wait(), wait_s)
             return  # the loop comes back here (or drains)
         self.breaker.probes += 1
-        why = await self._unwell()
-        if not why and self._hung:
-            why = await self._no_generation()
-        if why:
+        # a drain does not wait for the probe (its health checks, or a canary's 30 s)
+        probe = asyncio.ensure_future(self._probe())
+        drain = asyncio.ensure_future(self.rt.draining.wait())
+        try:
+            await asyncio.wait({probe, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (probe, drain):
+                t.cancel()
+            await asyncio.gather(probe, drain, return_exceptions=True)
+        if probe.cancelled():
+            return  # drained: the breaker as it was
+        if why := probe.result():
             self.breaker.probe_failed(why)
         else:
             self._hung = False
             self.breaker.probe_ok()
+
+    async def _probe(self) -> str:
+        """Why the upstream cannot serve now ("" when it can): its health, and after a stall
+        a one-token generation."""
+        why = await self._unwell()
+        if not why and self._hung:
+            why = await self._no_generation()
+        return why
 
     async def _no_generation(self) -> str:
         """After a stall (_watch_stalls): why the server does not generate ("" when it does).
@@ -521,19 +541,22 @@ class UpstreamLoop:
         max_inflight requests into the same silence, and handed them back each stall (an
         attempt spent each time: a request failed after max_attempts on one hung server that
         a healthy one could have served; found by a review). So a one-token completion must
-        bring an event within min(upstream_stall_s, CANARY_TIMEOUT_S); a server that takes no
-        completions (404/405/400) is asked for a chat completion."""
+        bring an event within min(upstream_stall_s, CANARY_TIMEOUT_S). It goes to the endpoint
+        the worker's streams last used, then the other: one that refuses it (a 4xx but 408 and
+        429, or a 501: a proxy whose key allows chat alone, say) is no answer either way (it
+        kept the breaker open for good: a review); a busy or failing one (429, 5xx) is down."""
         timeout_s = min(self.rt.settings.upstream_stall_s, CANARY_TIMEOUT_S)
         base = {"model": self.model, "max_tokens": 1, "stream": True}
-        asks = (("/completions", {**base, "prompt": "ping"}),
-                ("/chat/completions", {**base, "messages": [{"role": "user", "content": "ping"}]}))
+        asks = [("/completions", {**base, "prompt": "ping"}),
+                ("/chat/completions", {**base, "messages": [{"role": "user", "content": "ping"}]})]
+        asks.sort(key=lambda ask: ask[0] != self._last_path)
         status = 0
         try:
             async with asyncio.timeout(timeout_s):
                 for path, body in asks:
                     async with self._post(path, body) as resp:
                         status = resp.status
-                        if status in (400, 404, 405):
+                        if status == 501 or (400 <= status < 500 and status not in (408, 429)):
                             continue
                         if status != 200:
                             return f"a one-token generation: HTTP {status}"
@@ -775,13 +798,13 @@ class UpstreamLoop:
         done = False
         last = time.monotonic()
         if not self.streaming:  # a spell with none open is no silence; what streams met before is
-            self._heard = last - self._silent_s
+            carried = self._silent_s if last - self._idle_since <= self.rt.settings.upstream_stall_s else 0.0
+            self._heard = last - carried
         self.streaming[d.request_id] = d
+        self._last_path = path
         try:
             try:
                 async with self._post(path, body) as resp:
-                    if resp.status != 200:  # an answer of the server's (a hung engine's is a 200)
-                        self._heard = time.monotonic()
                     if resp.status in DOWN_STATUSES:
                         raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                     if resp.status != 200:
@@ -909,7 +932,8 @@ class UpstreamLoop:
                 if self.streaming.get(d.request_id) is d:  # (not a newer attempt's)
                     del self.streaming[d.request_id]
                     if not self.streaming:
-                        self._silent_s = time.monotonic() - self._heard
+                        self._idle_since = time.monotonic()
+                        self._silent_s = self._idle_since - self._heard
         except MalformedStream as exc:
             await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))

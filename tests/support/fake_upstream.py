@@ -62,6 +62,7 @@ class FakeUpstream:
         # while set and not yet released, every generation request waits (its headers sent,
         # nothing after them): an engine that hung behind a live API server
         self.hold: asyncio.Event | None = None
+        self.hold_health = False  # GET /health waits on ``hold`` too
         self.calls: dict[str, int] = {}
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
@@ -81,6 +82,8 @@ class FakeUpstream:
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
     async def health(self, request: web.Request) -> web.Response:
+        if self.hold_health and self.hold is not None:
+            await self.hold.wait()
         if self.health_status is None:
             raise web.HTTPNotFound()
         return web.Response(status=self.health_status)
