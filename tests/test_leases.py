@@ -231,6 +231,30 @@ async def test_a_request_handed_back_unstarted_and_then_ended_is_refunded_in_ful
     assert bucket == pytest.approx(1000, abs=1e-3)
 
 
+@pytest.mark.parametrize("end", ["complete", "complete_writes_the_ids", "failed", "requeued_then_cancelled"])
+async def test_a_finished_requests_token_string_goes_with_its_record(scripts, pool, end):
+    """A request's token string lives a week while the request may still be resumed; once
+    it is finished it must go with its record (record_ttl_s). Kept at its week, every
+    answered request's ids stayed in Redis seven days: the memory of a week of traffic."""
+    await admit(scripts, pool, cls="P1", request_id="r", input_tokens=5, max_tokens=50)
+    c = await _claim_one(scripts, pool)
+    if end != "complete_writes_the_ids":
+        await scripts.push_tokens(pool, request_id="r", worker_id="w1", fence=c.fence, offset=0,
+                                  token_ids=[1, 2], text="ab")
+    offset = 0 if end == "complete_writes_the_ids" else 2
+    if end == "requeued_then_cancelled":
+        assert await scripts.release(pool, request_id="r", worker_id="w1", fence=c.fence) == "requeued"
+        assert await scripts.cancel(pool, "r", "t1") == "cancelled"
+    else:
+        await scripts.complete(pool, request_id="r", worker_id="w1", fence=c.fence,
+                               outcome="failed" if end == "failed" else "ok", usage_in=5, token_ids=[3],
+                               text="c", offset=offset)
+    async with scripts.client.pipeline(transaction=False) as pipe:
+        ttl_record, ttl_tokens = await pipe.pttl(pool.request("r")).pttl(pool.tokens("r")).execute()
+    record_ttl_ms = demo_config().pool("tiny").record_ttl_s * 1000
+    assert 0 < ttl_record <= record_ttl_ms and 0 < ttl_tokens <= record_ttl_ms, (ttl_record, ttl_tokens)
+
+
 async def test_a_cancelled_request_whose_worker_died_is_finished_by_the_reaper(scripts, pool):
     await admit(scripts, pool, cls="P1", request_id="zombie", input_tokens=1, max_tokens=5)
     await _claim_one(scripts, pool, lease_ms=50)

@@ -1257,21 +1257,11 @@ async def test_a_server_silent_on_every_stream_past_upstream_stall_s_is_taken_as
     into the same wait each time one ended. Silent on every open stream past upstream_stall_s,
     the server is taken as hung: its streams are handed back (the breaker trips) and the
     request resumed, here on the same server once its probe answers."""
-    from tests.support.fake_upstream import sse_chunk, sse_response
+    from tests.support.fake_upstream import hangs, sse_chunk
 
     cfg, c, up = env
-    hung = asyncio.Event()
     end = asyncio.Event()
-
-    async def hangs(request: Any, body: dict[str, Any], n: int) -> Any:
-        resp = await sse_response(request)  # the headers come; nothing after them
-        if n == 1:
-            hung.set()
-            await end.wait()
-            return resp
-        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
-
-    up.scripts["HANG"] = hangs
+    up.scripts["HANG"] = hangs(end, after=sse_chunk("fine", finish="stop", completion_tokens=1))
     try:
         async with worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5, **RETRY) as rt:
             rid = await c.admit("HANG", max_tokens=20)
@@ -1279,43 +1269,50 @@ async def test_a_server_silent_on_every_stream_past_upstream_stall_s_is_taken_as
             assert rt.metrics.upstream_failures._value.get() >= 1
     finally:
         end.set()
-    assert hung.is_set() and up.calls["HANG"] == 2
+    assert up.calls["HANG"] == 2
     assert c.answers[rid].text == "fine" and c.answers[rid].error is None
 
 
-async def test_a_hang_is_found_when_every_stream_ends_before_upstream_stall_s(env) -> None:
-    """Clients that give up before upstream_stall_s, one stream at a time: each new stream
-    restarted the clock, and a hung server was never found (a review). The silence the
-    streams met is carried over the spells with none open."""
-    from tests.support.fake_upstream import sse_response
+@pytest.mark.parametrize("meanwhile", ["cancels", "refusals"])
+async def test_a_hang_is_found_whatever_the_server_meets_meanwhile(env, meanwhile: str) -> None:
+    """Found by two reviews, each hiding a hung server from the watch for good:
+
+    ``cancels``: clients that give up before upstream_stall_s, one stream at a time: each new
+    stream restarted the clock. The silence the streams met is carried over the spells with
+    none open.
+
+    ``refusals``: vLLM's API server refuses a request its engine never sees (a prompt past
+    the context: HTTP 400) while the engine hangs, and any non-200 answer restarted the
+    clock. Only an event on a stream does."""
+    from tests.support.fake_upstream import hangs
 
     cfg, c, up = env
     end = asyncio.Event()
-
-    async def hangs(request: Any, body: dict[str, Any], n: int) -> Any:
-        resp = await sse_response(request)
-        await end.wait()
-        return resp
-
-    up.scripts["HANG"] = hangs
+    up.scripts["HANG"] = hangs(end)
     rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=1.0,
                                         **RETRY)
     n = 0
     try:
         deadline = time.monotonic() + 30
+        if meanwhile == "refusals":
+            await c.admit("HANG", max_tokens=20)
         while loop.breaker.failures == 0:
-            assert time.monotonic() < deadline, f"no hang found in {n} streams, each cancelled at 0.3 s"
-            rid = await c.admit(f"HANG {n}", max_tokens=20)
-            await wait_until(lambda: rid in loop.streaming, f"stream {n} open")  # noqa: B023
-            await asyncio.sleep(0.3)  # its client gives up within upstream_stall_s
-            await c.scripts.cancel(c.keys, rid, "t1")
-            await wait_until(lambda: rid not in loop.streaming, f"stream {n} closed")  # noqa: B023
+            assert time.monotonic() < deadline, f"no hang found after {n} {meanwhile}"
+            if meanwhile == "refusals":
+                await c.admit(f"FAIL {n}", max_tokens=5)  # 400, as vLLM's past-the-context
+                await asyncio.sleep(0.3)
+            else:
+                rid = await c.admit(f"HANG {n}", max_tokens=20)
+                await wait_until(lambda: rid in loop.streaming, f"stream {n} open")  # noqa: B023
+                await asyncio.sleep(0.3)  # its client gives up within upstream_stall_s
+                await c.scripts.cancel(c.keys, rid, "t1")
+                await wait_until(lambda: rid not in loop.streaming, f"stream {n} closed")  # noqa: B023
             n += 1
     finally:
         end.set()
         exc = await stop_worker(rt, task)
     assert exc is None
-    assert n >= 3  # none alone was silent that long
+    assert n >= 3  # none alone was silent that long, or the refusals came between
 
 
 async def test_after_a_stall_nothing_is_claimed_until_the_server_generates(env) -> None:
@@ -1381,54 +1378,16 @@ async def test_the_silence_carried_over_a_spell_longer_than_upstream_stall_s_is_
     assert c.answers[later].text == "late" and up.calls["PREFILL"] == 2 and loop.breaker.failures == 0
 
 
-async def test_refusals_the_api_server_answers_do_not_hide_a_hang(env) -> None:
-    """vLLM's API server refuses a request its engine never sees (a prompt past the context:
-    HTTP 400) while the engine hangs. Any non-200 answer restarted the watch's clock, and a
-    steady trickle of them hid the hang for good (a review)."""
-    cfg, c, up = env
-    end = asyncio.Event()
-
-    async def hangs(request: Any, body: dict[str, Any], n: int) -> Any:
-        from tests.support.fake_upstream import sse_response
-        resp = await sse_response(request)
-        await end.wait()
-        return resp
-
-    up.scripts["HANG"] = hangs
-    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=1.0,
-                                        **RETRY)
-    refused = 0
-    try:
-        await c.admit("HANG", max_tokens=20)
-        deadline = time.monotonic() + 30
-        while loop.breaker.failures == 0:
-            assert time.monotonic() < deadline, f"the hang not found beside {refused} refusals"
-            await c.admit(f"FAIL {refused}", max_tokens=5)  # 400, as vLLM's past-the-context
-            refused += 1
-            await asyncio.sleep(0.3)
-    finally:
-        end.set()
-        exc = await stop_worker(rt, task)
-    assert exc is None and refused >= 3
-
-
 async def test_a_canary_refused_at_one_endpoint_is_asked_at_the_other(env) -> None:
     """After a stall, a server whose /completions answers 501 (or a proxy's 403 for a key
     that allows chat alone) failed every probe, and the breaker stayed open for good though
     chat answered (a review): the canary goes to the other endpoint for such a refusal."""
     from aiohttp import web
 
-    from tests.support.fake_upstream import sse_chunk, sse_response
+    from tests.support.fake_upstream import hangs, sse_chunk, sse_response
 
     cfg, c, up = env
     end = asyncio.Event()
-
-    async def hangs_once(request: Any, body: dict[str, Any], n: int) -> Any:
-        resp = await sse_response(request)
-        if n == 1:
-            await end.wait()
-            return resp
-        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
 
     async def chat_only(request: Any, body: dict[str, Any], n: int) -> Any:
         if "messages" not in body:
@@ -1436,7 +1395,8 @@ async def test_a_canary_refused_at_one_endpoint_is_asked_at_the_other(env) -> No
         resp = await sse_response(request)
         return await end_stream(resp, sse_chunk("pong", finish="stop", completion_tokens=1))
 
-    up.scripts.update(HANG=hangs_once, ping=chat_only)
+    fine = sse_chunk("fine", finish="stop", completion_tokens=1)
+    up.scripts.update(HANG=hangs(end, after=fine), ping=chat_only)
     try:
         async with worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5, **RETRY):
             rid = await c.admit("HANG", max_tokens=20)  # a completion: the canary asks /completions first

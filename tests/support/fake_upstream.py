@@ -253,6 +253,21 @@ async def end_stream(resp: web.StreamResponse, last: bytes) -> web.StreamRespons
     return resp
 
 
+def hangs(end: asyncio.Event, after: bytes | None = None) -> Any:
+    """A server script that sends its headers and nothing after them until ``end`` is set (an
+    engine hung behind a live API server); with ``after``, its first call alone hangs and the
+    later ones answer ``after`` and ``[DONE]``."""
+
+    async def script(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        resp = await sse_response(request)
+        if after is None or n == 1:
+            await end.wait()
+            return resp
+        return await end_stream(resp, after)
+
+    return script
+
+
 def answers_then_holds_its_body(end_body: asyncio.Event, peers: list[Any] | None = None) -> Any:
     """A server script that answers "ok", finish and ``[DONE]``, then keeps the body open
     until ``end_body`` is set (a server, or a proxy before it, slow to end its body); each
