@@ -1303,10 +1303,10 @@ async def test_a_hang_is_found_whatever_the_server_meets_meanwhile(env, meanwhil
                 await asyncio.sleep(0.3)
             else:
                 rid = await c.admit(f"HANG {n}", max_tokens=20)
-                await wait_until(lambda: rid in loop.streaming, f"stream {n} open")  # noqa: B023
+                await wait_until(lambda: rid in loop.stall.streaming, f"stream {n} open")  # noqa: B023
                 await asyncio.sleep(0.3)  # its client gives up within upstream_stall_s
                 await c.scripts.cancel(c.keys, rid, "t1")
-                await wait_until(lambda: rid not in loop.streaming, f"stream {n} closed")  # noqa: B023
+                await wait_until(lambda: rid not in loop.stall.streaming, f"stream {n} closed")  # noqa: B023
             n += 1
     finally:
         end.set()
@@ -1364,10 +1364,10 @@ async def test_the_silence_carried_over_a_spell_longer_than_upstream_stall_s_is_
                                         **RETRY)
     try:
         gone = await c.admit("PREFILL gone", max_tokens=20)
-        await wait_until(lambda: gone in loop.streaming, "the first stream open")
+        await wait_until(lambda: gone in loop.stall.streaming, "the first stream open")
         await asyncio.sleep(1.2)  # its client gives up 1.2 s into it: 1.2 + 1.0 > 2.0 carried
         await c.scripts.cancel(c.keys, gone, "t1")
-        await wait_until(lambda: not loop.streaming, "the first stream closed")
+        await wait_until(lambda: not loop.stall.streaming, "the first stream closed")
         await asyncio.sleep(2.5)  # idle past upstream_stall_s (a lower bound: longer is as good)
         later = await c.admit("PREFILL later", max_tokens=20)
         await c.wait([later], timeout=30)

@@ -89,6 +89,7 @@ from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.settings import shown_upstream
 from worker.sse_events import MalformedStream, parse_chunk, sse_batches
+from worker.stall_clock import StallClock
 from worker.tokenizer import PAD_ID, decode
 
 log = logging.getLogger("qos.worker")
@@ -338,17 +339,7 @@ class UpstreamLoop:
         # next requests (_read_to_end), so that a server slow to end its body does not hold
         # the answer's landing. Each holds its connection until then.
         self.ending_bodies: dict[aiohttp.ClientResponse, asyncio.Task[None]] = {}
-        # The hang watch (upstream_stall_s): the requests whose stream is open now, and when
-        # the server last sent an event on any stream. A server whose engine hangs keeps its
-        # sockets open and may still answer /health; only its silence tells.
-        self.streaming: dict[str, Delivery] = {}  # request id -> its attempt streaming now
-        self._heard = time.monotonic()
-        # the silence the streams met, carried over a spell with none open (streams that end
-        # before a hung server's first event, cancelled by their clients, do not reset it),
-        # unless that spell outlasted upstream_stall_s (a review: an old cancel's silence,
-        # carried for hours, made a long prefill on a healthy server look like a hang)
-        self._silent_s = 0.0
-        self._idle_since = time.monotonic()
+        self.stall = StallClock(s.upstream_stall_s, time.monotonic())  # the hang watch's clock
         self._last_path = "/chat/completions"  # the generation endpoint the last stream used
         self._hung = False  # a stall tripped the breaker: a probe must see the server generate
 
@@ -561,7 +552,7 @@ class UpstreamLoop:
                         if status != 200:
                             return f"a one-token generation: HTTP {status}"
                         async for _events in sse_batches(resp.content):
-                            self._heard, self._silent_s = time.monotonic(), 0.0
+                            self.stall.heard(time.monotonic())
                             return ""
                         return "a one-token generation ended without an event"
         except TimeoutError:
@@ -621,20 +612,18 @@ class UpstreamLoop:
         would wait ``upstream_timeout_s`` (600 s), and a server whose engine hung took a new
         request into that wait every time one ended. A healthy server under load always
         streams some request's tokens; all of them silent that long is no prefill."""
-        stall_s = self.rt.settings.upstream_stall_s
+        stall_s = self.stall.stall_s
         if stall_s <= 0:
             return
         while True:
             await asyncio.sleep(min(1.0, stall_s / 4))
-            silent = time.monotonic() - self._heard
-            if self.streaming and silent > stall_s:
+            silent = self.stall.silent_s(time.monotonic())
+            if ids := self.stall.stalled(time.monotonic()):
                 log.warning("%s sent nothing on any of its %d open streams for %.0f s (upstream_stall_s "
                             "%g): taken as hung, the requests handed back; claiming again once a "
-                            "one-token generation answers", self.shown, len(self.streaming), silent,
-                            stall_s)
+                            "one-token generation answers", self.shown, len(ids), silent, stall_s)
                 self._hung = True
-                self._interrupt(list(self.streaming), "stalled")
-                self._heard, self._silent_s = time.monotonic(), 0.0
+                self._interrupt(ids, "stalled")
 
     # --- one request ------------------------------------------------------------------------
     async def _serve(self, d: Delivery) -> None:
@@ -797,10 +786,7 @@ class UpstreamLoop:
         finish: str | None = None
         done = False
         last = time.monotonic()
-        if not self.streaming:  # a spell with none open is no silence; what streams met before is
-            carried = self._silent_s if last - self._idle_since <= self.rt.settings.upstream_stall_s else 0.0
-            self._heard = last - carried
-        self.streaming[d.request_id] = d
+        self.stall.opened(d.request_id, d, last)
         self._last_path = path
         try:
             try:
@@ -850,7 +836,7 @@ class UpstreamLoop:
                         return self._failed(d, url, f"the model server answered without a stream: {text}")
                     cut = False
                     async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s):
-                        self._heard = time.monotonic()
+                        self.stall.heard(time.monotonic())
                         for data in events:
                             if data.strip() == "[DONE]":
                                 done = True
@@ -929,11 +915,7 @@ class UpstreamLoop:
                     if done:
                         self._end_body_later(resp)
             finally:
-                if self.streaming.get(d.request_id) is d:  # (not a newer attempt's)
-                    del self.streaming[d.request_id]
-                    if not self.streaming:
-                        self._idle_since = time.monotonic()
-                        self._silent_s = self._idle_since - self._heard
+                self.stall.closed(d.request_id, d, time.monotonic())
         except MalformedStream as exc:
             await self._forward_before_failing(d)
             return self._failed(d, url, "the model server sent a malformed response", str(exc))
