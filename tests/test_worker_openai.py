@@ -36,10 +36,10 @@ from tests.support.worker_helpers import (
     worker,
     write_config,
 )
+from worker.breaker import Breaker
 from worker.cli import upstream_env
 from worker.main import build_worker, run_worker
 from worker.settings import load_settings
-from worker.upstream import Breaker
 
 
 @pytest.fixture
