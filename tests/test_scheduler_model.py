@@ -144,6 +144,8 @@ class Backlogs:
     scores: dict[str, dict[str, float]] = dataclasses.field(default_factory=dict)
     passed: dict[str, set[str]] = dataclasses.field(default_factory=dict)  # class -> tenants passed over
     queued: dict[tuple[str, str], int] = dataclasses.field(default_factory=dict)  # (class, tenant) -> queued
+    # (class, tenant) -> input_tokens of its queued requests, oldest first (the claim's order)
+    inputs: dict[tuple[str, str], list[int]] = dataclasses.field(default_factory=dict)
 
     def passed_scores(self, cls: str) -> dict[str, float]:
         """The tenants passed over in `cls`, with their counters."""
@@ -252,7 +254,7 @@ class LifecycleModel(RuleBasedStateMachine):
                 if not self.known[c.request_id].fences and self.fair[c.cls]:  # a first claim
                     charged[(c.cls, c.tenant)] += _f(self.record(c.request_id).get("c_vtc"))
             self.check_counters_moved(counters, charged, "claim")
-            self.check_pick_order(got.requests, pre)
+            self.check_pick_order(got.requests, pre, worker)
         else:
             # the call's own sweeps may have changed who is passed over (a head expired or
             # cancelled shows one too large for this worker; a requeued tenant is avoided):
@@ -308,26 +310,30 @@ class LifecycleModel(RuleBasedStateMachine):
                 tenant = _s(t)
                 out.scores[cls][tenant] = score
                 out.queued[(cls, tenant)] = self.r.zcard(KEYS.queue(cls, tenant))
-                ids = self.r.zrange(KEYS.queue(cls, tenant), 0, 0)
+                ids = self.r.zrange(KEYS.queue(cls, tenant), 0, -1)
+                out.inputs[(cls, tenant)] = [int(self.record(_s(i)).get("input_tokens", 0)) for i in ids]
                 head = self.record(_s(ids[0])) if ids else {}
                 too_large = int(head.get("input_tokens", 0)) + 1 > KV_TOTAL[worker]
                 if (tenant in avoid and i >= start) or too_large:
                     out.passed.setdefault(cls, set()).add(tenant)
         return out
 
-    def check_pick_order(self, claimed: list[Any], pre: Backlogs) -> None:
+    def check_pick_order(self, claimed: list[Any], pre: Backlogs, worker: str) -> None:
         """A claim without janitor work, replayed on the backlogs it found: in a fair class
         each request served is of the backlogged tenant with the smallest counter (ties by
         name, as a sorted set orders them) among those not passed over; each first claim adds
         its charge to that counter, and a tenant whose queue it empties leaves the backlog. A
         charge made while a passed-over tenant had a smaller counter than the one served may
-        put that tenant ahead by it (invariant 7)."""
+        put that tenant ahead by it (invariant 7). A tenant whose NEXT request (after the one
+        served) this worker can never hold is passed over from then on in the call (claim.lua
+        leaves that request to a bigger worker)."""
         scores = {cls: dict(b) for cls, b in pre.scores.items()}
         left = dict(pre.queued)
+        passed_now = {cls: set(ts) for cls, ts in pre.passed.items()}
         for c in claimed:
             if c.cls not in scores:
                 continue
-            backlog, passed = scores[c.cls], pre.passed.get(c.cls, set())
+            backlog, passed = scores[c.cls], passed_now.setdefault(c.cls, set())
             order = sorted((x, t) for t, x in backlog.items() if t not in passed)
             assert order and order[0][1] == c.tenant, (
                 f"claim served {c.tenant} in {c.cls}; the smallest counter not passed over was "
@@ -342,6 +348,10 @@ class LifecycleModel(RuleBasedStateMachine):
                 del backlog[c.tenant]
             else:
                 backlog[c.tenant] = pick + charge
+                inputs = pre.inputs[(c.cls, c.tenant)]
+                nxt = inputs[len(inputs) - left[(c.cls, c.tenant)]]
+                if nxt + 1 > KV_TOTAL[worker]:
+                    passed.add(c.tenant)
 
     def add_lead(self, cls: str, tenant: str, rid: str) -> None:
         """`rid`'s first claim may have served `tenant` out of counter order: it may get
@@ -935,6 +945,29 @@ def test_replay_a_claim_past_an_avoided_tenant_serves_the_smallest_counter_left(
     _replay(monkeypatch, redis_server.url, ("admit", p0), ("admit", {**p0, "tenant": "t3"}),
             ("admit", {**p0, "tenant": "t1"}), ("admit", {**p0, "tenant": "t1"}),
             ("claim", claim), ("claim", {**claim, "avoid": ("t1",), "avoid_from": "P0"}))
+
+
+def test_replay_a_tenant_whose_next_request_a_worker_cannot_hold_is_left_to_a_bigger_one(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """ws (KV 120) re-claims t2's requeued head (a re-claim charges nothing: t2 stays the
+    smallest counter), but t2's next request (130 tokens) is one ws can never hold: the claim
+    leaves it to a bigger live worker and serves t3 next, as claim.lua's header says. The
+    model judged "passed over" by each tenant's head before the call only, and called that
+    pick out of order: a loaded CI run failed on it (1 of 1,481 tests; a review found the
+    cause and this replay, 2026-12-06). w1 then takes t2's big request."""
+    a = {"tenant": "t2", "cls": "P1", "input_tokens": 97, "max_tokens": 70, "own_wait": 0, "frontend": "fe1"}
+    big = {**a, "input_tokens": 130, "max_tokens": 10}
+    t3 = {**a, "tenant": "t3", "input_tokens": 10, "max_tokens": 10}
+    w1 = {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}
+    recs = _replay(monkeypatch, redis_server.url,
+                   ("admit", a), ("time_passes", {"ms": 80}),  # t2's bucket refills
+                   ("admit", big), ("admit", t3), ("admit", t3), ("admit", t3),
+                   ("claim", w1), ("claim", w1), ("claim", w1),  # t2 r0, then t3 twice
+                   ("release", {"pick": 0, "spent": True}),  # r0 back at t2's head
+                   ("claim", {"worker": "ws", "n": 3, "kv_room": 0, "above": ""}),  # r0 again, then t3
+                   ("claim", w1))
+    assert recs["r0"]["attempts"] == "2" and recs["r0"]["worker"] == "ws" and recs["r4"]["worker"] == "ws"
+    assert recs["r1"]["state"] == "leased" and recs["r1"]["worker"] == "w1"
 
 
 def test_replay_a_resumed_request_keeps_its_first_token_and_refuses_the_old_fence(
