@@ -342,19 +342,27 @@ class WorkerRuntime:
         self.held[c.request_id] = d
         await self.finish(d, "failed", "error", message)
 
+    async def unless_draining(self, aw: Awaitable[Any]) -> asyncio.Future[Any] | None:
+        """Await ``aw`` unless a drain begins first, which cancels it: its finished future
+        (``result()`` gives its value, or raises its error), or None when the drain came first."""
+        task = asyncio.ensure_future(aw)
+        drain = asyncio.ensure_future(self.draining.wait())
+        try:
+            done, _ = await asyncio.wait({task, drain}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (task, drain):
+                if not t.done():
+                    t.cancel()
+                    with contextlib.suppress(asyncio.CancelledError, QosError):
+                        await t
+        return task if task in done else None
+
     async def wait_for_work(self) -> bool:
         """Block (no polling) until a wake marker arrives, ``idle_block_s`` passes, or a
         drain begins (an idle worker exits at once on SIGTERM). True if a marker came."""
-        blpop = asyncio.ensure_future(self._redis(
+        blpop = await self.unless_draining(self._redis(
             self.blocking.blpop([self.keys.wake], timeout=self.settings.idle_block_s)))
-        drain = asyncio.ensure_future(self.draining.wait())
-        done, _ = await asyncio.wait({blpop, drain}, return_when=asyncio.FIRST_COMPLETED)
-        for t in (blpop, drain):
-            if not t.done():
-                t.cancel()
-                with contextlib.suppress(asyncio.CancelledError, QosError):
-                    await t
-        return blpop in done and blpop.result() is not None
+        return blpop is not None and blpop.result() is not None
 
     async def announce_work(self) -> None:
         """Put back a wake marker this worker took and will not act on. No trim: the list is

@@ -453,15 +453,8 @@ class UpstreamLoop:
             return  # the loop comes back here (or drains)
         self.breaker.probes += 1
         # a drain does not wait for the probe (its health checks, or a canary's 30 s)
-        probe = asyncio.ensure_future(self._probe())
-        drain = asyncio.ensure_future(self.rt.draining.wait())
-        try:
-            await asyncio.wait({probe, drain}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            for t in (probe, drain):
-                t.cancel()
-            await asyncio.gather(probe, drain, return_exceptions=True)
-        if probe.cancelled():
+        probe = await self.rt.unless_draining(self._probe())
+        if probe is None:
             return  # drained: the breaker as it was
         if why := probe.result():
             self.breaker.probe_failed(why)
@@ -568,8 +561,9 @@ class UpstreamLoop:
             return
         while True:
             await asyncio.sleep(min(1.0, stall_s / 4))
-            silent = self.stall.silent_s(time.monotonic())
-            if ids := self.stall.stalled(time.monotonic()):
+            now = time.monotonic()
+            silent = self.stall.silent_s(now)
+            if ids := self.stall.stalled(now):
                 log.warning("%s sent nothing on any of its %d open streams for %.0f s (upstream_stall_s "
                             "%g): taken as hung, the requests handed back; claiming again once a "
                             "one-token generation answers", self.shown, len(ids), silent, stall_s)
