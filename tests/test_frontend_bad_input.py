@@ -29,6 +29,13 @@ CASES = [
     (CHAT, b"\xff\xfe{}", {}, 400, None, "invalid_json"),
     (CHAT, b"[" * 100_000 + b"]" * 100_000, {}, 400, None, "invalid_json"),
     (CHAT, b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b"}", {}, 400, None, "invalid_json"),
+    (CHAT, b'{"model": "tiny", "max_tokens": ' + b"9" * 101 + b"}", {}, 400, None, "invalid_json"),
+    (COMP, b'{"model": "tiny", "prompt": "x", "temperature": 1e400}', {}, 400, None, "invalid_json"),
+    # An integer past a float's range (math.isfinite raised OverflowError: a 500 and a traceback)
+    *[(COMP, {"model": "tiny", "prompt": "x", name: 10**400}, {}, 400, None, "invalid_json")
+      for name in ("temperature", "top_p", "frequency_penalty", "presence_penalty", "repetition_penalty",
+                   "min_p")],
+    (COMP, {"model": "tiny", "prompt": "x", "temperature": 10**99}, {}, 400, "temperature", "invalid_value"),
     (CHAT, {"messages": MSG}, {}, 400, "model", "missing_required_parameter"),
     (CHAT, {"model": 5, "messages": MSG}, {}, 400, "model", "invalid_type"),
     (CHAT, {"model": "gpt-9", "messages": MSG}, {}, 404, "model", "model_not_found"),
@@ -176,6 +183,20 @@ async def test_a_bad_header_is_400_before_the_prompt_is_counted_by_the_model_ser
                          headers={**auth(), "X-QoS-Max-Wait-Ms": "soon"})
         err = (await r.json())["error"]
         assert (r.status, err["code"], err["param"]) == (400, "invalid_value", "X-QoS-Max-Wait-Ms"), err
+
+
+def test_an_integer_past_a_floats_range_is_a_400_naming_its_field_wherever_the_body_came_from():
+    """parse_request's own number check (math.isfinite raised OverflowError for such an int:
+    a 500); parse_json refuses the digits already, this is for a body built otherwise."""
+    from limiter.config import demo_config
+    from limiter.frontend.errors import ApiError
+    from limiter.frontend.openai_api import parse_request
+
+    for name in ("temperature", "frequency_penalty"):
+        with pytest.raises(ApiError) as e:
+            parse_request("completion", {"model": "tiny", "prompt": "x", name: 10**400}, demo_config())
+        assert e.value.status == 400 and e.value.param == name
+        assert len(e.value.message) < 200  # not the 401 digits
 
 
 def test_max_wait_header_takes_ascii_digits_only():

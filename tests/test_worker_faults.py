@@ -1029,3 +1029,29 @@ async def test_a_hopeless_drain_leaves_none_of_the_last_steps_calls_behind(env, 
             await asyncio.wait({task}, timeout=30)
         for t in ios:
             t.cancel()
+
+
+async def test_a_request_the_worker_cannot_start_fails_without_the_exception_text(env, monkeypatch) -> None:
+    """A claimed request whose start raised was failed with ``could not start: <type>: <text>``,
+    and that text reached the client in its error (exception text can name hosts and paths);
+    the client reads a plain message, the log keeps the rest, and the other request runs."""
+    from worker.claim_step_loop import StepLoop
+
+    cfg, c = env
+    real = StepLoop._start
+
+    async def _start(self, d) -> None:
+        if d.payload.prompt == "bad":
+            raise RuntimeError("no route to 10.0.0.7:6379 (/srv/qos/secret.toml)")
+        await real(self, d)
+
+    monkeypatch.setattr(StepLoop, "_start", _start)
+    async with worker(cfg, engine="sim", time_scale=0.01):
+        bad = await c.admit("bad", max_tokens=4)
+        good = await c.admit("good", max_tokens=4)
+        await c.wait([bad, good], timeout=15)
+    assert c.answers[good].done is not None, c.answers[good].error
+    err = c.answers[bad].error
+    assert err is not None and err["code"] == "failed"
+    assert "10.0.0.7" not in err["msg"] and "RuntimeError" not in err["msg"] and "secret" not in err["msg"]
+    assert "could not start" in err["msg"]

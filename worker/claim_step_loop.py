@@ -442,11 +442,13 @@ class StepLoop:
                 await self._start(d)
             except RedisUnavailable as exc:  # its finish failed: d.final is set, retried later
                 outage = outage or exc
-            except Exception as exc:
+            except Exception:
                 log.exception("%s: could not start", d.request_id)
                 try:
+                    # The reason reaches the client: no exception text (it can name hosts
+                    # and paths); the log above has it.
                     await self.rt.finish(d, "failed", "error",
-                                         f"could not start: {type(exc).__name__}: {exc}")
+                                         "the worker could not start it (an internal error)")
                 except RedisUnavailable as again:
                     outage = outage or again
         if outage is not None:

@@ -59,18 +59,47 @@ class GenerationRequest:
                        grouped_tokens=True)  # this frontend reads grouped entries (replies.py)
 
 
+# The longest integer a body may hold: no field means anything past 2**64 (20 digits), and
+# Python's own limit (4,300) answers with advice about sys.set_int_max_str_digits().
+MAX_INT_DIGITS = 100
+
+
+class _BadNumber(ValueError):
+    """A number JSON allows but a request cannot hold; its text is the client's answer."""
+
+
 def _reject_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not valid JSON")
+    raise _BadNumber(f"{name} is not valid JSON")
+
+
+def _parse_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise _BadNumber(f"an integer has more than {MAX_INT_DIGITS} digits")
+    return int(text)
+
+
+def _parse_float(text: str) -> float:
+    v = float(text)
+    if not math.isfinite(v):  # 1e400 parses as inf, which no field takes
+        raise _BadNumber(f"the number {text[:24]} is out of range")
+    return v
 
 
 def parse_json(raw: bytes) -> dict[str, Any]:
-    """Strict JSON: an object, UTF-8, no NaN/Infinity."""
+    """Strict JSON: an object, UTF-8, no NaN/Infinity, no number past a float's range or
+    ``MAX_INT_DIGITS`` digits."""
     try:
         text = raw.decode("utf-8")
-        body = json.loads(text, parse_constant=_reject_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        # ValueError covers JSONDecodeError and Python's int-digit limit.
+        body = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int,
+                          parse_float=_parse_float)
+    except _BadNumber as exc:
         raise bad(None, f"request body is not valid JSON: {exc}", "invalid_json") from exc
+    except json.JSONDecodeError as exc:  # the parser's own words: where and what it expected
+        raise bad(None, f"request body is not valid JSON: {exc}", "invalid_json") from exc
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        why = " (not UTF-8)" if isinstance(exc, UnicodeDecodeError) else \
+            " (nested too deeply)" if isinstance(exc, RecursionError) else ""
+        raise bad(None, f"request body is not valid JSON{why}", "invalid_json") from exc
     if not isinstance(body, dict):
         raise bad(None, "request body must be a JSON object", "invalid_json")
     return body
@@ -132,7 +161,10 @@ def _is_int(v: Any) -> bool:
 
 
 def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    if isinstance(v, bool):
+        return False
+    # An int is always finite; math.isfinite() raises OverflowError for one past a float.
+    return isinstance(v, int) or (isinstance(v, float) and math.isfinite(v))
 
 
 def _text(v: Any, param: str) -> str:
@@ -235,7 +267,8 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
     if not _is_num(v):
         raise bad(name, f"'{name}' must be a number, got {_type_name(v)}", "invalid_type")
     if v > hi or v < lo or (lo_open and v == lo):
-        raise bad(name, f"'{name}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {v!r}")
+        shown = repr(v) if len(repr(v)) <= 24 else repr(v)[:21] + "..."
+        raise bad(name, f"'{name}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {shown}")
     return float(v)
 
 
