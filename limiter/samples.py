@@ -37,6 +37,12 @@ does not use:
 ``e2e_ms``          admission -> completion (rejected: how long admission waited)
 ``input_tokens``    prompt tokens (pool tokenizer units: UTF-8 bytes + BOS; openai: the upstream's)
 ``output_tokens``   tokens delivered in total, all attempts
+``ttft_at_least_ms`` ``expired`` and ``rejected`` only: the request ended for a max wait its
+                    client set below its class's (``X-QoS-Max-Wait-Ms``), not for the class's
+                    own; its first token would have come no sooner than this (the time it
+                    waited, or admission's estimate). The controller counts it a miss only
+                    past the class's TTFT target: a client's own short wait is not a miss of
+                    its class
 ``attempt``         workers only: this attempt's number (1 unless resumed after a worker died)
 ``ts_ms``           completion time (Redis clock; a worker estimates it from the claim reply)
 ``upstream_*``      openai engine only: the upstream's own ``prompt_tokens`` and
@@ -78,6 +84,7 @@ class Sample:
     tpot_mean_ms: float | None = None
     tpot_max_ms: float | None = None
     worker: str = ""
+    ttft_at_least_ms: float | None = None
 
 
 def build_sample(*, pool: str, cls: str, tenant: str, outcome: str, request_id: str, worker: str,
@@ -180,4 +187,5 @@ def decode_sample(raw: object, classes: Collection[str] | None = None) -> Sample
         tpot_mean_ms=_number(fields, "tpot_mean_ms", required=False),
         tpot_max_ms=_number(fields, "tpot_max_ms", required=False),
         worker=worker if isinstance(worker, str) else "",
+        ttft_at_least_ms=_number(fields, "ttft_at_least_ms", required=False),
     )

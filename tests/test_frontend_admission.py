@@ -129,6 +129,38 @@ async def test_rejections_by_the_system_leave_a_sample_for_the_controller(redis_
         decode_sample(x, ("P0", "P1", "P2"))
 
 
+async def test_a_wait_its_client_shortened_is_not_counted_as_its_classes_miss(redis_server, sync_redis):
+    """X-QoS-Max-Wait-Ms shortens a request's wait for the client's own reasons. A 429 for
+    that shorter wait, and an expiry at it, were samples the controller counted as misses of
+    the class (a violation of P0's SLO), although the class would have started the request
+    within both its own max wait and its TTFT target: any tenant could steer the controller
+    with a short header. Their samples now carry the wait as a bound on the first token,
+    and the controller does not count them while it is within the TTFT target (a review)."""
+    from limiter.controller.settings import ControllerSettings
+
+    cfg = make_cfg(redis_server.url, classes=CLASSES, pool={"capacity_tokens_s": 100.0})
+    p0 = ControllerSettings.slos(cfg)["P0"]
+    assert p0.ttft_ms is not None
+    async with frontend(cfg) as client:  # no worker: what is queued stays queued
+        first = asyncio.create_task(client.post("/v1/completions", json=SLOW, headers=auth("demo-p0")))
+        await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P0") or 0) == 1, "one P0 request queued")
+        # 10 weighted tokens ahead at 100/s: ~100 ms, within P0's 400 ms but past the client's 20
+        r = await client.post("/v1/completions", json=SLOW,
+                              headers=auth("demo-p0", **{"X-QoS-Max-Wait-Ms": "20"}))
+        assert r.status == 429 and (await r.json())["error"]["code"] == "max_wait_exceeded"
+        assert (await first).status == 503  # the class's own 400 ms passed: a miss of the class
+        r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "y", "max_tokens": 4},
+                              headers=auth("demo-p0", **{"X-QoS-Max-Wait-Ms": "50"}))
+        assert r.status == 503 and (await r.json())["error"]["code"] == "queue_timeout"
+        await wait_until(lambda: sync_redis.xlen(POOL.samples) >= 3, "three latency samples")
+    samples = [decode_sample(msgpack.unpackb(f[b"d"], raw=False), ("P0", "P1", "P2"))
+               for _, f in sync_redis.xrange(POOL.samples)]
+    verdicts = sorted((s.outcome, p0.judge(s) is False) for s in samples)
+    assert verdicts == [("expired", False), ("expired", True), ("rejected", False)], samples
+    own = [s for s in samples if s.ttft_at_least_ms is not None]
+    assert len(own) == 2 and all(s.ttft_at_least_ms <= p0.ttft_ms for s in own), own
+
+
 def _only_record(sync_redis) -> dict[bytes, bytes]:
     """The record of the one request this test sent."""
     keys = sync_redis.keys(POOL.request_prefix + "*")

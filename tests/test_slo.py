@@ -38,6 +38,22 @@ def test_judge_rules() -> None:
     assert ClassSLO(tpot_ms=30.0).judge(sample(ttft=99999.0, tpot=20.0)) is True
 
 
+def test_a_wait_its_client_shortened_is_a_miss_only_past_the_ttft_target() -> None:
+    """An expiry or a refusal at admission for a max wait the client set below its class's
+    (``ttft_at_least_ms``): not counted while that wait is within the TTFT target; a miss
+    past it (the first token could not have met it either)."""
+    from dataclasses import replace
+
+    p0 = DEFAULT_SLOS["P0"]
+    for outcome in ("expired", "rejected"):
+        own = replace(sample(outcome=outcome, ttft=None), ttft_at_least_ms=50.0)
+        assert p0.judge(own) is None
+        assert p0.judge(replace(own, ttft_at_least_ms=500.0)) is None
+        assert p0.judge(replace(own, ttft_at_least_ms=500.1)) is False
+        assert ClassSLO(tpot_ms=30.0).judge(replace(own, ttft_at_least_ms=9999.0)) is None  # no TTFT target
+    assert p0.judge(replace(sample(outcome="failed", ttft=None), ttft_at_least_ms=5.0)) is False  # not a wait
+
+
 # --- window -----------------------------------------------------------------------------
 def test_window_counts_only_the_last_n_judged_samples() -> None:
     w = SloWindow(DEFAULT_SLOS["P0"], size=4)

@@ -17,7 +17,11 @@ Judging (see :meth:`ClassSLO.judge`):
   model server's 400), no sign of the class's service.
 * ``expired``, ``failed`` and ``rejected`` samples are violations: the request got no
   answer in time, or none at all (a 429 of the class budget or a full queue: without these
-  a class could miss its attainment on rejections while its window read ~100 %).
+  a class could miss its attainment on rejections while its window read ~100 %). Except
+  one that ended for a max wait its client set below the class's (``ttft_at_least_ms``):
+  a violation only when that wait already passed the class's TTFT target, else not
+  counted -- any client could otherwise steer the controller with a short
+  ``X-QoS-Max-Wait-Ms``.
 * ``ok`` samples meet the SLO when every latency the class has a target for is within it
   (TTFT against ``ttft_ms``; the mean time per output token against ``tpot_ms`` -- the mean,
   because the target is about the stream's pace; one slow step shows up in the mean of a
@@ -65,6 +69,12 @@ class ClassSLO:
         target at all)."""
         if sample.outcome in ("cancelled", "refused") or not self.has_target:
             return None
+        if sample.ttft_at_least_ms is not None and sample.outcome in ("expired", "rejected"):
+            # Ended by its client's own shorter wait: a miss only if even that wait was past
+            # the first-token target (any longer wait would have missed it too).
+            if self.ttft_ms is None or sample.ttft_at_least_ms <= self.ttft_ms:
+                return None
+            return False
         if sample.outcome != "ok":
             return False
         if self.ttft_ms is not None and sample.ttft_ms is not None and sample.ttft_ms > self.ttft_ms:

@@ -156,10 +156,15 @@ class Generation:
                     fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
                                         self.req.prompt_tokens, waited_ms)
                 raise
-            except Overloaded:
-                # The class cannot start it within its max wait: an SLO miss the controller must see.
+            except Overloaded as exc:
+                # The class cannot start it within its max wait: an SLO miss the controller must
+                # see -- unless only the client's own shorter wait refused it: then a bound on
+                # its first token, judged against the class's TTFT target.
+                own = 0 <= exc.est_wait_ms <= self.class_cfg.max_wait_ms \
+                    and self.max_wait_ms < self.class_cfg.max_wait_ms
                 fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
-                                    self.req.prompt_tokens, (time.monotonic() - started) * 1000)
+                                    self.req.prompt_tokens, (time.monotonic() - started) * 1000,
+                                    ttft_at_least_ms=exc.est_wait_ms if own else None)
                 raise
             except QueueFull as exc:
                 exc.retry_after_ms = 1000 * fe.drain_estimate_s(self.req.pool.name, self.cls, exc.depth)

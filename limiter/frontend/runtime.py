@@ -253,7 +253,7 @@ class Frontend:
                 return
 
     def record_rejection(self, keys: PoolKeys, cls: str, tenant: str, request_id: str, input_tokens: int,
-                         waited_ms: float) -> None:
+                         waited_ms: float, ttft_at_least_ms: float | None = None) -> None:
         """A request its class could not start in time (429) or a full queue (503) turned away
         is an SLO miss the controller must see: it gets no latency sample otherwise, and a class could miss
         its attainment on rejections while its window reads ~100 %. One sample, outcome
@@ -261,7 +261,8 @@ class Frontend:
         sample = build_sample(pool=keys.pool, cls=cls, tenant=tenant, outcome="rejected",
                               request_id=request_id, worker="", input_tokens=input_tokens, output_tokens=0,
                               queue_wait_ms=0, e2e_ms=round(waited_ms),
-                              ts_ms=int(self.heartbeat.redis_now_ms()))
+                              ts_ms=int(self.heartbeat.redis_now_ms()),
+                              ttft_at_least_ms=ttft_at_least_ms)
         task = asyncio.create_task(self._add_sample(keys, pack_sample(sample)))
         self._background.add(task)
         task.add_done_callback(self._background.discard)

@@ -16,5 +16,12 @@ local function add_sample(p, r, outcome, now)
     output_tokens = r.out_tokens or 0, e2e_ms = now - r.enq_ms, ts_ms = now}
   if r.claimed_ms then s.queue_wait_ms = r.claimed_ms - r.enq_ms else s.queue_wait_ms = now - r.enq_ms end
   if r.first_ms then s.ttft_ms = r.first_ms - r.enq_ms end
+  local c = p.class[r.class]
+  if outcome == 'expired' and not r.first_ms and c and c.max_wait_ms and r.max_wait_ms
+      and r.max_wait_ms < c.max_wait_ms then
+    -- Its client shortened its wait (X-QoS-Max-Wait-Ms): no miss of the class's own wait,
+    -- only a bound on its first token, which the controller judges against the TTFT target.
+    s.ttft_at_least_ms = now - r.enq_ms
+  end
   append_sample(msgpack_map(s))
 end
