@@ -1411,7 +1411,41 @@ async def test_a_worker_whose_kv_reservations_are_full_holds_one_request_beyond_
     await _looks(loop, 1)
     assert len(rt.held) == 2  # 1000 / (100 + 400)
     await _looks(loop, 10)
-    assert len(rt.held) == 3 and loop._beyond_reservation() == 1
+    assert len(rt.held) == 3 and len(loop._beyond_reservation()) == 1
+
+
+async def test_a_p0_reaches_a_worker_whose_look_ahead_request_runs_past_its_kv_reservations() -> None:
+    """Full by reservations with slots free, the look-ahead's P2 started at once (the engine
+    admits on KV used) and nothing waited: the look-ahead counted only waiting requests as
+    holding its slot, so no look claimed anything and a P0 queued behind the P2 decodes until
+    one finished (a review: 3.2 s at 237 tokens each). The running P2 past the reservations
+    holds the slot now, and a class above it is claimed."""
+    rt = _QueueRuntime()
+    loop = _queue_loop(rt)
+    rt.queue = [_queued(f"p2{i}", "P2", 100, 400) for i in range(3)]
+    await _looks(loop, 3)
+    assert len(rt.held) == 3 and len(loop._beyond_reservation()) == 1 and not loop.sched.waiting
+    rt.queue.append(_queued("p0", "P0", 50, 50))
+    await _looks(loop, 2)
+    assert "p0" in rt.held and "p0" in {q.request_id for q in loop.sched.running}
+    assert all(len(q.generated) < 10 for q in loop.sched.running)  # long before any KV pressure
+
+
+async def test_a_light_tenant_reaches_a_worker_whose_flood_runs_past_its_kv_reservations() -> None:
+    """The same for tenants: a flood's look-ahead request running past the reservations holds
+    the slot, so the look-ahead avoids the flood (a light tenant of its class can take one of
+    its slots); before, nothing waited and the light tenant waited for a flood job to end."""
+    from dataclasses import replace
+
+    rt = _QueueRuntime()
+    loop = _queue_loop(rt)
+    flood = [_queued(f"f{i}", "P2", 100, 400) for i in range(3)]
+    for d in flood:
+        d.claimed = replace(d.claimed, tenant="flood")
+    rt.queue = flood
+    await _looks(loop, 3)
+    assert len(rt.held) == 3 and not loop.sched.waiting
+    assert loop._tenant_lookahead() == ("", ["flood"], "P2")
 
 
 async def test_a_p0_reaches_a_worker_a_few_tokens_short_of_full_as_it_does_one_exactly_full() -> None:

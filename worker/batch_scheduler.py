@@ -166,6 +166,9 @@ class BatchScheduler:
     def __len__(self) -> int:
         return len(self._seqs)
 
+    def seq(self, request_id: str) -> ScheduledSeq | None:
+        return self._seqs.get(request_id)
+
     @property
     def running(self) -> list[ScheduledSeq]:
         return [s for s in self._seqs.values() if s.running]

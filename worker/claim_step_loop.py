@@ -47,7 +47,7 @@ from limiter.errors import InvalidArgument, LeaseLost, PolicyMissing, RedisUnava
 from limiter.scripts import TokenBatch
 from limiter.tasks import stop_tasks
 from worker.batch_policy import Limits, tenant_slots
-from worker.batch_scheduler import BatchScheduler, StepResult, resume_finish_reason
+from worker.batch_scheduler import BatchScheduler, ScheduledSeq, StepResult, resume_finish_reason
 from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
 from worker.engines.base import Engine, SamplingParams, request_seed
@@ -297,7 +297,9 @@ class StepLoop:
         beyond a full batch already (bounded hoarding: ``claim_ahead``)."""
         s = self.rt.settings
         waiting = self.sched.waiting
-        beyond = max(len(waiting), self._beyond_reservation())
+        past = self._beyond_reservation()
+        beyond = max(len(waiting), len(past))
+        holders = self._holders(waiting, past)
         if beyond < s.claim_ahead:
             # Not for a tenant holding two or more slots of its class more than another
             # tenant of it here: its request would only wait for a slot to free, and a poorer
@@ -306,14 +308,14 @@ class StepLoop:
             # is served above its share).
             avoid, avoid_from = self._tenants_ahead()
             return 1, self.kv_capacity, "", avoid, avoid_from
-        if s.claim_ahead > 0 and waiting and (ahead := self._tenant_lookahead()) is not None:
+        if s.claim_ahead > 0 and holders and (ahead := self._tenant_lookahead(holders)) is not None:
             # Every waiting request belongs to a tenant that holds two or more slots of its
             # class: a tenant holding none would wait for a slot to free (a flood's long
             # streams hold them all). Claim one request of any other tenant (or of a class
             # above): it takes a rich tenant's slot (worker/batch_policy.py). Once it waits here
             # this branch is closed until it runs (bounded hoarding).
             return 1, self.kv_capacity, *ahead
-        if s.claim_ahead > 0 and waiting and (best := min(w.class_rank for w in waiting)) > 0:
+        if s.claim_ahead > 0 and holders and (best := min(w.class_rank for w in holders)) > 0:
             # The look-ahead slots hold lower-class work: a newly queued request of a class
             # above all of it would otherwise wait for a slot to free. Claim only such a
             # class, so each extra claim raises the best waiting class (bounded hoarding).
@@ -321,16 +323,28 @@ class StepLoop:
             return 1, self.kv_capacity, above, [], ""
         return None
 
-    def _beyond_reservation(self) -> int:
+    def _holders(self, waiting: list[ScheduledSeq] | None = None,
+                 past: list[str] | None = None) -> list[ScheduledSeq]:
+        """What holds the look-ahead slots: the waiting requests, and the running ones past the
+        KV at their reservations, which the engine started at once (it admits on KV used).
+        With only the waiting ones, a worker full by reservations whose look-ahead P2 had
+        started claimed nothing more: a P0 queued behind P2 decodes until one finished (a
+        review)."""
+        waiting = self.sched.waiting if waiting is None else waiting
+        past = self._beyond_reservation() if past is None else past
+        return waiting + [q for rid in past if (q := self.sched.seq(rid)) is not None and q.running]
+
+    def _beyond_reservation(self) -> list[str]:
         """Held requests past what the KV holds at their reservations (in the order they came):
         a look-ahead claim made while the reservations fill the KV but slots are free starts
         at once (the engine admits on KV used, not reserved), so the waiting list alone did
         not bound it, and a worker took a request a look until every slot was full, then
         preempted them in turn as their KV grew."""
-        total, beyond = 0, 0
-        for d in self.rt.held.values():
+        total, beyond = 0, []
+        for rid, d in self.rt.held.items():
             total += self._reservation(d)
-            beyond += total > self.kv_capacity
+            if total > self.kv_capacity:
+                beyond.append(rid)
         return beyond
 
     def _reserved(self) -> int:
@@ -472,8 +486,10 @@ class StepLoop:
         tenants = sorted(most, key=lambda t: (-most[t], t))[:16]
         return tenants, self.rt.cfg.class_names()[min(r for r, _ in ahead)]
 
-    def _tenant_lookahead(self) -> tuple[str, list[str], str] | None:
-        """For a full worker whose waiting requests all belong to *rich* tenants -- within one
+    def _tenant_lookahead(self, holders: list[ScheduledSeq] | None = None
+                          ) -> tuple[str, list[str], str] | None:
+        """For a full worker whose look-ahead ``holders`` (the waiting requests, and running ones
+        past the KV at their reservations) all belong to *rich* tenants -- within one
         of the most slots any tenant of their class holds here, that being two or more: a
         tenant with fewer could take one of those slots (worker/batch_policy.py) -- the claim's
         ``above_class`` (every class down to the lowest such class), the tenants to avoid
@@ -483,16 +499,16 @@ class StepLoop:
         top: dict[int, int] = {}
         for (rank, _), n in slots.items():
             top[rank] = max(top.get(rank, 0), n)
-        waiting = self.sched.waiting
-        if not waiting:
+        holders = self._holders() if holders is None else holders
+        if not holders:
             return None
-        # Only tenants of the waiting requests' classes and below: a class above every waiting
-        # request is claimed freely (the above_class look-ahead), whoever holds its slots --
-        # avoiding a single-tenant P0 there kept P0 queued for seconds behind a P2 flood.
-        best = min(w.class_rank for w in waiting)
+        # Only tenants of the holders' classes and below: a class above every holder is
+        # claimed freely (the above_class look-ahead), whoever holds its slots -- avoiding a
+        # single-tenant P0 there kept P0 queued for seconds behind a P2 flood.
+        best = min(w.class_rank for w in holders)
         rich = {key: n for key, n in slots.items()
                 if key[0] >= best and top[key[0]] >= 2 and n >= top[key[0]] - 1}
-        if not rich or any((w.class_rank, w.tenant) not in rich for w in waiting):
+        if not rich or any((w.class_rank, w.tenant) not in rich for w in holders):
             return None
         names = self.rt.cfg.class_names()
         lowest, highest = max(r for r, _ in rich), best
