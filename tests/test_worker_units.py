@@ -419,6 +419,10 @@ def test_settings_errors_name_the_worker_field_and_ids_are_sanitised() -> None:
     ("torch_threads", 10**9),
     ("unstreamed_flush_ms", 0),  # an unstreamed request pushed every step
     ("unstreamed_flush_ms", float("inf")),  # never pushed: a lost worker's successor redoes it all
+    # the base of an idle worker's only back-off against a backlog it cannot take: at 0 it
+    # claimed flat out (1,617 claim scripts in a second in a review's run)
+    ("claim_interval_ms", 0),
+    ("kv_capacity_tokens", 10**12 + 1),  # claim refuses a KV room past 1e12: dead at its first claim
 ])
 def test_implausible_worker_settings_are_refused_naming_the_field(field, value) -> None:
     with pytest.raises(ConfigError, match=rf"worker\.{field}"):

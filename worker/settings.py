@@ -113,11 +113,14 @@ class WorkerSettings:
         check(1 <= self.max_seqs <= 1024, "max_seqs", "must be in [1, 1024]")
         check(self.max_seqs <= self.token_budget <= 1 << 20, "token_budget",
               f"must be in [max_seqs ({self.max_seqs}), 1048576]")
-        check(self.kv_capacity_tokens >= 0, "kv_capacity_tokens", "must be >= 0 (0 = engine default)")
+        # (claim.lua takes a KV room up to 1e12 tokens: past it every claim was a BADARG)
+        check(0 <= self.kv_capacity_tokens <= 10**12, "kv_capacity_tokens",
+              "must be in [0, 1e12] (0 = engine default)")
         check(0 < self.budget_safety <= 1, "budget_safety", "must be in (0, 1]")
         check(0 <= self.top_prefill_tokens <= 1 << 20, "top_prefill_tokens", "must be in [0, 1048576]")
         check(0 <= self.claim_ahead <= 1024, "claim_ahead", "must be in [0, 1024]")
-        check(0 <= self.claim_interval_ms <= 10_000, "claim_interval_ms", "must be in [0, 10000]")
+        # (at 0 an idle worker facing a backlog it cannot take claimed flat out)
+        check(1 <= self.claim_interval_ms <= 10_000, "claim_interval_ms", "must be in [1, 10000]")
         check(0 <= self.wake_check_ms <= 10_000, "wake_check_ms", "must be in [0, 10000]")
         check(0 < self.flush_ms <= 10_000, "flush_ms", "must be in (0, 10000]")
         check(1 <= self.flush_tokens <= 100_000, "flush_tokens", "must be in [1, 100000]")
