@@ -161,6 +161,39 @@ async def test_a_wait_its_client_shortened_is_not_counted_as_its_classes_miss(re
     assert len(own) == 2 and all(s.ttft_at_least_ms <= p0.ttft_ms for s in own), own
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_running_request_whose_record_redis_lost_is_answered_at_the_next_heartbeat(
+        redis_server, sync_redis, aredis, stream):
+    """Redis restarted empty (FLUSHALL here) while a worker ran the request: the worker's next
+    push found no lease and dropped it, and nothing told the frontend, whose client waited the
+    whole request_timeout_s (600 s) for an answer that could not come (a review). The
+    heartbeat finds its own entry gone, looks the admitted requests' records up, and answers
+    those gone with a 503 request_lost (mid-stream: an error event) that a retry mends."""
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg, heartbeat_s=0.2) as client, \
+            FakeWorker(aredis, POOL, fixed_text="abcdefghijklmnop", delay_s=0.3, batch=2) as w:
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 16, "stream": stream}
+        try:
+            async with asyncio.timeout(30):
+                if stream:  # the stream opens with its first text: lose the record after it
+                    r = await client.post("/v1/completions", json=body, headers=auth())
+                    first = await r.content.readline()
+                    sync_redis.flushall()  # as a Redis restart without persistence
+                    text = first.decode() + await r.text()
+                else:
+                    task = asyncio.create_task(client.post("/v1/completions", json=body, headers=auth()))
+                    await wait_until(lambda: bool(w.claimed), "a worker claimed the request")
+                    sync_redis.flushall()
+                    r = await task
+                    text = await r.text()
+        except TimeoutError:
+            pytest.fail("no answer within 30 s of Redis losing the running request's record")
+    if stream:
+        assert r.status == 200 and '"request_lost"' in text and "[DONE]" not in text, text
+    else:
+        assert r.status == 503 and '"request_lost"' in text and r.headers["Retry-After"] == "1", text
+
+
 def _only_record(sync_redis) -> dict[bytes, bytes]:
     """The record of the one request this test sent."""
     keys = sync_redis.keys(POOL.request_prefix + "*")

@@ -174,6 +174,7 @@ class Generation:
             break
         now = time.monotonic()
         self.admitted_at = now
+        fe.router.admitted(self.request_id, self.req.pool.name)
         fe.metrics.admission.labels(*self.labels).observe(now - started)
         if adm.deadline_ms:
             remaining_s = (adm.deadline_ms - fe.heartbeat.redis_now_ms()) / 1000
@@ -264,6 +265,9 @@ class Generation:
             wait_s = self.fe.drain_estimate_s(self.req.pool.name, self.cls, 0)
             return ApiError(503, f"The request waited past its max queue wait: {r.message}",
                                code="queue_timeout", retry_after_s=wait_s, outcome="expired")
+        if r.code == "lost":  # its record was gone (Redis lost data): nothing runs it any more
+            return ApiError(503, "The service lost this request's state; retry it", code="request_lost",
+                               retry_after_s=1, outcome="failed")
         if r.code == "cancelled":  # e.g. this frontend's heartbeat was late and it was taken for dead
             return ApiError(503, f"The request was cancelled: {r.message}", code="request_cancelled",
                                retry_after_s=1, outcome="cancelled")

@@ -63,6 +63,10 @@ class FrontendMetrics:
             ["pool"], registry=r)
         self.redis_errors = Counter(
             "qos_frontend_redis_errors", "Redis failures seen by background loops", ["loop"], registry=r)
+        self.lost_requests = Counter(
+            "qos_frontend_lost_requests",
+            "Admitted requests whose record Redis no longer held (it lost data), answered 503", ["pool"],
+            registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

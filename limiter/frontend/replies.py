@@ -20,7 +20,7 @@ import contextlib
 import logging
 import math
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +136,7 @@ class ReplyRouter:
         self.metrics = metrics
         self.block_ms = block_ms
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        self._admitted: dict[str, str] = {}  # request id -> pool, once admit returned
         # Last entry id handed out per pool; the heartbeat trims the stream up to it.
         self.last_ids: dict[str, str] = {k.pool: "0-0" for k in self.pools}
         self.healthy = {k.pool: False for k in self.pools}
@@ -165,6 +166,20 @@ class ReplyRouter:
 
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._admitted.pop(request_id, None)
+
+    def admitted(self, request_id: str, pool: str) -> None:
+        """Its record is in Redis from now on (what :meth:`admitted_in` lists)."""
+        if request_id in self._queues:
+            self._admitted[request_id] = pool
+
+    def admitted_in(self, pool: str) -> list[str]:
+        return [rid for rid, p in self._admitted.items() if p == pool]
+
+    def deliver(self, request_id: str, reply: Reply) -> None:
+        """Hand a reply made here (not read from the stream) to a waiting request."""
+        if (q := self._queues.get(request_id)) is not None:
+            q.put_nowait(reply)
 
     def broadcast(self, reply: Reply) -> None:
         """Deliver a local notice (e.g. kind ``shutdown``) to every waiting request."""
@@ -222,7 +237,8 @@ class Heartbeat:
     def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, classes: Iterable[str],
                  interval_s: float, trim_upto: Callable[[str], str] | None = None,
                  outage_grace_ms: dict[str, int] | None = None,
-                 prune_after_ms: dict[str, int] | None = None) -> None:
+                 prune_after_ms: dict[str, int] | None = None,
+                 on_entry_lost: Callable[[PoolKeys], Awaitable[None]] | None = None) -> None:
         self.client = client
         self.pools = list(pools)
         self.frontend_id = frontend_id
@@ -236,6 +252,9 @@ class Heartbeat:
         self.outage_grace_ms = outage_grace_ms or {}
         # pool -> silence after which another frontend's entry is pruned; empty: never
         self.prune_after_ms = prune_after_ms or {}
+        # Called when a beat finds its own entry gone (Redis restarted empty, was flushed, or
+        # failed over to a replica that had not seen it): what Redis held may be lost.
+        self.on_entry_lost = on_entry_lost
         self._last_beat_ms = 0  # Redis ms of the last complete beat
         self._in_beat = False  # a beat started and has not completed (Redis lost meanwhile)
         self._claimed: dict[tuple[str, str], tuple[float, int]] = {}
@@ -280,7 +299,8 @@ class Heartbeat:
                 if newest and newest[0][1] < now_ms - grace / 2:
                     lost = int(newest[0][1])
             pipe = self.client.pipeline(transaction=False)
-            if lost is not None and grace:  # before the ZADD: no script may see us fresh without it
+            marked = lost is not None and bool(grace)
+            if marked:  # before the ZADD: no script may see us fresh without it
                 pipe.set(keys.outage, lost, nx=True, px=grace)
             pipe.zadd(keys.frontends, {self.frontend_id: now_ms})
             pipe.hmget(keys.stats, [f"{c}.claimed" for c in self.classes])
@@ -289,7 +309,11 @@ class Heartbeat:
                 # Entries up to the last one read were handed out already; keep the stream small.
                 pipe.xtrim(keys.reply(self.frontend_id), minid=last, approximate=False)
             res = await pipe.execute()
-            self._sample_rates(keys.pool, res[2 if lost is not None and grace else 1], time.monotonic())
+            self._sample_rates(keys.pool, res[2 if marked else 1], time.monotonic())
+            if res[1 if marked else 0] and not first and self.on_entry_lost is not None:
+                # ZADD added us anew: only leave() removes our entry, and a pruner only one
+                # silent far past every liveness rule (whose requests Redis cancelled already).
+                await self.on_entry_lost(keys)
         self.last_ok = time.monotonic()
         self._last_beat_ms = now_ms
         self._in_beat = False

@@ -35,6 +35,7 @@ log = logging.getLogger("qos.frontend")
 
 # A cancel that found nothing is sent again after these delays: it may have overtaken its admit.
 CANCEL_AGAIN_S = (0.2, 1.0)
+LOST_CHECK_BATCH = 500  # EXISTS per pipeline when looking for requests whose record Redis lost
 
 
 class Frontend:
@@ -66,7 +67,8 @@ class Frontend:
         self.heartbeat = Heartbeat(self.client, keys, self.frontend_id, list(self.classes),
                                    settings.heartbeat_s, trim_upto=lambda pool: self.router.last_ids[pool],
                                    outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in cfg.pools},
-                                   prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in cfg.pools})
+                                   prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in cfg.pools},
+                                   on_entry_lost=self._find_lost_requests)
         self.bootstrapped = False
         # A configuration error its start met once Redis answered (a Redis Cluster node named
         # without redis.cluster): /readyz gives it as the reason (it names no address)
@@ -102,6 +104,27 @@ class Frontend:
         await self.heartbeat.beat()  # before anything is admitted: claim must see us alive
         self.bootstrapped = True
         log.info("frontend %s ready (pools: %s)", self.frontend_id, ", ".join(self.pool_keys))
+
+    async def _find_lost_requests(self, keys: PoolKeys) -> None:
+        """Our heartbeat entry was gone: Redis may have lost what it held (a restart without
+        persistence, a flush, a failover to a replica behind). A queued request whose record
+        went is told at its max wait (cancel finds nothing), but a running one heard nothing
+        ever again: its worker's next push found no lease and dropped it, and its client
+        waited ``request_timeout_s``. Each admitted request's record is looked up now; those
+        gone are answered at once (503 ``request_lost``: a retry is admitted afresh)."""
+        ids = self.router.admitted_in(keys.pool)
+        log.warning("frontend %s: its heartbeat entry in pool %s was gone (Redis lost data?); "
+                    "checking %d requests", self.frontend_id, keys.pool, len(ids))
+        for i in range(0, len(ids), LOST_CHECK_BATCH):
+            chunk = ids[i:i + LOST_CHECK_BATCH]
+            pipe = self.client.pipeline(transaction=False)
+            for rid in chunk:
+                pipe.exists(keys.request(rid))
+            for rid, found in zip(chunk, await pipe.execute(), strict=True):
+                if not found:
+                    self.metrics.lost_requests.labels(keys.pool).inc()
+                    self.router.deliver(rid, Reply("err", code="lost",
+                                                   message="the service lost the request's state"))
 
     async def init_pool(self, pool: PoolConfig) -> None:
         """Write the pool's static policy; keep_rates leaves the controller's rates alone."""
