@@ -252,7 +252,7 @@ class Heartbeat:
         self.outage_grace_ms = outage_grace_ms or {}
         # pool -> silence after which another frontend's entry is pruned; empty: never
         self.prune_after_ms = prune_after_ms or {}
-        # Called when a beat finds its own entry gone (Redis restarted empty, was flushed, or
+        # Called when a beat finds its own entry gone (Redis restarted empty or was flushed, or
         # failed over to a replica that had not seen it): what Redis held may be lost.
         self.on_entry_lost = on_entry_lost
         self._last_beat_ms = 0  # Redis ms of the last complete beat

@@ -107,7 +107,7 @@ class Frontend:
 
     async def _find_lost_requests(self, keys: PoolKeys) -> None:
         """Our heartbeat entry was gone: Redis may have lost what it held (a restart without
-        persistence, a flush, a failover to a replica behind). A queued request whose record
+        persistence, a flush, a failover to a replica that never saw us). A queued request whose record
         went is told at its max wait (cancel finds nothing), but a running one heard nothing
         ever again: its worker's next push found no lease and dropped it, and its client
         waited ``request_timeout_s``. Each admitted request's record is looked up now; those
