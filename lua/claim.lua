@@ -300,7 +300,7 @@ local function main()
             local c = p.class[pick]
             local g, h = guarantee_of(pick), ceiling_of(pick)
             local c_class = g.level > 0 and bucket_debit(g, r.cost, nil) or 0
-            local c_ceil = h and bucket_debit(h, r.cost, -c.ceil_burst) or 0
+            local c_ceil = h and bucket_debit(h, r.cost, nil) or 0
             local c_vtc = c.fair and vtc_charge(pick, tenant, r.cost / r.t_weight) or 0
             served[pick] = served[pick] + r.cost
             total = total + r.cost

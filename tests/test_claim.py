@@ -110,6 +110,68 @@ async def test_a_binding_ceiling_caps_a_class_even_on_an_idle_pool(scripts, sync
     assert served >= 100 * elapsed - 50
 
 
+async def test_a_binding_ceiling_charges_a_request_larger_than_its_burst_in_full(scripts, sync_redis):
+    """The ceiling bucket's debt was floored at -ceil_burst: a request costing 20x the burst
+    was charged ~2 bursts, the class opened again a burst_s later, and the ceiling held
+    requests per burst_s, not tokens per second (a review: 4,000 tokens in 2 s under a 100/s
+    ceiling; a 32K-token P2 prompt under the docs' 5,075/s ceiling passed at ~64K tokens/s).
+    It is charged in full: the class stays closed until the debt is paid back."""
+    keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
+                           capacity=1000)  # P2's ceiling: 100/s, its burst 50
+    for i in range(2):
+        await admit(scripts, keys, cls="P2", request_id=f"big{i}", input_tokens=990, max_tokens=10)
+    got = await scripts.claim(keys, "w1", 1)
+    assert [c.request_id for c in got.requests] == ["big0"]
+    assert float(sync_redis.hget(keys.request("big0"), "c_ceil")) == 1000
+    got = await scripts.claim(keys, "w1", 1)  # ~9.5 s of the ceiling's refill owed
+    assert got.requests == []
+    level = float(sync_redis.hget(keys.ceil_bucket("P2"), "tokens"))
+    assert level <= 50 - 1000 + 100 * 2, level  # (two seconds' refill at most between the calls)
+
+
+async def test_a_clock_stepped_back_does_not_close_a_class_held_by_its_ceiling(scripts, sync_redis):
+    """After Redis' clock stepped back (an NTP step, a failover to a host behind), a bucket's
+    ts lay ahead of TIME and nothing refilled it; an empty claim only read the ceiling bucket,
+    so its ts stayed ahead and the class got nothing for the whole step (a review). A read
+    that finds ts ahead now rebases it: the ceiling refills from the first read on. (What a
+    step back leaves is made by moving the bucket's ts ahead: Redis' clock cannot be faked.)"""
+    keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
+                           capacity=1000)  # P2's ceiling: 100/s, its burst 50
+    for rid in ("first", "second"):
+        await admit(scripts, keys, cls="P2", request_id=rid, input_tokens=40, max_tokens=10)
+    assert [c.request_id for c in (await scripts.claim(keys, "w1", 1)).requests] == ["first"]
+    ts = float(sync_redis.hget(keys.ceil_bucket("P2"), "ts"))
+    sync_redis.hset(keys.ceil_bucket("P2"), "ts", int(ts + 60_000))  # a 60 s step back
+    t0 = await redis_ms(scripts.client)
+    while True:  # the bucket's 50 owed refill at 100/s: half a second from the first read
+        got = await scripts.claim(keys, "w1", 1)
+        if got.requests:
+            break
+        assert got.now_ms - t0 < 10_000, "P2 still closed 10 s after the step (its ceiling refills 100/s)"
+        await asyncio.sleep(0.05)
+    assert [c.request_id for c in got.requests] == ["second"]
+
+
+async def test_a_clock_stepped_back_does_not_lock_a_throttled_tenant_out(scripts, pool, sync_redis):
+    """The same for a tenant's quota: a refused admit only read the bucket, whose ts stayed
+    ahead of TIME, so the tenant was throttled for the whole step whatever it waited."""
+    from limiter.errors import Throttled
+
+    quota = {"tenant_rate": 100, "tenant_burst": 100}
+    await admit(scripts, pool, tenant="t1", request_id="spend", input_tokens=90, max_tokens=10, **quota)
+    ts = float(sync_redis.hget(pool.tenant_bucket("t1"), "ts"))
+    sync_redis.hset(pool.tenant_bucket("t1"), "ts", int(ts + 60_000))
+    t0 = await redis_ms(scripts.client)
+    for attempt in range(1000):
+        try:
+            await admit(scripts, pool, tenant="t1", request_id=f"again{attempt}", input_tokens=9,
+                        max_tokens=1, **quota)
+            break
+        except Throttled as exc:
+            assert await redis_ms(scripts.client) - t0 < 10_000, "still throttled 10 s after the step"
+            await asyncio.sleep(max(exc.retry_after_ms, 10) / 1000)
+
+
 async def test_without_a_binding_ceiling_a_class_alone_takes_every_idle_slot(scripts, sync_redis):
     """Work conservation: P2's guarantee is 50/s, yet alone it gets whatever workers take."""
     keys = await init_pool(scripts, demo_config(), capacity=1000)

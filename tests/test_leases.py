@@ -127,6 +127,25 @@ async def test_completion_refunds_the_unused_reservation_never_more(scripts, poo
                                usage_in=1, token_ids=[1, 2, 3], text="abc")
 
 
+async def test_a_refund_goes_to_the_tenants_bucket_under_its_current_quota(scripts, pool, sync_redis):
+    """A refund read the tenant's bucket with the quota its request was admitted under and
+    capped it at that burst: a tenant whose quota was raised meanwhile (burst 100 -> 1e6) was
+    cut back to 100 by the old request's completion, and the refund itself was lost (a
+    review). The bucket keeps the quota it was last written under, and the refund uses it."""
+    await admit(scripts, pool, tenant="t1", request_id="old", input_tokens=10, max_tokens=10,
+                tenant_rate=1, tenant_burst=100)
+    c = (await scripts.claim(pool, "w1", 1)).requests[0]
+    await admit(scripts, pool, tenant="t1", request_id="new", input_tokens=10, max_tokens=10,
+                tenant_rate=1e6, tenant_burst=1e6)  # the quota raised: the bucket refills to it
+    before = float(sync_redis.hget(pool.tenant_bucket("t1"), "tokens"))
+    assert before > 1000
+    refund = await scripts.complete(pool, request_id="old", worker_id="w1", fence=c.fence, outcome="ok",
+                                    usage_in=0)
+    assert refund == 20
+    assert float(sync_redis.hget(pool.tenant_bucket("t1"), "tokens")) >= before
+    assert float(sync_redis.hget(pool.request("old"), "r_tenant")) == 20
+
+
 async def test_model_tokens_are_counted_apart_from_the_resume_ids(scripts, pool):
     """The openai engine counts the upstream's tokens (count) and stores the text's bytes as
     the ids a resuming worker primes itself with: out_tokens, max_tokens, usage and the refund

@@ -3,7 +3,11 @@
 --     tokens = start + refilled - debited + refunded,   refunded <= debited
 -- where refilled is what time added (net of the cap at burst), debited what charges really
 -- took (after any debt limit) and refunded what refunds really gave back (after the cap).
--- A bucket that does not exist yet is full (start = burst).
+-- A bucket that does not exist yet is full (start = burst). It also keeps the rate and burst
+-- it was last written under: a refund uses them, not those its request was admitted under
+-- (a tenant whose quota was raised since was cut back to the old burst by every refund).
+-- A ts ahead of now (Redis' clock stepped back) is rebased on the first read: else nothing
+-- refilled a bucket that was only read (a refused admit, an empty claim) for the whole step.
 --
 -- Every bucket a call touches goes through one cache, so two uses in the same call (a
 -- refund inside claim's janitor, then a charge) see each other; the cache is written back
@@ -16,7 +20,7 @@ local BUCKETS = {}
 local function bucket_write(b)
   if b.dirty then  -- a bucket only read is not written: its refill is recomputed next time
     local f = {'tokens', fmt(b.level), 'ts', fmt(b.now), 'refilled', fmt(b.refilled),
-      'debited', fmt(b.debited), 'refunded', fmt(b.refunded)}
+      'debited', fmt(b.debited), 'refunded', fmt(b.refunded), 'rate', fmt(b.rate), 'burst', fmt(b.burst)}
     if b.fresh then f[#f + 1] = 'start'; f[#f + 1] = fmt(b.start) end
     redis.call('HSET', b.key, unpack(f))
   end
@@ -44,6 +48,7 @@ local function bucket_get(key, rate, burst, now)
     if level > burst then level = burst end
     b.refilled = b.refilled + (level - tokens)
     b.level = level
+    if now < ts then b.dirty = true end  -- the clock stepped back: written at now, ts rebased
   end
   BUCKETS[key] = b
   return b
