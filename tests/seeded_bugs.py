@@ -214,6 +214,18 @@ BUGS = (
         "(a plain Redis runs it; a cluster refuses the script)",
         "cancel_request.lua", "  local r = load_request(request_id)\n",
         "  local r = load_request(request_id)\n  redis.call('EXISTS', K_POLICY, 'qos:{elsewhere}:x')\n"),
+    Bug("ceiling_debt_floored", "the ceiling bucket's debt is floored at -ceil_burst: a request "
+        "larger than the burst is charged ~2 bursts (the ceiling holds requests per burst_s)",
+        "claim.lua", "local c_ceil = h and bucket_debit(h, r.cost, nil) or 0",
+        "local c_ceil = h and bucket_debit(h, r.cost, -c.ceil_burst) or 0"),
+    Bug("refund_caps_at_admitted_burst", "a refund reads the tenant's bucket with the quota its "
+        "request was admitted under (a raised quota is cut back to the old burst)",
+        "include/refund.lua", "  if cached then", "  if false then",
+        also=(("include/refund.lua", "    rate, burst = tonumber(v[1]) or rate, tonumber(v[2]) or burst",
+               "    rate, burst = r.t_rate, r.t_burst"),)),
+    Bug("bucket_ts_ahead_kept", "a bucket whose ts lies ahead of now (the clock stepped back) is "
+        "not rebased when only read: nothing refills it for the whole step",
+        "include/bucket.lua", "    if now < ts then b.dirty = true end", ""),
 )
 
 
