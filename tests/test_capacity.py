@@ -47,8 +47,33 @@ def test_idle_throughput_is_only_a_lower_bound() -> None:
     feed(est, seconds=5, per_s=20, wait=500.0)  # busy: capacity 20k
     feed(est, seconds=5, per_s=5, wait=0.0, start_s=5)  # idle at 5k: does not lower it
     assert est.estimate(10_000.0).value == pytest.approx(20_000.0)
-    feed(est, seconds=2, per_s=30, wait=0.0, start_s=10)  # served 30k without queueing: raise
-    assert est.estimate(12_000.0).value == pytest.approx(30_000.0)  # median of 20k, 30k, 30k
+    feed(est, seconds=4, per_s=30, wait=0.0, start_s=10)  # 30k, but not yet 5 intervals in a row
+    assert est.estimate(14_000.0).value == pytest.approx(20_000.0)
+    feed(est, seconds=2, per_s=30, wait=0.0, start_s=14)  # served 30k without queueing: raise
+    assert est.estimate(16_000.0).value == pytest.approx(30_000.0)  # median of 20k, 30k, 30k
+
+
+def test_idle_intervals_swinging_around_their_load_do_not_raise_the_estimate() -> None:
+    """Work is counted when a request completes, so an idle interval's figure swings with how
+    completions fall; one interval above the estimate raised it, and only the high ones got
+    in: an hour at 80 % load with no queueing read 1.5x the pool's capacity (a review). Idle
+    time proves capacity only as the least of several intervals in a row."""
+    import random
+
+    cap, rng = 10_000.0, random.Random(1)
+    est = CapacityEstimator(CapacityConfig(worker_field=""), initial=cap)
+
+    def second(s: int, work: float, wait: float) -> None:
+        n = max(0, round(work / 1000))
+        for k in range(n):
+            est.observe_sample(Sample("P1", "ok", s * 1000.0 + (k + 0.5) * 1000 / n, 500, 500, wait, 1000.0,
+                                      ttft_ms=50.0))
+
+    for s in range(10):  # ten busy seconds at capacity
+        second(s, cap * rng.gauss(1, 0.15), 200.0)
+    for s in range(10, 3610):  # an hour at 80 % load; completions bunch per second (sd 30 %)
+        second(s, 0.8 * cap * max(0.0, rng.gauss(1, 0.3)), 0.0)
+    assert est.estimate(3_611_000.0).value <= 1.1 * cap
 
 
 def test_workers_win_and_follow_joins_and_leaves() -> None:
@@ -70,8 +95,10 @@ def test_workers_win_and_follow_joins_and_leaves() -> None:
     est.observe_worker("w1", 13_000.0, 15_500.0)
     # w2 last seen at 5 s: silent for more than 10 s at 15.5 s -> gone.
     assert est.estimate(15_500.0).value == pytest.approx(13_000.0)
-    est.advance(40_000.0)  # every worker silent: back to the sample estimate
-    assert est.estimate().source == "samples"
+    est.advance(40_000.0)  # every worker silent: their last sum, newer than the busy intervals
+    assert (est.estimate().source, est.estimate().value) == ("workers", pytest.approx(13_000.0))
+    feed(est, seconds=4, per_s=20, wait=500.0, start_s=40)  # busy intervals after it: the samples'
+    assert est.estimate(45_000.0).source == "samples"
 
 
 def test_live_workers_without_a_measurement_count_at_the_measured_mean() -> None:
@@ -225,3 +252,25 @@ def test_a_pool_whose_workers_all_left_keeps_their_last_measure_not_the_configur
     assert est.estimate().value == pytest.approx(111.6)
     est.observe_worker("w2", 150.0, 61_000.0)  # a worker reports: its figure
     assert est.estimate().value == pytest.approx(150.0)
+
+
+def test_when_every_worker_left_busy_intervals_older_than_their_last_sum_do_not_replace_it() -> None:
+    """With no measured worker, any busy interval seen this term won over the workers' last
+    sum: three busy seconds an hour before the one worker restarted made the estimate 2x the
+    measured capacity, and the law rescaled every rate for the worker's return (a review).
+    The newer evidence wins: the workers' sum, unless busy intervals came after it."""
+    est = CapacityEstimator(CapacityConfig(), initial=20_000.0)
+    for s in range(3):  # three busy seconds at the start, completions bunched: 20k "served"
+        for j in range(20):
+            est.observe_sample(Sample("P1", "ok", s * 1000.0 + j * 50, 500, 500, 500.0, 9000.0, ttft_ms=50.0))
+    for s in range(3, 3600):
+        est.set_alive({"w1": s * 1000.0})
+        est.observe_worker("w1", 10_000.0, s * 1000.0)
+    assert est.estimate(3_600_000.0).value == 10_000.0
+    est.set_alive({})  # the one worker restarts
+    kept = est.estimate(3_600_500.0)
+    assert (kept.value, kept.source) == (10_000.0, "workers")
+    for s in range(3601, 3605):  # busy intervals after it: they are the newer evidence
+        for j in range(30):
+            est.observe_sample(Sample("P1", "ok", s * 1000.0 + j * 30, 500, 500, 500.0, 9000.0, ttft_ms=50.0))
+    assert est.estimate(3_606_000.0).source == "samples"

@@ -22,14 +22,19 @@ reality: workers join and leave, models and prompt mixes change. Two sources, be
    the pool was *busy* then (otherwise it measures demand): an interval counts as busy
    when at least ``busy_share`` of its samples waited ``busy_queue_ms`` or more in the queue
    -- with a work-conserving scheduler, queued work means every worker was occupied. The
-   estimate is the median of the last ``window`` busy intervals; an idle interval counts
-   only when it served more than that (serving X proves capacity >= X). Idle time never
-   lowers it: throughput while the pool is not full measures demand, not capacity.
+   estimate is the median of the last ``window`` busy intervals; idle time counts only when
+   each of the last ``IDLE_PROOF_INTERVALS`` intervals served more than that, as the least
+   of them (serving X proves capacity >= X; one interval alone proved nothing: work is
+   counted when a request completes, so an interval's figure swings with how completions
+   fall, and the high ones alone raised the estimate, 50 % above capacity after an hour at
+   80 % load). Idle time never lowers it: throughput while the pool is not full measures
+   demand, not capacity.
 
 Until either source has data (``min_busy_intervals`` busy intervals, or one heartbeat),
 the estimate is the configured ``initial`` capacity. Once the workers have measured it, a
-pool with none live and no busy interval keeps their last sum (source ``workers``, no live
-worker, confidence 0), not the configured guess.
+pool with none live keeps their last sum (source ``workers``, no live worker, confidence
+0), not the configured guess, unless busy intervals came after it: the newer evidence wins
+(busy intervals an hour older beat the workers' last sum when their one worker restarted).
 
 Each estimate carries a **confidence** in [0, 1]: how full the windows behind it are (for
 heartbeats, averaged over the live workers, an unmeasured one counting 0; busy intervals
@@ -58,6 +63,8 @@ from limiter.errors import ConfigError, InvalidArgument
 from limiter.samples import Sample
 
 HASH_FIELD_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+# Idle intervals in a row that must each serve more than the estimate to raise it.
+IDLE_PROOF_INTERVALS = 5
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,9 @@ class CapacityEstimator:
         self._interval_ms = config.interval_s * 1000.0
         self._workers: dict[str, _Worker] = {}
         self._last_measured: float | None = None  # the workers' last sum, while none is live
+        self._last_measured_ms = -math.inf  # the newest report behind it
+        self._last_busy_ms = -math.inf  # when the newest busy interval ended
+        self._recent: deque[float] = deque(maxlen=IDLE_PROOF_INTERVALS)  # intervals' tokens/s
         self._alive: dict[str, float] = {}  # every live worker (measured or not) -> last seen ms
         self._busy_figures: deque[float] = deque(maxlen=config.window)  # busy intervals' tokens/s
         self._busy_intervals = 0
@@ -207,15 +217,21 @@ class CapacityEstimator:
         assert self._index is not None
         seconds = self.config.interval_s
         total = sum(self._work.values())
+        self._recent.append(total / seconds)
         if self._n and self._waited >= self.config.busy_share * self._n:
             self._busy_intervals += 1
             self._busy_figures.append(total / seconds)
-        elif self._busy_figures and total / seconds > statistics.median(self._busy_figures):
-            self._busy_figures.append(total / seconds)  # served more than the estimate: it is at least that
+            self._last_busy_ms = (self._index + 1) * self._interval_ms
+        elif (self._busy_figures and len(self._recent) == IDLE_PROOF_INTERVALS
+              and min(self._recent) > statistics.median(self._busy_figures)):
+            # Served more than the estimate in each of the last intervals: it is at least that.
+            self._busy_figures.append(min(self._recent))
         self._history.append({cls: work / seconds for cls, work in self._work.items()})
         # Intervals with no samples at all: nothing was served (bounded by the history length).
         for _ in range(min(index - self._index - 1, self.config.rate_intervals)):
             self._history.append({})
+        if index - self._index > 1:
+            self._recent.append(0.0)  # an empty interval breaks a run of high ones
         self._index = index
         self._work = {}
         self._n = self._waited = 0
@@ -232,13 +248,15 @@ class CapacityEstimator:
             total += (live - len(measured)) * total / len(measured)
             confidence = sum(min(1.0, len(w.reports) / window) for w in measured.values()) / live
             self._last_measured = total
+            self._last_measured_ms = max(w.seen_ms for w in measured.values())
             return CapacityEstimate(total, "workers", live, busy, confidence)
-        if self._busy_figures and busy >= self.config.min_busy_intervals:
+        workers_newer = self._last_measured is not None and self._last_measured_ms >= self._last_busy_ms
+        if self._busy_figures and busy >= self.config.min_busy_intervals and not workers_newer:
             confidence = 0.5 * min(1.0, len(self._busy_figures) / window)
             return CapacityEstimate(statistics.median(self._busy_figures), "samples", 0, busy, confidence)
         if self._last_measured is not None:
-            # Every measured worker gone (a restart, a lost node) and no busy interval to go
-            # by: the pool's last measured capacity, not the configured guess. Falling back to
+            # Every measured worker gone (a restart, a lost node) and no newer busy interval to
+            # go by: the pool's last measured capacity, not the configured guess. Falling back to
             # it took a 111.6 tokens/s pool to its configured 20,000 when its one worker
             # restarted, and the law raised every class's rates for the worker's return.
             return CapacityEstimate(self._last_measured, "workers", 0, busy, 0.0)
