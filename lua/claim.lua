@@ -15,8 +15,8 @@
 -- which request: that tenant's oldest.
 -- When that request needs more than the worker's free room, its class takes nothing more
 -- from this worker in this call (room is gathered for it; other classes go on). One that
--- this worker can never hold is left to a bigger live worker, and fails at once with a
--- clear error when there is none.
+-- this worker can never hold is left to a bigger worker of the pool (live, or listed but
+-- silent: a slow beat is no death), and fails at once with a clear error when there is none.
 --
 -- A request's first claim charges its reserved cost to its class's guarantee bucket (when
 -- that bucket holds credit), to its ceiling bucket (when the ceiling binds), to its
@@ -261,21 +261,22 @@ local function main()
         local need = r.input_tokens + r.max_tokens
         if kv_total > 0 and need > kv_total then need = kv_total end
         local never = kv_total > 0 and r.input_tokens + 1 > kv_total
-        if never and largest_kv() < r.input_tokens + 1 then
+        if never and largest_kv() < r.input_tokens + 1 and largest_listed < r.input_tokens + 1 then
           if finishes <= 0 then break end
           finishes = finishes - 1
-          local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any live worker (largest KV room: '
-            .. math.max(kv_total, largest_kv()) .. ' tokens)'
+          local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any worker of the pool (largest KV '
+            .. 'room: ' .. math.max(kv_total, largest_listed) .. ' tokens)'
           -- No worker of the pool could ever hold it: refused (its client is told not to retry,
-          -- its class's targets do not count it). One that could is silent (restarting?): a
-          -- failure a retry may mend.
-          local code, outcome = 'too_large', 'refused'
-          if largest_listed >= r.input_tokens + 1 then code, outcome = 'failed', 'failed' end
+          -- its class's targets do not count it).
           local whole = load_request(id)
-          finish_by_redis(p, whole, 'failed', why, used_cost(whole), now, {code = code, msg = why}, outcome)
+          finish_by_redis(p, whole, 'failed', why, used_cost(whole), now, {code = 'too_large', msg = why},
+            'refused')
           q.n[pick] = q.n[pick] - 1
         elseif never then
-          -- a bigger live worker can hold it (a pool of mixed sizes): leave the tenant to it
+          -- A bigger worker can hold it (a pool of mixed sizes): leave the tenant to it, even
+          -- one silent for longer than a lease (restarting, or beating slower than a lease:
+          -- judged dead, a live worker's request was failed). A dead one leaves the worker
+          -- set within two of its heartbeat TTLs (the workers prune it), and then this fails.
           skipped[pick] = skipped[pick] or {}
           skipped[pick][tenant] = true
           nskipped[pick] = n + 1
