@@ -105,13 +105,15 @@ local function wait_estimate_ms(p, cls, tenant, weight, q, now)
   -- (the subtraction's rounding leaves ~1e-12 where nothing is spare: no spare capacity,
   -- not a sliver of it that admitted a class with no rate, or waited an int64 overflow)
   if spare > 1e-9 * math.max(p.capacity, total) then est = ahead / spare end
-  if ceiling_binds(p, c) then
-    local h = bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
-    est = math.max(est, (own + math.max(-h.level, 0)) / c.ceil)
-  end
   if c.rate > 0 then
     local g = bucket_get(P_BUCKET .. 'class:' .. cls, c.rate, c.burst, now)
     est = math.min(est, (own + math.max(-g.level, 0)) / c.rate)
+  end
+  -- after the guarantee: a claim serves no class whose ceiling bucket is not above 0, whatever
+  -- its guarantee holds (the other order let a class deep in ceiling debt admit what expired)
+  if ceiling_binds(p, c) then
+    local h = bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
+    est = math.max(est, (own + math.max(-h.level, 0)) / c.ceil)
   end
   return est * 1000
 end

@@ -223,6 +223,13 @@ BUGS = (
         "include/refund.lua", "  if cached then", "  if false then",
         also=(("include/refund.lua", "    rate, burst = tonumber(v[1]) or rate, tonumber(v[2]) or burst",
                "    rate, burst = r.t_rate, r.t_burst"),)),
+    Bug("guarantee_wait_after_ceiling", "admission's wait takes the guarantee path's as a cap after "
+        "the ceiling's floor (a class in ceiling debt admits what can only expire)",
+        "admit.lua",
+        "    est = math.max(est, (own + math.max(-h.level, 0)) / c.ceil)\n  end\n  return est * 1000",
+        "    est = math.max(est, (own + math.max(-h.level, 0)) / c.ceil)\n  end\n"
+        "  if c.rate > 0 then\n    local g = bucket_get(P_BUCKET .. 'class:' .. cls, c.rate, c.burst, now)\n"
+        "    est = math.min(est, (own + math.max(-g.level, 0)) / c.rate)\n  end\n  return est * 1000"),
     Bug("bucket_ts_ahead_kept", "a bucket whose ts lies ahead of now (the clock stepped back) is "
         "not rebased when only read: nothing refills it for the whole step",
         "include/bucket.lua", "    if now < ts then b.dirty = true end", ""),

@@ -253,6 +253,20 @@ async def test_a_class_at_its_ceiling_waits_at_least_its_queue_over_its_ceiling(
         await admit(scripts, keys, cls="P2", request_id="c3", input_tokens=40, max_tokens=10)
 
 
+async def test_a_ceiling_in_debt_bounds_the_wait_whatever_the_guarantee_holds(scripts, sync_redis):
+    """A claim serves no class whose ceiling bucket is not above 0, guarantee or not; the wait
+    estimate took the guarantee path's wait as a cap after the ceiling's floor, so with its
+    guarantee in credit a class deep in ceiling debt admitted requests that could only expire
+    (a review). The ceiling's wait is a floor the guarantee cannot lower."""
+    keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "max_wait_ms": 1000}), capacity=1000)
+    now = await redis_ms(scripts.client)
+    sync_redis.hset(keys.ceil_bucket("P2"), mapping={"tokens": -5000, "ts": now})  # 50 s of debt at 100/s
+    with pytest.raises(Overloaded) as exc:
+        await admit(scripts, keys, cls="P2", request_id="late", input_tokens=40, max_tokens=10)
+    assert exc.value.est_wait_ms >= 49_000
+    assert sync_redis.hget(keys.request("late"), "state") is None  # nothing admitted
+
+
 async def test_a_disabled_class_is_refused_at_once(scripts, sync_redis):
     keys = await init_pool(scripts, class_cfg(P2={"share": 0.0, "ceil_share": 0.0}), capacity=1000)
     with pytest.raises(Throttled) as exc:
