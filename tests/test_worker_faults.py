@@ -18,6 +18,7 @@ from tests.support.helpers import wait_until
 from tests.support.worker_helpers import (
     drained_now,
     mark_hand_backs,
+    record_calls,
     release_each_chunk_once_pushed,
     sim_text,
     start_worker,
@@ -1055,3 +1056,73 @@ async def test_a_request_the_worker_cannot_start_fails_without_the_exception_tex
     assert err is not None and err["code"] == "failed"
     assert "10.0.0.7" not in err["msg"] and "RuntimeError" not in err["msg"] and "secret" not in err["msg"]
     assert "could not start" in err["msg"]
+
+
+@pytest.mark.parametrize("outage", [False, True])
+async def test_an_engine_error_fails_what_the_engine_held_and_hands_back_what_it_never_held(
+        env, outage) -> None:
+    """An engine error failed every request the worker held (StepLoop._fail_all), also the
+    ones the engine did not hold: a look-ahead request waiting in the scheduler for a slot,
+    never started, and a sequence paused with its KV freed (its engine sequence gone). Those
+    are handed back now (released and requeued, as a drain hands back what never started);
+    they resume -- here, on the same worker -- from what was delivered. Only the one the
+    engine held fails (found by a review). ``outage``: the first release meets one, and is
+    tried again (not left held, neither running nor finishing, for ever)."""
+    from worker.engines.sim import SimEngine
+
+    class Flaky(SimEngine):
+        boom = False
+
+        async def step(self, plan):
+            if self.boom:
+                self.boom = False
+                raise RuntimeError("CUDA error (simulated)")
+            return await super().step(plan)
+
+    cfg, c = env
+    eng = Flaky(time_scale=0.5, kv_capacity_tokens=1000)
+    # One slot: a P2 with a 401-token prompt runs; a P0 look-ahead (701 tokens) takes its slot,
+    # and the KV (1000) holds both only if the P2's is freed; then a P1 look-ahead waits.
+    async with worker(cfg, eng, engine="sim", max_seqs=1, claim_ahead=2, flush_tokens=1) as rt:
+        await wait_until(lambda: hasattr(rt, "scripts"), "the worker's scripts")
+        released = record_calls(rt.scripts, "release", lambda keys, **kw: kw["request_id"])
+        failures = [RedisUnavailable("Connection reset by peer")] if outage else []
+        if outage:
+            recorded = rt.scripts.release
+
+            async def release(keys, **kw):
+                if failures:
+                    raise failures.pop()
+                return await recorded(keys, **kw)
+
+            rt.scripts.release = release
+        loop = rt.stats.__self__
+        p2 = await c.admit("x" * 400, cls="P2", max_tokens=300)
+        await c.wait_tokens(p2, 3, timeout=15)
+        p0 = await c.admit("y" * 700, cls="P0", max_tokens=400)
+
+        def paused_kv_freed() -> bool:
+            s0, s2 = loop.sched.seq(p0), loop.sched.seq(p2)
+            return s0 is not None and s0.running and s2 is not None and not s2.running \
+                and not s2.resident and len(s2.generated) > 0
+
+        await wait_until(paused_kv_freed, "the P0 running, the P2 paused with its KV freed")
+        p1 = await c.admit("z" * 20, cls="P1", max_tokens=4)
+
+        def p1_waiting() -> bool:
+            s1 = loop.sched.seq(p1)
+            return s1 is not None and not s1.running and not s1.resident and paused_kv_freed()
+
+        await wait_until(p1_waiting, "the P1 look-ahead waiting in the scheduler beside the running P0")
+        assert p1 not in eng._table.seqs and p2 not in eng._table.seqs and p0 in eng._table.seqs
+        eng.boom = True
+        await c.wait([p0, p1, p2], timeout=30)
+        assert not failures, "no release met the outage: the test proves nothing"
+    assert c.answers[p0].error is not None and c.answers[p0].error["code"] == "failed", c.answers[p0]
+    assert "engine error" in c.answers[p0].error["msg"]
+    for rid, n in ((p1, 4), (p2, 300)):
+        a = c.answers[rid]
+        assert a.error is None, f"{rid}, which the engine did not hold, was failed: {a.error}"
+        assert a.done is not None and a.tokens == n, a  # resumed where it stopped (offsets checked)
+    assert sorted(released) == sorted([p1, p2]), released  # each landed once (the outage's try did not)
+    assert len(set(c.answers[p2].attempts)) == 2, c.answers[p2].attempts  # resumed by a new attempt

@@ -27,8 +27,11 @@ One iteration, between engine steps:
    that completes nothing does not wait for them, its pushes going with a later step's), so
    Redis round trips stay off the GPU's critical path.
 
-An engine error fails the requests the engine held (it cannot be trusted with them) and
-the loop goes on. Redis outages back off and retry; nothing generated is dropped meanwhile.
+An engine error fails the requests the engine held (it cannot be trusted with them: running,
+or paused with their KV kept), hands back those it did not hold (a look-ahead request
+waiting for a slot, a sequence paused with its KV freed: released, requeued as a drain
+hands back), and the loop goes on. Redis outages back off and retry; nothing generated is
+dropped meanwhile.
 A request whose tokens Redis refuses (past the max_tokens its record allows) fails alone,
 saying why; the others of the same ``push_tokens`` call are delivered.
 """
@@ -129,6 +132,9 @@ class StepLoop:
         # step's calls are made, so one request's calls never overlap.
         self._io: asyncio.Task[None] | None = None
         self._io_finishing: set[str] = set()  # ids whose completion is in self._io
+        # Held requests an engine error hands back (the engine did not hold them) until their
+        # release lands: one that met an outage is released again at the next iteration.
+        self._handing_back: dict[str, Delivery] = {}
         self._cancel_checked = 0.0  # monotonic time of the last SMISMEMBER cancels
         self._push_clock = PushClock()  # the push steps every held request keeps (push_due)
         self._claiming: asyncio.Task[None] | None = None  # a full batch's look-ahead claim, beside a step
@@ -192,6 +198,7 @@ class StepLoop:
             await self._settle_io()  # its outage, if any, backs the loop off (rt.guard)
         await self._apply_signals()
         await self._retry_finals()  # not the ones whose completion is in flight (self._io)
+        await self._retry_hand_backs()
         if not self.rt.draining.is_set():
             await self._claim_now_or_beside_the_step()
         if not len(self.sched):
@@ -210,7 +217,7 @@ class StepLoop:
         except Exception:  # the engine's state is suspect: fail what it held
             log.exception("engine step failed")
             # The client reads that the engine failed, not the exception's text (the log has it).
-            await self._fail_all("engine error in the worker (details in its log)")
+            await self._after_engine_error("engine error in the worker (details in its log)")
             return
         await self._after_step(res)
 
@@ -758,13 +765,48 @@ class StepLoop:
             if isinstance(r, BaseException):
                 raise r
 
-    async def _fail_all(self, message: str) -> None:
-        await self._settle_io()
-        self.sched.clear()
-        calls = []
-        for d in list(self.rt.held.values()):
-            calls.append(self.rt.finish(d, "failed", "error", message))
-        await self._gather(calls)
+    async def _after_engine_error(self, message: str) -> None:
+        """An engine step raised: its state is suspect, so every sequence leaves the scheduler
+        (and the engine). The requests the engine held -- running, or paused with their KV
+        kept -- fail with ``message``; the ones it did not hold -- a look-ahead request
+        waiting for a slot, a sequence paused with its KV freed -- are handed back (released
+        and requeued, as a drain hands back what never started) and resume from what was
+        delivered, here or on another worker. Before, every held request failed: one engine
+        error ended requests the engine never had (a review)."""
+        dropped = self.sched.clear()
+        # The last step's calls first: a completion of theirs decides its request. An outage
+        # they met is no reason to stop here (as in _release): their completions are retried
+        # (d.final), their pushes settled by the offset checks.
+        with contextlib.suppress(RedisUnavailable, PolicyMissing):
+            await self._settle_io()
+        failing = []
+        for s in dropped:
+            d = self.rt.held.get(s.request_id)
+            if d is None or d.final is not None:
+                continue  # gone, or finishing already (_retry_finals)
+            if s.running or s.resident:
+                failing.append(d)
+            else:
+                self._handing_back[s.request_id] = d
+        if failing or self._handing_back:
+            log.warning("engine error: failing %d request(s) the engine held, handing back %d it did not",
+                        len(failing), len(self._handing_back))
+        calls = [self.rt.finish(d, "failed", "error", message) for d in failing]
+        await self._gather([*calls, self._retry_hand_backs()])
+
+    async def _retry_hand_backs(self) -> None:
+        """Release what an engine error hands back (:meth:`_after_engine_error`); a release
+        that met an outage is tried again at the next iteration (until then the request is
+        held, neither running nor finishing: nothing else would end it)."""
+        if not self._handing_back:
+            return
+        held = self.rt.held
+        # Not one released already, nor a new attempt under its id (a re-claim), nor one
+        # finishing (its client's cancel: the completion decides it).
+        todo = self._handing_back = {rid: d for rid, d in self._handing_back.items()
+                                     if held.get(rid) is d and d.final is None and rid not in self.sched}
+        await self._gather([self.rt.release(d) for d in list(todo.values())])
+        self._handing_back = {rid: d for rid, d in todo.items() if held.get(rid) is d}
 
     async def _hand_back_all(self) -> None:
         """At the drain deadline, hand back everything held (:meth:`WorkerRuntime.hand_back`:
