@@ -21,6 +21,7 @@ from tests.support.worker_helpers import (
     config,
     drained_now,
     mark_hand_backs,
+    record_calls,
     sim_text,
     spawn_worker,
     start_worker,
@@ -510,3 +511,43 @@ async def test_an_answer_decided_before_the_drain_deadline_is_finished_past_the_
     rec = await c.record(rid)
     assert rec["state"] == "done", f"a decided answer was left held at the drain: {rec.get('state')!r}"
     assert (rec["finish_reason"], rec["attempts"]) == ("length", "1"), rec
+
+
+async def test_a_look_ahead_request_refused_at_start_is_completed_once(env) -> None:
+    """A request the look-ahead claim (a task beside the step) refuses in StepLoop._start (bad
+    sampling parameters here; a prompt past the context, a resume already at its end) has
+    ``d.final`` set while its completion is in flight in that task; the main loop's
+    _retry_finals, which left out only the step's own completions, sent the same ``complete``
+    again, and one of the two replies could read as a lost lease (logged so, counted
+    ``finished{outcome=lost}``) for a request that was answered (found by a review). Completes
+    are slowed here so that the window spans a loop iteration."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=1.0, max_seqs=2, flush_tokens=1) as rt:
+        await wait_until(lambda: hasattr(rt, "scripts"), "the worker's scripts")
+        claims = record_calls(rt, "claim", lambda *a, **kw: asyncio.current_task().get_name())
+        completes = record_calls(rt.scripts, "complete", lambda keys, **kw: kw["request_id"])
+        real, landing = rt.scripts.complete, [0]
+
+        async def slow(*a, **kw):
+            landing[0] += 1
+            try:
+                await asyncio.sleep(0.05)
+                return await real(*a, **kw)
+            finally:
+                landing[0] -= 1
+
+        rt.scripts.complete = slow
+        long = [await c.admit("x" * 20, cls="P2", max_tokens=400) for _ in range(2)]
+        for rid in long:
+            await c.wait_tokens(rid, 3, timeout=10)
+        bad = await c.admit("bad seed", cls="P0", max_tokens=4, seed=-1)
+        await c.wait([bad], timeout=10)
+        # Once it is no longer held nothing can complete it again: wait for that and for every
+        # complete in flight to land.
+        await wait_until(lambda: bad not in rt.held and not landing[0],
+                         "the refused request's completes landed")
+        lost = rt.metrics.finished.labels("P0", "lost")._value.get()
+    assert "look-ahead-claim" in claims, "no look-ahead claim beside a step: the test proves nothing"
+    assert c.answers[bad].error is not None and c.answers[bad].error["code"] == "refused"
+    assert completes.count(bad) == 1, f"{completes.count(bad)} completes for {bad}"
+    assert lost == 0
