@@ -11,6 +11,7 @@ import torch
 
 from limiter.errors import ConfigError, InvalidArgument
 from worker.batch_policy import Limits, PrefillChunk, StepPlan
+from worker.batch_scheduler import BatchScheduler
 from worker.engines.base import Engine, SamplingParams
 from worker.engines.sim import CostModel, SimEngine
 from worker.engines.torch_engine import TorchEngine, derive_seed, load_checkpoint, save_checkpoint
@@ -149,10 +150,10 @@ def test_an_engine_whose_cache_could_not_be_made_can_take_the_id_again() -> None
     eng = tiny_engine()
     real, failures = eng.model.new_cache, [torch.OutOfMemoryError("CUDA out of memory (simulated)")]
 
-    def new_cache(capacity: int = 64):
+    def new_cache(capacity: int = 64, limit: int | None = None):
         if failures:
             raise failures.pop()
-        return real(capacity)
+        return real(capacity, limit)
 
     eng.model.new_cache = new_cache
     with pytest.raises(torch.OutOfMemoryError):
@@ -251,3 +252,67 @@ def test_checkpoint_round_trip_and_mismatch(tmp_path: Path) -> None:
 def test_sampling_params_are_validated(kwargs: dict[str, object]) -> None:
     with pytest.raises(InvalidArgument):
         SamplingParams(**kwargs)  # type: ignore[arg-type]
+
+
+def _kv_allocated(eng: TorchEngine) -> int:
+    """KV token slots the torch engine has allocated (its caches' capacities)."""
+    return sum(c.capacity for c in eng._caches.values())
+
+
+def _kv_accounted(sched: BatchScheduler) -> int:
+    """KV tokens the scheduler (and the claim's reservation) count for the sequences the
+    engine holds: each one's prompt + max_tokens."""
+    return sum(len(s.prompt_ids) + s.params.max_tokens for s in sched._seqs.values()
+               if s.running or s.resident)
+
+
+@pytest.mark.asyncio
+async def test_torch_kv_allocation_stays_within_what_the_scheduler_accounts() -> None:
+    """KVCache grew by doubling, capped only at max_seq_len, from prompt + 64: four sequences of
+    30 + 100 tokens, reserved exactly kv_capacity_tokens (520, as a claim reserves), held 752
+    token slots once they passed 94 tokens (1.45x; 1.65x in the review's run with eight). A
+    cache now never grows past what its sequence can use (prompt + max_tokens - 1, the last
+    token is never fed back): no slack beyond the accounted KV at any step (found by a review)."""
+    cap = 4 * (30 + 100)
+    eng = TorchEngine.from_preset("tiny", seed=0, device="cpu", kv_capacity_tokens=cap)
+    sched = BatchScheduler(eng, Limits(token_budget=256, max_seqs=4, kv_capacity=cap))
+    for i in range(4):
+        sched.add(f"r{i}", [BOS_ID] + [40 + i] * 29, SamplingParams(max_tokens=100), class_rank=2, arrival=i)
+    peak, steps = 0, 0
+    while len(sched):
+        await sched.step()
+        steps += 1
+        allocated, accounted = _kv_allocated(eng), _kv_accounted(sched)
+        assert allocated <= accounted <= cap, \
+            f"step {steps}: {allocated} slots allocated, {accounted} accounted"
+        peak = max(peak, allocated)
+    assert peak > 4 * (30 + 64), "no cache grew: the test proves nothing"
+
+
+@pytest.mark.asyncio
+async def test_torch_kv_of_a_sequence_readmitted_after_its_kv_was_freed_stays_within_its_account() -> None:
+    """A sequence paused with its KV freed is added again with prompt + generated tokens as its
+    context: its cache must be sized from the rest of its max_tokens, not a whole max_tokens
+    more (the scheduler counts the original prompt + max_tokens)."""
+    cap = 400
+    eng = TorchEngine.from_preset("tiny", seed=0, device="cpu", kv_capacity_tokens=cap)
+    sched = BatchScheduler(eng, Limits(token_budget=512, max_seqs=4, kv_capacity=cap))
+    sched.add("low", [BOS_ID] + [41] * 29, SamplingParams(max_tokens=200), class_rank=2, arrival=0)
+    seen_readmitted = False
+    steps = 0
+    while len(sched):
+        if steps == 100:  # "low" at 129 KV tokens: the top-class prompt needs its KV freed
+            sched.add("top", [BOS_ID] + [42] * 299, SamplingParams(max_tokens=20), class_rank=0, arrival=1)
+        res = await sched.step()
+        steps += 1
+        low = sched.seq("low")
+        if "low" in res.admitted and low is not None and low.generated:
+            seen_readmitted = True
+        for rid, cache in eng._caches.items():
+            s = sched.seq(rid)
+            assert s is not None and cache.capacity <= len(s.prompt_ids) + s.params.max_tokens, \
+                f"step {steps}: {rid} holds {cache.capacity} slots, " \
+                f"accounted {len(s.prompt_ids)} + {s.params.max_tokens}"
+        assert _kv_allocated(eng) <= _kv_accounted(sched)
+    assert sched.preemptions == 1 and sched.recompute_tokens > 0 and seen_readmitted, \
+        "no pause freed the KV and readmitted it: the test proves nothing"

@@ -78,6 +78,22 @@ def test_seeded_init_is_reproducible() -> None:
             assert not torch.equal(pa, pc), name
 
 
+def test_a_cache_grows_by_doubling_up_to_its_limit_and_past_it_only_when_it_must(model: Transformer) -> None:
+    """A cache's growth stops at its sequence's limit (prompt + max_tokens - 1): doubling past
+    it allocated KV the sequence could never use. A sequence run past its limit grows on."""
+    with torch.inference_mode():
+        cache = model.new_cache(capacity=8, limit=40)
+        model.prefill(_ids(9, 0), cache)  # 8 -> 16
+        assert cache.capacity == 16
+        model.prefill(_ids(20, 1), cache)  # 29 needed: 32
+        assert cache.capacity == 32
+        model.prefill(_ids(4, 2), cache)  # 33 needed: 40, not 64
+        assert cache.capacity == 40
+        model.prefill(_ids(8, 3), cache)  # 41 needed, past the limit: doubling again
+        assert cache.capacity == 80 and cache.length == 41
+        assert model.new_cache(capacity=64, limit=10).capacity == 10
+
+
 def test_context_overflow_and_bad_inputs_raise(model: Transformer) -> None:
     with torch.inference_mode():
         cache = model.new_cache()

@@ -263,7 +263,13 @@ class BatchScheduler:
                 seq.running, seq.resident = True, False
                 continue
             ctx = seq.context
-            self.engine.add(rid, ctx, seq.params)
+            params = seq.params
+            if seq.generated:
+                # The engine counts max_tokens from the context it is given (Engine.add: the
+                # torch engine sizes the sequence's KV by it): what is left of it. A whole
+                # max_tokens more let a readmitted sequence's cache grow past its account.
+                params = replace(params, max_tokens=max(1, params.max_tokens - len(seq.generated)))
+            self.engine.add(rid, ctx, params)
             seq.running, seq.kv_tokens, seq.to_prefill = True, 0, len(ctx)
         return list(admit), len(admit) < len(waiting)
 

@@ -113,15 +113,27 @@ class KVCache:
 
     One object per sequence (rather than one batch-wide tensor) makes admission,
     completion and preemption O(1) bookkeeping: freeing a sequence is dropping its cache.
-    Storage grows by doubling, capped at ``max_seq_len``, so appends are amortised O(1).
+    Storage grows by doubling, so appends are amortised O(1), capped at ``limit``: the most
+    tokens the sequence will hold (its prompt + max_tokens - 1: the last token generated is
+    never fed back), ``max_seq_len`` when not known. Capped only at ``max_seq_len``, a cache
+    doubled past what its sequence could use: the torch engine's caches held up to 1.65x the
+    KV tokens the worker accounts (a review). A sequence that outgrows ``limit`` anyway
+    (a caller past the max_tokens it gave) grows on by doubling, up to ``max_seq_len``.
     """
 
     def __init__(
-        self, cfg: ModelConfig, *, device: torch.device | str, dtype: torch.dtype, capacity: int = 64
+        self,
+        cfg: ModelConfig,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        capacity: int = 64,
+        limit: int | None = None,
     ) -> None:
         self.cfg = cfg
         self.length = 0
-        cap = max(1, min(capacity, cfg.max_seq_len))
+        self.limit = cfg.max_seq_len if limit is None else max(1, min(limit, cfg.max_seq_len))
+        cap = max(1, min(capacity, self.limit))
         shape = (cfg.n_layer, cfg.kv_heads, cap, cfg.head_dim)
         self.k = torch.zeros(shape, device=device, dtype=dtype)
         self.v = torch.zeros(shape, device=device, dtype=dtype)
@@ -139,12 +151,16 @@ class KVCache:
             )
         if need <= self.capacity:
             return
-        cap = min(self.cfg.max_seq_len, max(need, 2 * self.capacity))
+        most = self.limit if need <= self.limit else self.cfg.max_seq_len
+        cap = min(most, max(need, 2 * self.capacity))
+        # Keys, then values: each old buffer is dropped once copied, so growing holds one
+        # buffer (half the cache) twice at most, not the old and the new cache whole.
         for name in ("k", "v"):
             old = getattr(self, name)
             new = old.new_zeros((old.shape[0], old.shape[1], cap, old.shape[3]))
             new[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, new)
+            del old, new
 
 
 class RMSNorm(nn.Module):
@@ -267,10 +283,10 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def new_cache(self, capacity: int = 64) -> KVCache:
-        """An empty cache on this model's device and dtype."""
+    def new_cache(self, capacity: int = 64, limit: int | None = None) -> KVCache:
+        """An empty cache on this model's device and dtype (``limit``: :class:`KVCache`)."""
         p = self.embed.weight
-        return KVCache(self.cfg, device=p.device, dtype=p.dtype, capacity=capacity)
+        return KVCache(self.cfg, device=p.device, dtype=p.dtype, capacity=capacity, limit=limit)
 
     def prefill(self, token_ids: Tensor, cache: KVCache) -> Tensor:
         """Append ``token_ids`` (T,) to ``cache`` at offset ``cache.length``; return (T, vocab) logits.

@@ -101,7 +101,9 @@ class Engine(Protocol):
         ...
 
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Allocate a sequence. ``prompt_ids`` may end with tokens generated before a pause."""
+        """Allocate a sequence. ``prompt_ids`` may end with tokens generated before a pause;
+        ``params.max_tokens`` counts the tokens still to generate after them (an engine may
+        size the sequence's KV for ``prompt_ids`` + ``max_tokens``)."""
         ...
 
     def remove(self, seq_id: str) -> None:

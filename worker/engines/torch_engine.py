@@ -79,8 +79,10 @@ def default_dtype(device: torch.device) -> torch.dtype:
 
 
 def default_kv_capacity(cfg: ModelConfig, device: torch.device, dtype: torch.dtype) -> int:
-    """KV tokens to allow: 45 % of free GPU memory (caches grow by doubling, so up to 2x
-    that is allocated), or 2 GiB worth (at most 64K tokens) on CPU."""
+    """KV tokens to allow: 45 % of free GPU memory, or 2 GiB worth (at most 64K tokens) on
+    CPU. A sequence's cache grows by doubling up to its prompt + max_tokens, so the caches
+    stay within the KV the held requests reserve; room is left for a look-ahead request
+    that starts past its reservation, whose cache may double up to 2x its KV used."""
     per_token = cfg.kv_bytes_per_token(dtype)
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
@@ -209,9 +211,13 @@ class TorchEngine:
     def add(self, seq_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         seed = params.seed if params.seed is not None else secrets.randbits(63)
         entry = self._table.add(seq_id, prompt_ids, params, seed)
+        # The most it will hold: its prompt and max_tokens (less the last token, never fed back),
+        # what the claim reserves and the scheduler accounts; never more than the KV capacity.
+        limit = min(entry.prompt_len + params.max_tokens - 1, self.kv_capacity_tokens)
         try:
-            # Room for the prompt and a first stretch of output; the cache doubles beyond that.
-            self._caches[seq_id] = self.model.new_cache(capacity=entry.prompt_len + 64)
+            # Room for the prompt and a first stretch of output; the cache doubles beyond that,
+            # up to the limit.
+            self._caches[seq_id] = self.model.new_cache(capacity=entry.prompt_len + 64, limit=limit)
         except BaseException:
             # (a CUDA OOM): not in the table either, or the id could never be added again
             self._table.remove(seq_id)
