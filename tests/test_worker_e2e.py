@@ -309,8 +309,9 @@ async def test_prompt_too_long_for_the_engine_fails_clearly(env) -> None:
     assert c.answers[small].done is not None
     err = c.answers[big].error
     # refused: a retry fails the same way (its frontend answers 400), and the class's targets
-    # do not count it; its record says failed
-    assert err is not None and err["code"] == "refused" and "exceeds this worker's context" in err["msg"]
+    # do not count it; its record says failed. Claim refuses it (told the worker's context,
+    # the shortest of its KV and its model's max_seq_len, no worker of the pool holds it).
+    assert err is not None and err["code"] == "too_large" and "does not fit any worker" in err["msg"], err
     assert (await c.record(big))["state"] == "failed"
     assert [s["outcome"] for s in await c.samples() if s["request_id"] == big] == ["refused"]
 

@@ -1361,6 +1361,7 @@ class _QueueRuntime:
         self.held: dict[str, Any] = {}
         self.queue: list[Delivery] = []
         self.claims: list[tuple[int, int, str]] = []
+        self.totals: list[int] = []  # each claim's kv_total: what the worker can ever hold
 
     @property
     def claim_left_backlog(self) -> bool:
@@ -1372,11 +1373,14 @@ class _QueueRuntime:
     async def claim(self, n: int, room: int, above: str, kv_total: int, avoid_tenants: Any = (),
                     avoid_from: str = "") -> list[Any]:
         self.claims.append((n, room, above))
+        self.totals.append(kv_total)
         out, closed = [], set()
         for d in sorted(self.queue, key=lambda d: RANKS[d.claimed.cls]):
             cls = d.claimed.cls
             if len(out) >= n or cls in closed or (above and RANKS[cls] >= RANKS[above]):
                 continue
+            if kv_total and d.claimed.input_tokens + 1 > kv_total:
+                continue  # never fits this worker: left to a bigger one
             need = d.claimed.input_tokens + d.claimed.max_tokens
             if need > room:
                 closed.add(cls)
@@ -1450,6 +1454,21 @@ async def test_a_light_tenant_reaches_a_worker_whose_flood_runs_past_its_kv_rese
     await _looks(loop, 3)
     assert len(rt.held) == 3 and not loop.sched.waiting
     assert loop._tenant_lookahead() == ("", ["flood"], "P2")
+
+
+async def test_claim_is_told_the_models_context_when_it_is_shorter_than_the_kv() -> None:
+    """Claim was told the worker's KV as what it can ever hold: with a model whose context is
+    shorter (a 16K model on a 64K KV), the worker took prompts past its context and refused
+    them (400), where a bigger worker of the pool would have served them (a review)."""
+    from worker.claim_step_loop import StepLoop
+
+    rt = _QueueRuntime()
+    loop = StepLoop(rt, SimEngine(time_scale=0, kv_capacity_tokens=1000, max_seq_len=200),  # type: ignore[arg-type]
+                    Limits(token_budget=64, max_seqs=rt.settings.max_seqs, kv_capacity=1000))
+    rt.queue = [_queued("long", "P1", 500, 10), _queued("short", "P1", 50, 10)]
+    await _looks(loop, 1)
+    assert rt.totals and set(rt.totals) == {200}
+    assert "short" in rt.held and "long" not in rt.held  # left to a worker whose model holds it
 
 
 async def test_a_p0_reaches_a_worker_a_few_tokens_short_of_full_as_it_does_one_exactly_full() -> None:

@@ -92,6 +92,11 @@ class StepLoop:
         self.sched = build_scheduler(engine, limits, rt.settings, rt.cfg.classes)
         budget = self.sched.budget
         self.kv_capacity = min(limits.kv_capacity, engine.kv_capacity_tokens)
+        # What claim is told this worker can ever hold (its kv_total): the KV, or the model's
+        # context when shorter. Told the KV alone, a worker took prompts past its model's
+        # context (a 16K model on a 64K KV in a pool of 32K contexts) and refused them (400),
+        # where a bigger worker of the pool would have served them (a review).
+        self.claim_total = self.sched.max_context() + 1
         self._lost: set[str] = set()
         self._stop: set[str] = set()
         # pushes Redis refused (past a request's max_tokens): those requests fail, alone
@@ -402,7 +407,7 @@ class StepLoop:
             return
         elif now < self._next_claim:
             await asyncio.sleep(self._next_claim - now)
-        got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
+        got = await self.rt.claim(n, room, above, self.claim_total, avoid, avoid_from)
         if not got and held and room < self.kv_capacity and self.rt.claim_left_backlog \
                 and time.monotonic() >= self._next_lookahead and (ahead := self._lookahead()) is not None:
             # Work is queued and none of it fits the room left, a few tokens short of full or a
@@ -410,7 +415,7 @@ class StepLoop:
             # fit closed its class for the claim and never reached a worker a few tokens short
             # of full (at exactly full, the look-ahead took it at once and preempted a P2).
             n, room, above, avoid, avoid_from = ahead
-            got = await self.rt.claim(n, room, above, self.kv_capacity, avoid, avoid_from)
+            got = await self.rt.claim(n, room, above, self.claim_total, avoid, avoid_from)
             if not got:
                 self._next_lookahead = time.monotonic() + s.claim_interval_ms / 1e3
         if got:
