@@ -239,6 +239,9 @@ local function main()
       if p.class[pick].fair then redis.call('HSET', P_VTIME .. pick, tenant, s) end
     else
       local r = load_request(id, CLAIM_FIELDS)
+      -- its max wait passed, or its client's frontend is gone: it ends here, not on a worker
+      local ends = r ~= nil and r.state == 'queued'
+        and (r.deadline_ms <= now or not frontend_alive(p, r.frontend, now))
       if r == nil or r.state ~= 'queued' then
         -- an index entry without a queued record (only after a partial failure): drop it
         redis.call('ZREM', tenant_queue(pick, tenant), id)
@@ -247,8 +250,12 @@ local function main()
           q.n[pick] = q.n[pick] - 1
           if redis.call('HINCRBY', K_QUEUED, pick, -1) <= 0 then redis.call('HSET', K_QUEUED, pick, 0, pick .. '.cost', 0) end
         end
-      elseif r.deadline_ms <= now or not frontend_alive(p, r.frontend, now) then
-        if finishes <= 0 then break end
+      elseif ends and finishes <= 0 then
+        -- its head needs a finish this call cannot afford: the class waits for the next call,
+        -- the others go on (a break here handed out nothing while a dead frontend's requests
+        -- headed a class, and idle workers backed off from work that was there)
+        closed[pick] = true
+      elseif ends then
         finishes = finishes - 1
         r = load_request(id)  -- the whole record: a finish gives back what was charged
         if r.deadline_ms <= now then
@@ -261,8 +268,10 @@ local function main()
         local need = r.input_tokens + r.max_tokens
         if kv_total > 0 and need > kv_total then need = kv_total end
         local never = kv_total > 0 and r.input_tokens + 1 > kv_total
-        if never and largest_kv() < r.input_tokens + 1 and largest_listed < r.input_tokens + 1 then
-          if finishes <= 0 then break end
+        local refuse = never and largest_kv() < r.input_tokens + 1 and largest_listed < r.input_tokens + 1
+        if refuse and finishes <= 0 then
+          closed[pick] = true  -- as above: refused by a later call, the other classes go on
+        elseif refuse then
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any worker of the pool (largest KV '
             .. 'room: ' .. math.max(kv_total, largest_listed) .. ' tokens)'

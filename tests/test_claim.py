@@ -512,6 +512,27 @@ async def test_requests_of_a_dead_frontend_are_cancelled_not_run(scripts, pool):
     assert float(rec[b"refund"]) == float(rec[b"cost"]) > 0
 
 
+async def test_a_class_headed_by_more_dead_requests_than_a_call_finishes_does_not_hold_up_the_others(
+        scripts, pool):
+    """A claim finishes at most 16 requests (expired, or of a dead frontend); when those headed
+    a class it stopped there and handed out nothing, though other classes had work: idle
+    workers backed off from work that was there (a review). The class waits for the next
+    call; the others go on."""
+    await scripts.client.zadd(pool.frontends, {"gone": 1})  # last heartbeat in 1970
+    for i in range(40):
+        await admit(scripts, pool, cls="P0", request_id=f"orphan{i}", frontend="gone", input_tokens=1,
+                    max_tokens=1)
+    await admit(scripts, pool, cls="P1", request_id="live", input_tokens=1, max_tokens=1)
+    got = await scripts.claim(pool, "w1", 5)
+    assert [c.request_id for c in got.requests] == ["live"]
+    states = [await scripts.client.hget(pool.request(f"orphan{i}"), "state") for i in range(40)]
+    assert 0 < states.count(b"cancelled") <= 16  # one call's bounded work, the rest next time
+    for _ in range(3):
+        await scripts.claim(pool, "w1", 5)
+    states = [await scripts.client.hget(pool.request(f"orphan{i}"), "state") for i in range(40)]
+    assert states == [b"cancelled"] * 40
+
+
 async def test_admit_wakes_a_blocked_worker(scripts, pool):
     await scripts.client.delete(pool.wake)
 
