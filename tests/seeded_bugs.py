@@ -220,9 +220,7 @@ BUGS = (
         "local c_ceil = h and bucket_debit(h, r.cost, -c.ceil_burst) or 0"),
     Bug("refund_caps_at_admitted_burst", "a refund reads the tenant's bucket with the quota its "
         "request was admitted under (a raised quota is cut back to the old burst)",
-        "include/refund.lua", "  if cached then", "  if false then",
-        also=(("include/refund.lua", "    rate, burst = tonumber(v[1]) or rate, tonumber(v[2]) or burst",
-               "    rate, burst = r.t_rate, r.t_burst"),)),
+        "include/refund.lua", "r.t_rate, r.t_burst, now, true)", "r.t_rate, r.t_burst, now)"),
     Bug("guarantee_wait_after_ceiling", "admission's wait takes the guarantee path's as a cap after "
         "the ceiling's floor (a class in ceiling debt admits what can only expire)",
         "admit.lua",

@@ -26,16 +26,20 @@ local function bucket_write(b)
   end
 end
 
-local function bucket_get(key, rate, burst, now)
+-- `stored`: use the rate and burst the bucket was last written under (those of this call if
+-- it used the bucket already), `rate` and `burst` only for a bucket that has none (a refund:
+-- the quota may have changed since its request was admitted).
+local function bucket_get(key, rate, burst, now, stored)
   local b = BUCKETS[key]
-  if b and b.rate == rate and b.burst == burst then return b end
+  if b and (stored or (b.rate == rate and b.burst == burst)) then return b end
   if b then
     -- Used again in this call with another rate or burst (two requests of one tenant
     -- admitted in one call under two configurations): written back now and read again, as a
     -- call of its own would find it at this same time.
     bucket_write(b)
   end
-  local v = redis.call('HMGET', key, 'tokens', 'ts', 'start', 'refilled', 'debited', 'refunded')
+  local v = redis.call('HMGET', key, 'tokens', 'ts', 'start', 'refilled', 'debited', 'refunded', 'rate', 'burst')
+  if stored then rate, burst = tonumber(v[7]) or rate, tonumber(v[8]) or burst end
   local tokens, ts = tonumber(v[1]), tonumber(v[2])
   b = {key = key, rate = rate, burst = burst, now = now, dirty = false}
   if tokens == nil or ts == nil then

@@ -10,18 +10,10 @@
 local function refund_request(p, r, used, now)
   local unused = math.max(r.cost - used, 0)
   local given = {refund = unused}
-  -- the tenant's quota as last used (admit writes it with the bucket), not the one the
-  -- request was admitted under: a quota changed since must not re-cap the bucket
-  local tkey = P_BUCKET .. 'tenant:' .. r.tenant
-  local rate, burst = r.t_rate, r.t_burst
-  local cached = BUCKETS[tkey]
-  if cached then
-    rate, burst = cached.rate, cached.burst
-  else
-    local v = redis.call('HMGET', tkey, 'rate', 'burst')
-    rate, burst = tonumber(v[1]) or rate, tonumber(v[2]) or burst
-  end
-  given.r_tenant = bucket_credit(bucket_get(tkey, rate, burst, now), math.min(unused, r.c_tenant))
+  -- the tenant's quota as its bucket was last written under, not the one the request was
+  -- admitted under: a quota changed since must not re-cap the bucket
+  given.r_tenant = bucket_credit(bucket_get(P_BUCKET .. 'tenant:' .. r.tenant, r.t_rate, r.t_burst, now, true),
+    math.min(unused, r.c_tenant))
   local c = p.class[r.class]
   given.r_class, given.r_ceil = 0, 0
   if c then
