@@ -21,7 +21,9 @@ docs/control-law.md states the law as equations and argues why it settles; in br
 * When every class at or above i is comfortable and i used its allowance, ``a_i`` grows by
   ``relax_step`` (5 %) toward its ceiling -- the top class's own cut is undone first, then
   lower guarantees, then borrowing. A cut remembers where the SLO broke: relaxing may
-  go back at most one step / halfway toward that level, until the load or capacity changes.
+  go back at most one step / halfway toward that level, until capacity changes or the load
+  of the class it protects moves (smoothed over ``load_smoothing_s``, and for half as long
+  again: a second's measure of it is Poisson noise).
 * Capacity moves the rates only when the plant really changed: at once when a worker joins
   or leaves (a step), otherwise when the estimate has stayed more than
   ``capacity_deadband`` (10 %) away, on the same side, for ``capacity_persist_s`` (two
@@ -56,6 +58,9 @@ class ControlTunables:
     use_threshold: float = 0.9  # "used its allowance": served >= 90 % of a_i C
     capacity_deadband: float = 0.10  # capacity moves smaller than this are ignored
     reset_load_change: float = 0.25  # forget a remembered limit when its owner's use moves 25 %
+    # ...its use smoothed over this long (an EWMA), the move lasting half as long again; 0 =
+    # each tick's figure, at once (a second's claims are Poisson: +-22 % at 20 requests/s)
+    load_smoothing_s: float = 60.0
     memory: bool = True  # a cut remembers where the SLO broke, and relaxing stops short of it
     min_change: float = 0.005  # relative allowance moves below this are not worth a write
 
@@ -114,6 +119,7 @@ class ControlConfig(ControlTunables):
             ("capacity_deadband", 0 <= self.capacity_deadband < 1, "must be in [0, 1)"),
             ("capacity_persist_s", 0 <= self.capacity_persist_s <= 3600, "must be in [0, 3600]"),
             ("reset_load_change", 0 < self.reset_load_change < math.inf, "must be > 0 and finite"),
+            ("load_smoothing_s", 0 <= self.load_smoothing_s <= 3600, "must be in [0, 3600]"),
             ("min_change", 0 <= self.min_change < self.relax_step, "must be in [0, relax_step)"),
         ]
         for name, ok, message in ranges:
@@ -141,8 +147,17 @@ class ClassState:
     allowance: float  # a_i, share of capacity
     cap: float | None = None  # remembered relax limit (share), set by a cut
     cap_owner: str | None = None  # the class whose violation caused the cut
-    cap_ref: float = 0.0  # that class's used share when the cut was made
+    cap_ref: float = 0.0  # that class's smoothed used share (its ``load``) when the cut was made
     recovering: bool = False  # fell below ``low`` and is not yet back at ``target``
+    # The class's used share smoothed over ``load_smoothing_s`` (an exponentially weighted
+    # mean, normalised by its weight so that its first ticks are a plain mean); None: no
+    # tick yet. ``load_since_ms``: its first tick (how much history it has).
+    load: float | None = None
+    load_weight: float = 0.0
+    load_since_ms: float = 0.0
+    cap_ref_young: bool = False  # ``cap_ref`` follows the owner's load until it has a full period
+    cap_moved_ms: float | None = None  # the owner's load has been past reset_load_change since
+    cap_moved_up: bool = False  # ...above ``cap_ref`` (else below)
 
 
 @dataclass(frozen=True)
@@ -156,6 +171,7 @@ class ControlState:
     workers: int = 0  # live workers behind ``capacity`` when it was set (0: not from heartbeats)
     drift_since_ms: float | None = None  # the estimate left the dead band then (and stayed out)
     drift_up: bool = False  # ...on this side
+    ticked_ms: float | None = None  # the last decision's time: how far each smoothed load moves
 
     @classmethod
     def initial(cls, config: ControlConfig, capacity: float) -> ControlState:
@@ -336,10 +352,11 @@ def _check_inputs(config: ControlConfig, inputs: Inputs) -> None:
 class _Plan:
     """Mutable scratch for one decision: new allowances, caps and reasons."""
 
-    def __init__(self, state: ControlState, used: list[float]) -> None:
+    def __init__(self, state: ControlState, used: list[float], now_ms: float) -> None:
         self.config = state.config
         self.classes = list(state.classes)
-        self.used = used  # shares of capacity
+        self.used = used  # shares of capacity, this tick's: cuts are sized from them (no lag)
+        self.now_ms = now_ms
         self.reasons = ["hold"] * len(self.classes)
         self.moved: set[int] = set()
 
@@ -356,8 +373,8 @@ class _Plan:
             cap = max(new, min(new * (1 + self.config.relax_step), (level + new) / 2))
             old = self.classes[i].cap
             cap = cap if old is None else min(cap, old)
-            name = self.config.classes[owner]
-            self.classes[i] = replace(self.classes[i], cap=cap, cap_owner=name, cap_ref=self.used[owner])
+            self.classes[i] = replace(self.classes[i], cap=cap, cap_owner=self.config.classes[owner],
+                                      **_reference(self.config, self.classes[owner], self.now_ms))
 
 
 def _tighten(plan: _Plan, k: int) -> None:
@@ -419,6 +436,54 @@ def _relax(plan: _Plan, status: list[str]) -> None:
                 plan.reasons[i] = "priority"  # a higher tier is being restored first
 
 
+def _track_load(state: ControlState, used: list[float], now_ms: float) -> ControlState:
+    """Each class's ``load``: this tick's used share folded into an exponentially weighted
+    mean over ``load_smoothing_s`` of time, whatever the tick. A clock that stepped back
+    moves nothing."""
+    tau_ms = state.config.load_smoothing_s * 1000
+    dt = 0.0 if state.ticked_ms is None else max(0.0, now_ms - state.ticked_ms)
+    keep = math.exp(-dt / tau_ms) if tau_ms > 0 else 0.0
+    classes = []
+    for c, u in zip(state.classes, used, strict=True):
+        if c.load is None:
+            classes.append(replace(c, load=u, load_weight=1.0, load_since_ms=now_ms))
+        else:
+            weight = keep * c.load_weight + 1.0
+            classes.append(replace(c, load=c.load + (u - c.load) / weight, load_weight=weight))
+    return replace(state, classes=tuple(classes), ticked_ms=now_ms)
+
+
+def _reference(cfg: ControlConfig, owner: ClassState, now_ms: float) -> dict[str, object]:
+    """A limit's reference: the owner's smoothed load now; still "young" (it keeps following
+    the load) while that load has less than one ``load_smoothing_s`` of history -- a cut in a
+    term's first seconds would otherwise be measured against a mean of two or three ticks."""
+    young = now_ms - owner.load_since_ms < cfg.load_smoothing_s * 1000
+    return {"cap_ref": owner.load or 0.0, "cap_ref_young": young, "cap_moved_ms": None}
+
+
+def _forget_moved_limits(plan: _Plan) -> None:
+    """Forget a remembered limit once its owner's smoothed load has been more than
+    ``reset_load_change`` away from the limit's reference, on the same side, for half of
+    ``load_smoothing_s`` (at once with no smoothing): its reason is gone."""
+    cfg, now_ms = plan.config, plan.now_ms
+    for i, c in enumerate(plan.classes):
+        if c.cap is None or c.cap_owner is None:
+            continue
+        owner = plan.classes[cfg.classes.index(c.cap_owner)]
+        if c.cap_ref_young:
+            c = plan.classes[i] = replace(c, **_reference(cfg, owner, now_ms))
+        ref, load = c.cap_ref, owner.load or 0.0
+        if abs(load - ref) <= cfg.reset_load_change * max(ref, 1e-9):
+            plan.classes[i] = replace(c, cap_moved_ms=None)
+            continue
+        up, since = load > ref, c.cap_moved_ms
+        if since is None or c.cap_moved_up != up or since > now_ms:  # (a clock stepped back: afresh)
+            since = now_ms
+            c = plan.classes[i] = replace(c, cap_moved_ms=since, cap_moved_up=up)
+        if now_ms - since >= cfg.load_smoothing_s * 500:
+            plan.classes[i] = replace(c, cap=None, cap_owner=None, cap_ref=0.0, cap_moved_ms=None)
+
+
 def _follow_capacity(state: ControlState, inputs: Inputs, now_ms: float,
                      cooling: bool) -> tuple[ControlState, bool]:
     """Whether to rescale to ``inputs.capacity`` now, and the state's drift bookkeeping.
@@ -463,18 +528,24 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
         # Rescale every rate at once (a lost worker must not overload the rest); shares and
         # allowances are unchanged, remembered limits are void: the plant changed. A violation
         # episode goes on (it ends when the class is back above target, not on a rescale).
-        classes = tuple(ClassState(c.name, c.allowance, recovering=c.recovering) for c in state.classes)
-        new_state = ControlState(cfg, float(inputs.capacity), classes, now_ms, workers=inputs.workers)
+        # A smoothed load is the same work as a share of the new capacity.
+        scale = state.capacity / inputs.capacity
+        classes = tuple(
+            ClassState(c.name, c.allowance, recovering=c.recovering, load_weight=c.load_weight,
+                       load=None if c.load is None else min(1.0, c.load * scale),
+                       load_since_ms=c.load_since_ms)
+            for c in state.classes
+        )
+        new_state = ControlState(cfg, float(inputs.capacity), classes, now_ms, workers=inputs.workers,
+                                 ticked_ms=state.ticked_ms)
+        new_state = _track_load(new_state, [min(1.0, inp.used / inputs.capacity) for inp in ins], now_ms)
         reasons = ["capacity_change"] * len(ins)
         return _finish(new_state, ins, old_rates, reasons, now_ms, True, state.capacity)
 
     used = [min(1.0, inp.used / state.capacity) for inp in ins]
-    plan = _Plan(state, used)
-    for i, c in enumerate(plan.classes):  # forget limits whose reason (the owner's load) moved
-        if c.cap is not None and c.cap_owner is not None:
-            ref, now = c.cap_ref, used[cfg.classes.index(c.cap_owner)]
-            if abs(now - ref) > cfg.reset_load_change * max(ref, 1e-9):
-                plan.classes[i] = replace(c, cap=None, cap_owner=None, cap_ref=0.0)
+    state = _track_load(state, used, now_ms)
+    plan = _Plan(state, used, now_ms)
+    _forget_moved_limits(plan)
 
     status = [_status(cfg, inp, c.recovering) for inp, c in zip(ins, state.classes, strict=True)]
     violating = [k for k, s in enumerate(status) if s == "violating"]
