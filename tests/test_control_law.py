@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import random
-from collections.abc import Sequence
 
 import pytest
 from hypothesis import event, example, given, settings
@@ -98,8 +97,6 @@ def test_defaults_are_the_original_problems_numbers() -> None:
         ("reset_load_change", float("inf")),
         ("load_smoothing_s", -1.0),
         ("load_smoothing_s", float("inf")),
-        ("futile_cuts", -1),
-        ("futile_cuts", 1.5),
         ("min_samples", 2000),
         ("burst_s", 0.0),
         ("use_threshold", 0.0),
@@ -475,130 +472,6 @@ def test_strong_evidence_is_a_verdict_before_min_samples() -> None:
     assert not d.changed and reasons(d)[0] != "overloaded"
     d = decide(state(), inputs(p0=(0.0, 19, 0.45), p2=(None, 0, 0.25)), 0.0)
     assert not d.changed  # below STRONG_MIN_SAMPLES: nothing is strong
-
-
-def p0_verdicts(s: ControlState, verdicts: list[tuple[float, int]], t0: float = 0.0,
-                p2_used: float = 0.25) -> list[Decision]:
-    """One decision per cooldown, P0's fresh verdict each time (P2 using what it may)."""
-    out = []
-    for k, (q, n) in enumerate(verdicts):
-        p2 = min(p2_used, s.classes[2].allowance)
-        d = decide(s, inputs(p0=(q, n, 0.45), p2=(None, 0, p2)), t0 + k * CFG.cooldown_s * 1000)
-        out.append(d)
-        s = d.state
-    return out
-
-
-def test_cuts_that_change_nothing_significant_end_the_episode_and_are_undone() -> None:
-    """P0 dips to 94 % and then sits at 96 % whatever is cut: after three cuts the last two
-    changed nothing, so the episode ends (reason ``futile``), the limits it set go, and P0's
-    base is the level it sat at: at it, the lower classes relax again."""
-    ds = p0_verdicts(state(), [(0.94, 1000), (0.96, 500), (0.962, 500), (0.958, 500), (0.96, 500)])
-    assert [reasons(d)[2] for d in ds[:3]] == ["tighten_lower_for_P0"] * 3
-    assert allowances(ds[2])[2] == pytest.approx(0.101, abs=1e-3)  # 0.25 -> 0.195 -> 0.1455 -> 0.101
-    futile = ds[3]
-    assert reasons(futile)[0] == "futile" and not futile.changed
-    p0, p2 = futile.state.classes[0], futile.state.classes[2]
-    assert not p0.recovering and p2.cap is None  # the limits the futile cuts set are gone
-    assert p0.base == pytest.approx(0.96, abs=0.005)  # the verdicts behind the futile cuts
-    assert futile.record()["classes"]["P0"]["base"] == p0.base  # in the decision's log
-    assert reasons(ds[4])[2] == "relax"  # P0 at its base: comfortable
-
-
-def test_cuts_that_help_are_not_futile_however_many() -> None:
-    """A flood: each cut brings a significant rise, so the law cuts on until the target."""
-    ds = p0_verdicts(state(), [(0.90, 1000), (0.50, 375), (0.78, 375), (0.96, 375), (0.992, 375)])
-    assert [reasons(d)[2] for d in ds[:4]] == ["tighten_lower_for_P0"] * 4
-    assert not ds[4].state.classes[0].recovering and ds[4].state.classes[0].base is None
-    # Worse and worse (the flood still growing) is no reason to stop either.
-    ds = p0_verdicts(state(), [(0.90, 1000), (0.80, 375), (0.70, 375), (0.55, 375)])
-    assert [reasons(d)[2] for d in ds] == ["tighten_lower_for_P0"] * 4
-
-
-def test_futile_cuts_zero_keeps_cutting_until_the_target() -> None:
-    law = dataclasses.replace(CFG, futile_cuts=0)
-    ds = p0_verdicts(state(cfg=law), [(0.94, 1000)] + [(0.96, 500)] * 5)
-    assert all(d.changed and d.state.classes[0].recovering for d in ds)  # a cut every cooldown
-
-
-def test_with_a_base_the_band_follows_it() -> None:
-    """A class whose futile cuts found it at 95.5 %: at it (not below it, significantly) the
-    lower classes relax; a little below it the law holds; a new episode needs it the band's
-    width (4 points) below its base, and certainly, fresh and over the whole window."""
-    s = state((1.0, 1.0, 0.2))
-    p0 = dataclasses.replace(s.classes[0], base=0.955, base_n=1000)
-    based = dataclasses.replace(s, classes=(p0, *s.classes[1:]))
-    d = decide(based, inputs(p0=(0.945, 1000, 0.45), p2=(None, 0, 0.2)), 0.0)
-    assert reasons(d)[2] == "relax"  # below 95 %, but at its base
-    d = decide(based, inputs(p0=(0.93, 1000, 0.45), p2=(None, 0, 0.2)), 0.0)
-    assert not d.changed and reasons(d) == ("hold", "hold", "hold")  # below its base, in its band
-    d = decide(based, inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.2)), 0.0)
-    assert reasons(d)[2] == "tighten_lower_for_P0"  # under its band: a new episode
-    d = decide(d.state, inputs(p0=(0.958, 500, 0.45), p2=(None, 0, 0.15)), 5000.0)
-    assert not d.state.classes[0].recovering and d.state.classes[2].cap is not None  # back at its base
-    # Back at the target, fresh and over the whole window: the base is forgotten.
-    d = decide(d.state, inputs(p0=(0.995, 1000, 0.45), p2=(None, 0, 0.15)), 10_000.0)
-    assert d.state.classes[0].base is None
-
-
-def test_one_lucky_verdict_does_not_end_an_episode_before_the_window_agrees() -> None:
-    """100 fresh samples at 99 % are what a class at 97 % shows one time in five: the
-    episode holds until the whole window is back too, and cuts again if the class is then
-    certainly short of the target."""
-    def with_window(i: Inputs, whole: float) -> Inputs:
-        p0 = dataclasses.replace(i.classes["P0"], window_compliance=whole)
-        return dataclasses.replace(i, classes={**i.classes, "P0": p0})
-
-    d = decide(state(), inputs(p0=(0.90, 1000, 0.45), p2=(None, 0, 0.25)), 0.0)
-    d = decide(d.state, with_window(inputs(p0=(0.99, 100, 0.45), p2=(None, 0, 0.195)), 0.95), 5000.0)
-    assert d.state.classes[0].recovering and reasons(d) == ("hold", "hold", "hold")
-    short = decide(d.state, with_window(inputs(p0=(0.985, 400, 0.45), p2=(None, 0, 0.195)), 0.96), 6000.0)
-    assert short.state.classes[0].recovering and not short.changed  # not certainly short: holds
-    d = decide(d.state, with_window(inputs(p0=(0.97, 1000, 0.45), p2=(None, 0, 0.195)), 0.97), 10_000.0)
-    assert reasons(d)[2] == "tighten_lower_for_P0"
-    # ... and a class really back ends it once the window is: in the old way.
-    d = decide(d.state, with_window(inputs(p0=(0.995, 500, 0.45), p2=(None, 0, 0.15)), 0.991), 15_000.0)
-    assert not d.state.classes[0].recovering
-
-
-# --- a class whose misses are not the lower classes' doing (tests/support/verdict_plant.py) ---
-def test_a_steady_p0_inside_the_hold_band_does_not_ratchet_the_lower_classes_to_their_floors() -> None:
-    """P0 sits at a steady 96 % (its own TPOT misses, say: no cut changes it), inside the
-    95-99 % band. A fresh verdict's noise dips below 95 % now and then; the episode that
-    starts then used to cut every cooldown until 99 %, which never came, and nothing relaxes
-    while P0 is in the band: P1 went from 35 % to its 10.5 % floor (a review, 2026-12-06)."""
-    r = verdict_plant.run(verdict_plant.steady(0.96), 7200, rates=(20, 10), seed=2)
-    p1 = [a[1] for a in r.allowances]
-    p2_last_hour = [a[2] for a in r.allowances[3600:]]
-    assert min(p1) >= 0.30, f"P1 cut to {min(p1):.3f}, below the 0.30 it uses"
-    assert sum(p2_last_hour) / 3600 >= 0.20, f"P2 held at {min(p2_last_hour):.3f} of its 0.25"
-    assert r.changes_after(3600) <= 10, r.changes[-12:]
-
-
-def test_one_transient_violation_is_undone_when_p0_returns_to_its_usual_band_level() -> None:
-    """Three seconds of a real P0 problem (85 %), then P0 back at its usual 97 %: the cuts
-    it caused used to stay for good (P2 at 4 % of capacity an hour later)."""
-    r = verdict_plant.run(verdict_plant.transient(0.97, 0.85, 60, 3), 3600, seed=1)
-    assert any(c[1][2].startswith("tighten") for c in r.changes)  # the transient was answered
-    late = r.allowances[1800:]
-    assert min(a[2] for a in late) >= 0.25, "P2 still cut half an hour later"
-    assert min(a[1] for a in late) >= 0.30
-    assert r.changes_after(1800) <= 2, r.changes[-5:]
-
-
-def test_real_interference_is_still_cut_when_the_class_never_reaches_its_target() -> None:
-    """P0 meets 96 % at best (its own misses) and falls to 80 % while P2 uses more than 12 %
-    of capacity: the cuts that help are kept, those that do not are undone, and it settles
-    with P2 below the level that hurts P0 and P1 where it was. The old law cut both lower
-    classes to their floors, chasing a 99 % that no cut could bring."""
-    def p0(t: int, a: Sequence[float]) -> float:
-        return 0.96 if min(0.25, a[2]) <= 0.12 else 0.80
-
-    r = verdict_plant.run(p0, 1800, seed=1)
-    late = r.allowances[900:]
-    assert max(min(0.25, a[2]) for a in late) <= 0.12  # P2 kept where P0 is fine
-    assert min(a[1] for a in late) >= 0.30  # P1 was never the trouble: its cut was undone
-    assert r.changes_after(900) <= 2, r.changes[-5:]
 
 
 # --- the memory under a measured load -----------------------------------------------------

@@ -10,18 +10,8 @@ docs/control-law.md states the law as equations and argues why it settles; in br
 * A class with an SLO is judged on fresh evidence only: >= ``min_samples`` samples that
   finished at least ``settle_s`` after the last change. Below ``low`` (95 %) it *violates*,
   and it keeps violating until it is back at ``target`` (99 %) -- an episode ends at the
-  target (fresh, and then over the whole window too: a hundred fresh samples at 99 % are
-  what a class at 97 % shows one time in five), not at the edge of the band. Otherwise
-  95-99 % holds (the dead band); >= 99 %, over the whole window too, is *comfortable*. At
-  most one change per ``cooldown_s``.
-* The law assumes the lower classes cause a violation. When an episode's last
-  ``futile_cuts`` (2) cuts changed the class's compliance by nothing significant, they were
-  futile: the episode ends (``futile``), the limits it set go back to what they were, and
-  the level the class sat at becomes its *base* (measured over a whole window while the
-  lower classes are still cut). The base is its goal in place of ``target``: at it (not
-  significantly below) the class is comfortable and the lower classes relax again, and the
-  band follows it: a new episode needs the class the band's width below its base, and
-  certainly. Until it is back at ``target``, or capacity changes.
+  target, not at the edge of the band. Otherwise 95-99 % holds (the dead band); >= 99 %,
+  over the whole window too, is *comfortable*. At most one change per ``cooldown_s``.
 * Violation of class k removes ``tighten_step`` (10 %) of the load of the classes below it,
   lowest class first, borrowing before guarantees, never below a class's rate floor
   (``min_shares``). When nothing below k can give, the law holds (``overloaded``): the rates
@@ -72,9 +62,6 @@ class ControlTunables:
     # each tick's figure, at once (a second's claims are Poisson: +-22 % at 20 requests/s)
     load_smoothing_s: float = 60.0
     memory: bool = True  # a cut remembers where the SLO broke, and relaxing stops short of it
-    # an episode whose last this many cuts changed the class's compliance by nothing
-    # significant ends, its limits undone; 0 = never (cut until the target, as before)
-    futile_cuts: int = 2
     min_change: float = 0.005  # relative allowance moves below this are not worth a write
 
 
@@ -134,8 +121,6 @@ class ControlConfig(ControlTunables):
             ("reset_load_change", 0 < self.reset_load_change < math.inf, "must be > 0 and finite"),
             ("load_smoothing_s", 0 <= self.load_smoothing_s <= 3600, "must be in [0, 3600]"),
             ("min_change", 0 <= self.min_change < self.relax_step, "must be in [0, relax_step)"),
-            ("futile_cuts", isinstance(self.futile_cuts, int) and not isinstance(self.futile_cuts, bool)
-             and 0 <= self.futile_cuts <= 100, "must be an integer in [0, 100]"),
         ]
         for name, ok, message in ranges:
             if not ok:
@@ -173,25 +158,6 @@ class ClassState:
     cap_ref_young: bool = False  # ``cap_ref`` follows the owner's load until it has a full period
     cap_moved_ms: float | None = None  # the owner's load has been past reset_load_change since
     cap_moved_up: bool = False  # ...above ``cap_ref`` (else below)
-    # The compliance this class was found to sit at when cuts for it were futile, over
-    # ``base_n`` samples: its goal instead of ``target`` while set (None: ``target``). Below a
-    # window of samples the base is still being measured (the class holds meanwhile).
-    # ``futile``: the futile episodes since the class was last at its target.
-    base: float | None = None
-    base_n: int = 0
-    futile: int = 0
-    # The current episode: cuts made for it, the (compliance, samples) verdicts behind its
-    # last ``futile_cuts`` cuts, and every class's limit (``_LIMIT_FIELDS``) before its first.
-    cuts: int = 0
-    trail: tuple[tuple[float, int], ...] = ()
-    # A fresh verdict of the episode was back at the goal, but not yet the whole window: it
-    # holds, and cuts again only if compliance is then significantly short of the goal.
-    reached: bool = False
-    undo: tuple[tuple[object, ...], ...] | None = None
-
-
-# What a cut sets on the class it cuts, and what a futile episode puts back.
-_LIMIT_FIELDS = ("cap", "cap_owner", "cap_ref", "cap_ref_young", "cap_moved_ms", "cap_moved_up")
 
 
 @dataclass(frozen=True)
@@ -247,7 +213,7 @@ class ClassDecision:
     """One class's outcome with the inputs that led to it, so the role can log the why."""
 
     name: str
-    reason: str  # hold|relax|tighten_lower_for_<class>|overloaded|futile|cooldown|capacity_change|
+    reason: str  # hold|relax|tighten_lower_for_<class>|overloaded|cooldown|capacity_change|
     #             floor|ceiling|capped|unused|waiting|priority|rebalance (docs/control-law.md)
     compliance: float | None
     window_compliance: float | None
@@ -256,7 +222,6 @@ class ClassDecision:
     allowance: float
     old: ClassRates
     new: ClassRates
-    base: float | None = None  # the level futile cuts found the class at, its goal (None: target)
 
 
 @dataclass(frozen=True)
@@ -305,7 +270,6 @@ class Decision:
                     "samples": c.samples,
                     "used": c.used,
                     "allowance": c.allowance,
-                    "base": c.base,
                     "old": vars(c.old),
                     "new": vars(c.new),
                 }
@@ -355,102 +319,18 @@ def compliance_upper_bound(compliance: float, samples: int, z: float = STRONG_Z)
     return (centre + spread) / (1 + z * z / n)
 
 
-def compliance_lower_bound(compliance: float, samples: int, z: float) -> float:
-    """Wilson score lower bound (the upper bound of the misses, turned round)."""
-    return 1.0 - compliance_upper_bound(1.0 - compliance, samples, z)
-
-
-# Compliance compared with a class's base, or one verdict with another, is a difference of
-# two proportions, each over its own samples: Newcombe's interval (from the two Wilson
-# intervals; sound at 20 samples as at 1000). "At its base" is anything not below it at
-# 95 % (one sided); a new episode needs compliance below it at 99.95 % (the test runs on
-# every tick, for hours: at 99 % a class sitting at its base started one every hour or so);
-# after a provisional end an episode cuts again only 99 % short of its goal; and an
-# episode's cuts are futile when the last ``futile_cuts`` moved compliance neither way at
-# 95 %. A base is measured over a whole window at the deepest cuts; each futile episode
-# after the first lowers it by BASE_STEP at least (so a fixed plant sees finitely many).
-HOLD_Z = 1.645
-START_Z = 3.29
-RESUME_Z = STRONG_Z
-FUTILE_Z = 1.645
-BASE_STEP = 0.005
-
-
-def _below(low: tuple[float, int], high: tuple[float, int], z: float) -> bool:
-    """Whether ``low`` = (compliance, samples) is below ``high`` with confidence ``z`` (one
-    sided): Newcombe's hybrid score interval for ``high - low`` lies above 0."""
-    (ql, nl), (qh, nh) = low, high
-    if nl <= 0 or nh <= 0:
-        return False
-    up = compliance_upper_bound(ql, nl, z) - ql
-    down = qh - compliance_lower_bound(qh, nh, z)
-    return qh - ql > math.sqrt(up * up + down * down)
-
-
-def _base(c: ClassState) -> tuple[float, int]:
-    return (c.base or 0.0, c.base_n)
-
-
-def _at_goal(config: ControlConfig, c: ClassState, q: float, n: int) -> bool:
-    """At ``target``; or, once measured, at the class's base: not below it."""
-    if q >= config.target:
-        return True
-    return c.base is not None and c.base_n >= config.window and not _below((q, n), _base(c), HOLD_Z)
-
-
-def _short_of_goal(config: ControlConfig, c: ClassState, q: float, n: int) -> bool:
-    """Certainly short of the goal: ``target``, or the base."""
-    if c.base is not None and c.base < config.target:
-        return _below((q, n), _base(c), RESUME_Z)
-    return compliance_upper_bound(q, n, RESUME_Z) < config.target
-
-
-def _starts_episode(config: ControlConfig, c: ClassState, q: float, n: int, whole: float) -> bool:
-    """Below ``low`` starts an episode. With a base, the band follows it: the class must be
-    the band's width (``target - low``) below its base, and certainly below the base, over
-    the fresh samples and over the whole window both (a window, not a hundred fresh
-    samples after a change: the test runs every tick for hours)."""
-    if c.base is None:
-        return q < config.low
-    floor = min(config.target, c.base) - (config.target - config.low)
-    return all(x < floor and _below((x, m), _base(c), START_Z) for x, m in ((q, n), (whole, config.window)))
-
-
-def _status(config: ControlConfig, inp: ClassInputs, c: ClassState) -> str:
+def _status(config: ControlConfig, inp: ClassInputs, recovering: bool) -> str:
     if not inp.has_slo or (inp.samples == 0 and inp.used == 0):
         return "quiet"  # no SLO, or no traffic at all: nothing to protect
-    q, n = inp.compliance, inp.samples
-    whole = q if inp.window_compliance is None else inp.window_compliance
-    measuring = c.base is not None and c.base_n < config.window and not c.recovering
-    if n < config.min_samples or q is None or whole is None or measuring:
-        if (q is not None and whole is not None and n >= min(STRONG_MIN_SAMPLES, config.min_samples)
-                and compliance_upper_bound(q, n) < config.low and _starts_episode(config, c, q, n, whole)):
+    if inp.samples < config.min_samples or inp.compliance is None:
+        if (inp.compliance is not None and inp.samples >= min(STRONG_MIN_SAMPLES, config.min_samples)
+                and compliance_upper_bound(inp.compliance, inp.samples) < config.low):
             return "violating"  # few samples, but certainly below the band
-        if measuring and q is not None and n >= config.min_samples:
-            return "band"  # its base is being measured: hold
         return "waiting"  # traffic, but not yet enough evidence since the last change
-    if c.recovering and (_short_of_goal(config, c, q, n) if c.reached else not _at_goal(config, c, q, n)):
-        return "violating"  # still short of 99 % (or of its base) since it fell below 95 %
-    if _starts_episode(config, c, q, n, whole):
-        return "violating"  # below 95 % (or, with a base, the band under it)
-    at_goal = _at_goal(config, c, q, n) and _at_goal(config, c, whole, config.window)
-    if c.recovering and not at_goal:
-        # Back at the goal on fresh samples, not yet over the whole window: hold. An episode
-        # ends when both are; one fresh verdict of 100 at 99 % is what a class sitting at
-        # 97 % shows one time in five, and its next verdict is significantly short again.
-        return "recovering"
-    return "comfortable" if at_goal else "band"
-
-
-def _futile(config: ControlConfig, c: ClassState, inp: ClassInputs) -> bool:
-    """Whether the episode's last ``futile_cuts`` cuts changed nothing significant: this
-    verdict against the one behind the first of them. The verdict that started the episode
-    is never that one (it was picked for being low: regression to the mean)."""
-    f = config.futile_cuts
-    if f == 0 or not c.recovering or c.cuts < f + 1 or len(c.trail) < f or inp.compliance is None:
-        return False
-    now = (inp.compliance, inp.samples)
-    return not (_below(now, c.trail[0], FUTILE_Z) or _below(c.trail[0], now, FUTILE_Z))
+    if inp.compliance < config.low or (recovering and inp.compliance < config.target):
+        return "violating"  # below 95 %, or still short of 99 % since it was
+    whole = inp.compliance if inp.window_compliance is None else inp.window_compliance
+    return "comfortable" if min(inp.compliance, whole) >= config.target else "band"
 
 
 def _check_inputs(config: ControlConfig, inputs: Inputs) -> None:
@@ -479,7 +359,6 @@ class _Plan:
         self.now_ms = now_ms
         self.reasons = ["hold"] * len(self.classes)
         self.moved: set[int] = set()
-        self.cutter: int | None = None  # the violating class this decision cut for
 
     def set(self, i: int, new: float, reason: str) -> None:
         self.classes[i] = replace(self.classes[i], allowance=new)
@@ -522,73 +401,11 @@ def _tighten(plan: _Plan, k: int) -> None:
             plan.reasons[i] = "floor"  # at its rate floor (the reason's name is in logs and docs)
         elif i not in plan.moved and level[i] <= cfg.min_shares[i]:
             plan.reasons[i] = "unused"  # too little load to be the interference
-    if any(i in plan.moved for i in lower):
-        plan.cutter = k
-    else:
+    if not any(i in plan.moved for i in lower):
         # Nothing below k can give. k's rates apply when workers claim: cutting k's own
         # ceiling would leave its queued requests waiting longer (and a GPU idle), never
         # shorter. Its demand beyond the pool is refused at admission (wait estimate).
         plan.reasons[k] = "overloaded"
-
-
-def _give_up(plan: _Plan, k: int, inp: ClassInputs) -> None:
-    """Class k's cuts were futile: end its episode, and put the limits it set back to what
-    they were before it (relax undoes its cuts while k stays at its base). Its base is the
-    level of the verdicts behind the futile cuts (not the one before them), to be measured
-    again over a whole window while the lower classes are still cut, if they are fewer
-    (``_measure``); after a first futile episode, below the last base by BASE_STEP."""
-    c, name = plan.classes[k], plan.config.classes[k]
-    verdicts = (*c.trail[1:], (inp.compliance or 0.0, inp.samples))
-    n = sum(m for _, m in verdicts)
-    level = sum(q * m for q, m in verdicts) / n
-    if c.futile > 0 and c.base is not None:  # (measured later, it is kept below this too)
-        step = max(0.0, c.base - BASE_STEP)
-        level = min(level, step) if n >= plan.config.window else step
-    plan.classes[k] = replace(c, base=level, base_n=n, futile=c.futile + 1)
-    for j, cj in enumerate(plan.classes):
-        if c.undo is not None and cj.cap_owner == name:
-            plan.classes[j] = replace(cj, **dict(zip(_LIMIT_FIELDS, c.undo[j], strict=True)))
-    plan.reasons[k] = "futile"
-
-
-def _measure(config: ControlConfig, c: ClassState, inp: ClassInputs) -> ClassState:
-    """A base still being measured takes the fresh verdict once it spans a whole window."""
-    if (c.base is None or c.base_n >= config.window or c.recovering or inp.compliance is None
-            or inp.samples < config.window):
-        return c
-    level = inp.compliance if c.futile <= 1 else min(inp.compliance, c.base)
-    return replace(c, base=level, base_n=inp.samples)
-
-
-Limits = tuple[tuple[object, ...], ...]  # every class's _LIMIT_FIELDS
-
-
-def _limits(classes: list[ClassState]) -> Limits:
-    return tuple(tuple(getattr(c, f) for f in _LIMIT_FIELDS) for c in classes)
-
-
-def _episodes(plan: _Plan, status: list[str], ins: list[ClassInputs], before: Limits) -> None:
-    """Each class's episode after this decision: it goes on while violating (or waiting);
-    the class that was cut for records the verdict, and before its first cut the limits
-    (``before``); an ended one is forgotten. A class back at ``target`` drops its base."""
-    cfg = plan.config
-    for i, (s, c, inp) in enumerate(zip(status, plan.classes, ins, strict=True)):
-        recovering = c.recovering if s in ("waiting", "recovering") else s == "violating"
-        if not recovering:
-            c = replace(c, recovering=False, cuts=0, trail=(), undo=None, reached=False)
-        elif i == plan.cutter and inp.compliance is not None:
-            trail = (*c.trail, (inp.compliance, inp.samples))[-cfg.futile_cuts:] if cfg.futile_cuts else ()
-            c = replace(c, recovering=True, cuts=c.cuts + 1, undo=before if c.cuts == 0 else c.undo,
-                        trail=trail)
-        else:
-            c = replace(c, recovering=True)
-        if s in ("recovering", "violating"):
-            c = replace(c, reached=s == "recovering")
-        whole = inp.compliance if inp.window_compliance is None else inp.window_compliance
-        if (c.base is not None and inp.compliance is not None and whole is not None
-                and inp.samples >= cfg.min_samples and min(inp.compliance, whole) >= cfg.target):
-            c = replace(c, base=None, base_n=0, futile=0)  # back at its target: the base is void
-        plan.classes[i] = _measure(cfg, c, inp)
 
 
 def _relax(plan: _Plan, status: list[str]) -> None:
@@ -597,7 +414,7 @@ def _relax(plan: _Plan, status: list[str]) -> None:
     candidates: list[tuple[int, int, float]] = []
     for i, c in enumerate(plan.classes):
         above = status[: i + 1]
-        if "band" in above or "recovering" in above:
+        if "band" in above:
             continue  # reason stays 'hold'
         limit = cfg.ceilings[i] if c.cap is None else min(cfg.ceilings[i], c.cap)
         new = min(limit, c.allowance * (1 + cfg.relax_step))
@@ -730,17 +547,12 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
     plan = _Plan(state, used, now_ms)
     _forget_moved_limits(plan)
 
-    status = [_status(cfg, inp, c) for inp, c in zip(ins, plan.classes, strict=True)]
-    before = _limits(plan.classes)
-    for k in [k for k, s in enumerate(status) if s == "violating"]:
-        if any(i in plan.moved for i in range(k, len(ins))):
-            continue
-        if not cooling and _futile(cfg, plan.classes[k], ins[k]):
-            _give_up(plan, k, ins[k])
-            status[k] = "band"  # the episode ends here; the lower classes relax from the next tick
-            continue
-        _tighten(plan, k)
-    if "violating" not in status and "futile" not in plan.reasons:
+    status = [_status(cfg, inp, c.recovering) for inp, c in zip(ins, state.classes, strict=True)]
+    violating = [k for k, s in enumerate(status) if s == "violating"]
+    for k in violating:
+        if not any(i in plan.moved for i in range(k, len(ins))):
+            _tighten(plan, k)
+    if not violating:
         _relax(plan, status)
 
     if plan.moved and cooling:
@@ -748,8 +560,8 @@ def decide(state: ControlState, inputs: Inputs, now_ms: float) -> Decision:
             plan.classes[i] = state.classes[i]  # at most one change per cooldown
             plan.reasons[i] = "cooldown"
         plan.moved.clear()
-        plan.cutter = None
-    _episodes(plan, status, ins, before)
+    for i, (s, c) in enumerate(zip(status, plan.classes, strict=True)):  # episodes end at target
+        plan.classes[i] = replace(c, recovering=c.recovering if s == "waiting" else s == "violating")
     last = now_ms if plan.moved else state.last_change_ms
     new_state = replace(state, classes=tuple(plan.classes), last_change_ms=last)
     return _finish(new_state, ins, old_rates, plan.reasons, now_ms, bool(plan.moved), state.capacity)
@@ -784,7 +596,6 @@ def _finish(
                 c.allowance,
                 old_rates[c.name],
                 new_rates[c.name],
-                c.base,
             )
         )
     return Decision(now_ms, changed, old_capacity, new.capacity, new, tuple(out))
