@@ -55,7 +55,8 @@ BUGS = (
     Bug("bucket_cache_ignores_new_burst", "a bucket used twice in one call with another burst keeps "
         "the first use's (a merged admit of a tenant under two configurations is not what "
         "separate calls do)",
-        "include/bucket.lua", "  if b and b.rate == rate and b.burst == burst then return b end",
+        "include/bucket.lua",
+        "  if b and (stored or (b.rate == rate and b.burst == burst)) then return b end",
         "  if b then return b end"),
     Bug("admit_wakes_one_worker", "a merged admit pushes one wake marker for all its queued "
         "requests: one idle worker wakes where separate calls woke one each",
