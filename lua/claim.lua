@@ -182,11 +182,11 @@ local function main()
     nskipped[cls] = navoid
   end
   local closed = {}    -- class -> true: nothing more of it for this worker in this call
-  -- the largest live worker's whole KV room: read once per call (it reads every worker's
-  -- heartbeat), and only when a request does not fit this worker at all
-  local largest, largest_listed = nil, 0  -- (largest_kv: live workers; listed: any still in the set)
+  -- the largest whole KV room of a worker of the pool: read once per call (it reads every
+  -- worker's heartbeat), and only when a request does not fit this worker at all
+  local largest = nil
   local function largest_kv()
-    if largest == nil then largest, largest_listed = largest_live_kv(p, now) end
+    if largest == nil then largest = largest_worker_kv() end
     return largest
   end
   local function open(cls)
@@ -268,13 +268,13 @@ local function main()
         local need = r.input_tokens + r.max_tokens
         if kv_total > 0 and need > kv_total then need = kv_total end
         local never = kv_total > 0 and r.input_tokens + 1 > kv_total
-        local refuse = never and largest_kv() < r.input_tokens + 1 and largest_listed < r.input_tokens + 1
+        local refuse = never and largest_kv() < r.input_tokens + 1
         if refuse and finishes <= 0 then
           closed[pick] = true  -- as above: refused by a later call, the other classes go on
         elseif refuse then
           finishes = finishes - 1
           local why = 'prompt of ' .. r.input_tokens .. ' tokens does not fit any worker of the pool (largest KV '
-            .. 'room: ' .. math.max(kv_total, largest_listed) .. ' tokens)'
+            .. 'room: ' .. math.max(kv_total, largest_kv()) .. ' tokens)'
           -- No worker of the pool could ever hold it: refused (its client is told not to retry,
           -- its class's targets do not count it).
           local whole = load_request(id)

@@ -159,9 +159,9 @@ BUGS = (
     Bug("unknown_class_unrestricted", "a look-ahead naming a class the policy lacks claims every class "
         "(and avoids its tenants nowhere)",
         "claim.lua", "local rank = p.index[cls] or 0", "local rank = p.index[cls] or (#p.classes + 1)"),
-    Bug("live_kv_read_per_misfit", "claim reads every live worker's KV room again for each misfit",
-        "claim.lua", "if largest == nil then largest, largest_listed = largest_live_kv(p, now) end",
-        "largest, largest_listed = largest_live_kv(p, now)"),
+    Bug("live_kv_read_per_misfit", "claim reads every worker's KV room again for each misfit",
+        "claim.lua", "if largest == nil then largest = largest_worker_kv() end",
+        "largest = largest_worker_kv()"),
     Bug("fair_switch_not_rescored", "a deploy that switches a class's fair flag leaves its backlog's scores",
         "init_pool.lua", "~= (fair[i] == 1) then rescore(", "~= (fair[i] == 1) and false then rescore("),
     Bug("refund_moves_arrival_order", "a refund moves a tenant's score in a class turned to arrival order",

@@ -92,9 +92,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
         text = raw.decode("utf-8")
         body = json.loads(text, parse_constant=_reject_constant, parse_int=_parse_int,
                           parse_float=_parse_float)
-    except _BadNumber as exc:
-        raise bad(None, f"request body is not valid JSON: {exc}", "invalid_json") from exc
-    except json.JSONDecodeError as exc:  # the parser's own words: where and what it expected
+    except (_BadNumber, json.JSONDecodeError) as exc:  # ours, or the parser's: where, what it expected
         raise bad(None, f"request body is not valid JSON: {exc}", "invalid_json") from exc
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         why = " (not UTF-8)" if isinstance(exc, UnicodeDecodeError) else \

@@ -23,22 +23,20 @@ local function frontend_alive(p, frontend, now)
   return newest < now - ttl and seen >= newest - ttl
 end
 
--- The largest whole KV room (tokens) among workers that beat within a lease, and among all
--- still in the heartbeat set (a silent one may be restarting); entries of workers that left
--- the set are dropped on the way. O(workers of the pool): claim calls it at most once per
--- call, and only for a request that does not fit the claiming worker at all.
-local function largest_live_kv(p, now)
+-- The largest whole KV room (tokens) among the workers in the heartbeat set, beaten within a
+-- lease or not (a silent one may be restarting, or beat slower than a lease; a dead one is
+-- pruned from the set); entries of workers that left the set are dropped on the way.
+-- O(workers of the pool): claim calls it at most once per call, and only for a request that
+-- does not fit the claiming worker at all.
+local function largest_worker_kv()
   local kv = redis.call('HGETALL', K_WORKER_KV)
-  local best, listed = 0, 0
+  local largest = 0
   for i = 1, #kv, 2 do
-    local seen = tonumber(redis.call('ZSCORE', K_WORKERS, kv[i]))
-    if seen == nil then
+    if redis.call('ZSCORE', K_WORKERS, kv[i]) == false then
       redis.call('HDEL', K_WORKER_KV, kv[i])
     else
-      local room = tonumber(kv[i + 1]) or 0
-      listed = math.max(listed, room)
-      if seen >= now - p.lease_ms then best = math.max(best, room) end
+      largest = math.max(largest, tonumber(kv[i + 1]) or 0)
     end
   end
-  return best, listed
+  return largest
 end
