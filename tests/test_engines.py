@@ -10,11 +10,18 @@ import pytest
 import torch
 
 from limiter.errors import ConfigError, InvalidArgument
+from tests.support.torch_device import DEVICE
 from worker.batch_policy import Limits, PrefillChunk, StepPlan
 from worker.batch_scheduler import BatchScheduler
 from worker.engines.base import Engine, SamplingParams
 from worker.engines.sim import CostModel, SimEngine
-from worker.engines.torch_engine import TorchEngine, derive_seed, load_checkpoint, save_checkpoint
+from worker.engines.torch_engine import (
+    TorchEngine,
+    default_dtype,
+    derive_seed,
+    load_checkpoint,
+    save_checkpoint,
+)
 from worker.local_run import LocalRequest, run_local
 from worker.model import ModelConfig, build_model
 from worker.tokenizer import BOS_ID
@@ -24,8 +31,11 @@ torch.set_num_threads(2)
 PROMPT = tuple(BOS_ID if i == 0 else 32 + (i * 7) % 95 for i in range(40))
 
 
-def tiny_engine(seed: int = 0) -> TorchEngine:
-    return TorchEngine.from_preset("tiny", seed=seed, device="cpu", kv_capacity_tokens=8192)
+def tiny_engine(seed: int = 0, device: str = DEVICE) -> TorchEngine:
+    """fp32 on any device: the claims below (same seed, same tokens; a resume continues
+    identically) hold at fp32's rounding; bf16's are measured by tests/bench_torch_gpu.py."""
+    return TorchEngine.from_preset("tiny", seed=seed, device=device, dtype=torch.float32,
+                                   kv_capacity_tokens=8192)
 
 
 def generate(engine: Engine, prompt: tuple[int, ...], params: SamplingParams, budget: int = 16) -> list[int]:
@@ -168,7 +178,7 @@ def test_plans_stay_within_the_engines_kv_when_the_limits_allow_more() -> None:
     """The planner counted KV against limits.kv_capacity (default 1M) while the engine held
     200 tokens: three 81-token prompts made a plan the engine refused ('plan needs 246 KV
     tokens, capacity is 200') on every step (found by a review)."""
-    eng = TorchEngine.from_preset("tiny", seed=0, device="cpu", kv_capacity_tokens=200)
+    eng = TorchEngine.from_preset("tiny", seed=0, device=DEVICE, kv_capacity_tokens=200)
     prompts = [tuple(BOS_ID if i == 0 else 32 + (i * k) % 95 for i in range(81)) for k in (3, 5, 7)]
     run = asyncio.run(run_local(eng, [LocalRequest(f"r{k}", p, SamplingParams(max_tokens=8))
                                       for k, p in enumerate(prompts)], Limits(token_budget=64, max_seqs=4)))
@@ -182,7 +192,7 @@ def test_derive_seed_separates_positions_and_seeds() -> None:
 
 @pytest.mark.asyncio
 async def test_torch_step_runs_off_the_event_loop() -> None:
-    eng = tiny_engine()
+    eng = tiny_engine(device="cpu")  # on CPU on any machine: it needs a step of tens of ms
     eng.add("a", [BOS_ID] + [65] * 2047, SamplingParams())
     ticks = 0
 
@@ -203,7 +213,7 @@ async def test_torch_step_runs_off_the_event_loop() -> None:
 
 @pytest.mark.asyncio
 async def test_remove_during_a_step_drops_that_result() -> None:
-    eng = tiny_engine()
+    eng = tiny_engine(device="cpu")  # a step of tens of ms, on any machine
     eng.add("a", [BOS_ID] + [65] * 1023, SamplingParams())
     eng.add("b", [BOS_ID, 66], SamplingParams())
     task = asyncio.create_task(
@@ -216,18 +226,18 @@ async def test_remove_during_a_step_drops_that_result() -> None:
 
 def test_checkpoint_round_trip_and_mismatch(tmp_path: Path) -> None:
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=160, max_seq_len=256)
-    model = build_model(cfg, seed=3)
+    model = build_model(cfg, seed=3, device=DEVICE)
     path = tmp_path / "m.safetensors"
     save_checkpoint(model, path)
-    loaded = load_checkpoint(path, device="cpu")
+    loaded = load_checkpoint(path, device=DEVICE, dtype=torch.float32)
     assert loaded.cfg == cfg
-    ids = torch.arange(10)
+    ids = torch.arange(10, device=DEVICE)
     with torch.inference_mode():
         torch.testing.assert_close(
             loaded.prefill(ids, loaded.new_cache()), model.prefill(ids, model.new_cache())
         )
-    eng = TorchEngine.from_checkpoint(path, kv_capacity_tokens=1024)
-    assert eng.dtype == torch.float32 and eng.kv_capacity_tokens == 1024
+    eng = TorchEngine.from_checkpoint(path, device=DEVICE, kv_capacity_tokens=1024)
+    assert eng.dtype == default_dtype(torch.device(DEVICE)) and eng.kv_capacity_tokens == 1024
     with pytest.raises(ConfigError, match="do not match"):
         load_checkpoint(path, config=ModelConfig(n_layer=3, n_head=4, d_model=64, d_ff=160))
     with pytest.raises(ConfigError, match="not found"):
@@ -274,7 +284,7 @@ async def test_torch_kv_allocation_stays_within_what_the_scheduler_accounts() ->
     cache now never grows past what its sequence can use (prompt + max_tokens - 1, the last
     token is never fed back): no slack beyond the accounted KV at any step (found by a review)."""
     cap = 4 * (30 + 100)
-    eng = TorchEngine.from_preset("tiny", seed=0, device="cpu", kv_capacity_tokens=cap)
+    eng = TorchEngine.from_preset("tiny", seed=0, device=DEVICE, kv_capacity_tokens=cap)
     sched = BatchScheduler(eng, Limits(token_budget=256, max_seqs=4, kv_capacity=cap))
     for i in range(4):
         sched.add(f"r{i}", [BOS_ID] + [40 + i] * 29, SamplingParams(max_tokens=100), class_rank=2, arrival=i)
@@ -295,7 +305,7 @@ async def test_torch_kv_of_a_sequence_readmitted_after_its_kv_was_freed_stays_wi
     context: its cache must be sized from the rest of its max_tokens, not a whole max_tokens
     more (the scheduler counts the original prompt + max_tokens)."""
     cap = 400
-    eng = TorchEngine.from_preset("tiny", seed=0, device="cpu", kv_capacity_tokens=cap)
+    eng = TorchEngine.from_preset("tiny", seed=0, device=DEVICE, kv_capacity_tokens=cap)
     sched = BatchScheduler(eng, Limits(token_budget=512, max_seqs=4, kv_capacity=cap))
     sched.add("low", [BOS_ID] + [41] * 29, SamplingParams(max_tokens=200), class_rank=2, arrival=0)
     seen_readmitted = False

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from limiter.errors import InvalidArgument
+from tests.support.torch_device import DEVICE
 from worker.batch_policy import Limits, StepPlan
 from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
@@ -33,7 +34,8 @@ def test_preempted_request_resumes_to_the_same_output(temperature: float) -> Non
         "high", prompt(20, 2), SamplingParams(temperature, seed=6, max_tokens=5), class_rank=0, arrival_s=0.03
     )
     limits = Limits(token_budget=64, max_seqs=1)
-    engine = TorchEngine.from_preset("tiny", seed=0, kv_capacity_tokens=4096)
+    engine = TorchEngine.from_preset("tiny", seed=0, device=DEVICE, dtype=torch.float32,
+                                     kv_capacity_tokens=4096)
     solo = asyncio.run(run_local(engine, [low], limits)).traces["low"]
     run = asyncio.run(run_local(engine, [low, high], limits))
     lo, hi = run.traces["low"], run.traces["high"]

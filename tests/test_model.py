@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from limiter.errors import InvalidArgument
+from tests.support.torch_device import DEVICE, ON_GPU
 from worker.model import PRESETS, ModelConfig, Transformer, build_model, preset
 
 torch.set_num_threads(2)
@@ -16,12 +17,12 @@ SMALL_MHA = ModelConfig(n_layer=2, n_head=4, n_kv_head=None, d_model=64, d_ff=16
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
-    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed)).to(DEVICE)
 
 
 @pytest.fixture(scope="module", params=[SMALL, SMALL_MHA], ids=["gqa", "mha"])
 def model(request: pytest.FixtureRequest) -> Transformer:
-    return build_model(request.param, seed=7)
+    return build_model(request.param, seed=7, device=DEVICE)
 
 
 @pytest.mark.parametrize("chunk", [1, 3, 16, 37, 100])
@@ -39,6 +40,22 @@ def test_chunked_prefill_then_decode_matches_one_pass(model: Transformer, chunk:
     for a, b in zip(dec, whole_dec, strict=True):
         torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
     assert cache.length == whole_cache.length == 105
+
+
+@pytest.mark.skipif(not ON_GPU, reason="bf16 flash kernels: QOS_TEST_DEVICE=cuda (tests/gpu/check.sh)")
+@pytest.mark.parametrize("cfg", [SMALL, SMALL_MHA], ids=["gqa", "mha"])
+def test_chunked_prefill_matches_one_pass_in_the_gpus_bf16(cfg: ModelConfig) -> None:
+    """The worker's dtype on a GPU, where SDPA picks other kernels than on a CPU for the same
+    masks. bf16 rounds to ~3 significant digits, so agreement is judged against the logits'
+    scale (a wrong mask or offset differs by the scale itself)."""
+    m = build_model(cfg, seed=7, device=DEVICE, dtype=torch.bfloat16)
+    prompt = _ids(300, 1)
+    with torch.inference_mode():
+        whole = m.prefill(prompt, m.new_cache(capacity=8))
+        cache = m.new_cache(capacity=8)
+        parts = torch.cat([m.prefill(prompt[s : s + 64], cache) for s in range(0, 300, 64)])
+    scale = whole.abs().max().item()
+    assert (parts - whole).abs().max().item() <= 0.03 * scale
 
 
 def test_batched_decode_equals_each_sequence_alone(model: Transformer) -> None:
@@ -69,7 +86,7 @@ def test_attention_is_causal(model: Transformer) -> None:
 
 
 def test_seeded_init_is_reproducible() -> None:
-    a, b, c = build_model(SMALL, seed=1), build_model(SMALL, seed=1), build_model(SMALL, seed=2)
+    a, b, c = (build_model(SMALL, seed=s, device=DEVICE) for s in (1, 1, 2))
     for (name, pa), pb, pc in zip(
         a.state_dict().items(), b.state_dict().values(), c.state_dict().values(), strict=True
     ):
@@ -102,11 +119,11 @@ def test_context_overflow_and_bad_inputs_raise(model: Transformer) -> None:
             model.prefill(_ids(3, 0), cache)
         assert cache.length == 510  # nothing was written
         with pytest.raises(InvalidArgument):
-            model.prefill(torch.tensor([], dtype=torch.long), cache)
+            model.prefill(torch.tensor([], dtype=torch.long, device=DEVICE), cache)
         with pytest.raises(InvalidArgument):
-            model.decode(torch.tensor([1, 2]), [cache])
+            model.decode(torch.tensor([1, 2], device=DEVICE), [cache])
         with pytest.raises(InvalidArgument):
-            model.decode(torch.tensor([1, 2]), [cache, cache])
+            model.decode(torch.tensor([1, 2], device=DEVICE), [cache, cache])
 
 
 @pytest.mark.parametrize(

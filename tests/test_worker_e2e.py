@@ -17,6 +17,7 @@ from limiter.errors import RedisUnavailable
 from limiter.prompt import count_tokens
 from tests.support.controller_helpers import metric
 from tests.support.redis_server import free_port
+from tests.support.torch_device import DEVICE
 from tests.support.worker_helpers import (
     Client,
     admit_one_at_a_time,
@@ -260,9 +261,13 @@ async def test_batched_pushes_are_fewer_than_tokens(env) -> None:
 async def test_torch_tiny_end_to_end_matches_local_run(env) -> None:
     cfg, c = env
     torch.set_num_threads(1)
-    engine = TorchEngine.from_preset("tiny", seed=0, kv_capacity_tokens=16384)
+    # fp32 on either device: the worker and run_local batch differently, and only fp32's
+    # rounding keeps the two runs token for token the same
+    engine = TorchEngine.from_preset("tiny", seed=0, device=DEVICE, dtype=torch.float32,
+                                     kv_capacity_tokens=16384)
     prompts = [(f"Question {i}: what is {i} + {i}? ", 0.0 if i % 2 else 0.7) for i in range(8)]
-    ref_engine = TorchEngine.from_preset("tiny", seed=0, kv_capacity_tokens=16384)
+    ref_engine = TorchEngine.from_preset("tiny", seed=0, device=DEVICE, dtype=torch.float32,
+                                         kv_capacity_tokens=16384)
     reqs = [LocalRequest(f"t{i}", tuple(ref_engine.encode(p)), SamplingParams(t, seed=i, max_tokens=120))
             for i, (p, t) in enumerate(prompts)]
     ref = (await run_local(ref_engine, reqs, Limits(token_budget=512, max_seqs=8))).traces
@@ -295,7 +300,7 @@ async def test_torch_tiny_end_to_end_matches_local_run(env) -> None:
     assert "qos_worker_generated_tokens_total" in metrics and 'engine="torch"' in metrics
     assert health["status"] == "ok" and health["redis_ok"] and health["simulated"] is False
     assert capacity > 0  # weighted tokens/s while busy, for the controller's capacity estimate
-    print(f"\n[worker torch tiny, CPU, 1 thread] {total} tokens from 8 requests in {wall:.2f} s = "
+    print(f"\n[worker torch tiny, {DEVICE}, 1 thread] {total} tokens from 8 requests in {wall:.2f} s = "
           f"{total / wall:.0f} tokens/s end to end; {steps:.0f} steps, mean step {step_s * 1e3:.1f} ms;"
           f" heartbeat capacity up to {capacity:.0f} weighted tokens/s")
 
