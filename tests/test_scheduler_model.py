@@ -19,7 +19,8 @@ seen to fail with a bug seeded by hand (tests/seeded_bugs.py plants each one aga
 3. Counters: queued count and cost per class, backlogged tenants per class, leased per
    class and unfinished per tenant all equal what the records say.
 4. Conservation: each bucket's ledger balances (tokens = start + refilled - debited +
-   refunded) with refunded <= debited, sums over the requests' recorded charges and
+   refunded) with refunded <= debited; a request's first claim charges its guarantee and
+   its ceiling bucket either nothing or its whole cost; sums over the requests' recorded charges and
    refunds equal the bucket's debits and refunds, each request's refund to each bucket (and
    to its tenant's counter) is at most what it was charged, a request's tenant charge
    is exactly its cost, and a finished request was charged in the end (cost - refund)
@@ -280,6 +281,8 @@ class LifecycleModel(RuleBasedStateMachine):
             assert not above or (above in self.present and rank(c.cls) < rank(above)), \
                 f"a look-ahead above {above} took {c.request_id} of {c.cls}"
             assert c.input_tokens + 1 <= KV_TOTAL[worker], f"{worker} took {c.request_id}, too large for it"
+            if not k.fences and _f(self.record(c.request_id).get("c_ceil")) > 0:
+                event("a first claim charged a binding ceiling")
             k.fences.append(c.fence)
             self.held[c.request_id] = (worker, c.fence)
         if len(got.requests) < n:
@@ -631,9 +634,10 @@ class LifecycleModel(RuleBasedStateMachine):
         self.r.zadd(KEYS.workers, dict.fromkeys(workers, ALIVE if alive else self.now_ms() - 60_000))
 
     # mostly ordinary rates (a class the controller cuts to 0, or whose ceiling binds hard,
-    # now and then: every example that disables a class serves less)
+    # now and then: every example that disables a class serves less); a ceiling of 100/s
+    # has a burst (50 or 200) below many requests' cost, which it must still charge in full
     @rule(pick=st.integers(0, 1 << 16), rate=st.sampled_from([300.0, 2800.0, 2800.0, 9000.0, 0.0]),
-          ceil=st.sampled_from([8000.0, 1e5, 4000.0, 8000.0, 500.0, 0.0]),
+          ceil=st.sampled_from([8000.0, 1e5, 4000.0, 8000.0, 500.0, 100.0, 0.0]),
           burst_s=st.sampled_from([0.5, 2.0, 0.0]),
           capacity=st.sampled_from([0.0, 0.0, 8000.0, 20000.0, 4000.0]))
     def set_rates(self, pick: int, rate: float, ceil: float, burst_s: float, capacity: float) -> None:
@@ -786,6 +790,9 @@ class LifecycleModel(RuleBasedStateMachine):
                 continue
             assert abs(_f(rec.get("c_tenant")) - k.cost) < EPS, f"{rid}: tenant charged {rec.get('c_tenant')}"
             assert _f(rec.get("c_class")) in (0.0, k.cost), f"{rid}: guarantee charged {rec.get('c_class')}"
+            # a binding ceiling charges a request its whole cost too, whatever its burst (a
+            # charge cut at the burst let a class past its ceiling by a burst every burst_s)
+            assert _f(rec.get("c_ceil")) in (0.0, k.cost), f"{rid}: ceiling charged {rec.get('c_ceil')}"
             for what, key in (("tenant", KEYS.tenant_bucket(k.tenant)), ("class", KEYS.class_bucket(k.cls)),
                               ("ceil", KEYS.ceil_bucket(k.cls))):
                 c, r = _f(rec.get(f"c_{what}")), _f(rec.get(f"r_{what}"))
@@ -881,6 +888,22 @@ def test_replay_an_arrival_order_class_moves_a_tenant_to_its_next_request(
     claim = {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}
     _replay(monkeypatch, redis_server.url, ("admit", admit), ("admit", {**admit, "tenant": "t2"}),
             ("admit", admit), ("claim", claim), ("claim", claim))
+
+
+def test_replay_a_binding_ceiling_charges_a_request_past_its_burst_in_full(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P0's ceiling is cut to 100 tokens/s with a burst of 50 and binds (capacity 8,000); a P0
+    request costing 330 is claimed: its ceiling is charged all 330 (seeded:
+    ceiling_debt_floored, which charged it 100, two bursts, and which the random search
+    never met: its costs seldom pass twice a ceiling's burst)."""
+    p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,
+          "frontend": "fe1"}
+    recs = _replay(monkeypatch, redis_server.url,
+                   ("set_rates", {"pick": 0, "rate": 2800.0, "ceil": 100.0, "burst_s": 0.5,
+                                  "capacity": 8000.0}),
+                   ("admit", p0), ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}))
+    (rec,) = recs.values()
+    assert rec["state"] == "leased" and _f(rec["c_ceil"]) == _f(rec["cost"]) == 330.0, rec
 
 
 def test_replay_a_request_that_does_not_fit_holds_only_its_own_class(
