@@ -52,6 +52,10 @@ SOCKET_TIMEOUT_S = 5.0
 # no node answers or some slot has no master (a failover in progress); the same type also
 # reports misconfiguration and misuse, which must stay errors: only these messages are outages.
 _CLUSTER_UNREACHABLE = ("Redis Cluster cannot be connected", "All slots are not covered")
+# ...except this one, which redis-py raises when a node answered CLUSTER SLOTS with an error:
+# the node is no cluster (a standalone Redis), or the user may not run the command. Inside the
+# "cannot be connected" message when it is every node's answer.
+_CLUSTER_NOT_ENABLED = "Cluster mode is not enabled on this node"
 # What a loop that keeps going through outages catches: the raw failures above, or the same
 # outage already mapped by a lower layer (scripts.py). TimeoutError (e.g. a controller step
 # that overran its own deadline) is an OSError: handled like an outage.
@@ -95,6 +99,18 @@ def cluster_misconfigured(exc: ResponseError) -> ConfigError | None:
                        "to another node): set redis.cluster = true (env QOS_REDIS_CLUSTER=1)")
 
 
+def cluster_not_enabled(exc: RedisClusterException) -> ConfigError | None:
+    """The error to raise for ``exc`` when the cluster client found no cluster at
+    ``redis.url``, else None: ``redis.cluster`` is true and the server is a standalone Redis
+    (the mirror of :func:`cluster_misconfigured`). It was read as an outage: every role
+    retried it for ever, the frontend answering 503 "not connected to Redis yet"."""
+    if _CLUSTER_NOT_ENABLED not in str(exc):
+        return None
+    return ConfigError("redis.cluster", "redis.url is not a Redis Cluster (CLUSTER SLOTS was refused: a "
+                       "standalone Redis, or a Redis user without +cluster|slots): set redis.cluster = "
+                       "false (env QOS_REDIS_CLUSTER=0) for a standalone Redis")
+
+
 @contextlib.contextmanager
 def map_redis_errors() -> Iterator[None]:
     """Turn a connection-level failure inside the block, or a refusal for the store's own
@@ -112,6 +128,8 @@ def map_redis_errors() -> Iterator[None]:
             raise
         raise RedisUnavailable(f"Redis refused the command: {exc}") from exc
     except RedisClusterException as exc:
+        if (wrong := cluster_not_enabled(exc)) is not None:
+            raise wrong from exc
         if not str(exc).startswith(_CLUSTER_UNREACHABLE):
             raise
         raise RedisUnavailable(f"Redis unavailable: {exc}") from exc

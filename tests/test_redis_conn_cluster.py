@@ -224,3 +224,27 @@ def test_status_and_top_run_on_a_cluster(redis_cluster, monkeypatch, capsys) -> 
     assert main(["status", "--json", "--redis-url", redis_cluster.url]) == 0, capsys.readouterr().err
     assert "tiny" in json.loads(capsys.readouterr().out)["pools"]
     assert main(["top", "--iterations", "1", "--interval", "0.1", "--redis-url", redis_cluster.url]) == 0
+
+
+@pytest.mark.parametrize("role", [["controller", "--id", "x"], ["status"], ["frontend", "--port", "0"],
+                                  ["worker", "--engine", "sim"]])
+def test_a_role_with_redis_cluster_on_a_standalone_redis_exits_naming_it(redis_server, role) -> None:
+    """The mirror of the case above: redis.cluster = true (or QOS_REDIS_CLUSTER=1) with
+    redis.url a standalone Redis. redis-py answers "Redis Cluster cannot be connected ...:
+    Cluster mode is not enabled on this node", which was read as an outage: the frontend
+    answered 503 "not connected to Redis yet", the worker and the controller retried for
+    ever (and `qos up` with a cluster config waited out its ready timeout). A Redis that
+    says it is no cluster is the deployment's mistake: each role exits 2 naming it."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, QOS_REDIS_CLUSTER="1")
+    try:
+        proc = subprocess.run([sys.executable, "-m", "limiter.cli", role[0], "--redis-url", redis_server.url,
+                               *role[1:]], capture_output=True, text=True, timeout=20, env=env)
+    except subprocess.TimeoutExpired as exc:
+        raise AssertionError(f"{role[0]} still running after 20 s: {exc.stderr!r:.1500}") from None
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    assert "config error: redis.cluster:" in proc.stderr and "not a Redis Cluster" in proc.stderr, \
+        proc.stderr[-1500:]
