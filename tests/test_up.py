@@ -93,3 +93,20 @@ def test_the_demo_load_without_a_duration_goes_on_past_its_first_round() -> None
     assert first and second and first != second  # each round drawn afresh
     bounded = list(demo_arrivals(loads, 5.0, seed=7))
     assert bounded and max(o for o, _, _ in bounded) < 5.0  # a duration ends the schedule
+
+
+def test_qos_up_with_a_cluster_config_serves_on_its_private_redis(tmp_path):
+    """A deployment's config (redis.cluster = true, or QOS_REDIS_CLUSTER=1 in the shell) and
+    no --redis-url: qos up starts a private standalone redis-server, and told every child it
+    was a Redis Cluster. They all took the refusal for an outage and retried; qos up waited
+    out its ready timeout (120 s by default) and failed with "/readyz answers 503 (not
+    connected to Redis yet)". Its own Redis is standalone, so its children must be told so."""
+    port = free_port()
+    with Up(port, "--engine", "sim", "--workers", "1", "--ready-timeout", "30",
+            env={"QOS_REDIS_CLUSTER": "1"}) as up:
+        up.wait_ready(60)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="demo-p0", max_retries=0)
+        done = client.completions.create(model="tiny", prompt="Hello", max_tokens=4)
+        assert done.usage.completion_tokens == 4
+        up.ctrl_c()
+        assert up.wait_exit(60) == 0, up.output

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import math
 import os
 import shutil
@@ -347,11 +348,17 @@ def run(args: argparse.Namespace) -> int:
     rc = 0
     try:
         redis_url, redis_server = start_redis(args)
+        env = dict(os.environ, QOS_REDIS_URL=redis_url)
+        if redis_server is not None and cfg.redis.cluster:
+            # Its own Redis is a standalone server: a deployment's config (redis.cluster =
+            # true, or QOS_REDIS_CLUSTER=1) told every child it was a cluster, which none
+            # could reach, and the start waited out its ready timeout.
+            env["QOS_REDIS_CLUSTER"] = "0"
+            cfg = dataclasses.replace(cfg, redis=dataclasses.replace(cfg.redis, cluster=False))
         host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
         host = f"[{host}]" if ":" in host else host
         stack = UpStack(redis_url=redis_url, base_url=f"http://{host}:{args.port}", redis=redis_server,
-                        restart=args.restart, lease_ms=cfg.pools[0].lease_ms,
-                        env=dict(os.environ, QOS_REDIS_URL=redis_url))
+                        restart=args.restart, lease_ms=cfg.pools[0].lease_ms, env=env)
         since_ms = asyncio.run(redis_time_ms(redis_url))
         for child in children:
             stack.start(child, stack.env)
