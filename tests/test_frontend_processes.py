@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Iterator
@@ -244,3 +245,25 @@ def test_a_metrics_port_on_the_api_port_or_out_of_range_is_refused_by_name():
         with pytest.raises(ConfigError, match=r"frontend\.metrics_port"):
             load_settings(cfg, {"port": 8000, "metrics_port": bad})
     assert load_settings(cfg, {"metrics_port": 9100}).metrics_port == 9100
+
+
+def test_a_taken_metrics_port_fails_the_start_before_anything_is_written_to_redis():
+    """The metrics port was bound after the frontend's start: the process had loaded its
+    scripts, rewritten every pool's policy, written its heartbeat and logged "ready" before
+    it exited 2 naming frontend.metrics_port, leaving its entry in the pool's frontends
+    (`qos status` listed a frontend that never served). The port first, as the worker and
+    the controller do."""
+    import sys
+
+    holder = socket.socket()
+    holder.bind(("127.0.0.1", 0))
+    holder.listen(1)
+    with RedisServer() as server, holder:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
+        proc = subprocess.run([sys.executable, "-m", "limiter.cli", "frontend", "--port", "0", "--redis-url",
+                               server.url, "--metrics-port", str(holder.getsockname()[1])],
+                              capture_output=True, text=True, timeout=60, env=env)
+        assert proc.returncode == 2 and "frontend.metrics_port" in proc.stderr, proc.stderr[-1500:]
+        assert " ready " not in proc.stderr, proc.stderr[-1500:]
+        r = server.client()
+        assert r.zrange("qos:{tiny}:frontends", 0, -1) == [] and r.keys("qos:*") == []

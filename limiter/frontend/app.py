@@ -253,17 +253,23 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
         # may share: a scrape there reaches whichever the kernel picks.
         host = settings.metrics_host or settings.host
         try:
-            runner = await start_metrics_server(app[METRICS].registry, lambda: _health(app[FRONTEND]), host,
-                                                settings.metrics_port)
+            # bound before the frontend starts (a scrape in between finds the process alive)
+            runner = await start_metrics_server(
+                app[METRICS].registry,
+                lambda: _health(app[FRONTEND]) if FRONTEND in app else {"status": "ok"}, host,
+                settings.metrics_port)
         except OSError as exc:
             raise ConfigError("frontend.metrics_port",
                               f"cannot listen on {host}:{settings.metrics_port}: {exc}") from exc
         yield
         await runner.cleanup()
 
-    app.cleanup_ctx.append(redis_ctx)
+    # The metrics port first: a taken one is refused before anything is written to Redis (it
+    # was bound after the start: the scripts, the policy and a heartbeat of a frontend that
+    # never served were in Redis, and "ready" in its log, when it exited naming the port).
     if settings.metrics_port:
         app.cleanup_ctx.append(metrics_ctx)
+    app.cleanup_ctx.append(redis_ctx)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/chat/completions", _generation_handler("chat"))
     app.router.add_post("/v1/completions", _generation_handler("completion"))
