@@ -235,6 +235,10 @@ def _init_params(cls: type) -> set[str]:
     return names
 
 
+def _secret_option(name: str) -> bool:
+    return urllib.parse.unquote_plus(name).lower().endswith("password")
+
+
 def redacted_url(url: str) -> str:
     """``url`` fit to print: the password of its user part and of a ``password=`` query option
     replaced by ``***``. The user part is taken to the *last* '@': a password with an
@@ -248,7 +252,9 @@ def redacted_url(url: str) -> str:
         rest = f"{user}:***@{host}" if colon else f"{userinfo}@{host}"
     head, q, query = rest.partition("?")
     if q:
-        query = "&".join("password=***" if part.partition("=")[0] == "password" else part
+        # any option whose name (as redis-py decodes it) is a password: `password`, and the TLS
+        # client key's `ssl_password`, which was printed whole
+        query = "&".join(f"{part.partition('=')[0]}=***" if _secret_option(part.partition("=")[0]) else part
                          for part in query.split("&"))
     return f"{scheme}://{head}{q}{query}"
 

@@ -202,6 +202,11 @@ def test_cli_config_check_takes_a_pool_for_openai_workers_whose_engine_is_a_flag
     ("redis://h:1/0?db=0&password=abc", "redis://h:1/0?db=0&password=***"),
     ("unix:///tmp/r.sock?password=x", "unix:///tmp/r.sock?password=***"),
     ("redis://:pa/ss?w@h:6379", "redis://:***@h:6379"),  # unencoded '/' and '?' in the password
+    # the passphrase of the TLS client key (SSLConnection's ssl_password), and a query option's
+    # name percent-encoded (redis-py decodes it: still the password): printed as they were
+    ("rediss://h:6380/0?ssl_keyfile=/k.pem&ssl_password=topsecret",
+     "rediss://h:6380/0?ssl_keyfile=/k.pem&ssl_password=***"),
+    ("redis://h:1/0?pass%77ord=topsecret", "redis://h:1/0?pass%77ord=***"),
 ])
 def test_a_redis_url_is_printed_without_its_password(url, shown):
     """`qos up`'s ready line printed the whole Redis URL, password included."""
