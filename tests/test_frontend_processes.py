@@ -267,3 +267,16 @@ def test_a_taken_metrics_port_fails_the_start_before_anything_is_written_to_redi
         assert " ready " not in proc.stderr, proc.stderr[-1500:]
         r = server.client()
         assert r.zrange("qos:{tiny}:frontends", 0, -1) == [] and r.keys("qos:*") == []
+
+
+def test_a_bad_qos_frontend_port_stops_the_frontend_alone(monkeypatch, capsys):
+    """QOS_FRONTEND_PORT was read as the parser was built, for every subcommand: a value that
+    is not a number made `qos worker`, `qos status`, `qos config check` ... exit 2 with the
+    frontend's error (one env file for every service, as compose's `env_file`). Only the
+    frontend reads it, and it names it."""
+    monkeypatch.setenv("QOS_FRONTEND_PORT", "80a")
+    assert cli.main(["config", "example"]) == 0
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["frontend", "--redis-url", "redis://127.0.0.1:1/0"])
+    assert exc.value.code == 2 and "QOS_FRONTEND_PORT" in capsys.readouterr().err

@@ -26,7 +26,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("frontend", help="run an OpenAI-compatible HTTP frontend (stateless; run many)")
     p.add_argument("--host", default=os.environ.get("QOS_FRONTEND_HOST"),
                    help="listen address (env QOS_FRONTEND_HOST; config frontend.host; default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=_env_int("QOS_FRONTEND_PORT"),
+    # (a string default goes through `type` only when this subcommand is the one parsed: a bad
+    # QOS_FRONTEND_PORT, read here for every subcommand, stopped `qos worker` and the rest too)
+    p.add_argument("--port", type=_port_arg, default=os.environ.get("QOS_FRONTEND_PORT") or None,
                    help="listen port (env QOS_FRONTEND_PORT; config frontend.port; default 8000)")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="also serve this process's /metrics and /healthz alone on this port ([frontend] "
@@ -44,14 +46,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _env_int(name: str) -> int | None:
-    v = os.environ.get(name)
-    if v is None or v == "":
-        return None
+def _port_arg(value: str) -> int:
     try:
-        return int(v)
-    except ValueError as exc:
-        raise SystemExit(f"qos: config error: {name}: must be an integer, got {v!r}") from exc
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {value!r} (the default comes from "
+                                         "QOS_FRONTEND_PORT)") from None
 
 
 async def _serve(app: web.Application, settings: FrontendSettings, sock: socket.socket | None,
