@@ -231,7 +231,18 @@ async def _error_text(resp: aiohttp.ClientResponse) -> str:
     huge error body held the worker's memory), and the JSON is parsed whole, not its first
     500 characters (a longer error, vLLM's validation errors say, was read as its reason
     phrase, "Bad Request")."""
-    raw = await resp.content.read(ERROR_BODY_LIMIT)
+    # content.read(n) returns what has come so far (up to n), not the body: a body that came
+    # in two reads (a proxy forwarding it as it comes, two TCP segments) was cut, its JSON
+    # unparsed, and the client read the reason phrase (a priority refusal was missed).
+    # What has come after HEALTH_TIMEOUT_S is taken as it is: a body that never ends must not
+    # hold the request for the socket's read timeout (upstream_timeout_s).
+    raw = b""
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(HEALTH_TIMEOUT_S):
+            while len(raw) < ERROR_BODY_LIMIT:
+                if not (more := await resp.content.read(ERROR_BODY_LIMIT - len(raw))):
+                    break
+                raw += more
     try:
         body = raw.decode(resp.charset or "utf-8", errors="replace")
     except LookupError:  # a charset Python does not know

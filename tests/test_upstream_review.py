@@ -1,0 +1,78 @@
+"""Defects of the openai engine found by a review (each test failed before its fix)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import pytest
+from aiohttp import web
+
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.worker_helpers import worker
+
+
+@pytest.fixture
+async def env(worker_env):
+    up = FakeUpstream()
+    await up.start()
+    yield (*worker_env, up)
+    await up.runner.cleanup()
+
+
+def _split_json_error(status: int, message: str) -> Any:
+    """A server script answering ``status`` with an OpenAI-style JSON error whose body comes
+    in two writes (a proxy that forwards the body as it comes, or a body over two TCP
+    segments): the worker reads it in two reads."""
+
+    async def script(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        raw = json.dumps({"error": {"message": message, "type": "BadRequestError", "code": status}}).encode()
+        resp = web.StreamResponse(status=status, headers={"Content-Type": "application/json"})
+        await resp.prepare(request)
+        half = len(raw) // 2
+        await resp.write(raw[:half])
+        await asyncio.sleep(0.05)
+        await resp.write(raw[half:])
+        await resp.write_eof()
+        return resp
+
+    return script
+
+
+async def test_an_error_body_that_comes_in_two_reads_is_read_whole(env) -> None:
+    """_error_text read the error body with one ``content.read(limit)``, which returns what
+    has come so far, not the body: a body in two reads was cut, its JSON failed to parse and
+    the client read the reason phrase ("Bad Request") instead of the server's message."""
+    cfg, c, up = env
+    message = "This model's maximum context length is 64 tokens"
+    up.scripts["SPLIT400"] = _split_json_error(400, message)
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("SPLIT400 prompt", max_tokens=8)
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].error["msg"] == f"the model server refused the request (HTTP 400): {message}"
+
+
+async def test_a_priority_refusal_that_comes_in_two_reads_is_sent_again_without_it(env) -> None:
+    """vLLM left first come, first served refuses a non-zero priority; the worker recognises
+    the refusal by its text. With the body in two reads the text was "Bad Request": every
+    request of a class but the top one was refused (its client answered 400) instead of
+    being sent again without `priority`."""
+    cfg, c, up = env
+
+    async def script(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        if body.get("priority"):
+            return await _split_json_error(400, f"Got priority {body['priority']} but Priority "
+                                                "scheduling is not enabled.")(request, body, n)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}], '
+                         b'"usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    up.scripts["PRIOSPLIT"] = script
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("PRIOSPLIT prompt", cls="P2", max_tokens=8)
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].error is None, c.answers[rid].error
+    assert c.answers[rid].text == "ok"
