@@ -76,3 +76,27 @@ async def test_a_priority_refusal_that_comes_in_two_reads_is_sent_again_without_
         await c.wait([rid], timeout=20)
     assert c.answers[rid].error is None, c.answers[rid].error
     assert c.answers[rid].text == "ok"
+
+
+@pytest.mark.parametrize("suffix", ["/v1?api-key=k", "?api-key=k"])
+async def test_an_upstream_url_with_a_query_reaches_the_servers_endpoints_with_it(env, suffix) -> None:
+    """An upstream_url may carry a query (a gateway's `?api-key=`: the settings show it as
+    `?***`), but the worker appended its paths to the whole URL: the query swallowed them
+    ("...?api-key=k/v1/completions" posts to "/v1" or "/"), and every request failed (404)."""
+    from tests.support.fake_upstream import end_stream, sse_chunk, sse_response
+
+    cfg, c, up = env
+    seen: list[tuple[str, str]] = []
+
+    async def records_query(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        seen.append((request.path, request.query.get("api-key", "")))
+        resp = await sse_response(request)
+        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
+
+    up.scripts["QUERY"] = records_query
+    async with worker(cfg, engine="openai", upstream_url=up.url + suffix):
+        rid = await c.admit("QUERY", max_tokens=5)
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].error is None, c.answers[rid].error
+    assert c.answers[rid].text == "fine"
+    assert seen == [("/v1/completions", "k")]

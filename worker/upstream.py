@@ -266,9 +266,13 @@ class UpstreamLoop:
     def __init__(self, rt: WorkerRuntime) -> None:
         self.rt = rt
         s = rt.settings
-        base = s.upstream_url.rstrip("/")
+        # A query (a gateway's `?api-key=`) goes after each endpoint's path: appended to the
+        # whole URL, the paths went into the query ("...?api-key=k/v1/completions").
+        url, q, query = s.upstream_url.partition("?")
+        self.query = q + query
+        base = url.rstrip("/")
         self.base = base if base.endswith("/v1") else base + "/v1"
-        self.shown = shown_upstream(self.base)  # in logs and the heartbeat
+        self.shown = shown_upstream(self.base + self.query)  # in logs and the heartbeat
         self.model = s.upstream_model or rt.pool_cfg.model_name
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -309,7 +313,7 @@ class UpstreamLoop:
     async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
         """``session.post`` as ``async with``, except that a response handed to
         :meth:`_end_body_later` is left open for that task to end."""
-        resp = await self.session.post(self.base + path, json=body, headers=self._headers())
+        resp = await self.session.post(self.base + path + self.query, json=body, headers=self._headers())
         try:
             yield resp
         finally:
@@ -526,7 +530,7 @@ class UpstreamLoop:
         status = 0
         try:
             for path in (self.base.removesuffix("/v1") + "/health", self.base + "/models"):
-                async with self.session.get(path, headers=self._headers(),
+                async with self.session.get(path + self.query, headers=self._headers(),
                                             timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
                     status = resp.status
                     await resp.read()
@@ -724,7 +728,7 @@ class UpstreamLoop:
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior)
         except ValueError as exc:
             return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
-        url = self.shown + path  # in what is logged: never the credentials of upstream_url
+        url = shown_upstream(self.base) + path  # in what is logged: never the credentials of upstream_url
         chat = path == "/chat/completions"
         # A resume after the answer's text began continues that text (the assistant message
         # to continue): all the model writes is answer, whichever field the server puts it in.
