@@ -100,3 +100,30 @@ async def test_an_upstream_url_with_a_query_reaches_the_servers_endpoints_with_i
     assert c.answers[rid].error is None, c.answers[rid].error
     assert c.answers[rid].text == "fine"
     assert seen == [("/v1/completions", "k")]
+
+
+async def test_a_character_split_between_two_chunks_as_json_surrogate_escapes_is_delivered(env) -> None:
+    """JSON may write a character outside the BMP as two \\u escapes (a surrogate pair), and a
+    server that slices its text in UTF-16 units (a JavaScript gateway, say) may put the two
+    halves in two chunks. Each half alone is no character: the worker failed the request
+    ("internal error in the worker") instead of delivering the character."""
+    from tests.support.fake_upstream import sse_response
+
+    cfg, c, up = env
+
+    async def split_pair(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        resp = await sse_response(request)
+        for piece in ('"a\\ud83d"', '"\\ude00b"'):
+            await resp.write(b'data: {"choices": [{"index": 0, "text": ' + piece.encode()
+                             + b', "finish_reason": null}]}\n\n')
+            await asyncio.sleep(0.02)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}], '
+                         b'"usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    up.scripts["SURROGATE"] = split_pair
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("SURROGATE", max_tokens=8)
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].error is None, c.answers[rid].error
+    assert c.answers[rid].text == "a\U0001F600b"

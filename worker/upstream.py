@@ -71,6 +71,7 @@ import json
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -194,6 +195,24 @@ def _delivered(d: Delivery) -> Delivered:
     text = decode(ids)
     prior = text.rstrip(SEAM_SPACE)
     return Delivered(prior, text[len(prior):], len(d.claimed.generated) - len(ids))
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _whole_chars(text: str, held: str) -> tuple[str, str]:
+    """(``held`` + ``text`` as characters, a high surrogate that ends it, held for the next
+    chunk). JSON may write a character past the BMP as two ``\\u`` escapes, and a server that
+    slices its text in UTF-16 units may send the halves in two chunks: each half alone is no
+    character (its UTF-8 encoding failed the request). A pair becomes its character, a lone
+    half U+FFFD."""
+    text = held + text
+    if not _SURROGATE.search(text):
+        return text, ""
+    held = text[-1] if "\ud800" <= text[-1] <= "\udbff" else ""
+    if held:
+        text = text[:-1]
+    return text.encode("utf-16-le", "surrogatepass").decode("utf-16-le", "replace"), held
 
 
 def _past_seam(text: str, seam: str) -> tuple[str, str]:
@@ -742,6 +761,7 @@ class UpstreamLoop:
         thinks_again = chat and not continues_text and before.thought_tokens > 0
         allowance = max_tokens - d.total_tokens
         counted = 0  # upstream tokens taken in this attempt
+        halves = ["", ""]  # a high surrogate that ended the last chunk's text, its thinking (_whole_chars)
         reasoning_field = "reasoning"
         finish: str | None = None
         done = False
@@ -842,6 +862,10 @@ class UpstreamLoop:
                                             break
                                 if isinstance(piece, str):
                                     text += piece
+                            if text or halves[0]:
+                                text, halves[0] = _whole_chars(text, halves[0])
+                            if thought or halves[1]:
+                                thought, halves[1] = _whole_chars(thought, halves[1])
                             if seam and text:
                                 text, seam = _past_seam(text, seam)
                             # This chunk's tokens: the running usage says exactly; without it, one per
