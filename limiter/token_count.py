@@ -127,7 +127,8 @@ def check(spec: str, url: str, field: str, worker: Mapping[str, Any], *, read_fi
 def upstream_url(url: str, worker: Mapping[str, Any]) -> str:
     """Where ``/tokenize`` is served: the pool's ``tokenizer_url``, else the workers' upstream."""
     got = url or str(worker.get("upstream_url") or "")
-    return got.rstrip("/").removesuffix("/v1")
+    base, q, query = got.partition("?")  # a query (a gateway's ?api-key=) stays a query
+    return base.rstrip("/").removesuffix("/v1") + q + query
 
 
 class Counter:
@@ -168,7 +169,10 @@ class UpstreamCounter(Counter):
     kind = UPSTREAM
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 5.0, api_key: str = "") -> None:
-        self.url = base_url + "/tokenize"
+        # the path before the URL's query: appended to the whole URL, "/tokenize" went into
+        # a query such as a gateway's ?api-key= and the count was asked of the wrong path
+        base, q, query = base_url.partition("?")
+        self.url = base + "/tokenize" + q + query
         self.model = model
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -97,6 +97,19 @@ def test_upstream_mode_takes_the_workers_upstream_url(tmp_path):
     assert counter.url == "http://127.0.0.1:9/tokenize" and counter.model == "org/M"
 
 
+async def test_an_upstream_url_with_a_query_is_asked_at_its_tokenize_path_with_the_query(upstream):
+    """A gateway that takes its key in the query (`?api-key=`): "/tokenize" was appended after
+    the query, so the count was asked of the URL's own path (the review of the openai worker
+    found the same in its generation calls)."""
+    for given in (f"{upstream.url}/v1?api-key=k", f"{upstream.url}/?api-key=k"):
+        counter = counter_for("upstream", given, {}, "tiny", env={})
+        try:
+            assert await counter.count("one two three") == fake_prompt_tokens({"prompt": "one two three"})
+        finally:
+            await counter.close()
+    assert upstream.tokenize_queries == ["api-key=k", "api-key=k"]
+
+
 def test_a_step_engine_refuses_a_pool_not_counted_in_bytes(tmp_path, redis_server):
     tok = word_tokenizer(tmp_path / "tokenizer.json")
     cfg = make_cfg(redis_server.url, pool={"tokenizer": str(tok)})

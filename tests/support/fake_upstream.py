@@ -43,6 +43,7 @@ class FakeUpstream:
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
         self.tokenized: list[dict[str, Any]] = []
+        self.tokenize_queries: list[str] = []  # the query each /tokenize call came with
         self.active = 0
         self.max_active = 0
         self.disconnects = 0
@@ -96,6 +97,7 @@ class FakeUpstream:
     async def tokenize(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.tokenized.append(body)
+        self.tokenize_queries.append(request.query_string)
         if self.status is not None:
             return web.json_response({"error": {"message": "busy"}}, status=self.status)
         n = fake_prompt_tokens(body)

@@ -1,4 +1,5 @@
-"""Defects of the openai engine found by a review (each test failed before its fix)."""
+"""The openai engine on the wire: an error body read whole, an upstream URL with a query, a
+character split over two chunks as JSON surrogate escapes (each found by a review, 2026-12-06)."""
 
 from __future__ import annotations
 
