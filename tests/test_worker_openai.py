@@ -194,6 +194,16 @@ def test_a_model_servers_refusal_is_the_requests_only_on_a_first_attempt_naming_
     # a proxy's (LiteLLM's) answer to a model name it does not serve: the worker's configuration
     assert _refusal_outcome(400, "Invalid model name passed in model=Tiny-7B", first, "tiny-7b") == "failed"
     assert _refusal_outcome(400, context, first, "tiny-7b") == "refused"
+    # the name as a name, not as a word of the message: a server run with `--served-model-name
+    # model` (or `default`) refused a too-long prompt with "This model's maximum context
+    # length...", which read as a model name refused, and the client got a 503 to retry
+    for name in ("model", "Model", "default"):
+        assert _refusal_outcome(400, context + " (the default is 16)", first, name) == "refused", name
+    assert _refusal_outcome(400, "The model `model` does not exist.", first, "model") == "failed"
+    assert _refusal_outcome(400, "Invalid model name passed in model=default. Call /v1/models", first,
+                            "default") == "failed"
+    assert _refusal_outcome(400, 'unknown model "org/M-1.5"', first, "org/M-1.5") == "failed"
+    assert _refusal_outcome(400, "model not found: org/M-1.5", first, "org/M-1.5") == "failed"
     for status in (401, 403, 404, 500):
         assert _refusal_outcome(status, "anything", first) == "failed"
 

@@ -151,9 +151,19 @@ def _refusal_outcome(status: int, text: str, d: Delivery, model: str = "") -> st
     if status not in REFUSED_STATUSES or d.total_tokens > 0:
         return "failed"
     said = text.lower()
-    if any(f in said for f in WORKER_FIELDS) or (model and model.lower() in said):
+    if any(f in said for f in WORKER_FIELDS) or (model and _names(said, model.lower())):
         return "failed"
     return "refused"
+
+
+def _names(text: str, name: str) -> bool:
+    """Whether ``text`` names the model ``name`` as servers and proxies write one: quoted
+    (`` `x` ``, ``'x'``, ``"x"``), after ``=`` (LiteLLM's ``model=x``) or after a colon. Not
+    as a word of the message: a server run with ``--served-model-name model`` refused a
+    too-long prompt with "This model's maximum context length...", which read as its model
+    name refused, and the client got a 503 to retry instead of its 400."""
+    pattern = rf"(?:[`'\"=]|:\s?){re.escape(name)}(?:[`'\".,;)\s]|$)"
+    return re.search(pattern, text) is not None
 
 
 def _ended(finish: str) -> Result:
