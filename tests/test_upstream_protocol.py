@@ -128,3 +128,29 @@ async def test_a_character_split_between_two_chunks_as_json_surrogate_escapes_is
         await c.wait([rid], timeout=20)
     assert c.answers[rid].error is None, c.answers[rid].error
     assert c.answers[rid].text == "a\U0001F600b"
+
+
+@pytest.mark.parametrize("choices", ['["x"]', '{"text": "x"}', '[{"index": 0, "delta": "x"}]',
+                                     '[{"index": 0, "text": "x", "finish_reason": 7}]'])
+async def test_a_chunk_whose_choices_are_not_objects_is_a_malformed_response(env, choices: str) -> None:
+    """A chunk whose `choices` is no list of objects (or a choice's `delta` no object, its
+    finish_reason no string) raised AttributeError inside the stream's loop: the client read
+    "internal error in the worker" where a server's broken stream is "malformed response"."""
+    from limiter.prompt import ChatMessage
+    from tests.support.fake_upstream import sse_response
+
+    cfg, c, up = env
+
+    async def broken(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        resp = await sse_response(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "ok", "finish_reason": null}]}\n\n')
+        await resp.write(b'data: {"choices": ' + choices.encode() + b"}\n\ndata: [DONE]\n\n")
+        return resp
+
+    up.scripts["BROKEN"] = broken
+    chat = "delta" in choices
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await (c.admit("BROKEN", kind="chat", messages=(ChatMessage("user", "BROKEN"),), max_tokens=8)
+                     if chat else c.admit("BROKEN", max_tokens=8))
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].error["msg"] == "the model server sent a malformed response", c.answers[rid].error

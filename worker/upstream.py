@@ -166,6 +166,17 @@ def _names(text: str, name: str) -> bool:
     return re.search(pattern, text) is not None
 
 
+def _choices(chunk: dict[str, Any], data: str) -> list[dict[str, Any]]:
+    """A chunk's ``choices``, each an object whose ``finish_reason`` is a string or null; else
+    :class:`MalformedStream` (an AttributeError in the stream's loop read as the worker's own
+    error: "internal error in the worker")."""
+    choices = chunk.get("choices") or []
+    if not isinstance(choices, list) or not all(
+            isinstance(ch, dict) and isinstance(ch.get("finish_reason"), str | None) for ch in choices):
+        raise MalformedStream(f"choices that are no list of objects in {data[:200]!r}")
+    return choices
+
+
 def _ended(finish: str) -> Result:
     """An answer the model server ended with ``finish``: stop and length as they are, any
     other reason (vLLM's repetition, say) as a stop."""
@@ -852,12 +863,14 @@ class UpstreamLoop:
                                 return self._failed(d, url, f"the model server reported an error: {msg}")
                             running = self._usage(d, chunk.get("usage"), before)
                             text = thought = ""
-                            for ch in chunk.get("choices") or []:
+                            for ch in _choices(chunk, data):
                                 finish = ch.get("finish_reason") or finish
                                 if not chat:
                                     piece = ch.get("text")
                                 else:
                                     delta = ch.get("delta") or {}
+                                    if not isinstance(delta, dict):
+                                        raise MalformedStream(f"a delta that is no object in {data[:200]!r}")
                                     piece = delta.get("content")
                                     # vLLM's --reasoning-parser: the thinking of a reasoning model
                                     # comes apart from the answer (`reasoning`; `reasoning_content`
