@@ -154,3 +154,20 @@ async def test_a_chunk_whose_choices_are_not_objects_is_a_malformed_response(env
                      if chat else c.admit("BROKEN", max_tokens=8))
         await c.wait([rid], timeout=20)
     assert c.answers[rid].error["msg"] == "the model server sent a malformed response", c.answers[rid].error
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_a_refused_key_is_named_to_the_client_without_the_servers_words(env, status: int,
+                                                                              caplog) -> None:
+    """A 401/403 refuses the worker's key (QOS_UPSTREAM_API_KEY), not the request. The server's
+    message went to every client: OpenAI's names the key it was given, masked but for its
+    last four characters ("sk-...abcd"). The log keeps it."""
+    cfg, c, up = env
+    up.scripts["KEYFAIL"] = _split_json_error(status, "Incorrect API key provided: sk-...abcd")
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("KEYFAIL prompt", max_tokens=8)
+        await c.wait([rid], timeout=20)
+    error = c.answers[rid].error
+    assert error["msg"] == f"the model server refused the worker's credentials (HTTP {status})", error
+    assert error["code"] == "failed"  # the deployment's to mend: a retry may reach a worker whose key works
+    assert "sk-...abcd" in caplog.text

@@ -96,6 +96,7 @@ from worker.tokenizer import PAD_ID, decode
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
 DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
+CREDENTIAL_STATUSES = (401, 403, 407)  # the worker's key (QOS_UPSTREAM_API_KEY) refused
 HEALTH_TIMEOUT_S = 5.0  # a health check (the breaker's probe, or after an HTTP 5xx)
 CANARY_TIMEOUT_S = 30.0  # after a stall, the most a probe's one-token generation may take
 # The request itself is at fault (vLLM's 400 for a prompt past the model's context, a 413, a
@@ -825,6 +826,11 @@ class UpstreamLoop:
                                         "false to silence this)", text[:200])
                             self.priority_refused = True
                             return await self._stream(d)
+                        if resp.status in CREDENTIAL_STATUSES:
+                            # the worker's key, not the request: the server's words (OpenAI's
+                            # "Incorrect API key provided: sk-...abcd") are for the log alone
+                            return self._failed(d, url, f"the model server refused the worker's "
+                                                f"credentials (HTTP {resp.status})", text)
                         return self._failed(d, url, f"the model server refused the request (HTTP "
                                             f"{resp.status}): {text}",
                                             outcome=_refusal_outcome(resp.status, text, d, self.model))
