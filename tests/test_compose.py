@@ -118,3 +118,17 @@ def test_every_role_is_given_the_time_its_drain_takes_before_sigkill(name):
     grace = _seconds(svc.get("stop_grace_period", f"{DOCKER_DEFAULT_GRACE_S:g}s"))
     assert grace >= needed + MARGIN_S, \
         f"{name}: SIGKILL {grace:g} s after SIGTERM, its drain takes up to {needed:g} s"
+
+
+def test_the_load_balancer_keeps_the_frontends_metrics_from_clients():
+    """The frontends serve /metrics on the API port without a key, and its series name every
+    tenant (docs/frontend.md: where that port faces clients, keep /metrics off it). The lb
+    publishes port 8000 to clients and passed every path through, /metrics included."""
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    cfg = config.load(ROOT / "deploy" / "qos.toml", {})
+    if cfg.frontend.get("api_metrics", True) is False:
+        return  # the frontends do not serve it on the API port at all
+    block = re.search(r"location\s+=\s+/metrics\s*\{([^}]*)\}", conf)
+    assert block, "nginx passes /metrics (tenant names, no key) to whoever reaches port 8000"
+    status = re.search(r"return\s+(\d{3})", block.group(1))
+    assert status and 400 <= int(status.group(1)) < 500, block.group(0)
