@@ -32,3 +32,18 @@ def test_wheel_carries_the_lua_scripts_and_they_load_from_it(tmp_path, redis_ser
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("ok")
+
+
+def test_the_redis_client_floor_verifies_tls_host_names_by_default():
+    """docs/reliability.md says a ``rediss://`` URL verifies the server's host name with no
+    option set. redis-py made ``ssl_check_hostname`` default to true in 6.0; under the 5.x
+    releases the requirement allowed (``redis>=5.0``), any certificate the CA signed, for
+    any host, was accepted."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    (req,) = [Requirement(d) for d in deps if Requirement(d).name == "redis"]
+    for old in ("5.0.0", "5.2.1", "5.3.1"):
+        assert not req.specifier.contains(old), f"{req} admits redis {old}: no host name check on rediss://"
