@@ -220,7 +220,9 @@ def counter_for(spec: str, url: str, worker: Mapping[str, Any], pool_model: str,
     if spec == BYTES:
         return Counter()
     if spec == UPSTREAM:
-        model = str(worker.get("upstream_model") or env.get("QOS_UPSTREAM_MODEL") or pool_model)
+        # the name the workers send (worker/cli.py: the env over the config), so the count is
+        # of the model that serves: the config first counted with one model, served another
+        model = str(env.get("QOS_UPSTREAM_MODEL") or worker.get("upstream_model") or pool_model)
         key = env.get("QOS_UPSTREAM_API_KEY", "")
         return UpstreamCounter(upstream_url(url, worker), model, timeout_s, key)
     return FileCounter(load_file(tokenizer_file(spec), "tokenizer"))

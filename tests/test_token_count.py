@@ -95,6 +95,13 @@ def test_upstream_mode_takes_the_workers_upstream_url(tmp_path):
     counter = counter_for("upstream", "", cfg.worker, "tiny", env={})
     # vLLM serves /tokenize at the root, not under /v1
     assert counter.url == "http://127.0.0.1:9/tokenize" and counter.model == "org/M"
+    # the model the workers send: QOS_UPSTREAM_MODEL over the config, as worker/cli.py reads it
+    # (the count asked the config's model while the workers' requests named the env's)
+    from worker.cli import upstream_env
+
+    env = {"QOS_UPSTREAM_MODEL": "org/N"}
+    sent = load_settings(cfg, {"engine": "openai", **upstream_env(env, {})}).upstream_model
+    assert counter_for("upstream", "", cfg.worker, "tiny", env=env).model == sent == "org/N"
 
 
 async def test_an_upstream_url_with_a_query_is_asked_at_its_tokenize_path_with_the_query(upstream):
