@@ -132,3 +132,23 @@ def test_the_load_balancer_keeps_the_frontends_metrics_from_clients():
     assert block, "nginx passes /metrics (tenant names, no key) to whoever reaches port 8000"
     status = re.search(r"return\s+(\d{3})", block.group(1))
     assert status and 400 <= int(status.group(1)) < 500, block.group(0)
+
+
+def test_the_load_balancer_stops_gracefully_for_as_long_as_the_frontends_drain():
+    """`docker compose stop/down` stops the lb first (it depends on the frontends). nginx's
+    SIGTERM is a fast shutdown, every open stream cut at once, and docker's default 10 s
+    grace would cut them anyway: the frontends' shutdown_grace_s (30 s) never came into play
+    (found by a review of the deploy files). SIGQUIT is nginx's graceful stop, bounded by its
+    worker_shutdown_timeout, which must cover the frontends' grace and end before SIGKILL."""
+    from limiter.frontend.settings import load_settings as frontend_settings
+
+    lb = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["lb"]
+    cfg = config.load(ROOT / "deploy" / "qos.toml", {})
+    drain = frontend_settings(cfg).shutdown_grace_s
+    assert lb.get("stop_signal") == "SIGQUIT", "SIGTERM stops nginx at once, open streams and all"
+    nginx = (ROOT / "deploy" / "nginx.conf").read_text()
+    found = re.search(r"^worker_shutdown_timeout\s+(\d+)s;", nginx, re.M)
+    assert found, "nginx's graceful stop waits without bound for its slowest client"
+    timeout = float(found.group(1))
+    grace = _seconds(lb.get("stop_grace_period", f"{DOCKER_DEFAULT_GRACE_S:g}s"))
+    assert drain <= timeout and timeout + MARGIN_S <= grace, (drain, timeout, grace)
