@@ -153,6 +153,26 @@ def test_a_subnormal_temperature_samples_as_greedy_not_the_first_token() -> None
         assert sample_token(logits, temperature, seed=7, position=3) == 1 == sample_token(logits, 0.0, 7, 3)
 
 
+def test_a_huge_temperature_samples_near_uniformly_not_the_lowest_ids() -> None:
+    """argmax(logits + T * gumbel): for T above ~5e306 the product overflowed to +-inf, and
+    argmax took the first infinite entry, so nearly every token was one of the lowest ids
+    (97 % of them below 10 of 259 at T = 1.79e308) instead of a draw from softmax(logits / T),
+    which at such a T is uniform (found by a review)."""
+    from collections import Counter
+
+    from worker.engines.torch_engine import sample_token
+
+    logits = torch.zeros(259)
+    for temperature in (1e308, 1.7976931348623157e308):
+        counts = Counter(sample_token(logits, temperature, seed=7, position=p) for p in range(2000))
+        low = sum(n for tok, n in counts.items() if tok < 10) / 2000
+        assert low < 0.1 and len(counts) > 200, (temperature, low, len(counts))
+    # a large finite T still flattens a real gap between logits
+    gap = torch.tensor([0.0, 50.0])
+    picks = [sample_token(gap, 1e300, seed=3, position=p) for p in range(400)]
+    assert 100 < picks.count(0) < 300
+
+
 def test_an_engine_whose_cache_could_not_be_made_can_take_the_id_again() -> None:
     """TorchEngine.add entered the sequence in its table before making its cache: a cache
     that could not be made (a CUDA OOM) left the id in the table for good, and every later

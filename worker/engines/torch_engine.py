@@ -69,9 +69,13 @@ def sample_token(logits: torch.Tensor, temperature: float, seed: int, position: 
     gen.manual_seed(derive_seed(seed, position))
     u = torch.rand(logits.shape, generator=gen, dtype=torch.float64).clamp_(min=1e-300)
     gumbel = -torch.log(-torch.log(u))
-    # argmax(logits / T + g) is argmax(logits + T g) for T > 0, and the latter cannot overflow:
-    # a subnormal T made logits / T infinite, and argmax picked the first infinite entry
-    return int(torch.argmax(logits + temperature * gumbel))
+    # argmax(logits / T + g) is argmax(logits + T g) for T > 0. Neither form is safe at every
+    # T: a subnormal T made logits / T infinite, a huge one (above ~5e306) made T g infinite,
+    # and argmax picked the first infinite entry either way. Scaling by min(T, 1/T) <= 1
+    # never overflows.
+    if temperature < 1:
+        return int(torch.argmax(logits + temperature * gumbel))
+    return int(torch.argmax(logits / temperature + gumbel))
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
