@@ -41,7 +41,7 @@ from limiter.errors import ConfigError, InvalidArgument
 from worker.batch_policy import PrefillChunk, StepPlan
 from worker.engines.base import SamplingParams, SeqEntry, SequenceTable
 from worker.model import KVCache, ModelConfig, Transformer, build_model, preset
-from worker.tokenizer import EOS_ID, IncrementalDecoder, encode
+from worker.tokenizer import EOS_ID, VOCAB_SIZE, IncrementalDecoder, encode
 
 CONFIG_METADATA_KEY = "qos_model_config"
 _MASK64 = (1 << 64) - 1
@@ -155,6 +155,11 @@ class TorchEngine:
     eos_id: int | None = EOS_ID
 
     def __init__(self, model: Transformer, *, kv_capacity_tokens: int | None = None) -> None:
+        if model.cfg.vocab_size != VOCAB_SIZE:
+            # the byte tokenizer's ids (encode, IncrementalDecoder): a larger vocabulary samples
+            # ids no decoder takes, a smaller one refuses every prompt's BOS
+            raise InvalidArgument("vocab_size", f"the torch engine serves the byte vocabulary of "
+                                  f"{VOCAB_SIZE} ids; the model has vocab_size {model.cfg.vocab_size}")
         self.model = model.eval()
         param = next(model.parameters())
         self.device = param.device
@@ -199,6 +204,9 @@ class TorchEngine:
         kv_capacity_tokens: int | None = None,
     ) -> TorchEngine:
         model = load_checkpoint(path, device=device, dtype=dtype, config=config)
+        if model.cfg.vocab_size != VOCAB_SIZE:
+            raise ConfigError(str(path), f"vocab_size {model.cfg.vocab_size} is not the byte "
+                              f"vocabulary's {VOCAB_SIZE} ids the torch engine serves")
         return cls(model, kv_capacity_tokens=kv_capacity_tokens)
 
     @property
