@@ -274,7 +274,8 @@ def test_a_checkpoint_of_another_vocabulary_is_refused_at_startup(tmp_path: Path
     ('token id 451 is outside 0..258') and the step failed every request the worker held; a
     256-id one refused every prompt (its BOS). The shape check promises a checkpoint of
     another architecture fails loudly at startup (found by a review)."""
-    cfg = ModelConfig(vocab_size=vocab, n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64, max_seq_len=256)
+    cfg = ModelConfig(vocab_size=vocab, n_layer=1, n_head=2, n_kv_head=1, d_model=32, d_ff=64,
+                      max_seq_len=256)
     path = tmp_path / "m.safetensors"
     save_checkpoint(build_model(cfg, seed=1, device=DEVICE), path)
     with pytest.raises(ConfigError, match="vocab"):
