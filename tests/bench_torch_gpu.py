@@ -83,7 +83,7 @@ def _cache_at(model: Transformer, length: int, room: int):
 
 
 def measure_steps(
-    model: Transformer, prefills: list[tuple[int, int]], decodes: list[tuple[int, int]], reps: int
+    model: Transformer, prefills: list[tuple[int, int]], decodes: list[tuple[int, ...]], reps: int
 ) -> list[StepPoint]:
     device = model.embed.weight.device
     vocab = model.cfg.vocab_size
@@ -104,23 +104,24 @@ def measure_steps(
                 continue
             points.append(StepPoint(f"prefill {length:>6} at {start:>6}", length, 0, start + length, s))
             del cache
-        for seqs, context in decodes:
-            caches = [_cache_at(model, context, 1) for _ in range(seqs)]
+        for contexts in decodes:  # one context per sequence of the batch
+            seqs = len(contexts)
+            caches = [_cache_at(model, context, 1) for context in contexts]
             ids = torch.randint(0, vocab, (seqs,), device=device)
 
-            def decode(ids=ids, caches=caches, context=context) -> None:
-                for c in caches:
+            def decode(ids=ids, caches=caches, contexts=contexts) -> None:
+                for c, context in zip(caches, contexts, strict=True):
                     c.length = context
                 model.decode(ids, caches).cpu()
 
+            shape = (f"{seqs:>3} seqs at {contexts[0]:>6}" if len(set(contexts)) == 1
+                     else f"{seqs:>3} seqs, 1 at {max(contexts)}")
             try:
                 s = _timed(device, reps, decode)
             except torch.OutOfMemoryError:
-                print(f"  decode {seqs} seqs at {context}: out of device memory (left out of the fit)")
+                print(f"  decode {shape}: out of device memory (left out of the fit)")
                 continue
-            points.append(
-                StepPoint(f"decode {seqs:>3} seqs at {context:>6}", 0, seqs, seqs * (context + 1), s)
-            )
+            points.append(StepPoint(f"decode {shape}", 0, seqs, sum(c + 1 for c in contexts), s))
             del caches
     return points
 
@@ -289,12 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     top = cfg.max_seq_len
     if args.quick:
         prefills = [(64, 0), (256, 0), (256, 256)]
-        decodes = [(1, 64), (4, 64), (4, 256)]
+        decodes = [(64,), (64,) * 4, (256,) * 4, (64, 64, 64, 512)]
         long_tokens, short_tokens, budgets, resume = min(top - 8, 1024), 40, [128], (1, 16)
     else:
         prefills = [(n, s) for n in (256, 512, 2048, 8192) for s in (0, 8192, 24576) if n + s <= top]
         prefills.append((min(top, 32768) - 768, 0))
-        decodes = [(b, c) for b in (1, 8, 32, 64) for c in (1024, 4096, 16384) if b * c <= 262144]
+        decodes = [(c,) * b for b in (1, 8, 32, 64) for c in (1024, 4096, 16384) if b * c <= 262144]
+        # a ragged batch: the model pads every sequence to the longest, each layer, each step
+        # (worker/model.py): 63 short ones beside one near the context's end
+        decodes.append((1024,) * 63 + (min(top, 32768) - 768,))
         long_tokens, short_tokens, budgets, resume = min(top, 32768) - 768, 1000, [2048, 512], (4, 120)
     print("\n1. step costs (median of", args.reps, "timed steps each)")
     points = measure_steps(engine.model, prefills, decodes, args.reps)

@@ -21,7 +21,7 @@ def test_the_quick_form_prints_its_three_parts(capsys: pytest.CaptureFixture[str
         torch.set_num_threads(threads)
     out = capsys.readouterr().out
     assert re.search(r"fit: +c0 [\d.]+ ms, c_prefill [\d.]+ us/token", out), out
-    assert len(re.findall(r"^  (prefill|decode) .* [+-]\d+%", out, re.M)) == 6, out
+    assert len(re.findall(r"^  (prefill|decode) .* [+-]\d+%", out, re.M)) == 7, out
     assert re.search(r"whole prompt +[\d.]+ms", out) and re.search(r"chunks of 128 +[\d.]+ms", out), out
     # fp32 on CPU: the resumed tokens are the straight run's (tests/test_engines.py's claim)
     assert re.search(r"float32 +same run twice: 1/1; resumed tokens equal to the straight run's: 8/8",
