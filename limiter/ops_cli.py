@@ -20,10 +20,11 @@ from redis.exceptions import RedisClusterException, RedisError
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
+from rich.text import Text
 
 from limiter.cli import common_args, load_config
 from limiter.config import QosConfig
-from limiter.errors import ConfigError, InvalidName, QosError
+from limiter.errors import ConfigError, InvalidName, QosError, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import map_redis_errors, open_redis
 from limiter.status import snapshot
@@ -228,16 +229,27 @@ async def _top(args: argparse.Namespace) -> int:
     cfg = load_config(args, tokenizer_files=False)  # counts no tokens
     client = open_redis(cfg.redis)
     n = 0
+    last: dict[str, Any] | None = None
+    down_since = ""  # the time of day Redis stopped answering, while it does not
     try:
         with Live(console=_console(), refresh_per_second=4, screen=False) as live:
             while args.iterations <= 0 or n < args.iterations:
                 started = time.monotonic()
-                live.update(render(await full_snapshot(client, cfg, 5)))
+                # A live view rides through an outage (a failover, a restart): it quit at the
+                # first read that found no Redis, when the operator was watching for just that
+                try:
+                    last, down_since = await full_snapshot(client, cfg, 5), ""
+                    live.update(render(last))
+                except RedisUnavailable:
+                    down_since = down_since or time.strftime("%H:%M:%S")
+                    note = Text(f"Redis unavailable since {down_since}: retrying every {args.interval:g} s"
+                                + (" (the last view below)" if last else ""), style="bold red")
+                    live.update(Group(note, render(last)) if last else note)
                 n += 1
                 await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - started)))
     finally:
         await client.aclose()
-    return 0
+    return 1 if down_since else 0  # scripted (--iterations): whether its last read found Redis
 
 
 def run_top(args: argparse.Namespace) -> int:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
 
-from limiter.cli import main
+from limiter.cli import build_parser, main
 from limiter.keys import PoolKeys
 from tests.support.helpers import admit
 
@@ -194,3 +195,63 @@ async def test_status_says_a_pool_is_not_initialised(redis_server, sync_redis, c
 
     rc = await asyncio.to_thread(main, ["status", "--redis-url", redis_server.url])
     assert rc == 0 and "NOT INITIALISED" in capsys.readouterr().out
+
+
+async def test_top_rides_through_a_redis_outage_and_says_so(monkeypatch):
+    """`qos top` quit (exit 1) at the first read that found no Redis: the live view an operator
+    keeps open through a failover or a restart. It now shows the outage, since when, over the
+    last view, and carries on; it shows the deployment again once Redis answers."""
+    import asyncio
+    import io
+
+    from rich.console import Console
+
+    from limiter import ops_cli
+    from tests.support.redis_server import RedisServer
+
+    frames: list[str] = []
+
+    class Frames:  # rich's Live draws nothing mid-run off a terminal: the frames as text
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+        def __enter__(self) -> Frames:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def update(self, renderable: object) -> None:
+            console = Console(width=200, file=io.StringIO(), record=True)
+            console.print(renderable)
+            frames.append(console.export_text())
+
+    monkeypatch.setattr(ops_cli, "Live", Frames)
+    server = RedisServer().start()
+    try:
+        server.client().zadd(PoolKeys("tiny").workers, {"w1": 1})
+        args = build_parser().parse_args(["top", "--iterations", "0", "--interval", "0.1",
+                                          "--redis-url", server.url])
+        top = asyncio.create_task(ops_cli._top(args))
+
+        async def shown(what: str, unless: str = "\0") -> str:
+            deadline = asyncio.get_running_loop().time() + 30
+            while not (frames and what in frames[-1] and unless not in frames[-1]):
+                assert not top.done(), "qos top ended"
+                assert asyncio.get_running_loop().time() < deadline, \
+                    f"qos top to show {what!r}: {frames[-1:]}"
+                await asyncio.sleep(0.05)
+            return frames[-1]
+
+        await shown("w1", unless="unavailable")
+        server.kill()
+        down = await shown("Redis unavailable since")
+        assert "the last view below" in down and "w1" in down, down
+        server.start()  # the same port
+        server.client().zadd(PoolKeys("tiny").workers, {"w1": 1})  # (a kill may lose the last second)
+        await shown("w1", unless="unavailable")
+        top.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await top
+    finally:
+        server.stop()
