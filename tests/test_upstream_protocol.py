@@ -171,3 +171,21 @@ async def test_a_refused_key_is_named_to_the_client_without_the_servers_words(en
     assert error["msg"] == f"the model server refused the worker's credentials (HTTP {status})", error
     assert error["code"] == "failed"  # the deployment's to mend: a retry may reach a worker whose key works
     assert "sk-...abcd" in caplog.text
+
+
+async def test_a_whole_json_answer_where_a_stream_was_asked_says_so(env) -> None:
+    """A server (or a proxy before it) that ignores `stream` answers 200 with the whole
+    completion as JSON. The request fails (the worker relays streams), but the client read
+    "the model server answered without a stream: OK", the body's reason phrase."""
+    cfg, c, up = env
+
+    async def whole(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        return web.json_response({"id": "c1", "object": "text_completion", "choices": [
+            {"index": 0, "text": "all at once", "finish_reason": "stop"}]})
+
+    up.scripts["WHOLE"] = whole
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("WHOLE", max_tokens=8)
+        await c.wait([rid], timeout=20)
+    msg = c.answers[rid].error["msg"]
+    assert msg.startswith("the model server answered without a stream: a whole answer"), msg

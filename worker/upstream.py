@@ -263,10 +263,11 @@ async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
         resp.release()  # read to its end, it went back to the pool; else its connection closes
 
 
-async def _error_text(resp: aiohttp.ClientResponse) -> str:
+async def _error_text(resp: aiohttp.ClientResponse, unsaid: str | None = None) -> str:
     """What the model server said went wrong: OpenAI's ``{"error": {"message"}}``, an older
     vLLM's ``{"message"}``, FastAPI's ``{"detail"}`` (each was once read as "None"), or a plain
     text body -- never an HTML page (a proxy's error page may name an internal address).
+    A body that says nothing gives ``unsaid``, else the reason phrase.
 
     At most ERROR_BODY_LIMIT bytes are read (the body was read whole: a server's endless or
     huge error body held the worker's memory), and the JSON is parsed whole, not its first
@@ -299,7 +300,7 @@ async def _error_text(resp: aiohttp.ClientResponse) -> str:
                     return found
     text = body.strip()[:500]
     if not text or text.startswith("<") or text.startswith("{"):
-        return resp.reason or ""
+        return (resp.reason or "") if unsaid is None else unsaid
     return text
 
 
@@ -839,7 +840,10 @@ class UpstreamLoop:
                         # (`{"error": ...}`), or an answer that ignored `stream`. Read as a stream,
                         # it "ended mid-answer": every attempt spent on it, the breaker tripped, and
                         # the server's message lost.
-                        text = (await _error_text(resp))[:300]
+                        # (a body with no message in it: "OK" was all the client read)
+                        unsaid = ("a whole answer, not the stream asked for (a server or proxy ignoring "
+                                  "`stream`)")
+                        text = (await _error_text(resp, unsaid))[:300]
                         return self._failed(d, url, f"the model server answered without a stream: {text}")
                     cut = False
                     async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s):
