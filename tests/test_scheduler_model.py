@@ -634,10 +634,11 @@ class LifecycleModel(RuleBasedStateMachine):
         self.r.zadd(KEYS.workers, dict.fromkeys(workers, ALIVE if alive else self.now_ms() - 60_000))
 
     # mostly ordinary rates (a class the controller cuts to 0, or whose ceiling binds hard,
-    # now and then: every example that disables a class serves less); a ceiling of 100/s
-    # has a burst (50 or 200) below many requests' cost, which it must still charge in full
+    # now and then: every example that disables a class serves less). A ceiling whose burst
+    # is below half a request's cost is pinned by a replay (test_replay_a_binding_ceiling_*)
+    # rather than drawn here, where it shuts its class for most of an example
     @rule(pick=st.integers(0, 1 << 16), rate=st.sampled_from([300.0, 2800.0, 2800.0, 9000.0, 0.0]),
-          ceil=st.sampled_from([8000.0, 1e5, 4000.0, 8000.0, 500.0, 100.0, 0.0]),
+          ceil=st.sampled_from([8000.0, 1e5, 4000.0, 8000.0, 500.0, 0.0]),
           burst_s=st.sampled_from([0.5, 2.0, 0.0]),
           capacity=st.sampled_from([0.0, 0.0, 8000.0, 20000.0, 4000.0]))
     def set_rates(self, pick: int, rate: float, ceil: float, burst_s: float, capacity: float) -> None:
