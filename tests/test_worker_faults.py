@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from typing import Any
 
 import pytest
 
-from limiter.errors import RedisUnavailable
+from limiter.errors import LeaseLost, RedisUnavailable
 from limiter.scripts import Scripts
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import (
@@ -783,6 +784,20 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
             await asyncio.sleep(0.3)  # the old stream's push has had its LeaseLost
             held = rid in rt.held and rt.held[rid].fence == box["new_fence"]
             tracked = rid in _loop.tasks
+            # The run above ends the old stream through the re-claim's cancel, before its push
+            # meets LeaseLost (a review: with the LeaseLost handler dropping by id, it passed).
+            # That handler itself: an old attempt whose stream ends in LeaseLost drops only itself.
+            new = rt.held.get(rid)
+            if new is not None:
+                stale = dataclasses.replace(new, claimed=dataclasses.replace(new.claimed,
+                                                                             fence=box["old_fence"]))
+
+                async def lost(d: object) -> tuple[str, str, str]:
+                    raise LeaseLost(f"{rid}: the lease went to fence {box['new_fence']}")
+
+                monkeypatch.setattr(_loop, "_stream", lost)
+                await _loop._serve(stale)
+                held = held and rt.held.get(rid) is new
         finally:
             await stop_worker(rt, task)
     finally:
