@@ -106,6 +106,15 @@ def cluster_not_enabled(exc: RedisClusterException) -> ConfigError | None:
     retried it for ever, the frontend answering 503 "not connected to Redis yet"."""
     if _CLUSTER_NOT_ENABLED not in str(exc):
         return None
+    # redis-py raises it for any ResponseError to CLUSTER SLOTS: a real cluster's node refusing
+    # for its state (BUSY: a script past busy-reply-threshold) is an outage, not this mistake
+    seen: set[int] = set()
+    cause: BaseException | None = exc
+    while cause is not None and id(cause) not in seen:
+        seen.add(id(cause))
+        if isinstance(cause, ResponseError) and store_refused(cause):
+            return None
+        cause = cause.__cause__ or cause.__context__
     return ConfigError("redis.cluster", "redis.url is not a Redis Cluster (CLUSTER SLOTS was refused: a "
                        "standalone Redis, or a Redis user without +cluster|slots): set redis.cluster = "
                        "false (env QOS_REDIS_CLUSTER=0) for a standalone Redis")

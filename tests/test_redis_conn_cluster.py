@@ -248,3 +248,34 @@ def test_a_role_with_redis_cluster_on_a_standalone_redis_exits_naming_it(redis_s
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-1500:]
     assert "config error: redis.cluster:" in proc.stderr and "not a Redis Cluster" in proc.stderr, \
         proc.stderr[-1500:]
+
+
+async def test_a_cluster_node_busy_with_a_script_is_an_outage_not_a_config_error(redis_cluster) -> None:
+    """A cluster node running a script past busy-reply-threshold answers CLUSTER SLOTS with
+    BUSY, a ResponseError: redis-py's "Cluster mode is not enabled on this node" then wraps
+    a real cluster's passing state. Read as redis.cluster's mistake (a ConfigError), it made
+    every role that (re)built its slot map then exit; it is an outage, retried."""
+    import threading
+
+    import redis as sync_redis
+
+    from limiter.errors import RedisUnavailable
+    from limiter.redis_conn import map_redis_errors
+
+    url = redis_cluster.url
+    node = sync_redis.Redis.from_url(url)
+    node.config_set("busy-reply-threshold", 100)
+    script = ("local s = tonumber(redis.call('TIME')[1]) "
+              "while tonumber(redis.call('TIME')[1]) < s + 2 do end return 1")
+    busy = threading.Thread(target=lambda: sync_redis.Redis.from_url(url).eval(script, 0))
+    busy.start()
+    await asyncio.sleep(0.5)  # the script runs past the threshold: the node answers BUSY
+    client = open_redis(RedisConfig(url=url, cluster=True))
+    try:
+        with pytest.raises(RedisUnavailable), map_redis_errors():
+            await client.get("qos:{conn}:x")
+    finally:
+        await client.aclose()
+        busy.join()
+        node.config_set("busy-reply-threshold", 5000)
+        node.close()
