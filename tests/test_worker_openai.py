@@ -204,6 +204,10 @@ def test_a_model_servers_refusal_is_the_requests_only_on_a_first_attempt_naming_
                             "default") == "failed"
     assert _refusal_outcome(400, 'unknown model "org/M-1.5"', first, "org/M-1.5") == "failed"
     assert _refusal_outcome(400, "model not found: org/M-1.5", first, "org/M-1.5") == "failed"
+    # OpenRouter's 400 for a model it does not know starts with the name
+    assert _refusal_outcome(400, "org/M-1.5:free is not a valid model ID", first,
+                            "org/M-1.5:free") == "failed"
+    assert _refusal_outcome(400, "Model's maximum context length exceeded", first, "model") == "refused"
     for status in (401, 403, 404, 500):
         assert _refusal_outcome(status, "anything", first) == "failed"
 

@@ -159,11 +159,14 @@ def _refusal_outcome(status: int, text: str, d: Delivery, model: str = "") -> st
 
 def _names(text: str, name: str) -> bool:
     """Whether ``text`` names the model ``name`` as servers and proxies write one: quoted
-    (`` `x` ``, ``'x'``, ``"x"``), after ``=`` (LiteLLM's ``model=x``) or after a colon. Not
+    (`` `x` ``, ``'x'``, ``"x"``), after ``=`` (LiteLLM's ``model=x``), after a colon, or
+    as the message's first word (OpenRouter's "x is not a valid model ID"). Not
     as a word of the message: a server run with ``--served-model-name model`` refused a
     too-long prompt with "This model's maximum context length...", which read as its model
     name refused, and the client got a 503 to retry instead of its 400."""
-    pattern = rf"(?:[`'\"=]|:\s?){re.escape(name)}(?:[`'\".,;)\s]|$)"
+    n = re.escape(name)
+    # ... or as the message's first word (OpenRouter's 400 "x is not a valid model ID")
+    pattern = rf"(?:[`'\"=]|:\s?){n}(?:[`'\".,;)\s]|$)|^\s*{n}\s"
     return re.search(pattern, text) is not None
 
 
