@@ -240,10 +240,11 @@ async def _top(args: argparse.Namespace) -> int:
                 try:
                     last, down_since = await full_snapshot(client, cfg, 5), ""
                     live.update(render(last))
-                except RedisUnavailable:
+                except RedisUnavailable as exc:
+                    # (its reason too: a wrong password or TLS certificate is a ConnectionError)
                     down_since = down_since or time.strftime("%H:%M:%S")
                     note = Text(f"Redis unavailable since {down_since}: retrying every {args.interval:g} s"
-                                + (" (the last view below)" if last else ""), style="bold red")
+                                + (" (the last view below)" if last else "") + f"\n{exc}", style="bold red")
                     live.update(Group(note, render(last)) if last else note)
                 n += 1
                 await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - started)))

@@ -255,3 +255,20 @@ async def test_top_rides_through_a_redis_outage_and_says_so(monkeypatch):
             await top
     finally:
         server.stop()
+
+
+def test_top_through_an_outage_says_why_redis_did_not_answer(capsys):
+    """The outage note said only "Redis unavailable since ...": a wrong password (redis-py's
+    AuthenticationError is a ConnectionError, so an outage) or a bad TLS certificate left
+    `qos top` retrying for ever without the reason it had printed before (it quit naming it)."""
+    from tests.support.redis_server import RedisServer
+
+    server = RedisServer().start()
+    try:
+        server.client().config_set("requirepass", "sekret")
+        rc = main(["top", "--iterations", "1", "--interval", "0.1", "--redis-url", server.url])
+    finally:
+        server.stop()
+    out = capsys.readouterr().out
+    assert rc == 1 and "Redis unavailable since" in out, out
+    assert "Authentication required" in out, out
