@@ -189,3 +189,25 @@ async def test_a_whole_json_answer_where_a_stream_was_asked_says_so(env) -> None
         await c.wait([rid], timeout=20)
     msg = c.answers[rid].error["msg"]
     assert msg.startswith("the model server answered without a stream: a whole answer"), msg
+
+
+async def test_a_lone_high_surrogate_that_ends_the_answer_is_delivered_as_a_replacement(env) -> None:
+    """A high surrogate is held for the next chunk's low half; one that ends the answer (its
+    chunk carries the finish_reason) has no next chunk: it was dropped without a trace,
+    where a lone half is promised as U+FFFD."""
+    from tests.support.fake_upstream import sse_response
+
+    cfg, c, up = env
+
+    async def lone_end(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        resp = await sse_response(request)
+        await resp.write(b'data: {"choices": [{"index": 0, "text": "a\\ud83d", "finish_reason": "stop"}], '
+                         b'"usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    up.scripts["LONEEND"] = lone_end
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("LONEEND", max_tokens=8)
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].error is None, c.answers[rid].error
+    assert c.answers[rid].text == "a\ufffd"

@@ -902,6 +902,11 @@ class UpstreamLoop:
                                 text, halves[0] = _whole_chars(text, halves[0])
                             if thought or halves[1]:
                                 thought, halves[1] = _whole_chars(thought, halves[1])
+                            if finish is not None and (halves[0] or halves[1]):
+                                # the answer's end: no low half comes for a held one (U+FFFD)
+                                text += "\ufffd" * len(halves[0])
+                                thought += "\ufffd" * len(halves[1])
+                                halves = ["", ""]
                             if seam and text:
                                 text, seam = _past_seam(text, seam)
                             # This chunk's tokens: the running usage says exactly; without it, one per
