@@ -16,7 +16,7 @@
 * ``"upstream"``: the model server's ``POST /tokenize`` (vLLM: ``{model, prompt}`` or
   ``{model, messages, add_generation_prompt}`` -> ``{count, tokens, max_model_len}``) at
   ``tokenizer_url`` (default ``[worker] upstream_url``), with the model name the workers send
-  (``[worker] upstream_model``, env ``QOS_UPSTREAM_MODEL``, else the pool's model). Exact,
+  (env ``QOS_UPSTREAM_MODEL``, else ``[worker] upstream_model``, else the pool's model). Exact,
   chat template included, at one HTTP round trip per request.
 
 The frontend counts every prompt with it for the admission cost and the context check.
