@@ -135,11 +135,13 @@ def test_the_load_balancer_keeps_the_frontends_metrics_from_clients():
 
 
 def test_the_load_balancer_stops_gracefully_for_as_long_as_the_frontends_drain():
-    """`docker compose stop/down` stops the lb first (it depends on the frontends). nginx's
-    SIGTERM is a fast shutdown, every open stream cut at once, and docker's default 10 s
-    grace would cut them anyway: the frontends' shutdown_grace_s (30 s) never came into play
-    (found by a review of the deploy files). SIGQUIT is nginx's graceful stop, bounded by its
-    worker_shutdown_timeout, which must cover the frontends' grace and end before SIGKILL."""
+    """`docker compose stop/down` stops the lb first (it depends on the frontends), and
+    docker's default 10 s of grace killed it, every open stream with it, before the
+    frontends' shutdown_grace_s (30 s) could finish them (found by a review of the deploy
+    files). SIGQUIT is nginx's graceful stop (SIGTERM its fast one; the official image's
+    own stop signal is SIGQUIT, said in the compose file so it does not rest on the image),
+    bounded by its worker_shutdown_timeout, which must cover the frontends' grace and end
+    before SIGKILL."""
     from limiter.frontend.settings import load_settings as frontend_settings
 
     lb = yaml.safe_load((ROOT / "docker-compose.yml").read_text())["services"]["lb"]
