@@ -417,3 +417,47 @@ def test_the_sweep_removes_only_data_dirs_it_can_prove_abandoned(tmp_path, monke
             os.kill(server_pid, signal.SIGKILL)
         live.stop()
 
+
+
+# --- a running stack's stop: the signals that come during it, what is said about a death ---
+
+def _mid_stream_stack(tmp_path: Path):
+    """A one-worker `qos up` whose grace and drain outlast the test, a long stream under way."""
+    from tests.support.up_stack import Up, stream, write_config
+
+    config = write_config(tmp_path / "qos.toml", time_scale=20.0, grace_s=120.0, drain_s=120.0)
+    port = free_port()
+    up = Up(port, "--config", str(config), "--engine", "sim", "--workers", "1")
+    up.wait_ready()
+    first = threading.Event()
+
+    def run() -> None:
+        with contextlib.suppress(Exception):  # the stream is cut on purpose
+            stream(port, 2000, on_first=first.set)
+
+    threading.Thread(target=run, daemon=True).start()
+    assert first.wait(60), "the stream's first token did not arrive within 60 s"
+    return up
+
+
+def test_a_second_sighup_during_the_stop_does_not_kill_the_stack(tmp_path):
+    # A closed terminal may send two SIGHUPs (the shell's to its jobs, the kernel's to the
+    # foreground group). The first starts the stop; the second, arriving once the stop has
+    # begun, was taken for a second Ctrl-C: every process killed at once, the open stream
+    # cut, exit 129. Only SIGINT/SIGTERM escalate.
+    old = signal.signal(signal.SIGHUP, signal.SIG_DFL)  # as from a terminal, even under nohup
+    try:
+        up = _mid_stream_stack(tmp_path)
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    with up:
+        os.killpg(up.proc.pid, signal.SIGHUP)
+        up.wait_line(r"stopping 1 frontends", 30, "the frontends' stop line")
+        time.sleep(0.5)  # the stop is under way
+        os.killpg(up.proc.pid, signal.SIGHUP)
+        time.sleep(2.0)
+        assert "interrupted again" not in up.output, up.output
+        assert up.proc.poll() is None, up.output  # still finishing the stream within its grace
+        up.ctrl_c()  # an operator's Ctrl-C still means "now"
+        assert up.wait_exit(60) == 128 + signal.SIGINT, up.output
+    assert "interrupted again" in up.output, up.output

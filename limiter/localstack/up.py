@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         say("qos up: WARNING: no parent-death signal on this platform: if qos up is killed, stop its "
             "children by hand", err=True)
     signals = {"count": 0, "urgent": 0, "last": int(signal.SIGINT)}
-    stop_after: dict[str, int] = {"base": 0}
+    stop_after: dict[str, int] = {"base": 0}  # the urgent signals counted when the stop began
 
     def on_signal(signum: int, _frame: object) -> None:
         signals["count"] += 1
@@ -335,11 +335,11 @@ def run(args: argparse.Namespace) -> int:
             signals["urgent"] += 1
 
     def interrupted() -> bool:
-        # A signal once the stop began; or a second Ctrl-C (SIGTERM) however soon after the
+        # A Ctrl-C (SIGTERM) once the stop began; or a second one however soon after the
         # first: two quick ones both came before the stop began, and the second was taken for
-        # part of the first. (Not a second SIGHUP: a closed terminal may send two, from the
-        # shell and from the kernel.)
-        return signals["count"] > stop_after["base"] or signals["urgent"] >= 2
+        # part of the first. Never a SIGHUP: a closed terminal may send two, from the shell
+        # and from the kernel, and the second (once the stop had begun) killed the stack.
+        return signals["urgent"] > stop_after["base"] or signals["urgent"] >= 2
 
     # Under nohup (SIGHUP ignored on entry) a closed terminal must not stop the stack.
     hup = () if lifecycle.hangup_ignored() else (signal.SIGHUP,)
@@ -375,7 +375,7 @@ def run(args: argparse.Namespace) -> int:
         say(f"qos up: {exc or type(exc).__name__}", err=True)
         rc = 1
     finally:
-        stop_after["base"] = signals["count"]
+        stop_after["base"] = signals["urgent"]
         if stack is not None and stack.stop(limits, interrupted):
             # Killed, not stopped cleanly (a second Ctrl-C): exit as the shell reports a process
             # that signal ended (130 for SIGINT, 143 for SIGTERM), never 0.
