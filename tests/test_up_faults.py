@@ -461,3 +461,18 @@ def test_a_second_sighup_during_the_stop_does_not_kill_the_stack(tmp_path):
         up.ctrl_c()  # an operator's Ctrl-C still means "now"
         assert up.wait_exit(60) == 128 + signal.SIGINT, up.output
     assert "interrupted again" in up.output, up.output
+
+
+def test_a_redis_that_dies_while_serving_says_why(tmp_path):
+    # Its output goes to /dev/null and its log to its data dir, which the stop removes: all
+    # an operator read was "redis-server exited with 0", the reason gone with the dir.
+    from tests.support.up_stack import Up, children, write_config
+
+    config = write_config(tmp_path / "qos.toml")
+    with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1") as up:
+        up.wait_ready()
+        redis_pid = next(p for p, c in children(up.proc.pid).items() if c.startswith("redis-server"))
+        os.kill(redis_pid, signal.SIGTERM)  # what an OOM killer's or an admin's stop looks like
+        assert up.wait_exit(60) == 1, up.output
+    line = up.line(r"^qos up: redis-server exited with 0")
+    assert line is not None and "Received SIGTERM" in line, up.output

@@ -166,13 +166,19 @@ class Stack:
             return self.redis.proc.poll()
         return None
 
+    def redis_death(self, rc: int) -> str:
+        """"redis-server exited with RC" and the end of its log (why: its output goes nowhere,
+        and the stop removes the log with its data dir)."""
+        tail = self.redis.log_tail() if isinstance(self.redis, RedisServer) else ""
+        return f"redis-server exited with {rc}" + (f" (its log ends: {tail})" if tail else "")
+
     def starting_failure(self) -> str | None:
         """While :func:`wait_ready` waits: why the stack cannot become ready (a child or
         Redis died), else None."""
         if (dead := self.exited()) is not None:
             return f"{dead.name} (pid {dead.pid}) exited with status {dead.proc.returncode} while starting"
         if (rc := self.redis_exited()) is not None:
-            return f"redis-server exited with {rc} while starting"
+            return f"{self.redis_death(rc)} while starting"
         return None
 
     # --- stopping ---------------------------------------------------------------------------

@@ -147,13 +147,20 @@ class RedisServer:
     def _failed(self, first: bool, what: str) -> NoReturn:
         """Raise ``what`` with the tail of the server's log; a first start leaves no dir behind
         (each failed start of `qos up` left a qos-redis-* directory)."""
-        try:
-            tail = (self.dir / "redis.log").read_text(errors="replace").strip().splitlines()[-3:]
-        except OSError:
-            tail = []
+        tail = self.log_tail()
         if first and self.own_dir:
             shutil.rmtree(self.dir, ignore_errors=True)
-        raise RuntimeError(what + (": " + " / ".join(t.strip() for t in tail) if tail else ""))
+        raise RuntimeError(what + (f": {tail}" if tail else ""))
+
+    def log_tail(self, lines: int = 3) -> str:
+        """The last ``lines`` lines of the server's log, joined by " / " ("" without one): why
+        it exited, which its log alone says (its output goes nowhere, and :meth:`stop`
+        removes the log with its dir)."""
+        try:
+            tail = (self.dir / "redis.log").read_text(errors="replace").strip().splitlines()[-lines:]
+        except OSError:
+            return ""
+        return " / ".join(t.strip() for t in tail if t.strip())
 
     def restart(self) -> RedisServer:
         """Kill and start again on the same port and data dir."""

@@ -76,7 +76,7 @@ class UpStack(Stack):
         A dead worker is reported and (``--restart``) started again after a back-off; the
         stack stops when no worker is left, or a frontend, a controller or Redis died."""
         if (rc := self.redis_exited()) is not None:
-            return f"redis-server exited with {rc}"
+            return self.redis_death(rc)
         now = time.monotonic()
         for c in self.children:
             if c.restart_at is not None and now >= c.restart_at:
