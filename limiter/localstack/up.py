@@ -170,8 +170,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "--no-upstream-priority for a server that rejects the field)")
     p.add_argument("--standby", action="store_true", help="also run a standby controller")
     p.add_argument("--restart", action="store_true",
-                   help="start a worker that died again, with back-off (1, 2, 4, 8, 16 s; gives up after "
-                   "5 quick deaths in a row); without it a dead worker is reported and left dead")
+                   help="start a worker that died again, with back-off (1, 2, 4, 8, 16 s: five restarts; "
+                   "a sixth quick death in a row is left dead); without it a dead worker is reported "
+                   "and left dead")
     p.add_argument("--demo-load", action="store_true", help="drive a mixed P0/P1/P2 load, show a live table")
     p.add_argument(
         "--demo-duration", type=float, default=0.0, help="stop the demo load after S s (0 = never)"
