@@ -321,6 +321,11 @@ async def test_openai_sdk_async_and_sync(client, fake_worker):
     assert out.choices[0].message.content == render_chat([("user", "hi there")])[::-1][:6]
     assert out.usage.completion_tokens == 6
     assert out.usage.prompt_tokens == count_tokens(render_chat([("user", "hi there")]))
+    # the SDK's own request id (OpenAI's x-request-id header) is the record's, as X-QoS-Request-Id
+    raw = await sdk.chat.completions.with_raw_response.create(
+        model="tiny", messages=[{"role": "user", "content": "id?"}], max_tokens=2)
+    assert raw.headers["x-request-id"] == raw.headers["X-QoS-Request-Id"] != ""
+    assert raw.parse()._request_id == raw.headers["X-QoS-Request-Id"]
 
     stream = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "yo"}],
                                                stream=True, stream_options={"include_usage": True})
@@ -332,6 +337,7 @@ async def test_openai_sdk_async_and_sync(client, fake_worker):
             usage = ch.usage
     assert "".join(parts) == render_chat([("user", "yo")])[::-1]
     assert usage.completion_tokens == len("".join(parts))
+    assert stream.response.headers["x-request-id"] == stream.response.headers["X-QoS-Request-Id"] != ""
 
     comp = await sdk.completions.create(model="tiny", prompt="abc", max_tokens=2)
     assert comp.choices[0].text == "cb" and comp.usage.prompt_tokens == 4

@@ -45,6 +45,9 @@ from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 log = logging.getLogger("qos.frontend")
 
 REQUEST_ID_HEADER = "X-QoS-Request-Id"
+# The same id under OpenAI's own header, which its SDKs read (``response._request_id``) and
+# their users quote in logs and bug reports.
+OPENAI_REQUEST_ID_HEADER = "x-request-id"
 # After cancel(expired) finds the request already finished, its final entry is on the way.
 FINAL_GRACE_S = 2.0
 # Slack added to Redis' deadline: Redis' own expiry (claim) and ours then agree on the outcome.
@@ -319,7 +322,8 @@ class Generation:
                 body = oa.full_response(self.req, self.request_id, self.created, answer.content, r.finish,
                                         r.usage_in, r.usage_out,
                                         (answer.field, answer.reasoning) if answer.reasoning else None)
-                return web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id},
+                return web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
+                                                        OPENAI_REQUEST_ID_HEADER: self.request_id},
                                          dumps=oa.compact_json)
 
     async def _write(self, aw: Awaitable[Any]) -> None:
@@ -346,7 +350,7 @@ class Generation:
             # can still be an honest 503 rather than an error inside a 200 stream.
             s = _SseResponse(headers={
                 "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no", REQUEST_ID_HEADER: rid})
+                "X-Accel-Buffering": "no", REQUEST_ID_HEADER: rid, OPENAI_REQUEST_ID_HEADER: rid})
             await self._write(s.prepare(self.request))
             if req.kind == "chat":
                 opener = oa.chunk(req, rid, created, role=True, usage_so_far=(req.prompt_tokens, 0))
