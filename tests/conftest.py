@@ -74,6 +74,17 @@ async def pool(scripts: Scripts, cfg) -> PoolKeys:
 
 
 @pytest.fixture
+async def fake_upstream():
+    """A started fake OpenAI-compatible model server (tests/support/fake_upstream.py)."""
+    from tests.support.fake_upstream import FakeUpstream
+
+    up = FakeUpstream()
+    await up.start()
+    yield up
+    await up.runner.cleanup()
+
+
+@pytest.fixture
 async def worker_env(redis_server: RedisServer, sync_redis, tmp_path):
     """A config file for the worker tests and a client that admits and reads replies."""
     from tests.support.worker_helpers import Client, config

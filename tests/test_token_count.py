@@ -18,7 +18,7 @@ from limiter.frontend.settings import FrontendSettings
 from limiter.keys import PoolKeys
 from limiter.prompt import ChatMessage
 from limiter.token_count import FileCounter, counter_for
-from tests.support.fake_upstream import FakeUpstream, fake_prompt_tokens
+from tests.support.fake_upstream import fake_prompt_tokens
 from tests.support.frontend_helpers import auth, frontend, make_cfg, redis_state
 from tests.support.worker_helpers import worker
 from worker.settings import load_settings
@@ -130,11 +130,8 @@ def test_a_step_engine_refuses_a_pool_not_counted_in_bytes(tmp_path, redis_serve
 # --- the frontend counts with the pool's tokenizer; the openai engine counts the upstream's ---------
 
 @pytest.fixture
-async def upstream():
-    up = FakeUpstream()
-    await up.start()
-    yield up
-    await up.runner.cleanup()
+def upstream(fake_upstream):
+    return fake_upstream
 
 
 async def test_file_tokenizer_counts_for_admission_context_and_usage_is_the_upstreams(

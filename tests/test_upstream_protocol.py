@@ -10,16 +10,25 @@ from typing import Any
 import pytest
 from aiohttp import web
 
-from tests.support.fake_upstream import FakeUpstream
+from limiter.prompt import ChatMessage
+from tests.support.fake_upstream import end_stream, sse_chunk, sse_response
 from tests.support.worker_helpers import worker
 
 
 @pytest.fixture
-async def env(worker_env):
-    up = FakeUpstream()
-    await up.start()
-    yield (*worker_env, up)
-    await up.runner.cleanup()
+def env(worker_env, fake_upstream):
+    return (*worker_env, fake_upstream)
+
+
+async def _answer(env: tuple[Any, ...], name: str, script: Any, *, suffix: str = "", **admit: Any) -> Any:
+    """One request whose prompt is ``name`` through an openai worker whose upstream answers
+    it with ``script``; the request's answer (its text, or its error)."""
+    cfg, c, up = env
+    up.scripts[name] = script
+    async with worker(cfg, engine="openai", upstream_url=up.url + suffix):
+        rid = await c.admit(name, **{"max_tokens": 8, **admit})
+        await c.wait([rid], timeout=20)
+    return c.answers[rid]
 
 
 def _split_json_error(status: int, message: str) -> Any:
@@ -45,13 +54,9 @@ async def test_an_error_body_that_comes_in_two_reads_is_read_whole(env) -> None:
     """_error_text read the error body with one ``content.read(limit)``, which returns what
     has come so far, not the body: a body in two reads was cut, its JSON failed to parse and
     the client read the reason phrase ("Bad Request") instead of the server's message."""
-    cfg, c, up = env
     message = "This model's maximum context length is 64 tokens"
-    up.scripts["SPLIT400"] = _split_json_error(400, message)
-    async with worker(cfg, engine="openai", upstream_url=up.url):
-        rid = await c.admit("SPLIT400 prompt", max_tokens=8)
-        await c.wait([rid], timeout=20)
-    assert c.answers[rid].error["msg"] == f"the model server refused the request (HTTP 400): {message}"
+    answer = await _answer(env, "SPLIT400", _split_json_error(400, message))
+    assert answer.error["msg"] == f"the model server refused the request (HTTP 400): {message}"
 
 
 async def test_a_priority_refusal_that_comes_in_two_reads_is_sent_again_without_it(env) -> None:
@@ -59,24 +64,19 @@ async def test_a_priority_refusal_that_comes_in_two_reads_is_sent_again_without_
     the refusal by its text. With the body in two reads the text was "Bad Request": every
     request of a class but the top one was refused (its client answered 400) instead of
     being sent again without `priority`."""
-    cfg, c, up = env
 
     async def script(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
         if body.get("priority"):
             return await _split_json_error(400, f"Got priority {body['priority']} but Priority "
                                                 "scheduling is not enabled.")(request, body, n)
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await resp.prepare(request)
+        resp = await sse_response(request)
         await resp.write(b'data: {"choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}], '
                          b'"usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n')
         return resp
 
-    up.scripts["PRIOSPLIT"] = script
-    async with worker(cfg, engine="openai", upstream_url=up.url):
-        rid = await c.admit("PRIOSPLIT prompt", cls="P2", max_tokens=8)
-        await c.wait([rid], timeout=20)
-    assert c.answers[rid].error is None, c.answers[rid].error
-    assert c.answers[rid].text == "ok"
+    answer = await _answer(env, "PRIOSPLIT", script, cls="P2")
+    assert answer.error is None, answer.error
+    assert answer.text == "ok"
 
 
 @pytest.mark.parametrize("suffix", ["/v1?api-key=k", "?api-key=k"])
@@ -84,9 +84,6 @@ async def test_an_upstream_url_with_a_query_reaches_the_servers_endpoints_with_i
     """An upstream_url may carry a query (a gateway's `?api-key=`: the settings show it as
     `?***`), but the worker appended its paths to the whole URL: the query swallowed them
     ("...?api-key=k/v1/completions" posts to "/v1" or "/"), and every request failed (404)."""
-    from tests.support.fake_upstream import end_stream, sse_chunk, sse_response
-
-    cfg, c, up = env
     seen: list[tuple[str, str]] = []
 
     async def records_query(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
@@ -94,12 +91,9 @@ async def test_an_upstream_url_with_a_query_reaches_the_servers_endpoints_with_i
         resp = await sse_response(request)
         return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
 
-    up.scripts["QUERY"] = records_query
-    async with worker(cfg, engine="openai", upstream_url=up.url + suffix):
-        rid = await c.admit("QUERY", max_tokens=5)
-        await c.wait([rid], timeout=20)
-    assert c.answers[rid].error is None, c.answers[rid].error
-    assert c.answers[rid].text == "fine"
+    answer = await _answer(env, "QUERY", records_query, suffix=suffix, max_tokens=5)
+    assert answer.error is None, answer.error
+    assert answer.text == "fine"
     assert seen == [("/v1/completions", "k")]
 
 
@@ -108,9 +102,6 @@ async def test_a_character_split_between_two_chunks_as_json_surrogate_escapes_is
     server that slices its text in UTF-16 units (a JavaScript gateway, say) may put the two
     halves in two chunks. Each half alone is no character: the worker failed the request
     ("internal error in the worker") instead of delivering the character."""
-    from tests.support.fake_upstream import sse_response
-
-    cfg, c, up = env
 
     async def split_pair(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
         resp = await sse_response(request)
@@ -122,12 +113,9 @@ async def test_a_character_split_between_two_chunks_as_json_surrogate_escapes_is
                          b'"usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')
         return resp
 
-    up.scripts["SURROGATE"] = split_pair
-    async with worker(cfg, engine="openai", upstream_url=up.url):
-        rid = await c.admit("SURROGATE", max_tokens=8)
-        await c.wait([rid], timeout=20)
-    assert c.answers[rid].error is None, c.answers[rid].error
-    assert c.answers[rid].text == "a\U0001F600b"
+    answer = await _answer(env, "SURROGATE", split_pair)
+    assert answer.error is None, answer.error
+    assert answer.text == "a\U0001F600b"
 
 
 @pytest.mark.parametrize("choices", ['["x"]', '{"text": "x"}', '[{"index": 0, "delta": "x"}]',
@@ -136,24 +124,15 @@ async def test_a_chunk_whose_choices_are_not_objects_is_a_malformed_response(env
     """A chunk whose `choices` is no list of objects (or a choice's `delta` no object, its
     finish_reason no string) raised AttributeError inside the stream's loop: the client read
     "internal error in the worker" where a server's broken stream is "malformed response"."""
-    from limiter.prompt import ChatMessage
-    from tests.support.fake_upstream import sse_response
-
-    cfg, c, up = env
-
     async def broken(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
         resp = await sse_response(request)
         await resp.write(b'data: {"choices": [{"index": 0, "text": "ok", "finish_reason": null}]}\n\n')
         await resp.write(b'data: {"choices": ' + choices.encode() + b"}\n\ndata: [DONE]\n\n")
         return resp
 
-    up.scripts["BROKEN"] = broken
-    chat = "delta" in choices
-    async with worker(cfg, engine="openai", upstream_url=up.url):
-        rid = await (c.admit("BROKEN", kind="chat", messages=(ChatMessage("user", "BROKEN"),), max_tokens=8)
-                     if chat else c.admit("BROKEN", max_tokens=8))
-        await c.wait([rid], timeout=20)
-    assert c.answers[rid].error["msg"] == "the model server sent a malformed response", c.answers[rid].error
+    chat = {"kind": "chat", "messages": (ChatMessage("user", "BROKEN"),)} if "delta" in choices else {}
+    error = (await _answer(env, "BROKEN", broken, **chat)).error
+    assert error["msg"] == "the model server sent a malformed response", error
 
 
 @pytest.mark.parametrize("status", [401, 403])
@@ -162,12 +141,8 @@ async def test_a_refused_key_is_named_to_the_client_without_the_servers_words(en
     """A 401/403 refuses the worker's key (QOS_UPSTREAM_API_KEY), not the request. The server's
     message went to every client: OpenAI's names the key it was given, masked but for its
     last four characters ("sk-...abcd"). The log keeps it."""
-    cfg, c, up = env
-    up.scripts["KEYFAIL"] = _split_json_error(status, "Incorrect API key provided: sk-...abcd")
-    async with worker(cfg, engine="openai", upstream_url=up.url):
-        rid = await c.admit("KEYFAIL prompt", max_tokens=8)
-        await c.wait([rid], timeout=20)
-    error = c.answers[rid].error
+    refusal = _split_json_error(status, "Incorrect API key provided: sk-...abcd")
+    error = (await _answer(env, "KEYFAIL", refusal)).error
     assert error["msg"] == f"the model server refused the worker's credentials (HTTP {status})", error
     assert error["code"] == "failed"  # the deployment's to mend: a retry may reach a worker whose key works
     assert "sk-...abcd" in caplog.text
@@ -177,17 +152,12 @@ async def test_a_whole_json_answer_where_a_stream_was_asked_says_so(env) -> None
     """A server (or a proxy before it) that ignores `stream` answers 200 with the whole
     completion as JSON. The request fails (the worker relays streams), but the client read
     "the model server answered without a stream: OK", the body's reason phrase."""
-    cfg, c, up = env
 
     async def whole(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
         return web.json_response({"id": "c1", "object": "text_completion", "choices": [
             {"index": 0, "text": "all at once", "finish_reason": "stop"}]})
 
-    up.scripts["WHOLE"] = whole
-    async with worker(cfg, engine="openai", upstream_url=up.url):
-        rid = await c.admit("WHOLE", max_tokens=8)
-        await c.wait([rid], timeout=20)
-    msg = c.answers[rid].error["msg"]
+    msg = (await _answer(env, "WHOLE", whole)).error["msg"]
     assert msg.startswith("the model server answered without a stream: a whole answer"), msg
 
 
@@ -195,9 +165,6 @@ async def test_a_lone_high_surrogate_that_ends_the_answer_is_delivered_as_a_repl
     """A high surrogate is held for the next chunk's low half; one that ends the answer (its
     chunk carries the finish_reason) has no next chunk: it was dropped without a trace,
     where a lone half is promised as U+FFFD."""
-    from tests.support.fake_upstream import sse_response
-
-    cfg, c, up = env
 
     async def lone_end(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
         resp = await sse_response(request)
@@ -205,9 +172,6 @@ async def test_a_lone_high_surrogate_that_ends_the_answer_is_delivered_as_a_repl
                          b'"usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n')
         return resp
 
-    up.scripts["LONEEND"] = lone_end
-    async with worker(cfg, engine="openai", upstream_url=up.url):
-        rid = await c.admit("LONEEND", max_tokens=8)
-        await c.wait([rid], timeout=20)
-    assert c.answers[rid].error is None, c.answers[rid].error
-    assert c.answers[rid].text == "a\ufffd"
+    answer = await _answer(env, "LONEEND", lone_end)
+    assert answer.error is None, answer.error
+    assert answer.text == "a\ufffd"

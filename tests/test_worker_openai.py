@@ -43,11 +43,8 @@ from worker.settings import load_settings
 
 
 @pytest.fixture
-async def env(worker_env):
-    up = FakeUpstream()
-    await up.start()
-    yield (*worker_env, up)
-    await up.runner.cleanup()
+def env(worker_env, fake_upstream):
+    return (*worker_env, fake_upstream)
 
 
 async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -> None:
