@@ -170,13 +170,15 @@ def _names(text: str, name: str) -> bool:
     return re.search(pattern, text) is not None
 
 
-def _choices(chunk: dict[str, Any], data: str) -> list[dict[str, Any]]:
-    """A chunk's ``choices``, each an object whose ``finish_reason`` is a string or null; else
-    :class:`MalformedStream` (an AttributeError in the stream's loop read as the worker's own
-    error: "internal error in the worker")."""
+def _choices(chunk: dict[str, Any], data: str, chat: bool) -> list[dict[str, Any]]:
+    """A chunk's ``choices``, each an object whose ``finish_reason`` is a string or null and,
+    in a chat's chunk, whose ``delta``, if any, an object; else :class:`MalformedStream` (an
+    AttributeError in the stream's loop read as the worker's own error: "internal error in
+    the worker")."""
     choices = chunk.get("choices") or []
     if not isinstance(choices, list) or not all(
-            isinstance(ch, dict) and isinstance(ch.get("finish_reason"), str | None) for ch in choices):
+            isinstance(ch, dict) and isinstance(ch.get("finish_reason"), str | None)
+            and (not chat or isinstance(ch.get("delta") or {}, dict)) for ch in choices):
         raise MalformedStream(f"choices that are no list of objects in {data[:200]!r}")
     return choices
 
@@ -318,6 +320,7 @@ class UpstreamLoop:
         base = url.rstrip("/")
         self.base = base if base.endswith("/v1") else base + "/v1"
         self.shown = shown_upstream(self.base + self.query)  # in logs and the heartbeat
+        self.shown_base = shown_upstream(self.base)  # a request's log lines add its path to it
         self.model = s.upstream_model or rt.pool_cfg.model_name
         self.api_key = os.environ.get("QOS_UPSTREAM_API_KEY", "")
         self.tasks: dict[str, asyncio.Task[None]] = {}
@@ -773,7 +776,7 @@ class UpstreamLoop:
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior)
         except ValueError as exc:
             return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
-        url = shown_upstream(self.base) + path  # in what is logged: never the credentials of upstream_url
+        url = self.shown_base + path  # in what is logged: never the credentials of upstream_url
         chat = path == "/chat/completions"
         # A resume after the answer's text began continues that text (the assistant message
         # to continue): all the model writes is answer, whichever field the server puts it in.
@@ -876,14 +879,12 @@ class UpstreamLoop:
                                 return self._failed(d, url, f"the model server reported an error: {msg}")
                             running = self._usage(d, chunk.get("usage"), before)
                             text = thought = ""
-                            for ch in _choices(chunk, data):
+                            for ch in _choices(chunk, data, chat):
                                 finish = ch.get("finish_reason") or finish
                                 if not chat:
                                     piece = ch.get("text")
                                 else:
                                     delta = ch.get("delta") or {}
-                                    if not isinstance(delta, dict):
-                                        raise MalformedStream(f"a delta that is no object in {data[:200]!r}")
                                     piece = delta.get("content")
                                     # vLLM's --reasoning-parser: the thinking of a reasoning model
                                     # comes apart from the answer (`reasoning`; `reasoning_content`
