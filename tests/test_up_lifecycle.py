@@ -392,6 +392,21 @@ def test_a_worker_drained_on_purpose_is_not_reported_dead_nor_restarted(tmp_path
         assert up.wait_exit(30) == 0, up.output
 
 
+def test_a_role_killed_past_its_stop_limit_makes_qos_up_exit_1(tmp_path):
+    """A role that does not stop within its limit (here the controller, frozen by SIGSTOP:
+    5 s, then 10 s more) is SIGKILLed and named; `qos up` exited 0 after it, as after a
+    clean stop, so a script or a service manager read success (a review)."""
+    config = write_config(tmp_path / "qos.toml")
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim") as up:
+        up.wait_ready()
+        os.kill(_role_pids(up)["controller"], signal.SIGSTOP)
+        up.ctrl_c()
+        assert up.wait_exit(60) == 1, up.output
+        assert up.line(r"controller.* did not stop in time; killing"), up.output
+        assert up.line(r"exit status 1: .*controller.* had to be killed"), up.output
+
+
 @pytest.mark.parametrize("role", ["frontend", "worker", "controller"])
 def test_sighup_stops_a_standalone_role_like_sigterm(tmp_path, redis_server, role):
     """A closed terminal (SIGHUP) stops each role cleanly: exit 0, gone from the heartbeat set."""

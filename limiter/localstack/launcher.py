@@ -38,6 +38,8 @@ from limiter.localstack.redis_server import RedisServer
 
 # Seconds each role may take to stop after SIGTERM, unless its settings say otherwise.
 DEFAULT_STOP_LIMITS = {"frontend": 30.0, "worker": 30.0, "controller": 5.0}
+# Past its stop limit a role gets this much longer before SIGKILL.
+KILL_GRACE_S = 10.0
 # While starting, what the stack still waits for is printed this often.
 READY_REPORT_S = 15.0
 # Signal a child of a stack gets when its launcher dies without stopping it (handled like SIGTERM).
@@ -137,6 +139,9 @@ class Stack:
     base_url: str
     children: list[Child] = field(default_factory=list)
     redis: RedisServer | EmbeddedRedis | None = None
+    # Children :meth:`stop` had to SIGKILL past their limits: the stop was not clean (a
+    # worker's requests were cut, not handed back), whatever each one's own exit status.
+    killed_late: list[str] = field(default_factory=list)
 
     def start(self, child: Child, env: dict[str, str], **popen: Any) -> None:
         """Start ``child`` (its own session, bound to us; a frontend inherits its socket)."""
@@ -185,8 +190,9 @@ class Stack:
     def stop(self, limits: dict[str, float] | None = None,
              interrupted: Callable[[], bool] = lambda: False) -> bool:
         """Frontends -> workers -> controllers, each given ``limits[role]`` seconds after
-        SIGTERM (then 10 s more before SIGKILL), Redis last. ``interrupted()`` true (a second
-        Ctrl-C): kill everything that is left now, and return True (not a clean stop)."""
+        SIGTERM (then ``KILL_GRACE_S`` more before SIGKILL, named in :attr:`killed_late`),
+        Redis last. ``interrupted()`` true (a second Ctrl-C): kill everything that is left
+        now, and return True (not a clean stop)."""
         limits = {**DEFAULT_STOP_LIMITS, **(limits or {})}
         for role, label, what in (
             ("frontend", "frontends", "stop accepting, finish open streams within {:g} s"),
@@ -200,7 +206,7 @@ class Stack:
             for c in group:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + limits[role] + 10.0
+            deadline = time.monotonic() + limits[role] + KILL_GRACE_S
             while any(c.running for c in group):
                 if interrupted():
                     say("qos up: interrupted again: killing every process of the stack now")
@@ -208,6 +214,7 @@ class Stack:
                     return True
                 if time.monotonic() > deadline:
                     late = [c.name for c in group if c.running]
+                    self.killed_late += late
                     say(f"qos up: {', '.join(late)} did not stop in time; killing", err=True)
                     for c in group:
                         if c.running:

@@ -8,7 +8,8 @@ so ``ps`` shows which is which and an operator can signal one. Lifecycle:
   frontends (stop accepting, finish open streams within their grace) -> workers (drain) ->
   controllers -> Redis last, one line per role, and exits 0; a second Ctrl-C kills what is
   left at once and exits 128 + that signal (130 for SIGINT, 143 for SIGTERM), as the shell
-  reports a killed process: it was not a clean stop;
+  reports a killed process: it was not a clean stop; a role killed 10 s past its own stop
+  limit is named, and the exit status is 1;
 * every child gets a parent-death signal (Linux), so none outlives ``qos up``;
 * the HTTP port is bound by ``qos up`` before anything starts (a taken port is refused,
   naming it and its holder, also one a stranger holds on ``[::1]`` beside ``127.0.0.1``,
@@ -381,6 +382,11 @@ def run(args: argparse.Namespace) -> int:
             # Killed, not stopped cleanly (a second Ctrl-C): exit as the shell reports a process
             # that signal ended (130 for SIGINT, 143 for SIGTERM), never 0.
             rc = 128 + signals["last"]
+        elif stack is not None and stack.killed_late and rc == 0:
+            # A role killed past its stop limit cut what it held (a worker's running requests,
+            # a frontend's open streams): a script or a service manager must not read success.
+            say(f"qos up: exit status 1: {', '.join(stack.killed_late)} had to be killed", err=True)
+            rc = 1
         for c in children:  # a frontend never started (the start failed first) still holds one
             c.close_sock()
         for s, h in old.items():
