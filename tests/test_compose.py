@@ -46,8 +46,28 @@ def test_the_stack_has_every_role_and_gpu_reservations():
 def test_the_load_balancer_points_at_the_frontends():
     conf = (ROOT / "deploy" / "nginx.conf").read_text()
     port = _qos_services()["frontend"]["command"][_qos_services()["frontend"]["command"].index("--port") + 1]
-    assert re.search(rf"server\s+frontend:{port};", conf)
+    assert re.search(rf"server\s+frontend:{port}\b[^;]*;", conf)
     assert "proxy_buffering off" in conf  # SSE must stream
+
+
+def test_the_load_balancer_follows_the_frontends_addresses():
+    """nginx resolves an upstream's name once, at start, unless its server says `resolve`:
+    a frontend replica re-created with a new address got 502s until the lb restarted, and
+    a replica added by scaling got no traffic (a review). `resolve` needs a shared-memory
+    zone, a resolver (Docker's, 127.0.0.11), and nginx 1.27.3 or later."""
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    upstream = re.search(r"upstream\s+qos_frontends\s*\{(.*?)\}", conf, re.S)
+    assert upstream, "no upstream block for the frontends"
+    assert re.search(r"^\s*server\s+frontend:\d+\s[^;]*\bresolve\b", upstream.group(1), re.M), \
+        "the frontends' name is resolved once, at nginx's start"
+    assert re.search(r"^\s*zone\s+\S+\s+\d+[km];", upstream.group(1), re.M), "`resolve` needs a zone"
+    resolver = re.search(r"^\s*resolver\s+([^;]+);", conf, re.M)
+    assert resolver and "127.0.0.11" in resolver.group(1).split(), "no resolver: Docker's DNS is 127.0.0.11"
+    image = COMPOSE["services"]["lb"]["image"]
+    found = re.fullmatch(r"nginx:(\d+)\.(\d+)(?:\.(\d+))?", image)
+    assert found, f"the lb's image {image!r} names no nginx version"
+    version = tuple(int(x or 0) for x in found.groups())
+    assert version >= (1, 27, 3), f"{image}: the upstream's `resolve` needs nginx 1.27.3 or later"
     assert COMPOSE["services"]["lb"]["depends_on"] == ["frontend"]
 
 
