@@ -3,6 +3,10 @@ its bytes are cut into reads (the worker handles, and pushes, what one read comp
 
 from __future__ import annotations
 
+import asyncio
+import time
+
+import aiohttp
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -163,3 +167,22 @@ async def test_bytes_without_an_event_past_the_idle_bound_are_a_timeout(monkeypa
     assert got == [["a"]]  # three comment reads after it were within the bound, the fourth not
     got = [b async for b in sse_batches(_Reads([ka, ka, ka, ka, ka, b"data: a\n\n"]))]
     assert got == [["a"]]  # no bound: comments are skipped for as long as they come
+
+
+async def test_a_read_that_gives_way_at_the_callers_time_loses_no_byte() -> None:
+    """``wake_at``: a read still waiting at the caller's time yields an empty batch (the
+    openai worker then pushes tokens held for batching) and the stream goes on where it was:
+    an event cut in two by the pause, and the bytes that come after, are read whole."""
+    from unittest import mock
+
+    from worker.sse_events import sse_batches
+
+    reader = aiohttp.StreamReader(mock.Mock(_reading_paused=False), 1 << 16, loop=asyncio.get_running_loop())
+    reader.feed_data(b"data: a\n\ndata: b")
+    got: list[list[str]] = []
+    async for batch in sse_batches(reader, wake_at=lambda: time.monotonic() + 0.01):
+        got.append(batch)
+        if batch == []:  # the server paused mid-event: the rest of it comes now
+            reader.feed_data(b"c\n\ndata: d\n\n")
+            reader.feed_eof()
+    assert got == [["a"], [], ["bc", "d"]]

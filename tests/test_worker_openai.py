@@ -540,6 +540,29 @@ async def test_client_sees_the_upstreams_chunks(env, redis_server) -> None:
                                                                                "".join(upstream_pieces[1:])]
 
 
+@pytest.mark.parametrize("stream", [True, False])
+async def test_tokens_held_for_batching_go_when_the_server_pauses(env, stream) -> None:
+    """With forwarding off (and for an unstreamed request either way) tokens are batched by
+    ``flush_ms``; they were pushed only when the next chunk came, so a server that paused (a
+    preemption, a long prefill beside) held the ones already read for as long as it paused.
+    Here the server sends its second token and then nothing until the test has seen that
+    token pushed: it must go within its period, with no chunk after it."""
+    cfg, c, up = env
+    up.gate = asyncio.Semaphore(0)
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_forward_chunks=False,
+                      flush_ms=50, unstreamed_flush_ms=50, flush_tokens=100_000):
+        rid = await c.admit("abcdefghijklmnopq", max_tokens=5, stream=stream)
+        await c.wait_tokens(rid, 1)  # the first batch goes at once
+        up.gate.release()  # the second chunk; the server holds the rest
+        await c.wait_tokens(rid, 2, timeout=20)  # the second token, pushed on the clock
+        for _ in range(4):
+            up.gate.release()
+        await c.wait([rid], timeout=20)
+    a = c.answers[rid]
+    assert a.text == "abcdefghijklmnopq"[::-1][:15] and a.tokens == int(a.done["out"]) == 5
+    assert a.offsets[:2] == [0, 1], a.offsets
+
+
 async def test_chunks_that_come_together_share_one_push(env) -> None:
     """An answer the upstream sends in one go (its chunks came while the worker was busy, or
     a server that sends bursts) is read at once: its chunks, finish and [DONE] together, so

@@ -240,14 +240,28 @@ class WorkerRuntime:
         ``clock``: the step loop's (told of the step's end first): from its second push on,
         ``d`` is also pushed at every push step of its period's clock, with every other
         request of that period, in one call (worker/push_clock.py)."""
-        s = self.settings
-        flush_ms = self._push_periods.get(d.claimed.cls, s.flush_ms)
-        tokens = s.flush_tokens
-        if not d.payload.stream:
-            flush_ms, tokens = max(flush_ms, s.unstreamed_flush_ms), None
+        flush_ms, tokens = self._flush_rule(d)
         # the clock asked at every step, whatever the answer is used for: it keeps time only so
         fires = clock is not None and clock.fires(flush_ms, t, step_s)
         return d.due(t, flush_ms, tokens, step_s) or (fires and d.pushes > 0 and d.pending_tokens > 0)
+
+    def push_due_at(self, d: Delivery) -> float | None:
+        """When ``d``'s oldest pending token will have waited its period (:meth:`push_due`'s
+        ``flush_ms``), monotonic seconds; None with no token pending. For a worker that
+        pushes as its upstream's chunks come: without a chunk after them, the tokens pending
+        waited for the next one however long the server paused."""
+        if not d.pending_tokens or d.pending_since is None:
+            return None
+        return d.pending_since + self._flush_rule(d)[0] / 1e3
+
+    def _flush_rule(self, d: Delivery) -> tuple[float, int | None]:
+        """(flush_ms, flush_tokens) for ``d``: its class's period, else the worker's; an
+        unstreamed request's at least ``unstreamed_flush_ms``, with no token bound."""
+        s = self.settings
+        flush_ms = self._push_periods.get(d.claimed.cls, s.flush_ms)
+        if not d.payload.stream:
+            return max(flush_ms, s.unstreamed_flush_ms), None
+        return flush_ms, s.flush_tokens
 
     def redis_now_ms(self) -> int:
         return int(time.time() * 1000 + self._clock_offset_ms)

@@ -26,10 +26,11 @@ read timeout never fired on it, and the request waited for its client's own time
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import aiohttp
@@ -123,15 +124,30 @@ def parse_chunk(data: str) -> Any:
         return json.loads(data)
 
 
-async def sse_batches(content: aiohttp.StreamReader, idle_s: float | None = None) -> AsyncIterator[list[str]]:
+async def sse_batches(content: aiohttp.StreamReader, idle_s: float | None = None,
+                      wake_at: Callable[[], float | None] | None = None) -> AsyncIterator[list[str]]:
     """The ``data`` payloads of an event stream, a batch per read: every event whose bytes had
     come when the worker read (``readany`` takes all that is buffered). Raises
     :class:`MalformedStream`, and :class:`StreamIdle` when reads went on for more than
     ``idle_s`` seconds without an event (None: no bound; a silent server is the socket read
-    timeout's)."""
+    timeout's). ``wake_at``, asked before each read: a monotonic time by which the caller
+    wants control back (None: none); a read still waiting then yields an empty batch, and
+    the stream goes on where it was (the bytes not yet come stay for the next read)."""
     parser = SseParser()
     last = time.monotonic()
-    while raw := await content.readany():
+    while True:
+        wake = wake_at() if wake_at is not None else None
+        if wake is None:
+            raw = await content.readany()
+        else:
+            try:
+                async with asyncio.timeout(max(0.0, wake - time.monotonic())):
+                    raw = await content.readany()
+            except TimeoutError:
+                yield []
+                continue
+        if not raw:
+            break
         if events := parser.feed(raw):
             last = time.monotonic()
             yield events

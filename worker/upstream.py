@@ -795,6 +795,16 @@ class UpstreamLoop:
         finish: str | None = None
         done = False
         last = time.monotonic()
+        flush_tried = -math.inf
+
+        def flush_at() -> float | None:
+            """When the read gives way to push the tokens pending, which waited for the next
+            chunk however long the server paused (:meth:`WorkerRuntime.push_due_at`): batched
+            (forwarding off, an unstreamed request), or left by a push that met an outage. At
+            most once a period after the last such try: an outage is not retried in a loop."""
+            due = self.rt.push_due_at(d)
+            return None if due is None else max(due, flush_tried + self.rt.settings.flush_ms / 1e3)
+
         self.stall.opened(d.request_id, d, last)
         self._last_path = path
         try:
@@ -852,7 +862,15 @@ class UpstreamLoop:
                         text = (await _error_text(resp, unsaid))[:300]
                         return self._failed(d, url, f"the model server answered without a stream: {text}")
                     cut = False
-                    async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s):
+                    async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s,
+                                                    wake_at=flush_at):
+                        if not events:
+                            # No chunk since tokens fell due (a server that paused: a preemption,
+                            # a long prefill beside): they go now, not with the next chunk.
+                            flush_tried = time.monotonic()
+                            with contextlib.suppress(RedisUnavailable):  # stays pending; retried
+                                await self.pushes.push(d)
+                            continue
                         self.stall.heard(time.monotonic())
                         for data in events:
                             if data.strip() == "[DONE]":
