@@ -231,18 +231,16 @@ async def test_an_outage_while_failing_an_unusable_request_leaves_the_rest_of_it
 
 
 async def test_openai_a_decided_answer_being_landed_is_not_interrupted_by_its_clients_cancel(
-        env, monkeypatch) -> None:
+        env, monkeypatch, fake_upstream) -> None:
     """A decided answer held without a stream (an unusable payload failed at claim, its
     completion meeting an outage) is landed by a task of its own. The cancel watcher, seeing its
     client's cancel, interrupted that task: the next look made it again, and the interrupt's
     reason was never forgotten (left in ``why`` for good: a later attempt of the id could not
     be interrupted). The answer stands; the task is not interrupted and leaves nothing behind."""
-    from tests.support.fake_upstream import FakeUpstream
     from worker.runtime import WorkerRuntime
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     bad = await _queue_unusable(c)
     real_complete, real_cancelled = Scripts.complete, WorkerRuntime.cancelled
     seen = {"cancel_seen": False, "refused": 0}
@@ -262,39 +260,34 @@ async def test_openai_a_decided_answer_being_landed_is_not_interrupted_by_its_cl
 
     monkeypatch.setattr(WorkerRuntime, "cancelled", cancelled)
     monkeypatch.setattr(Scripts, "complete", complete)
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
+    real_settle, settles = loop._settle, []
+
+    def settle(d):
+        settles.append(d.request_id)
+        return real_settle(d)
+
+    loop._settle = settle
     try:
-        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
-        real_settle, settles = loop._settle, []
-
-        def settle(d):
-            settles.append(d.request_id)
-            return real_settle(d)
-
-        loop._settle = settle
-        try:
-            await wait_until(lambda: seen["cancel_seen"] and bad not in rt.held and bad not in loop.tasks,
-                             "the cancel seen by the watcher, then the answer landed")
-            why = dict(loop.why)
-        finally:
-            await stop_worker(rt, task)
+        await wait_until(lambda: seen["cancel_seen"] and bad not in rt.held and bad not in loop.tasks,
+                         "the cancel seen by the watcher, then the answer landed")
+        why = dict(loop.why)
     finally:
-        await up.runner.cleanup()
+        await stop_worker(rt, task)
     assert (await c.record(bad))["state"] == "failed"
     assert settles == [bad], f"the answer's task was made {len(settles)} times: interrupted"
     assert bad not in why, f"an interrupt's reason left behind: {why}"
 
 
 async def test_openai_a_decided_answer_being_landed_at_the_drain_deadline_is_handed_back_as_one(
-        env, monkeypatch) -> None:
+        env, monkeypatch, fake_upstream) -> None:
     """At the drain's deadline the task landing a decided answer outside a stream (an unusable
     payload's failure meeting an outage) was cancelled like a stream, and the worker exited
     holding the answer: requeued at its lease's end and answered again. It ends as any
     hand-back of a decided answer does: retried, for a bounded time (hand_back_limit_s)."""
-    from tests.support.fake_upstream import FakeUpstream
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     bad = await _queue_unusable(c)
     handing_back = mark_hand_backs(monkeypatch)
     real_complete = Scripts.complete
@@ -307,74 +300,64 @@ async def test_openai_a_decided_answer_being_landed_at_the_drain_deadline_is_han
         return await real_complete(self, keys, **kw)
 
     monkeypatch.setattr(Scripts, "complete", complete)
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
     try:
-        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
-        try:
-            await wait_until(lambda: bad in loop.tasks and tries, "the answer's task retrying it")
-            await drained_now(rt, task)
-        finally:
-            await stop_worker(rt, task)
+        await wait_until(lambda: bad in loop.tasks and tries, "the answer's task retrying it")
+        await drained_now(rt, task)
     finally:
-        await up.runner.cleanup()
+        await stop_worker(rt, task)
     assert tries.count(True) == 2, tries
     assert (await c.record(bad))["state"] == "failed"
 
 
 async def test_openai_a_drain_deadline_falling_as_a_decided_answers_task_is_made_does_not_spin(
-        env, monkeypatch) -> None:
+        env, monkeypatch, fake_upstream) -> None:
     """The drain loop made the task landing a decided answer, then read the deadline again to
     interrupt its tasks: a deadline falling between the two reads cancelled the new task before
     its first step, so its body (and its finally) never ran. It stayed in the loop's tasks,
     done, and the drain spun at 100 % CPU, the answer held (found by a review). Here the
     deadline falls just after the task is made."""
-    from tests.support.fake_upstream import FakeUpstream
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     bad = await _queue_unusable(c)
     handing_back = mark_hand_backs(monkeypatch)
     real_complete = Scripts.complete
 
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
+    real_settle_decided = loop._settle_decided
+
+    async def complete(self, keys, **kw):
+        if not rt.draining.is_set():
+            rt.begin_drain("test")  # failing the unusable request at claim: drained then
+        if handing_back.get():
+            return await real_complete(self, keys, **kw)
+        raise RedisUnavailable("Connection reset by peer")  # until the hand-back's
+
+    def settle_decided() -> None:
+        real_settle_decided()
+        if rt.draining.is_set() and bad in loop.tasks:
+            rt.drain_deadline = time.monotonic()  # just after the task was made
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    loop._settle_decided = settle_decided
     try:
-        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, drain_timeout_s=60)
-        real_settle_decided = loop._settle_decided
-
-        async def complete(self, keys, **kw):
-            if not rt.draining.is_set():
-                rt.begin_drain("test")  # failing the unusable request at claim: drained then
-            if handing_back.get():
-                return await real_complete(self, keys, **kw)
-            raise RedisUnavailable("Connection reset by peer")  # until the hand-back's
-
-        def settle_decided() -> None:
-            real_settle_decided()
-            if rt.draining.is_set() and bad in loop.tasks:
-                rt.drain_deadline = time.monotonic()  # just after the task was made
-
-        monkeypatch.setattr(Scripts, "complete", complete)
-        loop._settle_decided = settle_decided
-        try:
-            assert await asyncio.wait_for(task, 30) == 0
-        finally:
-            await stop_worker(rt, task)
+        assert await asyncio.wait_for(task, 30) == 0
     finally:
-        await up.runner.cleanup()
+        await stop_worker(rt, task)
     assert (await c.record(bad))["state"] == "failed"
 
 
 async def test_openai_a_decided_answer_redis_refuses_is_given_up_not_tried_for_ever(
-        env, monkeypatch) -> None:
+        env, monkeypatch, fake_upstream) -> None:
     """The task landing a decided answer died on an error that is not an outage (Redis refusing
     an argument of the worker's own), the answer still held: the next look made it again, to
     fail again, each time an unread task exception (found by a review). It is logged and the
     request left to its lease."""
     from limiter.errors import InvalidArgument
-    from tests.support.fake_upstream import FakeUpstream
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     bad = await _queue_unusable(c)
     calls: list[str] = []
     real = Scripts.complete
@@ -388,52 +371,45 @@ async def test_openai_a_decided_answer_redis_refuses_is_given_up_not_tried_for_e
         raise InvalidArgument("outcome", "refused")
 
     monkeypatch.setattr(Scripts, "complete", complete)
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
     try:
-        rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
-        try:
-            await wait_until(lambda: len(calls) >= 2 and bad not in rt.held and bad not in loop.tasks,
-                             "the refused answer given up")
-            await c.admit("another request, served after it", max_tokens=4)
-            await wait_until(lambda: len(rt.held) == 0 and len(calls) >= 3, "the next request served")
-        finally:
-            await stop_worker(rt, task)
+        await wait_until(lambda: len(calls) >= 2 and bad not in rt.held and bad not in loop.tasks,
+                         "the refused answer given up")
+        await c.admit("another request, served after it", max_tokens=4)
+        await wait_until(lambda: len(rt.held) == 0 and len(calls) >= 3, "the next request served")
     finally:
-        await up.runner.cleanup()
+        await stop_worker(rt, task)
     assert calls.count(bad) == 2, f"the refused answer's completion was tried {calls.count(bad)} times"
 
 
 async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_stream(
-        env, monkeypatch) -> None:
+        env, monkeypatch, fake_upstream) -> None:
     """The openai loop retries completions only inside a stream's task (_finish). A request
     failed by WorkerRuntime.fail_unusable at claim time has no task: when its complete meets a
     Redis outage it stays in ``held`` with its final set and nothing retries it. With
     max_inflight 1 the worker then has no room and no task: ``asyncio.wait([])`` raises
     ValueError out of _pull and the worker process dies."""
-    from tests.support.fake_upstream import FakeUpstream
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     bad, state = await _unusable_whose_first_completion_meets_an_outage(c, monkeypatch)
+    rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
     try:
-        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
-        try:
-            good = await c.admit("served after it", max_tokens=8)
-            deadline = time.monotonic() + 6
-            while not c.answers[good].finished and time.monotonic() < deadline and not task.done():
-                await c.read()
-            died = task.exception() if task.done() else None
-            rec = await c.record(bad)
-        finally:
-            await stop_worker(rt, task)
+        good = await c.admit("served after it", max_tokens=8)
+        deadline = time.monotonic() + 6
+        while not c.answers[good].finished and time.monotonic() < deadline and not task.done():
+            await c.read()
+        died = task.exception() if task.done() else None
+        rec = await c.record(bad)
     finally:
-        await up.runner.cleanup()
+        await stop_worker(rt, task)
     assert state["failed"] == 1
     assert died is None, f"the worker died: {type(died).__name__}: {died}"
     assert rec["state"] == "failed" and c.answers[good].finished, (rec["state"], c.answers[good])
 
 
-async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(env, monkeypatch) -> None:
+async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
+        env, monkeypatch, fake_upstream) -> None:
     """The cancel watcher cancels the stream's task wherever it is -- also inside
     ``rt.push``, after push_tokens ran in Redis but before its reply was read. _serve then
     completes with those tokens still pending: complete has no offset check, so it adds them
@@ -448,12 +424,10 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
     dropped, its record leased until the lease ran out. Here the push's reply waits for
     complete to be sent (2 s at most: a worker that waits for the reply never sends it), and
     complete's call for that reply to be applied."""
-    from tests.support.fake_upstream import FakeUpstream
     from worker.delivery import Delivery
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     holder: dict = {}
     real = Scripts.push_tokens_many
     landed, complete_sent, settled = asyncio.Event(), asyncio.Event(), asyncio.Event()
@@ -510,7 +484,6 @@ async def test_openai_cancel_arriving_during_a_push_does_not_strand_the_request(
             await stop_worker(rt, task)
     finally:
         up.gate.release()  # the finish chunk: the handler finds the stream the cancel closed
-        await up.runner.cleanup()
     assert rec["state"] == "cancelled" and not held, (
         f"record {rec['state']!r}, worker still holds {held}; complete refused: {refused}")
     assert int(rec["usage_out"]) == 5
@@ -580,8 +553,8 @@ async def test_a_long_upstream_json_error_reaches_the_client_as_its_message(env)
 
 
 @pytest.mark.parametrize("engine", ["sim", "openai"])  # sim: the step loop, as a control (passes)
-async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(redis_server, sync_redis, tmp_path,
-                                                                     monkeypatch, engine) -> None:
+async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(
+        redis_server, sync_redis, tmp_path, monkeypatch, engine, fake_upstream) -> None:
     """A class held by its ceiling stays queued; claim then announces it again on the wake list
     (backlog = 1). The step loop backs off for that (claim_interval_ms, doubling); the openai
     loop does not: _pull claims, finds nothing, BLPOPs the marker claim itself just pushed,
@@ -591,7 +564,6 @@ async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(redis_ser
 
     from limiter.config import load as load_config
     from limiter.localstack.toml_writer import write_toml
-    from tests.support.fake_upstream import FakeUpstream
     from tests.support.helpers import three_classes
     from tests.support.worker_helpers import Client
 
@@ -605,8 +577,7 @@ async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(redis_ser
     r = aioredis.from_url(redis_server.url)
     c = Client(r, cfg)
     await c.setup()
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     real = Scripts.claim
     calls = {"n": 0}
 
@@ -628,7 +599,6 @@ async def test_openai_worker_does_not_spin_on_a_backlog_it_cannot_take(redis_ser
         finally:
             await stop_worker(rt, task)
     finally:
-        await up.runner.cleanup()
         await r.aclose()
     # the step loop's back-off allows at most one claim per claim_interval_ms (20 ms): 50/s
     assert rate <= 100, f"{rate:.0f} claims/s while the ceiling holds the backlog"
@@ -740,17 +710,16 @@ async def test_reconcile_does_not_drop_text_that_never_landed_when_two_pushes_ca
     assert fake.text == "abcd", f"Redis (and the client) got {fake.text!r}"
 
 
-async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(env, monkeypatch) -> None:
+async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
+        env, monkeypatch, fake_upstream) -> None:
     """The case efda348 fixed for renew (an old attempt's news dropping the new attempt of
     the same request, claimed back by this worker after its lease lapsed) on the openai path:
     the old stream's next push gets LeaseLost, and _serve's handler calls rt.drop(rid) -- by
     id, so it drops the *new* attempt from ``held`` (its lease then renewed by nobody) and its
     finally pops the new task from ``tasks`` (no cancel, no drain wait reaches it)."""
-    from tests.support.fake_upstream import FakeUpstream
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     box: dict = {}
     real = Scripts.push_tokens_many
 
@@ -770,44 +739,41 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
         return await real(self, keys, worker_id, batches, *args, **kw)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
+                                         flush_tokens=1)
+    box["rt"] = rt
     try:
-        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
-                                             flush_tokens=1)
-        box["rt"] = rt
-        try:
-            box["rid"] = rid = await c.admit("SLOW " + "abcdefghij" * 12, max_tokens=30)
-            deadline = time.monotonic() + 8
-            while not ("old_fence" in box and rid in rt.held and rt.held[rid].fence != box["old_fence"]):
-                assert time.monotonic() < deadline, f"no new attempt of {rid} held in 8 s: {box}"
-                await c.read()
-            box["new_fence"] = rt.held[rid].fence
-            await asyncio.sleep(0.3)  # the old stream's push has had its LeaseLost
-            held = rid in rt.held and rt.held[rid].fence == box["new_fence"]
-            tracked = rid in _loop.tasks
-            # The run above ends the old stream through the re-claim's cancel, before its push
-            # meets LeaseLost (a review: with the LeaseLost handler dropping by id, it passed).
-            # That handler itself: an old attempt whose stream ends in LeaseLost drops only itself.
-            new = rt.held.get(rid)
-            if new is not None:
-                stale = dataclasses.replace(new, claimed=dataclasses.replace(new.claimed,
-                                                                             fence=box["old_fence"]))
+        box["rid"] = rid = await c.admit("SLOW " + "abcdefghij" * 12, max_tokens=30)
+        deadline = time.monotonic() + 8
+        while not ("old_fence" in box and rid in rt.held and rt.held[rid].fence != box["old_fence"]):
+            assert time.monotonic() < deadline, f"no new attempt of {rid} held in 8 s: {box}"
+            await c.read()
+        box["new_fence"] = rt.held[rid].fence
+        await asyncio.sleep(0.3)  # the old stream's push has had its LeaseLost
+        held = rid in rt.held and rt.held[rid].fence == box["new_fence"]
+        tracked = rid in _loop.tasks
+        # The run above ends the old stream through the re-claim's cancel, before its push
+        # meets LeaseLost (a review: with the LeaseLost handler dropping by id, it passed).
+        # That handler itself: an old attempt whose stream ends in LeaseLost drops only itself.
+        new = rt.held.get(rid)
+        if new is not None:
+            stale = dataclasses.replace(new, claimed=dataclasses.replace(new.claimed,
+                                                                         fence=box["old_fence"]))
 
-                async def lost(d: object) -> tuple[str, str, str]:
-                    raise LeaseLost(f"{rid}: the lease went to fence {box['new_fence']}")
+            async def lost(d: object) -> tuple[str, str, str]:
+                raise LeaseLost(f"{rid}: the lease went to fence {box['new_fence']}")
 
-                monkeypatch.setattr(_loop, "_stream", lost)
-                await _loop._serve(stale)
-                held = held and rt.held.get(rid) is new
-        finally:
-            await stop_worker(rt, task)
+            monkeypatch.setattr(_loop, "_stream", lost)
+            await _loop._serve(stale)
+            held = held and rt.held.get(rid) is new
     finally:
-        await up.runner.cleanup()
+        await stop_worker(rt, task)
     assert held and tracked, (f"the new attempt (fence {box['new_fence']}) was dropped by the old one's "
                               f"LeaseLost: held {held}, task tracked {tracked}")
 
 
 async def test_openai_an_old_attempts_completion_does_not_spin_while_a_new_attempt_runs(
-        env, monkeypatch) -> None:
+        env, monkeypatch, fake_upstream) -> None:
     """UpstreamLoop._finish retries ``while d.request_id in self.rt.held``: by id. When the old
     attempt's complete meets LeaseLost while this worker holds a *new* attempt of the same
     request (claimed back after its lease lapsed), rt.finish returns quietly (it drops only
@@ -818,11 +784,9 @@ async def test_openai_an_old_attempts_completion_does_not_spin_while_a_new_attem
     retry: alone, that hid a _finish that loops by id (this test passed with it). The old
     call here swallows that cancellation, as redis-py can in a read (tests/test_tasks.py), so
     _finish's own check is what must stop the retries."""
-    from tests.support.fake_upstream import FakeUpstream
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     box: dict = {"old_calls": 0}
     real = Scripts.complete
 
@@ -847,30 +811,27 @@ async def test_openai_an_old_attempts_completion_does_not_spin_while_a_new_attem
         return await real(self, keys, request_id=request_id, worker_id=worker_id, fence=fence, **kw)
 
     monkeypatch.setattr(Scripts, "complete", complete)
+    rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
+                                         flush_tokens=1000, flush_ms=10000)
+    box["rt"] = rt
     try:
-        rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
-                                             flush_tokens=1000, flush_ms=10000)
-        box["rt"] = rt
-        try:
-            # the old attempt ends by "stop" short of max_tokens; the new one resumes (prompt + the
-            # text delivered before: a longer answer from the fake upstream) and runs ~1-2 s
-            box["rid"] = await c.admit("SLOW " + "abcdefghij" * 6, max_tokens=200)
-            deadline = time.monotonic() + 30
-            while "new_held" not in box:  # the old attempt's complete met the new attempt held
-                assert time.monotonic() < deadline, f"the old attempt's completion did not come: {box}"
-                await c.read()
-            assert box["new_held"], f"no new attempt held while the old one's complete ran: {box}"
-            await asyncio.sleep(0.5)
-            calls, spent = box["old_calls"], time.monotonic() - box["t0"]
-        finally:
-            await stop_worker(rt, task)
+        # the old attempt ends by "stop" short of max_tokens; the new one resumes (prompt + the
+        # text delivered before: a longer answer from the fake upstream) and runs ~1-2 s
+        box["rid"] = await c.admit("SLOW " + "abcdefghij" * 6, max_tokens=200)
+        deadline = time.monotonic() + 30
+        while "new_held" not in box:  # the old attempt's complete met the new attempt held
+            assert time.monotonic() < deadline, f"the old attempt's completion did not come: {box}"
+            await c.read()
+        assert box["new_held"], f"no new attempt held while the old one's complete ran: {box}"
+        await asyncio.sleep(0.5)
+        calls, spent = box["old_calls"], time.monotonic() - box["t0"]
     finally:
-        await up.runner.cleanup()
+        await stop_worker(rt, task)
     assert calls <= 3, f"{calls} complete calls for the old attempt in {spent:.2f} s"
 
 
 async def test_openai_cancel_arriving_while_a_broken_stream_is_handed_back_does_not_strand_it(
-        env, monkeypatch) -> None:
+        env, monkeypatch, fake_upstream) -> None:
     """The upstream breaks off mid-stream: _serve's UpstreamDown handler hands the request back
     (push + release). A cancel the watcher delivered meanwhile raised CancelledError inside that
     handler, out of _serve, before rt.drop: the request stayed in ``held`` with no task, its
@@ -878,11 +839,9 @@ async def test_openai_cancel_arriving_while_a_broken_stream_is_handed_back_does_
     max_inflight slot gone. The watcher no longer interrupts a hand-back (its release applies
     the cancel: test_worker_openai.py); what still may (the loop ending, a hopeless drain)
     is played here by cancelling the task."""
-    from tests.support.fake_upstream import FakeUpstream
 
     cfg, c = env
-    up = FakeUpstream()
-    await up.start()
+    up = fake_upstream
     real = Scripts.release
     entered, gate = asyncio.Event(), asyncio.Event()
 
@@ -915,7 +874,6 @@ async def test_openai_cancel_arriving_while_a_broken_stream_is_handed_back_does_
     finally:
         gate.set()
         await stop_worker(rt, task)
-        await up.runner.cleanup()
 
 
 async def test_a_failed_completion_is_retried_while_other_requests_keep_the_batch_stepping(
