@@ -203,6 +203,47 @@ async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_t
             writer.close()
 
 
+async def test_a_non_stream_answer_whose_client_stopped_reading_is_dropped_at_the_request_timeout(
+    redis_server: RedisServer, sync_redis: Any, aredis: Any
+) -> None:
+    """The write bound holds for a non-stream answer too. aiohttp wrote the handler's returned
+    JSON itself, with no bound: a client that asked for a large answer and read none of it
+    held its connection, the handler and the whole answer in the frontend for as long as it
+    kept the socket open (its request done in Redis, its tenant's max_inflight free again)."""
+    n = 6_000_000  # far more than the loopback socket buffers hold
+    timeout_s = 8.0  # long enough for the worker to finish first on a loaded machine
+    cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000})
+    async with frontend(cfg, request_timeout_s=timeout_s) as c, \
+            FakeWorker(aredis, POOL, fixed_text="y" * n, batch=1_000_000) as w:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", c.port))
+        sock.setblocking(False)
+        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+        try:
+            body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": n}).encode()
+            head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer demo-p1\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+            writer.write(head.encode() + body)
+            await writer.drain()
+            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+            # ... and it reads nothing more, keeping the connection open.
+            await wait_until(lambda: w.served, "the worker to finish the whole answer", timeout=timeout_s)
+            assert w.served[0].outcome == "ok", w.served
+            # timeout + write grace + slack for a loaded machine
+            await wait_until(lambda: not c.server.runner.server.connections,
+                             "the frontend to drop the connection of a client that reads nothing",
+                             timeout=timeout_s + 2.0 + 10.0)
+            got = 0
+            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+                async with asyncio.timeout(10):
+                    while chunk := await reader.read(1 << 16):
+                        got += len(chunk)
+            assert got < n, f"the whole answer ({got} bytes) was sent after the request timeout"
+        finally:
+            writer.close()
+
+
 async def test_oversized_request_line_and_headers_are_refused_by_the_parser(
     client: Any, sync_redis: Any
 ) -> None:

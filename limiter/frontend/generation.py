@@ -322,9 +322,24 @@ class Generation:
                 body = oa.full_response(self.req, self.request_id, self.created, answer.content, r.finish,
                                         r.usage_in, r.usage_out,
                                         (answer.field, answer.reasoning) if answer.reasoning else None)
-                return web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
+                resp = web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
                                                         OPENAI_REQUEST_ID_HEADER: self.request_id},
                                          dumps=oa.compact_json)
+                # Written here, under the same bound as a stream's writes: returned, aiohttp
+                # wrote it with none, and a client that read nothing held the connection, the
+                # handler and the whole answer for as long as it kept its socket open.
+                try:
+                    await self._write(resp.prepare(self.request))
+                    await self._write(resp.write_eof())
+                except ConnectionError:  # the client left; its request is done in Redis
+                    self.request[LABELS].outcome = "cancelled"
+                except _ClientStalled:
+                    log.info("%s: the client stopped reading; dropped after the %g s request timeout",
+                             self.request_id, self.fe.settings.request_timeout_s)
+                    self.request[LABELS].outcome = "timeout"
+                    if self.request.transport is not None:
+                        self.request.transport.abort()
+                return resp
 
     async def _write(self, aw: Awaitable[Any]) -> None:
         """One write to the client, bounded by the request's safety deadline (plus the grace):
