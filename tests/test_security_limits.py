@@ -28,6 +28,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from limiter.frontend.runtime import FRONTEND
+from limiter.scripts import Scripts
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
 from tests.support.helpers import wait_until
@@ -242,6 +243,64 @@ async def test_a_non_stream_answer_whose_client_stopped_reading_is_dropped_at_th
             assert got < n, f"the whole answer ({got} bytes) was sent after the request timeout"
         finally:
             writer.close()
+
+
+async def test_a_stream_that_times_out_while_its_client_stopped_reading_is_dropped_not_held(
+    redis_server: RedisServer, sync_redis: Any, aredis: Any
+) -> None:
+    """A stream that reaches ``request_timeout_s`` while waiting for its worker, its client
+    reading nothing, must be dropped too. The in-band error went out as a plain write (small:
+    no drain) and the handler returned; aiohttp's own ``write_eof`` then waited, unbounded,
+    for a client that never read: the connection, the handler and what was buffered for it
+    stayed for as long as the client kept its socket open."""
+    timeout_s = 3.0
+    cfg = make_cfg(redis_server.url, pool={"context_tokens": 1_000_000})
+    scripts = Scripts(aredis)
+    async with frontend(cfg, request_timeout_s=timeout_s) as c:
+        # Small kernel buffers on both ends (an accepted socket inherits the listener's): the
+        # three 40 KB batches below fill them and the frontend's write buffer past its
+        # high-water mark, the third without a drain (aiohttp drains past 64 KiB written).
+        for site in c.server.runner.sites:
+            for lsock in site._server.sockets:  # type: ignore[attr-defined]
+                lsock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 16384)
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", c.port))
+        try:
+            body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 500_000,
+                               "stream": True}).encode()
+            head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer demo-p1\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+            sock.sendall(head.encode() + body)
+            claimed: list[Any] = []
+
+            async def claim() -> bool:
+                claimed.extend((await scripts.claim(POOL, "w-stall", 1)).requests)
+                return bool(claimed)
+
+            end = time.monotonic() + 15
+            while not await claim():
+                assert time.monotonic() < end, "the request was never queued"
+                await asyncio.sleep(0.02)
+            (cl,) = claimed
+            queues = c.server.app[FRONTEND].router._queues
+            text = "y" * 40_000
+            for i in range(3):  # ... and the worker goes quiet: the request times out waiting
+                await scripts.push_tokens(POOL, request_id=cl.request_id, worker_id="w-stall", fence=cl.fence,
+                                          offset=i * len(text), token_ids=[121] * len(text), text=text)
+                await wait_until(lambda: cl.request_id in queues and queues[cl.request_id].empty(),
+                                 f"the frontend to take batch {i}")
+            await wait_until(lambda: cl.request_id not in queues, "the request to time out",
+                             timeout=timeout_s + 10.0)
+            # timeout + write grace + slack for a loaded machine
+            await wait_until(lambda: not c.server.runner.server.connections,
+                             "the frontend to drop the connection of a client that reads nothing",
+                             timeout=2.0 + 10.0)
+            # and its worker was told to stop
+            await wait_until(lambda: sync_redis.sismember(POOL.cancels, cl.request_id),
+                             "the running request to be cancelled")
+        finally:
+            sock.close()
 
 
 async def test_oversized_request_line_and_headers_are_refused_by_the_parser(

@@ -381,9 +381,11 @@ class Generation:
                 except ApiError as exc:
                     if resp is None:
                         raise
-                    # Mid-stream: the status is sent; report in-band as OpenAI does.
+                    # Mid-stream: the status is sent; report in-band as OpenAI does. The end goes
+                    # with it, under the bound: returned unended, aiohttp's own write_eof waited
+                    # without one on a client that read nothing (its socket full), for ever.
                     self.request[LABELS].outcome = exc.outcome
-                    await self._write(resp.write(oa.sse(exc.body())))
+                    await self._write(resp.write_eof(oa.sse(exc.body())))
                     return resp
                 text = self.accept(r)
                 out: list[bytes] = []
