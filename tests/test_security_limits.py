@@ -303,6 +303,37 @@ async def test_a_stream_that_times_out_while_its_client_stopped_reading_is_dropp
             sock.close()
 
 
+async def test_a_client_that_pipelines_requests_and_reads_no_answer_is_dropped(
+    redis_server: RedisServer, sync_redis: Any
+) -> None:
+    """aiohttp writes an answer a handler returns with no bound: a client that pipelined
+    requests on one connection (``GET /healthz``: no key needed) and read none of the
+    answers held that connection and its handler for as long as it kept the socket open,
+    past ``idle_timeout_s`` and every other timeout. Now an answer not read within
+    ``idle_timeout_s`` drops the connection."""
+    async with frontend(make_cfg(redis_server.url), idle_timeout_s=1.0) as c:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        sock.connect(("127.0.0.1", c.port))
+        sock.setblocking(False)
+        try:
+            # far more answers than the socket buffers hold
+            data = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n" * 20_000
+            sent, end = 0, time.monotonic() + 15
+            while sent < len(data) and time.monotonic() < end:
+                try:
+                    sent += sock.send(data[sent:])
+                except BlockingIOError:
+                    await asyncio.sleep(0.05)  # the frontend stopped reading: its answers wait
+            await wait_until(lambda: c.server.runner.server.connections,
+                             "the frontend to take the connection")
+            await wait_until(lambda: not c.server.runner.server.connections,
+                             "the frontend to drop a connection whose client reads no answer",
+                             timeout=1.0 + 15.0)
+        finally:
+            sock.close()
+
+
 async def test_oversized_request_line_and_headers_are_refused_by_the_parser(
     client: Any, sync_redis: Any
 ) -> None:

@@ -227,6 +227,35 @@ async def qos_status(request: web.Request) -> web.Response:
 
 # --- the application --------------------------------------------------------------------------
 
+def _bounded_writes(timeout_s: float) -> Any:
+    """Write each answer a handler returned unsent within ``timeout_s`` (``idle_timeout_s``),
+    else drop the connection. aiohttp writes a returned response itself, with no bound: a
+    client that pipelined requests (``GET /healthz``, no key needed) and read none of the
+    answers held its connection and handler for as long as it kept the socket open, past
+    every timeout the frontend has. (Streams and non-stream answers write themselves, under
+    the request's own bound: limiter/frontend/generation.py.)"""
+
+    @web.middleware
+    async def bounded_writes(request: web.Request, handler: Handler) -> web.StreamResponse:
+        resp = await handler(request)
+        if resp.prepared:
+            return resp
+        try:
+            async with asyncio.timeout(timeout_s):
+                await resp.prepare(request)
+                await resp.write_eof()
+        except TimeoutError:
+            log.info("%s %s: the client read no answer within %g s; connection dropped", request.method,
+                     request.path, timeout_s)
+            if request.transport is not None:
+                request.transport.abort()
+        except ConnectionError:
+            pass  # the client left
+        return resp
+
+    return bounded_writes
+
+
 async def _on_shutdown(app: web.Application) -> None:
     # Runs once the listening sockets are closed, before aiohttp waits out the grace period.
     if FRONTEND in app:
@@ -236,7 +265,8 @@ async def _on_shutdown(app: web.Application) -> None:
 def create_app(settings: FrontendSettings, cfg: QosConfig, *,
                frontend_id: str | None = None) -> web.Application:
     """The frontend as an aiohttp app; Redis is opened and closed with the app's lifetime."""
-    app = web.Application(client_max_size=settings.max_body_bytes, middlewares=[error_middleware])
+    app = web.Application(client_max_size=settings.max_body_bytes,
+                          middlewares=[_bounded_writes(settings.idle_timeout_s), error_middleware])
     app[METRICS] = FrontendMetrics(ttft_slos_ms=[c.slo_ttft_ms for c in cfg.classes],
                                    tpot_slos_ms=[c.slo_tpot_ms for c in cfg.classes])
 
