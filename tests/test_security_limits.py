@@ -419,3 +419,35 @@ async def test_streams_per_tenant_are_capped(redis_server: RedisServer, sync_red
             COMP, json={**body, "stream": False, "max_tokens": 2}, headers=auth("capped-key")
         )
         assert again.status == 200
+
+
+async def test_concurrent_readiness_probes_share_one_check_of_redis(redis_server: RedisServer,
+                                                                     sync_redis: Any) -> None:
+    """``/readyz`` and ``/health`` need no key (guidellm probes ``/health`` on the client-facing
+    port) and each check asks Redis one HMGET per worker of every pool, on the connections the
+    requests and the heartbeat use: N probes at once cost N checks, so anyone could multiply
+    the shared Redis's load by the fleet's size. Probes that arrive while a check is under way
+    now share its answer."""
+    workers = 200
+    for i in range(workers):  # live openai workers of the pool, their upstream reachable
+        sync_redis.zadd(POOL.workers, {f"w{i}": 4102444800000})
+        sync_redis.hset(POOL.worker(f"w{i}"), mapping={"engine": "openai", "upstream_state": "closed"})
+
+    def hmgets() -> int:
+        return int(sync_redis.info("commandstats").get("cmdstat_hmget", {}).get("calls", 0))
+
+    probes = 100
+    async with frontend(make_cfg(redis_server.url)) as c:
+        assert (await c.get("/readyz")).status == 200
+        before = hmgets()
+        answers = await asyncio.gather(*(c.get("/health" if i % 2 else "/readyz") for i in range(probes)))
+        assert [a.status for a in answers] == [200] * probes
+        checks = (hmgets() - before) / workers
+        # one check per probe before; a few shared ones now (a bound, not a speed: more overlap
+        # on a slower machine only lowers it)
+        assert checks <= probes / 4, f"{probes} concurrent probes ran {checks:g} checks of every worker"
+        # a probe after them asks Redis afresh: a worker whose upstream went down is seen at once
+        for i in range(workers):
+            sync_redis.hset(POOL.worker(f"w{i}"), "upstream_state", "open")
+        r = await c.get("/readyz")
+        assert r.status == 503 and (await r.json())["reason"].startswith("every worker of pool tiny")

@@ -155,17 +155,38 @@ async def readyz(request: web.Request) -> web.Response:
     that is every pool this frontend serves: behind a readiness probe, one broken model
     server took every frontend out of its load balancer, and every other pool's clients
     with it. Such pools are listed as ``degraded``; ``?pool=NAME`` asks about one pool (a
-    probe per model), 503 while it is down, 404 for a pool this frontend does not serve."""
+    probe per model), 503 while it is down, 404 for a pool this frontend does not serve.
+
+    The path needs no key and a check asks Redis once per worker of each pool: probes that
+    arrive while a check of the same scope is under way share its answer (N probes at once
+    were N checks, on the connections the requests and the heartbeat use)."""
     fe = _frontend(request)
     asked = request.query.get("pool")
     if asked is not None and asked not in fe.pool_keys:
         return web.json_response({"status": "unknown", "reason": "no such pool"}, status=404)
+    if fe.shutting_down:
+        problem, degraded = "shutting down", []
+    else:
+        check = fe.ready_checks.get(asked)
+        if check is None or check.done():
+            check = fe.ready_checks[asked] = asyncio.ensure_future(_readiness(fe, asked))
+        # shielded: a probe whose client left (handler cancellation) must not cancel the others'
+        problem, degraded = await asyncio.shield(check)
+    if problem:
+        return web.json_response({"status": "unavailable", "reason": problem}, status=503,
+                                 headers={"Retry-After": "1"})
+    body: dict[str, Any] = {"status": "ready", "frontend": fe.frontend_id}
+    if degraded and asked is None:
+        body["degraded"] = {p: "every worker reports its upstream unreachable" for p in degraded}
+    return web.json_response(body)
+
+
+async def _readiness(fe: Frontend, asked: str | None) -> tuple[str, list[str]]:
+    """(why this frontend is not ready, '' when it is; the pools whose upstream is down)."""
     problem = ""
     degraded: list[str] = []
     try:
-        if fe.shutting_down:
-            problem = "shutting down"
-        elif not fe.bootstrapped:
+        if not fe.bootstrapped:
             problem = fe.not_ready_because()  # not connected yet, or a configuration error met
         else:
             async with asyncio.timeout(2.0):
@@ -182,13 +203,7 @@ async def readyz(request: web.Request) -> web.Response:
     except (TimeoutError, QosError, *CONNECTION_ERRORS) as exc:
         log.warning("readiness: Redis unavailable: %s", exc)
         problem = "Redis unavailable"  # /readyz is unauthenticated: no address, no driver text
-    if problem:
-        return web.json_response({"status": "unavailable", "reason": problem}, status=503,
-                                 headers={"Retry-After": "1"})
-    body: dict[str, Any] = {"status": "ready", "frontend": fe.frontend_id}
-    if degraded and asked is None:
-        body["degraded"] = {p: "every worker reports its upstream unreachable" for p in degraded}
-    return web.json_response(body)
+    return problem, degraded
 
 
 async def _pools_with_upstream_down(fe: Frontend, pools: Iterable[str]) -> list[str]:

@@ -74,6 +74,8 @@ class Frontend:
         # without redis.cluster): /readyz gives it as the reason (it names no address)
         self.config_problem = ""
         self.shutting_down = False
+        # /readyz: the check under way per scope (None: every pool), which concurrent probes share
+        self.ready_checks: dict[str | None, asyncio.Future[tuple[str, list[str]]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
