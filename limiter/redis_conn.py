@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import urllib.parse
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -262,6 +263,11 @@ class CheckedRedisCluster(RedisCluster):
             node.connection_class = checked
 
 
+# The WaitingRedisCluster clients (by id) whose turn the running task holds for a pipeline.
+_PIPELINE_TURNS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "qos_pipeline_turns", default=frozenset())
+
+
 class WaitingRedisCluster(CheckedRedisCluster):
     """A cluster client whose commands wait (up to ``pool_wait_s``) for a free connection.
 
@@ -280,6 +286,12 @@ class WaitingRedisCluster(CheckedRedisCluster):
 
     @contextlib.asynccontextmanager
     async def turn(self) -> AsyncIterator[None]:
+        if id(self) in _PIPELINE_TURNS.get():
+            # a pipeline's command sent again alone (MOVED/ASK/TRYAGAIN) inside the pipeline's
+            # turn, its connections released by then: a turn of its own would wait on the
+            # pipelines holding the others, which after a reshard all wait so (pool_wait_s)
+            yield
+            return
         try:
             async with asyncio.timeout(self.pool_wait_s):
                 await self.turns.acquire()
@@ -295,15 +307,19 @@ class WaitingRedisCluster(CheckedRedisCluster):
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
-        # A pipeline holds one connection per node it sends to: one turn covers it. (Its
-        # commands redirected by MOVED/ASK are resent one by one through execute_command,
-        # which then waits for a second turn; pool_wait_s bounds that wait too.)
+        # A pipeline holds one connection per node it sends to: one turn covers it. Its
+        # commands redirected by MOVED/ASK or refused with TRYAGAIN are sent again one by one
+        # through execute_command once its connections are released: inside the same turn.
         pipe = super().pipeline(transaction, shard_hint)
         execute = pipe.execute
 
         async def execute_in_turn(*args: Any, **kwargs: Any) -> Any:
             async with self.turn():
-                return await execute(*args, **kwargs)
+                held = _PIPELINE_TURNS.set(_PIPELINE_TURNS.get() | {id(self)})
+                try:
+                    return await execute(*args, **kwargs)
+                finally:
+                    _PIPELINE_TURNS.reset(held)
 
         pipe.execute = execute_in_turn
         return pipe

@@ -12,6 +12,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 
 from limiter.config import RedisConfig
 from limiter.redis_conn import CheckedConnection, WaitingRedisCluster, open_redis
+from tests.support.redis_server import move_slot
 
 HOLD_S = 0.2  # each command holds its connection this long (BLPOP on an empty list)
 
@@ -279,3 +280,34 @@ async def test_a_cluster_node_busy_with_a_script_is_an_outage_not_a_config_error
         busy.join()
         node.config_set("busy-reply-threshold", 5000)
         node.close()
+
+
+async def test_pipelines_a_reshard_redirects_do_not_wait_for_a_second_turn(redis_cluster) -> None:
+    """After a reshard (``redis-cli --cluster reshard``: docs/scaling.md) the commands of a
+    pipeline sent on the old map come back MOVED, and redis-py sends each again alone,
+    through ``execute_command``, inside the pipeline's turn. The waiting client made that
+    resend wait for a turn of its own: with every turn held by such pipelines (a worker's 8,
+    the script batcher's pipelines in flight) none could go on, and all waited out
+    ``pool_wait_s`` (a worker's 30 s: its leases lapsed) to fail as an outage."""
+    client = open_redis(RedisConfig(url=redis_cluster.url, cluster=True), max_connections=2, pool_wait_s=5.0)
+    key = "qos:{resharded}:k"
+    try:
+        await client.set(key, "1")  # the client's map: the slot on its first owner
+        src, dst = move_slot(redis_cluster, key)
+        assert src is not dst
+
+        async def pipelined() -> list[object]:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.get(key)
+                pipe.incr(key)
+                return await pipe.execute(raise_on_error=False)
+
+        t0 = time.monotonic()
+        got = await asyncio.gather(pipelined(), pipelined(), return_exceptions=True)
+        took = time.monotonic() - t0
+        assert all(isinstance(g, list) and not any(isinstance(x, Exception) for x in g) for g in got), got
+        assert sorted(incr for _, incr in got) == [2, 3]  # each INCR ran once, on the new owner
+        assert took < 2.0, f"the redirected pipelines took {took:.1f} s"
+        assert await client.get(key) == b"3"
+    finally:
+        await client.aclose()

@@ -6,7 +6,11 @@ and the benchmarks use them too); they are re-exported here under their old name
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from typing import Any
+
+from redis.crc import key_slot
 
 from limiter.localstack.redis_server import (
     LocalRedisCluster,
@@ -15,7 +19,7 @@ from limiter.localstack.redis_server import (
     pools_on_distinct_shards,
 )
 
-__all__ = ["RedisClusterServers", "RedisServer", "free_port", "pools_on_different_shards"]
+__all__ = ["RedisClusterServers", "RedisServer", "free_port", "move_slot", "pools_on_different_shards"]
 
 RedisClusterServers = LocalRedisCluster  # a local 3-master Redis Cluster (no replicas)
 
@@ -23,3 +27,35 @@ RedisClusterServers = LocalRedisCluster  # a local 3-master Redis Cluster (no re
 def pools_on_different_shards(client: Any, prefix: str = "pool") -> list[str]:
     """Two pool names whose hash tags land on different masters of ``client``'s cluster."""
     return pools_on_distinct_shards(lambda key: client.get_node_from_key(key).name, 2, prefix)
+
+
+def move_slot(cluster: LocalRedisCluster, key: str, *, batch: int = 10,
+              midway: Callable[[], None] | None = None) -> tuple[RedisServer, RedisServer]:
+    """Move ``key``'s slot to another master as ``redis-cli --cluster reshard`` does: the
+    target IMPORTING, the source MIGRATING, its keys MIGRATEd ``batch`` at a time, then
+    SETSLOT NODE on every master (target first). ``midway`` runs while the slot is open (its
+    keys split between the two nodes once any were moved: scripts get TRYAGAIN, single-key
+    commands ASK). Returns (source, target). Blocking: run it in a thread beside a stack."""
+    slot = key_slot(key.encode())
+    src = cluster.owner(key)
+    dst = next(n for n in cluster.nodes if n is not src)
+    with src.client() as s, dst.client() as d:
+        src_id, dst_id = (c.execute_command("CLUSTER MYID").decode() for c in (s, d))
+        d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
+        s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
+        moved = 0
+        while keys := s.execute_command("CLUSTER GETKEYSINSLOT", slot, batch):
+            s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
+            moved += 1
+            if moved == 1 and midway is not None:
+                midway()
+        if moved == 0 and midway is not None:
+            midway()
+        for node in [dst, src, *(n for n in cluster.nodes if n not in (src, dst))]:
+            with node.client() as c:
+                c.execute_command("CLUSTER SETSLOT", slot, "NODE", dst_id)
+        deadline = time.monotonic() + 10
+        while cluster.owner(key) is not dst:  # (the seed node answers CLUSTER SLOTS)
+            assert time.monotonic() < deadline, "the slot's new owner was not announced"
+            time.sleep(0.01)
+    return src, dst
