@@ -195,7 +195,9 @@ class PoolController:
                 await within(self.consume_once(term), self.settings.block_s + STEP_TIMEOUT_S)
                 backoff.succeeded()
             except ResponseError as exc:
-                if isinstance(exc, CONNECTION_ERRORS):  # CLUSTERDOWN, TRYAGAIN: an outage, not a reply
+                # CLUSTERDOWN, TRYAGAIN; UNBLOCKED (a reshard MIGRATEd the stream, a failover
+                # demoted the node), NOREPLICAS, READONLY: an outage, not a bad reply
+                if isinstance(exc, CONNECTION_ERRORS) or store_refused(exc):
                     self._redis_error("samples", exc)
                     await backoff.failed()
                 elif "NOGROUP" in str(exc):  # the stream or group was deleted (e.g. a Redis restart)
