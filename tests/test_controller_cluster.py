@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 
 from limiter.config import PoolConfig, RedisConfig, demo_config
 from limiter.controller.leader import holder_id
@@ -93,3 +94,61 @@ async def test_a_reshard_of_the_pools_slot_is_an_outage_of_the_sample_loop_not_i
         assert not logged, [r.getMessage() for r in logged]
     finally:
         await asyncio.wait_for(ctl.stop(), 30)
+
+
+async def test_the_leader_publishes_through_a_reshard_of_its_pools_slot(redis_cluster, caplog) -> None:
+    """While ``redis-cli --cluster reshard`` moves the pool's slot, a key already moved is
+    reached with ASK, and after the move every command on the old map meets MOVED. The tick's
+    compliance hash (``publish``) went in a MULTI/EXEC, which redis-py's cluster client does
+    not redirect: each tick once the hash had moved failed with AskError (an ERROR traceback a
+    tick, the tick not counted: a move longer than the stall limit made the leader give up its
+    term), the AskError pointed the client's slot map at the importing node (the tick's reads
+    then failed as an outage too), and the first tick after a move met MovedError. Now the
+    hash is published through the move."""
+    pool = "ctl-publish"
+    cfg = dataclasses.replace(demo_config(), redis=RedisConfig(url=redis_cluster.url, cluster=True),
+                              pools=(PoolConfig(name=pool),))
+    keys = PoolKeys(pool)
+    ctl = Controller(fast_settings(cfg), cfg)
+    try:
+        await ctl.start()
+        pc = ctl.pools[pool]
+        await wait_for(lambda: ctl.client.hget(keys.compliance, ".updated_ms"))
+        caplog.set_level(logging.WARNING, logger="qos.controller")
+        seen: list[int] = []
+
+        def midway() -> None:  # the hash is on the new owner, the rest still on the old one
+            seen.append(_published_ms(redis_cluster, keys))
+            deadline = time.monotonic() + 5  # fifty ticks
+            while seen[-1] <= seen[0] and time.monotonic() < deadline:
+                time.sleep(0.02)
+                seen.append(_published_ms(redis_cluster, keys))
+
+        await asyncio.to_thread(move_slot, redis_cluster, keys.compliance, first=[keys.compliance],
+                                midway=midway)
+        assert seen[-1] > seen[0], f"no tick published the hash while the slot moved ({seen[0]} throughout)"
+        sec, _ = await ctl.client.time()
+        await wait_for(lambda: _published_since(ctl.client, keys, int(sec) * 1000 + 300))
+        logged = [r for r in caplog.records if r.levelno >= logging.ERROR]
+        assert not logged, [r.getMessage() for r in logged]
+        assert pc.term is not None and pc.term.fence == 1  # the same term throughout
+    finally:
+        await asyncio.wait_for(ctl.stop(), 30)
+
+
+def _published_ms(cluster, keys: PoolKeys) -> int:
+    """The hash's ``.updated_ms`` from whichever node serves it now (with ASKING: the importing
+    node during a move), read beside the controller's client, whose slot map it leaves alone."""
+    for node in cluster.nodes:
+        with node.client() as c:
+            pipe = c.pipeline(transaction=False)
+            pipe.execute_command("ASKING")
+            pipe.hget(keys.compliance, ".updated_ms")
+            _, value = pipe.execute(raise_on_error=False)
+        if value is not None and not isinstance(value, Exception):
+            return int(value)
+    return 0
+
+
+async def _published_since(client, keys: PoolKeys, ms: int) -> bool:
+    return int(await client.hget(keys.compliance, ".updated_ms") or 0) > ms

@@ -61,7 +61,11 @@ async def publish(client: Any, keys: PoolKeys, settings: ControllerSettings, now
     expires unless the next tick rewrites it."""
     values = {c: w.compliance for c, w in window.items()}
     ttl_ms = int(max(10.0, 10 * settings.tick_s) * 1000)  # a dead fleet's numbers fade out
-    async with client.pipeline(transaction=True) as pipe:
+    # Not a MULTI/EXEC: redis-py's cluster client does not redirect a transaction (a reshard's
+    # ASK, the MOVED after it or after a failover came up as the tick's error, and its ASK
+    # pointed the client's slot map at the importing node), where a plain pipeline's commands
+    # follow them. Every one of its commands touches this one key, the expiry last.
+    async with client.pipeline(transaction=False) as pipe:
         pipe.hset(keys.compliance, mapping={
             **{c: repr(v) for c, v in values.items() if v is not None},
             ".capacity": repr(float(estimate.value)), ".capacity_source": estimate.source,

@@ -7,7 +7,7 @@ and the benchmarks use them too); they are re-exported here under their old name
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from redis.crc import key_slot
@@ -29,13 +29,14 @@ def pools_on_different_shards(client: Any, prefix: str = "pool") -> list[str]:
     return pools_on_distinct_shards(lambda key: client.get_node_from_key(key).name, 2, prefix)
 
 
-def move_slot(cluster: LocalRedisCluster, key: str, *, batch: int = 10,
+def move_slot(cluster: LocalRedisCluster, key: str, *, batch: int = 10, first: Sequence[str] = (),
               midway: Callable[[], None] | None = None) -> tuple[RedisServer, RedisServer]:
     """Move ``key``'s slot to another master as ``redis-cli --cluster reshard`` does: the
     target IMPORTING, the source MIGRATING, its keys MIGRATEd ``batch`` at a time, then
-    SETSLOT NODE on every master (target first). ``midway`` runs while the slot is open (its
-    keys split between the two nodes once any were moved: scripts get TRYAGAIN, single-key
-    commands ASK). Returns (source, target). Blocking: run it in a thread beside a stack."""
+    SETSLOT NODE on every master (target first). ``first``: keys MIGRATEd before the others.
+    ``midway`` runs while the slot is open, after the first batch (its keys then split between
+    the two nodes: scripts get TRYAGAIN, single-key commands ASK). Returns (source, target).
+    Blocking: run it in a thread beside a stack."""
     slot = key_slot(key.encode())
     src = cluster.owner(key)
     dst = next(n for n in cluster.nodes if n is not src)
@@ -44,6 +45,11 @@ def move_slot(cluster: LocalRedisCluster, key: str, *, batch: int = 10,
         d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
         s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
         moved = 0
+        if first:
+            s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *first)
+            moved += 1
+            if midway is not None:
+                midway()
         while keys := s.execute_command("CLUSTER GETKEYSINSLOT", slot, batch):
             s.execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *keys)
             moved += 1
