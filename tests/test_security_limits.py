@@ -158,6 +158,38 @@ async def test_a_request_over_what_a_queued_request_may_hold_is_refused_naming_i
         assert redis_state(sync_redis) == before
 
 
+@contextlib.asynccontextmanager
+async def _client_that_stops_reading(port: int, request: dict[str, Any]
+                                     ) -> AsyncIterator[asyncio.StreamReader]:
+    """POST ``request`` on a socket with a small receive buffer, read the status line (200),
+    then nothing more, the connection kept open: yields its reader, for what came after."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", port))
+    sock.setblocking(False)
+    reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
+    try:
+        body = json.dumps(request).encode()
+        head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer demo-p1\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        writer.write(head.encode() + body)
+        await writer.drain()
+        assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+        yield reader
+    finally:
+        writer.close()
+
+
+async def _bytes_left(reader: asyncio.StreamReader) -> int:
+    """What still comes on a connection until it ends (at most 10 s of reading)."""
+    got = 0
+    with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+        async with asyncio.timeout(10):
+            while chunk := await reader.read(1 << 16):
+                got += len(chunk)
+    return got
+
+
 async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_timeout(
     redis_server: RedisServer, sync_redis: Any, aredis: Any
 ) -> None:
@@ -171,19 +203,8 @@ async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_t
     cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000})
     async with frontend(cfg, request_timeout_s=timeout_s) as c, \
             FakeWorker(aredis, POOL, fixed_text="y" * n, batch=1_000_000) as w:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", c.port))
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
-        try:
-            body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": n, "stream": True}).encode()
-            head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer demo-p1\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-            writer.write(head.encode() + body)
-            await writer.drain()
-            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
-            # ... and it reads nothing more, keeping the connection open.
+        async with _client_that_stops_reading(c.port, {"model": "tiny", "prompt": "x", "max_tokens": n,
+                                                       "stream": True}) as reader:
             deadline = time.monotonic() + timeout_s + 2.0 + 10.0  # timeout + write grace + slack
             await wait_until(lambda: w.served, "the worker to finish the whole answer", timeout=timeout_s)
             assert w.served[0].outcome == "ok", w.served  # all of it now waits in the frontend
@@ -194,14 +215,8 @@ async def test_a_stream_whose_client_stopped_reading_is_dropped_at_the_request_t
             # The connection was dropped with the answer unsent, not closed after all of it
             # (6 MB of text; the socket buffers hold a small part): a clean end after the
             # whole answer passed here once, a reset being one of the errors taken.
-            got = 0
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-                async with asyncio.timeout(10):
-                    while chunk := await reader.read(1 << 16):
-                        got += len(chunk)
+            got = await _bytes_left(reader)
             assert got < n, f"the whole answer ({got} bytes) was sent after the request timeout"
-        finally:
-            writer.close()
 
 
 async def test_a_non_stream_answer_whose_client_stopped_reading_is_dropped_at_the_request_timeout(
@@ -216,33 +231,16 @@ async def test_a_non_stream_answer_whose_client_stopped_reading_is_dropped_at_th
     cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000})
     async with frontend(cfg, request_timeout_s=timeout_s) as c, \
             FakeWorker(aredis, POOL, fixed_text="y" * n, batch=1_000_000) as w:
-        sock = socket.socket()
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        sock.connect(("127.0.0.1", c.port))
-        sock.setblocking(False)
-        reader, writer = await asyncio.open_connection(sock=sock, limit=4096)
-        try:
-            body = json.dumps({"model": "tiny", "prompt": "x", "max_tokens": n}).encode()
-            head = (f"POST {COMP} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer demo-p1\r\n"
-                    f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-            writer.write(head.encode() + body)
-            await writer.drain()
-            assert (await reader.readline()).startswith(b"HTTP/1.1 200")
-            # ... and it reads nothing more, keeping the connection open.
+        async with _client_that_stops_reading(c.port, {"model": "tiny", "prompt": "x",
+                                                       "max_tokens": n}) as reader:
             await wait_until(lambda: w.served, "the worker to finish the whole answer", timeout=timeout_s)
             assert w.served[0].outcome == "ok", w.served
             # timeout + write grace + slack for a loaded machine
             await wait_until(lambda: not c.server.runner.server.connections,
                              "the frontend to drop the connection of a client that reads nothing",
                              timeout=timeout_s + 2.0 + 10.0)
-            got = 0
-            with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
-                async with asyncio.timeout(10):
-                    while chunk := await reader.read(1 << 16):
-                        got += len(chunk)
+            got = await _bytes_left(reader)
             assert got < n, f"the whole answer ({got} bytes) was sent after the request timeout"
-        finally:
-            writer.close()
 
 
 async def test_a_stream_that_times_out_while_its_client_stopped_reading_is_dropped_not_held(
