@@ -170,6 +170,32 @@ async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> Non
     assert [("priority" in b) for b in sent] == [True, False]
 
 
+async def test_a_refusal_that_only_quotes_priority_leaves_priority_on(env) -> None:
+    """A 400 naming `priority` made the worker send no priority again, to any tenant: a
+    validation error that quotes a client's own field (here its stop string) was enough. The
+    request goes again without it, and the worker gives priority up only once such an answer
+    comes whole (the server's refusal of `priority` itself: test_upstream_errors_fail_...)."""
+    from aiohttp import web
+
+    cfg, c, up = env
+
+    async def echoes(_request: web.Request, body: dict[str, Any], _n: int) -> web.Response:
+        message = f"invalid stop sequence {body.get('stop')!r}"  # a server quoting the field
+        return web.json_response({"error": {"message": message, "type": "BadRequestError", "code": 400}},
+                                 status=400)
+
+    up.scripts["ECHOES"] = echoes
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        bad = await c.admit("ECHOES this", max_tokens=5, stop=("priority",))
+        await c.wait([bad], timeout=20)
+        good = await c.admit("after it", max_tokens=5)
+        await c.wait([good], timeout=20)
+    assert "invalid stop sequence" in c.answers[bad].error["msg"], c.answers[bad]
+    assert c.answers[good].error is None and c.answers[good].text == "after it"[::-1]
+    sent = [b for b in up.bodies if b.get("prompt") == "after it"]
+    assert [("priority" in b) for b in sent] == [True], sent
+
+
 def test_a_model_servers_refusal_is_the_requests_only_on_a_first_attempt_naming_no_field_of_the_workers(
         ) -> None:
     """A 400/413/422 refuses the request itself (its client gets a 400, not a 503 to retry)

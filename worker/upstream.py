@@ -717,7 +717,8 @@ class UpstreamLoop:
             else:
                 backoff.succeeded()
 
-    def _body(self, d: Delivery, allowance: int, prior: str) -> tuple[str, dict[str, Any]]:
+    def _body(self, d: Delivery, allowance: int, prior: str,
+              priority: bool = True) -> tuple[str, dict[str, Any]]:
         """The upstream request, continuing ``prior`` (:func:`_delivered`). Raises ValueError
         for a chat payload without its messages."""
         p = d.payload
@@ -737,7 +738,7 @@ class UpstreamLoop:
             body["stop"] = list(p.stop)
         if self.rt.settings.upstream_chunk_usage:
             body["stream_options"]["continuous_usage_stats"] = True
-        if self.rt.settings.upstream_priority and not self.priority_refused:
+        if priority and self.rt.settings.upstream_priority and not self.priority_refused:
             body["priority"] = d.class_rank
         if p.ignore_eos:
             body["ignore_eos"] = True
@@ -764,16 +765,17 @@ class UpstreamLoop:
                     f" ({detail})" if detail else "")
         return (outcome, "error", client_message)
 
-    async def _stream(self, d: Delivery) -> Result:
-        """Stream one attempt. Raises :class:`UpstreamDown` when the upstream cannot be reached
-        or breaks off (the caller hands the request back)."""
+    async def _stream(self, d: Delivery, priority: bool = True) -> Result:
+        """Stream one attempt (``priority``: send the class's, unless the server refused it).
+        Raises :class:`UpstreamDown` when the upstream cannot be reached or breaks off (the
+        caller hands the request back)."""
         max_tokens = min(d.payload.max_tokens, d.claimed.max_tokens)
         if d.total_tokens >= max_tokens:
             return ("ok", "length", "")
         try:
             before = _delivered(d)
             seam = before.seam
-            path, body = self._body(d, max_tokens - d.total_tokens, before.prior)
+            path, body = self._body(d, max_tokens - d.total_tokens, before.prior, priority)
         except ValueError as exc:
             return ("failed", "error", f"unusable request: {exc}")  # an older frontend's payload?
         url = self.shown_base + path  # in what is logged: never the credentials of upstream_url
@@ -838,11 +840,17 @@ class UpstreamLoop:
                             # A vLLM left at its default (first come, first served) refuses every
                             # non-zero priority: every class but the top one failed. The pool's
                             # queue still orders the work; the server's own queue then goes FIFO.
-                            log.warning("the model server refuses `priority` (%s): sending none from now "
-                                        "on (vLLM: --scheduling-policy priority, or upstream_priority = "
-                                        "false to silence this)", text[:200])
-                            self.priority_refused = True
-                            return await self._stream(d)
+                            # Sent again without it, and given up for good only once that answer
+                            # comes whole: a 400 that merely quotes the word (a validation error
+                            # echoing a client's own field) turned priority off for every tenant
+                            # of the worker (a review).
+                            result = await self._stream(d, priority=False)
+                            if result[0] == "ok" and not self.priority_refused:
+                                log.warning("the model server refuses `priority` (%s): sending none from "
+                                            "now on (vLLM: --scheduling-policy priority, or "
+                                            "upstream_priority = false to silence this)", text[:200])
+                                self.priority_refused = True
+                            return result
                         if resp.status in CREDENTIAL_STATUSES:
                             # the worker's key, not the request: the server's words (OpenAI's
                             # "Incorrect API key provided: sk-...abcd") are for the log alone
