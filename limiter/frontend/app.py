@@ -31,7 +31,7 @@ from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig
 from limiter.errors import ConfigError, QosError
 from limiter.frontend import openai_api as oa
-from limiter.frontend.auth import CLASS_HEADER, require_admin, resolve_class
+from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
 from limiter.frontend.errors import LABELS, ApiError, Handler, error_middleware
 from limiter.frontend.generation import Generation
 from limiter.frontend.metrics import METRICS, FrontendMetrics
@@ -96,9 +96,9 @@ def _generation_handler(kind: str) -> Handler:
         received = time.monotonic()  # (Generation's clock: not uvloop's whole milliseconds)
         fe = _frontend(request)
         labels = request[LABELS]
-        tenant = fe.keyring.identify(request.headers.get("Authorization"))
+        tenant = fe.keyring.identify(one_header(request.headers, "Authorization"))
         labels.tenant = tenant.name
-        cls = resolve_class(fe.cfg, tenant, request.headers.get(CLASS_HEADER))
+        cls = resolve_class(fe.cfg, tenant, one_header(request.headers, CLASS_HEADER))
         labels.cls = cls
         raw = await _read_body(request, fe.settings.max_body_bytes, fe.settings.body_timeout_s)
         body = oa.parse_json(raw)
@@ -107,7 +107,7 @@ def _generation_handler(kind: str) -> Handler:
         draft = oa.parse_request(kind, body, fe.cfg)
         # Every check of what the client sent comes before counting the prompt, which may ask
         # the model server: a bad header was a 503 (retried for ever) while it was down.
-        max_wait = _max_wait_ms(request.headers.get(MAX_WAIT_HEADER), fe.classes[cls])
+        max_wait = _max_wait_ms(one_header(request.headers, MAX_WAIT_HEADER), fe.classes[cls])
         req = oa.finish_request(draft, await fe.count_prompt(draft))
         return await Generation(fe, request, tenant, cls, req, max_wait, received).run()
 
@@ -121,14 +121,14 @@ def _model_object(pool: PoolConfig) -> dict[str, Any]:
 
 async def models(request: web.Request) -> web.Response:
     fe = _frontend(request)
-    fe.keyring.identify(request.headers.get("Authorization"))
+    fe.keyring.identify(one_header(request.headers, "Authorization"))
     return web.json_response({"object": "list", "data": [_model_object(p) for p in fe.cfg.pools]})
 
 
 async def model(request: web.Request) -> web.Response:
     """``GET /v1/models/{id}`` (the SDK's ``models.retrieve``); ids may contain '/'."""
     fe = _frontend(request)
-    fe.keyring.identify(request.headers.get("Authorization"))
+    fe.keyring.identify(one_header(request.headers, "Authorization"))
     return web.json_response(_model_object(oa.resolve_pool(fe.cfg, {"model": request.match_info["id"]})))
 
 
@@ -234,7 +234,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def qos_status(request: web.Request) -> web.Response:
     fe = _frontend(request)
-    require_admin(fe.keyring.identify(request.headers.get("Authorization")))
+    require_admin(fe.keyring.identify(one_header(request.headers, "Authorization")))
     snap = await status_mod.snapshot(fe.client, fe.cfg)
     snap["frontend"] = fe.frontend_id
     return web.json_response(snap, dumps=oa.compact_json)

@@ -12,10 +12,23 @@ from __future__ import annotations
 import hashlib
 import hmac
 
+from multidict import CIMultiDictProxy
+
 from limiter.config import QosConfig, TenantConfig
 from limiter.frontend.errors import ApiError
 
 CLASS_HEADER = "X-QoS-Class"
+
+
+def one_header(headers: CIMultiDictProxy[str], name: str) -> str | None:
+    """The value of a header sent at most once; a 400 for one sent twice or more. With two
+    ``Authorization`` headers the first was taken: a gateway that adds its own key instead of
+    replacing the client's ran the request as whatever key the client put first (a review)."""
+    values = headers.getall(name, [])
+    if len(values) > 1:
+        raise ApiError(400, f"The {name} header was sent {len(values)} times: send it once",
+                       code="duplicate_header", param=name)
+    return values[0] if values else None
 
 
 class KeyRing:
