@@ -4,7 +4,8 @@
 -- own would be, one after the other, and every argument and every request's offset and
 -- token count is checked before the first write.
 -- Per request: delivers the last tokens, refunds the unused reservation (never more than
--- was charged, each bucket at most its own charge), sends the final message to the client's
+-- was charged, each bucket at most its own charge) or charges what it used beyond it where
+-- the reservation was charged (include/refund.lua), sends the final message to the client's
 -- frontend, appends the worker's latency sample, and gives the record a short TTL.
 --
 -- KEYS: the lifecycle key list (include/pool_keys.lua; limiter/scripts.py lifecycle_keys).

@@ -165,8 +165,8 @@ BUGS = (
     Bug("fair_switch_not_rescored", "a deploy that switches a class's fair flag leaves its backlog's scores",
         "init_pool.lua", "~= (fair[i] == 1) then rescore(", "~= (fair[i] == 1) and false then rescore("),
     Bug("refund_moves_arrival_order", "a refund moves a tenant's score in a class turned to arrival order",
-        "include/refund.lua", "if r.c_vtc > 0 and class_fair(p, r.class) then",
-        "if r.c_vtc > 0 and (class_fair(p, r.class) or true) then"),
+        "include/refund.lua", "if r.c_vtc > 0 and class_fair(p, r.class) then\n    given.r_vtc",
+        "if r.c_vtc > 0 and (class_fair(p, r.class) or true) then\n    given.r_vtc"),
     Bug("rates_not_repacked", "set_rates writes the fields but not the policy's packed copy",
         "set_rates.lua", "  pack_policy(K_POLICY)  -- last", "  local _ = 0  -- last"),
     Bug("packed_copy_of_any_version", "the scripts use the packed policy even when the version moved on",
@@ -221,7 +221,15 @@ BUGS = (
         "local c_ceil = h and bucket_debit(h, r.cost, -c.ceil_burst) or 0"),
     Bug("refund_caps_at_admitted_burst", "a refund reads the tenant's bucket with the quota its "
         "request was admitted under (a raised quota is cut back to the old burst)",
-        "include/refund.lua", "r.t_rate, r.t_burst, now, true)", "r.t_rate, r.t_burst, now)"),
+        "include/refund.lua", "r.t_rate, r.t_burst, now, true),", "r.t_rate, r.t_burst, now),"),
+    Bug("overrun_not_charged", "a request whose engine counted more prompt than its reservation is "
+        "charged the reservation alone (the rest is free to its tenant)",
+        "include/refund.lua", "if used > r.cost then charge_overrun(",
+        "if false and used > r.cost then charge_overrun("),
+    Bug("overrun_counter_not_charged", "what a request used beyond its reservation is recorded on its "
+        "tenant's counter but not added to it (its fair class serves it as if it had not)",
+        "include/refund.lua", "r.c_vtc + vtc_charge(r.class, r.tenant, over / r.t_weight)",
+        "r.c_vtc + over / r.t_weight"),
     Bug("guarantee_wait_after_ceiling", "admission's wait takes the guarantee path's as a cap after "
         "the ceiling's floor (a class in ceiling debt admits what can only expire)",
         "admit.lua",

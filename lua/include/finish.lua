@@ -23,13 +23,15 @@ local function finalize(p, r, state, reason, used, now, fields)
   if redis.call('HINCRBY', K_TENANT_INFLIGHT, r.tenant, -1) <= 0 then
     redis.call('HDEL', K_TENANT_INFLIGHT, r.tenant)
   end
-  local g = refund_request(p, r, used, now)
-  -- refund: what the request did not use of its reservation (its reconciled charge is
-  -- cost - refund); r_*: what each bucket and the tenant's counter really got back
+  fields = fields or {}
+  local g = refund_request(p, r, used, now, fields)
+  -- refund: what the request did not use of its reservation, overrun (when it used more):
+  -- what it was charged beyond it (its reconciled charge is cost - refund + overrun); r_*:
+  -- what each bucket and the tenant's counter really got back
   redis.call('HSET', key, 'state', state, 'ended', r.state, 'reason', reason, 'finished_ms', now,
     'refund', fmt(g.refund),
     'r_tenant', fmt(g.r_tenant), 'r_class', fmt(g.r_class), 'r_ceil', fmt(g.r_ceil), 'r_vtc', fmt(g.r_vtc),
-    unpack(fields or {}))
+    unpack(fields))
   redis.call('EXPIRE', key, p.record_ttl_s)
   -- a token string exists only once a token was delivered (or complete just wrote ids)
   if r.out_tokens > 0 or r.wrote_ids then redis.call('EXPIRE', P_TOKENS .. r.id, p.record_ttl_s) end

@@ -64,12 +64,13 @@ async def admit(scripts: Scripts, keys: PoolKeys, *, cls: str = "P1", tenant: st
 
 
 def charge_of(record: dict[str, Any]) -> float:
-    """What a finished request's record says it must have been charged (``cost - refund``),
-    the ledger's rule, never more than it reserved: its true usage when its worker completed
-    it (usage_in, usage_out); otherwise (an expiry, a cancel, a refusal, a lease given up)
-    its prompt and the tokens delivered when it ended held by a worker (``ended`` leased) or
-    an attempt had delivered some, nothing when it ended queued with none. Absent fields may
-    be missing or None."""
+    """What a finished request's record says it must have been charged (``cost - refund +
+    overrun``), the ledger's rule: its true usage when its worker completed it (usage_in,
+    usage_out; beyond its reservation too, when the model server counted more prompt than
+    the frontend did); otherwise (an expiry, a cancel, a refusal, a lease given up) its prompt
+    and the tokens delivered when it ended held by a worker (``ended`` leased) or an attempt
+    had delivered some, nothing when it ended queued with none. Absent fields may be missing
+    or None."""
     w_in, w_out, cost = float(record["w_in"]), float(record["w_out"]), float(record["cost"])
     out = int(record.get("out_tokens") or 0)
     if record.get("usage_in") is not None:
@@ -77,8 +78,8 @@ def charge_of(record: dict[str, Any]) -> float:
     elif out or record.get("ended") == "leased":
         used = int(record["input_tokens"]) * w_in + out * w_out
     else:
-        used = 0.0
-    return min(used, cost)
+        return 0.0
+    return used if record.get("usage_in") is not None else min(used, cost)
 
 
 async def redis_ms(client: Any) -> int:

@@ -12,7 +12,7 @@ outlived its timeout). The ledger checks then hold the stack to "nothing admitte
   equal an uninterrupted one), every error names its code, 429/503 carry ``Retry-After``;
 * Redis side (:class:`Recorder`, :func:`server_ledger`): every admitted request id reached
   exactly one terminal state (one latency sample each, stats counters balanced), and what
-  each one was charged in the end (``cost - refund``) is exactly what it used;
+  each one was charged in the end (``cost - refund + overrun``) is exactly what it used;
 * afterwards (:func:`wait_clean`): no per-request key (``req:``, ``gen:``) left once the
   record TTL passed, every index empty, every bucket back to full, and every key that is not
   one of the pool's fixed keys carries a TTL.
@@ -534,7 +534,7 @@ def check_charges(records: dict[str, dict[str, str]]) -> dict[str, int]:
     states: Counter[str] = Counter()
     for rid, r in records.items():
         states[r["state"]] += 1
-        charged = float(r["cost"]) - float(r["refund"] or 0)
+        charged = float(r["cost"]) - float(r["refund"] or 0) + float(r.get("overrun") or 0)
         assert math.isclose(charged, charge_of(r), abs_tol=1e-6), (rid, r, charge_of(r))
     return dict(states)
 
