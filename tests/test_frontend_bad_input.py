@@ -260,3 +260,32 @@ async def fuzz_client(redis_server, sync_redis, aredis):
     cfg = make_cfg(redis_server.url, pool=SMALL_CONTEXT)
     async with frontend(cfg) as c, FakeWorker(aredis, POOL, fixed_text="ok"):
         yield c
+
+
+async def test_requests_aiohttp_cannot_parse_leave_no_error_in_the_log(
+        redis_server, sync_redis, caplog) -> None:
+    """A request line or header aiohttp cannot parse gets its plain-text 400 before any of
+    the frontend's code runs, and aiohttp logged some of them ("Error handling request", a
+    bad header token) at ERROR with a traceback: any client, no key needed, could fill the
+    log with tracebacks. They are logged at DEBUG, and change nothing in Redis."""
+    import asyncio
+    import logging
+
+    caplog.set_level(logging.INFO)
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as c:
+        before = redis_state(sync_redis)
+        for raw in (b"GARBAGE\r\n\r\n", b"GET /v1/models HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+                    b"GET /v1/models HTTP/1.1\r\nHost: x\r\nX: \x01\r\n\r\n",
+                    b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: nope\r\n\r\n{}"):
+            reader, writer = await asyncio.open_connection("127.0.0.1", c.port)
+            try:
+                writer.write(raw)
+                await writer.drain()
+                head = await asyncio.wait_for(reader.readline(), 10)
+                assert b" 400 " in head, (raw, head)
+            finally:
+                writer.close()
+        assert redis_state(sync_redis) == before
+    loud = [r for r in caplog.records if r.name.startswith("aiohttp") and r.levelno >= logging.WARNING]
+    assert not loud, [(r.levelname, r.getMessage()) for r in loud]

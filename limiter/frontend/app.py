@@ -32,7 +32,13 @@ from limiter.config import ClassConfig, PoolConfig, QosConfig
 from limiter.errors import ConfigError, QosError
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
-from limiter.frontend.errors import LABELS, ApiError, Handler, error_middleware
+from limiter.frontend.errors import (
+    LABELS,
+    ApiError,
+    Handler,
+    error_middleware,
+    quiet_client_parse_errors,
+)
 from limiter.frontend.generation import Generation
 from limiter.frontend.metrics import METRICS, FrontendMetrics
 from limiter.frontend.runtime import FRONTEND, Frontend
@@ -280,6 +286,7 @@ async def _on_shutdown(app: web.Application) -> None:
 def create_app(settings: FrontendSettings, cfg: QosConfig, *,
                frontend_id: str | None = None) -> web.Application:
     """The frontend as an aiohttp app; Redis is opened and closed with the app's lifetime."""
+    quiet_client_parse_errors()
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[_bounded_writes(settings.idle_timeout_s), error_middleware])
     app[METRICS] = FrontendMetrics(ttft_slos_ms=[c.slo_ttft_ms for c in cfg.classes],

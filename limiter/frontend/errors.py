@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiohttp import web
+from aiohttp.http_exceptions import BadHttpMessage
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -172,3 +173,24 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
 def _count(request: web.Request, outcome: str) -> None:
     labels = request[LABELS]
     request.app[METRICS].requests.labels(labels.pool, labels.cls, labels.tenant, outcome).inc()
+
+
+class _ClientParseErrors(logging.Filter):
+    """aiohttp answers a request it cannot parse (a bad request line or header: the client's
+    fault) with its own 400 and logs "Error handling request" with a traceback, at ERROR for
+    some of them: any client, no key needed, could fill the log with tracebacks. Such a record
+    goes at DEBUG (shown only when aiohttp.server logs at DEBUG)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, BadHttpMessage) and record.levelno > logging.DEBUG:
+            record.levelno, record.levelname = logging.DEBUG, "DEBUG"
+            return logging.getLogger(record.name).isEnabledFor(logging.DEBUG)
+        return True
+
+
+def quiet_client_parse_errors() -> None:
+    """Install :class:`_ClientParseErrors` on aiohttp's server logger (once per process)."""
+    logger = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _ClientParseErrors) for f in logger.filters):
+        logger.addFilter(_ClientParseErrors())
