@@ -66,3 +66,44 @@ async def test_a_cluster_that_cannot_serve_the_slot_is_an_outage_in_the_sample_l
         assert pc.redis_ok is False
     finally:
         assert await stop_tasks([loop], "sample loop", wait_s=1.0)
+
+
+async def test_each_loop_says_once_that_redis_is_out_while_another_loop_reaches_it(
+        aredis, pool, cfg, caplog):
+    """While a reshard held the tick's key on another node, the lease loop's renewals kept
+    working and set the one "Redis ok" flag again each time: the tick loop warned "Redis
+    unavailable" at every tick (a review). Each loop now warns once when its own outage starts,
+    and says when it is over."""
+    import logging
+
+    from redis.exceptions import ConnectionError as RedisConnectionError
+
+    from limiter.tasks import stop_tasks
+    from tests.support.controller_helpers import pool_controller
+
+    caplog.set_level(logging.INFO, logger="qos.controller")
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    assert pc.term is not None
+    real_tick, failing = pc.tick, {"on": True}
+
+    async def tick(term):
+        if failing["on"]:
+            raise RedisConnectionError("TTL exhausted.")
+        return await real_tick(term)
+
+    pc.tick = tick
+    loops = [asyncio.create_task(pc.tick_loop())]
+    try:
+        ticks = lambda: metric(pc, "qos_controller_redis_errors_total", loop="tick")  # noqa: E731
+        for n in range(1, 4):  # three failed ticks, each followed by a lease renewal that works
+            await wait_for(lambda n=n: asyncio.sleep(0, ticks() >= n), timeout=10)
+            await pc.renew_once()
+            assert pc.redis_ok
+        warned = [r for r in caplog.records if "Redis unavailable in tick loop" in r.getMessage()]
+        assert len(warned) == 1, [r.getMessage() for r in warned]
+        failing["on"] = False
+        await wait_for(lambda: asyncio.sleep(0, any("reachable again in tick" in r.getMessage()
+                                                    for r in caplog.records)), timeout=10)
+    finally:
+        assert await stop_tasks(loops, "tick loop", wait_s=1.0)

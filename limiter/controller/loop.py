@@ -90,6 +90,10 @@ class PoolController:
                                        settings.batch, settings.claim_idle_ms)
         self.term: Term | None = None
         self.redis_ok = True
+        # the loops in an outage now: each says so once, when its own outage starts (a shared
+        # flag, set again by the lease loop's renewals while a reshard held the tick's key
+        # elsewhere, made the tick loop warn at every tick)
+        self._failing: set[str] = set()
         self._leading = asyncio.Event()
         self._ticked = time.monotonic()  # the tick loop's last turn (the lease loop's watchdog)
         self._termless_since: float | None = None  # since when the lease is ours with no term
@@ -128,7 +132,7 @@ class PoolController:
                              STEP_TIMEOUT_S)
                 return
             fence = await within(self.lease.renew(), max(0.5, self.settings.lease_s / 2))
-            self.redis_ok = True
+            self._redis_fine("lease")
             if not fence:
                 self.end_term(f"the lease is held by {self.lease.holder}")
             elif self.term is None or self.term.fence != fence or self.lease.taken:
@@ -359,7 +363,7 @@ class PoolController:
         ran or Redis was the trouble (an outage or a lost policy: retried by the loop)."""
         try:
             await coro
-            self.redis_ok = True
+            self._redis_fine(loop)
         except PolicyMissing:
             log.warning("%s: policy missing (Redis lost its data?); re-creating it from the config",
                         self.pool.name)
@@ -380,6 +384,14 @@ class PoolController:
 
     def _redis_error(self, loop: str, exc: BaseException) -> None:
         self.metrics.redis_errors.labels(loop).inc()
-        if self.redis_ok:
+        if loop not in self._failing:
             log.warning("%s: Redis unavailable in %s loop (%s); retrying", self.pool.name, loop, exc)
+            self._failing.add(loop)
         self.redis_ok = False
+
+    def _redis_fine(self, loop: str) -> None:
+        """A step of ``loop`` reached Redis: an outage of that loop is over."""
+        self.redis_ok = True
+        if loop in self._failing:
+            self._failing.discard(loop)
+            log.info("%s: Redis reachable again in %s loop", self.pool.name, loop)
