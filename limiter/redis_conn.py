@@ -121,6 +121,10 @@ def cluster_not_enabled(exc: RedisClusterException) -> ConfigError | None:
                        "false (env QOS_REDIS_CLUSTER=0) for a standalone Redis")
 
 
+# redis-py's ClusterError once a command's redirections (MOVED, ASK, TRYAGAIN) ran out
+_REDIRECTS_EXHAUSTED = "TTL exhausted"
+
+
 @contextlib.contextmanager
 def map_redis_errors() -> Iterator[None]:
     """Turn a connection-level failure inside the block, or a refusal for the store's own
@@ -130,6 +134,10 @@ def map_redis_errors() -> Iterator[None]:
     try:
         yield
     except CONNECTION_ERRORS as exc:
+        if isinstance(exc, ClusterError) and str(exc).startswith(_REDIRECTS_EXHAUSTED):
+            # redis-py's whole message: an operator read "Redis unavailable: TTL exhausted." alone
+            raise RedisUnavailable("Redis unavailable: the cluster kept redirecting the command "
+                                   "(TTL exhausted: a reshard or a failover under way?)") from exc
         raise RedisUnavailable(f"Redis unavailable: {exc}") from exc
     except ResponseError as exc:
         if (wrong := cluster_misconfigured(exc)) is not None:

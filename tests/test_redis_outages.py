@@ -391,3 +391,19 @@ async def test_a_workers_health_says_redis_is_down_for_the_whole_outage(tmp_path
     finally:
         assert await stop_worker(rt, task) is None
         server.stop()
+
+
+def test_a_command_whose_cluster_redirections_ran_out_says_so() -> None:
+    """redis-py gives up on a command the cluster kept redirecting (a reshard or a failover
+    under way) with ClusterError("TTL exhausted."): the outage said only "Redis unavailable:
+    TTL exhausted." (a review of reshards)."""
+    from redis.exceptions import ClusterError
+
+    from limiter.errors import RedisUnavailable
+
+    with pytest.raises(RedisUnavailable, match=r"kept redirecting the command .*reshard or a failover"):
+        with map_redis_errors():
+            raise ClusterError("TTL exhausted.")
+    with pytest.raises(RedisUnavailable, match=r"^Redis unavailable: Cluster is down$"):
+        with map_redis_errors():
+            raise ClusterError("Cluster is down")
