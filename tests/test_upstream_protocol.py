@@ -105,13 +105,10 @@ async def test_a_character_split_between_two_chunks_as_json_surrogate_escapes_is
 
     async def split_pair(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
         resp = await sse_response(request)
-        for piece in ('"a\\ud83d"', '"\\ude00b"'):
-            await resp.write(b'data: {"choices": [{"index": 0, "text": ' + piece.encode()
-                             + b', "finish_reason": null}]}\n\n')
+        for piece in ("a\ud83d", "\ude00b"):  # JSON writes each half as its \u escape
+            await resp.write(sse_chunk(piece))
             await asyncio.sleep(0.02)
-        await resp.write(b'data: {"choices": [{"index": 0, "text": "", "finish_reason": "stop"}], '
-                         b'"usage": {"prompt_tokens": 3, "completion_tokens": 2}}\n\ndata: [DONE]\n\n')
-        return resp
+        return await end_stream(resp, sse_chunk("", finish="stop", completion_tokens=2))
 
     answer = await _answer(env, "SURROGATE", split_pair)
     assert answer.error is None, answer.error
@@ -168,9 +165,7 @@ async def test_a_lone_high_surrogate_that_ends_the_answer_is_delivered_as_a_repl
 
     async def lone_end(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
         resp = await sse_response(request)
-        await resp.write(b'data: {"choices": [{"index": 0, "text": "a\\ud83d", "finish_reason": "stop"}], '
-                         b'"usage": {"prompt_tokens": 3, "completion_tokens": 1}}\n\ndata: [DONE]\n\n')
-        return resp
+        return await end_stream(resp, sse_chunk("a\ud83d", finish="stop", completion_tokens=1))
 
     answer = await _answer(env, "LONEEND", lone_end)
     assert answer.error is None, answer.error
