@@ -334,12 +334,17 @@ class Generation:
                 except ConnectionError:  # the client left; its request is done in Redis
                     self.request[LABELS].outcome = "cancelled"
                 except _ClientStalled:
-                    log.info("%s: the client stopped reading; dropped after the %g s request timeout",
-                             self.request_id, self.fe.settings.request_timeout_s)
-                    self.request[LABELS].outcome = "timeout"
-                    if self.request.transport is not None:
-                        self.request.transport.abort()
+                    self._drop_stalled_client()
                 return resp
+
+    def _drop_stalled_client(self) -> None:
+        """Nothing more can reach a client that stopped reading in time: drop its connection
+        (and what is buffered for it)."""
+        log.info("%s: the client stopped reading; dropped after the %g s request timeout",
+                 self.request_id, self.fe.settings.request_timeout_s)
+        self.request[LABELS].outcome = "timeout"
+        if self.request.transport is not None:
+            self.request.transport.abort()
 
     async def _write(self, aw: Awaitable[Any]) -> None:
         """One write to the client, bounded by the request's safety deadline (plus the grace):
@@ -420,11 +425,6 @@ class Generation:
             self.request[LABELS].outcome = "cancelled"
             return resp or web.Response(status=499)
         except _ClientStalled:
-            # Nothing more can reach it in time: drop the connection (and what is buffered for
-            # it); the finally clause in run() cancels the request if it is still running.
-            log.info("%s: the client stopped reading; dropped after the %g s request timeout",
-                     rid, self.fe.settings.request_timeout_s)
-            self.request[LABELS].outcome = "timeout"
-            if self.request.transport is not None:
-                self.request.transport.abort()
+            # the finally clause in run() cancels the request if it is still running
+            self._drop_stalled_client()
             return resp or web.Response(status=499)
