@@ -289,3 +289,53 @@ async def test_requests_aiohttp_cannot_parse_leave_no_error_in_the_log(
         assert redis_state(sync_redis) == before
     loud = [r for r in caplog.records if r.name.startswith("aiohttp") and r.levelno >= logging.WARNING]
     assert not loud, [(r.levelname, r.getMessage()) for r in loud]
+
+
+async def _first_answer_line(port: int, head: bytes, body_after_continue: bytes | None = None) -> list[bytes]:
+    """Sends a request head (``Expect: 100-continue``, no body) and returns the status lines
+    the server answers with, the body sent only once a ``100 Continue`` came."""
+    import asyncio
+
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        lines = [await asyncio.wait_for(reader.readline(), 10)]  # deadline: the server's first answer
+        if lines[0].startswith(b"HTTP/1.1 100 ") and body_after_continue is not None:
+            assert await asyncio.wait_for(reader.readline(), 10) == b"\r\n"
+            writer.write(body_after_continue)
+            await writer.drain()
+            lines.append(await asyncio.wait_for(reader.readline(), 10))  # deadline: the final answer
+        return lines
+    finally:
+        writer.close()
+
+
+def _expect_head(headers: dict[str, str], length: int, expect: str = "100-continue") -> bytes:
+    lines = [f"POST {CHAT} HTTP/1.1", "Host: x", "Content-Type: application/json",
+             f"Content-Length: {length}", f"Expect: {expect}", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+async def test_expect_100_continue_is_answered_only_when_the_headers_pass(redis_server, sync_redis) -> None:
+    """``Expect: 100-continue`` asks whether to send the body: a bad key, a class above the
+    key's ceiling, a bad max-wait header or a body over the limit get their final 4xx at once,
+    with no ``100 Continue`` (aiohttp's default sent the 100 first: the client uploaded its
+    whole body to be refused); good headers get the 100, and the body is then read (here a
+    broken one: its 400 shows it was). Another expectation is a 417. Nothing changes in Redis."""
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg, max_body_bytes=10_000) as c:
+        before = redis_state(sync_redis)
+        for headers, length, status in (
+                (auth("wrong-key"), 100, 401),
+                ({}, 100, 401),
+                (auth(**{"X-QoS-Class": "P0"}), 100, 403),
+                (auth(**{"X-QoS-Max-Wait-Ms": "0"}), 100, 400),
+                (auth(), 10_001, 400)):
+            lines = await _first_answer_line(c.port, _expect_head(headers, length))
+            assert lines[0].startswith(f"HTTP/1.1 {status} ".encode()), (headers, length, lines)
+        lines = await _first_answer_line(c.port, _expect_head(auth(), 5), b"{nope")
+        assert lines[0].startswith(b"HTTP/1.1 100 ") and lines[1].startswith(b"HTTP/1.1 400 "), lines
+        lines = await _first_answer_line(c.port, _expect_head(auth(), 5, expect="something-else"))
+        assert lines[0].startswith(b"HTTP/1.1 417 "), lines
+        assert redis_state(sync_redis) == before

@@ -23,12 +23,13 @@ from typing import Any
 
 import aiohttp
 import aiohttp.http_exceptions
-from aiohttp import web
+from aiohttp import hdrs, web
+from aiohttp.http import HttpVersion11
 from aiohttp.web_protocol import RequestPayloadError
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from limiter import status as status_mod
-from limiter.config import ClassConfig, PoolConfig, QosConfig
+from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import ConfigError, QosError
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
@@ -36,6 +37,7 @@ from limiter.frontend.errors import (
     LABELS,
     ApiError,
     Handler,
+    RequestLabels,
     error_middleware,
     quiet_client_parse_errors,
 )
@@ -59,10 +61,43 @@ def _frontend(request: web.Request) -> Frontend:
     return request.app[FRONTEND]
 
 
-async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
+def _check_headers(fe: Frontend, request: web.Request,
+                   labels: RequestLabels) -> tuple[TenantConfig, str, int]:
+    """What a generation request's headers decide, checked before its body is read: the
+    tenant (401), its class (400/403), its max wait (400), and the announced body size (400).
+    Returns (tenant, class, max wait in ms)."""
+    tenant = fe.keyring.identify(one_header(request.headers, "Authorization"))
+    labels.tenant = tenant.name
+    cls = resolve_class(fe.cfg, tenant, one_header(request.headers, CLASS_HEADER))
+    labels.cls = cls
+    max_wait = _max_wait_ms(one_header(request.headers, MAX_WAIT_HEADER), fe.classes[cls])
+    limit = fe.settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(400, f"Request body is {request.content_length} bytes, over the {limit}-byte limit",
                           code="request_too_large")
+    return tenant, cls, max_wait
+
+
+async def _continue_if_acceptable(request: web.Request) -> None:
+    """The generation routes' answer to ``Expect: 100-continue``: the ``100 Continue`` goes
+    out only when the headers pass :func:`_check_headers`; else nothing is sent here, and the
+    handler answers the same error before it reads the body (aiohttp's default sent the 100
+    at once: a client with a bad key, or a body over the limit, uploaded all of it to be
+    told 401 or 400). Any other expectation is a 417, as aiohttp's default made it."""
+    expect = request.headers.get(hdrs.EXPECT, "")
+    if request.version != HttpVersion11:
+        return
+    if expect.lower() != "100-continue":
+        raise web.HTTPExpectationFailed(text="Unknown Expect header: only 100-continue is supported")
+    try:
+        _check_headers(_frontend(request), request, RequestLabels())
+    except ApiError:
+        return
+    await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    request.writer.output_size = 0  # (aiohttp's own handler does so: the answer's size starts here)
+
+
+async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
     try:
         # A client that announces a body and sends it slowly (or never) must not hold a
         # handler and its buffer for ever: aiohttp itself has no timeout on a body read.
@@ -102,18 +137,14 @@ def _generation_handler(kind: str) -> Handler:
         received = time.monotonic()  # (Generation's clock: not uvloop's whole milliseconds)
         fe = _frontend(request)
         labels = request[LABELS]
-        tenant = fe.keyring.identify(one_header(request.headers, "Authorization"))
-        labels.tenant = tenant.name
-        cls = resolve_class(fe.cfg, tenant, one_header(request.headers, CLASS_HEADER))
-        labels.cls = cls
+        # Every check of what the client sent comes before counting the prompt, which may ask
+        # the model server: a bad header was a 503 (retried for ever) while it was down.
+        tenant, cls, max_wait = _check_headers(fe, request, labels)
         raw = await _read_body(request, fe.settings.max_body_bytes, fe.settings.body_timeout_s)
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
         draft = oa.parse_request(kind, body, fe.cfg)
-        # Every check of what the client sent comes before counting the prompt, which may ask
-        # the model server: a bad header was a 503 (retried for ever) while it was down.
-        max_wait = _max_wait_ms(one_header(request.headers, MAX_WAIT_HEADER), fe.classes[cls])
         req = oa.finish_request(draft, await fe.count_prompt(draft))
         return await Generation(fe, request, tenant, cls, req, max_wait, received).run()
 
@@ -323,8 +354,10 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
         app.cleanup_ctx.append(metrics_ctx)
     app.cleanup_ctx.append(redis_ctx)
     app.on_shutdown.append(_on_shutdown)
-    app.router.add_post("/v1/chat/completions", _generation_handler("chat"))
-    app.router.add_post("/v1/completions", _generation_handler("completion"))
+    app.router.add_post("/v1/chat/completions", _generation_handler("chat"),
+                         expect_handler=_continue_if_acceptable)
+    app.router.add_post("/v1/completions", _generation_handler("completion"),
+                         expect_handler=_continue_if_acceptable)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id:.+}", model)
     app.router.add_get("/v1/qos/status", qos_status)
