@@ -12,6 +12,7 @@ from collections.abc import Callable
 import msgpack
 import pytest
 
+from limiter.localstack.redis_server import RedisServer
 from limiter.samples import decode_sample
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
@@ -341,6 +342,56 @@ async def test_a_cancel_that_overtakes_its_admit_is_sent_again(client, sync_redi
     assert set(answers[:-1]) == {"not_found"} and answers[-1] == "cancelled", answers
     assert sync_redis.hget(POOL.stats, "P1.cancelled") == b"1"
     assert int(sync_redis.hget(POOL.queued, "P1") or 0) == 0 and sync_redis.hlen(POOL.tenant_inflight) == 0
+
+
+async def test_a_cancel_an_outage_refused_is_sent_once_redis_answers() -> None:
+    """A client that leaves while Redis is down: its cancel is refused. Only logged, it left
+    the request queued once Redis was back, and a worker generated it for nobody (claim only
+    cancels a frontend's requests once it stops beating, and this one beats on). Now it is
+    kept and sent again at the heartbeat's first success. (A Redis of its own, on an
+    append-only file written at each command: the queued request survives the restart.)"""
+    server = RedisServer(extra=["--appendonly", "yes", "--appendfsync", "always"]).start()
+    try:
+        cfg = make_cfg(server.url, classes=CLASSES, tenants=TENANTS)
+        with server.client() as sync:
+            async with frontend(cfg, heartbeat_s=0.2) as c:
+                fe = fe_of(c)
+                task = asyncio.create_task(c.post("/v1/chat/completions", headers=auth("key-frugal"), json={
+                    "model": "tiny", "messages": [{"role": "user", "content": "hello"}], "max_tokens": 50}))
+                await wait_until(lambda: int(sync.hget(POOL.queued, "P1") or 0) == 1, "one P1 request queued")
+                server.kill()
+                task.cancel()  # the client closes its connection
+                await wait_until(lambda: fe.unsent_cancels, "the refused cancel kept to send again")
+                server.start()
+                await wait_until(lambda: sync.hget(POOL.stats, "P1.cancelled") == b"1",
+                                 "the kept cancel to reach the restarted Redis")
+                await wait_until(lambda: not fe.unsent_cancels, "the sent cancel no longer kept")
+                assert int(sync.hget(POOL.queued, "P1") or 0) == 0 and sync.hlen(POOL.tenant_inflight) == 0
+    finally:
+        server.stop()
+
+
+async def test_kept_cancels_are_bounded_in_number_and_in_time(client, sync_redis, monkeypatch) -> None:
+    """At most UNSENT_CANCELS_MAX are kept (a long outage with many clients leaving must not
+    grow the process without bound), and one kept past request_timeout_s is dropped unsent."""
+    from limiter.frontend import runtime
+
+    fe = fe_of(client)
+    monkeypatch.setattr(runtime, "UNSENT_CANCELS_MAX", 2)
+    for rid in ("a", "b", "c"):
+        fe._keep_unsent_cancel(POOL, rid, "frugal", "client_gone", ConnectionError("down"))
+    assert list(fe.unsent_cancels) == ["a", "b"]
+    sent: list[str] = []
+
+    async def recording_cancel(keys, request_id, *args):
+        sent.append(request_id)
+        return "not_found"
+
+    monkeypatch.setattr(fe.scripts, "cancel", recording_cancel)
+    keys, tenant_name, reason, _ = fe.unsent_cancels["a"]
+    fe.unsent_cancels["a"] = (keys, tenant_name, reason, time.monotonic() - 1)  # past its time
+    await fe._send_unsent_cancels()
+    assert sent == ["b"] and not fe.unsent_cancels
 
 
 async def test_disconnect_mid_stream_stops_the_worker_and_reconciles(client, aredis, sync_redis):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from typing import Any
 
@@ -36,6 +37,10 @@ log = logging.getLogger("qos.frontend")
 # A cancel that found nothing is sent again after these delays: it may have overtaken its admit.
 CANCEL_AGAIN_S = (0.2, 1.0)
 LOST_CHECK_BATCH = 500  # EXISTS per pipeline when looking for requests whose record Redis lost
+# Cancels an outage refused, kept to send again once Redis answers: at most this many kept,
+# and sent at most this many per heartbeat (each one call of a bounded script).
+UNSENT_CANCELS_MAX = 10_000
+UNSENT_CANCELS_PER_BEAT = 256
 
 
 class Frontend:
@@ -78,6 +83,8 @@ class Frontend:
         self.ready_checks: dict[str | None, asyncio.Future[tuple[str, list[str]]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
+        # request id -> (its pool's keys, tenant, reason, when to give up: time.monotonic())
+        self.unsent_cancels: dict[str, tuple[PoolKeys, str, str, float]] = {}
         self._stop = asyncio.Event()
         self._end_streams: asyncio.Task[None] | None = None
         # Ready while one more missed beat would still leave us inside the shortest TTL after
@@ -147,6 +154,8 @@ class Frontend:
             try:
                 if self.bootstrapped:
                     await self.heartbeat.beat()
+                    if self.unsent_cancels:
+                        await self._send_unsent_cancels()
                     if self.settings.reap_s and loop.time() >= next_reap:
                         # Frontends sweep too, so requests are finished in time even while no
                         # worker or controller of a pool runs (each call is bounded).
@@ -273,9 +282,47 @@ class Frontend:
             try:
                 if await self.scripts.cancel(keys, request_id, tenant, reason) != "not_found":
                     return
-            except Exception as exc:  # claim/reap will catch up once our heartbeat stops
-                log.warning("cancel %s (%s) failed: %s", request_id, reason, exc)
+            except REDIS_ERRORS as exc:
+                self._keep_unsent_cancel(keys, request_id, tenant, reason, exc)
                 return
+            except Exception as exc:  # not an outage: sending it again would meet the same
+                log.error("cancel %s (%s) failed: %s", request_id, reason, exc)
+                return
+
+    def _keep_unsent_cancel(self, keys: PoolKeys, request_id: str, tenant: str, reason: str,
+                            exc: BaseException) -> None:
+        """A cancel an outage refused is sent again once Redis answers (the heartbeat's next
+        success), for up to ``request_timeout_s``: only logged, it left the request queued, and
+        a worker claimed and generated it for nobody once Redis was back, holding a GPU slot
+        up to its max_tokens (claim only cancels the requests of a frontend that stopped
+        beating, and this one beats on)."""
+        if len(self.unsent_cancels) >= UNSENT_CANCELS_MAX:
+            log.warning("cancel %s (%s) failed: %s; %d cancels are already waiting for Redis, this one "
+                        "is dropped", request_id, reason, exc, len(self.unsent_cancels))
+            return
+        log.warning("cancel %s (%s) failed: %s; sent again once Redis answers", request_id, reason, exc)
+        give_up_at = time.monotonic() + self.settings.request_timeout_s
+        self.unsent_cancels[request_id] = (keys, tenant, reason, give_up_at)
+
+    async def _send_unsent_cancels(self) -> None:
+        """Send the kept cancels (at most UNSENT_CANCELS_PER_BEAT, oldest first); an outage
+        met on the way keeps the rest (and the one it met) for the next beat."""
+        now = time.monotonic()
+        for request_id in list(self.unsent_cancels)[:UNSENT_CANCELS_PER_BEAT]:
+            keys, tenant, reason, give_up_at = self.unsent_cancels[request_id]
+            if now >= give_up_at:
+                del self.unsent_cancels[request_id]
+                log.warning("cancel %s (%s) given up: Redis refused it for %g s", request_id, reason,
+                            self.settings.request_timeout_s)
+                continue
+            try:
+                state = await self.scripts.cancel(keys, request_id, tenant, reason)
+            except REDIS_ERRORS:
+                raise  # (the heartbeat loop counts the outage)
+            except Exception as exc:
+                state = f"refused ({exc})"
+            del self.unsent_cancels[request_id]
+            log.info("cancel %s (%s), sent again after an outage: %s", request_id, reason, state)
 
     def record_rejection(self, keys: PoolKeys, cls: str, tenant: str, request_id: str, input_tokens: int,
                          waited_ms: float, ttft_at_least_ms: float | None = None) -> None:
