@@ -191,7 +191,9 @@ class UpstreamCounter(Counter):
         else:
             body["prompt"] = prompt
         try:
-            async with self._session.post(self.url, json=body, headers=self.headers) as resp:
+            # (no redirects followed: see worker/upstream.py REDIRECT_ADVICE; a 3xx is a 503 here)
+            async with self._session.post(self.url, json=body, headers=self.headers,
+                                          allow_redirects=False) as resp:
                 if resp.status != 200:
                     text = (await resp.text(errors="replace"))[:200]
                     if resp.status in REFUSING_STATUSES:

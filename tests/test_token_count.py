@@ -117,6 +117,23 @@ async def test_an_upstream_url_with_a_query_is_asked_at_its_tokenize_path_with_t
     assert upstream.tokenize_queries == ["api-key=k", "api-key=k"]
 
 
+async def test_an_upstream_tokenizer_that_redirects_is_unavailable_not_followed(upstream):
+    """A redirect from /tokenize (a deployment's mistake) is not followed: the count is
+    unavailable (the frontend's 503), asked once; followed, a loop asked it eleven times and
+    its error carried the URL with its query."""
+    from limiter.token_count import TokenizerUnavailable
+
+    upstream.tokenize_redirect = f"{upstream.url}/tokenize?followed=1"
+    counter = counter_for("upstream", f"{upstream.url}/v1?api-key=k", {}, "tiny", env={})
+    try:
+        with pytest.raises(TokenizerUnavailable) as info:
+            await counter.count("one two three")
+    finally:
+        await counter.close()
+    assert upstream.tokenize_queries == ["api-key=k"]
+    assert "HTTP 307" in str(info.value) and "api-key" not in str(info.value)
+
+
 def test_a_step_engine_refuses_a_pool_not_counted_in_bytes(tmp_path, redis_server):
     tok = word_tokenizer(tmp_path / "tokenizer.json")
     cfg = make_cfg(redis_server.url, pool={"tokenizer": str(tok)})

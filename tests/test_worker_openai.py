@@ -1779,6 +1779,41 @@ async def test_credentials_in_the_upstream_url_are_used_and_never_shown(env, cap
     assert secret not in describe(rt.settings, None) and secret not in caplog.text
 
 
+async def test_a_redirecting_model_server_is_down_not_followed(env, caplog) -> None:
+    """A model server that redirects (here to itself, with the worker's query: a loop) is a
+    deployment's mistake. aiohttp followed it: the POST was sent again up to ten times, and
+    the loop's error put the URL with its query (which may carry a key) in the log. Now a
+    redirect is not followed: the request is handed back unspent, the breaker opens, and the
+    log says to set upstream_url to where it points."""
+    import logging
+
+    cfg, c, up = env
+    secret = "key=hunter2"
+
+    followed: list[str] = []
+
+    async def redirects(request: Any, body: dict[str, Any], n: int) -> Any:
+        from aiohttp import web
+
+        if "followed" in request.query:
+            followed.append(request.path)
+        raise web.HTTPTemporaryRedirect(f"{up.url}{request.path}?{secret}&followed=1")
+
+    up.scripts["REDIRECT"] = redirects
+    with caplog.at_level(logging.INFO):
+        async with worker(cfg, engine="openai", upstream_url=f"{up.url}/v1?{secret}", worker_id="w-redir",
+                          **RETRY) as rt:
+            rid = await c.admit("REDIRECT me", max_tokens=5)
+            await _wait_heartbeat(c, rt, "the breaker to open",
+                                  lambda hb: hb.get(b"upstream_state") == b"open")
+            rec = await c.record(rid)
+    assert up.calls["REDIRECT"] >= 1 and not followed, followed
+    assert rec["attempts"] == "0" and not c.answers[rid].finished, rec
+    ours = "\n".join(r.getMessage() for r in caplog.records if r.name.startswith("qos"))  # not the server's
+    assert "a redirect" in ours and "upstream_url" in ours
+    assert "hunter2" not in ours
+
+
 @pytest.mark.parametrize("url, shown", [
     ("http://h:8000", "http://h:8000"),
     ("http://admin:pw@h:9/v1", "http://***@h:9/v1"),

@@ -97,6 +97,10 @@ log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
 DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
 CREDENTIAL_STATUSES = (401, 403, 407)  # the worker's key (QOS_UPSTREAM_API_KEY) refused
+# Redirects are not followed: a model server that redirects is a deployment's mistake (http
+# to https, a path moved), a re-sent POST may run twice, and a redirect loop's error named the
+# URL with its query (which may carry a key) in the log. The server is taken as down instead.
+REDIRECT_ADVICE = "set upstream_url to the address the model server redirects to"
 HEALTH_TIMEOUT_S = 5.0  # a health check (the breaker's probe, or after an HTTP 5xx)
 CANARY_TIMEOUT_S = 30.0  # after a stall, the most a probe's one-token generation may take
 # The request itself is at fault (vLLM's 400 for a prompt past the model's context, a 413, a
@@ -361,7 +365,8 @@ class UpstreamLoop:
     async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
         """``session.post`` as ``async with``, except that a response handed to
         :meth:`_end_body_later` is left open for that task to end."""
-        resp = await self.session.post(self.base + path + self.query, json=body, headers=self._headers())
+        resp = await self.session.post(self.base + path + self.query, json=body, headers=self._headers(),
+                                       allow_redirects=False)
         try:
             yield resp
         finally:
@@ -578,7 +583,7 @@ class UpstreamLoop:
         status = 0
         try:
             for path in (self.base.removesuffix("/v1") + "/health", self.base + "/models"):
-                async with self.session.get(path + self.query, headers=self._headers(),
+                async with self.session.get(path + self.query, headers=self._headers(), allow_redirects=False,
                                             timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as resp:
                     status = resp.status
                     await resp.read()
@@ -586,6 +591,8 @@ class UpstreamLoop:
                     break
         except (TimeoutError, aiohttp.ClientError) as exc:
             return f"{type(exc).__name__}: {exc}"
+        if 300 <= status < 400:
+            return f"HTTP {status}, a redirect: {REDIRECT_ADVICE}"
         return f"HTTP {status}" if status in DOWN_STATUSES or status >= 500 else ""
 
     def _headers(self) -> dict[str, str]:
@@ -814,6 +821,9 @@ class UpstreamLoop:
                 async with self._post(path, body) as resp:
                     if resp.status in DOWN_STATUSES:
                         raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
+                    if 300 <= resp.status < 400:
+                        raise UpstreamDown(f"{url}: HTTP {resp.status}, a redirect: {REDIRECT_ADVICE}",
+                                           spent=False)
                     if resp.status != 200:
                         text = (await _error_text(resp))[:300]
                         if resp.status >= 500 and _engine_died(text):

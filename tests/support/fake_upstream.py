@@ -64,6 +64,7 @@ class FakeUpstream:
         # nothing after them): an engine that hung behind a live API server
         self.hold: asyncio.Event | None = None
         self.hold_health = False  # GET /health waits on ``hold`` too
+        self.tokenize_redirect: str | None = None  # /tokenize answers 307 to this location
         self.calls: dict[str, int] = {}
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
@@ -98,6 +99,8 @@ class FakeUpstream:
         body = await request.json()
         self.tokenized.append(body)
         self.tokenize_queries.append(request.query_string)
+        if self.tokenize_redirect is not None:
+            raise web.HTTPTemporaryRedirect(self.tokenize_redirect)
         if self.status is not None:
             return web.json_response({"error": {"message": "busy"}}, status=self.status)
         n = fake_prompt_tokens(body)
