@@ -6,6 +6,7 @@ the buckets, the safety timeout."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -193,6 +194,54 @@ async def test_a_running_request_whose_record_redis_lost_is_answered_at_the_next
         assert r.status == 200 and '"request_lost"' in text and "[DONE]" not in text, text
     else:
         assert r.status == 503 and '"request_lost"' in text and r.headers["Retry-After"] == "1", text
+
+
+@pytest.mark.parametrize("running", [False, True])
+async def test_a_request_whose_record_alone_was_lost_is_answered_by_the_sweep(
+        redis_server, sync_redis, aredis, monkeypatch, running):
+    """A failover to a replica that lagged loses the last writes: a request's record, not this
+    frontend's heartbeat entry (written long before), so the check at a lost entry never ran,
+    and the client waited its max wait (queued: P2's 60 s) or request_timeout_s (running).
+    The periodic sweep answers it (503 request_lost)."""
+    from limiter.frontend import runtime
+
+    monkeypatch.setattr(runtime, "LOST_SWEEP_S", 0.2)
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg, heartbeat_s=0.2) as client, contextlib.AsyncExitStack() as stack:
+        w = await stack.enter_async_context(FakeWorker(aredis, POOL, fixed_text="abcdefgh", delay_s=60)) \
+            if running else None
+        task = asyncio.create_task(client.post("/v1/completions", headers=auth("demo-p2"),
+                                               json={"model": "tiny", "prompt": "x", "max_tokens": 8}))
+        if w is not None:
+            await wait_until(lambda: bool(w.claimed), "a worker claimed the request")
+        else:
+            await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P2") or 0) == 1, "the request queued")
+        (key,) = sync_redis.keys(POOL.request_prefix + "*")
+        sync_redis.delete(key)  # its record alone, as a replica that never got it
+        try:
+            async with asyncio.timeout(30):
+                r = await task
+                text = await r.text()
+        except TimeoutError:
+            pytest.fail("no answer within 30 s of Redis losing the request's record")
+    assert r.status == 503 and '"request_lost"' in text, text
+
+
+async def test_the_sweep_leaves_a_pool_whose_replies_cannot_be_read(client, sync_redis) -> None:
+    """While a pool's reply stream cannot be read, a finished request's final reply may wait
+    there past its record's expiry (record_ttl_s): the sweep must not call it lost then."""
+    fe = fe_of(client)
+    q = fe.router.register("gone")  # admitted, and no record in Redis
+    fe.router.admitted("gone", POOL.pool)
+    try:
+        fe.router.healthy[POOL.pool] = False
+        await fe._sweep_lost_requests()
+        assert q.empty()
+        fe.router.healthy[POOL.pool] = True
+        await fe._sweep_lost_requests()
+        assert q.get_nowait().code == "lost"
+    finally:
+        fe.router.unregister("gone")
 
 
 def _only_record(sync_redis) -> dict[bytes, bytes]:

@@ -37,6 +37,10 @@ log = logging.getLogger("qos.frontend")
 # A cancel that found nothing is sent again after these delays: it may have overtaken its admit.
 CANCEL_AGAIN_S = (0.2, 1.0)
 LOST_CHECK_BATCH = 500  # EXISTS per pipeline when looking for requests whose record Redis lost
+# Every admitted request's record is looked up this often: a failover to a replica that lagged
+# loses the last writes (a few requests' records) but not this frontend's heartbeat entry, so
+# the check at a lost entry never ran (one EXISTS per request in flight, pipelined).
+LOST_SWEEP_S = 10.0
 # Cancels an outage refused, kept to send again once Redis answers: at most this many kept,
 # and sent at most this many per heartbeat (each one call of a bounded script).
 UNSENT_CANCELS_MAX = 10_000
@@ -124,6 +128,26 @@ class Frontend:
         ids = self.router.admitted_in(keys.pool)
         log.warning("frontend %s: its heartbeat entry in pool %s was gone (Redis lost data?); "
                     "checking %d requests", self.frontend_id, keys.pool, len(ids))
+        await self._answer_lost(keys, ids)
+
+    async def _sweep_lost_requests(self) -> None:
+        """Every LOST_SWEEP_S: the admitted requests whose record is gone with our heartbeat
+        entry still there (a failover to a replica that had not got the last writes, a key
+        deleted by hand) are answered as :meth:`_find_lost_requests` answers them; they waited
+        for ``request_timeout_s`` (running) or their max wait (queued). Not while a pool's
+        reply stream cannot be read: a finished request's record may expire (record_ttl_s)
+        before its final reply, still in the stream, is read."""
+        for keys in self.pool_keys.values():
+            if not self.router.healthy.get(keys.pool):
+                continue
+            if lost := await self._answer_lost(keys, self.router.admitted_in(keys.pool)):
+                log.warning("frontend %s: %d requests of pool %s had no record in Redis (a failover to a "
+                            "replica that lagged?); answered 503 request_lost", self.frontend_id, lost,
+                            keys.pool)
+
+    async def _answer_lost(self, keys: PoolKeys, ids: list[str]) -> int:
+        """Answer those of ``ids`` whose record is gone; returns how many."""
+        lost = 0
         for i in range(0, len(ids), LOST_CHECK_BATCH):
             chunk = ids[i:i + LOST_CHECK_BATCH]
             pipe = self.client.pipeline(transaction=False)
@@ -131,9 +155,11 @@ class Frontend:
                 pipe.exists(keys.request(rid))
             for rid, found in zip(chunk, await pipe.execute(), strict=True):
                 if not found:
+                    lost += 1
                     self.metrics.lost_requests.labels(keys.pool).inc()
                     self.router.deliver(rid, Reply("err", code="lost",
                                                    message="the service lost the request's state"))
+        return lost
 
     async def init_pool(self, pool: PoolConfig) -> None:
         """Write the pool's static policy; keep_rates leaves the controller's rates alone."""
@@ -142,6 +168,7 @@ class Frontend:
     async def _heartbeat_loop(self) -> None:
         loop = asyncio.get_running_loop()
         next_reap = loop.time() + self.settings.reap_s
+        next_sweep = loop.time() + LOST_SWEEP_S
         # Through an outage it keeps beating at its period (the back-off only logs: once when
         # the outage starts, once when a beat succeeds again).
         backoff = Backoff("heartbeat", first_s=self.settings.heartbeat_s, max_s=self.settings.heartbeat_s,
@@ -156,6 +183,9 @@ class Frontend:
                     await self.heartbeat.beat()
                     if self.unsent_cancels:
                         await self._send_unsent_cancels()
+                    if loop.time() >= next_sweep:
+                        next_sweep = loop.time() + LOST_SWEEP_S
+                        await self._sweep_lost_requests()
                     if self.settings.reap_s and loop.time() >= next_reap:
                         # Frontends sweep too, so requests are finished in time even while no
                         # worker or controller of a pool runs (each call is bounded).
