@@ -251,6 +251,44 @@ async def test_remove_during_a_step_drops_that_result() -> None:
     assert set(await task) == {"b"}
 
 
+@pytest.mark.asyncio
+async def test_a_cancelled_step_waits_for_its_thread_then_rolls_back() -> None:
+    """A thread cannot be stopped: a step cancelled (a drain's deadline) returned at once while
+    its forward passes ran on, writing the caches after the roll-back, beside the next step or
+    a remove(). It waits for them now (the engine busy meanwhile), then rolls back, and the
+    sequence's next step gives the token an engine never interrupted gives."""
+    import threading
+
+    from tests.support.helpers import wait_until
+
+    eng, fresh = tiny_engine(device="cpu"), tiny_engine(device="cpu")
+    prompt = [BOS_ID] + [65] * 15
+    for e in (eng, fresh):
+        e.add("a", prompt, SamplingParams())
+    started, release = threading.Event(), threading.Event()
+    compute = eng._compute
+
+    def held_compute(*args):  # the step's thread: runs until the test lets it go
+        started.set()
+        release.wait(60)
+        return compute(*args)
+
+    eng._compute = held_compute
+    plan = StepPlan(prefill=(PrefillChunk("a", 0, 16),))
+    task = asyncio.create_task(eng.step(plan))
+    await wait_until(started.is_set, "the step's thread to start")
+    task.cancel()
+    for _ in range(50):  # the cancellation is delivered; the step must still wait for its thread
+        await asyncio.sleep(0)
+    assert not task.done() and eng._busy, "the cancelled step left its thread running"
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert eng._caches["a"].length == eng._table.seqs["a"].kv_len == 0 and not eng._busy
+    eng._compute = compute
+    assert await eng.step(plan) == await fresh.step(plan)
+
+
 def test_checkpoint_round_trip_and_mismatch(tmp_path: Path) -> None:
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=160, max_seq_len=256)
     model = build_model(cfg, seed=3, device=DEVICE)

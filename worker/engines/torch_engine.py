@@ -147,6 +147,20 @@ def load_checkpoint(
     return model.eval()
 
 
+async def _wait_out(work: asyncio.Future[object]) -> None:
+    """Wait until ``work`` (a thread's future) is done, whatever cancels the caller meanwhile
+    (the caller re-raises what stopped it); its outcome is retrieved and dropped."""
+    while not work.done():
+        try:
+            await asyncio.shield(work)
+        except asyncio.CancelledError:
+            continue
+        except BaseException:  # the thread's own error: done, and the caller raises
+            break
+    if not work.cancelled():
+        work.exception()
+
+
 class TorchEngine:
     """Engine over a :class:`~worker.model.Transformer` (see the module docstring)."""
 
@@ -247,9 +261,15 @@ class TorchEngine:
         decoders = [(sid, e, caches[sid]) for sid, e in zip(plan.decode, entries, strict=True)]
         chunks = [(c, e, caches[c.request_id]) for c, e in zip(plan.prefill, chunk_entries, strict=True)]
         self._busy = True
+        work = asyncio.ensure_future(asyncio.to_thread(self._compute, decoders, chunks))
         try:
-            results = await asyncio.to_thread(self._compute, decoders, chunks)
+            results = await asyncio.shield(work)
         except BaseException:
+            # A thread cannot be stopped: a cancelled step (a drain's deadline, the loop's end)
+            # waits for its forward passes to end, at most one step's time. Cancelled at once,
+            # the thread ran on, writing caches after the roll-back below, beside the next step
+            # (the engine no longer busy) or a remove().
+            await _wait_out(work)
             for _, entry, cache in [*decoders, *chunks]:
                 cache.length = entry.kv_len  # roll back a half-done step: data past length is ignored
             raise
