@@ -187,10 +187,10 @@ def test_an_engine_whose_cache_could_not_be_made_can_take_the_id_again() -> None
     eng = tiny_engine()
     real, failures = eng.model.new_cache, [torch.OutOfMemoryError("CUDA out of memory (simulated)")]
 
-    def new_cache(capacity: int = 64, limit: int | None = None):
+    def new_cache(capacity: int = 64, limit: int | None = None, room=None):
         if failures:
             raise failures.pop()
-        return real(capacity, limit)
+        return real(capacity, limit, room)
 
     eng.model.new_cache = new_cache
     with pytest.raises(torch.OutOfMemoryError):
@@ -377,6 +377,32 @@ async def test_torch_kv_allocation_stays_within_what_the_scheduler_accounts() ->
             f"step {steps}: {allocated} slots allocated, {accounted} accounted"
         peak = max(peak, allocated)
     assert peak > 4 * (30 + 64), "no cache grew: the test proves nothing"
+
+
+@pytest.mark.asyncio
+async def test_torch_kv_allocation_stays_within_the_capacity_when_reservations_pass_it() -> None:
+    """Sequences whose prompt + max_tokens pass kv_capacity_tokens together (a look-ahead
+    request started on KV used; run_local): each cache doubled within its own limit, so four
+    of 30 + 200 tokens held 752 slots of a 400-token KV at 95 tokens each (380 used). A cache
+    now grows within the KV left, and past it by GROW_PAST_ROOM beyond its need: here the
+    slots allocated stay within the capacity plus that (and the step's token) per sequence."""
+    from worker.model import GROW_PAST_ROOM
+
+    cap = 400
+    eng = TorchEngine.from_preset("tiny", seed=0, device=DEVICE, kv_capacity_tokens=cap)
+    ids = [f"r{i}" for i in range(4)]
+    for i, rid in enumerate(ids):
+        eng.add(rid, [BOS_ID] + [40 + i] * 29, SamplingParams(max_tokens=200))
+    await eng.step(StepPlan(prefill=tuple(PrefillChunk(rid, 0, 30) for rid in ids)))
+    steps = 0
+    while sum(eng._table.seqs[rid].kv_len for rid in ids) + len(ids) <= cap:
+        await eng.step(StepPlan(decode=tuple(ids)))
+        steps += 1
+        allocated = _kv_allocated(eng)
+        held = sum(eng._table.seqs[rid].kv_len for rid in ids)
+        bound = cap + len(ids) * (GROW_PAST_ROOM + 1)
+        assert allocated <= bound, f"step {steps}: {allocated} slots allocated for {held} tokens held"
+    assert steps > 64, "no cache had to grow: the test proves nothing"
 
 
 @pytest.mark.asyncio

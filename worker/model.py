@@ -26,7 +26,7 @@ top-left aligned. Grouped-query attention uses SDPA's ``enable_gqa`` (torch >= 2
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -108,6 +108,9 @@ def preset(name: str, **overrides: object) -> ModelConfig:
     return replace(PRESETS[name], **overrides)  # type: ignore[arg-type]
 
 
+GROW_PAST_ROOM = 16  # tokens a cache grows beyond its need once its owner's KV has no room left
+
+
 class KVCache:
     """Keys and values of one sequence, all layers, growing as tokens are appended.
 
@@ -119,6 +122,14 @@ class KVCache:
     doubled past what its sequence could use: the torch engine's caches held up to 1.65x the
     KV tokens the worker accounts (a review). A sequence that outgrows ``limit`` anyway
     (a caller past the max_tokens it gave) grows on by doubling, up to ``max_seq_len``.
+    ``room`` (when given) says how many more token slots its owner's KV may allocate now: a
+    doubling is cut to it, and past it a cache grows by GROW_PAST_ROOM tokens beyond its
+    need (one copy per that many tokens, not one a step). Without it, caches whose prompt +
+    max_tokens passed the engine's capacity together (a look-ahead request started on KV
+    used) doubled to up to 2x the KV they used, past ``kv_capacity_tokens``. Now a cache
+    takes slack only from the room left, and past it holds at most GROW_PAST_ROOM slots
+    beyond its tokens; what caches took while there was room stays theirs (a cache never
+    shrinks), so the bound is that slack plus the tokens held.
     """
 
     def __init__(
@@ -129,9 +140,11 @@ class KVCache:
         dtype: torch.dtype,
         capacity: int = 64,
         limit: int | None = None,
+        room: Callable[[], int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.length = 0
+        self.room = room
         self.limit = cfg.max_seq_len if limit is None else max(1, min(limit, cfg.max_seq_len))
         cap = max(1, min(capacity, self.limit))
         shape = (cfg.n_layer, cfg.kv_heads, cap, cfg.head_dim)
@@ -153,6 +166,8 @@ class KVCache:
             return
         most = self.limit if need <= self.limit else self.cfg.max_seq_len
         cap = min(most, max(need, 2 * self.capacity))
+        if self.room is not None:
+            cap = max(min(cap, self.capacity + self.room()), min(most, need + GROW_PAST_ROOM))
         # Keys, then values: each old buffer is dropped once copied, so growing holds one
         # buffer (half the cache) twice at most, not the old and the new cache whole.
         for name in ("k", "v"):
@@ -283,10 +298,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
 
-    def new_cache(self, capacity: int = 64, limit: int | None = None) -> KVCache:
-        """An empty cache on this model's device and dtype (``limit``: :class:`KVCache`)."""
+    def new_cache(self, capacity: int = 64, limit: int | None = None,
+                  room: Callable[[], int] | None = None) -> KVCache:
+        """An empty cache on this model's device and dtype (``limit``, ``room``: :class:`KVCache`)."""
         p = self.embed.weight
-        return KVCache(self.cfg, device=p.device, dtype=p.dtype, capacity=capacity, limit=limit)
+        return KVCache(self.cfg, device=p.device, dtype=p.dtype, capacity=capacity, limit=limit, room=room)
 
     def prefill(self, token_ids: Tensor, cache: KVCache) -> Tensor:
         """Append ``token_ids`` (T,) to ``cache`` at offset ``cache.length``; return (T, vocab) logits.

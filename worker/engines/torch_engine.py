@@ -241,13 +241,20 @@ class TorchEngine:
         # what the claim reserves and the scheduler accounts; never more than the KV capacity.
         limit = min(entry.prompt_len + params.max_tokens - 1, self.kv_capacity_tokens)
         try:
-            # Room for the prompt and a first stretch of output; the cache doubles beyond that,
-            # up to the limit.
-            self._caches[seq_id] = self.model.new_cache(capacity=entry.prompt_len + 64, limit=limit)
+            # Room for the prompt and a first stretch of output (within the KV left); the cache
+            # doubles beyond that, up to the limit and within the KV left (_kv_room).
+            first = entry.prompt_len + max(0, min(64, self._kv_room() - entry.prompt_len))
+            self._caches[seq_id] = self.model.new_cache(capacity=first, limit=limit, room=self._kv_room)
         except BaseException:
             # (a CUDA OOM): not in the table either, or the id could never be added again
             self._table.remove(seq_id)
             raise
+
+    def _kv_room(self) -> int:
+        """Token slots the caches may still allocate within ``kv_capacity_tokens`` (negative
+        once sequences hold more than it). Called from the step's thread as a cache grows:
+        list() copies the caches in one step under the GIL, beside an add() or remove()."""
+        return self.kv_capacity_tokens - sum(c.capacity for c in list(self._caches.values()))
 
     def remove(self, seq_id: str) -> None:
         self._table.remove(seq_id)
