@@ -244,6 +244,21 @@ async def test_the_sweep_leaves_a_pool_whose_replies_cannot_be_read(client, sync
         fe.router.unregister("gone")
 
 
+async def test_the_sweep_leaves_a_request_whose_final_reply_came(client) -> None:
+    """A finished request's record expires record_ttl_s after its end, maybe while its handler
+    still writes the answer to a slow client: once its final reply came, it is no request
+    the sweep looks for (it counted it lost, and logged so)."""
+    fe = fe_of(client)
+    q = fe.router.register("done-slowly")  # admitted, finished, its record expired since
+    fe.router.admitted("done-slowly", POOL.pool)
+    try:
+        fe.router.dispatch(POOL.pool, {b"k": b"done", b"id": b"done-slowly", b"fin": b"stop"})
+        await fe._sweep_lost_requests()
+        assert q.get_nowait().kind == "done" and q.empty()
+    finally:
+        fe.router.unregister("done-slowly")
+
+
 def _only_record(sync_redis) -> dict[bytes, bytes]:
     """The record of the one request this test sent."""
     keys = sync_redis.keys(POOL.request_prefix + "*")

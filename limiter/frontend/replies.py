@@ -202,6 +202,10 @@ class ReplyRouter:
                 self.metrics.reply_entries.labels(pool, "orphan").inc()
                 continue
             self.metrics.reply_entries.labels(pool, reply.kind).inc()
+            if reply.kind in ("done", "err"):
+                # Its final state came: no longer one whose record must exist (the record
+                # expires record_ttl_s after it, maybe while a slow client reads the answer).
+                self._admitted.pop(rid, None)
             q.put_nowait(reply)
 
     async def run(self, keys: PoolKeys) -> None:
