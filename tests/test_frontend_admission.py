@@ -426,10 +426,12 @@ async def test_a_cancel_an_outage_refused_is_sent_once_redis_answers() -> None:
                 server.kill()
                 task.cancel()  # the client closes its connection
                 await wait_until(lambda: fe.unsent_cancels, "the refused cancel kept to send again")
+                assert fe.metrics.unsent_cancels._value.get() == 1
                 server.start()
                 await wait_until(lambda: sync.hget(POOL.stats, "P1.cancelled") == b"1",
                                  "the kept cancel to reach the restarted Redis")
                 await wait_until(lambda: not fe.unsent_cancels, "the sent cancel no longer kept")
+                assert fe.metrics.unsent_cancels._value.get() == 0
                 assert int(sync.hget(POOL.queued, "P1") or 0) == 0 and sync.hlen(POOL.tenant_inflight) == 0
     finally:
         server.stop()

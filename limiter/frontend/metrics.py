@@ -68,6 +68,11 @@ class FrontendMetrics:
             "Admitted requests whose record Redis no longer held (it lost data), answered 503", ["pool"],
             registry=r)
 
+        self.unsent_cancels = Gauge(
+            "qos_frontend_unsent_cancels",
+            "Cancels of requests whose client left that Redis refused (an outage), kept to send again",
+            registry=r)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

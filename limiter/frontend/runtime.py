@@ -333,26 +333,30 @@ class Frontend:
         log.warning("cancel %s (%s) failed: %s; sent again once Redis answers", request_id, reason, exc)
         give_up_at = time.monotonic() + self.settings.request_timeout_s
         self.unsent_cancels[request_id] = (keys, tenant, reason, give_up_at)
+        self.metrics.unsent_cancels.set(len(self.unsent_cancels))
 
     async def _send_unsent_cancels(self) -> None:
         """Send the kept cancels (at most UNSENT_CANCELS_PER_BEAT, oldest first); an outage
         met on the way keeps the rest (and the one it met) for the next beat."""
         now = time.monotonic()
-        for request_id in list(self.unsent_cancels)[:UNSENT_CANCELS_PER_BEAT]:
-            keys, tenant, reason, give_up_at = self.unsent_cancels[request_id]
-            if now >= give_up_at:
+        try:
+            for request_id in list(self.unsent_cancels)[:UNSENT_CANCELS_PER_BEAT]:
+                keys, tenant, reason, give_up_at = self.unsent_cancels[request_id]
+                if now >= give_up_at:
+                    del self.unsent_cancels[request_id]
+                    log.warning("cancel %s (%s) given up: Redis refused it for %g s", request_id, reason,
+                                self.settings.request_timeout_s)
+                    continue
+                try:
+                    state = await self.scripts.cancel(keys, request_id, tenant, reason)
+                except REDIS_ERRORS:
+                    raise  # (the heartbeat loop counts the outage)
+                except Exception as exc:
+                    state = f"refused ({exc})"
                 del self.unsent_cancels[request_id]
-                log.warning("cancel %s (%s) given up: Redis refused it for %g s", request_id, reason,
-                            self.settings.request_timeout_s)
-                continue
-            try:
-                state = await self.scripts.cancel(keys, request_id, tenant, reason)
-            except REDIS_ERRORS:
-                raise  # (the heartbeat loop counts the outage)
-            except Exception as exc:
-                state = f"refused ({exc})"
-            del self.unsent_cancels[request_id]
-            log.info("cancel %s (%s), sent again after an outage: %s", request_id, reason, state)
+                log.info("cancel %s (%s), sent again after an outage: %s", request_id, reason, state)
+        finally:
+            self.metrics.unsent_cancels.set(len(self.unsent_cancels))
 
     def record_rejection(self, keys: PoolKeys, cls: str, tenant: str, request_id: str, input_tokens: int,
                          waited_ms: float, ttft_at_least_ms: float | None = None) -> None:
