@@ -283,15 +283,15 @@ async def test_a_throttled_tenant_is_refused_before_the_model_server_counts_its_
             poor = next(t for t in cfg.tenants if t.name == "poor")
             draft = parse_request("completion", ask(50), cfg)
             with pytest.raises(Throttled):
-                await fe.refuse_if_quota_spent(draft, poor, fe.classes["P1"])
-            await fe.refuse_if_quota_spent(draft, poor, dataclasses.replace(fe.classes["P1"],
+                await fe.quota.refuse_if_spent(draft, poor, fe.classes["P1"])
+            await fe.quota.refuse_if_spent(draft, poor, dataclasses.replace(fe.classes["P1"],
                                                                            admission_wait_ms=3_600_000))
             # one whose output might fit is counted, and admitted
             queued.append(asyncio.create_task(
                 client.post("/v1/completions", headers=auth("key-poor"), json=ask(1))))
             await wait_until(lambda: int(sync_redis.hget(POOL.queued, "P1") or 0) == 2,
                              "the small request admitted")
-            assert len(upstream.tokenized) == 3 and not fe.quota_hints  # admitted: no check now
+            assert len(upstream.tokenized) == 3 and not fe.quota.until  # admitted: no check now
         finally:
             for task in queued:
                 task.cancel()
@@ -306,7 +306,7 @@ def test_the_least_cost_before_counting_is_the_least_of_every_prompt_length(weig
     at one end only refused, for a pricey output, requests a long prompt leaves little of)."""
     from limiter.config import ClassConfig
     from limiter.frontend.openai_api import Draft
-    from limiter.frontend.runtime import least_cost
+    from limiter.frontend.quota_check import least_cost
 
     cfg = make_cfg("redis://127.0.0.1:1/0", pool={"context_tokens": 64, "default_max_tokens": 16})
     cls = ClassConfig(name="P1", share=0.5, weight=weights[0], out_weight=weights[1])

@@ -145,7 +145,7 @@ def _generation_handler(kind: str) -> Handler:
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
         draft = oa.parse_request(kind, body, fe.cfg)
-        await fe.refuse_if_quota_spent(draft, tenant, fe.classes[cls])
+        await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
         req = oa.finish_request(draft, await fe.count_prompt(draft))
         return await Generation(fe, request, tenant, cls, req, max_wait, received).run()
 

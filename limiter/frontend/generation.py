@@ -159,7 +159,7 @@ class Generation:
                     fe.record_rejection(self.keys, self.cls, self.tenant.name, self.request_id,
                                         self.req.prompt_tokens, waited_ms)
                 else:
-                    fe.quota_refused(self.req.pool.name, self.tenant.name)
+                    fe.quota.refused(self.req.pool.name, self.tenant.name)
                 raise
             except Overloaded as exc:
                 # The class cannot start it within its max wait: an SLO miss the controller must
@@ -180,7 +180,7 @@ class Generation:
         now = time.monotonic()
         self.admitted_at = now
         fe.router.admitted(self.request_id, self.req.pool.name)
-        fe.quota_admitted(self.req.pool.name, self.tenant.name)
+        fe.quota.admitted(self.req.pool.name, self.tenant.name)
         fe.metrics.admission.labels(*self.labels).observe(now - started)
         if adm.deadline_ms:
             remaining_s = (adm.deadline_ms - fe.heartbeat.redis_now_ms()) / 1000

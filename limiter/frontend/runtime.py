@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 import uuid
 from typing import Any
@@ -20,12 +19,13 @@ from aiohttp import web
 
 from limiter import token_count
 from limiter.backoff import Backoff
-from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
-from limiter.errors import ConfigError, Throttled
+from limiter.config import PoolConfig, QosConfig
+from limiter.errors import ConfigError
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import KeyRing
 from limiter.frontend.errors import ApiError
 from limiter.frontend.metrics import FrontendMetrics
+from limiter.frontend.quota_check import QuotaCheck
 from limiter.frontend.replies import REPLY_BLOCK_MS, Heartbeat, Reply, ReplyRouter, drain_estimate_s
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import SAMPLES_MAXLEN, PoolKeys
@@ -46,10 +46,6 @@ LOST_SWEEP_S = 10.0
 # and sent at most this many per heartbeat (each one call of a bounded script).
 UNSENT_CANCELS_MAX = 10_000
 UNSENT_CANCELS_PER_BEAT = 256
-# A tenant refused for its quota (in a pool whose prompts the model server counts) is checked
-# against its bucket before its next prompts are counted, for this long after each refusal.
-QUOTA_HINT_S = 60.0
-QUOTA_HINTS_MAX = 10_000
 
 
 class Frontend:
@@ -69,8 +65,8 @@ class Frontend:
                                                          p.model_name, timeout_s=settings.tokenize_timeout_s)
                          for p in cfg.pools}
         # the pools whose prompts the model server counts (a /tokenize call per request)
-        self.upstream_counted = {name for name, c in self.counters.items()
-                                 if isinstance(c, token_count.UpstreamCounter)}
+        upstream_counted = {name for name, c in self.counters.items()
+                            if isinstance(c, token_count.UpstreamCounter)}
         # Nothing connects until the first command, so the clients exist for the runtime's
         # whole life (start() only starts the loops that use them).
         self.client: Any = open_redis(cfg.redis, max_connections=settings.redis_max_connections,
@@ -86,6 +82,7 @@ class Frontend:
                                    outage_grace_ms={p.name: 2 * p.frontend_ttl_ms for p in cfg.pools},
                                    prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in cfg.pools},
                                    on_entry_lost=self._find_lost_requests)
+        self.quota = QuotaCheck(self.client, self.pool_keys, upstream_counted, self.heartbeat.redis_now_ms)
         self.bootstrapped = False
         # A configuration error its start met once Redis answered (a Redis Cluster node named
         # without redis.cluster): /readyz gives it as the reason (it names no address)
@@ -97,8 +94,6 @@ class Frontend:
         self._background: set[asyncio.Task[Any]] = set()
         # request id -> (its pool's keys, tenant, reason, when to give up: time.monotonic())
         self.unsent_cancels: dict[str, tuple[PoolKeys, str, str, float]] = {}
-        # (pool, tenant) -> until when (time.monotonic()) its quota is checked before counting
-        self.quota_hints: dict[tuple[str, str], float] = {}
         self._stop = asyncio.Event()
         self._end_streams: asyncio.Task[None] | None = None
         # Ready while one more missed beat would still leave us inside the shortest TTL after
@@ -269,53 +264,6 @@ class Frontend:
         self._end_streams = asyncio.create_task(end_streams())
 
     # --- helpers used by the request path ----------------------------------------------------
-    def quota_refused(self, pool: str, tenant: str) -> None:
-        """Admission refused ``tenant`` for its quota in ``pool``: check its bucket before
-        counting its next prompts (:meth:`refuse_if_quota_spent`) for QUOTA_HINT_S."""
-        if pool not in self.upstream_counted:
-            return
-        now = time.monotonic()
-        if len(self.quota_hints) >= QUOTA_HINTS_MAX and (pool, tenant) not in self.quota_hints:
-            self.quota_hints = {k: t for k, t in self.quota_hints.items() if t > now}  # the lapsed go
-            if len(self.quota_hints) >= QUOTA_HINTS_MAX:
-                return  # (bounded: a frontend's memory is not the tenants' to grow)
-        self.quota_hints[(pool, tenant)] = now + QUOTA_HINT_S
-
-    def quota_admitted(self, pool: str, tenant: str) -> None:
-        self.quota_hints.pop((pool, tenant), None)
-
-    async def refuse_if_quota_spent(self, draft: oa.Draft, tenant: TenantConfig, cls: ClassConfig) -> None:
-        """A 429 (:class:`Throttled`, the tenant's bucket) before the model server counts the
-        prompt, for a tenant refused for its quota lately, when its bucket cannot hold even the
-        least this request can cost (:func:`least_cost`, over every prompt length) within the
-        class's admission wait. Without it a throttled tenant cost the model server a
-        ``/tokenize`` per request, however many it sent. One HMGET, for such tenants only; the
-        bucket's level as its last writer left it plus the refill since at the tenant's rate,
-        as admit computes. A Redis that does not answer leaves the decision to admit."""
-        key = (draft.pool.name, tenant.name)
-        until = self.quota_hints.get(key)
-        if until is None:
-            return
-        if time.monotonic() >= until:
-            del self.quota_hints[key]
-            return
-        keys = self.pool_keys[draft.pool.name]
-        try:
-            tokens, ts = await self.client.hmget(keys.tenant_bucket(tenant.name), ["tokens", "ts"])
-        except REDIS_ERRORS:
-            return
-        if tokens is None or ts is None:
-            return  # a bucket not written yet is full
-        rate, burst = tenant.rate_tokens_s, tenant.rate_tokens_s * tenant.burst_s
-        level = min(float(tokens) + rate * max(self.heartbeat.redis_now_ms() - float(ts), 0.0) / 1000, burst)
-        need = min(least_cost(draft, cls), burst)  # admit asks min(cost, burst) of the bucket
-        if level >= need or rate <= 0:
-            return
-        wait_ms = math.ceil((need - level) / rate * 1000)
-        if wait_ms <= cls.admission_wait_ms:
-            return  # admission would wait for it: counted as usual
-        raise Throttled("tenant", wait_ms)
-
     async def count_prompt(self, draft: oa.Draft) -> int:
         """The prompt's tokens in its pool's tokenizer; 503 when the model server must count
         them and cannot, 400 when it refuses this prompt (nothing is admitted or charged)."""
@@ -439,22 +387,6 @@ class Frontend:
     def drain_estimate_s(self, pool: str, cls: str, depth: int) -> int:
         rate = self.heartbeat.service_rate(pool, cls)
         return drain_estimate_s(depth, rate, self.classes[cls].max_wait_ms / 1000)
-
-
-def least_cost(draft: oa.Draft, cls: ClassConfig) -> float:
-    """The least weighted cost ``draft`` can have once its prompt is counted (a prompt of p
-    tokens, 0 <= p < the context; max_tokens as given, else its default within the room
-    left): rising in p up to the bend where the default stops filling the room, linear past
-    it, so its least is at one end."""
-    pool = draft.pool
-    last = max(pool.context_tokens - 1, 0)
-
-    def cost(p: int) -> float:
-        room = pool.context_tokens - p
-        out = draft.max_tokens if draft.max_tokens is not None else min(pool.default_max_tokens, room)
-        return p * cls.weight + out * cls.out_weight
-
-    return min(cost(0), cost(last))
 
 
 FRONTEND = web.AppKey("frontend", Frontend)
