@@ -240,6 +240,8 @@ async def test_the_sweep_leaves_a_pool_whose_replies_cannot_be_read(client, sync
         fe.router.healthy[POOL.pool] = True
         await fe._sweep_lost_requests()
         assert q.get_nowait().code == "lost"
+        await fe._sweep_lost_requests()  # answered once: not again at the next sweep
+        assert q.empty()
     finally:
         fe.router.unregister("gone")
 

@@ -179,7 +179,14 @@ class ReplyRouter:
     def deliver(self, request_id: str, reply: Reply) -> None:
         """Hand a reply made here (not read from the stream) to a waiting request."""
         if (q := self._queues.get(request_id)) is not None:
+            self._settle(request_id, reply)
             q.put_nowait(reply)
+
+    def _settle(self, request_id: str, reply: Reply) -> None:
+        if reply.kind in ("done", "err"):
+            # Its final state came: no longer one whose record must exist (the record
+            # expires record_ttl_s after it, maybe while a slow client reads the answer).
+            self._admitted.pop(request_id, None)
 
     def broadcast(self, reply: Reply) -> None:
         """Deliver a local notice (e.g. kind ``shutdown``) to every waiting request."""
@@ -202,10 +209,7 @@ class ReplyRouter:
                 self.metrics.reply_entries.labels(pool, "orphan").inc()
                 continue
             self.metrics.reply_entries.labels(pool, reply.kind).inc()
-            if reply.kind in ("done", "err"):
-                # Its final state came: no longer one whose record must exist (the record
-                # expires record_ttl_s after it, maybe while a slow client reads the answer).
-                self._admitted.pop(rid, None)
+            self._settle(rid, reply)
             q.put_nowait(reply)
 
     async def run(self, keys: PoolKeys) -> None:
