@@ -261,6 +261,27 @@ async def test_the_sweep_leaves_a_request_whose_final_reply_came(client) -> None
         fe.router.unregister("done-slowly")
 
 
+async def test_a_request_answered_lost_is_answered_and_counted_once(client) -> None:
+    """A request answered lost (the heartbeat found its entry gone, or a sweep) is no longer
+    one to look for: its handler may not have read the answer yet (a check and a sweep in the
+    same beat, a stream writing to a slow client), and the next look counted it lost again,
+    logged it again and queued another answer, every 10 s until its handler ended."""
+    fe = fe_of(client)
+    q = fe.router.register("lost-once")  # admitted, and no record in Redis
+    fe.router.admitted("lost-once", POOL.pool)
+    lost = fe.metrics.lost_requests.labels(POOL.pool)
+    before = lost._value.get()
+    try:
+        await wait_until(lambda: fe.router.healthy[POOL.pool], "the pool's replies read")
+        await fe._find_lost_requests(POOL)  # the heartbeat found its own entry gone
+        await fe._sweep_lost_requests()  # then a sweep, before the handler read its answer
+        await fe._sweep_lost_requests()
+        assert q.get_nowait().code == "lost" and q.empty()
+        assert lost._value.get() == before + 1
+    finally:
+        fe.router.unregister("lost-once")
+
+
 def _only_record(sync_redis) -> dict[bytes, bytes]:
     """The record of the one request this test sent."""
     keys = sync_redis.keys(POOL.request_prefix + "*")

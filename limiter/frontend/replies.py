@@ -176,6 +176,16 @@ class ReplyRouter:
     def admitted_in(self, pool: str) -> list[str]:
         return [rid for rid, p in self._admitted.items() if p == pool]
 
+    def answer_lost(self, request_id: str, reply: Reply) -> bool:
+        """Hand ``reply`` (its record is gone) to an admitted request, which is then no longer
+        admitted: its handler may read it late (a stream writing to a slow client), and every
+        later look for lost records counted, logged and answered it again. False (nothing
+        handed) when it is admitted no more (answered already, or ended)."""
+        if self._admitted.pop(request_id, None) is None:
+            return False
+        self.deliver(request_id, reply)
+        return True
+
     def deliver(self, request_id: str, reply: Reply) -> None:
         """Hand a reply made here (not read from the stream) to a waiting request."""
         if (q := self._queues.get(request_id)) is not None:

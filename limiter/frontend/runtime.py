@@ -159,11 +159,11 @@ class Frontend:
             for rid in chunk:
                 pipe.exists(keys.request(rid))
             for rid, found in zip(chunk, await pipe.execute(), strict=True):
-                if not found:
+                # (once: ids listed before the EXISTS may have been answered since)
+                if not found and self.router.answer_lost(rid, Reply(
+                        "err", code="lost", message="the service lost the request's state")):
                     lost += 1
                     self.metrics.lost_requests.labels(keys.pool).inc()
-                    self.router.deliver(rid, Reply("err", code="lost",
-                                                   message="the service lost the request's state"))
         return lost
 
     async def init_pool(self, pool: PoolConfig) -> None:
