@@ -261,6 +261,21 @@ async def test_the_sweep_leaves_a_request_whose_final_reply_came(client) -> None
         fe.router.unregister("done-slowly")
 
 
+async def test_the_sweep_leaves_a_request_whose_final_reply_came_before_its_admit_returned(client) -> None:
+    """A fast worker's final reply may be read before the admit's answer (register comes
+    first for that): the request it ended is then no request the sweep looks for either."""
+    fe = fe_of(client)
+    q = fe.router.register("done-early")
+    try:
+        fe.router.dispatch(POOL.pool, {b"k": b"done", b"id": b"done-early", b"fin": b"stop"})
+        fe.router.admitted("done-early", POOL.pool)  # admit returns; its record expired since
+        await wait_until(lambda: fe.router.healthy[POOL.pool], "the pool's replies read")
+        await fe._sweep_lost_requests()
+        assert q.get_nowait().kind == "done" and q.empty()
+    finally:
+        fe.router.unregister("done-early")
+
+
 async def test_a_request_answered_lost_is_answered_and_counted_once(client) -> None:
     """A request answered lost (the heartbeat found its entry gone, or a sweep) is no longer
     one to look for: its handler may not have read the answer yet (a check and a sweep in the

@@ -137,6 +137,8 @@ class ReplyRouter:
         self.block_ms = block_ms
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
         self._admitted: dict[str, str] = {}  # request id -> pool, once admit returned
+        # registered requests whose final reply came (maybe before their admit returned)
+        self._ended: set[str] = set()
         # Last entry id handed out per pool; the heartbeat trims the stream up to it.
         self.last_ids: dict[str, str] = {k.pool: "0-0" for k in self.pools}
         self.healthy = {k.pool: False for k in self.pools}
@@ -167,10 +169,12 @@ class ReplyRouter:
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
         self._admitted.pop(request_id, None)
+        self._ended.discard(request_id)
 
     def admitted(self, request_id: str, pool: str) -> None:
-        """Its record is in Redis from now on (what :meth:`admitted_in` lists)."""
-        if request_id in self._queues:
+        """Its record is in Redis from now on (what :meth:`admitted_in` lists), unless its
+        final reply came already: a fast worker's can be read before admit's answer."""
+        if request_id in self._queues and request_id not in self._ended:
             self._admitted[request_id] = pool
 
     def admitted_in(self, pool: str) -> list[str]:
@@ -195,8 +199,10 @@ class ReplyRouter:
     def _settle(self, request_id: str, reply: Reply) -> None:
         if reply.kind in ("done", "err"):
             # Its final state came: no longer one whose record must exist (the record
-            # expires record_ttl_s after it, maybe while a slow client reads the answer).
+            # expires record_ttl_s after it, maybe while a slow client reads the answer),
+            # nor one to admit later (a fast worker's can come before admit's answer).
             self._admitted.pop(request_id, None)
+            self._ended.add(request_id)
 
     def broadcast(self, reply: Reply) -> None:
         """Deliver a local notice (e.g. kind ``shutdown``) to every waiting request."""
