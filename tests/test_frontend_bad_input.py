@@ -301,7 +301,15 @@ async def _first_answer_line(port: int, head: bytes, body_after_continue: bytes 
         writer.write(head)
         await writer.drain()
         lines = [await asyncio.wait_for(reader.readline(), 10)]  # deadline: the server's first answer
-        if lines[0].startswith(b"HTTP/1.1 100 ") and body_after_continue is not None:
+        if not lines[0].startswith(b"HTTP/1.1 100 "):
+            # a refusal says the connection closes after it: the client's body, if it sends
+            # one anyway, is never read as the start of a next request
+            head = []
+            while (line := await asyncio.wait_for(reader.readline(), 10)) not in (b"\r\n", b""):
+                head.append(line.strip().lower())
+            assert b"connection: close" in head, head
+            return lines
+        if body_after_continue is not None:
             assert await asyncio.wait_for(reader.readline(), 10) == b"\r\n"
             writer.write(body_after_continue)
             await writer.drain()

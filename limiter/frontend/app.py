@@ -52,6 +52,10 @@ from limiter.scripts import SCRIPT_NAMES, script_source
 log = logging.getLogger("qos.frontend")
 
 MAX_WAIT_HEADER = "X-QoS-Max-Wait-Ms"
+# Set when an `Expect: 100-continue` was not answered with 100: the client may or may not
+# send its body after the final answer, so the connection is closed after it (as nginx and
+# Go do) rather than the body's bytes read as the next request's start.
+BODY_NOT_ASKED = web.RequestKey("qos_body_not_asked", bool)
 
 
 # --- handlers -------------------------------------------------------------------------------
@@ -78,23 +82,28 @@ def _check_headers(fe: Frontend, request: web.Request,
     return tenant, cls, max_wait
 
 
-async def _continue_if_acceptable(request: web.Request) -> None:
+async def _continue_if_acceptable(request: web.Request) -> web.Response | None:
     """The generation routes' answer to ``Expect: 100-continue``: the ``100 Continue`` goes
     out only when the headers pass :func:`_check_headers`; else nothing is sent here, and the
     handler answers the same error before it reads the body (aiohttp's default sent the 100
     at once: a client with a bad key, or a body over the limit, uploaded all of it to be
-    told 401 or 400). Any other expectation is a 417, as aiohttp's default made it."""
+    told 401 or 400), with ``Connection: close`` (BODY_NOT_ASKED). Any other expectation is
+    a 417, as aiohttp's default made it."""
     expect = request.headers.get(hdrs.EXPECT, "")
     if request.version != HttpVersion11:
-        return
+        return None
     if expect.lower() != "100-continue":
-        raise web.HTTPExpectationFailed(text="Unknown Expect header: only 100-continue is supported")
+        refused = web.Response(status=417, text="Unknown Expect header: only 100-continue is supported")
+        refused.force_close()
+        return refused
     try:
         _check_headers(_frontend(request), request, RequestLabels())
     except ApiError:
-        return
+        request[BODY_NOT_ASKED] = True
+        return None
     await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     request.writer.output_size = 0  # (aiohttp's own handler does so: the answer's size starts here)
+    return None
 
 
 async def _read_body(request: web.Request, limit: int, timeout_s: float) -> bytes:
@@ -293,6 +302,8 @@ def _bounded_writes(timeout_s: float) -> Any:
         resp = await handler(request)
         if resp.prepared:
             return resp
+        if request.get(BODY_NOT_ASKED):
+            resp.force_close()
         try:
             async with asyncio.timeout(timeout_s):
                 await resp.prepare(request)
