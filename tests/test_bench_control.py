@@ -107,3 +107,24 @@ async def test_the_four_scenarios_meet_their_goals(tmp_path) -> None:
     results = await cb.run_control(cb.ControlParams(out_dir=str(tmp_path)))
     for name, sc in results["scenarios"].items():
         assert sc["figures"]["met"], (name, sc["figures"])
+
+
+def test_scenario_figures_leave_out_the_drain_after_the_load() -> None:
+    """The load ends at duration_s; the timeline and the decisions go on through the drain (up
+    to drain_s more), where the load is gone. A figure of the scenario is of its load window:
+    a change per minute is counted over the minutes it is divided by, P2's final ceiling is
+    where the flood left it, and a cut to P1 after the surge ended is not the surge's."""
+    s = cb.Scenario("steady", 120, (cb.Phase(0, {}),), settle_s=45)
+    drained = [_row(t, 20_000, p0_rate=100.0 if t < 120 else 150.0) for t in range(140)]
+    after_load = [{"now_ms": 1000.0 * t, "classes": {}} for t in (121, 125, 130)]
+    f = cb.steady_figures(s, drained, after_load, 0.0)
+    assert (f["changes_after_settle"], f["p0_rate_max_dev"], f["met"]) == (0, 0.0, True), f
+    flood = cb.scenarios()["p2_flood"]
+    # the ceiling settles at 50 under the flood, and opens to 200 once the flood is over
+    ceil = [_row(t, 20_000, p2_ceil=50.0 if t < flood.duration_s else 200.0) for t in range(120)]
+    bins = {"P0": [1.0] * 21}
+    g = cb.flood_figures(flood, ceil, bins)
+    assert g["p2_ceiling_overshoot"] == 0.0 and g["met"], g
+    surge = cb.scenarios()["p1_surge"]
+    late_cut = [{"now_ms": 1000.0 * (surge.duration_s + 5), "classes": {"P1": {"reason": "tighten_self"}}}]
+    assert cb.surge_figures(surge, late_cut, 0.0) == {"p1_cuts": 0, "met": True}

@@ -180,9 +180,12 @@ def _median(xs: Sequence[float]) -> float | None:
 
 def steady_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions: Sequence[Mapping[str, Any]],
                    t_load_ms: float) -> dict[str, Any]:
-    after = [d for d in decisions if (d["now_ms"] - t_load_ms) / 1000 >= s.settle_s]
+    # over [settle_s, duration_s): the drain after the load is no steady state, and the
+    # changes are per minute of that window
+    after = [d for d in decisions if s.settle_s <= (d["now_ms"] - t_load_ms) / 1000 < s.duration_s]
     minutes = max(1e-9, (s.duration_s - s.settle_s) / 60)
-    rates = [row["rates"]["P0"] for row in timeline if row["t_s"] >= s.settle_s and row["rates"]["P0"]]
+    rates = [row["rates"]["P0"] for row in timeline
+             if s.settle_s <= row["t_s"] < s.duration_s and row["rates"]["P0"]]
     mid = _median(rates)
     swing = max(abs(r / mid - 1) for r in rates) if rates and mid else None
     return {"changes_after_settle": len(after), "changes_per_min": round(len(after) / minutes, 2),
@@ -207,7 +210,10 @@ def recovery_s(bins: Sequence[float | None], step_s: float, goal: float = 0.99) 
 def flood_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], bins: Mapping[str, Sequence]) -> dict:
     assert s.step_s is not None
     rec = recovery_s(bins["P0"][:-1], s.step_s)  # the last bin is partly drain: left out
-    ceil = [row["ceilings"]["P2"] for row in timeline if row["t_s"] >= s.step_s and row["ceilings"]["P2"]]
+    # under the flood, [step_s, duration_s): its final value is where the flood left it, not
+    # where the drain after it (no flood) moved it
+    ceil = [row["ceilings"]["P2"] for row in timeline
+            if s.step_s <= row["t_s"] < s.duration_s and row["ceilings"]["P2"]]
     final = _median(ceil[-10:]) if ceil else None
     overshoot = max(0.0, max(final - c for c in ceil) / final) if ceil and final else None
     return {"p0_recovery_s": rec, "p2_ceiling_overshoot": None if overshoot is None else round(overshoot, 4),
@@ -248,7 +254,7 @@ def surge_figures(s: Scenario, decisions: Sequence[Mapping[str, Any]], t_load_ms
         reason = str(d["classes"].get("P1", {}).get("reason", ""))
         return reason == "tighten_self" or reason.startswith("tighten_lower_for_")
 
-    cuts = [d for d in decisions if (d["now_ms"] - t_load_ms) / 1000 >= 0 and cuts_p1(d)]
+    cuts = [d for d in decisions if 0 <= (d["now_ms"] - t_load_ms) / 1000 < s.duration_s and cuts_p1(d)]
     return {"p1_cuts": len(cuts), "met": not cuts}
 
 
