@@ -456,3 +456,32 @@ def test_the_overhead_table_shows_the_failed_requests_its_latencies_leave_out() 
     console.print(render(report))
     row = next(line for line in console.export_text().splitlines() if "errors / sent" in line)
     assert "0/100, 0/100" in row and "0/100, 7/100" in row
+
+
+async def test_a_closed_loop_throughput_counts_only_what_was_answered_inside_its_seconds(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each closed-loop client sends until ``seconds`` are up and then waits for its last
+    request: those answers come after the phase, so they are not part of its rate (they made
+    requests_s too high by up to ``concurrency`` requests over ``seconds``). Here every answer
+    takes 0.3 s: two clients answer 3 each in the first second and a 4th each at 1.2 s."""
+    import contextlib
+    import time
+
+    from limiter.bench import overhead as ov
+
+    async def answer(_session: Any, _url: str, _key: str, _model: str, _prompt: str, _n: int, cls: str,
+                     **_kw: Any) -> Result:
+        sent = time.monotonic()
+        await asyncio.sleep(0.3)
+        return Result(cls=cls, sent_s=sent, status=200, output_tokens=16, ttft_ms=1.0,
+                      e2e_ms=(time.monotonic() - sent) * 1000)
+
+    @contextlib.asynccontextmanager
+    async def no_server(*_a: Any, **_kw: Any) -> Any:
+        yield "http://127.0.0.1:9", 0
+
+    monkeypatch.setattr(ov, "stream_completion", answer)
+    monkeypatch.setattr(ov, "echo_server", no_server)
+    thr = (await ov.measure_echo(1.0, 2, None, 16, lambda _s: None))["throughput"]
+    assert thr["completed"] == 8  # every answer is still counted as answered ...
+    assert thr["requests_s"] == 6.0  # ... but the rate is of the 6 inside the second
