@@ -264,3 +264,19 @@ async def test_instructions_are_counted_and_tell_a_dearer_script_apart(tmp_path)
 async def test_instructions_are_refused_with_a_server_given(tmp_path) -> None:
     with pytest.raises(ValueError, match="private server"):
         await rb.run_budget(requests=16, redis_url="redis://127.0.0.1:1/0", instructions=True)
+
+
+async def test_a_plain_commands_phase_reads_its_own_calls_from_the_slowlog(aredis) -> None:
+    """The cancel check is a phase of SMISMEMBERs, not of scripts: its p50 and max are of its
+    logged SMISMEMBERs (they were looked for among EVALSHAs, so always '<10 us')."""
+    d = rb.Driver(aredis, per_push=4, private=True)
+    try:
+        await d.setup()
+        await aredis.config_set("slowlog-log-slower-than", 0)  # every call logged
+        phase = await d.measure("cancel check", [lambda: aredis.smismember(d.keys.cancels, ["a", "b"])
+                                                 for _ in range(8)], command="smismember")
+        assert phase.calls == 8
+        assert phase.p50_us is not None and phase.max_us is not None
+    finally:
+        await aredis.config_set("slowlog-log-slower-than", 10_000)
+        await aredis.config_set("slowlog-max-len", 128)

@@ -317,7 +317,7 @@ class Driver:
         instructions = await self.counter.read() if self.counter is not None else None
         cpu = main_thread_cpu_us(await self.client.info("cpu")) - cpu0
         stats = parse_commandstats(await self.client.info("commandstats"))
-        durations = await script_durations(self.client)
+        durations = await script_durations(self.client, command)
         n, usec = stats.get(command, (0, 0.0))
         if n != len(calls):
             raise RuntimeError(f"{name}: {n} {command.upper()} calls counted, {len(calls)} made")

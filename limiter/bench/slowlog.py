@@ -21,10 +21,11 @@ async def log_slow_calls(client: Any) -> None:
     await client.config_set("slowlog-max-len", 1_000_000)
 
 
-async def script_durations(client: Any) -> list[int]:
-    """The logged EVALSHA calls' durations (us), sorted."""
+async def script_durations(client: Any, command: str = "evalsha") -> list[int]:
+    """The logged calls' durations (us), sorted: of ``command`` (EVALSHA: the scripts)."""
     log = await client.slowlog_get(-1)
-    return sorted(int(e["duration"]) for e in log if _command(e).upper().startswith(b"EVALSHA"))
+    name = command.upper().encode()
+    return sorted(int(e["duration"]) for e in log if _command(e).upper().split(b" ", 1)[0] == name)
 
 
 def quantile_us(durations: list[int], calls: int, q: float) -> float | None:
