@@ -476,3 +476,23 @@ def test_a_redis_that_dies_while_serving_says_why(tmp_path):
         assert up.wait_exit(60) == 1, up.output
     line = up.line(r"^qos up: redis-server exited with 0")
     assert line is not None and "Received SIGTERM" in line, up.output
+
+
+def test_the_demo_keys_on_a_public_host_are_refused_unless_allowed_and_the_flag_reaches_the_frontends(
+        capsys) -> None:
+    """The refusal named `--allow-demo-keys-public`, a flag `qos up` did not have (a newcomer's
+    walk of the README): refused before anything starts without it; with it, the checks pass
+    and every frontend `qos up` starts is given it."""
+    from limiter.cli import build_parser
+    from limiter.config import demo_config
+    from limiter.localstack.launcher import build_commands
+    from limiter.localstack.up import stop_limits
+
+    assert main(["up", "--host", "0.0.0.0", "--port", str(free_port())]) == 2
+    assert "--allow-demo-keys-public" in capsys.readouterr().err
+    args = build_parser().parse_args(["up", "--host", "0.0.0.0", "--frontends", "2",
+                                      "--allow-demo-keys-public"])
+    args.config = None
+    stop_limits(demo_config(), args)  # the frontends' settings are valid
+    frontends = [c for c in build_commands(args) if c.role == "frontend"]
+    assert len(frontends) == 2 and all("--allow-demo-keys-public" in c.argv for c in frontends)

@@ -334,8 +334,10 @@ def build_commands(args: argparse.Namespace) -> list[Child]:
     children = []
     for i in range(args.frontends):
         # --host/--port name the address in its logs; it serves the socket `qos up` bound.
+        public = ["--allow-demo-keys-public"] if getattr(args, "allow_demo_keys_public", None) else []
         children.append(Child(f"frontend-{i}", "frontend",
-                              [*qos, "frontend", "--host", args.host, "--port", str(args.port), *common]))
+                              [*qos, "frontend", "--host", args.host, "--port", str(args.port), *public,
+                               *common]))
     controllers = ["up-controller-a", "up-controller-b"] if args.standby else ["up-controller-a"]
     for cid in controllers:
         children.append(Child(cid, "controller", [*qos, "controller", "--id", cid, *common]))

@@ -160,6 +160,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--frontends", type=int, default=1, help="frontend processes sharing --port (default 1)")
     p.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     p.add_argument("--host", default="127.0.0.1", help="listen address (default 127.0.0.1)")
+    p.add_argument("--allow-demo-keys-public", action="store_true", default=None,
+                   help="serve the published demo keys on a non-loopback --host (as qos frontend's flag)")
     p.add_argument("--workers", type=int, default=1, help="worker processes (default 1)")
     p.add_argument("--engine", choices=("torch", "sim", "openai"), default="sim")
     p.add_argument("--device", default="cpu", help="worker device: cpu, cuda, cuda:N (default cpu)")
@@ -232,7 +234,8 @@ def stop_limits(cfg: config_mod.QosConfig, args: argparse.Namespace) -> dict[str
     from worker.runtime import hand_back_limit_s
     from worker.settings import load_settings as worker_settings
 
-    fe = frontend_settings(cfg, {"host": args.host, "port": args.port})
+    fe = frontend_settings(cfg, {"host": args.host, "port": args.port,
+                                 "allow_demo_keys_public": args.allow_demo_keys_public})
     wk = worker_settings(cfg, {"engine": args.engine, "device": args.device,
                                "upstream_url": args.upstream_url, "upstream_model": args.upstream_model,
                                "upstream_priority": args.upstream_priority})
@@ -250,7 +253,8 @@ def check_role_ports(cfg: config_mod.QosConfig, args: argparse.Namespace) -> Non
     from limiter.frontend.settings import load_settings as frontend_settings
     from worker.settings import load_settings as worker_settings
 
-    fe = frontend_settings(cfg, {"host": args.host, "port": args.port})
+    fe = frontend_settings(cfg, {"host": args.host, "port": args.port,
+                                 "allow_demo_keys_public": args.allow_demo_keys_public})
     wk = worker_settings(cfg, {"engine": args.engine, "device": args.device,
                                "upstream_url": args.upstream_url, "upstream_model": args.upstream_model,
                                "upstream_priority": args.upstream_priority})
