@@ -275,6 +275,14 @@ def run(bug: Bug) -> tuple[tuple[bool, str], tuple[bool, str]]:
 
 
 def main(argv: list[str]) -> int:
+    if any(a.startswith("-") for a in argv):
+        print(__doc__.strip() + "\n\nBugs: " + ", ".join(b.name for b in BUGS))
+        return 0 if set(argv) <= {"-h", "--help"} else 2
+    # a name not in the catalogue was skipped without a word: "0/0 caught", exit 0
+    if unknown := sorted(set(argv) - {b.name for b in BUGS}):
+        print(f"no such seeded bug: {', '.join(unknown)} (python -m tests.seeded_bugs --help lists them)",
+              file=sys.stderr)
+        return 2
     # a SIGTERM must still run run()'s finally: the Lua files are restored
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     chosen = [b for b in BUGS if not argv or b.name in argv]

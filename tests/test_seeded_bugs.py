@@ -19,3 +19,16 @@ def test_every_seeded_bug_still_finds_the_text_it_replaces():
 
 def test_this_check_is_not_among_the_tests_a_planted_bug_must_fail():
     assert not any("seeded_bugs" in t for t in UNIT_TESTS)
+
+
+def test_an_unknown_name_or_a_flag_runs_nothing_and_says_so(capsys) -> None:
+    """`--help` was taken as a bug name and an unknown name skipped without a word: "0/0
+    seeded bugs caught", exit 0 (a newcomer's walk of the README)."""
+    from tests.seeded_bugs import main
+
+    assert main(["no_such_bug"]) == 2
+    assert "no such seeded bug: no_such_bug" in capsys.readouterr().err
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "python -m tests.seeded_bugs" in out and BUGS[0].name in out
+    assert main(["--frobnicate"]) == 2
