@@ -485,3 +485,18 @@ async def test_a_closed_loop_throughput_counts_only_what_was_answered_inside_its
     thr = (await ov.measure_echo(1.0, 2, None, 16, lambda _s: None))["throughput"]
     assert thr["completed"] == 8  # every answer is still counted as answered ...
     assert thr["requests_s"] == 6.0  # ... but the rate is of the 6 inside the second
+
+
+def test_qos_help_names_every_bench_mode() -> None:
+    """`qos --help`'s line for `bench` listed its modes by hand and had lost `control` and
+    `plot` (a newcomer's walk of the README): every mode registered is named there."""
+    import argparse
+
+    from limiter.cli import build_parser
+
+    top = build_parser()
+    sub = next(a for a in top._actions if isinstance(a, argparse._SubParsersAction))
+    bench_help = next(a.help for a in sub._choices_actions if a.dest == "bench")
+    modes = next(a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [m for m in modes.choices if m not in bench_help]
+    assert not missing, f"qos --help's bench line leaves out {missing}: {bench_help}"

@@ -15,8 +15,9 @@ from limiter.cli import common_args, load_config
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run), tenants, "
-                                      "overhead, admission, janitor, redis-budget, lua-profile, scale-out")
+    p = sub.add_parser("bench", help="benchmarks: fifo vs priority vs qos on a trace (run, plot), tenants, "
+                                      "control, overhead, admission, janitor, redis-budget, lua-profile, "
+                                      "scale-out")
     bsub = p.add_subparsers(dest="bench_command", required=True, metavar="MODE")
     _add_admission(bsub)
     _add_janitor(bsub)
