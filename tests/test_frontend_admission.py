@@ -228,16 +228,19 @@ async def test_a_request_whose_record_alone_was_lost_is_answered_by_the_sweep(
 
 
 async def test_the_sweep_leaves_a_pool_whose_replies_cannot_be_read(client, sync_redis) -> None:
-    """While a pool's reply stream cannot be read, a finished request's final reply may wait
-    there past its record's expiry (record_ttl_s): the sweep must not call it lost then."""
+    """While a pool's reply stream cannot be read, or its reader has not caught up with what
+    piled up meanwhile (its last read was a full READ_COUNT), a finished request's final reply
+    may wait there past its record's expiry (record_ttl_s): the sweep must not call it lost
+    then (a review: `healthy` alone came back with the first of several reads)."""
     fe = fe_of(client)
     q = fe.router.register("gone")  # admitted, and no record in Redis
     fe.router.admitted("gone", POOL.pool)
     try:
-        fe.router.healthy[POOL.pool] = False
+        await wait_until(lambda: fe.router.caught_up[POOL.pool], "the pool's reader caught up")
+        fe.router.caught_up[POOL.pool] = False  # (as after a read of READ_COUNT entries)
         await fe._sweep_lost_requests()
         assert q.empty()
-        fe.router.healthy[POOL.pool] = True
+        fe.router.caught_up[POOL.pool] = True
         await fe._sweep_lost_requests()
         assert q.get_nowait().code == "lost"
         await fe._sweep_lost_requests()  # answered once: not again at the next sweep
@@ -269,7 +272,7 @@ async def test_the_sweep_leaves_a_request_whose_final_reply_came_before_its_admi
     try:
         fe.router.dispatch(POOL.pool, {b"k": b"done", b"id": b"done-early", b"fin": b"stop"})
         fe.router.admitted("done-early", POOL.pool)  # admit returns; its record expired since
-        await wait_until(lambda: fe.router.healthy[POOL.pool], "the pool's replies read")
+        await wait_until(lambda: fe.router.caught_up[POOL.pool], "the pool's reader caught up")
         await fe._sweep_lost_requests()
         assert q.get_nowait().kind == "done" and q.empty()
     finally:
@@ -287,7 +290,7 @@ async def test_a_request_answered_lost_is_answered_and_counted_once(client) -> N
     lost = fe.metrics.lost_requests.labels(POOL.pool)
     before = lost._value.get()
     try:
-        await wait_until(lambda: fe.router.healthy[POOL.pool], "the pool's replies read")
+        await wait_until(lambda: fe.router.caught_up[POOL.pool], "the pool's reader caught up")
         await fe._find_lost_requests(POOL)  # the heartbeat found its own entry gone
         await fe._sweep_lost_requests()  # then a sweep, before the handler read its answer
         await fe._sweep_lost_requests()

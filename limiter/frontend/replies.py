@@ -106,6 +106,9 @@ def dedup(r: Reply, forwarded: int) -> tuple[str, int]:
     return r.text, r.offset + r.count
 
 
+READ_COUNT = 1000  # reply-stream entries one XREAD takes at most
+
+
 def _entries(resp: Any) -> Iterable[tuple[Any, dict[Any, Any]]]:
     """XREAD's reply as (entry id, fields), for RESP2 (list) and RESP3 (dict) clients."""
     if not resp:
@@ -142,6 +145,8 @@ class ReplyRouter:
         # Last entry id handed out per pool; the heartbeat trims the stream up to it.
         self.last_ids: dict[str, str] = {k.pool: "0-0" for k in self.pools}
         self.healthy = {k.pool: False for k in self.pools}
+        # the last read came back short of READ_COUNT: nothing piled up behind it
+        self.caught_up = {k.pool: False for k in self.pools}
         self._stopping = False
 
     async def stop(self) -> None:
@@ -237,11 +242,11 @@ class ReplyRouter:
         block: int | None = None  # the first read does not block: /readyz knows at once
         while not self._stopping:
             try:
-                resp = await self.reader.xread({stream: last}, count=1000, block=block)
+                resp = await self.reader.xread({stream: last}, count=READ_COUNT, block=block)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # Redis down or restarting: keep trying, never spin
-                self.healthy[keys.pool] = False
+                self.healthy[keys.pool] = self.caught_up[keys.pool] = False
                 self.metrics.redis_errors.labels("xread").inc()
                 await backoff.failed(exc)
                 continue
@@ -249,10 +254,13 @@ class ReplyRouter:
             block = self.block_ms
             backoff.succeeded()
             # (entries read while stopping are still dispatched: their handlers may be waiting)
+            read = 0
             for entry_id, fields in _entries(resp):
                 last = _s(entry_id)
                 self.dispatch(keys.pool, fields)
+                read += 1
             self.last_ids[keys.pool] = last
+            self.caught_up[keys.pool] = read < READ_COUNT
 
 
 class Heartbeat:

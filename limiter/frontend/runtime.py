@@ -140,10 +140,11 @@ class Frontend:
         entry still there (a failover to a replica that had not got the last writes, a key
         deleted by hand) are answered as :meth:`_find_lost_requests` answers them; they waited
         for ``request_timeout_s`` (running) or their max wait (queued). Not while a pool's
-        reply stream cannot be read: a finished request's record may expire (record_ttl_s)
-        before its final reply, still in the stream, is read."""
+        reply stream cannot be read, nor before its reader has caught up with what piled up
+        meanwhile: a finished request's record may expire (record_ttl_s) before its final
+        reply, still in the stream, is read."""
         for keys in self.pool_keys.values():
-            if not self.router.healthy.get(keys.pool):
+            if not self.router.caught_up.get(keys.pool):
                 continue
             if lost := await self._answer_lost(keys, self.router.admitted_in(keys.pool)):
                 log.warning("frontend %s: %d requests of pool %s had no record in Redis (a failover to a "
