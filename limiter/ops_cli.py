@@ -158,8 +158,10 @@ def render(snap: dict[str, Any]) -> Group:
     for name, pool in snap["pools"].items():
         conf = pool.get("capacity_confidence")
         source = pool.get("capacity_source") or "-"
+        age = pool.get("compliance_age_s")
         measured = (f"measured {_fmt(pool.get('measured_capacity'))} from {source}"
-                    + ("" if conf is None else f", confidence {conf * 100:.0f} %"))
+                    + ("" if conf is None else f", confidence {conf * 100:.0f} %")
+                    + ("" if age is None else f", {age:.0f} s old"))
         reasons, version = _last_reasons(pool)
         unset = "" if pool.get("initialised", True) else " — NOT INITIALISED (no role set it up here)"
         t = Table(

@@ -107,6 +107,11 @@ async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
             "measured_capacity": _f(compliance.get(".capacity")),
             "capacity_source": compliance.get(".capacity_source"),
             "capacity_confidence": _f(compliance.get(".capacity_confidence")),
+            # how old the controller's numbers above are: a controller that died leaves them
+            # until the hash expires (10 ticks), or for good if its expiry never landed
+            "compliance_age_s": None if (updated := _f(compliance.get(".updated_ms"))) is None
+            else round(max(now_ms - updated, 0.0) / 1000.0, 1),
+            "compliance_controller": compliance.get(".controller"),
             "classes": per_class,
             "workers": _ages(workers, now_ms),
             "frontends": _ages(frontends, now_ms),

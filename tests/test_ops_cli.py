@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import pytest
 
@@ -36,6 +37,7 @@ async def test_status_json_has_the_documented_fields(scripts, pool, redis_server
     assert tiny["classes"]["P0"]["rate"] == 11000
     assert tiny["classes"]["P0"]["inflight"] == 1 and tiny["classes"]["P2"]["queued"] == 1
     assert tiny["classes"]["P0"]["compliance"] == 0.995 and tiny["classes"]["P1"]["compliance"] is None
+    assert tiny["compliance_age_s"] is None  # no controller has stamped it
     assert "last_seen_s" in tiny["workers"]["w1"] and tiny["workers"]["w1"]["tokens_s"] == 12.5
     assert tiny["decisions"][0]["version"] == 1
 
@@ -62,8 +64,10 @@ async def test_top_shows_why_the_rates_moved_and_how_sure_the_capacity_is(script
     await scripts.client.hset(pool.worker("w1"), mapping={
         "engine": "sim", "tokens_s": 12.5, "capacity_tokens_s": 9000, "token_budget": 96,
         "token_budget_max": 256})
+    sec, _usec = await scripts.client.time()
     await scripts.client.hset(pool.compliance, mapping={
-        "P0": 0.995, ".capacity": 41000.0, ".capacity_source": "workers", ".capacity_confidence": 0.8})
+        "P0": 0.995, ".capacity": 41000.0, ".capacity_source": "workers", ".capacity_confidence": 0.8,
+        ".updated_ms": (int(sec) - 7200) * 1000, ".controller": "ctl"})  # two hours old: a dead one's
     fence, _ = await scripts.acquire_leader(pool, "ctl", 1000)
     record = {"classes": {"P0": {"reason": "hold"}, "P1": {"reason": "tighten_self"},
                           "P2": {"reason": "tighten_lower_for_P1"}}}
@@ -76,6 +80,7 @@ async def test_top_shows_why_the_rates_moved_and_how_sure_the_capacity_is(script
     assert "tighten_self" in out and "tighten_lower_for_P1" in out
     assert "measured 41,000 from workers" in out and "confidence 80 %" in out
     assert "96 / 256" in out
+    assert re.search(r"720\d s old", out), out  # a dead controller's numbers show as old
 
 
 async def test_a_class_named_like_an_estimate_field_keeps_its_own_compliance(aredis):
