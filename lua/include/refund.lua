@@ -11,10 +11,10 @@
 -- chat template may render) is charged where the reservation was: its tenant's bucket, into
 -- debt (its next requests wait for it), its class's and ceiling's buckets where they were
 -- charged and the class is still in the policy (a class a deploy removed serves no one from
--- its buckets, and they get no refund either), and its tenant's counter in a fair class. Left out, a tenant was charged its
--- reservation for any prompt the model server read (a review). What each took is added to
--- the request's charges (c_tenant, ...; written by finalize with `fields`), and `overrun`
--- records the amount.
+-- its buckets, and they get no refund either), and its tenant's counter in a fair class.
+-- Left out, a tenant was charged its reservation for any prompt the model server read (a
+-- review). What each took is added to the request's charges (c_tenant, ...; written by
+-- finalize with `fields`), and `overrun` records the amount.
 local function charge_overrun(p, r, over, now, fields)
   local tenant = bucket_get(P_BUCKET .. 'tenant:' .. r.tenant, r.t_rate, r.t_burst, now, true)
   r.c_tenant = r.c_tenant + bucket_debit(tenant, over)

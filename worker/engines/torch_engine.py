@@ -273,9 +273,9 @@ class TorchEngine:
             results = await asyncio.shield(work)
         except BaseException:
             # A thread cannot be stopped: a cancelled step (a drain's deadline, the worker
-            # loop's end) waits for its forward passes to end, at most one step's time. Cancelled at once,
-            # the thread ran on, writing caches after the roll-back below, beside the next step
-            # (the engine no longer busy) or a remove().
+            # loop's end) waits for its forward passes to end, at most one step's time.
+            # Cancelled at once, the thread ran on, writing caches after the roll-back below,
+            # beside the next step (the engine no longer busy) or a remove().
             await _wait_out(work)
             for _, entry, cache in [*decoders, *chunks]:
                 cache.length = entry.kv_len  # roll back a half-done step: data past length is ignored
