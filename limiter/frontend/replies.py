@@ -189,8 +189,9 @@ class ReplyRouter:
         """Hand ``reply`` (its record is gone) to an admitted request, which is then no longer
         admitted: its handler may read it late (a stream writing to a slow client), and every
         later look for lost records counted, logged and answered it again. False (nothing
-        handed) when it is admitted no more (answered already, or ended)."""
-        if self._admitted.pop(request_id, None) is None:
+        handed) when it is admitted no more (answered already, or ended); :meth:`deliver`
+        settles it (an admitted request always has its queue: unregister drops both)."""
+        if request_id not in self._admitted:
             return False
         self.deliver(request_id, reply)
         return True
