@@ -289,6 +289,71 @@ async def test_a_cancelled_step_waits_for_its_thread_then_rolls_back() -> None:
     assert await eng.step(plan) == await fresh.step(plan)
 
 
+async def test_a_step_cancelled_before_its_thread_starts_runs_no_forward_pass() -> None:
+    """The step's thread may start late (the loop's executor busy): a step cancelled before
+    then ran its forward passes anyway, a whole step's time after its cancel (a drain's
+    deadline). The thread now looks at the cancel before each pass, so it runs none; one
+    cancelled during a pass starts no further one. Either way the caches are rolled back."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.support.helpers import wait_until
+
+    loop = asyncio.get_running_loop()
+    pool = ThreadPoolExecutor(max_workers=1)
+    loop.set_default_executor(pool)
+    eng, fresh = tiny_engine(device="cpu"), tiny_engine(device="cpu")
+    prompt = [BOS_ID] + [65] * 15
+    for e in (eng, fresh):
+        e.add("a", prompt, SamplingParams())
+        e.add("b", prompt, SamplingParams())
+    passes: list[str] = []
+    started, release = threading.Event(), threading.Event()
+    prefill = eng.model.prefill
+
+    def counted_prefill(ids, cache):  # the first pass is held until the test lets it go
+        passes.append("prefill")
+        started.set()
+        release.wait(60)
+        return prefill(ids, cache)
+
+    eng.model.prefill = counted_prefill
+    plan = StepPlan(prefill=(PrefillChunk("a", 0, 16), PrefillChunk("b", 0, 16)))
+    try:
+        blocker = threading.Event()
+        busy = loop.run_in_executor(None, blocker.wait, 60)  # the executor's one thread, taken
+        task = asyncio.create_task(eng.step(plan))
+        for _ in range(20):
+            await asyncio.sleep(0)
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        assert not task.done() and eng._busy, "the cancelled step did not wait for its thread"
+        blocker.set()
+        await busy
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert passes == [], "a step cancelled before its thread started ran its passes"
+        release.set()  # from here the passes run at once
+
+        release.clear()
+        task = asyncio.create_task(eng.step(plan))
+        await wait_until(started.is_set, "the step's first pass to start")
+        task.cancel()
+        for _ in range(20):
+            await asyncio.sleep(0)
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert passes == ["prefill"], "a step cancelled during its first pass started another"
+        assert all(eng._caches[s].length == eng._table.seqs[s].kv_len == 0 for s in "ab")
+        eng.model.prefill = prefill
+        assert await eng.step(plan) == await fresh.step(plan)
+    finally:
+        release.set()
+        pool.shutdown(wait=True)
+
+
 def test_checkpoint_round_trip_and_mismatch(tmp_path: Path) -> None:
     cfg = ModelConfig(n_layer=2, n_head=4, n_kv_head=2, d_model=64, d_ff=160, max_seq_len=256)
     model = build_model(cfg, seed=3, device=DEVICE)

@@ -30,6 +30,7 @@ import json
 import math
 import os
 import secrets
+import threading
 from dataclasses import asdict
 from pathlib import Path
 
@@ -268,14 +269,17 @@ class TorchEngine:
         decoders = [(sid, e, caches[sid]) for sid, e in zip(plan.decode, entries, strict=True)]
         chunks = [(c, e, caches[c.request_id]) for c, e in zip(plan.prefill, chunk_entries, strict=True)]
         self._busy = True
-        work = asyncio.ensure_future(asyncio.to_thread(self._compute, decoders, chunks))
+        stop = threading.Event()
+        work = asyncio.ensure_future(asyncio.to_thread(self._compute, decoders, chunks, stop))
         try:
             results = await asyncio.shield(work)
         except BaseException:
             # A thread cannot be stopped: a cancelled step (a drain's deadline, the worker
-            # loop's end) waits for its forward passes to end, at most one step's time.
+            # loop's end) waits for its forward passes to end, at most one pass's time: the
+            # thread looks at ``stop`` before each (one that had not started yet runs none).
             # Cancelled at once, the thread ran on, writing caches after the roll-back below,
             # beside the next step (the engine no longer busy) or a remove().
+            stop.set()
             await _wait_out(work)
             for _, entry, cache in [*decoders, *chunks]:
                 cache.length = entry.kv_len  # roll back a half-done step: data past length is ignored
@@ -302,11 +306,15 @@ class TorchEngine:
         self,
         decoders: list[tuple[str, SeqEntry, KVCache]],
         chunks: list[tuple[PrefillChunk, SeqEntry, KVCache]],
+        stop: threading.Event | None = None,
     ) -> list[tuple[str, SeqEntry, int, int | None]]:
-        """The step's forward passes and sampling (runs in a worker thread)."""
+        """The step's forward passes and sampling (runs in a worker thread). ``stop`` set (the
+        step was cancelled): no further pass is started, and what was done is rolled back by
+        the caller."""
         results: list[tuple[str, SeqEntry, int, int | None]] = []
+        stop = stop or threading.Event()
         with torch.inference_mode():
-            if decoders:
+            if decoders and not stop.is_set():
                 ids = torch.tensor([e.ids[e.kv_len] for _, e, _ in decoders], device=self.device)
                 logits = self.model.decode(ids, [c for _, _, c in decoders]).cpu()
                 for row, (sid, e, _) in enumerate(decoders):
@@ -314,6 +322,8 @@ class TorchEngine:
                                          self._banned(e))
                     results.append((sid, e, 1, token))
             for chunk, e, cache in chunks:
+                if stop.is_set():
+                    break
                 ids = torch.tensor(e.ids[chunk.start : chunk.start + chunk.length], device=self.device)
                 logits = self.model.prefill(ids, cache)
                 token: int | None = None
