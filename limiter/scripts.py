@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
@@ -320,12 +321,33 @@ class Scripts:
 
     async def _call(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
         script = self._scripts[name]
-        if self.batcher is not None:
-            try:
+        try:
+            if self.batcher is not None:
                 return await self.batcher.evalsha(script.sha, keys, args, self.merge_limits.get(name, 0))
-            except NoScriptError:
-                pass  # Redis lost its script cache (a restart): the call below loads it again
-        return await script(keys=keys, args=args)
+            return await self.client.evalsha(script.sha, len(keys), *keys, *args)
+        except NoScriptError:
+            # Redis lost its script cache (a restart): loaded again where the keys live
+            await self._load(script.script, keys[0] if keys else None)
+            return await self.client.evalsha(script.sha, len(keys), *keys, *args)
+
+    async def _server(self, key: str | None) -> dict[str, Any]:
+        """The keyword that sends a keyless command to the server holding ``key``: on a
+        cluster, its shard only (redis-py sends SCRIPT LOAD to every primary, and one primary
+        out of reach, a shard down, failed the load for the pools on the others); else none."""
+        if key is not None and isinstance(self.client, RedisCluster):
+            # the slot map is read at the client's first command: before it, no slot is covered
+            await self.client.initialize()
+            return {"target_nodes": self.client.get_node_from_key(key)}
+        return {}
+
+    async def _load(self, source: str, key: str | None) -> str:
+        """SCRIPT LOAD on the server holding ``key``; the script's SHA1."""
+        sha = await self.client.execute_command("SCRIPT LOAD", source, **await self._server(key))
+        return sha.decode() if isinstance(sha, bytes) else str(sha)
+
+    def shas(self) -> list[str]:
+        """The SHA1s the server knows this registry's scripts by (with or without ``#!lua``)."""
+        return [s.sha for s in self._scripts.values()]
 
     async def _run(self, name: str, keys: Sequence[str], args: list[Any]) -> Any:
         with map_redis_errors():
@@ -354,25 +376,28 @@ class Scripts:
                     raise RedisUnavailable(f"Redis refused the script: {exc}") from exc
                 raise _map_error(str(exc)) from exc
 
-    async def load_all(self) -> None:
-        """Load every script now (readiness check; also after a Redis restart)."""
+    async def load_all(self, keys: PoolKeys | None = None) -> None:
+        """Load every script now (a process's start, a readiness check, after a Redis
+        restart). ``keys``: on the server holding that pool only (on a cluster, its shard:
+        a pool's role must start while another pool's shard is down)."""
+        key = keys.policy if keys is not None else None
         with map_redis_errors():
             try:
                 if self.shebang:  # SCRIPT LOAD does not always compile: run a probe once
                     try:  # (EVALSHA, not EVAL: the documented ACL user may not run EVAL)
-                        probe = await self.client.script_load("#!lua\nreturn 1")
-                        await self.client.evalsha(probe, 0)
+                        probe = await self._load("#!lua\nreturn 1", key)
+                        await self.client.execute_command("EVALSHA", probe, 0, **await self._server(key))
                     except ResponseError as exc:
                         if self._no_shebang_support(exc):
                             self._register(False)
                 for s in self._scripts.values():
                     try:
-                        s.sha = await self.client.script_load(s.script)
+                        s.sha = await self._load(s.script, key)
                     except ResponseError as exc:
                         if not self._no_shebang_support(exc):
                             raise
                         self._register(False)
-                        return await self.load_all()
+                        return await self.load_all(keys)
             except ResponseError as exc:
                 if isinstance(exc, CONNECTION_ERRORS):
                     raise

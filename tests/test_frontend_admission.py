@@ -238,12 +238,12 @@ async def test_the_sweep_leaves_a_pool_whose_replies_cannot_be_read(client, sync
     try:
         await wait_until(lambda: fe.router.caught_up[POOL.pool], "the pool's reader caught up")
         fe.router.caught_up[POOL.pool] = False  # (as after a read of READ_COUNT entries)
-        await fe._sweep_lost_requests()
+        await fe._sweep_lost_requests(POOL)
         assert q.empty()
         fe.router.caught_up[POOL.pool] = True
-        await fe._sweep_lost_requests()
+        await fe._sweep_lost_requests(POOL)
         assert q.get_nowait().code == "lost"
-        await fe._sweep_lost_requests()  # answered once: not again at the next sweep
+        await fe._sweep_lost_requests(POOL)  # answered once: not again at the next sweep
         assert q.empty()
     finally:
         fe.router.unregister("gone")
@@ -258,7 +258,7 @@ async def test_the_sweep_leaves_a_request_whose_final_reply_came(client) -> None
     fe.router.admitted("done-slowly", POOL.pool)
     try:
         fe.router.dispatch(POOL.pool, {b"k": b"done", b"id": b"done-slowly", b"fin": b"stop"})
-        await fe._sweep_lost_requests()
+        await fe._sweep_lost_requests(POOL)
         assert q.get_nowait().kind == "done" and q.empty()
     finally:
         fe.router.unregister("done-slowly")
@@ -273,7 +273,7 @@ async def test_the_sweep_leaves_a_request_whose_final_reply_came_before_its_admi
         fe.router.dispatch(POOL.pool, {b"k": b"done", b"id": b"done-early", b"fin": b"stop"})
         fe.router.admitted("done-early", POOL.pool)  # admit returns; its record expired since
         await wait_until(lambda: fe.router.caught_up[POOL.pool], "the pool's reader caught up")
-        await fe._sweep_lost_requests()
+        await fe._sweep_lost_requests(POOL)
         assert q.get_nowait().kind == "done" and q.empty()
     finally:
         fe.router.unregister("done-early")
@@ -292,8 +292,8 @@ async def test_a_request_answered_lost_is_answered_and_counted_once(client) -> N
     try:
         await wait_until(lambda: fe.router.caught_up[POOL.pool], "the pool's reader caught up")
         await fe._find_lost_requests(POOL)  # the heartbeat found its own entry gone
-        await fe._sweep_lost_requests()  # then a sweep, before the handler read its answer
-        await fe._sweep_lost_requests()
+        await fe._sweep_lost_requests(POOL)  # then a sweep, before the handler read its answer
+        await fe._sweep_lost_requests(POOL)
         assert q.get_nowait().code == "lost" and q.empty()
         assert lost._value.get() == before + 1
     finally:
@@ -497,8 +497,40 @@ async def test_kept_cancels_are_bounded_in_number_and_in_time(client, sync_redis
     monkeypatch.setattr(fe.scripts, "cancel", recording_cancel)
     keys, tenant_name, reason, _ = fe.unsent_cancels["a"]
     fe.unsent_cancels["a"] = (keys, tenant_name, reason, time.monotonic() - 1)  # past its time
-    await fe._send_unsent_cancels()
+    await fe._send_unsent_cancels(POOL)
     assert sent == ["b"] and not fe.unsent_cancels
+
+
+async def test_a_kept_cancel_that_keeps_failing_leaves_the_beat_s_other_chores_done(
+        client, sync_redis, monkeypatch) -> None:
+    """A kept cancel whose every resend meets an outage (its shard flapping) made the beat
+    skip that beat's lost-record sweep and reap: the chores now run each on its own, and the
+    beat still reports the outage (the loop counts and logs it)."""
+    from limiter.errors import RedisUnavailable
+
+    fe = fe_of(client)
+    q = fe.router.register("gone")  # admitted, and no record in Redis
+    fe.router.admitted("gone", POOL.pool)
+    await wait_until(lambda: fe.router.caught_up[POOL.pool], "the pool's reader caught up")
+    fe._keep_unsent_cancel(POOL, "left", "frugal", "client_gone", ConnectionError("down"))
+    reaped: list[str] = []
+
+    async def failing_cancel(*args):
+        raise RedisUnavailable("the shard is flapping")
+
+    async def recording_reap(keys, max_calls):
+        reaped.append(keys.pool)
+
+    monkeypatch.setattr(fe.scripts, "cancel", failing_cancel)
+    monkeypatch.setattr(fe.scripts, "reap_all", recording_reap)
+    try:
+        with pytest.raises(RedisUnavailable):
+            await fe._beat(POOL, sweep=True, reap=True)
+        assert reaped == [POOL.pool], "the reap was skipped"
+        assert q.get_nowait().code == "lost", "the sweep was skipped"
+        assert list(fe.unsent_cancels) == ["left"]  # kept for the next beat
+    finally:
+        fe.router.unregister("gone")
 
 
 async def test_disconnect_mid_stream_stops_the_worker_and_reconciles(client, aredis, sync_redis):

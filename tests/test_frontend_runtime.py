@@ -75,13 +75,13 @@ async def test_a_config_error_met_once_redis_answers_is_the_readiness_reason(red
 
     calls = {"n": 0}
 
-    async def bootstrap(self) -> None:
+    async def set_up(self, pool) -> None:
         calls["n"] += 1
         if calls["n"] == 1:
             raise RedisUnavailable("Redis unavailable")  # at the start: left to the loop
         raise ConfigError("redis.cluster", "redis.url is a node of a Redis Cluster: set redis.cluster = true")
 
-    monkeypatch.setattr(Frontend, "_bootstrap", bootstrap)
+    monkeypatch.setattr(Frontend, "_set_up", set_up)
     async with frontend(make_cfg(redis_server.url), heartbeat_s=0.1) as client:
         deadline = time.monotonic() + 20
         while True:

@@ -754,7 +754,7 @@ async def test_the_first_beat_after_losing_redis_records_the_outage(
         first = int(sync_redis.zscore(POOL.frontends, "fe-x"))
         await hb.beat()
         assert not sync_redis.exists(POOL.outage)  # no outage, no record
-        hb._in_beat = True  # a beat that never completed (Redis went away)
+        hb._in_beat.add(POOL.pool)  # a beat that never completed (Redis went away)
         await asyncio.sleep(0.01)  # so the next beat's ms differs from the last complete one
         await hb.beat()
         lost = int(sync_redis.get(POOL.outage))

@@ -37,7 +37,7 @@ from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
 from limiter.metrics_server import start_metrics_server
 from limiter.prompt import Payload, count_tokens
-from limiter.redis_conn import map_redis_errors, open_redis
+from limiter.redis_conn import map_redis_errors, open_redis, redis_now_ms
 from limiter.samples import pack_sample
 from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, TokenBatch, policy_document
 from limiter.tasks import raise_if_cancelled, stop_tasks
@@ -172,10 +172,11 @@ class WorkerRuntime:
     async def ensure_pool(self) -> None:
         """Initialise the pool's policy from the config (keep_rates: controller-owned rates
         survive) and sync the Redis clock estimate."""
-        await self.scripts.load_all()  # the first request does not pay for NOSCRIPT round trips
+        # The first request does not pay for NOSCRIPT round trips. On the pool's server alone
+        # (and its clock below): on a cluster, another shard down kept the worker from starting.
+        await self.scripts.load_all(self.keys)
         await self.scripts.init_pool(self.keys, policy_document(self.cfg, self.pool_cfg))
-        sec, usec = await self._redis(self.client.time())
-        self._clock_offset_ms = int(sec) * 1000 + int(usec) / 1000 - time.time() * 1000
+        self._clock_offset_ms = await self._redis(redis_now_ms(self.client, self.keys)) - time.time() * 1000
         self.redis_ok = True
 
     async def restore_pool(self) -> None:

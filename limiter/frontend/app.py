@@ -14,11 +14,9 @@ All HTTP errors are produced by :func:`~limiter.frontend.errors.error_middleware
 from __future__ import annotations
 
 import asyncio
-import functools
-import hashlib
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -30,7 +28,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
-from limiter.errors import ConfigError, QosError
+from limiter.errors import ConfigError
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
 from limiter.frontend.errors import (
@@ -43,11 +41,10 @@ from limiter.frontend.errors import (
 )
 from limiter.frontend.generation import Generation
 from limiter.frontend.metrics import METRICS, FrontendMetrics
+from limiter.frontend.readiness import readiness
 from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.metrics_server import start_metrics_server
-from limiter.redis_conn import CONNECTION_ERRORS
-from limiter.scripts import SCRIPT_NAMES, script_source
 
 log = logging.getLogger("qos.frontend")
 
@@ -188,21 +185,17 @@ async def healthz(request: web.Request) -> web.Response:
     return web.json_response(_health(_frontend(request)))
 
 
-@functools.cache
-def _script_shas() -> list[str]:
-    """The SHA1s Redis knows the scripts by (as redis-py computes them for EVALSHA)."""
-    return [hashlib.sha1(script_source(n).encode()).hexdigest() for n in SCRIPT_NAMES]
-
-
 async def readyz(request: web.Request) -> web.Response:
     """``/readyz``, and ``/health`` (vLLM's name for it, which guidellm and vLLM's tooling
     probe before they send anything): 200 only when this frontend can admit requests.
 
-    A pool whose live workers all report their upstream unreachable makes it 503 only when
-    that is every pool this frontend serves: behind a readiness probe, one broken model
-    server took every frontend out of its load balancer, and every other pool's clients
-    with it. Such pools are listed as ``degraded``; ``?pool=NAME`` asks about one pool (a
-    probe per model), 503 while it is down, 404 for a pool this frontend does not serve.
+    A pool out of service (its Redis shard not answering, its heartbeat stale, its reply
+    stream unread, every live worker's upstream unreachable: limiter/frontend/readiness.py)
+    makes it 503 only when that is every pool this frontend serves: behind a readiness
+    probe, one broken model server or one Redis Cluster shard took every frontend out of its
+    load balancer, and every other pool's clients with it. Such pools are listed as
+    ``degraded``, each with why; ``?pool=NAME`` asks about one pool (a probe per model),
+    503 while it is down, 404 for a pool this frontend does not serve.
 
     The path needs no key and a check asks Redis once per worker of each pool: probes that
     arrive while a check of the same scope is under way share its answer (N probes at once
@@ -212,11 +205,11 @@ async def readyz(request: web.Request) -> web.Response:
     if asked is not None and asked not in fe.pool_keys:
         return web.json_response({"status": "unknown", "reason": "no such pool"}, status=404)
     if fe.shutting_down:
-        problem, degraded = "shutting down", []
+        problem, degraded = "shutting down", {}
     else:
         check = fe.ready_checks.get(asked)
         if check is None or check.done():
-            check = fe.ready_checks[asked] = asyncio.ensure_future(_readiness(fe, asked))
+            check = fe.ready_checks[asked] = asyncio.ensure_future(readiness(fe, asked))
         # shielded: a probe whose client left (handler cancellation) must not cancel the others'
         problem, degraded = await asyncio.shield(check)
     if problem:
@@ -224,54 +217,8 @@ async def readyz(request: web.Request) -> web.Response:
                                  headers={"Retry-After": "1"})
     body: dict[str, Any] = {"status": "ready", "frontend": fe.frontend_id}
     if degraded and asked is None:
-        body["degraded"] = {p: "every worker reports its upstream unreachable" for p in degraded}
+        body["degraded"] = degraded
     return web.json_response(body)
-
-
-async def _readiness(fe: Frontend, asked: str | None) -> tuple[str, list[str]]:
-    """(why this frontend is not ready, '' when it is; the pools whose upstream is down)."""
-    problem = ""
-    degraded: list[str] = []
-    try:
-        if not fe.bootstrapped:
-            problem = fe.not_ready_because()  # not connected yet, or a configuration error met
-        else:
-            async with asyncio.timeout(2.0):
-                await fe.client.ping()
-                loaded = await fe.client.script_exists(*_script_shas())
-                if not all(loaded):  # Redis restarted and lost its script cache: load again
-                    await fe.scripts.load_all()
-            if why := fe.not_ready_because():
-                problem = why
-            else:
-                degraded = await _pools_with_upstream_down(fe, [asked] if asked is not None else fe.pool_keys)
-                if degraded and (asked is not None or len(degraded) == len(fe.pool_keys)):
-                    problem = f"every worker of pool {', '.join(degraded)} reports its upstream unreachable"
-    except (TimeoutError, QosError, *CONNECTION_ERRORS) as exc:
-        log.warning("readiness: Redis unavailable: %s", exc)
-        problem = "Redis unavailable"  # /readyz is unauthenticated: no address, no driver text
-    return problem, degraded
-
-
-async def _pools_with_upstream_down(fe: Frontend, pools: Iterable[str]) -> list[str]:
-    """Those of ``pools`` none of whose live workers can serve: each one's heartbeat says its
-    upstream is unreachable (openai engine, breaker open). A pool with no worker heartbeat at
-    all is left alone: workers may simply not have started yet, and admitted work waits for
-    them. (A probe of one pool reads that pool's workers only.)"""
-    down = []
-    for name in pools:
-        keys = fe.pool_keys[name]
-        ids = await fe.client.zrange(keys.workers, 0, -1)
-        if not ids:
-            continue
-        pipe = fe.client.pipeline(transaction=False)
-        for w in ids:
-            wid = w.decode() if isinstance(w, bytes) else str(w)
-            pipe.hmget(keys.worker(wid), ["engine", "upstream_state"])
-        rows = [r for r in await pipe.execute() if r[0] is not None]  # no hash: its heartbeat expired
-        if rows and all(r[1] in (b"open", "open") for r in rows):
-            down.append(name)
-    return down
 
 
 async def metrics(request: web.Request) -> web.Response:

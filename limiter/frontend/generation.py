@@ -132,7 +132,7 @@ class Generation:
             if fe.shutting_down:
                 raise ApiError(503, "This frontend is shutting down; retry (another one will serve you)",
                                   code="shutting_down", retry_after_s=1, outcome="unavailable")
-            if why := fe.not_ready_because():
+            if why := fe.not_ready_because(self.req.pool.name):
                 raise RedisUnavailable(f"this frontend is not ready: {why}")
             try:
                 adm = await self._admit_once(payload)
@@ -183,7 +183,7 @@ class Generation:
         fe.quota.admitted(self.req.pool.name, self.tenant.name)
         fe.metrics.admission.labels(*self.labels).observe(now - started)
         if adm.deadline_ms:
-            remaining_s = (adm.deadline_ms - fe.heartbeat.redis_now_ms()) / 1000
+            remaining_s = (adm.deadline_ms - fe.heartbeat.redis_now_ms(self.req.pool.name)) / 1000
         else:  # a retried call found it admitted already: its deadline is about max wait away
             remaining_s = self.max_wait_ms / 1000
         self.local_deadline = now + max(remaining_s, 0.0) + DEADLINE_SLACK_S

@@ -46,7 +46,7 @@ class QuotaCheck:
     """The tenants to check before counting, per pool, and the check (one HMGET)."""
 
     def __init__(self, client: Any, pool_keys: Mapping[str, PoolKeys], upstream_counted: set[str],
-                 redis_now_ms: Callable[[], float]) -> None:
+                 redis_now_ms: Callable[[str], float]) -> None:
         self.client = client
         self.pool_keys = pool_keys
         self.upstream_counted = upstream_counted
@@ -87,7 +87,8 @@ class QuotaCheck:
         if tokens is None or ts is None:
             return  # a bucket not written yet is full
         rate, burst = tenant.rate_tokens_s, tenant.rate_tokens_s * tenant.burst_s
-        level = min(float(tokens) + rate * max(self.redis_now_ms() - float(ts), 0.0) / 1000, burst)
+        elapsed_ms = max(self.redis_now_ms(draft.pool.name) - float(ts), 0.0)
+        level = min(float(tokens) + rate * elapsed_ms / 1000, burst)
         need = min(least_cost(draft, cls), burst)  # admit asks min(cost, burst) of the bucket
         if level >= need or rate <= 0:
             return

@@ -24,6 +24,8 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from redis.asyncio.cluster import RedisCluster
+
 from limiter.backoff import Backoff
 from limiter.frontend.metrics import FrontendMetrics
 from limiter.heartbeats import prune_stale
@@ -265,7 +267,11 @@ class ReplyRouter:
 
 
 class Heartbeat:
-    """Liveness, Redis clock offset and measured service rates, every ``interval_s``."""
+    """Liveness, Redis clock offset and measured service rates, every ``interval_s``.
+
+    Each pool beats on its own: on a Redis Cluster a pool lives on one shard, and one shard
+    out of reach (a master down, its failover not done yet) must not stop the beats, and so
+    the readiness, of the pools on the others."""
 
     def __init__(self, client: Any, pools: Iterable[PoolKeys], frontend_id: str, classes: Iterable[str],
                  interval_s: float, trim_upto: Callable[[str], str] | None = None,
@@ -278,8 +284,9 @@ class Heartbeat:
         self.classes = list(classes)
         self.interval_s = interval_s
         self.trim_upto = trim_upto
-        self.clock_offset_ms = 0.0  # Redis time - local wall time
-        self.last_ok = 0.0  # time.monotonic() of the last complete beat
+        self.clock_offset_ms = 0.0  # Redis time - local wall time (the last pool measured)
+        self._offsets: dict[str, float] = {}  # the same per pool: a cluster's hosts' clocks differ
+        self.pool_ok: dict[str, float] = {}  # pool -> time.monotonic() of its last complete beat
         # pool -> how long the scripts should remember, after we lost Redis, that we were alive
         # (``keys.outage``; two heartbeat TTLs); empty: never written
         self.outage_grace_ms = outage_grace_ms or {}
@@ -288,73 +295,95 @@ class Heartbeat:
         # Called when a beat finds its own entry gone (Redis restarted empty or was flushed, or
         # failed over to a replica that had not seen it): what Redis held may be lost.
         self.on_entry_lost = on_entry_lost
-        self._last_beat_ms = 0  # Redis ms of the last complete beat
-        self._in_beat = False  # a beat started and has not completed (Redis lost meanwhile)
+        self._last_beat_ms: dict[str, int] = {}  # pool -> Redis ms of its last complete beat
+        self._in_beat: set[str] = set()  # pools whose beat started and did not complete
         self._claimed: dict[tuple[str, str], tuple[float, int]] = {}
         self._rates: dict[tuple[str, str], float] = {}
 
-    def redis_now_ms(self) -> float:
-        return time.time() * 1000 + self.clock_offset_ms
+    def redis_now_ms(self, pool: str | None = None) -> float:
+        """Redis' clock now: ``pool``'s shard's (as its scripts stamp it) where measured."""
+        offset = self._offsets.get(pool, self.clock_offset_ms) if pool is not None else self.clock_offset_ms
+        return time.time() * 1000 + offset
 
-    def fresh(self, max_age_s: float) -> bool:
-        return self.last_ok > 0 and time.monotonic() - self.last_ok <= max_age_s
+    @property
+    def last_ok(self) -> float:
+        """time.monotonic() by which every pool had completed a beat (0: one never did)."""
+        return min((self.pool_ok.get(k.pool, 0.0) for k in self.pools), default=0.0)
+
+    def fresh(self, max_age_s: float, pool: str | None = None) -> bool:
+        """Whether every pool (or ``pool``) beat within ``max_age_s``."""
+        last = self.last_ok if pool is None else self.pool_ok.get(pool, 0.0)
+        return last > 0 and time.monotonic() - last <= max_age_s
 
     def service_rate(self, pool: str, cls: str) -> float | None:
         """Claims per second of ``cls`` in ``pool`` (smoothed), or None before two samples."""
         return self._rates.get((pool, cls))
 
     async def beat(self) -> None:
-        """One heartbeat for every pool; raises on Redis errors (the caller decides).
+        """One heartbeat for every pool, the pools at the same time, each on its own; raises
+        the first pool's error once every pool was tried (the caller counts and logs it)."""
+        results = await asyncio.gather(*(self.beat_pool(k) for k in self.pools), return_exceptions=True)
+        if failed := [r for r in results if isinstance(r, BaseException)]:
+            raise failed[0]
 
-        The first beat that completes after one that did not (Redis restarted, or was out of
-        reach) first records, once per outage, when the frontends last reached Redis: the
-        lifecycle scripts then do not take another frontend for dead just because it
-        reconnects a moment later than this one (lua/include/liveness.lua, frontend_alive)."""
-        interrupted = self._in_beat and self._last_beat_ms > 0
-        first = self._last_beat_ms == 0
-        self._in_beat = True
+    async def _redis_time(self, keys: PoolKeys) -> tuple[float, float, float]:
+        """(Redis ms by ``keys``' shard, local wall time before and after the call, s)."""
         t0 = time.time()
-        sec, usec = await self.client.time()
-        t1 = time.time()
-        redis_ms = int(sec) * 1000 + int(usec) / 1000
-        self.clock_offset_ms = redis_ms - (t0 + t1) * 500  # against the round trip's midpoint
+        if isinstance(self.client, RedisCluster):
+            await self.client.initialize()  # a no-op once the slot map is read
+            node = self.client.get_node_from_key(keys.policy)
+            sec, usec = await self.client.execute_command("TIME", target_nodes=node)
+        else:
+            sec, usec = await self.client.time()
+        return int(sec) * 1000 + int(usec) / 1000, t0, time.time()
+
+    async def beat_pool(self, keys: PoolKeys) -> None:
+        """One pool's beat. The first that completes after one that did not (Redis restarted,
+        or was out of reach) first records, once per outage, when the frontends last reached
+        Redis: the lifecycle scripts then do not take another frontend for dead just because
+        it reconnects a moment later than this one (lua/include/liveness.lua, frontend_alive)."""
+        pool = keys.pool
+        last_ms = self._last_beat_ms.get(pool, 0)
+        interrupted = pool in self._in_beat and last_ms > 0
+        first = last_ms == 0
+        self._in_beat.add(pool)
+        redis_ms, t0, t1 = await self._redis_time(keys)
+        self._offsets[pool] = self.clock_offset_ms = redis_ms - (t0 + t1) * 500  # the round trip's midpoint
         now_ms = int(redis_ms)
-        for keys in self.pools:
-            grace = self.outage_grace_ms.get(keys.pool)
-            lost = self._last_beat_ms if interrupted else None
-            if first and grace:
-                # A process's first beat cannot tell whether the others lost Redis (it may have
-                # started during an outage): when no frontend has beaten within the TTL, the
-                # newest beat is when they did. Without the marker its own beat made the
-                # frontends that lived through the outage dead to every script until they
-                # beat again, and their requests were cancelled.
-                newest = await self.client.zrange(keys.frontends, -1, -1, withscores=True)
-                if newest and newest[0][1] < now_ms - grace / 2:
-                    lost = int(newest[0][1])
-            pipe = self.client.pipeline(transaction=False)
-            marked = lost is not None and bool(grace)
-            if marked:  # before the ZADD: no script may see us fresh without it
-                pipe.set(keys.outage, lost, nx=True, px=grace)
-            pipe.zadd(keys.frontends, {self.frontend_id: now_ms})
-            pipe.hmget(keys.stats, [f"{c}.claimed" for c in self.classes])
-            last = self.trim_upto(keys.pool) if self.trim_upto else "0-0"
-            if last != "0-0":
-                # Entries up to the last one read were handed out already; keep the stream small.
-                pipe.xtrim(keys.reply(self.frontend_id), minid=last, approximate=False)
-            res = await pipe.execute()
-            self._sample_rates(keys.pool, res[2 if marked else 1], time.monotonic())
-            if res[1 if marked else 0] and not first and self.on_entry_lost is not None:
-                # ZADD added us anew: only leave() removes our entry, and a pruner only one
-                # silent far past every liveness rule (whose requests Redis cancelled already).
-                await self.on_entry_lost(keys)
-        self.last_ok = time.monotonic()
-        self._last_beat_ms = now_ms
-        self._in_beat = False
-        for keys in self.pools:
-            if (after := self.prune_after_ms.get(keys.pool)) is not None:
-                # Frontends killed without leaving; never while an outage marker says an old
-                # beat may still count as alive (lua/include/liveness.lua).
-                await prune_stale(self.client, keys.frontends, now_ms - after, skip_while=keys.outage)
+        grace = self.outage_grace_ms.get(pool)
+        lost = last_ms if interrupted else None
+        if first and grace:
+            # A process's first beat cannot tell whether the others lost Redis (it may have
+            # started during an outage): when no frontend has beaten within the TTL, the
+            # newest beat is when they did. Without the marker its own beat made the
+            # frontends that lived through the outage dead to every script until they
+            # beat again, and their requests were cancelled.
+            newest = await self.client.zrange(keys.frontends, -1, -1, withscores=True)
+            if newest and newest[0][1] < now_ms - grace / 2:
+                lost = int(newest[0][1])
+        pipe = self.client.pipeline(transaction=False)
+        marked = lost is not None and bool(grace)
+        if marked:  # before the ZADD: no script may see us fresh without it
+            pipe.set(keys.outage, lost, nx=True, px=grace)
+        pipe.zadd(keys.frontends, {self.frontend_id: now_ms})
+        pipe.hmget(keys.stats, [f"{c}.claimed" for c in self.classes])
+        last = self.trim_upto(pool) if self.trim_upto else "0-0"
+        if last != "0-0":
+            # Entries up to the last one read were handed out already; keep the stream small.
+            pipe.xtrim(keys.reply(self.frontend_id), minid=last, approximate=False)
+        res = await pipe.execute()
+        self._sample_rates(pool, res[2 if marked else 1], time.monotonic())
+        if res[1 if marked else 0] and not first and self.on_entry_lost is not None:
+            # ZADD added us anew: only leave() removes our entry, and a pruner only one
+            # silent far past every liveness rule (whose requests Redis cancelled already).
+            await self.on_entry_lost(keys)
+        self.pool_ok[pool] = time.monotonic()
+        self._last_beat_ms[pool] = now_ms
+        self._in_beat.discard(pool)
+        if (after := self.prune_after_ms.get(pool)) is not None:
+            # Frontends killed without leaving; never while an outage marker says an old
+            # beat may still count as alive (lua/include/liveness.lua).
+            await prune_stale(self.client, keys.frontends, now_ms - after, skip_while=keys.outage)
 
     def _sample_rates(self, pool: str, counts: list[Any], now: float) -> None:
         for cls, raw in zip(self.classes, counts, strict=True):

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -59,6 +61,7 @@ class Frontend:
         self.frontend_id = frontend_id or f"fe-{uuid.uuid4().hex[:16]}"
         self.keyring = KeyRing(cfg)
         self.pool_keys = {p.name: PoolKeys(p.name) for p in cfg.pools}
+        self.cfg_pools = {p.name: p for p in cfg.pools}
         self.classes = {c.name: c for c in cfg.classes}
         # Each pool's prompts are counted in its own tokens (limiter/token_count.py).
         self.counters = {p.name: token_count.counter_for(p.tokenizer, p.tokenizer_url, cfg.worker,
@@ -83,7 +86,8 @@ class Frontend:
                                    prune_after_ms={p.name: 4 * p.frontend_ttl_ms for p in cfg.pools},
                                    on_entry_lost=self._find_lost_requests)
         self.quota = QuotaCheck(self.client, self.pool_keys, upstream_counted, self.heartbeat.redis_now_ms)
-        self.bootstrapped = False
+        self.bootstrapped = False  # one pool set up at least (the heartbeat loop beats from then on)
+        self.set_up: set[str] = set()  # the pools whose scripts, policy and first beat are done
         # A configuration error its start met once Redis answered (a Redis Cluster node named
         # without redis.cluster): /readyz gives it as the reason (it names no address)
         self.config_problem = ""
@@ -113,15 +117,32 @@ class Frontend:
         # it propagates and the process does not start.
         with contextlib.suppress(*REDIS_ERRORS):
             await self._bootstrap()
-        self._tasks.append(asyncio.create_task(self._heartbeat_loop(), name="heartbeat"))
+        for k in self.pool_keys.values():
+            self._tasks.append(asyncio.create_task(self._heartbeat_loop(k), name=f"heartbeat-{k.pool}"))
 
     async def _bootstrap(self) -> None:
-        await self.scripts.load_all()
-        for pool in self.cfg.pools:
-            await self.init_pool(pool)
-        await self.heartbeat.beat()  # before anything is admitted: claim must see us alive
-        self.bootstrapped = True
-        log.info("frontend %s ready (pools: %s)", self.frontend_id, ", ".join(self.pool_keys))
+        """Set up every pool not set up yet (:meth:`_set_up`), the pools at the same time.
+        Raises the first error met, once every pool was tried."""
+        pools = [p for p in self.cfg.pools if p.name not in self.set_up]
+        results = await asyncio.gather(*(self._set_up(p) for p in pools), return_exceptions=True)
+        if failed := [r for r in results if isinstance(r, BaseException)]:
+            raise failed[0]
+
+    async def _set_up(self, pool: PoolConfig) -> None:
+        """Set up one pool: the scripts loaded and the policy written on its server, its first
+        beat (before anything is admitted: claim must see us alive). The frontend is ready
+        once one pool is; each pool's heartbeat loop sets its pool up once its server answers
+        (on a Redis Cluster, one shard down at the start kept every pool out of service)."""
+        keys = self.pool_keys[pool.name]
+        await self.scripts.load_all(keys)
+        await self.init_pool(pool)
+        await self.heartbeat.beat_pool(keys)
+        self.set_up.add(pool.name)
+        if not self.bootstrapped:
+            self.bootstrapped = True
+            log.info("frontend %s ready (pools: %s)", self.frontend_id, ", ".join(self.pool_keys))
+        elif len(self.pool_keys) > 1:
+            log.info("frontend %s: pool %s set up", self.frontend_id, pool.name)
 
     async def _find_lost_requests(self, keys: PoolKeys) -> None:
         """Our heartbeat entry was gone: Redis may have lost what it held (a restart without
@@ -135,7 +156,7 @@ class Frontend:
                     "checking %d requests", self.frontend_id, keys.pool, len(ids))
         await self._answer_lost(keys, ids)
 
-    async def _sweep_lost_requests(self) -> None:
+    async def _sweep_lost_requests(self, keys: PoolKeys) -> None:
         """Every LOST_SWEEP_S: the admitted requests whose record is gone with our heartbeat
         entry still there (a failover to a replica that had not got the last writes, a key
         deleted by hand) are answered as :meth:`_find_lost_requests` answers them; they waited
@@ -143,13 +164,12 @@ class Frontend:
         reply stream cannot be read, nor before its reader has caught up with what piled up
         meanwhile: a finished request's record may expire (record_ttl_s) before its final
         reply, still in the stream, is read."""
-        for keys in self.pool_keys.values():
-            if not self.router.caught_up.get(keys.pool):
-                continue
-            if lost := await self._answer_lost(keys, self.router.admitted_in(keys.pool)):
-                log.warning("frontend %s: %d requests of pool %s had no record in Redis (a failover to a "
-                            "replica that lagged?); answered 503 request_lost", self.frontend_id, lost,
-                            keys.pool)
+        if not self.router.caught_up.get(keys.pool):
+            return
+        if lost := await self._answer_lost(keys, self.router.admitted_in(keys.pool)):
+            log.warning("frontend %s: %d requests of pool %s had no record in Redis (a failover to a "
+                        "replica that lagged?); answered 503 request_lost", self.frontend_id, lost,
+                        keys.pool)
 
     async def _answer_lost(self, keys: PoolKeys, ids: list[str]) -> int:
         """Answer those of ``ids`` whose record is gone; returns how many."""
@@ -171,35 +191,37 @@ class Frontend:
         """Write the pool's static policy; keep_rates leaves the controller's rates alone."""
         await self.scripts.init_pool(self.pool_keys[pool.name], policy_document(self.cfg, pool))
 
-    async def _heartbeat_loop(self) -> None:
+    async def _heartbeat_loop(self, keys: PoolKeys) -> None:
+        """One pool's heartbeat and chores, every ``heartbeat_s``, apart from the other pools':
+        on a Redis Cluster a shard out of reach (refused, or a host that does not answer, each
+        call then waiting out its socket timeout) stops or slows its own pools' beats only."""
         loop = asyncio.get_running_loop()
         next_reap = loop.time() + self.settings.reap_s
         next_sweep = loop.time() + LOST_SWEEP_S
+        pool = self.cfg_pools[keys.pool]
         # Through an outage it keeps beating at its period (the back-off only logs: once when
         # the outage starts, once when a beat succeeds again).
-        backoff = Backoff("heartbeat", first_s=self.settings.heartbeat_s, max_s=self.settings.heartbeat_s,
-                          logger=log)
+        what = "heartbeat" if len(self.pool_keys) == 1 else f"heartbeat of pool {keys.pool}"
+        period = self.settings.heartbeat_s
+        backoff = Backoff(what, first_s=period, max_s=period, logger=log)
         while not self._stop.is_set():
             with contextlib.suppress(TimeoutError):
                 async with asyncio.timeout(self.settings.heartbeat_s):
                     await self._stop.wait()
                 return
             try:
-                if self.bootstrapped:
-                    await self.heartbeat.beat()
-                    if self.unsent_cancels:
-                        await self._send_unsent_cancels()
-                    if loop.time() >= next_sweep:
+                if keys.pool in self.set_up:
+                    sweep = loop.time() >= next_sweep
+                    if sweep:
                         next_sweep = loop.time() + LOST_SWEEP_S
-                        await self._sweep_lost_requests()
-                    if self.settings.reap_s and loop.time() >= next_reap:
-                        # Frontends sweep too, so requests are finished in time even while no
-                        # worker or controller of a pool runs (each call is bounded).
+                    # Frontends reap too, so requests are finished in time even while no
+                    # worker or controller of a pool runs (each call is bounded).
+                    reap = bool(self.settings.reap_s) and loop.time() >= next_reap
+                    if reap:
                         next_reap = loop.time() + self.settings.reap_s
-                        for keys in self.pool_keys.values():
-                            await self.scripts.reap_all(keys, max_calls=4)
+                    await self._beat(keys, sweep=sweep, reap=reap)
                 else:
-                    await self._bootstrap()
+                    await self._set_up(pool)
             except asyncio.CancelledError:
                 raise
             except ConfigError as exc:  # the deployment, not an outage: said once, and by /readyz
@@ -212,6 +234,27 @@ class Frontend:
                 backoff.next_delay(exc)
             else:
                 backoff.succeeded()
+
+    async def _beat(self, keys: PoolKeys, *, sweep: bool, reap: bool) -> None:
+        """The pool's beat, then its chores (kept cancels, the lost-record sweep, the reap),
+        each on its own: a kept cancel that kept failing skipped the others. Raises the first
+        error met, once each was tried (the loop counts and logs it)."""
+        await self.heartbeat.beat_pool(keys)
+        chores: list[Callable[[], Awaitable[Any]]] = []
+        if any(kept[0] == keys for kept in self.unsent_cancels.values()):
+            chores.append(functools.partial(self._send_unsent_cancels, keys))
+        if sweep:
+            chores.append(functools.partial(self._sweep_lost_requests, keys))
+        if reap:
+            chores.append(functools.partial(self.scripts.reap_all, keys, max_calls=4))
+        failed: list[BaseException] = []
+        for chore in chores:
+            try:
+                await chore()
+            except Exception as exc:
+                failed.append(exc)
+        if failed:
+            raise failed[0]
 
     async def stop(self) -> None:
         # Cancels started by handlers (client gone, shutdown) must reach Redis first.
@@ -283,16 +326,30 @@ class Frontend:
                               "prompt's tokens; retry shortly", code="tokenizer_unavailable", retry_after_s=1,
                               outcome="unavailable") from exc
 
-    def not_ready_because(self) -> str:
-        """Why this frontend cannot serve ('' when it can): not bootstrapped, heartbeat stale,
-        or a pool's reply reader not reading (its connections are its own and can fail while
-        the command ones work: requests would be admitted whose answers nobody reads)."""
+    def not_ready_because(self, pool: str | None = None) -> str:
+        """Why this frontend cannot serve ``pool`` ('' when it can); with no pool, why it can
+        serve none of its pools ('' when one can: the others' problems are the degraded
+        pools of /readyz). A pool cannot be served while its heartbeat is stale or its reply
+        reader does not read (its connections are its own and can fail while the command
+        ones work: requests would be admitted whose answers nobody reads). Per pool, because
+        on a Redis Cluster each pool lives on one shard: one shard out of reach took every
+        pool out of service, and /readyz every frontend out of its load balancer."""
         if not self.bootstrapped:
             return self.config_problem or "not connected to Redis yet"
-        if not self.heartbeat.fresh(self._fresh_s):
-            return "heartbeat is stale"
-        if down := [pool for pool, ok in self.router.healthy.items() if not ok]:
-            return f"the reply stream of pool {', '.join(down)} cannot be read"
+        problems = [why for p in ([pool] if pool is not None else self.pool_keys)
+                    if (why := self.pool_problem(p))]
+        if len(problems) < (1 if pool is not None else len(self.pool_keys)):
+            return ""
+        return "; ".join(problems)
+
+    def pool_problem(self, pool: str) -> str:
+        """Why ``pool`` cannot be served by this frontend now ('' when it can)."""
+        if pool not in self.set_up:
+            return f"pool {pool} is not set up yet: its Redis server has not answered since the start"
+        if not self.heartbeat.fresh(self._fresh_s, pool):
+            return f"the heartbeat of pool {pool} is stale"
+        if not self.router.healthy.get(pool):
+            return f"the reply stream of pool {pool} cannot be read"
         return ""
 
     def ready(self) -> bool:
@@ -341,12 +398,13 @@ class Frontend:
         self.unsent_cancels[request_id] = (keys, tenant, reason, give_up_at)
         self.metrics.unsent_cancels.set(len(self.unsent_cancels))
 
-    async def _send_unsent_cancels(self) -> None:
-        """Send the kept cancels (at most UNSENT_CANCELS_PER_BEAT, oldest first); an outage
-        met on the way keeps the rest (and the one it met) for the next beat."""
+    async def _send_unsent_cancels(self, pool: PoolKeys) -> None:
+        """Send ``pool``'s kept cancels (at most UNSENT_CANCELS_PER_BEAT, oldest first); an
+        outage met on the way keeps the rest (and the one it met) for the next beat."""
         now = time.monotonic()
         try:
-            for request_id in list(self.unsent_cancels)[:UNSENT_CANCELS_PER_BEAT]:
+            mine = [rid for rid, kept in self.unsent_cancels.items() if kept[0] == pool]
+            for request_id in mine[:UNSENT_CANCELS_PER_BEAT]:
                 keys, tenant, reason, give_up_at = self.unsent_cancels[request_id]
                 if now >= give_up_at:
                     del self.unsent_cancels[request_id]
@@ -373,7 +431,7 @@ class Frontend:
         sample = build_sample(pool=keys.pool, cls=cls, tenant=tenant, outcome="rejected",
                               request_id=request_id, worker="", input_tokens=input_tokens, output_tokens=0,
                               queue_wait_ms=0, e2e_ms=round(waited_ms),
-                              ts_ms=int(self.heartbeat.redis_now_ms()),
+                              ts_ms=int(self.heartbeat.redis_now_ms(keys.pool)),
                               ttft_at_least_ms=ttft_at_least_ms)
         task = asyncio.create_task(self._add_sample(keys, pack_sample(sample)))
         self._background.add(task)

@@ -1,0 +1,203 @@
+"""One shard of a Redis Cluster out of reach takes only the pools on it out of service.
+
+A private 3-master cluster run with ``cluster-require-full-coverage no`` (the setting with
+which a cluster keeps serving the slots it still covers: an operator's choice where each
+shard's pools are separate products), two pools on two shards, a frontend serving both,
+a sim worker per pool and a controller for both, all real processes. The first pool's
+master is killed. The frontend beat every pool in one loop and its readiness asked every
+primary: it refused both pools' requests and /readyz said 503, so behind a readiness
+probe one shard took every frontend out of its load balancer. Now the other pool is
+served, its heartbeat moves, its controller ticks, and /readyz lists the lost pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import aiohttp
+import pytest
+from redis.asyncio.cluster import RedisCluster
+
+from limiter.keys import PoolKeys
+from limiter.localstack.redis_server import LocalRedisCluster
+from tests.support.redis_server import pools_on_different_shards
+from tests.support.reliability_stack import KEY_P0, LiveStack, base_config
+
+DEADLINE_S = 60.0
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = DEADLINE_S) -> None:
+    """Wait until ``check()`` holds (it may raise meanwhile: not yet), at most ``timeout_s``."""
+    end = time.monotonic() + timeout_s
+    last: BaseException | None = None
+    while time.monotonic() < end:
+        try:
+            if await check():
+                return
+        except Exception as exc:  # the state is not there yet
+            last = exc
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what} (last error: {last!r})")
+
+
+async def _complete(http: aiohttp.ClientSession, base: str, pool: str) -> tuple[int, dict]:
+    """One 8-token completion of ``pool``'s model through the frontend at ``base``."""
+    body = {"model": f"model-{pool}", "prompt": "hello", "max_tokens": 8}
+    headers = {"Authorization": f"Bearer {KEY_P0}"}
+    async with http.post(base + "/v1/completions", json=body, headers=headers) as r:
+        return r.status, await r.json()
+
+
+@pytest.fixture
+def private_cluster() -> LocalRedisCluster:
+    cluster = LocalRedisCluster(extra=["--cluster-require-full-coverage", "no"]).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+async def test_a_shard_down_takes_only_its_own_pools_out_of_service(
+        private_cluster: LocalRedisCluster, tmp_path: Path) -> None:
+    client = RedisCluster.from_url(private_cluster.url)
+    await client.initialize()
+    lost, kept = pools_on_different_shards(client)
+    cfg = base_config(private_cluster.url, pools=(lost, kept), cluster=True)
+    for p in cfg["pools"]:
+        p["model"] = f"model-{p['name']}"
+    stack = LiveStack(tmp_path, cfg)
+    try:
+        stack.frontend("fe0")
+        for p in (lost, kept):
+            stack.worker(f"w-{p}", pool=p)
+        stack.controller("ctl0")
+        await stack.wait_ready(client)
+        base = stack.base("fe0")
+        keys = PoolKeys(kept)
+        survivor = client.get_node_from_key(keys.policy)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+
+            def complete(pool: str) -> Awaitable[tuple[int, dict]]:
+                return _complete(http, base, pool)
+
+            async def readyz(query: str = "") -> tuple[int, dict]:
+                async with http.get(base + "/readyz" + query) as r:
+                    return r.status, await r.json()
+
+            for p in (lost, kept):
+                assert (await complete(p))[0] == 200
+            private_cluster.owner(PoolKeys(lost).policy).stop()
+            killed_ms = int(time.time() * 1000)
+
+            async def lost_is_degraded() -> bool:
+                status, body = await readyz()
+                return status == 200 and body.get("degraded") == {lost: "its Redis shard cannot be reached"}
+
+            await _until(lost_is_degraded, f"/readyz to be 200 with pool {lost} listed as degraded")
+            status, body = await readyz(f"?pool={lost}")
+            assert status == 503 and body["reason"] == f"Redis unavailable for pool {lost}"
+            assert (await readyz(f"?pool={kept}"))[0] == 200
+
+            status, body = await complete(lost)
+            assert status == 503 and body["error"]["code"] == "redis_unavailable"
+            # The kept pool's shard loses its scripts too (a restart without the cache): they
+            # are loaded again on that shard alone, by the frontend and by the worker.
+            # redis-py's own fallback loaded them on every primary, the dead one included,
+            # and failed. (After the readiness checks, which load them too.)
+            await client.execute_command("SCRIPT", "FLUSH", target_nodes=survivor)
+            for _ in range(5):  # the kept pool is served, end to end, again and again
+                status, body = await complete(kept)
+                assert status == 200, body
+                assert body["usage"]["completion_tokens"] == 8
+
+            async def beats_after_the_kill() -> bool:
+                score = await client.zscore(keys.frontends, (await stack.frontend_ids())["fe0"])
+                return score is not None and score > killed_ms + 2000
+
+            await _until(beats_after_the_kill, f"the frontend's heartbeat in pool {kept} to move on")
+
+            async def controller_ticks() -> bool:
+                updated = await client.hget(keys.compliance, ".updated_ms")
+                return updated is not None and int(updated) > killed_ms + 2000
+
+            await _until(controller_ticks, f"the controller to publish pool {kept}'s figures after the kill")
+    finally:
+        stack.stop()
+        await client.aclose()
+
+
+async def test_a_frontend_started_while_a_shard_hangs_serves_the_others_then_that_pool_once_back(
+        private_cluster: LocalRedisCluster, tmp_path: Path) -> None:
+    """A frontend (and a worker) started while one shard's host does not answer at all (its
+    process stopped: every call to it waits out its socket timeout). The start loaded the
+    scripts on every primary, and the frontend was never ready for any pool; and one beat
+    loop for all pools would have waited on that shard at every beat. Now the other pool
+    is served at once, /readyz answers within a probe's timeout, and the lost pool is set
+    up and served once its shard answers again."""
+    client = RedisCluster.from_url(private_cluster.url)
+    await client.initialize()
+    a, b = pools_on_different_shards(client)
+    seed_port = private_cluster.nodes[0].port  # the clients' seed node must answer: not the hung one
+    lost, kept = (a, b) if client.get_node_from_key(PoolKeys(a).policy).port != seed_port else (b, a)
+    hung = private_cluster.owner(PoolKeys(lost).policy)
+    assert hung.port != seed_port
+    cfg = base_config(private_cluster.url, pools=(lost, kept), cluster=True)
+    for p in cfg["pools"]:
+        p["model"] = f"model-{p['name']}"
+    stack = LiveStack(tmp_path, cfg)
+    assert hung.proc is not None
+    os.kill(hung.proc.pid, signal.SIGSTOP)
+    try:
+        stack.frontend("fe0")
+        for p in (lost, kept):
+            stack.worker(f"w-{p}", pool=p)
+        base = stack.base("fe0")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+
+            def complete(pool: str) -> Awaitable[tuple[int, dict]]:
+                return _complete(http, base, pool)
+
+            async def readyz() -> tuple[int, dict, float]:
+                t0 = time.monotonic()
+                async with http.get(base + "/readyz") as r:
+                    return r.status, await r.json(), time.monotonic() - t0
+
+            async def kept_served() -> bool:
+                status, body, _ = await readyz()
+                return status == 200 and set(body.get("degraded", {})) == {lost} \
+                    and (await complete(kept))[0] == 200
+
+            await _until(kept_served, f"pool {kept} served while pool {lost}'s shard hangs")
+            status, body, took_s = await readyz()
+            assert status == 200 and took_s < 1.0, (status, body, took_s)
+            status, body = await complete(lost)
+            assert status == 503 and body["error"]["code"] == "redis_unavailable"
+            # The kept pool beats at its own period meanwhile: one loop for every pool beat it
+            # once per call to the hung shard (its socket timeout, 5 s), and its heartbeat went
+            # stale between. Over 8 s, 32 beats are due; 4 is what a loaded machine must beat.
+            fe_id = (await stack.frontend_ids())["fe0"]
+            scores, end = set(), time.monotonic() + 8.0
+            while time.monotonic() < end:
+                scores.add(await client.zscore(PoolKeys(kept).frontends, fe_id))
+                await asyncio.sleep(0.05)
+            assert len(scores) >= 4, f"pool {kept} beat {len(scores)} times in 8 s while another shard hung"
+
+            os.kill(hung.proc.pid, signal.SIGCONT)
+
+            async def lost_served() -> bool:
+                status, body, _ = await readyz()
+                return status == 200 and "degraded" not in body and (await complete(lost))[0] == 200
+
+            await _until(lost_served, f"pool {lost} set up and served once its shard answers")
+            assert (await complete(kept))[0] == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung.proc.pid, signal.SIGCONT)
+        stack.stop()
+        await client.aclose()
