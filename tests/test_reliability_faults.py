@@ -743,6 +743,37 @@ async def test_frontends_reconnecting_one_after_another_are_not_taken_for_dead(
     assert (await scripts.renew_leases(POOL, "w1", held)).stop == ["late-1"]
 
 
+async def test_a_frontend_leaves_every_pool_whose_server_answers(redis_server: Any, sync_redis: Any) -> None:
+    """At a clean stop a frontend leaves each pool's frontends set: one pool's server out of
+    reach (a Redis Cluster shard down) made it skip every pool after it in the list, whose
+    scripts counted it alive until its TTL ran out."""
+    pools = [PoolKeys("gone"), POOL]
+    hb = Heartbeat(aioredis.from_url(redis_server.url), pools, "fe-x", ["P0"], 0.1)
+    try:
+        await hb.beat()
+        assert all(sync_redis.zscore(k.frontends, "fe-x") is not None for k in pools)
+        real = hb.client.pipeline
+
+        def pipeline(*args: Any, **kwargs: Any) -> Any:  # the first pool's server does not answer
+            pipe = real(*args, **kwargs)
+            execute = pipe.execute
+
+            async def checked(*a: Any, **kw: Any) -> Any:
+                if pipe.command_stack and pools[0].frontends in map(str, pipe.command_stack[0][0]):
+                    raise ConnectionError("the shard of pool gone is out of reach")
+                return await execute(*a, **kw)
+
+            pipe.execute = checked
+            return pipe
+
+        hb.client.pipeline = pipeline
+        await hb.leave()
+        assert sync_redis.zscore(POOL.frontends, "fe-x") is None, "a pool after the lost one was not left"
+        assert sync_redis.zscore(pools[0].frontends, "fe-x") is not None
+    finally:
+        await hb.client.aclose()
+
+
 async def test_the_first_beat_after_losing_redis_records_the_outage(
     redis_server: Any, sync_redis: Any
 ) -> None:

@@ -398,15 +398,19 @@ class Heartbeat:
             self._rates[(pool, cls)] = rate if old is None else 0.5 * old + 0.5 * rate
 
     async def leave(self) -> None:
-        """On clean shutdown: stop counting as alive (nothing of ours is in flight by then)."""
-        with contextlib.suppress(Exception):
-            for keys in self.pools:
-                # The reply stream goes too: nothing reads it any more (a late entry from a
-                # worker creates it again, with its TTL).
-                pipe = self.client.pipeline(transaction=False)
-                pipe.zrem(keys.frontends, self.frontend_id)
-                pipe.delete(keys.reply(self.frontend_id))
-                await pipe.execute()
+        """On clean shutdown: stop counting as alive (nothing of ours is in flight by then),
+        in every pool whose server answers: the pools at the same time, each on its own (one
+        shard out of reach left every pool after it in the list counting us alive)."""
+
+        async def leave_pool(keys: PoolKeys) -> None:
+            # The reply stream goes too: nothing reads it any more (a late entry from a
+            # worker creates it again, with its TTL).
+            pipe = self.client.pipeline(transaction=False)
+            pipe.zrem(keys.frontends, self.frontend_id)
+            pipe.delete(keys.reply(self.frontend_id))
+            await pipe.execute()
+
+        await asyncio.gather(*(leave_pool(k) for k in self.pools), return_exceptions=True)
 
 
 def drain_estimate_s(depth: int, rate: float | None, fallback_s: float) -> int:
