@@ -198,10 +198,14 @@ async def test_a_baseline_lua_dir_is_measured_in_the_same_rounds(tmp_path) -> No
 
 
 def test_a_quantile_counts_the_calls_too_fast_to_be_logged() -> None:
-    assert quantile_us([20, 30, 40, 50], 4, 0.5) == 40.0  # every call logged
+    """Nearest rank (ceil(q * calls)), as the other benches' percentiles: the median of an
+    even count is its lower middle (it was the upper one)."""
+    assert quantile_us([20, 30, 40, 50], 4, 0.5) == 30.0  # every call logged
+    assert quantile_us([20, 30, 40, 50, 60], 5, 0.5) == 40.0
     assert quantile_us([20, 30, 40, 50], 4, 1.0) == 50.0
-    assert quantile_us([40, 50], 4, 0.5) == 40.0  # two under the threshold, not logged
-    assert quantile_us([50], 4, 0.5) is None  # the median call was among the unlogged
+    assert quantile_us(list(range(100)), 100, 0.99) == 98.0  # the 99th of 100, not the last
+    assert quantile_us([30, 40, 50], 4, 0.5) == 30.0  # one under the threshold, not logged
+    assert quantile_us([40, 50], 4, 0.5) is None  # the median call was among the unlogged
     assert quantile_us([], 4, 1.0) is None
 
 

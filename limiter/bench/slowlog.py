@@ -10,6 +10,7 @@ is missing from the log and counted as below it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 SLOWLOG_US = 10
@@ -29,9 +30,11 @@ async def script_durations(client: Any, command: str = "evalsha") -> list[int]:
 
 
 def quantile_us(durations: list[int], calls: int, q: float) -> float | None:
-    """The q-quantile of all ``calls`` calls, those not logged being the fastest; None when
-    it falls among them (below SLOWLOG_US)."""
-    i = min(int(q * calls), calls - 1) - (calls - len(durations))
+    """The nearest-rank q-quantile of all ``calls`` calls (rank ceil(q * calls), as the other
+    benches' percentiles), those not logged being the fastest; None when it falls among them
+    (below SLOWLOG_US). (It took the upper middle of an even count.)"""
+    rank = min(max(math.ceil(round(q * calls, 9)), 1), calls)
+    i = rank - 1 - (calls - len(durations))
     return float(durations[i]) if i >= 0 else None
 
 
