@@ -157,6 +157,8 @@ async def test_a_frontend_started_while_a_shard_hangs_serves_the_others_then_tha
         stack.frontend("fe0")
         for p in (lost, kept):
             stack.worker(f"w-{p}", pool=p)
+        stack.controller("ctl0")
+        started_ms = int(time.time() * 1000)
         base = stack.base("fe0")
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
 
@@ -187,6 +189,12 @@ async def test_a_frontend_started_while_a_shard_hangs_serves_the_others_then_tha
                 scores.add(await client.zscore(PoolKeys(kept).frontends, fe_id))
                 await asyncio.sleep(0.05)
             assert len(scores) >= 4, f"pool {kept} beat {len(scores)} times in 8 s while another shard hung"
+
+            async def controller_ticks() -> bool:
+                updated = await client.hget(PoolKeys(kept).compliance, ".updated_ms")
+                return updated is not None and int(updated) > started_ms
+
+            await _until(controller_ticks, f"the controller (started meanwhile) to publish pool {kept}")
 
             os.kill(hung.proc.pid, signal.SIGCONT)
 
