@@ -42,6 +42,7 @@ from limiter.script_batcher import ScriptBatcher
 SCRIPT_NAMES = (
     "admit", "claim", "renew_leases", "push_tokens", "complete", "cancel_request",
     "reap_expired", "init_pool", "set_rates", "acquire_leader", "release_leader", "release",
+    "publish_compliance",
 )
 _INCLUDE = re.compile(r"^--!include (\S+)\s*$", re.MULTILINE)
 _FLAGS = re.compile(r"^--!flags (\S+)\s*$", re.MULTILINE)
@@ -414,6 +415,15 @@ class Scripts:
         for f, v in fields.items():
             args += [f, repr(float(v))]
         return int(await self._run("set_rates", [keys.policy, keys.leader, keys.decisions], args))
+
+    async def publish_compliance(self, keys: PoolKeys, ttl_ms: int,
+                                 fields: dict[str, str | float | int]) -> int:
+        """Replace the pool's compliance hash (``fields``, lua/publish_compliance.lua) and its
+        expiry in one call."""
+        args: list[Any] = [ttl_ms]
+        for f, v in fields.items():
+            args += [f, repr(float(v)) if isinstance(v, float) else v]
+        return int(await self._run("publish_compliance", [keys.compliance], args))
 
     async def acquire_leader(self, keys: PoolKeys, controller_id: str, ttl_ms: int) -> tuple[int, str]:
         """Returns (fence, '') when this controller leads, else (0, holder)."""

@@ -29,6 +29,7 @@ GOOD = {
     "acquire_leader": ["ctl", "1000"],
     "release_leader": ["ctl", "1"],
     "init_pool": ["{}", "keep_rates"],
+    "publish_compliance": ["10000", "P0", "0.5", ".capacity_workers", "2"],
 }
 BAD_VALUES = ["", "-1", "abc", "nan", "inf", "1e400", "1.5", "a{b}", "a:b", "x" * 70, "99999999999999999"]
 
@@ -40,6 +41,8 @@ def keys_for(name: str) -> list[str]:
         return [K.leader, K.fence]
     if name == "release_leader":
         return [K.leader]
+    if name == "publish_compliance":
+        return [K.compliance]
     return list(lifecycle_keys(K))
 
 
@@ -107,6 +110,7 @@ ACCEPTED: dict[str, dict[int, frozenset[str]]] = {
     "acquire_leader": {0: NAMEISH},
     "release_leader": {0: NAMEISH},
     "release": {0: NAMEISH, 1: NAMEISH, 3: frozenset({""}), MISSING: frozenset({""})},  # spent optional
+    "publish_compliance": {1: CLASSISH},  # a class's field: any class-shaped name
 }
 
 

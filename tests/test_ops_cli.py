@@ -106,7 +106,9 @@ async def test_a_class_named_like_an_estimate_field_keeps_its_own_compliance(are
     settings = ControllerSettings(controller_id="ctl").resolved(cfg)
     window = {"capacity": WindowStats(10, 9, 10, 9, True), "updated_ms": WindowStats(4, 1, 4, 1, True),
               "P2": WindowStats(5, 5, 5, 5, False)}
-    await publish(aredis, PoolKeys("tiny"), settings, 1_000.0, window,
+    from limiter.scripts import Scripts
+
+    await publish(Scripts(aredis), PoolKeys("tiny"), settings, 1_000.0, window,
                   CapacityEstimate(value=41_000.0, source="workers", live_workers=2, busy_intervals=3,
                                    confidence=0.8))
     tiny = (await snapshot(aredis, cfg))["pools"]["tiny"]

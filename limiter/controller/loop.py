@@ -354,7 +354,7 @@ class PoolController:
         term.last_decision = decision
         if self.term is term:  # (a term that ended meanwhile has had its figures dropped)
             record_metrics(self.metrics, self.pool.name, decision, window, estimate.value, inputs)
-        await publish(self.client, self.keys, self.settings, now_ms, window, estimate)
+        await publish(self.scripts, self.keys, self.settings, now_ms, window, estimate)
         return decision
 
     # --- errors -------------------------------------------------------------------------------

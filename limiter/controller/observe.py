@@ -19,6 +19,7 @@ from limiter.controller.slo_window import WindowStats
 from limiter.controller.term import Term, parse_float
 from limiter.errors import InvalidName
 from limiter.keys import PoolKeys
+from limiter.scripts import Scripts
 
 
 async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list[tuple[bytes, float]],
@@ -54,29 +55,22 @@ async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list
             term.workers[w] = seen
 
 
-async def publish(client: Any, keys: PoolKeys, settings: ControllerSettings, now_ms: float,
+async def publish(scripts: Scripts, keys: PoolKeys, settings: ControllerSettings, now_ms: float,
                   window: Mapping[str, WindowStats], estimate: CapacityEstimate) -> None:
     """``qos:{pool}:compliance`` for status/top: compliance per class (absent = no target or
     no samples) and the capacity estimate in dotted fields (keys.PoolKeys.compliance); it
-    expires unless the next tick rewrites it."""
-    values = {c: w.compliance for c, w in window.items()}
+    expires unless the next tick rewrites it. One script call: the hash and its expiry
+    together (a plain pipeline's HSET could land without the PEXPIRE after it, and a dead
+    controller's figures then read as current for good)."""
     ttl_ms = int(max(10.0, 10 * settings.tick_s) * 1000)  # a dead fleet's numbers fade out
-    # Not a MULTI/EXEC: redis-py's cluster client does not redirect a transaction (a reshard's
-    # ASK, the MOVED after it or after a failover came up as the tick's error, and its ASK
-    # pointed the client's slot map at the importing node), where a plain pipeline's commands
-    # follow them. Every one of its commands touches this one key, the expiry last.
-    async with client.pipeline(transaction=False) as pipe:
-        pipe.hset(keys.compliance, mapping={
-            **{c: repr(v) for c, v in values.items() if v is not None},
-            ".capacity": repr(float(estimate.value)), ".capacity_source": estimate.source,
-            ".capacity_confidence": repr(round(estimate.confidence, 3)),
-            ".capacity_workers": estimate.live_workers,
-            ".updated_ms": int(now_ms), ".controller": settings.controller_id})
-        missing = [c for c, v in values.items() if v is None]
-        if missing:
-            pipe.hdel(keys.compliance, *missing)
-        pipe.pexpire(keys.compliance, ttl_ms)
-        await pipe.execute()
+    fields: dict[str, str | float | int] = {
+        c: w.compliance for c, w in window.items() if w.compliance is not None}
+    if math.isfinite(estimate.value) and 0 <= estimate.value <= MAX_CAPACITY_TOKENS_S:
+        fields[".capacity"] = float(estimate.value)  # (else no figure: the script takes none)
+    await scripts.publish_compliance(keys, ttl_ms, fields | {
+        ".capacity_source": estimate.source, ".capacity_confidence": round(estimate.confidence, 3),
+        ".capacity_workers": estimate.live_workers, ".updated_ms": int(now_ms),
+        ".controller": settings.controller_id})
 
 
 def record_metrics(m: ControllerMetrics, pool: str, d: Decision, window: Mapping[str, WindowStats],
