@@ -92,3 +92,46 @@ async def test_a_config_error_met_once_redis_answers_is_the_readiness_reason(red
             assert time.monotonic() < deadline, f"waiting for /readyz to give the configuration error: {body}"
             await asyncio.sleep(0.05)
     assert r.status == 503 and "set redis.cluster = true" in body["reason"] and calls["n"] >= 2
+
+
+async def test_a_config_error_met_by_one_pool_is_that_pool_s_readiness_reason(redis_server, sync_redis,
+                                                                             monkeypatch):
+    """Two pools; the second's set-up meets Redis out of reach at the start, then a
+    configuration error (a node of a Redis Cluster named without redis.cluster: only the
+    keys of another node's slots are MOVED). The first pool set up made the frontend
+    bootstrapped, and /readyz listed the second as degraded for "its Redis server has not
+    answered since the start", the configuration error only logged once. It now gives that
+    error, for that pool."""
+    from limiter.errors import ConfigError, RedisUnavailable
+    from tests.support.frontend_helpers import frontend, make_cfg
+
+    cfg = make_cfg(redis_server.url)
+    tiny = cfg.pools[0]
+    cfg = validate(dataclasses.replace(cfg, pools=(tiny, dataclasses.replace(tiny, name="p1"))))
+    real_set_up = Frontend._set_up
+    calls = {"n": 0}
+
+    async def set_up(self, pool) -> None:
+        if pool.name != "p1":
+            return await real_set_up(self, pool)
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RedisUnavailable("Redis unavailable")  # at the start: left to the loop
+        raise ConfigError("redis.cluster", "redis.url is a node of a Redis Cluster: set redis.cluster = true")
+
+    monkeypatch.setattr(Frontend, "_set_up", set_up)
+    async with frontend(cfg, heartbeat_s=0.1) as client:
+        deadline = time.monotonic() + 20
+        while True:
+            assert time.monotonic() < deadline, "waiting for the second pool's set-up to meet the error"
+            if calls["n"] >= 2:
+                r = await client.get("/readyz")
+                body = await r.json()
+                if r.status == 200 and "p1" in body.get("degraded", {}):
+                    break
+            await asyncio.sleep(0.05)
+        assert body["degraded"]["p1"].startswith("redis.cluster:"), body
+        r = await client.get("/readyz?pool=p1")
+        body = await r.json()
+        assert r.status == 503 and "set redis.cluster = true" in body["reason"], body
+        assert (await client.get("/readyz?pool=tiny")).status == 200

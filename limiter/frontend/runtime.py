@@ -91,6 +91,9 @@ class Frontend:
         # A configuration error its start met once Redis answered (a Redis Cluster node named
         # without redis.cluster): /readyz gives it as the reason (it names no address)
         self.config_problem = ""
+        # The same per pool, for a pool not set up (its set-up met it while another pool was
+        # set up: a node of a cluster named without redis.cluster MOVEs only other nodes' keys)
+        self.config_problems: dict[str, str] = {}
         self.shutting_down = False
         # /readyz: the check under way per scope (None: every pool), which concurrent probes share
         self.ready_checks: dict[str | None, asyncio.Future[tuple[str, list[str]]]] = {}
@@ -227,7 +230,7 @@ class Frontend:
             except ConfigError as exc:  # the deployment, not an outage: said once, and by /readyz
                 if not self.config_problem:
                     log.error("frontend %s cannot start: %s", self.frontend_id, exc)
-                self.config_problem = str(exc)
+                self.config_problem = self.config_problems[keys.pool] = str(exc)
                 self.metrics.redis_errors.labels("heartbeat").inc()
             except Exception as exc:  # keep beating through outages; readiness reports it
                 self.metrics.redis_errors.labels("heartbeat").inc()
@@ -345,7 +348,8 @@ class Frontend:
     def pool_problem(self, pool: str) -> str:
         """Why ``pool`` cannot be served by this frontend now ('' when it can)."""
         if pool not in self.set_up:
-            return f"pool {pool} is not set up yet: its Redis server has not answered since the start"
+            return self.config_problems.get(pool) or (
+                f"pool {pool} is not set up yet: its Redis server has not answered since the start")
         if not self.heartbeat.fresh(self._fresh_s, pool):
             return f"the heartbeat of pool {pool} is stale"
         if not self.router.healthy.get(pool):
