@@ -6,6 +6,8 @@ import asyncio
 import dataclasses
 import time
 
+import pytest
+
 from limiter.config import RedisConfig, demo_config, validate
 from limiter.frontend.metrics import FrontendMetrics
 from limiter.frontend.runtime import Frontend
@@ -130,8 +132,52 @@ async def test_a_config_error_met_by_one_pool_is_that_pool_s_readiness_reason(re
                 if r.status == 200 and "p1" in body.get("degraded", {}):
                     break
             await asyncio.sleep(0.05)
-        assert body["degraded"]["p1"].startswith("redis.cluster:"), body
+        assert body["degraded"]["p1"].startswith("pool p1: redis.cluster:"), body
         r = await client.get("/readyz?pool=p1")
         body = await r.json()
         assert r.status == 503 and "set redis.cluster = true" in body["reason"], body
         assert (await client.get("/readyz?pool=tiny")).status == 200
+
+
+async def test_one_pool_s_outage_at_the_start_does_not_hide_another_pool_s_real_fault(redis_server,
+                                                                                     monkeypatch):
+    """The start lets an outage pass (the heartbeat loops retry) and stops at a real fault (a
+    policy Redis rejects, a script that does not load). With the pools set up together, only
+    the first failure was raised: the first pool's outage let the process start with the
+    second pool's fault, retried for ever under "not set up yet"."""
+    from limiter.errors import InvalidArgument, RedisUnavailable
+    from tests.support.frontend_helpers import make_cfg
+
+    cfg = make_cfg(redis_server.url)
+    tiny = cfg.pools[0]
+    cfg = validate(dataclasses.replace(cfg, pools=(tiny, dataclasses.replace(tiny, name="p1"))))
+
+    async def set_up(self, pool) -> None:
+        if pool.name == "p1":
+            raise InvalidArgument("policy", "the pool's policy is refused")
+        raise RedisUnavailable("Redis unavailable")
+
+    monkeypatch.setattr(Frontend, "_set_up", set_up)
+    fe = Frontend(FrontendSettings(), cfg, FrontendMetrics())
+    try:
+        with pytest.raises(InvalidArgument, match="refused"):
+            await fe.start()
+    finally:
+        await fe.stop()
+
+
+async def test_readiness_that_cannot_read_the_cluster_s_layout_is_a_503(redis_server, monkeypatch) -> None:
+    """A slot map that cannot be read (or a slot no node covers) made /readyz a 500."""
+    from redis.exceptions import SlotNotCoveredError
+
+    from limiter.frontend import readiness
+    from tests.support.frontend_helpers import frontend, make_cfg
+
+    def no_layout(fe, keys):
+        raise SlotNotCoveredError("Slot 1 is not covered by the cluster.")
+
+    async with frontend(make_cfg(redis_server.url)) as client:
+        assert (await client.get("/readyz")).status == 200
+        monkeypatch.setattr(readiness, "_server_of", no_layout)
+        r = await client.get("/readyz")
+        assert r.status == 503 and (await r.json())["reason"] == "Redis unavailable"

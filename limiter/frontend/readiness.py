@@ -85,12 +85,18 @@ async def _check_server(fe: Frontend, keys: PoolKeys, node: Any) -> None:
 async def _pools_out_of_reach(fe: Frontend, pools: Iterable[str]) -> list[str]:
     """Those of ``pools`` whose server does not answer within CHECK_S; each server is
     checked once, the servers at the same time."""
-    if isinstance(fe.client, RedisCluster):
-        await fe.client.initialize()  # a no-op once the slot map is read
+    pools = list(pools)
     by_server: dict[str, tuple[Any, list[str]]] = {}
-    for pool in pools:
-        node = _server_of(fe, fe.pool_keys[pool])
-        by_server.setdefault("" if node is None else node.name, (node, []))[1].append(pool)
+    try:
+        if isinstance(fe.client, RedisCluster):
+            async with asyncio.timeout(CHECK_S):
+                await fe.client.initialize()  # a no-op once the slot map is read
+        for pool in pools:
+            node = _server_of(fe, fe.pool_keys[pool])
+            by_server.setdefault("" if node is None else node.name, (node, []))[1].append(pool)
+    except Exception as exc:  # no slot map, or a slot no node covers: none can be checked
+        log.warning("readiness: the cluster's layout could not be read: %s", exc)
+        return pools
 
     async def answers(node: Any, pool: str) -> bool:
         try:

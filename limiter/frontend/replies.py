@@ -397,10 +397,10 @@ class Heartbeat:
             # An EWMA over a few beats: steady enough for a Retry-After, quick to follow load.
             self._rates[(pool, cls)] = rate if old is None else 0.5 * old + 0.5 * rate
 
-    async def leave(self) -> None:
+    async def leave(self, pools: Iterable[PoolKeys] | None = None) -> None:
         """On clean shutdown: stop counting as alive (nothing of ours is in flight by then),
-        in every pool whose server answers: the pools at the same time, each on its own (one
-        shard out of reach left every pool after it in the list counting us alive)."""
+        in every pool (of ``pools``) whose server answers: the pools at the same time, each on
+        its own (one shard out of reach left every pool after it in the list counting us alive)."""
 
         async def leave_pool(keys: PoolKeys) -> None:
             # The reply stream goes too: nothing reads it any more (a late entry from a
@@ -410,7 +410,8 @@ class Heartbeat:
             pipe.delete(keys.reply(self.frontend_id))
             await pipe.execute()
 
-        await asyncio.gather(*(leave_pool(k) for k in self.pools), return_exceptions=True)
+        await asyncio.gather(*(leave_pool(k) for k in (self.pools if pools is None else pools)),
+                             return_exceptions=True)
 
 
 def drain_estimate_s(depth: int, rate: float | None, fallback_s: float) -> int:

@@ -96,7 +96,7 @@ class Frontend:
         self.config_problems: dict[str, str] = {}
         self.shutting_down = False
         # /readyz: the check under way per scope (None: every pool), which concurrent probes share
-        self.ready_checks: dict[str | None, asyncio.Future[tuple[str, list[str]]]] = {}
+        self.ready_checks: dict[str | None, asyncio.Future[tuple[str, dict[str, str]]]] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
         # request id -> (its pool's keys, tenant, reason, when to give up: time.monotonic())
@@ -129,7 +129,9 @@ class Frontend:
         pools = [p for p in self.cfg.pools if p.name not in self.set_up]
         results = await asyncio.gather(*(self._set_up(p) for p in pools), return_exceptions=True)
         if failed := [r for r in results if isinstance(r, BaseException)]:
-            raise failed[0]
+            # A real fault first: one pool's outage must not hide another's (start() lets an
+            # outage pass, and the process started with a pool that can never be set up)
+            raise next((e for e in failed if not isinstance(e, REDIS_ERRORS)), failed[0])
 
     async def _set_up(self, pool: PoolConfig) -> None:
         """Set up one pool: the scripts loaded and the policy written on its server, its first
@@ -228,8 +230,8 @@ class Frontend:
             except asyncio.CancelledError:
                 raise
             except ConfigError as exc:  # the deployment, not an outage: said once, and by /readyz
-                if not self.config_problem:
-                    log.error("frontend %s cannot start: %s", self.frontend_id, exc)
+                if self.config_problems.get(keys.pool) != str(exc):
+                    log.error("frontend %s cannot start pool %s: %s", self.frontend_id, keys.pool, exc)
                 self.config_problem = self.config_problems[keys.pool] = str(exc)
                 self.metrics.redis_errors.labels("heartbeat").inc()
             except Exception as exc:  # keep beating through outages; readiness reports it
@@ -274,8 +276,9 @@ class Frontend:
             _, pending = await asyncio.wait(self._tasks, timeout=block_s + 1.0)
             for t in pending:
                 t.cancel()
-        if self.bootstrapped:
-            await self.heartbeat.leave()
+        if self.bootstrapped:  # (a pool never set up never beat: nothing to leave, and its
+            # server may be the one that does not answer)
+            await self.heartbeat.leave([k for k in self.pool_keys.values() if k.pool in self.set_up])
         for counter in self.counters.values():
             await counter.close()
         for c in (self.client, self.reader_client):
@@ -348,8 +351,9 @@ class Frontend:
     def pool_problem(self, pool: str) -> str:
         """Why ``pool`` cannot be served by this frontend now ('' when it can)."""
         if pool not in self.set_up:
-            return self.config_problems.get(pool) or (
-                f"pool {pool} is not set up yet: its Redis server has not answered since the start")
+            if problem := self.config_problems.get(pool):
+                return f"pool {pool}: {problem}"
+            return f"pool {pool} is not set up yet: its Redis server has not answered since the start"
         if not self.heartbeat.fresh(self._fresh_s, pool):
             return f"the heartbeat of pool {pool} is stale"
         if not self.router.healthy.get(pool):
