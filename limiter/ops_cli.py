@@ -27,7 +27,7 @@ from limiter.config import QosConfig
 from limiter.errors import ConfigError, InvalidName, QosError, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import map_redis_errors, open_redis
-from limiter.status import snapshot
+from limiter.status import UNREACHABLE, snapshot
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -57,19 +57,29 @@ async def full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[str
 async def _full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[str, Any]:
     snap = await snapshot(client, cfg)
     for name, pool in snap["pools"].items():
-        keys = PoolKeys(name)
-        for worker_id, info in pool["workers"].items():
-            try:
-                key = keys.worker(worker_id)
-            except InvalidName:  # not a name a worker could have (written by hand): no hash to read
-                info["note"] = "not a valid worker id"
-                continue
-            raw = await client.hgetall(key)
-            fields = {_s(k): _s(v) for k, v in raw.items()}
-            info.update({k: v if k in TEXT_FIELDS else _num(v) for k, v in fields.items()})
-        rows = await client.xrevrange(keys.decisions, count=decisions) if decisions > 0 else []
-        pool["decisions"] = [_decision(entry) for _id, entry in rows]
+        if "unreachable" in pool:
+            continue
+        try:  # its shard may have gone since the snapshot read it: that pool alone then
+            with map_redis_errors():
+                await _add_workers_and_decisions(client, PoolKeys(name), pool, decisions)
+        except RedisUnavailable:
+            snap["pools"][name] = {"model": pool["model"], "unreachable": UNREACHABLE}
     return snap
+
+
+async def _add_workers_and_decisions(client: Any, keys: PoolKeys, pool: dict[str, Any],
+                                     decisions: int) -> None:
+    for worker_id, info in pool["workers"].items():
+        try:
+            key = keys.worker(worker_id)
+        except InvalidName:  # not a name a worker could have (written by hand): no hash to read
+            info["note"] = "not a valid worker id"
+            continue
+        raw = await client.hgetall(key)
+        fields = {_s(k): _s(v) for k, v in raw.items()}
+        info.update({k: v if k in TEXT_FIELDS else _num(v) for k, v in fields.items()})
+    rows = await client.xrevrange(keys.decisions, count=decisions) if decisions > 0 else []
+    pool["decisions"] = [_decision(entry) for _id, entry in rows]
 
 
 def _s(v: Any) -> str:
@@ -156,6 +166,10 @@ def _last_reasons(pool: dict[str, Any]) -> tuple[dict[str, str], str]:
 def render(snap: dict[str, Any]) -> Group:
     parts: list[Any] = []
     for name, pool in snap["pools"].items():
+        if "unreachable" in pool:
+            line = f"pool {name} (model {pool['model']}) — {pool['unreachable']}"
+            parts.append(Text(line, style="bold red"))
+            continue
         conf = pool.get("capacity_confidence")
         source = pool.get("capacity_source") or "-"
         age = pool.get("compliance_age_s")

@@ -13,7 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from limiter.config import QosConfig
+from limiter.config import PoolConfig, QosConfig
+from limiter.errors import RedisUnavailable
 from limiter.keys import PoolKeys, policy_text
 from limiter.redis_conn import map_redis_errors, redis_now_ms
 
@@ -49,71 +50,83 @@ def _ages(rows: list[tuple[Any, float]], now_ms: float) -> dict[str, dict[str, f
     return {_s(m): {"last_seen_s": round(max(now_ms - score, 0.0) / 1000.0, 3)} for m, score in rows}
 
 
+UNREACHABLE = "its Redis shard cannot be reached"
+
+
 async def snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
-    """The status of every configured pool; raises RedisUnavailable if Redis cannot answer."""
-    with map_redis_errors():
-        return await _snapshot(client, cfg)
-
-
-async def _snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
-    classes = cfg.class_names()
+    """The status of every configured pool; raises RedisUnavailable if Redis cannot answer
+    for any. A pool whose server (a cluster's shard) does not answer while others do is
+    ``{"model": ..., "unreachable": UNREACHABLE}``: one shard down hid every pool's status."""
     out: dict[str, Any] = {"pools": {}}
+    down: list[RedisUnavailable] = []
     for pool in cfg.pools:
-        keys = PoolKeys(pool.name)
-        # each pool's buckets and heartbeats against its own shard's clock (they are stamped
-        # with it; one node's clock for every pool shifted ages and levels by the skew)
-        now_ms = await redis_now_ms(client, keys)
-        out.setdefault("now_ms", int(now_ms))
-        pipe = client.pipeline(transaction=False)
-        pipe.hgetall(keys.policy)
-        pipe.hgetall(keys.inflight)
-        pipe.hgetall(keys.compliance)
-        pipe.hgetall(keys.stats)
-        pipe.hgetall(keys.queued)
-        pipe.zrange(keys.workers, 0, -1, withscores=True)
-        pipe.zrange(keys.frontends, 0, -1, withscores=True)
-        for c in classes:
-            pipe.hmget(keys.class_bucket(c), ["tokens", "ts"])
-            pipe.hmget(keys.ceil_bucket(c), ["tokens", "ts"])
-            pipe.zcard(keys.backlog(c))
-        res = await pipe.execute()
-        policy = policy_text(res[0])
-        inflight, compliance, stats, queued = (_hash(r) for r in res[1:5])
-        workers, frontends = res[5], res[6]
-        capacity = _f(policy.get("capacity"))
-        per_class: dict[str, Any] = {}
-        for i, c in enumerate(classes):
-            bucket, ceil_bucket, tenants = res[7 + 3 * i], res[8 + 3 * i], res[9 + 3 * i]
-            rate, burst = _f(policy.get(f"{c}.rate")), _f(policy.get(f"{c}.burst"))
-            ceil, ceil_burst = _f(policy.get(f"{c}.ceil")), _f(policy.get(f"{c}.ceil_burst"))
-            tokens = ceil_tokens = None
-            if rate is not None and burst is not None:
-                tokens = round(bucket_level(_f(bucket[0]), _f(bucket[1]), rate, burst, now_ms), 3)
-            if ceil is not None and ceil_burst is not None and capacity is not None and ceil < capacity:
-                ceil_tokens = round(bucket_level(_f(ceil_bucket[0]), _f(ceil_bucket[1]), ceil, ceil_burst,
-                                                 now_ms), 3)
-            per_class[c] = {
-                "rate": rate, "burst": burst, "ceil": ceil, "tokens": tokens, "ceil_tokens": ceil_tokens,
-                "queued": int(queued.get(c, 0)), "queued_cost": round(_f(queued.get(f"{c}.cost")) or 0.0, 3),
-                "backlogged_tenants": int(tenants), "inflight": int(inflight.get(c, 0)),
-                "compliance": _f(compliance.get(c)),
-                "counters": {k.split(".", 1)[1]: int(v) for k, v in stats.items() if k.startswith(c + ".")},
-            }
-        out["pools"][pool.name] = {
-            "model": pool.model_name,
-            "initialised": bool(policy),
-            "policy_version": int(policy["version"]) if "version" in policy else None,
-            "capacity": capacity,
-            "measured_capacity": _f(compliance.get(".capacity")),
-            "capacity_source": compliance.get(".capacity_source"),
-            "capacity_confidence": _f(compliance.get(".capacity_confidence")),
-            # how old the controller's numbers above are: a controller that died leaves them
-            # until the hash expires (10 ticks), or for good if its expiry never landed
-            "compliance_age_s": None if (updated := _f(compliance.get(".updated_ms"))) is None
-            else round(max(now_ms - updated, 0.0) / 1000.0, 1),
-            "compliance_controller": compliance.get(".controller"),
-            "classes": per_class,
-            "workers": _ages(workers, now_ms),
-            "frontends": _ages(frontends, now_ms),
-        }
+        try:
+            with map_redis_errors():
+                out["pools"][pool.name] = await _pool_status(client, cfg, pool, out)
+        except RedisUnavailable as exc:
+            down.append(exc)
+            out["pools"][pool.name] = {"model": pool.model_name, "unreachable": UNREACHABLE}
+    if down and len(down) == len(cfg.pools):
+        raise down[0]
     return out
+
+
+async def _pool_status(client: Any, cfg: QosConfig, pool: PoolConfig, out: dict[str, Any]) -> dict[str, Any]:
+    classes = cfg.class_names()
+    keys = PoolKeys(pool.name)
+    # each pool's buckets and heartbeats against its own shard's clock (they are stamped
+    # with it; one node's clock for every pool shifted ages and levels by the skew)
+    now_ms = await redis_now_ms(client, keys)
+    out.setdefault("now_ms", int(now_ms))
+    pipe = client.pipeline(transaction=False)
+    pipe.hgetall(keys.policy)
+    pipe.hgetall(keys.inflight)
+    pipe.hgetall(keys.compliance)
+    pipe.hgetall(keys.stats)
+    pipe.hgetall(keys.queued)
+    pipe.zrange(keys.workers, 0, -1, withscores=True)
+    pipe.zrange(keys.frontends, 0, -1, withscores=True)
+    for c in classes:
+        pipe.hmget(keys.class_bucket(c), ["tokens", "ts"])
+        pipe.hmget(keys.ceil_bucket(c), ["tokens", "ts"])
+        pipe.zcard(keys.backlog(c))
+    res = await pipe.execute()
+    policy = policy_text(res[0])
+    inflight, compliance, stats, queued = (_hash(r) for r in res[1:5])
+    workers, frontends = res[5], res[6]
+    capacity = _f(policy.get("capacity"))
+    per_class: dict[str, Any] = {}
+    for i, c in enumerate(classes):
+        bucket, ceil_bucket, tenants = res[7 + 3 * i], res[8 + 3 * i], res[9 + 3 * i]
+        rate, burst = _f(policy.get(f"{c}.rate")), _f(policy.get(f"{c}.burst"))
+        ceil, ceil_burst = _f(policy.get(f"{c}.ceil")), _f(policy.get(f"{c}.ceil_burst"))
+        tokens = ceil_tokens = None
+        if rate is not None and burst is not None:
+            tokens = round(bucket_level(_f(bucket[0]), _f(bucket[1]), rate, burst, now_ms), 3)
+        if ceil is not None and ceil_burst is not None and capacity is not None and ceil < capacity:
+            ceil_tokens = round(bucket_level(_f(ceil_bucket[0]), _f(ceil_bucket[1]), ceil, ceil_burst,
+                                             now_ms), 3)
+        per_class[c] = {
+            "rate": rate, "burst": burst, "ceil": ceil, "tokens": tokens, "ceil_tokens": ceil_tokens,
+            "queued": int(queued.get(c, 0)), "queued_cost": round(_f(queued.get(f"{c}.cost")) or 0.0, 3),
+            "backlogged_tenants": int(tenants), "inflight": int(inflight.get(c, 0)),
+            "compliance": _f(compliance.get(c)),
+            "counters": {k.split(".", 1)[1]: int(v) for k, v in stats.items() if k.startswith(c + ".")},
+        }
+    return {
+        "model": pool.model_name,
+        "initialised": bool(policy),
+        "policy_version": int(policy["version"]) if "version" in policy else None,
+        "capacity": capacity,
+        "measured_capacity": _f(compliance.get(".capacity")),
+        "capacity_source": compliance.get(".capacity_source"),
+        "capacity_confidence": _f(compliance.get(".capacity_confidence")),
+        # how old the controller's numbers above are: a controller that died leaves them
+        # until the hash expires (10 ticks)
+        "compliance_age_s": None if (updated := _f(compliance.get(".updated_ms"))) is None
+        else round(max(now_ms - updated, 0.0) / 1000.0, 1),
+        "compliance_controller": compliance.get(".controller"),
+        "classes": per_class,
+        "workers": _ages(workers, now_ms),
+        "frontends": _ages(frontends, now_ms),
+    }

@@ -23,9 +23,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 from redis.asyncio.cluster import RedisCluster
+from rich.console import Console
 
+from limiter.config import load
 from limiter.keys import PoolKeys
 from limiter.localstack.redis_server import LocalRedisCluster
+from limiter.ops_cli import full_snapshot, render
+from limiter.status import UNREACHABLE
 from tests.support.redis_server import pools_on_different_shards
 from tests.support.reliability_stack import KEY_P0, LiveStack, base_config
 
@@ -127,6 +131,15 @@ async def test_a_shard_down_takes_only_its_own_pools_out_of_service(
                 return updated is not None and int(updated) > killed_ms + 2000
 
             await _until(controller_ticks, f"the controller to publish pool {kept}'s figures after the kill")
+
+            # The operator's view (`qos status`, `qos top`, /v1/qos/status): one shard down hid
+            # every pool's status behind "Redis unavailable"; the lost pool is marked instead.
+            snap = await full_snapshot(client, load(stack.path, env={}), 5)
+            assert snap["pools"][lost] == {"model": f"model-{lost}", "unreachable": UNREACHABLE}
+            assert snap["pools"][kept]["workers"] and snap["pools"][kept]["compliance_age_s"] is not None
+            rendered = Console(width=200, record=True)
+            rendered.print(render(snap))
+            assert f"pool {lost} (model model-{lost}) — {UNREACHABLE}" in rendered.export_text()
     finally:
         stack.stop()
         await client.aclose()
