@@ -333,15 +333,23 @@ class WaitingRedisCluster(CheckedRedisCluster):
         return pipe
 
 
+async def shard_of(client: Any, key: str) -> Any | None:
+    """The cluster node holding ``key`` (for a keyless command meant for that shard: TIME,
+    PING, SCRIPT LOAD), or None for a single server."""
+    if not isinstance(client, RedisCluster):
+        return None
+    # the slot map is read at the client's first command: a new client (`qos status`) had
+    # none, and every slot read as not covered (found by a review)
+    await client.initialize()
+    return client.get_node_from_key(key)
+
+
 async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
     """Redis TIME -- on a cluster, of the shard holding this pool (the clock its scripts stamp
     everything with: hosts' clocks differ); cluster pipelines refuse keyless commands, hence a
     call of its own."""
-    if isinstance(client, RedisCluster):
-        # the slot map is read at the client's first command: a new client (`qos status`)
-        # had none, and every slot read as not covered (found by a review)
-        await client.initialize()
-        node = client.get_node_from_key(keys.policy)
+    node = await shard_of(client, keys.policy)
+    if node is not None:
         sec, usec = await client.execute_command("TIME", target_nodes=node)
     else:
         sec, usec = await client.time()

@@ -19,7 +19,6 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, ResponseError
 
 from limiter.config import PoolConfig, QosConfig
@@ -36,7 +35,13 @@ from limiter.errors import (
     Throttled,
 )
 from limiter.keys import PoolKeys, check_name
-from limiter.redis_conn import CONNECTION_ERRORS, cluster_misconfigured, map_redis_errors, store_refused
+from limiter.redis_conn import (
+    CONNECTION_ERRORS,
+    cluster_misconfigured,
+    map_redis_errors,
+    shard_of,
+    store_refused,
+)
 from limiter.script_batcher import ScriptBatcher
 
 SCRIPT_NAMES = (
@@ -335,11 +340,8 @@ class Scripts:
         """The keyword that sends a keyless command to the server holding ``key``: on a
         cluster, its shard only (redis-py sends SCRIPT LOAD to every primary, and one primary
         out of reach, a shard down, failed the load for the pools on the others); else none."""
-        if key is not None and isinstance(self.client, RedisCluster):
-            # the slot map is read at the client's first command: before it, no slot is covered
-            await self.client.initialize()
-            return {"target_nodes": self.client.get_node_from_key(key)}
-        return {}
+        node = await shard_of(self.client, key) if key is not None else None
+        return {} if node is None else {"target_nodes": node}
 
     async def _load(self, source: str, key: str | None) -> str:
         """SCRIPT LOAD on the server holding ``key``; the script's SHA1."""

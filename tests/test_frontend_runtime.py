@@ -173,11 +173,11 @@ async def test_readiness_that_cannot_read_the_cluster_s_layout_is_a_503(redis_se
     from limiter.frontend import readiness
     from tests.support.frontend_helpers import frontend, make_cfg
 
-    def no_layout(fe, keys):
+    async def no_layout(client, key):
         raise SlotNotCoveredError("Slot 1 is not covered by the cluster.")
 
     async with frontend(make_cfg(redis_server.url)) as client:
         assert (await client.get("/readyz")).status == 200
-        monkeypatch.setattr(readiness, "_server_of", no_layout)
+        monkeypatch.setattr(readiness, "shard_of", no_layout)
         r = await client.get("/readyz")
         assert r.status == 503 and (await r.json())["reason"] == "Redis unavailable"

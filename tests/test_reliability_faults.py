@@ -750,7 +750,8 @@ async def test_a_frontend_leaves_every_pool_whose_server_answers(redis_server: A
     pools = [PoolKeys("gone"), POOL]
     hb = Heartbeat(aioredis.from_url(redis_server.url), pools, "fe-x", ["P0"], 0.1)
     try:
-        await hb.beat()
+        for k in pools:
+            await hb.beat_pool(k)
         assert all(sync_redis.zscore(k.frontends, "fe-x") is not None for k in pools)
         real = hb.client.pipeline
 
@@ -781,13 +782,13 @@ async def test_the_first_beat_after_losing_redis_records_the_outage(
         aioredis.from_url(redis_server.url), [POOL], "fe-x", ["P0"], 0.1, outage_grace_ms={"tiny": 3000}
     )
     try:
-        await hb.beat()
+        await hb.beat_pool(POOL)
         first = int(sync_redis.zscore(POOL.frontends, "fe-x"))
-        await hb.beat()
+        await hb.beat_pool(POOL)
         assert not sync_redis.exists(POOL.outage)  # no outage, no record
         hb._in_beat.add(POOL.pool)  # a beat that never completed (Redis went away)
         await asyncio.sleep(0.01)  # so the next beat's ms differs from the last complete one
-        await hb.beat()
+        await hb.beat_pool(POOL)
         lost = int(sync_redis.get(POOL.outage))
         assert first <= lost < int(sync_redis.zscore(POOL.frontends, "fe-x"))
         assert 0 < sync_redis.pttl(POOL.outage) <= 3000

@@ -16,12 +16,10 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
-
 from limiter.errors import QosError
 from limiter.frontend.runtime import Frontend
 from limiter.keys import PoolKeys
-from limiter.redis_conn import CONNECTION_ERRORS
+from limiter.redis_conn import CONNECTION_ERRORS, shard_of
 
 log = logging.getLogger("qos.frontend")
 
@@ -65,13 +63,6 @@ def _summary(why: dict[str, str], everything: bool) -> str:
     return "; ".join(parts)
 
 
-def _server_of(fe: Frontend, keys: PoolKeys) -> Any:
-    """The server holding ``keys``: a cluster's node (None: the one server)."""
-    if isinstance(fe.client, RedisCluster):
-        return fe.client.get_node_from_key(keys.policy)
-    return None
-
-
 async def _check_server(fe: Frontend, keys: PoolKeys, node: Any) -> None:
     """PING the server holding ``keys``, and load the scripts there again if it lost them
     (a restart without the cache); raises what it met."""
@@ -88,12 +79,10 @@ async def _pools_out_of_reach(fe: Frontend, pools: Iterable[str]) -> list[str]:
     pools = list(pools)
     by_server: dict[str, tuple[Any, list[str]]] = {}
     try:
-        if isinstance(fe.client, RedisCluster):
-            async with asyncio.timeout(CHECK_S):
-                await fe.client.initialize()  # a no-op once the slot map is read
-        for pool in pools:
-            node = _server_of(fe, fe.pool_keys[pool])
-            by_server.setdefault("" if node is None else node.name, (node, []))[1].append(pool)
+        async with asyncio.timeout(CHECK_S):
+            for pool in pools:
+                node = await shard_of(fe.client, fe.pool_keys[pool].policy)
+                by_server.setdefault("" if node is None else node.name, (node, []))[1].append(pool)
     except Exception as exc:  # no slot map, or a slot no node covers: none can be checked
         log.warning("readiness: the cluster's layout could not be read: %s", exc)
         return pools

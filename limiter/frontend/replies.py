@@ -24,12 +24,11 @@ from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from redis.asyncio.cluster import RedisCluster
-
 from limiter.backoff import Backoff
 from limiter.frontend.metrics import FrontendMetrics
 from limiter.heartbeats import prune_stale
 from limiter.keys import PoolKeys
+from limiter.redis_conn import redis_now_ms
 
 log = logging.getLogger("qos.frontend.replies")
 # A reply stream's TTL, as the scripts set it on every entry (lua/include/pool_keys.lua).
@@ -319,24 +318,6 @@ class Heartbeat:
         """Claims per second of ``cls`` in ``pool`` (smoothed), or None before two samples."""
         return self._rates.get((pool, cls))
 
-    async def beat(self) -> None:
-        """One heartbeat for every pool, the pools at the same time, each on its own; raises
-        the first pool's error once every pool was tried (the caller counts and logs it)."""
-        results = await asyncio.gather(*(self.beat_pool(k) for k in self.pools), return_exceptions=True)
-        if failed := [r for r in results if isinstance(r, BaseException)]:
-            raise failed[0]
-
-    async def _redis_time(self, keys: PoolKeys) -> tuple[float, float, float]:
-        """(Redis ms by ``keys``' shard, local wall time before and after the call, s)."""
-        t0 = time.time()
-        if isinstance(self.client, RedisCluster):
-            await self.client.initialize()  # a no-op once the slot map is read
-            node = self.client.get_node_from_key(keys.policy)
-            sec, usec = await self.client.execute_command("TIME", target_nodes=node)
-        else:
-            sec, usec = await self.client.time()
-        return int(sec) * 1000 + int(usec) / 1000, t0, time.time()
-
     async def beat_pool(self, keys: PoolKeys) -> None:
         """One pool's beat. The first that completes after one that did not (Redis restarted,
         or was out of reach) first records, once per outage, when the frontends last reached
@@ -347,8 +328,10 @@ class Heartbeat:
         interrupted = pool in self._in_beat and last_ms > 0
         first = last_ms == 0
         self._in_beat.add(pool)
-        redis_ms, t0, t1 = await self._redis_time(keys)
-        self._offsets[pool] = self.clock_offset_ms = redis_ms - (t0 + t1) * 500  # the round trip's midpoint
+        t0 = time.time()
+        redis_ms = await redis_now_ms(self.client, keys)  # (its shard's clock, on a cluster)
+        # against the round trip's midpoint
+        self._offsets[pool] = self.clock_offset_ms = redis_ms - (t0 + time.time()) * 500
         now_ms = int(redis_ms)
         grace = self.outage_grace_ms.get(pool)
         lost = last_ms if interrupted else None

@@ -61,7 +61,6 @@ class Frontend:
         self.frontend_id = frontend_id or f"fe-{uuid.uuid4().hex[:16]}"
         self.keyring = KeyRing(cfg)
         self.pool_keys = {p.name: PoolKeys(p.name) for p in cfg.pools}
-        self.cfg_pools = {p.name: p for p in cfg.pools}
         self.classes = {c.name: c for c in cfg.classes}
         # Each pool's prompts are counted in its own tokens (limiter/token_count.py).
         self.counters = {p.name: token_count.counter_for(p.tokenizer, p.tokenizer_url, cfg.worker,
@@ -203,7 +202,7 @@ class Frontend:
         loop = asyncio.get_running_loop()
         next_reap = loop.time() + self.settings.reap_s
         next_sweep = loop.time() + LOST_SWEEP_S
-        pool = self.cfg_pools[keys.pool]
+        pool = self.cfg.pool(keys.pool)
         # Through an outage it keeps beating at its period (the back-off only logs: once when
         # the outage starts, once when a beat succeeds again).
         what = "heartbeat" if len(self.pool_keys) == 1 else f"heartbeat of pool {keys.pool}"
@@ -246,7 +245,7 @@ class Frontend:
         error met, once each was tried (the loop counts and logs it)."""
         await self.heartbeat.beat_pool(keys)
         chores: list[Callable[[], Awaitable[Any]]] = []
-        if any(kept[0] == keys for kept in self.unsent_cancels.values()):
+        if self.unsent_cancels:
             chores.append(functools.partial(self._send_unsent_cancels, keys))
         if sweep:
             chores.append(functools.partial(self._sweep_lost_requests, keys))
