@@ -8,11 +8,11 @@ import asyncio
 import contextlib
 import contextvars
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection, SSLConnection
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
@@ -275,6 +275,11 @@ class CheckedRedisCluster(RedisCluster):
 _PIPELINE_TURNS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
     "qos_pipeline_turns", default=frozenset())
 
+# The turns of the commands whose node is not known before they are sent: a keyless command
+# sent to a node flag ("primaries"), one sent before the client has read the slot map.
+UNKNOWN_NODE = ""
+_EVAL_COMMANDS = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"})
+
 
 class WaitingRedisCluster(CheckedRedisCluster):
     """A cluster client whose commands wait (up to ``pool_wait_s``) for a free connection.
@@ -283,53 +288,144 @@ class WaitingRedisCluster(CheckedRedisCluster):
     node's ``max_connections`` are all busy, where the standalone client here waits for one:
     a worker with more requests in flight than connections then took its own cap for an
     outage and backed off. This lets at most ``max_connections`` commands and pipelines be
-    in flight in all, so that no node ever needs more, and the rest wait their turn; one that
-    waits longer than ``pool_wait_s`` fails as an outage, as on a standalone Redis.
+    in flight to each node, and the rest wait their turn; one that waits longer than
+    ``pool_wait_s`` fails as an outage, as on a standalone Redis.
+
+    The turns are per node: a node that does not answer (a host gone without a reset, a
+    stopped process) holds each call for the socket timeout, and with one set of turns for
+    the whole client its calls took every turn and the other shards' pools waited too
+    (found 2026-12-06: a frontend's second pool stalled ~5 s). A pipeline takes a turn of
+    each node its commands go to, and holds none while it waits for another.
+
+    A command redirected by ``MOVED``/``ASK`` while a slot moves goes on to the new owner
+    inside its first node's turn (redis-py follows it within one call): each node's pool is
+    made twice ``max_connections`` so that such commands (at most the old owner's turns)
+    find a connection there even when the new owner's turns are all taken.
     """
 
     def __init__(self, *args: Any, pool_wait_s: float = 5.0, **kwargs: Any) -> None:
+        per_node = kwargs.get("max_connections") or 2**31
+        kwargs["max_connections"] = 2 * per_node  # room for the redirected (above)
         super().__init__(*args, **kwargs)
         self.pool_wait_s = pool_wait_s
-        self.turns = asyncio.Semaphore(kwargs.get("max_connections") or 2**31)
+        self.turns_per_node = per_node
+        self._turns: dict[str, asyncio.Semaphore] = {}
+
+    def turns_of(self, node_name: str) -> asyncio.Semaphore:
+        """The turns of the node named ``node_name`` (host:port; :data:`UNKNOWN_NODE`)."""
+        turns = self._turns.get(node_name)
+        if turns is None:
+            turns = self._turns[node_name] = asyncio.Semaphore(self.turns_per_node)
+        return turns
+
+    async def node_of(self, args: tuple[Any, ...], target_nodes: Any = None) -> str | list[str]:
+        """The name of the node a command will go to, as far as the client's slot map tells
+        before sending it (a node flag, a keyless command, no slot map yet:
+        :data:`UNKNOWN_NODE`); several for a command given several target nodes."""
+        if target_nodes is not None:
+            nodes = list(target_nodes.values()) if isinstance(target_nodes, dict) else (
+                list(target_nodes) if isinstance(target_nodes, list | tuple) else [target_nodes])
+            names = [n.name for n in nodes if isinstance(n, ClusterNode)]
+            return names if names and len(names) == len(nodes) else UNKNOWN_NODE
+        try:
+            command = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+            if command.upper() in _EVAL_COMMANDS and int(args[2]) > 0:
+                slot = self.keyslot(args[3])  # the hot path: no parse of the command
+            else:
+                slot = await self._determine_slot(*args)  # as redis-py routes it
+            return self.nodes_manager.get_node_from_slot(slot).name
+        except Exception:  # sent anyway: redis-py routes it, or refuses it, as it would have
+            return UNKNOWN_NODE
 
     @contextlib.asynccontextmanager
-    async def turn(self) -> AsyncIterator[None]:
+    async def turn(self, nodes: str | list[str] | set[str]) -> AsyncIterator[None]:
+        """A turn of each of ``nodes`` (names), waited for up to ``pool_wait_s`` in all."""
         if id(self) in _PIPELINE_TURNS.get():
             # a pipeline's command sent again alone (MOVED/ASK/TRYAGAIN) inside the pipeline's
             # turn, its connections released by then: a turn of its own would wait on the
             # pipelines holding the others, which after a reshard all wait so (pool_wait_s)
             yield
             return
-        try:
-            async with asyncio.timeout(self.pool_wait_s):
-                await self.turns.acquire()
-        except TimeoutError as exc:
-            raise RedisConnectionError(f"no free connection within {self.pool_wait_s:g} s") from exc
+        held = await self._take_turns((nodes,) if isinstance(nodes, str) else sorted(set(nodes)))
         try:
             yield
         finally:
-            self.turns.release()
+            for turns in held:
+                turns.release()
+
+    async def _take_turns(self, names: Sequence[str]) -> list[asyncio.Semaphore]:
+        """A turn of each node of ``names``; raises an outage after ``pool_wait_s``. Never
+        holds a turn while it waits for another: a pipeline over two nodes held the first's
+        turn while the second did not answer, and the first node's other calls waited too."""
+        held: dict[str, asyncio.Semaphore] = {}
+        deadline: float | None = None
+        try:
+            while True:
+                blocked: tuple[str, asyncio.Semaphore] | None = None
+                for name in names:
+                    if name in held:
+                        continue
+                    turns = self.turns_of(name)
+                    if turns.locked():
+                        blocked = name, turns
+                        break
+                    await turns.acquire()  # free: taken at once, no timer armed (~5 us a call)
+                    held[name] = turns
+                if blocked is None:
+                    return list(held.values())
+                for turns in held.values():
+                    turns.release()
+                held.clear()
+                if deadline is None:
+                    deadline = asyncio.get_running_loop().time() + self.pool_wait_s
+                async with asyncio.timeout_at(deadline):
+                    await blocked[1].acquire()
+                held[blocked[0]] = blocked[1]
+        except BaseException as exc:
+            for turns in held.values():
+                turns.release()
+            if isinstance(exc, TimeoutError):
+                raise RedisConnectionError(f"no free connection within {self.pool_wait_s:g} s") from exc
+            raise
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        async with self.turn():
+        async with self.turn(await self.node_of(args, kwargs.get("target_nodes"))):
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
-        # A pipeline holds one connection per node it sends to: one turn covers it. Its
-        # commands redirected by MOVED/ASK or refused with TRYAGAIN are sent again one by one
-        # through execute_command once its connections are released: inside the same turn.
+        # A pipeline holds one connection per node it sends to: one turn of each covers it.
+        # Its commands redirected by MOVED/ASK or refused with TRYAGAIN are sent again one by
+        # one through execute_command once its connections are released: inside the same turn.
         pipe = super().pipeline(transaction, shard_hint)
-        execute = pipe.execute
+        execute, queue, reset = pipe.execute, pipe.execute_command, pipe.reset
+        queued: list[tuple[tuple[Any, ...], Any]] = []  # since the last execute: (args, target)
+
+        def queue_command(*args: Any, **kwargs: Any) -> Any:
+            queued.append((args, kwargs.get("target_nodes")))
+            return queue(*args, **kwargs)
 
         async def execute_in_turn(*args: Any, **kwargs: Any) -> Any:
-            async with self.turn():
-                held = _PIPELINE_TURNS.set(_PIPELINE_TURNS.get() | {id(self)})
-                try:
-                    return await execute(*args, **kwargs)
-                finally:
-                    _PIPELINE_TURNS.reset(held)
+            try:
+                nodes: set[str] = set()
+                for command, target in queued:
+                    node = await self.node_of(command, target)
+                    nodes.update([node] if isinstance(node, str) else node)
+                async with self.turn(nodes or UNKNOWN_NODE):
+                    held = _PIPELINE_TURNS.set(_PIPELINE_TURNS.get() | {id(self)})
+                    try:
+                        return await execute(*args, **kwargs)
+                    finally:
+                        _PIPELINE_TURNS.reset(held)
+            finally:
+                queued.clear()  # redis-py empties the pipeline after execute, raised or not
 
+        async def reset_queued(*args: Any, **kwargs: Any) -> Any:
+            queued.clear()
+            return await reset(*args, **kwargs)
+
+        pipe.execute_command = queue_command  # the command methods (pipe.get) call it too
         pipe.execute = execute_in_turn
+        pipe.reset = reset_queued
         return pipe
 
 

@@ -27,10 +27,10 @@ from rich.console import Console
 
 from limiter.config import load
 from limiter.keys import PoolKeys
-from limiter.localstack.redis_server import LocalRedisCluster
+from limiter.localstack.redis_server import LocalRedisCluster, RedisServer
 from limiter.ops_cli import full_snapshot, render
 from limiter.status import UNREACHABLE
-from tests.support.redis_server import pools_on_different_shards
+from tests.support.redis_server import pools_on_different_shards, unread_requests_at
 from tests.support.reliability_stack import KEY_P0, LiveStack, base_config
 
 DEADLINE_S = 60.0
@@ -56,6 +56,21 @@ async def _complete(http: aiohttp.ClientSession, base: str, pool: str) -> tuple[
     headers = {"Authorization": f"Bearer {KEY_P0}"}
     async with http.post(base + "/v1/completions", json=body, headers=headers) as r:
         return r.status, await r.json()
+
+
+async def _pools_and_the_shard_to_stop(
+        cluster: LocalRedisCluster) -> tuple[RedisCluster, str, str, RedisServer]:
+    """A client of ``cluster``, two pools on different shards (the one to lose, the one to
+    keep) and the server of the first, which is not the clients' seed node (that one must
+    answer: every client reads the cluster's layout from it)."""
+    client = RedisCluster.from_url(cluster.url)
+    await client.initialize()
+    a, b = pools_on_different_shards(client)
+    seed_port = cluster.nodes[0].port
+    lost, kept = (a, b) if client.get_node_from_key(PoolKeys(a).policy).port != seed_port else (b, a)
+    hung = cluster.owner(PoolKeys(lost).policy)
+    assert hung.port != seed_port and hung.proc is not None
+    return client, lost, kept, hung
 
 
 @pytest.fixture
@@ -153,18 +168,11 @@ async def test_a_frontend_started_while_a_shard_hangs_serves_the_others_then_tha
     loop for all pools would have waited on that shard at every beat. Now the other pool
     is served at once, /readyz answers within a probe's timeout, and the lost pool is set
     up and served once its shard answers again."""
-    client = RedisCluster.from_url(private_cluster.url)
-    await client.initialize()
-    a, b = pools_on_different_shards(client)
-    seed_port = private_cluster.nodes[0].port  # the clients' seed node must answer: not the hung one
-    lost, kept = (a, b) if client.get_node_from_key(PoolKeys(a).policy).port != seed_port else (b, a)
-    hung = private_cluster.owner(PoolKeys(lost).policy)
-    assert hung.port != seed_port
+    client, lost, kept, hung = await _pools_and_the_shard_to_stop(private_cluster)
     cfg = base_config(private_cluster.url, pools=(lost, kept), cluster=True)
     for p in cfg["pools"]:
         p["model"] = f"model-{p['name']}"
     stack = LiveStack(tmp_path, cfg)
-    assert hung.proc is not None
     os.kill(hung.proc.pid, signal.SIGSTOP)
     try:
         stack.frontend("fe0")
@@ -217,6 +225,52 @@ async def test_a_frontend_started_while_a_shard_hangs_serves_the_others_then_tha
 
             await _until(lost_served, f"pool {lost} set up and served once its shard answers")
             assert (await complete(kept))[0] == 200
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(hung.proc.pid, signal.SIGCONT)
+        stack.stop()
+        await client.aclose()
+
+
+async def test_a_shard_that_stops_answering_under_load_does_not_hold_up_another_pool(
+        private_cluster: LocalRedisCluster, tmp_path: Path) -> None:
+    """A shard whose host stops answering (its process stopped: no reset, every call waits
+    out the 5 s socket timeout) while its pool has requests coming in. Each of them took one
+    of the frontend's command turns, which were one set for the whole process: with all of
+    them held, the other pool's requests waited for the lost pool's calls to time out. The
+    turns are per node now: the kept pool is served while the lost pool's calls still wait."""
+    turns = 4  # the frontend's redis_max_connections: its turns per node
+    client, lost, kept, hung = await _pools_and_the_shard_to_stop(private_cluster)
+    cfg = base_config(private_cluster.url, pools=(lost, kept), cluster=True,
+                      frontend={"redis_max_connections": turns})
+    for p in cfg["pools"]:
+        p["model"] = f"model-{p['name']}"
+    stack = LiveStack(tmp_path, cfg)
+    try:
+        stack.frontend("fe0")
+        stack.worker(f"w-{kept}", pool=kept)  # none for the lost pool: the frontend's calls alone wait there
+        await stack.wait_ready(client)
+        base = stack.base("fe0")
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+            assert (await _complete(http, base, kept))[0] == 200
+            os.kill(hung.proc.pid, signal.SIGSTOP)
+            lost_calls: list[asyncio.Task] = []
+            for _ in range(3 * turns):  # one at a time: requests of one loop turn share a call
+                lost_calls.append(asyncio.ensure_future(_complete(http, base, lost)))
+                await asyncio.sleep(0.03)
+
+            async def turns_held() -> bool:
+                return unread_requests_at(hung.port) >= turns
+
+            await _until(turns_held, f"{turns} calls waiting on the stopped shard", timeout_s=4.0)
+            for _ in range(5):
+                status, body = await _complete(http, base, kept)
+                assert status == 200, body
+            assert not any(t.done() for t in lost_calls), \
+                f"a call to the stopped shard ended (its socket timeout) before pool {kept} was served"
+            for t in lost_calls:  # no worker serves that pool: they would wait for one
+                t.cancel()
+            await asyncio.gather(*lost_calls, return_exceptions=True)
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(hung.proc.pid, signal.SIGCONT)

@@ -5,14 +5,17 @@ connection the server closed while idle is opened again, as the standalone pool 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from redis.exceptions import ConnectionError as RedisConnectionError
 
 from limiter.config import RedisConfig
 from limiter.redis_conn import CheckedConnection, WaitingRedisCluster, open_redis
-from tests.support.redis_server import move_slot
+from tests.support.redis_server import move_slot, pools_on_different_shards
 
 HOLD_S = 0.2  # each command holds its connection this long (BLPOP on an empty list)
 
@@ -311,3 +314,103 @@ async def test_pipelines_a_reshard_redirects_do_not_wait_for_a_second_turn(redis
         assert await client.get(key) == b"3"
     finally:
         await client.aclose()
+
+
+@contextlib.asynccontextmanager
+async def _waiting_client(url: str, turns: int) -> AsyncIterator[tuple[WaitingRedisCluster, Any]]:
+    """A waiting client with ``turns`` turns per node (its slot map read) and a plain one."""
+    client = open_redis(RedisConfig(url=url, cluster=True), max_connections=turns, pool_wait_s=10.0)
+    pusher = open_redis(RedisConfig(url=url, cluster=True))
+    try:
+        await client.initialize()
+        yield client, pusher
+    finally:
+        await client.aclose()
+        await pusher.aclose()
+
+
+async def _held_on(client, key: str, n: int) -> list[asyncio.Task]:
+    """``n`` BLPOPs of ``key`` (empty: each holds its connection and turn), once all are sent."""
+    waiting = [asyncio.ensure_future(client.blpop([key], 4)) for _ in range(n)]
+    node = client.get_node_from_key(key)
+    deadline = time.monotonic() + 10.0
+    while len(node._connections) - len(node._free) < n:  # in flight on the node, not waiting a turn
+        assert time.monotonic() < deadline, f"timed out waiting for {n} BLPOPs in flight on {node.name}"
+        await asyncio.sleep(0.01)
+    return waiting
+
+
+async def test_a_node_whose_turns_are_all_held_does_not_hold_up_another_node(redis_cluster) -> None:
+    """The turns are per node: a shard that does not answer (a host gone without a reset)
+    holds each call for the socket timeout, and with one set of turns for the client its
+    calls took every turn and the calls of the other shards' pools waited too. Here one
+    node's two turns are held (BLPOPs); commands and a pipeline to another node answer while
+    they still wait, and a third command to the held node waits its turn."""
+    async with _waiting_client(redis_cluster.url, 2) as (client, pusher):
+        held_key, other_key = (f"qos:{{{p}}}:turns" for p in pools_on_different_shards(client))
+        await pusher.delete(held_key, other_key)
+        held = await _held_on(client, held_key, 2)
+        third = asyncio.ensure_future(client.lpush(held_key, "x"))  # waits: its node's turns are taken
+        assert await client.set(other_key, "1") is True
+        async with client.pipeline(transaction=False) as pipe:
+            pipe.get(other_key)
+            pipe.incr(other_key)
+            assert await pipe.execute() == [b"1", 2]
+        assert await client.evalsha(await client.script_load("return 7"), 1, other_key) == 7
+        assert not any(t.done() for t in held) and not third.done(), "the held node's calls ended first"
+        await pusher.lpush(held_key, "a", "b")  # ends the BLPOPs: the third gets a turn
+        assert sorted(value for _, value in await asyncio.gather(*held)) == [b"a", b"b"]
+        assert await third == 1
+
+
+async def test_a_pipeline_over_two_nodes_takes_a_turn_of_each(redis_cluster) -> None:
+    """A pipeline holds a connection of every node its commands go to: it waits for a turn
+    of each, and holds none while it waits. Here one node's only turn is held by a BLPOP; a
+    pipeline whose first command goes to the other node and whose second pushes to the
+    BLPOP's list waits until the BLPOP has ended (had it not, the BLPOP would have popped
+    the pipeline's value), and the other node's turn stays free meanwhile."""
+    async with _waiting_client(redis_cluster.url, 1) as (client, pusher):
+        # the held node last in any order by name, so that a pipeline which takes its turns
+        # one after the other in that order holds the other's while it waits
+        other_key, held_key = sorted((f"qos:{{{p}}}:piped" for p in pools_on_different_shards(client)),
+                                     key=lambda k: client.get_node_from_key(k).name)
+        await pusher.delete(held_key, other_key)
+        (held,) = await _held_on(client, held_key, 1)
+
+        async def both() -> list[object]:
+            async with client.pipeline(transaction=False) as pipe:
+                pipe.set(other_key, "1")
+                pipe.rpush(held_key, "from the pipeline")
+                return await pipe.execute()
+
+        piped = asyncio.ensure_future(both())
+        turns = client.turns_of(client.get_node_from_key(held_key).name)
+        deadline = time.monotonic() + 10.0
+        while not (piped.done() or held.done() or turns._waiters):
+            assert time.monotonic() < deadline, "timed out waiting for the pipeline to wait or end"
+            await asyncio.sleep(0.01)
+        assert not piped.done() and not held.done(), "the pipeline ran without the held node's turn"
+        assert await client.get(other_key + "x") is None  # the other node's turn is free meanwhile
+        assert not held.done()
+        await pusher.lpush(held_key, "from outside")
+        assert (await held)[1] == b"from outside"
+        assert await piped == [True, 1]
+
+
+async def test_a_command_a_reshard_redirects_to_a_busy_node_finds_a_connection(redis_cluster) -> None:
+    """A command follows MOVED inside the turn of the node it was first sent to: the new
+    owner's turns are not asked for. Each node's pool is twice its turns, so the redirected
+    command finds a connection there even with every turn of that node held; with a pool of
+    exactly the turns it failed with redis-py's MaxConnectionsError, an outage."""
+    key = "qos:{redirected-to-busy}:k"
+    async with _waiting_client(redis_cluster.url, 1) as (client, pusher):
+        await client.set(key, "1")  # the client's map: the slot on its first owner
+        _, dst = move_slot(redis_cluster, key)
+        busy_key = next(k for k in (f"qos:{{busy{i}}}:list" for i in range(1000))
+                        if redis_cluster.owner(k) is dst and client.get_node_from_key(k).port == dst.port)
+        await pusher.delete(busy_key)
+        (held,) = await _held_on(client, busy_key, 1)  # the new owner's only turn
+        assert await client.get(key) == b"1"  # sent to the old owner, MOVED, answered by the new
+        assert not held.done()
+        await pusher.lpush(busy_key, "x")
+        assert (await held)[1] == b"x"

@@ -21,7 +21,7 @@ class FrontendSettings:
     request_timeout_s: float = 600.0  # safety net: no request lives longer than this
     shutdown_grace_s: float = 30.0  # on SIGTERM, in-flight requests get this long to finish
     heartbeat_s: float = 2.0  # ZADD frontends; must stay well below the pool's frontend_ttl_ms
-    redis_max_connections: int = 32  # per process, whatever the number of in-flight requests
+    redis_max_connections: int = 32  # per process (per master on a cluster), whatever the requests in flight
     body_timeout_s: float = 30.0  # a request body must arrive within this (slow-body clients: 408)
     idle_timeout_s: float = 75.0  # a connection with no request in progress is closed after this
     reap_s: float = 5.0  # janitor pass (reap_expired) over each pool; 0 = leave it to workers/controller

@@ -19,7 +19,8 @@ from limiter.localstack.redis_server import (
     pools_on_distinct_shards,
 )
 
-__all__ = ["RedisClusterServers", "RedisServer", "free_port", "move_slot", "pools_on_different_shards"]
+__all__ = ["RedisClusterServers", "RedisServer", "free_port", "move_slot", "pools_on_different_shards",
+           "unread_requests_at"]
 
 RedisClusterServers = LocalRedisCluster  # a local 3-master Redis Cluster (no replicas)
 
@@ -65,3 +66,18 @@ def move_slot(cluster: LocalRedisCluster, key: str, *, batch: int = 10, first: S
             assert time.monotonic() < deadline, "the slot's new owner was not announced"
             time.sleep(0.01)
     return src, dst
+
+
+def unread_requests_at(port: int) -> int:
+    """How many TCP connections to the local server on ``port`` hold bytes the server has not
+    read yet (Linux' /proc/net/tcp: established, receive queue > 0): for a stopped server,
+    the calls its clients have sent and wait on."""
+    count = 0
+    with open("/proc/net/tcp") as table:
+        next(table)  # the header
+        for line in table:
+            fields = line.split()
+            local_port, state, unread = int(fields[1].rsplit(":", 1)[1], 16), fields[3], fields[4]
+            if local_port == port and state == "01" and int(unread.split(":")[1], 16) > 0:
+                count += 1
+    return count
