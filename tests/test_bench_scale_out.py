@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from limiter.bench import procstat, scale_report
+from limiter.bench import load_processes, procstat, scale_report
 from limiter.bench import scale_math as sm
 from limiter.bench import scale_out as so
 from limiter.cli import build_parser
@@ -78,18 +78,37 @@ def test_spec_checks_and_cli() -> None:
         so.ScaleSpec(pools=4).check()
     with pytest.raises(ValueError):
         so.ScaleSpec(headroom=0).check()
+    with pytest.raises(ValueError, match="client processes"):
+        so.ScaleSpec(client_processes=0).check()
     args = build_parser().parse_args(["bench", "scale-out", "--seconds", "2", "--pools", "2", "--out", "d"])
     assert (args.seconds, args.pools, args.out, args.frontends) == (2.0, 2, "d", so.DEFAULT_FRONTENDS)
+    assert args.client_processes == 1
+    args = build_parser().parse_args(["bench", "scale-out", "--client-processes", "4"])
+    assert args.client_processes == 4
 
 
-async def test_tiny_run_on_a_three_master_cluster(tmp_path) -> None:
-    spec = so.ScaleSpec(frontends=1, seconds=1.0, idle_s=0.5, concurrency=4, max_seqs=16)
+def test_clients_split_over_processes() -> None:
+    assert load_processes.shares(16, 3) == [6, 5, 5]
+    assert load_processes.shares(2, 4) == [1, 1]  # no process without a client
+    assert sum(load_processes.shares(31, 8)) == 31
+
+
+async def test_a_client_process_that_fails_is_named() -> None:
+    with pytest.raises(RuntimeError, match=r"a load process exited 2: .*--seconds must be > 0"):
+        await load_processes.run_clients(1, "http://127.0.0.1:9", "k", ["p"], 0.0, 1, 1, 0.0)
+
+
+@pytest.mark.parametrize("client_processes", [1, 2])
+async def test_tiny_run_on_a_three_master_cluster(tmp_path, client_processes: int) -> None:
+    spec = so.ScaleSpec(frontends=1, seconds=1.0, idle_s=0.5, concurrency=4, max_seqs=16,
+                        client_processes=client_processes)
     report = await so.run_scale_out(spec, log=lambda _line: None)
     pools, home = report["pools"], report["home"]
     assert len(pools) == 3 and len(set(home.values())) == 3  # one pool per master
     assert [ph["pools"] for ph in report["phases"]] == [1, 2, 3]
     for ph in report["phases"]:
         assert ph["errors"] == 0, ph
+        assert ph["role_cores"]["client"] > 0.05, ph  # the clients' CPU, in child processes too
         for p in ph["loaded"]:
             assert ph["completed"][p] > 0, (p, ph)  # every loaded pool served requests
             s = ph["shards"][p]

@@ -271,6 +271,8 @@ def _add_scale_out(bsub: argparse._SubParsersAction) -> None:
         ("--max-seqs", int, d.max_seqs, "each worker's batch"),
         ("--rps-per-gpu", float, d.rps_per_gpu, "the sizing table's requests/s per GPU (docs/scaling.md)"),
         ("--headroom", float, d.headroom, "the sizing table's use of each core, 0-1"),
+        ("--client-processes", int, d.client_processes,
+         "processes the clients run in (1: this one; more on a machine with cores to spare)"),
     ):
         p.add_argument(flag, type=kind, default=default, help=f"{what} (default {default:g})")
     p.add_argument("--out", metavar="DIR", help="write scale-out.json and scale-out.md here")
@@ -293,7 +295,8 @@ def _scale_out(args: argparse.Namespace) -> int:
     spec = so.ScaleSpec(pools=args.pools, frontends=args.frontends, workers_per_pool=args.workers,
                         seconds=args.seconds, idle_s=args.idle_seconds, concurrency=args.concurrency,
                         output_tokens=args.output_tokens, max_seqs=args.max_seqs,
-                        rps_per_gpu=args.rps_per_gpu, headroom=args.headroom)
+                        rps_per_gpu=args.rps_per_gpu, headroom=args.headroom,
+                        client_processes=args.client_processes)
     try:
         spec.check()
     except ValueError as exc:

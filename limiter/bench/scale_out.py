@@ -37,6 +37,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from limiter.bench import scale_math as sm
+from limiter.bench.load_processes import START_ALLOWANCE_S, ClientLoad, run_clients
 from limiter.bench.modes import UNLIMITED, api_key, mode_spec, write_config
 from limiter.bench.overhead import closed_loop
 from limiter.bench.procstat import MachineTicks, busy_share, cpu_by_role
@@ -72,13 +73,18 @@ class ScaleSpec:
     max_seqs: int = 64
     rps_per_gpu: float = DEFAULT_RPS_PER_GPU
     headroom: float = DEFAULT_HEADROOM
+    # > 1: the clients run in this many processes of their own (limiter/bench/load_processes.py):
+    # one process of clients is the ceiling on a machine whose stack has a core per process
+    client_processes: int = 1
 
     def check(self) -> None:
         if not 1 <= self.pools <= MASTERS:
             raise ValueError(f"pools must be in [1, {MASTERS}] (one per master)")
-        counts = (self.frontends, self.workers_per_pool, self.concurrency, self.output_tokens, self.max_seqs)
+        counts = (self.frontends, self.workers_per_pool, self.concurrency, self.output_tokens, self.max_seqs,
+                  self.client_processes)
         if min(counts) < 1:
-            raise ValueError("frontends, workers per pool, concurrency, output tokens, max seqs: >= 1")
+            raise ValueError("frontends, workers per pool, concurrency, output tokens, max seqs, "
+                             "client processes: >= 1")
         if self.seconds <= 0 or self.idle_s <= 0 or self.rps_per_gpu <= 0 or not 0 < self.headroom <= 1:
             raise ValueError("seconds, idle seconds, requests/s per GPU: > 0; headroom in (0, 1]")
 
@@ -163,8 +169,9 @@ class Probe:
 
 def phase_report(pools: Sequence[str], home: Mapping[str, str], loaded: Sequence[str],
                  completed: Mapping[str, int], errors: int, before: Meters, after: Meters,
-                 background: Meters | None, idle: Meters | None) -> dict[str, Any]:
-    """One phase's figures from the meters read around it (and around the idle interval)."""
+                 background: Meters | None, idle: Meters | None, client_cpu_s: float = 0.0) -> dict[str, Any]:
+    """One phase's figures from the meters read around it (and around the idle interval);
+    ``client_cpu_s``: the CPU of client processes that had exited by the second read."""
     wall = after.t - before.t
     total = sum(completed.values())
     bg_s = (idle.t - background.t) if background and idle else 0.0
@@ -175,6 +182,7 @@ def phase_report(pools: Sequence[str], home: Mapping[str, str], loaded: Sequence
         shards[p] = {"shard": addr, **sm.shard_figures(minus(after.shards[addr], before.shards[addr]), wall,
                                                        completed.get(p, 0), bg, bg_s or 1.0)}
     role_cpu = {r: after.roles[r] - before.roles[r] for r in ROLES}
+    role_cpu["client"] += client_cpu_s
     busy = busy_share(before.ticks, after.ticks)
     # the cores the rest of the machine took meanwhile (other users' processes)
     other = None if busy is None else max(0.0, busy * (os.cpu_count() or 1) - sum(role_cpu.values()) / wall)
@@ -255,16 +263,15 @@ async def _measure(spec: ScaleSpec, cluster: LocalRedisCluster, stack: LoggedSta
         phases = []
         for k in range(1, len(pools) + 1):
             loaded = pools[:k]
-            before = await probe.read()
-            got = await asyncio.gather(*(closed_loop(stack.base_url, key, p, spec.seconds, spec.concurrency,
-                                                     spec.output_tokens) for p in loaded))
-            after = await probe.read()
-            completed = {p: sum(r.ok for r in rs) for p, rs in zip(loaded, got, strict=True)}
-            errors = sum(not r.ok for rs in got for r in rs)
-            ph = phase_report(pools, home, loaded, completed, errors, before, after, quiet0, quiet1)
+            before, after, load = await _phase(spec, stack.base_url, key, loaded, probe)
+            ph = phase_report(pools, home, loaded, load.completed, load.errors, before, after, quiet0, quiet1,
+                              client_cpu_s=load.cpu_s)
             phases.append(ph)
+            if load.late_s > 0.5:
+                log(f"[yellow]  a client process started {load.late_s:.1f} s late: the phase is "
+                    f"partly unloaded[/]")
             log(f"[dim]  {k} pool(s): {ph['total_requests_s']:,.0f} req/s "
-                f"({', '.join(f'{v:,.0f}' for v in ph['requests_s'].values())}), {errors} errors, "
+                f"({', '.join(f'{v:,.0f}' for v in ph['requests_s'].values())}), {load.errors} errors, "
                 f"machine {ph['machine_busy'] or 0:.0%} busy[/]")
             await asyncio.sleep(0.5)
         keys = await probe.keys_by_shard(pools)
@@ -280,3 +287,23 @@ async def _measure(spec: ScaleSpec, cluster: LocalRedisCluster, stack: LoggedSta
         return report
     finally:
         await probe.close()
+
+
+async def _phase(spec: ScaleSpec, url: str, key: str, loaded: Sequence[str],
+                 probe: Probe) -> tuple[Meters, Meters, ClientLoad]:
+    """One phase's load on ``loaded``, in this process or in client processes of their own
+    (started first, the phase beginning when they all begin), and the meters read around it."""
+    if spec.client_processes == 1:
+        before = await probe.read()
+        got = await asyncio.gather(*(closed_loop(url, key, p, spec.seconds, spec.concurrency,
+                                                 spec.output_tokens) for p in loaded))
+        after = await probe.read()
+        completed = {p: sum(r.ok for r in rs) for p, rs in zip(loaded, got, strict=True)}
+        return before, after, ClientLoad(completed, sum(not r.ok for rs in got for r in rs), 0.0, 0.0)
+    start_at = time.time() + START_ALLOWANCE_S
+    running = asyncio.ensure_future(run_clients(spec.client_processes, url, key, loaded, spec.seconds,
+                                                spec.concurrency, spec.output_tokens, start_at))
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    before = await probe.read()
+    load = await running
+    return before, await probe.read(), load

@@ -5,7 +5,10 @@
 #      end to end against a private redis-server;
 #   2. tests/bench_torch_gpu.py: step costs of the 1B preset and their fit to the sim cost
 #      model, the long-prefill stall with real steps, resumption in bf16;
-#   3. `qos up --engine torch --device cuda --demo-load`: every role as its own process.
+#   3. `qos up --engine torch --device cuda --demo-load`: every role as its own process;
+#   4. `qos bench scale-out` on the machine's cores (no GPU needed: the null engine), the
+#      clients in processes of their own: issue 17's three pools over one (>= 2.7x), which
+#      a 2-core box cannot show (docs/scaling.md). SCALE_S=0 skips it.
 # Needs .gpu/ from tests/gpu/bundle.sh (wheels, redis-server). Run from the repo root:
 #   bash tests/gpu/check.sh          # writes its logs to $OUT (default /tmp/gpu-check)
 # Each part has its own time limit, so one that hangs still leaves the others' results.
@@ -53,3 +56,13 @@ timeout -s INT -k 30 ${UP_S:-75} $PY -m limiter.cli up --engine torch --device "
   --port 18000 --demo-load --demo-duration ${DEMO_S:-30} > "$OUT/up.txt" 2>&1
 echo "qos up: rc $?"
 grep -v '^\s*$' "$OUT/up.txt" | tail -30
+
+if [[ "${SCALE_S:-110}" != "0" ]]; then
+  say "4. qos bench scale-out on $(nproc) cores"
+  # 3 masters + 4 frontends + 3 workers + 4 client processes: 14 processes, a core each
+  timeout -s INT -k 20 ${SCALE_S:-110} $PY -m limiter.cli bench scale-out --frontends 4 --workers 1 \
+    --client-processes 4 --concurrency 32 --seconds 10 --markdown --out "$OUT/scale-out" \
+    > "$OUT/scale-out.txt" 2>&1
+  echo "scale-out: rc $?"
+  grep -v '^\s*$' "$OUT/scale-out.txt" | tail -40
+fi
