@@ -27,7 +27,7 @@ from limiter.config import QosConfig
 from limiter.errors import ConfigError, InvalidName, QosError, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import map_redis_errors, open_redis
-from limiter.status import UNREACHABLE, snapshot
+from limiter.status import UNREACHABLE, each_pool, snapshot
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -56,14 +56,13 @@ async def full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[str
 
 async def _full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[str, Any]:
     snap = await snapshot(client, cfg)
-    for name, pool in snap["pools"].items():
-        if "unreachable" in pool:
-            continue
-        try:  # its shard may have gone since the snapshot read it: that pool alone then
-            with map_redis_errors():
-                await _add_workers_and_decisions(client, PoolKeys(name), pool, decisions)
-        except RedisUnavailable:
-            snap["pools"][name] = {"model": pool["model"], "unreachable": UNREACHABLE}
+    pools = snap["pools"]
+    reachable = [p for p in cfg.pools if "unreachable" not in pools[p.name]]
+    added = await each_pool(reachable, lambda p: _add_workers_and_decisions(
+        client, PoolKeys(p.name), pools[p.name], decisions))
+    for name, result in added.items():
+        if isinstance(result, RedisUnavailable):  # its shard went since the snapshot read it: that pool alone
+            pools[name] = {"model": pools[name]["model"], "unreachable": UNREACHABLE}
     return snap
 
 

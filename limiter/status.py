@@ -10,8 +10,10 @@ only: safe to call at any rate from any process.
 
 from __future__ import annotations
 
+import asyncio
 import math
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import RedisUnavailable
@@ -51,6 +53,10 @@ def _ages(rows: list[tuple[Any, float]], now_ms: float) -> dict[str, dict[str, f
 
 
 UNREACHABLE = "its Redis shard cannot be reached"
+# A pool's status read longer than this counts its shard as out of reach: under the client's
+# 5 s socket timeout, so a shard that does not answer leaves the others' figures current.
+POOL_READ_S = 3.0
+T = TypeVar("T")
 
 
 async def snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
@@ -58,17 +64,34 @@ async def snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
     for any. A pool whose server (a cluster's shard) does not answer while others do is
     ``{"model": ..., "unreachable": UNREACHABLE}``: one shard down hid every pool's status."""
     out: dict[str, Any] = {"pools": {}}
-    down: list[RedisUnavailable] = []
-    for pool in cfg.pools:
-        try:
-            with map_redis_errors():
-                out["pools"][pool.name] = await _pool_status(client, cfg, pool, out)
-        except RedisUnavailable as exc:
-            down.append(exc)
-            out["pools"][pool.name] = {"model": pool.model_name, "unreachable": UNREACHABLE}
+    read = await each_pool(cfg.pools, lambda pool: _pool_status(client, cfg, pool, out))
+    down = [r for r in read.values() if isinstance(r, RedisUnavailable)]
     if down and len(down) == len(cfg.pools):
         raise down[0]
+    out["pools"] = {name: {"model": cfg.pool(name).model_name, "unreachable": UNREACHABLE}
+                    if isinstance(r, RedisUnavailable) else r for name, r in read.items()}
     return out
+
+
+async def each_pool(pools: Sequence[PoolConfig], read: Callable[[PoolConfig], Awaitable[T]]
+                    ) -> dict[str, T | RedisUnavailable]:
+    """``read(pool)`` of every pool, the pools at the same time, each within
+    :data:`POOL_READ_S`: pool name -> its result, or the RedisUnavailable that stood for it.
+    A shard that does not answer at all held each of its pools' reads for the client's 5 s
+    socket timeout, one pool after another (``qos top`` froze for as long)."""
+
+    async def one(pool: PoolConfig) -> T | RedisUnavailable:
+        try:
+            async with asyncio.timeout(POOL_READ_S):
+                with map_redis_errors():
+                    return await read(pool)
+        except RedisUnavailable as exc:
+            return exc
+        except TimeoutError:
+            return RedisUnavailable(f"pool {pool.name}: Redis did not answer within {POOL_READ_S:g} s")
+
+    results = await asyncio.gather(*(one(p) for p in pools))
+    return {p.name: r for p, r in zip(pools, results, strict=True)}
 
 
 async def _pool_status(client: Any, cfg: QosConfig, pool: PoolConfig, out: dict[str, Any]) -> dict[str, Any]:

@@ -29,6 +29,7 @@ from limiter.config import load
 from limiter.keys import PoolKeys
 from limiter.localstack.redis_server import LocalRedisCluster, RedisServer
 from limiter.ops_cli import full_snapshot, render
+from limiter.redis_conn import SOCKET_TIMEOUT_S
 from limiter.status import UNREACHABLE
 from tests.support.redis_server import pools_on_different_shards, unread_requests_at
 from tests.support.reliability_stack import KEY_P0, LiveStack, base_config
@@ -238,10 +239,15 @@ async def test_a_shard_that_stops_answering_under_load_does_not_hold_up_another_
     out the 5 s socket timeout) while its pool has requests coming in. Each of them took one
     of the frontend's command turns, which were one set for the whole process: with all of
     them held, the other pool's requests waited for the lost pool's calls to time out. The
-    turns are per node now: the kept pool is served while the lost pool's calls still wait."""
+    turns are per node now: the kept pool is served while the lost pool's calls still wait.
+    And the operator's status read (`qos status`, `qos top`, /v1/qos/status) read the pools
+    one after another, each of the stopped shard's waiting out the socket timeout: it now
+    reads them together, each within POOL_READ_S."""
     turns = 4  # the frontend's redis_max_connections: its turns per node
     client, lost, kept, hung = await _pools_and_the_shard_to_stop(private_cluster)
-    cfg = base_config(private_cluster.url, pools=(lost, kept), cluster=True,
+    also_lost = next(name for i in range(10_000) if client.get_node_from_key(
+        PoolKeys(name := f"{lost}-also{i}").policy).port == hung.port)  # a second pool on that shard
+    cfg = base_config(private_cluster.url, pools=(lost, also_lost, kept), cluster=True,
                       frontend={"redis_max_connections": turns})
     for p in cfg["pools"]:
         p["model"] = f"model-{p['name']}"
@@ -268,6 +274,13 @@ async def test_a_shard_that_stops_answering_under_load_does_not_hold_up_another_
                 assert status == 200, body
             assert not any(t.done() for t in lost_calls), \
                 f"a call to the stopped shard ended (its socket timeout) before pool {kept} was served"
+            t0 = time.monotonic()
+            snap = await full_snapshot(client, load(stack.path, env={}), 5)
+            took_s = time.monotonic() - t0
+            for p in (lost, also_lost):
+                assert snap["pools"][p] == {"model": f"model-{p}", "unreachable": UNREACHABLE}
+            assert snap["pools"][kept]["workers"], snap["pools"][kept]
+            assert took_s < SOCKET_TIMEOUT_S, f"the status read waited {took_s:.1f} s on the stopped shard"
             for t in lost_calls:  # no worker serves that pool: they would wait for one
                 t.cancel()
             await asyncio.gather(*lost_calls, return_exceptions=True)
