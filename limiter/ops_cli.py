@@ -68,16 +68,25 @@ async def _full_snapshot(client: Any, cfg: QosConfig, decisions: int) -> dict[st
 
 async def _add_workers_and_decisions(client: Any, keys: PoolKeys, pool: dict[str, Any],
                                      decisions: int) -> None:
+    # one round trip for the pool: a read per worker, one after another, took a round trip
+    # each (3,000 workers at 1 ms: past the status read's bound, found by a review)
+    pipe = client.pipeline(transaction=False)
+    read: list[dict[str, Any]] = []
     for worker_id, info in pool["workers"].items():
         try:
             key = keys.worker(worker_id)
         except InvalidName:  # not a name a worker could have (written by hand): no hash to read
             info["note"] = "not a valid worker id"
             continue
-        raw = await client.hgetall(key)
+        pipe.hgetall(key)
+        read.append(info)
+    if decisions > 0:
+        pipe.xrevrange(keys.decisions, count=decisions)
+    replies = await pipe.execute() if len(pipe) else []
+    for info, raw in zip(read, replies, strict=False):
         fields = {_s(k): _s(v) for k, v in raw.items()}
         info.update({k: v if k in TEXT_FIELDS else _num(v) for k, v in fields.items()})
-    rows = await client.xrevrange(keys.decisions, count=decisions) if decisions > 0 else []
+    rows = replies[-1] if decisions > 0 else []
     pool["decisions"] = [_decision(entry) for _id, entry in rows]
 
 

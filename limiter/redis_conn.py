@@ -4,16 +4,13 @@ Cluster, with TLS via ``rediss://`` and credentials from the URL; and what count
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import contextvars
 import urllib.parse
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.asyncio.cluster import ClusterNode, RedisCluster
-from redis.asyncio.connection import Connection, SSLConnection
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import (
@@ -29,6 +26,7 @@ from redis.exceptions import (
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
+from limiter.cluster_client import CheckedRedisCluster, WaitingRedisCluster
 from limiter.config import RedisConfig
 from limiter.errors import ConfigError, RedisUnavailable
 from limiter.keys import PoolKeys
@@ -211,222 +209,6 @@ def _without_query_option(url: str, name: str) -> tuple[str, str | None]:
         return url, None
     rest = urllib.parse.urlencode([(k, v) for k, v in query if k != name])
     return head + ("?" + rest if rest else "") + hash_sep + fragment, values[0]
-
-
-class CheckedConnection(Connection):
-    """A connection that, before each command it sends, checks the server has not closed it
-    meanwhile and connects again if it has, as the standalone pool does when it hands one
-    out (``ensure_connection``). Nothing of the command has been sent at that point, so
-    connecting again cannot run it twice. Not while connecting: the handshake sends several
-    commands before it reads their replies."""
-
-    _handshaking = False
-
-    async def connect_check_health(self, *args: Any, **kwargs: Any) -> None:
-        self._handshaking = True
-        try:
-            await super().connect_check_health(*args, **kwargs)
-        finally:
-            self._handshaking = False
-
-    async def send_packed_command(self, command: Any, check_health: bool = True) -> None:
-        if self.is_connected and not self._handshaking and await self._closed_by_server():
-            await self.disconnect()
-        await super().send_packed_command(command, check_health)
-
-    async def _closed_by_server(self) -> bool:
-        try:
-            await self.can_read()  # raises on EOF (closed) or a reset; True: unread bytes
-        except (RedisConnectionError, OSError):
-            return True
-        return False
-
-
-class CheckedSSLConnection(CheckedConnection, SSLConnection):
-    pass
-
-
-_CHECKED = {Connection: CheckedConnection, SSLConnection: CheckedSSLConnection}
-
-
-class CheckedRedisCluster(RedisCluster):
-    """A cluster client whose connections survive the server closing them while idle.
-
-    redis-py's cluster nodes hand out a free connection as it is: one the server closed while
-    it sat idle (Redis' ``timeout``, a managed service's idle limit, a restart of a proxy)
-    failed its next command with "Connection closed by server", one per node, which a
-    frontend answered 503 and a worker took for an outage and backed off. The standalone pool
-    checks each connection it hands out; these connections check themselves before writing.
-    ``RedisCluster`` takes no connection class, so the one it would use is swapped for its
-    checked kind in the kwargs every node is built from.
-    """
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        checked = _CHECKED.get(self.connection_kwargs["connection_class"])
-        if checked is None:
-            raise TypeError(f"no checked kind of {self.connection_kwargs['connection_class']!r}")
-        self.connection_kwargs["connection_class"] = checked  # every node made from now on
-        for node in self.startup_nodes:  # and the ones made already
-            node.connection_class = checked
-
-
-# The WaitingRedisCluster clients (by id) whose turn the running task holds for a pipeline.
-_PIPELINE_TURNS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
-    "qos_pipeline_turns", default=frozenset())
-
-# The turns of the commands whose node is not known before they are sent: a keyless command
-# sent to a node flag ("primaries"), one sent before the client has read the slot map.
-UNKNOWN_NODE = ""
-_EVAL_COMMANDS = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"})
-
-
-class WaitingRedisCluster(CheckedRedisCluster):
-    """A cluster client whose commands wait (up to ``pool_wait_s``) for a free connection.
-
-    redis-py's cluster client fails a command at once (``MaxConnectionsError``) when the
-    node's ``max_connections`` are all busy, where the standalone client here waits for one:
-    a worker with more requests in flight than connections then took its own cap for an
-    outage and backed off. This lets at most ``max_connections`` commands and pipelines be
-    in flight to each node, and the rest wait their turn; one that waits longer than
-    ``pool_wait_s`` fails as an outage, as on a standalone Redis.
-
-    The turns are per node: a node that does not answer (a host gone without a reset, a
-    stopped process) holds each call for the socket timeout, and with one set of turns for
-    the whole client its calls took every turn and the other shards' pools waited too
-    (found 2026-12-06: a frontend's second pool stalled ~5 s). A pipeline takes a turn of
-    each node its commands go to, and holds none while it waits for another.
-
-    A command redirected by ``MOVED``/``ASK`` while a slot moves goes on to the new owner
-    inside its first node's turn (redis-py follows it within one call): each node's pool is
-    made twice ``max_connections`` so that such commands (at most the old owner's turns)
-    find a connection there even when the new owner's turns are all taken.
-    """
-
-    def __init__(self, *args: Any, pool_wait_s: float = 5.0, **kwargs: Any) -> None:
-        per_node = kwargs.get("max_connections") or 2**31
-        kwargs["max_connections"] = 2 * per_node  # room for the redirected (above)
-        super().__init__(*args, **kwargs)
-        self.pool_wait_s = pool_wait_s
-        self.turns_per_node = per_node
-        self._turns: dict[str, asyncio.Semaphore] = {}
-
-    def turns_of(self, node_name: str) -> asyncio.Semaphore:
-        """The turns of the node named ``node_name`` (host:port; :data:`UNKNOWN_NODE`)."""
-        turns = self._turns.get(node_name)
-        if turns is None:
-            turns = self._turns[node_name] = asyncio.Semaphore(self.turns_per_node)
-        return turns
-
-    async def node_of(self, args: tuple[Any, ...], target_nodes: Any = None) -> str | list[str]:
-        """The name of the node a command will go to, as far as the client's slot map tells
-        before sending it (a node flag, a keyless command, no slot map yet:
-        :data:`UNKNOWN_NODE`); several for a command given several target nodes."""
-        if target_nodes is not None:
-            nodes = list(target_nodes.values()) if isinstance(target_nodes, dict) else (
-                list(target_nodes) if isinstance(target_nodes, list | tuple) else [target_nodes])
-            names = [n.name for n in nodes if isinstance(n, ClusterNode)]
-            return names if names and len(names) == len(nodes) else UNKNOWN_NODE
-        try:
-            command = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
-            if command.upper() in _EVAL_COMMANDS and int(args[2]) > 0:
-                slot = self.keyslot(args[3])  # the hot path: no parse of the command
-            else:
-                slot = await self._determine_slot(*args)  # as redis-py routes it
-            return self.nodes_manager.get_node_from_slot(slot).name
-        except Exception:  # sent anyway: redis-py routes it, or refuses it, as it would have
-            return UNKNOWN_NODE
-
-    @contextlib.asynccontextmanager
-    async def turn(self, nodes: str | list[str] | set[str]) -> AsyncIterator[None]:
-        """A turn of each of ``nodes`` (names), waited for up to ``pool_wait_s`` in all."""
-        if id(self) in _PIPELINE_TURNS.get():
-            # a pipeline's command sent again alone (MOVED/ASK/TRYAGAIN) inside the pipeline's
-            # turn, its connections released by then: a turn of its own would wait on the
-            # pipelines holding the others, which after a reshard all wait so (pool_wait_s)
-            yield
-            return
-        held = await self._take_turns((nodes,) if isinstance(nodes, str) else sorted(set(nodes)))
-        try:
-            yield
-        finally:
-            for turns in held:
-                turns.release()
-
-    async def _take_turns(self, names: Sequence[str]) -> list[asyncio.Semaphore]:
-        """A turn of each node of ``names``; raises an outage after ``pool_wait_s``. Never
-        holds a turn while it waits for another: a pipeline over two nodes held the first's
-        turn while the second did not answer, and the first node's other calls waited too."""
-        held: dict[str, asyncio.Semaphore] = {}
-        deadline: float | None = None
-        try:
-            while True:
-                blocked: tuple[str, asyncio.Semaphore] | None = None
-                for name in names:
-                    if name in held:
-                        continue
-                    turns = self.turns_of(name)
-                    if turns.locked():
-                        blocked = name, turns
-                        break
-                    await turns.acquire()  # free: taken at once, no timer armed (~5 us a call)
-                    held[name] = turns
-                if blocked is None:
-                    return list(held.values())
-                for turns in held.values():
-                    turns.release()
-                held.clear()
-                if deadline is None:
-                    deadline = asyncio.get_running_loop().time() + self.pool_wait_s
-                async with asyncio.timeout_at(deadline):
-                    await blocked[1].acquire()
-                held[blocked[0]] = blocked[1]
-        except BaseException as exc:
-            for turns in held.values():
-                turns.release()
-            if isinstance(exc, TimeoutError):
-                raise RedisConnectionError(f"no free connection within {self.pool_wait_s:g} s") from exc
-            raise
-
-    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        async with self.turn(await self.node_of(args, kwargs.get("target_nodes"))):
-            return await super().execute_command(*args, **kwargs)
-
-    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
-        # A pipeline holds one connection per node it sends to: one turn of each covers it.
-        # Its commands redirected by MOVED/ASK or refused with TRYAGAIN are sent again one by
-        # one through execute_command once its connections are released: inside the same turn.
-        pipe = super().pipeline(transaction, shard_hint)
-        execute, queue, reset = pipe.execute, pipe.execute_command, pipe.reset
-        queued: list[tuple[tuple[Any, ...], Any]] = []  # since the last execute: (args, target)
-
-        def queue_command(*args: Any, **kwargs: Any) -> Any:
-            queued.append((args, kwargs.get("target_nodes")))
-            return queue(*args, **kwargs)
-
-        async def execute_in_turn(*args: Any, **kwargs: Any) -> Any:
-            try:
-                nodes: set[str] = set()
-                for command, target in queued:
-                    node = await self.node_of(command, target)
-                    nodes.update([node] if isinstance(node, str) else node)
-                async with self.turn(nodes or UNKNOWN_NODE):
-                    held = _PIPELINE_TURNS.set(_PIPELINE_TURNS.get() | {id(self)})
-                    try:
-                        return await execute(*args, **kwargs)
-                    finally:
-                        _PIPELINE_TURNS.reset(held)
-            finally:
-                queued.clear()  # redis-py empties the pipeline after execute, raised or not
-
-        async def reset_queued(*args: Any, **kwargs: Any) -> Any:
-            queued.clear()
-            return await reset(*args, **kwargs)
-
-        pipe.execute_command = queue_command  # the command methods (pipe.get) call it too
-        pipe.execute = execute_in_turn
-        pipe.reset = reset_queued
-        return pipe
 
 
 async def shard_of(client: Any, key: str) -> Any | None:

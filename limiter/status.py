@@ -63,11 +63,12 @@ async def snapshot(client: Any, cfg: QosConfig) -> dict[str, Any]:
     """The status of every configured pool; raises RedisUnavailable if Redis cannot answer
     for any. A pool whose server (a cluster's shard) does not answer while others do is
     ``{"model": ..., "unreachable": UNREACHABLE}``: one shard down hid every pool's status."""
-    out: dict[str, Any] = {"pools": {}}
-    read = await each_pool(cfg.pools, lambda pool: _pool_status(client, cfg, pool, out))
+    clocks: dict[str, float] = {}  # pool -> its shard's now, ms
+    read = await each_pool(cfg.pools, lambda pool: _pool_status(client, cfg, pool, clocks))
     down = [r for r in read.values() if isinstance(r, RedisUnavailable)]
     if down and len(down) == len(cfg.pools):
         raise down[0]
+    out: dict[str, Any] = {"now_ms": int(next(clocks[p.name] for p in cfg.pools if p.name in clocks))}
     out["pools"] = {name: {"model": cfg.pool(name).model_name, "unreachable": UNREACHABLE}
                     if isinstance(r, RedisUnavailable) else r for name, r in read.items()}
     return out
@@ -90,17 +91,20 @@ async def each_pool(pools: Sequence[PoolConfig], read: Callable[[PoolConfig], Aw
         except TimeoutError:
             return RedisUnavailable(f"pool {pool.name}: Redis did not answer within {POOL_READ_S:g} s")
 
-    results = await asyncio.gather(*(one(p) for p in pools))
+    # every read ends (each is bounded) before another error is raised: none is left writing
+    results = await asyncio.gather(*(one(p) for p in pools), return_exceptions=True)
+    if failed := [r for r in results if isinstance(r, BaseException) and not isinstance(r, RedisUnavailable)]:
+        raise failed[0]
     return {p.name: r for p, r in zip(pools, results, strict=True)}
 
 
-async def _pool_status(client: Any, cfg: QosConfig, pool: PoolConfig, out: dict[str, Any]) -> dict[str, Any]:
+async def _pool_status(client: Any, cfg: QosConfig, pool: PoolConfig,
+                       clocks: dict[str, float]) -> dict[str, Any]:
     classes = cfg.class_names()
     keys = PoolKeys(pool.name)
     # each pool's buckets and heartbeats against its own shard's clock (they are stamped
     # with it; one node's clock for every pool shifted ages and levels by the skew)
-    now_ms = await redis_now_ms(client, keys)
-    out.setdefault("now_ms", int(now_ms))
+    now_ms = clocks[pool.name] = await redis_now_ms(client, keys)
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.policy)
     pipe.hgetall(keys.inflight)

@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import socket
+import time
 
 import pytest
 
@@ -91,6 +94,25 @@ def test_clients_split_over_processes() -> None:
     assert load_processes.shares(16, 3) == [6, 5, 5]
     assert load_processes.shares(2, 4) == [1, 1]  # no process without a client
     assert sum(load_processes.shares(31, 8)) == 31
+
+
+async def test_a_client_process_stuck_past_the_phase_is_killed(monkeypatch) -> None:
+    monkeypatch.setattr(load_processes, "CHILD_GRACE_S", 1.0)
+    spawned: list[asyncio.subprocess.Process] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def spawned_too(*args, **kwargs):
+        spawned.append(child := await spawn(*args, **kwargs))
+        return child
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", spawned_too)
+    with socket.socket() as silent:  # takes connections (the kernel's backlog), never answers
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        with pytest.raises(TimeoutError):
+            await load_processes.run_clients(1, url, "k", ["p"], 0.5, 1, 1, time.time())
+    assert len(spawned) == 1 and spawned[0].returncode is not None  # killed, not left behind
 
 
 async def test_a_client_process_that_fails_is_named() -> None:

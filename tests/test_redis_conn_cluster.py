@@ -6,15 +6,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 import time
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
+from limiter.cluster_client import CheckedConnection, WaitingRedisCluster
 from limiter.config import RedisConfig
-from limiter.redis_conn import CheckedConnection, WaitingRedisCluster, open_redis
+from limiter.localstack.redis_server import LocalRedisCluster
+from limiter.redis_conn import open_redis
 from tests.support.redis_server import move_slot, pools_on_different_shards
 
 HOLD_S = 0.2  # each command holds its connection this long (BLPOP on an empty list)
@@ -397,20 +402,121 @@ async def test_a_pipeline_over_two_nodes_takes_a_turn_of_each(redis_cluster) -> 
         assert await piped == [True, 1]
 
 
-async def test_a_command_a_reshard_redirects_to_a_busy_node_finds_a_connection(redis_cluster) -> None:
-    """A command follows MOVED inside the turn of the node it was first sent to: the new
-    owner's turns are not asked for. Each node's pool is twice its turns, so the redirected
-    command finds a connection there even with every turn of that node held; with a pool of
-    exactly the turns it failed with redis-py's MaxConnectionsError, an outage."""
-    key = "qos:{redirected-to-busy}:k"
+async def test_a_pipeline_takes_the_turns_of_commands_queued_any_way(redis_cluster) -> None:
+    """``pipe.unlink`` (awaited: it may split its keys) queues its command without
+    ``pipe.execute_command``: the pipeline's nodes are read from redis-py's own queue, so it
+    waits for the held node's turn (it took the unknown node's turn and ran at once)."""
     async with _waiting_client(redis_cluster.url, 1) as (client, pusher):
-        await client.set(key, "1")  # the client's map: the slot on its first owner
-        _, dst = move_slot(redis_cluster, key)
-        busy_key = next(k for k in (f"qos:{{busy{i}}}:list" for i in range(1000))
-                        if redis_cluster.owner(k) is dst and client.get_node_from_key(k).port == dst.port)
-        await pusher.delete(busy_key)
+        held_key = f"qos:{{{pools_on_different_shards(client)[0]}}}:unlinked"
+        await pusher.delete(held_key)
+        (held,) = await _held_on(client, held_key, 1)
+
+        async def unlink() -> list[object]:
+            async with client.pipeline(transaction=False) as pipe:
+                await pipe.unlink(held_key + "-other")
+                return await pipe.execute()
+
+        piped = asyncio.ensure_future(unlink())
+        turns = client.turns_of(client.get_node_from_key(held_key).name)
+        deadline = time.monotonic() + 10.0
+        while not (piped.done() or turns._waiters):
+            assert time.monotonic() < deadline, "timed out waiting for the pipeline to wait or end"
+            await asyncio.sleep(0.01)
+        assert not piped.done(), "the pipeline ran without its node's turn"
+        await pusher.lpush(held_key, "x")
+        assert (await held)[1] == b"x"
+        assert await piped == [0]
+
+
+async def test_commands_a_reshard_redirects_to_a_busy_node_find_connections(redis_cluster) -> None:
+    """A command follows MOVED inside the turn of the node it was first sent to: the new
+    owner's turns are not asked for. After slots of two nodes moved to a third whose only
+    turn is held, a command of each old owner is redirected there: each finds a connection
+    (the turns bound the pools, not redis-py's cap). With a pool of exactly the turns the
+    first failed with redis-py's MaxConnectionsError, an outage; with twice the turns the
+    second still did (found by a review)."""
+    async with _waiting_client(redis_cluster.url, 1) as (client, pusher):
+        new_owner, *old_owners = redis_cluster.nodes
+
+        def key_on(node, tag: str) -> str:
+            return next(k for k in (f"qos:{{{tag}{i}}}:k" for i in range(10_000))
+                        if redis_cluster.owner(k) is node and client.get_node_from_key(k).port == node.port)
+
+        busy_key = key_on(new_owner, "busy")
+        moved = [key_on(n, f"moved{j}-") for j, n in enumerate(old_owners)]
+        await pusher.delete(busy_key, *moved)
+        for key in moved:  # the client's map still has each on its old owner
+            _move_empty_slot(redis_cluster, key, new_owner)
         (held,) = await _held_on(client, busy_key, 1)  # the new owner's only turn
-        assert await client.get(key) == b"1"  # sent to the old owner, MOVED, answered by the new
+        got = await asyncio.gather(*(client.set(k, "1") for k in moved), return_exceptions=True)
+        assert got == [True, True]  # each sent to its old owner, MOVED, answered by the new
         assert not held.done()
         await pusher.lpush(busy_key, "x")
         assert (await held)[1] == b"x"
+
+
+def _move_empty_slot(cluster, key: str, to) -> None:
+    """Give ``key``'s slot (no key in it) to the master ``to``, as a reshard's last step does."""
+    slot = key_slot(key.encode())
+    with to.client() as c:
+        to_id = c.execute_command("CLUSTER MYID").decode()
+    for node in [to, *(n for n in cluster.nodes if n is not to)]:
+        with node.client() as c:
+            c.execute_command("CLUSTER SETSLOT", slot, "NODE", to_id)
+    deadline = time.monotonic() + 10.0
+    while cluster.owner(key) is not to:
+        assert time.monotonic() < deadline, f"slot {slot} was not announced on its new owner"
+        time.sleep(0.01)
+
+
+async def test_a_pipeline_over_busy_nodes_gets_its_turns(redis_cluster) -> None:
+    """Steady single commands on two nodes keep each node's turns taken or asked for; a
+    pipeline over both that gave its first turn back whenever the second was busy never got
+    both and failed as an outage after ``pool_wait_s`` (found by a review: 5 of 5 failed).
+    It holds the first for a short wait on the next, and gets them."""
+    async with _waiting_client(redis_cluster.url, 2) as (client, _):
+        keys = [f"qos:{{{p}}}:busy" for p in pools_on_different_shards(client)]
+        client.pool_wait_s = 5.0
+        stop = asyncio.Event()
+
+        async def steady(key: str) -> None:
+            while not stop.is_set():
+                await client.incr(key)
+
+        load = [asyncio.ensure_future(steady(k)) for k in keys for _ in range(8)]
+        try:
+            while min([int(await client.get(k) or 0) for k in keys]) < 100:  # the load runs on both
+                await asyncio.sleep(0.01)
+            for _ in range(5):
+                async with client.pipeline(transaction=False) as pipe:
+                    for k in keys:
+                        pipe.get(k)
+                    assert all(int(v) > 0 for v in await pipe.execute())
+        finally:
+            stop.set()
+            await asyncio.gather(*load)
+
+
+async def test_a_stream_read_goes_to_its_key_s_node_without_asking_another(tmp_path) -> None:
+    """redis-py cannot find XREAD's keys itself and asked a server (COMMAND GETKEYS, to the
+    default node) before every read: a round trip more for each of a frontend's reply reads,
+    and with the default node's shard not answering every pool's reply reads failed. Now a
+    stream read goes to its key's node: it answers with the default node stopped."""
+    cluster = LocalRedisCluster().start()
+    client = open_redis(RedisConfig(url=cluster.url, cluster=True), max_connections=2, pool_wait_s=10.0)
+    stopped = None
+    try:
+        await client.initialize()
+        default = client.get_default_node()
+        key = next(k for k in (f"qos:{{read{i}}}:replies" for i in range(1000))
+                   if client.get_node_from_key(k).name != default.name)
+        entry = await client.xadd(key, {"d": "1"})
+        stopped = next(n for n in cluster.nodes if n.port == default.port)
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        assert await client.xread({key: "0-0"}, count=10) == [[key.encode(), [(entry, {b"d": b"1"})]]]
+        assert await client.xread({key: entry}, count=10, block=50) == []  # a blocking read too
+    finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        await client.aclose()
+        cluster.stop()

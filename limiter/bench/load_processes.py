@@ -6,8 +6,9 @@ pools' frontends and workers had a core each. :func:`run_clients` starts ``proce
 children (``python -m limiter.bench.load_processes``), each running
 :func:`limiter.bench.overhead.closed_loop` on every loaded pool with its share of the
 clients; they start together at a wall-clock time given to them (a child's start, its
-imports, is not in the phase), and each prints one JSON line: the requests each pool
-completed, the errors, its own CPU seconds and how late it started.
+imports, is not in the phase, nor in its CPU), and each prints one JSON line: the requests
+each pool completed, the errors, its CPU seconds over the phase and how late it started. A
+child that fails, or outlasts the phase by :data:`CHILD_GRACE_S`, is killed with the rest.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 # A child needs this long to start (interpreter, aiohttp's import) on a loaded machine; the
 # phase starts this long after the children were asked to run.
 START_ALLOWANCE_S = 3.0
+# A child's last requests end within their own 30 s limit after the phase: past this it is stuck.
+CHILD_GRACE_S = 45.0
 
 
 @dataclass(frozen=True)
@@ -53,7 +56,15 @@ async def run_clients(processes: int, url: str, key: str, pools: Sequence[str], 
             "--pools", ",".join(pools), "--seconds", str(seconds), "--concurrency", str(c),
             "--output-tokens", str(output_tokens), "--start-at", repr(start_at),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
-    outputs = await asyncio.gather(*(child.communicate() for child in children))
+    try:
+        # a child's requests give up after 30 s each: past that it is stuck
+        async with asyncio.timeout(max(0.0, start_at - time.time()) + seconds + CHILD_GRACE_S):
+            outputs = await asyncio.gather(*(child.communicate() for child in children))
+    finally:  # raised, timed out or cancelled: no child outlives the phase
+        for child in children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
     completed = dict.fromkeys(pools, 0)
     errors, cpu_s, late_s = 0, 0.0, 0.0
     for child, (out, err) in zip(children, outputs, strict=True):
@@ -75,12 +86,17 @@ async def _load(args: argparse.Namespace) -> dict[str, object]:
     pools = args.pools.split(",")
     await asyncio.sleep(max(0.0, args.start_at - time.time()))
     late_s = max(0.0, time.time() - args.start_at)
+    cpu0 = _cpu_s()  # not the interpreter's start and the imports: 0.5 s of CPU before the phase
     got = await asyncio.gather(*(closed_loop(args.url, args.key, p, args.seconds, args.concurrency,
                                              args.output_tokens) for p in pools))
-    usage = resource.getrusage(resource.RUSAGE_SELF)
     return {"completed": {p: sum(r.ok for r in rs) for p, rs in zip(pools, got, strict=True)},
             "errors": sum(not r.ok for rs in got for r in rs),
-            "cpu_s": usage.ru_utime + usage.ru_stime, "late_s": late_s}
+            "cpu_s": _cpu_s() - cpu0, "late_s": late_s}
+
+
+def _cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def main(argv: Sequence[str] | None = None) -> int:

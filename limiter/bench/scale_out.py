@@ -303,7 +303,12 @@ async def _phase(spec: ScaleSpec, url: str, key: str, loaded: Sequence[str],
     start_at = time.time() + START_ALLOWANCE_S
     running = asyncio.ensure_future(run_clients(spec.client_processes, url, key, loaded, spec.seconds,
                                                 spec.concurrency, spec.output_tokens, start_at))
-    await asyncio.sleep(max(0.0, start_at - time.time()))
-    before = await probe.read()
-    load = await running
+    try:
+        await asyncio.sleep(max(0.0, start_at - time.time()))
+        before = await probe.read()
+        load = await running
+    finally:
+        if not running.done():  # the probe failed, or this was cancelled: the children are killed
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
     return before, await probe.read(), load
