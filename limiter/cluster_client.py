@@ -55,6 +55,7 @@ class CheckedSSLConnection(CheckedConnection, SSLConnection):
 
 
 _CHECKED = {Connection: CheckedConnection, SSLConnection: CheckedSSLConnection}
+_STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
 
 
 class CheckedRedisCluster(RedisCluster):
@@ -78,6 +79,33 @@ class CheckedRedisCluster(RedisCluster):
         for node in self.startup_nodes:  # and the ones made already
             node.connection_class = checked
 
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        self._target_stream_read(args, kwargs)
+        return await super().execute_command(*args, **kwargs)
+
+    def _target_stream_read(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """An XREAD or XREADGROUP is sent to its key's node, as redis-py would have sent it:
+        redis-py cannot find a stream read's keys itself and asked a server (COMMAND GETKEYS,
+        the default node) before every read, a round trip more for each of the frontends'
+        reply reads and the controllers' sample reads, and one that waited on whichever
+        shard is the default node: with it stopped, every pool's reads failed (found by a
+        review)."""
+        if kwargs.get("target_nodes") is None and args and str_if_bytes(args[0]).upper() in _STREAM_READS \
+                and (node := self._stream_read_node(args)) is not None:
+            kwargs["target_nodes"] = node
+
+    def _stream_read_node(self, args: tuple[Any, ...]) -> ClusterNode | None:
+        """The node of a stream read's first stream (its streams share a slot, or redis-py
+        refuses it), or None where the slot map does not tell."""
+        try:
+            # XREADGROUP GROUP <group> <consumer> ...: a group or consumer may be called STREAMS
+            first = 4 if str_if_bytes(args[0]).upper() == "XREADGROUP" else 1
+            key = next(args[i + 1] for i in range(first, len(args))
+                       if isinstance(args[i], str | bytes) and str_if_bytes(args[i]).upper() == "STREAMS")
+            return self.nodes_manager.get_node_from_slot(self.keyslot(key))
+        except Exception:
+            return None
+
 
 # The WaitingRedisCluster clients (by id) whose turn the running task holds for a pipeline.
 _PIPELINE_TURNS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
@@ -88,7 +116,6 @@ _PIPELINE_TURNS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar
 # sent before the client has read the slot map.
 UNKNOWN_NODE = ""
 _EVAL_COMMANDS = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"})
-_STREAM_READS = frozenset({"XREAD", "XREADGROUP"})
 # A pipeline over several nodes waits for the turns after its first at most this long while
 # it holds that first: then it gives its turns back and tries again (see _take_turns).
 HELD_WAIT_S = 0.05
@@ -208,26 +235,9 @@ class WaitingRedisCluster(CheckedRedisCluster):
                 if deadline is not None and loop.time() >= deadline:
                     raise RedisConnectionError(f"no free connection within {self.pool_wait_s:g} s") from exc
 
-    def _stream_read_node(self, args: tuple[Any, ...]) -> ClusterNode | None:
-        """The node of an XREAD's or XREADGROUP's first stream (its streams share a slot, or
-        redis-py refuses it), or None where the slot map does not tell."""
-        try:
-            key = next(args[i + 1] for i, a in enumerate(args)
-                       if isinstance(a, str | bytes) and str_if_bytes(a).upper() == "STREAMS")
-            return self.nodes_manager.get_node_from_slot(self.keyslot(key))
-        except Exception:
-            return None
-
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        target = kwargs.get("target_nodes")
-        if target is None and str_if_bytes(args[0]).upper() in _STREAM_READS \
-                and (node := self._stream_read_node(args)) is not None:
-            # redis-py cannot find a stream read's keys itself: it asked a server (COMMAND
-            # GETKEYS, the default node) before every read, a round trip more for each of the
-            # frontends' reply reads, and one that waited on whichever shard is the default
-            # node (found by a review). Sent to its key's node, as it would have been.
-            kwargs["target_nodes"] = target = node
-        async with self.turn(await self.node_of(args, target)):
+        self._target_stream_read(args, kwargs)
+        async with self.turn(await self.node_of(args, kwargs.get("target_nodes"))):
             return await super().execute_command(*args, **kwargs)
 
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:

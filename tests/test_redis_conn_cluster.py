@@ -497,13 +497,16 @@ async def test_a_pipeline_over_busy_nodes_gets_its_turns(redis_cluster) -> None:
             await asyncio.gather(*load)
 
 
-async def test_a_stream_read_goes_to_its_key_s_node_without_asking_another(tmp_path) -> None:
-    """redis-py cannot find XREAD's keys itself and asked a server (COMMAND GETKEYS, to the
-    default node) before every read: a round trip more for each of a frontend's reply reads,
-    and with the default node's shard not answering every pool's reply reads failed. Now a
-    stream read goes to its key's node: it answers with the default node stopped."""
+@pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "controller's client"])
+async def test_a_stream_read_goes_to_its_key_s_node_without_asking_another(waiting: bool) -> None:
+    """redis-py cannot find a stream read's keys itself and asked a server (COMMAND GETKEYS,
+    to the default node) before every read: a round trip more for each of a frontend's reply
+    reads and a controller's sample reads, and with the default node's shard not answering
+    every pool's reads failed. Now a stream read goes to its key's node: XREAD and
+    XREADGROUP (a group called "streams" too) answer with the default node stopped."""
     cluster = LocalRedisCluster().start()
-    client = open_redis(RedisConfig(url=cluster.url, cluster=True), max_connections=2, pool_wait_s=10.0)
+    client = open_redis(RedisConfig(url=cluster.url, cluster=True), max_connections=2,
+                        pool_wait_s=10.0 if waiting else None)
     stopped = None
     try:
         await client.initialize()
@@ -511,10 +514,13 @@ async def test_a_stream_read_goes_to_its_key_s_node_without_asking_another(tmp_p
         key = next(k for k in (f"qos:{{read{i}}}:replies" for i in range(1000))
                    if client.get_node_from_key(k).name != default.name)
         entry = await client.xadd(key, {"d": "1"})
+        await client.xgroup_create(key, "streams", id="0")
         stopped = next(n for n in cluster.nodes if n.port == default.port)
         os.kill(stopped.proc.pid, signal.SIGSTOP)
         assert await client.xread({key: "0-0"}, count=10) == [[key.encode(), [(entry, {b"d": b"1"})]]]
         assert await client.xread({key: entry}, count=10, block=50) == []  # a blocking read too
+        got = await client.xreadgroup("streams", "streams", {key: ">"}, count=10)
+        assert got == [[key.encode(), [(entry, {b"d": b"1"})]]]
     finally:
         if stopped is not None:
             os.kill(stopped.proc.pid, signal.SIGCONT)
