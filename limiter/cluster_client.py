@@ -249,7 +249,13 @@ class WaitingRedisCluster(CheckedRedisCluster):
 
         async def execute_in_turn(*args: Any, **kwargs: Any) -> Any:
             nodes: set[str] = set()
+            seen: set[tuple[Any, ...]] = set()  # a script batcher's pipeline: one script, one slot
             for args_, target in _queued(pipe):
+                same = args_[:4] if target is None and args_[0] == "EVALSHA" else None
+                if same is not None:
+                    if same in seen:
+                        continue
+                    seen.add(same)
                 node = await self.node_of(args_, target)
                 nodes.update([node] if isinstance(node, str) else node)
             async with self.turn(nodes or UNKNOWN_NODE):

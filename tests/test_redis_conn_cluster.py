@@ -402,21 +402,28 @@ async def test_a_pipeline_over_two_nodes_takes_a_turn_of_each(redis_cluster) -> 
         assert await piped == [True, 1]
 
 
-async def test_a_pipeline_takes_the_turns_of_commands_queued_any_way(redis_cluster) -> None:
-    """``pipe.unlink`` (awaited: it may split its keys) queues its command without
-    ``pipe.execute_command``: the pipeline's nodes are read from redis-py's own queue, so it
-    waits for the held node's turn (it took the unknown node's turn and ran at once)."""
+@pytest.mark.parametrize("queued", ["unlink", "script calls"])
+async def test_a_pipeline_takes_the_turns_of_commands_queued_any_way(redis_cluster, queued: str) -> None:
+    """The pipeline waits for the held node's turn whatever its commands: ``pipe.unlink``
+    (awaited: it may split its keys) queues without ``pipe.execute_command`` (the pipeline's
+    nodes are read from redis-py's own queue: it took the unknown node's turn and ran at
+    once), and a script batcher's pipeline of EVALSHAs of one slot looks its node up once."""
     async with _waiting_client(redis_cluster.url, 1) as (client, pusher):
-        held_key = f"qos:{{{pools_on_different_shards(client)[0]}}}:unlinked"
+        held_key = f"qos:{{{pools_on_different_shards(client)[0]}}}:piped-{queued[0]}"
         await pusher.delete(held_key)
+        sha = await client.script_load("return redis.call('EXISTS', KEYS[1])")
         (held,) = await _held_on(client, held_key, 1)
 
-        async def unlink() -> list[object]:
+        async def pipelined() -> list[object]:
             async with client.pipeline(transaction=False) as pipe:
-                await pipe.unlink(held_key + "-other")
+                if queued == "unlink":
+                    await pipe.unlink(held_key + "-other")
+                else:
+                    for _ in range(3):
+                        pipe.execute_command("EVALSHA", sha, 1, held_key + "-other")
                 return await pipe.execute()
 
-        piped = asyncio.ensure_future(unlink())
+        piped = asyncio.ensure_future(pipelined())
         turns = client.turns_of(client.get_node_from_key(held_key).name)
         deadline = time.monotonic() + 10.0
         while not (piped.done() or turns._waiters):
@@ -425,7 +432,7 @@ async def test_a_pipeline_takes_the_turns_of_commands_queued_any_way(redis_clust
         assert not piped.done(), "the pipeline ran without its node's turn"
         await pusher.lpush(held_key, "x")
         assert (await held)[1] == b"x"
-        assert await piped == [0]
+        assert await piped == ([0] if queued == "unlink" else [0, 0, 0])
 
 
 async def test_commands_a_reshard_redirects_to_a_busy_node_find_connections(redis_cluster) -> None:
