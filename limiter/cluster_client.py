@@ -91,12 +91,14 @@ class CheckedRedisCluster(RedisCluster):
         shard is the default node: with it stopped, every pool's reads failed (found by a
         review)."""
         if kwargs.get("target_nodes") is None and args and str_if_bytes(args[0]).upper() in _STREAM_READS \
-                and (node := self._stream_read_node(args)) is not None:
+                and not self._initialize_due() and (node := self._stream_read_node(args)) is not None:
+            # (not while a refresh of the slot map is due: redis-py runs it first and routes
+            # by the new map, where the slot's old owner may be gone -- found by a review)
             kwargs["target_nodes"] = node
 
     def _stream_read_node(self, args: tuple[Any, ...]) -> ClusterNode | None:
-        """The node of a stream read's first stream (its streams share a slot, or redis-py
-        refuses it), or None where the slot map does not tell."""
+        """The node of a stream read's first stream, or None where the slot map does not
+        tell. (Streams of several slots in one read: the server refuses it, CROSSSLOT.)"""
         try:
             # XREADGROUP GROUP <group> <consumer> ...: a group or consumer may be called STREAMS
             first = 4 if str_if_bytes(args[0]).upper() == "XREADGROUP" else 1
@@ -116,8 +118,9 @@ _PIPELINE_TURNS: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar
 # sent before the client has read the slot map.
 UNKNOWN_NODE = ""
 _EVAL_COMMANDS = frozenset({"EVALSHA", "EVAL", "EVALSHA_RO", "EVAL_RO"})
-# A pipeline over several nodes waits for the turns after its first at most this long while
-# it holds that first: then it gives its turns back and tries again (see _take_turns).
+# A pipeline over several nodes waits for the turns after its first at most this long (then
+# twice as long, ...) while it holds that first: then it gives its turns back and tries
+# again (see _take_turns).
 HELD_WAIT_S = 0.05
 
 
@@ -177,7 +180,8 @@ class WaitingRedisCluster(CheckedRedisCluster):
                 node = self._stream_read_node(args)
                 return UNKNOWN_NODE if node is None else node.name
             else:
-                spec = self.commands_parser.commands.get(command.lower())
+                # a container command ("XGROUP CREATE") is known by its first word
+                spec = self.commands_parser.commands.get(command.split(" ", 1)[0].lower())
                 if spec is None or "movablekeys" in spec["flags"]:
                     return UNKNOWN_NODE  # its keys are the server's to find
                 return self.nodes_manager.get_node_from_slot(await self._determine_slot(*args)).name
@@ -206,13 +210,15 @@ class WaitingRedisCluster(CheckedRedisCluster):
     async def _take_turns(self, names: Sequence[str]) -> list[asyncio.Semaphore]:
         """A turn of each node of ``names`` (in one order), within ``pool_wait_s``, else an
         outage. A free turn is taken without arming a timer (~5 us a call). With several
-        nodes, the turns after the first are waited for at most :data:`HELD_WAIT_S` while
-        the first are held, then all are given back and taken again: waiting as long as it
-        takes held a healthy node's turn while another node did not answer, and giving
-        them back whenever the next was busy let steady traffic starve the pipeline (found
-        by a review: five pipelines over two busy nodes all failed)."""
+        nodes, the turns after the first are waited for at most :data:`HELD_WAIT_S` (twice
+        that the next time, and so on) while the first are held, then all are given back and
+        taken again: waiting as long as it takes held a healthy node's turn while another
+        node did not answer, and giving them back whenever the next was busy let steady
+        traffic starve the pipeline (found by a review: five pipelines over two busy nodes
+        all failed)."""
         loop = asyncio.get_running_loop()
         deadline: float | None = None
+        held_wait_s = HELD_WAIT_S
         while True:
             held: list[asyncio.Semaphore] = []
             try:
@@ -220,7 +226,7 @@ class WaitingRedisCluster(CheckedRedisCluster):
                     if turns.locked():
                         if deadline is None:
                             deadline = loop.time() + self.pool_wait_s
-                        until = min(deadline, loop.time() + HELD_WAIT_S) if held else deadline
+                        until = min(deadline, loop.time() + held_wait_s) if held else deadline
                         async with asyncio.timeout_at(until):
                             await turns.acquire()
                     else:
@@ -234,6 +240,9 @@ class WaitingRedisCluster(CheckedRedisCluster):
                     raise
                 if deadline is not None and loop.time() >= deadline:
                     raise RedisConnectionError(f"no free connection within {self.pool_wait_s:g} s") from exc
+                # twice as long each time: a node whose line takes longer than the wait (its
+                # turns held by slow commands) is reached before pool_wait_s (found by a review)
+                held_wait_s *= 2
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         self._target_stream_read(args, kwargs)

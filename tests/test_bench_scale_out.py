@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+import sys
 import time
 
 import pytest
@@ -113,6 +114,29 @@ async def test_a_client_process_stuck_past_the_phase_is_killed(monkeypatch) -> N
         with pytest.raises(TimeoutError):
             await load_processes.run_clients(1, url, "k", ["p"], 0.5, 1, 1, time.time())
     assert len(spawned) == 1 and spawned[0].returncode is not None  # killed, not left behind
+
+
+async def test_a_client_process_that_fails_early_ends_the_phase_at_once(monkeypatch) -> None:
+    """A child that dies at once is reported then, not when the others end (they are killed)."""
+    spawned: list[asyncio.subprocess.Process] = []
+    spawn = asyncio.create_subprocess_exec
+
+    async def second_fails(*args, **kwargs):
+        if spawned:  # the second child exits 3 at once; the first runs its phase
+            args = (sys.executable, "-c", "import sys; sys.stderr.write('broken\\n'); sys.exit(3)")
+        spawned.append(child := await spawn(*args, **kwargs))
+        return child
+
+    monkeypatch.setattr(asyncio, "create_subprocess_exec", second_fails)
+    with socket.socket() as silent:  # the first child's requests never end
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match="a load process exited 3: broken"):
+            await load_processes.run_clients(2, url, "k", ["p"], 60.0, 2, 1, time.time())
+        assert time.monotonic() - t0 < 30.0, "reported only once the other child's 60 s phase ended"
+    assert [c.returncode is not None for c in spawned] == [True, True]  # the first killed
 
 
 async def test_a_client_process_that_fails_is_named() -> None:

@@ -16,7 +16,7 @@ import pytest
 from redis.crc import key_slot
 from redis.exceptions import ConnectionError as RedisConnectionError
 
-from limiter.cluster_client import CheckedConnection, WaitingRedisCluster
+from limiter.cluster_client import UNKNOWN_NODE, CheckedConnection, WaitingRedisCluster
 from limiter.config import RedisConfig
 from limiter.localstack.redis_server import LocalRedisCluster
 from limiter.redis_conn import open_redis
@@ -476,32 +476,94 @@ def _move_empty_slot(cluster, key: str, to) -> None:
         time.sleep(0.01)
 
 
-async def test_a_pipeline_over_busy_nodes_gets_its_turns(redis_cluster) -> None:
+@pytest.mark.parametrize("load", ["fast commands", "slow commands"])
+async def test_a_pipeline_over_busy_nodes_gets_its_turns(redis_cluster, load: str) -> None:
     """Steady single commands on two nodes keep each node's turns taken or asked for; a
     pipeline over both that gave its first turn back whenever the second was busy never got
     both and failed as an outage after ``pool_wait_s`` (found by a review: 5 of 5 failed).
-    It holds the first for a short wait on the next, and gets them."""
+    It holds the first for a short wait on the next, twice as long each time: with slow
+    commands (BLPOPs of 0.2 s, four to a node of two turns: ~0.4 s in line) a fixed 50 ms
+    wait still starved it (found by the next review)."""
     async with _waiting_client(redis_cluster.url, 2) as (client, _):
-        keys = [f"qos:{{{p}}}:busy" for p in pools_on_different_shards(client)]
-        client.pool_wait_s = 5.0
+        keys = [f"qos:{{{p}}}:busy-{load[0]}" for p in pools_on_different_shards(client)]
+        client.pool_wait_s = 8.0
         stop = asyncio.Event()
+        done = dict.fromkeys(keys, 0)
 
         async def steady(key: str) -> None:
             while not stop.is_set():
-                await client.incr(key)
+                if load == "fast commands":
+                    await client.incr(key)
+                else:
+                    await client.blpop([key + "-empty"], 0.2)
+                done[key] += 1
 
-        load = [asyncio.ensure_future(steady(k)) for k in keys for _ in range(3)]  # one waits a node
+        n = 3 if load == "fast commands" else 4  # a node has 2 turns: others wait in line
+        running = [asyncio.ensure_future(steady(k)) for k in keys for _ in range(n)]
         try:
-            while min([int(await client.get(k) or 0) for k in keys]) < 100:  # the load runs on both
+            deadline = time.monotonic() + 30.0
+            while min(done.values()) < n:  # every loop has gone round once: the lines are there
+                assert time.monotonic() < deadline, f"timed out waiting for the load to run: {done}"
                 await asyncio.sleep(0.01)
-            for _ in range(5):
+            for _ in range(3):
                 async with client.pipeline(transaction=False) as pipe:
                     for k in keys:
-                        pipe.get(k)
-                    assert all(int(v) > 0 for v in await pipe.execute())
+                        pipe.exists(k)
+                    assert len(await pipe.execute()) == 2
         finally:
             stop.set()
-            await asyncio.gather(*load)
+            await asyncio.gather(*running)
+
+
+async def test_node_of_names_the_node_each_kind_of_command_goes_to(redis_cluster) -> None:
+    """The turn a command takes is its node's, found without asking a server: a script call
+    by its first key, a keyed command as redis-py routes it, a container command ("XGROUP
+    CREATE": it took the unknown node's turn, found by a review) by its key, a stream read
+    by the key after STREAMS (XREADGROUP's group and consumer skipped); a keyless one,
+    one sent to a node flag, an EVAL without keys: the unknown node's."""
+    async with _waiting_client(redis_cluster.url, 2) as (client, _):
+        key = "qos:{node-of}:k"
+        node = client.get_node_from_key(key)
+        assert await client.node_of(("EVALSHA", "a" * 40, 1, key, "x")) == node.name
+        assert await client.node_of(("HGET", key, "f")) == node.name
+        assert await client.node_of(("XGROUP CREATE", key, "g", "0", "MKSTREAM")) == node.name
+        assert await client.node_of(("XREAD", "COUNT", 5, "STREAMS", key, "0-0")) == node.name
+        assert await client.node_of(("XREADGROUP", "GROUP", "STREAMS", "STREAMS", "STREAMS", key, ">")) \
+            == node.name
+        for keyless in (("PING",), ("EVAL", "return 1", 0), ("EVALSHA", "a" * 40, 0)):
+            assert await client.node_of(keyless) == UNKNOWN_NODE, keyless
+        assert await client.node_of(("PING",), "primaries") == UNKNOWN_NODE
+        assert await client.node_of(("TIME",), node) == [node.name]
+        primaries = client.get_primaries()
+        assert sorted(await client.node_of(("PING",), primaries)) == sorted(n.name for n in primaries)
+
+
+async def test_a_stream_read_after_its_slot_moved_and_its_old_owner_died(tmp_path) -> None:
+    """A stream read is sent to its key's node from the slot map, but not while a refresh of
+    the map is due: redis-py runs it first and routes by the new map. Targeted before the
+    refresh, the read after the failure that asked for it went to the dead owner again
+    (found by a review: two failed reads where plain redis-py has one)."""
+    cluster = LocalRedisCluster(extra=["--cluster-require-full-coverage", "no"]).start()
+    client = open_redis(RedisConfig(url=cluster.url, cluster=True), max_connections=2, pool_wait_s=5.0)
+    try:
+        seed = cluster.nodes[0]  # it answers the refresh: the slot goes there
+        key = next(k for k in (f"qos:{{moved{i}}}:replies" for i in range(1000))
+                   if cluster.owner(k) is not seed)
+        old_owner = cluster.owner(key)
+        entry = await client.xadd(key, {"d": "1"})
+        assert await client.xread({key: "0-0"}) == [[key.encode(), [(entry, {b"d": b"1"})]]]
+        assert move_slot(cluster, key) == (old_owner, seed)  # (the first other master)
+        old_owner.stop()
+        with pytest.raises(RedisConnectionError):  # the map still names the dead owner
+            await client.xread({key: "0-0"})
+        deadline = time.monotonic() + 10.0
+        while not client._initialize_due():  # the refresh the failure asked for, once it is due
+            assert time.monotonic() < deadline, "timed out waiting for the slot map's refresh to be due"
+            await asyncio.sleep(0.05)
+        assert await client.xread({key: "0-0"}) == [[key.encode(), [(entry, {b"d": b"1"})]]]
+    finally:
+        await client.aclose()
+        cluster.stop()
 
 
 @pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "controller's client"])

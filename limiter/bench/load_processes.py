@@ -48,30 +48,39 @@ def shares(concurrency: int, processes: int) -> list[int]:
 async def run_clients(processes: int, url: str, key: str, pools: Sequence[str], seconds: float,
                       concurrency: int, output_tokens: int, start_at: float) -> ClientLoad:
     """``processes`` children loading ``pools`` (``concurrency`` clients each pool, in all)
-    for ``seconds`` from ``start_at`` (``time.time()``); raises naming a child that failed."""
-    children = []
-    for c in shares(concurrency, processes):
-        children.append(await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "limiter.bench.load_processes", "--url", url, "--key", key,
-            "--pools", ",".join(pools), "--seconds", str(seconds), "--concurrency", str(c),
-            "--output-tokens", str(output_tokens), "--start-at", repr(start_at),
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+    for ``seconds`` from ``start_at`` (``time.time()``); raises naming the first child that
+    failed, as soon as it has, the others killed."""
+    children: list[asyncio.subprocess.Process] = []
+    reads: list[asyncio.Future[tuple[bytes, bytes]]] = []
     try:
+        for c in shares(concurrency, processes):
+            children.append(await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "limiter.bench.load_processes", "--url", url, "--key", key,
+                "--pools", ",".join(pools), "--seconds", str(seconds), "--concurrency", str(c),
+                "--output-tokens", str(output_tokens), "--start-at", repr(start_at),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE))
+        running = {asyncio.ensure_future(child.communicate()): child for child in children}
+        reads = list(running)
         # a child's requests give up after 30 s each: past that it is stuck
         async with asyncio.timeout(max(0.0, start_at - time.time()) + seconds + CHILD_GRACE_S):
-            outputs = await asyncio.gather(*(child.communicate() for child in children))
+            while running:
+                done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+                for read in done:
+                    child = running.pop(read)
+                    if child.returncode != 0:  # (communicate returns once the child has exited)
+                        tail = read.result()[1].decode(errors="replace").strip().splitlines()[-1:]
+                        raise RuntimeError(f"a load process exited {child.returncode}: "
+                                           f"{(tail or ['no output'])[0]}")
     finally:  # raised, timed out or cancelled: no child outlives the phase
         for child in children:
             if child.returncode is None:
                 child.kill()
                 await child.wait()
+        await asyncio.gather(*reads, return_exceptions=True)  # their pipes closed with them
     completed = dict.fromkeys(pools, 0)
     errors, cpu_s, late_s = 0, 0.0, 0.0
-    for child, (out, err) in zip(children, outputs, strict=True):
-        if child.returncode != 0:
-            tail = err.decode(errors="replace").strip().splitlines()[-1:] or ["no output"]
-            raise RuntimeError(f"a load process exited {child.returncode}: {tail[0]}")
-        got = json.loads(out)
+    for read in reads:
+        got = json.loads(read.result()[0])
         for pool, n in got["completed"].items():
             completed[pool] += n
         errors += got["errors"]
