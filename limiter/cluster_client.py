@@ -173,7 +173,7 @@ class WaitingRedisCluster(CheckedRedisCluster):
             names = [n.name for n in nodes if isinstance(n, ClusterNode)]
             return names if names and len(names) == len(nodes) else UNKNOWN_NODE
         try:
-            command = (args[0].decode() if isinstance(args[0], bytes) else str(args[0])).upper()
+            command = str_if_bytes(args[0]).upper()
             if command in _EVAL_COMMANDS:  # the hot path: no parse of the command
                 key = args[3] if int(args[2]) > 0 else None  # no key: redis-py picks a random slot
             elif command in _STREAM_READS:

@@ -83,10 +83,10 @@ async def _add_workers_and_decisions(client: Any, keys: PoolKeys, pool: dict[str
     if decisions > 0:
         pipe.xrevrange(keys.decisions, count=decisions)
     replies = await pipe.execute() if len(pipe) else []
-    for info, raw in zip(read, replies, strict=False):
+    for info, raw in zip(read, replies[:len(read)], strict=True):
         fields = {_s(k): _s(v) for k, v in raw.items()}
         info.update({k: v if k in TEXT_FIELDS else _num(v) for k, v in fields.items()})
-    rows = replies[-1] if decisions > 0 else []
+    rows = replies[len(read)] if decisions > 0 else []
     pool["decisions"] = [_decision(entry) for _id, entry in rows]
 
 

@@ -22,6 +22,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from limiter.localstack.loadgen import Result
+
 # A child needs this long to start (interpreter, aiohttp's import) on a loaded machine; the
 # phase starts this long after the children were asked to run.
 START_ALLOWANCE_S = 3.0
@@ -90,7 +92,7 @@ async def run_clients(processes: int, url: str, key: str, pools: Sequence[str], 
 
 
 async def _load(args: argparse.Namespace) -> dict[str, object]:
-    from limiter.bench.overhead import closed_loop  # the bench's own loop, after the clock's wait
+    from limiter.bench.overhead import closed_loop  # the bench's own loop (imported before the wait)
 
     pools = args.pools.split(",")
     await asyncio.sleep(max(0.0, args.start_at - time.time()))
@@ -98,9 +100,15 @@ async def _load(args: argparse.Namespace) -> dict[str, object]:
     cpu0 = _cpu_s()  # not the interpreter's start and the imports: 0.5 s of CPU before the phase
     got = await asyncio.gather(*(closed_loop(args.url, args.key, p, args.seconds, args.concurrency,
                                              args.output_tokens) for p in pools))
-    return {"completed": {p: sum(r.ok for r in rs) for p, rs in zip(pools, got, strict=True)},
-            "errors": sum(not r.ok for rs in got for r in rs),
-            "cpu_s": _cpu_s() - cpu0, "late_s": late_s}
+    completed, errors = tally(pools, got)
+    return {"completed": completed, "errors": errors, "cpu_s": _cpu_s() - cpu0, "late_s": late_s}
+
+
+def tally(pools: Sequence[str], results: Sequence[Sequence[Result]]) -> tuple[dict[str, int], int]:
+    """Each pool's requests answered in full (``results``: each pool's, in ``pools``' order),
+    and the requests that were not."""
+    return ({p: sum(r.ok for r in rs) for p, rs in zip(pools, results, strict=True)},
+            sum(not r.ok for rs in results for r in rs))
 
 
 def _cpu_s() -> float:

@@ -37,7 +37,7 @@ from typing import Any
 import redis.asyncio as aioredis
 
 from limiter.bench import scale_math as sm
-from limiter.bench.load_processes import START_ALLOWANCE_S, ClientLoad, run_clients
+from limiter.bench.load_processes import START_ALLOWANCE_S, ClientLoad, run_clients, tally
 from limiter.bench.modes import UNLIMITED, api_key, mode_spec, write_config
 from limiter.bench.overhead import closed_loop
 from limiter.bench.procstat import MachineTicks, busy_share, cpu_by_role
@@ -298,8 +298,7 @@ async def _phase(spec: ScaleSpec, url: str, key: str, loaded: Sequence[str],
         got = await asyncio.gather(*(closed_loop(url, key, p, spec.seconds, spec.concurrency,
                                                  spec.output_tokens) for p in loaded))
         after = await probe.read()
-        completed = {p: sum(r.ok for r in rs) for p, rs in zip(loaded, got, strict=True)}
-        return before, after, ClientLoad(completed, sum(not r.ok for rs in got for r in rs), 0.0, 0.0)
+        return before, after, ClientLoad(*tally(loaded, got), cpu_s=0.0, late_s=0.0)
     start_at = time.time() + START_ALLOWANCE_S
     running = asyncio.ensure_future(run_clients(spec.client_processes, url, key, loaded, spec.seconds,
                                                 spec.concurrency, spec.output_tokens, start_at))
