@@ -62,6 +62,10 @@ class ClassConfig:
     admission_wait_ms: int = 0  # how long a frontend may wait for the tenant's quota before a 429
     queue_cap: int = 10_000
     slo_ttft_ms: float | None = None
+    # The TTFT target grows by this many ms per 1,000 prompt tokens (pool tokenizer units):
+    # a long prompt's own prefill is no interference the controller could remove by cutting
+    # the classes below, so a fixed target would read it as their fault (0: a fixed target).
+    slo_ttft_ms_per_1k_prompt_tokens: float = 0.0
     slo_tpot_ms: float | None = None
     # A worker pushes this class's tokens to Redis at least this often (default: the worker's
     # flush_ms, 50). Longer for classes whose clients read in bulk (batch jobs): each push is
@@ -337,6 +341,9 @@ def check_redis_url(url: str, path: str, cluster: bool = False) -> None:
 MAX_CLASSES = 16
 MAX_WEIGHT = 1e6
 MAX_BURST_TOKENS = 1e15
+# A TTFT allowance of a minute per 1,000 prompt tokens is past any model server's prefill:
+# a larger figure is a unit mistake (seconds or tokens), not a target.
+MAX_TTFT_MS_PER_1K = 60_000.0
 MIN_TENANT_QUOTA = 1e-9  # admit.lua's least tenant_rate (tokens/s) and tenant_burst (tokens)
 
 
@@ -364,7 +371,14 @@ def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
         _check(0 <= c.queue_cap <= 100_000_000, f"{p}.queue_cap", "must be in [0, 100000000]")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             v = getattr(c, name)
-            _check(v is None or v > 0, f"{p}.{name}", "must be > 0")
+            _check(v is None or (math.isfinite(v) and v > 0), f"{p}.{name}",
+                   "must be a finite number > 0 (no target: leave it out)")
+        per_1k = c.slo_ttft_ms_per_1k_prompt_tokens
+        per_1k_path = f"{p}.slo_ttft_ms_per_1k_prompt_tokens"
+        _check(math.isfinite(per_1k) and 0 <= per_1k <= MAX_TTFT_MS_PER_1K, per_1k_path,
+               f"must be in [0, {MAX_TTFT_MS_PER_1K:g}]")
+        _check(per_1k == 0 or c.slo_ttft_ms is not None, per_1k_path,
+               "needs slo_ttft_ms (the target for an empty prompt) in the same class")
         _check(c.stream_flush_ms is None or 0 < c.stream_flush_ms <= 10_000, f"{p}.stream_flush_ms",
                "must be in (0, 10000]")
         shares += c.share

@@ -5,6 +5,7 @@ a mostly refused tenant read as served in time). Pure Python, no processes."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from limiter.bench import tenants as tb
@@ -135,3 +136,13 @@ def test_tenants_steady_target_is_not_met_when_steady_is_mostly_refused() -> Non
     tb.summarize(results)
     met = {r["target"]: r["met"] for r in results["targets"]}
     assert met["steady TTFT p99 / alone (vtc)"] is not True, (vtc, results["modes"]["vtc"])
+
+
+def test_attainment_judges_a_long_prompt_against_its_own_ttft_target() -> None:
+    """A class with ``slo_ttft_ms_per_1k_prompt_tokens``: the bench's client-side attainment
+    uses the target the controller judges by (base + allowance x prompt tokens / 1,000)."""
+    p0 = dataclasses.replace(P0, slo_ttft_ms_per_1k_prompt_tokens=100.0)
+    long_prompt = [_rec("P0", ttft=1_200.0, inp=8_000), _rec("P0", ttft=1_400.0, inp=8_000)]
+    assert class_stats(long_prompt, p0, [])["slo_attainment"] == 0.5  # target 1,300 ms
+    assert class_stats(long_prompt, P0, [])["slo_attainment"] == 0.0  # a fixed 500 ms
+    assert class_stats(long_prompt, p0, [])["slo"]["ttft_ms_per_1k_prompt_tokens"] == 100.0

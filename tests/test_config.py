@@ -57,6 +57,19 @@ def test_a_valid_file_loads(tmp_path):
     (("floor = 0.3", "floor = \"high\""), "classes[1].floor"),
     (("floor = 0.3", "floor = 0.3\nstream_flush_ms = 0"), "classes[1].stream_flush_ms"),
     (("floor = 0.3", "floor = 0.3\nstream_flush_ms = 20000"), "classes[1].stream_flush_ms"),
+    # a TTFT allowance per prompt token: negative, past a minute per 1,000 tokens, not a
+    # number, or without the base target it adds to
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_ms_per_1k_prompt_tokens = -1"),
+     "classes[1].slo_ttft_ms_per_1k_prompt_tokens"),
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_ms_per_1k_prompt_tokens = 60001"),
+     "classes[1].slo_ttft_ms_per_1k_prompt_tokens"),
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_ms_per_1k_prompt_tokens = nan"),
+     "classes[1].slo_ttft_ms_per_1k_prompt_tokens"),
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms_per_1k_prompt_tokens = 100"),
+     "classes[1].slo_ttft_ms_per_1k_prompt_tokens"),
+    # an infinite target is no target, which is said by leaving it out
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = inf"), "classes[1].slo_ttft_ms"),
+    (("floor = 0.3", "floor = 0.3\nslo_tpot_ms = nan"), "classes[1].slo_tpot_ms"),
     (('name = "llama"', 'name = "lla{ma}"'), "pools[0].name"),
     # a class name is also part of hash fields: <class>.cost would be class "P1.cost"'s count
     (('name = "P1"', 'name = "P1.cost"'), "classes[1].name"),
@@ -73,6 +86,15 @@ def test_each_mistake_names_its_field(tmp_path, edit, path):
     with pytest.raises(ConfigError) as exc:
         _load(tmp_path, BASE.replace(*edit))
     assert exc.value.path == path, str(exc.value)
+
+
+def test_a_ttft_allowance_per_prompt_token_loads(tmp_path):
+    cfg = _load(tmp_path, BASE.replace("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\n"
+                                       "slo_ttft_ms_per_1k_prompt_tokens = 100"))
+    p1 = cfg.class_config("P1")
+    assert p1 is not None and (p1.slo_ttft_ms, p1.slo_ttft_ms_per_1k_prompt_tokens) == (500, 100)
+    p0 = cfg.class_config("P0")
+    assert p0 is not None and p0.slo_ttft_ms_per_1k_prompt_tokens == 0  # a fixed target by default
 
 
 def test_invalid_toml_and_missing_file(tmp_path):

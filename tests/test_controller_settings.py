@@ -37,6 +37,15 @@ def test_defaults_are_the_original_problems_numbers_and_come_from_the_classes():
     assert ControllerSettings().resolved(cfg).controller_id  # <hostname>-<pid>
 
 
+def test_a_class_s_ttft_allowance_per_prompt_token_reaches_its_slo():
+    cfg = demo_config()
+    p0 = dataclasses.replace(cfg.classes[0], slo_ttft_ms_per_1k_prompt_tokens=100.0)
+    cfg = dataclasses.replace(cfg, classes=(p0, *cfg.classes[1:]))
+    slos = load_settings(cfg, {"controller_id": "c1"}).slos(cfg)
+    assert slos["P0"] == ClassSLO(500, 50, 100.0) and slos["P0"].ttft_target_ms(8_000) == 1_300.0
+    assert slos["P1"] == ClassSLO(2000, 150)
+
+
 def test_the_table_and_the_flags_are_merged():
     cfg = _cfg({"tick_s": 0.5, "lease_s": 6.0, "capacity": {"window": 5}, "floors": [0.2, 0.1, 0.01]})
     s = load_settings(cfg, {"controller_id": "x", "lease_s": 4.0, "pools": ["tiny"], "metrics_port": None})

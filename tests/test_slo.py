@@ -54,6 +54,27 @@ def test_a_wait_its_client_shortened_is_a_miss_only_past_the_ttft_target() -> No
     assert p0.judge(replace(sample(outcome="failed", ttft=None), ttft_at_least_ms=5.0)) is False  # not a wait
 
 
+def test_a_ttft_target_per_prompt_token_grows_with_the_prompt() -> None:
+    """``ttft_ms_per_1k_prompt_tokens``: the target is the base plus so much per 1,000 prompt
+    tokens, for a first token that came and for a client's own shorter wait alike."""
+    from dataclasses import replace
+
+    p0 = ClassSLO(ttft_ms=500.0, tpot_ms=50.0, ttft_ms_per_1k_prompt_tokens=100.0)
+    assert p0.ttft_target_ms(0) == 500.0
+    assert p0.ttft_target_ms(8_000) == pytest.approx(1_300.0)
+    assert ClassSLO(tpot_ms=50.0, ttft_ms_per_1k_prompt_tokens=100.0).ttft_target_ms(8_000) is None
+    long = replace(sample(ttft=1_299.0), input_tokens=8_000)
+    assert p0.judge(long) is True
+    assert p0.judge(replace(long, ttft_ms=1_300.1)) is False
+    assert DEFAULT_SLOS["P0"].judge(long) is False  # a fixed target: the same request misses
+    assert p0.judge(replace(long, tpot_mean_ms=50.1)) is False  # the TPOT target is unchanged
+    short = replace(sample(ttft=520.5), input_tokens=200)  # target 520 ms
+    assert p0.judge(short) is False
+    waited = replace(sample(outcome="expired", ttft=None), input_tokens=8_000, ttft_at_least_ms=1_000.0)
+    assert p0.judge(waited) is None  # within this prompt's target: the client's own short wait
+    assert p0.judge(replace(waited, ttft_at_least_ms=1_300.1)) is False
+
+
 # --- window -----------------------------------------------------------------------------
 def test_window_counts_only_the_last_n_judged_samples() -> None:
     w = SloWindow(DEFAULT_SLOS["P0"], size=4)

@@ -290,7 +290,9 @@ def build_results(p: BenchParams, runs: Sequence[ModeRun], arrivals: Sequence[tr
         "offered_weighted_tokens_s": round(sum(capacity.cost(a) for a in arrivals) / p.duration_s, 1),
         "class_rule": dataclasses.asdict(tr.ClassRule(seed=p.seed)),
         "size_scale": dataclasses.asdict(size_scale(p)),
-        "class_slo": {c: {"ttft_ms": v.slo_ttft_ms, "tpot_ms": v.slo_tpot_ms} for c, v in cfgs.items()},
+        "class_slo": {c: {"ttft_ms": v.slo_ttft_ms, "tpot_ms": v.slo_tpot_ms,
+                          "ttft_ms_per_1k_prompt_tokens": v.slo_ttft_ms_per_1k_prompt_tokens}
+                      for c, v in cfgs.items()},
         "class_max_wait_ms": {c: v.max_wait_ms for c, v in cfgs.items()},
         "class_floor": {c: v.floor for c, v in cfgs.items()},
         "class_share": {c: v.share for c, v in cfgs.items()},

@@ -88,7 +88,7 @@ class ControllerSettings(ControlTunables):
     @staticmethod
     def slos(cfg: QosConfig) -> dict[str, ClassSLO]:
         """Per-class targets from ``[[classes]]``; a class without any (P2) has no compliance."""
-        return {c.name: ClassSLO(c.slo_ttft_ms, c.slo_tpot_ms) for c in cfg.classes}
+        return {c.name: ClassSLO.of(c) for c in cfg.classes}
 
     def pool_configs(self, cfg: QosConfig) -> list[PoolConfig]:
         return [cfg.pool(p) for p in self.pools] if self.pools else list(cfg.pools)

@@ -22,11 +22,13 @@ Judging (see :meth:`ClassSLO.judge`):
   a violation only when that wait already passed the class's TTFT target, else not
   counted -- any client could otherwise steer the controller with a short
   ``X-QoS-Max-Wait-Ms``.
-* ``ok`` samples meet the SLO when every latency the class has a target for is within it
-  (TTFT against ``ttft_ms``; the mean time per output token against ``tpot_ms`` -- the mean,
-  because the target is about the stream's pace; one slow step shows up in the mean of a
-  short answer anyway). A metric the sample lacks (a 1-token answer has no TPOT) is not
-  judged.
+* ``ok`` samples meet the SLO when every latency the class has a target for is within it:
+  TTFT against ``ttft_ms``, plus ``ttft_ms_per_1k_prompt_tokens`` per 1,000 of the
+  request's prompt tokens where the class sets it (a long prompt's own prefill is no
+  interference the law could remove by cutting the classes below); the mean time per
+  output token against ``tpot_ms`` (the mean, because the target is about the stream's
+  pace; one slow step shows up in the mean of a short answer anyway). A metric the sample
+  lacks (a 1-token answer has no TPOT) is not judged.
 * A class without any target (P2 by default) has no compliance: ``None``, never 1.0, so a
   dashboard does not show a perfect score for something nobody measured, and the control
   law ignores it.
@@ -46,6 +48,7 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from limiter.config import ClassConfig
 from limiter.errors import InvalidArgument
 from limiter.samples import Sample
 
@@ -54,14 +57,29 @@ DEFAULT_WINDOW = 1000
 
 @dataclass(frozen=True)
 class ClassSLO:
-    """A class's latency targets in ms; ``None`` = no target for that metric."""
+    """A class's latency targets in ms; ``None`` = no target for that metric.
+
+    ``ttft_ms_per_1k_prompt_tokens``: the TTFT target of a request is ``ttft_ms`` plus this
+    per 1,000 of its prompt tokens (the sample's ``input_tokens``)."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
+    ttft_ms_per_1k_prompt_tokens: float = 0.0
+
+    @classmethod
+    def of(cls, c: ClassConfig) -> ClassSLO:
+        """The targets ``[[classes]]`` sets for class ``c``."""
+        return cls(c.slo_ttft_ms, c.slo_tpot_ms, c.slo_ttft_ms_per_1k_prompt_tokens)
 
     @property
     def has_target(self) -> bool:
         return self.ttft_ms is not None or self.tpot_ms is not None
+
+    def ttft_target_ms(self, prompt_tokens: int) -> float | None:
+        """The first-token target of a request with ``prompt_tokens`` prompt tokens."""
+        if self.ttft_ms is None:
+            return None
+        return self.ttft_ms + self.ttft_ms_per_1k_prompt_tokens * max(prompt_tokens, 0) / 1000.0
 
     def judge(self, sample: Sample) -> bool | None:
         """True = met, False = violated, None = not counted (cancelled, refused for what the
@@ -69,15 +87,16 @@ class ClassSLO:
         target at all)."""
         if sample.outcome in ("cancelled", "refused") or not self.has_target:
             return None
+        ttft_target = self.ttft_target_ms(sample.input_tokens)
         if sample.ttft_at_least_ms is not None and sample.outcome in ("expired", "rejected"):
             # Ended by its client's own shorter wait: a miss only if even that wait was past
             # the first-token target (any longer wait would have missed it too).
-            if self.ttft_ms is None or sample.ttft_at_least_ms <= self.ttft_ms:
+            if ttft_target is None or sample.ttft_at_least_ms <= ttft_target:
                 return None
             return False
         if sample.outcome != "ok":
             return False
-        if self.ttft_ms is not None and sample.ttft_ms is not None and sample.ttft_ms > self.ttft_ms:
+        if ttft_target is not None and sample.ttft_ms is not None and sample.ttft_ms > ttft_target:
             return False
         tpot = sample.tpot_mean_ms
         return not (self.tpot_ms is not None and tpot is not None and tpot > self.tpot_ms)

@@ -23,7 +23,8 @@ Used by tests/test_plant_stability.py to show the control law settles. Per tick 
    what stalls a step: the 32K-prefill stall of the original problem), over ``1 - rho`` because with
    continuous batching every admitted token slows every step. TTFT = prefill time + wait;
    TPOT = base x (1 + rho). It is convex in load and steepest for lower-class load, which is
-   all the law relies on.
+   all the law relies on. A class may mix prompt lengths (``PlantClass.long``): a share of
+   its requests has a long prompt whose own prefill adds to its TTFT whatever the load.
 4. **Samples**: one per completed request, as a raw dict, through the real
    :func:`limiter.samples.decode_sample` into a real :class:`SloMonitor` and
    :class:`CapacityEstimator`. Each worker sends a heartbeat every ``heartbeat_s`` with its
@@ -59,6 +60,15 @@ from limiter.samples import decode_sample
 
 
 @dataclass(frozen=True)
+class LongPrompts:
+    """A share of a class's requests with a long prompt, whose own prefill takes ``prefill_ms``."""
+
+    share: float
+    input_tokens: int
+    prefill_ms: float
+
+
+@dataclass(frozen=True)
 class PlantClass:
     name: str
     input_tokens: int
@@ -66,10 +76,14 @@ class PlantClass:
     prefill_ms: float  # TTFT on an idle pool
     tpot_ms: float  # time per output token on an idle pool
     beta: float  # how much a unit of this class's load delays higher classes
+    long: LongPrompts | None = None  # a mix of prompt lengths: this share of requests is long
 
     @property
     def cost(self) -> float:
-        return float(self.input_tokens + self.output_tokens)  # weights 1: cost = tokens
+        """A request's mean cost (weights 1: cost = tokens)."""
+        long_share, long_tokens = (self.long.share, self.long.input_tokens) if self.long else (0.0, 0)
+        prompt = (1.0 - long_share) * self.input_tokens + long_share * long_tokens
+        return float(prompt + self.output_tokens)
 
 
 DEFAULT_PLANT_CLASSES = (
@@ -193,7 +207,7 @@ def simulate(
             count, carry[pc.name] = divmod(carry[pc.name], 1.0)
             for _ in range(int(count)):
                 wait = ahead_ms + rng.expovariate(1.0 / mean_wait) if mean_wait > 0 else ahead_ms
-                _record(monitor, estimator, pc, wait, util, now_ms)
+                _record(monitor, estimator, pc, wait, util, now_ms, rng)
         if tick % beat == beat - 1:
             estimator.set_alive({f"w{w}": now_ms for w in range(live)})
             for w in range(live):
@@ -228,15 +242,19 @@ class _Noise:
 
 
 def _record(
-    monitor: SloMonitor, estimator: CapacityEstimator, pc: PlantClass, wait: float, util: float, now_ms: float
+    monitor: SloMonitor, estimator: CapacityEstimator, pc: PlantClass, wait: float, util: float,
+    now_ms: float, rng: random.Random,
 ) -> None:
     tpot = pc.tpot_ms * (1.0 + util)
-    ttft = pc.prefill_ms + wait
+    input_tokens, prefill_ms = pc.input_tokens, pc.prefill_ms
+    if pc.long is not None and rng.random() < pc.long.share:
+        input_tokens, prefill_ms = pc.long.input_tokens, pc.long.prefill_ms
+    ttft = prefill_ms + wait
     raw = {
         "class": pc.name,
         "outcome": "ok",
         "ts_ms": now_ms,
-        "input_tokens": pc.input_tokens,
+        "input_tokens": input_tokens,
         "output_tokens": pc.output_tokens,
         "queue_wait_ms": wait,
         "ttft_ms": ttft,
