@@ -1,6 +1,6 @@
 """`qos bench control` (limiter/bench/control.py): the figures are computed as documented, and
 the controller on a running stack follows a lost and restarted worker (short form, by
-default); the four full scenarios are a slow test."""
+default); the four full scenarios, and the two of long P0 prompts, are slow tests."""
 
 from __future__ import annotations
 
@@ -82,6 +82,68 @@ def test_surge_figures_see_a_cut_to_p1() -> None:
     assert cb.surge_figures(s, cut, 0.0)["met"] is False
 
 
+def test_long_p0_prompts_come_from_a_second_tenant_at_the_share_asked() -> None:
+    rows = cb.class_rows("sim")
+    s = cb.scenarios()["p0_long_allowance"]
+    arrivals = cb.scenario_arrivals(s, rows, CAP)
+    p0 = [a for a in arrivals if a.cls == "P0"]
+    long = [a for a in p0 if a.tenant == cb.LONG_P0_TENANT]
+    assert long, "no long prompt in the scenario"
+    mixed = cb.with_long_p0(rows, 0.05)["P0"]  # over the whole trace: the share asked
+    assert sum(a.tenant == cb.LONG_P0_TENANT for a in mixed) / len(mixed) == pytest.approx(0.05, abs=0.01)
+    assert all(a.prompt_tokens <= cb.LONG_P0_PROMPT and a.max_tokens <= cb.LONG_P0_OUTPUT for a in long)
+    assert min(a.prompt_tokens for a in long) > 4_000  # long: the trace's long prompts
+    assert all(a.tenant == "" for a in p0 if a not in long)
+    assert not any(a.tenant for a in cb.scenario_arrivals(cb.scenarios()["steady"], rows, CAP))
+
+
+def test_a_long_prompt_scenario_s_config_has_their_tenant_and_p0_s_allowance() -> None:
+    from limiter.bench.modes import api_key
+    from limiter.config import hash_key
+
+    table = cb.scenarios()
+    for name, per_1k in (("p0_long", 0.0), ("p0_long_allowance", cb.P0_TTFT_MS_PER_1K)):
+        cfg = cb.mode_config(CAP, "sim", table[name]).cfg
+        p0 = cfg.class_config("P0")
+        assert p0 is not None and p0.slo_ttft_ms_per_1k_prompt_tokens == per_1k
+        docs = [t for t in cfg.tenants if hash_key(api_key(cb.LONG_P0_TENANT)) in t.key_sha256]
+        assert [(t.default_class, t.max_class) for t in docs] == [("P0", "P0")]
+    assert cb.mode_config(CAP, "sim", table["steady"]).cfg == cb.mode_config(CAP, "sim").cfg
+
+
+def test_long_prompt_figures_count_the_cuts_below_p0_and_split_p0_s_attainment() -> None:
+    from limiter.bench import trace as tr
+    from limiter.bench.driver import Record
+    from limiter.localstack.loadgen import Result
+
+    def rec(tenant: str, prompt: int, ttft: float) -> Record:
+        res = Result(cls="P0", sent_s=0.0, status=200, ttft_ms=ttft, token_times=[1.0, 1.01], output_tokens=2,
+                     input_tokens=prompt)
+        return Record(tr.Arrival(0, 1.0, "P0", prompt, 2, 0.0, tenant), res, 0.0)
+
+    recs = [rec(cb.LONG_P0_TENANT, 8_000, 1_500.0), rec("", 200, 100.0), rec("", 200, 600.0)]
+    rows = [{"t_s": float(t), "ceilings": {"P1": 100.0, "P2": 50.0 if t < 30 else 25.0}} for t in range(60)]
+    cut = {"now_ms": 20_000.0, "classes": {"P2": {"reason": "tighten_lower_for_P0"}}}
+    late = {"now_ms": 70_000.0, "classes": {"P1": {"reason": "tighten_lower_for_P0"}}}  # after the load
+    table = cb.scenarios(short=True)
+    fixed, allowance = table["p0_long"], table["p0_long_allowance"]
+    f = cb.long_prompt_figures(fixed, rows, [cut, late], 0.0, recs, cb.mode_config(CAP, "sim", fixed))
+    assert f == {"lower_cuts": 1, "p1_ceiling_end": 1.0, "p2_ceiling_end": 0.5, "p0_long_attainment": 0.0,
+                 "p0_short_attainment": 0.5, "met": None}
+    spec = cb.mode_config(CAP, "sim", allowance)
+    g = cb.long_prompt_figures(allowance, rows, [cut], 0.0, recs, spec)
+    assert (g["lower_cuts"], g["p0_long_attainment"], g["met"]) == (1, 1.0, False)  # 1,500 <= 500 + 8 x 250
+    assert cb.long_prompt_figures(allowance, rows, [late], 0.0, recs, spec)["met"] is True
+
+
+def test_control_cli_names_an_unknown_scenario_and_lists_the_long_prompt_ones(capsys) -> None:
+    from limiter.cli import main
+
+    assert main(["bench", "control", "--scenarios", "p0_long,p0_loong"]) == 2
+    err = capsys.readouterr().err
+    assert "--scenarios" in err and "p0_loong" in err and "p0_long_allowance" in err
+
+
 @pytest.mark.slow
 async def test_capacity_follows_a_killed_and_restarted_worker_on_a_running_stack(tmp_path) -> None:
     """The short worker_loss scenario: one of two sim workers is killed at 20 s and started
@@ -99,6 +161,23 @@ async def test_capacity_follows_a_killed_and_restarted_worker_on_a_running_stack
     assert f["follow_up_s"] is not None and f["follow_up_s"] <= 15, f
     assert f["capacity_moves_while_down"] <= 2 and f["capacity_moves_after_restart"] <= 2, f
     assert (tmp_path / "control-worker_loss.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)  # a calibration and two 60 s scenarios: ~4 min on 2 cores
+async def test_long_p0_prompts_cut_the_classes_below_unless_the_ttft_target_grows_with_the_prompt(
+        tmp_path) -> None:
+    """On a running stack: one P0 request in twenty with an 8,000-token prompt. With P0's
+    target fixed, the controller cuts below P0 for misses no cut can mend (on 2026-12-06 P1's
+    ceiling fell to 17 % and 16 of its requests were refused); with the target growing by
+    250 ms per 1,000 prompt tokens, no cut, and the long prompts meet their own target."""
+    p = cb.ControlParams(scenarios=cb.LONG_PROMPT_SCENARIOS, short=True, drain_s=5.0, out_dir=str(tmp_path))
+    results = await cb.run_control(p)
+    fixed = results["scenarios"]["p0_long"]["figures"]
+    allowance = results["scenarios"]["p0_long_allowance"]["figures"]
+    assert fixed["lower_cuts"] >= 1 and fixed["p0_long_attainment"] < 0.5, fixed
+    assert allowance["met"] and allowance["lower_cuts"] == 0, allowance
+    assert allowance["p0_long_attainment"] >= 0.9 and allowance["p0_short_attainment"] >= 0.9, allowance
 
 
 @pytest.mark.slow

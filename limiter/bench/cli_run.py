@@ -45,7 +45,9 @@ def _add_control(bsub: argparse._SubParsersAction) -> None:
                          "a P1 surge")
     a = p.add_argument
     a("--scenarios", default=",".join(cb.SCENARIOS),
-      help=f"comma-separated, in run order (default {','.join(cb.SCENARIOS)})")
+      help=f"comma-separated, in run order (default {','.join(cb.SCENARIOS)}; also "
+           f"{','.join(cb.LONG_PROMPT_SCENARIOS)}: long P0 prompts, a fixed TTFT target and one "
+           "per prompt token)")
     a("--short", action="store_true", help="each scenario at about half its length (the default test's form)")
     _scenario_stack_args(p, d, workers_help="; worker_loss kills one", out="results.json, PNG plots and logs")
     a("--noise-out", metavar="FILE", help="write the steady scenario's heartbeat noise (JSON) here")
@@ -60,10 +62,10 @@ def _control(args: argparse.Namespace) -> int:
     from limiter.bench import control as cb
 
     names = tuple(n.strip() for n in args.scenarios.split(",") if n.strip())
-    unknown = [n for n in names if n not in cb.SCENARIOS]
+    unknown = [n for n in names if n not in cb.ALL_SCENARIOS]
     if not names or unknown:
         raise ConfigError("--scenarios",
-                          f"unknown {unknown or 'empty list'}; choose from {', '.join(cb.SCENARIOS)}")
+                          f"unknown {unknown or 'empty list'}; choose from {', '.join(cb.ALL_SCENARIOS)}")
     if args.workers < 2 and "worker_loss" in names:
         raise ConfigError("--workers", "worker_loss needs at least 2 workers")
     if args.workers < 1:

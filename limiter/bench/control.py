@@ -21,6 +21,15 @@ Scenarios (times for the full form; ``--short`` scales them down for the default
 * ``p1_surge``: P0 0.3, P1 0.15, P2 0.05 of capacity, then P1 rises to 0.33 (inside its
   0.35 guarantee) at 40 s, until 90 s. No decision cuts P1.
 
+Two more, run when named (``--scenarios p0_long,p0_long_allowance``): the mix at 0.7 for
+120 s, one P0 request in twenty from a second P0 tenant with a long prompt (the trace's long
+prompts, cut to 8,000 tokens: its own prefill alone is past P0's 500 ms first-token target).
+
+* ``p0_long``: P0's target fixed at 500 ms, the reference: the controller reads the long
+  prompts' misses as interference and cuts the classes below (``lower_cuts``).
+* ``p0_long_allowance``: P0's target 500 ms plus ``P0_TTFT_MS_PER_1K`` per 1,000 prompt
+  tokens (``slo_ttft_ms_per_1k_prompt_tokens``). No decision cuts P1 or P2.
+
 Every scenario records a timeline (rates, ceilings, policy and measured capacity with its
 confidence, the controller's compliance, queue depths, each worker's capacity figure),
 the decisions, and per 5 s bin each class's client-side SLO attainment; ``--out DIR``
@@ -48,13 +57,22 @@ from rich.console import Console
 from limiter.bench import trace as tr
 from limiter.bench.calibrate import Capacity
 from limiter.bench.driver import Record, drive
-from limiter.bench.modes import POOL, ModeSpec, mode_spec
+from limiter.bench.modes import POOL, ModeSpec, api_key, mode_spec, tenant_name
 from limiter.bench.report import meets_slo
 from limiter.bench.runner import CONTEXT_TOKENS, tempfile_dir
 from limiter.bench.stack import LoggedStack, Probe, StackSpec, start_stack
 from limiter.bench.stackcal import calibrate_and_report
+from limiter.config import hash_key, validate
 
-SCENARIOS = ("steady", "p2_flood", "worker_loss", "p1_surge")
+SCENARIOS = ("steady", "p2_flood", "worker_loss", "p1_surge")  # the default run
+LONG_PROMPT_SCENARIOS = ("p0_long", "p0_long_allowance")
+ALL_SCENARIOS = SCENARIOS + LONG_PROMPT_SCENARIOS
+LONG_P0_TENANT = "p0docs"  # the second P0 tenant, whose prompts are long (bench key qos-bench-p0docs-key)
+LONG_P0_PROMPT = 8_000  # the long prompts' size cap, tokens: their prefill alone takes ~1 s on the sim
+LONG_P0_OUTPUT = 256  # and their answers' (a summary of a document)
+# P0's allowance in p0_long_allowance: the sim prefills a 256-token chunk beside 16 decoders in
+# ~40 ms (worker/engines/sim.py), 160 ms per 1,000 prompt tokens: this leaves room for a queue.
+P0_TTFT_MS_PER_1K = 250.0
 BIN_S = 5.0  # client-side SLO attainment is reported per this many seconds of send time
 MIX = {"P0": 0.31, "P1": 0.48, "P2": 0.21}  # the trace's work mix (docs/benchmarks.md), scaled by load
 
@@ -76,6 +94,8 @@ class Scenario:
     kill_s: float | None = None  # worker_loss: kill one worker here ...
     restart_s: float | None = None  # ... and start it again here
     settle_s: float = 45.0  # steady: changes are counted after this
+    p0_long_share: float = 0.0  # this share of P0's requests: LONG_P0_TENANT's long prompts
+    p0_ttft_ms_per_1k: float = 0.0  # P0's slo_ttft_ms_per_1k_prompt_tokens in this scenario
 
 
 def _mix(load: float) -> dict[str, float]:
@@ -94,6 +114,9 @@ def scenarios(short: bool = False) -> dict[str, Scenario]:
         "p1_surge": Scenario("p1_surge", 90 * k, (Phase(0, {"P0": 0.3, "P1": 0.15, "P2": 0.05}),
                                                   Phase(40 * k, {"P0": 0.3, "P1": 0.33, "P2": 0.05})),
                              step_s=40 * k),
+        "p0_long": Scenario("p0_long", 120 * k, (Phase(0, _mix(0.7)),), p0_long_share=0.05),
+        "p0_long_allowance": Scenario("p0_long_allowance", 120 * k, (Phase(0, _mix(0.7)),),
+                                      p0_long_share=0.05, p0_ttft_ms_per_1k=P0_TTFT_MS_PER_1K),
     }
 
 
@@ -117,6 +140,26 @@ def class_rows(engine: str) -> dict[str, list[tr.Arrival]]:
     return {c: [a for a in rows if a.cls == c] for c in tr.CLASSES}
 
 
+def with_long_p0(rows: Mapping[str, Sequence[tr.Arrival]], share: float,
+                 seed: int = 1) -> dict[str, list[tr.Arrival]]:
+    """``rows`` with P2's long prompts (cut to ``LONG_P0_PROMPT`` tokens and ``LONG_P0_OUTPUT``)
+    placed among P0's, one before a P0 row with probability ``share`` (seeded), sent by
+    ``LONG_P0_TENANT`` at P0."""
+    rng = random.Random(seed)
+    longs = iter(rows["P2"])
+    mixed: list[tr.Arrival] = []
+    for a in rows["P0"]:
+        if rng.random() < share:
+            long = next(longs, None)
+            if long is None:
+                raise ValueError("the trace holds too few long prompts for this share of P0")
+            mixed.append(dataclasses.replace(long, cls="P0", tenant=LONG_P0_TENANT,
+                                             prompt_tokens=min(long.prompt_tokens, LONG_P0_PROMPT),
+                                             max_tokens=min(long.max_tokens, LONG_P0_OUTPUT)))
+        mixed.append(a)
+    return {**rows, "P0": mixed}
+
+
 def scenario_arrivals(s: Scenario, rows: Mapping[str, Sequence[tr.Arrival]],
                       cap: Capacity, seed: int = 1) -> list[tr.Arrival]:
     """Each class's trace rows, in order (their sizes), at a constant rate per phase: as many
@@ -124,6 +167,8 @@ def scenario_arrivals(s: Scenario, rows: Mapping[str, Sequence[tr.Arrival]],
     slice of the phase (seeded). The trace's own arrival times are not used: its density
     drifts over minutes, and a scenario about the controller needs a load that is steady
     when the scenario says so."""
+    if s.p0_long_share > 0:
+        rows = with_long_p0(rows, s.p0_long_share, seed)
     rng = random.Random(seed)
     out: list[tr.Arrival] = []
     offset = dict.fromkeys(rows, 0)
@@ -149,10 +194,21 @@ def scenario_arrivals(s: Scenario, rows: Mapping[str, Sequence[tr.Arrival]],
     return [dataclasses.replace(a, index=i) for i, a in enumerate(out)]
 
 
-def mode_config(cap: Capacity, engine: str) -> ModeSpec:
-    return dataclasses.replace(
+def mode_config(cap: Capacity, engine: str, s: Scenario | None = None) -> ModeSpec:
+    """The qos mode's config; for a scenario with long P0 prompts, their tenant and P0's
+    allowance per prompt token."""
+    spec = dataclasses.replace(
         mode_spec("qos", capacity_tokens_s=cap.weighted_tokens_s, out_weight=cap.out_weight,
                   context_tokens=CONTEXT_TOKENS[engine]), name="control")
+    if s is None or s.p0_long_share <= 0:
+        return spec
+    cfg = spec.cfg
+    p0 = dataclasses.replace(cfg.classes[0], slo_ttft_ms_per_1k_prompt_tokens=s.p0_ttft_ms_per_1k)
+    docs = dataclasses.replace(cfg.tenants[0], name=tenant_name(LONG_P0_TENANT),
+                               key_sha256=(hash_key(api_key(LONG_P0_TENANT)),))
+    assert cfg.tenants[0].default_class == p0.name == "P0"
+    cfg = validate(dataclasses.replace(cfg, classes=(p0, *cfg.classes[1:]), tenants=(*cfg.tenants, docs)))
+    return dataclasses.replace(spec, cfg=cfg)
 
 
 # --- figures ------------------------------------------------------------------------------------
@@ -249,6 +305,32 @@ def loss_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions: 
                     and lost <= 2 and back <= 2)}
 
 
+def long_prompt_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]],
+                        decisions: Sequence[Mapping[str, Any]], t_load_ms: float, recs: Sequence[Record],
+                        spec: ModeSpec) -> dict[str, Any]:
+    """Cuts to the classes below P0 while the load ran, where P1's and P2's ceilings ended as a
+    share of where they began, and P0's client-side attainment of its long and short prompts
+    by the scenario's own target. Met (with the allowance): no cut; the fixed target's run is
+    the reference (``met`` None)."""
+    def cuts_lower(d: Mapping[str, Any]) -> bool:
+        return any(str(d["classes"].get(c, {}).get("reason", "")).startswith("tighten_lower_for_")
+                   for c in ("P1", "P2"))
+
+    cuts = [d for d in decisions if 0 <= (d["now_ms"] - t_load_ms) / 1000 < s.duration_s and cuts_lower(d)]
+    ceils = [row["ceilings"] for row in timeline if row["t_s"] < s.duration_s and row["ceilings"].get("P2")]
+    end = {c: round(ceils[-1][c] / ceils[0][c], 3) if ceils and ceils[0].get(c) else None
+           for c in ("P1", "P2")}
+    p0 = spec.cfg.class_config("P0")
+
+    def attained(long: bool) -> float | None:
+        own = [r for r in recs if r.arrival.cls == "P0" and (r.arrival.tenant == LONG_P0_TENANT) == long]
+        return round(sum(meets_slo(r, p0) for r in own) / len(own), 4) if own else None
+
+    return {"lower_cuts": len(cuts), "p1_ceiling_end": end["P1"], "p2_ceiling_end": end["P2"],
+            "p0_long_attainment": attained(True), "p0_short_attainment": attained(False),
+            "met": None if s.p0_ttft_ms_per_1k <= 0 else not cuts}
+
+
 def surge_figures(s: Scenario, decisions: Sequence[Mapping[str, Any]], t_load_ms: float) -> dict[str, Any]:
     def cuts_p1(d: Mapping[str, Any]) -> bool:
         reason = str(d["classes"].get("P1", {}).get("reason", ""))
@@ -317,7 +399,7 @@ async def _kill_and_restart(stack: LoggedStack, s: Scenario, t0: float) -> list[
 async def run_scenario(s: Scenario, p: ControlParams, cap: Capacity, rows: Mapping[str, Sequence[tr.Arrival]],
                        sspec: StackSpec, work: Path, console: Console) -> dict[str, Any]:
     arrivals = scenario_arrivals(s, rows, cap)
-    spec = mode_config(cap, p.engine)
+    spec = mode_config(cap, p.engine, s)
     stack = await start_stack(sspec, dataclasses.replace(spec, name=s.name), work)
     probe = Probe(stack.redis_url, tuple(spec.cfg.class_names()))
     beats = WorkerHeartbeats()
@@ -357,13 +439,16 @@ async def run_scenario(s: Scenario, p: ControlParams, cap: Capacity, rows: Mappi
         out["figures"] = flood_figures(s, timeline, bins)
     elif s.name == "worker_loss":
         out["figures"] = loss_figures(s, timeline, decisions, t_load_ms)
+    elif s.name in LONG_PROMPT_SCENARIOS:
+        out["figures"] = long_prompt_figures(s, timeline, decisions, t_load_ms, recs, spec)
     else:
         out["figures"] = surge_figures(s, decisions, t_load_ms)
     out["heartbeats"] = beats.figures
     out["samples"] = samples  # the latency samples: where a request's time went (queue or service)
     out["requests"] = [{"cls": r.arrival.cls, "at_s": round(r.arrival.at_s, 3), "status": r.result.status,
                         "ok": r.result.ok, "ttft_ms": r.result.ttft_ms, "tpot_ms": r.result.tpot_ms,
-                        "input_tokens": r.arrival.prompt_tokens, "max_tokens": r.arrival.max_tokens}
+                        "input_tokens": r.arrival.prompt_tokens, "max_tokens": r.arrival.max_tokens,
+                        "tenant": r.arrival.tenant or tenant_name(r.arrival.cls)}
                        for r in recs]
     return out
 
@@ -420,7 +505,8 @@ def summary_rows(results: Mapping[str, Any]) -> list[list[str]]:
     for name, sc in results["scenarios"].items():
         f = dict(sc["figures"])
         met = f.pop("met")
-        rows.append([name, ", ".join(f"{k} {v}" for k, v in f.items()), "yes" if met else "no"])
+        rows.append([name, ", ".join(f"{k} {v}" for k, v in f.items()),
+                     "reference" if met is None else "yes" if met else "no"])
     return rows
 
 
