@@ -36,6 +36,12 @@ does not use:
 ``tpot_max_ms``     the largest inter-token gap of this attempt (a decode stall shows here)
 ``e2e_ms``          admission -> completion (rejected: how long admission waited)
 ``input_tokens``    prompt tokens (pool tokenizer units: UTF-8 bytes + BOS; openai: the upstream's)
+``prompt_tokens``   workers only: the prompt tokens admission counted (the frontend's count, pool
+                    tokenizer units, whatever the engine); the frontend's and the scripts'
+                    samples have that count as ``input_tokens``. A class's TTFT allowance per
+                    prompt token is judged by it (:attr:`Sample.pool_prompt_tokens`): with
+                    the openai engine ``input_tokens`` is in the model server's units, and one
+                    class's target would otherwise move with the writer
 ``output_tokens``   tokens delivered in total, all attempts
 ``ttft_at_least_ms`` ``expired`` and ``rejected`` only: the request ended for a max wait its
                     client set below its class's (``X-QoS-Max-Wait-Ms``), not for the class's
@@ -85,6 +91,12 @@ class Sample:
     tpot_max_ms: float | None = None
     worker: str = ""
     ttft_at_least_ms: float | None = None
+    prompt_tokens: int | None = None  # workers: admission's count, when input_tokens is another's
+
+    @property
+    def pool_prompt_tokens(self) -> int:
+        """The prompt's tokens as admission counted them (the pool tokenizer's units)."""
+        return self.input_tokens if self.prompt_tokens is None else self.prompt_tokens
 
 
 def build_sample(*, pool: str, cls: str, tenant: str, outcome: str, request_id: str, worker: str,
@@ -188,4 +200,5 @@ def decode_sample(raw: object, classes: Collection[str] | None = None) -> Sample
         tpot_max_ms=_number(fields, "tpot_max_ms", required=False),
         worker=worker if isinstance(worker, str) else "",
         ttft_at_least_ms=_number(fields, "ttft_at_least_ms", required=False),
+        prompt_tokens=None if fields.get("prompt_tokens") is None else _count(fields, "prompt_tokens"),
     )

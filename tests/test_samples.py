@@ -81,6 +81,8 @@ def test_decode_missing_required_field_names_it(field: str) -> None:
         ("outcome", "timeout"),
         ("class", "P0:x"),
         ("class", 7),
+        ("prompt_tokens", -1),
+        ("prompt_tokens", 2.5),
     ],
 )
 def test_decode_rejects_bad_values(field: str, value: object) -> None:
@@ -105,3 +107,12 @@ def test_ok_sample_with_tokens_must_say_when_the_first_came() -> None:
 
 def test_whole_floats_count_as_token_counts() -> None:
     assert decode_sample(raw(input_tokens=200.0)).input_tokens == 200
+
+
+def test_the_prompt_as_admission_counted_it_is_the_worker_s_prompt_tokens_else_input_tokens() -> None:
+    """The openai engine's ``input_tokens`` is the model server's count; its sample also
+    carries admission's (``prompt_tokens``), which the frontend's and the scripts' samples
+    have as ``input_tokens``: one unit for a class's TTFT allowance whoever wrote the sample."""
+    assert decode_sample(raw()).pool_prompt_tokens == 200
+    worker = decode_sample(raw(input_tokens=2_000, prompt_tokens=8_001))
+    assert (worker.input_tokens, worker.pool_prompt_tokens) == (2_000, 8_001)

@@ -70,6 +70,11 @@ def test_a_ttft_target_per_prompt_token_grows_with_the_prompt() -> None:
     assert p0.judge(replace(long, tpot_mean_ms=50.1)) is False  # the TPOT target is unchanged
     short = replace(sample(ttft=520.5), input_tokens=200)  # target 520 ms
     assert p0.judge(short) is False
+    # an openai worker's sample: input_tokens is the model server's count (2,000), the
+    # target is set by admission's (8,000 of the pool's tokens), as for the other writers
+    upstream = replace(long, input_tokens=2_000, prompt_tokens=8_000)
+    assert p0.judge(upstream) is True
+    assert p0.judge(replace(upstream, prompt_tokens=2_000)) is False
     waited = replace(sample(outcome="expired", ttft=None), input_tokens=8_000, ttft_at_least_ms=1_000.0)
     assert p0.judge(waited) is None  # within this prompt's target: the client's own short wait
     assert p0.judge(replace(waited, ttft_at_least_ms=1_300.1)) is False

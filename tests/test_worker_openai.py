@@ -16,6 +16,7 @@ from limiter.cli import main
 from limiter.errors import ConfigError
 from limiter.localstack.sse import sse_chunks
 from limiter.prompt import ChatMessage, render_chat
+from limiter.samples import decode_sample
 from limiter.scripts import Scripts
 from tests.support.fake_upstream import FakeUpstream, end_stream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
@@ -91,6 +92,9 @@ async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -
     s = samples[plain]
     assert s["engine"] == "openai" and s["upstream_completion_tokens"] == 9
     assert s["upstream_prompt_tokens"] == 6 and s["input_tokens"] == 6
+    # ...and the prompt as admission counted it (30 bytes + BOS), which the SLO's allowance
+    # per prompt token is judged by, as for the frontend's and the scripts' samples
+    assert s["prompt_tokens"] == 31 and decode_sample(s).pool_prompt_tokens == 31
     assert s["output_tokens"] == a.tokens and s["outcome"] == "ok" and s["ttft_ms"] > 0
 
 

@@ -44,7 +44,9 @@ class Delivery:
     payload: Payload
     claim_now_ms: int  # Redis time of this attempt's claim
     claim_t: float  # time.monotonic() when that claim returned
-    usage_in: int  # prompt tokens, in the pool tokenizer's units
+    # prompt tokens: admission's count (pool tokenizer units); openai: the model server's own
+    # once its usage came (the sample's input_tokens; admission's count goes as prompt_tokens)
+    usage_in: int
     class_rank: int
     offset: int = 0  # tokens delivered so far (all attempts)
     pending_ids: list[int] = field(default_factory=list)  # resume ids of the pending tokens

@@ -39,5 +39,6 @@ def build_sample(d: Delivery, *, pool: str, worker_id: str, engine: str, simulat
         pool=pool, cls=c.cls, tenant=c.tenant, outcome=outcome, request_id=c.request_id, worker=worker_id,
         input_tokens=d.usage_in, output_tokens=d.total_tokens if output_tokens is None else output_tokens,
         queue_wait_ms=float(c.claimed_ms - c.enq_ms), e2e_ms=round(end_ms - c.enq_ms, 3), ts_ms=int(end_ms),
-        engine=engine, simulated=simulated, attempt=c.attempt, ttft_ms=ttft_ms, **tpot, **d.sample_extra,
+        engine=engine, simulated=simulated, attempt=c.attempt, ttft_ms=ttft_ms, prompt_tokens=c.input_tokens,
+        **tpot, **d.sample_extra,
     )

@@ -60,7 +60,8 @@ class ClassSLO:
     """A class's latency targets in ms; ``None`` = no target for that metric.
 
     ``ttft_ms_per_1k_prompt_tokens``: the TTFT target of a request is ``ttft_ms`` plus this
-    per 1,000 of its prompt tokens (the sample's ``input_tokens``)."""
+    per 1,000 of its prompt tokens as admission counted them (``Sample.pool_prompt_tokens``:
+    the pool tokenizer's units, whichever role or engine wrote the sample)."""
 
     ttft_ms: float | None = None
     tpot_ms: float | None = None
@@ -87,7 +88,7 @@ class ClassSLO:
         target at all)."""
         if sample.outcome in ("cancelled", "refused") or not self.has_target:
             return None
-        ttft_target = self.ttft_target_ms(sample.input_tokens)
+        ttft_target = self.ttft_target_ms(sample.pool_prompt_tokens)
         if sample.ttft_at_least_ms is not None and sample.outcome in ("expired", "rejected"):
             # Ended by its client's own shorter wait: a miss only if even that wait was past
             # the first-token target (any longer wait would have missed it too).
