@@ -88,9 +88,10 @@ def test_long_p0_prompts_come_from_a_second_tenant_at_the_share_asked() -> None:
     arrivals = cb.scenario_arrivals(s, rows, CAP)
     p0 = [a for a in arrivals if a.cls == "P0"]
     long = [a for a in p0 if a.tenant == cb.LONG_P0_TENANT]
-    assert long, "no long prompt in the scenario"
-    mixed = cb.with_long_p0(rows, 0.05)["P0"]  # over the whole trace: the share asked
-    assert sum(a.tenant == cb.LONG_P0_TENANT for a in mixed) / len(mixed) == pytest.approx(0.05, abs=0.01)
+    # every twentieth P0 request, from the scenario's first on (a seeded draw per row gave
+    # 9-14 % of the first minute's P0 requests where 5 % was asked: a review)
+    assert [i for i, a in enumerate(p0) if a.tenant == cb.LONG_P0_TENANT] == list(range(19, len(p0), 20))
+    assert len({a.prompt_tokens for a in long}) == len(long)  # not one text: no prefix cache hit
     assert all(a.prompt_tokens <= cb.LONG_P0_PROMPT and a.max_tokens <= cb.LONG_P0_OUTPUT for a in long)
     assert min(a.prompt_tokens for a in long) > 4_000  # long: the trace's long prompts
     assert all(a.tenant == "" for a in p0 if a not in long)
@@ -122,7 +123,14 @@ def test_long_prompt_figures_count_the_cuts_below_p0_and_split_p0_s_attainment()
         return Record(tr.Arrival(0, 1.0, "P0", prompt, 2, 0.0, tenant), res, 0.0)
 
     recs = [rec(cb.LONG_P0_TENANT, 8_000, 1_500.0), rec("", 200, 100.0), rec("", 200, 600.0)]
-    rows = [{"t_s": float(t), "ceilings": {"P1": 100.0, "P2": 50.0 if t < 30 else 25.0}} for t in range(60)]
+    # P2's ceiling halves at 30 s; the capacity (and every ceiling with it) rises 25 % at 40 s,
+    # which is no cut: the figures are ceilings as shares of the policy's capacity
+    def row(t: int) -> dict:
+        grown = 1.0 if t < 40 else 1.25
+        return {"t_s": float(t), "capacity": 1_000.0 * grown,
+                "ceilings": {"P1": 100.0 * grown, "P2": (50.0 if t < 30 else 25.0) * grown}}
+
+    rows = [row(t) for t in range(60)]
     cut = {"now_ms": 20_000.0, "classes": {"P2": {"reason": "tighten_lower_for_P0"}}}
     late = {"now_ms": 70_000.0, "classes": {"P1": {"reason": "tighten_lower_for_P0"}}}  # after the load
     table = cb.scenarios(short=True)
