@@ -183,7 +183,10 @@ def _convert(path: str, tp: Any, value: Any) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(path, f"must be a number, got {value!r}")
-        return float(value)
+        try:
+            return float(value)
+        except OverflowError:  # an integer past any float (TOML's are unbounded)
+            raise ConfigError(path, "must be a number, got an integer too large for one") from None
     if tp is str:
         if not isinstance(value, str):
             raise ConfigError(path, f"must be a string, got {value!r}")

@@ -70,6 +70,9 @@ def test_a_valid_file_loads(tmp_path):
     # an infinite target is no target, which is said by leaving it out
     (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = inf"), "classes[1].slo_ttft_ms"),
     (("floor = 0.3", "floor = 0.3\nslo_tpot_ms = nan"), "classes[1].slo_tpot_ms"),
+    # an integer past any float was an OverflowError out of the loader, not a named field
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_ms_per_1k_prompt_tokens = 1" + "0" * 400),
+     "classes[1].slo_ttft_ms_per_1k_prompt_tokens"),
     (('name = "llama"', 'name = "lla{ma}"'), "pools[0].name"),
     # a class name is also part of hash fields: <class>.cost would be class "P1.cost"'s count
     (('name = "P1"', 'name = "P1.cost"'), "classes[1].name"),
