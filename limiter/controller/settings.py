@@ -48,7 +48,12 @@ class ControllerSettings(ControlTunables):
     batch: int = 500  # stream entries per read
     claim_idle_s: float = 0.0  # XAUTOCLAIM entries pending this long; 0 = lease_s
     window_max_age_s: float = 600.0  # SLO window also forgets samples older than this; 0 = never
-    used_window_s: float = 1.0  # "used" = claimed work over about this long
+    used_window_s: float = 1.0  # "used" = claimed work over about this long ...
+    # ... or, for a class claimed fewer times than this in it, as far back as it takes to
+    # count them, at most used_max_window_s (a second's few claims are Poisson noise, and
+    # the law sizes its cuts from "used"); 0 = used_window_s alone
+    used_min_claims: int = 20
+    used_max_window_s: float = 10.0
     cost_samples: int = 200  # recent samples per class behind the mean cost of a request
     metrics_port: int = 0  # 0 = no metrics server
     metrics_host: str = "0.0.0.0"
@@ -126,9 +131,12 @@ class ControllerSettings(ControlTunables):
         check(self.window_max_age_s == 0 or 1 <= self.window_max_age_s <= 86_400, "window_max_age_s",
               "must be 0 (no limit) or in [1, 86400]")
         check(0.05 <= self.used_window_s <= 60, "used_window_s", "must be in [0.05, 60]")
+        check(0 <= self.used_min_claims <= 100_000, "used_min_claims", "must be in [0, 100000]")
+        check(0.05 <= self.used_max_window_s <= 600, "used_max_window_s",
+              "must be in [0.05, 600] (below used_window_s it is used_window_s)")
         check(1 <= self.cost_samples <= 100_000, "cost_samples", "must be in [1, 100000]")
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
-        for name in ("tick_s", "lease_s", "renew_s", "block_s", "used_window_s"):
+        for name in ("tick_s", "lease_s", "renew_s", "block_s", "used_window_s", "used_max_window_s"):
             check(math.isfinite(getattr(self, name)), name, "must be finite")
         check(all(math.isfinite(f) for f in self.floors), "floors", "must be finite")
         check(math.isfinite(self.burst_s) and 0 <= self.burst_s <= 3600, "burst_s",

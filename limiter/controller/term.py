@@ -81,5 +81,6 @@ def new_term(fence: int, policy: Mapping[str, object], cfg: QosConfig, pool: Poo
     if last is not None:
         monitor.mark(last + control.settle_s * 1000)
     estimator = settings.capacity_estimator(cfg, capacity)
-    usage = UsageMeter(control.classes, settings.used_window_s, settings.cost_samples)
+    usage = UsageMeter(control.classes, settings.used_window_s, settings.cost_samples,
+                       settings.used_min_claims, settings.used_max_window_s)
     return Term(fence, state, monitor, estimator, usage)
