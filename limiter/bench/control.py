@@ -22,8 +22,8 @@ Scenarios (times for the full form; ``--short`` scales them down for the default
   0.35 guarantee) at 40 s, until 90 s. No decision cuts P1.
 
 Two more, run when named (``--scenarios p0_long,p0_long_allowance``): the mix at 0.7 for
-120 s, every twentieth P0 request from a second P0 tenant with a long prompt (the trace's
-long prompts, cut to ~8,000 tokens: its own prefill alone is past P0's 500 ms first-token
+120 s, every fifth P0 request from a second P0 tenant with a long prompt (the trace's long
+prompts, cut to ~8,000 tokens: its own prefill alone is past P0's 500 ms first-token
 target).
 
 * ``p0_long``: P0's target fixed at 500 ms, the reference: the controller reads the long
@@ -68,6 +68,10 @@ from limiter.config import hash_key, validate
 SCENARIOS = ("steady", "p2_flood", "worker_loss", "p1_surge")  # the default run
 LONG_PROMPT_SCENARIOS = ("p0_long", "p0_long_allowance")
 ALL_SCENARIOS = SCENARIOS + LONG_PROMPT_SCENARIOS
+# One P0 request in five is long: at about one P0 request a second, P0's misses (~20 %) are a
+# verdict within ~20 samples (strong evidence); at one in twenty (~95 %) the class sits in the
+# hold band for minutes on a 2-worker stack, which the plant test shows instead
+LONG_P0_SHARE = 0.2
 LONG_P0_TENANT = "p0docs"  # the second P0 tenant, whose prompts are long (bench key qos-bench-p0docs-key)
 LONG_P0_PROMPT = 8_000  # the long prompts' size cap, tokens: their prefill alone takes ~1 s on the sim
 LONG_P0_OUTPUT = 256  # and their answers' (a summary of a document)
@@ -115,9 +119,9 @@ def scenarios(short: bool = False) -> dict[str, Scenario]:
         "p1_surge": Scenario("p1_surge", 90 * k, (Phase(0, {"P0": 0.3, "P1": 0.15, "P2": 0.05}),
                                                   Phase(40 * k, {"P0": 0.3, "P1": 0.33, "P2": 0.05})),
                              step_s=40 * k),
-        "p0_long": Scenario("p0_long", 120 * k, (Phase(0, _mix(0.7)),), p0_long_share=0.05),
+        "p0_long": Scenario("p0_long", 120 * k, (Phase(0, _mix(0.7)),), p0_long_share=LONG_P0_SHARE),
         "p0_long_allowance": Scenario("p0_long_allowance", 120 * k, (Phase(0, _mix(0.7)),),
-                                      p0_long_share=0.05, p0_ttft_ms_per_1k=P0_TTFT_MS_PER_1K),
+                                      p0_long_share=LONG_P0_SHARE, p0_ttft_ms_per_1k=P0_TTFT_MS_PER_1K),
     }
 
 
@@ -145,7 +149,8 @@ def with_long_p0(rows: Mapping[str, Sequence[tr.Arrival]], share: float) -> dict
     """``rows`` with P2's long prompts (cut to about ``LONG_P0_PROMPT`` tokens and
     ``LONG_P0_OUTPUT``) among P0's, sent by ``LONG_P0_TENANT`` at P0: the last of every
     ``round(1 / share)`` P0 requests, so a scenario's first minute has the share it names
-    (a seeded draw per row gave 9-14 % where 5 % was asked). Each long prompt is a few tokens
+    (a seeded draw per row gave 9-14 % where 5 % was asked); P0's rows end where the long
+    ones run out. Each long prompt is a few tokens
     shorter than the one before (cycling over 64), so no two neighbours are the same text: a
     server with a prefix cache would otherwise prefill each only once."""
     every = max(1, round(1 / share))
@@ -154,8 +159,8 @@ def with_long_p0(rows: Mapping[str, Sequence[tr.Arrival]], share: float) -> dict
     for k, a in enumerate(rows["P0"]):
         if k % every == every - 1:
             long = next(longs, None)
-            if long is None:
-                raise ValueError("the trace holds too few long prompts for this share of P0")
+            if long is None:  # the mix ends with the long prompts (a scenario needs its start)
+                break
             n = len(mixed) // every
             mixed.append(dataclasses.replace(long, cls="P0", tenant=LONG_P0_TENANT,
                                              prompt_tokens=min(long.prompt_tokens, LONG_P0_PROMPT - n % 64),
@@ -314,8 +319,9 @@ def long_prompt_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]],
                         decisions: Sequence[Mapping[str, Any]], t_load_ms: float, recs: Sequence[Record],
                         spec: ModeSpec) -> dict[str, Any]:
     """Cuts to the classes below P0 while the load ran, where P1's and P2's ceilings (shares of
-    the policy's capacity) ended against where they began, and P0's client-side attainment
-    of its long and short prompts by the scenario's own target. Met (with the allowance): no
+    the policy's capacity) ended against where they began, the controller's compliance of P0
+    at the end of the load, and P0's client-side attainment of its long and short prompts by
+    the scenario's own target. Met (with the allowance): no
     cut; the fixed target's run is the reference (``met`` None)."""
     def cuts_lower(d: Mapping[str, Any]) -> bool:
         return any(str(d["classes"].get(c, {}).get("reason", "")).startswith("tighten_lower_for_")
@@ -334,7 +340,11 @@ def long_prompt_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]],
         own = [r for r in recs if r.arrival.cls == "P0" and (r.arrival.tenant == LONG_P0_TENANT) == long]
         return round(sum(meets_slo(r, p0) for r in own) / len(own), 4) if own else None
 
+    judged = [row["compliance"].get("P0") for row in timeline
+              if row["t_s"] < s.duration_s and isinstance(row.get("compliance"), dict)]
+    judged = [c for c in judged if c is not None]
     return {"lower_cuts": len(cuts), "p1_ceiling_end": end["P1"], "p2_ceiling_end": end["P2"],
+            "p0_compliance_end": round(judged[-1], 4) if judged else None,
             "p0_long_attainment": attained(True), "p0_short_attainment": attained(False),
             "met": None if s.p0_ttft_ms_per_1k <= 0 else not cuts}
 
