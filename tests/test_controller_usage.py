@@ -36,68 +36,123 @@ def test_the_rate_covers_about_the_last_window_and_survives_a_counter_reset():
     assert m.claimed_per_s("P1") == pytest.approx(100.0)
 
 
+def _meter(**kw: float) -> UsageMeter:
+    return UsageMeter(["P1"], window_s=1.0, **({"min_claims": 20, "max_window_s": 10.0} | kw))
+
+
+def _feed(m: UsageMeter, rates: list[float], tick_ms: float = 1000.0, start_ms: float = 0.0,
+          count: float = 0.0) -> tuple[list[float | None], float, float]:
+    """Claims at ``rates`` (per second, one a second of time), read every ``tick_ms``; the
+    figure at the end of each second, the time and the count reached."""
+    out, t = [], start_ms
+    for r in rates:
+        for _ in range(round(1000 / tick_ms)):
+            count += r * tick_ms / 1000
+            t += tick_ms
+            m.observe_counters(t, {"P1.claimed": str(int(count))})
+        out.append(m.claimed_per_s("P1"))
+    return out, t, count
+
+
 def test_a_class_claimed_a_few_times_a_second_is_measured_over_enough_claims():
     """Two claims a second: a second's count is Poisson noise (on a running stack a dip of it
     took P1 from 0.34 to 0.15 of the pool in one 10 % cut). The window reaches back until it
     holds ``min_claims`` claims, at most ``max_window_s``."""
-    m = UsageMeter(["P1"], window_s=1.0, min_claims=20, max_window_s=10.0)
+    m = _meter()
     for s in range(12):  # 2 claims/s for 11 s, then a second with one claim
         m.observe_counters(s * 1000.0, {"P1.claimed": str(2 * s)})
     m.observe_counters(12_000.0, {"P1.claimed": "23"})
     assert m.claimed_per_s("P1") == pytest.approx(2.0, rel=0.1)  # 20 claims back: 10 s, not 1 s
-    old = UsageMeter(["P1"], window_s=1.0, min_claims=0)
+    old = _meter(min_claims=0)
     for s in range(12):
         old.observe_counters(s * 1000.0, {"P1.claimed": str(2 * s)})
     old.observe_counters(12_000.0, {"P1.claimed": "23"})
     assert old.claimed_per_s("P1") == pytest.approx(1.0)  # the second's dip, as before
+    assert len(old._snaps) <= 3  # no reach: nothing older than the window is kept
 
 
 def test_a_rare_class_is_measured_over_at_most_the_longest_window():
-    m = UsageMeter(["P2"], window_s=1.0, min_claims=20, max_window_s=10.0)
+    m = _meter()
     for s in range(40):  # one claim every 2 s
-        m.observe_counters(s * 1000.0, {"P2.claimed": str(s // 2)})
-    assert m.claimed_per_s("P2") == pytest.approx(0.5, rel=0.15)
+        m.observe_counters(s * 1000.0, {"P1.claimed": str(s // 2)})
+    assert m.claimed_per_s("P1") == pytest.approx(0.5, rel=0.15)
     assert len(m._snaps) <= 12  # snapshots older than the longest window are dropped
 
 
-def test_a_flood_is_seen_within_a_second_and_a_busy_class_keeps_its_one_second_window():
-    m = UsageMeter(["P2"], window_s=1.0, min_claims=20, max_window_s=10.0)
-    count = 0
-    for tick in range(100):  # 0.5 claims/s for 10 s, read every 100 ms ...
-        count += tick % 20 == 0
-        m.observe_counters(tick * 100.0, {"P2.claimed": str(count)})
-    for tick in range(100, 111):  # ... then 50/s for 1 s
-        count += 5
-        m.observe_counters(tick * 100.0, {"P2.claimed": str(count)})
-    assert m.claimed_per_s("P2") == pytest.approx(50.0, rel=0.1)  # 50 claims in the last second
+@pytest.mark.parametrize("new", [5.0, 10.0, 19.0, 50.0])
+def test_a_rise_is_seen_within_a_second(new):
+    """Reaching back over a quiet past read a rise to 5 claims a second as 1.0 at +1 s, 1.4
+    at +2 s (a review): the new second's count is no draw of the rate before it, so it
+    stands alone."""
+    m = _meter()
+    _, t, count = _feed(m, [0.5] * 20, tick_ms=100.0)
+    after, _, _ = _feed(m, [new] * 5, tick_ms=100.0, start_ms=t, count=count)
+    assert after == pytest.approx([new] * 5, rel=0.1)
 
 
-def test_the_measured_rate_of_a_slow_class_is_steadier_than_a_second_s_count():
-    """Poisson claims at 2/s, read every second for 300 s: the relative spread of the figure
-    the law sizes its cuts from is about a third of a second's count's."""
+@pytest.mark.parametrize(("before", "tick_ms", "seen_by_s"),
+                         [(50.0, 50.0, 1), (5.0, 100.0, 2), (2.0, 1000.0, 4)])
+def test_a_stop_is_seen_within_seconds(before, tick_ms, seen_by_s):
+    """A class at 50 claims a second that stops read 14.3 at +1 s and 2.2 at +9 s with the
+    reach alone (a review); the change test sees it by the first second at 50/s, the second
+    at 5/s. At 2/s a quiet second or two is ordinary, so it takes longer, within the reach."""
+    m = _meter()
+    _, t, count = _feed(m, [before] * 20, tick_ms=tick_ms)
+    after, _, _ = _feed(m, [0.0] * 10, tick_ms=tick_ms, start_ms=t, count=count)
+    assert after[seen_by_s - 1:] == [0.0] * (10 - seen_by_s + 1), after
+
+
+def test_a_fall_is_seen_within_a_second():
+    m = _meter()
+    _, t, count = _feed(m, [50.0] * 20, tick_ms=50.0)
+    after, _, _ = _feed(m, [2.0] * 5, tick_ms=50.0, start_ms=t, count=count)
+    assert after == pytest.approx([2.0] * 5, rel=0.1)  # 14.8 at +1 s with the reach alone
+
+
+def test_a_forward_clock_step_starts_over_rather_than_spread_claims_over_time_that_never_was():
+    """Redis time jumps 60 s ahead: a window reaching over the jump read a 2/s class at
+    0.03-0.29 for ten ticks (a review); a gap longer than the reach restarts the baseline."""
+    m = _meter()
+    _, t, count = _feed(m, [2.0] * 20)
+    m.observe_counters(t + 60_000.0, {"P1.claimed": str(int(count) + 2)})
+    assert m.claimed_per_s("P1") is None  # one read: a new baseline (the law's fallback stands in)
+    after, _, _ = _feed(m, [2.0] * 3, start_ms=t + 60_000.0, count=count + 2)
+    assert after == pytest.approx([2.0] * 3, rel=0.1)
+
+
+def test_a_busy_class_keeps_its_one_second_window():
+    m = _meter()
+    for tick in range(100):  # 100 claims/s for 10 s, then 30/s for 1 s (a fall, seen at once)
+        m.observe_counters(tick * 100.0, {"P1.claimed": str(10 * tick)})
+    for tick in range(100, 111):
+        m.observe_counters(tick * 100.0, {"P1.claimed": str(990 + 3 * (tick - 99))})
+    assert m.claimed_per_s("P1") == pytest.approx(30.0, rel=0.1)
+
+
+@pytest.mark.parametrize("rate", [2.0, 5.0])
+def test_the_measured_rate_of_a_slow_class_is_steadier_than_a_second_s_count(rate):
+    """Poisson claims at 2 (5) a second, read every second for 600 s: the relative spread of
+    the figure the law sizes its cuts from is well under a second's count's, and its mean
+    within a few per cent of the true rate."""
     import random
     import statistics
 
-    rng = random.Random(7)
-
-    def spread(meter: UsageMeter) -> float:
-        count, rates = 0, []
-        for s in range(300):
-            t = 0.0
-            while True:  # this second's arrivals
-                t += rng.expovariate(2.0)
-                if t >= 1.0:
-                    break
+    def figures(meter: UsageMeter) -> list[float]:
+        rng, count, rates = random.Random(7), 0, []
+        for s in range(600):
+            t = rng.expovariate(rate)
+            while t < 1.0:  # this second's arrivals
                 count += 1
+                t += rng.expovariate(rate)
             meter.observe_counters(s * 1000.0, {"P1.claimed": str(count)})
             if s >= 15:
                 rates.append(meter.claimed_per_s("P1"))
-        return statistics.pstdev(rates) / statistics.mean(rates)
+        return rates
 
-    one_second = spread(UsageMeter(["P1"], window_s=1.0, min_claims=0))
-    enough = spread(UsageMeter(["P1"], window_s=1.0, min_claims=20, max_window_s=10.0))
-    assert one_second > 0.5  # 1 / sqrt(2) in theory
-    assert enough < 0.3, (one_second, enough)  # ~1 / sqrt(20)
+    one_second, enough = figures(_meter(min_claims=0)), figures(_meter())
+    spread = [statistics.pstdev(xs) / statistics.mean(xs) for xs in (one_second, enough)]
+    assert spread[0] > 0.4 and spread[1] < 0.7 * spread[0], spread
+    assert statistics.mean(enough) == pytest.approx(rate, rel=0.06)
 
 
 def test_a_term_s_meter_takes_the_controller_s_settings():

@@ -132,8 +132,9 @@ class ControllerSettings(ControlTunables):
               "must be 0 (no limit) or in [1, 86400]")
         check(0.05 <= self.used_window_s <= 60, "used_window_s", "must be in [0.05, 60]")
         check(0 <= self.used_min_claims <= 100_000, "used_min_claims", "must be in [0, 100000]")
-        check(0.05 <= self.used_max_window_s <= 600, "used_max_window_s",
-              "must be in [0.05, 600] (below used_window_s it is used_window_s)")
+        # bounded: every tick scans the snapshots of this long, per class
+        check(0.05 <= self.used_max_window_s <= 60, "used_max_window_s",
+              "must be in [0.05, 60] (below used_window_s it is used_window_s)")
         check(1 <= self.cost_samples <= 100_000, "cost_samples", "must be in [1, 100000]")
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
         for name in ("tick_s", "lease_s", "renew_s", "block_s", "used_window_s", "used_max_window_s"):
