@@ -93,6 +93,7 @@ def test_the_rates_written_keep_the_configured_bursts():
     ({"used_min_claims": 2.5}, "controller.used_min_claims"),
     ({"used_max_window_s": float("nan")}, "controller.used_max_window_s"),
     ({"used_max_window_s": 61}, "controller.used_max_window_s"),
+    ({"used_min_claims": 201}, "controller.used_min_claims"),
     ({"burst_s": -1}, "controller.burst_s"),
     ({"controller_id": "a:b"}, "controller.controller_id"),
 ])

@@ -164,3 +164,9 @@ def test_a_term_s_meter_takes_the_controller_s_settings():
     settings = ControllerSettings(used_min_claims=5, used_max_window_s=30.0)
     term = new_term(1, {}, cfg, cfg.pools[0], settings, now_ms=0.0)
     assert (term.usage.min_claims, term.usage.max_window_ms) == (5, 30_000.0)
+
+
+def test_the_reach_is_at_most_a_hundred_windows():
+    """Each tick tests every class's count over each window of the reach: bounded."""
+    assert _meter(max_window_s=60.0).max_window_ms == 60_000.0
+    assert UsageMeter(["P1"], window_s=0.05, min_claims=20, max_window_s=60.0).max_window_ms == 5_000.0

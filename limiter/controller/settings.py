@@ -131,10 +131,12 @@ class ControllerSettings(ControlTunables):
         check(self.window_max_age_s == 0 or 1 <= self.window_max_age_s <= 86_400, "window_max_age_s",
               "must be 0 (no limit) or in [1, 86400]")
         check(0.05 <= self.used_window_s <= 60, "used_window_s", "must be in [0.05, 60]")
-        check(0 <= self.used_min_claims <= 100_000, "used_min_claims", "must be in [0, 100000]")
-        # bounded: every tick scans the snapshots of this long, per class
+        # bounded: every tick tests each class's count over up to (used_max_window_s /
+        # used_window_s) windows, each test a sum of up to used_min_claims terms
+        check(0 <= self.used_min_claims <= 200, "used_min_claims", "must be in [0, 200]")
         check(0.05 <= self.used_max_window_s <= 60, "used_max_window_s",
-              "must be in [0.05, 60] (below used_window_s it is used_window_s)")
+              "must be in [0.05, 60] (below used_window_s it is used_window_s; past 100 x "
+              "used_window_s it is that)")
         check(1 <= self.cost_samples <= 100_000, "cost_samples", "must be in [1, 100000]")
         check(0 <= self.metrics_port <= 65535, "metrics_port", "must be in [0, 65535]")
         for name in ("tick_s", "lease_s", "renew_s", "block_s", "used_window_s", "used_max_window_s"):

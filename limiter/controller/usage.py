@@ -50,6 +50,7 @@ def _int(value: object) -> int | None:
 # for each of up to max_window / window spans: 1 % misread noise as a change often enough to
 # give back a third of the steadiness (spread 0.37 against 0.27 at 2 claims a second).
 CHANGE_P = 0.001
+MAX_WINDOWS = 100  # the reach goes back at most this many windows
 
 
 def _plausible(n: int, mean: float) -> bool:
@@ -72,8 +73,10 @@ class UsageMeter:
         self.classes = tuple(classes)
         self.window_ms = window_s * 1000.0
         self.min_claims = min_claims
-        # no reach (min_claims 0): no snapshots older than the window are kept
-        self.max_window_ms = max(max_window_s if min_claims > 0 else window_s, window_s) * 1000.0
+        # no reach (min_claims 0): no snapshots older than the window are kept; at most
+        # MAX_WINDOWS windows back (each tick tests every class's count over each of them)
+        reach_s = min(max_window_s, MAX_WINDOWS * window_s) if min_claims > 0 else window_s
+        self.max_window_ms = max(reach_s, window_s) * 1000.0
         self._snaps: deque[tuple[float, dict[str, int]]] = deque()
         self._costs: dict[str, deque[float]] = {c: deque(maxlen=cost_samples) for c in self.classes}
         self._cost_sum = dict.fromkeys(self.classes, 0.0)
