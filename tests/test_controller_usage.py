@@ -90,16 +90,49 @@ def test_a_rise_is_seen_within_a_second(new):
     assert after == pytest.approx([new] * 5, rel=0.1)
 
 
-@pytest.mark.parametrize(("before", "tick_ms", "seen_by_s"),
-                         [(50.0, 50.0, 1), (5.0, 100.0, 2), (2.0, 1000.0, 4)])
-def test_a_stop_is_seen_within_seconds(before, tick_ms, seen_by_s):
+@pytest.mark.parametrize(("before", "tick_ms"), [(50.0, 50.0), (5.0, 100.0)])
+def test_a_stop_is_seen_within_seconds(before, tick_ms):
     """A class at 50 claims a second that stops read 14.3 at +1 s and 2.2 at +9 s with the
-    reach alone (a review); the change test sees it by the first second at 50/s, the second
-    at 5/s. At 2/s a quiet second or two is ordinary, so it takes longer, within the reach."""
+    reach alone (a review); the change test sees it in the first second at 50/s, the second
+    at 5/s."""
     m = _meter()
     _, t, count = _feed(m, [before] * 20, tick_ms=tick_ms)
     after, _, _ = _feed(m, [0.0] * 10, tick_ms=tick_ms, start_ms=t, count=count)
+    seen_by_s = 1 if before >= 50 else 2
     assert after[seen_by_s - 1:] == [0.0] * (10 - seen_by_s + 1), after
+
+
+def test_a_slow_class_that_stops_reads_at_most_a_fifth_of_its_rate_from_five_seconds_on():
+    """At 2 claims a second a quiet second or two is ordinary: the stop is read down as the
+    reach slides (high meanwhile, which sizes a cut shallower, never deeper), and is 0 once
+    the reach holds none of the old claims."""
+    m = _meter()
+    _, t, count = _feed(m, [2.0] * 20)
+    after, _, _ = _feed(m, [0.0] * 11, start_ms=t, count=count)
+    assert all(x <= 0.4 for x in after[4:]) and after[-1] == 0.0, after
+
+
+def test_a_rise_by_three_is_followed_within_three_seconds_and_a_fall_read_high_meanwhile():
+    m = _meter()
+    _, t, count = _feed(m, [2.0] * 20)
+    up, t, count = _feed(m, [6.0] * 5, start_ms=t, count=count)
+    assert up[2] >= 0.8 * 6.0 and up[-1] == pytest.approx(6.0, rel=0.1), up
+    _, t, count = _feed(m, [6.0] * 15, start_ms=t, count=count)
+    down, _, _ = _feed(m, [2.0] * 10, start_ms=t, count=count)
+    assert all(x >= 2.0 * 0.9 for x in down), down  # never below the new rate: a shallower cut
+    assert down[-1] == pytest.approx(2.0, rel=0.1), down
+
+
+def test_reads_a_little_over_the_window_apart_keep_their_figure():
+    """``used_min_claims`` 0 (no reach) with reads 1000.3 ms apart, as a 1 s tick's sleep
+    overshoots: the restart on a gap past the reach (meant for a clock stepped forward) fired
+    on every read and left the figure None (a review)."""
+    m = _meter(min_claims=0)
+    figures = []
+    for k in range(6):
+        m.observe_counters(1000.3 * (k + 1), {"P1.claimed": str(5 * k)})
+        figures.append(m.claimed_per_s("P1"))
+    assert figures[0] is None and figures[1:] == pytest.approx([5.0] * 5, rel=0.01)
 
 
 def test_a_fall_is_seen_within_a_second():
@@ -152,7 +185,8 @@ def test_the_measured_rate_of_a_slow_class_is_steadier_than_a_second_s_count(rat
     one_second, enough = figures(_meter(min_claims=0)), figures(_meter())
     spread = [statistics.pstdev(xs) / statistics.mean(xs) for xs in (one_second, enough)]
     assert spread[0] > 0.4 and spread[1] < 0.7 * spread[0], spread
-    assert statistics.mean(enough) == pytest.approx(rate, rel=0.06)
+    assert statistics.mean(enough) == pytest.approx(rate, rel=0.1)  # reads 4-7 % high
+    assert sum(x < rate / 2 for x in enough) < 0.2 * sum(x < rate / 2 for x in one_second)
 
 
 def test_a_term_s_meter_takes_the_controller_s_settings():

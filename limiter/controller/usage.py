@@ -15,10 +15,13 @@ What is measured instead, per class:
   claimed twice a second is 2 +- 1.4, and the law sizes a cut from it (on a running stack one
   such dip took a class from 0.34 to 0.15 of the pool in one 10 % step). So a class with
   fewer than ``min_claims`` claims in the window is counted as far back as it takes to hold
-  them (at most ``max_window_s``) -- unless the last k windows' count (for the smallest such
-  k) is implausible at the rate before them (past either 0.1 % Poisson tail: ``CHANGE_P``),
-  which is a change of load, not noise: then the last k windows' figure stands, so a stop or
-  a fall is seen within a window or two, and a rise from 0.5 to 5 claims a second at once.
+  them (at most ``max_window_s``) -- unless the last k windows' share of the reach's claims
+  (for the smallest such k) is past a tail of where a steady rate puts it (binomial: 1 %
+  above, ``RISE_P``, 0.1 % below, ``FALL_P``), which is a change of load, not noise: then the
+  last k windows' figure stands. A stop of a busy class, or a rise to ten times the rate, is
+  seen at once; a rise by a factor of three within two seconds or so; a fall by one of three
+  is followed as the reach slides (read high meanwhile: a cut from it is shallower, never
+  deeper, than its step).
   The reach biases the figure up by a few per cent (the count stops at the
   ``min_claims``-th claim back).
 * **mean work**: the mean over the class's last ``cost_samples`` samples of the weighted work
@@ -46,25 +49,31 @@ def _int(value: object) -> int | None:
         return None
 
 
-# A count past this Poisson tail of the rate before it is a change of load, not noise. Tested
-# for each of up to max_window / window spans: 1 % misread noise as a change often enough to
-# give back a third of the steadiness (spread 0.37 against 0.27 at 2 claims a second).
-CHANGE_P = 0.001
+# A count past these tails is a change of load, not noise. Tested for each of up to
+# max_window / window spans, so they are strict, and the rise's less so: a figure read low
+# sizes a cut deeper than its step, one read high a shallower one, which the next verdict
+# finishes.
+RISE_P = 0.01  # more claims lately than a steady rate puts there
+FALL_P = 0.001  # fewer
 MAX_WINDOWS = 100  # the reach goes back at most this many windows
 
 
-def _plausible(n: int, mean: float) -> bool:
-    """Whether ``n`` claims in a window are a likely draw of a Poisson count with ``mean``:
-    neither tail (P[X <= n], P[X >= n]) below ``CHANGE_P``. ``n`` is below ``min_claims``
-    here, so the sums are short."""
-    if mean <= 0:
-        return n == 0
-    term = math.exp(-mean)  # P[X = 0]
+def _plausible(n: int, total: int, share: float) -> bool:
+    """Whether ``n`` of the reach's ``total`` claims falling in its newest ``share`` of time is
+    a likely draw at a steady rate (the claims of a steady rate fall uniformly: binomial
+    ``total``, ``share``): P[X >= n] not below ``RISE_P``, P[X <= n] not below ``FALL_P``. Testing
+    against the earlier span's rate as if it were exact took noise for a change on two
+    ticks in three at 0.5 claims a second (a review). ``n`` is below ``min_claims`` here,
+    so the sum is short."""
+    if not 0 < share < 1:
+        return True
+    log_p, log_q = math.log(share), math.log1p(-share)
+    log_term = total * log_q  # log P[X = 0]
     below = 0.0  # P[X <= n - 1]
     for i in range(n):
-        below += term
-        term *= mean / (i + 1)
-    return below + term >= CHANGE_P and 1.0 - below >= CHANGE_P
+        below += math.exp(log_term)
+        log_term += math.log((total - i) / (i + 1)) + log_p - log_q
+    return below + math.exp(log_term) >= FALL_P and 1.0 - below >= RISE_P
 
 
 class UsageMeter:
@@ -104,7 +113,7 @@ class UsageMeter:
         counts = {c: _int(fields.get(f"{c}.claimed", 0)) or 0 for c in self.classes}
         if self._snaps and (any(counts[c] < self._snaps[-1][1].get(c, 0) for c in self.classes)
                             or now_ms < self._snaps[-1][0]
-                            or now_ms - self._snaps[-1][0] > self.max_window_ms):
+                            or self._gap_past_reach(now_ms)):
             # counters reset, or the clock stepped back: start over rather than report a
             # negative rate (or none at all until the clock caught up with the old stamps);
             # or a gap longer than the reach (a clock stepped forward, a stalled controller):
@@ -119,6 +128,15 @@ class UsageMeter:
             rate = self._rate(c, now_ms, counts[c])
             if rate is not None:
                 self._rates[c] = rate
+
+    def _gap_past_reach(self, now_ms: float) -> bool:
+        """A gap since the last read longer than the reach and than 4 of the reads' own
+        intervals: a clock stepped forward or a stalled controller, not a coarse tick (a
+        tick longer than the window is no gap: restarting on it left ``used`` None)."""
+        gap = now_ms - self._snaps[-1][0]
+        if gap <= self.max_window_ms or len(self._snaps) < 2:
+            return False
+        return gap > 4 * (self._snaps[-1][0] - self._snaps[-2][0])
 
     def _rate(self, cls: str, now_ms: float, count: int) -> float | None:
         """Claims/s of ``cls``: over the last ``window_ms``; where that holds fewer than
@@ -146,7 +164,7 @@ class UsageMeter:
             before_s = span_s - age_s
             if before_s <= 0:
                 break
-            if not _plausible(n, (claims - n) / before_s * age_s):
+            if not _plausible(n, claims, age_s / span_s):
                 return n / age_s
         return claims / span_s
 
