@@ -150,9 +150,9 @@ def with_long_p0(rows: Mapping[str, Sequence[tr.Arrival]], share: float) -> dict
     ``LONG_P0_OUTPUT``) among P0's, sent by ``LONG_P0_TENANT`` at P0: the last of every
     ``round(1 / share)`` P0 requests, so a scenario's first minute has the share it names
     (a seeded draw per row gave 9-14 % where 5 % was asked); P0's rows end where the long
-    ones run out. Each long prompt is a few tokens
-    shorter than the one before (cycling over 64), so no two neighbours are the same text: a
-    server with a prefix cache would otherwise prefill each only once."""
+    ones run out. Each long prompt is a few tokens shorter than the one before (cycling over
+    64), so no two neighbours are the same text: a server with a prefix cache would
+    otherwise prefill each only once."""
     every = max(1, round(1 / share))
     longs = iter(rows["P2"])
     mixed: list[tr.Arrival] = []
@@ -315,21 +315,27 @@ def loss_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions: 
                     and lost <= 2 and back <= 2)}
 
 
+def cuts_to(s: Scenario, decisions: Sequence[Mapping[str, Any]], t_load_ms: float,
+            classes: Sequence[str]) -> list[Mapping[str, Any]]:
+    """The decisions while the load ran (not in the drain after it) that cut any of ``classes``."""
+    def cuts(d: Mapping[str, Any]) -> bool:
+        reasons = [str(d["classes"].get(c, {}).get("reason", "")) for c in classes]
+        return any(r == "tighten_self" or r.startswith("tighten_lower_for_") for r in reasons)
+
+    return [d for d in decisions if 0 <= (d["now_ms"] - t_load_ms) / 1000 < s.duration_s and cuts(d)]
+
+
 def long_prompt_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]],
                         decisions: Sequence[Mapping[str, Any]], t_load_ms: float, recs: Sequence[Record],
                         spec: ModeSpec) -> dict[str, Any]:
     """Cuts to the classes below P0 while the load ran, where P1's and P2's ceilings (shares of
     the policy's capacity) ended against where they began, the controller's compliance of P0
     at the end of the load, and P0's client-side attainment of its long and short prompts by
-    the scenario's own target. Met (with the allowance): no
-    cut; the fixed target's run is the reference (``met`` None)."""
-    def cuts_lower(d: Mapping[str, Any]) -> bool:
-        return any(str(d["classes"].get(c, {}).get("reason", "")).startswith("tighten_lower_for_")
-                   for c in ("P1", "P2"))
-
-    cuts = [d for d in decisions if 0 <= (d["now_ms"] - t_load_ms) / 1000 < s.duration_s and cuts_lower(d)]
-    # each ceiling as a share of the policy's capacity then: a capacity move is no cut
+    the scenario's own target. Met (with the allowance): no cut; the fixed target's run is
+    the reference (``met`` None)."""
     lower = ("P1", "P2")
+    cuts = cuts_to(s, decisions, t_load_ms, lower)
+    # each ceiling as a share of the policy's capacity then: a capacity move is no cut
     shares = [{c: row["ceilings"][c] / row["capacity"] for c in lower} for row in timeline
               if row["t_s"] < s.duration_s and row.get("capacity")
               and all(row["ceilings"].get(c) for c in lower)]
@@ -350,11 +356,7 @@ def long_prompt_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]],
 
 
 def surge_figures(s: Scenario, decisions: Sequence[Mapping[str, Any]], t_load_ms: float) -> dict[str, Any]:
-    def cuts_p1(d: Mapping[str, Any]) -> bool:
-        reason = str(d["classes"].get("P1", {}).get("reason", ""))
-        return reason == "tighten_self" or reason.startswith("tighten_lower_for_")
-
-    cuts = [d for d in decisions if 0 <= (d["now_ms"] - t_load_ms) / 1000 < s.duration_s and cuts_p1(d)]
+    cuts = cuts_to(s, decisions, t_load_ms, ("P1",))
     return {"p1_cuts": len(cuts), "met": not cuts}
 
 

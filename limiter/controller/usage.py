@@ -141,9 +141,9 @@ class UsageMeter:
     def _rate(self, cls: str, now_ms: float, count: int) -> float | None:
         """Claims/s of ``cls``: over the last ``window_ms``; where that holds fewer than
         ``min_claims`` claims, over as far back as it takes to hold them (the reach, at most
-        the oldest snapshot kept) -- unless the last k windows' count, for the smallest such
-        k, is no likely draw of the rate before them: a change of load, whose figure is then
-        the last k windows' rate."""
+        the oldest snapshot kept) -- unless the last k windows' share of the reach's claims,
+        for the smallest such k, is no likely draw at a steady rate (:func:`_plausible`): a
+        change of load, whose figure is then the last k windows' rate."""
         ends: list[tuple[float, int]] = []  # (age s, claims since) at each window boundary crossed
         reach = None
         for t0, c0 in reversed(self._snaps):
@@ -160,10 +160,7 @@ class UsageMeter:
         if not ends:  # the term's first reads: nothing is window_ms old yet
             return reach[1] / reach[0]
         span_s, claims = reach
-        for age_s, n in ends:
-            before_s = span_s - age_s
-            if before_s <= 0:
-                break
+        for age_s, n in ends:  # the last end may be the reach itself: share 1, plausible
             if not _plausible(n, claims, age_s / span_s):
                 return n / age_s
         return claims / span_s
