@@ -31,18 +31,23 @@ def pools_on_different_shards(client: Any, prefix: str = "pool") -> list[str]:
 
 
 def move_slot(cluster: LocalRedisCluster, key: str, *, batch: int = 10, first: Sequence[str] = (),
-              midway: Callable[[], None] | None = None) -> tuple[RedisServer, RedisServer]:
+              midway: Callable[[], None] | None = None, fresh_target: bool = False
+              ) -> tuple[RedisServer, RedisServer]:
     """Move ``key``'s slot to another master as ``redis-cli --cluster reshard`` does: the
     target IMPORTING, the source MIGRATING, its keys MIGRATEd ``batch`` at a time, then
     SETSLOT NODE on every master (target first). ``first``: keys MIGRATEd before the others.
     ``midway`` runs while the slot is open, after the first batch (its keys then split between
-    the two nodes: scripts get TRYAGAIN, single-key commands ASK). Returns (source, target).
+    the two nodes: scripts get TRYAGAIN, single-key commands ASK). ``fresh_target``: the
+    target's script cache is flushed first, as on a node just added to the cluster (a call
+    redirected there by ASK then meets NOSCRIPT). Returns (source, target).
     Blocking: run it in a thread beside a stack."""
     slot = key_slot(key.encode())
     src = cluster.owner(key)
     dst = next(n for n in cluster.nodes if n is not src)
     with src.client() as s, dst.client() as d:
         src_id, dst_id = (c.execute_command("CLUSTER MYID").decode() for c in (s, d))
+        if fresh_target:
+            d.execute_command("SCRIPT FLUSH")
         d.execute_command("CLUSTER SETSLOT", slot, "IMPORTING", src_id)
         s.execute_command("CLUSTER SETSLOT", slot, "MIGRATING", dst_id)
         moved = 0
