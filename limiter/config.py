@@ -66,6 +66,9 @@ class ClassConfig:
     # a long prompt's own prefill is no interference the controller could remove by cutting
     # the classes below, so a fixed target would read it as their fault (0: a fixed target).
     slo_ttft_ms_per_1k_prompt_tokens: float = 0.0
+    # The prompt tokens slo_ttft_ms already covers: the allowance counts only those past it,
+    # so a short prompt keeps the fixed target (0: every token counts).
+    slo_ttft_base_prompt_tokens: int = 0
     slo_tpot_ms: float | None = None
     # A worker pushes this class's tokens to Redis at least this often (default: the worker's
     # flush_ms, 50). Longer for classes whose clients read in bulk (batch jobs): each push is
@@ -347,6 +350,7 @@ MAX_BURST_TOKENS = 1e15
 # A TTFT allowance of a minute per 1,000 prompt tokens is past any model server's prefill:
 # a larger figure is a unit mistake (seconds or tokens), not a target.
 MAX_TTFT_MS_PER_1K = 60_000.0
+MAX_CONTEXT_TOKENS = 10_000_000  # a pool's context_tokens, and so any prompt's length
 MIN_TENANT_QUOTA = 1e-9  # admit.lua's least tenant_rate (tokens/s) and tenant_burst (tokens)
 
 
@@ -382,6 +386,11 @@ def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
                f"must be in [0, {MAX_TTFT_MS_PER_1K:g}]")
         _check(per_1k == 0 or c.slo_ttft_ms is not None, per_1k_path,
                "needs slo_ttft_ms (the target for an empty prompt) in the same class")
+        base_path = f"{p}.slo_ttft_base_prompt_tokens"
+        _check(0 <= c.slo_ttft_base_prompt_tokens <= MAX_CONTEXT_TOKENS, base_path,
+               f"must be in [0, {MAX_CONTEXT_TOKENS}]")
+        _check(c.slo_ttft_base_prompt_tokens == 0 or per_1k > 0, base_path,
+               "has no effect without slo_ttft_ms_per_1k_prompt_tokens in the same class")
         _check(c.stream_flush_ms is None or 0 < c.stream_flush_ms <= 10_000, f"{p}.stream_flush_ms",
                "must be in (0, 10000]")
         shares += c.share
@@ -400,7 +409,8 @@ def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
                f"model {pool.model_name!r} is already served by pools[{models.get(pool.model_name)}]; "
                "each pool needs its own model name")
         models[pool.model_name] = i
-        _check(16 <= pool.context_tokens <= 10_000_000, f"{p}.context_tokens", "must be in [16, 10000000]")
+        _check(16 <= pool.context_tokens <= MAX_CONTEXT_TOKENS, f"{p}.context_tokens",
+               f"must be in [16, {MAX_CONTEXT_TOKENS}]")
         _check(1 <= pool.default_max_tokens <= pool.context_tokens, f"{p}.default_max_tokens",
                "must be in [1, context_tokens]")
         _check(0 < pool.capacity_tokens_s <= MAX_CAPACITY_TOKENS_S, f"{p}.capacity_tokens_s",

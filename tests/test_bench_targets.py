@@ -146,3 +146,8 @@ def test_attainment_judges_a_long_prompt_against_its_own_ttft_target() -> None:
     assert class_stats(long_prompt, p0, [])["slo_attainment"] == 0.5  # target 1,300 ms
     assert class_stats(long_prompt, P0, [])["slo_attainment"] == 0.0  # a fixed 500 ms
     assert class_stats(long_prompt, p0, [])["slo"]["ttft_ms_per_1k_prompt_tokens"] == 100.0
+    # the allowance past a base length: 8,000 - 6,000 tokens -> a 700 ms target
+    based = dataclasses.replace(p0, slo_ttft_base_prompt_tokens=6_000)
+    in_time = [_rec("P0", ttft=690.0, inp=8_000), _rec("P0", ttft=710.0, inp=8_000)]
+    assert class_stats(in_time, based, [])["slo_attainment"] == 0.5
+    assert class_stats(in_time, based, [])["slo"]["ttft_base_prompt_tokens"] == 6_000

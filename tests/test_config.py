@@ -67,6 +67,15 @@ def test_a_valid_file_loads(tmp_path):
      "classes[1].slo_ttft_ms_per_1k_prompt_tokens"),
     (("floor = 0.3", "floor = 0.3\nslo_ttft_ms_per_1k_prompt_tokens = 100"),
      "classes[1].slo_ttft_ms_per_1k_prompt_tokens"),
+    # the prompt the base target covers: negative, past any context, or with no allowance
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_ms_per_1k_prompt_tokens = 100\n"
+      "slo_ttft_base_prompt_tokens = -1"), "classes[1].slo_ttft_base_prompt_tokens"),
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_ms_per_1k_prompt_tokens = 100\n"
+      "slo_ttft_base_prompt_tokens = 10000001"), "classes[1].slo_ttft_base_prompt_tokens"),
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_ms_per_1k_prompt_tokens = 100\n"
+      "slo_ttft_base_prompt_tokens = 1.5"), "classes[1].slo_ttft_base_prompt_tokens"),
+    (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_base_prompt_tokens = 1000"),
+     "classes[1].slo_ttft_base_prompt_tokens"),
     # an infinite target is no target, which is said by leaving it out
     (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = inf"), "classes[1].slo_ttft_ms"),
     (("floor = 0.3", "floor = 0.3\nslo_tpot_ms = nan"), "classes[1].slo_tpot_ms"),
@@ -98,6 +107,12 @@ def test_a_ttft_allowance_per_prompt_token_loads(tmp_path):
     assert p1 is not None and (p1.slo_ttft_ms, p1.slo_ttft_ms_per_1k_prompt_tokens) == (500, 100)
     p0 = cfg.class_config("P0")
     assert p0 is not None and p0.slo_ttft_ms_per_1k_prompt_tokens == 0  # a fixed target by default
+    cfg = _load(tmp_path, BASE.replace("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\n"
+                                       "slo_ttft_ms_per_1k_prompt_tokens = 100\n"
+                                       "slo_ttft_base_prompt_tokens = 2000"))
+    p1 = cfg.class_config("P1")
+    assert p1 is not None and p1.slo_ttft_base_prompt_tokens == 2000
+    assert p0.slo_ttft_base_prompt_tokens == 0  # every prompt token counts by default
 
 
 def test_invalid_toml_and_missing_file(tmp_path):

@@ -20,10 +20,11 @@ from limiter.controller.control_law import (
 )
 from limiter.controller.loop import written_by
 from limiter.controller.settings import ControllerSettings
-from limiter.controller.slo_window import ClassSLO, SloWindow
+from limiter.controller.slo_window import SloWindow
 from limiter.controller.term import new_term
 from limiter.controller.usage import UsageMeter
 from limiter.samples import Sample
+from limiter.slo import ClassSLO
 
 C = 100_000.0
 CFG = ControlConfig()

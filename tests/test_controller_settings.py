@@ -15,8 +15,8 @@ import pytest
 from limiter import cli
 from limiter.config import demo_config
 from limiter.controller.settings import WORKER_HEARTBEAT_S, ControllerSettings, load_settings
-from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
+from limiter.slo import ClassSLO
 from worker.settings import WorkerSettings
 
 

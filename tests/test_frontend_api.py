@@ -15,6 +15,7 @@ from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import FRONTEND
 from limiter.keys import PoolKeys
 from limiter.prompt import Payload, count_tokens, render_chat
+from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
 
 # Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
@@ -235,6 +236,24 @@ async def test_models_health_ready_metrics(client, fake_worker):
                  "qos_frontend_ttft_seconds_bucket", "qos_frontend_tpot_seconds_bucket",
                  'qos_frontend_inflight{pool="tiny"} 0.0'):
         assert name in text
+
+
+async def test_the_ttft_target_counter_judges_each_prompt_by_its_own_target(redis_server, sync_redis,
+                                                                           aredis) -> None:
+    """``qos_frontend_ttft_target``: each first token is judged against its own request's
+    target, the class's prompt allowance included (the histogram's bucket sits at the base
+    target alone). P1 here: 50 ms, plus 60 s per 1,000 prompt tokens past the first 100; the
+    worker waits 0.2 s before answering, so a short prompt misses and a 600-token one meets."""
+    slo = {"slo_ttft_ms": 50.0, "slo_ttft_ms_per_1k_prompt_tokens": 60_000.0,
+           "slo_ttft_base_prompt_tokens": 100}
+    async with frontend(make_cfg(redis_server.url, classes={"P1": slo})) as client, \
+            FakeWorker(aredis, POOL, delay_s=0.2):
+        for prompt in ("x", "y" * 600):  # 2 tokens: target 50 ms; 601: 50 + 30,060 ms
+            r = await client.post("/v1/completions", json={**ONE_TOKEN, "prompt": prompt}, headers=auth())
+            assert r.status == 200, await r.text()
+        text = await (await client.get("/metrics")).text()
+    assert 'qos_frontend_ttft_target_total{class="P1",met="no",pool="tiny"} 1.0' in text
+    assert 'qos_frontend_ttft_target_total{class="P1",met="yes",pool="tiny"} 1.0' in text
 
 
 async def test_one_pool_whose_upstream_is_down_leaves_the_frontend_ready_for_the_others(

@@ -6,9 +6,10 @@ import random
 
 import pytest
 
-from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO, SloMonitor, SloWindow
+from limiter.controller.slo_window import DEFAULT_SLOS, SloMonitor, SloWindow
 from limiter.errors import InvalidArgument
 from limiter.samples import Sample
+from limiter.slo import ClassSLO
 
 
 def sample(
@@ -78,6 +79,21 @@ def test_a_ttft_target_per_prompt_token_grows_with_the_prompt() -> None:
     waited = replace(sample(outcome="expired", ttft=None), input_tokens=8_000, ttft_at_least_ms=1_000.0)
     assert p0.judge(waited) is None  # within this prompt's target: the client's own short wait
     assert p0.judge(replace(waited, ttft_at_least_ms=1_300.1)) is False
+
+
+def test_a_base_prompt_length_keeps_short_prompts_on_the_fixed_target() -> None:
+    """``ttft_base_prompt_tokens``: the allowance counts only the tokens past it, so a prompt
+    within it is judged against ``ttft_ms`` alone and a long one by what lies beyond."""
+    from dataclasses import replace
+
+    p0 = ClassSLO(ttft_ms=500.0, ttft_ms_per_1k_prompt_tokens=250.0, ttft_base_prompt_tokens=1_000)
+    assert p0.ttft_target_ms(400) == 500.0  # within the base: no allowance (was 600 without it)
+    assert p0.ttft_target_ms(1_000) == 500.0
+    assert p0.ttft_target_ms(9_000) == pytest.approx(2_500.0)  # 8,000 past the base
+    short = replace(sample(ttft=520.0), input_tokens=400)
+    assert p0.judge(short) is False
+    assert replace(p0, ttft_base_prompt_tokens=0).judge(short) is True
+    assert p0.judge(replace(sample(ttft=2_499.0), input_tokens=9_000)) is True
 
 
 # --- window -----------------------------------------------------------------------------

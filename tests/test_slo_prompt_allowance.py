@@ -16,7 +16,8 @@ import dataclasses
 import pytest
 
 from limiter.controller.control_law import ControlConfig
-from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO
+from limiter.controller.slo_window import DEFAULT_SLOS
+from limiter.slo import ClassSLO
 from tests.support.plant import (
     DEFAULT_PLANT_CLASSES,
     LongPrompts,

@@ -47,8 +47,8 @@ from rich.table import Table
 
 from limiter.bench.driver import Record
 from limiter.config import ClassConfig
-from limiter.controller.slo_window import ClassSLO
 from limiter.localstack.loadgen import percentile
+from limiter.slo import ClassSLO
 
 
 def _r(v: float | None, nd: int = 1) -> float | None:
@@ -89,7 +89,8 @@ def class_stats(recs: Sequence[Record], slo: ClassConfig | None,
         # not rounded: the goal check must see 198 of 199 as 0.99497, not 0.995 (the tables round)
         "slo_attainment": sum(meets_slo(r, slo) for r in recs) / sent if sent else None,
         "slo": {"ttft_ms": slo.slo_ttft_ms, "tpot_ms": slo.slo_tpot_ms,
-                "ttft_ms_per_1k_prompt_tokens": slo.slo_ttft_ms_per_1k_prompt_tokens} if slo else None,
+                "ttft_ms_per_1k_prompt_tokens": slo.slo_ttft_ms_per_1k_prompt_tokens,
+                "ttft_base_prompt_tokens": slo.slo_ttft_base_prompt_tokens} if slo else None,
         "max_queue_wait_ms": _r(max(queue_waits) if queue_waits else None),
         "served_tokens": sum(x.input_tokens + x.output_tokens for x in ok),
         "served_work": round(sum(x.input_tokens + x.output_tokens * out_weight for x in ok)),

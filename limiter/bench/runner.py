@@ -291,7 +291,8 @@ def build_results(p: BenchParams, runs: Sequence[ModeRun], arrivals: Sequence[tr
         "class_rule": dataclasses.asdict(tr.ClassRule(seed=p.seed)),
         "size_scale": dataclasses.asdict(size_scale(p)),
         "class_slo": {c: {"ttft_ms": v.slo_ttft_ms, "tpot_ms": v.slo_tpot_ms,
-                          "ttft_ms_per_1k_prompt_tokens": v.slo_ttft_ms_per_1k_prompt_tokens}
+                          "ttft_ms_per_1k_prompt_tokens": v.slo_ttft_ms_per_1k_prompt_tokens,
+                          "ttft_base_prompt_tokens": v.slo_ttft_base_prompt_tokens}
                       for c, v in cfgs.items()},
         "class_max_wait_ms": {c: v.max_wait_ms for c, v in cfgs.items()},
         "class_floor": {c: v.floor for c, v in cfgs.items()},

@@ -20,9 +20,9 @@ from typing import Any
 from limiter.config import PoolConfig, QosConfig, build_section
 from limiter.controller.capacity import CapacityConfig, CapacityEstimator
 from limiter.controller.control_law import ControlConfig, ControlTunables
-from limiter.controller.slo_window import ClassSLO
 from limiter.errors import ConfigError
 from limiter.keys import NAME_RE
+from limiter.slo import ClassSLO
 
 # The law's rate floors (ControlConfig.min_shares) when ``floors`` is not configured, as a
 # fraction of each class's share: the top class keeps half, the others 30 %

@@ -302,7 +302,12 @@ class Generation:
         if self.first_token_at is None and (r.count or r.kind == "done"):
             self.first_token_at = time.monotonic()
             self.fe.metrics.queue_wait.labels(*self.labels).observe(self.first_token_at - self.admitted_at)
-            self.fe.metrics.ttft.labels(*self.labels).observe(self.first_token_at - self.received)
+            ttft_s = self.first_token_at - self.received
+            self.fe.metrics.ttft.labels(*self.labels).observe(ttft_s)
+            target_ms = self.fe.slos[self.cls].ttft_target_ms(self.req.prompt_tokens)
+            if target_ms is not None:  # judged as the controller judges, allowance and all
+                met = "yes" if ttft_s * 1000.0 <= target_ms else "no"
+                self.fe.metrics.ttft_target.labels(*self.labels, met).inc()
         return text
 
     def observe_done(self, r: Reply) -> None:

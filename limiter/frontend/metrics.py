@@ -45,6 +45,11 @@ class FrontendMetrics:
         self.ttft = Histogram(
             "qos_frontend_ttft_seconds", "Time from request received to first token", ["pool", "class"],
             buckets=_with_slos(_SECONDS, ttft_slos_ms), registry=r)
+        # A class's TTFT target may grow with the prompt (slo_ttft_ms_per_1k_prompt_tokens): the
+        # histogram's bucket at the base target is then not the class's attainment; this is.
+        self.ttft_target = Counter(
+            "qos_frontend_ttft_target", "First tokens judged against their class's TTFT target, "
+            "prompt allowance included (met: yes or no)", ["pool", "class", "met"], registry=r)
         self.tpot = Histogram(
             "qos_frontend_tpot_seconds", "Mean time per output token after the first, per request",
             ["pool", "class"], buckets=_with_slos(_TPOT, tpot_slos_ms), registry=r)

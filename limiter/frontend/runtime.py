@@ -34,6 +34,7 @@ from limiter.keys import SAMPLES_MAXLEN, PoolKeys
 from limiter.redis_conn import REDIS_ERRORS, open_redis
 from limiter.samples import build_sample, pack_sample
 from limiter.scripts import Scripts, policy_document
+from limiter.slo import ClassSLO
 
 log = logging.getLogger("qos.frontend")
 
@@ -62,6 +63,7 @@ class Frontend:
         self.keyring = KeyRing(cfg)
         self.pool_keys = {p.name: PoolKeys(p.name) for p in cfg.pools}
         self.classes = {c.name: c for c in cfg.classes}
+        self.slos = {c.name: ClassSLO.of(c) for c in cfg.classes}  # the TTFT target counter's
         # Each pool's prompts are counted in its own tokens (limiter/token_count.py).
         self.counters = {p.name: token_count.counter_for(p.tokenizer, p.tokenizer_url, cfg.worker,
                                                          p.model_name, timeout_s=settings.tokenize_timeout_s)

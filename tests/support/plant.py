@@ -55,8 +55,9 @@ from limiter.controller.control_law import (
     Inputs,
     decide,
 )
-from limiter.controller.slo_window import DEFAULT_SLOS, ClassSLO, SloMonitor
+from limiter.controller.slo_window import DEFAULT_SLOS, SloMonitor
 from limiter.samples import decode_sample
+from limiter.slo import ClassSLO
 
 
 @dataclass(frozen=True)
