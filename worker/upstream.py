@@ -52,9 +52,11 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
   off, the attempt counts, as a worker's death does, so a prompt that breaks the server every
   time ends at max_attempts),
   and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
-  ``upstream_retry_max_s``) it probes the upstream with ``GET /v1/models`` (any answer but
-  429/502/503/504 counts as up) and claims again only once that answers. The state is in the
-  heartbeat (``upstream_state`` closed | open, ``upstream_failures``, ``upstream_probes``).
+  ``upstream_retry_max_s``) it probes the upstream with ``GET <root>/health`` (``/v1/models``
+  where that is 404 or 405; a 429, any 5xx or a redirect counts as down) and claims again only
+  once that answers (after a stall, only once a one-token generation answers too: ``_unwell``).
+  The state is in the heartbeat (``upstream_state`` closed | open, ``upstream_failures``,
+  ``upstream_probes``).
   A dead upstream therefore leaves the queue to workers that can serve it (or to its max
   wait) instead of failing every queued request within milliseconds.
 * Other errors (an HTTP 4xx/500, an ``error`` chunk, a malformed chunk, a stream without a
