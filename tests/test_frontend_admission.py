@@ -56,6 +56,8 @@ async def test_429_retry_after_is_honest(client, aredis):
         assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
         retry_after = int(r.headers["Retry-After"])
         assert retry_after == 1  # 10 tokens at 20/s: 500 ms, rounded up to whole seconds
+        # the exact wait for clients that read it (the OpenAI SDKs, before Retry-After)
+        assert 0 < int(r.headers["retry-after-ms"]) <= 500
         await asyncio.sleep(retry_after)
         r = await client.post("/v1/completions", json=SLOW, headers=h)
         assert r.status == 200
@@ -115,6 +117,8 @@ async def test_rejections_by_the_system_leave_a_sample_for_the_controller(redis_
         err = (await r.json())["error"]  # 10 weighted tokens ahead at 10/s: 1 s, past 400 ms
         assert r.status == 429 and err["code"] == "max_wait_exceeded" and "max wait" in err["message"]
         assert r.headers["Retry-After"] == "1"
+        assert 0 < int(r.headers["retry-after-ms"]) <= 1000
+        assert "x-should-retry" not in r.headers  # the SDK's own rule: retry a 429
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"},
                               headers=auth("demo-p2"))
         assert r.status == 503 and (await r.json())["error"]["code"] == "queue_full"
@@ -352,6 +356,8 @@ async def test_worker_failure_is_503(client, aredis):
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
     assert r.status == 503
     assert (await r.json())["error"]["code"] == "worker_failed"
+    # the pool retried it already: an SDK's resend would be admitted, charged and fail again
+    assert r.headers["x-should-retry"] == "false"
 
 
 async def test_a_request_refused_for_what_it_is_is_a_400_the_sdk_does_not_send_again(client, aredis):
@@ -564,6 +570,7 @@ async def test_safety_timeout_cancels(redis_server, sync_redis, aredis, cfg):
         r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=auth())
         # request_timeout (not a late answer from the 3 s worker) says the 1 s timeout fired.
         assert r.status == 503 and (await r.json())["error"]["code"] == "request_timeout"
+        assert r.headers["x-should-retry"] == "false"  # a resend would run as long again
         assert time.monotonic() - t0 >= 1.0
         # the worker is told to stop
         await wait_until(lambda: sync_redis.scard(POOL.cancels) == 1, "the cancel for the timed-out request")

@@ -52,6 +52,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
                  err_type: str | None = None, retry_after_s: int | None = None,
+                 retry_after_ms: int | None = None, should_retry: bool | None = None,
                  outcome: str = "bad_request") -> None:
         super().__init__(message)
         self.status = status
@@ -60,13 +61,25 @@ class ApiError(Exception):
         self.param = param
         self.err_type = err_type or _DEFAULT_TYPES.get(status, "server_error")
         self.retry_after_s = retry_after_s
+        # Retry-After holds whole seconds (RFC 9110): a 40 ms bucket wait read as 1 s. The
+        # OpenAI SDKs read ``retry-after-ms`` first, so the exact wait goes there too.
+        self.retry_after_ms = retry_after_ms
+        # ``x-should-retry`` (read by the OpenAI SDKs before the status): false where a
+        # resend is admitted, charged and most likely fails again (the pool already retried it).
+        self.should_retry = should_retry
         self.outcome = outcome
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.code, self.param)
 
     def headers(self) -> dict[str, str]:
-        return {} if self.retry_after_s is None else {"Retry-After": str(self.retry_after_s)}
+        h: dict[str, str] = {}
+        if self.retry_after_s is not None:
+            ms = self.retry_after_s * 1000 if self.retry_after_ms is None else max(self.retry_after_ms, 1)
+            h |= {"Retry-After": str(self.retry_after_s), "retry-after-ms": str(ms)}
+        if self.should_retry is not None:
+            h["x-should-retry"] = "true" if self.should_retry else "false"
+        return h
 
 
 def error_body(message: str, err_type: str, code: str | None, param: str | None = None) -> dict[str, Any]:
@@ -95,9 +108,11 @@ def to_api_error(exc: BaseException) -> ApiError:
     if isinstance(exc, ApiError):
         return exc
     if isinstance(exc, Overloaded):
-        retry_s = 5 if exc.retry_after_ms < 0 else _retry_s(exc.retry_after_ms)
+        known = exc.retry_after_ms >= 0  # -1: the class gets no capacity, no drain to estimate
+        retry_s = _retry_s(exc.retry_after_ms) if known else 5
         return ApiError(429, f"Overloaded: {exc}; retry in {retry_s} s", code="max_wait_exceeded",
-                        retry_after_s=retry_s, outcome="throttled")
+                        retry_after_s=retry_s, retry_after_ms=exc.retry_after_ms if known else None,
+                        outcome="throttled")
     if isinstance(exc, Throttled):
         if exc.retry_after_ms < 0:
             cls = exc.cls or "of this request"
@@ -105,13 +120,15 @@ def to_api_error(exc: BaseException) -> ApiError:
                             code="rate_limit_exceeded", retry_after_s=5, outcome="throttled")
         return ApiError(429, f"Rate limit reached: the {exc.bucket} token bucket is empty; retry in "
                         f"{exc.retry_after_ms} ms", code="rate_limit_exceeded",
-                        retry_after_s=_retry_s(exc.retry_after_ms), outcome="throttled")
+                        retry_after_s=_retry_s(exc.retry_after_ms), retry_after_ms=exc.retry_after_ms,
+                        outcome="throttled")
     if isinstance(exc, TenantBusy):
         return ApiError(429, f"Too many concurrent requests: {exc}", code="too_many_inflight",
                         retry_after_s=1, outcome="throttled")
     if isinstance(exc, QueueFull):
         return ApiError(503, f"Overloaded: the {exc.cls} queue is full ({exc.depth} waiting); retry later",
-                        code="queue_full", retry_after_s=_retry_s(exc.retry_after_ms), outcome="shed")
+                        code="queue_full", retry_after_s=_retry_s(exc.retry_after_ms),
+                        retry_after_ms=exc.retry_after_ms, outcome="shed")
     if isinstance(exc, InvalidArgument):
         # Only a script raises it here: the frontend checked the client's input before the call,
         # so a script refusing an argument is the server's own disagreement, not the client's
