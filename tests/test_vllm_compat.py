@@ -381,6 +381,34 @@ async def test_openai_sdk_with_vllm_extras(client, fake_worker):
     await sdk.close()
 
 
+def test_fields_openai_and_vllm_clients_send_at_their_do_nothing_values_are_accepted():
+    """What OpenAI's and vLLM's servers take and clients send (the Agents SDK's ``store`` and
+    ``metadata``, LangChain's ``service_tier``, the SDK's ``safety_identifier``; numbers
+    written as floats; more than OpenAI's 4 stop strings, as vLLM takes; both max-token
+    fields, where vLLM uses ``max_completion_tokens``): each was a 400 "Unrecognized request
+    argument" or a type error (found by review)."""
+    from limiter.config import demo_config
+    from limiter.frontend.openai_api import finish_request, parse_request
+
+    cfg = demo_config()
+
+    def request(kind: str = "chat", **fields: Any):
+        base = {"model": "tiny", **({"messages": [{"role": "user", "content": "hi"}]} if kind == "chat"
+                                    else {"prompt": "x"})}
+        return finish_request(parse_request(kind, {**base, **fields}, cfg), 2)
+
+    for fields in ({"store": False}, {"metadata": {"run": "7", "team": "a"}}, {"service_tier": "auto"},
+                   {"service_tier": "default"}, {"safety_identifier": "u-1"}, {"prompt_cache_key": "k"},
+                   {"modalities": ["text"]}, {"n": 1.0}):
+        assert request(**fields).max_tokens > 0, fields
+    assert request("completion", store=False, metadata={}, safety_identifier="u").max_tokens > 0
+    r = request(max_tokens=5.0, seed=1.0, min_tokens=2.0)
+    assert (r.max_tokens, r.seed, r.payload().min_tokens) == (5, 1, 2)
+    assert all(type(v) is int for v in (r.max_tokens, r.seed, r.payload().min_tokens))
+    assert request(stop=[str(i) for i in range(32)]).stop == tuple(str(i) for i in range(32))
+    assert request(max_tokens=100, max_completion_tokens=7).max_tokens == 7
+
+
 def test_sampling_fields_the_client_left_out_are_left_to_the_model_server():
     """A request without temperature / top_p: the step engines use the service's defaults, the
     openai engine sends nothing for them (vLLM applies the model's generation_config, as for

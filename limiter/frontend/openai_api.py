@@ -116,6 +116,9 @@ _NEUTRAL: dict[str, Any] = {
     "top_k": lambda v: _is_int(v) and v in (-1, 0),
     "min_p": lambda v: _is_num(v) and v == 0,
     "skip_special_tokens": lambda v: v is True,
+    # OpenAI's: stored completions (``store: true``) and a paid tier are not offered here
+    "store": lambda v: v is False,
+    "service_tier": lambda v: v in ("auto", "default"),
 }
 _CHAT_NEUTRAL: dict[str, Any] = {
     **_NEUTRAL,
@@ -128,6 +131,12 @@ _CHAT_NEUTRAL: dict[str, Any] = {
     "tool_choice": lambda v: v == "none",
     "functions": lambda v: v == [],
     "function_call": lambda v: v == "none",
+    "modalities": lambda v: v == ["text"],
+    # no neutral value: a reasoning model's effort, predicted outputs and web search change
+    # what is generated, which the engines here do not do (refused, not silently ignored)
+    "reasoning_effort": lambda v: False,
+    "prediction": lambda v: False,
+    "web_search_options": lambda v: False,
 }
 # Fields of an assistant message as OpenAI (and vLLM) return it: a client that appends the
 # answer it got to its next request's messages sends them back, at these values.
@@ -148,14 +157,30 @@ _COMPLETION_NEUTRAL: dict[str, Any] = {
     "suffix": lambda v: v == "",
 }
 _COMMON = {"model", "max_tokens", "temperature", "top_p", "stop", "seed", "stream", "stream_options", "user",
-           "ignore_eos", "min_tokens"}
+           "ignore_eos", "min_tokens", "metadata", "safety_identifier", "prompt_cache_key"}
+# OpenAI's end-user and cache ids, accepted (type-checked) and not used: what they steer
+# (abuse tracking, OpenAI's prompt cache routing) does not exist here.
+_IDS = ("user", "safety_identifier", "prompt_cache_key")
+MAX_METADATA_PAIRS = 16  # OpenAI's limit, with keys of at most 64 and values of 512 characters
+# OpenAI allows 4 stop sequences, vLLM any number (lm-eval sends more); bounded, as every
+# stop string is checked against each step's text
+MAX_STOP = 32
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
 _COMPLETION = _COMMON | {"prompt"}
 
 
 def _is_int(v: Any) -> bool:
+    """An integer, or a number that is one (``5.0``: vLLM's validation takes it, and some
+    clients' JSON writes every number as a float)."""
+    if isinstance(v, float):
+        return math.isfinite(v) and v.is_integer()
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int(v: Any) -> Any:
+    """``v`` as an int when :func:`_is_int` holds (``5.0`` -> 5), else ``v`` unchanged."""
+    return int(v) if isinstance(v, float) and _is_int(v) else v
 
 
 def _is_num(v: Any) -> bool:
@@ -173,6 +198,22 @@ def _text(v: Any, param: str) -> str:
     except UnicodeEncodeError as exc:  # lone surrogates from a \\ud800 escape
         raise bad(param, f"'{param}' is not valid Unicode text", "invalid_type") from exc
     return v
+
+
+def _metadata(v: Any) -> None:
+    """OpenAI's ``metadata``: up to 16 string pairs (kept by OpenAI with stored completions;
+    accepted and not used here)."""
+    if v is None:
+        return
+    if not isinstance(v, dict):
+        raise bad("metadata", f"'metadata' must be an object, got {_type_name(v)}", "invalid_type")
+    if len(v) > MAX_METADATA_PAIRS:
+        raise bad("metadata", f"'metadata' may hold at most {MAX_METADATA_PAIRS} pairs, got {len(v)}")
+    for k, val in v.items():
+        param = f"metadata.{k[:64]}"
+        _text(val, param)
+        if len(k) > 64 or len(val) > 512:
+            raise bad(param, "metadata keys may be at most 64 characters, values 512")
 
 
 def _type_name(v: Any) -> str:
@@ -312,14 +353,13 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
         prompt_param = "prompt"
         prompt = _prompt(body.get("prompt"))
 
-    max_tokens = body.get("max_tokens")
+    max_tokens = _int(body.get("max_tokens"))
     param = "max_tokens"
     if kind == "chat" and body.get("max_completion_tokens") is not None:
-        if max_tokens is not None and not _is_int(max_tokens):  # a type error, not a disagreement
+        if max_tokens is not None and not _is_int(max_tokens):  # checked, though not used
             raise bad(param, f"'{param}' must be an integer, got {_type_name(max_tokens)}", "invalid_type")
-        if max_tokens is not None and max_tokens != body["max_completion_tokens"]:
-            raise bad("max_completion_tokens", "'max_tokens' and 'max_completion_tokens' disagree")
-        max_tokens, param = body["max_completion_tokens"], "max_completion_tokens"
+        # As vLLM (and OpenAI, which deprecated max_tokens for it): max_completion_tokens wins
+        max_tokens, param = _int(body["max_completion_tokens"]), "max_completion_tokens"
     if max_tokens is None:
         pass
     elif not _is_int(max_tokens):
@@ -335,8 +375,8 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
     if isinstance(stop_v, str):
         stop = (_text(stop_v, "stop"),)
     elif isinstance(stop_v, list):
-        if len(stop_v) > 4:
-            raise bad("stop", f"'stop' may hold at most 4 sequences, got {len(stop_v)}")
+        if len(stop_v) > MAX_STOP:
+            raise bad("stop", f"'stop' may hold at most {MAX_STOP} sequences, got {len(stop_v)}")
         stop = tuple(_text(s, f"stop[{i}]") for i, s in enumerate(stop_v))
     elif stop_v is not None:
         raise bad("stop", f"'stop' must be a string or an array of strings, got {_type_name(stop_v)}",
@@ -345,10 +385,12 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
         if not s:
             raise bad(f"stop[{i}]" if isinstance(stop_v, list) else "stop", "stop sequences may not be empty")
 
-    if body.get("user") is not None:
-        _text(body["user"], "user")  # an end-user id for abuse tracking: accepted, not used
+    for name in _IDS:
+        if body.get(name) is not None:
+            _text(body[name], name)
+    _metadata(body.get("metadata"))
 
-    seed = body.get("seed")
+    seed = _int(body.get("seed"))
     if seed is not None and (not _is_int(seed) or not INT64[0] <= seed <= INT64[1]):
         raise bad("seed", f"'seed' must be a 64-bit integer, got {json.dumps(seed)[:40]}", "invalid_type")
 
@@ -382,7 +424,7 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
     elif not isinstance(ignore_eos, bool):
         raise bad("ignore_eos", f"'ignore_eos' must be a boolean, got {_type_name(ignore_eos)}",
                   "invalid_type")
-    min_tokens = body.get("min_tokens")
+    min_tokens = _int(body.get("min_tokens"))
     if min_tokens is None:
         min_tokens = 0
     elif not _is_int(min_tokens):
