@@ -13,6 +13,7 @@ import hashlib
 import inspect
 import math
 import os
+import re
 import tomllib
 import types
 import typing
@@ -99,6 +100,10 @@ class PoolConfig:
     # holding one; relative to the config file), or "upstream" (the model server's /tokenize).
     tokenizer: str = "bytes"
     tokenizer_url: str = ""  # tokenizer = "upstream": the server (default: [worker] upstream_url)
+    # Request fields the frontend passes to the model server as the client sent them, for a
+    # pool behind the openai engine: vLLM's top_k, min_p, chat_template_kwargs, ... (a step
+    # engine refuses a request that carries any). Not one this service implements itself.
+    upstream_fields: tuple[str, ...] = ()
 
     @property
     def model_name(self) -> str:
@@ -351,7 +356,31 @@ MAX_BURST_TOKENS = 1e15
 # a larger figure is a unit mistake (seconds or tokens), not a target.
 MAX_TTFT_MS_PER_1K = 60_000.0
 MAX_CONTEXT_TOKENS = 10_000_000  # a pool's context_tokens, and so any prompt's length
+# Fields a pool's upstream_fields may not name: those this service implements or sets itself
+# (the frontend checks and counts them, the worker writes them upstream), and those that change
+# the answer's shape, which the frontend builds (more choices, logprobs, tool calls, echo).
+RESERVED_REQUEST_FIELDS = frozenset({
+    "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+    "stop", "seed", "stream", "stream_options", "ignore_eos", "min_tokens", "user", "metadata",
+    "safety_identifier", "prompt_cache_key", "store", "service_tier", "modalities",
+    "n", "best_of", "logprobs", "top_logprobs", "echo", "suffix", "tools", "tool_choice", "functions",
+    "function_call", "parallel_tool_calls", "prediction", "audio",
+    "priority", "continue_final_message", "add_generation_prompt", "request_id"})
+FIELD_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 MIN_TENANT_QUOTA = 1e-9  # admit.lua's least tenant_rate (tokens/s) and tenant_burst (tokens)
+
+
+def _check_upstream_fields(names: tuple[str, ...], path: str) -> None:
+    _check(len(names) <= 64, path, f"at most 64 fields, got {len(names)}")
+    seen: set[str] = set()
+    for j, name in enumerate(names):
+        fp = f"{path}[{j}]"
+        _check(bool(FIELD_NAME_RE.fullmatch(name)), fp, f"{name[:80]!r} is not a request field's name "
+               "(letters, digits, _; at most 64)")
+        _check(name not in RESERVED_REQUEST_FIELDS, fp, f"{name!r} is implemented or set by this service "
+               "itself (or shapes the answer it builds): it cannot be passed through")
+        _check(name not in seen, fp, f"{name!r} is listed twice")
+        seen.add(name)
 
 
 def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
@@ -431,6 +460,7 @@ def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
         _check(0 <= pool.floor_quantum_tokens <= 1e12, f"{p}.floor_quantum_tokens", "must be in [0, 1e12]")
         token_count.check(pool.tokenizer, pool.tokenizer_url, f"{p}.tokenizer", cfg.worker,
                           read_file=tokenizer_files)
+        _check_upstream_fields(pool.upstream_fields, f"{p}.upstream_fields")
     tenant_names: set[str] = set()
     all_keys: set[str] = set()
     for i, t in enumerate(cfg.tenants):

@@ -28,7 +28,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -91,6 +91,12 @@ def _flag(v: Any, name: str) -> bool:
     return v
 
 
+def _upstream(v: Any) -> dict[str, Any]:
+    if not isinstance(v, Mapping) or not all(isinstance(k, str) for k in v):
+        raise ValueError(f"payload field 'upstream' is not a map of field names: {str(v)[:80]}")
+    return dict(v)
+
+
 @dataclass(frozen=True)
 class Payload:
     """The request as the worker needs it; ``kind`` only matters for logs and samples."""
@@ -119,6 +125,9 @@ class Payload:
     # openai engine sits is sent nothing for them, so it applies its own (vLLM: the model's
     # generation_config), as it would for the client directly. Absent: all were given.
     defaulted: tuple[str, ...] = ()
+    # Fields for the model server, as the client sent them (the pool's upstream_fields): the
+    # openai engine adds them to its request; a step engine refuses a request with any.
+    upstream: Mapping[str, Any] = field(default_factory=dict)
 
     def pack(self) -> bytes:
         d: dict[str, Any] = {
@@ -138,6 +147,8 @@ class Payload:
             d["grouped_tokens"] = True
         if self.defaulted:
             d["defaulted"] = list(self.defaulted)
+        if self.upstream:
+            d["upstream"] = dict(self.upstream)
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -158,6 +169,7 @@ class Payload:
                        messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()),
                        stream=_flag(d.get("stream", True), "stream"),
                        grouped_tokens=_flag(d.get("grouped_tokens", False), "grouped_tokens"),
-                       defaulted=tuple(n for n in DEFAULTABLE if n in (d.get("defaulted") or ())))
+                       defaulted=tuple(n for n in DEFAULTABLE if n in (d.get("defaulted") or ())),
+                       upstream=_upstream(d.get("upstream") or {}))
         except (KeyError, TypeError, OverflowError) as exc:  # OverflowError: int(inf)
             raise ValueError(f"payload is malformed: {exc}") from exc

@@ -76,6 +76,17 @@ def test_a_valid_file_loads(tmp_path):
       "slo_ttft_base_prompt_tokens = 1.5"), "classes[1].slo_ttft_base_prompt_tokens"),
     (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = 500\nslo_ttft_base_prompt_tokens = 1000"),
      "classes[1].slo_ttft_base_prompt_tokens"),
+    # fields passed to the model server: one the service sets itself, not a field's name, twice
+    (("context_tokens = 8192", 'context_tokens = 8192\nupstream_fields = ["top_k", "max_tokens"]'),
+     "pools[0].upstream_fields[1]"),
+    (("context_tokens = 8192", 'context_tokens = 8192\nupstream_fields = ["priority"]'),
+     "pools[0].upstream_fields[0]"),
+    (("context_tokens = 8192", 'context_tokens = 8192\nupstream_fields = ["top-k"]'),
+     "pools[0].upstream_fields[0]"),
+    (("context_tokens = 8192", 'context_tokens = 8192\nupstream_fields = ["top_k", "top_k"]'),
+     "pools[0].upstream_fields[1]"),
+    (("context_tokens = 8192", 'context_tokens = 8192\nupstream_fields = "top_k"'),
+     "pools[0].upstream_fields"),
     # an infinite target is no target, which is said by leaving it out
     (("floor = 0.3", "floor = 0.3\nslo_ttft_ms = inf"), "classes[1].slo_ttft_ms"),
     (("floor = 0.3", "floor = 0.3\nslo_tpot_ms = nan"), "classes[1].slo_tpot_ms"),
@@ -113,6 +124,15 @@ def test_a_ttft_allowance_per_prompt_token_loads(tmp_path):
     p1 = cfg.class_config("P1")
     assert p1 is not None and p1.slo_ttft_base_prompt_tokens == 2000
     assert p0.slo_ttft_base_prompt_tokens == 0  # every prompt token counts by default
+
+
+def test_no_field_the_frontend_implements_can_be_passed_through():
+    """``upstream_fields`` may not name a field the frontend reads itself: the client's value
+    would be checked and counted one way and sent upstream another."""
+    from limiter.config import RESERVED_REQUEST_FIELDS
+    from limiter.frontend.openai_api import _CHAT, _COMPLETION
+
+    assert (_CHAT | _COMPLETION) <= RESERVED_REQUEST_FIELDS, (_CHAT | _COMPLETION) - RESERVED_REQUEST_FIELDS
 
 
 def test_invalid_toml_and_missing_file(tmp_path):

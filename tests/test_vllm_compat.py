@@ -409,6 +409,41 @@ def test_fields_openai_and_vllm_clients_send_at_their_do_nothing_values_are_acce
     assert request(max_tokens=100, max_completion_tokens=7).max_tokens == 7
 
 
+def test_a_pools_upstream_fields_are_carried_to_the_worker_as_sent():
+    """``[[pools]] upstream_fields``: those fields of a request go into the payload as the
+    client sent them (any JSON value; null: not sent), for the openai engine to pass on; a
+    pool that lists none refuses them as before, and a pool's list is its own."""
+    import dataclasses
+
+    from limiter.config import PoolConfig, demo_config, validate
+    from limiter.frontend.errors import ApiError
+    from limiter.frontend.openai_api import finish_request, parse_request
+
+    base = demo_config()
+    vllm = PoolConfig(name="vllm", context_tokens=4096,
+                      upstream_fields=("top_k", "min_p", "chat_template_kwargs", "guided_json"))
+    cfg = validate(dataclasses.replace(base, pools=(*base.pools, vllm)))
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    knobs = {"top_k": 20, "min_p": 0.05, "chat_template_kwargs": {"enable_thinking": False},
+             "guided_json": {"type": "object", "properties": {"a": {"type": "string"}}}}
+    req = finish_request(parse_request("chat", {"model": "vllm", **chat, **knobs, "min_p": None}, cfg), 3)
+    payload = req.payload()
+    assert payload.upstream == {k: v for k, v in knobs.items() if k != "min_p"}
+    assert Payload.unpack(payload.pack()) == payload
+    assert finish_request(parse_request("chat", {"model": "vllm", **chat}, cfg), 3).payload().upstream == {}
+    assert "upstream" not in __import__("msgpack").unpackb(
+        finish_request(parse_request("chat", {"model": "vllm", **chat}, cfg), 3).payload().pack())
+    with pytest.raises(ApiError) as e:  # the demo pool lists none: top_k only at its neutral value
+        parse_request("chat", {"model": "tiny", **chat, "top_k": 20}, cfg)
+    assert e.value.body()["error"]["param"] == "top_k"
+    with pytest.raises(ApiError) as e:
+        parse_request("chat", {"model": "tiny", **chat, "chat_template_kwargs": {}}, cfg)
+    assert e.value.body()["error"]["code"] == "unknown_parameter"
+    with pytest.raises(ValueError, match="upstream"):  # a stored payload of the wrong shape
+        Payload.unpack(__import__("msgpack").packb({"v": 1, "kind": "chat", "prompt": "x", "max_tokens": 1,
+                                                    "upstream": [1, 2]}))
+
+
 def test_sampling_fields_the_client_left_out_are_left_to_the_model_server():
     """A request without temperature / top_p: the step engines use the service's defaults, the
     openai engine sends nothing for them (vLLM applies the model's generation_config, as for

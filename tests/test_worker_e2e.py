@@ -321,6 +321,22 @@ async def test_prompt_too_long_for_the_engine_fails_clearly(env) -> None:
     assert [s["outcome"] for s in await c.samples() if s["request_id"] == big] == ["refused"]
 
 
+async def test_fields_for_a_model_server_are_refused_by_a_step_engine(env) -> None:
+    """A payload carrying a pool's ``upstream_fields`` (vLLM's top_k here) on a sim worker:
+    the engine does not do what they ask, so the request is refused (its client reads a 400
+    naming them), not answered as if they had not been sent."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.0):
+        odd = await c.admit("with top_k", max_tokens=4, upstream={"top_k": 20, "min_p": 0.05})
+        plain = await c.admit("without", max_tokens=4)
+        await c.wait(timeout=10)
+    assert c.answers[plain].done is not None
+    err = c.answers[odd].error
+    assert err is not None and err["code"] == "refused" and "min_p, top_k" in err["msg"], err
+    assert "sim engine" in err["msg"]
+    assert [s["outcome"] for s in await c.samples() if s["request_id"] == odd] == ["refused"]
+
+
 async def test_a_resume_too_long_for_the_engine_is_a_failure_a_retry_may_mend(env) -> None:
     """The prompt fits; with what an earlier attempt (on a bigger worker) generated it does
     not: that is the resume's, not the request's, so it fails as a worker failure (a 503 its

@@ -9,6 +9,7 @@ import json
 import time
 from typing import Any
 
+import openai
 import pytest
 import redis.asyncio as aioredis
 
@@ -383,6 +384,25 @@ async def test_an_unstreamed_request_is_cancelled_mid_answer_by_the_cancel_watch
     assert int((await c.record(victim))["out_tokens"]) < 60  # of the ~70 the whole answer is
 
 
+async def test_the_openai_sdks_extra_body_reaches_the_model_server_through_a_passing_pool(env, redis_server
+                                                                                        ) -> None:
+    """End to end: a pool with ``upstream_fields`` and the OpenAI SDK's ``extra_body`` (how a
+    client asks vLLM for top_k or Qwen3's enable_thinking): the fields reach the model server."""
+    _cfg, _c, up = env
+    cfg = make_cfg(redis_server.url, pool={"upstream_fields": ("top_k", "chat_template_kwargs")})
+    extra = {"top_k": 20, "chat_template_kwargs": {"enable_thinking": False}}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            r = await sdk.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "abc"}],
+                                                  max_tokens=5, extra_body=extra)
+        finally:
+            await sdk.close()
+    assert r.choices[0].message.content
+    (body,) = up.bodies
+    assert {k: body[k] for k in extra} == extra
+
+
 async def test_chat_messages_go_upstream_as_data_never_reparsed(env, redis_server) -> None:
     """Through the real frontend and worker: a user message holding the chat template's role
     markers reaches the upstream as one user message, byte for byte, and no system message
@@ -422,6 +442,22 @@ async def test_vllm_extensions_model_and_priority_switch(env) -> None:
     assert "priority" not in ba and "priority" not in bb
     assert c.answers[a].done and c.answers[b].done
     assert "without structured messages" in c.answers[old_chat].error["msg"]
+
+
+async def test_a_pools_upstream_fields_reach_the_model_server_as_sent(env) -> None:
+    """The fields a pool passes through (``upstream_fields``: vLLM's sampling and template
+    knobs) go in the upstream request as the client sent them, beside the worker's own; a
+    resume keeps them."""
+    cfg, c, up = env
+    sent = {"top_k": 20, "min_p": 0.05, "chat_template_kwargs": {"enable_thinking": False}}
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("knobs", max_tokens=5, kind="chat", upstream=sent,
+                            messages=(ChatMessage("user", "knobs"),))
+        await c.wait([rid], timeout=20)
+    assert c.answers[rid].done, c.answers[rid].error
+    (body,) = up.bodies
+    assert {k: body[k] for k in sent} == sent
+    assert body["max_tokens"] == 5 and body["messages"] == [{"role": "user", "content": "knobs"}]
 
 
 async def test_an_idle_worker_claims_only_when_work_is_announced(env) -> None:

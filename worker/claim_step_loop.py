@@ -551,6 +551,13 @@ class StepLoop:
         if done is not None:  # the last attempt died between its final push and complete
             await self._finish_unstarted(d, "ok", done)
             return
+        if p.upstream:
+            # Fields for a model server (the pool's upstream_fields): this engine does not do
+            # what they ask, and serving the request without them answers another question.
+            await self._finish_unstarted(d, "refused", "error", f"the fields {', '.join(sorted(p.upstream))} "
+                                         f"are for a model server; this worker runs the {self.rt.engine} "
+                                         "engine, which does not implement them")
+            return
         prompt = self.engine.encode(p.prompt)
         if (n := len(prompt) + len(c.generated)) > (room := self.sched.max_context()):
             # The prompt alone too long: refused, another try fails the same way (its client is

@@ -753,6 +753,8 @@ class UpstreamLoop:
             body["ignore_eos"] = True
         if p.min_tokens > d.total_tokens:
             body["min_tokens"] = min(p.min_tokens - d.total_tokens, allowance)
+        for name, value in p.upstream.items():  # the pool's upstream_fields, as the client sent them
+            body.setdefault(name, value)  # (config refuses a name the worker sets; it wins anyway)
         if p.kind != "chat":
             body["prompt"] = p.prompt + prior
             return "/completions", body

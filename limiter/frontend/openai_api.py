@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from limiter.config import PoolConfig, QosConfig
@@ -50,12 +50,15 @@ class GenerationRequest:
     min_tokens: int = 0  # vLLM: no end-of-sequence before this many tokens
     messages: tuple[ChatMessage, ...] = ()  # chat: the messages as data (the openai engine sends these)
     defaulted: tuple[str, ...] = ()  # sampling fields the client left out (Payload.defaulted)
+    # the pool's upstream_fields the client sent, for the model server (Payload.upstream)
+    upstream: Mapping[str, Any] = field(default_factory=dict)
 
     def payload(self) -> Payload:
         return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
                        temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
                        model=self.model, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                        messages=self.messages, stream=self.stream, defaulted=self.defaulted,
+                       upstream=self.upstream,
                        grouped_tokens=True)  # this frontend reads grouped entries (replies.py)
 
 
@@ -333,8 +336,14 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
     that does not depend on the prompt's token count; :func:`finish_request` does the rest."""
     allowed = _CHAT if kind == "chat" else _COMPLETION
     neutral = _CHAT_NEUTRAL if kind == "chat" else _COMPLETION_NEUTRAL
+    pool = resolve_pool(cfg, body)
+    upstream: dict[str, Any] = {}
     for k, v in body.items():
         if k in allowed:
+            continue
+        if k in pool.upstream_fields:  # for the model server, as sent (null: not sent)
+            if v is not None:
+                upstream[k] = v
             continue
         if k in neutral:
             if v is not None and not neutral[k](v):
@@ -343,7 +352,6 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
             continue
         raise bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
 
-    pool = resolve_pool(cfg, body)
     messages: tuple[ChatMessage, ...] = ()
     if kind == "chat":
         prompt_param = "messages"
@@ -443,7 +451,8 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
                  fields={"temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed,
                          "defaulted": tuple(n for n in DEFAULTABLE if body.get(n) is None),
                          "stream": stream, "include_usage": include_usage,
-                         "continuous_usage": continuous_usage, "ignore_eos": ignore_eos})
+                         "continuous_usage": continuous_usage, "ignore_eos": ignore_eos,
+                         "upstream": upstream})
 
 
 def finish_request(d: Draft, prompt_tokens: int) -> GenerationRequest:
