@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import ConfigError
+from limiter.frontend import cors
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
 from limiter.frontend.errors import (
@@ -279,6 +280,7 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     quiet_client_parse_errors()
     app = web.Application(client_max_size=settings.max_body_bytes,
                           middlewares=[_bounded_writes(settings.idle_timeout_s), error_middleware])
+    cors.install(app, settings.cors_origins)
     app[METRICS] = FrontendMetrics(ttft_slos_ms=[c.slo_ttft_ms for c in cfg.classes],
                                    tpot_slos_ms=[c.slo_tpot_ms for c in cfg.classes])
 

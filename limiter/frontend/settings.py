@@ -9,6 +9,7 @@ from typing import Any
 
 from limiter.config import DEMO_ADMIN_KEY, DEMO_KEYS, QosConfig, build_section, hash_key
 from limiter.errors import ConfigError
+from limiter.frontend.cors import check_origins
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,9 @@ class FrontendSettings:
     # /metrics on the API port too. Its series name tenants: where that port faces clients,
     # set false and scrape metrics_port on an internal address instead.
     api_metrics: bool = True
+    # Origins whose pages may call the API from a browser (CORS; limiter/frontend/cors.py):
+    # "*" for any, as vLLM's default; none (the default): no CORS headers, preflights are 405.
+    cors_origins: tuple[str, ...] = ()
 
 
 def is_loopback(host: str) -> bool:
@@ -81,6 +85,7 @@ def validate(s: FrontendSettings, cfg: QosConfig) -> FrontendSettings:
           f"must not be the API's port ({s.port}): it serves this process's metrics alone")
     check(s.api_metrics or s.metrics_port != 0, "api_metrics",
           "false needs a metrics_port: this process's /metrics would be served nowhere")
+    check_origins(s.cors_origins, "frontend.cors_origins")
     ttl_s = min(p.frontend_ttl_ms for p in cfg.pools) / 1000
     check(0.05 <= s.heartbeat_s <= ttl_s / 3, "heartbeat_s",
           f"must be in [0.05, {ttl_s / 3:g}] (a third of the shortest pools[].frontend_ttl_ms)")
