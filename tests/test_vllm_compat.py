@@ -214,6 +214,10 @@ async def test_tool_requests_replayed(client, fake_worker, tool, path, headers, 
     rid = r.headers["X-QoS-Request-Id"]
     p = fake_worker.payloads[rid]
     chat = path.endswith("chat/completions")
+    # the tool's own X-Request-Id comes back as the answer's id and x-request-id, as vLLM answers
+    own = next((v for k, v in headers.items() if k.lower() == "x-request-id"), None)
+    assert r.headers["x-request-id"] == (own or rid)
+    answer_id = ("chatcmpl-" if chat else "cmpl-") + (own or rid)
     prompt = render_chat([("user", TEXT)]) if chat else TEXT
     assert p.prompt == prompt and p.max_tokens == 16
     assert p.ignore_eos is bool(body.get("ignore_eos"))
@@ -222,10 +226,12 @@ async def test_tool_requests_replayed(client, fake_worker, tool, path, headers, 
     if not body["stream"]:
         out = await r.json()
         assert out["choices"][0]["text"] == want and out["usage"]["completion_tokens"] == 16
+        assert out["id"] == answer_id
         return
     ev = events(await r.text())
     assert ev[-1] == "[DONE]"
     chunks = ev[:-1]
+    assert {c["id"] for c in chunks} == {answer_id}
     if body["stream_options"].get("continuous_usage_stats"):
         u = _check_continuous_usage(chunks, count_tokens(prompt), want)
     else:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -139,6 +140,19 @@ def _max_wait_ms(header: str | None, cls: ClassConfig) -> int:
     return min(v, cls.max_wait_ms)
 
 
+CLIENT_REQUEST_ID_HEADER = "X-Request-Id"
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII: it goes in the answer's id
+
+
+def _client_request_id(request: web.Request) -> str | None:
+    """The client's own request id (``X-Request-Id``, as vLLM takes it), or None."""
+    value = one_header(request.headers, CLIENT_REQUEST_ID_HEADER)
+    if value is not None and not _CLIENT_REQUEST_ID.fullmatch(value):
+        raise ApiError(400, f"{CLIENT_REQUEST_ID_HEADER} must be 1 to 128 visible ASCII characters",
+                       code="invalid_value", param=CLIENT_REQUEST_ID_HEADER)
+    return value
+
+
 def _generation_handler(kind: str) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         received = time.monotonic()  # (Generation's clock: not uvloop's whole milliseconds)
@@ -147,6 +161,7 @@ def _generation_handler(kind: str) -> Handler:
         # Every check of what the client sent comes before counting the prompt, which may ask
         # the model server: a bad header was a 503 (retried for ever) while it was down.
         tenant, cls, max_wait = _check_headers(fe, request, labels)
+        client_id = _client_request_id(request)
         raw = await _read_body(request, fe.settings.max_body_bytes, fe.settings.body_timeout_s)
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
@@ -154,7 +169,7 @@ def _generation_handler(kind: str) -> Handler:
         draft = oa.parse_request(kind, body, fe.cfg)
         await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
         req = oa.finish_request(draft, await fe.count_prompt(draft))
-        return await Generation(fe, request, tenant, cls, req, max_wait, received).run()
+        return await Generation(fe, request, tenant, cls, req, max_wait, received, client_id).run()
 
     return handler
 

@@ -72,13 +72,17 @@ class Generation:
     """The life of one admitted generation request inside this process."""
 
     def __init__(self, fe: Frontend, request: web.Request, tenant: TenantConfig, cls: str,
-                 req: oa.GenerationRequest, max_wait_ms: int, received: float) -> None:
+                 req: oa.GenerationRequest, max_wait_ms: int, received: float,
+                 client_request_id: str | None = None) -> None:
         self.fe, self.request, self.tenant, self.cls, self.req = fe, request, tenant, cls, req
         self.max_wait_ms = max_wait_ms
         self.received = received
         self.keys = fe.pool_keys[req.pool.name]
         self.class_cfg: ClassConfig = fe.classes[cls]
         self.request_id = "r" + uuid.uuid4().hex
+        # The id the client reads (the answer's id, x-request-id): its own X-Request-Id when
+        # it sent one, as vLLM answers; Redis and X-QoS-Request-Id keep the service's own.
+        self.public_id = client_request_id or self.request_id
         self.created = int(time.time())
         # Times are time.monotonic(), not the loop's clock: uvloop's counts whole milliseconds
         # and stands still within a turn, and the admission and TTFT histograms have
@@ -329,11 +333,11 @@ class Generation:
             if r.kind == "done":
                 self.observe_done(r)
                 answer = unpack("".join(parts))
-                body = oa.full_response(self.req, self.request_id, self.created, answer.content, r.finish,
+                body = oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
                                         r.usage_in, r.usage_out,
                                         (answer.field, answer.reasoning) if answer.reasoning else None)
                 resp = web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
-                                                        OPENAI_REQUEST_ID_HEADER: self.request_id},
+                                                        OPENAI_REQUEST_ID_HEADER: self.public_id},
                                          dumps=oa.compact_json)
                 # Written here, under the same bound as a stream's writes: returned, aiohttp
                 # wrote it with none, and a client that read nothing held the connection, the
@@ -373,14 +377,14 @@ class Generation:
         loopback socket was a third of this process's CPU at full load, and the client sees
         the same events either way."""
         resp: web.StreamResponse | None = None
-        req, rid, created = self.req, self.request_id, self.created
+        req, rid, created = self.req, self.public_id, self.created  # rid: what the chunks' ids read
 
         async def open_stream() -> tuple[web.StreamResponse, list[bytes]]:
             # Headers go out with the first token, not before: until then a queue timeout
             # can still be an honest 503 rather than an error inside a 200 stream.
             s = _SseResponse(headers={
                 "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no", REQUEST_ID_HEADER: rid, OPENAI_REQUEST_ID_HEADER: rid})
+                "X-Accel-Buffering": "no", REQUEST_ID_HEADER: self.request_id, OPENAI_REQUEST_ID_HEADER: rid})
             await self._write(s.prepare(self.request))
             if req.kind == "chat":
                 opener = oa.chunk(req, rid, created, role=True, usage_so_far=(req.prompt_tokens, 0))
