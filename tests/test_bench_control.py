@@ -40,8 +40,50 @@ def test_recovery_is_when_every_later_bin_meets_the_goal() -> None:
     assert cb.recovery_s(bins[:6], 20.0) is None  # never recovered
 
 
-def _row(t: float, capacity: float, p0_rate: float = 100.0, p2_ceil: float = 50.0) -> dict:
-    return {"t_s": t, "capacity": capacity, "rates": {"P0": p0_rate}, "ceilings": {"P2": p2_ceil}}
+def test_no_requests_after_the_step_is_no_recovery() -> None:
+    """Found by review: with no bin after the step holding requests, nothing was bad after it,
+    and that read as "recovered at once" (0.0): a run whose P0 traffic died at the step met."""
+    assert cb.recovery_s([1.0] * 8 + [None] * 12, 40.0) is None
+    assert cb.recovery_s([1.0] * 8 + [None] * 3 + [1.0], 40.0) == 0.0  # a bin with requests: measured
+
+
+def test_a_verdict_needs_the_controller_to_have_judged_the_class() -> None:
+    """Found by review: a dead controller makes no changes and holds every rate still, so the
+    steady verdict (<= 2 changes a minute, P0's rate within 5 %) and the no-cut verdicts
+    (p1_surge, p0_long_allowance: an empty decision list has no cut) all read met. Each now
+    needs the controller's compliance of the judged class in the window it judges."""
+    steady = cb.Scenario("steady", 120, (cb.Phase(0, {}),), settle_s=45)
+    alive = [_row(t, 20_000) for t in range(120)]
+    dead = [_row(t, 20_000, compliance={}) for t in range(120)]
+    # figures only before the settle time: the window judged had none
+    died = [_row(t, 20_000, compliance=None if t < 40 else {}) for t in range(120)]
+    assert cb.steady_figures(steady, alive, [], 0.0)["met"] is True
+    f = cb.steady_figures(steady, dead, [], 0.0)
+    assert (f["p0_judged_samples"], f["met"]) == (0, False), f
+    assert cb.steady_figures(steady, died, [], 0.0)["met"] is False
+    surge = cb.scenarios()["p1_surge"]
+    assert cb.surge_figures(surge, alive, [], 0.0) == {"p1_cuts": 0, "p1_judged_samples": 50, "met": True}
+    assert cb.surge_figures(surge, dead, [], 0.0)["met"] is False
+    p0_only = [_row(t, 20_000, compliance={"P0": 1.0}) for t in range(120)]  # P1 never judged
+    assert cb.surge_figures(surge, p0_only, [], 0.0)["met"] is False
+    allowance = cb.scenarios(short=True)["p0_long_allowance"]
+    spec = cb.mode_config(CAP, "sim", allowance)
+
+    def rows(comp: dict) -> list[dict]:
+        return [{"t_s": float(t), "capacity": 1_000.0, "compliance": comp,
+                 "ceilings": {"P1": 100.0, "P2": 50.0}} for t in range(60)]
+
+    assert cb.long_prompt_figures(allowance, rows({"P0": 1.0}), [], 0.0, [], spec)["met"] is True
+    g = cb.long_prompt_figures(allowance, rows({}), [], 0.0, [], spec)
+    assert (g["p0_judged_samples"], g["met"]) == (0, False), g
+
+
+def _row(t: float, capacity: float, p0_rate: float = 100.0, p2_ceil: float = 50.0,
+         compliance: dict | None = None) -> dict:
+    """A timeline sample; the controller's compliance of each class 1.0 unless given (``{}``:
+    no controller figures, as when it is not running)."""
+    return {"t_s": t, "capacity": capacity, "rates": {"P0": p0_rate}, "ceilings": {"P2": p2_ceil},
+            "compliance": {"P0": 1.0, "P1": 1.0} if compliance is None else compliance}
 
 
 def test_worker_loss_figures_catch_a_slow_or_oscillating_follow() -> None:
@@ -76,10 +118,11 @@ def test_steady_figures_count_changes_and_p0_swing_after_the_settle_time() -> No
 
 def test_surge_figures_see_a_cut_to_p1() -> None:
     s = cb.scenarios()["p1_surge"]
+    timeline = [_row(t, 20_000) for t in range(90)]
     ok = [{"now_ms": 1.0, "classes": {"P1": {"reason": "hold"}, "P2": {"reason": "tighten_lower_for_P0"}}}]
-    assert cb.surge_figures(s, ok, 0.0)["met"] is True
+    assert cb.surge_figures(s, timeline, ok, 0.0)["met"] is True
     cut = [{"now_ms": 1.0, "classes": {"P1": {"reason": "tighten_self"}}}]
-    assert cb.surge_figures(s, cut, 0.0)["met"] is False
+    assert cb.surge_figures(s, timeline, cut, 0.0)["met"] is False
 
 
 def test_long_p0_prompts_come_from_a_second_tenant_at_the_share_asked() -> None:
@@ -138,7 +181,7 @@ def test_long_prompt_figures_count_the_cuts_below_p0_and_split_p0_s_attainment()
     fixed, allowance = table["p0_long"], table["p0_long_allowance"]
     f = cb.long_prompt_figures(fixed, rows, [cut, late], 0.0, recs, cb.mode_config(CAP, "sim", fixed))
     assert f == {"lower_cuts": 1, "p1_ceiling_end": 1.0, "p2_ceiling_end": 0.5, "p0_compliance_end": 0.8,
-                 "p0_long_attainment": 0.0, "p0_short_attainment": 0.5, "met": None}
+                 "p0_long_attainment": 0.0, "p0_short_attainment": 0.5, "p0_judged_samples": 60, "met": None}
     spec = cb.mode_config(CAP, "sim", allowance)
     g = cb.long_prompt_figures(allowance, rows, [cut], 0.0, recs, spec)
     assert (g["lower_cuts"], g["p0_long_attainment"], g["met"]) == (1, 1.0, False)  # 1,500 <= 500 + 8 x 250
@@ -219,4 +262,5 @@ def test_scenario_figures_leave_out_the_drain_after_the_load() -> None:
     assert g["p2_ceiling_overshoot"] == 0.0 and g["met"], g
     surge = cb.scenarios()["p1_surge"]
     late_cut = [{"now_ms": 1000.0 * (surge.duration_s + 5), "classes": {"P1": {"reason": "tighten_self"}}}]
-    assert cb.surge_figures(surge, late_cut, 0.0) == {"p1_cuts": 0, "met": True}
+    assert cb.surge_figures(surge, drained, late_cut, 0.0) == {"p1_cuts": 0, "p1_judged_samples": 50,
+                                                               "met": True}

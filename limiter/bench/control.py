@@ -21,6 +21,10 @@ Scenarios (times for the full form; ``--short`` scales them down for the default
 * ``p1_surge``: P0 0.3, P1 0.15, P2 0.05 of capacity, then P1 rises to 0.33 (inside its
   0.35 guarantee) at 40 s, until 90 s. No decision cuts P1.
 
+A verdict of stillness or of no cut (steady, p1_surge, p0_long_allowance) also needs the
+controller's compliance of the class judged in the window judged (``judged_ticks``): a dead
+controller changes and cuts nothing.
+
 Two more, run when named (``--scenarios p0_long,p0_long_allowance``): the mix at 0.7 for
 120 s, every fifth P0 request from a second P0 tenant with a long prompt (the trace's long
 prompts, cut to ~8,000 tokens: its own prefill alone is past P0's 500 ms first-token
@@ -254,14 +258,29 @@ def steady_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions
              if s.settle_s <= row["t_s"] < s.duration_s and row["rates"]["P0"]]
     mid = _median(rates)
     swing = max(abs(r / mid - 1) for r in rates) if rates and mid else None
+    # few changes and a still rate are what a dead controller shows too: the verdict also
+    # needs the controller's judgement of P0 over the window (it changed nothing on purpose)
+    judged = judged_ticks(s, timeline, "P0", s.settle_s)
     return {"changes_after_settle": len(after), "changes_per_min": round(len(after) / minutes, 2),
-            "p0_rate_max_dev": None if swing is None else round(swing, 4),
-            "met": len(after) / minutes <= 2 and swing is not None and swing <= 0.05}
+            "p0_rate_max_dev": None if swing is None else round(swing, 4), "p0_judged_samples": judged,
+            "met": len(after) / minutes <= 2 and swing is not None and swing <= 0.05 and judged > 0}
+
+
+def judged_ticks(s: Scenario, timeline: Sequence[Mapping[str, Any]], cls: str, start_s: float = 0.0) -> int:
+    """Samples of ``[start_s, duration_s)`` with the controller's compliance of ``cls``: the
+    evidence it ran and judged the class then. The compliance hash is the leader's, rewritten
+    every tick and gone ~10 s after the last one; a class without samples has no figure in it.
+    (Its decisions are no such evidence: it records one only when it changes a rate.)"""
+    return sum(1 for row in timeline if start_s <= row["t_s"] < s.duration_s
+               and isinstance(row.get("compliance"), Mapping) and row["compliance"].get(cls) is not None)
 
 
 def recovery_s(bins: Sequence[float | None], step_s: float, goal: float = 0.99) -> float | None:
-    """Seconds from the step until every later bin (with requests) is at ``goal``."""
+    """Seconds from the step until every later bin (with requests) is at ``goal``; None when
+    it never is, or when no bin from the step on has requests."""
     first = int(step_s // BIN_S)
+    if all(b is None for b in bins[first:]):
+        return None  # nothing measured after the step: no evidence of a recovery
     last_bad = None
     for i in range(first, len(bins)):
         if bins[i] is not None and bins[i] < goal:
@@ -349,15 +368,21 @@ def long_prompt_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]],
     judged = [row["compliance"].get("P0") for row in timeline
               if row["t_s"] < s.duration_s and isinstance(row.get("compliance"), dict)]
     judged = [c for c in judged if c is not None]
+    # no cut is the verdict only where the controller judged P0 (the class a cut would be for)
     return {"lower_cuts": len(cuts), "p1_ceiling_end": end["P1"], "p2_ceiling_end": end["P2"],
             "p0_compliance_end": round(judged[-1], 4) if judged else None,
             "p0_long_attainment": attained(True), "p0_short_attainment": attained(False),
-            "met": None if s.p0_ttft_ms_per_1k <= 0 else not cuts}
+            "p0_judged_samples": len(judged),
+            "met": None if s.p0_ttft_ms_per_1k <= 0 else not cuts and bool(judged)}
 
 
-def surge_figures(s: Scenario, decisions: Sequence[Mapping[str, Any]], t_load_ms: float) -> dict[str, Any]:
+def surge_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], decisions: Sequence[Mapping[str, Any]],
+                  t_load_ms: float) -> dict[str, Any]:
+    """Cuts to P1 while the load ran; met: none, where the controller judged P1 after the
+    surge began (no cut from a controller that never ran is no verdict)."""
     cuts = cuts_to(s, decisions, t_load_ms, ("P1",))
-    return {"p1_cuts": len(cuts), "met": not cuts}
+    judged = judged_ticks(s, timeline, "P1", s.step_s or 0.0)
+    return {"p1_cuts": len(cuts), "p1_judged_samples": judged, "met": not cuts and judged > 0}
 
 
 # --- running ------------------------------------------------------------------------------------
@@ -463,7 +488,7 @@ async def run_scenario(s: Scenario, p: ControlParams, cap: Capacity, rows: Mappi
     elif s.name in LONG_PROMPT_SCENARIOS:
         out["figures"] = long_prompt_figures(s, timeline, decisions, t_load_ms, recs, spec)
     else:
-        out["figures"] = surge_figures(s, decisions, t_load_ms)
+        out["figures"] = surge_figures(s, timeline, decisions, t_load_ms)
     out["heartbeats"] = beats.figures
     out["samples"] = samples  # the latency samples: where a request's time went (queue or service)
     out["requests"] = [{"cls": r.arrival.cls, "at_s": round(r.arrival.at_s, 3), "status": r.result.status,
