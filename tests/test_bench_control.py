@@ -78,6 +78,31 @@ def test_a_verdict_needs_the_controller_to_have_judged_the_class() -> None:
     assert (g["p0_judged_samples"], g["met"]) == (0, False), g
 
 
+def test_the_flood_verdict_leaves_out_the_last_bin_of_the_load() -> None:
+    """Found by review: attainment_bins made int(duration // 5) + 1 bins, the last past the
+    load's end and always empty, so flood_figures' ``[:-1]`` dropped that one and kept the
+    95-100 s bin it meant to leave out (its requests are answered in the drain)."""
+    from limiter.bench import trace as tr
+    from limiter.bench.driver import Record
+    from limiter.localstack.loadgen import Result
+
+    def rec(at_s: float, ttft: float) -> Record:
+        res = Result(cls="P0", sent_s=0.0, status=200, ttft_ms=ttft, token_times=[1.0, 1.01], output_tokens=2,
+                     input_tokens=10)
+        return Record(tr.Arrival(0, at_s, "P0", 10, 2, 0.0), res, 0.0)
+
+    flood = cb.scenarios()["p2_flood"]
+    spec = cb.mode_config(CAP, "sim")
+    # P0 meets its 500 ms target all along, except what is sent in the last 5 s of the load
+    recs = [rec(t + 0.5, 100.0 if t < 95 else 5_000.0) for t in range(100)]
+    bins = cb.attainment_bins(recs, spec, 0.0, flood.duration_s)
+    assert len(bins["P0"]) == 20 and bins["P0"][-1] == 0.0, bins["P0"]
+    timeline = [_row(t, 20_000) for t in range(120)]
+    assert cb.flood_figures(flood, timeline, bins)["p0_recovery_s"] == 0.0
+    # a load that ends inside a bin: that bin is the last (45-47 s), none past it
+    assert len(cb.attainment_bins(recs[:47], spec, 0.0, 47.0)["P0"]) == 10
+
+
 def _row(t: float, capacity: float, p0_rate: float = 100.0, p2_ceil: float = 50.0,
          compliance: dict | None = None) -> dict:
     """A timeline sample; the controller's compliance of each class 1.0 unless given (``{}``:

@@ -48,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 import random
 import signal
 import statistics
@@ -227,10 +228,11 @@ def mode_config(cap: Capacity, engine: str, s: Scenario | None = None) -> ModeSp
 
 # --- figures ------------------------------------------------------------------------------------
 def attainment_bins(recs: Sequence[Record], spec: ModeSpec, t0: float, duration_s: float) -> dict[str, list]:
-    """Per class, per ``BIN_S`` of send time: the share of requests sent then that met the SLO
-    (None where nothing was sent)."""
+    """Per class, per ``BIN_S`` of send time over ``[0, duration_s)`` (the last bin ends at or
+    past the load's end; a request sent at ``duration_s`` joins it): the share of requests sent
+    then that met the SLO (None where nothing was sent)."""
     slos = {c.name: c for c in spec.cfg.classes}
-    n = int(duration_s // BIN_S) + 1
+    n = max(1, math.ceil(duration_s / BIN_S))  # int(d // BIN_S) + 1 added a bin past the end, always empty
     out: dict[str, list] = {}
     for cls in slos:
         sent, met = [0] * n, [0] * n
@@ -294,7 +296,9 @@ def recovery_s(bins: Sequence[float | None], step_s: float, goal: float = 0.99) 
 
 def flood_figures(s: Scenario, timeline: Sequence[Mapping[str, Any]], bins: Mapping[str, Sequence]) -> dict:
     assert s.step_s is not None
-    rec = recovery_s(bins["P0"][:-1], s.step_s)  # the last bin is partly drain: left out
+    # the last bin (95-100 s in the full form) is partly drain: its requests are answered after
+    # the load, so it is left out
+    rec = recovery_s(bins["P0"][:-1], s.step_s)
     # under the flood, [step_s, duration_s): its final value is where the flood left it, not
     # where the drain after it (no flood) moved it
     ceil = [row["ceilings"]["P2"] for row in timeline
