@@ -151,3 +151,42 @@ def test_attainment_judges_a_long_prompt_against_its_own_ttft_target() -> None:
     in_time = [_rec("P0", ttft=690.0, inp=8_000), _rec("P0", ttft=710.0, inp=8_000)]
     assert class_stats(in_time, based, [])["slo_attainment"] == 0.5
     assert class_stats(in_time, based, [])["slo"]["ttft_base_prompt_tokens"] == 6_000
+
+
+# --- 5. the gap probe's ratio without a long prefill next to the P0 stream ------------------------------
+
+def _stream(sent: float, times: list[float], status: int = 200, error: str = "") -> Result:
+    ok = status == 200
+    return Result(cls="P0", sent_s=sent, status=status, error=error, token_times=times if ok else [],
+                  ttft_ms=(times[0] - sent) * 1000 if times and ok else None,
+                  output_tokens=len(times) if ok else 0)
+
+
+def _probe(why: str) -> dict[str, Any]:
+    from limiter.bench.gapprobe import GapProbe
+
+    return GapProbe(60.0, 62.0, 40.0, 41.0, 32_000, None if why else 900.0, 400, 1, why).to_dict()
+
+
+def test_gap_probe_has_no_ratio_unless_the_long_prefill_ran_beside_the_p0_stream() -> None:
+    """Found by review: ratio_client (during / alone) was computed, and could read met, when the
+    long P2 request was refused (429) or rejected (400), or prefilled before or after the P0
+    stream: nothing stalled the stream, so a gap near its alone figure proved nothing."""
+    from limiter.bench.gapprobe import why_no_ratio
+
+    p0 = [_stream(10.0, [10.05 + 0.05 * i for i in range(100)])]  # 10.05-15.0 s
+    assert why_no_ratio(p0, _stream(10.5, [12.0, 12.1])) == ""  # prefill 10.5-12.0: inside
+    assert "failed (429" in why_no_ratio(p0, _stream(10.5, [], status=429, error="rate_limited"))
+    assert "failed (400" in why_no_ratio(p0, _stream(10.5, [], status=400, error="context_length"))
+    assert "did not overlap" in why_no_ratio(p0, _stream(15.5, [16.0, 16.1]))  # after the stream
+    assert "did not overlap" in why_no_ratio(p0, _stream(8.0, [9.9, 10.0]))  # before its first chunk
+    assert "P0 stream" in why_no_ratio([_stream(10.0, [], status=503)], _stream(10.5, [12.0, 12.1]))
+    assert _probe("")["ratio_client"] is not None
+    failed = _probe("the long request failed (429 rate_limited)")
+    assert failed["ratio_client"] is None and failed["ratio_worker"] is None
+    assert failed["no_ratio"] == "the long request failed (429 rate_limited)"
+    rows = targets({"params": {"load": 1.5}, "modes": {"qos": {"gap_probe": failed}}})
+    row = _row(rows, "P0 max gap during long prefill / alone, client (qos)")
+    assert row["met"] is False and "429" in row["value"], row
+    ok = targets({"params": {"load": 1.5}, "modes": {"qos": {"gap_probe": _probe("")}}})
+    assert _row(ok, "P0 max gap during long prefill / alone, client (qos)")["met"] is True

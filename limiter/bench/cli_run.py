@@ -291,7 +291,8 @@ def _run(args: argparse.Namespace) -> int:
             g = m["gap_probe"]
             console.print(f"  gap probe ({name}): P0 max gap alone {_ms(g['alone_client_ms'])}, during a "
                           f"{g['long_prompt_tokens']}-token prefill {_ms(g['during_client_ms'])} (client); "
-                          f"worker view {_ms(g['alone_worker_ms'])} -> {_ms(g['during_worker_ms'])}")
+                          f"worker view {_ms(g['alone_worker_ms'])} -> {_ms(g['during_worker_ms'])}"
+                          + (f"; no ratio: {g['no_ratio']}" if g.get("no_ratio") else ""))
     console.print(targets_table(results["targets"], params.load))
     if params.out_dir:
         console.print(f"[dim]wrote {Path(params.out_dir) / 'results.json'} and plots[/]")

@@ -11,6 +11,12 @@ runs in budget-sized slices between P0's decode steps.
 Both views are reported: the client's (chunk arrival times, which include the worker's
 push batching of ``flush_ms``, 50 ms by default, so ~50 ms is the floor), and the worker's
 (``tpot_max_ms`` of the latency sample: engine step ends, no batching).
+
+The ratios are measured only when the long request succeeded and its prefill (its send to
+its first token) overlapped every P0 stream's measured window (first to last chunk): a long
+prompt refused (429), rejected (400) or prefilled before or after the streams stalls
+nothing, and a ratio then would pass without a test. Otherwise both ratios are None and
+``no_ratio`` says why.
 """
 
 from __future__ import annotations
@@ -36,14 +42,15 @@ class GapProbe:
     long_ttft_ms: float | None  # the long prompt's time to first token (its prefill, roughly)
     p0_tokens: int
     streams: int
+    no_ratio: str = ""  # why the ratios are not measured ('' when they are: module docstring)
 
     @property
     def ratio_client(self) -> float | None:
-        return _ratio(self.during_client_ms, self.alone_client_ms)
+        return None if self.no_ratio else _ratio(self.during_client_ms, self.alone_client_ms)
 
     @property
     def ratio_worker(self) -> float | None:
-        return _ratio(self.during_worker_ms, self.alone_worker_ms)
+        return None if self.no_ratio else _ratio(self.during_worker_ms, self.alone_worker_ms)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"ratio_client": self.ratio_client, "ratio_worker": self.ratio_worker}
@@ -51,6 +58,23 @@ class GapProbe:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
+
+
+def why_no_ratio(during: list[Result], big: Result) -> str:
+    """'' when the long request succeeded and its prefill (send to first token) overlapped
+    each P0 stream's measured window (first to last chunk); else why not."""
+    if not big.ok:
+        return f"the long request failed ({big.status or 'no answer'} {big.error})".rstrip()
+    if not big.token_times:
+        return "the long request returned no token"
+    if not during or not all(r.ok and len(r.token_times) >= 2 for r in during):
+        return "a P0 stream next to the long request failed or sent under two chunks"
+    start, first = big.sent_s, big.token_times[0]
+    for r in during:
+        if not (start < r.token_times[-1] and first > r.token_times[0]):
+            return (f"the long prefill ({start:.3f}-{first:.3f} s) did not overlap the P0 stream "
+                    f"({r.token_times[0]:.3f}-{r.token_times[-1]:.3f} s)")
+    return ""
 
 
 def _max_gap(results: list[Result]) -> float | None:
@@ -79,7 +103,7 @@ async def run_gap_probe(base_url: str, model: str, probe: Probe, *, long_prompt_
     p0 = [s for s in await probe.samples() if s.get("tenant") == tenant_name("P0")]
     worker = [_max_opt([s.get("tpot_max_ms") for s in part]) for part in (p0[:streams], p0[streams:])]
     return GapProbe(_max_gap(alone), _max_gap(during), worker[0], worker[1], long_prompt_tokens,
-                    big.ttft_ms if big.ok else None, p0_tokens, streams)
+                    big.ttft_ms if big.ok else None, p0_tokens, streams, why_no_ratio(during, big))
 
 
 def _max_opt(values: list[Any]) -> float | None:

@@ -238,8 +238,11 @@ def targets(results: Mapping[str, Any]) -> list[dict[str, Any]]:
         if g:
             rc = g.get("ratio_client")
             ref = "" if mode == "qos" else ", for reference"
-            add(f"P0 max gap during long prefill / alone, client ({mode}{ref})", _r(rc, 2), "<= 1.5",
-                None if rc is None else rc <= 1.5, mode == "qos")
+            # the probe ran but measured nothing (no_ratio says why): a miss, not "not measured"
+            why = g.get("no_ratio") or ("no ratio" if rc is None else "")
+            add(f"P0 max gap during long prefill / alone, client ({mode}{ref})",
+                f"none: {why}" if why else _r(rc, 2), "<= 1.5", rc is not None and not why and rc <= 1.5,
+                mode == "qos")
     return out
 
 
