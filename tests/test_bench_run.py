@@ -242,6 +242,20 @@ def test_window_tokens_counts_only_what_came_back_in_the_window() -> None:
     assert window_tokens([rec], t0=0.0, duration_s=0.5) == 0
 
 
+
+def test_output_tokens_s_counts_only_the_output_that_came_back_in_the_window() -> None:
+    """Found by review: output_tokens_s divided every output token, those the drain after the
+    window delivered too, by the window's length (throughput_tokens_s beside it counts the
+    window's alone): 4 tokens at 1-4 s over a 2.5 s window read 1.6/s, where 2 came in it."""
+    from limiter.bench.report import mode_summary
+
+    rec = _rec("P1", times=(1.0, 2.0, 3.0, 4.0), out=4, inp=100)
+    assert window_tokens([rec], t0=0.0, duration_s=2.5, prompts=False) == 2
+    m = mode_summary([rec], classes=["P1"], slos={"P1": None}, samples=[], tenant_of={}, t0=0.0,
+                     duration_s=2.5)
+    assert m["output_tokens_s"] == 0.8 and m["throughput_tokens_s"] == round(102 / 2.5, 1)
+
+
 # --- a real run --------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")

@@ -27,6 +27,7 @@ Definitions (docs/benchmarks.md repeats them with the schema):
   does not depend on the class mix the way plain tokens do -- a mode that serves more 32K
   prompts moves many more, cheaper, tokens); ``utilisation`` = that over the capacity: the
   work served as a share of capacity (at overload the physical limit is 100 %).
+  ``output_tokens_s``: the output tokens alone, delivered inside the same window, over its length.
 * ``slo_goodput_rps``: requests that completed within their class's SLO (P2: that
   completed), over the window's length -- the useful part of the throughput.
 * ``server_work_s`` / ``server_utilisation``: the useful work the *workers* did inside the
@@ -97,16 +98,18 @@ def class_stats(recs: Sequence[Record], slo: ClassConfig | None,
     }
 
 
-def window_tokens(recs: Sequence[Record], t0: float, duration_s: float, out_weight: float = 1.0) -> int:
+def window_tokens(recs: Sequence[Record], t0: float, duration_s: float, out_weight: float = 1.0, *,
+                  prompts: bool = True) -> int:
     """Tokens delivered inside ``[t0, t0 + duration_s]`` (module docstring), output tokens
-    counted ``out_weight`` times (1: plain tokens; the cost weight: GPU work)."""
+    counted ``out_weight`` times (1: plain tokens; the cost weight: GPU work); without
+    ``prompts``, the output tokens alone."""
     end = t0 + duration_s
     total = 0.0
     for rec in recs:
         res = rec.result
         if not res.ok or not res.token_times:
             continue
-        if res.token_times[0] <= end:
+        if prompts and res.token_times[0] <= end:
             total += res.input_tokens
         per_chunk = out_weight * res.output_tokens / len(res.token_times)
         total += per_chunk * sum(1 for t in res.token_times if t <= end)
@@ -155,7 +158,8 @@ def mode_summary(recs: Sequence[Record], *, classes: Sequence[str], slos: Mappin
         "server_utilisation": round(server / capacity, 3) if capacity and server is not None else None,
         # requests that met their class's SLO (P2: that completed), per second of the window
         "slo_goodput_rps": round(sum(meets_slo(r, slos.get(r.arrival.cls)) for r in recs) / duration_s, 3),
-        "output_tokens_s": round(sum(x.output_tokens for x in ok) / duration_s, 1),
+        # inside the window too, as throughput_tokens_s: the drain's answers are not in its length
+        "output_tokens_s": round(window_tokens(recs, t0, duration_s, prompts=False) / duration_s, 1),
         "sent": len(recs), "completed": len(ok),
         "max_send_lag_ms": _r(max(lags) if lags else None),
         "p99_send_lag_ms": _r(percentile(lags, 99)),
