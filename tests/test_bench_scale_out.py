@@ -177,3 +177,40 @@ async def test_tiny_run_on_a_three_master_cluster(tmp_path, client_processes: in
                          "sizing", "cost_drift", "goals"}
     assert written[1].read_text().count("| pools |") == 1
     scale_report.render(report)  # the terminal tables render too
+
+
+async def test_a_cancel_while_the_cluster_starts_stops_every_node_it_started(monkeypatch) -> None:
+    """Found by review: ``cluster = await asyncio.to_thread(LocalRedisCluster(...).start, 3)``
+    stood before the try whose finally stops the cluster, so a cancel (Ctrl-C) during the start
+    left its 3 redis-servers and their dirs behind: the thread went on starting them, and
+    nothing held the cluster to stop. Now the start is inside the try, and a cancel waits for
+    the thread to end before the stop (a stop while it ran would miss the nodes after it)."""
+    import threading
+
+    entered, release = threading.Event(), threading.Event()
+    made: list[FakeCluster] = []
+
+    class FakeCluster:
+        def __init__(self, extra: list[str]) -> None:
+            self.nodes: list[int] = []
+            self.stopped: list[int] = []
+            made.append(self)
+
+        def start(self, masters: int) -> FakeCluster:
+            entered.set()
+            release.wait(30)  # the test lets it go once the run is cancelled (never a wait on time)
+            self.nodes += list(range(masters))  # the nodes a real start has up by now
+            return self
+
+        def stop(self) -> None:
+            self.stopped += self.nodes
+
+    monkeypatch.setattr(so, "LocalRedisCluster", FakeCluster)
+    run = asyncio.ensure_future(so.run_scale_out(so.ScaleSpec(), log=lambda _s: None))
+    await asyncio.to_thread(entered.wait, 30)
+    run.cancel()
+    await asyncio.sleep(0)  # the cancel reaches the run while its start's thread still runs
+    release.set()
+    with pytest.raises(asyncio.CancelledError):
+        await run
+    assert [c.stopped for c in made] == [[0, 1, 2]]

@@ -225,14 +225,28 @@ def summarise(report: dict[str, Any], spec: ScaleSpec) -> None:
                             for g in FLEETS]
 
 
+async def start_cluster(cluster: LocalRedisCluster, masters: int) -> None:
+    """``cluster.start`` in a thread. A cancel cannot stop the thread midway, and a stop of the
+    caller's while it runs would miss the nodes it starts after: so a cancel here waits for
+    the start to end (its own failure stops what it started) before it goes on up, to a
+    ``finally`` that stops every node."""
+    start = asyncio.ensure_future(asyncio.to_thread(cluster.start, masters))
+    try:
+        await asyncio.shield(start)
+    finally:
+        if not start.done():
+            await asyncio.wait([start])
+
+
 async def run_scale_out(spec: ScaleSpec, log: Callable[[str], None] = print,
                         work_dir: Path | None = None) -> dict[str, Any]:
     """Start the cluster and the stack, measure the idle interval and each phase."""
     spec.check()
     with tempfile.TemporaryDirectory(prefix="qos-scale-out-") as tmp:
         wd = work_dir or Path(tmp)
-        cluster = await asyncio.to_thread(LocalRedisCluster(extra=["--appendonly", "no"]).start, MASTERS)
+        cluster = LocalRedisCluster(extra=["--appendonly", "no"])
         try:
+            await start_cluster(cluster, MASTERS)
             pools = pools_on_distinct_shards(lambda k: f"127.0.0.1:{cluster.owner(k).port}", spec.pools,
                                              POOL_PREFIX)
             home = {p: f"127.0.0.1:{cluster.owner(PoolKeys(p).policy).port}" for p in pools}
