@@ -6,8 +6,11 @@ import json
 import math
 import shutil
 
+import pytest
+
 from limiter.bench import admission as adm
 from limiter.cli import build_parser
+from tests.support.helpers import refused_by_name
 
 
 async def test_admission_report_structure(tmp_path) -> None:
@@ -60,3 +63,15 @@ def test_cli_parses() -> None:
     args = build_parser().parse_args(["bench", "admission", "--quick", "--json", "x.json", "--ops", "50"])
     assert args.quick and args.json == "x.json" and args.ops == 50
     assert args.redis_url is None  # never an env-provided server by default
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--ops", "0"], "--ops: must be in [1, "),  # found by review: `ops or default` ran the default
+    (["--quick", "--ops", "0"], "--ops: must be in [1, "),
+    (["--rb-seconds", "nan"], "--rb-seconds: must be in (0, 3600]"),
+    (["--rb-seconds", "0"], "--rb-seconds: must be in (0, 3600]"),
+    (["--rounds", "0"], "--rounds: must be in [1, 1000]"),
+])
+def test_a_bad_admission_flag_is_refused_by_name_not_replaced_by_the_default(
+        flags: list[str], named: str, capsys, monkeypatch) -> None:
+    refused_by_name(monkeypatch, capsys, adm, "run_admission", ["bench", "admission", *flags], named)

@@ -289,3 +289,12 @@ def test_scenario_figures_leave_out_the_drain_after_the_load() -> None:
     late_cut = [{"now_ms": 1000.0 * (surge.duration_s + 5), "classes": {"P1": {"reason": "tighten_self"}}}]
     assert cb.surge_figures(surge, drained, late_cut, 0.0) == {"p1_cuts": 0, "p1_judged_samples": 50,
                                                                "met": True}
+
+
+@pytest.mark.parametrize("drain", ["nan", "inf", "-1"])
+def test_a_drain_that_is_not_a_finite_time_is_refused_by_name(drain: str, capsys, monkeypatch) -> None:
+    """Found by review: `--drain nan` passed the `< 0` check (a comparison with NaN is false)."""
+    from tests.support.helpers import refused_by_name
+
+    refused_by_name(monkeypatch, capsys, cb, "run_control", ["bench", "control", "--drain", drain],
+                    "--drain: must be in [0, 3600]")

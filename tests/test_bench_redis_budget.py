@@ -11,6 +11,7 @@ from limiter.bench import callgrind
 from limiter.bench import redis_budget as rb
 from limiter.bench.slowlog import SLOWLOG_US, quantile_us
 from limiter.cli import build_parser
+from tests.support.helpers import refused_by_name
 
 
 def test_tokens_per_push_follows_the_worker_flush() -> None:
@@ -284,3 +285,14 @@ async def test_a_plain_commands_phase_reads_its_own_calls_from_the_slowlog(aredi
     finally:
         await aredis.config_set("slowlog-log-slower-than", 10_000)
         await aredis.config_set("slowlog-max-len", 128)
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--tokens-per-push", "0"], "--tokens-per-push: must be in [1, "),  # found by review: `or 1`
+    (["--tokens-per-push", "-3"], "--tokens-per-push: must be in [1, "),
+    (["--step-ms", "nan"], "--step-ms: must be in (0, 60000]"),  # passed `<= 0`
+    (["--step-ms", "inf"], "--step-ms: must be in (0, 60000]"),
+])
+def test_a_bad_redis_budget_flag_is_refused_by_name_not_replaced_by_the_default(
+        flags: list[str], named: str, capsys, monkeypatch) -> None:
+    refused_by_name(monkeypatch, capsys, rb, "run_budget", ["bench", "redis-budget", *flags], named)

@@ -15,6 +15,7 @@ from limiter.bench import load_processes, procstat, scale_report
 from limiter.bench import scale_math as sm
 from limiter.bench import scale_out as so
 from limiter.cli import build_parser
+from tests.support.helpers import refused_by_name
 
 
 def test_shard_figures_subtract_the_background_at_its_rate() -> None:
@@ -214,3 +215,15 @@ async def test_a_cancel_while_the_cluster_starts_stops_every_node_it_started(mon
     with pytest.raises(asyncio.CancelledError):
         await run
     assert [c.stopped for c in made] == [[0, 1, 2]]
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--seconds", "nan"), ("--seconds", "inf"), ("--idle-seconds", "nan"), ("--idle-seconds", "inf"),
+    ("--rps-per-gpu", "nan"), ("--rps-per-gpu", "inf"), ("--headroom", "nan"), ("--seconds", "0"),
+])
+def test_a_scale_out_time_or_rate_that_is_not_finite_is_refused_by_name(
+        flag: str, value: str, capsys, monkeypatch) -> None:
+    """Found by review: NaN passed `<= 0` (--idle-seconds nan: an idle interval that never
+    ended) and inf passed as well."""
+    refused_by_name(monkeypatch, capsys, so, "run_scale_out", ["bench", "scale-out", flag, value],
+                    f"{flag}: must be in (0, ", stream="out")

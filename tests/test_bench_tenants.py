@@ -12,7 +12,7 @@ import pytest
 
 from limiter.bench import tenants as tb
 from limiter.bench.calibrate import Capacity
-from tests.support.helpers import tenant_figures
+from tests.support.helpers import refused_by_name, tenant_figures
 
 
 def test_jain_index_is_one_for_an_equal_split_and_half_for_one_taker() -> None:
@@ -97,3 +97,17 @@ def test_the_step_budget_flag_reaches_the_stack(monkeypatch) -> None:
             cli.main(["bench", "tenants", *argv])
     # the default: vLLM's own for the sim (limiter/bench/modes.py), a CPU-sized one for torch
     assert [p.token_budget for p in seen] == [256, 2048, 64]
+
+
+@pytest.mark.parametrize(("flag", "value", "named"), [
+    ("--drain", "nan", "--drain: must be in [0, 3600]"),  # found by review: passed `<= 0`
+    ("--duration", "nan", "--duration: must be in (0, 3600]"),
+    ("--duration", "inf", "--duration: must be in (0, 3600]"),
+    ("--heavy", "nan", "--heavy: must be in (0, 20]"),
+    ("--steady", "0", "--steady: must be in (0, 20]"),
+    ("--medium", "-1", "--medium: must be in [0, 20]"),
+])
+def test_a_tenants_flag_that_is_not_a_finite_figure_in_range_is_refused_by_name(
+        flag: str, value: str, named: str, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    refused_by_name(monkeypatch, capsys, tb, "run_tenants", ["bench", "tenants", flag, value], named)

@@ -8,10 +8,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import inspect
+import math
 from collections.abc import Callable
 from pathlib import Path
 
 from limiter.cli import common_args, load_config
+from limiter.errors import ConfigError
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -37,6 +39,18 @@ def mode_parser(bsub: argparse._SubParsersAction, func: Callable[[argparse.Names
     p = bsub.add_parser(name, help=help, description=inspect.getdoc(func))
     p.set_defaults(func=func)
     return p
+
+
+def check_flag(flag: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
+    """Refuse ``value`` of ``flag`` unless it is finite and in ``[low, high]`` (``(low, high]``
+    with ``low_open``): a ConfigError naming the flag and the range (exit 2). A check written
+    ``x < 0`` or ``x <= 0`` lets NaN through, and no upper bound lets inf through."""
+    ok = math.isfinite(value) and (low < value if low_open else low <= value) and value <= high
+    if not ok:
+        def num(x: float) -> str:
+            return str(int(x)) if float(x).is_integer() else f"{x:g}"
+
+        raise ConfigError(flag, f"must be in {'(' if low_open else '['}{num(low)}, {num(high)}], got {value}")
 
 
 def _bench_common_args(p: argparse.ArgumentParser) -> None:
@@ -80,12 +94,14 @@ def _admission(args: argparse.Namespace) -> int:
 
     console = Console()
     base = load_config(args) if args.config else None
-    ops = args.ops or (adm.QUICK_OPS if args.quick else adm.DEFAULT_OPS)
-    rb_seconds = args.rb_seconds or (adm.QUICK_RB_SECONDS if args.quick else adm.DEFAULT_RB_SECONDS)
-    rounds = args.rounds or (1 if args.quick else adm.DEFAULT_ROUNDS)
-    if ops < 1 or rb_seconds <= 0 or rounds < 1:
-        console.print("[red]--ops, --rb-seconds and --rounds must be positive[/]")
-        return 2
+    # a flag given is the figure used (``x or default`` took --ops 0 for the default)
+    ops = args.ops if args.ops is not None else adm.QUICK_OPS if args.quick else adm.DEFAULT_OPS
+    rb_seconds = (args.rb_seconds if args.rb_seconds is not None
+                  else adm.QUICK_RB_SECONDS if args.quick else adm.DEFAULT_RB_SECONDS)
+    rounds = args.rounds if args.rounds is not None else 1 if args.quick else adm.DEFAULT_ROUNDS
+    check_flag("--ops", ops, 1, 100_000_000)
+    check_flag("--rb-seconds", rb_seconds, 0, 3600, low_open=True)
+    check_flag("--rounds", rounds, 1, 1000)
     target = args.redis_url or "a private redis-server"
     console.print(f"[dim]qos bench admission: {target}, {ops} ops per redis-py run, "
                   f"~{rb_seconds:g} s per redis-benchmark run, best of {rounds}[/]")
@@ -182,7 +198,10 @@ def _redis_budget(args: argparse.Namespace) -> int:
     from limiter.bench import redis_budget as rb
 
     console = Console()
-    if args.requests < 16 or args.requests % 16 or args.step_ms <= 0 or (args.tokens_per_push or 1) < 1 \
+    check_flag("--step-ms", args.step_ms, 0, 60_000, low_open=True)  # NaN passed `<= 0`
+    if args.tokens_per_push is not None:  # 0 was `or 1`: the default, silently
+        check_flag("--tokens-per-push", args.tokens_per_push, 1, rb.MAX_TOKENS)
+    if args.requests < 16 or args.requests % 16 \
             or args.rounds < 1 or min(args.tokens) < 1 or max(args.tokens) > rb.MAX_TOKENS \
             or not 1 <= args.frontends <= 64:
         console.print("[red]--requests: a positive multiple of 16; --step-ms, --tokens-per-push, --rounds: "

@@ -11,7 +11,7 @@ import asyncio
 from pathlib import Path
 from typing import Any
 
-from limiter.bench.cli import mode_parser
+from limiter.bench.cli import check_flag, mode_parser
 from limiter.bench.modes import ALL_MODES, MODES, SIM_TOKEN_BUDGET
 from limiter.bench.trace import DEFAULT_TRACE
 from limiter.errors import ConfigError
@@ -70,8 +70,7 @@ def _control(args: argparse.Namespace) -> int:
         raise ConfigError("--workers", "worker_loss needs at least 2 workers")
     if args.workers < 1:
         raise ConfigError("--workers", "must be >= 1")
-    if args.drain < 0:
-        raise ConfigError("--drain", "must be >= 0")
+    check_flag("--drain", args.drain, 0, 3600)  # `< 0` let NaN through
     if args.noise_out and "steady" not in names:
         raise ConfigError("--noise-out", "needs the steady scenario")
     p = cb.ControlParams(scenarios=names, short=args.short, workers=args.workers, drain_s=args.drain,
@@ -111,10 +110,11 @@ def _tenants(args: argparse.Namespace) -> int:
     from limiter.bench import tenants as tb
 
     console = Console()
-    for name in ("duration", "drain", "steady", "heavy", "medium"):
-        if getattr(args, name) <= 0 and not (name in ("drain", "medium") and getattr(args, name) == 0):
-            hint = " (or 0: leave it out)" if name == "medium" else ""
-            raise ConfigError(f"--{name}", f"must be > 0{hint}")
+    # `<= 0` let NaN through (a drain of NaN never ends); medium 0 leaves that tenant out
+    for name, low, high, low_open in (("duration", 0, 3600, True), ("drain", 0, 3600, False),
+                                      ("steady", 0, 20, True), ("heavy", 0, 20, True),
+                                      ("medium", 0, 20, False)):
+        check_flag(f"--{name}", getattr(args, name), low, high, low_open=low_open)
     if args.workers < 1:
         raise ConfigError("--workers", "must be >= 1")
     if args.token_budget is not None and args.token_budget < 1:
@@ -202,6 +202,7 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
     if not 1 <= workers <= 64:
         raise ConfigError("--workers", "must be in [1, 64]")
     check_run_limits(args)
+    check_trace_start(args.trace, args.trace_start)
     budget = default_token_budget(args)
     return BenchParams(
         engine=args.engine, modes=modes, load=args.load, duration_s=args.duration,
@@ -235,14 +236,27 @@ def check_run_limits(args: argparse.Namespace) -> None:
                                             "decoder first, and a prompt must still get a token")
     if not 1 <= args.frontends <= 64:
         raise ConfigError("--frontends", "must be in [1, 64]")
-    if not 0 <= args.time_scale <= 1000:
-        raise ConfigError("--time-scale", "must be in [0, 1000]")
+    # 0 (no step takes time) made the calibration divide by zero
+    check_flag("--time-scale", args.time_scale, 0, 1000, low_open=True)
     if args.drain is not None and not 0 <= args.drain <= 3600:
         raise ConfigError("--drain", "must be in [0, 3600]")
     if args.torch_threads < 1:
         raise ConfigError("--torch-threads", "must be >= 1")
     if args.capacity_rps is not None and not args.capacity_rps > 0:
         raise ConfigError("--capacity-rps", "must be > 0")
+
+
+def check_trace_start(trace: str, start_s: float) -> None:
+    """``--trace-start``: finite, >= 0 and before the trace's last arrival (NaN, or a start past
+    the end, left no arrival to send)."""
+    from limiter.bench.trace import load_trace
+
+    try:
+        rows = load_trace(trace)
+    except (OSError, ValueError) as exc:
+        raise ConfigError("--trace", str(exc)) from exc
+    last = rows[-1].t_s if rows else 0.0
+    check_flag("--trace-start", start_s, 0, last)
 
 
 def controller_overrides(items: list[str]) -> dict[str, Any]:
@@ -363,10 +377,9 @@ def _overhead(args: argparse.Namespace) -> int:
 
     from limiter.bench import overhead as ov
 
-    if not args.seconds > 0:
-        raise ConfigError("--seconds", "must be > 0")
-    if args.rate is not None and not args.rate > 0:
-        raise ConfigError("--rate", "must be > 0")
+    check_flag("--seconds", args.seconds, 0, 3600, low_open=True)  # inf: a phase without end
+    if args.rate is not None:
+        check_flag("--rate", args.rate, 0, 1_000_000, low_open=True)  # inf: the sender spun forever
     for name, low, high in (("concurrency", 1, 10_000), ("output_tokens", 1, 100_000), ("workers", 1, 64),
                             ("frontends", 1, 64), ("max_seqs", 1, 1024), ("chunk_tokens", 1, 100_000)):
         if not low <= getattr(args, name) <= high:

@@ -474,7 +474,7 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
     if instructions and (why := callgrind.why_not(redis_url)):
         raise ValueError(why)
     s = WorkerSettings()
-    per_push = per_push or tokens_per_push(step_ms, s.flush_ms, s.flush_tokens)
+    per_push = per_push if per_push is not None else tokens_per_push(step_ms, s.flush_ms, s.flush_tokens)
     unstreamed = unstreamed_tokens_per_push(step_ms, s.flush_ms, s.unstreamed_flush_ms)
     # a request's max_tokens holds what its phases push (first token, pushes, the unstreamed
     # push) and complete's tokens: 256 at the defaults, more at short steps

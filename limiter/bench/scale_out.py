@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import os
 import tempfile
 import time
@@ -54,6 +55,8 @@ DEFAULT_IDLE_S = 3.0
 DEFAULT_CONCURRENCY = 16  # per loaded pool (a frontend holds at most 32 connections per shard)
 DEFAULT_OUTPUT_TOKENS = 16
 DEFAULT_FRONTENDS = 2
+MAX_SECONDS = 3600.0  # --seconds, --idle-seconds
+MAX_RPS_PER_GPU = 1e6  # --rps-per-gpu
 DEFAULT_RPS_PER_GPU = 10.0  # the sizing's stated request mix (docs/scaling.md says why)
 DEFAULT_HEADROOM = 0.5  # the sizing runs shards and frontend cores at this share of their ceiling
 FLEETS = (100, 1_000, 10_000)
@@ -85,8 +88,13 @@ class ScaleSpec:
         if min(counts) < 1:
             raise ValueError("frontends, workers per pool, concurrency, output tokens, max seqs, "
                              "client processes: >= 1")
-        if self.seconds <= 0 or self.idle_s <= 0 or self.rps_per_gpu <= 0 or not 0 < self.headroom <= 1:
-            raise ValueError("seconds, idle seconds, requests/s per GPU: > 0; headroom in (0, 1]")
+        # each finite: NaN passed `<= 0` (an idle interval of NaN never ended), and inf has no end
+        for flag, value, high in (("--seconds", self.seconds, MAX_SECONDS),
+                                  ("--idle-seconds", self.idle_s, MAX_SECONDS),
+                                  ("--rps-per-gpu", self.rps_per_gpu, MAX_RPS_PER_GPU),
+                                  ("--headroom", self.headroom, 1)):
+            if not (math.isfinite(value) and 0 < value <= high):
+                raise ValueError(f"{flag}: must be in (0, {high:g}], got {value}")
 
 
 def scale_config(pools: Sequence[str], redis_url: str) -> QosConfig:

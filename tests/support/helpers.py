@@ -192,3 +192,17 @@ async def script_command_args(redis_server: Any, run: Callable[[], Awaitable[Any
 async def script_commands(redis_server: Any, run: Callable[[], Awaitable[Any]]) -> list[str]:
     """:func:`script_command_args`, each command as one line ("HSET qos:{tiny}:... ...")."""
     return [" ".join(args) for args in await script_command_args(redis_server, run)]
+
+
+def refused_by_name(monkeypatch: Any, capsys: Any, module: Any, runs: str, argv: list[str],
+                    named: str, stream: str = "err") -> None:
+    """``qos <argv>`` exits 2 with ``named`` in its output (``stream``: 'err' or 'out') and
+    never calls ``module.runs`` (the run that would start the stack)."""
+    from limiter import cli
+
+    started: list[object] = []
+    monkeypatch.setattr(module, runs, lambda *a, **k: started.append(a))
+    assert cli.main(argv) == 2
+    got = getattr(capsys.readouterr(), stream)
+    assert named in got, got
+    assert started == []
