@@ -357,15 +357,21 @@ MAX_BURST_TOKENS = 1e15
 MAX_TTFT_MS_PER_1K = 60_000.0
 MAX_CONTEXT_TOKENS = 10_000_000  # a pool's context_tokens, and so any prompt's length
 # Fields a pool's upstream_fields may not name: those this service implements or sets itself
-# (the frontend checks and counts them, the worker writes them upstream), and those that change
-# the answer's shape, which the frontend builds (more choices, logprobs, tool calls, echo).
+# (the frontend checks and counts them, the worker writes them upstream), those that change
+# the answer's shape, which the frontend builds (more choices, logprobs, tool calls, echo),
+# and vLLM's that carry a prompt, a template or text nobody counts (prompt_embeds,
+# chat_template, documents), reach past the request (kv_transfer_params: where a decode node
+# pulls its KV from; logits_processors, vllm_xargs: server-side code and arguments), or
+# generate several sequences for one answer (use_beam_search).
 RESERVED_REQUEST_FIELDS = frozenset({
     "model", "messages", "prompt", "max_tokens", "max_completion_tokens", "temperature", "top_p",
     "stop", "seed", "stream", "stream_options", "ignore_eos", "min_tokens", "user", "metadata",
     "safety_identifier", "prompt_cache_key", "store", "service_tier", "modalities",
     "n", "best_of", "logprobs", "top_logprobs", "echo", "suffix", "tools", "tool_choice", "functions",
     "function_call", "parallel_tool_calls", "prediction", "audio",
-    "priority", "continue_final_message", "add_generation_prompt", "request_id"})
+    "priority", "continue_final_message", "add_generation_prompt", "request_id",
+    "chat_template", "documents", "prompt_embeds", "kv_transfer_params", "logits_processors", "vllm_xargs",
+    "use_beam_search"})
 FIELD_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
 MIN_TENANT_QUOTA = 1e-9  # admit.lua's least tenant_rate (tokens/s) and tenant_burst (tokens)
 

@@ -36,6 +36,10 @@ import msgpack
 from limiter.reply_text import REASONING_FIELDS
 
 PAYLOAD_VERSION = 1
+# A payload with fields for the model server (upstream) is written as version 2: a worker of
+# an older release, which would drop them and answer another question, refuses it instead
+# ("not a version-1 map": the request fails, 503 worker_failed). Workers first, then list them.
+PAYLOAD_VERSION_UPSTREAM = 2
 # The sampling fields a client may leave to the model server's defaults (Payload.defaulted).
 DEFAULTABLE = ("temperature", "top_p")
 BOS_TOKENS = 1
@@ -131,7 +135,8 @@ class Payload:
 
     def pack(self) -> bytes:
         d: dict[str, Any] = {
-            "v": PAYLOAD_VERSION, "kind": self.kind, "prompt": self.prompt, "max_tokens": self.max_tokens,
+            "v": PAYLOAD_VERSION_UPSTREAM if self.upstream else PAYLOAD_VERSION,
+            "kind": self.kind, "prompt": self.prompt, "max_tokens": self.max_tokens,
             "temperature": float(self.temperature), "top_p": float(self.top_p), "stop": list(self.stop),
             "seed": self.seed, "model": self.model,
         }
@@ -153,13 +158,13 @@ class Payload:
 
     @classmethod
     def unpack(cls, blob: bytes) -> Payload:
-        """Decode a stored payload; raises ValueError on anything that is not version 1."""
+        """Decode a stored payload; raises ValueError on anything that is not version 1 or 2."""
         try:
             d: Any = msgpack.unpackb(blob, raw=False)
         except Exception as exc:  # msgpack raises several unrelated types
             raise ValueError(f"payload is not msgpack: {exc}") from exc
-        if not isinstance(d, Mapping) or d.get("v") != PAYLOAD_VERSION:
-            raise ValueError("payload is not a version-1 map")
+        if not isinstance(d, Mapping) or d.get("v") not in (PAYLOAD_VERSION, PAYLOAD_VERSION_UPSTREAM):
+            raise ValueError("payload is not a version-1 or -2 map")
         try:
             return cls(kind=str(d["kind"]), prompt=str(d["prompt"]), max_tokens=int(d["max_tokens"]),
                        temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),

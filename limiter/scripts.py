@@ -342,7 +342,9 @@ class Scripts:
             # A cluster's slot migrating (a reshard): the key was redirected (ASK) to the
             # importing node, which never ran the script, and the slot map still names the
             # source, where the load above went (every tick of a reshard failed here). The
-            # importing node is one of the primaries. Not EVAL: the documented ACL has none.
+            # importing node is one of the primaries the client knows when it already serves
+            # slots; a node added with none is not in redis-py's map, and its ASK handling
+            # (8.2) fails before any NOSCRIPT (redis-py #4015). Not EVAL: the ACL has none.
             if not await self._load_on_every_primary(script.script):
                 raise
             return await self.client.evalsha(script.sha, len(keys), *keys, *args)

@@ -124,7 +124,7 @@ async def test_the_leader_publishes_through_a_reshard_of_its_pools_slot(redis_cl
                 time.sleep(0.02)
                 seen.append(_published_ms(redis_cluster, keys))
 
-        # to a node that never ran the scripts (a shard added to scale out): the tick's EVALSHA
+        # to a primary that never ran the scripts (its cache flushed): the tick's EVALSHA
         # redirected there met NOSCRIPT, and loading the script on the slot map's owner (the
         # source) did not help the retry, redirected there again (every tick of the move)
         await asyncio.to_thread(move_slot, redis_cluster, keys.compliance, first=[keys.compliance],

@@ -48,6 +48,9 @@ async def test_a_listed_origin_gets_its_preflight_and_every_answer_marked(redis_
         assert r.status == 405 and "Access-Control-Allow-Origin" not in r.headers
         r = await client.post("/v1/completions", json=BODY, headers={**auth(), "Origin": other["Origin"]})
         assert r.status == 200 and "Access-Control-Allow-Origin" not in r.headers
+        # ...but told it depends on the Origin: a shared cache must not serve it to a listed page
+        assert r.headers["Vary"] == "Origin"
+        assert (await client.get("/v1/models", headers=auth())).headers["Vary"] == "Origin"
         # a header list that is not one is not echoed
         r = await client.options("/v1/completions",
                                  headers={**PREFLIGHT, "Access-Control-Request-Headers": "x-a, (y)"})

@@ -18,6 +18,8 @@ from typing import Any
 import openai
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from limiter.errors import InvalidArgument
@@ -415,6 +417,19 @@ def test_fields_openai_and_vllm_clients_send_at_their_do_nothing_values_are_acce
     assert request(max_tokens=100, max_completion_tokens=7).max_tokens == 7
 
 
+@pytest.mark.parametrize("sent", ["a b", "x" * 129, "ü"])
+async def test_a_request_id_the_answer_cannot_carry_is_ignored_not_refused(client, fake_worker, sent) -> None:
+    """A client's X-Request-Id that is not 1 to 128 visible ASCII characters (a long tracing
+    id): the request is served with the service's own id (it was ignored before; a 400 would
+    refuse every request of such a client)."""
+    headers = {"Authorization": f"Bearer {KEY}", "X-Request-Id": sent.encode().decode("latin-1")}
+    r = await client.post("/v1/completions", json={"model": "tiny", "prompt": "abc", "max_tokens": 2},
+                          headers=headers)
+    assert r.status == 200, await r.text()
+    rid = r.headers["X-QoS-Request-Id"]
+    assert r.headers["x-request-id"] == rid and (await r.json())["id"] == "cmpl-" + rid
+
+
 def test_a_pools_upstream_fields_are_carried_to_the_worker_as_sent():
     """``[[pools]] upstream_fields``: those fields of a request go into the payload as the
     client sent them (any JSON value; null: not sent), for the openai engine to pass on; a
@@ -448,6 +463,87 @@ def test_a_pools_upstream_fields_are_carried_to_the_worker_as_sent():
     with pytest.raises(ValueError, match="upstream"):  # a stored payload of the wrong shape
         Payload.unpack(__import__("msgpack").packb({"v": 1, "kind": "chat", "prompt": "x", "max_tokens": 1,
                                                     "upstream": [1, 2]}))
+
+
+def _passing_cfg():
+    import dataclasses
+
+    from limiter.config import PoolConfig, demo_config, validate
+
+    base = demo_config()
+    vllm = PoolConfig(name="vllm", context_tokens=4096,
+                      upstream_fields=("top_k", "chat_template_kwargs", "extra"))
+    return validate(dataclasses.replace(base, pools=(*base.pools, vllm)))
+
+
+def _nested(depth: int) -> list:
+    value: list = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("field,value,param", [
+    ("top_k", 2**64, "top_k"),  # msgpack holds 64 bits: was a 500 and a traceback
+    ("top_k", -(2**63) - 1, "top_k"),
+    ("extra", {"a": [1, {"b": 10**30}]}, "extra.a[1].b"),
+    ("extra", "\ud800", "extra"),  # a lone surrogate: no UTF-8
+    ("extra", {"\ud800": 1}, "extra"),
+    ("extra", _nested(40), None),
+    # chat_template_kwargs may not set what the worker sets, nor carry a template or uncounted text
+    ("chat_template_kwargs", {"enable_thinking": False, "chat_template": "{{ 1 }}"},
+     "chat_template_kwargs.chat_template"),
+    ("chat_template_kwargs", {"continue_final_message": True}, "chat_template_kwargs.continue_final_message"),
+    ("chat_template_kwargs", {"documents": [{"text": "x" * 1000}]}, "chat_template_kwargs.documents"),
+])
+def test_a_passed_field_that_cannot_go_as_sent_is_a_400_naming_it(field, value, param) -> None:
+    from limiter.frontend.errors import ApiError
+    from limiter.frontend.openai_api import parse_request
+
+    body = {"model": "vllm", "messages": [{"role": "user", "content": "hi"}], field: value}
+    with pytest.raises(ApiError) as e:
+        parse_request("chat", body, _passing_cfg())
+    assert e.value.status == 400
+    if param is not None:
+        assert e.value.param == param, e.value.message
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(min_value=-(2**70), max_value=2**70)
+    | st.floats(allow_nan=False, allow_infinity=False) | st.text(st.characters(exclude_categories=())),
+    lambda inner: st.lists(inner, max_size=4)
+    | st.dictionaries(st.text(st.characters(exclude_categories=()), max_size=8), inner, max_size=4),
+    max_leaves=20)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(value=json_values)
+def test_a_passed_value_is_refused_or_stored_as_sent(value) -> None:
+    """Whatever JSON a client puts in a passed-through field: a 400, or a payload that packs
+    and reads back with the value as sent (never an error out of the packing: a 500)."""
+    from limiter.frontend.errors import ApiError
+    from limiter.frontend.openai_api import finish_request, parse_request
+
+    body = {"model": "vllm", "prompt": "x", "extra": value}
+    try:
+        req = finish_request(parse_request("completion", body, _passing_cfg()), 2)
+    except ApiError as exc:
+        assert exc.status == 400
+        return
+    payload = req.payload()
+    got = Payload.unpack(payload.pack())
+    assert got.upstream == ({} if value is None else {"extra": value})
+
+
+def test_a_payload_with_passed_fields_is_one_an_older_worker_refuses():
+    """Version 2 when it carries ``upstream``: a worker of an older release, which reads
+    version 1 only, refuses it (the request fails) instead of answering without the fields."""
+    import msgpack
+
+    with_fields = Payload("chat", "x", 3, upstream={"top_k": 5})
+    assert msgpack.unpackb(with_fields.pack())["v"] == 2
+    assert msgpack.unpackb(Payload("chat", "x", 3).pack())["v"] == 1  # as before: old workers read it
+    assert Payload.unpack(with_fields.pack()) == with_fields
 
 
 def test_sampling_fields_the_client_left_out_are_left_to_the_model_server():

@@ -446,8 +446,7 @@ async def test_vllm_extensions_model_and_priority_switch(env) -> None:
 
 async def test_a_pools_upstream_fields_reach_the_model_server_as_sent(env) -> None:
     """The fields a pool passes through (``upstream_fields``: vLLM's sampling and template
-    knobs) go in the upstream request as the client sent them, beside the worker's own; a
-    resume keeps them."""
+    knobs) go in the upstream request as the client sent them, beside the worker's own."""
     cfg, c, up = env
     sent = {"top_k": 20, "min_p": 0.05, "chat_template_kwargs": {"enable_thinking": False}}
     async with worker(cfg, engine="openai", upstream_url=up.url):

@@ -145,12 +145,12 @@ _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")  # visible ASCII: it goes
 
 
 def _client_request_id(request: web.Request) -> str | None:
-    """The client's own request id (``X-Request-Id``, as vLLM takes it), or None."""
+    """The client's own request id (``X-Request-Id``, as vLLM takes it), or None -- also for
+    one that is not 1 to 128 visible ASCII characters: a tracing id set by the client's
+    infrastructure, ignored before, must not turn its every request into a 400 (the answer
+    then carries the service's id, so the client sees its own was not taken)."""
     value = one_header(request.headers, CLIENT_REQUEST_ID_HEADER)
-    if value is not None and not _CLIENT_REQUEST_ID.fullmatch(value):
-        raise ApiError(400, f"{CLIENT_REQUEST_ID_HEADER} must be 1 to 128 visible ASCII characters",
-                       code="invalid_value", param=CLIENT_REQUEST_ID_HEADER)
-    return value
+    return value if value is not None and _CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
 def _generation_handler(kind: str) -> Handler:

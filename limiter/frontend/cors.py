@@ -59,7 +59,12 @@ class Cors:
 
     def _allow_origin(self, headers: web.CIMultiDict[str] | dict[str, str], origin: str) -> None:
         headers[hdrs.ACCESS_CONTROL_ALLOW_ORIGIN] = ANY if self.any else origin
-        if not self.any:  # the answer depends on the Origin: a cache must keep one per origin
+        self._vary(headers)
+
+    def _vary(self, headers: web.CIMultiDict[str] | dict[str, str]) -> None:
+        """With a list of origins every answer depends on the Origin (a listed one gets the
+        header, any other none): a shared cache must keep one per origin, whatever this one's."""
+        if not self.any and "Origin" not in headers.get(hdrs.VARY, ""):
             vary = headers.get(hdrs.VARY)
             headers[hdrs.VARY] = f"{vary}, Origin" if vary else "Origin"
 
@@ -84,6 +89,8 @@ class Cors:
             assert origin is not None
             self._allow_origin(response.headers, origin)
             response.headers[hdrs.ACCESS_CONTROL_EXPOSE_HEADERS] = EXPOSED
+        else:
+            self._vary(response.headers)
 
 
 def install(app: web.Application, origins: tuple[str, ...]) -> None:

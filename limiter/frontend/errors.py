@@ -75,7 +75,8 @@ class ApiError(Exception):
     def headers(self) -> dict[str, str]:
         h: dict[str, str] = {}
         if self.retry_after_s is not None:
-            ms = self.retry_after_s * 1000 if self.retry_after_ms is None else max(self.retry_after_ms, 1)
+            exact = self.retry_after_ms is not None and self.retry_after_ms > 0
+            ms = self.retry_after_ms if exact else self.retry_after_s * 1000
             h |= {"Retry-After": str(self.retry_after_s), "retry-after-ms": str(ms)}
         if self.should_retry is not None:
             h["x-should-retry"] = "true" if self.should_retry else "false"
@@ -127,8 +128,7 @@ def to_api_error(exc: BaseException) -> ApiError:
                         retry_after_s=1, outcome="throttled")
     if isinstance(exc, QueueFull):
         return ApiError(503, f"Overloaded: the {exc.cls} queue is full ({exc.depth} waiting); retry later",
-                        code="queue_full", retry_after_s=_retry_s(exc.retry_after_ms),
-                        retry_after_ms=exc.retry_after_ms, outcome="shed")
+                        code="queue_full", retry_after_s=_retry_s(exc.retry_after_ms), outcome="shed")
     if isinstance(exc, InvalidArgument):
         # Only a script raises it here: the frontend checked the client's input before the call,
         # so a script refusing an argument is the server's own disagreement, not the client's

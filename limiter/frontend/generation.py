@@ -290,10 +290,8 @@ class Generation:
         if r.code == "refused":
             return ApiError(400, f"The request cannot be served: {r.message}", code="request_refused",
                                outcome="refused")
-        # The pool already tried it max_attempts times (a worker's death, a model server's
-        # error): an SDK's automatic resends were each admitted, charged and failed again.
         return ApiError(503, f"The worker failed the request: {r.message}", code="worker_failed",
-                           retry_after_s=1, should_retry=False, outcome="failed")
+                           retry_after_s=1, outcome="failed")
 
     def accept(self, r: Reply) -> str:
         """The text of ``r`` not yet forwarded ('' for a replay from a resumed stream)."""

@@ -203,6 +203,38 @@ def _text(v: Any, param: str) -> str:
     return v
 
 
+# A passed-through value is the model server's to judge, but it must be storable (msgpack:
+# 64-bit integers, valid UTF-8) and bounded in depth (the check recurses).
+MAX_PASSED_DEPTH = 32
+# Keys vLLM lets chat_template_kwargs set over its own template arguments: the worker sets the
+# first three itself (a resume continues the answer), the rest carry a template or text the
+# frontend never counted.
+CHAT_TEMPLATE_KWARGS_RESERVED = frozenset({
+    "add_generation_prompt", "continue_final_message", "conversation", "chat_template", "tools",
+    "documents", "messages", "tokenize"})
+
+
+def _passed(v: Any, param: str, depth: int = 0) -> Any:
+    """``v`` when it can go to the model server as sent, else a 400 naming ``param``."""
+    if depth > MAX_PASSED_DEPTH:
+        raise bad(param, f"'{param}' is nested more than {MAX_PASSED_DEPTH} levels deep")
+    if isinstance(v, str):
+        return _text(v, param)
+    if isinstance(v, int) and not isinstance(v, bool) and not INT64[0] <= v <= INT64[1]:
+        raise bad(param, f"'{param}' holds an integer past 64 bits", "invalid_value")
+    if isinstance(v, list):
+        return [_passed(x, f"{param}[{i}]", depth + 1) for i, x in enumerate(v)]
+    if isinstance(v, dict):
+        if depth == 0 and param == "chat_template_kwargs":
+            for k in v:
+                if k in CHAT_TEMPLATE_KWARGS_RESERVED:
+                    raise bad(f"{param}.{k}", f"'{param}.{k}' is set by this service, or carries a "
+                              "template or text it does not count: it cannot be passed through",
+                              "unsupported_value")
+        return {_text(k, param): _passed(x, f"{param}.{k[:64]}", depth + 1) for k, x in v.items()}
+    return v  # bool, None, a finite float (parse_json took no other)
+
+
 def _metadata(v: Any) -> None:
     """OpenAI's ``metadata``: up to 16 string pairs (kept by OpenAI with stored completions;
     accepted and not used here)."""
@@ -343,7 +375,7 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
             continue
         if k in pool.upstream_fields:  # for the model server, as sent (null: not sent)
             if v is not None:
-                upstream[k] = v
+                upstream[k] = _passed(v, k)
             continue
         if k in neutral:
             if v is not None and not neutral[k](v):
