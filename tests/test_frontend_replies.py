@@ -6,6 +6,7 @@ from __future__ import annotations
 from limiter.frontend.metrics import FrontendMetrics
 from limiter.frontend.replies import Reply, ReplyRouter, replies_of
 from limiter.keys import PoolKeys
+from limiter.slo import ClassSLO
 
 
 def _counted(m: FrontendMetrics, kind: str) -> float:
@@ -59,8 +60,8 @@ def test_a_replay_is_counted_once_as_read_and_once_as_dropped_not_twice_as_read(
     router.dispatch("tiny", entry)  # a worker resuming the request sends the same 3 tokens again
     request = types.SimpleNamespace(  # what Generation.accept reads of its request
         forwarded=0, deadline_active=True, first_token_at=None, request_id="rX", labels=("tiny", "P0"),
-        req=types.SimpleNamespace(pool=types.SimpleNamespace(name="tiny")), admitted_at=0.0, received=0.0,
-        fe=types.SimpleNamespace(metrics=m))
+        cls="P0", req=types.SimpleNamespace(pool=types.SimpleNamespace(name="tiny"), prompt_tokens=3),
+        admitted_at=0.0, received=0.0, fe=types.SimpleNamespace(metrics=m, slos={"P0": ClassSLO(500.0)}))
     assert [Generation.accept(request, q.get_nowait()) for _ in range(2)] == ["abc", ""]
     assert _counted(m, "tok") == 2 and _counted(m, "dup") == 0
     assert m.registry.get_sample_value("qos_frontend_replayed_replies_total", {"pool": "tiny"}) == 1

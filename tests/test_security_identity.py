@@ -108,7 +108,7 @@ async def test_a_key_cannot_go_above_its_ceiling(
         assert r.status in (400, 403), r.status
         err = (await r.json())["error"]
         assert err["code"] in ("class_not_allowed", "invalid_class", "unknown_parameter",
-                               "duplicate_header"), err
+                               "unsupported_value", "duplicate_header"), err
         assert redis_state(sync_redis) == before
 
 
