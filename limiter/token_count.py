@@ -139,8 +139,11 @@ class Counter:
     def count_text(self, text: str) -> int:
         return count_tokens(text)
 
-    async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
-        """Tokens of a completion prompt, or of a chat (``messages``; ``prompt`` is its rendering)."""
+    async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
+                    template_kwargs: Mapping[str, Any] | None = None) -> int:
+        """Tokens of a completion prompt, or of a chat (``messages``; ``prompt`` is its rendering).
+        ``template_kwargs``: the request's ``chat_template_kwargs`` for the model server, which
+        only a counter that applies the model's chat template (``/tokenize``) uses."""
         return self.count_text(prompt)
 
     async def close(self) -> None:
@@ -156,7 +159,8 @@ class FileCounter(Counter):
     def count_text(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
-    async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
+    async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
+                    template_kwargs: Mapping[str, Any] | None = None) -> int:
         if len(prompt) > THREAD_CHARS:  # the Rust encoder releases the GIL
             return await asyncio.to_thread(self.count_text, prompt)
         return self.count_text(prompt)
@@ -178,7 +182,8 @@ class UpstreamCounter(Counter):
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._session: Any = None
 
-    async def count(self, prompt: str, messages: Sequence[ChatMessage] = ()) -> int:
+    async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
+                    template_kwargs: Mapping[str, Any] | None = None) -> int:
         import aiohttp
 
         if self._session is None:
@@ -188,6 +193,8 @@ class UpstreamCounter(Counter):
         body: dict[str, Any] = {"model": self.model}
         if messages:
             body.update(messages=[m.to_dict() for m in messages], add_generation_prompt=True)
+            if template_kwargs:  # the template the request is served with (enable_thinking, ...)
+                body["chat_template_kwargs"] = dict(template_kwargs)
         else:
             body["prompt"] = prompt
         try:

@@ -222,7 +222,23 @@ async def test_upstream_tokenizer_counts_chats_with_the_servers_template(tmp_pat
         assert rec["input_tokens"] == str(want) == rec["usage_in"]
         assert out["usage"]["prompt_tokens"] == want and out["usage"]["completion_tokens"] == 3
         assert out["choices"][0]["message"]["content"] == "say it backwards please"[::-1][:9]
+        assert "chat_template_kwargs" not in asked
 
+    # A pool that passes chat_template_kwargs on (enable_thinking changes what the template
+    # renders): the count is asked with them, of the prompt the model server is sent
+    passing = make_cfg(redis_server.url, pool={"tokenizer": "upstream", "tokenizer_url": upstream.url,
+                                               "context_tokens": 64, "default_max_tokens": 64,
+                                               "upstream_fields": ("chat_template_kwargs",)})
+    kwargs = {"enable_thinking": False}
+    async with frontend(passing) as client, worker(passing, engine="openai", upstream_url=upstream.url):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": msgs, "max_tokens": 3,
+                                    "chat_template_kwargs": kwargs})
+        assert r.status == 200, await r.text()
+    asked = upstream.tokenized[-1]
+    assert asked["messages"] == msgs and asked["chat_template_kwargs"] == kwargs
+    assert upstream.bodies[-1]["chat_template_kwargs"] == kwargs
+    async with frontend(cfg) as client:
         # The model server cannot count: a clear 503, nothing admitted or charged.
         before = redis_state(sync_redis)
         upstream.status = 503

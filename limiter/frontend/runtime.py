@@ -319,7 +319,8 @@ class Frontend:
         """The prompt's tokens in its pool's tokenizer; 503 when the model server must count
         them and cannot, 400 when it refuses this prompt (nothing is admitted or charged)."""
         try:
-            return await self.counters[draft.pool.name].count(draft.prompt, draft.messages)
+            return await self.counters[draft.pool.name].count(
+                draft.prompt, draft.messages, draft.fields["upstream"].get("chat_template_kwargs"))
         except token_count.TokenizerRefused as exc:
             # The upstream's own words stay in the log: they may name its internals.
             log.info("pool %s: the upstream tokenizer refused a prompt: %s", draft.pool.name, exc)
