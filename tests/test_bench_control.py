@@ -4,11 +4,13 @@ default); the four full scenarios, and the two of long P0 prompts, are slow test
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import pytest
 
 from limiter.bench import control as cb
+from limiter.bench import trace as tr
 from limiter.bench.calibrate import Capacity
 
 CAP = Capacity("sim", 2, 300, 20.2, 10_000.0, 5_000.0, "given")
@@ -298,3 +300,21 @@ def test_a_drain_that_is_not_a_finite_time_is_refused_by_name(drain: str, capsys
 
     refused_by_name(monkeypatch, capsys, cb, "run_control", ["bench", "control", "--drain", drain],
                     "--drain: must be in [0, 3600]")
+
+
+@pytest.mark.parametrize("share,longs", [(0.2, 20), (0.3, 30), (0.05, 5), (1.0, 100)])
+def test_the_long_prompts_take_the_share_named_in_every_stretch(share: float, longs: int) -> None:
+    """``with_long_p0``: the share of P0's rows that are long prompts is the one named, over
+    the whole mix and within any stretch of it (``round(1 / share)`` made 0.3 a third), and
+    no two long prompts are the same length in a row (a prefix cache would prefill one once)."""
+    p0 = [tr.Arrival(i, i * 0.1, "P0", 50, 8, 0.0) for i in range(100)]
+    p2 = [tr.Arrival(1000 + i, i * 0.1, "P2", 20_000, 4_000, 0.0) for i in range(200)]
+    mixed = cb.with_long_p0({"P0": p0, "P2": p2}, share)["P0"]
+    is_long = [a.tenant == cb.LONG_P0_TENANT for a in mixed]
+    assert len(mixed) == 100 and sum(is_long) == longs
+    for start in range(0, 100, 10):  # every stretch of ten: the share within one request
+        assert abs(sum(is_long[start:start + 10]) - 10 * share) < 1 + 1e-9, (start, is_long)
+    lengths = [a.prompt_tokens for a in mixed if a.tenant == cb.LONG_P0_TENANT]
+    assert all(x != y for x, y in itertools.pairwise(lengths))
+    with pytest.raises(ValueError, match="share"):
+        cb.with_long_p0({"P0": p0, "P2": p2}, 0.0)

@@ -152,24 +152,27 @@ def class_rows(engine: str) -> dict[str, list[tr.Arrival]]:
 
 def with_long_p0(rows: Mapping[str, Sequence[tr.Arrival]], share: float) -> dict[str, list[tr.Arrival]]:
     """``rows`` with P2's long prompts (cut to about ``LONG_P0_PROMPT`` tokens and
-    ``LONG_P0_OUTPUT``) among P0's, sent by ``LONG_P0_TENANT`` at P0: the last of every
-    ``round(1 / share)`` P0 requests, so a scenario's first minute has the share it names
-    (a seeded draw per row gave 9-14 % where 5 % was asked); P0's rows end where the long
-    ones run out. Each long prompt is a few tokens shorter than the one before (cycling over
+    ``LONG_P0_OUTPUT``) among P0's, sent by ``LONG_P0_TENANT`` at P0: the k-th P0 request is
+    a long one when ``floor((k + 1) x share)`` steps past ``floor(k x share)``, so any stretch
+    of the mix has the share it names, 0.3 too (a seeded draw per row gave 9-14 % where 5 %
+    was asked; the last of every ``round(1 / share)`` made 0.3 a third); P0's rows end where
+    the long ones run out. Each long prompt is a few tokens shorter than the one before (cycling over
     64), so no two neighbours are the same text: a server with a prefix cache would
     otherwise prefill each only once."""
-    every = max(1, round(1 / share))
+    if not 0 < share <= 1:
+        raise ValueError(f"the long prompts' share must be in (0, 1], got {share!r}")
     longs = iter(rows["P2"])
     mixed: list[tr.Arrival] = []
+    n = 0  # long prompts placed so far
     for k, a in enumerate(rows["P0"]):
-        if k % every == every - 1:
+        if math.floor((k + 1) * share + 1e-9) > math.floor(k * share + 1e-9):
             long = next(longs, None)
             if long is None:  # the mix ends with the long prompts (a scenario needs its start)
                 break
-            n = len(mixed) // every
             mixed.append(dataclasses.replace(long, cls="P0", tenant=LONG_P0_TENANT,
                                              prompt_tokens=min(long.prompt_tokens, LONG_P0_PROMPT - n % 64),
                                              max_tokens=min(long.max_tokens, LONG_P0_OUTPUT)))
+            n += 1
         else:
             mixed.append(a)
     return {**rows, "P0": mixed}
