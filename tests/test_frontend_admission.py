@@ -7,29 +7,36 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
 import msgpack
 import pytest
 
+from limiter.errors import Throttled
+from limiter.frontend.generation import Generation
 from limiter.localstack.redis_server import RedisServer
 from limiter.samples import decode_sample
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
 from tests.support.helpers import wait_until
 
-# Tenant "slow": 20 weighted tokens/s, burst 20. A request "ab" with max_tokens 7 costs
+# Tenant "slow": 5 weighted tokens/s, burst 20. A request "ab" with max_tokens 7 costs
 # 3 (2 bytes + BOS) + 7 = 10, and the fixed-text worker uses all 7: no refund blurs the math.
+# WHOLE_BURST costs 20 (12 bytes + BOS + 7): it empties the bucket in one request, and a SLOW
+# one after it finds it short for 2 s less the time between them (the bucket refills while
+# the test runs: two requests of 10 at 20/s left it 0.5 s, which a busy machine overran).
 SLOW = {"model": "tiny", "prompt": "ab", "max_tokens": 7}
+WHOLE_BURST = {"model": "tiny", "prompt": "abcdefghijkl", "max_tokens": 7}
 TENANTS = [
-    tenant("slow-p0", "key-slow-p0", "P0", rate=20, burst_s=1.0),
-    tenant("slow-p1", "key-slow-p1", "P1", rate=20, burst_s=1.0),
+    tenant("slow-p0", "key-slow-p0", "P0", rate=5, burst_s=4.0),
+    tenant("slow-p1", "key-slow-p1", "P1", rate=5, burst_s=4.0),
     tenant("frugal", "key-frugal", "P1", rate=1, burst_s=1000.0),  # burst 1000, ~no refill
     tenant("single", "key-single", "P1", max_inflight=1),
 ]
 CLASSES = {"P0": {"admission_wait_ms": 0, "max_wait_ms": 400},
-           "P1": {"admission_wait_ms": 800},
+           "P1": {"admission_wait_ms": 3000},
            "P2": {"queue_cap": 0}}
 
 
@@ -47,50 +54,63 @@ async def client(cfg):
 async def test_429_retry_after_is_honest(client, aredis):
     async with FakeWorker(aredis, POOL, fixed_text="z" * 7):
         h = auth("key-slow-p0")
-        for _ in range(2):
-            r = await client.post("/v1/completions", json=SLOW, headers=h)
-            assert r.status == 200
+        r = await client.post("/v1/completions", json=WHOLE_BURST, headers=h)
+        assert r.status == 200
         r = await client.post("/v1/completions", json=SLOW, headers=h)
         assert r.status == 429
         err = (await r.json())["error"]
         assert err["type"] == "rate_limit_error" and err["code"] == "rate_limit_exceeded"
-        retry_after = int(r.headers["Retry-After"])
-        assert retry_after == 1  # 10 tokens at 20/s: 500 ms, rounded up to whole seconds
-        # the exact wait for clients that read it (the OpenAI SDKs, before Retry-After)
-        assert 0 < int(r.headers["retry-after-ms"]) <= 500
-        await asyncio.sleep(retry_after)
+        # the exact wait for clients that read it (the OpenAI SDKs, before Retry-After): 10
+        # tokens at 5/s, 2 s less what refilled since the bucket was emptied
+        retry_ms = int(r.headers["retry-after-ms"])
+        assert 0 < retry_ms <= 2000
+        assert int(r.headers["Retry-After"]) == math.ceil(retry_ms / 1000)  # rounded up to whole seconds
+        await asyncio.sleep((retry_ms + 1) / 1000)  # +1 ms: the frontend's own rounding margin
         r = await client.post("/v1/completions", json=SLOW, headers=h)
         assert r.status == 200
 
 
-async def test_short_bucket_wait_is_slept_not_rejected(client, aredis):
-    """P1 may wait up to 800 ms for tokens: the third request sleeps ~500 ms, then succeeds."""
+async def test_short_bucket_wait_is_slept_not_rejected(client, aredis, monkeypatch):
+    """P1 may wait up to 3 s for tokens: the second request sleeps for the bucket (the wait
+    the frontend computed, under 2 s), then succeeds."""
+    waits: list[int] = []  # each bucket wait the frontend was told, ms
+    admit_once = Generation._admit_once
+
+    async def told(self: Generation, payload: bytes) -> object:
+        try:
+            return await admit_once(self, payload)
+        except Throttled as exc:
+            waits.append(exc.retry_after_ms)
+            raise
+
+    monkeypatch.setattr(Generation, "_admit_once", told)
     async with FakeWorker(aredis, POOL, fixed_text="z" * 7):
         h = auth("key-slow-p1")
-        for _ in range(2):
-            assert (await client.post("/v1/completions", json=SLOW, headers=h)).status == 200
+        assert (await client.post("/v1/completions", json=WHOLE_BURST, headers=h)).status == 200
         t0 = time.monotonic()
         r = await client.post("/v1/completions", json=SLOW, headers=h)
         assert r.status == 200
-        assert time.monotonic() - t0 >= 0.4  # it slept for the bucket (one retry, below)
+        slept_s = time.monotonic() - t0
+    assert len(waits) == 1 and 0 < waits[0] <= 2000, waits  # one wait, for the bucket
+    assert slept_s >= waits[0] / 1000  # it slept that wait, not a 429
     text = await (await client.get("/metrics")).text()
     assert 'qos_frontend_admission_retries_total{class="P1",pool="tiny"} 1.0' in text
 
 
 async def test_a_bucket_wait_past_the_request_timeout_is_429_at_once(cfg, aredis, sync_redis):
-    """The bucket wait is slept only when it ends before request_timeout_s: a 500 ms wait
-    under a 300 ms timeout was slept, admitted, and then timed out as a 503 -- the tokens
-    spent and the client told to retry in 1 s, when the honest answer was a 429 at once."""
+    """The bucket wait is slept only when it ends before request_timeout_s: a wait (here up
+    to 2 s, within P1's 3 s admission wait) under a 300 ms timeout was slept, admitted, and
+    then timed out as a 503 -- the tokens spent and the client told to retry, when the
+    honest answer was a 429 at once."""
     async with frontend(cfg, request_timeout_s=0.3) as client, \
             FakeWorker(aredis, POOL, fixed_text="z" * 7):
         h = auth("key-slow-p1")
-        for _ in range(2):
-            assert (await client.post("/v1/completions", json=SLOW, headers=h)).status == 200
+        assert (await client.post("/v1/completions", json=WHOLE_BURST, headers=h)).status == 200
         before = sync_redis.hget(POOL.stats, "P1.admitted")
         r = await client.post("/v1/completions", json=SLOW, headers=h)
         err = (await r.json())["error"]
         assert r.status == 429 and err["code"] == "rate_limit_exceeded", err
-        assert r.headers["Retry-After"] == "1"
+        assert int(r.headers["Retry-After"]) == math.ceil(int(r.headers["retry-after-ms"]) / 1000)
         assert sync_redis.hget(POOL.stats, "P1.admitted") == before  # nothing queued or charged
 
 
