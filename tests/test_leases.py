@@ -74,15 +74,24 @@ async def test_max_attempts_fails_with_a_clear_reason(scripts, pool):
 
 
 async def test_renew_extends_and_reports_lost_and_cancelled(scripts, pool):
+    # Leases far longer than the test: a renewal is seen in the lease index (each sets the
+    # lease's end to the server's now + the lease asked for), not by the lease surviving a
+    # sleep (200 ms leases renewed every 100 ms lapsed on a machine that stalled 100 ms).
     await admit(scripts, pool, cls="P1", request_id="keep", input_tokens=1, max_tokens=5)
     await admit(scripts, pool, cls="P1", request_id="cancelme", input_tokens=1, max_tokens=5)
-    got = await scripts.claim(pool, "w1", 2, lease_ms=200)
+    got = await scripts.claim(pool, "w1", 2, lease_ms=60_000)
     fences = {c.request_id: c.fence for c in got.requests}
-    for _ in range(4):
-        await asyncio.sleep(0.1)
+    for i in range(4):
+        lease_ms = 120_000 + 60_000 * i  # each renewal asks for longer: its end moves on
+        ends = await scripts.client.zmscore(pool.leases, ["keep", "cancelme"])
+        now = await redis_ms(scripts.client)
         held = [("keep", fences["keep"]), ("cancelme", fences["cancelme"]), ("ghost", 1)]
-        res = await scripts.renew_leases(pool, "w1", held, lease_ms=200)
+        res = await scripts.renew_leases(pool, "w1", held, lease_ms=lease_ms)
         assert res.lost == ["ghost"]
+        renewed = await scripts.client.zmscore(pool.leases, ["keep", "cancelme"])
+        for before, after in zip(ends, renewed, strict=True):
+            assert after > before and after >= now + lease_ms, (i, before, after, now)
+    assert await scripts.client.zscore(pool.leases, "ghost") is None  # a lost one is not leased by a renewal
     assert (await scripts.reap(pool)).requeued == 0  # renewed leases did not expire
     assert await scripts.cancel(pool, "cancelme", "t1") == "cancelling"
     res = await scripts.renew_leases(pool, "w1", [("keep", fences["keep"]), ("cancelme", fences["cancelme"])])
