@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import pytest
@@ -378,16 +379,21 @@ async def test_a_live_record_outlasts_record_ttl_so_a_late_janitor_still_ends_it
     queued costs stayed up for good (a capped tenant was refused as busy for ever)."""
     await scripts.init_pool(pool, {**policy_document(cfg, cfg.pool("tiny")), "record_ttl_s": 1},
                             reset_rates=True)
-    await admit(scripts, pool, cls="P1", tenant="t1", request_id="late", max_wait_ms=50)
+    # a max wait of 1 s: one of 50 ms had passed on a loaded machine before the claim, which
+    # then expired the request instead (claim.lua ends the overdue requests it meets)
+    await admit(scripts, pool, cls="P1", tenant="t1", request_id="late", max_wait_ms=1000)
     if leased:
         await _claim_one(scripts, pool, "w1", lease_ms=50)
     r = scripts.client
-    await asyncio.sleep(1.3)  # past the deadline or the lease, and past record_ttl_s
+    await asyncio.sleep(1.3)  # past the deadline and the lease, and past record_ttl_s
     assert await r.pttl(pool.request("late")) > 6 * 86400 * 1000  # alive for days yet
     await scripts.reap(pool)
-    if leased:  # requeued by the late janitor; its own max wait has passed too by the next one
-        await asyncio.sleep(0.08)
-        await scripts.reap(pool)
+    if leased:  # requeued by the late janitor, with its max wait afresh: a later pass ends it
+        assert await r.hget(pool.request("late"), "state") == b"queued"
+        end = time.monotonic() + 15
+        while (await scripts.reap(pool)).expired == 0:
+            assert time.monotonic() < end, "the requeued request did not expire at its max wait"
+            await asyncio.sleep(0.05)
     rec = await r.hgetall(pool.request("late"))
     assert rec[b"state"] == b"expired"
     assert await r.hget(pool.tenant_inflight, "t1") is None
@@ -415,7 +421,10 @@ async def test_a_janitor_pass_goes_on_past_a_sweep_of_stale_entries(scripts, poo
     after a restore or a flush of records) ended nothing, so reap_all took the pass for
     the last and stopped, with a due entry behind them left to the next tick. A sweep that
     read its limit now says there may be more, whatever it ended."""
-    await admit(scripts, pool, cls="P1", tenant="t1", request_id="due", max_wait_ms=50)
+    # leased: a max wait far past the test (claim.lua expires a request it finds overdue, as
+    # one of 50 ms was on a loaded machine before the claim); its lease is what falls due
+    await admit(scripts, pool, cls="P1", tenant="t1", request_id="due",
+                max_wait_ms=50 if index == "deadlines" else 60_000)
     if index == "leases":
         await _claim_one(scripts, pool, "w1", lease_ms=50)
     key = pool.deadlines if index == "deadlines" else pool.leases
