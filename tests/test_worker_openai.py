@@ -368,10 +368,14 @@ async def test_max_inflight_bounds_the_upstream_and_cancel_closes_the_stream(env
 async def test_an_unstreamed_request_is_cancelled_mid_answer_by_the_cancel_watcher(env) -> None:
     """An unstreamed request is pushed once a second at most, and no push says a cancel anyway:
     its cancel comes from the watcher's SMISMEMBER, and the upstream stream closes
-    long before the answer's end (40 ms a chunk, ~70 chunks)."""
+    long before the answer's end (40 ms a chunk, ~670 chunks: ~27 s, where ~70 left the
+    cancel 2.4 s)."""
     cfg, c, up = env
-    async with worker(cfg, engine="openai", upstream_url=up.url, unstreamed_flush_ms=60_000):
-        victim = await c.admit("SLOW " + "x" * 200, max_tokens=500, stream=False)
+    # a lease far past the answer: a renewal (every lease_ms / 3), which reports a cancel too,
+    # never comes while it streams, so only the watcher can end it early
+    async with worker(cfg, engine="openai", upstream_url=up.url, unstreamed_flush_ms=60_000,
+                      lease_ms=600_000):
+        victim = await c.admit("SLOW " + "x" * 2000, max_tokens=1000, stream=False)
         await c.wait_tokens(victim, 1)  # its first token: it runs
         assert await c.scripts.cancel(c.keys, victim, "t1") == "cancelling"
         deadline = time.monotonic() + 30
@@ -381,7 +385,7 @@ async def test_an_unstreamed_request_is_cancelled_mid_answer_by_the_cancel_watch
         while (await c.record(victim))["state"] != "cancelled":
             assert time.monotonic() < deadline, "the victim's record to say cancelled"
             await asyncio.sleep(0.02)
-    assert int((await c.record(victim))["out_tokens"]) < 60  # of the ~70 the whole answer is
+    assert int((await c.record(victim))["out_tokens"]) < 600  # of the ~670 the whole answer is (~27 s)
 
 
 async def test_the_openai_sdks_extra_body_reaches_the_model_server_through_a_passing_pool(env, redis_server
@@ -1388,7 +1392,10 @@ async def test_a_hang_is_found_whatever_the_server_meets_meanwhile(env, meanwhil
     cfg, c, up = env
     end = asyncio.Event()
     up.scripts["HANG"] = hangs(end)
-    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=1.0,
+    # upstream_stall_s 3 s, each spell 0.3 s: a stream (or a gap between refusals) would have
+    # to last ten times its 0.3 s before it alone was silent that long (at 1 s, a loaded
+    # machine's 0.7 s late cancel made one stream the hang, and n < 3)
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=3.0,
                                         **RETRY)
     n = 0
     try:
@@ -1554,6 +1561,9 @@ async def test_one_silent_stream_beside_others_streaming_is_not_a_hang(env) -> N
     from tests.support.fake_upstream import sse_chunk, sse_response
 
     cfg, c, up = env
+    # upstream_stall_s: the IDLE answer's 0.8 s silence (past a watch tick, stall_s / 4) must
+    # stay within it, and at 0.5 s a loaded machine's 0.2 s of lateness made it a hang
+    stall_s = 2.0
     first_token = asyncio.Event()
     slow_done = asyncio.Event()
 
@@ -1569,22 +1579,22 @@ async def test_one_silent_stream_beside_others_streaming_is_not_a_hang(env) -> N
 
     async def slow(request: Any, body: dict[str, Any], n: int) -> Any:
         resp = await sse_response(request)
-        await asyncio.sleep(1.5)  # 3x upstream_stall_s without an event (a lower bound: longer is as good)
+        await asyncio.sleep(stall_s + 0.5)  # past upstream_stall_s without an event (a lower bound)
         slow_done.set()
         return await end_stream(resp, sse_chunk("late", finish="stop", completion_tokens=1))
 
     async def after_idle(request: Any, body: dict[str, Any], n: int) -> Any:
         resp = await sse_response(request)
-        await asyncio.sleep(0.3)  # past a watch tick (0.125 s), within upstream_stall_s
+        await asyncio.sleep(0.8)  # past a watch tick (0.5 s), well within upstream_stall_s
         return await end_stream(resp, sse_chunk("ok", finish="stop", completion_tokens=1))
 
     up.scripts.update(STEADY=steady, SILENT=slow, IDLE=after_idle)
-    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=0.5, **RETRY):
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_stall_s=stall_s, **RETRY):
         busy = await c.admit("STEADY", max_tokens=1000)
         await asyncio.wait_for(first_token.wait(), 30)
         silent = await c.admit("SILENT", max_tokens=20)
         await c.wait([busy, silent], timeout=30)
-        await asyncio.sleep(1.0)  # idle past upstream_stall_s (a lower bound: longer is as good)
+        await asyncio.sleep(stall_s + 0.5)  # idle past upstream_stall_s (a lower bound: longer is as good)
         idle = await c.admit("IDLE", max_tokens=20)
         await c.wait([idle], timeout=30)
     assert (up.calls["STEADY"], up.calls["SILENT"], up.calls["IDLE"]) == (1, 1, 1)
