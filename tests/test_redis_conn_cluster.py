@@ -20,6 +20,7 @@ from limiter.cluster_client import UNKNOWN_NODE, CheckedConnection, WaitingRedis
 from limiter.config import RedisConfig
 from limiter.localstack.redis_server import LocalRedisCluster
 from limiter.redis_conn import open_redis
+from tests.support.helpers import wait_until
 from tests.support.redis_server import move_slot, pools_on_different_shards
 
 HOLD_S = 0.2  # each command holds its connection this long (BLPOP on an empty list)
@@ -274,20 +275,39 @@ async def test_a_cluster_node_busy_with_a_script_is_an_outage_not_a_config_error
     url = redis_cluster.url
     node = sync_redis.Redis.from_url(url)
     node.config_set("busy-reply-threshold", 100)
-    script = ("local s = tonumber(redis.call('TIME')[1]) "
-              "while tonumber(redis.call('TIME')[1]) < s + 2 do end return 1")
-    busy = threading.Thread(target=lambda: sync_redis.Redis.from_url(url).eval(script, 0))
+    ended: list[BaseException] = []
+
+    def run_script() -> None:  # until SCRIPT KILL: it cannot end before the test looked
+        try:
+            sync_redis.Redis.from_url(url).eval("while true do end", 0)
+        except sync_redis.exceptions.ResponseError as exc:  # "Script killed by user"
+            ended.append(exc)
+
+    busy = threading.Thread(target=run_script, daemon=True)
     busy.start()
-    await asyncio.sleep(0.5)  # the script runs past the threshold: the node answers BUSY
     client = open_redis(RedisConfig(url=url, cluster=True))
     try:
+        def answers_busy() -> bool:  # the script ran past the threshold
+            try:
+                node.ping()
+            except sync_redis.exceptions.ResponseError as exc:
+                return str(exc).startswith("BUSY")
+            return False
+
+        await wait_until(answers_busy, "the node to answer BUSY while the script runs")
         with pytest.raises(RedisUnavailable), map_redis_errors():
             await client.get("qos:{conn}:x")
     finally:
         await client.aclose()
-        busy.join()
+        end = time.monotonic() + 15
+        while busy.is_alive():  # SCRIPT KILL answers NOTBUSY until the script has begun
+            assert time.monotonic() < end, "the endless script was not killed"
+            with contextlib.suppress(sync_redis.exceptions.ResponseError):
+                node.script_kill()
+            busy.join(0.05)
         node.config_set("busy-reply-threshold", 5000)
         node.close()
+    assert ended, "the script ended by itself"
 
 
 async def test_pipelines_a_reshard_redirects_do_not_wait_for_a_second_turn(redis_cluster) -> None:
