@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import time
+import threading
 from pathlib import Path
 
 import pytest
 import torch
 
 from limiter.errors import ConfigError, InvalidArgument
+from tests.support.helpers import wait_until
 from tests.support.torch_device import DEVICE
 from worker.batch_policy import Limits, PrefillChunk, StepPlan
 from worker.batch_scheduler import BatchScheduler
@@ -217,10 +218,31 @@ def test_derive_seed_separates_positions_and_seeds() -> None:
     assert len(values) == 1000 and all(0 <= v < 2**63 for v in values)
 
 
+def _hold_prefill(eng: TorchEngine, monkeypatch: pytest.MonkeyPatch
+                  ) -> tuple[threading.Event, threading.Event, list[bool]]:
+    """The engine's first prefill pass waits until the test lets it go: (started, release,
+    released) -- ``released`` says whether the test released it (True) or it gave up
+    waiting (False: whatever held it, the test could not run meanwhile)."""
+    started, release, released = threading.Event(), threading.Event(), []
+    prefill = eng.model.prefill
+
+    def held(*args, **kwargs):
+        if not started.is_set():
+            started.set()
+            released.append(release.wait(10))
+        return prefill(*args, **kwargs)
+
+    monkeypatch.setattr(eng.model, "prefill", held)
+    return started, release, released
+
+
 @pytest.mark.asyncio
-async def test_torch_step_runs_off_the_event_loop() -> None:
-    eng = tiny_engine(device="cpu")  # on CPU on any machine: it needs a step of tens of ms
-    eng.add("a", [BOS_ID] + [65] * 2047, SamplingParams())
+async def test_torch_step_runs_off_the_event_loop(monkeypatch) -> None:
+    """The loop keeps running while the model computes: here its forward pass is held until
+    the loop has ticked five times (on the loop, it would hold the loop with it)."""
+    eng = tiny_engine(device="cpu")
+    eng.add("a", [BOS_ID] + [65] * 15, SamplingParams())
+    started, release, released = _hold_prefill(eng, monkeypatch)
     ticks = 0
 
     async def ticker() -> None:
@@ -230,25 +252,35 @@ async def test_torch_step_runs_off_the_event_loop() -> None:
             ticks += 1
 
     task = asyncio.create_task(ticker())
-    t = time.perf_counter()
-    await eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 2048),)))
-    elapsed = time.perf_counter() - t
-    task.cancel()
-    assert elapsed > 0.05
-    assert ticks >= elapsed / 0.005 * 0.3  # the loop kept running while the model computed
+    step = asyncio.create_task(eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 16),))))
+    try:
+        await wait_until(started.is_set, "the step's forward pass to start")
+        held_at = ticks
+        await wait_until(lambda: ticks >= held_at + 5, "the loop to tick while the forward pass is held")
+        release.set()
+        assert set(await step) == {"a"}
+    finally:
+        release.set()
+        task.cancel()
+    assert released == [True], "the forward pass held the event loop: the test could not release it"
 
 
 @pytest.mark.asyncio
-async def test_remove_during_a_step_drops_that_result() -> None:
-    eng = tiny_engine(device="cpu")  # a step of tens of ms, on any machine
-    eng.add("a", [BOS_ID] + [65] * 1023, SamplingParams())
+async def test_remove_during_a_step_drops_that_result(monkeypatch) -> None:
+    eng = tiny_engine(device="cpu")
+    eng.add("a", [BOS_ID] + [65] * 15, SamplingParams())
     eng.add("b", [BOS_ID, 66], SamplingParams())
+    started, release, released = _hold_prefill(eng, monkeypatch)
     task = asyncio.create_task(
-        eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 1024), PrefillChunk("b", 0, 2))))
+        eng.step(StepPlan(prefill=(PrefillChunk("a", 0, 16), PrefillChunk("b", 0, 2))))
     )
-    await asyncio.sleep(0.01)
-    eng.remove("a")
+    try:
+        await wait_until(started.is_set, "the step's forward pass to start")  # the step is running
+        eng.remove("a")
+    finally:
+        release.set()
     assert set(await task) == {"b"}
+    assert released == [True]
 
 
 @pytest.mark.asyncio
@@ -257,10 +289,6 @@ async def test_a_cancelled_step_waits_for_its_thread_then_rolls_back() -> None:
     its forward passes ran on, writing the caches after the roll-back, beside the next step or
     a remove(). It waits for them now (the engine busy meanwhile), then rolls back, and the
     sequence's next step gives the token an engine never interrupted gives."""
-    import threading
-
-    from tests.support.helpers import wait_until
-
     eng, fresh = tiny_engine(device="cpu"), tiny_engine(device="cpu")
     prompt = [BOS_ID] + [65] * 15
     for e in (eng, fresh):
@@ -294,10 +322,7 @@ async def test_a_step_cancelled_before_its_thread_starts_runs_no_forward_pass() 
     then ran its forward passes anyway, a whole step's time after its cancel (a drain's
     deadline). The thread now looks at the cancel before each pass, so it runs none; one
     cancelled during a pass starts no further one. Either way the caches are rolled back."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
-
-    from tests.support.helpers import wait_until
 
     loop = asyncio.get_running_loop()
     pool = ThreadPoolExecutor(max_workers=1)
