@@ -5,15 +5,18 @@ dead frontends, wake-ups."""
 from __future__ import annotations
 
 import asyncio
+from types import SimpleNamespace
 
 import msgpack
 import pytest
+import redis.asyncio as aioredis
 
 from limiter.config import demo_config
 from limiter.errors import LeaseLost
 from limiter.samples import unpack_sample
 from limiter.scripts import policy_document
 from tests.support.helpers import admit, class_cfg, init_pool, redis_ms, script_commands
+from tests.support.worker_helpers import blocked_on_the_wake_list
 
 
 async def test_highest_class_first_and_fifo_within_a_tenant(scripts, pool):
@@ -533,17 +536,22 @@ async def test_a_class_headed_by_more_dead_requests_than_a_call_finishes_does_no
     assert states == [b"cancelled"] * 40
 
 
-async def test_admit_wakes_a_blocked_worker(scripts, pool):
+async def test_admit_wakes_a_blocked_worker(scripts, pool, redis_server):
     await scripts.client.delete(pool.wake)
-
-    async def worker():
-        return await scripts.client.blpop([pool.wake], timeout=5)
-
-    task = asyncio.create_task(worker())
-    await asyncio.sleep(0.05)
-    assert not task.done()
-    await admit(scripts, pool, cls="P1", input_tokens=1, max_tokens=1)
-    assert await asyncio.wait_for(task, 2) is not None
+    # a connection of its own, as a worker's, whose wait outlasts the test's
+    idle_worker = aioredis.from_url(redis_server.url, socket_timeout=60)
+    task = asyncio.create_task(idle_worker.blpop([pool.wake], timeout=0))  # until woken
+    try:
+        await blocked_on_the_wake_list(SimpleNamespace(client=scripts.client), timeout=15)
+        assert not task.done()
+        await admit(scripts, pool, cls="P1", input_tokens=1, max_tokens=1)
+        try:
+            assert await asyncio.wait_for(task, 15) is not None
+        except TimeoutError:
+            raise AssertionError("the blocked worker was not woken by the admit within 15 s") from None
+    finally:
+        task.cancel()
+        await idle_worker.aclose()
 
 
 async def test_claim_says_whether_it_left_work_queued(scripts, pool):
