@@ -29,7 +29,7 @@ from tests.support.controller_helpers import (
     sample,
     wait_for,
 )
-from tests.support.helpers import redis_ms
+from tests.support.helpers import redis_ms, wait_until
 from tests.support.redis_server import free_port
 
 
@@ -234,14 +234,18 @@ async def test_ticks_that_keep_failing_are_a_stall_and_end_the_leadership(aredis
     term = pc.term
     assert term is not None
 
+    failed: list[None] = []
+
     async def broken(_term):
+        failed.append(None)
         raise ValueError("a term's state gone bad")
 
     monkeypatch.setattr(pc, "tick", broken)
     before = pc._ticked = pc._ticked - 1.0
     loop = asyncio.create_task(pc.tick_loop())
     try:
-        await asyncio.sleep(3 * pc.settings.tick_s)  # several turns, every one failing
+        # several turns, every one failing (the third has begun: the second has ended)
+        await wait_until(lambda: len(failed) >= 3, "three failing ticks of the loop")
         assert pc._ticked == before
         pc._ticked -= pc.stall_s  # ... for longer than the watchdog allows
         await pc.renew_once()

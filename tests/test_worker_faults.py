@@ -637,6 +637,14 @@ async def test_a_late_renew_reply_about_an_old_attempt_does_not_drop_the_new_one
 
     monkeypatch.setattr(Scripts, "renew_leases", renew_leases)
     rt, loop, task = await start_worker(cfg, engine="sim", time_scale=0.01, lease_ms=1500)
+    signals_applied: list[None] = []  # one entry per _apply_signals call ended
+    apply_signals = loop._apply_signals
+
+    async def counted_apply_signals() -> None:
+        await apply_signals()
+        signals_applied.append(None)
+
+    monkeypatch.setattr(loop, "_apply_signals", counted_apply_signals)
     try:
         rid = await c.admit("a long stream", max_tokens=100000)
         await c.wait_tokens(rid, 1)
@@ -645,7 +653,11 @@ async def test_a_late_renew_reply_about_an_old_attempt_does_not_drop_the_new_one
         while not state["stale_replies"] and time.monotonic() < deadline:
             await c.read()
         assert state["stale_replies"] == 1 and state["new_fence"] is not None, state
-        await asyncio.sleep(0.3)  # a few iterations apply the renew's news
+        # the renew passed on its news as it returned (no await after it): two whole loop
+        # iterations from now have applied it (each begins with _apply_signals)
+        applied = len(signals_applied)
+        await wait_until(lambda: len(signals_applied) >= applied + 2,
+                         "two loop iterations to apply the renew's news")
         held = rid in rt.held and rt.held[rid].fence == state["new_fence"]
         running = rid in loop.sched
     finally:
@@ -729,6 +741,7 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
             if rt is not None and b.request_id == box.get("rid") and b.offset >= 3 and "old_fence" not in box:
                 # the lease lapsed (a Redis outage longer than lease_ms): a reaper requeues it ...
                 box["old_fence"] = b.fence
+                box["old_task"] = box["loop"].tasks.get(b.request_id)  # the old attempt's stream
                 released = await self.release(keys, request_id=b.request_id, worker_id=worker_id,
                                               fence=b.fence)
                 assert released == "requeued"
@@ -736,12 +749,16 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
                 while not (b.request_id in rt.held and rt.held[b.request_id].fence != b.fence) \
                         and time.monotonic() < deadline:
                     await asyncio.sleep(0.005)  # ... and this worker claims it back meanwhile
+                try:
+                    return await real(self, keys, worker_id, batches, *args, **kw)
+                finally:
+                    box["old_push_ended"] = True
         return await real(self, keys, worker_id, batches, *args, **kw)
 
     monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
     rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=2,
                                          flush_tokens=1)
-    box["rt"] = rt
+    box.update(rt=rt, loop=_loop)
     try:
         box["rid"] = rid = await c.admit("SLOW " + "abcdefghij" * 12, max_tokens=30)
         deadline = time.monotonic() + 8
@@ -749,7 +766,11 @@ async def test_openai_a_stale_attempts_lease_lost_does_not_drop_the_new_attempt(
             assert time.monotonic() < deadline, f"no new attempt of {rid} held in 8 s: {box}"
             await c.read()
         box["new_fence"] = rt.held[rid].fence
-        await asyncio.sleep(0.3)  # the old stream's push has had its LeaseLost
+        # the old stream's push has had its LeaseLost, and the old attempt's task has ended
+        await wait_until(lambda: box.get("old_push_ended"), "the old attempt's push to end")
+        old_task = box["old_task"]
+        assert old_task is not None and old_task is not _loop.tasks.get(rid)
+        await wait_until(old_task.done, "the old attempt's stream task to end")
         held = rid in rt.held and rt.held[rid].fence == box["new_fence"]
         tracked = rid in _loop.tasks
         # The run above ends the old stream through the re-claim's cancel, before its push
