@@ -1,5 +1,10 @@
 """The original problem, with real compute: a long prefill stalls a decoding request.
 
+The timing test is slow (``make test-slow``: a wall-clock comparison on this machine); the
+default suite checks the invariant it rests on, from the scheduler's step plans: with
+chunking, no step beside the short request's decode holds more than the step's token budget
+of prefill, and without it one step holds the whole prompt.
+
 A short P0 request is streaming tokens when a long P2 prompt arrives. Without chunked
 prefill (the original "before") the long prompt's whole prefill runs as one step and the
 short request's next token waits for all of it: its TPOT jumps from milliseconds to the
@@ -22,10 +27,13 @@ import math
 import statistics
 import time
 
+import pytest
 import torch
 
 from worker.batch_policy import Limits, PrefillChunk, StepPlan
+from worker.batch_scheduler import BatchScheduler
 from worker.engines.base import SamplingParams
+from worker.engines.sim import SimEngine
 from worker.engines.torch_engine import TorchEngine
 from worker.local_run import LocalRequest, LocalRun, run_local
 
@@ -63,6 +71,42 @@ def scenario(engine: TorchEngine, n: int, short_tokens: int, chunked: bool) -> L
     return asyncio.run(run_local(engine, [short, long], limits))
 
 
+async def _plans_beside_a_decode(n: int, chunked: bool) -> list[StepPlan]:
+    """The step plans from the long prompt's arrival to its first token, while the short
+    request decodes (a sim engine of no step time: the plans alone)."""
+    limits = Limits(token_budget=BUDGET, max_seqs=8, kv_capacity=32768, chunked_prefill=chunked)
+    sched = BatchScheduler(SimEngine(time_scale=0.0, kv_capacity_tokens=32768), limits)
+    sched.add("short", (1, 72, 105, 33), SamplingParams(max_tokens=100_000), class_rank=0, arrival=0.0)
+    for _ in range(10):
+        if "short" in (await sched.step()).plan.decode:
+            break
+    else:
+        raise AssertionError("the short request never decoded")
+    sched.add("long", long_prompt(n), SamplingParams(max_tokens=2), class_rank=2, arrival=1.0)
+    plans = []
+    for _ in range(4 * math.ceil(n / BUDGET) + 10):
+        res = await sched.step()
+        plans.append(res.plan)
+        if "long" in res.produced:
+            return plans
+    raise AssertionError(f"the long prompt had no first token after {len(plans)} steps")
+
+
+async def test_with_chunking_no_step_beside_a_decode_holds_more_prefill_than_the_budget() -> None:
+    n = 4096
+    plans = await _plans_beside_a_decode(n, chunked=True)
+    assert all("short" in p.decode for p in plans), "the short request stopped decoding"
+    assert sum(c.length for p in plans for c in p.prefill if c.request_id == "long") == n
+    worst = max(p.prefill_tokens for p in plans)
+    assert worst <= BUDGET - 1, f"a step beside the decode held {worst} prefill tokens (budget {BUDGET})"
+    assert all(p.num_tokens <= BUDGET for p in plans)
+    assert len([p for p in plans if p.prefill_tokens]) >= math.ceil(n / BUDGET)  # sliced, not whole
+    # the check is not vacuous: without chunking one step beside the decode holds the whole prompt
+    whole = await _plans_beside_a_decode(n, chunked=False)
+    assert any(p.prefill_tokens == n and "short" in p.decode for p in whole)
+
+
+@pytest.mark.slow
 def test_chunked_prefill_removes_the_decode_stall() -> None:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
