@@ -137,19 +137,39 @@ def test_ctrl_c_at_the_end_of_a_timed_demo_load_is_not_ignored_for_30_s(tmp_path
     # run_demo_load: once the schedule of --demo-duration is sent it waits up to 30 s for the
     # open streams (asyncio.wait(tasks, timeout=30)) without looking at should_stop(): a
     # Ctrl-C (or a dead frontend) in that window is not acted on until the 30 s are over.
+    import urllib.request
+
+    from limiter.localstack.demo_load import demo_arrivals, demo_loads
     from tests.support.up_stack import Up
 
     cfg = _demo_keys_config(tmp_path / "qos.toml", time_scale=200.0)
     port = free_port()
+    scheduled = len(list(demo_arrivals(demo_loads("sim"), 2.0, 7)))  # what run_demo_load sends (seed 7)
+
+    def sent_and_open() -> tuple[float, float] | None:
+        """(requests the frontend finished, requests open) once every scheduled one came in
+        and some are still open; else None."""
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+
+        def total(name: str) -> float:
+            return sum(float(ln.rsplit(" ", 1)[1]) for ln in lines if ln.startswith(name + "{"))
+
+        done, open_ = total("qos_frontend_requests_total"), total("qos_frontend_inflight")
+        return (done, open_) if done + open_ >= scheduled and open_ > 0 else None
+
     with Up(port, "--config", str(cfg), "--engine", "sim", "--demo-load", "--demo-duration", "2") as up:
         up.wait_ready(180)
-        time.sleep(4.0)  # the 2 s schedule is sent; slow streams are still open
+        # the 2 s schedule is sent (every request of it reached the frontend) and slow streams
+        # are still open: the 30 s wait for them is under way
+        done, open_ = wait_for(sent_and_open, 60, f"the {scheduled} scheduled requests sent, some still open")
         up.ctrl_c()
         sent = time.monotonic()
         # Within 15 s: the 30 s wait it was stuck in ended ~28 s after the Ctrl-C (waited for
         # up to 60 s, this test passed on that bug: found by a review)
         up.wait_line(r"^qos up: stopping", 15, "the stop to begin well before the 30 s wait ends")
-        print(f"\n[demo stop] the stop began {time.monotonic() - sent:.1f} s after Ctrl-C")
+        print(f"\n[demo stop] the stop began {time.monotonic() - sent:.1f} s after Ctrl-C "
+              f"({done:g} of {scheduled} requests done, {open_:g} open)")
 
 
 def test_demo_load_with_a_config_that_has_no_demo_keys_is_refused(tmp_path):
