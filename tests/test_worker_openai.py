@@ -22,7 +22,7 @@ from limiter.scripts import Scripts
 from tests.support.fake_upstream import FakeUpstream, end_stream
 from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.helpers import wait_until
-from tests.support.redis_server import RedisServer, free_port
+from tests.support.redis_server import RedisServer, refused_port
 from tests.support.worker_helpers import (
     Client,
     admit_one_at_a_time,
@@ -47,6 +47,13 @@ from worker.settings import load_settings
 @pytest.fixture
 def env(worker_env, fake_upstream):
     return (*worker_env, fake_upstream)
+
+
+@pytest.fixture
+def dead_upstream():
+    """The URL of an upstream that refuses every connection, for the whole test."""
+    with refused_port() as port:
+        yield f"http://127.0.0.1:{port}"
 
 
 async def test_streams_completion_and_chat_with_usage_priority_and_limits(env) -> None:
@@ -272,11 +279,12 @@ def _breaker_open_and_probed(hb: dict[bytes, bytes]) -> bool:
 RETRY = {"upstream_retry_min_s": 0.1, "upstream_retry_max_s": 0.4}
 
 
-async def test_unreachable_upstream_stops_claiming_and_hands_work_to_another_worker(env) -> None:
+async def test_unreachable_upstream_stops_claiming_and_hands_work_to_another_worker(env, dead_upstream
+                                                                                   ) -> None:
     """A dead upstream does not drain the queue into errors: the worker hands its requests
     back, stops claiming and keeps probing; a worker whose upstream answers serves them all."""
     cfg, c, up = env
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = dead_upstream
     async with worker(cfg, engine="openai", upstream_url=dead, worker_id="w-dead", **RETRY) as rt:
         ids = [await c.admit(f"queued request {i}", max_tokens=40) for i in range(6)]
         hb = await _wait_heartbeat(c, rt, "the breaker to open and probe twice", _breaker_open_and_probed)
@@ -539,12 +547,13 @@ async def test_worker_process_takes_upstream_model_and_priority_from_env(env, tm
     assert "QOS_UPSTREAM_PRIORITY" in (tmp_path / "bad.log").read_text()
 
 
-async def test_not_ready_and_shown_while_no_worker_can_reach_its_upstream(env, redis_server, capsys) -> None:
+async def test_not_ready_and_shown_while_no_worker_can_reach_its_upstream(env, redis_server, capsys,
+                                                                         dead_upstream) -> None:
     """/readyz (and /health) say 503 while every live worker of the pool has its breaker
     open, `qos status` shows it, and both recover once a worker can serve."""
     _cfg, c, up = env
     cfg = make_cfg(redis_server.url)
-    dead = f"http://127.0.0.1:{free_port()}"
+    dead = dead_upstream
     async with frontend(cfg) as client:
         assert (await client.get("/readyz")).status == 200  # no worker yet: work can still queue
         async with worker(cfg, engine="openai", upstream_url=dead, worker_id="w-dead", **RETRY) as rt:

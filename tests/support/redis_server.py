@@ -6,8 +6,10 @@ and the benchmarks use them too); they are re-exported here under their old name
 
 from __future__ import annotations
 
+import contextlib
+import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from redis.crc import key_slot
@@ -20,7 +22,7 @@ from limiter.localstack.redis_server import (
 )
 
 __all__ = ["RedisClusterServers", "RedisServer", "free_port", "move_slot", "pools_on_different_shards",
-           "unread_requests_at"]
+           "refused_port", "unread_requests_at"]
 
 RedisClusterServers = LocalRedisCluster  # a local 3-master Redis Cluster (no replicas)
 
@@ -86,3 +88,13 @@ def unread_requests_at(port: int) -> int:
             if local_port == port and state == "01" and int(unread.split(":")[1], 16) > 0:
                 count += 1
     return count
+
+
+@contextlib.contextmanager
+def refused_port() -> Iterator[int]:
+    """A local port that refuses connections for the duration of the block: bound here and
+    never listening. A free_port() is free only when it is looked at: another process may
+    take it meanwhile and answer what was meant to find nothing there."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        yield held.getsockname()[1]
