@@ -182,7 +182,7 @@ def test_own_keys_may_listen_publicly_and_bad_settings_name_the_field(tmp_path):
         load_settings(load(path, {}))
 
 
-async def test_each_process_can_serve_its_own_metrics_apart_from_a_shared_api_port(redis_server):
+async def test_each_process_can_serve_its_own_metrics_apart_from_a_shared_api_port(redis_server, sync_redis):
     """Processes sharing the API port (--reuse-port, `qos up --frontends N`) answer its
     /metrics in turn: a counter read there jumped between processes, 3 8 8 3 3... (found by a
     review of what operators see). With metrics_port each serves its own, always the same."""
@@ -211,7 +211,7 @@ async def test_each_process_can_serve_its_own_metrics_apart_from_a_shared_api_po
         await r.aclose()
 
 
-async def test_metrics_can_be_kept_off_a_client_facing_api_port(redis_server):
+async def test_metrics_can_be_kept_off_a_client_facing_api_port(redis_server, sync_redis):
     """The frontend's series name tenants, and /metrics needs no key: on an API port that
     faces clients, any client read every tenant's name and traffic. With api_metrics false
     the API port has no /metrics (404, as any unknown path); metrics_port still serves it."""
