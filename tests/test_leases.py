@@ -69,9 +69,24 @@ async def test_max_attempts_fails_with_a_clear_reason(scripts, pool):
     assert rec[b"state"] == b"failed"
     assert b"3 attempts" in rec[b"reason"]
     _, last = (await scripts.client.xrange(pool.reply("fe1")))[-1]
-    assert last[b"code"] == b"failed"
+    assert last[b"code"] == b"exhausted"  # failed on every attempt: its client is told not to resend
     assert await scripts.client.zcard(pool.leases) == 0
     assert await scripts.client.hget(pool.inflight, "P0") is None
+
+
+async def test_a_spent_release_on_the_last_attempt_fails_it_as_exhausted(scripts, pool):
+    """A worker hands a request back because the model server broke on it (``spent``): on
+    the last attempt it fails, its client told ``exhausted`` (not to send it again); on an
+    earlier one it is requeued."""
+    await admit(scripts, pool, cls="P0", request_id="breaks", input_tokens=5, max_tokens=5)
+    for attempt in (1, 2, 3):
+        c = await _claim_one(scripts, pool, f"w{attempt}")
+        assert c.attempt == attempt
+        got = await scripts.release(pool, request_id="breaks", worker_id=f"w{attempt}", fence=c.fence,
+                                    spent=True)
+        assert got == ("failed" if attempt == 3 else "requeued")
+    _, last = (await scripts.client.xrange(pool.reply("fe1")))[-1]
+    assert last[b"code"] == b"exhausted" and b"all 3 attempts" in last[b"msg"]
 
 
 async def test_renew_extends_and_reports_lost_and_cancelled(scripts, pool):

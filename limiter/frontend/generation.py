@@ -290,8 +290,12 @@ class Generation:
         if r.code == "refused":
             return ApiError(400, f"The request cannot be served: {r.message}", code="request_refused",
                                outcome="refused")
+        # All max_attempts attempts ended with their worker dead or the model server broken
+        # mid-answer (lua/release.lua, the janitor): a prompt that kills workers, say. An SDK's
+        # resends (twice by default) would each be admitted, charged and tried as often again.
+        exhausted = r.code == "exhausted"
         return ApiError(503, f"The worker failed the request: {r.message}", code="worker_failed",
-                           retry_after_s=1, outcome="failed")
+                           retry_after_s=1, should_retry=False if exhausted else None, outcome="failed")
 
     def accept(self, r: Reply) -> str:
         """The text of ``r`` not yet forwarded ('' for a replay from a resumed stream)."""
