@@ -193,7 +193,7 @@ class UpstreamCounter(Counter):
         body: dict[str, Any] = {"model": self.model}
         if messages:
             body.update(messages=[m.to_dict() for m in messages], add_generation_prompt=True)
-            if template_kwargs:  # the template the request is served with (enable_thinking, ...)
+            if isinstance(template_kwargs, Mapping) and template_kwargs:  # the template served with
                 body["chat_template_kwargs"] = dict(template_kwargs)
         else:
             body["prompt"] = prompt

@@ -45,7 +45,7 @@ local function main()
   if spent and r.attempts >= p.max_attempts then
     local why = 'the model server failed while serving it, on all ' .. r.attempts .. ' attempts'
     finish_by_redis(p, r, 'failed', why, used_cost(r), now,
-      {code = 'exhausted', msg = why})  -- its client is told not to send it again
+      {code = exhausted_code(r), msg = why})
     return {'failed'}
   end
   if not requeue(p, r, now) then return {'failed'} end  -- its class left the policy

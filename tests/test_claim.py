@@ -539,10 +539,10 @@ async def test_a_class_headed_by_more_dead_requests_than_a_call_finishes_does_no
 async def test_admit_wakes_a_blocked_worker(scripts, pool, redis_server):
     await scripts.client.delete(pool.wake)
     # a connection of its own, as a worker's, whose wait outlasts the test's
-    idle_worker = aioredis.from_url(redis_server.url, socket_timeout=60)
+    idle_worker = aioredis.from_url(redis_server.url, socket_timeout=60, client_name="idle-worker")
     task = asyncio.create_task(idle_worker.blpop([pool.wake], timeout=0))  # until woken
     try:
-        await blocked_on_the_wake_list(SimpleNamespace(client=scripts.client), timeout=15)
+        await blocked_on_the_wake_list(SimpleNamespace(client=scripts.client), timeout=15, name="idle-worker")
         assert not task.done()
         await admit(scripts, pool, cls="P1", input_tokens=1, max_tokens=1)
         try:

@@ -495,6 +495,8 @@ def _nested(depth: int) -> list:
      "chat_template_kwargs.chat_template"),
     ("chat_template_kwargs", {"continue_final_message": True}, "chat_template_kwargs.continue_final_message"),
     ("chat_template_kwargs", {"documents": [{"text": "x" * 1000}]}, "chat_template_kwargs.documents"),
+    # vLLM's is an object: anything else was a 500 out of the /tokenize count
+    *[("chat_template_kwargs", v, "chat_template_kwargs") for v in ("x", True, 5, [["a", "b"]])],
 ])
 def test_a_passed_field_that_cannot_go_as_sent_is_a_400_naming_it(field, value, param) -> None:
     from limiter.frontend.errors import ApiError

@@ -382,8 +382,9 @@ async def test_idle_and_blocked_workers_do_not_poll(env) -> None:
         # none, claim.lua refuses it as too large, and nothing blocks)
         await c.client.zadd(c.keys.workers, {"w-big": ALIVE})
         await c.client.hset(c.keys.worker_kv, "w-big", 10_000)
+        seen = len(claims)  # an idle claim may land before the admit: the one after it is awaited
         rid = await c.admit("z" * 100, max_tokens=1)  # needs 102 KV tokens: never claimable here
-        await wait_until(lambda: claims, "the worker's claim after the admit woke it")
+        await wait_until(lambda: len(claims) > seen, "the worker's claim after the admit woke it")
         blocked = await _script_rate(c)
         assert (await c.record(rid))["state"] == "queued"  # its head stayed blocked throughout
     print(f"\n[no polling] script calls per second: idle {idle:.1f}, head-of-line blocked {blocked:.1f}")

@@ -218,6 +218,9 @@ def _passed(v: Any, param: str, depth: int = 0) -> Any:
     """``v`` when it can go to the model server as sent, else a 400 naming ``param``."""
     if depth > MAX_PASSED_DEPTH:
         raise bad(param, f"'{param}' is nested more than {MAX_PASSED_DEPTH} levels deep")
+    if depth == 0 and param == "chat_template_kwargs" and not isinstance(v, dict):
+        # vLLM's is an object of the template's arguments (the count applies it too)
+        raise bad(param, f"'{param}' must be an object, got {_type_name(v)}", "invalid_type")
     if isinstance(v, str):
         return _text(v, param)
     if isinstance(v, int) and not isinstance(v, bool) and not INT64[0] <= v <= INT64[1]:

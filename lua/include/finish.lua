@@ -40,6 +40,14 @@ local function finalize(p, r, state, reason, used, now, fields)
   return g
 end
 
+-- The code a request failed on its last attempt is told (its lease expired, or its worker
+-- handed it back spent, on each): 'exhausted' once two or more attempts failed -- its client
+-- is told not to send it again (a prompt that kills workers, resent by an SDK, is tried as
+-- often again) -- and 'failed' after one alone (max_attempts 1), which a resend may mend.
+local function exhausted_code(r)
+  return r.attempts >= 2 and 'exhausted' or 'failed'
+end
+
 -- An end decided inside Redis (a max wait passed, a client went away, every attempt's
 -- lease expired), not reported by a worker: finalize, then a latency sample with outcome =
 -- `outcome`, or state when nil ('refused': a request failed for what it is, which no retry

@@ -44,7 +44,7 @@ local function reap_leases(p, now, limit)
     elseif r.attempts >= p.max_attempts then
       local why = 'worker lease expired on all ' .. r.attempts .. ' attempts'
       finish_by_redis(p, r, 'failed', why, used_cost(r), now,
-        {code = 'exhausted', msg = why})  -- its client is told not to send it again
+        {code = exhausted_code(r), msg = why})
       failed = failed + 1
     elseif requeue(p, r, now) then
       requeued = requeued + 1

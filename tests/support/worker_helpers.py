@@ -203,10 +203,13 @@ async def worker(cfg: QosConfig, engine_obj: Engine | None = None, **settings: A
             raise exc
 
 
-async def blocked_on_the_wake_list(c: Client, timeout: float = 30.0) -> None:
-    """Until a client of this Redis is blocked in BLPOP: an idle worker waiting for work."""
+async def blocked_on_the_wake_list(c: Client, timeout: float = 30.0, name: str | None = None) -> None:
+    """Until a client of this Redis is blocked in BLPOP: an idle worker waiting for work
+    (``name``: the connection of that CLIENT SETNAME, not another test's left blocked on the
+    same server)."""
     deadline = time.monotonic() + timeout
     while not any(x.get("cmd") == "blpop" and "b" in x.get("flags", "")
+                  and (name is None or x.get("name") == name)
                   for x in await c.client.client_list()):
         assert time.monotonic() < deadline, f"no worker blocked on the wake list after {timeout} s"
         await asyncio.sleep(0.01)
