@@ -207,8 +207,8 @@ def _text(v: Any, param: str) -> str:
 # 64-bit integers, valid UTF-8) and bounded in depth (the check recurses).
 MAX_PASSED_DEPTH = 32
 # Keys vLLM lets chat_template_kwargs set over its own template arguments: the worker sets the
-# first three itself (a resume continues the answer), the rest carry a template or text the
-# frontend never counted.
+# first two itself (a resume continues the answer), the others replace the conversation or
+# carry a template or text the frontend never counted.
 CHAT_TEMPLATE_KWARGS_RESERVED = frozenset({
     "add_generation_prompt", "continue_final_message", "conversation", "chat_template", "tools",
     "documents", "messages", "tokenize"})
