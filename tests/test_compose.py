@@ -174,3 +174,19 @@ def test_the_load_balancer_stops_gracefully_for_as_long_as_the_frontends_drain()
     timeout = float(found.group(1))
     grace = _seconds(lb.get("stop_grace_period", f"{DOCKER_DEFAULT_GRACE_S:g}s"))
     assert drain <= timeout and timeout + MARGIN_S <= grace, (drain, timeout, grace)
+
+
+def test_the_balancer_holds_more_streams_than_a_tenant_may_open():
+    """nginx's defaults (one worker of 512 connections, two a proxied request) held ~256
+    streams, what deploy/qos.toml lets one tenant open alone; and its per-address limit must
+    be above every tenant's max_inflight, so a tenant's own limit answers first (with its 429)."""
+    import tomllib
+
+    conf = (ROOT / "deploy" / "nginx.conf").read_text()
+    connections = int(re.search(r"worker_connections\s+(\d+);", conf).group(1))
+    per_address = int(re.search(r"limit_conn\s+per_address\s+(\d+);", conf).group(1))
+    assert re.search(r"^worker_processes auto;", conf, re.MULTILINE)
+    tenants = tomllib.loads((ROOT / "deploy" / "qos.toml").read_text())["tenants"]
+    most = max(t.get("max_inflight", 0) for t in tenants)
+    assert connections >= 8 * most and per_address > most, (connections, per_address, most)
+    assert int(re.search(r"client_header_timeout\s+(\d+)s;", conf).group(1)) <= 15

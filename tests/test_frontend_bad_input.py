@@ -117,6 +117,13 @@ CASES = [
     # 0 asks for the sampled token's logprob: answered with null, a client read nothing
     (COMP, {"model": "tiny", "prompt": "x", "logprobs": 0}, {}, 400, "logprobs", "unsupported_value"),
     (CHAT, {"model": "tiny", "messages": MSG, "user": 5}, {}, 400, "user", "invalid_type"),
+    # stored with the request, never counted as prompt tokens: bounded (a review stored 32 MiB
+    # of them in Redis for a tenant of 100 tokens/s)
+    (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x", "name": "n" * 257}]}, {}, 400,
+     "messages[0].name", "invalid_value"),
+    (CHAT, {"model": "tiny", "messages": [{"role": "tool", "content": "x", "tool_call_id": "i" * 257}]}, {},
+     400, "messages[0].tool_call_id", "invalid_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "stop": ["s" * 1000] * 5}, {}, 400, "stop", "invalid_value"),
     # OpenAI's fields: ids and metadata of the wrong shape, values that ask for what is not offered
     (CHAT, {"model": "tiny", "messages": MSG, "safety_identifier": 5}, {}, 400, "safety_identifier",
      "invalid_type"),

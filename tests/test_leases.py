@@ -56,6 +56,9 @@ async def test_expired_lease_requeues_at_the_head_and_another_worker_resumes(scr
     text = "".join(e[b"t"].decode() for e in entries if e[b"k"] in (b"tok", b"done"))
     assert text == "hi!"
     assert entries[-1][b"out"] == b"3"
+    # resumed while running (its payload read by the second claim), dropped once done
+    assert await scripts.client.hget(pool.request("first"), "payload") is None
+    assert await scripts.client.hget(pool.request("second"), "payload") is not None  # still queued
 
 
 async def test_max_attempts_fails_with_a_clear_reason(scripts, pool):
@@ -70,6 +73,7 @@ async def test_max_attempts_fails_with_a_clear_reason(scripts, pool):
     assert b"3 attempts" in rec[b"reason"]
     _, last = (await scripts.client.xrange(pool.reply("fe1")))[-1]
     assert last[b"code"] == b"exhausted"  # failed on every attempt: its client is told not to resend
+    assert b"payload" not in rec  # an ended request's prompt is not kept (uncharged memory)
     assert await scripts.client.zcard(pool.leases) == 0
     assert await scripts.client.hget(pool.inflight, "P0") is None
 

@@ -278,3 +278,24 @@ def test_frontend_settings_validate_the_tokenize_timeout(redis_server) -> None:
     with pytest.raises(ConfigError) as exc:
         validate_settings(FrontendSettings(tokenize_timeout_s=0), cfg)
     assert exc.value.path == "frontend.tokenize_timeout_s"
+
+
+async def test_a_prompt_no_tokenizer_fits_is_refused_before_the_model_server_counts_it(
+        redis_server, sync_redis, upstream) -> None:
+    """A prompt of more characters than any tokenizer fits in the context (64 a token): a 400
+    before the count -- it was sent to the model server's /tokenize, then refused by the
+    count's result, never admitted nor charged: free work for any tenant, however small."""
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": "upstream", "tokenizer_url": upstream.url,
+                                           "context_tokens": 64, "default_max_tokens": 8})
+    async with frontend(cfg) as client:
+        before = redis_state(sync_redis)
+        for body in ({"model": "tiny", "prompt": "x" * (64 * 64 + 1)},
+                     {"model": "tiny", "messages": [{"role": "user", "content": "hi"},
+                                                    {"role": "assistant", "content": "ok",
+                                                     "reasoning": "r" * (64 * 64)}]}):
+            path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = await client.post(path, headers=auth(), json=body)
+            err = (await r.json())["error"]
+            assert (r.status, err["code"]) == (400, "context_length_exceeded"), err
+        assert redis_state(sync_redis) == before  # nothing admitted or charged
+    assert upstream.tokenized == []  # the model server was not asked

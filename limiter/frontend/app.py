@@ -168,6 +168,7 @@ def _generation_handler(kind: str) -> Handler:
         labels.pool = pool.name
         draft = oa.parse_request(kind, body, fe.cfg)
         await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
+        oa.refuse_if_surely_too_long(draft)
         req = oa.finish_request(draft, await fe.count_prompt(draft))
         return await Generation(fe, request, tenant, cls, req, max_wait, received, client_id).run()
 
@@ -272,8 +273,9 @@ def _bounded_writes(timeout_s: float) -> Any:
                 await resp.prepare(request)
                 await resp.write_eof()
         except TimeoutError:
+            # raw_path: the path as sent, still %-encoded (a decoded %0A forged a log line)
             log.info("%s %s: the client read no answer within %g s; connection dropped", request.method,
-                     request.path, timeout_s)
+                     request.raw_path, timeout_s)
             if request.transport is not None:
                 request.transport.abort()
         except ConnectionError:

@@ -95,9 +95,11 @@ class Cors:
 
 def install(app: web.Application, origins: tuple[str, ...]) -> None:
     """Apply ``origins``' policy to ``app`` (nothing when empty). The preflight middleware
-    goes first, outside the error middleware: a preflight is no API request."""
+    goes outside the error middleware (a preflight is no API request) but inside the first,
+    which writes a returned answer under a time bound: first, a client that pipelined
+    preflights and read none held its connection for ever."""
     if not origins:
         return
     cors = Cors(origins)
-    app.middlewares.insert(0, cors.preflight)
+    app.middlewares.insert(1, cors.preflight)
     app.on_response_prepare.append(cors.on_prepare)

@@ -171,7 +171,7 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
             raise  # redirects and the like are not errors
         err = to_api_error(exc)
         if err.status >= 500 and err.code == "internal_error":
-            log.exception("unhandled error on %s %s", request.method, request.path)
+            log.exception("unhandled error on %s %s", request.method, request.raw_path)  # as sent: no newline
         if err.status in (429, 503) and counted:
             request.app[METRICS].rejections.labels(labels.pool, labels.cls, str(err.status),
                                                    err.code or "").inc()

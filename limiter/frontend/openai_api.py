@@ -168,6 +168,10 @@ MAX_METADATA_PAIRS = 16  # OpenAI's limit, with keys of at most 64 and values of
 # OpenAI allows 4 stop sequences, vLLM any number (lm-eval sends more); bounded, as every
 # stop string is checked against each step's text
 MAX_STOP = 32
+# Stored with the request and checked against its text, not counted as prompt tokens: bounded
+# (32 stop strings of 6 KB each, in a chat of 54 counted tokens, stored 200 KB uncharged).
+MAX_STOP_BYTES = 4096
+MAX_MESSAGE_ID_CHARS = 256  # a message's name / tool_call_id (OpenAI's names are 64 at most)
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
 _COMPLETION = _COMMON | {"prompt"}
@@ -298,6 +302,9 @@ def _messages(v: Any) -> list[ChatMessage]:
         for k in ("name", "tool_call_id"):
             if m.get(k) is not None:
                 extra[k] = _text(m[k], f"{p}.{k}")
+                # an id, not text: stored with the request and never counted as prompt tokens
+                if len(extra[k]) > MAX_MESSAGE_ID_CHARS:
+                    raise bad(f"{p}.{k}", f"'{p}.{k}' may be at most {MAX_MESSAGE_ID_CHARS} characters")
         # An earlier answer's thinking, sent back (vLLM's `reasoning`, or `reasoning_content`):
         # kept, and sent upstream under the client's name for it, for the chat templates of
         # interleaved-thinking models that render it; the others drop it.
@@ -427,6 +434,8 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
     for i, s in enumerate(stop):
         if not s:
             raise bad(f"stop[{i}]" if isinstance(stop_v, list) else "stop", "stop sequences may not be empty")
+    if (stop_bytes := sum(len(s.encode()) for s in stop)) > MAX_STOP_BYTES:
+        raise bad("stop", f"'stop' holds {stop_bytes} bytes; at most {MAX_STOP_BYTES} in all")
 
     for name in _IDS:
         if body.get(name) is not None:
@@ -488,6 +497,25 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
                          "stream": stream, "include_usage": include_usage,
                          "continuous_usage": continuous_usage, "ignore_eos": ignore_eos,
                          "upstream": upstream})
+
+
+# No tokenizer packs more characters than this into a token over a whole prompt (the longest
+# tokens of real vocabularies are runs of a few dozen characters): a prompt longer than this
+# many per token of the context cannot fit, and is refused before it is counted.
+MAX_CHARS_PER_TOKEN = 64
+
+
+def refuse_if_surely_too_long(d: Draft) -> None:
+    """A 400 for a prompt no tokenizer could fit in its pool's context, before the count:
+    with ``tokenizer = "upstream"`` a count is a call to the model server, with a file one the
+    frontend's CPU, and a request refused by the count's result is neither admitted nor
+    charged (a review's tenant of 0.001 tokens/s sent the model server 32 MB to count)."""
+    chars = len(d.prompt) + sum(len(m.reasoning[1]) for m in d.messages if m.reasoning)
+    limit = d.pool.context_tokens * MAX_CHARS_PER_TOKEN
+    if chars > limit:
+        raise bad(d.prompt_param, f"This model's maximum context length is {d.pool.context_tokens} tokens; "
+                  f"the prompt has {chars} characters, more than any tokenizer fits in it",
+                  "context_length_exceeded")
 
 
 def finish_request(d: Draft, prompt_tokens: int) -> GenerationRequest:

@@ -32,6 +32,11 @@ local function finalize(p, r, state, reason, used, now, fields)
     'refund', fmt(g.refund),
     'r_tenant', fmt(g.r_tenant), 'r_class', fmt(g.r_class), 'r_ceil', fmt(g.r_ceil), 'r_vtc', fmt(g.r_vtc),
     unpack(fields))
+  -- The prompt is no longer needed (no claim, no resume reads an ended request): kept for
+  -- record_ttl_s it was memory no one was charged for (text the count does not cover, such
+  -- as an earlier answer's thinking a step engine drops, stored for minutes by requests that
+  -- ended at once), and every client's prompt readable in Redis that long.
+  redis.call('HDEL', key, 'payload')
   redis.call('EXPIRE', key, p.record_ttl_s)
   -- a token string exists only once a token was delivered (or complete just wrote ids)
   if r.out_tokens > 0 or r.wrote_ids then redis.call('EXPIRE', P_TOKENS .. r.id, p.record_ttl_s) end
