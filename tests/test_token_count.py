@@ -5,6 +5,7 @@ tokens end to end. Tokenizers are built here in code (no model hub)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 from pathlib import Path
@@ -19,7 +20,8 @@ from limiter.keys import PoolKeys
 from limiter.prompt import ChatMessage
 from limiter.token_count import FileCounter, counter_for
 from tests.support.fake_upstream import fake_prompt_tokens
-from tests.support.frontend_helpers import auth, frontend, make_cfg, redis_state
+from tests.support.frontend_helpers import auth, frontend, make_cfg, redis_state, tenant
+from tests.support.helpers import wait_until
 from tests.support.worker_helpers import worker
 from worker.settings import load_settings
 
@@ -299,3 +301,30 @@ async def test_a_prompt_no_tokenizer_fits_is_refused_before_the_model_server_cou
             assert (r.status, err["code"]) == (400, "context_length_exceeded"), err
         assert redis_state(sync_redis) == before  # nothing admitted or charged
     assert upstream.tokenized == []  # the model server was not asked
+
+
+async def test_a_tenant_counts_no_more_prompts_at_once_than_its_max_inflight(redis_server, sync_redis,
+                                                                            upstream) -> None:
+    """The model server's count is free until admission charges it: a tenant with
+    ``max_inflight`` 1 whose first prompt is being counted gets a 429 for a second (it was
+    counted too, and so 40 at once), and its turn comes back when the first count ends."""
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": "upstream", "tokenizer_url": upstream.url,
+                                           "context_tokens": 64, "default_max_tokens": 8},
+                   tenants=[tenant("one", "key-one", "P1", max_inflight=1)])
+    long = {"model": "tiny", "prompt": "w " * 100}  # 101 words: past the context once counted
+    upstream.tokenize_gate = asyncio.Event()
+    async with frontend(cfg) as client:
+        first = asyncio.create_task(client.post("/v1/completions", headers=auth("key-one"), json=long))
+        await wait_until(lambda: len(upstream.tokenized) == 1, "the first prompt at the model server's count")
+        r = await client.post("/v1/completions", headers=auth("key-one"), json=long)
+        err = (await r.json())["error"]
+        assert (r.status, err["code"]) == (429, "too_many_inflight"), err
+        assert len(upstream.tokenized) == 1  # the second was not sent to be counted
+        other = asyncio.create_task(client.post("/v1/completions", headers=auth(), json=long))
+        await wait_until(lambda: len(upstream.tokenized) == 2, "another tenant's count, beside it")
+        upstream.tokenize_gate.set()
+        for task in (first, other):
+            r = await task
+            assert (r.status, (await r.json())["error"]["code"]) == (400, "context_length_exceeded")
+        r = await client.post("/v1/completions", headers=auth("key-one"), json=long)  # its turn is back
+        assert (r.status, (await r.json())["error"]["code"]) == (400, "context_length_exceeded")

@@ -169,7 +169,7 @@ def _generation_handler(kind: str) -> Handler:
         draft = oa.parse_request(kind, body, fe.cfg)
         await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
         oa.refuse_if_surely_too_long(draft)
-        req = oa.finish_request(draft, await fe.count_prompt(draft))
+        req = oa.finish_request(draft, await fe.count_prompt(draft, tenant))
         return await Generation(fe, request, tenant, cls, req, max_wait, received, client_id).run()
 
     return handler

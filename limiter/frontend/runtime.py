@@ -21,8 +21,8 @@ from aiohttp import web
 
 from limiter import token_count
 from limiter.backoff import Backoff
-from limiter.config import PoolConfig, QosConfig
-from limiter.errors import ConfigError
+from limiter.config import PoolConfig, QosConfig, TenantConfig
+from limiter.errors import ConfigError, TenantBusy
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import KeyRing
 from limiter.frontend.errors import ApiError
@@ -63,6 +63,7 @@ class Frontend:
         self.keyring = KeyRing(cfg)
         self.pool_keys = {p.name: PoolKeys(p.name) for p in cfg.pools}
         self.classes = {c.name: c for c in cfg.classes}
+        self._counting: dict[str, int] = {}  # tenant -> prompts being counted (count_prompt)
         self.slos = {c.name: ClassSLO.of(c) for c in cfg.classes}  # the TTFT target counter's
         # Each pool's prompts are counted in its own tokens (limiter/token_count.py).
         self.counters = {p.name: token_count.counter_for(p.tokenizer, p.tokenizer_url, cfg.worker,
@@ -315,11 +316,17 @@ class Frontend:
         self._end_streams = asyncio.create_task(end_streams())
 
     # --- helpers used by the request path ----------------------------------------------------
-    async def count_prompt(self, draft: oa.Draft) -> int:
+    async def count_prompt(self, draft: oa.Draft, tenant: TenantConfig | None = None) -> int:
         """The prompt's tokens in its pool's tokenizer; 503 when the model server must count
-        them and cannot, 400 when it refuses this prompt (nothing is admitted or charged)."""
+        them and cannot, 400 when it refuses this prompt (nothing is admitted or charged).
+        A count that costs work (the model server's, or a tokenizer file's on this process's
+        CPU) is free until admission charges it: a tenant with a ``max_inflight`` counts at
+        most that many prompts at once in this process (429 ``too_many_inflight`` past it),
+        as it may have that many requests in flight."""
+        counter = self.counters[draft.pool.name]
+        held = self._take_count_turn(tenant) if counter.kind != token_count.BYTES else None
         try:
-            return await self.counters[draft.pool.name].count(
+            return await counter.count(
                 draft.prompt, draft.messages, draft.fields["upstream"].get("chat_template_kwargs"))
         except token_count.TokenizerRefused as exc:
             # The upstream's own words stay in the log: they may name its internals.
@@ -333,6 +340,22 @@ class Frontend:
             raise ApiError(503, "Service temporarily unavailable: the model server could not count the "
                               "prompt's tokens; retry shortly", code="tokenizer_unavailable", retry_after_s=1,
                               outcome="unavailable") from exc
+        finally:
+            if held is not None:
+                self._counting[held] -= 1
+                if not self._counting[held]:
+                    del self._counting[held]
+
+    def _take_count_turn(self, tenant: TenantConfig | None) -> str | None:
+        """One of ``tenant``'s ``max_inflight`` turns to count a prompt (its name), None when it
+        has no cap; :class:`TenantBusy` when all are taken."""
+        if tenant is None or not tenant.max_inflight:
+            return None
+        counting = self._counting.get(tenant.name, 0)
+        if counting >= tenant.max_inflight:
+            raise TenantBusy(tenant.name, counting)
+        self._counting[tenant.name] = counting + 1
+        return tenant.name
 
     def not_ready_because(self, pool: str | None = None) -> str:
         """Why this frontend cannot serve ``pool`` ('' when it can); with no pool, why it can

@@ -44,6 +44,7 @@ class FakeUpstream:
         self.bodies: list[dict[str, Any]] = []
         self.tokenized: list[dict[str, Any]] = []
         self.tokenize_queries: list[str] = []  # the query each /tokenize call came with
+        self.tokenize_gate: asyncio.Event | None = None  # set: /tokenize answers once it is set
         self.active = 0
         self.max_active = 0
         self.disconnects = 0
@@ -99,6 +100,8 @@ class FakeUpstream:
         body = await request.json()
         self.tokenized.append(body)
         self.tokenize_queries.append(request.query_string)
+        if self.tokenize_gate is not None:
+            await self.tokenize_gate.wait()
         if self.tokenize_redirect is not None:
             raise web.HTTPTemporaryRedirect(self.tokenize_redirect)
         if self.status is not None:
