@@ -204,8 +204,8 @@ def _redis_budget(args: argparse.Namespace) -> int:
     if args.requests < 16 or args.requests % 16 \
             or args.rounds < 1 or min(args.tokens) < 1 or max(args.tokens) > rb.MAX_TOKENS \
             or not 1 <= args.frontends <= 64:
-        console.print("[red]--requests: a positive multiple of 16; --step-ms, --tokens-per-push, --rounds: "
-                      f"> 0; --tokens in [1, {rb.MAX_TOKENS}]; --frontends in [1, 64][/]")
+        console.print("[red]--requests: a positive multiple of 16; --rounds: > 0; "
+                      f"--tokens in [1, {rb.MAX_TOKENS}]; --frontends in [1, 64][/]")
         return 2
     if not rb.PUSH_BATCH <= args.push_batch <= rb.MAX_PUSH_BATCH or (args.requests // 2) % args.push_batch:
         console.print(f"[red]--push-batch {args.push_batch}: must be in [{rb.PUSH_BATCH}, "

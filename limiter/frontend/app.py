@@ -166,7 +166,7 @@ def _generation_handler(kind: str) -> Handler:
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
-        draft = oa.parse_request(kind, body, fe.cfg)
+        draft = oa.parse_request(kind, body, fe.cfg, pool)
         await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
         oa.refuse_if_surely_too_long(draft)
         req = oa.finish_request(draft, await fe.count_prompt(draft, tenant))

@@ -222,9 +222,15 @@ def _passed(v: Any, param: str, depth: int = 0) -> Any:
     """``v`` when it can go to the model server as sent, else a 400 naming ``param``."""
     if depth > MAX_PASSED_DEPTH:
         raise bad(param, f"'{param}' is nested more than {MAX_PASSED_DEPTH} levels deep")
-    if depth == 0 and param == "chat_template_kwargs" and not isinstance(v, dict):
+    if depth == 0 and param == "chat_template_kwargs":
         # vLLM's is an object of the template's arguments (the count applies it too)
-        raise bad(param, f"'{param}' must be an object, got {_type_name(v)}", "invalid_type")
+        if not isinstance(v, dict):
+            raise bad(param, f"'{param}' must be an object, got {_type_name(v)}", "invalid_type")
+        for k in v:
+            if k in CHAT_TEMPLATE_KWARGS_RESERVED:
+                raise bad(f"{param}.{k}", f"'{param}.{k}' is set by this service, or carries a "
+                          "template or text it does not count: it cannot be passed through",
+                          "unsupported_value")
     if isinstance(v, str):
         return _text(v, param)
     if isinstance(v, int) and not isinstance(v, bool) and not INT64[0] <= v <= INT64[1]:
@@ -232,12 +238,6 @@ def _passed(v: Any, param: str, depth: int = 0) -> Any:
     if isinstance(v, list):
         return [_passed(x, f"{param}[{i}]", depth + 1) for i, x in enumerate(v)]
     if isinstance(v, dict):
-        if depth == 0 and param == "chat_template_kwargs":
-            for k in v:
-                if k in CHAT_TEMPLATE_KWARGS_RESERVED:
-                    raise bad(f"{param}.{k}", f"'{param}.{k}' is set by this service, or carries a "
-                              "template or text it does not count: it cannot be passed through",
-                              "unsupported_value")
         return {_text(k, param): _passed(x, f"{param}.{k[:64]}", depth + 1) for k, x in v.items()}
     return v  # bool, None, a finite float (parse_json took no other)
 
@@ -373,12 +373,14 @@ class Draft:
     fields: dict[str, Any]
 
 
-def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig) -> Draft:
+def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
+                  pool: PoolConfig | None = None) -> Draft:
     """Check every field of a /v1/chat/completions (``kind='chat'``) or /v1/completions body
-    that does not depend on the prompt's token count; :func:`finish_request` does the rest."""
+    that does not depend on the prompt's token count; :func:`finish_request` does the rest.
+    ``pool``: the body's, when the caller resolved it already (:func:`resolve_pool`)."""
     allowed = _CHAT if kind == "chat" else _COMPLETION
     neutral = _CHAT_NEUTRAL if kind == "chat" else _COMPLETION_NEUTRAL
-    pool = resolve_pool(cfg, body)
+    pool = pool or resolve_pool(cfg, body)
     upstream: dict[str, Any] = {}
     for k, v in body.items():
         if k in allowed:
