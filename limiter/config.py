@@ -104,6 +104,11 @@ class PoolConfig:
     # pool behind the openai engine: vLLM's top_k, min_p, chat_template_kwargs, ... (a step
     # engine refuses a request that carries any). Not one this service implements itself.
     upstream_fields: tuple[str, ...] = ()
+    # Whether the pool's workers front a model server that calls tools (vLLM with
+    # --enable-auto-tool-choice and a --tool-call-parser): the frontend then takes a request's
+    # `tools`, `tool_choice` and earlier tool calls, and answers the server's tool calls as
+    # OpenAI does. Off, only their empty values are accepted (a step engine calls no tools).
+    tool_calls: bool = False
 
     @property
     def model_name(self) -> str:

@@ -12,7 +12,7 @@
       {"v": 1, "kind": "chat"|"completion", "prompt": str, "max_tokens": int,
        "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str,
        "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?,
-       "reasoning"? | "reasoning_content"?}],
+       "tool_calls"?, "reasoning"? | "reasoning_content"?}],
        "stream": bool, "grouped_tokens": bool}
 
   The last five are optional (a payload without them decodes to their defaults; ``stream``
@@ -27,6 +27,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -60,9 +61,17 @@ class ChatMessage:
     name: str | None = None
     tool_call_id: str | None = None
     reasoning: tuple[str, str] | None = None  # (field name, text): an earlier answer's thinking
+    # An assistant message's tool calls, as the client sent them back: [{id, type: "function",
+    # function: {name, arguments}}] (the frontend checked their shape; only a tool_calls pool)
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
-    def to_dict(self) -> dict[str, str]:
-        d = {"role": self.role, "content": self.content}
+    def to_dict(self) -> dict[str, Any]:
+        # An assistant turn that only called tools has no content: null, as OpenAI writes it
+        # (and as chat templates that test for content expect)
+        content = None if self.tool_calls and not self.content else self.content
+        d: dict[str, Any] = {"role": self.role, "content": content}
+        if self.tool_calls:
+            d["tool_calls"] = [dict(c) for c in self.tool_calls]
         if self.name is not None:
             d["name"] = self.name
         if self.tool_call_id is not None:
@@ -73,13 +82,25 @@ class ChatMessage:
 
     @classmethod
     def from_dict(cls, d: Any) -> ChatMessage:
-        if not isinstance(d, Mapping) or d.get("role") not in CHAT_ROLES \
-                or not isinstance(d.get("content"), str):
+        if not isinstance(d, Mapping) or d.get("role") not in CHAT_ROLES:
+            raise ValueError("payload message is not {role, content}")
+        calls = d.get("tool_calls") or ()
+        if not isinstance(calls, list | tuple) or not all(isinstance(c, Mapping) for c in calls):
+            raise ValueError("payload message's tool_calls is not a list of maps")
+        content = d.get("content")
+        if not isinstance(content, str) and not (content is None and calls):
             raise ValueError("payload message is not {role, content}")
         name, call = d.get("name"), d.get("tool_call_id")
         reasoning = next(((k, d[k]) for k in REASONING_FIELDS if isinstance(d.get(k), str)), None)
-        return cls(str(d["role"]), d["content"], None if name is None else str(name),
-                   None if call is None else str(call), reasoning)
+        return cls(str(d["role"]), content or "", None if name is None else str(name),
+                   None if call is None else str(call), reasoning, tuple(dict(c) for c in calls))
+
+    def text_for_count(self) -> str:
+        """The message's text as the frontend's own counters count it: the content, and
+        its tool calls' JSON (a model server's template renders them into the prompt)."""
+        if not self.tool_calls:
+            return self.content
+        return self.content + "\n" + json.dumps(list(self.tool_calls), ensure_ascii=False)
 
 
 def render_chat(messages: Iterable[tuple[str, str]]) -> str:

@@ -1,5 +1,5 @@
-"""The text a token push carries: the answer's text, and the reasoning a model server sent
-apart from it.
+"""The text a token push carries: the answer's text, and the reasoning and tool calls a model
+server sent apart from it.
 
 A model server with a reasoning parser (vLLM ``--reasoning-parser``) streams a reasoning
 model's thinking in its own delta field (``reasoning``; ``reasoning_content`` before vLLM
@@ -9,19 +9,23 @@ the scripts never read it), so the reasoning rides inside it, marked:
 
 * ``NUL r`` starts reasoning under the field ``reasoning``, ``NUL R`` under
   ``reasoning_content`` (the frontend answers under the name the server used);
+* ``NUL t`` starts one chunk's tool calls (vLLM's ``delta.tool_calls`` with a tool parser):
+  their JSON array, which holds no NUL (JSON escapes it), up to the next mark;
 * ``NUL c`` goes back to the answer's text;
 * ``NUL NUL`` is one NUL of the text it is in.
 
 Every packed piece ends in the answer's text, so pieces joined in order (a push takes all
 that is pending; a non-streamed answer joins its pushes) unpack as a whole. Text without a
-NUL -- every answer without reasoning -- is carried as it is, and unpacking it is one scan.
-A frontend of an earlier release shows the marks of a reasoning answer as text: deploy
-frontends before workers.
+NUL -- every answer without reasoning or tool calls -- is carried as it is, and unpacking it is one scan.
+A frontend of an earlier release shows the marks of a reasoning answer as text (and of tool
+calls, which only a pool with ``tool_calls`` on asks for): deploy frontends before workers.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
+
+import orjson
 
 NUL = "\x00"
 REASONING_FIELDS = {"reasoning": "r", "reasoning_content": "R"}
@@ -32,17 +36,31 @@ class ReplyText(NamedTuple):
     content: str
     reasoning: str = ""
     field: str = ""  # the reasoning's field name ("" when there is none)
+    # The model server's tool-call deltas, one array per chunk that had any, in order: each
+    # entry an OpenAI ``tool_calls`` delta ({index, id?, type?, function: {name?, arguments?}})
+    tool_calls: tuple[list[dict[str, Any]], ...] = ()
 
 
-def pack(content: str, reasoning: str = "", field: str = "reasoning") -> str:
+def pack(content: str, reasoning: str = "", field: str = "reasoning",
+         tool_calls: list[dict[str, Any]] | None = None) -> str:
     """One batch's text as a push carries it (module docstring)."""
     if NUL in content:
         content = content.replace(NUL, NUL + NUL)
-    if not reasoning:
+    if not reasoning and not tool_calls:
         return content
     if NUL in reasoning:
         reasoning = reasoning.replace(NUL, NUL + NUL)
-    return f"{NUL}{REASONING_FIELDS[field]}{reasoning}{NUL}c{content}"
+    thought = f"{NUL}{REASONING_FIELDS[field]}{reasoning}" if reasoning else ""
+    calls = f"{NUL}t{orjson.dumps(tool_calls).decode()}" if tool_calls else ""
+    return f"{thought}{calls}{NUL}c{content}"
+
+
+def _tool_calls(record: str) -> list[dict[str, Any]] | None:
+    try:
+        calls = orjson.loads(record)
+    except orjson.JSONDecodeError:
+        return None
+    return calls if isinstance(calls, list) and all(isinstance(c, dict) for c in calls) else None
 
 
 def unpack(text: str) -> ReplyText:
@@ -51,6 +69,7 @@ def unpack(text: str) -> ReplyText:
     if NUL not in text:
         return ReplyText(text)
     out: dict[str, list[str]] = {"c": [], "r": []}
+    calls: list[list[dict[str, Any]]] = []
     mode, field = "c", ""
     i, n = 0, len(text)
     while i < n:
@@ -66,9 +85,17 @@ def unpack(text: str) -> ReplyText:
             mode = "c"
         elif mark in _FIELD_OF:
             mode, field = "r", field or _FIELD_OF[mark]
+        elif mark == "t":  # a JSON array up to the next mark (pack: it holds no NUL)
+            end = text.find(NUL, j + 2)
+            end = n if end < 0 else end
+            record = _tool_calls(text[j + 2:end])
+            if record:
+                calls.append(record)
+            i = end
+            continue
         else:  # not a mark: the NUL is text
             out[mode].append(NUL)
             i = j + 1
             continue
         i = j + 2
-    return ReplyText("".join(out["c"]), "".join(out["r"]), field)
+    return ReplyText("".join(out["c"]), "".join(out["r"]), field, tuple(calls))

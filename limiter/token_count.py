@@ -140,10 +140,12 @@ class Counter:
         return count_tokens(text)
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
-                    template_kwargs: Mapping[str, Any] | None = None) -> int:
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] = ()) -> int:
         """Tokens of a completion prompt, or of a chat (``messages``; ``prompt`` is its rendering).
-        ``template_kwargs``: the request's ``chat_template_kwargs`` for the model server, which
-        only a counter that applies the model's chat template (``/tokenize``) uses."""
+        ``template_kwargs``: the request's ``chat_template_kwargs`` for the model server, and
+        ``tools`` its tools, which only a counter that applies the model's chat template
+        (``/tokenize``) uses: the others count ``prompt``, which renders the tools as JSON."""
         return self.count_text(prompt)
 
     async def close(self) -> None:
@@ -160,7 +162,8 @@ class FileCounter(Counter):
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
-                    template_kwargs: Mapping[str, Any] | None = None) -> int:
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] = ()) -> int:
         if len(prompt) > THREAD_CHARS:  # the Rust encoder releases the GIL
             return await asyncio.to_thread(self.count_text, prompt)
         return self.count_text(prompt)
@@ -183,7 +186,8 @@ class UpstreamCounter(Counter):
         self._session: Any = None
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
-                    template_kwargs: Mapping[str, Any] | None = None) -> int:
+                    template_kwargs: Mapping[str, Any] | None = None,
+                    tools: Sequence[Mapping[str, Any]] = ()) -> int:
         import aiohttp
 
         if self._session is None:
@@ -195,6 +199,8 @@ class UpstreamCounter(Counter):
             body.update(messages=[m.to_dict() for m in messages], add_generation_prompt=True)
             if isinstance(template_kwargs, Mapping) and template_kwargs:  # the template served with
                 body["chat_template_kwargs"] = dict(template_kwargs)
+            if tools:  # vLLM's template renders them into the prompt (its /tokenize takes them)
+                body["tools"] = list(tools)
         else:
             body["prompt"] = prompt
         try:

@@ -21,7 +21,8 @@
 -- ARGV[6]  count          integer >= 0: tokens in this last batch (the model's tokens)
 -- ARGV[7]  token_ids      n_ids x uint32 little-endian (resume data, as in push_tokens)
 -- ARGV[8]  text           the last batch's text
--- ARGV[9]  finish_reason  stop | length | cancelled | error
+-- ARGV[9]  finish_reason  stop | length | tool_calls | cancelled | error (tool_calls: a model
+--                         server's answer that called tools)
 -- ARGV[10] message        error message for outcome failed or refused ('' otherwise)
 -- ARGV[11] sample         msgpack latency sample ('' = none), appended to the samples stream
 -- ARGV[12] n_ids          integer >= 0: ids in token_ids ('' or absent = count; see
@@ -68,7 +69,8 @@ local function read_completion(k)
   c.count = arg_int(ARGV[a + 6], 'count', 0, 1000000)
   c.token_ids, c.text = ARGV[a + 7], ARGV[a + 8]
   c.n_ids = arg_token_batch(c.count, c.token_ids, c.text, ARGV[a + 12])
-  c.finish_reason = arg_oneof(ARGV[a + 9], 'finish_reason', {'stop', 'length', 'cancelled', 'error'})
+  c.finish_reason = arg_oneof(ARGV[a + 9], 'finish_reason', {'stop', 'length', 'tool_calls', 'cancelled',
+                                                                'error'})
   c.message = ARGV[a + 10]
   if c.message == nil or #c.message > 4096 then fail('BADARG', 'message: missing or over 4 KiB') end
   c.sample = ARGV[a + 11]

@@ -81,6 +81,7 @@ def test_a_valid_file_loads(tmp_path):
      "pools[0].upstream_fields[1]"),
     (("context_tokens = 8192", 'context_tokens = 8192\nupstream_fields = ["priority"]'),
      "pools[0].upstream_fields[0]"),
+    (("context_tokens = 8192", 'context_tokens = 8192\ntool_calls = "yes"'), "pools[0].tool_calls"),
     # vLLM's that carry a prompt or a template nobody counts, or reach past the request
     *[(("context_tokens = 8192", f'context_tokens = 8192\nupstream_fields = ["{name}"]'),
        "pools[0].upstream_fields[0]")

@@ -97,15 +97,17 @@ class Delivery:
         self.produced += n
 
     def add(self, token_ids: list[int] | tuple[int, ...], text: str, t: float,
-            tokens: int | None = None, reasoning: str = "", reasoning_field: str = "reasoning") -> None:
+            tokens: int | None = None, reasoning: str = "", reasoning_field: str = "reasoning",
+            tool_calls: list[dict[str, Any]] | None = None) -> None:
         """Queue released tokens and their text for the next push. ``tokens`` is how many
         model tokens they are (default one per id); the openai engine counts the upstream's
         tokens and passes the text's bytes as ``token_ids`` (what a resuming worker needs),
         and the reasoning a model server sent apart from the text (``reasoning``, under the
-        field name it used), which the push carries marked in the text (limiter/reply_text)."""
+        field name it used) and its tool-call deltas, which the push carries marked in the text
+        (limiter/reply_text)."""
         n = len(token_ids) if tokens is None else tokens
-        if reasoning or NUL in text:
-            text = pack(text, reasoning, reasoning_field)
+        if reasoning or tool_calls or NUL in text:
+            text = pack(text, reasoning, reasoning_field, tool_calls)
         if (n or token_ids or text) and self.pending_since is None:
             self.pending_since = t
         self.pending_ids.extend(token_ids)

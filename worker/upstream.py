@@ -93,7 +93,7 @@ from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.settings import shown_upstream
 from worker.sse_events import MalformedStream, parse_chunk, sse_batches
 from worker.stall_clock import StallClock
-from worker.tokenizer import PAD_ID, decode
+from worker.tokenizer import EOS_ID, PAD_ID, decode
 
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
@@ -190,9 +190,21 @@ def _choices(chunk: dict[str, Any], data: str, chat: bool) -> list[dict[str, Any
 
 
 def _ended(finish: str) -> Result:
-    """An answer the model server ended with ``finish``: stop and length as they are, any
-    other reason (vLLM's repetition, say) as a stop."""
-    return ("ok", finish if finish in ("stop", "length") else "stop", "")
+    """An answer the model server ended with ``finish``: stop, length and tool_calls as they
+    are, any other reason (vLLM's repetition, say) as a stop."""
+    return ("ok", finish if finish in ("stop", "length", "tool_calls") else "stop", "")
+
+
+def _tool_call_deltas(delta: dict[str, Any], data: str) -> list[dict[str, Any]]:
+    """A chat delta's ``tool_calls`` (a model server with a tool parser: vLLM's
+    --enable-auto-tool-choice), forwarded as the server sent them; [] when there are none,
+    :class:`MalformedStream` when they are not a list of objects."""
+    calls = delta.get("tool_calls")
+    if not calls:
+        return []
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise MalformedStream(f"tool_calls that are no list of objects in {data[:200]!r}")
+    return calls
 
 
 SEAM_SPACE = " \t"  # not line ends: a continuation after "one.\n" sent as "one." began " Line two"
@@ -203,6 +215,12 @@ SEAM_SPACE = " \t"  # not line ends: a continuation after "one.\n" sent as "one.
 # reads the text as before. An id outside the vocabulary made that worker fail the request
 # (its decoder refuses one; found by a review).
 THOUGHT_ID = PAD_ID
+# Stored among a request's resume ids, one per chunk of tool calls. A tool call broken off
+# cannot be resumed: the model server's parser reads a call from the model's own text, which a
+# continuation does not send back (the client read a call's first pieces, and a second answer
+# would call again or write text). The byte vocabulary's EOS: never a text's byte, and dropped
+# by every decoder, as THOUGHT_ID.
+TOOL_CALL_ID = EOS_ID
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -214,6 +232,7 @@ class Delivered:
     prior: str = ""
     seam: str = ""
     thought_tokens: int = 0
+    tool_calls: bool = False  # part of a tool call was delivered: no resume is possible
 
 
 def _delivered(d: Delivery) -> Delivered:
@@ -227,7 +246,7 @@ def _delivered(d: Delivery) -> Delivered:
     ids = [i for i in d.claimed.generated if i != THOUGHT_ID]
     text = decode(ids)
     prior = text.rstrip(SEAM_SPACE)
-    return Delivered(prior, text[len(prior):], len(d.claimed.generated) - len(ids))
+    return Delivered(prior, text[len(prior):], len(d.claimed.generated) - len(ids), TOOL_CALL_ID in ids)
 
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
@@ -785,6 +804,10 @@ class UpstreamLoop:
             return ("ok", "length", "")
         try:
             before = _delivered(d)
+            if before.tool_calls:
+                log.warning("%s: a tool call was broken off; it cannot be resumed", d.request_id)
+                return ("failed", "error", "the model server broke off during a tool call, which cannot be "
+                        "resumed; retry the request")
             seam = before.seam
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior, priority)
         except ValueError as exc:
@@ -919,6 +942,7 @@ class UpstreamLoop:
                                 return self._failed(d, url, f"the model server reported an error: {msg}")
                             running = self._usage(d, chunk.get("usage"), before)
                             text = thought = ""
+                            calls: list[dict[str, Any]] = []
                             for ch in _choices(chunk, data, chat):
                                 finish = ch.get("finish_reason") or finish
                                 if not chat:
@@ -926,6 +950,7 @@ class UpstreamLoop:
                                 else:
                                     delta = ch.get("delta") or {}
                                     piece = delta.get("content")
+                                    calls += _tool_call_deltas(delta, data)
                                     # vLLM's --reasoning-parser: the thinking of a reasoning model
                                     # comes apart from the answer (`reasoning`; `reasoning_content`
                                     # before vLLM renamed it): forwarded under the same name
@@ -954,15 +979,16 @@ class UpstreamLoop:
                             # chunk with text. The final usage (a chunk of its own, no text) brings the
                             # count up to the upstream's completion_tokens.
                             new = (max(running - counted, 0) if running is not None
-                                   else int(bool(text or thought)))
+                                   else int(bool(text or thought or calls)))
                             cut = counted + new > allowance
                             if cut:  # the upstream went past max_tokens: stop there
                                 new = allowance - counted
                                 if new == 0:  # all of this chunk is past it: none of its text either
                                     text = thought = ""
-                            if new or text or thought:
+                                    calls = []
+                            if new or text or thought or calls:
                                 self._take(d, text, new, thought, reasoning_field,
-                                           forward_thought=not thinks_again)
+                                           forward_thought=not thinks_again, tool_calls=calls)
                                 counted += new
                             if cut:
                                 break
@@ -1041,13 +1067,15 @@ class UpstreamLoop:
         return completion
 
     def _take(self, d: Delivery, text: str, tokens: int, reasoning: str = "",
-              reasoning_field: str = "reasoning", forward_thought: bool = True) -> None:
+              reasoning_field: str = "reasoning", forward_thought: bool = True,
+              tool_calls: list[dict[str, Any]] | None = None) -> None:
         """Queue ``tokens`` upstream tokens with their text (and reasoning, unless not
         ``forward_thought``: counted and marked all the same); the text's bytes are the ids a
         resuming worker rebuilds the delivered text from. The reasoning is not among them: a
         resume sends the answer's text as the assistant message to continue, which is what a
         chat template renders of an earlier turn (vLLM's parsers drop the thinking there); a
-        resume cut mid-thought thinks again (not forwarded: _stream)."""
+        resume cut mid-thought thinks again (not forwarded: _stream). ``tool_calls``: the
+        chunk's tool-call deltas, forwarded as sent and marked among the ids (TOOL_CALL_ID)."""
         t = time.monotonic()
         if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
@@ -1058,8 +1086,10 @@ class UpstreamLoop:
         ids = list(text.encode())
         if reasoning and not text:  # a chunk of thinking alone (one with both counts as text)
             ids += [THOUGHT_ID] * tokens
+        if tool_calls:
+            ids.append(TOOL_CALL_ID)
         d.add(ids, text, t, tokens=tokens, reasoning=reasoning if forward_thought else "",
-              reasoning_field=reasoning_field)
+              reasoning_field=reasoning_field, tool_calls=tool_calls)
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time

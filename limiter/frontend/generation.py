@@ -337,7 +337,8 @@ class Generation:
                 answer = unpack("".join(parts))
                 body = oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
                                         r.usage_in, r.usage_out,
-                                        (answer.field, answer.reasoning) if answer.reasoning else None)
+                                        (answer.field, answer.reasoning) if answer.reasoning else None,
+                                        oa.merge_tool_calls(answer.tool_calls))
                 resp = web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
                                                         OPENAI_REQUEST_ID_HEADER: self.public_id},
                                          dumps=oa.compact_json)
@@ -421,9 +422,15 @@ class Generation:
                     # sent it apart (limiter/reply_text.py): a delta of thinking alone has no content
                     piece = unpack(text)
                     thought = (piece.field, piece.reasoning) if piece.reasoning else None
-                    content = piece.content or (None if thought else "")
-                    out.append(oa.sse(oa.chunk(req, rid, created, text=content, reasoning=thought,
-                                               usage_so_far=(req.prompt_tokens, self.forwarded))))
+                    # a tool call's deltas, one chunk each as the model server sent them (the
+                    # first after any thinking and text of the same push)
+                    content = piece.content or (None if thought or piece.tool_calls else "")
+                    if content is not None or thought or not piece.tool_calls:
+                        out.append(oa.sse(oa.chunk(req, rid, created, text=content, reasoning=thought,
+                                                   usage_so_far=(req.prompt_tokens, self.forwarded))))
+                    for calls in piece.tool_calls:
+                        out.append(oa.sse(oa.chunk(req, rid, created, tool_calls=calls,
+                                                   usage_so_far=(req.prompt_tokens, self.forwarded))))
                 if r.kind == "done":
                     self.observe_done(r)
                     out.append(oa.sse(oa.chunk(req, rid, created, reason=r.finish,

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -276,7 +277,109 @@ def resolve_pool(cfg: QosConfig, body: Mapping[str, Any]) -> PoolConfig:
                    code="model_not_found", param="model", outcome="not_found")
 
 
-def _messages(v: Any) -> list[ChatMessage]:
+# Tool calling (a pool with tool_calls on: config.py PoolConfig.tool_calls). OpenAI's bounds:
+# 128 tools a request, function names of at most 64 of [A-Za-z0-9_-].
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128  # in one assistant message sent back
+TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
+TOOL_CHOICES = ("none", "auto", "required")
+
+
+def _keys(v: Any, param: str, allowed: tuple[str, ...], required: tuple[str, ...] = ()) -> dict[str, Any]:
+    """``v`` as an object of ``allowed`` keys holding every ``required`` one, else a 400."""
+    if not isinstance(v, dict):
+        raise bad(param, f"'{param}' must be an object, got {_type_name(v)}", "invalid_type")
+    for k in v:
+        if k not in allowed:
+            raise bad(f"{param}.{k[:64]}", f"unrecognized field '{param}.{k[:64]}'", "unknown_parameter")
+    for k in required:
+        if v.get(k) is None:
+            raise bad(f"{param}.{k}", f"'{param}.{k}' is required", "missing_required_parameter")
+    return v
+
+
+def _function_name(v: Any, param: str) -> str:
+    name = _text(v, param)
+    if not TOOL_NAME_RE.fullmatch(name):
+        raise bad(param, f"'{param}' must be 1 to 64 letters, digits, underscores or dashes")
+    return name
+
+
+def _tools(v: Any) -> list[dict[str, Any]]:
+    """The request's ``tools``: function tools, each ``{type: "function", function: {name,
+    description?, parameters?, strict?}}``; the schema is the model server's to judge."""
+    if not isinstance(v, list):
+        raise bad("tools", f"'tools' must be an array, got {_type_name(v)}", "invalid_type")
+    if len(v) > MAX_TOOLS:
+        raise bad("tools", f"'tools' may hold at most {MAX_TOOLS} tools, got {len(v)}")
+    names: set[str] = set()
+    for i, t in enumerate(v):
+        p = f"tools[{i}]"
+        _keys(t, p, ("type", "function"), ("type", "function"))
+        if t["type"] != "function":
+            raise bad(f"{p}.type", f"'{p}.type' must be \"function\" (the only tool type served)",
+                      "unsupported_value")
+        f = _keys(t["function"], f"{p}.function", ("name", "description", "parameters", "strict"), ("name",))
+        name = _function_name(f["name"], f"{p}.function.name")
+        if name in names:
+            raise bad(f"{p}.function.name", f"'{p}.function.name' {name!r} names a tool twice")
+        names.add(name)
+        if f.get("description") is not None:
+            _text(f["description"], f"{p}.function.description")
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):
+            raise bad(f"{p}.function.parameters", f"'{p}.function.parameters' must be a JSON Schema "
+                      f"object, got {_type_name(f['parameters'])}", "invalid_type")
+        if f.get("strict") is not None and not isinstance(f["strict"], bool):
+            raise bad(f"{p}.function.strict", f"'{p}.function.strict' must be a boolean", "invalid_type")
+    return _passed(v, "tools")
+
+
+def _tool_choice(v: Any, tools: list[dict[str, Any]]) -> Any:
+    """``tool_choice``: none | auto | required, or ``{type: "function", function: {name}}``
+    naming one of ``tools``; any but "none" needs tools (as OpenAI)."""
+    if isinstance(v, str):
+        if v not in TOOL_CHOICES:
+            raise bad("tool_choice", f"'tool_choice' must be one of {', '.join(TOOL_CHOICES)} or an object "
+                      f"naming a function, got {v[:40]!r}")
+    else:
+        _keys(v, "tool_choice", ("type", "function"), ("type", "function"))
+        if v["type"] != "function":
+            raise bad("tool_choice.type", "'tool_choice.type' must be \"function\"", "unsupported_value")
+        f = _keys(v["function"], "tool_choice.function", ("name",), ("name",))
+        name = _function_name(f["name"], "tool_choice.function.name")
+        if name not in {t["function"]["name"] for t in tools}:
+            raise bad("tool_choice.function.name", f"'tool_choice' names {name!r}, which is not among "
+                      "'tools'")
+    if v != "none" and not tools:
+        raise bad("tool_choice", "'tool_choice' is only allowed when 'tools' are given")
+    return v
+
+
+def _message_tool_calls(v: Any, p: str) -> tuple[dict[str, Any], ...]:
+    """An assistant message's ``tool_calls`` sent back: ``[{id, type: "function", function:
+    {name, arguments}}]``, the arguments a JSON text as the model wrote it."""
+    if not isinstance(v, list):
+        raise bad(p, f"'{p}' must be an array, got {_type_name(v)}", "invalid_type")
+    if len(v) > MAX_TOOL_CALLS:
+        raise bad(p, f"'{p}' may hold at most {MAX_TOOL_CALLS} calls, got {len(v)}")
+    out = []
+    for i, c in enumerate(v):
+        cp = f"{p}[{i}]"
+        _keys(c, cp, ("id", "type", "function"), ("id", "function"))
+        if len(_text(c["id"], f"{cp}.id")) > MAX_MESSAGE_ID_CHARS:
+            raise bad(f"{cp}.id", f"'{cp}.id' may be at most {MAX_MESSAGE_ID_CHARS} characters")
+        if c.get("type", "function") != "function":
+            raise bad(f"{cp}.type", f"'{cp}.type' must be \"function\"", "unsupported_value")
+        f = _keys(c["function"], f"{cp}.function", ("name", "arguments"), ("name", "arguments"))
+        out.append({"id": c["id"], "type": "function",
+                    "function": {"name": _function_name(f["name"], f"{cp}.function.name"),
+                                 "arguments": _text(f["arguments"], f"{cp}.function.arguments")}})
+    return tuple(out)
+
+
+def _messages(v: Any, tool_calls: bool = False) -> list[ChatMessage]:
+    """``tool_calls``: the pool calls tools, so an assistant message may carry its calls."""
     if v is None:
         raise bad("messages", "'messages' is required", "missing_required_parameter")
     if not isinstance(v, list) or not v:
@@ -287,6 +390,8 @@ def _messages(v: Any) -> list[ChatMessage]:
         if not isinstance(m, dict):
             raise bad(p, f"'{p}' must be an object, got {_type_name(m)}", "invalid_type")
         for k in m:
+            if k == "tool_calls" and tool_calls:
+                continue
             if k in _MESSAGE_NEUTRAL:
                 if not _MESSAGE_NEUTRAL[k](m[k]):
                     raise bad(f"{p}.{k}", f"'{p}.{k}' = {json.dumps(m[k])[:100]} is not supported by this "
@@ -313,6 +418,11 @@ def _messages(v: Any) -> list[ChatMessage]:
             if m.get(k) is not None:
                 text = _text(m[k], f"{p}.{k}")  # both checked, the first kept
                 reasoning = reasoning or (k, text)
+        calls: tuple[dict[str, Any], ...] = ()
+        if tool_calls and m.get("tool_calls"):
+            if role != "assistant":
+                raise bad(f"{p}.tool_calls", f"'{p}.tool_calls' is only allowed in an assistant message")
+            calls = _message_tool_calls(m["tool_calls"], f"{p}.tool_calls")
         content = m.get("content")
         if isinstance(content, list):
             texts = []
@@ -326,9 +436,11 @@ def _messages(v: Any) -> list[ChatMessage]:
             # with nothing, ["Hello", "world"] reached the model as "Helloworld"
             content = "\n".join(texts)
         elif content is None:
-            raise bad(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
+            if not calls:  # an assistant turn that only called tools has none (OpenAI's null)
+                raise bad(f"{p}.content", f"'{p}.content' is required", "missing_required_parameter")
+            content = ""
         out.append(ChatMessage(role, _text(content, f"{p}.content"), extra.get("name"),
-                               extra.get("tool_call_id"), reasoning))
+                               extra.get("tool_call_id"), reasoning, calls))
     return out
 
 
@@ -354,6 +466,28 @@ def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: f
         shown = repr(v) if len(repr(v)) <= 24 else repr(v)[:21] + "..."
         raise bad(name, f"'{name}' must be in {'(' if lo_open else '['}{lo:g}, {hi:g}], got {shown}")
     return float(v)
+
+
+def _tool_fields(body: Mapping[str, Any], upstream: dict[str, Any]) -> None:
+    """A tool_calls pool's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked and
+    put among the fields for the model server. No tools (absent, null or ``[]``) sends none of
+    the three: the server answers as it does a request without them."""
+    tools = body.get("tools")
+    tools = [] if tools is None else _tools(tools)
+    choice = body.get("tool_choice")
+    if choice is not None:
+        choice = _tool_choice(choice, tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise bad("parallel_tool_calls", "'parallel_tool_calls' must be a boolean, got "
+                  f"{_type_name(parallel)}", "invalid_type")
+    if not tools:
+        return
+    upstream["tools"] = tools
+    if choice is not None:
+        upstream["tool_choice"] = choice
+    if parallel is not None:
+        upstream["parallel_tool_calls"] = parallel
 
 
 @dataclass(frozen=True)
@@ -389,9 +523,13 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
             if v is not None:
                 upstream[k] = _passed(v, k)
             continue
+        if kind == "chat" and pool.tool_calls and k in TOOL_FIELDS:
+            continue  # checked below
         if k in neutral:
             if v is not None and not neutral[k](v):
-                raise bad(k, f"'{k}' = {json.dumps(v)[:100]} is not supported by this service "
+                why = (" in this pool: tool calling is served by a pool with tool_calls = true, in front "
+                       "of a model server that calls tools") if k in TOOL_FIELDS and kind == "chat" else ""
+                raise bad(k, f"'{k}' = {json.dumps(v)[:100]} is not supported by this service{why} "
                           "(only its neutral value is accepted)", "unsupported_value")
             continue
         raise bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
@@ -399,8 +537,13 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
     messages: tuple[ChatMessage, ...] = ()
     if kind == "chat":
         prompt_param = "messages"
-        messages = tuple(_messages(body.get("messages")))
-        prompt = render_chat((m.role, m.content) for m in messages)
+        messages = tuple(_messages(body.get("messages"), pool.tool_calls))
+        if pool.tool_calls:
+            _tool_fields(body, upstream)
+        # What the frontend's own counters count (and a step engine reads): the tools' JSON
+        # too, which a model server's chat template renders into the prompt
+        tools = [("tools", json.dumps(upstream["tools"], ensure_ascii=False))] if "tools" in upstream else []
+        prompt = render_chat([*tools, *((m.role, m.text_for_count()) for m in messages)])
     else:
         prompt_param = "prompt"
         prompt = _prompt(body.get("prompt"))
@@ -547,7 +690,7 @@ def finish_request(d: Draft, prompt_tokens: int) -> GenerationRequest:
 
 def finish_reason(worker_reason: str) -> str:
     """OpenAI knows stop | length (| tool_calls | content_filter); map the worker's others."""
-    return worker_reason if worker_reason in ("stop", "length") else "stop"
+    return worker_reason if worker_reason in ("stop", "length", "tool_calls") else "stop"
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
@@ -559,14 +702,39 @@ def response_id(req: GenerationRequest, request_id: str) -> str:
     return ("chatcmpl-" if req.kind == "chat" else "cmpl-") + request_id
 
 
+def merge_tool_calls(deltas: Iterable[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """A whole answer's tool calls from the model server's streamed deltas: per ``index``, the
+    first delta's id, type and name, and the arguments' pieces joined in order (vLLM's and
+    OpenAI's stream). A delta without an index (a server's own shape) is the next call."""
+    calls: dict[Any, dict[str, Any]] = {}
+    for record in deltas:
+        for delta in record:
+            key = delta.get("index", len(calls))
+            f = delta.get("function") if isinstance(delta.get("function"), dict) else {}
+            call = calls.get(key)
+            if call is None:
+                call = calls[key] = {"id": delta.get("id") or "", "type": delta.get("type") or "function",
+                                     "function": {"name": f.get("name") or "", "arguments": ""}}
+            else:
+                call["id"] = call["id"] or delta.get("id") or ""
+                call["function"]["name"] = call["function"]["name"] or f.get("name") or ""
+            if isinstance(f.get("arguments"), str):
+                call["function"]["arguments"] += f["arguments"]
+    return list(calls.values())
+
+
 def full_response(req: GenerationRequest, request_id: str, created: int, text: str, reason: str,
-                  usage_in: int, usage_out: int, reasoning: tuple[str, str] | None = None) -> dict[str, Any]:
+                  usage_in: int, usage_out: int, reasoning: tuple[str, str] | None = None,
+                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """``reasoning``: (field name, text) of what a model server sent apart from the answer
-    (limiter/reply_text.py), in the chat message as that server put it."""
+    (limiter/reply_text.py), in the chat message as that server put it; ``tool_calls``: the
+    tools it called (:func:`merge_tool_calls`), with a null content when it wrote none."""
     if req.kind == "chat":
-        message = {"role": "assistant", "content": text}
+        message: dict[str, Any] = {"role": "assistant", "content": text or (None if tool_calls else text)}
         if reasoning:
             message[reasoning[0]] = reasoning[1]
+        if tool_calls:
+            message["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "message": message,
                                   "logprobs": None, "finish_reason": finish_reason(reason)}
         obj = "chat.completion"
@@ -579,13 +747,15 @@ def full_response(req: GenerationRequest, request_id: str, created: int, text: s
 
 def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | None = None,
           role: bool = False, reason: str | None = None, usage_so_far: tuple[int, int] | None = None,
-          reasoning: tuple[str, str] | None = None) -> dict[str, Any]:
+          reasoning: tuple[str, str] | None = None,
+          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
     """One SSE chunk: a text delta, the chat role opener, or the final finish_reason.
 
     ``usage_so_far`` = (prompt tokens, completion tokens so far): with ``continuous_usage``
     (vLLM's ``continuous_usage_stats``) every chunk carries the running usage. ``reasoning``
     = (field name, text): a chat delta of a reasoning model's thinking, as vLLM's reasoning
-    parser sends it (no ``content`` unless ``text`` has some too)."""
+    parser sends it (no ``content`` unless ``text`` has some too); ``tool_calls``: one chunk's
+    tool-call deltas as the model server sent them."""
     fin = finish_reason(reason) if reason is not None else None
     if req.kind == "chat":
         delta: dict[str, Any] = {}
@@ -596,6 +766,8 @@ def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | 
             delta[reasoning[0]] = reasoning[1]
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
         obj = "chat.completion.chunk"
     else:

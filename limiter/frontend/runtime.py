@@ -326,8 +326,9 @@ class Frontend:
         counter = self.counters[draft.pool.name]
         held = self._take_count_turn(tenant) if counter.kind != token_count.BYTES else None
         try:
-            return await counter.count(
-                draft.prompt, draft.messages, draft.fields["upstream"].get("chat_template_kwargs"))
+            upstream = draft.fields["upstream"]
+            return await counter.count(draft.prompt, draft.messages, upstream.get("chat_template_kwargs"),
+                                       upstream.get("tools") or ())
         except token_count.TokenizerRefused as exc:
             # The upstream's own words stay in the log: they may name its internals.
             log.info("pool %s: the upstream tokenizer refused a prompt: %s", draft.pool.name, exc)

@@ -20,9 +20,13 @@ def words(text: str) -> int:
 
 def fake_prompt_tokens(body: dict[str, Any]) -> int:
     """What the fake server counts for a request body (and answers on /tokenize): its words
-    plus BOS; a chat adds a 2-token template per message."""
+    plus BOS; a chat adds a 2-token template per message, and the words of its tools' and
+    tool calls' JSON, as a template renders them."""
     if "messages" in body:
-        return 1 + sum(words(m["content"]) + 2 for m in body["messages"])
+        calls = [m["tool_calls"] for m in body["messages"] if m.get("tool_calls")]
+        rendered = [json.dumps(x) for x in (body.get("tools"), *calls) if x]
+        return 1 + sum(words(m.get("content") or "") + 2 for m in body["messages"]) + \
+            sum(words(r) for r in rendered)
     return 1 + words(body["prompt"])
 
 
@@ -119,7 +123,7 @@ class FakeUpstream:
         if self.status is not None:
             return web.json_response({"error": {"message": "server busy"}}, status=self.status)
         chat = "messages" in body
-        prompt = body["messages"][-1]["content"] if chat else body["prompt"]
+        prompt = (body["messages"][-1]["content"] or "") if chat else body["prompt"]
         # a script is chosen by any message of a chat (a resume's last one is the answer so far)
         every = " ".join(str(m.get("content")) for m in body["messages"]) if chat else prompt
         for key, script in self.scripts.items():
@@ -252,6 +256,19 @@ def chat_chunk(content: str | None = None, reasoning: str | None = None, field: 
     if completion_tokens is not None:
         c["usage"] = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
                       "total_tokens": prompt_tokens + completion_tokens}
+    return ("data: " + json.dumps(c) + "\n\n").encode()
+
+
+def tool_chunk(calls: list[dict[str, Any]], finish: str | None = None,
+               completion_tokens: int | None = None) -> bytes:
+    """One chat SSE event as vLLM sends it with a tool parser: ``delta.tool_calls``, each
+    ``{index, id?, type?, function: {name?, arguments?}}``; a ``finish_reason``, the running
+    usage."""
+    c: dict[str, Any] = {"id": "x", "object": "chat.completion.chunk", "model": "tiny",
+                         "choices": [{"index": 0, "delta": {"tool_calls": calls}, "finish_reason": finish}]}
+    if completion_tokens is not None:
+        c["usage"] = {"prompt_tokens": 5, "completion_tokens": completion_tokens,
+                      "total_tokens": 5 + completion_tokens}
     return ("data: " + json.dumps(c) + "\n\n").encode()
 
 
