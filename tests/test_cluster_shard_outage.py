@@ -175,7 +175,8 @@ async def test_a_frontend_started_while_a_shard_hangs_serves_the_others_then_tha
     is served at once, /readyz answers within a probe's timeout, and the lost pool is set
     up and served once its shard answers again."""
     client, lost, kept, hung = await _pools_and_the_shard_to_stop(private_cluster)
-    cfg = base_config(private_cluster.url, pools=(lost, kept), cluster=True)
+    cfg = base_config(f"{private_cluster.url}?socket_timeout={HELD_SOCKET_TIMEOUT_S:g}", pools=(lost, kept),
+                      cluster=True)
     for p in cfg["pools"]:
         p["model"] = f"model-{p['name']}"
     stack = LiveStack(tmp_path, cfg)

@@ -45,6 +45,11 @@ LOST_CHECK_BATCH = 500  # EXISTS per pipeline when looking for requests whose re
 # loses the last writes (a few requests' records) but not this frontend's heartbeat entry, so
 # the check at a lost entry never ran (one EXISTS per request in flight, pipelined).
 LOST_SWEEP_S = 10.0
+# At start, once one pool is set up, how long the others' set-ups may go without one ending
+# before the frontend serves without them (their heartbeat loops set them up). A Redis Cluster shard
+# whose host does not answer held the start for the socket timeout, 600 s where an operator
+# set `?socket_timeout=600`, with every other pool ready to serve.
+START_OTHERS_S = 1.0
 # Cancels an outage refused, kept to send again once Redis answers: at most this many kept,
 # and sent at most this many per heartbeat (each one call of a bounded script).
 UNSENT_CANCELS_MAX = 10_000
@@ -127,10 +132,28 @@ class Frontend:
 
     async def _bootstrap(self) -> None:
         """Set up every pool not set up yet (:meth:`_set_up`), the pools at the same time.
-        Raises the first error met, once every pool was tried."""
+        Raises the first error met among the set-ups that ended. Once one pool is set up, a
+        ``START_OTHERS_S`` in which no other set-up ends leaves those still under way to their
+        heartbeat loops (a shard that does not answer), cancelled here."""
         pools = [p for p in self.cfg.pools if p.name not in self.set_up]
-        results = await asyncio.gather(*(self._set_up(p) for p in pools), return_exceptions=True)
-        if failed := [r for r in results if isinstance(r, BaseException)]:
+        tasks = [asyncio.ensure_future(self._set_up(p)) for p in pools]
+        pending: set[asyncio.Future[None]] = set(tasks)
+        try:
+            while pending:
+                # (every pool's set-up may wait as long as it takes while none is set up: the
+                # frontend cannot serve anything before)
+                wait_s = START_OTHERS_S if self.bootstrapped else None
+                done, pending = await asyncio.wait(pending, timeout=wait_s,
+                                                   return_when=asyncio.FIRST_COMPLETED)
+                if not done:
+                    log.warning("frontend %s: %d pools not set up after %g s more; serving the others "
+                                "meanwhile", self.frontend_id, len(pending), START_OTHERS_S)
+                    break
+        finally:
+            for t in pending:
+                t.cancel()
+        results = [t.exception() for t in tasks if t.done() and not t.cancelled()]
+        if failed := [r for r in results if r is not None]:
             # A real fault first: one pool's outage must not hide another's (start() lets an
             # outage pass, and the process started with a pool that can never be set up)
             raise next((e for e in failed if not isinstance(e, REDIS_ERRORS)), failed[0])
