@@ -9,7 +9,7 @@
 * :class:`Payload` — the msgpack map the frontend stores with the request in Redis and
   the worker decodes after ``claim``::
 
-      {"v": 1, "kind": "chat"|"completion", "prompt": str, "max_tokens": int,
+      {"v": 1 | 2 | 3, "kind": "chat"|"completion", "prompt": str, "max_tokens": int,
        "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str,
        "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?,
        "tool_calls"?, "reasoning"? | "reasoning_content"?}],
@@ -41,6 +41,11 @@ PAYLOAD_VERSION = 1
 # an older release, which would drop them and answer another question, refuses it instead
 # ("not a version-1 map": the request fails, 503 worker_failed). Workers first, then list them.
 PAYLOAD_VERSION_UPSTREAM = 2
+# A payload that carries tools or earlier tool calls is version 3: a worker of the release
+# before tool calling reads version 2, sends the tools upstream and drops the server's
+# `delta.tool_calls` (the client got an empty answer ending "stop"), and reads an assistant
+# message without its calls; it refuses version 3 instead. Workers first, then tool_calls.
+PAYLOAD_VERSION_TOOLS = 3
 # The sampling fields a client may leave to the model server's defaults (Payload.defaulted).
 DEFAULTABLE = ("temperature", "top_p")
 BOS_TOKENS = 1
@@ -154,9 +159,16 @@ class Payload:
     # openai engine adds them to its request; a step engine refuses a request with any.
     upstream: Mapping[str, Any] = field(default_factory=dict)
 
+    def version(self) -> int:
+        """The oldest payload version that holds this request (a worker that reads fewer
+        refuses it rather than answer without what it does not know)."""
+        if "tools" in self.upstream or any(m.tool_calls for m in self.messages):
+            return PAYLOAD_VERSION_TOOLS
+        return PAYLOAD_VERSION_UPSTREAM if self.upstream else PAYLOAD_VERSION
+
     def pack(self) -> bytes:
         d: dict[str, Any] = {
-            "v": PAYLOAD_VERSION_UPSTREAM if self.upstream else PAYLOAD_VERSION,
+            "v": self.version(),
             "kind": self.kind, "prompt": self.prompt, "max_tokens": self.max_tokens,
             "temperature": float(self.temperature), "top_p": float(self.top_p), "stop": list(self.stop),
             "seed": self.seed, "model": self.model,
@@ -179,13 +191,14 @@ class Payload:
 
     @classmethod
     def unpack(cls, blob: bytes) -> Payload:
-        """Decode a stored payload; raises ValueError on anything that is not version 1 or 2."""
+        """Decode a stored payload; raises ValueError on anything that is not version 1, 2 or 3."""
         try:
             d: Any = msgpack.unpackb(blob, raw=False)
         except Exception as exc:  # msgpack raises several unrelated types
             raise ValueError(f"payload is not msgpack: {exc}") from exc
-        if not isinstance(d, Mapping) or d.get("v") not in (PAYLOAD_VERSION, PAYLOAD_VERSION_UPSTREAM):
-            raise ValueError("payload is not a version-1 or -2 map")
+        if not isinstance(d, Mapping) or d.get("v") not in (PAYLOAD_VERSION, PAYLOAD_VERSION_UPSTREAM,
+                                                            PAYLOAD_VERSION_TOOLS):
+            raise ValueError("payload is not a version-1, -2 or -3 map")
         try:
             return cls(kind=str(d["kind"]), prompt=str(d["prompt"]), max_tokens=int(d["max_tokens"]),
                        temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),

@@ -93,6 +93,27 @@ def test_a_tool_pools_request_carries_its_tools_choice_and_earlier_calls_to_the_
                          cfg).fields["upstream"] == {}
 
 
+def test_a_payload_with_tools_or_earlier_calls_is_one_a_worker_before_tool_calling_refuses() -> None:
+    """Version 3: a worker of the release before, which reads versions 1 and 2, sent the tools
+    upstream and dropped the server's tool calls (an empty answer ending "stop"), and sent an
+    assistant turn without its calls. It refuses version 3 (the request fails) instead."""
+    import msgpack
+
+    cfg = _tool_cfg()
+    with_tools = parse_request("chat", _chat(tools=[WEATHER]), cfg)
+    history = [{"role": "user", "content": "Weather in Paris?"},
+               {"role": "assistant", "content": None, "tool_calls": [CALL]},
+               {"role": "tool", "tool_call_id": "chatcmpl-tool-1", "content": "18 C"}]
+    with_calls = parse_request("chat", {"model": "tiny", "messages": history}, cfg)
+    for d in (with_tools, with_calls):
+        p = Payload("chat", d.prompt, 8, messages=d.messages, upstream=d.fields["upstream"])
+        assert msgpack.unpackb(p.pack())["v"] == 3
+        assert Payload.unpack(p.pack()) == p
+    # neither: as before, an older worker reads it
+    plain = parse_request("chat", _chat(tools=[], tool_choice="none"), cfg)
+    assert msgpack.unpackb(Payload("chat", plain.prompt, 8, messages=plain.messages).pack())["v"] == 1
+
+
 @pytest.mark.parametrize(("body", "param"), [
     (_chat(tools={"a": 1}), "tools"),
     (_chat(tools=[WEATHER] * 2), "tools[1].function.name"),
