@@ -221,6 +221,31 @@ async def test_a_tool_call_reaches_the_client_whole_streamed_and_through_the_sdk
     assert up.bodies[0]["tool_choice"] == "auto" and "tool_choice" not in up.bodies[2]
 
 
+@pytest.mark.parametrize("bad", [{"index": [0], "function": {"name": "get_weather"}},
+                                 {"index": 0, "function": "get_weather"},
+                                 {"index": 0, "function": {"name": 5, "arguments": {"city": "Paris"}}},
+                                 {"index": True, "id": ["x"]}])
+async def test_a_malformed_tool_call_delta_fails_the_request_as_a_malformed_response(env_tools, bad) -> None:
+    """A delta not of OpenAI's shape (an index that is no integer: unhashable, it was a 500
+    from the frontend's merge; a function, name or arguments that is no string: the client's
+    SDK fails on it) is a malformed response, as any other."""
+    cfg, up = env_tools
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(tool_chunk([bad], completion_tokens=1))
+        await resp.write(tool_chunk([], finish="tool_calls", completion_tokens=1) + b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["Weather"] = script
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json=_chat(tools=[WEATHER], max_tokens=40))
+        body = await r.json()
+    assert r.status != 500 and "malformed response" in body["error"]["message"], body
+    assert merge_tool_calls([[bad]])[0]["type"] == "function"  # the frontend's merge takes any
+
+
 async def test_a_tool_result_goes_back_to_the_model_server_with_the_call_it_answers(env_tools) -> None:
     cfg, up = env_tools
     messages = [{"role": "user", "content": "Weather in Paris?"},

@@ -202,9 +202,27 @@ def _tool_call_deltas(delta: dict[str, Any], data: str) -> list[dict[str, Any]]:
     calls = delta.get("tool_calls")
     if not calls:
         return []
-    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
-        raise MalformedStream(f"tool_calls that are no list of objects in {data[:200]!r}")
+    if not isinstance(calls, list) or not all(_tool_call_delta(c) for c in calls):
+        raise MalformedStream(f"tool_calls that are no list of OpenAI tool-call deltas in {data[:200]!r}")
     return calls
+
+
+def _tool_call_delta(c: Any) -> bool:
+    """Whether ``c`` has a tool-call delta's shape: an integer ``index``, and ``id``, ``type``
+    and the function's ``name`` and ``arguments`` strings (each may be absent or null). The
+    frontend merges the deltas of an unstreamed answer by index: an unhashable one (a list)
+    was a 500 there, and the client's SDK fails on the others."""
+    if not isinstance(c, dict):
+        return False
+    index, f = c.get("index"), c.get("function")
+    if index is not None and (not isinstance(index, int) or isinstance(index, bool)):
+        return False
+    if any(c.get(k) is not None and not isinstance(c[k], str) for k in ("id", "type")):
+        return False
+    if f is None:
+        return True
+    return isinstance(f, dict) and all(f.get(k) is None or isinstance(f[k], str)
+                                       for k in ("name", "arguments"))
 
 
 SEAM_SPACE = " \t"  # not line ends: a continuation after "one.\n" sent as "one." began " Line two"
