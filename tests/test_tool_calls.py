@@ -264,6 +264,41 @@ async def test_a_tool_result_goes_back_to_the_model_server_with_the_call_it_answ
     assert body["tools"] == [WEATHER]
 
 
+async def test_a_call_to_a_name_the_tools_do_not_have_can_be_sent_back(env_tools) -> None:
+    """A model server's parser does not hold the model to the tools' names (vLLM's hermes
+    reads whatever name the model wrote): the answer, sent back as the next request's history
+    with the tool's error, is accepted (it was a 400 on the name: the agent loop ended)."""
+    cfg, up = env_tools
+    odd = {"index": 0, "id": "chatcmpl-tool-9", "type": "function",
+           "function": {"name": "weather.get now", "arguments": "{}"}}
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(tool_chunk([odd], finish="tool_calls", completion_tokens=3) + b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["Weather"] = script
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json=_chat(tools=[WEATHER], max_tokens=40))
+        assert r.status == 200, await r.text()
+        message = (await r.json())["choices"][0]["message"]
+        assert message["tool_calls"][0]["function"]["name"] == "weather.get now"
+        history = [*_chat()["messages"], message,
+                   {"role": "tool", "tool_call_id": "chatcmpl-tool-9", "content": "no such tool"}]
+        up.scripts.pop("Weather")
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": history, "tools": [WEATHER],
+                                    "max_tokens": 40})
+        assert r.status == 200, await r.text()
+    assert up.bodies[-1]["messages"][1]["tool_calls"] == [{k: v for k, v in odd.items() if k != "index"}]
+    with pytest.raises(ApiError) as e:  # still bounded: stored with the request
+        parse_request("chat", {"model": "tiny", "messages": [
+            {"role": "assistant", "tool_calls": [{**CALL, "function": {"name": "f" * 257, "arguments": ""}}]},
+        ]}, _tool_cfg())
+    assert e.value.param == "messages[0].tool_calls[0].function.name"
+
+
 async def test_a_tool_call_broken_off_is_failed_not_resumed(env_tools) -> None:
     """A stream broken off after the first pieces of a call: the client read them, and a
     second answer would call again or write text after them. The request fails with a message

@@ -372,8 +372,14 @@ def _message_tool_calls(v: Any, p: str) -> tuple[dict[str, Any], ...]:
         if c.get("type", "function") != "function":
             raise bad(f"{cp}.type", f"'{cp}.type' must be \"function\"", "unsupported_value")
         f = _keys(c["function"], f"{cp}.function", ("name", "arguments"), ("name", "arguments"))
+        # The name the model wrote, not the tools' pattern: a model server's parser does not
+        # hold a call to the tools offered (vLLM's hermes reads any name), and an answer of
+        # this service's that a client sends back must not be refused (its agent loop ended)
+        if len(_text(f["name"], f"{cp}.function.name")) > MAX_MESSAGE_ID_CHARS:
+            raise bad(f"{cp}.function.name", f"'{cp}.function.name' may be at most {MAX_MESSAGE_ID_CHARS} "
+                      "characters")
         out.append({"id": c["id"], "type": "function",
-                    "function": {"name": _function_name(f["name"], f"{cp}.function.name"),
+                    "function": {"name": f["name"],
                                  "arguments": _text(f["arguments"], f"{cp}.function.arguments")}})
     return tuple(out)
 
