@@ -20,8 +20,16 @@ from typing import Any
 
 import pytest
 
+from limiter.config import demo_config
+from limiter.frontend.errors import ApiError
+from limiter.frontend.openai_api import parse_request
 from limiter.localstack.sse import sse_chunks
+from limiter.prompt import ChatMessage
 from tests.support.fake_upstream import chat_chunk, sse_response, tool_chunk
+
+# Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
+from tests.support.frontend_helpers import client_fixture as client_fixture
+from tests.support.frontend_helpers import fake_worker_fixture as fake_worker_fixture
 from tests.support.frontend_helpers import frontend, make_cfg
 from tests.support.worker_helpers import worker
 
@@ -183,6 +191,9 @@ REPLAYS: list[tuple[str, dict[str, str], dict[str, Any], str]] = [
     (f"{OA}-create-tool-result", SDK_PLAIN,
      sdk(None, OA_USER, {"content": None, "role": "assistant", "tool_calls": [SDK_CALL]}, SDK_RESULT),
      ANSWERED),
+    (f"{OA}-parse-answer-appended", SDK_PLAIN, sdk(None, OA_USER, SDK_PARSED, SDK_RESULT), ANSWERED),
+    (f"{OA}-stream-helper-answer-appended", SDK_PLAIN, sdk(None, OA_USER, SDK_STREAMED, SDK_RESULT),
+     ANSWERED),
 ]
 
 
@@ -309,3 +320,50 @@ async def test_agent_clients_tool_requests_replayed(redis_server, sync_redis, fa
         assert all(c["usage"] is None for c in with_choices)
     else:
         assert all("usage" not in c for c in chunks[:-1])
+
+
+# --- the OpenAI SDK's parse() / stream() answers, appended to the next request ----------------
+
+# The helpers' answer without tools, appended as it came (captured as above): parse() sets
+# tool_calls and parsed (null), stream()'s final completion every field of the message.
+PARSED_TEXT = {"content": "It is sunny.", "role": "assistant", "tool_calls": None, "parsed": None}
+STREAMED_TEXT = {"content": "It is sunny.", "refusal": None, "role": "assistant", "annotations": None,
+                 "audio": None, "function_call": None, "tool_calls": None, "parsed": None}
+MORE = {"role": "user", "content": "more"}
+
+
+@pytest.mark.parametrize("answer", [PARSED_TEXT, STREAMED_TEXT], ids=["parse", "stream"])
+async def test_the_sdk_helpers_answer_appended_in_a_pool_without_tools(client, fake_worker, answer):
+    """Was a 400 "unrecognized field 'messages[1].parsed'" in every pool: a chat continued
+    with the helpers' answer (the SDK's documented loop) failed at its second turn."""
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}, answer, MORE]}
+    raw = json.dumps(body, separators=(",", ":")).encode()
+    r = await client.post("/v1/chat/completions", data=raw,
+                          headers={**SDK_PLAIN, "Authorization": f"Bearer {KEY}"})
+    assert r.status == 200, await r.text()
+    p = fake_worker.payloads[r.headers["X-QoS-Request-Id"]]
+    assert p.messages[1] == ChatMessage("assistant", "It is sunny.")
+
+
+def test_what_the_sdk_keeps_on_an_answered_call_is_accepted_and_not_sent_on() -> None:
+    cfg = make_cfg("redis://127.0.0.1:1/0", pool={"tool_calls": True})
+    for answer in (SDK_PARSED, SDK_STREAMED):
+        d = parse_request("chat", sdk(None, OA_USER, answer, SDK_RESULT), cfg)
+        sent = {"id": "chatcmpl-tool-1", "type": "function",
+                "function": {"name": "GetWeather", "arguments": ARGS}}
+        assert d.messages[1] == ChatMessage("assistant", "", tool_calls=(sent,))
+    call = SDK_STREAMED["tool_calls"][0]
+    for bad_call, param in [({**call, "index": -1}, "index"), ({**call, "index": "0"}, "index"),
+                            ({**call, "function": {**call["function"], "parsed_arguments": "x"}},
+                             "function.parsed_arguments")]:
+        body = sdk(None, OA_USER, {**SDK_STREAMED, "tool_calls": [bad_call]}, SDK_RESULT)
+        with pytest.raises(ApiError) as e:
+            parse_request("chat", body, cfg)
+        assert (e.value.status, e.value.param) == (400, f"messages[1].tool_calls[0].{param}")
+    # a parsed object (a response_format's, which is not served) is refused, as the others
+    for c in (cfg, demo_config()):
+        with pytest.raises(ApiError) as e:
+            parse_request("chat", {"model": "tiny", "messages": [
+                OA_USER, {**PARSED_TEXT, "parsed": {"city": "Paris"}}, MORE]}, c)
+        assert (e.value.status, e.value.param) == (400, "messages[1].parsed")
+        assert e.value.code == "unsupported_value"

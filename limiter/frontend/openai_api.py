@@ -150,6 +150,9 @@ _MESSAGE_NEUTRAL: dict[str, Any] = {
     "function_call": lambda v: v is None,
     "audio": lambda v: v is None,
     "annotations": lambda v: v is None or v == [],
+    # the OpenAI SDK's parse() and stream() helpers answer a ParsedChatCompletionMessage, whose
+    # ``parsed`` (the response_format's object) is null without one: appended, it comes back
+    "parsed": lambda v: v is None,
 }
 _COMPLETION_NEUTRAL: dict[str, Any] = {
     **_NEUTRAL,
@@ -358,7 +361,10 @@ def _tool_choice(v: Any, tools: list[dict[str, Any]]) -> Any:
 
 def _message_tool_calls(v: Any, p: str) -> tuple[dict[str, Any], ...]:
     """An assistant message's ``tool_calls`` sent back: ``[{id, type: "function", function:
-    {name, arguments}}]``, the arguments a JSON text as the model wrote it."""
+    {name, arguments}}]``, the arguments a JSON text as the model wrote it. What the OpenAI
+    SDK's parse() and stream() helpers keep on a call they answered, and send back when the
+    answer is appended (its stream ``index``, the ``function.parsed_arguments`` it parsed from
+    the arguments), is accepted and not sent on: the arguments are the call."""
     if not isinstance(v, list):
         raise bad(p, f"'{p}' must be an array, got {_type_name(v)}", "invalid_type")
     if len(v) > MAX_TOOL_CALLS:
@@ -366,12 +372,18 @@ def _message_tool_calls(v: Any, p: str) -> tuple[dict[str, Any], ...]:
     out = []
     for i, c in enumerate(v):
         cp = f"{p}[{i}]"
-        _keys(c, cp, ("id", "type", "function"), ("id", "function"))
+        _keys(c, cp, ("id", "type", "function", "index"), ("id", "function"))
         if len(_text(c["id"], f"{cp}.id")) > MAX_MESSAGE_ID_CHARS:
             raise bad(f"{cp}.id", f"'{cp}.id' may be at most {MAX_MESSAGE_ID_CHARS} characters")
         if c.get("type", "function") != "function":
             raise bad(f"{cp}.type", f"'{cp}.type' must be \"function\"", "unsupported_value")
-        f = _keys(c["function"], f"{cp}.function", ("name", "arguments"), ("name", "arguments"))
+        if c.get("index") is not None and not (_is_int(c["index"]) and c["index"] >= 0):
+            raise bad(f"{cp}.index", f"'{cp}.index' must be a non-negative integer", "invalid_type")
+        f = _keys(c["function"], f"{cp}.function", ("name", "arguments", "parsed_arguments"),
+                  ("name", "arguments"))
+        if f.get("parsed_arguments") is not None and not isinstance(f["parsed_arguments"], dict):
+            raise bad(f"{cp}.function.parsed_arguments", f"'{cp}.function.parsed_arguments' must be an "
+                      f"object, got {_type_name(f['parsed_arguments'])}", "invalid_type")
         # The name the model wrote, not the tools' pattern: a model server's parser does not
         # hold a call to the tools offered (vLLM's hermes reads any name), and an answer of
         # this service's that a client sends back must not be refused (its agent loop ended)
