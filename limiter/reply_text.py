@@ -64,13 +64,40 @@ def _tool_calls(record: str) -> list[dict[str, Any]] | None:
 
 
 def unpack(text: str) -> ReplyText:
-    """The answer's text and reasoning of packed text. A mark this module does not write
-    (text from elsewhere) is kept as text."""
+    """The answer's text, reasoning and tool calls of packed text, each joined in order. A
+    mark this module does not write (text from elsewhere) is kept as text."""
     if NUL not in text:
         return ReplyText(text)
-    out: dict[str, list[str]] = {"c": [], "r": []}
+    runs = unpack_in_order(text)
+    if len(runs) == 1:
+        return runs[0]
+    return ReplyText("".join(r.content for r in runs), "".join(r.reasoning for r in runs),
+                     next((r.field for r in runs if r.field), ""),
+                     tuple(c for r in runs for c in r.tool_calls))
+
+
+def unpack_in_order(text: str) -> list[ReplyText]:
+    """Packed text as the model server sent it, in order: runs each of thinking, then tool
+    calls, then answer text (one chunk's as :func:`pack` writes them; text of the chunks
+    after it with neither runs on). Text between two tool calls (a parser's newline between
+    parallel calls) stays between them: a stream of the runs keeps the server's order."""
+    if NUL not in text:
+        return [ReplyText(text)]
+    runs: list[ReplyText] = []
+    content: list[str] = []
+    reasoning: list[str] = []
     calls: list[list[dict[str, Any]]] = []
     mode, field = "c", ""
+
+    def close() -> None:
+        if any(content) or any(reasoning) or calls:
+            thought = "".join(reasoning)
+            runs.append(ReplyText("".join(content), thought, field if thought else "", tuple(calls)))
+        content.clear()
+        reasoning.clear()
+        calls.clear()
+
+    out = {"c": content, "r": reasoning}
     i, n = 0, len(text)
     while i < n:
         j = text.find(NUL, i)
@@ -84,8 +111,12 @@ def unpack(text: str) -> ReplyText:
         elif mark == "c":
             mode = "c"
         elif mark in _FIELD_OF:
+            if any(content) or calls:  # thinking after text or calls: the next run
+                close()
             mode, field = "r", field or _FIELD_OF[mark]
         elif mark == "t":  # a JSON array up to the next mark (pack: it holds no NUL)
+            if any(content):  # calls after text: the next run
+                close()
             end = text.find(NUL, j + 2)
             end = n if end < 0 else end
             record = _tool_calls(text[j + 2:end])
@@ -98,4 +129,5 @@ def unpack(text: str) -> ReplyText:
             i = j + 1
             continue
         i = j + 2
-    return ReplyText("".join(out["c"]), "".join(out["r"]), field, tuple(calls))
+    close()
+    return runs or [ReplyText("")]

@@ -18,7 +18,7 @@ from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import merge_tool_calls, parse_request
 from limiter.localstack.sse import sse_chunks
 from limiter.prompt import ChatMessage, Payload
-from limiter.reply_text import ReplyText, pack, unpack
+from limiter.reply_text import ReplyText, pack, unpack, unpack_in_order
 from tests.support.fake_upstream import breaks_once, chat_chunk, sse_response, tool_chunk
 from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.worker_helpers import worker
@@ -365,3 +365,44 @@ async def test_tools_are_counted_as_prompt_tokens_by_the_model_servers_tokenize(
 @pytest.fixture
 def env_tools(redis_server, fake_upstream):
     return make_cfg(redis_server.url, pool={"tool_calls": True}), fake_upstream
+
+
+def test_text_between_tool_calls_unpacks_where_it_came() -> None:
+    """Chunks pushed together (one read of the stream): text before a call, a parser's newline
+    between two calls, thinking after text. In order, as runs of thinking, calls, then text;
+    merged, as a whole answer."""
+    c0 = [{"index": 0, "id": "a", "function": {"name": "f", "arguments": "{}"}}]
+    c1 = [{"index": 1, "id": "b"}]
+    joined = "".join([pack("Let me."), pack("", tool_calls=c0), pack("\n"), pack("", tool_calls=c1),
+                      pack("x"), pack("then", "thought")])
+    assert unpack_in_order(joined) == [ReplyText("Let me."), ReplyText("\n", tool_calls=(c0,)),
+                                       ReplyText("x", tool_calls=(c1,)),
+                                       ReplyText("then", "thought", "reasoning")]
+    assert unpack(joined) == ReplyText("Let me.\nxthen", "thought", "reasoning", (c0, c1))
+    assert unpack_in_order(pack("plain")) == [ReplyText("plain")]
+
+
+async def test_a_stream_keeps_the_model_servers_order_of_text_and_calls(env_tools) -> None:
+    """Text, a call, a newline, a second call, sent in one write (pushed together): the client
+    reads them in that order, not the text first and the calls after it."""
+    cfg, up = env_tools
+    second = [{"index": 1, "id": "chatcmpl-tool-2", "type": "function",
+               "function": {"name": "get_weather", "arguments": "{\"city\": \"Rome\"}"}}]
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(chat_chunk("Checking.", completion_tokens=1)
+                         + tool_chunk(CALL_DELTAS[0], completion_tokens=2)
+                         + chat_chunk("\n", completion_tokens=3) + tool_chunk(second, completion_tokens=4)
+                         + tool_chunk([], finish="tool_calls", completion_tokens=4) + b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["Weather"] = script
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json=_chat(tools=[WEATHER], max_tokens=40, stream=True))
+        assert r.status == 200, await r.text()
+        deltas = [ch["choices"][0]["delta"] async for ch in sse_chunks(r.content) if ch and ch["choices"]]
+    seen = [("calls", d["tool_calls"][0]["index"]) if "tool_calls" in d else ("text", d["content"])
+            for d in deltas if d.get("content") or "tool_calls" in d]
+    assert seen == [("text", "Checking."), ("calls", 0), ("text", "\n"), ("calls", 1)]

@@ -39,7 +39,7 @@ from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import Frontend
-from limiter.reply_text import unpack
+from limiter.reply_text import NUL, unpack, unpack_in_order
 from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 
 log = logging.getLogger("qos.frontend")
@@ -420,17 +420,28 @@ class Generation:
                 if text:
                     # the answer's text, and a reasoning model's thinking where the model server
                     # sent it apart (limiter/reply_text.py): a delta of thinking alone has no content
-                    piece = unpack(text)
-                    thought = (piece.field, piece.reasoning) if piece.reasoning else None
-                    # a tool call's deltas, one chunk each as the model server sent them (the
-                    # first after any thinking and text of the same push)
-                    content = piece.content or (None if thought or piece.tool_calls else "")
-                    if content is not None or thought or not piece.tool_calls:
+                    usage_so_far = (req.prompt_tokens, self.forwarded)
+                    if NUL not in text:  # the answer's text alone (every answer but the below)
+                        out.append(oa.sse(oa.chunk(req, rid, created, text=text, usage_so_far=usage_so_far)))
+                    # a reasoning model's thinking where the model server sent it apart, and its
+                    # tool calls, a chunk each as it sent them (limiter/reply_text.py), in its order
+                    for piece in unpack_in_order(text) if NUL in text else ():
+                        thought = (piece.field, piece.reasoning) if piece.reasoning else None
+                        if piece.tool_calls:
+                            if thought:
+                                out.append(oa.sse(oa.chunk(req, rid, created, reasoning=thought,
+                                                           usage_so_far=usage_so_far)))
+                            for calls in piece.tool_calls:
+                                out.append(oa.sse(oa.chunk(req, rid, created, tool_calls=calls,
+                                                           usage_so_far=usage_so_far)))
+                            if piece.content:
+                                out.append(oa.sse(oa.chunk(req, rid, created, text=piece.content,
+                                                           usage_so_far=usage_so_far)))
+                            continue
+                        # a delta of thinking alone has no content
+                        content = piece.content or (None if thought else "")
                         out.append(oa.sse(oa.chunk(req, rid, created, text=content, reasoning=thought,
-                                                   usage_so_far=(req.prompt_tokens, self.forwarded))))
-                    for calls in piece.tool_calls:
-                        out.append(oa.sse(oa.chunk(req, rid, created, tool_calls=calls,
-                                                   usage_so_far=(req.prompt_tokens, self.forwarded))))
+                                                   usage_so_far=usage_so_far)))
                 if r.kind == "done":
                     self.observe_done(r)
                     out.append(oa.sse(oa.chunk(req, rid, created, reason=r.finish,
