@@ -140,6 +140,9 @@ def test_a_payload_with_tools_or_earlier_calls_is_one_a_worker_before_tool_calli
     (_chat(messages=[{"role": "assistant", "tool_calls": [{**CALL, "type": "web"}]}]),
      "messages[0].tool_calls[0].type"),
     (_chat(messages=[{"role": "assistant", "tool_calls": "x"}]), "messages[0].tool_calls"),
+    # junk that is falsy was taken for no calls and dropped (a pool without tool_calls: a 400)
+    *[(_chat(messages=[{"role": "assistant", "content": "x", "tool_calls": v}]), "messages[0].tool_calls")
+      for v in (0, "", False, {})],
     (_chat(messages=[{"role": "assistant", "content": None}]), "messages[0].content"),
     (_chat(tools=[{"type": "function", "function": {"name": "f", "description": "\ud800"}}]),
      "tools[0].function.description"),

@@ -437,7 +437,8 @@ def _messages(v: Any, tool_calls: bool = False) -> list[ChatMessage]:
                 text = _text(m[k], f"{p}.{k}")  # both checked, the first kept
                 reasoning = reasoning or (k, text)
         calls: tuple[dict[str, Any], ...] = ()
-        if tool_calls and m.get("tool_calls"):
+        # (is not None: junk that is falsy -- 0, "", false, {} -- is a 400, not taken for no calls)
+        if tool_calls and m.get("tool_calls") is not None and m["tool_calls"] != []:
             if role != "assistant":
                 raise bad(f"{p}.tool_calls", f"'{p}.tool_calls' is only allowed in an assistant message")
             calls = _message_tool_calls(m["tool_calls"], f"{p}.tool_calls")
