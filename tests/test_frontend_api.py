@@ -272,6 +272,11 @@ async def test_one_pool_whose_upstream_is_down_leaves_the_frontend_ready_for_the
         sync_redis.hset(keys.worker(f"w-{pool}"), mapping={"engine": "openai", "upstream_state": state})
 
     async with frontend(cfg) as client:
+        # both pools set up: the start may leave one to its heartbeat loop (a loaded machine
+        # whose second set-up ended START_OTHERS_S after the first)
+        from tests.support.helpers import wait_until
+
+        await wait_until(lambda: fe_of(client).set_up == {"tiny", "big"}, "both pools set up")
         assert (await client.get("/readyz")).status == 200
         upstream("tiny", "open")
         upstream("big", "closed")
