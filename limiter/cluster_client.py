@@ -80,6 +80,14 @@ class CheckedRedisCluster(RedisCluster):
             node.connection_class = checked
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self.get_default_node() is None:
+            # The slot map first: redis-py (8.2) decides how to route a command before it
+            # reads the map, and with none yet takes every command for a keyless one, sent
+            # to a random primary. A client's first command went to another shard (a MOVED
+            # more), or, that shard's host not answering, waited out its socket timeout: a
+            # worker's first BLPOP on its wake list sat 600 s on a stopped node of another
+            # pool, and the worker claimed nothing (found by a run of a shard-outage test).
+            await self.initialize()
         self._target_stream_read(args, kwargs)
         return await super().execute_command(*args, **kwargs)
 

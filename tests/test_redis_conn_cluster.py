@@ -626,3 +626,39 @@ async def test_a_stream_read_goes_to_its_key_s_node_without_asking_another(waiti
             os.kill(stopped.proc.pid, signal.SIGCONT)
         await client.aclose()
         cluster.stop()
+
+
+@pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "worker's blocking client"])
+async def test_a_new_clients_first_command_goes_to_its_key_s_node(waiting: bool, monkeypatch) -> None:
+    """redis-py routed a command before it read the slot map, and with none yet took any
+    command for a keyless one, sent to a random primary: a worker's first BLPOP on its wake
+    list went to another pool's shard, stopped, and waited out the socket timeout (600 s).
+    The random pick is made the stopped node here; the command goes to its key's node."""
+    from redis.asyncio.cluster import RedisCluster
+
+    cluster = LocalRedisCluster().start()
+    # a socket timeout past the test: a command sent to the stopped node waits for the deadline below
+    cfg = RedisConfig(url=f"{cluster.url}?socket_timeout=600", cluster=True)
+    probe = open_redis(RedisConfig(url=cluster.url, cluster=True))
+    stopped = None
+    try:
+        await probe.initialize()
+        seed = cluster.nodes[0].port
+        stopped = next(n for n in cluster.nodes if n.port != seed)
+        key = next(k for k in (f"qos:{{first{i}}}:wake" for i in range(1000))
+                   if probe.get_node_from_key(k).port not in (stopped.port,))
+        stopped_node = next(n for n in probe.get_primaries() if n.port == stopped.port)
+        monkeypatch.setattr(RedisCluster, "get_random_primary_node",
+                            lambda self: next(n for n in self.get_primaries() if n.port == stopped_node.port))
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        client = open_redis(cfg, max_connections=2, pool_wait_s=10.0 if waiting else None, blocking_s=1.0)
+        try:
+            async with asyncio.timeout(20):  # the socket timeout is 600 s: only a misroute waits this out
+                assert await client.blpop([key], timeout=0.05) is None
+        finally:
+            await client.aclose()
+    finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
+        await probe.aclose()
+        cluster.stop()

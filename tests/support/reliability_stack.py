@@ -39,7 +39,7 @@ import msgpack
 from limiter import lifecycle
 from limiter.config import hash_key
 from limiter.keys import PoolKeys, policy_text
-from limiter.localstack.launcher import Child, answers_ok, module_argv
+from limiter.localstack.launcher import Child, module_argv
 from limiter.localstack.sse import sse_chunks
 from limiter.localstack.toml_writer import toml_dumps
 from tests.support.helpers import charge_of
@@ -220,7 +220,7 @@ class LiveStack:
                 for fe in self.of("frontend"):
                     if not fe.running:
                         continue
-                    ok = ok and not await answers_ok(s, fe.url("/readyz"))
+                    ok = ok and await self._every_pool_set_up(s, fe)
                 if ok:
                     seen: set[str] = set()
                     for k in pools:
@@ -229,6 +229,17 @@ class LiveStack:
                 if ok:
                     return
                 await asyncio.sleep(0.1)
+
+    @staticmethod
+    async def _every_pool_set_up(s: aiohttp.ClientSession, fe: Child) -> bool:
+        """/readyz is 200 with no pool waiting for its set-up: a frontend serves once one pool
+        is set up, and leaves a pool whose set-up ends more than START_OTHERS_S after the
+        first (a loaded machine) to its heartbeat loop."""
+        with contextlib.suppress(aiohttp.ClientError, TimeoutError, ValueError):
+            async with s.get(fe.url("/readyz"), timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                degraded = (await r.json()).get("degraded", {})
+                return r.status == 200 and not any("not set up yet" in why for why in degraded.values())
+        return False
 
     async def frontend_ids(self) -> dict[str, str]:
         """Frontend process name -> its frontend id (the ``frontend`` field of request records)."""
