@@ -230,3 +230,47 @@ async def test_a_pool_whose_set_up_hangs_at_the_start_is_left_to_its_heartbeat_l
         await fe.stop()
         loop.set_exception_handler(None)
     assert seen["cancelled"] == 1 and not unhandled, unhandled
+
+
+async def test_a_fault_in_a_set_up_left_to_the_heartbeat_loop_is_logged_and_told_by_readiness(
+        redis_server, sync_redis, monkeypatch, caplog) -> None:
+    """A pool's set-up slower than START_OTHERS_S at the start is left to its heartbeat loop,
+    where a fault that is no outage (a script or a policy the server refuses) would have stopped
+    the process at the start. It is logged once, at ERROR, and readiness says the set-up failed
+    (not that its Redis never answered); both clear once the set-up succeeds."""
+    import logging
+
+    from limiter.frontend import runtime
+    from tests.support.frontend_helpers import make_cfg
+    from tests.support.helpers import wait_until
+
+    cfg = make_cfg(redis_server.url)
+    tiny = cfg.pools[0]
+    cfg = validate(dataclasses.replace(cfg, pools=(tiny, dataclasses.replace(tiny, name="p1"))))
+    real_set_up = Frontend._set_up
+    state = {"calls": 0, "fails": True}
+
+    async def set_up(self, pool) -> None:
+        if pool.name == "p1":
+            state["calls"] += 1
+            if state["calls"] == 1:
+                await asyncio.Event().wait()  # the start's: never ends, cancelled
+            if state["fails"]:
+                raise ValueError("the server refused the policy")
+        await real_set_up(self, pool)
+
+    monkeypatch.setattr(Frontend, "_set_up", set_up)
+    monkeypatch.setattr(runtime, "START_OTHERS_S", 0.2)
+    fe = Frontend(FrontendSettings(heartbeat_s=0.05), cfg, FrontendMetrics())
+    try:
+        with caplog.at_level(logging.ERROR, logger="qos.frontend"):
+            await asyncio.wait_for(fe.start(), timeout=30)  # a bound on a hang, not a speed check
+            await wait_until(lambda: state["calls"] >= 4, "p1's heartbeat loop to try its set-up again")
+            assert fe.pool_problem("p1") == ("pool p1 is not set up yet: its set-up failed (the frontend's "
+                                             "log says why)")
+            errors = [r for r in caplog.records if "cannot set up pool p1" in r.getMessage()]
+            assert len(errors) == 1 and "refused the policy" in errors[0].getMessage()
+            state["fails"] = False
+            await wait_until(lambda: not fe.pool_problem("p1"), "p1 set up once the fault is gone")
+    finally:
+        await fe.stop()

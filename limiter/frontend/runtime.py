@@ -101,6 +101,9 @@ class Frontend:
         # The same per pool, for a pool not set up (its set-up met it while another pool was
         # set up: a node of a cluster named without redis.cluster MOVEs only other nodes' keys)
         self.config_problems: dict[str, str] = {}
+        # Pools whose set-up by their heartbeat loop met a fault that is not an outage (a
+        # script the server refuses, a policy it rejects): /readyz says so, the log says what
+        self.setup_failures: set[str] = set()
         self.shutting_down = False
         # /readyz: the check under way per scope (None: every pool), which concurrent probes share
         self.ready_checks: dict[str | None, asyncio.Future[tuple[str, dict[str, str]]]] = {}
@@ -168,6 +171,7 @@ class Frontend:
         await self.init_pool(pool)
         await self.heartbeat.beat_pool(keys)
         self.set_up.add(pool.name)
+        self.setup_failures.discard(pool.name)
         if not self.bootstrapped:
             self.bootstrapped = True
             log.info("frontend %s ready (pools: %s)", self.frontend_id, ", ".join(self.pool_keys))
@@ -261,6 +265,13 @@ class Frontend:
                 self.metrics.redis_errors.labels("heartbeat").inc()
             except Exception as exc:  # keep beating through outages; readiness reports it
                 self.metrics.redis_errors.labels("heartbeat").inc()
+                if keys.pool not in self.set_up and not isinstance(exc, REDIS_ERRORS):
+                    # A set-up left to this loop at the start (START_OTHERS_S): a fault that
+                    # would have stopped the process then is said once, and by /readyz
+                    if keys.pool not in self.setup_failures:
+                        log.error("frontend %s cannot set up pool %s: %s: %s", self.frontend_id, keys.pool,
+                                  type(exc).__name__, exc)
+                    self.setup_failures.add(keys.pool)
                 backoff.next_delay(exc)
             else:
                 backoff.succeeded()
@@ -402,6 +413,8 @@ class Frontend:
         if pool not in self.set_up:
             if problem := self.config_problems.get(pool):
                 return f"pool {pool}: {problem}"
+            if pool in self.setup_failures:  # (no exception text: /readyz needs no key)
+                return f"pool {pool} is not set up yet: its set-up failed (the frontend's log says why)"
             return f"pool {pool} is not set up yet: its Redis server has not answered since the start"
         if not self.heartbeat.fresh(self._fresh_s, pool):
             return f"the heartbeat of pool {pool} is stale"
