@@ -59,6 +59,9 @@ def test_a_whole_answers_tool_calls_are_merged_by_index() -> None:
     merged = merge_tool_calls([CALL_DELTAS[0], second[0], *CALL_DELTAS[1:], second[1]])
     assert merged == [CALL, {"id": "t2", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
     assert merge_tool_calls([]) == []
+    # a delta with no index (a server's own shape) is a call of its own, not merged into index 0
+    unindexed = {"id": "u", "type": "function", "function": {"name": "g", "arguments": "{}"}}
+    assert merge_tool_calls([[unindexed], CALL_DELTAS[0], *CALL_DELTAS[1:]]) == [unindexed, CALL]
 
 
 # --- the request -----------------------------------------------------------------------------

@@ -728,9 +728,9 @@ def merge_tool_calls(deltas: Iterable[list[dict[str, Any]]]) -> list[dict[str, A
     calls: dict[Any, dict[str, Any]] = {}
     for record in deltas:
         for delta in record:
-            key = delta.get("index")
+            key: Any = delta.get("index")
             if not isinstance(key, int):  # (a worker checks it: an unhashable one was a 500 here)
-                key = len(calls)
+                key = ("next", len(calls))  # a call of its own, never one with a real index
             f = delta.get("function") if isinstance(delta.get("function"), dict) else {}
             call = calls.get(key)
             if call is None:
