@@ -80,13 +80,16 @@ class CheckedRedisCluster(RedisCluster):
             node.connection_class = checked
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
-        if self.get_default_node() is None:
+        if self._initialize_due():
             # The slot map first: redis-py (8.2) decides how to route a command before it
             # reads the map, and with none yet takes every command for a keyless one, sent
             # to a random primary. A client's first command went to another shard (a MOVED
             # more), or, that shard's host not answering, waited out its socket timeout: a
             # worker's first BLPOP on its wake list sat 600 s on a stopped node of another
             # pool, and the worker claimed nothing (found by a run of a shard-outage test).
+            # redis-py's own test of whether a read is under way or due, not "no default
+            # node": that is published before the command table is read, and a command sent
+            # meanwhile fetched the table again itself (found by a review).
             await self.initialize()
         self._target_stream_read(args, kwargs)
         return await super().execute_command(*args, **kwargs)
@@ -253,6 +256,8 @@ class WaitingRedisCluster(CheckedRedisCluster):
                 held_wait_s *= 2
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        if self._initialize_due():  # the slot map first (above): node_of reads it
+            await self.initialize()  # (a new client's first command took the unknown node's turn)
         self._target_stream_read(args, kwargs)
         async with self.turn(await self.node_of(args, kwargs.get("target_nodes"))):
             return await super().execute_command(*args, **kwargs)
@@ -265,6 +270,8 @@ class WaitingRedisCluster(CheckedRedisCluster):
         execute = pipe.execute
 
         async def execute_in_turn(*args: Any, **kwargs: Any) -> Any:
+            if self._initialize_due():  # the slot map first: node_of reads it
+                await self.initialize()
             nodes: set[str] = set()
             seen: set[tuple[Any, ...]] = set()  # a script batcher's pipeline: one script, one slot
             for args_, target in _queued(pipe):

@@ -662,3 +662,68 @@ async def test_a_new_clients_first_command_goes_to_its_key_s_node(waiting: bool,
             os.kill(stopped.proc.pid, signal.SIGCONT)
         await probe.aclose()
         cluster.stop()
+
+
+@pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "worker's blocking client"])
+async def test_commands_sent_while_the_first_reads_the_slot_map_wait_for_it(waiting: bool, monkeypatch) -> None:
+    """redis-py publishes the default node before it has read the command table (COMMAND, to
+    that node): a command sent meanwhile took the map for read, found no command table and
+    fetched it again itself (a second COMMAND, a large reply; with the default node not
+    answering, a second wait). It waits for the first read instead: one COMMAND in all."""
+    from redis._parsers.commands import AsyncCommandsParser
+
+    fetched: list[Any] = []
+    real = AsyncCommandsParser.initialize
+
+    async def slow_initialize(self, node=None) -> None:
+        fetched.append(node)
+        await asyncio.sleep(0.3)  # a COMMAND reply that takes a while
+        await real(self, node)
+
+    monkeypatch.setattr(AsyncCommandsParser, "initialize", slow_initialize)
+    cluster = LocalRedisCluster().start()
+    client = open_redis(RedisConfig(url=cluster.url, cluster=True), max_connections=2,
+                        pool_wait_s=10.0 if waiting else None, blocking_s=1.0)
+    try:
+        first = asyncio.ensure_future(client.blpop(["qos:{a}:wake"], timeout=0.05))
+        await wait_until(lambda: client.get_default_node() is not None, "the default node published")
+        second = asyncio.ensure_future(client.blpop(["qos:{b}:wake"], timeout=0.05))
+        assert await asyncio.gather(first, second) == [None, None]
+        assert len(fetched) == 1, fetched
+    finally:
+        await client.aclose()
+        cluster.stop()
+
+
+async def test_a_new_clients_first_command_takes_its_key_s_node_s_turn() -> None:
+    """A waiting client's first command took the turn of unknown node (the slot map not read
+    yet), shared by every command whose node is not known: it takes its key's node's."""
+    cluster = LocalRedisCluster().start()
+    client = open_redis(RedisConfig(url=cluster.url, cluster=True), max_connections=2, pool_wait_s=10.0)
+    probe = open_redis(RedisConfig(url=cluster.url, cluster=True))
+    taken: list[Any] = []
+    real_turn = WaitingRedisCluster.turn
+
+    def turn(self, nodes):
+        taken.append(nodes)
+        return real_turn(self, nodes)
+
+    try:
+        await probe.initialize()
+        key = "qos:{first}:wake"
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(WaitingRedisCluster, "turn", turn)
+            assert await client.blpop([key], timeout=0.05) is None
+            pipe = open_redis(RedisConfig(url=cluster.url, cluster=True), max_connections=2, pool_wait_s=10.0)
+            try:
+                p = pipe.pipeline(transaction=False)
+                p.exists(key)
+                assert await p.execute() == [0]
+            finally:
+                await pipe.aclose()
+        owner = probe.get_node_from_key(key).name
+        assert taken == [owner, {owner}], taken
+    finally:
+        await client.aclose()
+        await probe.aclose()
+        cluster.stop()
