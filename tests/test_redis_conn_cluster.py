@@ -665,7 +665,8 @@ async def test_a_new_clients_first_command_goes_to_its_key_s_node(waiting: bool,
 
 
 @pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "worker's blocking client"])
-async def test_commands_sent_while_the_first_reads_the_slot_map_wait_for_it(waiting: bool, monkeypatch) -> None:
+async def test_commands_sent_while_the_first_reads_the_slot_map_wait_for_it(waiting: bool,
+                                                                            monkeypatch) -> None:
     """redis-py publishes the default node before it has read the command table (COMMAND, to
     that node): a command sent meanwhile took the map for read, found no command table and
     fetched it again itself (a second COMMAND, a large reply; with the default node not
