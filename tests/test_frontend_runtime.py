@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from typing import Any
 
 import pytest
 
 from limiter.config import RedisConfig, demo_config, validate
+from limiter.errors import RedisUnavailable
 from limiter.frontend.metrics import FrontendMetrics
 from limiter.frontend.runtime import Frontend
 from limiter.frontend.settings import FrontendSettings
@@ -248,15 +250,15 @@ async def test_a_fault_in_a_set_up_left_to_the_heartbeat_loop_is_logged_and_told
     tiny = cfg.pools[0]
     cfg = validate(dataclasses.replace(cfg, pools=(tiny, dataclasses.replace(tiny, name="p1"))))
     real_set_up = Frontend._set_up
-    state = {"calls": 0, "fails": True}
+    state: dict[str, Any] = {"calls": 0, "fails": ValueError("the server refused the policy")}
 
     async def set_up(self, pool) -> None:
         if pool.name == "p1":
             state["calls"] += 1
             if state["calls"] == 1:
                 await asyncio.Event().wait()  # the start's: never ends, cancelled
-            if state["fails"]:
-                raise ValueError("the server refused the policy")
+            if state["fails"] is not None:
+                raise state["fails"]
         await real_set_up(self, pool)
 
     monkeypatch.setattr(Frontend, "_set_up", set_up)
@@ -270,7 +272,48 @@ async def test_a_fault_in_a_set_up_left_to_the_heartbeat_loop_is_logged_and_told
                                              "log says why)")
             errors = [r for r in caplog.records if "cannot set up pool p1" in r.getMessage()]
             assert len(errors) == 1 and "refused the policy" in errors[0].getMessage()
-            state["fails"] = False
+            # an outage since: the reason is the outage again, and no ERROR is logged for it
+            state["fails"] = RedisUnavailable("Redis unavailable: connection refused")
+            await wait_until(lambda: "has not answered" in fe.pool_problem("p1"), "the outage told as such")
+            # another fault: logged too
+            state["fails"] = ValueError("the server refused a script")
+            await wait_until(lambda: "set-up failed" in fe.pool_problem("p1"), "the second fault told")
+            errors = [r for r in caplog.records if "cannot set up pool p1" in r.getMessage()]
+            assert [("script" in r.getMessage()) for r in errors] == [False, True]
+            state["fails"] = None
             await wait_until(lambda: not fe.pool_problem("p1"), "p1 set up once the fault is gone")
+    finally:
+        await fe.stop()
+
+
+async def test_a_cluster_out_of_reach_during_a_set_up_is_an_outage_not_a_fault(redis_server,
+                                                                               monkeypatch) -> None:
+    """redis-py raises "Redis Cluster cannot be connected" (RedisClusterUnreachableError, no
+    connection error) for a command whose refresh of the slot map reached no node. Met by the
+    set-up's beat, which calls Redis directly, it stopped the start as a real fault (and in the
+    heartbeat loop it read as "its set-up failed"). It is an outage: the frontend starts, says
+    its Redis has not answered, and sets the pool up once it does."""
+    from redis.exceptions import RedisClusterUnreachableError
+
+    from limiter.frontend.replies import Heartbeat
+    from tests.support.frontend_helpers import make_cfg
+    from tests.support.helpers import wait_until
+
+    real_beat = Heartbeat.beat_pool
+    down = {"on": True}
+
+    async def beat_pool(self, keys) -> None:
+        if down["on"]:
+            raise RedisClusterUnreachableError("Redis Cluster cannot be connected. Please provide at least "
+                                               "one reachable node: Timeout connecting to server")
+        await real_beat(self, keys)
+
+    monkeypatch.setattr(Heartbeat, "beat_pool", beat_pool)
+    fe = Frontend(FrontendSettings(heartbeat_s=0.05), make_cfg(redis_server.url), FrontendMetrics())
+    try:
+        await asyncio.wait_for(fe.start(), timeout=30)  # a bound on a hang, not a speed check
+        assert "has not answered" in fe.pool_problem("tiny") and not fe.setup_failures
+        down["on"] = False
+        await wait_until(lambda: not fe.pool_problem("tiny"), "the pool set up once its Redis answers")
     finally:
         await fe.stop()

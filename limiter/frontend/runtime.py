@@ -31,7 +31,7 @@ from limiter.frontend.quota_check import QuotaCheck
 from limiter.frontend.replies import REPLY_BLOCK_MS, Heartbeat, Reply, ReplyRouter, drain_estimate_s
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import SAMPLES_MAXLEN, PoolKeys
-from limiter.redis_conn import REDIS_ERRORS, open_redis
+from limiter.redis_conn import REDIS_ERRORS, map_redis_errors, open_redis
 from limiter.samples import build_sample, pack_sample
 from limiter.scripts import Scripts, policy_document
 from limiter.slo import ClassSLO
@@ -101,9 +101,10 @@ class Frontend:
         # The same per pool, for a pool not set up (its set-up met it while another pool was
         # set up: a node of a cluster named without redis.cluster MOVEs only other nodes' keys)
         self.config_problems: dict[str, str] = {}
-        # Pools whose set-up by their heartbeat loop met a fault that is not an outage (a
-        # script the server refuses, a policy it rejects): /readyz says so, the log says what
-        self.setup_failures: set[str] = set()
+        # Pools whose last set-up by their heartbeat loop met a fault that is not an outage (a
+        # script the server refuses, a policy it rejects), with what it was: /readyz says so,
+        # the log says what (again when it changes)
+        self.setup_failures: dict[str, str] = {}
         self.shutting_down = False
         # /readyz: the check under way per scope (None: every pool), which concurrent probes share
         self.ready_checks: dict[str | None, asyncio.Future[tuple[str, dict[str, str]]]] = {}
@@ -167,11 +168,14 @@ class Frontend:
         once one pool is; each pool's heartbeat loop sets its pool up once its server answers
         (on a Redis Cluster, one shard down at the start kept every pool out of service)."""
         keys = self.pool_keys[pool.name]
-        await self.scripts.load_all(keys)
-        await self.init_pool(pool)
-        await self.heartbeat.beat_pool(keys)
+        # (an outage is RedisUnavailable throughout: the beat calls Redis directly, and redis-py's
+        # "cluster unreachable" is no connection error -- taken for a fault, it was said to be one)
+        with map_redis_errors():
+            await self.scripts.load_all(keys)
+            await self.init_pool(pool)
+            await self.heartbeat.beat_pool(keys)
         self.set_up.add(pool.name)
-        self.setup_failures.discard(pool.name)
+        self.setup_failures.pop(pool.name, None)
         if not self.bootstrapped:
             self.bootstrapped = True
             log.info("frontend %s ready (pools: %s)", self.frontend_id, ", ".join(self.pool_keys))
@@ -265,13 +269,15 @@ class Frontend:
                 self.metrics.redis_errors.labels("heartbeat").inc()
             except Exception as exc:  # keep beating through outages; readiness reports it
                 self.metrics.redis_errors.labels("heartbeat").inc()
-                if keys.pool not in self.set_up and not isinstance(exc, REDIS_ERRORS):
+                if keys.pool not in self.set_up:
                     # A set-up left to this loop at the start (START_OTHERS_S): a fault that
-                    # would have stopped the process then is said once, and by /readyz
-                    if keys.pool not in self.setup_failures:
-                        log.error("frontend %s cannot set up pool %s: %s: %s", self.frontend_id, keys.pool,
-                                  type(exc).__name__, exc)
-                    self.setup_failures.add(keys.pool)
+                    # would have stopped the process then is said (once while it is the same),
+                    # and by /readyz; an outage since is the reason again
+                    if isinstance(exc, REDIS_ERRORS):
+                        self.setup_failures.pop(keys.pool, None)
+                    elif self.setup_failures.get(keys.pool) != (fault := f"{type(exc).__name__}: {exc}"):
+                        log.error("frontend %s cannot set up pool %s: %s", self.frontend_id, keys.pool, fault)
+                        self.setup_failures[keys.pool] = fault
                 backoff.next_delay(exc)
             else:
                 backoff.succeeded()
