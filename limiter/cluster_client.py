@@ -78,6 +78,24 @@ class CheckedRedisCluster(RedisCluster):
         self.connection_kwargs["connection_class"] = checked  # every node made from now on
         for node in self.startup_nodes:  # and the ones made already
             node.connection_class = checked
+        self._table_lock = asyncio.Lock()
+
+    async def initialize(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.commands_parser.commands:
+            # The command table (COMMAND) from the node the client was pointed at, before the
+            # first read of the map: redis-py asks the default node for it, the first primary
+            # of the map (the owner of slot 0), and with that shard's host not answering every
+            # role of every pool waited out the socket timeout at its start (found by a
+            # review). redis-py keeps a table it has and points it at the default node after.
+            # One fetch for the commands that start together (the reply is ~100 KB).
+            async with self._table_lock:
+                for node in list(self.startup_nodes) if not self.commands_parser.commands else ():
+                    try:
+                        await self.commands_parser.initialize(node)
+                        break
+                    except (RedisConnectionError, OSError):  # the next one; none: redis-py's way
+                        continue
+        return await super().initialize(*args, **kwargs)
 
     async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
         if self._initialize_due():

@@ -62,6 +62,7 @@ async def test_without_pool_wait_the_cluster_client_fails_at_once(redis_cluster)
     client = open_redis(RedisConfig(url=redis_cluster.url, cluster=True), max_connections=1)
     assert not isinstance(client, WaitingRedisCluster)
     try:
+        await client.initialize()  # the three below go out together, not behind a first read of the map
         got = await _hold(client, 3)
         assert any(isinstance(g, RedisConnectionError) for g in got)
     finally:
@@ -726,5 +727,37 @@ async def test_a_new_clients_first_command_takes_its_key_s_node_s_turn() -> None
         assert taken == [owner, {owner}], taken
     finally:
         await client.aclose()
+        await probe.aclose()
+        cluster.stop()
+
+
+@pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "worker's blocking client"])
+async def test_a_new_client_starts_while_the_owner_of_slot_0_does_not_answer(waiting: bool) -> None:
+    """redis-py fetches the command table (COMMAND) from the default node, the first primary
+    of the map (slot 0's owner), whichever node the client was pointed at: with that shard's
+    host not answering, every role of every pool waited out its socket timeout at its start.
+    The table comes from the node the client was pointed at."""
+    cluster = LocalRedisCluster().start()
+    probe = open_redis(RedisConfig(url=cluster.url, cluster=True))
+    stopped = None
+    try:
+        await probe.initialize()
+        first = probe.nodes_manager.get_node_from_slot(0)
+        stopped = next(n for n in cluster.nodes if n.port == first.port)
+        seed = next(n for n in cluster.nodes if n.port != first.port)
+        key = next(k for k in (f"qos:{{seeded{i}}}:wake" for i in range(1000))
+                   if probe.get_node_from_key(k).port == seed.port)
+        os.kill(stopped.proc.pid, signal.SIGSTOP)
+        client = open_redis(RedisConfig(url=f"{seed.url}?socket_timeout=600", cluster=True),
+                            max_connections=2, pool_wait_s=10.0 if waiting else None, blocking_s=1.0)
+        try:
+            # the socket timeout is 600 s: only a call to the stopped node waits out this deadline
+            async with asyncio.timeout(20):
+                assert await client.blpop([key], timeout=0.05) is None
+        finally:
+            await client.aclose()
+    finally:
+        if stopped is not None:
+            os.kill(stopped.proc.pid, signal.SIGCONT)
         await probe.aclose()
         cluster.stop()
