@@ -629,6 +629,35 @@ async def test_a_stream_read_goes_to_its_key_s_node_without_asking_another(waiti
         cluster.stop()
 
 
+@contextlib.asynccontextmanager
+async def _cluster_to_stop() -> AsyncIterator[tuple[LocalRedisCluster, Any, list[Any]]]:
+    """A private cluster, a client of it with its slot map read, and a list for the nodes a
+    test stops (SIGSTOP): they are resumed, and the cluster stopped, at the end."""
+    cluster = LocalRedisCluster().start()
+    probe = open_redis(RedisConfig(url=cluster.url, cluster=True))
+    stopped: list[Any] = []
+    try:
+        await probe.initialize()
+        yield cluster, probe, stopped
+    finally:
+        for node in stopped:
+            os.kill(node.proc.pid, signal.SIGCONT)
+        await probe.aclose()
+        cluster.stop()
+
+
+async def _first_blpop_answers(url: str, key: str, waiting: bool) -> None:
+    """A new client's first command, a BLPOP on ``key``, answers within 20 s: its socket
+    timeout is 600 s, so only a call to a stopped node waits out the deadline."""
+    client = open_redis(RedisConfig(url=f"{url}?socket_timeout=600", cluster=True), max_connections=2,
+                        pool_wait_s=10.0 if waiting else None, blocking_s=1.0)
+    try:
+        async with asyncio.timeout(20):
+            assert await client.blpop([key], timeout=0.05) is None
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "worker's blocking client"])
 async def test_a_new_clients_first_command_goes_to_its_key_s_node(waiting: bool, monkeypatch) -> None:
     """redis-py routed a command before it read the slot map, and with none yet took any
@@ -637,32 +666,15 @@ async def test_a_new_clients_first_command_goes_to_its_key_s_node(waiting: bool,
     The random pick is made the stopped node here; the command goes to its key's node."""
     from redis.asyncio.cluster import RedisCluster
 
-    cluster = LocalRedisCluster().start()
-    # a socket timeout past the test: a command sent to the stopped node waits for the deadline below
-    cfg = RedisConfig(url=f"{cluster.url}?socket_timeout=600", cluster=True)
-    probe = open_redis(RedisConfig(url=cluster.url, cluster=True))
-    stopped = None
-    try:
-        await probe.initialize()
+    async with _cluster_to_stop() as (cluster, probe, stopped):
         seed = cluster.nodes[0].port
-        stopped = next(n for n in cluster.nodes if n.port != seed)
+        stopped.append(node := next(n for n in cluster.nodes if n.port != seed))
         key = next(k for k in (f"qos:{{first{i}}}:wake" for i in range(1000))
-                   if probe.get_node_from_key(k).port not in (stopped.port,))
-        stopped_node = next(n for n in probe.get_primaries() if n.port == stopped.port)
+                   if probe.get_node_from_key(k).port != node.port)
         monkeypatch.setattr(RedisCluster, "get_random_primary_node",
-                            lambda self: next(n for n in self.get_primaries() if n.port == stopped_node.port))
-        os.kill(stopped.proc.pid, signal.SIGSTOP)
-        client = open_redis(cfg, max_connections=2, pool_wait_s=10.0 if waiting else None, blocking_s=1.0)
-        try:
-            async with asyncio.timeout(20):  # the socket timeout is 600 s: only a misroute waits this out
-                assert await client.blpop([key], timeout=0.05) is None
-        finally:
-            await client.aclose()
-    finally:
-        if stopped is not None:
-            os.kill(stopped.proc.pid, signal.SIGCONT)
-        await probe.aclose()
-        cluster.stop()
+                            lambda self: next(n for n in self.get_primaries() if n.port == node.port))
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        await _first_blpop_answers(cluster.url, key, waiting)
 
 
 @pytest.mark.parametrize("waiting", [True, False], ids=["frontend's client", "worker's blocking client"])
@@ -737,27 +749,11 @@ async def test_a_new_client_starts_while_the_owner_of_slot_0_does_not_answer(wai
     of the map (slot 0's owner), whichever node the client was pointed at: with that shard's
     host not answering, every role of every pool waited out its socket timeout at its start.
     The table comes from the node the client was pointed at."""
-    cluster = LocalRedisCluster().start()
-    probe = open_redis(RedisConfig(url=cluster.url, cluster=True))
-    stopped = None
-    try:
-        await probe.initialize()
+    async with _cluster_to_stop() as (cluster, probe, stopped):
         first = probe.nodes_manager.get_node_from_slot(0)
-        stopped = next(n for n in cluster.nodes if n.port == first.port)
+        stopped.append(node := next(n for n in cluster.nodes if n.port == first.port))
         seed = next(n for n in cluster.nodes if n.port != first.port)
         key = next(k for k in (f"qos:{{seeded{i}}}:wake" for i in range(1000))
                    if probe.get_node_from_key(k).port == seed.port)
-        os.kill(stopped.proc.pid, signal.SIGSTOP)
-        client = open_redis(RedisConfig(url=f"{seed.url}?socket_timeout=600", cluster=True),
-                            max_connections=2, pool_wait_s=10.0 if waiting else None, blocking_s=1.0)
-        try:
-            # the socket timeout is 600 s: only a call to the stopped node waits out this deadline
-            async with asyncio.timeout(20):
-                assert await client.blpop([key], timeout=0.05) is None
-        finally:
-            await client.aclose()
-    finally:
-        if stopped is not None:
-            os.kill(stopped.proc.pid, signal.SIGCONT)
-        await probe.aclose()
-        cluster.stop()
+        os.kill(node.proc.pid, signal.SIGSTOP)
+        await _first_blpop_answers(seed.url, key, waiting)
