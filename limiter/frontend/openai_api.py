@@ -222,6 +222,15 @@ CHAT_TEMPLATE_KWARGS_RESERVED = frozenset({
     "documents", "messages", "tokenize"})
 
 
+def _id_text(v: Any, param: str) -> str:
+    """An id or a name (a message's name, a tool call's id and function name): text of at most
+    MAX_MESSAGE_ID_CHARS, stored with the request and never counted as prompt tokens."""
+    text = _text(v, param)
+    if len(text) > MAX_MESSAGE_ID_CHARS:
+        raise bad(param, f"'{param}' may be at most {MAX_MESSAGE_ID_CHARS} characters")
+    return text
+
+
 def _passed(v: Any, param: str, depth: int = 0) -> Any:
     """``v`` when it can go to the model server as sent, else a 400 naming ``param``."""
     if depth > MAX_PASSED_DEPTH:
@@ -373,8 +382,7 @@ def _message_tool_calls(v: Any, p: str) -> tuple[dict[str, Any], ...]:
     for i, c in enumerate(v):
         cp = f"{p}[{i}]"
         _keys(c, cp, ("id", "type", "function", "index"), ("id", "function"))
-        if len(_text(c["id"], f"{cp}.id")) > MAX_MESSAGE_ID_CHARS:
-            raise bad(f"{cp}.id", f"'{cp}.id' may be at most {MAX_MESSAGE_ID_CHARS} characters")
+        _id_text(c["id"], f"{cp}.id")
         if c.get("type", "function") != "function":
             raise bad(f"{cp}.type", f"'{cp}.type' must be \"function\"", "unsupported_value")
         if c.get("index") is not None and not (_is_int(c["index"]) and c["index"] >= 0):
@@ -387,9 +395,7 @@ def _message_tool_calls(v: Any, p: str) -> tuple[dict[str, Any], ...]:
         # The name the model wrote, not the tools' pattern: a model server's parser does not
         # hold a call to the tools offered (vLLM's hermes reads any name), and an answer of
         # this service's that a client sends back must not be refused (its agent loop ended)
-        if len(_text(f["name"], f"{cp}.function.name")) > MAX_MESSAGE_ID_CHARS:
-            raise bad(f"{cp}.function.name", f"'{cp}.function.name' may be at most {MAX_MESSAGE_ID_CHARS} "
-                      "characters")
+        _id_text(f["name"], f"{cp}.function.name")
         out.append({"id": c["id"], "type": "function",
                     "function": {"name": f["name"],
                                  "arguments": _text(f["arguments"], f"{cp}.function.arguments")}})
@@ -424,10 +430,7 @@ def _messages(v: Any, tool_calls: bool = False) -> list[ChatMessage]:
         extra = {}
         for k in ("name", "tool_call_id"):
             if m.get(k) is not None:
-                extra[k] = _text(m[k], f"{p}.{k}")
-                # an id, not text: stored with the request and never counted as prompt tokens
-                if len(extra[k]) > MAX_MESSAGE_ID_CHARS:
-                    raise bad(f"{p}.{k}", f"'{p}.{k}' may be at most {MAX_MESSAGE_ID_CHARS} characters")
+                extra[k] = _id_text(m[k], f"{p}.{k}")
         # An earlier answer's thinking, sent back (vLLM's `reasoning`, or `reasoning_content`):
         # kept, and sent upstream under the client's name for it, for the chat templates of
         # interleaved-thinking models that render it; the others drop it.
