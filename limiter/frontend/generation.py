@@ -39,7 +39,7 @@ from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import Frontend
-from limiter.reply_text import NUL, unpack, unpack_in_order
+from limiter.reply_text import unpack, unpack_in_order
 from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 
 log = logging.getLogger("qos.frontend")
@@ -418,14 +418,11 @@ class Generation:
                         continue
                     resp, out = await open_stream()
                 if text:
-                    # the answer's text, and a reasoning model's thinking where the model server
-                    # sent it apart (limiter/reply_text.py): a delta of thinking alone has no content
+                    # the answer's text (every answer but the below: one piece), and a reasoning
+                    # model's thinking and its tool calls where the model server sent them apart,
+                    # a chunk each, in its order (limiter/reply_text.py)
                     usage_so_far = (req.prompt_tokens, self.forwarded)
-                    if NUL not in text:  # the answer's text alone (every answer but the below)
-                        out.append(oa.sse(oa.chunk(req, rid, created, text=text, usage_so_far=usage_so_far)))
-                    # a reasoning model's thinking where the model server sent it apart, and its
-                    # tool calls, a chunk each as it sent them (limiter/reply_text.py), in its order
-                    for piece in unpack_in_order(text) if NUL in text else ():
+                    for piece in unpack_in_order(text):
                         thought = (piece.field, piece.reasoning) if piece.reasoning else None
                         if piece.tool_calls:
                             if thought:
