@@ -109,6 +109,12 @@ class PoolConfig:
     # `tools`, `tool_choice` and earlier tool calls, and answers the server's tool calls as
     # OpenAI does. Off, only their empty values are accepted (a step engine calls no tools).
     tool_calls: bool = False
+    # Whether the pool's workers front a model server that returns token log probabilities
+    # (vLLM does: --max-logprobs, 20 by default): the frontend then takes a chat's `logprobs`
+    # and `top_logprobs` and a completion's `logprobs`, each up to max_logprobs alternatives a
+    # token, and answers the server's logprobs as OpenAI does. Off, only their neutral values.
+    logprobs: bool = False
+    max_logprobs: int = 20  # OpenAI's bound (a token's alternatives ride in Redis until read)
 
     @property
     def model_name(self) -> str:
@@ -360,6 +366,7 @@ MAX_BURST_TOKENS = 1e15
 # A TTFT allowance of a minute per 1,000 prompt tokens is past any model server's prefill:
 # a larger figure is a unit mistake (seconds or tokens), not a target.
 MAX_TTFT_MS_PER_1K = 60_000.0
+MAX_LOGPROBS = 20  # a pool's max_logprobs: OpenAI's top_logprobs bound, and vLLM's default
 MAX_CONTEXT_TOKENS = 10_000_000  # a pool's context_tokens, and so any prompt's length
 # Fields a pool's upstream_fields may not name: those this service implements or sets itself
 # (the frontend checks and counts them, the worker writes them upstream), those that change
@@ -472,6 +479,7 @@ def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
         token_count.check(pool.tokenizer, pool.tokenizer_url, f"{p}.tokenizer", cfg.worker,
                           read_file=tokenizer_files)
         _check_upstream_fields(pool.upstream_fields, f"{p}.upstream_fields")
+        _check(0 <= pool.max_logprobs <= MAX_LOGPROBS, f"{p}.max_logprobs", f"must be in [0, {MAX_LOGPROBS}]")
     tenant_names: set[str] = set()
     all_keys: set[str] = set()
     for i, t in enumerate(cfg.tenants):

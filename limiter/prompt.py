@@ -46,6 +46,11 @@ PAYLOAD_VERSION_UPSTREAM = 2
 # `delta.tool_calls` (the client got an empty answer ending "stop"), and reads an assistant
 # message without its calls; it refuses version 3 instead. Workers first, then tool_calls.
 PAYLOAD_VERSION_TOOLS = 3
+# A payload that asks for logprobs is version 4: a worker of the release before reads version
+# 3, sends `logprobs` upstream and drops the server's (the client got `logprobs: null`, which
+# an eval reads as a failure of the model); it refuses version 4 instead. Workers first.
+PAYLOAD_VERSION_LOGPROBS = 4
+VERSIONS = (PAYLOAD_VERSION, PAYLOAD_VERSION_UPSTREAM, PAYLOAD_VERSION_TOOLS, PAYLOAD_VERSION_LOGPROBS)
 # The sampling fields a client may leave to the model server's defaults (Payload.defaulted).
 DEFAULTABLE = ("temperature", "top_p")
 BOS_TOKENS = 1
@@ -162,6 +167,8 @@ class Payload:
     def version(self) -> int:
         """The oldest payload version that holds this request (a worker that reads fewer
         refuses it rather than answer without what it does not know)."""
+        if "logprobs" in self.upstream:
+            return PAYLOAD_VERSION_LOGPROBS
         if "tools" in self.upstream or any(m.tool_calls for m in self.messages):
             return PAYLOAD_VERSION_TOOLS
         return PAYLOAD_VERSION_UPSTREAM if self.upstream else PAYLOAD_VERSION
@@ -191,14 +198,13 @@ class Payload:
 
     @classmethod
     def unpack(cls, blob: bytes) -> Payload:
-        """Decode a stored payload; raises ValueError on anything that is not version 1, 2 or 3."""
+        """Decode a stored payload; raises ValueError on anything that is not of VERSIONS."""
         try:
             d: Any = msgpack.unpackb(blob, raw=False)
         except Exception as exc:  # msgpack raises several unrelated types
             raise ValueError(f"payload is not msgpack: {exc}") from exc
-        if not isinstance(d, Mapping) or d.get("v") not in (PAYLOAD_VERSION, PAYLOAD_VERSION_UPSTREAM,
-                                                            PAYLOAD_VERSION_TOOLS):
-            raise ValueError("payload is not a version-1, -2 or -3 map")
+        if not isinstance(d, Mapping) or d.get("v") not in VERSIONS:
+            raise ValueError(f"payload is not a version-{'/'.join(map(str, VERSIONS))} map")
         try:
             return cls(kind=str(d["kind"]), prompt=str(d["prompt"]), max_tokens=int(d["max_tokens"]),
                        temperature=float(d.get("temperature", 1.0)), top_p=float(d.get("top_p", 1.0)),

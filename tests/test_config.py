@@ -82,6 +82,9 @@ def test_a_valid_file_loads(tmp_path):
     (("context_tokens = 8192", 'context_tokens = 8192\nupstream_fields = ["priority"]'),
      "pools[0].upstream_fields[0]"),
     (("context_tokens = 8192", 'context_tokens = 8192\ntool_calls = "yes"'), "pools[0].tool_calls"),
+    (("context_tokens = 8192", 'context_tokens = 8192\nlogprobs = 5'), "pools[0].logprobs"),
+    (("context_tokens = 8192", 'context_tokens = 8192\nmax_logprobs = 21'), "pools[0].max_logprobs"),
+    (("context_tokens = 8192", 'context_tokens = 8192\nmax_logprobs = -1'), "pools[0].max_logprobs"),
     # vLLM's that carry a prompt or a template nobody counts, or reach past the request
     *[(("context_tokens = 8192", f'context_tokens = 8192\nupstream_fields = ["{name}"]'),
        "pools[0].upstream_fields[0]")

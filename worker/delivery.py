@@ -36,6 +36,10 @@ from limiter.scripts import Claimed, Pushed, Scripts, TokenBatch
 # of them (past the request's max_tokens, a batch it cannot take) refuses that request's
 # tokens, not the worker's; any other refused argument is the worker's own bug.
 TOKEN_FIELDS = frozenset({"count", "token_ids", "text", "n_ids"})
+# Pending text that is pushed whatever the period: a batch's text may be at most 4 MiB
+# (lua/include/tokens.lua), and an unstreamed answer with 20 logprobs a token holds ~1 KB a
+# token, pushed once a second. A quarter of the bound in characters is within it in bytes.
+PUSH_TEXT_CHARS = 1 << 20
 
 
 @dataclass
@@ -98,16 +102,16 @@ class Delivery:
 
     def add(self, token_ids: list[int] | tuple[int, ...], text: str, t: float,
             tokens: int | None = None, reasoning: str = "", reasoning_field: str = "reasoning",
-            tool_calls: list[dict[str, Any]] | None = None) -> None:
+            tool_calls: list[dict[str, Any]] | None = None, logprobs: list[Any] | None = None) -> None:
         """Queue released tokens and their text for the next push. ``tokens`` is how many
         model tokens they are (default one per id); the openai engine counts the upstream's
         tokens and passes the text's bytes as ``token_ids`` (what a resuming worker needs),
         and the reasoning a model server sent apart from the text (``reasoning``, under the
-        field name it used) and its tool-call deltas, which the push carries marked in the text
-        (limiter/reply_text)."""
+        field name it used), its tool-call deltas and its tokens' logprobs, which the push
+        carries marked in the text (limiter/reply_text)."""
         n = len(token_ids) if tokens is None else tokens
-        if reasoning or tool_calls or NUL in text:
-            text = pack(text, reasoning, reasoning_field, tool_calls)
+        if reasoning or tool_calls or logprobs or NUL in text:
+            text = pack(text, reasoning, reasoning_field, tool_calls, logprobs)
         if (n or token_ids or text) and self.pending_since is None:
             self.pending_since = t
         self.pending_ids.extend(token_ids)
@@ -122,6 +126,8 @@ class Delivery:
         if not self.pending_tokens:
             return False  # text alone (no token) waits for the next token or complete
         if self.pushes == 0 or (flush_tokens is not None and self.pending_tokens >= flush_tokens):
+            return True
+        if len(self.pending_text) >= PUSH_TEXT_CHARS:
             return True
         return self.pending_since is not None and (t - self.pending_since + step_s) * 1e3 >= flush_ms
 

@@ -82,12 +82,13 @@ import aiohttp
 
 from limiter.backoff import Backoff
 from limiter.errors import LeaseLost, PolicyMissing, RedisUnavailable
-from limiter.reply_text import REASONING_FIELDS
+from limiter.reply_text import REASONING_FIELDS, Logprob
 from limiter.tasks import raise_if_cancelled, stop_tasks
 from limiter.token_count import MODEL_SERVER_KEEPALIVE_S
 from worker.breaker import Breaker
 from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
+from worker.logprobs import choice_logprobs
 from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.settings import shown_upstream
@@ -843,6 +844,7 @@ class UpstreamLoop:
         # reasoning anew.
         thinks_again = chat and not continues_text and before.thought_tokens > 0
         allowance = max_tokens - d.total_tokens
+        wants_logprobs = "logprobs" in d.payload.upstream  # (a logprobs pool's: worker/logprobs.py)
         counted = 0  # upstream tokens taken in this attempt
         halves = ["", ""]  # a high surrogate that ended the last chunk's text, its thinking (_whole_chars)
         reasoning_field = "reasoning"
@@ -961,8 +963,11 @@ class UpstreamLoop:
                             running = self._usage(d, chunk.get("usage"), before)
                             text = thought = ""
                             calls: list[dict[str, Any]] = []
+                            probs: list[Logprob] = []
                             for ch in _choices(chunk, data, chat):
                                 finish = ch.get("finish_reason") or finish
+                                if wants_logprobs:
+                                    probs += choice_logprobs(ch, chat, data)
                                 if not chat:
                                     piece = ch.get("text")
                                 else:
@@ -1004,9 +1009,10 @@ class UpstreamLoop:
                                 if new == 0:  # all of this chunk is past it: none of its text either
                                     text = thought = ""
                                     calls = []
+                                    probs = []
                             if new or text or thought or calls:
                                 self._take(d, text, new, thought, reasoning_field,
-                                           forward_thought=not thinks_again, tool_calls=calls)
+                                           forward_thought=not thinks_again, tool_calls=calls, logprobs=probs)
                                 counted += new
                             if cut:
                                 break
@@ -1086,14 +1092,17 @@ class UpstreamLoop:
 
     def _take(self, d: Delivery, text: str, tokens: int, reasoning: str = "",
               reasoning_field: str = "reasoning", forward_thought: bool = True,
-              tool_calls: list[dict[str, Any]] | None = None) -> None:
+              tool_calls: list[dict[str, Any]] | None = None, logprobs: list[Logprob] | None = None) -> None:
         """Queue ``tokens`` upstream tokens with their text (and reasoning, unless not
         ``forward_thought``: counted and marked all the same); the text's bytes are the ids a
         resuming worker rebuilds the delivered text from. The reasoning is not among them: a
         resume sends the answer's text as the assistant message to continue, which is what a
         chat template renders of an earlier turn (vLLM's parsers drop the thinking there); a
         resume cut mid-thought thinks again (not forwarded: _stream). ``tool_calls``: the
-        chunk's tool-call deltas, forwarded as sent and marked among the ids (TOOL_CALL_ID)."""
+        chunk's tool-call deltas, forwarded as sent and marked among the ids (TOOL_CALL_ID).
+        ``logprobs``: the chunk's tokens' (worker/logprobs.py), forwarded with what of the
+        chunk is: with no text, thinking or call forwarded they were a resume's repeat of the
+        seam's whitespace (:func:`_past_seam`) or thinking the client does not read again."""
         t = time.monotonic()
         if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
@@ -1106,8 +1115,11 @@ class UpstreamLoop:
             ids += [THOUGHT_ID] * tokens
         if tool_calls:
             ids.append(TOOL_CALL_ID)
-        d.add(ids, text, t, tokens=tokens, reasoning=reasoning if forward_thought else "",
-              reasoning_field=reasoning_field, tool_calls=tool_calls)
+        reasoning = reasoning if forward_thought else ""
+        if not (text or reasoning or tool_calls):
+            logprobs = None
+        d.add(ids, text, t, tokens=tokens, reasoning=reasoning, reasoning_field=reasoning_field,
+              tool_calls=tool_calls, logprobs=logprobs)
 
     def stats(self) -> dict[str, Any]:
         """Heartbeat figures; ``capacity_tokens_s`` is weighted tokens per second of time

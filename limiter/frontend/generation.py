@@ -338,7 +338,7 @@ class Generation:
                 body = oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
                                         r.usage_in, r.usage_out,
                                         (answer.field, answer.reasoning) if answer.reasoning else None,
-                                        oa.merge_tool_calls(answer.tool_calls))
+                                        oa.merge_tool_calls(answer.tool_calls), answer.logprobs)
                 resp = web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
                                                         OPENAI_REQUEST_ID_HEADER: self.public_id},
                                          dumps=oa.compact_json)
@@ -381,6 +381,7 @@ class Generation:
         the same events either way."""
         resp: web.StreamResponse | None = None
         req, rid, created = self.req, self.public_id, self.created  # rid: what the chunks' ids read
+        streamed_chars = 0  # the answer's characters sent so far
 
         async def open_stream() -> tuple[web.StreamResponse, list[bytes]]:
             # Headers go out with the first token, not before: until then a queue timeout
@@ -424,21 +425,24 @@ class Generation:
                     usage_so_far = (req.prompt_tokens, self.forwarded)
                     for piece in unpack_in_order(text):
                         thought = (piece.field, piece.reasoning) if piece.reasoning else None
+                        # the run's tokens' logprobs, on its last chunk (a completion's offsets
+                        # count the answer's characters streamed before them)
+                        probs = oa.logprobs_object(req, piece.logprobs, streamed_chars) if piece.logprobs \
+                            else None
+                        streamed_chars += len(piece.content)
                         if piece.tool_calls:
-                            if thought:
-                                out.append(oa.sse(oa.chunk(req, rid, created, reasoning=thought,
-                                                           usage_so_far=usage_so_far)))
-                            for calls in piece.tool_calls:
-                                out.append(oa.sse(oa.chunk(req, rid, created, tool_calls=calls,
-                                                           usage_so_far=usage_so_far)))
+                            chunks = [{"reasoning": thought}] if thought else []
+                            chunks += [{"tool_calls": calls} for calls in piece.tool_calls]
                             if piece.content:
-                                out.append(oa.sse(oa.chunk(req, rid, created, text=piece.content,
-                                                           usage_so_far=usage_so_far)))
+                                chunks.append({"text": piece.content})
+                            chunks[-1]["logprobs"] = probs
+                            out.extend(oa.sse(oa.chunk(req, rid, created, usage_so_far=usage_so_far, **c))
+                                       for c in chunks)
                             continue
                         # a delta of thinking alone has no content
                         content = piece.content or (None if thought else "")
                         out.append(oa.sse(oa.chunk(req, rid, created, text=content, reasoning=thought,
-                                                   usage_so_far=usage_so_far)))
+                                                   usage_so_far=usage_so_far, logprobs=probs)))
                 if r.kind == "done":
                     self.observe_done(r)
                     out.append(oa.sse(oa.chunk(req, rid, created, reason=r.finish,

@@ -21,7 +21,7 @@ from typing import Any
 from limiter.config import PoolConfig, QosConfig
 from limiter.frontend.errors import ApiError
 from limiter.prompt import CHAT_ROLES, DEFAULTABLE, ChatMessage, Payload, render_chat
-from limiter.reply_text import REASONING_FIELDS
+from limiter.reply_text import REASONING_FIELDS, Logprob
 
 INT64 = (-(2**63), 2**63 - 1)
 
@@ -512,6 +512,43 @@ def _tool_fields(body: Mapping[str, Any], upstream: dict[str, Any]) -> None:
         upstream["parallel_tool_calls"] = parallel
 
 
+LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+
+
+def _count_field(body: Mapping[str, Any], name: str, most: int) -> int | None:
+    """``body[name]`` as an integer in [0, ``most``], None when absent or null; else a 400."""
+    v = body.get(name)
+    if v is None:
+        return None
+    if not _is_int(v):
+        raise bad(name, f"'{name}' must be an integer, got {_type_name(v)}", "invalid_type")
+    if not 0 <= v <= most:
+        raise bad(name, f"'{name}' must be in [0, {most}] (this model's max_logprobs), got {int(v)}")
+    return int(v)
+
+
+def _logprob_fields(kind: str, body: Mapping[str, Any], pool: PoolConfig, upstream: dict[str, Any]) -> None:
+    """A logprobs pool's ``logprobs`` (a chat's boolean and its ``top_logprobs``, a
+    completion's count of alternatives), checked and put among the fields for the model
+    server, as vLLM takes them; not asked for (false, null), none is sent."""
+    if kind != "chat":
+        n = _count_field(body, "logprobs", pool.max_logprobs)
+        if n is not None:
+            upstream["logprobs"] = n
+        return
+    on = body.get("logprobs")
+    if on is not None and not isinstance(on, bool):
+        raise bad("logprobs", f"'logprobs' must be a boolean, got {_type_name(on)}", "invalid_type")
+    top = _count_field(body, "top_logprobs", pool.max_logprobs)
+    if not on:
+        if top:  # (0 without logprobs: what a client that always sends the field sends)
+            raise bad("top_logprobs", "'top_logprobs' needs 'logprobs' set to true")
+        return
+    upstream["logprobs"] = True
+    if top is not None:
+        upstream["top_logprobs"] = top
+
+
 @dataclass(frozen=True)
 class Draft:
     """A body whose every field is checked except what depends on the prompt's token count
@@ -547,15 +584,21 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
             continue
         if kind == "chat" and pool.tool_calls and k in TOOL_FIELDS:
             continue  # checked below
+        if pool.logprobs and k in LOGPROB_FIELDS:
+            continue  # checked below
         if k in neutral:
             if v is not None and not neutral[k](v):
                 why = (" in this pool: tool calling is served by a pool with tool_calls = true, in front "
-                       "of a model server that calls tools") if k in TOOL_FIELDS and kind == "chat" else ""
+                       "of a model server that calls tools") if k in TOOL_FIELDS and kind == "chat" else \
+                    (" in this pool: logprobs are served by a pool with logprobs = true, in front of a "
+                     "model server that returns them") if k in LOGPROB_FIELDS else ""
                 raise bad(k, f"'{k}' = {json.dumps(v)[:100]} is not supported by this service{why} "
                           "(only its neutral value is accepted)", "unsupported_value")
             continue
         raise bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
 
+    if pool.logprobs:
+        _logprob_fields(kind, body, pool, upstream)
     messages: tuple[ChatMessage, ...] = ()
     if kind == "chat":
         prompt_param = "messages"
@@ -747,23 +790,53 @@ def merge_tool_calls(deltas: Iterable[list[dict[str, Any]]]) -> list[dict[str, A
     return list(calls.values())
 
 
+def logprobs_object(req: GenerationRequest, entries: Iterable[Logprob], text_offset: int = 0,
+                    ) -> dict[str, Any] | None:
+    """A choice's ``logprobs`` from the model server's (limiter/reply_text.py Logprob), in
+    the request's endpoint's shape: a chat's ``{content: [{token, logprob, bytes,
+    top_logprobs}]}``, a completion's arrays, whose ``text_offset`` counts from
+    ``text_offset`` (the characters of the answer before these tokens) by each token's length,
+    as vLLM counts it. None when the request asked for none."""
+    if "logprobs" not in req.upstream:
+        return None
+    if req.kind == "chat":
+        return {"content": [{"token": t, "logprob": lp, "bytes": b,
+                             "top_logprobs": [{"token": a, "logprob": alp, "bytes": ab}
+                                              for a, alp, ab in top or ()]}
+                            for t, lp, b, top in entries]}
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    for t, lp, _, top in entries:
+        offsets.append(text_offset)
+        text_offset += len(t)
+        tokens.append(t)
+        token_logprobs.append(lp)
+        tops.append(None if top is None else {a: alp for a, alp, _ in top})
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
+
+
 def full_response(req: GenerationRequest, request_id: str, created: int, text: str, reason: str,
                   usage_in: int, usage_out: int, reasoning: tuple[str, str] | None = None,
-                  tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+                  tool_calls: list[dict[str, Any]] | None = None,
+                  logprobs: Iterable[Logprob] = ()) -> dict[str, Any]:
     """``reasoning``: (field name, text) of what a model server sent apart from the answer
     (limiter/reply_text.py), in the chat message as that server put it; ``tool_calls``: the
-    tools it called (:func:`merge_tool_calls`), with a null content when it wrote none."""
+    tools it called (:func:`merge_tool_calls`), with a null content when it wrote none;
+    ``logprobs``: its tokens' (:func:`logprobs_object`)."""
     if req.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": text or (None if tool_calls else text)}
         if reasoning:
             message[reasoning[0]] = reasoning[1]
         if tool_calls:
             message["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "message": message,
-                                  "logprobs": None, "finish_reason": finish_reason(reason)}
+        choice: dict[str, Any] = {"index": 0, "message": message, "logprobs": logprobs_object(req, logprobs),
+                                  "finish_reason": finish_reason(reason)}
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason(reason)}
+        choice = {"index": 0, "text": text, "logprobs": logprobs_object(req, logprobs),
+                  "finish_reason": finish_reason(reason)}
         obj = "text_completion"
     return {"id": response_id(req, request_id), "object": obj, "created": created, "model": req.model,
             "choices": [choice], "usage": usage(usage_in, usage_out)}
@@ -772,14 +845,16 @@ def full_response(req: GenerationRequest, request_id: str, created: int, text: s
 def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | None = None,
           role: bool = False, reason: str | None = None, usage_so_far: tuple[int, int] | None = None,
           reasoning: tuple[str, str] | None = None,
-          tool_calls: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+          tool_calls: list[dict[str, Any]] | None = None,
+          logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
     """One SSE chunk: a text delta, the chat role opener, or the final finish_reason.
 
     ``usage_so_far`` = (prompt tokens, completion tokens so far): with ``continuous_usage``
     (vLLM's ``continuous_usage_stats``) every chunk carries the running usage. ``reasoning``
     = (field name, text): a chat delta of a reasoning model's thinking, as vLLM's reasoning
     parser sends it (no ``content`` unless ``text`` has some too); ``tool_calls``: one chunk's
-    tool-call deltas as the model server sent them."""
+    tool-call deltas as the model server sent them; ``logprobs``: its tokens'
+    (:func:`logprobs_object`)."""
     fin = finish_reason(reason) if reason is not None else None
     if req.kind == "chat":
         delta: dict[str, Any] = {}
@@ -792,10 +867,10 @@ def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | 
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": fin}
+        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": fin}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": fin}
+        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": fin}
         obj = "text_completion"
     out: dict[str, Any] = {"id": response_id(req, request_id), "object": obj, "created": created,
                            "model": req.model, "choices": [choice]}

@@ -200,6 +200,8 @@ class FakeUpstream:
                     return resp
                 choice = ({"index": 0, "delta": {"content": p}, "finish_reason": None} if chat
                           else {"index": 0, "text": p, "finish_reason": None})
+                if body.get("logprobs") is not None and body.get("logprobs") is not False:
+                    choice["logprobs"] = fake_logprobs(body, tokens[n * per: (n + 1) * per], n * per)
                 chunk: dict[str, Any] = {"id": "x", "choices": [choice]}
                 if so.get("include_usage") and so.get("continuous_usage_stats"):
                     chunk["usage"] = usage(min(len(tokens), (n + 1) * per))
@@ -227,6 +229,32 @@ class FakeUpstream:
             if t is not None:
                 t.abort()
         await self.runner.cleanup()
+
+
+def fake_logprob(k: int) -> float:
+    """The fake server's logprob for the answer's ``k``-th token (from 0)."""
+    return -round(0.125 * (k + 1), 3)
+
+
+def fake_logprobs(body: dict[str, Any], tokens: list[str], first: int) -> dict[str, Any]:
+    """A choice's ``logprobs`` for ``tokens`` (the answer's ``first``-th on) as vLLM streams
+    them: a chat's ``content`` entries with ``bytes`` and ``top_logprobs`` alternatives (the
+    token itself, then ``alt1``...), or a completion's arrays; ``text_offset`` counted from
+    this server's own start."""
+    if "messages" in body:
+        top = body.get("top_logprobs") or 0
+        return {"content": [
+            {"token": t, "logprob": fake_logprob(first + i), "bytes": list(t.encode()),
+             "top_logprobs": [{"token": a, "logprob": fake_logprob(first + i) - j, "bytes": list(a.encode())}
+                              for j, a in enumerate([t, *(f"alt{j}" for j in range(1, top))][:top])]}
+            for i, t in enumerate(tokens)]}
+    top = body["logprobs"]
+    start = 3 * first  # (every token of the fake's answer is 3 characters but the last)
+    alts = [{a: fake_logprob(first + i) - j for j, a in enumerate([t, *(f"alt{j}" for j in range(1, top))])}
+            if top else None for i, t in enumerate(tokens)]
+    return {"tokens": tokens, "token_logprobs": [fake_logprob(first + i) for i in range(len(tokens))],
+            "top_logprobs": alts,
+            "text_offset": [start + 3 * i for i in range(len(tokens))]}
 
 
 def sse_chunk(text: str | None = None, finish: str | None = None,

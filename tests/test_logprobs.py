@@ -1,0 +1,332 @@
+"""Token log probabilities in front of a model server that returns them (``[[pools]]
+logprobs``): a chat's ``logprobs``/``top_logprobs`` and a completion's ``logprobs`` reach the
+server, its logprobs reach the client in OpenAI's shape (streamed a chunk each with its text,
+or whole), exactly once per token across a resume, and a shape no client reads fails the
+request as a malformed response."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+from typing import Any
+
+import msgpack
+import openai
+import pytest
+
+from limiter.config import demo_config
+from limiter.frontend.errors import ApiError
+from limiter.frontend.openai_api import parse_request
+from limiter.localstack.sse import sse_chunks
+from limiter.prompt import Payload
+from limiter.reply_text import ReplyText, pack, unpack, unpack_in_order
+from tests.support.fake_upstream import breaks_once, fake_logprob, sse_response
+from tests.support.frontend_helpers import auth, frontend, make_cfg
+from tests.support.worker_helpers import worker
+from worker.delivery import PUSH_TEXT_CHARS
+from worker.logprobs import LOGPROB_FLOOR, choice_logprobs
+from worker.sse_events import MalformedStream
+
+RETRY = {"upstream_retry_min_s": 0.1, "upstream_retry_max_s": 0.4}
+HI = ["Hi", 2 * -0.5, [72, 105], [["Hi", -1.0, [72, 105]], ["Yo", -2.0, None]]]
+
+
+@pytest.fixture
+def env_logprobs(redis_server, fake_upstream):
+    return make_cfg(redis_server.url, pool={"logprobs": True}), fake_upstream
+
+
+def _cfg(**pool: Any):
+    import dataclasses
+
+    from limiter.config import validate
+    cfg = demo_config()
+    return validate(dataclasses.replace(cfg, pools=tuple(dataclasses.replace(p, logprobs=True, **pool)
+                                                         for p in cfg.pools)))
+
+
+def _chat(**body: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": [{"role": "user", "content": "abcdefghijklmno"}], **body}
+
+
+def _completion(**body: Any) -> dict[str, Any]:
+    return {"model": "tiny", "prompt": "abcdefghijklmno", **body}
+
+
+# --- the text a push carries ---------------------------------------------------------------
+
+def test_logprobs_ride_in_the_pushed_text_with_their_run() -> None:
+    nul = ["a\x00", -0.25, [97, 0], []]  # a NUL in a token: JSON escapes it
+    pieces = [pack("Hi", logprobs=[HI]), pack("a\x00", logprobs=[nul]), pack("", "think", logprobs=[HI]),
+              pack("x")]
+    assert unpack("".join(pieces)) == ReplyText("Hia\x00x", "think", "reasoning", (), (HI, nul, HI))
+    # each chunk's logprobs stay with the run of its text (thinking after text is a new run)
+    assert unpack_in_order("".join(pieces)) == [ReplyText("Hia\x00", logprobs=(HI, nul)),
+                                                ReplyText("x", "think", "reasoning", logprobs=(HI,))]
+    assert unpack(pack("plain")) == ReplyText("plain")
+
+
+# --- the request -----------------------------------------------------------------------------
+
+def test_a_logprobs_pools_request_carries_its_logprobs_fields_to_the_model_server() -> None:
+    cfg = _cfg()
+    d = parse_request("chat", _chat(logprobs=True, top_logprobs=3), cfg)
+    assert d.fields["upstream"] == {"logprobs": True, "top_logprobs": 3}
+    assert parse_request("chat", _chat(logprobs=True), cfg).fields["upstream"] == {"logprobs": True}
+    # not asked for: nothing goes (what a client that always sends the fields sends)
+    assert parse_request("chat", _chat(logprobs=False, top_logprobs=0), cfg).fields["upstream"] == {}
+    assert parse_request("completion", _completion(logprobs=2), cfg).fields["upstream"] == {"logprobs": 2}
+    assert parse_request("completion", _completion(logprobs=0), cfg).fields["upstream"] == {"logprobs": 0}
+    assert parse_request("completion", _completion(logprobs=None), cfg).fields["upstream"] == {}
+
+
+def test_a_payload_with_logprobs_is_one_a_worker_before_logprobs_refuses() -> None:
+    """Version 4: a worker of the release before reads versions 1 to 3, would send logprobs
+    upstream and drop the server's (the client read ``logprobs: null``)."""
+    d = parse_request("completion", _completion(logprobs=1), _cfg())
+    p = Payload("completion", d.prompt, 8, upstream=d.fields["upstream"])
+    assert msgpack.unpackb(p.pack())["v"] == 4
+    assert Payload.unpack(p.pack()) == p
+    plain = Payload("completion", d.prompt, 8)
+    assert msgpack.unpackb(plain.pack())["v"] == 1
+
+
+@pytest.mark.parametrize(("kind", "body", "param"), [
+    ("chat", _chat(logprobs="yes"), "logprobs"),
+    ("chat", _chat(logprobs=1), "logprobs"),
+    ("chat", _chat(logprobs=True, top_logprobs=21), "top_logprobs"),
+    ("chat", _chat(logprobs=True, top_logprobs=-1), "top_logprobs"),
+    ("chat", _chat(logprobs=True, top_logprobs=2.5), "top_logprobs"),
+    ("chat", _chat(logprobs=True, top_logprobs="3"), "top_logprobs"),
+    ("chat", _chat(top_logprobs=3), "top_logprobs"),  # needs logprobs true (OpenAI, vLLM)
+    ("chat", _chat(logprobs=False, top_logprobs=3), "top_logprobs"),
+    ("completion", _completion(logprobs=True), "logprobs"),
+    ("completion", _completion(logprobs=21), "logprobs"),
+    ("completion", _completion(logprobs=-1), "logprobs"),
+    ("completion", _completion(logprobs=[1]), "logprobs"),
+    ("completion", _completion(logprobs=1, echo=True), "echo"),  # (echo: still not served)
+])
+def test_a_malformed_logprobs_field_is_a_400_naming_it(kind: str, body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_request(kind, body, _cfg())
+    assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+def test_a_pools_max_logprobs_bounds_the_alternatives_asked_for() -> None:
+    cfg = _cfg(max_logprobs=5)
+    top = parse_request("chat", _chat(logprobs=True, top_logprobs=5), cfg).fields["upstream"]["top_logprobs"]
+    assert top == 5
+    for kind, body, param in [("chat", _chat(logprobs=True, top_logprobs=6), "top_logprobs"),
+                              ("completion", _completion(logprobs=6), "logprobs")]:
+        with pytest.raises(ApiError) as e:
+            parse_request(kind, body, cfg)
+        assert (e.value.param, "[0, 5]" in e.value.message) == (param, True), e.value.message
+
+
+def test_a_pool_without_logprobs_refuses_them_and_says_which_setting_serves_them() -> None:
+    cfg = demo_config()
+    for kind, body in [("chat", _chat(logprobs=True)), ("chat", _chat(top_logprobs=2)),
+                       ("completion", _completion(logprobs=0))]:
+        with pytest.raises(ApiError) as e:
+            parse_request(kind, body, cfg)
+        assert e.value.status == 400 and "logprobs = true" in e.value.message, e.value.message
+    assert parse_request("chat", _chat(logprobs=False, top_logprobs=0), cfg).fields["upstream"] == {}
+
+
+# --- the model server's logprobs, read by the worker ------------------------------------------
+
+def test_a_chunks_logprobs_become_compact_entries_in_either_endpoints_shape() -> None:
+    top = [{"token": "Hi", "logprob": -1.0, "bytes": [72, 105]},
+           {"token": "Yo", "logprob": -math.inf, "bytes": None}]
+    entry = {"token": "Hi", "logprob": -1.0, "bytes": [72, 105], "top_logprobs": top}
+    chat = {"logprobs": {"content": [entry]}}
+    assert choice_logprobs(chat, True, "") == [["Hi", -1.0, [72, 105], [["Hi", -1.0, [72, 105]],
+                                                                         ["Yo", LOGPROB_FLOOR, None]]]]
+    completion = {"logprobs": {"tokens": ["Hi", "!"], "token_logprobs": [None, -0.5],
+                               "top_logprobs": [None, {"!": -0.5, "?": math.nan}], "text_offset": [7, 9]}}
+    alts = [["!", -0.5, None], ["?", None, None]]
+    assert choice_logprobs(completion, False, "") == [["Hi", None, None, None], ["!", -0.5, None, alts]]
+    assert choice_logprobs({"logprobs": None}, True, "") == []
+    assert choice_logprobs({"logprobs": {"content": None}}, True, "") == []
+
+
+@pytest.mark.parametrize(("chat", "lp"), [
+    (True, []),
+    (True, {"content": {"token": "x"}}),
+    (True, {"content": [{"token": 5, "logprob": -1.0}]}),
+    (True, {"content": [{"token": "x", "logprob": "-1"}]}),
+    (True, {"content": [{"token": "x", "logprob": True}]}),
+    (True, {"content": [{"token": "x", "logprob": -1.0, "bytes": [256]}]}),
+    (True, {"content": [{"token": "x", "logprob": -1.0, "top_logprobs": {"x": -1.0}}]}),
+    (True, {"content": [{"token": "x", "logprob": -1.0, "top_logprobs": [{"token": None}]}]}),
+    (False, {"tokens": ["a", "b"], "token_logprobs": [-1.0]}),
+    (False, {"tokens": "ab", "token_logprobs": [-1.0, -1.0]}),
+    (False, {"tokens": ["a"], "token_logprobs": [-1.0], "top_logprobs": [["a", -1.0]]}),
+    (False, {"tokens": ["a"], "token_logprobs": [-1.0], "top_logprobs": [{"a": "x"}]}),
+    (False, {"tokens": ["a"], "token_logprobs": [-1.0], "top_logprobs": []}),
+])
+def test_a_logprobs_shape_no_client_reads_is_a_malformed_stream(chat: bool, lp: Any) -> None:
+    with pytest.raises(MalformedStream):
+        choice_logprobs({"logprobs": lp}, chat, json.dumps(lp))
+
+
+def test_pending_text_past_a_quarter_of_a_pushes_bound_is_pushed_whatever_the_period() -> None:
+    """An unstreamed answer is pushed once a second; with 20 alternatives a token, that
+    second's text could pass push_tokens' 4 MiB (the request failed)."""
+    from limiter.scripts import Claimed
+    from worker.delivery import Delivery
+
+    claimed = Claimed("r1", "P1", "t1", 1, b"", 0, 5, 100_000, "fe1", 0, [], 0, 0)
+    d = Delivery(claimed, Payload("chat", "x", 100_000), claim_now_ms=0, claim_t=0.0, usage_in=5,
+                 class_rank=1)
+    d.add([1], "x", 0.0)
+    d.pushes = 1  # (the first push goes at once anyway)
+    assert not d.due(0.0, 1000.0, None)
+    d.add([1], "", 0.0, logprobs=[["y" * PUSH_TEXT_CHARS, -1.0, None, []]])
+    assert d.due(0.0, 1000.0, None)
+    assert PUSH_TEXT_CHARS * 4 <= 4 * 1024 * 1024  # a character is at most 4 bytes
+
+
+# --- end to end: frontend, openai worker, the fake model server ------------------------------
+
+def _fake_tokens(text: str) -> list[str]:
+    """The fake's answer to ``text``, in its 3-character tokens."""
+    answer = text[::-1]
+    return [answer[i:i + 3] for i in range(0, len(answer), 3)]
+
+
+async def test_chat_logprobs_reach_the_client_whole_streamed_and_through_the_sdk(env_logprobs) -> None:
+    cfg, up = env_logprobs
+    body = _chat(logprobs=True, top_logprobs=2, max_tokens=40)
+    tokens = _fake_tokens("abcdefghijklmno")
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(), json=body)
+        assert r.status == 200, await r.text()
+        answer = await r.json()
+        r = await client.post("/v1/chat/completions", headers=auth(), json={**body, "stream": True})
+        assert r.status == 200, await r.text()
+        chunks = [ch async for ch in sse_chunks(r.content) if ch and ch["choices"]]
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            sent = await sdk.chat.completions.create(model="tiny", messages=body["messages"], logprobs=True,
+                                                     top_logprobs=2, max_tokens=40)
+        finally:
+            await sdk.close()
+    content = answer["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == tokens
+    assert [e["logprob"] for e in content] == [fake_logprob(k) for k in range(len(tokens))]
+    assert all(e["bytes"] == list(e["token"].encode()) for e in content)
+    assert [[a["token"] for a in e["top_logprobs"]] for e in content] == [[t, "alt1"] for t in tokens]
+    # streamed: each chunk's logprobs are its own text's tokens, every token once
+    with_text = [ch["choices"][0] for ch in chunks if ch["choices"][0]["delta"].get("content")]
+    assert all("".join(e["token"] for e in c["logprobs"]["content"]) == c["delta"]["content"]
+               for c in with_text)
+    assert [e for c in with_text for e in c["logprobs"]["content"]] == content
+    assert [e.token for e in sent.choices[0].logprobs.content] == tokens  # the SDK's own types
+    assert up.bodies[0]["logprobs"] is True and up.bodies[0]["top_logprobs"] == 2
+
+
+async def test_completion_logprobs_reach_the_client_with_offsets_over_the_whole_answer(env_logprobs) -> None:
+    cfg, up = env_logprobs
+    body = _completion(logprobs=3, max_tokens=40)
+    tokens = _fake_tokens("abcdefghijklmno")
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", headers=auth(), json=body)
+        assert r.status == 200, await r.text()
+        whole = (await r.json())["choices"][0]
+        # the server's chunks come apart (each waits until the client read the one before): a
+        # chunk's offsets count the characters streamed before it
+        up.gate = asyncio.Semaphore(0)
+        r = await client.post("/v1/completions", headers=auth(), json={**body, "stream": True})
+        chunks = []
+        async for ch in sse_chunks(r.content):
+            if ch and ch["choices"]:
+                chunks.append(ch["choices"][0])
+                up.gate.release()
+        up.gate = None
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            sent = await sdk.completions.create(model="tiny", prompt=body["prompt"], logprobs=3,
+                                                max_tokens=40)
+        finally:
+            await sdk.close()
+    lp = whole["logprobs"]
+    assert lp["tokens"] == tokens and "".join(tokens) == whole["text"]
+    assert lp["token_logprobs"] == [fake_logprob(k) for k in range(len(tokens))]
+    assert lp["text_offset"] == [3 * k for k in range(len(tokens))]
+    assert [list(t) for t in lp["top_logprobs"]] == [[t, "alt1", "alt2"] for t in tokens]
+    streamed = [c for c in chunks if c["text"]]
+    assert len(streamed) == len(tokens)
+    assert all("".join(c["logprobs"]["tokens"]) == c["text"] for c in streamed)
+    assert [o for c in streamed for o in c["logprobs"]["text_offset"]] == lp["text_offset"]
+    assert sent.choices[0].logprobs is not None and sent.choices[0].logprobs.tokens == tokens
+
+
+async def test_a_request_without_logprobs_in_a_logprobs_pool_answers_null(env_logprobs) -> None:
+    cfg, up = env_logprobs
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(), json=_chat(max_tokens=40))
+        assert r.status == 200, await r.text()
+        assert (await r.json())["choices"][0]["logprobs"] is None
+    assert "logprobs" not in up.bodies[0]
+
+
+def _lp_chunk(tokens: list[str], first: int, finish: str | None = None) -> bytes:
+    entries = [{"token": t, "logprob": fake_logprob(first + i), "bytes": list(t.encode()),
+                "top_logprobs": []} for i, t in enumerate(tokens)]
+    c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny",
+         "choices": [{"index": 0, "delta": {"content": "".join(tokens)} if tokens else {},
+                      "logprobs": {"content": entries} if tokens else None, "finish_reason": finish}],
+         "usage": {"prompt_tokens": 5, "completion_tokens": first + len(tokens), "total_tokens": 5}}
+    return ("data: " + json.dumps(c) + "\n\n").encode()
+
+
+async def test_a_resumed_answers_logprobs_reach_the_client_once_per_token(env_logprobs) -> None:
+    """The stream breaks after chunks the client read, the last a space; the next attempt
+    continues the answer, whose first token repeats that space (the resume sent the text
+    without it: worker/upstream.py _past_seam), and the client reads every token's logprob
+    once, in order: the repeated space's too would be one token too many."""
+    cfg, up = env_logprobs
+    read = asyncio.Event()
+    first = [_lp_chunk(["One", "Two"], 0), _lp_chunk(["Six"], 2), _lp_chunk([" "], 3)]
+    then = [_lp_chunk([" "], 0), _lp_chunk(["Ten"], 1), _lp_chunk([], 2, finish="stop")]
+    up.scripts["RESUME"] = breaks_once(first, read, then)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "RESUME"}],
+                                    "logprobs": True, "max_tokens": 40, "stream": True})
+        assert r.status == 200, await r.text()
+        texts: list[str] = []
+        entries: list[dict[str, Any]] = []
+        async for ch in sse_chunks(r.content):
+            if not ch or not ch.get("choices"):
+                continue
+            c = ch["choices"][0]
+            texts.append(c["delta"].get("content") or "")
+            entries += (c["logprobs"] or {}).get("content") or []
+            if "".join(texts) == "OneTwoSix ":
+                read.set()  # both chunks reached the client: now the server breaks
+    assert up.calls["RESUME"] == 2
+    assert "".join(texts) == "OneTwoSix Ten"
+    assert [e["token"] for e in entries] == ["One", "Two", "Six", " ", "Ten"]
+    assert up.bodies[-1]["messages"][-1] == {"role": "assistant", "content": "OneTwoSix"}
+
+
+async def test_malformed_logprobs_fail_the_request_as_a_malformed_response(env_logprobs) -> None:
+    cfg, up = env_logprobs
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        bad = {"id": "x", "choices": [{"index": 0, "delta": {"content": "Hi"},
+                                       "logprobs": {"content": [{"token": 5}]}, "finish_reason": "stop"}]}
+        await resp.write(f"data: {json.dumps(bad)}\n\ndata: [DONE]\n\n".encode())
+        return resp
+
+    up.scripts["BADLP"] = script
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "BADLP"}],
+                                    "logprobs": True, "max_tokens": 40})
+        body = await r.json()
+    assert r.status != 500 and "malformed response" in body["error"]["message"], body
