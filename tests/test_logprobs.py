@@ -21,7 +21,13 @@ from limiter.frontend.openai_api import parse_request
 from limiter.localstack.sse import sse_chunks
 from limiter.prompt import Payload
 from limiter.reply_text import ReplyText, pack, unpack, unpack_in_order
-from tests.support.fake_upstream import breaks_once, fake_logprob, sse_response
+from tests.support.fake_upstream import (
+    breaks_once,
+    fake_logprob,
+    fake_prompt_logprob,
+    sse_chunk,
+    sse_response,
+)
 from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.worker_helpers import worker
 from worker.delivery import PUSH_TEXT_CHARS
@@ -105,7 +111,8 @@ def test_a_payload_with_logprobs_is_one_a_worker_before_logprobs_refuses() -> No
     ("completion", _completion(logprobs=21), "logprobs"),
     ("completion", _completion(logprobs=-1), "logprobs"),
     ("completion", _completion(logprobs=[1]), "logprobs"),
-    ("completion", _completion(logprobs=1, echo=True), "echo"),  # (echo: still not served)
+    ("completion", _completion(logprobs=1, echo="yes"), "echo"),
+    ("completion", _completion(echo=1), "echo"),
 ])
 def test_a_malformed_logprobs_field_is_a_400_naming_it(kind: str, body: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as e:
@@ -328,5 +335,132 @@ async def test_malformed_logprobs_fail_the_request_as_a_malformed_response(env_l
         r = await client.post("/v1/chat/completions", headers=auth(),
                               json={"model": "tiny", "messages": [{"role": "user", "content": "BADLP"}],
                                     "logprobs": True, "max_tokens": 40})
+        body = await r.json()
+    assert r.status != 500 and "malformed response" in body["error"]["message"], body
+
+
+# --- echo: the prompt before the answer, and with logprobs the prompt's tokens' first ----------
+
+def test_echo_is_the_frontends_own_unless_the_prompts_logprobs_are_asked_for() -> None:
+    """``echo`` alone: the frontend puts the prompt before the answer, any engine serves it
+    (nothing goes upstream). With logprobs: the model server is asked to echo, for the
+    prompt's tokens' logprobs (lm-eval's loglikelihood tasks)."""
+    alone = parse_request("completion", _completion(echo=True), demo_config())
+    assert (alone.fields["echo"], alone.fields["upstream"]) == (True, {})
+    both = parse_request("completion", _completion(echo=True, logprobs=1), _cfg())
+    assert (both.fields["echo"], both.fields["upstream"]) == (True, {"logprobs": 1, "echo": True})
+    assert parse_request("completion", _completion(echo=False), _cfg()).fields["echo"] is False
+    with pytest.raises(ApiError) as e:  # a chat has none (as OpenAI)
+        parse_request("chat", _chat(echo=True), _cfg())
+    assert e.value.param == "echo"
+
+
+async def test_an_echoed_completion_begins_with_its_prompt_streamed_or_not(env_logprobs) -> None:
+    cfg, up = env_logprobs
+    prompt = "ab\x00cd"  # (a NUL in the prompt is text, not a mark of the pushed text: NUL c is one)
+    answer = prompt[::-1]
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": prompt, "echo": True, "max_tokens": 40})
+        assert r.status == 200, await r.text()
+        whole = (await r.json())["choices"][0]
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": prompt, "echo": True, "max_tokens": 40,
+                                    "stream": True})
+        streamed = "".join([ch["choices"][0]["text"] async for ch in sse_chunks(r.content)
+                            if ch and ch["choices"]])
+    assert whole["text"] == streamed == prompt + answer
+    assert whole["logprobs"] is None
+    assert all("echo" not in b for b in up.bodies)  # the frontend's own
+
+
+async def test_an_echoed_completions_logprobs_begin_with_the_prompts_tokens(env_logprobs) -> None:
+    """As lm-eval's loglikelihood tasks ask (echo, logprobs 1, max_tokens 1, unstreamed): the
+    prompt's tokens' logprobs, the first null, then the answer's; the text is the prompt and
+    the answer once each (the worker takes the server's echo apart, the frontend adds it)."""
+    cfg, up = env_logprobs
+    prompt = "abcdefghi"
+    body = {"model": "tiny", "prompt": [prompt], "echo": True, "logprobs": 1, "max_tokens": 1,
+            "temperature": 0.0, "seed": 1234}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", headers=auth(), json=body)
+        assert r.status == 200, await r.text()
+        whole = (await r.json())["choices"][0]
+        up.gate = asyncio.Semaphore(0)
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={**body, "max_tokens": 3, "stream": True})
+        chunks = []
+        async for ch in sse_chunks(r.content):
+            if ch and ch["choices"]:
+                chunks.append(ch["choices"][0])
+                up.gate.release()
+        up.gate = None
+    lp = whole["logprobs"]
+    assert whole["text"] == prompt + "ihg"
+    assert lp["tokens"] == [*prompt, "ihg"]
+    assert lp["token_logprobs"] == [*(fake_prompt_logprob(k) for k in range(len(prompt))), fake_logprob(0)]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["text_offset"] == [*range(len(prompt)), len(prompt)]
+    streamed = [c for c in chunks if c["text"]]
+    assert "".join(c["text"] for c in streamed) == prompt + "ihgfedcba"
+    assert [t for c in streamed for t in c["logprobs"]["tokens"]] == [*prompt, "ihg", "fed", "cba"]
+    assert [o for c in streamed for o in c["logprobs"]["text_offset"]] == [*range(9), 9, 12, 15]
+    assert all(b["echo"] is True and b["prompt"] == prompt for b in up.bodies)
+
+
+async def test_an_echoed_answer_resumed_sends_no_second_echo(env_logprobs) -> None:
+    """Broken off after the echo and the first text: the next attempt continues the prompt and
+    the text delivered, without ``echo`` (the client has the prompt's logprobs); the client
+    reads the prompt and each token's logprob once."""
+    cfg, up = env_logprobs
+    read = asyncio.Event()
+    prompt = "RESUME:"
+
+    def lp(tokens: list[str], first: int, echo: bool = False) -> dict[str, Any]:
+        out = {"tokens": tokens, "token_logprobs": [fake_logprob(first + i) for i in range(len(tokens))],
+               "top_logprobs": [None] * len(tokens), "text_offset": [0] * len(tokens)}
+        if echo:
+            out = {k: [*([None] * len(prompt) if k != "tokens" else prompt), *v] for k, v in out.items()}
+        return out
+
+    def chunk(text: str, lps: dict[str, Any], finish: str | None = None) -> bytes:
+        c = {"id": "x", "choices": [{"index": 0, "text": text, "logprobs": lps, "finish_reason": finish}]}
+        return ("data: " + json.dumps(c) + "\n\n").encode()
+
+    # (the echo alone first: a chunk of no answer text, whose logprobs are the prompt's)
+    first = [chunk(prompt, lp([], 0, echo=True)), chunk("One", lp(["One"], 0)), chunk("Two", lp(["Two"], 1))]
+    up.scripts["RESUME"] = breaks_once(first, read, [chunk("Six", lp(["Six"], 0)), sse_chunk(finish="stop")])
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 0,
+                                    "max_tokens": 40, "stream": True})
+        assert r.status == 200, await r.text()
+        texts: list[str] = []
+        tokens: list[str] = []
+        async for ch in sse_chunks(r.content):
+            if ch and ch.get("choices"):
+                texts.append(ch["choices"][0]["text"])
+                tokens += (ch["choices"][0]["logprobs"] or {}).get("tokens") or []
+                if "".join(texts) == prompt + "OneTwo":
+                    read.set()
+    assert "".join(texts) == prompt + "OneTwoSix"
+    assert tokens == [*prompt, "One", "Two", "Six"]
+    assert up.bodies[0]["echo"] is True and "echo" not in up.bodies[1]
+    assert up.bodies[1]["prompt"] == prompt + "OneTwo"
+
+
+async def test_an_echo_that_is_not_the_prompt_fails_the_request_as_a_malformed_response(env_logprobs) -> None:
+    cfg, up = env_logprobs
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(sse_chunk("something else", finish="stop") + b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["ECHO"] = script
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", headers=auth(),
+                              json={"model": "tiny", "prompt": "ECHO", "echo": True, "logprobs": 0,
+                                    "max_tokens": 40})
         body = await r.json()
     assert r.status != 500 and "malformed response" in body["error"]["message"], body

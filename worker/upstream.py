@@ -296,6 +296,17 @@ def _past_seam(text: str, seam: str) -> tuple[str, str]:
     return ("", seam[k:]) if k == len(text) else (text[k:], "")
 
 
+def _past_echo(text: str, echo: str, data: str) -> tuple[str, str]:
+    """(``text`` less its start that is the echoed prompt, what of the prompt is still to come):
+    a server asked to ``echo`` sends the prompt before the answer (vLLM: in the first chunk,
+    with the prompt's tokens' logprobs). Anything else is :class:`MalformedStream`: the frontend
+    puts the prompt before the answer itself, and the client would read something else."""
+    k = min(len(text), len(echo))
+    if text[:k] != echo[:k]:
+        raise MalformedStream(f"an echo that is not the prompt in {data[:200]!r}")
+    return text[k:], echo[k:]
+
+
 async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
     """Read a stream's body to its end after its ``[DONE]``, then let it go: the connection
     goes back to the pool for the next request. Left at ``[DONE]`` where the body's end had
@@ -795,6 +806,8 @@ class UpstreamLoop:
             body.setdefault(name, value)  # (config refuses a name the worker sets; it wins anyway)
         if p.kind != "chat":
             body["prompt"] = p.prompt + prior
+            if d.claimed.delivered:  # a resume: the prompt's logprobs reached the client before
+                body.pop("echo", None)
             return "/completions", body
         if not p.messages:
             raise ValueError("chat payload without structured messages (written by an older frontend?)")
@@ -845,6 +858,9 @@ class UpstreamLoop:
         thinks_again = chat and not continues_text and before.thought_tokens > 0
         allowance = max_tokens - d.total_tokens
         wants_logprobs = "logprobs" in d.payload.upstream  # (a logprobs pool's: worker/logprobs.py)
+        # a completion that asked for the prompt's logprobs: the server echoes the prompt before
+        # the answer, which the frontend adds itself (_past_echo)
+        echo = d.payload.prompt if body.get("echo") else ""
         counted = 0  # upstream tokens taken in this attempt
         halves = ["", ""]  # a high surrogate that ended the last chunk's text, its thinking (_whole_chars)
         reasoning_field = "reasoning"
@@ -996,8 +1012,15 @@ class UpstreamLoop:
                                 text += "\ufffd" * len(halves[0])
                                 thought += "\ufffd" * len(halves[1])
                                 halves = ["", ""]
+                            echoed = bool(echo and text)
+                            if echoed:
+                                text, echo = _past_echo(text, echo, data)
                             if seam and text:
                                 text, seam = _past_seam(text, seam)
+                            if not (text or (thought and not thinks_again) or calls or echoed):
+                                # what of the chunk is forwarded had them: nothing (a resume's
+                                # repeat of the seam, or thinking the client does not read again)
+                                probs = []
                             # This chunk's tokens: the running usage says exactly; without it, one per
                             # chunk with text. The final usage (a chunk of its own, no text) brings the
                             # count up to the upstream's completion_tokens.
@@ -1010,7 +1033,7 @@ class UpstreamLoop:
                                     text = thought = ""
                                     calls = []
                                     probs = []
-                            if new or text or thought or calls:
+                            if new or text or thought or calls or probs:
                                 self._take(d, text, new, thought, reasoning_field,
                                            forward_thought=not thinks_again, tool_calls=calls, logprobs=probs)
                                 counted += new
@@ -1100,9 +1123,7 @@ class UpstreamLoop:
         chat template renders of an earlier turn (vLLM's parsers drop the thinking there); a
         resume cut mid-thought thinks again (not forwarded: _stream). ``tool_calls``: the
         chunk's tool-call deltas, forwarded as sent and marked among the ids (TOOL_CALL_ID).
-        ``logprobs``: the chunk's tokens' (worker/logprobs.py), forwarded with what of the
-        chunk is: with no text, thinking or call forwarded they were a resume's repeat of the
-        seam's whitespace (:func:`_past_seam`) or thinking the client does not read again."""
+        ``logprobs``: the chunk's tokens' (worker/logprobs.py)."""
         t = time.monotonic()
         if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
@@ -1116,8 +1137,6 @@ class UpstreamLoop:
         if tool_calls:
             ids.append(TOOL_CALL_ID)
         reasoning = reasoning if forward_thought else ""
-        if not (text or reasoning or tool_calls):
-            logprobs = None
         d.add(ids, text, t, tokens=tokens, reasoning=reasoning, reasoning_field=reasoning_field,
               tool_calls=tool_calls, logprobs=logprobs)
 

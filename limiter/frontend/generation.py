@@ -39,7 +39,7 @@ from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import Frontend
-from limiter.reply_text import unpack, unpack_in_order
+from limiter.reply_text import pack, unpack, unpack_in_order
 from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 
 log = logging.getLogger("qos.frontend")
@@ -335,6 +335,8 @@ class Generation:
             if r.kind == "done":
                 self.observe_done(r)
                 answer = unpack("".join(parts))
+                if self.req.echo:  # (a completion's: its text begins with the prompt)
+                    answer = answer._replace(content=self.req.prompt + answer.content)
                 body = oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
                                         r.usage_in, r.usage_out,
                                         (answer.field, answer.reasoning) if answer.reasoning else None,
@@ -382,6 +384,7 @@ class Generation:
         resp: web.StreamResponse | None = None
         req, rid, created = self.req, self.public_id, self.created  # rid: what the chunks' ids read
         streamed_chars = 0  # the answer's characters sent so far
+        echo = req.echo  # a completion's `echo`, still to send
 
         async def open_stream() -> tuple[web.StreamResponse, list[bytes]]:
             # Headers go out with the first token, not before: until then a queue timeout
@@ -418,6 +421,8 @@ class Generation:
                         # client could see, and a failure after it is still an honest 503
                         continue
                     resp, out = await open_stream()
+                if echo:  # the prompt, before the answer's first text (packed: a NUL in it is text)
+                    text, echo = pack(req.prompt) + text, False
                 if text:
                     # the answer's text (every answer but the below: one piece), and a reasoning
                     # model's thinking and its tool calls where the model server sent them apart,

@@ -53,6 +53,9 @@ class GenerationRequest:
     defaulted: tuple[str, ...] = ()  # sampling fields the client left out (Payload.defaulted)
     # the pool's upstream_fields the client sent, for the model server (Payload.upstream)
     upstream: Mapping[str, Any] = field(default_factory=dict)
+    # a completion's `echo`: the answer's text begins with the prompt (with logprobs, the prompt's
+    # tokens' come first: the model server is asked to echo, and the worker takes the echo apart)
+    echo: bool = False
 
     def payload(self) -> Payload:
         return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
@@ -159,7 +162,6 @@ _COMPLETION_NEUTRAL: dict[str, Any] = {
     # Any number asks for logprobs, 0 too (the sampled token's: OpenAI's and vLLM's answer
     # then has a logprobs object): not served, so refused, not answered with null.
     "logprobs": lambda v: False,
-    "echo": lambda v: v is False,
     "best_of": lambda v: _is_int(v) and v == 1,
     "suffix": lambda v: v == "",
 }
@@ -178,7 +180,7 @@ MAX_STOP_BYTES = 4096
 MAX_MESSAGE_ID_CHARS = 256  # a message's name / tool_call_id (OpenAI's names are 64 at most)
 STREAM_OPTIONS = ("include_usage", "continuous_usage_stats", "include_obfuscation")
 _CHAT = _COMMON | {"messages", "max_completion_tokens"}
-_COMPLETION = _COMMON | {"prompt"}
+_COMPLETION = _COMMON | {"prompt", "echo"}
 
 
 def _is_int(v: Any) -> bool:
@@ -549,6 +551,20 @@ def _logprob_fields(kind: str, body: Mapping[str, Any], pool: PoolConfig, upstre
         upstream["top_logprobs"] = top
 
 
+def _echo(v: Any, upstream: dict[str, Any]) -> bool:
+    """A completion's ``echo``: the frontend puts the prompt before the answer's text itself;
+    with logprobs asked for, the prompt's tokens' logprobs are the model server's, which it
+    is asked to echo (vLLM then returns the prompt's logprobs first: lm-eval's loglikelihood
+    tasks read them)."""
+    if v is None or v is False:
+        return False
+    if v is not True:
+        raise bad("echo", f"'echo' must be a boolean, got {_type_name(v)}", "invalid_type")
+    if "logprobs" in upstream:
+        upstream["echo"] = True
+    return True
+
+
 @dataclass(frozen=True)
 class Draft:
     """A body whose every field is checked except what depends on the prompt's token count
@@ -599,6 +615,7 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
 
     if pool.logprobs:
         _logprob_fields(kind, body, pool, upstream)
+    echo = kind != "chat" and _echo(body.get("echo"), upstream)
     messages: tuple[ChatMessage, ...] = ()
     if kind == "chat":
         prompt_param = "messages"
@@ -706,7 +723,7 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
                          "defaulted": tuple(n for n in DEFAULTABLE if body.get(n) is None),
                          "stream": stream, "include_usage": include_usage,
                          "continuous_usage": continuous_usage, "ignore_eos": ignore_eos,
-                         "upstream": upstream})
+                         "upstream": upstream, "echo": echo})
 
 
 # No tokenizer packs more characters than this into a token over a whole prompt (the longest

@@ -202,6 +202,10 @@ class FakeUpstream:
                           else {"index": 0, "text": p, "finish_reason": None})
                 if body.get("logprobs") is not None and body.get("logprobs") is not False:
                     choice["logprobs"] = fake_logprobs(body, tokens[n * per: (n + 1) * per], n * per)
+                if n == 0 and not chat and body.get("echo"):  # vLLM: the prompt, before the first text
+                    choice["text"] = body["prompt"] + p
+                    if "logprobs" in choice:
+                        choice["logprobs"] = echo_logprobs(body, choice["logprobs"])
                 chunk: dict[str, Any] = {"id": "x", "choices": [choice]}
                 if so.get("include_usage") and so.get("continuous_usage_stats"):
                     chunk["usage"] = usage(min(len(tokens), (n + 1) * per))
@@ -255,6 +259,27 @@ def fake_logprobs(body: dict[str, Any], tokens: list[str], first: int) -> dict[s
     return {"tokens": tokens, "token_logprobs": [fake_logprob(first + i) for i in range(len(tokens))],
             "top_logprobs": alts,
             "text_offset": [start + 3 * i for i in range(len(tokens))]}
+
+
+def fake_prompt_logprob(k: int) -> float | None:
+    """The fake server's logprob for the prompt's ``k``-th token (a character): none for the
+    first, which nothing came before (vLLM's null)."""
+    return None if k == 0 else -round(0.5 + 0.01 * k, 3)
+
+
+def echo_logprobs(body: dict[str, Any], answer: dict[str, Any]) -> dict[str, Any]:
+    """A completion's first ``logprobs`` with ``echo`` as vLLM sends them: the prompt's tokens
+    (here its characters) first, then the answer's (``answer``), offsets from the prompt's
+    start."""
+    prompt, top = body["prompt"], body["logprobs"]
+    n = len(prompt)
+    alts = [None if k == 0 or not top else
+            {c: fake_prompt_logprob(k), **{f"alt{j}": -9.0 - j for j in range(1, top)}}
+            for k, c in enumerate(prompt)]
+    return {"tokens": [*prompt, *answer["tokens"]],
+            "token_logprobs": [*(fake_prompt_logprob(k) for k in range(n)), *answer["token_logprobs"]],
+            "top_logprobs": [*alts, *answer["top_logprobs"]],
+            "text_offset": [*range(n), *(n + o for o in answer["text_offset"])]}
 
 
 def sse_chunk(text: str | None = None, finish: str | None = None,
