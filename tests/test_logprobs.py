@@ -464,3 +464,46 @@ async def test_an_echo_that_is_not_the_prompt_fails_the_request_as_a_malformed_r
                                     "max_tokens": 40})
         body = await r.json()
     assert r.status != 500 and "malformed response" in body["error"]["message"], body
+def _lp_entries_chunk(entries: list[tuple[str, float]], text: str, completion_tokens: int,
+                      finish: str | None = None) -> bytes:
+    """A chat chunk whose text is ``text`` and whose logprobs are ``entries`` as vLLM streams
+    them (a chunk of several tokens, or one whose token has no text: an EOS)."""
+    content = [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+               for t, lp in entries]
+    c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny",
+         "choices": [{"index": 0, "delta": {"content": text}, "logprobs": {"content": content},
+                      "finish_reason": finish}],
+         "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens, "total_tokens": 5}}
+    return ("data: " + json.dumps(c) + "\n\n").encode()
+
+
+async def test_a_resumes_repeated_seam_in_a_chunk_of_several_tokens_is_answered_once(env_logprobs) -> None:
+    """The resumed server's first chunk holds two tokens, the space the client already read
+    and the next word (vLLM sends several tokens a chunk under load, or with speculative
+    decoding): the text loses the repeated space (_past_seam), and so must its logprobs, or
+    the client reads the space's token twice."""
+    cfg, up = env_logprobs
+    read = asyncio.Event()
+    first = [_lp_chunk(["One", "Two"], 0), _lp_chunk(["Six"], 2), _lp_chunk([" "], 3)]
+    then = [_lp_entries_chunk([(" ", -0.5), ("Ten", -0.25)], " Ten", 2), _lp_chunk([], 2, finish="stop")]
+    up.scripts["RESUME"] = breaks_once(first, read, then)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "RESUME"}],
+                                    "logprobs": True, "max_tokens": 40, "stream": True})
+        assert r.status == 200, await r.text()
+        texts: list[str] = []
+        entries: list[dict[str, Any]] = []
+        async for ch in sse_chunks(r.content):
+            if not ch or not ch.get("choices"):
+                continue
+            c = ch["choices"][0]
+            texts.append(c["delta"].get("content") or "")
+            entries += (c["logprobs"] or {}).get("content") or []
+            if "".join(texts) == "OneTwoSix ":
+                read.set()
+    assert up.calls["RESUME"] == 2
+    assert "".join(texts) == "OneTwoSix Ten"
+    assert [e["token"] for e in entries] == ["One", "Two", "Six", " ", "Ten"]
+    assert entries[-1]["logprob"] == -0.25
+

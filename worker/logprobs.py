@@ -103,3 +103,15 @@ def choice_logprobs(choice: dict[str, Any], chat: bool, data: str) -> list[Logpr
         return _chat(lp) if chat else _completion(lp)
     except ValueError as exc:
         raise MalformedStream(f"{exc} in {data[:200]!r}") from None
+
+
+def past_seam(entries: list[Logprob], repeated: str) -> list[Logprob]:
+    """``entries`` less the first tokens that spell ``repeated`` (or its start): the
+    whitespace a resumed answer's first chunk repeated and worker/upstream.py _past_seam took
+    off its text, which the client read with its logprobs before the break. A token that
+    goes past it (" Ten" after a space) stays: it is of the text that is kept."""
+    k = 0
+    while k < len(entries) and entries[k][0] and repeated.startswith(entries[k][0]):
+        repeated = repeated[len(entries[k][0]):]
+        k += 1
+    return entries[k:]

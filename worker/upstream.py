@@ -88,7 +88,7 @@ from limiter.token_count import MODEL_SERVER_KEEPALIVE_S
 from worker.breaker import Breaker
 from worker.busy_meter import FULL_SHARE
 from worker.delivery import Delivery
-from worker.logprobs import choice_logprobs
+from worker.logprobs import choice_logprobs, past_seam
 from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.settings import shown_upstream
@@ -1016,11 +1016,12 @@ class UpstreamLoop:
                             if echoed:
                                 text, echo = _past_echo(text, echo, data)
                             if seam and text:
+                                was = text
                                 text, seam = _past_seam(text, seam)
-                            if not (text or (thought and not thinks_again) or calls or echoed):
-                                # what of the chunk is forwarded had them: nothing (a resume's
-                                # repeat of the seam, or thinking the client does not read again)
-                                probs = []
+                                if probs:  # the repeated whitespace's tokens went with it
+                                    probs = past_seam(probs, was[:len(was) - len(text)])
+                            if thinks_again and thought and not (text or calls or echoed):
+                                probs = []  # a second thought's, which the client does not read
                             # This chunk's tokens: the running usage says exactly; without it, one per
                             # chunk with text. The final usage (a chunk of its own, no text) brings the
                             # count up to the upstream's completion_tokens.
@@ -1123,7 +1124,8 @@ class UpstreamLoop:
         chat template renders of an earlier turn (vLLM's parsers drop the thinking there); a
         resume cut mid-thought thinks again (not forwarded: _stream). ``tool_calls``: the
         chunk's tool-call deltas, forwarded as sent and marked among the ids (TOOL_CALL_ID).
-        ``logprobs``: the chunk's tokens' (worker/logprobs.py)."""
+        ``logprobs``: the chunk's tokens' (worker/logprobs.py), with its text, or alone where
+        its tokens have none (vLLM's stop token: its text is left out, its logprob is not)."""
         t = time.monotonic()
         if tokens > 0:
             w_in, w_out = self.rt.weights(d.claimed.cls)
