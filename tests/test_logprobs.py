@@ -507,3 +507,40 @@ async def test_a_resumes_repeated_seam_in_a_chunk_of_several_tokens_is_answered_
     assert [e["token"] for e in entries] == ["One", "Two", "Six", " ", "Ten"]
     assert entries[-1]["logprob"] == -0.25
 
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_the_logprob_of_a_token_without_text_reaches_the_client(env_logprobs, stream: bool) -> None:
+    """vLLM keeps the stop token among a choice's tokens and logprobs (its text is left out:
+    v1/engine/detokenizer.py), so its last chunk has no text and the EOS token's logprob
+    (serving_chat.py: logprobs on every chunk, the finish chunk's too), and its whole answer
+    has as many logprobs as completion_tokens. Dropped as a chunk without text, the client
+    lost it."""
+    cfg, up = env_logprobs
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        for c in (_lp_entries_chunk([("Hi", -0.5)], "Hi", 1),
+                  _lp_entries_chunk([("<|eot_id|>", -0.125)], "", 2, finish="stop")):
+            await resp.write(c)
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["EOS"] = script
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "EOS"}], "logprobs": True,
+            "max_tokens": 40, "stream": stream}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(), json=body)
+        assert r.status == 200, await r.text()
+        if stream:
+            entries: list[dict[str, Any]] = []
+            text = ""
+            async for ch in sse_chunks(r.content):
+                if ch and ch.get("choices"):
+                    c = ch["choices"][0]
+                    text += c["delta"].get("content") or ""
+                    entries += (c["logprobs"] or {}).get("content") or []
+        else:
+            answer = (await r.json())["choices"][0]
+            text, entries = answer["message"]["content"], answer["logprobs"]["content"]
+    assert text == "Hi"
+    assert [(e["token"], e["logprob"]) for e in entries] == [("Hi", -0.5), ("<|eot_id|>", -0.125)]
