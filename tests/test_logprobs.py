@@ -279,11 +279,13 @@ async def test_a_request_without_logprobs_in_a_logprobs_pool_answers_null(env_lo
     assert "logprobs" not in up.bodies[0]
 
 
-def _lp_chunk(tokens: list[str], first: int, finish: str | None = None) -> bytes:
+def _lp_chunk(tokens: list[str], first: int, finish: str | None = None, field: str = "content") -> bytes:
+    """A chat chunk as vLLM streams it with logprobs: ``tokens`` in ``field`` (``reasoning``:
+    a reasoning parser's thinking), the answer's ``first``-th token on."""
     entries = [{"token": t, "logprob": fake_logprob(first + i), "bytes": list(t.encode()),
                 "top_logprobs": []} for i, t in enumerate(tokens)]
     c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny",
-         "choices": [{"index": 0, "delta": {"content": "".join(tokens)} if tokens else {},
+         "choices": [{"index": 0, "delta": {field: "".join(tokens)} if tokens else {},
                       "logprobs": {"content": entries} if tokens else None, "finish_reason": finish}],
          "usage": {"prompt_tokens": 5, "completion_tokens": first + len(tokens), "total_tokens": 5}}
     return ("data: " + json.dumps(c) + "\n\n").encode()
@@ -544,3 +546,26 @@ async def test_the_logprob_of_a_token_without_text_reaches_the_client(env_logpro
             text, entries = answer["message"]["content"], answer["logprobs"]["content"]
     assert text == "Hi"
     assert [(e["token"], e["logprob"]) for e in entries] == [("Hi", -0.5), ("<|eot_id|>", -0.125)]
+
+
+async def test_a_second_thought_after_a_resume_forwards_no_logprobs(env_logprobs) -> None:
+    """Broken off mid-thought, the next attempt thinks again from the start; that thought is
+    not forwarded (the client read the first), and neither are its tokens' logprobs."""
+    cfg, up = env_logprobs
+    read = asyncio.Event()
+    first = [_lp_chunk(["Hmm"], 0, field="reasoning")]
+    then = [_lp_chunk(["Hmm"], 0, field="reasoning"), _lp_chunk(["Yes"], 1), _lp_chunk([], 2, finish="stop")]
+    up.scripts["THINK"] = breaks_once(first, read, then)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json={"model": "tiny", "messages": [{"role": "user", "content": "THINK"}],
+                                    "logprobs": True, "max_tokens": 40, "stream": True})
+        assert r.status == 200, await r.text()
+        tokens: list[str] = []
+        async for ch in sse_chunks(r.content):
+            if ch and ch.get("choices"):
+                tokens += [e["token"] for e in ((ch["choices"][0]["logprobs"] or {}).get("content") or [])]
+                if ch["choices"][0]["delta"].get("reasoning"):
+                    read.set()
+    assert up.calls["THINK"] == 2
+    assert tokens == ["Hmm", "Yes"]

@@ -56,7 +56,7 @@ FIELDS = {
     "logit_bias": st.one_of(st.just({}), JUNK),
     "frequency_penalty": st.one_of(st.just(0), JUNK),
     "response_format": st.one_of(st.just({"type": "text"}), JUNK),
-    "echo": st.one_of(st.just(False), JUNK),
+    "echo": st.one_of(st.booleans(), JUNK),
     "suffix": st.one_of(st.just(""), JUNK),
     "priority": JUNK,  # not an OpenAI field here: 400, never a higher class
     "qos_class": st.sampled_from(["P0", "P1", "P2"]),
