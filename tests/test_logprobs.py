@@ -569,3 +569,48 @@ async def test_a_second_thought_after_a_resume_forwards_no_logprobs(env_logprobs
                     read.set()
     assert up.calls["THINK"] == 2
     assert tokens == ["Hmm", "Yes"]
+
+
+async def test_a_pool_with_tool_calls_and_logprobs_answers_both_in_the_servers_order(
+        redis_server, fake_upstream) -> None:
+    """Text, then a tool call in two chunks, each chunk with its tokens' logprobs: the calls
+    reach the client as with no logprobs, and every token's logprob once, in order (streamed,
+    a run's on its last chunk)."""
+    cfg, up = make_cfg(redis_server.url, pool={"logprobs": True, "tool_calls": True}), fake_upstream
+    call = [[{"index": 0, "id": "t1", "type": "function", "function": {"name": "f", "arguments": ""}}],
+            [{"index": 0, "function": {"arguments": "{}"}}]]
+
+    def chunk(delta: dict[str, Any], tokens: list[str], first: int, finish: str | None = None) -> bytes:
+        entries = [{"token": t, "logprob": fake_logprob(first + i), "bytes": list(t.encode()),
+                    "top_logprobs": []} for i, t in enumerate(tokens)]
+        c = {"id": "x", "choices": [{"index": 0, "delta": delta, "logprobs": {"content": entries},
+                                     "finish_reason": finish}],
+             "usage": {"prompt_tokens": 5, "completion_tokens": first + len(tokens), "total_tokens": 5}}
+        return ("data: " + json.dumps(c) + "\n\n").encode()
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(chunk({"content": "Ok."}, ["Ok", "."], 0))
+        await resp.write(chunk({"tool_calls": call[0]}, ["<tool>", "f"], 2))
+        await resp.write(chunk({"tool_calls": call[1]}, ["{}", "</tool>"], 4, finish="tool_calls"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["TOOLS"] = script
+    tool = {"type": "function", "function": {"name": "f"}}
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "TOOLS"}], "tools": [tool],
+            "logprobs": True, "max_tokens": 40}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(), json=body)
+        assert r.status == 200, await r.text()
+        whole = (await r.json())["choices"][0]
+        r = await client.post("/v1/chat/completions", headers=auth(), json={**body, "stream": True})
+        chunks = [ch["choices"][0] async for ch in sse_chunks(r.content) if ch and ch["choices"]]
+    tokens = ["Ok", ".", "<tool>", "f", "{}", "</tool>"]
+    assert whole["finish_reason"] == "tool_calls"
+    assert whole["message"]["tool_calls"] == [{"id": "t1", "type": "function",
+                                               "function": {"name": "f", "arguments": "{}"}}]
+    assert [e["token"] for e in whole["logprobs"]["content"]] == tokens
+    assert [c["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["delta"]] == call
+    assert [e["token"] for c in chunks for e in ((c["logprobs"] or {}).get("content") or [])] == tokens
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == "Ok."
