@@ -614,3 +614,26 @@ async def test_a_pool_with_tool_calls_and_logprobs_answers_both_in_the_servers_o
     assert [c["delta"]["tool_calls"] for c in chunks if "tool_calls" in c["delta"]] == call
     assert [e["token"] for c in chunks for e in ((c["logprobs"] or {}).get("content") or [])] == tokens
     assert "".join(c["delta"].get("content") or "" for c in chunks) == "Ok."
+
+
+async def test_a_long_prompts_echo_with_its_logprobs_is_one_line_past_a_mebibyte(redis_server,
+                                                                                 fake_upstream) -> None:
+    """vLLM sends the echoed prompt's logprobs in the stream's first chunk, one line; with a
+    long prompt that line is past MAX_SSE_LINE (a chunk without echo is well under a
+    kilobyte), and the request failed as a malformed response: lm-eval's loglikelihood with
+    a long ``max_length`` (here 40,000 tokens of the fake, ~1.3 MB in one line)."""
+    from worker.sse_events import MAX_SSE_LINE
+    cfg = make_cfg(redis_server.url, pool={"logprobs": True, "context_tokens": 65536})
+    prompt = ("the quick brown fox " * 2000)[:40_000]
+    body = {"model": "tiny", "prompt": prompt, "temperature": 0, "max_tokens": 1, "logprobs": 1,
+            "seed": 1234, "echo": True}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        r = await client.post("/v1/completions", headers=auth(), json=body)
+        answer = await r.json()
+    assert r.status == 200, answer
+    lp = answer["choices"][0]["logprobs"]
+    assert lp["tokens"][:len(prompt)] == list(prompt) and len(lp["tokens"]) == len(prompt) + 1
+    ctxlen = len(prompt) - 5  # lm-eval's parse: the continuation's tokens, the generated one left out
+    assert sum(lp["token_logprobs"][ctxlen:-1]) == pytest.approx(
+        sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt))))
+    assert len(json.dumps(lp)) > MAX_SSE_LINE  # (the line the server sent was longer still)

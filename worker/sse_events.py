@@ -37,8 +37,18 @@ import aiohttp
 import orjson
 
 MAX_SSE_LINE = 1 << 20  # bytes; a chunk of a model server's stream is well under a kilobyte
+# (but the first of a completion echoing its prompt with logprobs: echo_line_bytes)
 _BOM = b"\xef\xbb\xbf"  # U+FEFF in UTF-8
 _LINE_END = re.compile(rb"\r\n|\r|\n")
+ECHO_ENTRY_BYTES = 128  # a logprob entry's most bytes in a chunk: a token, its float, JSON's marks
+
+
+def echo_line_bytes(prompt: str, top: int) -> int:
+    """The longest line of a stream that echoes ``prompt`` with its tokens' logprobs and
+    ``top`` alternatives a token: vLLM sends every prompt token's in the first chunk, at most
+    one a byte of the prompt (and a BOS), each in the token list and with its alternatives
+    and itself in its top entry."""
+    return MAX_SSE_LINE + (len(prompt.encode("utf-8", "surrogatepass")) + 1) * (top + 2) * ECHO_ENTRY_BYTES
 
 
 class MalformedStream(ValueError):
@@ -125,15 +135,17 @@ def parse_chunk(data: str) -> Any:
 
 
 async def sse_batches(content: aiohttp.StreamReader, idle_s: float | None = None,
-                      wake_at: Callable[[], float | None] | None = None) -> AsyncIterator[list[str]]:
+                      wake_at: Callable[[], float | None] | None = None,
+                      max_line: int = MAX_SSE_LINE) -> AsyncIterator[list[str]]:
     """The ``data`` payloads of an event stream, a batch per read: every event whose bytes had
     come when the worker read (``readany`` takes all that is buffered). Raises
     :class:`MalformedStream`, and :class:`StreamIdle` when reads went on for more than
     ``idle_s`` seconds without an event (None: no bound; a silent server is the socket read
     timeout's). ``wake_at``, asked before each read: a monotonic time by which the caller
     wants control back (None: none); a read still waiting then yields an empty batch, and
-    the stream goes on where it was (the bytes not yet come stay for the next read)."""
-    parser = SseParser()
+    the stream goes on where it was (the bytes not yet come stay for the next read).
+    ``max_line``: the longest line taken (:class:`SseParser`)."""
+    parser = SseParser(max_line)
     last = time.monotonic()
     while True:
         wake = wake_at() if wake_at is not None else None

@@ -92,7 +92,7 @@ from worker.logprobs import choice_logprobs, past_seam
 from worker.push_merge import MergedPushes
 from worker.runtime import IDLE_HELD_S, MAX_BACKOFF_INTERVALS, WorkerRuntime
 from worker.settings import shown_upstream
-from worker.sse_events import MalformedStream, parse_chunk, sse_batches
+from worker.sse_events import MAX_SSE_LINE, MalformedStream, echo_line_bytes, parse_chunk, sse_batches
 from worker.stall_clock import StallClock
 from worker.tokenizer import EOS_ID, PAD_ID, decode
 
@@ -861,6 +861,8 @@ class UpstreamLoop:
         # a completion that asked for the prompt's logprobs: the server echoes the prompt before
         # the answer, which the frontend adds itself (_past_echo)
         echo = d.payload.prompt if body.get("echo") else ""
+        # its first chunk carries the prompt's tokens' logprobs, a line as long as the prompt
+        max_line = echo_line_bytes(echo, int(body.get("logprobs") or 0)) if echo else MAX_SSE_LINE
         counted = 0  # upstream tokens taken in this attempt
         halves = ["", ""]  # a high surrogate that ended the last chunk's text, its thinking (_whole_chars)
         reasoning_field = "reasoning"
@@ -944,7 +946,7 @@ class UpstreamLoop:
                         return self._failed(d, url, f"the model server answered without a stream: {text}")
                     cut = False
                     async for events in sse_batches(resp.content, self.rt.settings.upstream_timeout_s,
-                                                    wake_at=flush_at):
+                                                    wake_at=flush_at, max_line=max_line):
                         if not events:
                             # No chunk since tokens fell due (a server that paused: a preemption,
                             # a long prefill beside): they go now, not with the next chunk.
