@@ -1,0 +1,107 @@
+"""lm-evaluation-harness's ``local-completions`` requests, replayed byte for byte through the
+frontend, Redis, the openai worker and the fake model server, and read back with lm-eval's
+own parse.
+
+Captured from lm-eval 0.4.13 (``lm_eval --model local-completions --model_args
+model=tiny,base_url=.../v1/completions,tokenized_requests=False,tokenizer_backend=huggingface,
+tokenizer=<deploy/make_bytetok.py's directory>,...`` with ``OPENAI_API_KEY=demo-p1``): its
+bodies are ``json.dumps`` of the payload (", " and ": " separators), sent by ``requests``
+with ``num_concurrent=1`` and by aiohttp above it, with the headers below (Host and
+Content-Length left to the client). The loglikelihood of a continuation is
+``sum(token_logprobs[ctxlen:-1])``: the echoed prompt's tokens from the context's length on,
+the one generated token left out; ``ctxlen`` is the context's token count in lm-eval's
+tokenizer, here one a character as the fake server's echo (ASCII text, no BOS: lm-eval's
+``add_bos_token`` defaults to false)."""
+
+from __future__ import annotations
+
+from operator import itemgetter
+from typing import Any
+
+import pytest
+
+from tests.support.fake_upstream import fake_prompt_logprob
+from tests.support.frontend_helpers import frontend, make_cfg
+from tests.support.worker_helpers import worker
+
+SYNC_HEADERS = {"User-Agent": "python-requests/2.34.2", "Accept-Encoding": "gzip, deflate", "Accept": "*/*",
+                "Connection": "keep-alive", "Authorization": "Bearer demo-p1",
+                "Content-Type": "application/json"}
+ASYNC_HEADERS = {"Authorization": "Bearer demo-p1", "Accept": "*/*", "Accept-Encoding": "gzip, deflate",
+                 "User-Agent": "Python/3.11 aiohttp/3.14.5", "Content-Type": "application/json"}
+
+# a multiple_choice task's request (doc_to_text "Question: {{question}}\nAnswer:", the choice
+# after lm-eval's target_delimiter " "), and a loglikelihood_rolling one's first window (its
+# context the prefix token, here custom_prefix_token_id=198: "\n" in the byte-level tokenizer)
+MC = (b'{"model": "tiny", "prompt": "Question: What is 2+2?\\nAnswer: four", "temperature": 0, '
+      b'"max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": true}')
+ROLLING = (b'{"model": "tiny", "prompt": "\\nHello world, this is a short page.", "temperature": 0, '
+           b'"max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": true}')
+GENERATE = (b'{"prompt": "Q: What is 2+2? A:", "model": "tiny", "max_tokens": 8, "temperature": 0, '
+            b'"stop": ["\\n\\n"], "seed": 1234}')
+
+
+def parse_logprobs(outputs: dict[str, Any] | list[dict[str, Any]],
+                   ctxlens: list[int]) -> list[tuple[float, bool]]:
+    """lm-eval 0.4.13's LocalCompletionsAPI.parse_logprobs (lm_eval/models/openai_completions.py)."""
+    res = []
+    if not isinstance(outputs, list):
+        outputs = [outputs]
+    for out in outputs:
+        for choice, ctxlen in zip(sorted(out["choices"], key=itemgetter("index")), ctxlens, strict=False):
+            assert ctxlen > 0, "Context length must be greater than 0"
+            logprobs = sum(choice["logprobs"]["token_logprobs"][ctxlen:-1])
+            tokens_logprobs = choice["logprobs"]["token_logprobs"][ctxlen:-1]
+            top_logprobs = choice["logprobs"]["top_logprobs"][ctxlen:-1]
+            is_greedy = True
+            for tok, top in zip(tokens_logprobs, top_logprobs, strict=False):
+                if tok != max(top.values()):
+                    is_greedy = False
+                    break
+            res.append((logprobs, is_greedy))
+    return res
+
+
+def parse_generations(outputs: dict[str, Any]) -> list[str | None]:
+    """lm-eval 0.4.13's LocalCompletionsAPI.parse_generations, for one answer."""
+    tmp: list[str | None] = [None] * len(outputs["choices"])
+    for choice in outputs["choices"]:
+        tmp[choice["index"]] = choice["text"]
+    return tmp
+
+
+@pytest.fixture
+def env(redis_server, sync_redis, fake_upstream):
+    return make_cfg(redis_server.url, pool={"logprobs": True}), fake_upstream
+
+
+@pytest.mark.parametrize("headers", [SYNC_HEADERS, ASYNC_HEADERS], ids=["requests", "aiohttp"])
+@pytest.mark.parametrize(("raw", "prompt", "ctxlen"), [
+    (MC, "Question: What is 2+2?\nAnswer: four", len("Question: What is 2+2?\nAnswer:")),
+    (ROLLING, "\nHello world, this is a short page.", 1),
+], ids=["multiple_choice", "rolling"])
+async def test_lm_evals_loglikelihood_request_reads_the_continuations_logprobs(
+        env, headers: dict[str, str], raw: bytes, prompt: str, ctxlen: int) -> None:
+    cfg, up = env
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=raw, headers=headers)
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    expected = sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt)))
+    [(logprob, is_greedy)] = parse_logprobs(out, [ctxlen])
+    assert logprob == pytest.approx(expected) and is_greedy is True
+    choice = out["choices"][0]
+    assert choice["text"] == prompt + prompt[::-1][:3]  # the prompt, then the one token generated
+    assert len(choice["logprobs"]["tokens"]) == len(prompt) + 1
+    assert up.bodies[-1]["echo"] is True and up.bodies[-1]["logprobs"] == 1
+    assert up.bodies[-1]["prompt"] == prompt and up.bodies[-1]["max_tokens"] == 1
+
+
+async def test_lm_evals_generate_until_request_reads_the_answer(env) -> None:
+    cfg, up = env
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=GENERATE, headers=SYNC_HEADERS)
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    assert parse_generations(out) == ["Q: What is 2+2? A:"[::-1][:24]]  # the fake's 8 tokens of 3
+    assert "echo" not in up.bodies[-1] and up.bodies[-1]["stop"] == ["\n\n"]
