@@ -180,7 +180,7 @@ def test_a_logprobs_shape_no_client_reads_is_a_malformed_stream(chat: bool, lp: 
 
 def test_pending_text_past_a_quarter_of_a_pushes_bound_is_pushed_whatever_the_period() -> None:
     """An unstreamed answer is pushed once a second; with 20 alternatives a token, that
-    second's text could pass push_tokens' 4 MiB (the request failed)."""
+    second's text could pass push_tokens' 16 MiB (the request failed)."""
     from limiter.scripts import Claimed
     from worker.delivery import Delivery
 
@@ -192,7 +192,7 @@ def test_pending_text_past_a_quarter_of_a_pushes_bound_is_pushed_whatever_the_pe
     assert not d.due(0.0, 1000.0, None)
     d.add([1], "", 0.0, logprobs=[["y" * PUSH_TEXT_CHARS, -1.0, None, []]])
     assert d.due(0.0, 1000.0, None)
-    assert PUSH_TEXT_CHARS * 4 <= 4 * 1024 * 1024  # a character is at most 4 bytes
+    assert PUSH_TEXT_CHARS * 4 <= 4 * 1024 * 1024  # a quarter of the bound: a character is at most 4 bytes
 
 
 # --- end to end: frontend, openai worker, the fake model server ------------------------------
@@ -637,3 +637,18 @@ async def test_a_long_prompts_echo_with_its_logprobs_is_one_line_past_a_mebibyte
     assert sum(lp["token_logprobs"][ctxlen:-1]) == pytest.approx(
         sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt))))
     assert len(json.dumps(lp)) > MAX_SSE_LINE  # (the line the server sent was longer still)
+
+
+async def test_an_echo_whose_prompts_logprobs_pass_4_mib_is_answered(redis_server, fake_upstream) -> None:
+    """The echo's chunk carries the prompt's logprobs in one push: with 5 alternatives a
+    token, 60,000 prompt tokens are ~8 MB of them, past the 4 MiB a push's text was bounded
+    by (the request failed, "the worker's tokens for this request were refused")."""
+    cfg = make_cfg(redis_server.url, pool={"logprobs": True, "context_tokens": 65536})
+    prompt = ("the quick brown fox " * 3000)[:60_000]
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "logprobs": 5, "echo": True}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        r = await client.post("/v1/completions", headers=auth(), json=body)
+        raw = await r.read()
+    assert r.status == 200, raw[:300]
+    lp = json.loads(raw)["choices"][0]["logprobs"]
+    assert len(lp["tokens"]) == len(prompt) + 1 and len(json.dumps(lp)) > 4 * 1024 * 1024

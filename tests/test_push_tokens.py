@@ -419,7 +419,7 @@ async def test_a_cancel_check_that_meets_an_outage_is_asked_again(worker_env, mo
 
 
 async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts, pool, cfg) -> None:
-    """A batch the script refuses as an argument (here a text over its 4 MiB) refuses the
+    """A batch the script refuses as an argument (here a text over its 16 MiB) refuses the
     whole call, nothing written: the worker sends that call's batches one at a time to find
     it, the others land, and only that request is failed (its InvalidArgument escaped and
     took the worker down, every request it held with it)."""
@@ -437,7 +437,7 @@ async def test_a_batch_the_script_cannot_take_is_found_and_refused_alone(scripts
     ds = {rid: Delivery(c, Payload("completion", "p", 10), 0, 0.0, 3, 1) for rid, c in held.items()}
     rt.held.update(ds)
     for rid, d in ds.items():
-        d.add([1], "x" * (4 * 1024 * 1024 + 1) if rid == "b" else rid, 0.0)
+        d.add([1], "x" * (16 * 1024 * 1024 + 1) if rid == "b" else rid, 0.0)
     news = {d.request_id: r for d, r in await rt.push_batches(rt.batches(list(ds.values())))}
     assert news["a"] is None and news["c"] is None
     refused = news["b"]

@@ -36,9 +36,10 @@ from limiter.scripts import Claimed, Pushed, Scripts, TokenBatch
 # of them (past the request's max_tokens, a batch it cannot take) refuses that request's
 # tokens, not the worker's; any other refused argument is the worker's own bug.
 TOKEN_FIELDS = frozenset({"count", "token_ids", "text", "n_ids"})
-# Pending text that is pushed whatever the period: a batch's text may be at most 4 MiB
+# Pending text that is pushed whatever the period: a batch's text may be at most 16 MiB
 # (lua/include/tokens.lua), and an unstreamed answer with 20 logprobs a token holds ~1 KB a
-# token, pushed once a second. A quarter of the bound in characters is within it in bytes.
+# token, pushed once a second. Far within the bound in bytes (a character is at most 4), so
+# one chunk's text on top of it fits: an echo's, with its prompt's logprobs, may be MiBs.
 PUSH_TEXT_CHARS = 1 << 20
 
 

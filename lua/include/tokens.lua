@@ -11,7 +11,8 @@ local function arg_token_batch(count, token_ids, text, n_ids_arg)
   if token_ids == nil or #token_ids ~= 4 * n_ids then
     fail('BADARG', 'token_ids: expected ' .. (4 * n_ids) .. ' bytes (n_ids x uint32)')
   end
-  if text == nil or #text > 4194304 then fail('BADARG', 'text: missing or over 4 MiB') end
+  -- 16 MiB: a completion's echo with logprobs carries its prompt's tokens' in one batch
+  if text == nil or #text > 16777216 then fail('BADARG', 'text: missing or over 16 MiB') end
   return n_ids
 end
 
