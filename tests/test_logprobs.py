@@ -23,6 +23,7 @@ from limiter.prompt import Payload
 from limiter.reply_text import ReplyText, pack, unpack, unpack_in_order
 from tests.support.fake_upstream import (
     breaks_once,
+    echo_logprobs,
     fake_logprob,
     fake_prompt_logprob,
     sse_chunk,
@@ -652,3 +653,45 @@ async def test_an_echo_whose_prompts_logprobs_pass_4_mib_is_answered(redis_serve
     assert r.status == 200, raw[:300]
     lp = json.loads(raw)["choices"][0]["logprobs"]
     assert len(lp["tokens"]) == len(prompt) + 1 and len(json.dumps(lp)) > 4 * 1024 * 1024
+
+
+async def test_an_echoed_prompts_logprobs_past_what_a_batch_carries_are_refused_saying_so(
+        redis_server, fake_upstream) -> None:
+    """Past the 16 MiB a batch's text may be, an echo's prompt's logprobs (one chunk) cannot be
+    answered: a refusal that says why (not a 503 "tokens refused", which the SDKs retry to
+    the same end, each prefilled again). (After a review's test.)"""
+    cfg = make_cfg(redis_server.url, pool={"logprobs": True, "context_tokens": 65536})
+    prompt = "abcdefghij" * 6000
+    body = {"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 1}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        r = await client.post("/v1/completions", headers=auth(), json=body)
+        err = (await r.json())["error"]
+    assert r.status == 400 and err["code"] == "request_refused", err
+    assert "logprobs" in err["message"] and "shorter prompt" in err["message"], err
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_echoed_prompts_logprobs_past_a_chunks_line_bound_reach_the_client(
+        redis_server, fake_upstream, stream: bool) -> None:
+    """20 alternatives a token make an echo's first chunk ~300 bytes a prompt token: a prompt
+    of a few thousand tokens passes the 1 MiB a line of a stream without echo may hold.
+    Streamed and whole, the client reads every prompt token's logprob. (A review's test.)"""
+    from worker.sse_events import MAX_SSE_LINE
+
+    cfg = make_cfg(redis_server.url, pool={"logprobs": True, "context_tokens": 8192})
+    prompt = "abcdefghij" * 400
+    body = {"model": "tiny", "prompt": prompt, "echo": True, "logprobs": 20, "max_tokens": 1,
+            "stream": stream}
+    none: dict[str, list[Any]] = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    assert len(json.dumps(echo_logprobs(body, none))) > MAX_SSE_LINE  # (the server's first chunk)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        r = await client.post("/v1/completions", headers=auth(), json=body)
+        assert r.status == 200, await r.text()
+        if stream:  # (read whole: aiohttp's line reader takes 512 KiB a line)
+            events = [e.removeprefix(b"data: ") for e in (await r.read()).split(b"\n\n") if e]
+            chunks = [json.loads(e)["choices"][0] for e in events if e != b"[DONE]"]
+        else:
+            chunks = [(await r.json())["choices"][0]]
+    assert "".join(c["text"] for c in chunks).startswith(prompt)
+    tokens = [t for c in chunks if c["logprobs"] for t in c["logprobs"]["tokens"]]
+    assert tokens[:len(prompt)] == list(prompt) and len(tokens) == len(prompt) + 1

@@ -491,6 +491,14 @@ class WorkerRuntime:
         log.error("%s: Redis refused its tokens (%s); failing the request after %d delivered",
                   d.request_id, exc, d.offset)
         d.discard_pending()
+        if exc.field == "text" and "logprobs" in d.payload.upstream:
+            # what the request asked for is more than a batch carries (an echo's prompt's
+            # logprobs, in one chunk): refused, so the client does not send it again (a 503 is
+            # retried by the SDKs, each admitted, prefilled and failed the same way)
+            await self.finish(d, "refused", "error", "its answer with the logprobs asked for is more than "
+                              "one batch carries (16 MiB: an echo's prompt's logprobs come in one); ask "
+                              "for fewer logprobs or send a shorter prompt")
+            return
         await self.finish(d, "failed", "error", f"the worker's tokens for this request were refused: {exc}")
 
     def drop(self, request_id: str, why: str = "lost", attempt: Delivery | None = None) -> None:
