@@ -1014,15 +1014,14 @@ class UpstreamLoop:
                                 text += "\ufffd" * len(halves[0])
                                 thought += "\ufffd" * len(halves[1])
                                 halves = ["", ""]
-                            echoed = bool(echo and text)
-                            if echoed:
+                            if echo and text:
                                 text, echo = _past_echo(text, echo, data)
                             if seam and text:
                                 was = text
                                 text, seam = _past_seam(text, seam)
                                 if probs:  # the repeated whitespace's tokens went with it
                                     probs = past_seam(probs, was[:len(was) - len(text)])
-                            if thinks_again and thought and not (text or calls or echoed):
+                            if thinks_again and thought and not (text or calls):
                                 probs = []  # a second thought's, which the client does not read
                             # This chunk's tokens: the running usage says exactly; without it, one per
                             # chunk with text. The final usage (a chunk of its own, no text) brings the
