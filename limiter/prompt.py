@@ -50,7 +50,10 @@ PAYLOAD_VERSION_TOOLS = 3
 # 3, sends `logprobs` upstream and drops the server's (the client got `logprobs: null`, which
 # an eval reads as a failure of the model); it refuses version 4 instead. Workers first.
 PAYLOAD_VERSION_LOGPROBS = 4
-VERSIONS = (PAYLOAD_VERSION, PAYLOAD_VERSION_UPSTREAM, PAYLOAD_VERSION_TOOLS, PAYLOAD_VERSION_LOGPROBS)
+# A token-id prompt is version 5: a worker of the release before would send its empty text.
+PAYLOAD_VERSION_TOKEN_IDS = 5
+VERSIONS = (PAYLOAD_VERSION, PAYLOAD_VERSION_UPSTREAM, PAYLOAD_VERSION_TOOLS, PAYLOAD_VERSION_LOGPROBS,
+            PAYLOAD_VERSION_TOKEN_IDS)
 # The sampling fields a client may leave to the model server's defaults (Payload.defaulted).
 DEFAULTABLE = ("temperature", "top_p")
 BOS_TOKENS = 1
@@ -126,6 +129,12 @@ def _flag(v: Any, name: str) -> bool:
     return v
 
 
+def _token_ids(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+        raise ValueError(f"payload field 'prompt_ids' is not a list of token ids: {str(v)[:80]}")
+    return tuple(v)
+
+
 def _upstream(v: Any) -> dict[str, Any]:
     if not isinstance(v, Mapping) or not all(isinstance(k, str) for k in v):
         raise ValueError(f"payload field 'upstream' is not a map of field names: {str(v)[:80]}")
@@ -163,10 +172,15 @@ class Payload:
     # Fields for the model server, as the client sent them (the pool's upstream_fields): the
     # openai engine adds them to its request; a step engine refuses a request with any.
     upstream: Mapping[str, Any] = field(default_factory=dict)
+    # A completion's prompt as the model's token ids (then ``prompt`` is ""): the openai
+    # engine sends them as they are; a step engine refuses them.
+    prompt_ids: tuple[int, ...] = ()
 
     def version(self) -> int:
         """The oldest payload version that holds this request (a worker that reads fewer
         refuses it rather than answer without what it does not know)."""
+        if self.prompt_ids:
+            return PAYLOAD_VERSION_TOKEN_IDS
         if "logprobs" in self.upstream:
             return PAYLOAD_VERSION_LOGPROBS
         if "tools" in self.upstream or any(m.tool_calls for m in self.messages):
@@ -194,6 +208,8 @@ class Payload:
             d["defaulted"] = list(self.defaulted)
         if self.upstream:
             d["upstream"] = dict(self.upstream)
+        if self.prompt_ids:
+            d["prompt_ids"] = list(self.prompt_ids)
         return msgpack.packb(d, use_bin_type=True)
 
     @classmethod
@@ -215,6 +231,7 @@ class Payload:
                        stream=_flag(d.get("stream", True), "stream"),
                        grouped_tokens=_flag(d.get("grouped_tokens", False), "grouped_tokens"),
                        defaulted=tuple(n for n in DEFAULTABLE if n in (d.get("defaulted") or ())),
-                       upstream=_upstream(d.get("upstream") or {}))
+                       upstream=_upstream(d.get("upstream") or {}),
+                       prompt_ids=_token_ids(d.get("prompt_ids") or ()))
         except (KeyError, TypeError, OverflowError) as exc:  # OverflowError: int(inf)
             raise ValueError(f"payload is malformed: {exc}") from exc

@@ -58,7 +58,10 @@ CASES = [
      "messages[0].content", "invalid_type"),
     (COMP, {"model": "tiny"}, {}, 400, "prompt", "missing_required_parameter"),
     (COMP, {"model": "tiny", "prompt": ["a", "b"]}, {}, 400, "prompt", "invalid_type"),
-    (COMP, {"model": "tiny", "prompt": [1, 2, 3]}, {}, 400, "prompt", "invalid_type"),
+    # token ids: a pool that counts bytes has no model's ids (tests/test_token_id_prompts.py)
+    (COMP, {"model": "tiny", "prompt": [1, 2, 3]}, {}, 400, "prompt", "unsupported_value"),
+    (COMP, {"model": "tiny", "prompt": [1, "a"]}, {}, 400, "prompt", "invalid_type"),
+    (COMP, {"model": "tiny", "prompt": [[1], [2]]}, {}, 400, "prompt", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": {"text": "x"}}, {}, 400, "prompt", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": "x" * 5000}, {}, 400, "prompt", "context_length_exceeded"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, {}, 400, "messages",

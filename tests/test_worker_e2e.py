@@ -338,6 +338,17 @@ async def test_fields_for_a_model_server_are_refused_by_a_step_engine(env) -> No
     assert [s["outcome"] for s in await c.samples() if s["request_id"] == odd] == ["refused"]
 
 
+async def test_a_token_id_prompt_is_refused_by_a_step_engine(env) -> None:
+    """A payload whose prompt is a model's token ids (which a frontend takes only in a pool
+    counting in that model's tokenizer, which no step engine serves): refused, saying why."""
+    cfg, c = env
+    async with worker(cfg, engine="sim", time_scale=0.0):
+        ids = await c.admit("", max_tokens=4, prompt_ids=(7, 4, 11))
+        await c.wait(timeout=10)
+    err = c.answers[ids].error
+    assert err is not None and err["code"] == "refused" and "token-id prompt" in err["msg"], err
+
+
 async def test_a_resume_too_long_for_the_engine_is_a_failure_a_retry_may_mend(env) -> None:
     """The prompt fits; with what an earlier attempt (on a bigger worker) generated it does
     not: that is the resume's, not the request's, so it fails as a worker failure (a 503 its

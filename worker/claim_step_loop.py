@@ -558,6 +558,10 @@ class StepLoop:
                                          f"are for a model server; this worker runs the {self.rt.engine} "
                                          "engine, which does not implement them")
             return
+        if p.prompt_ids:  # another model's ids: this engine reads text
+            await self._finish_unstarted(d, "refused", "error", "a token-id prompt is for a model server; "
+                                         f"this worker runs the {self.rt.engine} engine, which takes text")
+            return
         prompt = self.engine.encode(p.prompt)
         if (n := len(prompt) + len(c.generated)) > (room := self.sched.max_context()):
             # The prompt alone too long: refused, another try fails the same way (its client is

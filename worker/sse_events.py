@@ -43,12 +43,14 @@ _LINE_END = re.compile(rb"\r\n|\r|\n")
 ECHO_ENTRY_BYTES = 128  # a logprob entry's most bytes in a chunk: a token, its float, JSON's marks
 
 
-def echo_line_bytes(prompt: str, top: int) -> int:
-    """The longest line of a stream that echoes ``prompt`` with its tokens' logprobs and
-    ``top`` alternatives a token: vLLM sends every prompt token's in the first chunk, at most
-    one a byte of the prompt (and a BOS), each in the token list and with its alternatives
-    and itself in its top entry."""
-    return MAX_SSE_LINE + (len(prompt.encode("utf-8", "surrogatepass")) + 1) * (top + 2) * ECHO_ENTRY_BYTES
+def echo_line_bytes(prompt: str | tuple[int, ...], top: int) -> int:
+    """The longest line of a stream that echoes ``prompt`` (its text, or its token ids) with
+    its tokens' logprobs and ``top`` alternatives a token: vLLM sends every prompt token's in
+    the first chunk, at most one a byte of the prompt's text (and a BOS), each in the token
+    list and with its alternatives and itself in its top entry (a token-id prompt's text
+    too: an entry's bytes hold its token's)."""
+    tokens = len(prompt) if isinstance(prompt, tuple) else len(prompt.encode("utf-8", "surrogatepass")) + 1
+    return MAX_SSE_LINE + tokens * (top + 2) * ECHO_ENTRY_BYTES
 
 
 class MalformedStream(ValueError):

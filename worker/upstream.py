@@ -805,7 +805,7 @@ class UpstreamLoop:
         for name, value in p.upstream.items():  # the pool's upstream_fields, as the client sent them
             body.setdefault(name, value)  # (config refuses a name the worker sets; it wins anyway)
         if p.kind != "chat":
-            body["prompt"] = p.prompt + prior
+            body["prompt"] = list(p.prompt_ids) if p.prompt_ids else p.prompt + prior
             if d.claimed.delivered:  # a resume: the prompt's logprobs reached the client before
                 body.pop("echo", None)
             return "/completions", body
@@ -840,6 +840,13 @@ class UpstreamLoop:
                 log.warning("%s: a tool call was broken off; it cannot be resumed", d.request_id)
                 return ("failed", "error", "the model server broke off during a tool call, which cannot be "
                         "resumed; retry the request")
+            if d.payload.prompt_ids and d.claimed.delivered:
+                # the text delivered cannot follow the ids (a prompt is one or the other), and
+                # its tokens are the worker's bytes, not the model's
+                log.warning("%s: an answer to a token-id prompt was broken off; it cannot be resumed",
+                            d.request_id)
+                return ("failed", "error", "the model server broke off an answer to a token-id prompt, which "
+                        "cannot be resumed; retry the request")
             seam = before.seam
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior, priority)
         except ValueError as exc:
@@ -859,10 +866,12 @@ class UpstreamLoop:
         allowance = max_tokens - d.total_tokens
         wants_logprobs = "logprobs" in d.payload.upstream  # (a logprobs pool's: worker/logprobs.py)
         # a completion that asked for the prompt's logprobs: the server echoes the prompt before
-        # the answer, which the frontend adds itself (_past_echo)
+        # the answer, which the frontend adds itself (_past_echo; a token-id prompt has no text
+        # here: its echo, of a text the frontend does not have, is forwarded as it comes)
         echo = d.payload.prompt if body.get("echo") else ""
         # its first chunk carries the prompt's tokens' logprobs, a line as long as the prompt
-        max_line = echo_line_bytes(echo, int(body.get("logprobs") or 0)) if echo else MAX_SSE_LINE
+        max_line = MAX_SSE_LINE if not body.get("echo") else echo_line_bytes(
+            d.payload.prompt_ids or d.payload.prompt, int(body.get("logprobs") or 0))
         counted = 0  # upstream tokens taken in this attempt
         halves = ["", ""]  # a high surrogate that ended the last chunk's text, its thinking (_whole_chars)
         reasoning_field = "reasoning"

@@ -56,13 +56,14 @@ class GenerationRequest:
     # a completion's `echo`: the answer's text begins with the prompt (with logprobs, the prompt's
     # tokens' come first: the model server is asked to echo, and the worker takes the echo apart)
     echo: bool = False
+    prompt_ids: tuple[int, ...] = ()  # a completion's token-id prompt (then ``prompt`` is "")
 
     def payload(self) -> Payload:
         return Payload(kind=self.kind, prompt=self.prompt, max_tokens=self.max_tokens,
                        temperature=self.temperature, top_p=self.top_p, stop=self.stop, seed=self.seed,
                        model=self.model, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                        messages=self.messages, stream=self.stream, defaulted=self.defaulted,
-                       upstream=self.upstream,
+                       upstream=self.upstream, prompt_ids=self.prompt_ids,
                        grouped_tokens=True)  # this frontend reads grouped entries (replies.py)
 
 
@@ -468,15 +469,39 @@ def _messages(v: Any, tool_calls: bool = False) -> list[ChatMessage]:
     return out
 
 
-def _prompt(v: Any) -> str:
+MAX_TOKEN_ID = 2**31 - 1  # a vocabulary's ids are far below it (vLLM's are int32)
+
+
+def _token_ids(v: list[Any], pool: PoolConfig) -> tuple[int, ...] | None:
+    """``v`` as a token-id prompt (vLLM's ``prompt: [int]``, or a batch of one: ``[[int]]``),
+    None when it is not one. Served where the pool counts in its model's tokenizer (a
+    tokenizer.json or the model server's): the ids are then that model's, and their count
+    is the prompt's tokens, exactly."""
+    ids = v[0] if len(v) == 1 and isinstance(v[0], list) else v
+    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+        return None
+    if pool.tokenizer == "bytes":
+        raise bad("prompt", "token-id prompts are served by a pool that counts in its model's tokenizer "
+                  "(tokenizer = a tokenizer.json or \"upstream\", in front of a model server); this one "
+                  "counts bytes: send the prompt's text", "unsupported_value")
+    for i, t in enumerate(ids):
+        if not 0 <= t <= MAX_TOKEN_ID:
+            raise bad("prompt", f"'prompt' holds the token id {t} at {i}: ids are in [0, {MAX_TOKEN_ID}]")
+    return tuple(ids)
+
+
+def _prompt(v: Any, pool: PoolConfig) -> tuple[str, tuple[int, ...]]:
+    """A completion's prompt: its text, or its token ids (:func:`_token_ids`) with no text."""
     if v is None:
         raise bad("prompt", "'prompt' is required", "missing_required_parameter")
     if isinstance(v, list):
+        if (ids := _token_ids(v, pool)) is not None:
+            return "", ids
         if len(v) != 1 or not isinstance(v[0], str):
-            raise bad("prompt", "'prompt' must be a string or an array of exactly one string "
-                      "(batched and token-id prompts are not supported)", "invalid_type")
+            raise bad("prompt", "'prompt' must be a string, an array of exactly one string, or an array of "
+                      "token ids (batched prompts are not supported: send one a request)", "invalid_type")
         v = v[0]
-    return _text(v, "prompt")
+    return _text(v, "prompt"), ()
 
 
 def _number(body: Mapping[str, Any], name: str, default: float, lo: float, hi: float,
@@ -551,18 +576,19 @@ def _logprob_fields(kind: str, body: Mapping[str, Any], pool: PoolConfig, upstre
         upstream["top_logprobs"] = top
 
 
-def _echo(v: Any, upstream: dict[str, Any]) -> bool:
-    """A completion's ``echo``: the frontend puts the prompt before the answer's text itself;
-    with logprobs asked for, the prompt's tokens' logprobs are the model server's, which it
-    is asked to echo (vLLM then returns the prompt's logprobs first: lm-eval's loglikelihood
-    tasks read them)."""
+def _echo(v: Any, upstream: dict[str, Any], token_ids: bool) -> bool:
+    """A completion's ``echo``: whether the frontend puts the prompt before the answer's text
+    itself. With logprobs asked for, the prompt's tokens' logprobs are the model server's,
+    which it is asked to echo (vLLM then returns the prompt's logprobs first: lm-eval's
+    loglikelihood tasks read them); a token-id prompt's text is the server's too (the
+    frontend has none): its echo is forwarded as it comes."""
     if v is None or v is False:
         return False
     if v is not True:
         raise bad("echo", f"'echo' must be a boolean, got {_type_name(v)}", "invalid_type")
-    if "logprobs" in upstream:
+    if "logprobs" in upstream or token_ids:
         upstream["echo"] = True
-    return True
+    return not token_ids
 
 
 @dataclass(frozen=True)
@@ -580,6 +606,7 @@ class Draft:
     max_param: str
     min_tokens: int
     fields: dict[str, Any]
+    prompt_ids: tuple[int, ...] = ()  # a completion's token-id prompt (then ``prompt`` is "")
 
 
 def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
@@ -615,8 +642,8 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
 
     if pool.logprobs:
         _logprob_fields(kind, body, pool, upstream)
-    echo = kind != "chat" and _echo(body.get("echo"), upstream)
     messages: tuple[ChatMessage, ...] = ()
+    prompt_ids: tuple[int, ...] = ()
     if kind == "chat":
         prompt_param = "messages"
         messages = tuple(_messages(body.get("messages"), pool.tool_calls))
@@ -628,7 +655,7 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
         prompt = render_chat([*tools, *((m.role, m.text_for_count()) for m in messages)])
     else:
         prompt_param = "prompt"
-        prompt = _prompt(body.get("prompt"))
+        prompt, prompt_ids = _prompt(body.get("prompt"), pool)
 
     max_tokens = _int(body.get("max_tokens"))
     param = "max_tokens"
@@ -717,8 +744,9 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
         raise bad("min_tokens", "'min_tokens' together with 'stop' is not supported by this service",
                   "unsupported_value")
 
+    echo = kind != "chat" and _echo(body.get("echo"), upstream, bool(prompt_ids))
     return Draft(kind=kind, pool=pool, prompt=prompt, prompt_param=prompt_param, messages=messages,
-                 max_tokens=max_tokens, max_param=param, min_tokens=min_tokens,
+                 max_tokens=max_tokens, max_param=param, min_tokens=min_tokens, prompt_ids=prompt_ids,
                  fields={"temperature": temperature, "top_p": top_p, "stop": stop, "seed": seed,
                          "defaulted": tuple(n for n in DEFAULTABLE if body.get(n) is None),
                          "stream": stream, "include_usage": include_usage,
@@ -765,7 +793,7 @@ def finish_request(d: Draft, prompt_tokens: int) -> GenerationRequest:
         raise bad("min_tokens", f"'min_tokens' must be in [0, max_tokens ({max_tokens})], got {d.min_tokens}")
     return GenerationRequest(kind=d.kind, model=pool.model_name, pool=pool, prompt=d.prompt,
                              prompt_tokens=prompt_tokens, max_tokens=max_tokens, min_tokens=d.min_tokens,
-                             messages=d.messages, **d.fields)
+                             messages=d.messages, prompt_ids=d.prompt_ids, **d.fields)
 
 
 # --- responses -----------------------------------------------------------------------------

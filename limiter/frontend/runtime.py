@@ -363,6 +363,8 @@ class Frontend:
         CPU) is free until admission charges it: a tenant with a ``max_inflight`` counts at
         most that many prompts at once in this process (429 ``too_many_inflight`` past it),
         as it may have that many requests in flight."""
+        if draft.prompt_ids:  # a token-id prompt: its tokens, exactly, at no cost
+            return len(draft.prompt_ids)
         counter = self.counters[draft.pool.name]
         held = self._take_count_turn(tenant) if counter.kind != token_count.BYTES else None
         try:

@@ -27,7 +27,14 @@ def fake_prompt_tokens(body: dict[str, Any]) -> int:
         rendered = [json.dumps(x) for x in (body.get("tools"), *calls) if x]
         return 1 + sum(words(m.get("content") or "") + 2 for m in body["messages"]) + \
             sum(words(r) for r in rendered)
+    if isinstance(body["prompt"], list):  # token ids: one token each (no BOS added, as vLLM)
+        return len(body["prompt"])
     return 1 + words(body["prompt"])
+
+
+def fake_decode(ids: list[int]) -> str:
+    """The fake model's text of token ids: a letter each (id 0 is "a", 25 "z", 26 "a" ...)."""
+    return "".join(chr(97 + t % 26) for t in ids)
 
 
 class FakeUpstream:
@@ -124,6 +131,8 @@ class FakeUpstream:
             return web.json_response({"error": {"message": "server busy"}}, status=self.status)
         chat = "messages" in body
         prompt = (body["messages"][-1]["content"] or "") if chat else body["prompt"]
+        if isinstance(prompt, list):  # a token-id prompt: its text, a letter a token
+            prompt = fake_decode(prompt)
         # a script is chosen by any message of a chat (a resume's last one is the answer so far)
         every = " ".join(str(m.get("content")) for m in body["messages"]) if chat else prompt
         for key, script in self.scripts.items():
@@ -203,9 +212,9 @@ class FakeUpstream:
                 if body.get("logprobs") is not None and body.get("logprobs") is not False:
                     choice["logprobs"] = fake_logprobs(body, tokens[n * per: (n + 1) * per], n * per)
                 if n == 0 and not chat and body.get("echo"):  # vLLM: the prompt, before the first text
-                    choice["text"] = body["prompt"] + p
+                    choice["text"] = prompt + p
                     if "logprobs" in choice:
-                        choice["logprobs"] = echo_logprobs(body, choice["logprobs"])
+                        choice["logprobs"] = echo_logprobs({**body, "prompt": prompt}, choice["logprobs"])
                 chunk: dict[str, Any] = {"id": "x", "choices": [choice]}
                 if so.get("include_usage") and so.get("continuous_usage_stats"):
                     chunk["usage"] = usage(min(len(tokens), (n + 1) * per))
