@@ -21,7 +21,7 @@ from tests.support.fake_upstream import breaks_once, fake_decode, fake_prompt_lo
 from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.worker_helpers import worker
 
-IDS = [7, 4, 11, 11, 14]  # the fake's "hello"
+IDS = list(b"hello")  # the fake's "hello"
 RETRY = {"upstream_retry_min_s": 0.1, "upstream_retry_max_s": 0.4}
 
 

@@ -33,8 +33,9 @@ def fake_prompt_tokens(body: dict[str, Any]) -> int:
 
 
 def fake_decode(ids: list[int]) -> str:
-    """The fake model's text of token ids: a letter each (id 0 is "a", 25 "z", 26 "a" ...)."""
-    return "".join(chr(97 + t % 26) for t in ids)
+    """The fake model's text of token ids: a character each, its byte's (ids past 255 wrap):
+    ASCII as the byte tokenizer of deploy/make_bytetok.py reads it."""
+    return "".join(chr(t % 256) for t in ids)
 
 
 class FakeUpstream:
