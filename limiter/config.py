@@ -115,6 +115,10 @@ class PoolConfig:
     # token, and answers the server's logprobs as OpenAI does. Off, only their neutral values.
     logprobs: bool = False
     max_logprobs: int = 20  # OpenAI's bound (a token's alternatives ride in Redis until read)
+    # Whether the pool's workers front a model server that holds an answer to a JSON schema
+    # (vLLM's structured outputs, on by default): the frontend then takes a chat's
+    # `response_format` (json_object, json_schema) and sends it on. Off, only {"type": "text"}.
+    structured_outputs: bool = False
 
     @property
     def model_name(self) -> str:

@@ -405,8 +405,11 @@ def _message_tool_calls(v: Any, p: str) -> tuple[dict[str, Any], ...]:
     return tuple(out)
 
 
-def _messages(v: Any, tool_calls: bool = False) -> list[ChatMessage]:
-    """``tool_calls``: the pool calls tools, so an assistant message may carry its calls."""
+def _messages(v: Any, tool_calls: bool = False, structured: bool = False) -> list[ChatMessage]:
+    """``tool_calls``: the pool calls tools, so an assistant message may carry its calls;
+    ``structured``: it answers to a schema, so an answer the OpenAI SDK's ``parse()`` read
+    may come back with its ``parsed`` object (accepted, not sent on: the content is the
+    answer)."""
     if v is None:
         raise bad("messages", "'messages' is required", "missing_required_parameter")
     if not isinstance(v, list) or not v:
@@ -417,7 +420,7 @@ def _messages(v: Any, tool_calls: bool = False) -> list[ChatMessage]:
         if not isinstance(m, dict):
             raise bad(p, f"'{p}' must be an object, got {_type_name(m)}", "invalid_type")
         for k in m:
-            if k == "tool_calls" and tool_calls:
+            if (k == "tool_calls" and tool_calls) or (k == "parsed" and structured):
                 continue
             if k in _MESSAGE_NEUTRAL:
                 if not _MESSAGE_NEUTRAL[k](m[k]):
@@ -540,6 +543,35 @@ def _tool_fields(body: Mapping[str, Any], upstream: dict[str, Any]) -> None:
 
 
 LOGPROB_FIELDS = ("logprobs", "top_logprobs")
+RESPONSE_FORMATS = ("text", "json_object", "json_schema")
+
+
+def _response_format(v: Any) -> dict[str, Any] | None:
+    """A structured_outputs pool's ``response_format``: ``{type: "text"}`` (None: nothing to
+    send), ``{type: "json_object"}``, or ``{type: "json_schema", json_schema: {name,
+    description?, schema?, strict?}}`` (OpenAI's shape; the schema is the model server's to
+    judge, as a tool's parameters)."""
+    rf = _keys(v, "response_format", ("type", "json_schema"), ("type",))
+    kind = rf["type"]
+    if kind not in RESPONSE_FORMATS:
+        raise bad("response_format.type", "'response_format.type' must be one of "
+                  f"{', '.join(RESPONSE_FORMATS)}, got {json.dumps(kind)[:40]}")
+    if kind != "json_schema":
+        if "json_schema" in rf:
+            raise bad("response_format.json_schema", "'response_format.json_schema' is only allowed with "
+                      "type json_schema", "unknown_parameter")
+        return None if kind == "text" else {"type": kind}
+    p = "response_format.json_schema"
+    js = _keys(rf.get("json_schema"), p, ("name", "description", "schema", "strict"), ("name",))
+    _function_name(js["name"], f"{p}.name")
+    if js.get("description") is not None:
+        _text(js["description"], f"{p}.description")
+    if js.get("schema") is not None and not isinstance(js["schema"], dict):
+        raise bad(f"{p}.schema", f"'{p}.schema' must be a JSON Schema object, got {_type_name(js['schema'])}",
+                  "invalid_type")
+    if js.get("strict") is not None and not isinstance(js["strict"], bool):
+        raise bad(f"{p}.strict", f"'{p}.strict' must be a boolean", "invalid_type")
+    return _passed(rf, "response_format")
 
 
 def _count_field(body: Mapping[str, Any], name: str, most: int) -> int | None:
@@ -591,6 +623,21 @@ def _echo(v: Any, upstream: dict[str, Any], token_ids: bool) -> bool:
     return not token_ids
 
 
+def _served_by(kind: str, field: str) -> str:
+    """For the 400 of a field a pool takes only at its neutral value: the pool setting that
+    serves it, if one does."""
+    if kind == "chat" and field in TOOL_FIELDS:
+        return (" in this pool: tool calling is served by a pool with tool_calls = true, in front of a "
+                "model server that calls tools")
+    if field in LOGPROB_FIELDS:
+        return (" in this pool: logprobs are served by a pool with logprobs = true, in front of a model "
+                "server that returns them")
+    if kind == "chat" and field == "response_format":
+        return (" in this pool: JSON answers are served by a pool with structured_outputs = true, in front "
+                "of a model server that holds answers to a schema")
+    return ""
+
+
 @dataclass(frozen=True)
 class Draft:
     """A body whose every field is checked except what depends on the prompt's token count
@@ -629,12 +676,11 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
             continue  # checked below
         if pool.logprobs and k in LOGPROB_FIELDS:
             continue  # checked below
+        if kind == "chat" and pool.structured_outputs and k == "response_format":
+            continue  # checked below
         if k in neutral:
             if v is not None and not neutral[k](v):
-                why = (" in this pool: tool calling is served by a pool with tool_calls = true, in front "
-                       "of a model server that calls tools") if k in TOOL_FIELDS and kind == "chat" else \
-                    (" in this pool: logprobs are served by a pool with logprobs = true, in front of a "
-                     "model server that returns them") if k in LOGPROB_FIELDS else ""
+                why = _served_by(kind, k)
                 raise bad(k, f"'{k}' = {json.dumps(v)[:100]} is not supported by this service{why} "
                           "(only its neutral value is accepted)", "unsupported_value")
             continue
@@ -646,7 +692,10 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
     prompt_ids: tuple[int, ...] = ()
     if kind == "chat":
         prompt_param = "messages"
-        messages = tuple(_messages(body.get("messages"), pool.tool_calls))
+        messages = tuple(_messages(body.get("messages"), pool.tool_calls, pool.structured_outputs))
+        if pool.structured_outputs and "response_format" not in pool.upstream_fields:
+            if (rf := body.get("response_format")) is not None and (rf := _response_format(rf)):
+                upstream["response_format"] = rf
         if pool.tool_calls:
             _tool_fields(body, upstream)
         # What the frontend's own counters count (and a step engine reads): the tools' JSON
