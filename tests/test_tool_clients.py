@@ -360,7 +360,7 @@ def test_what_the_sdk_keeps_on_an_answered_call_is_accepted_and_not_sent_on() ->
         with pytest.raises(ApiError) as e:
             parse_request("chat", body, cfg)
         assert (e.value.status, e.value.param) == (400, f"messages[1].tool_calls[0].{param}")
-    # a parsed object (a response_format's, which is not served) is refused, as the others
+    # a parsed object (a response_format's, served by a structured_outputs pool only) is refused
     for c in (cfg, demo_config()):
         with pytest.raises(ApiError) as e:
             parse_request("chat", {"model": "tiny", "messages": [
