@@ -63,6 +63,22 @@ def test_a_malformed_token_id_prompt_is_a_400_naming_it(prompt: Any, code: str) 
     assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", code), e.value.message
 
 
+@pytest.mark.parametrize(("prompt", "shown", "at"), [
+    ([[None, *IDS]], "null", 0), ([[*IDS, None]], "null", 5), ([1, "a"], '"a"', 1), ([True, 1], "true", 0),
+    ([[1, 2.5]], "2.5", 1),
+])
+def test_a_token_id_prompt_with_something_else_in_it_is_a_400_naming_it(prompt: Any, shown: str,
+                                                                        at: int) -> None:
+    """Not "batched prompts are not supported": what is there and where (lm-eval sends null as
+    a rolling window's first token when its tokenizer has neither BOS nor EOS)."""
+    with pytest.raises(ApiError) as e:
+        parse_request("completion", _body(prompt), _cfg())
+    assert (e.value.status, e.value.param, e.value.code) == (400, "prompt", "invalid_type")
+    assert f"holds {shown} at {at}" in e.value.message and "batched" not in e.value.message, e.value.message
+    if shown == "null":
+        assert "custom_prefix_token_id" in e.value.message
+
+
 def test_a_pool_that_counts_bytes_refuses_token_ids_saying_why() -> None:
     with pytest.raises(ApiError) as e:
         parse_request("completion", _body(IDS), make_cfg("redis://127.0.0.1:1"))

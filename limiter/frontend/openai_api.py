@@ -475,14 +475,29 @@ def _messages(v: Any, tool_calls: bool = False, structured: bool = False) -> lis
 MAX_TOKEN_ID = 2**31 - 1  # a vocabulary's ids are far below it (vLLM's are int32)
 
 
+def _is_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _token_ids(v: list[Any], pool: PoolConfig) -> tuple[int, ...] | None:
     """``v`` as a token-id prompt (vLLM's ``prompt: [int]``, or a batch of one: ``[[int]]``),
     None when it is not one. Served where the pool counts in its model's tokenizer (a
     tokenizer.json or the model server's): the ids are then that model's, and their count
     is the prompt's tokens, exactly."""
-    ids = v[0] if len(v) == 1 and isinstance(v[0], list) else v
-    if not ids or not all(isinstance(t, int) and not isinstance(t, bool) for t in ids):
+    one = len(v) == 1 and isinstance(v[0], list)
+    ids = v[0] if one else v
+    if not ids:
         return None
+    other = next(((i, t) for i, t in enumerate(ids) if not _is_id(t)), None)
+    if other is not None:
+        if not one and not any(_is_id(t) for t in ids):
+            return None  # not ids at all (a batch of texts)
+        i, t = other
+        shown = json.dumps(t)
+        hint = (" (lm-eval sends null as a rolling window's first token when its tokenizer has neither "
+                "a BOS nor an EOS token: give it custom_prefix_token_id)") if t is None else ""
+        raise bad("prompt", f"'prompt' holds {shown if len(shown) <= 24 else shown[:21] + '...'} at {i}, "
+                  f"not a token id (an integer){hint}", "invalid_type")
     if pool.tokenizer == "bytes":
         raise bad("prompt", "token-id prompts are served by a pool that counts in its model's tokenizer "
                   "(tokenizer = a tokenizer.json or \"upstream\", in front of a model server); this one "
