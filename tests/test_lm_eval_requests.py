@@ -11,7 +11,16 @@ Content-Length left to the client). The loglikelihood of a continuation is
 ``sum(token_logprobs[ctxlen:-1])``: the echoed prompt's tokens from the context's length on,
 the one generated token left out; ``ctxlen`` is the context's token count in lm-eval's
 tokenizer, here one a character as the fake server's echo (ASCII text, no BOS: lm-eval's
-``add_bos_token`` defaults to false)."""
+``add_bos_token`` defaults to false).
+
+lm-eval's default, ``tokenized_requests=True``, sends the same requests with the prompt as
+token ids in a batch of one (``[[int]]``), served by a pool that counts in its model's
+tokenizer (here the fake's ``/tokenize``): captured with the same command less
+``tokenized_requests=False`` (the byte tokenizer: an id a byte, as the fake decodes them). A
+rolling window's first token is lm-eval's prefix token, the tokenizer's BOS or else its EOS:
+this one has neither, so it sends null (refused, saying so) unless given
+``custom_prefix_token_id`` (here 10, "\n"). With ``batch_size=2`` it sends two prompts in one
+request, which the service refuses."""
 
 from __future__ import annotations
 
@@ -39,6 +48,32 @@ ROLLING = (b'{"model": "tiny", "prompt": "\\nHello world, this is a short page."
            b'"max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": true}')
 GENERATE = (b'{"prompt": "Q: What is 2+2? A:", "model": "tiny", "max_tokens": 8, "temperature": 0, '
             b'"stop": ["\\n\\n"], "seed": 1234}')
+
+
+# lm-eval's token-id requests (the default, tokenized_requests=True), captured byte for byte
+IDS_MC = (b'{"model": "tiny", "prompt": [[81, 117, 101, 115, 116, 105, 111, 110, 58, 32, 87, 104, '
+          b'97, 116, 32, 105, 115, 32, 50, 43, 50, 63, 10, 65, 110, 115, 119, 101, 114, 58, 32, '
+          b'102, 111, 117, 114]], "temperature": 0, "max_tokens": 1, "logprobs": 1, "seed": 1234, '
+          b'"echo": true}')
+IDS_ROLLING = (b'{"model": "tiny", "prompt": [[10, 72, 101, 108, 108, 111, 32, 119, 111, 114, '
+               b'108, 100, 44, 32, 116, 104, 105, 115, 32, 105, 115, 32, 97, 32, 115, 104, 111, '
+               b'114, 116, 32, 112, 97, 103, 101, 46]], "temperature": 0, "max_tokens": 1, '
+               b'"logprobs": 1, "seed": 1234, "echo": true}')
+IDS_ROLLING_NULL = (b'{"model": "tiny", "prompt": [[null, 72, 101, 108, 108, 111, 32, 119, 111, '
+                    b'114, 108, 100, 44, 32, 116, 104, 105, 115, 32, 105, 115, 32, 97, 32, 115, '
+                    b'104, 111, 114, 116, 32, 112, 97, 103, 101, 46]], "temperature": 0, '
+                    b'"max_tokens": 1, "logprobs": 1, "seed": 1234, "echo": true}')
+IDS_GENERATE = (b'{"prompt": [[81, 58, 32, 87, 104, 97, 116, 32, 105, 115, 32, 50, 43, 50, 63, '
+                b'32, 65, 58]], "model": "tiny", "max_tokens": 8, "temperature": 0, '
+                b'"stop": ["\\n\\n"], "seed": 1234}')
+IDS_BATCH = (b'{"model": "tiny", "prompt": [[81, 117, 101, 115, 116, 105, 111, 110, 58, 32, 80, '
+             b'105, 99, 107, 32, 116, 104, 101, 32, 108, 111, 110, 103, 101, 115, 116, 32, 119, '
+             b'111, 114, 100, 46, 10, 65, 110, 115, 119, 101, 114, 58, 32, 101, 120, 116, 114, '
+             b'97, 111, 114, 100, 105, 110, 97, 114, 105, 108, 121], [81, 117, 101, 115, 116, '
+             b'105, 111, 110, 58, 32, 87, 104, 105, 99, 104, 32, 105, 115, 32, 97, 32, 99, 111, '
+             b'108, 111, 117, 114, 63, 10, 65, 110, 115, 119, 101, 114, 58, 32, 115, 101, 118, '
+             b'101, 110, 116, 101, 101, 110]], "temperature": 0, "max_tokens": 1, "logprobs": 1, '
+             b'"seed": 1234, "echo": true}')
 
 
 def parse_logprobs(outputs: dict[str, Any] | list[dict[str, Any]],
@@ -105,3 +140,63 @@ async def test_lm_evals_generate_until_request_reads_the_answer(env) -> None:
         out = await r.json()
     assert parse_generations(out) == ["Q: What is 2+2? A:"[::-1][:24]]  # the fake's 8 tokens of 3
     assert "echo" not in up.bodies[-1] and up.bodies[-1]["stop"] == ["\n\n"]
+
+
+@pytest.fixture
+def env_ids(redis_server, sync_redis, fake_upstream):
+    return make_cfg(redis_server.url, pool={"logprobs": True, "tokenizer": "upstream",
+                                            "tokenizer_url": fake_upstream.url}), fake_upstream
+
+
+@pytest.mark.parametrize("headers", [SYNC_HEADERS, ASYNC_HEADERS], ids=["requests", "aiohttp"])
+@pytest.mark.parametrize(("raw", "prompt", "ctxlen"), [
+    (IDS_MC, "Question: What is 2+2?\nAnswer: four", len("Question: What is 2+2?\nAnswer:")),
+    (IDS_ROLLING, "\nHello world, this is a short page.", 1),
+], ids=["multiple_choice", "rolling"])
+async def test_lm_evals_token_id_loglikelihood_request_reads_the_continuations_logprobs(
+        env_ids, headers: dict[str, str], raw: bytes, prompt: str, ctxlen: int) -> None:
+    """Counted as its ids (nobody asked), sent as they are; the text and logprobs echoed are
+    the model server's, so lm-eval's ``ctxlen`` (its count of the context's ids) falls where
+    the continuation's tokens begin."""
+    cfg, up = env_ids
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=raw, headers=headers)
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    expected = sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt)))
+    [(logprob, is_greedy)] = parse_logprobs(out, [ctxlen])
+    assert logprob == pytest.approx(expected) and is_greedy is True
+    choice = out["choices"][0]
+    assert choice["text"] == prompt + prompt[::-1][:3]
+    assert choice["logprobs"]["tokens"][:len(prompt)] == list(prompt)
+    assert len(choice["logprobs"]["token_logprobs"]) == len(prompt) + 1
+    assert out["usage"]["prompt_tokens"] == len(prompt) and up.tokenized == []
+    assert up.bodies[-1]["prompt"] == list(prompt.encode()) and up.bodies[-1]["echo"] is True
+    assert up.bodies[-1]["logprobs"] == 1 and up.bodies[-1]["max_tokens"] == 1
+
+
+async def test_lm_evals_token_id_generate_until_request_reads_the_answer(env_ids) -> None:
+    cfg, up = env_ids
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=IDS_GENERATE, headers=SYNC_HEADERS)
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    assert parse_generations(out) == ["Q: What is 2+2? A:"[::-1][:24]]
+    assert out["usage"]["prompt_tokens"] == len("Q: What is 2+2? A:")
+    assert up.bodies[-1]["prompt"] == list(b"Q: What is 2+2? A:") and "echo" not in up.bodies[-1]
+
+
+@pytest.mark.parametrize(("raw", "says"), [
+    (IDS_ROLLING_NULL, "custom_prefix_token_id"),  # a tokenizer with neither BOS nor EOS
+    (IDS_BATCH, "batched prompts are not supported"),  # batch_size=2
+], ids=["null_prefix", "batch"])
+async def test_lm_evals_token_id_requests_the_service_refuses_say_why(env_ids, raw: bytes, says: str) -> None:
+    """A 400 lm-eval shows in its warning ("API request failed with error message: ...")
+    before it gives up: what to change, and nothing sent to the model server."""
+    cfg, up = env_ids
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=raw, headers=SYNC_HEADERS)
+        assert r.status == 400
+        error = (await r.json())["error"]
+    assert error["param"] == "prompt" and error["code"] == "invalid_type" and says in error["message"]
+    assert up.bodies == [] and up.tokenized == []
