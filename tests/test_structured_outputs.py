@@ -62,7 +62,8 @@ def test_a_response_format_goes_to_the_model_server_as_sent() -> None:
     ({}, "response_format.type"),
     ({"type": "json_schema"}, "response_format.json_schema"),
     ({"type": "json_schema", "json_schema": {"schema": SCHEMA}}, "response_format.json_schema.name"),
-    ({"type": "json_schema", "json_schema": {"name": "bad name"}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": 7}}, "response_format.json_schema.name"),
+    ({"type": "json_schema", "json_schema": {"name": "W" * 257}}, "response_format.json_schema.name"),
     ({"type": "json_schema", "json_schema": {"name": "W", "schema": "{}"}},
      "response_format.json_schema.schema"),
     ({"type": "json_schema", "json_schema": {"name": "W", "strict": "yes"}},
@@ -75,6 +76,17 @@ def test_a_malformed_response_format_is_a_400_naming_it(rf: Any, param: str) -> 
     with pytest.raises(ApiError) as e:
         parse_request("chat", _chat(response_format=rf), _cfg())
     assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+@pytest.mark.parametrize("name", ["Resp[int]", "Weather report", "Météo", "W" * 256])
+def test_a_schema_name_outside_openais_pattern_goes_on_as_vllm_takes_it(name: str) -> None:
+    """Was a 400 "must be 1 to 64 letters, digits, underscores or dashes": the SDK's parse()
+    and LangChain's with_structured_output name the schema after a generic pydantic model
+    (``Resp[int]``) or a JSON schema's title (``"Weather report"``); vLLM takes any string as
+    the name (a label: the schema is what holds the answer)."""
+    rf = {"type": "json_schema", "json_schema": {"name": name, "schema": SCHEMA}}
+    got = parse_request("chat", _chat(response_format=rf), _cfg())
+    assert got.fields["upstream"] == {"response_format": rf}
 
 
 def test_a_pool_without_structured_outputs_refuses_a_json_answer_and_says_which_serves_it() -> None:

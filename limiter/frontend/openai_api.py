@@ -565,7 +565,9 @@ def _response_format(v: Any) -> dict[str, Any] | None:
     """A structured_outputs pool's ``response_format``: ``{type: "text"}`` (None: nothing to
     send), ``{type: "json_object"}``, or ``{type: "json_schema", json_schema: {name,
     description?, schema?, strict?}}`` (OpenAI's shape; the schema is the model server's to
-    judge, as a tool's parameters)."""
+    judge, as a tool's parameters). The name is a label, any text as vLLM takes it, not
+    OpenAI's pattern: the SDK's ``parse()`` names it after a generic pydantic model
+    (``Resp[int]``), LangChain after a JSON schema's title (``"Weather report"``)."""
     rf = _keys(v, "response_format", ("type", "json_schema"), ("type",))
     kind = rf["type"]
     if kind not in RESPONSE_FORMATS:
@@ -578,7 +580,7 @@ def _response_format(v: Any) -> dict[str, Any] | None:
         return None if kind == "text" else {"type": kind}
     p = "response_format.json_schema"
     js = _keys(rf.get("json_schema"), p, ("name", "description", "schema", "strict"), ("name",))
-    _function_name(js["name"], f"{p}.name")
+    _id_text(js["name"], f"{p}.name")
     if js.get("description") is not None:
         _text(js["description"], f"{p}.description")
     if js.get("schema") is not None and not isinstance(js["schema"], dict):
