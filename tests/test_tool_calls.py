@@ -122,7 +122,9 @@ def test_a_payload_with_tools_or_earlier_calls_is_one_a_worker_before_tool_calli
     (_chat(tools=[WEATHER] * 2), "tools[1].function.name"),
     (_chat(tools=[{**WEATHER, "type": "code_interpreter"}]), "tools[0].type"),
     (_chat(tools=[{"type": "function"}]), "tools[0].function"),
-    (_chat(tools=[{"type": "function", "function": {"name": "bad name"}}]), "tools[0].function.name"),
+    (_chat(tools=[{"type": "function", "function": {"name": ""}}]), "tools[0].function.name"),
+    (_chat(tools=[{"type": "function", "function": {"name": "f" * 257}}]), "tools[0].function.name"),
+    (_chat(tools=[{"type": "function", "function": {"name": 5}}]), "tools[0].function.name"),
     (_chat(tools=[{"type": "function", "function": {"name": "f", "parameters": "{}"}}]),
      "tools[0].function.parameters"),
     (_chat(tools=[{"type": "function", "function": {"name": "f", "extra": 1}}]), "tools[0].function.extra"),
@@ -412,3 +414,15 @@ async def test_a_stream_keeps_the_model_servers_order_of_text_and_calls(env_tool
     seen = [("calls", d["tool_calls"][0]["index"]) if "tool_calls" in d else ("text", d["content"])
             for d in deltas if d.get("content") or "tool_calls" in d]
     assert seen == [("text", "Checking."), ("calls", 0), ("text", "\n"), ("calls", 1)]
+
+
+def test_a_tools_name_is_any_text_as_the_model_server_takes_it() -> None:
+    """vLLM takes any function name (OpenAI's own API holds them to 64 of [A-Za-z0-9_-]): an
+    MCP client's dotted "server.tool", a pydantic generic's "Resp[int]" (the SDK's
+    pydantic_function_tool) were a 400 here."""
+    names = ["github.create_issue", "Resp[int]", "mcp__files__read file"]
+    tools = [{"type": "function", "function": {"name": n}} for n in names]
+    choice = {"type": "function", "function": {"name": names[1]}}
+    d = parse_request("chat", _chat(tools=tools, tool_choice=choice), _tool_cfg())
+    assert [t["function"]["name"] for t in d.fields["upstream"]["tools"]] == names
+    assert d.fields["upstream"]["tool_choice"]["function"]["name"] == "Resp[int]"

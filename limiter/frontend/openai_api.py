@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -293,11 +292,12 @@ def resolve_pool(cfg: QosConfig, body: Mapping[str, Any]) -> PoolConfig:
 
 
 # Tool calling (a pool with tool_calls on: config.py PoolConfig.tool_calls). OpenAI's bounds:
-# 128 tools a request, function names of at most 64 of [A-Za-z0-9_-].
+# 128 tools a request. A function's name is any text (vLLM's, the model server's, as it takes
+# it: an MCP client's "server.tool", a pydantic generic's "Resp[int]"; OpenAI's own API holds
+# names to 64 of [A-Za-z0-9_-]), bounded as the other names here.
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
 MAX_TOOLS = 128
 MAX_TOOL_CALLS = 128  # in one assistant message sent back
-TOOL_NAME_RE = re.compile(r"[A-Za-z0-9_-]{1,64}")
 TOOL_CHOICES = ("none", "auto", "required")
 
 
@@ -315,9 +315,9 @@ def _keys(v: Any, param: str, allowed: tuple[str, ...], required: tuple[str, ...
 
 
 def _function_name(v: Any, param: str) -> str:
-    name = _text(v, param)
-    if not TOOL_NAME_RE.fullmatch(name):
-        raise bad(param, f"'{param}' must be 1 to 64 letters, digits, underscores or dashes")
+    name = _id_text(v, param)
+    if not name:
+        raise bad(param, f"'{param}' may not be empty")
     return name
 
 
