@@ -6,6 +6,7 @@ says which one serves it."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -16,8 +17,9 @@ import pytest
 from limiter.config import demo_config, validate
 from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import parse_request
-from tests.support.fake_upstream import chat_chunk, sse_response
-from tests.support.frontend_helpers import frontend, make_cfg
+from limiter.localstack.sse import sse_chunks
+from tests.support.fake_upstream import breaks_once, chat_chunk, sse_response
+from tests.support.frontend_helpers import auth, frontend, make_cfg
 from tests.support.worker_helpers import worker
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "celsius": {"type": "integer"}},
@@ -137,3 +139,50 @@ async def test_the_sdks_parse_reads_the_answer_into_its_type_and_may_send_it_bac
     assert sent["json_schema"]["schema"]["required"] == ["city", "celsius"]
     assert "parsed" not in up.bodies[1]["messages"][1]
     assert up.bodies[1]["messages"][1]["content"] == json.dumps({"city": "Paris", "celsius": 18})
+
+
+async def test_a_json_answer_broken_off_is_failed_not_resumed(redis_server, fake_upstream) -> None:
+    """A model server holds the answer to the schema from its first token: a resume's
+    continuation (the delivered text as the assistant message to continue) is held to it anew,
+    a whole object of its own, and the client read ``{"city": "Par{"city": ...}``. Broken off
+    after its text began, a JSON answer fails saying so; the model server is asked once."""
+    cfg = make_cfg(redis_server.url, pool={"structured_outputs": True})
+    up = fake_upstream
+    read = asyncio.Event()
+    up.scripts["Weather"] = breaks_once([chat_chunk('{"city": "Par', completion_tokens=3)], read,
+                                        [chat_chunk('{"city": "Paris", "celsius": 18}', finish="stop",
+                                                    completion_tokens=9)])
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url,
+                                               upstream_retry_min_s=0.1, upstream_retry_max_s=0.4):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json=_chat(response_format=JSON_SCHEMA, max_tokens=40, stream=True))
+        assert r.status == 200, await r.text()
+        events: list[Any] = []
+        async for ch in sse_chunks(r.content):
+            events.append(ch)
+            if ch and ch.get("choices") and ch["choices"][0]["delta"].get("content"):
+                read.set()  # the object's first piece reached the client: now the server breaks
+    text = "".join(e["choices"][0]["delta"].get("content") or "" for e in events if e and e.get("choices"))
+    assert up.calls["Weather"] == 1, text
+    error = next(e for e in events if e and "error" in e)
+    assert "cannot be resumed" in error["error"]["message"], error
+
+
+async def test_a_json_answer_broken_off_before_its_text_began_is_tried_again(redis_server,
+                                                                             fake_upstream) -> None:
+    """Nothing of the object delivered (the stream broke before its first text): another try
+    asks for it whole, as any request."""
+    cfg = make_cfg(redis_server.url, pool={"structured_outputs": True})
+    up = fake_upstream
+    read = asyncio.Event()
+    read.set()
+    answer = json.dumps({"city": "Paris", "celsius": 18})
+    up.scripts["Weather"] = breaks_once([], read, [chat_chunk(answer, finish="stop", completion_tokens=9)])
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url,
+                                               upstream_retry_min_s=0.1, upstream_retry_max_s=0.4):
+        r = await client.post("/v1/chat/completions", headers=auth(),
+                              json=_chat(response_format=JSON_SCHEMA, max_tokens=40))
+        assert r.status == 200, await r.text()
+        assert (await r.json())["choices"][0]["message"]["content"] == answer
+    assert up.calls["Weather"] == 2
+    assert all(b["response_format"] == JSON_SCHEMA for b in up.bodies)

@@ -254,6 +254,12 @@ class Delivered:
     tool_calls: bool = False  # part of a tool call was delivered: no resume is possible
 
 
+def _holds_format(rf: Any) -> bool:
+    """Whether a request's ``response_format`` holds its answer to a format (json_object,
+    json_schema, a server's own: anything but none or ``{"type": "text"}``)."""
+    return rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text")
+
+
 def _delivered(d: Delivery) -> Delivered:
     """What was delivered before this attempt. A resume sends the text without its seam
     (_body), and the continuation's first whitespace, as far as it is the same, is not sent
@@ -847,6 +853,13 @@ class UpstreamLoop:
                             d.request_id)
                 return ("failed", "error", "the model server broke off an answer to a token-id prompt, which "
                         "cannot be resumed; retry the request")
+            if before.prior and _holds_format(d.payload.upstream.get("response_format")):
+                # the server holds an answer to the format from its first token: a continuation
+                # of the text delivered is held to it anew, a whole object after the client's half
+                log.warning("%s: an answer held to a response_format was broken off; it cannot be resumed",
+                            d.request_id)
+                return ("failed", "error", "the model server broke off an answer held to a response_format, "
+                        "which cannot be resumed; retry the request")
             seam = before.seam
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior, priority)
         except ValueError as exc:
