@@ -139,6 +139,11 @@ class Counter:
     def count_text(self, text: str) -> int:
         return count_tokens(text)
 
+    def max_token_id(self) -> int | None:
+        """The largest token id of the model's vocabulary, when this counter knows it (a
+        tokenizer.json does; bytes are no model's ids, the model server keeps its own)."""
+        return None
+
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
                     template_kwargs: Mapping[str, Any] | None = None,
                     tools: Sequence[Mapping[str, Any]] = ()) -> int:
@@ -157,9 +162,15 @@ class FileCounter(Counter):
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._max_id: int | None = None
 
     def count_text(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def max_token_id(self) -> int | None:
+        if self._max_id is None:  # (its added tokens too: a chat template's specials are ids)
+            self._max_id = max(self.tokenizer.get_vocab(with_added_tokens=True).values(), default=0)
+        return self._max_id
 
     async def count(self, prompt: str, messages: Sequence[ChatMessage] = (),
                     template_kwargs: Mapping[str, Any] | None = None,

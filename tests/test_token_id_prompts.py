@@ -18,8 +18,9 @@ from limiter.frontend.openai_api import MAX_TOKEN_ID, parse_request
 from limiter.localstack.sse import sse_chunks
 from limiter.prompt import Payload
 from tests.support.fake_upstream import breaks_once, fake_decode, fake_prompt_logprob, sse_chunk
-from tests.support.frontend_helpers import auth, frontend, make_cfg
+from tests.support.frontend_helpers import auth, fe_of, frontend, make_cfg, redis_state
 from tests.support.worker_helpers import worker
+from tests.test_token_count import word_tokenizer
 
 IDS = list(b"hello")  # the fake's "hello"
 RETRY = {"upstream_retry_min_s": 0.1, "upstream_retry_max_s": 0.4}
@@ -147,3 +148,22 @@ async def test_an_answer_to_token_ids_broken_off_is_failed_not_resumed(env_ids) 
     assert up.calls[fake_decode(IDS)] == 1
     error = next(e for e in events if e and "error" in e)
     assert "token-id prompt" in error["error"]["message"], error
+
+
+async def test_an_id_past_the_vocabulary_the_pool_counts_in_is_a_400_before_admission(
+        tmp_path, redis_server, sync_redis) -> None:
+    """A pool counting in a tokenizer.json knows its model's vocabulary: an id past it (another
+    model's ids) is no token of the model, refused now, nothing charged or queued (it was
+    admitted, charged its prompt and queued for the model server to refuse)."""
+    tok = word_tokenizer(tmp_path / "tokenizer.json")  # ids 0..11
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": str(tok)})
+    async with frontend(cfg) as client:
+        before = redis_state(sync_redis)
+        r = await client.post("/v1/completions", headers=auth(), json=_body([1, 2, 11, 12, 3], max_tokens=4))
+        body = await r.json()
+        assert r.status == 400, body
+        assert (body["error"]["param"], body["error"]["code"]) == ("prompt", "invalid_value")
+        assert "token id 12 at 3" in body["error"]["message"] and "ends at 11" in body["error"]["message"]
+        assert redis_state(sync_redis) == before  # nothing charged or queued
+        # the vocabulary's own ids, its last too, are counted as themselves
+        assert await fe_of(client).count_prompt(parse_request("completion", _body([1, 2, 11]), cfg)) == 3

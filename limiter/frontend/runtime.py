@@ -363,9 +363,16 @@ class Frontend:
         CPU) is free until admission charges it: a tenant with a ``max_inflight`` counts at
         most that many prompts at once in this process (429 ``too_many_inflight`` past it),
         as it may have that many requests in flight."""
-        if draft.prompt_ids:  # a token-id prompt: its tokens, exactly, at no cost
-            return len(draft.prompt_ids)
         counter = self.counters[draft.pool.name]
+        if draft.prompt_ids:  # a token-id prompt: its tokens, exactly, at no cost
+            # An id past the vocabulary the pool counts in is no token of its model: a 400 now,
+            # not a request admitted, charged its prompt and queued for the model server to
+            # refuse (vLLM: "Token id ... is out of vocabulary")
+            if (most := counter.max_token_id()) is not None and (top := max(draft.prompt_ids)) > most:
+                at = draft.prompt_ids.index(top)
+                raise ApiError(400, f"'prompt' holds the token id {top} at {at}: this model's vocabulary "
+                                    f"ends at {most}", code="invalid_value", param="prompt")
+            return len(draft.prompt_ids)
         held = self._take_count_turn(tenant) if counter.kind != token_count.BYTES else None
         try:
             upstream = draft.fields["upstream"]
