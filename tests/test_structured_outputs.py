@@ -141,12 +141,15 @@ async def test_the_sdks_parse_reads_the_answer_into_its_type_and_may_send_it_bac
     assert up.bodies[1]["messages"][1]["content"] == json.dumps({"city": "Paris", "celsius": 18})
 
 
-async def test_a_json_answer_broken_off_is_failed_not_resumed(redis_server, fake_upstream) -> None:
+@pytest.mark.parametrize("held", ["response_format", "guided_json"])
+async def test_a_json_answer_broken_off_is_failed_not_resumed(redis_server, fake_upstream, held: str) -> None:
     """A model server holds the answer to the schema from its first token: a resume's
     continuation (the delivered text as the assistant message to continue) is held to it anew,
     a whole object of its own, and the client read ``{"city": "Par{"city": ...}``. Broken off
-    after its text began, a JSON answer fails saying so; the model server is asked once."""
-    cfg = make_cfg(redis_server.url, pool={"structured_outputs": True})
+    after its text began, a JSON answer fails saying so; the model server is asked once. So
+    does one held to vLLM's own guided_json, which a pool passes on (upstream_fields)."""
+    cfg = make_cfg(redis_server.url, pool={"structured_outputs": True, "upstream_fields": ("guided_json",)})
+    fmt = {"response_format": JSON_SCHEMA} if held == "response_format" else {"guided_json": SCHEMA}
     up = fake_upstream
     read = asyncio.Event()
     up.scripts["Weather"] = breaks_once([chat_chunk('{"city": "Par', completion_tokens=3)], read,
@@ -155,7 +158,7 @@ async def test_a_json_answer_broken_off_is_failed_not_resumed(redis_server, fake
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url,
                                                upstream_retry_min_s=0.1, upstream_retry_max_s=0.4):
         r = await client.post("/v1/chat/completions", headers=auth(),
-                              json=_chat(response_format=JSON_SCHEMA, max_tokens=40, stream=True))
+                              json=_chat(**fmt, max_tokens=40, stream=True))
         assert r.status == 200, await r.text()
         events: list[Any] = []
         async for ch in sse_chunks(r.content):

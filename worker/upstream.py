@@ -75,7 +75,7 @@ import math
 import os
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import aiohttp
@@ -254,10 +254,18 @@ class Delivered:
     tool_calls: bool = False  # part of a tool call was delivered: no resume is possible
 
 
-def _holds_format(rf: Any) -> bool:
-    """Whether a request's ``response_format`` holds its answer to a format (json_object,
-    json_schema, a server's own: anything but none or ``{"type": "text"}``)."""
-    return rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text")
+# vLLM's own fields that hold an answer to a format, which a pool may pass on (upstream_fields)
+FORMAT_FIELDS = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")
+
+
+def _holds_format(upstream: Mapping[str, Any]) -> bool:
+    """Whether a request's fields for the model server hold its answer to a format: a
+    ``response_format`` (json_object, json_schema, a server's own: anything but
+    ``{"type": "text"}``), or one of vLLM's own (:data:`FORMAT_FIELDS`)."""
+    rf = upstream.get("response_format")
+    if rf is not None and not (isinstance(rf, dict) and rf.get("type") == "text"):
+        return True
+    return any(upstream.get(name) is not None for name in FORMAT_FIELDS)
 
 
 def _delivered(d: Delivery) -> Delivered:
@@ -853,13 +861,13 @@ class UpstreamLoop:
                             d.request_id)
                 return ("failed", "error", "the model server broke off an answer to a token-id prompt, which "
                         "cannot be resumed; retry the request")
-            if before.prior and _holds_format(d.payload.upstream.get("response_format")):
+            if before.prior and _holds_format(d.payload.upstream):
                 # the server holds an answer to the format from its first token: a continuation
                 # of the text delivered is held to it anew, a whole object after the client's half
-                log.warning("%s: an answer held to a response_format was broken off; it cannot be resumed",
+                log.warning("%s: an answer held to a format was broken off; it cannot be resumed",
                             d.request_id)
-                return ("failed", "error", "the model server broke off an answer held to a response_format, "
-                        "which cannot be resumed; retry the request")
+                return ("failed", "error", "the model server broke off an answer held to a format "
+                        "(response_format, guided_json, ...), which cannot be resumed; retry the request")
             seam = before.seam
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior, priority)
         except ValueError as exc:
