@@ -129,8 +129,13 @@ def _flag(v: Any, name: str) -> bool:
     return v
 
 
+def is_token_id(t: Any) -> bool:
+    """An integer (JSON's true and false are none)."""
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
 def _token_ids(v: Any) -> tuple[int, ...]:
-    if not isinstance(v, list | tuple) or not all(isinstance(t, int) and not isinstance(t, bool) for t in v):
+    if not isinstance(v, list | tuple) or not all(is_token_id(t) for t in v):
         raise ValueError(f"payload field 'prompt_ids' is not a list of token ids: {str(v)[:80]}")
     return tuple(v)
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from limiter.config import PoolConfig, QosConfig
 from limiter.frontend.errors import ApiError
-from limiter.prompt import CHAT_ROLES, DEFAULTABLE, ChatMessage, Payload, render_chat
+from limiter.prompt import CHAT_ROLES, DEFAULTABLE, ChatMessage, Payload, is_token_id, render_chat
 from limiter.reply_text import REASONING_FIELDS, Logprob
 
 INT64 = (-(2**63), 2**63 - 1)
@@ -475,10 +475,6 @@ def _messages(v: Any, tool_calls: bool = False, structured: bool = False) -> lis
 MAX_TOKEN_ID = 2**31 - 1  # a vocabulary's ids are far below it (vLLM's are int32)
 
 
-def _is_id(t: Any) -> bool:
-    return isinstance(t, int) and not isinstance(t, bool)
-
-
 def _token_ids(v: list[Any], pool: PoolConfig) -> tuple[int, ...] | None:
     """``v`` as a token-id prompt (vLLM's ``prompt: [int]``, or a batch of one: ``[[int]]``),
     None when it is not one. Served where the pool counts in its model's tokenizer (a
@@ -488,9 +484,9 @@ def _token_ids(v: list[Any], pool: PoolConfig) -> tuple[int, ...] | None:
     ids = v[0] if one else v
     if not ids:
         return None
-    other = next(((i, t) for i, t in enumerate(ids) if not _is_id(t)), None)
+    other = next(((i, t) for i, t in enumerate(ids) if not is_token_id(t)), None)
     if other is not None:
-        if not one and not any(_is_id(t) for t in ids):
+        if not one and not any(is_token_id(t) for t in ids):
             return None  # not ids at all (a batch of texts)
         i, t = other
         shown = json.dumps(t)
