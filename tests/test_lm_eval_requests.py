@@ -24,6 +24,7 @@ request, which the service refuses."""
 
 from __future__ import annotations
 
+import json
 from operator import itemgetter
 from typing import Any
 
@@ -186,10 +187,29 @@ async def test_lm_evals_token_id_generate_until_request_reads_the_answer(env_ids
     assert up.bodies[-1]["prompt"] == list(b"Q: What is 2+2? A:") and "echo" not in up.bodies[-1]
 
 
+async def test_lm_evals_batch_of_token_id_prompts_is_answered_a_choice_each(env_ids) -> None:
+    """``batch_size=2``: two prompts in one request, each a request of its own in the queue,
+    answered together as lm-eval reads them (a choice per prompt, in order)."""
+    cfg, up = env_ids
+    prompts = [bytes(p).decode() for p in json.loads(IDS_BATCH)["prompt"]]
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=IDS_BATCH, headers=SYNC_HEADERS)
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    ctxlens = [p.index("Answer:") + len("Answer:") for p in prompts]
+    got = parse_logprobs(out, ctxlens)
+    for (logprob, is_greedy), prompt, ctxlen in zip(got, prompts, ctxlens, strict=True):
+        assert logprob == pytest.approx(sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt))))
+        assert is_greedy is True
+    assert [c["index"] for c in out["choices"]] == [0, 1]
+    assert [c["text"][:len(p)] for c, p in zip(out["choices"], prompts, strict=True)] == prompts
+    assert out["usage"]["prompt_tokens"] == sum(len(p) for p in prompts)
+    assert sorted(b["prompt"] for b in up.bodies) == sorted(list(p.encode()) for p in prompts)
+
+
 @pytest.mark.parametrize(("raw", "says"), [
     (IDS_ROLLING_NULL, "custom_prefix_token_id"),  # a tokenizer with neither BOS nor EOS
-    (IDS_BATCH, "batched prompts are not supported"),  # batch_size=2
-], ids=["null_prefix", "batch"])
+], ids=["null_prefix"])
 async def test_lm_evals_token_id_requests_the_service_refuses_say_why(env_ids, raw: bytes, says: str) -> None:
     """A 400 lm-eval shows in its warning ("API request failed with error message: ...")
     before it gives up: what to change, and nothing sent to the model server."""

@@ -41,7 +41,7 @@ from limiter.frontend.errors import (
     error_middleware,
     quiet_client_parse_errors,
 )
-from limiter.frontend.generation import Generation
+from limiter.frontend.generation import Generation, run_choices
 from limiter.frontend.metrics import METRICS, FrontendMetrics
 from limiter.frontend.readiness import readiness
 from limiter.frontend.runtime import FRONTEND, Frontend
@@ -166,11 +166,17 @@ def _generation_handler(kind: str) -> Handler:
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
-        draft = oa.parse_request(kind, body, fe.cfg, pool)
-        await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
-        oa.refuse_if_surely_too_long(draft)
-        req = oa.finish_request(draft, await fe.count_prompt(draft, tenant))
-        return await Generation(fe, request, tenant, cls, req, max_wait, received, client_id).run()
+        bodies, n = oa.split_choices(kind, body)
+        reqs = []
+        for i, one in enumerate(bodies):  # (n copies of a prompt: counted once)
+            draft = oa.parse_request(kind, one, fe.cfg, pool)
+            await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
+            oa.refuse_if_surely_too_long(draft)
+            count = await fe.count_prompt(draft, tenant) if i % n == 0 else reqs[-1].prompt_tokens
+            reqs.append(oa.finish_request(draft, count))
+        # (made once every answer's request is checked: each registers for its replies)
+        gens = [Generation(fe, request, tenant, cls, req, max_wait, received, client_id) for req in reqs]
+        return await (gens[0].run() if len(gens) == 1 else run_choices(gens, n))
 
     return handler
 

@@ -20,8 +20,8 @@ import logging
 import math
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -43,6 +43,7 @@ from limiter.reply_text import pack, unpack, unpack_in_order
 from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 
 log = logging.getLogger("qos.frontend")
+_T = TypeVar("_T")
 
 REQUEST_ID_HEADER = "X-QoS-Request-Id"
 # The same id under OpenAI's own header, which its SDKs read (``response._request_id``) and
@@ -102,11 +103,19 @@ class Generation:
         self.labels = (req.pool.name, cls)
 
     async def run(self) -> web.StreamResponse:
+        return await self._admitted(lambda: self.stream() if self.req.stream else self.collect())
+
+    async def run_to_answer(self) -> dict[str, Any]:
+        """Admit and wait for the whole answer, written by the caller (one of several
+        choices: :func:`run_choices`)."""
+        return await self._admitted(self.answer)
+
+    async def _admitted(self, then: Callable[[], Awaitable[_T]]) -> _T:
         fe = self.fe
         fe.metrics.inflight.labels(self.req.pool.name).inc()
         try:
             await self.admit()
-            return await (self.stream() if self.req.stream else self.collect())
+            return await then()
         except asyncio.CancelledError:
             self.request[LABELS].outcome = "cancelled"
             raise
@@ -326,6 +335,10 @@ class Generation:
 
     # --- answers ------------------------------------------------------------------------------
     async def collect(self) -> web.Response:
+        return await self.send_json(await self.answer())
+
+    async def answer(self) -> dict[str, Any]:
+        """The whole answer (an unstreamed request's JSON body), once its last entry came."""
         parts: list[str] = []
         while True:
             r = await self.next_reply()
@@ -337,24 +350,26 @@ class Generation:
                 answer = unpack("".join(parts))
                 if self.req.echo:  # (a completion's: its text begins with the prompt)
                     answer = answer._replace(content=self.req.prompt + answer.content)
-                body = oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
+                return oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
                                         r.usage_in, r.usage_out,
                                         (answer.field, answer.reasoning) if answer.reasoning else None,
                                         oa.merge_tool_calls(answer.tool_calls), answer.logprobs)
-                resp = web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
-                                                        OPENAI_REQUEST_ID_HEADER: self.public_id},
-                                         dumps=oa.compact_json)
-                # Written here, under the same bound as a stream's writes: returned, aiohttp
-                # wrote it with none, and a client that read nothing held the connection, the
-                # handler and the whole answer for as long as it kept its socket open.
-                try:
-                    await self._write(resp.prepare(self.request))
-                    await self._write(resp.write_eof())
-                except ConnectionError:  # the client left; its request is done in Redis
-                    self.request[LABELS].outcome = "cancelled"
-                except _ClientStalled:
-                    self._drop_stalled_client()
-                return resp
+
+    async def send_json(self, body: dict[str, Any]) -> web.Response:
+        """Write an unstreamed answer. Written here, under the same bound as a stream's
+        writes: returned, aiohttp wrote it with none, and a client that read nothing held the
+        connection, the handler and the whole answer for as long as it kept its socket open."""
+        resp = web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
+                                                OPENAI_REQUEST_ID_HEADER: self.public_id},
+                                 dumps=oa.compact_json)
+        try:
+            await self._write(resp.prepare(self.request))
+            await self._write(resp.write_eof())
+        except ConnectionError:  # the client left; its request is done in Redis
+            self.request[LABELS].outcome = "cancelled"
+        except _ClientStalled:
+            self._drop_stalled_client()
+        return resp
 
     def _drop_stalled_client(self) -> None:
         """Nothing more can reach a client that stopped reading in time: drop its connection
@@ -468,3 +483,33 @@ class Generation:
             # the finally clause in run() cancels the request if it is still running
             self._drop_stalled_client()
             return resp or web.Response(status=499)
+
+
+async def run_choices(gens: list[Generation], n: int) -> web.Response:
+    """Several answers to one request (``n`` > 1, or a completion's several prompts), each a
+    request of its own in the queue (its tenant's quota and in-flight bound count each, and
+    each is scheduled, resumed and charged as any), answered together: the choices in order,
+    the usage summed (a prompt once however many answers it has: ``gens`` are each prompt's
+    ``n`` in turn, as vLLM orders its choices). The first failure fails
+    the whole (as vLLM answers), and the others are cancelled: their run's end cancels
+    them in Redis, refunding what they did not use."""
+    tasks = [asyncio.create_task(g.run_to_answer()) for g in gens]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in done:
+            if (exc := t.exception()) is not None:
+                raise exc
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    bodies = [t.result() for t in tasks]
+    first = bodies[0]
+    choices = []
+    for i, b in enumerate(bodies):
+        choice = b["choices"][0]
+        choice["index"] = i
+        choices.append(choice)
+    prompt = sum(b["usage"]["prompt_tokens"] for b in bodies[::n])
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    return await gens[0].send_json({**first, "choices": choices, "usage": oa.usage(prompt, completion)})

@@ -113,7 +113,7 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 # Fields per endpoint. Value: a checker returning True when the (non-null) value is the
 # neutral one we accept without implementing, or None for fields we implement.
 _NEUTRAL: dict[str, Any] = {
-    "n": lambda v: _is_int(v) and v == 1,
+    "n": lambda v: _is_int(v) and v == 1,  # (more: split_choices, one request each)
     "frequency_penalty": lambda v: _is_num(v) and v == 0,
     "presence_penalty": lambda v: _is_num(v) and v == 0,
     "logit_bias": lambda v: isinstance(v, dict) and not v,
@@ -512,8 +512,8 @@ def _prompt(v: Any, pool: PoolConfig) -> tuple[str, tuple[int, ...]]:
         if (ids := _token_ids(v, pool)) is not None:
             return "", ids
         if len(v) != 1 or not isinstance(v[0], str):
-            raise bad("prompt", "'prompt' must be a string, an array of exactly one string, or an array of "
-                      "token ids (batched prompts are not supported: send one a request)", "invalid_type")
+            raise bad("prompt", "'prompt' must be a string, an array of token ids, or an array of prompts "
+                      "all of one kind (strings, or arrays of token ids)", "invalid_type")
         v = v[0]
     return _text(v, "prompt"), ()
 
@@ -649,6 +649,50 @@ def _served_by(kind: str, field: str) -> str:
         return (" in this pool: JSON answers are served by a pool with structured_outputs = true, in front "
                 "of a model server that holds answers to a schema")
     return ""
+
+
+# Answers one request may ask for (``n`` times its prompts): each is a request of its own.
+MAX_CHOICES = 64
+
+
+def split_choices(kind: str, body: Mapping[str, Any]) -> tuple[list[dict[str, Any]], int]:
+    """(one body per answer, ``n``) for a body asking for several -- ``n`` > 1, or a
+    completion's ``prompt`` as several prompts (texts, or token-id lists: lm-eval's
+    ``batch_size``) -- each with one prompt and ``n`` 1, in vLLM's order of choices (each
+    prompt's ``n`` in turn); ``([body], 1)`` for one. A ``seed`` goes to the ``j``-th copy as
+    ``seed ^ j``: the copies sample apart, reproducibly (vLLM's ``n`` samples ``n`` sequences
+    of one seeded generator). Several answers are not streamed here (a 400)."""
+    n = _int(body.get("n"))
+    if n is None:
+        n = 1
+    elif not _is_int(n):
+        raise bad("n", f"'n' must be an integer, got {_type_name(n)}", "invalid_type")
+    elif not 1 <= n <= MAX_CHOICES:
+        raise bad("n", f"'n' must be in [1, {MAX_CHOICES}], got {n}")
+    prompts = body.get("prompt")
+    several = kind != "chat" and isinstance(prompts, list) and len(prompts) > 1 and (
+        all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts))
+    if not several:
+        prompts = [prompts]
+    if n == 1 and not several:
+        return [dict(body)], 1
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad("prompt" if several else "n", f"{len(prompts)} prompts x n {n} ask for {len(prompts) * n} "
+                  f"answers; at most {MAX_CHOICES} a request")
+    if body.get("stream") is True:
+        raise bad("prompt" if several else "n", "several answers in one request are not streamed by this "
+                  "service: ask without 'stream', or send one request each", "unsupported_value")
+    seed = _int(body.get("seed"))
+    out = []
+    for prompt in prompts:
+        for j in range(n):
+            one = {**body, "prompt": prompt} if several else dict(body)
+            if "n" in body:
+                one["n"] = 1
+            if j and _is_int(seed):
+                one["seed"] = seed ^ j
+            out.append(one)
+    return out, n
 
 
 @dataclass(frozen=True)
