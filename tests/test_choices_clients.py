@@ -1,0 +1,155 @@
+"""Several answers to one request as real clients ask for them, replayed byte for byte (with their
+headers, Host and Content-Length left to the test client) through the frontend, Redis, the openai
+worker and the fake model server, and read back as those clients read them.
+
+lm-eval 0.4.13 ``local-completions`` with ``--batch_size 2`` / ``4`` (``num_concurrent=1``:
+``requests``; ``2``: aiohttp), its prompts as token ids (the default; a pool counting in the
+model server's tokenizer) or as text (``tokenized_requests=False``), tokenizer
+deploy/make_bytetok.py's (an id a byte), ``custom_prefix_token_id=10``: the captured batch bodies
+are in tests/data/lm_eval_batches.json with, for each loglikelihood prompt, lm-eval's ``ctxlen``
+(its rolling windows' and its truncation at max_length 2047, from lm_eval.utils) and the sum of
+the fake's ``fake_prompt_logprob`` lm-eval must read.
+
+OpenAI's Python SDK 3.63.0 (``chat.completions.create(n=3)``, ``completions.create(prompt=[..],
+n=2)``, with a seed, and ``n=2, stream=True``), langchain-openai 1.8.1 (``ChatOpenAI(n=2)``'s
+``generate``) and LiteLLM 1.110.2 (``completion(n=2)``, ``text_completion(prompt=[..], n=2)``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.fake_upstream import fake_prompt_logprob, fake_prompt_tokens
+from tests.support.frontend_helpers import frontend, make_cfg
+from tests.support.worker_helpers import worker
+from tests.test_lm_eval_requests import parse_generations, parse_logprobs
+
+BATCHES: dict[str, dict[str, Any]] = json.loads(
+    (Path(__file__).parent / "data" / "lm_eval_batches.json").read_text())
+
+
+def _pool(name: str, up: Any) -> dict[str, Any]:
+    # (lm-eval's windows are 2047 tokens: a context that holds them, as a real model's)
+    pool: dict[str, Any] = {"logprobs": True, "context_tokens": 65536}
+    if name.startswith("ids"):
+        pool.update(tokenizer="upstream", tokenizer_url=up.url)
+    return pool
+
+
+@pytest.mark.parametrize("name", [k for k in BATCHES if "generate" not in k])
+async def test_lm_evals_batched_loglikelihoods_read_each_prompts_sum(redis_server, sync_redis, fake_upstream,
+                                                                     name: str) -> None:
+    """Each prompt of the batch a choice, in order: lm-eval zips them with its ctxlens."""
+    case, up = BATCHES[name], fake_upstream
+    prompts = [p if isinstance(p, str) else bytes(p).decode() for p in json.loads(case["body"])["prompt"]]
+    cfg = make_cfg(redis_server.url, pool=_pool(name, up))
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=case["body"].encode(), headers=dict(case["headers"]))
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    got = parse_logprobs(out, case["ctxlens"])
+    assert len(got) == len(prompts) == len(case["expected"])
+    for (logprob, is_greedy), prompt, ctxlen, expected in zip(got, prompts, case["ctxlens"],
+                                                             case["expected"], strict=True):
+        assert logprob == pytest.approx(expected)
+        assert expected == pytest.approx(sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt))))
+        assert is_greedy is True
+    assert [c["text"][:len(p)] for c, p in zip(out["choices"], prompts, strict=True)] == prompts
+    assert [c["index"] for c in out["choices"]] == list(range(len(prompts)))
+    # each prompt counted as the model server counts it: an id a token, a text in the fake's words + BOS
+    counts = [len(p) if name.startswith("ids") else fake_prompt_tokens({"prompt": p}) for p in prompts]
+    assert out["usage"]["prompt_tokens"] == sum(counts)
+    assert len(up.bodies) == len(prompts) and all(b["max_tokens"] == 1 and b["echo"] for b in up.bodies)
+
+
+@pytest.mark.parametrize("name", [k for k in BATCHES if "generate" in k])
+async def test_lm_evals_batched_generate_until_reads_an_answer_a_prompt(redis_server, sync_redis,
+                                                                        fake_upstream, name: str) -> None:
+    case, up = BATCHES[name], fake_upstream
+    prompts = [p if isinstance(p, str) else bytes(p).decode() for p in json.loads(case["body"])["prompt"]]
+    cfg = make_cfg(redis_server.url, pool=_pool(name, up))
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", data=case["body"].encode(), headers=dict(case["headers"]))
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    assert parse_generations(out) == [p[::-1][:24] for p in prompts]  # the fake's 8 tokens of 3
+    assert all(b["stop"] == ["\n\n"] and b["seed"] == 1234 and "echo" not in b for b in up.bodies)
+
+
+SDK = {"Accept-Encoding": "gzip, deflate", "Connection": "keep-alive", "Authorization": "Bearer demo-p1",
+       "Accept": "application/json", "Content-Type": "application/json", "User-Agent": "OpenAI/Python 3.63.0",
+       "x-stainless-lang": "python", "x-stainless-package-version": "3.63.0", "x-stainless-os": "Linux",
+       "x-stainless-arch": "x64", "x-stainless-runtime": "CPython", "x-stainless-runtime-version": "3.11.7",
+       "x-stainless-async": "false", "x-stainless-retry-count": "0", "x-stainless-read-timeout": "600"}
+LANGCHAIN = {**{k: v for k, v in SDK.items() if k != "x-stainless-read-timeout"},
+             "x-stainless-raw-response": "true"}
+LITELLM = {**SDK, "Accept-Encoding": "gzip, deflate, zstd", "x-stainless-raw-response": "true",
+           "x-stainless-read-timeout": "600.0"}
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.mark.parametrize(("path", "headers", "raw", "texts", "seeds", "usage"), [
+    # openai SDK: chat.completions.create(n=3, seed=42) and without the seed
+    (CHAT, SDK, b'{"model":"tiny","messages":[{"role":"user","content":"abcdef"}],"max_tokens":10,"n":3,'
+     b'"seed":42}', ["fedcba"] * 3, [42, 43, 40], (4, 6)),
+    (CHAT, SDK, b'{"model":"tiny","messages":[{"role":"user","content":"abcdef"}],"max_tokens":10,"n":3}',
+     ["fedcba"] * 3, [None] * 3, (4, 6)),
+    # openai SDK: completions.create(prompt=["abcdef", "ghi"], n=2, seed=42): each prompt's n in turn
+    (COMPLETIONS, SDK, b'{"model":"tiny","prompt":["abcdef","ghi"],"max_tokens":10,"n":2,"seed":42}',
+     ["fedcba", "fedcba", "ihg", "ihg"], [42, 43, 42, 43], (4, 6)),
+    # langchain-openai: ChatOpenAI(n=2, max_tokens=10).generate(...)
+    (CHAT, LANGCHAIN, b'{"model":"tiny","stream":false,"messages":[{"content":"abcdef","role":"user"}],'
+     b'"max_completion_tokens":10,"n":2}', ["fedcba"] * 2, [None] * 2, (4, 4)),
+    # litellm: completion(n=2) and text_completion(prompt=[...], n=2)
+    (CHAT, LITELLM, b'{"model":"tiny","messages":[{"role":"user","content":"abcdef"}],"n":2,"max_tokens":10}',
+     ["fedcba"] * 2, [None] * 2, (4, 4)),
+    (COMPLETIONS, LITELLM, b'{"model":"tiny","prompt":["abcdef","ghi"],"max_tokens":10,"n":2}',
+     ["fedcba", "fedcba", "ihg", "ihg"], [None] * 4, (4, 6)),
+], ids=["sdk-chat-n3-seed", "sdk-chat-n3", "sdk-completions-2-prompts-n2-seed", "langchain-generate-n2",
+        "litellm-completion-n2", "litellm-text-completion-2-prompts-n2"])
+async def test_clients_asking_for_n_answers_read_n_choices(
+        redis_server, sync_redis, fake_upstream, path: str, headers: dict[str, str], raw: bytes,
+        texts: list[str], seeds: list[int | None], usage: tuple[int, int]) -> None:
+    """What they read: ``choices[i]`` by its index (the SDK's models, LangChain's generations,
+    LiteLLM's ModelResponse), each its text and finish_reason, and the usage summed (a chat's
+    prompt counted once: 1 BOS + 1 word + 2 for its template)."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post(path, data=raw, headers=headers)
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    chat = path == CHAT
+    assert out["object"] == ("chat.completion" if chat else "text_completion") and out["model"] == "tiny"
+    assert [c["index"] for c in out["choices"]] == list(range(len(texts)))
+    assert [c["message"]["content"] if chat else c["text"] for c in out["choices"]] == texts
+    assert all(c["finish_reason"] == "stop" for c in out["choices"])
+    assert all(c["message"]["role"] == "assistant" for c in out["choices"]) if chat else True
+    assert out["usage"] == {"prompt_tokens": usage[0], "completion_tokens": usage[1],
+                            "total_tokens": usage[0] + usage[1]}
+    assert len(up.bodies) == len(texts) and all(b.get("n") in (None, 1) for b in up.bodies)
+    # the copies of one prompt sample apart (seed ^ j), each prompt's the same
+    got = sorted(((b.get("prompt") or b["messages"][-1]["content"]), b.get("seed") or 0) for b in up.bodies)
+    want = sorted(zip([t[::-1] for t in texts], [s or 0 for s in seeds], strict=True))
+    assert got == want
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    (CHAT, b'{"model":"tiny","stream":true,"messages":[{"role":"user","content":"abcdef"}],"n":2}', "n"),
+    (COMPLETIONS, b'{"model":"tiny","stream":true,"prompt":["a","b"]}', "prompt"),
+], ids=["sdk-chat-n2-stream", "sdk-completions-2-prompts-stream"])
+async def test_several_answers_streamed_are_a_400_the_sdk_raises(redis_server, sync_redis, fake_upstream,
+                                                                 path: str, raw: bytes, param: str) -> None:
+    """openai.BadRequestError, its message saying what to do; nothing reaches the model server."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post(path, data=raw, headers=SDK)
+        assert r.status == 400 and r.content_type == "application/json"
+        error = (await r.json())["error"]
+    assert error["param"] == param and error["code"] == "unsupported_value"
+    assert "not streamed" in error["message"] and "without 'stream'" in error["message"]
+    assert up.bodies == []
