@@ -11,7 +11,7 @@ import pytest
 
 from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import MAX_CHOICES, split_choices
-from tests.support.frontend_helpers import auth, frontend, make_cfg
+from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, tenant
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import worker
 
@@ -86,3 +86,24 @@ async def test_one_answer_failing_fails_the_whole_and_cancels_the_others(redis_s
         body = await r.json()
         assert r.status == 400 and "maximum context length" in body["error"]["message"], body
         await wait_until(lambda: up.disconnects >= 1, "the slow answer's stream broken off (cancelled)")
+
+
+async def test_more_answers_than_the_tenants_max_inflight_is_a_429_before_any_is_admitted(
+        redis_server, sync_redis, fake_upstream) -> None:
+    """A tenant whose ``max_inflight`` is below the answers asked for can never have them all
+    in flight: a 429 that says so (and not to resend it), with nothing admitted -- not some
+    of them admitted, charged and handed to a worker, then cancelled, on every resend."""
+    capped = tenant("capped", "key-capped", "P1", max_inflight=2)
+    cfg = make_cfg(redis_server.url, tenants=[capped])
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        r = await client.post("/v1/chat/completions", headers=auth("key-capped"), json={
+            "model": "tiny", "messages": [{"role": "user", "content": "abc"}], "n": 3, "max_tokens": 10})
+        body = await r.json()
+        assert (r.status, body["error"]["code"]) == (429, "too_many_inflight"), body
+        assert "max_inflight" in body["error"]["message"] and r.headers["x-should-retry"] == "false"
+        assert sync_redis.keys(POOL.request_prefix + "*") == [] and fake_upstream.bodies == []
+        # as many as its bound: served
+        r = await client.post("/v1/chat/completions", headers=auth("key-capped"), json={
+            "model": "tiny", "messages": [{"role": "user", "content": "abc"}], "n": 2, "max_tokens": 10})
+        assert r.status == 200, await r.text()
+        assert len((await r.json())["choices"]) == 2

@@ -167,9 +167,17 @@ def _generation_handler(kind: str) -> Handler:
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
         bodies, n = oa.split_choices(kind, body)
+        drafts = [oa.parse_request(kind, one, fe.cfg, pool) for one in bodies]
+        if 0 < tenant.max_inflight < len(drafts):
+            # It can never have them all in flight: admitted, some were charged, handed to a
+            # worker and cancelled when the rest found the bound taken (by its own answers),
+            # on each of the SDK's resends of the 429.
+            raise ApiError(429, f"This request asks for {len(drafts)} answers, each a request of its own, "
+                           f"and tenant {tenant.name!r} may have at most {tenant.max_inflight} in flight "
+                           "(its max_inflight): ask for fewer a request", code="too_many_inflight",
+                           should_retry=False, outcome="throttled")
         reqs = []
-        for i, one in enumerate(bodies):  # (n copies of a prompt: counted once)
-            draft = oa.parse_request(kind, one, fe.cfg, pool)
+        for i, draft in enumerate(drafts):  # (n copies of a prompt: counted once)
             await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
             oa.refuse_if_surely_too_long(draft)
             count = await fe.count_prompt(draft, tenant) if i % n == 0 else reqs[-1].prompt_tokens
