@@ -27,6 +27,9 @@ def test_n_copies_a_body_with_its_seed_apart_and_prompts_go_one_a_body() -> None
     for prompt in ("a", ["a"], [1, 2], [[1, 2]]):
         assert split_choices("completion", {"prompt": prompt}) == ([{"prompt": prompt}], 1)
     assert split_choices("chat", {"messages": [], "n": 1}) == ([{"messages": [], "n": 1}], 1)
+    # a list of lists holding texts or lists is no batch of token-id prompts (parse_request's 400)
+    for prompt in ([["a"], ["b"]], [[[1]], [[2]]], [[1, 2], ["a"]]):
+        assert split_choices("completion", {"prompt": prompt}) == ([{"prompt": prompt}], 1)
 
 
 @pytest.mark.parametrize(("kind", "body", "param", "code"), [

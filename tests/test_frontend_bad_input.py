@@ -62,6 +62,8 @@ CASES = [
     (COMP, {"model": "tiny", "prompt": [1, 2, 3]}, {}, 400, "prompt", "unsupported_value"),
     (COMP, {"model": "tiny", "prompt": [1, "a"]}, {}, 400, "prompt", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": [[1], [2]]}, {}, 400, "prompt", "unsupported_value"),
+    # lists of texts, or of batches: none of vLLM's prompt shapes (not several prompts)
+    (COMP, {"model": "tiny", "prompt": [["a"], ["b"]]}, {}, 400, "prompt", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": ["a"] * 65}, {}, 400, "prompt", "invalid_value"),
     (COMP, {"model": "tiny", "prompt": ["a", "b"], "stream": True}, {}, 400, "prompt", "unsupported_value"),
     (COMP, {"model": "tiny", "prompt": {"text": "x"}}, {}, 400, "prompt", "invalid_type"),

@@ -670,8 +670,11 @@ def split_choices(kind: str, body: Mapping[str, Any]) -> tuple[list[dict[str, An
     elif not 1 <= n <= MAX_CHOICES:
         raise bad("n", f"'n' must be in [1, {MAX_CHOICES}], got {n}")
     prompts = body.get("prompt")
+    # (a list of lists is token-id prompts: one holding texts or lists, ``[["a"], ["b"]]`` or
+    # ``[[[1]], [[2]]]``, is none of vLLM's prompt shapes, and its 400 is parse_request's)
     several = kind != "chat" and isinstance(prompts, list) and len(prompts) > 1 and (
-        all(isinstance(p, str) for p in prompts) or all(isinstance(p, list) for p in prompts))
+        all(isinstance(p, str) for p in prompts)
+        or all(isinstance(p, list) and not any(isinstance(t, list | str) for t in p) for p in prompts))
     if not several:
         prompts = [prompts]
     if n == 1 and not several:
