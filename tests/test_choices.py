@@ -11,6 +11,7 @@ import pytest
 
 from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import MAX_CHOICES, split_choices
+from limiter.frontend.runtime import FRONTEND
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, tenant
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import worker
@@ -71,7 +72,12 @@ async def test_several_prompts_come_as_a_choice_each_in_order(redis_server, fake
             "model": "tiny", "prompt": ["abc", "defghi", "jk"], "max_tokens": 10})
         assert r.status == 200, await r.text()
         out = await r.json()
+        records = r.headers["X-QoS-Request-Id"].split(",")  # each answer's record, to trace it
+        assert len(set(records)) == 3
+        fe = client.server.app[FRONTEND]
+        states = [await fe.client.hget(fe.pool_keys["tiny"].request(rid), "state") for rid in records]
     assert [c["text"] for c in out["choices"]] == ["cba", "ihgfed", "kj"]
+    assert states == [b"done"] * 3, states
     assert [c["index"] for c in out["choices"]] == [0, 1, 2]
     # the fake counts a prompt's words + BOS: 2 each
     assert out["usage"] == {"prompt_tokens": 6, "completion_tokens": 1 + 2 + 1, "total_tokens": 10}

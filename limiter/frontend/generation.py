@@ -89,7 +89,8 @@ class Generation:
         # and stands still within a turn, and the admission and TTFT histograms have
         # sub-millisecond buckets (every figure was a whole ms). ``received`` is one too.
         # Registered before admitting: a fast worker's first tokens may arrive before admit
-        # returns. run(), awaited right after construction, unregisters it in any case.
+        # returns. run() or run_to_answer(), awaited (or made a task) right after
+        # construction, unregisters it in any case.
         self.queue = fe.router.register(self.request_id)
         self.maybe_admitted = False  # admit may have queued it: cancel on any abnormal exit
         self.terminal = False  # the request reached a final state; nothing left to cancel
@@ -355,11 +356,13 @@ class Generation:
                                         (answer.field, answer.reasoning) if answer.reasoning else None,
                                         oa.merge_tool_calls(answer.tool_calls), answer.logprobs)
 
-    async def send_json(self, body: dict[str, Any]) -> web.Response:
-        """Write an unstreamed answer. Written here, under the same bound as a stream's
-        writes: returned, aiohttp wrote it with none, and a client that read nothing held the
-        connection, the handler and the whole answer for as long as it kept its socket open."""
-        resp = web.json_response(body, headers={REQUEST_ID_HEADER: self.request_id,
+    async def send_json(self, body: dict[str, Any], record_ids: str | None = None) -> web.Response:
+        """Write an unstreamed answer (``record_ids``: its records' ids, several answers'
+        joined by commas; default this one's). Written here, under the same bound as a
+        stream's writes: returned, aiohttp wrote it with none, and a client that read nothing
+        held the connection, the handler and the whole answer for as long as it kept its
+        socket open."""
+        resp = web.json_response(body, headers={REQUEST_ID_HEADER: record_ids or self.request_id,
                                                 OPENAI_REQUEST_ID_HEADER: self.public_id},
                                  dumps=oa.compact_json)
         try:
@@ -512,4 +515,5 @@ async def run_choices(gens: list[Generation], n: int) -> web.Response:
         choices.append(choice)
     prompt = sum(b["usage"]["prompt_tokens"] for b in bodies[::n])
     completion = sum(b["usage"]["completion_tokens"] for b in bodies)
-    return await gens[0].send_json({**first, "choices": choices, "usage": oa.usage(prompt, completion)})
+    return await gens[0].send_json({**first, "choices": choices, "usage": oa.usage(prompt, completion)},
+                                   ",".join(g.request_id for g in gens))  # (each answer's record)
