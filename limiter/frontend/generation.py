@@ -499,8 +499,8 @@ async def run_choices(gens: list[Generation], n: int) -> web.Response:
     tasks = [asyncio.create_task(g.run_to_answer()) for g in gens]
     try:
         done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in done:
-            if (exc := t.exception()) is not None:
+        for t in tasks:  # (in the choices' order: the same failure answers the same request)
+            if t in done and (exc := t.exception()) is not None:
                 raise exc
     finally:
         for t in tasks:
