@@ -310,6 +310,21 @@ def _past_seam(text: str, seam: str) -> tuple[str, str]:
     return ("", seam[k:]) if k == len(text) else (text[k:], "")
 
 
+def _unresumable(d: Delivery, before: Delivered) -> str:
+    """What of ``d``'s delivered answer no continuation can follow ("" when one can)."""
+    if before.tool_calls:
+        return "during a tool call"
+    if d.payload.prompt_ids and d.claimed.delivered:
+        # the text delivered cannot follow the ids (a prompt is one or the other), and its
+        # tokens are the worker's bytes, not the model's
+        return "an answer to a token-id prompt"
+    if before.prior and _holds_format(d.payload.upstream):
+        # the server holds an answer to the format from its first token: a continuation of
+        # the text delivered is held to it anew, a whole object after the client's half
+        return "an answer held to a format (response_format, guided_json, ...)"
+    return ""
+
+
 def _past_echo(text: str, echo: str, data: str) -> tuple[str, str]:
     """(``text`` less its start that is the echoed prompt, what of the prompt is still to come):
     a server asked to ``echo`` sends the prompt before the answer (vLLM: in the first chunk,
@@ -850,24 +865,10 @@ class UpstreamLoop:
             return ("ok", "length", "")
         try:
             before = _delivered(d)
-            if before.tool_calls:
-                log.warning("%s: a tool call was broken off; it cannot be resumed", d.request_id)
-                return ("failed", "error", "the model server broke off during a tool call, which cannot be "
-                        "resumed; retry the request")
-            if d.payload.prompt_ids and d.claimed.delivered:
-                # the text delivered cannot follow the ids (a prompt is one or the other), and
-                # its tokens are the worker's bytes, not the model's
-                log.warning("%s: an answer to a token-id prompt was broken off; it cannot be resumed",
-                            d.request_id)
-                return ("failed", "error", "the model server broke off an answer to a token-id prompt, which "
-                        "cannot be resumed; retry the request")
-            if before.prior and _holds_format(d.payload.upstream):
-                # the server holds an answer to the format from its first token: a continuation
-                # of the text delivered is held to it anew, a whole object after the client's half
-                log.warning("%s: an answer held to a format was broken off; it cannot be resumed",
-                            d.request_id)
-                return ("failed", "error", "the model server broke off an answer held to a format "
-                        "(response_format, guided_json, ...), which cannot be resumed; retry the request")
+            if what := _unresumable(d, before):
+                log.warning("%s: the model server broke off %s; it cannot be resumed", d.request_id, what)
+                return ("failed", "error", f"the model server broke off {what}, which cannot be resumed; "
+                        "retry the request")
             seam = before.seam
             path, body = self._body(d, max_tokens - d.total_tokens, before.prior, priority)
         except ValueError as exc:
