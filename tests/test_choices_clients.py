@@ -24,6 +24,7 @@ import pytest
 
 from tests.support.fake_upstream import fake_prompt_logprob, fake_prompt_tokens
 from tests.support.frontend_helpers import frontend, make_cfg
+from tests.support.sdk_headers import OPENAI_SDK_SYNC
 from tests.support.worker_helpers import worker
 from tests.test_lm_eval_requests import parse_generations, parse_logprobs
 
@@ -79,11 +80,8 @@ async def test_lm_evals_batched_generate_until_reads_an_answer_a_prompt(redis_se
     assert all(b["stop"] == ["\n\n"] and b["seed"] == 1234 and "echo" not in b for b in up.bodies)
 
 
-SDK = {"Accept-Encoding": "gzip, deflate", "Connection": "keep-alive", "Authorization": "Bearer demo-p1",
-       "Accept": "application/json", "Content-Type": "application/json", "User-Agent": "OpenAI/Python 3.63.0",
-       "x-stainless-lang": "python", "x-stainless-package-version": "3.63.0", "x-stainless-os": "Linux",
-       "x-stainless-arch": "x64", "x-stainless-runtime": "CPython", "x-stainless-runtime-version": "3.11.7",
-       "x-stainless-async": "false", "x-stainless-retry-count": "0", "x-stainless-read-timeout": "600"}
+SDK = {**OPENAI_SDK_SYNC, "Authorization": "Bearer demo-p1", "x-stainless-retry-count": "0",
+       "x-stainless-read-timeout": "600"}
 LANGCHAIN = {**{k: v for k, v in SDK.items() if k != "x-stainless-read-timeout"},
              "x-stainless-raw-response": "true"}
 LITELLM = {**SDK, "Accept-Encoding": "gzip, deflate, zstd", "x-stainless-raw-response": "true",

@@ -37,15 +37,12 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from limiter.localstack.sse import sse_chunks
 from tests.support.fake_upstream import fake_logprob
 from tests.support.frontend_helpers import frontend, make_cfg
+from tests.support.sdk_headers import OPENAI_SDK
 from tests.support.worker_helpers import worker
 
 KEY = "demo-p1"
 # The OpenAI SDK's headers (LangChain and LiteLLM send through it)
-SDK = {"Accept-Encoding": "gzip, deflate", "Connection": "keep-alive", "Accept": "application/json",
-       "Content-Type": "application/json", "User-Agent": "AsyncOpenAI/Python 3.63.0",
-       "x-stainless-lang": "python", "x-stainless-package-version": "3.63.0", "x-stainless-os": "Linux",
-       "x-stainless-arch": "x64", "x-stainless-runtime": "CPython", "x-stainless-runtime-version": "3.11.7",
-       "x-stainless-async": "async:asyncio", "x-stainless-retry-count": "0"}
+SDK = {**OPENAI_SDK, "x-stainless-retry-count": "0"}
 SDK_PLAIN = {**SDK, "x-stainless-read-timeout": "600"}
 SDK_STREAM = {**SDK_PLAIN, "x-stainless-helper-method": "chat.completions.stream"}
 LANGCHAIN = {**SDK, "x-stainless-raw-response": "true"}  # unstreamed (streamed: SDK's alone)

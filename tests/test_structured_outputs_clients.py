@@ -28,18 +28,14 @@ from typing import Any
 
 import pytest
 
-from limiter.localstack.sse import sse_chunks
 from tests.support.fake_upstream import chat_chunk, sse_response
-from tests.support.frontend_helpers import frontend, make_cfg
+from tests.support.frontend_helpers import frontend, make_cfg, post_captured
+from tests.support.sdk_headers import OPENAI_SDK
 from tests.support.worker_helpers import worker
 
 KEY = "demo-p1"
 # The OpenAI SDK's headers (LangChain and LiteLLM's openai/ provider send through it)
-SDK = {"Accept-Encoding": "gzip, deflate", "Connection": "keep-alive", "Accept": "application/json",
-       "Content-Type": "application/json", "User-Agent": "AsyncOpenAI/Python 3.63.0",
-       "x-stainless-lang": "python", "x-stainless-package-version": "3.63.0", "x-stainless-os": "Linux",
-       "x-stainless-arch": "x64", "x-stainless-runtime": "CPython", "x-stainless-runtime-version": "3.11.7",
-       "x-stainless-async": "async:asyncio"}
+SDK = OPENAI_SDK
 SDK_PLAIN = {**SDK, "x-stainless-retry-count": "0", "x-stainless-read-timeout": "600"}
 SDK_PARSE = {**SDK, "x-stainless-helper-method": "chat.completions.parse", "x-stainless-retry-count": "0",
              "x-stainless-read-timeout": "600"}
@@ -266,14 +262,8 @@ async def test_structured_output_clients_requests_replayed(redis_server, fake_up
     fake_upstream.scripts["Weather"] = _model_server
     raw = json.dumps(body, separators=separators).encode()  # as the client wrote it
     async with frontend(cfg) as http, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
-        r = await http.post("/v1/chat/completions", data=raw,
-                            headers={**headers, "Authorization": f"Bearer {KEY}"})
-        assert r.status == 200, (client, await r.text())
-        if body.get("stream"):
-            assert r.headers["Content-Type"].startswith("text/event-stream")
-            chunks = [c async for c in sse_chunks(r.content)]
-        else:
-            whole = await r.json()
+        chunks, whole = await post_captured(http, "/v1/chat/completions", raw, headers, client,
+                                            bool(body.get("stream")), KEY)
     # what reached the model server: the response_format as sent (text: none), the tools as
     # sent, the appended answers' content without the SDK's parsed object and null fields
     (up,) = fake_upstream.bodies

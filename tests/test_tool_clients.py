@@ -23,23 +23,19 @@ import pytest
 from limiter.config import demo_config
 from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import parse_request
-from limiter.localstack.sse import sse_chunks
 from limiter.prompt import ChatMessage
 from tests.support.fake_upstream import chat_chunk, sse_response, tool_chunk
 
 # Fixtures, asked for by name ("client", "fake_worker"): the "as" re-exports them.
 from tests.support.frontend_helpers import client_fixture as client_fixture
 from tests.support.frontend_helpers import fake_worker_fixture as fake_worker_fixture
-from tests.support.frontend_helpers import frontend, make_cfg
+from tests.support.frontend_helpers import frontend, make_cfg, post_captured
+from tests.support.sdk_headers import OPENAI_SDK
 from tests.support.worker_helpers import worker
 
 KEY = "demo-p1"
 # The OpenAI SDK's headers (LangChain and LiteLLM send through it)
-SDK = {"Accept-Encoding": "gzip, deflate", "Connection": "keep-alive", "Accept": "application/json",
-       "Content-Type": "application/json", "User-Agent": "AsyncOpenAI/Python 3.63.0",
-       "x-stainless-lang": "python", "x-stainless-package-version": "3.63.0", "x-stainless-os": "Linux",
-       "x-stainless-arch": "x64", "x-stainless-runtime": "CPython", "x-stainless-runtime-version": "3.11.7",
-       "x-stainless-async": "async:asyncio", "x-stainless-retry-count": "0"}
+SDK = {**OPENAI_SDK, "x-stainless-retry-count": "0"}
 LANGCHAIN = {**SDK, "x-stainless-raw-response": "true"}  # unstreamed (streamed: SDK's alone)
 LITELLM = {**LANGCHAIN, "Accept-Encoding": "gzip, deflate, zstd", "x-stainless-read-timeout": "600.0"}
 SDK_PLAIN = {**SDK, "x-stainless-read-timeout": "600"}
@@ -259,14 +255,8 @@ async def test_agent_clients_tool_requests_replayed(redis_server, sync_redis, fa
     fake_upstream.scripts["Weather"] = _model_server
     raw = json.dumps(body, separators=(",", ":")).encode()  # as the SDK's httpx writes it
     async with frontend(cfg) as http, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
-        r = await http.post("/v1/chat/completions", data=raw,
-                            headers={**headers, "Authorization": f"Bearer {KEY}"})
-        assert r.status == 200, (client, await r.text())
-        if body.get("stream"):
-            assert r.headers["Content-Type"].startswith("text/event-stream")
-            chunks = [c async for c in sse_chunks(r.content)]
-        else:
-            whole = await r.json()
+        chunks, whole = await post_captured(http, "/v1/chat/completions", raw, headers, client,
+                                            bool(body.get("stream")), KEY)
     # what reached the model server: the tools as sent, the choice and parallel flag as sent,
     # the messages with the earlier calls and their results
     (up,) = fake_upstream.bodies

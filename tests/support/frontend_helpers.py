@@ -15,6 +15,7 @@ from limiter.frontend.app import create_app
 from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.keys import PoolKeys
+from limiter.localstack.sse import sse_chunks
 from tests.support.fake_worker import FakeWorker
 
 POOL = PoolKeys("tiny")
@@ -22,6 +23,19 @@ POOL = PoolKeys("tiny")
 
 def auth(key: str = "demo-p1", **extra: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {key}", **extra}
+
+
+async def post_captured(http: TestClient, path: str, raw: bytes, headers: dict[str, str], what: str,
+                        streamed: bool, key: str = "demo-p1") -> tuple[list[Any], dict[str, Any] | None]:
+    """A client's captured request sent as it was, with its tenant's key: (its SSE chunks,
+    None) when ``streamed``, ([], its JSON) when not; a 200 (and, streamed, an event stream)
+    asserted, ``what`` (the client) named when not."""
+    r = await http.post(path, data=raw, headers={**headers, "Authorization": f"Bearer {key}"})
+    assert r.status == 200, (what, await r.text())
+    if not streamed:
+        return [], await r.json()
+    assert r.headers["Content-Type"].startswith("text/event-stream"), what
+    return [c async for c in sse_chunks(r.content)], None
 
 
 def make_cfg(redis_url: str, *, classes: dict[str, dict[str, Any]] | None = None,
