@@ -292,15 +292,12 @@ def _lp_chunk(tokens: list[str], first: int, finish: str | None = None, field: s
     return ("data: " + json.dumps(c) + "\n\n").encode()
 
 
-async def test_a_resumed_answers_logprobs_reach_the_client_once_per_token(env_logprobs) -> None:
-    """The stream breaks after chunks the client read, the last a space; the next attempt
-    continues the answer, whose first token repeats that space (the resume sent the text
-    without it: worker/upstream.py _past_seam), and the client reads every token's logprob
-    once, in order: the repeated space's too would be one token too many."""
-    cfg, up = env_logprobs
+async def _read_resumed(cfg: Any, up: Any, first: list[bytes], then: list[bytes]
+                        ) -> tuple[str, list[dict[str, Any]]]:
+    """A streamed chat with logprobs (prompt RESUME) whose server writes ``first``, breaks once
+    the client read "OneTwoSix " and writes ``then`` to the resume: (the text, the logprobs
+    entries) the client read."""
     read = asyncio.Event()
-    first = [_lp_chunk(["One", "Two"], 0), _lp_chunk(["Six"], 2), _lp_chunk([" "], 3)]
-    then = [_lp_chunk([" "], 0), _lp_chunk(["Ten"], 1), _lp_chunk([], 2, finish="stop")]
     up.scripts["RESUME"] = breaks_once(first, read, then)
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
         r = await client.post("/v1/chat/completions", headers=auth(),
@@ -316,9 +313,21 @@ async def test_a_resumed_answers_logprobs_reach_the_client_once_per_token(env_lo
             texts.append(c["delta"].get("content") or "")
             entries += (c["logprobs"] or {}).get("content") or []
             if "".join(texts) == "OneTwoSix ":
-                read.set()  # both chunks reached the client: now the server breaks
+                read.set()  # the chunks reached the client: now the server breaks
+    return "".join(texts), entries
+
+
+async def test_a_resumed_answers_logprobs_reach_the_client_once_per_token(env_logprobs) -> None:
+    """The stream breaks after chunks the client read, the last a space; the next attempt
+    continues the answer, whose first token repeats that space (the resume sent the text
+    without it: worker/upstream.py _past_seam), and the client reads every token's logprob
+    once, in order: the repeated space's too would be one token too many."""
+    cfg, up = env_logprobs
+    first = [_lp_chunk(["One", "Two"], 0), _lp_chunk(["Six"], 2), _lp_chunk([" "], 3)]
+    then = [_lp_chunk([" "], 0), _lp_chunk(["Ten"], 1), _lp_chunk([], 2, finish="stop")]
+    text, entries = await _read_resumed(cfg, up, first, then)
     assert up.calls["RESUME"] == 2
-    assert "".join(texts) == "OneTwoSix Ten"
+    assert text == "OneTwoSix Ten"
     assert [e["token"] for e in entries] == ["One", "Two", "Six", " ", "Ten"]
     assert up.bodies[-1]["messages"][-1] == {"role": "assistant", "content": "OneTwoSix"}
 
@@ -486,27 +495,11 @@ async def test_a_resumes_repeated_seam_in_a_chunk_of_several_tokens_is_answered_
     decoding): the text loses the repeated space (_past_seam), and so must its logprobs, or
     the client reads the space's token twice."""
     cfg, up = env_logprobs
-    read = asyncio.Event()
     first = [_lp_chunk(["One", "Two"], 0), _lp_chunk(["Six"], 2), _lp_chunk([" "], 3)]
     then = [_lp_entries_chunk([(" ", -0.5), ("Ten", -0.25)], " Ten", 2), _lp_chunk([], 2, finish="stop")]
-    up.scripts["RESUME"] = breaks_once(first, read, then)
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
-        r = await client.post("/v1/chat/completions", headers=auth(),
-                              json={"model": "tiny", "messages": [{"role": "user", "content": "RESUME"}],
-                                    "logprobs": True, "max_tokens": 40, "stream": True})
-        assert r.status == 200, await r.text()
-        texts: list[str] = []
-        entries: list[dict[str, Any]] = []
-        async for ch in sse_chunks(r.content):
-            if not ch or not ch.get("choices"):
-                continue
-            c = ch["choices"][0]
-            texts.append(c["delta"].get("content") or "")
-            entries += (c["logprobs"] or {}).get("content") or []
-            if "".join(texts) == "OneTwoSix ":
-                read.set()
+    text, entries = await _read_resumed(cfg, up, first, then)
     assert up.calls["RESUME"] == 2
-    assert "".join(texts) == "OneTwoSix Ten"
+    assert text == "OneTwoSix Ten"
     assert [e["token"] for e in entries] == ["One", "Two", "Six", " ", "Ten"]
     assert entries[-1]["logprob"] == -0.25
 
