@@ -25,7 +25,7 @@ import pytest
 from tests.support.fake_upstream import fake_prompt_logprob, fake_prompt_tokens
 from tests.support.frontend_helpers import frontend, make_cfg
 from tests.support.sdk_headers import OPENAI_SDK_SYNC
-from tests.support.worker_helpers import worker
+from tests.support.worker_helpers import answered_through_openai_worker, worker
 from tests.test_lm_eval_requests import parse_generations, parse_logprobs
 
 BATCHES: dict[str, dict[str, Any]] = json.loads(
@@ -47,10 +47,8 @@ async def test_lm_evals_batched_loglikelihoods_read_each_prompts_sum(redis_serve
     case, up = BATCHES[name], fake_upstream
     prompts = [p if isinstance(p, str) else bytes(p).decode() for p in json.loads(case["body"])["prompt"]]
     cfg = make_cfg(redis_server.url, pool=_pool(name, up))
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post("/v1/completions", data=case["body"].encode(), headers=dict(case["headers"]))
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, "/v1/completions", case["body"].encode(),
+                                               dict(case["headers"]))
     got = parse_logprobs(out, case["ctxlens"])
     assert len(got) == len(prompts) == len(case["expected"])
     for (logprob, is_greedy), prompt, ctxlen, expected in zip(got, prompts, case["ctxlens"],
@@ -72,10 +70,8 @@ async def test_lm_evals_batched_generate_until_reads_an_answer_a_prompt(redis_se
     case, up = BATCHES[name], fake_upstream
     prompts = [p if isinstance(p, str) else bytes(p).decode() for p in json.loads(case["body"])["prompt"]]
     cfg = make_cfg(redis_server.url, pool=_pool(name, up))
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post("/v1/completions", data=case["body"].encode(), headers=dict(case["headers"]))
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, "/v1/completions", case["body"].encode(),
+                                               dict(case["headers"]))
     assert parse_generations(out) == [p[::-1][:24] for p in prompts]  # the fake's 8 tokens of 3
     assert all(b["stop"] == ["\n\n"] and b["seed"] == 1234 and "echo" not in b for b in up.bodies)
 
@@ -117,10 +113,7 @@ async def test_clients_asking_for_n_answers_read_n_choices(
     LiteLLM's ModelResponse), each its text and finish_reason, and the usage summed (a chat's
     prompt counted once: 1 BOS + 1 word + 2 for its template)."""
     cfg, up = make_cfg(redis_server.url), fake_upstream
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post(path, data=raw, headers=headers)
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, path, raw, headers)
     chat = path == CHAT
     assert out["object"] == ("chat.completion" if chat else "text_completion") and out["model"] == "tiny"
     assert [c["index"] for c in out["choices"]] == list(range(len(texts)))

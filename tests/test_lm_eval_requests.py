@@ -32,7 +32,7 @@ import pytest
 
 from tests.support.fake_upstream import fake_prompt_logprob
 from tests.support.frontend_helpers import frontend, make_cfg
-from tests.support.worker_helpers import worker
+from tests.support.worker_helpers import answered_through_openai_worker, worker
 
 SYNC_HEADERS = {"User-Agent": "python-requests/2.34.2", "Accept-Encoding": "gzip, deflate", "Accept": "*/*",
                 "Connection": "keep-alive", "Authorization": "Bearer demo-p1",
@@ -119,10 +119,7 @@ def env(redis_server, sync_redis, fake_upstream):
 async def test_lm_evals_loglikelihood_request_reads_the_continuations_logprobs(
         env, headers: dict[str, str], raw: bytes, prompt: str, ctxlen: int) -> None:
     cfg, up = env
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post("/v1/completions", data=raw, headers=headers)
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, "/v1/completions", raw, headers)
     expected = sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt)))
     [(logprob, is_greedy)] = parse_logprobs(out, [ctxlen])
     assert logprob == pytest.approx(expected) and is_greedy is True
@@ -135,10 +132,7 @@ async def test_lm_evals_loglikelihood_request_reads_the_continuations_logprobs(
 
 async def test_lm_evals_generate_until_request_reads_the_answer(env) -> None:
     cfg, up = env
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post("/v1/completions", data=GENERATE, headers=SYNC_HEADERS)
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, "/v1/completions", GENERATE, SYNC_HEADERS)
     assert parse_generations(out) == ["Q: What is 2+2? A:"[::-1][:24]]  # the fake's 8 tokens of 3
     assert "echo" not in up.bodies[-1] and up.bodies[-1]["stop"] == ["\n\n"]
 
@@ -160,10 +154,7 @@ async def test_lm_evals_token_id_loglikelihood_request_reads_the_continuations_l
     the model server's, so lm-eval's ``ctxlen`` (its count of the context's ids) falls where
     the continuation's tokens begin."""
     cfg, up = env_ids
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post("/v1/completions", data=raw, headers=headers)
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, "/v1/completions", raw, headers)
     expected = sum(fake_prompt_logprob(k) for k in range(ctxlen, len(prompt)))
     [(logprob, is_greedy)] = parse_logprobs(out, [ctxlen])
     assert logprob == pytest.approx(expected) and is_greedy is True
@@ -178,10 +169,7 @@ async def test_lm_evals_token_id_loglikelihood_request_reads_the_continuations_l
 
 async def test_lm_evals_token_id_generate_until_request_reads_the_answer(env_ids) -> None:
     cfg, up = env_ids
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post("/v1/completions", data=IDS_GENERATE, headers=SYNC_HEADERS)
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, "/v1/completions", IDS_GENERATE, SYNC_HEADERS)
     assert parse_generations(out) == ["Q: What is 2+2? A:"[::-1][:24]]
     assert out["usage"]["prompt_tokens"] == len("Q: What is 2+2? A:")
     assert up.bodies[-1]["prompt"] == list(b"Q: What is 2+2? A:") and "echo" not in up.bodies[-1]
@@ -192,10 +180,7 @@ async def test_lm_evals_batch_of_token_id_prompts_is_answered_a_choice_each(env_
     answered together as lm-eval reads them (a choice per prompt, in order)."""
     cfg, up = env_ids
     prompts = [bytes(p).decode() for p in json.loads(IDS_BATCH)["prompt"]]
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post("/v1/completions", data=IDS_BATCH, headers=SYNC_HEADERS)
-        assert r.status == 200, await r.text()
-        out = await r.json()
+    out = await answered_through_openai_worker(cfg, up.url, "/v1/completions", IDS_BATCH, SYNC_HEADERS)
     ctxlens = [p.index("Answer:") + len("Answer:") for p in prompts]
     got = parse_logprobs(out, ctxlens)
     for (logprob, is_greedy), prompt, ctxlen in zip(got, prompts, ctxlens, strict=True):

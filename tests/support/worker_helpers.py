@@ -29,6 +29,7 @@ from limiter.localstack.toml_writer import write_toml
 from limiter.prompt import Payload, count_tokens
 from limiter.reply_text import unpack
 from limiter.scripts import Scripts, policy_document, unpack_token_ids
+from tests.support.frontend_helpers import frontend
 from tests.support.helpers import three_classes
 from worker.engines.base import Engine
 from worker.engines.sim import PLACEHOLDER
@@ -306,3 +307,13 @@ def mark_hand_backs(monkeypatch: Any) -> contextvars.ContextVar[bool]:
 
     monkeypatch.setattr(WorkerRuntime, "hand_back", hand_back)
     return handing_back
+
+
+async def answered_through_openai_worker(cfg: QosConfig, upstream_url: str, path: str, raw: bytes,
+                                         headers: dict[str, str]) -> dict[str, Any]:
+    """``raw`` sent to ``path`` of a frontend with an openai worker in front of ``upstream_url``
+    (a captured client's request, replayed): its unstreamed answer, a 200 asserted."""
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=upstream_url):
+        r = await client.post(path, data=raw, headers=headers)
+        assert r.status == 200, await r.text()
+        return await r.json()
