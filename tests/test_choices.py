@@ -5,13 +5,17 @@ answered together in vLLM's order; the first failure fails the whole and cancels
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pytest
+from aiohttp import web
 
 from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import MAX_CHOICES, split_choices
 from limiter.frontend.runtime import FRONTEND
+from limiter.localstack.sse import sse_chunks
+from tests.support.fake_upstream import sse_chunk, sse_response
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, tenant
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import worker
@@ -38,10 +42,8 @@ def test_n_copies_a_body_with_its_seed_apart_and_prompts_go_one_a_body() -> None
     ("chat", {"n": 0}, "n", "invalid_value"),
     ("chat", {"n": True}, "n", "invalid_type"),
     ("completion", {"prompt": ["a"] * 33, "n": 2}, "prompt", "invalid_value"),
-    ("chat", {"n": 2, "stream": True}, "n", "unsupported_value"),
-    ("completion", {"prompt": ["a", "b"], "stream": True}, "prompt", "unsupported_value"),
 ])
-def test_too_many_answers_or_several_streamed_are_a_400(kind: str, body: dict[str, Any], param: str,
+def test_too_many_answers_are_a_400(kind: str, body: dict[str, Any], param: str,
                                                          code: str) -> None:
     with pytest.raises(ApiError) as e:
         split_choices(kind, body)
@@ -116,3 +118,183 @@ async def test_more_answers_than_the_tenants_max_inflight_is_a_429_before_any_is
             "model": "tiny", "messages": [{"role": "user", "content": "abc"}], "n": 2, "max_tokens": 10})
         assert r.status == 200, await r.text()
         assert len((await r.json())["choices"]) == 2
+
+
+async def _read_stream(r: Any) -> list[Any]:
+    """A stream's chunks, then None for its ``[DONE]`` (absent when it ended without one)."""
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream"), await r.text()
+    return [c async for c in sse_chunks(r.content)]
+
+
+def _by_index(chunks: list[Any], field: str) -> dict[int, str]:
+    texts: dict[int, str] = {}
+    for c in chunks:
+        for choice in c["choices"]:
+            part = choice["delta"].get("content") if field == "content" else choice["text"]
+            texts[choice["index"]] = texts.get(choice["index"], "") + (part or "")
+    return texts
+
+
+async def test_n_answers_streamed_come_as_chunks_of_their_index(redis_server, fake_upstream) -> None:
+    """vLLM's stream of ``n`` answers: a role chunk for each choice first, then each answer's
+    chunks as its ``index`` (interleaved: the fake writes each answer's first piece, then
+    waits), one finish each, each chunk's running usage its own answer's, and the usage
+    summed at the end with the prompt once; one id on every chunk."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+    up.gate = asyncio.Semaphore(0)  # each answer's first piece, then nothing until released
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/chat/completions", headers=auth(), json={
+            "model": "tiny", "messages": [{"role": "user", "content": "abcdef ghi"}], "n": 3,
+            "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+        assert r.status == 200, await r.text()
+        first: list[Any] = []
+        async for c in sse_chunks(r.content):  # every answer's first piece, before any second
+            first.append(c)
+            if len(_by_index(first, "content")) == 3 and all(_by_index(first, "content").values()):
+                break
+        for _ in range(100):
+            up.gate.release()
+        chunks = first + [c async for c in sse_chunks(r.content)]
+        records = r.headers["X-QoS-Request-Id"].split(",")
+        one = await (await client.post("/v1/chat/completions", headers=auth(), json={
+            "model": "tiny", "messages": [{"role": "user", "content": "abcdef ghi"}],
+            "max_tokens": 10})).json()
+    assert chunks[-1] is None  # [DONE]
+    chunks = chunks[:-1]
+    assert len(set(records)) == 3
+    assert [c["choices"][0]["delta"].get("role") for c in chunks[:3]] == ["assistant"] * 3
+    assert [c["choices"][0]["index"] for c in chunks[:3]] == [0, 1, 2]
+    assert _by_index(chunks[:-1], "content") == {i: "ihg fedcba" for i in range(3)}
+    assert {c["id"] for c in chunks} == {"chatcmpl-" + r.headers["x-request-id"]}
+    assert len({c["created"] for c in chunks}) == 1 and len({c["created"] for c in chunks}) == 1
+    finishes = [c["choices"][0]["index"] for c in chunks[:-1] if c["choices"][0]["finish_reason"] == "stop"]
+    assert sorted(finishes) == [0, 1, 2]
+    prompt, each = one["usage"]["prompt_tokens"], one["usage"]["completion_tokens"]
+    for c in chunks[:-1]:  # each chunk's running usage is its own answer's (not the sum's)
+        assert c["usage"]["completion_tokens"] <= each, c
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"] == {
+        "prompt_tokens": prompt, "completion_tokens": 3 * each, "total_tokens": prompt + 3 * each}
+
+
+async def test_several_prompts_streamed_each_echo_its_own_prompt_and_count_its_own_offsets(
+        redis_server, fake_upstream) -> None:
+    """A completion's two prompts, ``n`` 2 each, streamed with ``echo`` and logprobs: choices
+    0-1 answer the first prompt, 2-3 the second; each text begins with its own prompt, and each
+    choice's ``text_offset`` counts its own answer; the usage counts each prompt once."""
+    cfg, up = make_cfg(redis_server.url, pool={"logprobs": True}), fake_upstream
+    prompts = ["abc def", "ghi jkl mno"]
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": prompts, "n": 2, "max_tokens": 10, "echo": True, "logprobs": 0,
+            "stream": True, "stream_options": {"include_usage": True}})
+        chunks = await _read_stream(r)
+    assert chunks[-1] is None
+    texts = _by_index(chunks[:-2], "text")
+    assert texts == {0: "abc deffed cba", 1: "abc deffed cba", 2: "ghi jkl mnoonm lkj ihg",
+                     3: "ghi jkl mnoonm lkj ihg"}
+    for i in range(4):
+        offsets = [o for c in chunks[:-2] for ch in c["choices"] if ch["index"] == i and ch["logprobs"]
+                   for o in ch["logprobs"]["text_offset"]]
+        assert offsets == sorted(offsets) and offsets[0] == 0, (i, offsets)
+        assert offsets[-1] < len(texts[i])
+    usage = chunks[-2]["usage"]
+    assert usage["prompt_tokens"] == 3 + 4  # the fake's words + BOS, each prompt once
+    assert usage["completion_tokens"] == 2 * (3 + 4)  # (3-character tokens of "fed cba" / "onm lkj ihg")
+
+
+def _writes_then_waits(up: Any) -> Any:
+    """A server script that writes one chunk ("first"), then waits for its client (the worker)
+    to leave, counted in ``up.disconnects``."""
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(sse_chunk("first"))
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.01)  # (the fake's handlers are not cancelled when a client leaves)
+        up.disconnects += 1
+        return resp
+
+    return script
+
+
+async def test_a_refusal_before_the_stream_opens_is_an_http_status_that_leaves_nothing_taken(
+        redis_server, fake_upstream, monkeypatch) -> None:
+    """Of two answers, the first streams text (and then waits), and the second is admitted only
+    after that text reached this frontend, to find its tenant's in-flight bound taken (by a
+    request held at the model server, and the first): the stream is not opened until every
+    answer is admitted, so the client reads an honest 429, not a 200 with an error inside;
+    the first is cancelled, and its slot is free again."""
+    capped = tenant("capped", "key-capped", "P1", max_inflight=2)
+    cfg, up = make_cfg(redis_server.url, tenants=[capped]), fake_upstream
+    release = asyncio.Event()
+
+    async def held(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await release.wait()
+        await resp.write(sse_chunk("x", finish="stop"))
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    up.scripts["HOLD"], up.scripts["WAITS"] = held, _writes_then_waits(up)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        fe = client.server.app[FRONTEND]
+        admit = fe.scripts.admit
+
+        def first_tokens() -> float:  # first tokens this frontend took from the reply stream
+            return sum(s.value for m in fe.metrics.ttft.collect() for s in m.samples
+                       if s.name.endswith("_count"))
+
+        async def admitted_after_the_first_answers_text(keys: Any, **kw: Any) -> Any:
+            if b"LAST" in kw["payload"]:
+                await wait_until(lambda: first_tokens() >= 1, "the first answer's text at the frontend")
+            return await admit(keys, **kw)
+
+        monkeypatch.setattr(fe.scripts, "admit", admitted_after_the_first_answers_text)
+        holder = asyncio.create_task(client.post("/v1/completions", headers=auth("key-capped"),
+                                                 json={"model": "tiny", "prompt": "HOLD", "max_tokens": 5}))
+        await wait_until(lambda: any(b["prompt"] == "HOLD" for b in up.bodies),
+                         "the held request at the model server")
+        r = await client.post("/v1/completions", headers=auth("key-capped"), json={
+            "model": "tiny", "prompt": ["WAITS", "LAST"], "max_tokens": 10, "stream": True})
+        assert r.headers["Content-Type"].startswith("application/json"), await r.text()
+        error = (await r.json())["error"]
+        assert (r.status, error["code"]) == (429, "too_many_inflight"), error
+        await wait_until(lambda: up.disconnects >= 1, "the first answer's stream broken off (cancelled)")
+        release.set()
+        assert (await holder).status == 200
+        # both slots free again: the first answer was cancelled, not left holding one
+        r = await client.post("/v1/completions", headers=auth("key-capped"), json={
+            "model": "tiny", "prompt": ["abc", "def"], "max_tokens": 10, "stream": True})
+        chunks = await _read_stream(r)
+    assert chunks[-1] is None and _by_index(chunks[:-1], "text") == {0: "cba", 1: "fed"}
+
+
+async def test_a_failure_after_the_stream_opened_is_reported_in_band_and_cancels_the_others(
+        redis_server, fake_upstream) -> None:
+    """One answer streams and then waits; once the client read its text, the other is refused
+    by the model server (vLLM's context-length 400): the status is sent, so the error comes
+    in-band as one answer's would (no ``[DONE]``), and the waiting answer is cancelled (its
+    stream to the model server broken off)."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+    read = asyncio.Event()
+
+    async def refused_once_read(request: Any, body: dict[str, Any], n: int) -> Any:
+        await read.wait()
+        return web.json_response({"error": {"message": "This model's maximum context length is 64 tokens",
+                                            "type": "BadRequestError", "code": 400}}, status=400)
+
+    up.scripts["WAITS"], up.scripts["LATE"] = _writes_then_waits(up), refused_once_read
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": ["WAITS", "LATE"], "max_tokens": 10, "stream": True})
+        assert r.status == 200, await r.text()
+        chunks = []
+        async for c in sse_chunks(r.content):
+            chunks.append(c)
+            if c is not None and c.get("choices") and c["choices"][0]["text"]:
+                read.set()
+        await wait_until(lambda: up.disconnects >= 1, "the waiting answer's stream broken off (cancelled)")
+    assert chunks[0]["choices"][0] == {"index": 0, "text": "first", "logprobs": None, "finish_reason": None}
+    assert None not in chunks  # no [DONE]
+    assert chunks[-1]["error"]["code"] == "request_refused", chunks[-1]
+    assert "maximum context length" in chunks[-1]["error"]["message"]

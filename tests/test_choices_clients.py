@@ -11,7 +11,7 @@ are in tests/data/lm_eval_batches.json with, for each loglikelihood prompt, lm-e
 the fake's ``fake_prompt_logprob`` lm-eval must read.
 
 OpenAI's Python SDK 3.63.0 (``chat.completions.create(n=3)``, ``completions.create(prompt=[..],
-n=2)``, with a seed, and ``n=2, stream=True``), langchain-openai 1.8.1 (``ChatOpenAI(n=2)``'s
+n=2)``, with a seed), langchain-openai 1.8.1 (``ChatOpenAI(n=2)``'s
 ``generate``) and LiteLLM 1.110.2 (``completion(n=2)``, ``text_completion(prompt=[..], n=2)``)."""
 
 from __future__ import annotations
@@ -20,7 +20,9 @@ import json
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
+from openai.lib.streaming.chat import ChatCompletionStreamState
 
 from tests.support.fake_upstream import fake_prompt_logprob, fake_prompt_tokens
 from tests.support.frontend_helpers import frontend, make_cfg
@@ -129,18 +131,34 @@ async def test_clients_asking_for_n_answers_read_n_choices(
     assert got == want
 
 
-@pytest.mark.parametrize(("path", "raw", "param"), [
-    (CHAT, b'{"model":"tiny","stream":true,"messages":[{"role":"user","content":"abcdef"}],"n":2}', "n"),
-    (COMPLETIONS, b'{"model":"tiny","stream":true,"prompt":["a","b"]}', "prompt"),
-], ids=["sdk-chat-n2-stream", "sdk-completions-2-prompts-stream"])
-async def test_several_answers_streamed_are_a_400_the_sdk_raises(redis_server, sync_redis, fake_upstream,
-                                                                 path: str, raw: bytes, param: str) -> None:
-    """openai.BadRequestError, its message saying what to do; nothing reaches the model server."""
+async def test_the_sdk_streams_several_answers_a_choice_each(redis_server, fake_upstream) -> None:
+    """The OpenAI SDK itself, streaming: ``chat.completions.create(n=2, stream=True)`` read by
+    its own accumulator (``ChatCompletionStreamState``, what its ``stream()`` helper builds the
+    final completion with), the ``stream()`` helper, and ``completions.create`` with two
+    prompts: every choice whole under its index, the usage summed with a prompt once."""
     cfg, up = make_cfg(redis_server.url), fake_upstream
+    messages: list[Any] = [{"role": "user", "content": "abcdef"}]
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        r = await client.post(path, data=raw, headers=SDK)
-        assert r.status == 400 and r.content_type == "application/json"
-        error = (await r.json())["error"]
-    assert error["param"] == param and error["code"] == "unsupported_value"
-    assert "not streamed" in error["message"] and "without 'stream'" in error["message"]
-    assert up.bodies == []
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            state: ChatCompletionStreamState[None] = ChatCompletionStreamState()
+            async for c in await sdk.chat.completions.create(
+                    model="tiny", messages=messages, n=2, max_tokens=10, stream=True,
+                    stream_options={"include_usage": True}):
+                state.handle_chunk(c)
+            created = state.get_final_completion()
+            async with sdk.chat.completions.stream(model="tiny", messages=messages, n=3, max_tokens=10) as s:
+                helper = await s.get_final_completion()
+            texts: dict[int, str] = {}
+            async for c in await sdk.completions.create(model="tiny", prompt=["abcdef", "ghi"], n=2,
+                                                        max_tokens=10, stream=True):
+                for ch in c.choices:
+                    texts[ch.index] = texts.get(ch.index, "") + ch.text
+        finally:
+            await sdk.close()
+    assert [(c.index, c.message.content, c.finish_reason) for c in created.choices] == \
+        [(0, "fedcba", "stop"), (1, "fedcba", "stop")]
+    usage = created.usage
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (4, 4)
+    assert [(c.index, c.message.content) for c in helper.choices] == [(i, "fedcba") for i in range(3)]
+    assert texts == {0: "fedcba", 1: "fedcba", 2: "ihg", 3: "ihg"}

@@ -65,7 +65,7 @@ CASES = [
     # lists of texts, or of batches: none of vLLM's prompt shapes (not several prompts)
     (COMP, {"model": "tiny", "prompt": [["a"], ["b"]]}, {}, 400, "prompt", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": ["a"] * 65}, {}, 400, "prompt", "invalid_value"),
-    (COMP, {"model": "tiny", "prompt": ["a", "b"], "stream": True}, {}, 400, "prompt", "unsupported_value"),
+    (COMP, {"model": "tiny", "prompt": ["a", 1], "stream": True}, {}, 400, "prompt", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": {"text": "x"}}, {}, 400, "prompt", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": "x" * 5000}, {}, 400, "prompt", "context_length_exceeded"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x" * 5000}]}, {}, 400, "messages",
@@ -95,7 +95,7 @@ CASES = [
     (COMP, {"model": "tiny", "prompt": "x", "seed": 2**70}, {}, 400, "seed", "invalid_type"),
     (COMP, {"model": "tiny", "prompt": "x", "n": 65}, {}, 400, "n", "invalid_value"),
     (COMP, {"model": "tiny", "prompt": "x", "n": "2"}, {}, 400, "n", "invalid_type"),
-    (COMP, {"model": "tiny", "prompt": "x", "n": 2, "stream": True}, {}, 400, "n", "unsupported_value"),
+    (COMP, {"model": "tiny", "prompt": "x", "n": 2.5, "stream": True}, {}, 400, "n", "invalid_type"),
     (CHAT, {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "n": 0}, {}, 400, "n",
      "invalid_value"),
     (COMP, {"model": "tiny", "prompt": "x", "stream": "yes"}, {}, 400, "stream", "invalid_type"),

@@ -33,6 +33,7 @@ from limiter.errors import ConfigError
 from limiter.frontend import cors
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
+from limiter.frontend.choices import run_choices, stream_choices
 from limiter.frontend.errors import (
     LABELS,
     ApiError,
@@ -41,7 +42,7 @@ from limiter.frontend.errors import (
     error_middleware,
     quiet_client_parse_errors,
 )
-from limiter.frontend.generation import Generation, run_choices
+from limiter.frontend.generation import Generation
 from limiter.frontend.metrics import METRICS, FrontendMetrics
 from limiter.frontend.readiness import readiness
 from limiter.frontend.runtime import FRONTEND, Frontend
@@ -184,7 +185,9 @@ def _generation_handler(kind: str) -> Handler:
             reqs.append(oa.finish_request(draft, count))
         # (made once every answer's request is checked: each registers for its replies)
         gens = [Generation(fe, request, tenant, cls, req, max_wait, received, client_id) for req in reqs]
-        return await (gens[0].run() if len(gens) == 1 else run_choices(gens, n))
+        if len(gens) == 1:
+            return await gens[0].run()
+        return await (stream_choices(gens, n) if gens[0].req.stream else run_choices(gens, n))
 
     return handler
 

@@ -58,7 +58,7 @@ DEADLINE_SLACK_S = 0.02
 WRITE_GRACE_S = 2.0
 
 
-class _ClientStalled(Exception):
+class ClientStalled(Exception):
     """The client stopped reading and its socket stayed full past the request's time."""
 
 
@@ -102,16 +102,18 @@ class Generation:
         self.final_grace_used = False
         self.safety_deadline = received + fe.settings.request_timeout_s
         self.labels = (req.pool.name, cls)
+        self.streamed_chars = 0  # a stream's answer characters sent so far (a completion's offsets)
+        self.echo_pending = req.echo  # a streamed completion's `echo`, still to send
 
     async def run(self) -> web.StreamResponse:
-        return await self._admitted(lambda: self.stream() if self.req.stream else self.collect())
+        return await self.run_admitted(lambda: self.stream() if self.req.stream else self.collect())
 
     async def run_to_answer(self) -> dict[str, Any]:
         """Admit and wait for the whole answer, written by the caller (one of several
-        choices: :func:`run_choices`)."""
-        return await self._admitted(self.answer)
+        choices: limiter/frontend/choices.py)."""
+        return await self.run_admitted(self.answer)
 
-    async def _admitted(self, then: Callable[[], Awaitable[_T]]) -> _T:
+    async def run_admitted(self, then: Callable[[], Awaitable[_T]]) -> _T:
         fe = self.fe
         fe.metrics.inflight.labels(self.req.pool.name).inc()
         try:
@@ -366,15 +368,15 @@ class Generation:
                                                 OPENAI_REQUEST_ID_HEADER: self.public_id},
                                  dumps=oa.compact_json)
         try:
-            await self._write(resp.prepare(self.request))
-            await self._write(resp.write_eof())
+            await self.bounded_write(resp.prepare(self.request))
+            await self.bounded_write(resp.write_eof())
         except ConnectionError:  # the client left; its request is done in Redis
             self.request[LABELS].outcome = "cancelled"
-        except _ClientStalled:
-            self._drop_stalled_client()
+        except ClientStalled:
+            self.drop_stalled_client()
         return resp
 
-    def _drop_stalled_client(self) -> None:
+    def drop_stalled_client(self) -> None:
         """Nothing more can reach a client that stopped reading in time: drop its connection
         (and what is buffered for it)."""
         log.info("%s: the client stopped reading; dropped after the %g s request timeout",
@@ -383,7 +385,7 @@ class Generation:
         if self.request.transport is not None:
             self.request.transport.abort()
 
-    async def _write(self, aw: Awaitable[Any]) -> None:
+    async def bounded_write(self, aw: Awaitable[Any]) -> None:
         """One write to the client, bounded by the request's safety deadline (plus the grace):
         a client that stops reading but keeps its socket open held this handler, its reply
         queue and everything the worker sent for as long as it liked -- and once the worker is
@@ -392,7 +394,7 @@ class Generation:
             async with asyncio.timeout_at(self.safety_deadline + WRITE_GRACE_S):
                 await aw
         except TimeoutError:
-            raise _ClientStalled from None
+            raise ClientStalled from None
 
     async def stream(self) -> web.StreamResponse:
         """The SSE answer. Each reply entry becomes one socket write (headers, the chat opener,
@@ -400,22 +402,6 @@ class Generation:
         loopback socket was a third of this process's CPU at full load, and the client sees
         the same events either way."""
         resp: web.StreamResponse | None = None
-        req, rid, created = self.req, self.public_id, self.created  # rid: what the chunks' ids read
-        streamed_chars = 0  # the answer's characters sent so far
-        echo = req.echo  # a completion's `echo`, still to send
-
-        async def open_stream() -> tuple[web.StreamResponse, list[bytes]]:
-            # Headers go out with the first token, not before: until then a queue timeout
-            # can still be an honest 503 rather than an error inside a 200 stream.
-            s = _SseResponse(headers={
-                "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
-                "X-Accel-Buffering": "no", REQUEST_ID_HEADER: self.request_id, OPENAI_REQUEST_ID_HEADER: rid})
-            await self._write(s.prepare(self.request))
-            if req.kind == "chat":
-                opener = oa.chunk(req, rid, created, role=True, usage_so_far=(req.prompt_tokens, 0))
-                return s, [oa.sse(opener)]
-            return s, []
-
         try:
             while True:
                 try:
@@ -425,12 +411,7 @@ class Generation:
                 except ApiError as exc:
                     if resp is None:
                         raise
-                    # Mid-stream: the status is sent; report in-band as OpenAI does. The end goes
-                    # with it, under the bound: returned unended, aiohttp's own write_eof waited
-                    # without one on a client that read nothing (its socket full), for ever.
-                    self.request[LABELS].outcome = exc.outcome
-                    await self._write(resp.write_eof(oa.sse(exc.body())))
-                    return resp
+                    return await self.end_with_error(resp, exc)
                 text = self.accept(r)
                 out: list[bytes] = []
                 if resp is None:
@@ -438,82 +419,95 @@ class Generation:
                         # a token with no text yet (the first byte of a character): nothing the
                         # client could see, and a failure after it is still an honest 503
                         continue
-                    resp, out = await open_stream()
-                if echo:  # the prompt, before the answer's first text (packed: a NUL in it is text)
-                    text, echo = pack(req.prompt) + text, False
-                if text:
-                    # the answer's text (every answer but the below: one piece), and a reasoning
-                    # model's thinking and its tool calls where the model server sent them apart,
-                    # a chunk each, in its order (limiter/reply_text.py)
-                    usage_so_far = (req.prompt_tokens, self.forwarded)
-                    for piece in unpack_in_order(text):
-                        thought = (piece.field, piece.reasoning) if piece.reasoning else None
-                        # the run's tokens' logprobs, on its last chunk (a completion's offsets
-                        # count the answer's characters streamed before them)
-                        probs = oa.logprobs_object(req, piece.logprobs, streamed_chars) if piece.logprobs \
-                            else None
-                        streamed_chars += len(piece.content)
-                        if piece.tool_calls:
-                            chunks = [{"reasoning": thought}] if thought else []
-                            chunks += [{"tool_calls": calls} for calls in piece.tool_calls]
-                            if piece.content:
-                                chunks.append({"text": piece.content})
-                            chunks[-1]["logprobs"] = probs
-                            out.extend(oa.sse(oa.chunk(req, rid, created, usage_so_far=usage_so_far, **c))
-                                       for c in chunks)
-                            continue
-                        # a delta of thinking alone has no content
-                        content = piece.content or (None if thought else "")
-                        out.append(oa.sse(oa.chunk(req, rid, created, text=content, reasoning=thought,
-                                                   usage_so_far=usage_so_far, logprobs=probs)))
+                    resp = await self.open_sse()
+                    out = self.sse_opener()
+                out += self.sse_chunks(r, text)
                 if r.kind == "done":
-                    self.observe_done(r)
-                    out.append(oa.sse(oa.chunk(req, rid, created, reason=r.finish,
-                                               usage_so_far=(r.usage_in, r.usage_out))))
-                    if req.include_usage:
-                        out.append(oa.sse(oa.usage_chunk(req, rid, created, r.usage_in, r.usage_out)))
-                    out.append(oa.sse("[DONE]"))
-                    await self._write(resp.write_eof(b"".join(out)))
+                    out += self.sse_end(r.usage_in, r.usage_out)
+                    await self.bounded_write(resp.write_eof(b"".join(out)))
                     return resp
                 if out:
-                    await self._write(resp.write(b"".join(out)))
+                    await self.bounded_write(resp.write(b"".join(out)))
         except ConnectionError:
             # The client closed the connection mid-stream (aiohttp's reset errors are
             # ConnectionErrors): the finally clause in run() cancels the request.
             self.request[LABELS].outcome = "cancelled"
             return resp or web.Response(status=499)
-        except _ClientStalled:
+        except ClientStalled:
             # the finally clause in run() cancels the request if it is still running
-            self._drop_stalled_client()
+            self.drop_stalled_client()
             return resp or web.Response(status=499)
 
+    async def open_sse(self, record_ids: str | None = None) -> web.StreamResponse:
+        """The stream's headers, which go out with its first body write: sent at the first
+        token, not before, so that until then a queue timeout can still be an honest 503
+        rather than an error inside a 200 stream. (``record_ids`` as for :meth:`send_json`.)"""
+        s = _SseResponse(headers={
+            "Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache",
+            "X-Accel-Buffering": "no", REQUEST_ID_HEADER: record_ids or self.request_id,
+            OPENAI_REQUEST_ID_HEADER: self.public_id})
+        await self.bounded_write(s.prepare(self.request))
+        return s
 
-async def run_choices(gens: list[Generation], n: int) -> web.Response:
-    """Several answers to one request (``n`` > 1, or a completion's several prompts), each a
-    request of its own in the queue (its tenant's quota and in-flight bound count each, and
-    each is scheduled, resumed and charged as any), answered together: the choices in order,
-    the usage summed (a prompt once however many answers it has: ``gens`` are each prompt's
-    ``n`` in turn, as vLLM orders its choices). The first failure fails
-    the whole (as vLLM answers), and the others are cancelled: their run's end cancels
-    them in Redis, refunding what they did not use."""
-    tasks = [asyncio.create_task(g.run_to_answer()) for g in gens]
-    try:
-        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
-        for t in tasks:  # (in the choices' order: the same failure answers the same request)
-            if t in done and (exc := t.exception()) is not None:
-                raise exc
-    finally:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-    bodies = [t.result() for t in tasks]
-    first = bodies[0]
-    choices = []
-    for i, b in enumerate(bodies):
-        choice = b["choices"][0]
-        choice["index"] = i
-        choices.append(choice)
-    prompt = sum(b["usage"]["prompt_tokens"] for b in bodies[::n])
-    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
-    return await gens[0].send_json({**first, "choices": choices, "usage": oa.usage(prompt, completion)},
-                                   ",".join(g.request_id for g in gens))  # (each answer's record)
+    async def end_with_error(self, resp: web.StreamResponse, exc: ApiError) -> web.StreamResponse:
+        """Mid-stream: the status is sent; report in-band as OpenAI does. The end goes with it,
+        under the bound: returned unended, aiohttp's own write_eof waited without one on a
+        client that read nothing (its socket full), for ever."""
+        self.request[LABELS].outcome = exc.outcome
+        await self.bounded_write(resp.write_eof(oa.sse(exc.body())))
+        return resp
+
+    def sse_opener(self, index: int = 0) -> list[bytes]:
+        """A chat's first chunk (its role), as the choice ``index``."""
+        if self.req.kind != "chat":
+            return []
+        return [oa.sse(oa.chunk(self.req, self.public_id, self.created, index=index, role=True,
+                                usage_so_far=(self.req.prompt_tokens, 0)))]
+
+    def sse_chunks(self, r: Reply, text: str, index: int = 0) -> list[bytes]:
+        """The chunks of one reply entry (``text``: what :meth:`accept` returned for it), as the
+        choice ``index``: its text, and the finish when it is the last."""
+        req, rid, created = self.req, self.public_id, self.created  # rid: what the chunks' ids read
+        out: list[bytes] = []
+        if self.echo_pending and (text or r.kind == "done"):
+            # the prompt, before the answer's first text (packed: a NUL in it is text)
+            text, self.echo_pending = pack(req.prompt) + text, False
+        if text:
+            # the answer's text (every answer but the below: one piece), and a reasoning
+            # model's thinking and its tool calls where the model server sent them apart,
+            # a chunk each, in its order (limiter/reply_text.py)
+            usage_so_far = (req.prompt_tokens, self.forwarded)
+            for piece in unpack_in_order(text):
+                thought = (piece.field, piece.reasoning) if piece.reasoning else None
+                # the run's tokens' logprobs, on its last chunk (a completion's offsets
+                # count the answer's characters streamed before them)
+                probs = oa.logprobs_object(req, piece.logprobs, self.streamed_chars) if piece.logprobs \
+                    else None
+                self.streamed_chars += len(piece.content)
+                if piece.tool_calls:
+                    chunks = [{"reasoning": thought}] if thought else []
+                    chunks += [{"tool_calls": calls} for calls in piece.tool_calls]
+                    if piece.content:
+                        chunks.append({"text": piece.content})
+                    chunks[-1]["logprobs"] = probs
+                    out.extend(oa.sse(oa.chunk(req, rid, created, index=index, usage_so_far=usage_so_far,
+                                               **c)) for c in chunks)
+                    continue
+                # a delta of thinking alone has no content
+                content = piece.content or (None if thought else "")
+                out.append(oa.sse(oa.chunk(req, rid, created, index=index, text=content, reasoning=thought,
+                                           usage_so_far=usage_so_far, logprobs=probs)))
+        if r.kind == "done":
+            self.observe_done(r)
+            out.append(oa.sse(oa.chunk(req, rid, created, index=index, reason=r.finish,
+                                       usage_so_far=(r.usage_in, r.usage_out))))
+        return out
+
+    def sse_end(self, usage_in: int, usage_out: int) -> list[bytes]:
+        """The stream's last events once every answer ended: the usage (when asked for) and
+        ``[DONE]``."""
+        out = []
+        if self.req.include_usage:
+            out.append(oa.sse(oa.usage_chunk(self.req, self.public_id, self.created, usage_in, usage_out)))
+        out.append(oa.sse("[DONE]"))
+        return out

@@ -661,7 +661,7 @@ def split_choices(kind: str, body: Mapping[str, Any]) -> tuple[list[dict[str, An
     ``batch_size``) -- each with one prompt and ``n`` 1, in vLLM's order of choices (each
     prompt's ``n`` in turn); ``([body], 1)`` for one. A ``seed`` goes to the ``j``-th copy as
     ``seed ^ j``: the copies sample apart, reproducibly (vLLM's ``n`` samples ``n`` sequences
-    of one seeded generator). Several answers are not streamed here (a 400)."""
+    of one seeded generator)."""
     n = _int(body.get("n"))
     if n is None:
         n = 1
@@ -682,9 +682,6 @@ def split_choices(kind: str, body: Mapping[str, Any]) -> tuple[list[dict[str, An
     if len(prompts) * n > MAX_CHOICES:
         raise bad("prompt" if several else "n", f"{len(prompts)} prompts x n {n} ask for {len(prompts) * n} "
                   f"answers; at most {MAX_CHOICES} a request")
-    if body.get("stream") is True:
-        raise bad("prompt" if several else "n", "several answers in one request are not streamed by this "
-                  "service: ask without 'stream', or send one request each", "unsupported_value")
     seed = _int(body.get("seed"))
     out = []
     for prompt in prompts:
@@ -996,7 +993,7 @@ def full_response(req: GenerationRequest, request_id: str, created: int, text: s
             "choices": [choice], "usage": usage(usage_in, usage_out)}
 
 
-def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | None = None,
+def chunk(req: GenerationRequest, request_id: str, created: int, *, index: int = 0, text: str | None = None,
           role: bool = False, reason: str | None = None, usage_so_far: tuple[int, int] | None = None,
           reasoning: tuple[str, str] | None = None,
           tool_calls: list[dict[str, Any]] | None = None,
@@ -1008,7 +1005,7 @@ def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | 
     = (field name, text): a chat delta of a reasoning model's thinking, as vLLM's reasoning
     parser sends it (no ``content`` unless ``text`` has some too); ``tool_calls``: one chunk's
     tool-call deltas as the model server sent them; ``logprobs``: its tokens'
-    (:func:`logprobs_object`)."""
+    (:func:`logprobs_object`); ``index``: the choice's (several answers to one request)."""
     fin = finish_reason(reason) if reason is not None else None
     if req.kind == "chat":
         delta: dict[str, Any] = {}
@@ -1021,10 +1018,10 @@ def chunk(req: GenerationRequest, request_id: str, created: int, *, text: str | 
             delta["content"] = text
         if tool_calls:
             delta["tool_calls"] = tool_calls
-        choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": fin}
+        choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": fin}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": logprobs, "finish_reason": fin}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": fin}
         obj = "text_completion"
     out: dict[str, Any] = {"id": response_id(req, request_id), "object": obj, "created": created,
                            "model": req.model, "choices": [choice]}

@@ -1,0 +1,147 @@
+"""Several answers to one request (``n`` > 1, or a completion's several prompts): each answer
+is a request of its own in the queue (its tenant's quota and in-flight bound count each, and
+each is scheduled, resumed and charged as any), answered together, whole or streamed, as vLLM
+answers them: the choices in vLLM's order (``gens`` are each prompt's ``n`` in turn, the
+choice ``index`` their place), the usage summed with a prompt counted once however many
+answers it has. The first failure fails the whole, and the others are cancelled: their run's
+end cancels them in Redis, refunding what they did not use."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from aiohttp import web
+
+from limiter.frontend import openai_api as oa
+from limiter.frontend.errors import LABELS, ApiError, to_api_error
+from limiter.frontend.generation import ClientStalled, Generation
+from limiter.frontend.replies import Reply
+
+
+def _record_ids(gens: list[Generation]) -> str:
+    return ",".join(g.request_id for g in gens)  # each answer's record, to trace it
+
+
+async def run_choices(gens: list[Generation], n: int) -> web.Response:
+    """The answers as one JSON body."""
+    tasks = [asyncio.create_task(g.run_to_answer()) for g in gens]
+    try:
+        done, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:  # (in the choices' order: the same failure answers the same request)
+            if t in done and (exc := t.exception()) is not None:
+                raise exc
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+    bodies = [t.result() for t in tasks]
+    first = bodies[0]
+    choices = []
+    for i, b in enumerate(bodies):
+        choice = b["choices"][0]
+        choice["index"] = i
+        choices.append(choice)
+    prompt = sum(b["usage"]["prompt_tokens"] for b in bodies[::n])
+    completion = sum(b["usage"]["completion_tokens"] for b in bodies)
+    return await gens[0].send_json({**first, "choices": choices, "usage": oa.usage(prompt, completion)},
+                                   _record_ids(gens))
+
+
+@dataclass(frozen=True)
+class _Event:
+    """What one answer's reader hands the writer: its admission, or one reply entry's chunks
+    (``done``: its last entry)."""
+
+    index: int
+    chunks: tuple[bytes, ...] = ()
+    admitted: bool = False
+    done: Reply | None = None
+
+
+async def _read(g: Generation, index: int, events: asyncio.Queue[_Event | Exception]) -> None:
+    """Admit one answer and hand each of its reply entries to the writer as the choice
+    ``index``; a failure is handed over too (a cancellation, the writer's, is not)."""
+    async def read() -> None:
+        events.put_nowait(_Event(index, admitted=True))
+        while True:
+            r = await g.next_reply()
+            if r.kind in ("err", "shutdown"):
+                raise g.reply_error(r)
+            done = r.kind == "done"
+            events.put_nowait(_Event(index, tuple(g.sse_chunks(r, g.accept(r), index)),
+                                     done=r if done else None))
+            if done:
+                return
+
+    try:
+        await g.run_admitted(read)
+    except Exception as exc:
+        events.put_nowait(exc)
+
+
+async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
+    """The answers as one SSE stream, their chunks interleaved as they come (each carries its
+    choice's ``index``; a chat's role chunks, one a choice, open it). It opens only once every
+    answer is admitted and one has text: until then a refusal (a 429 for the tenant's rate,
+    say) is still an honest HTTP status rather than an error inside a 200 stream. A failure
+    after it opened is reported in-band, as one answer's is."""
+    lead = gens[0]
+    for g in gens[1:]:  # one answer: the chunks of every choice carry one id and one time
+        g.public_id, g.created = lead.public_id, lead.created
+    events: asyncio.Queue[_Event | Exception] = asyncio.Queue()
+    tasks = [asyncio.create_task(_read(g, i, events)) for i, g in enumerate(gens)]
+    resp: web.StreamResponse | None = None
+
+    async def write() -> ApiError | None:
+        """Write the events until every answer is done (None), or one failed after the stream
+        opened (its error, written once the others are cancelled)."""
+        nonlocal resp
+        admitted, left, usage_in, usage_out = 0, len(gens), 0, 0
+        held: list[bytes] = []  # chunks not yet written
+        while True:
+            batch = [await events.get()]
+            while not events.empty():  # what came together goes in one write
+                batch.append(events.get_nowait())
+            for ev in batch:
+                if isinstance(ev, Exception):
+                    if resp is None:
+                        raise ev
+                    return to_api_error(ev)
+                admitted += ev.admitted
+                held.extend(ev.chunks)
+                if ev.done is not None:
+                    left -= 1
+                    usage_in += ev.done.usage_in if ev.index % n == 0 else 0  # a prompt once
+                    usage_out += ev.done.usage_out
+            if resp is None:
+                if admitted < len(gens) or not held:
+                    continue
+                resp = await lead.open_sse(_record_ids(gens))
+                held[:0] = [c for i, g in enumerate(gens) for c in g.sse_opener(i)]
+            if not left:
+                await lead.bounded_write(resp.write_eof(b"".join(held + lead.sse_end(usage_in, usage_out))))
+                return None
+            if held:
+                await lead.bounded_write(resp.write(b"".join(held)))
+                held.clear()
+
+    try:
+        try:
+            failure = await write()
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        if failure is not None and resp is not None:
+            return await lead.end_with_error(resp, failure)
+        assert resp is not None  # (written to its end)
+        return resp
+    except ConnectionError:
+        # The client closed the connection mid-stream: the readers' cancellation (above)
+        # cancelled every answer in Redis.
+        lead.request[LABELS].outcome = "cancelled"
+        return resp or web.Response(status=499)
+    except ClientStalled:
+        lead.drop_stalled_client()
+        return resp or web.Response(status=499)
