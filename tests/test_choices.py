@@ -16,7 +16,7 @@ from limiter.frontend.openai_api import MAX_CHOICES, split_choices
 from limiter.frontend.runtime import FRONTEND
 from limiter.localstack.sse import sse_chunks
 from tests.support.fake_upstream import sse_chunk, sse_response
-from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, tenant
+from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import worker
 
@@ -298,3 +298,29 @@ async def test_a_failure_after_the_stream_opened_is_reported_in_band_and_cancels
     assert None not in chunks  # no [DONE]
     assert chunks[-1]["error"]["code"] == "request_refused", chunks[-1]
     assert "maximum context length" in chunks[-1]["error"]["message"]
+
+
+async def test_answers_that_together_pass_what_a_request_may_hold_queued_are_a_400(
+        redis_server, sync_redis, fake_upstream) -> None:
+    """Each answer is queued with its prompt: 64 answers to a prompt of 200 KB would hold
+    ~13 MB of Redis' memory while they wait. Refused before anything is admitted, naming the
+    bound and what to do; as many answers as fit are served."""
+    # (a capacity that starts 40 answers of 200,000 prompt tokens within the class's max wait)
+    cfg = make_cfg(redis_server.url, pool={"context_tokens": 1_000_000, "capacity_tokens_s": 1e8})
+    prompt = "x" * 200_000
+    async with frontend(cfg, max_body_bytes=16 << 20) as client, \
+            worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        before = redis_state(sync_redis)
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": prompt, "n": 64, "max_tokens": 1})
+        error = (await r.json())["error"]
+        assert (r.status, error["code"], error["param"]) == (400, "request_too_large", "n"), error
+        assert "64 answers" in error["message"] and "8 MiB" in error["message"]
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": [prompt] * 45, "max_tokens": 1})
+        assert (r.status, (await r.json())["error"]["param"]) == (400, "prompt"), await r.text()
+        assert redis_state(sync_redis) == before and fake_upstream.bodies == []
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": prompt, "n": 40, "max_tokens": 1})
+        assert r.status == 200, await r.text()
+        assert len((await r.json())["choices"]) == 40

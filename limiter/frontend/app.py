@@ -42,12 +42,13 @@ from limiter.frontend.errors import (
     error_middleware,
     quiet_client_parse_errors,
 )
-from limiter.frontend.generation import Generation
+from limiter.frontend.generation import Generation, queued_payload
 from limiter.frontend.metrics import METRICS, FrontendMetrics
 from limiter.frontend.readiness import readiness
 from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.metrics_server import start_metrics_server
+from limiter.scripts import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger("qos.frontend")
 
@@ -183,8 +184,17 @@ def _generation_handler(kind: str) -> Handler:
             oa.refuse_if_surely_too_long(draft)
             count = await fe.count_prompt(draft, tenant) if i % n == 0 else reqs[-1].prompt_tokens
             reqs.append(oa.finish_request(draft, count))
+        payloads = [queued_payload(req) for req in reqs]
+        if len(reqs) > 1 and (held := sum(map(len, payloads))) > MAX_PAYLOAD_BYTES:
+            # Each answer is queued with its prompt: n copies of a 1 MiB body held n MiB of
+            # Redis' memory while they waited (64 of a chat's, rendered and as messages, 128).
+            raise ApiError(400, f"The request is too large to queue: its {len(reqs)} answers, each queued "
+                           f"with its prompt, take {held} bytes, over the {MAX_PAYLOAD_BYTES >> 20} MiB a "
+                           "request may hold: ask for fewer answers a request", code="request_too_large",
+                           param="n" if n > 1 else "prompt")
         # (made once every answer's request is checked: each registers for its replies)
-        gens = [Generation(fe, request, tenant, cls, req, max_wait, received, client_id) for req in reqs]
+        gens = [Generation(fe, request, tenant, cls, req, payload, max_wait, received, client_id)
+                for req, payload in zip(reqs, payloads, strict=True)]
         if len(gens) == 1:
             return await gens[0].run()
         return await (stream_choices(gens, n) if gens[0].req.stream else run_choices(gens, n))

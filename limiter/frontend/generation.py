@@ -69,13 +69,28 @@ class _SseResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
+def queued_payload(req: oa.GenerationRequest) -> bytes:
+    """The payload a request is queued with; a 400 naming its field past what one may hold
+    (``MAX_PAYLOAD_BYTES``). admit.lua would refuse it as 'payload', a field the client never
+    sent; a chat request carries its text twice (rendered and as messages), so this comes
+    before max_body_bytes can."""
+    payload = req.payload().pack()
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        param = "messages" if req.kind == "chat" else "prompt"
+        raise ApiError(400, f"The request is too large to queue: its '{param}' take {len(payload)} bytes "
+                       f"as queued, over the {MAX_PAYLOAD_BYTES >> 20} MiB a request may hold",
+                       code="request_too_large", param=param)
+    return payload
+
+
 class Generation:
     """The life of one admitted generation request inside this process."""
 
     def __init__(self, fe: Frontend, request: web.Request, tenant: TenantConfig, cls: str,
-                 req: oa.GenerationRequest, max_wait_ms: int, received: float,
+                 req: oa.GenerationRequest, payload: bytes, max_wait_ms: int, received: float,
                  client_request_id: str | None = None) -> None:
         self.fe, self.request, self.tenant, self.cls, self.req = fe, request, tenant, cls, req
+        self.payload = payload  # what is queued: queued_payload(req)
         self.max_wait_ms = max_wait_ms
         self.received = received
         self.keys = fe.pool_keys[req.pool.name]
@@ -134,15 +149,7 @@ class Generation:
     async def admit(self) -> Admitted:
         fe = self.fe
         started = time.monotonic()
-        payload = self.req.payload().pack()
-        if len(payload) > MAX_PAYLOAD_BYTES:
-            # admit.lua would refuse it as 'payload', a field the client never sent; a chat
-            # request carries its text twice (rendered and as messages), so this comes before
-            # max_body_bytes can.
-            param = "messages" if self.req.kind == "chat" else "prompt"
-            raise ApiError(400, f"The request is too large to queue: its '{param}' take {len(payload)} bytes "
-                           f"as queued, over the {MAX_PAYLOAD_BYTES >> 20} MiB a request may hold",
-                           code="request_too_large", param=param)
+        payload = self.payload
         policy_retry = True
         while True:
             if fe.shutting_down:
