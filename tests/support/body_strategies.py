@@ -48,7 +48,7 @@ FIELDS = {
     "top_p": st.one_of(st.floats(-0.5, 1.5), JUNK),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(max_size=3), max_size=6), JUNK),
     "seed": st.one_of(st.integers(-(2**65), 2**65), JUNK),
-    "n": st.one_of(st.just(1), JUNK),
+    "n": st.one_of(st.just(1), st.integers(2, 3), JUNK),
     "stream": st.one_of(st.booleans(), JUNK),
     "stream_options": st.one_of(st.fixed_dictionaries({"include_usage": st.booleans()}), JUNK),
     "user": st.one_of(st.text(max_size=5), JUNK),
