@@ -43,6 +43,24 @@ def test_the_stack_has_every_role_and_gpu_reservations():
     assert len(ids) == len(set(ids))  # one worker per card
 
 
+def test_redis_asks_every_role_for_one_password_that_compose_will_not_start_without():
+    """Every container on the project's network reaches Redis: without a password any of them
+    could read the queued prompts and rewrite rates and quotas. The one password is compose's
+    ``QOS_REDIS_PASSWORD``, required (``:?``: ``docker compose up`` stops, naming it, while it
+    is unset), in Redis' ``--requirepass`` and in the URL every role is given."""
+    required = "${QOS_REDIS_PASSWORD:?"
+    redis_cmd = COMPOSE["services"]["redis"]["command"]
+    secret = redis_cmd[redis_cmd.index("--requirepass") + 1]
+    assert secret.startswith(required) and secret.endswith("}")
+    url = COMPOSE["x-qos"]["environment"]["QOS_REDIS_URL"]
+    assert url == f"redis://:{secret}@redis:6379/0"
+    for name, svc in _qos_services().items():
+        assert svc["environment"]["QOS_REDIS_URL"] == url, name
+    # what the roles read: the URL, once compose has put the password in
+    cfg = config.load(ROOT / "deploy" / "qos.toml", env={"QOS_REDIS_URL": url.replace(secret, "0f1e2d3c")})
+    assert cfg.redis.url == "redis://:0f1e2d3c@redis:6379/0"
+
+
 def test_the_load_balancer_points_at_the_frontends():
     conf = (ROOT / "deploy" / "nginx.conf").read_text()
     port = _qos_services()["frontend"]["command"][_qos_services()["frontend"]["command"].index("--port") + 1]
