@@ -271,19 +271,21 @@ async def test_a_refusal_before_the_stream_opens_is_an_http_status_that_leaves_n
 
 async def test_a_failure_after_the_stream_opened_is_reported_in_band_and_cancels_the_others(
         redis_server, fake_upstream) -> None:
-    """One answer streams and then waits; once the client read its text, the other is refused
-    by the model server (vLLM's context-length 400): the status is sent, so the error comes
-    in-band as one answer's would (no ``[DONE]``), and the waiting answer is cancelled (its
-    stream to the model server broken off)."""
+    """Both answers stream their first text; once the client read it, one then fails at the
+    model server (an error event mid-answer): the status is sent, so the error comes in-band
+    as one answer's would (no ``[DONE]``), and the waiting answer is cancelled (its stream to
+    the model server broken off)."""
     cfg, up = make_cfg(redis_server.url), fake_upstream
     read = asyncio.Event()
 
-    async def refused_once_read(request: Any, body: dict[str, Any], n: int) -> Any:
+    async def fails_once_read(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(sse_chunk("late"))
         await read.wait()
-        return web.json_response({"error": {"message": "This model's maximum context length is 64 tokens",
-                                            "type": "BadRequestError", "code": 400}}, status=400)
+        await resp.write(b'data: {"error": {"message": "CUDA out of memory"}}\n\n')
+        return resp
 
-    up.scripts["WAITS"], up.scripts["LATE"] = _writes_then_waits(up), refused_once_read
+    up.scripts["WAITS"], up.scripts["LATE"] = _writes_then_waits(up), fails_once_read
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
         r = await client.post("/v1/completions", headers=auth(), json={
             "model": "tiny", "prompt": ["WAITS", "LATE"], "max_tokens": 10, "stream": True})
@@ -291,13 +293,64 @@ async def test_a_failure_after_the_stream_opened_is_reported_in_band_and_cancels
         chunks = []
         async for c in sse_chunks(r.content):
             chunks.append(c)
-            if c is not None and c.get("choices") and c["choices"][0]["text"]:
+            if len(_by_index([c for c in chunks if c and c.get("choices")], "text")) == 2:
                 read.set()
         await wait_until(lambda: up.disconnects >= 1, "the waiting answer's stream broken off (cancelled)")
-    assert chunks[0]["choices"][0] == {"index": 0, "text": "first", "logprobs": None, "finish_reason": None}
+    assert _by_index(chunks[:-1], "text") == {0: "first", 1: "late"}
     assert None not in chunks  # no [DONE]
-    assert chunks[-1]["error"]["code"] == "request_refused", chunks[-1]
-    assert "maximum context length" in chunks[-1]["error"]["message"]
+    assert chunks[-1]["error"]["code"] == "worker_failed", chunks[-1]
+    assert "CUDA out of memory" in chunks[-1]["error"]["message"]
+
+
+async def test_a_prompt_refused_after_another_answer_streamed_text_is_an_http_status(
+        redis_server, fake_upstream) -> None:
+    """One answer streams text (and then waits); the other is refused by the model server
+    before its first token (vLLM's context-length 400), after that text reached this frontend:
+    no worker had begun the second, so the stream is not open yet and the client reads the
+    400 itself, as vLLM answers a batch with a prompt it refuses; the first is cancelled."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        fe = client.server.app[FRONTEND]
+
+        def first_tokens() -> float:  # first tokens this frontend took from the reply stream
+            return sum(s.value for m in fe.metrics.ttft.collect() for s in m.samples
+                       if s.name.endswith("_count"))
+
+        async def refused_once_streamed(request: Any, body: dict[str, Any], n: int) -> Any:
+            await wait_until(lambda: first_tokens() >= 1, "the first answer's text at the frontend")
+            return web.json_response({"error": {"message": "This model's maximum context length is 64 tokens",
+                                                "type": "BadRequestError", "code": 400}}, status=400)
+
+        up.scripts["WAITS"], up.scripts["LATE"] = _writes_then_waits(up), refused_once_streamed
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": ["WAITS", "LATE"], "max_tokens": 10, "stream": True})
+        assert r.headers["Content-Type"].startswith("application/json"), await r.text()
+        error = (await r.json())["error"]
+        assert (r.status, error["code"]) == (400, "request_refused"), error
+        assert "maximum context length" in error["message"]
+        await wait_until(lambda: up.disconnects >= 1, "the waiting answer's stream broken off (cancelled)")
+
+
+async def test_an_answer_that_waits_past_its_max_queue_wait_while_another_streams_is_an_honest_503(
+        redis_server, fake_upstream) -> None:
+    """Two answers, and a worker that runs one at a time: the first streams text (and then
+    waits), the second waits in the queue past the client's max queue wait. A queue timeout
+    is an HTTP 503 with a ``Retry-After`` (the SDK retries it), as one answer's is, not an
+    error inside a 200 stream opened on the other's text; the first is cancelled."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+    up.scripts["WAITS"] = _writes_then_waits(up)
+    async with frontend(cfg) as client, \
+            worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1):
+        r = await client.post("/v1/completions", headers=auth(**{"X-QoS-Max-Wait-Ms": "500"}), json={
+            "model": "tiny", "prompt": "WAITS", "n": 2, "max_tokens": 10, "stream": True})
+        assert r.headers["Content-Type"].startswith("application/json"), await r.text()
+        error = (await r.json())["error"]
+        assert (r.status, error["code"]) == (503, "queue_timeout"), error
+        assert int(r.headers["Retry-After"]) >= 1
+        await wait_until(lambda: up.disconnects >= 1, "the streaming answer's stream broken off (cancelled)")
+        assert not client.server.app[FRONTEND].router._queues  # both answers' handlers ended
+    assert len(up.bodies) == 1  # the second never reached the model server
 
 
 async def test_answers_that_together_pass_what_a_request_may_hold_queued_are_a_400(

@@ -50,12 +50,12 @@ async def run_choices(gens: list[Generation], n: int) -> web.Response:
 
 @dataclass(frozen=True)
 class _Event:
-    """What one answer's reader hands the writer: its admission, or one reply entry's chunks
-    (``done``: its last entry)."""
+    """One reply entry of one answer, as the chunks the writer writes (``done``: its last
+    entry). Its first also says that a worker took that answer: no queue timeout can end it
+    any more, and a refusal of its prompt would have come instead."""
 
     index: int
     chunks: tuple[bytes, ...] = ()
-    admitted: bool = False
     done: Reply | None = None
 
 
@@ -63,7 +63,6 @@ async def _read(g: Generation, index: int, events: asyncio.Queue[_Event | Except
     """Admit one answer and hand each of its reply entries to the writer as the choice
     ``index``; a failure is handed over too (a cancellation, the writer's, is not)."""
     async def read() -> None:
-        events.put_nowait(_Event(index, admitted=True))
         while True:
             r = await g.next_reply()
             if r.kind in ("err", "shutdown"):
@@ -83,9 +82,12 @@ async def _read(g: Generation, index: int, events: asyncio.Queue[_Event | Except
 async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
     """The answers as one SSE stream, their chunks interleaved as they come (each carries its
     choice's ``index``; a chat's role chunks, one a choice, open it). It opens only once every
-    answer is admitted and one has text: until then a refusal (a 429 for the tenant's rate,
-    say) is still an honest HTTP status rather than an error inside a 200 stream. A failure
-    after it opened is reported in-band, as one answer's is."""
+    answer has its first reply entry (a worker took each) and one has text, as one answer's
+    opens at its first token: until then a refusal (a 429 for the tenant's rate, say), a queue
+    timeout of an answer no worker took yet, or the model server's refusal of one prompt is
+    still an honest HTTP status (its Retry-After read by the SDK) rather than an error inside a
+    200 stream opened on another answer's text. A failure after it opened is reported
+    in-band, as one answer's is."""
     lead = gens[0]
     for g in gens[1:]:  # one answer: the chunks of every choice carry one id and one time
         g.public_id, g.created = lead.public_id, lead.created
@@ -97,7 +99,8 @@ async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
         """Write the events until every answer is done (None), or one failed after the stream
         opened (its error, written once the others are cancelled)."""
         nonlocal resp
-        admitted, left, usage_in, usage_out = 0, len(gens), 0, 0
+        left, usage_in, usage_out = len(gens), 0, 0
+        started: set[int] = set()  # the answers a worker took (their first reply entry came)
         held: list[bytes] = []  # chunks not yet written
         while True:
             batch = [await events.get()]
@@ -108,14 +111,14 @@ async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
                     if resp is None:
                         raise ev
                     return to_api_error(ev)
-                admitted += ev.admitted
+                started.add(ev.index)
                 held.extend(ev.chunks)
                 if ev.done is not None:
                     left -= 1
                     usage_in += ev.done.usage_in if ev.index % n == 0 else 0  # a prompt once
                     usage_out += ev.done.usage_out
             if resp is None:
-                if admitted < len(gens) or not held:
+                if len(started) < len(gens) or not held:
                     continue
                 resp = await lead.open_sse(_record_ids(gens))
                 held[:0] = [c for i, g in enumerate(gens) for c in g.sse_opener(i)]
