@@ -340,7 +340,8 @@ async def test_an_answer_that_waits_past_its_max_queue_wait_while_another_stream
     error inside a 200 stream opened on the other's text; the first is cancelled."""
     cfg, up = make_cfg(redis_server.url), fake_upstream
     up.scripts["WAITS"] = _writes_then_waits(up)
-    async with frontend(cfg) as client, \
+    # (the request timeout bounds the test, were the second answer taken after all)
+    async with frontend(cfg, request_timeout_s=30) as client, \
             worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1):
         r = await client.post("/v1/completions", headers=auth(**{"X-QoS-Max-Wait-Ms": "500"}), json={
             "model": "tiny", "prompt": "WAITS", "n": 2, "max_tokens": 10, "stream": True})
