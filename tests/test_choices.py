@@ -282,7 +282,8 @@ async def test_a_failure_after_the_stream_opened_is_reported_in_band_and_cancels
         resp = await sse_response(request)
         await resp.write(sse_chunk("late"))
         await read.wait()
-        await resp.write(b'data: {"error": {"message": "CUDA out of memory"}}\n\n')
+        # (text and the failure in one write: they may reach the client's stream together)
+        await resp.write(sse_chunk(" more") + b'data: {"error": {"message": "CUDA out of memory"}}\n\n')
         return resp
 
     up.scripts["WAITS"], up.scripts["LATE"] = _writes_then_waits(up), fails_once_read
@@ -296,7 +297,7 @@ async def test_a_failure_after_the_stream_opened_is_reported_in_band_and_cancels
             if len(_by_index([c for c in chunks if c and c.get("choices")], "text")) == 2:
                 read.set()
         await wait_until(lambda: up.disconnects >= 1, "the waiting answer's stream broken off (cancelled)")
-    assert _by_index(chunks[:-1], "text") == {0: "first", 1: "late"}
+    assert _by_index(chunks[:-1], "text") == {0: "first", 1: "late more"}  # what came before it too
     assert None not in chunks  # no [DONE]
     assert chunks[-1]["error"]["code"] == "worker_failed", chunks[-1]
     assert "CUDA out of memory" in chunks[-1]["error"]["message"]

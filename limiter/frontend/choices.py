@@ -94,6 +94,7 @@ async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
     events: asyncio.Queue[_Event | Exception] = asyncio.Queue()
     tasks = [asyncio.create_task(_read(g, i, events)) for i, g in enumerate(gens)]
     resp: web.StreamResponse | None = None
+    held: list[bytes] = []  # chunks not yet written
 
     async def write() -> ApiError | None:
         """Write the events until every answer is done (None), or one failed after the stream
@@ -101,7 +102,6 @@ async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
         nonlocal resp
         left, usage_in, usage_out = len(gens), 0, 0
         started: set[int] = set()  # the answers a worker took (their first reply entry came)
-        held: list[bytes] = []  # chunks not yet written
         while True:
             batch = [await events.get()]
             while not events.empty():  # what came together goes in one write
@@ -110,7 +110,7 @@ async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
                 if isinstance(ev, Exception):
                     if resp is None:
                         raise ev
-                    return to_api_error(ev)
+                    return to_api_error(ev)  # (after what came before it: ``held``)
                 started.add(ev.index)
                 held.extend(ev.chunks)
                 if ev.done is not None:
@@ -137,7 +137,7 @@ async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
         if failure is not None and resp is not None:
-            return await lead.end_with_error(resp, failure)
+            return await lead.end_with_error(resp, failure, b"".join(held))
         assert resp is not None  # (written to its end)
         return resp
     except ConnectionError:

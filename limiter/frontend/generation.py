@@ -456,12 +456,14 @@ class Generation:
         await self.bounded_write(s.prepare(self.request))
         return s
 
-    async def end_with_error(self, resp: web.StreamResponse, exc: ApiError) -> web.StreamResponse:
-        """Mid-stream: the status is sent; report in-band as OpenAI does. The end goes with it,
-        under the bound: returned unended, aiohttp's own write_eof waited without one on a
-        client that read nothing (its socket full), for ever."""
+    async def end_with_error(self, resp: web.StreamResponse, exc: ApiError,
+                             before: bytes = b"") -> web.StreamResponse:
+        """Mid-stream: the status is sent; report in-band as OpenAI does (after ``before``,
+        chunks that came ahead of the failure). The end goes with it, under the bound:
+        returned unended, aiohttp's own write_eof waited without one on a client that read
+        nothing (its socket full), for ever."""
         self.request[LABELS].outcome = exc.outcome
-        await self.bounded_write(resp.write_eof(oa.sse(exc.body())))
+        await self.bounded_write(resp.write_eof(before + oa.sse(exc.body())))
         return resp
 
     def sse_opener(self, index: int = 0) -> list[bytes]:
