@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -41,6 +42,7 @@ BYTES = "bytes"
 UPSTREAM = "upstream"
 MODES = (BYTES, UPSTREAM)
 FILE_NAME = "tokenizer.json"
+CONFIG_FILE_NAME = "tokenizer_config.json"  # beside it (save_pretrained): its special tokens, chat template
 THREAD_CHARS = 16_384  # longer prompts are encoded off the event loop
 # How long an idle connection to the model server is kept for reuse (here and by the openai
 # worker): under the 5 s after which vLLM (uvicorn's timeout_keep_alive) closes one. A POST
@@ -160,8 +162,9 @@ class Counter:
 class FileCounter(Counter):
     kind = "file"
 
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, config_path: Path | None = None) -> None:
         self.tokenizer = tokenizer
+        self.config_path = config_path  # the tokenizer_config.json beside it, where there is one
         self._max_id: int | None = None
 
     def count_text(self, text: str) -> int:
@@ -178,6 +181,42 @@ class FileCounter(Counter):
         if len(prompt) > THREAD_CHARS:  # the Rust encoder releases the GIL
             return await asyncio.to_thread(self.count_text, prompt)
         return self.count_text(prompt)
+
+    async def encode(self, text: str, add_special_tokens: bool) -> tuple[list[int], list[str]]:
+        """``text``'s token ids and their token strings (vLLM's ``/tokenize``)."""
+        def run() -> tuple[list[int], list[str]]:
+            enc = self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+            return list(enc.ids), list(enc.tokens)
+
+        return await asyncio.to_thread(run) if len(text) > THREAD_CHARS else run()
+
+    async def decode(self, ids: Sequence[int]) -> str:
+        """The text of token ids, special tokens kept (vLLM's ``/detokenize``)."""
+        def run() -> str:
+            return str(self.tokenizer.decode(list(ids), skip_special_tokens=False))
+
+        return await asyncio.to_thread(run) if len(ids) > THREAD_CHARS else run()
+
+    def info(self) -> dict[str, Any]:
+        """What vLLM's ``GET /tokenizer_info`` answers: the tokenizer's configuration (its
+        special tokens, its chat template), read from the ``tokenizer_config.json`` that
+        ``save_pretrained`` writes beside ``tokenizer.json``; only the class without one."""
+        out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
+        if self.config_path is not None:
+            try:
+                config = json.loads(self.config_path.read_text(encoding="utf-8"))
+            except (OSError, ValueError):
+                config = None
+            if isinstance(config, dict):
+                for key, value in config.items():
+                    if key == "added_tokens_decoder":
+                        continue  # (the vocabulary's added tokens: the tokenizer.json has them)
+                    # a special token saved as an AddedToken object: its text, as vLLM serialises it
+                    if isinstance(value, dict) and isinstance(value.get("content"), str) and \
+                            key.endswith("_token"):
+                        value = value["content"]
+                    out[key] = value
+        return out
 
 
 class UpstreamCounter(Counter):
@@ -201,10 +240,7 @@ class UpstreamCounter(Counter):
                     tools: Sequence[Mapping[str, Any]] = ()) -> int:
         import aiohttp
 
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
-                connector=aiohttp.TCPConnector(keepalive_timeout=MODEL_SERVER_KEEPALIVE_S))
+        session = self._open()
         body: dict[str, Any] = {"model": self.model}
         if messages:
             body.update(messages=[m.to_dict() for m in messages], add_generation_prompt=True)
@@ -216,8 +252,8 @@ class UpstreamCounter(Counter):
             body["prompt"] = prompt
         try:
             # (no redirects followed: see worker/upstream.py REDIRECT_ADVICE; a 3xx is a 503 here)
-            async with self._session.post(self.url, json=body, headers=self.headers,
-                                          allow_redirects=False) as resp:
+            async with session.post(self.url, json=body, headers=self.headers,
+                                    allow_redirects=False) as resp:
                 if resp.status != 200:
                     text = (await resp.text(errors="replace"))[:200]
                     if resp.status in REFUSING_STATUSES:
@@ -232,6 +268,40 @@ class UpstreamCounter(Counter):
         if not isinstance(n, int) or isinstance(n, bool) or n < 0:
             raise TokenizerUnavailable(f"no token count in the answer: {str(data)[:200]}")
         return n
+
+    def _open(self) -> Any:
+        import aiohttp
+
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s),
+                connector=aiohttp.TCPConnector(keepalive_timeout=MODEL_SERVER_KEEPALIVE_S))
+        return self._session
+
+    async def relay(self, path: str, body: Mapping[str, Any] | None) -> tuple[int, Any]:
+        """(status, JSON, or the start of a body that is none) of the model server's ``path``
+        (``/tokenize``, ``/detokenize``: a POST of ``body`` with its ``model`` the served name;
+        ``/tokenizer_info``: a GET for None). :class:`TokenizerUnavailable` when it cannot be
+        asked."""
+        import aiohttp
+
+        base, q, query = self.url.partition("?")
+        url = base.removesuffix("/tokenize") + path + q + query
+        session = self._open()
+        try:
+            if body is None:
+                call = session.get(url, headers=self.headers, allow_redirects=False)
+            else:
+                call = session.post(url, json={**body, "model": self.model}, headers=self.headers,
+                                    allow_redirects=False)
+            async with call as resp:
+                text = await resp.text(errors="replace")
+        except (TimeoutError, aiohttp.ClientError) as exc:
+            raise TokenizerUnavailable(f"{type(exc).__name__}: {exc}") from exc
+        try:  # (an error's body may be any text: a plain "404: Not Found")
+            return resp.status, json.loads(text)
+        except ValueError:
+            return resp.status, text[:300]
 
     async def close(self) -> None:
         if self._session is not None:
@@ -251,5 +321,7 @@ def counter_for(spec: str, url: str, worker: Mapping[str, Any], pool_model: str,
         model = str(env.get("QOS_UPSTREAM_MODEL") or worker.get("upstream_model") or pool_model)
         key = env.get("QOS_UPSTREAM_API_KEY", "")
         return UpstreamCounter(upstream_url(url, worker), model, timeout_s, key)
-    return FileCounter(load_file(tokenizer_file(spec), "tokenizer"))
+    path = tokenizer_file(spec)
+    config = path.with_name(CONFIG_FILE_NAME)
+    return FileCounter(load_file(path, "tokenizer"), config if config.is_file() else None)
 

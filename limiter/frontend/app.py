@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import ConfigError
-from limiter.frontend import cors
+from limiter.frontend import cors, tokenizer_api
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
 from limiter.frontend.choices import run_choices, stream_choices
@@ -220,6 +220,35 @@ async def model(request: web.Request) -> web.Response:
     return web.json_response(_model_object(oa.resolve_pool(fe.cfg, {"model": request.match_info["id"]})))
 
 
+async def tokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /tokenize`` (limiter/frontend/tokenizer_api.py)."""
+    return await _tokenizer_call(request, tokenizer_api.tokenize)
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's ``POST /detokenize``."""
+    return await _tokenizer_call(request, tokenizer_api.detokenize)
+
+
+async def _tokenizer_call(request: web.Request, call: Any) -> web.Response:
+    fe = _frontend(request)
+    tenant = fe.keyring.identify(one_header(request.headers, "Authorization"))
+    body = oa.parse_json(await _read_body(request, fe.settings.max_body_bytes, fe.settings.body_timeout_s))
+    pool = tokenizer_api.pool_of(fe.cfg, body.get("model"))
+    with fe.count_turn(tenant):
+        return web.json_response(await call(pool, fe.counters[pool.name], body), dumps=oa.compact_json)
+
+
+async def tokenizer_info(request: web.Request) -> web.Response:
+    """vLLM's ``GET /tokenizer_info`` (``?model=``: which, where the frontend serves several)."""
+    fe = _frontend(request)
+    tenant = fe.keyring.identify(one_header(request.headers, "Authorization"))
+    pool = tokenizer_api.pool_of(fe.cfg, request.query.get("model"))
+    with fe.count_turn(tenant):
+        return web.json_response(await tokenizer_api.tokenizer_info(pool, fe.counters[pool.name]),
+                                 dumps=oa.compact_json)
+
+
 def _health(fe: Frontend) -> dict[str, str]:
     """``/healthz``: the process runs (on the API port, and on ``metrics_port`` when set)."""
     return {"status": "ok", "frontend": fe.frontend_id}
@@ -366,6 +395,9 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id:.+}", model)
     app.router.add_get("/v1/qos/status", qos_status)
+    app.router.add_post("/tokenize", tokenize)
+    app.router.add_post("/detokenize", detokenize)
+    app.router.add_get("/tokenizer_info", tokenizer_info)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/health", readyz)

@@ -14,7 +14,7 @@ import functools
 import logging
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from typing import Any
 
 from aiohttp import web
@@ -373,11 +373,12 @@ class Frontend:
                 raise ApiError(400, f"'prompt' holds the token id {top} at {at}: this model's vocabulary "
                                     f"ends at {most}", code="invalid_value", param="prompt")
             return len(draft.prompt_ids)
-        held = self._take_count_turn(tenant) if counter.kind != token_count.BYTES else None
+        turn = self.count_turn(tenant) if counter.kind != token_count.BYTES else contextlib.nullcontext()
         try:
-            upstream = draft.fields["upstream"]
-            return await counter.count(draft.prompt, draft.messages, upstream.get("chat_template_kwargs"),
-                                       upstream.get("tools") or ())
+            with turn:
+                upstream = draft.fields["upstream"]
+                return await counter.count(draft.prompt, draft.messages, upstream.get("chat_template_kwargs"),
+                                           upstream.get("tools") or ())
         except token_count.TokenizerRefused as exc:
             # The upstream's own words stay in the log: they may name its internals.
             log.info("pool %s: the upstream tokenizer refused a prompt: %s", draft.pool.name, exc)
@@ -390,22 +391,25 @@ class Frontend:
             raise ApiError(503, "Service temporarily unavailable: the model server could not count the "
                               "prompt's tokens; retry shortly", code="tokenizer_unavailable", retry_after_s=1,
                               outcome="unavailable") from exc
-        finally:
-            if held is not None:
-                self._counting[held] -= 1
-                if not self._counting[held]:
-                    del self._counting[held]
 
-    def _take_count_turn(self, tenant: TenantConfig | None) -> str | None:
-        """One of ``tenant``'s ``max_inflight`` turns to count a prompt (its name), None when it
-        has no cap; :class:`TenantBusy` when all are taken."""
+    @contextlib.contextmanager
+    def count_turn(self, tenant: TenantConfig | None) -> Iterator[None]:
+        """One of ``tenant``'s ``max_inflight`` turns to tokenize (a prompt's count, or the
+        tokenizer endpoints), held for the block; none is needed without a cap.
+        :class:`TenantBusy` when all are taken."""
         if tenant is None or not tenant.max_inflight:
-            return None
+            yield
+            return
         counting = self._counting.get(tenant.name, 0)
         if counting >= tenant.max_inflight:
             raise TenantBusy(tenant.name, counting)
         self._counting[tenant.name] = counting + 1
-        return tenant.name
+        try:
+            yield
+        finally:
+            self._counting[tenant.name] -= 1
+            if not self._counting[tenant.name]:
+                del self._counting[tenant.name]
 
     def not_ready_because(self, pool: str | None = None) -> str:
         """Why this frontend cannot serve ``pool`` ('' when it can); with no pool, why it can

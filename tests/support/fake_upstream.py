@@ -78,6 +78,10 @@ class FakeUpstream:
         self.hold: asyncio.Event | None = None
         self.hold_health = False  # GET /health waits on ``hold`` too
         self.tokenize_redirect: str | None = None  # /tokenize answers 307 to this location
+        # GET /tokenizer_info's answer (None: not served, 404, as vLLM without
+        # --enable-tokenizer-info-endpoint); every /detokenize body is kept in ``detokenized``
+        self.tokenizer_info: dict[str, Any] | None = None
+        self.detokenized: list[dict[str, Any]] = []
         self.calls: dict[str, int] = {}
         app = web.Application()
         app.router.add_get("/v1/models", self.models)
@@ -85,6 +89,8 @@ class FakeUpstream:
         app.router.add_post("/v1/completions", self.handle)
         app.router.add_post("/v1/chat/completions", self.handle)
         app.router.add_post("/tokenize", self.tokenize)
+        app.router.add_post("/detokenize", self.detokenize)
+        app.router.add_get("/tokenizer_info", self.get_tokenizer_info)
         self.runner = web.AppRunner(app)
         self.port = free_port()
 
@@ -120,6 +126,20 @@ class FakeUpstream:
             return web.json_response({"error": {"message": "busy"}}, status=self.status)
         n = fake_prompt_tokens(body)
         return web.json_response({"count": n, "max_model_len": 4096, "tokens": list(range(n))})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.detokenized.append(body)
+        if self.status is not None:
+            return web.json_response({"error": {"message": "busy"}}, status=self.status)
+        if not isinstance(body.get("tokens"), list):
+            return web.json_response({"object": "error", "message": "tokens: field required"}, status=400)
+        return web.json_response({"prompt": fake_decode(body["tokens"])})
+
+    async def get_tokenizer_info(self, request: web.Request) -> web.Response:
+        if self.tokenizer_info is None:
+            raise web.HTTPNotFound()
+        return web.json_response(self.tokenizer_info)
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

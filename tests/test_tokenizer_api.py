@@ -1,0 +1,165 @@
+"""vLLM's tokenizer endpoints through the frontend (``POST /tokenize``, ``POST /detokenize``,
+``GET /tokenizer_info``: what lm-eval's ``tokenizer_backend=remote`` reads): answered from a
+pool's tokenizer.json (and the tokenizer_config.json beside it), relayed to the model server
+for a pool counting ``"upstream"``, refused for a pool counting bytes; each needing a key and
+one of its tenant's turns to tokenize; bad input a 400 naming the field."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.support.frontend_helpers import auth, frontend, make_cfg, tenant
+from tests.support.helpers import wait_until
+from tests.test_token_count import word_tokenizer
+
+CONFIG = {"bos_token": "[BOS]", "eos_token": {"content": "[UNK]", "special": True}, "pad_token": None,
+          "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+          "model_max_length": 4096, "added_tokens_decoder": {"0": {"content": "[UNK]"}}}
+
+
+@pytest.fixture
+def file_cfg(redis_server, tmp_path: Path) -> Any:
+    """A pool counting in a WordLevel tokenizer.json ([BOS] first; "one".."ten" are 2..11),
+    its tokenizer_config.json beside it."""
+    word_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(CONFIG))
+    return make_cfg(redis_server.url, pool={"tokenizer": str(tmp_path / "tok")})
+
+
+async def test_a_tokenizer_json_pool_tokenizes_detokenizes_and_tells_its_tokenizer(file_cfg) -> None:
+    async with frontend(file_cfg) as client:
+        r = await client.post("/tokenize", headers=auth(), json={"prompt": "one two three"})
+        assert r.status == 200, await r.text()
+        assert await r.json() == {"count": 4, "max_model_len": file_cfg.pools[0].context_tokens,
+                                  "tokens": [1, 2, 3, 4]}
+        r = await client.post("/tokenize", headers=auth(), json={
+            "model": "tiny", "prompt": "one two", "add_special_tokens": False, "return_token_strs": True})
+        assert (await r.json())["tokens"] == [2, 3] and (await r.json())["token_strs"] == ["one", "two"]
+        r = await client.post("/detokenize", headers=auth(), json={"tokens": [2, 3, 11]})
+        assert await r.json() == {"prompt": "one two ten"}
+        r = await client.get("/tokenizer_info", headers=auth())
+        info = await r.json()
+    # the config as vLLM answers it: a special token's text, not its AddedToken object
+    assert info["eos_token"] == "[UNK]" and info["bos_token"] == "[BOS]" and info["pad_token"] is None
+    assert info["chat_template"] == CONFIG["chat_template"] and info["model_max_length"] == 4096
+    assert "added_tokens_decoder" not in info and info["tokenizer_class"] == "PreTrainedTokenizerFast"
+
+
+@pytest.mark.parametrize(("path", "body", "param", "code"), [
+    ("/tokenize", {}, "prompt", "missing_required_parameter"),
+    ("/tokenize", {"prompt": 5}, "prompt", "invalid_type"),
+    ("/tokenize", {"prompt": "one", "add_special_tokens": "yes"}, "add_special_tokens", "invalid_type"),
+    ("/tokenize", {"prompt": "one", "return_token_strs": 1}, "return_token_strs", "invalid_type"),
+    ("/tokenize", {"prompt": "one", "temperature": 1}, "temperature", "unknown_parameter"),
+    ("/tokenize", {"prompt": "one", "model": "other"}, "model", "model_not_found"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "one"}]}, "messages", "unsupported_value"),
+    ("/detokenize", {"tokens": [2, "x"]}, "tokens", "invalid_type"),
+    ("/detokenize", {"tokens": [2, -1]}, "tokens", "invalid_type"),
+    ("/detokenize", {"tokens": [2, True]}, "tokens", "invalid_type"),
+    ("/detokenize", {}, "tokens", "invalid_type"),
+    ("/detokenize", {"tokens": [2, 12]}, "tokens", "invalid_value"),  # past the vocabulary (0..11)
+])
+async def test_bad_tokenizer_requests_are_a_400_naming_the_field(file_cfg, path: str, body: dict[str, Any],
+                                                                 param: str, code: str) -> None:
+    async with frontend(file_cfg) as client:
+        r = await client.post(path, headers=auth(), json=body)
+        error = (await r.json())["error"]
+    assert (r.status in (400, 404), error["param"], error["code"]) == (True, param, code), error
+
+
+async def test_the_tokenizer_endpoints_need_a_key_and_a_model_tokenizer(redis_server, file_cfg) -> None:
+    async with frontend(file_cfg) as client:
+        for call in (client.post("/tokenize", json={"prompt": "one"}), client.get("/tokenizer_info"),
+                     client.post("/detokenize", json={"tokens": [1]}, headers=auth("wrong-key"))):
+            r = await call
+            assert r.status == 401, await r.text()
+    async with frontend(make_cfg(redis_server.url)) as client:  # the demo pool counts bytes
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            r = await client.post(path, headers=auth(), json=body)
+            error = (await r.json())["error"]
+            assert (r.status, error["code"], error["param"]) == (400, "unsupported_value", "model"), error
+            assert "counts bytes" in error["message"]
+        r = await client.get("/tokenizer_info", headers=auth())
+        assert r.status == 400 and "counts bytes" in (await r.json())["error"]["message"]
+
+
+async def test_with_several_models_a_tokenizer_call_names_its_own(redis_server, file_cfg) -> None:
+    pools = (*file_cfg.pools, dataclasses.replace(file_cfg.pools[0], name="big", model="big"))
+    cfg = dataclasses.replace(file_cfg, pools=pools)
+    async with frontend(cfg) as client:
+        r = await client.post("/tokenize", headers=auth(), json={"prompt": "one"})
+        error = (await r.json())["error"]
+        assert (r.status, error["param"], error["code"]) == (400, "model", "missing_required_parameter")
+        assert "tiny" in error["message"] and "big" in error["message"]
+        r = await client.post("/tokenize", headers=auth(), json={"prompt": "one", "model": "big"})
+        assert (await r.json())["tokens"] == [1, 2]
+        r = await client.get("/tokenizer_info?model=big", headers=auth())
+        assert (await r.json())["eos_token"] == "[UNK]"
+
+
+def _upstream_cfg(redis_server: Any, up: Any, **more: Any) -> Any:
+    return make_cfg(redis_server.url, pool={"tokenizer": "upstream", "tokenizer_url": up.url}, **more)
+
+
+async def test_an_upstream_pool_relays_them_to_its_model_server(redis_server, fake_upstream) -> None:
+    """The body as sent (a chat's too: the model server applies its template), its ``model``
+    the served name; the answer as the server gave it; ``/tokenizer_info`` where the server
+    serves it, else a 404 saying how vLLM serves it."""
+    up = fake_upstream
+    async with frontend(_upstream_cfg(redis_server, up)) as client:
+        r = await client.post("/tokenize", headers=auth(),
+                              json={"prompt": "a b c", "add_special_tokens": False})
+        assert await r.json() == {"count": 4, "max_model_len": 4096, "tokens": [0, 1, 2, 3]}
+        chat = {"messages": [{"role": "user", "content": "a b"}], "add_generation_prompt": True}
+        r = await client.post("/tokenize", headers=auth(), json=chat)
+        assert (await r.json())["count"] == 1 + 2 + 2
+        r = await client.post("/detokenize", headers=auth(), json={"model": "tiny", "tokens": list(b"hi")})
+        assert await r.json() == {"prompt": "hi"}
+        r = await client.get("/tokenizer_info", headers=auth())
+        error = (await r.json())["error"]
+        assert r.status == 404 and "--enable-tokenizer-info-endpoint" in error["message"]
+        up.tokenizer_info = {"tokenizer_class": "Qwen2TokenizerFast", "eos_token": "<|im_end|>"}
+        r = await client.get("/tokenizer_info", headers=auth())
+        assert await r.json() == up.tokenizer_info
+    assert up.tokenized == [{"prompt": "a b c", "add_special_tokens": False, "model": "tiny"},
+                            {**chat, "model": "tiny"}]
+    assert up.detokenized == [{"model": "tiny", "tokens": list(b"hi")}]
+
+
+@pytest.mark.parametrize(("status", "code", "want"), [
+    (503, "tokenizer_unavailable", 503), (500, "tokenizer_unavailable", 503),
+    (422, "tokenizer_refused", 400)])
+async def test_a_model_server_that_cannot_answer_is_a_503_and_one_that_refuses_a_400_in_our_words(
+        redis_server, fake_upstream, status: int, code: str, want: int) -> None:
+    """Its own words stay in the log (they may name its internals); a 503 carries Retry-After."""
+    fake_upstream.status = status
+    async with frontend(_upstream_cfg(redis_server, fake_upstream)) as client:
+        r = await client.post("/tokenize", headers=auth(), json={"prompt": "a"})
+        error = (await r.json())["error"]
+    assert (r.status, error["code"]) == (want, code) and "busy" not in error["message"], error
+    assert (r.headers.get("Retry-After") == "1") == (want == 503)
+
+
+async def test_a_tenant_tokenizes_at_most_its_max_inflight_at_once(redis_server, fake_upstream) -> None:
+    """Tokenizing costs the model server (or this process) work that no admission charges: a
+    tenant with a ``max_inflight`` holds at most that many tokenizer calls at once, as it may
+    count that many prompts (a 429 past it); its turn is free again once the call returns."""
+    capped = tenant("capped", "key-capped", "P1", max_inflight=1)
+    up = fake_upstream
+    up.tokenize_gate = asyncio.Event()
+    async with frontend(_upstream_cfg(redis_server, up, tenants=[capped])) as client:
+        held = asyncio.create_task(client.post("/tokenize", headers=auth("key-capped"), json={"prompt": "a"}))
+        await wait_until(lambda: len(up.tokenized) == 1, "the first call at the model server")
+        r = await client.post("/detokenize", headers=auth("key-capped"), json={"tokens": [1]})
+        error = (await r.json())["error"]
+        assert (r.status, error["code"]) == (429, "too_many_inflight"), error
+        up.tokenize_gate.set()
+        assert (await held).status == 200
+        r = await client.post("/detokenize", headers=auth("key-capped"), json={"tokens": [104]})
+        assert await r.json() == {"prompt": "h"}
