@@ -163,3 +163,27 @@ async def test_a_tenant_tokenizes_at_most_its_max_inflight_at_once(redis_server,
         assert (await held).status == 200
         r = await client.post("/detokenize", headers=auth("key-capped"), json={"tokens": [104]})
         assert await r.json() == {"prompt": "h"}
+
+
+# --- found by review -----------------------------------------------------------------------
+
+async def test_a_relayed_chat_is_checked_as_a_generation_chat_is(redis_server, fake_upstream) -> None:
+    """A chat relayed to the model server is held to what the chat completions path takes: only
+    text parts (an image_url part has vLLM fetch any URL, an internal address included, on the
+    frontend's word), no reserved template argument, well-formed tools; nothing is relayed."""
+    bodies = [
+        ({"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://169.254.169.254/latest/meta-data"}}]}]},
+         "messages[0].content[0]"),
+        ({"messages": [{"role": "user", "content": "a"}], "chat_template_kwargs": {"chat_template": "x"}},
+         "chat_template_kwargs.chat_template"),
+        ({"messages": [{"role": "user", "content": "a"}], "tools": [{"type": "code"}]}, "tools[0].function"),
+        ({"messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
+    ]
+    async with frontend(_upstream_cfg(redis_server, fake_upstream)) as client:
+        for body, param in bodies:
+            r = await client.post("/tokenize", headers=auth(), json=body)
+            error = (await r.json())["error"]
+            assert (r.status, error["param"]) == (400, param), error
+    assert fake_upstream.tokenized == []
+

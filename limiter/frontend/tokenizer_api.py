@@ -75,8 +75,14 @@ def check_tokenize(pool: PoolConfig, kind: str, body: Mapping[str, Any]) -> None
             raise bad("messages", f"Model '{pool.model_name}' counts in a tokenizer.json, which holds no "
                       "chat template: tokenize the chat's rendered text as 'prompt'", "unsupported_value")
         _known(body, TOKENIZE_CHAT_FIELDS)
-        if not isinstance(body["messages"], list) or not body["messages"]:
-            raise bad("messages", "'messages' must be a non-empty array", "invalid_type")
+        # held to what the chat completions path takes (relayed unchecked, an image_url part had
+        # the model server fetch any URL, an internal one included, on this service's word)
+        oa._messages(body["messages"], tool_calls=True)
+        for key in ("chat_template_kwargs", "mm_processor_kwargs"):
+            if body.get(key) is not None:
+                oa._passed(body[key], key)
+        if body.get("tools") is not None:
+            oa._tools(body["tools"])
         for key in ("add_generation_prompt", "continue_final_message"):
             _flag(body, key, False)
     else:
