@@ -187,3 +187,13 @@ async def test_a_relayed_chat_is_checked_as_a_generation_chat_is(redis_server, f
             assert (r.status, error["param"]) == (400, param), error
     assert fake_upstream.tokenized == []
 
+
+async def test_a_prompt_that_is_not_valid_unicode_is_a_400(file_cfg) -> None:
+    """A lone surrogate (a JSON \\ud800 escape) is no text the tokenizer can take: a 400 naming
+    ``prompt``, as on the generation paths, not a 500."""
+    async with frontend(file_cfg) as client:
+        r = await client.post("/tokenize", headers={**auth(), "Content-Type": "application/json"},
+                              data=b'{"prompt": "one \\ud800 two"}')
+        error = (await r.json())["error"]
+    assert (r.status, error["param"], error["code"]) == (400, "prompt", "invalid_type"), error
+

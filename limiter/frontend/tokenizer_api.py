@@ -90,6 +90,7 @@ def check_tokenize(pool: PoolConfig, kind: str, body: Mapping[str, Any]) -> None
         if not isinstance(body.get("prompt"), str):
             raise bad("prompt", "'prompt' is required, a string (or send 'messages')",
                       "missing_required_parameter" if "prompt" not in body else "invalid_type")
+        oa._text(body["prompt"], "prompt")  # a lone surrogate (a \\ud800 escape): no text to encode
     _flag(body, "add_special_tokens", True)
     _flag(body, "return_token_strs", False)
 
