@@ -204,7 +204,8 @@ class FileCounter(Counter):
         out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
         if self.config_path is not None:
             try:
-                config = json.loads(self.config_path.read_text(encoding="utf-8"))
+                # (NaN, Infinity: Python's json writes them, no JSON holds them: null here)
+                config = json.loads(self.config_path.read_text(encoding="utf-8"), parse_constant=_null)
             except (OSError, ValueError):
                 config = None
             if isinstance(config, dict):
@@ -299,7 +300,7 @@ class UpstreamCounter(Counter):
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise TokenizerUnavailable(f"{type(exc).__name__}: {exc}") from exc
         try:  # (an error's body may be any text: a plain "404: Not Found")
-            return resp.status, json.loads(text)
+            return resp.status, json.loads(text, parse_constant=_null)
         except ValueError:
             return resp.status, text[:300]
 
@@ -307,6 +308,10 @@ class UpstreamCounter(Counter):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _null(_constant: str) -> None:
+    return None
 
 
 def counter_for(spec: str, url: str, worker: Mapping[str, Any], pool_model: str,

@@ -197,3 +197,23 @@ async def test_a_prompt_that_is_not_valid_unicode_is_a_400(file_cfg) -> None:
         error = (await r.json())["error"]
     assert (r.status, error["param"], error["code"]) == (400, "prompt", "invalid_type"), error
 
+
+async def test_tokenizer_info_answers_a_huge_model_max_length_and_non_json_constants(
+        redis_server, file_cfg, fake_upstream, tmp_path: Path) -> None:
+    """transformers saves an unbounded ``model_max_length`` as int(1e30), past 64 bits: answered
+    as it is (vLLM answers it so), not a 500; a NaN or Infinity in the file, which is no JSON, is
+    answered as null."""
+    huge = 1000000000000000019884624838656
+    config = tmp_path / "tok" / "tokenizer_config.json"
+    config.write_text(f'{{"eos_token": "[UNK]", "model_max_length": {huge}, "x": NaN, "y": -Infinity}}')
+    async with frontend(file_cfg) as client:
+        r = await client.get("/tokenizer_info", headers=auth())
+        assert r.status == 200, await r.text()
+        info = json.loads(await r.text())  # (strict: NaN would not be JSON)
+    assert info["model_max_length"] == huge and info["x"] is None and info["y"] is None
+    fake_upstream.tokenizer_info = {"tokenizer_class": "LlamaTokenizerFast", "model_max_length": huge}
+    async with frontend(_upstream_cfg(redis_server, fake_upstream)) as client:
+        r = await client.get("/tokenizer_info", headers=auth())
+        assert r.status == 200, await r.text()
+        assert await r.json() == fake_upstream.tokenizer_info
+

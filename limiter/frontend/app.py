@@ -236,7 +236,7 @@ async def _tokenizer_call(request: web.Request, call: Any) -> web.Response:
     body = oa.parse_json(await _read_body(request, fe.settings.max_body_bytes, fe.settings.body_timeout_s))
     pool = tokenizer_api.pool_of(fe.cfg, body.get("model"))
     with fe.count_turn(tenant):
-        return web.json_response(await call(pool, fe.counters[pool.name], body), dumps=oa.compact_json)
+        return web.json_response(await call(pool, fe.counters[pool.name], body), dumps=tokenizer_api.dumps)
 
 
 async def tokenizer_info(request: web.Request) -> web.Response:
@@ -246,7 +246,7 @@ async def tokenizer_info(request: web.Request) -> web.Response:
     pool = tokenizer_api.pool_of(fe.cfg, request.query.get("model"))
     with fe.count_turn(tenant):
         return web.json_response(await tokenizer_api.tokenizer_info(pool, fe.counters[pool.name]),
-                                 dumps=oa.compact_json)
+                                 dumps=tokenizer_api.dumps)
 
 
 def _health(fe: Frontend) -> dict[str, str]:

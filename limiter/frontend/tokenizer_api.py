@@ -14,6 +14,7 @@ sends none)."""
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +34,15 @@ TOKENIZE_CHAT_FIELDS = ("model", "messages", "add_generation_prompt", "continue_
                         "mm_processor_kwargs")
 DETOKENIZE_FIELDS = ("model", "tokens")
 MAX_TOKEN_ID = 2**31 - 1
+
+
+def dumps(obj: Any) -> str:
+    """An answer's JSON: a tokenizer's configuration may hold an integer past 64 bits (an
+    unbounded ``model_max_length`` is saved as int(1e30)), which orjson refuses."""
+    try:
+        return oa.compact_json(obj)
+    except TypeError:
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
 
 
 def pool_of(cfg: QosConfig, model: Any) -> PoolConfig:
