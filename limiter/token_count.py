@@ -43,6 +43,7 @@ UPSTREAM = "upstream"
 MODES = (BYTES, UPSTREAM)
 FILE_NAME = "tokenizer.json"
 CONFIG_FILE_NAME = "tokenizer_config.json"  # beside it (save_pretrained): its special tokens, chat template
+TEMPLATE_FILE_NAME = "chat_template.jinja"  # beside it too (newer transformers save the template there)
 THREAD_CHARS = 16_384  # longer prompts are encoded off the event loop
 # How long an idle connection to the model server is kept for reuse (here and by the openai
 # worker): under the 5 s after which vLLM (uvicorn's timeout_keep_alive) closes one. A POST
@@ -162,9 +163,11 @@ class Counter:
 class FileCounter(Counter):
     kind = "file"
 
-    def __init__(self, tokenizer: Any, config_path: Path | None = None) -> None:
+    def __init__(self, tokenizer: Any, config_path: Path | None = None,
+                 template_path: Path | None = None) -> None:
         self.tokenizer = tokenizer
         self.config_path = config_path  # the tokenizer_config.json beside it, where there is one
+        self.template_path = template_path  # the chat_template.jinja beside it, where there is one
         self._max_id: int | None = None
 
     def count_text(self, text: str) -> int:
@@ -200,24 +203,40 @@ class FileCounter(Counter):
     def info(self) -> dict[str, Any]:
         """What vLLM's ``GET /tokenizer_info`` answers: the tokenizer's configuration (its
         special tokens, its chat template), read from the ``tokenizer_config.json`` that
-        ``save_pretrained`` writes beside ``tokenizer.json``; only the class without one."""
+        ``save_pretrained`` writes beside ``tokenizer.json``, and the ``chat_template.jinja``
+        it writes there (newer transformers: the config then holds none; where both are, the
+        file wins, as transformers loads them); only the class without either."""
         out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
         if self.config_path is not None:
             try:
                 # (NaN, Infinity: Python's json writes them, no JSON holds them: null here)
                 config = json.loads(self.config_path.read_text(encoding="utf-8"), parse_constant=_null)
-            except (OSError, ValueError):
+            except (OSError, ValueError, RecursionError):
                 config = None
             if isinstance(config, dict):
                 for key, value in config.items():
                     if key == "added_tokens_decoder":
                         continue  # (the vocabulary's added tokens: the tokenizer.json has them)
-                    # a special token saved as an AddedToken object: its text, as vLLM serialises it
-                    if isinstance(value, dict) and isinstance(value.get("content"), str) and \
-                            key.endswith("_token"):
-                        value = value["content"]
-                    out[key] = value
+                    out[key] = _added_tokens_as_text(value, key.endswith(("_token", "_tokens")))
+        if self.template_path is not None:
+            try:
+                out["chat_template"] = self.template_path.read_text(encoding="utf-8")
+            except (OSError, ValueError):
+                pass
         return out
+
+
+def _added_tokens_as_text(value: Any, special: bool) -> Any:
+    """A saved AddedToken (``{"__type": "AddedToken", "content": ...}`` anywhere; an object with
+    a ``content`` under a special token's key) as its text, as vLLM answers the AddedToken
+    objects transformers loads them as; the rest as it is."""
+    if isinstance(value, list):
+        return [_added_tokens_as_text(v, special) for v in value]
+    if isinstance(value, dict):
+        if isinstance(value.get("content"), str) and (special or value.get("__type") == "AddedToken"):
+            return value["content"]
+        return {k: _added_tokens_as_text(v, special) for k, v in value.items()}
+    return value
 
 
 class UpstreamCounter(Counter):
@@ -327,6 +346,7 @@ def counter_for(spec: str, url: str, worker: Mapping[str, Any], pool_model: str,
         key = env.get("QOS_UPSTREAM_API_KEY", "")
         return UpstreamCounter(upstream_url(url, worker), model, timeout_s, key)
     path = tokenizer_file(spec)
-    config = path.with_name(CONFIG_FILE_NAME)
-    return FileCounter(load_file(path, "tokenizer"), config if config.is_file() else None)
+    config, template = path.with_name(CONFIG_FILE_NAME), path.with_name(TEMPLATE_FILE_NAME)
+    return FileCounter(load_file(path, "tokenizer"), config if config.is_file() else None,
+                       template if template.is_file() else None)
 

@@ -217,3 +217,18 @@ async def test_tokenizer_info_answers_a_huge_model_max_length_and_non_json_const
         assert r.status == 200, await r.text()
         assert await r.json() == fake_upstream.tokenizer_info
 
+
+async def test_tokenizer_info_answers_added_tokens_as_their_text_and_the_saved_chat_template(
+        file_cfg, tmp_path: Path) -> None:
+    """As vLLM answers a tokenizer loaded by transformers: every AddedToken (a special token's,
+    the additional special tokens') as its text; the chat_template.jinja that save_pretrained
+    writes beside tokenizer_config.json (which then holds none) is the chat template (lm-eval's
+    remote tokenizer renders chats with it)."""
+    added = {"__type": "AddedToken", "content": "<tool>", "lstrip": False, "special": True}
+    config = {"eos_token": {"__type": "AddedToken", "content": "[UNK]"}, "additional_special_tokens": [added]}
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    (tmp_path / "tok" / "chat_template.jinja").write_text("{{ messages[0]['content'] }}\n")
+    async with frontend(file_cfg) as client:
+        info = await (await client.get("/tokenizer_info", headers=auth())).json()
+    assert info["eos_token"] == "[UNK]" and info["additional_special_tokens"] == ["<tool>"]
+    assert info["chat_template"] == "{{ messages[0]['content'] }}\n"
