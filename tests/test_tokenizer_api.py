@@ -232,3 +232,13 @@ async def test_tokenizer_info_answers_added_tokens_as_their_text_and_the_saved_c
         info = await (await client.get("/tokenizer_info", headers=auth())).json()
     assert info["eos_token"] == "[UNK]" and info["additional_special_tokens"] == ["<tool>"]
     assert info["chat_template"] == "{{ messages[0]['content'] }}\n"
+
+
+# lm-eval 0.4.13's RemoteTokenizer (``local-completions`` with ``tokenizer_backend=remote``,
+# ``auth_token=demo-p1``), captured: a requests.Session's headers, Content-Type even on the GET
+LM_EVAL_HEADERS = {"User-Agent": "python-requests/2.34.2", "Accept-Encoding": "gzip, deflate",
+                   "Accept": "*/*", "Connection": "keep-alive", "Content-Type": "application/json",
+                   "Authorization": "Bearer demo-p1"}
+# transformers' save_pretrained writes this model_max_length for a tokenizer that names none
+# (its VERY_LARGE_INTEGER, int(1e30)): deploy/make_bytetok.py's tokenizer_config.json has it
+UNBOUNDED = 1000000000000000019884624838656
