@@ -242,3 +242,98 @@ LM_EVAL_HEADERS = {"User-Agent": "python-requests/2.34.2", "Accept-Encoding": "g
 # transformers' save_pretrained writes this model_max_length for a tokenizer that names none
 # (its VERY_LARGE_INTEGER, int(1e30)): deploy/make_bytetok.py's tokenizer_config.json has it
 UNBOUNDED = 1000000000000000019884624838656
+
+
+
+async def test_a_tokenizer_config_with_transformers_unbounded_max_length_is_served(
+        redis_server, tmp_path: Path) -> None:
+    """lm-eval's first call, ``GET /tokenizer_info``, on a pool counting in
+    deploy/make_bytetok.py's directory: the config's int(1e30) past 64 bits was a 500 (the
+    JSON encoder refused it) and lm-eval stopped; vLLM answers the integer as it is."""
+    word_tokenizer(tmp_path / "tok" / "tokenizer.json")
+    (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps(
+        {"backend": "tokenizers", "model_max_length": UNBOUNDED, "tokenizer_class": "TokenizersBackend"}))
+    async with frontend(make_cfg(redis_server.url, pool={"tokenizer": str(tmp_path / "tok")})) as client:
+        r = await client.get("/tokenizer_info", headers=LM_EVAL_HEADERS)
+        assert r.status == 200, await r.text()
+        info = json.loads(await r.text())
+    assert info["model_max_length"] == UNBOUNDED and info["tokenizer_class"] == "TokenizersBackend"
+
+
+async def test_a_model_servers_tokenizer_info_past_64_bit_integers_is_relayed(redis_server,
+                                                                             fake_upstream) -> None:
+    up = fake_upstream
+    up.tokenizer_info = {"tokenizer_class": "Qwen2TokenizerFast", "model_max_length": UNBOUNDED}
+    async with frontend(_upstream_cfg(redis_server, up)) as client:
+        r = await client.get("/tokenizer_info", headers=LM_EVAL_HEADERS)
+        assert r.status == 200, await r.text()
+        assert json.loads(await r.text()) == up.tokenizer_info
+
+
+# lm-eval's calls as it sent them (``requests``' json.dumps: ", " and ": " separators), the
+# headers above: its first GET, a multiple_choice request's context and continuation
+# tokenized, and (``tokenized_requests=False``) its token ids read back as text
+LM_EVAL_TOKENIZE = b'{"prompt": "Question: What is 2+2?\\nAnswer: four", "add_special_tokens": false}'
+LM_EVAL_DETOKENIZE = (b'{"tokens": [81, 117, 101, 115, 116, 105, 111, 110, 58, 32, 87, 104, 97, 116, 32, '
+                      b'105, 115, 32, 50, 43, 50, 63, 10, 65, 110, 115, 119, 101, 114, 58, 32, 102, 111, '
+                      b'117, 114]}')
+# deploy/make_bytetok.py's tokenizer_config.json, as transformers 5.25 writes it
+BYTETOK_CONFIG = {"backend": "tokenizers", "model_max_length": UNBOUNDED,
+                  "tokenizer_class": "TokenizersBackend"}
+
+
+def byte_tokenizer(directory: Path) -> Path:
+    """deploy/make_bytetok.py's directory (an id a byte), built with the tokenizers library
+    alone (transformers' save_pretrained wrote the same tokenizer.json and the config above)."""
+    import importlib.util
+
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    spec = importlib.util.spec_from_file_location(
+        "make_bytetok", Path(__file__).resolve().parents[1] / "deploy" / "make_bytetok.py")
+    assert spec is not None and spec.loader is not None
+    make_bytetok = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(make_bytetok)
+    tok = Tokenizer(models.BPE(vocab={ch: b for b, ch in enumerate(make_bytetok.byte_chars())}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    directory.mkdir(parents=True)
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps(BYTETOK_CONFIG))
+    return directory
+
+
+async def test_lm_evals_remote_tokenizer_calls_replayed_on_a_byte_tokenizer_pool(
+        redis_server, tmp_path: Path) -> None:
+    """What lm-eval 0.4.13 (``local-completions``, ``tokenizer_backend=remote``) sent, byte
+    for byte, to a pool counting in deploy/make_bytetok.py's directory: its info (no special
+    tokens: lm-eval then needs ``custom_prefix_token_id`` for a rolling window), a byte's id
+    its value, and those ids back to the text."""
+    text = "Question: What is 2+2?\nAnswer: four"
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": str(byte_tokenizer(tmp_path / "bytetok"))})
+    async with frontend(cfg) as client:
+        r = await client.get("/tokenizer_info", headers=LM_EVAL_HEADERS)
+        assert r.status == 200, await r.text()
+        assert json.loads(await r.text()) == {"tokenizer_class": "TokenizersBackend", **BYTETOK_CONFIG}
+        r = await client.post("/tokenize", data=LM_EVAL_TOKENIZE, headers=LM_EVAL_HEADERS)
+        assert await r.json() == {"count": len(text), "max_model_len": cfg.pools[0].context_tokens,
+                                  "tokens": list(text.encode())}
+        r = await client.post("/detokenize", data=LM_EVAL_DETOKENIZE, headers=LM_EVAL_HEADERS)
+        assert await r.json() == {"prompt": text}
+
+
+async def test_lm_evals_remote_tokenizer_calls_replayed_on_an_upstream_pool(redis_server,
+                                                                            fake_upstream) -> None:
+    """The same calls relayed to the model server, each with the served name as ``model``."""
+    up = fake_upstream
+    up.tokenizer_info = {"tokenizer_class": "Qwen2TokenizerFast", "eos_token": "<|im_end|>",
+                         "bos_token": None}
+    async with frontend(_upstream_cfg(redis_server, up)) as client:
+        r = await client.get("/tokenizer_info", headers=LM_EVAL_HEADERS)
+        assert await r.json() == up.tokenizer_info
+        r = await client.post("/tokenize", data=LM_EVAL_TOKENIZE, headers=LM_EVAL_HEADERS)
+        assert (await r.json())["tokens"] == list(range(1 + 6))  # the fake's: BOS and a token a word
+        r = await client.post("/detokenize", data=LM_EVAL_DETOKENIZE, headers=LM_EVAL_HEADERS)
+        assert await r.json() == {"prompt": "Question: What is 2+2?\nAnswer: four"}
+    assert up.tokenized == [{**json.loads(LM_EVAL_TOKENIZE), "model": "tiny"}]
+    assert up.detokenized == [{**json.loads(LM_EVAL_DETOKENIZE), "model": "tiny"}]
