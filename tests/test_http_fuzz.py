@@ -39,7 +39,9 @@ from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, frontend, make_cfg, tenant
 
 GEN = ("/v1/chat/completions", "/v1/completions")
-PATHS = (*GEN * 5, "/v1/models", "/v1/qos/status", "/healthz", "/readyz", "/metrics")
+TOKENIZER = ("/tokenize", "/detokenize")  # (POSTs; the fuzz pool counts bytes: refused, by name)
+PATHS = (*GEN * 5, *TOKENIZER, "/tokenizer_info", "/v1/models", "/v1/qos/status", "/healthz", "/readyz",
+         "/metrics")
 KEYS = (*DEMO_KEYS, DEMO_ADMIN_KEY, "fuzz-capped")
 KEY_RE = re.compile(r"qos:\{tiny\}:[a-z_]+(:[A-Za-z0-9_.-]{1,64}){0,2}")
 VOLATILE = (POOL.frontends, POOL.workers, POOL.served, POOL.wake)
@@ -94,7 +96,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
         path = "/" + draw(st.from_regex(r"\A[A-Za-z0-9._~%-][A-Za-z0-9._~%/-]{0,29}\Z|\A\Z"))
     if often(draw, 8):
         path += "?" + draw(st.from_regex(r"\A[A-Za-z0-9=&_.-]{0,20}\Z"))
-    usual = "POST" if path.split("?")[0] in GEN else "GET"
+    usual = "POST" if path.split("?")[0] in (*GEN, *TOKENIZER) else "GET"
     method = (
         usual
         if often(draw, 88)
