@@ -15,7 +15,7 @@ from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import MAX_CHOICES, split_choices
 from limiter.frontend.runtime import FRONTEND
 from limiter.localstack.sse import sse_chunks
-from tests.support.fake_upstream import sse_chunk, sse_response
+from tests.support.fake_upstream import breaks_once, sse_chunk, sse_response
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state, tenant
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import worker
@@ -379,3 +379,58 @@ async def test_answers_that_together_pass_what_a_request_may_hold_queued_are_a_4
             "model": "tiny", "prompt": prompt, "n": 40, "max_tokens": 1})
         assert r.status == 200, await r.text()
         assert len((await r.json())["choices"]) == 40
+
+
+async def test_a_client_leaving_a_stream_of_several_answers_cancels_every_one(redis_server, sync_redis,
+                                                                                fake_upstream) -> None:
+    """The client reads both answers' first text and goes: every answer is cancelled in Redis
+    (its record ends cancelled, nothing left in flight), its stream to the model server
+    broken off, and no reply queue is left in the frontend."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+    up.scripts["WAITS"] = _writes_then_waits(up)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        fe = client.server.app[FRONTEND]
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": "WAITS", "n": 2, "max_tokens": 10, "stream": True})
+        records = r.headers["X-QoS-Request-Id"].split(",")
+        seen: list[Any] = []
+        async for c in sse_chunks(r.content):
+            seen.append(c)
+            if len(_by_index([c for c in seen if c and c.get("choices")], "text")) == 2:
+                break
+        r.close()  # the client goes
+        await wait_until(lambda: up.disconnects >= 2, "both answers' streams broken off")
+        await wait_until(lambda: not fe.router._queues, "the handlers' reply queues gone")
+
+        def states() -> list[bytes | None]:
+            return [sync_redis.hget(POOL.request(rid), "state") for rid in records]
+
+        await wait_until(lambda: states() == [b"cancelled"] * 2, f"both records cancelled ({states()})")
+
+
+async def test_an_answer_resumed_mid_stream_reaches_the_client_once_beside_the_other(
+        redis_server, fake_upstream) -> None:
+    """One of two streamed answers breaks off at its model server after text the client read;
+    the worker resumes it: the client reads each answer's text exactly once (no repeat of what
+    it had), both finished, and the usage summed."""
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+    read = asyncio.Event()
+    up.scripts["RESUME"] = breaks_once([sse_chunk("One"), sse_chunk("Two")], read,
+                                       [sse_chunk("Six"), sse_chunk(finish="stop", completion_tokens=1),
+                                        b"data: [DONE]\n\n"])
+    retry = {"upstream_retry_min_s": 0.1, "upstream_retry_max_s": 0.4}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **retry):
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": ["abc def", "RESUME"], "max_tokens": 10, "stream": True,
+            "stream_options": {"include_usage": True}})
+        assert r.status == 200, await r.text()
+        chunks: list[Any] = []
+        async for c in sse_chunks(r.content):
+            chunks.append(c)
+            texts = _by_index([x for x in chunks if x and x["choices"]], "text")
+            if c and c.get("choices") and texts.get(1) == "OneTwo":
+                read.set()  # the client read them: now the server breaks
+    assert up.calls["RESUME"] == 2 and chunks[-1] is None
+    assert _by_index(chunks[:-2], "text") == {0: "fed cba", 1: "OneTwoSix"}
+    finishes = sorted(ch["index"] for c in chunks[:-2] for ch in c["choices"] if ch["finish_reason"])
+    assert finishes == [0, 1] and chunks[-2]["choices"] == []
