@@ -434,3 +434,27 @@ async def test_an_answer_resumed_mid_stream_reaches_the_client_once_beside_the_o
     assert _by_index(chunks[:-2], "text") == {0: "fed cba", 1: "OneTwoSix"}
     finishes = sorted(ch["index"] for c in chunks[:-2] for ch in c["choices"] if ch["finish_reason"])
     assert finishes == [0, 1] and chunks[-2]["choices"] == []
+
+
+async def test_answers_costing_more_than_the_tenants_quota_can_give_are_a_429_before_any_is_admitted(
+        redis_server, sync_redis, fake_upstream) -> None:
+    """Each answer is charged its own cost from its tenant's bucket: answers that together cost
+    more than a full bucket plus what refills within the class's admission wait can never all be
+    admitted. A 429 that says so (and not to resend it), with nothing admitted -- not some of
+    them admitted, charged and handed to a worker, then cancelled, on every resend (as with
+    ``max_inflight``)."""
+    # a bucket of 100 weighted tokens, +50 within P1's admission wait (500 ms)
+    small = tenant("small", "key-small", "P1", rate=100.0, burst_s=1.0)
+    cfg = make_cfg(redis_server.url, tenants=[small])
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        r = await client.post("/v1/completions", headers=auth("key-small"), json={
+            "model": "tiny", "prompt": "abc", "n": 3, "max_tokens": 60})  # 3 x (60 + the prompt) > 150
+        body = await r.json()
+        assert (r.status, body["error"]["code"]) == (429, "rate_limit_exceeded"), body
+        assert "3 answers" in body["error"]["message"] and r.headers["x-should-retry"] == "false"
+        assert sync_redis.keys(POOL.request_prefix + "*") == [] and fake_upstream.bodies == []
+        # two of them fit (the second waits for the bucket within the admission wait): served
+        r = await client.post("/v1/completions", headers=auth("key-small"), json={
+            "model": "tiny", "prompt": "abc", "n": 2, "max_tokens": 60})
+        assert r.status == 200, await r.text()
+        assert len((await r.json())["choices"]) == 2

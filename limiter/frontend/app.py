@@ -155,6 +155,30 @@ def _client_request_id(request: web.Request) -> str | None:
     return value if value is not None and _CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
+def _refuse_answers_over_the_quota(reqs: list[oa.GenerationRequest], tenant: TenantConfig,
+                                   cls: ClassConfig) -> None:
+    """A 429 (not to be resent) for answers that together cost more than their tenant's quota
+    bucket can ever give them within the class's admission wait. Each answer is admitted on
+    its own, charged its whole cost (admit.lua: the bucket must hold min(cost, burst), and
+    goes into debt past it): the last one admitted needs what the others left, so even a full
+    bucket, refilling for the whole admission wait, cannot admit them all. Refused later, some
+    were admitted, charged and handed to a worker, then cancelled when the rest found the
+    bucket empty -- on each of the SDK's resends of that (retryable) 429."""
+    burst = tenant.rate_tokens_s * tenant.burst_s
+    costs = [r.prompt_tokens * cls.weight + r.max_tokens * cls.out_weight for r in reqs]
+    # the answer admitted last at best: the one whose cost is most over the burst (it needs
+    # only a full bucket, and the debt it leaves is no other answer's)
+    need = sum(costs) - max(max(c - burst, 0.0) for c in costs)
+    most = burst + tenant.rate_tokens_s * cls.admission_wait_ms / 1000
+    if need > most * (1 + 1e-9):
+        raise ApiError(429, f"This request asks for {len(reqs)} answers, each a request of its own "
+                       f"charged its cost: {need:g} weighted tokens in all, and tenant {tenant.name!r}'s "
+                       f"quota gives at most {most:g} within class {cls.name}'s admission wait (its "
+                       f"bucket's {burst:g} and the refill): ask for fewer answers (or fewer max_tokens) "
+                       "a request",
+                       code="rate_limit_exceeded", should_retry=False, outcome="throttled")
+
+
 def _generation_handler(kind: str) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         received = time.monotonic()  # (Generation's clock: not uvloop's whole milliseconds)
@@ -184,6 +208,8 @@ def _generation_handler(kind: str) -> Handler:
             oa.refuse_if_surely_too_long(draft)
             count = await fe.count_prompt(draft, tenant) if i % n == 0 else reqs[-1].prompt_tokens
             reqs.append(oa.finish_request(draft, count))
+        if len(reqs) > 1:
+            _refuse_answers_over_the_quota(reqs, tenant, fe.classes[cls])
         payloads = [queued_payload(req) for req in reqs]
         if len(reqs) > 1 and (held := sum(map(len, payloads))) > MAX_PAYLOAD_BYTES:
             # Each answer is queued with its prompt: n copies of a 1 MiB body held n MiB of
