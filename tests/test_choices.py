@@ -142,7 +142,9 @@ async def test_n_answers_streamed_come_as_chunks_of_their_index(redis_server, fa
     summed at the end with the prompt once; one id on every chunk."""
     cfg, up = make_cfg(redis_server.url), fake_upstream
     up.gate = asyncio.Semaphore(0)  # each answer's first piece, then nothing until released
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+    # (the request timeout bounds the test, were the stream never to show what it waits for)
+    async with frontend(cfg, request_timeout_s=30) as client, \
+            worker(cfg, engine="openai", upstream_url=up.url):
         r = await client.post("/v1/chat/completions", headers=auth(), json={
             "model": "tiny", "messages": [{"role": "user", "content": "abcdef ghi"}], "n": 3,
             "max_tokens": 10, "stream": True,
@@ -287,7 +289,9 @@ async def test_a_failure_after_the_stream_opened_is_reported_in_band_and_cancels
         return resp
 
     up.scripts["WAITS"], up.scripts["LATE"] = _writes_then_waits(up), fails_once_read
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+    # (the request timeout bounds the test, were the stream never to show what it waits for)
+    async with frontend(cfg, request_timeout_s=30) as client, \
+            worker(cfg, engine="openai", upstream_url=up.url):
         r = await client.post("/v1/completions", headers=auth(), json={
             "model": "tiny", "prompt": ["WAITS", "LATE"], "max_tokens": 10, "stream": True})
         assert r.status == 200, await r.text()
@@ -388,7 +392,9 @@ async def test_a_client_leaving_a_stream_of_several_answers_cancels_every_one(re
     broken off, and no reply queue is left in the frontend."""
     cfg, up = make_cfg(redis_server.url), fake_upstream
     up.scripts["WAITS"] = _writes_then_waits(up)
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+    # (the request timeout bounds the test, were the stream never to show what it waits for)
+    async with frontend(cfg, request_timeout_s=30) as client, \
+            worker(cfg, engine="openai", upstream_url=up.url):
         fe = client.server.app[FRONTEND]
         r = await client.post("/v1/completions", headers=auth(), json={
             "model": "tiny", "prompt": "WAITS", "n": 2, "max_tokens": 10, "stream": True})
@@ -419,7 +425,9 @@ async def test_an_answer_resumed_mid_stream_reaches_the_client_once_beside_the_o
                                        [sse_chunk("Six"), sse_chunk(finish="stop", completion_tokens=1),
                                         b"data: [DONE]\n\n"])
     retry = {"upstream_retry_min_s": 0.1, "upstream_retry_max_s": 0.4}
-    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url, **retry):
+    # (the request timeout bounds the test, were the stream never to show what it waits for)
+    async with frontend(cfg, request_timeout_s=30) as client, \
+            worker(cfg, engine="openai", upstream_url=up.url, **retry):
         r = await client.post("/v1/completions", headers=auth(), json={
             "model": "tiny", "prompt": ["abc def", "RESUME"], "max_tokens": 10, "stream": True,
             "stream_options": {"include_usage": True}})
