@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import redis.asyncio as aioredis
 
+from limiter.frontend.metrics import METRICS
 from limiter.frontend.runtime import FRONTEND
 from limiter.scripts import Scripts
 from tests.support.fake_worker import FakeWorker
@@ -459,3 +460,34 @@ async def test_concurrent_readiness_probes_share_one_check_of_redis(redis_server
             sync_redis.hset(POOL.worker(f"w{i}"), "upstream_state", "open")
         r = await c.get("/readyz")
         assert r.status == 503 and (await r.json())["reason"].startswith("every worker of pool tiny")
+
+
+async def test_a_stream_of_several_answers_whose_client_stopped_reading_is_dropped_at_the_request_timeout(
+    redis_server: RedisServer, sync_redis: Any, aredis: Any
+) -> None:
+    """The same bound on a stream of several answers (limiter/frontend/choices.py writes them
+    under the first answer's deadline): the handler, every answer's reply queue and what the
+    worker sent go once the request timeout and the write grace passed."""
+    n = 3_000_000  # each; far more than the loopback socket buffers hold
+    timeout_s = 8.0
+    # (a capacity that starts the second answer within its max wait, the first queued ahead)
+    cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000, "capacity_tokens_s": 1e8})
+    async with frontend(cfg, request_timeout_s=timeout_s) as c, \
+            FakeWorker(aredis, POOL, fixed_text="y" * n, batch=1_000_000) as w:
+        async with _client_that_stops_reading(c.port, {"model": "tiny", "prompt": "x", "max_tokens": n,
+                                                       "n": 2, "stream": True}) as reader:
+            deadline = time.monotonic() + timeout_s + 2.0 + 10.0  # timeout + write grace + slack
+            await wait_until(lambda: len(w.served) == 2, "the worker to finish both answers",
+                             timeout=timeout_s)
+            metrics = c.server.app[METRICS]
+
+            def finished() -> float:  # the handlers that returned (the answers' queues go before)
+                return sum(s.value for m in metrics.requests.collect() for s in m.samples
+                           if s.name.endswith("_total"))
+
+            while not finished():
+                assert time.monotonic() < deadline, "the stream's handler outlived request_timeout_s"
+                await asyncio.sleep(0.1)
+            assert not c.server.app[FRONTEND].router._queues
+            got = await _bytes_left(reader)
+            assert got < 2 * n, f"both answers ({got} bytes) were sent after the request timeout"
