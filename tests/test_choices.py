@@ -466,3 +466,24 @@ async def test_answers_costing_more_than_the_tenants_quota_can_give_are_a_429_be
             "model": "tiny", "prompt": "abc", "n": 2, "max_tokens": 60})
         assert r.status == 200, await r.text()
         assert len((await r.json())["choices"]) == 2
+
+
+async def test_the_copies_of_a_prompt_are_checked_against_the_quota_once(redis_server, fake_upstream,
+                                                                         monkeypatch) -> None:
+    """``n`` copies of a prompt differ only in their seed: the quota's look at the tenant's
+    bucket (a Redis call, after a recent refusal) is made once a prompt, not once an answer."""
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        fe = client.server.app[FRONTEND]
+        looked: list[str] = []
+        check = fe.quota.refuse_if_spent
+
+        async def counted(draft: Any, *args: Any) -> None:
+            looked.append(draft.prompt)
+            await check(draft, *args)
+
+        monkeypatch.setattr(fe.quota, "refuse_if_spent", counted)
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": ["abc", "def"], "n": 3, "max_tokens": 5})
+        assert r.status == 200 and len((await r.json())["choices"]) == 6
+    assert looked == ["abc", "def"]

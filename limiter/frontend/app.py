@@ -203,11 +203,13 @@ def _generation_handler(kind: str) -> Handler:
                            "(its max_inflight): ask for fewer a request", code="too_many_inflight",
                            should_retry=False, outcome="throttled")
         reqs = []
-        for i, draft in enumerate(drafts):  # (n copies of a prompt: counted once)
+        for i, draft in enumerate(drafts):
+            if i % n:  # a copy of the prompt before it (only its seed differs): checked and counted once
+                reqs.append(oa.finish_request(draft, reqs[-1].prompt_tokens))
+                continue
             await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
             oa.refuse_if_surely_too_long(draft)
-            count = await fe.count_prompt(draft, tenant) if i % n == 0 else reqs[-1].prompt_tokens
-            reqs.append(oa.finish_request(draft, count))
+            reqs.append(oa.finish_request(draft, await fe.count_prompt(draft, tenant)))
         if len(reqs) > 1:
             _refuse_answers_over_the_quota(reqs, tenant, fe.classes[cls])
         payloads = [queued_payload(req) for req in reqs]
