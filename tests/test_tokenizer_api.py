@@ -13,7 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
+from tests.support.body_strategies import JUNK, MESSAGE
 from tests.support.frontend_helpers import auth, frontend, make_cfg, tenant
 from tests.support.helpers import wait_until
 from tests.test_token_count import word_tokenizer
@@ -337,3 +340,64 @@ async def test_lm_evals_remote_tokenizer_calls_replayed_on_an_upstream_pool(redi
         assert await r.json() == {"prompt": "Question: What is 2+2?\nAnswer: four"}
     assert up.tokenized == [{**json.loads(LM_EVAL_TOKENIZE), "model": "tiny"}]
     assert up.detokenized == [{**json.loads(LM_EVAL_DETOKENIZE), "model": "tiny"}]
+
+
+TOKEN_IDS = st.lists(st.integers(-2, 2**32), max_size=6)
+TOKENIZER_BODY = st.fixed_dictionaries({}, optional={
+    "model": st.one_of(st.just("tiny"), JUNK),
+    "prompt": st.one_of(st.text(max_size=30), JUNK),
+    "messages": st.one_of(st.lists(MESSAGE, min_size=1, max_size=2), JUNK),
+    "tokens": st.one_of(TOKEN_IDS, st.lists(st.integers(0, 11), max_size=6), JUNK),
+    "add_special_tokens": st.one_of(st.booleans(), JUNK),
+    "return_token_strs": st.one_of(st.booleans(), JUNK),
+    "add_generation_prompt": JUNK,
+    "surprise": JUNK,
+})
+
+
+@pytest.fixture
+async def file_client(file_cfg) -> Any:
+    async with frontend(file_cfg) as client:
+        yield client
+
+
+# near-valid bodies, junk in a field or two (most cases must pass the unknown-field check)
+NEAR_VALID = {
+    "/tokenize": st.fixed_dictionaries({"prompt": st.one_of(st.text(max_size=30), JUNK)}, optional={
+        "model": st.one_of(st.just("tiny"), JUNK), "add_special_tokens": st.one_of(st.booleans(), JUNK),
+        "return_token_strs": st.one_of(st.booleans(), JUNK)}),
+    "/detokenize": st.fixed_dictionaries({"tokens": st.one_of(TOKEN_IDS, st.lists(st.integers(0, 11)), JUNK)},
+                                         optional={"model": st.one_of(st.just("tiny"), JUNK)}),
+}
+
+
+@st.composite
+def tokenizer_calls(draw: st.DrawFn) -> tuple[str, dict[str, Any]]:
+    path = draw(st.sampled_from(sorted(NEAR_VALID)))
+    return path, draw(st.one_of(NEAR_VALID[path], NEAR_VALID[path], TOKENIZER_BODY))
+
+
+@settings(max_examples=400, deadline=None, database=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(call=tokenizer_calls())
+async def test_any_tokenizer_body_is_answered_or_refused_naming_what_is_wrong(
+        file_client, call: tuple[str, dict[str, Any]]) -> None:
+    """Whatever a client sends the tokenizer endpoints of a tokenizer.json pool: an answer of
+    vLLM's shape, or a 400/404 in OpenAI's error shape naming the field; never a 5xx."""
+    path, body = call
+    try:
+        raw = json.dumps(body, allow_nan=False).encode()
+    except ValueError:
+        raw = repr(body).encode()  # (not JSON: the body's own 400)
+    r = await file_client.post(path, data=raw, headers={**auth(), "Content-Type": "application/json"})
+    out = await r.json()
+    assert r.status in (200, 400, 404), (path, body, r.status, out)
+    if r.status != 200:
+        error = out["error"]
+        assert error["message"] and error["code"], error
+        named = (*body, "model", "prompt", "tokens")  # (a field sent, or one required)
+        assert error["param"] is None or error["param"].split("[")[0].split(".")[0] in named, (body, error)
+    elif path == "/tokenize":
+        assert out["count"] == len(out["tokens"]) and all(0 <= t <= 11 for t in out["tokens"]), out
+    else:
+        assert isinstance(out["prompt"], str) and set(body) <= {"model", "tokens"}, (body, out)
