@@ -169,6 +169,7 @@ class FileCounter(Counter):
         self.config_path = config_path  # the tokenizer_config.json beside it, where there is one
         self.template_path = template_path  # the chat_template.jinja beside it, where there is one
         self._max_id: int | None = None
+        self._info: dict[str, Any] | None = None
 
     def count_text(self, text: str) -> int:
         return len(self.tokenizer.encode(text, add_special_tokens=True).ids)
@@ -205,7 +206,14 @@ class FileCounter(Counter):
         special tokens, its chat template), read from the ``tokenizer_config.json`` that
         ``save_pretrained`` writes beside ``tokenizer.json``, and the ``chat_template.jinja``
         it writes there (newer transformers: the config then holds none; where both are, the
-        file wins, as transformers loads them); only the class without either."""
+        file wins, as transformers loads them); only the class without either. Read once, as
+        the tokenizer itself is (at start): a config of megabytes was parsed on the event loop
+        at every call."""
+        if self._info is None:
+            self._info = self._read_info()
+        return self._info
+
+    def _read_info(self) -> dict[str, Any]:
         out: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast"}
         if self.config_path is not None:
             try:

@@ -401,3 +401,13 @@ async def test_any_tokenizer_body_is_answered_or_refused_naming_what_is_wrong(
         assert out["count"] == len(out["tokens"]) and all(0 <= t <= 11 for t in out["tokens"]), out
     else:
         assert isinstance(out["prompt"], str) and set(body) <= {"model", "tokens"}, (body, out)
+
+
+async def test_the_tokenizer_config_is_read_once_as_the_tokenizer_is(file_cfg, tmp_path: Path) -> None:
+    """Read at the first ``/tokenizer_info`` and kept, as the tokenizer itself is loaded once:
+    a config of megabytes was parsed on the event loop at every call."""
+    async with frontend(file_cfg) as client:
+        first = await (await client.get("/tokenizer_info", headers=auth())).json()
+        (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[BOS]"}))
+        again = await (await client.get("/tokenizer_info", headers=auth())).json()
+    assert first == again and again["eos_token"] == "[UNK]"
