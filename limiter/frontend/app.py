@@ -30,10 +30,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import ConfigError
-from limiter.frontend import cors, tokenizer_api
+from limiter.frontend import choices, cors, tokenizer_api
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
-from limiter.frontend.choices import run_choices, stream_choices
 from limiter.frontend.errors import (
     LABELS,
     ApiError,
@@ -48,7 +47,6 @@ from limiter.frontend.readiness import readiness
 from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.metrics_server import start_metrics_server
-from limiter.scripts import MAX_PAYLOAD_BYTES
 
 log = logging.getLogger("qos.frontend")
 
@@ -155,30 +153,6 @@ def _client_request_id(request: web.Request) -> str | None:
     return value if value is not None and _CLIENT_REQUEST_ID.fullmatch(value) else None
 
 
-def _refuse_answers_over_the_quota(reqs: list[oa.GenerationRequest], tenant: TenantConfig,
-                                   cls: ClassConfig) -> None:
-    """A 429 (not to be resent) for answers that together cost more than their tenant's quota
-    bucket can ever give them within the class's admission wait. Each answer is admitted on
-    its own, charged its whole cost (admit.lua: the bucket must hold min(cost, burst), and
-    goes into debt past it): the last one admitted needs what the others left, so even a full
-    bucket, refilling for the whole admission wait, cannot admit them all. Refused later, some
-    were admitted, charged and handed to a worker, then cancelled when the rest found the
-    bucket empty -- on each of the SDK's resends of that (retryable) 429."""
-    burst = tenant.rate_tokens_s * tenant.burst_s
-    costs = [r.prompt_tokens * cls.weight + r.max_tokens * cls.out_weight for r in reqs]
-    # the answer admitted last at best: the one whose cost is most over the burst (it needs
-    # only a full bucket, and the debt it leaves is no other answer's)
-    need = sum(costs) - max(max(c - burst, 0.0) for c in costs)
-    most = burst + tenant.rate_tokens_s * cls.admission_wait_ms / 1000
-    if need > most * (1 + 1e-9):
-        raise ApiError(429, f"This request asks for {len(reqs)} answers, each a request of its own "
-                       f"charged its cost: {need:g} weighted tokens in all, and tenant {tenant.name!r}'s "
-                       f"quota gives at most {most:g} within class {cls.name}'s admission wait (its "
-                       f"bucket's {burst:g} and the refill): ask for fewer answers (or fewer max_tokens) "
-                       "a request",
-                       code="rate_limit_exceeded", should_retry=False, outcome="throttled")
-
-
 def _generation_handler(kind: str) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         received = time.monotonic()  # (Generation's clock: not uvloop's whole milliseconds)
@@ -194,14 +168,7 @@ def _generation_handler(kind: str) -> Handler:
         labels.pool = pool.name
         bodies, n = oa.split_choices(kind, body)
         drafts = [oa.parse_request(kind, one, fe.cfg, pool) for one in bodies]
-        if 0 < tenant.max_inflight < len(drafts):
-            # It can never have them all in flight: admitted, some were charged, handed to a
-            # worker and cancelled when the rest found the bound taken (by its own answers),
-            # on each of the SDK's resends of the 429.
-            raise ApiError(429, f"This request asks for {len(drafts)} answers, each a request of its own, "
-                           f"and tenant {tenant.name!r} may have at most {tenant.max_inflight} in flight "
-                           "(its max_inflight): ask for fewer a request", code="too_many_inflight",
-                           should_retry=False, outcome="throttled")
+        choices.refuse_more_than_in_flight(len(drafts), tenant)
         reqs = []
         for i, draft in enumerate(drafts):
             if i % n:  # a copy of the prompt before it (only its seed differs): checked and counted once
@@ -210,22 +177,16 @@ def _generation_handler(kind: str) -> Handler:
             await fe.quota.refuse_if_spent(draft, tenant, fe.classes[cls])
             oa.refuse_if_surely_too_long(draft)
             reqs.append(oa.finish_request(draft, await fe.count_prompt(draft, tenant)))
-        if len(reqs) > 1:
-            _refuse_answers_over_the_quota(reqs, tenant, fe.classes[cls])
+        choices.refuse_over_the_quota(reqs, tenant, fe.classes[cls])
         payloads = [queued_payload(req) for req in reqs]
-        if len(reqs) > 1 and (held := sum(map(len, payloads))) > MAX_PAYLOAD_BYTES:
-            # Each answer is queued with its prompt: n copies of a 1 MiB body held n MiB of
-            # Redis' memory while they waited (64 of a chat's, rendered and as messages, 128).
-            raise ApiError(400, f"The request is too large to queue: its {len(reqs)} answers, each queued "
-                           f"with its prompt, take {held} bytes, over the {MAX_PAYLOAD_BYTES >> 20} MiB a "
-                           "request may hold: ask for fewer answers a request", code="request_too_large",
-                           param="n" if n > 1 else "prompt")
+        choices.refuse_more_than_they_may_hold(payloads, n)
         # (made once every answer's request is checked: each registers for its replies)
         gens = [Generation(fe, request, tenant, cls, req, payload, max_wait, received, client_id)
                 for req, payload in zip(reqs, payloads, strict=True)]
         if len(gens) == 1:
             return await gens[0].run()
-        return await (stream_choices(gens, n) if gens[0].req.stream else run_choices(gens, n))
+        answer = choices.stream_choices if gens[0].req.stream else choices.run_choices
+        return await answer(gens, n)
 
     return handler
 

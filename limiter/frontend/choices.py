@@ -4,7 +4,9 @@ each is scheduled, resumed and charged as any), answered together, whole or stre
 answers them: the choices in vLLM's order (``gens`` are each prompt's ``n`` in turn, the
 choice ``index`` their place), the usage summed with a prompt counted once however many
 answers it has. The first failure fails the whole, and the others are cancelled: their run's
-end cancels them in Redis, refunding what they did not use."""
+end cancels them in Redis, refunding what they did not use. What could never be admitted
+whole (more answers than the tenant's in-flight bound, more cost than its quota gives within
+the admission wait, more bytes than a request may hold queued) is refused before any is."""
 
 from __future__ import annotations
 
@@ -13,11 +15,65 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from limiter.config import ClassConfig, TenantConfig
 from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError, to_api_error
 from limiter.frontend.generation import ClientStalled, Generation
 from limiter.frontend.replies import Reply
+from limiter.scripts import MAX_PAYLOAD_BYTES
 
+# --- what a request of several answers is refused before any is admitted -------------------
+
+def refuse_more_than_in_flight(answers: int, tenant: TenantConfig) -> None:
+    """A 429 (not to be resent) for more answers than the tenant may have in flight: it can
+    never have them all. Refused later, some were admitted, charged, handed to a worker and
+    cancelled when the rest found the bound taken (by its own answers), on each of the SDK's
+    resends of the 429."""
+    if 0 < tenant.max_inflight < answers:
+        raise ApiError(429, f"This request asks for {answers} answers, each a request of its own, "
+                       f"and tenant {tenant.name!r} may have at most {tenant.max_inflight} in flight "
+                       "(its max_inflight): ask for fewer a request", code="too_many_inflight",
+                       should_retry=False, outcome="throttled")
+
+
+def refuse_over_the_quota(reqs: list[oa.GenerationRequest], tenant: TenantConfig, cls: ClassConfig) -> None:
+    """A 429 (not to be resent) for answers that together cost more than their tenant's quota
+    bucket can ever give them within the class's admission wait. Each answer is admitted on
+    its own, charged its whole cost (admit.lua: the bucket must hold min(cost, burst), and
+    goes into debt past it): the last one admitted needs what the others left, so even a full
+    bucket, refilling for the whole admission wait, cannot admit them all. Refused later, some
+    were admitted, charged and handed to a worker, then cancelled when the rest found the
+    bucket empty -- on each of the SDK's resends of that (retryable) 429."""
+    if len(reqs) < 2:
+        return
+    burst = tenant.rate_tokens_s * tenant.burst_s
+    costs = [r.prompt_tokens * cls.weight + r.max_tokens * cls.out_weight for r in reqs]
+    # the answer admitted last at best: the one whose cost is most over the burst (it needs
+    # only a full bucket, and the debt it leaves is no other answer's)
+    need = sum(costs) - max(max(c - burst, 0.0) for c in costs)
+    most = burst + tenant.rate_tokens_s * cls.admission_wait_ms / 1000
+    if need > most * (1 + 1e-9):
+        raise ApiError(429, f"This request asks for {len(reqs)} answers, each a request of its own "
+                       f"charged its cost: {need:g} weighted tokens in all, and tenant {tenant.name!r}'s "
+                       f"quota gives at most {most:g} within class {cls.name}'s admission wait (its "
+                       f"bucket's {burst:g} and the refill): ask for fewer answers (or fewer max_tokens) "
+                       "a request",
+                       code="rate_limit_exceeded", should_retry=False, outcome="throttled")
+
+
+def refuse_more_than_they_may_hold(payloads: list[bytes], n: int) -> None:
+    """A 400 for answers whose payloads together pass what one request may hold queued
+    (``MAX_PAYLOAD_BYTES``): each answer is queued with its prompt, and n copies of a 1 MiB
+    body held n MiB of Redis' memory while they waited (64 of a chat's, rendered and as
+    messages, 128)."""
+    if len(payloads) > 1 and (held := sum(map(len, payloads))) > MAX_PAYLOAD_BYTES:
+        raise ApiError(400, f"The request is too large to queue: its {len(payloads)} answers, each queued "
+                       f"with its prompt, take {held} bytes, over the {MAX_PAYLOAD_BYTES >> 20} MiB a "
+                       "request may hold: ask for fewer answers a request", code="request_too_large",
+                       param="n" if n > 1 else "prompt")
+
+
+# --- answering them ------------------------------------------------------------------------
 
 def _record_ids(gens: list[Generation]) -> str:
     return ",".join(g.request_id for g in gens)  # each answer's record, to trace it
