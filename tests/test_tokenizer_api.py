@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from limiter.frontend.metrics import METRICS
 from tests.support.body_strategies import JUNK, MESSAGE
 from tests.support.frontend_helpers import auth, frontend, make_cfg, tenant
 from tests.support.helpers import wait_until
@@ -411,3 +412,18 @@ async def test_the_tokenizer_config_is_read_once_as_the_tokenizer_is(file_cfg, t
         (tmp_path / "tok" / "tokenizer_config.json").write_text(json.dumps({"eos_token": "[BOS]"}))
         again = await (await client.get("/tokenizer_info", headers=auth())).json()
     assert first == again and again["eos_token"] == "[UNK]"
+
+
+async def test_tokenizer_calls_are_counted_by_endpoint_and_status(file_cfg) -> None:
+    """``qos_frontend_tokenizer_calls_total{endpoint,status}``: the error middleware counts
+    only the generation paths, and an operator sees what these cost and how they end."""
+    async with frontend(file_cfg) as client:
+        await client.post("/tokenize", headers=auth(), json={"prompt": "one"})
+        await client.post("/tokenize", headers=auth(), json={"prompt": 5})
+        await client.post("/detokenize", json={"tokens": [1]})
+        await client.get("/tokenizer_info", headers=auth())
+        metrics = client.server.app[METRICS]
+        counts = {(s.labels["endpoint"], s.labels["status"]): s.value
+                  for m in metrics.tokenizer_calls.collect() for s in m.samples if s.name.endswith("_total")}
+    assert counts == {("tokenize", "200"): 1, ("tokenize", "400"): 1, ("detokenize", "401"): 1,
+                      ("tokenizer_info", "200"): 1}

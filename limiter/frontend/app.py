@@ -40,6 +40,7 @@ from limiter.frontend.errors import (
     RequestLabels,
     error_middleware,
     quiet_client_parse_errors,
+    to_api_error,
 )
 from limiter.frontend.generation import Generation, queued_payload
 from limiter.frontend.metrics import METRICS, FrontendMetrics
@@ -207,6 +208,27 @@ async def model(request: web.Request) -> web.Response:
     fe = _frontend(request)
     fe.keyring.identify(one_header(request.headers, "Authorization"))
     return web.json_response(_model_object(oa.resolve_pool(fe.cfg, {"model": request.match_info["id"]})))
+
+
+def _counted(endpoint: str, handler: Handler) -> Handler:
+    """``handler``, each call counted by the status it answers (the error middleware answers
+    an exception; it counts only the generation paths)."""
+    async def counted(request: web.Request) -> web.StreamResponse:
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except asyncio.CancelledError:
+            status = 499
+            raise
+        except Exception as exc:
+            status = to_api_error(exc).status
+            raise
+        finally:
+            request.app[METRICS].tokenizer_calls.labels(endpoint, str(status)).inc()
+
+    return counted
 
 
 async def tokenize(request: web.Request) -> web.Response:
@@ -384,9 +406,9 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id:.+}", model)
     app.router.add_get("/v1/qos/status", qos_status)
-    app.router.add_post("/tokenize", tokenize)
-    app.router.add_post("/detokenize", detokenize)
-    app.router.add_get("/tokenizer_info", tokenizer_info)
+    app.router.add_post("/tokenize", _counted("tokenize", tokenize))
+    app.router.add_post("/detokenize", _counted("detokenize", detokenize))
+    app.router.add_get("/tokenizer_info", _counted("tokenizer_info", tokenizer_info))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
     app.router.add_get("/health", readyz)

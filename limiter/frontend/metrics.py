@@ -68,6 +68,10 @@ class FrontendMetrics:
             ["pool"], registry=r)
         self.redis_errors = Counter(
             "qos_frontend_redis_errors", "Redis failures seen by background loops", ["loop"], registry=r)
+        self.tokenizer_calls = Counter(
+            "qos_frontend_tokenizer_calls", "Calls of the tokenizer endpoints (/tokenize, /detokenize, "
+            "/tokenizer_info), by the HTTP status answered (499: the client left)", ["endpoint", "status"],
+            registry=r)
         self.lost_requests = Counter(
             "qos_frontend_lost_requests",
             "Admitted requests whose record Redis no longer held (it lost data), answered 503", ["pool"],
