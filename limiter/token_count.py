@@ -254,10 +254,8 @@ class UpstreamCounter(Counter):
     kind = UPSTREAM
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 5.0, api_key: str = "") -> None:
-        # the path before the URL's query: appended to the whole URL, "/tokenize" went into
-        # a query such as a gateway's ?api-key= and the count was asked of the wrong path
-        base, q, query = base_url.partition("?")
-        self.url = base + "/tokenize" + q + query
+        self.base_url = base_url
+        self.url = self.url_of("/tokenize")
         self.model = model
         self.timeout_s = timeout_s
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -297,6 +295,13 @@ class UpstreamCounter(Counter):
             raise TokenizerUnavailable(f"no token count in the answer: {str(data)[:200]}")
         return n
 
+    def url_of(self, path: str) -> str:
+        """The model server's ``path``, before the URL's query: appended to the whole URL,
+        "/tokenize" went into a query such as a gateway's ?api-key= and the count was asked of
+        the wrong path."""
+        base, q, query = self.base_url.partition("?")
+        return base + path + q + query
+
     def _open(self) -> Any:
         import aiohttp
 
@@ -313,8 +318,7 @@ class UpstreamCounter(Counter):
         asked."""
         import aiohttp
 
-        base, q, query = self.url.partition("?")
-        url = base.removesuffix("/tokenize") + path + q + query
+        url = self.url_of(path)
         session = self._open()
         try:
             if body is None:
