@@ -19,6 +19,7 @@ from limiter.config import ClassConfig, TenantConfig
 from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError, to_api_error
 from limiter.frontend.generation import ClientStalled, Generation
+from limiter.frontend.quota_check import admission_cost
 from limiter.frontend.replies import Reply
 from limiter.scripts import MAX_PAYLOAD_BYTES
 
@@ -47,7 +48,7 @@ def refuse_over_the_quota(reqs: list[oa.GenerationRequest], tenant: TenantConfig
     if len(reqs) < 2:
         return
     burst = tenant.rate_tokens_s * tenant.burst_s
-    costs = [r.prompt_tokens * cls.weight + r.max_tokens * cls.out_weight for r in reqs]
+    costs = [admission_cost(r.prompt_tokens, r.max_tokens, cls) for r in reqs]
     # the answer admitted last at best: the one whose cost is most over the burst (it needs
     # only a full bucket, and the debt it leaves is no other answer's)
     need = sum(costs) - max(max(c - burst, 0.0) for c in costs)

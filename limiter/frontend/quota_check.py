@@ -26,6 +26,11 @@ QUOTA_CHECK_S = 60.0  # how long after a quota refusal a tenant's bucket is read
 QUOTA_CHECKS_MAX = 10_000  # tenants checked so at once, per frontend
 
 
+def admission_cost(prompt_tokens: int, max_tokens: int, cls: ClassConfig) -> float:
+    """The weighted tokens admit.lua charges a request of class ``cls`` (its ``Cost``)."""
+    return prompt_tokens * cls.weight + max_tokens * cls.out_weight
+
+
 def least_cost(draft: oa.Draft, cls: ClassConfig) -> float:
     """The least weighted cost ``draft`` can have once its prompt is counted (a prompt of p
     tokens, 0 <= p < the context; max_tokens as given, else its default within the room
@@ -37,7 +42,7 @@ def least_cost(draft: oa.Draft, cls: ClassConfig) -> float:
     def cost(p: int) -> float:
         room = pool.context_tokens - p
         out = draft.max_tokens if draft.max_tokens is not None else min(pool.default_max_tokens, room)
-        return p * cls.weight + out * cls.out_weight
+        return admission_cost(p, out, cls)
 
     return min(cost(0), cost(last))
 
