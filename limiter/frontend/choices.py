@@ -17,7 +17,7 @@ from aiohttp import web
 
 from limiter.config import ClassConfig, TenantConfig
 from limiter.frontend import openai_api as oa
-from limiter.frontend.errors import LABELS, ApiError, to_api_error
+from limiter.frontend.errors import ApiError, to_api_error
 from limiter.frontend.generation import ClientStalled, Generation
 from limiter.frontend.quota_check import admission_cost
 from limiter.frontend.replies import Reply
@@ -197,11 +197,6 @@ async def stream_choices(gens: list[Generation], n: int) -> web.StreamResponse:
             return await lead.end_with_error(resp, failure, b"".join(held))
         assert resp is not None  # (written to its end)
         return resp
-    except ConnectionError:
-        # The client closed the connection mid-stream: the readers' cancellation (above)
-        # cancelled every answer in Redis.
-        lead.request[LABELS].outcome = "cancelled"
-        return resp or web.Response(status=499)
-    except ClientStalled:
-        lead.drop_stalled_client()
-        return resp or web.Response(status=499)
+    except (ConnectionError, ClientStalled) as exc:
+        # the readers' cancellation (above) cancelled every answer in Redis
+        return lead.ended_by_client(resp, exc)

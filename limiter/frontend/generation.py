@@ -435,15 +435,20 @@ class Generation:
                     return resp
                 if out:
                     await self.bounded_write(resp.write(b"".join(out)))
-        except ConnectionError:
-            # The client closed the connection mid-stream (aiohttp's reset errors are
-            # ConnectionErrors): the finally clause in run() cancels the request.
-            self.request[LABELS].outcome = "cancelled"
-            return resp or web.Response(status=499)
-        except ClientStalled:
+        except (ConnectionError, ClientStalled) as exc:
             # the finally clause in run() cancels the request if it is still running
+            return self.ended_by_client(resp, exc)
+
+    def ended_by_client(self, resp: web.StreamResponse | None,
+                        exc: ConnectionError | ClientStalled) -> web.StreamResponse:
+        """A stream its client ended: it closed the connection mid-stream (aiohttp's reset
+        errors are ConnectionErrors), or stopped reading (dropped). Its request(s) are
+        cancelled by the caller's cleanup."""
+        if isinstance(exc, ClientStalled):
             self.drop_stalled_client()
-            return resp or web.Response(status=499)
+        else:
+            self.request[LABELS].outcome = "cancelled"
+        return resp or web.Response(status=499)
 
     async def open_sse(self, record_ids: str | None = None) -> web.StreamResponse:
         """The stream's headers, which go out with its first body write: sent at the first
