@@ -1,6 +1,6 @@
 """The aiohttp application: its routes, their handlers, and :func:`create_app`.
 
-A generation request (``POST /v1/chat/completions``, ``/v1/completions``) is identified
+A generation request (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``) is identified
 (401), given its class (403 above the key's ceiling), and its body read and validated
 (400/404) here -- nothing in Redis is touched until then; :class:`Generation`
 (limiter/frontend/generation.py) admits it and answers. The process runtime (Redis, the
@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import ConfigError
-from limiter.frontend import choices, cors, tokenizer_api
+from limiter.frontend import choices, cors, responses_api, tokenizer_api
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
 from limiter.frontend.errors import (
@@ -45,6 +45,7 @@ from limiter.frontend.errors import (
 from limiter.frontend.generation import Generation, queued_payload
 from limiter.frontend.metrics import METRICS, FrontendMetrics
 from limiter.frontend.readiness import readiness
+from limiter.frontend.responses_api import ResponseGeneration
 from limiter.frontend.runtime import FRONTEND, Frontend
 from limiter.frontend.settings import FrontendSettings
 from limiter.metrics_server import start_metrics_server
@@ -167,8 +168,13 @@ def _generation_handler(kind: str) -> Handler:
         body = oa.parse_json(raw)
         pool = oa.resolve_pool(fe.cfg, body)
         labels.pool = pool.name
-        bodies, n = oa.split_choices(kind, body)
-        drafts = [oa.parse_request(kind, one, fe.cfg, pool) for one in bodies]
+        shape = None
+        if kind == "response":  # a chat, answered in the Responses API's shape
+            shape, draft = responses_api.parse_request(body, fe.cfg, pool)
+            drafts, n = [draft], 1
+        else:
+            bodies, n = oa.split_choices(kind, body)
+            drafts = [oa.parse_request(kind, one, fe.cfg, pool) for one in bodies]
         choices.refuse_more_than_in_flight(len(drafts), tenant)
         reqs = []
         for i, draft in enumerate(drafts):
@@ -182,6 +188,9 @@ def _generation_handler(kind: str) -> Handler:
         payloads = [queued_payload(req) for req in reqs]
         choices.refuse_more_than_they_may_hold(payloads, n)
         # (made once every answer's request is checked: each registers for its replies)
+        if shape is not None:
+            return await ResponseGeneration(shape, fe, request, tenant, cls, reqs[0], payloads[0], max_wait,
+                                            received, client_id).run()
         gens = [Generation(fe, request, tenant, cls, req, payload, max_wait, received, client_id)
                 for req, payload in zip(reqs, payloads, strict=True)]
         if len(gens) == 1:
@@ -402,6 +411,8 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     app.router.add_post("/v1/chat/completions", _generation_handler("chat"),
                          expect_handler=_continue_if_acceptable)
     app.router.add_post("/v1/completions", _generation_handler("completion"),
+                         expect_handler=_continue_if_acceptable)
+    app.router.add_post("/v1/responses", _generation_handler("response"),
                          expect_handler=_continue_if_acceptable)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id:.+}", model)

@@ -34,7 +34,7 @@ from limiter.frontend.metrics import METRICS
 log = logging.getLogger("qos.frontend")
 
 # The requests counted in the requests and rejections metrics.
-GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 # 401 is OpenAI's own: type invalid_request_error, code invalid_api_key (authentication_error
 # is another vendor's word; the OpenAI SDKs key on the status, some proxies on the type).
 _DEFAULT_TYPES = {

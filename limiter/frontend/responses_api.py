@@ -1,0 +1,641 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless, served as the chat it asks for.
+
+A Responses body is checked field by field (a 400 names the field as the client sent it) and
+turned into the chat completion it describes: ``instructions`` and ``input`` become the
+messages (a ``function_call`` item an assistant's tool call, a ``function_call_output`` a tool
+message), ``max_output_tokens`` the max tokens, function tools, ``tool_choice`` and
+``text.format`` their chat shapes. That chat is queued, scheduled, charged and run as any
+other (the worker and the model server see a chat); only the answer differs: a ``response``
+object, or its stream of typed events, ``response.created`` to ``response.completed``, as
+OpenAI and vLLM send them (:class:`ResponseGeneration`).
+
+Stateless: nothing is stored. What needs a stored response (``previous_response_id``,
+``conversation``, ``background``, ``item_reference`` items, reusable ``prompt``s) is a 400
+naming it -- the client sends the whole conversation in ``input``, as the OpenAI Agents SDK
+and Codex do with ``store: false``; ``store`` is accepted either way and answered ``false``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from limiter.config import PoolConfig, QosConfig
+from limiter.frontend import openai_api as oa
+from limiter.frontend.errors import LABELS, ApiError
+from limiter.frontend.generation import Generation
+from limiter.frontend.replies import Reply
+from limiter.reply_text import unpack_in_order
+
+# --- the request ---------------------------------------------------------------------------
+
+# Fields taken as they are (checked by the chat's own checks, under the same names).
+_SAME = ("model", "temperature", "top_p", "stream", "user", "metadata", "safety_identifier",
+         "prompt_cache_key",
+         # vLLM's own, which its /v1/responses takes as its chat does
+         "seed", "stop", "ignore_eos", "min_tokens", "top_k", "min_p", "repetition_penalty",
+         "skip_special_tokens")
+_OWN = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls",
+        "text", "reasoning", "store", "include", "stream_options", "service_tier", "truncation",
+        "top_logprobs", "max_tool_calls", "background", "previous_response_id", "conversation",
+        "prompt", "prompt_cache_retention")
+# What needs a stored response or conversation: this service keeps none.
+_STATEFUL = ("previous_response_id", "conversation", "prompt")
+# `include` entries a client may send: Codex and the Agents SDK ask for the encrypted reasoning
+# with store false; there is none here to give (the reasoning comes as text, in its item).
+INCLUDABLE = ("reasoning.encrypted_content",)
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
+              "assistant": ("output_text", "input_text", "refusal")}
+MAX_ITEM_ID_CHARS = oa.MAX_MESSAGE_ID_CHARS
+
+
+@dataclass(frozen=True)
+class ResponseShape:
+    """What a response object repeats of its request (OpenAI's echo of the settings)."""
+
+    instructions: str | None = None
+    max_output_tokens: int | None = None
+    tools: tuple[dict[str, Any], ...] = ()
+    tool_choice: Any = "auto"
+    parallel_tool_calls: bool = True
+    text_format: Mapping[str, Any] = dataclasses.field(default_factory=lambda: {"type": "text"})
+    reasoning_effort: str | None = None
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    user: str | None = None
+
+
+def _type_of(v: Any, param: str, kind: type, what: str) -> Any:
+    if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+        raise oa.bad(param, f"'{param}' must be {what}, got {oa._type_name(v)}", "invalid_type")
+    return v
+
+
+def _parts_text(content: Any, p: str, role: str) -> str:
+    """A message item's ``content``: a string, or text parts (``input_text``; an assistant's
+    ``output_text`` sent back, with its annotations and logprobs, which are not sent on)."""
+    if isinstance(content, str):
+        return oa._text(content, p)
+    if not isinstance(content, list):
+        raise oa.bad(p, f"'{p}' must be a string or an array of text parts, got {oa._type_name(content)}",
+                     "invalid_type")
+    texts = []
+    for j, part in enumerate(content):
+        pp = f"{p}[{j}]"
+        if not isinstance(part, dict) or part.get("type") not in TEXT_PARTS[role]:
+            kinds = " or ".join(TEXT_PARTS[role])
+            raise oa.bad(pp, f"'{pp}' must be a part of type {kinds} (only text is served: images, "
+                         "audio and files are not)", "invalid_type")
+        key = "refusal" if part["type"] == "refusal" else "text"
+        allowed = {"type", key, "annotations", "logprobs"} if part["type"] == "output_text" else {"type", key}
+        for k in part:
+            if k not in allowed:
+                raise oa.bad(f"{pp}.{k[:64]}", f"unrecognized field '{pp}.{k[:64]}'", "unknown_parameter")
+        if part.get(key) is None:
+            raise oa.bad(f"{pp}.{key}", f"'{pp}.{key}' is required", "missing_required_parameter")
+        texts.append(oa._text(part[key], f"{pp}.{key}"))
+    return "\n".join(texts)  # as the chat path joins text parts (and vLLM)
+
+
+def _item_id(item: Mapping[str, Any], p: str, key: str = "id") -> None:
+    if item.get(key) is not None:
+        oa._id_text(item[key], f"{p}.{key}")
+
+
+def _messages(v: Any, instructions: str | None, tool_calls: bool) -> list[dict[str, Any]]:
+    """``input`` (and ``instructions``, first, as a system message) as chat messages."""
+    out: list[dict[str, Any]] = [{"role": "system", "content": instructions}] if instructions else []
+    if isinstance(v, str):
+        return [*out, {"role": "user", "content": oa._text(v, "input")}]
+    if not isinstance(v, list) or not v:
+        raise oa.bad("input", "'input' must be a string or a non-empty array of items", "invalid_type")
+    for i, item in enumerate(v):
+        p = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise oa.bad(p, f"'{p}' must be an object, got {oa._type_name(item)}", "invalid_type")
+        kind = item.get("type", "message")
+        if kind == "message":
+            oa._keys(item, p, ("type", "role", "content", "id", "status"), ("role", "content"))
+            role = item["role"]
+            if role not in INPUT_ROLES:
+                raise oa.bad(f"{p}.role", f"'{p}.role' must be one of {', '.join(INPUT_ROLES)}")
+            _item_id(item, p)
+            text = _parts_text(item["content"], f"{p}.content", role)
+            last = out[-1] if out else None
+            if role == "assistant" and last is not None and last["role"] == "assistant" \
+                    and not last["content"] and "tool_calls" not in last:
+                last["content"] = text  # the answer after its thinking: one assistant turn
+            else:
+                out.append({"role": "system" if role == "developer" else role, "content": text})
+        elif kind in ("function_call", "function_call_output") and not tool_calls:
+            raise oa.bad(f"{p}.type", f"'{p}.type' {kind!r} is served by a pool with tool_calls = true, in "
+                         "front of a model server that calls tools", "unsupported_value")
+        elif kind == "function_call":
+            oa._keys(item, p, ("type", "call_id", "name", "arguments", "id", "status"),
+                     ("call_id", "name", "arguments"))
+            _item_id(item, p)
+            call = {"id": oa._id_text(item["call_id"], f"{p}.call_id"), "type": "function",
+                    "function": {"name": oa._id_text(item["name"], f"{p}.name"),
+                                 "arguments": oa._text(item["arguments"], f"{p}.arguments")}}
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant":
+                # one assistant turn: its text and its (parallel) calls, as a chat has them
+                last.setdefault("tool_calls", []).append(call)
+            else:
+                out.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            oa._keys(item, p, ("type", "call_id", "output", "id", "status"), ("call_id", "output"))
+            _item_id(item, p)
+            out.append({"role": "tool", "tool_call_id": oa._id_text(item["call_id"], f"{p}.call_id"),
+                        "content": _parts_text(item["output"], f"{p}.output", "user")})
+        elif kind == "reasoning":
+            out.extend(_thinking(item, p, out[-1] if out else None))
+        elif kind == "item_reference":
+            raise oa.bad(f"{p}.type", f"'{p}.type' item_reference needs stored items; this service "
+                         "keeps none: send the item itself", "unsupported_value")
+        else:
+            raise oa.bad(f"{p}.type", f"'{p}.type' {str(kind)[:40]!r} is not served (message, "
+                         "function_call, function_call_output and reasoning items are)", "unsupported_value")
+    if not any(m["role"] != "system" for m in out):
+        raise oa.bad("input", "'input' holds no message to answer", "invalid_value")
+    return out
+
+
+def _thinking(item: dict[str, Any], p: str, last: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """An earlier answer's thinking sent back (the Agents SDK does): the ``reasoning`` of its
+    assistant turn, as the chat path sends a message's (vLLM does the same), for the chat
+    templates of interleaved-thinking models; the others drop it. Its text is the content's,
+    else the summary's. Encrypted thinking is OpenAI's own: none can be read here."""
+    oa._keys(item, p, ("type", "id", "summary", "content", "encrypted_content", "status"))
+    _item_id(item, p)
+    if item.get("encrypted_content"):
+        raise oa.bad(f"{p}.encrypted_content", f"'{p}.encrypted_content' cannot be read by this service (it "
+                     "is encrypted for OpenAI's models): send the thinking as text, or leave it out",
+                     "unsupported_value")
+    texts = []
+    for key, kind in (("content", "reasoning_text"), ("summary", "summary_text")):
+        parts = item.get(key) or []
+        _type_of(parts, f"{p}.{key}", list, "an array")
+        for j, part in enumerate(parts):
+            pp = f"{p}.{key}[{j}]"
+            if not isinstance(part, dict) or part.get("type") != kind:
+                raise oa.bad(pp, f"'{pp}' must be a part of type {kind}", "invalid_type")
+            oa._keys(part, pp, ("type", "text"), ("text",))
+            texts.append(oa._text(part["text"], f"{pp}.text"))
+        if texts:
+            break
+    if not texts:
+        return []
+    thought = "\n".join(texts)
+    if last is not None and last["role"] == "assistant" and "reasoning" not in last:
+        last["reasoning"] = thought
+        return []
+    return [{"role": "assistant", "content": "", "reasoning": thought}]
+
+
+def _tools(v: Any) -> list[dict[str, Any]]:
+    """Responses' function tools (``{type: "function", name, description?, parameters?,
+    strict?}``) in the chat's shape; hosted tools (web search, files, MCP, ...) are not
+    served."""
+    tools = _type_of(v, "tools", list, "an array")
+    out = []
+    for i, t in enumerate(tools):
+        p = f"tools[{i}]"
+        if not isinstance(t, dict):
+            raise oa.bad(p, f"'{p}' must be an object, got {oa._type_name(t)}", "invalid_type")
+        if t.get("type") != "function":
+            raise oa.bad(f"{p}.type", f"'{p}.type' {str(t.get('type'))[:40]!r} is not served: only function "
+                         "tools are (this service runs no hosted tool)", "unsupported_value")
+        oa._keys(t, p, ("type", "name", "description", "parameters", "strict"), ("name",))
+        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
+                                                                     "strict") if t.get(k) is not None}})
+    return out
+
+
+def _tool_choice(v: Any) -> Any:
+    if isinstance(v, str):
+        return v  # (the chat's check names it: none | auto | required)
+    tc = oa._keys(v, "tool_choice", ("type", "name"), ("type",))
+    if tc["type"] != "function":
+        raise oa.bad("tool_choice.type", f"'tool_choice.type' {str(tc['type'])[:40]!r} is not served (a "
+                     "function is)", "unsupported_value")
+    if tc.get("name") is None:
+        raise oa.bad("tool_choice.name", "'tool_choice.name' is required", "missing_required_parameter")
+    return {"type": "function", "function": {"name": oa._id_text(tc["name"], "tool_choice.name")}}
+
+
+def _text_format(v: Any) -> dict[str, Any] | None:
+    """``text``: ``{format?, verbosity?}``; the format as the chat's ``response_format`` (None:
+    plain text)."""
+    text = oa._keys(v, "text", ("format", "verbosity"))
+    if text.get("verbosity") not in (None, "medium"):
+        raise oa.bad("text.verbosity", "'text.verbosity' is not supported by this service (only its "
+                     "neutral value, medium, is accepted)", "unsupported_value")
+    fmt = text.get("format")
+    if fmt is None:
+        return None
+    f = oa._keys(fmt, "text.format", ("type", "name", "schema", "description", "strict"), ("type",))
+    if f["type"] == "text":
+        return None
+    if f["type"] == "json_object":
+        return {"type": "json_object"}
+    if f["type"] != "json_schema":
+        raise oa.bad("text.format.type", "'text.format.type' must be one of text, json_object, json_schema")
+    if f.get("name") is None:
+        raise oa.bad("text.format.name", "'text.format.name' is required", "missing_required_parameter")
+    keys = ("name", "schema", "description", "strict")
+    return {"type": "json_schema", "json_schema": {k: f[k] for k in keys if k in f}}
+
+
+# The chat's names of what a Responses body calls otherwise (longest first), for the 400s of
+# the chat's own checks.
+_PARAM_NAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
+                ("max_completion_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"),
+                ("messages", "input"))
+
+
+def _renamed(exc: ApiError) -> ApiError:
+    """``exc`` naming the field as the Responses body calls it (a message's place in
+    ``input`` is not kept: the chat's messages are not the items one for one)."""
+    for chat_name, name in _PARAM_NAMES:
+        if exc.param and (exc.param == chat_name or exc.param.startswith((chat_name + ".", chat_name + "["))):
+            new = name if chat_name == "messages" else name + exc.param[len(chat_name):]
+            exc.message = exc.message.replace(f"'{exc.param}'", f"'{new}'")
+            exc.param = new
+            break
+    return exc
+
+
+def parse_request(body: Mapping[str, Any], cfg: QosConfig,
+                  pool: PoolConfig) -> tuple[ResponseShape, oa.Draft]:
+    """A Responses body checked, as the chat it asks for (a :class:`oa.Draft`, finished as
+    any chat's) and what its answer repeats of it."""
+    chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
+    for k, v in body.items():
+        if k in _SAME or k in _OWN:
+            continue
+        if k in pool.upstream_fields:
+            chat[k] = v
+            continue
+        raise oa.bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
+    for k in _STATEFUL:
+        if body.get(k) is not None:
+            raise oa.bad(k, f"'{k}' needs stored responses; this service keeps none: send the whole "
+                         "conversation in 'input'", "unsupported_value")
+    if body.get("background") not in (None, False):
+        raise oa.bad("background", "'background' responses are not served (nothing is stored to fetch "
+                     "later)", "unsupported_value")
+    if body.get("store") is not None:
+        _type_of(body["store"], "store", bool, "a boolean")
+    for name, neutral in (("truncation", ("disabled",)), ("service_tier", ("auto", "default")),
+                          ("top_logprobs", (0,)), ("prompt_cache_retention", ("in-memory", "24h"))):
+        if body.get(name) is not None and body[name] not in neutral:
+            raise oa.bad(name, f"'{name}' = {oa.compact_json(body[name])[:60]} is not supported by this "
+                         "service (only its neutral value is accepted)", "unsupported_value")
+    if body.get("max_tool_calls") is not None:
+        raise oa.bad("max_tool_calls", "'max_tool_calls' is not supported by this service",
+                     "unsupported_value")
+    include = body.get("include")
+    if include is not None:
+        for i, name in enumerate(_type_of(include, "include", list, "an array")):
+            if name not in INCLUDABLE:
+                raise oa.bad(f"include[{i}]", f"'include[{i}]' {str(name)[:60]!r} is not served (only "
+                             f"{', '.join(INCLUDABLE)} may be asked for, and there is none to give)",
+                             "unsupported_value")
+    if body.get("stream_options") is not None:
+        so = oa._keys(body["stream_options"], "stream_options", ("include_obfuscation",))
+        if not body.get("stream"):
+            raise oa.bad("stream_options", "'stream_options' is only allowed when 'stream' is true")
+        if so.get("include_obfuscation") is not None:
+            _type_of(so["include_obfuscation"], "stream_options.include_obfuscation", bool, "a boolean")
+
+    instructions = body.get("instructions")
+    if instructions is not None:
+        oa._text(instructions, "instructions")
+    chat["messages"] = _messages(body.get("input"), instructions, pool.tool_calls)
+    max_out = body.get("max_output_tokens")
+    if max_out is not None:
+        max_out = oa._int(max_out)
+        if not oa._is_int(max_out):
+            raise oa.bad("max_output_tokens", "'max_output_tokens' must be an integer, got "
+                         f"{oa._type_name(max_out)}", "invalid_type")
+        if max_out < 1:
+            raise oa.bad("max_output_tokens", f"'max_output_tokens' must be at least 1, got {max_out}")
+        chat["max_completion_tokens"] = max_out
+
+    tools: list[dict[str, Any]] = []
+    if body.get("tools") is not None:
+        tools = _tools(body["tools"])
+        if tools:
+            chat["tools"] = tools
+    if body.get("tool_choice") is not None:
+        chat["tool_choice"] = _tool_choice(body["tool_choice"])
+    if body.get("parallel_tool_calls") is not None:
+        chat["parallel_tool_calls"] = _type_of(body["parallel_tool_calls"], "parallel_tool_calls", bool,
+                                               "a boolean")
+    fmt = None
+    if body.get("text") is not None:
+        fmt = _text_format(body["text"])
+        if fmt is not None:
+            chat["response_format"] = fmt
+    effort = None
+    if body.get("reasoning") is not None:
+        r = oa._keys(body["reasoning"], "reasoning", ("effort", "summary", "generate_summary"))
+        effort = r.get("effort")
+        if effort is not None:
+            chat["reasoning_effort"] = effort
+        for k in ("summary", "generate_summary"):  # asked of OpenAI's models; there is none here
+            if r.get(k) is not None and r[k] not in ("auto", "concise", "detailed"):
+                raise oa.bad(f"reasoning.{k}", f"'reasoning.{k}' must be auto, concise or detailed")
+    try:
+        draft = oa.parse_request("chat", chat, cfg, pool)
+    except ApiError as exc:
+        raise _renamed(exc) from None
+    draft = dataclasses.replace(draft, prompt_param="input",
+                                max_param="max_output_tokens" if max_out is not None else draft.max_param)
+    shape = ResponseShape(
+        instructions=instructions, max_output_tokens=max_out,
+        tools=tuple({"type": "function", "description": None, "parameters": None, "strict": None,
+                     **t["function"]} for t in tools),
+        tool_choice=body.get("tool_choice") or "auto",
+        parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
+        text_format=_format_echo(fmt), reasoning_effort=effort,
+        metadata=body.get("metadata") or {}, user=body.get("user"))
+    return shape, draft
+
+
+def _format_echo(fmt: dict[str, Any] | None) -> dict[str, Any]:
+    if fmt is None:
+        return {"type": "text"}
+    if fmt["type"] == "json_schema":
+        return {"type": "json_schema", **fmt["json_schema"]}
+    return dict(fmt)
+
+
+# --- the answer ----------------------------------------------------------------------------
+
+def _id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def response_object(shape: ResponseShape, req: oa.GenerationRequest, response_id: str, created_at: int,
+                    status: str, output: list[dict[str, Any]], usage: tuple[int, int] | None = None,
+                    error: dict[str, Any] | None = None) -> dict[str, Any]:
+    """OpenAI's ``response`` object (``status``: in_progress, completed, incomplete, failed)."""
+    return {
+        "id": response_id, "object": "response", "created_at": created_at, "status": status,
+        "background": False, "error": error,
+        "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+        "instructions": shape.instructions, "max_output_tokens": shape.max_output_tokens,
+        "max_tool_calls": None, "metadata": dict(shape.metadata), "model": req.model, "output": output,
+        "parallel_tool_calls": shape.parallel_tool_calls, "previous_response_id": None,
+        "reasoning": {"effort": shape.reasoning_effort, "summary": None}, "service_tier": "auto",
+        "store": False, "temperature": req.temperature, "text": {"format": dict(shape.text_format),
+                                                                  "verbosity": "medium"},
+        "tool_choice": shape.tool_choice, "tools": list(shape.tools), "top_logprobs": 0,
+        "top_p": req.top_p, "truncation": "disabled",
+        "usage": None if usage is None else {
+            "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+            "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage[0] + usage[1]},
+        "user": shape.user,
+    }
+
+
+def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "message", "status": status, "role": "assistant",
+            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+
+
+def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
+    return {"id": item_id, "type": "reasoning", "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
+    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def output_of(chat_answer: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """A whole chat answer's output items, and the response's status."""
+    choice = chat_answer["choices"][0]
+    msg = choice["message"]
+    status = "incomplete" if choice["finish_reason"] == "length" else "completed"
+    out = []
+    thought = next((msg[k] for k in ("reasoning", "reasoning_content") if msg.get(k)), "")
+    if thought:
+        out.append(reasoning_item(_id("rs"), thought))
+    calls = msg.get("tool_calls") or []
+    text = msg.get("content") or ""
+    if text.strip() or not calls:  # (a tool parser's newlines between calls are no message)
+        out.append(message_item(_id("msg"), text, status))
+    for c in calls:
+        out.append(function_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
+                                      "completed"))
+    return out, status
+
+
+class ResponseEvents:
+    """A streamed response's events, in OpenAI's order: ``response.created`` and
+    ``response.in_progress``; per output item (reasoning, the message, each function call)
+    ``output_item.added``, its deltas, its ``.done`` events and ``output_item.done``; last
+    ``response.completed`` with the whole response (its status ``incomplete`` at
+    max_output_tokens). Every event carries its ``sequence_number``; an item's id is the
+    same in its events and in the final response."""
+
+    def __init__(self, shape: ResponseShape, req: oa.GenerationRequest, response_id: str,
+                 created_at: int) -> None:
+        self.shape, self.req, self.response_id, self.created_at = shape, req, response_id, created_at
+        self.seq = 0
+        self.output: list[dict[str, Any]] = []  # every item so far, as it stands
+        self.open_kind = ""  # "reasoning" | "message" | "calls" | "" (none)
+        self.open_text: list[str] = []
+        self.calls: dict[Any, int] = {}  # a call's stream index -> its place in output
+        self.blank = ""  # whitespace with no message open yet: a message only if text follows
+
+    def event(self, kind: str, **fields: Any) -> bytes:
+        data = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return b"event: " + kind.encode() + b"\ndata: " + oa.compact_json(data).encode() + b"\n\n"
+
+    def response(self, status: str, usage: tuple[int, int] | None = None,
+                 error: dict[str, Any] | None = None) -> dict[str, Any]:
+        return response_object(self.shape, self.req, self.response_id, self.created_at, status,
+                               [dict(i) for i in self.output], usage, error)
+
+    def opening(self) -> list[bytes]:
+        r = self.response("in_progress")
+        return [self.event("response.created", response=r), self.event("response.in_progress", response=r)]
+
+    def _open(self, kind: str, item: dict[str, Any]) -> list[bytes]:
+        out = self.close()
+        self.open_kind, self.open_text = kind, []
+        self.output.append(item)
+        index = len(self.output) - 1
+        out.append(self.event("response.output_item.added", output_index=index, item=item))
+        if kind in ("message", "reasoning"):
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []} \
+                if kind == "message" else {"type": "reasoning_text", "text": ""}
+            out.append(self.event("response.content_part.added", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part))
+        return out
+
+    def text(self, delta: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open_kind != "message":
+            if not delta.strip():
+                self.blank += delta
+                return out
+            delta, self.blank = self.blank + delta, ""
+            out += self._open("message", message_item(_id("msg"), "", "in_progress") | {"content": []})
+        self.open_text.append(delta)
+        item = self.output[-1]
+        out.append(self.event("response.output_text.delta", item_id=item["id"],
+                              output_index=len(self.output) - 1, content_index=0, delta=delta, logprobs=[]))
+        return out
+
+    def reasoning(self, delta: str) -> list[bytes]:
+        out: list[bytes] = []
+        if self.open_kind != "reasoning":
+            out += self._open("reasoning", reasoning_item(_id("rs"), "", "in_progress") | {"content": []})
+        self.open_text.append(delta)
+        item = self.output[-1]
+        out.append(self.event("response.reasoning_text.delta", item_id=item["id"],
+                              output_index=len(self.output) - 1, content_index=0, delta=delta))
+        return out
+
+    def tool_calls(self, deltas: list[dict[str, Any]]) -> list[bytes]:
+        """One chunk's tool-call deltas (the chat's: ``{index, id?, function: {name?,
+        arguments?}}``), each call an item of its own."""
+        out: list[bytes] = []
+        for d in deltas:
+            key = d.get("index") if isinstance(d.get("index"), int) else ("next", len(self.calls))
+            f = d.get("function") if isinstance(d.get("function"), dict) else {}
+            if key not in self.calls:
+                if self.open_kind != "calls":
+                    out += self.close()
+                    self.open_kind = "calls"
+                item = function_call_item(_id("fc"), d.get("id") or "", f.get("name") or "", "",
+                                          "in_progress")
+                self.output.append(item)
+                self.calls[key] = len(self.output) - 1
+                out.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
+                                      item=dict(item)))
+            index = self.calls[key]
+            item = self.output[index]
+            if isinstance(f.get("arguments"), str) and f["arguments"]:
+                item["arguments"] += f["arguments"]
+                out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=index, delta=f["arguments"]))
+        return out
+
+    def close(self, status: str = "completed") -> list[bytes]:
+        """The open item's (or calls') end."""
+        kind, self.open_kind = self.open_kind, ""
+        out: list[bytes] = []
+        if kind in ("message", "reasoning"):
+            index = len(self.output) - 1
+            item, text = self.output[index], "".join(self.open_text)
+            if kind == "message":
+                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=text, logprobs=[]))
+                done = message_item(item["id"], text, status)
+            else:
+                part = {"type": "reasoning_text", "text": text}
+                out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
+                                      content_index=0, text=text))
+                done = reasoning_item(item["id"], text)
+            out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
+                                  content_index=0, part=part))
+            self.output[index] = done
+            out.append(self.event("response.output_item.done", output_index=index, item=done))
+        elif kind == "calls":
+            for index in sorted(i for i in self.calls.values() if self.output[i]["status"] == "in_progress"):
+                item = self.output[index]
+                item["status"] = "completed"
+                out.append(self.event("response.function_call_arguments.done", item_id=item["id"],
+                                      output_index=index, name=item["name"], arguments=item["arguments"]))
+                out.append(self.event("response.output_item.done", output_index=index, item=dict(item)))
+        return out
+
+    def end(self, finish: str, usage_in: int, usage_out: int) -> list[bytes]:
+        status = "incomplete" if oa.finish_reason(finish) == "length" else "completed"
+        out = []
+        if self.blank and not self.calls:  # an answer of whitespace alone is still a message
+            out += self._blank_message()
+        out += self.close(status)
+        # response.completed whatever the status, as vLLM sends it: the OpenAI SDK's stream
+        # helper reads a final response only from that event (response.incomplete is OpenAI's)
+        out.append(self.event("response.completed", response=self.response(status, (usage_in, usage_out))))
+        return out
+
+    def _blank_message(self) -> list[bytes]:
+        text, self.blank = self.blank, ""
+        out = self._open("message", message_item(_id("msg"), "", "in_progress") | {"content": []})
+        self.open_text.append(text)
+        out.append(self.event("response.output_text.delta", item_id=self.output[-1]["id"],
+                              output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[]))
+        return out
+
+    def failed(self, exc: ApiError) -> list[bytes]:
+        """A failure after the stream opened: OpenAI's ``error`` event, then the response
+        ``failed``."""
+        # (the response's error code is one of OpenAI's few: every failure after the stream
+        # opened is the service's; the error event carries this service's own code)
+        err = {"code": "server_error", "message": exc.message}
+        return [self.event("error", code=exc.code or exc.err_type, message=exc.message, param=exc.param),
+                self.event("response.failed", response=self.response("failed", error=err))]
+
+
+class ResponseGeneration(Generation):
+    """A generation answered in the Responses API's shape (the request itself is a chat)."""
+
+    def __init__(self, shape: ResponseShape, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.shape = shape
+        # the client's own X-Request-Id, as vLLM takes it, else the record's id
+        own = self.public_id if self.public_id != self.request_id else self.request_id[1:]
+        self.response_id = "resp_" + own.removeprefix("resp_")
+        self.events = ResponseEvents(shape, self.req, self.response_id, self.created)
+        self.finish = "stop"
+
+    async def answer(self) -> dict[str, Any]:
+        chat = await super().answer()
+        output, status = output_of(chat)
+        usage = chat["usage"]
+        return response_object(self.shape, self.req, self.response_id, self.created, status, output,
+                               (usage["prompt_tokens"], usage["completion_tokens"]))
+
+    def sse_opener(self, index: int = 0) -> list[bytes]:
+        return self.events.opening()
+
+    def sse_chunks(self, r: Reply, text: str, index: int = 0) -> list[bytes]:
+        ev = self.events
+        out: list[bytes] = []
+        for piece in unpack_in_order(text) if text else ():
+            if piece.reasoning:
+                out += ev.reasoning(piece.reasoning)
+            for calls in piece.tool_calls:
+                out += ev.tool_calls(calls)
+            if piece.content:
+                out += ev.text(piece.content)
+        if r.kind == "done":
+            self.observe_done(r)
+            self.finish = r.finish
+        return out
+
+    def sse_end(self, usage_in: int, usage_out: int) -> list[bytes]:
+        return self.events.end(self.finish, usage_in, usage_out)
+
+    async def end_with_error(self, resp: web.StreamResponse, exc: ApiError,
+                             before: bytes = b"") -> web.StreamResponse:
+        self.request[LABELS].outcome = exc.outcome
+        await self.bounded_write(resp.write_eof(before + b"".join(self.events.failed(exc))))
+        return resp

@@ -1,0 +1,423 @@
+"""OpenAI's Responses API (``POST /v1/responses``), stateless, served as the chat it asks for:
+the body checked field by field (a 400 names the field as the client sent it) and turned into
+the chat it describes; the answer a ``response`` object or its stream of typed events, each
+validated against the OpenAI SDK's own types; text, a reasoning model's thinking and function
+calls as their output items; a failure before the stream opens an HTTP status, after it an
+``error`` event and ``response.failed``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import openai
+import pytest
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter
+
+from limiter.config import demo_config
+from limiter.frontend.errors import ApiError
+from limiter.frontend.responses_api import parse_request
+from tests.support.fake_upstream import chat_chunk, end_stream, sse_response, tool_chunk
+from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg
+from tests.support.helpers import wait_until
+from tests.support.worker_helpers import worker
+
+EVENT = TypeAdapter(ResponseStreamEvent)
+WEATHER = {"type": "function", "name": "get_weather", "description": "Weather of a city",
+           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}
+CALL_DELTAS = [[{"index": 0, "id": "chatcmpl-tool-1", "type": "function",
+                 "function": {"name": "get_weather", "arguments": ""}}],
+               [{"index": 0, "function": {"arguments": "{\"city\": "}}],
+               [{"index": 0, "function": {"arguments": "\"Paris\"}"}}]]
+
+
+def _tool_cfg(**pool: Any) -> Any:
+    return make_cfg("redis://127.0.0.1:1", pool={"tool_calls": True, **pool})
+
+
+def _chat_of(body: dict[str, Any], cfg: Any = None) -> dict[str, Any]:
+    cfg = cfg or demo_config()
+    shape, draft = parse_request({"model": "tiny", **body}, cfg, cfg.pools[0])
+    return {"messages": [(m.role, m.content, m.tool_call_id, m.tool_calls) for m in draft.messages],
+            "reasoning": [m.reasoning for m in draft.messages],
+            "max_tokens": draft.max_tokens, "upstream": draft.fields["upstream"], "shape": shape,
+            "stream": draft.fields["stream"]}
+
+
+async def _events(r: Any) -> list[dict[str, Any]]:
+    """A streamed response's events, each checked against the SDK's union of event types and
+    its SSE ``event:`` line against its ``type``."""
+    out = []
+    for block in (await r.read()).decode().split("\n\n"):
+        if not block.strip():
+            continue
+        lines = dict(line.split(": ", 1) for line in block.split("\n"))
+        ev = json.loads(lines["data"])
+        assert lines["event"] == ev["type"], block
+        EVENT.validate_python(ev)
+        out.append(ev)
+    return out
+
+
+def _check_order(events: list[dict[str, Any]]) -> None:
+    """OpenAI's order: created, in_progress, items each added, its deltas, done; the last event
+    the response's end; sequence numbers 0, 1, 2, ...; every delta's item open."""
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    open_items: dict[str, int] = {}
+    for e in events[2:-1]:
+        if e["type"] == "response.output_item.added":
+            assert e["item"]["id"] not in open_items
+            open_items[e["item"]["id"]] = e["output_index"]
+        elif e["type"] == "response.output_item.done":
+            assert open_items.pop(e["item"]["id"]) == e["output_index"]
+        else:
+            assert open_items.get(e["item_id"]) == e["output_index"], e
+    assert not open_items
+    assert events[-1]["type"] in ("response.completed", "response.failed")
+
+
+# --- the request, as the chat it asks for ----------------------------------------------------
+
+def test_input_and_instructions_become_the_chats_messages() -> None:
+    assert _chat_of({"input": "hi"})["messages"] == [("user", "hi", None, ())]
+    got = _chat_of({"instructions": "Be brief.", "max_output_tokens": 7, "input": [
+        {"role": "developer", "content": "Use French."},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "a"},
+                                                        {"type": "input_text", "text": "b"}]},
+        # an earlier answer sent back as the SDK has it (its id, status, annotations)
+        {"type": "message", "id": "msg_1", "status": "completed", "role": "assistant",
+         "content": [{"type": "output_text", "text": "c", "annotations": [], "logprobs": []}]},
+        {"role": "user", "content": "d"}]})
+    assert got["messages"] == [("system", "Be brief.", None, ()), ("system", "Use French.", None, ()),
+                               ("user", "a\nb", None, ()), ("assistant", "c", None, ()),
+                               ("user", "d", None, ())]
+    assert got["max_tokens"] == 7 and got["shape"].instructions == "Be brief."
+
+
+def test_function_calls_and_their_outputs_become_an_assistants_calls_and_tool_messages() -> None:
+    call = {"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
+            "arguments": "{\"city\": \"Paris\"}", "status": "completed"}
+    got = _chat_of({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "get_weather"}, "input": [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [],
+         "content": [{"type": "reasoning_text", "text": "x"}]},
+        call, {**call, "call_id": "call_2", "arguments": "{\"city\": \"Rome\"}"},
+        {"type": "function_call_output", "call_id": "call_1", "output": "sunny"},
+        {"type": "function_call_output", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "rain"}]}]},
+        _tool_cfg())
+    calls = tuple({"id": c, "type": "function", "function": {"name": "get_weather", "arguments": a}}
+                  for c, a in (("call_1", "{\"city\": \"Paris\"}"), ("call_2", "{\"city\": \"Rome\"}")))
+    assert got["messages"] == [("user", "Weather in Paris and Rome?", None, ()),
+                               ("assistant", "", None, calls), ("tool", "sunny", "call_1", ()),
+                               ("tool", "rain", "call_2", ())]
+    assert got["reasoning"][1] == ("reasoning", "x")  # the thinking, with the turn's calls
+    assert got["upstream"]["tools"] == [{"type": "function", "function": {
+        k: WEATHER[k] for k in ("name", "description", "parameters")}}]
+    assert got["upstream"]["tool_choice"] == {"type": "function", "function": {"name": "get_weather"}}
+    assert got["shape"].tools[0]["name"] == "get_weather"
+
+
+def test_a_json_schema_format_is_the_chats_response_format() -> None:
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    got = _chat_of({"input": "x", "text": {"format": {"type": "json_schema", "name": "A", "schema": schema,
+                                                      "strict": True}}},
+                   make_cfg("redis://127.0.0.1:1", pool={"structured_outputs": True}))
+    assert got["upstream"]["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "A", "schema": schema, "strict": True}}
+    assert got["shape"].text_format == {"type": "json_schema", "name": "A", "schema": schema, "strict": True}
+
+
+def test_what_a_client_sends_at_its_neutral_value_is_accepted() -> None:
+    """store (either way: answered false), truncation disabled, the encrypted reasoning Codex
+    asks for with store false, a reasoning summary, the OpenAI SDK's ids."""
+    got = _chat_of({"input": "x", "store": True, "truncation": "disabled", "service_tier": "auto",
+                    "include": ["reasoning.encrypted_content"], "reasoning": {"summary": "auto"},
+                    "text": {"format": {"type": "text"}, "verbosity": "medium"}, "top_logprobs": 0,
+                    "metadata": {"k": "v"}, "user": "u", "safety_identifier": "s", "prompt_cache_key": "p",
+                    "parallel_tool_calls": False, "stream": True,
+                    "stream_options": {"include_obfuscation": False},
+                    "background": False, "previous_response_id": None, "temperature": 0.5})
+    assert got["messages"] == [("user", "x", None, ())] and got["stream"]
+    assert got["shape"].metadata == {"k": "v"} and got["shape"].parallel_tool_calls is False
+
+
+@pytest.mark.parametrize(("body", "param", "code"), [
+    ({}, "input", "invalid_type"),
+    ({"input": []}, "input", "invalid_type"),
+    ({"input": 5}, "input", "invalid_type"),
+    ({"input": [{"role": "system", "content": "x"}]}, "input", "invalid_value"),
+    ({"input": ["x"]}, "input[0]", "invalid_type"),
+    ({"input": [{"role": "bot", "content": "x"}]}, "input[0].role", "invalid_value"),
+    ({"input": [{"role": "user"}]}, "input[0].content", "missing_required_parameter"),
+    ({"input": [{"role": "user", "content": "x", "colour": 1}]}, "input[0].colour", "unknown_parameter"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]},
+     "input[0].content[0]", "invalid_type"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input[0].content[0].text",
+     "missing_required_parameter"),
+    ({"input": [{"role": "user", "content": [{"type": "input_text", "text": 5}]}]},
+     "input[0].content[0].text", "invalid_type"),
+    ({"input": [{"role": "user", "content": "\ud800"}]}, "input[0].content", "invalid_type"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "input[0].type", "unsupported_value"),
+    ({"input": [{"type": "web_search_call", "id": "ws_1"}]}, "input[0].type", "unsupported_value"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}]},
+     "input[0].type", "unsupported_value"),
+    ({"input": "x", "instructions": 5}, "instructions", "invalid_type"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+    ({"input": "x", "max_output_tokens": "5"}, "max_output_tokens", "invalid_type"),
+    ({"input": "x", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_value"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation", "unsupported_value"),
+    ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "unsupported_value"),
+    ({"input": "x", "background": True}, "background", "unsupported_value"),
+    ({"input": "x", "store": "yes"}, "store", "invalid_type"),
+    ({"input": "x", "truncation": "auto"}, "truncation", "unsupported_value"),
+    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include[0]", "unsupported_value"),
+    ({"input": "x", "include": "x"}, "include", "invalid_type"),
+    ({"input": "x", "max_tool_calls": 3}, "max_tool_calls", "unsupported_value"),
+    ({"input": "x", "top_logprobs": 3}, "top_logprobs", "unsupported_value"),
+    ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options", "invalid_value"),
+    ({"input": "x", "stream": True, "stream_options": {"include_usage": True}},
+     "stream_options.include_usage", "unknown_parameter"),
+    ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type", "invalid_value"),
+    ({"input": "x", "text": {"verbosity": "high"}}, "text.verbosity", "unsupported_value"),
+    ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format", "unsupported_value"),
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "unsupported_value"),
+    ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary", "invalid_value"),
+    ({"input": "x", "tools": [WEATHER]}, "tools", "unsupported_value"),
+    ({"input": "x", "temperature": 3}, "temperature", "invalid_value"),
+    ({"input": "x", "messages": []}, "messages", "unknown_parameter"),
+    ({"input": "x", "n": 2}, "n", "unknown_parameter"),
+])
+def test_a_bad_body_is_a_400_naming_the_field_as_sent(body: dict[str, Any], param: str, code: str) -> None:
+    with pytest.raises(ApiError) as e:
+        _chat_of(body)
+    assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.message
+    assert f"'{param}'" in e.value.message or e.value.code == "unknown_parameter"
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function"}]}, "tools[0].name"),
+    ({"tools": [{**WEATHER, "extra": 1}]}, "tools[0].extra"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
+    ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
+    ({"input": [{"type": "function_call", "call_id": "c", "name": "f"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id"),
+])
+def test_bad_tools_and_calls_are_a_400_naming_the_field(body: dict[str, Any], param: str) -> None:
+    with pytest.raises(ApiError) as e:
+        _chat_of({"input": "x", **body}, _tool_cfg())
+    assert (e.value.status, e.value.param) == (400, param), e.value.message
+
+
+# --- end to end: frontend, worker ------------------------------------------------------------
+
+async def test_an_answer_is_a_response_object_of_the_sdks_type_as_the_chat_answers_it(redis_server) -> None:
+    cfg = make_cfg(redis_server.url)
+    body = {"model": "tiny", "max_output_tokens": 6, "temperature": 0, "seed": 3}
+    async with frontend(cfg) as client, worker(cfg):
+        r = await client.post("/v1/responses", headers=auth(),
+                              json={**body, "input": "hello", "metadata": {"a": "b"}})
+        assert r.status == 200, await r.text()
+        out = await r.json()
+        chat = await (await client.post("/v1/chat/completions", headers=auth(), json={
+            "model": "tiny", "max_tokens": 6, "temperature": 0, "seed": 3,
+            "messages": [{"role": "user", "content": "hello"}]})).json()
+        mine = await client.post("/v1/responses", headers={**auth(), "X-Request-Id": "trace-7"},
+                                 json={**body, "input": "hello"})
+        assert (await mine.json())["id"] == "resp_trace-7" and mine.headers["x-request-id"] == "trace-7"
+    Response.model_validate(out)
+    assert out["id"].startswith("resp_") and out["object"] == "response" and out["metadata"] == {"a": "b"}
+    (item,) = out["output"]
+    assert item["type"] == "message" and item["role"] == "assistant"
+    assert item["content"][0]["text"] == chat["choices"][0]["message"]["content"]  # the same chat, seeded
+    done = chat["choices"][0]["finish_reason"] == "stop"
+    assert out["status"] == ("completed" if done else "incomplete")
+    assert out["incomplete_details"] == (None if done else {"reason": "max_output_tokens"})
+    assert (out["usage"]["input_tokens"], out["usage"]["output_tokens"]) == (
+        chat["usage"]["prompt_tokens"], chat["usage"]["completion_tokens"])
+    assert out["usage"]["total_tokens"] == chat["usage"]["total_tokens"]
+
+
+async def test_a_streamed_answer_is_openais_events_in_order_ending_with_the_whole_response(
+        redis_server) -> None:
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as client, worker(cfg):
+        r = await client.post("/v1/responses", headers=auth(), json={
+            "model": "tiny", "input": "hello", "max_output_tokens": 12, "stream": True, "seed": 1})
+        assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+        events = await _events(r)
+    _check_order(events)
+    types = [e["type"] for e in events]
+    assert types[2:4] == ["response.output_item.added", "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done",
+                          "response.output_item.done", "response.completed"]
+    # (completed whatever the status, as vLLM: the SDK's stream helper reads no other end)
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
+    (text_done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    final = events[-1]["response"]
+    Response.model_validate(final)
+    assert deltas == text_done["text"] == final["output"][0]["content"][0]["text"]
+    assert final["usage"]["output_tokens"] >= 1 and final["status"] in ("completed", "incomplete")
+    assert events[0]["response"]["status"] == "in_progress" and events[0]["response"]["output"] == []
+
+
+async def test_the_sdks_create_and_stream_helper_read_it(redis_server, fake_upstream) -> None:
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            made = await sdk.responses.create(model="tiny", input="hello", instructions="Be brief.",
+                                              max_output_tokens=5)
+            async with sdk.responses.stream(model="tiny", input=[{"role": "user", "content": "hi"}],
+                                            max_output_tokens=9) as stream:
+                deltas = [ev.delta async for ev in stream if ev.type == "response.output_text.delta"]
+                final = await stream.get_final_response()
+        finally:
+            await sdk.close()
+    assert made.output_text == "olleh" and made.usage is not None and made.status == "completed"
+    assert final.output_text == "".join(deltas) == "ih" and final.usage is not None
+    # the instructions went as the chat's system message
+    assert fake_upstream.bodies[0]["messages"] == [{"role": "system", "content": "Be brief."},
+                                                   {"role": "user", "content": "hello"}]
+
+
+def _calls_weather(text: str = "") -> Any:
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(chat_chunk(reasoning="The user wants weather.", completion_tokens=1))
+        if text:
+            await resp.write(chat_chunk(text, completion_tokens=2))
+        for i, deltas in enumerate(CALL_DELTAS, 3):
+            await resp.write(tool_chunk(deltas, completion_tokens=i))
+        return await end_stream(resp, tool_chunk([], finish="tool_calls", completion_tokens=5))
+
+    return script
+
+
+async def test_thinking_and_a_function_call_are_their_own_output_items(redis_server, fake_upstream) -> None:
+    cfg, up = make_cfg(redis_server.url, pool={"tool_calls": True}), fake_upstream
+    up.scripts["Weather"] = _calls_weather("Let me look.")
+    body = {"model": "tiny", "input": "Weather in Paris?", "tools": [WEATHER], "max_output_tokens": 40}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
+        r = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
+        events = await _events(r)
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            async with sdk.responses.stream(**body) as stream:
+                final = await stream.get_final_response()
+        finally:
+            await sdk.close()
+    Response.model_validate(whole)
+    assert [i["type"] for i in whole["output"]] == ["reasoning", "message", "function_call"]
+    assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "The user wants weather."}]
+    assert whole["output"][1]["content"][0]["text"] == "Let me look."
+    call = whole["output"][2]
+    assert (call["call_id"], call["name"], json.loads(call["arguments"]), call["status"]) == (
+        "chatcmpl-tool-1", "get_weather", {"city": "Paris"}, "completed")
+    assert whole["status"] == "completed" and whole["tools"][0]["name"] == "get_weather"
+    # the model server was sent the chat's tools
+    assert up.bodies[0]["tools"] == [{"type": "function", "function": {
+        k: WEATHER[k] for k in ("name", "description", "parameters")}}]
+    _check_order(events)
+    final_out = events[-1]["response"]["output"]
+    assert [i["type"] for i in final_out] == ["reasoning", "message", "function_call"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta") == \
+        final_out[2]["arguments"] == call["arguments"]
+    (args_done,) = [e for e in events if e["type"] == "response.function_call_arguments.done"]
+    assert args_done["name"] == "get_weather" and args_done["arguments"] == call["arguments"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == \
+        "The user wants weather."
+    (fc,) = [i for i in final.output if i.type == "function_call"]
+    assert (fc.call_id, fc.name, fc.arguments) == ("chatcmpl-tool-1", "get_weather", call["arguments"])
+
+
+async def test_a_tool_result_goes_back_to_the_model_server_with_the_call_it_answers(
+        redis_server, fake_upstream) -> None:
+    cfg, up = make_cfg(redis_server.url, pool={"tool_calls": True}), fake_upstream
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/responses", headers=auth(), json={
+            "model": "tiny", "tools": [WEATHER], "max_output_tokens": 20, "input": [
+                {"role": "user", "content": "Weather in Paris?"},
+                {"type": "function_call", "call_id": "call_9", "name": "get_weather",
+                 "arguments": "{\"city\": \"Paris\"}"},
+                {"type": "function_call_output", "call_id": "call_9", "output": "sunny"}]})
+        assert r.status == 200, await r.text()
+        out = await r.json()
+    assert up.bodies[-1]["messages"][1:] == [
+        {"role": "assistant", "content": None, "tool_calls": [{
+            "id": "call_9", "type": "function",
+            "function": {"name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]},
+        {"role": "tool", "content": "sunny", "tool_call_id": "call_9"}]
+    assert out["output"][0]["content"][0]["text"] == "ynnus"  # (the fake answers the last message reversed)
+
+
+async def test_a_refusal_before_the_stream_opens_is_an_http_status(redis_server) -> None:
+    """No worker takes it within its max wait: the 503 with Retry-After, not a stream."""
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as client:
+        r = await client.post("/v1/responses", headers={**auth(), "X-QoS-Max-Wait-Ms": "100"}, json={
+            "model": "tiny", "input": "x", "stream": True})
+        assert (r.status, (await r.json())["error"]["code"]) == (503, "queue_timeout")
+        assert "Retry-After" in r.headers
+        r = await client.post("/v1/responses", headers=auth(), json={"model": "nope", "input": "x"})
+        assert r.status == 404 and (await r.json())["error"]["param"] == "model"
+
+
+async def test_a_failure_after_the_stream_opened_is_an_error_event_and_response_failed(
+        redis_server, fake_upstream) -> None:
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+
+    async def fails(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(chat_chunk("Partly", completion_tokens=1))
+        await asyncio.sleep(0.05)
+        await resp.write(b'data: {"error": {"message": "CUDA out of memory"}}\n\n')
+        return resp
+
+    up.scripts["BREAKS"] = fails
+    async with frontend(cfg, request_timeout_s=30) as client, \
+            worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/responses", headers=auth(), json={
+            "model": "tiny", "input": "BREAKS", "max_output_tokens": 10, "stream": True})
+        assert r.status == 200
+        events = await _events(r)
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["code"] == "worker_failed" and "CUDA out of memory" in events[-2]["message"]
+    failed = events[-1]["response"]
+    Response.model_validate(failed)
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert "CUDA out of memory" in failed["error"]["message"]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == "Partly"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+async def test_a_client_leaving_a_stream_cancels_its_request(redis_server, sync_redis, fake_upstream) -> None:
+    cfg, up = make_cfg(redis_server.url), fake_upstream
+
+    async def writes_then_waits(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(chat_chunk("first", completion_tokens=1))
+        while request.transport is not None and not request.transport.is_closing():
+            await asyncio.sleep(0.01)  # (the fake's handlers are not cancelled when a client leaves)
+        up.disconnects += 1
+        return resp
+
+    up.scripts["WAITS"] = writes_then_waits
+    async with frontend(cfg, request_timeout_s=30) as client, \
+            worker(cfg, engine="openai", upstream_url=up.url):
+        r = await client.post("/v1/responses", headers=auth(), json={
+            "model": "tiny", "input": "WAITS", "stream": True})
+        assert r.status == 200
+        record = r.headers["X-QoS-Request-Id"]
+        await r.content.readuntil(b"response.output_text.delta")
+        r.close()  # the client goes
+        await wait_until(lambda: up.disconnects >= 1, "the model server's stream broken off")
+        await wait_until(lambda: sync_redis.hget(POOL.request(record), "state") == b"cancelled",
+                         "the record cancelled")
