@@ -287,6 +287,31 @@ async def test_the_sdks_create_and_stream_helper_read_it(redis_server, fake_upst
                                                    {"role": "user", "content": "hello"}]
 
 
+async def test_an_answer_cut_at_max_output_tokens_is_incomplete_and_the_sdk_reads_it_whole(
+        redis_server, fake_upstream) -> None:
+    """The chat's finish ``length``: status incomplete with OpenAI's reason, the message item
+    incomplete; streamed, the last event is still ``response.completed`` (as vLLM sends it:
+    the SDK's stream helper reads a final response from no other)."""
+    cfg = make_cfg(redis_server.url)
+    body = {"model": "tiny", "input": "abcdefghijkl", "max_output_tokens": 2}  # (4 tokens of the fake's)
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
+        streamed = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
+        events = await _events(streamed)
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            async with sdk.responses.stream(**body) as stream:
+                final = await stream.get_final_response()
+        finally:
+            await sdk.close()
+    for r in (whole, events[-1]["response"]):
+        assert (r["status"], r["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
+        assert r["output"][0]["status"] == "incomplete" and r["output"][0]["content"][0]["text"] == "lkjihg"
+        assert r["usage"]["output_tokens"] == 2
+    assert events[-1]["type"] == "response.completed"
+    assert final.status == "incomplete" and final.output_text == "lkjihg"
+
+
 def _calls_weather(text: str = "") -> Any:
     async def script(request: Any, body: dict[str, Any], n: int) -> Any:
         resp = await sse_response(request)
