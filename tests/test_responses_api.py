@@ -196,6 +196,8 @@ def test_a_bad_body_is_a_400_naming_the_field_as_sent(body: dict[str, Any], para
         _chat_of(body)
     assert (e.value.status, e.value.param, e.value.code) == (400, param, code), e.value.message
     assert f"'{param}'" in e.value.message or e.value.code == "unknown_parameter"
+    if param == "reasoning.effort":  # (the setting that serves it named)
+        assert "upstream_fields" in e.value.message
 
 
 @pytest.mark.parametrize(("body", "param"), [
