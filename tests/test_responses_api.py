@@ -415,6 +415,9 @@ async def test_a_failure_after_the_stream_opened_is_an_error_event_and_response_
             "model": "tiny", "input": "BREAKS", "max_output_tokens": 10, "stream": True})
         assert r.status == 200
         events = await _events(r)
+        metrics = await (await client.get("/metrics")).text()  # counted as a chat's failure is
+    counted = 'qos_frontend_requests_total{class="P1",outcome="failed",pool="tiny",tenant="demo-p1"} 1.0'
+    assert counted in metrics
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["code"] == "worker_failed" and "CUDA out of memory" in events[-2]["message"]
     failed = events[-1]["response"]

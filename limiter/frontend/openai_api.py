@@ -646,8 +646,8 @@ def _served_by(kind: str, field: str) -> str:
         return (" in this pool: logprobs are served by a pool with logprobs = true, in front of a model "
                 "server that returns them")
     if kind == "chat" and field == "reasoning_effort":
-        return (" in this pool: a reasoning model's effort is passed to its model server by a pool that lists "
-                "reasoning_effort in upstream_fields")
+        return (" in this pool: a reasoning model's effort is passed to its model server by a pool that "
+                "lists reasoning_effort in upstream_fields")
     if kind == "chat" and field == "response_format":
         return (" in this pool: JSON answers are served by a pool with structured_outputs = true, in front "
                 "of a model server that holds answers to a schema")
