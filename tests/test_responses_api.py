@@ -451,3 +451,24 @@ async def test_a_client_leaving_a_stream_cancels_its_request(redis_server, sync_
         await wait_until(lambda: up.disconnects >= 1, "the model server's stream broken off")
         await wait_until(lambda: sync_redis.hget(POOL.request(record), "state") == b"cancelled",
                          "the record cancelled")
+
+
+async def test_a_stored_response_asked_for_is_a_404_naming_it(redis_server) -> None:
+    """Nothing is stored (every response says store false): the SDK's retrieve, delete, cancel
+    and input_items read a 404 naming the id, as from vLLM with its store off."""
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg) as client:
+        for method, path in (("GET", "/v1/responses/resp_1"), ("DELETE", "/v1/responses/resp_1"),
+                             ("POST", "/v1/responses/resp_1/cancel"),
+                             ("GET", "/v1/responses/resp_1/input_items")):
+            r = await client.request(method, path, headers=auth())
+            err = (await r.json())["error"]
+            assert (r.status, err["param"]) == (404, "response_id") and "'resp_1'" in err["message"], path
+        r = await client.get("/v1/responses/resp_1")
+        assert r.status == 401  # (a key first, as every API path)
+        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+        try:
+            with pytest.raises(openai.NotFoundError):
+                await sdk.responses.retrieve("resp_1")
+        finally:
+            await sdk.close()

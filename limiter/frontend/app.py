@@ -201,6 +201,17 @@ def _generation_handler(kind: str) -> Handler:
     return handler
 
 
+async def stored_response(request: web.Request) -> web.Response:
+    """``GET``/``DELETE /v1/responses/{id}``, its ``/cancel`` and ``/input_items``: this
+    service keeps no responses (every one is answered ``store: false``), so every id is
+    unknown -- a 404 naming it, as vLLM answers with its store off, not a bare route miss."""
+    fe = _frontend(request)
+    fe.keyring.identify(one_header(request.headers, "Authorization"))
+    rid = request.match_info["id"][:200]
+    raise ApiError(404, f"Response with id '{rid}' not found: this service keeps no responses (they are "
+                   "answered with store false)", code="not_found", param="response_id", outcome="not_found")
+
+
 def _model_object(pool: PoolConfig) -> dict[str, Any]:
     return {"id": pool.model_name, "object": "model", "created": 0, "owned_by": "qos",
             "max_model_len": pool.context_tokens}
@@ -414,6 +425,10 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
                          expect_handler=_continue_if_acceptable)
     app.router.add_post("/v1/responses", _generation_handler("response"),
                          expect_handler=_continue_if_acceptable)
+    app.router.add_get("/v1/responses/{id}", stored_response)
+    app.router.add_delete("/v1/responses/{id}", stored_response)
+    app.router.add_post("/v1/responses/{id}/cancel", stored_response)
+    app.router.add_get("/v1/responses/{id}/input_items", stored_response)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id:.+}", model)
     app.router.add_get("/v1/qos/status", qos_status)
