@@ -53,6 +53,32 @@ INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
               "assistant": ("output_text", "input_text", "refusal")}
 MAX_ITEM_ID_CHARS = oa.MAX_MESSAGE_ID_CHARS
+# Fields of the OpenAI SDK's output items that a client sends back when it appends an answer's
+# output to its next ``input`` (``to_dict()``, ``model_dump()``): the API's own, at the values
+# that change nothing here, and the SDK's local parse results (``parsed_arguments`` of the
+# stream helper's and parse()'s function calls, ``parsed`` of parse()'s text), which carry no
+# more than the item's own text. Not sent on.
+_SENT_BACK: dict[str, dict[str, Any]] = {
+    "message": {"phase": lambda v: v in (None, "commentary", "final_answer")},
+    "output_text": {"parsed": lambda v: True},
+    "function_call": {"namespace": lambda v: v is None,
+                      "caller": lambda v: v is None or v == {"type": "direct"},
+                      "async": lambda v: v in (None, False), "parsed_arguments": lambda v: True},
+    "function_call_output": {"namespace": lambda v: v is None,
+                             "name": lambda v: v is None or isinstance(v, str),
+                             "caller": lambda v: v is None or v == {"type": "direct"}},
+}
+
+
+def _sent_back(item: Mapping[str, Any], p: str, kind: str) -> tuple[str, ...]:
+    """The keys of ``_SENT_BACK[kind]`` ``item`` has, each checked (a 400 naming it if not at
+    a value served here)."""
+    checks = _SENT_BACK[kind]
+    for k in checks:
+        if k in item and not checks[k](item[k]):
+            raise oa.bad(f"{p}.{k}", f"'{p}.{k}' = {oa.compact_json(item[k])[:60]} is not supported by this "
+                         "service", "unsupported_value")
+    return tuple(checks)
 
 
 @dataclass(frozen=True)
@@ -92,7 +118,8 @@ def _parts_text(content: Any, p: str, role: str) -> str:
             raise oa.bad(pp, f"'{pp}' must be a part of type {kinds} (only text is served: images, "
                          "audio and files are not)", "invalid_type")
         key = "refusal" if part["type"] == "refusal" else "text"
-        allowed = {"type", key, "annotations", "logprobs"} if part["type"] == "output_text" else {"type", key}
+        allowed = {"type", key, "annotations", "logprobs", *_sent_back(part, pp, "output_text")} \
+            if part["type"] == "output_text" else {"type", key}
         for k in part:
             if k not in allowed:
                 raise oa.bad(f"{pp}.{k[:64]}", f"unrecognized field '{pp}.{k[:64]}'", "unknown_parameter")
@@ -120,7 +147,8 @@ def _messages(v: Any, instructions: str | None, tool_calls: bool) -> list[dict[s
             raise oa.bad(p, f"'{p}' must be an object, got {oa._type_name(item)}", "invalid_type")
         kind = item.get("type", "message")
         if kind == "message":
-            oa._keys(item, p, ("type", "role", "content", "id", "status"), ("role", "content"))
+            oa._keys(item, p, ("type", "role", "content", "id", "status", *_sent_back(item, p, "message")),
+                     ("role", "content"))
             role = item["role"]
             if role not in INPUT_ROLES:
                 raise oa.bad(f"{p}.role", f"'{p}.role' must be one of {', '.join(INPUT_ROLES)}")
@@ -136,8 +164,8 @@ def _messages(v: Any, instructions: str | None, tool_calls: bool) -> list[dict[s
             raise oa.bad(f"{p}.type", f"'{p}.type' {kind!r} is served by a pool with tool_calls = true, in "
                          "front of a model server that calls tools", "unsupported_value")
         elif kind == "function_call":
-            oa._keys(item, p, ("type", "call_id", "name", "arguments", "id", "status"),
-                     ("call_id", "name", "arguments"))
+            oa._keys(item, p, ("type", "call_id", "name", "arguments", "id", "status",
+                               *_sent_back(item, p, "function_call")), ("call_id", "name", "arguments"))
             _item_id(item, p)
             call = {"id": oa._id_text(item["call_id"], f"{p}.call_id"), "type": "function",
                     "function": {"name": oa._id_text(item["name"], f"{p}.name"),
@@ -149,7 +177,8 @@ def _messages(v: Any, instructions: str | None, tool_calls: bool) -> list[dict[s
             else:
                 out.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
-            oa._keys(item, p, ("type", "call_id", "output", "id", "status"), ("call_id", "output"))
+            oa._keys(item, p, ("type", "call_id", "output", "id", "status",
+                               *_sent_back(item, p, "function_call_output")), ("call_id", "output"))
             _item_id(item, p)
             out.append({"role": "tool", "tool_call_id": oa._id_text(item["call_id"], f"{p}.call_id"),
                         "content": _parts_text(item["output"], f"{p}.output", "user")})
