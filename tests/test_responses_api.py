@@ -143,6 +143,8 @@ def test_what_a_client_sends_at_its_neutral_value_is_accepted() -> None:
                     "background": False, "previous_response_id": None, "temperature": 0.5})
     assert got["messages"] == [("user", "x", None, ())] and got["stream"]
     assert got["shape"].metadata == {"k": "v"} and got["shape"].parallel_tool_calls is False
+    # truncation auto: nothing is cut (a conversation past the context is the 400 either way)
+    assert _chat_of({"input": "x", "truncation": "auto"})["shape"].truncation == "auto"
 
 
 @pytest.mark.parametrize(("body", "param", "code"), [
@@ -173,7 +175,7 @@ def test_what_a_client_sends_at_its_neutral_value_is_accepted() -> None:
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt", "unsupported_value"),
     ({"input": "x", "background": True}, "background", "unsupported_value"),
     ({"input": "x", "store": "yes"}, "store", "invalid_type"),
-    ({"input": "x", "truncation": "auto"}, "truncation", "unsupported_value"),
+    ({"input": "x", "truncation": "middle"}, "truncation", "unsupported_value"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include[0]", "unsupported_value"),
     ({"input": "x", "include": "x"}, "include", "invalid_type"),
     ({"input": "x", "max_tool_calls": 3}, "max_tool_calls", "unsupported_value"),

@@ -94,6 +94,7 @@ class ResponseShape:
     reasoning_effort: str | None = None
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     user: str | None = None
+    truncation: str = "disabled"
 
 
 def _type_of(v: Any, param: str, kind: type, what: str) -> Any:
@@ -321,7 +322,10 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
                      "later)", "unsupported_value")
     if body.get("store") is not None:
         _type_of(body["store"], "store", bool, "a boolean")
-    for name, neutral in (("truncation", ("disabled",)), ("service_tier", ("auto", "default")),
+    # truncation "auto" (the Agents SDK's ModelSettings may set it) is taken: nothing is cut
+    # here, so a conversation past the context is the same 400 as with "disabled", which names
+    # it; one that fits is answered the same either way
+    for name, neutral in (("truncation", ("disabled", "auto")), ("service_tier", ("auto", "default")),
                           ("top_logprobs", (0,)), ("prompt_cache_retention", ("in-memory", "24h"))):
         if body.get(name) is not None and body[name] not in neutral:
             raise oa.bad(name, f"'{name}' = {oa.compact_json(body[name])[:60]} is not supported by this "
@@ -394,7 +398,8 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         tool_choice=body.get("tool_choice") or "auto",
         parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
         text_format=_format_echo(fmt), reasoning_effort=effort,
-        metadata=body.get("metadata") or {}, user=body.get("user"))
+        metadata=body.get("metadata") or {}, user=body.get("user"),
+        truncation=body.get("truncation") or "disabled")
     return shape, draft
 
 
@@ -427,7 +432,7 @@ def response_object(shape: ResponseShape, req: oa.GenerationRequest, response_id
         "store": False, "temperature": req.temperature, "text": {"format": dict(shape.text_format),
                                                                   "verbosity": "medium"},
         "tool_choice": shape.tool_choice, "tools": list(shape.tools), "top_logprobs": 0,
-        "top_p": req.top_p, "truncation": "disabled",
+        "top_p": req.top_p, "truncation": shape.truncation,
         "usage": None if usage is None else {
             "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
             "output_tokens": usage[1], "output_tokens_details": {"reasoning_tokens": 0},
