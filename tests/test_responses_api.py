@@ -474,3 +474,16 @@ async def test_a_stored_response_asked_for_is_a_404_naming_it(redis_server) -> N
                 await sdk.responses.retrieve("resp_1")
         finally:
             await sdk.close()
+
+
+# --- review: bodies that were a 500, fields named as sent, the stream's state machine ----------
+
+@pytest.mark.parametrize("name", ["truncation", "service_tier", "top_logprobs", "prompt_cache_retention"])
+@pytest.mark.parametrize("value", [2**70, [2**64], "[" * 400 + "]" * 400])
+def test_a_field_taken_only_at_its_neutral_value_is_a_400_whatever_it_holds(name: str, value: Any) -> None:
+    """Its value is shown in the 400: an integer past 64 bits, or one nested deep, is no 500."""
+    body = {"input": "x", name: json.loads(value) if isinstance(value, str) else value}
+    with pytest.raises(ApiError) as e:
+        _chat_of(body)
+    assert (e.value.status, e.value.param, e.value.code) == (400, name, "unsupported_value")
+    assert len(e.value.message) < 300

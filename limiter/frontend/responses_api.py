@@ -18,6 +18,7 @@ and Codex do with ``store: false``; ``store`` is accepted either way and answere
 from __future__ import annotations
 
 import dataclasses
+import json
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -101,6 +102,14 @@ def _type_of(v: Any, param: str, kind: type, what: str) -> Any:
     if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
         raise oa.bad(param, f"'{param}' must be {what}, got {oa._type_name(v)}", "invalid_type")
     return v
+
+
+def _shown(v: Any) -> str:
+    """A value for a 400's message: a scalar as JSON, cut short; an array or object by its type
+    (the answers' JSON encoder takes no integer past 64 bits, nor a value nested deep)."""
+    if isinstance(v, list | dict):
+        return f"an {oa._type_name(v)}"
+    return json.dumps(v)[:60]
 
 
 def _parts_text(content: Any, p: str, role: str) -> str:
@@ -328,7 +337,7 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
     for name, neutral in (("truncation", ("disabled", "auto")), ("service_tier", ("auto", "default")),
                           ("top_logprobs", (0,)), ("prompt_cache_retention", ("in-memory", "24h"))):
         if body.get(name) is not None and body[name] not in neutral:
-            raise oa.bad(name, f"'{name}' = {oa.compact_json(body[name])[:60]} is not supported by this "
+            raise oa.bad(name, f"'{name}' = {_shown(body[name])} is not supported by this "
                          "service (only its neutral value is accepted)", "unsupported_value")
     if body.get("max_tool_calls") is not None:
         raise oa.bad("max_tool_calls", "'max_tool_calls' is not supported by this service",
