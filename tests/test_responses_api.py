@@ -206,7 +206,14 @@ def test_a_bad_body_is_a_400_naming_the_field_as_sent(body: dict[str, Any], para
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tools": [{**WEATHER, "extra": 1}]}, "tools[0].extra"),
-    ({"tools": [WEATHER, WEATHER]}, "tools[1].function.name"),
+    ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
+    ({"tools": [{**WEATHER, "name": ""}]}, "tools[0].name"),
+    ({"tools": [{**WEATHER, "description": 5}]}, "tools[0].description"),
+    ({"tools": [{**WEATHER, "parameters": [1]}]}, "tools[0].parameters"),
+    ({"tools": [{**WEATHER, "strict": "yes"}]}, "tools[0].strict"),
+    ({"tools": [{**WEATHER, "parameters": {"maximum": 2**70}}]}, "tools[0].parameters.maximum"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice.name"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "name": ""}}, "tool_choice.name"),
     ({"tools": [WEATHER], "tool_choice": {"type": "file_search"}}, "tool_choice.type"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function"}}, "tool_choice.name"),
     ({"tools": [WEATHER], "tool_choice": "sometimes"}, "tool_choice"),
@@ -217,6 +224,7 @@ def test_bad_tools_and_calls_are_a_400_naming_the_field(body: dict[str, Any], pa
     with pytest.raises(ApiError) as e:
         _chat_of({"input": "x", **body}, _tool_cfg())
     assert (e.value.status, e.value.param) == (400, param), e.value.message
+    assert "function." not in e.value.message  # (the chat's names, never sent)
 
 
 # --- end to end: frontend, worker ------------------------------------------------------------

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -292,21 +293,27 @@ def _text_format(v: Any) -> dict[str, Any] | None:
 
 
 # The chat's names of what a Responses body calls otherwise (longest first), for the 400s of
-# the chat's own checks.
+# the chat's own checks: a field's name, or its start (a tool's fields are its function's in a
+# chat).
 _PARAM_NAMES = (("response_format.json_schema", "text.format"), ("response_format", "text.format"),
                 ("max_completion_tokens", "max_output_tokens"), ("reasoning_effort", "reasoning.effort"),
-                ("messages", "input"))
+                ("tool_choice.function", "tool_choice"), ("messages", "input"))
+_TOOL_FUNCTION = re.compile(r"(tools\[\d+\])\.function(?=[.\[]|$)")
 
 
 def _renamed(exc: ApiError) -> ApiError:
     """``exc`` naming the field as the Responses body calls it (a message's place in
     ``input`` is not kept: the chat's messages are not the items one for one)."""
+    old = exc.param
+    if not old:
+        return exc
+    new = _TOOL_FUNCTION.sub(r"\1", old, count=1)
     for chat_name, name in _PARAM_NAMES:
-        if exc.param and (exc.param == chat_name or exc.param.startswith((chat_name + ".", chat_name + "["))):
-            new = name if chat_name == "messages" else name + exc.param[len(chat_name):]
-            exc.message = exc.message.replace(f"'{exc.param}'", f"'{new}'")
-            exc.param = new
+        if old == chat_name or old.startswith((chat_name + ".", chat_name + "[")):
+            new = name if chat_name == "messages" else name + old[len(chat_name):]
             break
+    exc.message = exc.message.replace(f"'{old}'", f"'{new}'")
+    exc.param = new
     return exc
 
 
