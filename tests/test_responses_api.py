@@ -20,7 +20,7 @@ from limiter.config import demo_config
 from limiter.frontend.errors import ApiError
 from limiter.frontend.responses_api import parse_request
 from tests.support.fake_upstream import chat_chunk, end_stream, sse_response, tool_chunk
-from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg
+from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
 from tests.support.helpers import wait_until
 from tests.support.worker_helpers import worker
 
@@ -495,3 +495,25 @@ def test_a_field_taken_only_at_its_neutral_value_is_a_400_whatever_it_holds(name
         _chat_of(body)
     assert (e.value.status, e.value.param, e.value.code) == (400, name, "unsupported_value")
     assert len(e.value.message) < 300
+
+
+async def test_refusals_after_the_parse_name_input_not_the_chats_messages(
+        redis_server, sync_redis, fake_upstream) -> None:
+    """The request too large to queue (a chat is queued with its text twice), and a prompt the
+    model server refused to count: 'input', the field the client sent."""
+    cfg = make_cfg(redis_server.url, pool={"context_tokens": 10_000_000})
+    async with frontend(cfg, max_body_bytes=16 << 20) as client:
+        before = redis_state(sync_redis)
+        r = await client.post("/v1/responses", headers=auth(), json={
+            "model": "tiny", "input": "x" * 4_500_000, "max_output_tokens": 1})
+        err = (await r.json())["error"]
+        assert (r.status, err["code"], err["param"]) == (400, "request_too_large", "input"), err
+        assert "'input'" in err["message"] and "messages" not in err["message"]
+        assert redis_state(sync_redis) == before
+    fake_upstream.status = 422
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": "upstream", "tokenizer_url": fake_upstream.url})
+    async with frontend(cfg) as client:
+        r = await client.post("/v1/responses", headers=auth(), json={"model": "tiny", "input": "hi"})
+        err = (await r.json())["error"]
+        assert (r.status, err["code"], err["param"]) == (400, "tokenizer_refused", "input"), err
+        assert "messages" not in err["message"]

@@ -185,7 +185,7 @@ def _generation_handler(kind: str) -> Handler:
             oa.refuse_if_surely_too_long(draft)
             reqs.append(oa.finish_request(draft, await fe.count_prompt(draft, tenant)))
         choices.refuse_over_the_quota(reqs, tenant, fe.classes[cls])
-        payloads = [queued_payload(req) for req in reqs]
+        payloads = [queued_payload(req, draft.prompt_param) for req, draft in zip(reqs, drafts, strict=True)]
         choices.refuse_more_than_they_may_hold(payloads, n)
         # (made once every answer's request is checked: each registers for its replies)
         if shape is not None:

@@ -69,14 +69,15 @@ class _SseResponse(web.StreamResponse):
     _send_headers_immediately = False
 
 
-def queued_payload(req: oa.GenerationRequest) -> bytes:
+def queued_payload(req: oa.GenerationRequest, param: str | None = None) -> bytes:
     """The payload a request is queued with; a 400 naming its field past what one may hold
     (``MAX_PAYLOAD_BYTES``). admit.lua would refuse it as 'payload', a field the client never
     sent; a chat request carries its text twice (rendered and as messages), so this comes
-    before max_body_bytes can."""
+    before max_body_bytes can. ``param``: the prompt's field as the client sent it (the
+    draft's ``prompt_param``; by default the request kind's)."""
     payload = req.payload().pack()
     if len(payload) > MAX_PAYLOAD_BYTES:
-        param = "messages" if req.kind == "chat" else "prompt"
+        param = param or ("messages" if req.kind == "chat" else "prompt")
         raise ApiError(400, f"The request is too large to queue: its '{param}' take {len(payload)} bytes "
                        f"as queued, over the {MAX_PAYLOAD_BYTES >> 20} MiB a request may hold",
                        code="request_too_large", param=param)

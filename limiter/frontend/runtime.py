@@ -382,7 +382,7 @@ class Frontend:
         except token_count.TokenizerRefused as exc:
             # The upstream's own words stay in the log: they may name its internals.
             log.info("pool %s: the upstream tokenizer refused a prompt: %s", draft.pool.name, exc)
-            param = "messages" if draft.messages else "prompt"
+            param = draft.prompt_param  # (the field as the client sent it)
             raise ApiError(400, f"The model server refused to count this request's prompt tokens "
                                 f"(HTTP {exc.status}); check its {param}",
                            code="tokenizer_refused", param=param) from exc
