@@ -13,12 +13,15 @@ from typing import Any
 
 import openai
 import pytest
+from openai._models import construct_type
+from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter
 
 from limiter.config import demo_config
 from limiter.frontend.errors import ApiError
-from limiter.frontend.responses_api import parse_request
+from limiter.frontend.openai_api import finish_request
+from limiter.frontend.responses_api import ResponseEvents, output_of, parse_request
 from tests.support.fake_upstream import chat_chunk, end_stream, sse_response, tool_chunk
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
 from tests.support.helpers import wait_until
@@ -517,3 +520,43 @@ async def test_refusals_after_the_parse_name_input_not_the_chats_messages(
         err = (await r.json())["error"]
         assert (r.status, err["code"], err["param"]) == (400, "tokenizer_refused", "input"), err
         assert "messages" not in err["message"]
+
+
+def _streamed(steps: list[tuple[str, Any]], finish: str = "stop") -> list[dict[str, Any]]:
+    """The events of a stream fed ``steps`` (ResponseEvents' text / reasoning / tool_calls),
+    each of the SDK's types, and read by the SDK's own ``responses.stream()`` accumulator."""
+    cfg = demo_config()
+    shape, draft = parse_request({"model": "tiny", "input": "x"}, cfg, cfg.pools[0])
+    ev = ResponseEvents(shape, finish_request(draft, 3), "resp_1", 0)
+    raw = ev.opening()
+    for kind, value in steps:
+        raw += getattr(ev, kind)(value)
+    raw += ev.end(finish, 3, 4)
+    events = [json.loads(b.split(b"\ndata: ", 1)[1]) for b in raw]
+    state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
+    for e in events:
+        EVENT.validate_python(e)
+        state.handle_event(construct_type(type_=ResponseStreamEvent, value=e))
+    _check_order(events)
+    return events
+
+
+def test_a_streamed_call_without_an_id_gets_one_and_its_name_when_it_comes() -> None:
+    """A model server's call deltas without ids (two calls with the same empty call_id broke
+    the SDK's stream helper: 'conflicting output identities'), the name in a later delta."""
+    events = _streamed([("tool_calls", [{"index": 0, "function": {"arguments": "{"}}]),
+                        ("tool_calls", [{"index": 0, "function": {"name": "f", "arguments": "}"}}]),
+                        ("tool_calls", [{"index": 1, "function": {"name": "g", "arguments": "[]"}}])],
+                       "tool_calls")
+    calls = events[-1]["response"]["output"]
+    assert [(c["type"], c["name"], c["arguments"]) for c in calls] == [
+        ("function_call", "f", "{}"), ("function_call", "g", "[]")]
+    assert all(c["call_id"].startswith("call_") for c in calls) and calls[0]["call_id"] != calls[1]["call_id"]
+    done = {e["item"]["id"]: e["item"] for e in events if e["type"] == "response.output_item.done"}
+    assert [done[c["id"]] for c in calls] == calls
+    assert [e["name"] for e in events if e["type"] == "response.function_call_arguments.done"] == ["f", "g"]
+    # the same whole
+    chat = {"choices": [{"finish_reason": "tool_calls", "message": {"content": None, "tool_calls": [
+        {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}]}
+    (call,) = output_of(chat)[0]
+    assert call["call_id"].startswith("call_")

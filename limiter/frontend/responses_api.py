@@ -457,6 +457,11 @@ def response_object(shape: ResponseShape, req: oa.GenerationRequest, response_id
     }
 
 
+def _text_or(v: Any) -> str:
+    """A model server's id or name: its text, else '' (a worker passes its deltas as sent)."""
+    return v if isinstance(v, str) else ""
+
+
 def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
             "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
@@ -485,9 +490,9 @@ def output_of(chat_answer: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str
     text = msg.get("content") or ""
     if text.strip() or not calls:  # (a tool parser's newlines between calls are no message)
         out.append(message_item(_id("msg"), text, status))
-    for c in calls:
-        out.append(function_call_item(_id("fc"), c["id"], c["function"]["name"], c["function"]["arguments"],
-                                      "completed"))
+    for c in calls:  # (a call without an id is given one, as a streamed one is)
+        out.append(function_call_item(_id("fc"), c["id"] or _id("call"), c["function"]["name"],
+                                      c["function"]["arguments"], "completed"))
     return out, status
 
 
@@ -571,14 +576,17 @@ class ResponseEvents:
                 if self.open_kind != "calls":
                     out += self.close()
                     self.open_kind = "calls"
-                item = function_call_item(_id("fc"), d.get("id") or "", f.get("name") or "", "",
-                                          "in_progress")
+                # (a call's id is its identity to the SDK from here on: one the server did not
+                # send is made, unique; its name may come in a later delta)
+                item = function_call_item(_id("fc"), _text_or(d.get("id")) or _id("call"),
+                                          _text_or(f.get("name")), "", "in_progress")
                 self.output.append(item)
                 self.calls[key] = len(self.output) - 1
                 out.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
                                       item=dict(item)))
             index = self.calls[key]
             item = self.output[index]
+            item["name"] = item["name"] or _text_or(f.get("name"))
             if isinstance(f.get("arguments"), str) and f["arguments"]:
                 item["arguments"] += f["arguments"]
                 out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
