@@ -560,3 +560,30 @@ def test_a_streamed_call_without_an_id_gets_one_and_its_name_when_it_comes() -> 
         {"id": "", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}}]}
     (call,) = output_of(chat)[0]
     assert call["call_id"].startswith("call_")
+
+
+CALL = ("tool_calls", [{"index": 0, "id": "c0", "function": {"name": "f", "arguments": "{}"}}])
+
+
+@pytest.mark.parametrize(("steps", "types"), [
+    ([], ["message"]),
+    ([("reasoning", "r")], ["reasoning", "message"]),
+    ([("text", " "), ("text", "\n")], ["message"]),
+    ([("reasoning", "r"), ("text", "\n")], ["reasoning", "message"]),
+    ([("text", "\n"), CALL], ["function_call"]),
+    ([("reasoning", "r"), CALL, ("text", "\n")], ["reasoning", "function_call"]),
+    ([("text", "a"), CALL], ["message", "function_call"]),
+])
+def test_a_streamed_answer_has_the_output_items_of_the_whole_one(steps: list[tuple[str, Any]],
+                                                                types: list[str]) -> None:
+    """An empty answer (or thinking alone) is one empty message, streamed or not, as vLLM
+    answers without a tool parser; whitespace beside calls is no message."""
+    final = _streamed(steps)[-1]["response"]["output"]
+    text = "".join(v for k, v in steps if k == "text")
+    thought = "".join(v for k, v in steps if k == "reasoning")
+    calls = [{"id": "c0", "function": {"name": "f", "arguments": "{}"}}] if CALL in steps else []
+    whole, _ = output_of({"choices": [{"finish_reason": "stop", "message": {
+        "content": text, "reasoning": thought, "tool_calls": calls}}]})
+    assert [i["type"] for i in final] == [i["type"] for i in whole] == types
+    assert [i["content"] for i in final if i["type"] == "message"] == \
+        [i["content"] for i in whole if i["type"] == "message"]

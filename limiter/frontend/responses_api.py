@@ -626,7 +626,9 @@ class ResponseEvents:
     def end(self, finish: str, usage_in: int, usage_out: int) -> list[bytes]:
         status = "incomplete" if oa.finish_reason(finish) == "length" else "completed"
         out = []
-        if self.blank and not self.calls:  # an answer of whitespace alone is still a message
+        # an answer of whitespace alone is still a message, and one of nothing (or of thinking
+        # alone) an empty one, as the whole answer's (output_of)
+        if not self.calls and (self.blank or not any(i["type"] == "message" for i in self.output)):
             out += self._blank_message()
         out += self.close(status)
         # response.completed whatever the status, as vLLM sends it: the OpenAI SDK's stream
@@ -638,8 +640,10 @@ class ResponseEvents:
         text, self.blank = self.blank, ""
         out = self._open("message", message_item(_id("msg"), "", "in_progress") | {"content": []})
         self.open_text.append(text)
-        out.append(self.event("response.output_text.delta", item_id=self.output[-1]["id"],
-                              output_index=len(self.output) - 1, content_index=0, delta=text, logprobs=[]))
+        if text:
+            out.append(self.event("response.output_text.delta", item_id=self.output[-1]["id"],
+                                  output_index=len(self.output) - 1, content_index=0, delta=text,
+                                  logprobs=[]))
         return out
 
     def failed(self, exc: ApiError) -> list[bytes]:
