@@ -7,8 +7,9 @@ complete), against a private ``redis-server``. Each case is one HTTP request bui
 * a method and a path (the API's own, unknown ones, query strings);
 * ``Authorization`` (every configured key, the admin key, garbage, other schemes),
   ``X-QoS-Class``, ``X-QoS-Max-Wait-Ms``, ``Content-Type`` and arbitrary extra headers;
-* a body: near-valid OpenAI requests with junk in any field, arbitrary JSON documents,
-  oversized prompts and bodies, raw bytes.
+* a body: near-valid OpenAI requests with junk in any field (a ``/v1/responses`` body with
+  junk in its items, parts, tools and settings too), arbitrary JSON documents, oversized
+  prompts and bodies, raw bytes.
 
 Properties, for every case: no 5xx; every non-2xx answer is an OpenAI-style JSON error with
 a message; a 2xx generation is a complete answer; and a request that was not a successful
@@ -34,11 +35,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from limiter.config import DEMO_ADMIN_KEY, DEMO_KEYS
-from tests.support.body_strategies import FIELDS, JSON
+from tests.support.body_strategies import FIELDS, JSON, RESPONSES_FIELDS
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, frontend, make_cfg, tenant
 
-GEN = ("/v1/chat/completions", "/v1/completions")
+GEN = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 TOKENIZER = ("/tokenize", "/detokenize")  # (POSTs; the fuzz pool counts bytes: refused, by name)
 PATHS = (*GEN * 5, *TOKENIZER, "/tokenizer_info", "/v1/models", "/v1/qos/status", "/healthz", "/readyz",
          "/metrics")
@@ -62,6 +63,8 @@ def bodies(draw: st.DrawFn, path: str) -> bytes | None:
         return json.dumps({"model": "tiny", "prompt": "x" * size}).encode()
     if kind < 16:
         return None
+    if path == "/v1/responses":
+        return responses_body(draw)
     core: dict[str, Any] = {"model": "tiny"}
     if path.endswith("chat/completions"):
         core["messages"] = draw(
@@ -80,6 +83,24 @@ def bodies(draw: st.DrawFn, path: str) -> bytes | None:
     try:
         return json.dumps(body).encode()
     except ValueError:  # a circular or odd float: send it as text anyway
+        return repr(body).encode()
+
+
+def responses_body(draw: st.DrawFn) -> bytes:
+    """A /v1/responses body: its input a text or items, and junk in up to three fields."""
+    if often(draw, 60):
+        body: dict[str, Any] = {"model": "tiny", "input": draw(st.text(max_size=30))}
+    else:
+        body = {"model": "tiny", "input": draw(RESPONSES_FIELDS["input"])}
+    if often(draw, 70):
+        body["max_output_tokens"] = draw(st.integers(1, 8))
+    if often(draw, 30):
+        body["stream"] = True
+    for name in draw(st.lists(st.sampled_from(sorted(RESPONSES_FIELDS)), max_size=3, unique=True)):
+        body[name] = draw(RESPONSES_FIELDS[name])
+    try:
+        return json.dumps(body).encode()
+    except ValueError:
         return repr(body).encode()
 
 
@@ -232,7 +253,14 @@ async def check_case(client: TestClient, sync: Any, case: dict[str, Any], stats:
             assert int(r.headers["Retry-After"]) >= 1
     if ok and generation:
         stats["generated"] += 1
-        if r.headers["Content-Type"].startswith("text/event-stream"):
+        streamed = r.headers["Content-Type"].startswith("text/event-stream")
+        if path == "/v1/responses":
+            # the typed events, the last the whole response (no [DONE]); or the response
+            last = json.loads(raw.rstrip().rsplit(b"\ndata: ", 1)[1]) if streamed else None
+            final = last["response"] if last is not None else json.loads(raw)
+            assert last is None or last["type"] == "response.completed", (case, raw[-300:])
+            assert final["object"] == "response" and final["usage"]["output_tokens"] >= 0, (case, final)
+        elif streamed:
             assert raw.rstrip().endswith(b"data: [DONE]"), (case, raw[-200:])
         else:
             assert json.loads(raw)["usage"]["completion_tokens"] >= 0

@@ -65,28 +65,40 @@ FIELDS = {
 
 # --- /v1/responses: Responses-shaped bodies, near valid, with junk in any field or part ----------
 
+
+def _deep(depth: int) -> list:
+    out: list = []
+    for _ in range(depth):
+        out = [out]
+    return out
+
+
+# junk, and what JSON holds that a JSON encoder may not (an integer past 64 bits, a value
+# nested deep), in any place
+RJUNK = st.one_of(JUNK, st.sampled_from([2**64, -(2**65), [2**70], {"k": 2**66}, _deep(300)]))
+
 _TEXT_PART = st.fixed_dictionaries(
     {"type": st.sampled_from(["input_text", "output_text", "refusal", "input_image", "text", ""]),
-     "text": st.one_of(st.text(max_size=10), JUNK)},
-    optional={"annotations": st.one_of(st.just([]), JUNK), "logprobs": st.one_of(st.just([]), JUNK),
-              "refusal": JUNK},
+     "text": st.one_of(st.text(max_size=10), RJUNK)},
+    optional={"annotations": st.one_of(st.just([]), RJUNK), "logprobs": st.one_of(st.just([]), RJUNK),
+              "refusal": RJUNK},
 )
-_ITEM_CONTENT = st.one_of(st.text(max_size=20), st.lists(st.one_of(_TEXT_PART, JUNK), max_size=3), JUNK)
-_ID = st.one_of(st.text(max_size=8), st.just("x" * 300), JUNK)
+_ITEM_CONTENT = st.one_of(st.text(max_size=20), st.lists(st.one_of(_TEXT_PART, RJUNK), max_size=3), RJUNK)
+_ID = st.one_of(st.text(max_size=8), st.just("x" * 300), RJUNK)
 _REASONING_PART = st.fixed_dictionaries(
     {"type": st.sampled_from(["reasoning_text", "summary_text", "text"]),
-     "text": st.one_of(st.text(max_size=10), JUNK)})
+     "text": st.one_of(st.text(max_size=10), RJUNK)})
 INPUT_ITEM = st.one_of(
     st.fixed_dictionaries(
         {"role": st.sampled_from(["user", "system", "developer", "assistant", "tool", "", "robot"]),
          "content": _ITEM_CONTENT},
         optional={"type": st.sampled_from(["message", "message", "", "x"]), "id": _ID,
-                  "status": st.sampled_from(["completed", "in_progress", "incomplete"]), "mood": JUNK},
+                  "status": st.sampled_from(["completed", "in_progress", "incomplete"]), "mood": RJUNK},
     ),
     st.fixed_dictionaries(
         {"type": st.just("function_call"), "call_id": _ID, "name": _ID,
-         "arguments": st.one_of(st.just("{}"), st.text(max_size=10), JUNK)},
-        optional={"id": _ID, "status": JUNK},
+         "arguments": st.one_of(st.just("{}"), st.text(max_size=10), RJUNK)},
+        optional={"id": _ID, "status": RJUNK},
     ),
     st.fixed_dictionaries(
         {"type": st.just("function_call_output"), "call_id": _ID, "output": _ITEM_CONTENT},
@@ -94,68 +106,69 @@ INPUT_ITEM = st.one_of(
     ),
     st.fixed_dictionaries(
         {"type": st.just("reasoning")},
-        optional={"id": _ID, "summary": st.one_of(st.lists(_REASONING_PART, max_size=2), JUNK),
-                  "content": st.one_of(st.lists(_REASONING_PART, max_size=2), JUNK),
-                  "encrypted_content": st.one_of(st.none(), st.just(""), JUNK)},
+        optional={"id": _ID, "summary": st.one_of(st.lists(_REASONING_PART, max_size=2), RJUNK),
+                  "content": st.one_of(st.lists(_REASONING_PART, max_size=2), RJUNK),
+                  "encrypted_content": st.one_of(st.none(), st.just(""), RJUNK)},
     ),
-    st.fixed_dictionaries({"type": st.sampled_from(["item_reference", "web_search_call", "file_search_call"])},
-                          optional={"id": _ID}),
-    JUNK,
+    st.fixed_dictionaries(
+        {"type": st.sampled_from(["item_reference", "web_search_call", "file_search_call"])},
+        optional={"id": _ID}),
+    RJUNK,
 )
 _FUNCTION_TOOL = st.fixed_dictionaries(
     {"type": st.sampled_from(["function", "function", "web_search", "mcp", ""]),
-     "name": st.one_of(st.sampled_from(["f", "g", "get_weather", ""]), JUNK)},
-    optional={"description": st.one_of(st.text(max_size=8), JUNK),
+     "name": st.one_of(st.sampled_from(["f", "g", "get_weather", ""]), RJUNK)},
+    optional={"description": st.one_of(st.text(max_size=8), RJUNK),
               "parameters": st.one_of(st.just({"type": "object"}), JSON),
-              "strict": st.one_of(st.booleans(), JUNK), "extra": JUNK},
+              "strict": st.one_of(st.booleans(), RJUNK), "extra": RJUNK},
 )
 RESPONSES_FIELDS = {
     "model": FIELDS["model"],
-    "input": st.one_of(st.text(max_size=30), st.lists(INPUT_ITEM, min_size=1, max_size=4), JUNK),
-    "instructions": st.one_of(st.text(max_size=10), JUNK),
-    "max_output_tokens": st.one_of(st.integers(-1, 40), st.integers(4000, 2**64), JUNK),
+    "input": st.one_of(st.text(max_size=30), st.lists(INPUT_ITEM, min_size=1, max_size=4), RJUNK),
+    "instructions": st.one_of(st.text(max_size=10), RJUNK),
+    "max_output_tokens": st.one_of(st.integers(-1, 40), st.integers(4000, 2**64), RJUNK),
     "temperature": FIELDS["temperature"],
     "top_p": FIELDS["top_p"],
     "stream": FIELDS["stream"],
-    "stream_options": st.one_of(st.fixed_dictionaries({"include_obfuscation": st.booleans()}), JUNK),
-    "tools": st.one_of(st.lists(_FUNCTION_TOOL, max_size=3), JUNK),
+    "stream_options": st.one_of(st.fixed_dictionaries({"include_obfuscation": st.booleans()}), RJUNK),
+    "tools": st.one_of(st.lists(_FUNCTION_TOOL, max_size=3), RJUNK),
     "tool_choice": st.one_of(
         st.sampled_from(["auto", "none", "required", "sometimes"]),
         st.fixed_dictionaries({"type": st.sampled_from(["function", "file_search"])},
-                              optional={"name": st.one_of(st.sampled_from(["f", "g", ""]), JUNK)}),
-        JUNK),
-    "parallel_tool_calls": st.one_of(st.booleans(), JUNK),
+                              optional={"name": st.one_of(st.sampled_from(["f", "g", ""]), RJUNK)}),
+        RJUNK),
+    "parallel_tool_calls": st.one_of(st.booleans(), RJUNK),
     "text": st.one_of(
         st.fixed_dictionaries({}, optional={
             "format": st.one_of(st.fixed_dictionaries(
                 {"type": st.sampled_from(["text", "json_object", "json_schema", "xml"])},
-                optional={"name": st.one_of(st.just("A"), JUNK), "schema": st.one_of(st.just({}), JSON),
-                          "strict": st.one_of(st.booleans(), JUNK)}), JUNK),
-            "verbosity": st.one_of(st.sampled_from(["low", "medium", "high"]), JUNK)}),
-        JUNK),
+                optional={"name": st.one_of(st.just("A"), RJUNK), "schema": st.one_of(st.just({}), JSON),
+                          "strict": st.one_of(st.booleans(), RJUNK)}), RJUNK),
+            "verbosity": st.one_of(st.sampled_from(["low", "medium", "high"]), RJUNK)}),
+        RJUNK),
     "reasoning": st.one_of(
-        st.fixed_dictionaries({}, optional={"effort": st.one_of(st.sampled_from(["low", "high"]), JUNK),
-                                            "summary": st.one_of(st.sampled_from(["auto", "long"]), JUNK)}),
-        JUNK),
+        st.fixed_dictionaries({}, optional={"effort": st.one_of(st.sampled_from(["low", "high"]), RJUNK),
+                                            "summary": st.one_of(st.sampled_from(["auto", "long"]), RJUNK)}),
+        RJUNK),
     "include": st.one_of(st.lists(st.one_of(st.sampled_from(
-        ["reasoning.encrypted_content", "message.output_text.logprobs"]), JUNK), max_size=2), JUNK),
-    "metadata": st.one_of(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), JUNK),
-    "store": st.one_of(st.booleans(), JUNK),
-    "truncation": st.one_of(st.sampled_from(["disabled", "auto"]), JUNK),
-    "service_tier": st.one_of(st.sampled_from(["auto", "default", "flex"]), JUNK),
-    "top_logprobs": st.one_of(st.just(0), JUNK),
-    "max_tool_calls": JUNK,
-    "background": st.one_of(st.booleans(), JUNK),
-    "previous_response_id": st.one_of(st.none(), JUNK),
-    "conversation": JUNK,
-    "prompt": JUNK,
-    "prompt_cache_retention": st.one_of(st.sampled_from(["in-memory", "24h", "1y"]), JUNK),
+        ["reasoning.encrypted_content", "message.output_text.logprobs"]), RJUNK), max_size=2), RJUNK),
+    "metadata": st.one_of(st.dictionaries(st.text(max_size=5), st.text(max_size=5), max_size=3), RJUNK),
+    "store": st.one_of(st.booleans(), RJUNK),
+    "truncation": st.one_of(st.sampled_from(["disabled", "auto"]), RJUNK),
+    "service_tier": st.one_of(st.sampled_from(["auto", "default", "flex"]), RJUNK),
+    "top_logprobs": st.one_of(st.just(0), RJUNK),
+    "max_tool_calls": RJUNK,
+    "background": st.one_of(st.booleans(), RJUNK),
+    "previous_response_id": st.one_of(st.none(), RJUNK),
+    "conversation": RJUNK,
+    "prompt": RJUNK,
+    "prompt_cache_retention": st.one_of(st.sampled_from(["in-memory", "24h", "1y"]), RJUNK),
     "user": FIELDS["user"],
     "safety_identifier": FIELDS["user"],
     "prompt_cache_key": FIELDS["user"],
     "seed": FIELDS["seed"],
     "stop": FIELDS["stop"],
-    "messages": JUNK,  # the chat's: unknown here
-    "max_tokens": JUNK,
-    "extra": JUNK,
+    "messages": RJUNK,  # the chat's: unknown here
+    "max_tokens": RJUNK,
+    "extra": RJUNK,
 }
