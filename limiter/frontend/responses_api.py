@@ -140,9 +140,16 @@ def _parts_text(content: Any, p: str, role: str) -> str:
     return "\n".join(texts)  # as the chat path joins text parts (and vLLM)
 
 
-def _item_id(item: Mapping[str, Any], p: str, key: str = "id") -> None:
-    if item.get(key) is not None:
-        oa._id_text(item[key], f"{p}.{key}")
+ITEM_STATUSES = ("in_progress", "completed", "incomplete")
+
+
+def _item_id(item: Mapping[str, Any], p: str) -> None:
+    """An item sent back: its ``id`` and ``status`` as the SDK has them (checked, not sent on)."""
+    if item.get("id") is not None:
+        oa._id_text(item["id"], f"{p}.id")
+    if item.get("status") is not None and item["status"] not in ITEM_STATUSES:
+        raise oa.bad(f"{p}.status", f"'{p}.status' must be one of {', '.join(ITEM_STATUSES)}, got "
+                     f"{_shown(item['status'])}")
 
 
 def _messages(v: Any, instructions: str | None, tool_calls: bool) -> list[dict[str, Any]]:
@@ -343,7 +350,9 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
     # it; one that fits is answered the same either way
     for name, neutral in (("truncation", ("disabled", "auto")), ("service_tier", ("auto", "default")),
                           ("top_logprobs", (0,)), ("prompt_cache_retention", ("in-memory", "24h"))):
-        if body.get(name) is not None and body[name] not in neutral:
+        # (by type too: false is no 0, and 0.0 no integer count)
+        if body.get(name) is not None and not any(type(body[name]) is type(n) and body[name] == n
+                                                  for n in neutral):
             raise oa.bad(name, f"'{name}' = {_shown(body[name])} is not supported by this "
                          "service (only its neutral value is accepted)", "unsupported_value")
     if body.get("max_tool_calls") is not None:
