@@ -191,6 +191,8 @@ def test_what_a_client_sends_at_its_neutral_value_is_accepted() -> None:
      "stream_options.include_usage", "unknown_parameter"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format.type", "invalid_value"),
     ({"input": "x", "text": {"verbosity": "high"}}, "text.verbosity", "unsupported_value"),
+    ({"input": "x", "text": {"format": {"type": "text", "schema": {}}}}, "text.format.schema",
+     "unknown_parameter"),
     ({"input": "x", "text": {"format": {"type": "json_object"}}}, "text.format", "unsupported_value"),
     ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning.effort", "unsupported_value"),
     ({"input": "x", "reasoning": {"summary": "long"}}, "reasoning.summary", "invalid_value"),

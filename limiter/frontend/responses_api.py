@@ -286,7 +286,12 @@ def _text_format(v: Any) -> dict[str, Any] | None:
     fmt = text.get("format")
     if fmt is None:
         return None
-    f = oa._keys(fmt, "text.format", ("type", "name", "schema", "description", "strict"), ("type",))
+    keys = ("name", "schema", "description", "strict")
+    f = oa._keys(fmt, "text.format", ("type", *keys), ("type",))
+    if f["type"] in ("text", "json_object") and (extra := next((k for k in keys if k in f), None)):
+        # (a schema beside another type would be dropped unseen)
+        raise oa.bad(f"text.format.{extra}", f"'text.format.{extra}' is only allowed with type json_schema",
+                     "unknown_parameter")
     if f["type"] == "text":
         return None
     if f["type"] == "json_object":
@@ -295,7 +300,6 @@ def _text_format(v: Any) -> dict[str, Any] | None:
         raise oa.bad("text.format.type", "'text.format.type' must be one of text, json_object, json_schema")
     if f.get("name") is None:
         raise oa.bad("text.format.name", "'text.format.name' is required", "missing_required_parameter")
-    keys = ("name", "schema", "description", "strict")
     return {"type": "json_schema", "json_schema": {k: f[k] for k in keys if k in f}}
 
 
