@@ -579,16 +579,19 @@ CALL = ("tool_calls", [{"index": 0, "id": "c0", "function": {"name": "f", "argum
     ([("reasoning", "r"), CALL, ("text", "\n")], ["reasoning", "function_call"]),
     ([("text", "a"), CALL], ["message", "function_call"]),
 ])
+@pytest.mark.parametrize("finish", ["stop", "length"])
 def test_a_streamed_answer_has_the_output_items_of_the_whole_one(steps: list[tuple[str, Any]],
-                                                                types: list[str]) -> None:
+                                                                types: list[str], finish: str) -> None:
     """An empty answer (or thinking alone) is one empty message, streamed or not, as vLLM
-    answers without a tool parser; whitespace beside calls is no message."""
-    final = _streamed(steps)[-1]["response"]["output"]
+    answers without a tool parser; whitespace beside calls is no message; cut at max tokens,
+    the message is incomplete only where it is the last item, streamed or not."""
+    final = _streamed(steps, finish)[-1]["response"]["output"]
     text = "".join(v for k, v in steps if k == "text")
     thought = "".join(v for k, v in steps if k == "reasoning")
     calls = [{"id": "c0", "function": {"name": "f", "arguments": "{}"}}] if CALL in steps else []
-    whole, _ = output_of({"choices": [{"finish_reason": "stop", "message": {
+    whole, _ = output_of({"choices": [{"finish_reason": finish, "message": {
         "content": text, "reasoning": thought, "tool_calls": calls}}]})
     assert [i["type"] for i in final] == [i["type"] for i in whole] == types
     assert [i["content"] for i in final if i["type"] == "message"] == \
         [i["content"] for i in whole if i["type"] == "message"]
+    assert [i["status"] for i in final] == [i["status"] for i in whole]

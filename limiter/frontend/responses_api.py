@@ -502,7 +502,8 @@ def output_of(chat_answer: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str
     calls = msg.get("tool_calls") or []
     text = msg.get("content") or ""
     if text.strip() or not calls:  # (a tool parser's newlines between calls are no message)
-        out.append(message_item(_id("msg"), text, status))
+        # incomplete only where the answer was cut (the last item), as a stream closes it
+        out.append(message_item(_id("msg"), text, "completed" if calls else status))
     for c in calls:  # (a call without an id is given one, as a streamed one is)
         out.append(function_call_item(_id("fc"), c["id"] or _id("call"), c["function"]["name"],
                                       c["function"]["arguments"], "completed"))
