@@ -210,6 +210,20 @@ def test_a_bad_body_is_a_400_naming_the_field_as_sent(body: dict[str, Any], para
         assert "upstream_fields" in e.value.message
 
 
+@pytest.mark.parametrize("value", [2**70, [2**64], "[" * 400 + "]" * 400])
+@pytest.mark.parametrize(("item", "name"), [
+    ({"role": "assistant", "content": "x"}, "phase"),
+    ({"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"}, "namespace"),
+    ({"type": "function_call_output", "call_id": "c", "output": "x"}, "caller")])
+def test_a_sent_back_field_at_no_value_served_here_is_a_400_whatever_it_holds(
+        item: dict[str, Any], name: str, value: Any) -> None:
+    """Its value is shown in the 400 safely: an integer past 64 bits was a 500."""
+    item = {**item, name: json.loads(value) if isinstance(value, str) else value}
+    with pytest.raises(ApiError) as e:
+        _chat_of({"input": [{"role": "user", "content": "q"}, item]}, _tool_cfg())
+    assert (e.value.status, e.value.param, e.value.code) == (400, f"input[1].{name}", "unsupported_value")
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),

@@ -54,7 +54,6 @@ INCLUDABLE = ("reasoning.encrypted_content",)
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
               "assistant": ("output_text", "input_text", "refusal")}
-MAX_ITEM_ID_CHARS = oa.MAX_MESSAGE_ID_CHARS
 # Fields of the OpenAI SDK's output items that a client sends back when it appends an answer's
 # output to its next ``input`` (``to_dict()``, ``model_dump()``): the API's own, at the values
 # that change nothing here, and the SDK's local parse results (``parsed_arguments`` of the
@@ -78,8 +77,8 @@ def _sent_back(item: Mapping[str, Any], p: str, kind: str) -> tuple[str, ...]:
     checks = _SENT_BACK[kind]
     for k in checks:
         if k in item and not checks[k](item[k]):
-            raise oa.bad(f"{p}.{k}", f"'{p}.{k}' = {oa.compact_json(item[k])[:60]} is not supported by this "
-                         "service", "unsupported_value")
+            raise oa.bad(f"{p}.{k}", f"'{p}.{k}' = {_shown(item[k])} is not supported by this service",
+                         "unsupported_value")
     return tuple(checks)
 
 
