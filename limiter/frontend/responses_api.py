@@ -219,7 +219,7 @@ def _thinking(item: dict[str, Any], p: str, last: dict[str, Any] | None) -> list
     else the summary's. Encrypted thinking is OpenAI's own: none can be read here."""
     oa._keys(item, p, ("type", "id", "summary", "content", "encrypted_content", "status"))
     _item_id(item, p)
-    if item.get("encrypted_content"):
+    if item.get("encrypted_content") not in (None, ""):  # (any other value: none can be read either)
         raise oa.bad(f"{p}.encrypted_content", f"'{p}.encrypted_content' cannot be read by this service (it "
                      "is encrypted for OpenAI's models): send the thinking as text, or leave it out",
                      "unsupported_value")
