@@ -16,15 +16,17 @@ service answered a 400 ``unrecognized field``."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 from openai._models import construct_type
 from openai.types.responses import Response
 
-from tests.support.frontend_helpers import make_cfg
+from tests.support.frontend_helpers import frontend, make_cfg
 from tests.support.sdk_headers import OPENAI_SDK_SYNC
-from tests.support.worker_helpers import answered_through_openai_worker
+from tests.support.worker_helpers import answered_through_openai_worker, worker
 
 SDK = {**OPENAI_SDK_SYNC, "Authorization": "Bearer demo-p1", "x-stainless-retry-count": "0",
        "x-stainless-read-timeout": "600"}
@@ -78,3 +80,54 @@ async def test_the_sdks_own_output_items_sent_back_in_input_are_answered(
     if text == "ynnus":
         assert assistant[0]["tool_calls"] == [{"id": "call_abc123", "type": "function", "function": {
             "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]
+
+
+# --- Codex ------------------------------------------------------------------------------------
+
+# Codex CLI 0.169.0 (`codex exec`, a custom provider with wire_api = "responses"), captured
+# live against this stack: its second request of a turn in which the model called
+# exec_command -- the whole conversation in `input` (developer messages of several text parts,
+# the call and its output), its tools (functions, a `namespace` of functions, the hosted
+# `web_search` it sends with every request), `client_metadata`, `include`, `reasoning.summary`
+# and store false. Its long texts (instructions, descriptions) are cut; every field is as sent.
+# OpenAI's API and vLLM (which ignores hosted tools and unknown fields and offers a namespace's
+# functions as `<namespace>__<name>`) answer it; this service answered a 400 naming
+# client_metadata (then tools[4].type, tools[8].type): Codex stopped at its first request.
+CODEX_BODY = (Path(__file__).parent / "data" / "codex_0_169_0_tool_loop.json").read_text()
+CODEX = {"Accept": "text/event-stream", "Content-Type": "application/json", "Authorization": "Bearer demo-p1",
+         "originator": "codex_exec", "x-codex-beta-features": "remote_compaction_v2",
+         "User-Agent": "codex_exec/0.169.0 (Debian 12.0.0; x86_64) xterm (codex_exec; 0.169.0)"}
+
+
+def _codex_first_turn() -> bytes:
+    body = json.loads(CODEX_BODY)
+    body["input"] = body["input"][:4]  # (its first request: the user's message last)
+    return json.dumps(body).encode()
+
+
+@pytest.mark.parametrize(("raw", "text"), [
+    (_codex_first_turn(), "ih ohce nur esaelp"),
+    (json.dumps(json.loads(CODEX_BODY)).encode(), "\nih\n:tuptuO"),
+], ids=["first-request", "function_call_output-sent-back"])
+async def test_codexs_requests_are_answered_with_its_function_tools_offered(
+        redis_server, fake_upstream, raw: bytes, text: str) -> None:
+    """Codex's request streamed through to response.completed (the fake answers the last
+    message reversed); the model server is offered its functions, a namespace's by their flat
+    names, and not web_search (none is run here)."""
+    cfg = make_cfg(redis_server.url, pool={"tool_calls": True})
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        r = await client.post("/v1/responses", data=raw, headers=dict(CODEX))
+        assert r.status == 200, await r.text()
+        events = [json.loads(b.split("data: ", 1)[1]) for b in (await r.text()).split("\n\n") if b.strip()]
+    assert events[-1]["type"] == "response.completed"
+    got: Any = construct_type(type_=Response, value=events[-1]["response"])
+    assert got.status == "completed" and got.output_text.startswith(text)
+    chat = fake_upstream.bodies[-1]
+    names = [t["function"]["name"] for t in chat["tools"]]
+    assert names[:4] == ["exec_command", "write_stdin", "request_user_input", "view_image"]
+    assert "multi_agent_v1__spawn_agent" in names and len(names) == 12
+    assert [m["role"] for m in chat["messages"]][:4] == ["system", "system", "user", "user"]
+    if "Output" in text:
+        assert chat["messages"][-2]["tool_calls"][0]["function"] == {"name": "exec_command",
+                                                                      "arguments": "{\"cmd\": \"echo hi\"}"}
+        assert chat["messages"][-1]["role"] == "tool"
