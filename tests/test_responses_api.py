@@ -228,7 +228,11 @@ def test_a_sent_back_field_at_no_value_served_here_is_a_400_whatever_it_holds(
 
 
 @pytest.mark.parametrize(("body", "param"), [
-    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
+     "tools[0].tools[0].type"),
+    # (a hosted tool is not offered, as vLLM: the chat's checks still name the tool as sent)
+    ({"tools": [{"type": "web_search"}, WEATHER, WEATHER]}, "tools[2].name"),
+    ({"tools": [{"type": "namespace", "name": "ns", "tools": [WEATHER, WEATHER]}]}, "tools[0].tools[1].name"),
     ({"tools": [{"type": "function"}]}, "tools[0].name"),
     ({"tools": [{**WEATHER, "extra": 1}]}, "tools[0].extra"),
     ({"tools": [WEATHER, WEATHER]}, "tools[1].name"),
@@ -612,3 +616,14 @@ def test_a_streamed_answer_has_the_output_items_of_the_whole_one(steps: list[tup
     assert [i["content"] for i in final if i["type"] == "message"] == \
         [i["content"] for i in whole if i["type"] == "message"]
     assert [i["status"] for i in final] == [i["status"] for i in whole]
+
+
+def test_a_namespace_call_sent_back_is_the_flat_name_its_tool_was_offered_by() -> None:
+    ns = {"type": "namespace", "name": "agents", "description": "d", "tools": [WEATHER]}
+    call = {"type": "function_call", "call_id": "c1", "name": "get_weather", "namespace": "agents",
+            "arguments": "{}"}
+    chat = _chat_of({"input": [{"role": "user", "content": "x"}, call,
+        {"type": "function_call_output", "call_id": "c1", "output": "sunny"}],
+        "tools": [ns, {"type": "web_search"}], "client_metadata": {"k": "v"}}, _tool_cfg())
+    assert [t["function"]["name"] for t in chat["upstream"]["tools"]] == ["agents__get_weather"]
+    assert chat["messages"][1][3][0]["function"]["name"] == "agents__get_weather"

@@ -45,7 +45,7 @@ _SAME = ("model", "temperature", "top_p", "stream", "user", "metadata", "safety_
 _OWN = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "parallel_tool_calls",
         "text", "reasoning", "store", "include", "stream_options", "service_tier", "truncation",
         "top_logprobs", "max_tool_calls", "background", "previous_response_id", "conversation",
-        "prompt", "prompt_cache_retention")
+        "prompt", "prompt_cache_retention", "client_metadata")
 # What needs a stored response or conversation: this service keeps none.
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 # `include` entries a client may send: Codex and the Agents SDK ask for the encrypted reasoning
@@ -62,7 +62,7 @@ TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": (
 _SENT_BACK: dict[str, dict[str, Any]] = {
     "message": {"phase": lambda v: v in (None, "commentary", "final_answer")},
     "output_text": {"parsed": lambda v: True},
-    "function_call": {"namespace": lambda v: v is None,
+    "function_call": {"namespace": lambda v: v is None or isinstance(v, str),  # (see _messages)
                       "caller": lambda v: v is None or v == {"type": "direct"},
                       "async": lambda v: v in (None, False), "parsed_arguments": lambda v: True},
     "function_call_output": {"namespace": lambda v: v is None,
@@ -184,8 +184,11 @@ def _messages(v: Any, instructions: str | None, tool_calls: bool) -> list[dict[s
             oa._keys(item, p, ("type", "call_id", "name", "arguments", "id", "status",
                                *_sent_back(item, p, "function_call")), ("call_id", "name", "arguments"))
             _item_id(item, p)
+            name = oa._id_text(item["name"], f"{p}.name")
+            if item.get("namespace"):  # a namespace tool's function, by its flat name (as offered)
+                name = flat_name(oa._id_text(item["namespace"], f"{p}.namespace"), name)
             call = {"id": oa._id_text(item["call_id"], f"{p}.call_id"), "type": "function",
-                    "function": {"name": oa._id_text(item["name"], f"{p}.name"),
+                    "function": {"name": name,
                                  "arguments": oa._text(item["arguments"], f"{p}.arguments")}}
             last = out[-1] if out else None
             if last is not None and last["role"] == "assistant":
@@ -244,23 +247,50 @@ def _thinking(item: dict[str, Any], p: str, last: dict[str, Any] | None) -> list
     return [{"role": "assistant", "content": "", "reasoning": thought}]
 
 
-def _tools(v: Any) -> list[dict[str, Any]]:
+def flat_name(namespace: str, name: str) -> str:
+    """A namespace tool's function as the model is offered it (vLLM's
+    ``flat_namespace_tool_name``)."""
+    return f"{namespace}__{name}"
+
+
+def _function(t: Any, p: str, namespace: str | None = None) -> dict[str, Any]:
+    if not isinstance(t, dict):
+        raise oa.bad(p, f"'{p}' must be an object, got {oa._type_name(t)}", "invalid_type")
+    if t.get("type") != "function":
+        raise oa.bad(f"{p}.type", f"'{p}.type' {str(t.get('type'))[:40]!r} is not served in a namespace: "
+                     "only function tools are", "unsupported_value")
+    oa._keys(t, p, ("type", "name", "description", "parameters", "strict"), ("name",))
+    f = {k: t[k] for k in ("name", "description", "parameters", "strict") if t.get(k) is not None}
+    if namespace is not None:
+        f["name"] = flat_name(namespace, oa._id_text(t["name"], f"{p}.name"))
+    return {"type": "function", "function": f}
+
+
+def _tools(v: Any) -> tuple[list[dict[str, Any]], list[str]]:
     """Responses' function tools (``{type: "function", name, description?, parameters?,
-    strict?}``) in the chat's shape; hosted tools (web search, files, MCP, ...) are not
-    served."""
+    strict?}``) in the chat's shape, a ``namespace`` tool's functions each by its flat name
+    (``<namespace>__<name>``, as vLLM offers them); and each one's place in the body (for a
+    400 of the chat's checks). Hosted tools (web search, files, MCP, ...) are not offered to
+    the model -- this service runs none -- as vLLM ignores them: Codex sends ``web_search``
+    with every request."""
     tools = _type_of(v, "tools", list, "an array")
-    out = []
+    out, paths = [], []
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
         if not isinstance(t, dict):
             raise oa.bad(p, f"'{p}' must be an object, got {oa._type_name(t)}", "invalid_type")
-        if t.get("type") != "function":
-            raise oa.bad(f"{p}.type", f"'{p}.type' {str(t.get('type'))[:40]!r} is not served: only function "
-                         "tools are (this service runs no hosted tool)", "unsupported_value")
-        oa._keys(t, p, ("type", "name", "description", "parameters", "strict"), ("name",))
-        out.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters",
-                                                                     "strict") if t.get(k) is not None}})
-    return out
+        if t.get("type") == "namespace":
+            oa._keys(t, p, ("type", "name", "description", "tools"), ("name", "tools"))
+            ns = oa._id_text(t["name"], f"{p}.name")
+            for j, f in enumerate(_type_of(t["tools"], f"{p}.tools", list, "an array")):
+                out.append(_function(f, f"{p}.tools[{j}]", ns))
+                paths.append(f"{p}.tools[{j}]")
+        elif t.get("type") == "function":
+            out.append(_function(t, p))
+            paths.append(p)
+        elif not isinstance(t.get("type"), str):
+            raise oa.bad(f"{p}.type", f"'{p}.type' must be a string", "invalid_type")
+    return out, paths
 
 
 def _tool_choice(v: Any) -> Any:
@@ -311,13 +341,14 @@ _PARAM_NAMES = (("response_format.json_schema", "text.format"), ("response_forma
 _TOOL_FUNCTION = re.compile(r"(tools\[\d+\])\.function(?=[.\[]|$)")
 
 
-def _renamed(exc: ApiError) -> ApiError:
+def _renamed(exc: ApiError, tool_paths: list[str]) -> ApiError:
     """``exc`` naming the field as the Responses body calls it (a message's place in
-    ``input`` is not kept: the chat's messages are not the items one for one)."""
+    ``input`` is not kept: the chat's messages are not the items one for one; a tool's is,
+    ``tool_paths``)."""
     old = exc.param
     if not old:
         return exc
-    new = _TOOL_FUNCTION.sub(r"\1", old, count=1)
+    new = _TOOL_FUNCTION.sub(lambda m: tool_paths[int(m.group(1)[6:-1])], old, count=1)
     for chat_name, name in _PARAM_NAMES:
         if old == chat_name or old.startswith((chat_name + ".", chat_name + "[")):
             new = name if chat_name == "messages" else name + old[len(chat_name):]
@@ -389,9 +420,12 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
             raise oa.bad("max_output_tokens", f"'max_output_tokens' must be at least 1, got {max_out}")
         chat["max_completion_tokens"] = max_out
 
+    if body.get("client_metadata") is not None:  # (Codex's; nothing here reads it)
+        _type_of(body["client_metadata"], "client_metadata", dict, "an object")
     tools: list[dict[str, Any]] = []
+    tool_paths: list[str] = []
     if body.get("tools") is not None:
-        tools = _tools(body["tools"])
+        tools, tool_paths = _tools(body["tools"])
         if tools:
             chat["tools"] = tools
     if body.get("tool_choice") is not None:
@@ -416,7 +450,7 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
     try:
         draft = oa.parse_request("chat", chat, cfg, pool)
     except ApiError as exc:
-        raise _renamed(exc) from None
+        raise _renamed(exc, tool_paths) from None
     draft = dataclasses.replace(draft, prompt_param="input",
                                 max_param="max_output_tokens" if max_out is not None else draft.max_param)
     shape = ResponseShape(
