@@ -627,3 +627,60 @@ def test_a_namespace_call_sent_back_is_the_flat_name_its_tool_was_offered_by() -
         "tools": [ns, {"type": "web_search"}], "client_metadata": {"k": "v"}}, _tool_cfg())
     assert [t["function"]["name"] for t in chat["upstream"]["tools"]] == ["agents__get_weather"]
     assert chat["messages"][1][3][0]["function"]["name"] == "agents__get_weather"
+
+
+def test_a_namespace_tools_function_called_is_answered_by_its_own_name_and_namespace() -> None:
+    """The model calls the flat name it was offered (``agents__get_weather``): the client reads
+    the function by its own name with its ``namespace``, streamed (a name in the first delta
+    or a later one) or whole, as vLLM answers; a plain function, or a flat-looking name no
+    namespace tool offered, as the model wrote it."""
+    cfg = _tool_cfg()
+    ns = {"type": "namespace", "name": "agents", "description": "d", "tools": [WEATHER]}
+    shape, draft = parse_request({"model": "tiny", "input": "x", "tools": [ns, {**WEATHER, "name": "plain"}]},
+                                 cfg, cfg.pools[0])
+    ev = ResponseEvents(shape, finish_request(draft, 3), "resp_1", 0)
+    raw = ev.opening()
+    raw += ev.tool_calls([{"index": 0, "id": "c0", "function": {"name": "agents__get_weather",
+                                                               "arguments": "{}"}}])
+    raw += ev.tool_calls([{"index": 1, "id": "c1", "function": {"arguments": "{"}}])
+    raw += ev.tool_calls([{"index": 1, "function": {"name": "agents__get_weather", "arguments": "}"}}])
+    raw += ev.tool_calls([{"index": 2, "id": "c2", "function": {"name": "plain", "arguments": "{}"}}])
+    raw += ev.tool_calls([{"index": 3, "id": "c3", "function": {"name": "other__x", "arguments": "{}"}}])
+    raw += ev.end("tool_calls", 3, 4)
+    events = [json.loads(b.split(b"\ndata: ", 1)[1]) for b in raw]
+    for e in events:
+        EVENT.validate_python(e)
+    streamed = [(i["name"], i.get("namespace")) for i in events[-1]["response"]["output"]]
+    want = [("get_weather", "agents"), ("get_weather", "agents"), ("plain", None), ("other__x", None)]
+    assert streamed == want
+    assert [e["item"].get("namespace") for e in events if e["type"] == "response.output_item.done"] == \
+        ["agents", "agents", None, None]
+    calls = [{"id": f"c{i}", "type": "function", "function": {"name": n, "arguments": "{}"}}
+             for i, n in enumerate(("agents__get_weather", "agents__get_weather", "plain", "other__x"))]
+    whole, _ = output_of({"choices": [{"finish_reason": "tool_calls", "message": {
+        "content": None, "tool_calls": calls}}]}, shape)
+    assert [(i["name"], i.get("namespace")) for i in whole] == want
+
+
+async def test_a_namespace_call_reaches_the_client_by_its_own_name_whole_and_streamed(
+        redis_server, fake_upstream) -> None:
+    cfg, up = make_cfg(redis_server.url, pool={"tool_calls": True}), fake_upstream
+
+    async def calls_flat(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(tool_chunk([{"index": 0, "id": "call_1", "type": "function",
+                                      "function": {"name": "agents__get_weather", "arguments": "{}"}}],
+                                    completion_tokens=1))
+        return await end_stream(resp, tool_chunk([], finish="tool_calls", completion_tokens=1))
+
+    up.scripts["Weather"] = calls_flat
+    body = {"model": "tiny", "input": "Weather in Paris?", "max_output_tokens": 20,
+            "tools": [{"type": "namespace", "name": "agents", "description": "d", "tools": [WEATHER]}]}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
+        streamed = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
+        events = await _events(streamed)
+    assert up.bodies[0]["tools"][0]["function"]["name"] == "agents__get_weather"  # offered flat
+    for out in (whole["output"], events[-1]["response"]["output"]):
+        (call,) = out
+        assert (call["name"], call["namespace"], call["call_id"]) == ("get_weather", "agents", "call_1")

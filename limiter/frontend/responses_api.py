@@ -96,6 +96,15 @@ class ResponseShape:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     user: str | None = None
     truncation: str = "disabled"
+    # a namespace tool's functions, by the flat name the model is offered: (namespace, name)
+    namespaced: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
+
+    def call_name(self, flat: str) -> dict[str, str]:
+        """A called function's name as the client offered it: a namespace tool's function by
+        its own name and its ``namespace`` (as vLLM answers), any other as the model wrote it."""
+        if (named := self.namespaced.get(flat)) is not None:
+            return {"name": named[1], "namespace": named[0]}
+        return {"name": flat}
 
 
 def _type_of(v: Any, param: str, kind: type, what: str) -> Any:
@@ -266,15 +275,16 @@ def _function(t: Any, p: str, namespace: str | None = None) -> dict[str, Any]:
     return {"type": "function", "function": f}
 
 
-def _tools(v: Any) -> tuple[list[dict[str, Any]], list[str]]:
+def _tools(v: Any) -> tuple[list[dict[str, Any]], list[str], dict[str, tuple[str, str]]]:
     """Responses' function tools (``{type: "function", name, description?, parameters?,
     strict?}``) in the chat's shape, a ``namespace`` tool's functions each by its flat name
     (``<namespace>__<name>``, as vLLM offers them); and each one's place in the body (for a
-    400 of the chat's checks). Hosted tools (web search, files, MCP, ...) are not offered to
-    the model -- this service runs none -- as vLLM ignores them: Codex sends ``web_search``
-    with every request."""
+    400 of the chat's checks), and the flat names' (namespace, name). Hosted tools (web
+    search, files, MCP, ...) are not offered to the model -- this service runs none -- as vLLM
+    ignores them: Codex sends ``web_search`` with every request."""
     tools = _type_of(v, "tools", list, "an array")
     out, paths = [], []
+    namespaced: dict[str, tuple[str, str]] = {}
     for i, t in enumerate(tools):
         p = f"tools[{i}]"
         if not isinstance(t, dict):
@@ -285,12 +295,13 @@ def _tools(v: Any) -> tuple[list[dict[str, Any]], list[str]]:
             for j, f in enumerate(_type_of(t["tools"], f"{p}.tools", list, "an array")):
                 out.append(_function(f, f"{p}.tools[{j}]", ns))
                 paths.append(f"{p}.tools[{j}]")
+                namespaced[out[-1]["function"]["name"]] = (ns, f["name"])
         elif t.get("type") == "function":
             out.append(_function(t, p))
             paths.append(p)
         elif not isinstance(t.get("type"), str):
             raise oa.bad(f"{p}.type", f"'{p}.type' must be a string", "invalid_type")
-    return out, paths
+    return out, paths, namespaced
 
 
 def _tool_choice(v: Any) -> Any:
@@ -424,8 +435,9 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         _type_of(body["client_metadata"], "client_metadata", dict, "an object")
     tools: list[dict[str, Any]] = []
     tool_paths: list[str] = []
+    namespaced: dict[str, tuple[str, str]] = {}
     if body.get("tools") is not None:
-        tools, tool_paths = _tools(body["tools"])
+        tools, tool_paths, namespaced = _tools(body["tools"])
         if tools:
             chat["tools"] = tools
     if body.get("tool_choice") is not None:
@@ -461,7 +473,7 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
         text_format=_format_echo(fmt), reasoning_effort=effort,
         metadata=body.get("metadata") or {}, user=body.get("user"),
-        truncation=body.get("truncation") or "disabled")
+        truncation=body.get("truncation") or "disabled", namespaced=namespaced)
     return shape, draft
 
 
@@ -518,13 +530,19 @@ def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[s
             "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
 
-def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"id": item_id, "type": "function_call", "call_id": call_id, "name": name, "arguments": arguments,
+def function_call_item(item_id: str, call_id: str, name: str, arguments: str, status: str,
+                       shape: ResponseShape | None = None) -> dict[str, Any]:
+    """``name`` as the model called it; with ``shape``, as the client offered it
+    (:meth:`ResponseShape.call_name`)."""
+    named = shape.call_name(name) if shape is not None else {"name": name}
+    return {"id": item_id, "type": "function_call", "call_id": call_id, **named, "arguments": arguments,
             "status": status}
 
 
-def output_of(chat_answer: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str]:
-    """A whole chat answer's output items, and the response's status."""
+def output_of(chat_answer: Mapping[str, Any],
+              shape: ResponseShape | None = None) -> tuple[list[dict[str, Any]], str]:
+    """A whole chat answer's output items, and the response's status (``shape``: the
+    request's, whose namespace tools name the calls)."""
     choice = chat_answer["choices"][0]
     msg = choice["message"]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
@@ -539,7 +557,7 @@ def output_of(chat_answer: Mapping[str, Any]) -> tuple[list[dict[str, Any]], str
         out.append(message_item(_id("msg"), text, "completed" if calls else status))
     for c in calls:  # (a call without an id is given one, as a streamed one is)
         out.append(function_call_item(_id("fc"), c["id"] or _id("call"), c["function"]["name"],
-                                      c["function"]["arguments"], "completed"))
+                                      c["function"]["arguments"], "completed", shape))
     return out, status
 
 
@@ -626,14 +644,15 @@ class ResponseEvents:
                 # (a call's id is its identity to the SDK from here on: one the server did not
                 # send is made, unique; its name may come in a later delta)
                 item = function_call_item(_id("fc"), _text_or(d.get("id")) or _id("call"),
-                                          _text_or(f.get("name")), "", "in_progress")
+                                          _text_or(f.get("name")), "", "in_progress", self.shape)
                 self.output.append(item)
                 self.calls[key] = len(self.output) - 1
                 out.append(self.event("response.output_item.added", output_index=len(self.output) - 1,
                                       item=dict(item)))
             index = self.calls[key]
             item = self.output[index]
-            item["name"] = item["name"] or _text_or(f.get("name"))
+            if not item["name"] and (name := _text_or(f.get("name"))):
+                item.update(self.shape.call_name(name))
             if isinstance(f.get("arguments"), str) and f["arguments"]:
                 item["arguments"] += f["arguments"]
                 out.append(self.event("response.function_call_arguments.delta", item_id=item["id"],
@@ -717,7 +736,7 @@ class ResponseGeneration(Generation):
 
     async def answer(self) -> dict[str, Any]:
         chat = await super().answer()
-        output, status = output_of(chat)
+        output, status = output_of(chat, self.shape)
         usage = chat["usage"]
         return response_object(self.shape, self.req, self.response_id, self.created, status, output,
                                (usage["prompt_tokens"], usage["completion_tokens"]))
