@@ -1740,12 +1740,15 @@ async def test_a_resumed_reasoning_answer_is_charged_its_clients_prompt(env, tex
     assert (rec["state"], rec["usage_in"], rec["usage_out"]) == ("done", "5", str(delivered + 1)), rec
 
 
-@pytest.mark.parametrize("where", ["mid-stream", "http-500"])
+@pytest.mark.parametrize("where", ["mid-stream", "mid-stream-code-400", "http-500"])
 async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(env, where: str) -> None:
     """vLLM's engine dies (EngineDeadError): every request it held gets "EngineCore encountered
     an issue" -- as a chunk of its stream, or as an HTTP 500 -- and the server exits. Each was
     failed as the request's own error, its client told so, though any other server would have
-    answered it. It is the server going away: handed back and resumed (the attempt counts)."""
+    answered it. It is the server going away: handed back and resumed (the attempt counts).
+    vLLM 0.8 to 0.10 write a stream's error with their default code, 400 BadRequestError
+    (``create_streaming_error_response(str(e))``): read as the request's own error for its code,
+    each such request failed (found by a review)."""
     from aiohttp import web
 
     from tests.support.fake_upstream import sse_chunk, sse_response
@@ -1753,6 +1756,8 @@ async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(en
     cfg, c, up = env
     dead = {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
             "type": "InternalServerError", "param": None, "code": 500}
+    if where == "mid-stream-code-400":
+        dead.update(type="BadRequestError", code=400)
 
     async def dies(request: Any, body: dict[str, Any], n: int) -> Any:
         if n == 1 and where == "http-500":
@@ -1770,9 +1775,9 @@ async def test_requests_a_dying_engine_fails_are_resumed_elsewhere_not_failed(en
         await c.wait([rid], timeout=30)
     a = c.answers[rid]
     assert a.error is None and a.done["fin"] == "stop", a
-    assert a.text == ("Hello world" if where == "mid-stream" else " world") and up.calls["DIES"] == 2
+    assert a.text == (" world" if where == "http-500" else "Hello world") and up.calls["DIES"] == 2
     # the HTTP 500 comes before vLLM takes the request (it checks its engine first): not spent
-    assert (await c.record(rid))["attempts"] == ("2" if where == "mid-stream" else "1")
+    assert (await c.record(rid))["attempts"] == ("1" if where == "http-500" else "2")
 
 
 async def test_a_server_whose_engine_is_dead_is_not_taken_for_up_because_it_lists_its_models(env) -> None:

@@ -130,6 +130,10 @@ ENGINE_DEAD = ("EngineCore encountered an issue", "Engine loop has died",
                "Background loop has errored already", "Background loop is not running")
 
 
+# The codes an engine's death comes with in an `error` chunk (none, vLLM's default 400, 500)
+ENGINE_DEAD_CODES = (None, 400, 500, "400", "500")
+
+
 def _engine_died(message: str) -> bool:
     return message.lstrip().startswith(ENGINE_DEAD)
 
@@ -1002,7 +1006,10 @@ class UpstreamLoop:
                                 err = chunk["error"]
                                 msg = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
                                 code = err.get("code") if isinstance(err, dict) else None
-                                if _engine_died(msg) and code in (None, 500, "500"):
+                                # vLLM 0.8 to 0.10 write a stream's error with their default
+                                # code, 400 (create_streaming_error_response(str(e))); later
+                                # ones map the death to 500
+                                if _engine_died(msg) and code in ENGINE_DEAD_CODES:
                                     if finish is not None and finish not in ("abort", "error"):
                                         return _ended(finish)  # the answer was over: as a break after it
                                     raise UpstreamDown(f"{url}: the model server's engine died mid-answer: "
