@@ -186,3 +186,14 @@ async def test_a_read_that_gives_way_at_the_callers_time_loses_no_byte() -> None
             reader.feed_data(b"c\n\ndata: d\n\n")
             reader.feed_eof()
     assert got == [["a"], [], ["bc", "d"]]
+
+
+def test_an_event_whose_data_lines_pass_the_limit_is_refused() -> None:
+    """Each line short, but no blank line ever ends the event: its data is bounded as a line."""
+    p = SseParser(max_line=16)
+    assert p.feed(b"data: ok\n\n" + b"data: abcd\n" * 4) == ["ok"]
+    with pytest.raises(MalformedStream, match="event of more than 16 bytes"):
+        p.feed(b"data: abcd\n")
+    q = SseParser(max_line=16)
+    assert q.feed(b"data: abcd\n" * 3 + b"\n") == ["abcd\nabcd\nabcd"]  # within it: as before
+    assert q.feed(b"data: abcd\n" * 3 + b"\n") == ["abcd\nabcd\nabcd"]  # the count starts again

@@ -170,3 +170,32 @@ async def test_a_lone_high_surrogate_that_ends_the_answer_is_delivered_as_a_repl
     answer = await _answer(env, "LONEEND", lone_end)
     assert answer.error is None, answer.error
     assert answer.text == "a\ufffd"
+
+
+async def test_an_event_of_endless_data_lines_is_refused_not_buffered(env) -> None:
+    """A line past MAX_SSE_LINE is refused, but an event is its data lines up to a blank line:
+    a server (or proxy) that ends each chunk with one newline, not two, made one event of the
+    whole stream, its lines kept until the stream ended -- a stream that never ends held
+    ever more of the worker's memory (found by a review). It is refused at the same bound."""
+    from worker.sse_events import MAX_SSE_LINE
+
+    end = asyncio.Event()
+    chunk = {"choices": [{"index": 0, "text": "x" * 200, "finish_reason": None}]}
+    line = b"data: " + json.dumps(chunk).encode()
+
+    async def no_blank_lines(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        resp = await sse_response(request)
+        block = (line + b"\n") * (64 * 1024 // len(line))
+        sent = 0
+        while sent < 3 * MAX_SSE_LINE:
+            await resp.write(block)
+            sent += len(block)
+        await end.wait()  # and never ends
+        return resp
+
+    try:
+        answer = await _answer(env, "NOBLANK", no_blank_lines)
+    finally:
+        end.set()
+    assert answer.error is not None, answer
+    assert answer.error["msg"] == "the model server sent a malformed response", answer

@@ -17,11 +17,12 @@ stream), for the one field the worker needs:
   one). An event left open when the stream ends is still returned by :meth:`SseParser.close`
   (the standard drops it; a server cut off after its last chunk lost nothing then).
 
-A line longer than :data:`MAX_SSE_LINE` is refused (:class:`MalformedStream`), after the
-events before it: a worker must not buffer without bound what a broken server sends. A
-stream whose bytes keep coming without an event (comments only, a keep-alive a proxy sends
-while the answer is stuck) is given up after ``idle_s`` (:class:`StreamIdle`): the socket's
-read timeout never fired on it, and the request waited for its client's own timeout.
+A line longer than :data:`MAX_SSE_LINE`, or an event whose data lines hold more, is refused
+(:class:`MalformedStream`), after the events before it: a worker must not buffer without
+bound what a broken server sends. A stream whose bytes keep coming without an event
+(comments only, a keep-alive a proxy sends while the answer is stuck) is given up after
+``idle_s`` (:class:`StreamIdle`): the socket's read timeout never fired on it, and the
+request waited for its client's own timeout.
 """
 
 from __future__ import annotations
@@ -74,10 +75,15 @@ class SseParser:
         self._partial = b""  # the start of a line whose end has not come yet
         self._data: list[str] = []  # the data lines of the event being read
         self._started = False  # the stream's first bytes were seen (its byte order mark gone)
+        self._data_chars = 0  # the characters of the open event's data lines
 
     def _check(self) -> None:
         if len(self._partial) > self.max_line:
             raise MalformedStream(f"a line of more than {self.max_line} bytes")
+        # An event's data lines are as bounded as a line: a server that ends its chunks with
+        # one newline, not two, made one event of the whole stream, kept until it ended.
+        if self._data_chars > self.max_line:
+            raise MalformedStream(f"an event of more than {self.max_line} bytes of data")
 
     def feed(self, raw: bytes) -> list[str]:
         self._check()
@@ -110,19 +116,20 @@ class SseParser:
             self._line(partial, out)
         if self._data:
             out.append("\n".join(self._data))
-            self._data = []
+            self._data, self._data_chars = [], 0
         return out
 
     def _line(self, raw: bytes, out: list[str]) -> None:
         if not raw:
             if self._data:
                 out.append("\n".join(self._data))
-                self._data = []
+                self._data, self._data_chars = [], 0
             return
         line = raw.decode("utf-8", "replace")
         field, colon, value = line.partition(":")
         if field == "data":  # a comment (":...") has the empty field name
             self._data.append(value.removeprefix(" ") if colon else "")
+            self._data_chars += len(self._data[-1]) + 1
 
 
 def parse_chunk(data: str) -> Any:
