@@ -1842,6 +1842,31 @@ async def test_credentials_in_the_upstream_url_are_used_and_never_shown(env, cap
     assert secret not in describe(rt.settings, None) and secret not in caplog.text
 
 
+async def test_a_key_in_the_upstream_url_s_query_is_not_logged_with_a_connect_timeout(
+        env, caplog, monkeypatch) -> None:
+    """aiohttp's ConnectionTimeoutError names the URL it could not reach, its query whole
+    ("Connection timeout to host http://h/v1/completions?api-key=..."): the worker logged that
+    text as the reason its breaker opened and each probe failed, the key in the log that
+    shows upstream_url's query as *** (found by a review)."""
+    import logging
+
+    import aiohttp
+
+    cfg, c, up = env
+    secret = "sk-hunter2"
+
+    async def times_out(*args: Any, **kwargs: Any) -> Any:
+        raise TimeoutError  # as a connect past sock_connect (a server behind a dropped route)
+
+    monkeypatch.setattr(aiohttp.TCPConnector, "connect", times_out)
+    with caplog.at_level(logging.INFO):
+        async with worker(cfg, engine="openai", upstream_url=f"{up.url}/v1?api-key={secret}", **RETRY) as rt:
+            await c.admit("TIMEOUT", max_tokens=5)
+            await _wait_heartbeat(c, rt, "the breaker open and probed twice", _breaker_open_and_probed)
+    assert "Connection timeout to host" in caplog.text  # what aiohttp said is kept, less the key
+    assert secret not in caplog.text
+
+
 async def test_a_redirecting_model_server_is_down_not_followed(env, caplog) -> None:
     """A model server that redirects (here to itself, with the worker's query: a loop) is a
     deployment's mistake. aiohttp followed it: the POST was sent again up to ten times, and

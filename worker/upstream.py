@@ -152,6 +152,18 @@ class UpstreamDown(Exception):
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
+_URL_QUERY = re.compile(r"(\w+://[^\s?#]*)\?[^\s)'\"]*")
+_URL_USER = re.compile(r"(\w+://)[^\s/@]*@")
+
+
+def _said(exc: BaseException) -> str:
+    """An exception's type and text for the log, any URL in it shown as upstream_url is
+    (shown_upstream: user part and query as ***). aiohttp's ConnectionTimeoutError names the
+    URL whole, with the query that may carry the worker's key (a gateway's ``?api-key=``)."""
+    text = _URL_USER.sub(r"\1***@", _URL_QUERY.sub(r"\1?***", str(exc)))
+    return f"{type(exc).__name__}: {text}"
+
+
 def _count(v: Any) -> int | None:
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else None
 
@@ -654,7 +666,7 @@ class UpstreamLoop:
         except TimeoutError:
             return f"no event from a one-token generation in {timeout_s:g} s"
         except (aiohttp.ClientError, MalformedStream) as exc:
-            return f"a one-token generation: {type(exc).__name__}: {exc}"
+            return f"a one-token generation: {_said(exc)}"
         log.warning("the model server refuses a one-token generation (HTTP %d): taken as generating", status)
         return ""
 
@@ -674,7 +686,7 @@ class UpstreamLoop:
                 if status not in (404, 405):
                     break
         except (TimeoutError, aiohttp.ClientError) as exc:
-            return f"{type(exc).__name__}: {exc}"
+            return _said(exc)
         if 300 <= status < 400:
             return f"HTTP {status}, a redirect: {REDIRECT_ADVICE}"
         return f"HTTP {status}" if status in DOWN_STATUSES or status >= 500 else ""
@@ -1103,10 +1115,10 @@ class UpstreamLoop:
                 # The answer was over (its finish_reason came) and the connection broke before
                 # the usage chunk or [DONE]: finish it. Handed back, it was resumed from its
                 # whole text and the model wrote on past its own stop.
-                log.warning("%s: upstream %s: the connection broke after the answer's end (%s: %s)",
-                            d.request_id, url, type(exc).__name__, exc)
+                log.warning("%s: upstream %s: the connection broke after the answer's end (%s)",
+                            d.request_id, url, _said(exc))
                 return _ended(finish)
-            raise UpstreamDown(f"{url}: {type(exc).__name__}: {exc}",
+            raise UpstreamDown(f"{url}: {_said(exc)}",
                                spent=not isinstance(exc, CONNECT_ERRORS)) from exc
         if finish == "abort":  # vLLM: its engine aborted the request (POST /pause, a shutdown)
             raise UpstreamDown(f"{url}: the model server aborted the request (finish_reason abort)",
