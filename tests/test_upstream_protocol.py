@@ -12,7 +12,8 @@ from aiohttp import web
 
 from limiter.prompt import ChatMessage
 from tests.support.fake_upstream import end_stream, sse_chunk, sse_response
-from tests.support.worker_helpers import worker
+from tests.support.helpers import wait_until
+from tests.support.worker_helpers import start_worker, stop_worker, worker
 
 
 @pytest.fixture
@@ -132,17 +133,55 @@ async def test_a_chunk_whose_choices_are_not_objects_is_a_malformed_response(env
     assert error["msg"] == "the model server sent a malformed response", error
 
 
+RETRY = {"upstream_retry_min_s": 0.1, "upstream_retry_max_s": 0.4}
+
+
 @pytest.mark.parametrize("status", [401, 403])
-async def test_a_refused_key_is_named_to_the_client_without_the_servers_words(env, status: int,
-                                                                              caplog) -> None:
-    """A 401/403 refuses the worker's key (QOS_UPSTREAM_API_KEY), not the request. The server's
-    message went to every client: OpenAI's names the key it was given, masked but for its
-    last four characters ("sk-...abcd"). The log keeps it."""
-    refusal = _split_json_error(status, "Incorrect API key provided: sk-...abcd")
-    error = (await _answer(env, "KEYFAIL", refusal)).error
-    assert error["msg"] == f"the model server refused the worker's credentials (HTTP {status})", error
-    assert error["code"] == "failed"  # the deployment's to mend: a retry may reach a worker whose key works
-    assert "sk-...abcd" in caplog.text
+async def test_a_rotated_key_hands_the_request_back_and_stops_claiming_until_the_key_is_taken(
+        env, status: int, caplog) -> None:
+    """A 401/403 refuses the worker's key (QOS_UPSTREAM_API_KEY), not the request: the
+    breaker opens (no claim) and the request goes back to the queue, for a worker whose key
+    works, or this one once its probe's one-token generation is taken with the key (its
+    /health asks for none). Failed instead, a rotated key made the worker fail every request
+    it claimed, in milliseconds each: it took more of the queue than any other worker. The
+    server's words (OpenAI's names the key, masked but for its last four characters) stay in
+    the log."""
+    cfg, c, up = env
+    up.status = status  # every generation refused, the probe's too
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, **RETRY)
+    try:
+        rid = await c.admit("hello", max_tokens=8)
+        await wait_until(lambda: loop.breaker.state == "open", "the breaker open on the refused key")
+        await wait_until(lambda: loop.breaker.probes >= 2, "two probes refused with the key")
+        answer = c.answers[rid]
+        assert loop.breaker.state == "open" and answer.done is None and answer.error is None  # not failed
+        assert (await c.record(rid))["state"] == "queued"
+        # sent once: no claim while the probes' generations were refused with the key
+        sent = [b for b in up.bodies if b.get("prompt") != "ping" and b.get("messages") is None]
+        assert len(sent) == 1 and len(up.bodies) > 1, up.bodies
+        up.status = None  # the key mended
+        await c.wait([rid], timeout=20)
+    finally:
+        assert await stop_worker(rt, task) is None
+    assert c.answers[rid].error is None and c.answers[rid].text
+    assert f"refuses the worker's credentials (HTTP {status})" in caplog.text
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_a_key_refused_for_one_prompt_fails_it_after_its_attempts_without_the_servers_words(
+        env, status: int, caplog) -> None:
+    """A key refused for one request only (a proxy's policy) while the probe's generation is
+    taken: each refusal spends an attempt, so the request fails after max_attempts rather than
+    going round for ever; its client never reads the server's words."""
+    cfg, c, up = env
+    up.scripts["KEYFAIL"] = _split_json_error(status, "Incorrect API key provided: sk-...abcd")
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
+        rid = await c.admit("KEYFAIL", max_tokens=8)
+        await c.wait([rid], timeout=30)
+    error = c.answers[rid].error
+    assert error is not None and error["code"] == "exhausted", error
+    assert up.calls["KEYFAIL"] == cfg.pools[0].max_attempts
+    assert "sk-...abcd" not in json.dumps(error) and "sk-...abcd" in caplog.text
 
 
 async def test_a_whole_json_answer_where_a_stream_was_asked_says_so(env) -> None:

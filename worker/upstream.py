@@ -456,6 +456,9 @@ class UpstreamLoop:
         self.stall = StallClock(s.upstream_stall_s, time.monotonic())  # the hang watch's clock
         self._last_path = "/chat/completions"  # the generation endpoint the last stream used
         self._hung = False  # a stall tripped the breaker: a probe must see the server generate
+        # the server refused the worker's key: a probe must see it take the key (its /health
+        # asks for none, and a rotated key kept failing every request the worker claimed)
+        self._key_refused = False
 
     @contextlib.asynccontextmanager
     async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
@@ -623,14 +626,14 @@ class UpstreamLoop:
         if why := probe.result():
             self.breaker.probe_failed(why)
         else:
-            self._hung = False
+            self._hung = self._key_refused = False
             self.breaker.probe_ok()
 
     async def _probe(self) -> str:
         """Why the upstream cannot serve now ("" when it can): its health, and after a stall
         a one-token generation."""
         why = await self._unwell()
-        if not why and self._hung:
+        if not why and (self._hung or self._key_refused):
             why = await self._no_generation()
         return why
 
@@ -655,6 +658,8 @@ class UpstreamLoop:
                 for path, body in asks:
                     async with self._post(path, body) as resp:
                         status = resp.status
+                        if status in CREDENTIAL_STATUSES:
+                            return f"the model server refuses the worker's credentials (HTTP {status})"
                         if status == 501 or (400 <= status < 500 and status not in (408, 429)):
                             continue
                         if status != 200:
@@ -974,10 +979,21 @@ class UpstreamLoop:
                                 self.priority_refused = True
                             return result
                         if resp.status in CREDENTIAL_STATUSES:
-                            # the worker's key, not the request: the server's words (OpenAI's
-                            # "Incorrect API key provided: sk-...abcd") are for the log alone
-                            return self._failed(d, url, f"the model server refused the worker's "
-                                                f"credentials (HTTP {resp.status})", text)
+                            # The worker's key, not the request: as if the server were down for
+                            # this worker (its breaker opens, it claims nothing until a probe's
+                            # one-token generation is taken with the key), the request handed
+                            # back to a worker whose key works. Failed here, a rotated key made
+                            # the worker fail every request it claimed, in milliseconds each: it
+                            # claimed more than any other and emptied the queue into errors.
+                            # The attempt is spent: a request refused with a key that a probe
+                            # saw taken goes round max_attempts times, not for ever. The
+                            # server's words (OpenAI's "Incorrect API key provided:
+                            # sk-...abcd") are for the log alone.
+                            log.warning("%s: upstream %s refused the worker's credentials (HTTP %d): %s",
+                                        d.request_id, url, resp.status, text)
+                            self._key_refused = True
+                            raise UpstreamDown(f"{url}: the model server refuses the worker's credentials "
+                                               f"(HTTP {resp.status})", spent=True)
                         return self._failed(d, url, f"the model server refused the request (HTTP "
                                             f"{resp.status}): {text}",
                                             outcome=_refusal_outcome(resp.status, text, d, self.model))
