@@ -39,6 +39,22 @@ def redis_cluster() -> Iterator[RedisClusterServers]:
     cluster.stop()
 
 
+@pytest.fixture(autouse=True)
+def _empty_redis_for_each_test(request: pytest.FixtureRequest) -> None:
+    """A test on the session's private redis-server starts from an empty one, whether or not
+    it asks for ``sync_redis`` (which flushes too): a request another test left queued (its
+    frontend gone before the cancel landed, or admitted for the worker tests' frontend, whose
+    heartbeat never lapses) was claimed by the next test's worker on the same pool and sent to
+    that test's model server (test_tool_calls read another test's request as its first body).
+    Not for a module whose tests share processes on it (``shared_redis``)."""
+    if "redis_server" in request.fixturenames and request.node.get_closest_marker("shared_redis") is None:
+        client = request.getfixturevalue("redis_server").client()
+        try:
+            client.flushall()
+        finally:
+            client.close()
+
+
 @pytest.fixture
 def sync_redis(redis_server: RedisServer):
     client = redis_server.client()

@@ -29,6 +29,9 @@ from tests.support.frontend_helpers import POOL
 from tests.support.helpers import three_classes
 from tests.support.redis_server import RedisServer, free_port
 
+# Its frontend processes (a module's fixture) keep their state on the session's redis-server.
+pytestmark = pytest.mark.shared_redis
+
 # Cost of this request: "ab" = 3 tokens (2 bytes + BOS) + 7 reserved = 10; the fixed-text
 # worker uses all 7, so nothing is refunded and a 100-token burst admits exactly 10.
 SLOW = {"model": "tiny", "prompt": "ab", "max_tokens": 7}
