@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from limiter.config import demo_config
 from limiter.frontend import openai_api as oa
-from limiter.frontend.responses_api import ResponseEvents, ResponseShape
+from limiter.frontend.responses_api import ResponseEvents
+from limiter.frontend.responses_request import ResponseShape
 
 
 def _request() -> oa.GenerationRequest:

@@ -21,7 +21,8 @@ from pydantic import TypeAdapter
 from limiter.config import demo_config
 from limiter.frontend.errors import ApiError
 from limiter.frontend.openai_api import finish_request
-from limiter.frontend.responses_api import ResponseEvents, output_of, parse_request
+from limiter.frontend.responses_api import ResponseEvents, output_of
+from limiter.frontend.responses_request import parse_request
 from tests.support.fake_upstream import chat_chunk, end_stream, sse_response, tool_chunk
 from tests.support.frontend_helpers import POOL, auth, frontend, make_cfg, redis_state
 from tests.support.helpers import wait_until

@@ -30,7 +30,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from limiter import status as status_mod
 from limiter.config import ClassConfig, PoolConfig, QosConfig, TenantConfig
 from limiter.errors import ConfigError
-from limiter.frontend import choices, cors, responses_api, tokenizer_api
+from limiter.frontend import choices, cors, responses_request, tokenizer_api
 from limiter.frontend import openai_api as oa
 from limiter.frontend.auth import CLASS_HEADER, one_header, require_admin, resolve_class
 from limiter.frontend.errors import (
@@ -170,7 +170,7 @@ def _generation_handler(kind: str) -> Handler:
         labels.pool = pool.name
         shape = None
         if kind == "response":  # a chat, answered in the Responses API's shape
-            shape, draft = responses_api.parse_request(body, fe.cfg, pool)
+            shape, draft = responses_request.parse_request(body, fe.cfg, pool)
             drafts, n = [draft], 1
         else:
             bodies, n = oa.split_choices(kind, body)
