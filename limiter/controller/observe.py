@@ -27,10 +27,21 @@ async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list
     """Feed live workers' reported capacity (``cap.worker_field``) to the term's estimator.
 
     Only a heartbeat newer than the one last used is read (the EWMA must not count one report
-    twice); a worker that left the ZSET (clean shutdown) or went silent leaves the sum now."""
+    twice); a worker that left the ZSET (clean shutdown) or went silent leaves the sum now.
+
+    A worker stamps its beat with its own estimate of Redis's clock (its wall clock plus an
+    offset from its last claim): one whose clock stepped ahead beats in the future, and killed
+    then it stayed live until Redis's clock caught up with its last stamp (an hour for an
+    hour's step), its capacity in every rate. A beat is taken as no later than when this term
+    first saw its stamp, so a silent worker leaves ``worker_ttl_s`` after its last beat."""
     ttl_ms = cap.worker_ttl_s * 1000
-    live = {(m.decode() if isinstance(m, bytes) else str(m)): float(s) for m, s in workers
-            if now_ms - float(s) <= ttl_ms}
+    beats: dict[str, tuple[float, float]] = {}
+    for m, s in workers:
+        w, stamp = (m.decode() if isinstance(m, bytes) else str(m)), float(s)
+        known = term.beats.get(w)
+        beats[w] = known if known is not None and known[0] == stamp else (stamp, now_ms)
+    term.beats = beats  # (the ZSET's members only: bounded)
+    live = {w: min(stamp, seen) for w, (stamp, seen) in beats.items() if now_ms - min(stamp, seen) <= ttl_ms}
     for gone in [w for w in term.workers if w not in live]:
         del term.workers[gone]  # the estimator forgets it in set_alive below
     todo, alive = [], {}

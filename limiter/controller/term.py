@@ -40,6 +40,9 @@ class Term:
     bad: int = 0  # samples skipped as unusable
     unacked: set[bytes] = field(default_factory=set)  # fed, but the XACK failed: never feed twice
     workers: dict[str, float] = field(default_factory=dict)  # worker -> heartbeat ms last used
+    # worker -> (its heartbeat's stamp, the Redis time this term first saw that stamp): a
+    # stamp ahead of Redis's clock is read as written when first seen (observe.read_heartbeats)
+    beats: dict[str, tuple[float, float]] = field(default_factory=dict)
     last_decision: Decision | None = None
     # class -> it used less than its guaranteed rate at the last tick, or is the top class
     # (absent: not known yet): only then is a request turned away at admission counted as an
