@@ -1,5 +1,6 @@
-"""Found by a review of the controller: each test drives the real pool loop against a private
-redis-server."""
+"""The workers' heartbeats as the controller reads them (limiter/controller/observe.py): a
+beat stamped ahead of Redis's clock counts from when the controller first saw it. Each test
+drives the real pool loop against a private redis-server."""
 
 from __future__ import annotations
 
