@@ -578,6 +578,17 @@ def test_a_frontend_refuses_a_listen_fd_that_is_not_a_socket():
     assert "--listen-fd: 0 is not an open socket" in out.stderr, out.stderr
 
 
+@pytest.mark.parametrize("fd", ["-1", "99999999999999999999"])
+def test_a_frontend_refuses_a_negative_or_huge_listen_fd_without_a_traceback(fd):
+    env = {k: v for k, v in os.environ.items() if not k.startswith("QOS_")}
+    out = subprocess.run([sys.executable, "-m", "limiter.cli", "frontend", "--listen-fd", fd], env=env,
+                         stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr, out.stderr
+    assert f"--listen-fd: {fd} is not an open socket" in out.stderr, out.stderr
+
+
 def test_a_closed_terminal_sighup_stops_qos_up_like_ctrl_c(tmp_path):
     config = write_config(tmp_path / "qos.toml")
     with Up(free_port(), "--config", str(config), "--engine", "sim", "--workers", "1") as up:

@@ -100,6 +100,9 @@ async def _serve(app: web.Application, settings: FrontendSettings, sock: socket.
 
 
 def _inherited_socket(fd: int) -> socket.socket:
+    if not 0 <= fd <= 2**31 - 1:  # socket() raised ValueError (negative) or OverflowError: a traceback
+        raise ConfigError("--listen-fd", f"{fd} is not an open socket: a file descriptor is in "
+                          "[0, 2147483647]")
     try:
         sock = socket.socket(fileno=fd)
     except OSError as exc:
