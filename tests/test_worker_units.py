@@ -423,6 +423,9 @@ def test_settings_errors_name_the_worker_field_and_ids_are_sanitised() -> None:
     # claimed flat out (1,617 claim scripts in a second in a review's run)
     ("claim_interval_ms", 0),
     ("kv_capacity_tokens", 10**12 + 1),  # claim refuses a KV room past 1e12: dead at its first claim
+    # past torch.manual_seed's range: a traceback ("Overflow when unpacking long long") at start
+    ("seed", 2**64),
+    ("seed", -(2**63) - 1),
 ])
 def test_implausible_worker_settings_are_refused_naming_the_field(field, value) -> None:
     with pytest.raises(ConfigError, match=rf"worker\.{field}"):

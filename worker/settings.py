@@ -108,6 +108,8 @@ class WorkerSettings:
         check(bool(NAME_RE.fullmatch(self.worker_id)), "worker_id", f"{self.worker_id!r} must match "
               f"{NAME_RE.pattern}")
         check(0 <= self.torch_threads <= 1024, "torch_threads", "must be in [0, 1024]")
+        # torch.manual_seed's range: past it a torch worker's start was a traceback
+        check(-(2**63) <= self.seed <= 2**64 - 1, "seed", "must be in [-2**63, 2**64 - 1]")
         # inf slept for ever each step; nan passed a bare >= 0 check as no number does
         check(0 <= self.time_scale <= 1000, "time_scale", "must be in [0, 1000]")
         check(1 <= self.max_seqs <= 1024, "max_seqs", "must be in [1, 1024]")
