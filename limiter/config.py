@@ -521,7 +521,7 @@ def parse(data: Mapping[str, Any], base_dir: str | Path | None = None, *,
     if base_dir is not None:
         def anchored(p: PoolConfig) -> PoolConfig:
             spec = p.tokenizer
-            if spec in token_count.MODES or not spec.strip() or Path(spec).expanduser().is_absolute():
+            if spec in token_count.MODES or not spec.strip() or token_count.expanded(spec).is_absolute():
                 return p
             return dataclasses.replace(p, tokenizer=str(Path(base_dir) / spec))
 

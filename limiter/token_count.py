@@ -73,10 +73,23 @@ REFUSING_STATUSES = (400, 413, 422)
 
 def tokenizer_file(spec: str, base_dir: str | Path | None = None) -> Path:
     """The ``tokenizer.json`` a path setting names (``spec`` itself, or ``spec/tokenizer.json``)."""
-    path = Path(spec).expanduser()
+    path = expanded(spec)
     if not path.is_absolute() and base_dir is not None:
         path = Path(base_dir) / path
-    return path / FILE_NAME if path.is_dir() else path
+    try:
+        is_dir = path.is_dir()
+    except OSError:  # a name too long (ENAMETOOLONG), ...: load_file names the field and why
+        is_dir = False
+    return path / FILE_NAME if is_dir else path
+
+
+def expanded(spec: str) -> Path:
+    """``spec`` as a path, ``~`` expanded; a ``~user`` that names no user stays as written
+    (expanduser's RuntimeError was a traceback: the file is then not found, naming the field)."""
+    try:
+        return Path(spec).expanduser()
+    except RuntimeError:
+        return Path(spec)
 
 
 @functools.lru_cache(maxsize=16)
@@ -92,9 +105,10 @@ def load_file(path: Path, field: str) -> Any:
     """Load a ``tokenizer.json`` (cached per file version); a ConfigError naming ``field``."""
     try:
         st = path.stat()
-    except OSError as exc:
-        raise ConfigError(field, f"{str(path)!r} is neither a tokenizer mode ({', '.join(MODES)}) nor a "
-                          f"readable file: {exc.strerror or exc}") from exc
+    except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ConfigError(field, f"{str(path)[:200]!r} is neither a tokenizer mode ({', '.join(MODES)}) "
+                          f"nor a readable file: {why}") from exc
     try:
         import tokenizers  # noqa: F401
     except ImportError as exc:

@@ -323,3 +323,20 @@ def test_a_key_on_standard_input_that_is_not_utf8_is_hashed_as_its_bytes(tmp_pat
                           capture_output=True, timeout=60, env=env)
     assert proc.returncode == 0 and b"Traceback" not in proc.stderr, proc.stderr[-800:]
     assert proc.stdout.decode().strip() == hashlib.sha256(b"caf\xe9").hexdigest()
+
+
+@pytest.mark.parametrize("spec", [
+    "tok\\u0000enizer.json",  # a NUL: Path.stat()'s ValueError ("embedded null byte")
+    "x" * 300,  # a name past NAME_MAX: Path.is_dir()'s OSError ENAMETOOLONG
+    "~no-such-user-qos/tokenizer.json",  # expanduser()'s RuntimeError
+])
+def test_a_tokenizer_path_that_cannot_name_a_file_is_a_config_error(tmp_path, capsys, spec):
+    """Each was a traceback out of `qos config check` (and every role's start), not an error
+    naming pools[0].tokenizer."""
+    from limiter.cli import main
+
+    text = BASE.replace('context_tokens = 8192\n', f'context_tokens = 8192\ntokenizer = "{spec}"\n')
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.tokenizer"):
+        _load(tmp_path, text)
+    assert main(["config", "check", str(tmp_path / "qos.toml")]) == 2
+    assert "pools[0].tokenizer" in capsys.readouterr().err
