@@ -402,6 +402,14 @@ def test_checkpoint_round_trip_and_mismatch(tmp_path: Path) -> None:
         load_checkpoint(tmp_path / "junk.safetensors")
 
 
+@pytest.mark.parametrize("name", ["x" * 300, "a\x00b"])
+def test_a_checkpoint_path_that_cannot_name_a_file_is_a_config_error(tmp_path: Path, name: str) -> None:
+    """A name past NAME_MAX (Path.is_file()'s OSError ENAMETOOLONG) was a traceback at a torch
+    worker's start, not an error naming the checkpoint."""
+    with pytest.raises(ConfigError, match="checkpoint file not found"):
+        load_checkpoint(str(tmp_path / name))
+
+
 @pytest.mark.parametrize("vocab", [256, 512])
 def test_a_checkpoint_of_another_vocabulary_is_refused_at_startup(tmp_path: Path, vocab: int) -> None:
     """The torch engine speaks the byte vocabulary (259 ids: bytes, BOS, EOS, PAD), but any

@@ -117,8 +117,12 @@ def load_checkpoint(
     dev = torch.device(device)
     dtype = dtype or default_dtype(dev)
     where = str(path)
-    if not Path(path).is_file():
-        raise ConfigError(where, "checkpoint file not found")
+    try:
+        found = Path(path).is_file()
+    except OSError:  # a name too long (ENAMETOOLONG) was a traceback at the worker's start
+        found = False
+    if not found:
+        raise ConfigError(where[:200], "checkpoint file not found")
     try:
         with safe_open(where, framework="pt") as f:
             metadata = f.metadata() or {}
