@@ -31,6 +31,7 @@ import asyncio
 import functools
 import json
 import os
+import urllib.parse
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -132,6 +133,8 @@ def check(spec: str, url: str, field: str, worker: Mapping[str, Any], *, read_fi
         if not where.startswith(("http://", "https://")):
             raise ConfigError(field + "_url", "tokenizer = \"upstream\" needs the model server's "
                               "http(s):// URL here (or in [worker] upstream_url)")
+        if problem := http_url_problem(where):
+            raise ConfigError(field + "_url" if url else "worker.upstream_url", problem)
         return
     if url:
         raise ConfigError(field + "_url", "is only used with tokenizer = \"upstream\"")
@@ -139,6 +142,26 @@ def check(spec: str, url: str, field: str, worker: Mapping[str, Any], *, read_fi
         raise ConfigError(field, f"must be {BYTES!r}, {UPSTREAM!r} or the path of a tokenizer.json")
     if read_file:
         load_file(tokenizer_file(spec), field)
+
+
+def http_url_problem(url: str) -> str | None:
+    """What is wrong with ``url`` as a model server's http(s):// URL, or None: a check of its
+    scheme alone passed "http://" (no host), a port that is no number or past 65535, and
+    spaces; the worker or frontend then started and failed each request at the server."""
+    if not url.startswith(("http://", "https://")):
+        return "must start with http:// or https://"
+    if any(ch.isspace() or ord(ch) < 32 or ord(ch) == 127 for ch in url):
+        return "must not hold spaces or control characters (percent-encode them)"
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return "its port must be a number in [1, 65535] (and an IPv6 host in [brackets])"
+    if not parts.hostname:
+        return "names no host (e.g. http://127.0.0.1:8000)"
+    if port == 0:
+        return "its port must be a number in [1, 65535]"
+    return None
 
 
 def upstream_url(url: str, worker: Mapping[str, Any]) -> str:

@@ -340,3 +340,11 @@ def test_a_tokenizer_path_that_cannot_name_a_file_is_a_config_error(tmp_path, ca
         _load(tmp_path, text)
     assert main(["config", "check", str(tmp_path / "qos.toml")]) == 2
     assert "pools[0].tokenizer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("url", ["http://", "http://127.0.0.1:abc", "http://127.0.0.1:99999"])
+def test_a_tokenizer_url_with_no_host_or_a_bad_port_is_a_config_error(tmp_path, url):
+    text = BASE.replace('context_tokens = 8192\n', 'context_tokens = 8192\ntokenizer = "upstream"\n'
+                        f'tokenizer_url = "{url}"\n')
+    with pytest.raises(ConfigError, match=r"pools\[0\]\.tokenizer_url"):
+        _load(tmp_path, text)

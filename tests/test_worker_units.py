@@ -432,6 +432,16 @@ def test_implausible_worker_settings_are_refused_naming_the_field(field, value) 
         load_settings(demo_config(), {field: value})
 
 
+@pytest.mark.parametrize("url", ["http://", "http://127.0.0.1:abc", "http://127.0.0.1:99999",
+                                 "http://a b:8000", "https://:8000/v1"])
+def test_an_upstream_url_with_no_host_or_a_bad_port_is_refused_naming_the_field(url) -> None:
+    """Each passed the check of its scheme alone: the worker started, then every request it
+    claimed failed at the upstream (yarl's ValueError) or the breaker retried for ever."""
+    with pytest.raises(ConfigError, match=r"worker\.upstream_url"):
+        load_settings(demo_config(), {"engine": "openai", "upstream_url": url})
+    load_settings(demo_config(), {"engine": "openai", "upstream_url": "http://[::1]:8000/v1?api-key=a"})
+
+
 def test_request_seed_is_stable_per_request() -> None:
     assert request_seed(None, "abc") == request_seed(None, "abc") != request_seed(None, "abd")
     assert request_seed(7, "abc") == 7 and 0 <= request_seed(None, "x") < 2**63

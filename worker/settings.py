@@ -16,6 +16,7 @@ from typing import Any
 from limiter.config import QosConfig, build_section
 from limiter.errors import ConfigError
 from limiter.keys import NAME_RE
+from limiter.token_count import http_url_problem
 
 ENGINES = ("torch", "sim", "openai")
 
@@ -148,6 +149,8 @@ class WorkerSettings:
         if self.engine == "openai":
             check(self.upstream_url.startswith(("http://", "https://")), "upstream_url",
                   "the openai engine needs an http(s):// upstream URL")
+            problem = http_url_problem(self.upstream_url)
+            check(problem is None, "upstream_url", f"{problem}")
         if self.engine != "openai":
             i = [p.name for p in cfg.pools].index(self.pool)
             spec = cfg.pools[i].tokenizer
