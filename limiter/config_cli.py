@@ -74,6 +74,8 @@ def check_role_sections(cfg: config_mod.QosConfig) -> None:
 
 
 def _check(args: argparse.Namespace) -> int:
+    if not args.file.strip():  # load() reads an empty path as none: the demo config was checked
+        raise ConfigError(repr(args.file), "no file named: give the path of the config file to check")
     cfg = config_mod.load(args.file, {})
     check_role_sections(cfg)
     print(f"{args.file}: ok ({len(cfg.pools)} pools, {len(cfg.classes)} classes, {len(cfg.tenants)} tenants)")

@@ -348,3 +348,13 @@ def test_a_tokenizer_url_with_no_host_or_a_bad_port_is_a_config_error(tmp_path, 
                         f'tokenizer_url = "{url}"\n')
     with pytest.raises(ConfigError, match=r"pools\[0\]\.tokenizer_url"):
         _load(tmp_path, text)
+
+
+def test_cli_config_check_of_an_empty_path_is_an_error_not_the_demo_config(capsys):
+    """`qos config check ""` checked the demo config (an empty path read as none given) and
+    printed ': ok', as if the file had been checked."""
+    from limiter.cli import main
+
+    assert main(["config", "check", ""]) == 2
+    err = capsys.readouterr().err
+    assert "no file" in err and "Traceback" not in err, err
