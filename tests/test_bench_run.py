@@ -523,3 +523,15 @@ def test_qos_help_names_every_bench_mode() -> None:
     modes = next(a for a in sub.choices["bench"]._actions if isinstance(a, argparse._SubParsersAction))
     missing = [m for m in modes.choices if m not in bench_help]
     assert not missing, f"qos --help's bench line leaves out {missing}: {bench_help}"
+
+
+@pytest.mark.parametrize("markdown", [[], ["--markdown"]])
+def test_bench_plot_of_a_directory_without_a_run_names_the_problem(tmp_path: Path, capsys, markdown) -> None:
+    """`qos bench plot DIR` of a missing directory, or of one without results.json, was a
+    FileNotFoundError traceback."""
+    from limiter.cli import main
+
+    for d in (tmp_path / "missing", tmp_path):
+        assert main(["bench", "plot", str(d), *markdown]) == 2
+        err = capsys.readouterr().err
+        assert "results.json" in err and "Traceback" not in err, err

@@ -325,6 +325,11 @@ def _add_plot(bsub: argparse._SubParsersAction) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    # a directory without the run's files was a FileNotFoundError traceback
+    for name in ("results.json",) if args.markdown else ("results.json", "requests.jsonl"):
+        if not (Path(args.dir) / name).is_file():
+            raise ConfigError("dir", f"{args.dir!r} holds no {name}: name a `qos bench run --out DIR` "
+                              "directory")
     if args.markdown:
         import json
 
