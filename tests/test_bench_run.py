@@ -535,3 +535,23 @@ def test_bench_plot_of_a_directory_without_a_run_names_the_problem(tmp_path: Pat
         assert main(["bench", "plot", str(d), *markdown]) == 2
         err = capsys.readouterr().err
         assert "results.json" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("args", "flag"), [
+    (["run", "--out", "/proc/qos-bench"], "--out"),
+    (["tenants", "--out", "/dev/null/x"], "--out"),
+    (["redis-budget", "--json", "/nonexistent-dir/x.json"], "--json"),
+    (["admission", "--json", "."], "--json"),
+    (["overhead", "--json", "/nonexistent-dir/a/b.json"], "--json"),
+    (["control", "--noise-out", "/nonexistent-dir/n.json"], "--noise-out"),
+])
+def test_an_output_path_a_mode_cannot_write_is_refused_before_it_runs(capsys, args: list[str],
+                                                                     flag: str) -> None:
+    """Found when the mode wrote its figures, a run of minutes ended in a traceback and lost
+    them (--out /proc/x at once; --json into a missing directory after the whole run). Each
+    returns here at once: nothing was started."""
+    from limiter.cli import main
+
+    assert main(["bench", *args]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: {flag}: " in err and "Traceback" not in err, err

@@ -9,6 +9,7 @@ import argparse
 import asyncio
 import inspect
 import math
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -34,11 +35,47 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def mode_parser(bsub: argparse._SubParsersAction, func: Callable[[argparse.Namespace], int], *,
                 help: str) -> argparse.ArgumentParser:
     """The parser of the ``qos bench`` mode that ``func`` (``_<mode>``, ``-`` spelt ``_``) runs;
-    its docstring is the mode's ``--help`` description."""
+    its docstring is the mode's ``--help`` description. Its output paths are checked before it
+    runs (:func:`check_output_paths`)."""
     name = func.__name__.lstrip("_").replace("_", "-")
     p = bsub.add_parser(name, help=help, description=inspect.getdoc(func))
-    p.set_defaults(func=func)
+
+    def checked(args: argparse.Namespace) -> int:
+        check_output_paths(args)
+        return func(args)
+
+    p.set_defaults(func=checked)
     return p
+
+
+# A mode's output flags: a directory it writes into (made if missing), files it writes.
+OUTPUT_DIRS = ("out",)
+OUTPUT_FILES = ("json", "noise_out")
+
+
+def check_output_paths(args: argparse.Namespace) -> None:
+    """A ConfigError naming the flag of an output path the mode could not write, before it
+    runs: found when it wrote its figures, a run of minutes ended in a traceback and lost
+    them (``--out /proc/x``, ``--json`` into a missing directory)."""
+    for name in (*OUTPUT_DIRS, *OUTPUT_FILES):
+        value = getattr(args, name, None)
+        if not value:
+            continue
+        flag, path = "--" + name.replace("_", "-"), Path(value)
+        try:
+            if name in OUTPUT_DIRS:
+                path.mkdir(parents=True, exist_ok=True)
+                where = path
+            else:
+                if path.is_dir():
+                    raise ConfigError(flag, f"{value!r} is a directory; name a file")
+                where = path.parent
+            with tempfile.TemporaryFile(dir=where):
+                pass  # (a write test: access() says yes to root where a write still fails)
+        except (OSError, ValueError) as exc:  # ValueError: a NUL in the path
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            what = f"into {value[:200]!r}" if name in OUTPUT_DIRS else repr(value[:200])
+            raise ConfigError(flag, f"cannot write {what}: {why}") from None
 
 
 def check_flag(flag: str, value: float, low: float, high: float, *, low_open: bool = False) -> None:
