@@ -325,6 +325,8 @@ def _add_plot(bsub: argparse._SubParsersAction) -> None:
 
 
 def _plot(args: argparse.Namespace) -> int:
+    if not args.markdown:  # (what is missing to draw is said first, as by every mode that plots)
+        require("matplotlib", "qos bench plot")
     # a directory without the run's files was a FileNotFoundError traceback
     for name in ("results.json",) if args.markdown else ("results.json", "requests.jsonl"):
         if not (Path(args.dir) / name).is_file():
@@ -339,7 +341,6 @@ def _plot(args: argparse.Namespace) -> int:
         return 0
     from limiter.bench.runner import redraw
 
-    require("matplotlib", "qos bench plot")
     for path in redraw(Path(args.dir)):
         print(path)
     return 0
