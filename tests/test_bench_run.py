@@ -555,3 +555,15 @@ def test_an_output_path_a_mode_cannot_write_is_refused_before_it_runs(capsys, ar
     assert main(["bench", *args]) == 2
     err = capsys.readouterr().err
     assert f"config error: {flag}: " in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize(("item", "said"), [("target=abc", "controller.target: must be a number"),
+                                            ("nosuch=1", "controller.nosuch: unknown field")])
+def test_a_bad_controller_setting_is_refused_before_the_stack_starts(capsys, item: str, said: str) -> None:
+    """Checked only by the controller process, it ended the run once the stack was up (the
+    start-up spent) with that process's exit as a traceback."""
+    from limiter.cli import main
+
+    assert main(["bench", "run", "--controller", item]) == 2
+    err = capsys.readouterr().err
+    assert f"config error: --controller: {said}" in err and "Traceback" not in err, err

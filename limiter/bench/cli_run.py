@@ -198,6 +198,18 @@ def params_from_args(args: argparse.Namespace):  # -> BenchParams (import kept l
             raise ConfigError("--key", f"expected CLASS=KEY, got {kv!r}")
         keys[cls] = key
     controller = controller_overrides(args.controller)
+    if controller:
+        # checked now, as the controller will (a bad one ended the run once its stack was up,
+        # the start-up spent, with the controller process's exit as a traceback)
+        import dataclasses
+
+        from limiter.config import demo_config
+        from limiter.controller.settings import load_settings
+
+        try:
+            load_settings(dataclasses.replace(demo_config(), controller=controller))
+        except ConfigError as exc:
+            raise ConfigError("--controller", str(exc)) from None
     workers = args.workers if args.workers is not None else (4 if args.engine == "sim" else 1)
     if not 1 <= workers <= 64:
         raise ConfigError("--workers", "must be in [1, 64]")
