@@ -734,3 +734,21 @@ async def test_a_class_the_pools_policy_lacks_is_a_503_while_configurations_diff
         finally:
             waiting.cancel()
             await asyncio.gather(waiting, return_exceptions=True)
+
+
+async def test_a_request_admitted_right_after_redis_lost_everything_is_not_cancelled_as_an_orphan(
+        redis_server, sync_redis, aredis):
+    """Redis restarted empty (FLUSHALL here): the first admit met NOPOLICY, wrote the policy
+    again and was admitted, but this frontend's heartbeat entry had gone too, and until its
+    next beat (heartbeat_s away) claim took it for dead: the worker cancelled the request as
+    an orphan and the client of a live, ready frontend got a 503 request_cancelled (a review).
+    The admit that finds the policy gone beats before it admits, as the start does."""
+    cfg = make_cfg(redis_server.url)
+    async with frontend(cfg, heartbeat_s=2.0) as client, FakeWorker(aredis, POOL, fixed_text="abc"):
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3}
+        r = await client.post("/v1/completions", json=body, headers=auth())
+        assert r.status == 200, await r.text()
+        sync_redis.flushall()  # as a Redis restart without persistence
+        r = await client.post("/v1/completions", json=body, headers=auth())
+        assert r.status == 200, await r.text()
+        assert (await r.json())["choices"][0]["text"] == "abc"

@@ -39,6 +39,7 @@ from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.replies import Reply, dedup
 from limiter.frontend.runtime import Frontend
+from limiter.redis_conn import map_redis_errors
 from limiter.reply_text import pack, unpack, unpack_in_order
 from limiter.scripts import MAX_PAYLOAD_BYTES, Admitted
 
@@ -165,7 +166,13 @@ class Generation:
                 if not policy_retry:
                     raise
                 policy_retry = False
+                asked_at = time.monotonic()
                 await fe.init_pool(self.req.pool)
+                # Our heartbeat entry went with it: until the next beat (heartbeat_s away) claim
+                # took this frontend for dead and cancelled what it admitted meanwhile (503
+                # request_cancelled with the frontend alive). Beat first, as at the start.
+                with map_redis_errors():
+                    await fe.heartbeat.beat_since(self.keys, asked_at)
                 continue
             except Throttled as exc:
                 waited_ms = (time.monotonic() - started) * 1000

@@ -298,6 +298,9 @@ class Heartbeat:
         self._in_beat: set[str] = set()  # pools whose beat started and did not complete
         self._claimed: dict[tuple[str, str], tuple[float, int]] = {}
         self._rates: dict[tuple[str, str], float] = {}
+        # pool -> held while one of its beats runs: the loop's and a request's (beat_since) never
+        # overlap (a beat under way reads as one interrupted to another: _in_beat)
+        self._beating: dict[str, asyncio.Lock] = {}
 
     def redis_now_ms(self, pool: str | None = None) -> float:
         """Redis' clock now: ``pool``'s shard's (as its scripts stamp it) where measured."""
@@ -318,7 +321,19 @@ class Heartbeat:
         """Claims per second of ``cls`` in ``pool`` (smoothed), or None before two samples."""
         return self._rates.get((pool, cls))
 
+    async def beat_since(self, keys: PoolKeys, asked_at: float) -> None:
+        """A beat of ``keys``' pool that completed after ``asked_at`` (time.monotonic()): this
+        one, unless another completed since (the requests that ask at once share one)."""
+        async with self._beating.setdefault(keys.pool, asyncio.Lock()):
+            if self.pool_ok.get(keys.pool, 0.0) > asked_at:
+                return
+            await self._beat_pool(keys)
+
     async def beat_pool(self, keys: PoolKeys) -> None:
+        async with self._beating.setdefault(keys.pool, asyncio.Lock()):
+            await self._beat_pool(keys)
+
+    async def _beat_pool(self, keys: PoolKeys) -> None:
         """One pool's beat. The first that completes after one that did not (Redis restarted,
         or was out of reach) first records, once per outage, when the frontends last reached
         Redis: the lifecycle scripts then do not take another frontend for dead just because
