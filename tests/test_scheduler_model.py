@@ -553,6 +553,88 @@ class LifecycleModel(RuleBasedStateMachine):
                 self.lead[(k.cls, k.tenant)] = self.lead.get((k.cls, k.tenant), 0.0) + extra
         self.check_counters_moved(counters, {(k.cls, k.tenant): moved}, "complete")
 
+    @rule(worker=st.sampled_from(WORKERS), n=st.integers(2, 4),
+          outcome=st.sampled_from(["ok", "failed", "cancelled"]), out_share=st.floats(0, 1))
+    def complete_merged(self, worker: str, n: int, outcome: str, out_share: float) -> None:
+        """A worker's completions of one step, sent in one turn: merged into one complete call
+        of several requests (limiter/script_batcher.py), each finished as if alone."""
+        self.claim(worker, n, 0, "")
+        rids = sorted(rid for rid, (w, _f) in self.held.items() if w == worker)[:n]
+        if len(rids) < 2:
+            return
+        calls, current = [], {}
+        for rid in rids:
+            worker, fence = self.held.pop(rid)
+            k = self.known[rid]
+            rec = self.record(rid)
+            current[rid] = (rec.get("state") == "leased" and rec.get("worker") == worker
+                            and int(rec["fence"]) == fence)
+            delivered = int(rec.get("out_tokens", 0))
+            count = int(out_share * (k.max_tokens - delivered))
+            sample = msgpack.packb({"request_id": rid, "outcome": outcome, "class": k.cls})
+            calls.append(self.scripts.complete(
+                KEYS, request_id=rid, worker_id=worker, fence=fence, outcome=outcome,
+                usage_in=k.input_tokens, token_ids=[9] * count, text="y" * count, finish_reason="stop",
+                sample=sample, offset=delivered))
+
+        async def together() -> list[Any]:
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        for rid, res in zip(rids, self.run(together()), strict=True):
+            if isinstance(res, LeaseLost):
+                assert not current[rid], f"{rid}: the lease holder's merged completion was refused"
+                continue
+            assert not isinstance(res, BaseException), f"{rid}: {res!r}"
+            assert current[rid], f"{rid}: a merged completion with a stale fence was accepted"
+            self.known[rid].class_gone_at_finish = self.known[rid].cls not in self.present
+        event("complete merged")
+
+    @rule(pick=st.integers(0, 1 << 16), what=st.sampled_from(["complete", "release", "push"]),
+          spent=st.booleans())
+    def lost_reply_retry(self, pick: int, what: str, spent: bool) -> None:
+        """A call whose reply was lost is sent again as it was: the second must change nothing
+        (a second final entry, refund or requeue would break exactly-once)."""
+        self.claim(WORKERS[pick % 2], 1, 0, "")
+        rid = self.pick_held(pick)
+        if rid is None:
+            return
+        worker, fence = self.held[rid]
+        k = self.known[rid]
+        rec = self.record(rid)
+        current = rec.get("state") == "leased" and rec.get("worker") == worker and int(rec["fence"]) == fence
+        if not current:
+            return
+        offset = int(rec.get("out_tokens", 0))
+
+        def call() -> Any:
+            if what == "complete":
+                n = min(2, k.max_tokens - offset)
+                return self.scripts.complete(
+                    KEYS, request_id=rid, worker_id=worker, fence=fence, outcome="ok",
+                    usage_in=k.input_tokens, token_ids=[3] * n, text="q" * n,
+                    sample=msgpack.packb({"request_id": rid, "outcome": "ok", "class": k.cls}), offset=offset)
+            if what == "release":
+                return self.scripts.release(KEYS, request_id=rid, worker_id=worker, fence=fence, spent=spent)
+            n = min(1, k.max_tokens - offset)
+            return self.scripts.push_tokens(KEYS, request_id=rid, worker_id=worker, fence=fence,
+                                            offset=offset, token_ids=[5] * n, text="u" * n)
+
+        if what == "push" and offset >= k.max_tokens:
+            return
+        if what != "push":
+            del self.held[rid]
+        if what == "complete":
+            self.known[rid].class_gone_at_finish = k.cls not in self.present
+        self.run(call())
+        before = dump_all(self.r)
+        try:
+            self.run(call())
+        except (LeaseLost, InvalidArgument):
+            assert unchanged(before, dump_all(self.r)), f"a retried {what} changed state"
+            event(f"retried {what} refused")
+            return
+        raise AssertionError(f"{rid}: a retried {what} (its reply lost) was accepted again")
+
     @rule(pick=st.integers(0, 1 << 16), reason=st.sampled_from(["client_gone", "expired", "shutdown"]))
     def cancel(self, pick: int, reason: str) -> None:
         if not self.known:
@@ -873,6 +955,10 @@ class LifecycleModel(RuleBasedStateMachine):
 # A fixed amount of work (100 examples of 50 steps against a real redis-server), ~75 s on a
 # quiet 2-core machine; on a busy one, beside the rest of the suite and two CPU hogs, it went
 # past the suite's 300 s hang guard. The guard is for hangs, so this test gets a wider one.
+# QOS_MODEL_EXAMPLES: more examples for a deeper search (the default run keeps 100)
+EXAMPLES = int(os.environ.get("QOS_MODEL_EXAMPLES", "100"))
+
+
 @pytest.mark.timeout(900)
 def test_lifecycle_model(redis_server: Any) -> None:
     # tests/seeded_bugs.py only needs to know that a bug is caught: no shrinking (with real
@@ -881,7 +967,7 @@ def test_lifecycle_model(redis_server: Any) -> None:
     phases = (Phase.explicit, Phase.reuse, Phase.generate) if no_shrink else tuple(Phase)
     run_state_machine_as_test(
         lambda: LifecycleModel(redis_server.url),
-        settings=settings(max_examples=100, stateful_step_count=50, deadline=None, phases=phases,
+        settings=settings(max_examples=EXAMPLES, stateful_step_count=50, deadline=None, phases=phases,
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
