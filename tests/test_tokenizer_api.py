@@ -427,3 +427,27 @@ async def test_tokenizer_calls_are_counted_by_endpoint_and_status(file_cfg) -> N
                   for m in metrics.tokenizer_calls.collect() for s in m.samples if s.name.endswith("_total")}
     assert counts == {("tokenize", "200"): 1, ("tokenize", "400"): 1, ("detokenize", "401"): 1,
                       ("tokenizer_info", "200"): 1}
+
+
+@pytest.mark.parametrize("path", ["/tokenize", "/detokenize"])
+async def test_expect_100_continue_on_a_tokenizer_endpoint_is_answered_only_when_the_headers_pass(
+        file_cfg, path: str) -> None:
+    """A security review: the generation routes send ``100 Continue`` only when the key and
+    the announced size pass, but the tokenizer endpoints kept aiohttp's default, which sent it
+    at once: a client with no key or a wrong one (or a body over the limit) was asked for its
+    whole body, then told 401. Good headers still get the 100 and an answer."""
+    from tests.test_frontend_bad_input import _first_answer_line
+
+    def head(headers: dict[str, str], length: int) -> bytes:
+        lines = [f"POST {path} HTTP/1.1", "Host: x", "Content-Type: application/json",
+                 f"Content-Length: {length}", "Expect: 100-continue",
+                 *(f"{k}: {v}" for k, v in headers.items())]
+        return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+    async with frontend(file_cfg, max_body_bytes=10_000) as c:
+        for headers, length, status in ((auth("wrong-key"), 100, 401), ({}, 100, 401), (auth(), 10_001, 400)):
+            lines = await _first_answer_line(c.port, head(headers, length))
+            assert lines[0].startswith(f"HTTP/1.1 {status} ".encode()), (headers, length, lines)
+        body = json.dumps({"prompt": "one two"} if path == "/tokenize" else {"tokens": [2, 3]}).encode()
+        lines = await _first_answer_line(c.port, head(auth(), len(body)), body)
+        assert lines[0].startswith(b"HTTP/1.1 100 ") and lines[1].startswith(b"HTTP/1.1 200 "), lines

@@ -76,14 +76,36 @@ def _check_headers(fe: Frontend, request: web.Request,
     cls = resolve_class(fe.cfg, tenant, one_header(request.headers, CLASS_HEADER))
     labels.cls = cls
     max_wait = _max_wait_ms(one_header(request.headers, MAX_WAIT_HEADER), fe.classes[cls])
+    _check_length(fe, request)
+    return tenant, cls, max_wait
+
+
+def _check_length(fe: Frontend, request: web.Request) -> None:
+    """A 400 for a body announced over ``max_body_bytes``, before any of it is read."""
     limit = fe.settings.max_body_bytes
     if request.content_length is not None and request.content_length > limit:
         raise ApiError(400, f"Request body is {request.content_length} bytes, over the {limit}-byte limit",
                           code="request_too_large")
-    return tenant, cls, max_wait
 
 
-async def _continue_if_acceptable(request: web.Request) -> web.Response | None:
+def _check_tokenizer_headers(fe: Frontend, request: web.Request, labels: RequestLabels) -> TenantConfig:
+    """What a tokenizer call's headers decide before its body is read: the tenant (401), and
+    the announced body size (400)."""
+    tenant = fe.keyring.identify(one_header(request.headers, "Authorization"))
+    _check_length(fe, request)
+    return tenant
+
+
+def _continue_if(check: Any) -> Any:
+    """An expect handler sending ``100 Continue`` only when ``check`` passes the headers
+    (:func:`_continue_if_acceptable`)."""
+    async def expect_handler(request: web.Request) -> web.Response | None:
+        return await _continue_if_acceptable(request, check)
+
+    return expect_handler
+
+
+async def _continue_if_acceptable(request: web.Request, check: Any = None) -> web.Response | None:
     """The generation routes' answer to ``Expect: 100-continue``: the ``100 Continue`` goes
     out only when the headers pass :func:`_check_headers`; else nothing is sent here, and the
     handler answers the same error before it reads the body (aiohttp's default sent the 100
@@ -98,7 +120,7 @@ async def _continue_if_acceptable(request: web.Request) -> web.Response | None:
         refused.force_close()
         return refused
     try:
-        _check_headers(_frontend(request), request, RequestLabels())
+        (check or _check_headers)(_frontend(request), request, RequestLabels())
     except ApiError:
         request[BODY_NOT_ASKED] = True
         return None
@@ -263,7 +285,7 @@ async def detokenize(request: web.Request) -> web.Response:
 
 async def _tokenizer_call(request: web.Request, call: Any) -> web.Response:
     fe = _frontend(request)
-    tenant = fe.keyring.identify(one_header(request.headers, "Authorization"))
+    tenant = _check_tokenizer_headers(fe, request, request[LABELS])
     body = oa.parse_json(await _read_body(request, fe.settings.max_body_bytes, fe.settings.body_timeout_s))
     pool = tokenizer_api.pool_of(fe.cfg, body.get("model"))
     with fe.count_turn(tenant):
@@ -432,8 +454,11 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     app.router.add_get("/v1/models", models)
     app.router.add_get("/v1/models/{id:.+}", model)
     app.router.add_get("/v1/qos/status", qos_status)
-    app.router.add_post("/tokenize", _counted("tokenize", tokenize))
-    app.router.add_post("/detokenize", _counted("detokenize", detokenize))
+    # (a client with no key, or a body over the limit, is not asked for its body: as above)
+    app.router.add_post("/tokenize", _counted("tokenize", tokenize),
+                         expect_handler=_continue_if(_check_tokenizer_headers))
+    app.router.add_post("/detokenize", _counted("detokenize", detokenize),
+                         expect_handler=_continue_if(_check_tokenizer_headers))
     app.router.add_get("/tokenizer_info", _counted("tokenizer_info", tokenizer_info))
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/readyz", readyz)
