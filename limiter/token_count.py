@@ -318,11 +318,11 @@ class UpstreamCounter(Counter):
             async with session.post(self.url, json=body, headers=self.headers,
                                     allow_redirects=False) as resp:
                 if resp.status != 200:
-                    text = (await resp.text(errors="replace"))[:200]
+                    text = (await read_bounded(resp))[:200]
                     if resp.status in REFUSING_STATUSES:
                         raise TokenizerRefused(resp.status, text)
                     raise TokenizerUnavailable(f"HTTP {resp.status}: {text}")
-                data = await resp.json(content_type=None)
+                data = json.loads(await read_bounded(resp))
         except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
             raise TokenizerUnavailable(f"{type(exc).__name__}: {exc}") from exc
         n = data.get("count") if isinstance(data, dict) else None
@@ -364,7 +364,7 @@ class UpstreamCounter(Counter):
                 call = session.post(url, json={**body, "model": self.model}, headers=self.headers,
                                     allow_redirects=False)
             async with call as resp:
-                text = await resp.text(errors="replace")
+                text = await read_bounded(resp)
         except (TimeoutError, aiohttp.ClientError) as exc:
             raise TokenizerUnavailable(f"{type(exc).__name__}: {exc}") from exc
         try:  # (an error's body may be any text: a plain "404: Not Found")
@@ -376,6 +376,25 @@ class UpstreamCounter(Counter):
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+# The most of a model server's tokenizer answer read: a 1 MiB body's tokens with their texts
+# are ~20 MiB of JSON. A broken server or proxy sending without end was read whole, held in
+# the frontend's memory (each tokenizer call, and each prompt counted, one at a time).
+MAX_ANSWER_BYTES = 64 << 20
+
+
+async def read_bounded(resp: Any, limit: int | None = None) -> str:
+    """``resp``'s body as text (UTF-8, bad bytes replaced), :class:`TokenizerUnavailable` past
+    ``limit`` bytes (default ``MAX_ANSWER_BYTES``)."""
+    limit = MAX_ANSWER_BYTES if limit is None else limit
+    chunks, size = [], 0
+    async for chunk in resp.content.iter_chunked(1 << 16):
+        size += len(chunk)
+        if size > limit:
+            raise TokenizerUnavailable(f"its answer passed {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks).decode("utf-8", "replace")
 
 
 def _null(_constant: str) -> None:

@@ -150,6 +150,28 @@ async def test_a_model_server_that_cannot_answer_is_a_503_and_one_that_refuses_a
     assert (r.headers.get("Retry-After") == "1") == (want == 503)
 
 
+async def test_a_model_servers_answer_past_the_bound_is_a_503_not_read_whole(
+        redis_server, fake_upstream, monkeypatch) -> None:
+    """A relayed tokenizer call's answer, and a prompt's count, are read up to
+    ``MAX_ANSWER_BYTES`` (a broken server or proxy sending without end was read whole into the
+    frontend's memory): past it, the model server could not answer."""
+    from limiter import token_count
+
+    monkeypatch.setattr(token_count, "MAX_ANSWER_BYTES", 40)  # the fake's answers are longer
+    async with frontend(_upstream_cfg(redis_server, fake_upstream)) as client:
+        r = await client.post("/tokenize", headers=auth(), json={"prompt": "a b c d e f"})
+        error = (await r.json())["error"]
+        assert (r.status, error["code"]) == (503, "tokenizer_unavailable"), error
+        r = await client.post("/v1/completions", headers=auth(), json={
+            "model": "tiny", "prompt": "a b c d e f", "max_tokens": 1})
+        error = (await r.json())["error"]
+        assert (r.status, error["code"]) == (503, "tokenizer_unavailable"), error
+    monkeypatch.setattr(token_count, "MAX_ANSWER_BYTES", 1 << 20)
+    async with frontend(_upstream_cfg(redis_server, fake_upstream)) as client:
+        r = await client.post("/tokenize", headers=auth(), json={"prompt": "a b c d e f"})
+        assert r.status == 200 and (await r.json())["count"] == 7
+
+
 async def test_a_tenant_tokenizes_at_most_its_max_inflight_at_once(redis_server, fake_upstream) -> None:
     """Tokenizing costs the model server (or this process) work that no admission charges: a
     tenant with a ``max_inflight`` holds at most that many tokenizer calls at once, as it may
