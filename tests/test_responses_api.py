@@ -228,6 +228,20 @@ def test_a_sent_back_field_at_no_value_served_here_is_a_400_whatever_it_holds(
     assert (e.value.status, e.value.param, e.value.code) == (400, f"input[1].{name}", "unsupported_value")
 
 
+async def test_a_min_tokens_past_the_max_names_max_output_tokens(redis_server) -> None:
+    """Checked with the body (a max given) and once counted (the max's default): the bound
+    is named as the Responses body calls it, not the chat's max_tokens."""
+    with pytest.raises(ApiError) as e:
+        _chat_of({"input": "x", "max_output_tokens": 5, "min_tokens": 9})
+    assert e.value.param == "min_tokens" and "max_output_tokens (5)" in e.value.message, e.value.message
+    cfg = make_cfg(redis_server.url, pool={"default_max_tokens": 4})
+    async with frontend(cfg) as client:
+        r = await client.post("/v1/responses", headers=auth(), json={"model": "tiny", "input": "x",
+                                                                       "min_tokens": 9})
+        error = (await r.json())["error"]
+    assert (r.status, error["param"]) == (400, "min_tokens") and "max_output_tokens (4)" in error["message"]
+
+
 @pytest.mark.parametrize(("body", "param"), [
     ({"tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "web_search"}]}]},
      "tools[0].tools[0].type"),

@@ -846,7 +846,7 @@ def parse_request(kind: str, body: Mapping[str, Any], cfg: QosConfig,
         raise bad("min_tokens", f"'min_tokens' must be an integer, got {_type_name(min_tokens)}",
                   "invalid_type")
     elif min_tokens < 0 or (max_tokens is not None and min_tokens > max_tokens):
-        raise bad("min_tokens", f"'min_tokens' must be in [0, max_tokens ({max_tokens})], got {min_tokens}")
+        raise bad("min_tokens", f"'min_tokens' must be in [0, {param} ({max_tokens})], got {min_tokens}")
     elif min_tokens and stop:
         # vLLM also ignores stop strings before min_tokens; the step engines' stop check does
         # not know min_tokens, so the combination is refused rather than half honoured.
@@ -899,7 +899,8 @@ def finish_request(d: Draft, prompt_tokens: int) -> GenerationRequest:
                   f"of this model's {pool.context_tokens}-token context: at most {room} output tokens fit",
                   "context_length_exceeded")
     if d.min_tokens > max_tokens:
-        raise bad("min_tokens", f"'min_tokens' must be in [0, max_tokens ({max_tokens})], got {d.min_tokens}")
+        raise bad("min_tokens", f"'min_tokens' must be in [0, {d.max_param} ({max_tokens})], "
+                  f"got {d.min_tokens}")
     return GenerationRequest(kind=d.kind, model=pool.model_name, pool=pool, prompt=d.prompt,
                              prompt_tokens=prompt_tokens, max_tokens=max_tokens, min_tokens=d.min_tokens,
                              messages=d.messages, prompt_ids=d.prompt_ids, **d.fields)

@@ -358,7 +358,9 @@ def _renamed(exc: ApiError, tool_paths: list[str]) -> ApiError:
         if old == chat_name or old.startswith((chat_name + ".", chat_name + "[")):
             new = name if chat_name == "messages" else name + old[len(chat_name):]
             break
-    exc.message = exc.message.replace(f"'{old}'", f"'{new}'")
+    # (and the chat's max tokens named in another field's message: min_tokens' bound)
+    exc.message = exc.message.replace(f"'{old}'", f"'{new}'").replace("max_completion_tokens",
+                                                                      "max_output_tokens")
     exc.param = new
     return exc
 
@@ -457,8 +459,7 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         draft = oa.parse_request("chat", chat, cfg, pool)
     except ApiError as exc:
         raise _renamed(exc, tool_paths) from None
-    draft = dataclasses.replace(draft, prompt_param="input",
-                                max_param="max_output_tokens" if max_out is not None else draft.max_param)
+    draft = dataclasses.replace(draft, prompt_param="input", max_param="max_output_tokens")
     shape = ResponseShape(
         instructions=instructions, max_output_tokens=max_out,
         tools=tuple({"type": "function", "description": None, "parameters": None, "strict": None,
