@@ -14,10 +14,11 @@ All HTTP errors are produced by :func:`~limiter.frontend.errors.error_middleware
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import aiohttp
@@ -96,22 +97,26 @@ def _check_tokenizer_headers(fe: Frontend, request: web.Request, labels: Request
     return tenant
 
 
-def _continue_if(check: Any) -> Any:
-    """An expect handler sending ``100 Continue`` only when ``check`` passes the headers
-    (:func:`_continue_if_acceptable`)."""
+HeaderCheck = Callable[[Frontend, web.Request, RequestLabels], object]
+
+
+def _continue_if(check: HeaderCheck) -> Callable[[web.Request], Awaitable[web.Response | None]]:
+    """An expect handler (:func:`_continue_if_acceptable`) for the routes whose headers
+    ``check`` judges before their body is read."""
     async def expect_handler(request: web.Request) -> web.Response | None:
         return await _continue_if_acceptable(request, check)
 
     return expect_handler
 
 
-async def _continue_if_acceptable(request: web.Request, check: Any = None) -> web.Response | None:
-    """The generation routes' answer to ``Expect: 100-continue``: the ``100 Continue`` goes
-    out only when the headers pass :func:`_check_headers`; else nothing is sent here, and the
-    handler answers the same error before it reads the body (aiohttp's default sent the 100
-    at once: a client with a bad key, or a body over the limit, uploaded all of it to be
-    told 401 or 400), with ``Connection: close`` (BODY_NOT_ASKED). Any other expectation is
-    a 417, as aiohttp's default made it."""
+async def _continue_if_acceptable(request: web.Request, check: HeaderCheck) -> web.Response | None:
+    """A route's answer to ``Expect: 100-continue``: the ``100 Continue`` goes out only when
+    the headers pass ``check`` (a generation's :func:`_check_headers`, a tokenizer call's
+    :func:`_check_tokenizer_headers`); else nothing is sent here, and the handler answers the
+    same error before it reads the body (aiohttp's default sent the 100 at once: a client
+    with a bad key, or a body over the limit, uploaded all of it to be told 401 or 400), with
+    ``Connection: close`` (BODY_NOT_ASKED). Any other expectation is a 417, as aiohttp's
+    default made it."""
     expect = request.headers.get(hdrs.EXPECT, "")
     if request.version != HttpVersion11:
         return None
@@ -120,7 +125,7 @@ async def _continue_if_acceptable(request: web.Request, check: Any = None) -> we
         refused.force_close()
         return refused
     try:
-        (check or _check_headers)(_frontend(request), request, RequestLabels())
+        check(_frontend(request), request, RequestLabels())
     except ApiError:
         request[BODY_NOT_ASKED] = True
         return None
@@ -209,11 +214,10 @@ def _generation_handler(kind: str) -> Handler:
         choices.refuse_over_the_quota(reqs, tenant, fe.classes[cls])
         payloads = [queued_payload(req, draft.prompt_param) for req, draft in zip(reqs, drafts, strict=True)]
         choices.refuse_more_than_they_may_hold(payloads, n)
-        # (made once every answer's request is checked: each registers for its replies)
-        if shape is not None:
-            return await ResponseGeneration(shape, fe, request, tenant, cls, reqs[0], payloads[0], max_wait,
-                                            received, client_id).run()
-        gens = [Generation(fe, request, tenant, cls, req, payload, max_wait, received, client_id)
+        # (made once every answer's request is checked: each registers for its replies; a
+        # Responses request's one answer is written in that API's shape)
+        answered_as = Generation if shape is None else functools.partial(ResponseGeneration, shape)
+        gens = [answered_as(fe, request, tenant, cls, req, payload, max_wait, received, client_id)
                 for req, payload in zip(reqs, payloads, strict=True)]
         if len(gens) == 1:
             return await gens[0].run()
@@ -442,11 +446,11 @@ def create_app(settings: FrontendSettings, cfg: QosConfig, *,
     app.cleanup_ctx.append(redis_ctx)
     app.on_shutdown.append(_on_shutdown)
     app.router.add_post("/v1/chat/completions", _generation_handler("chat"),
-                         expect_handler=_continue_if_acceptable)
+                         expect_handler=_continue_if(_check_headers))
     app.router.add_post("/v1/completions", _generation_handler("completion"),
-                         expect_handler=_continue_if_acceptable)
+                         expect_handler=_continue_if(_check_headers))
     app.router.add_post("/v1/responses", _generation_handler("response"),
-                         expect_handler=_continue_if_acceptable)
+                         expect_handler=_continue_if(_check_headers))
     app.router.add_get("/v1/responses/{id}", stored_response)
     app.router.add_delete("/v1/responses/{id}", stored_response)
     app.router.add_post("/v1/responses/{id}/cancel", stored_response)
