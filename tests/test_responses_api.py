@@ -83,6 +83,23 @@ def _check_order(events: list[dict[str, Any]]) -> None:
     assert events[-1]["type"] in ("response.completed", "response.failed")
 
 
+Read = tuple[dict[str, Any], list[dict[str, Any]], Any]
+
+
+async def _read_three_ways(client: Any, body: dict[str, Any]) -> Read:
+    """One request's answer whole, as its checked event stream, and as the OpenAI SDK's
+    ``responses.stream()`` helper reads it (its final response)."""
+    whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
+    events = await _events(await client.post("/v1/responses", headers=auth(), json={**body, "stream": True}))
+    sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
+    try:
+        async with sdk.responses.stream(**body) as stream:
+            final = await stream.get_final_response()
+    finally:
+        await sdk.close()
+    return whole, events, final
+
+
 # --- the request, as the chat it asks for ----------------------------------------------------
 
 def test_input_and_instructions_become_the_chats_messages() -> None:
@@ -351,15 +368,7 @@ async def test_an_answer_cut_at_max_output_tokens_is_incomplete_and_the_sdk_read
     cfg = make_cfg(redis_server.url)
     body = {"model": "tiny", "input": "abcdefghijkl", "max_output_tokens": 2}  # (4 tokens of the fake's)
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
-        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
-        streamed = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
-        events = await _events(streamed)
-        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
-        try:
-            async with sdk.responses.stream(**body) as stream:
-                final = await stream.get_final_response()
-        finally:
-            await sdk.close()
+        whole, events, final = await _read_three_ways(client, body)
     for r in (whole, events[-1]["response"]):
         assert (r["status"], r["incomplete_details"]) == ("incomplete", {"reason": "max_output_tokens"})
         assert r["output"][0]["status"] == "incomplete" and r["output"][0]["content"][0]["text"] == "lkjihg"
@@ -386,15 +395,7 @@ async def test_thinking_and_a_function_call_are_their_own_output_items(redis_ser
     up.scripts["Weather"] = _calls_weather("Let me look.")
     body = {"model": "tiny", "input": "Weather in Paris?", "tools": [WEATHER], "max_output_tokens": 40}
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
-        r = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
-        events = await _events(r)
-        sdk = openai.AsyncOpenAI(base_url=str(client.make_url("/v1")), api_key="demo-p1", max_retries=0)
-        try:
-            async with sdk.responses.stream(**body) as stream:
-                final = await stream.get_final_response()
-        finally:
-            await sdk.close()
+        whole, events, final = await _read_three_ways(client, body)
     Response.model_validate(whole)
     assert [i["type"] for i in whole["output"]] == ["reasoning", "message", "function_call"]
     assert whole["output"][0]["content"] == [{"type": "reasoning_text", "text": "The user wants weather."}]
@@ -692,9 +693,8 @@ async def test_a_namespace_call_reaches_the_client_by_its_own_name_whole_and_str
     body = {"model": "tiny", "input": "Weather in Paris?", "max_output_tokens": 20,
             "tools": [{"type": "namespace", "name": "agents", "description": "d", "tools": [WEATHER]}]}
     async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
-        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
-        streamed = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
-        events = await _events(streamed)
+        whole, events, final = await _read_three_ways(client, body)
+    assert final.output[0].namespace == "agents"  # (the SDK reads it too)
     assert up.bodies[0]["tools"][0]["function"]["name"] == "agents__get_weather"  # offered flat
     for out in (whole["output"], events[-1]["response"]["output"]):
         (call,) = out
