@@ -151,12 +151,18 @@ class ResponseEvents:
                 self.blank += delta
                 return out
             delta, self.blank = self.blank + delta, ""
-            out += self._open("message", message_item(_id("msg"), "", "in_progress") | {"content": []})
-        self.open_text.append(delta)
-        item = self.output[-1]
-        out.append(self.event("response.output_text.delta", item_id=item["id"],
-                              output_index=len(self.output) - 1, content_index=0, delta=delta, logprobs=[]))
+            out += self._open_message()
+        out.append(self._text_delta(delta))
         return out
+
+    def _open_message(self) -> list[bytes]:
+        return self._open("message", message_item(_id("msg"), "", "in_progress") | {"content": []})
+
+    def _text_delta(self, delta: str) -> bytes:
+        """The open message's next text."""
+        self.open_text.append(delta)
+        return self.event("response.output_text.delta", item_id=self.output[-1]["id"],
+                          output_index=len(self.output) - 1, content_index=0, delta=delta, logprobs=[])
 
     def reasoning(self, delta: str) -> list[bytes]:
         out: list[bytes] = []
@@ -242,12 +248,9 @@ class ResponseEvents:
 
     def _blank_message(self) -> list[bytes]:
         text, self.blank = self.blank, ""
-        out = self._open("message", message_item(_id("msg"), "", "in_progress") | {"content": []})
-        self.open_text.append(text)
+        out = self._open_message()
         if text:
-            out.append(self.event("response.output_text.delta", item_id=self.output[-1]["id"],
-                                  output_index=len(self.output) - 1, content_index=0, delta=text,
-                                  logprobs=[]))
+            out.append(self._text_delta(text))
         return out
 
     def failed(self, exc: ApiError) -> list[bytes]:
