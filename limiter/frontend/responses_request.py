@@ -365,18 +365,10 @@ def _renamed(exc: ApiError, tool_paths: list[str]) -> ApiError:
     return exc
 
 
-def parse_request(body: Mapping[str, Any], cfg: QosConfig,
-                  pool: PoolConfig) -> tuple[ResponseShape, oa.Draft]:
-    """A Responses body checked, as the chat it asks for (a :class:`oa.Draft`, finished as
-    any chat's) and what its answer repeats of it."""
-    chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
-    for k, v in body.items():
-        if k in _SAME or k in _OWN:
-            continue
-        if k in pool.upstream_fields:
-            chat[k] = v
-            continue
-        raise oa.bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
+def _refuse_what_is_not_served(body: Mapping[str, Any]) -> None:
+    """The settings that change nothing here, checked: what needs stored responses, the
+    fields taken only at their neutral values, ``include``, ``stream_options`` (a 400 naming
+    the field)."""
     for k in _STATEFUL:
         if body.get(k) is not None:
             raise oa.bad(k, f"'{k}' needs stored responses; this service keeps none: send the whole "
@@ -413,22 +405,30 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         if so.get("include_obfuscation") is not None:
             _type_of(so["include_obfuscation"], "stream_options.include_obfuscation", bool, "a boolean")
 
+
+def parse_request(body: Mapping[str, Any], cfg: QosConfig,
+                  pool: PoolConfig) -> tuple[ResponseShape, oa.Draft]:
+    """A Responses body checked, as the chat it asks for (a :class:`oa.Draft`, finished as
+    any chat's) and what its answer repeats of it."""
+    chat: dict[str, Any] = {k: body[k] for k in _SAME if k in body}
+    for k, v in body.items():
+        if k in _SAME or k in _OWN:
+            continue
+        if k in pool.upstream_fields:
+            chat[k] = v
+            continue
+        raise oa.bad(k, f"Unrecognized request argument supplied: {k[:100]}", "unknown_parameter")
+    _refuse_what_is_not_served(body)
     instructions = body.get("instructions")
     if instructions is not None:
         oa._text(instructions, "instructions")
     chat["messages"] = _messages(body.get("input"), instructions, pool.tool_calls)
-    max_out = body.get("max_output_tokens")
-    if max_out is not None:
-        max_out = oa._int(max_out)
-        if not oa._is_int(max_out):
-            raise oa.bad("max_output_tokens", "'max_output_tokens' must be an integer, got "
-                         f"{oa._type_name(max_out)}", "invalid_type")
-        if max_out < 1:
-            raise oa.bad("max_output_tokens", f"'max_output_tokens' must be at least 1, got {max_out}")
-        chat["max_completion_tokens"] = max_out
+    if body.get("max_output_tokens") is not None:  # (checked as the chat's, its 400 renamed)
+        chat["max_completion_tokens"] = body["max_output_tokens"]
 
     if body.get("client_metadata") is not None:  # (Codex's; nothing here reads it)
         _type_of(body["client_metadata"], "client_metadata", dict, "an object")
+
     tools: list[dict[str, Any]] = []
     tool_paths: list[str] = []
     namespaced: dict[str, tuple[str, str]] = {}
@@ -461,7 +461,7 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         raise _renamed(exc, tool_paths) from None
     draft = dataclasses.replace(draft, prompt_param="input", max_param="max_output_tokens")
     shape = ResponseShape(
-        instructions=instructions, max_output_tokens=max_out,
+        instructions=instructions, max_output_tokens=draft.max_tokens,
         tools=tuple({"type": "function", "description": None, "parameters": None, "strict": None,
                      **t["function"]} for t in tools),
         tool_choice=body.get("tool_choice") or "auto",
