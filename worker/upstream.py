@@ -152,16 +152,14 @@ class UpstreamDown(Exception):
 CONNECT_ERRORS = (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError)
 
 
-_URL_QUERY = re.compile(r"(\w+://[^\s?#]*)\?[^\s)'\"]*")
-_URL_USER = re.compile(r"(\w+://)[^\s/@]*@")
+_URL = re.compile(r"\w+://[^\s)'\"]+")  # a URL in an exception's text, up to a space, quote or ')'
 
 
 def _said(exc: BaseException) -> str:
     """An exception's type and text for the log, any URL in it shown as upstream_url is
     (shown_upstream: user part and query as ***). aiohttp's ConnectionTimeoutError names the
     URL whole, with the query that may carry the worker's key (a gateway's ``?api-key=``)."""
-    text = _URL_USER.sub(r"\1***@", _URL_QUERY.sub(r"\1?***", str(exc)))
-    return f"{type(exc).__name__}: {text}"
+    return f"{type(exc).__name__}: {_URL.sub(lambda m: shown_upstream(m.group()), str(exc))}"
 
 
 def _count(v: Any) -> int | None:
