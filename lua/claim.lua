@@ -247,8 +247,12 @@ local function main()
         redis.call('ZREM', tenant_queue(pick, tenant), id)
         redis.call('ZREM', K_DEADLINES, id)
         if r == nil then
+          -- what the index says of it is given back: its class's queued count (its cost is
+          -- unknown: an emptied class's is zeroed) and its tenant's unfinished count, whose
+          -- slot a max_inflight cap would otherwise refuse for good
           q.n[pick] = q.n[pick] - 1
           if redis.call('HINCRBY', K_QUEUED, pick, -1) <= 0 then redis.call('HSET', K_QUEUED, pick, 0, pick .. '.cost', 0) end
+          if redis.call('HINCRBY', K_TENANT_INFLIGHT, tenant, -1) <= 0 then redis.call('HDEL', K_TENANT_INFLIGHT, tenant) end
         end
       elseif ends and finishes <= 0 then
         -- its head needs a finish this call cannot afford: the class waits for the next call,

@@ -12,7 +12,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from limiter.config import demo_config
-from limiter.errors import LeaseLost
+from limiter.errors import LeaseLost, TenantBusy
 from limiter.samples import unpack_sample
 from limiter.scripts import policy_document
 from tests.support.helpers import admit, class_cfg, init_pool, redis_ms, script_commands
@@ -494,6 +494,25 @@ async def test_p2_expires_with_no_worker_pulling(scripts, sync_redis):
     assert await scripts.client.exists(keys.backlog("P2")) == 0  # the tenant left the backlog
     # Never handed out afterwards.
     assert (await scripts.claim(keys, "w1", 5)).requests == []
+
+
+async def test_a_queued_request_whose_record_vanished_gives_back_its_tenants_slot(scripts, pool):
+    """A record gone while its request was queued (evicted by a Redis that is not
+    `noeviction`, or deleted by hand): claim drops its queue entry and gives back what the
+    index held for it -- the class's queued count and the tenant's unfinished count. Before,
+    the tenant's count kept the slot for good: a tenant with a max_inflight cap was refused as
+    busy forever."""
+    for rid in ("gone", "kept"):
+        await admit(scripts, pool, cls="P1", tenant="capped", max_inflight=2, request_id=rid,
+                    input_tokens=1, max_tokens=1)
+    with pytest.raises(TenantBusy):
+        await admit(scripts, pool, cls="P1", tenant="capped", max_inflight=2, input_tokens=1, max_tokens=1)
+    await scripts.client.delete(pool.request("gone"))
+    got = await scripts.claim(pool, "w1", 5)
+    assert [c.request_id for c in got.requests] == ["kept"]
+    assert await scripts.client.hget(pool.queued, "P1") == b"0"
+    assert await scripts.client.hget(pool.tenant_inflight, "capped") == b"1"  # "kept", leased
+    await admit(scripts, pool, cls="P1", tenant="capped", max_inflight=2, input_tokens=1, max_tokens=1)
 
 
 async def test_claim_expires_overdue_requests_instead_of_handing_them_out(scripts, pool):
