@@ -209,6 +209,8 @@ def render(snap: dict[str, Any]) -> Group:
                 reasons.get(cls, "-"),
             )
         parts.append(t)
+        if pool.get("redis_eviction"):
+            parts.append(Text(pool["redis_eviction"], style="bold red"))
         w = Table(title=f"workers of {name}")
         for col in ("worker", "last seen s", "engine", "batch", "tokens/s", "capacity", "step budget",
                     "kv use"):

@@ -232,3 +232,29 @@ async def redis_now_ms(client: Any, keys: PoolKeys) -> float:
     else:
         sec, usec = await client.time()
     return int(sec) * 1000 + int(usec) / 1000
+
+
+# Under `maxmemory`, any policy but noeviction lets Redis delete keys to make room: a request's
+# record (every unfinished one has a TTL, so the volatile-* policies take them first), a
+# queue, a pool's policy. What a deleted record held (its tenant's unfinished count, its
+# class's leased count) cannot be given back, the record being what named it: a tenant with a
+# max_inflight cap loses a turn for good. noeviction refuses writes instead (an outage the
+# roles ride out: 503, back-off), which loses nothing.
+EVICTION_RISK = ("Redis may delete this pool's keys under memory pressure (maxmemory-policy {policy}, "
+                 "maxmemory {maxmemory} bytes): a deleted request record leaks its tenant's and class's "
+                 "counts; set maxmemory-policy noeviction")
+
+
+async def eviction_risk(client: Any, keys: PoolKeys) -> str | None:
+    """The warning to give when the shard holding ``keys``' pool may evict keys (a maxmemory
+    set and a policy but noeviction), else None. None too where INFO is refused (an ACL user
+    without +info): nothing is known, and the roles work without it."""
+    node = await shard_of(client, keys.policy)
+    try:
+        info = await (client.info("memory", target_nodes=node) if node is not None else client.info("memory"))
+    except ResponseError:
+        return None
+    policy, maxmemory = info.get("maxmemory_policy", "noeviction"), int(info.get("maxmemory", 0) or 0)
+    if policy == "noeviction" or maxmemory <= 0:
+        return None
+    return EVICTION_RISK.format(policy=policy, maxmemory=maxmemory)

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 from limiter.config import PoolConfig, QosConfig
 from limiter.errors import RedisUnavailable
 from limiter.keys import PoolKeys, policy_text
-from limiter.redis_conn import map_redis_errors, redis_now_ms
+from limiter.redis_conn import eviction_risk, map_redis_errors, redis_now_ms
 
 
 def _s(v: Any) -> str:
@@ -105,6 +105,7 @@ async def _pool_status(client: Any, cfg: QosConfig, pool: PoolConfig,
     # each pool's buckets and heartbeats against its own shard's clock (they are stamped
     # with it; one node's clock for every pool shifted ages and levels by the skew)
     now_ms = clocks[pool.name] = await redis_now_ms(client, keys)
+    eviction = await eviction_risk(client, keys)
     pipe = client.pipeline(transaction=False)
     pipe.hgetall(keys.policy)
     pipe.hgetall(keys.inflight)
@@ -153,6 +154,7 @@ async def _pool_status(client: Any, cfg: QosConfig, pool: PoolConfig,
         "compliance_age_s": None if (updated := _f(compliance.get(".updated_ms"))) is None
         else round(max(now_ms - updated, 0.0) / 1000.0, 1),
         "compliance_controller": compliance.get(".controller"),
+        "redis_eviction": eviction,
         "classes": per_class,
         "workers": _ages(workers, now_ms),
         "frontends": _ages(frontends, now_ms),

@@ -74,3 +74,28 @@ async def test_status_reads_each_pools_time_from_its_own_shard(cluster_client, m
     snap = await snapshot(cluster_client, cfg)
     assert set(snap["pools"]) == set(names)
     assert asked == [cluster_client.get_node_from_key(PoolKeys(n).policy).name for n in names]
+
+
+async def test_status_names_the_shard_that_may_evict_keys_and_only_its_pools(cluster_client):
+    """`redis_eviction` is read from each pool's own shard (INFO memory of that node): one
+    shard under an evicting policy is named for its pools, not for the others."""
+    import dataclasses
+
+    from limiter.status import snapshot
+
+    names = pools_on_different_shards(cluster_client)
+    base = demo_config()
+    pools = tuple(dataclasses.replace(base.pool("tiny"), name=n) for n in names)
+    cfg = dataclasses.replace(base, pools=pools)
+    risky = cluster_client.get_node_from_key(PoolKeys(names[0]).policy)
+    before = await cluster_client.execute_command("CONFIG GET", "maxmemory*", target_nodes=risky)
+    await cluster_client.execute_command("CONFIG SET", "maxmemory", "1gb", "maxmemory-policy", "allkeys-lru",
+                                         target_nodes=risky)
+    try:
+        snap = await snapshot(cluster_client, cfg)
+    finally:
+        await cluster_client.execute_command(
+            "CONFIG SET", "maxmemory", before["maxmemory"], "maxmemory-policy", before["maxmemory-policy"],
+            target_nodes=risky)
+    assert "allkeys-lru" in snap["pools"][names[0]]["redis_eviction"]
+    assert [snap["pools"][n]["redis_eviction"] for n in names[1:]] == [None] * (len(names) - 1)

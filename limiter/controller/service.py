@@ -24,7 +24,7 @@ from limiter.controller.metrics import ControllerMetrics
 from limiter.controller.settings import ControllerSettings
 from limiter.errors import ConfigError, RedisUnavailable
 from limiter.metrics_server import start_metrics_server
-from limiter.redis_conn import map_redis_errors, open_redis
+from limiter.redis_conn import eviction_risk, map_redis_errors, open_redis
 from limiter.scripts import Scripts
 from limiter.tasks import stop_tasks
 
@@ -81,14 +81,18 @@ class Controller:
         """A read of each pool's key: a node of a Redis Cluster named with ``redis.cluster``
         false redirects it, a configuration error to stop at (the loops, which go on through
         every error, logged a traceback a second for ever). Redis out of reach now is left
-        to the loops, which wait for it."""
+        to the loops, which wait for it. A shard that may evict keys is logged as the risk it
+        is (:data:`limiter.redis_conn.EVICTION_RISK`): nothing else would tell."""
         for pc in self.pools.values():
             try:
                 async with asyncio.timeout(STEP_TIMEOUT_S):
                     with map_redis_errors():
                         await self.client.exists(pc.keys.policy)
+                        risk = await eviction_risk(self.client, pc.keys)
             except (RedisUnavailable, TimeoutError):
                 return
+            if risk:
+                log.warning("pool %s: %s", pc.pool.name, risk)
 
     async def stop(self, release: bool = True) -> None:
         """Stop the loops, then (``release``) give up every lease held. ``release=False``
