@@ -317,6 +317,26 @@ async def test_a_leader_whose_lease_lapsed_leaves_the_samples_it_read_to_its_suc
     assert (await aredis.xpending(pool.samples, SAMPLES_GROUP))["pending"] == 5
 
 
+async def test_a_leader_suspended_past_its_lease_knows_it_on_resume(aredis, pool, cfg, monkeypatch):
+    """A VM suspended past the lease: Redis' PX ran on, time.monotonic stopped. Timed on the
+    monotonic clock, the resumed leader read its lease as valid until its next renewal, reading
+    and acknowledging samples its successor should have had. The lease's clock counts the
+    suspend (CLOCK_BOOTTIME): simulated here by that clock alone jumping past the lease."""
+    import time
+
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    assert pc.lease.leading
+    suspended_s = 10 * pc.lease.lease_ms / 1000
+    real = time.clock_gettime
+
+    def suspended(clock: int) -> float:
+        return real(clock) + (suspended_s if clock == getattr(time, "CLOCK_BOOTTIME", None) else 0.0)
+
+    monkeypatch.setattr(time, "clock_gettime", suspended)
+    assert not pc.lease.leading
+
+
 async def test_two_processes_started_with_one_id_do_not_both_lead(aredis, pool, cfg):
     """A controller_id in the shared [controller] table gives every process the same id: the
     lease, named by the id alone, was renewed by both, and both led with one fence."""

@@ -27,6 +27,18 @@ from limiter.scripts import Scripts
 
 log = logging.getLogger("qos.controller")
 
+# The lease's local clock counts the time the host spent suspended (Linux's CLOCK_BOOTTIME):
+# Redis' PX runs on while a VM is suspended, and on time.monotonic (CLOCK_MONOTONIC), which
+# stops, a resumed leader still read its lease as valid and went on reading -- and
+# acknowledging -- samples its successor should have had, until its next renewal found the
+# lease gone. Where there is no such clock, the monotonic one.
+_LEASE_CLOCK = getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)
+
+
+def lease_clock() -> float:
+    """Seconds on the clock the lease is timed with (only differences mean anything)."""
+    return time.clock_gettime(_LEASE_CLOCK)
+
 
 def holder_id(holder: str) -> str:
     """The controller id in a lease holder ``<id>.<hex>:<fence>`` (or an owner ``<id>.<hex>``)."""
@@ -44,16 +56,16 @@ class LeaderLease:
         self.last_fence = 0  # the fence of our latest leadership (to release it after stepping down)
         self.holder = ""  # who holds it when we do not ("<owner>:<fence>")
         self.taken = False  # the last renew took the lease anew (a new leadership), not renewed it
-        self._valid_until = 0.0  # monotonic
+        self._valid_until = 0.0  # lease_clock()
 
     @property
     def leading(self) -> bool:
-        return self.fence > 0 and time.monotonic() < self._valid_until
+        return self.fence > 0 and lease_clock() < self._valid_until
 
     async def renew(self) -> int:
         """Take or keep the lease; returns our fence, or 0 when another controller holds it.
         Raises RedisUnavailable (then the lease lapses locally on its own)."""
-        sent = time.monotonic()
+        sent = lease_clock()
         fence, holder, self.taken = await self.scripts.take_leader(self.keys, self.owner, self.lease_ms)
         if fence:
             if fence != self.fence:
