@@ -13,6 +13,8 @@ the scripts never read it), so the reasoning rides inside it, marked:
   their JSON array, which holds no NUL (JSON escapes it), up to the next mark;
 * ``NUL l`` starts one chunk's token log probabilities (``logprobs`` asked of a pool with
   ``logprobs`` on): their JSON array up to the next mark, an entry per token (:data:`Logprob`);
+  ``NUL L`` the same of a chunk of thinking or tool calls and no text, whose tokens are no
+  part of the answer's text (a Responses ``output_text`` holds its text's alone);
 * ``NUL c`` goes back to the answer's text;
 * ``NUL NUL`` is one NUL of the text it is in.
 
@@ -50,6 +52,10 @@ class ReplyText(NamedTuple):
     tool_calls: tuple[list[dict[str, Any]], ...] = ()
     # The tokens' log probabilities (of the text and the thinking), in order
     logprobs: tuple[Logprob, ...] = ()
+    # Those of the answer's text alone (NUL l, not NUL L): a chunk of thinking or tool calls alone
+    # has tokens of its own (a Responses output_text holds its text's); a chunk with text, or
+    # with nothing but logprobs (vLLM's stop token), counts as text
+    text_logprobs: tuple[Logprob, ...] = ()
 
 
 def pack(content: str, reasoning: str = "", field: str = "reasoning",
@@ -63,7 +69,8 @@ def pack(content: str, reasoning: str = "", field: str = "reasoning",
         reasoning = reasoning.replace(NUL, NUL + NUL)
     thought = f"{NUL}{REASONING_FIELDS[field]}{reasoning}" if reasoning else ""
     calls = f"{NUL}t{orjson.dumps(tool_calls).decode()}" if tool_calls else ""
-    probs = f"{NUL}l{orjson.dumps(logprobs).decode()}" if logprobs else ""
+    aside = "L" if not content and (reasoning or tool_calls) else "l"
+    probs = f"{NUL}{aside}{orjson.dumps(logprobs).decode()}" if logprobs else ""
     return f"{thought}{calls}{probs}{NUL}c{content}"
 
 
@@ -86,7 +93,8 @@ def unpack(text: str) -> ReplyText:
         return runs[0]
     return ReplyText("".join(r.content for r in runs), "".join(r.reasoning for r in runs),
                      next((r.field for r in runs if r.field), ""),
-                     tuple(c for r in runs for c in r.tool_calls), tuple(p for r in runs for p in r.logprobs))
+                     tuple(c for r in runs for c in r.tool_calls), tuple(p for r in runs for p in r.logprobs),
+                     tuple(p for r in runs for p in r.text_logprobs))
 
 
 def unpack_in_order(text: str) -> list[ReplyText]:
@@ -102,17 +110,19 @@ def unpack_in_order(text: str) -> list[ReplyText]:
     reasoning: list[str] = []
     calls: list[list[dict[str, Any]]] = []
     probs: list[Logprob] = []
+    text_probs: list[Logprob] = []
     mode, field = "c", ""
 
     def close() -> None:
         if any(content) or any(reasoning) or calls or probs:
             thought = "".join(reasoning)
             runs.append(ReplyText("".join(content), thought, field if thought else "", tuple(calls),
-                                  tuple(probs)))
+                                  tuple(probs), tuple(text_probs)))
         content.clear()
         reasoning.clear()
         calls.clear()
         probs.clear()
+        text_probs.clear()
 
     out = {"c": content, "r": reasoning}
     i, n = 0, len(text)
@@ -131,7 +141,7 @@ def unpack_in_order(text: str) -> list[ReplyText]:
             if any(content) or calls:  # thinking after text or calls: the next run
                 close()
             mode, field = "r", field or _FIELD_OF[mark]
-        elif mark in ("t", "l"):  # a JSON array up to the next mark (pack: it holds no NUL)
+        elif mark in ("t", "l", "L"):  # a JSON array up to the next mark (pack: it holds no NUL)
             if mark == "t" and any(content):  # calls after text: the next run
                 close()
             end = text.find(NUL, j + 2)
@@ -140,7 +150,10 @@ def unpack_in_order(text: str) -> list[ReplyText]:
                 if record := _record(text[j + 2:end], dict):
                     calls.append(record)
             else:
-                probs.extend(_record(text[j + 2:end], list) or ())
+                record = _record(text[j + 2:end], list) or []
+                probs.extend(record)
+                if mark == "l":
+                    text_probs.extend(record)
             i = end
             continue
         else:  # not a mark: the NUL is text

@@ -67,11 +67,27 @@ def test_logprobs_ride_in_the_pushed_text_with_their_run() -> None:
     nul = ["a\x00", -0.25, [97, 0], []]  # a NUL in a token: JSON escapes it
     pieces = [pack("Hi", logprobs=[HI]), pack("a\x00", logprobs=[nul]), pack("", "think", logprobs=[HI]),
               pack("x")]
-    assert unpack("".join(pieces)) == ReplyText("Hia\x00x", "think", "reasoning", (), (HI, nul, HI))
-    # each chunk's logprobs stay with the run of its text (thinking after text is a new run)
-    assert unpack_in_order("".join(pieces)) == [ReplyText("Hia\x00", logprobs=(HI, nul)),
-                                                ReplyText("x", "think", "reasoning", logprobs=(HI,))]
+    assert unpack("".join(pieces)) == ReplyText("Hia\x00x", "think", "reasoning", (), (HI, nul, HI),
+                                                (HI, nul))
+    # each chunk's logprobs stay with the run of its text (thinking after text is a new run);
+    # the text's own apart (a chunk of thinking alone has tokens of its own)
+    assert unpack_in_order("".join(pieces)) == [
+        ReplyText("Hia\x00", logprobs=(HI, nul), text_logprobs=(HI, nul)),
+        ReplyText("x", "think", "reasoning", logprobs=(HI,))]
     assert unpack(pack("plain")) == ReplyText("plain")
+
+
+def test_the_texts_own_logprobs_are_those_of_chunks_with_text_or_with_nothing_else() -> None:
+    """A chunk of thinking or calls alone: not the text's. A chunk of thinking and text (the
+    chunk where a reasoning parser's thinking ends), of text whose first character is a NUL,
+    or of nothing but logprobs (vLLM's stop token): the text's."""
+    lp = [[f"t{k}", -0.5, None, None] for k in range(6)]
+    call = [{"index": 0, "function": {"arguments": "{}"}}]
+    packed = (pack("", "hm", logprobs=[lp[0]]) + pack("", tool_calls=call, logprobs=[lp[1]])
+              + pack("a", "hm", logprobs=[lp[2]]) + pack("\x00b", logprobs=[lp[3]])
+              + pack("", logprobs=[lp[4]]) + pack("", "hm", logprobs=[lp[5]]))
+    got = unpack(packed)
+    assert got.logprobs == tuple(lp) and got.text_logprobs == (lp[2], lp[3], lp[4])
 
 
 # --- the request -----------------------------------------------------------------------------

@@ -203,8 +203,11 @@ def test_what_a_client_sends_at_its_neutral_value_is_accepted() -> None:
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include[0]", "unsupported_value"),
     ({"input": "x", "include": "x"}, "include", "invalid_type"),
     ({"input": "x", "max_tool_calls": 3}, "max_tool_calls", "unsupported_value"),
-    ({"input": "x", "top_logprobs": 3}, "top_logprobs", "unsupported_value"),
-    ({"input": "x", "top_logprobs": False}, "top_logprobs", "unsupported_value"),
+    ({"input": "x", "top_logprobs": 21}, "top_logprobs", "invalid_value"),
+    ({"input": "x", "top_logprobs": -1}, "top_logprobs", "invalid_value"),
+    ({"input": "x", "top_logprobs": False}, "top_logprobs", "invalid_type"),
+    ({"input": "x", "top_logprobs": 2**70}, "top_logprobs", "invalid_value"),
+    ({"input": "x", "top_logprobs": [2**64]}, "top_logprobs", "invalid_type"),
     ({"input": [{"role": "user", "content": "x", "status": "done"}]}, "input[0].status", "invalid_value"),
     ({"input": [{"role": "user", "content": "x", "status": 1}]}, "input[0].status", "invalid_value"),
     ({"input": "x", "stream_options": {"include_obfuscation": False}}, "stream_options", "invalid_value"),
@@ -531,7 +534,7 @@ async def test_a_stored_response_asked_for_is_a_404_naming_it(redis_server) -> N
 
 # --- review: bodies that were a 500, fields named as sent, the stream's state machine ----------
 
-@pytest.mark.parametrize("name", ["truncation", "service_tier", "top_logprobs", "prompt_cache_retention"])
+@pytest.mark.parametrize("name", ["truncation", "service_tier", "prompt_cache_retention"])
 @pytest.mark.parametrize("value", [2**70, [2**64], "[" * 400 + "]" * 400])
 def test_a_field_taken_only_at_its_neutral_value_is_a_400_whatever_it_holds(name: str, value: Any) -> None:
     """Its value is shown in the 400: an integer past 64 bits, or one nested deep, is no 500."""
@@ -564,15 +567,16 @@ async def test_refusals_after_the_parse_name_input_not_the_chats_messages(
         assert "messages" not in err["message"]
 
 
-def _streamed(steps: list[tuple[str, Any]], finish: str = "stop") -> list[dict[str, Any]]:
-    """The events of a stream fed ``steps`` (ResponseEvents' text / reasoning / tool_calls),
-    each of the SDK's types, and read by the SDK's own ``responses.stream()`` accumulator."""
+def _streamed(steps: list[tuple[Any, ...]], finish: str = "stop") -> list[dict[str, Any]]:
+    """The events of a stream fed ``steps`` (ResponseEvents' text / reasoning / tool_calls and
+    their arguments), each of the SDK's types, and read by the SDK's own ``responses.stream()``
+    accumulator."""
     cfg = demo_config()
     shape, draft = parse_request({"model": "tiny", "input": "x"}, cfg, cfg.pools[0])
     ev = ResponseEvents(shape, finish_request(draft, 3), "resp_1", 0)
     raw = ev.opening()
-    for kind, value in steps:
-        raw += getattr(ev, kind)(value)
+    for kind, *args in steps:
+        raw += getattr(ev, kind)(*args)
     raw += ev.end(finish, 3, 4)
     events = [json.loads(b.split(b"\ndata: ", 1)[1]) for b in raw]
     state = ResponseStreamState(input_tools=openai.omit, text_format=openai.omit)
@@ -699,3 +703,118 @@ async def test_a_namespace_call_reaches_the_client_by_its_own_name_whole_and_str
     for out in (whole["output"], events[-1]["response"]["output"]):
         (call,) = out
         assert (call["name"], call["namespace"], call["call_id"]) == ("get_weather", "agents", "call_1")
+
+
+# --- logprobs: include message.output_text.logprobs, top_logprobs --------------------------
+
+def _logprobs_cfg(url: str = "redis://127.0.0.1:1") -> Any:
+    return make_cfg(url, pool={"logprobs": True})
+
+
+def test_output_logprobs_asked_for_become_the_chats_and_top_logprobs_alone_asks_for_none() -> None:
+    cfg = _logprobs_cfg()
+    asked = _chat_of({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 3}, cfg)
+    assert (asked["upstream"]["logprobs"], asked["upstream"]["top_logprobs"]) == (True, 3)
+    assert asked["shape"].top_logprobs == 3
+    alone = _chat_of({"input": "x", "include": ["message.output_text.logprobs"]}, cfg)
+    assert alone["upstream"]["logprobs"] is True and "top_logprobs" not in alone["upstream"]
+    # as vLLM: top_logprobs without the include asks the model server for nothing
+    unasked = _chat_of({"input": "x", "top_logprobs": 3}, cfg)
+    assert "logprobs" not in unasked["upstream"] and unasked["shape"].top_logprobs == 3
+    with pytest.raises(ApiError) as e:  # (the pool's max_logprobs bounds it, as a chat's)
+        _chat_of({"input": "x", "include": ["message.output_text.logprobs"], "top_logprobs": 21}, cfg)
+    assert e.value.param == "top_logprobs"
+    # a pool whose model server returns none: the include is refused by its place, saying why
+    with pytest.raises(ApiError) as e:
+        _chat_of({"input": "x", "include": ["reasoning.encrypted_content", "message.output_text.logprobs"]})
+    assert e.value.param == "include[1]" and "logprobs = true" in e.value.message
+
+
+async def test_the_answers_logprobs_reach_the_client_whole_streamed_and_through_the_sdk(
+        redis_server, fake_upstream) -> None:
+    """Each token's logprob and alternatives in the output_text (with bytes), in each text
+    delta (its own tokens, every token once) and in output_text.done; top_logprobs echoed."""
+    from tests.support.fake_upstream import fake_logprob
+
+    cfg = _logprobs_cfg(redis_server.url)
+    body = {"model": "tiny", "input": "abcdefghijklmno", "max_output_tokens": 40,
+            "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    answer = "abcdefghijklmno"[::-1]
+    tokens = [answer[i:i + 3] for i in range(0, len(answer), 3)]  # the fake's 3-character tokens
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=fake_upstream.url):
+        whole, events, final = await _read_three_ways(client, body)
+    Response.model_validate(whole)
+    _check_order(events)
+    for r in (whole, events[-1]["response"]):
+        assert r["top_logprobs"] == 2
+        probs = r["output"][0]["content"][0]["logprobs"]
+        assert [p["token"] for p in probs] == tokens
+        assert [p["logprob"] for p in probs] == [fake_logprob(k) for k in range(len(tokens))]
+        assert all(p["bytes"] == list(p["token"].encode()) for p in probs)
+        assert [[a["token"] for a in p["top_logprobs"]] for p in probs] == [[t, "alt1"] for t in tokens]
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert all("".join(p["token"] for p in e["logprobs"]) == e["delta"] for e in deltas)
+    streamed = [p for e in deltas for p in e["logprobs"]]
+    assert [p["token"] for p in streamed] == tokens and all("bytes" not in p for p in streamed)
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert done["logprobs"] == streamed
+    assert [p.token for p in final.output[0].content[0].logprobs] == tokens  # the SDK's own types
+    assert fake_upstream.bodies[0]["logprobs"] is True and fake_upstream.bodies[0]["top_logprobs"] == 2
+
+
+def _thinks_then_answers(request: Any, body: dict[str, Any], n: int) -> Any:
+    """Thinking, then the answer, each chunk with its own token's logprob (as vLLM streams a
+    reasoning model's: the thinking tokens have logprobs too)."""
+    def chunk(delta: dict[str, Any], token: str, lp: float, completion_tokens: int) -> bytes:
+        c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny", "choices": [{
+            "index": 0, "delta": delta, "finish_reason": None,
+            "logprobs": {"content": [{"token": token, "logprob": lp, "bytes": list(token.encode()),
+                                      "top_logprobs": []}]}}],
+             "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens,
+                       "total_tokens": 5 + completion_tokens}}
+        return ("data: " + json.dumps(c) + "\n\n").encode()
+
+    async def script() -> Any:
+        resp = await sse_response(request)
+        await resp.write(chunk({"reasoning": "Hmm."}, "Hmm.", -0.5, 1))
+        await resp.write(chunk({"content": " "}, " ", -0.25, 2))  # whitespace before the text
+        await resp.write(chunk({"content": "Yes"}, "Yes", -0.125, 3))
+        return await end_stream(resp, chat_chunk(finish="stop", completion_tokens=3))
+
+    return script()
+
+
+async def test_thinking_tokens_logprobs_are_no_part_of_the_output_texts(redis_server, fake_upstream) -> None:
+    """The output_text holds its own tokens' logprobs: the thinking's (a reasoning item has
+    none) are left out, the whitespace before the text kept with it."""
+    cfg, up = _logprobs_cfg(redis_server.url), fake_upstream
+    up.scripts["Think"] = _thinks_then_answers
+    body = {"model": "tiny", "input": "Think", "max_output_tokens": 40,
+            "include": ["message.output_text.logprobs"]}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        whole, events, final = await _read_three_ways(client, body)
+    for r in (whole, events[-1]["response"]):
+        assert [i["type"] for i in r["output"]] == ["reasoning", "message"]
+        text = r["output"][1]["content"][0]
+        assert text["text"] == " Yes"
+        assert [(p["token"], p["logprob"]) for p in text["logprobs"]] == [(" ", -0.25), ("Yes", -0.125)]
+    (delta,) = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert [p["token"] for p in delta["logprobs"]] == [" ", "Yes"]
+    assert final.output_text == " Yes"
+
+
+@pytest.mark.parametrize("then", ["text", "nothing"])
+def test_whitespace_held_before_a_message_opens_keeps_its_tokens_logprobs(then: str) -> None:
+    """Whitespace with no message open is held until text follows (or the answer ends): its
+    tokens' logprobs are held with it, in the delta and the done text that carry it."""
+    space, yes = [" ", -0.25, [32], []], ["Yes", -0.125, [89, 101, 115], []]
+    steps: list[tuple[Any, ...]] = [("reasoning", "Hmm."), ("text", " ", [space])]
+    if then == "text":
+        steps.append(("text", "Yes", [yes]))
+    events = _streamed(steps)
+    want = [" ", "Yes"] if then == "text" else [" "]
+    (delta,) = [e for e in events if e["type"] == "response.output_text.delta"]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    assert [p["token"] for p in delta["logprobs"]] == [p["token"] for p in done["logprobs"]] == want
+    text = events[-1]["response"]["output"][1]["content"][0]
+    assert [p["token"] for p in text["logprobs"]] == want and text["logprobs"][0]["bytes"] == [32]

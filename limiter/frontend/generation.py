@@ -357,6 +357,10 @@ class Generation:
 
     async def answer(self) -> dict[str, Any]:
         """The whole answer (an unstreamed request's JSON body), once its last entry came."""
+        return self.full_answer(*await self.whole_reply())
+
+    async def whole_reply(self) -> tuple[str, Reply]:
+        """The answer's packed text (limiter/reply_text.py) and its last entry, once it came."""
         parts: list[str] = []
         while True:
             r = await self.next_reply()
@@ -365,13 +369,17 @@ class Generation:
             parts.append(self.accept(r))
             if r.kind == "done":
                 self.observe_done(r)
-                answer = unpack("".join(parts))
-                if self.req.echo:  # (a completion's: its text begins with the prompt)
-                    answer = answer._replace(content=self.req.prompt + answer.content)
-                return oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
-                                        r.usage_in, r.usage_out,
-                                        (answer.field, answer.reasoning) if answer.reasoning else None,
-                                        oa.merge_tool_calls(answer.tool_calls), answer.logprobs)
+                return "".join(parts), r
+
+    def full_answer(self, text: str, r: Reply) -> dict[str, Any]:
+        """The whole answer of packed ``text`` ended by ``r``, in the request's endpoint's shape."""
+        answer = unpack(text)
+        if self.req.echo:  # (a completion's: its text begins with the prompt)
+            answer = answer._replace(content=self.req.prompt + answer.content)
+        return oa.full_response(self.req, self.public_id, self.created, answer.content, r.finish,
+                                r.usage_in, r.usage_out,
+                                (answer.field, answer.reasoning) if answer.reasoning else None,
+                                oa.merge_tool_calls(answer.tool_calls), answer.logprobs)
 
     async def send_json(self, body: dict[str, Any], record_ids: str | None = None) -> web.Response:
         """Write an unstreamed answer (``record_ids``: its records' ids, several answers'

@@ -21,7 +21,7 @@ from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.generation import Generation
 from limiter.frontend.replies import Reply
 from limiter.frontend.responses_request import ResponseShape
-from limiter.reply_text import unpack_in_order
+from limiter.reply_text import Logprob, unpack, unpack_in_order
 
 # --- the answer ----------------------------------------------------------------------------
 
@@ -43,7 +43,7 @@ def response_object(shape: ResponseShape, req: oa.GenerationRequest, response_id
         "reasoning": {"effort": shape.reasoning_effort, "summary": None}, "service_tier": "auto",
         "store": False, "temperature": req.temperature, "text": {"format": dict(shape.text_format),
                                                                   "verbosity": "medium"},
-        "tool_choice": shape.tool_choice, "tools": list(shape.tools), "top_logprobs": 0,
+        "tool_choice": shape.tool_choice, "tools": list(shape.tools), "top_logprobs": shape.top_logprobs,
         "top_p": req.top_p, "truncation": shape.truncation,
         "usage": None if usage is None else {
             "input_tokens": usage[0], "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
@@ -58,9 +58,30 @@ def _text_or(v: Any) -> str:
     return v if isinstance(v, str) else ""
 
 
-def message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+def text_logprobs(entries: Any) -> list[dict[str, Any]]:
+    """An ``output_text``'s ``logprobs`` from the model server's (limiter/reply_text.py
+    Logprob): each token's with its bytes and its alternatives', as OpenAI and vLLM give them
+    (the bytes of a token's text where the server sent none)."""
+    def token(text: str, logprob: Any, utf8: Any) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": utf8 if utf8 is not None else list(text.encode())}
+
+    return [{**token(t, lp, b), "top_logprobs": [token(*alt) for alt in top or ()]}
+            for t, lp, b, top in entries]
+
+
+def delta_logprobs(entries: Any) -> list[dict[str, Any]]:
+    """A text delta's (or done) event's ``logprobs``: each token's and its alternatives', no
+    bytes (OpenAI's and vLLM's event shape)."""
+    return [{"token": t, "logprob": lp,
+             "top_logprobs": [{"token": a, "logprob": alp} for a, alp, _ in top or ()]}
+            for t, lp, _, top in entries]
+
+
+def message_item(item_id: str, text: str, status: str, logprobs: Any = ()) -> dict[str, Any]:
+    """``logprobs``: the text's tokens' (limiter/reply_text.py Logprob entries)."""
     return {"id": item_id, "type": "message", "status": status, "role": "assistant",
-            "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+            "content": [{"type": "output_text", "text": text, "annotations": [],
+                         "logprobs": text_logprobs(logprobs)}]}
 
 
 def reasoning_item(item_id: str, text: str, status: str = "completed") -> dict[str, Any]:
@@ -77,10 +98,11 @@ def function_call_item(item_id: str, call_id: str, name: str, arguments: str, st
             "status": status}
 
 
-def output_of(chat_answer: Mapping[str, Any],
-              shape: ResponseShape | None = None) -> tuple[list[dict[str, Any]], str]:
+def output_of(chat_answer: Mapping[str, Any], shape: ResponseShape | None = None,
+              logprobs: Any = ()) -> tuple[list[dict[str, Any]], str]:
     """A whole chat answer's output items, and the response's status (``shape``: the
-    request's, whose namespace tools name the calls)."""
+    request's, whose namespace tools name the calls; ``logprobs``: the answer text's tokens',
+    limiter/reply_text.py Logprob entries)."""
     choice = chat_answer["choices"][0]
     msg = choice["message"]
     status = "incomplete" if choice["finish_reason"] == "length" else "completed"
@@ -92,7 +114,7 @@ def output_of(chat_answer: Mapping[str, Any],
     text = msg.get("content") or ""
     if text.strip() or not calls:  # (a tool parser's newlines between calls are no message)
         # incomplete only where the answer was cut (the last item), as a stream closes it
-        out.append(message_item(_id("msg"), text, "completed" if calls else status))
+        out.append(message_item(_id("msg"), text, "completed" if calls else status, logprobs))
     for c in calls:  # (a call without an id is given one, as a streamed one is)
         out.append(function_call_item(_id("fc"), c["id"] or _id("call"), c["function"]["name"],
                                       c["function"]["arguments"], "completed", shape))
@@ -114,8 +136,10 @@ class ResponseEvents:
         self.output: list[dict[str, Any]] = []  # every item so far, as it stands
         self.open_kind = ""  # "reasoning" | "message" | "calls" | "" (none)
         self.open_text: list[str] = []
+        self.open_logprobs: list[Logprob] = []  # the open message's tokens'
         self.calls: dict[Any, int] = {}  # a call's stream index -> its place in output
         self.blank = ""  # whitespace with no message open yet: a message only if text follows
+        self.blank_logprobs: list[Logprob] = []  # its tokens'
 
     def event(self, kind: str, **fields: Any) -> bytes:
         data = {"type": kind, "sequence_number": self.seq, **fields}
@@ -133,7 +157,7 @@ class ResponseEvents:
 
     def _open(self, kind: str, item: dict[str, Any]) -> list[bytes]:
         out = self.close()
-        self.open_kind, self.open_text = kind, []
+        self.open_kind, self.open_text, self.open_logprobs = kind, [], []
         self.output.append(item)
         index = len(self.output) - 1
         out.append(self.event("response.output_item.added", output_index=index, item=item))
@@ -144,25 +168,30 @@ class ResponseEvents:
                                   content_index=0, part=part))
         return out
 
-    def text(self, delta: str) -> list[bytes]:
+    def text(self, delta: str, logprobs: Any = ()) -> list[bytes]:
+        """The answer's next text, and its tokens' logprobs (limiter/reply_text.py Logprob)."""
         out: list[bytes] = []
         if self.open_kind != "message":
             if not delta.strip():
                 self.blank += delta
+                self.blank_logprobs += logprobs
                 return out
             delta, self.blank = self.blank + delta, ""
+            logprobs, self.blank_logprobs = [*self.blank_logprobs, *logprobs], []
             out += self._open_message()
-        out.append(self._text_delta(delta))
+        out.append(self._text_delta(delta, logprobs))
         return out
 
     def _open_message(self) -> list[bytes]:
         return self._open("message", message_item(_id("msg"), "", "in_progress") | {"content": []})
 
-    def _text_delta(self, delta: str) -> bytes:
+    def _text_delta(self, delta: str, logprobs: Any = ()) -> bytes:
         """The open message's next text."""
         self.open_text.append(delta)
+        self.open_logprobs += logprobs
         return self.event("response.output_text.delta", item_id=self.output[-1]["id"],
-                          output_index=len(self.output) - 1, content_index=0, delta=delta, logprobs=[])
+                          output_index=len(self.output) - 1, content_index=0, delta=delta,
+                          logprobs=delta_logprobs(logprobs))
 
     def reasoning(self, delta: str) -> list[bytes]:
         out: list[bytes] = []
@@ -211,10 +240,11 @@ class ResponseEvents:
             index = len(self.output) - 1
             item, text = self.output[index], "".join(self.open_text)
             if kind == "message":
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+                done = message_item(item["id"], text, status, self.open_logprobs)
+                part = done["content"][0]
                 out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                      content_index=0, text=text, logprobs=[]))
-                done = message_item(item["id"], text, status)
+                                      content_index=0, text=text,
+                                      logprobs=delta_logprobs(self.open_logprobs)))
             else:
                 part = {"type": "reasoning_text", "text": text}
                 out.append(self.event("response.reasoning_text.done", item_id=item["id"], output_index=index,
@@ -248,9 +278,10 @@ class ResponseEvents:
 
     def _blank_message(self) -> list[bytes]:
         text, self.blank = self.blank, ""
+        logprobs, self.blank_logprobs = self.blank_logprobs, []
         out = self._open_message()
         if text:
-            out.append(self._text_delta(text))
+            out.append(self._text_delta(text, logprobs))
         return out
 
     def failed(self, exc: ApiError) -> list[bytes]:
@@ -276,8 +307,11 @@ class ResponseGeneration(Generation):
         self.finish = "stop"
 
     async def answer(self) -> dict[str, Any]:
-        chat = await super().answer()
-        output, status = output_of(chat, self.shape)
+        text, r = await self.whole_reply()
+        chat = self.full_answer(text, r)
+        # the logprobs of the answer's text (a chunk of thinking or calls alone has tokens of
+        # its own, which no output_text holds)
+        output, status = output_of(chat, self.shape, unpack(text).text_logprobs)
         usage = chat["usage"]
         return response_object(self.shape, self.req, self.response_id, self.created, status, output,
                                (usage["prompt_tokens"], usage["completion_tokens"]))
@@ -294,7 +328,7 @@ class ResponseGeneration(Generation):
             for calls in piece.tool_calls:
                 out += ev.tool_calls(calls)
             if piece.content:
-                out += ev.text(piece.content)
+                out += ev.text(piece.content, piece.text_logprobs)
         if r.kind == "done":
             self.observe_done(r)
             self.finish = r.finish

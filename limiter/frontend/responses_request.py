@@ -43,8 +43,10 @@ _OWN = ("input", "instructions", "max_output_tokens", "tools", "tool_choice", "p
 # What needs a stored response or conversation: this service keeps none.
 _STATEFUL = ("previous_response_id", "conversation", "prompt")
 # `include` entries a client may send: Codex and the Agents SDK ask for the encrypted reasoning
-# with store false; there is none here to give (the reasoning comes as text, in its item).
-INCLUDABLE = ("reasoning.encrypted_content",)
+# with store false; there is none here to give (the reasoning comes as text, in its item). The
+# answer's token logprobs, in a pool whose model server returns them (`logprobs`), as vLLM.
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+INCLUDABLE = ("reasoning.encrypted_content", OUTPUT_LOGPROBS)
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = {"user": ("input_text",), "system": ("input_text",), "developer": ("input_text",),
               "assistant": ("output_text", "input_text", "refusal")}
@@ -90,6 +92,7 @@ class ResponseShape:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     user: str | None = None
     truncation: str = "disabled"
+    top_logprobs: int = 0
     # a namespace tool's functions, by the flat name the model is offered: (namespace, name)
     namespaced: Mapping[str, tuple[str, str]] = dataclasses.field(default_factory=dict)
 
@@ -382,7 +385,7 @@ def _refuse_what_is_not_served(body: Mapping[str, Any]) -> None:
     # here, so a conversation past the context is the same 400 as with "disabled", which names
     # it; one that fits is answered the same either way
     for name, neutral in (("truncation", ("disabled", "auto")), ("service_tier", ("auto", "default")),
-                          ("top_logprobs", (0,)), ("prompt_cache_retention", ("in-memory", "24h"))):
+                          ("prompt_cache_retention", ("in-memory", "24h"))):
         # (by type too: false is no 0, and 0.0 no integer count)
         if body.get(name) is not None and not any(type(body[name]) is type(n) and body[name] == n
                                                   for n in neutral):
@@ -396,8 +399,7 @@ def _refuse_what_is_not_served(body: Mapping[str, Any]) -> None:
         for i, name in enumerate(_type_of(include, "include", list, "an array")):
             if name not in INCLUDABLE:
                 raise oa.bad(f"include[{i}]", f"'include[{i}]' {str(name)[:60]!r} is not served (only "
-                             f"{', '.join(INCLUDABLE)} may be asked for, and there is none to give)",
-                             "unsupported_value")
+                             f"{', '.join(INCLUDABLE)} may be asked for)", "unsupported_value")
     if body.get("stream_options") is not None:
         so = oa._keys(body["stream_options"], "stream_options", ("include_obfuscation",))
         if not body.get("stream"):
@@ -446,6 +448,17 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         fmt = _text_format(body["text"])
         if fmt is not None:
             chat["response_format"] = fmt
+    # logprobs as vLLM asks its engine for them: top_logprobs alternatives of each token when
+    # the output's logprobs are included, none otherwise (top_logprobs alone asks for nothing)
+    top = oa._count_field(body, "top_logprobs", pool.max_logprobs)
+    if OUTPUT_LOGPROBS in (include := body.get("include") or []):
+        if not pool.logprobs:
+            at = f"include[{include.index(OUTPUT_LOGPROBS)}]"
+            raise oa.bad(at, f"'{at}' {OUTPUT_LOGPROBS!r} is not served"
+                         f"{oa._served_by('chat', 'logprobs')}", "unsupported_value")
+        chat["logprobs"] = True
+        if top:
+            chat["top_logprobs"] = top
     effort = None
     if body.get("reasoning") is not None:
         r = oa._keys(body["reasoning"], "reasoning", ("effort", "summary", "generate_summary"))
@@ -468,7 +481,7 @@ def parse_request(body: Mapping[str, Any], cfg: QosConfig,
         parallel_tool_calls=body.get("parallel_tool_calls", True) is not False,
         text_format=_format_echo(fmt), reasoning_effort=effort,
         metadata=body.get("metadata") or {}, user=body.get("user"),
-        truncation=body.get("truncation") or "disabled", namespaced=namespaced)
+        truncation=body.get("truncation") or "disabled", top_logprobs=top or 0, namespaced=namespaced)
     return shape, draft
 
 
