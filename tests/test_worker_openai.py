@@ -842,6 +842,66 @@ async def test_a_cancel_during_the_hand_back_after_the_upstream_went_down_does_n
     assert rec["state"] == "cancelled", rec
 
 
+@pytest.mark.parametrize("when", ["before-it-lands", "after-it-landed"])
+async def test_a_cancel_that_comes_while_the_answer_is_being_completed_leaves_one_completion(
+        env, monkeypatch, when: str) -> None:
+    """The client's cancel seen by the cancel watcher while the worker lands the whole
+    answer's `complete`: the watcher interrupted that completion and the worker completed the
+    request a second time, `cancelled`. Before it landed, the cancel replaced the answer (the
+    record, the client's last tokens, the sample's `ok`); after, the second completion found
+    the request finished and the worker counted it `lost`. The answer decided stands, and is
+    completed once."""
+    from worker.runtime import WorkerRuntime
+
+    cfg, c, up = env
+    real_complete, real_cancelled = Scripts.complete, WorkerRuntime.cancelled
+    outcomes: list[str] = []  # every completion the worker asked for
+    asked, landed, seen = asyncio.Event(), asyncio.Event(), asyncio.Event()
+
+    async def cancelled(self, ids):
+        out = await real_cancelled(self, ids)
+        if out:
+            asked.set()
+            if when == "after-it-landed":  # its answer read before the completion landed, returned after
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(10):
+                        await landed.wait()
+            seen.set()
+        return out
+
+    async def complete(self, keys, **kw):
+        outcomes.append(kw["outcome"])
+        if len(outcomes) > 1:
+            return await real_complete(self, keys, **kw)
+        # the client goes away just as its answer is completed
+        assert await c.scripts.cancel(c.keys, kw["request_id"], "t1") == "cancelling"
+        # (asyncio.timeout, not wait_for: 3.11's wait_for swallows a cancel that comes as it ends)
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await asked.wait()  # the watcher's SMISMEMBER answered: the cancel is on its way
+        reply = await real_complete(self, keys, **kw) if when == "after-it-landed" else None
+        landed.set()
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(10):
+                await seen.wait()  # the watcher has acted on the cancel (interrupting us, before the fix)
+        return reply if when == "after-it-landed" else await real_complete(self, keys, **kw)
+
+    monkeypatch.setattr(WorkerRuntime, "cancelled", cancelled)
+    monkeypatch.setattr(Scripts, "complete", complete)
+    async with worker(cfg, engine="openai", upstream_url=up.url) as rt:
+        rid = await c.admit("whole answer", max_tokens=40)
+        await wait_until(lambda: outcomes and rid not in rt.held, "the answer's completion over")
+        await c.wait([rid], timeout=20)
+        rec = await c.record(rid)
+        metrics = rt.metrics.render().decode()
+    assert seen.is_set(), "the watcher never acted on the cancel: the test did not test"
+    assert outcomes == ["ok"], outcomes
+    assert rec["state"] == "done", rec
+    assert c.answers[rid].error is None and c.answers[rid].text == "whole answer"[::-1], c.answers[rid]
+    assert [s["outcome"] for s in await c.samples()] == ["ok"]
+    assert 'outcome="ok"} 1.0' in metrics and 'outcome="lost"' not in metrics, metrics
+
+
 async def test_an_answer_decided_in_the_hand_back_after_the_upstream_went_down_is_landed_not_dropped(
         env, monkeypatch) -> None:
     """The hand-back after the model server went down can decide the answer: Redis refuses the

@@ -751,6 +751,7 @@ class UpstreamLoop:
             result = await self._stream(d)
             if result[0] == "ok":
                 self.breaker.success()
+            self._settling(d, task)
             await self._finish(d, result)
         except UpstreamDown as exc:
             await self._upstream_down(d, task, exc)
@@ -770,12 +771,24 @@ class UpstreamLoop:
             self.rt.drop(rid, "lost", d)
         except Exception as exc:  # a bug must fail one request, not the worker
             log.exception("%s: upstream stream failed: %s", rid, exc)
+            self._settling(d, task)
             await self._finish(d, ("failed", "error", "internal error in the worker (details in its log)"))
         finally:
             if self.tasks.get(rid) is task:
                 self.tasks.pop(rid)
                 self.why.pop(rid, None)
             self._track_busy()
+
+    def _settling(self, d: Delivery, task: asyncio.Task[Any] | None) -> None:
+        """``d``'s answer is decided and its task lands it: from now on only the drain's
+        deadline interrupts it (_interrupt), as a task of _settle_decided. A client's cancel
+        seen meanwhile interrupted the `complete` in flight, and the worker completed the
+        request again, `cancelled`: before the first landed, the cancel replaced the answer
+        (its last tokens, its sample's `ok`); after, the second found the request finished and
+        it was counted `lost` (found by a review). A cancel that came before the answer was
+        decided still applies (setdefault: its interrupt is on its way)."""
+        if self.tasks.get(d.request_id) is task:
+            self.why.setdefault(d.request_id, "settle")
 
     async def _upstream_down(self, d: Delivery, task: asyncio.Task[Any] | None, exc: UpstreamDown) -> None:
         """As if this worker had died: the request goes back with what it delivered, and
