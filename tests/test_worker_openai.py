@@ -759,7 +759,7 @@ def test_breaker_backoff_doubles_caps_and_resets() -> None:
     assert b.backoff_s == 0.5
 
 
-@pytest.mark.parametrize("status", [503, 429, 502])
+@pytest.mark.parametrize("status", [503, 429, 502, 408])
 async def test_upstream_busy_status_hands_back_instead_of_failing(env, status) -> None:
     cfg, c, up = env
     up.status = status
@@ -772,6 +772,38 @@ async def test_upstream_busy_status_hands_back_instead_of_failing(env, status) -
         up.status = None
         await c.wait([rid], timeout=30)
     assert c.answers[rid].error is None and c.answers[rid].text == "busy now, fine later"[::-1]
+
+
+async def test_a_proxys_408_hands_the_request_back_and_it_is_served(env) -> None:
+    """A 408 Request Timeout is a proxy's (or a server's) word that the request did not come
+    whole in time: Node's HTTP server writes one on a keep-alive connection it times out,
+    which a client's next request sent on it reads; the OpenAI SDK retries it as a 429 or a
+    5xx. It failed the client's request ("the model server refused the request (HTTP 408)");
+    it is handed back as a 429/502/503/504 is, its attempt not spent, and served."""
+    from aiohttp import web
+
+    from tests.support.fake_upstream import sse_chunk, sse_response
+
+    cfg, c, up = env
+
+    async def times_out_once(request: web.Request, body: dict[str, Any], n: int) -> web.StreamResponse:
+        if n == 1:  # nginx's page: an address a client must never read
+            return web.Response(status=408, content_type="text/html",
+                                text="<html><h1>408 Request Time-out</h1>proxy 10.1.2.3</html>")
+        resp = await sse_response(request)
+        return await end_stream(resp, sse_chunk("fine", finish="stop", completion_tokens=1))
+
+    up.scripts["PROXY408"] = times_out_once
+    up.health_status = 200
+    async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY) as rt:
+        rid = await c.admit("PROXY408", max_tokens=8)
+        await c.wait([rid], timeout=20)
+        rec = await c.record(rid)
+        failures = rt.metrics.render().decode()
+    assert c.answers[rid].error is None, c.answers[rid].error
+    assert c.answers[rid].text == "fine" and up.calls["PROXY408"] == 2
+    assert (rec["state"], rec["attempts"]) == ("done", "1"), rec  # the hand-back spent none
+    assert "qos_worker_upstream_failures_total 1.0" in failures
 
 
 async def test_a_hand_back_after_the_upstream_went_down_meeting_a_passing_outage_is_tried_again(

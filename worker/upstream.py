@@ -47,13 +47,13 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * An upstream that cannot be reached is handled like a dead worker, not like a bad request
   (:class:`Breaker`): a connection refused or reset, a connect or read timeout, a stream
   broken off (or ended with vLLM's ``finish_reason`` ``abort``: its engine aborted it), or
-  HTTP 429/502/503/504 hands the request back (``release``: requeued at the head
+  HTTP 408/429/502/503/504 hands the request back (``release``: requeued at the head
   of its class with what was delivered, so another worker resumes it; when the answer broke
   off, the attempt counts, as a worker's death does, so a prompt that breaks the server every
   time ends at max_attempts),
   and this worker stops claiming. After a back-off (``upstream_retry_min_s``, doubling up to
   ``upstream_retry_max_s``) it probes the upstream with ``GET <root>/health`` (``/v1/models``
-  where that is 404 or 405; a 429, any 5xx or a redirect counts as down) and claims again only
+  where that is 404 or 405; a 408, 429, any 5xx or a redirect counts as down) and claims again only
   once that answers (after a stall, only once a one-token generation answers too: ``_unwell``).
   The state is in the heartbeat (``upstream_state`` closed | open, ``upstream_failures``,
   ``upstream_probes``).
@@ -98,7 +98,11 @@ from worker.tokenizer import EOS_ID, PAD_ID, decode
 
 log = logging.getLogger("qos.worker")
 Result = tuple[str, str, str]  # outcome, finish_reason, message
-DOWN_STATUSES = (429, 502, 503, 504)  # the server (or a proxy before it) cannot serve now
+# The server (or a proxy before it) cannot serve now. 408 too: the request did not come whole
+# in time (a proxy's timeout; Node's HTTP server writes one on a keep-alive connection it times
+# out, which the next request sent on it reads), nothing of the request's own, and the OpenAI
+# SDK retries it as it does the others. It failed the client's request (found by a review).
+DOWN_STATUSES = (408, 429, 502, 503, 504)
 CREDENTIAL_STATUSES = (401, 403, 407)  # the worker's key (QOS_UPSTREAM_API_KEY) refused
 # Redirects are not followed: a model server that redirects is a deployment's mistake (http
 # to https, a path moved), a re-sent POST may run twice, and a redirect loop's error named the
@@ -658,7 +662,7 @@ class UpstreamLoop:
                         status = resp.status
                         if status in CREDENTIAL_STATUSES:
                             return f"the model server refuses the worker's credentials (HTTP {status})"
-                        if status == 501 or (400 <= status < 500 and status not in (408, 429)):
+                        if status == 501 or (400 <= status < 500 and status not in DOWN_STATUSES):
                             continue
                         if status != 200:
                             return f"a one-token generation: HTTP {status}"
