@@ -1804,22 +1804,28 @@ async def test_a_reasoning_answer_resumed_mid_thought_is_not_sent_a_second_thoug
     assert (rec["state"], rec["usage_in"], rec["usage_out"]) == ("done", "5", str(delivered + 9)), rec
 
 
-@pytest.mark.parametrize("text_before", [True, False], ids=["after-text", "mid-thought"])
-async def test_a_resumed_reasoning_answer_is_charged_its_clients_prompt(env, text_before: bool) -> None:
+@pytest.mark.parametrize("before", ["after-text", "mid-thought", "in-one-chunk"])
+async def test_a_resumed_reasoning_answer_is_charged_its_clients_prompt(env, before: str) -> None:
     """A reasoning answer broken off after three tokens of thinking (and, ``after-text``, one
     of text): the resume's prompt holds the client's 5 tokens and the text (6), not the
     thinking. The prompt charged was the resume's prompt less every delivered token, thinking
     too: 6 - 4 and 5 - 3, both 2 of the client's 5. It is 5: the thinking delivered is told
-    apart in the stored resume ids."""
+    apart in the stored resume ids.
+
+    ``in-one-chunk``: the last chunk holds two tokens, a fourth of thinking and the text's
+    first (a server that sends several tokens a chunk, across the thought's end): the whole
+    chunk was counted as text, and the prompt charged 6 - 2 = 4 (a review)."""
     from tests.support.fake_upstream import breaks_once, chat_chunk
 
     cfg, c, up = env
     read = asyncio.Event()
-    delivered = 4 if text_before else 3
     first = [chat_chunk(None, f"thought {i}. ", completion_tokens=i) for i in (1, 2, 3)]
-    if text_before:
+    if before == "after-text":
         first.append(chat_chunk("It is", None, completion_tokens=4))
-    prompt = 5 + (1 if text_before else 0)  # the client's prompt and the text to continue
+    elif before == "in-one-chunk":
+        first.append(chat_chunk("It is", "thought 4. ", completion_tokens=5))
+    delivered = {"after-text": 4, "mid-thought": 3, "in-one-chunk": 5}[before]
+    prompt = 5 + (0 if before == "mid-thought" else 1)  # the client's prompt and the text to continue
     rest = chat_chunk(" 4.", None, finish="stop", completion_tokens=1, prompt_tokens=prompt)
     up.scripts["THINK3"] = breaks_once(first, read, [rest])
     async with worker(cfg, engine="openai", upstream_url=up.url, **RETRY):
@@ -1828,6 +1834,7 @@ async def test_a_resumed_reasoning_answer_is_charged_its_clients_prompt(env, tex
         read.set()
         await c.wait([rid], timeout=20)
     assert up.calls["THINK3"] == 2
+    assert up.bodies[-1]["messages"][-1]["content"] == ("THINK3" if before == "mid-thought" else "It is")
     rec = await c.record(rid)
     assert (rec["state"], rec["usage_in"], rec["usage_out"]) == ("done", "5", str(delivered + 1)), rec
 
@@ -2104,6 +2111,19 @@ async def test_a_resume_after_a_space_does_not_give_the_client_two(env, chat: bo
         read.set()
         await c.wait([rid], timeout=20)
     assert c.answers[rid].text == "It is 4.\n" and c.answers[rid].tokens == 3
+
+
+def test_a_chunks_tokens_are_parted_between_thinking_and_text_by_their_characters() -> None:
+    """Which of a chunk's tokens are stored as thinking (THOUGHT_ID: not among a resume's
+    prompt tokens): all of a thought alone, none of text alone; a chunk of both by the shares of
+    its characters, at least one token each, and a chunk of one token is its text's."""
+    from worker.upstream import _thought_tokens
+
+    assert _thought_tokens(3, "abc", "") == 3 and _thought_tokens(3, "", "abc") == 0
+    assert _thought_tokens(2, "thought 4. ", "It is") == 1
+    assert _thought_tokens(4, "abcdef", "gh") == 3
+    assert _thought_tokens(3, "a", "b" * 20) == 1 and _thought_tokens(3, "a" * 20, "b") == 2
+    assert _thought_tokens(1, "abc", "d") == 0 and _thought_tokens(0, "abc", "d") == 0
 
 
 def test_past_the_seam_drops_only_the_whitespace_the_client_has() -> None:

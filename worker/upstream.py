@@ -260,6 +260,24 @@ THOUGHT_ID = PAD_ID
 TOOL_CALL_ID = EOS_ID
 
 
+def _thought_tokens(tokens: int, thought: str, text: str) -> int:
+    """How many of a chunk's ``tokens`` were thinking (each is stored as a THOUGHT_ID, which a
+    resume does not count among the prompt's tokens: _usage). A chunk of thinking alone: all;
+    of answer text alone: none. A chunk of both (a server that sends several tokens a chunk,
+    across the thought's end) does not say where its tokens part: by the two texts' shares of
+    its characters, at least one token each (a chunk of one token: the text's, which the
+    resume's prompt holds). Counted all as text, the resume's prompt was charged the chunk's
+    tokens of thinking short (found by a review)."""
+    if not thought or tokens <= 0:
+        return 0
+    if not text:
+        return tokens
+    if tokens < 2:
+        return 0
+    share = round(tokens * len(thought) / (len(thought) + len(text)))
+    return min(max(share, 1), tokens - 1)
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class Delivered:
     """What earlier attempts delivered, as a resume needs it: the answer's text less the
@@ -1215,9 +1233,7 @@ class UpstreamLoop:
             d.note_tokens(tokens, t)
             self._gen_tokens += tokens
             self.rt.metrics.generated_tokens.inc(tokens)
-        ids = list(text.encode())
-        if reasoning and not text:  # a chunk of thinking alone (one with both counts as text)
-            ids += [THOUGHT_ID] * tokens
+        ids = [THOUGHT_ID] * _thought_tokens(tokens, reasoning, text) + list(text.encode())
         if tool_calls:
             ids.append(TOOL_CALL_ID)
         reasoning = reasoning if forward_thought else ""
