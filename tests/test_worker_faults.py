@@ -1131,3 +1131,50 @@ async def test_an_engine_error_fails_what_the_engine_held_and_hands_back_what_it
         assert a.done is not None and a.tokens == n, a  # resumed where it stopped (offsets checked)
     assert sorted(released) == sorted([p1, p2]), released  # each landed once (the outage's try did not)
     assert len(set(c.answers[p2].attempts)) == 2, c.answers[p2].attempts  # resumed by a new attempt
+
+
+async def test_a_clients_cancel_does_not_turn_an_answer_whose_completion_met_an_outage_into_a_cancel(
+        env, monkeypatch) -> None:
+    """A request finished (its answer decided: d.final ok, its last tokens pending) and its
+    ``complete`` met a Redis outage; its client cancelled meanwhile. The lease renewal said
+    "stop", and StepLoop._apply_signals, which runs before _retry_finals, overwrote the decided
+    answer with ``cancelled`` and completed it so: the client lost an answer the worker had
+    made whole, and the sample said cancelled. The answer decided first wins."""
+    cfg, c = env
+    rid = await c.admit("an answer decided before the cancel", max_tokens=6)
+    real = Scripts.complete
+    seen: dict[str, Any] = {"outcomes": [], "stop_told": False}
+
+    async def complete(self, keys, *, request_id, outcome, **kw):
+        if request_id == rid:
+            seen["outcomes"].append(outcome)
+            if not seen["stop_told"]:  # an outage until the renewal has told the worker "stop"
+                if len(seen["outcomes"]) == 1:
+                    assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+                raise RedisUnavailable("Connection reset by peer")
+        return await real(self, keys, request_id=request_id, outcome=outcome, **kw)
+
+    monkeypatch.setattr(Scripts, "complete", complete)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.01, lease_ms=1500)
+    loop_on_stop = rt.on_stop
+
+    def on_stop(ids: list[str]) -> None:
+        loop_on_stop(ids)
+        seen["stop_told"] = seen["stop_told"] or rid in ids
+
+    rt.on_stop = on_stop
+    try:
+        await wait_until(lambda: seen["stop_told"], "the renewal telling the worker to stop it")
+        deadline = time.monotonic() + 15
+        while not c.answers[rid].finished:
+            assert time.monotonic() < deadline and not task.done(), ("the request's end", seen)
+            await c.read()
+        rec = await c.record(rid)
+    finally:
+        stopped = await stop_worker(rt, task)
+    assert stopped is None, f"the worker ended with {stopped!r}"
+    a = c.answers[rid]
+    assert a.error is None and a.done is not None, f"the decided answer was lost: {a.error}"
+    assert a.tokens == 6 and a.text == sim_text("an answer decided before the cancel", 0, 6), a
+    assert rec["state"] == "done", rec
+    assert len(seen["outcomes"]) >= 2 and set(seen["outcomes"]) == {"ok"}, seen["outcomes"]

@@ -779,7 +779,10 @@ class StepLoop:
         stop, self._stop = self._stop - lost - failing, set()
         for rid in stop:
             self.sched.remove(rid)
-            if (d := self.rt.held.get(rid)) is not None:
+            # Not one whose answer is decided (its completion met an outage, retried by
+            # _retry_finals): the answer decided first wins, and a cancel here turned a whole
+            # answer into a cancelled one.
+            if (d := self.rt.held.get(rid)) is not None and d.final is None:
                 d.final = ("cancelled", "cancelled", "")
                 calls.append(self.rt.finish(d, "cancelled", "cancelled"))
         if calls:
