@@ -353,7 +353,7 @@ async def test_openai_a_decided_answer_redis_refuses_is_given_up_not_tried_for_e
     """The task landing a decided answer died on an error that is not an outage (Redis refusing
     an argument of the worker's own), the answer still held: the next look made it again, to
     fail again, each time an unread task exception (found by a review). It is logged and the
-    request left to its lease."""
+    request left to its lease (after one plain failure, refused too here)."""
     from limiter.errors import InvalidArgument
 
     cfg, c = env
@@ -379,7 +379,9 @@ async def test_openai_a_decided_answer_redis_refuses_is_given_up_not_tried_for_e
         await wait_until(lambda: len(rt.held) == 0 and len(calls) >= 3, "the next request served")
     finally:
         await stop_worker(rt, task)
-    assert calls.count(bad) == 2, f"the refused answer's completion was tried {calls.count(bad)} times"
+    # the outage's try, the refused one, and once more as a plain failure (no sample, fixed
+    # arguments: WorkerRuntime._fail_unfinishable), refused too here, then given up
+    assert calls.count(bad) == 3, f"the refused answer's completion was tried {calls.count(bad)} times"
 
 
 async def test_openai_worker_retries_a_completion_that_met_an_outage_outside_a_stream(
@@ -1178,3 +1180,48 @@ async def test_a_clients_cancel_does_not_turn_an_answer_whose_completion_met_an_
     assert a.tokens == 6 and a.text == sim_text("an answer decided before the cancel", 0, 6), a
     assert rec["state"] == "done", rec
     assert len(seen["outcomes"]) >= 2 and set(seen["outcomes"]) == {"ok"}, seen["outcomes"]
+
+
+async def test_a_completion_redis_refuses_for_a_worker_bug_fails_that_request_not_the_worker(
+        env, monkeypatch, caplog) -> None:
+    """A ``complete`` refused for an argument that is not the request's tokens (a bug of the
+    worker's own: here a latency sample past the script's 64 KiB) raised InvalidArgument out
+    of WorkerRuntime.finish; StepLoop._retry_finals raised it again, rt.guard lets anything
+    but an outage through, and the step worker exited with every request it held (under a
+    supervisor: a crash loop). The one request fails, its client told; the error is logged;
+    the other request and the worker go on."""
+    import worker.runtime as runtime
+
+    cfg, c = env
+    other = await c.admit("the other request", max_tokens=30)
+    bad = await c.admit("one whose sample the worker gets wrong", max_tokens=6)
+    real_pack = runtime.pack_sample
+
+    def pack_sample(sample: dict[str, Any]) -> bytes:
+        if sample["request_id"] == bad:
+            return b"\x00" * 70000  # past complete's 64 KiB: a BADARG 'sample'
+        return real_pack(sample)
+
+    monkeypatch.setattr(runtime, "pack_sample", pack_sample)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=0.05, max_seqs=4)
+    try:
+        deadline = time.monotonic() + 30
+        while not (c.answers[bad].finished and c.answers[other].finished):
+            assert not task.done(), f"the worker ended: {task.exception()!r}"
+            assert time.monotonic() < deadline, ("both requests' ends", c.answers)
+            await c.read()
+        rec = await c.record(bad)
+        # the worker goes on serving
+        again = await c.admit("served after", max_tokens=8)
+        await c.wait([again], timeout=30)
+    finally:
+        stopped = await stop_worker(rt, task)
+    assert stopped is None, f"the worker ended with {stopped!r}"
+    err = c.answers[bad].error
+    assert err is not None and err["code"] == "failed" and "internal error" in err["msg"], c.answers[bad]
+    assert rec["state"] == "failed", rec
+    assert any(r.levelname == "ERROR" and bad in r.getMessage() and "sample" in r.getMessage()
+               for r in caplog.records), caplog.text
+    a = c.answers[other]
+    assert a.done is not None and a.tokens == 30 and a.text == sim_text("the other request", 0, 30), a
+    assert c.answers[again].done is not None and c.answers[again].tokens == 8

@@ -64,6 +64,9 @@ class Delivery:
     produced: int = 0  # tokens this attempt produced
     max_gap_s: float = 0.0
     final: tuple[str, str, str] | None = None  # (outcome, finish_reason, message) once finishing
+    # its completion was refused for an argument not its tokens: failed plainly, no sample
+    # (WorkerRuntime._fail_unfinishable)
+    plain_failure: bool = False
     sample_extra: dict[str, Any] = field(default_factory=dict)  # engine-specific sample fields
     # pushes whose reply was lost: token count -> (ids, text chars) (see _reconcile)
     _uncertain: dict[int, tuple[int, int]] = field(default_factory=dict)

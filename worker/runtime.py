@@ -462,20 +462,23 @@ class WorkerRuntime:
         (or a retried call already did), so it is dropped. A completion whose last tokens
         Redis refuses (past the request's max_tokens) fails the request (:meth:`fail_refused`)."""
         d.final = (outcome, finish_reason, message)
-        sample = build_sample(d, pool=self.keys.pool, worker_id=self.worker_id, engine=self.engine,
-                              simulated=self.simulated, outcome=outcome)
+        sample = b""  # none with the plain failure of a completion Redis refused (_fail_unfinishable)
+        if not d.plain_failure:
+            sample = pack_sample(build_sample(d, pool=self.keys.pool, worker_id=self.worker_id,
+                                              engine=self.engine, simulated=self.simulated, outcome=outcome))
         try:
             await d.complete(self.scripts, self.keys, self.worker_id, outcome=outcome,
-                             finish_reason=finish_reason, message=message, sample=pack_sample(sample))
+                             finish_reason=finish_reason, message=message, sample=sample)
         except LeaseLost:
             if self.held.get(d.request_id) is d:  # not a newer attempt we were handed meanwhile
                 self.drop(d.request_id, "lost")
             return
         except InvalidArgument as exc:
-            if exc.field not in TOKEN_FIELDS or not (d.pending_tokens or d.pending_ids or d.pending_text):
-                raise  # not its tokens that were refused: a bug of the worker's own
             # The one request's state, no reason to take the worker (and all it holds) down.
-            await self.fail_refused(d, exc)
+            if exc.field in TOKEN_FIELDS and (d.pending_tokens or d.pending_ids or d.pending_text):
+                await self.fail_refused(d, exc)
+            else:
+                await self._fail_unfinishable(d, exc)
             return
         if self.held.get(d.request_id) is d:
             self.held.pop(d.request_id)
@@ -500,6 +503,25 @@ class WorkerRuntime:
                               "for fewer logprobs or send a shorter prompt")
             return
         await self.finish(d, "failed", "error", f"the worker's tokens for this request were refused: {exc}")
+
+    async def _fail_unfinishable(self, d: Delivery, exc: InvalidArgument) -> None:
+        """Redis refused ``d``'s completion for an argument that is not its tokens (its sample,
+        reason or message, say): a bug of the worker's own, which the same call meets every
+        time. Raised, it stopped the step worker with everything it held (a crash loop under a
+        supervisor). The request fails with a plain completion instead -- no sample, a fixed
+        outcome, reason and message, its tokens as they are -- and the error is logged; one
+        refused too is dropped (its lease lapses; the janitor requeues it, or fails it after
+        ``max_attempts``). Raises RedisUnavailable as :meth:`finish` (``d.final`` set)."""
+        if d.plain_failure:
+            log.error("%s: Redis refused even its plain failure (%s); dropped: its lease lapses and "
+                      "the janitor ends it", d.request_id, exc)
+            self.drop(d.request_id, "refused", d)
+            return
+        log.error("%s: Redis refused its completion (%s) as %s: a bug of the worker's; failing the "
+                  "request after %d delivered", d.request_id, exc, d.final, d.offset)
+        d.plain_failure = True
+        await self.finish(d, "failed", "error", "the worker could not complete it (an internal error; "
+                          "details in its log)")
 
     def drop(self, request_id: str, why: str = "lost", attempt: Delivery | None = None) -> None:
         """Forget a held request; with ``attempt``, only while that attempt is the one held (an
