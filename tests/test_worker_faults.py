@@ -1225,3 +1225,81 @@ async def test_a_completion_redis_refuses_for_a_worker_bug_fails_that_request_no
     a = c.answers[other]
     assert a.done is not None and a.tokens == 30 and a.text == sim_text("the other request", 0, 30), a
     assert c.answers[again].done is not None and c.answers[again].tokens == 8
+
+
+@pytest.mark.parametrize("failed_at", ["claim", "start"])
+async def test_a_lease_lost_notice_of_an_old_attempt_does_not_touch_the_new_one_a_claim_holds(
+        env, monkeypatch, failed_at) -> None:
+    """R's lease is lost (requeued under the worker, as after an outage past its lease) and a
+    push says so; before the loop applies that notice, its look-ahead claim takes R back (a
+    new attempt) together with a request it must fail (``failed_at`` claim: an unusable
+    payload, in WorkerRuntime.claim; start: a token-id prompt this engine refuses, in
+    StepLoop._start_all, claimed before R), and waits on that failure. R's new attempt was in
+    ``held`` meanwhile:
+    the old sequence's next token went out as the new attempt's (a token past the one Redis
+    expected, at its offset: the answer skipped one), and the notice, naming only R, dropped
+    the new attempt (nobody served R for a whole lease; an attempt spent). The notice is
+    applied to the attempt it is about, and a new attempt is held only once its claim has
+    nothing left to await."""
+    cfg, c = env
+    prompt = "a stream whose lease is lost under it"
+    rid = await c.admit(prompt, max_tokens=60)
+    real_push, real_complete, real_claim = Scripts.push_tokens_many, Scripts.complete, Scripts.claim
+    state: dict[str, Any] = {"rt": None, "pair": (), "bad": None, "claims": []}
+    failing, gate = asyncio.Event(), asyncio.Event()
+
+    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
+        rt, pair = state["rt"], state["pair"]
+        mine = [b for b in batches if b.request_id == rid]
+        if mine and pair and state["bad"] is None and all(
+                (d := rt.held.get(x)) is not None and d.final is not None for x in pair):
+            # the other two finish in this very step: the look-ahead beside the next one has
+            # room for two. R's lease is lost now, and an unusable request queued behind it.
+            assert await self.release(keys, request_id=rid, worker_id=worker_id,
+                                      fence=mine[0].fence) == "requeued"
+            if failed_at == "claim":
+                state["bad"] = await _queue_unusable(c)
+            else:  # P0: claimed, and so started, before R
+                state["bad"] = await c.admit("ids", cls="P0", max_tokens=4, prompt_ids=(1, 2, 3))
+        return await real_push(self, keys, worker_id, batches, lease_ms, **kw)
+
+    async def claim(self, keys, *args, **kw):
+        res = await real_claim(self, keys, *args, **kw)
+        state["claims"].append(sorted(r.request_id for r in res.requests))
+        return res
+
+    async def complete(self, keys, *, request_id, **kw):
+        if request_id == state["bad"]:  # the claim fails it, and waits on that
+            failing.set()
+            await asyncio.wait_for(gate.wait(), 20)
+        return await real_complete(self, keys, request_id=request_id, **kw)
+
+    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    monkeypatch.setattr(Scripts, "complete", complete)
+    monkeypatch.setattr(Scripts, "claim", claim)
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=3.0, max_seqs=3, flush_tokens=1)
+    state["rt"] = rt
+    try:
+        await c.wait_tokens(rid, 2)
+        state["pair"] = (await c.admit("short one", max_tokens=4), await c.admit("short two", max_tokens=4))
+        await wait_until(failing.is_set, "the look-ahead claim taking R back, failing the unusable one")
+        assert sorted([rid, state["bad"]]) in state["claims"], state["claims"]  # one claim took both
+        # the notice applied meanwhile: R's old sequence stopped (the loop then waits on the claim)
+        await wait_until(lambda: rid not in loop.sched, "the old attempt's sequence out of the scheduler")
+        gate.set()
+        deadline = time.monotonic() + 30
+        while not c.answers[rid].finished:
+            assert not task.done(), f"the worker ended: {task.exception()!r}"
+            assert time.monotonic() < deadline, ("R's end", c.answers[rid], await c.record(rid))
+            await c.read()
+        rec = await c.record(rid)
+    finally:
+        gate.set()
+        stopped = await stop_worker(rt, task)
+    assert stopped is None, f"the worker ended with {stopped!r}"
+    a = c.answers[rid]
+    assert a.done is not None and a.tokens == 60, a
+    assert a.text == sim_text(prompt, 0, 60), f"R's answer is not its tokens in order: {a.text!r}"
+    # the test's release gave its attempt back; a dropped attempt would spend one at its lease's end
+    assert rec["state"] == "done" and int(rec["attempts"]) == 1, rec
+    assert len(set(a.attempts)) == 2, a.attempts  # the old attempt's tokens, then the new one's

@@ -97,7 +97,9 @@ class StepLoop:
         # context (a 16K model on a 64K KV in a pool of 32K contexts) and refused them (400),
         # where a bigger worker of the pool would have served them (a review).
         self.claim_total = self.sched.max_context() + 1
-        self._lost: set[str] = set()
+        # Leases lost, each with the attempt it is about: applied to that attempt only (a
+        # notice naming the id alone dropped a newer attempt this worker had claimed meanwhile).
+        self._lost: dict[str, Delivery] = {}
         self._stop: set[str] = set()
         # pushes Redis refused (past a request's max_tokens): those requests fail, alone
         self._refused: dict[str, tuple[Delivery, InvalidArgument]] = {}
@@ -149,7 +151,7 @@ class StepLoop:
         self._lookahead_asleep = False  # that claim has not started its Redis calls yet
         self._last_stats_t = time.monotonic()
         self._last_step_ms = 0.0
-        rt.on_lost = self._lost.update
+        rt.on_lost = self._note_lost
         rt.on_stop = self._stop.update
         rt.stats = self.stats
         self.last_batch_size = 0  # sequences in the last step, 0 once idle (a gauge: worker/main.py)
@@ -196,6 +198,13 @@ class StepLoop:
                     await self._hand_back_all()
                     return
             await self.rt.guard("worker", self._iteration())
+
+    def _note_lost(self, ids: list[str]) -> None:
+        """The lease renewal's lost ids (:meth:`WorkerRuntime.renew`: each about the attempt
+        held when its reply came), noted with that attempt."""
+        for rid in ids:
+            if (d := self.rt.held.get(rid)) is not None:
+                self._lost[rid] = d
 
     def _stranded(self) -> list[str]:
         """Held requests the scheduler does not run and no completion is pending for."""
@@ -465,6 +474,11 @@ class StepLoop:
         """Start every claimed request, even when one of them fails to: a failure used to skip
         the rest, which stayed held (their leases renewed for ever) but never ran -- their
         clients waited until request_timeout_s and a drain until drain_timeout_s."""
+        # Every claimed request parts from an earlier attempt's state before any of them starts:
+        # starting one may wait on Redis (a completion), and meanwhile the old sequence of a
+        # request claimed back ran on with its tokens taken for the new attempt's.
+        for d in got:
+            self._part_from_earlier_attempt(d)
         outage: RedisUnavailable | None = None
         for d in got:
             try:
@@ -533,11 +547,13 @@ class StepLoop:
         tenants = sorted(most, key=lambda t: (-most[t], t))[:16]
         return (names[lowest + 1] if lowest + 1 < len(names) else ""), tenants, names[highest]
 
-    async def _start(self, d: Delivery) -> None:
-        c, p = d.claimed, d.payload
+    def _part_from_earlier_attempt(self, d: Delivery) -> None:
+        """``d`` was just claimed: what the loop holds of an earlier attempt of its request is
+        stale. Called before anything is awaited after the claim (:meth:`_start_all`)."""
+        c = d.claimed
         # News gathered so far is of an earlier attempt, not of this one (running or not: one
         # whose completion had not landed is re-claimed too, after an outage past its lease).
-        self._lost.discard(c.request_id)
+        self._lost.pop(c.request_id, None)
         self._stop.discard(c.request_id)
         if c.request_id in self.sched:
             # Our own lease on an earlier attempt expired (Redis was out of reach longer than
@@ -546,6 +562,9 @@ class StepLoop:
             self.sched.remove(c.request_id)
             log.info("%s: re-claimed at attempt %d after our lease expired; restarting from token %d",
                      c.request_id, c.attempt, c.delivered)
+
+    async def _start(self, d: Delivery) -> None:
+        c, p = d.claimed, d.payload
         max_tokens = min(p.max_tokens, c.max_tokens)
         done = resume_finish_reason(c.generated, max_tokens, self.engine.eos_id)
         if done is not None:  # the last attempt died between its final push and complete
@@ -745,7 +764,7 @@ class StepLoop:
             if self.rt.held.get(rid) is not d and isinstance(r, LeaseLost | InvalidArgument):
                 continue  # re-claimed meanwhile (our lease had expired): news of the old attempt
             if isinstance(r, LeaseLost):
-                self._lost.add(rid)
+                self._lost[rid] = d
             elif isinstance(r, InvalidArgument):  # its tokens refused: it fails, not the call
                 self._refused[rid] = (d, r)
             elif isinstance(r, BaseException):
@@ -763,10 +782,13 @@ class StepLoop:
         if not (self._lost or self._stop or self._refused):
             return
         await self._settle_io()  # a push for one of them may still be in flight
-        lost, self._lost = self._lost, set()
-        for rid in lost:
-            self.sched.remove(rid)
-            self.rt.drop(rid)
+        lost: set[str] = set()
+        for rid, d in self._lost.items():
+            if self.rt.held.get(rid) is d:  # not a newer attempt (it parted from the old sequence)
+                lost.add(rid)
+                self.sched.remove(rid)
+                self.rt.drop(rid, "lost", d)
+        self._lost = {}
         refused, self._refused = self._refused, {}
         calls, failing = [], set()
         for rid, (d, exc) in refused.items():

@@ -329,7 +329,6 @@ class WorkerRuntime:
             if isinstance(d, str):
                 unusable.append((c, d))
             else:
-                self.held[c.request_id] = d
                 out.append(d)
         for c, why in unusable:
             try:
@@ -339,6 +338,11 @@ class WorkerRuntime:
                 # with it still start (raising here left them held, never run, leases renewed).
                 log.warning("%s: could not fail an unusable request (Redis unavailable); retrying later",
                             c.request_id)
+        # Held only now, with nothing left to await before the caller has them: held while an
+        # unusable one's failure waited on Redis, a new attempt of a request the loop still
+        # ran an old sequence of took that sequence's tokens (and its old lease's news).
+        for d in out:
+            self.held[d.request_id] = d
         return out
 
     def _delivery(self, c: Claimed, now_ms: int, t: float) -> Delivery | str:
