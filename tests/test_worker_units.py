@@ -1311,11 +1311,11 @@ async def test_news_of_an_old_attempt_that_was_not_running_does_not_drop_its_re_
     old = _delivery()
     old.final = ("ok", "length", "")  # finished during the outage; its completion never landed
     rt.held["r1"] = old
-    loop._lost.add("r1")  # renew: the old fence is lost (as rt.on_lost does), during the claim
+    rt.on_lost(["r1"])  # renew: the old fence is lost, during the claim
     c = dataclasses.replace(old.claimed, fence=2, attempt=2)
     new = Delivery(c, Payload("completion", "hi", 100), 2000, 0.0, 3, 1)
     rt.held["r1"] = new  # the claim hands it back
-    await loop._start(new)
+    await loop._start_all([new])
     await loop._apply_signals()
     assert "r1" in loop.sched and rt.held.get("r1") is new, "the re-claimed attempt was dropped"
 
