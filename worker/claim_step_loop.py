@@ -33,7 +33,9 @@ waiting for a slot, a sequence paused with its KV freed: released, requeued as a
 hands back), and the loop goes on. Redis outages back off and retry; nothing generated is
 dropped meanwhile.
 A request whose tokens Redis refuses (past the max_tokens its record allows) fails alone,
-saying why; the others of the same ``push_tokens`` call are delivered.
+saying why; the others of the same ``push_tokens`` call are delivered. So does one whose
+completion Redis refuses for another argument (a bug of the worker's own:
+``WorkerRuntime._fail_unfinishable``).
 """
 
 from __future__ import annotations
