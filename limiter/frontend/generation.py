@@ -37,7 +37,7 @@ from limiter.errors import (
 )
 from limiter.frontend import openai_api as oa
 from limiter.frontend.errors import LABELS, ApiError
-from limiter.frontend.replies import Reply, dedup
+from limiter.frontend.replies import REPLIES_LOST, Reply, dedup
 from limiter.frontend.runtime import Frontend
 from limiter.redis_conn import map_redis_errors
 from limiter.reply_text import pack, unpack, unpack_in_order
@@ -108,7 +108,7 @@ class Generation:
         # Registered before admitting: a fast worker's first tokens may arrive before admit
         # returns. run() or run_to_answer(), awaited (or made a task) right after
         # construction, unregisters it in any case.
-        self.queue = fe.router.register(self.request_id)
+        self.queue = fe.router.register(self.request_id, req.pool.name)
         self.maybe_admitted = False  # admit may have queued it: cancel on any abnormal exit
         self.terminal = False  # the request reached a final state; nothing left to cancel
         self.forwarded = 0  # tokens forwarded to the client (dedup by offset)
@@ -297,6 +297,8 @@ class Generation:
         if r.kind == "shutdown":  # not terminal: run() cancels it in Redis
             return ApiError(503, "This frontend is shutting down; the request was cancelled, retry it",
                                code="shutting_down", retry_after_s=1, outcome="unavailable")
+        if r.code == REPLIES_LOST:  # (the router's, not Redis': the request may still run)
+            return self.replies_lost_error()
         self.terminal = True
         if r.code == "expired":
             wait_s = self.fe.drain_estimate_s(self.req.pool.name, self.cls, 0)
@@ -324,11 +326,23 @@ class Generation:
         return ApiError(503, f"The worker failed the request: {r.message}", code="worker_failed",
                            retry_after_s=1, should_retry=False if exhausted else None, outcome="failed")
 
+    def replies_lost_error(self) -> ApiError:
+        """Reply entries of this request were lost unread (trimmed from a reply stream this
+        frontend fell too far behind on): its answer cannot be whole. Not terminal: run()
+        cancels it in Redis (its worker stops, its tenant is refunded the rest)."""
+        self.fe.metrics.replies_lost.labels(self.req.pool.name).inc()
+        return ApiError(503, "Part of this request's answer was lost before this frontend could relay it; "
+                             "retry it", code=REPLIES_LOST, retry_after_s=1, outcome="failed")
+
     def accept(self, r: Reply) -> str:
-        """The text of ``r`` not yet forwarded ('' for a replay from a resumed stream)."""
-        if r.offset > self.forwarded:  # push_tokens checks offsets, so this is a bug upstream
-            log.warning("%s: gap in reply stream (offset %d, forwarded %d)", self.request_id, r.offset,
-                        self.forwarded)
+        """The text of ``r`` not yet forwarded ('' for a replay from a resumed stream). An
+        entry that starts past what was forwarded means the entries between were lost (push
+        and complete check offsets, so only a reply stream trimmed unread does this): its
+        text after a hole would be a wrong answer given as a whole one, so the request fails."""
+        if r.offset > self.forwarded:
+            log.error("%s: reply entries lost (an entry at token %d, %d forwarded); answered 503 %s",
+                      self.request_id, r.offset, self.forwarded, REPLIES_LOST)
+            raise self.replies_lost_error()
         self.deadline_active = False  # a worker has it: the queue deadline no longer applies
         text, forwarded = dedup(r, self.forwarded)
         if r.count and forwarded == self.forwarded:
@@ -431,11 +445,11 @@ class Generation:
                     r = await self.next_reply()
                     if r.kind in ("err", "shutdown"):
                         raise self.reply_error(r)
+                    text = self.accept(r)
                 except ApiError as exc:
                     if resp is None:
                         raise
                     return await self.end_with_error(resp, exc)
-                text = self.accept(r)
                 out: list[bytes] = []
                 if resp is None:
                     if not text and r.kind != "done":

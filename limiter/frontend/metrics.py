@@ -76,6 +76,12 @@ class FrontendMetrics:
             "qos_frontend_lost_requests",
             "Admitted requests whose record Redis no longer held (it lost data), answered 503", ["pool"],
             registry=r)
+        # A reader that fell past the reply stream's cap (MAXLEN ~100,000 entries) read on after
+        # entries that were trimmed unread: their requests' answers would have been incomplete.
+        self.replies_lost = Counter(
+            "qos_frontend_replies_lost",
+            "Requests answered 503 replies_lost: reply entries of theirs were trimmed from the reply "
+            "stream before this frontend read them", ["pool"], registry=r)
 
         self.unsent_cancels = Gauge(
             "qos_frontend_unsent_cancels",

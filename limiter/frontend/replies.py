@@ -108,6 +108,8 @@ def dedup(r: Reply, forwarded: int) -> tuple[str, int]:
 
 
 READ_COUNT = 1000  # reply-stream entries one XREAD takes at most
+# The code of the error a request gets when reply entries of its may have been trimmed unread.
+REPLIES_LOST = "replies_lost"
 
 
 def _entries(resp: Any) -> Iterable[tuple[Any, dict[Any, Any]]]:
@@ -140,6 +142,7 @@ class ReplyRouter:
         self.metrics = metrics
         self.block_ms = block_ms
         self._queues: dict[str, asyncio.Queue[Reply]] = {}
+        self._pool_of: dict[str, str] = {}  # request id -> its pool, as registered
         self._admitted: dict[str, str] = {}  # request id -> pool, once admit returned
         # registered requests whose final reply came (maybe before their admit returned)
         self._ended: set[str] = set()
@@ -166,14 +169,18 @@ class ReplyRouter:
                 pipe.expire(stream, REPLY_TTL_S)
                 await pipe.execute()
 
-    def register(self, request_id: str) -> asyncio.Queue[Reply]:
-        """Call BEFORE admitting: a fast worker's first tokens may arrive before admit returns."""
+    def register(self, request_id: str, pool: str | None = None) -> asyncio.Queue[Reply]:
+        """Call BEFORE admitting: a fast worker's first tokens may arrive before admit returns.
+        ``pool``: the pool it is admitted to (whose reply entries lost it fails)."""
         q: asyncio.Queue[Reply] = asyncio.Queue()
         self._queues[request_id] = q
+        if pool is not None:
+            self._pool_of[request_id] = pool
         return q
 
     def unregister(self, request_id: str) -> None:
         self._queues.pop(request_id, None)
+        self._pool_of.pop(request_id, None)
         self._admitted.pop(request_id, None)
         self._ended.discard(request_id)
 
@@ -216,7 +223,8 @@ class ReplyRouter:
         for q in self._queues.values():
             q.put_nowait(reply)
 
-    def dispatch(self, pool: str, fields: dict[Any, Any]) -> None:
+    def dispatch(self, pool: str, fields: dict[Any, Any], to: set[str] | None = None) -> None:
+        """Hand the replies of one entry to their requests (whose ids are added to ``to``)."""
         try:
             replies = replies_of(fields)
         except ValueError:  # not from a script of ours: nothing to hand anyone
@@ -234,6 +242,25 @@ class ReplyRouter:
             self.metrics.reply_entries.labels(pool, reply.kind).inc()
             self._settle(rid, reply)
             q.put_nowait(reply)
+            if to is not None:
+                to.add(rid)
+
+    def _entries_lost(self, pool: str, heard: set[str]) -> None:
+        """Entries this reader had not read were trimmed (it fell more than the stream's cap
+        behind). Which requests they were for is not known: a request that heard nothing in the
+        read after them may have lost its final entry, and would wait out request_timeout_s
+        (or, with tokens lost in the middle, be answered short). Each such request of ``pool``
+        not ended yet is answered 503 replies_lost (its handler cancels it in Redis); one that
+        heard something there is judged by its offsets (Generation.accept): a lost token batch
+        shows as a gap before the next."""
+        ids = [rid for rid, p in self._pool_of.items()
+               if p == pool and rid not in heard and rid not in self._ended]
+        log.error("pool %s: reply-stream entries were trimmed before this frontend read them (it fell "
+                  "behind the stream's cap); %d requests in flight are answered 503 %s", pool, len(ids),
+                  REPLIES_LOST)
+        for rid in ids:
+            self.deliver(rid, Reply("err", code=REPLIES_LOST,
+                                    message="reply entries were trimmed before they were read"))
 
     async def run(self, keys: PoolKeys) -> None:
         """The one blocking reader of this pool's reply stream; runs until cancelled."""
@@ -243,6 +270,7 @@ class ReplyRouter:
         backoff = Backoff(f"reply stream {stream}", first_s=0.05, max_s=2.0, logger=log)
         block: int | None = None  # the first read does not block: /readyz knows at once
         while not self._stopping:
+            before = last
             try:
                 resp = await self.reader.xread({stream: last}, count=READ_COUNT, block=block)
             except asyncio.CancelledError:
@@ -257,12 +285,36 @@ class ReplyRouter:
             backoff.succeeded()
             # (entries read while stopping are still dispatched: their handlers may be waiting)
             read = 0
+            heard: set[str] = set()
             for entry_id, fields in _entries(resp):
                 last = _s(entry_id)
-                self.dispatch(keys.pool, fields)
+                self.dispatch(keys.pool, fields, heard)
                 read += 1
+            if read == READ_COUNT and before != "0-0":
+                await self._check_trimmed(keys, stream, before, heard)
+            # (only now: the heartbeat trims the stream up to this, `before` kept till then)
             self.last_ids[keys.pool] = last
             self.caught_up[keys.pool] = read < READ_COUNT
+
+    async def _check_trimmed(self, keys: PoolKeys, stream: str, before: str, heard: set[str]) -> None:
+        """After a full read from ``before``: were entries after it trimmed unread? The scripts
+        cap the stream at ~100,000 entries (lua/include/pool_keys.lua REPLY_MAXLEN), trimming
+        from its head, and the heartbeat trims it up to the last entry read but keeps that one:
+        while an entry at or before ``before`` is there, nothing after it went. Only a full read
+        can follow a trim past it (the stream then holds ~100,000 entries after it); a stream
+        lost whole (Redis restarted empty, a flush) and written again rarely holds a full read
+        by the next one, and what it lost went with the requests' records (the heartbeat
+        answers those). Asked after the read, never before: a pause between a check and the
+        read (an event loop busy for seconds, as when a reader falls behind) hid the trim."""
+        try:
+            kept = await self.reader.xrevrange(stream, max=before, min="-", count=1)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the next read meets the outage; this one's entries were fine
+            log.warning("pool %s: could not check the reply stream for trimmed entries: %s", keys.pool, exc)
+            return
+        if not kept:
+            self._entries_lost(keys.pool, heard)
 
 
 class Heartbeat:
