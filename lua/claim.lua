@@ -241,7 +241,7 @@ local function main()
       local r = load_request(id, CLAIM_FIELDS)
       -- its max wait passed, or its client's frontend is gone: it ends here, not on a worker
       local ends = r ~= nil and r.state == 'queued'
-        and (r.deadline_ms <= now or not frontend_alive(p, r.frontend, now))
+        and (r.deadline_ms <= now or not frontend_alive(p, r.frontend, now, r.enq_ms))
       if r == nil or r.state ~= 'queued' then
         -- an index entry without a queued record (only after a partial failure): drop it
         redis.call('ZREM', tenant_queue(pick, tenant), id)

@@ -38,7 +38,7 @@ local function main()
   local r = leased_request(request_id, worker_id, fence)
   if r == nil then return LEASE_LOST end
   local now = now_ms()
-  if r.cancel == 1 or not frontend_alive(p, r.frontend, now) then
+  if r.cancel == 1 or not frontend_alive(p, r.frontend, now, r.enq_ms) then
     cancel_orphan(p, r, now, 'its client went away while its worker was draining', not spent)
     return {'cancelled'}
   end

@@ -33,12 +33,12 @@ local function main()
   local lost, stop = {}, {}
   for _, e in ipairs(entries) do
     local id = e[1]
-    local held, cancel, frontend = leased_for_renewal(id, worker_id, e[2])
+    local held, cancel, frontend, admitted_ms = leased_for_renewal(id, worker_id, e[2])
     if not held then
       lost[#lost + 1] = id
     else
       extend_lease(p, id, now + lease_ms, now)
-      if cancel ~= 1 and not frontend_alive(p, frontend, now) then
+      if cancel ~= 1 and not frontend_alive(p, frontend, now, admitted_ms) then
         flag_cancel(id)
         cancel = 1
       end

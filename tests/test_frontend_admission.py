@@ -18,6 +18,7 @@ from limiter.errors import Throttled
 from limiter.frontend.generation import Generation
 from limiter.localstack.redis_server import RedisServer
 from limiter.samples import decode_sample
+from limiter.scripts import Scripts, policy_document
 from tests.support.fake_worker import FakeWorker
 from tests.support.frontend_helpers import POOL, auth, bucket_tokens, fe_of, frontend, make_cfg, tenant
 from tests.support.helpers import wait_until
@@ -752,3 +753,27 @@ async def test_a_request_admitted_right_after_redis_lost_everything_is_not_cance
         r = await client.post("/v1/completions", json=body, headers=auth())
         assert r.status == 200, await r.text()
         assert (await r.json())["choices"][0]["text"] == "abc"
+
+
+async def test_a_request_admitted_after_another_role_wrote_the_lost_policy_is_not_cancelled_as_an_orphan(
+        redis_server, sync_redis, aredis):
+    """Redis restarted empty and another role (the controller, another frontend) wrote the
+    policy again first: this frontend's admit never met NOPOLICY, so it did not beat before
+    admitting, and its heartbeat entry stayed gone until its next beat (heartbeat_s away).
+    claim found no entry and cancelled the request as an orphan (503 request_cancelled from a
+    live, ready frontend). A request admitted within the frontend TTL counts its frontend
+    alive while the frontend has no entry (lua/include/liveness.lua)."""
+    cfg = make_cfg(redis_server.url, pool={"frontend_ttl_ms": 60_000})
+    # (a beat 20 s away: the window stays open for the whole test)
+    async with frontend(cfg, heartbeat_s=20.0) as client, FakeWorker(aredis, POOL, fixed_text="abc"):
+        fe = fe_of(client)
+        body = {"model": "tiny", "prompt": "x", "max_tokens": 3}
+        r = await client.post("/v1/completions", json=body, headers=auth())
+        assert r.status == 200, await r.text()
+        sync_redis.flushall()  # as a Redis restart without persistence
+        await Scripts(aredis).init_pool(POOL, policy_document(cfg, cfg.pools[0]))  # the other role
+        r = await client.post("/v1/completions", json=body, headers=auth())
+        assert r.status == 200, await r.text()
+        assert (await r.json())["choices"][0]["text"] == "abc"
+        # the window this is about: no beat of this frontend since the flush
+        assert sync_redis.zscore(POOL.frontends, fe.frontend_id) is None

@@ -38,7 +38,7 @@ local function reap_leases(p, now, limit)
     local r = load_request(id)
     if r == nil or r.state ~= 'leased' then
       redis.call('ZREM', K_LEASES, id)
-    elseif r.cancel == 1 or not frontend_alive(p, r.frontend, now) then
+    elseif r.cancel == 1 or not frontend_alive(p, r.frontend, now, r.enq_ms) then
       cancel_orphan(p, r, now, 'its lease expired and its client frontend went away')
       cancelled = cancelled + 1
     elseif r.attempts >= p.max_attempts then

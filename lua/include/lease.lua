@@ -34,13 +34,13 @@ local function leased_for_write(id, worker_id, fence)
 end
 
 -- For renew_leases: whether request `id` is leased to this worker with the fence token
--- `fence` (as leased_for_write checks it), then (when it is) its cancel flag (0|1) and
--- frontend (nil: none). One HMGET.
+-- `fence` (as leased_for_write checks it), then (when it is) its cancel flag (0|1),
+-- frontend (nil: none) and admission time (enq_ms: liveness.lua frontend_alive). One HMGET.
 local function leased_for_renewal(id, worker_id, fence)
   local v = redis.call('HMGET', P_REQUEST .. id, unpack(RENEW_FIELDS))
   if v[1] ~= 'leased' or v[2] ~= worker_id then return false end
   if v[3] ~= fence and tonumber(v[3]) ~= tonumber(fence) then return false end
-  return true, v[5] == '1' and 1 or 0, v[4] or nil
+  return true, v[5] == '1' and 1 or 0, v[4] or nil, tonumber(v[6])
 end
 
 -- Extend a lease to `until_ms`; the record lives at least that long. `fields`: more

@@ -12,9 +12,16 @@
 --   reconnects a moment later than another is not cancelled for it. So does a frontend's
 --   first beat ever that finds no frontend beaten within the TTL (it may have started during
 --   the outage): the newest beat is when they lost Redis.
-local function frontend_alive(p, frontend, now)
+-- `admitted_ms`: when the request in question was admitted (its enq_ms). A frontend with no
+-- entry at all is dead (pruned long silent, or it left) -- unless that admit was within the
+-- TTL: Redis lost its data (a restart without persistence, a flush, a failover to a replica
+-- that never saw it) and another role (the controller, another frontend) wrote the policy
+-- again first, so this frontend's admit met no NOPOLICY and did not beat before it; its entry
+-- was missing until its next beat (up to heartbeat_s) and claim cancelled what it admitted
+-- meanwhile as an orphan. An admit is the frontend's proof of life then.
+local function frontend_alive(p, frontend, now, admitted_ms)
   local seen = tonumber(redis.call('ZSCORE', K_FRONTENDS, frontend))
-  if seen == nil then return false end
+  if seen == nil then return admitted_ms ~= nil and admitted_ms >= now - p.frontend_ttl_ms end
   local ttl = p.frontend_ttl_ms
   if seen >= now - ttl then return true end
   local lost = tonumber(redis.call('GET', K_OUTAGE))

@@ -21,7 +21,7 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
 -- asks the cancels set for everything it holds (limiter/scripts.py Pushed).
 local PUSH_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens'}
 -- renew_leases: whether to tell the worker to stop (cancel, or a frontend gone).
-local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel'}
+local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel', 'enq_ms'}
 
 -- The record of request `id` (nil when there is none): the fields `fields` (default: all of
 -- REQ_FIELDS; must include state), numbers as numbers; an absent counter reads as 0.
