@@ -1303,3 +1303,38 @@ async def test_a_lease_lost_notice_of_an_old_attempt_does_not_touch_the_new_one_
     # the test's release gave its attempt back; a dropped attempt would spend one at its lease's end
     assert rec["state"] == "done" and int(rec["attempts"]) == 1, rec
     assert len(set(a.attempts)) == 2, a.attempts  # the old attempt's tokens, then the new one's
+
+
+async def test_a_hand_back_redis_refuses_for_a_worker_bug_drops_that_request_not_the_worker(
+        env, caplog) -> None:
+    """A ``release`` refused for an argument that is not the request's tokens (a bug of the
+    worker's own) raised InvalidArgument out of WorkerRuntime.release and stopped the draining
+    worker with the requests it still held. That one is dropped (its lease lapses and the
+    janitor requeues it: a worker resumes it); the others are handed back; the worker exits 0."""
+    from limiter.errors import InvalidArgument
+
+    cfg, c = env
+    first = await c.admit("one whose hand-back is refused", max_tokens=400)
+    second = await c.admit("one handed back", max_tokens=400)
+    rt, _loop, task = await start_worker(cfg, engine="sim", time_scale=1.0, max_seqs=4, lease_ms=1500)
+    await wait_until(lambda: hasattr(rt, "scripts"), "the worker's scripts")
+    recorded = rt.scripts.release
+
+    async def release(keys, **kw):
+        if kw["request_id"] == first:
+            raise InvalidArgument("fence", "must be an integer >= 1 (a worker bug, simulated)")
+        return await recorded(keys, **kw)
+
+    rt.scripts.release = release
+    await c.wait_tokens(first, 2, timeout=15)
+    await c.wait_tokens(second, 2, timeout=15)
+    await drained_now(rt, task)  # (asserts the worker exited 0 within 30 s)
+    assert any(r.levelname == "ERROR" and first in r.getMessage() and "hand-back" in r.getMessage()
+               for r in caplog.records), caplog.text
+    assert (await c.record(second))["state"] == "queued"  # handed back at once
+    # the refused one waits out its lease; the janitor of the next worker requeues it
+    async with worker(cfg, engine="sim", time_scale=0.05):
+        await c.wait([first, second], timeout=60)
+    for rid in (first, second):
+        a = c.answers[rid]
+        assert a.done is not None and a.tokens == 400, a

@@ -548,10 +548,16 @@ class WorkerRuntime:
             log.info("%s: handed back (%s) after %d tokens", d.request_id, state, d.offset)
         except LeaseLost:
             pass
-        except InvalidArgument as exc:  # its tokens refused (the push): failed, not handed back
-            if exc.field not in TOKEN_FIELDS:
-                raise
-            await self.fail_refused(d, exc)
+        except InvalidArgument as exc:
+            if exc.field in TOKEN_FIELDS:  # its tokens refused (the push): failed, not handed back
+                await self.fail_refused(d, exc)
+                return
+            # the release's own arguments refused: a bug of the worker's, which the same call
+            # meets every time; raised, it stopped the draining worker with all it still held.
+            # Dropped, the request waits out its lease and the janitor requeues it.
+            log.error("%s: Redis refused its hand-back (%s): a bug of the worker's; dropped, its lease "
+                      "lapses and the janitor requeues it", d.request_id, exc)
+            self.drop(d.request_id, "refused", d)
             return
         self.drop(d.request_id, "released", d)
 
