@@ -53,8 +53,13 @@ def _chat_of(body: dict[str, Any], cfg: Any = None) -> dict[str, Any]:
 async def _events(r: Any) -> list[dict[str, Any]]:
     """A streamed response's events, each checked against the SDK's union of event types and
     its SSE ``event:`` line against its ``type``."""
+    return _events_of(await r.read())
+
+
+def _events_of(raw: bytes) -> list[dict[str, Any]]:
+    """The events of a streamed response's body, checked as :func:`_events` says."""
     out = []
-    for block in (await r.read()).decode().split("\n\n"):
+    for block in raw.decode().split("\n\n"):
         if not block.strip():
             continue
         lines = dict(line.split(": ", 1) for line in block.split("\n"))
@@ -818,3 +823,57 @@ def test_whitespace_held_before_a_message_opens_keeps_its_tokens_logprobs(then: 
     assert [p["token"] for p in delta["logprobs"]] == [p["token"] for p in done["logprobs"]] == want
     text = events[-1]["response"]["output"][1]["content"][0]
     assert [p["token"] for p in text["logprobs"]] == want and text["logprobs"][0]["bytes"] == [32]
+
+
+def _token_chunk(delta: dict[str, Any], token: str, lp: float, completion_tokens: int,
+                 finish: str | None = None) -> bytes:
+    """A chat chunk of one token, its logprob beside its delta, as vLLM streams it."""
+    c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny", "choices": [{
+        "index": 0, "delta": delta, "finish_reason": finish,
+        "logprobs": {"content": [{"token": token, "logprob": lp, "bytes": list(token.encode()),
+                                  "top_logprobs": []}]}}],
+         "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens,
+                   "total_tokens": 5 + completion_tokens}}
+    return ("data: " + json.dumps(c) + "\n\n").encode()
+
+
+@pytest.mark.parametrize("text", ["Hi", ""])
+async def test_the_logprob_of_a_token_without_text_reaches_the_streamed_response(
+        redis_server, fake_upstream, text: str) -> None:
+    """vLLM's last chunk has no text and the stop token's logprob (its text left out). The
+    whole answer's output_text holds it, as the chat's: streamed, it is in a delta of its own
+    (a push of no text), the done text and the final response, also when it is the whole
+    answer after thinking. Dropped as a push without text, the streamed response lost it."""
+    cfg, up = _logprobs_cfg(redis_server.url), fake_upstream
+    read = asyncio.Event()
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        first = {"content": text} if text else {"reasoning": "Hmm."}
+        await resp.write(_token_chunk(first, text or "Hmm.", -0.5, 1))
+        if n == 2:  # the streamed request: the stop token comes once the first push was read
+            await read.wait()
+        return await end_stream(resp, _token_chunk({"content": ""}, "<|eot_id|>", -0.125, 2, "stop"))
+
+    up.scripts["EOS"] = script
+    body = {"model": "tiny", "input": "EOS", "max_output_tokens": 40,
+            "include": ["message.output_text.logprobs"]}
+    want = [*([text] if text else []), "<|eot_id|>"]
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
+        r = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
+        assert r.status == 200, await r.text()
+        raw = b""
+        while b"response.output_text.delta" not in raw and b"reasoning_text.delta" not in raw:
+            raw += await r.content.readany()
+        read.set()
+        events = _events_of(raw + await r.content.read())
+    _check_order(events)
+    message = [i for i in whole["output"] if i["type"] == "message"][-1]
+    assert [p["token"] for p in message["content"][0]["logprobs"]] == want
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    streamed = [p["token"] for e in deltas for p in e["logprobs"]]
+    (done,) = [e for e in events if e["type"] == "response.output_text.done"]
+    final = [i for i in events[-1]["response"]["output"] if i["type"] == "message"][-1]
+    assert streamed == [p["token"] for p in done["logprobs"]] == want
+    assert final["content"][0]["logprobs"] == message["content"][0]["logprobs"]

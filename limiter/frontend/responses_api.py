@@ -280,7 +280,7 @@ class ResponseEvents:
         text, self.blank = self.blank, ""
         logprobs, self.blank_logprobs = self.blank_logprobs, []
         out = self._open_message()
-        if text:
+        if text or logprobs:
             out.append(self._text_delta(text, logprobs))
         return out
 
@@ -327,7 +327,9 @@ class ResponseGeneration(Generation):
                 out += ev.reasoning(piece.reasoning)
             for calls in piece.tool_calls:
                 out += ev.tool_calls(calls)
-            if piece.content:
+            # (a push of no text may still hold a token's logprob: vLLM's stop token, whose
+            # text is left out, in its last chunk; the whole answer's output_text holds it)
+            if piece.content or piece.text_logprobs:
                 out += ev.text(piece.content, piece.text_logprobs)
         if r.kind == "done":
             self.observe_done(r)
