@@ -156,3 +156,34 @@ async def test_a_token_batch_lost_unread_fails_the_request_rather_than_skip_its_
         assert lost_counted(fe) == 1
         await wait_until(lambda: sync_redis.sismember(POOL.cancels, c.request_id),
                          "the request to be cancelled in Redis")
+
+
+async def test_a_reply_stream_lost_whole_and_written_again_past_a_full_read_fails_no_request(
+        redis_server, sync_redis, aredis, monkeypatch):
+    """The reply stream's key went whole (it expired after REPLY_TTL_S without an entry, Redis
+    restarted empty or was flushed) and was written again, more than a read's worth
+    (READ_COUNT), before the reader's next read: no entry at or before where the reader was is
+    there, yet nothing was trimmed (a stream trimmed by its cap holds ~100,000 entries). The
+    request, whose entries all came after, gets its whole answer, not 503 replies_lost."""
+    from limiter.frontend.replies import READ_COUNT
+
+    scripts = Scripts(aredis)
+    async with frontend(make_cfg(redis_server.url)) as client:
+        fe = fe_of(client)
+        gate = ReaderGate(fe, monkeypatch)
+        c, _resp, chunks = await open_stream(client, scripts, aredis)
+        await gate.close(aredis)
+        stream = POOL.reply(fe.frontend_id)
+        await aredis.delete(stream)  # (its TTL ran out, or Redis lost it)
+        pipe = aredis.pipeline(transaction=False)
+        for _ in range(READ_COUNT + 10):  # other requests' replies (their clients gone)
+            pipe.xadd(stream, {"id": "r-gone", "k": "tok", "o": 0, "n": 1, "t": "x"},
+                      maxlen=REPLY_MAXLEN, approximate=True)
+        await pipe.execute()
+        await scripts.complete(POOL, request_id=c.request_id, worker_id=WORKER, fence=c.fence, outcome="ok",
+                               usage_in=2, token_ids=[ord(ch) for ch in "def"], text="def")
+        gate.open.set()
+        text, error, done = await rest_of(chunks, "the stream's end")
+        assert error is None, error
+        assert (text, done) == ("def", True)
+        assert lost_counted(fe) == 0

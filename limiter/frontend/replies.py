@@ -33,6 +33,9 @@ from limiter.redis_conn import redis_now_ms
 log = logging.getLogger("qos.frontend.replies")
 # A reply stream's TTL, as the scripts set it on every entry (lua/include/pool_keys.lua).
 REPLY_TTL_S = 600
+# A reply stream's cap, as the scripts' XADD MAXLEN ~ sets it (lua/include/pool_keys.lua): a
+# stream trimmed by it holds at least this many entries (`~` never trims below it).
+REPLY_MAXLEN = 100_000
 REPLY_BLOCK_MS = 2000  # a reply reader's XREAD BLOCK: how long an idle read waits
 
 
@@ -164,7 +167,7 @@ class ReplyRouter:
             stream = keys.reply(self.frontend_id)
             with contextlib.suppress(Exception):
                 pipe = self.client.pipeline(transaction=False)
-                pipe.xadd(stream, {"k": "stop"}, maxlen=100_000, approximate=True)
+                pipe.xadd(stream, {"k": "stop"}, maxlen=REPLY_MAXLEN, approximate=True)
                 # The wake-up entry may create the stream: never leave one without a TTL.
                 pipe.expire(stream, REPLY_TTL_S)
                 await pipe.execute()
@@ -302,18 +305,24 @@ class ReplyRouter:
         from its head, and the heartbeat trims it up to the last entry read but keeps that one:
         while an entry at or before ``before`` is there, nothing after it went. Only a full read
         can follow a trim past it (the stream then holds ~100,000 entries after it); a stream
-        lost whole (Redis restarted empty, a flush) and written again rarely holds a full read
-        by the next one, and what it lost went with the requests' records (the heartbeat
-        answers those). Asked after the read, never before: a pause between a check and the
-        read (an event loop busy for seconds, as when a reader falls behind) hid the trim."""
+        lost whole (its TTL ran out, Redis restarted empty, a flush) and written again holds
+        no entry at or before ``before`` either, and may hold a full read by the next one (a
+        reader held up, or backing off from the outage): it is told apart by its length, as
+        a stream the cap trimmed holds at least REPLY_MAXLEN entries (``~`` never trims below
+        it; the heartbeat trims only entries before ``before``, of which there are none then).
+        What a stream lost whole held went with the requests' records (the heartbeat answers
+        those); taken for a trim, every request that heard nothing in the read was failed.
+        Asked after the read, never before: a pause between a check and the read (an event
+        loop busy for seconds, as when a reader falls behind) hid the trim."""
         try:
             kept = await self.reader.xrevrange(stream, max=before, min="-", count=1)
+            trimmed = not kept and await self.reader.xlen(stream) >= REPLY_MAXLEN
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the next read meets the outage; this one's entries were fine
             log.warning("pool %s: could not check the reply stream for trimmed entries: %s", keys.pool, exc)
             return
-        if not kept:
+        if trimmed:
             self._entries_lost(keys.pool, heard)
 
 
