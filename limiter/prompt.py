@@ -13,13 +13,14 @@
        "temperature": float, "top_p": float, "stop": [str], "seed": int|None, "model": str,
        "ignore_eos": bool, "min_tokens": int, "messages": [{"role", "content", "name"?, "tool_call_id"?,
        "tool_calls"?, "reasoning"? | "reasoning_content"?}],
-       "stream": bool, "grouped_tokens": bool}
+       "stream": bool, "grouped_tokens": bool, "aside_logprobs": bool}
 
-  The last five are optional (a payload without them decodes to their defaults; ``stream``
+  The last six are optional (a payload without them decodes to their defaults; ``stream``
   is written only when false, and a payload without it, from an older frontend, is taken
   for a streamed one: pushed as often as before; ``grouped_tokens`` only when true, and a
   payload without it, from an older frontend, gets one reply entry per token batch, the
-  only kind that frontend reads). ``messages``
+  only kind that frontend reads; ``aside_logprobs`` the same, and without it a chunk's
+  logprobs are all marked as that frontend reads them, limiter/reply_text.py). ``messages``
   are the chat messages as data: the openai engine sends them upstream as they are, never
   parsed back out of the rendered ``prompt`` (a user message that contains ``<|system|>``
   must stay a user message).
@@ -169,6 +170,10 @@ class Payload:
     # from one reply-stream entry (lua/include/notify.lua notify_grouped). Every frontend of
     # this release does; False (absent) from an older one, which reads one entry per batch.
     grouped_tokens: bool = False
+    # Whether the request's frontend reads the logprobs of a chunk without text marked apart
+    # (limiter/reply_text.py NUL L). Every frontend of this release does; False (absent) from
+    # an older one, which kept the mark as text (the logprobs' JSON in its client's thinking).
+    aside_logprobs: bool = False
     # Sampling fields the client left out (of DEFAULTABLE): the values above are the
     # service's defaults for the step engines, while a model server in front of which the
     # openai engine sits is sent nothing for them, so it applies its own (vLLM: the model's
@@ -209,6 +214,8 @@ class Payload:
             d["stream"] = False
         if self.grouped_tokens:
             d["grouped_tokens"] = True
+        if self.aside_logprobs:
+            d["aside_logprobs"] = True
         if self.defaulted:
             d["defaulted"] = list(self.defaulted)
         if self.upstream:
@@ -235,6 +242,7 @@ class Payload:
                        messages=tuple(ChatMessage.from_dict(m) for m in d.get("messages") or ()),
                        stream=_flag(d.get("stream", True), "stream"),
                        grouped_tokens=_flag(d.get("grouped_tokens", False), "grouped_tokens"),
+                       aside_logprobs=_flag(d.get("aside_logprobs", False), "aside_logprobs"),
                        defaulted=tuple(n for n in DEFAULTABLE if n in (d.get("defaulted") or ())),
                        upstream=_upstream(d.get("upstream") or {}),
                        prompt_ids=_token_ids(d.get("prompt_ids") or ()))

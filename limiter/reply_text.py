@@ -14,7 +14,9 @@ the scripts never read it), so the reasoning rides inside it, marked:
 * ``NUL l`` starts one chunk's token log probabilities (``logprobs`` asked of a pool with
   ``logprobs`` on): their JSON array up to the next mark, an entry per token (:data:`Logprob`);
   ``NUL L`` the same of a chunk of thinking or tool calls and no text, whose tokens are no
-  part of the answer's text (a Responses ``output_text`` holds its text's alone);
+  part of the answer's text (a Responses ``output_text`` holds its text's alone), written
+  only for a request whose payload says its frontend reads it (``aside_logprobs``: an older
+  one kept the mark as text);
 * ``NUL c`` goes back to the answer's text;
 * ``NUL NUL`` is one NUL of the text it is in.
 
@@ -59,8 +61,12 @@ class ReplyText(NamedTuple):
 
 
 def pack(content: str, reasoning: str = "", field: str = "reasoning",
-         tool_calls: list[dict[str, Any]] | None = None, logprobs: list[Logprob] | None = None) -> str:
-    """One batch's text as a push carries it (module docstring)."""
+         tool_calls: list[dict[str, Any]] | None = None, logprobs: list[Logprob] | None = None,
+         aside: bool = True) -> str:
+    """One batch's text as a push carries it (module docstring). ``aside``: the reader knows
+    ``NUL L`` (a request's payload says so: its frontend's release reads it); else a chunk's
+    logprobs are all marked ``NUL l``, as before the mark: an older frontend kept a mark it
+    did not know as text, and its client read the logprobs' JSON in the thinking."""
     if NUL in content:
         content = content.replace(NUL, NUL + NUL)
     if not reasoning and not tool_calls and not logprobs:
@@ -69,8 +75,8 @@ def pack(content: str, reasoning: str = "", field: str = "reasoning",
         reasoning = reasoning.replace(NUL, NUL + NUL)
     thought = f"{NUL}{REASONING_FIELDS[field]}{reasoning}" if reasoning else ""
     calls = f"{NUL}t{orjson.dumps(tool_calls).decode()}" if tool_calls else ""
-    aside = "L" if not content and (reasoning or tool_calls) else "l"
-    probs = f"{NUL}{aside}{orjson.dumps(logprobs).decode()}" if logprobs else ""
+    mark = "L" if aside and not content and (reasoning or tool_calls) else "l"
+    probs = f"{NUL}{mark}{orjson.dumps(logprobs).decode()}" if logprobs else ""
     return f"{thought}{calls}{probs}{NUL}c{content}"
 
 

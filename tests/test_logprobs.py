@@ -90,6 +90,30 @@ def test_the_texts_own_logprobs_are_those_of_chunks_with_text_or_with_nothing_el
     assert got.logprobs == tuple(lp) and got.text_logprobs == (lp[2], lp[3], lp[4])
 
 
+def test_an_older_frontends_request_gets_no_logprobs_mark_that_frontend_does_not_read() -> None:
+    """A rolling deploy: a frontend of an older release kept ``NUL L`` (a mark it does not
+    know) as text, and its client read the logprobs' JSON in the thinking. Only a payload of
+    a frontend that reads it (``aside_logprobs``, this release's) gets it; an older one's
+    chunk of thinking alone marks its logprobs ``NUL l``, as that release wrote them."""
+    from limiter.scripts import Claimed
+    from worker.delivery import Delivery
+
+    lp = ["hm", -0.5, None, []]
+    claimed = Claimed("r1", "P1", "t1", 1, b"", 0, 5, 100_000, "fe1", 0, [], 0, 0)
+    texts = {}
+    for aside in (False, True):
+        payload = Payload("chat", "x", 100, aside_logprobs=aside)
+        assert Payload.unpack(payload.pack()).aside_logprobs is aside
+        d = Delivery(claimed, payload, claim_now_ms=0, claim_t=0.0, usage_in=5, class_rank=1)
+        d.add([1], "", 0.0, reasoning="hm", logprobs=[lp])
+        texts[aside] = d.pending_text
+    assert "\x00L" not in texts[False]
+    assert unpack(texts[False]) == ReplyText("", "hm", "reasoning", (), (lp,), (lp,))
+    assert unpack(texts[True]) == ReplyText("", "hm", "reasoning", (), (lp,))
+    # (this release's frontend says it reads the mark: test_vllm_compat.py
+    # test_extensions_reach_the_worker_payload)
+
+
 # --- the request -----------------------------------------------------------------------------
 
 def test_a_logprobs_pools_request_carries_its_logprobs_fields_to_the_model_server() -> None:

@@ -101,6 +101,7 @@ async def test_extensions_reach_the_worker_payload(client, fake_worker):
     assert p.ignore_eos is True and p.min_tokens == 5 and p.max_tokens == 12 and p.messages == ()
     assert p.stream is False  # what the worker's push cadence follows
     assert p.grouped_tokens is True  # this frontend reads a push's grouped reply entries
+    assert p.aside_logprobs is True  # and a chunk's logprobs marked apart (reply_text.py NUL L)
 
     r = await client.post("/v1/completions", json={**body, "stream": True}, headers=auth())
     assert r.status == 200, await r.text()

@@ -115,7 +115,8 @@ class Delivery:
         carries marked in the text (limiter/reply_text)."""
         n = len(token_ids) if tokens is None else tokens
         if reasoning or tool_calls or logprobs or NUL in text:
-            text = pack(text, reasoning, reasoning_field, tool_calls, logprobs)
+            text = pack(text, reasoning, reasoning_field, tool_calls, logprobs,
+                        aside=self.payload.aside_logprobs)
         if (n or token_ids or text) and self.pending_since is None:
             self.pending_since = t
         self.pending_ids.extend(token_ids)

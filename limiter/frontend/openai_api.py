@@ -63,7 +63,8 @@ class GenerationRequest:
                        model=self.model, ignore_eos=self.ignore_eos, min_tokens=self.min_tokens,
                        messages=self.messages, stream=self.stream, defaulted=self.defaulted,
                        upstream=self.upstream, prompt_ids=self.prompt_ids,
-                       grouped_tokens=True)  # this frontend reads grouped entries (replies.py)
+                       grouped_tokens=True,  # this frontend reads grouped entries (replies.py)
+                       aside_logprobs=True)  # and NUL L (limiter/reply_text.py)
 
 
 # The longest integer a body may hold: no field means anything past 2**64 (20 digits), and
