@@ -877,3 +877,43 @@ async def test_the_logprob_of_a_token_without_text_reaches_the_streamed_response
     final = [i for i in events[-1]["response"]["output"] if i["type"] == "message"][-1]
     assert streamed == [p["token"] for p in done["logprobs"]] == want
     assert final["content"][0]["logprobs"] == message["content"][0]["logprobs"]
+
+
+async def test_a_stop_tokens_logprob_after_a_tool_call_is_no_part_of_the_text_before_it(
+        redis_server, fake_upstream) -> None:
+    """Text, then a tool call, then the stop token without text: streamed, the message closed
+    when the call opened, so the stop token has no text to join; the whole answer leaves it
+    out of its message too (a run of calls and no text holds tokens of its own), so both read
+    the same logprobs -- the text's."""
+    cfg = make_cfg(redis_server.url, pool={"logprobs": True, "tool_calls": True})
+    up = fake_upstream
+    read = asyncio.Event()
+
+    async def script(request: Any, body: dict[str, Any], n: int) -> Any:
+        resp = await sse_response(request)
+        await resp.write(_token_chunk({"content": "Let me look."}, "Let me look.", -0.5, 1))
+        call = {"tool_calls": CALL_DELTAS[0][:1] and [{**CALL_DELTAS[0][0], "function": {
+            "name": "get_weather", "arguments": "{\"city\": \"Paris\"}"}}]}
+        await resp.write(_token_chunk(call, "<call>", -0.25, 2))
+        if n == 2:  # the streamed request: the stop token in a push of its own
+            await read.wait()
+        return await end_stream(resp, _token_chunk({"content": ""}, "<|eot_id|>", -0.125, 3, "tool_calls"))
+
+    up.scripts["Look"] = script
+    body = {"model": "tiny", "input": "Look", "tools": [WEATHER], "max_output_tokens": 40,
+            "include": ["message.output_text.logprobs"]}
+    async with frontend(cfg) as client, worker(cfg, engine="openai", upstream_url=up.url):
+        whole = await (await client.post("/v1/responses", headers=auth(), json=body)).json()
+        r = await client.post("/v1/responses", headers=auth(), json={**body, "stream": True})
+        assert r.status == 200, await r.text()
+        raw = b""
+        while b"response.function_call_arguments" not in raw:
+            raw += await r.content.readany()
+        read.set()
+        events = _events_of(raw + await r.content.read())
+    _check_order(events)
+    assert [i["type"] for i in whole["output"]] == ["message", "function_call"]
+    assert [p["token"] for p in whole["output"][0]["content"][0]["logprobs"]] == ["Let me look."]
+    final = events[-1]["response"]["output"]
+    assert [i["type"] for i in final] == ["message", "function_call"]
+    assert final[0]["content"][0]["logprobs"] == whole["output"][0]["content"][0]["logprobs"]

@@ -21,7 +21,7 @@ from limiter.frontend.errors import LABELS, ApiError
 from limiter.frontend.generation import Generation
 from limiter.frontend.replies import Reply
 from limiter.frontend.responses_request import ResponseShape
-from limiter.reply_text import Logprob, unpack, unpack_in_order
+from limiter.reply_text import Logprob, unpack_in_order
 
 # --- the answer ----------------------------------------------------------------------------
 
@@ -310,8 +310,12 @@ class ResponseGeneration(Generation):
         text, r = await self.whole_reply()
         chat = self.full_answer(text, r)
         # the logprobs of the answer's text (a chunk of thinking or calls alone has tokens of
-        # its own, which no output_text holds)
-        output, status = output_of(chat, self.shape, unpack(text).text_logprobs)
+        # its own, which no output_text holds; so has a run of calls and no text, where a stop
+        # token after them lands: a stream's message closed at the calls, as the same token
+        # there joins no text)
+        logprobs = [p for run in unpack_in_order(text) if run.content or not run.tool_calls
+                    for p in run.text_logprobs]
+        output, status = output_of(chat, self.shape, logprobs)
         usage = chat["usage"]
         return response_object(self.shape, self.req, self.response_id, self.created, status, output,
                                (usage["prompt_tokens"], usage["completion_tokens"]))
