@@ -43,7 +43,8 @@ class WorkerMetrics:
         self.cancellations = Counter("qos_worker_cancellations", "Requests stopped because their client "
                                      "went away", registry=r)
         self.finished = Counter("qos_worker_requests", "Requests this worker finished, by outcome "
-                                "(ok, cancelled, failed, refused, lost, released, given_up)",
+                                "(ok, cancelled, failed, refused, lost, released, given_up; dropped: "
+                                "a call Redis refused for a worker bug, left to its lease)",
                                 ["class", "outcome"], registry=r)
         self.pushes = Counter("qos_worker_pushes", "token batches pushed, one per request and push "
                               "(a push_tokens call carries a step's due requests)", registry=r)

@@ -519,7 +519,7 @@ class WorkerRuntime:
         if d.plain_failure:
             log.error("%s: Redis refused even its plain failure (%s); dropped: its lease lapses and "
                       "the janitor ends it", d.request_id, exc)
-            self.drop(d.request_id, "refused", d)
+            self.drop(d.request_id, "dropped", d)
             return
         log.error("%s: Redis refused its completion (%s) as %s: a bug of the worker's; failing the "
                   "request after %d delivered", d.request_id, exc, d.final, d.offset)
@@ -557,7 +557,7 @@ class WorkerRuntime:
             # Dropped, the request waits out its lease and the janitor requeues it.
             log.error("%s: Redis refused its hand-back (%s): a bug of the worker's; dropped, its lease "
                       "lapses and the janitor requeues it", d.request_id, exc)
-            self.drop(d.request_id, "refused", d)
+            self.drop(d.request_id, "dropped", d)
             return
         self.drop(d.request_id, "released", d)
 
