@@ -344,3 +344,27 @@ def test_a_higher_class_takes_its_room_from_the_richest_tenant_below_it() -> Non
     running = [run("a1", "a", 0, 100), run("a2", "a", 1, 100), run("b1", "b", 2, 20)]  # 223 through next step
     p0 = Candidate("p0", 0, 5, 30, tenant="c")  # needs 31: 17 free
     assert choose_preemption(running, [p0], Limits(max_seqs=4, kv_capacity=240)) == Preemption("a2", True)
+
+
+def test_a_lower_class_stream_does_not_keep_a_tenant_behind_from_a_richer_tenants_kv() -> None:
+    """Rule 3 with a lower class running: a flood tenant's streams hold P1's KV and a small P2
+    stream runs beside them. Pausing the P2 alone does not make room for a light P1 tenant's
+    request, pausing it and one flood sequence does: the P2 goes first (its KV freed), then
+    the flood's. Before, a lower class running turned rule 3 off altogether, and the light
+    request waited for the flood's growth to pause one of its own (67 steps in
+    test_batch_scheduler.py)."""
+    def run(rid: str, rank: int, tenant: str, arrival: float, kv: int) -> SeqState:
+        return SeqState(rid, rank, arrival, 0, True, kv, tenant)
+
+    flood = [run(f"f{i}", 1, "flood", i, 300) for i in range(3)]
+    limits = Limits(max_seqs=8, kv_capacity=1000)
+    light = Candidate("l", 1, 10, 200, tenant="light")  # needs 201
+    p2 = run("p2", 2, "", 0, 5)  # 6 through the next step: 91 free
+    assert choose_preemption([*flood, p2], [light], limits) == Preemption("p2", free_kv=True)
+    paused = Candidate("p2", 2, 0, 6)  # its KV freed: rule 3 now
+    assert choose_preemption(flood, [light, paused], limits) == Preemption("f2", free_kv=True)
+    # a P2 keeping its KV while it waits: freed first, the same way
+    kept = Candidate("p2", 2, 0, 0, resident_kv=5)
+    assert choose_preemption(flood, [light, kept], limits) == Preemption("p2", free_kv=True)
+    # where even that would not make room (the flood may give up two of its three), nobody moves
+    assert choose_preemption([*flood, p2], [Candidate("l", 1, 10, 700, tenant="light")], limits) is None

@@ -109,3 +109,33 @@ def test_a_light_tenant_beside_a_flood_holding_the_kv_starts_at_once_and_nothing
     first, done, paused = asyncio.run(go())
     assert first <= 2 and done <= 20, (first, done)
     assert paused <= 2, paused
+
+
+def test_a_light_tenant_beside_a_flood_holding_the_kv_starts_at_once_beside_a_lower_class_stream() -> None:
+    """As above, with a short P2 stream running beside the flood: pausing it alone does not
+    make room for the light request, so it was not paused, and rule 3 (the flood gives up a
+    sequence) was never asked while a lower class ran: the light request's first token came
+    67 steps later, when the flood's growth paused the P2 and then one of the flood's own."""
+    async def go() -> tuple[int, int]:
+        kv = 1500
+        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv),
+                               Limits(token_budget=512, max_seqs=8, kv_capacity=kv))
+        for i in range(3):
+            sched.add(f"f{i}", encode("x" * 400), SamplingParams(max_tokens=400), class_rank=1, arrival=i,
+                      tenant="flood")
+        sched.add("p2", encode("z" * 5), SamplingParams(max_tokens=1000), class_rank=2, arrival=3)
+        for _ in range(10):
+            await sched.step()
+        sched.add("light", encode("y" * 300), SamplingParams(max_tokens=10), class_rank=1, arrival=100,
+                  tenant="light")
+        first = 0
+        for step in range(1, 200):
+            res = await sched.step()
+            if "light" in res.produced and not first:
+                first = step
+            if "light" not in sched:
+                return first, step
+        raise AssertionError("the light request never finished")
+
+    first, done = asyncio.run(go())
+    assert first <= 2 and done <= 20, (first, done)

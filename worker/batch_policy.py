@@ -433,7 +433,9 @@ def choose_preemption(
        than the head's tenant: pause one of that tenant's sequences (tenants of a class share
        its slots evenly; within a tenant, :func:`victim_key` order) -- its KV kept when a slot
        is all the head lacks; when KV is short, as many as the head needs, their KV freed,
-       if the rule allows pausing enough (:func:`_tenant_preemption`).
+       if the rule allows pausing enough (:func:`_tenant_preemption`). Where the head lacks
+       KV that the lower classes alone cannot give but they and rule 3 together can, the
+       lower classes are paused first (their KV freed), then rule 3 applies.
 
     With nothing running no step will free anything, so a head kept out by the KV that
     paused sequences hold gets it (the lowest of them first): otherwise the scheduler saw a
@@ -476,8 +478,12 @@ def choose_preemption(
         # else none (a flood's long prompts holding the KV kept a light tenant waiting).
         return _tenant_preemption(running, head, share, free)
     freeable = kv_demand(lower) + sum(c.resident_kv for c in lower_kept)
-    if head.need > free + freeable:
-        return None  # pausing every lower-class sequence would still not make room
+    if head.need > free + freeable and _tenant_preemption(running, head, share, free + freeable) is None:
+        # Pausing every lower-class sequence would still not make room, nor would rule 3 once
+        # they are paused. Where it would, the lower classes go first (their KV freed), then
+        # rule 3 applies: a small P2 stream beside a flood holding a class's KV kept a light
+        # tenant of that class waiting for the flood's growth (67 steps, not one).
+        return None
     if head.need > free and lower_kept:
         return Preemption(max(lower_kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
     if not lower:
