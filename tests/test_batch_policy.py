@@ -368,3 +368,26 @@ def test_a_lower_class_stream_does_not_keep_a_tenant_behind_from_a_richer_tenant
     assert choose_preemption(flood, [light, kept], limits) == Preemption("p2", free_kv=True)
     # where even that would not make room (the flood may give up two of its three), nobody moves
     assert choose_preemption([*flood, p2], [Candidate("l", 1, 10, 700, tenant="light")], limits) is None
+
+
+def test_kv_a_richer_tenants_paused_sequence_kept_counts_for_a_tenant_behind() -> None:
+    """Rule 3 where KV is short and a flood's sequence, paused for an earlier light tenant's
+    slot, kept its KV while it waits: a second light tenant needs that KV and one running
+    flood sequence's. The kept KV is freed first, then the flood sequence paused. Before,
+    only the running sequences the rule allows were counted: not enough, nobody moved, and
+    the light request waited for the flood's growth (76 steps in test_batch_scheduler.py)."""
+    def run(rid: str, tenant: str, arrival: float, kv: int) -> SeqState:
+        return SeqState(rid, 1, arrival, 0, True, kv, tenant)
+
+    running = [run("f0", "flood", 0, 240), run("f1", "flood", 1, 240), run("b", "b", 5, 50)]  # 533
+    kept = Candidate("f2", 1, 2, 0, resident_kv=240, tenant="flood")  # 773 through the next step: 227 free
+    limits = Limits(max_seqs=3, kv_capacity=1000)
+    big = Candidate("c", 1, 10, 550, tenant="c")  # needs 551: f1 (241) and f2's kept KV (240)
+    assert choose_preemption(running, [kept, big], limits) == Preemption("f2", free_kv=True)
+    freed = Candidate("f2", 1, 2, 241, tenant="flood")
+    assert choose_preemption(running, [freed, big], limits) == Preemption("f1", free_kv=True)
+    # enough without the kept KV: as before, only the running one goes (its KV freed)
+    small = Candidate("c", 1, 10, 300, tenant="c")
+    assert choose_preemption(running, [kept, small], limits) == Preemption("f1", free_kv=True)
+    # more than both could free: nobody moves
+    assert choose_preemption(running, [kept, Candidate("c", 1, 10, 800, tenant="c")], limits) is None

@@ -139,3 +139,31 @@ def test_a_light_tenant_beside_a_flood_holding_the_kv_starts_at_once_beside_a_lo
 
     first, done = asyncio.run(go())
     assert first <= 2 and done <= 20, (first, done)
+
+
+def test_a_second_light_tenant_gets_the_kv_a_flood_sequence_paused_for_the_first_one_kept() -> None:
+    """A flood holds a class's three slots; a light tenant's request takes one of them (the
+    flood's sequence paused, its KV kept), then a second light tenant's long prompt needs
+    that kept KV and one more flood sequence's. It starts at once (two budget slices to its
+    first token); the kept KV was never counted, and it waited 76 steps for the flood's growth."""
+    async def go(prompt: int) -> int:
+        kv = 1000
+        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv),
+                               Limits(token_budget=512, max_seqs=3, kv_capacity=kv))
+        for i in range(3):
+            sched.add(f"f{i}", encode("x" * 240), SamplingParams(max_tokens=700), class_rank=1, arrival=i,
+                      tenant="A")
+        for _ in range(3):
+            await sched.step()
+        sched.add("b", encode("y" * 50), SamplingParams(max_tokens=700), class_rank=1, arrival=10, tenant="B")
+        res = await sched.step()
+        assert res.preempted == ("f2",) and sched.seq("f2").resident  # a slot was short: KV kept
+        sched.add("c", encode("z" * prompt), SamplingParams(max_tokens=10), class_rank=1, arrival=11,
+                  tenant="C")
+        for step in range(1, 200):
+            if "c" in (await sched.step()).produced:
+                return step
+        raise AssertionError("the second light request never started")
+
+    assert asyncio.run(go(300)) == 1  # the flood sequence alone makes room, as before
+    assert asyncio.run(go(550)) == 2

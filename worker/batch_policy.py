@@ -391,11 +391,16 @@ def _kept_frees(s: Planned) -> int:
 
 
 def _tenant_preemption(running: Sequence[Planned], head: Candidate, share: dict[tuple[int, str], int],
-                       free: int) -> Preemption | None:
+                       free: int, kept: Sequence[Candidate] = ()) -> Preemption | None:
     """Rule 3 of :func:`choose_preemption`: the sequence of a tenant rich in the head's class
     to pause for the head, or None. A tenant holding ``n`` of the class's slots may give up
     ``n - mine - 1`` (``mine``: the head's tenant's), in :func:`victim_key` order, so that
-    it still holds as many as the head's tenant will; the richest tenant goes first."""
+    it still holds as many as the head's tenant will; the richest tenant goes first.
+    ``kept``: waiting sequences of the head's class (not the head) that kept their KV; where
+    the running ones it may pause are not enough, their kept KV is freed first (the latest
+    of them first), as a waiting sequence's kept KV is before a running one is paused for
+    room. Left out of the count, a flood's sequence paused for one light tenant's slot held
+    the KV a second light tenant needed, which waited for the flood's growth (76 steps)."""
     rank = head.class_rank
     mine = share.get((rank, head.tenant), 0)
     allowed: list[Planned] = []
@@ -406,8 +411,10 @@ def _tenant_preemption(running: Sequence[Planned], head: Candidate, share: dict[
             allowed += theirs[:n - mine - 1]
     if not allowed:
         return None
-    if head.need > free + kv_demand(allowed):
+    if head.need > (room := free + kv_demand(allowed)) + sum(c.resident_kv for c in kept):
         return None  # pausing all it may would still not make room: pause none
+    if head.need > room:
+        return Preemption(max(kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
     victim = max(allowed, key=_richest_first(share))
     return Preemption(victim.request_id, free_kv=head.need > free + _kept_frees(victim))
 
@@ -433,7 +440,8 @@ def choose_preemption(
        than the head's tenant: pause one of that tenant's sequences (tenants of a class share
        its slots evenly; within a tenant, :func:`victim_key` order) -- its KV kept when a slot
        is all the head lacks; when KV is short, as many as the head needs, their KV freed,
-       if the rule allows pausing enough (:func:`_tenant_preemption`). Where the head lacks
+       if the rule allows pausing enough, with the KV waiting sequences of the class kept
+       (freed first where needed; :func:`_tenant_preemption`). Where the head lacks
        KV that the lower classes alone cannot give but they and rule 3 together can, the
        lower classes are paused first (their KV freed), then rule 3 applies.
 
@@ -468,6 +476,7 @@ def choose_preemption(
         return None  # admissible as is
     lower = [s for s in running if s.class_rank > head.class_rank]
     lower_kept = [c for c in residents if c.class_rank > head.class_rank and c is not head]
+    same_kept = [c for c in residents if c.class_rank == head.class_rank and c is not head]
     if not lower and (not lower_kept or head.need <= free):
         # 3. nothing of a lower class runs (or keeps KV the head needs), and the batch is full
         # of the head's class (or higher) -- its slots, or its KV: a tenant holding at least
@@ -476,9 +485,10 @@ def choose_preemption(
         # its KV kept. KV: as many as the head needs, their KV freed, if pausing those the rule
         # allows (a tenant keeps as many slots as the head's tenant will hold) makes room;
         # else none (a flood's long prompts holding the KV kept a light tenant waiting).
-        return _tenant_preemption(running, head, share, free)
+        return _tenant_preemption(running, head, share, free, same_kept)
     freeable = kv_demand(lower) + sum(c.resident_kv for c in lower_kept)
-    if head.need > free + freeable and _tenant_preemption(running, head, share, free + freeable) is None:
+    if head.need > free + freeable and \
+            _tenant_preemption(running, head, share, free + freeable, same_kept) is None:
         # Pausing every lower-class sequence would still not make room, nor would rule 3 once
         # they are paused. Where it would, the lower classes go first (their KV freed), then
         # rule 3 applies: a small P2 stream beside a flood holding a class's KV kept a light
