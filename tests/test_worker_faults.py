@@ -1338,3 +1338,30 @@ async def test_a_hand_back_redis_refuses_for_a_worker_bug_drops_that_request_not
     for rid in (first, second):
         a = c.answers[rid]
         assert a.done is not None and a.tokens == 400, a
+
+
+async def test_a_look_ahead_cancelled_before_it_started_is_charged_nothing(env) -> None:
+    """A request the worker claimed ahead of a free slot, never started, whose client went
+    away: completed as cancelled with ``usage_in`` the prompt tokens its engine processed --
+    none -- so charged nothing, as a hand-back of it is (it was charged its whole prompt, for
+    a prefill that never ran, where the same cancel while it was queued refunded it all). One
+    that had started is charged its prompt and what it delivered, as before."""
+    from tests.support.helpers import charge_of
+
+    cfg, c = env
+    running = await c.admit("the one running", max_tokens=400)
+    async with worker(cfg, engine="sim", time_scale=1.0, max_seqs=1, claim_ahead=1) as rt:
+        await c.wait_tokens(running, 2, timeout=15)
+        ahead = await c.admit("x" * 300 + " waiting ahead of a free slot", max_tokens=50)
+        await wait_until(lambda: ahead in rt.held, "the look-ahead claimed and held")
+        loop = rt.stats.__self__
+        seq = loop.sched.seq(ahead)
+        assert seq is None or seq.kv_high == 0, "the look-ahead started: the test proves nothing"
+        assert await c.scripts.cancel(c.keys, ahead, "t1") == "cancelling"
+        await c.wait([ahead], timeout=15)
+        assert await c.scripts.cancel(c.keys, running, "t1") == "cancelling"
+        await c.wait([running], timeout=15)
+    ended, started = await c.record(ahead), await c.record(running)
+    assert ended["state"] == "cancelled" and ended["usage_in"] == "0", ended
+    assert charge_of(ended) == 0 and float(ended["refund"]) == float(ended["cost"]), ended
+    assert int(started["usage_in"]) > 0 and charge_of(started) > 0, started

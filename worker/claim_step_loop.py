@@ -802,11 +802,17 @@ class StepLoop:
                 calls.append(self.rt.fail_refused(d, exc))
         stop, self._stop = self._stop - lost - failing, set()
         for rid in stop:
+            seq = self.sched.seq(rid)
             self.sched.remove(rid)
             # Not one whose answer is decided (its completion met an outage, retried by
             # _retry_finals): the answer decided first wins, and a cancel here turned a whole
             # answer into a cancelled one.
             if (d := self.rt.held.get(rid)) is not None and d.final is None:
+                if d.claimed.delivered == 0 and (seq is None or seq.kv_high == 0):
+                    # never prefilled, by this attempt or one before it (a look-ahead waiting
+                    # for a slot): the engine processed none of its prompt, which complete's
+                    # usage_in says -- charged nothing, as a hand-back of it is, not its prompt
+                    d.usage_in = 0
                 d.final = ("cancelled", "cancelled", "")
                 calls.append(self.rt.finish(d, "cancelled", "cancelled"))
         if calls:
