@@ -99,7 +99,14 @@ def _load(path: str, mtime_ns: int, size: int) -> Any:
     # tokenizer.json replaced in place is loaded again instead of served from the cache.
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_file(path)
+    tokenizer = Tokenizer.from_file(path)
+    # A tokenizer.json saved while truncation or padding was on keeps it, and the library
+    # applies it to every encode: a prompt of any length counted as at most its max_length (a
+    # tenant past the context and its quota), or every one as the padded length. transformers
+    # (so vLLM) turns both off unless a call asks for them: the whole prompt is counted.
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+    return tokenizer
 
 
 def load_file(path: Path, field: str) -> Any:

@@ -328,3 +328,39 @@ async def test_a_tenant_counts_no_more_prompts_at_once_than_its_max_inflight(red
             assert (r.status, (await r.json())["error"]["code"]) == (400, "context_length_exceeded")
         r = await client.post("/v1/completions", headers=auth("key-one"), json=long)  # its turn is back
         assert (r.status, (await r.json())["error"]["code"]) == (400, "context_length_exceeded")
+
+
+async def test_a_tokenizer_json_saved_with_truncation_or_padding_counts_the_whole_prompt(
+        tmp_path, redis_server, sync_redis) -> None:
+    """A tokenizer.json saved while truncation or padding was on (a training script's
+    ``enable_truncation(512)``) keeps it in the file, and ``tokenizers`` applies it to every
+    encode: a prompt of any length counted as at most ``max_length`` tokens (admitted past the
+    context, charged a fraction of it), or every prompt as the padded length. transformers (so
+    vLLM) turns both off unless a call asks: the count is the whole prompt's."""
+    from tokenizers import Tokenizer
+
+    truncating = word_tokenizer(tmp_path / "trunc" / "tokenizer.json")
+    t = Tokenizer.from_file(str(truncating))
+    t.enable_truncation(max_length=8)
+    t.save(str(truncating))
+    padding = word_tokenizer(tmp_path / "pad" / "tokenizer.json")
+    t = Tokenizer.from_file(str(padding))
+    t.enable_padding(length=64, pad_id=0, pad_token="[UNK]")
+    t.save(str(padding))
+    long = " ".join(WORDS * 4)  # 40 words + BOS
+    for path in (truncating, padding):
+        counter = counter_for(str(path), "", {}, "tiny")
+        assert await counter.count(long) == 41 and await counter.count("one two") == 3
+        assert await counter.count("w " * 20_000) == 20_001  # (off the event loop too)
+        ids, _ = await counter.encode(long, True)  # /tokenize's count
+        assert len(ids) == 41
+
+    cfg = make_cfg(redis_server.url, pool={"tokenizer": str(truncating), "context_tokens": 32,
+                                           "default_max_tokens": 8})
+    async with frontend(cfg) as client:
+        before = redis_state(sync_redis)
+        r = await client.post("/v1/completions", headers=auth(), json={"model": "tiny", "prompt": long})
+        err = (await r.json())["error"]
+        assert (r.status, err["code"]) == (400, "context_length_exceeded"), err
+        assert "the prompt has 41" in err["message"]
+        assert redis_state(sync_redis) == before  # nothing admitted or charged
