@@ -45,6 +45,8 @@ MODES = (BYTES, UPSTREAM)
 FILE_NAME = "tokenizer.json"
 CONFIG_FILE_NAME = "tokenizer_config.json"  # beside it (save_pretrained): its special tokens, chat template
 TEMPLATE_FILE_NAME = "chat_template.jinja"  # beside it too (newer transformers save the template there)
+# Text a loaded tokenizer must encode (words, digits, punctuation, accents, CJK, an emoji).
+PROBE_TEXT = "Hello, world! zqxj 0123 caf\u00e9 \u4e2d\u6587 \U0001f600"
 THREAD_CHARS = 16_384  # longer prompts are encoded off the event loop
 # How long an idle connection to the model server is kept for reuse (here and by the openai
 # worker): under the 5 s after which vLLM (uvicorn's timeout_keep_alive) closes one. A POST
@@ -123,9 +125,14 @@ def load_file(path: Path, field: str) -> Any:
         raise ConfigError(field, "a tokenizer.json needs the 'tokenizers' package (pip install tokenizers)") \
             from exc
     try:
-        return _load(str(path), st.st_mtime_ns, st.st_size)
+        tokenizer = _load(str(path), st.st_mtime_ns, st.st_size)
     except Exception as exc:  # the Rust side raises plain Exceptions for bad JSON and bad models
         raise ConfigError(field, f"cannot load tokenizer {str(path)!r}: {str(exc)[:300]}") from exc
+    try:  # one that loads may still fail every prompt (a WordLevel whose unk_token it lacks): now,
+        tokenizer.encode(PROBE_TEXT, add_special_tokens=True)  # not as a 500 for each such request
+    except Exception as exc:
+        raise ConfigError(field, f"tokenizer {str(path)!r} cannot encode text: {str(exc)[:300]}") from exc
+    return tokenizer
 
 
 def check(spec: str, url: str, field: str, worker: Mapping[str, Any], *, read_file: bool = True) -> None:

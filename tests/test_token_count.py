@@ -364,3 +364,22 @@ async def test_a_tokenizer_json_saved_with_truncation_or_padding_counts_the_whol
         assert (r.status, err["code"]) == (400, "context_length_exceeded"), err
         assert "the prompt has 41" in err["message"]
         assert redis_state(sync_redis) == before  # nothing admitted or charged
+
+
+def test_a_tokenizer_json_that_cannot_encode_is_refused_at_start(tmp_path) -> None:
+    """A tokenizer.json that loads but fails every prompt with a word outside its vocabulary
+    (a WordLevel model whose unk_token is not in it): a ConfigError naming the field at start
+    (every role's check, the frontend's counter), not a 500 for each such request."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel(vocab={"one": 0}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    path = tmp_path / "tokenizer.json"
+    tok.save(str(path))
+    with pytest.raises(ConfigError) as exc:
+        counter_for(str(path), "", {}, "tiny")
+    assert exc.value.path == "tokenizer" and "cannot encode" in str(exc.value)
+    (tmp_path / "qos.toml").write_text(_cfg_toml("tokenizer.json"))
+    with pytest.raises(ConfigError) as exc:
+        load(str(tmp_path / "qos.toml"), env={})
+    assert exc.value.path == "pools[0].tokenizer"
