@@ -607,3 +607,40 @@ async def test_a_class_named_ts_keeps_its_own_served_figure_apart_from_the_ledge
     ledger = {k.decode(): float(v) for k, v in (await scripts.client.hgetall(pool.served)).items()}
     assert ledger["ts"] == pytest.approx(a.cost)
     assert before <= ledger[".ts"] <= await redis_ms(scripts.client)
+
+
+@pytest.mark.parametrize("path", ["claim", "renew", "reap", "release"])
+async def test_a_frontend_without_an_entry_is_alive_for_what_it_admitted_within_its_ttl(
+        scripts, pool, path) -> None:
+    """Redis lost everything and another role wrote the policy again first: the frontend's
+    heartbeat entry is gone until its next beat. A request it admitted within the pool's
+    ``frontend_ttl_ms`` is not its orphan on any path that judges liveness -- claim, lease
+    renewal, the janitor's lease sweep, a worker's hand-back; one admitted longer ago than
+    that is (an entry gone for that long is a frontend gone: pruned, or left)."""
+    ttl = demo_config().pool("tiny").frontend_ttl_ms
+    rids = {"recent": None, "long_ago": None}
+    for rid in rids:
+        await admit(scripts, pool, request_id=rid, frontend="fe-no-entry", input_tokens=1, max_tokens=1)
+    await scripts.client.hincrby(pool.request("long_ago"), "enq_ms", -10 * ttl)  # admitted long ago
+    if path == "claim":
+        got = await scripts.claim(pool, "w1", 5)
+        assert [c.request_id for c in got.requests] == ["recent"]
+        assert await scripts.client.hget(pool.request("long_ago"), "state") == b"cancelled"
+        return
+    # both leased first, with the frontend's entry there (its beat before Redis was emptied)
+    await scripts.client.zadd(pool.frontends, {"fe-no-entry": await redis_ms(scripts.client)})
+    got = {c.request_id: c for c in (await scripts.claim(pool, "w1", 5)).requests}
+    assert set(got) == set(rids)
+    await scripts.client.zrem(pool.frontends, "fe-no-entry")
+    if path == "renew":
+        renewed = await scripts.renew_leases(pool, "w1", [(r, got[r].fence) for r in rids])
+        assert renewed.stop == ["long_ago"] and renewed.lost == []
+    elif path == "reap":
+        await scripts.client.zadd(pool.leases, {r: 1 for r in rids})  # both leases past their end
+        reaped = await scripts.reap(pool)
+        assert (reaped.requeued, reaped.cancelled) == (1, 1)
+        states = [await scripts.client.hget(pool.request(r), "state") for r in rids]
+        assert states == [b"queued", b"cancelled"]
+    else:
+        answers = [await scripts.release(pool, request_id=r, worker_id="w1", fence=got[r].fence) for r in rids]
+        assert answers == ["requeued", "cancelled"]
