@@ -642,5 +642,6 @@ async def test_a_frontend_without_an_entry_is_alive_for_what_it_admitted_within_
         states = [await scripts.client.hget(pool.request(r), "state") for r in rids]
         assert states == [b"queued", b"cancelled"]
     else:
-        answers = [await scripts.release(pool, request_id=r, worker_id="w1", fence=got[r].fence) for r in rids]
+        answers = [await scripts.release(pool, request_id=r, worker_id="w1", fence=got[r].fence)
+                   for r in rids]
         assert answers == ["requeued", "cancelled"]
