@@ -384,6 +384,17 @@ def victim_key(s: Planned) -> tuple[int, int, Arrival]:
     return (s.class_rank, -s.kv_tokens, s.arrival)
 
 
+def kept_key(c: Candidate) -> tuple[int, Arrival]:
+    """Whose kept KV is freed first, of waiting sequences that kept theirs: the lowest class,
+    then the most recent arrival. ``max`` of this key goes first."""
+    return (c.class_rank, c.arrival)
+
+
+def _free_kept(kept: Sequence[Candidate]) -> Preemption:
+    """Free the kept KV of the first of ``kept`` (:func:`kept_key`)."""
+    return Preemption(max(kept, key=kept_key).request_id, True)
+
+
 def _kept_frees(s: Planned) -> int:
     """KV room pausing ``s`` makes while it keeps its cache: its unprefilled prompt and its
     next token are no longer needed."""
@@ -414,7 +425,7 @@ def _tenant_preemption(running: Sequence[Planned], head: Candidate, share: dict[
     if head.need > (room := free + kv_demand(allowed)) + sum(c.resident_kv for c in kept):
         return None  # pausing all it may would still not make room: pause none
     if head.need > room:
-        return Preemption(max(kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
+        return _free_kept(kept)
     victim = max(allowed, key=_richest_first(share))
     return Preemption(victim.request_id, free_kv=head.need > free + _kept_frees(victim))
 
@@ -452,7 +463,7 @@ def choose_preemption(
     demand = kv_demand(running, waiting)
     residents = [c for c in waiting if c.resident_kv]
     if demand > limits.kv_capacity:
-        kept = max(residents, key=lambda c: (c.class_rank, c.arrival), default=None)
+        kept = max(residents, key=kept_key, default=None)
         # the lowest class's tenant holding the most of its slots gives up KV first: the least
         # KV of anyone was a light tenant's just-admitted prompt, paused at the next decode
         # step and admitted again (rule 3) in turn, recomputed each time
@@ -466,7 +477,7 @@ def choose_preemption(
         head = min(waiting, key=lambda c: _fair_priority(c, {}))
         kept = [c for c in residents if c is not head]
         if head.need > limits.kv_capacity - demand and kept:
-            return Preemption(max(kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
+            return _free_kept(kept)
         return None
     share = tenant_slots(running)
     head = min(waiting, key=lambda c: _fair_priority(c, share))
@@ -495,7 +506,7 @@ def choose_preemption(
         # tenant of that class waiting for the flood's growth (67 steps, not one).
         return None
     if head.need > free and lower_kept:
-        return Preemption(max(lower_kept, key=lambda c: (c.class_rank, c.arrival)).request_id, True)
+        return _free_kept(lower_kept)
     if not lower:
         return None
     # the lowest class's richest tenant first, as under rule 1: the least KV of anyone was a
