@@ -767,23 +767,26 @@ async def test_the_answers_logprobs_reach_the_client_whole_streamed_and_through_
     assert fake_upstream.bodies[0]["logprobs"] is True and fake_upstream.bodies[0]["top_logprobs"] == 2
 
 
+def _token_chunk(delta: dict[str, Any], token: str, lp: float, completion_tokens: int,
+                 finish: str | None = None) -> bytes:
+    """A chat chunk of one token, its logprob beside its delta, as vLLM streams it."""
+    c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny", "choices": [{
+        "index": 0, "delta": delta, "finish_reason": finish,
+        "logprobs": {"content": [{"token": token, "logprob": lp, "bytes": list(token.encode()),
+                                  "top_logprobs": []}]}}],
+         "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens,
+                   "total_tokens": 5 + completion_tokens}}
+    return ("data: " + json.dumps(c) + "\n\n").encode()
+
+
 def _thinks_then_answers(request: Any, body: dict[str, Any], n: int) -> Any:
     """Thinking, then the answer, each chunk with its own token's logprob (as vLLM streams a
     reasoning model's: the thinking tokens have logprobs too)."""
-    def chunk(delta: dict[str, Any], token: str, lp: float, completion_tokens: int) -> bytes:
-        c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny", "choices": [{
-            "index": 0, "delta": delta, "finish_reason": None,
-            "logprobs": {"content": [{"token": token, "logprob": lp, "bytes": list(token.encode()),
-                                      "top_logprobs": []}]}}],
-             "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens,
-                       "total_tokens": 5 + completion_tokens}}
-        return ("data: " + json.dumps(c) + "\n\n").encode()
-
     async def script() -> Any:
         resp = await sse_response(request)
-        await resp.write(chunk({"reasoning": "Hmm."}, "Hmm.", -0.5, 1))
-        await resp.write(chunk({"content": " "}, " ", -0.25, 2))  # whitespace before the text
-        await resp.write(chunk({"content": "Yes"}, "Yes", -0.125, 3))
+        await resp.write(_token_chunk({"reasoning": "Hmm."}, "Hmm.", -0.5, 1))
+        await resp.write(_token_chunk({"content": " "}, " ", -0.25, 2))  # whitespace before the text
+        await resp.write(_token_chunk({"content": "Yes"}, "Yes", -0.125, 3))
         return await end_stream(resp, chat_chunk(finish="stop", completion_tokens=3))
 
     return script()
@@ -823,18 +826,6 @@ def test_whitespace_held_before_a_message_opens_keeps_its_tokens_logprobs(then: 
     assert [p["token"] for p in delta["logprobs"]] == [p["token"] for p in done["logprobs"]] == want
     text = events[-1]["response"]["output"][1]["content"][0]
     assert [p["token"] for p in text["logprobs"]] == want and text["logprobs"][0]["bytes"] == [32]
-
-
-def _token_chunk(delta: dict[str, Any], token: str, lp: float, completion_tokens: int,
-                 finish: str | None = None) -> bytes:
-    """A chat chunk of one token, its logprob beside its delta, as vLLM streams it."""
-    c = {"id": "x", "object": "chat.completion.chunk", "model": "tiny", "choices": [{
-        "index": 0, "delta": delta, "finish_reason": finish,
-        "logprobs": {"content": [{"token": token, "logprob": lp, "bytes": list(token.encode()),
-                                  "top_logprobs": []}]}}],
-         "usage": {"prompt_tokens": 5, "completion_tokens": completion_tokens,
-                   "total_tokens": 5 + completion_tokens}}
-    return ("data: " + json.dumps(c) + "\n\n").encode()
 
 
 @pytest.mark.parametrize("text", ["Hi", ""])
