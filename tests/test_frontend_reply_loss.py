@@ -7,9 +7,12 @@ a final entry that is gone: each request that may have lost an entry is answered
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import Any, NamedTuple
 
+from limiter.frontend.replies import REPLY_MAXLEN
 from limiter.frontend.runtime import Frontend
 from limiter.localstack.sse import sse_chunks
 from limiter.scripts import Claimed, Scripts
@@ -17,7 +20,6 @@ from tests.support.frontend_helpers import POOL, auth, fe_of, frontend, make_cfg
 from tests.support.helpers import redis_ms, wait_until
 
 WORKER = "w-gap"
-REPLY_MAXLEN = 100_000  # lua/include/pool_keys.lua REPLY_MAXLEN
 STREAMED = {"model": "tiny", "prompt": "x", "max_tokens": 12, "stream": True}
 
 
@@ -98,19 +100,37 @@ async def open_stream(client: Any, scripts: Scripts, aredis: Any) -> tuple[Claim
     return c, r, chunks
 
 
-async def test_a_final_reply_trimmed_unread_is_an_error_at_once_not_a_wait_for_the_timeout(
-        redis_server, sync_redis, aredis, monkeypatch):
-    """The request's final entry was trimmed from the reply stream before the reader got to
-    it: before, the client heard nothing more and waited request_timeout_s (600 s). The
-    reader sees that the last entry it read is gone after a full read, and the requests of
-    the pool that heard nothing in that read are answered at once."""
+class Held(NamedTuple):
+    """A frontend whose reply reader is held back, with one streamed request open."""
+
+    fe: Frontend
+    gate: ReaderGate
+    scripts: Scripts
+    claimed: Claimed
+    chunks: Any  # the request's SSE chunks, its first text read
+    stream: str  # the frontend's reply stream
+
+
+@contextlib.asynccontextmanager
+async def reader_held_back(redis_server: Any, aredis: Any, monkeypatch: Any) -> AsyncIterator[Held]:
+    """A frontend, a streamed request of it claimed by the test's worker with its first text
+    read, then the frontend's reply reader held before its next read (:class:`ReaderGate`)."""
     scripts = Scripts(aredis)
     async with frontend(make_cfg(redis_server.url)) as client:
         fe = fe_of(client)
         gate = ReaderGate(fe, monkeypatch)
         c, _resp, chunks = await open_stream(client, scripts, aredis)
         await gate.close(aredis)
-        stream = POOL.reply(fe.frontend_id)
+        yield Held(fe, gate, scripts, c, chunks, POOL.reply(fe.frontend_id))
+
+
+async def test_a_final_reply_trimmed_unread_is_an_error_at_once_not_a_wait_for_the_timeout(
+        redis_server, sync_redis, aredis, monkeypatch):
+    """The request's final entry was trimmed from the reply stream before the reader got to
+    it: before, the client heard nothing more and waited request_timeout_s (600 s). The
+    reader sees that the last entry it read is gone after a full read, and the requests of
+    the pool that heard nothing in that read are answered at once."""
+    async with reader_held_back(redis_server, aredis, monkeypatch) as (fe, gate, scripts, c, chunks, stream):
         await scripts.complete(POOL, request_id=c.request_id, worker_id=WORKER, fence=c.fence, outcome="ok",
                                usage_in=2, token_ids=[ord(ch) for ch in "def"], text="def")
         final_id = (await aredis.xrevrange(stream, count=1))[0][0]
@@ -137,13 +157,7 @@ async def test_a_token_batch_lost_unread_fails_the_request_rather_than_skip_its_
     after the hole went to the client as if whole ("abc" + "ghi" for "abcdefghi": a warning in
     the log, nothing else). The hole is seen by the offsets: the request fails, in-band, is
     counted and is cancelled in Redis (its worker stops)."""
-    scripts = Scripts(aredis)
-    async with frontend(make_cfg(redis_server.url)) as client:
-        fe = fe_of(client)
-        gate = ReaderGate(fe, monkeypatch)
-        c, _resp, chunks = await open_stream(client, scripts, aredis)
-        await gate.close(aredis)
-        stream = POOL.reply(fe.frontend_id)
+    async with reader_held_back(redis_server, aredis, monkeypatch) as (fe, gate, scripts, c, chunks, stream):
         await push(scripts, c, 3, "def")
         await push(scripts, c, 6, "ghi")
         lost = [eid for eid, f in await aredis.xrange(stream) if f.get(b"t") == b"def"]
@@ -167,13 +181,7 @@ async def test_a_reply_stream_lost_whole_and_written_again_past_a_full_read_fail
     request, whose entries all came after, gets its whole answer, not 503 replies_lost."""
     from limiter.frontend.replies import READ_COUNT
 
-    scripts = Scripts(aredis)
-    async with frontend(make_cfg(redis_server.url)) as client:
-        fe = fe_of(client)
-        gate = ReaderGate(fe, monkeypatch)
-        c, _resp, chunks = await open_stream(client, scripts, aredis)
-        await gate.close(aredis)
-        stream = POOL.reply(fe.frontend_id)
+    async with reader_held_back(redis_server, aredis, monkeypatch) as (fe, gate, scripts, c, chunks, stream):
         await aredis.delete(stream)  # (its TTL ran out, or Redis lost it)
         pipe = aredis.pipeline(transaction=False)
         for _ in range(READ_COUNT + 10):  # other requests' replies (their clients gone)
