@@ -80,33 +80,40 @@ def test_requests_of_one_class_are_not_paused_for_each_other() -> None:
     assert asyncio.run(go()) == (set(), set())
 
 
+async def _light_beside_flood(lower_stream: bool) -> tuple[int, int, int]:
+    """A flood tenant's three 400-token prompts hold a class's KV (3 x 400 of 1,500 tokens);
+    with ``lower_stream``, a short P2 stream runs beside them. After 10 steps a light tenant's
+    300-token request of the flood's class arrives: (the step of its first token, the step it
+    finished, the sequences paused meanwhile)."""
+    kv = 1500
+    sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv),
+                           Limits(token_budget=512, max_seqs=8, kv_capacity=kv))
+    for i in range(3):
+        sched.add(f"f{i}", encode("x" * 400), SamplingParams(max_tokens=400), class_rank=1, arrival=i,
+                  tenant="flood")
+    if lower_stream:
+        sched.add("p2", encode("z" * 5), SamplingParams(max_tokens=1000), class_rank=2, arrival=3)
+    for _ in range(10):
+        await sched.step()
+    sched.add("light", encode("y" * 300), SamplingParams(max_tokens=10), class_rank=1, arrival=100,
+              tenant="light")
+    paused_before, first = sched.preemptions, 0
+    for step in range(1, 200):
+        res = await sched.step()
+        if "light" in res.produced and not first:
+            first = step
+        if "light" not in sched:
+            return first, step, sched.preemptions - paused_before
+    raise AssertionError("the light request never finished")
+
+
 def test_a_light_tenant_beside_a_flood_holding_the_kv_starts_at_once_and_nothing_churns() -> None:
     """A flood tenant's three long prompts hold a class's KV (3 x 400 of 1,500 tokens, room
     for ~100 steps of growth); a light tenant's 300-token request of the same class arrives.
     It starts within a step or two (it waited ~90 steps, until the flood's growth paused one
     of its own), finishes long before the flood, and the flood gives up one sequence for it,
     not one a step."""
-    async def go() -> tuple[int, int, int]:
-        kv = 1500
-        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv),
-                               Limits(token_budget=512, max_seqs=8, kv_capacity=kv))
-        for i in range(3):
-            sched.add(f"f{i}", encode("x" * 400), SamplingParams(max_tokens=400), class_rank=1, arrival=i,
-                      tenant="flood")
-        for _ in range(10):
-            await sched.step()
-        sched.add("light", encode("y" * 300), SamplingParams(max_tokens=10), class_rank=1, arrival=100,
-                  tenant="light")
-        paused_before, first = sched.preemptions, 0
-        for step in range(1, 200):
-            res = await sched.step()
-            if "light" in res.produced and not first:
-                first = step
-            if "light" not in sched:
-                return first, step, sched.preemptions - paused_before
-        raise AssertionError("the light request never finished")
-
-    first, done, paused = asyncio.run(go())
+    first, done, paused = asyncio.run(_light_beside_flood(lower_stream=False))
     assert first <= 2 and done <= 20, (first, done)
     assert paused <= 2, paused
 
@@ -116,28 +123,7 @@ def test_a_light_tenant_beside_a_flood_holding_the_kv_starts_at_once_beside_a_lo
     make room for the light request, so it was not paused, and rule 3 (the flood gives up a
     sequence) was never asked while a lower class ran: the light request's first token came
     67 steps later, when the flood's growth paused the P2 and then one of the flood's own."""
-    async def go() -> tuple[int, int]:
-        kv = 1500
-        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv),
-                               Limits(token_budget=512, max_seqs=8, kv_capacity=kv))
-        for i in range(3):
-            sched.add(f"f{i}", encode("x" * 400), SamplingParams(max_tokens=400), class_rank=1, arrival=i,
-                      tenant="flood")
-        sched.add("p2", encode("z" * 5), SamplingParams(max_tokens=1000), class_rank=2, arrival=3)
-        for _ in range(10):
-            await sched.step()
-        sched.add("light", encode("y" * 300), SamplingParams(max_tokens=10), class_rank=1, arrival=100,
-                  tenant="light")
-        first = 0
-        for step in range(1, 200):
-            res = await sched.step()
-            if "light" in res.produced and not first:
-                first = step
-            if "light" not in sched:
-                return first, step
-        raise AssertionError("the light request never finished")
-
-    first, done = asyncio.run(go())
+    first, done, _paused = asyncio.run(_light_beside_flood(lower_stream=True))
     assert first <= 2 and done <= 20, (first, done)
 
 
