@@ -93,6 +93,14 @@ CLASSES = (
 POOL = PoolConfig(name="model", capacity_tokens_s=8000, lease_ms=150, max_attempts=3, frontend_ttl_ms=200,
                   floor_half_life_ms=2000, record_ttl_s=30, floor_quantum_tokens=100)
 CFG = QosConfig(classes=CLASSES, pools=(POOL,))
+# The replays that let no lease, heartbeat or max wait run out: the same policy with those
+# times 100x, so that a replay's outcome does not hang on how fast the machine runs it (a
+# loaded run took longer than a 150 ms lease between two claims, and the second claim found
+# the first worker's leases expired and requeued: 1 replay of 14 failed, 2026-12-07).
+STILL_CFG = QosConfig(
+    classes=tuple(dataclasses.replace(c, max_wait_ms=c.max_wait_ms * 100) for c in CLASSES),
+    pools=(dataclasses.replace(POOL, lease_ms=POOL.lease_ms * 100, frontend_ttl_ms=POOL.frontend_ttl_ms * 100,
+                               record_ttl_s=POOL.record_ttl_s * 100),))
 NAMES = [c.name for c in CLASSES]
 FAIR = {c.name: c.fair for c in CLASSES}
 TENANTS = {"t1": 1.0, "t2": 2.0, "t3": 0.5}  # VTC weights
@@ -158,8 +166,9 @@ class Backlogs:
 
 
 class LifecycleModel(RuleBasedStateMachine):
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, cfg: QosConfig = CFG) -> None:
         super().__init__()
+        self.cfg, self.pool = cfg, cfg.pools[0]
         self.loop = asyncio.new_event_loop()
         self.aclient = aioredis.from_url(url)
         self.r = sync_redis_mod.Redis.from_url(url)
@@ -172,7 +181,7 @@ class LifecycleModel(RuleBasedStateMachine):
         # out of counter order (see backlogs and check_pick_order)
         self.lead: dict[tuple[str, str], float] = {}
         self.ids = itertools.count()
-        self.weights = {c.name: (c.weight, c.out_weight) for c in CLASSES}
+        self.weights = {c.name: (c.weight, c.out_weight) for c in cfg.classes}
         self.present = list(NAMES)  # the classes of the policy now, in its order
         self.fair = dict(FAIR)  # what each class's backlog scores mean (its flag last written)
         self.fence = 0  # the controller's
@@ -192,7 +201,7 @@ class LifecycleModel(RuleBasedStateMachine):
     @initialize()
     def setup(self) -> None:
         self.r.flushall()
-        self.run(self.scripts.init_pool(KEYS, policy_document(CFG, POOL), reset_rates=True))
+        self.run(self.scripts.init_pool(KEYS, policy_document(self.cfg, self.pool), reset_rates=True))
         self.r.zadd(KEYS.frontends, dict.fromkeys(FRONTENDS, ALIVE))
         self.r.zadd(KEYS.workers, dict.fromkeys(WORKERS, ALIVE))
         self.fence, _holder = self.run(self.scripts.acquire_leader(KEYS, "ctl", 600_000))
@@ -206,7 +215,7 @@ class LifecycleModel(RuleBasedStateMachine):
               frontend: str) -> None:
         rid = f"r{next(self.ids)}"
         w_in, w_out = self.weights[cls]
-        class_wait = next(c.max_wait_ms for c in CLASSES if c.name == cls)
+        class_wait = next(c.max_wait_ms for c in self.cfg.classes if c.name == cls)
         before = dump_all(self.r)
         counters = self.counters()
         lift = self.lift(cls, tenant, counters)
@@ -459,7 +468,7 @@ class LifecycleModel(RuleBasedStateMachine):
     def frontend_alive(self, frontend: str, now: int) -> bool:
         """lua/include/liveness.lua's rule (the model sets no outage marker)."""
         seen = self.r.zscore(KEYS.frontends, frontend)
-        ttl = POOL.frontend_ttl_ms
+        ttl = self.pool.frontend_ttl_ms
         if seen is None:
             return False
         if seen >= now - ttl:
@@ -668,7 +677,8 @@ class LifecycleModel(RuleBasedStateMachine):
             assert after == (attempts if spent else max(attempts - 1, 0)), \
                 f"{rid}: attempts {attempts} -> {after} on a {'spent' if spent else 'planned'} release"
         elif res == "failed":
-            assert self.known[rid].cls not in self.present or (spent and attempts >= POOL.max_attempts), \
+            most = self.pool.max_attempts
+            assert self.known[rid].cls not in self.present or (spent and attempts >= most), \
                 f"{rid} failed on a release with {attempts} attempts"
 
     @rule(pick=st.integers(0, 1 << 16), which=st.integers(0, 1 << 16))
@@ -770,7 +780,7 @@ class LifecycleModel(RuleBasedStateMachine):
         fair = dict(self.fair)
         if flip in present:
             fair[flip] = not fair[flip]
-        doc = policy_document(CFG, POOL)
+        doc = policy_document(self.cfg, self.pool)
         doc["classes"] = [dict(c, fair=int(fair[c["name"]])) for c in doc["classes"] if c["name"] in present]
         self.run(self.scripts.init_pool(KEYS, doc))
         for c in present:
@@ -971,15 +981,17 @@ def test_lifecycle_model(redis_server: Any) -> None:
                           suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much]))
 
 
-def _replay(monkeypatch: pytest.MonkeyPatch, url: str, *steps: tuple[str, dict[str, Any]]
-            ) -> dict[str, dict[str, str]]:
+def _replay(monkeypatch: pytest.MonkeyPatch, url: str, *steps: tuple[str, dict[str, Any]],
+            cfg: QosConfig = STILL_CFG) -> dict[str, dict[str, str]]:
     """One fixed sequence of the model's rules, every invariant checked after each step: the
     model as a regression test, for a bug whose sequence a random search finds only in some
     runs (each such bug is also seeded in tests/seeded_bugs.py). Returns each request's
     record at the end (its final one where it finished), for the test to check that the
-    sequence reached the state it is about."""
+    sequence reached the state it is about. ``cfg``: :data:`STILL_CFG` (nothing runs out on
+    its own) unless the replay's ``time_passes`` is there to let a lease or a max wait run
+    out (:data:`CFG`, the random search's)."""
     monkeypatch.setattr(sys.modules[__name__], "event", lambda *_args: None)  # hypothesis' own only
-    model = LifecycleModel(url)
+    model = LifecycleModel(url, cfg)
     try:
         model.setup()
         model.invariants_hold()
@@ -1156,7 +1168,7 @@ def test_replay_a_resumed_request_keeps_its_first_token_and_refuses_the_old_fenc
             ("push", {"pick": 0, "count": 1}), ("time_passes", {"ms": 30}), ("push", {"pick": 0, "count": 1}),
             ("time_passes", {"ms": 260}),  # past the lease: the janitor requeues it
             ("claim", {"worker": "w2", "n": 1, "kv_room": 0, "above": ""}),
-            ("push", {"pick": 0, "count": 1}), ("stale_write", {"pick": 0, "which": 0}))
+            ("push", {"pick": 0, "count": 1}), ("stale_write", {"pick": 0, "which": 0}), cfg=CFG)
 
 
 def test_replay_a_request_failed_in_its_workers_hands_pays_its_prompt(
@@ -1186,7 +1198,7 @@ def test_replay_a_request_requeued_after_delivering_then_cancelled_pays_what_it_
             ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
             ("push", {"pick": 0, "count": 2}),
             ("time_passes", {"ms": 260}),  # past the lease: the janitor requeues it
-            ("cancel", {"pick": 0, "reason": "client_gone"}))
+            ("cancel", {"pick": 0, "reason": "client_gone"}), cfg=CFG)
     rec = records["r0"]
     assert (rec["state"], rec["ended"], rec["out_tokens"]) == ("cancelled", "queued", "2"), rec
     assert float(rec["cost"]) - float(rec["refund"]) == 40 + 2 * 2  # prompt, two tokens at weight 2
@@ -1203,7 +1215,7 @@ def test_replay_a_request_requeued_after_delivering_then_expired_pays_what_it_go
             ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
             ("push", {"pick": 0, "count": 2}),
             ("time_passes", {"ms": 260}),  # past the lease: the janitor requeues it
-            ("time_passes", {"ms": 260}))  # past its max wait: the janitor expires it
+            ("time_passes", {"ms": 260}), cfg=CFG)  # past its max wait: the janitor expires it
     rec = records["r0"]
     assert (rec["state"], rec["ended"], rec["out_tokens"]) == ("expired", "queued", "2"), rec
     assert float(rec["cost"]) - float(rec["refund"]) == 40 + 2 * 2  # prompt, two tokens at weight 2
