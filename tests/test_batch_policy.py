@@ -391,3 +391,44 @@ def test_kv_a_richer_tenants_paused_sequence_kept_counts_for_a_tenant_behind() -
     assert choose_preemption(running, [kept, small], limits) == Preemption("f1", free_kv=True)
     # more than both could free: nobody moves
     assert choose_preemption(running, [kept, Candidate("c", 1, 10, 800, tenant="c")], limits) is None
+
+
+def test_kv_a_paused_sequence_of_the_head_s_class_kept_counts_under_rule_2() -> None:
+    """Rule 2 where the head (P1) needs more KV than the lower classes hold, and a P1 behind it
+    (a later arrival, paused for a P0's slot) kept its KV: that sequence cannot start before
+    the head (admission is in priority order), so its kept KV counts toward the head's room
+    and goes first where the lower classes are not enough, then the lower classes as needed.
+    Before, only the lower classes were counted: nobody moved, the head waited behind a
+    running P2 (and, with the P2 only kept, with a slot empty) until the running P1 ended."""
+    limits = Limits(max_seqs=3, kv_capacity=1000)
+    head = Candidate("y", 1, 0, 500)  # needs 501
+    kept = Candidate("x", 1, 5, 0, resident_kv=400)
+    running = [dec("a", 1, 1, kv=300), dec("p2", 2, 2, kv=100)]  # 402 through the next step: 198 free
+    # the P2 alone (101) is not enough, the kept KV is: it goes, and the P2 runs on
+    assert choose_preemption(running, [head, kept], limits) == Preemption("x", True)
+    assert choose_preemption(running, [head, Candidate("x", 1, 5, 401)], limits) is None  # admissible
+    # the kept KV and the P2 both needed: the kept KV first, then the P2 (its KV freed)
+    big = Candidate("y", 1, 0, 650)  # needs 651: 198 + 400 + 101 = 699
+    assert choose_preemption(running, [big, kept], limits) == Preemption("x", True)
+    assert choose_preemption(running, [big, Candidate("x", 1, 5, 401)], limits) == Preemption("p2", True)
+    # the P2 paused with its KV kept (the reachable form: see test_batch_scheduler.py)
+    p2_kept = Candidate("p2", 2, 2, 0, resident_kv=100)
+    assert choose_preemption(running[:1], [head, kept, p2_kept], limits) == Preemption("x", True)
+    # not enough with everything: nobody moves
+    assert choose_preemption(running, [Candidate("y", 1, 0, 800), kept], limits) is None
+
+
+def test_kv_a_paused_sequence_of_the_head_s_class_kept_is_freed_for_it_with_no_lower_class() -> None:
+    """The same with no lower class at all (the batch holds the head's class and P0): a slot is
+    free, the head lacks KV that a later P1 paused with its KV kept holds. It is freed; the
+    head waited, with the slot empty, until a running sequence ended. A slot short is not
+    made by freeing KV: nothing is freed then."""
+    head = Candidate("y", 1, 0, 500)
+    kept = Candidate("x", 1, 5, 0, resident_kv=400)
+    running = [dec("a", 1, 1, kv=300), dec("h", 0, 3, kv=50)]  # 352: 248 free
+    assert choose_preemption(running, [head, kept], Limits(max_seqs=3, kv_capacity=1000)) == \
+        Preemption("x", True)
+    assert choose_preemption(running, [head, kept], Limits(max_seqs=2, kv_capacity=1000)) is None
+    # a slot short and only a lower class's kept KV: nothing freed either (it would make no slot)
+    p2_kept = Candidate("p2", 2, 2, 0, resident_kv=100)
+    assert choose_preemption(running, [head, kept, p2_kept], Limits(max_seqs=2, kv_capacity=1000)) is None

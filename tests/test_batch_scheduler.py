@@ -153,3 +153,44 @@ def test_a_second_light_tenant_gets_the_kv_a_flood_sequence_paused_for_the_first
 
     assert asyncio.run(go(300)) == 1  # the flood sequence alone makes room, as before
     assert asyncio.run(go(550)) == 2
+
+
+@pytest.mark.parametrize("beside", ["p2", "p1"])
+def test_a_request_gets_the_kv_a_later_request_of_its_class_paused_for_a_p0_kept(beside: str) -> None:
+    """Two P0s take two of three slots from a P1 (``a``) and, beside it, a later P1 (``x``)
+    and a P2 stream (``beside="p2"``) or a second later P1 (``"p1"``): both paused, their KV
+    kept. The P0s end; then a P1 that arrived before ``x`` (a request handed back by another
+    worker) needs KV that those kept caches hold. It starts at once: ``x``'s kept KV (which
+    could only run after it) is freed. Rule 2 counted only the P2's kept KV, and the rule
+    for a batch of the head's class counted none without a rich tenant: nobody moved, two
+    slots stood empty, and the P1 waited 595 steps, until ``a`` ended."""
+    async def go() -> int:
+        kv = 1000
+        sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv),
+                               Limits(token_budget=512, max_seqs=3, kv_capacity=kv))
+        sched.add("a", encode("a" * 350), SamplingParams(max_tokens=600), class_rank=1, arrival=0)
+        sched.add("x", encode("x" * 200), SamplingParams(max_tokens=600), class_rank=1, arrival=5)
+        if beside == "p2":
+            sched.add("p2", encode("l" * 100), SamplingParams(max_tokens=600), class_rank=2, arrival=6)
+        else:
+            sched.add("b", encode("b" * 250), SamplingParams(max_tokens=600), class_rank=1, arrival=4)
+        for _ in range(3):
+            await sched.step()
+        for i in range(2):
+            sched.add(f"h{i}", encode("h" * 10), SamplingParams(max_tokens=3), class_rank=0, arrival=10 + i)
+        res = await sched.step()
+        assert sorted(res.preempted) == sorted(["x", "p2" if beside == "p2" else "b"]), res.preempted
+        assert all(s.resident for s in sched.waiting), "a slot was short: their KV kept"
+        for _ in range(20):
+            if "h0" not in sched and "h1" not in sched:
+                break
+            await sched.step()
+        else:
+            raise AssertionError("the P0s never finished")
+        sched.add("y", encode("y" * 500), SamplingParams(max_tokens=10), class_rank=1, arrival=1)
+        for step in range(1, 1000):
+            if "y" in (await sched.step()).produced:
+                return step
+        raise AssertionError("the P1 never started")
+
+    assert asyncio.run(go()) == 1

@@ -444,9 +444,10 @@ def choose_preemption(
     2. the highest-priority waiting candidate (class, then the tenant holding the fewest of
        its class's slots here, then arrival) cannot be admitted (no slot or no KV room), and
        pausing every strictly lower-class running sequence (and freeing what lower-class
-       waiting ones kept) would make room for it: when KV is short, free a lower waiting
-       sequence's kept KV first; otherwise pause the lowest running victim, keeping its KV
-       when the candidate fits anyway (a slot was all that was missing);
+       waiting ones, and those of its class behind it, kept) would make room for it: when KV
+       is short, free a lower waiting sequence's kept KV first (its class's kept KV before
+       that, where the lower classes' is not enough); otherwise pause the lowest running
+       victim, keeping its KV when the candidate fits anyway (a slot was all that was missing);
     3. no lower class runs but a tenant holds at least two more of the head's class's slots
        than the head's tenant: pause one of that tenant's sequences (tenants of a class share
        its slots evenly; within a tenant, :func:`victim_key` order) -- its KV kept when a slot
@@ -454,7 +455,9 @@ def choose_preemption(
        if the rule allows pausing enough, with the KV waiting sequences of the class kept
        (freed first where needed; :func:`_tenant_preemption`). Where the head lacks
        KV that the lower classes alone cannot give but they and rule 3 together can, the
-       lower classes are paused first (their KV freed), then rule 3 applies.
+       lower classes are paused first (their KV freed), then rule 3 applies. Without a rich
+       tenant, a head that lacks only KV, with a slot free, gets the KV its class's waiting
+       sequences kept (the latest first), if that is enough.
 
     With nothing running no step will free anything, so a head kept out by the KV that
     paused sequences hold gets it (the lowest of them first): otherwise the scheduler saw a
@@ -488,6 +491,10 @@ def choose_preemption(
     lower = [s for s in running if s.class_rank > head.class_rank]
     lower_kept = [c for c in residents if c.class_rank > head.class_rank and c is not head]
     same_kept = [c for c in residents if c.class_rank == head.class_rank and c is not head]
+    # The KV that sequences of the head's class behind it kept: none of them can start before
+    # the head (admission goes in priority order), so it counts toward the head's room under
+    # every rule, and goes first where the rest is not enough (freeing it makes no slot).
+    same_kv = sum(c.resident_kv for c in same_kept)
     if not lower and (not lower_kept or head.need <= free):
         # 3. nothing of a lower class runs (or keeps KV the head needs), and the batch is full
         # of the head's class (or higher) -- its slots, or its KV: a tenant holding at least
@@ -496,15 +503,23 @@ def choose_preemption(
         # its KV kept. KV: as many as the head needs, their KV freed, if pausing those the rule
         # allows (a tenant keeps as many slots as the head's tenant will hold) makes room;
         # else none (a flood's long prompts holding the KV kept a light tenant waiting).
-        return _tenant_preemption(running, head, share, free, same_kept)
+        p = _tenant_preemption(running, head, share, free, same_kept)
+        if p is None and not slot_short and same_kept and head.need <= free + same_kv:
+            return _free_kept(same_kept)  # no rich tenant: the class's kept KV alone
+        return p
     freeable = kv_demand(lower) + sum(c.resident_kv for c in lower_kept)
     if head.need > free + freeable and \
             _tenant_preemption(running, head, share, free + freeable, same_kept) is None:
         # Pausing every lower-class sequence would still not make room, nor would rule 3 once
         # they are paused. Where it would, the lower classes go first (their KV freed), then
         # rule 3 applies: a small P2 stream beside a flood holding a class's KV kept a light
-        # tenant of that class waiting for the flood's growth (67 steps, not one).
-        return None
+        # tenant of that class waiting for the flood's growth (67 steps, not one). Where the
+        # KV the head's class kept makes up the rest, it goes first (it must go anyway, and
+        # may spare a lower-class stream), then the lower classes as needed: counting only
+        # theirs, a P1 waited for a running P1's end with slots empty (595 steps, not one).
+        if head.need > free + freeable + same_kv or (slot_short and not lower):
+            return None
+        return _free_kept(same_kept)
     if head.need > free and lower_kept:
         return _free_kept(lower_kept)
     if not lower:
