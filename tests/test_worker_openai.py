@@ -1654,6 +1654,74 @@ async def test_a_body_still_open_does_not_hold_the_next_request_at_max_inflight(
     assert exc is None
 
 
+async def test_a_request_cancelled_before_it_was_sent_to_the_model_server_is_charged_nothing(
+        env, monkeypatch) -> None:
+    """A request whose client went away before the worker had a connection to send it on (here
+    both of a max_inflight=1 worker's connections held by bodies left open after their [DONE];
+    as well a connect to a server slow to accept): the model server never saw it, so it is
+    completed as cancelled with ``usage_in`` 0, charged nothing, as the step worker charges a
+    look-ahead cancelled before it started. It was charged its whole prompt."""
+    from tests.support.fake_upstream import answers_then_holds_its_body
+    from tests.support.helpers import charge_of
+    from worker import upstream
+
+    monkeypatch.setattr(upstream, "END_OF_BODY_S", 120.0)
+    cfg, c, up = env
+    end_body = asyncio.Event()
+    up.scripts["HOLD"] = answers_then_holds_its_body(end_body)
+    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
+    try:
+        held = [await c.admit(f"HOLD {i}", max_tokens=5) for i in range(2)]
+        await c.wait(held, timeout=30)
+        assert len(loop.ending_bodies) == 2  # the pool's two connections: none left to send on
+        unsent = await c.admit("never sent " + "x" * 200, max_tokens=50)
+        await wait_until(lambda: unsent in loop.tasks, "the request claimed and its stream begun")
+        assert await c.scripts.cancel(c.keys, unsent, "t1") == "cancelling"
+        await c.wait([unsent], timeout=30)
+        end_body.set()  # the connections free: a request sent now would reach the server
+        after = await c.admit("sent after", max_tokens=5)
+        await c.wait([after], timeout=30)
+    finally:
+        end_body.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None, exc
+    assert not [b for b in up.bodies if "never sent" in b["prompt"]], "it reached the server after all"
+    rec = await c.record(unsent)
+    assert rec["state"] == "cancelled" and rec["usage_in"] == "0", rec
+    assert charge_of(rec) == 0 and float(rec["refund"]) == float(rec["cost"]), rec
+
+
+async def test_a_request_cancelled_after_it_was_sent_is_charged_its_prompt_though_no_byte_came_back(
+        env) -> None:
+    """The other side of the line: the model server has the request (it may be prefilling it)
+    but has sent nothing back, not even its headers, when the client goes away: charged its
+    prompt as admitted, as before."""
+    from tests.support.fake_upstream import sse_chunk, sse_response
+    from tests.support.helpers import charge_of
+
+    cfg, c, up = env
+    answer = asyncio.Event()
+
+    async def silent(request: Any, body: dict[str, Any], n: int) -> Any:
+        await answer.wait()  # a long prefill: not a byte back
+        return await end_stream(await sse_response(request), sse_chunk("late", finish="stop"))
+
+    up.scripts["SILENT"] = silent
+    rt, _loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url)
+    try:
+        rid = await c.admit("SILENT " + "x" * 200, max_tokens=50)
+        await wait_until(lambda: any("SILENT" in b["prompt"] for b in up.bodies), "the server to have it")
+        assert await c.scripts.cancel(c.keys, rid, "t1") == "cancelling"
+        await c.wait([rid], timeout=30)
+    finally:
+        answer.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None, exc
+    rec = await c.record(rid)
+    assert rec["state"] == "cancelled" and int(rec["usage_in"]) == int(rec["input_tokens"]) > 200, rec
+    assert charge_of(rec) > 0, rec
+
+
 async def test_one_silent_stream_beside_others_streaming_is_not_a_hang(env) -> None:
     """The watch is over the server, not a stream: a long prefill (silent past
     upstream_stall_s) while another request streams its tokens is a busy server, not a hung

@@ -68,6 +68,9 @@ class Delivery:
     # (WorkerRuntime._fail_unfinishable)
     plain_failure: bool = False
     sample_extra: dict[str, Any] = field(default_factory=dict)  # engine-specific sample fields
+    # openai engine: this attempt's request was given a connection to the model server (set
+    # before a byte of it is written): from then on the server may have prefilled its prompt
+    upstream_sent: bool = False
     # pushes whose reply was lost: token count -> (ids, text chars) (see _reconcile)
     _uncertain: dict[int, tuple[int, int]] = field(default_factory=dict)
 

@@ -372,6 +372,16 @@ def _past_echo(text: str, echo: str, data: str) -> tuple[str, str]:
     return text[k:], echo[k:]
 
 
+async def _connected(_session: aiohttp.ClientSession, ctx: Any, _params: Any) -> None:
+    """A trace hook (``on_connection_create_end``, ``on_connection_reuseconn``): aiohttp
+    runs it inside ``connect``, once the request has its connection and before it writes a
+    byte of it. The request's attempt is marked sent from here: a cancel that comes after
+    it never reads as unsent (one between it and the first write reads as sent: charged,
+    the safe side)."""
+    if (attempt := (ctx.trace_request_ctx or {}).get("attempt")) is not None:
+        attempt.upstream_sent = True
+
+
 async def _read_to_end(resp: aiohttp.ClientResponse) -> None:
     """Read a stream's body to its end after its ``[DONE]``, then let it go: the connection
     goes back to the pool for the next request. Left at ``[DONE]`` where the body's end had
@@ -481,11 +491,14 @@ class UpstreamLoop:
         self._key_refused = False
 
     @contextlib.asynccontextmanager
-    async def _post(self, path: str, body: dict[str, Any]) -> AsyncIterator[aiohttp.ClientResponse]:
+    async def _post(self, path: str, body: dict[str, Any],
+                    attempt: Delivery | None = None) -> AsyncIterator[aiohttp.ClientResponse]:
         """``session.post`` as ``async with``, except that a response handed to
-        :meth:`_end_body_later` is left open for that task to end."""
+        :meth:`_end_body_later` is left open for that task to end. ``attempt``'s
+        ``upstream_sent`` is set once the request has a connection (:func:`_connected`)."""
         resp = await self.session.post(self.base + path + self.query, json=body, headers=self._headers(),
-                                       allow_redirects=False)
+                                       allow_redirects=False,
+                                       trace_request_ctx=None if attempt is None else {"attempt": attempt})
         try:
             yield resp
         finally:
@@ -509,7 +522,12 @@ class UpstreamLoop:
         # connection while the request that took the slot opens another (at max_inflight, the
         # next request waited for that end: a review), and a health check never waits for one.
         connector = aiohttp.TCPConnector(limit=2 * s.max_inflight, keepalive_timeout=MODEL_SERVER_KEEPALIVE_S)
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        # marks a request sent once it has a connection (a cancel before that is charged nothing)
+        sent = aiohttp.TraceConfig()
+        sent.on_connection_create_end.append(_connected)
+        sent.on_connection_reuseconn.append(_connected)
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector,
+                                         trace_configs=[sent]) as session:
             self.session = session
             watches = [asyncio.create_task(self._watch_cancels()), asyncio.create_task(self._watch_stalls())]
             try:
@@ -782,6 +800,14 @@ class UpstreamLoop:
             if why == "lost":
                 self.rt.drop(rid, "lost", d)
             elif why == "cancel":
+                if d.claimed.delivered == 0 and not d.upstream_sent:
+                    # Never sent (no connection yet: the pool's were all held, or the server
+                    # was slow to accept one), by this attempt or one before it: the server
+                    # processed none of its prompt, which complete's usage_in says -- charged
+                    # nothing, as the step worker's look-ahead cancelled before it started.
+                    # Sent, it is charged its prompt though no byte came back: the server may
+                    # have prefilled it.
+                    d.usage_in = 0
                 await self._finish(d, ("cancelled", "cancelled", ""))
             elif why == "stalled":  # (_watch_stalls) as if the stream had broken off
                 await self._upstream_down(d, task, UpstreamDown(
@@ -968,7 +994,7 @@ class UpstreamLoop:
         self._last_path = path
         try:
             try:
-                async with self._post(path, body) as resp:
+                async with self._post(path, body, d) as resp:
                     if resp.status in DOWN_STATUSES:
                         raise UpstreamDown(f"HTTP {resp.status} from {url}", spent=False)
                     if 300 <= resp.status < 400:
