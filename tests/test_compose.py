@@ -120,6 +120,16 @@ def test_the_shared_config_is_valid():
     assert cfg.redis.url == "redis://redis:6379/0"
 
 
+def test_the_shared_config_is_the_example_with_the_compose_redis():
+    """docker-compose.yml says to copy deploy/qos.toml from `qos config example`: a copy edited
+    apart from it kept a comment the example had corrected ("max queue wait, then 503", where
+    admission answers 429 for a wait it cannot meet) and lacked the newer fields' comments."""
+    example = (ROOT / "limiter" / "qos.example.toml").read_text()
+    want = example.replace('url = "redis://127.0.0.1:6379/0"', 'url = "redis://redis:6379/0"', 1)
+    assert want != example
+    assert (ROOT / "deploy" / "qos.toml").read_text() == want
+
+
 def _seconds(duration: str) -> float:
     """A compose duration ("45s", "1m30s", "500ms") in seconds."""
     parts = re.findall(r"(\d+(?:\.\d+)?)(h|ms|m|s|us)", duration)
