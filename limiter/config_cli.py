@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     check = csub.add_parser("check", help="validate FILE; prints the first bad field with its path")
     check.add_argument("file")
     check.set_defaults(func=_check)
-    ex = csub.add_parser("example", help="print a commented, complete example config")
+    ex = csub.add_parser("example", help="print a commented example config (the fields most deployments set)")
     ex.set_defaults(func=lambda a: print(example_text(), end=""))
     hk = csub.add_parser("hash-key", help="print the sha256 of an API key, for tenants[].key_sha256")
     hk.add_argument("key", nargs="?", default="-",

@@ -178,7 +178,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "and left dead")
     p.add_argument("--demo-load", action="store_true", help="drive a mixed P0/P1/P2 load, show a live table")
     p.add_argument(
-        "--demo-duration", type=float, default=0.0, help="stop the demo load after S s (0 = never)"
+        "--demo-duration", type=float, default=0.0,
+        help="with --demo-load: stop the load, and the stack with it, after S s (0 = until Ctrl-C)"
     )
     p.add_argument("--ready-timeout", type=float, default=120.0)
     common_args(p)
