@@ -111,3 +111,28 @@ def test_a_tenants_flag_that_is_not_a_finite_figure_in_range_is_refused_by_name(
         flag: str, value: str, named: str, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     refused_by_name(monkeypatch, capsys, tb, "run_tenants", ["bench", "tenants", flag, value], named)
+
+
+def test_the_markdown_tables_stay_tables_in_a_narrow_pipe(capsys, monkeypatch) -> None:
+    """`qos bench tenants --markdown | tee` (not a terminal: rich's 80 columns) wrapped the
+    targets' rows mid-row, and printed the three tables with no blank line between them, so
+    a markdown reader took the second and third headers for rows of the first."""
+    from limiter import cli
+
+    t = tenant_figures
+    results: dict[str, Any] = {"modes": {
+        "alone": {"tenants": {"steady": t(100.0, 10)}},
+        "vtc": {"tenants": {"steady": t(120.0, 10), "heavy": t(1, 200), "medium": t(1, 200)}},
+    }}
+    tb.summarize(results)
+
+    async def run(p: tb.TenantParams, console: object = None) -> dict[str, Any]:
+        return results
+    monkeypatch.setattr(tb, "run_tenants", run)
+    monkeypatch.setenv("COLUMNS", "60")
+    assert cli.main(["bench", "tenants", "--markdown"]) == 0
+    blocks = [b.strip().splitlines() for b in capsys.readouterr().out.strip().split("\n\n")]
+    assert [len(b[0].split("|")) - 2 for b in blocks] == [9, 3, 4]  # three tables, by their columns
+    for block in blocks:
+        assert block[1].startswith("|---")
+        assert all(line.startswith("|") and line.endswith("|") for line in block), block

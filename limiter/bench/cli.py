@@ -346,6 +346,7 @@ def _scale_out(args: argparse.Namespace) -> int:
 
     from limiter.bench import scale_out as so
     from limiter.bench import scale_report
+    from limiter.bench.tables import print_markdown
 
     console = Console()
     spec = so.ScaleSpec(pools=args.pools, frontends=args.frontends, workers_per_pool=args.workers,
@@ -359,8 +360,11 @@ def _scale_out(args: argparse.Namespace) -> int:
         console.print(f"[red]{exc}[/]")
         return 2
     report = asyncio.run(so.run_scale_out(spec, log=console.print))
-    for t in scale_report.render(report, markdown=args.markdown):
-        console.print(t, soft_wrap=args.markdown)  # markdown rows must stay one line each
+    if args.markdown:
+        print_markdown(scale_report.render(report, markdown=True))
+    else:
+        for t in scale_report.render(report):
+            console.print(t)
     if args.out:
         for path in scale_report.write_out(report, args.out):
             console.print(f"[dim]wrote {path}[/]")

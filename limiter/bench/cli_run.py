@@ -108,6 +108,7 @@ def _tenants(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from limiter.bench import tenants as tb
+    from limiter.bench.tables import print_markdown
 
     console = Console()
     # `<= 0` let NaN through (a drain of NaN never ends); medium 0 leaves that tenant out
@@ -129,7 +130,10 @@ def _tenants(args: argparse.Namespace) -> int:
     if args.token_budget is not None or args.engine == "torch":
         p = tb.dataclasses.replace(p, token_budget=default_token_budget(args))
     results = asyncio.run(tb.run_tenants(p, console))
-    for t in tb.render(results, markdown=args.markdown):
+    if args.markdown:
+        print_markdown(tb.render(results, markdown=True))
+        return 0
+    for t in tb.render(results):
         console.print(t)
     return 0
 

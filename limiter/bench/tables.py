@@ -27,3 +27,10 @@ def render_tables(tables: Sequence[tuple[Sequence[str], Rows]], markdown: bool =
             t.add_row(*(str(c) for c in r))
         rendered.append(t)
     return rendered
+
+
+def print_markdown(tables: Sequence[str]) -> None:
+    """Markdown tables (``render_tables(..., markdown=True)``) as plain text: every row one line
+    whatever the terminal (rich wraps at 80 columns in a pipe), and a blank line after each
+    table, without which a markdown reader takes the next title or header for rows of the last."""
+    print("\n\n".join(tables))
