@@ -17,13 +17,14 @@ import time
 from typing import Any
 
 from redis.exceptions import RedisClusterException, RedisError
-from rich.console import Console, Group
+from rich.console import Group
 from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
 from limiter.cli import common_args, load_config
 from limiter.config import QosConfig
+from limiter.console import stdout_console
 from limiter.errors import ConfigError, InvalidName, QosError, RedisUnavailable
 from limiter.keys import PoolKeys
 from limiter.redis_conn import map_redis_errors, open_redis
@@ -134,7 +135,7 @@ async def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snap, indent=2, sort_keys=True))
     else:
-        _console().print(render(snap))
+        stdout_console().print(render(snap))
     return 0
 
 
@@ -142,10 +143,6 @@ def run_status(args: argparse.Namespace) -> int:
     return asyncio.run(_status(args))
 
 
-def _console() -> Console:
-    """A terminal's own width; piped or captured output gets room for every column (rich
-    would cut cells at 80 characters, e.g. a worker's "(upstream down)")."""
-    return Console() if sys.stdout.isatty() else Console(width=200)
 
 
 def _fmt(v: Any, digits: int = 0) -> str:
@@ -258,7 +255,7 @@ async def _top(args: argparse.Namespace) -> int:
     last: dict[str, Any] | None = None
     down_since = ""  # the time of day Redis stopped answering, while it does not
     try:
-        with Live(console=_console(), refresh_per_second=4, screen=False) as live:
+        with Live(console=stdout_console(), refresh_per_second=4, screen=False) as live:
             while args.iterations <= 0 or n < args.iterations:
                 started = time.monotonic()
                 # A live view rides through an outage (a failover, a restart): it quit at the

@@ -136,3 +136,25 @@ def test_the_markdown_tables_stay_tables_in_a_narrow_pipe(capsys, monkeypatch) -
     for block in blocks:
         assert block[1].startswith("|---")
         assert all(line.startswith("|") and line.endswith("|") for line in block), block
+
+
+def test_the_terminal_tables_keep_every_column_whole_in_a_pipe(capsys, monkeypatch) -> None:
+    """Piped (`qos bench ... | tee run.log`), rich cut every cell to fit 80 columns: the
+    tables read "cl…", "se…", "TT…". A pipe gets 200, as `qos status` did already."""
+    from limiter import cli
+
+    t = tenant_figures
+    results: dict[str, Any] = {"modes": {
+        "alone": {"tenants": {"steady": t(100.0, 10)}},
+        "vtc": {"tenants": {"steady": t(120.0, 10), "heavy": t(1, 200), "medium": t(1, 200)}},
+    }}
+    tb.summarize(results)
+
+    async def run(p: tb.TenantParams, console: object = None) -> dict[str, Any]:
+        return results
+    monkeypatch.setattr(tb, "run_tenants", run)
+    monkeypatch.setenv("COLUMNS", "80")
+    assert cli.main(["bench", "tenants"]) == 0
+    out = capsys.readouterr().out
+    assert "…" not in out
+    assert "work in window" in out and "steady TTFT p99 / alone (vtc)" in out

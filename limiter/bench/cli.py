@@ -125,11 +125,10 @@ def _admission(args: argparse.Namespace) -> int:
     """Admit+enqueue decisions/s and p50/p99 latency at concurrency 1 and 50, side by side with a plain
     SET (the one-round-trip floor) and the limits library's moving-window limiter on the same Redis;
     driven by redis-py (asyncio) and by redis-benchmark (server-side view)."""
-    from rich.console import Console
-
     from limiter.bench import admission as adm
+    from limiter.console import stdout_console
 
-    console = Console()
+    console = stdout_console()
     base = load_config(args) if args.config else None
     # a flag given is the figure used (``x or default`` took --ops 0 for the default)
     ops = args.ops if args.ops is not None else adm.QUICK_OPS if args.quick else adm.DEFAULT_OPS
@@ -167,11 +166,10 @@ def _janitor(args: argparse.Namespace) -> int:
     """Piles of dead entries (a dead frontend's queued requests, overdue requests, a dead worker's
     leases) cleared by claim / reap_expired: calls needed, largest and median Redis time of one call
     (SLOWLOG)."""
-    from rich.console import Console
-
     from limiter.bench import janitor
+    from limiter.console import stdout_console
 
-    console = Console()
+    console = stdout_console()
     if not 1 <= args.entries <= 1_000_000:
         console.print("[red]--entries must be in [1, 1000000][/]")
         return 2
@@ -229,12 +227,11 @@ def _redis_budget(args: argparse.Namespace) -> int:
     commandstats mean; SLOWLOG median), then the per-request budget at each --tokens, the requests/s
     one shard carries, and the goal check (admit <= 50 us, the lifecycle <= 150 us + 2 us per output
     token)."""
-    from rich.console import Console
-
     from limiter.bench import callgrind
     from limiter.bench import redis_budget as rb
+    from limiter.console import stdout_console
 
-    console = Console()
+    console = stdout_console()
     check_flag("--step-ms", args.step_ms, 0, 60_000, low_open=True)  # NaN passed `<= 0`
     if args.tokens_per_push is not None:  # 0 was `or 1`: the default, silently
         check_flag("--tokens-per-push", args.tokens_per_push, 1, rb.MAX_TOKENS)
@@ -290,12 +287,11 @@ def _lua_profile(args: argparse.Namespace) -> int:
     measured over the same calls as the whole script (INFO commandstats, round-robin, each cut's best
     round), and the difference between consecutive cuts is what the lines between them cost. The
     first cut is the fixed part every call pays (keys, arguments, the helpers' definitions)."""
-    from rich.console import Console
-
     from limiter.bench import callgrind
     from limiter.bench import lua_profile as lp
+    from limiter.console import stdout_console
 
-    console = Console()
+    console = stdout_console()
     if args.requests < 8 or args.requests % 8 or args.rounds < 1:
         console.print("[red]--requests: a positive multiple of 8; --rounds: at least 1[/]")
         return 2
@@ -342,13 +338,12 @@ def _scale_out(args: argparse.Namespace) -> int:
     in total and over one pool's; per shard the main thread's CPU and the commands per request of its
     pool and the requests/s that implies at one core; the CPU of every process and of the machine; a
     projection and a fleet sizing from the measured costs. See docs/scaling.md."""
-    from rich.console import Console
-
     from limiter.bench import scale_out as so
     from limiter.bench import scale_report
     from limiter.bench.tables import print_markdown
+    from limiter.console import stdout_console
 
-    console = Console()
+    console = stdout_console()
     spec = so.ScaleSpec(pools=args.pools, frontends=args.frontends, workers_per_pool=args.workers,
                         seconds=args.seconds, idle_s=args.idle_seconds, concurrency=args.concurrency,
                         output_tokens=args.output_tokens, max_seqs=args.max_seqs,

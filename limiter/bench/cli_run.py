@@ -57,9 +57,8 @@ def _control(args: argparse.Namespace) -> int:
     """Each scenario on a private stack with the controller on (sim workers): policy changes at steady
     load, P0's recovery from a P2 flood, capacity following a killed and restarted worker, no cut to a
     P1 surge inside its guarantee. See docs/control-law.md."""
-    from rich.console import Console
-
     from limiter.bench import control as cb
+    from limiter.console import stdout_console
 
     names = tuple(n.strip() for n in args.scenarios.split(",") if n.strip())
     unknown = [n for n in names if n not in cb.ALL_SCENARIOS]
@@ -75,7 +74,7 @@ def _control(args: argparse.Namespace) -> int:
         raise ConfigError("--noise-out", "needs the steady scenario")
     p = cb.ControlParams(scenarios=names, short=args.short, workers=args.workers, drain_s=args.drain,
                          calibrate=args.calibrate, out_dir=args.out, noise_out=args.noise_out)
-    console = Console()
+    console = stdout_console()
     results = asyncio.run(cb.run_control(p, console))
     console.print(cb.markdown(results))
     return 0
@@ -105,12 +104,11 @@ def _tenants(args: argparse.Namespace) -> int:
     """Three P1 tenants (steady, heavy, medium) on a private stack, alone / arrival order / virtual token
     counters: the steady tenant's TTFT against its figure alone, and Jain's index over the backlogged
     tenants' weighted service. See docs/benchmarks.md."""
-    from rich.console import Console
-
     from limiter.bench import tenants as tb
     from limiter.bench.tables import print_markdown
+    from limiter.console import stdout_console
 
-    console = Console()
+    console = stdout_console()
     # `<= 0` let NaN through (a drain of NaN never ends); medium 0 leaves that tenant out
     for name, low, high, low_open in (("duration", 0, 3600, True), ("drain", 0, 3600, False),
                                       ("steady", 0, 20, True), ("heavy", 0, 20, True),
@@ -303,17 +301,16 @@ def _run(args: argparse.Namespace) -> int:
     """Start a private stack per mode (Redis, frontends, workers; controller for qos), send the same
     open-loop trace arrivals through the HTTP API with streaming, and measure on the client side. See
     docs/benchmarks.md."""
-    from rich.console import Console
-
     from limiter.bench.report import mode_table, targets_table
     from limiter.bench.runner import run_bench
+    from limiter.console import stdout_console
 
     params = params_from_args(args)
     if params.out_dir:
         require("matplotlib", "qos bench run --out (the plots)")
     if params.engine == "torch":
         require("torch", "qos bench run --engine torch")
-    console = Console()
+    console = stdout_console()
     results = asyncio.run(run_bench(params, console, quiet=args.quiet))
     for name, m in results["modes"].items():
         console.print(mode_table(name, m, params.engine))
@@ -395,9 +392,8 @@ def _overhead(args: argparse.Namespace) -> int:
     """The same load generator against (a) a bare aiohttp server that streams tokens at once and (b) the
     full stack (frontend -> Redis -> worker -> frontend; the worker a sim engine at time scale 0, or in
     front of a second such server): throughput ratio, added latency p50/p99, Redis commands per request."""
-    from rich.console import Console
-
     from limiter.bench import overhead as ov
+    from limiter.console import stdout_console
 
     check_flag("--seconds", args.seconds, 0, 3600, low_open=True)  # inf: a phase without end
     if args.rate is not None:
@@ -410,7 +406,7 @@ def _overhead(args: argparse.Namespace) -> int:
         raise ConfigError("--step-ms", "must be in [0, 10000]")
     if args.step_ms and args.engine != "openai":
         raise ConfigError("--step-ms", "paces the echo server as a model server: it needs --engine openai")
-    console = Console()
+    console = stdout_console()
     report = asyncio.run(ov.run_overhead(seconds=args.seconds, concurrency=args.concurrency, rate=args.rate,
                                          output_tokens=args.output_tokens, workers=args.workers,
                                          frontends=args.frontends, max_seqs=args.max_seqs, engine=args.engine,

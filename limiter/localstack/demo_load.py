@@ -13,11 +13,11 @@ import time
 from collections.abc import Callable, Iterator
 
 import aiohttp
-from rich.console import Console
 from rich.live import Live
 from rich.table import Table
 
 from limiter.config import QosConfig
+from limiter.console import stdout_console
 from limiter.localstack.loadgen import (
     ClassLoad,
     Result,
@@ -112,7 +112,7 @@ async def run_demo_load(
     results: list[Result] = []
     tasks: set[asyncio.Task[None]] = set()
     started = time.monotonic()
-    console = Console()
+    console = stdout_console()
 
     async def one(session: aiohttp.ClientSession, load: ClassLoad, tokens: int, i: int) -> None:
         res = await stream_completion(
