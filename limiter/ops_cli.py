@@ -214,7 +214,7 @@ def render(snap: dict[str, Any]) -> Group:
             w.add_column(col, justify="right")
         for wid, info in sorted(pool["workers"].items()):
             engine = str(info.get("engine", "-")) + (
-                " (sim)" if str(info.get("simulated")) in ("1", "True") else ""
+                " (SIMULATED)" if str(info.get("simulated")) in ("1", "True") else ""
             ) + (" (upstream down)" if info.get("upstream_state") == "open" else "")
             w.add_row(
                 wid,

@@ -279,3 +279,25 @@ def test_top_through_an_outage_says_why_redis_did_not_answer(capsys):
     out = capsys.readouterr().out
     assert rc == 1 and "Redis unavailable since" in out, out
     assert "Authentication required" in out, out
+
+
+def test_a_simulated_worker_is_labelled_as_its_log_labels_it():
+    """The engine column read "sim (sim)": the marker repeated the engine's name instead of
+    saying what it means, as the worker's log does ("[SIMULATED]")."""
+    import io
+
+    from rich.console import Console
+
+    from limiter.ops_cli import render
+
+    cls = {"rate": 1.0, "ceil": 1.0, "burst": 1.0, "tokens": 1.0, "queued": 0, "inflight": 0,
+           "compliance": None}
+    snap = {"pools": {"tiny": {"model": "tiny", "capacity": 1.0, "policy_version": 1, "classes": {"P0": cls},
+                               "workers": {"w1": {"engine": "sim", "simulated": "1"},
+                                           "w2": {"engine": "torch", "simulated": "0"}},
+                               "decisions": []}}}
+    out = io.StringIO()
+    Console(file=out, width=200).print(render(snap))
+    rows = {line.split("│")[1].strip(): line for line in out.getvalue().splitlines() if line.count("│") > 3}
+    assert "sim (SIMULATED)" in rows["w1"] and "(sim)" not in out.getvalue()
+    assert "torch" in rows["w2"] and "SIMULATED" not in rows["w2"]
