@@ -22,6 +22,7 @@ from rich.live import Live
 from rich.table import Table
 from rich.text import Text
 
+from limiter import config as config_mod
 from limiter.cli import common_args, load_config
 from limiter.config import QosConfig
 from limiter.console import stdout_console
@@ -135,7 +136,7 @@ async def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(snap, indent=2, sort_keys=True))
     else:
-        stdout_console().print(render(snap))
+        stdout_console().print(render(snap, cfg.redis.url))
     return 0
 
 
@@ -168,7 +169,7 @@ def _last_reasons(pool: dict[str, Any]) -> tuple[dict[str, str], str]:
     return {}, "-"
 
 
-def render(snap: dict[str, Any]) -> Group:
+def render(snap: dict[str, Any], redis_url: str | None = None) -> Group:
     parts: list[Any] = []
     for name, pool in snap["pools"].items():
         if "unreachable" in pool:
@@ -182,7 +183,10 @@ def render(snap: dict[str, Any]) -> Group:
                     + ("" if conf is None else f", confidence {conf * 100:.0f} %")
                     + ("" if age is None else f", {age:.0f} s old"))
         reasons, version = _last_reasons(pool)
-        unset = "" if pool.get("initialised", True) else " — NOT INITIALISED (no role set it up here)"
+        where = f" in {config_mod.redacted_url(redis_url)}" if redis_url else ""
+        unset = "" if pool.get("initialised", True) else (
+            f" — NOT INITIALISED{where} (no role set it up there: a `qos up` stack's private Redis is the "
+            "URL its ready line prints, for --redis-url)")
         t = Table(
             title=f"pool {name} (model {pool['model']}) — capacity {_fmt(pool['capacity'])} tok/s "
             f"({measured}), policy v{_fmt(pool['policy_version'])}{unset}"
@@ -262,13 +266,13 @@ async def _top(args: argparse.Namespace) -> int:
                 # first read that found no Redis, when the operator was watching for just that
                 try:
                     last, down_since = await full_snapshot(client, cfg, 5), ""
-                    live.update(render(last))
+                    live.update(render(last, cfg.redis.url))
                 except RedisUnavailable as exc:
                     # (its reason too: a wrong password or TLS certificate is a ConnectionError)
                     down_since = down_since or time.strftime("%H:%M:%S")
                     note = Text(f"Redis unavailable since {down_since}: retrying every {args.interval:g} s"
                                 + (" (the last view below)" if last else "") + f"\n{exc}", style="bold red")
-                    live.update(Group(note, render(last)) if last else note)
+                    live.update(Group(note, render(last, cfg.redis.url)) if last else note)
                 n += 1
                 await asyncio.sleep(max(0.0, args.interval - (time.monotonic() - started)))
     finally:

@@ -201,7 +201,11 @@ async def test_status_says_a_pool_is_not_initialised(redis_server, sync_redis, c
     import asyncio
 
     rc = await asyncio.to_thread(main, ["status", "--redis-url", redis_server.url])
-    assert rc == 0 and "NOT INITIALISED" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert rc == 0 and "NOT INITIALISED" in out
+    # ... and says which Redis it read: `qos status` with no flag reads 6379, not the private
+    # Redis of the `qos up` stack a newcomer just started
+    assert f"NOT INITIALISED in {redis_server.url}" in out and "--redis-url" in out
 
 
 async def test_top_rides_through_a_redis_outage_and_says_so(monkeypatch):
