@@ -8,9 +8,11 @@ sets ``func`` on its parser. Every subcommand takes ``--config`` (env QOS_CONFIG
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
+import stat
 import sys
 
 from limiter import config as config_mod
@@ -84,6 +86,22 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        if not _stdout_is_a_pipe():  # a socket of the command's own, not its reader: a real error
+            raise
+        # The reader went away (`qos status --json | head`): no traceback, and none from the
+        # flush at exit either (stdout now goes nowhere); the shell's status for SIGPIPE.
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+
+
+def _stdout_is_a_pipe() -> bool:
+    try:
+        mode = os.fstat(sys.stdout.fileno()).st_mode
+    except (OSError, ValueError):  # no real file behind it
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)
 
 
 if __name__ == "__main__":

@@ -358,3 +358,23 @@ def test_cli_config_check_of_an_empty_path_is_an_error_not_the_demo_config(capsy
     assert main(["config", "check", ""]) == 2
     err = capsys.readouterr().err
     assert "no file" in err and "Traceback" not in err, err
+
+
+def test_a_reader_that_goes_away_early_is_no_traceback():
+    """`qos status --json | head -3` (or any reader that stops early): the write into the
+    closed pipe was a BrokenPipeError traceback, and another one as Python flushed stdout at
+    exit. Now the command ends quietly with the shell's status for SIGPIPE (141), as `yes |
+    head` does."""
+    import os
+    import subprocess
+    import sys
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the command writes
+    try:
+        proc = subprocess.run([sys.executable, "-m", "limiter.cli", "config", "example"], stdout=write,
+                              stderr=subprocess.PIPE, timeout=60)
+    finally:
+        os.close(write)
+    assert b"Traceback" not in proc.stderr and b"Exception ignored" not in proc.stderr, proc.stderr[-800:]
+    assert proc.returncode == 141
