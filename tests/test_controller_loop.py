@@ -21,6 +21,7 @@ from limiter.controller.service import Controller
 from limiter.errors import PolicyMissing
 from limiter.keys import SAMPLES_GROUP
 from limiter.scripts import Scripts
+from limiter.status import snapshot
 from tests.support.controller_helpers import (
     fast_settings,
     metric,
@@ -29,7 +30,7 @@ from tests.support.controller_helpers import (
     sample,
     wait_for,
 )
-from tests.support.helpers import redis_ms, wait_until
+from tests.support.helpers import admit, redis_ms, wait_until
 from tests.support.redis_server import free_port
 
 
@@ -551,7 +552,8 @@ async def test_a_controller_that_stops_leading_stops_reporting_the_pools_figures
     assert await pc.tick(term) is not None
     reg = pc.metrics.registry
     per_class = ("qos_controller_rate", "qos_controller_ceil", "qos_controller_used",
-                 "qos_controller_compliance", "qos_controller_fresh_compliance")
+                 "qos_controller_compliance", "qos_controller_fresh_compliance", "qos_controller_queued",
+                 "qos_controller_queued_tokens", "qos_controller_leased")
     assert reg.get_sample_value("qos_controller_compliance", {"pool": "tiny", "class": "P0"}) < 0.95
     assert reg.get_sample_value("qos_controller_capacity", {"pool": "tiny"}) is not None
     await aredis.set(pool.leader, f"b.0123abcd:{term.fence + 1}", px=10_000)
@@ -561,4 +563,47 @@ async def test_a_controller_that_stops_leading_stops_reporting_the_pools_figures
         for c in cfg.class_names():
             value = reg.get_sample_value(name, {"pool": "tiny", "class": c})
             assert value is None, f"{name}{{class={c}}} still {value} after the term ended"
-    assert reg.get_sample_value("qos_controller_capacity", {"pool": "tiny"}) is None
+    for name in ("qos_controller_capacity", "qos_controller_live_workers", "qos_controller_live_frontends"):
+        value = reg.get_sample_value(name, {"pool": "tiny"})
+        assert value is None, f"{name} still {value} after the term ended"
+
+
+async def test_the_pools_queues_and_fleet_are_exported_as_redis_holds_them(aredis, pool, cfg):
+    """What an autoscaler of the GPU fleet reads (no per-process metric can tell it): every
+    tick the leader sets, per class, the requests queued, their reserved cost and the requests
+    workers hold, and the workers and frontends that beat in time, from the same Redis state
+    ``qos status`` reads."""
+    scripts = Scripts(aredis)
+    for tenant in ("t1", "t2", "t1"):
+        await admit(scripts, pool, cls="P1", tenant=tenant, input_tokens=100, max_tokens=10)
+    await admit(scripts, pool, cls="P2", input_tokens=40, max_tokens=5)
+    got = await scripts.claim(pool, "w1", 1)  # one P1 to a worker
+    assert [c.cls for c in got.requests] == ["P1"]
+    now = await redis_ms(aredis)
+    await aredis.zadd(pool.workers, {"w1": now, "w2": now, "gone": now - 3_600_000})
+    await aredis.zadd(pool.frontends, {"fe2": now - 3_600_000})  # fe1: set up alive
+    status = (await snapshot(aredis, cfg))["pools"]["tiny"]["classes"]
+    pc = pool_controller(cfg, aredis)
+    await pc.renew_once()
+    assert await pc.tick(pc.term) is not None
+
+    def gauge(name: str, **labels: str) -> float | None:
+        return pc.metrics.registry.get_sample_value(name, {"pool": "tiny", **labels})
+
+    for c in cfg.class_names():
+        assert gauge("qos_controller_queued", **{"class": c}) == status[c]["queued"], c
+        cost = status[c]["queued_cost"]
+        assert gauge("qos_controller_queued_tokens", **{"class": c}) == pytest.approx(cost), c
+        assert gauge("qos_controller_leased", **{"class": c}) == status[c]["inflight"], c
+    assert gauge("qos_controller_queued", **{"class": "P1"}) == 2
+    assert gauge("qos_controller_queued", **{"class": "P2"}) == 1
+    assert gauge("qos_controller_queued_tokens", **{"class": "P1"}) > 0
+    assert gauge("qos_controller_leased", **{"class": "P1"}) == 1
+    assert gauge("qos_controller_live_workers") == 2
+    assert gauge("qos_controller_live_frontends") == 1
+    await scripts.claim(pool, "w2", 8)  # the rest goes to a worker: the next tick reads it
+    assert await pc.tick(pc.term) is not None
+    assert gauge("qos_controller_queued", **{"class": "P1"}) == 0 == gauge("qos_controller_queued_tokens",
+                                                                          **{"class": "P1"})
+    assert gauge("qos_controller_leased", **{"class": "P1"}) == 3
+    assert gauge("qos_controller_leased", **{"class": "P2"}) == 1

@@ -32,7 +32,7 @@ from limiter.controller.consumer import Batch, SampleConsumer
 from limiter.controller.control_law import ClassInputs, Decision, Inputs, decide
 from limiter.controller.leader import LeaderLease
 from limiter.controller.metrics import ControllerMetrics
-from limiter.controller.observe import publish, read_heartbeats, record_metrics
+from limiter.controller.observe import PoolState, live_workers, publish, read_heartbeats, record_metrics
 from limiter.controller.settings import ControllerSettings
 from limiter.controller.term import Term, new_term, policy_fields
 from limiter.errors import ConfigError, PolicyMissing, StaleLeader
@@ -303,13 +303,20 @@ class PoolController:
                         "back; starting a new term", self.pool.name, now_ms, term.state.last_change_ms)
             self.end_term("Redis's clock stepped back")
             return None
+        classes = self.cfg.class_names()
         async with self.client.pipeline(transaction=False) as pipe:
             pipe.hgetall(self.keys.stats)
             pipe.zrange(self.keys.workers, 0, -1, withscores=True)
-            stats, workers = await pipe.execute()
+            # the queues and the frontends, for the gauges alone (bounded: fields per class)
+            pipe.hmget(self.keys.queued, [*classes, *(f"{c}.cost" for c in classes)])
+            pipe.hmget(self.keys.inflight, classes)
+            pipe.zcount(self.keys.frontends, now_ms - self.pool.frontend_ttl_ms, "+inf")
+            stats, workers, queued, leased, frontends = await pipe.execute()
         term.usage.observe_counters(now_ms, stats)
+        live = live_workers(term, workers, now_ms, self.settings.capacity.worker_ttl_s * 1000)
         if self.settings.capacity.worker_field:
-            await read_heartbeats(self.client, self.keys, term, workers, now_ms, self.settings.capacity)
+            await read_heartbeats(self.client, self.keys, term, live, now_ms, self.settings.capacity)
+        pool_state = PoolState.read(classes, queued, leased, len(live), frontends)
         estimate = term.estimator.estimate(now_ms)
         window = term.monitor.stats(now_ms)
         capacity = estimate.value
@@ -354,6 +361,7 @@ class PoolController:
         term.last_decision = decision
         if self.term is term:  # (a term that ended meanwhile has had its figures dropped)
             record_metrics(self.metrics, self.pool.name, decision, window, estimate.value, inputs)
+            pool_state.record(self.metrics, self.pool.name)
         await publish(self.scripts, self.keys, self.settings, now_ms, window, estimate)
         return decision
 

@@ -47,12 +47,26 @@ class ControllerMetrics:
                                registry=r)
         self.redis_errors = Counter("qos_controller_redis_errors", "Redis failures, by loop", ["loop"],
                                     registry=r)
+        # The pool's queues and fleet as Redis holds them, read every tick: what an autoscaler
+        # of the GPU fleet (or an alert) reads, which no per-process metric can tell
+        self.queued = Gauge("qos_controller_queued", "Requests queued now (admitted, no worker holds "
+                            "them)", ["pool", "class"], registry=r)
+        self.queued_tokens = Gauge("qos_controller_queued_tokens", "Reserved cost of the queued requests, "
+                                   "weighted tokens", ["pool", "class"], registry=r)
+        self.leased = Gauge("qos_controller_leased", "Requests a worker holds now (claimed, unfinished)",
+                            ["pool", "class"], registry=r)
+        self.live_workers = Gauge("qos_controller_live_workers", "Workers that beat within the capacity "
+                                  "estimator's worker_ttl_s", ["pool"], registry=r)
+        self.live_frontends = Gauge("qos_controller_live_frontends", "Frontends that beat within the "
+                                    "pool's frontend_ttl_ms", ["pool"], registry=r)
 
     def forget_term(self, pool: str, classes: list[str]) -> None:
         """Drop the figures of a term that ended: a standby exporting its last tick's rates and
         compliance for ever looked like a second, stale leader."""
-        self.capacity.remove(pool)
-        for g in (self.compliance, self.fresh_compliance, self.rate, self.ceil, self.used):
+        for g in (self.capacity, self.live_workers, self.live_frontends):
+            g.remove(pool)
+        for g in (self.compliance, self.fresh_compliance, self.rate, self.ceil, self.used, self.queued,
+                  self.queued_tokens, self.leased):
             for c in classes:
                 g.remove(pool, c)
 

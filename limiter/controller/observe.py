@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from limiter.config import MAX_CAPACITY_TOKENS_S
@@ -22,26 +23,31 @@ from limiter.keys import PoolKeys
 from limiter.scripts import Scripts
 
 
-async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, workers: list[tuple[bytes, float]],
-                          now_ms: float, cap: CapacityConfig) -> None:
-    """Feed live workers' reported capacity (``cap.worker_field``) to the term's estimator.
-
-    Only a heartbeat newer than the one last used is read (the EWMA must not count one report
-    twice); a worker that left the ZSET (clean shutdown) or went silent leaves the sum now.
+def live_workers(term: Term, workers: list[tuple[bytes, float]], now_ms: float,
+                 ttl_ms: float) -> dict[str, float]:
+    """The workers of the ``workers`` ZSET that beat within ``ttl_ms``: id -> when it last did.
 
     A worker stamps its beat with its own estimate of Redis's clock (its wall clock plus an
     offset from its last claim): one whose clock stepped ahead beats in the future, and killed
     then it stayed live until Redis's clock caught up with its last stamp (an hour for an
     hour's step), its capacity in every rate. A beat is taken as no later than when this term
-    first saw its stamp, so a silent worker leaves ``worker_ttl_s`` after its last beat."""
-    ttl_ms = cap.worker_ttl_s * 1000
+    first saw its stamp, so a silent worker leaves ``ttl_ms`` after its last beat."""
     beats: dict[str, tuple[float, float]] = {}
     for m, s in workers:
         w, stamp = (m.decode() if isinstance(m, bytes) else str(m)), float(s)
         known = term.beats.get(w)
         beats[w] = known if known is not None and known[0] == stamp else (stamp, now_ms)
     term.beats = beats  # (the ZSET's members only: bounded)
-    live = {w: min(stamp, seen) for w, (stamp, seen) in beats.items() if now_ms - min(stamp, seen) <= ttl_ms}
+    return {w: min(stamp, seen) for w, (stamp, seen) in beats.items() if now_ms - min(stamp, seen) <= ttl_ms}
+
+
+async def read_heartbeats(client: Any, keys: PoolKeys, term: Term, live: dict[str, float],
+                          now_ms: float, cap: CapacityConfig) -> None:
+    """Feed the reported capacity (``cap.worker_field``) of the ``live`` workers
+    (:func:`live_workers`) to the term's estimator.
+
+    Only a heartbeat newer than the one last used is read (the EWMA must not count one report
+    twice); a worker that left the ZSET (clean shutdown) or went silent leaves the sum now."""
     for gone in [w for w in term.workers if w not in live]:
         del term.workers[gone]  # the estimator forgets it in set_alive below
     todo, alive = [], {}
@@ -82,6 +88,41 @@ async def publish(scripts: Scripts, keys: PoolKeys, settings: ControllerSettings
         ".capacity_source": estimate.source, ".capacity_confidence": round(estimate.confidence, 3),
         ".capacity_workers": estimate.live_workers, ".updated_ms": int(now_ms),
         ".controller": settings.controller_id})
+
+
+@dataclass(frozen=True)
+class PoolState:
+    """What the pool's queues and fleet hold now, as the tick read them (for the gauges)."""
+    queued: dict[str, int]  # class -> requests queued
+    queued_tokens: dict[str, float]  # class -> their reserved weighted cost
+    leased: dict[str, int]  # class -> requests a worker holds
+    live_workers: int
+    live_frontends: int
+
+    @classmethod
+    def read(cls, classes: list[str], queued: list[Any], leased: list[Any], live_workers: int,
+             live_frontends: int) -> PoolState:
+        """``queued``: HMGET of the queued hash, every class's count then every class's
+        ``.cost``; ``leased``: HMGET of the inflight hash by class. A field missing (nothing
+        ever queued) or unreadable reads 0."""
+        n = len(classes)
+
+        def num(raw: Any) -> float:
+            v = parse_float(raw)
+            return 0.0 if v is None else max(0.0, v)
+
+        return cls(queued={c: int(num(queued[i])) for i, c in enumerate(classes)},
+                   queued_tokens={c: num(queued[n + i]) for i, c in enumerate(classes)},
+                   leased={c: int(num(leased[i])) for i, c in enumerate(classes)},
+                   live_workers=live_workers, live_frontends=int(live_frontends))
+
+    def record(self, m: ControllerMetrics, pool: str) -> None:
+        for c, n in self.queued.items():
+            m.queued.labels(pool, c).set(n)
+            m.queued_tokens.labels(pool, c).set(self.queued_tokens[c])
+            m.leased.labels(pool, c).set(self.leased[c])
+        m.live_workers.labels(pool).set(self.live_workers)
+        m.live_frontends.labels(pool).set(self.live_frontends)
 
 
 def record_metrics(m: ControllerMetrics, pool: str, d: Decision, window: Mapping[str, WindowStats],
