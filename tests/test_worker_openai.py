@@ -2134,6 +2134,55 @@ async def test_an_http_500_without_the_words_of_a_death_asks_the_servers_health(
         assert hb.get(b"upstream_state") == b"closed" and int(hb.get(b"upstream_probes", 0)) == 0
 
 
+async def test_a_server_that_dies_while_the_worker_is_idle_opens_the_breaker_before_a_request_finds_it(
+        env) -> None:
+    """A server that died while nothing was in flight kept the breaker closed, the worker "up"
+    in `qos status` and `/readyz` 200 until a request was claimed into it (a newcomer's walk
+    saw 20 s and more). The idle health check opens it (no request counted as failed): the
+    request admitted next is not claimed into the dead server, and runs once it is back."""
+    cfg, c, up = env
+    up.health_status = 200
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_idle_check_s=0.05, **RETRY) as rt:
+        await _wait_heartbeat(c, rt, "the first health check", lambda h: up.health_calls >= 1)
+        up.health_status = 503  # vLLM's answer once its engine died
+        hb = await _wait_heartbeat(c, rt, "the breaker to open while idle",
+                                   lambda h: h.get(b"upstream_state") == b"open")
+        assert int(hb.get(b"upstream_failures", -1)) == 0  # no request met the dead server
+        assert rt.metrics.registry.get_sample_value("qos_worker_upstream_failures_total") == 0
+        rid = await c.admit("hello there", max_tokens=5)
+        await _wait_heartbeat(c, rt, "two failed probes with the request queued", _breaker_open_and_probed)
+        assert up.bodies == [] and (await c.record(rid))["state"] == "queued"
+        up.health_status = 200
+        await c.wait([rid], timeout=30)
+    assert c.answers[rid].error is None and (await c.record(rid))["attempts"] == "1"
+
+
+async def test_the_idle_health_check_leaves_a_busy_server_to_its_streams(env) -> None:
+    """While a request is in flight its stream says whether the server serves: the health
+    check asks nothing then (a busy server may answer it late), and the breaker stays closed
+    however its /health answers; once idle again, it asks."""
+    cfg, c, up = env
+    up.health_status = 503
+    up.gate = asyncio.Semaphore(0)  # the stream waits for the test between chunks
+    async with worker(cfg, engine="openai", upstream_url=up.url, upstream_idle_check_s=0.05, heartbeat_s=0.2,
+                      **RETRY) as rt:
+        rid = await c.admit("abcdefghijklmnopq", max_tokens=5)
+        await c.wait_tokens(rid, 1)  # in flight, held at its second chunk
+        asked = up.health_calls
+        beats = [await c.client.hget(rt.keys.worker(rt.worker_id), "ts_ms")]
+        while len(set(beats)) < 4:  # three heartbeats later: a few dozen idle periods
+            await _wait_heartbeat(c, rt, "the next heartbeat", lambda h: h.get(b"ts_ms") != beats[-1])
+            beats.append(await c.client.hget(rt.keys.worker(rt.worker_id), "ts_ms"))
+        hb = await c.client.hgetall(rt.keys.worker(rt.worker_id))
+        assert up.health_calls == asked and hb[b"upstream_state"] == b"closed", (up.health_calls, asked, hb)
+        for _ in range(5):
+            up.gate.release()
+        await c.wait([rid], timeout=20)
+        await _wait_heartbeat(c, rt, "the idle check to find the server unwell",
+                              lambda h: h.get(b"upstream_state") == b"open")
+    assert c.answers[rid].error is None and c.answers[rid].tokens == 5
+
+
 def test_only_a_message_that_is_an_engines_death_reads_as_one() -> None:
     """Matched at the message's start, as vLLM writes it: a request's own error that quotes
     the words (its stop string, a bad regex) is not the server going away."""

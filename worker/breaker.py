@@ -27,10 +27,14 @@ class Breaker:
         self.probes = 0  # probes sent, ever
         self._proven = True  # a request succeeded since the breaker last closed
 
-    def trip(self, why: str) -> None:
-        self.failures += 1
+    def trip(self, why: str, *, request: bool = True) -> None:
+        """Open (or keep open). ``request``: a request met the failure (it is counted in
+        ``upstream_failures``); False for a health check of an idle worker's."""
+        if request:
+            self.failures += 1
         if self.metrics is not None:
-            self.metrics.upstream_failures.inc()
+            if request:
+                self.metrics.upstream_failures.inc()
             self.metrics.upstream_open.set(1)
         if self.state == "open":
             return  # several streams failing at once is one outage

@@ -85,6 +85,9 @@ class WorkerSettings:
     upstream_chunk_usage: bool = True  # ask for vLLM's continuous_usage_stats: exact token counts per chunk
     upstream_retry_min_s: float = 0.5  # unreachable upstream: first back-off before a probe...
     upstream_retry_max_s: float = 30.0  # ...doubling up to this
+    # an idle worker asks its server's health this often: one that died while the pool was
+    # idle opens the breaker before a request finds it (0 = only requests and probes tell)
+    upstream_idle_check_s: float = 10.0
 
     def resolved(self, cfg: QosConfig) -> WorkerSettings:
         """Fill the defaults that depend on the config or the host, then validate."""
@@ -146,6 +149,8 @@ class WorkerSettings:
         check(0 < self.upstream_retry_min_s <= 3600, "upstream_retry_min_s", "must be in (0, 3600]")
         check(self.upstream_retry_min_s <= self.upstream_retry_max_s <= 3600, "upstream_retry_max_s",
               "must be in [upstream_retry_min_s, 3600]")
+        check(self.upstream_idle_check_s == 0 or 0.01 <= self.upstream_idle_check_s <= 3600,
+              "upstream_idle_check_s", "must be 0 (off) or in [0.01, 3600]")
         if self.engine == "openai":
             check(self.upstream_url.startswith(("http://", "https://")), "upstream_url",
                   "the openai engine needs an http(s):// upstream URL")

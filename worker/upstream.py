@@ -529,7 +529,8 @@ class UpstreamLoop:
         async with aiohttp.ClientSession(timeout=timeout, connector=connector,
                                          trace_configs=[sent]) as session:
             self.session = session
-            watches = [asyncio.create_task(self._watch_cancels()), asyncio.create_task(self._watch_stalls())]
+            watches = [asyncio.create_task(self._watch_cancels()), asyncio.create_task(self._watch_stalls()),
+                       asyncio.create_task(self._watch_idle_health())]
             try:
                 await self._loop()
             finally:
@@ -778,6 +779,25 @@ class UpstreamLoop:
                             "one-token generation answers", self.shown, len(ids), silent, stall_s)
                 self._hung = True
                 self._interrupt(ids, "stalled")
+
+    async def _watch_idle_health(self) -> None:
+        """While nothing is in flight, the server's health every ``upstream_idle_check_s``: a
+        server that died while the pool sat idle kept the breaker closed, `/readyz` 200 and
+        the worker "up" in `qos status` until a request was claimed into it (a newcomer's walk
+        waited 20 s and more). Unwell, the breaker opens as a request's failure opens it (not
+        counted as one): the worker stops claiming and probes as after any failure. Not while
+        requests are in flight: their streams tell, and a busy server may answer health late."""
+        period = self.rt.settings.upstream_idle_check_s
+        if period <= 0:
+            return
+        while True:
+            await asyncio.sleep(period)
+            if self.breaker.state != "closed" or self.tasks or self.rt.held or self.rt.draining.is_set():
+                continue
+            why = await self._unwell()
+            # a claim may have started a request meanwhile: its own stream decides then
+            if why and self.breaker.state == "closed" and not self.tasks and not self.rt.draining.is_set():
+                self.breaker.trip(f"an idle health check: {why}", request=False)
 
     # --- one request ------------------------------------------------------------------------
     async def _serve(self, d: Delivery) -> None:

@@ -77,6 +77,7 @@ class FakeUpstream:
         # nothing after them): an engine that hung behind a live API server
         self.hold: asyncio.Event | None = None
         self.hold_health = False  # GET /health waits on ``hold`` too
+        self.health_calls = 0  # GET /health asked
         self.tokenize_redirect: str | None = None  # /tokenize answers 307 to this location
         # GET /tokenizer_info's answer (None: not served, 404, as vLLM without
         # --enable-tokenizer-info-endpoint); every /detokenize body is kept in ``detokenized``
@@ -103,6 +104,7 @@ class FakeUpstream:
         await web.TCPSite(self.runner, "127.0.0.1", self.port).start()
 
     async def health(self, request: web.Request) -> web.Response:
+        self.health_calls += 1
         if self.hold_health and self.hold is not None:
             await self.hold.wait()
         if self.health_status is None:
