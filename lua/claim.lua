@@ -151,6 +151,10 @@ local function main()
     served[cls] = (served[cls] or 0) * decay
     total = total + served[cls]
   end
+  -- the ledger as this call works on it: a request it finishes is settled in it
+  -- (include/served.lua), and it is written whole at the end
+  local ledger = {served = served, total = total, now = now, dirty = false}
+  served_open = ledger
 
   local q = queued_counts(p)
   -- a class's guarantee and ceiling buckets, read when first needed: a class with nothing
@@ -206,7 +210,7 @@ local function main()
     for _, cls in ipairs(p.classes) do  -- 1. starvation floors
       local starvation_floor = open(cls) and p.class[cls].floor or 0
       if starvation_floor > 0 then
-        local deficit = starvation_floor * total - served[cls]
+        local deficit = starvation_floor * ledger.total - served[cls]
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
@@ -317,7 +321,7 @@ local function main()
             local c_ceil = h and bucket_debit(h, r.cost, nil) or 0
             local c_vtc = c.fair and vtc_charge(pick, tenant, r.cost / r.t_weight) or 0
             served[pick] = served[pick] + r.cost
-            total = total + r.cost
+            ledger.total = ledger.total + r.cost
             r.claimed_ms = now
             for _, f in ipairs({'claimed_ms', now, 'c_class', fmt(c_class), 'c_ceil', fmt(c_ceil),
                                 'c_vtc', fmt(c_vtc)}) do fields[#fields + 1] = f end
@@ -336,9 +340,9 @@ local function main()
     end
   end
 
-  if #out > 2 then
-    -- An empty claim leaves the ledger as it was: decayed later from its own .ts, it is
-    -- the same ledger (the decay is a factor per elapsed ms).
+  if #out > 2 or ledger.dirty then
+    -- An empty claim that settled nothing leaves the ledger as it was: decayed later from
+    -- its own .ts, it is the same ledger (the decay is a factor per elapsed ms).
     local fields = {'.ts', now}
     for _, cls in ipairs(p.classes) do
       fields[#fields + 1] = cls

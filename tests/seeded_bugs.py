@@ -187,7 +187,16 @@ BUGS = (
     Bug("claim_takes_last_candidate", "past a skipped tenant, claim serves the last candidate it read",
         "claim.lua", "then tenant = t break end", "then tenant = t end"),
     Bug("served_ledger_not_written", "claim never writes the served ledger (as if every claim were empty)",
-        "claim.lua", "  if #out > 2 then\n    -- An empty claim", "  if false then\n    -- An empty claim"),
+        "claim.lua", "  if #out > 2 or ledger.dirty then\n", "  if false then\n"),
+    Bug("served_never_settled", "a finished request's served-ledger charge stays at its reservation (a "
+        "context reserved and left after a token counts as a context served toward its class's floor)",
+        "include/refund.lua", "  served_settle(p, r.class, used, r.cost, r.claimed_ms)\n", ""),
+    Bug("claim_settles_behind_its_own_ledger", "a request a claim finishes is settled in Redis, and the "
+        "claim's own write of its ledger undoes it",
+        "claim.lua", "  served_open = ledger\n", ""),
+    Bug("complete_reads_no_claim_time", "complete reads the record without its first claim's time: a "
+        "request a worker finishes is never settled in the served ledger",
+        "complete.lua", "'first_ms', 'claimed_ms', 'cancel',", "'first_ms', 'cancel',"),
     Bug("complete_reads_no_weight", "complete reads the record without its tenant's weight (refunds as 1)",
         "complete.lua", "'t_rate', 't_burst', 't_weight',\n", "'t_rate', 't_burst',\n"),
     Bug("complete_reads_no_out_weight", "complete reads the record without its output weight",

@@ -645,3 +645,68 @@ async def test_a_frontend_without_an_entry_is_alive_for_what_it_admitted_within_
         answers = [await scripts.release(pool, request_id=r, worker_id="w1", fence=got[r].fence)
                    for r in rids]
         assert answers == ["requeued", "cancelled"]
+
+
+# --- the served ledger is settled to what each request used (include/served.lua) -----------
+
+async def _served(client, keys) -> dict[str, float]:
+    return {k.decode(): float(v) for k, v in (await client.hgetall(keys.served)).items()}
+
+
+async def test_a_context_reserved_and_left_after_a_token_does_not_use_up_its_classs_floor(scripts):
+    """P0 floods the pool; P1 is served only by its 30 % starvation floor (the guarantee
+    buckets of a pool of 1e9 tokens/s always hold credit, so P0 wins every other pick). A P1
+    tenant sends three requests that reserve 16,000 tokens each and end after one (a stop
+    string, or its client gone): three claims of the floor. Settled at its reservation, P1's
+    ledger then held 48,000 tokens of "service" against a floor of 30 % of ~150,000, and the
+    class's next tenant waited behind the whole P0 flood (an adversarial review). Settled to
+    what they used (11 tokens each), the floor still owes P1: the victim goes next. The same
+    through a frontend and a worker: tests/test_adversarial_tenants.py."""
+    long = {"max_wait_ms": 600_000}
+    keys = await init_pool(scripts, class_cfg(P0=long, P1=long, P2=long), capacity=1e9)
+    hold = 600_000  # every lease outlives the test
+    # P0's history: 100 requests of 1,000 tokens claimed (served in full: used == reserved)
+    for i in range(100):
+        await admit(scripts, keys, cls="P0", tenant="flood", request_id=f"old-{i}", input_tokens=900,
+                    max_tokens=100)
+    got = await scripts.claim(keys, "w1", 100, lease_ms=hold)
+    assert [c.cls for c in got.requests] == ["P0"] * 100
+    for i in range(50):  # ... and its backlog
+        await admit(scripts, keys, cls="P0", tenant="flood", request_id=f"p0-{i}", input_tokens=900,
+                    max_tokens=100)
+    for i in range(3):
+        rid = f"greedy-{i}"
+        await admit(scripts, keys, cls="P1", tenant="greedy", request_id=rid, input_tokens=10,
+                    max_tokens=16_000)
+        got = await scripts.claim(keys, "w1", 1, lease_ms=hold)
+        assert [c.request_id for c in got.requests] == [rid], "P1 is below its floor: its request goes first"
+        await scripts.complete(keys, request_id=rid, worker_id="w1", fence=got.requests[0].fence,
+                               outcome="ok", usage_in=10, token_ids=[65], text="A")
+    served = await _served(scripts.client, keys)
+    await admit(scripts, keys, cls="P1", tenant="victim", request_id="victim", input_tokens=90, max_tokens=10)
+    got = await scripts.claim(keys, "w1", 1, lease_ms=hold)
+    assert [c.request_id for c in got.requests] == ["victim"], (
+        f"P1's floor was used up by reservations never served: {served}")
+    assert served["P1"] <= 3 * 11 + 1e-6, f"P1's ledger holds the reservations, not the use: {served}"
+
+
+async def test_a_request_a_claim_finishes_is_settled_in_the_ledger_that_claim_writes(scripts):
+    """A claim works on the ledger in memory and writes it whole at its end: a request it
+    finishes itself (here one claimed once, requeued by a lease expiry, then past its max
+    wait) is settled in that copy, not in Redis, where the claim's own write undid it."""
+    long = {"max_wait_ms": 600_000}
+    keys = await init_pool(scripts, class_cfg(P1=long), capacity=1e9)
+    await admit(scripts, keys, cls="P1", tenant="t1", request_id="gone", input_tokens=10, max_tokens=1000)
+    got = await scripts.claim(keys, "w1", 1, lease_ms=600_000)
+    assert [c.request_id for c in got.requests] == ["gone"]
+    assert (await _served(scripts.client, keys))["P1"] == pytest.approx(1010)
+    await scripts.client.zadd(keys.leases, {"gone": 1})  # its lease ended (its worker died)
+    assert (await scripts.reap(keys)).requeued == 1  # nothing delivered: charged nothing yet
+    await scripts.client.hset(keys.request("gone"), "deadline_ms", 1)  # and then its wait ended
+    await admit(scripts, keys, cls="P0", tenant="t0", request_id="other", input_tokens=10, max_tokens=10)
+    got = await scripts.claim(keys, "w1", 2, lease_ms=600_000)
+    assert [c.request_id for c in got.requests] == ["other"]
+    assert await scripts.client.hget(keys.request("gone"), "state") == b"expired"
+    served = await _served(scripts.client, keys)
+    assert served["P1"] == pytest.approx(0, abs=1e-6), served
+    assert served["P0"] == pytest.approx(20), served

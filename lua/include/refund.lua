@@ -5,6 +5,7 @@
 --!include policy.lua
 --!include vtc.lua
 --!include validate.lua
+--!include served.lua
 
 -- What a request used beyond its reservation (a model server counted more prompt than the
 -- frontend did: text the frontend does not count, such as a message's reasoning, which a
@@ -37,7 +38,8 @@ end
 -- Give back what was reserved but not used (or charge what was used beyond it:
 -- charge_overrun, its record fields appended to `fields`). Each bucket (and the tenant's
 -- virtual counter) gets at most what it was really charged for this request; the amounts
--- given back are recorded next to the charges (r_tenant <= c_tenant, ...).
+-- given back are recorded next to the charges (r_tenant <= c_tenant, ...). The served
+-- ledger, charged the reservation at the first claim, is settled to what was used.
 local function refund_request(p, r, used, now, fields)
   local unused = math.max(r.cost - used, 0)
   local given = {refund = unused}
@@ -46,6 +48,7 @@ local function refund_request(p, r, used, now, fields)
   -- admitted under: a quota changed since must not re-cap the bucket
   given.r_tenant = bucket_credit(bucket_get(P_BUCKET .. 'tenant:' .. r.tenant, r.t_rate, r.t_burst, now, true),
     math.min(unused, r.c_tenant))
+  served_settle(p, r.class, used, r.cost, r.claimed_ms)
   local c = p.class[r.class]
   given.r_class, given.r_ceil = 0, 0
   if c then

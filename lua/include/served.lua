@@ -1,8 +1,9 @@
--- The served ledger (K_SERVED): per class, the reserved cost claim handed out, decayed with
--- the pool's floor_half_life_ms, and .ts, the time it was decayed to (a field no class can
--- have: class names have no dots). A ledger S with half-life h stands for a service rate
--- S ln2 / h.
+-- The served ledger (K_SERVED): per class, the reserved cost claim handed out, settled to
+-- what each request really used when it ends (served_settle), decayed with the pool's
+-- floor_half_life_ms, and .ts, the time it was decayed to (a field no class can have: class
+-- names have no dots). A ledger S with half-life h stands for a service rate S ln2 / h.
 --!include pool_keys.lua
+--!include validate.lua
 
 -- The ledger as stored: {class = cost}, and the ms it was decayed to (`now` when empty).
 local function read_served(now)
@@ -12,4 +13,35 @@ local function read_served(now)
     if sv[i] == '.ts' then ts = tonumber(sv[i + 1]) else served[sv[i]] = tonumber(sv[i + 1]) end
   end
   return served, ts
+end
+
+-- The ledger claim is working on, when the script running is a claim: {served = {class =
+-- cost}, total = their sum, now = the ms they are decayed to, dirty = settled since read}.
+-- A claim keeps the ledger in this table and writes it whole at its end, so a request it
+-- finishes meanwhile (an expiry, an orphan) is settled here, not in Redis (where the claim's
+-- own write would undo it).
+local served_open = nil
+
+-- Settle a finished request's entry in the ledger: its first claim charged its reservation
+-- (`cost`, at `claimed_ms`), and it used `used`; the difference is applied as the charge
+-- has decayed since (never below 0). Left at the reservation, a tenant's request that
+-- reserved a context and stopped (or was cancelled) after a token counted as that much
+-- service to its class: a few such requests a half-life lifted a class above its starvation
+-- floor (and inflated the served rates admission subtracts from the spare capacity), while
+-- the class's other tenants were served nothing (found by an adversarial review).
+local function served_settle(p, cls, used, cost, claimed_ms)
+  if claimed_ms == nil or used == cost or p.class[cls] == nil then return end
+  local h = p.floor_half_life_ms
+  local o = served_open
+  if o then
+    local old = o.served[cls] or 0
+    local new = math.max(old + (used - cost) * 0.5 ^ (math.max(o.now - claimed_ms, 0) / h), 0)
+    o.served[cls], o.total, o.dirty = new, o.total + new - old, true
+    return
+  end
+  local v = redis.call('HMGET', K_SERVED, cls, '.ts')
+  local ts = tonumber(v[2])
+  if ts == nil then return end  -- no ledger (lost with a Redis restart): nothing to settle
+  local amount = (used - cost) * 0.5 ^ (math.max(ts - claimed_ms, 0) / h)
+  redis.call('HSET', K_SERVED, cls, fmt(math.max((tonumber(v[1]) or 0) + amount, 0)))
 end
