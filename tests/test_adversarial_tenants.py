@@ -94,6 +94,10 @@ async def test_through_a_stack_a_client_that_leaves_after_a_token_is_served_what
         rec = await _wait_for(ended, "the abandoned request to end (its worker stopped it)", timeout=60)
         used = charge_of(rec)
         assert int(rec["out_tokens"]) < 4000 and used < float(rec["cost"]) / 4, rec
+        # its reservation is settled to what it used (the refund its buckets and counter get
+        # back, each at most what it was charged), and its in-flight slot is back
+        assert float(rec["cost"]) - float(rec["refund"]) == pytest.approx(used), rec
+        assert await client.hget(keys.tenant_inflight, "greedy") is None
         served = await _served(client, keys)
         # one claim wrote the ledger (at the claim's time: no decay since); a P0 probe below
         # is not needed, the figure is read as stored
