@@ -143,18 +143,10 @@ local function main()
   local rq, fl, cn = reap_leases(p, now, SWEEP)
   local finishes = MAX_FINISH - expired - rq - fl - cn
 
-  -- Decay the served ledger to now.
-  local served, ts = read_served(now)
-  local decay = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms)
-  local total = 0
-  for _, cls in ipairs(p.classes) do
-    served[cls] = (served[cls] or 0) * decay
-    total = total + served[cls]
-  end
-  -- the ledger as this call works on it: a request it finishes is settled in it
-  -- (include/served.lua), and it is written whole at the end
-  local ledger = {served = served, total = total, now = now, dirty = false}
-  served_open = ledger
+  -- The served ledger decayed to now, as this call works on it: a request it finishes is
+  -- settled in it (include/served.lua), and it is written whole at the end.
+  local ledger = served_open_ledger(p, now)
+  local served = ledger.served
 
   local q = queued_counts(p)
   -- a class's guarantee and ceiling buckets, read when first needed: a class with nothing
@@ -343,12 +335,7 @@ local function main()
   if #out > 2 or ledger.dirty then
     -- An empty claim that settled nothing leaves the ledger as it was: decayed later from
     -- its own .ts, it is the same ledger (the decay is a factor per elapsed ms).
-    local fields = {'.ts', now}
-    for _, cls in ipairs(p.classes) do
-      fields[#fields + 1] = cls
-      fields[#fields + 1] = fmt(served[cls])
-    end
-    redis.call('HSET', K_SERVED, unpack(fields))
+    served_write(p, ledger)
   end
   -- Work left queued is announced again (another worker may hold room for it), and the
   -- caller is told: an empty claim with nothing left queued only consumed a stale marker,

@@ -45,6 +45,7 @@
 --!include record.lua
 --!include lease.lua
 --!include tokens.lua
+--!include served.lua
 --!include finish.lua
 --!include notify.lua
 --!include samples.lua
@@ -141,7 +142,10 @@ local function main()
   for k = 1, n do records[k] = leased_completion(calls[k]) or false end
   local now = now_ms()
   local out, expired = {}, {}
+  -- every settlement of the served ledger this call makes, in one read and one write
+  local ledger = served_open_ledger(p, nil)
   for k = 1, n do out[k] = complete_one(p, calls[k], records[k] or nil, now, expired) end
+  if ledger and ledger.dirty then served_write(p, ledger) end
   if n == 1 then return out[1] end
   return out
 end

@@ -193,7 +193,11 @@ BUGS = (
         "include/refund.lua", "  served_settle(p, r.class, used, r.cost, r.claimed_ms)\n", ""),
     Bug("claim_settles_behind_its_own_ledger", "a request a claim finishes is settled in Redis, and the "
         "claim's own write of its ledger undoes it",
-        "claim.lua", "  served_open = ledger\n", ""),
+        "claim.lua", "  local served = ledger.served\n",
+        "  local served = ledger.served\n  served_open = nil\n"),
+    Bug("complete_settles_unwritten", "complete settles its requests in the ledger it opened and never "
+        "writes it: a request a worker finishes stays at its reservation in the served ledger",
+        "complete.lua", "  if ledger and ledger.dirty then served_write(p, ledger) end\n", ""),
     Bug("complete_reads_no_claim_time", "complete reads the record without its first claim's time: a "
         "request a worker finishes is never settled in the served ledger",
         "complete.lua", "'first_ms', 'claimed_ms', 'cancel',", "'first_ms', 'cancel',"),

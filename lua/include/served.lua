@@ -5,7 +5,7 @@
 --!include pool_keys.lua
 --!include validate.lua
 
--- The ledger as stored: {class = cost}, and the ms it was decayed to (`now` when empty).
+-- The ledger as stored: {class = cost}, and the ms it was decayed to (`now` when it has none).
 local function read_served(now)
   local sv = redis.call('HGETALL', K_SERVED)
   local served, ts = {}, now
@@ -15,12 +15,43 @@ local function read_served(now)
   return served, ts
 end
 
--- The ledger claim is working on, when the script running is a claim: {served = {class =
--- cost}, total = their sum, now = the ms they are decayed to, dirty = settled since read}.
--- A claim keeps the ledger in this table and writes it whole at its end, so a request it
--- finishes meanwhile (an expiry, an orphan) is settled here, not in Redis (where the claim's
--- own write would undo it).
+-- The ledger a call works on (served_open_ledger), when the script running keeps one: {served
+-- = {class = cost}, total = their sum, now = the ms they are decayed to, dirty = settled
+-- since read}. A claim keeps the ledger in this table and writes it whole at its end, so a
+-- request it finishes meanwhile (an expiry, an orphan) is settled here, not in Redis (where
+-- the claim's own write would undo it); a completion of several requests settles them all
+-- here and writes once (a read and a write each cost a merged call of 8 ~10 % more).
 local served_open = nil
+
+-- Open the ledger for this call (read once; served_write at the end): decayed to `now` (a
+-- claim, which charges it), or with `now` nil as stored, settled from its own time (a
+-- completion: the same ledger whatever the moment, as separate calls leave it); nil when
+-- there is none to settle (lost with a Redis restart).
+local function served_open_ledger(p, now)
+  local served, ts = read_served(now)
+  if now == nil then
+    if ts == nil then return nil end
+    now = ts
+  end
+  local decay = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms)
+  local total = 0
+  for _, cls in ipairs(p.classes) do
+    served[cls] = (served[cls] or 0) * decay
+    total = total + served[cls]
+  end
+  served_open = {served = served, total = total, now = now, dirty = false}
+  return served_open
+end
+
+-- Write the open ledger whole, with the time it is decayed to.
+local function served_write(p, ledger)
+  local fields = {'.ts', ledger.now}
+  for _, cls in ipairs(p.classes) do
+    fields[#fields + 1] = cls
+    fields[#fields + 1] = fmt(ledger.served[cls])
+  end
+  redis.call('HSET', K_SERVED, unpack(fields))
+end
 
 -- Settle a finished request's entry in the ledger: its first claim charged its reservation
 -- (`cost`, at `claimed_ms`), and it used `used`; the difference is applied as the charge
