@@ -310,13 +310,17 @@ class PoolController:
             # the queues and the frontends, for the gauges alone (bounded: fields per class)
             pipe.hmget(self.keys.queued, [*classes, *(f"{c}.cost" for c in classes)])
             pipe.hmget(self.keys.inflight, classes)
-            pipe.zcount(self.keys.frontends, now_ms - self.pool.frontend_ttl_ms, "+inf")
+            # (ZRANGE, not ZCOUNT: a command the documented ACL line grants already, so an
+            # upgrade needs no new grant; the set holds one entry per frontend)
+            pipe.zrange(self.keys.frontends, 0, -1, withscores=True)
             stats, workers, queued, leased, frontends = await pipe.execute()
         term.usage.observe_counters(now_ms, stats)
         live = live_workers(term, workers, now_ms, self.settings.capacity.worker_ttl_s * 1000)
         if self.settings.capacity.worker_field:
             await read_heartbeats(self.client, self.keys, term, live, now_ms, self.settings.capacity)
-        pool_state = PoolState.read(classes, queued, leased, len(live), frontends)
+        fresh = now_ms - self.pool.frontend_ttl_ms
+        live_frontends = sum(1 for _, stamp in frontends if stamp >= fresh)
+        pool_state = PoolState.read(classes, queued, leased, len(live), live_frontends)
         estimate = term.estimator.estimate(now_ms)
         window = term.monitor.stats(now_ms)
         capacity = estimate.value
