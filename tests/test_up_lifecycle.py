@@ -301,6 +301,61 @@ def test_a_dead_worker_is_reported_and_the_stack_keeps_serving(tmp_path):
     assert [role for role, p in pids.items() if alive(p)] == []
 
 
+def _controller_pids(up: Up) -> dict[str, int]:
+    """Controller id ('up-controller-a', ...) -> pid, from qos up's children."""
+    return {cmd.split("--id ")[1].split()[0]: pid for pid, cmd in children(up.proc.pid).items()
+            if " controller " in cmd}
+
+
+def test_a_dead_leading_controller_leaves_the_standby_leading_and_the_stack_serving(tmp_path):
+    """With --standby, the leading controller's kill -9 is reported and the standby takes the
+    lease while the stack keeps serving (a stream open across the kill ends whole); only the
+    last controller's death stops the stack. Before, any controller's death stopped the whole
+    stack, so the standby could never take over."""
+    config = write_config(tmp_path / "qos.toml", time_scale=3.0)
+    port = free_port()
+    with Up(port, "--config", str(config), "--engine", "sim", "--workers", "1", "--standby") as up:
+        up.wait_ready()
+        ctl = _controller_pids(up)
+        assert len(ctl) == 2, ctl
+        r = redis.Redis.from_url(up.redis_url)
+
+        def leader() -> str | None:
+            raw = r.get("qos:{tiny}:leader")
+            return raw.decode().split(".")[0] if raw else None
+        first = wait_for(leader, 30, "a controller to lead")
+        standby = next(c for c in ctl if c != first)
+        results: list[tuple[str, dict | None] | Exception] = []
+        started = threading.Event()
+
+        def client() -> None:
+            try:
+                results.append(stream(port, 120, on_first=started.set))
+            except Exception as exc:
+                results.append(exc)
+        t = threading.Thread(target=client)
+        t.start()
+        assert started.wait(60), "no first token"
+        os.kill(ctl[first], signal.SIGKILL)
+        up.wait_line(rf"CONTROLLER {first} \(pid {ctl[first]}\) exited with -9", 10,
+                     "the report of the dead controller")
+        wait_for(lambda: leader() == standby, 30, "the standby to take the lease")
+        t.join(120)
+        assert not t.is_alive(), "the stream still open 120 s after the kill"
+        assert up.proc.poll() is None, up.output  # still serving
+        assert not isinstance(results[0], Exception), results
+        sse, usage = results[0]
+        assert sse.rstrip().endswith("data: [DONE]") and usage["completion_tokens"] == 120, sse[-300:]
+        assert complete(port, "still there?", 4)["usage"]["completion_tokens"] == 4
+
+        # The last controller gone: the stack stops on its own, non-zero.
+        os.kill(ctl[standby], signal.SIGKILL)
+        assert up.wait_exit(60, "qos up to stop once no controller is left") == 1
+        r.close()
+    last = f"{standby} (pid {ctl[standby]}) exited with -9 (nothing is restarted silently); stopping"
+    assert last in up.output, up.output
+
+
 def test_restart_brings_a_dead_worker_back(tmp_path):
     config = write_config(tmp_path / "qos.toml")
     port = free_port()

@@ -18,8 +18,10 @@ so ``ps`` shows which is which and an operator can signal one. Lifecycle:
 * a worker that dies is reported loudly and the stack keeps serving (its requests resume
   on the other workers when their leases expire); ``--restart`` starts it again with
   back-off, also one that dies before the stack is ready (without it, that fails the
-  start). The stack stops on its own, non-zero, only when its pool has no worker left or
-  a frontend, a controller or Redis dies. Nothing is restarted silently.
+  start). With ``--standby`` a dead controller is reported loudly and the other leads
+  while the stack keeps serving. The stack stops on its own, non-zero, only when its pool
+  has no worker left or a frontend, the last controller or Redis dies. Nothing is
+  restarted silently.
 """
 
 from __future__ import annotations
@@ -75,7 +77,7 @@ class UpStack(Stack):
         """Notice dead children: None while the stack can keep serving, else why it must stop.
 
         A dead worker is reported and (``--restart``) started again after a back-off; the
-        stack stops when no worker is left, or a frontend, a controller or Redis died."""
+        stack stops when no worker is left, or a frontend, the last controller or Redis died."""
         if (rc := self.redis_exited()) is not None:
             return self.redis_death(rc)
         now = time.monotonic()
@@ -88,6 +90,8 @@ class UpStack(Stack):
                 continue
             if c.gone or c.restart_at is not None or c.proc is None or c.proc.poll() is None:
                 continue
+            if c.role == "controller" and self._controller_left(c):
+                continue
             if c.role != "worker":
                 return (f"{c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} (nothing is "
                         f"restarted silently)")
@@ -96,6 +100,22 @@ class UpStack(Stack):
         if workers and all(c.gone for c in workers):
             return "no worker is left in the pool"
         return None
+
+    def _controller_left(self, c: Child) -> bool:
+        """A controller exited while another of the stack's (``--standby``) still runs: that
+        one leads (within two leases), so the stack keeps serving, and says so loudly; it is not
+        restarted. True when so; False when ``c`` was the last one (the stack stops). Before,
+        any controller's death stopped the stack: the standby that --standby starts for a
+        failover could never take over, and the death of either of two controllers took the
+        whole service down (a fault hunt, 2026-12-07)."""
+        others = [o for o in self.children if o.role == "controller" and o is not c and o.running]
+        if not others:
+            return False
+        c.gone = True
+        say(f"qos up: !!! CONTROLLER {c.name} (pid {c.proc.pid}) exited with {c.proc.returncode} !!! "
+            f"{', '.join(o.name for o in others)} leads (within two of its leases); the stack keeps "
+            f"serving without a standby (not restarted)", err=True)
+        return True
 
     def _worker_exited(self, c: Child, now: float) -> None:
         """Report a worker that exited; with --restart, when to start it again."""
