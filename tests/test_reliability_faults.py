@@ -794,3 +794,33 @@ async def test_the_first_beat_after_losing_redis_records_the_outage(
         assert 0 < sync_redis.pttl(POOL.outage) <= 3000
     finally:
         await hb.client.aclose()
+
+
+async def test_a_redis_that_lost_its_last_writes_does_not_make_a_live_frontend_dead(
+    redis_server: Any, sync_redis: Any, scripts: Any
+) -> None:
+    """Redis restarted from an AOF (everysec) that lost the last second or more of writes: every
+    frontend's beat it kept is older than the frontends' last real beats. The first frontend to
+    beat again records the outage; recorded as its own last beat, the other live frontend's kept
+    beat was more than a TTL before it, and that frontend's request admitted right after the
+    restart was cancelled at claim ("its client frontend stopped heartbeating"). The record is
+    the newest beat Redis kept: the other frontend counts as alive until it beats again."""
+    cfg = demo_config()
+    pool = dataclasses.replace(cfg.pool("tiny"), frontend_ttl_ms=1500)
+    await scripts.init_pool(POOL, policy_document(cfg, pool))
+    hb = Heartbeat(aioredis.from_url(redis_server.url), [POOL], "fe-x", ["P0"], 0.1,
+                   outage_grace_ms={"tiny": 3000})
+    try:
+        await hb.beat_pool(POOL)
+        last = int(sync_redis.zscore(POOL.frontends, "fe-x"))
+        # What the restarted Redis kept: both frontends' beats from 1.6-1.7 s before fe-x's last.
+        sync_redis.zadd(POOL.frontends, {"fe-x": last - 1600, "fe-y": last - 1700})
+        hb._in_beat.add(POOL.pool)  # fe-x's beat that met the outage never completed
+        await hb.beat_pool(POOL)  # fe-x is back first, and records the outage
+        await admit(scripts, POOL, request_id="of-y", frontend="fe-y", input_tokens=1, max_tokens=1)
+        got = await scripts.claim(POOL, "w1", 1)
+        state = sync_redis.hget(POOL.request("of-y"), "state")
+        assert [c.request_id for c in got.requests] == ["of-y"], state
+        assert int(sync_redis.get(POOL.outage)) == last - 1600
+    finally:
+        await hb.client.aclose()

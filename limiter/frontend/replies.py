@@ -411,6 +411,17 @@ class Heartbeat:
         now_ms = int(redis_ms)
         grace = self.outage_grace_ms.get(pool)
         lost = last_ms if interrupted else None
+        if interrupted and grace:
+            # Our own last beat is when *we* last reached Redis, but a Redis that restarted
+            # from its AOF (everysec) or an older RDB lost the last second or more of writes:
+            # the other frontends' beats it kept can be older than ours by more than the TTL,
+            # and against a marker of our last beat they were dead to every script until they
+            # beat again (a live frontend's request admitted then was cancelled at claim, "its
+            # client frontend stopped heartbeating": a fault hunt, kill -9 of an AOF Redis).
+            # The newest beat Redis kept is when the frontends last reached it, as it knows.
+            newest = await self.client.zrange(keys.frontends, -1, -1, withscores=True)
+            if newest and int(newest[0][1]) < last_ms:
+                lost = int(newest[0][1])
         if first and grace:
             # A process's first beat cannot tell whether the others lost Redis (it may have
             # started during an outage): when no frontend has beaten within the TTL, the
