@@ -86,6 +86,12 @@ async def _add_workers_and_decisions(client: Any, keys: PoolKeys, pool: dict[str
         pipe.xrevrange(keys.decisions, count=decisions)
     replies = await pipe.execute() if len(pipe) else []
     for info, raw in zip(read, replies[:len(read)], strict=True):
+        if not raw:
+            # Its stats hash expired (no beat for its heartbeat_ttl_s: killed, or its host
+            # gone); the set keeps it until a live worker prunes it at twice that. Shown as
+            # any other, it read as a worker at work with a growing "last seen" (a newcomer's walk).
+            info["note"] = "silent: no heartbeat within its TTL (stopped or unreachable)"
+            continue
         fields = {_s(k): _s(v) for k, v in raw.items()}
         info.update({k: v if k in TEXT_FIELDS else _num(v) for k, v in fields.items()})
     rows = replies[len(read)] if decisions > 0 else []
@@ -217,7 +223,7 @@ def render(snap: dict[str, Any], redis_url: str | None = None) -> Group:
                     "kv use"):
             w.add_column(col, justify="right")
         for wid, info in sorted(pool["workers"].items()):
-            engine = str(info.get("engine", "-")) + (
+            engine = "SILENT" if "note" in info else str(info.get("engine", "-")) + (
                 " (SIMULATED)" if str(info.get("simulated")) in ("1", "True") else ""
             ) + (" (upstream down)" if info.get("upstream_state") == "open" else "")
             w.add_row(

@@ -42,6 +42,23 @@ async def test_status_json_has_the_documented_fields(scripts, pool, redis_server
     assert tiny["decisions"][0]["version"] == 1
 
 
+async def test_a_worker_whose_heartbeat_expired_reads_as_silent(scripts, pool, redis_server, capsys):
+    """A worker killed without leaving stays in the set until a live one prunes it (twice its
+    heartbeat TTL); its stats hash is gone after one TTL. It read as any worker, "-" for every
+    figure and a growing last-seen: now it says it is silent (a newcomer's walk)."""
+    import asyncio
+
+    await scripts.client.zadd(pool.workers, {"w1": 4102444800000 - 10, "dead": 4102444800000 - 10})
+    await scripts.client.hset(pool.worker("w1"), mapping={"engine": "sim", "simulated": 1})
+    rc = await asyncio.to_thread(main, ["status", "--json", "--redis-url", redis_server.url])
+    workers = json.loads(capsys.readouterr().out)["pools"]["tiny"]["workers"]
+    assert rc == 0 and workers["dead"]["note"].startswith("silent") and "note" not in workers["w1"], workers
+    rc = await asyncio.to_thread(main, ["status", "--redis-url", redis_server.url])
+    rows = {line.split("│")[1].strip(): line for line in capsys.readouterr().out.splitlines()
+            if line.count("│") > 3}
+    assert rc == 0 and "SILENT" in rows["dead"] and "SILENT" not in rows["w1"], rows
+
+
 async def test_top_renders_a_frame(scripts, pool, redis_server, capsys):
     import asyncio
 
