@@ -98,6 +98,10 @@ class WorkerRuntime:
         self.metrics = WorkerMetrics(pool=settings.pool, worker=self.worker_id, engine=engine,
                                      simulated=simulated, device=settings.device)
         self.held: dict[str, Delivery] = {}
+        # Unusable requests whose failure a claim is sending now (fail_unusable): held with their
+        # final set meanwhile, they are no completion to retry (a look-ahead claim runs beside
+        # the step loop, whose retry sent the same complete again and waited on it).
+        self.failing_unusable: set[str] = set()
         # Each class's cost weights and push period, made once: the step loop asks for them
         # for every held request at every step (the class lookups were 5 % of a 128-sequence
         # step's CPU with a null engine).
@@ -359,7 +363,11 @@ class WorkerRuntime:
     async def fail_unusable(self, c: Claimed, now_ms: int, t: float, message: str) -> None:
         d = Delivery(c, Payload("completion", "", 1), now_ms, t, c.input_tokens, 0)
         self.held[c.request_id] = d
-        await self.finish(d, "failed", "error", message)
+        self.failing_unusable.add(c.request_id)
+        try:
+            await self.finish(d, "failed", "error", message)
+        finally:
+            self.failing_unusable.discard(c.request_id)
 
     async def unless_draining(self, aw: Awaitable[Any]) -> asyncio.Future[Any] | None:
         """Await ``aw`` unless a drain begins first, which cancels it: its finished future
