@@ -1231,58 +1231,96 @@ async def test_a_completion_redis_refuses_for_a_worker_bug_fails_that_request_no
 async def test_a_lease_lost_notice_of_an_old_attempt_does_not_touch_the_new_one_a_claim_holds(
         env, monkeypatch, failed_at) -> None:
     """R's lease is lost (requeued under the worker, as after an outage past its lease) and a
-    push says so; before the loop applies that notice, its look-ahead claim takes R back (a
-    new attempt) together with a request it must fail (``failed_at`` claim: an unusable
-    payload, in WorkerRuntime.claim; start: a token-id prompt this engine refuses, in
-    StepLoop._start_all, claimed before R), and waits on that failure. R's new attempt was in
-    ``held`` meanwhile:
+    look-ahead claim beside a step of R's old sequence takes R back (a new attempt) together
+    with a request it must fail (``failed_at`` claim: an unusable payload, in
+    WorkerRuntime.claim; start: a token-id prompt this engine refuses, in
+    StepLoop._start_all, claimed before R), and waits on that failure; a push of the old
+    sequence says its lease is lost. R's new attempt was in ``held`` meanwhile:
     the old sequence's next token went out as the new attempt's (a token past the one Redis
     expected, at its offset: the answer skipped one), and the notice, naming only R, dropped
     the new attempt (nobody served R for a whole lease; an attempt spent). The notice is
     applied to the attempt it is about, and a new attempt is held only once its claim has
-    nothing left to await."""
+    nothing left to await. The loop sent the unusable one's failure again meanwhile (its
+    retry of completions) and waited on it: it is sent once.
+
+    Ordered by states, not times: the pair is claimed in one claim (so it ends in one step),
+    its answers land only once the loop has put a look-ahead beside the next step, and that
+    look-ahead loses R's lease and queues the other request once the pair is gone. Left to
+    timing, a loaded host landed the answers first: the loop made the claim itself, stepped
+    nothing while it waited, and never applied the notice before the claim returned."""
     cfg, c = env
     prompt = "a stream whose lease is lost under it"
     rid = await c.admit(prompt, max_tokens=60)
-    real_push, real_complete, real_claim = Scripts.push_tokens_many, Scripts.complete, Scripts.claim
-    state: dict[str, Any] = {"rt": None, "pair": (), "bad": None, "claims": []}
+    real_complete, real_claim = Scripts.complete, Scripts.claim
+    state: dict[str, Any] = {"pair": (), "bad": None, "claims": [], "in_claim": 0, "bad_completes": 0}
+    claims_open = asyncio.Event()
+    claims_open.set()
+    # Set by a look-ahead claim the loop put beside a step once both of the pair were decided.
+    beside = asyncio.Event()
     failing, gate = asyncio.Event(), asyncio.Event()
+    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=3.0, max_seqs=3, flush_tokens=1)
 
-    async def push_tokens_many(self, keys, worker_id, batches, lease_ms=0, **kw):
-        rt, pair = state["rt"], state["pair"]
-        mine = [b for b in batches if b.request_id == rid]
-        if mine and pair and state["bad"] is None and all(
-                (d := rt.held.get(x)) is not None and d.final is not None for x in pair):
-            # the other two finish in this very step: the look-ahead beside the next one has
-            # room for two. R's lease is lost now, and an unusable request queued behind it.
-            assert await self.release(keys, request_id=rid, worker_id=worker_id,
-                                      fence=mine[0].fence) == "requeued"
-            if failed_at == "claim":
-                state["bad"] = await _queue_unusable(c)
-            else:  # P0: claimed, and so started, before R
-                state["bad"] = await c.admit("ids", cls="P0", max_tokens=4, prompt_ids=(1, 2, 3))
-        return await real_push(self, keys, worker_id, batches, lease_ms, **kw)
+    def pair_decided() -> bool:
+        return bool(state["pair"]) and all((d := rt.held.get(x)) is not None and d.final is not None
+                                           for x in state["pair"])
 
     async def claim(self, keys, *args, **kw):
-        res = await real_claim(self, keys, *args, **kw)
+        await claims_open.wait()
+        state["in_claim"] += 1
+        try:
+            res = await real_claim(self, keys, *args, **kw)
+        finally:
+            state["in_claim"] -= 1
         state["claims"].append(sorted(r.request_id for r in res.requests))
         return res
 
     async def complete(self, keys, *, request_id, **kw):
-        if request_id == state["bad"]:  # the claim fails it, and waits on that
-            failing.set()
-            await asyncio.wait_for(gate.wait(), 20)
+        if request_id in state["pair"] and pair_decided():
+            # The pair's answers land only once the loop, its batch still full, has put a
+            # look-ahead claim beside the next step: landed before the loop looked, its batch
+            # had room and the loop itself made the claim (waiting on it, stepping nothing).
+            await asyncio.wait_for(beside.wait(), 20)
+        elif request_id == state["bad"]:  # the claim fails it, and waits on that
+            state["bad_completes"] += 1
+            if not failing.is_set():
+                failing.set()
+                await asyncio.wait_for(gate.wait(), 20)
         return await real_complete(self, keys, request_id=request_id, **kw)
 
-    monkeypatch.setattr(Scripts, "push_tokens_many", push_tokens_many)
+    real_pull_late, real_pull = loop._pull_late, loop._pull
+
+    async def pull_late() -> None:
+        if pair_decided():
+            beside.set()
+        await real_pull_late()
+
+    async def pull() -> None:
+        if beside.is_set() and state["bad"] is None and asyncio.current_task() is loop._claiming:
+            # That look-ahead, beside a step of R: once the pair is gone it has room for two.
+            # R's lease is lost now (requeued under the worker), and a request it must fail
+            # queued behind it; its claim takes both.
+            await wait_until(lambda: not any(x in rt.held for x in state["pair"]), "the pair's answers")
+            d = rt.held[rid]
+            assert await c.scripts.release(c.keys, request_id=rid, worker_id=rt.worker_id,
+                                           fence=d.claimed.fence) == "requeued"
+            if failed_at == "claim":
+                state["bad"] = await _queue_unusable(c)
+            else:  # P0: claimed, and so started, before R
+                state["bad"] = await c.admit("ids", cls="P0", max_tokens=4, prompt_ids=(1, 2, 3))
+        await real_pull()
+
     monkeypatch.setattr(Scripts, "complete", complete)
     monkeypatch.setattr(Scripts, "claim", claim)
-    rt, loop, task = await start_worker(cfg, engine="sim", time_scale=3.0, max_seqs=3, flush_tokens=1)
-    state["rt"] = rt
+    loop._pull_late, loop._pull = pull_late, pull
     try:
         await c.wait_tokens(rid, 2)
+        # the pair in one claim, so that they finish in the same step
+        claims_open.clear()
+        await wait_until(lambda: state["in_claim"] == 0, "no claim in flight")
         state["pair"] = (await c.admit("short one", max_tokens=4), await c.admit("short two", max_tokens=4))
+        claims_open.set()
         await wait_until(failing.is_set, "the look-ahead claim taking R back, failing the unusable one")
+        assert sorted(state["pair"]) in state["claims"], state["claims"]
         assert sorted([rid, state["bad"]]) in state["claims"], state["claims"]  # one claim took both
         # the notice applied meanwhile: R's old sequence stopped (the loop then waits on the claim)
         await wait_until(lambda: rid not in loop.sched, "the old attempt's sequence out of the scheduler")
@@ -1294,7 +1332,9 @@ async def test_a_lease_lost_notice_of_an_old_attempt_does_not_touch_the_new_one_
             await c.read()
         rec = await c.record(rid)
     finally:
+        beside.set()
         gate.set()
+        claims_open.set()
         stopped = await stop_worker(rt, task)
     assert stopped is None, f"the worker ended with {stopped!r}"
     a = c.answers[rid]
@@ -1303,6 +1343,8 @@ async def test_a_lease_lost_notice_of_an_old_attempt_does_not_touch_the_new_one_
     # the test's release gave its attempt back; a dropped attempt would spend one at its lease's end
     assert rec["state"] == "done" and int(rec["attempts"]) == 1, rec
     assert len(set(a.attempts)) == 2, a.attempts  # the old attempt's tokens, then the new one's
+    # the failure the claim sent, once: the loop did not send it again while it was in flight
+    assert state["bad_completes"] == 1, state["bad_completes"]
 
 
 async def test_a_hand_back_redis_refuses_for_a_worker_bug_drops_that_request_not_the_worker(
