@@ -61,10 +61,10 @@ CUTS: dict[str, tuple[str, ...]] = {
         "  local p = load_policy(K_POLICY)",
         "  local now = now_ms()",
         "  local expired = expire_overdue(p, now, SWEEP)",
-        "  local served, ts = read_served(now)",
+        "  local ledger = served_open_ledger(p, now)",
         "  local q = queued_counts(p)",
         "  local quantum = p.floor_quantum or 0",
-        "  if #out > 2 then",
+        "  if #out > 2 or ledger.dirty then",
     ),
     "complete": (
         "  local n = arg_items(ITEM, MAX_ITEMS)",
