@@ -16,6 +16,7 @@ from worker.batch_policy import (
     build_plan,
     choose_admissions,
     choose_preemption,
+    floor_slots,
     kv_demand,
     prefill_through_behind,
 )
@@ -432,3 +433,103 @@ def test_kv_a_paused_sequence_of_the_head_s_class_kept_is_freed_for_it_with_no_l
     # a slot short and only a lower class's kept KV: nothing freed either (it would make no slot)
     p2_kept = Candidate("p2", 2, 2, 0, resident_kv=100)
     assert choose_preemption(running, [head, kept, p2_kept], Limits(max_seqs=2, kv_capacity=1000)) is None
+
+
+# --- starvation floors on the worker (Limits.floor_slots) -----------------------------------------
+
+
+def test_a_floor_keeps_floor_of_its_share_of_the_slots_rounded_down() -> None:
+    """floor x max_seqs, rounded down: a class never keeps more than its share, and the
+    floors' slots never add up to more than the batch; no slot kept is the strict order."""
+    assert floor_slots((0.0, 0.3, 0.05), 4) == (0, 1, 0)
+    assert floor_slots((0.0, 0.3, 0.05), 16) == (0, 4, 0)
+    assert floor_slots((0.0, 0.3, 0.05), 64) == (0, 19, 3)
+    assert floor_slots((0.0, 0.29, 0.7), 100) == (0, 29, 70)  # 0.29 x 100 = 28.999999999999996
+    assert floor_slots((0.0, 0.2), 4) == () and floor_slots((), 8) == ()
+    assert floor_slots((0.5, 0.5), 7) == (3, 3)
+    with pytest.raises(InvalidArgument, match="floor_slots"):
+        Limits(max_seqs=4, token_budget=8, floor_slots=(2, 3))
+    with pytest.raises(InvalidArgument, match="floor_slots"):
+        Limits(floor_slots=(0, -1))
+
+
+def test_a_floor_class_within_its_floor_s_slots_is_no_victim_of_a_higher_class() -> None:
+    """P0 waits at a batch full of P0 and one P1 whose floor keeps one of 4 slots: nothing is
+    paused (without the floor the P1 was, and a P0 flood kept it paused). With two P1s the
+    one beyond the floor goes, the least KV first; KV short: the same, the P1's KV is kept."""
+    running = [dec("a", 0, 0), dec("b", 0, 1), dec("c", 0, 2), dec("p1", 1, 3, kv=50)]
+    head = [Candidate("w", 0, 9, 10)]
+    assert choose_preemption(running, head, Limits(max_seqs=4)) == Preemption("p1", False)
+    floors = Limits(max_seqs=4, floor_slots=(0, 1, 0))
+    assert choose_preemption(running, head, floors) is None
+    two = [dec("a", 0, 0), dec("b", 0, 1), dec("big", 1, 3, kv=500), dec("small", 1, 4, kv=50)]
+    assert choose_preemption(two, head, floors) == Preemption("small", False)
+    assert choose_preemption([two[0], two[1], two[2]], head, floors) is None
+    # KV, not a slot, is short: the P1 within its floor keeps it, a P2 does not
+    kv = Limits(max_seqs=8, kv_capacity=700, floor_slots=(0, 1, 0))
+    big = [Candidate("w", 0, 9, 150)]
+    assert choose_preemption([dec("a", 0, 0, kv=400), dec("p1", 1, 1, kv=200)], big, kv) is None
+    assert choose_preemption([dec("a", 0, 0, kv=400), dec("p1", 1, 1, kv=100), dec("p2", 2, 2, kv=100)],
+                             big, kv) == Preemption("p2", True)
+
+
+def test_a_class_below_its_floor_s_slots_is_admitted_and_makes_room_ahead_of_higher_classes() -> None:
+    """A P1 below its floor's slot goes before a P0 at admission, up to its floor's slots
+    (a second P1 goes in class order again); at a full batch of P0s it pauses one (the least
+    KV, its cache kept when a slot is all it lacks, freed when KV is short too)."""
+    floors = Limits(max_seqs=4, floor_slots=(0, 1, 0))
+    waiting = [Candidate("w0", 0, 5, 10), Candidate("w1", 1, 6, 10), Candidate("w1b", 1, 7, 10)]
+    three = [dec("a", 0, 0), dec("b", 0, 1), dec("c", 0, 2)]
+    assert choose_admissions(waiting, three, Limits(max_seqs=4)) == ("w0",)
+    assert choose_admissions(waiting, three, floors) == ("w1",)
+    assert choose_admissions(waiting, three[:1], floors) == ("w1", "w0", "w1b")
+    full = [*three, dec("d", 0, 3, kv=50)]
+    assert choose_preemption(full, waiting, Limits(max_seqs=4)) is None
+    assert choose_preemption(full, waiting, floors) == Preemption("d", False)
+    # KV short as well: the P0's cache goes
+    kv = Limits(max_seqs=4, kv_capacity=4 * 101 + 5, floor_slots=(0, 1, 0))
+    assert choose_preemption([dec(f"p0-{i}", 0, i) for i in range(4)], [Candidate("w1", 1, 9, 50)],
+                             kv) == Preemption("p0-3", True)
+    # a lower class beyond its own floor goes before a higher class (the lowest class first)
+    mixed = [dec("a", 0, 0), dec("b", 0, 1), dec("p2", 2, 2), dec("p2b", 2, 3)]
+    floors2 = Limits(max_seqs=4, floor_slots=(0, 1, 1))
+    assert choose_preemption(mixed, [Candidate("w1", 1, 9, 10)], floors2) == Preemption("p2b", False)
+
+
+def test_decode_growth_past_the_kv_pauses_a_class_beyond_its_floor_first() -> None:
+    """The running set outgrows the KV: a P1 within its floor's slots keeps its cache and a
+    P0 gives it up; with every running sequence within a floor, the lowest class goes."""
+    running = [dec("a", 0, 0, kv=500), dec("b", 1, 1, kv=500)]
+    assert choose_preemption(running, [], Limits(kv_capacity=1001)) == Preemption("b", True)
+    p1_floor = Limits(kv_capacity=1001, floor_slots=(0, 1))
+    both = Limits(kv_capacity=1001, floor_slots=(1, 1))
+    assert choose_preemption(running, [], p1_floor) == Preemption("a", True)
+    assert choose_preemption(running, [], both) == Preemption("b", True)
+
+
+def _random_state(rng: random.Random) -> tuple[list[SeqState], list[Candidate], Limits]:
+    seqs = rng.randint(1, 6)
+    limits = Limits(token_budget=64, max_seqs=seqs, kv_capacity=rng.randint(100, 1500))
+    running = [SeqState(f"r{i}", rng.randint(0, 2), i, *(lambda p: (p, p == 0))(rng.choice([0, 0, 30])),
+                        rng.randint(0, 200), rng.choice(["", "a", "b"])) for i in range(rng.randint(0, seqs))]
+    waiting = [Candidate(f"w{i}", rng.randint(0, 2), 10 + i, rng.randint(1, 300),
+                         rng.choice([0, 0, rng.randint(1, 100)]), rng.choice(["", "a", "b"]))
+               for i in range(rng.randint(0, 4))]
+    return running, waiting, limits
+
+
+def test_zero_floors_and_floors_of_absent_classes_decide_exactly_as_the_class_order() -> None:
+    """No slot kept (floor 0, or rounded down to 0) is the strict class order; so is a floor
+    of a class with nothing running or waiting here (its slots are anyone's)."""
+    rng = random.Random(7)
+    for _ in range(3000):
+        running, waiting, limits = _random_state(rng)
+        absent = {0, 1, 2} - {s.class_rank for s in running} - {c.class_rank for c in waiting}
+        fl = [(0,) * 3, floor_slots((0.0, 0.1, 0.1), limits.max_seqs)]
+        if absent:
+            r = min(absent)
+            fl.append(tuple(limits.max_seqs if i == r else 0 for i in range(3)))
+        for q in fl:
+            other = Limits(limits.token_budget, limits.max_seqs, limits.kv_capacity, floor_slots=q)
+            assert choose_admissions(waiting, running, other) == choose_admissions(waiting, running, limits)
+            assert choose_preemption(running, waiting, other) == choose_preemption(running, waiting, limits)

@@ -26,7 +26,8 @@ step was 15 % of a 128-sequence step's CPU).
 * :func:`choose_admissions` - which waiting sequences to start given free batch slots and
   KV room, strictly in priority order (no skipping ahead: a stream of small low-class
   prompts must not starve a large high-class one); inside a class, the tenant holding the
-  fewest of the class's slots first.
+  fewest of the class's slots first. A class holding fewer running sequences than its
+  starvation floor's slots (:attr:`Limits.floor_slots`) goes before every other, up to them.
 * :func:`prefill_through_behind` - the prompt tokens a step needs to prefill at once the
   prompts of tenants *behind* in their class (two or more of its slots fewer than another
   tenant): the scheduler sizes such a step to them, beyond the budget as far as the TPOT
@@ -36,7 +37,8 @@ step was 15 % of a 128-sequence step's CPU).
   the lowest-class running sequence that holds the least KV (the least to recompute),
   the most recently arrived among equals; when a tenant behind in its class waits at a
   batch full of that class (slots or KV), a sequence of the tenant holding the most of
-  its slots.
+  its slots. A floor class's sequences within its floor's slots are no victim of another
+  class, and a waiting one of a class below them takes its room from every other class.
 
 Preemption policy: a preempted sequence is *paused* and returns to the waiting set with its
 original arrival order. When a batch slot is what is short and the KV cache has room, the
@@ -170,18 +172,26 @@ class Preemption:
 class Limits:
     """Per-step and per-batch limits of one engine.
 
-    ``kv_capacity`` is in tokens (all layers of one token count once).
+    ``kv_capacity`` is in tokens (all layers of one token count once). ``floor_slots``: per
+    class rank, the running sequences that class keeps against every other class's admissions
+    and preemptions (its starvation floor's share of ``max_seqs``, :func:`floor_slots`); a
+    rank past the end keeps none, and ``()`` is the strict class order.
     """
 
     token_budget: int = 512
     max_seqs: int = 64
     kv_capacity: int = 1 << 20
     chunked_prefill: bool = True
+    floor_slots: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         _check_nonneg_int("token_budget", self.token_budget, positive=True)
         _check_nonneg_int("max_seqs", self.max_seqs, positive=True)
         _check_nonneg_int("kv_capacity", self.kv_capacity, positive=True)
+        for q in self.floor_slots:
+            _check_nonneg_int("floor_slots", q)
+        if sum(self.floor_slots) > self.max_seqs:
+            raise InvalidArgument("floor_slots", "the floors' slots add up to more than max_seqs")
         if self.token_budget < self.max_seqs:
             # decodes are served first; a full batch of decoders must leave prefill a token,
             # or a prompt admitted next to them would never start
@@ -215,6 +225,48 @@ class StepPlan:
     @property
     def empty(self) -> bool:
         return not self.decode and not self.prefill
+
+
+def floor_slots(floors: Sequence[float], max_seqs: int) -> tuple[int, ...]:
+    """Per class rank, the slots its starvation floor (a share, ``ClassConfig.floor``) keeps
+    on a worker of ``max_seqs`` slots: ``floor(floor x max_seqs)``, rounded down so that a
+    class never keeps more than its share (a 5 % floor on 16 slots keeps none, not one in
+    16 = 6 %) and the floors' slots never add up to more than the batch (floors add up to 1
+    at most). ``()`` when no class keeps a slot: the strict class order, exactly."""
+    out = tuple(int(f * max_seqs + 1e-9) for f in floors)
+    return out if any(out) else ()
+
+
+def _class_slots(running: Iterable[_SlotHolder]) -> dict[int, int]:
+    out: dict[int, int] = {}
+    for s in running:
+        out[s.class_rank] = out.get(s.class_rank, 0) + 1
+    return out
+
+
+def _under_floor(running: Iterable[_SlotHolder], limits: Limits) -> set[int]:
+    """The classes holding fewer running sequences than their floor's slots."""
+    q = limits.floor_slots
+    if not q:
+        return set()
+    held = _class_slots(running)
+    return {r for r, n in enumerate(q) if held.get(r, 0) < n}
+
+
+def _exposed(running: Sequence[Planned], limits: Limits,
+             share: dict[tuple[int, str], int]) -> list[Planned]:
+    """The running sequences another class may take a slot or KV from: all of them, less
+    each floor class's ``floor_slots`` sequences (those last in :func:`_richest_first` order,
+    the ones that would be paused last: the most KV, the earliest). In ``running``'s order."""
+    q = limits.floor_slots
+    if not q:
+        return list(running)
+    kept: set[str] = set()
+    for r, n in enumerate(q):
+        if n:
+            mine = sorted((s for s in running if s.class_rank == r), key=_richest_first(share))
+            kept.update(s.request_id for s in mine[:n])
+    return [s for s in running if s.request_id not in kept]
 
 
 def kv_demand(running: Sequence[Planned], waiting: Sequence[Candidate] = ()) -> int:
@@ -297,15 +349,21 @@ def choose_admissions(
     kv_free = limits.kv_capacity - kv_demand(running, waiting)
     chosen: list[str] = []
     share = tenant_slots(running)
+    under = _under_floor(running, limits)
+    held = _class_slots(running) if under else {}
     left = list(waiting)
     while left:
-        c = min(left, key=lambda c: _fair_priority(c, share))
+        c = min(left, key=lambda c: _head_key(c, share, under))
         need = c.need
         if slots <= 0 or need > kv_free:
             break
         chosen.append(c.request_id)
         left.remove(c)
         share[(c.class_rank, c.tenant)] = share.get((c.class_rank, c.tenant), 0) + 1
+        if c.class_rank in under:
+            held[c.class_rank] = held.get(c.class_rank, 0) + 1
+            if held[c.class_rank] >= limits.floor_slots[c.class_rank]:
+                under.discard(c.class_rank)
         slots -= 1
         kv_free -= need
     return tuple(chosen)
@@ -363,6 +421,13 @@ def prefill_through_behind(running: Sequence[Planned]) -> int:
     above = sum(s.to_prefill for s in running
                 if not s.decoding and 0 < s.class_rank < lowest and s.request_id not in ids)
     return above + sum(s.to_prefill for s in behind)
+
+
+def _head_key(c: Candidate, share: dict[tuple[int, str], int],
+              under: set[int]) -> tuple[bool, int, int, Arrival]:
+    """:func:`_fair_priority` after the floors: a candidate of a class below its floor's
+    slots (``under``, :func:`_under_floor`) goes before every other, whatever its class."""
+    return (c.class_rank not in under, c.class_rank, share.get((c.class_rank, c.tenant), 0), c.arrival)
 
 
 def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, Arrival]:
@@ -459,6 +524,14 @@ def choose_preemption(
        tenant, a head that lacks only KV, with a slot free, gets the KV its class's waiting
        sequences kept (the latest first), if that is enough.
 
+    Starvation floors (:attr:`Limits.floor_slots`; none: the above, exactly): of a floor
+    class's running sequences, its floor's slots (the last in :func:`_richest_first` order)
+    are no victim under rules 1 and 2 (rule 1 falls back to every running sequence when all
+    are so kept); and a head of a class holding fewer running sequences than its floor's
+    slots, which goes before every other class (:func:`choose_admissions`), is served by
+    rule 2 with every other class counted as lower (their running sequences beyond their
+    floors' slots, and their kept KV).
+
     With nothing running no step will free anything, so a head kept out by the KV that
     paused sequences hold gets it (the lowest of them first): otherwise the scheduler saw a
     request that fits the worker as one that never fits, and the worker failed all it held.
@@ -469,27 +542,36 @@ def choose_preemption(
         kept = max(residents, key=kept_key, default=None)
         # the lowest class's tenant holding the most of its slots gives up KV first: the least
         # KV of anyone was a light tenant's just-admitted prompt, paused at the next decode
-        # step and admitted again (rule 3) in turn, recomputed each time
-        victim = max(running, key=_richest_first(tenant_slots(running)), default=None)
+        # step and admitted again (rule 3) in turn, recomputed each time. A floor class's
+        # sequences within its floor's slots go last (only when nobody else runs).
+        share = tenant_slots(running)
+        victim = max(_exposed(running, limits, share) or running, key=_richest_first(share), default=None)
         if kept is not None and (victim is None or kept.class_rank >= victim.class_rank):
             return Preemption(kept.request_id, True)
         return None if victim is None else Preemption(victim.request_id, True)
     if not waiting:
         return None
     if not running:
-        head = min(waiting, key=lambda c: _fair_priority(c, {}))
+        head = min(waiting, key=lambda c: _head_key(c, {}, _under_floor((), limits)))
         kept = [c for c in residents if c is not head]
         if head.need > limits.kv_capacity - demand and kept:
             return _free_kept(kept)
         return None
     share = tenant_slots(running)
-    head = min(waiting, key=lambda c: _fair_priority(c, share))
+    under = _under_floor(running, limits)
+    head = min(waiting, key=lambda c: _head_key(c, share, under))
     free = limits.kv_capacity - demand
     slot_short = len(running) >= limits.max_seqs
     if not slot_short and head.need <= free:
         return None  # admissible as is
-    lower = [s for s in running if s.class_rank > head.class_rank]
-    lower_kept = [c for c in residents if c.class_rank > head.class_rank and c is not head]
+    if head.class_rank in under:
+        # 0. the head's class holds fewer than its floor's slots: every other class is "lower"
+        # for it, less the floor classes' sequences within their floors' slots
+        lower = [s for s in _exposed(running, limits, share) if s.class_rank != head.class_rank]
+        lower_kept = [c for c in residents if c.class_rank != head.class_rank]
+    else:
+        lower = [s for s in _exposed(running, limits, share) if s.class_rank > head.class_rank]
+        lower_kept = [c for c in residents if c.class_rank > head.class_rank and c is not head]
     same_kept = [c for c in residents if c.class_rank == head.class_rank and c is not head]
     # The KV that sequences of the head's class behind it kept: none of them can start before
     # the head (admission goes in priority order), so it counts toward the head's room under
