@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import random
+from dataclasses import replace
 
 import pytest
 
-from worker.batch_policy import Limits
+from worker.batch_policy import Limits, floor_slots, kv_demand
 from worker.batch_scheduler import ADMISSION_ROUNDS, BatchScheduler
 from worker.engines.base import SamplingParams
 from worker.engines.sim import SimEngine
@@ -194,3 +196,114 @@ def test_a_request_gets_the_kv_a_later_request_of_its_class_paused_for_a_p0_kept
         raise AssertionError("the P1 never started")
 
     assert asyncio.run(go()) == 1
+
+
+# --- starvation floors on the worker --------------------------------------------------------------
+
+
+async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...], steps: int) -> tuple[int | None, list[int]]:
+    """A batch of 4 kept full of P0 streams (a new P0 arrives whenever fewer than 6 are
+    held); after 5 steps one P1 request arrives. (The step it finished at, or None; the P0s
+    running at each step while it was held.)"""
+    sched = BatchScheduler(SimEngine(time_scale=0),
+                           Limits(token_budget=256, max_seqs=4, floor_slots=floor_slots))
+    n = 0
+    p0_running: list[int] = []
+    for step in range(1, steps + 1):
+        while sum(1 for s in sched._seqs.values() if s.class_rank == 0) < 6:
+            sched.add(f"p0-{n}", encode("x" * 40), SamplingParams(max_tokens=30), class_rank=0, arrival=n)
+            n += 1
+        if step == 6:
+            sched.add("p1", encode("y" * 40), SamplingParams(max_tokens=20), class_rank=1, arrival=step - 100)
+        await sched.step()
+        if step >= 6:
+            if "p1" not in sched:
+                return step, p0_running
+            p0_running.append(sum(1 for s in sched.running if s.class_rank == 0))
+    return None, p0_running
+
+
+def test_a_floor_class_request_runs_beside_a_p0_flood_that_keeps_the_batch_full() -> None:
+    """P1's floor keeps one of the 4 slots (0.3 x 4, rounded down): its request starts at
+    once beside a P0 flood and ends after its 20 tokens, while P0 keeps the other 3 slots.
+    In the strict class order it waited, unstarted, as long as the flood went on (300 steps
+    here; on a stack, until its client timed out: docs/scheduling.md)."""
+    done, p0 = asyncio.run(_floor_beside_a_p0_flood((0, 1, 0), 300))
+    assert done is not None and done <= 6 + 25, done
+    assert p0 and min(p0) == 3 and max(p0) == 3, p0
+    never, _ = asyncio.run(_floor_beside_a_p0_flood((), 300))
+    assert never is None
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_workloads_keep_slots_kv_and_floors_and_every_request_finishes(seed: int, monkeypatch) -> None:
+    """Random arrivals (classes, tenants, prompts, lengths) at random limits and floors: at
+    every step's plan the running set fits the slots and the KV, a floor class with work
+    here holds min(its floor's slots, its sequences here) running where KV is ample, and
+    every request finishes with its max_tokens (nothing here stops early)."""
+    import worker.batch_scheduler as bs
+
+    rng = random.Random(seed)
+    max_seqs = rng.randint(1, 6)
+    ample = rng.random() < 0.5
+    kv = 1 << 20 if ample else rng.randint(400, 1500)
+    floors = rng.choice([(0.0, 0.3, 0.05), (0.0, 0.5, 0.5), (0.2, 0.3, 0.3), (0.0, 0.0, 0.0),
+                         (0.0, 0.0, 1.0)])
+    limits = Limits(token_budget=64, max_seqs=max_seqs, kv_capacity=kv,
+                    floor_slots=floor_slots(floors, max_seqs))
+    sched = BatchScheduler(SimEngine(time_scale=0, kv_capacity_tokens=kv), limits)
+    real_plan = bs.build_plan
+    checked = {"plans": 0}
+
+    def checked_plan(running: list, lim: Limits) -> object:  # the scheduler's own call
+        assert len(running) <= max_seqs
+        assert sched.kv_used <= kv and kv_demand(running, [s.candidate() for s in sched.waiting]) <= kv
+        if ample:
+            for r, q in enumerate(limits.floor_slots):
+                here = sum(1 for s in sched._seqs.values() if s.class_rank == r)
+                held = sum(1 for s in running if s.class_rank == r)
+                assert held >= min(q, here), (r, q, here, held)
+        checked["plans"] += 1
+        return real_plan(running, lim)
+
+    monkeypatch.setattr(bs, "build_plan", checked_plan)
+    wanted: dict[str, int] = {}
+    got: dict[str, int] = {}
+
+    async def go() -> None:
+        for step in range(20_000):
+            if step < 200 and rng.random() < 0.4:
+                for _ in range(rng.randint(1, 3)):
+                    rid = f"r{len(wanted)}"
+                    wanted[rid] = rng.randint(1, 40)
+                    sched.add(rid, encode("x" * rng.randint(1, 150)), SamplingParams(max_tokens=wanted[rid]),
+                              class_rank=rng.randint(0, 2), arrival=step, tenant=rng.choice(["", "a", "b"]))
+            if not len(sched):
+                if step >= 200:
+                    return
+                continue
+            res = await sched.step()
+            for rid, e in res.emissions.items():
+                got[rid] = got.get(rid, 0) + len(e.token_ids)
+        raise AssertionError(f"{len(sched)} requests never finished")
+
+    asyncio.run(go())
+    assert checked["plans"] > 0
+    assert got == wanted
+
+
+def test_a_worker_s_scheduler_keeps_the_floors_of_its_classes() -> None:
+    """The step worker's scheduler takes each class's floor from the classes it ranks requests
+    by (ClassConfig.floor, what the pool policy carries to claim): P1 0.3 and P2 0.05 keep 1
+    and 0 of 4 slots, 9 and 1 of 32; floors of 0 keep none (the strict class order)."""
+    from limiter.config import DEFAULT_CLASSES
+    from worker.claim_step_loop import build_scheduler
+    from worker.settings import WorkerSettings
+
+    assert [c.floor for c in DEFAULT_CLASSES] == [0.0, 0.3, 0.05]
+    for max_seqs, kept in ((4, (0, 1, 0)), (32, (0, 9, 1))):
+        limits = Limits(token_budget=256, max_seqs=max_seqs)
+        sched = build_scheduler(SimEngine(time_scale=0), limits, WorkerSettings(), DEFAULT_CLASSES)
+        assert sched.limits.floor_slots == kept
+    none = [replace(c, floor=0.0) for c in DEFAULT_CLASSES]
+    assert build_scheduler(SimEngine(time_scale=0), Limits(), WorkerSettings(), none).limits.floor_slots == ()

@@ -45,13 +45,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Coroutine, Sequence
+from dataclasses import replace
 from typing import Any
 
 from limiter.config import ClassConfig
 from limiter.errors import InvalidArgument, LeaseLost, PolicyMissing, RedisUnavailable
 from limiter.scripts import TokenBatch
 from limiter.tasks import stop_tasks
-from worker.batch_policy import Limits, tenant_slots
+from worker.batch_policy import Limits, floor_slots, tenant_slots
 from worker.batch_scheduler import BatchScheduler, ScheduledSeq, StepResult, resume_finish_reason
 from worker.busy_meter import FULL_SHARE, BusyMeter
 from worker.delivery import Delivery
@@ -76,7 +77,10 @@ def build_scheduler(engine: Engine, limits: Limits, settings: WorkerSettings,
                     classes: Sequence[ClassConfig]) -> BatchScheduler:
     """The scheduler a step worker runs: steps sized from ``classes``' TPOT targets when
     ``settings.adaptive_budget`` (and prefill is chunked), the top class's prompts beyond the
-    budget up to ``settings.top_prefill_tokens``."""
+    budget up to ``settings.top_prefill_tokens``, each class keeping its starvation floor's
+    share of the slots (``ClassConfig.floor``, the same classes, ranks and floors the pool
+    policy carries to claim: docs/worker.md)."""
+    limits = replace(limits, floor_slots=floor_slots([c.floor for c in classes], limits.max_seqs))
     budget = None
     if settings.adaptive_budget and limits.chunked_prefill:
         budget = StepBudget(BudgetConfig(tpot_ms=tuple(c.slo_tpot_ms for c in classes),
