@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,21 +24,11 @@ import redis.asyncio as aioredis
 
 from limiter.config import hash_key
 from limiter.keys import PoolKeys
-from tests.support.helpers import charge_of
+from tests.support.helpers import charge_of, wait_for, wait_until
 from tests.support.redis_server import RedisServer
-from tests.support.reliability_stack import KEY_P0, LiveStack, base_config
+from tests.support.reliability_stack import KEY_P0, KEY_P1, LiveStack, base_config
 
 LONG = {"max_wait_ms": 600_000}
-
-
-async def _wait_for(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 30.0) -> Any:
-    """Await ``check`` until it answers something true; fail naming ``what`` after ``timeout``
-    s (a bound on a hang, not a speed)."""
-    end = time.monotonic() + timeout
-    while not (value := await check()):
-        assert time.monotonic() < end, f"still waiting after {timeout} s for: {what}"
-        await asyncio.sleep(0.01)
-    return value
 
 
 async def _served(client: Any, keys: PoolKeys) -> dict[str, float]:
@@ -91,7 +79,7 @@ async def test_through_a_stack_a_client_that_leaves_after_a_token_is_served_what
             rec = {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
             return rec if rec.get("state") in ("cancelled", "done") else None
 
-        rec = await _wait_for(ended, "the abandoned request to end (its worker stopped it)", timeout=60)
+        rec = await wait_for(ended, "the abandoned request to end (its worker stopped it)", timeout=60)
         used = charge_of(rec)
         assert int(rec["out_tokens"]) < 4000 and used < float(rec["cost"]) / 4, rec
         # its reservation is settled to what it used (the refund its buckets and counter get
@@ -109,6 +97,67 @@ async def test_through_a_stack_a_client_that_leaves_after_a_token_is_served_what
         ) as r:
             assert r.status == 200
     finally:
+        stack.stop()
+        with contextlib.suppress(Exception):
+            await client.aclose()
+        server.stop()
+
+
+async def test_through_a_stack_a_request_claimed_by_its_floor_runs_beside_a_p0_flood(tmp_path: Path) -> None:
+    """One sim worker of 4 slots kept full by 12 P0 clients; P1's floor (0.3) keeps one of
+    them (docs/worker.md). A P1 request, claimed by its floor once P0's served cost puts P1
+    below it (capacity 1e9: the guarantee buckets always hold credit, so the floor alone
+    claims it), is answered while P0 goes on being served beside it. In the strict class
+    order it was paused, or never admitted, at every P0 arrival: still unanswered after 100
+    more P0 requests (the 2026-12-07 adversarial-tenant review's reproduction)."""
+    server = RedisServer().start()
+    client = aioredis.from_url(server.url)
+    config = base_config(server.url, capacity=1e9, classes={"P1": {"floor": 0.3}},
+                         frontend={"request_timeout_s": 300})
+    stack = LiveStack(tmp_path, config)
+    keys = PoolKeys("tiny")
+    done = {"p0": 0}
+    flood: list[asyncio.Task[None]] = []
+    try:
+        stack.frontend("fe0")
+        stack.worker("w0", time_scale=1.0, max_seqs=4)
+        await stack.wait_ready(client)
+        base = stack.base("fe0")
+        body = {"model": "tiny", "prompt": "x" * 200, "max_tokens": 100}
+
+        async with aiohttp.ClientSession() as s:
+            async def p0() -> None:
+                while True:
+                    async with s.post(f"{base}/v1/completions", json=body,
+                                      headers={"Authorization": f"Bearer {KEY_P0}"}) as r:
+                        await r.read()
+                        done["p0"] += r.status == 200
+
+            async def p1() -> tuple[int, dict[str, Any]]:
+                async with s.post(f"{base}/v1/completions", json=body,
+                                  headers={"Authorization": f"Bearer {KEY_P1}"}) as r:
+                    return r.status, await r.json()
+
+            flood = [asyncio.create_task(p0()) for _ in range(12)]
+            await wait_until(lambda: done["p0"] >= 4, "the P0 flood to fill the worker", timeout=60)
+            victim = asyncio.create_task(p1())
+
+            async def claimed() -> bool:
+                return int(await client.hget(keys.stats, "P1.claimed") or 0) >= 1
+
+            await wait_for(claimed, "P1's request to be claimed by its floor", timeout=120)
+            at_claim = done["p0"]
+            await wait_until(lambda: victim.done() or done["p0"] >= at_claim + 100,
+                             "the P1 request's answer, or 100 more P0 answers", timeout=300)
+            assert victim.done(), "a P1 request claimed by its floor waited behind 100 P0 requests"
+            status, answer = victim.result()
+            assert status == 200 and answer["usage"]["completion_tokens"] == 100, answer
+            # P0 was served beside it, not stopped for it: the floor keeps one slot of 4
+            assert done["p0"] > at_claim, "no P0 request finished while the P1 one ran"
+    finally:
+        for t in flood:
+            t.cancel()
+        await asyncio.gather(*flood, return_exceptions=True)
         stack.stop()
         with contextlib.suppress(Exception):
             await client.aclose()

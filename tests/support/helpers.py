@@ -31,6 +31,19 @@ async def wait_until(pred: Callable[[], Any], what: str, timeout: float = 15.0, 
 ALIVE = 4102444800000  # a heartbeat in 2100
 
 
+async def wait_for(check: Callable[[], Awaitable[Any]], what: str, timeout: float = 30.0,
+                   every: float = 0.01) -> Any:
+    """:func:`wait_until` for a check that must be awaited (a Redis read): await ``check``
+    until it answers something true; fail naming ``what`` after ``timeout`` s (a bound on a
+    hang, not a speed)."""
+    end = time.monotonic() + timeout
+    while not (value := await check()):
+        if time.monotonic() > end:
+            raise AssertionError(f"still waiting after {timeout} s for: {what}")
+        await asyncio.sleep(every)
+    return value
+
+
 def three_classes(**extra: dict[str, Any]) -> list[dict[str, Any]]:
     """The classes P0/P1/P2 at the demo's 0.6/0.35/0.05 shares as TOML-shaped tables (for
     :func:`limiter.localstack.toml_writer.toml_dumps`), ``extra[name]``'s fields added."""
