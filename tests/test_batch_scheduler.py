@@ -201,10 +201,11 @@ def test_a_request_gets_the_kv_a_later_request_of_its_class_paused_for_a_p0_kept
 # --- starvation floors on the worker --------------------------------------------------------------
 
 
-async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...], steps: int) -> tuple[int | None, list[int]]:
+async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...],
+                                   steps: int) -> tuple[int | None, list[int], int]:
     """A batch of 4 kept full of P0 streams (a new P0 arrives whenever fewer than 6 are
     held); after 5 steps one P1 request arrives. (The step it finished at, or None; the P0s
-    running at each step while it was held.)"""
+    running at each step while it was held; the sequences paused meanwhile.)"""
     sched = BatchScheduler(SimEngine(time_scale=0),
                            Limits(token_budget=256, max_seqs=4, floor_slots=floor_slots))
     n = 0
@@ -214,24 +215,27 @@ async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...], steps: int) -> 
             sched.add(f"p0-{n}", encode("x" * 40), SamplingParams(max_tokens=30), class_rank=0, arrival=n)
             n += 1
         if step == 6:
+            paused = sched.preemptions
             sched.add("p1", encode("y" * 40), SamplingParams(max_tokens=20), class_rank=1, arrival=step - 100)
         await sched.step()
         if step >= 6:
             if "p1" not in sched:
-                return step, p0_running
+                return step, p0_running, sched.preemptions - paused
             p0_running.append(sum(1 for s in sched.running if s.class_rank == 0))
-    return None, p0_running
+    return None, p0_running, sched.preemptions - paused
 
 
 def test_a_floor_class_request_runs_beside_a_p0_flood_that_keeps_the_batch_full() -> None:
     """P1's floor keeps one of the 4 slots (0.3 x 4, rounded down): its request starts at
     once beside a P0 flood and ends after its 20 tokens, while P0 keeps the other 3 slots.
     In the strict class order it waited, unstarted, as long as the flood went on (300 steps
-    here; on a stack, until its client timed out: docs/scheduling.md)."""
-    done, p0 = asyncio.run(_floor_beside_a_p0_flood((0, 1, 0), 300))
+    here; on a stack, until its client timed out: docs/scheduling.md). Seeded: without the
+    floor's sequence kept against P0 it was paused and readmitted in turn (180 pauses in 20 steps)."""
+    done, p0, paused = asyncio.run(_floor_beside_a_p0_flood((0, 1, 0), 300))
     assert done is not None and done <= 6 + 25, done
     assert p0 and min(p0) == 3 and max(p0) == 3, p0
-    never, _ = asyncio.run(_floor_beside_a_p0_flood((), 300))
+    assert paused == 1, paused  # one P0 for the P1's slot, and no pausing back and forth
+    never, _, _ = asyncio.run(_floor_beside_a_p0_flood((), 300))
     assert never is None
 
 
