@@ -231,6 +231,8 @@ class Claimed:
     claimed_ms: int  # first claim time: queue wait = claimed_ms - enq_ms
     first_ms: int  # when an earlier attempt delivered the first token (0 = none yet)
     attempt: int = 1  # 1 for the first claim, counting lease expiries (bounded by max_attempts)
+    # claim picked it by its class's starvation floor (tier 1): the worker keeps its slot
+    by_floor: bool = False
 
 
 @dataclass(frozen=True)
@@ -510,7 +512,7 @@ class Scripts:
                 request_id=_s(e[0]), cls=_s(e[1]), tenant=_s(e[2]), fence=int(e[3]), payload=bytes(e[4]),
                 enq_ms=int(e[5]), input_tokens=int(e[6]), max_tokens=int(e[7]), frontend=_s(e[8]),
                 delivered=int(e[9]), generated=unpack_token_ids(bytes(e[10])), claimed_ms=int(e[11]),
-                first_ms=int(e[12]), attempt=int(e[13])))
+                first_ms=int(e[12]), attempt=int(e[13]), by_floor=len(e) > 14 and int(e[14]) == 1))
         return ClaimResult(int(reply[0]), out, bool(int(reply[1])))
 
     async def renew_leases(self, keys: PoolKeys, worker_id: str, held: Sequence[tuple[str, int]],

@@ -57,7 +57,8 @@
 --   emptied: its markers announced work that is taken);
 --   entry = {id, class, tenant, fence, payload, enq_ms,
 --   input_tokens, max_tokens, frontend, out_tokens, generated_token_blob, claimed_ms,
---   first_ms (0 until a first token was delivered), attempt}; times are Redis server ms.
+--   first_ms (0 until a first token was delivered), attempt, by_floor (1: picked by its
+--   class's starvation floor, tier 1)}; times are Redis server ms.
 -- Errors: 'BADARG <field>: ...', 'NOPOLICY ...'.
 
 --!include pool_keys.lua
@@ -206,6 +207,7 @@ local function main()
         if deficit > quantum and deficit > best then pick, best = cls, deficit end
       end
     end
+    local by_floor = pick ~= nil and 1 or 0  -- the worker keeps such a request's slot (docs/worker.md)
     if pick == nil then  -- 2. guarantees
       for _, cls in ipairs(p.classes) do
         if open(cls) and p.class[cls].rate > 0 and guarantee_of(cls).level > 0 then pick = cls break end
@@ -326,7 +328,7 @@ local function main()
           -- a retried request gets the tokens it delivered before; a first attempt has none
           local gen = r.out_tokens > 0 and redis.call('GET', P_TOKENS .. id) or ''
           out[#out + 1] = {id, pick, tenant, fence, r.payload, r.enq_ms, r.input_tokens, r.max_tokens,
-            r.frontend, r.out_tokens, gen, r.claimed_ms, r.first_ms or 0, attempt}
+            r.frontend, r.out_tokens, gen, r.claimed_ms, r.first_ms or 0, attempt, by_floor}
         end
       end
     end

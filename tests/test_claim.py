@@ -69,12 +69,18 @@ async def test_starvation_floors_hold_under_a_backlog_of_all_classes(scripts, po
             if cls == "P0" or i < 300:  # every class stays backlogged for the whole run
                 await admit(scripts, pool, cls=cls, request_id=f"{cls}-{i}", input_tokens=90, max_tokens=10)
     served = {"P0": 0, "P1": 0, "P2": 0}
+    by_floor = {"P0": 0, "P1": 0, "P2": 0}
     for _ in range(150):
         got = await scripts.claim(pool, "w1", 4)
         for c in got.requests:
             served[c.cls] += c.input_tokens + c.max_tokens
+            by_floor[c.cls] += c.by_floor
     total = sum(served.values())
     assert total == 600 * 100
+    # capacity 1e9: the guarantee buckets always hold credit and P0 goes first in that tier,
+    # so every P1 and P2 request was picked by its floor, and says so (the worker keeps its
+    # slot: docs/worker.md); P0, without a floor, never is
+    assert by_floor == {"P0": 0, "P1": served["P1"] // 100, "P2": served["P2"] // 100}
     # The documented guarantee: a floor, less at most one quantum (2048 tokens) of lag.
     slack = 2048 / total + 0.01
     assert served["P1"] / total >= 0.30 - slack
@@ -91,6 +97,7 @@ async def test_no_floor_without_backlog_strict_priority(scripts, pool):
     # 10 tiny requests: every pick is P0 (the first alone was checked, and a floor that
     # fired at once, P0 P2 P0 ..., passed: found by a review)
     assert [c.cls for c in got.requests] == ["P0"] * 10
+    assert not any(c.by_floor for c in got.requests)
 
 
 async def test_a_binding_ceiling_caps_a_class_even_on_an_idle_pool(scripts, sync_redis):
