@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -438,6 +439,11 @@ def test_kv_a_paused_sequence_of_the_head_s_class_kept_is_freed_for_it_with_no_l
 # --- starvation floors on the worker (Limits.floor_slots) -----------------------------------------
 
 
+def fl(x: SeqState | Candidate) -> SeqState | Candidate:
+    """``x`` as claim hands it out by its class's starvation floor."""
+    return dataclasses.replace(x, by_floor=True)
+
+
 def test_a_floor_keeps_floor_of_its_share_of_the_slots_rounded_down() -> None:
     """floor x max_seqs, rounded down: a class never keeps more than its share, and the
     floors' slots never add up to more than the batch; no slot kept is the strict order."""
@@ -454,52 +460,60 @@ def test_a_floor_keeps_floor_of_its_share_of_the_slots_rounded_down() -> None:
 
 
 def test_a_floor_class_within_its_floor_s_slots_is_no_victim_of_a_higher_class() -> None:
-    """P0 waits at a batch full of P0 and one P1 whose floor keeps one of 4 slots: nothing is
-    paused (without the floor the P1 was, and a P0 flood kept it paused). With two P1s the
-    one beyond the floor goes, the least KV first; KV short: the same, the P1's KV is kept."""
-    running = [dec("a", 0, 0), dec("b", 0, 1), dec("c", 0, 2), dec("p1", 1, 3, kv=50)]
+    """P0 waits at a batch full of P0 and one P1 that claim handed out by its floor, which
+    keeps one of 4 slots: nothing is paused (without the floor the P1 was, and a P0 flood
+    kept it paused). A P1 claimed otherwise (its class above its floor pool-wide) is paused
+    as before. With two P1s the one beyond the floor goes, the least KV first; KV short: the
+    same, the P1's KV is kept."""
+    running = [dec("a", 0, 0), dec("b", 0, 1), dec("c", 0, 2), fl(dec("p1", 1, 3, kv=50))]
     head = [Candidate("w", 0, 9, 10)]
     assert choose_preemption(running, head, Limits(max_seqs=4)) == Preemption("p1", False)
     floors = Limits(max_seqs=4, floor_slots=(0, 1, 0))
     assert choose_preemption(running, head, floors) is None
-    two = [dec("a", 0, 0), dec("b", 0, 1), dec("big", 1, 3, kv=500), dec("small", 1, 4, kv=50)]
+    claimed_otherwise = [*running[:3], dec("p1", 1, 3, kv=50)]
+    assert choose_preemption(claimed_otherwise, head, floors) == Preemption("p1", False)
+    two = [dec("a", 0, 0), dec("b", 0, 1), fl(dec("big", 1, 3, kv=500)), fl(dec("small", 1, 4, kv=50))]
     assert choose_preemption(two, head, floors) == Preemption("small", False)
     assert choose_preemption([two[0], two[1], two[2]], head, floors) is None
     # KV, not a slot, is short: the P1 within its floor keeps it, a P2 does not
     kv = Limits(max_seqs=8, kv_capacity=700, floor_slots=(0, 1, 0))
     big = [Candidate("w", 0, 9, 150)]
-    assert choose_preemption([dec("a", 0, 0, kv=400), dec("p1", 1, 1, kv=200)], big, kv) is None
-    assert choose_preemption([dec("a", 0, 0, kv=400), dec("p1", 1, 1, kv=100), dec("p2", 2, 2, kv=100)],
+    assert choose_preemption([dec("a", 0, 0, kv=400), fl(dec("p1", 1, 1, kv=200))], big, kv) is None
+    assert choose_preemption([dec("a", 0, 0, kv=400), fl(dec("p1", 1, 1, kv=100)), dec("p2", 2, 2, kv=100)],
                              big, kv) == Preemption("p2", True)
 
 
 def test_a_class_below_its_floor_s_slots_is_admitted_and_makes_room_ahead_of_higher_classes() -> None:
-    """A P1 below its floor's slot goes before a P0 at admission, up to its floor's slots
-    (a second P1 goes in class order again); at a full batch of P0s it pauses one (the least
-    KV, its cache kept when a slot is all it lacks, freed when KV is short too)."""
+    """A P1 claimed by its floor, below its floor's slot, goes before a P0 at admission, up
+    to its floor's slots (a second P1 goes in class order again); at a full batch of P0s it
+    pauses one (the least KV, its cache kept when a slot is all it lacks, freed when KV is
+    short too). A P1 claimed otherwise waits in class order, as before."""
     floors = Limits(max_seqs=4, floor_slots=(0, 1, 0))
-    waiting = [Candidate("w0", 0, 5, 10), Candidate("w1", 1, 6, 10), Candidate("w1b", 1, 7, 10)]
+    waiting = [Candidate("w0", 0, 5, 10), fl(Candidate("w1", 1, 6, 10)), fl(Candidate("w1b", 1, 7, 10))]
     three = [dec("a", 0, 0), dec("b", 0, 1), dec("c", 0, 2)]
     assert choose_admissions(waiting, three, Limits(max_seqs=4)) == ("w0",)
     assert choose_admissions(waiting, three, floors) == ("w1",)
+    plain = [Candidate("w0", 0, 5, 10), Candidate("w1", 1, 6, 10)]
+    assert choose_admissions(plain, three, floors) == ("w0",)
+    assert choose_preemption([*three, dec("d", 0, 3)], plain, floors) is None
     assert choose_admissions(waiting, three[:1], floors) == ("w1", "w0", "w1b")
     full = [*three, dec("d", 0, 3, kv=50)]
     assert choose_preemption(full, waiting, Limits(max_seqs=4)) is None
     assert choose_preemption(full, waiting, floors) == Preemption("d", False)
     # KV short as well: the P0's cache goes
     kv = Limits(max_seqs=4, kv_capacity=4 * 101 + 5, floor_slots=(0, 1, 0))
-    assert choose_preemption([dec(f"p0-{i}", 0, i) for i in range(4)], [Candidate("w1", 1, 9, 50)],
+    assert choose_preemption([dec(f"p0-{i}", 0, i) for i in range(4)], [fl(Candidate("w1", 1, 9, 50))],
                              kv) == Preemption("p0-3", True)
     # a lower class beyond its own floor goes before a higher class (the lowest class first)
-    mixed = [dec("a", 0, 0), dec("b", 0, 1), dec("p2", 2, 2), dec("p2b", 2, 3)]
+    mixed = [dec("a", 0, 0), dec("b", 0, 1), fl(dec("p2", 2, 2)), fl(dec("p2b", 2, 3))]
     floors2 = Limits(max_seqs=4, floor_slots=(0, 1, 1))
-    assert choose_preemption(mixed, [Candidate("w1", 1, 9, 10)], floors2) == Preemption("p2b", False)
+    assert choose_preemption(mixed, [fl(Candidate("w1", 1, 9, 10))], floors2) == Preemption("p2b", False)
 
 
 def test_decode_growth_past_the_kv_pauses_a_class_beyond_its_floor_first() -> None:
     """The running set outgrows the KV: a P1 within its floor's slots keeps its cache and a
     P0 gives it up; with every running sequence within a floor, the lowest class goes."""
-    running = [dec("a", 0, 0, kv=500), dec("b", 1, 1, kv=500)]
+    running = [fl(dec("a", 0, 0, kv=500)), fl(dec("b", 1, 1, kv=500))]
     assert choose_preemption(running, [], Limits(kv_capacity=1001)) == Preemption("b", True)
     p1_floor = Limits(kv_capacity=1001, floor_slots=(0, 1))
     both = Limits(kv_capacity=1001, floor_slots=(1, 1))
@@ -511,16 +525,19 @@ def _random_state(rng: random.Random) -> tuple[list[SeqState], list[Candidate], 
     seqs = rng.randint(1, 6)
     limits = Limits(token_budget=64, max_seqs=seqs, kv_capacity=rng.randint(100, 1500))
     running = [SeqState(f"r{i}", rng.randint(0, 2), i, *(lambda p: (p, p == 0))(rng.choice([0, 0, 30])),
-                        rng.randint(0, 200), rng.choice(["", "a", "b"])) for i in range(rng.randint(0, seqs))]
+                        rng.randint(0, 200), rng.choice(["", "a", "b"]), rng.random() < 0.5)
+               for i in range(rng.randint(0, seqs))]
     waiting = [Candidate(f"w{i}", rng.randint(0, 2), 10 + i, rng.randint(1, 300),
-                         rng.choice([0, 0, rng.randint(1, 100)]), rng.choice(["", "a", "b"]))
+                         rng.choice([0, 0, rng.randint(1, 100)]), rng.choice(["", "a", "b"]),
+                         rng.random() < 0.5)
                for i in range(rng.randint(0, 4))]
     return running, waiting, limits
 
 
 def test_zero_floors_and_floors_of_absent_classes_decide_exactly_as_the_class_order() -> None:
     """No slot kept (floor 0, or rounded down to 0) is the strict class order; so is a floor
-    of a class with nothing running or waiting here (its slots are anyone's)."""
+    of a class with nothing running or waiting here (its slots are anyone's), and any floor
+    where nothing here was claimed by its floor."""
     rng = random.Random(7)
     for _ in range(3000):
         running, waiting, limits = _random_state(rng)
@@ -533,3 +550,10 @@ def test_zero_floors_and_floors_of_absent_classes_decide_exactly_as_the_class_or
             other = Limits(limits.token_budget, limits.max_seqs, limits.kv_capacity, floor_slots=q)
             assert choose_admissions(waiting, running, other) == choose_admissions(waiting, running, limits)
             assert choose_preemption(running, waiting, other) == choose_preemption(running, waiting, limits)
+        # nothing here was claimed by its floor: any floors decide as the class order
+        plain_r = [dataclasses.replace(s, by_floor=False) for s in running]
+        plain_w = [dataclasses.replace(c, by_floor=False) for c in waiting]
+        other = Limits(limits.token_budget, limits.max_seqs, limits.kv_capacity,
+                       floor_slots=floor_slots((0.3, 0.3, 0.4), limits.max_seqs) or (0, 0, 1))
+        assert choose_admissions(plain_w, plain_r, other) == choose_admissions(plain_w, plain_r, limits)
+        assert choose_preemption(plain_r, plain_w, other) == choose_preemption(plain_r, plain_w, limits)

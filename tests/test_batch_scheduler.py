@@ -201,11 +201,12 @@ def test_a_request_gets_the_kv_a_later_request_of_its_class_paused_for_a_p0_kept
 # --- starvation floors on the worker --------------------------------------------------------------
 
 
-async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...],
-                                   steps: int) -> tuple[int | None, list[int], int]:
+async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...], steps: int,
+                                   by_floor: bool = True) -> tuple[int | None, list[int], int]:
     """A batch of 4 kept full of P0 streams (a new P0 arrives whenever fewer than 6 are
-    held); after 5 steps one P1 request arrives. (The step it finished at, or None; the P0s
-    running at each step while it was held; the sequences paused meanwhile.)"""
+    held); after 5 steps one P1 request arrives, claimed by its floor (``by_floor``). (The
+    step it finished at, or None; the P0s running at each step while it was held; the
+    sequences paused meanwhile.)"""
     sched = BatchScheduler(SimEngine(time_scale=0),
                            Limits(token_budget=256, max_seqs=4, floor_slots=floor_slots))
     n = 0
@@ -216,7 +217,8 @@ async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...],
             n += 1
         if step == 6:
             paused = sched.preemptions
-            sched.add("p1", encode("y" * 40), SamplingParams(max_tokens=20), class_rank=1, arrival=step - 100)
+            sched.add("p1", encode("y" * 40), SamplingParams(max_tokens=20), class_rank=1, arrival=step - 100,
+                      by_floor=by_floor)
         await sched.step()
         if step >= 6:
             if "p1" not in sched:
@@ -226,24 +228,29 @@ async def _floor_beside_a_p0_flood(floor_slots: tuple[int, ...],
 
 
 def test_a_floor_class_request_runs_beside_a_p0_flood_that_keeps_the_batch_full() -> None:
-    """P1's floor keeps one of the 4 slots (0.3 x 4, rounded down): its request starts at
-    once beside a P0 flood and ends after its 20 tokens, while P0 keeps the other 3 slots.
-    In the strict class order it waited, unstarted, as long as the flood went on (300 steps
-    here; on a stack, until its client timed out: docs/scheduling.md). Seeded: without the
-    floor's sequence kept against P0 it was paused and readmitted in turn (180 pauses in 20 steps)."""
+    """P1's floor keeps one of the 4 slots (0.3 x 4, rounded down) for requests claim hands
+    out by the floor: such a request starts at once beside a P0 flood and ends after its 20
+    tokens, while P0 keeps the other 3 slots. In the strict class order it waited, unstarted,
+    as long as the flood went on (300 steps here; on a stack, until its client timed out:
+    docs/scheduling.md), and so does a P1 claimed otherwise. Seeded: without the floor's
+    sequence kept against P0 it was paused and readmitted in turn (180 pauses in 20 steps)."""
     done, p0, paused = asyncio.run(_floor_beside_a_p0_flood((0, 1, 0), 300))
     assert done is not None and done <= 6 + 25, done
     assert p0 and min(p0) == 3 and max(p0) == 3, p0
     assert paused == 1, paused  # one P0 for the P1's slot, and no pausing back and forth
     never, _, _ = asyncio.run(_floor_beside_a_p0_flood((), 300))
     assert never is None
+    # claimed otherwise (its class above its floor pool-wide): the class order, as before
+    otherwise, _, _ = asyncio.run(_floor_beside_a_p0_flood((0, 1, 0), 300, by_floor=False))
+    assert otherwise is None
 
 
 @pytest.mark.parametrize("seed", range(12))
 def test_random_workloads_keep_slots_kv_and_floors_and_every_request_finishes(seed: int, monkeypatch) -> None:
     """Random arrivals (classes, tenants, prompts, lengths) at random limits and floors: at
-    every step's plan the running set fits the slots and the KV, a floor class with work
-    here holds min(its floor's slots, its sequences here) running where KV is ample, and
+    every step's plan the running set fits the slots and the KV, a floor class holds
+    min(its floor's slots, its sequences here claimed by its floor) of those running where
+    KV is ample, and
     every request finishes with its max_tokens (nothing here stops early)."""
     import worker.batch_scheduler as bs
 
@@ -264,8 +271,8 @@ def test_random_workloads_keep_slots_kv_and_floors_and_every_request_finishes(se
         assert sched.kv_used <= kv and kv_demand(running, [s.candidate() for s in sched.waiting]) <= kv
         if ample:
             for r, q in enumerate(limits.floor_slots):
-                here = sum(1 for s in sched._seqs.values() if s.class_rank == r)
-                held = sum(1 for s in running if s.class_rank == r)
+                here = sum(1 for s in sched._seqs.values() if s.class_rank == r and s.by_floor)
+                held = sum(1 for s in running if s.class_rank == r and s.by_floor)
                 assert held >= min(q, here), (r, q, here, held)
         checked["plans"] += 1
         return real_plan(running, lim)
@@ -281,7 +288,8 @@ def test_random_workloads_keep_slots_kv_and_floors_and_every_request_finishes(se
                     rid = f"r{len(wanted)}"
                     wanted[rid] = rng.randint(1, 40)
                     sched.add(rid, encode("x" * rng.randint(1, 150)), SamplingParams(max_tokens=wanted[rid]),
-                              class_rank=rng.randint(0, 2), arrival=step, tenant=rng.choice(["", "a", "b"]))
+                              class_rank=rng.randint(0, 2), arrival=step, tenant=rng.choice(["", "a", "b"]),
+                              by_floor=rng.random() < 0.5)
             if not len(sched):
                 if step >= 200:
                     return

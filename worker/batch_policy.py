@@ -92,6 +92,8 @@ class Planned(Protocol):
     def kv_tokens(self) -> int: ...
     @property
     def tenant(self) -> str: ...
+    @property
+    def by_floor(self) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,7 @@ class SeqState:
     decoding: bool
     kv_tokens: int
     tenant: str = ""
+    by_floor: bool = False  # claimed by its class's starvation floor (Limits.floor_slots)
 
     def __post_init__(self) -> None:
         # The scheduler makes one for every running sequence every step: the common case is
@@ -144,6 +147,7 @@ class Candidate:
     prompt_tokens: int
     resident_kv: int = 0
     tenant: str = ""
+    by_floor: bool = False
 
     def __post_init__(self) -> None:
         _check_nonneg_int("class_rank", self.class_rank)
@@ -237,34 +241,38 @@ def floor_slots(floors: Sequence[float], max_seqs: int) -> tuple[int, ...]:
     return out if any(out) else ()
 
 
-def _class_slots(running: Iterable[_SlotHolder]) -> dict[int, int]:
+def _floor_held(running: Iterable[Planned]) -> dict[int, int]:
+    """class -> its running sequences that claim handed out by the class's floor."""
     out: dict[int, int] = {}
     for s in running:
-        out[s.class_rank] = out.get(s.class_rank, 0) + 1
+        if s.by_floor:
+            out[s.class_rank] = out.get(s.class_rank, 0) + 1
     return out
 
 
-def _under_floor(running: Iterable[_SlotHolder], limits: Limits) -> set[int]:
-    """The classes holding fewer running sequences than their floor's slots."""
+def _under_floor(running: Iterable[Planned], limits: Limits) -> set[int]:
+    """The classes holding fewer running sequences claimed by their floor than their
+    floor's slots."""
     q = limits.floor_slots
     if not q:
         return set()
-    held = _class_slots(running)
+    held = _floor_held(running)
     return {r for r, n in enumerate(q) if held.get(r, 0) < n}
 
 
 def _exposed(running: Sequence[Planned], limits: Limits,
              share: dict[tuple[int, str], int]) -> list[Planned]:
     """The running sequences another class may take a slot or KV from: all of them, less
-    each floor class's ``floor_slots`` sequences (those last in :func:`_richest_first` order,
-    the ones that would be paused last: the most KV, the earliest). In ``running``'s order."""
+    each floor class's ``floor_slots`` sequences that claim handed out by its floor (those
+    last in :func:`_richest_first` order, the ones that would be paused last: the most KV,
+    the earliest). In ``running``'s order."""
     q = limits.floor_slots
     if not q:
         return list(running)
     kept: set[str] = set()
     for r, n in enumerate(q):
         if n:
-            mine = sorted((s for s in running if s.class_rank == r), key=_richest_first(share))
+            mine = sorted((s for s in running if s.class_rank == r and s.by_floor), key=_richest_first(share))
             kept.update(s.request_id for s in mine[:n])
     return [s for s in running if s.request_id not in kept]
 
@@ -350,7 +358,7 @@ def choose_admissions(
     chosen: list[str] = []
     share = tenant_slots(running)
     under = _under_floor(running, limits)
-    held = _class_slots(running) if under else {}
+    held = _floor_held(running) if under else {}
     left = list(waiting)
     while left:
         c = min(left, key=lambda c: _head_key(c, share, under))
@@ -360,7 +368,7 @@ def choose_admissions(
         chosen.append(c.request_id)
         left.remove(c)
         share[(c.class_rank, c.tenant)] = share.get((c.class_rank, c.tenant), 0) + 1
-        if c.class_rank in under:
+        if c.by_floor and c.class_rank in under:
             held[c.class_rank] = held.get(c.class_rank, 0) + 1
             if held[c.class_rank] >= limits.floor_slots[c.class_rank]:
                 under.discard(c.class_rank)
@@ -425,9 +433,11 @@ def prefill_through_behind(running: Sequence[Planned]) -> int:
 
 def _head_key(c: Candidate, share: dict[tuple[int, str], int],
               under: set[int]) -> tuple[bool, int, int, Arrival]:
-    """:func:`_fair_priority` after the floors: a candidate of a class below its floor's
-    slots (``under``, :func:`_under_floor`) goes before every other, whatever its class."""
-    return (c.class_rank not in under, c.class_rank, share.get((c.class_rank, c.tenant), 0), c.arrival)
+    """:func:`_fair_priority` after the floors: a candidate claimed by its class's floor, of
+    a class below its floor's slots (``under``, :func:`_under_floor`), goes before every
+    other, whatever its class."""
+    return (not (c.by_floor and c.class_rank in under), c.class_rank, share.get((c.class_rank, c.tenant), 0),
+            c.arrival)
 
 
 def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, Arrival]:
@@ -564,7 +574,7 @@ def choose_preemption(
     slot_short = len(running) >= limits.max_seqs
     if not slot_short and head.need <= free:
         return None  # admissible as is
-    if head.class_rank in under:
+    if head.by_floor and head.class_rank in under:
         # 0. the head's class holds fewer than its floor's slots: every other class is "lower"
         # for it, less the floor classes' sequences within their floors' slots
         lower = [s for s in _exposed(running, limits, share) if s.class_rank != head.class_rank]

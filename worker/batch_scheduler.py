@@ -67,6 +67,7 @@ class ScheduledSeq:
     resident: bool = False  # paused with its KV kept: the engine still holds the sequence
     preemptions: int = 0
     kv_high: int = 0  # the longest KV it ever reached: prefill below it is recomputation
+    by_floor: bool = False  # claimed by its class's starvation floor: its slot is kept (batch_policy)
 
     @property
     def context(self) -> list[int]:
@@ -81,9 +82,10 @@ class ScheduledSeq:
     def candidate(self) -> Candidate:
         if self.resident:
             return Candidate(self.request_id, self.class_rank, self.arrival, self.to_prefill, self.kv_tokens,
-                             self.tenant)
+                             self.tenant, self.by_floor)
         return Candidate(self.request_id, self.class_rank, self.arrival,
-                         len(self.prompt_ids) + len(self.generated), tenant=self.tenant)
+                         len(self.prompt_ids) + len(self.generated), tenant=self.tenant,
+                         by_floor=self.by_floor)
 
 
 class Emission(NamedTuple):
@@ -190,10 +192,13 @@ class BatchScheduler:
         return room - 1  # admission needs room for one generated token
 
     def add(self, request_id: str, prompt_ids: Sequence[int], params: SamplingParams, *, class_rank: int,
-            arrival: Arrival, generated: Iterable[int] = (), tenant: str = "") -> ScheduledSeq:
+            arrival: Arrival, generated: Iterable[int] = (), tenant: str = "",
+            by_floor: bool = False) -> ScheduledSeq:
         """Queue a request. ``generated`` are tokens an earlier attempt already delivered:
         they are re-prefilled after the prompt and fed to a fresh decoder whose text is
-        discarded (the client has it), so a half-emitted UTF-8 character continues."""
+        discarded (the client has it), so a half-emitted UTF-8 character continues.
+        ``by_floor``: claim handed it out by its class's starvation floor (its class's
+        ``Limits.floor_slots`` keep such requests' slots)."""
         if request_id in self._seqs:
             raise InvalidArgument("request_id", f"{request_id!r} is already scheduled")
         if not prompt_ids:
@@ -202,7 +207,7 @@ class BatchScheduler:
         decoder = self.engine.new_decoder()
         decoder.feed(gen)
         seq = ScheduledSeq(request_id, list(prompt_ids), params, class_rank, arrival, decoder,
-                           StopScanner(params.stop), tenant, gen, len(gen))
+                           StopScanner(params.stop), tenant, gen, len(gen), by_floor=by_floor)
         self._seqs[request_id] = seq
         return seq
 

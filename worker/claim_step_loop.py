@@ -608,7 +608,7 @@ class StepLoop:
         self._arrivals += 1
         self.sched.add(c.request_id, prompt, params, class_rank=d.class_rank,
                        arrival=(c.enq_ms, self._arrivals), generated=c.generated,
-                       tenant=c.tenant if self._fair.get(c.cls, False) else "")
+                       tenant=c.tenant if self._fair.get(c.cls, False) else "", by_floor=c.by_floor)
         self._capacity.started(len(prompt) + max_tokens)  # clipped to the room there
         if c.delivered:
             log.info("%s: resuming attempt %d at token %d", c.request_id, c.attempt, c.delivered)
