@@ -436,8 +436,7 @@ def _head_key(c: Candidate, share: dict[tuple[int, str], int],
     """:func:`_fair_priority` after the floors: a candidate claimed by its class's floor, of
     a class below its floor's slots (``under``, :func:`_under_floor`), goes before every
     other, whatever its class."""
-    return (not (c.by_floor and c.class_rank in under), c.class_rank, share.get((c.class_rank, c.tenant), 0),
-            c.arrival)
+    return (not (c.by_floor and c.class_rank in under), *_fair_priority(c, share))
 
 
 def _fair_priority(c: Candidate, share: dict[tuple[int, str], int]) -> tuple[int, int, Arrival]:
