@@ -827,9 +827,10 @@ class StepLoop:
         still in flight (the last step's calls, or a completion :meth:`_start_all` or the
         claim itself, failing an unusable request, makes: in the look-ahead claim's task)."""
         busy = self._io_finishing if self._io is not None else set()
-        starting = self._start_finishing | self.rt.failing_unusable
+        starting, failing = self._start_finishing, self.rt.failing_unusable  # (no union made every step)
         calls = [self.rt.finish(d, *d.final) for rid, d in self.rt.held.items()
-                 if d.final is not None and rid not in self.sched and rid not in busy and rid not in starting]
+                 if d.final is not None and rid not in self.sched and rid not in busy and rid not in starting
+                 and rid not in failing]
         if calls:
             await self._gather(calls)
 
