@@ -821,12 +821,13 @@ class UpstreamLoop:
                 self.rt.drop(rid, "lost", d)
             elif why == "cancel":
                 if d.claimed.delivered == 0 and not d.upstream_sent:
-                    # Never sent (no connection yet: the pool's were all held, or the server
-                    # was slow to accept one), by this attempt or one before it: the server
-                    # processed none of its prompt, which complete's usage_in says -- charged
-                    # nothing, as the step worker's look-ahead cancelled before it started.
-                    # Sent, it is charged its prompt though no byte came back: the server may
-                    # have prefilled it.
+                    # This attempt was never sent (no connection yet: the pool's were all held,
+                    # or the server was slow to accept one) and no attempt delivered a token:
+                    # complete's usage_in says no prompt was processed -- charged nothing, as
+                    # the step worker's look-ahead cancelled before it started. (An earlier
+                    # attempt that reached a server and delivered nothing is not charged
+                    # either: which it was is not recorded.) Sent, it is charged its prompt
+                    # though no byte came back: the server may have prefilled it.
                     d.usage_in = 0
                 await self._finish(d, ("cancelled", "cancelled", ""))
             elif why == "stalled":  # (_watch_stalls) as if the stream had broken off

@@ -20,7 +20,8 @@ end
 -- since read}. A claim keeps the ledger in this table and writes it whole at its end, so a
 -- request it finishes meanwhile (an expiry, an orphan) is settled here, not in Redis (where
 -- the claim's own write would undo it); a completion of several requests settles them all
--- here and writes once (a read and a write each cost a merged call of 8 ~10 % more).
+-- here and writes once (settled one by one, a read and a write each, a merged call of 8
+-- ran 9.9 % more instructions; in one read and one write, 3.7 %).
 local served_open = nil
 
 -- Open the ledger for this call (read once; served_write at the end): decayed to `now` (a
