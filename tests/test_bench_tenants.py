@@ -113,12 +113,9 @@ def test_a_tenants_flag_that_is_not_a_finite_figure_in_range_is_refused_by_name(
     refused_by_name(monkeypatch, capsys, tb, "run_tenants", ["bench", "tenants", flag, value], named)
 
 
-def test_the_markdown_tables_stay_tables_in_a_narrow_pipe(capsys, monkeypatch) -> None:
-    """`qos bench tenants --markdown | tee` (not a terminal: rich's 80 columns) wrapped the
-    targets' rows mid-row, and printed the three tables with no blank line between them, so
-    a markdown reader took the second and third headers for rows of the first."""
-    from limiter import cli
-
+def _a_run_of_three_tenants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``qos bench tenants`` prints the figures of a made-up run (steady alone, then beside two
+    heavy tenants) instead of running one."""
     t = tenant_figures
     results: dict[str, Any] = {"modes": {
         "alone": {"tenants": {"steady": t(100.0, 10)}},
@@ -129,6 +126,15 @@ def test_the_markdown_tables_stay_tables_in_a_narrow_pipe(capsys, monkeypatch) -
     async def run(p: tb.TenantParams, console: object = None) -> dict[str, Any]:
         return results
     monkeypatch.setattr(tb, "run_tenants", run)
+
+
+def test_the_markdown_tables_stay_tables_in_a_narrow_pipe(capsys, monkeypatch) -> None:
+    """`qos bench tenants --markdown | tee` (not a terminal: rich's 80 columns) wrapped the
+    targets' rows mid-row, and printed the three tables with no blank line between them, so
+    a markdown reader took the second and third headers for rows of the first."""
+    from limiter import cli
+
+    _a_run_of_three_tenants(monkeypatch)
     monkeypatch.setenv("COLUMNS", "60")
     assert cli.main(["bench", "tenants", "--markdown"]) == 0
     blocks = [b.strip().splitlines() for b in capsys.readouterr().out.strip().split("\n\n")]
@@ -143,16 +149,7 @@ def test_the_terminal_tables_keep_every_column_whole_in_a_pipe(capsys, monkeypat
     tables read "cl…", "se…", "TT…". A pipe gets 200, as `qos status` did already."""
     from limiter import cli
 
-    t = tenant_figures
-    results: dict[str, Any] = {"modes": {
-        "alone": {"tenants": {"steady": t(100.0, 10)}},
-        "vtc": {"tenants": {"steady": t(120.0, 10), "heavy": t(1, 200), "medium": t(1, 200)}},
-    }}
-    tb.summarize(results)
-
-    async def run(p: tb.TenantParams, console: object = None) -> dict[str, Any]:
-        return results
-    monkeypatch.setattr(tb, "run_tenants", run)
+    _a_run_of_three_tenants(monkeypatch)
     monkeypatch.setenv("COLUMNS", "80")
     assert cli.main(["bench", "tenants"]) == 0
     out = capsys.readouterr().out

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import json
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import openai
@@ -1633,36 +1634,13 @@ async def test_a_drain_does_not_wait_for_a_probe(env, monkeypatch) -> None:
     assert exc is None, exc
 
 
-async def test_a_body_still_open_does_not_hold_the_next_request_at_max_inflight(env, monkeypatch) -> None:
-    """With max_inflight connections at most, the next request waited for the slot a body
-    still open after its [DONE] held (a review): the pool has room for those."""
+@contextlib.asynccontextmanager
+async def _two_bodies_left_open(env: Any, monkeypatch: pytest.MonkeyPatch
+                                ) -> AsyncIterator[tuple[Any, asyncio.Event]]:
+    """A max_inflight=1 worker that answered two requests whose bodies the server leaves open
+    after their [DONE] (its pool's two connections held by them); yields its loop and the
+    event that ends the bodies; the worker stops cleanly at the end."""
     from tests.support.fake_upstream import answers_then_holds_its_body
-    from worker import upstream
-
-    monkeypatch.setattr(upstream, "END_OF_BODY_S", 120.0)
-    cfg, c, up = env
-    end_body = asyncio.Event()
-    up.scripts["HOLD"] = answers_then_holds_its_body(end_body)
-    rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
-    try:
-        first, second = await c.admit("HOLD 0", max_tokens=5), await c.admit("HOLD 1", max_tokens=5)
-        await c.wait([first, second], timeout=30)  # waiting for a slot: 120 s
-        assert len(loop.ending_bodies) == 2
-    finally:
-        end_body.set()
-        exc = await stop_worker(rt, task)
-    assert exc is None
-
-
-async def test_a_request_cancelled_before_it_was_sent_to_the_model_server_is_charged_nothing(
-        env, monkeypatch) -> None:
-    """A request whose client went away before the worker had a connection to send it on (here
-    both of a max_inflight=1 worker's connections held by bodies left open after their [DONE];
-    as well a connect to a server slow to accept): the model server never saw it, so it is
-    completed as cancelled with ``usage_in`` 0, charged nothing, as the step worker charges a
-    look-ahead cancelled before it started. It was charged its whole prompt."""
-    from tests.support.fake_upstream import answers_then_holds_its_body
-    from tests.support.helpers import charge_of
     from worker import upstream
 
     monkeypatch.setattr(upstream, "END_OF_BODY_S", 120.0)
@@ -1672,8 +1650,34 @@ async def test_a_request_cancelled_before_it_was_sent_to_the_model_server_is_cha
     rt, loop, task = await start_worker(cfg, engine="openai", upstream_url=up.url, max_inflight=1)
     try:
         held = [await c.admit(f"HOLD {i}", max_tokens=5) for i in range(2)]
-        await c.wait(held, timeout=30)
-        assert len(loop.ending_bodies) == 2  # the pool's two connections: none left to send on
+        await c.wait(held, timeout=30)  # the second waiting for the first's slot: 120 s
+        assert len(loop.ending_bodies) == 2
+        yield loop, end_body
+    finally:
+        end_body.set()
+        exc = await stop_worker(rt, task)
+    assert exc is None, exc
+
+
+async def test_a_body_still_open_does_not_hold_the_next_request_at_max_inflight(env, monkeypatch) -> None:
+    """With max_inflight connections at most, the next request waited for the slot a body
+    still open after its [DONE] held (a review): the pool has room for those."""
+    async with _two_bodies_left_open(env, monkeypatch):  # (the second answered: not held for a slot)
+        pass
+
+
+async def test_a_request_cancelled_before_it_was_sent_to_the_model_server_is_charged_nothing(
+        env, monkeypatch) -> None:
+    """A request whose client went away before the worker had a connection to send it on (here
+    both of a max_inflight=1 worker's connections held by bodies left open after their [DONE];
+    as well a connect to a server slow to accept): the model server never saw it, so it is
+    completed as cancelled with ``usage_in`` 0, charged nothing, as the step worker charges a
+    look-ahead cancelled before it started. It was charged its whole prompt."""
+    from tests.support.helpers import charge_of
+
+    _cfg, c, up = env
+    async with _two_bodies_left_open(env, monkeypatch) as (loop, end_body):
+        # the pool's two connections: none left to send on
         unsent = await c.admit("never sent " + "x" * 200, max_tokens=50)
         await wait_until(lambda: unsent in loop.tasks, "the request claimed and its stream begun")
         assert await c.scripts.cancel(c.keys, unsent, "t1") == "cancelling"
@@ -1681,10 +1685,6 @@ async def test_a_request_cancelled_before_it_was_sent_to_the_model_server_is_cha
         end_body.set()  # the connections free: a request sent now would reach the server
         after = await c.admit("sent after", max_tokens=5)
         await c.wait([after], timeout=30)
-    finally:
-        end_body.set()
-        exc = await stop_worker(rt, task)
-    assert exc is None, exc
     assert not [b for b in up.bodies if "never sent" in b["prompt"]], "it reached the server after all"
     rec = await c.record(unsent)
     assert rec["state"] == "cancelled" and rec["usage_in"] == "0", rec
