@@ -475,6 +475,7 @@ class Recorder:
         self.latest: dict[str, dict[str, str]] = {}  # request id -> last snapshot, any state
         self.max_gap_s = 0.0  # longest time between two completed scans: must stay below the TTL
         self._last_scan = 0.0
+        self.failed_scans: list[str] = []  # what each scan that raised raised (for a failing test's message)
         self.cid_of: dict[str, str] = {}  # request id -> client id (from the prompt in the payload)
         self._task: asyncio.Task[None] | None = None
         self._stop = False
@@ -490,8 +491,10 @@ class Recorder:
 
     async def _run(self) -> None:
         while not self._stop:
-            with contextlib.suppress(Exception):  # Redis restarts are part of some runs
+            try:
                 await self.scan()
+            except Exception as e:  # Redis restarts are part of some runs
+                self.failed_scans.append(f"{type(e).__name__}: {e}")
             await asyncio.sleep(self.period_s)
 
     async def scan(self) -> None:
