@@ -312,7 +312,14 @@ local function main()
             local c = p.class[pick]
             local g, h = guarantee_of(pick), ceiling_of(pick)
             local c_class = g.level > 0 and bucket_debit(g, r.cost, nil) or 0
-            local c_ceil = h and bucket_debit(h, r.cost, nil) or 0
+            local c_ceil = 0
+            if h then
+              -- a binding ceiling is charged as the request is served (include/ceiling.lua):
+              -- its prompt now, its output as it is delivered
+              c_ceil = bucket_debit(h, r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), nil)
+              fields[#fields + 1] = 'ceil_out'
+              fields[#fields + 1] = 0
+            end
             local c_vtc = c.fair and vtc_charge(pick, tenant, r.cost / r.t_weight) or 0
             served[pick] = served[pick] + r.cost
             ledger.total = ledger.total + r.cost

@@ -53,7 +53,7 @@
 -- The record fields a completion reads: the lease's, and what its refunds and reply need.
 local COMPLETE_FIELDS = {'state', 'worker', 'fence', 'frontend', 'tenant', 'class', 'out_tokens',
   'max_tokens', 'first_ms', 'claimed_ms', 'cancel', 'cost', 'w_in', 'w_out', 't_rate', 't_burst', 't_weight',
-  'c_tenant', 'c_class', 'c_ceil', 'c_vtc'}
+  'c_tenant', 'c_class', 'c_ceil', 'c_vtc', 'ceil_out'}
 
 local ITEM = 13  -- arguments per request
 local MAX_ITEMS = 64  -- requests per call (limiter/scripts.py COMPLETE_LIMIT)

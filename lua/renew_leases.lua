@@ -8,7 +8,9 @@
 -- A request is extended when it is leased to this worker with that fence. It is "lost"
 -- when not (the lease expired and it was requeued or finished): the worker must drop it
 -- without writing. It is "stop" when its client went away (cancelled, or its frontend
--- stopped heartbeating): the worker should finish it with outcome cancelled.
+-- stopped heartbeating): the worker should finish it with outcome cancelled. A request whose
+-- class's ceiling is charged as it is served is charged the output it delivered since the
+-- last renewal (include/ceiling.lua).
 -- Returns {{lost_id, ...}, {stop_id, ...}}. Errors: 'BADARG ...', 'NOPOLICY ...'.
 
 --!include pool_keys.lua
@@ -16,6 +18,7 @@
 --!include policy.lua
 --!include lease.lua
 --!include liveness.lua
+--!include ceiling.lua
 
 local function main()
   local worker_id = arg_name(ARGV[1], 'worker_id')
@@ -31,13 +34,18 @@ local function main()
   if lease_ms == 0 then lease_ms = p.lease_ms end
   local now = now_ms()
   local lost, stop = {}, {}
+  local policy = nil  -- the whole policy, read when a ceiling charge is due
+  local function whole_policy()
+    policy = policy or load_policy(K_POLICY)
+    return policy
+  end
   for _, e in ipairs(entries) do
     local id = e[1]
-    local held, cancel, frontend, admitted_ms = leased_for_renewal(id, worker_id, e[2])
+    local held, cancel, frontend, admitted_ms, ceil_out = leased_for_renewal(id, worker_id, e[2])
     if not held then
       lost[#lost + 1] = id
     else
-      extend_lease(p, id, now + lease_ms, now)
+      extend_lease(p, id, now + lease_ms, now, ceil_out and ceiling_charge_delivered(whole_policy, id, ceil_out, now))
       if cancel ~= 1 and not frontend_alive(p, frontend, now, admitted_ms) then
         flag_cancel(id)
         cancel = 1

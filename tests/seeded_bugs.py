@@ -231,8 +231,18 @@ BUGS = (
         "  local r = load_request(request_id)\n  redis.call('EXISTS', K_POLICY, 'qos:{elsewhere}:x')\n"),
     Bug("ceiling_debt_floored", "the ceiling bucket's debt is floored at -ceil_burst: a request "
         "larger than the burst is charged ~2 bursts (the ceiling holds requests per burst_s)",
-        "claim.lua", "local c_ceil = h and bucket_debit(h, r.cost, nil) or 0",
-        "local c_ceil = h and bucket_debit(h, r.cost, -c.ceil_burst) or 0"),
+        "claim.lua", "r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), nil)",
+        "r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), -c.ceil_burst)"),
+    Bug("ceiling_charged_reservation", "a binding ceiling is charged a request's whole reservation at "
+        "claim (one request reserving a context closes its class until it ends)",
+        "claim.lua", "r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), nil)",
+        "r.cost, nil)"),
+    Bug("renewal_charges_no_output", "a lease renewal does not charge the ceiling the output delivered "
+        "since (a class runs past its ceiling until its requests end)",
+        "renew_leases.lua", "ceil_out and ceiling_charge_delivered(whole_policy, id, ceil_out, now)", "nil"),
+    Bug("ceiling_never_settled", "a request whose ceiling was charged as it was served is not settled at "
+        "its end (what it used beyond the charges, or its unused prompt, stays off the ceiling)",
+        "include/refund.lua", "given.r_ceil = ceiling_settle(p, r, used, now, fields)", "given.r_ceil = 0"),
     Bug("refund_caps_at_admitted_burst", "a refund reads the tenant's bucket with the quota its "
         "request was admitted under (a raised quota is cut back to the old burst)",
         "include/refund.lua", "r.t_rate, r.t_burst, now, true),", "r.t_rate, r.t_burst, now),"),

@@ -109,7 +109,8 @@ async def test_a_binding_ceiling_caps_a_class_even_on_an_idle_pool(scripts, sync
     t0 = await redis_ms(scripts.client)
     while True:
         got = await scripts.claim(keys, "w1", 1)
-        served += 50 * len(got.requests)
+        # its prompt, charged at claim (its output is charged as it is delivered: none here)
+        served += 40 * len(got.requests)
         if got.now_ms - t0 >= 1000:
             break
         if not got.requests:
@@ -125,18 +126,90 @@ async def test_a_binding_ceiling_charges_a_request_larger_than_its_burst_in_full
     was charged ~2 bursts, the class opened again a burst_s later, and the ceiling held
     requests per burst_s, not tokens per second (a review: 4,000 tokens in 2 s under a 100/s
     ceiling; a 32K-token P2 prompt under the docs' 5,075/s ceiling passed at ~64K tokens/s).
-    It is charged in full: the class stays closed until the debt is paid back."""
+    It is charged in full: the class stays closed until the debt is paid back (the prompt at
+    claim; the output as it is delivered, test_a_binding_ceiling_is_charged_as_the_request_is_served)."""
     keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
                            capacity=1000)  # P2's ceiling: 100/s, its burst 50
     for i in range(2):
         await admit(scripts, keys, cls="P2", request_id=f"big{i}", input_tokens=990, max_tokens=10)
     got = await scripts.claim(keys, "w1", 1)
     assert [c.request_id for c in got.requests] == ["big0"]
-    assert float(sync_redis.hget(keys.request("big0"), "c_ceil")) == 1000
-    got = await scripts.claim(keys, "w1", 1)  # ~9.5 s of the ceiling's refill owed
+    assert float(sync_redis.hget(keys.request("big0"), "c_ceil")) == 990
+    got = await scripts.claim(keys, "w1", 1)  # ~9.4 s of the ceiling's refill owed
     assert got.requests == []
     level = float(sync_redis.hget(keys.ceil_bucket("P2"), "tokens"))
-    assert level <= 50 - 1000 + 100 * 2, level  # (two seconds' refill at most between the calls)
+    assert level <= 50 - 990 + 100 * 2, level  # (two seconds' refill at most between the calls)
+
+
+async def test_a_binding_ceiling_is_charged_as_the_request_is_served(scripts, sync_redis):
+    """A claim charged a binding ceiling a request's whole reservation: one request that
+    reserved a context (max_tokens 16,000) and used a few hundred tokens put P2's ceiling
+    ~16,000 tokens in debt, and another P2 tenant's 5-token request waited until it ended
+    (3.8 s against 0.07 s on a stack: an adversarial-tenant review). Its prompt is charged at
+    claim, its output at each lease renewal as it is delivered, and its end settles the
+    charge to what it used: the ceiling is charged what the class used, and the other
+    tenant's request is claimed next."""
+    keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
+                           capacity=1000)  # P2's ceiling: 100/s
+    p2 = {"cls": "P2"}
+    await admit(scripts, keys, **p2, tenant="greedy", request_id="ctx", input_tokens=10, max_tokens=16_000)
+    await admit(scripts, keys, **p2, tenant="light", request_id="small", input_tokens=5, max_tokens=5)
+    (ctx,) = (await scripts.claim(keys, "w1", 1)).requests
+    assert ctx.request_id == "ctx"
+    rec = {k.decode(): v.decode() for k, v in sync_redis.hgetall(keys.request("ctx")).items()
+           if k != b"payload"}
+    w_in, w_out = float(rec["w_in"]), float(rec["w_out"])
+    assert (float(rec["c_ceil"]), rec["ceil_out"]) == (10 * w_in, "0")  # its prompt only
+    (small,) = (await scripts.claim(keys, "w1", 1)).requests  # the class is not closed by ctx
+    assert small.request_id == "small"
+
+    await scripts.push_tokens(keys, request_id="ctx", worker_id="w1", fence=ctx.fence, offset=0,
+                              token_ids=list(range(300)), text="x" * 300)
+    assert float(sync_redis.hget(keys.request("ctx"), "c_ceil")) == 10 * w_in  # not at push time
+    await scripts.renew_leases(keys, "w1", [("ctx", ctx.fence), ("small", small.fence)])
+    assert float(sync_redis.hget(keys.request("ctx"), "c_ceil")) == 10 * w_in + 300 * w_out
+    assert sync_redis.hget(keys.request("ctx"), "ceil_out") == b"300"
+    await scripts.renew_leases(keys, "w1", [("ctx", ctx.fence)])  # nothing delivered since
+    assert float(sync_redis.hget(keys.request("ctx"), "c_ceil")) == 10 * w_in + 300 * w_out
+
+    # ctx: its model server read 2 prompt tokens (a cached prefix): 8 prompt tokens back
+    await scripts.complete(keys, request_id="ctx", worker_id="w1", fence=ctx.fence, outcome="ok", usage_in=2,
+                           offset=300)
+    # small: its 5 tokens come with its completion, after no renewal: charged at its end
+    await scripts.complete(keys, request_id="small", worker_id="w1", fence=small.fence, outcome="ok",
+                           usage_in=5, token_ids=[1, 2, 3, 4, 5], text="abcde", offset=0)
+    debited = 0.0
+    for rid, used in (("ctx", 2 * w_in + 300 * w_out), ("small", 5 * w_in + 5 * w_out)):
+        r = {k.decode(): float(v) for k, v in sync_redis.hgetall(keys.request(rid)).items()
+             if k in (b"c_ceil", b"r_ceil")}
+        assert r["c_ceil"] - r["r_ceil"] == pytest.approx(used), (rid, r)
+        debited += r["c_ceil"]
+    bucket = {k.decode(): float(v) for k, v in sync_redis.hgetall(keys.ceil_bucket("P2")).items()}
+    assert bucket["debited"] == pytest.approx(debited)
+    assert bucket["refunded"] == pytest.approx(8 * w_in)
+
+
+async def test_a_request_charged_its_reservation_by_an_older_claim_is_refunded_as_before(scripts, sync_redis):
+    """A request an older release's claim charged its whole reservation (no ceil_out in its
+    record) ends as it would have: the ceiling gets back what it did not use (a rolling
+    upgrade leaves such requests running)."""
+    keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
+                           capacity=1000)
+    await admit(scripts, keys, cls="P2", request_id="old", input_tokens=10, max_tokens=100)
+    (old,) = (await scripts.claim(keys, "w1", 1)).requests
+    key = keys.request("old")
+    cost = float(sync_redis.hget(key, "cost"))
+    # as an older claim left it: the reservation charged, no mark
+    extra = cost - float(sync_redis.hget(key, "c_ceil"))
+    sync_redis.hdel(key, "ceil_out")
+    sync_redis.hset(key, "c_ceil", cost)
+    sync_redis.hincrbyfloat(keys.ceil_bucket("P2"), "debited", extra)
+    sync_redis.hincrbyfloat(keys.ceil_bucket("P2"), "tokens", -extra)
+    await scripts.complete(keys, request_id="old", worker_id="w1", fence=old.fence, outcome="ok", usage_in=10,
+                           token_ids=[1, 2], text="ab", offset=0)
+    w_in, w_out = float(sync_redis.hget(key, "w_in")), float(sync_redis.hget(key, "w_out"))
+    assert float(sync_redis.hget(key, "r_ceil")) == pytest.approx(cost - (10 * w_in + 2 * w_out))
+    assert float(sync_redis.hget(key, "c_ceil")) == cost
 
 
 async def test_a_clock_stepped_back_does_not_close_a_class_held_by_its_ceiling(scripts, sync_redis):

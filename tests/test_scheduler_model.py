@@ -725,6 +725,12 @@ class LifecycleModel(RuleBasedStateMachine):
         res = self.run(self.scripts.renew_leases(KEYS, worker, mine))
         for rid in res.lost:
             self.held.pop(rid, None)
+        for rid, _fence in mine:
+            rec = self.record(rid)
+            # a renewal charges a ceiling the output delivered since the last (include/ceiling.lua)
+            if rid not in res.lost and "ceil_out" in rec and self.known[rid].cls in self.present:
+                assert rec["ceil_out"] == rec.get("out_tokens", "0"), (
+                    f"{rid}: renewed with {rec.get('out_tokens')} tokens out, {rec['ceil_out']} charged")
 
     @rule()
     def reap(self) -> None:
@@ -828,6 +834,8 @@ class LifecycleModel(RuleBasedStateMachine):
             elif rec.get("state") in TERMINAL:
                 self.known[rid].finished = True
                 self.known[rid].final = rec
+                # (a deploy runs no finish: it ended under the classes of the last deploy)
+                self.known[rid].class_gone_at_finish = self.known[rid].cls not in self.present
             else:
                 assert rec, f"{rid}: the record of an unfinished request vanished"
         self.check_partition(recs, pttl, now)
@@ -922,10 +930,7 @@ class LifecycleModel(RuleBasedStateMachine):
             in_class = k.cost if k.class_gone_at_finish else whole
             assert any(abs(_f(rec.get("c_class")) - x) < EPS for x in (0.0, in_class)), \
                 f"{rid}: guarantee charged {rec.get('c_class')}"
-            # a binding ceiling charges a request its whole cost too, whatever its burst (a
-            # charge cut at the burst let a class past its ceiling by a burst every burst_s)
-            assert any(abs(_f(rec.get("c_ceil")) - x) < EPS for x in (0.0, in_class)), \
-                f"{rid}: ceiling charged {rec.get('c_ceil')}"
+            self.check_ceiling_charge(rid, rec)
             for what, key in (("tenant", KEYS.tenant_bucket(k.tenant)), ("class", KEYS.class_bucket(k.cls)),
                               ("ceil", KEYS.ceil_bucket(k.cls))):
                 c, r = _f(rec.get(f"c_{what}")), _f(rec.get(f"r_{what}"))
@@ -971,6 +976,37 @@ class LifecycleModel(RuleBasedStateMachine):
             assert abs(got - want[cls]) < 1e-6 * max(1.0, want[cls]), (
                 f"{cls}: the served ledger holds {got} at {ts}; its claims, settled to what they used"
                 f" and decayed, come to {want[cls]}")
+
+    def check_ceiling_charge(self, rid: str, rec: dict[str, str]) -> None:
+        """A binding ceiling is charged as its class is served (lua/include/ceiling.lua): a
+        request's first claim under it charges its prompt and marks it (``ceil_out``, the
+        output charged so far); renewals charge the output delivered since, whatever the
+        ceiling's burst (a charge cut at the burst let a class past its ceiling by a burst
+        every burst_s); its end settles the charge to what it used, unless its class had left
+        the policy (a refund never lifts a bucket past its burst). A request never marked was
+        never charged."""
+        k = self.known[rid]
+        c, r = _f(rec.get("c_ceil")), _f(rec.get("r_ceil"))
+        if "ceil_out" not in rec:
+            assert c == 0, f"{rid}: its ceiling charged {c} with no mark"
+            return
+        charged_out = int(rec["ceil_out"])
+        assert charged_out <= int(rec.get("out_tokens") or 0), f"{rid}: {charged_out} output tokens charged"
+        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + charged_out * _f(rec["w_out"])
+        used = charge_of(rec)
+        if rec.get("state") in TERMINAL and not k.class_gone_at_finish and used > so_far + EPS:
+            # charged the rest of what it used at its end
+            assert abs(c - used) < EPS and r == 0, \
+                f"{rid}: its ceiling was charged {c} (back {r}); it used {used}"
+        elif rec.get("state") in TERMINAL and not k.class_gone_at_finish:
+            # given back what it did not use (less where the bucket would pass its burst)
+            assert abs(c - so_far) < EPS and r <= so_far - used + EPS, (
+                f"{rid}: its ceiling was charged {c}, {r} back; its prompt and {charged_out} tokens come to "
+                f"{so_far}, it used {used}")
+        else:
+            assert abs(c - so_far) < EPS and r == 0, (
+                f"{rid}: its ceiling charged {c} (back {r}); its prompt and {charged_out} tokens come to "
+                f"{so_far}")
 
     def check_fairness(self) -> None:
         for cls in (c for c in NAMES if self.fair[c]):
@@ -1053,17 +1089,19 @@ def test_replay_an_arrival_order_class_moves_a_tenant_to_its_next_request(
 def test_replay_a_binding_ceiling_charges_a_request_past_its_burst_in_full(
         redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """P0's ceiling is cut to 100 tokens/s with a burst of 50 and binds (capacity 8,000); a P0
-    request costing 330 is claimed: its ceiling is charged all 330 (seeded:
-    ceiling_debt_floored, which charged it 100, two bursts, and which the random search
-    never met: its costs seldom pass twice a ceiling's burst)."""
+    request with a prompt of 150 is claimed, delivers 40 tokens (at weight 2) and its lease
+    is renewed: its ceiling is charged all 150 + 80, its prompt at claim and its output at
+    the renewal (seeded: ceiling_debt_floored, which charged the prompt 100, two bursts,
+    and which the random search never met: its prompts seldom pass twice a ceiling's burst)."""
     p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,
           "frontend": "fe1"}
     recs = _replay(monkeypatch, redis_server.url,
                    ("set_rates", {"pick": 0, "rate": 2800.0, "ceil": 100.0, "burst_s": 0.5,
                                   "capacity": 8000.0}),
-                   ("admit", p0), ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}))
+                   ("admit", p0), ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
+                   ("push", {"pick": 0, "count": 40}), ("renew", {"worker": "w1"}))
     (rec,) = recs.values()
-    assert rec["state"] == "leased" and _f(rec["c_ceil"]) == _f(rec["cost"]) == 330.0, rec
+    assert (rec["state"], _f(rec["c_ceil"]), rec["ceil_out"]) == ("leased", 150 + 40 * 2, "40"), rec
 
 
 def test_replay_a_request_that_used_more_than_it_reserved_is_charged_the_rest(

@@ -5,12 +5,12 @@
 local REQ_FIELDS = {'id', 'tenant', 'class', 'state', 'frontend', 'attempts', 'fence', 'worker',
   'lease_ms', 'enq_ms', 'seq', 'deadline_ms', 'max_wait_ms', 'claimed_ms', 'first_ms',
   'input_tokens', 'max_tokens', 'w_in', 'w_out', 'cost', 't_rate', 't_burst', 't_weight',
-  'c_tenant', 'c_class', 'c_ceil', 'c_vtc', 'out_tokens', 'cancel'}
+  'c_tenant', 'c_class', 'c_ceil', 'c_vtc', 'out_tokens', 'cancel', 'ceil_out'}
 local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = true, seq = true,
   deadline_ms = true, max_wait_ms = true, claimed_ms = true, first_ms = true, input_tokens = true,
   max_tokens = true, w_in = true, w_out = true, cost = true, t_rate = true, t_burst = true,
   t_weight = true, c_tenant = true, c_class = true, c_ceil = true, c_vtc = true,
-  out_tokens = true, cancel = true}
+  out_tokens = true, cancel = true, ceil_out = true}
 
 -- What a worker's fenced calls read of a record, each only what it uses (a field fewer is
 -- ~2.2k instructions of an HMGET a request, callgrind), in the order include/lease.lua reads
@@ -20,8 +20,9 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
 -- (the model test checks it on every queued and leased record); not cancel -- the worker
 -- asks the cancels set for everything it holds (limiter/scripts.py Pushed).
 local PUSH_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens'}
--- renew_leases: whether to tell the worker to stop (cancel, or a frontend gone).
-local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel', 'enq_ms'}
+-- renew_leases: whether to tell the worker to stop (cancel, or a frontend gone), and whether
+-- its class's ceiling is charged as it is served (include/ceiling.lua).
+local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel', 'enq_ms', 'ceil_out'}
 
 -- The record of request `id` (nil when there is none): the fields `fields` (default: all of
 -- REQ_FIELDS; must include state), numbers as numbers; an absent counter reads as 0.

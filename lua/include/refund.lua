@@ -6,6 +6,7 @@
 --!include vtc.lua
 --!include validate.lua
 --!include served.lua
+--!include ceiling.lua
 
 -- What a request used beyond its reservation (a model server counted more prompt than the
 -- frontend did: text the frontend does not count, such as a message's reasoning, which a
@@ -23,7 +24,7 @@ local function charge_overrun(p, r, over, now, fields)
   if c and r.c_class > 0 then
     r.c_class = r.c_class + bucket_debit(bucket_get(P_BUCKET .. 'class:' .. r.class, c.rate, c.burst, now), over)
   end
-  if c and r.c_ceil > 0 then
+  if c and r.c_ceil > 0 and r.ceil_out == nil then  -- (a marked request's: ceiling_settle)
     r.c_ceil = r.c_ceil + bucket_debit(bucket_get(P_BUCKET .. 'ceil:' .. r.class, c.ceil, c.ceil_burst, now), over)
   end
   if r.c_vtc > 0 and class_fair(p, r.class) then
@@ -56,7 +57,11 @@ local function refund_request(p, r, used, now, fields)
       given.r_class = bucket_credit(bucket_get(P_BUCKET .. 'class:' .. r.class, c.rate, c.burst, now),
         math.min(unused, r.c_class))
     end
-    if r.c_ceil > 0 then
+    if r.ceil_out ~= nil then
+      -- charged as it was served (include/ceiling.lua): settled to what it used
+      given.r_ceil = ceiling_settle(p, r, used, now, fields)
+    elseif r.c_ceil > 0 then
+      -- charged its reservation at claim (a claim by an older release)
       given.r_ceil = bucket_credit(bucket_get(P_BUCKET .. 'ceil:' .. r.class, c.ceil, c.ceil_burst, now),
         math.min(unused, r.c_ceil))
     end
