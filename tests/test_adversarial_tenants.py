@@ -9,12 +9,16 @@ the documented API alone (docs/scheduling.md).
   while its other tenants were served nothing. The ledger is now settled to what each request
   used when it ends (lua/include/served.lua ``served_settle``; the floor it protects:
   tests/test_claim.py).
+* The same request in a class whose ceiling binds was charged its reservation to the
+  ceiling at claim: the class's other tenants waited for that debt to refill. The ceiling is
+  now charged as the class is served (lua/include/ceiling.lua).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +30,7 @@ from limiter.config import hash_key
 from limiter.keys import PoolKeys
 from tests.support.helpers import charge_of, wait_for, wait_until
 from tests.support.redis_server import RedisServer
-from tests.support.reliability_stack import KEY_P0, KEY_P1, LiveStack, base_config
+from tests.support.reliability_stack import KEY_P0, KEY_P1, KEY_P2, LiveStack, base_config
 
 LONG = {"max_wait_ms": 600_000}
 
@@ -158,6 +162,71 @@ async def test_through_a_stack_a_request_claimed_by_its_floor_runs_beside_a_p0_f
         for t in flood:
             t.cancel()
         await asyncio.gather(*flood, return_exceptions=True)
+        stack.stop()
+        with contextlib.suppress(Exception):
+            await client.aclose()
+        server.stop()
+
+
+async def test_through_a_stack_one_long_reservation_does_not_hold_its_class_at_a_binding_ceiling(
+    tmp_path: Path,
+) -> None:
+    """P2's ceiling binds at 200 tokens/s (capacity 4,000). A greedy P2 tenant streams a
+    request reserving 4,000 tokens; while it runs (~90 tokens/s on the sim worker, under the
+    ceiling), another P2 tenant's 5-token request is answered at once. Charged its whole
+    reservation at claim, the greedy request put the ceiling ~3,800 tokens in debt, and the
+    other tenant waited ~19 s for it to refill (the 2026-12-07 adversarial-tenant review: 3.8 s
+    against 0.07 s on its stack), while the greedy request delivered well over a thousand
+    tokens. Now the ceiling is charged the greedy request's prompt at claim and its output as
+    it is delivered (lua/include/ceiling.lua)."""
+    server = RedisServer().start()
+    client = aioredis.from_url(server.url)
+    config = base_config(server.url, capacity=4000, classes={"P2": {"ceil_share": 0.05}})
+    config["tenants"].append({"name": "greedy", "key_sha256": [hash_key("greedy-key")], "default_class": "P2",
+                              "max_class": "P2", "rate_tokens_s": 1e9, "burst_s": 1.0})
+    stack = LiveStack(tmp_path, config)
+    keys = PoolKeys("tiny")
+    reader: asyncio.Task[None] | None = None
+    try:
+        stack.frontend("fe0")
+        stack.worker("w0", time_scale=1.0)
+        await stack.wait_ready(client)
+        base = stack.base("fe0")
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "a long answer, please", "max_tokens": 4000, "stream": True}
+            greedy = await s.post(f"{base}/v1/completions", headers={"Authorization": "Bearer greedy-key"},
+                                  json=body)
+            assert greedy.status == 200, await greedy.text()
+            rid = greedy.headers["X-QoS-Request-Id"]
+
+            async def read_on() -> None:  # a client reading its stream as it comes
+                async for _line in greedy.content:
+                    pass
+
+            reader = asyncio.create_task(read_on())
+
+            async def delivered() -> int:
+                return int(await client.hget(keys.request_prefix + rid, "out_tokens") or 0)
+
+            await wait_for(delivered, "the greedy request's first token", timeout=60)
+            t0 = time.monotonic()
+            async with s.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY_P2}"},
+                              json={"model": "tiny", "prompt": "hi", "max_tokens": 5}) as r:
+                answer = await r.json()
+            out = await delivered()
+            print(f"[ceiling] the other P2 tenant's request answered in {time.monotonic() - t0:.2f} s; "
+                  f"the greedy request had delivered {out} tokens")
+            state = (await client.hget(keys.request_prefix + rid, "state") or b"").decode()
+            assert r.status == 200 and answer["usage"]["completion_tokens"] == 5, answer
+            # answered while the greedy request runs, long before a reservation's debt refilled
+            assert state == "leased" and out < 600, (state, out)
+            rec = {k.decode(): v.decode(errors="replace")
+                   for k, v in (await client.hgetall(keys.request_prefix + rid)).items() if k != b"payload"}
+            assert float(rec["c_ceil"]) < float(rec["cost"]) / 4, rec
+    finally:
+        if reader:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
         stack.stop()
         with contextlib.suppress(Exception):
             await client.aclose()
