@@ -183,6 +183,29 @@ async def test_upstream_errors_fail_the_request_with_a_clear_message(env) -> Non
     assert [("priority" in b) for b in sent] == [True, False]
 
 
+async def test_a_request_its_floor_claimed_goes_upstream_at_the_top_priority(
+        redis_server, tmp_path, fake_upstream) -> None:
+    """A P2 request claimed by P2's starvation floor (5 %: P0 and P1 served a million tokens
+    lately, P2 nothing) goes to the model server with priority 0, not 2: sent as its class,
+    vLLM's priority scheduler held it behind every P0 request a flood kept sending, and the
+    floor held at claim only (as the step worker's did before it kept floor slots)."""
+    up = fake_upstream
+    cfg = config(tmp_path / "floors.toml", redis_server.url, classes={"P2": {"floor": 0.05}})
+    c = Client(aioredis.from_url(redis_server.url), cfg)
+    await c.setup()
+    sec, usec = await c.client.time()
+    now = int(sec) * 1000 + int(usec) // 1000
+    await c.client.hset(c.keys.served, mapping={"P0": 1e6, "P1": 1e6, "P2": 0, ".ts": now})
+    async with worker(cfg, engine="openai", upstream_url=up.url):
+        rid = await c.admit("a floor's request", cls="P2", max_tokens=5)
+        await c.wait(timeout=20)
+    assert c.answers[rid].text == "a floor's request"[::-1][:15]
+    (body,) = [b for b in up.bodies if b.get("prompt") == "a floor's request"]
+    assert body["priority"] == 0, body
+    assert int(await c.client.hget(c.keys.stats, "P2.claimed") or 0) == 1
+    await c.client.aclose()
+
+
 async def test_a_refusal_that_only_quotes_priority_leaves_priority_on(env) -> None:
     """A 400 naming `priority` made the worker send no priority again, to any tenant: a
     validation error that quotes a client's own field (here its stop string) was enough. The

@@ -8,9 +8,10 @@ claim, lease renewal, batched ``push_tokens``, ``complete`` with its latency sam
 * At most ``max_inflight`` requests are open upstream; the worker claims only that many,
   so the pool's priority queue (not the upstream's FIFO) decides what runs next.
 * The class goes upstream as ``priority`` (vLLM's field: lower runs earlier; the class
-  rank, 0 for the highest class). vLLM only honours it with ``--scheduling-policy
-  priority`` and otherwise refuses a non-zero one: the worker then sends none (a warning,
-  once) and sends that request again without it; ``upstream_priority = false`` never sends it.
+  rank, 0 for the highest class, and 0 for a request its class's starvation floor claimed).
+  vLLM only honours it with ``--scheduling-policy priority`` and otherwise refuses a
+  non-zero one: the worker then sends none (a warning, once) and sends that request again
+  without it; ``upstream_priority = false`` never sends it.
 * Each upstream chunk is pushed as it arrives (``upstream_forward_chunks``, default on), so
   the client sees the upstream's chunks and inter-token times, not the worker's push
   batching (``flush_ms`` / ``flush_tokens``, which applies when it is off: fewer Redis writes).
@@ -927,7 +928,13 @@ class UpstreamLoop:
         if self.rt.settings.upstream_chunk_usage:
             body["stream_options"]["continuous_usage_stats"] = True
         if priority and self.rt.settings.upstream_priority and not self.priority_refused:
-            body["priority"] = d.class_rank
+            # A request its class's starvation floor claimed goes as the top class: sent as
+            # its own class, the server's priority scheduler held it behind every P0 request a
+            # flood kept arriving (the floor then held only at claim). The floor tier claims
+            # only while its class is below its floor, so at most about that share of the
+            # server's work goes at the top class's rank this way (the step worker keeps such
+            # requests' slots instead: worker/batch_policy.py).
+            body["priority"] = 0 if d.claimed.by_floor else d.class_rank
         if p.ignore_eos:
             body["ignore_eos"] = True
         if p.min_tokens > d.total_tokens:

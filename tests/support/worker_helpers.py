@@ -45,12 +45,14 @@ FE = "fe1"
 _ids = itertools.count(1)
 
 
-def write_config(path: Path, redis_url: str, *, lease_ms: int = 10000, worker: dict[str, Any] | None = None
-                 ) -> Path:
-    """Pool "tiny" (no rate limit) and classes that wait up to a minute; ``worker``: [worker] settings."""
+def write_config(path: Path, redis_url: str, *, lease_ms: int = 10000, worker: dict[str, Any] | None = None,
+                 classes: dict[str, dict[str, Any]] | None = None) -> Path:
+    """Pool "tiny" (no rate limit) and classes that wait up to a minute; ``worker``: [worker]
+    settings; ``classes``: more fields of some classes (``{"P2": {"floor": 0.05}}``)."""
     return write_toml({
         "redis": {"url": redis_url},
-        "classes": three_classes(**{c: {"max_wait_ms": 60000} for c in ("P0", "P1", "P2")}),
+        "classes": three_classes(**{c: {"max_wait_ms": 60000, **(classes or {}).get(c, {})}
+                                    for c in ("P0", "P1", "P2")}),
         "pools": [{"name": "tiny", "lease_ms": lease_ms, "max_attempts": 5, "capacity_tokens_s": 1e9}],
         "worker": dict(worker or {}),
     }, path)
