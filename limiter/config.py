@@ -95,6 +95,10 @@ class PoolConfig:
     floor_half_life_ms: int = 10_000
     record_ttl_s: int = 300
     floor_quantum_tokens: float = 2048.0  # how far below its floor a class must fall to go first
+    # Output tokens a request is charged ahead at a binding ceiling (lua/include/ceiling.lua):
+    # what it may deliver before a lease renewal charges it. Bounds how many requests the
+    # class starts at once; a longer reservation holds no more than this of the ceiling.
+    ceiling_allowance_tokens: int = 256
     # What prompt tokens are counted in (limiter/token_count.py): "bytes" (UTF-8 bytes + BOS,
     # the tiny model's and the sim engine's), the path of a tokenizer.json (or a directory
     # holding one; relative to the config file), or "upstream" (the model server's /tokenize).
@@ -480,6 +484,8 @@ def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
         _check(1 <= pool.floor_half_life_ms <= 86_400_000, f"{p}.floor_half_life_ms", "out of range")
         _check(1 <= pool.record_ttl_s <= 604_800, f"{p}.record_ttl_s", "must be in [1, 604800]")
         _check(0 <= pool.floor_quantum_tokens <= 1e12, f"{p}.floor_quantum_tokens", "must be in [0, 1e12]")
+        _check(0 <= pool.ceiling_allowance_tokens <= 10_000_000, f"{p}.ceiling_allowance_tokens",
+               "must be in [0, 10000000]")
         token_count.check(pool.tokenizer, pool.tokenizer_url, f"{p}.tokenizer", cfg.worker,
                           read_file=tokenizer_files)
         _check_upstream_fields(pool.upstream_fields, f"{p}.upstream_fields")

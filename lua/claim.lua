@@ -70,6 +70,7 @@
 --!include vtc.lua
 --!include liveness.lua
 --!include served.lua
+--!include ceiling.lua
 --!include wake.lua
 --!include finish.lua
 --!include expire.lua
@@ -315,8 +316,10 @@ local function main()
             local c_ceil = 0
             if h then
               -- a binding ceiling is charged as the request is served (include/ceiling.lua):
-              -- its prompt now, its output as it is delivered
-              c_ceil = bucket_debit(h, r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), nil)
+              -- its prompt and an allowance of output now, its output as it is delivered
+              local w = redis.call('HMGET', key, 'w_in', 'w_out')
+              c_ceil = bucket_debit(h, ceiling_hold(p, r.input_tokens, tonumber(w[1]), r.max_tokens,
+                tonumber(w[2]), 0), nil)
               fields[#fields + 1] = 'ceil_out'
               fields[#fields + 1] = 0
             end

@@ -22,7 +22,8 @@ from pathlib import Path
 
 LUA = Path(__file__).resolve().parent.parent / "lua"
 TEST = "tests/test_scheduler_model.py"
-UNIT_TESTS = ("tests/test_claim.py", "tests/test_admit.py", "tests/test_leases.py",
+UNIT_TESTS = ("tests/test_claim.py", "tests/test_ceiling_settle.py", "tests/test_admit.py",
+              "tests/test_leases.py",
               "tests/test_lua_layout.py", "tests/test_push_tokens.py", "tests/test_init_pool.py",
               "tests/test_policy_packed.py", "tests/test_admit_merged.py",
               "tests/test_complete_merged.py", "tests/test_lua_validate.py",
@@ -231,12 +232,14 @@ BUGS = (
         "  local r = load_request(request_id)\n  redis.call('EXISTS', K_POLICY, 'qos:{elsewhere}:x')\n"),
     Bug("ceiling_debt_floored", "the ceiling bucket's debt is floored at -ceil_burst: a request "
         "larger than the burst is charged ~2 bursts (the ceiling holds requests per burst_s)",
-        "claim.lua", "r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), nil)",
-        "r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), -c.ceil_burst)"),
-    Bug("ceiling_charged_reservation", "a binding ceiling is charged a request's whole reservation at "
-        "claim (one request reserving a context closes its class until it ends)",
-        "claim.lua", "r.input_tokens * tonumber(redis.call('HGET', key, 'w_in')), nil)",
-        "r.cost, nil)"),
+        "claim.lua", "tonumber(w[2]), 0), nil)", "tonumber(w[2]), 0), -c.ceil_burst)"),
+    Bug("ceiling_charged_reservation", "a binding ceiling holds a request's whole reservation, not its "
+        "allowance (one request reserving a context closes its class until it ends)",
+        "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_allowance or DEFAULT_CEIL_ALLOWANCE)",
+        "max_tokens - out"),
+    Bug("ceiling_allowance_ignored", "a binding ceiling is charged the prompt alone at claim, no output "
+        "allowance (a class starts as many requests as its bucket has prompts for)",
+        "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_allowance or DEFAULT_CEIL_ALLOWANCE)", "0"),
     Bug("renewal_charges_no_output", "a lease renewal does not charge the ceiling the output delivered "
         "since (a class runs past its ceiling until its requests end)",
         "renew_leases.lua", "ceil_out and ceiling_charge_delivered(whole_policy, id, ceil_out, now)", "nil"),

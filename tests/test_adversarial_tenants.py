@@ -171,14 +171,14 @@ async def test_through_a_stack_a_request_claimed_by_its_floor_runs_beside_a_p0_f
 async def test_through_a_stack_one_long_reservation_does_not_hold_its_class_at_a_binding_ceiling(
     tmp_path: Path,
 ) -> None:
-    """P2's ceiling binds at 200 tokens/s (capacity 4,000). A greedy P2 tenant streams a
-    request reserving 4,000 tokens; while it runs (~90 tokens/s on the sim worker, under the
-    ceiling), another P2 tenant's 5-token request is answered at once. Charged its whole
-    reservation at claim, the greedy request put the ceiling ~3,800 tokens in debt, and the
-    other tenant waited ~19 s for it to refill (the 2026-12-07 adversarial-tenant review: 3.8 s
-    against 0.07 s on its stack), while the greedy request delivered well over a thousand
-    tokens. Now the ceiling is charged the greedy request's prompt at claim and its output as
-    it is delivered (lua/include/ceiling.lua)."""
+    """P2's ceiling binds at 200 tokens/s, its burst 100 (capacity 4,000). A greedy P2 tenant
+    streams a request reserving 4,000 tokens; while it runs (~90 tokens/s on the sim worker,
+    under the ceiling), another P2 tenant's 5-token request is answered within a second or
+    two: the greedy request holds its prompt and the pool's allowance (256 output tokens)
+    beyond what it delivered, ~180 tokens of debt. Charged its whole reservation at claim,
+    it put the ceiling ~3,900 tokens in debt, and the other tenant waited ~19 s for it to
+    refill while the greedy request delivered well over a thousand tokens (the 2026-12-07
+    adversarial-tenant review: 3.8 s against 0.07 s on its stack; lua/include/ceiling.lua)."""
     server = RedisServer().start()
     client = aioredis.from_url(server.url)
     config = base_config(server.url, capacity=4000, classes={"P2": {"ceil_share": 0.05}})

@@ -97,7 +97,8 @@ CLASSES = (
                 max_wait_ms=1200, burst_s=0.5, queue_cap=12, fair=False),  # arrival order
 )
 POOL = PoolConfig(name="model", capacity_tokens_s=8000, lease_ms=150, max_attempts=3, frontend_ttl_ms=200,
-                  floor_half_life_ms=2000, record_ttl_s=30, floor_quantum_tokens=100)
+                  floor_half_life_ms=2000, record_ttl_s=30, floor_quantum_tokens=100,
+                  ceiling_allowance_tokens=30)  # below some max_tokens, above others
 CFG = QosConfig(classes=CLASSES, pools=(POOL,))
 # The replays that let no lease, heartbeat or max wait run out: the same policy with those
 # times 100x, so that a replay's outcome does not hang on how fast the machine runs it (a
@@ -979,12 +980,13 @@ class LifecycleModel(RuleBasedStateMachine):
 
     def check_ceiling_charge(self, rid: str, rec: dict[str, str]) -> None:
         """A binding ceiling is charged as its class is served (lua/include/ceiling.lua): a
-        request's first claim under it charges its prompt and marks it (``ceil_out``, the
-        output charged so far); renewals charge the output delivered since, whatever the
-        ceiling's burst (a charge cut at the burst let a class past its ceiling by a burst
-        every burst_s); its end settles the charge to what it used, unless its class had left
-        the policy (a refund never lifts a bucket past its burst). A request never marked was
-        never charged."""
+        request holds its prompt, the output tokens charged as delivered (``ceil_out``, 0 at
+        its first claim, which marks it) and an allowance for the rest (min(max_tokens -
+        ceil_out, the pool's ceiling_allowance_tokens)), whatever the ceiling's burst (a
+        charge cut at the burst let a class past its ceiling by a burst every burst_s);
+        renewals charge the output delivered since; its end settles the charge to what it
+        used, unless its class had left the policy (a refund never lifts a bucket past its
+        burst). A request never marked was never charged."""
         k = self.known[rid]
         c, r = _f(rec.get("c_ceil")), _f(rec.get("r_ceil"))
         if "ceil_out" not in rec:
@@ -992,7 +994,8 @@ class LifecycleModel(RuleBasedStateMachine):
             return
         charged_out = int(rec["ceil_out"])
         assert charged_out <= int(rec.get("out_tokens") or 0), f"{rid}: {charged_out} output tokens charged"
-        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + charged_out * _f(rec["w_out"])
+        allowance = max(min(int(rec["max_tokens"]) - charged_out, self.pool.ceiling_allowance_tokens), 0)
+        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + (charged_out + allowance) * _f(rec["w_out"])
         used = charge_of(rec)
         if rec.get("state") in TERMINAL and not k.class_gone_at_finish and used > so_far + EPS:
             # charged the rest of what it used at its end
@@ -1001,12 +1004,12 @@ class LifecycleModel(RuleBasedStateMachine):
         elif rec.get("state") in TERMINAL and not k.class_gone_at_finish:
             # given back what it did not use (less where the bucket would pass its burst)
             assert abs(c - so_far) < EPS and r <= so_far - used + EPS, (
-                f"{rid}: its ceiling was charged {c}, {r} back; its prompt and {charged_out} tokens come to "
-                f"{so_far}, it used {used}")
+                f"{rid}: its ceiling was charged {c}, {r} back; its prompt, {charged_out} tokens and the "
+                f"allowance come to {so_far}, it used {used}")
         else:
             assert abs(c - so_far) < EPS and r == 0, (
-                f"{rid}: its ceiling charged {c} (back {r}); its prompt and {charged_out} tokens come to "
-                f"{so_far}")
+                f"{rid}: its ceiling charged {c} (back {r}); its prompt, {charged_out} tokens and the "
+                f"allowance come to {so_far}")
 
     def check_fairness(self) -> None:
         for cls in (c for c in NAMES if self.fair[c]):
@@ -1089,10 +1092,11 @@ def test_replay_an_arrival_order_class_moves_a_tenant_to_its_next_request(
 def test_replay_a_binding_ceiling_charges_a_request_past_its_burst_in_full(
         redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """P0's ceiling is cut to 100 tokens/s with a burst of 50 and binds (capacity 8,000); a P0
-    request with a prompt of 150 is claimed, delivers 40 tokens (at weight 2) and its lease
-    is renewed: its ceiling is charged all 150 + 80, its prompt at claim and its output at
-    the renewal (seeded: ceiling_debt_floored, which charged the prompt 100, two bursts,
-    and which the random search never met: its prompts seldom pass twice a ceiling's burst)."""
+    request with a prompt of 150 and 90 tokens reserved is claimed, delivers 40 tokens (at
+    weight 2) and its lease is renewed: its ceiling holds all of 150 + (40 + 30) x 2, its
+    prompt and the pool's 30-token allowance from its claim, and the 40 tokens at the renewal
+    (seeded: ceiling_debt_floored, which charged the claim 100, two bursts, and which the
+    random search never met: its prompts seldom pass twice a ceiling's burst)."""
     p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,
           "frontend": "fe1"}
     recs = _replay(monkeypatch, redis_server.url,
@@ -1101,7 +1105,7 @@ def test_replay_a_binding_ceiling_charges_a_request_past_its_burst_in_full(
                    ("admit", p0), ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
                    ("push", {"pick": 0, "count": 40}), ("renew", {"worker": "w1"}))
     (rec,) = recs.values()
-    assert (rec["state"], _f(rec["c_ceil"]), rec["ceil_out"]) == ("leased", 150 + 40 * 2, "40"), rec
+    assert (rec["state"], _f(rec["c_ceil"]), rec["ceil_out"]) == ("leased", 150 + (40 + 30) * 2, "40"), rec
 
 
 def test_replay_a_request_that_used_more_than_it_reserved_is_charged_the_rest(

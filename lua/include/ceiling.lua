@@ -1,14 +1,20 @@
 -- A binding ceiling is charged as its class is served, not as it reserves. The ceiling is
 -- the controller's hard limit on a class (claim.lua: a class whose ceiling bucket is empty is
--- not dispatched); charged a request's whole reservation at its first claim, one request
+-- not dispatched). Charged a request's whole reservation at its first claim, one request
 -- that reserved a context (max_tokens 16,000) and used a few hundred tokens put the bucket
 -- that deep in debt, and the class's other tenants waited until it ended (3.8 s against
--- 0.07 s on a stack: an adversarial-tenant review). So a request's first claim under a
--- binding ceiling charges its prompt (input_tokens x w_in) and marks its record
--- (ceil_out = the output tokens charged so far: 0); each renewal of its lease charges the
--- output delivered since (renew_leases, every lease_ms / 3 of a running worker); its end
--- settles the charge to what it used (refund.lua). The bucket lags the output by at most a
--- renewal period; over time it is charged exactly what the class used.
+-- 0.07 s on a stack: an adversarial-tenant review). Charged its prompt alone, a class started
+-- as many requests as the bucket had prompts for, 40 at once where the reservation let 1
+-- start, and ran at many times its ceiling until their output was charged (a review of that
+-- first version). So a request is charged what it used so far plus an allowance for what it
+-- may deliver before it is charged again: at its first claim under a binding ceiling, its
+-- prompt and min(max_tokens, A) output tokens, A the pool's ceil_allowance (the record is
+-- marked: ceil_out = the output tokens charged as delivered, 0); at each renewal of its lease
+-- (renew_leases, every lease_ms / 3 of a running worker), the output delivered since, so that
+-- it holds again its prompt, what it delivered and min(the rest of max_tokens, A); at its end,
+-- what it used (into debt, or given back up to the burst: refund.lua). A request holds at most
+-- its prompt and A output tokens of the ceiling beyond what it used, and over time the bucket
+-- is charged exactly what the class used.
 --!include pool_keys.lua
 --!include validate.lua
 --!include bucket.lua
@@ -18,19 +24,33 @@ local function ceiling_bucket(p, cls, now)
   return bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
 end
 
+-- A policy written by an older release has no ceil_allowance: the default of PoolConfig.
+local DEFAULT_CEIL_ALLOWANCE = 256
+
+-- What a request holds of its ceiling with `out` output tokens charged as delivered: its
+-- prompt, those tokens and the allowance for the rest (weighted tokens).
+local function ceiling_hold(p, input_tokens, w_in, max_tokens, w_out, out)
+  local allowance = math.min(max_tokens - out, p.ceil_allowance or DEFAULT_CEIL_ALLOWANCE)
+  return input_tokens * w_in + (out + math.max(allowance, 0)) * w_out
+end
+
 -- For renew_leases: charge request `id` (its record marked, `charged_out` output tokens
--- charged so far) the output it delivered since. `policy`: a function returning the pool's
--- policy (read only when a charge is due). Returns the record fields to set (c_ceil,
--- ceil_out) or nil when nothing is due: nothing delivered since, or its class is gone from
--- the policy (a deploy removed it: its buckets serve no one).
+-- charged so far) the output it delivered since, and keep its allowance. `policy`: a function
+-- returning the pool's policy (read only when a charge may be due). Returns the record fields
+-- to set (c_ceil, ceil_out) or nil when nothing is due: nothing delivered since, or its class
+-- is gone from the policy (a deploy removed it: its buckets serve no one).
 local function ceiling_charge_delivered(policy, id, charged_out, now)
-  local v = redis.call('HMGET', P_REQUEST .. id, 'out_tokens', 'class', 'w_out', 'c_ceil')
+  local v = redis.call('HMGET', P_REQUEST .. id, 'out_tokens', 'class', 'c_ceil', 'input_tokens', 'w_in',
+    'max_tokens', 'w_out')
   local out = tonumber(v[1]) or 0
   if out <= charged_out then return nil end
   local p = policy()
   if p.class[v[2]] == nil then return nil end
-  local taken = bucket_debit(ceiling_bucket(p, v[2], now), (out - charged_out) * tonumber(v[3]), nil)
-  return {'c_ceil', fmt((tonumber(v[4]) or 0) + taken), 'ceil_out', fmt(out)}
+  local held = tonumber(v[3]) or 0
+  -- (never below what it holds: an allowance a deploy lowered since is given back at the end)
+  local due = ceiling_hold(p, tonumber(v[4]), tonumber(v[5]), tonumber(v[6]), tonumber(v[7]), out) - held
+  local taken = bucket_debit(ceiling_bucket(p, v[2], now), due, nil)
+  return {'c_ceil', fmt(held + taken), 'ceil_out', fmt(out)}
 end
 
 -- At a marked request's end (refund.lua): what it used, less what the ceiling was charged,

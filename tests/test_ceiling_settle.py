@@ -1,0 +1,199 @@
+"""A binding ceiling charged as its class is served (lua/include/ceiling.lua), from a review of
+that change: every way a request ends settles its ceiling charge once, to what it used, and
+the bucket's ledger equals the sum of its requests' c_ceil / r_ceil; a redeploy that removes
+the class and a ceiling that stops binding mid-request; the same on a Redis Cluster (the
+renewal's charge touches the class's bucket in the pool's slot)."""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from limiter.scripts import policy_document
+from tests.support.helpers import admit, charge_of, class_cfg, init_pool
+
+P2C = {"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}
+
+
+def rec(sync_redis, keys, rid):
+    got = sync_redis.hgetall(keys.request(rid))
+    return {k.decode(): v.decode() for k, v in got.items() if k != b"payload"}
+
+
+def bucket(sync_redis, keys, cls="P2"):
+    return {k.decode(): float(v) for k, v in sync_redis.hgetall(keys.ceil_bucket(cls)).items()}
+
+
+def check_ledger(sync_redis, keys, rids, cls="P2"):
+    b = bucket(sync_redis, keys, cls)
+    assert b["tokens"] == pytest.approx(b["start"] + b["refilled"] - b["debited"] + b["refunded"])
+    assert b["refunded"] <= b["debited"] + 1e-9
+    c = sum(float(rec(sync_redis, keys, r).get("c_ceil") or 0) for r in rids)
+    r_ = sum(float(rec(sync_redis, keys, r).get("r_ceil") or 0) for r in rids)
+    assert (c, r_) == (pytest.approx(b["debited"]), pytest.approx(b["refunded"])), (b, c, r_)
+    return b
+
+
+def assert_settled(sync_redis, keys, rid, cls="P2"):
+    """The request's ceiling charge was settled to what it used (helpers.charge_of): charged
+    the rest where it used more than it held, else given back the difference -- less where
+    the credit would have lifted the bucket past its burst (then the bucket is at its burst:
+    it was the bucket's last write)."""
+    r = rec(sync_redis, keys, rid)
+    c, back, used = float(r["c_ceil"]), float(r.get("r_ceil") or 0), charge_of(r)
+    if c - back == pytest.approx(used):
+        return r
+    b = bucket(sync_redis, keys, cls)
+    assert back < c - used and b["tokens"] == pytest.approx(b["burst"]), (r, b, used)
+    return r
+
+
+async def test_overrun_of_a_marked_request_record_says_what_bucket_took(scripts, sync_redis):
+    keys = await init_pool(scripts, class_cfg(P2=P2C), capacity=10_000)  # P2 ceiling 1,000/s, burst 500
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=20)
+    (a,) = (await scripts.claim(keys, "w1", 1)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(5)), text="x" * 5)
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    # engine read 200 prompt tokens (overrun)
+    await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=200,
+                           token_ids=[1, 2, 3], text="abc", offset=5)
+    r = rec(sync_redis, keys, "a")
+    used = charge_of(r)
+    assert used > float(sync_redis.hget(keys.request("a"), "cost"))  # an overrun: charged the rest
+    assert float(r["c_ceil"]) - float(r["r_ceil"]) == pytest.approx(used), r
+    check_ledger(sync_redis, keys, ["a"])
+
+
+async def test_requeued_after_tokens_then_reclaimed_and_completed(scripts, sync_redis):
+    keys = await init_pool(scripts, class_cfg(P2=P2C), capacity=10_000)  # P2 ceiling 1,000/s, burst 500
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100)
+    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=50)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(5)), text="x" * 5, lease_ms=50)
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)], lease_ms=50)
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=5,
+                              token_ids=list(range(7)), text="x" * 7, lease_ms=50)
+    await asyncio.sleep(0.2)
+    res = await scripts.reap(keys)
+    assert res.requeued == 1
+    (b,) = (await scripts.claim(keys, "w2", 1)).requests
+    assert b.delivered == 12 and b.attempt == 2
+    await scripts.renew_leases(keys, "w2", [("a", b.fence)])
+    r = rec(sync_redis, keys, "a")
+    assert r["ceil_out"] == "12"
+    await scripts.complete(keys, request_id="a", worker_id="w2", fence=b.fence, outcome="ok", usage_in=10,
+                           token_ids=[1, 2], text="ab", offset=12)
+    r = rec(sync_redis, keys, "a")
+    assert_settled(sync_redis, keys, r["id"])
+    check_ledger(sync_redis, keys, ["a"])
+
+
+@pytest.mark.parametrize("how", ["reap_fail", "expire_queued", "cancel_queued", "release_cancel",
+                                 "release_spent_last", "orphan"])
+async def test_every_end_settles_once(scripts, sync_redis, how):
+    cfg = class_cfg(P2=P2C)
+    keys = await init_pool(scripts, cfg, capacity=10_000)  # P2 ceiling 1,000/s, burst 500
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100,
+                max_wait_ms=300 if how == "expire_queued" else 0)
+    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=100)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(5)), text="x" * 5, lease_ms=100)
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)], lease_ms=100)
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=5,
+                              token_ids=list(range(7)), text="x" * 7, lease_ms=100)
+    if how == "reap_fail":
+        sync_redis.hset(keys.request("a"), "attempts", 99)
+        await asyncio.sleep(0.2)
+        assert (await scripts.reap(keys)).failed == 1
+    elif how in ("expire_queued", "cancel_queued"):
+        assert await scripts.release(keys, request_id="a", worker_id="w1", fence=a.fence) == "requeued"
+        if how == "expire_queued":
+            await asyncio.sleep(0.5)
+            assert (await scripts.reap(keys)).expired == 1
+        else:
+            assert await scripts.cancel(keys, "a", "t1") == "cancelled"
+    elif how == "release_cancel":
+        await scripts.cancel(keys, "a", "t1")
+        assert await scripts.release(keys, request_id="a", worker_id="w1", fence=a.fence) == "cancelled"
+    elif how == "release_spent_last":
+        sync_redis.hset(keys.request("a"), "attempts", 99)
+        got = await scripts.release(keys, request_id="a", worker_id="w1", fence=a.fence, spent=True)
+        assert got == "failed"
+    elif how == "orphan":
+        assert await scripts.cancel(keys, "a", "t1") == "cancelling"
+        await asyncio.sleep(0.2)
+        assert (await scripts.reap(keys)).cancelled == 1
+    r = rec(sync_redis, keys, "a")
+    assert r["state"] in ("failed", "expired", "cancelled"), r
+    assert_settled(sync_redis, keys, r["id"])
+    check_ledger(sync_redis, keys, ["a"])
+
+
+async def test_class_removed_by_redeploy_mid_request(scripts, sync_redis):
+    cfg = class_cfg(P2=P2C)
+    keys = await init_pool(scripts, cfg, capacity=10_000)  # P2 ceiling 1,000/s, burst 500
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100)
+    (a,) = (await scripts.claim(keys, "w1", 1)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(5)), text="x" * 5)
+    cfg2 = dataclasses.replace(cfg, classes=tuple(c for c in cfg.classes if c.name != "P2"))
+    await scripts.init_pool(keys, policy_document(cfg2, cfg2.pool("tiny"), 1000), reset_rates=False)
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=10,
+                           token_ids=[1], text="a", offset=5)
+    r = rec(sync_redis, keys, "a")
+    assert r["state"] == "done"
+    check_ledger(sync_redis, keys, ["a"])
+
+
+async def test_ceiling_stops_binding_mid_request(scripts, sync_redis):
+    cfg = class_cfg(P2=P2C)
+    keys = await init_pool(scripts, cfg, capacity=10_000)  # P2 ceiling 1,000/s, burst 500
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100)
+    (a,) = (await scripts.claim(keys, "w1", 1)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(5)), text="x" * 5)
+    fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
+    assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 5000, "P2.ceil_burst": 2500}) == 1
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=10,
+                           token_ids=[1], text="a", offset=5)
+    r = rec(sync_redis, keys, "a")
+    assert_settled(sync_redis, keys, r["id"])
+    check_ledger(sync_redis, keys, ["a"])
+
+
+async def test_cluster_renew_charges_a_binding_ceiling(redis_cluster):
+    from redis.asyncio.cluster import RedisCluster
+
+    from limiter.keys import PoolKeys
+    from limiter.scripts import Scripts
+    from tests.support.redis_server import pools_on_different_shards
+    client = RedisCluster.from_url(redis_cluster.url)
+    await client.initialize()
+    try:
+        scripts = Scripts(client)
+        cfg = class_cfg(P2=P2C)
+        for name in pools_on_different_shards(client):
+            keys = PoolKeys(name)
+            await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny"), 10_000), reset_rates=True)
+            await client.zadd(keys.frontends, {"fe1": 4102444800000})
+            await admit(scripts, keys, cls="P2", request_id=f"{name}-b", input_tokens=5, max_tokens=50)
+            (c,) = (await scripts.claim(keys, "w1", 1)).requests
+            await scripts.push_tokens(keys, request_id=c.request_id, worker_id="w1", fence=c.fence, offset=0,
+                                      token_ids=[65, 66], text="AB")
+            await scripts.renew_leases(keys, "w1", [(c.request_id, c.fence)])
+            assert await client.hget(keys.request(c.request_id), "ceil_out") == b"2"
+            await scripts.complete(keys, request_id=c.request_id, worker_id="w1", fence=c.fence, outcome="ok",
+                                   usage_in=5, token_ids=[67], text="C", offset=2)
+            r = {k.decode(): v.decode() for k, v in (await client.hgetall(keys.request(c.request_id))).items()
+                 if k != b"payload"}
+            c, back = float(r["c_ceil"]), float(r["r_ceil"])
+            assert charge_of(r) == 8 and c == 55, r  # 5 + 3 tokens used; its whole reservation held
+            b = {k.decode(): float(v) for k, v in (await client.hgetall(keys.ceil_bucket("P2"))).items()}
+            # given back the rest, less where the bucket would pass its burst (see assert_settled)
+            assert back == c - 8 or (back < c - 8 and b["tokens"] == b["burst"]), (r, b)
+    finally:
+        await client.aclose()
