@@ -202,6 +202,12 @@ BUGS = (
     Bug("complete_reads_no_claim_time", "complete reads the record without its first claim's time: a "
         "request a worker finishes is never settled in the served ledger",
         "complete.lua", "'first_ms', 'claimed_ms', 'cancel',", "'first_ms', 'cancel',"),
+    Bug("served_removed_class_stands_still", "the served ledger is written for the policy's classes "
+        "alone: a class a deploy removed keeps its entry undecayed, and comes back with it",
+        "include/served.lua", "  for cls, v in pairs(ledger.served) do\n    fields[#fields + 1] = cls\n"
+        "    fields[#fields + 1] = fmt(v)\n",
+        "  for _, cls in ipairs(p.classes) do\n    fields[#fields + 1] = cls\n"
+        "    fields[#fields + 1] = fmt(ledger.served[cls])\n"),
     Bug("complete_reads_no_weight", "complete reads the record without its tenant's weight (refunds as 1)",
         "complete.lua", "'t_rate', 't_burst', 't_weight',\n", "'t_rate', 't_burst',\n"),
     Bug("complete_reads_no_out_weight", "complete reads the record without its output weight",

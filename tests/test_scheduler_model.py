@@ -55,8 +55,7 @@ seen to fail with a bug seeded by hand (tests/seeded_bugs.py plants each one aga
    service): each class's entry, as of the ledger's ``.ts``, is the sum over the requests its
    claims handed out of what each first claim reserved -- settled to what the request used
    once it finished (helpers.charge_of) -- each decayed by the pool's half-life from its
-   first claim. Not checked for a class a deploy removed in the example (its entry is left
-   as it was while the class is gone).
+   first claim; a class a deploy removed (and restored) included.
 """
 
 from __future__ import annotations
@@ -192,7 +191,6 @@ class LifecycleModel(RuleBasedStateMachine):
         self.present = list(NAMES)  # the classes of the policy now, in its order
         self.fair = dict(FAIR)  # what each class's backlog scores mean (its flag last written)
         self.fence = 0  # the controller's
-        self.ledger_unknown: set[str] = set()  # classes a deploy removed (invariant 9 skips them)
 
     def run(self, aw: Any) -> Any:
         return self.loop.run_until_complete(aw)
@@ -810,8 +808,6 @@ class LifecycleModel(RuleBasedStateMachine):
         event(f"redeploy{' without ' + drop if drop else ''}"
               f"{' switching ' + flip if flip in present else ''}")
         self.present = present
-        if drop:
-            self.ledger_unknown.add(drop)
 
     # --- reading Redis -------------------------------------------------------------------------
     def record(self, rid: str) -> dict[str, str]:
@@ -971,8 +967,6 @@ class LifecycleModel(RuleBasedStateMachine):
             used = charge_of(rec) if rec.get("state") in TERMINAL else _f(rec["cost"])
             want[self.known[rid].cls] += used * 0.5 ** (max(ts - _f(rec["claimed_ms"]), 0.0) / half_life)
         for cls in NAMES:
-            if cls in self.ledger_unknown:
-                continue
             got = ledger.get(cls, 0.0)
             assert abs(got - want[cls]) < 1e-6 * max(1.0, want[cls]), (
                 f"{cls}: the served ledger holds {got} at {ts}; its claims, settled to what they used"

@@ -2,6 +2,9 @@
 -- what each request really used when it ends (served_settle), decayed with the pool's
 -- floor_half_life_ms, and .ts, the time it was decayed to (a field no class can have: class
 -- names have no dots). A ledger S with half-life h stands for a service rate S ln2 / h.
+-- A class a deploy removed keeps its entry, decayed and settled like the others: written
+-- for the policy's classes alone, it stood still while .ts moved on, and a class restored
+-- later came back with its service of the day it left, decayed only from then on.
 --!include pool_keys.lua
 --!include validate.lua
 
@@ -35,21 +38,22 @@ local function served_open_ledger(p, now)
     now = ts
   end
   local decay = 0.5 ^ (math.max(now - ts, 0) / p.floor_half_life_ms)
-  local total = 0
+  for cls, v in pairs(served) do served[cls] = v * decay end  -- a removed class's too
+  local total = 0  -- (the floors compare the policy's classes only)
   for _, cls in ipairs(p.classes) do
-    served[cls] = (served[cls] or 0) * decay
+    served[cls] = served[cls] or 0
     total = total + served[cls]
   end
   served_open = {served = served, total = total, now = now, dirty = false}
   return served_open
 end
 
--- Write the open ledger whole, with the time it is decayed to.
+-- Write the open ledger whole (every class it holds), with the time it is decayed to.
 local function served_write(p, ledger)
   local fields = {'.ts', ledger.now}
-  for _, cls in ipairs(p.classes) do
+  for cls, v in pairs(ledger.served) do
     fields[#fields + 1] = cls
-    fields[#fields + 1] = fmt(ledger.served[cls])
+    fields[#fields + 1] = fmt(v)
   end
   redis.call('HSET', K_SERVED, unpack(fields))
 end
@@ -62,13 +66,14 @@ end
 -- floor (and inflated the served rates admission subtracts from the spare capacity), while
 -- the class's other tenants were served nothing (found by an adversarial review).
 local function served_settle(p, cls, used, cost, claimed_ms)
-  if claimed_ms == nil or used == cost or p.class[cls] == nil then return end
+  if claimed_ms == nil or used == cost then return end
   local h = p.floor_half_life_ms
   local o = served_open
   if o then
     local old = o.served[cls] or 0
     local new = math.max(old + (used - cost) * 0.5 ^ (math.max(o.now - claimed_ms, 0) / h), 0)
-    o.served[cls], o.total, o.dirty = new, o.total + new - old, true
+    o.served[cls], o.dirty = new, true
+    if p.class[cls] then o.total = o.total + new - old end
     return
   end
   local v = redis.call('HMGET', K_SERVED, cls, '.ts')
