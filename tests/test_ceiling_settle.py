@@ -176,7 +176,9 @@ async def test_cluster_renew_charges_a_binding_ceiling(redis_cluster):
     try:
         scripts = Scripts(client)
         cfg = class_cfg(P2=P2C)
-        for name in pools_on_different_shards(client):
+        # pools of its own: the cluster is the session's, and test_cluster.py's pools keep
+        # their records (a request id met again is the request met again)
+        for name in pools_on_different_shards(client, prefix="ceil"):
             keys = PoolKeys(name)
             await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny"), 10_000), reset_rates=True)
             await client.zadd(keys.frontends, {"fe1": 4102444800000})
