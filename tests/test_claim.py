@@ -5,6 +5,7 @@ dead frontends, wake-ups."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from types import SimpleNamespace
 
 import msgpack
@@ -817,3 +818,39 @@ async def test_a_request_a_claim_finishes_is_settled_in_the_ledger_that_claim_wr
     served = await _served(scripts.client, keys)
     assert served["P1"] == pytest.approx(0, abs=1e-6), served
     assert served["P0"] == pytest.approx(20), served
+
+
+async def test_a_class_a_deploy_removed_is_settled_decayed_and_comes_back_decayed(scripts):
+    """The served ledger keeps a class a redeploy removed: its request that ends meanwhile is
+    settled in its entry, and the entry decays with the others while the class is gone.
+    Written for the policy's classes alone, the entry stood still (still its reservation)
+    while the ledger's .ts moved on, and a class restored later came back with its service of
+    the day it left (seeded: served_removed_class_stands_still)."""
+    long = {"max_wait_ms": 600_000}
+    cfg = class_cfg(P0=long, P1=long, P2=long)
+    keys = await init_pool(scripts, cfg, capacity=1e9)
+    half_life = cfg.pool("tiny").floor_half_life_ms
+    await admit(scripts, keys, cls="P2", tenant="t2", request_id="r2", input_tokens=10, max_tokens=1000)
+    (r2,) = (await scripts.claim(keys, "w1", 1, lease_ms=600_000)).requests
+    assert (await _served(scripts.client, keys))["P2"] == pytest.approx(1010)
+    without = dataclasses.replace(cfg, classes=tuple(c for c in cfg.classes if c.name != "P2"))
+    await scripts.init_pool(keys, policy_document(without, without.pool("tiny"), 1e9), reset_rates=False)
+    # its request ends while its class is gone: settled to the 11 tokens it used
+    await scripts.complete(keys, request_id="r2", worker_id="w1", fence=r2.fence, outcome="ok", usage_in=10,
+                           token_ids=[65], text="A")
+    served = await _served(scripts.client, keys)
+    assert served["P2"] == pytest.approx(11, rel=1e-2), served
+    # a half-life passes (the ledger's time moved back one), then a claim writes the ledger
+    await scripts.client.hset(keys.served, mapping={".ts": int(served[".ts"]) - half_life, "P2": 1000,
+                                                     "P0": 1000})
+    await admit(scripts, keys, cls="P1", tenant="t1", request_id="r1", input_tokens=10, max_tokens=10)
+    assert [c.request_id for c in (await scripts.claim(keys, "w1", 1)).requests] == ["r1"]
+    served = await _served(scripts.client, keys)
+    assert served["P0"] == pytest.approx(500, rel=1e-2), served
+    assert served["P2"] == pytest.approx(served["P0"]), f"the removed class's entry stood still: {served}"
+    # restored, it comes back with that decayed entry
+    await scripts.init_pool(keys, policy_document(cfg, cfg.pool("tiny"), 1e9), reset_rates=False)
+    await admit(scripts, keys, cls="P1", tenant="t1", request_id="r1b", input_tokens=10, max_tokens=10)
+    assert [c.request_id for c in (await scripts.claim(keys, "w1", 1)).requests] == ["r1b"]
+    served = await _served(scripts.client, keys)
+    assert served["P2"] == pytest.approx(served["P0"]) and served["P2"] < 501, served
