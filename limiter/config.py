@@ -98,7 +98,7 @@ class PoolConfig:
     # Output tokens a request is charged ahead at a binding ceiling (lua/include/ceiling.lua):
     # what it may deliver before a lease renewal charges it. Bounds how many requests the
     # class starts at once; a longer reservation holds no more than this of the ceiling.
-    ceiling_allowance_tokens: int = 256
+    ceiling_ahead_tokens: int = 256
     # What prompt tokens are counted in (limiter/token_count.py): "bytes" (UTF-8 bytes + BOS,
     # the tiny model's and the sim engine's), the path of a tokenizer.json (or a directory
     # holding one; relative to the config file), or "upstream" (the model server's /tokenize).
@@ -484,7 +484,7 @@ def validate(cfg: QosConfig, *, tokenizer_files: bool = True) -> QosConfig:
         _check(1 <= pool.floor_half_life_ms <= 86_400_000, f"{p}.floor_half_life_ms", "out of range")
         _check(1 <= pool.record_ttl_s <= 604_800, f"{p}.record_ttl_s", "must be in [1, 604800]")
         _check(0 <= pool.floor_quantum_tokens <= 1e12, f"{p}.floor_quantum_tokens", "must be in [0, 1e12]")
-        _check(0 <= pool.ceiling_allowance_tokens <= 10_000_000, f"{p}.ceiling_allowance_tokens",
+        _check(0 <= pool.ceiling_ahead_tokens <= 10_000_000, f"{p}.ceiling_ahead_tokens",
                "must be in [0, 10000000]")
         token_count.check(pool.tokenizer, pool.tokenizer_url, f"{p}.tokenizer", cfg.worker,
                           read_file=tokenizer_files)

@@ -240,8 +240,9 @@ class PoolKeys:
         return self.bucket_prefix + "class:" + check_name("class", cls)
 
     def ceil_bucket(self, cls: str) -> str:
-        """HASH tokens, ts (+ ledger): a class's ceiling bucket (ceil, ceil_burst), charged at
-        claim while the ceiling binds (below the pool's capacity)."""
+        """HASH tokens, ts (+ ledger): a class's ceiling bucket (ceil, ceil_burst), charged as
+        the class is served while the ceiling binds (below the pool's capacity): a request's
+        prompt and an allowance at claim, its output at renewals (lua/include/ceiling.lua)."""
         return self.bucket_prefix + "ceil:" + check_name("class", cls)
 
     def tenant_bucket(self, tenant: str) -> str:

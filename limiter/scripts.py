@@ -188,7 +188,7 @@ def policy_document(cfg: QosConfig, pool: PoolConfig, capacity: float | None = N
         "lease_ms": pool.lease_ms, "max_attempts": pool.max_attempts,
         "frontend_ttl_ms": pool.frontend_ttl_ms, "floor_half_life_ms": pool.floor_half_life_ms,
         "record_ttl_s": pool.record_ttl_s, "floor_quantum": pool.floor_quantum_tokens,
-        "ceil_allowance": pool.ceiling_allowance_tokens, "classes": classes,
+        "ceil_ahead": pool.ceiling_ahead_tokens, "classes": classes,
     }
 
 

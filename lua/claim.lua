@@ -316,7 +316,7 @@ local function main()
             local c_ceil = 0
             if h then
               -- a binding ceiling is charged as the request is served (include/ceiling.lua):
-              -- its prompt and an allowance of output now, its output as it is delivered
+              -- its prompt and output charged ahead now, its output as it is delivered
               local w = redis.call('HMGET', key, 'w_in', 'w_out')
               c_ceil = bucket_debit(h, ceiling_hold(p, r.input_tokens, tonumber(w[1]), r.max_tokens,
                 tonumber(w[2]), 0), nil)

@@ -19,7 +19,7 @@
 --       KEYS[1] is the policy HASH qos:{pool}:policy, written here.
 -- ARGV[1] policy   JSON: {pool, capacity, lease_ms, max_attempts,
 --                  frontend_ttl_ms, floor_half_life_ms, record_ttl_s, floor_quantum,
---                  ceil_allowance (output tokens a request is charged ahead at a binding
+--                  ceil_ahead (output tokens a request is charged ahead at a binding
 --                  ceiling, include/ceiling.lua), classes: [{name, rate, burst, ceil, ceil_burst, weight, out_weight,
 --                  queue_cap, max_wait_ms, floor, fair (1: tenants by virtual token
 --                  counter, 0: arrival order; default 1)}, ...] highest priority first}
@@ -63,7 +63,7 @@ local function main()
   put(static, 'floor_half_life_ms', arg_int(doc.floor_half_life_ms, 'policy.floor_half_life_ms', 1, 86400000))
   put(static, 'record_ttl_s', arg_int(doc.record_ttl_s, 'policy.record_ttl_s', 1, 604800))
   put(static, 'floor_quantum', arg_num(doc.floor_quantum, 'policy.floor_quantum', 0, 1e12))
-  put(static, 'ceil_allowance', arg_int(doc.ceil_allowance, 'policy.ceil_allowance', 0, 10000000))
+  put(static, 'ceil_ahead', arg_int(doc.ceil_ahead, 'policy.ceil_ahead', 0, 10000000))
   if type(doc.classes) ~= 'table' or #doc.classes < 1 or #doc.classes > 16 then
     fail('BADARG', 'policy.classes: 1 to 16 classes expected')
   end

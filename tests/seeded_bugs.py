@@ -239,16 +239,19 @@ BUGS = (
     Bug("ceiling_debt_floored", "the ceiling bucket's debt is floored at -ceil_burst: a request "
         "larger than the burst is charged ~2 bursts (the ceiling holds requests per burst_s)",
         "claim.lua", "tonumber(w[2]), 0), nil)", "tonumber(w[2]), 0), -c.ceil_burst)"),
-    Bug("ceiling_charged_reservation", "a binding ceiling holds a request's whole reservation, not its "
-        "allowance (one request reserving a context closes its class until it ends)",
-        "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_allowance or DEFAULT_CEIL_ALLOWANCE)",
+    Bug("ceiling_charged_reservation", "a binding ceiling holds a request's whole reservation, not the "
+        "output charged ahead (one request reserving a context closes its class until it ends)",
+        "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD)",
         "max_tokens - out"),
-    Bug("ceiling_allowance_ignored", "a binding ceiling is charged the prompt alone at claim, no output "
-        "allowance (a class starts as many requests as its bucket has prompts for)",
-        "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_allowance or DEFAULT_CEIL_ALLOWANCE)", "0"),
+    Bug("ceiling_ahead_ignored", "a binding ceiling is charged the prompt alone at claim, no output "
+        "charged ahead (a class starts as many requests as its bucket has prompts for)",
+        "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD)", "0"),
     Bug("renewal_charges_no_output", "a lease renewal does not charge the ceiling the output delivered "
         "since (a class runs past its ceiling until its requests end)",
         "renew_leases.lua", "ceil_out and ceiling_charge_delivered(whole_policy, id, ceil_out, now)", "nil"),
+    Bug("requeue_charges_no_output", "a request requeued (its lease lost, or handed back) leaves the "
+        "output its worker delivered since its last renewal off its ceiling until a later renewal",
+        "include/requeue.lua", "  if r.ceil_out ~= nil then\n", "  if false then\n"),
     Bug("ceiling_never_settled", "a request whose ceiling was charged as it was served is not settled at "
         "its end (what it used beyond the charges, or its unused prompt, stays off the ceiling)",
         "include/refund.lua", "given.r_ceil = ceiling_settle(p, r, used, now, fields)", "given.r_ceil = 0"),

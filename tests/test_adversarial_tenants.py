@@ -174,7 +174,7 @@ async def test_through_a_stack_one_long_reservation_does_not_hold_its_class_at_a
     """P2's ceiling binds at 200 tokens/s, its burst 100 (capacity 4,000). A greedy P2 tenant
     streams a request reserving 4,000 tokens; while it runs (~90 tokens/s on the sim worker,
     under the ceiling), another P2 tenant's 5-token request is answered within a second or
-    two: the greedy request holds its prompt and the pool's allowance (256 output tokens)
+    two: the greedy request holds its prompt and the pool's 256 output tokens charged ahead
     beyond what it delivered, ~180 tokens of debt. Charged its whole reservation at claim,
     it put the ceiling ~3,900 tokens in debt, and the other tenant waited ~19 s for it to
     refill while the greedy request delivered well over a thousand tokens (the 2026-12-07

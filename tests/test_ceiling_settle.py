@@ -201,8 +201,8 @@ async def test_cluster_renew_charges_a_binding_ceiling(redis_cluster):
         await client.aclose()
 
 
-async def test_an_allowance_a_deploy_lowered_mid_request_is_kept_until_the_end(scripts, sync_redis):
-    """A redeploy lowers ceiling_allowance_tokens (256 -> 0) while a request runs: its next
+async def test_a_charge_ahead_a_deploy_lowered_mid_request_is_kept_until_the_end(scripts, sync_redis):
+    """A redeploy lowers ceiling_ahead_tokens (256 -> 0) while a request runs: its next
     renewal finds it holding more than its new hold (due < 0). Nothing is charged and nothing
     given back then (ceil_out moves on, c_ceil stays); its end settles to what it used."""
     cfg = class_cfg(P2=P2C)
@@ -210,7 +210,7 @@ async def test_an_allowance_a_deploy_lowered_mid_request_is_kept_until_the_end(s
     await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=1000)
     (a,) = (await scripts.claim(keys, "w1", 1)).requests
     held = float(rec(sync_redis, keys, "a")["c_ceil"])
-    pools = tuple(dataclasses.replace(p, ceiling_allowance_tokens=0) for p in cfg.pools)
+    pools = tuple(dataclasses.replace(p, ceiling_ahead_tokens=0) for p in cfg.pools)
     lowered = dataclasses.replace(cfg, pools=pools)
     await scripts.init_pool(keys, policy_document(lowered, lowered.pool("tiny"), 10_000), reset_rates=False)
     await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,

@@ -110,7 +110,7 @@ async def test_a_binding_ceiling_caps_a_class_even_on_an_idle_pool(scripts, sync
     t0 = await redis_ms(scripts.client)
     while True:
         got = await scripts.claim(keys, "w1", 1)
-        # its prompt and its 10 output tokens (below the pool's allowance: all charged at claim)
+        # its prompt and its 10 output tokens (within the pool's ceiling_ahead_tokens: all charged at claim)
         served += 50 * len(got.requests)
         if got.now_ms - t0 >= 1000:
             break
@@ -128,7 +128,7 @@ async def test_a_binding_ceiling_charges_a_request_larger_than_its_burst_in_full
     requests per burst_s, not tokens per second (a review: 4,000 tokens in 2 s under a 100/s
     ceiling; a 32K-token P2 prompt under the docs' 5,075/s ceiling passed at ~64K tokens/s).
     It is charged in full: the class stays closed until the debt is paid back (its prompt and
-    its 10 output tokens, within the pool's allowance, at claim)."""
+    its 10 output tokens, within the pool's ceiling_ahead_tokens, at claim)."""
     keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
                            capacity=1000)  # P2's ceiling: 100/s, its burst 50
     for i in range(2):
@@ -147,14 +147,14 @@ async def test_a_binding_ceiling_is_charged_as_the_request_is_served(scripts, sy
     reserved a context (max_tokens 16,000) and used a few hundred tokens put P2's ceiling
     ~16,000 tokens in debt, and another P2 tenant's 5-token request waited until it ended
     (3.8 s against 0.07 s on a stack: an adversarial-tenant review). It holds its prompt and
-    an allowance of output (the pool's ceiling_allowance_tokens, 256) at claim; each lease
-    renewal charges the output delivered since, keeping the allowance; its end settles the
+    output charged ahead (the pool's ceiling_ahead_tokens, 256) at claim; each lease
+    renewal charges the output delivered since, keeping that much ahead; its end settles the
     charge to what it used. The other tenant's request is claimed next."""
     # P2's ceiling: 100/s, its burst 500 (refills slowly: the refunds below stay under the
     # burst unless the test takes over 3 s)
     p2_cfg = {"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000, "burst_s": 5.0}
     keys = await init_pool(scripts, class_cfg(P2=p2_cfg), capacity=1000)
-    allowance = 256
+    ahead = 256
     p2 = {"cls": "P2"}
     await admit(scripts, keys, **p2, tenant="greedy", request_id="ctx", input_tokens=10, max_tokens=16_000)
     await admit(scripts, keys, **p2, tenant="light", request_id="small", input_tokens=5, max_tokens=5)
@@ -163,25 +163,25 @@ async def test_a_binding_ceiling_is_charged_as_the_request_is_served(scripts, sy
     rec = {k.decode(): v.decode() for k, v in sync_redis.hgetall(keys.request("ctx")).items()
            if k != b"payload"}
     w_in, w_out = float(rec["w_in"]), float(rec["w_out"])
-    assert (float(rec["c_ceil"]), rec["ceil_out"]) == (10 * w_in + allowance * w_out, "0")
+    assert (float(rec["c_ceil"]), rec["ceil_out"]) == (10 * w_in + ahead * w_out, "0")
     (small,) = (await scripts.claim(keys, "w1", 1)).requests  # the class is not closed by ctx
     assert small.request_id == "small"
-    # its max_tokens is below the allowance: its whole reservation is held
+    # its max_tokens is within what is charged ahead: its whole reservation is held
     assert float(sync_redis.hget(keys.request("small"), "c_ceil")) == 5 * w_in + 5 * w_out
 
     await scripts.push_tokens(keys, request_id="ctx", worker_id="w1", fence=ctx.fence, offset=0,
                               token_ids=list(range(300)), text="x" * 300)
-    held = 10 * w_in + allowance * w_out
+    held = 10 * w_in + ahead * w_out
     assert float(sync_redis.hget(keys.request("ctx"), "c_ceil")) == held  # not at push time
     await scripts.renew_leases(keys, "w1", [("ctx", ctx.fence), ("small", small.fence)])
-    held = 10 * w_in + (300 + allowance) * w_out
+    held = 10 * w_in + (300 + ahead) * w_out
     assert float(sync_redis.hget(keys.request("ctx"), "c_ceil")) == held
     assert sync_redis.hget(keys.request("ctx"), "ceil_out") == b"300"
     await scripts.renew_leases(keys, "w1", [("ctx", ctx.fence)])  # nothing delivered since
     assert float(sync_redis.hget(keys.request("ctx"), "c_ceil")) == held
 
     # ctx: its model server read 2 prompt tokens (a cached prefix): 8 prompt tokens and the
-    # allowance back
+    # output charged ahead back
     await scripts.complete(keys, request_id="ctx", worker_id="w1", fence=ctx.fence, outcome="ok", usage_in=2,
                            offset=300)
     # small: its 5 tokens come with its completion, after no renewal: held since its claim
@@ -195,7 +195,7 @@ async def test_a_binding_ceiling_is_charged_as_the_request_is_served(scripts, sy
         debited += r["c_ceil"]
     bucket = {k.decode(): float(v) for k, v in sync_redis.hgetall(keys.ceil_bucket("P2")).items()}
     assert bucket["debited"] == pytest.approx(debited)
-    assert bucket["refunded"] == pytest.approx(8 * w_in + allowance * w_out)
+    assert bucket["refunded"] == pytest.approx(8 * w_in + ahead * w_out)
 
 
 async def test_a_binding_ceiling_bounds_how_many_requests_its_class_starts(scripts, sync_redis):
@@ -204,7 +204,7 @@ async def test_a_binding_ceiling_bounds_how_many_requests_its_class_starts(scrip
     version of the charge as served), every one was claimed -- 40 charged, the class open
     -- and their output reached the bucket only at the renewals, lease_ms / 3 later: the
     class ran at up to 40x its ceiling meanwhile (a review). Each holds its prompt and the
-    pool's allowance (256): the first closes the class, as the whole reservation did."""
+    pool's 256 output tokens charged ahead: the first closes the class, as the whole reservation did."""
     keys = await init_pool(scripts, class_cfg(P2={"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}),
                            capacity=1000)
     for i in range(40):

@@ -17,7 +17,7 @@ from limiter.scripts import Scripts, policy_document
 from tests.support.helpers import admit
 
 POOL_NUMERIC = ("capacity", "lease_ms", "max_attempts", "frontend_ttl_ms", "floor_half_life_ms",
-                "record_ttl_s", "floor_quantum", "ceil_allowance")
+                "record_ttl_s", "floor_quantum", "ceil_ahead")
 CLASS_FIELDS = ("rate", "burst", "ceil", "ceil_burst", "weight", "out_weight", "queue_cap", "max_wait_ms",
                 "floor", "fair")
 

@@ -97,7 +97,7 @@ CLASSES = (
 )
 POOL = PoolConfig(name="model", capacity_tokens_s=8000, lease_ms=150, max_attempts=3, frontend_ttl_ms=200,
                   floor_half_life_ms=2000, record_ttl_s=30, floor_quantum_tokens=100,
-                  ceiling_allowance_tokens=30)  # below some max_tokens, above others
+                  ceiling_ahead_tokens=30)  # below some max_tokens, above others
 CFG = QosConfig(classes=CLASSES, pools=(POOL,))
 # The replays that let no lease, heartbeat or max wait run out: the same policy with those
 # times 100x, so that a replay's outcome does not hang on how fast the machine runs it (a
@@ -975,11 +975,11 @@ class LifecycleModel(RuleBasedStateMachine):
     def check_ceiling_charge(self, rid: str, rec: dict[str, str]) -> None:
         """A binding ceiling is charged as its class is served (lua/include/ceiling.lua): a
         request holds its prompt, the output tokens charged as delivered (``ceil_out``, 0 at
-        its first claim, which marks it) and an allowance for the rest (min(max_tokens -
-        ceil_out, the pool's ceiling_allowance_tokens)), whatever the ceiling's burst (a
+        its first claim, which marks it) and output charged ahead of the rest (min(max_tokens -
+        ceil_out, the pool's ceiling_ahead_tokens)), whatever the ceiling's burst (a
         charge cut at the burst let a class past its ceiling by a burst every burst_s);
-        renewals charge the output delivered since; its end settles the charge to what it
-        used, unless its class had left the policy (a refund never lifts a bucket past its
+        renewals and requeues charge the output delivered since; its end settles the charge to
+        what it used, unless its class had left the policy (a refund never lifts a bucket past its
         burst). A request never marked was never charged."""
         k = self.known[rid]
         c, r = _f(rec.get("c_ceil")), _f(rec.get("r_ceil"))
@@ -988,8 +988,12 @@ class LifecycleModel(RuleBasedStateMachine):
             return
         charged_out = int(rec["ceil_out"])
         assert charged_out <= int(rec.get("out_tokens") or 0), f"{rid}: {charged_out} output tokens charged"
-        allowance = max(min(int(rec["max_tokens"]) - charged_out, self.pool.ceiling_allowance_tokens), 0)
-        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + (charged_out + allowance) * _f(rec["w_out"])
+        if rec.get("state") == "queued" and k.cls in self.present:
+            # handed back or its lease lost: what its worker delivered was charged then
+            assert charged_out == int(rec.get("out_tokens") or 0), (
+                f"{rid}: requeued with {rec.get('out_tokens')} tokens delivered, {charged_out} charged")
+        ahead = max(min(int(rec["max_tokens"]) - charged_out, self.pool.ceiling_ahead_tokens), 0)
+        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + (charged_out + ahead) * _f(rec["w_out"])
         used = charge_of(rec)
         if rec.get("state") in TERMINAL and not k.class_gone_at_finish and used > so_far + EPS:
             # charged the rest of what it used at its end
@@ -999,11 +1003,11 @@ class LifecycleModel(RuleBasedStateMachine):
             # given back what it did not use (less where the bucket would pass its burst)
             assert abs(c - so_far) < EPS and r <= so_far - used + EPS, (
                 f"{rid}: its ceiling was charged {c}, {r} back; its prompt, {charged_out} tokens and the "
-                f"allowance come to {so_far}, it used {used}")
+                f"output charged ahead come to {so_far}, it used {used}")
         else:
             assert abs(c - so_far) < EPS and r == 0, (
                 f"{rid}: its ceiling charged {c} (back {r}); its prompt, {charged_out} tokens and the "
-                f"allowance come to {so_far}")
+                f"output charged ahead come to {so_far}")
 
     def check_fairness(self) -> None:
         for cls in (c for c in NAMES if self.fair[c]):
@@ -1088,7 +1092,7 @@ def test_replay_a_binding_ceiling_charges_a_request_past_its_burst_in_full(
     """P0's ceiling is cut to 100 tokens/s with a burst of 50 and binds (capacity 8,000); a P0
     request with a prompt of 150 and 90 tokens reserved is claimed, delivers 40 tokens (at
     weight 2) and its lease is renewed: its ceiling holds all of 150 + (40 + 30) x 2, its
-    prompt and the pool's 30-token allowance from its claim, and the 40 tokens at the renewal
+    prompt and the pool's 30 output tokens charged ahead from its claim, and the 40 tokens at the renewal
     (seeded: ceiling_debt_floored, which charged the claim 100, two bursts, and which the
     random search never met: its prompts seldom pass twice a ceiling's burst)."""
     p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,

@@ -6,9 +6,9 @@
 -- 0.07 s on a stack: an adversarial-tenant review). Charged its prompt alone, a class started
 -- as many requests as the bucket had prompts for, 40 at once where the reservation let 1
 -- start, and ran at many times its ceiling until their output was charged (a review of that
--- first version). So a request is charged what it used so far plus an allowance for what it
--- may deliver before it is charged again: at its first claim under a binding ceiling, its
--- prompt and min(max_tokens, A) output tokens, A the pool's ceil_allowance (the record is
+-- first version). So a request is charged what it used so far plus output charged ahead, what
+-- it may deliver before it is charged again: at its first claim under a binding ceiling, its
+-- prompt and min(max_tokens, A) output tokens, A the pool's ceil_ahead (the record is
 -- marked: ceil_out = the output tokens charged as delivered, 0); at each renewal of its lease
 -- (renew_leases, every lease_ms / 3 of a running worker), the output delivered since, so that
 -- it holds again its prompt, what it delivered and min(the rest of max_tokens, A); at its end,
@@ -24,18 +24,18 @@ local function ceiling_bucket(p, cls, now)
   return bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
 end
 
--- A policy written by an older release has no ceil_allowance: the default of PoolConfig.
-local DEFAULT_CEIL_ALLOWANCE = 256
+-- A policy written by an older release has no ceil_ahead: the default of PoolConfig.
+local DEFAULT_CEIL_AHEAD = 256
 
 -- What a request holds of its ceiling with `out` output tokens charged as delivered: its
--- prompt, those tokens and the allowance for the rest (weighted tokens).
+-- prompt, those tokens and the output charged ahead of the rest (weighted tokens).
 local function ceiling_hold(p, input_tokens, w_in, max_tokens, w_out, out)
-  local allowance = math.min(max_tokens - out, p.ceil_allowance or DEFAULT_CEIL_ALLOWANCE)
-  return input_tokens * w_in + (out + math.max(allowance, 0)) * w_out
+  local ahead = math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD)
+  return input_tokens * w_in + (out + math.max(ahead, 0)) * w_out
 end
 
 -- For renew_leases: charge request `id` (its record marked, `charged_out` output tokens
--- charged so far) the output it delivered since, and keep its allowance. `policy`: a function
+-- charged so far) the output it delivered since, and keep its output charged ahead. `policy`: a function
 -- returning the pool's policy (read only when a charge may be due). Returns the record fields
 -- to set (c_ceil, ceil_out) or nil when nothing is due: nothing delivered since, or its class
 -- is gone from the policy (a deploy removed it: its buckets serve no one).
@@ -47,7 +47,7 @@ local function ceiling_charge_delivered(policy, id, charged_out, now)
   local p = policy()
   if p.class[v[2]] == nil then return nil end
   local held = tonumber(v[3]) or 0
-  -- (never below what it holds: an allowance a deploy lowered since is given back at the end)
+  -- (never below what it holds: a charge ahead a deploy lowered since is given back at the end)
   local due = ceiling_hold(p, tonumber(v[4]), tonumber(v[5]), tonumber(v[6]), tonumber(v[7]), out) - held
   local taken = bucket_debit(ceiling_bucket(p, v[2], now), due, nil)
   return {'c_ceil', fmt(held + taken), 'ceil_out', fmt(out)}

@@ -17,7 +17,7 @@
 --!include validate.lua
 
 local POOL_NUMERIC = {'capacity', 'lease_ms', 'max_attempts', 'frontend_ttl_ms', 'floor_half_life_ms',
-  'record_ttl_s', 'floor_quantum', 'ceil_allowance'}
+  'record_ttl_s', 'floor_quantum', 'ceil_ahead'}
 local CLASS_FIELDS = {'rate', 'burst', 'ceil', 'ceil_burst', 'weight', 'out_weight',
   'queue_cap', 'max_wait_ms', 'floor', 'fair'}
 local PACKED_FIELD = '~packed'  -- limiter/keys.py PACKED_POLICY_FIELD

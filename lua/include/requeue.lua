@@ -5,6 +5,7 @@
 --!include lease.lua
 --!include wake.lua
 --!include finish.lua
+--!include ceiling.lua
 
 -- Put a leased request back in its tenant's queue, at its original place (seq), with a new
 -- deadline of its own max wait (a client's shorter X-QoS-Max-Wait-Ms stays shorter).
@@ -21,7 +22,16 @@ local function requeue(p, r, now)
   drop_lease(r)
   r.deadline_ms = now + r.max_wait_ms
   r.state = 'queued'
-  redis.call('HSET', P_REQUEST .. r.id, 'state', 'queued', 'worker', '', 'deadline_ms', r.deadline_ms)
+  local fields = {'state', 'queued', 'worker', '', 'deadline_ms', r.deadline_ms}
+  if r.ceil_out ~= nil then
+    -- the output its worker delivered since its last renewal is charged to its ceiling now,
+    -- not at the next worker's first renewal (include/ceiling.lua): left uncharged meanwhile,
+    -- its class could start requests its ceiling had no room for
+    for _, f in ipairs(ceiling_charge_delivered(function() return p end, r.id, r.ceil_out, now) or {}) do
+      fields[#fields + 1] = f
+    end
+  end
+  redis.call('HSET', P_REQUEST .. r.id, unpack(fields))
   enqueue(p, r)
   keep_alive(p, r.id, r.deadline_ms, now, r.out_tokens == 0)
   redis.call('HINCRBY', K_STATS, r.class .. '.requeued', 1)
