@@ -11,7 +11,7 @@ import dataclasses
 import pytest
 
 from limiter.scripts import policy_document
-from tests.support.helpers import admit, charge_of, class_cfg, init_pool
+from tests.support.helpers import admit, charge_of, class_cfg, init_pool, wait_for
 
 P2C = {"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}
 
@@ -223,3 +223,30 @@ async def test_a_charge_ahead_a_deploy_lowered_mid_request_is_kept_until_the_end
                            token_ids=[1], text="a", offset=5)
     assert_settled(sync_redis, keys, "a")
     check_ledger(sync_redis, keys, ["a"])
+
+
+@pytest.mark.parametrize("how", ["lease_lost", "handed_back"])
+async def test_a_requeue_charges_what_its_worker_delivered_since_its_last_renewal(scripts, sync_redis, how):
+    """A dead worker's tokens (its lease reaped) or a draining worker's (handed back) since its
+    last renewal are charged to the ceiling at the requeue: left to the next worker's first
+    renewal, the class could start what its ceiling had no room for meanwhile (a review)."""
+    keys = await init_pool(scripts, class_cfg(P2=P2C), capacity=10_000)  # P2 ceiling 1,000/s, burst 500
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=1000)
+    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=100)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(300)), text="x" * 300, lease_ms=100)
+    if how == "lease_lost":
+        await wait_for(lambda: _requeued_by_reap(scripts, keys), "the lease to lapse and be reaped",
+                       timeout=30)
+    else:
+        assert await scripts.release(keys, request_id="a", worker_id="w1", fence=a.fence) == "requeued"
+    r = rec(sync_redis, keys, "a")
+    w_in, w_out = float(r["w_in"]), float(r["w_out"])
+    assert (r["state"], r["ceil_out"]) == ("queued", "300"), r
+    assert float(r["c_ceil"]) == 10 * w_in + (300 + 256) * w_out, r
+    check_ledger(sync_redis, keys, ["a"])
+
+
+async def _requeued_by_reap(scripts, keys) -> bool:
+    return (await scripts.reap(keys)).requeued == 1
+

@@ -1315,3 +1315,18 @@ def test_replay_a_request_a_claim_finishes_is_settled_in_the_ledger_that_claim_w
     r0, r1 = records["r0"], records["r1"]
     assert (r0["state"], r0["ended"], r0["out_tokens"]) == ("cancelled", "queued", "2"), r0
     assert r1["state"] == "leased", r1
+
+
+def test_replay_a_request_handed_back_has_its_delivered_output_charged_to_its_ceiling(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """P2's ceiling binds (half of capacity): a P2 request delivers 3 tokens and its worker
+    hands it back before any renewal: its requeue charges the 3 tokens to the ceiling, not
+    the next worker's first renewal (seeded: requeue_charges_no_output, which the random
+    search missed in the runs of the fifty-fourth stop)."""
+    p2 = {"tenant": "t1", "cls": "P2", "input_tokens": 40, "max_tokens": 60, "own_wait": 0, "frontend": "fe1"}
+    records = _replay(monkeypatch, redis_server.url, ("admit", p2),
+            ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
+            ("push", {"pick": 0, "count": 3}),
+            ("release", {"pick": 0, "spent": False}))
+    rec = records["r0"]
+    assert (rec["state"], rec["out_tokens"], rec["ceil_out"]) == ("queued", "3", "3"), rec
