@@ -20,7 +20,8 @@
 -- ARGV[1] policy   JSON: {pool, capacity, lease_ms, max_attempts,
 --                  frontend_ttl_ms, floor_half_life_ms, record_ttl_s, floor_quantum,
 --                  ceil_ahead (output tokens a request is charged ahead at a binding
---                  ceiling, include/ceiling.lua), classes: [{name, rate, burst, ceil, ceil_burst, weight, out_weight,
+--                  ceiling, include/ceiling.lua),
+--                  classes: [{name, rate, burst, ceil, ceil_burst, weight, out_weight,
 --                  queue_cap, max_wait_ms, floor, fair (1: tenants by virtual token
 --                  counter, 0: arrival order; default 1)}, ...] highest priority first}
 --                  rates in weighted tokens/s, bursts in weighted tokens, times in ms

@@ -45,7 +45,8 @@ local function main()
     if not held then
       lost[#lost + 1] = id
     else
-      extend_lease(p, id, now + lease_ms, now, ceil_out and ceiling_charge_delivered(whole_policy, id, ceil_out, now))
+      local charged = ceil_out and ceiling_charge_delivered(whole_policy, id, ceil_out, now)
+      extend_lease(p, id, now + lease_ms, now, charged)
       if cancel ~= 1 and not frontend_alive(p, frontend, now, admitted_ms) then
         flag_cancel(id)
         cancel = 1

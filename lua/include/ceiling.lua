@@ -34,11 +34,12 @@ local function ceiling_hold(p, input_tokens, w_in, max_tokens, w_out, out)
   return input_tokens * w_in + (out + math.max(ahead, 0)) * w_out
 end
 
--- For renew_leases: charge request `id` (its record marked, `charged_out` output tokens
--- charged so far) the output it delivered since, and keep its output charged ahead. `policy`: a function
--- returning the pool's policy (read only when a charge may be due). Returns the record fields
--- to set (c_ceil, ceil_out) or nil when nothing is due: nothing delivered since, or its class
--- is gone from the policy (a deploy removed it: its buckets serve no one).
+-- For renew_leases and requeue: charge request `id` (its record marked, `charged_out` output
+-- tokens charged so far) the output it delivered since, and keep as much charged ahead.
+-- `policy`: a function returning the pool's policy (read only when a charge may be due).
+-- Returns the record fields to set (c_ceil, ceil_out) or nil when nothing is due: nothing
+-- delivered since, or its class is gone from the policy (a deploy removed it: its buckets
+-- serve no one).
 local function ceiling_charge_delivered(policy, id, charged_out, now)
   local v = redis.call('HMGET', P_REQUEST .. id, 'out_tokens', 'class', 'c_ceil', 'input_tokens', 'w_in',
     'max_tokens', 'w_out')
