@@ -820,6 +820,26 @@ async def test_a_request_a_claim_finishes_is_settled_in_the_ledger_that_claim_wr
     assert served["P0"] == pytest.approx(20), served
 
 
+async def test_a_removed_classs_entry_leaves_the_served_ledger_once_it_has_decayed_away(scripts):
+    """A class a deploy renamed leaves nothing in the served ledger for good: its entry,
+    decayed below a billionth of a token, is dropped by the next claim that writes the
+    ledger (kept there, every claim would decay and write it forever)."""
+    cfg = class_cfg()
+    keys = await init_pool(scripts, cfg, capacity=1e9)
+    half_life = cfg.pool("tiny").floor_half_life_ms
+    served = {k.decode(): float(v) for k, v in (await scripts.client.hgetall(keys.served)).items()}
+    now = await redis_ms(scripts.client)
+    # an old class's entry: 1,000 tokens 40 half-lives ago (1e-9 of it is left); another at 1e6
+    await scripts.client.hset(keys.served, mapping={".ts": now - 40 * half_life, "Old": 1000, "Big": 1e6,
+                                                     **{c: v for c, v in served.items() if c != ".ts"}})
+    await admit(scripts, keys, cls="P1", tenant="t1", request_id="r1", input_tokens=10, max_tokens=10)
+    assert [c.request_id for c in (await scripts.claim(keys, "w1", 1)).requests] == ["r1"]
+    after = {k.decode(): float(v) for k, v in (await scripts.client.hgetall(keys.served)).items()}
+    assert "Old" not in after, after
+    assert after["Big"] == pytest.approx(1e6 * 0.5 ** 40, rel=1e-2), after  # decayed, not yet gone
+    assert after["P1"] == pytest.approx(20), after
+
+
 async def test_a_class_a_deploy_removed_is_settled_decayed_and_comes_back_decayed(scripts):
     """The served ledger keeps a class a redeploy removed: its request that ends meanwhile is
     settled in its entry, and the entry decays with the others while the class is gone.

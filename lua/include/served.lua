@@ -48,14 +48,23 @@ local function served_open_ledger(p, now)
   return served_open
 end
 
+-- A removed class's entry decayed below this (weighted tokens) is dropped: a class renamed by
+-- a deploy leaves nothing behind for good (from a million tokens, ~50 half-lives).
+local SERVED_GONE = 1e-9
+
 -- Write the open ledger whole (every class it holds), with the time it is decayed to.
 local function served_write(p, ledger)
-  local fields = {'.ts', ledger.now}
+  local fields, gone = {'.ts', ledger.now}, {}
   for cls, v in pairs(ledger.served) do
-    fields[#fields + 1] = cls
-    fields[#fields + 1] = fmt(v)
+    if p.class[cls] == nil and v < SERVED_GONE then
+      gone[#gone + 1] = cls
+    else
+      fields[#fields + 1] = cls
+      fields[#fields + 1] = fmt(v)
+    end
   end
   redis.call('HSET', K_SERVED, unpack(fields))
+  if #gone > 0 then redis.call('HDEL', K_SERVED, unpack(gone)) end
 end
 
 -- Settle a finished request's entry in the ledger: its first claim charged its reservation
