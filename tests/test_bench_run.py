@@ -567,3 +567,25 @@ def test_a_bad_controller_setting_is_refused_before_the_stack_starts(capsys, ite
     assert main(["bench", "run", "--controller", item]) == 2
     err = capsys.readouterr().err
     assert f"config error: --controller: {said}" in err and "Traceback" not in err, err
+
+
+def test_a_bench_stacks_status_lines_name_the_bench_not_qos_up(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A bench stack stopping printed "qos up: stopping 1 frontends ..." though nobody had run
+    `qos up` (a newcomer's walk): its lines name the bench stack; `qos up`'s keep its name."""
+    import sys
+
+    from limiter.bench.stack import LoggedStack
+    from limiter.localstack.launcher import Child, Stack
+
+    sleeper = [sys.executable, "-c", "import time; time.sleep(60)"]
+    bench = LoggedStack("redis://unused", "http://unused", log_dir=tmp_path)
+    up = Stack("redis://unused", "http://unused")
+    for stack, label in ((bench, "bench stack"), (up, "qos up")):
+        child = Child("fe0", "frontend", sleeper)
+        stack.start(child, {})
+        stack.stop(5.0) if stack is bench else stack.stop({"frontend": 5.0})
+        assert not child.running
+        out = capsys.readouterr().out
+        assert f"{label}: stopping 1 frontends" in out, out
+        assert stack is up or "qos up" not in out, out

@@ -37,6 +37,8 @@ from limiter.localstack.redis_server import RedisServer, free_port
 class LoggedStack(Stack):
     """A :class:`Stack` whose children write to ``log_dir/<child>.log``."""
 
+    label = "bench stack"
+
     def __init__(self, *args: Any, log_dir: Path, **kw: Any) -> None:
         super().__init__(*args, **kw)
         self.log_dir = log_dir

@@ -27,7 +27,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 
@@ -135,6 +135,9 @@ class Child:
 class Stack:
     """The processes of one local stack; :meth:`stop` ends every one of them, in order."""
 
+    # What its status lines start with: `qos up`'s, or a bench's (LoggedStack), whose output
+    # read "qos up: stopping ..." though nobody had run `qos up` (a newcomer's walk)
+    label: ClassVar[str] = "qos up"
     redis_url: str
     base_url: str
     children: list[Child] = field(default_factory=list)
@@ -202,20 +205,20 @@ class Stack:
             group = [c for c in self.children if c.role == role and c.running]
             if not group:
                 continue
-            say(f"qos up: stopping {len(group)} {label} ({what.format(limits[role])})")
+            say(f"{self.label}: stopping {len(group)} {label} ({what.format(limits[role])})")
             for c in group:
                 with contextlib.suppress(ProcessLookupError):
                     c.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + limits[role] + KILL_GRACE_S
             while any(c.running for c in group):
                 if interrupted():
-                    say("qos up: interrupted again: killing every process of the stack now")
+                    say(f"{self.label}: interrupted again: killing every process of the stack now")
                     self.kill()
                     return True
                 if time.monotonic() > deadline:
                     late = [c.name for c in group if c.running]
                     self.killed_late += late
-                    say(f"qos up: {', '.join(late)} did not stop in time; killing", err=True)
+                    say(f"{self.label}: {', '.join(late)} did not stop in time; killing", err=True)
                     for c in group:
                         if c.running:
                             c.proc.kill()
@@ -223,7 +226,7 @@ class Stack:
                 time.sleep(0.05)
         self.kill_children()  # reaps them (each has stopped, or was killed past its limit)
         if self.redis is not None:
-            say("qos up: stopping redis")
+            say(f"{self.label}: stopping redis")
             if isinstance(self.redis, RedisServer):
                 self.redis.terminate(5.0)
             self._stop_redis()
@@ -235,7 +238,7 @@ class Stack:
 
     def _stop_redis(self) -> None:
         if self.redis is not None:
-            _report_unreaped(self.redis.stop() or [])
+            _report_unreaped(self.label, self.redis.stop() or [])
             self.redis = None
 
     def kill_children(self) -> None:
@@ -243,12 +246,13 @@ class Stack:
         ``lifecycle.REAP_TIMEOUT_S``; one that SIGKILL does not end is named, not waited for."""
         for c in self.children:
             c.close_sock()
-        _report_unreaped(lifecycle.kill_and_reap({c.name: c.proc for c in self.children if c.proc}))
+        left = lifecycle.kill_and_reap({c.name: c.proc for c in self.children if c.proc})
+        _report_unreaped(self.label, left)
 
 
-def _report_unreaped(left: list[str]) -> None:
+def _report_unreaped(label: str, left: list[str]) -> None:
     if left:
-        say(f"qos up: {', '.join(left)} still running {lifecycle.REAP_TIMEOUT_S:g} s after SIGKILL "
+        say(f"{label}: {', '.join(left)} still running {lifecycle.REAP_TIMEOUT_S:g} s after SIGKILL "
             f"(stuck in the kernel?); left behind, not waited for", err=True)
 
 
@@ -415,7 +419,7 @@ async def wait_ready(stack: Stack, cfg: config_mod.QosConfig,
                 if now > deadline:
                     raise RuntimeError(f"the stack was not ready within {timeout_s:g} s: {missing}")
                 if now >= next_report:  # never wait silently
-                    say(f"qos up: not ready after {now - started:.0f} s: {missing}", err=True)
+                    say(f"{stack.label}: not ready after {now - started:.0f} s: {missing}", err=True)
                     next_report = now + READY_REPORT_S
                 await asyncio.sleep(0.2)
     finally:
