@@ -204,10 +204,9 @@ BUGS = (
         "complete.lua", "'first_ms', 'claimed_ms', 'cancel',", "'first_ms', 'cancel',"),
     Bug("served_removed_class_stands_still", "the served ledger is written for the policy's classes "
         "alone: a class a deploy removed keeps its entry undecayed, and comes back with it",
-        "include/served.lua", "  for cls, v in pairs(ledger.served) do\n    fields[#fields + 1] = cls\n"
-        "    fields[#fields + 1] = fmt(v)\n",
-        "  for _, cls in ipairs(p.classes) do\n    fields[#fields + 1] = cls\n"
-        "    fields[#fields + 1] = fmt(ledger.served[cls])\n"),
+        "include/served.lua", "  for cls, v in pairs(ledger.served) do\n"
+        "    if p.class[cls] == nil and v < SERVED_GONE then\n",
+        "  for _, cls in ipairs(p.classes) do\n    local v = ledger.served[cls]\n    if false then\n"),
     Bug("complete_reads_no_weight", "complete reads the record without its tenant's weight (refunds as 1)",
         "complete.lua", "'t_rate', 't_burst', 't_weight',\n", "'t_rate', 't_burst',\n"),
     Bug("complete_reads_no_out_weight", "complete reads the record without its output weight",
