@@ -14,6 +14,22 @@ from limiter.scripts import policy_document
 from tests.support.helpers import admit, charge_of, class_cfg, init_pool, wait_for
 
 P2C = {"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}
+CFG = class_cfg(P2=P2C)  # at capacity 10,000: P2's ceiling 1,000/s, its burst 500 (binding)
+
+
+async def p2_pool(scripts):
+    return await init_pool(scripts, CFG, capacity=10_000)
+
+
+async def claimed_with_tokens(scripts, keys, *, tokens=5, max_tokens=100, lease_ms=0, max_wait_ms=0):
+    """P2 request "a" (a 10-token prompt) admitted, claimed by w1 (its ceiling charged: it
+    binds), and ``tokens`` delivered; its claim."""
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=max_tokens,
+                max_wait_ms=max_wait_ms)
+    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=lease_ms)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(tokens)), text="x" * tokens, lease_ms=lease_ms)
+    return a
 
 
 def rec(sync_redis, keys, rid):
@@ -50,11 +66,8 @@ def assert_settled(sync_redis, keys, rid, cls="P2"):
 
 
 async def test_overrun_of_a_marked_request_record_says_what_bucket_took(scripts, sync_redis):
-    keys = await init_pool(scripts, class_cfg(P2=P2C), capacity=10_000)  # P2 ceiling 1,000/s, burst 500
-    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=20)
-    (a,) = (await scripts.claim(keys, "w1", 1)).requests
-    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
-                              token_ids=list(range(5)), text="x" * 5)
+    keys = await p2_pool(scripts)
+    a = await claimed_with_tokens(scripts, keys, max_tokens=20)
     await scripts.renew_leases(keys, "w1", [("a", a.fence)])
     # engine read 200 prompt tokens (overrun)
     await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=200,
@@ -67,11 +80,8 @@ async def test_overrun_of_a_marked_request_record_says_what_bucket_took(scripts,
 
 
 async def test_requeued_after_tokens_then_reclaimed_and_completed(scripts, sync_redis):
-    keys = await init_pool(scripts, class_cfg(P2=P2C), capacity=10_000)  # P2 ceiling 1,000/s, burst 500
-    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100)
-    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=50)).requests
-    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
-                              token_ids=list(range(5)), text="x" * 5, lease_ms=50)
+    keys = await p2_pool(scripts)
+    a = await claimed_with_tokens(scripts, keys, lease_ms=50)
     await scripts.renew_leases(keys, "w1", [("a", a.fence)], lease_ms=50)
     await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=5,
                               token_ids=list(range(7)), text="x" * 7, lease_ms=50)
@@ -93,13 +103,9 @@ async def test_requeued_after_tokens_then_reclaimed_and_completed(scripts, sync_
 @pytest.mark.parametrize("how", ["reap_fail", "expire_queued", "cancel_queued", "release_cancel",
                                  "release_spent_last", "orphan"])
 async def test_every_end_settles_once(scripts, sync_redis, how):
-    cfg = class_cfg(P2=P2C)
-    keys = await init_pool(scripts, cfg, capacity=10_000)  # P2 ceiling 1,000/s, burst 500
-    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100,
-                max_wait_ms=300 if how == "expire_queued" else 0)
-    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=100)).requests
-    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
-                              token_ids=list(range(5)), text="x" * 5, lease_ms=100)
+    keys = await p2_pool(scripts)
+    max_wait_ms = 300 if how == "expire_queued" else 0
+    a = await claimed_with_tokens(scripts, keys, lease_ms=100, max_wait_ms=max_wait_ms)
     await scripts.renew_leases(keys, "w1", [("a", a.fence)], lease_ms=100)
     await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=5,
                               token_ids=list(range(7)), text="x" * 7, lease_ms=100)
@@ -132,13 +138,9 @@ async def test_every_end_settles_once(scripts, sync_redis, how):
 
 
 async def test_class_removed_by_redeploy_mid_request(scripts, sync_redis):
-    cfg = class_cfg(P2=P2C)
-    keys = await init_pool(scripts, cfg, capacity=10_000)  # P2 ceiling 1,000/s, burst 500
-    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100)
-    (a,) = (await scripts.claim(keys, "w1", 1)).requests
-    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
-                              token_ids=list(range(5)), text="x" * 5)
-    cfg2 = dataclasses.replace(cfg, classes=tuple(c for c in cfg.classes if c.name != "P2"))
+    keys = await p2_pool(scripts)
+    a = await claimed_with_tokens(scripts, keys)
+    cfg2 = dataclasses.replace(CFG, classes=tuple(c for c in CFG.classes if c.name != "P2"))
     await scripts.init_pool(keys, policy_document(cfg2, cfg2.pool("tiny"), 1000), reset_rates=False)
     await scripts.renew_leases(keys, "w1", [("a", a.fence)])
     await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=10,
@@ -149,12 +151,8 @@ async def test_class_removed_by_redeploy_mid_request(scripts, sync_redis):
 
 
 async def test_ceiling_stops_binding_mid_request(scripts, sync_redis):
-    cfg = class_cfg(P2=P2C)
-    keys = await init_pool(scripts, cfg, capacity=10_000)  # P2 ceiling 1,000/s, burst 500
-    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=100)
-    (a,) = (await scripts.claim(keys, "w1", 1)).requests
-    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
-                              token_ids=list(range(5)), text="x" * 5)
+    keys = await p2_pool(scripts)
+    a = await claimed_with_tokens(scripts, keys)
     fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
     assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 5000, "P2.ceil_burst": 2500}) == 1
     await scripts.renew_leases(keys, "w1", [("a", a.fence)])
@@ -175,7 +173,7 @@ async def test_cluster_renew_charges_a_binding_ceiling(redis_cluster):
     await client.initialize()
     try:
         scripts = Scripts(client)
-        cfg = class_cfg(P2=P2C)
+        cfg = CFG
         # pools of its own: the cluster is the session's, and test_cluster.py's pools keep
         # their records (a request id met again is the request met again)
         for name in pools_on_different_shards(client, prefix="ceil"):
@@ -205,8 +203,8 @@ async def test_a_charge_ahead_a_deploy_lowered_mid_request_is_kept_until_the_end
     """A redeploy lowers ceiling_ahead_tokens (256 -> 0) while a request runs: its next
     renewal finds it holding more than its new hold (due < 0). Nothing is charged and nothing
     given back then (ceil_out moves on, c_ceil stays); its end settles to what it used."""
-    cfg = class_cfg(P2=P2C)
-    keys = await init_pool(scripts, cfg, capacity=10_000)  # P2 ceiling 1,000/s, burst 500
+    cfg = CFG
+    keys = await p2_pool(scripts)
     await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=1000)
     (a,) = (await scripts.claim(keys, "w1", 1)).requests
     held = float(rec(sync_redis, keys, "a")["c_ceil"])
@@ -230,11 +228,8 @@ async def test_a_requeue_charges_what_its_worker_delivered_since_its_last_renewa
     """A dead worker's tokens (its lease reaped) or a draining worker's (handed back) since its
     last renewal are charged to the ceiling at the requeue: left to the next worker's first
     renewal, the class could start what its ceiling had no room for meanwhile (a review)."""
-    keys = await init_pool(scripts, class_cfg(P2=P2C), capacity=10_000)  # P2 ceiling 1,000/s, burst 500
-    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=10, max_tokens=1000)
-    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=100)).requests
-    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
-                              token_ids=list(range(300)), text="x" * 300, lease_ms=100)
+    keys = await p2_pool(scripts)
+    a = await claimed_with_tokens(scripts, keys, tokens=300, max_tokens=1000, lease_ms=100)
     if how == "lease_lost":
         await wait_for(lambda: _requeued_by_reap(scripts, keys), "the lease to lapse and be reaped",
                        timeout=30)
