@@ -166,8 +166,7 @@ local function main()
   local function ceiling_of(cls)
     local h = ceiling[cls]
     if h == nil then
-      local c = p.class[cls]
-      h = ceiling_binds(p, c) and bucket_get(P_BUCKET .. 'ceil:' .. cls, c.ceil, c.ceil_burst, now)
+      h = ceiling_binds(p, p.class[cls]) and ceiling_bucket(p, cls, now)
       ceiling[cls] = h
     end
     return h

@@ -25,7 +25,7 @@ local function charge_overrun(p, r, over, now, fields)
     r.c_class = r.c_class + bucket_debit(bucket_get(P_BUCKET .. 'class:' .. r.class, c.rate, c.burst, now), over)
   end
   if c and r.c_ceil > 0 and r.ceil_out == nil then  -- (a marked request's: ceiling_settle)
-    r.c_ceil = r.c_ceil + bucket_debit(bucket_get(P_BUCKET .. 'ceil:' .. r.class, c.ceil, c.ceil_burst, now), over)
+    r.c_ceil = r.c_ceil + bucket_debit(ceiling_bucket(p, r.class, now), over)
   end
   if r.c_vtc > 0 and class_fair(p, r.class) then
     r.c_vtc = r.c_vtc + vtc_charge(r.class, r.tenant, over / r.t_weight)
@@ -62,7 +62,7 @@ local function refund_request(p, r, used, now, fields)
       given.r_ceil = ceiling_settle(p, r, used, now, fields)
     elseif r.c_ceil > 0 then
       -- charged its reservation at claim (a claim by an older release)
-      given.r_ceil = bucket_credit(bucket_get(P_BUCKET .. 'ceil:' .. r.class, c.ceil, c.ceil_burst, now),
+      given.r_ceil = bucket_credit(ceiling_bucket(p, r.class, now),
         math.min(unused, r.c_ceil))
     end
   end
