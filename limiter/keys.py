@@ -242,7 +242,8 @@ class PoolKeys:
     def ceil_bucket(self, cls: str) -> str:
         """HASH tokens, ts (+ ledger): a class's ceiling bucket (ceil, ceil_burst), charged as
         the class is served while the ceiling binds (below the pool's capacity): a request's
-        prompt and some output charged ahead at claim, its output at renewals (lua/include/ceiling.lua)."""
+        prompt and some output charged ahead at claim (or, claimed before the ceiling bound, at
+        its first renewal since), its output at renewals (lua/include/ceiling.lua)."""
         return self.bucket_prefix + "ceil:" + check_name("class", cls)
 
     def tenant_bucket(self, tenant: str) -> str:

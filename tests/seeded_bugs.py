@@ -247,13 +247,28 @@ BUGS = (
         "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD)", "0"),
     Bug("renewal_charges_no_output", "a lease renewal does not charge the ceiling the output delivered "
         "since (a class runs past its ceiling until its requests end)",
-        "renew_leases.lua", "ceil_out and ceiling_charge_delivered(whole_policy, id, ceil_out, now)", "nil"),
+        "renew_leases.lua", "charged = ceiling_charge_delivered(whole_policy, id, ceil_out, now)",
+        "charged = nil"),
     Bug("requeue_charges_no_output", "a request requeued (its lease lost, or handed back) leaves the "
         "output its worker delivered since its last renewal off its ceiling until a later renewal",
         "include/requeue.lua", "  if r.ceil_out ~= nil then\n", "  if false then\n"),
     Bug("ceiling_never_settled", "a request whose ceiling was charged as it was served is not settled at "
         "its end (what it used beyond the charges, or its unused prompt, stays off the ceiling)",
         "include/refund.lua", "given.r_ceil = ceiling_settle(p, r, used, now, fields)", "given.r_ceil = 0"),
+    Bug("ceiling_never_marks_late", "a request claimed while its class's ceiling did not bind is "
+        "never charged to it after the controller cuts it (its running requests go on past it)",
+        "renew_leases.lua", "      elseif a_ceiling_binds() then\n", "      elseif false then\n"),
+    Bug("ceiling_base_charged", "a request marked by a renewal (claimed before its ceiling bound) is "
+        "settled at its end to all it used, its base too (what it used before the ceiling bound)",
+        "include/ceiling.lua",
+        "  used = used - (tonumber(redis.call('HGET', P_REQUEST .. r.id, 'ceil_base')) or 0)\n", ""),
+    Bug("ceiling_renewal_charges_base", "a renewal of a request marked by an earlier renewal charges "
+        "its base (what it used before its ceiling bound) as delivered",
+        "include/ceiling.lua", "local held = (tonumber(v[3]) or 0) + (tonumber(v[8]) or 0)",
+        "local held = (tonumber(v[3]) or 0)"),
+    Bug("ceiling_marks_charged", "a renewal marks a request an older release's claim charged its whole "
+        "reservation (no mark) as if never charged: its charge is lost from its record",
+        "include/ceiling.lua", "  if (tonumber(v[1]) or 0) ~= 0 then return nil end\n", ""),
     Bug("refund_caps_at_admitted_burst", "a refund reads the tenant's bucket with the quota its "
         "request was admitted under (a raised quota is cut back to the old burst)",
         "include/refund.lua", "r.t_rate, r.t_burst, now, true),", "r.t_rate, r.t_burst, now),"),

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -168,6 +170,73 @@ async def test_through_a_stack_a_request_claimed_by_its_floor_runs_beside_a_p0_f
         server.stop()
 
 
+@dataclasses.dataclass
+class GreedyStream:
+    """A stack (one frontend, one sim worker at time scale 1) where tenant "greedy" (P2) streams a
+    request reserving 4,000 tokens, read as it comes."""
+    client: Any
+    keys: PoolKeys
+    base: str
+    session: aiohttp.ClientSession
+    rid: str
+
+    async def field(self, name: str) -> str | None:
+        """A field of the greedy request's record."""
+        v = await self.client.hget(self.keys.request_prefix + self.rid, name)
+        return v.decode() if v is not None else None
+
+    async def delivered(self) -> int:
+        return int(await self.field("out_tokens") or 0)
+
+
+@contextlib.asynccontextmanager
+async def greedy_stream(tmp_path: Path, p2: dict[str, Any]) -> AsyncIterator[GreedyStream]:
+    """:class:`GreedyStream` on a pool of capacity 4,000 whose class P2 has the fields ``p2``,
+    once the greedy request has delivered its first token."""
+    server = RedisServer().start()
+    client = aioredis.from_url(server.url)
+    config = base_config(server.url, capacity=4000, classes={"P2": p2})
+    config["tenants"].append({"name": "greedy", "key_sha256": [hash_key("greedy-key")], "default_class": "P2",
+                              "max_class": "P2", "rate_tokens_s": 1e9, "burst_s": 1.0})
+    stack = LiveStack(tmp_path, config)
+    reader: asyncio.Task[None] | None = None
+    try:
+        stack.frontend("fe0")
+        stack.worker("w0", time_scale=1.0)
+        await stack.wait_ready(client)
+        async with aiohttp.ClientSession() as s:
+            body = {"model": "tiny", "prompt": "a long answer, please", "max_tokens": 4000, "stream": True}
+            greedy = await s.post(f"{stack.base('fe0')}/v1/completions",
+                                  headers={"Authorization": "Bearer greedy-key"}, json=body)
+            assert greedy.status == 200, await greedy.text()
+
+            async def read_on() -> None:  # a client reading its stream as it comes
+                async for _line in greedy.content:
+                    pass
+
+            reader = asyncio.create_task(read_on())
+            rid = greedy.headers["X-QoS-Request-Id"]
+            g = GreedyStream(client, PoolKeys("tiny"), stack.base("fe0"), s, rid)
+            await wait_for(lambda: _delivered_some(g), "the greedy request's first token", timeout=60)
+            yield g
+    finally:
+        if reader:
+            reader.cancel()
+            await asyncio.gather(reader, return_exceptions=True)
+        stack.stop()
+        with contextlib.suppress(Exception):
+            await client.aclose()
+        server.stop()
+
+
+async def _delivered_some(g: GreedyStream) -> bool:
+    return await g.delivered() > 0
+
+
+async def _marked(g: GreedyStream) -> bool:
+    return await g.field("ceil_out") is not None
+
+
 async def test_through_a_stack_one_long_reservation_does_not_hold_its_class_at_a_binding_ceiling(
     tmp_path: Path,
 ) -> None:
@@ -179,55 +248,52 @@ async def test_through_a_stack_one_long_reservation_does_not_hold_its_class_at_a
     it put the ceiling ~3,900 tokens in debt, and the other tenant waited ~19 s for it to
     refill while the greedy request delivered well over a thousand tokens (the 2026-12-07
     adversarial-tenant review: 3.8 s against 0.07 s on its stack; lua/include/ceiling.lua)."""
-    server = RedisServer().start()
-    client = aioredis.from_url(server.url)
-    config = base_config(server.url, capacity=4000, classes={"P2": {"ceil_share": 0.05}})
-    config["tenants"].append({"name": "greedy", "key_sha256": [hash_key("greedy-key")], "default_class": "P2",
-                              "max_class": "P2", "rate_tokens_s": 1e9, "burst_s": 1.0})
-    stack = LiveStack(tmp_path, config)
-    keys = PoolKeys("tiny")
-    reader: asyncio.Task[None] | None = None
-    try:
-        stack.frontend("fe0")
-        stack.worker("w0", time_scale=1.0)
-        await stack.wait_ready(client)
-        base = stack.base("fe0")
-        async with aiohttp.ClientSession() as s:
-            body = {"model": "tiny", "prompt": "a long answer, please", "max_tokens": 4000, "stream": True}
-            greedy = await s.post(f"{base}/v1/completions", headers={"Authorization": "Bearer greedy-key"},
-                                  json=body)
-            assert greedy.status == 200, await greedy.text()
-            rid = greedy.headers["X-QoS-Request-Id"]
+    async with greedy_stream(tmp_path, {"ceil_share": 0.05}) as g:
+        t0 = time.monotonic()
+        async with g.session.post(f"{g.base}/v1/completions", headers={"Authorization": f"Bearer {KEY_P2}"},
+                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 5}) as r:
+            answer = await r.json()
+        out = await g.delivered()
+        print(f"[ceiling] the other P2 tenant's request answered in {time.monotonic() - t0:.2f} s; "
+              f"the greedy request had delivered {out} tokens")
+        assert r.status == 200 and answer["usage"]["completion_tokens"] == 5, answer
+        # answered while the greedy request runs, long before a reservation's debt refilled
+        assert await g.field("state") == "leased" and out < 600, out
+        rec = {k.decode(): v.decode(errors="replace")
+               for k, v in (await g.client.hgetall(g.keys.request_prefix + g.rid)).items() if k != b"payload"}
+        assert float(rec["c_ceil"]) < float(rec["cost"]) / 4, rec
 
-            async def read_on() -> None:  # a client reading its stream as it comes
-                async for _line in greedy.content:
-                    pass
 
-            reader = asyncio.create_task(read_on())
-
-            async def delivered() -> int:
-                return int(await client.hget(keys.request_prefix + rid, "out_tokens") or 0)
-
-            await wait_for(delivered, "the greedy request's first token", timeout=60)
-            t0 = time.monotonic()
-            async with s.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY_P2}"},
-                              json={"model": "tiny", "prompt": "hi", "max_tokens": 5}) as r:
-                answer = await r.json()
-            out = await delivered()
-            print(f"[ceiling] the other P2 tenant's request answered in {time.monotonic() - t0:.2f} s; "
-                  f"the greedy request had delivered {out} tokens")
-            state = (await client.hget(keys.request_prefix + rid, "state") or b"").decode()
-            assert r.status == 200 and answer["usage"]["completion_tokens"] == 5, answer
-            # answered while the greedy request runs, long before a reservation's debt refilled
-            assert state == "leased" and out < 600, (state, out)
-            rec = {k.decode(): v.decode(errors="replace")
-                   for k, v in (await client.hgetall(keys.request_prefix + rid)).items() if k != b"payload"}
-            assert float(rec["c_ceil"]) < float(rec["cost"]) / 4, rec
-    finally:
-        if reader:
-            reader.cancel()
-            await asyncio.gather(reader, return_exceptions=True)
-        stack.stop()
-        with contextlib.suppress(Exception):
-            await client.aclose()
-        server.stop()
+async def test_through_a_stack_a_ceiling_cut_holds_the_class_its_running_request_already_fills(
+    tmp_path: Path,
+) -> None:
+    """P2's ceiling does not bind when a greedy P2 tenant's long stream starts (~90 tokens/s
+    on the sim worker, 4,000 reserved); the controller then cuts it to 40 tokens/s (burst
+    20; its guarantee to 10), below what that one request is served. Its next lease renewal
+    (every ~0.33 s at this stack's 1 s lease) marks it and charges it from then on, so the
+    class is over its ceiling: another P2 tenant's request is refused while the greedy one
+    runs (429 max_wait_exceeded: it could not start within its 2 s max wait). Left
+    unmarked, a request claimed before the cut was never charged (the fifty-fourth stop's
+    note): the class's bucket stayed full and the other request was answered at once (0.08
+    s), the class served past its ceiling for as long as the greedy request ran
+    (lua/include/ceiling.lua ceiling_mark)."""
+    from limiter.scripts import Scripts
+    async with greedy_stream(tmp_path, {"ceil_share": 1.0}) as g:
+        assert await g.field("ceil_out") is None  # claimed while the ceiling did not bind
+        scripts = Scripts(g.client)
+        fence, _ = await scripts.acquire_leader(g.keys, "test-controller", 60_000)
+        # (its guarantee too: set_rates keeps a ceiling at or above the guarantee)
+        cut = {"P2.rate": 10, "P2.burst": 5, "P2.ceil": 40, "P2.ceil_burst": 20}
+        assert await scripts.set_rates(g.keys, "test-controller", fence, {}, cut) == 1
+        await wait_for(lambda: _marked(g), "a renewal to mark the greedy request", timeout=60)
+        t0 = time.monotonic()
+        async with g.session.post(f"{g.base}/v1/completions",
+                                  headers={"Authorization": f"Bearer {KEY_P2}", "X-QoS-Max-Wait-Ms": "2000"},
+                                  json={"model": "tiny", "prompt": "hi", "max_tokens": 5}) as r:
+            answer = await r.json()
+        state = await g.field("state")
+        print(f"[ceiling cut] the other P2 tenant's request: {r.status} in {time.monotonic() - t0:.2f} s; "
+              f"the greedy request: {state}, {await g.delivered()} tokens delivered, base "
+              f"{await g.field('ceil_base')}, charged {await g.field('c_ceil')}")
+        assert state == "leased", state  # the greedy request still runs
+        assert (r.status, answer["error"]["code"]) == (429, "max_wait_exceeded"), answer

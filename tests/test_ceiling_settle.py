@@ -52,12 +52,14 @@ def check_ledger(sync_redis, keys, rids, cls="P2"):
 
 
 def assert_settled(sync_redis, keys, rid, cls="P2"):
-    """The request's ceiling charge was settled to what it used (helpers.charge_of): charged
-    the rest where it used more than it held, else given back the difference -- less where
+    """The request's ceiling charge was settled to what it used (helpers.charge_of) beyond
+    its base (what it used before a ceiling bound: ``ceil_base``): charged the rest where it
+    used more than it held, else given back the difference -- less where
     the credit would have lifted the bucket past its burst (then the bucket is at its burst:
     it was the bucket's last write)."""
     r = rec(sync_redis, keys, rid)
-    c, back, used = float(r["c_ceil"]), float(r.get("r_ceil") or 0), charge_of(r)
+    used = charge_of(r) - float(r.get("ceil_base") or 0)
+    c, back = float(r["c_ceil"]), float(r.get("r_ceil") or 0)
     if c - back == pytest.approx(used):
         return r
     b = bucket(sync_redis, keys, cls)
@@ -245,3 +247,44 @@ async def test_a_requeue_charges_what_its_worker_delivered_since_its_last_renewa
 async def _requeued_by_reap(scripts, keys) -> bool:
     return (await scripts.reap(keys)).requeued == 1
 
+
+
+async def test_a_ceiling_that_starts_binding_mid_request_charges_what_it_serves_from_then(
+        scripts, sync_redis):
+    """P2 is claimed while its ceiling does not bind (at capacity), then the controller cuts
+    it (binding) while the request runs: its next renewal marks it -- what it used until then
+    (its prompt, 5 tokens) is its base, never charged, and the output ahead is charged -- and
+    from then on it is charged as served, settled at its end to what it used beyond its base.
+    Left unmarked, a running request was never charged (the fifty-fourth stop's note): a cut
+    ceiling held only the class's new requests, and its running ones (a long generation runs
+    for minutes) ran past it until they ended."""
+    keys = await init_pool(scripts, class_cfg(P2={**P2C, "ceil_share": 1.0}), capacity=10_000)
+    a = await claimed_with_tokens(scripts, keys, max_tokens=1000)
+    assert "ceil_out" not in rec(sync_redis, keys, "a")  # not binding at the claim: not charged
+    fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
+    assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 1000, "P2.ceil_burst": 500}) == 1
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    r = rec(sync_redis, keys, "a")
+    w_in, w_out = float(r["w_in"]), float(r["w_out"])
+    assert (r["ceil_out"], float(r["ceil_base"])) == ("5", 10 * w_in + 5 * w_out), r
+    assert float(r["c_ceil"]) == pytest.approx(256 * w_out), r  # the output ahead, no more
+    check_ledger(sync_redis, keys, ["a"])
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=5,
+                              token_ids=list(range(300)), text="x" * 300)
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    r = rec(sync_redis, keys, "a")
+    assert (r["ceil_out"], float(r["c_ceil"])) == ("305", pytest.approx((300 + 256) * w_out)), r
+    await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=10,
+                           token_ids=[1], text="a", offset=305)
+    r = assert_settled(sync_redis, keys, "a")
+    assert float(r["c_ceil"]) - float(r["r_ceil"]) == pytest.approx(301 * w_out), r  # not its base
+    check_ledger(sync_redis, keys, ["a"])
+
+
+async def test_a_ceiling_that_never_binds_marks_nothing_at_renewals(scripts, sync_redis):
+    keys = await init_pool(scripts, class_cfg(P2={**P2C, "ceil_share": 1.0}), capacity=10_000)
+    a = await claimed_with_tokens(scripts, keys, max_tokens=1000)
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    r = rec(sync_redis, keys, "a")
+    assert "ceil_out" not in r and "ceil_base" not in r and float(r["c_ceil"]) == 0, r
+    assert not sync_redis.exists(keys.ceil_bucket("P2"))

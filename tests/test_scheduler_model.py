@@ -19,8 +19,9 @@ seen to fail with a bug seeded by hand (tests/seeded_bugs.py plants each one aga
 3. Counters: queued count and cost per class, backlogged tenants per class, leased per
    class and unfinished per tenant all equal what the records say.
 4. Conservation: each bucket's ledger balances (tokens = start + refilled - debited +
-   refunded) with refunded <= debited; a request's first claim charges its guarantee and
-   its ceiling bucket either nothing or its whole cost; sums over the requests' recorded charges and
+   refunded) with refunded <= debited; a request's first claim charges its guarantee
+   either nothing or its whole cost, and a binding ceiling what the request is served
+   (check_ceiling_charge); sums over the requests' recorded charges and
    refunds equal the bucket's debits and refunds, each request's refund to each bucket (and
    to its tenant's counter) is at most what it was charged, a request's tenant charge
    is exactly its cost (plus its overrun: what its worker's usage came to beyond its cost),
@@ -721,15 +722,25 @@ class LifecycleModel(RuleBasedStateMachine):
     @rule(worker=st.sampled_from(WORKERS))
     def renew(self, worker: str) -> None:
         mine = [(rid, f) for rid, (w, f) in self.held.items() if w == worker]
+        marked = {rid for rid, _ in mine if "ceil_out" in self.record(rid)}
         res = self.run(self.scripts.renew_leases(KEYS, worker, mine))
         for rid in res.lost:
             self.held.pop(rid, None)
+        policy = policy_text(self.r.hgetall(KEYS.policy))
         for rid, _fence in mine:
             rec = self.record(rid)
-            # a renewal charges a ceiling the output delivered since the last (include/ceiling.lua)
-            if rid not in res.lost and "ceil_out" in rec and self.known[rid].cls in self.present:
+            cls = self.known[rid].cls
+            if rid in res.lost or cls not in self.present:
+                continue
+            # a renewal charges a ceiling the output delivered since the last; one that binds
+            # now marks a request never charged, from then on (include/ceiling.lua)
+            if float(policy[f"{cls}.ceil"]) < float(policy["capacity"]):
+                assert "ceil_out" in rec, f"{rid}: renewed under its class's binding ceiling, not marked"
+            if "ceil_out" in rec:
                 assert rec["ceil_out"] == rec.get("out_tokens", "0"), (
                     f"{rid}: renewed with {rec.get('out_tokens')} tokens out, {rec['ceil_out']} charged")
+                if rid not in marked:
+                    event("a renewal marked a request its ceiling did not bind at its claim")
 
     @rule()
     def reap(self) -> None:
@@ -980,7 +991,9 @@ class LifecycleModel(RuleBasedStateMachine):
         charge cut at the burst let a class past its ceiling by a burst every burst_s);
         renewals and requeues charge the output delivered since; its end settles the charge to
         what it used, unless its class had left the policy (a refund never lifts a bucket past its
-        burst). A request never marked was never charged."""
+        burst). A request never marked was never charged. One marked by a renewal (its ceiling
+        did not bind at its claim) holds and is settled to all that less its base
+        (``ceil_base``: its prompt and the output it had delivered then)."""
         k = self.known[rid]
         c, r = _f(rec.get("c_ceil")), _f(rec.get("r_ceil"))
         if "ceil_out" not in rec:
@@ -993,8 +1006,13 @@ class LifecycleModel(RuleBasedStateMachine):
             assert charged_out == int(rec.get("out_tokens") or 0), (
                 f"{rid}: requeued with {rec.get('out_tokens')} tokens delivered, {charged_out} charged")
         ahead = max(min(int(rec["max_tokens"]) - charged_out, self.pool.ceiling_ahead_tokens), 0)
-        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + (charged_out + ahead) * _f(rec["w_out"])
-        used = charge_of(rec)
+        base = _f(rec.get("ceil_base"))
+        if "ceil_base" in rec:  # its prompt and the output it had delivered when it was marked
+            prompt, w_out = int(rec["input_tokens"]) * _f(rec["w_in"]), _f(rec["w_out"])
+            assert prompt - EPS <= base <= prompt + charged_out * w_out + EPS, (
+                f"{rid}: its base {base}; its prompt {prompt}, {charged_out} tokens charged as delivered")
+        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + (charged_out + ahead) * _f(rec["w_out"]) - base
+        used = charge_of(rec) - base if rec.get("state") in TERMINAL else 0.0
         if rec.get("state") in TERMINAL and not k.class_gone_at_finish and used > so_far + EPS:
             # charged the rest of what it used at its end
             assert abs(c - used) < EPS and r == 0, \
@@ -1104,6 +1122,32 @@ def test_replay_a_binding_ceiling_charges_a_request_past_its_burst_in_full(
                    ("push", {"pick": 0, "count": 40}), ("renew", {"worker": "w1"}))
     (rec,) = recs.values()
     assert (rec["state"], _f(rec["c_ceil"]), rec["ceil_out"]) == ("leased", 150 + (40 + 30) * 2, "40"), rec
+
+
+def test_replay_a_ceiling_cut_mid_request_charges_it_from_its_next_renewal(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A P0 request (prompt 150, 90 tokens reserved) is claimed while P0's ceiling does not
+    bind and delivers 20 tokens; the controller cuts the ceiling (100 tokens/s, binding at
+    capacity 8,000); the next renewal marks it: its base is its prompt and the 20 tokens
+    (never charged), and it holds the pool's 30 tokens charged ahead; 25 more tokens and a
+    renewal charge them; its end settles to what it used beyond its base (seeded:
+    ceiling_never_marks_late, which the random search never met: a cut between a claim and
+    a renewal of the 150 ms lease)."""
+    p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,
+          "frontend": "fe1"}
+    cut = ("set_rates", {"pick": 0, "rate": 2800.0, "ceil": 100.0, "burst_s": 0.5, "capacity": 8000.0})
+    steps = [("admit", p0), ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
+             ("push", {"pick": 0, "count": 20}), cut, ("renew", {"worker": "w1"})]
+    (rec,) = _replay(monkeypatch, redis_server.url, *steps).values()
+    assert (rec["state"], rec["ceil_out"], _f(rec["ceil_base"]), _f(rec["c_ceil"])) == (
+        "leased", "20", 150 + 20 * 2, 30 * 2), rec
+    steps += [("push", {"pick": 0, "count": 25}), ("renew", {"worker": "w1"})]
+    (rec,) = _replay(monkeypatch, redis_server.url, *steps).values()
+    assert (rec["ceil_out"], _f(rec["c_ceil"])) == ("45", (25 + 30) * 2), rec
+    steps.append(("complete", {"pick": 0, "outcome": "ok", "out_share": 1.0, "in_share": 1.0}))
+    (rec,) = _replay(monkeypatch, redis_server.url, *steps).values()
+    assert rec["state"] == "done" and _f(rec["c_ceil"]) - _f(rec.get("r_ceil")) == pytest.approx(
+        charge_of(rec) - _f(rec["ceil_base"])), rec
 
 
 def test_replay_a_request_that_used_more_than_it_reserved_is_charged_the_rest(

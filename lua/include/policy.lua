@@ -85,12 +85,12 @@ local function load_policy(policy_key)
 end
 
 -- A few pool fields only, for the scripts that need nothing else (push_tokens, renew_leases):
--- {key = policy_key, <f> = number for f in names}, from one HMGET of those fields (cheaper
--- there than unpacking the whole policy).
+-- {key = policy_key, classes = 'P0,P1,...', <f> = number for f in names}, from one HMGET of
+-- those fields (cheaper there than unpacking the whole policy).
 local function load_pool_fields(policy_key, names)
   local vals = redis.call('HMGET', policy_key, 'classes', unpack(names))
   if not vals[1] then fail_no_policy(policy_key) end
-  local p = {key = policy_key}
+  local p = {key = policy_key, classes = vals[1]}
   for i, f in ipairs(names) do p[f] = tonumber(vals[i + 1]) end
   return p
 end
