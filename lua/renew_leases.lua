@@ -57,13 +57,13 @@ local function main()
   end
   for _, e in ipairs(entries) do
     local id = e[1]
-    local held, cancel, frontend, admitted_ms, ceil_out = leased_for_renewal(id, worker_id, e[2])
+    local held, cancel, frontend, admitted_ms, ceil_out, ceil_from = leased_for_renewal(id, worker_id, e[2])
     if not held then
       lost[#lost + 1] = id
     else
       local charged
       if ceil_out then
-        charged = ceiling_charge_delivered(whole_policy, id, ceil_out, now)
+        charged = ceiling_charge_delivered(whole_policy, id, ceil_out, ceil_from, now)
       elseif a_ceiling_binds() then
         charged = ceiling_mark(whole_policy, id, now)
       end

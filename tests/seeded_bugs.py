@@ -247,7 +247,7 @@ BUGS = (
         "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD)", "0"),
     Bug("renewal_charges_no_output", "a lease renewal does not charge the ceiling the output delivered "
         "since (a class runs past its ceiling until its requests end)",
-        "renew_leases.lua", "charged = ceiling_charge_delivered(whole_policy, id, ceil_out, now)",
+        "renew_leases.lua", "charged = ceiling_charge_delivered(whole_policy, id, ceil_out, ceil_from, now)",
         "charged = nil"),
     Bug("requeue_charges_no_output", "a request requeued (its lease lost, or handed back) leaves the "
         "output its worker delivered since its last renewal off its ceiling until a later renewal",
@@ -259,13 +259,21 @@ BUGS = (
         "never charged to it after the controller cuts it (its running requests go on past it)",
         "renew_leases.lua", "      elseif a_ceiling_binds() then\n", "      elseif false then\n"),
     Bug("ceiling_base_charged", "a request marked by a renewal (claimed before its ceiling bound) is "
-        "settled at its end to all it used, its base too (what it used before the ceiling bound)",
+        "settled at its end to all it used, its prompt and output before the mark too",
         "include/ceiling.lua",
-        "  used = used - (tonumber(redis.call('HGET', P_REQUEST .. r.id, 'ceil_base')) or 0)\n", ""),
-    Bug("ceiling_renewal_charges_base", "a renewal of a request marked by an earlier renewal charges "
-        "its base (what it used before its ceiling bound) as delivered",
-        "include/ceiling.lua", "local held = (tonumber(v[3]) or 0) + (tonumber(v[8]) or 0)",
-        "local held = (tonumber(v[3]) or 0)"),
+        "  if r.ceil_from then used = math.max(r.out_tokens - r.ceil_from, 0) * r.w_out end\n", ""),
+    Bug("ceiling_settles_all_it_used", "a request marked late is settled to what its end counted less "
+        "its prompt and its output before the mark (an end that counted less, such as a request stopped "
+        "before its prefill, gives the ceiling back more than it was charged)",
+        "include/ceiling.lua",
+        "  if r.ceil_from then used = math.max(r.out_tokens - r.ceil_from, 0) * r.w_out end\n",
+        "  if r.ceil_from then used = used - (r.input_tokens * r.w_in + r.ceil_from * r.w_out) end\n"),
+    Bug("ceiling_hold_ignores_mark", "a request marked late holds (and its renewals charge) its prompt "
+        "and the output it delivered before its mark",
+        "include/ceiling.lua", "  if from then return (out - from + ahead) * w_out end\n", ""),
+    Bug("ceiling_late_mark_numeric", "a late mark is written as a plain number, as a mark at claim "
+        "(this release and the one before then charge the request its prompt and its output before the mark)",
+        "include/ceiling.lua", "  if from then return fmt(out) .. '@' .. fmt(from) end\n", ""),
     Bug("ceiling_marks_charged", "a renewal marks a request an older release's claim charged its whole "
         "reservation (no mark) as if never charged: its charge is lost from its record",
         "include/ceiling.lua", "  if (tonumber(v[1]) or 0) ~= 0 then return nil end\n", ""),

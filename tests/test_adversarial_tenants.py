@@ -293,7 +293,7 @@ async def test_through_a_stack_a_ceiling_cut_holds_the_class_its_running_request
             answer = await r.json()
         state = await g.field("state")
         print(f"[ceiling cut] the other P2 tenant's request: {r.status} in {time.monotonic() - t0:.2f} s; "
-              f"the greedy request: {state}, {await g.delivered()} tokens delivered, base "
-              f"{await g.field('ceil_base')}, charged {await g.field('c_ceil')}")
+              f"the greedy request: {state}, {await g.delivered()} tokens delivered, ceil_out "
+              f"{await g.field('ceil_out')}, charged {await g.field('c_ceil')}")
         assert state == "leased", state  # the greedy request still runs
         assert (r.status, answer["error"]["code"]) == (429, "max_wait_exceeded"), answer

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import shutil
 
 import pytest
 
-from limiter.scripts import policy_document
-from tests.support.helpers import admit, charge_of, class_cfg, init_pool, wait_for
+from limiter.scripts import Scripts, lua_dir, policy_document
+from tests.support.helpers import admit, ceil_mark, charge_of, class_cfg, init_pool, wait_for
 
 P2C = {"ceil_share": 0.1, "floor": 0.0, "max_wait_ms": 600_000}
 CFG = class_cfg(P2=P2C)  # at capacity 10,000: P2's ceiling 1,000/s, its burst 500 (binding)
@@ -52,14 +53,19 @@ def check_ledger(sync_redis, keys, rids, cls="P2"):
 
 
 def assert_settled(sync_redis, keys, rid, cls="P2"):
-    """The request's ceiling charge was settled to what it used (helpers.charge_of) beyond
-    its base (what it used before a ceiling bound: ``ceil_base``): charged the rest where it
-    used more than it held, else given back the difference -- less where
+    """The request's ceiling charge was settled to what it used (helpers.charge_of) -- marked
+    late (helpers.ceil_mark), the output it delivered after its mark (its prompt, all of it,
+    whatever its engine counted, was read before its ceiling bound): charged the rest
+    where it used more than it held, else given back the difference -- less where
     the credit would have lifted the bucket past its burst (then the bucket is at its burst:
-    it was the bucket's last write)."""
+    it was the bucket's last write); never more than it was charged."""
     r = rec(sync_redis, keys, rid)
-    used = charge_of(r) - float(r.get("ceil_base") or 0)
+    used = charge_of(r)
+    _, late = ceil_mark(r)
+    if late is not None:
+        used = max(int(r.get("out_tokens") or 0) - late, 0) * float(r["w_out"])
     c, back = float(r["c_ceil"]), float(r.get("r_ceil") or 0)
+    assert back <= c + 1e-9, (r, back, c)
     if c - back == pytest.approx(used):
         return r
     b = bucket(sync_redis, keys, cls)
@@ -252,9 +258,10 @@ async def _requeued_by_reap(scripts, keys) -> bool:
 async def test_a_ceiling_that_starts_binding_mid_request_charges_what_it_serves_from_then(
         scripts, sync_redis):
     """P2 is claimed while its ceiling does not bind (at capacity), then the controller cuts
-    it (binding) while the request runs: its next renewal marks it -- what it used until then
-    (its prompt, 5 tokens) is its base, never charged, and the output ahead is charged -- and
-    from then on it is charged as served, settled at its end to what it used beyond its base.
+    it (binding) while the request runs: its next renewal marks it after its 5th token
+    (``ceil_out`` "5@5") -- what it used until then (its prompt, 5 tokens) is never charged,
+    and the output ahead is charged -- and from then on it is charged as served, settled at
+    its end to the output it delivered after its mark.
     Left unmarked, a running request was never charged (the fifty-fourth stop's note): a cut
     ceiling held only the class's new requests, and its running ones (a long generation runs
     for minutes) ran past it until they ended."""
@@ -265,15 +272,15 @@ async def test_a_ceiling_that_starts_binding_mid_request_charges_what_it_serves_
     assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 1000, "P2.ceil_burst": 500}) == 1
     await scripts.renew_leases(keys, "w1", [("a", a.fence)])
     r = rec(sync_redis, keys, "a")
-    w_in, w_out = float(r["w_in"]), float(r["w_out"])
-    assert (r["ceil_out"], float(r["ceil_base"])) == ("5", 10 * w_in + 5 * w_out), r
+    w_out = float(r["w_out"])
+    assert r["ceil_out"] == "5@5", r
     assert float(r["c_ceil"]) == pytest.approx(256 * w_out), r  # the output ahead, no more
     check_ledger(sync_redis, keys, ["a"])
     await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=5,
                               token_ids=list(range(300)), text="x" * 300)
     await scripts.renew_leases(keys, "w1", [("a", a.fence)])
     r = rec(sync_redis, keys, "a")
-    assert (r["ceil_out"], float(r["c_ceil"])) == ("305", pytest.approx((300 + 256) * w_out)), r
+    assert (r["ceil_out"], float(r["c_ceil"])) == ("305@5", pytest.approx((300 + 256) * w_out)), r
     await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=10,
                            token_ids=[1], text="a", offset=305)
     r = assert_settled(sync_redis, keys, "a")
@@ -286,5 +293,132 @@ async def test_a_ceiling_that_never_binds_marks_nothing_at_renewals(scripts, syn
     a = await claimed_with_tokens(scripts, keys, max_tokens=1000)
     await scripts.renew_leases(keys, "w1", [("a", a.fence)])
     r = rec(sync_redis, keys, "a")
-    assert "ceil_out" not in r and "ceil_base" not in r and float(r["c_ceil"]) == 0, r
+    assert "ceil_out" not in r and float(r["c_ceil"]) == 0, r
     assert not sync_redis.exists(keys.ceil_bucket("P2"))
+
+
+@pytest.mark.parametrize("how", ["cancelled_unstarted", "release_cancelled", "handed_back_then_cancelled",
+                                 "engine_counted_less"])
+async def test_a_request_marked_late_is_never_given_back_more_than_its_ceiling_was_charged(
+        scripts, sync_redis, how):
+    """A review of the late mark: request "a" (a 200-token prompt) is claimed while P2's
+    ceiling does not bind and has delivered nothing when the controller cuts it; its next
+    renewal marks it (what it used then, its prompt, never charged: its base). Its end then
+    counts less than its base (a first version took the base from what the end counted): stopped
+    before its prefill (a worker's look-ahead, complete's usage_in 0: worker/claim_step_loop.py),
+    handed back unstarted and cancelled, or an engine that counted fewer prompt tokens than
+    the frontend. ``used - base`` went negative and the settle gave the ceiling back its
+    charge *and* the part of the base it did not use (r_ceil > c_ceil): the bucket gained
+    what no request had paid (here the other request "b", charged after the cut, held the
+    bucket below its burst, so the credit was not capped)."""
+    keys = await init_pool(scripts, class_cfg(P2={**P2C, "ceil_share": 1.0}), capacity=10_000)
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=200, max_tokens=1000)
+    (a,) = (await scripts.claim(keys, "w1", 1)).requests
+    fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
+    assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 1000, "P2.ceil_burst": 500}) == 1
+    await admit(scripts, keys, cls="P2", request_id="b", tenant="t2", input_tokens=400, max_tokens=100)
+    assert len((await scripts.claim(keys, "w2", 1)).requests) == 1
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    r = rec(sync_redis, keys, "a")
+    w_out = float(r["w_out"])
+    assert r["ceil_out"] == "0@0", r
+    if how == "cancelled_unstarted":
+        await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="cancelled",
+                               usage_in=0, finish_reason="cancelled")
+    elif how == "release_cancelled":
+        await scripts.cancel(keys, "a", "t1")
+        assert await scripts.release(keys, request_id="a", worker_id="w1", fence=a.fence) == "cancelled"
+    elif how == "handed_back_then_cancelled":
+        assert await scripts.release(keys, request_id="a", worker_id="w1", fence=a.fence) == "requeued"
+        assert await scripts.cancel(keys, "a", "t1") == "cancelled"
+    else:  # its engine counted 150 prompt tokens where the frontend counted 200, and 10 were delivered
+        await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok",
+                               usage_in=150, token_ids=list(range(10)), text="x" * 10, offset=0)
+    r = rec(sync_redis, keys, "a")
+    assert r["state"] in ("done", "cancelled"), r
+    c, back = float(r["c_ceil"]), float(r["r_ceil"])
+    assert back <= c + 1e-9, f"given back {back}, charged {c}: {r}"
+    # what it used after its mark (the output delivered since; its prompt, whatever the engine
+    # counted, was used before the ceiling bound) is what it is charged
+    assert c - back == pytest.approx(int(r.get("out_tokens") or 0) * w_out), r
+    check_ledger(sync_redis, keys, ["a", "b"])
+
+
+async def test_a_request_marked_late_is_not_charged_the_prompt_its_engine_counted_beyond_the_frontend(
+        scripts, sync_redis):
+    """As above, but its engine counted 300 prompt tokens where the frontend counted 200 (an
+    overrun): the whole prompt was read before the ceiling bound -- the base is "what it used
+    until then" -- yet the settle charged the ceiling the 100 tokens beyond the frontend's
+    count, as if they had been served under it."""
+    keys = await init_pool(scripts, class_cfg(P2={**P2C, "ceil_share": 1.0}), capacity=10_000)
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=200, max_tokens=1000)
+    (a,) = (await scripts.claim(keys, "w1", 1)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(5)), text="x" * 5)
+    fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
+    assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 1000, "P2.ceil_burst": 500}) == 1
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)])
+    await scripts.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok", usage_in=300,
+                           token_ids=list(range(10)), text="x" * 10, offset=5)
+    r = rec(sync_redis, keys, "a")
+    w_out = float(r["w_out"])
+    # the 10 tokens since its mark
+    assert float(r["c_ceil"]) - float(r.get("r_ceil") or 0) == pytest.approx(10 * w_out), r
+    check_ledger(sync_redis, keys, ["a"])
+
+
+# lua/ as the release before the late mark (6688f24) ran it: a renewal never marks, and
+# ceil_out is a number (include/record.lua parse_ceil_out)
+PREVIOUS_RELEASE = (
+    ("renew_leases.lua", "      elseif a_ceiling_binds() then\n", "      elseif false then\n"),
+    ("include/record.lua", "  if n then return n, nil end\n", "  if true then return n, nil end\n"),
+)
+
+
+@pytest.mark.parametrize("previous_does", ["renew", "requeue", "complete"])
+async def test_a_previous_releases_scripts_do_not_charge_a_late_marked_requests_base(
+        scripts, aredis, sync_redis, tmp_path, previous_does):
+    """A rolling deploy or a rollback: a role of this release marks request "a" late (3,000
+    tokens delivered before the cut, a 200-token prompt), then a role of the release before
+    it renews its lease (the request requeued to a worker not yet upgraded), requeues it (an
+    older janitor reaps its lapsed lease) or completes it. A review of the late mark's first
+    version (its mark a number in ceil_out and a base in ceil_base): those scripts read
+    ``ceil_out`` as "charged as served since the claim" and c_ceil as all it holds, and each
+    charged the whole base, 3,200, into the bucket at once (the class held back ~3.2 s at its
+    ceiling of 1,000 tokens/s; at the stack's 40 tokens/s with a 16k-token generation, ~7
+    minutes). Marked '3000@3000', it reads as no mark to them: nothing more is charged (its end
+    gives back at most what was charged, as for a request an older claim charged)."""
+    shutil.copytree(lua_dir(), tmp_path / "lua")
+    for rel, old, new in PREVIOUS_RELEASE:
+        path = tmp_path / "lua" / rel
+        assert path.read_text().count(old) == 1, (rel, old)
+        path.write_text(path.read_text().replace(old, new))
+    previous = Scripts(aredis, lua=tmp_path / "lua")
+    keys = await init_pool(scripts, class_cfg(P2={**P2C, "ceil_share": 1.0}), capacity=10_000)
+    lease_ms = 100 if previous_does == "requeue" else 0
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=200, max_tokens=4000)
+    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=lease_ms)).requests
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=0,
+                              token_ids=list(range(3000)), text="x" * 3000, lease_ms=lease_ms)
+    fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
+    assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 1000, "P2.ceil_burst": 500}) == 1
+    await scripts.renew_leases(keys, "w1", [("a", a.fence)], lease_ms=lease_ms)
+    r = rec(sync_redis, keys, "a")
+    w_out = float(r["w_out"])
+    assert (r["ceil_out"], float(r["c_ceil"])) == ("3000@3000", 256 * w_out), r
+    held = bucket(sync_redis, keys)
+    await scripts.push_tokens(keys, request_id="a", worker_id="w1", fence=a.fence, offset=3000,
+                              token_ids=list(range(10)), text="x" * 10, lease_ms=lease_ms)
+    if previous_does == "renew":
+        await previous.renew_leases(keys, "w1", [("a", a.fence)])
+    elif previous_does == "requeue":
+        await wait_for(lambda: _requeued_by_reap(previous, keys), "the lease to lapse and be reaped")
+    else:
+        await previous.complete(keys, request_id="a", worker_id="w1", fence=a.fence, outcome="ok",
+                                usage_in=200, token_ids=[1], text="a", offset=3010)
+    b = bucket(sync_redis, keys)
+    net = (b["debited"] - b["refunded"]) - (held["debited"] - held["refunded"])
+    # 10 tokens delivered since the mark (an 11th with the completion, whose end gives back
+    # the output charged ahead): never the 3,200 of its base
+    assert net <= 11 * w_out + 1e-9, (net, rec(sync_redis, keys, "a"), b)
+    check_ledger(sync_redis, keys, ["a"])

@@ -87,7 +87,7 @@ from limiter.config import ClassConfig, PoolConfig, QosConfig
 from limiter.errors import AdmissionRejected, InvalidArgument, LeaseLost
 from limiter.keys import PoolKeys, policy_text
 from limiter.scripts import Scripts, policy_document
-from tests.support.helpers import charge_of, dump_all
+from tests.support.helpers import ceil_mark, charge_of, dump_all
 
 KEYS = PoolKeys("model")
 CLASSES = (
@@ -737,7 +737,7 @@ class LifecycleModel(RuleBasedStateMachine):
             if float(policy[f"{cls}.ceil"]) < float(policy["capacity"]):
                 assert "ceil_out" in rec, f"{rid}: renewed under its class's binding ceiling, not marked"
             if "ceil_out" in rec:
-                assert rec["ceil_out"] == rec.get("out_tokens", "0"), (
+                assert ceil_mark(rec)[0] == int(rec.get("out_tokens", "0")), (
                     f"{rid}: renewed with {rec.get('out_tokens')} tokens out, {rec['ceil_out']} charged")
                 if rid not in marked:
                     event("a renewal marked a request its ceiling did not bind at its claim")
@@ -992,27 +992,32 @@ class LifecycleModel(RuleBasedStateMachine):
         renewals and requeues charge the output delivered since; its end settles the charge to
         what it used, unless its class had left the policy (a refund never lifts a bucket past its
         burst). A request never marked was never charged. One marked by a renewal (its ceiling
-        did not bind at its claim) holds and is settled to all that less its base
-        (``ceil_base``: its prompt and the output it had delivered then)."""
+        did not bind at its claim; ``ceil_out`` '<n>@<m>', helpers.ceil_mark) holds and is
+        settled to the output after its m-th token alone: its prompt and those m tokens were
+        used before the ceiling bound, its prompt whatever its engine counted."""
         k = self.known[rid]
         c, r = _f(rec.get("c_ceil")), _f(rec.get("r_ceil"))
         if "ceil_out" not in rec:
             assert c == 0, f"{rid}: its ceiling charged {c} with no mark"
             return
-        charged_out = int(rec["ceil_out"])
+        charged_out, late = ceil_mark(rec)
+        assert charged_out is not None
         assert charged_out <= int(rec.get("out_tokens") or 0), f"{rid}: {charged_out} output tokens charged"
         if rec.get("state") == "queued" and k.cls in self.present:
             # handed back or its lease lost: what its worker delivered was charged then
             assert charged_out == int(rec.get("out_tokens") or 0), (
                 f"{rid}: requeued with {rec.get('out_tokens')} tokens delivered, {charged_out} charged")
         ahead = max(min(int(rec["max_tokens"]) - charged_out, self.pool.ceiling_ahead_tokens), 0)
-        base = _f(rec.get("ceil_base"))
-        if "ceil_base" in rec:  # its prompt and the output it had delivered when it was marked
-            prompt, w_out = int(rec["input_tokens"]) * _f(rec["w_in"]), _f(rec["w_out"])
-            assert prompt - EPS <= base <= prompt + charged_out * w_out + EPS, (
-                f"{rid}: its base {base}; its prompt {prompt}, {charged_out} tokens charged as delivered")
-        so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + (charged_out + ahead) * _f(rec["w_out"]) - base
-        used = charge_of(rec) - base if rec.get("state") in TERMINAL else 0.0
+        w_out = _f(rec["w_out"])
+        if late is None:
+            so_far = int(rec["input_tokens"]) * _f(rec["w_in"]) + (charged_out + ahead) * w_out
+            used = charge_of(rec) if rec.get("state") in TERMINAL else 0.0
+        else:
+            # marked late: its prompt, all of it whatever its engine counted, and its first
+            # `late` tokens were used before the ceiling bound
+            assert late <= charged_out, f"{rid}: marked after token {late}, {charged_out} charged"
+            so_far = (charged_out - late + ahead) * w_out
+            used = max(int(rec.get("out_tokens") or 0) - late, 0) * w_out
         if rec.get("state") in TERMINAL and not k.class_gone_at_finish and used > so_far + EPS:
             # charged the rest of what it used at its end
             assert abs(c - used) < EPS and r == 0, \
@@ -1128,26 +1133,47 @@ def test_replay_a_ceiling_cut_mid_request_charges_it_from_its_next_renewal(
         redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """A P0 request (prompt 150, 90 tokens reserved) is claimed while P0's ceiling does not
     bind and delivers 20 tokens; the controller cuts the ceiling (100 tokens/s, binding at
-    capacity 8,000); the next renewal marks it: its base is its prompt and the 20 tokens
-    (never charged), and it holds the pool's 30 tokens charged ahead; 25 more tokens and a
-    renewal charge them; its end settles to what it used beyond its base (seeded:
-    ceiling_never_marks_late, which the random search never met: a cut between a claim and
-    a renewal of the 150 ms lease)."""
+    capacity 8,000); the next renewal marks it after its 20th token: its prompt and the 20
+    tokens are never charged, and it holds the pool's 30 tokens charged ahead; 25 more
+    tokens and a renewal charge them; its end settles to the output after its mark (seeded:
+    ceiling_never_marks_late, which the random search meets in some runs only: a cut between
+    a claim and a renewal of the 150 ms lease)."""
     p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,
           "frontend": "fe1"}
     cut = ("set_rates", {"pick": 0, "rate": 2800.0, "ceil": 100.0, "burst_s": 0.5, "capacity": 8000.0})
     steps = [("admit", p0), ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
              ("push", {"pick": 0, "count": 20}), cut, ("renew", {"worker": "w1"})]
     (rec,) = _replay(monkeypatch, redis_server.url, *steps).values()
-    assert (rec["state"], rec["ceil_out"], _f(rec["ceil_base"]), _f(rec["c_ceil"])) == (
-        "leased", "20", 150 + 20 * 2, 30 * 2), rec
+    assert (rec["state"], rec["ceil_out"], _f(rec["c_ceil"])) == ("leased", "20@20", 30 * 2), rec
     steps += [("push", {"pick": 0, "count": 25}), ("renew", {"worker": "w1"})]
     (rec,) = _replay(monkeypatch, redis_server.url, *steps).values()
-    assert (rec["ceil_out"], _f(rec["c_ceil"])) == ("45", (25 + 30) * 2), rec
+    assert (rec["ceil_out"], _f(rec["c_ceil"])) == ("45@20", (25 + 30) * 2), rec
     steps.append(("complete", {"pick": 0, "outcome": "ok", "out_share": 1.0, "in_share": 1.0}))
     (rec,) = _replay(monkeypatch, redis_server.url, *steps).values()
     assert rec["state"] == "done" and _f(rec["c_ceil"]) - _f(rec.get("r_ceil")) == pytest.approx(
-        charge_of(rec) - _f(rec["ceil_base"])), rec
+        (int(rec["out_tokens"]) - 20) * 2), rec
+
+
+def test_replay_a_request_marked_late_and_stopped_before_its_prefill_gets_back_no_more_than_charged(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review of the late mark: r0 (prompt 150, 90 tokens reserved) is claimed while P0's
+    ceiling does not bind; the controller cuts it (100 tokens/s, burst 50, binding at 8,000);
+    r1 is claimed under the cut (its prompt and 30 tokens ahead: 210, the bucket at -160); r0's
+    renewal marks it with nothing delivered (its prompt, 150, never charged; the 30 tokens
+    ahead charged: 60); its worker stops it before its prefill (usage_in 0). Settled to what
+    the end counted less that base (the first version), -150, its ceiling got back 210 of the
+    60 it was charged (seeded: ceiling_settles_all_it_used)."""
+    p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,
+          "frontend": "fe1"}
+    cut = ("set_rates", {"pick": 0, "rate": 2800.0, "ceil": 100.0, "burst_s": 0.5, "capacity": 8000.0})
+    claim = {"n": 1, "kv_room": 0, "above": ""}
+    recs = _replay(monkeypatch, redis_server.url, ("admit", p0), ("claim", {"worker": "w1", **claim}),
+                   ("admit", {**p0, "tenant": "t2"}), cut, ("claim", {"worker": "w2", **claim}),
+                   ("renew", {"worker": "w1"}),
+                   ("complete", {"pick": 0, "outcome": "cancelled", "out_share": 0.0, "in_share": 0.0}))
+    r0 = recs["r0"]
+    assert (r0["state"], r0["ceil_out"], _f(r0["c_ceil"]), _f(r0["r_ceil"])) == (
+        "cancelled", "0@0", 60, 60), r0
 
 
 def test_replay_a_request_that_used_more_than_it_reserved_is_charged_the_rest(

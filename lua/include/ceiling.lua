@@ -16,11 +16,12 @@
 -- its prompt and A output tokens of the ceiling beyond what it used, and over time the bucket
 -- is charged exactly what the class used.
 -- A request claimed while its ceiling did not bind (the controller cut it since) is marked at
--- its first renewal under the binding ceiling (ceiling_mark): what it used until then is its
--- base (ceil_base, weighted tokens), never charged -- the ceiling did not hold the class then
--- -- and from then on it is charged as above, less its base. Left unmarked, it was never
--- charged, and a cut ceiling held only its class's new requests while its running ones (a
--- long generation runs for minutes) went on past it.
+-- its first renewal under the binding ceiling (ceiling_mark; ceil_out = '<n>@<m>', m the
+-- output tokens it had delivered then: record.lua parse_ceil_out): what it used until then,
+-- its prompt and m tokens, is never charged -- the ceiling did not hold the class then -- and
+-- from then on it holds and is charged the output it delivers after the m-th token as above.
+-- Left unmarked, it was never charged, and a cut ceiling held only its class's new requests
+-- while its running ones (a long generation runs for minutes) went on past it.
 --!include pool_keys.lua
 --!include validate.lua
 --!include bucket.lua
@@ -35,10 +36,18 @@ end
 local DEFAULT_CEIL_AHEAD = 256
 
 -- What a request holds of its ceiling with `out` output tokens charged as delivered: its
--- prompt, those tokens and the output charged ahead of the rest (weighted tokens).
-local function ceiling_hold(p, input_tokens, w_in, max_tokens, w_out, out)
-  local ahead = math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD)
-  return input_tokens * w_in + (out + math.max(ahead, 0)) * w_out
+-- prompt, those tokens and the output charged ahead of the rest (weighted tokens); marked
+-- late after its `from`-th token (nil: at its claim), the tokens after it and the output ahead.
+local function ceiling_hold(p, input_tokens, w_in, max_tokens, w_out, out, from)
+  local ahead = math.max(math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD), 0)
+  if from then return (out - from + ahead) * w_out end
+  return input_tokens * w_in + (out + ahead) * w_out
+end
+
+-- A record's ceil_out: `out` tokens charged as delivered, marked late after token `from`.
+local function ceil_out_text(out, from)
+  if from then return fmt(out) .. '@' .. fmt(from) end
+  return fmt(out)
 end
 
 -- For renew_leases and requeue: charge request `id` (its record marked, `charged_out` output
@@ -47,46 +56,51 @@ end
 -- Returns the record fields to set (c_ceil, ceil_out) or nil when nothing is due: nothing
 -- delivered since, or its class is gone from the policy (a deploy removed it: its buckets
 -- serve no one).
-local function ceiling_charge_delivered(policy, id, charged_out, now)
+local function ceiling_charge_delivered(policy, id, charged_out, from, now)
   local v = redis.call('HMGET', P_REQUEST .. id, 'out_tokens', 'class', 'c_ceil', 'input_tokens', 'w_in',
-    'max_tokens', 'w_out', 'ceil_base')
+    'max_tokens', 'w_out')
   local out = tonumber(v[1]) or 0
   if out <= charged_out then return nil end
   local p = policy()
   if p.class[v[2]] == nil then return nil end
-  local held = (tonumber(v[3]) or 0) + (tonumber(v[8]) or 0)
+  local held = tonumber(v[3]) or 0
   -- (never below what it holds: a charge ahead a deploy lowered since is given back at the end)
-  local due = ceiling_hold(p, tonumber(v[4]), tonumber(v[5]), tonumber(v[6]), tonumber(v[7]), out) - held
+  local due = ceiling_hold(p, tonumber(v[4]), tonumber(v[5]), tonumber(v[6]), tonumber(v[7]), out, from)
+    - held
   local taken = bucket_debit(ceiling_bucket(p, v[2], now), due, nil)
-  return {'c_ceil', fmt(held - (tonumber(v[8]) or 0) + taken), 'ceil_out', fmt(out)}
+  return {'c_ceil', fmt(held + taken), 'ceil_out', ceil_out_text(out, from)}
 end
 
 -- For renew_leases: mark request `id` (not marked), if its ceiling was never charged (c_ceil
 -- 0: claimed while it did not bind; an older release's claim charged some its reservation)
--- and binds now: its base is what it used so far, and it is charged the output ahead.
+-- and binds now, after the output it delivered so far: it is charged the output ahead.
 -- Returns the record fields to set, or nil (nothing to mark: charged, the ceiling does not
 -- bind, or the class is gone from the policy).
 local function ceiling_mark(policy, id, now)
-  local v = redis.call('HMGET', P_REQUEST .. id, 'c_ceil', 'class', 'out_tokens', 'input_tokens', 'w_in',
-    'max_tokens', 'w_out')
+  -- (two fields first: while one class's ceiling binds, every other class's request comes here)
+  local v = redis.call('HMGET', P_REQUEST .. id, 'c_ceil', 'class')
   if (tonumber(v[1]) or 0) ~= 0 then return nil end
   local p, cls = policy(), v[2]
   local c = p.class[cls]
   if c == nil or not ceiling_binds(p, c) then return nil end
-  local out, input_tokens, w_in, w_out = tonumber(v[3]) or 0, tonumber(v[4]), tonumber(v[5]), tonumber(v[7])
-  local base = input_tokens * w_in + out * w_out
-  local due = ceiling_hold(p, input_tokens, w_in, tonumber(v[6]), w_out, out) - base
+  v = redis.call('HMGET', P_REQUEST .. id, 'out_tokens', 'max_tokens', 'w_out')
+  local out = tonumber(v[1]) or 0
+  -- (marked after its `out`-th token, it holds the output ahead alone: its prompt is not read)
+  local due = ceiling_hold(p, 0, 0, tonumber(v[2]), tonumber(v[3]), out, out)
   local taken = bucket_debit(ceiling_bucket(p, cls, now), due, nil)
-  return {'c_ceil', fmt(taken), 'ceil_out', fmt(out), 'ceil_base', fmt(base)}
+  return {'c_ceil', fmt(taken), 'ceil_out', ceil_out_text(out, out)}
 end
 
--- At a marked request's end (refund.lua): what it used beyond its base, less what the ceiling was charged,
--- is charged (into debt) or given back (at most what was charged). Returns what was given
--- back; a charge is added to r.c_ceil and to `fields` (the record's last write).
+-- At a marked request's end (refund.lua): what it used, less what the ceiling was charged, is
+-- charged (into debt) or given back (at most what was charged). Returns what was given back;
+-- a charge is added to r.c_ceil and to `fields` (the record's last write). Marked late, what
+-- it used is the output it delivered after its mark: its prompt was read before, all of it,
+-- whatever its engine counted (more, it was charged to the ceiling; fewer, or none for a
+-- request stopped or handed back before its prefill, a base taken from its use let the
+-- ceiling get back more than it was charged: a review of the late mark).
 local function ceiling_settle(p, r, used, now, fields)
   local h = ceiling_bucket(p, r.class, now)
-  -- (read here, not with the record: only a marked request's end needs it)
-  used = used - (tonumber(redis.call('HGET', P_REQUEST .. r.id, 'ceil_base')) or 0)
+  if r.ceil_from then used = math.max(r.out_tokens - r.ceil_from, 0) * r.w_out end
   if used <= r.c_ceil then return bucket_credit(h, r.c_ceil - used) end
   r.c_ceil = r.c_ceil + bucket_debit(h, used - r.c_ceil, nil)
   fields[#fields + 1] = 'c_ceil'

@@ -10,7 +10,7 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
   deadline_ms = true, max_wait_ms = true, claimed_ms = true, first_ms = true, input_tokens = true,
   max_tokens = true, w_in = true, w_out = true, cost = true, t_rate = true, t_burst = true,
   t_weight = true, c_tenant = true, c_class = true, c_ceil = true, c_vtc = true,
-  out_tokens = true, cancel = true, ceil_out = true}
+  out_tokens = true, cancel = true}
 
 -- What a worker's fenced calls read of a record, each only what it uses (a field fewer is
 -- ~2.2k instructions of an HMGET a request, callgrind), in the order include/lease.lua reads
@@ -24,8 +24,23 @@ local PUSH_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_
 -- its class's ceiling is charged as it is served (include/ceiling.lua).
 local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel', 'enq_ms', 'ceil_out'}
 
+-- A record's ceil_out (include/ceiling.lua): '<n>' for a request its claim marked, n the output
+-- tokens its ceiling was charged as delivered; '<n>@<m>' for one a renewal marked late, after
+-- its m-th output token (what it used until then never charged). Returns n and m (m nil: its
+-- claim marked it; both nil: no mark). An older release reads '<n>@<m>' as no mark (tonumber
+-- gives nil) and charges the request nothing more: read as '<n>', its renewals, requeue and
+-- end charged all it had used before the mark at once (a review of the late mark).
+local function parse_ceil_out(raw)
+  if not raw then return nil, nil end
+  local n = tonumber(raw)
+  if n then return n, nil end
+  local charged, from = string.match(raw, '^(%d+)@(%d+)$')
+  return tonumber(charged), tonumber(from)
+end
+
 -- The record of request `id` (nil when there is none): the fields `fields` (default: all of
--- REQ_FIELDS; must include state), numbers as numbers; an absent counter reads as 0.
+-- REQ_FIELDS; must include state), numbers as numbers; an absent counter reads as 0; ceil_out
+-- parsed (parse_ceil_out: r.ceil_out, r.ceil_from).
 local function load_request(id, fields)
   fields = fields or REQ_FIELDS
   local v = redis.call('HMGET', P_REQUEST .. id, unpack(fields))
@@ -45,6 +60,7 @@ local function load_request(id, fields)
   r.worker = r.worker or ''
   r.t_weight = r.t_weight or 1
   r.c_tenant, r.c_class, r.c_ceil, r.c_vtc = r.c_tenant or 0, r.c_class or 0, r.c_ceil or 0, r.c_vtc or 0
+  r.ceil_out, r.ceil_from = parse_ceil_out(r.ceil_out)
   return r
 end
 

@@ -76,6 +76,17 @@ async def admit(scripts: Scripts, keys: PoolKeys, *, cls: str = "P1", tenant: st
         max_wait_ms=max_wait_ms, frontend_id=frontend, payload=b"{}", tenant_weight=tenant_weight)
 
 
+def ceil_mark(record: dict[str, Any]) -> tuple[int | None, int | None]:
+    """A record's ``ceil_out`` (lua/include/record.lua parse_ceil_out): the output tokens its
+    binding ceiling was charged as delivered, and where a renewal marked it late, the output
+    it had delivered then (None: its claim marked it; both None: no mark)."""
+    raw = record.get("ceil_out")
+    if raw is None:
+        return None, None
+    charged, _, late = str(raw).partition("@")
+    return int(charged), int(late) if late else None
+
+
 def charge_of(record: dict[str, Any]) -> float:
     """What a finished request's record says it must have been charged (``cost - refund +
     overrun``), the ledger's rule: its true usage when its worker completed it (usage_in,
