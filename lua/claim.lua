@@ -328,6 +328,23 @@ local function main()
             r.claimed_ms = now
             for _, f in ipairs({'claimed_ms', now, 'c_class', fmt(c_class), 'c_ceil', fmt(c_ceil),
                                 'c_vtc', fmt(c_vtc)}) do fields[#fields + 1] = f end
+          elseif ceiling_of(pick) then
+            -- a re-claim under a binding ceiling of a request never charged to it (claimed while
+            -- it did not bind, then requeued: handed back, its lease lost) is marked now, as a
+            -- first claim would mark it: nothing delivered, its prompt and the output ahead (it
+            -- is all served under the ceiling); else after the output it delivered (a late
+            -- mark, include/ceiling.lua). Left to its first renewal, a request handed back
+            -- unstarted before a cut had its whole prompt read under the ceiling, never charged.
+            local v = redis.call('HMGET', key, 'c_ceil', 'ceil_out', 'w_in', 'w_out')
+            if not v[2] and (tonumber(v[1]) or 0) == 0 then
+              local out, from = r.out_tokens, nil
+              if out > 0 then from = out end
+              local c_ceil = bucket_debit(ceiling_of(pick), ceiling_hold(p, r.input_tokens, tonumber(v[3]),
+                r.max_tokens, tonumber(v[4]), out, from), nil)
+              for _, f in ipairs({'c_ceil', fmt(c_ceil), 'ceil_out', ceil_out_text(out, from)}) do
+                fields[#fields + 1] = f
+              end
+            end
           end
           redis.call('HSET', key, unpack(fields))
           keep_alive(p, id, now + lease_ms, now, r.out_tokens == 0)

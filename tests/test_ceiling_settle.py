@@ -422,3 +422,60 @@ async def test_a_previous_releases_scripts_do_not_charge_a_late_marked_requests_
     # the output charged ahead): never the 3,200 of its base
     assert net <= 11 * w_out + 1e-9, (net, rec(sync_redis, keys, "a"), b)
     check_ledger(sync_redis, keys, ["a"])
+
+
+@pytest.mark.parametrize("how", ["handed_back_unstarted", "lease_lost_unstarted"])
+async def test_a_request_requeued_unstarted_before_a_cut_is_charged_its_prompt_when_reclaimed_under_it(
+        scripts, sync_redis, how):
+    """A second review of the late mark: request "a" (a 2,000-token prompt, 20 tokens out) is
+    claimed while P2's ceiling does not bind, then handed back unstarted by a draining worker
+    (or its worker dies before its first token: its lease reaped); the controller cuts the
+    ceiling; another worker claims it under the binding ceiling and serves all of it, prompt
+    and output. A re-claim charged nothing (claimed_ms set) and its first renewal marked it
+    late ('0@0'): its whole prompt, read under the binding ceiling, was never charged
+    (its ceiling charged 20 for the 2,020 it used) -- not "used before the ceiling bound"."""
+    keys = await init_pool(scripts, class_cfg(P2={**P2C, "ceil_share": 1.0}), capacity=10_000)
+    lease_ms = 100 if how == "lease_lost_unstarted" else 0
+    await admit(scripts, keys, cls="P2", request_id="a", input_tokens=2000, max_tokens=20)
+    (a,) = (await scripts.claim(keys, "w1", 1, lease_ms=lease_ms)).requests
+    if how == "handed_back_unstarted":
+        assert await scripts.release(keys, request_id="a", worker_id="w1", fence=a.fence) == "requeued"
+    else:
+        await wait_for(lambda: _requeued_by_reap(scripts, keys), "the lease to lapse and be reaped")
+    fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
+    assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 1000, "P2.ceil_burst": 5000}) == 1
+    (b,) = (await scripts.claim(keys, "w2", 1)).requests
+    await scripts.renew_leases(keys, "w2", [("a", b.fence)])
+    await scripts.complete(keys, request_id="a", worker_id="w2", fence=b.fence, outcome="ok", usage_in=2000,
+                           token_ids=list(range(20)), text="x" * 20, offset=0)
+    r = rec(sync_redis, keys, "a")
+    assert r["state"] == "done", r
+    # all it used, it used under the binding ceiling
+    assert float(r["c_ceil"]) - float(r.get("r_ceil") or 0) == pytest.approx(charge_of(r)), r
+    check_ledger(sync_redis, keys, ["a"])
+
+
+async def test_a_request_requeued_after_tokens_before_a_cut_is_marked_when_reclaimed_under_it(
+        scripts, sync_redis):
+    """As above, but its first worker delivered 5 tokens before its lease lapsed: the re-claim
+    under the binding ceiling marks it late after them ('5@5', the output ahead charged), so
+    the output its new worker delivers before its first renewal is charged too (left to that
+    renewal, the 10 tokens delivered by then were never charged: marked '15@15')."""
+    keys = await init_pool(scripts, class_cfg(P2={**P2C, "ceil_share": 1.0}), capacity=10_000)
+    a = await claimed_with_tokens(scripts, keys, max_tokens=1000, lease_ms=100)
+    await wait_for(lambda: _requeued_by_reap(scripts, keys), "the lease to lapse and be reaped")
+    fence, _ = await scripts.acquire_leader(keys, "ctl", 10_000)
+    assert await scripts.set_rates(keys, "ctl", fence, {}, {"P2.ceil": 1000, "P2.ceil_burst": 500}) == 1
+    (b,) = (await scripts.claim(keys, "w2", 1)).requests
+    assert b.request_id == a.request_id and b.delivered == 5
+    await scripts.push_tokens(keys, request_id="a", worker_id="w2", fence=b.fence, offset=5,
+                              token_ids=list(range(10)), text="x" * 10)
+    await scripts.renew_leases(keys, "w2", [("a", b.fence)])
+    r = rec(sync_redis, keys, "a")
+    w_out = float(r["w_out"])
+    assert (r["ceil_out"], float(r["c_ceil"])) == ("15@5", pytest.approx((10 + 256) * w_out)), r
+    await scripts.complete(keys, request_id="a", worker_id="w2", fence=b.fence, outcome="ok", usage_in=10,
+                           token_ids=[1], text="a", offset=15)
+    r = assert_settled(sync_redis, keys, "a")
+    assert float(r["c_ceil"]) - float(r["r_ceil"]) == pytest.approx(11 * w_out), r
+    check_ledger(sync_redis, keys, ["a"])
