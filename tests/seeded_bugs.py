@@ -277,6 +277,21 @@ BUGS = (
     Bug("ceiling_marks_charged", "a renewal marks a request an older release's claim charged its whole "
         "reservation (no mark) as if never charged: its charge is lost from its record",
         "include/ceiling.lua", "  if (tonumber(v[1]) or 0) ~= 0 then return nil end\n", ""),
+    Bug("ceiling_marks_unbound", "a renewal marks a request never charged whether or not its class's "
+        "ceiling binds (a ceiling at the capacity holds its running requests' output: charged to a bucket "
+        "no claim reads, and kept charged once a cut binds it)",
+        "include/ceiling.lua", "  if c == nil or not ceiling_binds(p, c) then return nil end\n",
+        "  if c == nil then return nil end\n",
+        also=(("renew_leases.lua", "      elseif a_ceiling_binds() then\n", "      elseif true then\n"),)),
+    Bug("ceiling_mark_at_zero", "a late mark is put before the request's first output token: the output "
+        "it delivered before its ceiling bound is charged",
+        "include/ceiling.lua", "tonumber(v[3]), out, out)", "tonumber(v[3]), out, 0)",
+        also=(("include/ceiling.lua", "'ceil_out', ceil_out_text(out, out)}", "'ceil_out', ceil_out_text(out, 0)}"),)),
+    Bug("ceiling_mark_moves", "a renewal moves a late mark on to the output delivered: a request marked "
+        "late holds the output ahead alone, and the output it delivers is charged only at its end, "
+        "after its last renewal",
+        "include/ceiling.lua", "  local held = tonumber(v[3]) or 0\n",
+        "  local held = tonumber(v[3]) or 0\n  if from then from = out end\n"),
     Bug("refund_caps_at_admitted_burst", "a refund reads the tenant's bucket with the quota its "
         "request was admitted under (a raised quota is cut back to the old burst)",
         "include/refund.lua", "r.t_rate, r.t_burst, now, true),", "r.t_rate, r.t_burst, now),"),

@@ -192,6 +192,9 @@ class LifecycleModel(RuleBasedStateMachine):
         self.present = list(NAMES)  # the classes of the policy now, in its order
         self.fair = dict(FAIR)  # what each class's backlog scores mean (its flag last written)
         self.fence = 0  # the controller's
+        # id -> where its ceiling's mark is (helpers.ceil_mark's second: None at a claim), once
+        # marked: a mark never moves (check_ceiling_charge)
+        self.marks: dict[str, int | None] = {}
 
     def run(self, aw: Any) -> Any:
         return self.loop.run_until_complete(aw)
@@ -734,12 +737,18 @@ class LifecycleModel(RuleBasedStateMachine):
                 continue
             # a renewal charges a ceiling the output delivered since the last; one that binds
             # now marks a request never charged, from then on (include/ceiling.lua)
-            if float(policy[f"{cls}.ceil"]) < float(policy["capacity"]):
+            binds = float(policy[f"{cls}.ceil"]) < float(policy["capacity"])
+            if binds:
                 assert "ceil_out" in rec, f"{rid}: renewed under its class's binding ceiling, not marked"
             if "ceil_out" in rec:
                 assert ceil_mark(rec)[0] == int(rec.get("out_tokens", "0")), (
                     f"{rid}: renewed with {rec.get('out_tokens')} tokens out, {rec['ceil_out']} charged")
                 if rid not in marked:
+                    # marked by this renewal: only under a binding ceiling, after all it had
+                    # delivered (a renewal delivers nothing)
+                    assert binds, f"{rid}: marked ({rec['ceil_out']}) by a renewal its ceiling does not bind"
+                    assert ceil_mark(rec)[1] == int(rec.get("out_tokens", "0")), (
+                        f"{rid}: marked late at {rec['ceil_out']} with {rec.get('out_tokens')} tokens out")
                     event("a renewal marked a request its ceiling did not bind at its claim")
 
     @rule()
@@ -1002,6 +1011,10 @@ class LifecycleModel(RuleBasedStateMachine):
             return
         charged_out, late = ceil_mark(rec)
         assert charged_out is not None
+        # a mark never moves (a late one moved on to the output delivered leaves that output
+        # uncharged however the record's charges add up)
+        was = self.marks.setdefault(rid, late)
+        assert late == was, f"{rid}: its ceiling's mark moved from {was} to {late} ({rec['ceil_out']})"
         assert charged_out <= int(rec.get("out_tokens") or 0), f"{rid}: {charged_out} output tokens charged"
         if rec.get("state") == "queued" and k.cls in self.present:
             # handed back or its lease lost: what its worker delivered was charged then
@@ -1154,6 +1167,28 @@ def test_replay_a_ceiling_cut_mid_request_charges_it_from_its_next_renewal(
     (rec,) = _replay(monkeypatch, redis_server.url, *steps).values()
     assert rec["state"] == "done" and _f(rec["c_ceil"]) - _f(rec.get("r_ceil")) == pytest.approx(
         (int(rec["out_tokens"]) - 20) * 2), rec
+
+
+def test_replay_a_late_mark_is_made_where_the_ceiling_binds_after_all_delivered_and_never_moves(
+        redis_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A second review of the late mark: the model's renewal and ceiling checks took any mark
+    whose charges added up, so three wrong marks passed them (the random search meets a late
+    mark in few runs): a renewal that marks a request while its ceiling does not bind, a mark
+    put before the output the request had delivered, and a renewal that moves the mark on to
+    the output delivered (its output then held as "ahead" alone, and charged only at its end,
+    after its last renewal). A P0 request renewed before the cut, marked by the renewal after
+    it, renewed again and completed: every invariant is checked at each step (seeded:
+    ceiling_marks_unbound, ceiling_mark_at_zero, ceiling_mark_moves)."""
+    p0 = {"tenant": "t1", "cls": "P0", "input_tokens": 150, "max_tokens": 90, "own_wait": 0,
+          "frontend": "fe1"}
+    cut = ("set_rates", {"pick": 0, "rate": 2800.0, "ceil": 100.0, "burst_s": 0.5, "capacity": 8000.0})
+    renew = ("renew", {"worker": "w1"})
+    (rec,) = _replay(monkeypatch, redis_server.url, ("admit", p0),
+                     ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
+                     ("push", {"pick": 0, "count": 10}), renew, ("push", {"pick": 0, "count": 10}), cut, renew,
+                     ("push", {"pick": 0, "count": 25}), renew,
+                     ("complete", {"pick": 0, "outcome": "ok", "out_share": 1.0, "in_share": 1.0})).values()
+    assert rec["state"] == "done", rec
 
 
 def test_replay_a_request_marked_late_and_stopped_before_its_prefill_gets_back_no_more_than_charged(
