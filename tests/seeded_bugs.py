@@ -286,7 +286,8 @@ BUGS = (
     Bug("ceiling_mark_at_zero", "a late mark is put before the request's first output token: the output "
         "it delivered before its ceiling bound is charged",
         "include/ceiling.lua", "tonumber(v[3]), out, out)", "tonumber(v[3]), out, 0)",
-        also=(("include/ceiling.lua", "'ceil_out', ceil_out_text(out, out)}", "'ceil_out', ceil_out_text(out, 0)}"),)),
+        also=(("include/ceiling.lua", "'ceil_out', ceil_out_text(out, out)}",
+               "'ceil_out', ceil_out_text(out, 0)}"),)),
     Bug("ceiling_mark_moves", "a renewal moves a late mark on to the output delivered: a request marked "
         "late holds the output ahead alone, and the output it delivers is charged only at its end, "
         "after its last renewal",

@@ -1185,7 +1185,8 @@ def test_replay_a_late_mark_is_made_where_the_ceiling_binds_after_all_delivered_
     renew = ("renew", {"worker": "w1"})
     (rec,) = _replay(monkeypatch, redis_server.url, ("admit", p0),
                      ("claim", {"worker": "w1", "n": 1, "kv_room": 0, "above": ""}),
-                     ("push", {"pick": 0, "count": 10}), renew, ("push", {"pick": 0, "count": 10}), cut, renew,
+                     ("push", {"pick": 0, "count": 10}), renew, ("push", {"pick": 0, "count": 10}),
+                     cut, renew,
                      ("push", {"pick": 0, "count": 25}), renew,
                      ("complete", {"pick": 0, "outcome": "ok", "out_share": 1.0, "in_share": 1.0})).values()
     assert rec["state"] == "done", rec
