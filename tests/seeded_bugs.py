@@ -293,6 +293,9 @@ BUGS = (
         "after its last renewal",
         "include/ceiling.lua", "  local held = tonumber(v[3]) or 0\n",
         "  local held = tonumber(v[3]) or 0\n  if from then from = out end\n"),
+    Bug("reclaim_never_marks", "a request requeued before a ceiling cut and re-claimed under it is not "
+        "marked by the re-claim (its prompt, read under the ceiling, is never charged)",
+        "claim.lua", "          elseif ceiling_of(pick) then\n", "          elseif false then\n"),
     Bug("refund_caps_at_admitted_burst", "a refund reads the tenant's bucket with the quota its "
         "request was admitted under (a raised quota is cut back to the old burst)",
         "include/refund.lua", "r.t_rate, r.t_burst, now, true),", "r.t_rate, r.t_burst, now),"),
