@@ -257,7 +257,7 @@ BUGS = (
         "include/refund.lua", "given.r_ceil = ceiling_settle(p, r, used, now, fields)", "given.r_ceil = 0"),
     Bug("ceiling_never_marks_late", "a request claimed while its class's ceiling did not bind is "
         "never charged to it after the controller cuts it (its running requests go on past it)",
-        "renew_leases.lua", "      elseif a_ceiling_binds() then\n", "      elseif false then\n"),
+        "renew_leases.lua", "      elseif ceiling_binds_now(cls) then\n", "      elseif false then\n"),
     Bug("ceiling_base_charged", "a request marked by a renewal (claimed before its ceiling bound) is "
         "settled at its end to all it used, its prompt and output before the mark too",
         "include/ceiling.lua",
@@ -282,10 +282,11 @@ BUGS = (
         "no claim reads, and kept charged once a cut binds it)",
         "include/ceiling.lua", "  if c == nil or not ceiling_binds(p, c) then return nil end\n",
         "  if c == nil then return nil end\n",
-        also=(("renew_leases.lua", "      elseif a_ceiling_binds() then\n", "      elseif true then\n"),)),
+        also=(("renew_leases.lua", "      elseif ceiling_binds_now(cls) then\n",
+               "      elseif true then\n"),)),
     Bug("ceiling_mark_at_zero", "a late mark is put before the request's first output token: the output "
         "it delivered before its ceiling bound is charged",
-        "include/ceiling.lua", "tonumber(v[3]), out, out)", "tonumber(v[3]), out, 0)",
+        "include/ceiling.lua", "tonumber(v[4]), out, out)", "tonumber(v[4]), out, 0)",
         also=(("include/ceiling.lua", "'ceil_out', ceil_out_text(out, out)}",
                "'ceil_out', ceil_out_text(out, 0)}"),)),
     Bug("ceiling_mark_moves", "a renewal moves a late mark on to the output delivered: a request marked "

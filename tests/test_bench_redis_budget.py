@@ -11,6 +11,7 @@ from limiter.bench import callgrind
 from limiter.bench import redis_budget as rb
 from limiter.bench.slowlog import SLOWLOG_US, quantile_us
 from limiter.cli import build_parser
+from limiter.keys import policy_text
 from tests.support.helpers import refused_by_name
 
 
@@ -296,3 +297,37 @@ async def test_a_plain_commands_phase_reads_its_own_calls_from_the_slowlog(aredi
 def test_a_bad_redis_budget_flag_is_refused_by_name_not_replaced_by_the_default(
         flags: list[str], named: str, capsys, monkeypatch) -> None:
     refused_by_name(monkeypatch, capsys, rb, "run_budget", ["bench", "redis-budget", *flags], named)
+
+
+@pytest.mark.parametrize("binding", ["bench", "other"])
+async def test_a_binding_ceiling_is_measured_on_the_path_it_names(aredis, binding) -> None:
+    """``--binding-ceiling bench``: the measured requests' class's ceiling binds, so their
+    claims charge it and mark them (``ceil_out``), nothing held back; ``other``: another
+    class's binds, the measured requests are never charged, and a renewal leaves them unmarked
+    (it looks, and finds their own ceiling at the capacity)."""
+    d = rb.Driver(aredis, per_push=4, private=True, binding_ceiling=binding)
+    cls, _ = await d.setup()
+    policy = policy_text(await aredis.hgetall(d.keys.policy))
+    capacity = float(policy["capacity"])
+    binds = {c for c in policy["classes"].split(",") if float(policy[f"{c}.ceil"]) < capacity}
+    assert (binds == {cls}) if binding == "bench" else (len(binds) == 1 and cls not in binds), binds
+    for i in range(8):
+        await d.admit(i, cls)()
+    await d.claim(8)()
+    assert len(d.claimed) == 8  # nothing held back by the ceiling
+    await d.push(d.claimed[0], 4)()
+    await d.renew(d.claimed)()
+    recs = [await aredis.hmget(d.keys.request(c.request_id), ["ceil_out", "c_ceil"]) for c in d.claimed]
+    if binding == "bench":
+        assert all(r[0] is not None and float(r[1]) > 0 for r in recs), recs
+    else:
+        assert all(r[0] is None and float(r[1]) == 0 for r in recs), recs
+
+
+def test_a_binding_ceiling_flag_names_its_choices() -> None:
+    with pytest.raises(ValueError, match="binding_ceiling must be one of none, bench, other"):
+        rb.Driver(None, per_push=4, private=True, binding_ceiling="P2")  # type: ignore[arg-type]
+    args = build_parser().parse_args(["bench", "redis-budget", "--binding-ceiling", "other"])
+    assert args.binding_ceiling == "other"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "redis-budget", "--binding-ceiling", "P2"])

@@ -370,7 +370,7 @@ async def test_a_request_marked_late_is_not_charged_the_prompt_its_engine_counte
 # lua/ as the release before the late mark (6688f24) ran it: a renewal never marks, and
 # ceil_out is a number (include/record.lua parse_ceil_out)
 PREVIOUS_RELEASE = (
-    ("renew_leases.lua", "      elseif a_ceiling_binds() then\n", "      elseif false then\n"),
+    ("renew_leases.lua", "      elseif ceiling_binds_now(cls) then\n", "      elseif false then\n"),
     ("include/record.lua", "  if n then return n, nil end\n", "  if true then return n, nil end\n"),
 )
 

@@ -217,6 +217,11 @@ def _add_redis_budget(bsub: argparse._SubParsersAction) -> None:
                    help=f"requests per push_tokens call in the batched push phases, as a GPU's step of N "
                         f"running sequences pushes them (in [8, {rb.MAX_PUSH_BATCH}], dividing half of "
                         f"--requests; admits, claims and completions stay 8 a call; default {rb.PUSH_BATCH})")
+    p.add_argument("--binding-ceiling", choices=rb.BINDING_CEILINGS, default="none",
+                   help="whose ceiling binds (just below the capacity: nothing is held back): none; the "
+                        "class of the measured requests (bench: claims, renewals and ends charge it); "
+                        "another class (other: every renewal looks whether to mark the requests). "
+                        "Default none")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON to PATH")
 
 
@@ -255,7 +260,7 @@ def _redis_budget(args: argparse.Namespace) -> int:
                                        redis_url=args.redis_url, tokens=args.tokens, rounds=args.rounds,
                                        baseline=args.baseline, instructions=args.instructions,
                                        frontends=args.frontends, grouped=args.reply_entries == "grouped",
-                                       push_batch=args.push_batch))
+                                       push_batch=args.push_batch, binding_ceiling=args.binding_ceiling))
     console.print(rb.render(report))
     if args.json:
         rb.write_json(report, args.json)

@@ -67,6 +67,7 @@ import redis.asyncio as aioredis
 from limiter.bench import callgrind
 from limiter.bench.admission import bench_config, request_payload, unlink_matching
 from limiter.bench.slowlog import SLOWLOG_US, log_slow_calls, quantile_us, script_durations
+from limiter.config import QosConfig
 from limiter.keys import PoolKeys
 from limiter.samples import build_sample, pack_sample
 from limiter.scripts import PUSH_LIMIT, Claimed, Scripts, TokenBatch, policy_document
@@ -258,18 +259,38 @@ def parse_commandstats(info: dict[str, Any]) -> dict[str, tuple[int, float]]:
 
 # --- the run ----------------------------------------------------------------------------
 
+# Whose ceiling binds in the bench's pool: none (the default: no request is charged to a
+# ceiling); the class of the bench's requests ("bench": each claim charges its prompt and the
+# output ahead, each renewal what it delivered since, each end settles); another class
+# ("other": the bench's requests are never charged, and every renewal looks whether to mark
+# them: include/ceiling.lua). Either ceiling binds just below the pool's capacity (1e12
+# tokens/s: its burst of half a second is never emptied), so nothing is held back: the
+# scripts' cost is what is measured.
+BINDING_CEILINGS = ("none", "bench", "other")
+
+
+def with_binding_ceiling(cfg: QosConfig, cls: str) -> QosConfig:
+    """``cfg`` with class ``cls``'s ceiling just below the pool's capacity: it binds."""
+    classes = tuple(dataclasses.replace(c, ceil_share=0.99) if c.name == cls else c for c in cfg.classes)
+    return dataclasses.replace(cfg, classes=classes)
+
+
 class Driver:
     """The private Redis, the pool and the requests in flight."""
 
     def __init__(self, client: aioredis.Redis, per_push: int, private: bool, lua: Path | None = None,
                  scripts: Scripts | None = None, unstreamed_per_push: int = 80,
                  max_tokens: int = MAX_TOKENS, counter: callgrind.InstructionCounter | None = None,
-                 frontends: int = 1, grouped: bool = True) -> None:
+                 frontends: int = 1, grouped: bool = True, binding_ceiling: str = "none") -> None:
         """``scripts``: a registry of the caller's (default: one over ``lua``); ``max_tokens``:
         each request's, at least what the phases push into it; ``counter``: the server runs
         under callgrind, and every phase counts its instructions; ``frontends``: request i
         comes from frontend ``i % frontends``; ``grouped``: pushes append one reply entry per
-        frontend (False: one per request)."""
+        frontend (False: one per request); ``binding_ceiling``: whose ceiling binds
+        (:data:`BINDING_CEILINGS`)."""
+        if binding_ceiling not in BINDING_CEILINGS:
+            raise ValueError(f"binding_ceiling must be one of {', '.join(BINDING_CEILINGS)}, "
+                             f"got {binding_ceiling!r}")
         self.client = client
         self.private = private
         self.scripts = scripts or Scripts(client, lua=lua)
@@ -284,6 +305,7 @@ class Driver:
         self.counter = counter
         self.frontends = [FRONTEND] if frontends == 1 else [f"{FRONTEND}{k}" for k in range(frontends)]
         self.grouped = grouped
+        self.binding_ceiling = binding_ceiling
 
     async def setup(self) -> tuple[str, int]:
         if self.private:
@@ -297,10 +319,13 @@ class Driver:
         await self.scripts.load_all()
         await self.client.script_load(FLOOR_SCRIPT)
         cfg = bench_config()
+        cls = "P1" if "P1" in cfg.class_names() else cfg.class_names()[0]
+        if self.binding_ceiling != "none":
+            cfg = with_binding_ceiling(cfg, cls if self.binding_ceiling == "bench" else
+                                       next(c for c in reversed(cfg.class_names()) if c != cls))
         pool = dataclasses.replace(cfg.pools[0], name=POOL)
         await self.scripts.init_pool(self.keys, policy_document(cfg, pool), reset_rates=True)
         await self.client.zadd(self.keys.frontends, dict.fromkeys(self.frontends, ALIVE))
-        cls = "P1" if "P1" in cfg.class_names() else cfg.class_names()[0]
         return cls, pool.lease_ms
 
     async def measure(self, name: str, calls: Sequence[Callable[[], Awaitable[Any]]],
@@ -457,15 +482,16 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                      per_push: int | None = None, push_rounds: int = 2, redis_url: str | None = None,
                      tokens: Sequence[int] = TOKENS, rounds: int = DEFAULT_ROUNDS,
                      baseline: Path | None = None, instructions: bool = False, frontends: int = 1,
-                     grouped: bool = True, push_batch: int = PUSH_BATCH) -> BudgetReport:
+                     grouped: bool = True, push_batch: int = PUSH_BATCH,
+                     binding_ceiling: str = "none") -> BudgetReport:
     """Measure every phase over ``requests`` requests (a multiple of 16: half claimed one
     at a time, half eight at a time), ``rounds`` times, and the per-request budgets at
     ``tokens`` from each phase's best round. ``baseline``: another ``lua/`` directory (e.g.
     ``git archive <commit> lua``), measured in the same rounds, alternating with the
     installed scripts, so that both see the same machine load. ``instructions``: count each
     phase's instructions too (a private server under callgrind; not with ``redis_url``).
-    ``frontends`` and ``grouped``: see :class:`Driver`. ``push_batch``: requests a call in
-    the batched push phases (8 to 64; half of ``requests`` a multiple of it)."""
+    ``frontends``, ``grouped`` and ``binding_ceiling``: see :class:`Driver`. ``push_batch``:
+    requests a call in the batched push phases (8 to 64; half of ``requests`` a multiple of it)."""
     if requests < 16 or requests % 16:
         raise ValueError("requests must be a positive multiple of 16")
     if not 8 <= push_batch <= MAX_PUSH_BATCH or (requests // 2) % push_batch:
@@ -486,10 +512,12 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
             server, counter = callgrind.start_server(profiles)
         client = aioredis.from_url(redis_url or (server.url if server else ""))
         d = Driver(client, per_push, private=server is not None, unstreamed_per_push=unstreamed,
-                   max_tokens=max_tokens, counter=counter, frontends=frontends, grouped=grouped)
+                   max_tokens=max_tokens, counter=counter, frontends=frontends, grouped=grouped,
+                   binding_ceiling=binding_ceiling)
         base = None if baseline is None else Driver(
             client, per_push, private=server is not None, lua=baseline, unstreamed_per_push=unstreamed,
-            max_tokens=max_tokens, counter=counter, frontends=frontends, grouped=grouped)
+            max_tokens=max_tokens, counter=counter, frontends=frontends, grouped=grouped,
+            binding_ceiling=binding_ceiling)
         all_rounds, base_rounds = [], []
         for _ in range(rounds):
             if base:
@@ -530,7 +558,7 @@ async def run_budget(requests: int = DEFAULT_REQUESTS, step_ms: float = DEFAULT_
                        "machine": platform.machine(), "python": platform.python_version(),
                        "baseline": str(baseline) if baseline else None, "instructions": instructions,
                        "frontends": frontends, "reply_entries": "grouped" if grouped else "each",
-                       "push_batch": push_batch}
+                       "push_batch": push_batch, "binding_ceiling": binding_ceiling}
         return report
     finally:
         if client is not None:
@@ -570,7 +598,9 @@ def render(report: BudgetReport) -> Any:
     b = Table(title=f"Redis us per request ({m['tokens_per_push']} tokens per push, unstreamed "
                     f"{m['unstreamed_tokens_per_push']}; step {m['step_ms']:g} ms; renewals every "
                     f"{m['lease_ms'] / 3:.0f} ms; {m['frontends']} frontend(s), reply entries "
-                    f"{m['reply_entries']})"
+                    f"{m['reply_entries']}"
+                    + ("" if m.get("binding_ceiling", "none") == "none"
+                       else f"; a binding ceiling: {m['binding_ceiling']}") + ")"
               + ("; the times are callgrind's, not this machine's: no goal check" if counted else ""))
     if not counted:
         b.caption = ("per shard: the scripts of a request alone, the goal's measure (INFO commandstats); "

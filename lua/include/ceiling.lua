@@ -72,22 +72,20 @@ local function ceiling_charge_delivered(policy, id, charged_out, from, now)
   return {'c_ceil', fmt(held + taken), 'ceil_out', ceil_out_text(out, from)}
 end
 
--- For renew_leases: mark request `id` (not marked), if its ceiling was never charged (c_ceil
--- 0: claimed while it did not bind; an older release's claim charged some its reservation)
--- and binds now, after the output it delivered so far: it is charged the output ahead.
--- Returns the record fields to set, or nil (nothing to mark: charged, the ceiling does not
--- bind, or the class is gone from the policy).
-local function ceiling_mark(policy, id, now)
-  -- (two fields first: while one class's ceiling binds, every other class's request comes here)
-  local v = redis.call('HMGET', P_REQUEST .. id, 'c_ceil', 'class')
+-- For renew_leases: mark request `id` of class `cls` (not marked), if its ceiling was never
+-- charged (c_ceil 0: claimed while it did not bind; an older release's claim charged some its
+-- reservation) and binds now, after the output it delivered so far: it is charged the output
+-- ahead. Returns the record fields to set, or nil (nothing to mark: charged, the ceiling does
+-- not bind, or the class is gone from the policy).
+local function ceiling_mark(policy, id, cls, now)
+  local v = redis.call('HMGET', P_REQUEST .. id, 'c_ceil', 'out_tokens', 'max_tokens', 'w_out')
   if (tonumber(v[1]) or 0) ~= 0 then return nil end
-  local p, cls = policy(), v[2]
+  local p = policy()
   local c = p.class[cls]
   if c == nil or not ceiling_binds(p, c) then return nil end
-  v = redis.call('HMGET', P_REQUEST .. id, 'out_tokens', 'max_tokens', 'w_out')
-  local out = tonumber(v[1]) or 0
+  local out = tonumber(v[2]) or 0
   -- (marked after its `out`-th token, it holds the output ahead alone: its prompt is not read)
-  local due = ceiling_hold(p, 0, 0, tonumber(v[2]), tonumber(v[3]), out, out)
+  local due = ceiling_hold(p, 0, 0, tonumber(v[3]), tonumber(v[4]), out, out)
   local taken = bucket_debit(ceiling_bucket(p, cls, now), due, nil)
   return {'c_ceil', fmt(taken), 'ceil_out', ceil_out_text(out, out)}
 end

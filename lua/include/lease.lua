@@ -35,15 +35,15 @@ end
 
 -- For renew_leases: whether request `id` is leased to this worker with the fence token
 -- `fence` (as leased_for_write checks it), then (when it is) its cancel flag (0|1),
--- frontend (nil: none), admission time (enq_ms: liveness.lua frontend_alive), the output
--- tokens its ceiling was charged (nil: its ceiling is not charged; include/ceiling.lua) and
--- where a renewal marked it late, after which output token (record.lua parse_ceil_out). One
--- HMGET.
+-- frontend (nil: none), admission time (enq_ms: liveness.lua frontend_alive), class, the
+-- output tokens its ceiling was charged (nil: its ceiling is not charged; include/ceiling.lua)
+-- and where a renewal marked it late, after which output token (record.lua parse_ceil_out).
+-- One HMGET.
 local function leased_for_renewal(id, worker_id, fence)
   local v = redis.call('HMGET', P_REQUEST .. id, unpack(RENEW_FIELDS))
   if v[1] ~= 'leased' or v[2] ~= worker_id then return false end
   if v[3] ~= fence and tonumber(v[3]) ~= tonumber(fence) then return false end
-  return true, v[5] == '1' and 1 or 0, v[4] or nil, tonumber(v[6]), parse_ceil_out(v[7])
+  return true, v[5] == '1' and 1 or 0, v[4] or nil, tonumber(v[6]), v[8], parse_ceil_out(v[7])
 end
 
 -- Extend a lease to `until_ms`; the record lives at least that long. `fields`: more

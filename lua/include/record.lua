@@ -21,8 +21,8 @@ local REQ_NUMERIC = {attempts = true, fence = true, lease_ms = true, enq_ms = tr
 -- asks the cancels set for everything it holds (limiter/scripts.py Pushed).
 local PUSH_FIELDS = {'state', 'worker', 'fence', 'frontend', 'out_tokens', 'max_tokens'}
 -- renew_leases: whether to tell the worker to stop (cancel, or a frontend gone), and whether
--- its class's ceiling is charged as it is served (include/ceiling.lua).
-local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel', 'enq_ms', 'ceil_out'}
+-- its class's ceiling is charged as it is served, or binds now (include/ceiling.lua).
+local RENEW_FIELDS = {'state', 'worker', 'fence', 'frontend', 'cancel', 'enq_ms', 'ceil_out', 'class'}
 
 -- A record's ceil_out (include/ceiling.lua): '<n>' for a request its claim marked, n the output
 -- tokens its ceiling was charged as delivered; '<n>@<m>' for one a renewal marked late, after
