@@ -16,11 +16,11 @@
 -- its prompt and A output tokens of the ceiling beyond what it used, and over time the bucket
 -- is charged exactly what the class used.
 -- A request claimed while its ceiling did not bind (the controller cut it since) is marked at
--- its first renewal under the binding ceiling (ceiling_mark; requeued, at its re-claim under it:
--- claim.lua) (ceil_out = '<n>@<m>', m the
--- output tokens it had delivered then: record.lua parse_ceil_out): what it used until then,
--- its prompt and m tokens, is never charged -- the ceiling did not hold the class then -- and
--- from then on it holds and is charged the output it delivers after the m-th token as above.
+-- its first renewal under the binding ceiling (ceiling_mark; requeued, at its re-claim under
+-- it: claim.lua), ceil_out = '<n>@<m>', m the output tokens it had delivered then (record.lua
+-- parse_ceil_out): what it used until then, its prompt and m tokens, is never charged -- the
+-- ceiling did not hold the class then -- and from then on it holds and is charged the output
+-- it delivers after the m-th token as above.
 -- Left unmarked, it was never charged, and a cut ceiling held only its class's new requests
 -- while its running ones (a long generation runs for minutes) went on past it.
 --!include pool_keys.lua

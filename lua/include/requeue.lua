@@ -27,7 +27,8 @@ local function requeue(p, r, now)
     -- the output its worker delivered since its last renewal is charged to its ceiling now,
     -- not at the next worker's first renewal (include/ceiling.lua): left uncharged meanwhile,
     -- its class could start requests its ceiling had no room for
-    for _, f in ipairs(ceiling_charge_delivered(function() return p end, r.id, r.ceil_out, r.ceil_from, now) or {}) do
+    local charged = ceiling_charge_delivered(function() return p end, r.id, r.ceil_out, r.ceil_from, now)
+    for _, f in ipairs(charged or {}) do
       fields[#fields + 1] = f
     end
   end
