@@ -317,10 +317,10 @@ local function main()
               -- a binding ceiling is charged as the request is served (include/ceiling.lua):
               -- its prompt and output charged ahead now, its output as it is delivered
               local w = redis.call('HMGET', key, 'w_in', 'w_out')
-              c_ceil = bucket_debit(h, ceiling_hold(p, r.input_tokens, tonumber(w[1]), r.max_tokens,
-                tonumber(w[2]), 0), nil)
+              local ceil_out
+              c_ceil, ceil_out = ceiling_charge_claimed(p, h, r, tonumber(w[1]), tonumber(w[2]))
               fields[#fields + 1] = 'ceil_out'
-              fields[#fields + 1] = 0
+              fields[#fields + 1] = ceil_out
             end
             local c_vtc = c.fair and vtc_charge(pick, tenant, r.cost / r.t_weight) or 0
             served[pick] = served[pick] + r.cost
@@ -337,11 +337,9 @@ local function main()
             -- unstarted before a cut had its whole prompt read under the ceiling, never charged.
             local v = redis.call('HMGET', key, 'c_ceil', 'ceil_out', 'w_in', 'w_out')
             if not v[2] and (tonumber(v[1]) or 0) == 0 then
-              local out, from = r.out_tokens, nil
-              if out > 0 then from = out end
-              local c_ceil = bucket_debit(ceiling_of(pick), ceiling_hold(p, r.input_tokens, tonumber(v[3]),
-                r.max_tokens, tonumber(v[4]), out, from), nil)
-              for _, f in ipairs({'c_ceil', fmt(c_ceil), 'ceil_out', ceil_out_text(out, from)}) do
+              local c_ceil, ceil_out = ceiling_charge_claimed(p, ceiling_of(pick), r, tonumber(v[3]),
+                tonumber(v[4]))
+              for _, f in ipairs({'c_ceil', fmt(c_ceil), 'ceil_out', ceil_out}) do
                 fields[#fields + 1] = f
               end
             end

@@ -237,7 +237,8 @@ BUGS = (
         "  local r = load_request(request_id)\n  redis.call('EXISTS', K_POLICY, 'qos:{elsewhere}:x')\n"),
     Bug("ceiling_debt_floored", "the ceiling bucket's debt is floored at -ceil_burst: a request "
         "larger than the burst is charged ~2 bursts (the ceiling holds requests per burst_s)",
-        "claim.lua", "tonumber(w[2]), 0), nil)", "tonumber(w[2]), 0), -c.ceil_burst)"),
+        "include/ceiling.lua", "  return bucket_debit(h, hold, nil), ceil_out_text(r.out_tokens, from)\n",
+        "  return bucket_debit(h, hold, -h.burst), ceil_out_text(r.out_tokens, from)\n"),
     Bug("ceiling_charged_reservation", "a binding ceiling holds a request's whole reservation, not the "
         "output charged ahead (one request reserving a context closes its class until it ends)",
         "include/ceiling.lua", "math.min(max_tokens - out, p.ceil_ahead or DEFAULT_CEIL_AHEAD)",

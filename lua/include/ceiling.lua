@@ -51,6 +51,17 @@ local function ceil_out_text(out, from)
   return fmt(out)
 end
 
+-- For claim: charge the claim's bucket `h` (written with its others) for request `r`
+-- (input_tokens, max_tokens, out_tokens), never charged to its ceiling, of weights w_in and
+-- w_out: with nothing delivered (a first claim, or a re-claim of a request handed back
+-- unstarted) marked at its claim, its prompt and the output ahead; else marked late after its
+-- output. Returns what it was charged and its ceil_out.
+local function ceiling_charge_claimed(p, h, r, w_in, w_out)
+  local from = r.out_tokens > 0 and r.out_tokens or nil
+  local hold = ceiling_hold(p, r.input_tokens, w_in, r.max_tokens, w_out, r.out_tokens, from)
+  return bucket_debit(h, hold, nil), ceil_out_text(r.out_tokens, from)
+end
+
 -- For renew_leases and requeue: charge request `id` (its record marked, `charged_out` output
 -- tokens charged so far) the output it delivered since, and keep as much charged ahead.
 -- `policy`: a function returning the pool's policy (read only when a charge may be due).
